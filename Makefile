@@ -1,0 +1,40 @@
+# Every target does its own set-up on a fresh machine: the venv is (re)built when pyproject.toml changes.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint typecheck bench chaos clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip wheel
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	# tf-keras depends on the full `tensorflow` wheel; tensorflow-cpu already provides it, so skip its deps.
+	$(BIN)/python -m pip install -q --no-deps 'tf-keras==2.21.*'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/psguard demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check psguard tests
+	$(BIN)/ruff format --check psguard tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'not slow' -x
+
+bench: $(STAMP)
+	$(BIN)/psguard bench store
+
+chaos: $(STAMP)
+	$(BIN)/psguard chaos run-all chaos/
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
