@@ -1,0 +1,67 @@
+"""What a capture hands to storage: per tensor, the whole value, the changed rows, or nothing new.
+
+These three types are the contract between the trainer-side capture (which finds changed rows on the PS)
+and every tier that stores checkpoints (the memory tier applies them, the durable log writes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Full:
+    """The whole logical tensor (all shards concatenated along axis 0 for a sharded variable)."""
+
+    value: np.ndarray
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Rows of a tensor (along axis 0) that changed since the parent checkpoint.
+
+    ``ids`` are sorted, unique, int64 row indices; ``values[i]`` is the new content of row ``ids[i]``.
+    ``shape`` and ``dtype`` describe the whole logical tensor, which is unchanged outside ``ids``.
+    """
+
+    ids: np.ndarray
+    values: np.ndarray
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.ids.ndim != 1:
+            raise ValueError(f"row ids must be 1-D, got shape {self.ids.shape}")
+        if self.values.shape[:1] != self.ids.shape or tuple(self.values.shape[1:]) != tuple(self.shape[1:]):
+            raise ValueError(
+                f"rows of shape {self.values.shape} do not fit {len(self.ids)} ids of a tensor shaped {self.shape}"
+            )
+
+    @property
+    def dtype(self) -> np.dtype:  # type: ignore[type-arg]
+        return self.values.dtype
+
+
+@dataclass(frozen=True)
+class Same:
+    """Unchanged since the parent checkpoint; only the description is kept."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype  # type: ignore[type-arg]
+
+
+TensorUpdate = Full | Rows | Same
+
+
+def apply_update(current: np.ndarray | None, update: TensorUpdate) -> np.ndarray:
+    """Return the tensor after ``update``; ``current`` may be modified in place and returned."""
+    if isinstance(update, Full):
+        return update.value
+    if current is None:
+        raise ValueError("a row or unchanged update needs the tensor it applies to")
+    if isinstance(update, Rows):
+        if current.shape != update.shape:
+            raise ValueError(f"row update for shape {update.shape} applied to a tensor of shape {current.shape}")
+        current[update.ids] = update.values
+    return current
