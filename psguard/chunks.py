@@ -1,0 +1,249 @@
+"""Tensors <-> content-addressed chunks.
+
+A numeric tensor is stored as its C-order little-endian bytes cut at row boundaries into chunks of at most
+``chunk_bytes`` (one row per chunk at least), so an unchanged region of a table yields the same chunk again
+and is stored once. String tensors are serialised (uint64 lengths, then the bytes) and cut the same way.
+Changed rows go as segments: an int64 id chunk and a chunk with those rows.
+
+Every chunk is named by its SHA-256 and carries its CRC32C in the manifest. Readers check size and CRC32C
+of every chunk they read (cheap, hardware-accelerated); ``verify`` also recomputes the SHA-256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import crc32c as _crc32c
+import numpy as np
+
+from psguard.errors import CorruptCheckpointError, ObjectNotFoundError
+from psguard.manifest import ChunkRef, Segment, chunk_key
+from psguard.storage.base import Backend
+
+STRING = "string"
+_EXTENDED = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4")
+
+
+def crc32c(data: bytes | memoryview) -> int:
+    return int(_crc32c.crc32c(data))
+
+
+def dtype_name(dtype: np.dtype) -> str:  # type: ignore[type-arg]
+    """The name a manifest records; TF's string tensors arrive as numpy ``object`` arrays of bytes."""
+    if dtype.kind in ("O", "S", "U"):
+        return STRING
+    return str(dtype.name)
+
+
+def dtype_from_name(name: str) -> np.dtype:  # type: ignore[type-arg]
+    if name == STRING:
+        return np.dtype(object)
+    if name in _EXTENDED:
+        import ml_dtypes  # ships with TensorFlow; only needed for these types
+
+        return np.dtype(getattr(ml_dtypes, name))  # type: ignore[no-any-return]
+    try:
+        return np.dtype(name)
+    except TypeError:
+        raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def logical_nbytes(dtype: str, shape: Sequence[int], chunks: Sequence[ChunkRef] = ()) -> int:
+    if dtype == STRING:
+        return sum(c.size for c in chunks)
+    return math.prod(shape) * dtype_from_name(dtype).itemsize
+
+
+def row_bytes(shape: Sequence[int], itemsize: int) -> int:
+    return max(1, math.prod(shape[1:]) * itemsize)
+
+
+def byte_view(arr: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy (reads can land straight in the array)."""
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def as_le_bytes(arr: np.ndarray) -> memoryview:
+    """A zero-copy byte view of ``arr`` in C order, little-endian (copying only when it must)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return byte_view(np.ascontiguousarray(arr))
+
+
+def serialize_strings(arr: np.ndarray) -> bytes:
+    flat = [x if isinstance(x, bytes) else str(x).encode() for x in arr.reshape(-1)]
+    lengths = np.array([len(x) for x in flat], dtype="<u8")
+    return lengths.tobytes() + b"".join(flat)
+
+
+def deserialize_strings(blob: bytes | memoryview, shape: Sequence[int]) -> np.ndarray:
+    n = math.prod(shape)
+    if len(blob) < 8 * n:
+        raise ValueError("string tensor blob shorter than its length table")
+    lengths = np.frombuffer(blob, dtype="<u8", count=n)
+    out = np.empty(n, dtype=object)
+    pos = 8 * n
+    for i, ln in enumerate(lengths.tolist()):
+        out[i] = bytes(blob[pos : pos + ln])
+        pos += ln
+    if pos != len(blob):
+        raise ValueError("string tensor blob length does not match its length table")
+    return out.reshape(tuple(shape))
+
+
+def split_ranges(total: int, unit: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """Byte ranges of at most ``chunk_bytes`` (but at least one ``unit``), aligned to ``unit``."""
+    step = max(1, chunk_bytes // unit) * unit
+    for start in range(0, total, step):
+        yield start, min(start + step, total)
+
+
+@dataclass
+class WriteStats:
+    chunks_written: int = 0
+    bytes_written: int = 0
+    chunks_deduplicated: int = 0
+    bytes_deduplicated: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, size: int, written: bool) -> None:
+        with self._lock:
+            if written:
+                self.chunks_written += 1
+                self.bytes_written += size
+            else:
+                self.chunks_deduplicated += 1
+                self.bytes_deduplicated += size
+
+
+class ChunkWriter:
+    """Hashes and uploads chunks in parallel with a bound on the bytes in flight.
+
+    ``known`` holds digests already present in the store (from the parent chain): those are not uploaded
+    again. Callers get futures in order, so a tensor's chunk list keeps its order whatever finishes first.
+    """
+
+    def __init__(self, backend: Backend, pool: ThreadPoolExecutor, *, inflight_bytes: int, known: set[str]) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.known = known
+        self.stats = WriteStats()
+        self._budget = threading.Condition()
+        self._available = inflight_bytes
+        self._limit = inflight_bytes
+        self._futures: list[Future[ChunkRef]] = []
+
+    def _acquire(self, n: int) -> None:
+        n = min(n, self._limit)  # one oversized chunk may still go alone
+        with self._budget:
+            self._budget.wait_for(lambda: self._available >= n)
+            self._available -= n
+
+    def _release(self, n: int) -> None:
+        with self._budget:
+            self._available += min(n, self._limit)
+            self._budget.notify_all()
+
+    def submit(self, data: memoryview | bytes) -> Future[ChunkRef]:
+        size = len(data)
+        self._acquire(size)
+
+        def work() -> ChunkRef:
+            try:
+                digest = hashlib.sha256(data).hexdigest()
+                ref = ChunkRef(digest, size, crc32c(data))
+                if digest in self.known:
+                    self.stats.add(size, written=False)
+                else:
+                    self.backend.put(chunk_key(digest), data)
+                    self.stats.add(size, written=True)
+                return ref
+            finally:
+                self._release(size)
+
+        fut = self.pool.submit(work)
+        self._futures.append(fut)
+        return fut
+
+    def submit_tensor(self, value: np.ndarray, chunk_bytes: int) -> list[Future[ChunkRef]]:
+        if value.dtype.kind in ("O", "S", "U"):
+            blob = memoryview(serialize_strings(value))
+            return [self.submit(blob[a:b]) for a, b in split_ranges(len(blob), 1, chunk_bytes)]
+        buf = as_le_bytes(value)
+        unit = row_bytes(value.shape, value.dtype.itemsize) if value.ndim else len(buf) or 1
+        return [self.submit(buf[a:b]) for a, b in split_ranges(len(buf), unit, chunk_bytes)]
+
+    def submit_rows(self, ids: np.ndarray, values: np.ndarray, chunk_bytes: int) -> list[Future[Segment]]:
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        rb = row_bytes(values.shape, values.dtype.itemsize)
+        per = max(1, chunk_bytes // rb)
+        out: list[Future[Segment]] = []
+        for start in range(0, len(ids), per):
+            stop = min(start + per, len(ids))
+            f_ids = self.submit(byte_view(ids[start:stop]))
+            f_vals = self.submit(as_le_bytes(values[start:stop]))
+            out.append(_combine(f_ids, f_vals, stop - start))
+        return out
+
+    def wait(self) -> None:
+        """Block until every submitted chunk is stored; re-raise the first failure."""
+        for f in self._futures:
+            f.result()
+
+
+def _combine(f_ids: Future[ChunkRef], f_vals: Future[ChunkRef], count: int) -> Future[Segment]:
+    out: Future[Segment] = Future()
+
+    def done(_: object) -> None:
+        if f_ids.done() and f_vals.done() and not out.done():
+            try:
+                out.set_result(Segment(count, f_ids.result(), f_vals.result()))
+            except BaseException as e:  # the upload's error travels to whoever waits on the segment
+                out.set_exception(e)
+
+    f_ids.add_done_callback(done)
+    f_vals.add_done_callback(done)
+    return out
+
+
+class ChunkReader:
+    """Reads chunks, checking size and CRC32C always and the SHA-256 when ``verify_hash``."""
+
+    def __init__(self, backend: Backend, *, checkpoint: str, verify_hash: bool = False) -> None:
+        self.backend = backend
+        self.checkpoint = checkpoint
+        self.verify_hash = verify_hash
+
+    def _corrupt(self, ref: ChunkRef, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"checkpoint {self.checkpoint}: chunk {ref.hash} {what}",
+            checkpoint=self.checkpoint,
+            chunk=ref.hash,
+        )
+
+    def read_into(self, ref: ChunkRef, out: memoryview) -> None:
+        if len(out) != ref.size:
+            raise self._corrupt(ref, f"does not fit its tensor ({ref.size} bytes for a {len(out)}-byte slot)")
+        try:
+            size = self.backend.get_into(chunk_key(ref.hash), out)
+        except ObjectNotFoundError:
+            raise self._corrupt(ref, "is missing") from None
+        if size != ref.size:
+            raise self._corrupt(ref, f"has {size} bytes, expected {ref.size} (truncated or damaged)")
+        self.check(ref, out)
+
+    def read(self, ref: ChunkRef) -> bytearray:
+        buf = bytearray(ref.size)
+        self.read_into(ref, memoryview(buf))
+        return buf
+
+    def check(self, ref: ChunkRef, data: memoryview) -> None:
+        if crc32c(data) != ref.crc32c:
+            raise self._corrupt(ref, "failed its CRC32C check (bit rot or a damaged write)")
+        if self.verify_hash and hashlib.sha256(data).hexdigest() != ref.hash:
+            raise self._corrupt(ref, "does not match its SHA-256 name")

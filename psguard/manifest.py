@@ -1,0 +1,289 @@
+"""The manifest: one JSON document per checkpoint, written last, that commits it.
+
+A manifest lists every tensor of the checkpoint with its dtype, shape and how to rebuild it (whole from
+chunks, changed rows over the parent, or unchanged), plus step, parent, metadata (data position,
+partitioning, user values) and metrics. It carries a SHA-256 of its own canonical body, so a truncated or
+bit-flipped manifest is detected before anything is trusted, and every field that becomes part of a storage
+key (chunk hashes, parent id) is checked against a strict pattern, so a hostile manifest cannot point a
+reader outside the store. The format is specified in docs/storage-format.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from psguard.errors import CorruptCheckpointError, UnsupportedFormatError
+
+FORMAT_NAME = "psguard-manifest"
+FORMAT_VERSION = 1
+
+MANIFEST_PREFIX = "manifests/"
+CHUNK_PREFIX = "chunks/"
+JOURNAL_PREFIX = "journal/"
+LOCK_PREFIX = "locks/"
+
+_HASH_RE = re.compile(r"^[0-9a-f]{64}$")
+_ID_RE = re.compile(r"^[0-9]{12}-[0-9a-f]{8}$")
+
+Encoding = Literal["full", "rows", "same"]
+Kind = Literal["full", "delta"]
+
+
+def new_checkpoint_id(step: int) -> str:
+    """``<step, 12 digits>-<8 random hex>``: sorts by step, never collides between writers."""
+    if step < 0 or step >= 10**12:
+        raise ValueError(f"step must be in [0, 1e12), got {step}")
+    return f"{step:012d}-{secrets.token_hex(4)}"
+
+
+def is_checkpoint_id(text: str) -> bool:
+    return bool(_ID_RE.match(text))
+
+
+def step_of_id(checkpoint_id: str) -> int:
+    return int(checkpoint_id.split("-", 1)[0])
+
+
+def manifest_key(checkpoint_id: str) -> str:
+    return f"{MANIFEST_PREFIX}{checkpoint_id}.json"
+
+
+def chunk_key(digest: str) -> str:
+    return f"{CHUNK_PREFIX}{digest[:2]}/{digest}"
+
+
+@dataclass(frozen=True)
+class ChunkRef:
+    """A content-addressed chunk: SHA-256 of its bytes (its name), its size and its CRC32C."""
+
+    hash: str
+    size: int
+    crc32c: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"hash": self.hash, "size": self.size, "crc32c": self.crc32c}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A run of changed rows: the ids in one chunk (int64 little-endian), their rows in another."""
+
+    count: int
+    ids: ChunkRef
+    values: ChunkRef
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: Encoding
+    chunks: tuple[ChunkRef, ...] = ()
+    segments: tuple[Segment, ...] = ()
+
+    @property
+    def logical_bytes(self) -> int:
+        from psguard.chunks import logical_nbytes
+
+        return logical_nbytes(self.dtype, self.shape, self.chunks if self.encoding == "full" else ())
+
+    def refs(self) -> list[ChunkRef]:
+        out = list(self.chunks)
+        for s in self.segments:
+            out.extend((s.ids, s.values))
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding}
+        if self.encoding == "full":
+            d["chunks"] = [c.to_json() for c in self.chunks]
+        elif self.encoding == "rows":
+            d["count"] = sum(s.count for s in self.segments)
+            d["segments"] = [
+                {"count": s.count, "ids": s.ids.to_json(), "values": s.values.to_json()} for s in self.segments
+            ]
+        return d
+
+
+@dataclass(frozen=True)
+class Manifest:
+    id: str
+    step: int
+    kind: Kind
+    parent: str | None
+    base: str  # id of the full checkpoint this chain starts from (itself for a full one)
+    chain_length: int  # 0 for a full checkpoint, parent's + 1 for a delta
+    committed_at: float
+    tensors: Mapping[str, TensorEntry]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    stats: Mapping[str, int] = field(default_factory=dict)
+    writer: str = ""
+
+    def refs(self) -> list[ChunkRef]:
+        out: list[ChunkRef] = []
+        for t in self.tensors.values():
+            out.extend(t.refs())
+        return out
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "step": self.step,
+            "kind": self.kind,
+            "parent": self.parent,
+            "base": self.base,
+            "chain_length": self.chain_length,
+            "committed_at": self.committed_at,
+            "writer": self.writer,
+            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
+            "metadata": dict(self.metadata),
+            "metrics": dict(self.metrics),
+            "stats": dict(self.stats),
+        }
+
+    def to_bytes(self) -> bytes:
+        body = self.body()
+        doc = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "sha256": hashlib.sha256(_canonical(body)).hexdigest(),
+            "body": body,
+        }
+        return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+class _Checker:
+    """Field validation that names the checkpoint and the field in every complaint."""
+
+    def __init__(self, checkpoint: str) -> None:
+        self.checkpoint = checkpoint
+
+    def fail(self, what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"checkpoint {self.checkpoint}: invalid manifest: {what}", checkpoint=self.checkpoint
+        )
+
+    def get(self, d: Mapping[str, Any], key: str, typ: type | tuple[type, ...], where: str) -> Any:
+        if not isinstance(d, Mapping) or key not in d:
+            raise self.fail(f"{where}{key} is missing")
+        v = d[key]
+        if not isinstance(v, typ) or (isinstance(v, bool) and typ in (int, (int, float))):
+            raise self.fail(f"{where}{key} has type {type(v).__name__}")
+        return v
+
+    def nonneg(self, d: Mapping[str, Any], key: str, where: str) -> int:
+        v: int = self.get(d, key, int, where)
+        if v < 0:
+            raise self.fail(f"{where}{key} is negative")
+        return v
+
+    def ref(self, d: Any, where: str) -> ChunkRef:
+        if not isinstance(d, Mapping):
+            raise self.fail(f"{where} is not an object")
+        h = self.get(d, "hash", str, where + ".")
+        if not _HASH_RE.match(h):
+            raise self.fail(f"{where}.hash {h[:80]!r} is not a SHA-256 hex digest (refusing it as a path)")
+        crc = self.nonneg(d, "crc32c", where + ".")
+        if crc >= 2**32:
+            raise self.fail(f"{where}.crc32c out of range")
+        return ChunkRef(h, self.nonneg(d, "size", where + "."), crc)
+
+
+def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
+    """Parse and verify a manifest; any defect raises :class:`CorruptCheckpointError` naming it."""
+    label = expected_id or "?"
+    c = _Checker(label)
+    try:
+        doc = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise c.fail(f"not valid JSON ({e}); the manifest is truncated or damaged") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise c.fail("not a psguard manifest")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise c.fail("format_version is missing")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"checkpoint {label} was written in format version {version}; this psguard reads up to "
+            f"{FORMAT_VERSION}: upgrade psguard to read it",
+            checkpoint=label,
+        )
+    body = c.get(doc, "body", dict, "")
+    digest = hashlib.sha256(_canonical(body)).hexdigest()
+    if doc.get("sha256") != digest:
+        raise c.fail("checksum mismatch: the manifest was modified or damaged")
+    cid = c.get(body, "id", str, "")
+    if not _ID_RE.match(cid):
+        raise c.fail(f"id {cid[:80]!r} is not a checkpoint id")
+    if expected_id is not None and cid != expected_id:
+        raise c.fail(f"id {cid} does not match its file name")
+    c = _Checker(cid)
+    kind = c.get(body, "kind", str, "")
+    if kind not in ("full", "delta"):
+        raise c.fail(f"kind {kind!r}")
+    parent = body.get("parent")
+    if kind == "delta":
+        if not isinstance(parent, str) or not _ID_RE.match(parent):
+            raise c.fail(f"parent {str(parent)[:80]!r} is not a checkpoint id (refusing it as a path)")
+    elif parent is not None:
+        raise c.fail("a full checkpoint has a parent")
+    base = c.get(body, "base", str, "")
+    if not _ID_RE.match(base):
+        raise c.fail(f"base {base[:80]!r} is not a checkpoint id")
+    tensors: dict[str, TensorEntry] = {}
+    for name, t in c.get(body, "tensors", dict, "").items():
+        where = f"tensors[{name!r}]"
+        dtype = c.get(t, "dtype", str, where + ".")
+        shape_raw = c.get(t, "shape", list, where + ".")
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape_raw):
+            raise c.fail(f"{where}.shape {shape_raw!r}")
+        enc = c.get(t, "encoding", str, where + ".")
+        if enc == "full":
+            chunks = tuple(c.ref(r, f"{where}.chunks[{i}]") for i, r in enumerate(c.get(t, "chunks", list, where)))
+            tensors[name] = TensorEntry(dtype, tuple(shape_raw), "full", chunks=chunks)
+        elif enc == "rows":
+            if kind != "delta":
+                raise c.fail(f"{where} has row updates in a full checkpoint")
+            segs = []
+            for i, s in enumerate(c.get(t, "segments", list, where)):
+                sw = f"{where}.segments[{i}]"
+                segs.append(
+                    Segment(
+                        c.nonneg(s, "count", sw + "."),
+                        c.ref(s.get("ids"), sw + ".ids"),
+                        c.ref(s.get("values"), sw + ".values"),
+                    )
+                )
+            tensors[name] = TensorEntry(dtype, tuple(shape_raw), "rows", segments=tuple(segs))
+        elif enc == "same":
+            if kind != "delta":
+                raise c.fail(f"{where} is 'same' in a full checkpoint")
+            tensors[name] = TensorEntry(dtype, tuple(shape_raw), "same")
+        else:
+            raise c.fail(f"{where}.encoding {enc!r}")
+    committed = c.get(body, "committed_at", (int, float), "")
+    return Manifest(
+        id=cid,
+        step=c.nonneg(body, "step", ""),
+        kind=kind,  # type: ignore[arg-type]
+        parent=parent,
+        base=base,
+        chain_length=c.nonneg(body, "chain_length", ""),
+        committed_at=float(committed),
+        tensors=tensors,
+        metadata=c.get(body, "metadata", dict, ""),
+        metrics={k: float(v) for k, v in c.get(body, "metrics", dict, "").items()},
+        stats=c.get(body, "stats", dict, ""),
+        writer=str(body.get("writer", "")),
+    )

@@ -1,0 +1,24 @@
+"""Where checkpoint bytes live: a small key/value interface over local disk, memory, S3 and HDFS.
+
+Backends are chosen by URL scheme through a lazy registry (fsspec's pattern): a backend's module and its
+optional client library are imported only when a URL with its scheme is opened, and a missing library fails
+with the command that installs it. Every backend is wrapped in :class:`~psguard.storage.retry.RetryingBackend`
+so transient failures are retried with backoff until a deadline, then surface as
+:class:`~psguard.errors.StorageUnavailableError`.
+"""
+
+from __future__ import annotations
+
+from psguard.storage.base import Backend, validate_key
+from psguard.storage.registry import open_backend, register_backend, split_url
+from psguard.storage.retry import RetryConfig, RetryingBackend
+
+__all__ = [
+    "Backend",
+    "RetryConfig",
+    "RetryingBackend",
+    "open_backend",
+    "register_backend",
+    "split_url",
+    "validate_key",
+]

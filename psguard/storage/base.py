@@ -1,0 +1,75 @@
+"""The backend interface every storage tier implements.
+
+Deliberately tiny: whole-object reads and writes, a create-only write for commits, listing and deletion.
+Two guarantees every backend gives, because the checkpoint log's correctness rests on them:
+
+* ``put`` and ``put_new`` are atomic: a reader sees the whole object or no object, never a prefix
+  (local disk and HDFS write a temporary name and rename; S3 PUTs are atomic).
+* ``put_new`` never overwrites: when the key exists it raises :class:`ObjectExistsError` and the existing
+  object is untouched (S3 ``If-None-Match: *``, ``link(2)`` locally, rename-without-overwrite on HDFS).
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+
+from psguard.errors import ConfigError
+
+Buffer = bytes | bytearray | memoryview
+
+_KEY_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def validate_key(key: str) -> str:
+    """Refuse keys that could escape the store's root (``..``, absolute paths, odd characters)."""
+    if not _KEY_RE.match(key) or any(part in (".", "..") for part in key.split("/")):
+        raise ConfigError(f"refusing storage key {key!r}: keys are relative paths of [A-Za-z0-9_.-] parts")
+    return key
+
+
+class Backend(ABC):
+    """A flat namespace of immutable-ish objects under one root URL."""
+
+    #: The URL this backend was opened from (without credentials), for messages and listings.
+    url: str
+
+    @abstractmethod
+    def get(self, key: str) -> bytes:
+        """The whole object; :class:`ObjectNotFoundError` when absent."""
+
+    def get_into(self, key: str, out: memoryview) -> int:
+        """Read the object into ``out``; return the object's size (which may differ from ``len(out)``).
+
+        Backends that can read straight into the caller's buffer override this to save a copy; bytes past
+        ``len(out)`` are not read.
+        """
+        data = self.get(key)
+        n = min(len(data), len(out))
+        out[:n] = data[:n]
+        return len(data)
+
+    @abstractmethod
+    def put(self, key: str, data: Buffer) -> None:
+        """Write atomically, replacing any existing object."""
+
+    @abstractmethod
+    def put_new(self, key: str, data: Buffer) -> None:
+        """Write atomically only if ``key`` does not exist; :class:`ObjectExistsError` otherwise."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def keys(self, prefix: str) -> list[str]:
+        """Keys under ``prefix`` (a folder-like prefix ending in ``/`` or empty), recursively, sorted."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; absent objects are not an error (deletion is idempotent)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release connections; the default has nothing to release."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

@@ -1,0 +1,132 @@
+"""Local-disk backend: the embedded default store, and what an HDFS/S3 outage cannot take away."""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+from pathlib import Path
+from typing import Any, NoReturn
+
+from psguard.errors import ObjectExistsError, ObjectNotFoundError, StorageError
+from psguard.storage.base import Backend, Buffer, validate_key
+
+TMP_MARK = ".tmp."
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _raise_storage_error(e: OSError, what: str) -> NoReturn:
+    """Turn the OS errors retrying cannot fix into a clear :class:`StorageError`; re-raise others."""
+    if e.errno == errno.ENOSPC:
+        raise StorageError(f"disk full while writing {what}; free space or point psguard at another store") from e
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        raise StorageError(f"cannot write {what}: {e.strerror}") from e
+    raise e
+
+
+class LocalBackend(Backend):
+    """Files under a folder; writes go to a temporary name, are fsynced, then renamed or linked into place."""
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+        path = url[len("file://") :] if url.startswith("file://") else url
+        self.root = Path(path).expanduser().absolute()
+        self.url = str(self.root)
+        self.fsync = bool((options or {}).get("fsync", True))
+
+    def _path(self, key: str) -> Path:
+        return self.root / validate_key(key)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
+    def get_into(self, key: str, out: memoryview) -> int:
+        try:
+            with open(self._path(key), "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                view = out[: min(size, len(out))]
+                got = 0
+                while got < len(view):
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+                return size
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
+    def _write_tmp(self, path: Path, data: Buffer) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}{TMP_MARK}{secrets.token_hex(6)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data).cast("B")
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+            if self.fsync:
+                os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
+        return tmp
+
+    def put(self, key: str, data: Buffer) -> None:
+        path = self._path(key)
+        try:
+            tmp = self._write_tmp(path, data)
+            os.replace(tmp, path)
+            if self.fsync:
+                _fsync_dir(path.parent)
+        except OSError as e:
+            _raise_storage_error(e, f"{key} in {self.url}")
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        path = self._path(key)
+        try:
+            tmp = self._write_tmp(path, data)
+        except OSError as e:
+            _raise_storage_error(e, f"{key} in {self.url}")
+        try:
+            os.link(tmp, path)  # fails if path exists: the create-only commit
+        except FileExistsError:
+            raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        if self.fsync:
+            _fsync_dir(path.parent)
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def keys(self, prefix: str) -> list[str]:
+        base = self.root / prefix if prefix else self.root
+        if prefix:
+            validate_key(prefix.rstrip("/"))
+        keys: list[str] = []
+        for dirpath, _dirs, files in os.walk(base):
+            rel = Path(dirpath).relative_to(self.root)
+            for name in files:
+                if TMP_MARK in name:
+                    continue
+                keys.append(str(rel / name) if str(rel) != "." else name)
+        keys.sort()
+        return keys
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+
+    def temp_leftovers(self) -> list[Path]:
+        """Temporary files a killed writer left behind (for gc)."""
+        return [p for p in self.root.rglob(f"*{TMP_MARK}*") if p.is_file()]

@@ -1,0 +1,58 @@
+"""URL scheme -> backend class, imported lazily so ``psguard ls /local/path`` never imports s3fs."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from psguard.errors import ConfigError
+from psguard.storage.base import Backend
+from psguard.storage.retry import RetryConfig, RetryingBackend
+
+# scheme -> (module, class, pip requirement that provides the client library or None)
+_REGISTRY: dict[str, tuple[str, str, str | None]] = {
+    "file": ("psguard.storage.local", "LocalBackend", None),
+    "memory": ("psguard.storage.memory", "MemoryBackend", None),
+    "s3": ("psguard.storage.s3", "S3Backend", "s3fs"),
+    "hdfs": ("psguard.storage.hdfs", "HdfsBackend", "hdfs-native"),
+    "webhdfs": ("psguard.storage.hdfs", "WebHdfsBackend", None),
+}
+
+
+def register_backend(scheme: str, module: str, cls: str, requirement: str | None = None) -> None:
+    """Add or replace a backend (for plugins and tests that inject faults by subclassing one)."""
+    _REGISTRY[scheme] = (module, cls, requirement)
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """Return (scheme, rest); a plain path is ``file``."""
+    if "://" not in url:
+        return "file", url
+    parts = urlsplit(url)
+    return parts.scheme.lower(), url.split("://", 1)[1]
+
+
+def open_backend(
+    url: str,
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    retry: RetryConfig | None = None,
+) -> Backend:
+    """Open the backend for ``url``, wrapped with retries (``retry=RetryConfig(deadline=0)`` disables them)."""
+    if not url:
+        raise ConfigError("empty storage URL; give a path, file://, memory://, s3://, hdfs:// or webhdfs:// URL")
+    scheme, _ = split_url(url)
+    if scheme not in _REGISTRY:
+        known = ", ".join(sorted(_REGISTRY))
+        raise ConfigError(f"unknown storage scheme {scheme!r} in {url!r}; psguard knows: {known}")
+    module_name, cls_name, requirement = _REGISTRY[scheme]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        hint = f"pip install {requirement}" if requirement else "reinstall psguard"
+        raise ConfigError(f"storage scheme {scheme!r} needs a package that is not installed ({e.name}): {hint}") from e
+    backend_cls = getattr(module, cls_name)
+    backend: Backend = backend_cls(url, dict(storage_options or {}))
+    return RetryingBackend(backend, retry or RetryConfig())

@@ -1,0 +1,195 @@
+"""Retries with exponential backoff and a deadline, around any backend.
+
+Backends raise :class:`TransientStorageError` (or a connection-type exception from their client library)
+for failures worth retrying; :class:`~psguard.errors.ObjectNotFoundError`,
+:class:`~psguard.errors.ObjectExistsError` and other :class:`~psguard.errors.StorageError` are final.
+When the deadline passes the caller gets one :class:`~psguard.errors.StorageUnavailableError` naming the
+operation, the key and the last cause, so a save fails clearly instead of hanging (TF's saver hung forever
+when a PS could not reach HDFS; we must not).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from psguard.errors import ObjectExistsError, PsguardError, StorageError, StorageUnavailableError
+from psguard.storage.base import Backend, Buffer
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_TRANSIENT_ERRNOS = {
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.ECONNABORTED,
+    errno.ETIMEDOUT,
+    errno.EPIPE,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.EAGAIN,
+    errno.EIO,
+}
+# Client-library exception class names that mean "the server did not answer properly this time". Matched by
+# name so this module imports no client library.
+_TRANSIENT_NAMES = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ReadTimeoutError",
+    "ConnectionClosedError",
+    "ClientConnectorError",
+    "ClientOSError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+    "ClientPayloadError",
+    "IncompleteReadError",
+    "ResponseStreamingError",
+    "ProxyConnectionError",
+    "ConnectionError",
+    "ChunkedEncodingError",
+    "HdfsError",
+}
+_TRANSIENT_WORDS = (
+    "503",
+    "500",
+    "502",
+    "504",
+    "SlowDown",
+    "InternalError",
+    "ServiceUnavailable",
+    "RequestTimeout",
+)
+
+
+class TransientStorageError(StorageError):
+    """A failure worth retrying (connection refused, timeout, 5xx)."""
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Decide whether retrying ``exc`` can help."""
+    if isinstance(exc, TransientStorageError):
+        return True
+    if isinstance(exc, PsguardError):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    for cls in type(exc).__mro__:
+        if cls.__name__ in _TRANSIENT_NAMES:
+            return True
+    if isinstance(exc, OSError):
+        if exc.errno in _TRANSIENT_ERRNOS:
+            return True
+        if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)):
+            return False
+        if exc.errno == errno.ENOSPC:
+            return False
+        text = str(exc)
+        return any(w in text for w in _TRANSIENT_WORDS) or exc.errno is None
+    cause = exc.__cause__ or exc.__context__
+    return cause is not None and cause is not exc and is_transient(cause)
+
+
+@dataclass(frozen=True)
+class RetryConfig:
+    """How long to keep trying one storage operation.
+
+    ``deadline`` bounds the total time of one operation including its retries (0 disables retries).
+    """
+
+    deadline: float = 60.0
+    initial_backoff: float = 0.1
+    max_backoff: float = 5.0
+    multiplier: float = 2.0
+
+
+class RetryingBackend(Backend):
+    """Wraps a backend; every call retries transient failures until ``config.deadline``."""
+
+    def __init__(self, inner: Backend, config: RetryConfig | None = None) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.config = config or RetryConfig()
+        self._stop = threading.Event()
+
+    def abort(self) -> None:
+        """Make pending and future retries give up at once (used when shutting down)."""
+        self._stop.set()
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        cfg = self.config
+        deadline = time.monotonic() + cfg.deadline
+        backoff = cfg.initial_backoff
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                return fn()
+            except Exception as e:
+                if not is_transient(e):
+                    raise
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._stop.is_set():
+                    raise StorageUnavailableError(
+                        f"storage unavailable: {op} {key!r} on {self.url} failed {attempt} time(s) "
+                        f"over {cfg.deadline:.0f}s; last error: {type(e).__name__}: {e}. "
+                        "Check that the storage service is up and reachable, then retry."
+                    ) from e
+                sleep = min(backoff * (0.5 + random.random()), remaining, cfg.max_backoff)
+                log.info(
+                    "storage %s %s on %s failed (%s: %s); retry %d in %.2fs",
+                    op,
+                    key,
+                    self.url,
+                    type(e).__name__,
+                    e,
+                    attempt,
+                    sleep,
+                )
+                self._stop.wait(sleep)
+                backoff = min(backoff * cfg.multiplier, cfg.max_backoff)
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", key, lambda: self.inner.get(key))
+
+    def get_into(self, key: str, out: memoryview) -> int:
+        return self._call("get", key, lambda: self.inner.get_into(key, out))
+
+    def put(self, key: str, data: Buffer) -> None:
+        self._call("put", key, lambda: self.inner.put(key, data))
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        failed_before = False
+
+        def attempt() -> None:
+            nonlocal failed_before
+            try:
+                self.inner.put_new(key, data)
+            except ObjectExistsError:
+                # An earlier attempt may have succeeded with its answer lost: then the object is ours.
+                if failed_before and self.inner.get(key) == bytes(data):
+                    return
+                raise
+            except Exception:
+                failed_before = True
+                raise
+
+        self._call("put_new", key, attempt)
+
+    def exists(self, key: str) -> bool:
+        return self._call("exists", key, lambda: self.inner.exists(key))
+
+    def keys(self, prefix: str) -> list[str]:
+        return self._call("list", prefix, lambda: self.inner.keys(prefix))
+
+    def delete(self, key: str) -> None:
+        self._call("delete", key, lambda: self.inner.delete(key))
+
+    def close(self) -> None:
+        self.inner.close()

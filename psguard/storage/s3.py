@@ -1,0 +1,56 @@
+"""S3 backend (s3fs). Credentials and endpoint come from storage options or the standard AWS chain
+(environment, ``~/.aws``, instance metadata): psguard never logs them.
+
+S3 has no atomic rename, so the create-only commit is a conditional PUT (``If-None-Match: *``): the server
+refuses to overwrite, and a PUT is atomic, so a reader never sees a torn manifest.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import s3fs
+
+from psguard.errors import ConfigError, ObjectExistsError
+from psguard.storage.base import Buffer
+from psguard.storage.fsspec_backend import FsspecBackend
+
+# Bounded client timeouts: psguard's own retry layer (with a deadline) decides how long to keep trying.
+_DEFAULT_CONFIG = {
+    "connect_timeout": 5,
+    "read_timeout": 60,
+    "retries": {"max_attempts": 2, "mode": "standard"},
+}
+
+
+def _is_precondition_failure(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}"
+    return "PreconditionFailed" in text or "412" in text or isinstance(e, FileExistsError)
+
+
+class S3Backend(FsspecBackend):
+    def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
+        rest = url.split("://", 1)[1].strip("/")
+        if not rest:
+            raise ConfigError(f"S3 URL {url!r} names no bucket; use s3://bucket/prefix")
+        self.root = rest
+        self.url = f"s3://{rest}"
+        opts = dict(options or {})
+        config = dict(_DEFAULT_CONFIG)
+        config.update(opts.pop("config_kwargs", {}) or {})
+        opts.setdefault("retries", 2)
+        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **opts)
+
+    def put(self, key: str, data: Buffer) -> None:
+        self.fs.pipe_file(self._p(key), bytes(data))
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        try:
+            self.fs.pipe_file(self._p(key), bytes(data), mode="create")
+        except Exception as e:
+            if _is_precondition_failure(e):
+                raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
+            raise
+
+    def close(self) -> None:
+        self.fs.clear_instance_cache()

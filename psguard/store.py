@@ -1,0 +1,924 @@
+"""The durable checkpoint log: full checkpoints and chains of deltas over content-addressed chunks.
+
+Layout under the store's root (specified in docs/storage-format.md)::
+
+    chunks/ab/<sha256>          tensor bytes, named by their hash; shared by every checkpoint using them
+    manifests/<id>.json         one per checkpoint; created last, create-only: the commit
+    journal/<seq>.json          commits in the order they happened (create-only, one object each)
+    locks/writer-<nonce>.json   a save in progress (protects its chunks and parent from gc)
+    locks/gc.json               a gc in progress
+
+A checkpoint exists exactly when its manifest does; the manifest is written create-only after all its
+chunks, so readers never see a torn checkpoint and no checkpoint is ever overwritten. ``gc`` removes
+manifests first and chunks last, keeps every checkpoint a kept one needs, and leaves chunks alone while a
+writer is active, so it is safe to run beside training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from psguard.chunks import (
+    STRING,
+    ChunkReader,
+    ChunkWriter,
+    byte_view,
+    deserialize_strings,
+    dtype_from_name,
+    dtype_name,
+    logical_nbytes,
+)
+from psguard.errors import (
+    CheckpointError,
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    PsguardError,
+    SaveError,
+    UnsupportedFormatError,
+)
+from psguard.manifest import (
+    CHUNK_PREFIX,
+    JOURNAL_PREFIX,
+    LOCK_PREFIX,
+    MANIFEST_PREFIX,
+    ChunkRef,
+    Manifest,
+    TensorEntry,
+    is_checkpoint_id,
+    manifest_key,
+    new_checkpoint_id,
+    parse_manifest,
+    step_of_id,
+)
+from psguard.retention import Candidate, select_kept
+from psguard.storage import Backend, RetryConfig, open_backend
+from psguard.tensors import Full, Same, TensorUpdate
+
+log = logging.getLogger(__name__)
+
+GC_LOCK = f"{LOCK_PREFIX}gc.json"
+DEFAULT_CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as ``psguard ls`` shows it."""
+
+    id: str
+    step: int
+    kind: str
+    parent: str | None
+    base: str
+    chain_length: int
+    committed_at: float
+    tensors: int
+    logical_bytes: int
+    stored_bytes: int
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, m: Manifest) -> CheckpointInfo:
+        return cls(
+            id=m.id,
+            step=m.step,
+            kind=m.kind,
+            parent=m.parent,
+            base=m.base,
+            chain_length=m.chain_length,
+            committed_at=m.committed_at,
+            tensors=len(m.tensors),
+            logical_bytes=int(m.stats.get("logical_bytes", 0)),
+            stored_bytes=int(m.stats.get("bytes_written", 0)),
+            metadata=m.metadata,
+            metrics=m.metrics,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "step": self.step,
+            "kind": self.kind,
+            "parent": self.parent,
+            "base": self.base,
+            "chain_length": self.chain_length,
+            "committed_at": self.committed_at,
+            "tensors": self.tensors,
+            "logical_bytes": self.logical_bytes,
+            "stored_bytes": self.stored_bytes,
+            "metadata": dict(self.metadata),
+            "metrics": dict(self.metrics),
+        }
+
+
+@dataclass(frozen=True)
+class Problem:
+    checkpoint: str
+    chunk: str | None
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "chunk": self.chunk, "message": self.message}
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    checkpoint: str
+    chain: tuple[str, ...]
+    chunks_checked: int
+    bytes_checked: int
+    problems: tuple[Problem, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "checkpoint": self.checkpoint,
+            "ok": self.ok,
+            "chain": list(self.chain),
+            "chunks_checked": self.chunks_checked,
+            "bytes_checked": self.bytes_checked,
+            "problems": [p.to_json() for p in self.problems],
+        }
+
+
+@dataclass(frozen=True)
+class GcReport:
+    kept: tuple[str, ...]
+    deleted_checkpoints: tuple[str, ...]
+    deleted_chunks: int
+    chunks_deferred: bool  # True when a live writer made gc leave chunks for a later run
+    dry_run: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kept": list(self.kept),
+            "deleted_checkpoints": list(self.deleted_checkpoints),
+            "deleted_chunks": self.deleted_chunks,
+            "chunks_deferred": self.chunks_deferred,
+            "dry_run": self.dry_run,
+        }
+
+
+@dataclass(frozen=True)
+class LoadResult:
+    """A restored checkpoint: its info, its tensors, and the newer checkpoints skipped as unusable."""
+
+    info: CheckpointInfo
+    tensors: dict[str, np.ndarray]
+    skipped: tuple[Problem, ...] = ()
+
+
+class _Lock:
+    """A lease object in the store. Stale when expired, or when its holder on this host is dead."""
+
+    def __init__(self, store: Store, key: str, payload: Mapping[str, Any]) -> None:
+        self.store = store
+        self.key = key
+        self.payload = dict(payload)
+
+    @staticmethod
+    def stale(doc: Mapping[str, Any], now: float) -> bool:
+        if float(doc.get("expires_at", 0)) < now:
+            return True
+        if doc.get("host") == socket.gethostname():
+            pid = int(doc.get("pid", 0))
+            if pid > 0 and not _pid_alive(pid):
+                return True
+        return False
+
+    def release(self) -> None:
+        try:
+            self.store.backend.delete(self.key)
+        except PsguardError as e:  # an expired lock is harmless; never mask the caller's own outcome
+            log.warning("could not release lock %s: %s", self.key, e)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class Store:
+    """A checkpoint log on one backend. Thread-safe for concurrent reads; one save at a time per instance
+    (several instances, in one process or many, may write to one store concurrently)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        io_threads: int = 8,
+        inflight_bytes: int = 128 << 20,
+        lock_ttl: float = 600.0,
+    ) -> None:
+        if chunk_bytes <= 0 or io_threads <= 0 or inflight_bytes <= 0:
+            raise ConfigError("chunk_bytes, io_threads and inflight_bytes must be positive")
+        self.backend = backend
+        self.url = backend.url
+        self.chunk_bytes = chunk_bytes
+        self.inflight_bytes = inflight_bytes
+        self.lock_ttl = lock_ttl
+        self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="psguard-io")
+        self._save_lock = threading.Lock()
+        self._manifests: dict[str, Manifest] = {}
+        self._cache_lock = threading.Lock()
+        self._journal_seq = -1
+        self._writer_name = f"{socket.gethostname()}:{os.getpid()}"
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        storage_options: Mapping[str, Any] | None = None,
+        *,
+        retry: RetryConfig | None = None,
+        **kwargs: Any,
+    ) -> Store:
+        return cls(open_backend(url, storage_options, retry=retry), **kwargs)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.backend.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------------------------------------- reading
+    def checkpoint_ids(self) -> list[str]:
+        """Ids of committed checkpoints in step order (names only; nothing verified yet)."""
+        ids = []
+        for key in self.backend.keys(MANIFEST_PREFIX):
+            name = key[len(MANIFEST_PREFIX) :]
+            if name.endswith(".json") and is_checkpoint_id(name[:-5]):
+                ids.append(name[:-5])
+        ids.sort()
+        return ids
+
+    def manifest(self, checkpoint_id: str) -> Manifest:
+        """The parsed, checksum-verified manifest (cached: manifests are immutable)."""
+        with self._cache_lock:
+            cached = self._manifests.get(checkpoint_id)
+        if cached is not None:
+            return cached
+        if not is_checkpoint_id(checkpoint_id):
+            raise ConfigError(f"{checkpoint_id!r} is not a checkpoint id")
+        try:
+            data = self.backend.get(manifest_key(checkpoint_id))
+        except ObjectNotFoundError:
+            raise NoCheckpointError(
+                f"checkpoint {checkpoint_id} not found in {self.url}", checkpoint=checkpoint_id
+            ) from None
+        m = parse_manifest(data, expected_id=checkpoint_id)
+        with self._cache_lock:
+            self._manifests[checkpoint_id] = m
+        return m
+
+    def checkpoints(self, *, on_error: Callable[[str, CheckpointError], None] | None = None) -> list[CheckpointInfo]:
+        """Every readable committed checkpoint, oldest first; unreadable manifests go to ``on_error``."""
+        out = []
+        for cid in self.checkpoint_ids():
+            try:
+                out.append(CheckpointInfo.of(self.manifest(cid)))
+            except CheckpointError as e:
+                if on_error is None:
+                    log.warning("skipping checkpoint %s: %s", cid, e)
+                else:
+                    on_error(cid, e)
+        out.sort(key=lambda i: (i.step, i.committed_at, i.id))
+        return out
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest checkpoint whose manifest reads (chunks not checked: see :meth:`load_latest`)."""
+        for cid in self._newest_first():
+            try:
+                return CheckpointInfo.of(self.manifest(cid))
+            except CheckpointError as e:
+                log.warning("skipping checkpoint %s: %s", cid, e)
+        return None
+
+    def _newest_first(self) -> list[str]:
+        ids = self.checkpoint_ids()
+        # Same step: later commit first (a compaction re-commits a step as a full checkpoint).
+        by_step: dict[int, list[str]] = {}
+        for cid in ids:
+            by_step.setdefault(step_of_id(cid), []).append(cid)
+        out = []
+        for step in sorted(by_step, reverse=True):
+            group = by_step[step]
+            if len(group) > 1:
+
+                def when(c: str) -> float:
+                    try:
+                        return self.manifest(c).committed_at
+                    except CheckpointError:
+                        return -1.0
+
+                group.sort(key=when, reverse=True)
+            out.extend(group)
+        return out
+
+    def resolve(self, *, step: int | None = None, checkpoint_id: str | None = None) -> str:
+        """The id for a step (the newest commit of it), an explicit id, or the latest checkpoint."""
+        if checkpoint_id is not None:
+            self.manifest(checkpoint_id)
+            return checkpoint_id
+        for cid in self._newest_first():
+            if step is None or step_of_id(cid) == step:
+                return cid
+        where = f"at step {step} " if step is not None else ""
+        raise NoCheckpointError(f"no checkpoint {where}in {self.url}")
+
+    def chain(self, checkpoint_id: str) -> list[Manifest]:
+        """Manifests from the base to ``checkpoint_id``; a missing link is a corrupt checkpoint."""
+        out = []
+        cid: str | None = checkpoint_id
+        seen = set()
+        while cid is not None:
+            if cid in seen:
+                raise CorruptCheckpointError(f"checkpoint {checkpoint_id}: parent cycle at {cid}", checkpoint=cid)
+            seen.add(cid)
+            try:
+                m = self.manifest(cid)
+            except NoCheckpointError:
+                raise CorruptCheckpointError(
+                    f"checkpoint {checkpoint_id}: its parent {cid} is missing, so it cannot be rebuilt",
+                    checkpoint=checkpoint_id,
+                ) from None
+            out.append(m)
+            cid = m.parent
+        out.reverse()
+        return out
+
+    def load(
+        self,
+        checkpoint_id: str,
+        names: Sequence[str] | None = None,
+        *,
+        verify_hash: bool = False,
+    ) -> dict[str, np.ndarray]:
+        """Materialise tensors of a checkpoint (base + deltas), verifying every chunk read.
+
+        Raises :class:`CorruptCheckpointError` naming the checkpoint and chunk on any defect; nothing
+        partially restored is returned.
+        """
+        chain = self.chain(checkpoint_id)
+        target = chain[-1]
+        wanted = list(target.tensors) if names is None else list(names)
+        missing = [n for n in wanted if n not in target.tensors]
+        if missing:
+            raise NoCheckpointError(f"checkpoint {checkpoint_id} has no tensor(s) {missing}", checkpoint=checkpoint_id)
+        return {name: self._materialise(chain, name, verify_hash) for name in wanted}
+
+    def iter_tensors(self, checkpoint_id: str, *, verify_hash: bool = False) -> Iterator[tuple[str, np.ndarray]]:
+        """Tensors one at a time, so a large checkpoint is never all in memory at once."""
+        chain = self.chain(checkpoint_id)
+        for name in chain[-1].tensors:
+            yield name, self._materialise(chain, name, verify_hash)
+
+    def _materialise(self, chain: Sequence[Manifest], name: str, verify_hash: bool) -> np.ndarray:
+        target = chain[-1].tensors[name]
+        start = None
+        for i in range(len(chain) - 1, -1, -1):
+            entry = chain[i].tensors.get(name)
+            if entry is None:
+                raise CorruptCheckpointError(
+                    f"checkpoint {chain[-1].id}: tensor {name!r} is absent from its ancestor {chain[i].id}",
+                    checkpoint=chain[-1].id,
+                )
+            if (entry.dtype, entry.shape) != (target.dtype, target.shape):
+                raise CorruptCheckpointError(
+                    f"checkpoint {chain[-1].id}: tensor {name!r} changes dtype/shape along the chain at {chain[i].id}",
+                    checkpoint=chain[-1].id,
+                )
+            if entry.encoding == "full":
+                start = i
+                break
+        if start is None:
+            raise CorruptCheckpointError(
+                f"checkpoint {chain[-1].id}: tensor {name!r} has no full value in its chain",
+                checkpoint=chain[-1].id,
+            )
+        value = self._read_full(chain[start], name, verify_hash)
+        for m in chain[start + 1 :]:
+            entry = m.tensors[name]
+            if entry.encoding == "rows":
+                self._apply_rows(m, name, entry, value, verify_hash)
+        return value
+
+    def _read_full(self, m: Manifest, name: str, verify_hash: bool) -> np.ndarray:
+        entry = m.tensors[name]
+        reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+        try:
+            dtype = dtype_from_name(entry.dtype)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
+        total = sum(c.size for c in entry.chunks)
+        if entry.dtype == STRING:
+            blob = bytearray(total)
+            self._read_all(reader, entry.chunks, memoryview(blob))
+            try:
+                return deserialize_strings(memoryview(blob), entry.shape)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
+        out = np.empty(entry.shape, dtype=dtype)
+        if out.nbytes != total:
+            raise CorruptCheckpointError(
+                f"checkpoint {m.id}: tensor {name!r} has {total} bytes of chunks for {out.nbytes} bytes of data",
+                checkpoint=m.id,
+            )
+        self._read_all(reader, entry.chunks, byte_view(out))
+        return out
+
+    def _read_all(self, reader: ChunkReader, refs: Sequence[ChunkRef], view: memoryview) -> None:
+        futures: list[Future[None]] = []
+        pos = 0
+        for ref in refs:
+            futures.append(self._pool.submit(reader.read_into, ref, view[pos : pos + ref.size]))
+            pos += ref.size
+        _wait_all(futures)
+
+    def _apply_rows(self, m: Manifest, name: str, entry: TensorEntry, value: np.ndarray, verify_hash: bool) -> None:
+        reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+        rb = value.itemsize * int(np.prod(value.shape[1:], dtype=np.int64))
+        futures = []
+        for seg in entry.segments:
+            if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
+                raise CorruptCheckpointError(
+                    f"checkpoint {m.id}: tensor {name!r}: a segment's chunk sizes do not match its row count",
+                    checkpoint=m.id,
+                )
+            futures.append((seg, self._pool.submit(reader.read, seg.ids), self._pool.submit(reader.read, seg.values)))
+        _wait_all([f for _, a, b in futures for f in (a, b)])
+        for seg, f_ids, f_vals in futures:
+            ids = np.frombuffer(f_ids.result(), dtype="<i8")
+            if ids.size and (ids.min() < 0 or ids.max() >= value.shape[0]):
+                raise CorruptCheckpointError(
+                    f"checkpoint {m.id}: tensor {name!r}: row id out of range",
+                    checkpoint=m.id,
+                    chunk=seg.ids.hash,
+                )
+            rows = np.frombuffer(f_vals.result(), dtype=value.dtype).reshape((seg.count, *value.shape[1:]))
+            value[ids] = rows
+
+    def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
+        """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.
+
+        Never returns data from a checkpoint that failed verification.
+        """
+        skipped: list[Problem] = []
+        for cid in self._newest_first():
+            try:
+                tensors = self.load(cid, names)
+                info = CheckpointInfo.of(self.manifest(cid))
+            except (CorruptCheckpointError, UnsupportedFormatError) as e:
+                log.warning("checkpoint %s is unusable (%s); falling back to an older checkpoint", cid, e)
+                skipped.append(Problem(cid, e.chunk, str(e)))
+                continue
+            if skipped:
+                log.warning(
+                    "restored checkpoint %s (step %d) after skipping %d newer unusable checkpoint(s): %s",
+                    cid,
+                    info.step,
+                    len(skipped),
+                    ", ".join(p.checkpoint for p in skipped),
+                )
+            return LoadResult(info, tensors, tuple(skipped))
+        detail = "; ".join(p.message for p in skipped)
+        raise NoCheckpointError(
+            f"no usable checkpoint in {self.url}" + (f" ({len(skipped)} unusable: {detail})" if skipped else "")
+        )
+
+    def verify(self, checkpoint_id: str) -> VerifyReport:
+        """Read every chunk of the checkpoint's chain, checking size, CRC32C and SHA-256; report all defects."""
+        problems: list[Problem] = []
+        try:
+            chain = self.chain(checkpoint_id)
+        except (CorruptCheckpointError, UnsupportedFormatError, NoCheckpointError) as e:
+            return VerifyReport(checkpoint_id, (), 0, 0, (Problem(e.checkpoint or checkpoint_id, None, str(e)),))
+        seen: set[str] = set()
+        futures: list[tuple[Manifest, ChunkRef, Future[Any]]] = []
+        for m in chain:
+            reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=True)
+            for ref in m.refs():
+                if ref.hash in seen:
+                    continue
+                seen.add(ref.hash)
+                futures.append((m, ref, self._pool.submit(reader.read, ref)))
+        nbytes = 0
+        for m, ref, fut in futures:
+            try:
+                fut.result()
+                nbytes += ref.size
+            except CorruptCheckpointError as e:
+                problems.append(Problem(m.id, ref.hash, str(e)))
+        return VerifyReport(checkpoint_id, tuple(m.id for m in chain), len(futures), nbytes, tuple(problems))
+
+    # ----------------------------------------------------------------------------------------------- writing
+    def save(
+        self,
+        step: int,
+        tensors: Mapping[str, TensorUpdate | np.ndarray],
+        *,
+        parent: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        dedup_against: str | None = None,
+    ) -> CheckpointInfo:
+        """Write a checkpoint and commit it. Full when ``parent`` is None (every tensor must be whole),
+        else a delta over ``parent``. Blocks until committed; raises :class:`SaveError` (cause chained)
+        if anything fails, in which case no checkpoint became visible.
+
+        Chunks already stored for ``parent``'s chain (or ``dedup_against``'s, for a full checkpoint) are
+        not uploaded again; the writer's lock keeps gc from deleting them meanwhile.
+        """
+        with self._save_lock:
+            try:
+                return self._save(
+                    step, tensors, parent, dict(metadata or {}), dict(metrics or {}), dedup_against or parent
+                )
+            except (ConfigError, SaveError):
+                raise
+            except Exception as e:
+                raise SaveError(f"saving step {step} to {self.url} failed: {e}") from e
+
+    def _save(
+        self,
+        step: int,
+        tensors: Mapping[str, TensorUpdate | np.ndarray],
+        parent: str | None,
+        metadata: dict[str, Any],
+        metrics: dict[str, float],
+        reuse: str | None,
+    ) -> CheckpointInfo:
+        try:
+            json.dumps(metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"checkpoint metadata must be plain JSON: {e}") from None
+        cid = new_checkpoint_id(step)
+        parent_m = self.manifest(parent) if parent is not None else None
+        lock = self._acquire_writer_lock(cid, reuse)
+        try:
+            if reuse is not None and not self.backend.exists(manifest_key(reuse)):
+                raise SaveError(f"checkpoint {reuse} was deleted (by gc?) while step {step} was being written on it")
+            known = self._known_chunks(reuse) if reuse is not None else set()
+            writer = ChunkWriter(self.backend, self._pool, inflight_bytes=self.inflight_bytes, known=known)
+            pending: dict[str, tuple[str, tuple[int, ...], str, list[Future[Any]]]] = {}
+            logical = 0
+            for name, update in tensors.items():
+                if isinstance(update, np.ndarray):
+                    update = Full(update)
+                dtype, shape, enc, futs = self._encode(name, update, parent_m, writer)
+                pending[name] = (dtype, shape, enc, futs)
+                logical += logical_nbytes(dtype, shape) if dtype != STRING else 0
+                del update
+            if parent_m is not None:
+                absent = sorted(set(parent_m.tensors) - set(pending))
+                if absent:
+                    raise ConfigError(f"a delta must list every tensor of its parent; missing: {absent[:10]}")
+            writer.wait()
+            entries: dict[str, TensorEntry] = {}
+            for name, (dtype, shape, enc, futs) in pending.items():
+                results = [f.result() for f in futs]
+                if enc == "full":
+                    entries[name] = TensorEntry(dtype, shape, "full", chunks=tuple(results))
+                    if dtype == STRING:
+                        logical += sum(r.size for r in results)
+                elif enc == "rows":
+                    entries[name] = TensorEntry(dtype, shape, "rows", segments=tuple(results))
+                else:
+                    entries[name] = TensorEntry(dtype, shape, "same")
+            stats = {
+                "logical_bytes": logical,
+                "bytes_written": writer.stats.bytes_written,
+                "chunks_written": writer.stats.chunks_written,
+                "bytes_deduplicated": writer.stats.bytes_deduplicated,
+                "chunks_deduplicated": writer.stats.chunks_deduplicated,
+            }
+            manifest = Manifest(
+                id=cid,
+                step=step,
+                kind="full" if parent_m is None else "delta",
+                parent=parent,
+                base=cid if parent_m is None else parent_m.base,
+                chain_length=0 if parent_m is None else parent_m.chain_length + 1,
+                committed_at=time.time(),
+                tensors=entries,
+                metadata=metadata,
+                metrics=metrics,
+                stats=stats,
+                writer=self._writer_name,
+            )
+            self.backend.put_new(manifest_key(cid), manifest.to_bytes())  # the commit
+        finally:
+            lock.release()
+        with self._cache_lock:
+            self._manifests[cid] = manifest
+        self._append_journal(manifest)
+        log.info(
+            "committed checkpoint %s step=%d kind=%s tensors=%d written=%d bytes",
+            cid,
+            step,
+            manifest.kind,
+            len(entries),
+            stats["bytes_written"],
+        )
+        return CheckpointInfo.of(manifest)
+
+    def _encode(
+        self, name: str, update: TensorUpdate, parent: Manifest | None, writer: ChunkWriter
+    ) -> tuple[str, tuple[int, ...], str, list[Future[Any]]]:
+        if isinstance(update, Full):
+            value = update.value
+            return (
+                dtype_name(value.dtype),
+                tuple(value.shape),
+                "full",
+                writer.submit_tensor(value, self.chunk_bytes),
+            )
+        if parent is None:
+            raise ConfigError(f"tensor {name!r}: a full checkpoint needs whole tensors, got {type(update).__name__}")
+        prev = parent.tensors.get(name)
+        dtype = dtype_name(np.dtype(update.dtype))
+        shape = tuple(int(x) for x in update.shape)
+        if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
+            was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
+            raise ConfigError(
+                f"tensor {name!r}: a {type(update).__name__} update of {dtype}{list(shape)} cannot apply to "
+                f"the parent's ({was}); save it whole"
+            )
+        if isinstance(update, Same):
+            return dtype, shape, "same", []
+        if dtype == STRING:
+            raise ConfigError(f"tensor {name!r}: string tensors are saved whole, not by rows")
+        ids = np.asarray(update.ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= shape[0] or np.any(np.diff(ids) <= 0)):
+            raise ConfigError(f"tensor {name!r}: row ids must be sorted, unique and within [0, {shape[0]})")
+        return dtype, shape, "rows", list(writer.submit_rows(ids, update.values, self.chunk_bytes))
+
+    def _known_chunks(self, parent: str) -> set[str]:
+        known: set[str] = set()
+        for m in self.chain(parent):
+            known.update(r.hash for r in m.refs())
+        return known
+
+    def _append_journal(self, m: Manifest) -> None:
+        """Record the commit in order. Best effort: the manifest already is the commit."""
+        entry = json.dumps(
+            {"id": m.id, "step": m.step, "kind": m.kind, "parent": m.parent, "committed_at": m.committed_at}
+        ).encode()
+        try:
+            if self._journal_seq < 0:
+                self._journal_seq = self._last_journal_seq()
+            for _ in range(1000):
+                self._journal_seq += 1
+                try:
+                    self.backend.put_new(f"{JOURNAL_PREFIX}{self._journal_seq:012d}.json", entry)
+                    return
+                except ObjectExistsError:
+                    continue  # another writer took this sequence number
+        except PsguardError as e:
+            log.warning("could not journal checkpoint %s (it is committed): %s", m.id, e)
+
+    def _last_journal_seq(self) -> int:
+        keys = self.backend.keys(JOURNAL_PREFIX)
+        seqs = [
+            int(k[len(JOURNAL_PREFIX) : -5])
+            for k in keys
+            if k.endswith(".json") and k[len(JOURNAL_PREFIX) : -5].isdigit()
+        ]
+        return max(seqs, default=-1)
+
+    def journal(self) -> list[dict[str, Any]]:
+        """Journal entries in commit order."""
+        out = []
+        for key in self.backend.keys(JOURNAL_PREFIX):
+            try:
+                doc = json.loads(self.backend.get(key))
+            except (json.JSONDecodeError, ObjectNotFoundError, UnicodeDecodeError):
+                log.warning("unreadable journal entry %s", key)
+                continue
+            if isinstance(doc, dict):
+                doc["seq"] = int(key[len(JOURNAL_PREFIX) : -5])
+                out.append(doc)
+        return out
+
+    # ----------------------------------------------------------------------------------------------- locks
+    def _lock_payload(self, **extra: Any) -> dict[str, Any]:
+        now = time.time()
+        return {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "created_at": now,
+            "expires_at": now + self.lock_ttl,
+            **extra,
+        }
+
+    def _acquire_writer_lock(self, cid: str, parent: str | None) -> _Lock:
+        key = f"{LOCK_PREFIX}writer-{cid}.json"
+        payload = self._lock_payload(checkpoint=cid, parent=parent)
+        self.backend.put(key, json.dumps(payload).encode())
+        lock = _Lock(self, key, payload)
+        # A gc that started before our lock existed may not have seen it: wait for it to finish.
+        deadline = time.monotonic() + self.lock_ttl
+        while True:
+            doc = self._read_lock(GC_LOCK)
+            if doc is None or _Lock.stale(doc, time.time()):
+                return lock
+            if time.monotonic() > deadline:
+                lock.release()
+                raise SaveError(f"a gc on {self.url} held its lock for over {self.lock_ttl:.0f}s")
+            time.sleep(0.2)
+
+    def _read_lock(self, key: str) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(self.backend.get(key))
+        except ObjectNotFoundError:
+            return None
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return {"expires_at": 0}  # a torn lock from a killed process: stale
+        return doc if isinstance(doc, dict) else {"expires_at": 0}
+
+    def _live_writer_locks(self) -> list[dict[str, Any]]:
+        now = time.time()
+        live = []
+        for key in self.backend.keys(LOCK_PREFIX):
+            if not key.startswith(f"{LOCK_PREFIX}writer-"):
+                continue
+            doc = self._read_lock(key)
+            if doc is None:
+                continue
+            if _Lock.stale(doc, now):
+                log.info("removing stale writer lock %s", key)
+                self.backend.delete(key)
+            else:
+                live.append(doc)
+        return live
+
+    # ----------------------------------------------------------------------------------------------- gc
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every_hours: float | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        dry_run: bool = False,
+    ) -> GcReport:
+        """Apply retention: delete checkpoints not kept (manifests first), then unreferenced chunks.
+
+        Every parent a kept checkpoint needs is kept. Chunk deletion is deferred while a writer is active.
+        """
+        if keep_last is None and keep_every_hours is None and keep_best is None:
+            raise ConfigError("gc needs a retention rule: keep_last, keep_every_hours or keep_best")
+        if keep_last is not None and keep_last < 1 and keep_every_hours is None and keep_best is None:
+            raise ConfigError("keep_last must be at least 1 (retention that keeps nothing is refused)")
+        payload = self._lock_payload(op="gc")
+        try:
+            self.backend.put_new(GC_LOCK, json.dumps(payload).encode())
+        except ObjectExistsError:
+            doc = self._read_lock(GC_LOCK)
+            if doc is not None and not _Lock.stale(doc, time.time()):
+                raise PsguardError(f"another gc is running on {self.url} (since {doc.get('created_at')})") from None
+            self.backend.delete(GC_LOCK)
+            self.backend.put_new(GC_LOCK, json.dumps(payload).encode())
+        lock = _Lock(self, GC_LOCK, payload)
+        try:
+            return self._gc(keep_last, keep_every_hours, keep_best, metric, mode, dry_run)
+        finally:
+            lock.release()
+
+    def _gc(
+        self,
+        keep_last: int | None,
+        keep_every_hours: float | None,
+        keep_best: int | None,
+        metric: str | None,
+        mode: Literal["min", "max"],
+        dry_run: bool,
+    ) -> GcReport:
+        unreadable: list[str] = []
+        infos = self.checkpoints(on_error=lambda cid, e: unreadable.append(cid))
+        chosen = select_kept(
+            [Candidate(i.id, i.step, i.committed_at, i.metrics) for i in infos],
+            keep_last=keep_last,
+            keep_every_hours=keep_every_hours,
+            keep_best=keep_best,
+            metric=metric,
+            mode=mode,
+        )
+        writers = self._live_writer_locks()
+        chosen.update(str(w["parent"]) for w in writers if w.get("parent"))
+        kept: set[str] = set()
+        for cid in chosen:
+            cur: str | None = cid
+            while cur is not None and cur not in kept:
+                kept.add(cur)
+                try:
+                    cur = self.manifest(cur).parent
+                except CheckpointError:
+                    break
+        doomed = [i.id for i in infos if i.id not in kept]
+        if unreadable:
+            log.warning("gc leaves %d unreadable manifest(s) alone: %s", len(unreadable), unreadable)
+        if not dry_run:
+            for cid in doomed:
+                self.backend.delete(manifest_key(cid))
+                with self._cache_lock:
+                    self._manifests.pop(cid, None)
+        deleted_chunks = 0
+        # A live writer may be about to reference any chunk; an unreadable manifest may reference any chunk.
+        deferred = bool(writers) or bool(unreadable)
+        if not deferred:
+            referenced: set[str] = set()
+            for cid in kept:
+                referenced.update(r.hash for r in self.manifest(cid).refs())
+            for key in self.backend.keys(CHUNK_PREFIX):
+                if key.rsplit("/", 1)[-1] not in referenced:
+                    if not dry_run:
+                        self.backend.delete(key)
+                    deleted_chunks += 1
+        log.info(
+            "gc kept %d, deleted %d checkpoint(s) and %d chunk(s)%s",
+            len(kept),
+            len(doomed),
+            deleted_chunks,
+            " (chunk deletion deferred)" if deferred else "",
+        )
+        return GcReport(tuple(sorted(kept)), tuple(doomed), deleted_chunks, deferred, dry_run)
+
+    # ----------------------------------------------------------------------------------------------- compaction
+    def compact(self, checkpoint_id: str | None = None) -> CheckpointInfo | None:
+        """Fold a delta chain into a new full checkpoint of the same step (same contents).
+
+        Returns None when the checkpoint already is full. Memory holds one tensor at a time.
+        """
+        cid = checkpoint_id or self.resolve()
+        m = self.manifest(cid)
+        if m.kind == "full":
+            return None
+        chain = self.chain(cid)
+        metadata = dict(m.metadata)
+        metadata["compacted_from"] = cid
+        lazy = _LazyTensors(self, chain)
+        info = self.save(m.step, lazy, metadata=metadata, metrics=m.metrics, dedup_against=cid)
+        log.info("compacted chain of %d ending at %s into full checkpoint %s", len(chain), cid, info.id)
+        return info
+
+
+class _LazyTensors(Mapping[str, TensorUpdate | np.ndarray]):
+    """Materialises each tensor only when the writer asks for it."""
+
+    def __init__(self, store: Store, chain: list[Manifest]) -> None:
+        self.store = store
+        self.chain = chain
+        self.names = list(chain[-1].tensors)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.store._materialise(self.chain, name, False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def _wait_all(futures: Sequence[Future[Any]]) -> None:
+    """Wait for all futures, then raise the first error (never leave reads running behind an exception)."""
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:
+            if first is None:
+                first = e
+    if first is not None:
+        raise first

@@ -1,0 +1,213 @@
+"""``psguard ls | verify | gc | compact | inspect``: look after a durable checkpoint log by hand."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from psguard.errors import ConfigError
+from psguard.store import CheckpointInfo, Store
+
+
+def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; values are JSON when they parse as JSON (numbers, booleans, objects)."""
+    out: dict[str, Any] = {}
+    for pair in pairs or ():
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
+def add_store_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", help="store URL: a path, file://, memory://, s3://bucket/prefix, hdfs://host:port/path")
+    p.add_argument(
+        "--storage-option",
+        "-o",
+        action="append",
+        metavar="KEY=VALUE",
+        help="passed to the storage client (e.g. endpoint_url=http://127.0.0.1:8333); repeatable",
+    )
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+
+
+def open_store(args: argparse.Namespace) -> Store:
+    return Store.open(args.url, parse_storage_options(args.storage_option))
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _emit(args: argparse.Namespace, doc: Any, text: Callable[[], str]) -> None:
+    print(json.dumps(doc, indent=2) if args.json else text())
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        bad: list[dict[str, str]] = []
+        infos = store.checkpoints(on_error=lambda cid, e: bad.append({"id": cid, "error": str(e)}))
+
+    def table() -> str:
+        if not infos and not bad:
+            return f"no checkpoints in {args.url}"
+        rows = [
+            f"{'STEP':>10}  {'KIND':5}  {'ID':21}  {'PARENT':21}  {'TENSORS':>7}  "
+            f"{'LOGICAL':>10}  {'STORED':>10}  COMMITTED (UTC)"
+        ]
+        for i in infos:
+            rows.append(
+                f"{i.step:>10}  {i.kind:5}  {i.id:21}  {i.parent or '-':21}  {i.tensors:>7}  "
+                f"{_size(i.logical_bytes):>10}  {_size(i.stored_bytes):>10}  {_when(i.committed_at)}"
+            )
+        rows.extend(f"UNREADABLE {b['id']}: {b['error']}" for b in bad)
+        return "\n".join(rows)
+
+    _emit(args, {"checkpoints": [i.to_json() for i in infos], "unreadable": bad}, table)
+    return 3 if bad else 0
+
+
+def _target(store: Store, args: argparse.Namespace) -> str:
+    return store.resolve(step=args.step, checkpoint_id=args.id)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        targets = [_target(store, args)] if (args.step is not None or args.id) else store.checkpoint_ids()
+        reports = [store.verify(cid) for cid in targets]
+    ok = all(r.ok for r in reports)
+
+    def text() -> str:
+        if not reports:
+            return f"no checkpoints in {args.url}"
+        lines = []
+        for r in reports:
+            status = "ok" if r.ok else "CORRUPT"
+            lines.append(f"{r.checkpoint}: {status} ({r.chunks_checked} chunks, {_size(r.bytes_checked)} checked)")
+            lines.extend(f"  {p.message}" for p in r.problems)
+        return "\n".join(lines)
+
+    _emit(args, {"ok": ok, "reports": [r.to_json() for r in reports]}, text)
+    return 0 if ok else 3
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        report = store.gc(
+            keep_last=args.keep_last,
+            keep_every_hours=args.keep_every_hours,
+            dry_run=args.dry_run,
+        )
+
+    def text() -> str:
+        verb = "would delete" if report.dry_run else "deleted"
+        lines = [
+            f"kept {len(report.kept)} checkpoint(s); {verb} {len(report.deleted_checkpoints)} checkpoint(s) "
+            f"and {report.deleted_chunks} chunk(s)"
+        ]
+        if report.chunks_deferred:
+            lines.append("chunk deletion deferred: a writer is active or a manifest is unreadable; run gc again later")
+        lines.extend(f"  deleted {cid}" for cid in report.deleted_checkpoints)
+        return "\n".join(lines)
+
+    _emit(args, report.to_json(), text)
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        target = _target(store, args)
+        info = store.compact(target)
+    doc: dict[str, Any] = {"source": target, "compacted": info.to_json() if info else None}
+    _emit(
+        args,
+        doc,
+        lambda: (
+            f"{target} is already a full checkpoint"
+            if info is None
+            else f"compacted {target} into full checkpoint {info.id} "
+            f"(step {info.step}, {_size(info.stored_bytes)} written)"
+        ),
+    )
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    with open_store(args) as store:
+        cid = _target(store, args)
+        m = store.manifest(cid)
+        info = CheckpointInfo.of(m)
+    tensors = {
+        name: {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "encoding": t.encoding,
+            "chunks": len(t.refs()),
+            "rows_changed": sum(s.count for s in t.segments) if t.segments else None,
+        }
+        for name, t in m.tensors.items()
+    }
+
+    def text() -> str:
+        lines = [
+            f"checkpoint {m.id}  step {m.step}  {m.kind}" + (f" over {m.parent}" if m.parent else ""),
+            f"metadata: {json.dumps(dict(m.metadata))}",
+        ]
+        width = max((len(n) for n in tensors), default=4)
+        for name, t in tensors.items():
+            extra = f"  {t['rows_changed']} rows changed" if t["rows_changed"] is not None else ""
+            lines.append(f"  {name:{width}}  {t['dtype']:9} {t['shape']!s:18} {t['encoding']}{extra}")
+        return "\n".join(lines)
+
+    _emit(args, {**info.to_json(), "tensors": tensors}, text)
+    return 0
+
+
+def _add_target(p: argparse.ArgumentParser, required: bool = False) -> None:
+    g = p.add_mutually_exclusive_group(required=required)
+    g.add_argument("--step", type=int, help="the newest checkpoint of this step")
+    g.add_argument("--id", help="a checkpoint id (as `psguard ls` shows it)")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("ls", help="list the checkpoints in a store")
+    add_store_arguments(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("verify", help="read every chunk and check hashes (exit 3 on corruption)")
+    add_store_arguments(p)
+    _add_target(p)
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gc", help="apply retention: delete old checkpoints and unreferenced chunks")
+    add_store_arguments(p)
+    p.add_argument("--keep-last", type=int, help="keep the newest N checkpoints")
+    p.add_argument("--keep-every-hours", type=float, help="also keep one checkpoint per H hours")
+    p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
+    p.set_defaults(func=cmd_gc)
+
+    p = sub.add_parser("compact", help="fold a delta chain into a new full checkpoint")
+    add_store_arguments(p)
+    _add_target(p)
+    p.set_defaults(func=cmd_compact)
+
+    p = sub.add_parser("inspect", help="show a checkpoint's tensors (names, dtypes, shapes)")
+    add_store_arguments(p)
+    _add_target(p)
+    p.set_defaults(func=cmd_inspect)
