@@ -1,0 +1,131 @@
+"""Shared fixtures: leak checks for every test, and real storage servers shared per session.
+
+Every test is checked for leaked threads and child processes (watchdog's conftest does this for threads;
+psguard also runs processes). Servers that live for the whole session are started inside
+:func:`allow_new_children`, which exempts the processes it creates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+_ALLOWED_PIDS: set[int] = set()
+# Threads that libraries start once per process and keep on purpose.
+_ALLOWED_THREAD_PREFIXES = ("fsspecIO", "asyncio_", "pydevd", "Dummy-", "ThreadPoolExecutor-")
+
+
+def _children(pid: int | None = None) -> set[int]:
+    """Every live descendant of ``pid`` (this process by default), read from /proc."""
+    root = os.getpid() if pid is None else pid
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] == "Z":
+            continue
+        parent_of[int(entry)] = int(fields[1])
+    out: set[int] = set()
+    frontier = {root}
+    while frontier:
+        nxt = {p for p, pp in parent_of.items() if pp in frontier and p not in out}
+        out |= nxt
+        frontier = nxt
+    return out
+
+
+@contextlib.contextmanager
+def allow_new_children() -> Iterator[None]:
+    """Exempt from leak checks the processes started inside this block (long-lived servers)."""
+    before = _children()
+    try:
+        yield
+    finally:
+        _ALLOWED_PIDS.update(_children() - before)
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    threads_before = set(threading.enumerate())
+    children_before = _children()
+    yield
+    deadline = time.monotonic() + 10.0
+    while True:
+        extra_threads = [
+            t
+            for t in threading.enumerate()
+            if t not in threads_before and t.is_alive() and not t.name.startswith(_ALLOWED_THREAD_PREFIXES)
+        ]
+        extra_children = _children() - children_before - _ALLOWED_PIDS
+        if not extra_threads and not extra_children:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    names = [t.name for t in extra_threads]
+    cmdlines = []
+    for pid in sorted(extra_children):
+        try:
+            cmdlines.append(f"{pid}: " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:200])
+        except OSError:
+            cmdlines.append(str(pid))
+    pytest.fail(f"{request.node.nodeid} leaked threads {names} and/or processes {cmdlines}")
+
+
+@pytest.fixture
+def unique() -> str:
+    """A fresh name for a prefix or folder, so tests sharing one server never see each other's objects."""
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+# ----------------------------------------------------------------------------------------------- servers
+@pytest.fixture(scope="session")
+def seaweed() -> Iterator[object]:
+    from psguard.testbed.s3 import SeaweedS3
+
+    with allow_new_children():
+        server = SeaweedS3()
+        server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto() -> Iterator[object]:
+    from psguard.testbed.s3 import MotoS3
+
+    with allow_new_children():
+        server = MotoS3()
+        server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def hdfs() -> Iterator[object]:
+    from psguard.testbed.hdfs import HdfsCluster
+
+    with allow_new_children():
+        cluster = HdfsCluster()
+        cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
