@@ -563,8 +563,8 @@ class Store:
                 return self._save(
                     step, tensors, parent, dict(metadata or {}), dict(metrics or {}), dedup_against or parent
                 )
-            except (ConfigError, SaveError):
-                raise
+            except PsguardError:
+                raise  # already says what happened (storage unavailable, disk full, bad input)
             except Exception as e:
                 raise SaveError(f"saving step {step} to {self.url} failed: {e}") from e
 
@@ -865,6 +865,10 @@ class Store:
                     if not dry_run:
                         self.backend.delete(key)
                     deleted_chunks += 1
+            # With no live writer, every temporary object is a killed writer's leftover.
+            for key in self.backend.leftovers():
+                if not dry_run:
+                    self.backend.delete(key)
         log.info(
             "gc kept %d, deleted %d checkpoint(s) and %d chunk(s)%s",
             len(kept),

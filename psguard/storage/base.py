@@ -68,6 +68,10 @@ class Backend(ABC):
     def delete(self, key: str) -> None:
         """Remove the object; absent objects are not an error (deletion is idempotent)."""
 
+    def leftovers(self) -> list[str]:
+        """Keys of temporary objects a killed writer left behind (never visible through :meth:`keys`)."""
+        return []
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default has nothing to release."""
 

@@ -37,12 +37,16 @@ class FsspecBackend(Backend):
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self._p(key)))
 
-    def keys(self, prefix: str) -> list[str]:
-        base = f"{self.root}/{prefix}".rstrip("/")
+    def _files(self, base: str) -> list[str]:
         try:
-            found = self.fs.find(base)
+            found = self.fs.find(base, detail=True)
         except FileNotFoundError:
             return []
+        # Some servers list an emptied "folder" as an entry of its own: only files are objects.
+        return [name for name, info in found.items() if info.get("type") == "file"]
+
+    def keys(self, prefix: str) -> list[str]:
+        found = self._files(f"{self.root}/{prefix}".rstrip("/"))
         strip = self.root.strip("/") + "/"
         keys = []
         for path in found:
@@ -54,6 +58,15 @@ class FsspecBackend(Backend):
             keys.append(rel)
         keys.sort()
         return keys
+
+    def leftovers(self) -> list[str]:
+        found = self._files(self.root)
+        strip = self.root.strip("/") + "/"
+        return sorted(
+            p.strip("/")[len(strip) :]
+            for p in found
+            if TMP_MARK in p.rsplit("/", 1)[-1] and p.strip("/").startswith(strip)
+        )
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -127,6 +127,7 @@ class LocalBackend(Backend):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
-    def temp_leftovers(self) -> list[Path]:
-        """Temporary files a killed writer left behind (for gc)."""
-        return [p for p in self.root.rglob(f"*{TMP_MARK}*") if p.is_file()]
+    def leftovers(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(str(p.relative_to(self.root)) for p in self.root.rglob(f"*{TMP_MARK}*") if p.is_file())

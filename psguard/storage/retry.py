@@ -191,5 +191,8 @@ class RetryingBackend(Backend):
     def delete(self, key: str) -> None:
         self._call("delete", key, lambda: self.inner.delete(key))
 
+    def leftovers(self) -> list[str]:
+        return self._call("list", "(temporaries)", self.inner.leftovers)
+
     def close(self) -> None:
         self.inner.close()

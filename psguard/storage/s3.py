@@ -23,9 +23,24 @@ _DEFAULT_CONFIG = {
 }
 
 
-def _is_precondition_failure(e: BaseException) -> bool:
-    text = f"{type(e).__name__} {e}"
-    return "PreconditionFailed" in text or "412" in text or isinstance(e, FileExistsError)
+def _is_precondition_failure(e: BaseException | None) -> bool:
+    """s3fs turns the server's 412 into a bare ``OSError(EINVAL)``; look through the chain for the cause."""
+    seen = 0
+    while e is not None and seen < 10:
+        if isinstance(e, FileExistsError):
+            return True
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            err = response.get("Error", {})
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if err.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+                return True
+        text = str(e).lower()
+        if "precondition" in text or "pre-condition" in text:
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False
 
 
 class S3Backend(FsspecBackend):
@@ -38,7 +53,6 @@ class S3Backend(FsspecBackend):
         opts = dict(options or {})
         config = dict(_DEFAULT_CONFIG)
         config.update(opts.pop("config_kwargs", {}) or {})
-        opts.setdefault("retries", 2)
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **opts)
 
     def put(self, key: str, data: Buffer) -> None:

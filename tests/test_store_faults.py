@@ -1,0 +1,116 @@
+"""Faults during saves, with real processes, real signals and a real S3 server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from psguard.errors import StorageUnavailableError
+from psguard.manifest import CHUNK_PREFIX
+from psguard.storage import RetryConfig, open_backend
+from psguard.storage.base import Backend, Buffer
+from psguard.storage.retry import RetryingBackend
+from psguard.store import Store
+from tests.storage_targets import Target, make_target
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_writer(target: Target, point: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.writer_proc", target.url, json.dumps(target.options), point],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # the writer says when it reached the point: no sleeping
+    assert line.strip() == "ready", f"writer did not reach {point}: {line!r}, exit {proc.poll()}"
+    return proc
+
+
+def kill(proc: subprocess.Popen[str]) -> None:
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    for f in (proc.stdin, proc.stdout):
+        if f:
+            f.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("backend_name", "point"),
+    [("local", "before-manifest"), ("local", "mid-manifest"), ("seaweed", "before-manifest")],
+)
+def test_writer_killed_before_commit_leaves_no_checkpoint(
+    backend_name: str, point: str, request: pytest.FixtureRequest, tmp_path: Path, unique: str
+) -> None:
+    target = make_target(backend_name, request, tmp_path, unique)
+    with Store.open(target.url, target.options) as store:
+        first = store.save(1, {"w": np.ones(10, np.float32)})
+    proc = start_writer(target, point)
+    kill(proc)
+    with Store.open(target.url, target.options) as store:
+        assert store.checkpoint_ids() == [first.id]  # nothing of the killed save is visible
+        assert len(store.backend.keys(CHUNK_PREFIX)) > 1  # its chunks are there, orphaned
+        if point == "mid-manifest":
+            assert any("manifests" in k for k in store.backend.leftovers())
+        # the next writer works, and gc (seeing the dead writer's lock is stale) cleans up
+        nxt = store.save(2, {"w": np.full(10, 2, np.float32)})
+        report = store.gc(keep_last=2)
+        assert not report.chunks_deferred
+        assert report.deleted_chunks > 0
+        assert store.backend.leftovers() == []
+        assert store.backend.keys("locks/") == []
+        assert store.checkpoint_ids() == [first.id, nxt.id]
+        assert all(store.verify(cid).ok for cid in store.checkpoint_ids())
+
+
+class StopServerAfterFirstChunk(RetryingBackend):
+    """Stops the real S3 server once the first chunk is stored: an outage in the middle of a save."""
+
+    def __init__(self, inner: Backend, server: object, config: RetryConfig) -> None:
+        super().__init__(inner, config)
+        self.server = server
+        self.stopped = threading.Event()
+        self._lock = threading.Lock()
+
+    def put(self, key: str, data: Buffer) -> None:
+        super().put(key, data)
+        with self._lock:
+            if key.startswith(CHUNK_PREFIX) and not self.stopped.is_set():
+                self.server.stop()  # type: ignore[attr-defined]
+                self.stopped.set()
+
+
+@pytest.mark.slow
+def test_s3_outage_during_save_fails_clearly_then_recovers(seaweed: object, unique: str) -> None:
+    url = seaweed.url(unique)  # type: ignore[attr-defined]
+    options = dict(seaweed.storage_options)  # type: ignore[attr-defined]
+    config = RetryConfig(deadline=3.0, initial_backoff=0.05, max_backoff=0.5)
+    backend = StopServerAfterFirstChunk(open_backend(url, options, retry=RetryConfig(deadline=0)), seaweed, config)
+    store = Store(backend, chunk_bytes=4096, io_threads=2)
+    value = np.arange(50_000, dtype=np.float32)
+    try:
+        with pytest.raises(StorageUnavailableError) as e:
+            store.save(5, {"w": value})
+        assert backend.stopped.is_set()
+        assert "storage unavailable" in str(e.value) and url in str(e.value)
+    finally:
+        store._pool.shutdown()
+        seaweed.restart()  # type: ignore[attr-defined]
+    with Store.open(url, options) as again:
+        assert again.checkpoint_ids() == []  # the failed save left nothing committed
+        info = again.save(5, {"w": value})
+        assert np.array_equal(again.load_latest().tensors["w"], value)
+        assert again.checkpoint_ids() == [info.id]
