@@ -1,0 +1,399 @@
+"""Configuration: YAML or plain data turned into frozen dataclasses, or a :class:`ConfigError` that says where.
+
+Every part of psguard describes its configuration as frozen dataclasses with type hints and loads it with
+:func:`load_yaml` (a file) or :func:`from_data` (a dict, e.g. from a CLI or a test). The loader rejects unknown
+keys (suggesting the closest known one), wrong types and impossible values, and its errors name the file, the
+key path (``durable.young_daly.mtbf_prior``) and what was expected::
+
+    @dataclass(frozen=True)
+    class Upload:
+        url: str
+        timeout: Duration = 30.0                          # "30s", "2m", 45, ...
+        retries: Annotated[int, Check(lambda n: n >= 0, ">= 0")] = 3
+
+        def __post_init__(self) -> None:
+            validate(self)                                # same checks when built in Python
+
+    upload = load_yaml(Upload, "upload.yaml")
+
+Supported field types: ``bool``, ``int``, ``float`` (ints accepted), ``str``, ``None``, ``X | None`` and other
+unions, ``Literal[...]``, enums (by value), ``tuple[X, ...]``, ``tuple[X, Y]``, ``Mapping[str, X]`` (read-only),
+nested dataclasses, and ``Annotated[X, Parse(...), Check(...)]`` to convert a raw value (:data:`Duration`) or
+constrain it. Checks that involve several fields go in ``__post_init__``: raise :func:`invalid` naming the key,
+and the loader prefixes the file and the path of the enclosing section.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import math
+import os
+import re
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+from psguard.errors import ConfigError
+
+__all__ = [
+    "Check",
+    "Duration",
+    "Parse",
+    "changed_keys",
+    "format_duration",
+    "from_data",
+    "invalid",
+    "load_yaml",
+    "loads_yaml",
+    "parse_duration",
+    "validate",
+]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Parse:
+    """``Annotated`` marker: convert the raw value with ``func`` before type checking it.
+
+    ``func`` raises ``ValueError`` or ``TypeError`` on input it cannot convert; ``expected`` says in words
+    what it accepts, for the error message.
+    """
+
+    func: Callable[[Any], Any]
+    expected: str
+
+
+@dataclass(frozen=True)
+class Check:
+    """``Annotated`` marker: the (converted) value must satisfy ``test``; ``expected`` describes it."""
+
+    test: Callable[[Any], bool]
+    expected: str
+
+
+def invalid(key: str, expected: str, got: object) -> ConfigError:
+    """The error a dataclass's ``__post_init__`` raises for a bad value of its field ``key``.
+
+    ``key`` is relative to the dataclass; the loader prefixes the file and the section's path.
+    """
+    return ConfigError(f"{key}: expected {expected}, got {got!r}")
+
+
+# --- durations ------------------------------------------------------------------------------------------
+
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|w)?", re.ASCII)
+DURATION_FORMS = "a duration such as 500ms, 0.5s, 20s, 10m, 6h, 7d or 1h30m (a bare number means seconds)"
+
+
+def parse_duration(value: object) -> float:
+    """Seconds in ``value``: a number of seconds, or text like ``500ms``, ``0.5s``, ``10m``, ``6h``, ``1h30m``.
+
+    Raises ``ValueError`` for anything else, including negative, infinite and NaN values.
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"expected {DURATION_FORMS}, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        pos, seconds, parts = 0, 0.0, 0
+        while pos < len(text):
+            m = _PART.match(text, pos)
+            if m is None or (m.group(2) is None and (parts or m.end() != len(text))):
+                raise ValueError(f"expected {DURATION_FORMS}, got {value!r}")
+            seconds += float(m.group(1)) * _UNITS[m.group(2) or "s"]
+            pos, parts = m.end(), parts + 1
+            while pos < len(text) and text[pos] == " ":
+                pos += 1
+        if not parts:
+            raise ValueError(f"expected {DURATION_FORMS}, got {value!r}")
+    else:
+        raise ValueError(f"expected {DURATION_FORMS}, got {value!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"expected a finite duration >= 0, got {value!r}")
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """Short human form of ``seconds``: ``500ms``, ``31.6s``, ``10m``, ``2h27m``, ``7d``."""
+    if not math.isfinite(seconds):
+        return str(seconds)
+    sign, s = ("-", -seconds) if seconds < 0 else ("", seconds)
+    if s == 0:
+        return "0s"
+    if s < 1:
+        ms = round(s * 1000, 1)
+        return f"{sign}{ms:g}ms"
+    if s < 60:
+        return f"{sign}{round(s, 1):g}s"
+    for big, small, big_name, small_name in ((86400, 3600, "d", "h"), (3600, 60, "h", "m"), (60, 1, "m", "s")):
+        if s >= big:
+            whole, rest = divmod(round(s / small) * small, big)
+            return f"{sign}{int(whole)}{big_name}" + (f"{int(rest // small)}{small_name}" if rest else "")
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+Duration = Annotated[float, Parse(parse_duration, DURATION_FORMS)]
+"""Seconds as a float; in a file also ``"500ms"``, ``"20s"``, ``"10m"``, ``"6h"``, ``"7d"``, ``"1h30m"``."""
+
+
+# --- loading --------------------------------------------------------------------------------------------
+
+
+class _Invalid(Exception):
+    """Internal: a bad value at ``path``; turned into a :class:`ConfigError` naming the source."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+
+def _join(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+def _expected(path: str, expected: str, got: object) -> _Invalid:
+    return _Invalid(path, f"expected {expected}, got {got!r}")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+
+
+def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node)  # type: ignore[no-untyped-call]
+        if key in seen:
+            mark = key_node.start_mark
+            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice (line {mark.line + 1})", mark)
+        seen.add(key)
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
+    """Read the YAML file at ``path`` into ``cls`` (a dataclass); :class:`ConfigError` names file and key."""
+    source = os.fspath(path)
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{source}: cannot read: {e}") from e
+    return loads_yaml(cls, text, source=source)
+
+
+def loads_yaml(cls: type[T], text: str, *, source: str = "<yaml>") -> T:
+    """Like :func:`load_yaml` for YAML text already read; ``source`` names it in errors."""
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
+    except yaml.YAMLError as e:
+        where = ""
+        mark = getattr(e, "problem_mark", None)
+        if mark is not None:
+            where = f" line {mark.line + 1} column {mark.column + 1}:"
+        problem = getattr(e, "problem", None) or str(e)
+        raise ConfigError(f"{source}:{where} not valid YAML: {problem}") from e
+    if data is None:
+        raise ConfigError(f"{source}: expected a mapping of settings, got an empty document")
+    return from_data(cls, data, source=source)
+
+
+def from_data(cls: type[T], data: object, *, source: str = "<data>") -> T:
+    """Convert plain data (dicts, lists, scalars, as from YAML or JSON) into ``cls``, a dataclass."""
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    try:
+        result: T = _convert(cls, data, "")
+    except _Invalid as e:
+        raise ConfigError(f"{source}: {e.path or '(top level)'}: {e.message}") from None
+    return result
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls, include_extras=True)
+
+
+def _describe(tp: Any) -> str:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        parse = next((m for m in tp.__metadata__ if isinstance(m, Parse)), None)
+        checks = [m.expected for m in tp.__metadata__ if isinstance(m, Check)]
+        base = parse.expected if parse else _describe(args[0])
+        return " ".join([base, *checks])
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if origin is tuple:
+        return f"a list of {_describe(args[0])}" if len(args) == 2 and args[1] is Ellipsis else "a list"
+    if tp is type(None):
+        return "null"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in tp)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return "a mapping"
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _convert(tp: Any, value: object, path: str) -> Any:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        for meta in tp.__metadata__:
+            if isinstance(meta, Parse):
+                try:
+                    value = meta.func(value)
+                except (ValueError, TypeError):
+                    raise _expected(path, meta.expected, value) from None
+        result = _convert(args[0], value, path)
+        for meta in tp.__metadata__:
+            if isinstance(meta, Check) and not meta.test(result):
+                raise _expected(path, meta.expected, value)
+        return result
+    if tp is Any:
+        return value
+    if tp is type(None):
+        if value is not None:
+            raise _expected(path, "null", value)
+        return None
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        if len(options) == 1:
+            return _convert(options[0], value, path)
+        for option in options:
+            try:
+                return _convert(option, value, path)
+            except _Invalid:
+                continue
+        raise _expected(path, _describe(tp), value)
+    if origin is Literal:
+        for allowed in args:
+            if value == allowed and type(value) is type(allowed):
+                return allowed
+        raise _expected(path, _describe(tp), value)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise _expected(path, _describe(tp), value)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(args[0], v, _join(path, i)) for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise _expected(path, f"a list of {len(args)} items", value)
+        return tuple(_convert(a, v, _join(path, i)) for i, (a, v) in enumerate(zip(args, value, strict=True)))
+    if origin in (Mapping, dict) or tp in (Mapping, dict):
+        if not isinstance(value, Mapping):
+            raise _expected(path, "a mapping", value)
+        key_tp, val_tp = args or (str, Any)
+        out = {_convert(key_tp, k, path): _convert(val_tp, v, _join(path, str(k))) for k, v in value.items()}
+        return types.MappingProxyType(out)
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
+        return _convert_dataclass(tp, value, path)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            raise _expected(path, _describe(tp), value) from None
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise _expected(path, "true or false", value)
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _expected(path, "an integer", value)
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _expected(path, "a number", value)
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise _expected(path, "a string", value)
+        return value
+    raise TypeError(f"config type {tp!r} at {path or '(top level)'} is not supported by psguard.config")
+
+
+def _convert_dataclass(cls: type, value: object, path: str) -> Any:
+    if not isinstance(value, Mapping):
+        raise _expected(path, f"a mapping of {cls.__name__} settings", value)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = _hints(cls)
+    kwargs: dict[str, Any] = {}
+    for key, raw in value.items():
+        if not isinstance(key, str) or key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1)
+            maybe = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise _Invalid(_join(path, str(key)), f"unknown key (known keys: {', '.join(fields)}){maybe}")
+        kwargs[key] = _convert(hints[key], raw, _join(path, key))
+    for name, f in fields.items():
+        no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        if name not in kwargs and no_default:
+            raise _Invalid(_join(path, name), f"missing required key ({_describe(hints[name])})")
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        message = str(e)
+        key, sep, rest = message.partition(": ")
+        if sep and key.replace(".", "").replace("_", "").isalnum():
+            raise _Invalid(_join(path, key), rest) from None
+        raise _Invalid(path, message) from None
+
+
+def validate(obj: object) -> None:
+    """Run the ``Check`` markers of ``obj``'s fields; call it from a config dataclass's ``__post_init__``.
+
+    Raises :class:`ConfigError` naming the first field whose value fails a check. Fields that are ``None``
+    where ``None`` is allowed are not checked.
+    """
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        raise TypeError(f"{obj!r} is not a dataclass instance")
+    hints = _hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        for check in _checks(hints[f.name], value):
+            if not check.test(value):
+                raise invalid(f.name, check.expected, value)
+
+
+def _checks(tp: Any, value: object) -> list[Check]:
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is Annotated:
+        return [m for m in tp.__metadata__ if isinstance(m, Check)] + _checks(args[0], value)
+    if origin in (Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        return [] if value is None or len(options) != 1 else _checks(options[0], value)
+    return []
+
+
+def changed_keys(old: object, new: object, path: str = "") -> list[str]:
+    """``key: old -> new`` lines for the fields that differ between two instances of a config dataclass."""
+    if (
+        dataclasses.is_dataclass(old)
+        and dataclasses.is_dataclass(new)
+        and type(old) is type(new)
+        and not isinstance(old, type)
+    ):
+        out: list[str] = []
+        for f in dataclasses.fields(old):
+            out += changed_keys(getattr(old, f.name), getattr(new, f.name), _join(path, f.name))
+        return out
+    return [] if old == new else [f"{path or '(top level)'}: {old!r} -> {new!r}"]

@@ -1,0 +1,753 @@
+"""When to save, to which tier, and what to keep: psguard's checkpoint decision engine.
+
+The trainer-side ``CheckpointManager`` asks after each step (or batch of steps)::
+
+    decision = schedule.decide(step, now, context)     # context: a SaveContext it keeps up to date
+    if decision:                                       # decision.tiers, e.g. {MEMORY, DURABLE}
+        handle = capture_and_write(decision.tiers)
+        context = context.with_save(decision.tiers, step=step, at=now, stall=measured_stall)
+    log(decision.reason)                               # why it saved, or why not
+
+:class:`Schedule` holds one save policy per tier: the **memory** tier (the sidecar's materialised snapshot,
+restorable at once), the **durable** tier (the log in object storage; a durable save is one capture written
+to both tiers, so it also refreshes memory) and **base** (fold the delta chain into a new full base). Each
+policy is a small frozen dataclass behind the :class:`SavePolicy` protocol, composable with :class:`AnyOf`:
+:class:`EverySteps`, :class:`EveryInterval`, :class:`Cron`, :class:`Continuous`, :class:`YoungDaly`,
+:class:`ChainLimit`, :class:`OnPreemption`. Every answer is a :class:`Verdict` with a reason, and the
+:class:`Decision` joins them, so each save (and each non-save) can be explained in logs and metrics.
+
+Rules the schedule enforces: saves never overlap (while anything is in flight the answer is no, saying so),
+except on the preemption path: once :class:`PreemptionHandler` saw SIGTERM, the next decision is an urgent save
+of the preemption tiers, in flight or not. Time is whatever clock the caller passes as ``now`` (seconds since
+the epoch, so cron and checkpoint timestamps agree); nothing here reads a clock unless it was given one.
+
+:class:`Retention` says which checkpoints to keep (via :func:`psguard.retention.select_kept`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import datetime
+import enum
+import functools
+import logging
+import math
+import os
+import signal
+import threading
+import time
+import zoneinfo
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
+
+from croniter import croniter
+
+from psguard.config import DURATION_FORMS, Check, Parse, format_duration, invalid, parse_duration, validate
+from psguard.errors import PsguardError
+from psguard.retention import Candidate, select_kept
+
+__all__ = [
+    "AnyOf",
+    "ChainLimit",
+    "Continuous",
+    "Cron",
+    "Decision",
+    "EveryInterval",
+    "EverySteps",
+    "OnPreemption",
+    "PreemptionHandler",
+    "Retention",
+    "SaveContext",
+    "SavePolicy",
+    "Schedule",
+    "Tier",
+    "TierState",
+    "Verdict",
+    "YoungDaly",
+    "young_daly_interval",
+]
+
+logger = logging.getLogger(__name__)
+
+_POSITIVE = Check(lambda v: v > 0, "(> 0)")
+_AT_LEAST_ONE = Check(lambda v: v >= 1, "(>= 1)")
+_NON_NEGATIVE = Check(lambda v: v >= 0, "(>= 0)")
+PositiveDuration = Annotated[float, Parse(parse_duration, DURATION_FORMS), _POSITIVE]
+Duration = Annotated[float, Parse(parse_duration, DURATION_FORMS)]
+Count = Annotated[int, _AT_LEAST_ONE]
+
+
+class Tier(enum.StrEnum):
+    """Where a save goes. ``BASE`` means: make the durable chain start afresh from a full base."""
+
+    MEMORY = "memory"
+    DURABLE = "durable"
+    BASE = "base"
+
+
+_TIER_ORDER = (Tier.MEMORY, Tier.DURABLE, Tier.BASE)
+
+
+@dataclass(frozen=True)
+class TierState:
+    """The last save of one tier: its step and its time (``None``: no save yet)."""
+
+    step: int | None = None
+    at: float | None = None
+
+
+@dataclass(frozen=True)
+class SaveContext:
+    """What the caller knows when it asks for a decision. Build it once, then update it with :meth:`with_save`
+    and :meth:`with_failure` (or ``dataclasses.replace``); every field has a safe default.
+
+    - ``memory``, ``durable``, ``base``: the last save of each tier (restored checkpoints count).
+    - ``started_step``, ``started_at``: where counting starts for a tier that has no save yet (the step and
+      time this run started). A time policy with neither a previous save nor ``started_at`` saves at once.
+    - ``in_flight``: tiers whose write has not finished (a durable save stays in flight until committed).
+      While it is non-empty, :meth:`Schedule.decide` says no, except for preemption.
+    - ``recent_stalls``: measured blocking seconds of recent saves, oldest first (for :class:`YoungDaly`).
+    - ``chain_length``, ``delta_bytes``, ``base_bytes``: deltas since the last full base, their total size and
+      the base's size (for :class:`ChainLimit`).
+    - ``failures``: times of the job's observed failures, oldest first; ``observed_since``: when observing
+      began (the job's start; defaults to ``started_at``). :class:`YoungDaly` estimates the MTBF from them.
+    - ``preempted_at``: when a preemption signal arrived (see :meth:`PreemptionHandler.apply`).
+    """
+
+    memory: TierState = TierState()
+    durable: TierState = TierState()
+    base: TierState = TierState()
+    started_step: int = 0
+    started_at: float | None = None
+    in_flight: frozenset[Tier] = frozenset()
+    recent_stalls: tuple[float, ...] = ()
+    chain_length: int = 0
+    delta_bytes: int = 0
+    base_bytes: int = 0
+    failures: tuple[float, ...] = ()
+    observed_since: float | None = None
+    preempted_at: float | None = None
+
+    def last(self, tier: Tier) -> TierState:
+        """The last save of ``tier``."""
+        return {Tier.MEMORY: self.memory, Tier.DURABLE: self.durable, Tier.BASE: self.base}[tier]
+
+    def with_save(
+        self,
+        tiers: Iterable[Tier],
+        *,
+        step: int,
+        at: float,
+        stall: float | None = None,
+        delta_bytes: int = 0,
+        base_bytes: int | None = None,
+        keep_stalls: int = 32,
+    ) -> SaveContext:
+        """This context after a save of ``tiers`` taken at ``step``/``at`` that blocked training ``stall`` s.
+
+        A durable save adds a link of ``delta_bytes`` to the chain; a ``BASE`` save resets the chain (pass the
+        new base's size as ``base_bytes``). ``in_flight`` is left as it is: set it yourself while writes run.
+        """
+        tiers = frozenset(tiers)
+        now = TierState(step, at)
+        changes: dict[str, Any] = {t.value: now for t in tiers}
+        if Tier.DURABLE in tiers:
+            changes["chain_length"] = self.chain_length + 1
+            changes["delta_bytes"] = self.delta_bytes + delta_bytes
+        if Tier.BASE in tiers:
+            changes["chain_length"] = 0
+            changes["delta_bytes"] = 0
+            if base_bytes is not None:
+                changes["base_bytes"] = base_bytes
+        if stall is not None:
+            changes["recent_stalls"] = (*self.recent_stalls, stall)[-keep_stalls:]
+        return dataclasses.replace(self, **changes)
+
+    def with_failure(self, at: float) -> SaveContext:
+        """This context after a failure of the job observed at ``at``."""
+        return dataclasses.replace(self, failures=(*self.failures, at))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One policy's answer: save or not, why, and (when it is not due) how long until it may be.
+
+    ``seconds_left`` / ``steps_left`` are ``None`` when no amount of time or steps alone makes the policy due
+    (e.g. it waits for a signal). A verdict is truthy when it says save.
+    """
+
+    save: bool
+    reason: str
+    seconds_left: float | None = None
+    steps_left: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.save
+
+
+@runtime_checkable
+class SavePolicy(Protocol):
+    """Decides whether one tier should save now.
+
+    ``last`` is the last save of the tier being decided (``context.last(tier)``); ``now`` is the caller's
+    clock. Implementations are frozen dataclasses: pure functions of their arguments, no clock of their own.
+    """
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict: ...
+
+    def describe(self) -> str:
+        """One line saying what the policy does (``every 30s``)."""
+        ...
+
+
+def _since(last: TierState, context: SaveContext) -> tuple[float | None, str]:
+    if last.at is not None:
+        return last.at, "last save"
+    return context.started_at, "start"
+
+
+@dataclass(frozen=True)
+class EverySteps:
+    """Save when ``steps`` steps have passed since the tier's last save (or the run's start)."""
+
+    steps: Count
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def describe(self) -> str:
+        return f"every {self.steps} steps"
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        base, what = (last.step, "last save") if last.step is not None else (context.started_step, "start")
+        done = step - base
+        if done >= self.steps:
+            return Verdict(True, f"{self.describe()}: {done} steps since {what}")
+        return Verdict(False, f"{self.describe()}: {self.steps - done} to go", steps_left=self.steps - done)
+
+
+@dataclass(frozen=True)
+class EveryInterval:
+    """Save when ``seconds`` have passed since the tier's last save (or the run's start)."""
+
+    seconds: PositiveDuration
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def describe(self) -> str:
+        return f"every {format_duration(self.seconds)}"
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        since, what = _since(last, context)
+        if since is None:
+            return Verdict(True, f"{self.describe()}: no save yet and no start time")
+        elapsed = now - since
+        if elapsed >= self.seconds:
+            return Verdict(True, f"{self.describe()}: {format_duration(elapsed)} since {what}")
+        left = self.seconds - elapsed
+        return Verdict(False, f"{self.describe()}: {format_duration(left)} to go", seconds_left=left)
+
+
+@functools.lru_cache(maxsize=1024)
+def _next_fire(expr: str, timezone: str, after: float) -> float:
+    start = datetime.datetime.fromtimestamp(after, zoneinfo.ZoneInfo(timezone))
+    return float(croniter(expr, start).get_next(float))
+
+
+@dataclass(frozen=True)
+class Cron:
+    """Save when a time matching the cron expression (``minute hour day month weekday``) has come since the
+    tier's last save (or the run's start). ``timezone`` is an IANA name; the default is UTC."""
+
+    expr: str
+    timezone: str = "UTC"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.expr, str) or not croniter.is_valid(self.expr):
+            raise invalid("expr", "a cron expression such as '0 * * * *' (minute hour day month weekday)", self.expr)
+        try:
+            zoneinfo.ZoneInfo(self.timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise invalid("timezone", "an IANA time zone such as 'UTC' or 'Europe/Paris'", self.timezone) from None
+
+    def describe(self) -> str:
+        tz = "" if self.timezone == "UTC" else f" {self.timezone}"
+        return f"cron '{self.expr}'{tz}"
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        since, what = _since(last, context)
+        if since is None:
+            return Verdict(True, f"{self.describe()}: no save yet and no start time")
+        fire = _next_fire(self.expr, self.timezone, since)
+        stamp = datetime.datetime.fromtimestamp(fire, zoneinfo.ZoneInfo(self.timezone)).isoformat()
+        if fire <= now:
+            return Verdict(True, f"{self.describe()}: {stamp} came since {what}")
+        left = fire - now
+        return Verdict(False, f"{self.describe()}: next at {stamp}", seconds_left=left)
+
+
+@dataclass(frozen=True)
+class Continuous:
+    """Save again as soon as the previous save is done (the schedule already refuses while one is in flight),
+    but not more often than ``min_interval``. Meant for the durable tier: the next upload starts when the
+    previous one is committed. On the memory tier it would capture at every decision."""
+
+    min_interval: Duration = 0.0
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def describe(self) -> str:
+        floor = f" (at most every {format_duration(self.min_interval)})" if self.min_interval else ""
+        return f"continuous{floor}"
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        since, _ = _since(last, context)
+        if since is None or now - since >= self.min_interval:
+            return Verdict(True, f"{self.describe()}: previous save done")
+        left = self.min_interval - (now - since)
+        return Verdict(False, f"{self.describe()}: {format_duration(left)} to go", seconds_left=left)
+
+
+@dataclass(frozen=True)
+class OnPreemption:
+    """Save once after a preemption signal: until the tier has a save taken at or after ``preempted_at``."""
+
+    def describe(self) -> str:
+        return "on preemption"
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        at = context.preempted_at
+        if at is None:
+            return Verdict(False, "no preemption signal")
+        if last.at is not None and last.at >= at:
+            return Verdict(False, "preemption save already taken")
+        return Verdict(True, f"preemption signal {format_duration(max(0.0, now - at))} ago")
+
+
+def young_daly_interval(stall: float, mtbf: float) -> float:
+    """Young's optimal checkpoint interval ``sqrt(2 * stall * mtbf)`` (Daly's first-order form).
+
+    ``stall``: seconds training is blocked per save; ``mtbf``: mean time between failures of the whole job.
+    """
+    if stall < 0 or mtbf <= 0:
+        raise ValueError(f"need stall >= 0 and mtbf > 0, got stall={stall!r} mtbf={mtbf!r}")
+    return math.sqrt(2.0 * stall * mtbf)
+
+
+@dataclass(frozen=True)
+class YoungDaly:
+    """Adaptive interval ``tau = sqrt(2 * stall * MTBF)``, from what the job measured.
+
+    - stall: the mean of the last ``stall_window`` measured stalls (``context.recent_stalls``), or
+      ``stall_prior`` before any save was measured.
+    - MTBF: ``(prior_weight * mtbf_prior + T) / (prior_weight + n)`` for ``n`` failures seen in ``T`` seconds of
+      observation (``context.failures`` since ``context.observed_since``): the posterior mean of a Gamma prior
+      on the failure rate worth ``prior_weight`` failures. With no failures yet and little time observed it is
+      the prior; as failures come it converges to the observed mean time between them.
+    - the interval is kept within ``[min_interval, max_interval]``.
+    """
+
+    mtbf_prior: PositiveDuration
+    prior_weight: Annotated[float, _POSITIVE] = 1.0
+    stall_prior: PositiveDuration = 1.0
+    stall_window: Count = 16
+    min_interval: Duration = 0.0
+    max_interval: PositiveDuration | None = None
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.max_interval is not None and self.max_interval < self.min_interval:
+            raise invalid("max_interval", f">= min_interval ({format_duration(self.min_interval)})", self.max_interval)
+
+    def describe(self) -> str:
+        return f"young/daly (MTBF prior {format_duration(self.mtbf_prior)})"
+
+    def stall(self, context: SaveContext) -> float:
+        """The stall per save the interval is based on."""
+        recent = context.recent_stalls[-self.stall_window :]
+        return sum(recent) / len(recent) if recent else self.stall_prior
+
+    def mtbf(self, now: float, context: SaveContext) -> float:
+        """The estimated mean time between failures of the job."""
+        since = context.observed_since if context.observed_since is not None else context.started_at
+        if since is None:
+            return self.mtbf_prior
+        failures = bisect.bisect_right(context.failures, now) - bisect.bisect_left(context.failures, since)
+        observed = max(0.0, now - since)
+        return (self.prior_weight * self.mtbf_prior + observed) / (self.prior_weight + failures)
+
+    def interval(self, now: float, context: SaveContext) -> float:
+        """The interval the policy saves at, given what ``context`` says at ``now``."""
+        return self._interval(self.stall(context), self.mtbf(now, context))
+
+    def _interval(self, stall: float, mtbf: float) -> float:
+        tau = young_daly_interval(stall, mtbf)
+        if self.max_interval is not None:
+            tau = min(tau, self.max_interval)
+        return max(tau, self.min_interval)
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        stall, mtbf = self.stall(context), self.mtbf(now, context)
+        tau = self._interval(stall, mtbf)
+        since, what = _since(last, context)
+        if since is not None and now - since < tau:
+            left = tau - (now - since)
+            return Verdict(
+                False,
+                f"young/daly: {format_duration(left)} to go, {self._basis(tau, stall, mtbf, context)}",
+                seconds_left=left,
+            )
+        head = "no save yet and no start time" if since is None else f"{format_duration(now - since)} since {what}"
+        return Verdict(True, f"young/daly: {head}, {self._basis(tau, stall, mtbf, context)}")
+
+    def _basis(self, tau: float, stall: float, mtbf: float, context: SaveContext) -> str:
+        n = len(context.failures)
+        return (
+            f"interval {format_duration(tau)} from stall {format_duration(stall)} and MTBF {format_duration(mtbf)}"
+            f" ({n} failure{'s' if n != 1 else ''} seen, prior {format_duration(self.mtbf_prior)})"
+        )
+
+
+@dataclass(frozen=True)
+class ChainLimit:
+    """Ask for a new base when the delta chain has ``max_chain`` links, or when the deltas add up to
+    ``max_delta_percent`` % of the base's bytes (restores read base + every delta: keep that bounded)."""
+
+    max_chain: Count | None = None
+    max_delta_percent: Annotated[float, _POSITIVE] | None = None
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.max_chain is None and self.max_delta_percent is None:
+            raise invalid("max_chain", "max_chain or max_delta_percent to be set", None)
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_chain is not None:
+            parts.append(f"{self.max_chain} links")
+        if self.max_delta_percent is not None:
+            parts.append(f"deltas at {self.max_delta_percent:g}% of the base")
+        return "chain limit: " + " or ".join(parts)
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        n = context.chain_length
+        if self.max_chain is not None and n >= self.max_chain:
+            return Verdict(True, f"delta chain has {n} links (limit {self.max_chain})")
+        percent = 100.0 * context.delta_bytes / context.base_bytes if context.base_bytes > 0 else 0.0
+        if self.max_delta_percent is not None and context.base_bytes > 0 and percent >= self.max_delta_percent:
+            return Verdict(True, f"deltas are {percent:.0f}% of the base's bytes (limit {self.max_delta_percent:g}%)")
+        limits = [f"{n}/{self.max_chain} links" if self.max_chain is not None else f"{n} links"]
+        if self.max_delta_percent is not None:
+            limits.append(f"deltas {percent:.0f}%/{self.max_delta_percent:g}% of the base")
+        return Verdict(False, "chain limit: " + ", ".join(limits))
+
+
+def _min(values: Iterable[float | None]) -> Any:
+    present = [v for v in values if v is not None]
+    return min(present) if present else None
+
+
+@dataclass(frozen=True)
+class AnyOf:
+    """Save when any of ``policies`` says so (all are asked, so the reason names every one that fired)."""
+
+    policies: tuple[SavePolicy, ...]
+
+    def __post_init__(self) -> None:
+        if not self.policies:
+            raise invalid("policies", "at least one policy", self.policies)
+
+    def describe(self) -> str:
+        return " or ".join(p.describe() for p in self.policies)
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        verdicts = [p.should_save(step, now, last=last, context=context) for p in self.policies]
+        fired = [v for v in verdicts if v.save]
+        if fired:
+            return Verdict(True, ", ".join(v.reason for v in fired))
+        return Verdict(
+            False,
+            ", ".join(v.reason for v in verdicts),
+            seconds_left=_min(v.seconds_left for v in verdicts),
+            steps_left=_min(v.steps_left for v in verdicts),
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What :meth:`Schedule.decide` answered.
+
+    - ``tiers``: where to write now; empty means no save. A decision is truthy when it saves. ``DURABLE``
+      always comes with ``MEMORY`` (one capture, written to both). ``BASE`` asks for a new full base: write
+      this durable save as a base, or let the sidecar fold the chain into one after it commits.
+    - ``reason``: why, in one line, for logs and metrics.
+    - ``urgent``: a preemption save: write even if a save is in flight, and wait for it (at least the memory
+      tier) before the process exits; see :class:`PreemptionHandler`.
+    - ``seconds_left`` / ``steps_left``: when nothing is due, the soonest any tier may become due by time or
+      steps alone (``None``: not by time / steps). Callers may skip deciding until then.
+    """
+
+    tiers: frozenset[Tier]
+    reason: str
+    step: int
+    at: float
+    urgent: bool = False
+    seconds_left: float | None = None
+    steps_left: int | None = None
+
+    def __bool__(self) -> bool:
+        return bool(self.tiers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form, for structured logs and the agent's status endpoint."""
+        return {
+            "step": self.step,
+            "at": self.at,
+            "tiers": [t.value for t in _TIER_ORDER if t in self.tiers],
+            "urgent": self.urgent,
+            "reason": self.reason,
+            "seconds_left": self.seconds_left,
+            "steps_left": self.steps_left,
+        }
+
+
+def _names(tiers: Iterable[Tier]) -> str:
+    chosen = set(tiers)
+    return "+".join(t.value for t in _TIER_ORDER if t in chosen)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """One save policy per tier (``None``: never, except on preemption) and the tiers to save on preemption.
+
+    :meth:`decide` is pure: same arguments, same decision.
+    """
+
+    memory: SavePolicy | None = None
+    durable: SavePolicy | None = None
+    base: SavePolicy | None = None
+    on_preemption: frozenset[Tier] = frozenset({Tier.MEMORY})
+
+    def policy(self, tier: Tier) -> SavePolicy | None:
+        """The policy of ``tier``."""
+        return {Tier.MEMORY: self.memory, Tier.DURABLE: self.durable, Tier.BASE: self.base}[tier]
+
+    def describe(self) -> dict[str, str]:
+        """Tier -> what its policy does, for ``psguard policy check`` and status pages."""
+        out = {t.value: (p.describe() if (p := self.policy(t)) else "never") for t in _TIER_ORDER}
+        out["preemption"] = _names(self.on_preemption) or "ignored"
+        return out
+
+    def decide(self, step: int, now: float, context: SaveContext) -> Decision:
+        """Which tiers to save at ``step``/``now`` given ``context``, and why. See :class:`Decision`."""
+        if self.on_preemption and context.preempted_at is not None:
+            preempt = OnPreemption()
+            pending = [
+                t
+                for t in _TIER_ORDER
+                if t in self.on_preemption and preempt.should_save(step, now, last=context.last(t), context=context)
+            ]
+            if pending:
+                urgent = frozenset(self.on_preemption) | {Tier.MEMORY}
+                verdict = preempt.should_save(step, now, last=context.last(pending[0]), context=context)
+                busy = f" (overriding the {_names(context.in_flight)} save in flight)" if context.in_flight else ""
+                return Decision(urgent, f"save {_names(urgent)}: {verdict.reason}{busy}", step, now, urgent=True)
+        if context.in_flight:
+            return Decision(
+                frozenset(), f"no save: {_names(context.in_flight)} save in flight; saves never overlap", step, now
+            )
+        verdicts = [
+            (t, p.should_save(step, now, last=context.last(t), context=context))
+            for t in _TIER_ORDER
+            if (p := self.policy(t)) is not None
+        ]
+        tiers = {t for t, v in verdicts if v.save}
+        fired = [f"{t.value}: {v.reason}" for t, v in verdicts if v.save]
+        if Tier.DURABLE in tiers and Tier.MEMORY not in tiers:
+            tiers.add(Tier.MEMORY)
+            fired.insert(0, "memory: with the durable save")
+        waiting = [(t, v) for t, v in verdicts if t not in tiers]
+        not_due = "; ".join(f"{t.value}: {v.reason}" for t, v in waiting)
+        if not tiers:
+            if not verdicts:
+                return Decision(frozenset(), "no save: no tier has a policy", step, now)
+            return Decision(
+                frozenset(),
+                f"no save: {not_due}",
+                step,
+                now,
+                seconds_left=_min(v.seconds_left for _, v in waiting),
+                steps_left=_min(v.steps_left for _, v in waiting),
+            )
+        rest = f" | not due: {not_due}" if not_due else ""
+        return Decision(frozenset(tiers), f"save {_names(tiers)}: {'; '.join(fired)}{rest}", step, now)
+
+
+@dataclass(frozen=True)
+class Retention:
+    """Which committed checkpoints to keep: the last ``keep_last``, one every ``keep_every_hours``, and the
+    ``keep_best`` best by ``metric`` (lowest when ``mode`` is ``min``). The newest is always kept, and the store
+    also keeps every checkpoint a kept one needs (its base and earlier deltas).
+
+    A retention that keeps nothing (no rule keeps any checkpoint) is rejected.
+    """
+
+    keep_last: Annotated[int, _NON_NEGATIVE] | None = 3
+    keep_every_hours: Annotated[float, _POSITIVE] | None = None
+    keep_best: Annotated[int, _NON_NEGATIVE] | None = None
+    metric: str | None = None
+    mode: Literal["min", "max"] = "min"
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.mode not in ("min", "max"):
+            raise invalid("mode", "'min' or 'max'", self.mode)
+        if self.keep_best and not self.metric:
+            raise invalid("metric", "the name of a reported metric (keep_best is set)", self.metric)
+        if self.metric and not self.keep_best:
+            raise invalid("keep_best", f"a count >= 1 (metric {self.metric!r} is set)", self.keep_best)
+        if not self.keep_last and self.keep_every_hours is None and not self.keep_best:
+            raise invalid(
+                "keep_last",
+                "a retention that keeps something: keep_last >= 1, keep_every_hours, or keep_best with a metric",
+                self.keep_last,
+            )
+
+    def describe(self) -> str:
+        parts = []
+        if self.keep_last:
+            parts.append(f"the last {self.keep_last}")
+        if self.keep_every_hours is not None:
+            parts.append(f"one every {self.keep_every_hours:g}h")
+        if self.keep_best:
+            parts.append(f"the best {self.keep_best} by {self.mode} {self.metric}")
+        return "keep " + ", ".join(parts)
+
+    def select(self, candidates: Sequence[Candidate]) -> set[str]:
+        """Ids of ``candidates`` the rules keep (:func:`psguard.retention.select_kept`). Deleting the rest is the
+        store's job (``Store.gc(**retention.as_kwargs())``), which also keeps every parent a kept delta needs."""
+        return select_kept(candidates, **self.as_kwargs())
+
+    def as_kwargs(self) -> dict[str, Any]:
+        """The rules as keyword arguments of ``select_kept`` and ``Store.gc``."""
+        return {
+            "keep_last": self.keep_last,
+            "keep_every_hours": self.keep_every_hours,
+            "keep_best": self.keep_best,
+            "metric": self.metric,
+            "mode": self.mode,
+        }
+
+
+class PreemptionHandler:
+    """Turns SIGTERM (or other signals) into a "save now" request, so a preempted trainer leaves a checkpoint.
+
+    The signal handler only records when the signal came (no locks, no I/O). The trainer's loop passes the
+    request into its decisions and, on the urgent decision, saves and waits for the memory tier within the
+    grace period before exiting::
+
+        with PreemptionHandler(grace=20.0) as preemption:          # installs in the main thread
+            for step in steps:
+                train_step()
+                decision = schedule.decide(step, time.time(), preemption.apply(context))
+                if decision:
+                    handle = manager.save(decision.tiers)
+                    if decision.urgent:
+                        handle.wait_restorable(timeout=preemption.remaining())   # the memory tier
+                        preemption.done()
+                        sys.exit(preemption.exit_code)
+
+    A second signal while the first is being handled gives up: the default action runs (the process dies).
+    :meth:`request` asks for the same thing without a signal (e.g. from a cloud preemption-notice poller).
+    """
+
+    def __init__(
+        self,
+        *,
+        grace: float = 20.0,
+        signals: Sequence[int] = (signal.SIGTERM,),
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if grace <= 0:
+            raise ValueError(f"grace must be > 0 seconds, got {grace!r}")
+        self.grace = grace
+        self._signals = tuple(signals)
+        self._clock = clock
+        self._previous: dict[int, Any] = {}
+        self._requested_at: float | None = None
+        self._signum: int | None = None
+        self._done = threading.Event()
+
+    def install(self) -> PreemptionHandler:
+        """Install the handler for each signal (main thread only); :meth:`uninstall` puts the old ones back."""
+        if threading.current_thread() is not threading.main_thread():
+            raise PsguardError("PreemptionHandler.install() must run in the main thread (Python's signal rule)")
+        for signum in self._signals:
+            if signum not in self._previous:
+                self._previous[signum] = signal.signal(signum, self._on_signal)
+        return self
+
+    def uninstall(self) -> None:
+        """Restore the handlers that were there before :meth:`install`."""
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def __enter__(self) -> PreemptionHandler:
+        return self.install()
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if self._requested_at is not None:  # second signal: stop waiting, let the default action happen
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self._signum = signum
+        self._requested_at = self._clock()
+
+    def request(self, signum: int | None = None) -> None:
+        """Ask for a preemption save as if a signal had come (the first request wins)."""
+        if self._requested_at is None:
+            self._signum = signum
+            self._requested_at = self._clock()
+            logger.warning("event=preemption_requested signal=%s", signum)
+
+    @property
+    def requested_at(self) -> float | None:
+        """When the preemption request came, by the handler's clock; ``None`` if none came."""
+        return self._requested_at
+
+    @property
+    def exit_code(self) -> int:
+        """What the process should exit with after its preemption save: 128 + the signal number (143 for
+        SIGTERM), as if the signal had killed it, so supervisors see a termination, not a crash."""
+        return 128 + (self._signum if self._signum is not None else signal.SIGTERM)
+
+    def apply(self, context: SaveContext) -> SaveContext:
+        """``context`` with ``preempted_at`` set from this handler (unchanged when no request came)."""
+        if self._requested_at is None or context.preempted_at == self._requested_at:
+            return context
+        return dataclasses.replace(context, preempted_at=self._requested_at)
+
+    def remaining(self) -> float:
+        """Seconds left of the grace period (the full grace if no request came yet; never negative)."""
+        if self._requested_at is None:
+            return self.grace
+        return max(0.0, self._requested_at + self.grace - self._clock())
+
+    def done(self) -> None:
+        """Say the preemption save is restorable (the memory tier has it); wakes :meth:`wait_done`."""
+        took = self._clock() - self._requested_at if self._requested_at is not None else 0.0
+        logger.warning("event=preemption_saved signal=%s seconds=%.3f", self._signum, took)
+        self._done.set()
+
+    def wait_done(self, timeout: float | None = None) -> bool:
+        """Block until :meth:`done` was called (True) or ``timeout`` seconds passed (False)."""
+        return self._done.wait(timeout)

@@ -1,0 +1,92 @@
+"""``psguard policy``: check a policy file, or simulate what it costs.
+
+    psguard policy check FILE...
+    psguard policy simulate FILE --mtbf 6h --stall 0.5s --persist 20s --duration 7d [--json] [--plot out.png]
+
+FILE may also name a preset (``default``, ``spot-preemptible``, ...). Durations read like ``500ms``, ``0.5s``,
+``20s``, ``10m``, ``6h``, ``7d`` (or ``1h30m``). A bad file exits with status 2 and a message naming the file,
+the key and what was expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from psguard.config import format_duration, parse_duration
+from psguard.errors import ConfigError
+from psguard.policy_files import load_policy, preset_names
+from psguard.policy_sim import Job, format_report, plot, simulate
+
+
+def _duration(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def register(subparsers: Any) -> None:
+    """Add ``psguard policy check`` and ``psguard policy simulate``."""
+    policy = subparsers.add_parser("policy", help="check or simulate a checkpoint policy file")
+    sub = policy.add_subparsers(dest="policy_command", metavar="ACTION")
+    sub.required = True
+
+    check = sub.add_parser("check", help="validate policy files and say what they do")
+    check.add_argument("files", nargs="+", metavar="FILE", help=f"policy file or preset ({', '.join(preset_names())})")
+    check.set_defaults(func=run_check)
+
+    sim = sub.add_parser("simulate", help="expected saves, stall, lost work and overhead of a policy")
+    sim.add_argument("file", metavar="FILE", help="policy file or preset")
+    sim.add_argument("--mtbf", type=_duration, required=True, help="mean time between failures of the job (6h)")
+    sim.add_argument("--stall", type=_duration, required=True, help="training blocked per save (0.5s)")
+    sim.add_argument("--persist", type=_duration, required=True, help="time to commit a durable save (20s)")
+    sim.add_argument("--duration", type=_duration, required=True, help="how long the job runs (7d)")
+    sim.add_argument("--step-time", type=_duration, default=0.02, help="time per training step (default 20ms)")
+    sim.add_argument(
+        "--delta-percent", type=float, default=2.0, help="size of a durable delta in %% of the base (default 2)"
+    )
+    sim.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sim.add_argument("--plot", metavar="PNG", help="also write a figure to this PNG file")
+    sim.set_defaults(func=run_simulate)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Load every file; print what each does. A bad file raises ConfigError (exit status 2)."""
+    for name in args.files:
+        spec = load_policy(name)
+        print(f"{name}: ok" + (f" - {spec.description.strip().splitlines()[0]}" if spec.description.strip() else ""))
+        for part, what in spec.summary().items():
+            print(f"  {part:10} {what}")
+    return 0
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Simulate the policy and print the report (or JSON); write the plot if asked."""
+    spec = load_policy(args.file)
+    try:
+        job = Job(
+            mtbf=args.mtbf,
+            stall=args.stall,
+            persist=args.persist,
+            duration=args.duration,
+            step_time=args.step_time,
+            delta_percent=args.delta_percent,
+        )
+    except ValueError as e:
+        raise ConfigError(f"psguard policy simulate: {e}") from None
+    result = simulate(spec.schedule, job)
+    if args.plot:
+        title = f"{args.file}: MTBF {format_duration(args.mtbf)}, stall {format_duration(args.stall)}/save"
+        plot(result, args.plot, title=f"{title}, persist {format_duration(args.persist)}")
+    if args.json:
+        out = result.to_dict() | {"file": args.file}
+        if args.plot:
+            out["plot"] = args.plot
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_report(result, title=args.file))
+        if args.plot:
+            print(f"plot written to {args.plot}")
+    return 0

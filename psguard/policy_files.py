@@ -1,0 +1,389 @@
+"""Policy files: the YAML format of a checkpoint policy, the presets in ``policies/``, and live reloading.
+
+A policy file (see ``policies/*.yaml`` for commented examples)::
+
+    description: who this is for
+    memory:   {every: 30s}                       # any of: every, every_steps, cron, continuous, young_daly
+    durable:  {every: 10m}
+    base:     {every: 1h, max_chain: 50, max_delta_percent: 100}
+    preemption: {tiers: [memory], grace: 20s}
+    retention: {keep_last: 5, keep_every_hours: 24}
+
+Within a tier, every rule given applies (any of them saves). :func:`load_policy` validates everything and
+names the file, the key and what was expected on error. :class:`PolicyWatcher` keeps a running trainer's or
+agent's policy in step with its file: a valid edit takes effect at the next decision and is logged with what
+changed; an invalid edit, or deleting the file, keeps the old policy and reports why.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from psguard.config import changed_keys, format_duration, invalid, load_yaml
+from psguard.errors import ConfigError
+from psguard.policy import (
+    AnyOf,
+    ChainLimit,
+    Continuous,
+    Count,
+    Cron,
+    Decision,
+    EveryInterval,
+    EverySteps,
+    PositiveDuration,
+    Retention,
+    SaveContext,
+    SavePolicy,
+    Schedule,
+    Tier,
+    YoungDaly,
+)
+
+__all__ = [
+    "BaseSpec",
+    "PolicySpec",
+    "PolicyWatcher",
+    "PreemptionSpec",
+    "TierSpec",
+    "load_policy",
+    "preset_names",
+    "PRESETS_DIR",
+]
+
+logger = logging.getLogger(__name__)
+
+PRESETS_DIR = Path(__file__).resolve().parent.parent / "policies"
+"""Where the preset policies live (the repository's ``policies/`` folder)."""
+
+
+def _cron(expr: str | None) -> Cron | None:
+    if expr is None:
+        return None
+    try:
+        return Cron(expr)
+    except ConfigError:
+        raise invalid(
+            "cron", "a cron expression such as '0 * * * *' (minute hour day month weekday, UTC)", expr
+        ) from None
+
+
+def _any_of(policies: list[SavePolicy]) -> SavePolicy | None:
+    if not policies:
+        return None
+    return policies[0] if len(policies) == 1 else AnyOf(tuple(policies))
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """When to save to the memory or durable tier; every rule given applies (any of them saves).
+
+    ``every``: a duration; ``every_steps``: a step count; ``cron``: a cron expression in UTC;
+    ``continuous``: start the next save when the previous is done (``{min_interval: 30s}`` or ``{}``);
+    ``young_daly``: the adaptive interval (see :class:`psguard.policy.YoungDaly`).
+    """
+
+    every: PositiveDuration | None = None
+    every_steps: Count | None = None
+    cron: str | None = None
+    continuous: Continuous | None = None
+    young_daly: YoungDaly | None = None
+
+    def __post_init__(self) -> None:
+        _cron(self.cron)
+
+    def policy(self) -> SavePolicy | None:
+        """The save policy these rules make (``None``: this tier is never saved on a schedule)."""
+        found: list[SavePolicy] = []
+        if self.every is not None:
+            found.append(EveryInterval(self.every))
+        if self.every_steps is not None:
+            found.append(EverySteps(self.every_steps))
+        if (cron := _cron(self.cron)) is not None:
+            found.append(cron)
+        if self.continuous is not None:
+            found.append(self.continuous)
+        if self.young_daly is not None:
+            found.append(self.young_daly)
+        return _any_of(found)
+
+
+@dataclass(frozen=True)
+class BaseSpec:
+    """When to start a new full base (compaction): on a clock (``every``, ``cron``) or when the delta chain is
+    ``max_chain`` links long or its deltas reach ``max_delta_percent`` % of the base's bytes."""
+
+    every: PositiveDuration | None = None
+    cron: str | None = None
+    max_chain: Count | None = None
+    max_delta_percent: float | None = None
+
+    def __post_init__(self) -> None:
+        _cron(self.cron)
+        if self.max_delta_percent is not None and not self.max_delta_percent > 0:
+            raise invalid("max_delta_percent", "a percentage > 0", self.max_delta_percent)
+
+    def policy(self) -> SavePolicy | None:
+        """The save policy these rules make (``None``: never ask for a new base)."""
+        found: list[SavePolicy] = []
+        if self.every is not None:
+            found.append(EveryInterval(self.every))
+        if (cron := _cron(self.cron)) is not None:
+            found.append(cron)
+        if self.max_chain is not None or self.max_delta_percent is not None:
+            found.append(ChainLimit(self.max_chain, self.max_delta_percent))
+        return _any_of(found)
+
+
+@dataclass(frozen=True)
+class PreemptionSpec:
+    """What to do on SIGTERM: save ``tiers`` at once (``[]``: ignore the signal) and give the save ``grace``
+    seconds to become restorable before exiting. Add ``durable`` when the node itself goes away (spot VMs):
+    the memory tier lives on the node."""
+
+    tiers: tuple[Literal["memory", "durable"], ...] = ("memory",)
+    grace: PositiveDuration = 20.0
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A whole policy file. Build the engine with :attr:`schedule`; retention is :attr:`retention`."""
+
+    description: str = ""
+    memory: TierSpec = TierSpec()
+    durable: TierSpec = TierSpec()
+    base: BaseSpec = BaseSpec()
+    preemption: PreemptionSpec = PreemptionSpec()
+    retention: Retention = field(default_factory=Retention)
+
+    def __post_init__(self) -> None:
+        if self.memory.policy() is None and self.durable.policy() is None:
+            raise invalid("durable", "a cadence for the memory or the durable tier (this policy never saves)", {})
+
+    @functools.cached_property
+    def schedule(self) -> Schedule:
+        """The decision engine for this policy."""
+        return Schedule(
+            memory=self.memory.policy(),
+            durable=self.durable.policy(),
+            base=self.base.policy(),
+            on_preemption=frozenset(Tier(t) for t in self.preemption.tiers),
+        )
+
+    def summary(self) -> dict[str, str]:
+        """What each part does, in words (``psguard policy check``)."""
+        out = dict(self.schedule.describe())
+        if self.preemption.tiers:
+            out["preemption"] += f" within {format_duration(self.preemption.grace)}"
+        out["retention"] = self.retention.describe()
+        return out
+
+
+def preset_names() -> list[str]:
+    """Names of the presets in :data:`PRESETS_DIR` (``default``, ``spot-preemptible``, ...)."""
+    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+
+
+def load_policy(path_or_preset: str | os.PathLike[str]) -> PolicySpec:
+    """Load and validate a policy file, or a preset by name (``default``) when no such file exists."""
+    path = Path(path_or_preset)
+    if not path.exists() and isinstance(path_or_preset, str) and (PRESETS_DIR / f"{path_or_preset}.yaml").exists():
+        path = PRESETS_DIR / f"{path_or_preset}.yaml"
+    return load_yaml(PolicySpec, path)
+
+
+@dataclass(frozen=True)
+class Reload:
+    """What happened when the watcher looked at the file: ``applied`` (with the changed keys), ``unchanged``,
+    ``rejected`` (with the error; the old policy stays) or ``deleted`` (the old policy stays)."""
+
+    outcome: Literal["applied", "unchanged", "rejected", "deleted"]
+    generation: int
+    changes: tuple[str, ...] = ()
+    error: str | None = None
+
+
+class PolicyWatcher:
+    """The policy of one file, kept current while the process runs.
+
+    Loading fails at construction if the file is invalid (there is no old policy to fall back on). After
+    :meth:`start`, a watchdog observer watches the file's folder; every change is checked on the observer's
+    thread and the outcome counted in :attr:`generation` (see :class:`Reload`). :meth:`decide` uses the policy
+    current at the time of the call and logs saving decisions (and, at debug level, the others)::
+
+        with PolicyWatcher("policies/default.yaml") as policy:
+            decision = policy.decide(step, context)      # clock: the one given, time.time by default
+
+    Editors that save by writing a new file and renaming it, and Kubernetes ConfigMap updates (a symlink
+    swap), are handled: any event in the folder makes the watcher re-read the file; unchanged bytes are
+    ignored.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: Callable[[], float] = time.time,
+        on_reload: Callable[[Reload], None] | None = None,
+    ) -> None:
+        self.path = Path(path).absolute()
+        self._clock = clock
+        self._on_reload = on_reload
+        self._cond = threading.Condition()
+        self._bytes: bytes | None = self._read()
+        self._spec = load_yaml(PolicySpec, self.path)
+        self._generation = 0
+        self._last: Reload | None = None
+        self._last_decision: Decision | None = None
+        self._observer: Any = None
+
+    # ---- lifecycle
+    def start(self) -> PolicyWatcher:
+        """Start watching the file (idempotent)."""
+        if self._observer is None:
+            handler = _Handler(self)
+            observer = Observer()
+            observer.name = f"psguard-policy-watch:{self.path.name}"
+            observer.schedule(handler, str(self.path.parent), recursive=False)
+            observer.start()
+            self._observer = observer
+            self.reload()  # catch an edit made between loading and watching
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop watching and join the observer thread."""
+        observer, self._observer = self._observer, None
+        if observer is not None:
+            observer.stop()
+            observer.join(timeout)
+
+    def __enter__(self) -> PolicyWatcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ---- state
+    @property
+    def spec(self) -> PolicySpec:
+        """The policy in effect."""
+        with self._cond:
+            return self._spec
+
+    @property
+    def generation(self) -> int:
+        """How many file changes were looked at (applied, rejected or deleted); see :meth:`wait_for`."""
+        with self._cond:
+            return self._generation
+
+    @property
+    def last_reload(self) -> Reload | None:
+        """The outcome of the last change looked at."""
+        with self._cond:
+            return self._last
+
+    @property
+    def last_decision(self) -> Decision | None:
+        """The last decision :meth:`decide` made (for status pages and metrics)."""
+        return self._last_decision
+
+    def wait_for(self, generation: int, timeout: float) -> Reload | None:
+        """Wait until :attr:`generation` reaches ``generation``; the last outcome, or ``None`` on timeout."""
+        with self._cond:
+            if self._cond.wait_for(lambda: self._generation >= generation, timeout):
+                return self._last
+            return None
+
+    def status(self) -> dict[str, Any]:
+        """JSON-ready state: file, generation, last reload outcome and last decision."""
+        last, decision = self.last_reload, self._last_decision
+        return {
+            "file": str(self.path),
+            "generation": self.generation,
+            "last_reload": None if last is None else {"outcome": last.outcome, "error": last.error},
+            "last_decision": None if decision is None else decision.to_dict(),
+        }
+
+    # ---- deciding
+    def decide(self, step: int, context: SaveContext, now: float | None = None) -> Decision:
+        """:meth:`Schedule.decide` with the current policy at ``now`` (default: the watcher's clock)."""
+        decision = self.spec.schedule.decide(step, self._clock() if now is None else now, context)
+        self._last_decision = decision
+        level = logging.INFO if decision or decision.urgent else logging.DEBUG
+        if logger.isEnabledFor(level):
+            tiers = ",".join(t.value for t in (Tier.MEMORY, Tier.DURABLE, Tier.BASE) if t in decision.tiers)
+            logger.log(
+                level,
+                "event=save_decision step=%d tiers=%s urgent=%s reason=%r",
+                step,
+                tiers or "-",
+                decision.urgent,
+                decision.reason,
+            )
+        return decision
+
+    # ---- reloading
+    def _read(self) -> bytes | None:
+        try:
+            return self.path.read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def reload(self) -> Reload | None:
+        """Look at the file now (the observer calls this on every change). ``None`` if its bytes are the ones
+        already seen; otherwise the outcome, which is also logged and counted."""
+        with self._cond:
+            data = self._read()
+            if data == self._bytes:
+                return None
+            self._bytes = data
+            if data is None:
+                result = self._record("deleted", error=f"{self.path}: file deleted; keeping the policy in effect")
+                logger.warning("event=policy_file_deleted file=%s kept=previous", self.path)
+            else:
+                try:
+                    spec = load_yaml(PolicySpec, self.path)
+                except ConfigError as e:
+                    result = self._record("rejected", error=str(e))
+                    logger.error("event=policy_rejected file=%s kept=previous error=%r", self.path, str(e))
+                else:
+                    changes = tuple(changed_keys(self._spec, spec))
+                    self._spec = spec
+                    result = self._record("applied" if changes else "unchanged", changes=changes)
+                    logger.info(
+                        "event=policy_reloaded file=%s generation=%d changes=%r", self.path, result.generation, changes
+                    )
+        if self._on_reload is not None:
+            self._on_reload(result)
+        return result
+
+    def _record(
+        self, outcome: Literal["applied", "unchanged", "rejected", "deleted"], **kw: Any
+    ) -> Reload:  # holds self._cond
+        self._generation += 1
+        self._last = Reload(outcome, self._generation, **kw)
+        self._cond.notify_all()
+        return self._last
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, watcher: PolicyWatcher) -> None:
+        self._watcher = watcher
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in ("opened", "closed_no_write"):
+            return
+        try:
+            self._watcher.reload()
+        except Exception:  # the observer thread must survive a bad moment (e.g. a permission flip)
+            logger.exception("event=policy_watch_error file=%s", self._watcher.path)
