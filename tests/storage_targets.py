@@ -40,5 +40,5 @@ def make_target(name: str, request: pytest.FixtureRequest, tmp_path: Path, uniqu
         return Target(name, cluster.url(f"/{unique}"), {}, cluster)
     if name == "webhdfs":
         cluster = request.getfixturevalue("hdfs")
-        return Target(name, cluster.webhdfs_url(f"/{unique}"), dict(cluster.webhdfs_options), cluster)
+        return Target(name, cluster.webhdfs_url(f"/{unique}"), {"user": cluster.user}, cluster)
     raise AssertionError(name)
