@@ -32,7 +32,12 @@ EXIT_NOT_FOUND = 4
 
 # Modules that contribute subcommands; each has ``register(subparsers) -> None``. The handlers they set with
 # ``set_defaults(func=...)`` take the parsed namespace and return an exit code.
-COMMAND_MODULES: tuple[str, ...] = ("psguard.store_cli", "psguard.policy_cli", "psguard.benchmarks.cli")
+COMMAND_MODULES: tuple[str, ...] = (
+    "psguard.demo",
+    "psguard.store_cli",
+    "psguard.policy_cli",
+    "psguard.benchmarks.cli",
+)
 
 Handler = Callable[[argparse.Namespace], int]
 

@@ -1,0 +1,116 @@
+"""The store CLI as a user runs it: a real subprocess, its output and its documented exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from psguard.manifest import chunk_key
+from psguard.store import Store
+from psguard.tensors import Rows
+
+
+def psguard(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "psguard.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def populated(tmp_path: Path) -> tuple[str, list[str]]:
+    url = str(tmp_path / "store")
+    t = np.arange(4000, dtype=np.float32).reshape(1000, 4)
+    with Store.open(url, chunk_bytes=2048) as s:
+        ids = [s.save(10, {"emb": t.copy(), "names": np.array([b"a"], dtype=object)}).id]
+        for step in (20, 30):
+            t[step] = -1
+            upd = {"emb": Rows(np.array([step]), t[step : step + 1], t.shape), "names": np.array([b"b"], dtype=object)}
+            ids.append(s.save(step, upd, parent=ids[-1]).id)
+    return url, ids
+
+
+def test_ls_json_and_table(populated: tuple[str, list[str]]) -> None:
+    url, ids = populated
+    out = psguard("ls", url, "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert [c["id"] for c in doc["checkpoints"]] == ids
+    assert [c["kind"] for c in doc["checkpoints"]] == ["full", "delta", "delta"]
+    assert doc["checkpoints"][1]["parent"] == ids[0]
+    assert doc["checkpoints"][1]["stored_bytes"] < doc["checkpoints"][0]["stored_bytes"]
+    table = psguard("ls", url)
+    assert table.returncode == 0 and ids[2] in table.stdout and "delta" in table.stdout
+
+
+def test_inspect_shows_tensors(populated: tuple[str, list[str]]) -> None:
+    url, ids = populated
+    out = psguard("inspect", url, "--step", "30", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["id"] == ids[2]
+    assert doc["tensors"]["emb"] == {
+        "dtype": "float32",
+        "shape": [1000, 4],
+        "encoding": "rows",
+        "chunks": 2,
+        "rows_changed": 1,
+    }
+    assert doc["tensors"]["names"]["dtype"] == "string"
+
+
+def test_verify_exit_codes(populated: tuple[str, list[str]]) -> None:
+    url, ids = populated
+    ok = psguard("verify", url)
+    assert ok.returncode == 0 and ok.stdout.count(": ok") == 3
+    with Store.open(url) as s:
+        ref = s.manifest(ids[0]).tensors["emb"].chunks[1]
+        path = Path(url) / chunk_key(ref.hash)
+    data = bytearray(path.read_bytes())
+    data[5] ^= 0xFF
+    path.write_bytes(data)
+    bad = psguard("verify", url, "--json")
+    assert bad.returncode == 3
+    doc = json.loads(bad.stdout)
+    assert not doc["ok"]
+    # the base is damaged, so every checkpoint built on it is reported, each naming the chunk
+    assert all(r["problems"][0]["chunk"] == ref.hash for r in doc["reports"])
+    one = psguard("verify", url, "--step", "30")
+    assert one.returncode == 3 and ref.hash in one.stdout
+    missing = psguard("verify", url, "--step", "99")
+    assert missing.returncode == 4 and "no checkpoint at step 99" in missing.stderr
+
+
+def test_compact_then_gc(populated: tuple[str, list[str]]) -> None:
+    url, ids = populated
+    out = psguard("compact", url, "--json")
+    assert out.returncode == 0, out.stderr
+    new_id = json.loads(out.stdout)["compacted"]["id"]
+    gc = psguard("gc", url, "--keep-last", "1", "--json")
+    assert gc.returncode == 0, gc.stderr
+    assert sorted(json.loads(gc.stdout)["deleted_checkpoints"]) == sorted(ids)
+    ls = json.loads(psguard("ls", url, "--json").stdout)
+    assert [c["id"] for c in ls["checkpoints"]] == [new_id]
+    assert psguard("verify", url).returncode == 0
+
+
+def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
+    out = psguard("ls", "ftp://host/x")
+    assert out.returncode == 2 and "unknown storage scheme 'ftp'" in out.stderr
+    out = psguard("gc", str(tmp_path), "--keep-last", "0")
+    assert out.returncode == 2 and "keeps nothing" in out.stderr
+    out = psguard("ls", str(tmp_path / "nothing-here"))
+    assert out.returncode == 0 and "no checkpoints" in out.stdout
+    out = psguard("ls", str(tmp_path), "-o", "novalue")
+    assert out.returncode == 2 and "KEY=VALUE" in out.stderr
+
+
+def test_demo_runs_and_restores_identically(tmp_path: Path) -> None:
+    out = psguard("demo", "--dir", str(tmp_path / "demo"), "--steps", "60", "--every", "10", "--users", "20000")
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "demo" / "report.json").read_text())
+    assert report["checkpoints"] == 6 and report["deltas"] == 4
+    assert report["verified"] and report["restored_identical"]
+    assert report["mean_delta_fraction"] < 0.5
