@@ -19,8 +19,8 @@ key path (``durable.young_daly.mtbf_prior``) and what was expected::
 Supported field types: ``bool``, ``int``, ``float`` (ints accepted), ``str``, ``None``, ``X | None`` and other
 unions, ``Literal[...]``, enums (by value), ``tuple[X, ...]``, ``tuple[X, Y]``, ``Mapping[str, X]`` (read-only),
 nested dataclasses, and ``Annotated[X, Parse(...), Check(...)]`` to convert a raw value (:data:`Duration`) or
-constrain it. Checks that involve several fields go in ``__post_init__``: raise :func:`invalid` naming the key,
-and the loader prefixes the file and the path of the enclosing section.
+constrain it. Checks that involve several fields go in ``__post_init__``: raise :func:`invalid` naming the key
+(a plain ``ValueError`` works too), and the loader prefixes the file and the path of the enclosing section.
 """
 
 from __future__ import annotations
@@ -350,7 +350,7 @@ def _convert_dataclass(cls: type, value: object, path: str) -> Any:
             raise _Invalid(_join(path, name), f"missing required key ({_describe(hints[name])})")
     try:
         return cls(**kwargs)
-    except ConfigError as e:
+    except ValueError as e:  # ConfigError from invalid(), or a plain ValueError from a __post_init__
         message = str(e)
         key, sep, rest = message.partition(": ")
         if sep and key.replace(".", "").replace("_", "").isalnum():

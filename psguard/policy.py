@@ -89,6 +89,7 @@ class Tier(enum.StrEnum):
 
 
 _TIER_ORDER = (Tier.MEMORY, Tier.DURABLE, Tier.BASE)
+_EPSILON = 1e-6  # seconds: a time this close to being due is due (callers that jump by hints hit it exactly)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ class SaveContext:
 
     def last(self, tier: Tier) -> TierState:
         """The last save of ``tier``."""
-        return {Tier.MEMORY: self.memory, Tier.DURABLE: self.durable, Tier.BASE: self.base}[tier]
+        state: TierState = getattr(self, tier.value)
+        return state
 
     def with_save(
         self,
@@ -246,7 +248,7 @@ class EveryInterval:
         if since is None:
             return Verdict(True, f"{self.describe()}: no save yet and no start time")
         elapsed = now - since
-        if elapsed >= self.seconds:
+        if elapsed >= self.seconds - _EPSILON:
             return Verdict(True, f"{self.describe()}: {format_duration(elapsed)} since {what}")
         left = self.seconds - elapsed
         return Verdict(False, f"{self.describe()}: {format_duration(left)} to go", seconds_left=left)
@@ -284,7 +286,7 @@ class Cron:
             return Verdict(True, f"{self.describe()}: no save yet and no start time")
         fire = _next_fire(self.expr, self.timezone, since)
         stamp = datetime.datetime.fromtimestamp(fire, zoneinfo.ZoneInfo(self.timezone)).isoformat()
-        if fire <= now:
+        if fire <= now + _EPSILON:
             return Verdict(True, f"{self.describe()}: {stamp} came since {what}")
         left = fire - now
         return Verdict(False, f"{self.describe()}: next at {stamp}", seconds_left=left)
@@ -307,7 +309,7 @@ class Continuous:
 
     def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
         since, _ = _since(last, context)
-        if since is None or now - since >= self.min_interval:
+        if since is None or now - since >= self.min_interval - _EPSILON:
             return Verdict(True, f"{self.describe()}: previous save done")
         left = self.min_interval - (now - since)
         return Verdict(False, f"{self.describe()}: {format_duration(left)} to go", seconds_left=left)
@@ -395,7 +397,7 @@ class YoungDaly:
         stall, mtbf = self.stall(context), self.mtbf(now, context)
         tau = self._interval(stall, mtbf)
         since, what = _since(last, context)
-        if since is not None and now - since < tau:
+        if since is not None and now - since < tau - _EPSILON:
             left = tau - (now - since)
             return Verdict(
                 False,
@@ -535,7 +537,8 @@ class Schedule:
 
     def policy(self, tier: Tier) -> SavePolicy | None:
         """The policy of ``tier``."""
-        return {Tier.MEMORY: self.memory, Tier.DURABLE: self.durable, Tier.BASE: self.base}[tier]
+        policy: SavePolicy | None = getattr(self, tier.value)
+        return policy
 
     def describe(self) -> dict[str, str]:
         """Tier -> what its policy does, for ``psguard policy check`` and status pages."""

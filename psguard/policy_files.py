@@ -217,8 +217,8 @@ class PolicyWatcher:
     """The policy of one file, kept current while the process runs.
 
     Loading fails at construction if the file is invalid (there is no old policy to fall back on). After
-    :meth:`start`, a watchdog observer watches the file's folder; every change is checked on the observer's
-    thread and the outcome counted in :attr:`generation` (see :class:`Reload`). :meth:`decide` uses the policy
+    :meth:`start`, a watchdog observer watches the file's folder; changes are checked on the watcher's own
+    thread and each outcome counted in :attr:`generation` (see :class:`Reload`). :meth:`decide` uses the policy
     current at the time of the call and logs saving decisions (and, at debug level, the others)::
 
         with PolicyWatcher("policies/default.yaml") as policy:
@@ -226,7 +226,8 @@ class PolicyWatcher:
 
     Editors that save by writing a new file and renaming it, and Kubernetes ConfigMap updates (a symlink
     swap), are handled: any event in the folder makes the watcher re-read the file; unchanged bytes are
-    ignored.
+    ignored. The file is read once it has been quiet for ``settle`` seconds, so a write in progress is not
+    read half-done (a truncated file can still be valid YAML, with whole sections missing).
     """
 
     def __init__(
@@ -235,8 +236,10 @@ class PolicyWatcher:
         *,
         clock: Callable[[], float] = time.time,
         on_reload: Callable[[Reload], None] | None = None,
+        settle: float = 0.2,
     ) -> None:
         self.path = Path(path).absolute()
+        self._settle = settle
         self._clock = clock
         self._on_reload = on_reload
         self._cond = threading.Condition()
@@ -246,26 +249,37 @@ class PolicyWatcher:
         self._last: Reload | None = None
         self._last_decision: Decision | None = None
         self._observer: Any = None
+        self._worker: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._last_event = 0.0
 
     # ---- lifecycle
     def start(self) -> PolicyWatcher:
-        """Start watching the file (idempotent)."""
+        """Start watching the file (idempotent): a watchdog observer and a reloading thread."""
         if self._observer is None:
-            handler = _Handler(self)
+            self._stop.clear()
+            self._worker = threading.Thread(target=self._run, name=f"psguard-policy-reload:{self.path.name}")
+            self._worker.start()
             observer = Observer()
             observer.name = f"psguard-policy-watch:{self.path.name}"
-            observer.schedule(handler, str(self.path.parent), recursive=False)
+            observer.schedule(_Handler(self), str(self.path.parent), recursive=False)
             observer.start()
             self._observer = observer
-            self.reload()  # catch an edit made between loading and watching
+            self.changed()  # catch an edit made between loading and watching
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop watching and join the observer thread."""
+        """Stop watching; join both threads."""
         observer, self._observer = self._observer, None
         if observer is not None:
             observer.stop()
             observer.join(timeout)
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            self._stop.set()
+            self._wake.set()
+            worker.join(timeout)
 
     def __enter__(self) -> PolicyWatcher:
         return self.start()
@@ -333,6 +347,25 @@ class PolicyWatcher:
         return decision
 
     # ---- reloading
+    def changed(self) -> None:
+        """Note that the file may have changed; it is re-read once quiet for ``settle`` seconds."""
+        self._last_event = time.monotonic()
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            while (quiet := time.monotonic() - self._last_event) < self._settle:
+                if self._stop.wait(self._settle - quiet):
+                    return
+            if self._stop.is_set():
+                return
+            self._wake.clear()  # an event after this sets it again: the loop comes back
+            try:
+                self.reload()
+            except Exception:  # keep watching through a bad moment (e.g. a permission flip)
+                logger.exception("event=policy_watch_error file=%s", self.path)
+
     def _read(self) -> bytes | None:
         try:
             return self.path.read_bytes()
@@ -340,8 +373,8 @@ class PolicyWatcher:
             return None
 
     def reload(self) -> Reload | None:
-        """Look at the file now (the observer calls this on every change). ``None`` if its bytes are the ones
-        already seen; otherwise the outcome, which is also logged and counted."""
+        """Look at the file now (the watcher's thread calls this after changes). ``None`` if its bytes are the
+        ones already seen; otherwise the outcome, which is also logged and counted."""
         with self._cond:
             data = self._read()
             if data == self._bytes:
@@ -381,9 +414,5 @@ class _Handler(FileSystemEventHandler):
         self._watcher = watcher
 
     def on_any_event(self, event: FileSystemEvent) -> None:
-        if event.event_type in ("opened", "closed_no_write"):
-            return
-        try:
-            self._watcher.reload()
-        except Exception:  # the observer thread must survive a bad moment (e.g. a permission flip)
-            logger.exception("event=policy_watch_error file=%s", self._watcher.path)
+        if event.event_type not in ("opened", "closed_no_write"):
+            self._watcher.changed()

@@ -192,6 +192,26 @@ def test_load_yaml_errors(tmp_path: Path) -> None:
         loads_yaml(Outer, "name: a\nname: b\n", source="x.yaml")
 
 
+@dataclass(frozen=True)
+class Window:
+    low: int
+    high: int
+
+    def __post_init__(self) -> None:
+        if self.high < self.low:
+            raise ValueError("high: must not be below low")
+
+
+@dataclass(frozen=True)
+class Holder:
+    window: Window
+
+
+def test_plain_value_error_from_post_init_becomes_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"^w\.yaml: window\.high: must not be below low$"):
+        from_data(Holder, {"window": {"low": 2, "high": 1}}, source="w.yaml")
+
+
 def test_unsupported_schema_type_is_a_programming_error() -> None:
     @dataclass(frozen=True)
     class Odd:
