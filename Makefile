@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck bench chaos clean
+.PHONY: demo test test-fast lint typecheck bench clean hdfs-runtime
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 	# tf-keras depends on the full `tensorflow` wheel; tensorflow-cpu already provides it, so skip its deps.
 	$(BIN)/python -m pip install -q --no-deps 'tf-keras==2.21.*'
 	touch $(STAMP)
+
+# A real HDFS for the storage tests: Hadoop jars cached under ~/.cache/psguard/hadoop (and Debian's jersey1).
+# Idempotent and quick once done.
+hdfs-runtime: $(STAMP)
+	$(BIN)/python -m psguard.testbed.hdfs prepare
 
 demo: $(STAMP)
 	$(BIN)/psguard demo
@@ -24,7 +29,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-test: lint typecheck
+test: lint typecheck hdfs-runtime
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
@@ -32,9 +37,6 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/psguard bench store
-
-chaos: $(STAMP)
-	$(BIN)/psguard chaos run-all chaos/
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
