@@ -45,7 +45,7 @@ from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from croniter import croniter
 
-from psguard.config import DURATION_FORMS, Check, Parse, format_duration, invalid, parse_duration, validate
+from psguard.config import Check, Duration, format_duration, invalid, validate
 from psguard.errors import PsguardError
 from psguard.retention import Candidate, select_kept
 
@@ -75,8 +75,7 @@ logger = logging.getLogger(__name__)
 _POSITIVE = Check(lambda v: v > 0, "(> 0)")
 _AT_LEAST_ONE = Check(lambda v: v >= 1, "(>= 1)")
 _NON_NEGATIVE = Check(lambda v: v >= 0, "(>= 0)")
-PositiveDuration = Annotated[float, Parse(parse_duration, DURATION_FORMS), _POSITIVE]
-Duration = Annotated[float, Parse(parse_duration, DURATION_FORMS)]
+PositiveDuration = Annotated[Duration, _POSITIVE]
 Count = Annotated[int, _AT_LEAST_ONE]
 
 
