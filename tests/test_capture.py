@@ -1,0 +1,404 @@
+"""Capture of changed rows on the PS, and restore into any partitioning: exact to the bit.
+
+The first half runs on local variables (fast, no cluster): naming against TF's own checkpoint keys, the
+bit-level corner cases (-0.0, NaN payloads), aliases, the mismatch error. The second half trains a small
+recommendation model on a real 2-PS, 2-worker cluster with the test process as chief, for every optimizer
+family that works under ParameterServerStrategy in TF 2.21.
+
+The chief's TF context belongs to the process and can be connected to one cluster only (a second
+connection with another chief address crashed TF 2.21 with SIGSEGV), so this module starts one cluster for
+the session and every strategy it builds shares one resolver.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import tensorflow as tf
+from tensorflow.python.distribute import sharded_variable
+
+from psguard.capture import Capturer, bitwise_equal, list_tensors, read_tensors, restore
+from psguard.errors import ConfigError, TensorMismatchError
+from psguard.tensors import Full, Rows, Same, TensorUpdate, apply_update
+from psguard.testbed.cluster import LocalCluster
+from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
+from tests.conftest import allow_new_children
+
+SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
+# --------------------------------------------------------------------------------------------- helpers
+
+
+def sharded(value: np.ndarray, rows: list[int], name: str) -> Any:
+    """A ShardedVariable built by hand, as the PS strategy would with these shard sizes."""
+    assert sum(rows) == value.shape[0]
+    bounds = np.cumsum([0, *rows])
+    parts = [tf.Variable(value[a:b], name=f"{name}/part_{i}") for i, (a, b) in enumerate(itertools.pairwise(bounds))]
+    return sharded_variable.ShardedVariable(parts)
+
+
+def apply_all(state: dict[str, np.ndarray], updates: dict[str, TensorUpdate]) -> dict[str, np.ndarray]:
+    assert set(updates) == set(state) or not state
+    return {name: apply_update(state.get(name), u) for name, u in updates.items()}
+
+
+def assert_bitwise(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray]) -> None:
+    assert sorted(expected) == sorted(actual)
+    bad = [n for n in expected if not bitwise_equal(expected[n], actual[n])]
+    assert not bad, f"tensors differ bit for bit: {bad}"
+
+
+def tf_checkpoint(root: Any, path: Path) -> dict[str, np.ndarray]:
+    """What TF itself writes for ``root``: the reference for names and logical values."""
+    prefix = root.write(str(path / "ckpt"))
+    reader = tf.train.load_checkpoint(prefix)
+    return {
+        key: np.asarray(reader.get_tensor(key))
+        for key, _ in tf.train.list_variables(prefix)
+        if key != "_CHECKPOINTABLE_OBJECT_GRAPH"
+    }
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(7)
+
+
+def local_model(rng: np.random.Generator, rows: tuple[int, ...] = (700, 600)) -> Any:
+    module = tf.Module()
+    module.table = sharded(rng.standard_normal((sum(rows), 4)).astype(np.float32), list(rows), "table")
+    module.dense = tf.Variable(rng.standard_normal((3, 5)).astype(np.float32), name="dense")
+    module.step = tf.Variable(0, dtype=tf.int64, name="step", trainable=False)
+    return module
+
+
+# --------------------------------------------------------------------------------------------- local
+
+
+def test_names_and_values_are_those_of_a_tf_checkpoint(rng: np.random.Generator, tmp_path: Path) -> None:
+    import tf_keras
+
+    model = local_model(rng)
+    opt = tf_keras.optimizers.legacy.Adam(0.01)
+    variables = list(model.trainable_variables)
+    opt._create_all_weights(variables)
+    root = tf.train.Checkpoint(model=model, optimizer=opt)
+    reference = tf_checkpoint(root, tmp_path)
+    infos = list_tensors(root)
+    assert sorted(infos) == sorted(reference)
+    assert "model/table/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/VARIABLE_VALUE" in infos
+    assert infos["model/table" + SUFFIX].shape == (1300, 4)
+    assert infos["model/table" + SUFFIX].partitioning == (700, 600)
+    assert_bitwise(reference, read_tensors(root))
+    capturer = Capturer(root)
+    first = capturer.capture()
+    assert all(isinstance(u, Full) for u in first.values())
+    assert_bitwise(reference, {n: u.value for n, u in first.items() if isinstance(u, Full)})
+
+
+def test_incremental_chain_is_bit_exact_including_signed_zero_and_nan_payloads(rng: np.random.Generator) -> None:
+    model = local_model(rng)
+    root = tf.train.Checkpoint(model=model)
+    capturer = Capturer(root, row_tracking_min_rows=100)
+    state = apply_all({}, capturer.capture())
+    table = model.table.variables
+    nan_a = np.frombuffer(np.uint32(0x7FC00001).tobytes(), np.float32)[0]
+    nan_b = np.frombuffer(np.uint32(0x7FC00002).tobytes(), np.float32)[0]
+    edits: list[tuple[int, int, float]] = [
+        (0, 3, 0.0),  # shard, row, value
+        (0, 3, -0.0),  # only the sign bit changes
+        (1, 5, nan_a),
+        (1, 5, nan_b),  # only the NaN payload changes
+        (1, 599, 1.5),
+    ]
+    for shard, row, value in edits:
+        table[shard].scatter_update(tf.IndexedSlices(tf.constant([[value] * 4], tf.float32), tf.constant([row])))
+        updates = capturer.capture()
+        update = updates["model/table" + SUFFIX]
+        assert isinstance(update, Rows), update
+        assert update.ids.tolist() == [row + (700 if shard else 0)]
+        assert all(isinstance(updates[n], Same) for n in updates if not n.startswith("model/table"))
+        state = apply_all(state, updates)
+        assert_bitwise(state, read_tensors(root))
+    model.step.assign_add(1)
+    updates = capturer.capture()
+    assert isinstance(updates["model/step" + SUFFIX], Full)
+    assert isinstance(updates["model/table" + SUFFIX], Same)
+
+
+def test_no_change_gives_same_and_full_when_asked(rng: np.random.Generator) -> None:
+    root = tf.train.Checkpoint(model=local_model(rng))
+    capturer = Capturer(root, row_tracking_min_rows=100)
+    capturer.capture()
+    updates = capturer.capture()
+    assert all(isinstance(u, Same) for u in updates.values())
+    assert capturer.last_stats.bytes_read < 100
+    assert all(isinstance(u, Full) for u in capturer.capture(full=True).values())
+    capturer.invalidate()
+    assert all(isinstance(u, Full) for u in capturer.capture().values())
+
+
+def test_many_changed_rows_go_whole_per_shard(rng: np.random.Generator) -> None:
+    model = local_model(rng)
+    capturer = Capturer(tf.train.Checkpoint(model=model), row_tracking_min_rows=100)
+    state = apply_all({}, capturer.capture())
+    # Shard 0 changes entirely (cheaper sent whole), shard 1 in two rows: one Rows update covering both.
+    model.table.variables[0].assign_add(tf.ones([700, 4]))
+    model.table.variables[1].scatter_add(tf.IndexedSlices(tf.ones([2, 4]), tf.constant([0, 9])))
+    updates = capturer.capture()
+    update = updates["model/table" + SUFFIX]
+    assert isinstance(update, Rows)
+    assert update.ids.tolist() == [*range(700), 700, 709]
+    state = apply_all(state, updates)
+    assert_bitwise(state, read_tensors(capturer.root))
+    model.table.assign(tf.convert_to_tensor(model.table) * 2)
+    assert isinstance(capturer.capture()["model/table" + SUFFIX], Full)
+
+
+def test_restore_into_another_partitioning_then_captures_continue(rng: np.random.Generator) -> None:
+    source = local_model(rng)
+    source.table.variables[0].scatter_update(
+        tf.IndexedSlices(tf.constant([[-0.0, np.nan, np.inf, -1.0]], tf.float32), tf.constant([1]))
+    )
+    saved = read_tensors(tf.train.Checkpoint(model=source))
+    target = local_model(np.random.default_rng(99), rows=(400, 450, 450))
+    capturer = Capturer(tf.train.Checkpoint(model=target), row_tracking_min_rows=100)
+    capturer.capture()
+    capturer.restore(saved)
+    assert_bitwise(saved, read_tensors(capturer.root))
+    assert all(isinstance(u, Same) for u in capturer.capture().values()), "restore must rebase fingerprints"
+    target.table.variables[2].scatter_add(tf.IndexedSlices(tf.ones([1, 4]), tf.constant([0])))
+    update = capturer.capture()["model/table" + SUFFIX]
+    assert isinstance(update, Rows) and update.ids.tolist() == [850]
+
+
+def test_restore_lists_every_mismatch_and_assigns_nothing(rng: np.random.Generator) -> None:
+    model = local_model(rng)
+    root = tf.train.Checkpoint(model=model)
+    saved = read_tensors(root)
+    before = read_tensors(root)
+    bad = dict(saved)
+    bad["model/table" + SUFFIX] = np.zeros((1299, 4), np.float32)  # shape
+    bad["model/dense" + SUFFIX] = saved["model/dense" + SUFFIX].astype(np.float64)  # dtype
+    del bad["model/step" + SUFFIX]  # missing
+    bad["optimizer/iter" + SUFFIX] = np.int64(3)  # extra: e.g. an optimizer not built yet
+    bad["model/dense" + SUFFIX][0, 0] = 42.0
+    with pytest.raises(TensorMismatchError) as err:
+        restore(root, bad)
+    message = str(err.value)
+    assert "4 tensor(s) do not match" in message
+    for name in ("model/table", "model/dense", "model/step", "optimizer/iter"):
+        assert name + SUFFIX in message
+    assert "(1299, 4) float32, model has (1300, 4) float32" in message
+    assert "float64" in message
+    assert "optimizer built" in message
+    assert_bitwise(before, read_tensors(root))
+
+
+def test_keras3_optimizer_aliases_are_derived_not_read_twice(rng: np.random.Generator, tmp_path: Path) -> None:
+    import keras
+
+    model = local_model(rng)
+    variables = list(model.trainable_variables)
+    opt = keras.optimizers.Adam(0.01)
+    opt.build(variables)
+    root = tf.train.Checkpoint(model=model, optimizer=opt)
+    infos = list_tensors(root)
+    assert sorted(infos) == sorted(tf_checkpoint(root, tmp_path))
+    aliases = {n: (i.alias_of, i.alias_offset) for n, i in infos.items() if i.alias_of}
+    # The dense variable is the very object the optimizer tracks: one node, one key. Shards are objects
+    # the model reaches only through its ShardedVariable, so each gets a key of its own.
+    assert "optimizer/_trainable_variables/0" + SUFFIX not in infos
+    assert aliases == {
+        "optimizer/_trainable_variables/1" + SUFFIX: ("model/table" + SUFFIX, 0),
+        "optimizer/_trainable_variables/2" + SUFFIX: ("model/table" + SUFFIX, 700),
+    }
+    capturer = Capturer(root, row_tracking_min_rows=100)
+    state = apply_all({}, capturer.capture())
+    full_bytes = capturer.last_stats.bytes_read
+    assert full_bytes < sum(i.nbytes for i in infos.values()), "aliases must not be read again"
+    model.table.variables[1].scatter_add(tf.IndexedSlices(tf.ones([1, 4]), tf.constant([2])))
+    updates = capturer.capture()
+    alias = updates["optimizer/_trainable_variables/2" + SUFFIX]
+    assert isinstance(alias, Rows) and alias.ids.tolist() == [2]
+    assert isinstance(updates["optimizer/_trainable_variables/1" + SUFFIX], Same)
+    state = apply_all(state, updates)
+    assert_bitwise(state, read_tensors(root))
+
+
+def test_new_variables_are_picked_up_whole(rng: np.random.Generator) -> None:
+    import tf_keras
+
+    model = local_model(rng)
+    opt = tf_keras.optimizers.Adagrad(0.1)
+    root = tf.train.Checkpoint(model=model, optimizer=opt)
+    capturer = Capturer(root, row_tracking_min_rows=100)
+    capturer.capture()
+    opt.build(list(model.trainable_variables))  # slots appear after the first capture
+    updates = capturer.capture()
+    assert isinstance(updates["model/table" + SUFFIX], Same)
+    new = [n for n in updates if n.startswith("optimizer/_variables/")]
+    assert new and all(isinstance(updates[n], Full) for n in new)
+
+
+def test_state_that_is_not_a_variable_is_refused(rng: np.random.Generator) -> None:
+    iterator = iter(tf.data.Dataset.range(10))
+    with pytest.raises(ConfigError, match="iterator"):
+        Capturer(tf.train.Checkpoint(model=local_model(rng), iterator=iterator))
+
+
+# --------------------------------------------------------------------------------------------- cluster
+
+PARTITIONERS: dict[str, Callable[[], Any]] = {
+    "fixed2": lambda: tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
+    "fixed3": lambda: tf.distribute.experimental.partitioners.FixedShardsPartitioner(3),
+    "min": lambda: tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=4 << 10, max_shards=4),
+    "max": lambda: tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=12 << 10),
+    "none": lambda: None,
+}
+CONFIG = ModelConfig(vocab_size=1000, embedding_dim=8, hidden=16, batch_size=32)
+
+
+@dataclass
+class Chief:
+    cluster: LocalCluster
+    strategies: dict[str, Any] = field(default_factory=dict)
+    coordinators: dict[str, Any] = field(default_factory=dict)
+    coordinator: Any = None
+
+
+@pytest.fixture(scope="session")
+def chief() -> Iterator[Chief]:
+    """A 2-PS, 2-worker cluster; this process is its chief for the session (one context per process).
+
+    All strategies and their coordinators are made here, before any test's leak check starts: a
+    coordinator keeps threads for the life of the process, and TF creates one behind the scenes for a
+    strategy that lacks it (tf_keras optimizers built under its scope do).
+    """
+    with allow_new_children():
+        cluster = LocalCluster(num_ps=2, num_workers=2).start()
+    try:
+        resolver = cluster.cluster_resolver()
+        result = Chief(cluster)
+        for name, make in PARTITIONERS.items():
+            strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=make())
+            result.strategies[name] = strategy
+            result.coordinators[name] = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        result.coordinator = result.coordinators["fixed2"]
+        yield result
+    finally:
+        cluster.stop()
+
+
+def fresh(chief: Chief, partitioning: str, family: str, optimizer: str) -> tuple[Any, Any, Any]:
+    strategy = chief.strategies[partitioning]
+    with strategy.scope():
+        model = RecModel(CONFIG)
+        opt = make_optimizer(optimizer, family)
+        build_optimizer(opt, list(model.trainable_variables))
+    return model, opt, tf.train.Checkpoint(model=model, optimizer=opt)
+
+
+CASES = [
+    *[("tf_keras", o) for o in ("sgd", "adagrad", "adam", "ftrl")],
+    *[("keras3", o) for o in ("sgd", "adagrad", "adam", "ftrl")],
+    *[("tf_keras_legacy", o) for o in ("adam", "ftrl")],
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "optimizer"), CASES, ids=[f"{f}-{o}" for f, o in CASES])
+def test_training_on_the_cluster_captures_exactly(chief: Chief, family: str, optimizer: str, tmp_path: Path) -> None:
+    model, opt, root = fresh(chief, "fixed2", family, optimizer)
+    assert len(model.embedding.variables) == 2
+    assert {v.device for v in model.embedding.variables} == {
+        "/job:ps/replica:0/task:0/device:CPU:0",
+        "/job:ps/replica:0/task:1/device:CPU:0",
+    }
+    trainer = Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt)
+    capturer = Capturer(root, coordinator=chief.coordinator, row_tracking_min_rows=64)
+    infos = capturer.tensors
+    assert sorted(infos) == sorted(tf_checkpoint(root, tmp_path))
+    state = apply_all({}, capturer.capture())
+    assert_bitwise(state, read_tensors(root))
+
+    table = "model/embedding" + SUFFIX
+    slots = [n for n, i in infos.items() if i.shape == (1000, 8) and n != table and i.alias_of is None]
+    for round_ in range(3):
+        trainer.train(4, join=False)  # the capture must drain the coordinator itself
+        updates = capturer.capture()
+        before, state = state, apply_all({n: v.copy() for n, v in state.items()}, updates)
+        assert_bitwise(state, read_tensors(root))
+        # Keras FTRL rewrites every weight from its `linear` slot on the first step (untouched rows become
+        # 0), then rewrites untouched rows with identical bits.
+        first_ftrl = optimizer == "ftrl" and family != "tf_keras_legacy" and round_ == 0
+        if optimizer in ("sgd", "adagrad", "ftrl") and not first_ftrl:
+            # Sparse updates: a few rows of the table travel, not the table.
+            assert isinstance(updates[table], Rows), type(updates[table])
+            assert 0 < len(updates[table].ids) <= 4 * CONFIG.batch_size * CONFIG.features
+            assert capturer.last_stats.bytes_read < capturer.last_stats.logical_bytes / 2
+        if optimizer == "adam" and family != "keras3":
+            # Adam's moments decay at every step in every row where they are not 0, far beyond this round's
+            # gradient rows: the capture must carry every one of those rows.
+            assert slots
+            for name in slots:
+                u = updates[name]
+                ids = set(range(1000)) if isinstance(u, Full) else set(u.ids.tolist()) if isinstance(u, Rows) else set()
+                decaying = set(np.flatnonzero(np.any(before[name] != 0, axis=1)).tolist())
+                assert decaying <= ids, f"{name} misses rows that decayed"
+                assert round_ == 0 or len(decaying) > 4 * CONFIG.batch_size * CONFIG.features / 2
+    assert int(state["model/step" + SUFFIX]) == int(model.step.numpy()) >= 12
+
+    quiet = capturer.capture()
+    assert all(isinstance(u, Same) for u in quiet.values()), "no training, nothing new"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("family", "optimizer", "target"),
+    [
+        ("tf_keras", "adam", "fixed3"),
+        ("tf_keras", "ftrl", "max"),
+        ("tf_keras_legacy", "adagrad", "min"),
+        ("tf_keras", "sgd", "none"),
+    ],
+)
+def test_restore_on_the_cluster_under_another_partitioner(
+    chief: Chief, family: str, optimizer: str, target: str
+) -> None:
+    model, opt, root = fresh(chief, "fixed2", family, optimizer)
+    Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt).train(6)
+    capturer = Capturer(root, coordinator=chief.coordinator, row_tracking_min_rows=64)
+    saved = apply_all({}, capturer.capture())
+
+    _, _, root2 = fresh(chief, target, family, optimizer)
+    layout = list_tensors(root2)["model/embedding" + SUFFIX].partitioning
+    assert layout == {"fixed3": (334, 333, 333), "max": (334, 333, 333), "min": (250,) * 4, "none": (1000,)}[target]
+    capturer2 = Capturer(root2, row_tracking_min_rows=64)
+    capturer2.restore(saved)
+    assert_bitwise(saved, read_tensors(root2))
+    assert all(isinstance(u, Same) for u in capturer2.capture().values())
+
+
+@pytest.mark.slow
+def test_keras3_slots_refuse_another_shard_count(chief: Chief) -> None:
+    """Keras 3 keeps one slot per shard: restoring them by position into 3 shards would mix rows up."""
+    _, _, root = fresh(chief, "fixed2", "keras3", "adam")
+    saved = read_tensors(root)
+    _, _, root3 = fresh(chief, "fixed3", "keras3", "adam")
+    with pytest.raises(TensorMismatchError) as err:
+        restore(root3, saved)
+    assert "optimizer/_variables/" in str(err.value)
+    assert "optimizer/_trainable_variables/2" in str(err.value)
