@@ -1,0 +1,417 @@
+"""The agent's HTTP endpoint: health for orchestrators, metrics for Prometheus, status and actions for people.
+
+===========  ======  =====================================================================================
+path         auth    answer
+===========  ======  =====================================================================================
+/healthz     never   200 while the agent process serves (liveness: restart the agent when this fails)
+/readyz      never   200 when every readiness check passes, else 503; the body lists the checks
+/metrics     token   the registry in Prometheus text format 0.0.4
+/status      token   JSON from the agent's status callable
+(added)      token   GET and POST handlers the agent registers (``/restart``, ``/restore`` ...)
+===========  ======  =====================================================================================
+
+Security, because ``POST /restart`` kills a training task:
+
+- It binds 127.0.0.1 unless told otherwise, and binding anything else (``0.0.0.0``, a LAN address) needs a
+  token: :class:`AgentHTTPServer` refuses to start without one. With a token, every request but ``/healthz``
+  and ``/readyz`` needs ``Authorization: Bearer <token>``, compared in constant time. Tokens are never
+  logged and never appear in an error message.
+- On loopback without a token, a web page in a local browser could still reach the port. Two guards: the
+  ``Host`` header must name a loopback host (defeats DNS rebinding), and a POST must be
+  ``Content-Type: application/json``, which a page can only send cross-origin after a CORS preflight that
+  this server never approves.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.server
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import urllib.parse
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from psguard.errors import ConfigError, PsguardError
+from psguard.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from psguard.metrics import Registry
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["AgentHTTPServer", "Handler", "Request", "RequestError", "Response", "is_loopback"]
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})
+BUILTIN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/status"})
+MIN_TOKEN_LENGTH = 16
+
+
+class RequestError(PsguardError):
+    """Raised by a handler for a bad request: answered with ``status`` and the message as JSON ``error``."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a registered handler gets. ``headers`` never include ``Authorization``."""
+
+    method: str
+    path: str
+    query: Mapping[str, list[str]]
+    headers: Mapping[str, str]
+    body: bytes = b""
+
+    def json(self) -> Any:
+        """The body as JSON (``None`` for an empty body); a 400 for anything else."""
+        if not self.body:
+            return None
+        try:
+            return json.loads(self.body)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise RequestError(400, f"body is not valid JSON: {e}") from None
+
+
+@dataclass(frozen=True)
+class Response:
+    """``body``: JSON-able data (sent as JSON), ``str`` (text) or ``bytes``."""
+
+    status: int = 200
+    body: Any = None
+    content_type: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+Handler = Callable[[Request], "Response | Mapping[str, Any] | None"]
+"""A handler returns a :class:`Response`, or JSON-able data for a 200, or ``None`` for ``{"ok": true}``."""
+
+
+def is_loopback(host: str) -> bool:
+    """True for ``127.0.0.0/8``, ``::1`` and ``localhost``: addresses only this machine can reach."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _check_token(token: str) -> None:
+    if len(token) < MIN_TOKEN_LENGTH or not token.isascii() or not token.isprintable() or " " in token:
+        # Never echo the token itself.
+        raise ConfigError(
+            f"the agent's HTTP token must be at least {MIN_TOKEN_LENGTH} printable ASCII characters without "
+            f"spaces (got {len(token)} characters); generate one with: python -c 'import secrets; "
+            f"print(secrets.token_urlsafe(32))'"
+        )
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    # Request threads are joined on close (no thread outlives stop()); slow clients are cut by the handler's
+    # socket timeout, so the join is bounded.
+    daemon_threads = False
+    block_on_close = True
+    agent: AgentHTTPServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hung up mid-answer is normal; the base class would print a traceback to stderr.
+        log.debug("event=http_connection_error client=%s", client_address[0] if client_address else "-", exc_info=True)
+
+
+class AgentHTTPServer:
+    """Serve the agent's endpoints from a background thread until :meth:`stop`.
+
+    ``readiness`` returns named checks (``{"task": True, "memory_tier": False}``); ready means all true.
+    ``status`` returns JSON-able data. Both are called on request threads and must be thread-safe.
+    ``port=0`` picks a free port; read it from :attr:`port` after :meth:`start`.
+    """
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        registry: Registry | None = None,
+        status: Callable[[], Mapping[str, Any]] | None = None,
+        readiness: Callable[[], Mapping[str, bool]] | None = None,
+        max_body: int = 1 << 20,
+        request_timeout: float = 10.0,
+    ) -> None:
+        if token is not None:
+            _check_token(token)
+        elif not is_loopback(host):
+            raise ConfigError(
+                f"refusing to serve the agent's HTTP endpoint on {host!r} without a token: anyone who can reach "
+                f"that address could restart tasks. Bind 127.0.0.1, or set a token (agent config http.token_file)"
+            )
+        self.host = host
+        self._requested_port = port
+        self._token = token.encode("ascii") if token is not None else None
+        self._registry = registry
+        self._status = status
+        self._readiness = readiness
+        self.max_body = max_body
+        self.request_timeout = request_timeout
+        self._lock = threading.Lock()
+        self._get: dict[str, Handler] = {}
+        self._post: dict[str, Handler] = {}
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def __repr__(self) -> str:  # no token in reprs either
+        return f"AgentHTTPServer(host={self.host!r}, port={self.port}, token={'set' if self._token else 'none'})"
+
+    # ------------------------------------------------------------------------------------------ routes
+
+    def add_post(self, path: str, handler: Handler) -> None:
+        """Serve ``POST path`` with ``handler`` (token required when one is set; JSON content type required)."""
+        self._add(self._post, path, handler)
+
+    def add_get(self, path: str, handler: Handler) -> None:
+        """Serve ``GET path`` with ``handler`` (token required when one is set)."""
+        if path in BUILTIN_PATHS:
+            raise ValueError(f"{path} is built in")
+        self._add(self._get, path, handler)
+
+    def _add(self, table: dict[str, Handler], path: str, handler: Handler) -> None:
+        if not path.startswith("/") or "?" in path:
+            raise ValueError(f"a route is a path starting with '/', got {path!r}")
+        with self._lock:
+            if path in table:
+                raise ValueError(f"{path} already has a handler")
+            table[path] = handler
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> Self:
+        with self._lock:
+            if self._httpd is not None:
+                raise RuntimeError("the agent's HTTP server was already started")
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        server_cls = type("_AgentServer", (_Server,), {"address_family": family})
+        try:
+            httpd = server_cls((self.host, self._requested_port), _Handler)
+        except OSError as e:
+            raise PsguardError(
+                f"cannot serve the agent's HTTP endpoint on {self.host}:{self._requested_port}: {e}"
+            ) from e
+        httpd.agent = self
+        with self._lock:
+            self._httpd = httpd
+            self._thread = threading.Thread(target=self._serve, name=f"psguard-http-{self.port}", daemon=True)
+        self._thread.start()
+        log.info("event=http_serving host=%s port=%d auth=%s", self.host, self.port, "token" if self._token else "none")
+        return self
+
+    def _serve(self) -> None:
+        assert self._httpd is not None
+        try:
+            self._httpd.serve_forever(poll_interval=0.1)
+        except BaseException as e:
+            log.exception("event=http_failed")
+            self._error = e
+
+    def stop(self) -> None:
+        """Stop accepting, finish the requests in flight, close the socket; re-raise a serving error."""
+        with self._lock:
+            httpd, thread = self._httpd, self._thread
+        if httpd is None or thread is None:
+            return
+        if thread.is_alive():
+            httpd.shutdown()
+        thread.join()
+        httpd.server_close()
+        with self._lock:
+            self._thread = None
+        if self._error is not None:
+            raise self._error
+
+    @property
+    def port(self) -> int:
+        httpd = self._httpd
+        return int(httpd.server_address[1]) if httpd is not None else self._requested_port
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        if host in ("0.0.0.0", "[::]", ""):
+            host = "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------------ for _Handler
+
+    def _authorized(self, header: str | None) -> bool:
+        if self._token is None:
+            return True
+        if not header:
+            return False
+        scheme, _, value = header.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        try:
+            provided = value.strip().encode("ascii")
+        except UnicodeEncodeError:
+            return False
+        return hmac.compare_digest(provided, self._token)
+
+    def _host_allowed(self, header: str | None) -> bool:
+        """Against DNS rebinding: on loopback without a token, the browser must believe it talks to loopback."""
+        if self._token is not None or not is_loopback(self.host) or not header:
+            return True
+        name = header.strip()
+        if name.startswith("["):
+            name = name[1 : name.find("]")] if "]" in name else name
+        else:
+            name = name.rsplit(":", 1)[0] if name.count(":") == 1 else name
+        return is_loopback(name)
+
+    def _builtin(self, path: str) -> Response | None:
+        if path == "/healthz":
+            return Response(200, {"status": "ok"})
+        if path == "/readyz":
+            if self._readiness is None:
+                return Response(200, {"ready": True, "checks": {}})
+            try:
+                checks = {str(k): bool(v) for k, v in self._readiness().items()}
+            except Exception as e:
+                log.exception("event=readiness_failed")
+                return Response(503, {"ready": False, "checks": {}, "error": f"{type(e).__name__}: {e}"})
+            ready = all(checks.values())
+            return Response(200 if ready else 503, {"ready": ready, "checks": checks})
+        if path == "/metrics":
+            text = self._registry.render() if self._registry is not None else ""
+            return Response(200, text, METRICS_CONTENT_TYPE)
+        if path == "/status":
+            data = dict(self._status()) if self._status is not None else {}
+            return Response(200, data)
+        return None
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "psguard-agent"
+    sys_version = ""
+
+    def setup(self) -> None:
+        super().setup()
+        # A slow client cannot hold a request thread, and so stop(), for long.
+        self.connection.settimeout(self.server.agent.request_timeout)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        agent = self.server.agent
+        parts = urllib.parse.urlsplit(self.path)
+        path = parts.path
+        try:
+            if not agent._host_allowed(self.headers.get("Host")):
+                self._send(Response(403, {"error": "Host header does not name a loopback address"}))
+                return
+            if path not in OPEN_PATHS and not agent._authorized(self.headers.get("Authorization")):
+                self._send(
+                    Response(401, {"error": "missing or wrong bearer token"}, headers={"WWW-Authenticate": "Bearer"})
+                )
+                return
+            if method == "GET":
+                response = agent._builtin(path)
+                if response is None:
+                    handler = agent._get.get(path)
+                    if handler is None:
+                        self._send(self._not_found(agent, path, method))
+                        return
+                    response = self._call(handler, method, parts, b"")
+            else:
+                handler = agent._post.get(path)
+                if handler is None:
+                    self._send(self._not_found(agent, path, method))
+                    return
+                body = self._read_body(agent.max_body)
+                response = self._call(handler, method, parts, body)
+        except RequestError as e:
+            response = Response(e.status, {"error": str(e)})
+        except Exception as e:
+            log.exception("event=http_handler_failed method=%s path=%s", method, path)
+            response = Response(500, {"error": f"{type(e).__name__}: {e}"})
+        self._send(response)
+
+    @staticmethod
+    def _not_found(agent: AgentHTTPServer, path: str, method: str) -> Response:
+        other = agent._post if method == "GET" else {**agent._get, **dict.fromkeys(BUILTIN_PATHS)}
+        if path in other:
+            return Response(405, {"error": f"{method} not allowed on {path}"})
+        return Response(404, {"error": f"no such endpoint: {path}"})
+
+    def _read_body(self, limit: int) -> bytes:
+        content_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+        if content_type != "application/json":
+            raise RequestError(415, "POST bodies must be sent as Content-Type: application/json")
+        length_text = self.headers.get("Content-Length")
+        if length_text is None:
+            raise RequestError(411, "Content-Length is required")
+        try:
+            length = int(length_text)
+        except ValueError:
+            raise RequestError(400, "Content-Length is not a number") from None
+        if length < 0 or length > limit:
+            raise RequestError(413, f"body larger than {limit} bytes")
+        return self.rfile.read(length)
+
+    def _call(self, handler: Handler, method: str, parts: urllib.parse.SplitResult, body: bytes) -> Response:
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "authorization"}
+        request = Request(method, parts.path, urllib.parse.parse_qs(parts.query), headers, body)
+        result = handler(request)
+        if isinstance(result, Response):
+            return result
+        return Response(200, {"ok": True} if result is None else dict(result))
+
+    def _send(self, response: Response) -> None:
+        body = response.body
+        if isinstance(body, bytes):
+            data, content_type = body, "application/octet-stream"
+        elif isinstance(body, str):
+            data, content_type = body.encode("utf-8"), "text/plain; charset=utf-8"
+        else:
+            data, content_type = (json.dumps(body, default=str) + "\n").encode("utf-8"), "application/json"
+        self.send_response(response.status)
+        self.send_header("Content-Type", response.content_type or content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Cache-Control", "no-store")
+        for name, value in response.headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    # The base class logs the raw request line to stderr; ours are structured and leave the query out.
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        path = urllib.parse.urlsplit(self.path).path if hasattr(self, "path") else "-"
+        command = getattr(self, "command", "-")
+        log.debug(
+            "event=http_request client=%s method=%s path=%s status=%s", self.client_address[0], command, path, code
+        )
+
+    def log_error(self, format: str, *args: Any) -> None:
+        # The arguments can hold the raw request line; the template says enough.
+        log.debug("event=http_error client=%s kind=%r", self.client_address[0], format)

@@ -1,0 +1,461 @@
+"""Prometheus metrics for the agent: a tiny thread-safe registry and the names dashboards and alerts use.
+
+Why not ``prometheus_client``: the agent needs counters, gauges and histograms with labels and the text
+exposition format 0.0.4, which is a page of code; one more dependency in every sidecar is not worth it.
+
+The names below are an interface: alerts and dashboards reference them, so they are exported as constants
+and changing one is a breaking change. :class:`AgentMetrics` creates all of them on a registry.
+
+==============================================  =========  ===========  =============================================
+name                                            type       labels       meaning
+==============================================  =========  ===========  =============================================
+``psguard_task_restarts_total``                 counter    task         times the agent started the task again
+``psguard_task_up``                             gauge      task         1 while the task's process runs
+``psguard_task_healthy``                        gauge      task         1 while the task passes its probes
+``psguard_crash_loop``                          gauge      task         1 once the agent gave up on a crash loop
+``psguard_probe_latency_seconds``               histogram  task, probe  time each probe took (failed ones too)
+``psguard_probe_failures_total``                counter    task, probe  probes that failed (timeout, refused, ...)
+``psguard_last_checkpoint_step``                gauge      tier         step of the newest checkpoint per tier
+                                                                        (``memory``, ``durable``)
+``psguard_last_checkpoint_timestamp_seconds``   gauge      tier         when it was taken (Unix time): alert on age
+``psguard_persist_lag_steps``                   gauge                   steps the durable tier is behind memory
+``psguard_persist_queue_depth``                 gauge                   captures waiting to be persisted
+``psguard_bytes_persisted_total``               counter                 bytes written to the durable log
+``psguard_recovery_seconds``                    gauge                   last recovery: failure to first new step
+``psguard_recoveries_total``                    counter                 recoveries completed
+``psguard_lost_steps_total``                    counter                 training steps redone after recoveries
+``psguard_checkpoint_stall_seconds``            histogram               training stall per save (the capture)
+==============================================  =========  ===========  =============================================
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import re
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from psguard.prober import Health, ProbeResult
+    from psguard.supervisor import SupervisorEvent
+
+__all__ = [
+    "BYTES_PERSISTED_TOTAL",
+    "CHECKPOINT_STALL_SECONDS",
+    "CONTENT_TYPE",
+    "CRASH_LOOP",
+    "LAST_CHECKPOINT_STEP",
+    "LAST_CHECKPOINT_TIMESTAMP_SECONDS",
+    "LOST_STEPS_TOTAL",
+    "PERSIST_LAG_STEPS",
+    "PERSIST_QUEUE_DEPTH",
+    "PROBE_FAILURES_TOTAL",
+    "PROBE_LATENCY_SECONDS",
+    "RECOVERIES_TOTAL",
+    "RECOVERY_SECONDS",
+    "TASK_HEALTHY",
+    "TASK_RESTARTS_TOTAL",
+    "TASK_UP",
+    "AgentMetrics",
+    "Counter",
+    "Gauge",
+    "Histogram",
+    "Registry",
+]
+
+TASK_RESTARTS_TOTAL = "psguard_task_restarts_total"
+TASK_UP = "psguard_task_up"
+TASK_HEALTHY = "psguard_task_healthy"
+CRASH_LOOP = "psguard_crash_loop"
+PROBE_LATENCY_SECONDS = "psguard_probe_latency_seconds"
+PROBE_FAILURES_TOTAL = "psguard_probe_failures_total"
+LAST_CHECKPOINT_STEP = "psguard_last_checkpoint_step"
+LAST_CHECKPOINT_TIMESTAMP_SECONDS = "psguard_last_checkpoint_timestamp_seconds"
+PERSIST_LAG_STEPS = "psguard_persist_lag_steps"
+PERSIST_QUEUE_DEPTH = "psguard_persist_queue_depth"
+BYTES_PERSISTED_TOTAL = "psguard_bytes_persisted_total"
+RECOVERY_SECONDS = "psguard_recovery_seconds"
+RECOVERIES_TOTAL = "psguard_recoveries_total"
+LOST_STEPS_TOTAL = "psguard_lost_steps_total"
+CHECKPOINT_STALL_SECONDS = "psguard_checkpoint_stall_seconds"
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Probes: a warm GetStatus takes ~0.3 ms, a frozen server the whole deadline.
+PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+# Checkpoint stalls: from a small delta (tens of ms) to a full 2M-row table (~1 s) and worse.
+STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+_NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
+_LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+
+
+def _format_value(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    if value == int(value) and abs(value) < 2**53:
+        return str(int(value))
+    return repr(float(value))
+
+
+def _escape_label(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _label_text(names: Sequence[str], values: Sequence[str], extra: tuple[str, str] | None = None) -> str:
+    pairs = [f'{n}="{_escape_label(v)}"' for n, v in zip(names, values, strict=True)]
+    if extra is not None:
+        pairs.append(f'{extra[0]}="{_escape_label(extra[1])}"')
+    return "{" + ",".join(pairs) + "}" if pairs else ""
+
+
+C = TypeVar("C")
+M = TypeVar("M", bound="_Metric[Any]")
+
+
+class _Metric(Generic[C]):
+    """A metric family: one child per combination of label values, created on first use."""
+
+    kind = ""
+
+    def __init__(self, name: str, help: str, labels: Sequence[str] = ()) -> None:
+        if not _NAME.match(name):
+            raise ValueError(f"invalid metric name {name!r}")
+        for label in labels:
+            if not _LABEL.match(label) or label.startswith("__"):
+                raise ValueError(f"invalid label name {label!r} for metric {name}")
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"metric {name} lists a label twice: {labels}")
+        self.name = name
+        self.help = help
+        self.label_names = tuple(labels)
+        self._lock = threading.Lock()
+        self._children: dict[tuple[str, ...], C] = {}
+        if not self.label_names:
+            self._children[()] = self._new_child()  # shown as 0 from the start, so rate() and alerts work
+
+    def labels(self, **values: str) -> C:
+        """The child for these label values (all of the metric's labels, by name)."""
+        if set(values) != set(self.label_names):
+            raise ValueError(f"metric {self.name} takes labels {self.label_names}, got {tuple(values)}")
+        key = tuple(str(values[n]) for n in self.label_names)
+        with self._lock:
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self._new_child()
+            return child
+
+    def remove(self, **values: str) -> None:
+        """Forget one label combination (a task that no longer exists)."""
+        key = tuple(str(values[n]) for n in self.label_names)
+        with self._lock:
+            self._children.pop(key, None)
+
+    def _unlabelled(self) -> C:
+        if self.label_names:
+            raise ValueError(f"metric {self.name} has labels {self.label_names}: use .labels(...)")
+        return self.labels()
+
+    def _new_child(self) -> C:
+        raise NotImplementedError
+
+    def _samples(self, child: C) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
+        raise NotImplementedError
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
+        with self._lock:
+            children = sorted(self._children.items())
+        for key, child in children:
+            for suffix, extra, value in self._samples(child):
+                lines.append(f"{self.name}{suffix}{_label_text(self.label_names, key, extra)} {_format_value(value)}")
+        return lines
+
+
+class _CounterChild:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError("a counter only goes up; use a gauge")
+        with self._lock:
+            self._value += amount
+
+    @property
+    def value(self) -> float:
+        with self._lock:
+            return self._value
+
+
+class Counter(_Metric[_CounterChild]):
+    kind = "counter"
+
+    def _new_child(self) -> _CounterChild:
+        return _CounterChild()
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._unlabelled().inc(amount)
+
+    @property
+    def value(self) -> float:
+        return self._unlabelled().value
+
+    def _samples(self, child: _CounterChild) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
+        return [("", None, child.value)]
+
+
+class _GaugeChild:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0.0
+        self._function: Callable[[], float] | None = None
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._value = float(value)
+            self._function = None
+
+    def inc(self, amount: float = 1.0) -> None:
+        with self._lock:
+            self._value += amount
+
+    def dec(self, amount: float = 1.0) -> None:
+        self.inc(-amount)
+
+    def set_function(self, function: Callable[[], float]) -> None:
+        """Read the value at scrape time (a queue's depth), instead of keeping it up to date by hand."""
+        with self._lock:
+            self._function = function
+
+    @property
+    def value(self) -> float:
+        with self._lock:
+            function, value = self._function, self._value
+        if function is None:
+            return value
+        try:
+            return float(function())
+        except Exception:
+            return math.nan
+
+
+class Gauge(_Metric[_GaugeChild]):
+    kind = "gauge"
+
+    def _new_child(self) -> _GaugeChild:
+        return _GaugeChild()
+
+    def set(self, value: float) -> None:
+        self._unlabelled().set(value)
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._unlabelled().inc(amount)
+
+    def dec(self, amount: float = 1.0) -> None:
+        self._unlabelled().dec(amount)
+
+    def set_function(self, function: Callable[[], float]) -> None:
+        self._unlabelled().set_function(function)
+
+    @property
+    def value(self) -> float:
+        return self._unlabelled().value
+
+    def _samples(self, child: _GaugeChild) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
+        return [("", None, child.value)]
+
+
+class _HistogramChild:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._lock = threading.Lock()
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        index = bisect.bisect_left(self._bounds, value)  # le: a value equal to a bound falls into it
+        with self._lock:
+            self._counts[index] += 1
+            self._sum += value
+
+    def snapshot(self) -> tuple[list[int], float]:
+        with self._lock:
+            return list(self._counts), self._sum
+
+
+class Histogram(_Metric[_HistogramChild]):
+    kind = "histogram"
+
+    def __init__(
+        self, name: str, help: str, labels: Sequence[str] = (), buckets: Sequence[float] = DEFAULT_BUCKETS
+    ) -> None:
+        if "le" in labels:
+            raise ValueError(f"histogram {name} cannot have a label named 'le'")
+        bounds = tuple(float(b) for b in buckets if not math.isinf(b))
+        if not bounds or list(bounds) != sorted(set(bounds)):
+            raise ValueError(f"histogram {name} needs increasing bucket bounds, got {buckets}")
+        super().__init__(name, help, labels)
+        self.buckets = bounds
+
+    def _new_child(self) -> _HistogramChild:
+        return _HistogramChild(self.buckets)
+
+    def observe(self, value: float) -> None:
+        self._unlabelled().observe(value)
+
+    def _samples(self, child: _HistogramChild) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
+        counts, total = child.snapshot()
+        cumulative = 0
+        out: list[tuple[str, tuple[str, str] | None, float]] = []
+        for bound, count in zip((*self.buckets, math.inf), counts, strict=True):
+            cumulative += count
+            out.append(("_bucket", ("le", _format_value(bound) if math.isinf(bound) else repr(bound)), cumulative))
+        out.append(("_sum", None, total))
+        out.append(("_count", None, cumulative))
+        return out
+
+
+class Registry:
+    """The metrics one agent exposes; :meth:`render` is the body of ``/metrics``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._metrics: dict[str, _Metric[Any]] = {}
+
+    def counter(self, name: str, help: str, labels: Sequence[str] = ()) -> Counter:
+        return self._add(Counter(name, help, labels))
+
+    def gauge(self, name: str, help: str, labels: Sequence[str] = ()) -> Gauge:
+        return self._add(Gauge(name, help, labels))
+
+    def histogram(
+        self, name: str, help: str, labels: Sequence[str] = (), buckets: Sequence[float] = DEFAULT_BUCKETS
+    ) -> Histogram:
+        return self._add(Histogram(name, help, labels, buckets))
+
+    def _add(self, metric: M) -> M:
+        with self._lock:
+            if metric.name in self._metrics:
+                raise ValueError(f"metric {metric.name} is already registered")
+            self._metrics[metric.name] = metric
+        return metric
+
+    def get(self, name: str) -> _Metric[Any]:
+        with self._lock:
+            return self._metrics[name]
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return sorted(self._metrics)
+
+    def render(self) -> str:
+        with self._lock:
+            metrics = [self._metrics[n] for n in sorted(self._metrics)]
+        lines: list[str] = []
+        for metric in metrics:
+            lines += metric.render()
+        return "\n".join(lines) + "\n"
+
+
+@dataclass(frozen=True)
+class AgentMetrics:
+    """Every standard psguard metric, created on one registry; plus the adapters the agent wires as callbacks."""
+
+    registry: Registry
+    task_restarts: Counter
+    task_up: Gauge
+    task_healthy: Gauge
+    crash_loop: Gauge
+    probe_latency: Histogram
+    probe_failures: Counter
+    last_checkpoint_step: Gauge
+    last_checkpoint_timestamp: Gauge
+    persist_lag_steps: Gauge
+    persist_queue_depth: Gauge
+    bytes_persisted: Counter
+    recovery_seconds: Gauge
+    recoveries: Counter
+    lost_steps: Counter
+    checkpoint_stall: Histogram
+
+    @classmethod
+    def create(cls, registry: Registry | None = None) -> AgentMetrics:
+        r = registry if registry is not None else Registry()
+        return cls(
+            registry=r,
+            task_restarts=r.counter(TASK_RESTARTS_TOTAL, "Times the agent started its task again.", ["task"]),
+            task_up=r.gauge(TASK_UP, "1 while the supervised task's process runs, else 0.", ["task"]),
+            task_healthy=r.gauge(TASK_HEALTHY, "1 while the task passes its health probes, else 0.", ["task"]),
+            crash_loop=r.gauge(CRASH_LOOP, "1 once the agent gave up on its task after a crash loop.", ["task"]),
+            probe_latency=r.histogram(
+                PROBE_LATENCY_SECONDS,
+                "Duration of each health probe, failed ones included.",
+                ["task", "probe"],
+                buckets=PROBE_BUCKETS,
+            ),
+            probe_failures=r.counter(PROBE_FAILURES_TOTAL, "Health probes that failed.", ["task", "probe"]),
+            last_checkpoint_step=r.gauge(
+                LAST_CHECKPOINT_STEP, "Training step of the newest checkpoint in each tier.", ["tier"]
+            ),
+            last_checkpoint_timestamp=r.gauge(
+                LAST_CHECKPOINT_TIMESTAMP_SECONDS, "Unix time of the newest checkpoint in each tier.", ["tier"]
+            ),
+            persist_lag_steps=r.gauge(PERSIST_LAG_STEPS, "Steps by which the durable tier trails the memory tier."),
+            persist_queue_depth=r.gauge(PERSIST_QUEUE_DEPTH, "Captures waiting to be written to the durable log."),
+            bytes_persisted=r.counter(BYTES_PERSISTED_TOTAL, "Bytes written to the durable log."),
+            recovery_seconds=r.gauge(
+                RECOVERY_SECONDS, "Last recovery: seconds from the failure to the first new step."
+            ),
+            recoveries=r.counter(RECOVERIES_TOTAL, "Recoveries completed."),
+            lost_steps=r.counter(LOST_STEPS_TOTAL, "Training steps redone because of recoveries."),
+            checkpoint_stall=r.histogram(
+                CHECKPOINT_STALL_SECONDS, "Training stall caused by each checkpoint save.", buckets=STALL_BUCKETS
+            ),
+        )
+
+    def on_supervisor_event(self, event: SupervisorEvent) -> None:
+        """``Supervisor(on_event=...)`` adapter: restarts, up, crash loop."""
+        kind = event.kind.value
+        task = event.task
+        if kind in ("started", "restarted"):
+            self.task_up.labels(task=task).set(1)
+            self.crash_loop.labels(task=task).set(0)
+            if kind == "restarted":
+                self.task_restarts.labels(task=task).inc()
+        elif kind == "exited":
+            self.task_up.labels(task=task).set(0)
+            self.task_healthy.labels(task=task).set(0)
+        elif kind == "gave_up":
+            self.crash_loop.labels(task=task).set(1)
+
+    def on_probe_result(self, task: str, result: ProbeResult) -> None:
+        """``HealthMonitor(on_result=...)`` adapter: latency and failures per probe."""
+        self.probe_latency.labels(task=task, probe=result.probe).observe(result.latency_seconds)
+        failures = self.probe_failures.labels(task=task, probe=result.probe)
+        if not result.ok:
+            failures.inc()
+
+    def on_health(self, task: str, health: Health) -> None:
+        """``HealthMonitor(on_health=...)`` adapter."""
+        self.task_healthy.labels(task=task).set(1 if health.value == "healthy" else 0)
+
+    def record_checkpoint(self, tier: str, step: int, timestamp: float) -> None:
+        self.last_checkpoint_step.labels(tier=tier).set(step)
+        self.last_checkpoint_timestamp.labels(tier=tier).set(timestamp)
+
+    def record_recovery(self, seconds: float, lost_steps: int) -> None:
+        self.recovery_seconds.set(seconds)
+        self.recoveries.inc()
+        self.lost_steps.inc(lost_steps)

@@ -1,0 +1,540 @@
+"""Is the task alive and useful? Probes with deadlines, and a monitor that acts on consecutive failures.
+
+Three layers, because each catches what the one below cannot:
+
+============================  ====================================================================
+:class:`ProcessProbe`         the process exists and runs (not gone, not a zombie, not stopped)
+:class:`TcpProbe`             its port accepts connections
+:class:`GrpcStatusProbe`      the TF server answers an RPC before the deadline
+============================  ====================================================================
+
+The last one is the point. A frozen PS (SIGSTOP, a wedged process, a machine swapping to death) keeps its
+listening socket: the kernel completes TCP handshakes into the backlog, so a port check passes forever while
+every training step hangs. Only a call that needs the server's own threads to answer fails, with
+``DEADLINE_EXCEEDED``. The call is ``/tensorflow.WorkerService/GetStatus`` with an empty request, sent as
+raw bytes through grpcio's generic API: no TensorFlow import in the agent (``import grpc`` costs ~35 ms and
+~30 MB; TensorFlow 2.5 s and 500 MB). :class:`HttpProbe` checks another agent's ``/readyz``.
+
+:class:`HealthMonitor` runs the probes on its own thread. Detection time of a freeze is at most about
+``interval + failure_threshold * deadline``: failing rounds are repeated every ``min(interval, deadline)``
+rather than every ``interval`` so that confirming a failure does not take longer than the deadlines it waits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import http.client
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Annotated, Any, Protocol
+
+from psguard.config import Check, Duration, validate
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = [
+    "GET_STATUS_METHOD",
+    "GrpcStatusProbe",
+    "Health",
+    "HealthMonitor",
+    "HealthReport",
+    "HttpProbe",
+    "MonitorConfig",
+    "MonitorStatus",
+    "Probe",
+    "ProbeResult",
+    "ProcessProbe",
+    "TcpProbe",
+]
+
+log = logging.getLogger(__name__)
+
+GET_STATUS_METHOD = "/tensorflow.WorkerService/GetStatus"
+"""Every ``tf.distribute.Server`` (PS, worker, chief) serves it; an empty request is a valid one."""
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe, once. ``code`` is a short machine-readable cause (``DEADLINE_EXCEEDED``, ``stopped``)."""
+
+    probe: str
+    ok: bool
+    latency_seconds: float
+    code: str = "ok"
+    error: str = ""
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "probe": self.probe,
+            "ok": self.ok,
+            "latency_seconds": self.latency_seconds,
+            "code": self.code,
+            "error": self.error,
+        }
+
+
+class Probe(Protocol):
+    """Anything the monitor can run: ``check`` never raises and never takes much longer than ``timeout``."""
+
+    name: str
+
+    def check(self, timeout: float) -> ProbeResult: ...
+
+    def close(self) -> None: ...
+
+
+class _Failed(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class _BaseProbe:
+    """Times ``_check`` and turns every exception into a failed result: a probe must not kill its monitor."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def check(self, timeout: float) -> ProbeResult:
+        start = time.perf_counter()
+        try:
+            self._check(max(timeout, 0.001))
+        except _Failed as e:
+            return ProbeResult(self.name, False, time.perf_counter() - start, e.code, str(e))
+        except Exception as e:
+            return ProbeResult(self.name, False, time.perf_counter() - start, type(e).__name__, str(e) or repr(e))
+        return ProbeResult(self.name, True, time.perf_counter() - start)
+
+    def _check(self, timeout: float) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release connections; the probe can still be used afterwards (it reconnects)."""
+
+
+class ProcessProbe(_BaseProbe):
+    """The task's process exists and is runnable. ``pid`` is a callable so it follows restarts."""
+
+    def __init__(self, pid: Callable[[], int | None] | int, *, name: str = "process") -> None:
+        super().__init__(name)
+        self._pid = pid if callable(pid) else (lambda: pid)
+
+    def _check(self, timeout: float) -> None:
+        pid = self._pid()
+        if pid is None:
+            raise _Failed("no_process", "no task process is running")
+        if not sys.platform.startswith("linux"):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                raise _Failed("no_process", f"process {pid} does not exist") from None
+            return
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+        except FileNotFoundError:
+            raise _Failed("no_process", f"process {pid} does not exist") from None
+        state = stat.rsplit(b")", 1)[1].split()[0].decode()
+        if state in ("Z", "X"):
+            raise _Failed("exited", f"process {pid} has exited (state {state})")
+        if state in ("T", "t"):
+            raise _Failed("stopped", f"process {pid} is stopped (SIGSTOP or a debugger)")
+
+
+class TcpProbe(_BaseProbe):
+    """The port accepts TCP connections. Passes for a frozen process: see the module docstring."""
+
+    def __init__(self, host: str, port: int, *, name: str = "tcp") -> None:
+        super().__init__(name)
+        self.host, self.port = host, port
+
+    def _check(self, timeout: float) -> None:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=timeout):
+                pass
+        except TimeoutError:
+            raise _Failed("timeout", f"no TCP connection to {self.host}:{self.port} within {timeout:.3g}s") from None
+        except ConnectionRefusedError:
+            raise _Failed("refused", f"connection to {self.host}:{self.port} refused") from None
+        except OSError as e:
+            raise _Failed("error", f"cannot connect to {self.host}:{self.port}: {e}") from None
+
+
+class GrpcStatusProbe(_BaseProbe):
+    """A ``GetStatus`` RPC to a ``tf.distribute.Server`` at ``target`` (``host:port``), with a deadline.
+
+    The channel is kept between checks (a warm call costs ~0.3 ms) and dropped after any failure, so a
+    server restarted on the same address is reached at once instead of after gRPC's reconnect backoff.
+    """
+
+    def __init__(self, target: str, *, name: str = "rpc", method: str = GET_STATUS_METHOD) -> None:
+        super().__init__(name)
+        import grpc  # here, not at module level: modules that only import the monitor should not pay for it
+
+        self._grpc = grpc
+        self.target = target.removeprefix("grpc://")
+        self.method = method
+        self._lock = threading.Lock()
+        self._channel: Any = None
+        self._call: Any = None
+
+    def _check(self, timeout: float) -> None:
+        grpc = self._grpc
+        with self._lock:
+            if self._channel is None:
+                self._channel = grpc.insecure_channel(
+                    self.target,
+                    options=[
+                        ("grpc.enable_retries", 0),
+                        ("grpc.initial_reconnect_backoff_ms", 100),
+                        ("grpc.min_reconnect_backoff_ms", 100),
+                        ("grpc.max_reconnect_backoff_ms", 1000),
+                    ],
+                )
+                # No (de)serializers: bytes in, bytes out. An empty message is a valid GetStatusRequest.
+                self._call = self._channel.unary_unary(self.method)
+            call = self._call
+        try:
+            call(b"", timeout=timeout)
+        except grpc.RpcError as e:
+            self.close()
+            code = e.code() if hasattr(e, "code") else None
+            name = code.name if code is not None else "UNKNOWN"
+            details = e.details() if hasattr(e, "details") else str(e)
+            if name == "DEADLINE_EXCEEDED":
+                details = f"no answer within {timeout:.3g}s (frozen or overloaded server)"
+            elif name == "UNIMPLEMENTED":
+                details = f"{self.method} is not served here: is {self.target} a tf.distribute.Server?"
+            raise _Failed(name, f"{self.method} on {self.target}: {name}: {details}") from None
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        with self._lock:
+            channel, self._channel, self._call = self._channel, None, None
+        if channel is not None:
+            channel.close()
+
+
+class HttpProbe(_BaseProbe):
+    """``GET url`` answers 2xx within the deadline (another agent's ``/readyz``).
+
+    ``headers`` may carry a bearer token; it is sent, never logged or put into an error message.
+    """
+
+    def __init__(self, url: str, *, name: str = "http", headers: Mapping[str, str] | None = None) -> None:
+        super().__init__(name)
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"HttpProbe needs an http:// or https:// URL, got {url!r}")
+        self.url = url
+        self._parts = parts
+        self._headers = dict(headers or {})
+
+    def _check(self, timeout: float) -> None:
+        parts = self._parts
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = cls(parts.hostname or "", parts.port, timeout=timeout)
+        deadline = time.monotonic() + timeout
+        path = parts.path or "/"
+        if parts.query:
+            path += "?" + parts.query
+        try:
+            conn.request("GET", path, headers=self._headers)
+            response = conn.getresponse()
+            response.read(64 * 1024)
+            status = response.status
+        except TimeoutError:
+            raise _Failed("timeout", f"GET {self.url}: no answer within {timeout:.3g}s") from None
+        except ConnectionRefusedError:
+            raise _Failed("refused", f"GET {self.url}: connection refused") from None
+        except (OSError, http.client.HTTPException) as e:
+            raise _Failed("error", f"GET {self.url}: {type(e).__name__}: {e}") from None
+        finally:
+            conn.close()
+        if time.monotonic() > deadline:
+            raise _Failed("timeout", f"GET {self.url}: answered after the {timeout:.3g}s deadline")
+        if not 200 <= status < 300:
+            raise _Failed(f"http_{status}", f"GET {self.url}: HTTP {status}")
+
+
+# ----------------------------------------------------------------------------------------------- monitor
+
+
+class Health(enum.StrEnum):
+    STARTING = "starting"  # since start() or reset(): failures are expected until the first success
+    HEALTHY = "healthy"
+    UNHEALTHY = "unhealthy"
+    STOPPED = "stopped"
+    FAILED = "failed"  # the monitor itself broke; see stop()
+
+
+@dataclass(frozen=True)
+class HealthReport:
+    """Why a task was declared unhealthy; handed to ``on_unhealthy``."""
+
+    task: str
+    reason: str
+    consecutive_failures: int
+    last: ProbeResult | None
+
+
+@dataclass(frozen=True)
+class MonitorStatus:
+    task: str
+    health: Health
+    consecutive_failures: int
+    rounds: int
+    unhealthy_count: int  # how many times on_unhealthy fired
+    last_results: tuple[ProbeResult, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "task": self.task,
+            "health": self.health.value,
+            "consecutive_failures": self.consecutive_failures,
+            "rounds": self.rounds,
+            "unhealthy_count": self.unhealthy_count,
+            "probes": [r.to_dict() for r in self.last_results],
+        }
+
+
+def _positive(x: float) -> bool:
+    return x > 0
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """Probe timing, as the agent's YAML section ``probe:``."""
+
+    interval: Annotated[Duration, Check(_positive, "> 0")] = 1.0
+    deadline: Annotated[Duration, Check(_positive, "> 0")] = 1.0
+    failure_threshold: Annotated[int, Check(lambda n: n >= 1, ">= 1")] = 3
+    startup_timeout: Annotated[Duration, Check(_positive, "> 0")] = 120.0
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+class HealthMonitor:
+    """Run ``probes`` in order every ``interval``; ``failure_threshold`` failed rounds in a row → unhealthy.
+
+    A round stops at its first failing probe (the lowest broken layer is the cause) and all its probes share
+    one ``deadline``. ``on_unhealthy`` fires on the monitor's thread when the threshold is reached, and again
+    after each further ``failure_threshold`` failed rounds while the task stays broken. After a restart,
+    call :meth:`reset`: failures then do not count until the task has answered once, or until
+    ``startup_timeout`` has passed (which fires ``on_unhealthy`` too: a task that never comes up is broken).
+    ``on_result(task, result)`` sees every probe result (latency metrics), ``on_health(task, health)`` every
+    change of :class:`Health`. The monitor owns the probes and
+    closes them when it stops. Exceptions from callbacks are logged and do not stop monitoring.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        probes: Sequence[Probe],
+        *,
+        interval: float = 1.0,
+        deadline: float = 1.0,
+        failure_threshold: int = 3,
+        startup_timeout: float = 120.0,
+        on_unhealthy: Callable[[HealthReport], None] | None = None,
+        on_result: Callable[[str, ProbeResult], None] | None = None,
+        on_health: Callable[[str, Health], None] | None = None,
+    ) -> None:
+        if not probes:
+            raise ValueError("HealthMonitor needs at least one probe")
+        self.config = MonitorConfig(
+            interval=interval, deadline=deadline, failure_threshold=failure_threshold, startup_timeout=startup_timeout
+        )
+        self.task = task
+        self._probes = tuple(probes)
+        self._on_unhealthy = on_unhealthy
+        self._on_result = on_result
+        self._on_health = on_health
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._health = Health.STARTING
+        self._since = time.monotonic()
+        self._failures = 0
+        self._rounds = 0
+        self._unhealthy_count = 0
+        self._last: tuple[ProbeResult, ...] = ()
+
+    @classmethod
+    def from_config(cls, task: str, probes: Sequence[Probe], config: MonitorConfig, **kwargs: Any) -> HealthMonitor:
+        return cls(
+            task,
+            probes,
+            interval=config.interval,
+            deadline=config.deadline,
+            failure_threshold=config.failure_threshold,
+            startup_timeout=config.startup_timeout,
+            **kwargs,
+        )
+
+    def start(self) -> Self:
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError(f"health monitor for {self.task} was already started")
+            self._since = time.monotonic()
+            self._thread = threading.Thread(target=self._run, name=f"psguard-monitor-{self.task}", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop probing and close the probes; re-raise whatever broke the monitor's thread.
+
+        Returns within about one ``deadline`` (a probe in flight is not interrupted).
+        """
+        self._stop.set()
+        thread = self._thread
+        if thread is not None:
+            thread.join(self.config.deadline + 10.0 if timeout is None else timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"health monitor for {self.task} did not stop")
+        for probe in self._probes:
+            with contextlib.suppress(Exception):
+                probe.close()
+        with self._lock:
+            if self._health is not Health.FAILED:
+                self._health = Health.STOPPED
+        if self._error is not None:
+            raise self._error
+
+    def reset(self) -> None:
+        """The task was (re)started: back to STARTING, forget counted failures."""
+        with self._lock:
+            if self._health in (Health.STOPPED, Health.FAILED):
+                return
+            before, self._health = self._health, Health.STARTING
+            self._since = time.monotonic()
+            self._failures = 0
+        if before is not Health.STARTING:
+            self._call(self._on_health, "on_health", self.task, Health.STARTING)
+
+    @property
+    def healthy(self) -> bool:
+        with self._lock:
+            return self._health is Health.HEALTHY
+
+    @property
+    def health(self) -> Health:
+        with self._lock:
+            return self._health
+
+    def status(self) -> MonitorStatus:
+        with self._lock:
+            return MonitorStatus(
+                task=self.task,
+                health=self._health,
+                consecutive_failures=self._failures,
+                rounds=self._rounds,
+                unhealthy_count=self._unhealthy_count,
+                last_results=self._last,
+            )
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        try:
+            next_start = time.monotonic()
+            while not self._stop.wait(max(0.0, next_start - time.monotonic())):
+                round_start = time.monotonic()
+                ok = self._round()
+                step = self.config.interval if ok else min(self.config.interval, self.config.deadline)
+                next_start = round_start + step
+        except BaseException as e:
+            log.exception("event=monitor_failed task=%s", self.task)
+            self._error = e
+            with self._lock:
+                self._health = Health.FAILED
+
+    def _round(self) -> bool:
+        deadline = time.monotonic() + self.config.deadline
+        results: list[ProbeResult] = []
+        for probe in self._probes:
+            result = probe.check(deadline - time.monotonic())
+            results.append(result)
+            self._call(self._on_result, "on_result", self.task, result)
+            if not result.ok:
+                break
+        ok = all(r.ok for r in results)
+        before = self.health
+        report = self._update(ok, tuple(results))
+        after = self.health
+        if after is not before:
+            self._call(self._on_health, "on_health", self.task, after)
+        if report is not None:
+            log.warning(
+                "event=unhealthy task=%s failures=%d probe=%s code=%s reason=%r",
+                self.task,
+                report.consecutive_failures,
+                report.last.probe if report.last else "-",
+                report.last.code if report.last else "-",
+                report.reason,
+            )
+            self._call(self._on_unhealthy, "on_unhealthy", report)
+        return ok
+
+    def _update(self, ok: bool, results: tuple[ProbeResult, ...]) -> HealthReport | None:
+        """Advance the state machine under the lock; the report to fire, if any."""
+        now = time.monotonic()
+        with self._lock:
+            self._rounds += 1
+            self._last = results
+            previous = self._health
+            if ok:
+                self._failures = 0
+                self._health = Health.HEALTHY
+                if previous is not Health.HEALTHY:
+                    log.info("event=healthy task=%s was=%s", self.task, previous.value)
+                return None
+            last = results[-1] if results else None
+            if previous is Health.STARTING:
+                if now - self._since < self.config.startup_timeout:
+                    return None
+                reason = f"not healthy within the startup timeout of {self.config.startup_timeout:g}s"
+                failures = 1
+            else:
+                self._failures += 1
+                if self._failures < self.config.failure_threshold:
+                    return None
+                failures = self._failures
+                reason = f"{failures} probe rounds failed in a row"
+            if last is not None:
+                reason += f"; last: {last.probe}: {last.error}"
+            self._health = Health.UNHEALTHY
+            self._failures = 0
+            self._since = now
+            self._unhealthy_count += 1
+            return HealthReport(self.task, reason, failures, last)
+
+    def _call(self, callback: Callable[..., None] | None, what: str, *args: Any) -> None:
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:
+            log.exception("event=callback_failed task=%s callback=%s", self.task, what)

@@ -1,0 +1,745 @@
+"""Keep one task process running: start it, restart it when it dies, give up on a crash loop, stop it cleanly.
+
+An agent supervises exactly one task (a PS, a worker, or the trainer on the chief). The task runs in its own
+process group so that a stop or a kill reaches everything it started, and with a parent-death signal so that
+it dies with the agent even when the agent is killed with SIGKILL and can run no clean-up: a PS that outlived
+its agent would hold its port and ~600 MB, and the agent's successor could not start the task again.
+
+Exit codes are the task's way to talk to its supervisor:
+
+==============  =====================================================================================
+``0``           the task finished its job: nothing is restarted and the supervisor is done
+``75``          :data:`EXIT_RESTART` (``EX_TEMPFAIL``): "restart me now". The trainer exits with it after a
+                PS failure when it cannot rejoin in-process. Restarted at once, not counted as a crash
+other           a crash: restarted after an exponential backoff; ``crash_loop_limit`` crashes within
+                ``crash_loop_window`` seconds end supervision with :class:`~psguard.errors.CrashLoopError`
+==============  =====================================================================================
+
+A run killed by :meth:`Supervisor.restart` (a probe found the task hung) counts as a crash, so a task that
+keeps freezing ends in a crash loop too, but it is started again without waiting: the hang already cost time.
+
+All spawning happens on the supervisor's own thread. That is not a style choice: Linux delivers the
+parent-death signal when the *thread* that forked the child exits, so a child started from a short-lived
+thread (a probe's, an HTTP request's) would be killed as soon as that thread finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import functools
+import logging
+import os
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import IO, TYPE_CHECKING, Annotated
+
+from psguard.config import Check, Duration, validate
+from psguard.errors import CrashLoopError, PsguardError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = [
+    "EXIT_OK",
+    "EXIT_RESTART",
+    "EventKind",
+    "SpawnError",
+    "Supervisor",
+    "SupervisorConfig",
+    "SupervisorEvent",
+    "SupervisorState",
+    "SupervisorStatus",
+    "describe_exit",
+]
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+"""The task finished: the supervisor does not restart it and is done."""
+
+EXIT_RESTART = 75
+"""``EX_TEMPFAIL`` from ``sysexits.h``: restart me now, this is not a crash (the trainer after a PS failure)."""
+
+# Exit code recorded for a run that could not even be started (the shell's "command not found").
+_EXIT_SPAWN_FAILED = 127
+
+# Parent-death signal without ``preexec_fn`` (unsafe in a threaded process: the child may deadlock on a lock
+# another thread held at fork). ``setpriv`` sets it and execs; the shell then checks that the parent is still
+# the agent, because a parent that died between fork and prctl would never send the signal.
+_PPID_GUARD = '[ "$PPID" = "$0" ] || exit 1; exec "$@"'
+
+
+class SpawnError(PsguardError):
+    """The task's command could not be started at all (no such file, not executable, bad working directory)."""
+
+
+class SupervisorState(enum.StrEnum):
+    IDLE = "idle"  # not started yet
+    RUNNING = "running"
+    BACKOFF = "backoff"  # waiting before the next start after a crash
+    STOPPING = "stopping"
+    STOPPED = "stopped"  # stop() was called; final
+    COMPLETED = "completed"  # the task exited 0; final
+    GAVE_UP = "gave_up"  # crash loop; final
+    FAILED = "failed"  # the supervisor itself hit an unexpected error; final
+
+
+_FINAL = frozenset(
+    {SupervisorState.STOPPED, SupervisorState.COMPLETED, SupervisorState.GAVE_UP, SupervisorState.FAILED}
+)
+
+
+class EventKind(enum.StrEnum):
+    STARTED = "started"  # first start
+    RESTARTED = "restarted"  # every later start; ``reason`` says why
+    EXITED = "exited"  # a run ended; ``exit_code`` (negative: killed by that signal) and ``reason``
+    COMPLETED = "completed"  # exit 0, supervision over
+    STOPPED = "stopped"  # stop() finished, supervision over
+    GAVE_UP = "gave_up"  # crash loop, supervision over; ``reason`` is the CrashLoopError message
+
+
+@dataclass(frozen=True)
+class SupervisorEvent:
+    """One line of a task's history, for metrics and the agent's ``/status``."""
+
+    kind: EventKind
+    task: str
+    time: float  # wall clock, seconds since the epoch
+    pid: int | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    restarts: int = 0
+    run_seconds: float | None = None  # for EXITED: how long that run lasted
+    backoff_seconds: float | None = None  # for EXITED: the wait before the next start (0: at once)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value,
+            "task": self.task,
+            "time": self.time,
+            "pid": self.pid,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "restarts": self.restarts,
+            "run_seconds": self.run_seconds,
+            "backoff_seconds": self.backoff_seconds,
+        }
+
+
+@dataclass(frozen=True)
+class SupervisorStatus:
+    """A consistent snapshot of a supervisor, taken under its lock."""
+
+    task: str
+    state: SupervisorState
+    pid: int | None
+    restarts: int
+    last_exit_code: int | None
+    uptime_seconds: float | None  # of the current run; None when no process runs
+    crashes_in_window: int
+    last_reason: str
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "task": self.task,
+            "state": self.state.value,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "last_exit_code": self.last_exit_code,
+            "uptime_seconds": self.uptime_seconds,
+            "crashes_in_window": self.crashes_in_window,
+            "last_reason": self.last_reason,
+        }
+
+
+def _positive(x: float) -> bool:
+    return x > 0
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """The restart policy, as the agent's YAML section ``supervisor:`` (see :mod:`psguard.config`)."""
+
+    backoff_initial: Annotated[Duration, Check(_positive, "> 0")] = 0.5
+    backoff_max: Annotated[Duration, Check(_positive, "> 0")] = 30.0
+    backoff_reset_after: Duration = 60.0  # a run at least this long resets the backoff to backoff_initial
+    crash_loop_limit: Annotated[int, Check(lambda n: n >= 1, ">= 1")] = 5
+    crash_loop_window: Annotated[Duration, Check(_positive, "> 0")] = 300.0
+    stop_timeout: Duration = 10.0  # SIGTERM, then SIGKILL after this long
+    restart_codes: tuple[int, ...] = (EXIT_RESTART,)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError(
+                f"backoff_max: expected >= backoff_initial ({self.backoff_initial}), got {self.backoff_max}"
+            )
+        if 0 in self.restart_codes:
+            raise ValueError("restart_codes: 0 means the task finished and cannot also mean 'restart me'")
+
+
+def describe_exit(code: int | None) -> str:
+    """``1``, ``-9 (SIGKILL)``: exit codes as people read them in an error message."""
+    if code is None:
+        return "none"
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return str(code)
+    return str(code)
+
+
+@functools.cache
+def _setpriv() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    path = shutil.which("setpriv")
+    if path is None:
+        log.warning("event=no_pdeathsig reason='setpriv (util-linux) not found: a task may outlive a killed agent'")
+    return path
+
+
+def _pdeathsig_prefix() -> list[str]:
+    """The command prefix that makes the task die with the agent, or ``[]`` where that is not possible."""
+    setpriv = _setpriv()
+    if setpriv is None:
+        return []
+    return [setpriv, "--pdeathsig", "KILL", "--", "/bin/sh", "-c", _PPID_GUARD, str(os.getpid())]
+
+
+def _check_executable(program: str, env: Mapping[str, str] | None, cwd: str | os.PathLike[str] | None) -> None:
+    """Raise ``FileNotFoundError`` / ``PermissionError`` as ``exec`` would, before the wrapper hides it.
+
+    With the parent-death wrapper a missing program is only noticed by the shell (exit 127), which would look
+    like a crash loop instead of the plain error it is.
+    """
+    if os.sep in program:
+        path = Path(cwd or ".") / program
+        if not path.is_file():
+            raise FileNotFoundError(2, "No such file", str(path))
+        if not os.access(path, os.X_OK):
+            raise PermissionError(13, "Not executable", str(path))
+        return
+    search = (env if env is not None else os.environ).get("PATH", os.defpath)
+    if shutil.which(program, path=search) is None:
+        raise FileNotFoundError(2, "No such program on PATH", program)
+
+
+class _Request(enum.Enum):
+    STOP = "stop"
+    RESTART = "restart"
+    EXITED = "exited"
+    TIMEOUT = "timeout"
+
+
+class Supervisor:
+    """Run ``cmd`` and keep it running until it completes, is stopped, or crash-loops.
+
+    :meth:`start` returns once the first process runs (or raises :class:`SpawnError`); the supervision then
+    goes on in the supervisor's thread. :meth:`result` waits for the end and returns the last exit code, or
+    raises :class:`~psguard.errors.CrashLoopError` (or whatever broke the supervisor). :meth:`stop` ends it
+    gracefully and may be called at any time, also after the end, and from ``finally``.
+
+    ``env`` is the task's whole environment, as with :mod:`subprocess` (``None``: this process's).
+    ``log_path``: append the task's stdout and stderr there (``None``: inherit the agent's).
+    ``on_event`` is called on the supervisor's thread for every :class:`SupervisorEvent`; an exception in it
+    is logged and does not stop supervision.
+    """
+
+    def __init__(
+        self,
+        cmd: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: str | os.PathLike[str] | None = None,
+        name: str | None = None,
+        backoff_initial: float = 0.5,
+        backoff_max: float = 30.0,
+        backoff_reset_after: float = 60.0,
+        crash_loop_limit: int = 5,
+        crash_loop_window: float = 300.0,
+        stop_timeout: float = 10.0,
+        restart_codes: Sequence[int] = (EXIT_RESTART,),
+        on_event: Callable[[SupervisorEvent], None] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        pdeathsig: bool = True,
+    ) -> None:
+        if not cmd:
+            raise ValueError("Supervisor needs a command to run")
+        # Validates the numbers with the same messages a config file would get.
+        self.config = SupervisorConfig(
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            backoff_reset_after=backoff_reset_after,
+            crash_loop_limit=crash_loop_limit,
+            crash_loop_window=crash_loop_window,
+            stop_timeout=stop_timeout,
+            restart_codes=tuple(restart_codes),
+        )
+        self.cmd = tuple(cmd)
+        self.name = name or Path(self.cmd[0]).name
+        self._env = dict(env) if env is not None else None
+        self._cwd = cwd
+        self._on_event = on_event
+        self._log_path = Path(log_path) if log_path is not None else None
+        self._pdeathsig = pdeathsig
+
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._first_spawn = threading.Event()
+        self._done = threading.Event()
+        self._restart_reason: str | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._spawn_error: SpawnError | None = None
+
+        self._state = SupervisorState.IDLE
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._last_pid: int | None = None  # of the latest run, kept after it is reaped for the exit event
+        self._run_started: float | None = None
+        self._restarts = 0
+        self._last_exit: int | None = None
+        self._last_reason = ""
+        self._crashes: collections.deque[tuple[float, int]] = collections.deque()
+        self._backoff = self.config.backoff_initial
+        self._log_file: IO[bytes] | None = None
+
+    @classmethod
+    def from_config(cls, cmd: Sequence[str], config: SupervisorConfig, **kwargs: object) -> Supervisor:
+        """A supervisor with the policy from a config file; ``kwargs`` are the other constructor arguments."""
+        return cls(
+            cmd,
+            backoff_initial=config.backoff_initial,
+            backoff_max=config.backoff_max,
+            backoff_reset_after=config.backoff_reset_after,
+            crash_loop_limit=config.crash_loop_limit,
+            crash_loop_window=config.crash_loop_window,
+            stop_timeout=config.stop_timeout,
+            restart_codes=config.restart_codes,
+            **kwargs,  # type: ignore[arg-type]
+        )
+
+    # ------------------------------------------------------------------------------------------ control
+
+    def start(self) -> Self:
+        """Start the task and return once its first process runs; raise :class:`SpawnError` if it cannot."""
+        with self._lock:
+            if self._thread is not None or self._state is not SupervisorState.IDLE:
+                raise RuntimeError(f"supervisor {self.name} was already started or stopped; make a new one")
+            self._thread = threading.Thread(target=self._run, name=f"psguard-supervisor-{self.name}", daemon=True)
+        self._thread.start()
+        self._first_spawn.wait()
+        if self._spawn_error is not None:
+            self._thread.join()
+            raise self._spawn_error
+        return self
+
+    def stop(self, timeout: float | None = None) -> SupervisorStatus:
+        """SIGTERM the task's process group, SIGKILL it after ``stop_timeout``, reap, end supervision.
+
+        Safe to call more than once, before :meth:`start`, and after supervision ended by itself. It does not
+        raise the crash-loop error; :meth:`result` does. ``timeout`` bounds the wait for the supervisor's
+        thread (default: ``stop_timeout`` plus 30 s for reaping).
+        """
+        self._stop.set()
+        self._wake()
+        thread = self._thread
+        if thread is None:
+            with self._lock:
+                if self._state is SupervisorState.IDLE:
+                    self._state = SupervisorState.STOPPED
+                    self._done.set()
+                    self._close_wake_pipe()
+        else:
+            thread.join(self.config.stop_timeout + 30.0 if timeout is None else timeout)
+            if thread.is_alive():
+                raise TimeoutError(f"supervisor {self.name} did not stop within its timeout")
+        return self.status()
+
+    def restart(self, reason: str) -> bool:
+        """Kill the task's process group with SIGKILL and start the command again, on the supervisor's thread.
+
+        For a task that is alive but useless (a probe's deadline passed). Returns at once: ``False`` when
+        there is nothing to restart (not started, or supervision is over). During a backoff it starts the
+        task now.
+        """
+        with self._lock:
+            if self._thread is None or self._state in _FINAL or self._stop.is_set():
+                return False
+            self._restart_reason = reason or "restart requested"
+        self._wake()
+        return True
+
+    def result(self, timeout: float | None = None) -> int | None:
+        """Wait for supervision to end; the last exit code, or raise what ended it (:class:`CrashLoopError`)."""
+        if self._thread is None and not self._done.is_set():
+            raise RuntimeError(f"supervisor {self.name} was never started")
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"supervisor {self.name} still running after {timeout}s")
+        if self._error is not None:
+            raise self._error
+        with self._lock:
+            return self._last_exit
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def status(self) -> SupervisorStatus:
+        with self._lock:
+            now = time.monotonic()
+            self._prune_crashes(now)
+            running = self._proc is not None and self._run_started is not None
+            return SupervisorStatus(
+                task=self.name,
+                state=self._state,
+                pid=self._proc.pid if self._proc is not None else None,
+                restarts=self._restarts,
+                last_exit_code=self._last_exit,
+                uptime_seconds=(now - self._run_started) if running and self._run_started is not None else None,
+                crashes_in_window=len(self._crashes),
+                last_reason=self._last_reason,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        """PID of the running task process (also its process group id), ``None`` between runs."""
+        with self._lock:
+            return self._proc.pid if self._proc is not None else None
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------------ the thread
+
+    def _run(self) -> None:
+        try:
+            self._supervise()
+        except CrashLoopError as e:
+            self._error = e
+        except BaseException as e:  # a bug or an OS failure: keep it for result(), never lose it
+            log.exception("event=supervisor_failed task=%s", self.name)
+            self._error = e
+            with self._lock:
+                self._state = SupervisorState.FAILED
+        finally:
+            try:
+                self._kill_group_and_reap(signal.SIGKILL)
+            finally:
+                self._first_spawn.set()
+                with self._lock:
+                    self._close_wake_pipe()
+                self._done.set()
+
+    def _supervise(self) -> None:
+        reason = ""
+        while True:
+            if self._spawn(reason):
+                request = self._wait(None)
+                if request is _Request.STOP:
+                    self._finish_stop()
+                    return
+                if request is _Request.RESTART:
+                    why = self._take_restart_reason()
+                    code = self._kill_group_and_reap(signal.SIGKILL)
+                    self._crashed(code, f"killed to restart: {why}", self._end_run(), delay=0.0)
+                    reason = why
+                    continue
+                code = self._kill_group_and_reap(signal.SIGKILL)  # the leader is gone: clear what it left
+                run: float | None = self._end_run()
+                why = f"exited {describe_exit(code)}"
+            elif self._spawn_error is not None:  # the very first start failed: start() raises it
+                self._error = self._spawn_error
+                with self._lock:
+                    self._state = SupervisorState.FAILED
+                return
+            else:
+                code, run, why = _EXIT_SPAWN_FAILED, None, self._last_reason
+            if code == EXIT_OK:
+                self._emit_exit(code, "finished", run, backoff=None)
+                with self._lock:
+                    self._state = SupervisorState.COMPLETED
+                self._emit(EventKind.COMPLETED, exit_code=code, reason="the task finished (exit 0)")
+                return
+            if code in self.config.restart_codes:
+                self._emit_exit(code, f"exit {code} asks for a restart", run, backoff=0.0)
+                reason = f"exit {code} asked for a restart"
+                continue
+            if run is not None and run >= self.config.backoff_reset_after:
+                self._backoff = self.config.backoff_initial  # it ran long enough: not the same crash again
+            delay = self._backoff
+            self._backoff = min(self._backoff * 2, self.config.backoff_max)
+            self._crashed(code, why, run, delay=delay)
+            reason = f"after a crash ({why})"
+            with self._lock:
+                self._state = SupervisorState.BACKOFF
+            request = self._wait(delay, watch_process=False)
+            if request is _Request.STOP:
+                self._finish_stop()
+                return
+            if request is _Request.RESTART:
+                reason = self._take_restart_reason()
+
+    def _spawn(self, reason: str) -> bool:
+        """Start one run. False when it failed; the first failure is kept for :meth:`start` to raise."""
+        first = not self._first_spawn.is_set()
+        cmd = (_pdeathsig_prefix() if self._pdeathsig else []) + list(self.cmd)
+        try:
+            _check_executable(self.cmd[0], self._env, self._cwd)
+            if self._cwd is not None and not Path(self._cwd).is_dir():
+                raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
+            if self._log_path is not None:
+                self._log_path.parent.mkdir(parents=True, exist_ok=True)
+                self._log_file = open(self._log_path, "ab")  # noqa: SIM115 - lives as long as the run
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT if self._log_file is not None else None,
+                env=self._env,
+                cwd=self._cwd,
+                start_new_session=True,
+            )
+        except OSError as e:
+            self._close_log()
+            message = f"cannot start task {self.name}: {shlex.join(self.cmd)}: {e}"
+            with self._lock:
+                self._last_reason = message
+            log.error("event=spawn_failed task=%s error=%r", self.name, str(e))
+            if first:
+                self._spawn_error = SpawnError(message)
+                self._spawn_error.__cause__ = e
+                self._first_spawn.set()
+            return False
+        with self._lock:
+            self._proc = proc
+            self._last_pid = proc.pid
+            self._run_started = time.monotonic()
+            self._state = SupervisorState.RUNNING
+            if not first:
+                self._restarts += 1
+            restarts = self._restarts
+        if first:
+            log.info("event=started task=%s pid=%d cmd=%r", self.name, proc.pid, shlex.join(self.cmd))
+            self._first_spawn.set()
+            self._emit(EventKind.STARTED, pid=proc.pid, restarts=restarts)
+        else:
+            log.info("event=restarted task=%s pid=%d restarts=%d reason=%r", self.name, proc.pid, restarts, reason)
+            self._emit(EventKind.RESTARTED, pid=proc.pid, reason=reason, restarts=restarts)
+        return True
+
+    def _wait(self, timeout: float | None, *, watch_process: bool = True) -> _Request:
+        """Block until the run exits, stop or restart is asked for, or ``timeout`` passes.
+
+        The process is watched through a pidfd, which turns readable when it exits but leaves it unreaped:
+        until we reap it its pid, and so its process group id, cannot be reused, which makes the group kill
+        that follows safe.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        proc = self._proc if watch_process else None
+        pidfd: int | None = None
+        if proc is not None:
+            try:
+                pidfd = os.pidfd_open(proc.pid)
+            except (AttributeError, OSError):  # old kernel: fall back to polling below
+                pidfd = None
+        try:
+            while True:
+                if self._stop.is_set():
+                    return _Request.STOP
+                with self._lock:
+                    if self._restart_reason is not None:
+                        return _Request.RESTART
+                if proc is not None and self._exited(proc.pid):
+                    return _Request.EXITED
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return _Request.TIMEOUT
+                fds = [self._wake_r] + ([pidfd] if pidfd is not None else [])
+                poll = 0.05 if proc is not None and pidfd is None else None
+                wait = remaining if poll is None else poll if remaining is None else min(poll, remaining)
+                readable, _, _ = select.select(fds, [], [], wait)
+                if self._wake_r in readable:
+                    self._drain_wake()
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    @staticmethod
+    def _exited(pid: int) -> bool:
+        """True once ``pid`` (our child) has exited; it stays unreaped (``WNOWAIT``)."""
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return True
+        return info is not None
+
+    def _finish_stop(self) -> None:
+        with self._lock:
+            self._state = SupervisorState.STOPPING
+        code: int | None = None
+        if self._proc is not None:
+            pid = self._proc.pid
+            self._signal_group(signal.SIGTERM)
+            self._signal_group(signal.SIGCONT)  # a frozen task cannot act on SIGTERM until it runs again
+            if self._wait_exit(pid, self.config.stop_timeout):
+                log.info("event=stop_graceful task=%s pid=%d", self.name, pid)
+            else:
+                log.warning(
+                    "event=stop_escalated task=%s pid=%d reason='no exit %.1fs after SIGTERM, sending SIGKILL'",
+                    self.name,
+                    pid,
+                    self.config.stop_timeout,
+                )
+            code = self._kill_group_and_reap(signal.SIGKILL)
+            self._emit_exit(code, "stopped", self._end_run(), backoff=None)
+        with self._lock:
+            self._state = SupervisorState.STOPPED
+        self._emit(EventKind.STOPPED, exit_code=code, reason="stop requested")
+
+    def _wait_exit(self, pid: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` for our child ``pid`` to exit, without reaping it."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            deadline = time.monotonic() + timeout
+            while not self._exited(pid):
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.05)  # polling the real condition: no pidfd on this kernel
+            return True
+        try:
+            readable, _, _ = select.select([pidfd], [], [], timeout)
+            return bool(readable)
+        finally:
+            os.close(pidfd)
+
+    def _signal_group(self, sig: int) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return  # already reaped: its pid may belong to someone else now
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, sig)
+
+    def _kill_group_and_reap(self, sig: int) -> int | None:
+        """Signal the whole group (the leader unreaped, so the group id is still ours), then reap the leader."""
+        proc = self._proc
+        if proc is None:
+            return None
+        self._signal_group(sig)
+        code = proc.wait()
+        self._close_log()
+        with self._lock:
+            self._proc = None
+            self._last_exit = code
+        return code
+
+    def _end_run(self) -> float | None:
+        """How long the run that just ended lasted (``None`` if it never started)."""
+        with self._lock:
+            started, self._run_started = self._run_started, None
+        return None if started is None else time.monotonic() - started
+
+    def _crashed(self, code: int | None, why: str, run: float | None, *, delay: float) -> None:
+        """Record a crash and report the exit; raise :class:`CrashLoopError` when that was one too many."""
+        now = time.monotonic()
+        with self._lock:
+            self._crashes.append((now, _EXIT_SPAWN_FAILED if code is None else code))
+            self._prune_crashes(now)
+            self._last_reason = why
+            crashes = list(self._crashes)
+        if len(crashes) < self.config.crash_loop_limit:
+            self._emit_exit(code, why, run, backoff=delay)
+            return
+        self._emit_exit(code, why, run, backoff=None)
+        codes = ", ".join(describe_exit(c) for _, c in crashes)
+        message = (
+            f"task {self.name} crashed {len(crashes)} times within {self.config.crash_loop_window:g}s "
+            f"(exit codes: {codes}; last: {why}); giving up. Command: {shlex.join(self.cmd)}. "
+            f"Fix the task (see its log) or raise crash_loop_limit / crash_loop_window."
+        )
+        log.error("event=gave_up task=%s exit_codes=%r", self.name, codes)
+        with self._lock:
+            self._state = SupervisorState.GAVE_UP
+            self._last_reason = message
+        self._emit(EventKind.GAVE_UP, exit_code=code, reason=message)
+        raise CrashLoopError(message)
+
+    def _prune_crashes(self, now: float) -> None:
+        while self._crashes and now - self._crashes[0][0] > self.config.crash_loop_window:
+            self._crashes.popleft()
+
+    def _take_restart_reason(self) -> str:
+        with self._lock:
+            reason, self._restart_reason = self._restart_reason or "restart requested", None
+        return reason
+
+    def _emit_exit(self, code: int | None, reason: str, run: float | None, *, backoff: float | None) -> None:
+        with self._lock:
+            pid = self._last_pid
+        log.info(
+            "event=exited task=%s pid=%s exit_code=%s reason=%r run_seconds=%s next_start_in=%s",
+            self.name,
+            pid,
+            describe_exit(code),
+            reason,
+            "-" if run is None else f"{run:.2f}",
+            "never" if backoff is None else f"{backoff:.2f}s",
+        )
+        self._emit(EventKind.EXITED, pid=pid, exit_code=code, reason=reason, run_seconds=run, backoff_seconds=backoff)
+
+    def _emit(self, kind: EventKind, **fields: object) -> None:
+        with self._lock:
+            restarts = self._restarts
+        fields.setdefault("restarts", restarts)
+        event = SupervisorEvent(kind=kind, task=self.name, time=time.time(), **fields)  # type: ignore[arg-type]
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(event)
+        except Exception:
+            log.exception("event=callback_failed task=%s kind=%s", self.name, kind.value)
+
+    def _wake(self) -> None:
+        with self._lock:
+            if self._wake_w < 0:
+                return
+            with contextlib.suppress(BlockingIOError):  # a full pipe already wakes the thread
+                os.write(self._wake_w, b"x")
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            while os.read(self._wake_r, 4096):
+                pass
+
+    def _close_wake_pipe(self) -> None:
+        """Close both ends; the caller holds the lock."""
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    def _close_log(self) -> None:
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
