@@ -1,0 +1,495 @@
+"""The memory tier: the sidecar's one materialised latest snapshot, and what the durable log still lacks of it.
+
+The tier exists so a restarting trainer can restore the newest state at memory speed, and so the durable log
+can be fed from the agent, off the training path. It therefore keeps two things consistent under one lock:
+
+* the state itself (name -> numpy array, step, metadata, token), updated by :meth:`MemoryTier.apply` from
+  the trainer's captures (:class:`~psguard.tensors.Full` replaces, :class:`~psguard.tensors.Rows` assigns in
+  place, :class:`~psguard.tensors.Same` does nothing);
+* what changed since the last *durable* commit: a row bitmap per tensor that received rows, a whole-tensor
+  flag for the others, and the layout (names, dtypes, shapes) the durable log last committed.
+
+Tokens. Every state has a token chosen by the writer of the capture that produced it (the spool writer uses
+``<writer generation>-<seq>``). A delta names the token of the state it applies to; if that is not the
+tier's current token (an agent restart emptied or re-seeded the tier, a capture was lost) the answer is
+``need_full`` and nothing changes: applying rows to the wrong base would silently corrupt the snapshot.
+A capture without a parent must be whole and replaces the state.
+
+Persisting. :meth:`MemoryTier.take_dirty` returns, atomically with respect to applies, the update that brings
+the last durable checkpoint up to the current state, and moves the dirty marks into the returned
+:class:`DirtyTake`. ``commit()`` drops them (they are durable now); ``abort()`` merges them back into the
+marks made meanwhile, so a failed persist is retried by the next one with nothing lost.
+
+No copies of whole tensors are made for a persist or an export: arrays handed out are *leased* (read-only
+views) and an apply that would write into a leased array copies it first (copy-on-write), so a snapshot
+being uploaded or exported stays consistent while training continues, and memory only doubles for a tensor
+actually written during that window. Rows being persisted are gathered (``array[ids]``), which is small.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from psguard.chunks import dtype_name
+from psguard.errors import ConfigError, PsguardError, TensorMismatchError
+from psguard.tensors import Full, Rows, Same, TensorUpdate
+
+__all__ = ["ApplyResult", "DirtyTake", "MemoryTier", "MemoryTierStatus", "Snapshot"]
+
+Layout = dict[str, tuple[str, tuple[int, ...]]]
+
+#: A Rows update is used for a persist while ids + rows cost less than this fraction of the whole tensor.
+ROWS_MAX_FRACTION = 0.5
+#: Whole-tensor updates of tensors at least this big are compared row by row with the old value, so a full
+#: capture re-sent after ``need_full`` becomes a small delta in the durable log rather than a full rewrite.
+DIFF_MIN_BYTES = 64 << 10
+_DIFF_BLOCK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """The tier's answer to a capture: ``ok`` (applied) or ``need_full`` (nothing changed; send it whole)."""
+
+    status: Literal["ok", "need_full"]
+    step: int | None
+    token: str | None
+    message: str = ""
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+@dataclass(frozen=True)
+class MemoryTierStatus:
+    step: int | None
+    token: str | None
+    tensors: int
+    nbytes: int
+    dirty_tensors: int
+    dirty_rows: int
+    durable_layout: bool
+    leased_arrays: int
+    applies: int
+    copy_on_write_bytes: int
+
+
+def _layout_of(arrays: Mapping[str, np.ndarray]) -> Layout:
+    return {name: (dtype_name(a.dtype), tuple(int(x) for x in a.shape)) for name, a in arrays.items()}
+
+
+def _row_tracked(a: np.ndarray) -> bool:
+    return a.ndim >= 1 and a.dtype.kind not in ("O", "S", "U") and a.shape[0] > 0
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+def _changed_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray | None:
+    """Rows whose bytes differ (so -0.0/+0.0 and NaN payloads count), or None when not comparable."""
+    if old.shape != new.shape or old.dtype != new.dtype or not _row_tracked(old) or old.size == 0:
+        return None
+    rows = old.shape[0]
+    o = np.ascontiguousarray(old).reshape(rows, -1).view(np.uint8)
+    n = np.ascontiguousarray(new).reshape(rows, -1).view(np.uint8)
+    out = np.empty(rows, dtype=bool)
+    per = max(1, _DIFF_BLOCK_BYTES // max(1, o.shape[1]))
+    for start in range(0, rows, per):
+        stop = min(start + per, rows)
+        np.any(o[start:stop] != n[start:stop], axis=1, out=out[start:stop])
+    return out
+
+
+class Snapshot:
+    """A consistent view of the tier at one moment: read-only arrays, step, metadata and token.
+
+    The arrays are the tier's own (leased, so later applies copy before writing); call :meth:`release`
+    (or use ``with``) when done so the tier stops copying them.
+    """
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        step: int | None,
+        metadata: dict[str, Any],
+        token: str | None,
+        arrays: dict[str, np.ndarray],
+    ) -> None:
+        self._tier = tier
+        self.step = step
+        self.metadata = metadata
+        self.token = token
+        self._arrays = arrays
+        self.tensors: Mapping[str, np.ndarray] = {n: _readonly(a) for n, a in arrays.items()}
+        self._released = False
+
+    @property
+    def empty(self) -> bool:
+        return self.step is None
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._tier._release(self._arrays.values())
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass
+class DirtyTake:
+    """What one persist must write, and the dirty marks it carries until it commits or aborts.
+
+    ``updates`` lists every tensor (Full / Rows / Same), as a delta over the last durable checkpoint must;
+    when ``base`` is true every update is Full (first persist, layout change, or a new base was asked for).
+    ``payload_bytes`` is what the durable log will receive (row ids included), the measure of a link's cost.
+    """
+
+    tier: MemoryTier = field(repr=False)
+    step: int
+    metadata: dict[str, Any]
+    token: str | None
+    updates: dict[str, TensorUpdate]
+    base: bool
+    payload_bytes: int
+    logical_bytes: int
+    layout: Layout = field(repr=False)
+    _all: set[str] = field(repr=False, default_factory=set)
+    _rows: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
+    _leased: list[np.ndarray] = field(repr=False, default_factory=list)
+    _state: Literal["open", "committed", "aborted"] = "open"
+
+    @property
+    def changed(self) -> bool:
+        """False when nothing but possibly step/metadata differs from the last durable checkpoint."""
+        return self.base or any(not isinstance(u, Same) for u in self.updates.values())
+
+    def commit(self) -> None:
+        """The persist committed: its marks are durable, and its layout is the durable log's."""
+        self.tier._finish(self, committed=True)
+
+    def abort(self) -> None:
+        """The persist failed: merge its marks back so the next persist writes them too."""
+        self.tier._finish(self, committed=False)
+
+
+class MemoryTier:
+    """One materialised latest snapshot; thread-safe (one lock, applies are short)."""
+
+    def __init__(self, *, rows_max_fraction: float = ROWS_MAX_FRACTION, diff_min_bytes: int = DIFF_MIN_BYTES) -> None:
+        self._lock = threading.Lock()
+        self._arrays: dict[str, np.ndarray] = {}
+        self._step: int | None = None
+        self._metadata: dict[str, Any] = {}
+        self._token: str | None = None
+        self._all: set[str] = set()  # whole tensor changed since the durable commit
+        self._rows: dict[str, np.ndarray] = {}  # row bitmap of changes since the durable commit
+        self._durable_layout: Layout | None = None
+        self._leases: dict[int, int] = {}  # id(array) -> lease count (the leaseholder keeps the array alive)
+        self._take_open = False
+        self._applies = 0
+        self._cow_bytes = 0
+        self.rows_max_fraction = rows_max_fraction
+        self.diff_min_bytes = diff_min_bytes
+
+    # ------------------------------------------------------------------------------------------- reading
+    @property
+    def step(self) -> int | None:
+        return self._step
+
+    @property
+    def token(self) -> str | None:
+        return self._token
+
+    @property
+    def empty(self) -> bool:
+        return self._step is None
+
+    def names(self) -> list[str]:
+        with self._lock:
+            return list(self._arrays)
+
+    def status(self) -> MemoryTierStatus:
+        with self._lock:
+            dirty_rows = sum(int(np.count_nonzero(b)) for b in self._rows.values())
+            return MemoryTierStatus(
+                step=self._step,
+                token=self._token,
+                tensors=len(self._arrays),
+                nbytes=sum(a.nbytes for a in self._arrays.values()),
+                dirty_tensors=len(self._all | set(self._rows)),
+                dirty_rows=dirty_rows,
+                durable_layout=self._durable_layout is not None,
+                leased_arrays=len(self._leases),
+                applies=self._applies,
+                copy_on_write_bytes=self._cow_bytes,
+            )
+
+    def export(self) -> Snapshot:
+        """A consistent snapshot for a restore, without copying: release it when written out."""
+        with self._lock:
+            arrays = dict(self._arrays)
+            self._lease(arrays.values())
+            return Snapshot(self, self._step, dict(self._metadata), self._token, arrays)
+
+    # ------------------------------------------------------------------------------------------- writing
+    def seed(
+        self,
+        step: int,
+        tensors: Mapping[str, np.ndarray],
+        *,
+        metadata: Mapping[str, Any] | None = None,
+        token: str | None = None,
+        durable: bool = True,
+    ) -> None:
+        """Replace the state wholesale (an agent restarting from the durable log, or a test).
+
+        ``durable``: the state *is* the last durable checkpoint, so nothing is dirty and the next persist
+        may be a delta over it. The tier takes ownership of the arrays.
+        """
+        with self._lock:
+            self._arrays = dict(tensors)
+            self._step = step
+            self._metadata = dict(metadata or {})
+            self._token = token
+            self._all = set() if durable else set(self._arrays)
+            self._rows = {}
+            self._durable_layout = _layout_of(self._arrays) if durable else None
+
+    def apply(
+        self,
+        updates: Mapping[str, TensorUpdate],
+        *,
+        step: int,
+        token: str,
+        parent: str | None,
+        metadata: Mapping[str, Any] | None = None,
+        copy: bool = False,
+    ) -> ApplyResult:
+        """Apply one capture; all or nothing.
+
+        ``parent`` is the token of the state the capture was taken against (None: the capture is whole and
+        replaces the state). Whole values become the tier's own arrays unless ``copy``: the caller must not
+        write to them afterwards. Invalid captures raise (:class:`TensorMismatchError`, :class:`ConfigError`)
+        before anything changes.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            if parent is None:
+                partial = [n for n, u in updates.items() if not isinstance(u, Full)]
+                if partial:
+                    raise ConfigError(
+                        f"a capture without a parent token must be whole; {partial[:5]} are not Full "
+                        "(send a full capture, or name the state the delta applies to)"
+                    )
+            elif self._step is None or parent != self._token:
+                have = "empty" if self._step is None else f"at token {self._token} (step {self._step})"
+                return ApplyResult(
+                    "need_full",
+                    self._step,
+                    self._token,
+                    f"delta for step {step} is relative to {parent}, but the memory tier is {have}; send a full "
+                    "capture",
+                    time.perf_counter() - t0,
+                )
+            self._validate(updates, delta=parent is not None)
+            if parent is None:
+                self._replace(updates, copy)
+            else:
+                for name, update in updates.items():
+                    self._apply_one(name, update, copy)
+            self._step = step
+            self._token = token
+            self._metadata = dict(metadata or {})
+            self._applies += 1
+            return ApplyResult("ok", step, token, "", time.perf_counter() - t0)
+
+    def _validate(self, updates: Mapping[str, TensorUpdate], *, delta: bool) -> None:
+        if delta:
+            missing = sorted(set(self._arrays) - set(updates))
+            if missing:
+                raise ConfigError(f"a delta must list every tensor of the state; missing: {missing[:10]}")
+        for name, update in updates.items():
+            if isinstance(update, Full):
+                continue
+            cur = self._arrays.get(name)
+            if cur is None:
+                raise TensorMismatchError(
+                    f"tensor {name!r}: a {type(update).__name__} update for a tensor the memory tier does not have"
+                )
+            shape = tuple(int(x) for x in update.shape)
+            if cur.shape != shape or cur.dtype != np.dtype(update.dtype):
+                raise TensorMismatchError(
+                    f"tensor {name!r}: a {type(update).__name__} update of {np.dtype(update.dtype)}{list(shape)} "
+                    f"does not fit the memory tier's {cur.dtype}{list(cur.shape)}; send it whole"
+                )
+            if isinstance(update, Rows):
+                ids = update.ids
+                if ids.dtype.kind not in ("i", "u"):
+                    raise TensorMismatchError(f"tensor {name!r}: row ids must be integers, got {ids.dtype}")
+                if ids.size and (ids[0] < 0 or ids[-1] >= shape[0] or np.any(np.diff(ids) <= 0)):
+                    raise TensorMismatchError(
+                        f"tensor {name!r}: row ids must be sorted, unique and within [0, {shape[0]})"
+                    )
+
+    def _replace(self, updates: Mapping[str, TensorUpdate], copy: bool) -> None:
+        # Keep the old arrays of the names that stay, so whole values can be diffed against them.
+        self._arrays = {n: a for n, a in self._arrays.items() if n in updates}
+        self._all &= set(updates)
+        self._rows = {n: b for n, b in self._rows.items() if n in updates}
+        for name, update in updates.items():
+            self._apply_one(name, update, copy)
+
+    def _apply_one(self, name: str, update: TensorUpdate, copy: bool) -> None:
+        if isinstance(update, Same):
+            return
+        if isinstance(update, Full):
+            value = np.array(update.value, copy=True) if copy else update.value
+            old = self._arrays.get(name)
+            self._arrays[name] = value
+            if name in self._all:
+                return
+            changed = None
+            if old is not None and value.nbytes >= self.diff_min_bytes:
+                changed = _changed_rows(old, value)
+            if changed is None:
+                self._all.add(name)
+                self._rows.pop(name, None)
+            elif changed.any():
+                self._mark_rows(name, value.shape[0], changed)
+            return
+        arr = self._writable(name)
+        arr[update.ids] = update.values
+        if name not in self._all and update.ids.size:
+            bitmap = self._rows.get(name)
+            if bitmap is None:
+                bitmap = self._rows[name] = np.zeros(arr.shape[0], dtype=bool)
+            bitmap[update.ids] = True
+
+    def _mark_rows(self, name: str, rows: int, changed: np.ndarray) -> None:
+        bitmap = self._rows.get(name)
+        if bitmap is None or bitmap.shape[0] != rows:
+            self._rows[name] = changed
+        else:
+            bitmap |= changed
+
+    def _writable(self, name: str) -> np.ndarray:
+        arr = self._arrays[name]
+        if id(arr) in self._leases or not arr.flags.writeable or not arr.flags.c_contiguous:
+            arr = np.array(arr, copy=True, order="C")
+            self._arrays[name] = arr
+            self._cow_bytes += arr.nbytes
+        return arr
+
+    # ------------------------------------------------------------------------------------------- leases
+    def _lease(self, arrays: Iterable[np.ndarray]) -> None:
+        for a in arrays:
+            self._leases[id(a)] = self._leases.get(id(a), 0) + 1
+
+    def _release(self, arrays: Iterable[np.ndarray]) -> None:
+        with self._lock:
+            for a in arrays:
+                n = self._leases.get(id(a), 0) - 1
+                if n > 0:
+                    self._leases[id(a)] = n
+                else:
+                    self._leases.pop(id(a), None)
+
+    # ------------------------------------------------------------------------------------------- persisting
+    def take_dirty(self, *, base: bool = False) -> DirtyTake | None:
+        """The update from the last durable checkpoint to now, with the dirty marks moved into it.
+
+        A full base is returned when ``base`` is asked, when nothing was committed yet, or when the layout
+        changed since the last commit. None when the tier is empty. One take at a time: commit or abort it
+        before the next.
+        """
+        with self._lock:
+            if self._step is None:
+                return None
+            if self._take_open:
+                raise PsguardError("a persist is already in progress on this memory tier (one take at a time)")
+            layout = _layout_of(self._arrays)
+            base = base or self._durable_layout is None or self._durable_layout != layout
+            updates: dict[str, TensorUpdate] = {}
+            leased: list[np.ndarray] = []
+            payload = 0
+            for name, arr in self._arrays.items():
+                bitmap = self._rows.get(name)
+                if base or name in self._all:
+                    updates[name] = Full(_readonly(arr))
+                    leased.append(arr)
+                    payload += arr.nbytes
+                elif bitmap is not None:
+                    ids = np.flatnonzero(bitmap).astype(np.int64)
+                    row_bytes = arr.nbytes // max(1, arr.shape[0])
+                    cost = ids.size * (row_bytes + 8)
+                    if cost < self.rows_max_fraction * arr.nbytes:
+                        updates[name] = Rows(ids, arr[ids], tuple(arr.shape))
+                        payload += cost
+                    else:
+                        updates[name] = Full(_readonly(arr))
+                        leased.append(arr)
+                        payload += arr.nbytes
+                else:
+                    updates[name] = Same(tuple(arr.shape), arr.dtype)
+            self._lease(leased)
+            take = DirtyTake(
+                tier=self,
+                step=self._step,
+                metadata=dict(self._metadata),
+                token=self._token,
+                updates=updates,
+                base=base,
+                payload_bytes=payload,
+                logical_bytes=sum(a.nbytes for a in self._arrays.values()),
+                layout=layout,
+                _all=self._all,
+                _rows=self._rows,
+                _leased=leased,
+            )
+            self._all = set()
+            self._rows = {}
+            self._take_open = True
+            return take
+
+    def _finish(self, take: DirtyTake, *, committed: bool) -> None:
+        with self._lock:
+            if take._state != "open":
+                raise PsguardError(f"this persist take was already {take._state}")
+            take._state = "committed" if committed else "aborted"
+            self._take_open = False
+            if committed:
+                self._durable_layout = take.layout
+            else:
+                self._merge_back(take)
+        self._release(take._leased)
+        take._leased = []
+        take.updates = {}
+
+    def _merge_back(self, take: DirtyTake) -> None:
+        for name in take._all:
+            if name in self._arrays:
+                self._all.add(name)
+                self._rows.pop(name, None)
+        for name, bitmap in take._rows.items():
+            arr = self._arrays.get(name)
+            if arr is None or name in self._all:
+                continue
+            if arr.ndim == 0 or arr.shape[0] != bitmap.shape[0]:
+                self._all.add(name)
+                self._rows.pop(name, None)
+            else:
+                self._mark_rows(name, arr.shape[0], bitmap)
