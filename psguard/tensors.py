@@ -65,3 +65,28 @@ def apply_update(current: np.ndarray | None, update: TensorUpdate) -> np.ndarray
             raise ValueError(f"row update for shape {update.shape} applied to a tensor of shape {current.shape}")
         current[update.ids] = update.values
     return current
+
+
+def merge_updates(older: TensorUpdate, newer: TensorUpdate) -> TensorUpdate:
+    """One update equivalent to applying ``older`` then ``newer``.
+
+    This lets a writer that fell behind (or failed) fold a pending capture into the next one instead of
+    queueing both or forcing a full capture: memory stays bounded by one update per tensor.
+    """
+    if isinstance(newer, Full):
+        return newer
+    if isinstance(newer, Same):
+        return older
+    if isinstance(older, Same):
+        return newer
+    if isinstance(older, Full):
+        value = older.value.copy()
+        value[newer.ids] = newer.values
+        return Full(value)
+    if tuple(older.shape) != tuple(newer.shape):
+        raise ValueError(f"cannot merge row updates of shapes {older.shape} and {newer.shape}")
+    ids = np.union1d(older.ids, newer.ids)
+    values = np.empty((len(ids), *older.values.shape[1:]), dtype=newer.values.dtype)
+    values[np.searchsorted(ids, older.ids)] = older.values
+    values[np.searchsorted(ids, newer.ids)] = newer.values  # newer rows win
+    return Rows(ids, values, newer.shape)
