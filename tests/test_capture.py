@@ -50,7 +50,8 @@ def sharded(value: np.ndarray, rows: list[int], name: str) -> Any:
 
 
 def apply_all(state: dict[str, np.ndarray], updates: dict[str, TensorUpdate]) -> dict[str, np.ndarray]:
-    assert set(updates) == set(state) or not state
+    """The consumer's side: every known tensor gets an update; new ones (slots built late) come Full."""
+    assert set(state) <= set(updates), set(state) - set(updates)
     return {name: apply_update(state.get(name), u) for name, u in updates.items()}
 
 
@@ -253,6 +254,27 @@ def test_new_variables_are_picked_up_whole(rng: np.random.Generator) -> None:
     assert new and all(isinstance(updates[n], Full) for n in new)
 
 
+@pytest.mark.parametrize("family", ["tf_keras", "keras3"])
+def test_keras_model_names_match_tf(family: str, tmp_path: Path) -> None:
+    import keras
+    import tf_keras
+
+    lib: Any = tf_keras if family == "tf_keras" else keras
+    model = lib.Sequential(
+        [lib.Input((2,)), lib.layers.Embedding(100, 4), lib.layers.Flatten(), lib.layers.Dense(3), lib.layers.Dense(1)]
+    )
+    model.compile(optimizer=lib.optimizers.Adam(), loss="mse")
+    rng = np.random.default_rng(0)
+    model.fit(rng.integers(0, 100, size=(16, 2)), rng.random((16, 1)), epochs=1, verbose=0)
+    root = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    reference = tf_checkpoint(root, tmp_path)
+    capturer = Capturer(root)
+    first = capturer.capture()
+    assert sorted(first) == sorted(reference)
+    assert_bitwise(reference, {n: u.value for n, u in first.items() if isinstance(u, Full)})
+    assert all(isinstance(u, Same) for u in capturer.capture().values())
+
+
 def test_state_that_is_not_a_variable_is_refused(rng: np.random.Generator) -> None:
     iterator = iter(tf.data.Dataset.range(10))
     with pytest.raises(ConfigError, match="iterator"):
@@ -390,6 +412,47 @@ def test_restore_on_the_cluster_under_another_partitioner(
     capturer2.restore(saved)
     assert_bitwise(saved, read_tensors(root2))
     assert all(isinstance(u, Same) for u in capturer2.capture().values())
+
+
+@pytest.mark.slow
+def test_tf_keras_model_fit_on_the_cluster_captures_exactly(chief: Chief) -> None:
+    """tf_keras ``model.fit`` (the path a Keras callback will take) with a sharded Embedding layer."""
+    import tf_keras
+
+    strategy = chief.strategies["fixed2"]
+    with strategy.scope():
+        model = tf_keras.Sequential(
+            [
+                tf_keras.Input((2,), dtype="int64"),
+                tf_keras.layers.Embedding(1000, 8),
+                tf_keras.layers.Flatten(),
+                tf_keras.layers.Dense(8, activation="relu"),
+                tf_keras.layers.Dense(1),
+            ]
+        )
+        model.compile(
+            optimizer=tf_keras.optimizers.Adagrad(0.1),
+            loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+            steps_per_execution=2,
+        )
+
+    def dataset_fn(context: Any) -> Any:
+        ids = tf.random.stateless_uniform([256, 2], seed=[1, 2], maxval=1000, dtype=tf.int64)
+        labels = tf.cast(tf.math.floormod(tf.reduce_sum(ids, axis=1), 2), tf.float32)
+        return tf.data.Dataset.from_tensor_slices((ids, labels)).repeat().batch(16)
+
+    data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+    root = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    embedding = "model/layer_with_weights-0/embeddings" + SUFFIX
+    assert list_tensors(root)[embedding].partitioning == (500, 500)
+    capturer = Capturer(root, coordinator=chief.coordinator, row_tracking_min_rows=64)
+    state = apply_all({}, capturer.capture())
+    for round_ in range(2):
+        model.fit(data, epochs=1, steps_per_epoch=4, verbose=0)
+        updates = capturer.capture()
+        state = apply_all(state, updates)
+        assert_bitwise(state, read_tensors(root))
+        assert isinstance(updates[embedding], Rows if round_ else (Rows, Full)), type(updates[embedding])
 
 
 @pytest.mark.slow
