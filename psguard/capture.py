@@ -1,13 +1,14 @@
 """Capture the rows that changed since the last capture, finding them on the PS that holds them.
 
 The capture is the only part of a psguard save that stops training, and on a PS job most of the state is in
-large embedding tables of which a small fraction of rows changes between two saves. Reading whole tables to
-the chief (what ``tf.train.Checkpoint`` does) costs time and bandwidth proportional to the model; this module
-keeps, beside every large variable shard and on the same device, one 64-bit fingerprint per row
+large embedding tables of which a small fraction of rows changes between two saves. Writing whole tables
+(what ``tf.train.Checkpoint`` does, each PS its own shards) costs time and bandwidth proportional to the
+model; this module keeps, beside every large variable shard and on the same device, one 64-bit fingerprint per row
 (``tf.fingerprint``: farmhash64 of the row's bytes). A capture is one ``tf.function`` call for the whole
 model: on each PS it hashes every row, compares with the stored fingerprints, gathers only the changed rows,
 stores the new fingerprints, and sends ids + rows to the chief. Nothing is assumed about the optimizer: a row
-whose bytes changed is captured whatever changed it (Adam's slots decay every row, so every row comes out).
+whose bytes changed is captured whatever changed it (Adam's moments decay in every row where they are not
+zero, so all those rows come out, not only the rows of the last gradients).
 
 Exactness: rows are compared by their bytes, not their values, so ``-0.0`` vs ``+0.0`` and NaN payloads are
 told apart and a restore is bit-identical. A changed row is missed only if its new fingerprint equals the old
