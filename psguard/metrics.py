@@ -306,8 +306,8 @@ class Histogram(_Metric[_HistogramChild]):
         bounds = tuple(float(b) for b in buckets if not math.isinf(b))
         if not bounds or list(bounds) != sorted(set(bounds)):
             raise ValueError(f"histogram {name} needs increasing bucket bounds, got {buckets}")
+        self.buckets = bounds  # before the base class creates the unlabelled child
         super().__init__(name, help, labels)
-        self.buckets = bounds
 
     def _new_child(self) -> _HistogramChild:
         return _HistogramChild(self.buckets)

@@ -196,9 +196,13 @@ class GrpcStatusProbe(_BaseProbe):
                     self.target,
                     options=[
                         ("grpc.enable_retries", 0),
+                        # Our own connection: a subchannel shared with an earlier, failed channel would
+                        # answer UNAVAILABLE from its backoff state instead of trying the server again.
+                        ("grpc.use_local_subchannel_pool", 1),
                         ("grpc.initial_reconnect_backoff_ms", 100),
-                        ("grpc.min_reconnect_backoff_ms", 100),
                         ("grpc.max_reconnect_backoff_ms", 1000),
+                        # Not min_reconnect_backoff_ms: gRPC also uses it as the connect timeout, and a short
+                        # one turns a frozen server's DEADLINE_EXCEEDED into a vague UNAVAILABLE.
                     ],
                 )
                 # No (de)serializers: bytes in, bytes out. An empty message is a valid GetStatusRequest.

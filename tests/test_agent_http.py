@@ -1,0 +1,387 @@
+"""The agent's HTTP endpoint over real sockets, and the metrics registry it serves.
+
+The exposition-format checker below is strict on purpose: Prometheus drops a whole scrape for one bad line.
+"""
+
+from __future__ import annotations
+
+import http.client
+import itertools
+import json
+import logging
+import math
+import re
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from psguard import metrics as m
+from psguard.agent_http import AgentHTTPServer, Request, RequestError, Response, is_loopback
+from psguard.errors import ConfigError
+from psguard.metrics import AgentMetrics, Registry
+from psguard.supervisor import EventKind, SupervisorEvent
+
+TOKEN = "s3cr3t-token-that-must-never-be-logged"
+
+# --------------------------------------------------------------------------------- exposition format 0.0.4
+
+_SAMPLE = re.compile(
+    r'^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>(?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\\n]|\\[\\"n])*",?)*)\})?'
+    r" (?P<value>[+-]?(?:\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+|Inf|NaN))$"
+)
+_LABEL_PAIR = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\\n]|\\[\\"n])*)"')
+
+
+def parse_exposition(text: str) -> dict[str, dict[str, Any]]:
+    """Check ``text`` line by line; families by name with their type, help and samples."""
+    assert text.endswith("\n")
+    families: dict[str, dict[str, Any]] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, help_text = line[7:].partition(" ")
+            assert name not in families, f"{name} described twice"
+            families[name] = {"help": help_text, "type": None, "samples": []}
+            current = name
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[7:].partition(" ")
+            assert name == current and kind in ("counter", "gauge", "histogram", "summary", "untyped"), line
+            assert not families[name]["samples"], f"TYPE after samples for {name}"
+            families[name]["type"] = kind
+        else:
+            match = _SAMPLE.match(line)
+            assert match, f"not a valid sample line: {line!r}"
+            assert current is not None
+            family = families[current]
+            suffixes = ("_bucket", "_sum", "_count") if family["type"] == "histogram" else ("",)
+            assert any(match["name"] == current + s for s in suffixes), f"{match['name']} outside {current}"
+            labels = dict(_LABEL_PAIR.findall(match["labels"] or ""))
+            family["samples"].append((match["name"], labels, float(match["value"].replace("Inf", "inf"))))
+    for name, family in families.items():
+        if family["type"] == "histogram":
+            check_histogram(name, family["samples"])
+    return families
+
+
+def check_histogram(name: str, samples: list[tuple[str, dict[str, str], float]]) -> None:
+    series: dict[tuple[tuple[str, str], ...], list[tuple[str, dict[str, str], float]]] = {}
+    for sample in samples:
+        key = tuple(sorted((k, v) for k, v in sample[1].items() if k != "le"))
+        series.setdefault(key, []).append(sample)
+    for key, items in series.items():
+        buckets = [(float(labels["le"].replace("Inf", "inf")), v) for n, labels, v in items if n.endswith("_bucket")]
+        assert buckets and buckets[-1][0] == math.inf, f"{name}{key} lacks le=+Inf"
+        assert [b for b, _ in buckets] == sorted(b for b, _ in buckets)
+        assert all(a[1] <= b[1] for a, b in itertools.pairwise(buckets)), "buckets not cumulative"
+        count = [v for n, _, v in items if n.endswith("_count")]
+        assert count == [buckets[-1][1]], f"{name}{key}: _count != +Inf bucket"
+
+
+# --------------------------------------------------------------------------------- metrics
+
+
+def test_registry_renders_valid_exposition_with_labels_and_escaping() -> None:
+    r = Registry()
+    c = r.counter("psguard_test_total", 'Things.\nWith "quotes" and \\ backslash.', ["task"])
+    g = r.gauge("psguard_test_gauge", "A gauge.")
+    h = r.histogram("psguard_test_seconds", "A histogram.", ["probe"], buckets=[0.1, 1.0])
+    c.labels(task='ps:0 "a"\\b\nc').inc()
+    c.labels(task="ps:1").inc(2.5)
+    g.set(-3)
+    for v in (0.05, 0.1, 0.5, 7):
+        h.labels(probe="rpc").observe(v)
+    text = r.render()
+    families = parse_exposition(text)
+    assert families["psguard_test_total"]["help"] == 'Things.\\nWith "quotes" and \\\\ backslash.'
+    assert 'psguard_test_total{task="ps:0 \\"a\\"\\\\b\\nc"} 1' in text
+    assert 'psguard_test_total{task="ps:1"} 2.5' in text
+    assert "psguard_test_gauge -3" in text
+    assert 'psguard_test_seconds_bucket{probe="rpc",le="0.1"} 2' in text  # le is inclusive
+    assert 'psguard_test_seconds_bucket{probe="rpc",le="1.0"} 3' in text
+    assert 'psguard_test_seconds_bucket{probe="rpc",le="+Inf"} 4' in text
+    assert 'psguard_test_seconds_sum{probe="rpc"} 7.65' in text
+    assert 'psguard_test_seconds_count{probe="rpc"} 4' in text
+
+
+def test_registry_rejects_mistakes() -> None:
+    r = Registry()
+    c = r.counter("psguard_x_total", "x", ["task"])
+    with pytest.raises(ValueError, match="already registered"):
+        r.gauge("psguard_x_total", "again")
+    with pytest.raises(ValueError, match="takes labels"):
+        c.labels(tier="memory")
+    with pytest.raises(ValueError, match=r"use \.labels"):
+        c.inc()
+    with pytest.raises(ValueError, match="only goes up"):
+        c.labels(task="a").inc(-1)
+    with pytest.raises(ValueError, match="invalid metric name"):
+        r.counter("psguard-bad", "x")
+    with pytest.raises(ValueError, match="invalid label name"):
+        r.counter("psguard_y_total", "x", ["__reserved"])
+    with pytest.raises(ValueError, match="'le'"):
+        r.histogram("psguard_z", "x", ["le"])
+    with pytest.raises(ValueError, match="increasing"):
+        r.histogram("psguard_w", "x", buckets=[1.0, 0.5])
+
+
+def test_gauge_functions_are_read_at_scrape_time() -> None:
+    r = Registry()
+    depth = [3]
+    g = r.gauge("psguard_q", "depth")
+    g.set_function(lambda: depth[0])
+    assert "psguard_q 3" in r.render()
+    depth[0] = 5
+    assert "psguard_q 5" in r.render()
+    g.set_function(lambda: 1 / 0)
+    assert "psguard_q NaN" in r.render()  # a broken callback must not break the scrape
+
+
+def test_registry_is_thread_safe() -> None:
+    r = Registry()
+    c = r.counter("psguard_n_total", "n", ["task"])
+    h = r.histogram("psguard_h", "h")
+
+    def work() -> None:
+        for i in range(2000):
+            c.labels(task=str(i % 3)).inc()
+            h.observe(0.01)
+            if i % 200 == 0:
+                parse_exposition(r.render())
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(c.labels(task=str(i)).value for i in range(3)) == 8000
+    assert "psguard_h_count 8000" in r.render()
+
+
+def test_agent_metrics_export_every_documented_name() -> None:
+    metrics = AgentMetrics.create()
+    expected = {
+        m.TASK_RESTARTS_TOTAL: ("counter", ["task"]),
+        m.TASK_UP: ("gauge", ["task"]),
+        m.TASK_HEALTHY: ("gauge", ["task"]),
+        m.CRASH_LOOP: ("gauge", ["task"]),
+        m.PROBE_LATENCY_SECONDS: ("histogram", ["task", "probe"]),
+        m.PROBE_FAILURES_TOTAL: ("counter", ["task", "probe"]),
+        m.LAST_CHECKPOINT_STEP: ("gauge", ["tier"]),
+        m.LAST_CHECKPOINT_TIMESTAMP_SECONDS: ("gauge", ["tier"]),
+        m.PERSIST_LAG_STEPS: ("gauge", []),
+        m.PERSIST_QUEUE_DEPTH: ("gauge", []),
+        m.BYTES_PERSISTED_TOTAL: ("counter", []),
+        m.RECOVERY_SECONDS: ("gauge", []),
+        m.RECOVERIES_TOTAL: ("counter", []),
+        m.LOST_STEPS_TOTAL: ("counter", []),
+        m.CHECKPOINT_STALL_SECONDS: ("histogram", []),
+    }
+    assert set(metrics.registry.names()) == set(expected)
+    for name, (kind, labels) in expected.items():
+        assert name.startswith("psguard_")
+        metric = metrics.registry.get(name)
+        assert (metric.kind, list(metric.label_names)) == (kind, labels), name
+        assert name in (m.__doc__ or ""), f"{name} missing from the module's table"
+
+    for kind in ("started", "exited", "restarted", "exited", "gave_up"):
+        metrics.on_supervisor_event(SupervisorEvent(EventKind(kind), "ps:0", time.time()))
+    metrics.record_checkpoint("memory", 120, 1700000000.5)
+    metrics.record_recovery(4.2, lost_steps=7)
+    metrics.bytes_persisted.inc(1 << 20)
+    metrics.checkpoint_stall.observe(0.08)
+    families = parse_exposition(metrics.registry.render())
+    value = {name: {tuple(sorted(lab.items())): v for _, lab, v in f["samples"]} for name, f in families.items()}
+    assert value[m.TASK_RESTARTS_TOTAL][(("task", "ps:0"),)] == 1
+    assert value[m.TASK_UP][(("task", "ps:0"),)] == 0
+    assert value[m.CRASH_LOOP][(("task", "ps:0"),)] == 1
+    assert value[m.LAST_CHECKPOINT_STEP][(("tier", "memory"),)] == 120
+    assert value[m.RECOVERY_SECONDS][()] == 4.2 and value[m.LOST_STEPS_TOTAL][()] == 7
+    assert value[m.RECOVERIES_TOTAL][()] == 1 and value[m.BYTES_PERSISTED_TOTAL][()] == 1 << 20
+    assert value[m.PERSIST_QUEUE_DEPTH][()] == 0  # unlabelled metrics exist from the start
+
+
+# --------------------------------------------------------------------------------- HTTP
+
+
+def request(
+    server: AgentHTTPServer,
+    method: str,
+    path: str,
+    *,
+    token: str | None = None,
+    body: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1" if server.host != "::1" else "::1", server.port, timeout=10)
+    try:
+        all_headers = dict(headers or {})
+        if token is not None:
+            all_headers["Authorization"] = f"Bearer {token}"
+        if body is not None:
+            all_headers.setdefault("Content-Type", "application/json")
+        conn.request(method, path, body=body, headers=all_headers)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+@pytest.fixture
+def open_server() -> Iterator[AgentHTTPServer]:
+    metrics = AgentMetrics.create()
+    metrics.task_up.labels(task="ps:0").set(1)
+    checks = {"task": True, "memory_tier": True}
+    server = AgentHTTPServer(
+        registry=metrics.registry, status=lambda: {"task": "ps:0", "restarts": 2}, readiness=lambda: checks
+    )
+    server.checks = checks  # type: ignore[attr-defined]
+    with server:
+        yield server
+
+
+def test_builtin_endpoints(open_server: AgentHTTPServer) -> None:
+    status, headers, body = request(open_server, "GET", "/healthz")
+    assert status == 200 and json.loads(body) == {"status": "ok"}
+    status, _, body = request(open_server, "GET", "/readyz")
+    assert status == 200 and json.loads(body) == {"ready": True, "checks": {"task": True, "memory_tier": True}}
+    open_server.checks["memory_tier"] = False  # type: ignore[attr-defined]
+    status, _, body = request(open_server, "GET", "/readyz")
+    assert status == 503 and json.loads(body)["checks"]["memory_tier"] is False
+    status, headers, body = request(open_server, "GET", "/metrics")
+    assert status == 200 and headers["content-type"] == m.CONTENT_TYPE
+    assert m.TASK_UP in parse_exposition(body.decode())
+    assert 'psguard_task_up{task="ps:0"} 1' in body.decode()
+    status, headers, body = request(open_server, "GET", "/status?verbose=1")
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert json.loads(body) == {"task": "ps:0", "restarts": 2}
+    assert request(open_server, "GET", "/nope")[0] == 404
+    assert request(open_server, "POST", "/status", body=b"{}")[0] == 405
+
+
+def test_post_handlers(open_server: AgentHTTPServer) -> None:
+    seen: list[Request] = []
+
+    def restart(req: Request) -> Response:
+        seen.append(req)
+        body = req.json()
+        if body.get("task") != "ps:0":
+            raise RequestError(409, f"no task {body.get('task')!r} here")
+        return Response(202, {"restarting": body["task"]})
+
+    open_server.add_post("/restart", restart)
+    open_server.add_post("/noop", lambda req: None)
+    open_server.add_post("/broken", lambda req: 1 / 0)  # type: ignore[arg-type, return-value]
+    open_server.add_get("/history", lambda req: {"events": [], "n": req.query.get("n")})
+    with pytest.raises(ValueError, match="already"):
+        open_server.add_post("/restart", restart)
+    with pytest.raises(ValueError, match="built in"):
+        open_server.add_get("/metrics", restart)
+
+    status, _, body = request(open_server, "POST", "/restart", body=b'{"task": "ps:0"}')
+    assert status == 202 and json.loads(body) == {"restarting": "ps:0"}
+    assert seen[0].method == "POST" and seen[0].path == "/restart"
+    assert request(open_server, "POST", "/restart", body=b'{"task": "ps:9"}')[0] == 409
+    assert request(open_server, "POST", "/restart", body=b"not json")[0] == 400
+    status, _, body = request(open_server, "POST", "/noop", body=b"")
+    assert status == 200 and json.loads(body) == {"ok": True}
+    status, _, body = request(open_server, "POST", "/broken", body=b"{}")
+    assert status == 500 and "ZeroDivisionError" in json.loads(body)["error"]
+    status, _, body = request(open_server, "GET", "/history?n=3")
+    assert status == 200 and json.loads(body) == {"events": [], "n": ["3"]}
+    assert request(open_server, "GET", "/restart")[0] == 405
+    # A browser form or no-cors fetch cannot send application/json cross-origin without a preflight.
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    assert request(open_server, "POST", "/restart", body=b"task=ps:0", headers=form)[0] == 415
+    open_server.max_body = 8
+    assert request(open_server, "POST", "/restart", body=b'{"task": "ps:0"}')[0] == 413
+    assert len(seen) == 3
+
+
+def test_loopback_rejects_foreign_host_headers(open_server: AgentHTTPServer) -> None:
+    """DNS rebinding: a page on evil.example resolving to 127.0.0.1 sends its own name as Host."""
+    assert request(open_server, "GET", "/status", headers={"Host": "evil.example:80"})[0] == 403
+    assert request(open_server, "GET", "/status", headers={"Host": f"localhost:{open_server.port}"})[0] == 200
+    assert request(open_server, "GET", "/status", headers={"Host": f"[::1]:{open_server.port}"})[0] == 200
+
+
+def test_other_addresses_need_a_token() -> None:
+    with pytest.raises(ConfigError, match="without a token"):
+        AgentHTTPServer(host="0.0.0.0")
+    with pytest.raises(ConfigError, match="without a token"):
+        AgentHTTPServer(host="10.1.2.3")
+    with pytest.raises(ConfigError, match="at least 16") as info:
+        AgentHTTPServer(host="0.0.0.0", token="short-secret")
+    assert "short-secret" not in str(info.value)
+    assert is_loopback("127.0.0.2") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("") and not is_loopback("example.com")
+
+
+def test_token_guards_everything_but_health(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    metrics = AgentMetrics.create()
+    server = AgentHTTPServer(host="0.0.0.0", token=TOKEN, registry=metrics.registry, status=lambda: {"ok": 1})
+    server.add_post("/restart", lambda req: {"auth_header_seen": "authorization" in {k.lower() for k in req.headers}})
+    with server:
+        assert TOKEN not in repr(server)
+        assert request(server, "GET", "/healthz")[0] == 200
+        assert request(server, "GET", "/readyz")[0] == 200
+        for path in ("/metrics", "/status", "/nope"):
+            status, headers, _ = request(server, "GET", path)
+            assert status == 401 and headers["www-authenticate"] == "Bearer", path
+            assert request(server, "GET", path, token=TOKEN + "x")[0] == 401
+            assert request(server, "GET", path, headers={"Authorization": f"Basic {TOKEN}"})[0] == 401
+        assert request(server, "GET", "/metrics", token=TOKEN)[0] == 200
+        assert request(server, "GET", "/nope", token=TOKEN)[0] == 404  # paths are not revealed before auth
+        assert request(server, "POST", "/restart", body=b"{}")[0] == 401
+        status, _, body = request(server, "POST", "/restart", body=b"{}", token=TOKEN)
+        assert status == 200 and json.loads(body) == {"auth_header_seen": False}
+        # Any Host is fine once a token guards the endpoint.
+        assert request(server, "GET", "/status", token=TOKEN, headers={"Host": "agent.example"})[0] == 200
+        request(server, "GET", f"/status?token={TOKEN}")  # a token in a URL is not logged either
+        request(server, "GET", "/healthz", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert "event=http_request" in caplog.text
+    assert TOKEN not in caplog.text
+
+
+def test_stop_is_bounded_by_a_client_that_never_sends() -> None:
+    server = AgentHTTPServer(request_timeout=0.5).start()
+    client = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        assert request(server, "GET", "/healthz")[0] == 200  # a stuck client does not block others
+        started = time.monotonic()
+        server.stop()
+        assert time.monotonic() - started < 3
+    finally:
+        client.close()
+    server.stop()  # twice is fine
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=1).close()
+
+
+def test_serves_on_ipv6_loopback() -> None:
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        server = AgentHTTPServer(host="::1").start()
+    except Exception as e:  # pragma: no cover - IPv6 disabled in this kernel
+        pytest.skip(f"cannot bind ::1: {e}")
+    try:
+        assert server.url.startswith("http://[::1]:")
+        assert request(server, "GET", "/healthz")[0] == 200
+    finally:
+        server.stop()
+
+
+def test_failing_callables_answer_errors_not_crashes() -> None:
+    def broken() -> dict[str, bool]:
+        raise RuntimeError("memory tier gone")
+
+    with AgentHTTPServer(status=lambda: 1 / 0, readiness=broken) as server:  # type: ignore[arg-type,return-value]
+        status, _, body = request(server, "GET", "/readyz")
+        assert status == 503 and "memory tier gone" in json.loads(body)["error"]
+        assert request(server, "GET", "/status")[0] == 500
+        assert request(server, "GET", "/healthz")[0] == 200

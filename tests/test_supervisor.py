@@ -1,0 +1,386 @@
+"""The supervisor with real processes: restarts, backoff, crash loops, graceful and forced stops, dying with the agent.
+
+Tasks are tiny ``sh`` scripts, so these tests take seconds. Waiting is on the supervisor's events or on real
+external conditions (a file written, a process gone) with deadlines, never on fixed sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from psguard.config import loads_yaml
+from psguard.errors import ConfigError, CrashLoopError
+from psguard.supervisor import (
+    EXIT_RESTART,
+    EventKind,
+    SpawnError,
+    Supervisor,
+    SupervisorConfig,
+    SupervisorEvent,
+    SupervisorState,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Events:
+    """Collects a supervisor's events and lets a test wait for one."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.items: list[SupervisorEvent] = []
+
+    def __call__(self, event: SupervisorEvent) -> None:
+        with self._cond:
+            self.items.append(event)
+            self._cond.notify_all()
+
+    def kinds(self) -> list[str]:
+        with self._cond:
+            return [e.kind.value for e in self.items]
+
+    def of(self, kind: EventKind) -> list[SupervisorEvent]:
+        with self._cond:
+            return [e for e in self.items if e.kind is kind]
+
+    def wait(self, kind: EventKind, count: int = 1, timeout: float = 10.0) -> SupervisorEvent:
+        with self._cond:
+            ok = self._cond.wait_for(lambda: len([e for e in self.items if e.kind is kind]) >= count, timeout)
+            if not ok:
+                raise AssertionError(f"no {count} x {kind.value} within {timeout}s; got {self.kinds()}")
+            return [e for e in self.items if e.kind is kind][count - 1]
+
+
+def wait_until(condition: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    """Poll a real external condition (a file, /proc) with a deadline."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout}s")
+        time.sleep(0.02)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def sh(script: str) -> list[str]:
+    return ["sh", "-c", textwrap.dedent(script)]
+
+
+@pytest.fixture
+def events() -> Events:
+    return Events()
+
+
+@pytest.fixture
+def supervisors() -> Iterator[list[Supervisor]]:
+    """Every supervisor a test makes is stopped even when the test fails."""
+    made: list[Supervisor] = []
+    yield made
+    for s in made:
+        s.stop()
+
+
+def make(supervisors: list[Supervisor], cmd: list[str], **kwargs: object) -> Supervisor:
+    s = Supervisor(cmd, **kwargs)  # type: ignore[arg-type]
+    supervisors.append(s)
+    return s
+
+
+def test_exit_zero_means_done(supervisors: list[Supervisor], events: Events) -> None:
+    s = make(supervisors, ["true"], on_event=events)
+    s.start()
+    assert s.result(timeout=10) == 0
+    assert events.kinds() == ["started", "exited", "completed"]
+    status = s.status()
+    assert status.state is SupervisorState.COMPLETED and status.restarts == 0 and status.pid is None
+    assert s.restart("too late") is False
+
+
+def test_backoff_doubles_then_crash_loop_names_command_codes_and_window(
+    supervisors: list[Supervisor], events: Events
+) -> None:
+    s = make(
+        supervisors,
+        sh("exit 3"),
+        name="ps:0",
+        backoff_initial=0.05,
+        backoff_max=0.15,
+        crash_loop_limit=4,
+        crash_loop_window=60,
+        on_event=events,
+    )
+    s.start()
+    with pytest.raises(CrashLoopError) as info:
+        s.result(timeout=20)
+    message = str(info.value)
+    assert "ps:0" in message and "sh -c 'exit 3'" in message
+    assert "4 times within 60s" in message and "exit codes: 3, 3, 3, 3" in message
+    exits = events.of(EventKind.EXITED)
+    assert [e.exit_code for e in exits] == [3, 3, 3, 3]
+    assert [e.backoff_seconds for e in exits] == [0.05, 0.1, 0.15, None]  # capped at backoff_max; none after
+    assert events.kinds()[-1] == "gave_up" and events.of(EventKind.GAVE_UP)[0].reason == message
+    # Each restart waited at least its backoff.
+    starts = [e.time for e in events.items if e.kind in (EventKind.STARTED, EventKind.RESTARTED)]
+    ends = [e.time for e in exits]
+    for end, start, backoff in zip(ends[:3], starts[1:], [0.05, 0.1, 0.15], strict=True):
+        assert start - end >= backoff * 0.9
+    assert s.status().state is SupervisorState.GAVE_UP and s.status().restarts == 3
+
+
+def test_exit_restart_code_restarts_at_once_without_counting_a_crash(
+    supervisors: list[Supervisor], events: Events, tmp_path: Path
+) -> None:
+    counter = tmp_path / "runs"
+    script = f"""
+        n=$(cat {counter} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {counter}
+        [ $n -lt 4 ] && exit {EXIT_RESTART}
+        exit 0
+    """
+    s = make(supervisors, sh(script), backoff_initial=30, crash_loop_limit=2, on_event=events)
+    s.start()
+    assert s.result(timeout=10) == 0
+    exits = events.of(EventKind.EXITED)
+    assert [e.exit_code for e in exits] == [EXIT_RESTART] * 3 + [0]
+    assert all(e.backoff_seconds == 0.0 for e in exits[:3])
+    assert s.status().restarts == 3 and s.status().crashes_in_window == 0
+
+
+def test_a_long_run_resets_the_backoff(supervisors: list[Supervisor], events: Events, tmp_path: Path) -> None:
+    counter = tmp_path / "runs"
+    script = f"""
+        n=$(cat {counter} 2>/dev/null || echo 0); n=$((n + 1)); echo $n > {counter}
+        [ $n -eq 3 ] && sleep 0.5
+        [ $n -eq 5 ] && exit 0
+        exit 1
+    """
+    s = make(
+        supervisors,
+        sh(script),
+        backoff_initial=0.05,
+        backoff_max=10,
+        backoff_reset_after=0.4,
+        crash_loop_limit=10,
+        on_event=events,
+    )
+    s.start()
+    assert s.result(timeout=20) == 0
+    backoffs = [e.backoff_seconds for e in events.of(EventKind.EXITED)]
+    assert backoffs == [0.05, 0.1, 0.05, 0.1, None]  # run 3 lasted long enough to start over
+
+
+def test_stop_sends_sigterm_to_the_whole_group(supervisors: list[Supervisor], events: Events, tmp_path: Path) -> None:
+    child_pid, graceful = tmp_path / "child.pid", tmp_path / "graceful"
+    script = f"""
+        trap 'echo yes > {graceful}; exit 0' TERM
+        sleep 300 & echo $! > {child_pid}
+        wait
+    """
+    s = make(supervisors, sh(script), stop_timeout=10, on_event=events)
+    s.start()
+    wait_until(lambda: child_pid.exists() and child_pid.read_text().strip() != "", what="grandchild started")
+    grandchild = int(child_pid.read_text())
+    assert pid_alive(grandchild)
+    started = time.monotonic()
+    status = s.stop()
+    assert time.monotonic() - started < 5
+    assert graceful.read_text().strip() == "yes"
+    assert not pid_alive(grandchild)
+    assert status.state is SupervisorState.STOPPED and status.pid is None
+    assert events.kinds()[-2:] == ["exited", "stopped"]
+    assert s.result(timeout=1) == 0
+
+
+def test_stop_escalates_to_sigkill_after_the_timeout(
+    supervisors: list[Supervisor], events: Events, tmp_path: Path
+) -> None:
+    ready = tmp_path / "ready"
+    s = make(supervisors, sh(f"trap '' TERM; echo > {ready}; while :; do sleep 0.05; done"), stop_timeout=0.5)
+    s.start()
+    wait_until(ready.exists, what="task ready")
+    started = time.monotonic()
+    s.stop()
+    took = time.monotonic() - started
+    assert 0.45 <= took < 5
+    assert s.status().last_exit_code == -signal.SIGKILL
+
+
+def test_stop_reaches_a_frozen_task(supervisors: list[Supervisor]) -> None:
+    s = make(supervisors, ["sleep", "300"], stop_timeout=5)
+    s.start()
+    pid = s.pid
+    assert pid is not None
+    os.kill(pid, signal.SIGSTOP)
+    wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T", what="stopped")
+    started = time.monotonic()
+    s.stop()
+    assert time.monotonic() - started < 2  # SIGCONT after SIGTERM: no wait for the SIGKILL escalation
+    assert s.status().last_exit_code == -signal.SIGTERM
+
+
+def test_restart_kills_the_group_and_starts_the_same_command(
+    supervisors: list[Supervisor], events: Events, tmp_path: Path
+) -> None:
+    child_pid = tmp_path / "child.pid"
+    s = make(supervisors, sh(f"sleep 300 & echo $! > {child_pid}; wait"), on_event=events)
+    s.start()
+    wait_until(lambda: child_pid.exists() and child_pid.read_text().strip() != "", what="grandchild started")
+    first_pid, grandchild = s.pid, int(child_pid.read_text())
+    child_pid.unlink()
+    assert s.restart("rpc probe: DEADLINE_EXCEEDED")
+    restarted = events.wait(EventKind.RESTARTED)
+    assert restarted.reason == "rpc probe: DEADLINE_EXCEEDED" and restarted.pid != first_pid
+    exited = events.of(EventKind.EXITED)[0]
+    assert exited.exit_code == -signal.SIGKILL and exited.pid == first_pid and exited.backoff_seconds == 0.0
+    assert not pid_alive(grandchild)
+    assert first_pid is not None and not pid_alive(first_pid)
+    status = s.status()
+    assert status.restarts == 1 and status.crashes_in_window == 1 and status.state is SupervisorState.RUNNING
+    wait_until(child_pid.exists, what="new run started its grandchild")
+
+
+def test_restart_during_backoff_starts_now_and_stop_during_backoff_is_prompt(
+    supervisors: list[Supervisor], events: Events
+) -> None:
+    s = make(supervisors, sh("exit 1"), backoff_initial=60, backoff_max=60, on_event=events)
+    s.start()
+    events.wait(EventKind.EXITED)
+    assert s.status().state is SupervisorState.BACKOFF
+    started = time.monotonic()
+    assert s.restart("operator asked")
+    events.wait(EventKind.RESTARTED)
+    assert time.monotonic() - started < 5
+    events.wait(EventKind.EXITED, count=2)
+    started = time.monotonic()
+    s.stop()
+    assert time.monotonic() - started < 5
+    assert s.status().state is SupervisorState.STOPPED
+
+
+def test_a_command_that_cannot_start_is_a_spawn_error(tmp_path: Path) -> None:
+    with pytest.raises(SpawnError, match="no-such-program-psguard"):
+        Supervisor(["no-such-program-psguard", "--flag"]).start()
+    with pytest.raises(SpawnError, match="working directory"):
+        Supervisor(["true"], cwd=tmp_path / "missing").start()
+    not_executable = tmp_path / "task.sh"
+    not_executable.write_text("#!/bin/sh\n")
+    with pytest.raises(SpawnError, match="Not executable"):
+        Supervisor([str(not_executable)]).start()
+
+
+def test_callback_errors_do_not_stop_supervision(supervisors: list[Supervisor], events: Events) -> None:
+    def broken(event: SupervisorEvent) -> None:
+        events(event)
+        raise RuntimeError("metrics bug")
+
+    s = make(supervisors, sh("exit 1"), backoff_initial=0.01, crash_loop_limit=3, on_event=broken)
+    s.start()
+    with pytest.raises(CrashLoopError):
+        s.result(timeout=10)
+    assert events.kinds().count("restarted") == 2
+
+
+def test_task_output_goes_to_the_log_file(supervisors: list[Supervisor], tmp_path: Path) -> None:
+    log = tmp_path / "logs" / "task.log"
+    s = make(supervisors, sh("echo out; echo err >&2"), log_path=log, env={"PATH": os.environ["PATH"]})
+    s.start()
+    assert s.result(timeout=10) == 0
+    assert log.read_text().split() == ["out", "err"]
+
+
+def test_status_is_consistent_under_concurrent_readers(supervisors: list[Supervisor], events: Events) -> None:
+    s = make(supervisors, ["sleep", "300"], on_event=events)
+    s.start()
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for _ in range(200):
+                st = s.status()
+                assert st.state in (SupervisorState.RUNNING, SupervisorState.STOPPING, SupervisorState.STOPPED)
+                assert (st.pid is None) == (st.uptime_seconds is None)
+        except BaseException as e:
+            errors.append(e)
+
+    readers = [threading.Thread(target=read) for _ in range(3)]
+    for t in readers:
+        t.start()
+    for i in range(3):
+        s.restart(f"test {i}")
+        events.wait(EventKind.RESTARTED, count=i + 1)
+    for t in readers:
+        t.join()
+    assert not errors
+
+
+def test_restart_policy_loads_from_yaml() -> None:
+    config = loads_yaml(SupervisorConfig, "backoff_initial: 250ms\nbackoff_max: 1m\ncrash_loop_limit: 3\n")
+    assert (config.backoff_initial, config.backoff_max, config.crash_loop_limit) == (0.25, 60.0, 3)
+    with pytest.raises(ConfigError, match=r"crash_loop_limt: unknown key.*did you mean 'crash_loop_limit'"):
+        loads_yaml(SupervisorConfig, "crash_loop_limt: 3\n")
+    with pytest.raises(ConfigError, match="backoff_max"):
+        loads_yaml(SupervisorConfig, "backoff_initial: 10s\nbackoff_max: 1s\n")
+    s = Supervisor.from_config(["true"], config, name="x")
+    assert s.config == config and s.name == "x"
+
+
+_AGENT = """
+import sys, threading
+from psguard.supervisor import Supervisor
+
+def start_from_a_short_lived_thread():
+    sup.start()
+
+sup = Supervisor(["sleep", "300"], name="victim")
+t = threading.Thread(target=start_from_a_short_lived_thread)
+t.start()
+t.join()
+print(sup.pid, flush=True)
+sys.stdin.read()  # until the test kills us
+"""
+
+
+def test_the_task_dies_when_the_agent_is_killed_with_sigkill() -> None:
+    """No clean-up runs on SIGKILL: only the kernel's parent-death signal can take the task down."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _AGENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
+    )
+    try:
+        assert agent.stdout is not None
+        task_pid = int(agent.stdout.readline())
+        # Started from a thread that has exited: the task must not have died with that thread.
+        assert pid_alive(task_pid)
+        agent.kill()
+        agent.wait(timeout=10)
+        wait_until(lambda: not pid_alive(task_pid), timeout=5, what="task killed with its agent")
+    finally:
+        agent.kill()
+        agent.wait(timeout=10)
+        if agent.stdin is not None:
+            agent.stdin.close()
+        if agent.stdout is not None:
+            agent.stdout.close()
+
+
+def test_stop_before_start_and_twice_is_harmless() -> None:
+    s = Supervisor(["true"])
+    assert s.stop().state is SupervisorState.STOPPED
+    assert s.stop().state is SupervisorState.STOPPED
+    with pytest.raises(RuntimeError, match="already started or stopped"):
+        s.start()
