@@ -223,7 +223,11 @@ class AgentHTTPServer:
             self._error = e
 
     def stop(self) -> None:
-        """Stop accepting, finish the requests in flight, close the socket; re-raise a serving error."""
+        """Stop accepting, finish the requests in flight, close the socket; re-raise a serving error.
+
+        Not from a handler: it waits for every request thread, the caller's too. A ``/shutdown`` handler should
+        set an event that the agent's main thread waits on.
+        """
         with self._lock:
             httpd, thread = self._httpd, self._thread
         if httpd is None or thread is None:

@@ -406,6 +406,8 @@ class HealthMonitor:
         """
         self._stop.set()
         thread = self._thread
+        if thread is threading.current_thread():
+            return  # from a callback: the loop ends after it; the probes are closed by a later stop()
         if thread is not None:
             thread.join(self.config.deadline + 10.0 if timeout is None else timeout)
             if thread.is_alive():

@@ -302,9 +302,7 @@ class Supervisor:
         self._first_spawn = threading.Event()
         self._done = threading.Event()
         self._restart_reason: str | None = None
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_r = self._wake_w = -1  # a pipe that interrupts the thread's select(); made by start()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._spawn_error: SpawnError | None = None
@@ -342,6 +340,9 @@ class Supervisor:
         with self._lock:
             if self._thread is not None or self._state is not SupervisorState.IDLE:
                 raise RuntimeError(f"supervisor {self.name} was already started or stopped; make a new one")
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
             self._thread = threading.Thread(target=self._run, name=f"psguard-supervisor-{self.name}", daemon=True)
         self._thread.start()
         self._first_spawn.wait()
@@ -353,13 +354,16 @@ class Supervisor:
     def stop(self, timeout: float | None = None) -> SupervisorStatus:
         """SIGTERM the task's process group, SIGKILL it after ``stop_timeout``, reap, end supervision.
 
-        Safe to call more than once, before :meth:`start`, and after supervision ended by itself. It does not
-        raise the crash-loop error; :meth:`result` does. ``timeout`` bounds the wait for the supervisor's
+        Safe to call more than once, before :meth:`start`, after supervision ended by itself, and from an
+        ``on_event`` callback (then it only asks, and returns at once). It does not raise the crash-loop error;
+        :meth:`result` does. ``timeout`` bounds the wait for the supervisor's
         thread (default: ``stop_timeout`` plus 30 s for reaping).
         """
         self._stop.set()
         self._wake()
         thread = self._thread
+        if thread is threading.current_thread():
+            return self.status()  # from an on_event callback: the loop sees the flag once the callback returns
         if thread is None:
             with self._lock:
                 if self._state is SupervisorState.IDLE:
@@ -454,6 +458,9 @@ class Supervisor:
     def _supervise(self) -> None:
         reason = ""
         while True:
+            if self._stop.is_set():  # asked while we were busy (a restart, a callback): do not start again
+                self._finish_stop()
+                return
             if self._spawn(reason):
                 request = self._wait(None)
                 if request is _Request.STOP:

@@ -419,7 +419,7 @@ def test_monitor_detects_a_frozen_tf_server_within_its_bound(
     assert report.last is not None and report.last.probe == "rpc" and report.last.code == "DEADLINE_EXCEEDED"
     bound = interval + threshold * deadline
     print(f"SIGSTOP detected after {detected:.2f}s (bound interval + N*deadline = {bound:.2f}s)")
-    assert detected <= bound + 0.3
+    assert detected <= bound + 0.5  # slack for a loaded 2-core machine
 
 
 @pytest.mark.slow

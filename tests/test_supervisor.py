@@ -384,3 +384,16 @@ def test_stop_before_start_and_twice_is_harmless() -> None:
     assert s.stop().state is SupervisorState.STOPPED
     with pytest.raises(RuntimeError, match="already started or stopped"):
         s.start()
+
+
+def test_stop_from_an_event_callback(supervisors: list[Supervisor], events: Events) -> None:
+    def stop_on_exit(event: SupervisorEvent) -> None:
+        events(event)
+        if event.kind is EventKind.EXITED:
+            s.stop()
+
+    s = make(supervisors, sh("exit 1"), backoff_initial=60, backoff_max=60, on_event=stop_on_exit)
+    s.start()
+    events.wait(EventKind.STOPPED)
+    assert s.result(timeout=5) == 1 and s.status().state is SupervisorState.STOPPED
+    assert events.kinds() == ["started", "exited", "stopped"]
