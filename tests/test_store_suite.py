@@ -428,6 +428,9 @@ def test_save_failure_is_a_clear_error_and_commits_nothing(target: Target) -> No
         def delete(self, key: str) -> None:
             self.inner.delete(key)
 
+        def close(self) -> None:
+            self.inner.close()
+
     inner = open_backend(target.url, target.options, retry=FAST_RETRY)
     store = Store(FailingBackend(inner, fail_after=3), chunk_bytes=1024)
     try:

@@ -4,19 +4,37 @@ HDFS shows a file while it is being written, so every write goes to a temporary 
 place: rename is atomic at the NameNode, and rename without overwrite fails when the target exists, which
 is the create-only commit. The Hadoop user comes from ``HADOOP_USER_NAME`` (as Hadoop clients do), else the
 login name; Kerberos is out of scope for now.
+
+Neither client bounds a call to a NameNode that hangs without dying (hdfs-native waits forever, fsspec's
+WebHDFS sends requests with no timeout), and hdfs-native's own retries take minutes against a dead one. So
+psguard turns hdfs-native's retries off (psguard's retry layer has the deadline), runs each hdfs-native call
+with a timeout, and gives WebHDFS requests a timeout. Options (storage options, both optional):
+``op_timeout`` seconds per call (default 60); everything else is passed on as Hadoop client settings
+(hdfs://) or to fsspec's WebHDFS (webhdfs://).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import getpass
 import os
-from typing import Any
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from psguard.errors import ConfigError, ObjectExistsError
+from psguard.errors import ConfigError, ObjectExistsError, ObjectNotFoundError
 from psguard.storage.base import Buffer
 from psguard.storage.fsspec_backend import FsspecBackend
+from psguard.storage.retry import TransientStorageError
+
+T = TypeVar("T")
+
+#: hdfs-native's defaults retry a dead NameNode for about three minutes per call; psguard retries itself.
+HDFS_CLIENT_DEFAULTS = {"dfs.client.failover.max.attempts": "0", "dfs.client.socket-timeout": "10000"}
+DEFAULT_OP_TIMEOUT = 60.0
 
 
 def _host_port_path(url: str, default_port: int) -> tuple[str, int, str]:
@@ -37,30 +55,65 @@ class HdfsBackend(FsspecBackend):
         host, port, path = _host_port_path(url, 8020)
         self.url = f"hdfs://{host}:{port}{path}"
         self.root = path.rstrip("/") or ""
-        self.fs = HdfsFileSystem(host=host, port=port, skip_instance_cache=True, **dict(options or {}))
+        opts = dict(options or {})
+        self.op_timeout = float(opts.pop("op_timeout", DEFAULT_OP_TIMEOUT))
+        config = {**HDFS_CLIENT_DEFAULTS, **{k: str(v) for k, v in opts.items()}}
+        self.fs = HdfsFileSystem(host=host, port=port, skip_instance_cache=True, **config)
+        # Calls that hang stay parked in this pool until the NameNode answers; callers get a timeout.
+        self._calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="psguard-hdfs")
+
+    def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        fut = self._calls.submit(fn, *args)
+        try:
+            return fut.result(timeout=self.op_timeout)
+        except FutureTimeout:
+            raise TransientStorageError(
+                f"HDFS call did not answer within {self.op_timeout:.0f}s on {self.url}"
+            ) from None
+
+    def get(self, key: str) -> bytes:
+        try:
+            return bytes(self._run(self.fs.cat_file, self._p(key)))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
+    def exists(self, key: str) -> bool:
+        return bool(self._run(self.fs.exists, self._p(key)))
+
+    def _files(self, base: str) -> list[str]:
+        return self._run(super()._files, base)
+
+    def delete(self, key: str) -> None:
+        self._run(super().delete, key)
 
     def _write_then_rename(self, key: str, data: Buffer, *, overwrite: bool) -> None:
+        final = self._p(key)
         tmp = self._tmp_name(key)
-        self.fs.pipe_file(tmp, bytes(data))
-        try:
-            self.fs.client.rename(tmp, self._p(key), overwrite)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(tmp)
-            raise
+        blob = bytes(data)
+
+        def write() -> None:
+            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
+            self.fs.pipe_file(tmp, blob)
+            try:
+                self.fs.client.rename(tmp, final, overwrite)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    self.fs.rm_file(tmp)
+                raise
+
+        self._run(write)
 
     def put(self, key: str, data: Buffer) -> None:
-        self.fs.makedirs(self._p(key).rsplit("/", 1)[0], exist_ok=True)
         self._write_then_rename(key, data, overwrite=True)
 
     def put_new(self, key: str, data: Buffer) -> None:
-        self.fs.makedirs(self._p(key).rsplit("/", 1)[0], exist_ok=True)
         try:
             self._write_then_rename(key, data, overwrite=False)
-        except Exception as e:
-            if isinstance(e, FileExistsError) or "exist" in str(e).lower():
-                raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
-            raise
+        except FileExistsError as e:
+            raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
 
 
 class WebHdfsBackend(FsspecBackend):
@@ -71,33 +124,36 @@ class WebHdfsBackend(FsspecBackend):
         self.url = f"webhdfs://{host}:{port}{path}"
         self.root = path.rstrip("/") or ""
         opts = dict(options or {})
+        timeout = float(opts.pop("op_timeout", DEFAULT_OP_TIMEOUT))
         opts.setdefault("user", _hadoop_user())
         self.fs = WebHDFS(host=host, port=port, skip_instance_cache=True, **opts)
+        session = self.fs.session
+        session.request = functools.partial(session.request, timeout=timeout)
 
-    def _rename(self, src: str, dst: str) -> bool:
-        # fsspec's mv ignores WebHDFS's answer; RENAME answers {"boolean": false} when dst exists.
-        out = self.fs._call("RENAME", method="put", path=src, destination=dst)
-        return bool(out.json().get("boolean"))
+    def _rename(self, src: str, dst: str, *, overwrite: bool) -> None:
+        # fsspec's mv ignores WebHDFS's answer, and a plain RENAME onto a folder moves the file into it;
+        # with renameoptions, an existing target is refused (403 FileAlreadyExistsException) or replaced.
+        self.fs._call(
+            "RENAME", method="put", path=src, destination=dst, renameoptions="OVERWRITE" if overwrite else "NONE"
+        )
 
-    def _write_tmp(self, key: str, data: Buffer) -> str:
+    def _write_then_rename(self, key: str, data: Buffer, *, overwrite: bool) -> None:
         tmp = self._tmp_name(key)
         self.fs.pipe_file(tmp, bytes(data))
-        return tmp
-
-    def put(self, key: str, data: Buffer) -> None:
-        tmp = self._write_tmp(key, data)
-        if not self._rename(tmp, self._p(key)):
-            # WebHDFS cannot rename over a file: replace it (a reader may miss it for a moment).
-            self.fs.rm_file(self._p(key))
-            if not self._rename(tmp, self._p(key)):
-                self.fs.rm_file(tmp)
-                raise OSError(f"WebHDFS refused to rename a temporary file onto {key} in {self.url}")
-
-    def put_new(self, key: str, data: Buffer) -> None:
-        tmp = self._write_tmp(key, data)
-        if not self._rename(tmp, self._p(key)):
+        try:
+            self._rename(tmp, self._p(key), overwrite=overwrite)
+        except BaseException:
             with contextlib.suppress(Exception):
                 self.fs.rm_file(tmp)
-            if self.fs.exists(self._p(key)):
-                raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it")
-            raise OSError(f"WebHDFS refused to rename a temporary file onto {key} in {self.url}")
+            raise
+
+    def put(self, key: str, data: Buffer) -> None:
+        self._write_then_rename(key, data, overwrite=True)
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        try:
+            self._write_then_rename(key, data, overwrite=False)
+        except Exception as e:
+            if isinstance(e, FileExistsError) or "already exists" in str(e):
+                raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
+            raise
