@@ -35,6 +35,7 @@ EXIT_NOT_FOUND = 4
 COMMAND_MODULES: tuple[str, ...] = (
     "psguard.demo",
     "psguard.store_cli",
+    "psguard.export",
     "psguard.policy_cli",
     "psguard.benchmarks.cli",
 )

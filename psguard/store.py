@@ -826,8 +826,10 @@ class Store:
     ) -> GcReport:
         unreadable: list[str] = []
         infos = self.checkpoints(on_error=lambda cid, e: unreadable.append(cid))
+        # A chain folded by compaction is superseded by its full copy: it no longer counts towards keep-last.
+        superseded = {str(i.metadata["compacted_from"]) for i in infos if i.metadata.get("compacted_from")}
         chosen = select_kept(
-            [Candidate(i.id, i.step, i.committed_at, i.metrics) for i in infos],
+            [Candidate(i.id, i.step, i.committed_at, i.metrics) for i in infos if i.id not in superseded],
             keep_last=keep_last,
             keep_every_hours=keep_every_hours,
             keep_best=keep_best,

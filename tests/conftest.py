@@ -13,7 +13,9 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -127,5 +129,57 @@ def hdfs() -> Iterator[object]:
         cluster.start()
     try:
         yield cluster
+    finally:
+        cluster.stop()
+
+
+# ----------------------------------------------------------------------------------------------- TF cluster
+def _partitioners() -> dict[str, Any]:
+    import tensorflow as tf
+
+    p = tf.distribute.experimental.partitioners
+    return {
+        "fixed2": p.FixedShardsPartitioner(2),
+        "fixed3": p.FixedShardsPartitioner(3),
+        "min": p.MinSizePartitioner(min_shard_bytes=4 << 10, max_shards=4),
+        "max": p.MaxSizePartitioner(max_shard_bytes=12 << 10),
+        "none": None,
+    }
+
+
+@dataclass
+class Chief:
+    cluster: Any
+    strategies: dict[str, Any] = field(default_factory=dict)
+    coordinators: dict[str, Any] = field(default_factory=dict)
+    coordinator: Any = None
+
+
+@pytest.fixture(scope="session")
+def chief() -> Iterator[Chief]:
+    """A 2-PS, 2-worker cluster; this process is its chief for the session.
+
+    A process has one TF context and can be the chief of one cluster only (a second connection with another
+    chief address crashed TF 2.21), so every module shares this one. All strategies (one per partitioner) and
+    their coordinators are made here, before any test's leak check starts: a coordinator keeps threads for
+    the life of the process, and TF creates one behind the scenes for a strategy that lacks it.
+    """
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+    import tensorflow as tf
+
+    from psguard.testbed.cluster import LocalCluster
+
+    with allow_new_children():
+        cluster = LocalCluster(num_ps=2, num_workers=2).start()
+    try:
+        resolver = cluster.cluster_resolver()
+        result = Chief(cluster)
+        for name, partitioner in _partitioners().items():
+            strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+            result.strategies[name] = strategy
+            result.coordinators[name] = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        result.coordinator = result.coordinators["fixed2"]
+        yield result
     finally:
         cluster.stop()

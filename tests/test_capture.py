@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +29,8 @@ from tensorflow.python.distribute import sharded_variable
 from psguard.capture import Capturer, bitwise_equal, list_tensors, read_tensors, restore
 from psguard.errors import ConfigError, TensorMismatchError
 from psguard.tensors import Full, Rows, Same, TensorUpdate, apply_update
-from psguard.testbed.cluster import LocalCluster
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
-from tests.conftest import allow_new_children
+from tests.conftest import Chief
 
 SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 
@@ -283,45 +280,7 @@ def test_state_that_is_not_a_variable_is_refused(rng: np.random.Generator) -> No
 
 # --------------------------------------------------------------------------------------------- cluster
 
-PARTITIONERS: dict[str, Callable[[], Any]] = {
-    "fixed2": lambda: tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),
-    "fixed3": lambda: tf.distribute.experimental.partitioners.FixedShardsPartitioner(3),
-    "min": lambda: tf.distribute.experimental.partitioners.MinSizePartitioner(min_shard_bytes=4 << 10, max_shards=4),
-    "max": lambda: tf.distribute.experimental.partitioners.MaxSizePartitioner(max_shard_bytes=12 << 10),
-    "none": lambda: None,
-}
 CONFIG = ModelConfig(vocab_size=1000, embedding_dim=8, hidden=16, batch_size=32)
-
-
-@dataclass
-class Chief:
-    cluster: LocalCluster
-    strategies: dict[str, Any] = field(default_factory=dict)
-    coordinators: dict[str, Any] = field(default_factory=dict)
-    coordinator: Any = None
-
-
-@pytest.fixture(scope="session")
-def chief() -> Iterator[Chief]:
-    """A 2-PS, 2-worker cluster; this process is its chief for the session (one context per process).
-
-    All strategies and their coordinators are made here, before any test's leak check starts: a
-    coordinator keeps threads for the life of the process, and TF creates one behind the scenes for a
-    strategy that lacks it (tf_keras optimizers built under its scope do).
-    """
-    with allow_new_children():
-        cluster = LocalCluster(num_ps=2, num_workers=2).start()
-    try:
-        resolver = cluster.cluster_resolver()
-        result = Chief(cluster)
-        for name, make in PARTITIONERS.items():
-            strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=make())
-            result.strategies[name] = strategy
-            result.coordinators[name] = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        result.coordinator = result.coordinators["fixed2"]
-        yield result
-    finally:
-        cluster.stop()
 
 
 def fresh(chief: Chief, partitioning: str, family: str, optimizer: str) -> tuple[Any, Any, Any]:

@@ -1,0 +1,327 @@
+"""psguard.CheckpointManager: the tf.train.CheckpointManager drop-in, async, incremental and exact.
+
+The first half uses local variables (no cluster: fast); the second trains the recommendation model on a
+real 2-PS, 2-worker cluster with this process as chief.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+import tensorflow as tf
+from tensorflow.python.distribute import sharded_variable
+
+from psguard.capture import bitwise_equal, read_tensors
+from psguard.errors import SaveError, TensorMismatchError
+from psguard.export import OBJECT_GRAPH_KEY, export_checkpoint
+from psguard.manager import CheckpointManager
+from psguard.policy import EverySteps, Schedule
+from psguard.storage import RetryConfig, open_backend
+from psguard.storage.base import Backend, Buffer
+from psguard.storage.retry import RetryingBackend
+from psguard.store import Store
+from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
+from tests.conftest import Chief
+
+
+def make_local(seed: int = 0, rows: tuple[int, ...] = (1500, 1500)) -> tuple[tf.train.Checkpoint, Any, Any]:
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((sum(rows), 8)).astype(np.float32)
+    bounds = np.cumsum([0, *rows])
+    emb = sharded_variable.ShardedVariable(
+        [tf.Variable(table[a:b], name=f"emb/part_{i}") for i, (a, b) in enumerate(itertools.pairwise(bounds))]
+    )
+    dense = tf.Variable(rng.standard_normal((8, 4)).astype(np.float32))
+    step = tf.Variable(0, dtype=tf.int64)
+    return tf.train.Checkpoint(emb=emb, dense=dense, step=step), emb, dense
+
+
+def train_local(emb: Any, dense: Any, ckpt: tf.train.Checkpoint, rng: np.random.Generator, rows: int = 20) -> None:
+    ids = np.unique(rng.integers(0, emb.shape[0], size=rows))
+    for i in ids:
+        shard = 0 if i < emb.variables[0].shape[0] else 1
+        local = i - (0 if shard == 0 else emb.variables[0].shape[0])
+        emb.variables[shard][local].assign(emb.variables[shard][local] + 1.0)
+    dense.assign_add(tf.ones_like(dense) * 0.5)
+    ckpt.step.assign_add(1)
+
+
+def snapshot(ckpt: Any) -> dict[str, np.ndarray]:
+    return {k: v for k, v in read_tensors(ckpt).items()}
+
+
+def assert_restores(store: Store, checkpoint_id: str, expected: dict[str, np.ndarray]) -> None:
+    got = store.load(checkpoint_id)
+    got.pop(OBJECT_GRAPH_KEY)
+    assert sorted(got) == sorted(expected)
+    bad = [n for n in expected if not bitwise_equal(expected[n], got[n])]
+    assert not bad, bad
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    return str(tmp_path / "ckpts")
+
+
+# --------------------------------------------------------------------------------------------- local
+def test_incremental_chain_restores_every_step_exactly(url: str) -> None:
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(1)
+    expected = {}
+    with CheckpointManager(ckpt, url, step_counter=ckpt.step) as m:
+        for _ in range(10):
+            train_local(emb, dense, ckpt, rng)
+            handle = m.save()
+            expected[handle.result(timeout=60).id] = snapshot(ckpt)
+        infos = m.store.checkpoints()
+        assert [i.kind for i in infos] == ["full"] + ["delta"] * 9
+        assert infos[-1].stored_bytes < infos[0].stored_bytes / 10  # only the touched rows travel
+        for cid, state in expected.items():
+            assert_restores(m.store, cid, state)
+        assert m.latest_checkpoint == infos[-1].id and m.checkpoints == [i.id for i in infos]
+
+
+def test_restore_or_initialize_into_fresh_variables_of_another_partitioning(url: str) -> None:
+    ckpt, emb, dense = make_local()
+    train_local(emb, dense, ckpt, np.random.default_rng(2))
+    with CheckpointManager(ckpt, url) as m:
+        m.save(7).result(timeout=60)
+        want = snapshot(ckpt)
+    fresh, _, _ = make_local(seed=99, rows=(1000, 1000, 1000))
+    with CheckpointManager(fresh, url) as m2:
+        assert m2.restore_or_initialize() is not None
+        assert m2.restored is not None and m2.restored.step == 7
+        got = snapshot(fresh)
+        assert all(bitwise_equal(want[n], got[n]) for n in want)
+        assert all(type(u).__name__ == "Same" for u in m2.capturer.capture().values())  # rebased
+
+
+def test_restore_or_initialize_without_checkpoint_runs_init_fn(url: str) -> None:
+    ckpt, _, _ = make_local()
+    called = []
+    with CheckpointManager(ckpt, url) as m:
+        assert m.restore_or_initialize(lambda: called.append(1)) is None
+    assert called == [1]
+
+
+def test_async_save_persists_the_values_of_its_own_step(url: str) -> None:
+    ckpt, emb, dense = make_local()
+    gate = threading.Event()
+    backend = GatedBackend(open_backend(url), gate)
+    store = Store(backend)
+    try:
+        with CheckpointManager(ckpt, url, store=store) as m:
+            first = m.save(1)
+            at_save = snapshot(ckpt)
+            train_local(emb, dense, ckpt, np.random.default_rng(3), rows=500)  # while the write is blocked
+            assert not first.done()
+            gate.set()
+            info = first.result(timeout=60)
+            assert_restores(store, info.id, at_save)
+    finally:
+        store.close()
+
+
+def test_saves_fold_while_the_store_is_slow_and_nothing_is_lost(url: str) -> None:
+    ckpt, emb, dense = make_local()
+    gate = threading.Event()
+    store = Store(GatedBackend(open_backend(url), gate))
+    rng = np.random.default_rng(4)
+    try:
+        with CheckpointManager(ckpt, url, store=store) as m:
+            handles = []
+            for step in range(1, 5):
+                train_local(emb, dense, ckpt, rng)
+                handles.append(m.save(step))
+            gate.set()
+            results = [h.result(timeout=60) for h in handles]
+            final = snapshot(ckpt)
+            # the first write was in flight; saves 2..4 folded into one checkpoint at step 4
+            assert [r.step for r in results] == [1, 4, 4, 4]
+            assert len(store.checkpoint_ids()) == 2
+            assert_restores(store, results[-1].id, final)
+    finally:
+        store.close()
+
+
+def test_a_failed_write_keeps_its_rows_for_the_next_save(url: str) -> None:
+    ckpt, emb, dense = make_local()
+    backend = FlakyBackend(open_backend(url, retry=RetryConfig(deadline=0)))
+    store = Store(backend)
+    rng = np.random.default_rng(5)
+    try:
+        with CheckpointManager(ckpt, url, store=store) as m:
+            m.save(1).result(timeout=60)
+            train_local(emb, dense, ckpt, rng)
+            backend.failing = True
+            with pytest.raises(SaveError, match="disk on fire"):
+                m.save(2).result(timeout=60)
+            with pytest.raises(SaveError):
+                m.wait()
+            backend.failing = False
+            train_local(emb, dense, ckpt, rng)  # touches other rows than step 2
+            info = m.save(3).result(timeout=60)
+            assert info.kind == "delta"
+            assert_restores(store, info.id, snapshot(ckpt))
+    finally:
+        store.close()
+
+
+def test_restore_mismatch_lists_every_problem(url: str) -> None:
+    ckpt, _, _ = make_local()
+    with CheckpointManager(ckpt, url) as m:
+        m.save(1).result(timeout=60)
+    other = tf.train.Checkpoint(emb=tf.Variable(np.zeros((3000, 9), np.float32)), extra=tf.Variable(1.0))
+    with CheckpointManager(other, url) as m2, pytest.raises(TensorMismatchError) as e:
+        m2.restore_or_initialize()
+    text = str(e.value)
+    assert "emb/.ATTRIBUTES/VARIABLE_VALUE: checkpoint has (3000, 8) float32, model has (3000, 9)" in text
+    assert "extra/" in text and "dense/" in text and "step/" in text
+
+
+def test_max_to_keep_applies_retention(url: str) -> None:
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(6)
+    with CheckpointManager(ckpt, url, max_to_keep=2, new_base_after=3) as m:
+        for step in range(1, 9):
+            train_local(emb, dense, ckpt, rng)
+            m.save(step)
+        m.wait()
+        infos = m.store.checkpoints()
+        # the newest two are kept, plus what they are built on; compaction started new bases on the way
+        assert infos[-1].step == 8 and len(infos) <= 4
+        assert any(i.kind == "full" and i.step > 1 for i in infos)
+        assert_restores(m.store, infos[-1].id, snapshot(ckpt))
+
+
+def test_policy_decides_when_to_save(url: str) -> None:
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(7)
+    with CheckpointManager(ckpt, url, policy=Schedule(durable=EverySteps(3))) as m:
+        saved = []
+        for step in range(1, 10):
+            train_local(emb, dense, ckpt, rng)
+            h = m.maybe_save(step)
+            if h is not None:
+                h.result(timeout=60)
+                saved.append(step)
+        assert saved == [3, 6, 9]
+
+
+def test_export_is_a_standard_tf_checkpoint(url: str, tmp_path: Path) -> None:
+    ckpt, emb, dense = make_local()
+    train_local(emb, dense, ckpt, np.random.default_rng(8))
+    with CheckpointManager(ckpt, url) as m:
+        info = m.save(5).result(timeout=60)
+        prefix = export_checkpoint(m.store, info.id, tmp_path / "tf")
+    names = {n for n, _ in tf.train.list_variables(str(tmp_path / "tf"))}
+    assert {"emb/.ATTRIBUTES/VARIABLE_VALUE", "dense/.ATTRIBUTES/VARIABLE_VALUE", OBJECT_GRAPH_KEY} <= names
+    fresh, _, fresh_dense = make_local(seed=42, rows=(3000,))
+    tf.train.Checkpoint(emb=fresh.emb, dense=fresh.dense, step=fresh.step).restore(prefix).assert_consumed()
+    assert bitwise_equal(fresh_dense.numpy(), dense.numpy())
+    assert bitwise_equal(
+        np.concatenate([v.numpy() for v in fresh.emb.variables]), np.concatenate([v.numpy() for v in emb.variables])
+    )
+
+
+class GatedBackend(RetryingBackend):
+    """Chunk writes wait for ``gate``: a store that is slow exactly as long as the test wants."""
+
+    def __init__(self, inner: Backend, gate: threading.Event) -> None:
+        super().__init__(inner)
+        self.gate = gate
+
+    def put(self, key: str, data: Buffer) -> None:
+        if key.startswith("chunks/"):
+            assert self.gate.wait(60), "gate never opened"
+        super().put(key, data)
+
+
+class FlakyBackend(RetryingBackend):
+    failing = False
+
+    def put(self, key: str, data: Buffer) -> None:
+        if self.failing and key.startswith("chunks/"):
+            raise PermissionError("disk on fire")
+        super().put(key, data)
+
+
+# --------------------------------------------------------------------------------------------- cluster
+CONFIG = ModelConfig(vocab_size=4000, embedding_dim=8, hidden=16, batch_size=64)
+
+
+def fresh_model(chief: Chief, partitioning: str, optimizer: str) -> tuple[Any, Any, tf.train.Checkpoint]:
+    strategy = chief.strategies[partitioning]
+    with strategy.scope():
+        model = RecModel(CONFIG)
+        opt = make_optimizer(optimizer, "tf_keras")
+        build_optimizer(opt, list(model.trainable_variables))
+    return model, opt, tf.train.Checkpoint(model=model, optimizer=opt)
+
+
+@pytest.fixture
+def trained(chief: Chief) -> Iterator[tuple[Any, Any, tf.train.Checkpoint, Trainer]]:
+    model, opt, ckpt = fresh_model(chief, "fixed2", "adagrad")
+    yield model, opt, ckpt, Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "adam", "ftrl"])
+def test_cluster_chain_restores_exactly_for_every_optimizer(chief: Chief, optimizer: str, url: str) -> None:
+    model, opt, ckpt = fresh_model(chief, "fixed2", optimizer)
+    trainer = Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt)
+    states = {}
+    with CheckpointManager(ckpt, url, coordinator=chief.coordinator, step_counter=model.step) as m:
+        for _ in range(4):
+            trainer.train(5, join=False)
+            h = m.save()  # drains the coordinator first: weights and slots of one step
+            states[h] = snapshot(ckpt)
+        for h, state in states.items():
+            assert_restores(m.store, h.result(timeout=120).id, state)
+
+
+@pytest.mark.slow
+def test_cluster_restore_under_another_partitioning(chief: Chief, url: str) -> None:
+    model, opt, ckpt = fresh_model(chief, "fixed2", "adam")
+    Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt).train(10)
+    with CheckpointManager(ckpt, url, coordinator=chief.coordinator) as m:
+        m.save(10).result(timeout=120)
+        want = snapshot(ckpt)
+    for partitioning in ("fixed3", "min", "none"):
+        model2, _, ckpt2 = fresh_model(chief, partitioning, "adam")
+        with CheckpointManager(ckpt2, url, coordinator=chief.coordinators[partitioning]) as m2:
+            assert m2.restore_or_initialize() is not None
+            got = snapshot(ckpt2)
+        assert all(bitwise_equal(want[n], got[n]) for n in want), partitioning
+        del model2
+
+
+@pytest.mark.slow
+def test_cluster_async_save_overlapping_training_keeps_its_step(chief: Chief, url: str) -> None:
+    model, opt, ckpt = fresh_model(chief, "fixed2", "adagrad")
+    trainer = Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt)
+    trainer.train(5)
+    gate = threading.Event()
+    store = Store(GatedBackend(open_backend(url), gate))
+    try:
+        with CheckpointManager(ckpt, url, coordinator=chief.coordinator, store=store) as m:
+            h = m.save(5)
+            at_save = snapshot(ckpt)
+            trainer.train(20)  # training goes on while the save is being written
+            assert not h.done()
+            gate.set()
+            assert_restores(store, h.result(timeout=120).id, at_save)
+            assert int(model.step.numpy()) >= 25
+    finally:
+        store.close()
