@@ -1,0 +1,472 @@
+"""The second half of the double write: a background thread that makes the memory tier durable.
+
+Why a thread that persists *from the memory tier* rather than a queue of captures: captures of a large model
+arrive faster than object storage may take them, and queueing them would hold a copy of the model per capture.
+Here a request is only a note ("make the current state durable"); when the persister falls behind, every
+request that arrives while a save is running joins one pending batch, served by a single save of whatever the
+tier holds by then. Memory stays bounded (the tier's marks plus one take in flight, whose whole tensors are
+leased, not copied) and the durable log skips intermediate steps instead of lagging further.
+
+Each save writes what :meth:`~psguard.memory_tier.MemoryTier.take_dirty` says: a full base first, after a
+layout change, when asked, or when the new-base policy (a :class:`~psguard.policy.SavePolicy`, by default
+:class:`~psguard.policy.ChainLimit` on chain links and delta bytes as a percentage of the base) says the chain
+is long enough; otherwise a delta over the last durable checkpoint (changed rows, whole tensors that changed,
+``Same`` for the rest). A new base is written from memory with ``dedup_against`` the previous checkpoint, so
+unchanged chunks are not uploaded again and nothing is read back from storage (cheaper than
+``Store.compact``, which rebuilds the chain from the log).
+
+Failures: a failed save aborts its take (the dirty marks go back to the tier), fails the batch's handles with
+the store's error, is reported (status, event callback), and is retried on the next request or, with
+``retry_after``, by the thread itself. The thread never dies on an error. A process killed mid-save leaves no
+torn checkpoint (the manifest is the commit); :func:`resume` seeds a successor's tier from the log.
+
+Typical use in the agent::
+
+    tier = MemoryTier()
+    last = resume(store, tier)                    # None on a fresh job
+    with Persister(store, tier, last=last, max_chain=8) as persister:
+        ...
+        handle = persister.request(step)          # after applying a capture meant for the durable tier
+        handle.add_done_callback(lambda h: ...)   # e.g. write the trainer's durable ack
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Literal
+
+from psguard.errors import CheckpointError, NoCheckpointError, PsguardError, SaveError
+from psguard.manifest import manifest_key
+from psguard.memory_tier import DirtyTake, MemoryTier
+from psguard.policy import ChainLimit, SaveContext, SavePolicy, TierState
+from psguard.store import CheckpointInfo, Store
+
+__all__ = ["TOKEN_KEY", "PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
+
+log = logging.getLogger(__name__)
+
+#: Metadata key under which a durable checkpoint records the memory-tier token of its state, so a tier
+#: re-seeded from it (or a trainer restored from it) can accept deltas relative to that state.
+TOKEN_KEY = "psguard.token"
+
+
+@dataclass(frozen=True)
+class PersistEvent:
+    """One persist attempt, for metrics and logs. ``kind``: committed, failed, or skipped (nothing new)."""
+
+    kind: Literal["committed", "failed", "skipped"]
+    step: int | None
+    checkpoint: str | None
+    encoding: Literal["full", "delta"] | None
+    payload_bytes: int
+    bytes_written: int
+    seconds: float
+    lag_steps: int | None
+    coalesced: int
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PersisterStatus:
+    running: bool
+    last_id: str | None
+    last_step: int | None
+    memory_step: int | None
+    lag_steps: int | None
+    pending_requests: int
+    in_flight: bool
+    chain_length: int
+    checkpoints_written: int
+    bytes_persisted: int
+    failures: int
+    consecutive_failures: int
+    last_error: str | None
+    last_error_at: float | None
+
+
+class PersistHandle:
+    """A request to make the memory tier durable; resolved by the save that covers it.
+
+    Several requests made while the persister is busy share one handle (they are served by one save).
+    ``result`` returns the committed checkpoint (its step is at least the tier's step at request time), or
+    None when the tier was empty; it re-raises the save's error.
+    """
+
+    def __init__(self, *, new_base: bool = False, internal: bool = False) -> None:
+        self._future: Future[CheckpointInfo | None] = Future()
+        self.requests = 0
+        self.new_base = new_base
+        self.internal = internal
+        self.first_step: int | None = None
+        self.last_step: int | None = None
+
+    def _add(self, step: int | None, new_base: bool) -> None:
+        self.requests += 1
+        self.new_base = self.new_base or new_base
+        if step is not None:
+            self.first_step = step if self.first_step is None else min(self.first_step, step)
+            self.last_step = step if self.last_step is None else max(self.last_step, step)
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo | None:
+        """Wait for the save; :class:`TimeoutError` if it takes longer than ``timeout`` seconds."""
+        return self._future.result(timeout)
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        return self._future.exception(timeout)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def add_done_callback(self, fn: Callable[[PersistHandle], None]) -> None:
+        """Call ``fn(handle)`` when done (at once if it already is), from the persister's thread."""
+        self._future.add_done_callback(lambda _: fn(self))
+
+
+class Persister:
+    """Writes the memory tier to a :class:`Store` in the background. Start it, request, stop it.
+
+    ``last``: the newest durable checkpoint the tier's state derives from (from :func:`resume`); None means
+    the next save is a full base. ``base_policy`` decides when the chain gets a new base (default
+    ``ChainLimit(max_chain, max_delta_percent)``). ``retry_after``: seconds after a failure before the thread
+    retries by itself (None: only on the next request). ``on_event`` is called after every attempt.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        tier: MemoryTier,
+        *,
+        last: CheckpointInfo | None = None,
+        max_chain: int | None = 16,
+        max_delta_percent: float | None = 100.0,
+        base_policy: SavePolicy | None = None,
+        retry_after: float | None = 5.0,
+        on_event: Callable[[PersistEvent], None] | None = None,
+        name: str = "psguard-persister",
+    ) -> None:
+        self.store = store
+        self.tier = tier
+        self.base_policy: SavePolicy = base_policy or ChainLimit(
+            max_chain=max_chain, max_delta_percent=max_delta_percent
+        )
+        self.retry_after = retry_after
+        self.on_event = on_event
+        self._cond = threading.Condition()
+        self._pending: PersistHandle | None = None
+        self._in_flight: PersistHandle | None = None
+        self._stopping = False
+        self._drain = True
+        self._retry_at: float | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._started = False
+        # durable chain state
+        self._last: CheckpointInfo | None = None
+        self._last_token: str | None = None
+        self._base_step: int | None = None
+        self._chain_length = 0
+        self._delta_bytes = 0
+        self._base_bytes = 0
+        # counters
+        self._written = 0
+        self._bytes = 0
+        self._failures = 0
+        self._consecutive_failures = 0
+        self._last_error: str | None = None
+        self._last_error_at: float | None = None
+        if last is not None:
+            self._adopt(last)
+
+    def _adopt(self, last: CheckpointInfo) -> None:
+        """Take the chain state (links, delta bytes, base size) from the log, for the new-base policy."""
+        self._last = last
+        self._last_token = last.metadata.get(TOKEN_KEY)
+        self._chain_length = last.chain_length
+        try:
+            chain = self.store.chain(last.id)
+            self._base_bytes = CheckpointInfo.of(chain[0]).logical_bytes
+            self._base_step = chain[0].step
+            self._delta_bytes = sum(sum(r.size for r in m.refs()) for m in chain[1:])
+        except (CheckpointError, PsguardError) as e:
+            log.warning("could not read the chain of %s (%s); the next persist writes a new base", last.id, e)
+            self._chain_length = 1 << 30
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def start(self) -> Persister:
+        with self._cond:
+            if self._started:
+                raise PsguardError("persister already started")
+            self._started = True
+        self._thread.start()
+        return self
+
+    def stop(self, *, drain: bool = True, timeout: float | None = None) -> bool:
+        """Stop the thread. ``drain``: finish the pending batch first; otherwise fail it (abandoned).
+
+        A save already running is never interrupted (it commits or fails whole). Returns False when the
+        thread was still busy after ``timeout`` seconds (it stops once that save ends).
+        """
+        with self._cond:
+            self._stopping = True
+            self._drain = drain
+            if not self._started and self._pending is not None:
+                pending, self._pending = self._pending, None
+                pending._future.set_exception(SaveError("persister stopped before it started; request abandoned"))
+            self._cond.notify_all()
+        if self._started:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def __enter__(self) -> Persister:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------------------------------- requests
+    def request(self, step: int | None = None, *, new_base: bool = False) -> PersistHandle:
+        """Ask for the tier's state (at least ``step``) to be made durable. Never blocks, never copies.
+
+        ``new_base``: write a full base (e.g. the checkpoint policy's ``BASE`` tier fired).
+        """
+        with self._cond:
+            if self._stopping:
+                raise PsguardError("persister is stopped; it takes no more requests")
+            if self._pending is None:
+                self._pending = PersistHandle()
+            self._pending._add(step, new_base)
+            self._cond.notify_all()
+            return self._pending
+
+    def status(self) -> PersisterStatus:
+        with self._cond:
+            mem = self.tier.step
+            last_step = self._last.step if self._last else None
+            return PersisterStatus(
+                running=self._started and self._thread.is_alive() and not self._stopping,
+                last_id=self._last.id if self._last else None,
+                last_step=last_step,
+                memory_step=mem,
+                lag_steps=None if mem is None else mem - (last_step if last_step is not None else 0),
+                pending_requests=self._pending.requests if self._pending else 0,
+                in_flight=self._in_flight is not None,
+                chain_length=self._chain_length,
+                checkpoints_written=self._written,
+                bytes_persisted=self._bytes,
+                failures=self._failures,
+                consecutive_failures=self._consecutive_failures,
+                last_error=self._last_error,
+                last_error_at=self._last_error_at,
+            )
+
+    # ------------------------------------------------------------------------------------------- the thread
+    def _next_batch(self) -> PersistHandle | None:
+        with self._cond:
+            while True:
+                if self._stopping and (not self._drain or self._pending is None):
+                    if self._pending is not None:
+                        self._pending._future.set_exception(
+                            SaveError(
+                                "persister stopped without draining; this request was abandoned (the memory tier "
+                                "still holds the state)"
+                            )
+                        )
+                        self._pending = None
+                    return None
+                if self._pending is None and self._retry_at is not None and time.monotonic() >= self._retry_at:
+                    self._pending = PersistHandle(internal=True)
+                    self._pending._add(None, False)
+                if self._pending is not None:
+                    batch, self._pending = self._pending, None
+                    self._in_flight = batch
+                    self._retry_at = None
+                    return batch
+                wait = None if self._retry_at is None else max(0.0, self._retry_at - time.monotonic())
+                self._cond.wait(wait)
+
+    def _run(self) -> None:
+        while True:
+            batch = self._next_batch()
+            if batch is None:
+                return
+            try:
+                self._serve(batch)
+            except BaseException as e:  # never die with a handle unresolved
+                log.exception("persister: unexpected error")
+                if not batch.done():
+                    batch._future.set_exception(e)
+            finally:
+                with self._cond:
+                    self._in_flight = None
+
+    def _serve(self, batch: PersistHandle) -> None:
+        t0 = time.perf_counter()
+        take: DirtyTake | None = None
+        try:
+            take = self.tier.take_dirty(base=batch.new_base or self._base_due())
+            info, fresh = self._write(take) if take is not None else (None, False)
+        except Exception as e:
+            if take is not None and take._state == "open":
+                take.abort()
+            self._failed(batch, e, take, time.perf_counter() - t0)
+            return
+        seconds = time.perf_counter() - t0
+        lag = self._lag()
+        if fresh and info is not None and take is not None:
+            log.info(
+                "persisted step %d as %s %s (%d of %d bytes written, %.3fs, %d request(s), lag %s steps)",
+                info.step,
+                info.kind,
+                info.id,
+                info.stored_bytes,
+                take.payload_bytes,
+                seconds,
+                batch.requests,
+                lag,
+            )
+        self._emit(
+            PersistEvent(
+                kind="committed" if fresh else "skipped",
+                step=info.step if info else None,
+                checkpoint=info.id if info else None,
+                encoding=("full" if info.kind == "full" else "delta") if info and fresh else None,
+                payload_bytes=take.payload_bytes if take is not None and fresh else 0,
+                bytes_written=info.stored_bytes if info and fresh else 0,
+                seconds=seconds,
+                lag_steps=lag,
+                coalesced=batch.requests,
+            )
+        )
+        batch._future.set_result(info)
+
+    def _write(self, take: DirtyTake) -> tuple[CheckpointInfo | None, bool]:
+        """Save the take, or skip it when the log already holds this state; the take is closed either way.
+
+        Returns the checkpoint that now covers the tier's state and whether it was written by this call.
+        """
+        last = self._last
+        if not take.changed and last is not None and take.step == last.step and take.token == self._last_token:
+            take.commit()
+            return last, False
+        metadata = dict(take.metadata)
+        if take.token is not None:
+            metadata[TOKEN_KEY] = take.token
+        try:
+            if take.base or last is None:
+                info = self.store.save(
+                    take.step, take.updates, metadata=metadata, dedup_against=last.id if last else None
+                )
+            else:
+                info = self.store.save(take.step, take.updates, parent=last.id, metadata=metadata)
+        except BaseException:
+            take.abort()
+            self._forget_missing_parent()
+            raise
+        take.commit()
+        with self._cond:
+            self._last = info
+            self._last_token = take.token
+            if info.kind == "full":
+                self._chain_length = 0
+                self._delta_bytes = 0
+                self._base_bytes = take.logical_bytes
+                self._base_step = info.step
+            else:
+                self._chain_length = info.chain_length
+                self._delta_bytes += take.payload_bytes
+            self._written += 1
+            self._bytes += info.stored_bytes
+            self._consecutive_failures = 0
+        return info, True
+
+    def _base_due(self) -> bool:
+        if self._last is None:
+            return True
+        context = SaveContext(
+            base=TierState(self._base_step),
+            chain_length=self._chain_length,
+            delta_bytes=self._delta_bytes,
+            base_bytes=self._base_bytes,
+        )
+        step = self.tier.step or 0
+        return bool(self.base_policy.should_save(step, time.time(), last=context.base, context=context))
+
+    def _forget_missing_parent(self) -> None:
+        """After a failure: if the last checkpoint was deleted (gc), stop building on it (next: a new base)."""
+        last = self._last
+        if last is None:
+            return
+        try:
+            gone = not self.store.backend.exists(manifest_key(last.id))
+        except PsguardError:
+            return  # storage is down; the next attempt will tell
+        if gone:
+            log.warning("checkpoint %s is gone from %s; the next persist writes a new base", last.id, self.store.url)
+            with self._cond:
+                self._last = None
+                self._last_token = None
+
+    def _failed(self, batch: PersistHandle, error: Exception, take: DirtyTake | None, seconds: float) -> None:
+        with self._cond:
+            self._failures += 1
+            self._consecutive_failures += 1
+            self._last_error = f"{type(error).__name__}: {error}"
+            self._last_error_at = time.time()
+            if self.retry_after is not None and not self._stopping:
+                self._retry_at = time.monotonic() + self.retry_after
+        log.warning(
+            "persist of step %s failed (%s); the memory tier keeps the changes, retrying on the next request%s",
+            take.step if take else self.tier.step,
+            self._last_error,
+            f" or in {self.retry_after:g}s" if self.retry_after is not None else "",
+        )
+        self._emit(
+            PersistEvent(
+                kind="failed",
+                step=take.step if take else self.tier.step,
+                checkpoint=None,
+                encoding=("full" if take.base else "delta") if take else None,
+                payload_bytes=take.payload_bytes if take else 0,
+                bytes_written=0,
+                seconds=seconds,
+                lag_steps=self._lag(),
+                coalesced=batch.requests,
+                error=self._last_error,
+            )
+        )
+        batch._future.set_exception(error)
+
+    def _lag(self) -> int | None:
+        mem = self.tier.step
+        if mem is None:
+            return None
+        return mem - (self._last.step if self._last else 0)
+
+    def _emit(self, event: PersistEvent) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(event)
+        except Exception:
+            log.exception("persister event callback failed (ignored)")
+
+
+def resume(store: Store, tier: MemoryTier) -> CheckpointInfo | None:
+    """Seed ``tier`` from the newest usable durable checkpoint; return it (for ``Persister(last=...)``).
+
+    An agent that restarts (or succeeds a killed one) calls this so its tier is at least as fresh as the
+    durable log and accepts deltas relative to that checkpoint's token. None when the log is empty.
+    """
+    try:
+        loaded = store.load_latest()
+    except NoCheckpointError:
+        return None
+    metadata = dict(loaded.info.metadata)
+    token = metadata.pop(TOKEN_KEY, None)
+    tier.seed(loaded.info.step, loaded.tensors, metadata=metadata, token=token, durable=True)
+    return loaded.info
