@@ -428,21 +428,17 @@ class MemoryTier:
             payload = 0
             for name, arr in self._arrays.items():
                 bitmap = self._rows.get(name)
-                if base or name in self._all:
-                    updates[name] = Full(_readonly(arr))
-                    leased.append(arr)
-                    payload += arr.nbytes
-                elif bitmap is not None:
+                if bitmap is not None and not base and name not in self._all and _row_tracked(arr):
                     ids = np.flatnonzero(bitmap).astype(np.int64)
-                    row_bytes = arr.nbytes // max(1, arr.shape[0])
-                    cost = ids.size * (row_bytes + 8)
+                    cost = ids.size * (arr.nbytes // arr.shape[0] + 8)
                     if cost < self.rows_max_fraction * arr.nbytes:
                         updates[name] = Rows(ids, arr[ids], tuple(arr.shape))
                         payload += cost
-                    else:
-                        updates[name] = Full(_readonly(arr))
-                        leased.append(arr)
-                        payload += arr.nbytes
+                        continue
+                if base or name in self._all or bitmap is not None:  # string rows too: the log takes them whole
+                    updates[name] = Full(_readonly(arr))
+                    leased.append(arr)
+                    payload += arr.nbytes
                 else:
                     updates[name] = Same(tuple(arr.shape), arr.dtype)
             self._lease(leased)

@@ -227,10 +227,17 @@ def test_layout_change_makes_a_base_and_strings_go_whole(rng: np.random.Generato
     take = tier.take_dirty()
     assert take is not None and not take.base and isinstance(take.updates["vocab"], Full)
     take.commit()
+    same = {n: Same(v.shape, v.dtype) for n, v in truth.items()}
+    rows = Rows(np.array([1]), np.array([b"new"], dtype=object), (3,))
+    assert tier.apply({**same, "vocab": rows}, step=2, token="g-2b", parent="g-2").ok
+    take = tier.take_dirty()
+    assert take is not None and isinstance(take.updates["vocab"], Full)  # the log stores strings whole
+    assert take.updates["vocab"].value.tolist() == [b"x", b"new", b"z"]
+    take.commit()
     # an optimizer slot appears after the first step (Adam creates slots lazily): new tensor, whole
     cap = delta(truth, {}, {})
     cap["new_slot"] = Full(np.zeros((1000, 8), np.float32))
-    assert tier.apply(cap, step=3, token="g-3", parent="g-2").ok
+    assert tier.apply(cap, step=3, token="g-3", parent="g-2b").ok
     take = tier.take_dirty()
     assert take is not None and take.base and len(take.updates) == 6
     take.abort()
