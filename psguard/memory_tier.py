@@ -161,6 +161,7 @@ class DirtyTake:
     tier: MemoryTier = field(repr=False)
     step: int
     metadata: dict[str, Any]
+    metrics: dict[str, float]
     token: str | None
     updates: dict[str, TensorUpdate]
     base: bool
@@ -194,6 +195,7 @@ class MemoryTier:
         self._arrays: dict[str, np.ndarray] = {}
         self._step: int | None = None
         self._metadata: dict[str, Any] = {}
+        self._metrics: dict[str, float] = {}  # the capture's metrics (retention's keep-best), passed to the log
         self._token: str | None = None
         self._all: set[str] = set()  # whole tensor changed since the durable commit
         self._rows: dict[str, np.ndarray] = {}  # row bitmap of changes since the durable commit
@@ -252,6 +254,7 @@ class MemoryTier:
         tensors: Mapping[str, np.ndarray],
         *,
         metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
         token: str | None = None,
         durable: bool = True,
     ) -> None:
@@ -264,6 +267,7 @@ class MemoryTier:
             self._arrays = dict(tensors)
             self._step = step
             self._metadata = dict(metadata or {})
+            self._metrics = dict(metrics or {})
             self._token = token
             self._all = set() if durable else set(self._arrays)
             self._rows = {}
@@ -277,6 +281,7 @@ class MemoryTier:
         token: str,
         parent: str | None,
         metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
         copy: bool = False,
     ) -> ApplyResult:
         """Apply one capture; all or nothing.
@@ -288,6 +293,9 @@ class MemoryTier:
         """
         t0 = time.perf_counter()
         with self._lock:
+            if self._step is not None and token == self._token:
+                # Processed again after the answer was lost (e.g. the agent could not write its ack): same state.
+                return ApplyResult("ok", self._step, self._token, "already applied", time.perf_counter() - t0)
             if parent is None:
                 partial = [n for n, u in updates.items() if not isinstance(u, Full)]
                 if partial:
@@ -314,6 +322,7 @@ class MemoryTier:
             self._step = step
             self._token = token
             self._metadata = dict(metadata or {})
+            self._metrics = dict(metrics or {})
             self._applies += 1
             return ApplyResult("ok", step, token, "", time.perf_counter() - t0)
 
@@ -446,6 +455,7 @@ class MemoryTier:
                 tier=self,
                 step=self._step,
                 metadata=dict(self._metadata),
+                metrics=dict(self._metrics),
                 token=self._token,
                 updates=updates,
                 base=base,

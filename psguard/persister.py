@@ -359,10 +359,14 @@ class Persister:
         try:
             if take.base or last is None:
                 info = self.store.save(
-                    take.step, take.updates, metadata=metadata, dedup_against=last.id if last else None
+                    take.step,
+                    take.updates,
+                    metadata=metadata,
+                    metrics=take.metrics,
+                    dedup_against=last.id if last else None,
                 )
             else:
-                info = self.store.save(take.step, take.updates, parent=last.id, metadata=metadata)
+                info = self.store.save(take.step, take.updates, parent=last.id, metadata=metadata, metrics=take.metrics)
         except BaseException:
             take.abort()
             self._forget_missing_parent()
@@ -468,5 +472,7 @@ def resume(store: Store, tier: MemoryTier) -> CheckpointInfo | None:
         return None
     metadata = dict(loaded.info.metadata)
     token = metadata.pop(TOKEN_KEY, None)
-    tier.seed(loaded.info.step, loaded.tensors, metadata=metadata, token=token, durable=True)
+    tier.seed(
+        loaded.info.step, loaded.tensors, metadata=metadata, metrics=loaded.info.metrics, token=token, durable=True
+    )
     return loaded.info

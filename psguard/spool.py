@@ -24,7 +24,7 @@ Capture protocol. The writer writes every tensor file (native little-endian byte
 
     {"format": "psguard-spool-capture", "version": 1, "seq": 7, "writer": "<gen>",
      "token": "<gen>-7", "parent": "<gen>-6" | null, "step": 1200, "tiers": ["memory", "durable"],
-     "metadata": {...}, "created_at": 1.7e9,
+     "metadata": {...}, "metrics": {"loss": 0.3}, "created_at": 1.7e9,
      "tensors": [{"name": "...", "kind": "full", "dtype": "bfloat16", "shape": [..], "file": "0.bin",
                   "size": N, "crc32c": C},
                  {"name": "...", "kind": "rows", "dtype": ..., "shape": [..], "count": n,
@@ -57,6 +57,7 @@ import fcntl
 import functools
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -137,6 +138,7 @@ class Capture:
     tensors: Mapping[str, TensorUpdate]
     metadata: Mapping[str, Any] = field(default_factory=dict)
     tiers: frozenset[Tier] = frozenset({Tier.MEMORY})
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def whole(self) -> bool:
@@ -154,6 +156,7 @@ class SpooledCapture:
     step: int
     tiers: frozenset[Tier]
     metadata: dict[str, Any]
+    metrics: dict[str, float]
     tensors: dict[str, TensorUpdate]
     nbytes: int
 
@@ -294,13 +297,7 @@ def _file_ref(doc: Any, what: str) -> tuple[str, int, int]:
     return file, size, crc
 
 
-def _read_array(
-    folder: Path,
-    ref: Any,
-    dtype: np.dtype,
-    shape: tuple[int, ...],
-    what: str,  # type: ignore[type-arg]
-) -> np.ndarray:
+def _read_array(folder: Path, ref: Any, dtype: np.dtype[Any], shape: tuple[int, ...], what: str) -> np.ndarray:
     file, size, crc = _file_ref(ref, what)
     if dtype.kind == "O":
         blob = bytearray(size)
@@ -328,7 +325,7 @@ def _parse_json(path: Path, what: str) -> dict[str, Any]:
     return doc
 
 
-def _shape_dtype(doc: Mapping[str, Any], what: str) -> tuple[tuple[int, ...], np.dtype]:  # type: ignore[type-arg]
+def _shape_dtype(doc: Mapping[str, Any], what: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
     shape = doc.get("shape")
     if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
         raise CorruptCheckpointError(f"{what}: bad shape {shape!r}")
@@ -404,8 +401,9 @@ def read_capture(folder: Path) -> SpooledCapture:
         step = int(doc["step"])
         tiers = frozenset(Tier(t) for t in doc["tiers"])
         metadata = doc["metadata"]
+        metrics = {str(k): float(v) for k, v in doc.get("metrics", {}).items()}
         items = doc["tensors"]
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise CorruptCheckpointError(f"{what}: capture.json lacks or garbles {e}") from None
     if parent is not None and not isinstance(parent, str):
         raise CorruptCheckpointError(f"{what}: bad parent token {parent!r}")
@@ -436,7 +434,7 @@ def read_capture(folder: Path) -> SpooledCapture:
             tensors[name] = Same(shape, dtype)
         else:
             raise CorruptCheckpointError(f"{where}: unknown kind {kind!r}")
-    return SpooledCapture(seq, writer, token, parent, step, tiers, metadata, tensors, nbytes)
+    return SpooledCapture(seq, writer, token, parent, step, tiers, metadata, metrics, tensors, nbytes)
 
 
 def read_restore(folder: Path) -> Restored:
@@ -703,6 +701,9 @@ class SpoolWriter:
         if capture.step < 0:
             raise ConfigError(f"step must be >= 0, got {capture.step}")
         metadata = _check_json(capture.metadata)
+        metrics = {str(k): float(v) for k, v in capture.metrics.items()}
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise ConfigError(f"capture metrics must be finite numbers, got {metrics}")
         tiers = set(capture.tiers)
         if Tier.DURABLE in tiers or Tier.BASE in tiers:
             tiers |= {Tier.MEMORY, Tier.DURABLE}
@@ -732,6 +733,7 @@ class SpoolWriter:
                     "step": int(capture.step),
                     "tiers": sorted(t.value for t in tiers),
                     "metadata": metadata,
+                    "metrics": metrics,
                     "created_at": time.time(),
                     "tensors": entries,
                 }
@@ -1026,7 +1028,12 @@ class SpoolServer:
                 raise CorruptCheckpointError(f"spool capture {folder}: says it is seq {cap.seq}")
             read_seconds = time.perf_counter() - t0
             result = self.tier.apply(
-                cap.tensors, step=cap.step, token=cap.token, parent=cap.parent, metadata=cap.metadata
+                cap.tensors,
+                step=cap.step,
+                token=cap.token,
+                parent=cap.parent,
+                metadata=cap.metadata,
+                metrics=cap.metrics,
             )
             apply_seconds = result.seconds
             ack = Ack(seq, result.status, self.tier.step, self.tier.token, result.message)
@@ -1044,7 +1051,12 @@ class SpoolServer:
                 self._write_durable_ack(DurableAck(seq, "error", None, None, "this agent has no durable store"))
             else:
                 self._write_durable_ack(DurableAck(seq, "error", None, None, f"not applied: {ack.message}"))
-        _atomic_write_json(self._paths.ack(seq), ack.to_json())
+        try:
+            _atomic_write_json(self._paths.ack(seq), ack.to_json())
+        except OSError:
+            # Likely a full tmpfs: free the capture's space, then try once more (re-applying it is harmless).
+            shutil.rmtree(folder, ignore_errors=True)
+            _atomic_write_json(self._paths.ack(seq), ack.to_json())
         if durable and ack.status == "ok" and self.persister is not None:
             handle = self.persister.request(step, new_base=Tier.BASE in tiers)
             handle.add_done_callback(functools.partial(self._durable_done, seq))

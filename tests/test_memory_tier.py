@@ -93,6 +93,8 @@ def test_delta_on_the_wrong_state_needs_full_and_changes_nothing(rng: np.random.
     assert res.status == "need_full" and "empty" in res.message
     tier.apply(full(truth), step=1, token="g-1", parent=None)
     before = {n: a.copy() for n, a in truth.items()}
+    again = tier.apply({}, step=1, token="g-1", parent="g-0")  # the same capture processed twice
+    assert again.ok and again.message == "already applied"
     res = tier.apply(delta(truth, {"emb": [3]}, {}), step=2, token="h-2", parent="other-1")
     assert res.status == "need_full" and "g-1" in res.message
     with tier.export() as snap:

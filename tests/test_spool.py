@@ -182,6 +182,10 @@ def test_delta_on_a_lost_state_needs_a_whole_capture(spool: Path) -> None:
     with SpoolWriter(spool) as w:
         srv = server(spool, tier)
         try:
+            with pytest.raises(ConfigError, match="finite"):
+                w.submit(Capture(1, whole(truth), metrics={"loss": float("nan")}))
+            with pytest.raises(ConfigError, match="plain JSON"):
+                w.submit(Capture(1, whole(truth), metadata={"x": object()}))
             with pytest.raises(ConfigError, match="no parent state"):
                 w.submit(Capture(1, advance(truth, 1)))
             w.parent = "gone-7"  # e.g. restored from a durable checkpoint this agent's tier does not hold
@@ -336,7 +340,7 @@ def test_durable_captures_reach_the_log_and_their_acks(spool: Path, tmp_path: Pa
         with Persister(store, tier) as persister, SpoolWriter(spool) as w:
             srv = server(spool, tier, persister=persister)
             try:
-                h1 = w.submit(Capture(1, whole(truth), {"pos": 1}, tiers=DURABLE))
+                h1 = w.submit(Capture(1, whole(truth), {"pos": 1}, tiers=DURABLE, metrics={"loss": 0.5}))
                 h2 = w.submit(Capture(2, advance(truth, 2), {"pos": 2}))
                 h3 = w.submit(Capture(3, advance(truth, 3), {"pos": 3}, tiers=frozenset({Tier.BASE})))
                 srv.process_once()
@@ -353,6 +357,7 @@ def test_durable_captures_reach_the_log_and_their_acks(spool: Path, tmp_path: Pa
         assert d3.durable_step == 3 and d3.checkpoint is not None
         assert store.manifest(d3.checkpoint).kind == "full"  # BASE asked for a new full base
         assert d1.checkpoint is not None and store.manifest(d1.checkpoint).step == 1
+        assert store.manifest(d1.checkpoint).metrics == {"loss": 0.5}  # for keep-best retention
         assert (got.durable_id, got.durable_step) == (d3.checkpoint, 3)
         assert_same(store.load(d3.checkpoint), truth)
         assert_same(got.tensors, truth)
