@@ -890,6 +890,7 @@ class SpoolServer:
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self, *, watch: bool = True) -> SpoolServer:
         self._paths.make()
+        self._stop.clear()
         deadline = time.monotonic() + self.lock_timeout
         while True:  # a trainer's liveness probe may hold a shared lock for a moment
             fd = _try_flock(self._paths.agent_lock, fcntl.LOCK_EX)
@@ -1037,7 +1038,7 @@ class SpoolServer:
             )
             apply_seconds = result.seconds
             ack = Ack(seq, result.status, self.tier.step, self.tier.token, result.message)
-        except (PsguardError, ValueError, OSError) as e:
+        except Exception as e:  # whatever is wrong with this capture, answer it: never block the ones after it
             read_seconds = time.perf_counter() - t0
             ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}")
             log.warning("spool %s: capture seq %d rejected: %s", self.root, seq, e)
@@ -1058,8 +1059,12 @@ class SpoolServer:
             shutil.rmtree(folder, ignore_errors=True)
             _atomic_write_json(self._paths.ack(seq), ack.to_json())
         if durable and ack.status == "ok" and self.persister is not None:
-            handle = self.persister.request(step, new_base=Tier.BASE in tiers)
-            handle.add_done_callback(functools.partial(self._durable_done, seq))
+            try:
+                handle = self.persister.request(step, new_base=Tier.BASE in tiers)
+            except PsguardError as e:  # the persister was stopped first
+                self._write_durable_ack(DurableAck(seq, "error", None, None, str(e)))
+            else:
+                handle.add_done_callback(functools.partial(self._durable_done, seq))
         shutil.rmtree(folder, ignore_errors=True)
         self._counts[ack.status] = self._counts.get(ack.status, 0) + 1
         self._bytes += nbytes
@@ -1173,6 +1178,15 @@ class SpoolServer:
             m = _RESTORE_RE.match(p.name)
             if m and not self._writer_alive(m.group(1)):
                 shutil.rmtree(p, ignore_errors=True)
+        for p in self._paths.writers.glob("*.lock.tmp"):  # a writer killed while creating its lock
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime < 60:
+                    continue  # maybe being created right now (created, not yet locked)
+            fd = _try_flock(p, fcntl.LOCK_EX)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+                os.close(fd)
         for p in self._paths.acks.iterdir():
             if p.name.endswith(".pending.json"):
                 continue
