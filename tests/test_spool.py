@@ -341,10 +341,11 @@ def test_durable_captures_reach_the_log_and_their_acks(spool: Path, tmp_path: Pa
             srv = server(spool, tier, persister=persister)
             try:
                 h1 = w.submit(Capture(1, whole(truth), {"pos": 1}, tiers=DURABLE, metrics={"loss": 0.5}))
+                srv.process_once()
+                d1 = h1.durable(timeout=30)
                 h2 = w.submit(Capture(2, advance(truth, 2), {"pos": 2}))
                 h3 = w.submit(Capture(3, advance(truth, 3), {"pos": 3}, tiers=frozenset({Tier.BASE})))
                 srv.process_once()
-                d1 = h1.durable(timeout=30)
                 d3 = h3.durable(timeout=30)
                 assert [h.result(timeout=5).memory_step for h in (h1, h2, h3)] == [1, 2, 3]
                 with pytest.raises(ConfigError):
