@@ -1,0 +1,304 @@
+"""The local S3 servers of the test bed behave like S3 where psguard depends on it, and leave nothing behind.
+
+These start real ``weed mini`` and ``moto_server`` processes (about 1 s each), hence ``slow``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from psguard.testbed.ports import port_open
+from psguard.testbed.s3 import GRPC_PORT_OFFSET, MotoS3, S3Server, S3ServerError, SeaweedS3, free_port_pairs
+
+s3fs = pytest.importorskip("s3fs")
+botocore_exceptions = pytest.importorskip("botocore.exceptions")
+
+SERVERS = [SeaweedS3, MotoS3]
+
+
+def _fs(server: S3Server) -> Any:
+    return s3fs.S3FileSystem(**server.storage_options, skip_instance_cache=True, use_listings_cache=False)
+
+
+def _precondition_failed(e: BaseException) -> bool:
+    """True when the exception (or one it was raised from) is S3's 412 PreconditionFailed.
+
+    s3fs only turns a 412 into FileExistsError when the server names the failed condition (moto does,
+    SeaweedFS does not: there it is an OSError(EINVAL)), so the cause chain is what to look at.
+    """
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, botocore_exceptions.ClientError):
+            status = seen.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            return bool(seen.response.get("Error", {}).get("Code") == "PreconditionFailed" or status == 412)
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids whose process group is ``pgid``, read from /proc (no psutil)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) "
+        if int(fields[2]) == pgid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def _assert_gone(pid: int) -> None:
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert not Path(f"/proc/{pid}").exists()
+    assert _group_members(pid) == []
+
+
+@pytest.fixture(scope="module", params=SERVERS, ids=lambda c: c.kind)
+def server(request: pytest.FixtureRequest) -> Iterator[S3Server]:
+    with request.param() as s:
+        yield s
+
+
+# -- cheap checks ----------------------------------------------------------------------------------------------
+
+
+def test_free_port_pairs_leave_room_for_grpc() -> None:
+    ports = free_port_pairs(5)
+    assert len(set(ports)) == 5
+    everything = set(ports) | {p + GRPC_PORT_OFFSET for p in ports}
+    assert len(everything) == 10
+    assert all(p + GRPC_PORT_OFFSET <= 65535 for p in ports)
+
+
+# -- behaviour of both servers ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_interface_and_no_secret_leaks(server: S3Server) -> None:
+    assert server.running
+    assert server.endpoint_url == f"http://127.0.0.1:{server.port}"
+    assert server.url("a/b") == f"s3://{server.bucket}/a/b"
+    assert server.url() == f"s3://{server.bucket}"
+    opts = server.storage_options
+    assert opts["key"] == server.access_key and opts["secret"] == server.secret_key
+    assert opts["endpoint_url"] == server.endpoint_url
+    assert set(server.env) >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"}
+    assert server.secret_key not in repr(server)
+    assert server.secret_key not in server.log_path.read_text(errors="replace")
+
+
+@pytest.mark.slow
+def test_put_get_list_delete_through_s3fs(server: S3Server) -> None:
+    fs = _fs(server)
+    base = server.url("rw")
+    fs.pipe_file(f"{base}/a", b"alpha")
+    fs.pipe({f"{base}/b": b"beta", f"{base}/c": b""})
+    assert fs.cat_file(f"{base}/a") == b"alpha"
+    assert fs.cat_file(f"{base}/b", start=1, end=3) == b"et"
+    assert fs.cat_file(f"{base}/c") == b""
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(base, detail=False)) == ["a", "b", "c"]
+    fs.rm_file(f"{base}/a")
+    assert not fs.exists(f"{base}/a")
+    with pytest.raises(FileNotFoundError):
+        fs.cat_file(f"{base}/a")
+
+
+@pytest.mark.slow
+def test_signatures_are_checked(server: S3Server) -> None:
+    opts = dict(server.storage_options, secret="not-the-secret")
+    fs = s3fs.S3FileSystem(**opts, skip_instance_cache=True, use_listings_cache=False)
+    with pytest.raises(PermissionError):
+        fs.pipe_file(server.url("forged"), b"x")
+    import boto3
+
+    forged = boto3.client(
+        "s3",
+        endpoint_url=server.endpoint_url,
+        aws_access_key_id=server.access_key,
+        aws_secret_access_key="wrong",
+        region_name="us-east-1",
+    )
+    with pytest.raises(botocore_exceptions.ClientError) as info:
+        forged.list_objects_v2(Bucket=server.bucket)
+    assert info.value.response["Error"]["Code"] == "SignatureDoesNotMatch"
+
+
+@pytest.mark.slow
+def test_conditional_create(server: S3Server) -> None:
+    fs = _fs(server)
+    key = server.url("cond/manifest")
+    fs.pipe_file(key, b"first", mode="create")
+    with pytest.raises(OSError) as info:  # FileExistsError on moto, OSError(EINVAL) on SeaweedFS
+        fs.pipe_file(key, b"second", mode="create")
+    assert _precondition_failed(info.value)
+    assert fs.cat_file(key) == b"first"
+
+    c = server.client()
+    c.put_object(Bucket=server.bucket, Key="cond/boto", Body=b"1", IfNoneMatch="*")
+    with pytest.raises(botocore_exceptions.ClientError) as cinfo:
+        c.put_object(Bucket=server.bucket, Key="cond/boto", Body=b"2", IfNoneMatch="*")
+    assert cinfo.value.response["ResponseMetadata"]["HTTPStatusCode"] == 412
+    assert cinfo.value.response["Error"]["Code"] == "PreconditionFailed"
+
+
+@pytest.mark.slow
+def test_multipart_through_pipe_file(server: S3Server) -> None:
+    fs = _fs(server)
+    data = os.urandom(1 << 20) * 12  # 12 MiB, 5 MiB parts: multipart starts at 2 * chunksize
+    fs.pipe_file(server.url("mp/big"), data, chunksize=5 << 20)
+    info = fs.info(server.url("mp/big"))
+    assert info["size"] == len(data)
+    assert info["ETag"].strip('"').endswith("-3")  # a multipart ETag names its part count
+    assert fs.cat_file(server.url("mp/big")) == data
+    with pytest.raises(OSError) as err:
+        fs.pipe_file(server.url("mp/big"), data, chunksize=5 << 20, mode="create")
+    assert _precondition_failed(err.value)
+
+
+@pytest.mark.slow
+def test_env_serves_the_standard_aws_chain(server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in server.env.items():
+        monkeypatch.setenv(k, v)
+    import boto3
+
+    # Nothing passed: endpoint, keys and region all from the environment. A new Session, because boto3's
+    # default session keeps the credentials it found first (another server's, in this module).
+    c = boto3.session.Session().client("s3")
+    c.put_object(Bucket=server.bucket, Key="env/x", Body=b"via-env")
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False)
+    assert fs.cat_file(server.url("env/x")) == b"via-env"
+
+
+# -- life cycle ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_seaweed_restart_keeps_data_and_endpoint(tmp_path: Path) -> None:
+    with SeaweedS3(tmp_path / "weed") as s:
+        fs = _fs(s)
+        fs.pipe_file(s.url("keep/a"), b"survives")
+        endpoint, key, old_pid = s.endpoint_url, s.access_key, s.pid
+        s.restart()
+        assert (s.endpoint_url, s.access_key) == (endpoint, key)
+        assert s.pid != old_pid
+        assert fs.cat_file(s.url("keep/a")) == b"survives"  # the old client reconnects by itself
+        s.kill()  # a crash, not a clean shutdown
+        assert not port_open("127.0.0.1", s.port)
+        s.start()
+        assert _fs(s).cat_file(s.url("keep/a")) == b"survives"
+    assert (tmp_path / "weed" / "data").is_dir()  # a given data dir is kept
+
+
+@pytest.mark.slow
+def test_moto_restart_keeps_keys_but_not_objects() -> None:
+    with MotoS3() as s:
+        fs = _fs(s)
+        fs.pipe_file(s.url("gone/a"), b"x")
+        endpoint, key, secret = s.endpoint_url, s.access_key, s.secret_key
+        s.restart()
+        assert (s.endpoint_url, s.access_key, s.secret_key) == (endpoint, key, secret)
+        assert not fs.exists(s.url("gone/a"))
+        fs.pipe_file(s.url("gone/b"), b"y")  # bucket re-created, same credentials still work
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls", SERVERS, ids=lambda c: c.kind)
+def test_stop_leaves_no_process_port_or_socket(cls: type[S3Server]) -> None:
+    s = cls()
+    s.start()
+    pid = s.pid
+    assert pid is not None and _group_members(pid)
+    ports = list(s.ports.values()) if isinstance(s, SeaweedS3) else [s.port]
+    workdir = s.workdir
+    s.close()
+    _assert_gone(pid)
+    for p in ports:
+        assert not port_open("127.0.0.1", p)
+        if isinstance(s, SeaweedS3):
+            assert not port_open("127.0.0.1", p + GRPC_PORT_OFFSET)
+            assert not list(Path("/tmp").glob(f"seaweedfs-*-{p + GRPC_PORT_OFFSET}.sock"))
+    assert not workdir.exists()  # a temporary working directory is removed by close()
+    s.stop()  # idempotent
+
+
+@pytest.mark.slow
+def test_frozen_server_times_out_then_recovers() -> None:
+    with MotoS3() as s:
+        fs = s3fs.S3FileSystem(
+            **s.storage_options,
+            skip_instance_cache=True,
+            use_listings_cache=False,
+            config_kwargs={"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}},
+        )
+        fs.pipe_file(s.url("f/a"), b"x")
+        s.freeze()
+        t0 = time.monotonic()
+        with pytest.raises(Exception, match=r"(?i)timeout|timed out"):
+            fs.cat_file(s.url("f/a"))
+        assert time.monotonic() - t0 < 30
+        s.thaw()
+        assert fs.cat_file(s.url("f/a")) == b"x"
+        s.freeze()  # stop() must also end a frozen server
+        pid = s.pid
+        assert pid is not None
+    _assert_gone(pid)
+
+
+@pytest.mark.slow
+def test_failed_start_reports_log_and_cleans_up() -> None:
+    with socket.socket() as blocker:
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen()
+        port = blocker.getsockname()[1]
+        s = MotoS3(port=port, startup_timeout=20)
+        with pytest.raises(S3ServerError, match="last lines of") as info:
+            s.start()
+        assert s.pid is None and not s.running
+        assert "in use" in str(info.value).lower()
+        assert s.secret_key == "" or s.secret_key not in str(info.value)
+        s.close()
+
+
+_ORPHAN_SCRIPT = textwrap.dedent(
+    """
+    import os, sys
+    from psguard.testbed.s3 import MotoS3
+    s = MotoS3().start()
+    print(s.pid, flush=True)
+    if sys.argv[1] == "crash":
+        os._exit(0)  # no atexit: only the parent-death signal can stop the server
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["atexit", "crash"])
+def test_servers_die_with_their_python_process(how: str) -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", _ORPHAN_SCRIPT, how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    pid = int(out.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _group_members(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group_members(pid) == []
