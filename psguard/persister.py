@@ -40,7 +40,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
-from psguard.errors import CheckpointError, NoCheckpointError, PsguardError, SaveError
+from psguard.errors import NoCheckpointError, PsguardError, SaveError
 from psguard.manifest import manifest_key
 from psguard.memory_tier import DirtyTake, MemoryTier
 from psguard.policy import ChainLimit, SaveContext, SavePolicy, TierState
@@ -171,6 +171,7 @@ class Persister:
         self._chain_length = 0
         self._delta_bytes = 0
         self._base_bytes = 0
+        self._force_base = False
         # counters
         self._written = 0
         self._bytes = 0
@@ -191,9 +192,9 @@ class Persister:
             self._base_bytes = CheckpointInfo.of(chain[0]).logical_bytes
             self._base_step = chain[0].step
             self._delta_bytes = sum(sum(r.size for r in m.refs()) for m in chain[1:])
-        except (CheckpointError, PsguardError) as e:
+        except PsguardError as e:
             log.warning("could not read the chain of %s (%s); the next persist writes a new base", last.id, e)
-            self._chain_length = 1 << 30
+            self._force_base = True
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> Persister:
@@ -376,6 +377,7 @@ class Persister:
             self._last = info
             self._last_token = take.token
             if info.kind == "full":
+                self._force_base = False
                 self._chain_length = 0
                 self._delta_bytes = 0
                 self._base_bytes = take.logical_bytes
@@ -389,7 +391,7 @@ class Persister:
         return info, True
 
     def _base_due(self) -> bool:
-        if self._last is None:
+        if self._last is None or self._force_base:
             return True
         context = SaveContext(
             base=TierState(self._base_step),
