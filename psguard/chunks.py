@@ -137,6 +137,7 @@ class ChunkWriter:
         self._available = inflight_bytes
         self._limit = inflight_bytes
         self._futures: list[Future[ChunkRef]] = []
+        self._failure: BaseException | None = None
 
     def _acquire(self, n: int) -> None:
         n = min(n, self._limit)  # one oversized chunk may still go alone
@@ -155,6 +156,8 @@ class ChunkWriter:
 
         def work() -> ChunkRef:
             try:
+                if self._failure is not None:
+                    raise self._failure  # one chunk gave up: the save has failed, don't wait out every other
                 digest = hashlib.sha256(data).hexdigest()
                 ref = ChunkRef(digest, size, crc32c(data))
                 if digest in self.known:
@@ -163,6 +166,10 @@ class ChunkWriter:
                     self.backend.put(chunk_key(digest), data)
                     self.stats.add(size, written=True)
                 return ref
+            except BaseException as e:
+                if self._failure is None:
+                    self._failure = e
+                raise
             finally:
                 self._release(size)
 

@@ -19,6 +19,7 @@ from psguard.storage import RetryConfig, open_backend
 from psguard.storage.base import Backend, Buffer
 from psguard.storage.retry import RetryingBackend
 from psguard.store import Store
+from tests.conftest import allow_new_children
 from tests.storage_targets import Target, make_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,8 @@ def test_s3_outage_during_save_fails_clearly_then_recovers(seaweed: object, uniq
         assert "storage unavailable" in str(e.value) and url in str(e.value)
     finally:
         store._pool.shutdown()
-        seaweed.restart()  # type: ignore[attr-defined]
+        with allow_new_children():  # the session's server, back on the same ports and data
+            seaweed.restart()  # type: ignore[attr-defined]
     with Store.open(url, options) as again:
         assert again.checkpoint_ids() == []  # the failed save left nothing committed
         info = again.save(5, {"w": value})
