@@ -70,6 +70,7 @@ class Reporter(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self.psguard = psguard
         self.opts = opts
         self.reported: set[int] = set()
+        self.pending: list[Any] = []
         self.resumed = False
 
     def on_train_begin(self, logs: Any = None) -> None:
@@ -102,9 +103,15 @@ class Reporter(tf_keras.callbacks.Callback):  # type: ignore[misc]
             os._exit(3)
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        # Every handle is last_save for at least the batch that made it, so none is missed here even when the
+        # psguard callback starts the next save at the very batch end where the previous one is found done.
         handle = self.psguard.last_save
-        if handle is not None and handle.done() and handle.exception() is None:
-            self.report(handle.result())
+        if handle is not None and all(handle is not h for h in self.pending):
+            self.pending.append(handle)
+        for handle in [h for h in self.pending if h.done()]:
+            self.pending.remove(handle)
+            if handle.exception() is None:
+                self.report(handle.result())
 
     def report(self, info: Any) -> None:
         if info.step not in self.reported:

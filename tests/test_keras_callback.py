@@ -16,7 +16,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -331,13 +331,16 @@ class ChiefProcess:
         self._buffer = b""
         self.events: list[dict[str, Any]] = []
 
-    def wait_for(self, name: str, timeout: float = 300.0) -> dict[str, Any]:
+    def wait_for(
+        self, name: str, timeout: float = 300.0, where: Callable[[dict[str, Any]], bool] = lambda e: True
+    ) -> dict[str, Any]:
+        """The next event called ``name`` that satisfies ``where`` (events before it are kept in ``events``)."""
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as sel:
             sel.register(self._fd, selectors.EVENT_READ)
             while True:
                 for event in self._parse():
-                    if event["event"] == name:
+                    if event["event"] == name and where(event):
                         return event
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -391,13 +394,15 @@ def test_fit_resumes_after_the_chief_process_is_killed(chief: Chief, url: str, t
     t0 = time.monotonic()
     with chief_process(chief.cluster, url, {**opts, "hold": True}, tmp_path / "chief1.log") as first:
         assert first.wait_for("restored")["step"] is None  # a fresh store
-        durable = first.wait_for("durable")
-        first.kill()  # mid-training: fit still had steps to schedule (it parks before its last execution)
+        # A delta, so that the restore materialises a chain (base + deltas); the chief parks before its last
+        # execution, so this comes while fit still has steps to schedule: the kill lands mid-training.
+        durable = first.wait_for("durable", where=lambda e: e["kind"] == "delta")
+        first.kill()
     t_kill = time.monotonic()
     assert first.proc.returncode == -signal.SIGKILL
 
     last = stored(url)[-1]  # a save may have committed after the event and before the kill
-    assert last.step >= durable["step"] > 0
+    assert last.step >= durable["step"] > 0 and last.kind == "delta"
     assert last.step < epochs * spe
     dump = tmp_path / "restored.npz"
     with chief_process(chief.cluster, url, {**opts, "dump": str(dump)}, tmp_path / "chief2.log") as second:
