@@ -44,6 +44,16 @@ from psguard.tensors import Full, Rows, Same, TensorUpdate, merge_updates
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RestoreInfo:
+    """What :meth:`CheckpointManager.restore_or_initialize` restored, and from which tier."""
+
+    id: str  # the durable checkpoint id, or ``memory:<token>`` for the sidecar's memory tier
+    step: int
+    metadata: Mapping[str, Any]
+    source: str  # "memory" or "durable"
+
+
 class SaveHandle:
     """The pending result of one :meth:`CheckpointManager.save`.
 
@@ -72,6 +82,41 @@ class SaveHandle:
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"SaveHandle(step={self.step}, {state})"
+
+
+class _SpoolSaveHandle(SaveHandle):
+    """A save handed to the sidecar: restorable once the agent acks it, durable once its persister commits.
+
+    ``result()`` waits for the strongest tier the save was for: the durable checkpoint's info for a durable
+    save, ``None`` for a memory-only save (then it is restorable from the sidecar's memory tier).
+    """
+
+    def __init__(self, step: int, stall_seconds: float, spooled: Any, store: Store) -> None:
+        super().__init__(step, stall_seconds)
+        self._spooled = spooled
+        self._store = store
+
+    def restorable(self, timeout: float | None = None) -> None:
+        self._spooled.result(timeout)
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:  # type: ignore[override]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._spooled.result(timeout)
+        if Tier.DURABLE not in self._spooled.tiers:
+            return None  # type: ignore[return-value]
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ack = self._spooled.durable(left)
+        return CheckpointInfo.of(self._store.manifest(str(ack.checkpoint)))
+
+    def done(self) -> bool:
+        return bool(self._spooled.done())
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except BaseException as e:
+            return e
+        return None
 
 
 @dataclass
@@ -185,7 +230,11 @@ class CheckpointManager:
     - ``data_position``: a callable returning JSON (e.g. the number of batches consumed), stored with each
       checkpoint and returned by :attr:`restored_data_position` after a restore.
     - ``preemption``: install a SIGTERM handler: the next :meth:`maybe_save` saves at once, waits until it
-      is durable and exits the process (code 143).
+      is durable (or, with a sidecar, in its memory tier) and exits the process (code 143).
+    - ``spool``: the sidecar's spool folder (default: ``$PSGUARD_SPOOL``, which ``psguard agent`` sets for
+      the trainer it runs). With a sidecar, saves are handed to it (it keeps a memory tier and writes the
+      durable log in the background) and restores take its memory tier when that is at least as new as the
+      durable log; ``restore_timeout`` bounds the wait for its answer.
     """
 
     def __init__(
@@ -205,6 +254,8 @@ class CheckpointManager:
         preemption: bool = False,
         store: Store | None = None,
         capturer_options: Mapping[str, Any] | None = None,
+        spool: str | os.PathLike[str] | None = None,
+        restore_timeout: float = 120.0,
     ) -> None:
         from psguard.capture import Capturer
 
@@ -230,7 +281,15 @@ class CheckpointManager:
         self._last_id: str | None = None
         self._saves = 0
         self._graph: bytes | None = None
-        self.restored: CheckpointInfo | None = None
+        self.restored: RestoreInfo | None = None
+        self.restore_timeout = restore_timeout
+        spool_dir = spool if spool is not None else os.environ.get("PSGUARD_SPOOL")
+        self._spool: Any = None
+        if spool_dir:
+            from psguard.spool import SpoolWriter
+
+            self._spool = SpoolWriter(str(spool_dir))
+        self._last_spooled: Any = None
         self.last_stall_seconds = 0.0
         # tf.train.Checkpoint creates save_counter lazily on its first save; create it now so it is part of
         # every capture (and of exports), and number saves by it as TF's manager does.
@@ -266,14 +325,25 @@ class CheckpointManager:
         """The data position saved with the checkpoint the last restore used (``None`` if none)."""
         return self.restored.metadata.get("data_position") if self.restored else None
 
-    def save(self, checkpoint_number: int | None = None, *, metrics: Mapping[str, float] | None = None) -> SaveHandle:
-        """Capture now (the only stall) and persist in the background; see :class:`SaveHandle`."""
+    def save(
+        self,
+        checkpoint_number: int | None = None,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        tiers: frozenset[Tier] | None = None,
+    ) -> SaveHandle:
+        """Capture now (the only stall) and persist in the background; see :class:`SaveHandle`.
+
+        ``tiers`` matters with a sidecar only: ``{Tier.MEMORY}`` makes a save restorable from its memory tier
+        without asking for a durable write (the default is both).
+        """
         with self._capture_lock:
             if self._save_counter is not None:
                 self._save_counter.assign_add(1)
             step = self._step_for(checkpoint_number)
             t0 = time.perf_counter()
-            updates = self.capturer.capture()
+            full = self._spool is not None and self._spool.parent is None
+            updates = self.capturer.capture(full=full)
             stall = time.perf_counter() - t0
             self._add_object_graph(updates)
             handle = SaveHandle(step, stall)
@@ -286,7 +356,15 @@ class CheckpointManager:
                 metadata["data_position"] = self._data_position()
             self.last_stall_seconds = stall
             self._saves += 1
-            self._writer.submit(_Job(step, updates, metadata, dict(metrics or {}), [handle]))
+            if self._spool is not None:
+                from psguard.spool import Capture
+
+                wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
+                spooled = self._spool.submit(Capture(step, updates, metadata, wanted, dict(metrics or {})))
+                self._last_spooled = spooled
+                handle = _SpoolSaveHandle(step, time.perf_counter() - t0, spooled, self.store)
+            else:
+                self._writer.submit(_Job(step, updates, metadata, dict(metrics or {}), [handle]))
         log.info("captured step %d in %.3fs (%s)", step, stall, _summary(updates))
         return handle
 
@@ -303,24 +381,60 @@ class CheckpointManager:
         model (build the optimizer first: its slots must exist), else :class:`TensorMismatchError` lists the
         mismatches and nothing is assigned.
         """
-        try:
-            result = self.store.load_latest()
-        except NoCheckpointError:
-            if init_fn is not None:
-                init_fn()
-            return None
-        tensors = dict(result.tensors)
+        memory = self._restore_from_memory_tier()
+        durable_latest = self.store.latest() if memory is not None else None
+        token: str | None
+        if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
+            tensors = dict(memory.tensors)
+            info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
+            token = memory.token
+        else:
+            if memory is not None and durable_latest is not None:
+                log.warning(
+                    "the memory tier (step %d) is older than the durable log (step %d): restoring from the log",
+                    memory.step,
+                    durable_latest.step,
+                )
+            try:
+                result = self.store.load_latest()
+            except NoCheckpointError:
+                if init_fn is not None:
+                    init_fn()
+                return None
+            tensors = dict(result.tensors)
+            info = RestoreInfo(result.info.id, result.info.step, result.info.metadata, "durable")
+            from psguard.persister import TOKEN_KEY
+
+            raw = result.info.metadata.get(TOKEN_KEY)
+            token = str(raw) if raw else None
         tensors.pop(OBJECT_GRAPH_KEY, None)
         with self._capture_lock:
             self.capturer.restore(tensors)
             with self._state_lock:
-                self._last_id = result.info.id
-            self.restored = result.info
+                self._last_id = info.id if info.source == "durable" else None
+            if self._spool is not None:
+                self._spool.parent = token  # the next delta applies to exactly this state (None: send it whole)
+            self.restored = info
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save
         now = time.time()
-        self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=result.info.step, at=now)
-        log.info("restored checkpoint %s (step %d)", result.info.id, result.info.step)
-        return result.info.id
+        self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
+        log.info("restored %s (step %d) from the %s tier", info.id, info.step, info.source)
+        return info.id
+
+    def _restore_from_memory_tier(self) -> Any:
+        """The sidecar's memory-tier snapshot, verified; ``None`` when there is no sidecar or it has nothing."""
+        if self._spool is None:
+            return None
+        if not self._spool.agent_alive():
+            log.warning("no psguard agent holds spool %s: restoring from the durable log", self._spool.root)
+            return None
+        try:
+            return self._spool.request_restore().result(self.restore_timeout)
+        except NoCheckpointError:
+            return None
+        except (TimeoutError, PsguardError) as e:
+            log.warning("the memory tier could not be used (%s): restoring from the durable log", e)
+            return None
 
     def maybe_save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Ask the policy; save when it says so. Without a policy, never saves (call :meth:`save`)."""
@@ -331,18 +445,27 @@ class CheckpointManager:
         ctx = self.context
         if self._preemption is not None:
             ctx = self._preemption.apply(ctx)
-        ctx = _dc_replace(ctx, in_flight=frozenset({Tier.DURABLE}) if self._writer.in_flight else frozenset())
+        if self._spool is not None:
+            busy = self._last_spooled is not None and not self._last_spooled.done()
+            ctx = _dc_replace(ctx, in_flight=frozenset({Tier.MEMORY}) if busy else frozenset())
+        else:
+            ctx = _dc_replace(ctx, in_flight=frozenset({Tier.DURABLE}) if self._writer.in_flight else frozenset())
         decision = self.schedule.decide(step, now, ctx)
-        if not decision or (Tier.DURABLE not in decision.tiers and not decision.urgent):
+        if not decision:
+            return None
+        if self._spool is None and Tier.DURABLE not in decision.tiers and not decision.urgent:
             # Without a sidecar there is no memory tier: memory-only saves wait for the durable cadence.
             return None
-        handle = self.save(step, metrics=metrics)
+        handle = self.save(step, metrics=metrics, tiers=decision.tiers)
         self.context = ctx.with_save(decision.tiers, step=step, at=now, stall=handle.stall_seconds)
         log.info("save at step %d: %s", step, decision.reason)
         if decision.urgent and self._preemption is not None:
             remaining = self._preemption.remaining()
             try:
-                handle.result(timeout=remaining)
+                if isinstance(handle, _SpoolSaveHandle):
+                    handle.restorable(timeout=remaining)  # in the sidecar's memory: survives this process
+                else:
+                    handle.result(timeout=remaining)
             finally:
                 self._preemption.done()
                 self.close()
@@ -355,6 +478,8 @@ class CheckpointManager:
             self._writer.wait(timeout)
         finally:
             self._writer.close()
+            if self._spool is not None:
+                self._spool.close()
             if self._preemption is not None:
                 self._preemption.uninstall()
             if self._owns_store:

@@ -136,7 +136,8 @@ def test_async_save_persists_the_values_of_its_own_step(url: str) -> None:
 def test_saves_fold_while_the_store_is_slow_and_nothing_is_lost(url: str) -> None:
     ckpt, emb, dense = make_local()
     gate = threading.Event()
-    store = Store(GatedBackend(open_backend(url), gate))
+    backend = GatedBackend(open_backend(url), gate)
+    store = Store(backend)
     rng = np.random.default_rng(4)
     try:
         with CheckpointManager(ckpt, url, store=store) as m:
@@ -144,6 +145,8 @@ def test_saves_fold_while_the_store_is_slow_and_nothing_is_lost(url: str) -> Non
             for step in range(1, 5):
                 train_local(emb, dense, ckpt, rng)
                 handles.append(m.save(step))
+                if step == 1:
+                    assert backend.entered.wait(60)  # the first write is under way before the others come
             gate.set()
             results = [h.result(timeout=60) for h in handles]
             final = snapshot(ckpt)
@@ -241,9 +244,11 @@ class GatedBackend(RetryingBackend):
     def __init__(self, inner: Backend, gate: threading.Event) -> None:
         super().__init__(inner)
         self.gate = gate
+        self.entered = threading.Event()  # a write is waiting at the gate
 
     def put(self, key: str, data: Buffer) -> None:
         if key.startswith("chunks/"):
+            self.entered.set()
             assert self.gate.wait(60), "gate never opened"
         super().put(key, data)
 

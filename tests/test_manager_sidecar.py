@@ -1,0 +1,113 @@
+"""CheckpointManager with a sidecar: saves go through the spool to the memory tier and on to the durable log.
+
+The agent side here is the real spool server, memory tier and persister in this process (the agent process
+itself is tested in test_agent.py); the trainer side is the manager over local variables.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+from psguard.capture import bitwise_equal
+from psguard.manager import CheckpointManager
+from psguard.memory_tier import MemoryTier
+from psguard.persister import Persister, resume
+from psguard.policy import Tier
+from psguard.spool import SpoolServer
+from psguard.store import Store
+from tests.test_manager import assert_restores, make_local, snapshot, train_local
+
+
+@dataclass
+class Sidecar:
+    spool: Path
+    store: Store
+    tier: MemoryTier
+    persister: Persister
+    server: SpoolServer
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.persister.stop(drain=True)
+
+
+def start_sidecar(spool: Path, url: str) -> Sidecar:
+    store = Store.open(url)
+    tier = MemoryTier()
+    last = resume(store, tier)
+    persister = Persister(store, tier, last=last).start()
+    server = SpoolServer(spool, tier, persister).start()
+    return Sidecar(spool, store, tier, persister, server)
+
+
+@pytest.fixture
+def sidecar(tmp_path: Path) -> Iterator[Sidecar]:
+    car = start_sidecar(tmp_path / "spool", str(tmp_path / "store"))
+    yield car
+    car.stop()
+    car.store.close()
+
+
+def test_saves_reach_the_memory_tier_and_the_durable_log(sidecar: Sidecar) -> None:
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(11)
+    with CheckpointManager(ckpt, str(sidecar.store.url), spool=sidecar.spool) as m:
+        for step in range(1, 4):
+            train_local(emb, dense, ckpt, rng)
+            info = m.save(step).result(timeout=60)  # durable by default
+            assert info.step == step
+            assert_restores(sidecar.store, info.id, snapshot(ckpt))
+        assert sidecar.tier.step == 3
+        kinds = [i.kind for i in sidecar.store.checkpoints()]
+        assert kinds[0] == "full" and set(kinds[1:]) == {"delta"}
+
+
+def test_restore_prefers_a_newer_memory_tier(sidecar: Sidecar) -> None:
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(12)
+    url = str(sidecar.store.url)
+    with CheckpointManager(ckpt, url, spool=sidecar.spool) as m:
+        train_local(emb, dense, ckpt, rng)
+        m.save(1).result(timeout=60)
+        train_local(emb, dense, ckpt, rng)
+        h = m.save(2, tiers=frozenset({Tier.MEMORY}))  # restorable, not durable
+        assert h.result(timeout=60) is None
+        want = snapshot(ckpt)
+    fresh, _, _ = make_local(seed=5, rows=(3000,))
+    with CheckpointManager(fresh, url, spool=sidecar.spool) as m2:
+        assert m2.restore_or_initialize() is not None
+        assert m2.restored is not None and m2.restored.source == "memory" and m2.restored.step == 2
+        got = snapshot(fresh)
+        assert all(bitwise_equal(want[n], got[n]) for n in want)
+        # the next save is a delta over the restored state, accepted by the tier
+        train_local(fresh.emb, fresh.dense, fresh, rng)
+        info = m2.save(3).result(timeout=60)
+        assert info.kind == "delta"
+        assert_restores(sidecar.store, info.id, snapshot(fresh))
+
+
+def test_without_a_live_agent_restore_uses_the_durable_log(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    car = start_sidecar(tmp_path / "spool", url)
+    ckpt, emb, dense = make_local()
+    with CheckpointManager(ckpt, url, spool=car.spool) as m:
+        train_local(emb, dense, ckpt, np.random.default_rng(13))
+        m.save(4).result(timeout=60)
+        want = snapshot(ckpt)
+    car.stop()
+    car.store.close()
+    fresh, _, _ = make_local(seed=6)
+    with CheckpointManager(fresh, url, spool=tmp_path / "spool") as m2:
+        assert m2.restore_or_initialize() is not None
+        assert m2.restored is not None and m2.restored.source == "durable" and m2.restored.step == 4
+        got = snapshot(fresh)
+        assert all(bitwise_equal(want[n], got[n]) for n in want)
