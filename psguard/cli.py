@@ -38,6 +38,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "psguard.export",
     "psguard.policy_cli",
     "psguard.benchmarks.cli",
+    "psguard.agent",
 )
 
 Handler = Callable[[argparse.Namespace], int]
