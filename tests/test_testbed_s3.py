@@ -6,6 +6,7 @@ These start real ``weed mini`` and ``moto_server`` processes (about 1 s each), h
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -201,6 +202,16 @@ def test_seaweed_restart_keeps_data_and_endpoint(tmp_path: Path) -> None:
         assert not port_open("127.0.0.1", s.port)
         s.start()
         assert _fs(s).cat_file(s.url("keep/a")) == b"survives"
+        pid = s.pid
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)  # dies behind our back (chaos); start() must reap and restart it
+        deadline = time.monotonic() + 5
+        while s.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not s.running
+        s.start()
+        assert s.running and _fs(s).cat_file(s.url("keep/a")) == b"survives"
+        _assert_gone(pid)
     assert (tmp_path / "weed" / "data").is_dir()  # a given data dir is kept
 
 
@@ -243,8 +254,9 @@ def test_frozen_server_times_out_then_recovers() -> None:
             **s.storage_options,
             skip_instance_cache=True,
             use_listings_cache=False,
-            config_kwargs={"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1}},
+            config_kwargs={"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1, "mode": "standard"}},
         )
+        fs.retries = 1  # s3fs retries read timeouts itself on top of botocore (5 times by default)
         fs.pipe_file(s.url("f/a"), b"x")
         s.freeze()
         t0 = time.monotonic()
@@ -259,11 +271,46 @@ def test_frozen_server_times_out_then_recovers() -> None:
     _assert_gone(pid)
 
 
+def _strip_expect(request: Any, **_: Any) -> None:
+    request.headers.pop("Expect", None)
+
+
+@pytest.mark.slow
+def test_put_to_frozen_server_times_out_once_expect_is_stripped() -> None:
+    """botocore sends ``Expect: 100-continue`` on every PUT and aiohttp waits for the interim response with
+    no timeout at all, so a PUT to a frozen server hangs for ever whatever ``read_timeout`` says. Without
+    the header the read timeout applies. (Pinned here because psguard's persister depends on it.)
+    """
+    with SeaweedS3() as s:
+        fs = s3fs.S3FileSystem(
+            **s.storage_options,
+            skip_instance_cache=True,
+            use_listings_cache=False,
+            config_kwargs={"connect_timeout": 1, "read_timeout": 1, "retries": {"max_attempts": 1, "mode": "standard"}},
+        )
+        fs.retries = 1
+        fs.connect()
+        fs.s3.meta.events.register("before-send.s3", _strip_expect)
+        fs.pipe_file(s.url("f/a"), b"x")
+        s.freeze()
+        t0 = time.monotonic()
+        with pytest.raises(botocore_exceptions.ReadTimeoutError):
+            fs.pipe_file(s.url("f/b"), b"y", mode="create")
+        assert time.monotonic() - t0 < 20
+        s.thaw()
+        # The timed-out PUT was already in the server's socket: it may land after all. A retry of a
+        # create-only write must therefore treat 412 as "maybe mine" and compare contents.
+        try:
+            fs.pipe_file(s.url("f/b"), b"y", mode="create")
+        except OSError as e:
+            assert _precondition_failed(e)
+        assert fs.cat_file(s.url("f/b")) == b"y"
+
+
 @pytest.mark.slow
 def test_failed_start_reports_log_and_cleans_up() -> None:
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", 0))
-        blocker.listen()
         port = blocker.getsockname()[1]
         s = MotoS3(port=port, startup_timeout=20)
         with pytest.raises(S3ServerError, match="last lines of") as info:
@@ -279,7 +326,7 @@ _ORPHAN_SCRIPT = textwrap.dedent(
     import os, sys
     from psguard.testbed.s3 import MotoS3
     s = MotoS3().start()
-    print(s.pid, flush=True)
+    print(s.pid, s.workdir, flush=True)
     if sys.argv[1] == "crash":
         os._exit(0)  # no atexit: only the parent-death signal can stop the server
     """
@@ -297,8 +344,15 @@ def test_servers_die_with_their_python_process(how: str) -> None:
         check=True,
         cwd=Path(__file__).resolve().parents[1],
     )
-    pid = int(out.stdout.split()[0])
+    pid_text, workdir_text = out.stdout.split()
+    pid, workdir = int(pid_text), Path(workdir_text)
     deadline = time.monotonic() + 10
     while _group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _group_members(pid) == []
+    if how == "atexit":
+        assert not workdir.exists()
+    else:  # nothing ran in the crashed process; the next instance sweeps its directory away
+        assert workdir.exists()
+        MotoS3().close()
+        assert not workdir.exists()
