@@ -298,6 +298,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             if self.save_at_end and saved != self._step:
                 self.last_save = manager.save(self._step)
             manager.wait()
+            if self.last_save is not None:
+                self.last_save.result()  # a save handed to a sidecar is not the writer's to wait for
         finally:
             self._close_own()
 

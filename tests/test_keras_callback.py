@@ -37,6 +37,7 @@ from psguard.manager import CheckpointManager
 from psguard.policy import AnyOf, EveryInterval, EverySteps, Schedule
 from psguard.store import Store
 from tests.conftest import Chief
+from tests.storage_targets import make_target
 
 ROOT = Path(__file__).resolve().parents[1]
 EMBEDDING = "model/layer_with_weights-0/embeddings/.ATTRIBUTES/VARIABLE_VALUE"
@@ -50,13 +51,13 @@ def assert_bitwise(expected: dict[str, np.ndarray], actual: dict[str, np.ndarray
     assert not bad, f"tensors differ bit for bit: {bad}"
 
 
-def stored(url: str) -> list[Any]:
-    with Store.open(url) as store:
+def stored(url: str, options: dict[str, Any] | None = None) -> list[Any]:
+    with Store.open(url, options) as store:
         return store.checkpoints()
 
 
-def load(url: str, checkpoint_id: str) -> dict[str, np.ndarray]:
-    with Store.open(url) as store:
+def load(url: str, checkpoint_id: str, options: dict[str, Any] | None = None) -> dict[str, np.ndarray]:
+    with Store.open(url, options) as store:
         return store.load(checkpoint_id)
 
 
@@ -113,14 +114,19 @@ class Batches(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self.seen.append((self.epoch, batch))
 
 
-def test_fit_resumes_mid_epoch_at_the_saved_step(url: str) -> None:
+@pytest.mark.parametrize("backend", ["local", pytest.param("seaweed", id="s3-seaweedfs", marks=pytest.mark.slow)])
+def test_fit_resumes_mid_epoch_at_the_saved_step(
+    backend: str, request: pytest.FixtureRequest, tmp_path: Path, unique: str
+) -> None:
+    target = make_target(backend, request, tmp_path, unique)
+    url, options = target.url, target.options or None
     x, y = local_data()  # 10 batches of 32 per epoch, 3 per execution: executions end at batches 2, 5, 8, 9
     first = local_model()
-    cb = CheckpointCallback(url, save_every_n_steps=4)
+    cb = CheckpointCallback(url, save_every_n_steps=4, storage_options=options)
     with pytest.raises(KeyboardInterrupt):
         first.fit(x, y, batch_size=32, epochs=3, callbacks=[cb, Crash(cb, 16)], verbose=0)
     cb.close()  # fit raised: on_train_end never ran
-    infos = stored(url)
+    infos = stored(url, options)
     last = infos[-1]
     assert [i.kind for i in infos] == ["full"] + ["delta"] * (len(infos) - 1)
     assert 0 < last.step <= 16
@@ -129,7 +135,7 @@ def test_fit_resumes_mid_epoch_at_the_saved_step(url: str) -> None:
     assert position.resume_at(10) == divmod(last.step, 10)
 
     second = local_model()
-    cb2 = CheckpointCallback(url, save_every_n_steps=4)
+    cb2 = CheckpointCallback(url, save_every_n_steps=4, storage_options=options)
     batches = Batches()
     second.fit(x, y, batch_size=32, epochs=3, callbacks=[cb2, batches], verbose=0)
     assert cb2.restored_step == last.step
@@ -137,9 +143,9 @@ def test_fit_resumes_mid_epoch_at_the_saved_step(url: str) -> None:
     epoch, done = divmod(last.step, 10)
     assert batches.seen[0] == (epoch, min(done + 2, 9))  # the first execution continues the epoch
     assert int(second.optimizer.iterations.numpy()) == 30 == cb2.step
-    final = stored(url)[-1]
+    final = stored(url, options)[-1]
     assert final.step == 30 and final.kind == "delta"
-    assert_bitwise(read_tensors(cb2.checkpoint), load(url, final.id))
+    assert_bitwise(read_tensors(cb2.checkpoint), load(url, final.id, options))
 
 
 def test_a_finished_run_trains_nothing_and_restores_everything(url: str) -> None:
