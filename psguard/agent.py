@@ -552,6 +552,10 @@ class Agent:
             if self.monitor is not None:
                 self.monitor.reset()
         elif event.kind is EventKind.EXITED:
+            # No process until the next start (backoff, PS restarts): the monitor must not count that gap as
+            # a hang and cut the backoff short or kill the next run; STARTING ignores failures until it answers.
+            if self.monitor is not None:
+                self.monitor.reset()
             restart_follows = event.backoff_seconds is not None
             if restart_follows:
                 with self._lock:
@@ -564,11 +568,15 @@ class Agent:
             self._wake.set()
 
     def _on_unhealthy(self, report: HealthReport) -> None:
+        sup, monitor = self.supervisor, self.monitor
+        if sup is None or sup.pid is None:
+            return  # between runs: the supervisor is already on it (backoff, or PS restarts for a generation)
+        if monitor is not None and monitor.health is Health.STARTING:
+            return  # the task was (re)started after this verdict was reached: it is about an earlier run
         with self._lock:
             if self._failure_at is None:
                 self._failure_at = time.monotonic()
-        if self.supervisor is not None:
-            self.supervisor.restart(f"unhealthy: {report.reason}")
+        sup.restart(f"unhealthy: {report.reason}")
 
     def _on_health(self, task: str, health: Health) -> None:
         self.metrics.on_health(task, health)
