@@ -26,12 +26,14 @@ memory tier         chief only: :class:`~psguard.memory_tier.MemoryTier` fed by 
                     the middle of a persist: the manifest is the commit) continues from the last commit.
 HTTP                :class:`~psguard.agent_http.AgentHTTPServer` (127.0.0.1 by default; any other address needs
                     ``--token-file``): ``/healthz``, ``/readyz``, ``/metrics``, ``/status`` (JSON), ``POST
-                    /restart`` (restart the task) and ``POST /recovery`` (the trainer reports its lost steps).
+                    /restart`` (restart the task), ``POST /recovery`` (the trainer reports its lost steps) and,
+                    on the chief, ``POST /new-generation`` (restart every PS now; see below).
 ==================  ==========================================================================================
 
 The trainer (the chief's task) gets ``TF_CONFIG`` (the cluster from ``cluster.json``, task ``chief:0``),
 ``PSGUARD_SPOOL`` (the spool folder of :mod:`psguard.spool`) and ``PSGUARD_AGENT_URL`` (this agent's HTTP
-base URL). Every task gets ``TF_CONFIG`` for its own role and index and ``PSGUARD_TASK`` (``ps:0``).
+base URL; ``PSGUARD_AGENT_TOKEN_FILE`` names the token file when there is one). Every task gets ``TF_CONFIG``
+for its own role and index and ``PSGUARD_TASK`` (``ps:0``).
 
 New trainer generation: the PS servers are restarted first
 -----------------------------------------------------------
@@ -50,7 +52,10 @@ healthy task; then the supervisor starts the trainer. This runs inside the super
 thread, so no trainer can start while PS servers are being replaced. A peer that does not come back in time is
 logged and reported in ``/status``; the trainer is started anyway (it fails on the missing PS and exits again,
 which counts towards the crash-loop limit). Workers are not restarted: they hold no variables and rejoin
-through TensorFlow's own retry. The cost is one PS start (about 5 s here) per recovery, paid in parallel with
+through TensorFlow's own retry. A trainer that rejoins in-process (:func:`psguard.recovery.run_with_recovery`
+with a model factory) starts a new generation without exiting: it passes :func:`restart_ps_servers` as
+``restart_ps``, which calls ``POST /new-generation`` on its agent and returns once every PS serves again. The
+cost is one PS start (about 5 s here) per recovery, paid in parallel with
 the trainer's own import and restore, and bounded memory per PS across any number of recoveries.
 
 The agent never imports TensorFlow (``python -X importtime -m psguard.cli agent --help``): its RSS stays
@@ -78,7 +83,7 @@ from typing import Any
 
 from psguard.agent_http import AgentHTTPServer, Request, RequestError, Response, is_loopback
 from psguard.config import Duration, load_yaml
-from psguard.errors import ConfigError
+from psguard.errors import ConfigError, PsguardError
 from psguard.metrics import AgentMetrics
 from psguard.prober import (
     GrpcStatusProbe,
@@ -103,6 +108,7 @@ __all__ = [
     "load_cluster",
     "main",
     "register",
+    "restart_ps_servers",
     "validate_cluster",
 ]
 
@@ -296,6 +302,7 @@ class Agent:
         config: AgentConfig | None = None,
         peers: Sequence[str] = (),
         token: str | None = None,
+        token_file: str | None = None,
         peer_token: str | None = None,
     ) -> None:
         self.config = config or AgentConfig()
@@ -318,6 +325,7 @@ class Agent:
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ConfigError(f"--peer: expected an agent's base URL like http://10.0.0.5:8470, got {p!r}")
         self._token = token
+        self._token_file = str(Path(token_file).resolve()) if token_file is not None else None
         self._peer_token = peer_token if peer_token is not None else token
         self.metrics = AgentMetrics.create()
         self._stop_requested = threading.Event()
@@ -327,6 +335,7 @@ class Agent:
         self._failure_at: float | None = None  # monotonic: when the current outage began
         self._generation = 0
         self._generation_log: dict[str, Any] | None = None
+        self._generation_lock = threading.Lock()
         self._resumed_step: int | None = None
         self._resume_seconds: float | None = None
         self._durable_id: str | None = None
@@ -365,6 +374,8 @@ class Agent:
         env["TF_CONFIG"] = json.dumps({"cluster": self.cluster, "task": {"type": self.role, "index": self.index}})
         env["PSGUARD_TASK"] = self.task
         env["PSGUARD_AGENT_URL"] = url
+        if self._token_file is not None:
+            env["PSGUARD_AGENT_TOKEN_FILE"] = self._token_file  # the path, never the token itself
         if self.spool_dir is not None:
             env["PSGUARD_SPOOL"] = str(self.spool_dir)
         return env
@@ -429,6 +440,8 @@ class Agent:
         )
         self.http.add_post("/restart", self._handle_restart)
         self.http.add_post("/recovery", self._handle_recovery)
+        if self.role == "chief":
+            self.http.add_post("/new-generation", self._handle_new_generation)
         self.http.start()
 
     def _start_memory_tier(self) -> None:
@@ -521,6 +534,8 @@ class Agent:
         if self.supervisor is not None:
             attempt(self.supervisor.stop)
         if self.spool is not None:
+            if self.spool.status().running:
+                attempt(self.spool.process_once)  # the trainer's last captures, handed off before it stopped
             attempt(self.spool.stop)
         if self.persister is not None:
             timeout = self.config.persister.drain_timeout
@@ -532,6 +547,15 @@ class Agent:
                 errors.append(e)
             if not drained:
                 log.error("event=persist_not_drained task=%s timeout=%.0fs", self.task, timeout)
+        if self.tier is not None:
+            with self._lock:
+                durable = self._durable_step
+            log.info(
+                "event=agent_stopped task=%s memory_step=%s durable_step=%s",
+                self.task,
+                self.tier.step,
+                durable,
+            )
         if self.store is not None:
             attempt(self.store.close)
         if self.http is not None:
@@ -610,13 +634,18 @@ class Agent:
         return float(lag) if lag is not None else 0.0
 
     # ------------------------------------------------------------------------------------------ generations
-    def _new_generation(self, reason: str) -> None:
-        """Restart every PS peer and wait until all serve again (see the module docstring)."""
+    def _new_generation(self, reason: str) -> dict[str, Any]:
+        """Restart every PS peer and wait until all serve again (see the module docstring); the outcome.
+
+        One at a time: the supervisor's exit callback and ``POST /new-generation`` may both ask.
+        """
+        with self._generation_lock:
+            return self._restart_ps_peers(reason)
+
+    def _restart_ps_peers(self, reason: str) -> dict[str, Any]:
         with self._lock:
             self._generation += 1
             generation = self._generation
-        if not self.peers:
-            return
         t0 = time.monotonic()
         cfg = self.config.peers
         deadline = t0 + cfg.ready_timeout
@@ -675,14 +704,10 @@ class Agent:
             seconds,
             json.dumps(outcome),
         )
+        result = {"generation": generation, "reason": reason, "at": time.time(), "seconds": seconds, "peers": outcome}
         with self._lock:
-            self._generation_log = {
-                "generation": generation,
-                "reason": reason,
-                "at": time.time(),
-                "seconds": seconds,
-                "peers": outcome,
-            }
+            self._generation_log = result
+        return result
 
     # ------------------------------------------------------------------------------------------ HTTP
     def _handle_restart(self, request: Request) -> Response:
@@ -698,6 +723,16 @@ class Agent:
             raise RequestError(409, f"task {self.task} is not running under supervision ({sup.status().state.value})")
         log.info("event=restart_requested task=%s reason=%r", self.task, reason)
         return Response(202, {"ok": True, "task": self.task, "restarts_before": before})
+
+    def _handle_new_generation(self, request: Request) -> Response:
+        """The trainer rejoins in-process after a PS failure: restart every PS peer first, answer when done."""
+        body = request.json()
+        if body is not None and not isinstance(body, dict):
+            raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
+        reason = "in-process rejoin: " + str((body or {}).get("reason") or "POST /new-generation")[:300]
+        result = self._new_generation(reason)
+        failed = any(str(o).startswith("error") for o in result["peers"].values())
+        return Response(503 if failed else 200, {"ok": not failed, **result})
 
     def _handle_recovery(self, request: Request) -> Response:
         body = request.json()
@@ -784,6 +819,32 @@ class Agent:
         return doc
 
 
+# ------------------------------------------------------------------------------------------------ trainer side
+def restart_ps_servers(
+    url: str | None = None, *, reason: str = "in-process rejoin after a PS failure", timeout: float = 600.0
+) -> dict[str, Any]:
+    """From the trainer: ask the chief's agent to restart every PS server and wait until they all serve.
+
+    The ``restart_ps`` of :func:`psguard.recovery.run_with_recovery` under ``psguard agent``. ``url``
+    defaults to ``$PSGUARD_AGENT_URL`` (and the token to the file named by ``$PSGUARD_AGENT_TOKEN_FILE``).
+    Returns the agent's outcome per PS agent; raises :class:`PsguardError` when one did not come back.
+    """
+    base = url or os.environ.get("PSGUARD_AGENT_URL")
+    if not base:
+        raise ConfigError("no agent URL: run the trainer under `psguard agent`, which sets PSGUARD_AGENT_URL")
+    token = _read_token(os.environ.get("PSGUARD_AGENT_TOKEN_FILE"))
+    try:
+        status, doc = http_json(
+            "POST", f"{base.rstrip('/')}/new-generation", body={"reason": reason}, token=token, timeout=timeout
+        )
+    except OSError as e:
+        raise PsguardError(f"cannot reach the chief's agent at {base} to restart the PS servers: {e}") from e
+    if status != 200 or not isinstance(doc, dict):
+        detail = doc.get("peers") or doc.get("error") if isinstance(doc, dict) else doc
+        raise PsguardError(f"the chief's agent at {base} could not restart every PS server (HTTP {status}): {detail}")
+    return doc
+
+
 # ------------------------------------------------------------------------------------------------ CLI
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -846,7 +907,16 @@ def main(args: argparse.Namespace) -> int:
             f"--bind {config.http.bind}: serving on a non-loopback address needs --token-file "
             "(POST /restart kills the task)"
         )
-    agent = Agent(args.role, args.index, cluster, command=command, config=config, peers=args.peer, token=token)
+    agent = Agent(
+        args.role,
+        args.index,
+        cluster,
+        command=command,
+        config=config,
+        peers=args.peer,
+        token=token,
+        token_file=config.http.token_file,
+    )
     previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, agent.request_stop)

@@ -405,9 +405,12 @@ TRAINER = textwrap.dedent(
             ps = json.load(r)
         marker = os.path.join(out, "first-done")
         if not os.path.exists(marker):
-            put("first", {"ps": ps})
+            from psguard.agent import restart_ps_servers
+            rejoin = restart_ps_servers(reason="test")  # the in-process path: the trainer keeps running
+            with urllib.request.urlopen(ps_url + "/status", timeout=10) as r:
+                put("first", {"ps": ps, "rejoin": rejoin, "ps_after_rejoin": json.load(r)})
             open(marker, "w").close()
-            sys.exit(75)
+            sys.exit(75)  # the restart path: the agent restarts the PS servers, then this trainer
         put("second", {"ps": ps, "agent": agent_status()})
     elif mode == "sleep":
         time.sleep(600)
@@ -522,11 +525,15 @@ def test_a_new_trainer_generation_restarts_the_ps_servers_first(
     first = json.loads((out / "first").read_text())
     second = json.loads((out / "second").read_text())
     assert first["ps"]["restarts"] == 0 and first["ps"]["pid"] == ps_before["pid"]
-    # The trainer's second generation only started once the PS server had been replaced and was healthy.
-    assert second["ps"]["restarts"] == 1 and second["ps"]["ready"] is True
-    assert second["ps"]["pid"] != ps_before["pid"]
-    assert "new trainer generation 1" in second["ps"]["supervisor"]["last_reason"]
+    # In-process rejoin: POST /new-generation answered once the PS server was replaced and healthy.
+    assert first["rejoin"]["peers"] == {ps.url: "restarted"} and first["rejoin"]["generation"] == 1
+    assert first["ps_after_rejoin"]["restarts"] == 1 and first["ps_after_rejoin"]["ready"] is True
+    assert "in-process rejoin: test" in first["ps_after_rejoin"]["supervisor"]["last_reason"]
+    # Exit 75: the trainer's next generation only started once the PS server was replaced again and healthy.
+    assert second["ps"]["restarts"] == 2 and second["ps"]["ready"] is True
+    assert second["ps"]["pid"] not in (ps_before["pid"], first["ps_after_rejoin"]["pid"])
+    assert "new trainer generation 2: the trainer exit 75" in second["ps"]["supervisor"]["last_reason"]
     generation = second["agent"]["last_generation"]
     assert generation["peers"] == {ps.url: "restarted"}
-    print(f"PS restart for a new generation took {generation['seconds']:.2f}s")
+    print(f"PS restarts for new generations took {first['rejoin']['seconds']:.2f}s, {generation['seconds']:.2f}s")
     assert second["agent"]["peers"][0]["url"] == ps.url
