@@ -388,9 +388,12 @@ TRAINER = textwrap.dedent(
         return Capture(step, {"emb": Full(table), "step": Full(np.array(step, np.int64))},
                        metadata={"data": step}, tiers=frozenset({Tier.DURABLE}))
 
-    if mode == "stream":  # keep the agent persisting until it is killed
+    if mode == "stream":  # keep the agent persisting until it is killed or stopped
+        import signal
+        signal.signal(signal.SIGTERM, lambda *_: (put("terminated", {}), sys.exit(0)))
+        rows = int(sys.argv[3]) if len(sys.argv) > 3 else 1 << 19  # 32 MiB per capture by default
         for step in range(1, 10_000):
-            writer.submit(capture(step, 1 << 19)).result(60)  # 32 MiB each
+            writer.submit(capture(step, rows)).result(60)
             put("progress", {"step": step})
     elif mode == "finish":  # a new generation: restore from the memory tier, save three more, done
         restored = writer.request_restore().result(60)
@@ -537,3 +540,27 @@ def test_a_new_trainer_generation_restarts_the_ps_servers_first(
     assert generation["peers"] == {ps.url: "restarted"}
     print(f"PS restarts for new generations took {first['rejoin']['seconds']:.2f}s, {generation['seconds']:.2f}s")
     assert second["agent"]["peers"][0]["url"] == ps.url
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_trainer_gracefully_and_drains_the_persister(
+    tmp_path: Path, agents: Callable[..., AgentProc], trainer: Callable[..., list[str]]
+) -> None:
+    from psguard.store import Store
+
+    cluster, _ = write_cluster(tmp_path)
+    store_dir = tmp_path / "store"
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store_dir)]
+    agent = agents("chief", [*args, "--spool", str(tmp_path / "spool")], trainer("stream", str(1 << 16)))
+    status = agent.wait_status(lambda s: (s["durable_step"] or 0) >= 2, 120, "durable checkpoints")
+    print(f"chief agent RSS {status['agent_rss_bytes'] / 1e6:.0f} MB with a {status['memory_bytes'] / 1e6:.0f} MB tier")
+    assert "tensorflow" not in Path(f"/proc/{agent.proc.pid}/maps").read_text()
+    agent.proc.send_signal(signal.SIGTERM)
+    assert agent.wait_exit(60) == 0
+    assert (tmp_path / "out" / "terminated").exists()  # the trainer got SIGTERM, not SIGKILL
+    stopped = [line for line in agent.log().splitlines() if "event=agent_stopped" in line]
+    assert len(stopped) == 1, agent.log()
+    fields = dict(f.split("=", 1) for f in stopped[0].split() if "=" in f)
+    assert fields["memory_step"] == fields["durable_step"] != "None"  # drained: nothing acknowledged is lost
+    with Store.open(str(store_dir)) as store:
+        assert max(i.step for i in store.checkpoints()) == int(fields["durable_step"])
