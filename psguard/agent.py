@@ -418,6 +418,11 @@ class Agent:
             if self.role == "chief" and self._resumed_step is not None and cfg.peers.restart_ps:
                 # An earlier chief ran this job: the PS servers may hold its context. Start from clean ones.
                 self._new_generation(f"the agent resumed a job (durable step {self._resumed_step})")
+            elif self.peers:
+                outcome = self._sync_peers(restart_ps=False)
+                (log.info if all(o == "ready" for o in outcome.values()) else log.error)(
+                    "event=peers_checked task=%s outcome=%s", self.task, json.dumps(outcome)
+                )
             if self._stop_requested.is_set():
                 return self
             self.supervisor.start()
@@ -634,6 +639,64 @@ class Agent:
         return float(lag) if lag is not None else 0.0
 
     # ------------------------------------------------------------------------------------------ generations
+    def _sync_peers(self, *, restart_ps: bool, why: str = "") -> dict[str, str]:
+        """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
+
+        ``restart_ps``: every peer whose ``/status`` says ``role: ps`` restarts its task (``POST /restart``) and
+        is waited for until its restart count went up and it is ready; other peers are skipped. Otherwise every
+        peer is only waited for until ready. Peers that do not answer yet (their agent is still starting) are
+        retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends the wait for that peer.
+        """
+        cfg = self.config.peers
+        deadline = time.monotonic() + cfg.ready_timeout
+        outcome: dict[str, str] = {}
+        pending: dict[str, int | None] = dict.fromkeys(self.peers)  # None: not asked yet; int: restarts before
+        last_error: dict[str, str] = {}
+        while pending and not self._stop_requested.is_set() and time.monotonic() < deadline:
+            for url, before in list(pending.items()):
+                try:
+                    code, doc = http_json("GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout)
+                except OSError as e:
+                    last_error[url] = str(e)
+                    continue  # not serving yet: retried until the deadline
+                if code != 200 or not isinstance(doc, dict):
+                    outcome[url] = f"error: GET /status answered HTTP {code}"
+                    del pending[url]
+                    continue
+                restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
+                if before is None and restart_ps and doc.get("role") == "ps":
+                    try:
+                        code, answer = http_json(
+                            "POST",
+                            f"{url}/restart",
+                            body={"reason": why},
+                            token=self._peer_token,
+                            timeout=cfg.request_timeout,
+                        )
+                    except OSError as e:
+                        last_error[url] = str(e)
+                        continue
+                    if not 200 <= code < 300:
+                        message = answer.get("error", "") if isinstance(answer, dict) else ""
+                        outcome[url] = f"error: POST /restart answered HTTP {code}: {message}"
+                        del pending[url]
+                        continue
+                    pending[url] = restarts
+                elif before is None and restart_ps:
+                    outcome[url] = f"skipped ({doc.get('role')})"
+                    del pending[url]
+                elif ready and (before is None or restarts > before):
+                    outcome[url] = "restarted" if before is not None else "ready"
+                    del pending[url]
+            if pending:
+                self._stop_requested.wait(0.1)  # polling the peers' state, bounded by the deadline
+        for url in pending:
+            detail = f" (last error: {last_error[url]})" if url in last_error else ""
+            outcome[url] = (
+                f"error: not {'restarted and ' if restart_ps else ''}ready within {cfg.ready_timeout:g}s{detail}"
+            )
+        return outcome
+
     def _new_generation(self, reason: str) -> dict[str, Any]:
         """Restart every PS peer and wait until all serve again (see the module docstring); the outcome.
 
@@ -647,54 +710,10 @@ class Agent:
             self._generation += 1
             generation = self._generation
         t0 = time.monotonic()
-        cfg = self.config.peers
-        deadline = t0 + cfg.ready_timeout
         log.info(
             "event=generation task=%s generation=%d reason=%r peers=%d", self.task, generation, reason, len(self.peers)
         )
-        outcome: dict[str, str] = {}
-        waiting: dict[str, int] = {}
-        for url in self.peers:
-            try:
-                status, doc = http_json("GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout)
-                if status != 200 or not isinstance(doc, dict):
-                    outcome[url] = f"error: GET /status answered HTTP {status}"
-                    continue
-                if doc.get("role") != "ps":
-                    outcome[url] = f"skipped ({doc.get('role')})"
-                    continue
-                before = int(doc.get("restarts", 0))
-                status, doc = http_json(
-                    "POST",
-                    f"{url}/restart",
-                    body={"reason": f"new trainer generation {generation}: {reason}"},
-                    token=self._peer_token,
-                    timeout=cfg.request_timeout,
-                )
-                if not 200 <= status < 300:
-                    outcome[url] = f"error: POST /restart answered HTTP {status}: {(doc or {}).get('error', '')}"
-                    continue
-                waiting[url] = before
-            except OSError as e:
-                outcome[url] = f"error: {e}"
-        while waiting and not self._stop_requested.is_set() and time.monotonic() < deadline:
-            for url, before in list(waiting.items()):
-                try:
-                    status, doc = http_json("GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout)
-                except OSError:
-                    continue
-                if (
-                    status == 200
-                    and isinstance(doc, dict)
-                    and int(doc.get("restarts", 0)) > before
-                    and doc.get("ready") is True
-                ):
-                    outcome[url] = "restarted"
-                    del waiting[url]
-            if waiting:
-                self._stop_requested.wait(0.1)  # polling the peers' state, bounded by the deadline
-        for url in waiting:
-            outcome[url] = f"error: not restarted and healthy within {cfg.ready_timeout:g}s"
+        outcome = self._sync_peers(restart_ps=True, why=f"new trainer generation {generation}: {reason}")
         seconds = time.monotonic() - t0
         failed = {u: o for u, o in outcome.items() if o.startswith("error")}
         (log.error if failed else log.info)(
