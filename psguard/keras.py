@@ -251,8 +251,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                     "so that captures drain the scheduled steps first"
                 )
             # The position is what makes resume exact; a manager that records none still resumes by step.
-            if self.manager._data_position is None:
-                self.manager._data_position = self._data_position
+            if self.manager.data_position is None:
+                self.manager.data_position = self._data_position
                 self._position_hook = True
         self.checkpoint = checkpoint
         try:
@@ -328,7 +328,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         manager, self.manager = self.manager, self._given
         if self._given is not None:
             if self._position_hook:
-                self._given._data_position = None
+                self._given.data_position = None
                 self._position_hook = False
             if self._given_schedule is not _UNSET:
                 self._given.schedule = self._given_schedule

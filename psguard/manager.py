@@ -321,6 +321,15 @@ class CheckpointManager:
         return [i.id for i in self.store.checkpoints()]
 
     @property
+    def data_position(self) -> Callable[[], Any] | None:
+        """The callable whose JSON result is stored with each checkpoint (settable, e.g. by a Keras callback)."""
+        return self._data_position
+
+    @data_position.setter
+    def data_position(self, fn: Callable[[], Any] | None) -> None:
+        self._data_position = fn
+
+    @property
     def restored_data_position(self) -> Any:
         """The data position saved with the checkpoint the last restore used (``None`` if none)."""
         return self.restored.metadata.get("data_position") if self.restored else None
@@ -340,6 +349,8 @@ class CheckpointManager:
         with self._capture_lock:
             if self._save_counter is not None:
                 self._save_counter.assign_add(1)
+            if checkpoint_number is None and self.coordinator is not None:
+                self.coordinator.join()  # read the step counter at the state the capture will see
             step = self._step_for(checkpoint_number)
             t0 = time.perf_counter()
             full = self._spool is not None and self._spool.parent is None

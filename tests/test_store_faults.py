@@ -116,3 +116,23 @@ def test_s3_outage_during_save_fails_clearly_then_recovers(seaweed: object, uniq
         info = again.save(5, {"w": value})
         assert np.array_equal(again.load_latest().tensors["w"], value)
         assert again.checkpoint_ids() == [info.id]
+
+
+@pytest.mark.slow
+def test_frozen_s3_server_fails_the_save_instead_of_hanging(seaweed: object, unique: str) -> None:
+    """A SIGSTOPped server accepts connections and never answers: the save must still end, clearly."""
+    url = seaweed.url(unique)  # type: ignore[attr-defined]
+    options = {
+        **seaweed.storage_options,
+        "config_kwargs": {"read_timeout": 2, "connect_timeout": 2, "retries": {"max_attempts": 1}},
+    }  # type: ignore[attr-defined]
+    store = Store.open(url, options, retry=RetryConfig(deadline=3.0, initial_backoff=0.1), chunk_bytes=1 << 16)
+    seaweed.freeze()  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(StorageUnavailableError, match="storage unavailable"):
+            store.save(1, {"w": np.arange(100_000, dtype=np.float32)})
+    finally:
+        seaweed.thaw()  # type: ignore[attr-defined]
+        store.close()
+    with Store.open(url, seaweed.storage_options) as again:  # type: ignore[attr-defined]
+        assert again.checkpoint_ids() == []

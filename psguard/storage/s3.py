@@ -43,6 +43,24 @@ def _is_precondition_failure(e: BaseException | None) -> bool:
     return False
 
 
+def _drop_expect(request: Any, **_: Any) -> None:
+    request.headers.pop("Expect", None)
+
+
+def _session_without_expect() -> Any:
+    """An aiobotocore session whose PUTs send no ``Expect: 100-continue``.
+
+    botocore adds that header to every PUT and aiohttp then waits for the server's interim answer with no
+    timeout: against a frozen server a PUT hung for over 17 minutes whatever ``read_timeout`` said. Without
+    the header the body goes at once and ``read_timeout`` bounds the wait.
+    """
+    from aiobotocore.session import AioSession
+
+    session = AioSession()
+    session.register("before-send.s3", _drop_expect)
+    return session
+
+
 class S3Backend(FsspecBackend):
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         rest = url.split("://", 1)[1].strip("/")
@@ -53,6 +71,8 @@ class S3Backend(FsspecBackend):
         opts = dict(options or {})
         config = dict(_DEFAULT_CONFIG)
         config.update(opts.pop("config_kwargs", {}) or {})
+        if "session" not in opts:
+            opts["session"] = _session_without_expect()
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **opts)
 
     def put(self, key: str, data: Buffer) -> None:
