@@ -371,7 +371,9 @@ class Agent:
         env = dict(os.environ)
         for key, value in _QUIET.items():
             env.setdefault(key, value)
-        env["TF_CONFIG"] = json.dumps({"cluster": self.cluster, "task": {"type": self.role, "index": self.index}})
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": self.cluster, "task": {"type": self.role, "index": self.index}, "rpc_layer": "grpc"}
+        )
         env["PSGUARD_TASK"] = self.task
         env["PSGUARD_AGENT_URL"] = url
         if self._token_file is not None:

@@ -453,7 +453,7 @@ def test_chief_agent_double_writes_and_a_killed_agent_leaves_no_torn_checkpoint(
     assert 'psguard_last_checkpoint_step{tier="memory"}' in metrics and "psguard_bytes_persisted_total" in metrics
     assert 'psguard_last_checkpoint_step{tier="durable"}' in metrics
     env = json.loads((out / "env-stream").read_text())
-    assert json.loads(env["TF_CONFIG"]) == {"cluster": spec, "task": {"type": "chief", "index": 0}}
+    assert json.loads(env["TF_CONFIG"]) == {"cluster": spec, "task": {"type": "chief", "index": 0}, "rpc_layer": "grpc"}
     assert env["PSGUARD_SPOOL"] == str(spool_dir) and env["PSGUARD_AGENT_URL"] == first.url
 
     locks = store_dir / "locks"
@@ -564,3 +564,100 @@ def test_sigterm_stops_the_trainer_gracefully_and_drains_the_persister(
     assert fields["memory_step"] == fields["durable_step"] != "None"  # drained: nothing acknowledged is lost
     with Store.open(str(store_dir)) as store:
         assert max(i.step for i in store.checkpoints()) == int(fields["durable_step"])
+
+
+E2E_TRAINER = textwrap.dedent(
+    """
+    import json, os, sys, time
+    import tensorflow as tf
+    from psguard.manager import CheckpointManager
+    from psguard.policy import EverySteps, Schedule
+    from psguard.recovery import exit_for_restart, is_cluster_failure
+    from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+
+    out, store_url, target = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    os.makedirs(out, exist_ok=True)
+    gen = len([n for n in os.listdir(out) if n.startswith("gen-")])
+
+    def put(name, doc):
+        with open(os.path.join(out, name + ".tmp"), "w") as f:
+            json.dump(doc, f)
+        os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+    )
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = RecModel(ModelConfig(vocab_size=20_000, embedding_dim=8, batch_size=64))
+        optimizer = make_optimizer("adagrad")
+    trainer = Trainer(strategy, coordinator, model, optimizer)
+    manager = CheckpointManager(
+        tf.train.Checkpoint(model=model, optimizer=optimizer), store_url, coordinator=coordinator,
+        step_counter=model.step, policy=Schedule(memory=EverySteps(5), durable=EverySteps(20)),
+    )
+    manager.restore_or_initialize()
+    restored = manager.restored
+    trainer.next_index = int(model.step.numpy())
+    put(f"gen-{gen}", {"pid": os.getpid(), "at": time.time(),
+                       "restored": None if restored is None else {"source": restored.source, "step": restored.step}})
+    seen = 0
+    try:
+        while (seen := int(model.step.numpy())) < target:
+            handle = manager.maybe_save(seen)
+            if gen == 0 and handle is not None and seen >= 20 and not os.path.exists(os.path.join(out, "kill")):
+                handle.result(timeout=120)  # a durable checkpoint exists before the fault
+                put("kill", {"step": seen})
+            trainer.train(5)
+        manager.close()
+    except Exception as e:
+        if is_cluster_failure(e):
+            put(f"failure-{gen}", {"seen": seen, "error": str(e)[:300]})
+            exit_for_restart(e)
+        raise
+    put("final", {"step": int(model.step.numpy())})
+    """
+)
+
+
+@pytest.mark.slow
+def test_end_to_end_ps_killed_under_agents_trainer_restarted_from_the_memory_tier(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """Every process under an agent; a PS is killed during training; the trainer exits 75 and comes back."""
+    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
+    script = tmp_path / "e2e_trainer.py"
+    script.write_text(E2E_TRAINER)
+    out, store = tmp_path / "out", tmp_path / "store"
+    ps = [agents(f"ps{i}", ["--role", "ps", "--index", str(i), "--cluster", str(cluster)]) for i in range(2)]
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(tmp_path / "spool"), *peers]
+    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "200"])
+
+    def kill_file() -> dict[str, Any] | None:
+        if chief.proc.poll() is not None:
+            raise AssertionError(f"chief agent exited {chief.proc.returncode}:\n{chief.log()}")
+        return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
+
+    kill = wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    victim = ps[0].status()["pid"]
+    t0, killed_at = time.monotonic(), time.time()
+    os.kill(victim, signal.SIGKILL)
+    assert chief.wait_exit(400) == 0, chief.log()
+    total = time.monotonic() - t0
+    failure = json.loads((out / "failure-0").read_text())
+    second = json.loads((out / "gen-1").read_text())
+    final = json.loads((out / "final").read_text())
+    print(
+        f"e2e: kill at step {kill['step']}, failure seen at {failure['seen']}, restored {second['restored']}, "
+        f"final {final['step']}; restored {second['at'] - killed_at:.1f}s after the kill, {total:.1f}s to the end"
+    )
+    assert second["restored"]["source"] == "memory"
+    assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
+    assert failure["seen"] - second["restored"]["step"] <= 10  # memory cadence 5 + one scheduled chunk of 5
+    assert final["step"] >= 200
+    assert [p.status()["restarts"] for p in ps] == [2, 1]  # ps0: its own agent, then the new generation
+    assert worker.status()["restarts"] == 0
