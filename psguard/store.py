@@ -231,10 +231,11 @@ class Store:
         backend: Backend,
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        io_threads: int = 8,
+        io_threads: int | None = None,
         inflight_bytes: int = 128 << 20,
         lock_ttl: float = 600.0,
     ) -> None:
+        io_threads = io_threads if io_threads is not None else backend.io_parallelism
         if chunk_bytes <= 0 or io_threads <= 0 or inflight_bytes <= 0:
             raise ConfigError("chunk_bytes, io_threads and inflight_bytes must be positive")
         self.backend = backend

@@ -33,6 +33,9 @@ class Backend(ABC):
 
     #: The URL this backend was opened from (without credentials), for messages and listings.
     url: str
+    #: How many requests in parallel suit it: remote stores hide latency with many, a local disk read from
+    #: the page cache is memory-bound and only loses to thread switching beyond the number of cores.
+    io_parallelism: int = 8
 
     @abstractmethod
     def get(self, key: str) -> bytes:

@@ -39,6 +39,7 @@ class LocalBackend(Backend):
         self.root = Path(path).expanduser().absolute()
         self.url = str(self.root)
         self.fsync = bool((options or {}).get("fsync", True))
+        self.io_parallelism = max(2, min(4, os.cpu_count() or 2))
 
     def _path(self, key: str) -> Path:
         return self.root / validate_key(key)

@@ -27,6 +27,7 @@ class MemoryBackend(Backend):
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         self.name = url[len("memory://") :].strip("/")
         self.url = f"memory://{self.name}"
+        self.io_parallelism = 2
         with _LOCK:
             self._objects = _STORES.setdefault(self.name, {})
 

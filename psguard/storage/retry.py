@@ -115,6 +115,7 @@ class RetryingBackend(Backend):
     def __init__(self, inner: Backend, config: RetryConfig | None = None) -> None:
         self.inner = inner
         self.url = inner.url
+        self.io_parallelism = inner.io_parallelism
         self.config = config or RetryConfig()
         self._stop = threading.Event()
 
