@@ -199,8 +199,7 @@ def test_max_to_keep_applies_retention(url: str) -> None:
     with CheckpointManager(ckpt, url, max_to_keep=2, new_base_after=3) as m:
         for step in range(1, 9):
             train_local(emb, dense, ckpt, rng)
-            m.save(step)
-        m.wait()
+            m.save(step).result(timeout=60)  # one at a time: no folding, so the chain length is known
         infos = m.store.checkpoints()
         # the newest two are kept, plus what they are built on; compaction started new bases on the way
         assert infos[-1].step == 8 and len(infos) <= 4
