@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCH_MODULES: tuple[str, ...] = ("psguard.benchmarks.store",)
+BENCH_MODULES: tuple[str, ...] = ("psguard.benchmarks.store", "psguard.benchmarks.capture")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -7,19 +7,11 @@ plain ``tf.Module``, not a Keras layer stack: in TF 2.21 Keras 3 layers fail on 
 Keras 3 optimizers alike. Gradients are taken with respect to the *shards* (``tf.Module`` flattens a
 ``ShardedVariable`` into them); asking ``GradientTape`` for the ``ShardedVariable`` itself fails the same way.
 
-Capture benchmark: ``TF_CPP_MIN_LOG_LEVEL=3 TF_ENABLE_ONEDNN_OPTS=0 python -m psguard.testbed.model`` (JSON out,
-``--help`` for sizes).
+The capture benchmark that trains this model is ``psguard bench capture`` (:mod:`psguard.benchmarks.capture`).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import statistics
-import sys
-import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -171,129 +163,3 @@ class Trainer:
             self.next_index += 1
         if join:
             self.coordinator.join()
-
-
-# --------------------------------------------------------------------------------------------- benchmark
-
-
-def _touch_rows_fn(table: Any) -> Any:
-    """A function that changes exactly ``k`` distinct rows per shard, on the PS (no data to or from the chief)."""
-    from tensorflow.python.distribute import ps_values
-
-    shards = [v.get() if isinstance(v, ps_values.CachingVariable) else v for v in table.variables]
-
-    def touch(fraction: Any, seed: Any) -> Any:
-        for i, shard in enumerate(shards):
-            with tf.device(shard.device):
-                n = tf.shape(shard, out_type=tf.int64)[0]
-                k = tf.cast(tf.math.round(tf.cast(n, tf.float64) * fraction), tf.int32)
-                perm = tf.random.experimental.stateless_shuffle(tf.range(n), seed=tf.stack([seed, i]))
-                ids = perm[:k]
-                shard.scatter_add(tf.IndexedSlices(tf.ones([k, shard.shape[1]], shard.dtype), ids))
-        return tf.constant(True)
-
-    return tf.function(touch, autograph=False)
-
-
-def bench_capture(*, rows: int, dim: int, num_ps: int, fractions: Sequence[float], repeats: int) -> dict[str, Any]:
-    """Capture stall and PS -> chief bytes vs ``tf.train.Checkpoint.write`` on a real local cluster.
-
-    The table gets a sparse update before anything is timed: training with sparse gradients leaves every
-    embedding in TF's copy-on-read mode, which makes any full read (TF's save included) copy the shard.
-    """
-    from psguard.capture import Capturer
-    from psguard.testbed.cluster import LocalCluster
-
-    def summary(times: list[float]) -> dict[str, Any]:
-        return {"min_s": min(times), "median_s": statistics.median(times), "all_s": times}
-
-    table_bytes = rows * dim * 4
-    results: dict[str, Any] = {"rows": rows, "dim": dim, "num_ps": num_ps, "table_bytes": table_bytes}
-    with LocalCluster(num_ps=num_ps, num_workers=1) as cluster:
-        strategy = tf.distribute.experimental.ParameterServerStrategy(
-            cluster.cluster_resolver(),
-            variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps),
-        )
-        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-        with strategy.scope():
-            table = tf.Variable(_uniform([rows, dim], 0.05, 0), shape=[rows, dim], dtype=tf.float32, name="table")
-            step = tf.Variable(tf.constant(0, tf.int64), name="step")
-        module = tf.Module()
-        module.table, module.step = table, step
-        root = tf.train.Checkpoint(model=module)
-        name = "model/table/.ATTRIBUTES/VARIABLE_VALUE"
-        touch = _touch_rows_fn(table)
-        seed = 0
-
-        def change(fraction: float) -> None:
-            nonlocal seed
-            seed += 1
-            touch(tf.constant(fraction, tf.float64), tf.constant(seed, tf.int64))
-            step.assign_add(1)
-
-        change(0.01)
-        capturer = Capturer(root, coordinator=coordinator)
-        t = time.perf_counter()
-        capturer.capture()
-        results["first_full_capture_s"] = time.perf_counter() - t  # includes tracing the capture function
-
-        with tempfile.TemporaryDirectory(prefix="psguard-bench-") as tmp:
-            tf_times = []
-            for i in range(repeats + 1):
-                change(0.01)
-                coordinator.join()
-                t = time.perf_counter()
-                root.write(os.path.join(tmp, f"ckpt-{i}"))
-                tf_times.append(time.perf_counter() - t)
-            results["tf_write"] = summary(tf_times[1:])  # the first one traces TF's save function
-            results["tf_write"]["bytes"] = sum(
-                os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp) if f.startswith("ckpt-1.")
-            )
-        capturer.capture()
-        for fraction in fractions:
-            stalls, nbytes, kinds = [], [], []
-            for _ in range(repeats):
-                change(fraction)
-                capturer.capture()
-                stats = capturer.last_stats
-                stalls.append(stats.stall_seconds)
-                nbytes.append(stats.bytes_read)
-                kinds.append("full" if name in stats.full else f"rows:{stats.rows.get(name, 0)}")
-            entry = summary(stalls)
-            entry.update(
-                bytes_read=nbytes[-1],
-                bytes_read_vs_table=nbytes[-1] / table_bytes,
-                stall_vs_tf_write=entry["median_s"] / results["tf_write"]["median_s"],
-                kind=kinds[-1],
-            )
-            results[f"changed_{fraction:g}"] = entry
-        quiet = []
-        for _ in range(repeats):
-            capturer.capture()
-            quiet.append(capturer.last_stats.stall_seconds)
-        results["no_change"] = summary(quiet) | {"bytes_read": capturer.last_stats.bytes_read}
-    return results
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m psguard.testbed.model", description="psguard capture benchmark")
-    p.add_argument("--rows", type=int, default=2_000_000)
-    p.add_argument("--dim", type=int, default=32)
-    p.add_argument("--num-ps", type=int, default=2)
-    p.add_argument("--fractions", default="0.01,0.1,1.0", help="changed-row fractions, comma separated")
-    p.add_argument("--repeats", type=int, default=3)
-    args = p.parse_args(argv)
-    results = bench_capture(
-        rows=args.rows,
-        dim=args.dim,
-        num_ps=args.num_ps,
-        fractions=[float(f) for f in args.fractions.split(",")],
-        repeats=args.repeats,
-    )
-    json.dump(results, sys.stdout, indent=2)
-    print()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
