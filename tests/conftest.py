@@ -12,7 +12,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -94,43 +94,36 @@ def unique() -> str:
 
 
 # ----------------------------------------------------------------------------------------------- servers
+def _session_server(make: Callable[[], Any]) -> Iterator[Any]:
+    """Start a server for the whole session (exempt from leak checks) and close it (processes and files)."""
+    with allow_new_children():
+        server = make()
+        server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.fixture(scope="session")
-def seaweed() -> Iterator[object]:
+def seaweed() -> Iterator[Any]:
     from psguard.testbed.s3 import SeaweedS3
 
-    with allow_new_children():
-        server = SeaweedS3()
-        server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _session_server(SeaweedS3)
 
 
 @pytest.fixture(scope="session")
-def moto() -> Iterator[object]:
+def moto() -> Iterator[Any]:
     from psguard.testbed.s3 import MotoS3
 
-    with allow_new_children():
-        server = MotoS3()
-        server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _session_server(MotoS3)
 
 
 @pytest.fixture(scope="session")
-def hdfs() -> Iterator[object]:
+def hdfs() -> Iterator[Any]:
     from psguard.testbed.hdfs import HdfsCluster
 
-    with allow_new_children():
-        cluster = HdfsCluster()
-        cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _session_server(HdfsCluster)
 
 
 # ----------------------------------------------------------------------------------------------- TF cluster
