@@ -96,7 +96,7 @@ from psguard.prober import (
     ProcessProbe,
     TcpProbe,
 )
-from psguard.supervisor import EventKind, Supervisor, SupervisorConfig, SupervisorEvent
+from psguard.supervisor import EXIT_RESTART, EventKind, Supervisor, SupervisorConfig, SupervisorEvent
 
 __all__ = [
     "ROLES",
@@ -108,6 +108,7 @@ __all__ = [
     "load_cluster",
     "main",
     "register",
+    "report_failure",
     "restart_ps_servers",
     "validate_cluster",
 ]
@@ -336,6 +337,7 @@ class Agent:
         self._generation = 0
         self._generation_log: dict[str, Any] | None = None
         self._generation_lock = threading.Lock()
+        self._reported_failure: float | None = None  # POST /failure: when the trainer saw it (Unix time)
         self._resumed_step: int | None = None
         self._resume_seconds: float | None = None
         self._durable_id: str | None = None
@@ -449,6 +451,7 @@ class Agent:
         self.http.add_post("/recovery", self._handle_recovery)
         if self.role == "chief":
             self.http.add_post("/new-generation", self._handle_new_generation)
+            self.http.add_post("/failure", self._handle_failure)
         self.http.start()
 
     def _start_memory_tier(self) -> None:
@@ -594,7 +597,12 @@ class Agent:
                         self._failure_at = time.monotonic()
             if restart_follows and self.role == "chief" and self.config.peers.restart_ps:
                 # Runs on the supervisor's thread: the trainer is not started again until this returns.
-                self._new_generation(f"the trainer {event.reason}")
+                with self._lock:
+                    failed_at, self._reported_failure = self._reported_failure, None
+                run_start = event.time - (event.run_seconds or 0.0)
+                if event.exit_code != EXIT_RESTART or failed_at is None or failed_at < run_start:
+                    failed_at = None  # only a report from the run that just asked for a restart counts
+                self._new_generation(f"the trainer {event.reason}", failed_at)
         elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
             self._wake.set()
 
@@ -641,21 +649,27 @@ class Agent:
         return float(lag) if lag is not None else 0.0
 
     # ------------------------------------------------------------------------------------------ generations
-    def _sync_peers(self, *, restart_ps: bool, why: str = "") -> dict[str, str]:
+    def _sync_peers(self, *, restart_ps: bool, why: str = "", failed_at: float | None = None) -> dict[str, str]:
         """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
 
         ``restart_ps``: every peer whose ``/status`` says ``role: ps`` restarts its task (``POST /restart``) and
         is waited for until its restart count went up and it is ready; other peers are skipped. Otherwise every
         peer is only waited for until ready. Peers that do not answer yet (their agent is still starting) are
         retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends the wait for that peer.
+        ``failed_at`` (Unix time, this host's clock): when the trainer saw the failure. A PS whose current run
+        started after it is left alone (only waited for): no chief has connected to it since, so it holds no
+        old context; typically the PS that died, already restarted by its own agent. Its start is judged by its
+        uptime, so the PS host's clock does not matter.
         """
         cfg = self.config.peers
         deadline = time.monotonic() + cfg.ready_timeout
         outcome: dict[str, str] = {}
         pending: dict[str, int | None] = dict.fromkeys(self.peers)  # None: not asked yet; int: restarts before
+        fresh: set[str] = set()
         last_error: dict[str, str] = {}
         while pending and not self._stop_requested.is_set() and time.monotonic() < deadline:
             for url, before in list(pending.items()):
+                asked_at = time.time()  # the answer's uptime is measured later: the PS started after asked - uptime
                 try:
                     code, doc = http_json("GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout)
                 except OSError as e:
@@ -666,7 +680,23 @@ class Agent:
                     del pending[url]
                     continue
                 restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
-                if before is None and restart_ps and doc.get("role") == "ps":
+                uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
+                if (
+                    before is None
+                    and restart_ps
+                    and failed_at is not None
+                    and doc.get("role") == "ps"
+                    and isinstance(uptime, int | float)
+                    and asked_at - uptime > failed_at + 0.05
+                ):
+                    fresh.add(url)  # started after the failure: wait for it, do not restart it again
+                    pending[url] = restarts
+                    before = restarts
+                if url in fresh:
+                    if ready:
+                        outcome[url] = "fresh (started after the failure)"
+                        del pending[url]
+                elif before is None and restart_ps and doc.get("role") == "ps":
                     try:
                         code, answer = http_json(
                             "POST",
@@ -699,15 +729,15 @@ class Agent:
             )
         return outcome
 
-    def _new_generation(self, reason: str) -> dict[str, Any]:
+    def _new_generation(self, reason: str, failed_at: float | None = None) -> dict[str, Any]:
         """Restart every PS peer and wait until all serve again (see the module docstring); the outcome.
 
         One at a time: the supervisor's exit callback and ``POST /new-generation`` may both ask.
         """
         with self._generation_lock:
-            return self._restart_ps_peers(reason)
+            return self._restart_ps_peers(reason, failed_at)
 
-    def _restart_ps_peers(self, reason: str) -> dict[str, Any]:
+    def _restart_ps_peers(self, reason: str, failed_at: float | None) -> dict[str, Any]:
         with self._lock:
             self._generation += 1
             generation = self._generation
@@ -715,7 +745,8 @@ class Agent:
         log.info(
             "event=generation task=%s generation=%d reason=%r peers=%d", self.task, generation, reason, len(self.peers)
         )
-        outcome = self._sync_peers(restart_ps=True, why=f"new trainer generation {generation}: {reason}")
+        why = f"new trainer generation {generation}: {reason}"
+        outcome = self._sync_peers(restart_ps=True, why=why, failed_at=failed_at)
         seconds = time.monotonic() - t0
         failed = {u: o for u, o in outcome.items() if o.startswith("error")}
         (log.error if failed else log.info)(
@@ -751,9 +782,24 @@ class Agent:
         if body is not None and not isinstance(body, dict):
             raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
         reason = "in-process rejoin: " + str((body or {}).get("reason") or "POST /new-generation")[:300]
-        result = self._new_generation(reason)
+        failed_at = (body or {}).get("failed_at")
+        if failed_at is not None and (not isinstance(failed_at, int | float) or failed_at > time.time() + 5):
+            raise RequestError(400, "failed_at: expected the Unix time at which the trainer saw the failure")
+        result = self._new_generation(reason, None if failed_at is None else float(failed_at))
         failed = any(str(o).startswith("error") for o in result["peers"].values())
         return Response(503 if failed else 200, {"ok": not failed, **result})
+
+    def _handle_failure(self, request: Request) -> Response:
+        """The trainer saw a cluster failure and is about to exit 75: when, so that the next generation leaves
+        alone a PS that was started since (see :func:`report_failure`)."""
+        body = request.json()
+        failed_at = body.get("failed_at") if isinstance(body, dict) else None
+        if not isinstance(failed_at, int | float) or failed_at > time.time() + 5:
+            raise RequestError(400, 'expected {"failed_at": <Unix time at which the trainer saw the failure>}')
+        with self._lock:
+            self._reported_failure = float(failed_at)
+        log.info("event=failure_reported task=%s age=%.2fs", self.task, time.time() - failed_at)
+        return Response(200, {"ok": True})
 
     def _handle_recovery(self, request: Request) -> Response:
         body = request.json()
@@ -842,12 +888,18 @@ class Agent:
 
 # ------------------------------------------------------------------------------------------------ trainer side
 def restart_ps_servers(
-    url: str | None = None, *, reason: str = "in-process rejoin after a PS failure", timeout: float = 600.0
+    url: str | None = None,
+    *,
+    reason: str = "in-process rejoin after a PS failure",
+    failed_at: float | None = None,
+    timeout: float = 600.0,
 ) -> dict[str, Any]:
     """From the trainer: ask the chief's agent to restart every PS server and wait until they all serve.
 
     The ``restart_ps`` of :func:`psguard.recovery.run_with_recovery` under ``psguard agent``. ``url``
     defaults to ``$PSGUARD_AGENT_URL`` (and the token to the file named by ``$PSGUARD_AGENT_TOKEN_FILE``).
+    ``failed_at``: when the trainer saw the failure (``time.time()``); a PS started since then (the one that
+    died, already restarted by its agent) is not restarted a second time, which saves one PS start.
     Returns the agent's outcome per PS agent; raises :class:`PsguardError` when one did not come back.
     """
     base = url or os.environ.get("PSGUARD_AGENT_URL")
@@ -856,7 +908,11 @@ def restart_ps_servers(
     token = _read_token(os.environ.get("PSGUARD_AGENT_TOKEN_FILE"))
     try:
         status, doc = http_json(
-            "POST", f"{base.rstrip('/')}/new-generation", body={"reason": reason}, token=token, timeout=timeout
+            "POST",
+            f"{base.rstrip('/')}/new-generation",
+            body={"reason": reason, "failed_at": failed_at},
+            token=token,
+            timeout=timeout,
         )
     except OSError as e:
         raise PsguardError(f"cannot reach the chief's agent at {base} to restart the PS servers: {e}") from e
@@ -864,6 +920,27 @@ def restart_ps_servers(
         detail = doc.get("peers") or doc.get("error") if isinstance(doc, dict) else doc
         raise PsguardError(f"the chief's agent at {base} could not restart every PS server (HTTP {status}): {detail}")
     return doc
+
+
+def report_failure(failed_at: float | None = None, url: str | None = None, *, timeout: float = 5.0) -> bool:
+    """From the trainer, before it exits 75 after a PS failure: tell the chief's agent when it saw the failure.
+
+    The agent then does not restart, for the next generation, a PS started since (the one that died, already
+    restarted by its own agent), which saves one PS start. Best effort: False when there is no agent to tell.
+    """
+    base = url or os.environ.get("PSGUARD_AGENT_URL")
+    if not base:
+        return False
+    try:
+        token = _read_token(os.environ.get("PSGUARD_AGENT_TOKEN_FILE"))
+        when = time.time() if failed_at is None else failed_at
+        code, _ = http_json(
+            "POST", f"{base.rstrip('/')}/failure", body={"failed_at": when}, token=token, timeout=timeout
+        )
+    except (OSError, ConfigError) as e:
+        log.warning("could not report the failure to the agent at %s: %s", base, e)
+        return False
+    return code == 200
 
 
 # ------------------------------------------------------------------------------------------------ CLI

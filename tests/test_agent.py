@@ -568,14 +568,15 @@ def test_sigterm_stops_the_trainer_gracefully_and_drains_the_persister(
 
 E2E_TRAINER = textwrap.dedent(
     """
-    import json, os, sys, time
+    import json, os, sys, time, urllib.request
     import tensorflow as tf
+    from psguard.agent import report_failure, restart_ps_servers
     from psguard.manager import CheckpointManager
     from psguard.policy import EverySteps, Schedule
-    from psguard.recovery import exit_for_restart, is_cluster_failure
+    from psguard.recovery import exit_for_restart, is_cluster_failure, run_with_recovery
     from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
 
-    out, store_url, target = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    out, store_url, target, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     os.makedirs(out, exist_ok=True)
     gen = len([n for n in os.listdir(out) if n.startswith("gen-")])
 
@@ -589,43 +590,77 @@ E2E_TRAINER = textwrap.dedent(
         resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
     )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    with strategy.scope():
-        model = RecModel(ModelConfig(vocab_size=20_000, embedding_dim=8, batch_size=64))
-        optimizer = make_optimizer("adagrad")
-    trainer = Trainer(strategy, coordinator, model, optimizer)
-    manager = CheckpointManager(
-        tf.train.Checkpoint(model=model, optimizer=optimizer), store_url, coordinator=coordinator,
-        step_counter=model.step, policy=Schedule(memory=EverySteps(5), durable=EverySteps(20)),
-    )
-    manager.restore_or_initialize()
-    restored = manager.restored
-    trainer.next_index = int(model.step.numpy())
-    put(f"gen-{gen}", {"pid": os.getpid(), "at": time.time(),
-                       "restored": None if restored is None else {"source": restored.source, "step": restored.step}})
-    seen = 0
-    try:
+    state = {"seen": 0}
+
+    def build():
+        global gen
+        with strategy.scope():
+            model = RecModel(ModelConfig(vocab_size=20_000, embedding_dim=8, batch_size=64))
+            optimizer = make_optimizer("adagrad")
+        trainer = Trainer(strategy, coordinator, model, optimizer)
+        manager = CheckpointManager(
+            tf.train.Checkpoint(model=model, optimizer=optimizer), store_url, coordinator=coordinator,
+            step_counter=model.step, policy=Schedule(memory=EverySteps(5), durable=EverySteps(20)),
+        )
+        manager.restore_or_initialize()
+        restored = manager.restored
+        trainer.next_index = int(model.step.numpy())
+        where = None if restored is None else {"source": restored.source, "step": restored.step}
+        with urllib.request.urlopen(os.environ["PSGUARD_AGENT_URL"] + "/status", timeout=10) as r:
+            agent = json.load(r)
+        put(f"gen-{gen}", {"pid": os.getpid(), "at": time.time(), "restored": where, "agent": agent})
+        gen += 1
+        return model, trainer, manager
+
+    def train(job):
+        model, trainer, manager = job
         while (seen := int(model.step.numpy())) < target:
+            state["seen"] = seen
             handle = manager.maybe_save(seen)
-            if gen == 0 and handle is not None and seen >= 20 and not os.path.exists(os.path.join(out, "kill")):
+            if handle is not None and seen >= 20 and not os.path.exists(os.path.join(out, "kill")):
                 handle.result(timeout=120)  # a durable checkpoint exists before the fault
                 put("kill", {"step": seen})
             trainer.train(5)
         manager.close()
-    except Exception as e:
-        if is_cluster_failure(e):
-            put(f"failure-{gen}", {"seen": seen, "error": str(e)[:300]})
+        return int(model.step.numpy())
+
+    def close(job):
+        state["failed_at"] = time.time()
+        put(f"failure-{gen - 1}", {"seen": state["seen"]})
+        job[2].close(timeout=30)
+
+    def restart_ps():  # the PS that died and was restarted by its own agent since the failure is not restarted again
+        state["rejoin"] = restart_ps_servers(failed_at=state["failed_at"])
+
+    if mode == "inprocess":  # a model factory: rejoin in this process; the agent restarts the PS servers
+        final, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)
+        assert len(report.recoveries) == 1, report
+        put("rejoin", state["rejoin"])
+    else:  # no model factory: exit 75, the agent restarts the PS servers, then this trainer
+        try:
+            final = train(build())
+        except Exception as e:
+            failed_at = time.time()
+            if not is_cluster_failure(e):
+                raise
+            put(f"failure-{gen - 1}", {"seen": state["seen"]})
+            report_failure(failed_at)  # so the agent does not restart the PS already restarted since
             exit_for_restart(e)
-        raise
-    put("final", {"step": int(model.step.numpy())})
+    put("final", {"step": final})
     """
 )
 
 
 @pytest.mark.slow
-def test_end_to_end_ps_killed_under_agents_trainer_restarted_from_the_memory_tier(
-    tmp_path: Path, agents: Callable[..., AgentProc]
+@pytest.mark.parametrize("mode", ["restart", "inprocess"])
+def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
+    tmp_path: Path, agents: Callable[..., AgentProc], mode: str
 ) -> None:
-    """Every process under an agent; a PS is killed during training; the trainer exits 75 and comes back."""
+    """Every process under an agent; a PS is killed during training; the trainer comes back two ways.
+
+    ``restart``: it exits 75, its agent restarts every PS, then the trainer. ``inprocess``: it rejoins in the
+    same process, asking its agent (``POST /new-generation``) to restart every PS first.
+    """
     cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
     script = tmp_path / "e2e_trainer.py"
     script.write_text(E2E_TRAINER)
@@ -635,7 +670,7 @@ def test_end_to_end_ps_killed_under_agents_trainer_restarted_from_the_memory_tie
     peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
     args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
     args += ["--spool", str(tmp_path / "spool"), *peers]
-    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "200"])
+    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "200", mode])
 
     def kill_file() -> dict[str, Any] | None:
         if chief.proc.poll() is not None:
@@ -659,5 +694,16 @@ def test_end_to_end_ps_killed_under_agents_trainer_restarted_from_the_memory_tie
     assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
     assert failure["seen"] - second["restored"]["step"] <= 10  # memory cadence 5 + one scheduled chunk of 5
     assert final["step"] >= 200
-    assert [p.status()["restarts"] for p in ps] == [2, 1]  # ps0: its own agent, then the new generation
+    restarts = [p.status()["restarts"] for p in ps]
+    if mode == "restart":
+        generation = json.loads((out / "gen-1").read_text())["agent"]["last_generation"]
+    else:
+        generation = json.loads((out / "rejoin").read_text())
+    print(f"generation: {generation['peers']} in {generation['seconds']:.1f}s")
+    # ps0 died and was restarted by its own agent: when that was after the trainer saw the failure, it is
+    # fresh (no chief connected since) and not restarted again; ps1 survived and is always restarted.
+    fresh = generation["peers"][ps[0].url].startswith("fresh")
+    assert restarts == ([1, 1] if fresh else [2, 1]), (restarts, generation)
+    assert generation["peers"][ps[1].url] == "restarted" and generation["peers"][worker.url] == "skipped (worker)"
     assert worker.status()["restarts"] == 0
+    assert chief.log().count("event=restarted task=chief:0") == (1 if mode == "restart" else 0)
