@@ -402,18 +402,31 @@ TRAINER = textwrap.dedent(
         handles = [writer.submit(capture(restored.step + i, 1024)) for i in (1, 2, 3)]
         acks = [h.durable(120) for h in handles]
         put("finished", {"durable": [a.durable_step for a in acks]})
-    elif mode == "generations":  # first run: ask for a new generation (exit 75); second: report the PS agent
+    elif mode == "generations":  # run 1: rejoin in-process, exit 75; run 2: a "crashed" PS, exit 75; run 3: done
+        from psguard.agent import report_failure, restart_ps_servers
         ps_url = sys.argv[3]
-        with urllib.request.urlopen(ps_url + "/status", timeout=10) as r:
-            ps = json.load(r)
-        marker = os.path.join(out, "first-done")
-        if not os.path.exists(marker):
-            from psguard.agent import restart_ps_servers
-            rejoin = restart_ps_servers(reason="test")  # the in-process path: the trainer keeps running
+
+        def ps_status():
             with urllib.request.urlopen(ps_url + "/status", timeout=10) as r:
-                put("first", {"ps": ps, "rejoin": rejoin, "ps_after_rejoin": json.load(r)})
-            open(marker, "w").close()
+                return json.load(r)
+
+        ps = ps_status()
+        run = len([n for n in os.listdir(out) if n.startswith("run-")])
+        put(f"run-{run}", {"ps": ps, "agent": agent_status()})
+        if run == 0:
+            rejoin = restart_ps_servers(reason="test")  # the in-process path: the trainer keeps running
+            put("first", {"ps": ps, "rejoin": rejoin, "ps_after_rejoin": ps_status()})
             sys.exit(75)  # the restart path: the agent restarts the PS servers, then this trainer
+        if run == 1:
+            # The PS dies after this trainer saw a failure and its own agent restarts it: it is fresh.
+            failed_at = time.time()
+            req = urllib.request.Request(ps_url + "/restart", data=b"{}", method="POST",
+                                         headers={"Content-Type": "application/json"})
+            urllib.request.urlopen(req, timeout=10).read()
+            while not ((s := ps_status())["restarts"] > ps["restarts"] and s["ready"]):
+                time.sleep(0.05)
+            assert report_failure(failed_at)
+            sys.exit(75)
         put("second", {"ps": ps, "agent": agent_status()})
     elif mode == "sleep":
         time.sleep(600)
@@ -533,12 +546,16 @@ def test_a_new_trainer_generation_restarts_the_ps_servers_first(
     assert first["ps_after_rejoin"]["restarts"] == 1 and first["ps_after_rejoin"]["ready"] is True
     assert "in-process rejoin: test" in first["ps_after_rejoin"]["supervisor"]["last_reason"]
     # Exit 75: the trainer's next generation only started once the PS server was replaced again and healthy.
-    assert second["ps"]["restarts"] == 2 and second["ps"]["ready"] is True
-    assert second["ps"]["pid"] not in (first["ps"]["pid"], first["ps_after_rejoin"]["pid"])
-    assert "new trainer generation 2: the trainer exit 75" in second["ps"]["supervisor"]["last_reason"]
-    generation = second["agent"]["last_generation"]
+    run1 = json.loads((out / "run-1").read_text())
+    assert run1["ps"]["restarts"] == 2 and run1["ps"]["ready"] is True
+    assert run1["ps"]["pid"] not in (first["ps"]["pid"], first["ps_after_rejoin"]["pid"])
+    assert "new trainer generation 2: the trainer exit 75" in run1["ps"]["supervisor"]["last_reason"]
+    generation = run1["agent"]["last_generation"]
     assert generation["peers"] == {ps.url: "restarted"}
     print(f"PS restarts for new generations took {first['rejoin']['seconds']:.2f}s, {generation['seconds']:.2f}s")
+    # A PS (re)started after the trainer reported the failure (POST /failure) is not restarted once more.
+    assert second["agent"]["last_generation"]["peers"] == {ps.url: "fresh (started after the failure)"}
+    assert second["ps"]["restarts"] == 3 and second["ps"]["ready"] is True
     assert second["agent"]["peers"][0]["url"] == ps.url
 
 
