@@ -79,7 +79,7 @@ import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psguard.agent_http import AgentHTTPServer, Request, RequestError, Response, is_loopback
 from psguard.config import Duration, load_yaml
@@ -97,6 +97,12 @@ from psguard.prober import (
     TcpProbe,
 )
 from psguard.supervisor import EXIT_RESTART, EventKind, Supervisor, SupervisorConfig, SupervisorEvent
+
+if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
+    from psguard.memory_tier import MemoryTier
+    from psguard.persister import Persister, PersistEvent
+    from psguard.spool import SpoolEvent, SpoolServer
+    from psguard.store import Store
 
 __all__ = [
     "ROLES",
@@ -311,6 +317,8 @@ class Agent:
         self.index = index
         self.cluster = {k: list(v) for k, v in cluster.items()}
         self.task = f"{role}:{index}"
+        if role not in ROLES or not 0 <= index < len(self.cluster.get(role, ())):
+            raise ConfigError(f"task {self.task} is not in the cluster (roles: {', '.join(self.cluster)})")
         self.address = self.cluster[role][index]
         if role == "chief" and not command:
             raise ConfigError(
@@ -347,10 +355,10 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self.monitor: HealthMonitor | None = None
         self.peer_monitors: list[HealthMonitor] = []
-        self.store: Any = None
-        self.tier: Any = None
-        self.persister: Any = None
-        self.spool: Any = None
+        self.store: Store | None = None
+        self.tier: MemoryTier | None = None
+        self.persister: Persister | None = None
+        self.spool: SpoolServer | None = None
         self.spool_dir: Path | None = None
 
     # ------------------------------------------------------------------------------------------ commands
@@ -461,11 +469,12 @@ class Agent:
         from psguard.store import Store
 
         cfg = self.config
-        self.tier = MemoryTier()
+        tier = self.tier = MemoryTier()
+        persister: Persister | None = None
         if cfg.store is not None:
-            self.store = Store.open(cfg.store, dict(cfg.storage_options))
+            store = self.store = Store.open(cfg.store, dict(cfg.storage_options))
             t0 = time.perf_counter()
-            last = resume(self.store, self.tier)
+            last = resume(store, tier)
             self._resume_seconds = time.perf_counter() - t0
             if last is not None:
                 self._resumed_step = last.step
@@ -480,9 +489,9 @@ class Agent:
                     self._resume_seconds,
                 )
             p = cfg.persister
-            self.persister = Persister(
-                self.store,
-                self.tier,
+            persister = self.persister = Persister(
+                store,
+                tier,
                 last=last,
                 max_chain=p.max_chain,
                 max_delta_percent=p.max_delta_percent,
@@ -490,9 +499,9 @@ class Agent:
                 on_event=self._on_persist_event,
             ).start()
             self.metrics.persist_lag_steps.set_function(self._lag_steps)
-            self.metrics.persist_queue_depth.set_function(lambda: float(self.persister.status().pending_requests))
+            self.metrics.persist_queue_depth.set_function(lambda: float(persister.status().pending_requests))
         self.spool_dir = Path(cfg.spool) if cfg.spool else default_spool_dir(cfg.job)
-        self.spool = SpoolServer(self.spool_dir, self.tier, self.persister, on_event=self._on_spool_event).start()
+        self.spool = SpoolServer(self.spool_dir, tier, persister, on_event=self._on_spool_event).start()
         log.info("event=spool_serving task=%s spool=%s store=%s", self.task, self.spool_dir, cfg.store or "-")
 
     def _task_probes(self) -> list[Probe]:
@@ -631,13 +640,13 @@ class Agent:
             self.metrics.recoveries.inc()
             log.info("event=recovered task=%s seconds=%.2f", self.task, seconds)
 
-    def _on_spool_event(self, event: Any) -> None:
+    def _on_spool_event(self, event: SpoolEvent) -> None:
         if event.kind == "capture" and event.status == "ok" and event.step is not None:
             self.metrics.record_checkpoint("memory", event.step, time.time())
             if self.role == "chief":
                 self._recovered()  # the new generation's first capture: training runs again
 
-    def _on_persist_event(self, event: Any) -> None:
+    def _on_persist_event(self, event: PersistEvent) -> None:
         if event.kind == "committed" and event.step is not None:
             self.metrics.bytes_persisted.inc(event.bytes_written)
             self.metrics.record_checkpoint("durable", event.step, time.time())
