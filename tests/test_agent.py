@@ -724,3 +724,61 @@ def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
     assert generation["peers"][ps[1].url] == "restarted" and generation["peers"][worker.url] == "skipped (worker)"
     assert worker.status()["restarts"] == 0
     assert chief.log().count("event=restarted task=chief:0") == (1 if mode == "restart" else 0)
+
+
+LEAK_TRAINER = textwrap.dedent(
+    """
+    import json, os, sys, urllib.request
+    import tensorflow as tf
+
+    out, ps_url, generations = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    os.makedirs(out, exist_ok=True)
+    run = len([n for n in os.listdir(out) if n.startswith("gen-")])
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    )
+    with strategy.scope():
+        table = tf.Variable(tf.random.uniform([500_000, 16]))  # 32 MB on the PS
+    table.assign_add(tf.ones_like(table))
+    float(table[0, 0].numpy())
+    with urllib.request.urlopen(ps_url + "/status", timeout=10) as r:
+        ps = json.load(r)
+    status = open(f"/proc/{ps['pid']}/status").read()
+    rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) * 1024
+    with open(os.path.join(out, f"gen-{run}"), "w") as f:
+        json.dump({"ps_pid": ps["pid"], "ps_rss": rss, "restarts": ps["restarts"]}, f)
+    sys.exit(75 if run + 1 < generations else 0)
+    """
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("restart_ps", [True, False])
+def test_ps_memory_stays_flat_over_five_trainer_generations(
+    tmp_path: Path, agents: Callable[..., AgentProc], restart_ps: bool
+) -> None:
+    """Each generation of a real TF chief puts a 32 MB table on the PS. With the agents' rule (a fresh PS
+    server per trainer generation) PS memory stays flat; without it (the control) the PS keeps every old table.
+    """
+    cluster, _ = write_cluster(tmp_path, ps=1, workers=1)
+    (tmp_path / "chief").mkdir()
+    (tmp_path / "chief" / "agent.yaml").write_text(FAST.replace("peers: {", f"peers: {{restart_ps: {restart_ps}, "))
+    script = tmp_path / "leak_trainer.py"
+    script.write_text(LEAK_TRAINER)
+    out = tmp_path / "out"
+    ps = agents("ps0", ["--role", "ps", "--index", "0", "--cluster", str(cluster)])
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--spool", str(tmp_path / "spool")]
+    args += ["--peer", ps.url, "--peer", worker.url]
+    chief = agents("chief", args, [sys.executable, str(script), str(out), ps.url, "5"])
+    assert chief.wait_exit(600) == 0, chief.log()
+    runs = [json.loads((out / f"gen-{i}").read_text()) for i in range(5)]
+    rss = [r["ps_rss"] / 1e6 for r in runs]
+    print("PS RSS per generation (MB): " + ", ".join(f"{x:.0f}" for x in rss))
+    if restart_ps:
+        assert [r["restarts"] for r in runs] == [0, 1, 2, 3, 4]  # a fresh PS server for every generation
+        assert len({r["ps_pid"] for r in runs}) == 5
+        assert max(rss) - min(rss) < 60, rss  # no copy of the table (32 MB) kept per generation
+    else:
+        assert [r["restarts"] for r in runs] == [0] * 5
+        assert rss[-1] - rss[0] > 4 * 25, rss  # the surviving PS keeps each generation's table
