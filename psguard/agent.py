@@ -705,7 +705,7 @@ class Agent:
                     and failed_at is not None
                     and doc.get("role") == "ps"
                     and isinstance(uptime, int | float)
-                    and asked_at - uptime > failed_at + 0.05
+                    and asked_at - uptime > failed_at  # a lower bound of its start: no margin needed
                 ):
                     fresh.add(url)  # started after the failure: wait for it, do not restart it again
                     pending[url] = restarts
