@@ -1017,6 +1017,8 @@ def main(args: argparse.Namespace) -> int:
     config = load_yaml(AgentConfig, args.config) if args.config else AgentConfig()
     config = _merge(config, args)
     cluster = load_cluster(args.cluster, args.role, args.index)
+    if args.role != "chief" and (args.store or args.spool):
+        raise ConfigError("--store and --spool belong to the chief's agent (it holds the memory tier and the log)")
     token = _read_token(config.http.token_file)
     if token is None and not is_loopback(config.http.bind):
         raise ConfigError(
