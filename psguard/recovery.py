@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -71,10 +72,22 @@ def is_cluster_failure(exc: BaseException) -> bool:
     return False
 
 
-def exit_for_restart(exc: BaseException | None = None) -> NoReturn:
-    """Leave with the exit code that asks ``psguard agent`` for an immediate restart of this trainer."""
+def exit_for_restart(exc: BaseException | None = None, *, failed_at: float | None = None) -> NoReturn:
+    """Leave with the exit code that asks ``psguard agent`` for an immediate restart of this trainer.
+
+    Tells the agent when the failure was seen first (so it does not restart the PS that already came back),
+    then leaves with ``os._exit``: a normal interpreter exit spent 8-17 s tearing TensorFlow down under load,
+    all of it added to the recovery time. Captures the agent acknowledged are safe in its memory tier; without
+    a sidecar, call ``manager.wait()`` before this so pending durable writes finish.
+    """
+    from psguard.agent import report_failure
+
     log.error("cluster failure (%s): exiting with %d so the agent restarts the trainer", exc, EXIT_RESTART)
-    sys.exit(EXIT_RESTART)
+    report_failure(failed_at)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_RESTART)
 
 
 @dataclass(frozen=True)
@@ -100,7 +113,7 @@ def run_with_recovery(
     build: Callable[[], T],
     train: Callable[[T], R],
     *,
-    restart_ps: Callable[[], None],
+    restart_ps: Callable[[float], None],
     max_recoveries: int = 10,
     on_recovery: Callable[[RecoveryEvent], None] | None = None,
     close: Callable[[T], None] | None = None,
@@ -110,7 +123,10 @@ def run_with_recovery(
     ``build`` must create everything that holds variables (model, optimizer, step function, the
     CheckpointManager) and restore (``manager.restore_or_initialize()``); ``train`` trains from the
     restored step to the end and returns. ``restart_ps`` restarts every PS task and returns once they all
-    serve (see the module docstring for why every one). ``close`` releases a job before it is dropped (e.g.
+    serve (see the module docstring for why every one); it gets the time the failure was seen
+    (``time.time()``), so a PS started since (the dead one, already restarted by its agent) need not be
+    restarted again: under ``psguard agent`` pass :func:`psguard.agent.restart_ps_servers` as
+    ``lambda failed_at: restart_ps_servers(failed_at=failed_at)``. ``close`` releases a job before it is dropped (e.g.
     closes its manager, whose pending saves may fail: that is expected after a failure).
     """
     report = RecoveryReport()
@@ -126,6 +142,7 @@ def run_with_recovery(
             if attempt > max_recoveries:
                 raise PsguardError(f"giving up after {max_recoveries} recoveries; last failure: {e}") from e
             t0 = time.monotonic()
+            failed_at = time.time()
             log.warning("cluster failure (%s): recovery %d in process", str(e).splitlines()[0][:200], attempt)
             if close is not None:
                 try:
@@ -134,7 +151,7 @@ def run_with_recovery(
                     log.info("closing the failed generation: %s", close_error)
             del job
             gc.collect()
-            restart_ps()
+            restart_ps(failed_at)
             reset_cluster_context()
             job = build()
             event = RecoveryEvent(attempt, str(e).splitlines()[0][:500], time.monotonic() - t0)

@@ -91,7 +91,7 @@ def main() -> None:
             job.manager.close()
             return int(job.model.step.numpy())
 
-        def restart_ps() -> None:
+        def restart_ps(failed_at: float) -> None:
             for i in range(cluster.num_ps):
                 cluster.restart("ps", i)
 

@@ -591,7 +591,7 @@ E2E_TRAINER = textwrap.dedent(
     """
     import json, os, sys, time, urllib.request
     import tensorflow as tf
-    from psguard.agent import report_failure, restart_ps_servers
+    from psguard.agent import restart_ps_servers
     from psguard.manager import CheckpointManager
     from psguard.policy import EverySteps, Schedule
     from psguard.recovery import exit_for_restart, is_cluster_failure, run_with_recovery
@@ -650,8 +650,8 @@ E2E_TRAINER = textwrap.dedent(
         put(f"failure-{gen - 1}", {"seen": state["seen"]})
         job[2].close(timeout=30)
 
-    def restart_ps():  # the PS that died and was restarted by its own agent since the failure is not restarted again
-        state["rejoin"] = restart_ps_servers(failed_at=state["failed_at"])
+    def restart_ps(failed_at):  # a PS restarted since the failure (the one that died) is not restarted again
+        state["rejoin"] = restart_ps_servers(failed_at=failed_at)
 
     if mode == "inprocess":  # a model factory: rejoin in this process; the agent restarts the PS servers
         final, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)
@@ -665,8 +665,7 @@ E2E_TRAINER = textwrap.dedent(
             if not is_cluster_failure(e):
                 raise
             put(f"failure-{gen - 1}", {"seen": state["seen"]})
-            report_failure(failed_at)  # so the agent does not restart the PS already restarted since
-            exit_for_restart(e)
+            exit_for_restart(e, failed_at=failed_at)  # tells the agent when, then leaves at once
     put("final", {"step": final})
     """
 )
@@ -722,9 +721,12 @@ def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
         generation = json.loads((out / "rejoin").read_text())
     print(f"generation: {generation['peers']} in {generation['seconds']:.1f}s")
     # ps0 died and was restarted by its own agent: when that was after the trainer saw the failure, it is
-    # fresh (no chief connected since) and not restarted again; ps1 survived and is always restarted.
+    # fresh (no chief connected since) and not restarted again; ps1 survived and is always restarted. When the
+    # trainer exits at once, the generation's restart request can reach ps0's agent while that agent is still
+    # restarting it: the two coalesce into one start, so ps0 may count 1 restart even when "restarted".
     fresh = generation["peers"][ps[0].url].startswith("fresh")
-    assert restarts == ([1, 1] if fresh else [2, 1]), (restarts, generation)
+    assert restarts[1] == 1, (restarts, generation)
+    assert restarts[0] in ((1,) if fresh else (1, 2)), (restarts, generation)
     assert generation["peers"][ps[1].url] == "restarted" and generation["peers"][worker.url] == "skipped (worker)"
     assert worker.status()["restarts"] == 0
     assert chief.log().count("event=restarted task=chief:0") == (1 if mode == "restart" else 0)
