@@ -1,23 +1,46 @@
-"""``psguard demo``: the durable log at work on the embedded default store (a local folder, no server).
+"""``psguard demo``: the whole story on a local cluster, every task under ``psguard agent``.
 
-A sample recommendation-style model (two embedding tables, a dense layer, Adam-like slots) is trained with
-sparse updates in numpy; every few steps an incremental checkpoint is written (a full base first, then
-deltas of the rows that changed, a new base when the chain gets long), then the store is listed, verified,
-and the newest checkpoint restored and compared bit for bit with the live model.
+On the embedded default (a local folder store, no server needed) it starts 2 PS servers, 2 workers and the
+chief, each under its own ``psguard agent`` (free loopback ports, ``cluster.json`` in the demo folder). The
+chief's agent runs :mod:`psguard.demo_trainer`: the recommendation-style RecModel trained with
+:class:`psguard.CheckpointManager` (memory tier every few steps through the agent, durable log less often) and
+in-process recovery. Live progress is read from the trainer's JSON-lines progress file. Partway (``--kill-at``)
+one PS is killed with SIGKILL; its agent restarts it, the trainer sees the failure, has every PS restarted
+(``POST /new-generation``), restores from the memory tier and trains to the end. Then a summary, ``report.json``
+and ``timeline.png`` (steps over time, fault and recovery marked) are written to the demo folder. Exit 0 only
+when training reached the target and the restore after the fault came from a checkpoint.
+
+``--quick``: the earlier demo, no cluster and no TensorFlow: the durable log alone (incremental checkpoints of a
+numpy model written, listed, verified and restored bit for bit).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from psguard.store import CheckpointInfo, Store
 from psguard.tensors import Full, Rows, TensorUpdate
+
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
+AGENT_CONFIG = """\
+probe: {interval: 0.5, deadline: 1.0, failure_threshold: 3, startup_timeout: 180}
+supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 10}
+peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
+persister: {retry_after: 1}
+"""
 
 
 def say(msg: str) -> None:
@@ -59,7 +82,7 @@ class SampleModel:
         return out
 
 
-def run(directory: Path, steps: int, every: int, new_base_every: int, users: int) -> dict[str, object]:
+def run_quick(directory: Path, steps: int, every: int, new_base_every: int, users: int) -> dict[str, object]:
     if directory.exists():
         shutil.rmtree(directory)
     store_dir = directory / "store"
@@ -117,16 +140,435 @@ def run(directory: Path, steps: int, every: int, new_base_every: int, users: int
     return summary
 
 
+# ------------------------------------------------------------------------------------------------ full demo
+class DemoError(Exception):
+    """The demo could not go on (an agent died, a deadline passed)."""
+
+
+class AgentProcess:
+    """One ``psguard agent`` subprocess, its log in ``<dir>/agent.log`` and its HTTP URL from ``--ready-file``."""
+
+    def __init__(self, directory: Path, name: str, args: Sequence[str], command: Sequence[str] = ()) -> None:
+        self.name = name
+        self.dir = directory / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ready_file = self.dir / "url"
+        self.log_path = self.dir / "agent.log"
+        config = self.dir / "agent.yaml"
+        config.write_text(AGENT_CONFIG)
+        argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *args, "--config", str(config)]
+        argv += ["--ready-file", str(self.ready_file)]
+        if command:
+            argv += ["--", *command]
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        # Its own session: Ctrl-C reaches the demo only, which then stops the agents in order.
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, **QUIET), start_new_session=True
+        )
+        self._url: str | None = None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while self._url is None:
+            if self.proc.poll() is not None:
+                raise DemoError(f"agent {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready_file.exists() and (text := self.ready_file.read_text().strip()):
+                self._url = text
+            elif time.monotonic() > deadline:
+                raise DemoError(f"agent {self.name} did not serve HTTP within {timeout:.0f}s")
+            else:
+                time.sleep(0.05)
+        return self._url
+
+    def status(self) -> dict[str, Any]:
+        from psguard.agent import http_json
+
+        code, doc = http_json("GET", f"{self.wait_url(60)}/status", timeout=10)
+        if code != 200 or not isinstance(doc, dict):
+            raise DemoError(f"agent {self.name}: /status answered HTTP {code}")
+        return doc
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the agent and whatever it left in its session
+                self.proc.wait()
+        self._log.close()
+
+
+def write_cluster(directory: Path, ps: int, workers: int) -> tuple[Path, dict[str, list[str]]]:
+    """``cluster.json`` on free loopback ports: one chief, ``ps`` PS tasks, ``workers`` workers."""
+    from psguard.testbed.ports import free_ports
+
+    ports = free_ports(1 + ps + workers)
+    spec = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "ps": [f"127.0.0.1:{p}" for p in ports[1 : 1 + ps]],
+        "worker": [f"127.0.0.1:{p}" for p in ports[1 + ps :]],
+    }
+    path = directory / "cluster.json"
+    path.write_text(json.dumps(spec, indent=2))
+    return path, spec
+
+
+class ProgressReader:
+    """Reads the complete lines the trainer appended since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+@dataclass
+class DemoRun:
+    """What the parent saw: every progress event, plus its own kill."""
+
+    events: list[dict[str, Any]] = field(default_factory=list)
+    started_at: float = 0.0
+    killed_at: float | None = None
+    killed_step: int | None = None
+    killed_pid: int | None = None
+    names: dict[str, str] = field(default_factory=dict)  # agent URL -> task name
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == kind]
+
+
+def _rate(events: list[dict[str, Any]], window: float = 5.0) -> float:
+    steps = [e for e in events if e["event"] == "step"]
+    if len(steps) < 2:
+        return 0.0
+    last = steps[-1]
+    if time.time() - last["t"] > 2.0:  # no step for a while: training is stalled (a fault, a recovery)
+        return 0.0
+    first = next((e for e in steps if e["t"] >= last["t"] - window), steps[0])
+    if first is last:
+        first = steps[-2]
+    dt = last["t"] - first["t"]
+    return max(0, last["step"] - first["step"]) / dt if dt > 0 else 0.0
+
+
+def _show(event: dict[str, Any], run: DemoRun) -> None:
+    kind, at = event["event"], event["t"] - run.started_at
+    if kind == "start":
+        say(f"[{at:6.1f}s] trainer started (pid {event['pid']}): target {event['target']} steps, memory tier every "
+            f"{event['memory_every']} steps, durable every {event['durable_every']}")  # fmt: skip
+    elif kind == "failure":
+        say(f"[{at:6.1f}s] trainer saw the failure at step {event['seen']} (last memory checkpoint "
+            f"{event['memory']}, durable {event['durable']})")  # fmt: skip
+    elif kind == "ps-restarted":
+        peers = event.get("peers") or {}
+        outcome = ", ".join(f"{run.names.get(url, url)} {what}" for url, what in peers.items() if "worker" not in what)
+        say(f"[{at:6.1f}s] new generation: {outcome} ({event['seconds'] or 0:.1f}s)")
+    elif kind == "restored" and run.killed_at is not None:
+        say(f"[{at:6.1f}s] restored step {event['step']} from the {event['source']} tier")
+    elif kind == "recovery":
+        say(f"[{at:6.1f}s] recovered in process in {event['seconds']:.1f}s; training goes on")
+    elif kind == "done":
+        say(f"[{at:6.1f}s] training finished at step {event['step']}")
+
+
+def _progress_line(run: DemoRun, target: int) -> str:
+    steps = run.of("step")
+    last: dict[str, Any] = steps[-1] if steps else {"step": 0, "memory": None, "durable": None, "t": time.time()}
+    mem = "-" if last["memory"] is None else str(last["memory"])
+    dur = "-" if last["durable"] is None else str(last["durable"])
+    recovering = run.killed_at is not None and not run.of("recovery")
+    note = "  (training stalled: recovering)" if recovering and _rate(run.events) == 0 else ""
+    return (
+        f"[{time.time() - run.started_at:6.1f}s] step {last['step']:5d}/{target}  {_rate(run.events):5.1f} steps/s  "
+        f"last checkpoint: memory @{mem}, durable @{dur}{note}"
+    )
+
+
+def _summarise(run: DemoRun, target: int, store: str, workers: int, wall: float) -> dict[str, Any]:
+    saves = run.of("save")
+    restored = [e for e in run.of("restored") if run.killed_at is not None and e["t"] >= run.killed_at]
+    failure = run.of("failure")
+    recovery = run.of("recovery")
+    done = run.of("done")
+    resumed = None
+    if restored:
+        resumed = next(
+            (e for e in run.of("step") if e["t"] > restored[0]["t"] and e["step"] > restored[0]["step"]), None
+        )
+    stalls = {tier: [e["stall"] for e in saves if e["tier"] == tier] for tier in ("memory", "durable")}
+    seen = failure[0]["seen"] if failure else None
+    rec: dict[str, Any] | None = None
+    if run.killed_at is not None:
+        rec = {
+            "killed": "ps:0",
+            "killed_pid": run.killed_pid,
+            "killed_at_step": run.killed_step,
+            "failure_seen_at_step": seen,
+            "source": restored[0]["source"] if restored else None,
+            "restored_step": restored[0]["step"] if restored else None,
+            "lost_steps": seen - restored[0]["step"] if restored and seen is not None else None,
+            "recovery_seconds": recovery[0]["seconds"] if recovery else None,
+            "kill_to_restored_seconds": restored[0]["t"] - run.killed_at if restored else None,
+            "kill_to_training_seconds": resumed["t"] - run.killed_at if resumed else None,
+        }
+    start = run.of("start")
+    return {
+        "cluster": {"ps": 2, "workers": workers, "chief": 1, "every_task_under_psguard_agent": True},
+        "store": store,
+        "target_steps": target,
+        "final_step": done[0]["step"] if done else None,
+        "reached_target": bool(done) and done[0]["step"] >= target,
+        "wall_seconds": wall,
+        "policy": {k: start[0][k] for k in ("memory_every", "durable_every", "chunk")} if start else None,
+        "checkpoints": {tier: len(v) for tier, v in stalls.items()},
+        "stall_seconds_per_save": {
+            tier: {"mean": float(np.mean(v)), "max": float(np.max(v))} if v else None for tier, v in stalls.items()
+        },
+        "recovery": rec,
+    }
+
+
+def _timeline(run: DemoRun, report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = run.started_at
+    steps = run.of("step")
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=100)
+    # Steps restart from the restored step after the fault: draw each generation as its own line.
+    xs: list[float] = []
+    ys: list[int] = []
+    first_line = True
+    for e in steps:
+        if ys and e["step"] < ys[-1]:
+            ax.plot(xs, ys, color="tab:blue", lw=1.8, label="training step" if first_line else None)
+            first_line = False
+            xs, ys = [], []
+        xs.append(e["t"] - t0)
+        ys.append(e["step"])
+    if xs:
+        ax.plot(xs, ys, color="tab:blue", lw=1.8, label="training step" if first_line else None)
+    for tier, marker, color in (("memory", "|", "tab:green"), ("durable", "D", "tab:purple")):
+        saves = [e for e in run.of("save") if e["tier"] == tier]
+        if saves:
+            ax.scatter(
+                [e["t"] - t0 for e in saves],
+                [e["step"] for e in saves],
+                marker=marker,
+                color=color,
+                s=60 if tier == "memory" else 30,
+                zorder=3,
+                label=f"{tier} checkpoint ({len(saves)})",
+            )
+    rec = report.get("recovery") or {}
+    if run.killed_at is not None:
+        ax.axvline(run.killed_at - t0, color="tab:red", ls="--", lw=1.5, label=f"kill -9 ps:0 (step {run.killed_step})")
+        restored = [e for e in run.of("restored") if e["t"] >= run.killed_at]
+        if restored:
+            r = restored[0]
+            end = r["t"] - t0
+            ax.axvspan(run.killed_at - t0, end, color="tab:red", alpha=0.12,
+                       label=f"recovery ({end - (run.killed_at - t0):.1f}s)")  # fmt: skip
+            ax.scatter([end], [r["step"]], marker="*", s=180, color="tab:orange", zorder=4,
+                       label=f"restored step {r['step']} from {r['source']} tier "
+                       f"(lost {rec.get('lost_steps')} steps)")  # fmt: skip
+    ax.set_xlabel("seconds since the trainer started")
+    ax.set_ylabel("training step")
+    ax.set_title(f"psguard demo: 2 PS, {report['cluster']['workers']} worker(s), chief, all under psguard agent")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def run_cluster(
+    directory: Path,
+    *,
+    store: str | None,
+    steps: int,
+    kill_at: int,
+    workers: int,
+    memory_every: int,
+    durable_every: int,
+    timeout: float,
+) -> tuple[dict[str, Any], bool]:
+    """Run the full demo in ``directory`` (recreated); return the report and whether it succeeded."""
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    directory = directory.resolve()
+    store_url = store or str(directory / "store")
+    progress = directory / "progress.jsonl"
+    cluster, _ = write_cluster(directory, ps=2, workers=workers)
+    say(
+        f"psguard demo: cluster {directory / 'cluster.json'}: 2 PS, {workers} worker(s), chief; "
+        "each under psguard agent"
+    )
+    say(f"  store: {store_url}   agents' logs: {directory / 'agents'}/*/agent.log")
+    agents: list[AgentProcess] = []
+    run = DemoRun()
+    t_wall = time.monotonic()
+    try:
+        base = ["--cluster", str(cluster)]
+        ps = [
+            AgentProcess(directory / "agents", f"ps{i}", ["--role", "ps", "--index", str(i), *base]) for i in range(2)
+        ]
+        agents += ps
+        agents += [
+            AgentProcess(directory / "agents", f"worker{i}", ["--role", "worker", "--index", str(i), *base])
+            for i in range(workers)
+        ]
+        peers = [arg for a in agents for arg in ("--peer", a.wait_url(120))]
+        trainer = [sys.executable, "-m", "psguard.demo_trainer", "--store", store_url, "--progress", str(progress)]
+        trainer += ["--steps", str(steps), "--kill-at", str(kill_at)]
+        trainer += ["--memory-every", str(memory_every), "--durable-every", str(durable_every)]
+        chief_args = ["--role", "chief", "--index", "0", *base, "--store", store_url]
+        chief_args += ["--spool", str(directory / "spool"), *peers]
+        chief = AgentProcess(directory / "agents", "chief", chief_args, trainer)
+        agents.append(chief)
+        run.names = {a.wait_url(120): a.name for a in agents}
+        say("  agents: " + ", ".join(f"{a.name} {a.wait_url(120)}" for a in agents))
+        say("  waiting for the PS and worker servers and the trainer (TensorFlow starts in each)...")
+        reader = ProgressReader(progress)
+        run.started_at = time.time()
+        last_line = 0.0
+        deadline = time.monotonic() + timeout
+        while True:
+            new = reader.read()
+            for e in new:
+                if e["event"] == "start":
+                    run.started_at = e["t"]
+                run.events.append(e)
+                _show(e, run)
+                if e["event"] == "kill" and run.killed_at is None:
+                    pid = int(ps[0].status()["pid"])
+                    os.kill(pid, signal.SIGKILL)
+                    # The trainer may have gone on since it asked: the step it last reported is the one killed at.
+                    step = max([e["step"], *(s["step"] for s in run.of("step"))])
+                    run.killed_at, run.killed_step, run.killed_pid = time.time(), step, pid
+                    say(f"[{run.killed_at - run.started_at:6.1f}s] >>> kill -9 ps:0 (pid {pid}) at step {step}")
+            if run.of("step") and not run.of("done") and time.time() - last_line >= 2.0:
+                say(_progress_line(run, steps))
+                last_line = time.time()
+            code = chief.proc.poll()
+            if code is not None:
+                run.events += reader.read()
+                if code != 0:
+                    raise DemoError(f"the chief's agent exited {code}:\n{chief.log_tail()}")
+                break
+            if time.monotonic() > deadline:
+                raise DemoError(f"training did not finish within {timeout:.0f}s")
+            time.sleep(0.1)
+    finally:
+        for agent in reversed(agents):  # the chief first (drains its persister), then workers, then PS
+            agent.stop()
+    wall = time.monotonic() - t_wall
+    report = _summarise(run, steps, store_url, workers, wall)
+    rec = report["recovery"]
+    ok = bool(report["reached_target"]) and rec is not None and rec["source"] in ("memory", "durable")
+    report["ok"] = ok
+    (directory / "report.json").write_text(json.dumps(report, indent=2))
+    _timeline(run, report, directory / "timeline.png")
+    say("\nsummary")
+    say(
+        f"  steps:        {report['final_step']} of {steps} "
+        f"({'reached' if report['reached_target'] else 'NOT reached'})"
+    )
+    counts = report["checkpoints"]
+    say(f"  checkpoints:  memory tier only {counts['memory']}, durable {counts['durable']} (also in the memory tier)")
+    for tier, s in report["stall_seconds_per_save"].items():
+        if s:
+            say(f"  stall/save:   {tier:7} mean {s['mean'] * 1000:6.1f} ms, max {s['max'] * 1000:6.1f} ms")
+    if rec is None:
+        say("  recovery:     no fault was injected (training ended before --kill-at)")
+    else:
+        say(
+            f"  fault:        kill -9 ps:0 at step {rec['killed_at_step']}; "
+            f"failure seen at step {rec['failure_seen_at_step']}"
+        )
+        say(
+            f"  restore:      step {rec['restored_step']} from the {rec['source']} tier; lost steps {rec['lost_steps']}"
+        )
+        if rec["recovery_seconds"] is not None:
+            resumed = rec["kill_to_training_seconds"]
+            say(
+                f"  recovery:     {rec['recovery_seconds']:.1f}s from the failure seen to restored (in process); "
+                f"{float('nan') if resumed is None else resumed:.1f}s from the kill to the next training step"
+            )
+    say(f"  wall time:    {wall:.0f}s")
+    say(f"  report:       {directory / 'report.json'}\n  timeline:     {directory / 'timeline.png'}")
+    say("psguard demo: OK" if ok else "psguard demo: FAILED")
+    return report, ok
+
+
 def cmd(args: argparse.Namespace) -> int:
-    summary = run(Path(args.dir), args.steps, args.every, args.new_base_every, args.users)
-    return 0 if summary["verified"] and summary["restored_identical"] else 1
+    if args.quick:
+        summary = run_quick(Path(args.dir), args.steps or 200, args.every, args.new_base_every, args.users)
+        return 0 if summary["verified"] and summary["restored_identical"] else 1
+    steps = args.steps or 1000
+    kill_at = args.kill_at if args.kill_at is not None else steps // 3
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop everything on SIGTERM too
+    try:
+        _, ok = run_cluster(
+            Path(args.dir),
+            store=args.store,
+            steps=steps,
+            kill_at=kill_at,
+            workers=args.workers,
+            memory_every=args.memory_every,
+            durable_every=args.durable_every,
+            timeout=args.timeout,
+        )
+    except DemoError as e:
+        print(f"psguard demo: {e}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        print("psguard demo: interrupted; every process it started was stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0 if ok else 1
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("demo", help="write, list, verify and restore incremental checkpoints of a sample model")
+    p = sub.add_parser(
+        "demo",
+        help="a local PS cluster under psguard agents: train, kill a PS, recover automatically, report",
+        description=(
+            "Start 2 PS, the workers and the chief, each under psguard agent; train a recommendation model with "
+            "memory-tier and durable checkpoints; kill -9 a PS at --kill-at; recover; write report.json and "
+            "timeline.png into --dir. --quick: the durable log alone (no cluster, no TensorFlow)."
+        ),
+    )
     p.add_argument("--dir", default="psguard-demo", help="working folder (recreated; default ./psguard-demo)")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--every", type=int, default=20, help="checkpoint every N steps")
-    p.add_argument("--new-base-every", type=int, default=5, help="a full checkpoint every N checkpoints")
-    p.add_argument("--users", type=int, default=200_000, help="rows of the user table")
+    p.add_argument("--store", metavar="URL", help="durable log: a path, file://, s3://, hdfs:// (default DIR/store)")
+    p.add_argument("--steps", type=int, help="target step (default 1000; --quick: 200)")
+    p.add_argument("--kill-at", type=int, help="kill -9 ps:0 at the first save from this step on (default steps/3)")
+    p.add_argument("--workers", type=int, default=2, choices=(1, 2), help="worker tasks (default 2)")
+    p.add_argument("--memory-every", type=int, default=10, help="memory-tier checkpoint every N steps")
+    p.add_argument("--durable-every", type=int, default=100, help="durable checkpoint every N steps")
+    p.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
+    p.add_argument("--quick", action="store_true", help="the durable log alone: no cluster, no TensorFlow")
+    p.add_argument("--every", type=int, default=20, help="--quick: checkpoint every N steps")
+    p.add_argument("--new-base-every", type=int, default=5, help="--quick: a full checkpoint every N checkpoints")
+    p.add_argument("--users", type=int, default=200_000, help="--quick: rows of the user table")
     p.set_defaults(func=cmd)

@@ -108,7 +108,8 @@ def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_demo_runs_and_restores_identically(tmp_path: Path) -> None:
-    out = psguard("demo", "--dir", str(tmp_path / "demo"), "--steps", "60", "--every", "10", "--users", "20000")
+    args = ["--quick", "--dir", str(tmp_path / "demo"), "--steps", "60", "--every", "10", "--users", "20000"]
+    out = psguard("demo", *args)
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "demo" / "report.json").read_text())
     assert report["checkpoints"] == 6 and report["deltas"] == 4
