@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib
 
-BENCH_MODULES: tuple[str, ...] = ("psguard.benchmarks.store", "psguard.benchmarks.capture")
+BENCH_MODULES: tuple[str, ...] = (
+    "psguard.benchmarks.store",
+    "psguard.benchmarks.capture",
+    "psguard.benchmarks.recovery",
+)
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -1,0 +1,23 @@
+"""``psguard bench recovery``: the machinery on a tiny job (one recovery per side), not the figures."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from psguard.benchmarks.recovery import Params, run
+
+
+@pytest.mark.slow
+def test_bench_recovery_smoke() -> None:
+    p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=120)
+    results = run(p, runs=1)
+    for key in ("recovery_ratio", "lost_steps_ratio", "psguard_recovery_s", "baseline_recovery_s"):
+        assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] > 0, (key, results)
+    for key in ("psguard_lost_steps", "baseline_lost_steps"):
+        assert results[key] > 0, (key, results)
+    assert results["kill_step"] == 19
+    assert results["baseline_lost_steps"] == 9  # restored the save at step 10
+    assert results["psguard_restored_from"] == ["memory"]
+    assert results["psguard_lost_steps"] <= p.memory_every
