@@ -34,7 +34,6 @@ Results are recorded in BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -45,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from psguard.benchmarks.common import alternate, median, progress
+from psguard.benchmarks.common import alternate, median, print_results, progress
 
 MiB = 1 << 20
 OPTIMIZERS = ("adagrad", "sgd")  # slots (if any) change only in the rows of the gradients
@@ -599,12 +598,7 @@ def cmd(args: argparse.Namespace) -> int:
         ids=args.ids,
     )
     results = run(cfg, workdir=args.workdir)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        for k in KEYS:
-            v = results.get(k)
-            print(f"{k:32} {v:.4g}" if isinstance(v, float) else f"{k:32} {v}")
+    print_results(results, as_json=args.json, keys=KEYS)
     return 0
 
 

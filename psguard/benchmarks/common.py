@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 
 def progress(msg: str) -> None:
@@ -48,3 +50,15 @@ def rss_bytes(field: str = "VmRSS") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def print_results(results: Mapping[str, Any], *, as_json: bool, keys: Iterable[str] | None = None) -> None:
+    """One JSON object (``--json``), or one aligned ``key value`` line per result (``keys``: which, in order)."""
+    if as_json:
+        print(json.dumps(results, indent=2))
+        return
+    names = list(keys) if keys is not None else list(results)
+    width = max((len(k) for k in names), default=0) + 2
+    for k in names:
+        v = results.get(k)
+        print(f"{k:{width}} {v:.4g}" if isinstance(v, float) else f"{k:{width}} {v}")

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from psguard.benchmarks.common import alternate, median, progress
+from psguard.benchmarks.common import alternate, median, print_results, progress
 from psguard.testbed.cluster import LocalCluster
 from psguard.testbed.ports import port_open
 
@@ -423,11 +423,7 @@ def cmd(args: argparse.Namespace) -> int:
         kill_step=args.kill_step,
     )
     results = run(p, runs=args.runs)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        for k, v in results.items():
-            print(f"{k:28} {v:.4g}" if isinstance(v, float) else f"{k:28} {v}")
+    print_results(results, as_json=args.json)
     return 0
 
 

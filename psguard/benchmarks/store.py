@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from psguard.benchmarks.common import alternate, median, progress, reset_peak_rss, rss_bytes, timed
+from psguard.benchmarks.common import alternate, median, print_results, progress, reset_peak_rss, rss_bytes, timed
 from psguard.store import Store
 from psguard.tensors import Rows
 
@@ -178,11 +178,7 @@ def run(size_mib: int = 512, runs: int = 3) -> dict[str, float]:
 
 def cmd(args: argparse.Namespace) -> int:
     results = run(size_mib=args.size_mib, runs=args.runs)
-    if args.json:
-        print(json.dumps(results, indent=2))
-    else:
-        for k, v in results.items():
-            print(f"{k:28} {v:.4g}" if isinstance(v, float) else f"{k:28} {v}")
+    print_results(results, as_json=args.json)
     return 0
 
 
