@@ -293,22 +293,24 @@ def run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="tf-", dir=workdir))
     procs: list[subprocess.Popen[str]] = []
     clusters: list[LocalCluster] = []
+
+    def start_chief(mode: str, env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+        with open(log, "w") as err:  # the child keeps its own copy of the descriptor
+            return subprocess.Popen(
+                _child("baseline_child", str(work), json.dumps(asdict(p)), mode),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+                env=env,
+            )
+
     try:
         cluster = LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS).start()
         clusters.append(cluster)
         env = dict(os.environ, **QUIET, TF_CONFIG=cluster.tf_config(), BENCH_PS0_PID=str(cluster.pids[("ps", 0)]))
         log1 = work / "chief-1.log"
-        with open(log1, "w") as err:
-            procs.append(
-                subprocess.Popen(
-                    _child("baseline_child", str(work), json.dumps(asdict(p)), "first"),
-                    stdout=subprocess.PIPE,
-                    stderr=err,
-                    text=True,
-                    env=env,
-                )
-            )
-            first = _lines(_communicate(procs[-1], p.timeout, "baseline chief", log1))
+        procs.append(start_chief("first", env, log1))
+        first = _lines(_communicate(procs[-1], p.timeout, "baseline chief", log1))
         exited_at = time.time()
         if "seen_at" not in first:
             raise RuntimeError(f"baseline chief exited {procs[-1].returncode}: {log1.read_text()[-3000:]}")
@@ -319,19 +321,10 @@ def run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
         clusters.append(cluster)
         env = dict(os.environ, **QUIET, TF_CONFIG=cluster.tf_config())
         log2 = work / "chief-2.log"
-        with open(log2, "w") as err:
-            procs.append(
-                subprocess.Popen(
-                    _child("baseline_child", str(work), json.dumps(asdict(p)), "restart"),
-                    stdout=subprocess.PIPE,
-                    stderr=err,
-                    text=True,
-                    env=env,
-                )
-            )
-            cluster.start()
-            servers_at = time.time()
-            second = _lines(_communicate(procs[-1], p.timeout, "restarted baseline chief", log2))
+        procs.append(start_chief("restart", env, log2))
+        cluster.start()
+        servers_at = time.time()
+        second = _lines(_communicate(procs[-1], p.timeout, "restarted baseline chief", log2))
         if "first_step_at" not in second:
             raise RuntimeError(f"restarted baseline chief exited {procs[-1].returncode}: {log2.read_text()[-3000:]}")
     finally:
