@@ -337,6 +337,7 @@ class Agent:
         if role != "chief" and peers:
             raise ConfigError("--peer: only the chief's agent probes and restarts other agents")
         self.command = list(command) if command else self._server_command()
+        self._builtin_server = not command  # it honours psguard.standby, so a warm standby can replace it
         self.peers = [p.rstrip("/") for p in peers]
         for p in self.peers:
             parts = urllib.parse.urlsplit(p)
@@ -413,6 +414,7 @@ class Agent:
             self.supervisor = Supervisor.from_config(
                 self.command,
                 cfg.supervisor,
+                standby_capable=self._builtin_server,
                 env=self._task_env(self.http.url),
                 name=self.task,
                 on_event=self._on_supervisor_event,

@@ -47,6 +47,7 @@ from typing import IO, TYPE_CHECKING, Annotated
 
 from psguard.config import Check, Duration, validate
 from psguard.errors import CrashLoopError, PsguardError
+from psguard.standby import Standby
 
 if TYPE_CHECKING:
     from typing import Self
@@ -150,6 +151,8 @@ class SupervisorStatus:
     uptime_seconds: float | None  # of the current run; None when no process runs
     crashes_in_window: int
     last_reason: str
+    standby_pid: int | None = None  # the warm standby waiting to replace the task (psguard.standby)
+    standby_ready: bool = False  # ... and it has imported what it needs: swapping it in is quick
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -161,6 +164,8 @@ class SupervisorStatus:
             "uptime_seconds": self.uptime_seconds,
             "crashes_in_window": self.crashes_in_window,
             "last_reason": self.last_reason,
+            "standby_pid": self.standby_pid,
+            "standby_ready": self.standby_ready,
         }
 
 
@@ -179,6 +184,11 @@ class SupervisorConfig:
     crash_loop_window: Annotated[Duration, Check(_positive, "> 0")] = 300.0
     stop_timeout: Duration = 10.0  # SIGTERM, then SIGKILL after this long
     restart_codes: tuple[int, ...] = (EXIT_RESTART,)
+    # Keep a warm standby process for commands that honour psguard.standby (the agent's built-in server
+    # mode): a restart then costs ~0.1 s instead of a Python + TensorFlow start. It is started this long after
+    # each run starts, so that it does not compete with the task (or a recovery) for CPU while that starts.
+    standby: bool = True
+    standby_delay: Duration = 5.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -276,6 +286,8 @@ class Supervisor:
         on_event: Callable[[SupervisorEvent], None] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         pdeathsig: bool = True,
+        standby: bool = False,
+        standby_delay: float = 5.0,
     ) -> None:
         if not cmd:
             raise ValueError("Supervisor needs a command to run")
@@ -288,6 +300,8 @@ class Supervisor:
             crash_loop_window=crash_loop_window,
             stop_timeout=stop_timeout,
             restart_codes=tuple(restart_codes),
+            standby=standby,
+            standby_delay=standby_delay,
         )
         self.cmd = tuple(cmd)
         self.name = name or Path(self.cmd[0]).name
@@ -296,6 +310,9 @@ class Supervisor:
         self._on_event = on_event
         self._log_path = Path(log_path) if log_path is not None else None
         self._pdeathsig = pdeathsig
+        # Only when the caller knows the command honours the standby protocol: one that ignored it would bind
+        # its port while the task still runs.
+        self._standby = Standby(self.name, self._popen) if standby else None
 
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -316,11 +333,15 @@ class Supervisor:
         self._last_reason = ""
         self._crashes: collections.deque[tuple[float, int]] = collections.deque()
         self._backoff = self.config.backoff_initial
-        self._log_file: IO[bytes] | None = None
 
     @classmethod
-    def from_config(cls, cmd: Sequence[str], config: SupervisorConfig, **kwargs: object) -> Supervisor:
-        """A supervisor with the policy from a config file; ``kwargs`` are the other constructor arguments."""
+    def from_config(
+        cls, cmd: Sequence[str], config: SupervisorConfig, *, standby_capable: bool = False, **kwargs: object
+    ) -> Supervisor:
+        """A supervisor with the policy from a config file; ``kwargs`` are the other constructor arguments.
+
+        ``standby_capable``: the command honours :mod:`psguard.standby`, so ``config.standby`` may apply.
+        """
         return cls(
             cmd,
             backoff_initial=config.backoff_initial,
@@ -330,6 +351,8 @@ class Supervisor:
             crash_loop_window=config.crash_loop_window,
             stop_timeout=config.stop_timeout,
             restart_codes=config.restart_codes,
+            standby=config.standby and standby_capable,
+            standby_delay=config.standby_delay,
             **kwargs,  # type: ignore[arg-type]
         )
 
@@ -418,6 +441,8 @@ class Supervisor:
                 uptime_seconds=(now - self._run_started) if running and self._run_started is not None else None,
                 crashes_in_window=len(self._crashes),
                 last_reason=self._last_reason,
+                standby_pid=self._standby.pid if self._standby is not None else None,
+                standby_ready=self._standby.ready if self._standby is not None else False,
             )
 
     @property
@@ -449,6 +474,8 @@ class Supervisor:
         finally:
             try:
                 self._kill_group_and_reap(signal.SIGKILL)
+                if self._standby is not None:
+                    self._standby.discard()
             finally:
                 self._first_spawn.set()
                 with self._lock:
@@ -462,7 +489,7 @@ class Supervisor:
                 self._finish_stop()
                 return
             if self._spawn(reason):
-                request = self._wait(None)
+                request = self._wait_run()
                 if request is _Request.STOP:
                     self._finish_stop()
                     return
@@ -507,28 +534,41 @@ class Supervisor:
             if request is _Request.RESTART:
                 reason = self._take_restart_reason()
 
-    def _spawn(self, reason: str) -> bool:
-        """Start one run. False when it failed; the first failure is kept for :meth:`start` to raise."""
-        first = not self._first_spawn.is_set()
+    def _popen(self, extra_env: dict[str, str], *, stdin: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
+        """Start the command once (a run, or a standby with ``extra_env``); raises ``OSError``."""
         cmd = (_pdeathsig_prefix() if self._pdeathsig else []) + list(self.cmd)
+        _check_executable(self.cmd[0], self._env, self._cwd)
+        if self._cwd is not None and not Path(self._cwd).is_dir():
+            raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
+        env = self._env
+        if extra_env:
+            env = {**(env if env is not None else os.environ), **extra_env}
+        log_file: IO[bytes] | None = None
+        if self._log_path is not None:
+            self._log_path.parent.mkdir(parents=True, exist_ok=True)
+            log_file = open(self._log_path, "ab")  # noqa: SIM115 - the child keeps its own copy of the fd
         try:
-            _check_executable(self.cmd[0], self._env, self._cwd)
-            if self._cwd is not None and not Path(self._cwd).is_dir():
-                raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
-            if self._log_path is not None:
-                self._log_path.parent.mkdir(parents=True, exist_ok=True)
-                self._log_file = open(self._log_path, "ab")  # noqa: SIM115 - lives as long as the run
-            proc = subprocess.Popen(
+            return subprocess.Popen(
                 cmd,
-                stdin=subprocess.DEVNULL,
-                stdout=self._log_file,
-                stderr=subprocess.STDOUT if self._log_file is not None else None,
-                env=self._env,
+                stdin=stdin,
+                stdout=log_file,
+                stderr=subprocess.STDOUT if log_file is not None else None,
+                env=env,
                 cwd=self._cwd,
                 start_new_session=True,
             )
+        finally:
+            if log_file is not None:
+                log_file.close()
+
+    def _spawn(self, reason: str) -> bool:
+        """Start one run. False when it failed; the first failure is kept for :meth:`start` to raise."""
+        first = not self._first_spawn.is_set()
+        try:
+            proc = self._standby.take() if self._standby is not None else None
+            if proc is None:
+                proc = self._popen({}, stdin=subprocess.DEVNULL)
         except OSError as e:
-            self._close_log()
             message = f"cannot start task {self.name}: {shlex.join(self.cmd)}: {e}"
             with self._lock:
                 self._last_reason = message
@@ -554,6 +594,15 @@ class Supervisor:
             log.info("event=restarted task=%s pid=%d restarts=%d reason=%r", self.name, proc.pid, restarts, reason)
             self._emit(EventKind.RESTARTED, pid=proc.pid, reason=reason, restarts=restarts)
         return True
+
+    def _wait_run(self) -> _Request:
+        """:meth:`_wait` for the run to end; meanwhile, once it has run ``standby_delay``, start its standby."""
+        if self._standby is not None:
+            request = self._wait(self.config.standby_delay)
+            if request is not _Request.TIMEOUT:
+                return request
+            self._standby.fill()
+        return self._wait(None)
 
     def _wait(self, timeout: float | None, *, watch_process: bool = True) -> _Request:
         """Block until the run exits, stop or restart is asked for, or ``timeout`` passes.
@@ -655,7 +704,6 @@ class Supervisor:
             return None
         self._signal_group(sig)
         code = proc.wait()
-        self._close_log()
         with self._lock:
             self._proc = None
             self._last_exit = code
@@ -745,8 +793,3 @@ class Supervisor:
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
-
-    def _close_log(self) -> None:
-        if self._log_file is not None:
-            self._log_file.close()
-            self._log_file = None

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 FAST = """
 probe: {interval: 0.5, deadline: 0.5, failure_threshold: 2, startup_timeout: 120}
-supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 5}
+supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 5, standby_delay: 1}
 peers: {ready_timeout: 120, probe: {interval: 0.5, deadline: 0.5}}
 persister: {retry_after: 1}
 """
@@ -279,12 +279,16 @@ def test_ps_killed_is_restarted_on_the_same_port_and_a_stopped_one_too(
     print(f"PS agent RSS {first['agent_rss_bytes'] / 1e6:.0f} MB")
     pid = first["pid"]
     assert "psguard.testbed.server" in Path(f"/proc/{pid}/cmdline").read_text()
+    # The built-in server mode keeps a warm standby (TensorFlow imported, port not bound) to swap in.
+    warm = agent.wait_status(lambda s: s["supervisor"]["standby_ready"], 120, "warm standby ready")
+    standby = warm["supervisor"]["standby_pid"]
+    assert standby not in (None, pid) and "psguard.testbed.server" in Path(f"/proc/{standby}/cmdline").read_text()
 
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
     after = agent.wait_status(lambda s: s["restarts"] == 1 and s["ready"], 120, "PS restarted and healthy")
     print(f"kill -9: healthy again after {time.monotonic() - t0:.2f}s")
-    assert after["pid"] != pid and after["address"] == spec["ps"][0]
+    assert after["pid"] == standby and after["address"] == spec["ps"][0]
     assert port_accepts(spec["ps"][0])
     metrics = agent.metrics()
     assert 'psguard_task_restarts_total{task="ps:0"} 1\n' in metrics

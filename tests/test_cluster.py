@@ -97,6 +97,25 @@ def test_start_kill_restart_stop(small_cluster: LocalCluster) -> None:
 
 
 @pytest.mark.slow
+def test_restart_swaps_in_the_warm_standby() -> None:
+    with LocalCluster(num_ps=1, num_workers=1, standby=True) as cluster:
+        standby = cluster.standby_pids[("ps", 0)]
+        old = cluster.pids[("ps", 0)]
+        assert standby is not None and old is not None and standby != old
+        host, port = cluster.address("ps", 0).split(":")
+        cluster.kill("ps", 0)
+        cluster.restart("ps", 0)
+        assert cluster.pids[("ps", 0)] == standby, "the waiting standby became the task"
+        assert port_open(host, int(port))
+        assert cluster.standby_pids[("ps", 0)] is None, "the next standby waits for fill_standby()"
+        cluster.fill_standby()
+        refill = cluster.standby_pids[("ps", 0)]
+        assert refill is not None and refill != standby
+        waiting = [p for p in cluster.standby_pids.values() if p is not None]
+    assert not _wait_gone(waiting, 30.0), "stop() must end the standbys too"
+
+
+@pytest.mark.slow
 def test_sigstop_freezes_without_waiting(small_cluster: LocalCluster) -> None:
     cluster = small_cluster
     pid = cluster.pids[("ps", 0)]

@@ -335,8 +335,10 @@ def test_restart_policy_loads_from_yaml() -> None:
         loads_yaml(SupervisorConfig, "crash_loop_limt: 3\n")
     with pytest.raises(ConfigError, match="backoff_max"):
         loads_yaml(SupervisorConfig, "backoff_initial: 10s\nbackoff_max: 1s\n")
-    s = Supervisor.from_config(["true"], config, name="x")
+    s = Supervisor.from_config(["true"], config, name="x", standby_capable=True)
     assert s.config == config and s.name == "x"
+    # The config says whether to keep a standby where one can be used; an arbitrary command cannot use one.
+    assert not Supervisor.from_config(["true"], config).config.standby
 
 
 _AGENT = """
@@ -397,3 +399,72 @@ def test_stop_from_an_event_callback(supervisors: list[Supervisor], events: Even
     events.wait(EventKind.STOPPED)
     assert s.result(timeout=5) == 1 and s.status().state is SupervisorState.STOPPED
     assert events.kinds() == ["started", "exited", "stopped"]
+
+
+# A task that honours psguard.standby: as a standby it waits for "go" on stdin; every run that serves writes
+# its pid to serving.<pid>, so a test can tell which process took over.
+STANDBY_TASK = """
+import os, pathlib, signal, sys
+from psguard.standby import is_standby, wait_for_go
+if is_standby() and not wait_for_go():
+    sys.exit(0)
+pathlib.Path(sys.argv[1], f"serving.{os.getpid()}").write_text("")
+signal.pause()
+"""
+
+
+def standby_cmd(tmp_path: Path) -> list[str]:
+    return [sys.executable, "-c", STANDBY_TASK, str(tmp_path)]
+
+
+def serving(tmp_path: Path) -> set[int]:
+    return {int(p.name.split(".")[1]) for p in tmp_path.glob("serving.*")}
+
+
+def test_a_restart_swaps_in_the_warm_standby_and_a_new_one_follows(
+    supervisors: list[Supervisor], events: Events, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2, on_event=events)
+    s.start()
+    first = s.pid
+    assert first is not None
+    wait_until(lambda: s.status().standby_ready, what="standby started and ready")
+    standby = s.status().standby_pid
+    assert standby is not None and standby != first
+    wait_until(lambda: first in serving(tmp_path), what="the first run serving")
+    assert serving(tmp_path) == {first}  # the ready standby waits: it must not serve (bind) before it is told to
+    os.kill(first, signal.SIGKILL)
+    restarted = events.wait(EventKind.RESTARTED)
+    assert restarted.pid == standby and s.pid == standby
+    wait_until(lambda: standby in serving(tmp_path), what="the standby serving after go")
+    wait_until(lambda: s.status().standby_pid not in (None, standby), what="a new standby for the next restart")
+    second_standby = s.status().standby_pid
+    assert second_standby is not None
+    s.stop()
+    assert not pid_alive(standby) and not pid_alive(second_standby)
+    assert s.status().standby_pid is None
+
+
+def test_a_dead_standby_means_a_cold_start_not_a_failure(
+    supervisors: list[Supervisor], events: Events, tmp_path: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2, on_event=events)
+    s.start()
+    wait_until(lambda: s.status().standby_pid is not None, what="standby started")
+    standby = s.status().standby_pid
+    assert standby is not None
+    os.kill(standby, signal.SIGKILL)
+    wait_until(lambda: not pid_alive(standby), what="standby gone")
+    assert s.restart("probe deadline")
+    restarted = events.wait(EventKind.RESTARTED)
+    assert restarted.pid not in (None, standby)
+    wait_until(lambda: restarted.pid in serving(tmp_path), what="the cold-started run serving")
+
+
+def test_no_standby_for_commands_not_known_to_honour_it() -> None:
+    config = SupervisorConfig(standby=True)
+    assert Supervisor.from_config(["true"], config)._standby is None
+    assert Supervisor.from_config(["true"], config, standby_capable=True)._standby is not None
+    assert Supervisor.from_config(["true"], SupervisorConfig(standby=False), standby_capable=True)._standby is None

@@ -9,8 +9,9 @@ so the baseline really loses steps).
   server and persister in threads, as ``tests/recovery_chief.py`` does; not every task under ``psguard
   agent``): :class:`psguard.CheckpointManager` with the memory tier every 5 steps and the durable log every K
   steps; :func:`psguard.recovery.run_with_recovery` rejoins in the same process: both PS servers restarted in
-  parallel (what the chief's agent does for a new generation), ``update_server_def``, model rebuilt, restored
-  from the memory tier.
+  parallel (what the chief's agent does for a new generation) by swapping in their warm standby processes
+  (:mod:`psguard.standby`, on by default in the agent's built-in server mode), ``update_server_def``, model
+  rebuilt, restored from the memory tier.
 - **baseline** (plain TF): ``tf.train.CheckpointManager.save`` every K steps to a local folder. When the chief
   fails it exits (at once, with ``os._exit``: generous, a normal exit tears TF down for seconds); the
   "script" (this process) then stops every PS and worker server, starts a new set and a new chief process at
@@ -79,22 +80,6 @@ def _strategy(tf: Any, resolver: Any) -> tuple[Any, Any]:
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
 
 
-def restart_all_ps(cluster: LocalCluster) -> None:
-    """Restart every PS task at once (as the chief's agent does for a new generation), not one after another.
-
-    :meth:`LocalCluster.restart` waits for each task in turn; a recovery should pay one server start, not two.
-    """
-    with cluster._lock:
-        tasks = [cluster._task("ps", i) for i in range(cluster.num_ps)]
-        for task in tasks:
-            cluster._signal(task, signal.SIGKILL)
-        for task in tasks:
-            cluster._reap(task, timeout=30.0)
-        for task in tasks:
-            cluster._spawn(task)
-        cluster._wait_ready(tasks, cluster.start_timeout)
-
-
 # ------------------------------------------------------------------------------------------- child: psguard
 
 
@@ -121,7 +106,7 @@ def psguard_child(workdir: str, params_json: str) -> None:
     server = SpoolServer(spool, tier, persister).start()
     schedule = Schedule(memory=EverySteps(p.memory_every), durable=EverySteps(p.durable_every))
     t: dict[str, Any] = {"restored": []}
-    with LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS, log_dir=work / "logs") as cluster:
+    with LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS, log_dir=work / "logs", standby=True) as cluster:
         strategy, coordinator = _strategy(tf, cluster.cluster_resolver())
 
         def build() -> tuple[Any, Trainer, CheckpointManager]:
@@ -148,6 +133,8 @@ def psguard_child(workdir: str, params_json: str) -> None:
             while (step := int(model.step.numpy())) < p.kill_at + 1 or "first_step_at" not in t:
                 manager.maybe_save(step)
                 if step == p.kill_at and "kill_at" not in t:
+                    # As the agents' standby_delay would have it after minutes of training: warm standbys.
+                    cluster.wait_standby()
                     pid = cluster.pids[("ps", 0)]
                     assert pid is not None
                     os.kill(pid, signal.SIGKILL)
@@ -164,7 +151,7 @@ def psguard_child(workdir: str, params_json: str) -> None:
 
         def restart_ps(failed_at: float) -> None:
             t["restart_from"] = time.time()
-            restart_all_ps(cluster)
+            cluster.restart_many([("ps", i) for i in range(cluster.num_ps)])
             t["ps_ready_at"] = time.time()
 
         _, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -25,12 +26,14 @@ import tempfile
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 from psguard.errors import PsguardError
+from psguard.standby import Standby
 from psguard.testbed.ports import free_port, free_ports, port_open
 
 if TYPE_CHECKING:
@@ -51,7 +54,7 @@ class _Task:
     port: int
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
-    log_file: IO[bytes] | None = field(default=None, repr=False)
+    standby: Standby | None = field(default=None, repr=False)
 
     @property
     def name(self) -> str:
@@ -98,6 +101,7 @@ class LocalCluster:
         env: dict[str, str] | None = None,
         die_with_parent: bool = True,
         python: str = sys.executable,
+        standby: bool = False,
     ) -> None:
         if num_ps < 1 or num_workers < 1:
             raise ValueError("a parameter-server cluster needs at least one PS and one worker")
@@ -113,7 +117,10 @@ class LocalCluster:
         self._tasks: dict[tuple[str, int], _Task] = {}
         for job, count in (("ps", num_ps), ("worker", num_workers)):
             for i in range(count):
-                self._tasks[(job, i)] = _Task(job, i, ports.pop(0), self.log_dir / f"{job}-{i}.log")
+                task = _Task(job, i, ports.pop(0), self.log_dir / f"{job}-{i}.log")
+                if standby:
+                    task.standby = Standby(task.name, functools.partial(self._popen, task))
+                self._tasks[(job, i)] = task
 
     # ----------------------------------------------------------------------------------------- addressing
 
@@ -162,6 +169,25 @@ class LocalCluster:
         with self._lock:
             return {key: (t.proc.pid if t.proc is not None and t.alive() else None) for key, t in self._tasks.items()}
 
+    @property
+    def standby_pids(self) -> dict[tuple[str, int], int | None]:
+        """The waiting standby process of each task (``None``: none waiting, or ``standby=False``)."""
+        with self._lock:
+            return {k: t.standby.pid if t.standby is not None else None for k, t in self._tasks.items()}
+
+    def wait_standby(self, timeout: float = 120.0) -> None:
+        """Wait until every task's standby is warm (see :meth:`fill_standby`); raise if one is missing."""
+        deadline = time.monotonic() + timeout
+        for task in self._tasks.values():
+            if task.standby is None:
+                continue
+            while not task.standby.ready:
+                if task.standby.pid is None:
+                    raise ClusterError(f"{task.name} has no standby waiting; see {task.log_path}")
+                if time.monotonic() > deadline:
+                    raise ClusterError(f"the standby of {task.name} was not ready within {timeout:.0f}s")
+                time.sleep(_POLL_S)
+
     def alive(self, job: str, index: int) -> bool:
         with self._lock:
             return self._task(job, index).alive()
@@ -181,10 +207,23 @@ class LocalCluster:
                     if not task.alive():
                         self._spawn(task)
                 self._wait_ready(list(self._tasks.values()), self.start_timeout)
+                self.fill_standby()
             except BaseException:
                 self.stop()
                 raise
         return self
+
+    def fill_standby(self) -> None:
+        """Start a warm standby (:mod:`psguard.standby`) for every task that has none waiting.
+
+        With ``standby=True``, :meth:`restart` swaps the waiting process in (~0.1 s instead of a TensorFlow
+        start) and does not start the next one itself: that costs a TensorFlow import, so call this when the
+        CPU is not needed elsewhere (after a recovery has been measured), from the thread that started us.
+        """
+        with self._lock:
+            for task in self._tasks.values():
+                if task.standby is not None:
+                    task.standby.fill()
 
     def stop(self) -> None:
         """Kill and reap every task; safe to call twice, and from ``atexit``."""
@@ -193,6 +232,8 @@ class LocalCluster:
                 self._signal(task, signal.SIGKILL)
             for task in self._tasks.values():
                 self._reap(task, timeout=30.0)
+                if task.standby is not None:
+                    task.standby.discard()
             _live.discard(self)
             if self._own_log_dir:
                 shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -218,17 +259,24 @@ class LocalCluster:
 
     def restart(self, job: str, index: int, *, timeout: float | None = None) -> None:
         """Start the task again on the same address (killing it first if it still runs) and wait for it."""
+        self.restart_many([(job, index)], timeout=timeout)
+
+    def restart_many(self, names: Sequence[tuple[str, int]], *, timeout: float | None = None) -> None:
+        """Restart several tasks at once (kill all, start all, then wait): a recovery pays one start, not N."""
         with self._lock:
-            task = self._task(job, index)
-            if task.alive():
-                self.kill(job, index)
-            self._reap(task, timeout=30.0)
-            self._spawn(task)
-            try:
-                self._wait_ready([task], self.start_timeout if timeout is None else timeout)
-            except BaseException:
+            tasks = [self._task(job, index) for job, index in names]
+            for task in tasks:
                 self._signal(task, signal.SIGKILL)
+            for task in tasks:
                 self._reap(task, timeout=30.0)
+            try:
+                for task in tasks:
+                    self._spawn(task)
+                self._wait_ready(tasks, self.start_timeout if timeout is None else timeout)
+            except BaseException:
+                for task in tasks:
+                    self._signal(task, signal.SIGKILL)
+                    self._reap(task, timeout=30.0)
                 raise
 
     def __enter__(self) -> Self:
@@ -262,11 +310,10 @@ class LocalCluster:
         env.update(self._extra_env)
         return env
 
-    def _spawn(self, task: _Task) -> None:
+    def _popen(
+        self, task: _Task, extra_env: dict[str, str], *, stdin: int = subprocess.PIPE
+    ) -> subprocess.Popen[bytes]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        if task.log_file is not None:
-            task.log_file.close()
-        task.log_file = open(task.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         cmd = [
             self._python,
             "-m",
@@ -280,14 +327,19 @@ class LocalCluster:
         ]
         if self.die_with_parent:
             cmd += ["--parent-pid", str(os.getpid())]
-        task.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=task.log_file,
-            stderr=subprocess.STDOUT,
-            env=self._env(),
-            start_new_session=True,
-        )
+        with open(task.log_path, "ab") as log_file:  # the child keeps its own copy of the fd
+            return subprocess.Popen(
+                cmd,
+                stdin=stdin,
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env={**self._env(), **extra_env},
+                start_new_session=True,
+            )
+
+    def _spawn(self, task: _Task) -> None:
+        proc = task.standby.take() if task.standby is not None else None
+        task.proc = proc if proc is not None else self._popen(task, {}, stdin=subprocess.DEVNULL)
 
     def _wait_ready(self, tasks: list[_Task], timeout: float) -> None:
         """Wait until each task accepts TCP connections, failing fast if one exits first.
@@ -332,6 +384,3 @@ class LocalCluster:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=timeout)
-        if task.log_file is not None:
-            task.log_file.close()
-            task.log_file = None

@@ -2,7 +2,8 @@
 
 Run as ``python -m psguard.testbed.server --cluster-spec JSON --job ps --index 0``. A separate process per
 task is the point: a real PS or worker can then be killed, frozen and restarted alone, which is what
-psguard's recovery has to survive. The process serves until it is killed.
+psguard's recovery has to survive. The process serves until it is killed. Started with ``PSGUARD_STANDBY=1``
+it is a warm standby (:mod:`psguard.standby`): it imports TensorFlow, then waits on stdin before binding.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+
+from psguard.standby import is_standby, wait_for_go
 
 _PR_SET_PDEATHSIG = 1
 
@@ -62,8 +65,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import tensorflow as tf  # late: importing costs 2.5-5 s, and --help should not pay it
 
+    cluster = tf.train.ClusterSpec(spec)
+    # A warm standby (psguard.standby): everything but the bind is done; serve only when told to.
+    if is_standby() and not wait_for_go():
+        return 0
     server = tf.distribute.Server(
-        tf.train.ClusterSpec(spec),
+        cluster,
         job_name=args.job,
         task_index=args.index,
         protocol=args.protocol,

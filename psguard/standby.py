@@ -1,0 +1,147 @@
+"""Warm standby: a task's next process, started ahead of need, waiting with TensorFlow already imported.
+
+Restarting a PS costs one process start, and almost all of it is Python plus ``import tensorflow`` (2-6 s on
+the machines we measured) while creating and starting the ``tf.distribute.Server`` itself takes about 0.1 s.
+That start is on the critical path of every recovery: training waits for the new PS. So whoever restarts a
+server task (the agent's :class:`~psguard.supervisor.Supervisor`, the testbed's ``LocalCluster``) keeps one
+more process of the same command started beforehand. It runs everything up to binding the port, then blocks
+on its stdin until it is told to go (:func:`wait_for_go`). It must not bind earlier: gRPC servers set
+``SO_REUSEPORT``, so two processes listening on one address would silently share its connections.
+
+The protocol is deliberately tiny so that any command can honour it: the standby sees
+``PSGUARD_STANDBY=1`` in its environment and reads one line from stdin; ``go`` means serve now, end of file
+means the standby is no longer wanted (its spawner died or discarded it) and it exits 0. Before it blocks it
+creates the file named by ``PSGUARD_STANDBY_READY``, so its spawner can tell a warm standby from one still
+importing (:attr:`Standby.ready`). Only commands known
+to honour it get a standby (the built-in server mode); a user's command that ignored it would bind at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import BinaryIO
+
+__all__ = ["GO", "STANDBY_ENV", "Standby", "is_standby", "wait_for_go"]
+
+log = logging.getLogger(__name__)
+
+STANDBY_ENV = "PSGUARD_STANDBY"
+READY_ENV = "PSGUARD_STANDBY_READY"
+GO = b"go\n"
+
+
+def is_standby(environ: Mapping[str, str] | None = None) -> bool:
+    """True in a process started as a standby (it must call :func:`wait_for_go` before binding anything)."""
+    return (os.environ if environ is None else environ).get(STANDBY_ENV) == "1"
+
+
+def wait_for_go(stream: BinaryIO | None = None) -> bool:
+    """Block until the spawner says go (True) or drops us (False: end of file, or anything but ``go``)."""
+    stream = stream if stream is not None else sys.stdin.buffer
+    ready = os.environ.get(READY_ENV)
+    if ready:
+        with contextlib.suppress(
+            OSError
+        ):  # only a signal to the spawner: not being able to give it is no reason to fail
+            Path(ready).touch()
+    line = stream.readline()
+    return line == GO
+
+
+Popen = subprocess.Popen[bytes]
+
+
+class Standby:
+    """At most one waiting process of a command; :meth:`take` turns it into the running task.
+
+    ``spawn(env_overrides)`` starts the process the owner would start anyway (same command, log, session and
+    parent-death arrangements), with ``stdin=subprocess.PIPE`` and the overrides merged into its environment.
+    Not thread-safe: the owner calls it from the one thread that starts its processes (the parent-death signal
+    is tied to the thread that forked).
+    """
+
+    def __init__(self, name: str, spawn: Callable[[dict[str, str]], Popen]) -> None:
+        self.name = name
+        self._spawn = spawn
+        self._proc: Popen | None = None
+        self._ready_path: Path | None = None
+
+    @property
+    def ready(self) -> bool:
+        """A standby is waiting and has done its preparation (imported TensorFlow): taking it is quick now."""
+        path = self._ready_path
+        return self.pid is not None and path is not None and path.exists()
+
+    @property
+    def pid(self) -> int | None:
+        """The waiting process's pid, ``None`` when there is none (or it died)."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    def fill(self) -> bool:
+        """Start a standby unless one is waiting. False when the spawn failed (the owner starts cold then)."""
+        if self.pid is not None:
+            return True
+        self.discard()  # reap a dead one
+        fd, name = tempfile.mkstemp(prefix="psguard-standby-", suffix=".ready")
+        os.close(fd)
+        self._ready_path = Path(name)
+        self._ready_path.unlink()  # the standby creates it when it is ready
+        try:
+            self._proc = self._spawn({STANDBY_ENV: "1", READY_ENV: name})
+        except OSError as e:
+            log.warning("event=standby_spawn_failed task=%s error=%r", self.name, str(e))
+            self._proc = None
+            return False
+        log.info("event=standby_started task=%s pid=%d", self.name, self._proc.pid)
+        return True
+
+    def take(self) -> Popen | None:
+        """Hand the waiting process over as the task, told to go; ``None`` if there is no live standby."""
+        proc, self._proc = self._proc, None
+        self._forget_ready()
+        if proc is None:
+            return None
+        if proc.poll() is not None:
+            log.warning("event=standby_lost task=%s pid=%d exit_code=%s", self.name, proc.pid, proc.returncode)
+            return None
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(GO)
+            proc.stdin.close()
+        except OSError as e:  # it died between poll() and the write
+            log.warning("event=standby_lost task=%s pid=%d error=%r", self.name, proc.pid, str(e))
+            _kill_and_reap(proc)
+            return None
+        log.info("event=standby_taken task=%s pid=%d", self.name, proc.pid)
+        return proc
+
+    def discard(self) -> None:
+        """Kill and reap the waiting process, if any (its whole process group: it runs in its own session)."""
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            _kill_and_reap(proc)
+        self._forget_ready()  # after the kill: a standby killed while getting ready could still create it
+
+    def _forget_ready(self) -> None:
+        path, self._ready_path = self._ready_path, None
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+def _kill_and_reap(proc: Popen) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        if proc.stdin is not None:
+            proc.stdin.close()
+    proc.wait()
