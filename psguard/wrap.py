@@ -1,0 +1,225 @@
+"""``psguard wrap -- python train.py``: run an existing PS training script with every task under an agent.
+
+A PS job needs its servers started, a ``TF_CONFIG`` per task, and someone to restart what dies. Teams that run
+locally (or on a single big host) usually have a shell script for that, which restarts nothing. ``wrap`` does
+it with no change to the script: it writes ``cluster.json`` on free loopback ports, starts one ``psguard agent``
+per PS and worker (each runs and supervises a ``tf.distribute.Server``: same address on every restart, the RPC
+probe catches a frozen server), then one for the chief that runs the user's command with ``TF_CONFIG`` for
+``chief:0`` and watches every other agent. The command's output goes to this terminal; the agents' logs go to
+``DIR/agents/*/agent.log``.
+
+With the one-line change (``tf.train.CheckpointManager`` -> ``psguard.CheckpointManager``, given the same URL
+as ``--store``) the script also gets psguard checkpoints: the chief's agent holds the memory tier (the
+``PSGUARD_SPOOL`` hand-off) and writes the durable log to ``--store``.
+
+Exit code: 0 when the command finished (exit 0); 1 when the chief's agent gave up on it (crash loop: the
+message names the last exit code) or an agent died; 130 / 143 when interrupted (SIGINT / SIGTERM), after
+every process ``wrap`` started was stopped (chief first, so its agent drains the durable log, then workers,
+then PS servers).
+
+The PS / worker agents are :class:`psguard.chaos.launcher.AgentProcess` as in ``psguard demo`` (output to
+a log file, settings tuned for a local cluster). The chief's agent is started here instead: its output is the
+user's training output and belongs on the terminal, and ``--config`` applies to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from psguard.errors import ConfigError, PsguardError
+
+__all__ = ["CHIEF_CONFIG", "WrapError", "main", "register", "run"]
+
+#: The chief's agent settings when ``--config`` is not given: a local cluster, so short probe intervals and
+#: backoffs; three crashes within five minutes end the run (a script with a bug should not loop for long).
+CHIEF_CONFIG = """\
+probe: {interval: 0.5, deadline: 1.0, failure_threshold: 3, startup_timeout: 180}
+supervisor: {backoff_initial: 0.5, backoff_max: 5, crash_loop_limit: 3, crash_loop_window: 300, stop_timeout: 30}
+peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
+persister: {retry_after: 1}
+"""
+
+_POLL = 0.1  # seconds between looks at the agents' processes (nothing to await: they are other processes)
+
+
+class WrapError(PsguardError):
+    """An agent of the wrapped job could not start or died; the message carries its log's tail."""
+
+
+class _Stop(BaseException):
+    """SIGTERM: unwind through the ``finally`` blocks that stop every agent, as Ctrl-C does."""
+
+
+def _spool_dir(work: Path) -> Path:
+    """A fresh spool folder on tmpfs (the memory-tier hand-off copies bytes only), one per run.
+
+    Never the agent's default ``/dev/shm/psguard-default``: two wrapped jobs on one host would fight over it.
+    """
+    base = Path("/dev/shm")
+    if base.is_dir() and os.access(base, os.W_OK):
+        return Path(tempfile.mkdtemp(prefix="psguard-wrap-", dir=base))
+    path = work / "spool"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def run(
+    command: Sequence[str],
+    *,
+    ps: int = 1,
+    workers: int = 1,
+    store: str | None = None,
+    directory: str | os.PathLike[str] | None = None,
+    config: str | os.PathLike[str] | None = None,
+    verbose: int = 0,
+    start_timeout: float = 180.0,
+) -> int:
+    """Run ``command`` as the chief of a local PS cluster, every task under an agent; its exit code (see above).
+
+    Blocks until the command finished or the chief's agent gave up; every process started here is stopped
+    before this returns, also on ``KeyboardInterrupt``.
+    """
+    from psguard.chaos.launcher import AgentProcess, LaunchError, write_cluster
+
+    if not command:
+        raise ConfigError("give the training command after '--': psguard wrap [OPTIONS] -- python train.py ...")
+    if ps < 1:
+        raise ConfigError(f"--ps: a parameter-server job needs at least one PS, got {ps}")
+    if workers < 1:
+        raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {workers}")
+    if config is not None and not Path(config).is_file():
+        raise ConfigError(f"--config {config}: no such file")
+    own_dir = directory is None
+    work = Path(tempfile.mkdtemp(prefix="psguard-wrap-")) if directory is None else Path(directory)
+    work.mkdir(parents=True, exist_ok=True)
+    work = work.resolve()
+    cluster, _ = write_cluster(work, ps=ps, workers=workers)
+    spool = _spool_dir(work)
+    agents_dir = work / "agents"
+    servers: list[Any] = []
+    chief: subprocess.Popen[bytes] | None = None
+    failed = True
+    try:
+        base = ["--cluster", str(cluster)]
+        for role, count in (("ps", ps), ("worker", workers)):
+            for i in range(count):
+                args = ["--role", role, "--index", str(i), *base]
+                servers.append(AgentProcess(agents_dir, f"{role}{i}", args))
+        try:
+            peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(start_timeout))]
+        except LaunchError as e:
+            raise WrapError(str(e)) from None
+        chief_dir = agents_dir / "chief"
+        chief_dir.mkdir(parents=True, exist_ok=True)
+        chief_config = Path(config).resolve() if config is not None else chief_dir / "agent.yaml"
+        if config is None:
+            chief_config.write_text(CHIEF_CONFIG)
+        argv = [sys.executable, "-m", "psguard.cli", *(["-v"] * verbose), "agent", "--role", "chief"]
+        argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
+        argv += ["--ready-file", str(chief_dir / "url")]
+        if store is not None:
+            argv += ["--store", store]
+        argv += ["--", *command]
+        # Its own session: Ctrl-C in the terminal reaches wrap alone, which then stops the chief's agent with
+        # SIGTERM, so that the agent stops the trainer and drains the durable log before the servers go.
+        chief = subprocess.Popen(argv, start_new_session=True)
+        while (code := chief.poll()) is None:
+            for agent in servers:
+                if agent.proc.poll() is not None:
+                    raise WrapError(
+                        f"the agent of {agent.name} exited {agent.proc.returncode} while the job ran "
+                        f"(log {agent.log_path}):\n{agent.log_tail()}"
+                    )
+            time.sleep(_POLL)
+        failed = code != 0
+        if failed:
+            print(
+                f"psguard wrap: the chief's agent exited {code}; logs of the other tasks: {agents_dir}", file=sys.stderr
+            )
+        return 0 if code == 0 else 1
+    finally:
+        if chief is not None and chief.poll() is None:
+            chief.send_signal(signal.SIGTERM)
+            try:
+                chief.wait(180)  # the agent drains the durable log (persister.drain_timeout) before it exits
+            except subprocess.TimeoutExpired:
+                os.killpg(chief.pid, signal.SIGKILL)
+                chief.wait()
+        for agent in reversed(servers):  # workers, then PS servers
+            agent.stop()
+        if spool.parent == Path("/dev/shm"):
+            shutil.rmtree(spool, ignore_errors=True)
+        if own_dir and not failed:
+            shutil.rmtree(work, ignore_errors=True)
+        elif failed:
+            print(f"psguard wrap: cluster.json and the agents' logs are in {work}", file=sys.stderr)
+
+
+def main(args: argparse.Namespace) -> int:
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+
+    def on_sigterm(*_: object) -> None:
+        raise _Stop
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        return run(
+            command,
+            ps=args.ps,
+            workers=args.workers,
+            store=args.store,
+            directory=args.dir,
+            config=args.config,
+            verbose=getattr(args, "verbose", 0),
+            start_timeout=args.start_timeout,
+        )
+    except _Stop:
+        print("psguard wrap: terminated; every process it started was stopped", file=sys.stderr, flush=True)
+        return 143
+    except KeyboardInterrupt:
+        print("psguard wrap: interrupted; every process it started was stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        with contextlib.suppress(ValueError, TypeError):
+            signal.signal(signal.SIGTERM, previous)
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "wrap",
+        help="run an unmodified PS training script on a local cluster, every task under psguard agent",
+        description=(
+            "Write cluster.json on free loopback ports, start a psguard agent per PS and worker (each runs a "
+            "tf.distribute.Server) and one for the chief that runs COMMAND with TF_CONFIG set; wait for COMMAND "
+            "to finish, stop everything. Scripts switched to psguard.CheckpointManager (same URL as --store) "
+            "also get the memory tier and the durable log."
+        ),
+    )
+    p.add_argument("--ps", type=int, default=1, help="parameter servers (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="workers (default 1)")
+    p.add_argument("--store", metavar="URL", help="durable log for psguard checkpoints: the URL the script uses")
+    p.add_argument("--dir", help="cluster.json and agents' logs (default: a temporary folder, kept on failure)")
+    p.add_argument("--config", metavar="agent.yaml", help="settings of the chief's agent (default: see psguard.wrap)")
+    p.add_argument("--start-timeout", type=float, default=180.0, help="seconds for each agent to serve (default 180)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...: the training script and its arguments")
+    p.set_defaults(func=main)
