@@ -39,6 +39,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "psguard.policy_cli",
     "psguard.benchmarks.cli",
     "psguard.agent",
+    "psguard.chaos.cli",
     "psguard.wrap",
 )
 

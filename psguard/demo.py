@@ -21,26 +21,17 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from psguard.chaos.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
 from psguard.store import CheckpointInfo, Store
 from psguard.tensors import Full, Rows, TensorUpdate
-
-QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
-AGENT_CONFIG = """\
-probe: {interval: 0.5, deadline: 1.0, failure_threshold: 3, startup_timeout: 180}
-supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 10}
-peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
-persister: {retry_after: 1}
-"""
 
 
 def say(msg: str) -> None:
@@ -141,101 +132,7 @@ def run_quick(directory: Path, steps: int, every: int, new_base_every: int, user
 
 
 # ------------------------------------------------------------------------------------------------ full demo
-class DemoError(Exception):
-    """The demo could not go on (an agent died, a deadline passed)."""
-
-
-class AgentProcess:
-    """One ``psguard agent`` subprocess, its log in ``<dir>/agent.log`` and its HTTP URL from ``--ready-file``."""
-
-    def __init__(self, directory: Path, name: str, args: Sequence[str], command: Sequence[str] = ()) -> None:
-        self.name = name
-        self.dir = directory / name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.ready_file = self.dir / "url"
-        self.log_path = self.dir / "agent.log"
-        config = self.dir / "agent.yaml"
-        config.write_text(AGENT_CONFIG)
-        argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *args, "--config", str(config)]
-        argv += ["--ready-file", str(self.ready_file)]
-        if command:
-            argv += ["--", *command]
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        # Its own session: Ctrl-C reaches the demo only, which then stops the agents in order.
-        self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, **QUIET), start_new_session=True
-        )
-        self._url: str | None = None
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def wait_url(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while self._url is None:
-            if self.proc.poll() is not None:
-                raise DemoError(f"agent {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
-            if self.ready_file.exists() and (text := self.ready_file.read_text().strip()):
-                self._url = text
-            elif time.monotonic() > deadline:
-                raise DemoError(f"agent {self.name} did not serve HTTP within {timeout:.0f}s")
-            else:
-                time.sleep(0.05)
-        return self._url
-
-    def status(self) -> dict[str, Any]:
-        from psguard.agent import http_json
-
-        code, doc = http_json("GET", f"{self.wait_url(60)}/status", timeout=10)
-        if code != 200 or not isinstance(doc, dict):
-            raise DemoError(f"agent {self.name}: /status answered HTTP {code}")
-        return doc
-
-    def stop(self, timeout: float = 60.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the agent and whatever it left in its session
-                self.proc.wait()
-        self._log.close()
-
-
-def write_cluster(directory: Path, ps: int, workers: int) -> tuple[Path, dict[str, list[str]]]:
-    """``cluster.json`` on free loopback ports: one chief, ``ps`` PS tasks, ``workers`` workers."""
-    from psguard.testbed.ports import free_ports
-
-    ports = free_ports(1 + ps + workers)
-    spec = {
-        "chief": [f"127.0.0.1:{ports[0]}"],
-        "ps": [f"127.0.0.1:{p}" for p in ports[1 : 1 + ps]],
-        "worker": [f"127.0.0.1:{p}" for p in ports[1 + ps :]],
-    }
-    path = directory / "cluster.json"
-    path.write_text(json.dumps(spec, indent=2))
-    return path, spec
-
-
-class ProgressReader:
-    """Reads the complete lines the trainer appended since the last call."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._offset = 0
-        self._partial = b""
-
-    def read(self) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            return []
-        with open(self.path, "rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        self._offset += len(data)
-        data = self._partial + data
-        lines = data.split(b"\n")
-        self._partial = lines.pop()
-        return [json.loads(line) for line in lines if line.strip()]
+DemoError = LaunchError  # the demo could not go on (an agent died, a deadline passed)
 
 
 @dataclass

@@ -1,19 +1,32 @@
-"""The trainer ``psguard demo`` runs under the chief's ``psguard agent`` (``python -m psguard.demo_trainer``).
+"""The trainer ``psguard demo`` and ``psguard chaos run`` start under the chief's ``psguard agent``.
 
-It trains the recommendation-style :class:`~psguard.testbed.model.RecModel` on the cluster the agent describes
-(``TF_CONFIG``), checkpoints with :class:`psguard.CheckpointManager` (memory tier every ``--memory-every`` steps
-through the agent's spool, durable every ``--durable-every``) and recovers from a lost PS in process
+Run as ``python -m psguard.demo_trainer``. It trains the recommendation-style
+:class:`~psguard.testbed.model.RecModel` on the cluster the agent describes (``TF_CONFIG``), checkpoints with
+:class:`psguard.CheckpointManager` (memory tier every ``--memory-every`` steps through the agent's spool,
+durable every ``--durable-every``) and recovers from a lost PS in process
 (:func:`psguard.recovery.run_with_recovery` with :func:`psguard.agent.restart_ps_servers`).
 
-It appends one JSON object per line to ``--progress`` (the demo's parent reads it): ``start``, ``step`` (after
-every chunk of steps), ``save`` (tier, stall), ``kill`` (a checkpoint of each tier exists and the step reached
-``--kill-at``: the parent may kill a PS now), ``failure`` (the failure surfaced, last step seen), ``restored``
-(source tier, step), ``recovery`` (seconds), ``done`` (final step).
+It appends one JSON object per line to ``--progress`` (the parent reads it while it grows; with ``--fsync``
+every line is on disk before the trainer goes on). Two kinds of line:
+
+- demo events, for the live view: ``start``, ``step`` (after every chunk of steps), ``save`` (tier, stall),
+  ``kill`` (a checkpoint of each tier exists and the step reached ``--kill-at``: the parent may inject its
+  fault now), ``failure``, ``ps-restarted``, ``restored``, ``recovery``, ``done``;
+- ``op`` lines, the trainer's half of the chaos history (:mod:`psguard.chaos.history`): an ``invoke`` before
+  each operation and ``ok`` / ``fail`` / ``info`` after it, stamped with ``time.monotonic()`` (system-wide on
+  Linux, so they merge with the harness's records). Operations: ``train`` (a chunk of steps), ``capture``,
+  ``memory-commit``, ``durable-commit``, ``restore``, ``eval`` (the final loss). A capture and a restore carry
+  a digest of every model and optimizer variable as read back from the PS servers: a restore is proven right
+  when its digest equals the one taken when that step was captured.
+
+The saves are decided here (every N steps per tier) rather than by a policy object so that each one is an
+explicit operation of the history with the tiers it asked for.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -27,28 +40,63 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 @dataclass
 class Job:
     model: Any
+    optimizer: Any
     trainer: Any
     manager: Any
 
 
 class Progress:
-    """Append-only JSON lines, one ``write`` + flush per event (a reader never sees half a line it trusts)."""
+    """Append-only JSON lines, one ``write`` + flush (and fsync with ``fsync``) per line."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, fsync: bool = False) -> None:
         self._f = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._fsync = fsync
+        self.process = f"trainer-{os.getpid()}"
+
+    def _write(self, doc: dict[str, Any]) -> None:
+        self._f.write(json.dumps(doc, default=str) + "\n")
+        self._f.flush()
+        if self._fsync:
+            os.fsync(self._f.fileno())
 
     def emit(self, event: str, **doc: Any) -> None:
-        self._f.write(json.dumps({"event": event, "t": time.time(), **doc}) + "\n")
-        self._f.flush()
+        self._write({"event": event, "t": time.time(), **doc})
+
+    def op(self, type: str, f: str, **value: Any) -> None:
+        """One history record of this trainer (see :mod:`psguard.chaos.history`)."""
+        self._write(
+            {"event": "op", "t": time.time(), "mono": time.monotonic(), "process": self.process, "type": type,
+             "f": f, "value": value}
+        )  # fmt: skip
 
     def close(self) -> None:
         self._f.close()
+
+
+def variables_digest(model: Any, optimizer: Any) -> dict[str, str]:
+    """SHA-256 per model and optimizer variable (by name), read from the PS servers, and ``"*"`` over them all.
+
+    Taken after a capture (the coordinator is drained, so it is the captured state) and after a restore; equal
+    digests mean the restore brought back exactly that state, every shard of it from the same step.
+    """
+    total = hashlib.sha256()
+    out: dict[str, str] = {}
+    variables = list(model.variables) + list(getattr(optimizer, "variables", []))
+    for name, v in sorted(((str(v.name), v) for v in variables), key=lambda item: item[0]):
+        value = v.numpy()
+        one = hashlib.sha256(str(value.dtype).encode() + str(value.shape).encode() + value.tobytes()).hexdigest()
+        key = name if name not in out else f"{name}#{len(out)}"
+        out[key] = one[:16]
+        total.update(key.encode() + b"\0" + one.encode())
+    out["*"] = total.hexdigest()
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m psguard.demo_trainer")
     p.add_argument("--store", required=True)
     p.add_argument("--progress", required=True)
+    p.add_argument("--fsync", action="store_true", help="fsync every progress line (chaos runs)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--kill-at", type=int, default=100)
     p.add_argument("--memory-every", type=int, default=5)
@@ -57,68 +105,139 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vocab", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=16)
     p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--digest", action="store_true", help="digest the variables at every capture and restore")
+    p.add_argument("--save-timeout", type=float, default=120.0)
     args = p.parse_args(argv)
 
     import tensorflow as tf
 
     from psguard.agent import restart_ps_servers
     from psguard.manager import CheckpointManager
-    from psguard.policy import EverySteps, Schedule
+    from psguard.policy import Tier
     from psguard.recovery import RecoveryEvent, run_with_recovery
     from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
 
-    progress = Progress(args.progress)
+    progress = Progress(args.progress, fsync=args.fsync)
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     num_ps = len(resolver.cluster_spec().as_dict().get("ps", []))
     strategy = tf.distribute.experimental.ParameterServerStrategy(
         resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(max(1, num_ps))
     )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    schedule = Schedule(memory=EverySteps(args.memory_every), durable=EverySteps(args.durable_every))
+    config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
     state: dict[str, Any] = {"seen": 0, "kill_sent": False, "memory": None, "durable": None}
     progress.emit("start", pid=os.getpid(), target=args.steps, memory_every=args.memory_every,
                   durable_every=args.durable_every, chunk=args.chunk)  # fmt: skip
 
+    def digest(job_model: Any, job_optimizer: Any) -> dict[str, str] | None:
+        return variables_digest(job_model, job_optimizer) if args.digest else None
+
     def build() -> Job:
         with strategy.scope():
-            model = RecModel(ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch))
+            model = RecModel(config)
             optimizer = make_optimizer("adagrad")
         trainer = Trainer(strategy, coordinator, model, optimizer)
         manager = CheckpointManager(
-            tf.train.Checkpoint(model=model, optimizer=optimizer),
-            args.store,
-            coordinator=coordinator,
+            tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, coordinator=coordinator,
             step_counter=model.step,
-            policy=schedule,
-        )
-        manager.restore_or_initialize()
+        )  # fmt: skip
+        progress.op("invoke", "restore")
+        try:
+            manager.restore_or_initialize()
+        except Exception as e:
+            progress.op("fail", "restore", error=str(e)[:500])
+            raise
         restored = manager.restored
         trainer.next_index = int(model.step.numpy())
+        # The saves of a new generation count from what it restored.
+        state["memory"] = state["durable"] = restored.step if restored is not None else None
         if restored is not None:
+            progress.op("ok", "restore", step=restored.step, source=restored.source, id=restored.id,
+                        digest=digest(model, optimizer))  # fmt: skip
             progress.emit("restored", source=restored.source, step=restored.step, id=restored.id)
-        return Job(model, trainer, manager)
+        else:
+            progress.op("ok", "restore", step=0, source=None, id=None, digest=digest(model, optimizer))
+        return Job(model, optimizer, trainer, manager)
+
+    def due(last: int | None, every: int, step: int) -> bool:
+        return last is None or step - last >= every
+
+    def save(job: Job, step: int) -> None:
+        durable = due(state["durable"], args.durable_every, step)
+        tiers = frozenset({Tier.MEMORY, Tier.DURABLE} if durable else {Tier.MEMORY})
+        progress.op("invoke", "capture", step=step, tiers=sorted(str(t) for t in tiers))
+        taken: dict[str, str] | None = None
+        try:
+            taken = digest(job.model, job.optimizer)  # the cluster is drained: this is the state captured next
+            handle = job.manager.save(step, tiers=tiers)
+        except Exception as e:  # it may have reached the agent's memory tier before the failure: unknown
+            progress.op(
+                "info", "capture", step=step, digest=taken, error=str(e).splitlines()[0][:300] if str(e) else ""
+            )
+            raise
+        progress.op("ok", "capture", step=step, stall=handle.stall_seconds, digest=taken)
+        progress.op("invoke", "memory-commit", step=step)
+        try:
+            if hasattr(handle, "restorable"):
+                handle.restorable(timeout=args.save_timeout)  # acknowledged: in the agent's memory tier
+        except TimeoutError as e:
+            progress.op("info", "memory-commit", step=step, error=str(e)[:300])
+            raise
+        except Exception as e:
+            progress.op("fail", "memory-commit", step=step, error=str(e)[:300])
+            raise
+        progress.op("ok", "memory-commit", step=step)
+        state["memory"] = step
+        if durable:
+            progress.op("invoke", "durable-commit", step=step)
+            try:
+                info = handle.result(timeout=args.save_timeout)  # committed to the durable log
+            except TimeoutError as e:
+                progress.op("info", "durable-commit", step=step, error=str(e)[:300])
+                raise
+            except Exception as e:
+                progress.op("fail", "durable-commit", step=step, error=str(e)[:300])
+                raise
+            progress.op("ok", "durable-commit", step=info.step, id=info.id)
+            state["durable"] = step
+        progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds)
 
     def train(job: Job) -> int:
         while (step := int(job.model.step.numpy())) < args.steps:
             state["seen"] = step
             progress.emit("step", step=step, memory=state["memory"], durable=state["durable"])
-            handle = job.manager.maybe_save(step)
-            if handle is not None:
-                durable = job.manager.context.durable.step == step
-                if durable:
-                    handle.result(timeout=120)  # committed to the durable log (the demo reports real commits)
-                    state["durable"] = step
-                elif hasattr(handle, "restorable"):
-                    handle.restorable(timeout=120)  # acknowledged: in the agent's memory tier
-                state["memory"] = step
-                tier = "durable" if durable else "memory"
-                progress.emit("save", step=step, tier=tier, stall=handle.stall_seconds)
+            if due(state["memory"], args.memory_every, step):
+                save(job, step)
                 if not state["kill_sent"] and step >= args.kill_at and state["durable"] is not None:
                     state["kill_sent"] = True
                     progress.emit("kill", step=step)
-            job.trainer.train(args.chunk)
+            progress.op("invoke", "train", step=step, steps=args.chunk)
+            try:
+                job.trainer.train(args.chunk)
+            except Exception as e:
+                progress.op("info", "train", error=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+                raise
+            progress.op("ok", "train", step=int(job.model.step.numpy()))
         job.manager.close()
-        return int(job.model.step.numpy())
+        final = int(job.model.step.numpy())
+        evaluate(job, final)
+        return final
+
+    def evaluate(job: Job, step: int) -> None:
+        """The final loss on a fixed batch, for the chaos checker that compares it with a fault-free run."""
+        progress.op("invoke", "eval", step=step)
+        try:
+            ids = tf.random.stateless_uniform(
+                [2048, config.features], seed=[args.seed, 7919], maxval=config.vocab_size, dtype=tf.int64
+            )
+            labels = tf.cast(tf.math.floormod(tf.reduce_sum(ids, axis=1), 2), tf.float32)
+            logits = job.model(ids)
+            loss = float(tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)))
+        except Exception as e:  # the loss is evidence for a checker, not a reason to fail the run
+            progress.op("fail", "eval", step=step, error=str(e)[:300])
+            return
+        progress.op("ok", "eval", step=step, loss=loss)
 
     def close(job: Job) -> None:
         progress.emit("failure", seen=state["seen"], memory=state["memory"], durable=state["durable"])

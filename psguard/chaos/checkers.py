@@ -1,0 +1,411 @@
+"""Checkers: pure functions over a chaos history, each returning valid, invalid or unknown with evidence.
+
+They read nothing but the records (Jepsen's checkers do the same): the final state of the store and the
+clean-up audit are operations of the history too (``final-store`` and ``cleanup`` of process ``harness``),
+so ``psguard chaos check history.jsonl`` judges a finished run again without its cluster or storage.
+
+The vocabulary of the history they rely on (see :mod:`psguard.demo_trainer` and :mod:`psguard.chaos.nemesis`):
+
+- trainer processes ``trainer-<pid>``: ``train`` (value ``step`` = the step after the chunk), ``capture``
+  (``step``, ``digest``), ``memory-commit``, ``durable-commit`` (``id``), ``restore`` (``step``, ``source``,
+  ``id``, ``digest``), ``eval`` (``loss``);
+- ``nemesis``: the faults (``kill``, ``terminate``, ``pause``, ``kill-agent``, ``corrupt-chunk``,
+  ``truncate-chunk``, ``storage-stop``) and heals (``resume``, ``start-agent``, ``storage-start``);
+- ``harness``: ``run`` (the run's parameters, the target step, the bounds), ``final-store``, ``cleanup``.
+
+Outcome rules. A commit with an ``ok`` completion happened. One with ``fail`` did not. One with ``info`` or
+no completion (its process died) may or may not have: a restore may return it or anything older than it, up to
+the newest commit known to have happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from psguard.chaos.history import Op, Record, operations
+
+__all__ = [
+    "CHECKERS",
+    "FAULTS",
+    "HEALS",
+    "Verdict",
+    "check_all",
+    "fault_outcomes",
+    "overall",
+]
+
+Status = Literal["valid", "invalid", "unknown"]
+FAULTS = ("kill", "terminate", "pause", "kill-agent", "corrupt-chunk", "truncate-chunk", "storage-stop")
+HEALS = ("resume", "start-agent", "storage-start")
+COMMITS = ("memory-commit", "durable-commit")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    checker: str
+    status: Status
+    summary: str
+    evidence: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"status": self.status, "summary": self.summary, "evidence": dict(self.evidence)}
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every checker needs, derived once from the history (still pure: only records in, values out)."""
+
+    ops: list[Op]
+    run: Mapping[str, Any]
+    final_store: Mapping[str, Any] | None
+    cleanup: Mapping[str, Any] | None
+
+    def of(self, f: str | Sequence[str], type: str | None = None, process: str | None = None) -> list[Op]:
+        fs = (f,) if isinstance(f, str) else tuple(f)
+        return [
+            o
+            for o in self.ops
+            if o.f in fs and (type is None or o.type == type) and (process is None or o.process == process)
+        ]
+
+    def trainer(self, f: str | Sequence[str], type: str | None = None) -> list[Op]:
+        return [o for o in self.of(f, type) if o.process.startswith("trainer")]
+
+    def corrupted(self, before: float | None = None) -> set[str]:
+        """Checkpoints a nemesis made unusable on purpose (their chain holds a damaged chunk)."""
+        out: set[str] = set()
+        for o in self.of(("corrupt-chunk", "truncate-chunk"), "ok"):
+            if before is None or o.start < before:
+                out.update(o.value.get("affected", []))
+        return out
+
+
+def _context(records: Iterable[Record]) -> _Context:
+    ops = operations(records)
+    run = next((o.value for o in ops if o.process == "harness" and o.f == "run"), {})
+    final = next((o.value for o in ops if o.process == "harness" and o.f == "final-store" and o.type == "ok"), None)
+    cleanup = next((o.value for o in ops if o.process == "harness" and o.f == "cleanup" and o.type == "ok"), None)
+    return _Context(ops, run, final, cleanup)
+
+
+# ------------------------------------------------------------------------------------------------ checkers
+def durable_commits_kept(ctx: _Context) -> Verdict:
+    """Every durable commit the trainer saw acknowledged is in the final store and reads back whole."""
+    name = "durable-commits-kept"
+    if ctx.final_store is None:
+        return Verdict(name, "unknown", "the history has no final-store record (the run did not finish)")
+    present = {c["id"]: c for c in ctx.final_store.get("checkpoints", [])}
+    corrupted = ctx.corrupted()
+    acked = [o for o in ctx.trainer("durable-commit", "ok")]
+    missing = [o.value.get("id") for o in acked if o.value.get("id") not in present]
+    unreadable = [
+        o.value["id"]
+        for o in acked
+        if o.value.get("id") in present and not present[o.value["id"]]["ok"] and o.value["id"] not in corrupted
+    ]
+    evidence = {"acknowledged": len(acked), "missing": missing, "unreadable": unreadable}
+    if not acked:
+        return Verdict(name, "unknown", "no durable commit was acknowledged during the run", evidence)
+    if missing or unreadable:
+        return Verdict(name, "invalid", f"{len(missing)} acknowledged commit(s) missing, {len(unreadable)} unreadable",
+                       evidence)  # fmt: skip
+    return Verdict(
+        name, "valid", f"all {len(acked)} acknowledged durable commits are in the store and verify", evidence
+    )
+
+
+def no_torn_checkpoint(ctx: _Context) -> Verdict:
+    """Every checkpoint visible in the store is complete and verifies, unless the nemesis damaged it on purpose,
+    and none is for a step no trainer ever captured (a phantom)."""
+    name = "no-torn-checkpoint"
+    if ctx.final_store is None:
+        return Verdict(name, "unknown", "the history has no final-store record (the run did not finish)")
+    corrupted = ctx.corrupted()
+    visible = ctx.final_store.get("checkpoints", [])
+    torn = [
+        {"id": c["id"], "problems": c.get("problems", [])} for c in visible if not c["ok"] and c["id"] not in corrupted
+    ]
+    captured = {o.value.get("step") for o in ctx.trainer("capture") if o.type in ("ok", "info")}
+    phantoms = [c["id"] for c in visible if c["step"] not in captured]
+    damaged_detected = [c["id"] for c in visible if c["id"] in corrupted and not c["ok"]]
+    damaged_missed = [c["id"] for c in visible if c["id"] in corrupted and c["ok"]]
+    evidence = {
+        "visible": len(visible),
+        "torn": torn,
+        "phantoms": phantoms,
+        "damaged_by_nemesis_detected": damaged_detected,
+        "damaged_by_nemesis_undetected": damaged_missed,
+    }
+    if torn or phantoms or damaged_missed:
+        return Verdict(
+            name, "invalid",
+            f"{len(torn)} torn, {len(phantoms)} phantom, {len(damaged_missed)} damaged but verifying", evidence,
+        )  # fmt: skip
+    return Verdict(name, "valid", f"all {len(visible)} visible checkpoints are whole (damage detected where made)",
+                   evidence)  # fmt: skip
+
+
+def _memory_lost_at(ctx: _Context) -> list[float]:
+    """Times the memory tier was lost: the chief's agent was killed (it held the tier in its memory)."""
+    return [o.start for o in ctx.of("kill-agent") if o.type != "fail" and o.value.get("target") == "chief"]
+
+
+def restores_newest(ctx: _Context) -> Verdict:
+    """Each restore took the newest commit known to have happened before it (memory or durable), or an older
+    one only when every newer one's outcome is unknown; never one that cannot exist."""
+    name = "restore-newest"
+    restores = ctx.trainer("restore")
+    problems: list[dict[str, Any]] = []
+    checked: list[dict[str, Any]] = []
+    memory_lost = _memory_lost_at(ctx)
+    for r in restores:
+        if r.type != "ok":
+            problems.append({"restore_at": r.start, "error": r.value.get("error", "no completion")})
+            continue
+        corrupted = ctx.corrupted(before=r.start)
+        lost_before = max((t for t in memory_lost if t < r.start), default=None)
+        ok_steps: list[int] = []
+        maybe_steps: list[int] = []
+        for c in ctx.trainer(COMMITS):
+            if c.start >= r.start:
+                continue
+            if c.f == "memory-commit" and lost_before is not None and c.start < lost_before:
+                continue  # that memory tier is gone with the agent that held it
+            if c.f == "durable-commit" and c.value.get("id") in corrupted:
+                continue
+            if c.type == "ok" and (c.end or 0) < r.start:
+                ok_steps.append(int(c.value["step"]))
+            elif c.type == "info" or c.type == "ok":
+                maybe_steps.append(int(c.value["step"]))
+        for c in ctx.trainer("capture"):
+            # A capture handed to the agent may be in its memory tier even if the trainer died right after.
+            memory_gone = lost_before is not None and c.start < lost_before
+            if c.start < r.start and c.type != "fail" and not memory_gone:
+                maybe_steps.append(int(c.value["step"]))
+        newest_ok = max(ok_steps, default=0)
+        got = int(r.value.get("step", 0))
+        row = {"restore_at": r.start, "process": r.process, "restored": got, "source": r.value.get("source"),
+               "newest_ok": newest_ok, "unknown_newer": sorted(s for s in maybe_steps if s > newest_ok)}  # fmt: skip
+        checked.append(row)
+        if got == newest_ok:
+            continue
+        if got > newest_ok and got in maybe_steps:
+            continue  # an unknown-outcome commit that did happen
+        if got < newest_ok:
+            problems.append({**row, "why": "an older checkpoint than the newest acknowledged commit"})
+        else:
+            problems.append({**row, "why": "a step no commit was invoked for"})
+    evidence = {"restores": checked, "problems": problems}
+    if not restores:
+        return Verdict(name, "unknown", "no restore happened", evidence)
+    if problems:
+        return Verdict(name, "invalid", f"{len(problems)} of {len(restores)} restore(s) wrong", evidence)
+    return Verdict(name, "valid", f"all {len(restores)} restores took the newest commit", evidence)
+
+
+def restores_exact(ctx: _Context) -> Verdict:
+    """The variables after each restore are exactly those captured at the restored step: every model and
+    optimizer tensor, every shard, one step (the digests taken on the PS after capture and after restore)."""
+    name = "restore-exact"
+    captures: dict[int, list[Mapping[str, str]]] = {}
+    for c in ctx.trainer("capture"):
+        if c.type != "fail" and isinstance(c.value.get("digest"), Mapping):
+            captures.setdefault(int(c.value["step"]), []).append(c.value["digest"])
+    checked, problems, unknown = [], [], []
+    for r in ctx.trainer("restore", "ok"):
+        step, digest = int(r.value.get("step", 0)), r.value.get("digest")
+        if not r.value.get("source"):
+            continue  # nothing to restore: the job started fresh
+        if not isinstance(digest, Mapping):
+            unknown.append({"step": step, "why": "the trainer took no digest (--digest off)"})
+        elif step not in captures:
+            unknown.append({"step": step, "why": "no capture of that step in the history"})
+        elif any(digest.get("*") == c.get("*") for c in captures[step]):
+            checked.append({"step": step, "source": r.value.get("source"), "digest": str(digest.get("*"))[:16]})
+        else:
+            captured = captures[step][-1]
+            differ = sorted(k for k in set(digest) | set(captured) if k != "*" and digest.get(k) != captured.get(k))
+            problems.append({"step": step, "source": r.value.get("source"), "restore_at": r.start,
+                             "variables_differing": differ})  # fmt: skip
+    evidence = {"matched": checked, "mismatched": problems, "unchecked": unknown}
+    if problems:
+        return Verdict(name, "invalid", f"{len(problems)} restore(s) differ from what was captured", evidence)
+    if unknown or not checked:
+        return Verdict(name, "unknown", f"{len(checked)} restore(s) checked, {len(unknown)} could not be", evidence)
+    return Verdict(name, "valid", f"all {len(checked)} restores are bit-identical to their capture", evidence)
+
+
+def fault_outcomes(records: Iterable[Record]) -> list[dict[str, Any]]:
+    """Per injected fault: the restore that followed it (if any), lost steps, and seconds until training
+    made progress again (the first ``train`` invoked after the fault, and its heal, that completed ok)."""
+    ctx = _context(records)
+    return _fault_outcomes(ctx)
+
+
+def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
+    faults = [o for o in ctx.of(FAULTS) if o.process == "nemesis" and o.type == "ok"]
+    heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
+    trains = ctx.trainer("train", "ok")
+    restores = ctx.trainer("restore", "ok")
+    training = ctx.run.get("training", {})
+    out = []
+    for i, fault in enumerate(faults):
+        t = fault.end or fault.start
+        nxt = faults[i + 1].start if i + 1 < len(faults) else float("inf")
+        heal = next((h for h in heals if h.start >= t and h.value.get("target") == fault.value.get("target")), None)
+        after = heal.end if heal is not None and heal.end is not None else t
+        resumed = next((o for o in trains if o.start >= after), None)
+        restore = next((r for r in restores if t <= r.start < nxt), None)
+        lost = None
+        if restore is not None:
+            done_before = [int(o.value["step"]) for o in trains if (o.end or 0) <= restore.start]
+            lost = max(0, max(done_before, default=0) - int(restore.value.get("step", 0)))
+        bound = fault.value.get("max_lost_steps")
+        if bound is None:
+            memory_every, chunk = int(training.get("memory_every", 0)), int(training.get("chunk", 0))
+            durable_every = int(training.get("durable_every", 0))
+            loses_tier = fault.f == "kill-agent" and fault.value.get("target") == "chief"
+            bound = (durable_every if loses_tier else memory_every) + chunk
+        out.append(
+            {
+                "fault": fault.f,
+                "target": fault.value.get("target"),
+                "at": t,
+                "at_step": fault.value.get("at_step"),
+                "healed_at": heal.end if heal is not None else None,
+                "restored_step": int(restore.value["step"]) if restore is not None else None,
+                "restore_source": restore.value.get("source") if restore is not None else None,
+                "lost_steps": lost if restore is not None else 0,
+                "max_lost_steps": bound,
+                "recovery_seconds": (resumed.end - t) if resumed is not None and resumed.end is not None else None,
+            }
+        )
+    return out
+
+
+def lost_work_bounded(ctx: _Context) -> Verdict:
+    """Steps lost per fault stay within the policy bound (memory-tier cadence + one chunk by default; the durable
+    cadence when the fault takes the memory tier with it; a scenario may set its own ``max_lost_steps``)."""
+    name = "lost-work-bounded"
+    outcomes = _fault_outcomes(ctx)
+    over = [o for o in outcomes if o["lost_steps"] is not None and o["lost_steps"] > o["max_lost_steps"]]
+    evidence = {"faults": outcomes, "over_bound": over}
+    if not outcomes:
+        return Verdict(name, "unknown", "no fault was injected", evidence)
+    if over:
+        return Verdict(name, "invalid", f"{len(over)} fault(s) lost more steps than their bound", evidence)
+    lost = [o["lost_steps"] for o in outcomes]
+    return Verdict(name, "valid", f"{len(outcomes)} fault(s), lost steps {lost}, all within bound", evidence)
+
+
+def liveness(ctx: _Context) -> Verdict:
+    """Training reached its target step within the bound after the last fault was healed."""
+    name = "liveness"
+    target = ctx.run.get("target_step")
+    bound = float(ctx.run.get("liveness_seconds", 120.0))
+    trains = ctx.trainer("train", "ok")
+    faults = [o for o in ctx.of((*FAULTS, *HEALS)) if o.process == "nemesis" and o.type != "fail"]
+    last = max(((o.end or o.start) for o in faults), default=None)
+    reached = next((o for o in trains if target is not None and int(o.value["step"]) >= int(target)), None)
+    evidence = {"target_step": target, "last_fault_or_heal_at": last, "bound_seconds": bound,
+                "final_step": max((int(o.value["step"]) for o in trains), default=None)}  # fmt: skip
+    if target is None:
+        return Verdict(name, "unknown", "the history does not say the target step", evidence)
+    if reached is None or reached.end is None:
+        return Verdict(name, "invalid", f"the target step {target} was never reached", evidence)
+    took = reached.end - (last if last is not None else reached.end)
+    evidence["seconds_after_last_heal"] = took
+    if took > bound:
+        return Verdict(name, "invalid", f"reached step {target} {took:.1f}s after the last heal (> {bound:.0f}s)",
+                       evidence)  # fmt: skip
+    return Verdict(name, "valid", f"reached step {target} {max(took, 0.0):.1f}s after the last heal", evidence)
+
+
+def final_loss(ctx: _Context, reference: Sequence[Record] | None = None) -> Verdict:
+    """The final loss is within tolerance of a fault-free run of the same scenario and seed."""
+    name = "final-loss"
+    tolerance = float(ctx.run.get("loss_tolerance", 0.05))
+    ev = [o for o in ctx.trainer("eval", "ok") if o.value.get("loss") is not None]
+    loss = float(ev[-1].value["loss"]) if ev else None
+    evidence: dict[str, Any] = {"loss": loss, "tolerance": tolerance}
+    if loss is None:
+        return Verdict(name, "unknown", "the trainer recorded no final loss", evidence)
+    if reference is None:
+        return Verdict(name, "unknown", "no fault-free reference run (checks.reference, --reference)", evidence)
+    ref_ctx = _context(reference)
+    ref = [o for o in ref_ctx.trainer("eval", "ok") if o.value.get("loss") is not None]
+    if not ref:
+        return Verdict(name, "unknown", "the reference run recorded no final loss", evidence)
+    ref_loss = float(ref[-1].value["loss"])
+    evidence.update({"reference_loss": ref_loss, "difference": abs(loss - ref_loss),
+                     "reference_seed": ref_ctx.run.get("seed"), "seed": ctx.run.get("seed")})  # fmt: skip
+    if abs(loss - ref_loss) > tolerance:
+        return Verdict(name, "invalid", f"final loss {loss:.4f} vs fault-free {ref_loss:.4f} (> {tolerance})", evidence)
+    return Verdict(name, "valid", f"final loss {loss:.4f} vs fault-free {ref_loss:.4f}", evidence)
+
+
+def no_leaks(ctx: _Context) -> Verdict:
+    """After the run, every process it started is gone, every port it used is free, no temporary file is left,
+    and the harness runs no extra thread."""
+    name = "no-leaks"
+    if ctx.cleanup is None:
+        return Verdict(name, "unknown", "the history has no cleanup record")
+    keys = ("alive_pids", "busy_ports", "temp_files", "threads")
+    leaked = {k: ctx.cleanup.get(k, []) for k in keys if ctx.cleanup.get(k)}
+    evidence = {**{k: ctx.cleanup.get(k, []) for k in keys}, "pids_started": len(ctx.cleanup.get("pids_seen", []))}
+    if leaked:
+        return Verdict(name, "invalid", "leaked: " + ", ".join(f"{k} {v}" for k, v in leaked.items()), evidence)
+    return Verdict(name, "valid", f"all {evidence['pids_started']} processes gone, ports free, no temp files", evidence)
+
+
+def faults_injected(ctx: _Context) -> Verdict:
+    """Every scheduled fault was injected (a run where the nemesis missed is no evidence) and every heal done."""
+    name = "faults-injected"
+    scheduled = int(ctx.run.get("faults_scheduled", 0))
+    faults = [o for o in ctx.of(FAULTS) if o.process == "nemesis"]
+    failed = [
+        {"f": o.f, "target": o.value.get("target"), "why": o.value.get("error")} for o in faults if o.type != "ok"
+    ]
+    heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
+    unhealed = [o.f for o in heals if o.type != "ok"]
+    fired = {o.value.get("fault") for o in faults}
+    evidence = {"scheduled": scheduled, "fired": len(fired), "not_injected": failed, "heals_failed": unhealed}
+    if len(fired) < scheduled:
+        return Verdict(name, "invalid", f"only {len(fired)} of {scheduled} scheduled faults fired", evidence)
+    if failed or unhealed:
+        return Verdict(
+            name, "invalid", f"{len(failed)} fault(s) not injected, {len(unhealed)} heal(s) failed", evidence
+        )
+    return Verdict(name, "valid", f"all {scheduled} faults injected and healed", evidence)
+
+
+CHECKERS: dict[str, Callable[[_Context], Verdict]] = {
+    "faults-injected": faults_injected,
+    "durable-commits-kept": durable_commits_kept,
+    "no-torn-checkpoint": no_torn_checkpoint,
+    "restore-newest": restores_newest,
+    "restore-exact": restores_exact,
+    "lost-work-bounded": lost_work_bounded,
+    "liveness": liveness,
+    "final-loss": final_loss,
+    "no-leaks": no_leaks,
+}
+
+
+def check_all(records: Sequence[Record], reference: Sequence[Record] | None = None) -> dict[str, Verdict]:
+    """Run every checker over ``records`` (and a fault-free ``reference`` history for the loss checker)."""
+    ctx = _context(records)
+    out: dict[str, Verdict] = {}
+    for name, checker in CHECKERS.items():
+        out[name] = final_loss(ctx, reference) if checker is final_loss else checker(ctx)
+    return out
+
+
+def overall(verdicts: Mapping[str, Verdict]) -> Status:
+    """Invalid if any is; valid if all are; unknown otherwise."""
+    statuses = {v.status for v in verdicts.values()}
+    if "invalid" in statuses:
+        return "invalid"
+    return "valid" if statuses == {"valid"} else "unknown"

@@ -1,0 +1,99 @@
+"""``psguard chaos run SCENARIO.yaml`` and ``psguard chaos check history.jsonl``.
+
+Exit codes: 0 every checker valid; 1 a checker found the run invalid (or the run failed); 2 bad input (a
+scenario that does not validate names the key); 5 no checker invalid but some could not decide (unknown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+from pathlib import Path
+
+from psguard.errors import ConfigError
+
+EXIT_UNKNOWN = 5
+
+
+def _print_verdicts(report: dict[str, object], directory: Path | None) -> None:
+    verdicts = report["verdicts"]
+    assert isinstance(verdicts, dict)
+    for name, v in verdicts.items():
+        print(f"  {v['status']:8} {name}: {v['summary']}")
+    print(f"overall: {report['overall']}")
+    if directory is not None:
+        print(f"report: {directory / 'report.json'}, {directory / 'report.md'}, {directory / 'timeline.png'}")
+
+
+def _exit_code(overall: str) -> int:
+    return {"valid": 0, "invalid": 1}.get(overall, EXIT_UNKNOWN)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from psguard.chaos.runner import DEFAULT_JOB, run_with_reference
+    from psguard.chaos.scenario import load_scenario
+
+    scenario = load_scenario(args.scenario)
+    directory = Path(args.report or f"chaos-runs/{scenario.name}-seed{args.seed}")
+    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        if args.baseline:
+            from psguard.chaos.baseline import run_side_by_side
+
+            result = run_side_by_side(scenario, directory, seed=args.seed)
+        else:
+            result = run_with_reference(scenario, directory, seed=args.seed, job=args.job or DEFAULT_JOB)
+    except KeyboardInterrupt:
+        print("psguard chaos: interrupted; every process the run started was stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _print_verdicts(result.report, result.directory)
+    return _exit_code(result.overall)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from psguard.chaos.checkers import check_all, overall
+    from psguard.chaos.history import read_history
+    from psguard.chaos.report import write_report
+
+    path = Path(args.history)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such history file")
+    records = read_history(path)
+    reference = read_history(args.reference) if args.reference else None
+    verdicts = check_all(records, reference)
+    if args.write_report:
+        report = write_report(path.parent, records, verdicts)
+    else:
+        report = {"verdicts": {n: v.to_json() for n, v in verdicts.items()}, "overall": overall(verdicts)}
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    else:
+        _print_verdicts(report, path.parent if args.write_report else None)
+    return _exit_code(overall(verdicts))
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "chaos",
+        help="inject faults into a real local PS job and check the history (kill, pause, storage faults)",
+        description="Chaos runs on a real localhost cluster under psguard agents; see chaos/*.yaml.",
+    )
+    chaos = p.add_subparsers(dest="chaos_command", metavar="{run,check}")
+    chaos.required = True
+    run = chaos.add_parser("run", help="run a scenario and judge its history")
+    run.add_argument("scenario", metavar="SCENARIO.yaml")
+    run.add_argument("--seed", type=int, default=0, help="seeds the random faults, the model and the data")
+    run.add_argument("--report", metavar="DIR", help="run folder (recreated; default chaos-runs/NAME-seedS)")
+    run.add_argument("--job", metavar="MODULE:FUNC", help="the trainer (default psguard.demo_trainer:main)")
+    run.add_argument("--baseline", action="store_true", help="also run the plain-TF practice, side by side")
+    run.set_defaults(func=cmd_run)
+    check = chaos.add_parser("check", help="run the checkers again over a history file")
+    check.add_argument("history", metavar="history.jsonl")
+    check.add_argument("--reference", metavar="history.jsonl", help="a fault-free run's history (final loss)")
+    check.add_argument("--write-report", action="store_true", help="rewrite report.json/.md/.png beside it")
+    check.add_argument("--json", action="store_true")
+    check.set_defaults(func=cmd_check)

@@ -1,0 +1,163 @@
+"""A localhost parameter-server cluster with every task under its own ``psguard agent`` process.
+
+Shared by ``psguard demo`` and ``psguard chaos run``: both need the same thing, real agents supervising real
+TF servers and a real trainer, started and stopped the same way, so that what the chaos harness proves is
+about the setup the demo shows. The harness also restarts an agent it killed (a node coming back): an agent
+keeps its HTTP port across restarts so the chief's agent, which knows its peers by URL, finds it again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from psguard.errors import PsguardError
+
+QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
+AGENT_CONFIG = """\
+probe: {interval: 0.5, deadline: 1.0, failure_threshold: 3, startup_timeout: 180}
+supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 10}
+peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
+persister: {retry_after: 1}
+"""
+
+__all__ = ["AGENT_CONFIG", "QUIET", "AgentProcess", "LaunchError", "ProgressReader", "write_cluster"]
+
+
+class LaunchError(PsguardError):
+    """The cluster could not go on (an agent died, a deadline passed)."""
+
+
+class AgentProcess:
+    """One ``psguard agent`` subprocess, its log in ``<dir>/agent.log`` and its HTTP URL from ``--ready-file``."""
+
+    def __init__(
+        self,
+        directory: Path,
+        name: str,
+        args: Sequence[str],
+        command: Sequence[str] = (),
+        *,
+        env: Mapping[str, str] | None = None,
+        config: str = AGENT_CONFIG,
+    ) -> None:
+        self.name = name
+        self.dir = directory / name
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.ready_file = self.dir / "url"
+        self.log_path = self.dir / "agent.log"
+        self._config = self.dir / "agent.yaml"
+        self._config.write_text(config)
+        self._args = list(args)
+        self._command = list(command)
+        self._env = dict(os.environ, **QUIET, **(env or {}))
+        self._url: str | None = None
+        self.starts = 0
+        self.pids: list[int] = []
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._spawn([])
+
+    def _spawn(self, extra: Sequence[str]) -> None:
+        argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *self._args, *extra, "--config", str(self._config)]
+        argv += ["--ready-file", str(self.ready_file)]
+        if self._command:
+            argv += ["--", *self._command]
+        self.ready_file.unlink(missing_ok=True)
+        # Its own session: Ctrl-C reaches the parent only, which then stops the agents in order.
+        self.proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
+        )
+        self.starts += 1
+        self.pids.append(self.proc.pid)
+
+    def restart(self) -> None:
+        """Start the agent again after it died (it was killed), on the same HTTP port."""
+        if self.proc.poll() is None:
+            raise LaunchError(f"agent {self.name} is still running (pid {self.proc.pid})")
+        port = self._url.rsplit(":", 1)[1] if self._url else None
+        self._url = None
+        self._spawn(["--http-port", port] if port else [])
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def wait_url(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while self._url is None:
+            if self.proc.poll() is not None:
+                raise LaunchError(f"agent {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready_file.exists() and (text := self.ready_file.read_text().strip()):
+                self._url = text
+            elif time.monotonic() > deadline:
+                raise LaunchError(f"agent {self.name} did not serve HTTP within {timeout:.0f}s")
+            else:
+                time.sleep(0.05)
+        return self._url
+
+    @property
+    def url(self) -> str | None:
+        return self._url
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        from psguard.agent import http_json
+
+        code, doc = http_json("GET", f"{self.wait_url(60)}/status", timeout=timeout)
+        if code != 200 or not isinstance(doc, dict):
+            raise LaunchError(f"agent {self.name}: /status answered HTTP {code}")
+        return doc
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the agent and whatever it left in its session
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+
+def write_cluster(
+    directory: Path, ps: int, workers: int, *, name: str = "cluster.json"
+) -> tuple[Path, dict[str, list[str]]]:
+    """``cluster.json`` on free loopback ports: one chief, ``ps`` PS tasks, ``workers`` workers."""
+    from psguard.testbed.ports import free_ports
+
+    ports = free_ports(1 + ps + workers)
+    spec = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "ps": [f"127.0.0.1:{p}" for p in ports[1 : 1 + ps]],
+        "worker": [f"127.0.0.1:{p}" for p in ports[1 + ps :]],
+    }
+    path = directory / name
+    path.write_text(json.dumps(spec, indent=2))
+    return path, spec
+
+
+class ProgressReader:
+    """Reads the complete lines the trainer appended since the last call."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        return [json.loads(line) for line in lines if line.strip()]

@@ -1,0 +1,295 @@
+"""The nemesis: injects the scenario's faults into the running cluster and storage, recording each one first.
+
+Every fault is an operation of process ``nemesis`` in the history: its invoke (what, on which task, and the
+pids it is about to signal) is written and fsynced *before* the signal is sent or the byte flipped, its
+completion after. Pids come from the agents' ``/status`` (``pid`` is the task, ``agent_pid`` the agent), read at
+the moment of the fault, so a task restarted by its agent is hit in its current incarnation. Faults that last
+(a pause, a dead agent, a storage outage) get a heal operation when their ``duration`` is over; before the
+run ends every open fault is healed, as Jepsen's final phase does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from psguard.chaos.history import HistoryWriter
+from psguard.chaos.launcher import AgentProcess
+from psguard.chaos.scenario import Fault, Scenario, expand_targets
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Nemesis", "StorageControl", "chain_members", "damage_chunk"]
+
+NEMESIS = "nemesis"
+
+
+class StorageControl(Protocol):
+    """What the nemesis needs from a storage server it can take down (``SeaweedS3`` has it)."""
+
+    def stop(self, timeout: float | None = None) -> None: ...
+
+    def restart(self) -> Any: ...
+
+
+@dataclass
+class _Pending:
+    """A fault whose heal is due at ``due`` (monotonic)."""
+
+    due: float
+    name: str
+    heal: Callable[[], dict[str, Any]]
+    value: dict[str, Any]
+
+
+def _manifest_refs(doc: Mapping[str, Any]) -> set[str]:
+    body = doc.get("body", {})
+    out: set[str] = set()
+    for entry in body.get("tensors", {}).values():
+        for chunk in entry.get("chunks", []) or []:
+            out.add(chunk["hash"])
+        for seg in entry.get("segments", []) or []:
+            out.add(seg["ids"]["hash"])
+            out.add(seg["values"]["hash"])
+    return out
+
+
+def chain_members(store_dir: Path) -> dict[str, tuple[str | None, set[str]]]:
+    """Per checkpoint id of a local store: its parent and the chunk hashes its manifest references."""
+    import json
+
+    out: dict[str, tuple[str | None, set[str]]] = {}
+    for path in sorted((store_dir / "manifests").glob("*.json")):
+        doc = json.loads(path.read_text())
+        body = doc.get("body", {})
+        out[str(body["id"])] = (body.get("parent"), _manifest_refs(doc))
+    return out
+
+
+def affected_checkpoints(members: Mapping[str, tuple[str | None, set[str]]], chunk: str) -> list[str]:
+    """Every checkpoint whose chain (itself, its parent, ... its base) references ``chunk``."""
+    out = []
+    for cid in members:
+        cur: str | None = cid
+        seen = 0
+        while cur is not None and cur in members and seen < 10_000:
+            parent, refs = members[cur]
+            if chunk in refs:
+                out.append(cid)
+                break
+            cur, seen = parent, seen + 1
+    return sorted(out)
+
+
+def damage_chunk(store_dir: Path, mode: str, rng: random.Random) -> dict[str, Any]:
+    """Flip one bit of (``corrupt``) or cut short (``truncate``) the largest chunk of the newest checkpoint.
+
+    The largest chunk holds embedding rows: the part a restore cannot do without. Returns what was done and
+    which checkpoints it makes unusable (every one whose chain references the chunk).
+    """
+    members = chain_members(store_dir)
+    if not members:
+        raise RuntimeError(f"no checkpoint in {store_dir} to damage yet")
+    newest = max(members)  # ids sort by step
+    import json
+
+    doc = json.loads((store_dir / "manifests" / f"{newest}.json").read_text())
+    sizes: dict[str, int] = {}
+    for entry in doc["body"]["tensors"].values():
+        for chunk in entry.get("chunks", []) or []:
+            sizes[chunk["hash"]] = int(chunk["size"])
+        for seg in entry.get("segments", []) or []:
+            sizes[seg["values"]["hash"]] = int(seg["values"]["size"])
+    chunk = max(sorted(sizes), key=lambda h: sizes[h])
+    path = store_dir / "chunks" / chunk[:2] / chunk
+    data = bytearray(path.read_bytes())
+    if mode == "corrupt":
+        offset = rng.randrange(len(data))
+        bit = rng.randrange(8)
+        data[offset] ^= 1 << bit
+        detail: dict[str, Any] = {"offset": offset, "bit": bit}
+    else:
+        cut = rng.randrange(len(data))
+        data = data[:cut]
+        detail = {"truncated_to": cut, "size": len(path.read_bytes())}
+    tmp = path.with_name(path.name + ".chaos")
+    tmp.write_bytes(bytes(data))
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return {
+        "checkpoint": newest,
+        "chunk": chunk,
+        "mode": mode,
+        **detail,
+        "affected": affected_checkpoints(members, chunk),
+    }
+
+
+class Nemesis:
+    """Fires the scenario's faults when their trigger comes and heals them after their duration."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        faults: list[Fault],
+        history: HistoryWriter,
+        agents: Mapping[str, AgentProcess],
+        *,
+        store_dir: Path | None,
+        storage: StorageControl | None,
+        seed: int,
+    ) -> None:
+        self.scenario = scenario
+        self.pending = list(faults)
+        self.history = history
+        self.agents = agents
+        self.store_dir = store_dir
+        self.storage = storage
+        self.rng = random.Random(seed ^ 0x5EED)
+        self._heals: list[_Pending] = []
+        self.fired: list[Fault] = []
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self._heals
+
+    @property
+    def healing(self) -> bool:
+        return bool(self._heals)
+
+    def tick(self, step: int | None, elapsed: float | None) -> None:
+        """Fire every fault whose trigger has come (``step``: the trainer's last reported step; ``elapsed``:
+        seconds since the trainer started) and heal every fault whose duration is over."""
+        now = time.monotonic()
+        for pending in [p for p in self._heals if p.due <= now]:
+            self._heals.remove(pending)
+            self._run(pending.name, pending.value, pending.heal)
+        while self.pending and not self._heals:  # one fault at a time: a fault lands on a healed cluster
+            fault = self.pending[0]
+            due = (fault.at_step is not None and step is not None and step >= fault.at_step) or (
+                fault.at_time is not None and elapsed is not None and elapsed >= fault.at_time
+            )
+            if not due:
+                return
+            self.pending.pop(0)
+            self.fired.append(fault)
+            self._fire(fault, step)
+
+    def heal_all(self) -> None:
+        """Heal every open fault now (the final phase, and on the way out of a failed run)."""
+        heals, self._heals = self._heals, []
+        for pending in heals:
+            self._run(pending.name, pending.value, pending.heal)
+
+    # ------------------------------------------------------------------------------------------ faults
+    def _run(self, f: str, value: dict[str, Any], act: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        """Record the invoke, act, record the completion (``info`` when it raised: effect unknown)."""
+        self.history.append(NEMESIS, "invoke", f, value)
+        try:
+            result = act()
+        except Exception as e:
+            log.warning("nemesis %s %s: %s", f, value, e)
+            self.history.append(NEMESIS, "info", f, {**value, "error": str(e)[:300]})
+            return None
+        self.history.append(NEMESIS, "ok", f, {**value, **result})
+        return result
+
+    def _fire(self, fault: Fault, step: int | None) -> None:
+        base = {"fault": fault.describe(), "at_step": step, "trigger": fault.trigger}
+        if fault.max_lost_steps is not None:
+            base["max_lost_steps"] = fault.max_lost_steps
+        if fault.action in ("corrupt-chunk", "truncate-chunk"):
+            mode = "corrupt" if fault.action == "corrupt-chunk" else "truncate"
+            store_dir = self.store_dir
+            if store_dir is None:
+                raise RuntimeError("chunk damage needs a local store folder")
+            self._run(fault.action, {**base, "target": "store"}, lambda: damage_chunk(store_dir, mode, self.rng))
+            return
+        if fault.action == "storage-outage":
+            storage = self.storage
+            if storage is None:
+                raise RuntimeError("storage-outage needs a storage server")
+
+            def stop() -> dict[str, Any]:
+                storage.stop(timeout=10)
+                return {}
+
+            def start() -> dict[str, Any]:
+                storage.restart()
+                return {}
+
+            if self._run("storage-stop", {**base, "target": "store"}, stop) is not None:
+                self._heals.append(
+                    _Pending(time.monotonic() + fault.duration, "storage-start", start, {"target": "store"})
+                )
+            return
+        for target in expand_targets(fault.target, self.scenario.cluster):
+            self._fire_on_task(fault, target, base)
+
+    def _agent(self, target: str) -> AgentProcess:
+        name = "chief" if target == "chief" else target.replace(":", "")
+        return self.agents[name]
+
+    def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
+        agent = self._agent(target)
+        try:
+            status = agent.status(timeout=5)
+            pid, agent_pid = status.get("pid"), int(status["agent_pid"])
+        except Exception as e:  # the agent is down: the fault cannot be aimed; record that it was not injected
+            self.history.append(NEMESIS, "invoke", fault.action, {**base, "target": target})
+            self.history.append(NEMESIS, "fail", fault.action, {**base, "target": target, "error": str(e)[:300]})
+            return
+        value = {**base, "target": target, "pid": pid, "agent_pid": agent_pid}
+        if fault.action in ("kill", "terminate"):
+            sig = signal.SIGKILL if fault.action == "kill" else signal.SIGTERM
+            if pid is None:
+                self.history.append(NEMESIS, "invoke", fault.action, value)
+                self.history.append(NEMESIS, "fail", fault.action, {**value, "error": "the task is not running"})
+                return
+            self._run(fault.action, {**value, "signal": sig.name}, lambda: _signal(int(pid), sig))
+        elif fault.action == "pause":
+            if pid is None:
+                self.history.append(NEMESIS, "invoke", "pause", value)
+                self.history.append(NEMESIS, "fail", "pause", {**value, "error": "the task is not running"})
+                return
+            if (
+                self._run("pause", {**value, "signal": "SIGSTOP"}, lambda: _signal(int(pid), signal.SIGSTOP))
+                is not None
+            ):
+                heal = {"target": target, "pid": pid, "signal": "SIGCONT"}
+                self._heals.append(
+                    _Pending(
+                        time.monotonic() + fault.duration, "resume", lambda: _signal(int(pid), signal.SIGCONT), heal
+                    )
+                )
+        elif fault.action == "kill-agent":
+            done = self._run("kill-agent", {**value, "signal": "SIGKILL"}, lambda: _kill_agent(agent))
+            if done is not None:
+                self._restart_later(agent, target, fault.duration)
+
+    def _restart_later(self, agent: AgentProcess, target: str, after: float) -> None:
+        """The agent is down: start it again after ``after`` seconds (a node rebooting, a pod rescheduled)."""
+
+        def restart() -> dict[str, Any]:
+            agent.restart()
+            return {"agent_pid": agent.proc.pid, "url": agent.wait_url(120)}
+
+        self._heals.append(_Pending(time.monotonic() + after, "start-agent", restart, {"target": target}))
+
+
+def _signal(pid: int, sig: signal.Signals) -> dict[str, Any]:
+    os.kill(pid, sig)
+    return {}
+
+
+def _kill_agent(agent: AgentProcess) -> dict[str, Any]:
+    agent.proc.send_signal(signal.SIGKILL)
+    agent.proc.wait(30)  # reaped: its task dies with it (parent-death signal)
+    return {"exit": agent.proc.returncode}

@@ -1,0 +1,173 @@
+"""The chaos report: ``report.json`` (verdicts, per-fault recovery and lost steps, goodput), ``report.md`` for
+people, ``timeline.png`` (step over time per trainer process, faults and heals marked, restores starred).
+
+Everything here is derived from the history (and the checkers' verdicts over it), so a report can be rebuilt
+from ``history.jsonl`` alone by ``psguard chaos check``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from psguard.chaos.checkers import FAULTS, HEALS, Verdict, fault_outcomes, overall
+from psguard.chaos.history import Op, Record, operations
+
+__all__ = ["goodput", "write_report"]
+
+
+def goodput(ops: Sequence[Op], target: int | None) -> dict[str, Any]:
+    """Useful steps per second of training wall time, and the share of trained steps that were kept."""
+    trains = [o for o in ops if o.f == "train" and o.process.startswith("trainer")]
+    ok = [o for o in trains if o.type == "ok" and o.end is not None]
+    if not ok:
+        return {"steps_per_second": None, "seconds": None, "steps_trained": 0, "useful_fraction": None}
+    start = min(o.start for o in trains)
+    reached = next((o for o in ok if target is not None and int(o.value["step"]) >= target), ok[-1])
+    seconds = (reached.end or reached.start) - start
+    final = int(reached.value["step"])
+    trained = sum(int(o.value.get("steps", 0)) for o in trains)  # every chunk scheduled, kept or lost
+    return {
+        "steps_per_second": final / seconds if seconds > 0 else None,
+        "seconds": seconds,
+        "final_step": final,
+        "steps_scheduled": trained,
+        "useful_fraction": final / trained if trained else None,
+    }
+
+
+def write_report(
+    directory: Path,
+    records: Sequence[Record],
+    verdicts: Mapping[str, Verdict],
+    *,
+    wall_seconds: float | None = None,
+    scenario: Any = None,
+) -> dict[str, Any]:
+    ops = operations(records)
+    run = next((o.value for o in ops if o.process == "harness" and o.f == "run"), {})
+    outcomes = fault_outcomes(records)
+    target = run.get("target_step")
+    report: dict[str, Any] = {
+        "scenario": run.get("scenario"),
+        "proves": run.get("proves"),
+        "seed": run.get("seed"),
+        "mode": run.get("mode", "psguard"),
+        "overall": overall(verdicts),
+        "verdicts": {name: v.to_json() for name, v in verdicts.items()},
+        "faults": outcomes,
+        "goodput": goodput(ops, int(target) if target is not None else None),
+        "wall_seconds": wall_seconds,
+        "schedule": run.get("schedule", []),
+    }
+    (directory / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    (directory / "report.md").write_text(_markdown(report))
+    with contextlib.suppress(ImportError):  # matplotlib is a dependency; a stripped install still gets the rest
+        _timeline(ops, report, directory / "timeline.png")
+    return report
+
+
+def _markdown(report: Mapping[str, Any]) -> str:
+    lines = [f"# chaos: {report['scenario']} (seed {report['seed']}, {report['mode']}): **{report['overall']}**", ""]
+    if report.get("proves"):
+        lines += [str(report["proves"]).strip(), ""]
+    if report.get("baseline"):
+        lines += _side_by_side(report), ""
+    lines += ["| checker | verdict | summary |", "| --- | --- | --- |"]
+    for name, v in report["verdicts"].items():
+        lines.append(f"| {name} | {v['status']} | {v['summary']} |")
+    lines += ["", "| fault | target | at step | restored step | source | lost steps (bound) | recovery s |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for f in report["faults"]:
+        rec = "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.1f}"
+        restored = "-" if f["restored_step"] is None else f["restored_step"]
+        lines.append(
+            f"| {f['fault']} | {f['target']} | {f['at_step']} | {restored}"
+            f" | {f['restore_source'] or '-'} | {f['lost_steps']} ({f['max_lost_steps']}) | {rec} |"
+        )
+    g = report["goodput"]
+    if g.get("steps_per_second") is not None:
+        lines += ["", f"Goodput: {g['steps_per_second']:.1f} steps/s over {g['seconds']:.1f}s of training; "
+                  f"{g['useful_fraction']:.0%} of scheduled steps kept."]  # fmt: skip
+    if report.get("wall_seconds") is not None:
+        lines += [f"Wall time: {report['wall_seconds']:.0f}s."]
+    return "\n".join(lines) + "\n"
+
+
+def _side_by_side(report: Mapping[str, Any]) -> str:
+    b = report["baseline"]
+    rows = ["| | psguard | baseline (plain TF) |", "| --- | --- | --- |"]
+    g, bg = report["goodput"], b["goodput"]
+
+    def fmt(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    rows.append(
+        f"| goodput (steps/s) | {fmt(g.get('steps_per_second'), '.1f')} | {fmt(bg.get('steps_per_second'), '.1f')} |"
+    )
+    rec = [f["recovery_seconds"] for f in report["faults"]]
+    brec = [f["recovery_seconds"] for f in b["faults"]]
+    rows.append(f"| recovery s per fault | {_list(rec)} | {_list(brec)} |")
+    rows.append(f"| lost steps per fault | {[f['lost_steps'] for f in report['faults']]} | "
+                f"{[f['lost_steps'] for f in b['faults']]} |")  # fmt: skip
+    return "\n".join(rows)
+
+
+def _list(values: Sequence[float | None]) -> str:
+    return "[" + ", ".join("-" if v is None else f"{v:.1f}" for v in values) + "]"
+
+
+def _timeline(ops: Sequence[Op], report: Mapping[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trains = [o for o in ops if o.f == "train" and o.type == "ok" and o.end is not None]
+    if not ops:
+        return
+    t0 = min(o.start for o in ops if o.process.startswith("trainer")) if trains else ops[0].start
+    fig, ax = plt.subplots(figsize=(11, 5), dpi=100)
+    processes = sorted({o.process for o in trains}, key=lambda p: min(o.start for o in trains if o.process == p))
+    colors = plt.get_cmap("tab10")
+    for i, proc in enumerate(processes):
+        mine = [o for o in trains if o.process == proc]
+        # One line per generation: the step falls back at a restore.
+        xs: list[float] = []
+        ys: list[int] = []
+        first = True
+        for o in mine:
+            step = int(o.value["step"])
+            if ys and step < ys[-1]:
+                ax.plot(xs, ys, color=colors(i), lw=1.6, label=proc if first else None)
+                first, xs, ys = False, [], []
+            xs.append((o.end or o.start) - t0)
+            ys.append(step)
+        ax.plot(xs, ys, color=colors(i), lw=1.6, label=proc if first else None)
+    for o in ops:
+        if o.process == "nemesis" and o.f in FAULTS and o.type == "ok":
+            ax.axvline(o.start - t0, color="tab:red", ls="--", lw=1.2)
+            ax.annotate(f"{o.f} {o.value.get('target')}", (o.start - t0, 0), rotation=90, fontsize=7, color="tab:red",
+                        xytext=(2, 4), textcoords="offset points")  # fmt: skip
+        elif o.process == "nemesis" and o.f in HEALS and o.type == "ok":
+            ax.axvline(o.start - t0, color="tab:green", ls=":", lw=1.2)
+    restores = [o for o in ops if o.f == "restore" and o.type == "ok" and o.value.get("source")]
+    if restores:
+        ax.scatter([(o.end or o.start) - t0 for o in restores], [int(o.value["step"]) for o in restores], marker="*",
+                   s=160, color="tab:orange", zorder=4, label="restore")  # fmt: skip
+    commits = [o for o in ops if o.f == "durable-commit" and o.type == "ok" and o.end is not None]
+    if commits:
+        ax.scatter([(o.end or 0) - t0 for o in commits], [int(o.value["step"]) for o in commits], marker="D", s=18,
+                   color="tab:purple", zorder=3, label="durable commit")  # fmt: skip
+    ax.set_xlabel("seconds since the first trainer operation")
+    ax.set_ylabel("training step")
+    ax.set_title(f"chaos {report['scenario']} (seed {report['seed']}): {report['overall']}  "
+                 "(red: fault, green: heal)")  # fmt: skip
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,388 @@
+"""``psguard chaos run``: storage, a cluster under agents, a training job and the nemesis; then the verdicts.
+
+The order of a run, and why:
+
+1. ``history.jsonl`` is created first and the run's parameters are its first operation: every later record
+   can be judged against them, and a run that cannot write its history does not start.
+2. The storage, then the PS and worker agents, then the chief's agent with the trainer (as in ``psguard demo``).
+3. The loop: the trainer's ``op`` lines are copied into the history (with their own monotonic times), the
+   nemesis fires the faults whose step or time has come and heals them after their duration. The loop ends when
+   the chief's agent exits (the trainer reached its target) or the scenario's time limit is spent.
+4. Every open fault is healed, every agent stopped (the chief's first: it drains its persister), then the
+   store is read back whole (``final-store``: every checkpoint verified) and stopped, and the clean-up audited
+   (``cleanup``: processes, ports, temporary files): both are operations of the history, so the checkers need
+   nothing else. This runs in ``finally``: a failed or interrupted run still stops every process it started.
+5. The checkers, ``report.json``, ``report.md`` and ``timeline.png``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from psguard.chaos.checkers import Verdict, check_all, overall
+from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_history
+from psguard.chaos.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
+from psguard.chaos.nemesis import Nemesis
+from psguard.chaos.scenario import Scenario
+
+__all__ = ["DEFAULT_JOB", "RunResult", "run_scenario"]
+
+HARNESS = "harness"
+DEFAULT_JOB = "psguard.demo_trainer:main"
+_CLEANUP_WAIT = 15.0
+
+
+@dataclass
+class RunResult:
+    directory: Path
+    verdicts: dict[str, Verdict]
+    overall: str
+    report: dict[str, Any]
+
+
+def _descendants(root: int) -> set[int]:
+    """Every live descendant of ``root``, from /proc (zombies excluded: they hold nothing)."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            parent_of[int(entry)] = int(fields[1])
+    out: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {p for p, pp in parent_of.items() if pp in frontier and p not in out}
+        out |= frontier
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _job_command(job: str) -> list[str]:
+    """``MODULE:FUNC`` called with the trainer's argv (the contract of :func:`psguard.demo_trainer.main`)."""
+    module, _, func = job.partition(":")
+    if not module or not func:
+        raise LaunchError(f"--job: expected MODULE:FUNC (e.g. {DEFAULT_JOB}), got {job!r}")
+    code = f"import sys, {module} as m; sys.exit(m.{func}(sys.argv[1:]))"
+    return [sys.executable, "-c", code]
+
+
+class _Run:
+    """One run's mutable state; :func:`run_scenario` drives it."""
+
+    def __init__(
+        self,
+        scenario: Scenario,
+        directory: Path,
+        *,
+        seed: int,
+        job: str,
+        faults: bool,
+        say: Callable[[str], None],
+    ) -> None:
+        self.scenario = scenario
+        self.dir = directory
+        self.seed = seed
+        self.job = job
+        self.say = say
+        self.schedule = scenario.schedule(seed) if faults else []
+        self.history = HistoryWriter(directory / "history.jsonl")
+        self.agents: dict[str, AgentProcess] = {}
+        self.pids_seen: set[int] = set()
+        self.ports: list[int] = []
+        self.storage: Any = None
+        self.store_url = ""
+        self.storage_options: dict[str, Any] = {}
+        self.store_dir: Path | None = None
+        self.started_at: float | None = None
+        self.step: int | None = None
+        self.threads_before = {t.ident for t in threading.enumerate()}
+
+    # ------------------------------------------------------------------------------------------ phases
+    def record_run(self) -> None:
+        s = self.scenario
+        value = {
+            "scenario": s.name,
+            "proves": s.proves,
+            "seed": self.seed,
+            "job": self.job,
+            "mode": "psguard",
+            "target_step": s.training.steps,
+            "training": asdict(s.training),
+            "cluster": asdict(s.cluster),
+            "storage": s.storage.kind,
+            "liveness_seconds": s.checks.liveness,
+            "loss_tolerance": s.checks.loss_tolerance,
+            "time_limit": s.time_limit,
+            "faults_scheduled": len(self.schedule),
+            "schedule": [f.describe() for f in self.schedule],
+        }
+        self.history.append(HARNESS, "invoke", "run", value)
+        self.history.append(HARNESS, "ok", "run", value)
+
+    def start_storage(self) -> None:
+        if self.scenario.storage.kind == "s3":
+            from psguard.testbed.s3 import SeaweedS3
+
+            self.storage = SeaweedS3(self.dir / "s3", bucket="psguard-chaos")
+            self.storage.start()
+            self.store_url = self.storage.url("job")
+            self.storage_options = self.storage.storage_options
+            self.ports.append(self.storage.port)
+        else:
+            self.store_dir = self.dir / "store"
+            self.store_url = str(self.store_dir)
+
+    def start_cluster(self) -> None:
+        s = self.scenario
+        cluster, spec = write_cluster(self.dir, ps=s.cluster.ps, workers=s.cluster.workers)
+        self.ports += [int(a.rsplit(":", 1)[1]) for addrs in spec.values() for a in addrs]
+        env = dict(self.storage.env) if self.storage is not None else {}
+        base = ["--cluster", str(cluster)]
+        root = self.dir / "agents"
+        for role, count in (("ps", s.cluster.ps), ("worker", s.cluster.workers)):
+            for i in range(count):
+                self.agents[f"{role}{i}"] = AgentProcess(
+                    root, f"{role}{i}", ["--role", role, "--index", str(i), *base], env=env
+                )
+        peers = [arg for a in self.agents.values() for arg in ("--peer", a.wait_url(180))]
+        t = s.training
+        trainer = _job_command(self.job)
+        trainer += ["--store", self.store_url, "--progress", str(self.dir / "progress.jsonl"), "--fsync", "--digest"]
+        trainer += ["--steps", str(t.steps), "--kill-at", str(t.steps), "--chunk", str(t.chunk)]
+        trainer += ["--memory-every", str(t.memory_every), "--durable-every", str(t.durable_every)]
+        trainer += ["--vocab", str(t.vocab), "--dim", str(t.dim), "--batch", str(t.batch), "--seed", str(self.seed)]
+        chief_args = ["--role", "chief", "--index", "0", *base, "--store", self.store_url]
+        chief_args += ["--spool", str(self.dir / "spool"), *peers]
+        self.agents["chief"] = AgentProcess(root, "chief", chief_args, trainer, env=env)
+        for a in self.agents.values():
+            url = a.wait_url(180)
+            self.ports.append(int(url.rsplit(":", 1)[1]))
+
+    def loop(self, deadline: float) -> None:
+        chief = self.agents["chief"]
+        nemesis = Nemesis(
+            self.scenario,
+            list(self.schedule),
+            self.history,
+            self.agents,
+            store_dir=self.store_dir,
+            storage=self.storage,
+            seed=self.seed,
+        )
+        self.nemesis = nemesis
+        reader = ProgressReader(self.dir / "progress.jsonl")
+        last_pids = 0.0
+        last_line = 0.0
+        while True:
+            for e in reader.read():
+                if e["event"] == "op":
+                    self.history.append(e["process"], e["type"], e["f"], e.get("value") or {}, at=float(e["mono"]))
+                    if e["f"] == "train" and e["type"] == "ok":
+                        self.step = int(e["value"]["step"])
+                    if self.started_at is None:
+                        self.started_at = float(e["mono"])
+                elif e["event"] == "step":
+                    self.step = max(self.step or 0, int(e["step"])) if e["step"] else self.step
+            now = time.monotonic()
+            if now - last_pids > 0.5:
+                self.pids_seen |= _descendants(os.getpid())
+                last_pids = now
+            if self.step is not None and now - last_line > 5:
+                fired = f"{len(nemesis.fired)}/{len(self.schedule)}"
+                self.say(f"  step {self.step}/{self.scenario.training.steps}  faults fired {fired}")
+                last_line = now
+            elapsed = None if self.started_at is None else now - self.started_at
+            nemesis.tick(self.step, elapsed)
+            code = chief.proc.poll()
+            if code is not None and not nemesis.healing:
+                for e in reader.read():
+                    if e["event"] == "op":
+                        self.history.append(e["process"], e["type"], e["f"], e.get("value") or {}, at=float(e["mono"]))
+                self.history.append(HARNESS, "invoke", "job", {})
+                self.history.append(HARNESS, "ok" if code == 0 else "fail", "job", {"exit": code})
+                return
+            if now > deadline:
+                self.history.append(HARNESS, "invoke", "job", {})
+                self.history.append(HARNESS, "info", "job", {"error": "time limit reached", "step": self.step})
+                self.say(f"  time limit reached at step {self.step}: stopping the run")
+                return
+            time.sleep(0.1)
+
+    def stop_all(self) -> None:
+        nemesis = getattr(self, "nemesis", None)
+        if nemesis is not None:
+            with contextlib.suppress(HistoryError):
+                nemesis.heal_all()
+        for agent in sorted(self.agents.values(), key=lambda a: a.name != "chief"):  # chief first: drains
+            self.pids_seen |= _descendants(os.getpid())
+            try:
+                agent.stop()
+            except Exception as e:  # keep stopping the others
+                self.say(f"  stopping agent {agent.name}: {e}")
+
+    def final_store(self) -> None:
+        from psguard.store import Store
+
+        self.history.append(HARNESS, "invoke", "final-store", {"url": self.store_url})
+        try:
+            with Store.open(self.store_url, self.storage_options) as store:
+                checkpoints = []
+                for info in store.checkpoints():
+                    report = store.verify(info.id)
+                    checkpoints.append(
+                        {"id": info.id, "step": info.step, "kind": info.kind, "parent": info.parent, "ok": report.ok,
+                         "problems": [p.message[:300] for p in report.problems]}
+                    )  # fmt: skip
+                journal = [j.get("id") for j in store.journal()]
+        except Exception as e:
+            self.history.append(HARNESS, "fail", "final-store", {"error": str(e)[:500]})
+            return
+        self.history.append(HARNESS, "ok", "final-store", {"checkpoints": checkpoints, "journal": journal})
+
+    def stop_storage(self) -> None:
+        if self.storage is not None:
+            self.pids_seen |= _descendants(os.getpid())
+            self.storage.close()
+
+    def cleanup_audit(self) -> None:
+        self.history.append(HARNESS, "invoke", "cleanup", {})
+        deadline = time.monotonic() + _CLEANUP_WAIT
+        while True:
+            alive = sorted(p for p in self.pids_seen if _alive(p))
+            busy = sorted(p for p in set(self.ports) if _port_busy(p))
+            if (not alive and not busy) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        temp: list[str] = []
+        spool = self.dir / "spool"
+        for sub in ("incoming", "requests", "restore", "writers"):
+            if (spool / sub).is_dir():
+                temp += [str(p) for p in (spool / sub).iterdir()]
+        if self.store_dir is not None and self.store_dir.exists():
+            temp += [str(p) for p in self.store_dir.rglob("*.tmp.*")]
+        threads = [
+            t.name
+            for t in threading.enumerate()
+            if t.ident not in self.threads_before and t.is_alive() and not t.name.startswith(("fsspecIO", "asyncio_"))
+        ]
+        value = {"alive_pids": alive, "busy_ports": busy, "temp_files": temp, "threads": threads,
+                 "pids_seen": sorted(self.pids_seen), "ports": sorted(set(self.ports))}  # fmt: skip
+        self.history.append(HARNESS, "ok", "cleanup", value)
+
+    def kill_leftovers(self) -> None:
+        """Last resort after the audit: SIGKILL anything of ours still alive (the audit has recorded it)."""
+        for pid in sorted(self.pids_seen):
+            if _alive(pid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, 9)
+
+
+def run_scenario(
+    scenario: Scenario,
+    directory: Path,
+    *,
+    seed: int = 0,
+    job: str = DEFAULT_JOB,
+    faults: bool = True,
+    reference: Sequence[Record] | None = None,
+    say: Callable[[str], None] = print,
+) -> RunResult:
+    """Run ``scenario`` in ``directory`` (recreated) and judge it; see the module docstring for the phases."""
+    from psguard.chaos.report import write_report
+
+    if directory.exists():
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    directory = directory.resolve()
+    t0 = time.monotonic()
+    deadline = t0 + scenario.time_limit
+    run = _Run(scenario, directory, seed=seed, job=job, faults=faults, say=say)
+    interrupted: BaseException | None = None
+    try:
+        run.record_run()
+        say(
+            f"chaos {scenario.name} (seed {seed}): {len(run.schedule)} fault(s): "
+            + "; ".join(f.describe() for f in run.schedule)
+        )
+        run.start_storage()
+        run.start_cluster()
+        say(f"  cluster up in {time.monotonic() - t0:.0f}s; training to step {scenario.training.steps}")
+        run.loop(deadline)
+    except (KeyboardInterrupt, LaunchError, HistoryError) as e:
+        interrupted = e
+        with contextlib.suppress(HistoryError):
+            run.history.append(HARNESS, "invoke", "job", {})
+            run.history.append(HARNESS, "info", "job", {"error": f"{type(e).__name__}: {e}"[:500]})
+    finally:
+        run.stop_all()
+        try:
+            if not isinstance(interrupted, HistoryError):
+                run.final_store()
+        finally:
+            run.stop_storage()
+            if not isinstance(interrupted, HistoryError):
+                run.cleanup_audit()
+            run.kill_leftovers()
+            run.history.close()
+    records = read_history(directory / "history.jsonl")
+    verdicts = check_all(records, reference)
+    report = write_report(directory, records, verdicts, wall_seconds=time.monotonic() - t0, scenario=scenario)
+    if isinstance(interrupted, KeyboardInterrupt):
+        raise interrupted
+    return RunResult(directory, verdicts, overall(verdicts), report)
+
+
+def run_with_reference(
+    scenario: Scenario,
+    directory: Path,
+    *,
+    seed: int = 0,
+    job: str = DEFAULT_JOB,
+    say: Callable[[str], None] = print,
+) -> RunResult:
+    """The scenario's run, preceded by a fault-free one (same seed) when ``checks.reference`` asks for it."""
+    reference = None
+    if scenario.checks.reference:
+        ref_dir = directory.parent / f"{directory.name}-reference"
+        say(f"chaos {scenario.name}: fault-free reference run first ({ref_dir})")
+        ref = run_scenario(replace(scenario, name=f"{scenario.name}-reference"), ref_dir, seed=seed, job=job,
+                           faults=False, say=say)  # fmt: skip
+        reference = read_history(ref.directory / "history.jsonl")
+    return run_scenario(scenario, directory, seed=seed, job=job, reference=reference, say=say)
+
+
+def load_json(path: Path) -> Any:
+    return json.loads(path.read_text())

@@ -1,0 +1,212 @@
+"""A chaos scenario: the cluster, the storage, the training job, the faults and the bounds, from YAML.
+
+Loaded with :func:`psguard.config.load_yaml`: unknown keys are rejected with the closest known one, and every
+error names the file and the key path (``faults[2].at_step``). A scenario says what it proves (``proves:``)
+because a run that passes is only worth what its scenario claims.
+
+Faults fire at a training step (``at_step``: the first step the trainer reports at or past it) or at a time
+(``at_time``: seconds since the trainer started). ``random:`` adds faults drawn from the run's seed, so the same
+seed gives the same schedule (:meth:`Scenario.schedule`).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal
+
+from psguard.config import Check, Duration, invalid, load_yaml, validate
+
+__all__ = [
+    "ACTIONS",
+    "Checks",
+    "ClusterSpec",
+    "Fault",
+    "RandomFaults",
+    "Scenario",
+    "StorageSpec",
+    "TrainingSpec",
+    "load_scenario",
+]
+
+Action = Literal["kill", "terminate", "pause", "kill-agent", "corrupt-chunk", "truncate-chunk", "storage-outage"]
+ACTIONS: tuple[str, ...] = (
+    "kill",  # SIGKILL the task (its agent restarts it)
+    "terminate",  # SIGTERM the task
+    "pause",  # SIGSTOP the task, SIGCONT after `duration`
+    "kill-agent",  # SIGKILL the agent (its task dies with it); the harness starts it again after `duration`
+    "corrupt-chunk",  # flip one bit of a chunk of the newest durable checkpoint, on disk
+    "truncate-chunk",  # cut a chunk of the newest durable checkpoint short, on disk
+    "storage-outage",  # stop the storage server, start it again after `duration`
+)
+_TARGET = re.compile(r"^(chief|ps:(\d+|\*)|worker:(\d+|\*)|store)$")
+Positive = Annotated[int, Check(lambda n: n > 0, "> 0")]
+NonNegative = Annotated[int, Check(lambda n: n >= 0, ">= 0")]
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One fault: what, on which task, when, for how long."""
+
+    action: Action
+    target: str = "ps:0"  # chief | ps:N | worker:N | ps:* | worker:* | store
+    at_step: NonNegative | None = None
+    at_time: Duration | None = None
+    duration: Duration = 1.0  # pause / kill-agent / storage-outage: until the heal
+    max_lost_steps: NonNegative | None = None  # the policy bound for this fault (default: see checkers)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if not _TARGET.match(self.target):
+            raise invalid("target", "chief, ps:N, worker:N, ps:*, worker:* or store", self.target)
+        if (self.at_step is None) == (self.at_time is None):
+            raise invalid("at_step", "exactly one of at_step and at_time", (self.at_step, self.at_time))
+        on_store = self.action in ("corrupt-chunk", "truncate-chunk", "storage-outage")
+        if on_store != (self.target == "store"):
+            raise invalid("target", f"'store' for {self.action}" if on_store else "a task", self.target)
+
+    @property
+    def trigger(self) -> str:
+        return f"step {self.at_step}" if self.at_step is not None else f"{self.at_time:g}s"
+
+    def describe(self) -> str:
+        return f"{self.action} {self.target} at {self.trigger}"
+
+
+@dataclass(frozen=True)
+class RandomFaults:
+    """``count`` faults drawn from the seed: every ``spacing`` steps (a range) from ``first_step`` on."""
+
+    count: Positive
+    first_step: NonNegative = 50
+    spacing: tuple[Positive, Positive] = (40, 80)
+    actions: tuple[Action, ...] = ("kill", "pause")
+    targets: tuple[str, ...] = ("ps:0", "ps:1", "worker:0")
+    duration: tuple[Duration, Duration] = (1.0, 3.0)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.spacing[0] > self.spacing[1]:
+            raise invalid("spacing", "[low, high] with low <= high", list(self.spacing))
+        for t in self.targets:
+            if not _TARGET.match(t) or t == "store":
+                raise invalid("targets", "tasks: chief, ps:N, worker:N", t)
+
+    def draw(self, seed: int) -> list[Fault]:
+        rng = random.Random(seed)
+        step = self.first_step
+        out = []
+        for _ in range(self.count):
+            out.append(
+                Fault(
+                    action=rng.choice(self.actions),
+                    target=rng.choice(self.targets),
+                    at_step=step,
+                    duration=round(rng.uniform(*self.duration), 2),
+                )
+            )
+            step += rng.randint(*self.spacing)
+        return out
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    ps: Annotated[int, Check(lambda n: 1 <= n <= 4, "1 to 4")] = 2
+    workers: Annotated[int, Check(lambda n: 1 <= n <= 4, "1 to 4")] = 1
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
+class StorageSpec:
+    kind: Literal["local", "s3"] = "local"
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """The built-in job (:mod:`psguard.demo_trainer`): small, so a run is a minute on two cores."""
+
+    steps: Positive = 300
+    chunk: Positive = 5
+    memory_every: Positive = 5
+    durable_every: Positive = 25
+    vocab: Positive = 20_000
+    dim: Positive = 8
+    batch: Positive = 64
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
+class Checks:
+    """Bounds the checkers hold the run to."""
+
+    liveness: Duration = 120.0  # the target step is reached within this long after the last heal
+    loss_tolerance: float = 0.05  # |final loss - fault-free final loss| (absolute)
+    reference: bool = False  # also run the scenario without faults (same seed) for the loss checker
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    proves: str
+    time_limit: Duration = 300.0  # the whole run, start to clean-up; past it the run stops and fails
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
+    storage: StorageSpec = field(default_factory=StorageSpec)
+    training: TrainingSpec = field(default_factory=TrainingSpec)
+    faults: tuple[Fault, ...] = ()
+    random: RandomFaults | None = None
+    checks: Checks = field(default_factory=Checks)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if not self.faults and self.random is None:
+            raise invalid("faults", "at least one fault (or random:)", [])
+        for i, fault in enumerate(self.faults):
+            _check_target(fault.target, self.cluster, f"faults[{i}].target")
+            if fault.at_step is not None and fault.at_step >= self.training.steps:
+                raise invalid(
+                    f"faults[{i}].at_step", f"a step below training.steps ({self.training.steps})", fault.at_step
+                )
+            if fault.action == "storage-outage" and self.storage.kind == "local":
+                raise invalid(f"faults[{i}].action", "storage-outage only with storage.kind s3", fault.action)
+        if self.random is not None:
+            for t in self.random.targets:
+                _check_target(t, self.cluster, "random.targets")
+
+    def schedule(self, seed: int) -> list[Fault]:
+        """The faults in firing order: the fixed ones plus those drawn from ``seed`` (same seed, same list)."""
+        faults = list(self.faults) + (self.random.draw(seed) if self.random is not None else [])
+        return sorted(faults, key=lambda f: (f.at_step if f.at_step is not None else -1, f.at_time or 0.0))
+
+
+def _check_target(target: str, cluster: ClusterSpec, key: str) -> None:
+    role, _, index = target.partition(":")
+    if not index or index == "*":
+        return
+    count = {"ps": cluster.ps, "worker": cluster.workers}.get(role, 1)
+    if int(index) >= count:
+        raise invalid(key, f"an index below {count} (cluster.{role if role == 'ps' else 'workers'})", target)
+
+
+def load_scenario(path: str | Path) -> Scenario:
+    return load_yaml(Scenario, path)
+
+
+def expand_targets(target: str, cluster: ClusterSpec) -> Sequence[str]:
+    """``ps:*`` -> ``ps:0, ps:1, ...``; anything else is itself."""
+    role, _, index = target.partition(":")
+    if index == "*":
+        return [f"{role}:{i}" for i in range(cluster.ps if role == "ps" else cluster.workers)]
+    return [target]
