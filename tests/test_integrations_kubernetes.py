@@ -1,0 +1,334 @@
+"""integrations/kubernetes: the manifests validate offline against the Kubernetes API schema, and they agree with
+psguard itself (the agent's flags and config keys, cluster.json, probe ports, mounts, Secrets).
+
+Built-in kinds are checked with ``kubernetes-validate`` (the official OpenAPI schemas of each Kubernetes version,
+in strict mode: an unknown field fails, as ``kubectl apply --validate=strict`` does). The TFJob is checked against
+the TFJob CRD's own schema (vendored from kubeflow/training-operator v1.9.0, made strict the same way), and each of
+its pod templates against the Kubernetes PodTemplateSpec schema, which the CRD only copies. The negative tests
+prove that a typo or a wrong type fails, so a broken manifest fails CI.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shlex
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate.utils import schema_contents
+from referencing import Registry, Resource
+
+from psguard.agent import AgentConfig, validate_cluster
+from psguard.cli import build_parser
+from psguard.config import load_yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "integrations" / "kubernetes"
+JOB = K8S / "psguard-ps-job.yaml"
+SECRETS = K8S / "secrets.example.yaml"
+TFJOB = K8S / "kubeflow" / "tfjob.yaml"
+TFJOB_SCHEMA = K8S / "kubeflow" / "tfjob-v1.schema.json"
+# The oldest version the manifests support (the StatefulSet pod-index label is on by default from 1.28) and the
+# newest whose schemas kubernetes-validate bundles.
+VERSIONS = ("1.28", kubernetes_validate.utils.major_minor(kubernetes_validate.latest_version()))
+
+
+def _docs(path: Path) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d is not None]
+
+
+def _all_builtin() -> Iterator[tuple[str, dict[str, Any]]]:
+    for path in sorted(K8S.rglob("*.yaml")):
+        for doc in _docs(path):
+            if doc["apiVersion"] != "kubeflow.org/v1":
+                yield f"{path.relative_to(K8S)}:{doc['kind']}/{doc['metadata']['name']}", doc
+
+
+def _by_kind(path: Path, kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in _docs(path) if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+# ------------------------------------------------------------------------------------------ schema validation
+def _k8s_definition(name: str, version: str) -> jsonschema.protocols.Validator:
+    """A strict validator for one definition of the Kubernetes API (``io.k8s.api.core.v1.PodTemplateSpec``)."""
+    full = kubernetes_validate.utils.all_versions()
+    ver = [v for v in full if kubernetes_validate.utils.major_minor(v) == version][-1]
+    defs = schema_contents(f"kubernetes-json-schema/v{ver}-local-strict/_definitions.json", version)
+    registry: Registry[Any] = Resource.from_contents(defs) @ Registry()
+    schema = {"$ref": f"{defs['$id']}#/$defs/{name}"}
+    cls = jsonschema.validators.Draft202012Validator
+    return cls(schema, registry=registry)  # type: ignore[no-any-return]
+
+
+def _strict(schema: Any) -> Any:
+    """The CRD schema as the API server applies it with strict field validation: unknown fields are errors.
+
+    A structural schema prunes fields it does not list; ``kubectl apply`` (``--validate=strict``, the default
+    since 1.27) rejects them instead. Objects that keep unknown fields on purpose stay open.
+    """
+    if isinstance(schema, list):
+        return [_strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _strict(v) for k, v in schema.items()}
+    if (
+        "properties" in out
+        and "additionalProperties" not in out
+        and not out.get("x-kubernetes-preserve-unknown-fields")
+    ):
+        out["additionalProperties"] = False
+    return out
+
+
+def validate_tfjob(doc: dict[str, Any], version: str) -> None:
+    """Raise ``jsonschema.ValidationError`` unless ``doc`` is a valid TFJob with valid pod templates."""
+    schema = _strict(json.loads(TFJOB_SCHEMA.read_text())["schema"])
+    jsonschema.validators.Draft7Validator(schema).validate(doc)
+    _k8s_definition("io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta", version).validate(doc["metadata"])
+    template = _k8s_definition("io.k8s.api.core.v1.PodTemplateSpec", version)
+    for spec in doc["spec"]["tfReplicaSpecs"].values():
+        template.validate(spec["template"])
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(("name", "doc"), list(_all_builtin()), ids=lambda v: v if isinstance(v, str) else "")
+def test_builtin_manifests_validate_strictly(name: str, doc: dict[str, Any], version: str) -> None:
+    assert kubernetes_validate.validate(doc, version, strict=True) == version
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_tfjob_validates_against_its_crd_and_the_pod_schema(version: str) -> None:
+    validate_tfjob(_by_kind(TFJOB, "TFJob", "ctr-42"), version)
+
+
+def _statefulset() -> dict[str, Any]:
+    return copy.deepcopy(_by_kind(JOB, "StatefulSet", "psguard-ps"))
+
+
+def _rename(mapping: dict[str, Any], old: str, new: str) -> None:
+    mapping[new] = mapping.pop(old)
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (lambda d: _rename(d["spec"]["template"]["spec"]["containers"][0], "livenessProbe", "livenesProbe"), "livenes"),
+        (lambda d: d["spec"].update(replicas="two"), "'two' is not of type"),
+        (lambda d: _rename(d["spec"]["template"]["spec"]["volumes"][0], "configMap", "configmap"), "configmap"),
+        (lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="2222"), "2222"),
+    ],
+    ids=["typo-in-container", "replicas-string", "typo-in-volume", "port-as-string"],
+)
+def test_a_typo_or_a_wrong_type_in_a_manifest_fails(mutate: Any, fragment: str) -> None:
+    doc = _statefulset()
+    kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)  # the unmodified copy passes
+    mutate(doc)
+    with pytest.raises(kubernetes_validate.ValidationError) as e:
+        kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)
+    assert fragment in e.value.message
+
+
+def _tfjob() -> dict[str, Any]:
+    return copy.deepcopy(_by_kind(TFJOB, "TFJob", "ctr-42"))
+
+
+@pytest.mark.parametrize(
+    ("mutate", "fragment"),
+    [
+        (lambda d: _rename(d["spec"], "tfReplicaSpecs", "tfReplicaSpec"), "tfReplicaSpec"),
+        (lambda d: d["spec"]["tfReplicaSpecs"]["PS"].update(replicas="2"), "'2' is not of type"),
+        (lambda d: d["spec"]["runPolicy"].update(backoffLimit="3"), "'3' is not of type"),
+        (lambda d: _rename(d["spec"]["runPolicy"], "cleanPodPolicy", "cleanupPodPolicy"), "cleanupPodPolicy"),
+        (
+            lambda d: _rename(
+                d["spec"]["tfReplicaSpecs"]["Chief"]["template"]["spec"]["containers"][0],
+                "readinessProbe",
+                "readyProbe",
+            ),
+            "readyProbe",
+        ),
+        (
+            lambda d: d["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["volumes"][0]["configMap"].update(
+                name=["ctr-42-psguard"]
+            ),
+            "is not of type",
+        ),
+    ],
+    ids=[
+        "typo-top",
+        "replicas-string",
+        "backoff-limit-string",
+        "typo-run-policy",
+        "typo-in-pod-template",
+        "wrong-type-deep",
+    ],
+)
+def test_a_typo_or_a_wrong_type_in_the_tfjob_fails(mutate: Any, fragment: str) -> None:
+    doc = _tfjob()
+    validate_tfjob(doc, VERSIONS[-1])
+    mutate(doc)
+    with pytest.raises(jsonschema.ValidationError) as e:
+        validate_tfjob(doc, VERSIONS[-1])
+    assert fragment in e.value.message
+
+
+# ------------------------------------------------------------------------------------------ agreement with psguard
+def _expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """Kubernetes' $(VAR) expansion in command and args."""
+    out = []
+    for arg in args:
+        for key, value in env.items():
+            arg = arg.replace(f"$({key})", value)
+        out.append(arg)
+    return out
+
+
+def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(doc["spec"]["template"]["spec"]["containers"])
+
+
+def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
+    config_map = _by_kind(JOB, "ConfigMap", "psguard-config")
+    cluster = validate_cluster(json.loads(config_map["data"]["cluster.json"]))
+    agent_yaml = tmp_path / "agent.yaml"
+    agent_yaml.write_text(config_map["data"]["agent.yaml"])
+    config = load_yaml(AgentConfig, agent_yaml)  # unknown keys or bad values raise
+    assert config.http.bind == "0.0.0.0" and config.http.token_file  # reachable by peers, so a token is required
+
+    secrets = {d["metadata"]["name"]: d for d in _docs(SECRETS)}
+    parser = build_parser()
+    seen_roles = set()
+    for kind, name in (("StatefulSet", "psguard-ps"), ("StatefulSet", "psguard-worker"), ("Job", "psguard-chief")):
+        doc = _by_kind(JOB, kind, name)
+        pod = doc["spec"]["template"]["spec"]
+        (container,) = _containers(doc)
+        env = {e["name"]: e.get("value", "0") for e in container.get("env", [])}
+        args = parser.parse_args(_expand(container["command"][1:] + container["args"], env))
+        assert container["command"] == ["psguard"]
+        role = args.role
+        seen_roles.add(role)
+        assert args.cluster == "/etc/psguard/cluster.json" and args.config == "/etc/psguard/agent.yaml"
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts["/etc/psguard"]]["configMap"]["name"] == "psguard-config"
+        token_dir = str(Path(config.http.token_file or "").parent)
+        assert volumes[mounts[token_dir]]["secret"]["secretName"] in secrets
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["psguard"] == config.http.port
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "psguard"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "psguard"}
+        service = _by_kind(JOB, "Service", f"psguard-{role}")
+        assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+        assert service["spec"]["selector"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
+        if kind == "StatefulSet":
+            assert doc["spec"]["serviceName"] == service["metadata"]["name"]
+            assert doc["spec"]["replicas"] == len(cluster[role])
+            # The StatefulSet's pod names and the Service give exactly the addresses in cluster.json.
+            expected = [f"{name}-{i}.{service['metadata']['name']}:{ports['tf']}" for i in range(len(cluster[role]))]
+            assert cluster[role] == expected
+            assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"].endswith(
+                "['apps.kubernetes.io/pod-index']"
+            )
+        else:
+            spec = doc["spec"]["template"]["spec"]
+            assert cluster["chief"] == [f"{spec['hostname']}.{spec['subdomain']}:{ports['tf']}"]
+            assert args.store == "s3://my-bucket/jobs/ctr-42"
+            assert volumes[mounts["/psguard-spool"]]["emptyDir"]["medium"] == "Memory"
+            assert args.spool.startswith("/psguard-spool/")
+            expected_peers = [
+                f"http://{a.rsplit(':', 1)[0]}:{config.http.port}" for r in ("ps", "worker") for a in cluster[r]
+            ]
+            assert args.peer == expected_peers
+            assert args.command[1:4] == ["python", "/app/train_psguard.py", "--checkpoint-dir"]
+            for item in container["env"]:
+                ref = item.get("valueFrom", {}).get("secretKeyRef")
+                if ref:
+                    assert ref["key"] in secrets[ref["name"]]["stringData"]
+    assert seen_roles == {"ps", "worker", "chief"}
+
+
+def test_plain_job_typo_in_agent_flags_would_fail() -> None:
+    """The flag check above is real: argparse rejects a misspelt agent flag (exit 2)."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["agent", "--role", "ps", "--index", "0", "--cluster", "c.json", "--conifg", "a"])
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize(
+    ("task", "trainer"),
+    [({"type": "chief", "index": 0}, ["python", "/app/train.py", "--x", "1"]), ({"type": "ps", "index": 1}, [])],
+)
+def test_tfjob_bootstrap_turns_tf_config_into_the_agent_command(
+    tmp_path: Path, task: dict[str, Any], trainer: list[str]
+) -> None:
+    """Run the bootstrap script for real with a TF_CONFIG as the operator writes it; `psguard` on PATH records the
+    argv it was exec'd with, which must parse as a valid agent command line."""
+    config_map = _by_kind(TFJOB, "ConfigMap", "ctr-42-psguard")
+    script = tmp_path / "bootstrap.py"
+    script.write_text(config_map["data"]["bootstrap.py"])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    recorded = tmp_path / "argv.json"
+    fake = bin_dir / "psguard"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(recorded)!r}, 'w'))\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    cluster = {
+        "chief": ["ctr-42-chief-0.default.svc:2222"],
+        "ps": ["ctr-42-ps-0.default.svc:2222", "ctr-42-ps-1.default.svc:2222"],
+        "worker": ["ctr-42-worker-0.default.svc:2222"],
+    }
+    env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": task, "environment": "cloud"}))
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    env["PSGUARD_STORE"] = "s3://my-bucket/jobs/ctr-42"
+    env["PSGUARD_CLUSTER_FILE"] = str(tmp_path / "cluster.json")
+    out = subprocess.run([sys.executable, str(script), *trainer], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    argv = json.loads(recorded.read_text())
+    args = build_parser().parse_args(argv)
+    assert (args.role, args.index) == (task["type"], task["index"])
+    assert args.config == "/etc/psguard/agent.yaml" and args.cluster == str(tmp_path / "cluster.json")
+    written = validate_cluster(json.loads((tmp_path / "cluster.json").read_text()))
+    if task["type"] == "chief":
+        assert written == cluster
+        assert args.peer == [
+            "http://ctr-42-ps-0.default.svc:8470",
+            "http://ctr-42-ps-1.default.svc:8470",
+            "http://ctr-42-worker-0.default.svc:8470",
+        ]
+        assert args.store == "s3://my-bucket/jobs/ctr-42" and args.spool == "/psguard-spool/ctr-42"
+        assert args.command == ["--", *trainer], shlex.join(argv)
+    else:
+        # Its own address on loopback (see bootstrap.py), every other task as the operator named it.
+        assert written["ps"] == ["ctr-42-ps-0.default.svc:2222", "127.0.0.1:2222"]
+        assert written["chief"] == cluster["chief"] and written["worker"] == cluster["worker"]
+        assert args.peer == [] and args.store is None and args.command == []
+
+
+def test_tfjob_pods_mount_what_bootstrap_and_agent_read() -> None:
+    doc = _tfjob()
+    config_map = _by_kind(TFJOB, "ConfigMap", "ctr-42-psguard")
+    assert {"agent.yaml", "bootstrap.py"} <= config_map["data"].keys()
+    for role, spec in doc["spec"]["tfReplicaSpecs"].items():
+        pod = spec["template"]["spec"]
+        (container,) = pod["containers"]
+        assert container["name"] == "tensorflow"  # the operator finds the TF container by this name
+        assert {"name": "tfjob-port", "containerPort": 2222} in container["ports"]
+        assert container["command"] == ["python", "/etc/psguard/bootstrap.py"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts["/etc/psguard"]]["configMap"]["name"] == config_map["metadata"]["name"]
+        assert "secret" in volumes[mounts["/etc/psguard-token"]]
+        assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+        assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+        if role == "Chief":
+            assert volumes[mounts["/psguard-spool"]]["emptyDir"]["medium"] == "Memory"
