@@ -1,0 +1,198 @@
+"""integrations/prometheus: the alert rules and the Grafana dashboard use exactly the metrics the agent exports.
+
+Every ``psguard_*`` series an expression references must be a metric of :class:`psguard.metrics.AgentMetrics`
+(``_bucket`` / ``_sum`` / ``_count`` only on histograms, ``rate`` / ``increase`` only on counters and histogram
+parts), with only the labels it has; and a real agent, started as a user would, must expose all of them on
+``/metrics``. Each alert links to its section of the runbook, which must exist.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from psguard.metrics import AgentMetrics
+
+ROOT = Path(__file__).resolve().parents[1]
+PROM = ROOT / "integrations" / "prometheus"
+ALERTS = PROM / "alerts.yaml"
+DASHBOARD = PROM / "grafana-dashboard.json"
+SCRAPE = PROM / "scrape-config.yaml"
+RUNBOOK = ROOT / "docs" / "runbook.md"
+
+TARGET_LABELS = {"instance", "job", "namespace", "pod"}  # added by Prometheus and the scrape config
+SERIES = re.compile(r"\b(psguard_[a-z0-9_]+)(\{[^}]*\})?")
+GROUPING = re.compile(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)")
+FUNCTIONS = re.compile(r"\b([a-z_]+)\s*\(")
+KNOWN_FUNCTIONS = {"time", "rate", "increase", "histogram_quantile", "sum", "by", "on", "max", "min", "avg"}
+DURATION = re.compile(r"^\d+[smhd]$")
+
+
+def _metrics() -> dict[str, Any]:
+    registry = AgentMetrics.create().registry
+    return {name: registry.get(name) for name in registry.names()}
+
+
+def _alert_rules() -> list[dict[str, Any]]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+def _dashboard_exprs() -> list[str]:
+    doc = json.loads(DASHBOARD.read_text())
+    return [t["expr"] for panel in doc["panels"] for t in panel["targets"]]
+
+
+def _exprs() -> list[str]:
+    return [r["expr"] for r in _alert_rules()] + _dashboard_exprs()
+
+
+def _family(series: str, metrics: dict[str, Any]) -> tuple[str, str]:
+    """``psguard_x_bucket`` -> (``psguard_x``, ``_bucket``): the metric family a series belongs to."""
+    if series in metrics:
+        return series, ""
+    for suffix in ("_bucket", "_sum", "_count"):
+        base = series.removesuffix(suffix)
+        if series.endswith(suffix) and base in metrics:
+            return base, suffix
+    raise AssertionError(f"{series} is not a metric the agent exports (psguard/metrics.py): {sorted(metrics)}")
+
+
+def check_expr(expr: str, metrics: dict[str, Any]) -> set[str]:
+    """Assert ``expr`` uses psguard's metrics correctly; return the families it references."""
+    assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), f"unbalanced: {expr}"
+    unknown = set(FUNCTIONS.findall(expr)) - KNOWN_FUNCTIONS
+    assert not unknown, f"{expr}: functions not vetted here: {unknown}"
+    families: set[str] = set()
+    labels_in_scope: set[str] = set(TARGET_LABELS)
+    for series, matchers in SERIES.findall(expr):
+        name, suffix = _family(series, metrics)
+        metric = metrics[name]
+        families.add(name)
+        if suffix:
+            assert metric.kind == "histogram", f"{expr}: {series} but {name} is a {metric.kind}"
+        labels = set(metric.label_names) | TARGET_LABELS | ({"le"} if suffix == "_bucket" else set())
+        labels_in_scope |= labels
+        for matcher in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*=~?", matchers):
+            assert matcher in labels, f"{expr}: {name} has no label {matcher!r} (labels: {metric.label_names})"
+        window = re.search(rf"\b(rate|increase)\s*\(\s*{series}\b", expr)
+        if window:
+            assert metric.kind == "counter" or suffix, f"{expr}: {window.group(1)}() of the {metric.kind} {name}"
+    for group in GROUPING.findall(expr):
+        for label in filter(None, (s.strip() for s in group.split(","))):
+            assert label in labels_in_scope, f"{expr}: groups by {label!r}, which no series in it has"
+    return families
+
+
+def test_every_alert_and_panel_uses_existing_metrics_correctly() -> None:
+    metrics = _metrics()
+    referenced = set().union(*(check_expr(e, metrics) for e in _exprs()))
+    # The checkpoint tiers, persist lag, restarts and crash loop are what the alerts are for.
+    alerted = set().union(*(check_expr(r["expr"], metrics) for r in _alert_rules()))
+    assert {
+        "psguard_last_checkpoint_timestamp_seconds",
+        "psguard_persist_lag_steps",
+        "psguard_task_restarts_total",
+        "psguard_crash_loop",
+    } <= alerted
+    assert referenced == set(metrics), f"metrics on no panel or alert: {set(metrics) - referenced}"
+
+
+@pytest.mark.parametrize(
+    ("expr", "fragment"),
+    [
+        ("time() - psguard_last_checkpoint_timestamp_second", "not a metric the agent exports"),
+        ('psguard_last_checkpoint_step{tear="memory"}', "has no label 'tear'"),
+        ("rate(psguard_persist_lag_steps[5m])", "rate() of the gauge"),
+        ("psguard_task_up_bucket", "but psguard_task_up is a gauge"),
+        ("psguard_crash_loop_sum", "but psguard_crash_loop is a gauge"),
+        ("psguard_crash_loop_total", "not a metric the agent exports"),
+        ("sum by (shard) (psguard_task_up)", "groups by 'shard'"),
+        ("rate(psguard_task_restarts_total[5m]", "unbalanced"),
+    ],
+)
+def test_the_metric_check_catches_mistakes(expr: str, fragment: str) -> None:
+    with pytest.raises(AssertionError, match=re.escape(fragment)):
+        check_expr(expr, _metrics())
+
+
+def test_alert_rules_are_well_formed_and_each_has_a_runbook_section() -> None:
+    doc = yaml.safe_load(ALERTS.read_text())
+    assert set(doc) == {"groups"}
+    rules = _alert_rules()
+    names = [r["alert"] for r in rules]
+    assert len(names) == len(set(names)), "duplicate alert names"
+    runbook = RUNBOOK.read_text()
+    anchors = {re.sub(r"[^a-z0-9 -]", "", h.lower()).replace(" ", "-") for h in re.findall(r"^#+ (.+)$", runbook, re.M)}
+    for rule in rules:
+        assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule["alert"]
+        assert "for" not in rule or DURATION.match(rule["for"]), rule["alert"]
+        assert rule["labels"]["severity"] in ("warning", "critical"), rule["alert"]
+        assert {"summary", "description"} <= set(rule["annotations"]), rule["alert"]
+        anchor = rule["alert"].lower()
+        assert f"docs/runbook.md#{anchor}" in rule["annotations"]["description"], rule["alert"]
+        assert anchor in anchors, f"docs/runbook.md has no section for {rule['alert']}"
+
+
+def test_dashboard_is_importable_grafana_json() -> None:
+    doc = json.loads(DASHBOARD.read_text())
+    assert doc["uid"] and doc["title"] and isinstance(doc["schemaVersion"], int)
+    ids = [p["id"] for p in doc["panels"]]
+    assert len(ids) == len(set(ids))
+    variables = {v["name"] for v in doc["templating"]["list"]}
+    cells: set[tuple[int, int]] = set()
+    for panel in doc["panels"]:
+        assert panel["datasource"]["uid"].strip("${}") in variables
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        area = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not area & cells, f"panel {panel['title']!r} overlaps another"
+        cells |= area
+        refs = [t["refId"] for t in panel["targets"]]
+        assert refs and len(refs) == len(set(refs))
+
+
+def test_scrape_config_matches_the_alerts_and_the_manifests() -> None:
+    (job,) = yaml.safe_load(SCRAPE.read_text())["scrape_configs"]
+    up = [r["expr"] for r in _alert_rules() if re.search(r"(?<![a-z_])up\{", r["expr"])]
+    assert up and all('job="psguard"' in e for e in up)
+    assert job["job_name"] == "psguard" and job["metrics_path"] == "/metrics"
+    assert job["authorization"]["credentials_file"]  # /metrics needs the agents' token
+    keep = next(r for r in job["relabel_configs"] if r["action"] == "keep")
+    manifests = (ROOT / "integrations" / "kubernetes" / "psguard-ps-job.yaml").read_text()
+    assert f"name: {keep['regex']}, containerPort: 8470" in manifests
+
+
+@pytest.mark.slow
+def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]}))
+    ready = tmp_path / "url"
+    argv = [sys.executable, "-m", "psguard.cli", "agent", "--role", "chief", "--index", "0", "--cluster", str(cluster)]
+    argv += ["--store", str(tmp_path / "store"), "--spool", str(tmp_path / "spool"), "--ready-file", str(ready)]
+    argv += ["--", sys.executable, "-c", "import time; time.sleep(600)"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists():  # the agent renames it into place once it serves
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() < deadline, "the agent did not serve within 60s"
+            time.sleep(0.05)
+        with urllib.request.urlopen(f"{ready.read_text().strip()}/metrics", timeout=10) as response:
+            body = response.read().decode()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=60)
+    exported = set(re.findall(r"^# TYPE (\S+) ", body, re.M))
+    metrics = _metrics()
+    referenced = set().union(*(check_expr(e, metrics) for e in _exprs()))
+    assert referenced <= exported, f"not on a real agent's /metrics: {referenced - exported}"
