@@ -356,6 +356,8 @@ class Agent:
         self._generation_log: dict[str, Any] | None = None
         self._generation_lock = threading.Lock()
         self._reported_failure: float | None = None  # POST /failure: when the trainer saw it (Unix time)
+        self._reported_step: int | None = None  # ... and the last step it trained
+        self._last_lost_steps: int | None = None
         self._resumed_step: int | None = None
         self._resume_seconds: float | None = None
         self._durable_id: str | None = None
@@ -816,16 +818,45 @@ class Agent:
         failed_at = body.get("failed_at") if isinstance(body, dict) else None
         if not isinstance(failed_at, int | float) or failed_at > time.time() + 5:
             raise RequestError(400, 'expected {"failed_at": <Unix time at which the trainer saw the failure>}')
+        step = body.get("step")
+        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+            raise RequestError(400, '"step": expected the last step trained, an integer >= 0')
         with self._lock:
             self._reported_failure = float(failed_at)
+            if step is not None:
+                self._reported_step = step
         log.info("event=failure_reported task=%s age=%.2fs", self.task, time.time() - failed_at)
         return Response(200, {"ok": True})
 
     def _handle_recovery(self, request: Request) -> Response:
+        """A trainer restored: count the steps lost, from its own figure or from the steps it reports."""
         body = request.json()
-        if not isinstance(body, dict) or not isinstance(body.get("lost_steps"), int) or body["lost_steps"] < 0:
-            raise RequestError(400, 'expected {"lost_steps": N} with N >= 0 (and optionally "seconds")')
-        self.metrics.lost_steps.inc(body["lost_steps"])
+        if not isinstance(body, dict):
+            raise RequestError(400, 'expected a JSON object: {"lost_steps": N} or {"restored_step": N}')
+
+        def count(key: str) -> int | None:
+            value = body.get(key)
+            if value is None:
+                return None
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise RequestError(400, f'"{key}": expected an integer >= 0, got {value!r}')
+            return value
+
+        lost, restored, seen = count("lost_steps"), count("restored_step"), count("seen_step")
+        if lost is None and restored is None:
+            raise RequestError(400, 'expected {"lost_steps": N} or {"restored_step": N, "seen_step": M}')
+        if lost is None:
+            with self._lock:
+                reported, self._reported_step = self._reported_step, None
+            seen = seen if seen is not None else reported
+            if seen is None:  # a first start, or a trainer that died without a word: nothing to compare with
+                return Response(200, {"ok": True, "lost_steps": None})
+            assert restored is not None
+            lost = max(0, seen - restored)
+        self.metrics.lost_steps.inc(lost)
+        with self._lock:
+            self._last_lost_steps = lost
+        log.info("event=recovery_reported task=%s lost_steps=%d restored_step=%s", self.task, lost, restored)
         seconds = body.get("seconds")
         if isinstance(seconds, int | float) and seconds >= 0:
             self.metrics.recovery_seconds.set(float(seconds))
@@ -871,6 +902,7 @@ class Agent:
         with self._lock:
             doc["generation"] = self._generation
             doc["last_generation"] = self._generation_log
+            doc["last_lost_steps"] = self._last_lost_steps
             durable_id, durable_step = self._durable_id, self._durable_step
         if self.role == "chief":
             tier = self.tier.status() if self.tier is not None else None
@@ -942,23 +974,47 @@ def restart_ps_servers(
     return doc
 
 
-def report_failure(failed_at: float | None = None, url: str | None = None, *, timeout: float = 5.0) -> bool:
+def report_failure(
+    failed_at: float | None = None, url: str | None = None, *, step: int | None = None, timeout: float = 5.0
+) -> bool:
     """From the trainer, before it exits 75 after a PS failure: tell the chief's agent when it saw the failure.
 
     The agent then does not restart, for the next generation, a PS started since (the one that died, already
-    restarted by its own agent), which saves one PS start. Best effort: False when there is no agent to tell.
+    restarted by its own agent), which saves one PS start. ``step``: the last step trained, so that the next
+    trainer's restore can be turned into lost steps. Best effort: False when there is no agent to tell.
     """
+    body: dict[str, Any] = {"failed_at": time.time() if failed_at is None else failed_at}
+    if step is not None:
+        body["step"] = int(step)
+    return _tell_agent("/failure", body, url, timeout)
+
+
+def report_recovery(
+    restored_step: int,
+    *,
+    seen_step: int | None = None,
+    source: str | None = None,
+    url: str | None = None,
+    timeout: float = 5.0,
+) -> bool:
+    """From the trainer after a restore: the agent turns it into lost steps (``psguard_lost_steps_total``).
+
+    ``seen_step``: the highest step this process trained before (an in-process rejoin); without it the agent
+    uses the step the failed trainer reported with :func:`report_failure`. Best effort, like that one.
+    """
+    body: dict[str, Any] = {"restored_step": int(restored_step), "seen_step": seen_step, "source": source}
+    return _tell_agent("/recovery", body, url, timeout)
+
+
+def _tell_agent(path: str, body: dict[str, Any], url: str | None, timeout: float) -> bool:
     base = url or os.environ.get("PSGUARD_AGENT_URL")
     if not base:
         return False
     try:
         token = _read_token(os.environ.get("PSGUARD_AGENT_TOKEN_FILE"))
-        when = time.time() if failed_at is None else failed_at
-        code, _ = http_json(
-            "POST", f"{base.rstrip('/')}/failure", body={"failed_at": when}, token=token, timeout=timeout
-        )
+        code, _ = http_json("POST", f"{base.rstrip('/')}{path}", body=body, token=token, timeout=timeout)
     except (OSError, ConfigError) as e:
-        log.warning("could not report the failure to the agent at %s: %s", base, e)
+        log.warning("could not tell the agent at %s (%s): %s", base, path, e)
         return False
     return code == 200
 

@@ -43,6 +43,26 @@ from psguard.tensors import Full, Rows, Same, TensorUpdate, merge_updates
 
 log = logging.getLogger(__name__)
 
+# The highest step each store directory's managers in this process saw (maybe_save/save). A manager built
+# after a failure (in-process rejoin) or the failing trainer's last report (exit_for_restart) compares it with
+# the step it restores to tell the agent how many steps were lost: the only party that knows both.
+_seen_lock = threading.Lock()
+_seen_steps: dict[str, int] = {}
+
+
+def last_seen_step(directory: str | None = None) -> int | None:
+    """The highest step a manager of this process saw, for ``directory`` or any; ``None`` before any."""
+    with _seen_lock:
+        if directory is not None:
+            return _seen_steps.get(directory)
+        return max(_seen_steps.values(), default=None)
+
+
+def _note_step(directory: str, step: int) -> None:
+    with _seen_lock:
+        if step > _seen_steps.get(directory, -1):
+            _seen_steps[directory] = step
+
 
 @dataclass(frozen=True)
 class RestoreInfo:
@@ -352,6 +372,7 @@ class CheckpointManager:
             if checkpoint_number is None and self.coordinator is not None:
                 self.coordinator.join()  # read the step counter at the state the capture will see
             step = self._step_for(checkpoint_number)
+            _note_step(self.directory, step)
             t0 = time.perf_counter()
             full = self._spool is not None and self._spool.parent is None
             updates = self.capturer.capture(full=full)
@@ -430,6 +451,10 @@ class CheckpointManager:
         now = time.time()
         self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
         log.info("restored %s (step %d) from the %s tier", info.id, info.step, info.source)
+        if self._spool is not None:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
+            from psguard.agent import report_recovery
+
+            report_recovery(info.step, seen_step=last_seen_step(self.directory), source=info.source)
         return info.id
 
     def _restore_from_memory_tier(self) -> Any:
@@ -452,6 +477,7 @@ class CheckpointManager:
         if self.schedule is None:
             return None
         step = self._step_for(step)
+        _note_step(self.directory, step)
         now = time.time()
         ctx = self.context
         if self._preemption is not None:

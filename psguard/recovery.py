@@ -81,9 +81,10 @@ def exit_for_restart(exc: BaseException | None = None, *, failed_at: float | Non
     a sidecar, call ``manager.wait()`` before this so pending durable writes finish.
     """
     from psguard.agent import report_failure
+    from psguard.manager import last_seen_step
 
     log.error("cluster failure (%s): exiting with %d so the agent restarts the trainer", exc, EXIT_RESTART)
-    report_failure(failed_at)
+    report_failure(failed_at, step=last_seen_step())
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -719,6 +719,8 @@ def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
     assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
     assert failure["seen"] - second["restored"]["step"] <= 10  # memory cadence 5 + one scheduled chunk of 5
     assert final["step"] >= 200
+    lost = failure["seen"] - second["restored"]["step"]
+    assert f"event=recovery_reported task=chief:0 lost_steps={lost} " in chief.log(), chief.log()
     restarts = [p.status()["restarts"] for p in ps]
     if mode == "restart":
         generation = json.loads((out / "gen-1").read_text())["agent"]["last_generation"]
@@ -736,6 +738,33 @@ def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
     assert generation["peers"][ps[1].url] == "restarted" and generation["peers"][worker.url] == "skipped (worker)"
     assert worker.status()["restarts"] == 0
     assert chief.log().count("event=restarted task=chief:0") == (1 if mode == "restart" else 0)
+
+
+@pytest.mark.slow
+def test_recovery_reports_become_lost_steps(tmp_path: Path, agents: Callable[..., AgentProc]) -> None:
+    """The trainer tells the chief's agent the steps it saw and restored; the agent counts the difference."""
+    cluster, _ = write_cluster(tmp_path)
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--spool", str(tmp_path / "spool")]
+    chief = agents("chief", args, [sys.executable, "-c", "import time; time.sleep(600)"])
+    url = chief.url
+
+    def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
+        return http_json("POST", f"{url}{path}", body=body)
+
+    # Restart path: the failing trainer reports its last step, the next one the step it restored.
+    assert post("/failure", {"failed_at": time.time(), "step": 57})[0] == 200
+    assert post("/recovery", {"restored_step": 50, "source": "memory"}) == (200, {"ok": True})
+    assert chief.status()["last_lost_steps"] == 7
+    # In-process rejoin: one process knows both; the failure report was used up above.
+    assert post("/recovery", {"restored_step": 10, "seen_step": 13})[0] == 200
+    # A first start (nothing seen, nothing reported) is not a recovery and counts nothing.
+    assert post("/recovery", {"restored_step": 99}) == (200, {"ok": True, "lost_steps": None})
+    assert "psguard_lost_steps_total 10\n" in chief.metrics()
+    for bad in ({"restored_step": -1}, {"restored_step": True}, {"seen_step": 3}, {"lost_steps": "7"}):
+        code, doc = post("/recovery", bad)
+        assert code == 400, (bad, doc)
+    assert post("/failure", {"failed_at": time.time(), "step": -2})[0] == 400
+    assert "psguard_lost_steps_total 10\n" in chief.metrics()
 
 
 class E2E:
