@@ -163,8 +163,11 @@ def run(
             except subprocess.TimeoutExpired:
                 os.killpg(chief.pid, signal.SIGKILL)
                 chief.wait()
-        for agent in reversed(servers):  # workers, then PS servers
-            agent.stop()
+        for agent in servers:  # all at once: each agent takes a second or two to stop its server
+            if agent.proc.poll() is None:
+                agent.proc.send_signal(signal.SIGTERM)
+        for agent in reversed(servers):
+            agent.stop()  # waits for it; SIGKILLs its session if it does not exit in time
         if spool.parent == Path("/dev/shm"):
             shutil.rmtree(spool, ignore_errors=True)
         if own_dir and not failed:
