@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck bench clean hdfs-runtime
+.PHONY: demo test test-fast lint typecheck bench clean hdfs-runtime chaos chaos-smoke
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,6 +34,18 @@ test: lint typecheck hdfs-runtime
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow' -x
+
+# Every scenario in chaos/ on a real local cluster (one after another; each stops itself within its time limit
+# and cleans up). Runs, histories and reports in chaos-runs/; the fault-free reference run is shared.
+CHAOS_SEED ?= 0
+chaos: $(STAMP)
+	@status=0; for s in chaos/*.yaml; do \
+		$(BIN)/psguard chaos run $$s --seed $(CHAOS_SEED) --reference-dir chaos-runs || status=1; \
+	done; exit $$status
+
+# The CI smoke set (kill-ps, kill-worker, corrupt-chunk): about 4 minutes on 2 cores.
+chaos-smoke: $(STAMP)
+	$(BIN)/python -m pytest -q tests/test_chaos_smoke.py
 
 bench: $(STAMP)
 	$(BIN)/psguard bench store

@@ -130,8 +130,16 @@ def no_torn_checkpoint(ctx: _Context) -> Verdict:
     captured = {o.value.get("step") for o in ctx.trainer("capture") if o.type in ("ok", "info")}
     phantoms = [c["id"] for c in visible if c["step"] not in captured]
     damaged_detected = [c["id"] for c in visible if c["id"] in corrupted and not c["ok"]]
-    damaged_missed = [c["id"] for c in visible if c["id"] in corrupted and c["ok"]]
+    # A damaged checkpoint that verifies is a miss of the verification, unless the damaged chunk is whole again:
+    # a later checkpoint with the same content (deterministic training after a restore) wrote it anew.
+    healthy_now = ctx.final_store.get("damaged_chunks", {})
+    repaired: set[str] = set()
+    for o in ctx.of(("corrupt-chunk", "truncate-chunk"), "ok"):
+        if healthy_now.get(str(o.value.get("chunk"))):
+            repaired.update(o.value.get("affected", []))
+    damaged_missed = [c["id"] for c in visible if c["id"] in corrupted and c["ok"] and c["id"] not in repaired]
     evidence = {
+        "damaged_then_rewritten_whole": sorted(repaired),
         "visible": len(visible),
         "torn": torn,
         "phantoms": phantoms,
@@ -232,8 +240,10 @@ def restores_exact(ctx: _Context) -> Verdict:
     evidence = {"matched": checked, "mismatched": problems, "unchecked": unknown}
     if problems:
         return Verdict(name, "invalid", f"{len(problems)} restore(s) differ from what was captured", evidence)
-    if unknown or not checked:
+    if unknown:
         return Verdict(name, "unknown", f"{len(checked)} restore(s) checked, {len(unknown)} could not be", evidence)
+    if not checked:
+        return Verdict(name, "valid", "no restore from a checkpoint happened: nothing to compare", evidence)
     return Verdict(name, "valid", f"all {len(checked)} restores are bit-identical to their capture", evidence)
 
 
@@ -354,7 +364,11 @@ def no_leaks(ctx: _Context) -> Verdict:
         return Verdict(name, "unknown", "the history has no cleanup record")
     keys = ("alive_pids", "busy_ports", "temp_files", "threads")
     leaked = {k: ctx.cleanup.get(k, []) for k in keys if ctx.cleanup.get(k)}
-    evidence = {**{k: ctx.cleanup.get(k, []) for k in keys}, "pids_started": len(ctx.cleanup.get("pids_seen", []))}
+    evidence = {
+        **{k: ctx.cleanup.get(k, []) for k in keys},
+        "pids_started": len(ctx.cleanup.get("pids_seen", [])),
+        "crash_leftovers": ctx.cleanup.get("crash_leftovers", []),
+    }
     if leaked:
         return Verdict(name, "invalid", "leaked: " + ", ".join(f"{k} {v}" for k, v in leaked.items()), evidence)
     return Verdict(name, "valid", f"all {evidence['pids_started']} processes gone, ports free, no temp files", evidence)

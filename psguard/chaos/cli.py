@@ -44,7 +44,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
             result = run_side_by_side(scenario, directory, seed=args.seed)
         else:
-            result = run_with_reference(scenario, directory, seed=args.seed, job=args.job or DEFAULT_JOB)
+            references = Path(args.reference_dir) if args.reference_dir else None
+            result = run_with_reference(
+                scenario, directory, seed=args.seed, job=args.job or DEFAULT_JOB, references=references
+            )
     except KeyboardInterrupt:
         print("psguard chaos: interrupted; every process the run started was stopped", file=sys.stderr, flush=True)
         return 130
@@ -90,6 +93,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--report", metavar="DIR", help="run folder (recreated; default chaos-runs/NAME-seedS)")
     run.add_argument("--job", metavar="MODULE:FUNC", help="the trainer (default psguard.demo_trainer:main)")
     run.add_argument("--baseline", action="store_true", help="also run the plain-TF practice, side by side")
+    run.add_argument("--reference-dir", metavar="DIR", help="where fault-free reference runs are kept and reused")
     run.set_defaults(func=cmd_run)
     check = chaos.add_parser("check", help="run the checkers again over a history file")
     check.add_argument("history", metavar="history.jsonl")

@@ -151,7 +151,7 @@ class Checks:
 
     liveness: Duration = 120.0  # the target step is reached within this long after the last heal
     loss_tolerance: float = 0.05  # |final loss - fault-free final loss| (absolute)
-    reference: bool = False  # also run the scenario without faults (same seed) for the loss checker
+    reference: bool = True  # compare with a fault-free run of the same job and seed (shared between scenarios)
 
     def __post_init__(self) -> None:
         validate(self)
