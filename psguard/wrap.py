@@ -32,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -79,6 +80,43 @@ def _tail(path: Path, chars: int = 3000) -> str:
         return path.read_text(errors="replace")[-chars:]
     except OSError:
         return ""
+
+
+def _terminate(proc: subprocess.Popen[Any], timeout: float, hurry: threading.Event) -> None:
+    """SIGTERM, then SIGKILL to its whole session after ``timeout`` or as soon as ``hurry`` is set."""
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and time.monotonic() < deadline and not hurry.is_set():
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(_POLL)
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the agent and whatever it left in its session
+        proc.wait()
+
+
+def _stop_all(chief: subprocess.Popen[bytes] | None, servers: Sequence[subprocess.Popen[Any]]) -> None:
+    """Stop the chief's agent (it stops the trainer and drains the durable log), then every server agent.
+
+    A second Ctrl-C or SIGTERM while this runs does not abandon the agents (they run in their own sessions and
+    would outlive wrap): it cuts the waiting short and kills them instead.
+    """
+    hurry = threading.Event()
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(ValueError):  # not the main thread: no second signal to handle
+            previous[sig] = signal.signal(sig, lambda *_: hurry.set())
+    try:
+        if chief is not None and chief.poll() is None:
+            chief.send_signal(signal.SIGTERM)
+            _terminate(chief, 180.0, hurry)  # the agent's persister.drain_timeout is 120 s by default
+        for proc in servers:  # all at once: each agent takes a second or two to stop its server
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in servers:
+            _terminate(proc, 60.0, hurry)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run(
@@ -156,18 +194,9 @@ def run(
             )
         return 0 if code == 0 else 1
     finally:
-        if chief is not None and chief.poll() is None:
-            chief.send_signal(signal.SIGTERM)
-            try:
-                chief.wait(180)  # the agent drains the durable log (persister.drain_timeout) before it exits
-            except subprocess.TimeoutExpired:
-                os.killpg(chief.pid, signal.SIGKILL)
-                chief.wait()
-        for agent in servers:  # all at once: each agent takes a second or two to stop its server
-            if agent.proc.poll() is None:
-                agent.proc.send_signal(signal.SIGTERM)
-        for agent in reversed(servers):
-            agent.stop()  # waits for it; SIGKILLs its session if it does not exit in time
+        _stop_all(chief, [agent.proc for agent in servers])
+        for agent in servers:
+            agent.stop()  # already exited: closes its log
         if spool.parent == Path("/dev/shm"):
             shutil.rmtree(spool, ignore_errors=True)
         if own_dir and not failed:

@@ -196,3 +196,23 @@ def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(tmp_path
     metrics = _metrics()
     referenced = set().union(*(check_expr(e, metrics) for e in _exprs()))
     assert referenced <= exported, f"not on a real agent's /metrics: {referenced - exported}"
+
+
+def test_checkpoint_age_thresholds_follow_the_default_policy() -> None:
+    """The stale-checkpoint alerts fire at 2-4x the `default` policy's interval of their tier: not on every
+    late save, and not so late that a stalled job goes unnoticed for hours."""
+    from psguard.policy_files import load_policy
+
+    policy = load_policy("default")
+    intervals = {"memory": policy.memory.every, "durable": policy.durable.every}
+    seen = set()
+    for rule in _alert_rules():
+        match = re.fullmatch(
+            r'time\(\) - psguard_last_checkpoint_timestamp_seconds\{tier="(\w+)"\} > (\d+)', rule["expr"]
+        )
+        if match:
+            tier, threshold = match.group(1), float(match.group(2))
+            interval = intervals[tier]
+            assert interval is not None and 2 * interval <= threshold <= 4 * interval, rule["alert"]
+            seen.add(tier)
+    assert seen == {"memory", "durable"}

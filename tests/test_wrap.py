@@ -135,41 +135,57 @@ def _alive(pid: int) -> bool:
         return False
 
 
+# The trainer writes its pid once it runs (the whole cluster is up by then). "stubborn": it ignores SIGTERM (the
+# chief's agent would wait supervisor.stop_timeout, 30 s, before SIGKILL) and says when it got one.
+FOREVER = """
+import os, signal, sys
+marker, stubborn = sys.argv[1], sys.argv[2] == "stubborn"
+if stubborn:
+    signal.signal(signal.SIGTERM, lambda *_: open(marker + ".term", "w").close())
+with open(marker + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(marker + ".tmp", marker)
+while True:
+    signal.pause()
+"""
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():  # another process writes it: polling the file is waiting for that event
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{path.name} not written within {timeout:.0f}s"
+        time.sleep(0.1)
+
+
 @pytest.mark.slow
-def test_sigterm_stops_the_trainer_and_every_agent_and_server(tmp_path: Path) -> None:
-    marker = tmp_path / "trainer.pid"
-    script = tmp_path / "forever.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
-            import os, signal
-            with open({str(marker)!r} + ".tmp", "w") as f:
-                f.write(str(os.getpid()))
-            os.rename({str(marker)!r} + ".tmp", {str(marker)!r})
-            while True:
-                signal.pause()
-            """
-        )
-    )
+@pytest.mark.parametrize("signals", [1, 2], ids=["sigterm", "sigterm-twice-kills-at-once"])
+def test_sigterm_stops_the_trainer_and_every_agent_and_server(tmp_path: Path, signals: int) -> None:
+    marker, script = tmp_path / "trainer.pid", tmp_path / "forever.py"
+    script.write_text(FOREVER)
+    mode = "stubborn" if signals == 2 else "plain"
     proc = subprocess.Popen(
-        _wrap("--dir", str(tmp_path / "wrap"), "--", sys.executable, str(script)),
+        _wrap("--dir", str(tmp_path / "wrap"), "--", sys.executable, str(script), str(marker), mode),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         env=ENV,
     )
     try:
-        deadline = time.monotonic() + 300
-        while not marker.exists():  # written by the trainer once it runs: the whole cluster is up by then
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the trainer did not start within 300s"
-            time.sleep(0.1)
+        _wait_for(marker, proc, 300)
         trainer = int(marker.read_text())
         tree = _children(proc.pid)
         assert trainer in tree
-        assert len(tree) >= 7  # 3 agents, 2 servers, the chief's agent and its trainer (plus shells)
+        assert len(tree) >= 6  # 3 agents (ps0, worker0, chief), 2 servers, the trainer (plus their shells)
         proc.send_signal(signal.SIGTERM)
+        if signals == 2:
+            _wait_for(Path(f"{marker}.term"), proc, 120)  # wrap is stopping: its agent asked the trainer to go
+            assert _alive(trainer)  # ...which ignores it: without a second signal wrap would wait 30 s here
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
+        if signals == 2:
+            assert time.monotonic() - t0 < 20, "the second SIGTERM did not cut the stop short"
     finally:
         if proc.poll() is None:
             proc.kill()
