@@ -200,7 +200,7 @@ def test_stop_sends_sigterm_to_the_whole_group(supervisors: list[Supervisor], ev
     status = s.stop()
     assert time.monotonic() - started < 5
     assert graceful.read_text().strip() == "yes"
-    assert not pid_alive(grandchild)
+    wait_until(lambda: not pid_alive(grandchild), what="the group SIGKILL reaching the grandchild")
     assert status.state is SupervisorState.STOPPED and status.pid is None
     assert events.kinds()[-2:] == ["exited", "stopped"]
     assert s.result(timeout=1) == 0
@@ -247,7 +247,7 @@ def test_restart_kills_the_group_and_starts_the_same_command(
     assert restarted.reason == "rpc probe: DEADLINE_EXCEEDED" and restarted.pid != first_pid
     exited = events.of(EventKind.EXITED)[0]
     assert exited.exit_code == -signal.SIGKILL and exited.pid == first_pid and exited.backoff_seconds == 0.0
-    assert not pid_alive(grandchild)
+    wait_until(lambda: not pid_alive(grandchild), what="the group SIGKILL reaching the grandchild")
     assert first_pid is not None and not pid_alive(first_pid)
     status = s.status()
     assert status.restarts == 1 and status.crashes_in_window == 1 and status.state is SupervisorState.RUNNING
