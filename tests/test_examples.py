@@ -11,8 +11,10 @@ import ast
 import difflib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -127,3 +129,70 @@ def test_keras_fit_with_the_change_checkpoints_to_the_store_and_resumes(tmp_path
     # Three epochs now: fit resumes after the two already done (BackupAndRestore would have deleted its backup).
     second = _wrap(tmp_path, script, "--backup-dir", str(store), "--epochs", "3", store=store)
     assert second == [{"event": "done", "iterations": 30, "epochs_run": [2]}]
+
+
+# Runs an example unchanged, except that its first save (of its first run only) waits until the test has
+# killed a PS: the kill then lands mid-training whatever the machine's speed.
+GATE = """
+import os, runpy, sys, time
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+import tensorflow as tf
+example, gate = sys.argv[1], os.environ["GATE"]
+original = tf.train.CheckpointManager.save
+
+def save(self, *args, **kwargs):
+    path = original(self, *args, **kwargs)
+    if not os.path.exists(gate + ".passed"):
+        open(gate + ".passed", "w").close()
+        open(gate + ".saved", "w").close()
+        while not os.path.exists(gate + ".killed"):
+            time.sleep(0.05)
+    return path
+
+tf.train.CheckpointManager.save = save
+sys.argv = sys.argv[1:]
+runpy.run_path(example, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_unmodified_custom_loop_survives_a_killed_ps_under_wrap(tmp_path: Path) -> None:
+    """No psguard in the script: a PS dies, the coordinator raises, the script crashes; its agent restarts every
+    PS and the script, which restores its own TF checkpoint and finishes."""
+    from psguard.agent import http_json
+
+    gate, ckpt, work = tmp_path / "gate", tmp_path / "ckpt", tmp_path / "w"
+    (tmp_path / "gate.py").write_text(GATE)
+    script = EXAMPLES / "custom_loop" / "train.py"
+    argv = [sys.executable, "-m", "psguard.cli", "wrap", "--ps", "1", "--workers", "1", "--dir", str(work), "--"]
+    argv += [sys.executable, str(tmp_path / "gate.py"), str(script), "--checkpoint-dir", str(ckpt)]
+    argv += ["--steps", "40", "--save-every", "10"]
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(ENV, GATE=str(gate))
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not Path(f"{gate}.saved").exists():  # the trainer writes it after its first save: then it waits
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no first save within 300s"
+            time.sleep(0.1)
+        url = (work / "agents" / "ps0" / "url").read_text().strip()
+        code, status = http_json("GET", f"{url}/status")
+        assert code == 200 and status["state"] == "running"
+        os.kill(int(status["pid"]), signal.SIGKILL)
+        Path(f"{gate}.killed").touch()
+        out, err = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, f"{out}\n{err}"
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert events == [
+        {"event": "start", "restored": False, "step": 0},
+        {"event": "start", "restored": True, "step": 10},  # the checkpoint saved before the kill
+        {"event": "done", "step": 40},
+    ]
+    assert 'model_checkpoint_path: "ckpt-40"' in (ckpt / "checkpoint").read_text()
+    ps_log = (work / "agents" / "ps0" / "agent.log").read_text()
+    assert "event=restart_requested" in ps_log  # the new trainer generation restarted the PS again
