@@ -4,6 +4,7 @@ real local store, and ``psguard chaos check``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -371,3 +372,80 @@ def test_chaos_check_re_runs_the_checkers_and_says_so_in_its_exit_code(tmp_path:
     assert json.loads(out.stdout)["verdicts"]["final-loss"]["status"] == "unknown"
     out = subprocess.run([*argv, str(tmp_path / "nope.jsonl")], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 2 and "no such history file" in out.stderr
+
+
+# ------------------------------------------------------------------------------------------------ proxy
+def _echo_server() -> tuple[Any, int, Any]:
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(8)
+    stop = threading.Event()
+
+    def echo(c: Any) -> None:
+        try:
+            while data := c.recv(4096):
+                c.sendall(data)
+        except OSError:
+            pass  # the proxy reset the connection (drop)
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        conns = []
+        while not stop.is_set():
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                continue
+            conns.append(c)
+            threading.Thread(target=echo, args=(c,), name="echo", daemon=True).start()
+        for c in conns:
+            c.close()
+        srv.close()
+
+    t = threading.Thread(target=serve, name="echo-accept")
+    t.start()
+    return stop, srv.getsockname()[1], t
+
+
+def test_the_proxy_forwards_holds_bytes_during_a_partition_and_resets_on_drop() -> None:
+    import socket
+
+    from psguard.chaos.proxy import TcpProxy
+    from psguard.testbed.ports import free_ports
+
+    stop, port, thread = _echo_server()
+    proxy = TcpProxy(free_ports(1)[0], port)
+    try:
+        c = socket.create_connection(("127.0.0.1", proxy.listen_port), timeout=5)
+        c.sendall(b"ping")
+        assert c.recv(4) == b"ping"
+        proxy.set_mode("partition")
+        c.sendall(b"held")
+        c.settimeout(0.5)
+        with pytest.raises(TimeoutError):  # nothing comes back while the path is cut
+            c.recv(4)
+        proxy.set_mode("pass")  # the heal: what was held flows
+        c.settimeout(5)
+        assert c.recv(4) == b"held"
+        proxy.set_mode("drop")  # open connections are reset, new ones refused
+        with contextlib.suppress(ConnectionResetError):
+            assert c.recv(1) == b""
+        c.close()
+        fresh = socket.create_connection(("127.0.0.1", proxy.listen_port), timeout=5)
+        with contextlib.suppress(ConnectionResetError):
+            assert fresh.recv(1) == b""
+        fresh.close()
+    finally:
+        proxy.close()
+        stop.set()
+        thread.join(5)
+
+
+def test_network_faults_need_a_ps_target_and_turn_the_proxy_on() -> None:
+    s = _scenario(faults=[{"action": "partition", "target": "ps:0", "at_step": 5, "duration": 3}])
+    assert s.needs_proxy and not _scenario().needs_proxy
+    with pytest.raises(ConfigError, match="a PS"):
+        _scenario(faults=[{"action": "delay", "target": "worker:0", "at_step": 5}])

@@ -37,8 +37,11 @@ __all__ = [
 ]
 
 Status = Literal["valid", "invalid", "unknown"]
-FAULTS = ("kill", "terminate", "pause", "kill-agent", "corrupt-chunk", "truncate-chunk", "storage-stop")
-HEALS = ("resume", "start-agent", "storage-start")
+FAULTS = (
+    "kill", "terminate", "pause", "kill-agent", "corrupt-chunk", "truncate-chunk", "storage-stop",
+    "partition", "delay", "drop",
+)  # fmt: skip
+HEALS = ("resume", "start-agent", "storage-start", "heal")
 COMMITS = ("memory-commit", "durable-commit")
 
 

@@ -22,13 +22,21 @@ from typing import Any, Protocol
 
 from psguard.chaos.history import HistoryWriter
 from psguard.chaos.launcher import AgentProcess
+from psguard.chaos.proxy import TcpProxy
 from psguard.chaos.scenario import Fault, Scenario, expand_targets
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Nemesis", "StorageControl", "chain_members", "damage_chunk"]
+__all__ = ["Nemesis", "StorageControl", "TaskProcess", "chain_members", "damage_chunk"]
 
 NEMESIS = "nemesis"
+
+
+class TaskProcess(Protocol):
+    """A task the nemesis can aim at without an agent (the baseline's plain processes): ``status()`` gives
+    ``pid`` (and ``agent_pid`` None)."""
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]: ...
 
 
 class StorageControl(Protocol):
@@ -140,11 +148,12 @@ class Nemesis:
         scenario: Scenario,
         faults: list[Fault],
         history: HistoryWriter,
-        agents: Mapping[str, AgentProcess],
+        agents: Mapping[str, AgentProcess | TaskProcess],
         *,
         store_dir: Path | None,
         storage: StorageControl | None,
         seed: int,
+        proxies: Mapping[str, TcpProxy] | None = None,
     ) -> None:
         self.scenario = scenario
         self.pending = list(faults)
@@ -152,6 +161,7 @@ class Nemesis:
         self.agents = agents
         self.store_dir = store_dir
         self.storage = storage
+        self.proxies = dict(proxies or {})
         self.rng = random.Random(seed ^ 0x5EED)
         self._heals: list[_Pending] = []
         self.fired: list[Fault] = []
@@ -164,7 +174,7 @@ class Nemesis:
     def healing(self) -> bool:
         return bool(self._heals)
 
-    def tick(self, step: int | None, elapsed: float | None) -> None:
+    def tick(self, step: int | None, elapsed: float | None, durable_in_flight: int | None = None) -> None:
         """Fire every fault whose trigger has come (``step``: the trainer's last reported step; ``elapsed``:
         seconds since the trainer started) and heal every fault whose duration is over."""
         now = time.monotonic()
@@ -176,11 +186,15 @@ class Nemesis:
             due = (fault.at_step is not None and step is not None and step >= fault.at_step) or (
                 fault.at_time is not None and elapsed is not None and elapsed >= fault.at_time
             )
+            if due and fault.during == "durable-commit":
+                # Aimed at the agent's persist: wait for a durable commit the trainer has asked for and not yet
+                # seen acknowledged. Whether it was still in flight is recorded with the fault.
+                due = durable_in_flight is not None
             if not due:
                 return
             self.pending.pop(0)
             self.fired.append(fault)
-            self._fire(fault, step)
+            self._fire(fault, step, durable_in_flight)
 
     def heal_all(self) -> None:
         """Heal every open fault now (the final phase, and on the way out of a failed run)."""
@@ -201,8 +215,10 @@ class Nemesis:
         self.history.append(NEMESIS, "ok", f, {**value, **result})
         return result
 
-    def _fire(self, fault: Fault, step: int | None) -> None:
-        base = {"fault": fault.describe(), "at_step": step, "trigger": fault.trigger}
+    def _fire(self, fault: Fault, step: int | None, durable_in_flight: int | None = None) -> None:
+        base: dict[str, Any] = {"fault": fault.describe(), "at_step": step, "trigger": fault.trigger}
+        if fault.during is not None:
+            base["durable_commit_step"] = durable_in_flight  # invoked since the last look
         if fault.max_lost_steps is not None:
             base["max_lost_steps"] = fault.max_lost_steps
         if fault.action in ("corrupt-chunk", "truncate-chunk"):
@@ -230,10 +246,36 @@ class Nemesis:
                     _Pending(time.monotonic() + fault.duration, "storage-start", start, {"target": "store"})
                 )
             return
+        if fault.action in ("partition", "delay", "drop"):
+            for target in expand_targets(fault.target, self.scenario.cluster):
+                self._fire_on_network(fault, target, base)
+            return
         for target in expand_targets(fault.target, self.scenario.cluster):
             self._fire_on_task(fault, target, base)
 
-    def _agent(self, target: str) -> AgentProcess:
+    def _fire_on_network(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
+        proxy = self.proxies.get(target)
+        value = {**base, "target": target}
+        if proxy is None:
+            self.history.append(NEMESIS, "invoke", fault.action, value)
+            self.history.append(NEMESIS, "fail", fault.action, {**value, "error": "no proxy in front of this PS"})
+            return
+        mode = fault.action
+        if fault.action == "delay":
+            value["latency"] = fault.latency
+
+        def inject() -> dict[str, Any]:
+            proxy.set_mode(mode, delay=fault.latency)  # type: ignore[arg-type]
+            return {"listen_port": proxy.listen_port, "target_port": proxy.target_port}
+
+        def heal() -> dict[str, Any]:
+            proxy.set_mode("pass")
+            return {}
+
+        if self._run(fault.action, value, inject) is not None:
+            self._heals.append(_Pending(time.monotonic() + fault.duration, "heal", heal, {"target": target}))
+
+    def _agent(self, target: str) -> AgentProcess | TaskProcess:
         name = "chief" if target == "chief" else target.replace(":", "")
         return self.agents[name]
 
@@ -241,12 +283,16 @@ class Nemesis:
         agent = self._agent(target)
         try:
             status = agent.status(timeout=5)
-            pid, agent_pid = status.get("pid"), int(status["agent_pid"])
+            pid, agent_pid = status.get("pid"), status.get("agent_pid")
         except Exception as e:  # the agent is down: the fault cannot be aimed; record that it was not injected
             self.history.append(NEMESIS, "invoke", fault.action, {**base, "target": target})
             self.history.append(NEMESIS, "fail", fault.action, {**base, "target": target, "error": str(e)[:300]})
             return
         value = {**base, "target": target, "pid": pid, "agent_pid": agent_pid}
+        if fault.action == "kill-agent" and not isinstance(agent, AgentProcess):
+            self.history.append(NEMESIS, "invoke", fault.action, value)
+            self.history.append(NEMESIS, "fail", fault.action, {**value, "error": "this task runs without an agent"})
+            return
         if fault.action in ("kill", "terminate"):
             sig = signal.SIGKILL if fault.action == "kill" else signal.SIGTERM
             if pid is None:
@@ -265,11 +311,9 @@ class Nemesis:
             ):
                 heal = {"target": target, "pid": pid, "signal": "SIGCONT"}
                 self._heals.append(
-                    _Pending(
-                        time.monotonic() + fault.duration, "resume", lambda: _signal(int(pid), signal.SIGCONT), heal
-                    )
+                    _Pending(time.monotonic() + fault.duration, "resume", lambda: _resume(int(pid)), heal)
                 )
-        elif fault.action == "kill-agent":
+        elif fault.action == "kill-agent" and isinstance(agent, AgentProcess):
             done = self._run("kill-agent", {**value, "signal": "SIGKILL"}, lambda: _kill_agent(agent))
             if done is not None:
                 self._restart_later(agent, target, fault.duration)
@@ -282,6 +326,16 @@ class Nemesis:
             return {"agent_pid": agent.proc.pid, "url": agent.wait_url(120)}
 
         self._heals.append(_Pending(time.monotonic() + after, "start-agent", restart, {"target": target}))
+
+
+def _resume(pid: int) -> dict[str, Any]:
+    """SIGCONT; a frozen task its agent has meanwhile killed and replaced (the probe's deadline caught the freeze)
+    is gone, which is the outcome the freeze scenarios look for, not a failed heal."""
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        return {"replaced_by_agent": True}
+    return {"replaced_by_agent": False}
 
 
 def _signal(pid: int, sig: signal.Signals) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 from psguard.chaos.checkers import FAULTS, HEALS, Verdict, fault_outcomes, overall
 from psguard.chaos.history import Op, Record, operations
 
-__all__ = ["goodput", "write_report"]
+__all__ = ["goodput", "write_report", "write_side_by_side"]
 
 
 def goodput(ops: Sequence[Op], target: int | None) -> dict[str, Any]:
@@ -171,3 +171,18 @@ def _timeline(ops: Sequence[Op], report: Mapping[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def write_side_by_side(directory: Path, ours: Mapping[str, Any], baseline: Mapping[str, Any]) -> dict[str, Any]:
+    """``report.json`` / ``report.md`` with psguard's run and the baseline's on the same scenario and seed."""
+    report = {**ours, "baseline": dict(baseline)}
+    (directory / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    lines = [f"# chaos: {ours['scenario']} (seed {ours['seed']}): psguard vs the plain-TF baseline", ""]
+    lines += [str(ours.get("proves") or "").strip(), "", _side_by_side(report), ""]
+    lines += ["| checker | psguard | baseline |", "| --- | --- | --- |"]
+    for name, v in ours["verdicts"].items():
+        b = baseline["verdicts"].get(name, {})
+        lines.append(f"| {name} | {v['status']}: {v['summary']} | {b.get('status')}: {b.get('summary')} |")
+    lines += ["", "Details: [psguard/report.md](psguard/report.md), [baseline/report.md](baseline/report.md)."]
+    (directory / "report.md").write_text("\n".join(lines) + "\n")
+    return report

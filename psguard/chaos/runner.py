@@ -120,6 +120,7 @@ class _Run:
         self.schedule = scenario.schedule(seed) if faults else []
         self.history = HistoryWriter(directory / "history.jsonl")
         self.agents: dict[str, AgentProcess] = {}
+        self.proxies: dict[str, Any] = {}
         self.pids_seen: set[int] = set()
         self.ports: list[int] = []
         self.storage: Any = None
@@ -138,9 +139,9 @@ class _Run:
             "proves": s.proves,
             "seed": self.seed,
             "job": self.job,
-            "mode": "psguard",
+            "mode": self.mode,
             "target_step": s.training.steps,
-            "training": asdict(s.training),
+            "training": self.training_record(),
             "cluster": asdict(s.cluster),
             "storage": s.storage.kind,
             "liveness_seconds": s.checks.liveness,
@@ -151,6 +152,9 @@ class _Run:
         }
         self.history.append(HARNESS, "invoke", "run", value)
         self.history.append(HARNESS, "ok", "run", value)
+
+    def training_record(self) -> dict[str, Any]:
+        return asdict(self.scenario.training)
 
     def start_storage(self) -> None:
         if self.scenario.storage.kind == "s3":
@@ -171,11 +175,30 @@ class _Run:
         self.ports += [int(a.rsplit(":", 1)[1]) for addrs in spec.values() for a in addrs]
         env = dict(self.storage.env) if self.storage is not None else {}
         base = ["--cluster", str(cluster)]
+        others = base  # what the chief and the workers see
+        if s.needs_proxy:
+            # The PS servers listen on their real ports (their agents' cluster.json); the chief and the workers
+            # reach them through a proxy each (cluster-proxied.json), where the nemesis cuts the network.
+            from psguard.chaos.proxy import TcpProxy
+            from psguard.testbed.ports import free_ports
+
+            proxied = dict(spec)
+            proxied["ps"] = [f"127.0.0.1:{p}" for p in free_ports(len(spec["ps"]))]
+            for i, (real, fake) in enumerate(zip(spec["ps"], proxied["ps"], strict=True)):
+                port, target = int(fake.rsplit(":", 1)[1]), int(real.rsplit(":", 1)[1])
+                self.proxies[f"ps:{i}"] = TcpProxy(port, target, name=f"ps{i}")
+                self.ports.append(port)
+            path = self.dir / "cluster-proxied.json"
+            path.write_text(json.dumps(proxied, indent=2))
+            others = ["--cluster", str(path)]
         root = self.dir / "agents"
         for role, count in (("ps", s.cluster.ps), ("worker", s.cluster.workers)):
             for i in range(count):
                 self.agents[f"{role}{i}"] = AgentProcess(
-                    root, f"{role}{i}", ["--role", role, "--index", str(i), *base], env=env
+                    root,
+                    f"{role}{i}",
+                    ["--role", role, "--index", str(i), *(base if role == "ps" else others)],
+                    env=env,
                 )
         peers = [arg for a in self.agents.values() for arg in ("--peer", a.wait_url(180))]
         t = s.training
@@ -184,32 +207,52 @@ class _Run:
         trainer += ["--steps", str(t.steps), "--kill-at", str(t.steps), "--chunk", str(t.chunk)]
         trainer += ["--memory-every", str(t.memory_every), "--durable-every", str(t.durable_every)]
         trainer += ["--vocab", str(t.vocab), "--dim", str(t.dim), "--batch", str(t.batch), "--seed", str(self.seed)]
-        chief_args = ["--role", "chief", "--index", "0", *base, "--store", self.store_url]
+        chief_args = ["--role", "chief", "--index", "0", *others, "--store", self.store_url]
         chief_args += ["--spool", str(self.dir / "spool"), *peers]
         self.agents["chief"] = AgentProcess(root, "chief", chief_args, trainer, env=env)
         for a in self.agents.values():
             url = a.wait_url(180)
             self.ports.append(int(url.rsplit(":", 1)[1]))
 
+    mode = "psguard"
+
+    def targets(self) -> dict[str, Any]:
+        """What the nemesis aims at, by task name (``ps0``, ``worker0``, ``chief``)."""
+        return dict(self.agents)
+
+    def job_exit(self) -> int | None:
+        """The job's exit code once it has ended for good, else None (psguard: the chief's agent exits when
+        the trainer reached its target; it is restarted by the nemesis after a kill-agent)."""
+        return self.agents["chief"].proc.poll()
+
+    def supervise(self) -> None:
+        """The psguard side needs nothing here: the agents supervise. The baseline's script restarts its job."""
+
     def loop(self, deadline: float) -> None:
-        chief = self.agents["chief"]
         nemesis = Nemesis(
             self.scenario,
             list(self.schedule),
             self.history,
-            self.agents,
+            self.targets(),
             store_dir=self.store_dir,
             storage=self.storage,
             seed=self.seed,
+            proxies=self.proxies,
         )
         self.nemesis = nemesis
         reader = ProgressReader(self.dir / "progress.jsonl")
         last_pids = 0.0
         last_line = 0.0
+        durable_in_flight: int | None = None
+        durable_seen: int | None = None
         while True:
             for e in reader.read():
                 if e["event"] == "op":
                     self.history.append(e["process"], e["type"], e["f"], e.get("value") or {}, at=float(e["mono"]))
+                    if e["f"] == "durable-commit":
+                        durable_in_flight = e["value"].get("step") if e["type"] == "invoke" else None
+                        if e["type"] == "invoke":
+                            durable_seen = durable_in_flight
                     if e["f"] == "train" and e["type"] == "ok":
                         self.step = int(e["value"]["step"])
                     if self.started_at is None:
@@ -225,8 +268,12 @@ class _Run:
                 self.say(f"  step {self.step}/{self.scenario.training.steps}  faults fired {fired}")
                 last_line = now
             elapsed = None if self.started_at is None else now - self.started_at
-            nemesis.tick(self.step, elapsed)
-            code = chief.proc.poll()
+            # A durable commit invoked since the last tick counts even if its ack arrived in the same read; the
+            # fault's record says whether it was still in flight.
+            nemesis.tick(self.step, elapsed, durable_seen)
+            durable_seen = durable_in_flight
+            self.supervise()
+            code = self.job_exit()
             if code is not None and not nemesis.healing:
                 for e in reader.read():
                     if e["event"] == "op":
@@ -252,11 +299,17 @@ class _Run:
                 agent.stop()
             except Exception as e:  # keep stopping the others
                 self.say(f"  stopping agent {agent.name}: {e}")
+        for proxy in self.proxies.values():
+            proxy.close()
 
     def final_store(self) -> None:
         from psguard.store import Store
 
         self.history.append(HARNESS, "invoke", "final-store", {"url": self.store_url})
+        listing = self.list_store()
+        if listing is not None:
+            self.history.append(HARNESS, "ok", "final-store", listing)
+            return
         try:
             with Store.open(self.store_url, self.storage_options) as store:
                 checkpoints = []
@@ -272,6 +325,10 @@ class _Run:
             return
         value = {"checkpoints": checkpoints, "journal": journal, "damaged_chunks": self._damaged_chunks()}
         self.history.append(HARNESS, "ok", "final-store", value)
+
+    def list_store(self) -> dict[str, Any] | None:
+        """The final store as the checkers see it, when it is not a psguard store (the baseline's)."""
+        return None
 
     def _damaged_chunks(self) -> dict[str, bool]:
         """Per chunk the nemesis damaged: whether its bytes hash to its name again (a later checkpoint with the
@@ -340,6 +397,7 @@ def run_scenario(
     faults: bool = True,
     reference: Sequence[Record] | None = None,
     say: Callable[[str], None] = print,
+    run_class: type[_Run] | None = None,
 ) -> RunResult:
     """Run ``scenario`` in ``directory`` (recreated) and judge it; see the module docstring for the phases."""
     from psguard.chaos.report import write_report
@@ -350,7 +408,7 @@ def run_scenario(
     directory = directory.resolve()
     t0 = time.monotonic()
     deadline = t0 + scenario.time_limit
-    run = _Run(scenario, directory, seed=seed, job=job, faults=faults, say=say)
+    run = (run_class or _Run)(scenario, directory, seed=seed, job=job, faults=faults, say=say)
     interrupted: BaseException | None = None
     try:
         run.record_run()

@@ -32,7 +32,11 @@ __all__ = [
     "load_scenario",
 ]
 
-Action = Literal["kill", "terminate", "pause", "kill-agent", "corrupt-chunk", "truncate-chunk", "storage-outage"]
+Action = Literal[
+    "kill", "terminate", "pause", "kill-agent", "corrupt-chunk", "truncate-chunk", "storage-outage",
+    "partition", "delay", "drop",
+]  # fmt: skip
+NETWORK_ACTIONS = ("partition", "delay", "drop")
 ACTIONS: tuple[str, ...] = (
     "kill",  # SIGKILL the task (its agent restarts it)
     "terminate",  # SIGTERM the task
@@ -41,6 +45,9 @@ ACTIONS: tuple[str, ...] = (
     "corrupt-chunk",  # flip one bit of a chunk of the newest durable checkpoint, on disk
     "truncate-chunk",  # cut a chunk of the newest durable checkpoint short, on disk
     "storage-outage",  # stop the storage server, start it again after `duration`
+    "partition",  # the chief and workers cannot reach a PS (a TCP proxy holds every byte) for `duration`
+    "delay",  # every chunk of bytes to and from a PS is held `latency` seconds, for `duration`
+    "drop",  # connections to a PS are reset and refused, for `duration`
 )
 _TARGET = re.compile(r"^(chief|ps:(\d+|\*)|worker:(\d+|\*)|store)$")
 Positive = Annotated[int, Check(lambda n: n > 0, "> 0")]
@@ -57,6 +64,8 @@ class Fault:
     at_time: Duration | None = None
     duration: Duration = 1.0  # pause / kill-agent / storage-outage: until the heal
     max_lost_steps: NonNegative | None = None  # the policy bound for this fault (default: see checkers)
+    during: Literal["durable-commit"] | None = None  # also wait until a durable commit is in flight
+    latency: Duration = 0.2  # delay: seconds added to each chunk of bytes
 
     def __post_init__(self) -> None:
         validate(self)
@@ -64,13 +73,18 @@ class Fault:
             raise invalid("target", "chief, ps:N, worker:N, ps:*, worker:* or store", self.target)
         if (self.at_step is None) == (self.at_time is None):
             raise invalid("at_step", "exactly one of at_step and at_time", (self.at_step, self.at_time))
+        if self.action in NETWORK_ACTIONS and not self.target.startswith("ps:"):
+            raise invalid(
+                "target", f"a PS (ps:N or ps:*) for {self.action}: the proxy sits in front of the PS", self.target
+            )
         on_store = self.action in ("corrupt-chunk", "truncate-chunk", "storage-outage")
         if on_store != (self.target == "store"):
             raise invalid("target", f"'store' for {self.action}" if on_store else "a task", self.target)
 
     @property
     def trigger(self) -> str:
-        return f"step {self.at_step}" if self.at_step is not None else f"{self.at_time:g}s"
+        when = f"step {self.at_step}" if self.at_step is not None else f"{self.at_time:g}s"
+        return f"{when} during a {self.during}" if self.during else when
 
     def describe(self) -> str:
         return f"{self.action} {self.target} at {self.trigger}"
@@ -184,6 +198,12 @@ class Scenario:
         if self.random is not None:
             for t in self.random.targets:
                 _check_target(t, self.cluster, "random.targets")
+
+    @property
+    def needs_proxy(self) -> bool:
+        """Network faults need the TCP proxies in the path to the PS servers."""
+        actions = {f.action for f in self.faults} | set(self.random.actions if self.random else ())
+        return bool(actions & set(NETWORK_ACTIONS))
 
     def schedule(self, seed: int) -> list[Fault]:
         """The faults in firing order: the fixed ones plus those drawn from ``seed`` (same seed, same list)."""

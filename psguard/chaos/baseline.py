@@ -1,0 +1,155 @@
+"""``psguard chaos run --baseline``: the same scenario on the plain-TF practice, reported beside psguard.
+
+The baseline is what a PS job does without psguard: servers started by a script, a trainer that saves a
+``tf.train.CheckpointManager`` checkpoint every ``durable_every`` steps (psguard's durable cadence, so the two
+write to storage equally often), and a script that restarts the *whole job* (every server and a new trainer,
+which restores the latest checkpoint) whenever a task dies or the trainer exits with an error. The nemesis
+fires the same faults at the same steps; faults that need an agent (``kill-agent``) or a psguard store (chunk
+damage) have no baseline equivalent and are recorded as not injected. The same checkers judge the baseline's
+history; the side-by-side report compares goodput, recovery seconds and lost steps per fault.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from psguard.chaos.launcher import QUIET, write_cluster
+from psguard.chaos.runner import HARNESS, RunResult, _Run, run_scenario
+from psguard.chaos.scenario import Scenario
+
+__all__ = ["run_side_by_side"]
+
+
+class _Task:
+    """One plain process of the baseline job (a TF server or the trainer), in its own process group."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self._log = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(argv, env=env, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        return {"pid": self.proc.pid if self.proc.poll() is None else None, "agent_pid": None}
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGCONT)  # a frozen process cannot handle SIGTERM
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        if not self._log.closed:
+            self._log.close()
+
+
+class _Handle:
+    """The nemesis's view of a task across job restarts: always the current process of that name."""
+
+    def __init__(self, run: BaselineRun, name: str) -> None:
+        self._run, self._name = run, name
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        return self._run.tasks[self._name].status(timeout)
+
+
+class BaselineRun(_Run):
+    mode = "baseline"
+
+    def training_record(self) -> dict[str, Any]:
+        t = super().training_record()
+        t["memory_every"] = t["durable_every"]  # no memory tier: the durable cadence is its bound
+        return t
+
+    def start_storage(self) -> None:
+        self.store_dir = None  # not a psguard store: no chunk damage
+        self.ckpt_dir = self.dir / "tf-ckpt"
+        self.store_url = str(self.ckpt_dir)
+
+    def start_cluster(self) -> None:
+        s = self.scenario
+        self.cluster_path, self.spec = write_cluster(self.dir, ps=s.cluster.ps, workers=s.cluster.workers)
+        self.ports += [int(a.rsplit(":", 1)[1]) for addrs in self.spec.values() for a in addrs]
+        self.tasks: dict[str, _Task] = {}
+        self.restarts = 0
+        (self.dir / "logs").mkdir(exist_ok=True)
+        self._start_job()
+
+    def _start_job(self) -> None:
+        spec_json = json.dumps(self.spec, sort_keys=True)
+        env = dict(os.environ, **QUIET)
+        logs = self.dir / "logs"
+        for role, count in (("ps", len(self.spec["ps"])), ("worker", len(self.spec["worker"]))):
+            for i in range(count):
+                argv = [sys.executable, "-m", "psguard.testbed.server", "--cluster-spec", spec_json, "--job", role,
+                        "--index", str(i), "--parent-pid", str(os.getpid())]  # fmt: skip
+                self.tasks[f"{role}{i}"] = _Task(f"{role}{i}", argv, env, logs / f"{role}{i}.log")
+        t = self.scenario.training
+        argv = [sys.executable, "-m", "psguard.chaos.baseline_trainer", "--store", self.store_url]
+        argv += ["--progress", str(self.dir / "progress.jsonl"), "--steps", str(t.steps), "--chunk", str(t.chunk)]
+        argv += ["--durable-every", str(t.durable_every), "--vocab", str(t.vocab), "--dim", str(t.dim)]
+        argv += ["--batch", str(t.batch), "--seed", str(self.seed)]
+        tf_config = {"cluster": self.spec, "task": {"type": "chief", "index": 0}, "rpc_layer": "grpc"}
+        self.tasks["chief"] = _Task("chief", argv, dict(env, TF_CONFIG=json.dumps(tf_config)), logs / "chief.log")
+
+    def targets(self) -> dict[str, Any]:
+        return {name: _Handle(self, name) for name in self.tasks}
+
+    def job_exit(self) -> int | None:
+        code = self.tasks["chief"].proc.poll()
+        return 0 if code == 0 else None
+
+    def supervise(self) -> None:
+        """The script: any task gone or the trainer failed -> stop everything, start the whole job again."""
+        dead = [name for name, task in self.tasks.items() if task.proc.poll() not in (None, 0)]
+        if not dead:
+            return
+        value = {"dead": dead, "restart": self.restarts + 1}
+        self.history.append(HARNESS, "invoke", "restart-job", value)
+        for task in self.tasks.values():
+            task.stop(timeout=5)
+        self.restarts += 1
+        self._start_job()
+        self.history.append(HARNESS, "ok", "restart-job", value)
+
+    def stop_all(self) -> None:
+        nemesis = getattr(self, "nemesis", None)
+        if nemesis is not None:
+            nemesis.heal_all()
+        for task in getattr(self, "tasks", {}).values():
+            task.stop()
+
+    def list_store(self) -> dict[str, Any] | None:
+        checkpoints = []
+        for index in sorted(self.ckpt_dir.glob("ckpt-*.index")):
+            prefix = str(index)[: -len(".index")]
+            data = list(self.ckpt_dir.glob(Path(prefix).name + ".data-*"))
+            step = int(Path(prefix).name.split("-", 1)[1])
+            checkpoints.append({"id": prefix, "step": step, "kind": "tf", "parent": None, "ok": bool(data),
+                                "problems": [] if data else ["no data file"]})  # fmt: skip
+        return {"checkpoints": checkpoints, "journal": [], "damaged_chunks": {}}
+
+
+def run_side_by_side(
+    scenario: Scenario, directory: Path, *, seed: int = 0, say: Callable[[str], None] = print
+) -> RunResult:
+    """psguard and the baseline on the same scenario and seed; a combined report in ``directory``."""
+    from psguard.chaos.report import write_side_by_side
+
+    directory.mkdir(parents=True, exist_ok=True)
+    ours = run_scenario(scenario, directory / "psguard", seed=seed, say=say)
+    say(f"chaos {scenario.name}: the same scenario on the plain-TF baseline")
+    base = run_scenario(scenario, directory / "baseline", seed=seed, say=say, run_class=BaselineRun)
+    report = write_side_by_side(directory, ours.report, base.report)
+    return RunResult(directory, ours.verdicts, ours.overall, report)

@@ -1,0 +1,103 @@
+"""The plain-TF practice the chaos harness compares psguard with (``psguard chaos run --baseline``).
+
+The same model, data, chunking and seed as :mod:`psguard.demo_trainer`, but checkpointed the usual way:
+``tf.train.CheckpointManager.save`` every ``--durable-every`` steps to a local folder, and no recovery in the
+trainer: on a cluster failure it exits 1 and the "script" (the harness) restarts the whole job, every server and
+a new trainer, which restores the latest checkpoint. It writes the same ``op`` lines as the psguard trainer (a
+save is a ``capture`` plus a ``durable-commit``), so the same checkers judge both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m psguard.chaos.baseline_trainer")
+    p.add_argument("--store", required=True, help="the tf.train.CheckpointManager folder")
+    p.add_argument("--progress", required=True)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--durable-every", type=int, default=25)
+    p.add_argument("--chunk", type=int, default=5)
+    p.add_argument("--vocab", type=int, default=20_000)
+    p.add_argument("--dim", type=int, default=8)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+
+    from psguard.demo_trainer import Progress, variables_digest
+    from psguard.testbed.ports import port_open
+
+    progress = Progress(args.progress, fsync=True)
+    progress.emit("start", pid=os.getpid(), target=args.steps)
+    import json
+
+    spec = json.loads(os.environ["TF_CONFIG"])["cluster"]
+    for addr in spec["ps"] + spec["worker"]:  # the script's readiness check: every server's port open
+        host, port = addr.rsplit(":", 1)
+        deadline = time.monotonic() + 120
+        while not port_open(host, int(port)):
+            if time.monotonic() > deadline:
+                return 1
+            time.sleep(0.05)
+
+    import tensorflow as tf
+
+    from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(len(spec["ps"]))
+    )
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
+    step = 0
+    try:
+        with strategy.scope():
+            model = RecModel(config)
+            optimizer = make_optimizer("adagrad")
+        trainer = Trainer(strategy, coordinator, model, optimizer)
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, None)
+        progress.op("invoke", "restore")
+        path = manager.restore_or_initialize()
+        step = int(model.step.numpy())
+        trainer.next_index = step
+        progress.op("ok", "restore", step=step, source="durable" if path else None, id=path,
+                    digest=variables_digest(model, optimizer))  # fmt: skip
+        saved = step if path else None
+        while step < args.steps:
+            if saved is None or step - saved >= args.durable_every:
+                progress.op("invoke", "capture", step=step, tiers=["durable"])
+                digest = variables_digest(model, optimizer)
+                progress.op("ok", "capture", step=step, digest=digest)
+                progress.op("invoke", "durable-commit", step=step)
+                saved_path = manager.save(checkpoint_number=step)
+                progress.op("ok", "durable-commit", step=step, id=saved_path)
+                saved = step
+            progress.op("invoke", "train", step=step, steps=args.chunk)
+            trainer.train(args.chunk)
+            step = int(model.step.numpy())
+            progress.op("ok", "train", step=step)
+        progress.op("invoke", "eval", step=step)
+        ids = tf.random.stateless_uniform(
+            [2048, config.features], seed=[args.seed, 7919], maxval=config.vocab_size, dtype=tf.int64
+        )
+        labels = tf.cast(tf.math.floormod(tf.reduce_sum(ids, axis=1), 2), tf.float32)
+        loss = float(tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=model(ids))))
+        progress.op("ok", "eval", step=step, loss=loss)
+    except Exception as e:  # a plain-TF chief dies with its cluster; the script restarts the whole job
+        progress.emit("failure", seen=step, error=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+        progress.close()
+        os._exit(1)  # the open operation stays without completion: its outcome is unknown (info)
+    progress.emit("done", step=step)
+    progress.close()
+    os._exit(0)  # a normal exit tears TF down for seconds; the job is done
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""A TCP proxy in the path from the chief and the workers to one PS, for network faults.
+
+The chief's and workers' ``cluster.json`` names the PS at the proxy's port; the PS (under its agent) listens on
+its real port, which its own ``cluster.json`` names (a TF server binds the address its cluster spec gives for
+itself; the others only need a route to it). The agent's probes talk to the real port, so they see the PS as
+healthy while the trainer cannot reach it: a partition, not a crash.
+
+Modes (switched by the nemesis, recorded in the history before they take effect):
+
+- ``pass``: bytes are forwarded as they come;
+- ``delay``: each chunk of bytes is held ``delay`` seconds before it is forwarded (both directions);
+- ``partition``: nothing is forwarded in either direction and new connections wait unanswered: what a
+  dropped network path looks like to both sides (no RST, no FIN); ``heal`` returns to ``pass`` and the held
+  bytes flow again;
+- ``drop``: every open connection is reset and new ones are closed at once (a path that refuses).
+
+Every connection is two pump threads; :meth:`close` stops them all (a stop event, sockets shut down, threads
+joined), so a run leaves no thread behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import select
+import socket
+import threading
+import time
+from typing import Literal
+
+log = logging.getLogger(__name__)
+
+__all__ = ["TcpProxy"]
+
+Mode = Literal["pass", "delay", "partition", "drop"]
+
+
+class TcpProxy:
+    """Listens on ``127.0.0.1:listen_port`` and forwards to ``127.0.0.1:target_port``."""
+
+    def __init__(self, listen_port: int, target_port: int, *, name: str = "proxy") -> None:
+        self.listen_port = listen_port
+        self.target_port = target_port
+        self.name = name
+        self.mode: Mode = "pass"
+        self.delay = 0.0
+        self._stop = threading.Event()
+        self._flowing = threading.Event()
+        self._flowing.set()
+        self._lock = threading.Lock()
+        self._conns: list[tuple[socket.socket, socket.socket]] = []
+        self._threads: list[threading.Thread] = []
+        self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._server.bind(("127.0.0.1", listen_port))
+        self._server.listen(64)
+        self._accept = threading.Thread(target=self._accept_loop, name=f"chaos-{name}-accept", daemon=True)
+        self._accept.start()
+
+    def set_mode(self, mode: Mode, *, delay: float = 0.0) -> None:
+        with self._lock:
+            self.mode, self.delay = mode, delay
+            conns = list(self._conns)
+        if mode == "partition":
+            self._flowing.clear()
+        else:
+            self._flowing.set()
+        if mode == "drop":
+            for a, b in conns:
+                _reset(a)
+                _reset(b)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            ready, _, _ = select.select([self._server], [], [], 0.2)
+            if not ready:
+                continue
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                continue
+            if self.mode == "drop":
+                _reset(client)
+                continue
+            # A partitioned path: the connection waits, unanswered, until the heal (or the proxy's end).
+            while not self._flowing.wait(0.2):
+                if self._stop.is_set():
+                    client.close()
+                    return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            with self._lock:
+                self._conns.append((client, upstream))
+            for src, dst, tag in ((client, upstream, "up"), (upstream, client, "down")):
+                t = threading.Thread(target=self._pump, args=(src, dst), name=f"chaos-{self.name}-{tag}", daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while not self._stop.is_set():
+                ready, _, _ = select.select([src], [], [], 0.2)
+                if not ready:
+                    continue
+                while not self._flowing.wait(0.2):  # partitioned: hold the bytes (and read no more)
+                    if self._stop.is_set():
+                        return
+                data = src.recv(65536)
+                if not data:
+                    break
+                if self.mode == "delay" and self.delay > 0:
+                    time.sleep(self.delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._flowing.set()
+        self._accept.join(5)
+        with contextlib.suppress(OSError):
+            self._server.close()
+        with self._lock:
+            conns, self._conns = self._conns, []
+        for a, b in conns:
+            for s in (a, b):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join(5)
+        for a, b in conns:
+            a.close()
+            b.close()
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with RST (SO_LINGER 0), as a refusing middlebox would."""
+    import struct
+
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.close()
