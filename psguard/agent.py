@@ -13,7 +13,12 @@ supervision         :class:`~psguard.supervisor.Supervisor` runs the task in its
                     address every restart, backoff, crash-loop limit). Exit 0 of the task: the agent drains
                     and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
                     message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
-                    ``supervisor.stop_timeout``), the persister drained, exit 0.
+                    ``supervisor.stop_timeout``), the persister drained, exit 0. In the built-in server
+                    mode a **warm standby** (:mod:`psguard.standby`: a second server process with TensorFlow
+                    imported, its port not yet bound) is started ``supervisor.standby_delay`` (5 s) after each
+                    run and swapped in on a restart: ~0.2 s instead of a Python + TensorFlow start (3-6 s
+                    here). Costs one idle process (~250 MB RSS) per task; ``supervisor.standby: false`` turns
+                    it off. A user's command (after ``--``) never gets one: it would not wait to bind.
 health              ps / worker: :class:`~psguard.prober.HealthMonitor` with process + TCP + ``GetStatus``
                     RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
                     unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
@@ -26,8 +31,10 @@ memory tier         chief only: :class:`~psguard.memory_tier.MemoryTier` fed by 
                     the middle of a persist: the manifest is the commit) continues from the last commit.
 HTTP                :class:`~psguard.agent_http.AgentHTTPServer` (127.0.0.1 by default; any other address needs
                     ``--token-file``): ``/healthz``, ``/readyz``, ``/metrics``, ``/status`` (JSON), ``POST
-                    /restart`` (restart the task), ``POST /recovery`` (the trainer reports its lost steps) and,
-                    on the chief, ``POST /new-generation`` (restart every PS now; see below).
+                    /restart`` (restart the task), ``POST /recovery`` (a restored trainer reports the step
+                    it restored and, in process, the step it had reached; with the step a failed trainer gave
+                    in ``POST /failure`` the agent counts ``psguard_lost_steps_total``) and, on the chief,
+                    ``POST /new-generation`` (restart every PS now; see below).
 ==================  ==========================================================================================
 
 The trainer (the chief's task) gets ``TF_CONFIG`` (the cluster from ``cluster.json``, task ``chief:0``),
@@ -61,10 +68,11 @@ One PS start is saved when the trainer says when it saw the failure (``restart_p
 :func:`report_failure` before exiting 75): a PS whose current run started after that moment (the one that died,
 already restarted by its own agent) cannot hold a context of the failed generation and is only waited for.
 
-Cost and evidence: one PS start per recovery (about 3-5 s on an idle machine here, 20-35 s with the machine
-overloaded), before the trainer starts again. Measured by ``test_ps_memory_stays_flat_over_five_trainer_generations``
-(a real TF chief puts a 32 MB table on one PS per generation): with this rule the PS stayed at 725-742 MB RSS
-over five generations; without it (``peers.restart_ps: false``) it grew from 725 to 968 MB.
+Cost and evidence: one PS start per recovery, before the trainer starts again: about 0.2-0.5 s with the
+warm standby (a cold start: 3-5 s on an idle machine here, 20-35 s with the machine overloaded).
+Measured by ``test_ps_memory_stays_flat_over_five_trainer_generations`` (a real TF chief puts a 32 MB
+table on one PS per generation): with this rule the PS stayed at 725-742 MB RSS over five generations;
+without it (``peers.restart_ps: false``) it grew from 725 to 968 MB.
 Before the first start the chief's agent waits (same timeout) until every peer is ready.
 
 The agent never imports TensorFlow (``python -X importtime -m psguard.cli agent --help``): its RSS stays
@@ -124,6 +132,7 @@ __all__ = [
     "main",
     "register",
     "report_failure",
+    "report_recovery",
     "restart_ps_servers",
     "validate_cluster",
 ]
