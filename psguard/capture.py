@@ -26,8 +26,11 @@ checkpoint; so a psguard checkpoint can be exported to a standard one and restor
 from __future__ import annotations
 
 import itertools
+import logging
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +50,8 @@ __all__ = [
     "restore",
 ]
 
+log = logging.getLogger(__name__)
+
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 #: Bytes a row id costs on the wire and in a delta; part of the Rows-or-Full decision.
 _ID_BYTES = 8
@@ -59,6 +64,9 @@ class _Shard:
     var: Any  # the innermost resource variable (no CachingVariable / Keras wrapper in between)
     offset: int  # first logical row
     rows: int
+    # Every object from the one the object graph holds down to ``var``: writers may go through any of them
+    # (a CachingVariable is a resource variable itself and writes through the handle, not through ``var``).
+    chain: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def device(self) -> str:
@@ -112,6 +120,10 @@ class CaptureStats:
     full: list[str] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)
     same: list[str] = field(default_factory=list)
+    #: Row-tracked tensors whose every row was hashed (not only the rows written since the last capture).
+    hashed_all: list[str] = field(default_factory=list)
+    #: Tensors where a sample of rows not marked as written had changed all the same (see ``probe_rows``).
+    untracked_writes: list[str] = field(default_factory=list)
 
     @property
     def stall_seconds(self) -> float:
@@ -129,17 +141,25 @@ def _tf() -> Any:
 
 def _unwrap(var: Any) -> Any:
     """The resource variable under PS-strategy and Keras 3 wrappers, which is what lives on the PS."""
+    return _chain(var)[-1]
+
+
+def _chain(var: Any) -> list[Any]:
+    """``var``, the wrappers inside it, and last the resource variable (or ShardedVariable) they wrap."""
     from tensorflow.python.distribute import ps_values
 
+    chain = [var]
     for _ in range(16):
         if isinstance(var, (ps_values.CachingVariable, ps_values.AggregatingVariable)):
             var = var.get()
+            chain.append(var)
             continue
         inner = getattr(var, "_value", None) if not isinstance(var, _tf().Variable) else None
         if inner is not None and (isinstance(inner, _tf().Variable) or _is_sharded(inner)):
             var = inner  # Keras 3 `keras.Variable` on the TensorFlow backend
+            chain.append(var)
             continue
-        return var
+        return chain
     raise ConfigError(f"cannot find the resource variable inside {type(var).__name__}")
 
 
@@ -206,15 +226,17 @@ def list_tensors(root: Any) -> dict[str, TensorInfo]:
     """Every logical tensor of ``root``'s checkpoint, keyed by its checkpoint key, aliases marked."""
     infos: list[TensorInfo] = []
     for name, obj in _gather(root):
-        inner = _unwrap(obj)
+        outer = _chain(obj)
+        inner = outer[-1]
         parts = list(inner.variables) if _is_sharded(inner) else [inner]
         shards: list[_Shard] = []
         offset = 0
         for part in parts:
-            var = _unwrap(part)
+            chain = _chain(part) if _is_sharded(inner) else outer
+            var = chain[-1]
             shape = tuple(int(d) for d in var.shape)
             rows = shape[0] if shape else 1
-            shards.append(_Shard(var, offset, rows))
+            shards.append(_Shard(var, offset, rows, tuple(chain)))
             offset += rows
         first = shards[0].var
         shape = tuple(int(d) for d in inner.shape)
@@ -340,17 +362,195 @@ def restore(root: Any, tensors: Mapping[str, np.ndarray]) -> dict[str, TensorInf
     return infos
 
 
+# --------------------------------------------------------------------------------------------- write tracking
+
+#: Variable methods that write the rows named by their first argument (an ``IndexedSlices``).
+_ROW_WRITES = (
+    "scatter_add",
+    "scatter_sub",
+    "scatter_mul",
+    "scatter_div",
+    "scatter_min",
+    "scatter_max",
+    "scatter_update",
+)
+#: Variable methods that write the rows named by ``indices[..., 0]`` of their first argument.
+_ND_WRITES = ("scatter_nd_add", "scatter_nd_sub", "scatter_nd_update", "scatter_nd_max", "scatter_nd_min")
+#: Variable methods that may write any row: a call marks the whole shard.
+_DENSE_WRITES = ("assign", "assign_add", "assign_sub", "batch_scatter_update", "_strided_slice_assign")
+
+
+class _Dirty:
+    """Which rows of one shard were written since the last capture: a bool per row and a whole-shard flag.
+
+    Both live on the shard's PS, set by the write hooks inside the training step itself, so marking costs
+    a small scatter on the PS per sparse write and nothing travels to the chief.
+    """
+
+    def __init__(self, shard: _Shard) -> None:
+        tf = _tf()
+        from tensorflow.python.ops import resource_variable_ops
+
+        with tf.init_scope(), tf.device(shard.device):
+            self.rows = resource_variable_ops.ResourceVariable(
+                tf.zeros([shard.rows], tf.bool), trainable=False, name="psguard_dirty_rows"
+            )
+            self.whole = resource_variable_ops.ResourceVariable(False, trainable=False, name="psguard_dirty_all")
+
+    def mark_rows(self, indices: Any) -> Any:
+        from tensorflow.python.ops import gen_resource_variable_ops
+
+        tf = _tf()
+        ids = tf.reshape(tf.cast(indices, tf.int64), [-1])
+        # Raw ops on the handles: the marks must not go through (hooked) variable methods themselves.
+        return gen_resource_variable_ops.resource_scatter_update(self.rows.handle, ids, tf.ones_like(ids, tf.bool))
+
+    def mark_whole(self) -> Any:
+        from tensorflow.python.ops import gen_resource_variable_ops
+
+        return gen_resource_variable_ops.assign_variable_op(self.whole.handle, _tf().constant(True))
+
+
+class _WriteHook:
+    """Installed once per resource variable: its write methods mark every registered :class:`_Dirty` first.
+
+    Instance attributes shadow the class's methods, so every caller that writes through the variable object
+    (or a wrapper that delegates to it: ``ShardedVariable``, the PS strategy's caching and aggregating
+    variables, Keras 3 variables, every tf_keras and Keras 3 optimizer) is seen, eagerly and while a
+    ``tf.function`` is traced. Marks are made before the write (control dependencies), so a step that dies
+    half-way leaves marks for at least the rows it wrote.
+    """
+
+    def __init__(self, var: Any) -> None:
+        self.targets: weakref.WeakSet[_Dirty] = weakref.WeakSet()
+        for name in (*_ROW_WRITES, *_ND_WRITES, *_DENSE_WRITES):
+            original = getattr(var, name, None)
+            if original is not None:
+                object.__setattr__(var, name, self._wrap(name, original))
+
+    def _wrap(self, name: str, original: Any) -> Any:
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            tf = _tf()
+            marks: list[Any] = []
+            if self.targets:
+                first = args[0] if args else next(iter(kwargs.values()), None)
+                for target in list(self.targets):
+                    if name in _ROW_WRITES and isinstance(first, tf.IndexedSlices):
+                        marks.append(target.mark_rows(first.indices))
+                    elif name in _ND_WRITES and first is not None:
+                        marks.append(target.mark_rows(tf.convert_to_tensor(first)[..., 0]))
+                    else:
+                        marks.append(target.mark_whole())
+            with tf.control_dependencies([] if tf.executing_eagerly() else marks):
+                return original(*args, **kwargs)
+
+        return hooked
+
+
+def _write_hook(var: Any) -> _WriteHook:
+    hook: _WriteHook | None = var.__dict__.get("_psguard_write_hook")
+    if hook is None:
+        hook = _WriteHook(var)
+        object.__setattr__(var, "_psguard_write_hook", hook)
+    return hook
+
+
+class _Counter:
+    """Counts ``apply`` calls of hooked optimizers (one variable per hook generation, beside ``iterations``)."""
+
+    def __init__(self, device: str) -> None:
+        tf = _tf()
+        from tensorflow.python.ops import resource_variable_ops
+
+        with tf.init_scope(), tf.device(device):
+            self.var = resource_variable_ops.ResourceVariable(
+                tf.constant(0, tf.int64), trainable=False, name="psguard_applies"
+            )
+
+    def increment(self) -> Any:
+        from tensorflow.python.ops import gen_resource_variable_ops
+
+        tf = _tf()
+        return gen_resource_variable_ops.assign_add_variable_op(self.var.handle, tf.constant(1, tf.int64))
+
+
+class _ApplyHook:
+    """Wraps an optimizer's apply method: each call increments every registered :class:`_Counter` first.
+
+    A step traced before the hook (or before the counter's generation) increments ``iterations`` but not the
+    counter: the capture sees the two disagree and hashes every row, so such a step can never hide a write.
+    """
+
+    def __init__(self, optimizer: Any, method: str) -> None:
+        self.counters: weakref.WeakSet[_Counter] = weakref.WeakSet()
+        original = getattr(optimizer, method)
+
+        def hooked(*args: Any, **kwargs: Any) -> Any:
+            tf = _tf()
+            increments = [c.increment() for c in list(self.counters)]
+            with tf.control_dependencies([] if tf.executing_eagerly() else increments):
+                return original(*args, **kwargs)
+
+        object.__setattr__(optimizer, method, hooked)
+
+
+def _apply_hook(optimizer: Any, method: str) -> _ApplyHook:
+    hook: _ApplyHook | None = optimizer.__dict__.get("_psguard_apply_hook")
+    if hook is None:
+        hook = _ApplyHook(optimizer, method)
+        object.__setattr__(optimizer, "_psguard_apply_hook", hook)
+    return hook
+
+
+def _apply_method(obj: Any) -> str | None:
+    """The method through which ``obj`` (an optimizer) applies updates, if it writes only through variable
+    methods and increments ``iterations`` once per call; ``None`` for any other optimizer.
+
+    tf_keras (2.11+) and Keras 3 optimizers qualify. tf_keras legacy ``OptimizerV2`` writes with raw
+    training ops on the variables' handles (``ResourceSparseApplyAdagradV2``...), which no hook sees.
+    """
+    if "LossScale" in type(obj).__name__:
+        return None  # skips steps on non-finite gradients: iterations and applies would not move together
+    tfk = sys.modules.get("tf_keras.src.optimizers.optimizer")
+    if tfk is not None and isinstance(obj, tfk.Optimizer):
+        return "apply_gradients"
+    k3 = sys.modules.get("keras.src.optimizers.base_optimizer")
+    if k3 is not None and isinstance(obj, k3.BaseOptimizer):
+        return "apply"
+    return None
+
+
+def _optimizers(root: Any) -> tuple[list[tuple[Any, str]], bool]:
+    """(optimizers that can be hooked, with their apply method), and whether ``root`` holds any other one."""
+    from tensorflow.python.checkpoint import graph_view, util
+
+    objects = util.objects_ids_and_slot_variables_and_paths(graph_view.ObjectGraphView(root))[0]
+    known: list[tuple[Any, str]] = []
+    other = False
+    for obj in objects:
+        if not (hasattr(obj, "apply_gradients") or hasattr(obj, "apply")) or not hasattr(obj, "iterations"):
+            continue
+        method = _apply_method(obj)
+        if method is None:
+            other = True
+        else:
+            known.append((obj, method))
+    return known, other
+
+
 # --------------------------------------------------------------------------------------------- capture
 
 
 @dataclass
 class _Tracked:
-    """Per primary tensor: how it is tracked and its fingerprint variables (one per shard, same device)."""
+    """Per primary tensor: how it is tracked, its fingerprint variables (one per shard, same device), and,
+    when writes are tracked, its per-shard dirty marks."""
 
     info: TensorInfo
     by_row: bool
     fingerprints: list[Any]
     need_full: bool = True
+    dirty: list[_Dirty] | None = None
 
 
 def _same_layout(a: TensorInfo, b: TensorInfo) -> bool:
@@ -373,7 +573,28 @@ class Capturer:
 
     ``row_tracking_min_rows``: tensors with fewer rows, rank 0, fewer than 8 bytes per row or of string
     dtype are compared whole (one fingerprint) and sent whole when changed; larger ones row by row.
-    ``hash_chunk_bytes``: a row-tracked shard is read and hashed in slices of about this size.
+    ``hash_chunk_bytes``: a shard whose every row is hashed is read and hashed in slices of about this size.
+
+    Write tracking (``track_writes``, on by default): hashing every row of every large shard at each save
+    is what the stall is made of, while a step writes a few rows. When every optimizer in ``root`` is a
+    tf_keras (2.11+) or Keras 3 one, the capturer hooks the write methods of the row-tracked variables and
+    the optimizers' apply method: each sparse write marks its rows in a bool variable beside the shard, any
+    other write marks the whole shard, and a capture hashes only the marked rows (still comparing bytes, so
+    rows rewritten with the same bits are not sent). Every row is hashed instead when:
+
+    - the optimizers' ``iterations`` moved by another amount than the hooked apply calls (a step function
+      traced before this capturer hooked the variables, or a step that died half-way): nothing is missed;
+    - a shard was written by a dense write (``assign``..., Adam's moment decay: every row, every step);
+    - the capture is full, or every ``verify_every``-th capture (the safety net below);
+    - ``probe_rows`` random rows of a shard (re-drawn at each capture) hold a change that was not marked.
+
+    The contract: writes through the variable objects (any tf_keras / Keras 3 optimizer, ``assign``,
+    ``scatter_*`` by user code, eager or traced after this capturer started) are seen at the next capture.
+    Writes that bypass them (raw ops on a variable's handle such as ``tf.raw_ops.ResourceScatterUpdate``,
+    ``tf.compat.v1.scatter_*``, or user writes in a function traced before this capturer existed) are seen
+    at the next capture that hashes every row: at most ``verify_every`` captures later (the delta chain in
+    between misses them). tf_keras legacy optimizers write with raw ops, so with one of them (or any
+    optimizer of another kind) in ``root``, or with no optimizer at all, every capture hashes every row.
     """
 
     def __init__(
@@ -383,24 +604,41 @@ class Capturer:
         coordinator: Any = None,
         row_tracking_min_rows: int = 1024,
         hash_chunk_bytes: int = 4 << 20,
+        track_writes: bool = True,
+        verify_every: int = 16,
+        probe_rows: int = 1024,
     ) -> None:
-        if row_tracking_min_rows < 1 or hash_chunk_bytes < 1:
-            raise ConfigError("row_tracking_min_rows and hash_chunk_bytes must be positive")
+        if row_tracking_min_rows < 1 or hash_chunk_bytes < 1 or verify_every < 1 or probe_rows < 0:
+            raise ConfigError("row_tracking_min_rows, hash_chunk_bytes and verify_every must be positive")
         self.root = root
         self.hash_chunk_bytes = hash_chunk_bytes
         self.coordinator = coordinator
         self.row_tracking_min_rows = row_tracking_min_rows
+        self.track_writes = track_writes
+        self.verify_every = verify_every
+        self.probe_rows = probe_rows
         self.last_stats = CaptureStats()
         self._lock = threading.RLock()
         self._infos: dict[str, TensorInfo] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._capture_fn: Any = None
         self._rebase_fn: Any = None
+        # Write tracking: the optimizers' iterations, this generation's apply counter, and the value of
+        # sum(iterations) - applies after the last capture (None: unknown, hash every row next time).
+        self._iterations: list[Any] = []
+        self._counter: _Counter | None = None
+        self._expected_gap: int | None = None
+        self._since_verify = 0
         self._sync()
 
     @property
     def tensors(self) -> dict[str, TensorInfo]:
         return dict(self._infos)
+
+    @property
+    def tracks_writes(self) -> bool:
+        """Whether captures can hash only written rows (see the class docstring for when they cannot)."""
+        return self._counter is not None
 
     # ------------------------------------------------------------------------------------------ public
 
@@ -423,14 +661,37 @@ class Capturer:
             t1 = time.perf_counter()
             primaries = list(self._tracked.values())
             force = np.array([full or tr.need_full for tr in primaries], dtype=bool)
+            expected, self._expected_gap = self._expected_gap, None  # unknown until this capture succeeds
+            verify = full or expected is None or self._since_verify + 1 >= self.verify_every
             for tr in primaries:
                 tr.need_full = True  # until this capture has reached the caller
-            outputs = self._capture_fn(tf.constant(force)) if primaries else []
+            outputs: Any = []
+            hashed_all: Any = []
+            strays: Any = []
+            gap: Any = None
+            if primaries:
+                args = (tf.constant(force), tf.constant(verify), tf.constant(expected or 0, tf.int64))
+                outputs, hashed_all, strays, gap = self._capture_fn(*args)
             updates, nbytes = self._assemble(primaries, outputs)
             for tr in primaries:
                 tr.need_full = False
+            self._expected_gap = int(gap) if self.tracks_writes and gap is not None else None
+            self._since_verify = 0 if verify else self._since_verify + 1
             t2 = time.perf_counter()
             self.last_stats = self._stats(updates, t1 - t0, t2 - t1, nbytes)
+            self.last_stats.hashed_all = [
+                tr.info.name for tr, h in zip(primaries, hashed_all, strict=True) if tr.by_row and bool(h)
+            ]
+            self.last_stats.untracked_writes = [
+                tr.info.name for tr, w in zip(primaries, strays, strict=True) if bool(w)
+            ]
+            if self.last_stats.untracked_writes:
+                log.warning(
+                    "rows of %s were written without going through their variable objects (raw ops on the "
+                    "handle?); this capture hashed every row and is exact, but captures between two full checks "
+                    "can miss such writes",
+                    ", ".join(self.last_stats.untracked_writes),
+                )
             return updates
 
     def rebase(self) -> None:
@@ -441,8 +702,11 @@ class Capturer:
         """
         with self._lock:
             self._sync()
+            self._expected_gap = None
             if self._tracked:
-                self._rebase_fn()
+                gap = self._rebase_fn()
+                self._expected_gap = int(gap) if self.tracks_writes else None
+            self._since_verify = 0
             for tr in self._tracked.values():
                 tr.need_full = False
 
@@ -475,6 +739,9 @@ class Capturer:
             _same_layout(infos[n], self._infos[n]) and infos[n].alias_of == self._infos[n].alias_of for n in infos
         ):
             return
+        optimizers, other = _optimizers(self.root) if self.track_writes else ([], True)
+        hooked = bool(optimizers) and not other
+        new_hooks = False
         tracked: dict[str, _Tracked] = {}
         for name, info in infos.items():
             if info.alias_of is not None:
@@ -482,11 +749,37 @@ class Capturer:
             old = self._tracked.get(name)
             if old is not None and _same_layout(old.info, info):
                 tracked[name] = old
-                continue
-            by_row = self._tracks_rows(info)
-            tracked[name] = _Tracked(info, by_row, [self._fingerprint_var(s, by_row) for s in info.shards])
+            else:
+                by_row = self._tracks_rows(info)
+                tracked[name] = _Tracked(info, by_row, [self._fingerprint_var(s, by_row) for s in info.shards])
+            tr = tracked[name]
+            if not hooked or not tr.by_row:
+                tr.dirty = None
+            elif tr.dirty is None:
+                new_hooks = True
+                tr.dirty = [_Dirty(s) for s in info.shards]
+                for s, d in zip(info.shards, tr.dirty, strict=True):
+                    for obj in s.chain or (s.var,):
+                        _write_hook(obj).targets.add(d)
         self._infos = infos
         self._tracked = tracked
+        # A new generation of the apply counter whenever variables got hooked or the optimizers changed: steps
+        # traced before now do not mark the new variables, and they do not count in the new counter either.
+        # (Other changes, such as a new small variable, keep the counter, or every step traced before it would
+        # make every capture hash every row.)
+        iterations = [_unwrap(opt.iterations) for opt, _ in optimizers] if hooked else []
+        same_optimizers = len(iterations) == len(self._iterations) and all(
+            a is b for a, b in zip(iterations, self._iterations, strict=True)
+        )
+        if new_hooks or not same_optimizers or not hooked:
+            self._iterations = iterations
+            self._counter = _Counter(str(iterations[0].device)) if hooked else None
+            self._expected_gap = None
+            for opt, method in optimizers if hooked else []:
+                hook = _apply_hook(opt, method)
+                hook.counters.clear()
+                if self._counter is not None:
+                    hook.counters.add(self._counter)
         self._build_functions()
 
     @staticmethod
@@ -511,6 +804,9 @@ class Capturer:
         local = context.context().host_address_space() + "/device:CPU:0"
         primaries = list(self._tracked.values())
         chunk_bytes = self.hash_chunk_bytes
+        iterations = list(self._iterations)
+        counter = self._counter
+        probe_rows = self.probe_rows
 
         def row_bytes_of(tr: _Tracked) -> int:
             return tr.info.nbytes // max(tr.info.shape[0], 1) if tr.info.shape else tr.info.nbytes
@@ -537,48 +833,125 @@ class Capturer:
             joined = hashes[0] if len(hashes) == 1 else tf.concat(hashes, axis=0)
             return tf.reshape(tf.bitcast(joined, tf.int64), [-1])
 
-        def capture_fn(force: Any) -> Any:
+        def changed_all_rows(tr: _Tracked, s: _Shard, fp_var: Any) -> Any:
+            """Ids of the rows whose bytes changed, hashing every row; stores the new fingerprints."""
+            with tf.device(s.device):  # also inside a tf.cond branch, whose graph starts without a device
+                fp = fingerprints(tr, read_rows(tr, s))
+                changed = tf.not_equal(fp, fp_var.read_value())
+                with tf.control_dependencies([changed]):
+                    fp_var.assign(fp)
+                return tf.where(changed)[:, 0]
+
+        def changed_marked_rows(tr: _Tracked, s: _Shard, fp_var: Any, dirty: _Dirty) -> Any:
+            """The same, hashing only the rows marked as written (their fingerprints alone are updated)."""
+            with tf.device(s.device):
+                marked = tf.where(dirty.rows.read_value())[:, 0]
+                fp = fingerprints(tr, [s.var.sparse_read(marked)])
+                changed = tf.not_equal(fp, fp_var.sparse_read(marked))
+                with tf.control_dependencies([changed]):
+                    fp_var.scatter_update(tf.IndexedSlices(fp, marked))
+                return tf.boolean_mask(marked, changed)
+
+        def gap_now() -> Any:
+            """sum(iterations) - hooked applies: unchanged since the last capture iff every apply was hooked."""
+            if counter is None:
+                return tf.constant(0, tf.int64)
+            with tf.device(counter.var.device):
+                total = tf.add_n([tf.cast(it.read_value(), tf.int64) for it in iterations])
+                return total - counter.var.read_value()
+
+        def stray_writes(tr: _Tracked, s: _Shard, fp_var: Any, dirty: _Dirty) -> Any:
+            """Whether some of ``probe_rows`` random rows changed without being marked: writes the hooks did
+            not see (a writer we do not know of). Cheap (a few hundred kB hashed), and it turns a systematic
+            miss into a capture that hashes every row at once instead of at the next full check."""
+            if probe_rows == 0:
+                return tf.constant(False)
+            sample = tf.random.uniform([probe_rows], maxval=s.rows, dtype=tf.int64)
+            fp = fingerprints(tr, [s.var.sparse_read(sample)])
+            moved = tf.not_equal(fp, fp_var.sparse_read(sample))
+            return tf.reduce_any(tf.logical_and(moved, tf.logical_not(dirty.rows.sparse_read(sample))))
+
+        def changed_ids(tr: _Tracked, s: _Shard, fp_var: Any, dirty: _Dirty | None, hash_all: Any) -> Any:
+            if dirty is None:
+                return changed_all_rows(tr, s, fp_var), tf.constant(True), tf.constant(False)
+            stray = stray_writes(tr, s, fp_var, dirty)
+            use_all = tf.logical_or(tf.logical_or(hash_all, dirty.whole.read_value()), stray)
+            ids = tf.cond(
+                use_all,
+                lambda: changed_all_rows(tr, s, fp_var),
+                lambda: changed_marked_rows(tr, s, fp_var, dirty),
+            )
+            with tf.control_dependencies([ids]):
+                dirty.rows.assign(tf.zeros([s.rows], tf.bool))
+                dirty.whole.assign(False)
+            return ids, use_all, stray
+
+        def capture_fn(force: Any, verify: Any, expected_gap: Any) -> Any:
+            gap = gap_now()
+            # Every row is hashed when asked, or when some apply went unhooked since the last capture.
+            hash_all = tf.logical_or(verify, tf.not_equal(gap, expected_gap))
             results = []
+            hashed_all = []
+            strays = []
             for i, tr in enumerate(primaries):
                 row_bytes = row_bytes_of(tr)
                 outs: list[tuple[Any, ...]] = []
-                for s, fp_var in zip(tr.info.shards, tr.fingerprints, strict=True):
+                all_flags = []
+                stray_flags = []
+                for j, (s, fp_var) in enumerate(zip(tr.info.shards, tr.fingerprints, strict=True)):
                     # Everything for one shard happens on its PS and depends on nothing from other devices
-                    # but the `force` flag, so all PS work in parallel and the chief waits for one call.
+                    # but the flags, so all PS work in parallel and the chief waits for one call.
                     with tf.device(s.device):
-                        parts = read_rows(tr, s)
-                        fp = fingerprints(tr, parts)
-                        changed = tf.not_equal(fp, fp_var.read_value())
-                        fp_var.assign(fp)
                         if tr.by_row:
-                            count = tf.reduce_sum(tf.cast(changed, tf.int64))
+                            dirty = tr.dirty[j] if tr.dirty is not None else None
+                            changed, used_all, stray = changed_ids(
+                                tr, s, fp_var, dirty, tf.logical_or(force[i], hash_all)
+                            )
+                            all_flags.append(used_all)
+                            stray_flags.append(stray)
+                            count = tf.size(changed, out_type=tf.int64)
                             send_all = tf.logical_or(force[i], count * (row_bytes + _ID_BYTES) >= s.rows * row_bytes)
-                            ids = tf.where(tf.logical_and(changed, tf.logical_not(send_all)))[:, 0]
+                            ids = changed[: tf.where(send_all, tf.constant(0, tf.int64), count)]
                             rows = s.var.sparse_read(ids)
+                            # Slicing to a computed length rather than tf.cond: nothing the size of the shard is
+                            # read unless it is sent.
+                            whole = s.var.sparse_read(
+                                tf.range(tf.where(send_all, tf.constant(s.rows, tf.int64), tf.constant(0, tf.int64)))
+                            )
+                            whole = tf.reshape(whole, [-1])
                         else:
+                            parts = read_rows(tr, s)
+                            fp = fingerprints(tr, parts)
+                            changed = tf.not_equal(fp, fp_var.read_value())
+                            fp_var.assign(fp)
                             send_all = tf.logical_or(force[i], changed[0])
-                            parts = [tf.reshape(parts[0], [-1])]
-                        # Slicing to a computed length rather than tf.cond: no control flow on the PS, and
-                        # nothing the size of the shard is allocated unless it is sent.
-                        sized = [
-                            p[: tf.where(send_all, tf.shape(p, out_type=tf.int64)[0], tf.constant(0, tf.int64))]
-                            for p in parts
-                        ]
-                        whole = sized[0] if len(sized) == 1 else tf.concat(sized, axis=0)
+                            flat = tf.reshape(parts[0], [-1])
+                            whole = flat[
+                                : tf.where(send_all, tf.shape(flat, out_type=tf.int64)[0], tf.constant(0, tf.int64))
+                            ]
                     with tf.device(local):
                         # Outputs land on the chief inside the same call, not as remote handles to fetch one
                         # by one afterwards (measured 2-3x faster for large outputs).
                         out = (tf.identity(send_all), tf.identity(whole))
                         outs.append(out + ((tf.identity(ids), tf.identity(rows)) if tr.by_row else ()))
                 results.append(outs)
-            return results
+                with tf.device(local):
+                    hashed_all.append(tf.reduce_any(tf.stack(all_flags)) if all_flags else tf.constant(False))
+                    strays.append(tf.reduce_any(tf.stack(stray_flags)) if stray_flags else tf.constant(False))
+            with tf.device(local):
+                gap = tf.identity(gap)
+            return results, hashed_all, strays, gap
 
         def rebase_fn() -> Any:
             for tr in primaries:
-                for s, fp_var in zip(tr.info.shards, tr.fingerprints, strict=True):
+                for j, (s, fp_var) in enumerate(zip(tr.info.shards, tr.fingerprints, strict=True)):
                     with tf.device(s.device):
                         fp_var.assign(fingerprints(tr, read_rows(tr, s)))
-            return tf.constant(True)
+                        if tr.dirty is not None:
+                            tr.dirty[j].rows.assign(tf.zeros([s.rows], tf.bool))
+                            tr.dirty[j].whole.assign(False)
+            with tf.device(local):
+                return tf.identity(gap_now())
 
         self._capture_fn = tf.function(capture_fn, autograph=False)
         self._rebase_fn = tf.function(rebase_fn, autograph=False)
