@@ -710,6 +710,12 @@ class Capturer:
             for tr in self._tracked.values():
                 tr.need_full = False
 
+    def verify_next(self) -> None:
+        """Make the next capture hash every row (it still sends only the changed rows): the safety net that
+        otherwise runs every ``verify_every`` captures, now (e.g. after writing rows with raw ops)."""
+        with self._lock:
+            self._expected_gap = None
+
     def invalidate(self) -> None:
         """Make the next capture full: the caller lost (or could not persist) a capture."""
         with self._lock:

@@ -527,6 +527,12 @@ def test_a_write_that_bypasses_the_hooks_is_caught_by_the_periodic_full_check(rn
     assert seen_at == [2], "missed by the tracked captures, caught by the third (verifying) one"
     assert sorted(capturer.last_stats.hashed_all) == sorted(table_slots(capturer))
     assert_bitwise(state, read_tensors(capturer.root))
+    # who writes with raw ops can ask for the check at once
+    tf.raw_ops.ResourceScatterUpdate(resource=shard.handle, indices=tf.constant([12]), updates=tf.fill([1, 4], 4.0))
+    capturer.verify_next()
+    updates = capturer.capture()
+    assert isinstance(updates[TABLE], Rows) and updates[TABLE].ids.tolist() == [12]
+    assert_bitwise(apply_all(state, updates), read_tensors(capturer.root))
 
 
 def test_a_step_traced_before_the_capturer_makes_captures_hash_every_row(rng: np.random.Generator) -> None:
