@@ -52,3 +52,27 @@ def test_smoke_scenario_is_valid_on_every_checker(name: str, tmp_path: Path, ref
     )  # fmt: skip
     assert check.returncode == 0, check.stdout[-3000:] + check.stderr[-2000:]
     assert {k: v["status"] for k, v in json.loads(check.stdout)["verdicts"].items()} == statuses
+
+
+@pytest.mark.slow
+def test_an_interrupted_run_stops_every_process_it_started(tmp_path: Path) -> None:
+    """SIGTERM while the job trains: exit 130, the history ends with the clean-up audit, nothing left running
+    (the autouse leak check looks for any descendant of this test)."""
+    report_dir = tmp_path / "interrupted"
+    scenario = (ROOT / "chaos" / "kill-ps.yaml").read_text().replace("name: kill-ps", "name: interrupted")
+    (tmp_path / "s.yaml").write_text(scenario + "checks: {reference: false}\n")
+    argv = [sys.executable, "-m", "psguard.cli", "chaos", "run", str(tmp_path / "s.yaml"), "--report", str(report_dir)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT), **QUIET))  # fmt: skip
+    history = report_dir / "history.jsonl"
+    deadline = time.monotonic() + 300
+    while not (history.exists() and '"f": "train", "index"' in history.read_text()):  # the job is training
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.2)
+    proc.terminate()
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, out + err
+    records = [json.loads(line) for line in history.read_text().splitlines()]
+    cleanup = [r for r in records if r["f"] == "cleanup" and r["type"] == "ok"]
+    assert cleanup and cleanup[0]["value"]["alive_pids"] == [] and cleanup[0]["value"]["busy_ports"] == []
+    assert any(r["f"] == "job" and r["type"] == "info" for r in records)  # the run says it was cut short

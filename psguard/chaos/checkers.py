@@ -252,7 +252,7 @@ def restores_exact(ctx: _Context) -> Verdict:
 
 def fault_outcomes(records: Iterable[Record]) -> list[dict[str, Any]]:
     """Per injected fault: the restore that followed it (if any), lost steps, and seconds until training
-    made progress again (the first ``train`` invoked after the fault, and its heal, that completed ok)."""
+    made progress again (the first ``train`` invoked after the fault that completed ok)."""
     ctx = _context(records)
     return _fault_outcomes(ctx)
 
@@ -268,8 +268,9 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
         t = fault.end or fault.start
         nxt = faults[i + 1].start if i + 1 < len(faults) else float("inf")
         heal = next((h for h in heals if h.start >= t and h.value.get("target") == fault.value.get("target")), None)
-        after = heal.end if heal is not None and heal.end is not None else t
-        resumed = next((o for o in trains if o.start >= after), None)
+        # Recovered: a chunk of steps started after the fault completed (training may come back before the
+        # heal, e.g. when an agent replaces a frozen PS).
+        resumed = next((o for o in trains if o.start >= t), None)
         restore = next((r for r in restores if t <= r.start < nxt), None)
         lost = None
         if restore is not None:
@@ -384,6 +385,12 @@ def faults_injected(ctx: _Context) -> Verdict:
     faults = [o for o in ctx.of(FAULTS) if o.process == "nemesis"]
     failed = [
         {"f": o.f, "target": o.value.get("target"), "why": o.value.get("error")} for o in faults if o.type != "ok"
+    ]
+    # A fault aimed at a persist that found none in flight was not the fault the scenario asked for.
+    failed += [
+        {"f": o.f, "target": o.value.get("target"), "why": "no durable write was in flight"}
+        for o in faults
+        if o.type == "ok" and o.value.get("persist_in_flight") is False
     ]
     heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
     unhealed = [o.f for o in heals if o.type != "ok"]

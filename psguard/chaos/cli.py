@@ -31,13 +31,17 @@ def _exit_code(overall: str) -> int:
     return {"valid": 0, "invalid": 1}.get(overall, EXIT_UNKNOWN)
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from psguard.chaos.runner import DEFAULT_JOB, run_with_reference
     from psguard.chaos.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
     directory = Path(args.report or f"chaos-runs/{scenario.name}-seed{args.seed}")
-    previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C
     try:
         if args.baseline:
             from psguard.chaos.baseline import run_side_by_side

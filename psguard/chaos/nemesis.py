@@ -187,8 +187,8 @@ class Nemesis:
                 fault.at_time is not None and elapsed is not None and elapsed >= fault.at_time
             )
             if due and fault.during == "durable-commit":
-                # Aimed at the agent's persist: wait for a durable commit the trainer has asked for and not yet
-                # seen acknowledged. Whether it was still in flight is recorded with the fault.
+                # Aimed at the agent's persist: once the trainer has asked for a durable commit, watch the chief
+                # agent's persister closely and strike while it writes (what it was doing is recorded).
                 due = durable_in_flight is not None
             if not due:
                 return
@@ -279,8 +279,26 @@ class Nemesis:
         name = "chief" if target == "chief" else target.replace(":", "")
         return self.agents[name]
 
+    def _wait_for_persist(self, agent: AgentProcess | TaskProcess, timeout: float = 10.0) -> dict[str, Any]:
+        """Poll the chief agent's ``/status`` until its persister has a write in flight (or ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        polls = 0
+        last: Any = None
+        while time.monotonic() < deadline:
+            polls += 1
+            try:
+                last = agent.status(timeout=2).get("persister") or {}
+            except Exception:
+                break
+            if last.get("in_flight"):
+                return {"persist_in_flight": True, "persister": last, "polls": polls}
+            time.sleep(0.002)
+        return {"persist_in_flight": False, "persister": last, "polls": polls}
+
     def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         agent = self._agent(target)
+        if fault.during == "durable-commit":
+            base = {**base, **self._wait_for_persist(agent)}
         try:
             status = agent.status(timeout=5)
             pid, agent_pid = status.get("pid"), status.get("agent_pid")
