@@ -1,9 +1,10 @@
 """integrations/prometheus: the alert rules and the Grafana dashboard use exactly the metrics the agent exports.
 
-Every ``psguard_*`` series an expression references must be a metric of :class:`psguard.metrics.AgentMetrics`
-(``_bucket`` / ``_sum`` / ``_count`` only on histograms, ``rate`` / ``increase`` only on counters and histogram
-parts), with only the labels it has; and a real agent, started as a user would, must expose all of them on
-``/metrics``. Each alert links to its section of the runbook, which must exist.
+Every expression is parsed with a real PromQL parser (``promql-parser``, a syntax error fails). Every
+``psguard_*`` series it references must be a metric of :class:`psguard.metrics.AgentMetrics` (``_bucket`` /
+``_sum`` / ``_count`` only on histograms, ``rate`` / ``increase`` only on counters and histogram parts), with
+only the labels it has; and a real agent, started as a user would, must expose all of them on ``/metrics``.
+Each alert links to its section of the runbook, which must exist.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import promql_parser
 import pytest
 import yaml
 
@@ -30,10 +32,7 @@ SCRAPE = PROM / "scrape-config.yaml"
 RUNBOOK = ROOT / "docs" / "runbook.md"
 
 TARGET_LABELS = {"instance", "job", "namespace", "pod"}  # added by Prometheus and the scrape config
-SERIES = re.compile(r"\b(psguard_[a-z0-9_]+)(\{[^}]*\})?")
-GROUPING = re.compile(r"\b(?:by|on|without|ignoring)\s*\(([^)]*)\)")
-FUNCTIONS = re.compile(r"\b([a-z_]+)\s*\(")
-KNOWN_FUNCTIONS = {"time", "rate", "increase", "histogram_quantile", "sum", "by", "on", "max", "min", "avg"}
+KNOWN_FUNCTIONS = {"time", "rate", "increase", "histogram_quantile"}
 DURATION = re.compile(r"^\d+[smhd]$")
 
 
@@ -67,14 +66,55 @@ def _family(series: str, metrics: dict[str, Any]) -> tuple[str, str]:
     raise AssertionError(f"{series} is not a metric the agent exports (psguard/metrics.py): {sorted(metrics)}")
 
 
+def _walk(node: Any, found: list[tuple[Any, str | None]], grouping: list[str]) -> None:
+    """Collect ``(vector selector, function applied to its range)`` pairs and grouping labels from a PromQL AST."""
+    kind = type(node).__name__
+    if kind == "VectorSelector":
+        found.append((node, None))
+    elif kind == "MatrixSelector":
+        found.append((node.vector_selector, None))
+    elif kind == "Call":
+        name = node.func.name
+        assert name in KNOWN_FUNCTIONS, f"function {name}() not vetted here"
+        for arg in node.args:
+            if type(arg).__name__ == "MatrixSelector":
+                found.append((arg.vector_selector, name))
+            else:
+                _walk(arg, found, grouping)
+    elif kind == "AggregateExpr":
+        if node.modifier is not None:
+            grouping += list(node.modifier.labels)
+        _walk(node.expr, found, grouping)
+        if node.param is not None:
+            _walk(node.param, found, grouping)
+    elif kind == "BinaryExpr":
+        if node.modifier is not None and node.modifier.matching is not None:
+            grouping += list(node.modifier.matching.labels)
+        _walk(node.lhs, found, grouping)
+        _walk(node.rhs, found, grouping)
+    elif kind in ("ParenExpr", "UnaryExpr", "SubqueryExpr"):
+        _walk(node.expr, found, grouping)
+    else:
+        assert kind in ("NumberLiteral", "StringLiteral"), f"PromQL node {kind} not handled here"
+
+
 def check_expr(expr: str, metrics: dict[str, Any]) -> set[str]:
-    """Assert ``expr`` uses psguard's metrics correctly; return the families it references."""
-    assert expr.count("(") == expr.count(")") and expr.count("{") == expr.count("}"), f"unbalanced: {expr}"
-    unknown = set(FUNCTIONS.findall(expr)) - KNOWN_FUNCTIONS
-    assert not unknown, f"{expr}: functions not vetted here: {unknown}"
+    """Parse ``expr`` with a real PromQL parser and assert it uses psguard's metrics correctly; return the
+    metric families it references."""
+    try:
+        tree = promql_parser.parse(expr)
+    except ValueError as e:
+        raise AssertionError(f"{expr}: not valid PromQL: {e}") from None
+    found: list[tuple[Any, str | None]] = []
+    grouping: list[str] = []
+    _walk(tree, found, grouping)
     families: set[str] = set()
     labels_in_scope: set[str] = set(TARGET_LABELS)
-    for series, matchers in SERIES.findall(expr):
+    for selector, function in found:
+        series = selector.name or ""
+        matchers = [m.name for m in selector.matchers.matchers]
+        if not series.startswith("psguard_"):
+            continue  # Prometheus' own series (up)
         name, suffix = _family(series, metrics)
         metric = metrics[name]
         families.add(name)
@@ -82,14 +122,12 @@ def check_expr(expr: str, metrics: dict[str, Any]) -> set[str]:
             assert metric.kind == "histogram", f"{expr}: {series} but {name} is a {metric.kind}"
         labels = set(metric.label_names) | TARGET_LABELS | ({"le"} if suffix == "_bucket" else set())
         labels_in_scope |= labels
-        for matcher in re.findall(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*=~?", matchers):
+        for matcher in matchers:
             assert matcher in labels, f"{expr}: {name} has no label {matcher!r} (labels: {metric.label_names})"
-        window = re.search(rf"\b(rate|increase)\s*\(\s*{series}\b", expr)
-        if window:
-            assert metric.kind == "counter" or suffix, f"{expr}: {window.group(1)}() of the {metric.kind} {name}"
-    for group in GROUPING.findall(expr):
-        for label in filter(None, (s.strip() for s in group.split(","))):
-            assert label in labels_in_scope, f"{expr}: groups by {label!r}, which no series in it has"
+        if function in ("rate", "increase"):
+            assert metric.kind == "counter" or suffix, f"{expr}: {function}() of the {metric.kind} {name}"
+    for label in grouping:
+        assert label in labels_in_scope, f"{expr}: groups by {label!r}, which no series in it has"
     return families
 
 
@@ -117,7 +155,9 @@ def test_every_alert_and_panel_uses_existing_metrics_correctly() -> None:
         ("psguard_crash_loop_sum", "but psguard_crash_loop is a gauge"),
         ("psguard_crash_loop_total", "not a metric the agent exports"),
         ("sum by (shard) (psguard_task_up)", "groups by 'shard'"),
-        ("rate(psguard_task_restarts_total[5m]", "unbalanced"),
+        ("rate(psguard_task_restarts_total[5m]", "not valid PromQL"),
+        ("psguard_task_up{task=chief}", "not valid PromQL"),
+        ("irate(psguard_task_restarts_total[5m])", "irate() not vetted here"),
     ],
 )
 def test_the_metric_check_catches_mistakes(expr: str, fragment: str) -> None:
