@@ -75,13 +75,6 @@ def _spool_dir(work: Path) -> Path:
     return path
 
 
-def _tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
 def _terminate(proc: subprocess.Popen[Any], timeout: float, hurry: threading.Event) -> None:
     """SIGTERM, then SIGKILL to its whole session after ``timeout`` or as soon as ``hurry`` is set."""
     deadline = time.monotonic() + timeout
