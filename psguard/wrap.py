@@ -5,17 +5,17 @@ locally (or on a single big host) usually have a shell script for that, which re
 it with no change to the script: it writes ``cluster.json`` on free loopback ports, starts one ``psguard agent``
 per PS and worker (each runs and supervises a ``tf.distribute.Server``: same address on every restart, the RPC
 probe catches a frozen server), then one for the chief that runs the user's command with ``TF_CONFIG`` for
-``chief:0`` and watches every other agent. The command's output goes to this terminal; the agents' logs go to
-``DIR/agents/*/agent.log``.
+``chief:0`` and watches every other agent. The command's output and the chief agent's warnings (``-v``: its
+events) go to this terminal; the other agents' logs to ``DIR/agents/*/agent.log``.
 
 With the one-line change (``tf.train.CheckpointManager`` -> ``psguard.CheckpointManager``, given the same URL
 as ``--store``) the script also gets psguard checkpoints: the chief's agent holds the memory tier (the
 ``PSGUARD_SPOOL`` hand-off) and writes the durable log to ``--store``.
 
 Exit code: 0 when the command finished (exit 0); 1 when the chief's agent gave up on it (crash loop: the
-message names the last exit code) or an agent died; 130 / 143 when interrupted (SIGINT / SIGTERM), after
-every process ``wrap`` started was stopped (chief first, so its agent drains the durable log, then workers,
-then PS servers).
+message lists the exit codes) or an agent died; 130 / 143 when interrupted (SIGINT / SIGTERM), after every
+process ``wrap`` started was stopped: the chief's agent first (it stops the trainer and drains the durable log),
+then the PS and worker agents together. A second Ctrl-C or SIGTERM during that kills them at once.
 
 The PS / worker agents are :class:`psguard.chaos.launcher.AgentProcess` as in ``psguard demo`` (output to
 a log file, settings tuned for a local cluster). The chief's agent is started here instead: its output is the
