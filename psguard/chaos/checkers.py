@@ -323,8 +323,14 @@ def liveness(ctx: _Context) -> Verdict:
     faults = [o for o in ctx.of((*FAULTS, *HEALS)) if o.process == "nemesis" and o.type != "fail"]
     last = max(((o.end or o.start) for o in faults), default=None)
     reached = next((o for o in trains if target is not None and int(o.value["step"]) >= int(target)), None)
-    evidence = {"target_step": target, "last_fault_or_heal_at": last, "bound_seconds": bound,
-                "final_step": max((int(o.value["step"]) for o in trains), default=None)}  # fmt: skip
+    evidence = {
+        "target_step": target,
+        "last_fault_or_heal_at": last,
+        "bound_seconds": bound,
+        "final_step": max((int(o.value["step"]) for o in trains), default=None),
+        "agents_that_gave_up": [o.value for o in ctx.of("agent-exited") if o.process == "harness"],
+    }
+
     if target is None:
         return Verdict(name, "unknown", "the history does not say the target step", evidence)
     if reached is None or reached.end is None:

@@ -115,7 +115,7 @@ class TcpProxy:
                 if self.mode == "delay" and self.delay > 0:
                     time.sleep(self.delay)
                 dst.sendall(data)
-        except OSError:
+        except (OSError, ValueError):  # reset or closed under us (drop, close): this direction is done
             pass
         finally:
             for s in (src, dst):

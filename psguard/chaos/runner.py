@@ -121,6 +121,7 @@ class _Run:
         self.history = HistoryWriter(directory / "history.jsonl")
         self.agents: dict[str, AgentProcess] = {}
         self.proxies: dict[str, Any] = {}
+        self._dead_noted: set[tuple[str, int]] = set()
         self.pids_seen: set[int] = set()
         self.ports: list[int] = []
         self.storage: Any = None
@@ -273,6 +274,7 @@ class _Run:
             nemesis.tick(self.step, elapsed, durable_seen)
             durable_seen = durable_in_flight
             self.supervise()
+            self._note_dead_agents()
             code = self.job_exit()
             if code is not None and not nemesis.healing:
                 for e in reader.read():
@@ -287,6 +289,27 @@ class _Run:
                 self.say(f"  time limit reached at step {self.step}: stopping the run")
                 return
             time.sleep(0.1)
+
+    def _note_dead_agents(self) -> None:
+        """An agent that exits on its own (a crash loop it gave up on) is evidence: record it once per start."""
+        for agent in self.agents.values():
+            code = agent.proc.poll()
+            key = (agent.name, agent.proc.pid)
+            if code is None or agent.name == "chief" or key in self._dead_noted:
+                continue
+            if any(r.f == "kill-agent" and r.value.get("agent_pid") == agent.proc.pid for r in self.history.records):
+                continue  # the nemesis killed it
+            self._dead_noted.add(key)
+            tail = [line for line in agent.log_tail(2000).splitlines() if "error" in line.lower()][-1:]
+            value = {
+                "agent": agent.name,
+                "pid": agent.proc.pid,
+                "exit": code,
+                "last_error": tail[0][:500] if tail else None,
+            }
+            self.history.append(HARNESS, "invoke", "agent-exited", value)
+            self.history.append(HARNESS, "ok", "agent-exited", value)
+            self.say(f"  agent {agent.name} exited {code} on its own: {value['last_error']}")
 
     def stop_all(self) -> None:
         nemesis = getattr(self, "nemesis", None)
