@@ -291,7 +291,8 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
                 "healed_at": heal.end if heal is not None else None,
                 "restored_step": int(restore.value["step"]) if restore is not None else None,
                 "restore_source": restore.value.get("source") if restore is not None else None,
-                "lost_steps": lost if restore is not None else 0,
+                # No restore: nothing lost if training went on (a worker fault), unknown if it never did.
+                "lost_steps": lost if restore is not None else (0 if resumed is not None else None),
                 "max_lost_steps": bound,
                 "recovery_seconds": (resumed.end - t) if resumed is not None and resumed.end is not None else None,
             }
@@ -310,6 +311,9 @@ def lost_work_bounded(ctx: _Context) -> Verdict:
         return Verdict(name, "unknown", "no fault was injected", evidence)
     if over:
         return Verdict(name, "invalid", f"{len(over)} fault(s) lost more steps than their bound", evidence)
+    if any(o["lost_steps"] is None for o in outcomes):
+        never = sum(1 for o in outcomes if o["lost_steps"] is None)
+        return Verdict(name, "unknown", f"{never} fault(s) never recovered from: their loss is unknown", evidence)
     lost = [o["lost_steps"] for o in outcomes]
     return Verdict(name, "valid", f"{len(outcomes)} fault(s), lost steps {lost}, all within bound", evidence)
 

@@ -84,9 +84,10 @@ def _markdown(report: Mapping[str, Any]) -> str:
     for f in report["faults"]:
         rec = "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.1f}"
         restored = "-" if f["restored_step"] is None else f["restored_step"]
+        lost = "-" if f["lost_steps"] is None else f["lost_steps"]
         lines.append(
             f"| {f['fault']} | {f['target']} | {f['at_step']} | {restored}"
-            f" | {f['restore_source'] or '-'} | {f['lost_steps']} ({f['max_lost_steps']}) | {rec} |"
+            f" | {f['restore_source'] or '-'} | {lost} ({f['max_lost_steps']}) | {rec} |"
         )
     g = report["goodput"]
     if g.get("steps_per_second") is not None:
