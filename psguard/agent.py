@@ -663,6 +663,8 @@ class Agent:
             log.info("event=recovered task=%s seconds=%.2f", self.task, seconds)
 
     def _on_spool_event(self, event: SpoolEvent) -> None:
+        if event.kind == "capture" and event.stall_seconds is not None:
+            self.metrics.checkpoint_stall.observe(event.stall_seconds)
         if event.kind == "capture" and event.status == "ok" and event.step is not None:
             self.metrics.record_checkpoint("memory", event.step, time.time())
             if self.role == "chief":

@@ -20,12 +20,14 @@ next save: nothing captured is lost while the store is down. Two captures never 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -48,6 +50,36 @@ log = logging.getLogger(__name__)
 # the step it restores to tell the agent how many steps were lost: the only party that knows both.
 _seen_lock = threading.Lock()
 _seen_steps: dict[str, int] = {}
+
+
+#: How long the interpreter's exit waits for saves still being written by a manager nobody closed.
+EXIT_WAIT_SECONDS = 600.0
+_open_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _drain_at_exit() -> None:
+    """Finish pending writes of managers never closed before the interpreter exits.
+
+    ``tf.train.CheckpointManager.save`` is durable when it returns, so scripts written for it end without a
+    ``close()``; our writer is a daemon thread, and without this the exit would cut the last saves off.
+    """
+    for manager in list(_open_managers):
+        if not manager._writer.in_flight:
+            continue
+        log.warning("the process is exiting: waiting up to %.0fs for pending checkpoint writes", EXIT_WAIT_SECONDS)
+        try:
+            errors = manager._writer.wait(EXIT_WAIT_SECONDS)
+        except TimeoutError:
+            log.error("pending checkpoint writes did not finish within %.0fs: they are lost", EXIT_WAIT_SECONDS)
+            continue
+        for e in errors:
+            log.error("a checkpoint write failed before exit: %s", e)
+
+
+# Before concurrent.futures stops taking work at shutdown (its own hook, registered the same way when it was
+# imported, runs after ours: last in, first out); a plain atexit hook would run too late to write anything.
+_register_exit_hook = getattr(threading, "_register_atexit", atexit.register)
+_register_exit_hook(_drain_at_exit)
 
 
 def last_seen_step(directory: str | None = None) -> int | None:
@@ -315,6 +347,7 @@ class CheckpointManager:
         # every capture (and of exports), and number saves by it as TF's manager does.
         self._save_counter = getattr(checkpoint, "save_counter", None)
         self._writer = _Writer(self)
+        _open_managers.add(self)
 
     # ------------------------------------------------------------------------------------ tf.train API
     @property
@@ -379,13 +412,20 @@ class CheckpointManager:
             stall = time.perf_counter() - t0
             self._add_object_graph(updates)
             handle = SaveHandle(step, stall)
-            metadata = {
+            metadata: dict[str, Any] = {
                 "partitioning": {n: list(i.partitioning) for n, i in self.capturer.tensors.items()},
                 "writer": f"{socket.gethostname()}:{os.getpid()}",
                 "checkpoint_name": self.checkpoint_name,
             }
             if self._data_position is not None:
                 metadata["data_position"] = self._data_position()
+            if self._spool is not None:
+                # The agent writes the durable log: it applies our retention, and reports the stall.
+                metadata["capture_stall_seconds"] = round(stall, 6)
+                if self._max_to_keep is not None or self._keep_hours is not None:
+                    from psguard.persister import RETENTION_KEY
+
+                    metadata[RETENTION_KEY] = {"keep_last": self._max_to_keep, "keep_every_hours": self._keep_hours}
             self.last_stall_seconds = stall
             self._saves += 1
             if self._spool is not None:
@@ -511,6 +551,7 @@ class CheckpointManager:
 
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending saves (re-raising failures), then stop the writer and release the store."""
+        _open_managers.discard(self)
         try:
             self._writer.wait(timeout)
         finally:

@@ -54,6 +54,11 @@ log = logging.getLogger(__name__)
 #: re-seeded from it (or a trainer restored from it) can accept deltas relative to that state.
 TOKEN_KEY = "psguard.token"
 
+#: Metadata key under which a trainer's CheckpointManager asks for its retention (``max_to_keep``,
+#: ``keep_checkpoint_every_n_hours``) when the agent writes the durable log for it: the writer applies it
+#: after each commit, as the manager does when it writes itself.
+RETENTION_KEY = "psguard.retention"
+
 
 @dataclass(frozen=True)
 class PersistEvent:
@@ -343,7 +348,29 @@ class Persister:
                 coalesced=batch.requests,
             )
         )
+        if fresh and info is not None:
+            self._retain(info)
         batch._future.set_result(info)
+
+    def _retain(self, info: CheckpointInfo) -> None:
+        """Apply the retention the trainer asked for with this checkpoint (``RETENTION_KEY``), if any."""
+        spec = info.metadata.get(RETENTION_KEY)
+        if not isinstance(spec, dict):
+            return
+        keep_last, hours = spec.get("keep_last"), spec.get("keep_every_hours")
+        if not (keep_last is None or (isinstance(keep_last, int) and keep_last >= 1)) or not (
+            hours is None or (isinstance(hours, int | float) and hours > 0)
+        ):
+            log.warning("ignoring a malformed retention request in %s: %r", info.id, spec)
+            return
+        if keep_last is None and hours is None:
+            return
+        try:
+            if hours is None and keep_last is not None and len(self.store.checkpoint_ids()) <= keep_last:
+                return
+            self.store.gc(keep_last=keep_last, keep_every_hours=hours)
+        except PsguardError as e:
+            log.warning("retention after %s failed (retried after the next commit): %s", info.id, e)
 
     def _write(self, take: DirtyTake) -> tuple[CheckpointInfo | None, bool]:
         """Save the take, or skip it when the log already holds this state; the take is closed either way.

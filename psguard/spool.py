@@ -819,6 +819,7 @@ class SpoolEvent:
     read_seconds: float
     apply_seconds: float
     message: str = ""
+    stall_seconds: float | None = None  # the trainer's training stall for this capture, when it said
 
 
 @dataclass(frozen=True)
@@ -1022,9 +1023,13 @@ class SpoolServer:
         tiers: frozenset[Tier] = frozenset()
         nbytes = 0
         apply_seconds = 0.0
+        stall: float | None = None
         try:
             cap = read_capture(folder)
             step, tiers, nbytes = cap.step, cap.tiers, cap.nbytes
+            raw_stall = cap.metadata.get("capture_stall_seconds")
+            if isinstance(raw_stall, int | float) and not isinstance(raw_stall, bool) and raw_stall >= 0:
+                stall = float(raw_stall)
             if cap.seq != seq:
                 raise CorruptCheckpointError(f"spool capture {folder}: says it is seq {cap.seq}")
             read_seconds = time.perf_counter() - t0
@@ -1072,7 +1077,9 @@ class SpoolServer:
         self._last_apply = apply_seconds
         if ack.status == "error":
             self._last_error = ack.message
-        self._emit(SpoolEvent("capture", seq, step, ack.status, nbytes, read_seconds, apply_seconds, ack.message))
+        self._emit(
+            SpoolEvent("capture", seq, step, ack.status, nbytes, read_seconds, apply_seconds, ack.message, stall)
+        )
 
     def _tiers_of(self, folder: Path) -> frozenset[Tier]:
         try:

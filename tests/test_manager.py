@@ -329,3 +329,45 @@ def test_cluster_async_save_overlapping_training_keeps_its_step(chief: Chief, ur
             assert int(model.step.numpy()) >= 25
     finally:
         store.close()
+
+
+EXIT_SCRIPT = """
+import sys, time
+import tensorflow as tf
+from psguard.manager import CheckpointManager
+
+v = tf.Variable(tf.reshape(tf.range(8000, dtype=tf.float32), [1000, 8]))
+manager = CheckpointManager(tf.train.Checkpoint(v=v), sys.argv[1])
+put = manager.store.backend.put
+
+def slow_put(*args, **kwargs):  # a slow store: the write is still running when the script ends
+    time.sleep(0.5)
+    return put(*args, **kwargs)
+
+manager.store.backend.put = slow_put
+manager.save()
+print("save returned", flush=True)
+# no manager.close(): scripts written for tf.train.CheckpointManager (durable on return) end like this
+"""
+
+
+@pytest.mark.slow
+def test_a_script_that_never_closes_the_manager_does_not_lose_its_last_save(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(EXIT_SCRIPT)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    out = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "save returned" in out.stdout and "waiting up to" in out.stderr, out.stderr[-3000:]
+    with Store.open(str(tmp_path / "store")) as store:
+        [info] = store.checkpoints()
+        assert store.verify(info.id).ok
+        got = store.load(info.id)
+    v = next(a for name, a in got.items() if name.startswith("v/"))
+    assert np.array_equal(v, np.arange(8000, dtype=np.float32).reshape(1000, 8))

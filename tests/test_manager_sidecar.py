@@ -111,3 +111,31 @@ def test_without_a_live_agent_restore_uses_the_durable_log(tmp_path: Path) -> No
         assert m2.restored is not None and m2.restored.source == "durable" and m2.restored.step == 4
         got = snapshot(fresh)
         assert all(bitwise_equal(want[n], got[n]) for n in want)
+
+
+def test_under_an_agent_max_to_keep_is_applied_and_the_stall_is_reported(tmp_path: Path) -> None:
+    """The agent's writer applies the manager's retention; each capture tells the agent its training stall."""
+    from psguard.spool import SpoolEvent
+
+    events: list[SpoolEvent] = []
+    store = Store.open(str(tmp_path / "store"))
+    tier = MemoryTier()
+    persister = Persister(store, tier, max_chain=1, max_delta_percent=None).start()
+    server = SpoolServer(tmp_path / "spool", tier, persister, on_event=events.append).start()
+    try:
+        ckpt, emb, dense = make_local()
+        rng = np.random.default_rng(5)
+        with CheckpointManager(ckpt, str(store.url), max_to_keep=2, spool=tmp_path / "spool") as m:
+            for step in range(1, 7):
+                train_local(emb, dense, ckpt, rng)
+                m.save(step).result(timeout=60)
+            stalls = [e.stall_seconds for e in events if e.kind == "capture"]
+            assert len(stalls) == 6 and all(s is not None and 0 <= s < 60 for s in stalls), stalls
+            assert stalls[-1] == pytest.approx(m.last_stall_seconds, abs=1e-5)
+        # a new base at least every other checkpoint (max_chain 1): keep-last 2 leaves at most 3 manifests
+        steps = sorted(i.step for i in store.checkpoints())
+        assert steps[-2:] == [5, 6] and len(steps) <= 3, steps
+    finally:
+        server.stop()
+        persister.stop(drain=True)
+        store.close()

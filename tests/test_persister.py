@@ -396,3 +396,26 @@ def test_agent_killed_mid_persist_leaves_no_torn_checkpoint_and_a_successor_cont
 if __name__ == "__main__":
     if sys.argv[1] == "child":
         child(sys.argv[2])
+
+
+def test_retention_asked_by_the_trainer_is_applied_after_each_commit(store: Store) -> None:
+    """A CheckpointManager under an agent puts its max_to_keep into the capture; the agent's writer obeys it."""
+    from psguard.persister import RETENTION_KEY
+
+    tier = MemoryTier()
+    truth = initial()
+    keep = {RETENTION_KEY: {"keep_last": 2, "keep_every_hours": None}}
+    bad = {RETENTION_KEY: {"keep_last": 0}}
+    tier.apply(whole(truth), step=1, token="g-1", parent=None, metadata=keep)
+    kept = []
+    with Persister(store, tier, max_chain=2, max_delta_percent=None) as p:
+        for k in range(1, 7):
+            if k > 1:
+                meta = keep if k < 6 else bad
+                assert tier.apply(advance(truth, k), step=k, token=f"g-{k}", parent=f"g-{k - 1}", metadata=meta).ok
+            assert p.request(k).result(timeout=30) is not None
+            kept.append(sorted(i.step for i in store.checkpoints()))
+    # bases at 1 and 4 (max_chain 2): keep_last=2 keeps the newest two and the chains they are built on;
+    # the malformed request at step 6 is ignored (a warning), never applied half-way
+    assert kept == [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4], [4, 5], [4, 5, 6]], kept
+    check_restores(store, store.resolve(), truth)
