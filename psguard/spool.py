@@ -807,6 +807,23 @@ class SpoolWriter:
 
 
 # ------------------------------------------------------------------------------------------------ agent side
+class _WatchdogStopRace(logging.Filter):
+    """Drop watchdog's ERROR "queue_events() called when the thread is inactive".
+
+    watchdog 7 logs it when an inotify event arrives while its observer is being stopped (its own race, nothing
+    lost: we process what is in the folders, not the events). Every agent stop printed it as an error.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+def _quiet_watchdog_stop_race() -> None:
+    logger = logging.getLogger("watchdog.observers.inotify")
+    if not any(isinstance(f, _WatchdogStopRace) for f in logger.filters):
+        logger.addFilter(_WatchdogStopRace())
+
+
 @dataclass(frozen=True)
 class SpoolEvent:
     """One capture or restore handled by the agent, for metrics and logs."""
@@ -906,6 +923,8 @@ class SpoolServer:
         self._recover()
         if watch:
             from watchdog.observers import Observer
+
+            _quiet_watchdog_stop_race()
 
             observer = Observer()
             handler = _Wake(self._wake).handler

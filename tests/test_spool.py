@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -553,3 +554,17 @@ if __name__ == "__main__":
         child_agent(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1] == "writer":
         child_writer(sys.argv[2])
+
+
+def test_watchdogs_stop_race_message_is_not_logged_as_an_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """watchdog logs an ERROR for an event that races its own stop; the agent printed it at every stop."""
+    tier = MemoryTier()
+    with SpoolServer(tmp_path / "spool", tier):
+        pass
+    logger = logging.getLogger("watchdog.observers.inotify")
+    with caplog.at_level(logging.ERROR, logger="watchdog.observers.inotify"):
+        logger.error("InotifyEmitter.queue_events() called when the thread is inactive")
+        logger.error("a real watchdog error")
+    assert [r.getMessage() for r in caplog.records] == ["a real watchdog error"]
