@@ -76,3 +76,28 @@ def test_an_interrupted_run_stops_every_process_it_started(tmp_path: Path) -> No
     cleanup = [r for r in records if r["f"] == "cleanup" and r["type"] == "ok"]
     assert cleanup and cleanup[0]["value"]["alive_pids"] == [] and cleanup[0]["value"]["busy_ports"] == []
     assert any(r["f"] == "job" and r["type"] == "info" for r in records)  # the run says it was cut short
+
+
+@pytest.mark.slow
+def test_baseline_runs_the_same_faults_on_plain_tf_side_by_side(tmp_path: Path) -> None:
+    """--baseline: the same kill-ps on tf.train.CheckpointManager with a script restarting the whole job. Both
+    sides judged by the same checkers; the plain-TF side loses up to its save interval per fault."""
+    report_dir = tmp_path / "side-by-side"
+    argv = [sys.executable, "-m", "psguard.cli", "chaos", "run", str(ROOT / "chaos" / "kill-ps.yaml"), "--baseline"]
+    argv += ["--report", str(report_dir)]
+    out = subprocess.run(
+        argv, capture_output=True, text=True, timeout=560, env=dict(os.environ, PYTHONPATH=str(ROOT), **QUIET)
+    )
+    report = json.loads((report_dir / "report.json").read_text())
+    base = report["baseline"]
+    for side in (report, base):
+        statuses = {k: v["status"] for k, v in side["verdicts"].items() if k != "final-loss"}
+        assert statuses == dict.fromkeys(statuses, "valid"), json.dumps(side["verdicts"], indent=1)[:4000]
+    assert out.returncode == 5, out.stdout[-2000:] + out.stderr[-2000:]  # no reference run here: loss unknown
+    assert base["mode"] == "baseline" and report["mode"] == "psguard"
+    durable_every, chunk = 25, 5
+    assert all(0 < f["lost_steps"] <= durable_every + chunk for f in base["faults"]), base["faults"]
+    assert all(f["restore_source"] == "durable" for f in base["faults"])
+    assert all(f["lost_steps"] <= 10 for f in report["faults"])  # psguard: one memory interval plus one chunk
+    md = (report_dir / "report.md").read_text()
+    assert "| lost steps per fault |" in md and "baseline (plain TF)" in md
