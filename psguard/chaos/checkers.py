@@ -266,7 +266,11 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
     out = []
     for i, fault in enumerate(faults):
         t = fault.end or fault.start
-        nxt = faults[i + 1].start if i + 1 < len(faults) else float("inf")
+        # The next fault, skipping the other targets of this one (``ps:*`` is one fault on every PS).
+        same = (fault.value.get("fault"), fault.value.get("at_step"))
+        nxt = next(
+            (f.start for f in faults[i + 1 :] if (f.value.get("fault"), f.value.get("at_step")) != same), float("inf")
+        )
         heal = next((h for h in heals if h.start >= t and h.value.get("target") == fault.value.get("target")), None)
         # Recovered: a chunk of steps started after the fault completed (training may come back before the
         # heal, e.g. when an agent replaces a frozen PS).
