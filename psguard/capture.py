@@ -603,6 +603,12 @@ class Capturer:
     at the next capture that hashes every row: at most ``verify_every`` captures later (the delta chain in
     between misses them). tf_keras legacy optimizers write with raw ops, so with one of them (or any
     optimizer of another kind) in ``root``, or with no optimizer at all, every capture hashes every row.
+
+    What makes it hash every row, exact but as slow as without tracking: a step function traced before the
+    capturer hooked the variables it writes, for as long as it is not retraced (build the optimizer before
+    creating the capturer: slots that the first step creates are hooked only afterwards); and a Keras 3
+    optimizer under ``ParameterServerStrategy`` with several workers, whose ``iterations`` loses increments
+    (8 after 12 steps here), so that a lost increment cannot be told from an unhooked step.
     """
 
     def __init__(
@@ -617,7 +623,9 @@ class Capturer:
         probe_rows: int = 1024,
     ) -> None:
         if row_tracking_min_rows < 1 or hash_chunk_bytes < 1 or verify_every < 1 or probe_rows < 0:
-            raise ConfigError("row_tracking_min_rows, hash_chunk_bytes and verify_every must be positive")
+            raise ConfigError(
+                "row_tracking_min_rows, hash_chunk_bytes and verify_every must be positive, probe_rows >= 0"
+            )
         self.root = root
         self.hash_chunk_bytes = hash_chunk_bytes
         self.coordinator = coordinator
