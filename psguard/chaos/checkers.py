@@ -100,6 +100,7 @@ def durable_commits_kept(ctx: _Context) -> Verdict:
     if ctx.final_store is None:
         return Verdict(name, "unknown", "the history has no final-store record (the run did not finish)")
     present = {c["id"]: c for c in ctx.final_store.get("checkpoints", [])}
+    deleted_by_gc = [i for o in ctx.of("gc", "ok") for i in o.value.get("deleted_checkpoints", [])]
     corrupted = ctx.corrupted()
     acked = [o for o in ctx.trainer("durable-commit", "ok")]
     missing = [o.value.get("id") for o in acked if o.value.get("id") not in present]
@@ -108,6 +109,7 @@ def durable_commits_kept(ctx: _Context) -> Verdict:
         for o in acked
         if o.value.get("id") in present and not present[o.value["id"]]["ok"] and o.value["id"] not in corrupted
     ]
+    missing += [i for i in deleted_by_gc if i in {o.value.get("id") for o in acked}]  # the final gc keeps all
     evidence = {"acknowledged": len(acked), "missing": missing, "unreadable": unreadable}
     if not acked:
         return Verdict(name, "unknown", "no durable commit was acknowledged during the run", evidence)
@@ -386,6 +388,7 @@ def no_leaks(ctx: _Context) -> Verdict:
         **{k: ctx.cleanup.get(k, []) for k in keys},
         "pids_started": len(ctx.cleanup.get("pids_seen", [])),
         "crash_leftovers": ctx.cleanup.get("crash_leftovers", []),
+        "store_temp_files_before_gc": (ctx.final_store or {}).get("temp_files", []),
     }
     if leaked:
         return Verdict(name, "invalid", "leaked: " + ", ".join(f"{k} {v}" for k, v in leaked.items()), evidence)
