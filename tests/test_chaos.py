@@ -102,6 +102,14 @@ def test_scenario_errors_name_the_file_and_the_key() -> None:
         _scenario(faults=[{"action": "kill", "target": "ps:0", "at_step": 400}], training={"steps": 300})
 
 
+def test_agent_faults_aim_at_tasks_and_describe_themselves() -> None:
+    s = _scenario(faults=[{"action": "pause-agent", "target": "chief", "at_step": 5, "duration": "3s"},
+                          {"action": "terminate-agent", "target": "ps:1", "at_step": 9}])  # fmt: skip
+    assert [f.describe() for f in s.schedule(0)] == ["pause-agent chief at step 5", "terminate-agent ps:1 at step 9"]
+    with pytest.raises(ConfigError, match="a task"):
+        _scenario(faults=[{"action": "kill-agent", "target": "store", "at_step": 5}])
+
+
 def test_the_same_seed_gives_the_same_random_schedule() -> None:
     s = _scenario(faults=[], random={"count": 10, "actions": ["kill", "pause"], "targets": ["ps:0", "worker:0"]})
     assert s.schedule(7) == s.schedule(7)

@@ -38,8 +38,8 @@ __all__ = [
 
 Status = Literal["valid", "invalid", "unknown"]
 FAULTS = (
-    "kill", "terminate", "pause", "kill-agent", "corrupt-chunk", "truncate-chunk", "storage-stop",
-    "partition", "delay", "drop",
+    "kill", "terminate", "pause", "kill-agent", "terminate-agent", "pause-agent", "corrupt-chunk",
+    "truncate-chunk", "storage-stop", "partition", "delay", "drop",
 )  # fmt: skip
 HEALS = ("resume", "start-agent", "storage-start", "heal")
 COMMITS = ("memory-commit", "durable-commit")
@@ -162,7 +162,8 @@ def no_torn_checkpoint(ctx: _Context) -> Verdict:
 
 def _memory_lost_at(ctx: _Context) -> list[float]:
     """Times the memory tier was lost: the chief's agent was killed (it held the tier in its memory)."""
-    return [o.start for o in ctx.of("kill-agent") if o.type != "fail" and o.value.get("target") == "chief"]
+    stops = ctx.of(("kill-agent", "terminate-agent"))
+    return [o.start for o in stops if o.type != "fail" and o.value.get("target") == "chief"]
 
 
 def restores_newest(ctx: _Context) -> Verdict:
@@ -286,7 +287,7 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
         if bound is None:
             memory_every, chunk = int(training.get("memory_every", 0)), int(training.get("chunk", 0))
             durable_every = int(training.get("durable_every", 0))
-            loses_tier = fault.f == "kill-agent" and fault.value.get("target") == "chief"
+            loses_tier = fault.f in ("kill-agent", "terminate-agent") and fault.value.get("target") == "chief"
             bound = (durable_every if loses_tier else memory_every) + chunk
         out.append(
             {

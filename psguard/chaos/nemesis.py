@@ -307,7 +307,7 @@ class Nemesis:
             self.history.append(NEMESIS, "fail", fault.action, {**base, "target": target, "error": str(e)[:300]})
             return
         value = {**base, "target": target, "pid": pid, "agent_pid": agent_pid}
-        if fault.action == "kill-agent" and not isinstance(agent, AgentProcess):
+        if fault.action.endswith("-agent") and not isinstance(agent, AgentProcess):
             self.history.append(NEMESIS, "invoke", fault.action, value)
             self.history.append(NEMESIS, "fail", fault.action, {**value, "error": "this task runs without an agent"})
             return
@@ -331,10 +331,19 @@ class Nemesis:
                 self._heals.append(
                     _Pending(time.monotonic() + fault.duration, "resume", lambda: _resume(int(pid)), heal)
                 )
-        elif fault.action == "kill-agent" and isinstance(agent, AgentProcess):
-            done = self._run("kill-agent", {**value, "signal": "SIGKILL"}, lambda: _kill_agent(agent))
+        elif fault.action in ("kill-agent", "terminate-agent") and isinstance(agent, AgentProcess):
+            sig = signal.SIGKILL if fault.action == "kill-agent" else signal.SIGTERM
+            done = self._run(fault.action, {**value, "signal": sig.name}, lambda: _stop_agent(agent, sig))
             if done is not None:
                 self._restart_later(agent, target, fault.duration)
+        elif fault.action == "pause-agent" and isinstance(agent, AgentProcess):
+            apid = agent.proc.pid
+            if (
+                self._run("pause-agent", {**value, "signal": "SIGSTOP"}, lambda: _signal(apid, signal.SIGSTOP))
+                is not None
+            ):
+                heal = {"target": target, "agent_pid": apid, "signal": "SIGCONT"}
+                self._heals.append(_Pending(time.monotonic() + fault.duration, "resume", lambda: _resume(apid), heal))
 
     def _restart_later(self, agent: AgentProcess, target: str, after: float) -> None:
         """The agent is down: start it again after ``after`` seconds (a node rebooting, a pod rescheduled)."""
@@ -361,7 +370,9 @@ def _signal(pid: int, sig: signal.Signals) -> dict[str, Any]:
     return {}
 
 
-def _kill_agent(agent: AgentProcess) -> dict[str, Any]:
-    agent.proc.send_signal(signal.SIGKILL)
-    agent.proc.wait(30)  # reaped: its task dies with it (parent-death signal)
+def _stop_agent(agent: AgentProcess, sig: signal.Signals) -> dict[str, Any]:
+    """SIGKILL: the agent dies at once and its task with it (parent-death signal). SIGTERM: the agent stops its
+    task gracefully and exits. Either way it is reaped before the fault counts as done."""
+    agent.proc.send_signal(sig)
+    agent.proc.wait(60)
     return {"exit": agent.proc.returncode}

@@ -297,7 +297,8 @@ class _Run:
             key = (agent.name, agent.proc.pid)
             if code is None or agent.name == "chief" or key in self._dead_noted:
                 continue
-            if any(r.f == "kill-agent" and r.value.get("agent_pid") == agent.proc.pid for r in self.history.records):
+            stopped = ("kill-agent", "terminate-agent")
+            if any(r.f in stopped and r.value.get("agent_pid") == agent.proc.pid for r in self.history.records):
                 continue  # the nemesis killed it
             self._dead_noted.add(key)
             tail = [line for line in agent.log_tail(2000).splitlines() if "error" in line.lower()][-1:]

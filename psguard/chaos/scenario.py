@@ -33,8 +33,8 @@ __all__ = [
 ]
 
 Action = Literal[
-    "kill", "terminate", "pause", "kill-agent", "corrupt-chunk", "truncate-chunk", "storage-outage",
-    "partition", "delay", "drop",
+    "kill", "terminate", "pause", "kill-agent", "terminate-agent", "pause-agent", "corrupt-chunk",
+    "truncate-chunk", "storage-outage", "partition", "delay", "drop",
 ]  # fmt: skip
 NETWORK_ACTIONS = ("partition", "delay", "drop")
 ACTIONS: tuple[str, ...] = (
@@ -42,6 +42,8 @@ ACTIONS: tuple[str, ...] = (
     "terminate",  # SIGTERM the task
     "pause",  # SIGSTOP the task, SIGCONT after `duration`
     "kill-agent",  # SIGKILL the agent (its task dies with it); the harness starts it again after `duration`
+    "terminate-agent",  # SIGTERM the agent (it stops its task and exits); started again after `duration`
+    "pause-agent",  # SIGSTOP the agent alone (its task runs on), SIGCONT after `duration`
     "corrupt-chunk",  # flip one bit of a chunk of the newest durable checkpoint, on disk
     "truncate-chunk",  # cut a chunk of the newest durable checkpoint short, on disk
     "storage-outage",  # stop the storage server, start it again after `duration`
