@@ -127,6 +127,7 @@ class _Run:
         self.storage: Any = None
         self.store_url = ""
         self.storage_options: dict[str, Any] = {}
+        self.storage_env: dict[str, str] = {}
         self.store_dir: Path | None = None
         self.started_at: float | None = None
         self.step: int | None = None
@@ -164,8 +165,18 @@ class _Run:
             self.storage = SeaweedS3(self.dir / "s3", bucket="psguard-chaos")
             self.storage.start()
             self.store_url = self.storage.url("job")
-            self.storage_options = self.storage.storage_options
+            self.storage_options = self.storage.storage_options  # the harness itself talks to S3 directly
             self.ports.append(self.storage.port)
+            self.storage_env = dict(self.storage.env)
+            if self.scenario.needs_store_proxy:
+                # The agents and the trainer reach S3 through a proxy, where the nemesis adds latency or cuts.
+                from psguard.chaos.proxy import TcpProxy
+                from psguard.testbed.ports import free_ports
+
+                proxy = TcpProxy(free_ports(1)[0], self.storage.port, name="store")
+                self.proxies["store"] = proxy
+                self.ports.append(proxy.listen_port)
+                self.storage_env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy.listen_port}"
         else:
             self.store_dir = self.dir / "store"
             self.store_url = str(self.store_dir)
@@ -174,7 +185,7 @@ class _Run:
         s = self.scenario
         cluster, spec = write_cluster(self.dir, ps=s.cluster.ps, workers=s.cluster.workers)
         self.ports += [int(a.rsplit(":", 1)[1]) for addrs in spec.values() for a in addrs]
-        env = dict(self.storage.env) if self.storage is not None else {}
+        env = dict(self.storage_env)
         base = ["--cluster", str(cluster)]
         others = base  # what the chief and the workers see
         if s.needs_proxy:

@@ -75,10 +75,13 @@ class Fault:
             raise invalid("target", "chief, ps:N, worker:N, ps:*, worker:* or store", self.target)
         if (self.at_step is None) == (self.at_time is None):
             raise invalid("at_step", "exactly one of at_step and at_time", (self.at_step, self.at_time))
-        if self.action in NETWORK_ACTIONS and not self.target.startswith("ps:"):
+        if self.action in NETWORK_ACTIONS and not (self.target.startswith("ps:") or self.target == "store"):
             raise invalid(
-                "target", f"a PS (ps:N or ps:*) for {self.action}: the proxy sits in front of the PS", self.target
-            )
+                "target", f"a PS (ps:N, ps:*) or the store for {self.action}: the proxy sits in front of them",
+                self.target,
+            )  # fmt: skip
+        if self.action in NETWORK_ACTIONS:
+            return
         on_store = self.action in ("corrupt-chunk", "truncate-chunk", "storage-outage")
         if on_store != (self.target == "store"):
             raise invalid("target", f"'store' for {self.action}" if on_store else "a task", self.target)
@@ -197,15 +200,26 @@ class Scenario:
                 )
             if fault.action == "storage-outage" and self.storage.kind == "local":
                 raise invalid(f"faults[{i}].action", "storage-outage only with storage.kind s3", fault.action)
+            if fault.target == "store" and fault.action in NETWORK_ACTIONS and self.storage.kind != "s3":
+                raise invalid(
+                    f"faults[{i}].action", f"{fault.action} of the store only with storage.kind s3", fault.action
+                )
         if self.random is not None:
             for t in self.random.targets:
                 _check_target(t, self.cluster, "random.targets")
 
     @property
     def needs_proxy(self) -> bool:
-        """Network faults need the TCP proxies in the path to the PS servers."""
-        actions = {f.action for f in self.faults} | set(self.random.actions if self.random else ())
+        """Network faults on a PS need the TCP proxies in the path to the PS servers."""
+        actions = {f.action for f in self.faults if f.target != "store"} | set(
+            self.random.actions if self.random else ()
+        )
         return bool(actions & set(NETWORK_ACTIONS))
+
+    @property
+    def needs_store_proxy(self) -> bool:
+        """Network faults on the store (latency, resets, a cut) need a TCP proxy in front of the S3 server."""
+        return any(f.action in NETWORK_ACTIONS and f.target == "store" for f in self.faults)
 
     def schedule(self, seed: int) -> list[Fault]:
         """The faults in firing order: the fixed ones plus those drawn from ``seed`` (same seed, same list)."""
