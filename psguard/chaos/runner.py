@@ -177,6 +177,14 @@ class _Run:
                 self.proxies["store"] = proxy
                 self.ports.append(proxy.listen_port)
                 self.storage_env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy.listen_port}"
+        elif self.scenario.storage.kind == "hdfs":
+            from psguard.testbed.hdfs import HdfsCluster
+
+            self.storage = HdfsCluster(self.dir / "hdfs")
+            self.storage.start()
+            self.store_url = self.storage.url("/job")  # hdfs-native over the NameNode's RPC port
+            self.ports += [self.storage.rpc_port, self.storage.http_port]
+            self.storage_env = {"HADOOP_USER_NAME": self.storage.user}
         else:
             self.store_dir = self.dir / "store"
             self.store_url = str(self.store_dir)

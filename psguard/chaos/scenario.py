@@ -142,7 +142,7 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class StorageSpec:
-    kind: Literal["local", "s3"] = "local"
+    kind: Literal["local", "s3", "hdfs"] = "local"  # s3: a real SeaweedFS; hdfs: a real HDFS 2.7.3 (make hdfs-runtime)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -199,7 +199,11 @@ class Scenario:
                     f"faults[{i}].at_step", f"a step below training.steps ({self.training.steps})", fault.at_step
                 )
             if fault.action == "storage-outage" and self.storage.kind == "local":
-                raise invalid(f"faults[{i}].action", "storage-outage only with storage.kind s3", fault.action)
+                raise invalid(
+                    f"faults[{i}].action",
+                    "storage-outage with a storage server (storage.kind s3 or hdfs)",
+                    fault.action,
+                )
             if fault.target == "store" and fault.action in NETWORK_ACTIONS and self.storage.kind != "s3":
                 raise invalid(
                     f"faults[{i}].action", f"{fault.action} of the store only with storage.kind s3", fault.action
