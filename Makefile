@@ -38,7 +38,7 @@ test-fast: $(STAMP)
 # Every scenario in chaos/ on a real local cluster (one after another; each stops itself within its time limit
 # and cleans up). Runs, histories and reports in chaos-runs/; the fault-free reference run is shared.
 CHAOS_SEED ?= 0
-chaos: $(STAMP)
+chaos: $(STAMP) hdfs-runtime
 	@status=0; for s in chaos/*.yaml; do \
 		$(BIN)/psguard chaos run $$s --seed $(CHAOS_SEED) --reference-dir chaos-runs || status=1; \
 	done; exit $$status
