@@ -651,6 +651,8 @@ class Agent:
     def _on_health(self, task: str, health: Health) -> None:
         self.metrics.on_health(task, health)
         if health is Health.HEALTHY and self.role != "chief":
+            if self.supervisor is not None:
+                self.supervisor.mark_healthy()  # it serves: its end will not count towards a crash loop
             self._recovered()
 
     def _recovered(self) -> None:
@@ -667,6 +669,8 @@ class Agent:
             self.metrics.checkpoint_stall.observe(event.stall_seconds)
         if event.kind == "capture" and event.status == "ok" and event.step is not None:
             self.metrics.record_checkpoint("memory", event.step, time.time())
+            if self.supervisor is not None:
+                self.supervisor.mark_healthy()  # the trainer trains: a later death is no crash loop
             if self.role == "chief":
                 self._recovered()  # the new generation's first capture: training runs again
 
@@ -804,7 +808,7 @@ class Agent:
         if sup is None:
             raise RequestError(503, "the task is not supervised yet")
         before = sup.status().restarts
-        if not sup.restart(f"requested over HTTP: {reason}"):
+        if not sup.restart(f"requested over HTTP: {reason}", crash=False):
             raise RequestError(409, f"task {self.task} is not running under supervision ({sup.status().state.value})")
         log.info("event=restart_requested task=%s reason=%r", self.task, reason)
         return Response(202, {"ok": True, "task": self.task, "restarts_before": before})

@@ -17,6 +17,11 @@ other           a crash: restarted after an exponential backoff; ``crash_loop_li
 
 A run killed by :meth:`Supervisor.restart` (a probe found the task hung) counts as a crash, so a task that
 keeps freezing ends in a crash loop too, but it is started again without waiting: the hang already cost time.
+A restart asked for with ``crash=False`` (an operator, or the chief's agent replacing the PS servers for a new
+trainer generation) is no crash. Nor is the end of a run the owner declared healthy (:meth:`Supervisor.
+mark_healthy`: the PS answered its RPC probe, the trainer delivered a checkpoint): a crash loop is a task that
+cannot get going, and a PS killed five times in five minutes after serving each time is not one (the chaos
+harness's repeated-kill scenario made the agent give up on exactly that).
 
 All spawning happens on the supervisor's own thread. That is not a style choice: Linux delivers the
 parent-death signal when the *thread* that forked the child exits, so a child started from a short-lived
@@ -319,6 +324,8 @@ class Supervisor:
         self._first_spawn = threading.Event()
         self._done = threading.Event()
         self._restart_reason: str | None = None
+        self._restart_is_crash = True
+        self._run_healthy = False  # the current run was declared healthy by the owner (mark_healthy)
         self._wake_r = self._wake_w = -1  # a pipe that interrupts the thread's select(); made by start()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -399,17 +406,19 @@ class Supervisor:
                 raise TimeoutError(f"supervisor {self.name} did not stop within its timeout")
         return self.status()
 
-    def restart(self, reason: str) -> bool:
+    def restart(self, reason: str, *, crash: bool = True) -> bool:
         """Kill the task's process group with SIGKILL and start the command again, on the supervisor's thread.
 
-        For a task that is alive but useless (a probe's deadline passed). Returns at once: ``False`` when
-        there is nothing to restart (not started, or supervision is over). During a backoff it starts the
-        task now.
+        For a task that is alive but useless (a probe's deadline passed: ``crash=True``, it counts towards
+        the crash-loop limit), or that must be replaced although it works (``crash=False``). Returns at once:
+        ``False`` when there is nothing to restart (not started, or supervision is over). During a backoff it
+        starts the task now.
         """
         with self._lock:
             if self._thread is None or self._state in _FINAL or self._stop.is_set():
                 return False
             self._restart_reason = reason or "restart requested"
+            self._restart_is_crash = crash
         self._wake()
         return True
 
@@ -426,6 +435,15 @@ class Supervisor:
 
     def done(self) -> bool:
         return self._done.is_set()
+
+    def mark_healthy(self) -> None:
+        """The current run did its job for a while (probes passed, work delivered): its end is not a crash loop.
+
+        Also resets the backoff for the next start, as a long run does.
+        """
+        with self._lock:
+            if self._proc is not None:
+                self._run_healthy = True
 
     def status(self) -> SupervisorStatus:
         with self._lock:
@@ -494,9 +512,11 @@ class Supervisor:
                     self._finish_stop()
                     return
                 if request is _Request.RESTART:
+                    with self._lock:
+                        counts = self._restart_is_crash and not self._run_healthy
                     why = self._take_restart_reason()
                     code = self._kill_group_and_reap(signal.SIGKILL)
-                    self._crashed(code, f"killed to restart: {why}", self._end_run(), delay=0.0)
+                    self._crashed(code, f"killed to restart: {why}", self._end_run(), delay=0.0, counts=counts)
                     reason = why
                     continue
                 code = self._kill_group_and_reap(signal.SIGKILL)  # the leader is gone: clear what it left
@@ -519,11 +539,13 @@ class Supervisor:
                 self._emit_exit(code, f"exit {code} asks for a restart", run, backoff=0.0)
                 reason = f"exit {code} asked for a restart"
                 continue
-            if run is not None and run >= self.config.backoff_reset_after:
-                self._backoff = self.config.backoff_initial  # it ran long enough: not the same crash again
+            with self._lock:
+                healthy = self._run_healthy
+            if healthy or (run is not None and run >= self.config.backoff_reset_after):
+                self._backoff = self.config.backoff_initial  # it ran well: not the same crash again
             delay = self._backoff
             self._backoff = min(self._backoff * 2, self.config.backoff_max)
-            self._crashed(code, why, run, delay=delay)
+            self._crashed(code, why, run, delay=delay, counts=not healthy)
             reason = f"after a crash ({why})"
             with self._lock:
                 self._state = SupervisorState.BACKOFF
@@ -580,6 +602,7 @@ class Supervisor:
             return False
         with self._lock:
             self._proc = proc
+            self._run_healthy = False
             self._last_pid = proc.pid
             self._run_started = time.monotonic()
             self._state = SupervisorState.RUNNING
@@ -715,8 +738,16 @@ class Supervisor:
             started, self._run_started = self._run_started, None
         return None if started is None else time.monotonic() - started
 
-    def _crashed(self, code: int | None, why: str, run: float | None, *, delay: float) -> None:
-        """Record a crash and report the exit; raise :class:`CrashLoopError` when that was one too many."""
+    def _crashed(self, code: int | None, why: str, run: float | None, *, delay: float, counts: bool = True) -> None:
+        """Record a crash and report the exit; raise :class:`CrashLoopError` when that was one too many.
+
+        ``counts=False``: an exit that is no sign of a crash loop (see the module doc) is only reported.
+        """
+        if not counts:
+            with self._lock:
+                self._last_reason = why
+            self._emit_exit(code, why, run, backoff=delay)
+            return
         now = time.monotonic()
         with self._lock:
             self._crashes.append((now, _EXIT_SPAWN_FAILED if code is None else code))
@@ -747,6 +778,7 @@ class Supervisor:
     def _take_restart_reason(self) -> str:
         with self._lock:
             reason, self._restart_reason = self._restart_reason or "restart requested", None
+            self._restart_is_crash = True
         return reason
 
     def _emit_exit(self, code: int | None, reason: str, run: float | None, *, backoff: float | None) -> None:

@@ -468,3 +468,33 @@ def test_no_standby_for_commands_not_known_to_honour_it() -> None:
     assert Supervisor.from_config(["true"], config)._standby is None
     assert Supervisor.from_config(["true"], config, standby_capable=True)._standby is not None
     assert Supervisor.from_config(["true"], SupervisorConfig(standby=False), standby_capable=True)._standby is None
+
+
+def test_runs_declared_healthy_and_requested_restarts_do_not_make_a_crash_loop(
+    supervisors: list[Supervisor], events: Events
+) -> None:
+    """A PS killed again and again after serving each time, or replaced on request, is no crash loop."""
+    s = make(supervisors, sh("sleep 300"), crash_loop_limit=2, backoff_initial=0.05, on_event=events)
+    s.start()
+    for kill in range(1, 4):
+        pid = s.pid
+        assert pid is not None
+        s.mark_healthy()  # what the agent does once the RPC probe passes
+        os.kill(pid, signal.SIGKILL)
+        events.wait(EventKind.RESTARTED, count=kill)
+    assert s.status().crashes_in_window == 0 and s.status().state is SupervisorState.RUNNING
+    for n in range(4, 6):
+        assert s.restart("a new trainer generation", crash=False)
+        events.wait(EventKind.RESTARTED, count=n)
+    assert s.status().crashes_in_window == 0
+    # the control: two deaths of runs nobody declared healthy are a crash loop at crash_loop_limit=2
+    for kill in (1, 2):
+        wait_until(lambda: s.pid is not None, what="a run")
+        pid = s.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        if kill == 1:
+            events.wait(EventKind.RESTARTED, count=6)
+    events.wait(EventKind.GAVE_UP)
+    with pytest.raises(CrashLoopError, match="crashed 2 times"):
+        s.result(timeout=10)
