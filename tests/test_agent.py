@@ -722,22 +722,31 @@ def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
     lost = failure["seen"] - second["restored"]["step"]
     assert f"event=recovery_reported task=chief:0 lost_steps={lost} " in chief.log(), chief.log()
     restarts = [p.status()["restarts"] for p in ps]
+    # With the warm standby a killed PS serves again ~0.1 s later; now and then the first steps after the rejoin
+    # still hit a connection of the dead server (the worker's channel: "Connection reset by peer") and the trainer
+    # recovers a second time, as it should. Each recovery must be a correct one; two at the most.
+    failures = len(list(out.glob("failure-*")))
+    assert failures in (1, 2), failures
+    for n in range(1, failures + 1):
+        later = json.loads((out / f"gen-{n}").read_text())["restored"]
+        assert later["source"] == "memory" and later["step"] >= second["restored"]["step"], later
     if mode == "restart":
-        generation = json.loads((out / "gen-1").read_text())["agent"]["last_generation"]
+        generation = json.loads((out / f"gen-{failures}").read_text())["agent"]["last_generation"]
     else:
-        assert json.loads((out / "recoveries").read_text())["count"] == 1
+        assert json.loads((out / "recoveries").read_text())["count"] == failures
         generation = json.loads((out / "rejoin").read_text())
-    print(f"generation: {generation['peers']} in {generation['seconds']:.1f}s")
-    # ps0 died and was restarted by its own agent: when that was after the trainer saw the failure, it is
-    # fresh (no chief connected since) and not restarted again; ps1 survived and is always restarted. When the
-    # trainer exits at once, the generation's restart request can reach ps0's agent while that agent is still
-    # restarting it: the two coalesce into one start, so ps0 may count 1 restart even when "restarted".
-    fresh = generation["peers"][ps[0].url].startswith("fresh")
-    assert restarts[1] == 1, (restarts, generation)
-    assert restarts[0] in ((1,) if fresh else (1, 2)), (restarts, generation)
+    print(f"generation: {generation['peers']} in {generation['seconds']:.1f}s ({failures} recoveries)")
     assert generation["peers"][ps[1].url] == "restarted" and generation["peers"][worker.url] == "skipped (worker)"
     assert worker.status()["restarts"] == 0
-    assert chief.log().count("event=restarted task=chief:0") == (1 if mode == "restart" else 0)
+    assert chief.log().count("event=restarted task=chief:0") == (failures if mode == "restart" else 0)
+    assert restarts[1] == failures, (restarts, generation)  # the surviving PS: once per generation
+    if failures == 1:
+        # ps0 died and was restarted by its own agent: when that was after the trainer saw the failure, it is
+        # fresh (no chief connected since) and not restarted again. When the trainer exits at once, the
+        # generation's restart request can reach ps0's agent while that agent is still restarting it: the two
+        # coalesce into one start, so ps0 may count 1 restart even when "restarted".
+        fresh = generation["peers"][ps[0].url].startswith("fresh")
+        assert restarts[0] in ((1,) if fresh else (1, 2)), (restarts, generation)
 
 
 @pytest.mark.slow

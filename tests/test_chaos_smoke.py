@@ -96,7 +96,9 @@ def test_baseline_runs_the_same_faults_on_plain_tf_side_by_side(tmp_path: Path) 
     assert out.returncode == 5, out.stdout[-2000:] + out.stderr[-2000:]  # no reference run here: loss unknown
     assert base["mode"] == "baseline" and report["mode"] == "psguard"
     durable_every, chunk = 25, 5
-    assert all(0 < f["lost_steps"] <= durable_every + chunk for f in base["faults"]), base["faults"]
+    # Up to one save interval plus a chunk; 0 when the kill lands just after a save (steps 100 and 200 are
+    # multiples of 25: whether the save at that step completed before the kill is a matter of timing).
+    assert all(0 <= f["lost_steps"] <= durable_every + chunk for f in base["faults"]), base["faults"]
     assert all(f["restore_source"] == "durable" for f in base["faults"])
     assert all(f["lost_steps"] <= 10 for f in report["faults"])  # psguard: one memory interval plus one chunk
     md = (report_dir / "report.md").read_text()
