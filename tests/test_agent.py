@@ -859,13 +859,16 @@ def test_end_to_end_trainer_killed_is_restarted_and_restores_from_the_memory_tie
     os.kill(trainer, signal.SIGKILL)
     job.finish()
     gens = job.generations()
-    assert len(gens) == 2 and gens[1]["pid"] != trainer, gens
+    assert len(gens) >= 2 and gens[1]["pid"] != trainer, gens
     restored = gens[1]["restored"]
     assert restored["source"] == "memory", restored  # the agent kept the tier across the trainer's crash
     assert restored["step"] >= acknowledged, (restored, acknowledged)  # nothing acknowledged was lost
     assert job.chief.log().count("event=restarted task=chief:0") == 1
-    # A new trainer generation gets fresh PS servers (a dead chief's context would otherwise leak there).
-    assert [p.status()["restarts"] for p in job.ps] == [1, 1]
+    # A new trainer generation gets fresh PS servers (a dead chief's context would otherwise leak there). An
+    # in-process recovery right after (a worker's stale channel to a replaced PS) would add one each.
+    later = gens[2:]
+    assert all(g["restored"]["source"] == "memory" for g in later), later
+    assert [p.status()["restarts"] for p in job.ps] == [1 + len(later)] * 2
 
 
 @pytest.mark.slow
