@@ -624,12 +624,8 @@ class CheckpointManager:
         return True
 
     def _apply_retention(self) -> None:
-        if self._max_to_keep is None and self._keep_hours is None:
-            return
-        if self._max_to_keep is not None and len(self.store.checkpoint_ids()) <= self._max_to_keep:
-            return
         try:
-            self.store.gc(keep_last=self._max_to_keep, keep_every_hours=self._keep_hours)
+            self.store.retain(keep_last=self._max_to_keep, keep_every_hours=self._keep_hours)
         except PsguardError as e:
             log.warning("retention failed (will retry after the next save): %s", e)
 

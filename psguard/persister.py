@@ -363,12 +363,8 @@ class Persister:
         ):
             log.warning("ignoring a malformed retention request in %s: %r", info.id, spec)
             return
-        if keep_last is None and hours is None:
-            return
         try:
-            if hours is None and keep_last is not None and len(self.store.checkpoint_ids()) <= keep_last:
-                return
-            self.store.gc(keep_last=keep_last, keep_every_hours=hours)
+            self.store.retain(keep_last=keep_last, keep_every_hours=hours)
         except PsguardError as e:
             log.warning("retention after %s failed (retried after the next commit): %s", info.id, e)
 

@@ -783,6 +783,18 @@ class Store:
         return live
 
     # ----------------------------------------------------------------------------------------------- gc
+    def retain(self, *, keep_last: int | None, keep_every_hours: float | None) -> GcReport | None:
+        """A writer's retention after each commit (``max_to_keep``, ``keep_checkpoint_every_n_hours``).
+
+        Skips the gc (its locks and listing) when nothing can go: no rule, or no more checkpoints than
+        ``keep_last``. ``None`` when skipped.
+        """
+        if keep_last is None and keep_every_hours is None:
+            return None
+        if keep_last is not None and len(self.checkpoint_ids()) <= keep_last:
+            return None
+        return self.gc(keep_last=keep_last, keep_every_hours=keep_every_hours)
+
     def gc(
         self,
         *,

@@ -19,34 +19,16 @@ from typing import Any
 
 import pytest
 
+from psguard.testbed.procs import descendants
+
 _ALLOWED_PIDS: set[int] = set()
 # Threads that libraries start once per process and keep on purpose.
 _ALLOWED_THREAD_PREFIXES = ("fsspecIO", "asyncio_", "pydevd", "Dummy-", "ThreadPoolExecutor-")
 
 
 def _children(pid: int | None = None) -> set[int]:
-    """Every live descendant of ``pid`` (this process by default), read from /proc."""
-    root = os.getpid() if pid is None else pid
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] == "Z":
-            continue
-        parent_of[int(entry)] = int(fields[1])
-    out: set[int] = set()
-    frontier = {root}
-    while frontier:
-        nxt = {p for p, pp in parent_of.items() if pp in frontier and p not in out}
-        out |= nxt
-        frontier = nxt
-    return out
+    """Every live descendant of ``pid`` (this process by default)."""
+    return descendants(os.getpid() if pid is None else pid)
 
 
 @contextlib.contextmanager

@@ -35,6 +35,8 @@ from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_hist
 from psguard.chaos.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
 from psguard.chaos.nemesis import Nemesis
 from psguard.chaos.scenario import Scenario
+from psguard.testbed.procs import alive as pid_alive
+from psguard.testbed.procs import descendants
 
 __all__ = ["DEFAULT_JOB", "RunResult", "run_scenario"]
 
@@ -49,35 +51,6 @@ class RunResult:
     verdicts: dict[str, Verdict]
     overall: str
     report: dict[str, Any]
-
-
-def _descendants(root: int) -> set[int]:
-    """Every live descendant of ``root``, from /proc (zombies excluded: they hold nothing)."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[0] != "Z":
-            parent_of[int(entry)] = int(fields[1])
-    out: set[int] = set()
-    frontier = {root}
-    while frontier:
-        frontier = {p for p, pp in parent_of.items() if pp in frontier and p not in out}
-        out |= frontier
-    return out
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _port_busy(port: int) -> bool:
@@ -281,7 +254,7 @@ class _Run:
                     self.step = max(self.step or 0, int(e["step"])) if e["step"] else self.step
             now = time.monotonic()
             if now - last_pids > 0.5:
-                self.pids_seen |= _descendants(os.getpid())
+                self.pids_seen |= descendants(os.getpid())
                 last_pids = now
             if self.step is not None and now - last_line > 5:
                 fired = f"{len(nemesis.fired)}/{len(self.schedule)}"
@@ -337,7 +310,7 @@ class _Run:
             with contextlib.suppress(HistoryError):
                 nemesis.heal_all()
         for agent in sorted(self.agents.values(), key=lambda a: a.name != "chief"):  # chief first: drains
-            self.pids_seen |= _descendants(os.getpid())
+            self.pids_seen |= descendants(os.getpid())
             try:
                 agent.stop()
             except Exception as e:  # keep stopping the others
@@ -416,14 +389,14 @@ class _Run:
 
     def stop_storage(self) -> None:
         if self.storage is not None:
-            self.pids_seen |= _descendants(os.getpid())
+            self.pids_seen |= descendants(os.getpid())
             self.storage.close()
 
     def cleanup_audit(self) -> None:
         self.history.append(HARNESS, "invoke", "cleanup", {})
         deadline = time.monotonic() + _CLEANUP_WAIT
         while True:
-            alive = sorted(p for p in self.pids_seen if _alive(p))
+            alive = sorted(p for p in self.pids_seen if pid_alive(p))
             busy = sorted(p for p in set(self.ports) if _port_busy(p))
             if (not alive and not busy) or time.monotonic() > deadline:
                 break
@@ -452,7 +425,7 @@ class _Run:
     def kill_leftovers(self) -> None:
         """Last resort after the audit: SIGKILL anything of ours still alive (the audit has recorded it)."""
         for pid in sorted(self.pids_seen):
-            if _alive(pid):
+            if pid_alive(pid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, 9)
 
