@@ -1,8 +1,15 @@
 """psguard: fault-tolerant checkpointing and recovery for TensorFlow parameter-server training.
 
 The public API is small on purpose: the manager users switch to, the store for tools, and the errors.
-Importing psguard does not import TensorFlow; the manager does when it is created.
+Importing psguard imports neither TensorFlow nor either side's machinery: the manager (and through it the
+trainer's side) loads on first use of ``psguard.CheckpointManager``, so an agent that imports
+``psguard.agent`` never loads the trainer's modules.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from psguard.errors import (
     CheckpointError,
@@ -14,8 +21,10 @@ from psguard.errors import (
     StorageUnavailableError,
     TensorMismatchError,
 )
-from psguard.manager import CheckpointManager, SaveHandle
 from psguard.store import Store
+
+if TYPE_CHECKING:
+    from psguard.trainer.manager import CheckpointManager, SaveHandle
 
 __version__ = "0.1.0"
 
@@ -32,3 +41,14 @@ __all__ = [
     "Store",
     "TensorMismatchError",
 ]
+
+_LAZY = {"CheckpointManager": "psguard.trainer.manager", "SaveHandle": "psguard.trainer.manager"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'psguard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -34,13 +34,13 @@ EXIT_NOT_FOUND = 4
 # ``set_defaults(func=...)`` take the parsed namespace and return an exit code.
 COMMAND_MODULES: tuple[str, ...] = (
     "psguard.demo",
-    "psguard.store_cli",
-    "psguard.export",
-    "psguard.policy_cli",
+    "psguard.store.cli",
+    "psguard.trainer.export",
+    "psguard.policy.cli",
     "psguard.benchmarks.cli",
-    "psguard.agent",
+    "psguard.agent.daemon",
     "psguard.chaos.cli",
-    "psguard.wrap",
+    "psguard.agent.wrap",
 )
 
 Handler = Callable[[argparse.Namespace], int]

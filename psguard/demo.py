@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from psguard.chaos.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
-from psguard.store import CheckpointInfo, Store
+from psguard.agent.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
+from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Rows, TensorUpdate
 
 

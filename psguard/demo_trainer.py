@@ -4,7 +4,7 @@ Run as ``python -m psguard.demo_trainer``. It trains the recommendation-style
 :class:`~psguard.testbed.model.RecModel` on the cluster the agent describes (``TF_CONFIG``), checkpoints with
 :class:`psguard.CheckpointManager` (memory tier every ``--memory-every`` steps through the agent's spool,
 durable every ``--durable-every``) and recovers from a lost PS in process
-(:func:`psguard.recovery.run_with_recovery` with :func:`psguard.agent.restart_ps_servers`).
+(:func:`psguard.trainer.recovery.run_with_recovery` with :func:`psguard.handoff.client.restart_ps_servers`).
 
 It appends one JSON object per line to ``--progress`` (the parent reads it while it grows; with ``--fsync``
 every line is on disk before the trainer goes on). Two kinds of line:
@@ -112,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import tensorflow as tf
 
-    from psguard.agent import restart_ps_servers
-    from psguard.manager import CheckpointManager
-    from psguard.policy import Tier
-    from psguard.recovery import RecoveryEvent, run_with_recovery
+    from psguard.handoff.client import restart_ps_servers
+    from psguard.handoff.contract import Tier
     from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+    from psguard.trainer.manager import CheckpointManager
+    from psguard.trainer.recovery import RecoveryEvent, run_with_recovery
 
     progress = Progress(args.progress, fsync=args.fsync)
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()

@@ -1,5 +1,5 @@
 """A chief process for the restart test: tf_keras ``model.fit`` under ParameterServerStrategy with
-``psguard.keras.CheckpointCallback``, reporting what happens as JSON lines on stdout.
+``psguard.trainer.keras.CheckpointCallback``, reporting what happens as JSON lines on stdout.
 
 Usage: python -m tests.keras_chief URL OPTIONS_JSON   (TF_CONFIG names the cluster and this chief)
 
@@ -25,9 +25,9 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from psguard.capture import read_tensors
-from psguard.keras import CheckpointCallback
-from psguard.testbed.server import _die_with_parent
+from psguard.agent.tf_server import _die_with_parent
+from psguard.trainer.capture import read_tensors
+from psguard.trainer.keras import CheckpointCallback
 
 VOCAB = 2000
 

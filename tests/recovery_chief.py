@@ -1,7 +1,7 @@
 """A chief that trains through a PS kill, for test_recovery.py. Prints JSON lines the test reads.
 
 It owns a 2-PS, 2-worker LocalCluster and a sidecar (spool server, memory tier, persister) in threads, and
-trains with psguard.recovery.run_with_recovery: memory tier every 5 steps, durable every 20. Once a durable
+trains with psguard.trainer.recovery.run_with_recovery: memory tier every 5 steps, durable every 20. Once a durable
 save exists it prints {"kill": pid} once (the test kills that PS with SIGKILL) and goes on until the
 failure surfaces; then it recovers in process and trains to the target step.
 """
@@ -20,15 +20,15 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import tensorflow as tf
 
-from psguard.manager import CheckpointManager
-from psguard.memory_tier import MemoryTier
-from psguard.persister import Persister, resume
-from psguard.policy import EverySteps, Schedule
-from psguard.recovery import run_with_recovery
-from psguard.spool import SpoolServer
-from psguard.store import Store
+from psguard.agent.memory_tier import MemoryTier
+from psguard.agent.persister import Persister, resume
+from psguard.agent.spool_server import SpoolServer
+from psguard.policy.engine import EverySteps, Schedule
+from psguard.store.log import Store
 from psguard.testbed.cluster import LocalCluster
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.recovery import run_with_recovery
 
 
 def say(**doc: Any) -> None:

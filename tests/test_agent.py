@@ -22,10 +22,11 @@ from typing import Any
 
 import pytest
 
-from psguard.agent import Agent, AgentConfig, http_json, load_cluster, validate_cluster
+from psguard.agent.daemon import Agent, AgentConfig, load_cluster, validate_cluster
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError
-from psguard.testbed.ports import free_ports
+from psguard.handoff.client import http_json
+from psguard.ports import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
@@ -106,7 +107,7 @@ def test_chief_needs_a_command_and_only_the_chief_has_peers() -> None:
         Agent("chief", 0, cluster, command=["true"], peers=["127.0.0.1:5"])
     # Built-in server: the same address every restart, from the cluster spec.
     cmd = Agent("ps", 0, cluster).command
-    assert cmd[1:3] == ["-m", "psguard.testbed.server"]
+    assert cmd[1:3] == ["-m", "psguard.agent.tf_server"]
     assert json.loads(cmd[cmd.index("--cluster-spec") + 1]) == cluster
 
 
@@ -144,7 +145,11 @@ def test_agent_does_not_import_tensorflow() -> None:
     )
     assert "--peer" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
-    assert {"psguard.supervisor", "psguard.prober", "psguard.agent_http"} <= imported  # the agent's own parts
+    assert {
+        "psguard.agent.supervisor",
+        "psguard.agent.prober",
+        "psguard.agent.httpd",
+    } <= imported  # the agent's own parts
     assert not {m for m in imported if m == "tensorflow" or m.startswith("tensorflow.")}
 
 
@@ -278,11 +283,11 @@ def test_ps_killed_is_restarted_on_the_same_port_and_a_stopped_one_too(
     assert "tensorflow" not in Path(f"/proc/{agent.proc.pid}/maps").read_text()
     print(f"PS agent RSS {first['agent_rss_bytes'] / 1e6:.0f} MB")
     pid = first["pid"]
-    assert "psguard.testbed.server" in Path(f"/proc/{pid}/cmdline").read_text()
+    assert "psguard.agent.tf_server" in Path(f"/proc/{pid}/cmdline").read_text()
     # The built-in server mode keeps a warm standby (TensorFlow imported, port not bound) to swap in.
     warm = agent.wait_status(lambda s: s["supervisor"]["standby_ready"], 120, "warm standby ready")
     standby = warm["supervisor"]["standby_pid"]
-    assert standby not in (None, pid) and "psguard.testbed.server" in Path(f"/proc/{standby}/cmdline").read_text()
+    assert standby not in (None, pid) and "psguard.agent.tf_server" in Path(f"/proc/{standby}/cmdline").read_text()
 
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -318,7 +323,7 @@ def test_frozen_ps_behind_a_wrapper_is_caught_by_the_rpc_deadline(
     server = [
         sys.executable,
         "-m",
-        "psguard.testbed.server",
+        "psguard.agent.tf_server",
         "--cluster-spec",
         json.dumps(spec),
         "--job",
@@ -371,8 +376,9 @@ TRAINER = textwrap.dedent(
     """
     import json, os, sys, time, urllib.request
     import numpy as np
-    from psguard.policy import Tier
-    from psguard.spool import Capture, SpoolWriter
+    from psguard.handoff.contract import Tier
+    from psguard.handoff.spool import Capture
+    from psguard.trainer.spool_writer import SpoolWriter
     from psguard.tensors import Full
 
     mode, out = sys.argv[1], sys.argv[2]
@@ -411,7 +417,7 @@ TRAINER = textwrap.dedent(
         acks = [h.durable(120) for h in handles]
         put("finished", {"durable": [a.durable_step for a in acks]})
     elif mode == "generations":  # run 1: rejoin in-process, exit 75; run 2: a "crashed" PS, exit 75; run 3: done
-        from psguard.agent import report_failure, restart_ps_servers
+        from psguard.handoff.client import report_failure, restart_ps_servers
         ps_url = sys.argv[3]
 
         def ps_status():
@@ -457,7 +463,7 @@ def trainer(tmp_path: Path) -> Callable[..., list[str]]:
 def test_chief_agent_double_writes_and_a_killed_agent_leaves_no_torn_checkpoint(
     tmp_path: Path, agents: Callable[..., AgentProc], trainer: Callable[..., list[str]]
 ) -> None:
-    from psguard.store import Store
+    from psguard.store.log import Store
 
     cluster, spec = write_cluster(tmp_path)
     store_dir, spool_dir, out = tmp_path / "store", tmp_path / "spool", tmp_path / "out"
@@ -571,7 +577,7 @@ def test_a_new_trainer_generation_restarts_the_ps_servers_first(
 def test_sigterm_stops_the_trainer_gracefully_and_drains_the_persister(
     tmp_path: Path, agents: Callable[..., AgentProc], trainer: Callable[..., list[str]]
 ) -> None:
-    from psguard.store import Store
+    from psguard.store.log import Store
 
     cluster, _ = write_cluster(tmp_path)
     store_dir = tmp_path / "store"
@@ -595,10 +601,10 @@ E2E_TRAINER = textwrap.dedent(
     """
     import json, os, sys, time, urllib.request
     import tensorflow as tf
-    from psguard.agent import restart_ps_servers
-    from psguard.manager import CheckpointManager
-    from psguard.policy import EverySteps, Schedule
-    from psguard.recovery import exit_for_restart, is_cluster_failure, run_with_recovery
+    from psguard.handoff.client import restart_ps_servers
+    from psguard.trainer.manager import CheckpointManager
+    from psguard.policy.engine import EverySteps, Schedule
+    from psguard.trainer.recovery import exit_for_restart, is_cluster_failure, run_with_recovery
     from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
 
     out, store_url, target, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
@@ -894,7 +900,7 @@ def test_end_to_end_frozen_ps_is_caught_restarted_and_training_recovers(
 def test_end_to_end_chief_agent_killed_leaves_no_torn_checkpoint_and_training_completes(
     tmp_path: Path, agents: Callable[..., AgentProc]
 ) -> None:
-    from psguard.store import Store
+    from psguard.store.log import Store
 
     job = E2E(tmp_path, agents, "inprocess", 200)
     job.wait_durable_before_fault()

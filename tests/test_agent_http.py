@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
-from psguard import metrics as m
-from psguard.agent_http import AgentHTTPServer, Request, RequestError, Response, is_loopback
+from psguard.agent import metrics as m
+from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response, is_loopback
+from psguard.agent.metrics import AgentMetrics, Registry
+from psguard.agent.supervisor import EventKind, SupervisorEvent
 from psguard.errors import ConfigError
-from psguard.metrics import AgentMetrics, Registry
-from psguard.supervisor import EventKind, SupervisorEvent
 
 TOKEN = "s3cr3t-token-that-must-never-be-logged"
 

@@ -26,10 +26,10 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable
 
-from psguard.capture import Capturer, bitwise_equal, list_tensors, read_tensors, restore
 from psguard.errors import ConfigError, TensorMismatchError
 from psguard.tensors import Full, Rows, Same, TensorUpdate, apply_update
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
+from psguard.trainer.capture import Capturer, bitwise_equal, list_tensors, read_tensors, restore
 from tests.conftest import Chief
 
 SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -388,7 +388,7 @@ def test_tf_keras_model_fit_on_the_cluster_captures_exactly(chief: Chief, built:
     """tf_keras ``model.fit`` (the path a Keras callback takes) with a sharded Embedding layer.
 
     Slots built lazily by the first step appear after the train function was traced, so that function never
-    marks them: captures stay exact by hashing every row (what ``psguard.keras`` avoids by building the
+    marks them: captures stay exact by hashing every row (what ``psguard.trainer.keras`` avoids by building the
     optimizer before it creates its manager)."""
     import tf_keras
 

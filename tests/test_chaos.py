@@ -22,7 +22,7 @@ from psguard.chaos.nemesis import damage_chunk
 from psguard.chaos.scenario import Scenario, load_scenario
 from psguard.config import from_data
 from psguard.errors import ConfigError
-from psguard.store import Store
+from psguard.store.log import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 T = "trainer-100"
@@ -422,7 +422,7 @@ def test_the_proxy_forwards_holds_bytes_during_a_partition_and_resets_on_drop() 
     import socket
 
     from psguard.chaos.proxy import TcpProxy
-    from psguard.testbed.ports import free_ports
+    from psguard.ports import free_ports
 
     stop, port, thread = _echo_server()
     proxy = TcpProxy(free_ports(1)[0], port)

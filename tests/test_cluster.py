@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from psguard.ports import port_open
 from psguard.testbed.cluster import ClusterError, LocalCluster
-from psguard.testbed.ports import port_open
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}

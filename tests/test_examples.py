@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from psguard.store import Store
+from psguard.store.log import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "integrations" / "examples"
@@ -159,7 +159,7 @@ runpy.run_path(example, run_name="__main__")
 def test_unmodified_custom_loop_survives_a_killed_ps_under_wrap(tmp_path: Path) -> None:
     """No psguard in the script: a PS dies, the coordinator raises, the script crashes; its agent restarts every
     PS and the script, which restores its own TF checkpoint and finishes."""
-    from psguard.agent import http_json
+    from psguard.handoff.client import http_json
 
     gate, ckpt, work = tmp_path / "gate", tmp_path / "ckpt", tmp_path / "w"
     (tmp_path / "gate.py").write_text(GATE)

@@ -1,7 +1,7 @@
 """integrations/prometheus: the alert rules and the Grafana dashboard use exactly the metrics the agent exports.
 
 Every expression is parsed with a real PromQL parser (``promql-parser``, a syntax error fails). Every
-``psguard_*`` series it references must be a metric of :class:`psguard.metrics.AgentMetrics` (``_bucket`` /
+``psguard_*`` series it references must be a metric of :class:`psguard.agent.metrics.AgentMetrics` (``_bucket`` /
 ``_sum`` / ``_count`` only on histograms, ``rate`` / ``increase`` only on counters and histogram parts), with
 only the labels it has; and a real agent, started as a user would, must expose all of them on ``/metrics``.
 Each alert links to its section of the runbook, which must exist.
@@ -22,7 +22,7 @@ import promql_parser
 import pytest
 import yaml
 
-from psguard.metrics import AgentMetrics
+from psguard.agent.metrics import AgentMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "integrations" / "prometheus"
@@ -241,7 +241,7 @@ def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(tmp_path
 def test_checkpoint_age_thresholds_follow_the_default_policy() -> None:
     """The stale-checkpoint alerts fire at 2-4x the `default` policy's interval of their tier: not on every
     late save, and not so late that a stalled job goes unnoticed for hours."""
-    from psguard.policy_files import load_policy
+    from psguard.policy.files import load_policy
 
     policy = load_policy("default")
     intervals = {"memory": policy.memory.every, "durable": policy.durable.every}

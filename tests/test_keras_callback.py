@@ -1,4 +1,4 @@
-"""psguard.keras.CheckpointCallback: tf_keras ``model.fit`` saving incrementally and resuming where it stopped.
+"""psguard.trainer.keras.CheckpointCallback: tf_keras ``model.fit`` saving incrementally and resuming where it stopped.
 
 The first half runs without a cluster (a plain tf_keras model: fast); the second trains under
 ParameterServerStrategy on the session cluster, in this process and, for the restart test, in chief
@@ -29,13 +29,13 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import tensorflow as tf
 import tf_keras
 
-from psguard.capture import bitwise_equal, read_tensors
 from psguard.errors import ConfigError
-from psguard.export import OBJECT_GRAPH_KEY
-from psguard.keras import CheckpointCallback, FitPosition, KerasSupportError
-from psguard.manager import CheckpointManager
-from psguard.policy import AnyOf, EveryInterval, EverySteps, Schedule
-from psguard.store import Store
+from psguard.policy.engine import AnyOf, EveryInterval, EverySteps, Schedule
+from psguard.store.log import Store
+from psguard.trainer.capture import bitwise_equal, read_tensors
+from psguard.trainer.export import OBJECT_GRAPH_KEY
+from psguard.trainer.keras import CheckpointCallback, FitPosition, KerasSupportError
+from psguard.trainer.manager import CheckpointManager
 from tests.conftest import Chief
 from tests.storage_targets import make_target
 

@@ -22,16 +22,16 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable
 
-from psguard.capture import bitwise_equal, read_tensors
 from psguard.errors import SaveError, TensorMismatchError
-from psguard.export import OBJECT_GRAPH_KEY, export_checkpoint
-from psguard.manager import CheckpointManager
-from psguard.policy import EverySteps, Schedule
+from psguard.policy.engine import EverySteps, Schedule
 from psguard.storage import RetryConfig, open_backend
 from psguard.storage.base import Backend, Buffer
 from psguard.storage.retry import RetryingBackend
-from psguard.store import Store
+from psguard.store.log import Store
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
+from psguard.trainer.capture import bitwise_equal, read_tensors
+from psguard.trainer.export import OBJECT_GRAPH_KEY, export_checkpoint
+from psguard.trainer.manager import CheckpointManager
 from tests.conftest import Chief
 
 
@@ -334,7 +334,7 @@ def test_cluster_async_save_overlapping_training_keeps_its_step(chief: Chief, ur
 EXIT_SCRIPT = """
 import sys, time
 import tensorflow as tf
-from psguard.manager import CheckpointManager
+from psguard.trainer.manager import CheckpointManager
 
 v = tf.Variable(tf.reshape(tf.range(8000, dtype=tf.float32), [1000, 8]))
 manager = CheckpointManager(tf.train.Checkpoint(v=v), sys.argv[1])

@@ -17,13 +17,13 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-from psguard.capture import bitwise_equal
-from psguard.manager import CheckpointManager
-from psguard.memory_tier import MemoryTier
-from psguard.persister import Persister, resume
-from psguard.policy import Tier
-from psguard.spool import SpoolServer
-from psguard.store import Store
+from psguard.agent.memory_tier import MemoryTier
+from psguard.agent.persister import Persister, resume
+from psguard.agent.spool_server import SpoolServer
+from psguard.handoff.contract import Tier
+from psguard.store.log import Store
+from psguard.trainer.capture import bitwise_equal
+from psguard.trainer.manager import CheckpointManager
 from tests.test_manager import assert_restores, make_local, snapshot, train_local
 
 
@@ -115,7 +115,7 @@ def test_without_a_live_agent_restore_uses_the_durable_log(tmp_path: Path) -> No
 
 def test_under_an_agent_max_to_keep_is_applied_and_the_stall_is_reported(tmp_path: Path) -> None:
     """The agent's writer applies the manager's retention; each capture tells the agent its training stall."""
-    from psguard.spool import SpoolEvent
+    from psguard.agent.spool_server import SpoolEvent
 
     events: list[SpoolEvent] = []
     store = Store.open(str(tmp_path / "store"))

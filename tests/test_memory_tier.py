@@ -8,8 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from psguard.agent.memory_tier import MemoryTier
 from psguard.errors import ConfigError, PsguardError, TensorMismatchError
-from psguard.memory_tier import MemoryTier
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
 

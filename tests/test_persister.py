@@ -15,15 +15,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from psguard.agent.memory_tier import MemoryTier
+from psguard.agent.persister import Persister, PersistEvent, resume
 from psguard.errors import SaveError, StorageUnavailableError
-from psguard.manifest import manifest_key
-from psguard.memory_tier import MemoryTier
-from psguard.persister import TOKEN_KEY, Persister, PersistEvent, resume
-from psguard.policy import ChainLimit
+from psguard.handoff.contract import TOKEN_KEY
+from psguard.policy.engine import ChainLimit
 from psguard.storage.base import Buffer
 from psguard.storage.local import LocalBackend
 from psguard.storage.memory import MemoryBackend, drop
-from psguard.store import Store
+from psguard.store.log import Store
+from psguard.store.manifest import manifest_key
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -400,7 +401,7 @@ if __name__ == "__main__":
 
 def test_retention_asked_by_the_trainer_is_applied_after_each_commit(store: Store) -> None:
     """A CheckpointManager under an agent puts its max_to_keep into the capture; the agent's writer obeys it."""
-    from psguard.persister import RETENTION_KEY
+    from psguard.handoff.contract import RETENTION_KEY
 
     tier = MemoryTier()
     truth = initial()

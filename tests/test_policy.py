@@ -1,4 +1,4 @@
-"""The decision engine (psguard.policy): each policy on a scripted timeline, composition, the schedule's rules,
+"""The decision engine (psguard.policy.engine): each policy on a scripted timeline, composition, the schedule's rules,
 the adaptive Young/Daly interval, and retention. Time is always passed in: no sleeps, no real clock."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import pytest
 
 from psguard.errors import ConfigError
-from psguard.policy import (
+from psguard.handoff.contract import Tier
+from psguard.policy.engine import (
     AnyOf,
     ChainLimit,
     Continuous,
@@ -26,13 +27,12 @@ from psguard.policy import (
     SaveContext,
     SavePolicy,
     Schedule,
-    Tier,
     TierState,
     Verdict,
     YoungDaly,
     young_daly_interval,
 )
-from psguard.retention import Candidate
+from psguard.store.retention import Candidate
 
 M, D, B = Tier.MEMORY, Tier.DURABLE, Tier.BASE
 T0 = float(calendar.timegm((2026, 1, 1, 0, 0, 0)))  # a round UTC hour, for cron

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from psguard import cli
-from psguard.policy import EveryInterval, Schedule, YoungDaly
-from psguard.policy_files import PRESETS_DIR, preset_names
-from psguard.policy_sim import Job, _expected_loss, format_report, simulate
+from psguard.policy.engine import EveryInterval, Schedule, YoungDaly
+from psguard.policy.files import PRESETS_DIR, preset_names
+from psguard.policy.sim import Job, _expected_loss, format_report, simulate
 
 HOUR, DAY = 3600.0, 86400.0
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from psguard.errors import ConfigError
-from psguard.policy import (
+from psguard.handoff.contract import Tier
+from psguard.policy.engine import (
     AnyOf,
     ChainLimit,
     Continuous,
@@ -19,11 +20,10 @@ from psguard.policy import (
     EveryInterval,
     EverySteps,
     SaveContext,
-    Tier,
     TierState,
     YoungDaly,
 )
-from psguard.policy_files import PRESETS_DIR, PolicySpec, PolicyWatcher, Reload, load_policy, preset_names
+from psguard.policy.files import PRESETS_DIR, PolicySpec, PolicyWatcher, Reload, load_policy, preset_names
 
 PRESETS = ["aggressive-memory", "default", "recsys-hourly", "spot-preemptible", "young-daly"]
 T0 = 1_767_225_600.0  # 2026-01-01T00:00:00Z
@@ -157,7 +157,7 @@ def test_valid_edit_takes_effect_at_the_next_decision_and_is_logged(
     with PolicyWatcher(policy_file, clock=clock, on_reload=seen.append, settle=0.1) as watcher:
         assert not watcher.decide(10, ctx)  # durable every 10m: not yet at 301 s
         g = watcher.generation
-        caplog.set_level(logging.INFO, logger="psguard.policy_files")
+        caplog.set_level(logging.INFO, logger="psguard.policy.files")
         policy_file.write_text(policy_file.read_text().replace("every: 10m", "every: 5m"))
         result = wait_outcome(watcher, "applied", g)
         assert result.changes == ("durable.every: 600.0 -> 300.0",)

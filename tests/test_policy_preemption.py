@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from psguard.errors import PsguardError
-from psguard.policy import EveryInterval, PreemptionHandler, SaveContext, Schedule, Tier, TierState
+from psguard.handoff.contract import Tier
+from psguard.policy.engine import EveryInterval, SaveContext, Schedule, TierState
+from psguard.trainer.preemption import PreemptionHandler
 
 T0 = 1_767_225_600.0
 
@@ -88,8 +90,9 @@ TRAINER = textwrap.dedent(
     """
     import json, sys, threading, time
     from pathlib import Path
-    from psguard.policy import PreemptionHandler, SaveContext
-    from psguard.policy_files import load_policy
+    from psguard.trainer.preemption import PreemptionHandler
+from psguard.policy.engine import SaveContext
+    from psguard.policy.files import load_policy
 
     out, save_seconds = Path(sys.argv[1]), float(sys.argv[2])
     spec = load_policy("default")

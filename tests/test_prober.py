@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from psguard.agent_http import AgentHTTPServer
-from psguard.metrics import PROBE_LATENCY_SECONDS, AgentMetrics
-from psguard.prober import (
+from psguard.agent.httpd import AgentHTTPServer
+from psguard.agent.metrics import PROBE_LATENCY_SECONDS, AgentMetrics
+from psguard.agent.prober import (
     GrpcStatusProbe,
     Health,
     HealthMonitor,
@@ -33,8 +33,8 @@ from psguard.prober import (
     ProcessProbe,
     TcpProbe,
 )
-from psguard.supervisor import EventKind, Supervisor, SupervisorEvent
-from psguard.testbed.ports import free_port, free_ports, wait_port
+from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
+from psguard.ports import free_port, free_ports, wait_port
 from tests.conftest import allow_new_children
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def server_cmd(port: int, other_port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "psguard.testbed.server",
+        "psguard.agent.tf_server",
         "--cluster-spec",
         json.dumps(spec),
         "--job",
@@ -309,8 +309,8 @@ def test_agent_modules_do_not_import_tensorflow_and_grpc_is_cheap() -> None:
     code = (
         "import time, sys\n"
         "t = time.perf_counter()\n"
-        "import psguard.supervisor, psguard.prober, psguard.metrics, psguard.agent_http\n"
-        "p = psguard.prober.GrpcStatusProbe('127.0.0.1:1')\n"
+        "import psguard.agent.supervisor, psguard.agent.prober, psguard.agent.metrics, psguard.agent.httpd\n"
+        "p = psguard.agent.prober.GrpcStatusProbe('127.0.0.1:1')\n"
         "took = time.perf_counter() - t\n"
         "rss = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])\n"
         "print(took, rss, 'tensorflow' in sys.modules, 'grpc' in sys.modules)\n"

@@ -18,22 +18,17 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import psguard.spool as spool_mod
+import psguard.handoff.spool as spool_mod
+import psguard.trainer.spool_writer as spool_writer_mod
+from psguard.agent.memory_tier import MemoryTier
+from psguard.agent.persister import Persister, resume
+from psguard.agent.spool_server import SpoolEvent, SpoolServer
 from psguard.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PsguardError, SaveError, StorageError
-from psguard.memory_tier import MemoryTier
-from psguard.persister import Persister, resume
-from psguard.policy import Tier
-from psguard.spool import (
-    Capture,
-    NeedFullCaptureError,
-    SpoolEvent,
-    SpoolServer,
-    SpoolWriter,
-    default_spool_dir,
-    read_capture,
-)
-from psguard.store import Store
+from psguard.handoff.contract import Tier
+from psguard.handoff.spool import Capture, NeedFullCaptureError, default_spool_dir, read_capture
+from psguard.store.log import Store
 from psguard.tensors import Full, Rows, Same, TensorUpdate
+from psguard.trainer.spool_writer import SpoolWriter
 
 ROOT = Path(__file__).resolve().parents[1]
 DURABLE = frozenset({Tier.MEMORY, Tier.DURABLE})
@@ -324,7 +319,7 @@ def test_a_real_full_tmpfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
         with SpoolWriter(mount / "spool") as w:
             with pytest.raises(StorageError, match="MB free"):
                 w.submit(Capture(1, whole(big)))  # refused before writing anything
-            monkeypatch.setattr(spool_mod, "_payload_bytes", lambda capture: 0)  # skip the check: hit ENOSPC
+            monkeypatch.setattr(spool_writer_mod, "payload_bytes", lambda capture: 0)  # skip the check: hit ENOSPC
             with pytest.raises(StorageError, match="ENOSPC"):
                 w.submit(Capture(1, whole(big)))
             assert list((mount / "spool" / "incoming").iterdir()) == []

@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psguard.manifest import chunk_key
-from psguard.store import Store
+from psguard.store.log import Store
+from psguard.store.manifest import chunk_key
 from psguard.tensors import Rows
 
 

@@ -21,9 +21,9 @@ from psguard.errors import (
     SaveError,
     UnsupportedFormatError,
 )
-from psguard.manifest import CHUNK_PREFIX, chunk_key, manifest_key
 from psguard.storage import Backend, RetryConfig, open_backend
-from psguard.store import Store
+from psguard.store.log import Store
+from psguard.store.manifest import CHUNK_PREFIX, chunk_key, manifest_key
 from psguard.tensors import Full, Rows, Same
 from tests.storage_targets import BACKENDS, Target, make_target
 

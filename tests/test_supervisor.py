@@ -18,10 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from psguard.config import loads_yaml
-from psguard.errors import ConfigError, CrashLoopError
-from psguard.supervisor import (
-    EXIT_RESTART,
+from psguard.agent.supervisor import (
     EventKind,
     SpawnError,
     Supervisor,
@@ -29,6 +26,9 @@ from psguard.supervisor import (
     SupervisorEvent,
     SupervisorState,
 )
+from psguard.config import loads_yaml
+from psguard.errors import ConfigError, CrashLoopError
+from psguard.handoff.contract import EXIT_RESTART
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -343,7 +343,7 @@ def test_restart_policy_loads_from_yaml() -> None:
 
 _AGENT = """
 import sys, threading
-from psguard.supervisor import Supervisor
+from psguard.agent.supervisor import Supervisor
 
 def start_from_a_short_lived_thread():
     sup.start()
@@ -401,11 +401,11 @@ def test_stop_from_an_event_callback(supervisors: list[Supervisor], events: Even
     assert events.kinds() == ["started", "exited", "stopped"]
 
 
-# A task that honours psguard.standby: as a standby it waits for "go" on stdin; every run that serves writes
+# A task that honours psguard.agent.standby: as a standby it waits for "go" on stdin; every run that serves writes
 # its pid to serving.<pid>, so a test can tell which process took over.
 STANDBY_TASK = """
 import os, pathlib, signal, sys
-from psguard.standby import is_standby, wait_for_go
+from psguard.agent.standby import is_standby, wait_for_go
 if is_standby() and not wait_for_go():
     sys.exit(0)
 pathlib.Path(sys.argv[1], f"serving.{os.getpid()}").write_text("")

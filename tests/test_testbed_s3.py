@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from psguard.testbed.ports import port_open
+from psguard.ports import port_open
 from psguard.testbed.s3 import GRPC_PORT_OFFSET, MotoS3, S3Server, S3ServerError, SeaweedS3, free_port_pairs
 
 s3fs = pytest.importorskip("s3fs")

@@ -15,7 +15,7 @@ from psguard.storage import open_backend
 from psguard.storage.base import Backend, Buffer
 from psguard.storage.local import LocalBackend
 from psguard.storage.retry import RetryingBackend
-from psguard.store import Store
+from psguard.store.log import Store
 
 
 def park() -> None:

@@ -182,8 +182,8 @@ class _Job:
     def __init__(self, cfg: Config, strategy: Any, coordinator: Any, workdir: Path) -> None:
         import tensorflow as tf
 
-        from psguard.manager import CheckpointManager
         from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+        from psguard.trainer.manager import CheckpointManager
 
         self.cfg = cfg
         self.coordinator = coordinator

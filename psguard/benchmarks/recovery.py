@@ -8,9 +8,9 @@ so the baseline really loses steps).
 - **psguard** (what is measured: a chief process owning the LocalCluster, the sidecar's memory tier, spool
   server and persister in threads, as ``tests/recovery_chief.py`` does; not every task under ``psguard
   agent``): :class:`psguard.CheckpointManager` with the memory tier every 5 steps and the durable log every K
-  steps; :func:`psguard.recovery.run_with_recovery` rejoins in the same process: both PS servers restarted in
+  steps; :func:`psguard.trainer.recovery.run_with_recovery` rejoins in the same process: both PS servers restarted in
   parallel (what the chief's agent does for a new generation) by swapping in their warm standby processes
-  (:mod:`psguard.standby`, on by default in the agent's built-in server mode), ``update_server_def``, model
+  (:mod:`psguard.agent.standby`, on by default in the agent's built-in server mode), ``update_server_def``, model
   rebuilt, restored from the memory tier.
 - **baseline** (plain TF): ``tf.train.CheckpointManager.save`` every K steps to a local folder. When the chief
   fails it exits (at once, with ``os._exit``: generous, a normal exit tears TF down for seconds); the
@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from psguard.benchmarks.common import alternate, median, print_results, progress
+from psguard.ports import port_open
 from psguard.testbed.cluster import LocalCluster
-from psguard.testbed.ports import port_open
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 NUM_PS = 2
@@ -89,14 +89,14 @@ def psguard_child(workdir: str, params_json: str) -> None:
     p = Params(**json.loads(params_json))
     import tensorflow as tf
 
-    from psguard.manager import CheckpointManager
-    from psguard.memory_tier import MemoryTier
-    from psguard.persister import Persister, resume
-    from psguard.policy import EverySteps, Schedule
-    from psguard.recovery import run_with_recovery
-    from psguard.spool import SpoolServer
-    from psguard.store import Store
+    from psguard.agent.memory_tier import MemoryTier
+    from psguard.agent.persister import Persister, resume
+    from psguard.agent.spool_server import SpoolServer
+    from psguard.policy.engine import EverySteps, Schedule
+    from psguard.store.log import Store
     from psguard.testbed.model import Trainer
+    from psguard.trainer.manager import CheckpointManager
+    from psguard.trainer.recovery import run_with_recovery
 
     work = Path(workdir)
     url, spool = str(work / "store"), work / "spool"

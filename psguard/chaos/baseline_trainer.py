@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from psguard.demo_trainer import Progress, variables_digest
-    from psguard.testbed.ports import port_open
+    from psguard.ports import port_open
 
     progress = Progress(args.progress, fsync=True)
     progress.emit("start", pid=os.getpid(), target=args.steps)

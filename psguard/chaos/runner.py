@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from psguard.agent.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
 from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_history
-from psguard.chaos.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
 from psguard.chaos.nemesis import Nemesis
 from psguard.chaos.scenario import Scenario
 from psguard.testbed.procs import alive as pid_alive
@@ -144,7 +144,7 @@ class _Run:
             if self.scenario.needs_store_proxy:
                 # The agents and the trainer reach S3 through a proxy, where the nemesis adds latency or cuts.
                 from psguard.chaos.proxy import TcpProxy
-                from psguard.testbed.ports import free_ports
+                from psguard.ports import free_ports
 
                 proxy = TcpProxy(free_ports(1)[0], self.storage.port, name="store")
                 self.proxies["store"] = proxy
@@ -173,7 +173,7 @@ class _Run:
             # The PS servers listen on their real ports (their agents' cluster.json); the chief and the workers
             # reach them through a proxy each (cluster-proxied.json), where the nemesis cuts the network.
             from psguard.chaos.proxy import TcpProxy
-            from psguard.testbed.ports import free_ports
+            from psguard.ports import free_ports
 
             proxied = dict(spec)
             proxied["ps"] = [f"127.0.0.1:{p}" for p in free_ports(len(spec["ps"]))]
@@ -319,7 +319,7 @@ class _Run:
             proxy.close()
 
     def final_store(self) -> None:
-        from psguard.store import Store
+        from psguard.store.log import Store
 
         self.history.append(HARNESS, "invoke", "final-store", {"url": self.store_url})
         listing = self.list_store()
@@ -357,7 +357,7 @@ class _Run:
         """The store's own clean-up, keeping every checkpoint: what a killed writer left (temporary files,
         chunks no manifest references) is removed by gc by design (docs/storage-format.md), so the leak audit
         runs after it; what was there before is recorded in ``final-store``."""
-        from psguard.store import Store
+        from psguard.store.log import Store
 
         self.history.append(HARNESS, "invoke", "gc", {"keep_last": max(1, keep)})
         try:

@@ -38,7 +38,7 @@ from types import TracebackType
 from typing import Any, Final
 from xml.sax.saxutils import escape
 
-from psguard.testbed.ports import free_ports, port_open
+from psguard.ports import free_ports, port_open
 
 __all__ = [
     "HADOOP_VERSION",

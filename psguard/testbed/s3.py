@@ -44,7 +44,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, ClassVar, Self
 
-from psguard.testbed.ports import free_port, port_open, wait_port
+from psguard.ports import free_port, port_open, wait_port
 
 __all__ = [
     "GRPC_PORT_OFFSET",

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from psguard.errors import ConfigError
-from psguard.store import CheckpointInfo, Store
+from psguard.store.log import CheckpointInfo, Store
 
 
 def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:

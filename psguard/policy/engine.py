@@ -21,7 +21,7 @@ except on the preemption path: once :class:`PreemptionHandler` saw SIGTERM, the 
 of the preemption tiers, in flight or not. Time is whatever clock the caller passes as ``now`` (seconds since
 the epoch, so cron and checkpoint timestamps agree); nothing here reads a clock unless it was given one.
 
-:class:`Retention` says which checkpoints to keep (via :func:`psguard.retention.select_kept`).
+:class:`Retention` says which checkpoints to keep (via :func:`psguard.store.retention.select_kept`).
 """
 
 from __future__ import annotations
@@ -29,25 +29,19 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import datetime
-import enum
 import functools
 import logging
 import math
-import os
-import signal
-import threading
-import time
 import zoneinfo
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from croniter import croniter
 
 from psguard.config import Check, Duration, format_duration, invalid, validate
-from psguard.errors import PsguardError
-from psguard.retention import Candidate, select_kept
+from psguard.handoff.contract import Tier
+from psguard.store.retention import Candidate, select_kept
 
 __all__ = [
     "AnyOf",
@@ -58,7 +52,6 @@ __all__ = [
     "EveryInterval",
     "EverySteps",
     "OnPreemption",
-    "PreemptionHandler",
     "Retention",
     "SaveContext",
     "SavePolicy",
@@ -77,14 +70,6 @@ _AT_LEAST_ONE = Check(lambda v: v >= 1, "(>= 1)")
 _NON_NEGATIVE = Check(lambda v: v >= 0, "(>= 0)")
 PositiveDuration = Annotated[Duration, _POSITIVE]
 Count = Annotated[int, _AT_LEAST_ONE]
-
-
-class Tier(enum.StrEnum):
-    """Where a save goes. ``BASE`` means: make the durable chain start afresh from a full base."""
-
-    MEMORY = "memory"
-    DURABLE = "durable"
-    BASE = "base"
 
 
 _TIER_ORDER = (Tier.MEMORY, Tier.DURABLE, Tier.BASE)
@@ -631,7 +616,7 @@ class Retention:
         return "keep " + ", ".join(parts)
 
     def select(self, candidates: Sequence[Candidate]) -> set[str]:
-        """Ids of ``candidates`` the rules keep (:func:`psguard.retention.select_kept`). Deleting the rest is the
+        """Ids of ``candidates`` the rules keep (:func:`psguard.store.retention.select_kept`). Deleting the rest is the
         store's job (``Store.gc(**retention.as_kwargs())``), which also keeps every parent a kept delta needs."""
         return select_kept(candidates, **self.as_kwargs())
 
@@ -644,112 +629,3 @@ class Retention:
             "metric": self.metric,
             "mode": self.mode,
         }
-
-
-class PreemptionHandler:
-    """Turns SIGTERM (or other signals) into a "save now" request, so a preempted trainer leaves a checkpoint.
-
-    The signal handler only records when the signal came (no locks, no I/O). The trainer's loop passes the
-    request into its decisions and, on the urgent decision, saves and waits for the memory tier within the
-    grace period before exiting::
-
-        with PreemptionHandler(grace=20.0) as preemption:          # installs in the main thread
-            for step in steps:
-                train_step()
-                decision = schedule.decide(step, time.time(), preemption.apply(context))
-                if decision:
-                    handle = manager.save(decision.tiers)
-                    if decision.urgent:
-                        handle.wait_restorable(timeout=preemption.remaining())   # the memory tier
-                        preemption.done()
-                        sys.exit(preemption.exit_code)
-
-    A second signal while the first is being handled gives up: the default action runs (the process dies).
-    :meth:`request` asks for the same thing without a signal (e.g. from a cloud preemption-notice poller).
-    """
-
-    def __init__(
-        self,
-        *,
-        grace: float = 20.0,
-        signals: Sequence[int] = (signal.SIGTERM,),
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        if grace <= 0:
-            raise ValueError(f"grace must be > 0 seconds, got {grace!r}")
-        self.grace = grace
-        self._signals = tuple(signals)
-        self._clock = clock
-        self._previous: dict[int, Any] = {}
-        self._requested_at: float | None = None
-        self._signum: int | None = None
-        self._done = threading.Event()
-
-    def install(self) -> PreemptionHandler:
-        """Install the handler for each signal (main thread only); :meth:`uninstall` puts the old ones back."""
-        if threading.current_thread() is not threading.main_thread():
-            raise PsguardError("PreemptionHandler.install() must run in the main thread (Python's signal rule)")
-        for signum in self._signals:
-            if signum not in self._previous:
-                self._previous[signum] = signal.signal(signum, self._on_signal)
-        return self
-
-    def uninstall(self) -> None:
-        """Restore the handlers that were there before :meth:`install`."""
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    def __enter__(self) -> PreemptionHandler:
-        return self.install()
-
-    def __exit__(self, *exc: object) -> None:
-        self.uninstall()
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._requested_at is not None:  # second signal: stop waiting, let the default action happen
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-            return
-        self._signum = signum
-        self._requested_at = self._clock()
-
-    def request(self, signum: int | None = None) -> None:
-        """Ask for a preemption save as if a signal had come (the first request wins)."""
-        if self._requested_at is None:
-            self._signum = signum
-            self._requested_at = self._clock()
-            logger.warning("event=preemption_requested signal=%s", signum)
-
-    @property
-    def requested_at(self) -> float | None:
-        """When the preemption request came, by the handler's clock; ``None`` if none came."""
-        return self._requested_at
-
-    @property
-    def exit_code(self) -> int:
-        """What the process should exit with after its preemption save: 128 + the signal number (143 for
-        SIGTERM), as if the signal had killed it, so supervisors see a termination, not a crash."""
-        return 128 + (self._signum if self._signum is not None else signal.SIGTERM)
-
-    def apply(self, context: SaveContext) -> SaveContext:
-        """``context`` with ``preempted_at`` set from this handler (unchanged when no request came)."""
-        if self._requested_at is None or context.preempted_at == self._requested_at:
-            return context
-        return dataclasses.replace(context, preempted_at=self._requested_at)
-
-    def remaining(self) -> float:
-        """Seconds left of the grace period (the full grace if no request came yet; never negative)."""
-        if self._requested_at is None:
-            return self.grace
-        return max(0.0, self._requested_at + self.grace - self._clock())
-
-    def done(self) -> None:
-        """Say the preemption save is restorable (the memory tier has it); wakes :meth:`wait_done`."""
-        took = self._clock() - self._requested_at if self._requested_at is not None else 0.0
-        logger.warning("event=preemption_saved signal=%s seconds=%.3f", self._signum, took)
-        self._done.set()
-
-    def wait_done(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`done` was called (True) or ``timeout`` seconds passed (False)."""
-        return self._done.wait(timeout)

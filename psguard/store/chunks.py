@@ -22,41 +22,12 @@ import crc32c as _crc32c
 import numpy as np
 
 from psguard.errors import CorruptCheckpointError, ObjectNotFoundError
-from psguard.manifest import ChunkRef, Segment, chunk_key
 from psguard.storage.base import Backend
-
-STRING = "string"
-_EXTENDED = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4")
+from psguard.store.manifest import ChunkRef, Segment, chunk_key
 
 
 def crc32c(data: bytes | memoryview) -> int:
     return int(_crc32c.crc32c(data))
-
-
-def dtype_name(dtype: np.dtype) -> str:  # type: ignore[type-arg]
-    """The name a manifest records; TF's string tensors arrive as numpy ``object`` arrays of bytes."""
-    if dtype.kind in ("O", "S", "U"):
-        return STRING
-    return str(dtype.name)
-
-
-def dtype_from_name(name: str) -> np.dtype:  # type: ignore[type-arg]
-    if name == STRING:
-        return np.dtype(object)
-    if name in _EXTENDED:
-        import ml_dtypes  # ships with TensorFlow; only needed for these types
-
-        return np.dtype(getattr(ml_dtypes, name))  # type: ignore[no-any-return]
-    try:
-        return np.dtype(name)
-    except TypeError:
-        raise ValueError(f"unknown dtype {name!r}") from None
-
-
-def logical_nbytes(dtype: str, shape: Sequence[int], chunks: Sequence[ChunkRef] = ()) -> int:
-    if dtype == STRING:
-        return sum(c.size for c in chunks)
-    return math.prod(shape) * dtype_from_name(dtype).itemsize
 
 
 def row_bytes(shape: Sequence[int], itemsize: int) -> int:

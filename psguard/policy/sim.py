@@ -1,10 +1,10 @@
 """What a checkpoint policy costs: an expected-value simulation of a job running under it.
 
-:func:`simulate` runs the real decision engine (:meth:`psguard.policy.Schedule.decide`) on a virtual clock:
+:func:`simulate` runs the real decision engine (:meth:`psguard.policy.engine.Schedule.decide`) on a virtual clock:
 training advances one step every ``step_time``; a capture (memory or durable save) blocks training ``stall``
 seconds; a durable save stays in flight ``persist`` seconds more before it is committed (saves never overlap);
 a new base is folded by the sidecar off the training path. Failures arrive every ``mtbf`` seconds on average;
-they are fed to the policy (so :class:`~psguard.policy.YoungDaly` sees them) and their cost is counted in
+they are fed to the policy (so :class:`~psguard.policy.engine.YoungDaly` sees them) and their cost is counted in
 expectation: a failure at a uniformly random moment loses the work since the tier's last restorable point.
 
 Per tier it reports the saves, the stall they caused, the expected lost work per failure and in total, and the
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from psguard.config import format_duration
-from psguard.policy import SaveContext, Schedule, Tier, young_daly_interval
+from psguard.handoff.contract import Tier
+from psguard.policy.engine import SaveContext, Schedule, young_daly_interval
 
 __all__ = ["Job", "SimResult", "TierResult", "format_report", "plot", "simulate"]
 

@@ -17,7 +17,7 @@ message lists the exit codes) or an agent died; 130 / 143 when interrupted (SIGI
 process ``wrap`` started was stopped: the chief's agent first (it stops the trainer and drains the durable log),
 then the PS and worker agents together. A second Ctrl-C or SIGTERM during that kills them at once.
 
-The PS / worker agents are :class:`psguard.chaos.launcher.AgentProcess` as in ``psguard demo`` (output to
+The PS / worker agents are :class:`psguard.agent.launcher.AgentProcess` as in ``psguard demo`` (output to
 a log file, settings tuned for a local cluster). The chief's agent is started here instead: its output is the
 user's training output and belongs on the terminal, and ``--config`` applies to it.
 """
@@ -128,7 +128,7 @@ def run(
     Blocks until the command finished or the chief's agent gave up; every process started here is stopped
     before this returns, also on ``KeyboardInterrupt``.
     """
-    from psguard.chaos.launcher import AgentProcess, LaunchError, write_cluster
+    from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
 
     if not command:
         raise ConfigError("give the training command after '--': psguard wrap [OPTIONS] -- python train.py ...")
@@ -244,7 +244,9 @@ def register(sub: Any) -> None:
     p.add_argument("--workers", type=int, default=1, help="workers (default 1)")
     p.add_argument("--store", metavar="URL", help="durable log for psguard checkpoints: the URL the script uses")
     p.add_argument("--dir", help="cluster.json and agents' logs (default: a temporary folder, kept on failure)")
-    p.add_argument("--config", metavar="agent.yaml", help="settings of the chief's agent (default: see psguard.wrap)")
+    p.add_argument(
+        "--config", metavar="agent.yaml", help="settings of the chief's agent (default: see psguard.agent.wrap)"
+    )
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds for each agent to serve (default 180)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...: the training script and its arguments")
     p.set_defaults(func=main)

@@ -16,8 +16,8 @@ from typing import Any
 
 from psguard.config import format_duration, parse_duration
 from psguard.errors import ConfigError
-from psguard.policy_files import load_policy, preset_names
-from psguard.policy_sim import Job, format_report, plot, simulate
+from psguard.policy.files import load_policy, preset_names
+from psguard.policy.sim import Job, format_report, plot, simulate
 
 
 def _duration(text: str) -> float:

@@ -50,16 +50,15 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Annotated
 
+from psguard.agent.standby import Standby
 from psguard.config import Check, Duration, validate
 from psguard.errors import CrashLoopError, PsguardError
-from psguard.standby import Standby
+from psguard.handoff.contract import EXIT_OK, EXIT_RESTART
 
 if TYPE_CHECKING:
     from typing import Self
 
 __all__ = [
-    "EXIT_OK",
-    "EXIT_RESTART",
     "EventKind",
     "SpawnError",
     "Supervisor",
@@ -72,11 +71,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-"""The task finished: the supervisor does not restart it and is done."""
-
-EXIT_RESTART = 75
-"""``EX_TEMPFAIL`` from ``sysexits.h``: restart me now, this is not a crash (the trainer after a PS failure)."""
 
 # Exit code recorded for a run that could not even be started (the shell's "command not found").
 _EXIT_SPAWN_FAILED = 127
@@ -156,7 +150,7 @@ class SupervisorStatus:
     uptime_seconds: float | None  # of the current run; None when no process runs
     crashes_in_window: int
     last_reason: str
-    standby_pid: int | None = None  # the warm standby waiting to replace the task (psguard.standby)
+    standby_pid: int | None = None  # the warm standby waiting to replace the task (psguard.agent.standby)
     standby_ready: bool = False  # ... and it has imported what it needs: swapping it in is quick
 
     def to_dict(self) -> dict[str, object]:
@@ -189,7 +183,7 @@ class SupervisorConfig:
     crash_loop_window: Annotated[Duration, Check(_positive, "> 0")] = 300.0
     stop_timeout: Duration = 10.0  # SIGTERM, then SIGKILL after this long
     restart_codes: tuple[int, ...] = (EXIT_RESTART,)
-    # Keep a warm standby process for commands that honour psguard.standby (the agent's built-in server
+    # Keep a warm standby process for commands that honour psguard.agent.standby (the agent's built-in server
     # mode): a restart then costs ~0.1 s instead of a Python + TensorFlow start. It is started this long after
     # each run starts, so that it does not compete with the task (or a recovery) for CPU while that starts.
     standby: bool = True
@@ -347,7 +341,7 @@ class Supervisor:
     ) -> Supervisor:
         """A supervisor with the policy from a config file; ``kwargs`` are the other constructor arguments.
 
-        ``standby_capable``: the command honours :mod:`psguard.standby`, so ``config.standby`` may apply.
+        ``standby_capable``: the command honours :mod:`psguard.agent.standby`, so ``config.standby`` may apply.
         """
         return cls(
             cmd,

@@ -7,9 +7,9 @@ request that arrives while a save is running joins one pending batch, served by 
 tier holds by then. Memory stays bounded (the tier's marks plus one take in flight, whose whole tensors are
 leased, not copied) and the durable log skips intermediate steps instead of lagging further.
 
-Each save writes what :meth:`~psguard.memory_tier.MemoryTier.take_dirty` says: a full base first, after a
-layout change, when asked, or when the new-base policy (a :class:`~psguard.policy.SavePolicy`, by default
-:class:`~psguard.policy.ChainLimit` on chain links and delta bytes as a percentage of the base) says the chain
+Each save writes what :meth:`~psguard.agent.memory_tier.MemoryTier.take_dirty` says: a full base first, after a
+layout change, when asked, or when the new-base policy (a :class:`~psguard.policy.engine.SavePolicy`, by default
+:class:`~psguard.policy.engine.ChainLimit` on chain links and delta bytes as a percentage of the base) says the chain
 is long enough; otherwise a delta over the last durable checkpoint (changed rows, whole tensors that changed,
 ``Same`` for the rest). A new base is written from memory with ``dedup_against`` the previous checkpoint, so
 unchanged chunks are not uploaded again and nothing is read back from storage (cheaper than
@@ -40,24 +40,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
+from psguard.agent.memory_tier import DirtyTake, MemoryTier
 from psguard.errors import NoCheckpointError, PsguardError, SaveError
-from psguard.manifest import manifest_key
-from psguard.memory_tier import DirtyTake, MemoryTier
-from psguard.policy import ChainLimit, SaveContext, SavePolicy, TierState
-from psguard.store import CheckpointInfo, Store
+from psguard.handoff.contract import RETENTION_KEY, TOKEN_KEY
+from psguard.policy.engine import ChainLimit, SaveContext, SavePolicy, TierState
+from psguard.store.log import CheckpointInfo, Store
+from psguard.store.manifest import manifest_key
 
-__all__ = ["TOKEN_KEY", "PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
+__all__ = ["PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
 
 log = logging.getLogger(__name__)
-
-#: Metadata key under which a durable checkpoint records the memory-tier token of its state, so a tier
-#: re-seeded from it (or a trainer restored from it) can accept deltas relative to that state.
-TOKEN_KEY = "psguard.token"
-
-#: Metadata key under which a trainer's CheckpointManager asks for its retention (``max_to_keep``,
-#: ``keep_checkpoint_every_n_hours``) when the agent writes the durable log for it: the writer applies it
-#: after each commit, as the manager does when it writes itself.
-RETENTION_KEY = "psguard.retention"
 
 
 @dataclass(frozen=True)

@@ -29,16 +29,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from psguard.chunks import (
-    STRING,
-    ChunkReader,
-    ChunkWriter,
-    byte_view,
-    deserialize_strings,
-    dtype_from_name,
-    dtype_name,
-    logical_nbytes,
-)
 from psguard.errors import (
     CheckpointError,
     ConfigError,
@@ -50,7 +40,10 @@ from psguard.errors import (
     SaveError,
     UnsupportedFormatError,
 )
-from psguard.manifest import (
+from psguard.storage import Backend, RetryConfig, open_backend
+from psguard.store.chunks import ChunkReader, ChunkWriter, byte_view, deserialize_strings
+from psguard.store.dtypes import STRING, dtype_from_name, dtype_name, logical_nbytes
+from psguard.store.manifest import (
     CHUNK_PREFIX,
     JOURNAL_PREFIX,
     LOCK_PREFIX,
@@ -64,8 +57,7 @@ from psguard.manifest import (
     parse_manifest,
     step_of_id,
 )
-from psguard.retention import Candidate, select_kept
-from psguard.storage import Backend, RetryConfig, open_backend
+from psguard.store.retention import Candidate, select_kept
 from psguard.tensors import Full, Same, TensorUpdate
 
 log = logging.getLogger(__name__)

@@ -38,10 +38,12 @@ from typing import Any
 import numpy as np
 
 from psguard.errors import NoCheckpointError, PsguardError, SaveError
-from psguard.export import OBJECT_GRAPH_KEY, object_graph_bytes
-from psguard.policy import PreemptionHandler, SaveContext, Schedule, Tier
-from psguard.store import CheckpointInfo, Store
+from psguard.handoff.contract import Tier
+from psguard.policy.engine import SaveContext, Schedule
+from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Rows, Same, TensorUpdate, merge_updates
+from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
+from psguard.trainer.preemption import PreemptionHandler
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +111,7 @@ class RestoreInfo:
 class SaveHandle:
     """The pending result of one :meth:`CheckpointManager.save`.
 
-    ``result(timeout)`` returns the committed :class:`~psguard.store.CheckpointInfo` or re-raises why the save
+    ``result(timeout)`` returns the committed :class:`~psguard.store.log.CheckpointInfo` or re-raises why the save
     failed. When saves were folded together (the store was slower than the save cadence), every folded handle
     resolves to the checkpoint that contains them, whose step is the latest folded one.
     """
@@ -276,7 +278,7 @@ class CheckpointManager:
     - ``step_counter``: a variable whose value numbers saves when ``save()`` gets no ``checkpoint_number``.
     - ``coordinator``: the job's ``ClusterCoordinator``; captures drain it first so that weights, slots and
       counters all come from the same step.
-    - ``policy``: a :class:`~psguard.policy.Schedule`, a policy file or preset name, used by
+    - ``policy``: a :class:`~psguard.policy.engine.Schedule`, a policy file or preset name, used by
       :meth:`maybe_save`. ``new_base_after``: fold the delta chain into a new full checkpoint (in the
       background, from storage, no stall) after this many deltas.
     - ``data_position``: a callable returning JSON (e.g. the number of batches consumed), stored with each
@@ -309,7 +311,7 @@ class CheckpointManager:
         spool: str | os.PathLike[str] | None = None,
         restore_timeout: float = 120.0,
     ) -> None:
-        from psguard.capture import Capturer
+        from psguard.trainer.capture import Capturer
 
         if max_to_keep is not None and max_to_keep < 1:
             raise PsguardError("max_to_keep must be >= 1 or None (keep everything)")
@@ -338,7 +340,7 @@ class CheckpointManager:
         spool_dir = spool if spool is not None else os.environ.get("PSGUARD_SPOOL")
         self._spool: Any = None
         if spool_dir:
-            from psguard.spool import SpoolWriter
+            from psguard.trainer.spool_writer import SpoolWriter
 
             self._spool = SpoolWriter(str(spool_dir))
         self._last_spooled: Any = None
@@ -423,13 +425,13 @@ class CheckpointManager:
                 # The agent writes the durable log: it applies our retention, and reports the stall.
                 metadata["capture_stall_seconds"] = round(stall, 6)
                 if self._max_to_keep is not None or self._keep_hours is not None:
-                    from psguard.persister import RETENTION_KEY
+                    from psguard.handoff.contract import RETENTION_KEY
 
                     metadata[RETENTION_KEY] = {"keep_last": self._max_to_keep, "keep_every_hours": self._keep_hours}
             self.last_stall_seconds = stall
             self._saves += 1
             if self._spool is not None:
-                from psguard.spool import Capture
+                from psguard.handoff.spool import Capture
 
                 wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
                 spooled = self._spool.submit(Capture(step, updates, metadata, wanted, dict(metrics or {})))
@@ -475,7 +477,7 @@ class CheckpointManager:
                 return None
             tensors = dict(result.tensors)
             info = RestoreInfo(result.info.id, result.info.step, result.info.metadata, "durable")
-            from psguard.persister import TOKEN_KEY
+            from psguard.handoff.contract import TOKEN_KEY
 
             raw = result.info.metadata.get(TOKEN_KEY)
             token = str(raw) if raw else None
@@ -492,7 +494,7 @@ class CheckpointManager:
         self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
         log.info("restored %s (step %d) from the %s tier", info.id, info.step, info.source)
         if self._spool is not None:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
-            from psguard.agent import report_recovery
+            from psguard.handoff.client import report_recovery
 
             report_recovery(info.step, seen_step=last_seen_step(self.directory), source=info.source)
         return info.id
@@ -639,7 +641,7 @@ def _dc_replace(ctx: SaveContext, **changes: Any) -> SaveContext:
 def _load_schedule(policy: Schedule | str | os.PathLike[str] | None) -> Schedule | None:
     if policy is None or isinstance(policy, Schedule):
         return policy
-    from psguard.policy_files import load_policy
+    from psguard.policy.files import load_policy
 
     return load_policy(str(policy) if isinstance(policy, Path) else policy).schedule
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from psguard.store import Store
+from psguard.store.log import Store
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -27,7 +27,7 @@ def object_graph_bytes(root: Any) -> bytes:
     """
     from tensorflow.python.checkpoint import graph_view, save_util, util
 
-    from psguard.capture import _gather
+    from psguard.trainer.capture import _gather
 
     view = graph_view.ObjectGraphView(root)
     trackable_data, _ = save_util._gather_trackable_data(view, None)
@@ -68,7 +68,7 @@ def export_checkpoint(store: Store, checkpoint_id: str, directory: str | Path, *
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from psguard.store_cli import open_store
+    from psguard.store.cli import open_store
 
     with open_store(args) as store:
         cid = store.resolve(step=args.step, checkpoint_id=args.id)
@@ -79,7 +79,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from psguard.store_cli import add_store_arguments
+    from psguard.store.cli import add_store_arguments
 
     p = sub.add_parser("export", help="write a checkpoint as a standard TensorFlow checkpoint")
     add_store_arguments(p)

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from psguard.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from psguard.agent.metrics import Registry
 from psguard.errors import ConfigError, PsguardError
-from psguard.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from psguard.metrics import Registry
 
 if TYPE_CHECKING:
     from typing import Self

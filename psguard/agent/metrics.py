@@ -39,8 +39,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from psguard.prober import Health, ProbeResult
-    from psguard.supervisor import SupervisorEvent
+    from psguard.agent.prober import Health, ProbeResult
+    from psguard.agent.supervisor import SupervisorEvent
 
 __all__ = [
     "BYTES_PERSISTED_TOTAL",

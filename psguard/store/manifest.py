@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from psguard.errors import CorruptCheckpointError, UnsupportedFormatError
+from psguard.store.dtypes import logical_nbytes
 
 FORMAT_NAME = "psguard-manifest"
 FORMAT_VERSION = 1
@@ -89,8 +90,6 @@ class TensorEntry:
 
     @property
     def logical_bytes(self) -> int:
-        from psguard.chunks import logical_nbytes
-
         return logical_nbytes(self.dtype, self.shape, self.chunks if self.encoding == "full" else ())
 
     def refs(self) -> list[ChunkRef]:

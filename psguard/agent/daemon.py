@@ -9,27 +9,28 @@ One agent per task process (the chief's trainer, each PS, optionally each worker
 It wires the parts built elsewhere; it adds no mechanism of its own beyond the generation rule below.
 
 ==================  ==========================================================================================
-supervision         :class:`~psguard.supervisor.Supervisor` runs the task in its own process group (same
+supervision         :class:`~psguard.agent.supervisor.Supervisor` runs the task in its own process group (same
                     address every restart, backoff, crash-loop limit). Exit 0 of the task: the agent drains
                     and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
                     message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
                     ``supervisor.stop_timeout``), the persister drained, exit 0. In the built-in server
-                    mode a **warm standby** (:mod:`psguard.standby`: a second server process with TensorFlow
+                    mode a **warm standby** (:mod:`psguard.agent.standby`: a second server process with TensorFlow
                     imported, its port not yet bound) is started ``supervisor.standby_delay`` (5 s) after each
                     run and swapped in on a restart: ~0.2 s instead of a Python + TensorFlow start (3-6 s
                     here). Costs one idle process (~250 MB RSS) per task; ``supervisor.standby: false`` turns
                     it off. A user's command (after ``--``) never gets one: it would not wait to bind.
-health              ps / worker: :class:`~psguard.prober.HealthMonitor` with process + TCP + ``GetStatus``
+health              ps / worker: :class:`~psguard.agent.prober.HealthMonitor` with process + TCP + ``GetStatus``
                     RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
                     unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
                     ``--peer`` agent's ``/readyz`` (reported in ``/status`` and ``/metrics`` only).
-memory tier         chief only: :class:`~psguard.memory_tier.MemoryTier` fed by a
-                    :class:`~psguard.spool.SpoolServer` (``--spool``, default
-                    :func:`~psguard.spool.default_spool_dir` of the job) and written to the durable log by a
-                    :class:`~psguard.persister.Persister` (``--store``). At start :func:`~psguard.persister.resume`
-                    seeds the tier from the durable log, so an agent restarted after a crash (even a SIGKILL in
-                    the middle of a persist: the manifest is the commit) continues from the last commit.
-HTTP                :class:`~psguard.agent_http.AgentHTTPServer` (127.0.0.1 by default; any other address needs
+memory tier         chief only: :class:`~psguard.agent.memory_tier.MemoryTier` fed by a
+                    :class:`~psguard.agent.spool_server.SpoolServer` (``--spool``, default
+                    :func:`~psguard.handoff.spool.default_spool_dir` of the job) and written to the durable log by a
+                    :class:`~psguard.agent.persister.Persister` (``--store``). At start
+                    :func:`~psguard.agent.persister.resume` seeds the tier from the durable log, so an agent
+                    restarted after a crash (even a SIGKILL in the middle of a persist: the manifest is the
+                    commit) continues from the last commit.
+HTTP                :class:`~psguard.agent.httpd.AgentHTTPServer` (127.0.0.1 by default; any other address needs
                     ``--token-file``): ``/healthz``, ``/readyz``, ``/metrics``, ``/status`` (JSON), ``POST
                     /restart`` (restart the task), ``POST /recovery`` (a restored trainer reports the step
                     it restored and, in process, the step it had reached; with the step a failed trainer gave
@@ -38,7 +39,7 @@ HTTP                :class:`~psguard.agent_http.AgentHTTPServer` (127.0.0.1 by d
 ==================  ==========================================================================================
 
 The trainer (the chief's task) gets ``TF_CONFIG`` (the cluster from ``cluster.json``, task ``chief:0``),
-``PSGUARD_SPOOL`` (the spool folder of :mod:`psguard.spool`) and ``PSGUARD_AGENT_URL`` (this agent's HTTP
+``PSGUARD_SPOOL`` (the spool folder of :mod:`psguard.handoff.spool`) and ``PSGUARD_AGENT_URL`` (this agent's HTTP
 base URL; ``PSGUARD_AGENT_TOKEN_FILE`` names the token file when there is one). Every task gets ``TF_CONFIG``
 for its own role and index and ``PSGUARD_TASK`` (``ps:0``).
 
@@ -50,7 +51,7 @@ memory back (DESIGN.md: 1.2 GB -> 1.5 GB over two chief restarts). TensorFlow of
 context from outside, and the new generation restores every variable anyway, so a surviving PS has nothing
 worth keeping. **Decision: on every new trainer generation the chief's agent restarts the PS servers.** A new
 generation is any start of the trainer after the first: a crash, a hang caught by the probe, ``POST
-/restart``, or exit :data:`~psguard.supervisor.EXIT_RESTART` (75), which the trainer uses after a PS failure
+/restart``, or exit :data:`~psguard.handoff.contract.EXIT_RESTART` (75), which the trainer uses after a PS failure
 when it cannot rejoin in-process. The first start counts too when the agent resumed state (the durable log
 was not empty, so an earlier chief may have left contexts behind). Before the trainer is started again, the
 chief's agent asks every ``--peer`` whose ``/status`` says ``role: ps`` to ``POST /restart`` its task, in
@@ -61,7 +62,7 @@ logged and reported in ``/status``; the trainer is started anyway (it fails on t
 which counts towards the crash-loop limit). Workers are not restarted: they hold no variables and rejoin
 through TensorFlow's own retry.
 
-A trainer that rejoins in-process (:func:`psguard.recovery.run_with_recovery` with a model factory) starts a
+A trainer that rejoins in-process (:func:`psguard.trainer.recovery.run_with_recovery` with a model factory) starts a
 new generation without exiting: it passes :func:`restart_ps_servers` as ``restart_ps``, which calls ``POST
 /new-generation`` on its agent and returns once every PS serves again (before its ``update_server_def``).
 One PS start is saved when the trainer says when it saw the failure (``restart_ps_servers(failed_at=...)``, or
@@ -83,7 +84,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import logging
 import os
@@ -98,11 +98,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psguard.agent_http import AgentHTTPServer, Request, RequestError, Response, is_loopback
-from psguard.config import Duration, load_yaml
-from psguard.errors import ConfigError, PsguardError
-from psguard.metrics import AgentMetrics
-from psguard.prober import (
+from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response, is_loopback
+from psguard.agent.metrics import AgentMetrics
+from psguard.agent.prober import (
     GrpcStatusProbe,
     Health,
     HealthMonitor,
@@ -113,13 +111,17 @@ from psguard.prober import (
     ProcessProbe,
     TcpProbe,
 )
-from psguard.supervisor import EXIT_RESTART, EventKind, Supervisor, SupervisorConfig, SupervisorEvent
+from psguard.agent.supervisor import EventKind, Supervisor, SupervisorConfig, SupervisorEvent
+from psguard.config import Duration, load_yaml
+from psguard.errors import ConfigError
+from psguard.handoff.client import http_json, read_token
+from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL, ENV_SPOOL, ENV_TASK, EXIT_RESTART
 
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
-    from psguard.memory_tier import MemoryTier
-    from psguard.persister import Persister, PersistEvent
-    from psguard.spool import SpoolEvent, SpoolServer
-    from psguard.store import Store
+    from psguard.agent.memory_tier import MemoryTier
+    from psguard.agent.persister import Persister, PersistEvent
+    from psguard.agent.spool_server import SpoolEvent, SpoolServer
+    from psguard.store.log import Store
 
 __all__ = [
     "ROLES",
@@ -131,9 +133,6 @@ __all__ = [
     "load_cluster",
     "main",
     "register",
-    "report_failure",
-    "report_recovery",
-    "restart_ps_servers",
     "validate_cluster",
 ]
 
@@ -267,48 +266,6 @@ def _rss_bytes() -> int | None:
     return None
 
 
-def http_json(
-    method: str,
-    url: str,
-    *,
-    body: Mapping[str, Any] | None = None,
-    token: str | None = None,
-    timeout: float = 10.0,
-) -> tuple[int, Any]:
-    """One request to an agent: ``(status, JSON body or None)``. Raises ``OSError`` when it cannot connect."""
-    parts = urllib.parse.urlsplit(url)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = cls(parts.hostname or "", parts.port, timeout=timeout)
-    headers = {"Content-Type": "application/json"} if method == "POST" else {}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    data = json.dumps(body or {}).encode() if method == "POST" else None
-    try:
-        conn.request(method, parts.path or "/", body=data, headers=headers)
-        response = conn.getresponse()
-        raw = response.read()
-    except http.client.HTTPException as e:
-        raise OSError(f"{method} {url}: {e}") from e
-    finally:
-        conn.close()
-    try:
-        return response.status, json.loads(raw) if raw else None
-    except ValueError:
-        return response.status, None
-
-
-def _read_token(path: str | None) -> str | None:
-    if path is None:
-        return None
-    try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as e:
-        raise ConfigError(f"--token-file {path}: cannot read: {e}") from e
-    if not token:
-        raise ConfigError(f"--token-file {path}: the file is empty")
-    return token
-
-
 # ------------------------------------------------------------------------------------------------ agent
 class Agent:
     """One sidecar: supervise ``role:index``'s task, probe it, serve HTTP; on the chief, the memory tier too.
@@ -346,7 +303,7 @@ class Agent:
         if role != "chief" and peers:
             raise ConfigError("--peer: only the chief's agent probes and restarts other agents")
         self.command = list(command) if command else self._server_command()
-        self._builtin_server = not command  # it honours psguard.standby, so a warm standby can replace it
+        self._builtin_server = not command  # it honours psguard.agent.standby, so a warm standby can replace it
         self.peers = [p.rstrip("/") for p in peers]
         for p in self.peers:
             parts = urllib.parse.urlsplit(p)
@@ -387,7 +344,7 @@ class Agent:
         return [
             sys.executable,
             "-m",
-            "psguard.testbed.server",
+            "psguard.agent.tf_server",
             "--cluster-spec",
             json.dumps(self.cluster, sort_keys=True),
             "--job",
@@ -405,12 +362,12 @@ class Agent:
         env["TF_CONFIG"] = json.dumps(
             {"cluster": self.cluster, "task": {"type": self.role, "index": self.index}, "rpc_layer": "grpc"}
         )
-        env["PSGUARD_TASK"] = self.task
-        env["PSGUARD_AGENT_URL"] = url
+        env[ENV_TASK] = self.task
+        env[ENV_AGENT_URL] = url
         if self._token_file is not None:
-            env["PSGUARD_AGENT_TOKEN_FILE"] = self._token_file  # the path, never the token itself
+            env[ENV_AGENT_TOKEN_FILE] = self._token_file  # the path, never the token itself
         if self.spool_dir is not None:
-            env["PSGUARD_SPOOL"] = str(self.spool_dir)
+            env[ENV_SPOOL] = str(self.spool_dir)
         return env
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -485,10 +442,11 @@ class Agent:
         self.http.start()
 
     def _start_memory_tier(self) -> None:
-        from psguard.memory_tier import MemoryTier
-        from psguard.persister import Persister, resume
-        from psguard.spool import SpoolServer, default_spool_dir
-        from psguard.store import Store
+        from psguard.agent.memory_tier import MemoryTier
+        from psguard.agent.persister import Persister, resume
+        from psguard.agent.spool_server import SpoolServer
+        from psguard.handoff.spool import default_spool_dir
+        from psguard.store.log import Store
 
         cfg = self.config
         tier = self.tier = MemoryTier()
@@ -953,87 +911,6 @@ class Agent:
         return doc
 
 
-# ------------------------------------------------------------------------------------------------ trainer side
-def restart_ps_servers(
-    url: str | None = None,
-    *,
-    reason: str = "in-process rejoin after a PS failure",
-    failed_at: float | None = None,
-    timeout: float = 600.0,
-) -> dict[str, Any]:
-    """From the trainer: ask the chief's agent to restart every PS server and wait until they all serve.
-
-    The ``restart_ps`` of :func:`psguard.recovery.run_with_recovery` under ``psguard agent``. ``url``
-    defaults to ``$PSGUARD_AGENT_URL`` (and the token to the file named by ``$PSGUARD_AGENT_TOKEN_FILE``).
-    ``failed_at``: when the trainer saw the failure (``time.time()``); a PS started since then (the one that
-    died, already restarted by its agent) is not restarted a second time, which saves one PS start.
-    Returns the agent's outcome per PS agent; raises :class:`PsguardError` when one did not come back.
-    """
-    base = url or os.environ.get("PSGUARD_AGENT_URL")
-    if not base:
-        raise ConfigError("no agent URL: run the trainer under `psguard agent`, which sets PSGUARD_AGENT_URL")
-    token = _read_token(os.environ.get("PSGUARD_AGENT_TOKEN_FILE"))
-    try:
-        status, doc = http_json(
-            "POST",
-            f"{base.rstrip('/')}/new-generation",
-            body={"reason": reason, "failed_at": failed_at},
-            token=token,
-            timeout=timeout,
-        )
-    except OSError as e:
-        raise PsguardError(f"cannot reach the chief's agent at {base} to restart the PS servers: {e}") from e
-    if status != 200 or not isinstance(doc, dict):
-        detail = doc.get("peers") or doc.get("error") if isinstance(doc, dict) else doc
-        raise PsguardError(f"the chief's agent at {base} could not restart every PS server (HTTP {status}): {detail}")
-    return doc
-
-
-def report_failure(
-    failed_at: float | None = None, url: str | None = None, *, step: int | None = None, timeout: float = 5.0
-) -> bool:
-    """From the trainer, before it exits 75 after a PS failure: tell the chief's agent when it saw the failure.
-
-    The agent then does not restart, for the next generation, a PS started since (the one that died, already
-    restarted by its own agent), which saves one PS start. ``step``: the last step trained, so that the next
-    trainer's restore can be turned into lost steps. Best effort: False when there is no agent to tell.
-    """
-    body: dict[str, Any] = {"failed_at": time.time() if failed_at is None else failed_at}
-    if step is not None:
-        body["step"] = int(step)
-    return _tell_agent("/failure", body, url, timeout)
-
-
-def report_recovery(
-    restored_step: int,
-    *,
-    seen_step: int | None = None,
-    source: str | None = None,
-    url: str | None = None,
-    timeout: float = 5.0,
-) -> bool:
-    """From the trainer after a restore: the agent turns it into lost steps (``psguard_lost_steps_total``).
-
-    ``seen_step``: the highest step this process trained before (an in-process rejoin); without it the agent
-    uses the step the failed trainer reported with :func:`report_failure`. Best effort, like that one.
-    """
-    body: dict[str, Any] = {"restored_step": int(restored_step), "seen_step": seen_step, "source": source}
-    return _tell_agent("/recovery", body, url, timeout)
-
-
-def _tell_agent(path: str, body: dict[str, Any], url: str | None, timeout: float) -> bool:
-    base = url or os.environ.get("PSGUARD_AGENT_URL")
-    if not base:
-        return False
-    try:
-        token = _read_token(os.environ.get("PSGUARD_AGENT_TOKEN_FILE"))
-        code, _ = http_json("POST", f"{base.rstrip('/')}{path}", body=body, token=token, timeout=timeout)
-    except (OSError, ConfigError) as e:
-        log.warning("could not tell the agent at %s (%s): %s", base, path, e)
-        return False
-    return code == 200
-
-
 # ------------------------------------------------------------------------------------------------ CLI
 def register(sub: Any) -> None:
     p = sub.add_parser(
@@ -1092,7 +969,7 @@ def main(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster, args.role, args.index)
     if args.role != "chief" and (args.store or args.spool):
         raise ConfigError("--store and --spool belong to the chief's agent (it holds the memory tier and the log)")
-    token = _read_token(config.http.token_file)
+    token = read_token(config.http.token_file)
     if token is None and not is_loopback(config.http.bind):
         raise ConfigError(
             f"--bind {config.http.bind}: serving on a non-loopback address needs --token-file "

@@ -32,7 +32,8 @@ from watchdog.observers import Observer
 
 from psguard.config import changed_keys, format_duration, invalid, load_yaml
 from psguard.errors import ConfigError
-from psguard.policy import (
+from psguard.handoff.contract import Tier
+from psguard.policy.engine import (
     AnyOf,
     ChainLimit,
     Continuous,
@@ -46,7 +47,6 @@ from psguard.policy import (
     SaveContext,
     SavePolicy,
     Schedule,
-    Tier,
     YoungDaly,
 )
 
@@ -63,7 +63,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-PRESETS_DIR = Path(__file__).resolve().parent.parent / "policies"
+PRESETS_DIR = Path(__file__).resolve().parents[2] / "policies"
 """Where the preset policies live (the repository's ``policies/`` folder)."""
 
 
@@ -90,7 +90,7 @@ class TierSpec:
 
     ``every``: a duration; ``every_steps``: a step count; ``cron``: a cron expression in UTC;
     ``continuous``: start the next save when the previous is done (``{min_interval: 30s}`` or ``{}``);
-    ``young_daly``: the adaptive interval (see :class:`psguard.policy.YoungDaly`).
+    ``young_daly``: the adaptive interval (see :class:`psguard.policy.engine.YoungDaly`).
     """
 
     every: PositiveDuration | None = None

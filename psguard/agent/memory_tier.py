@@ -36,8 +36,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from psguard.chunks import dtype_name
 from psguard.errors import ConfigError, PsguardError, TensorMismatchError
+from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
 __all__ = ["ApplyResult", "DirtyTake", "MemoryTier", "MemoryTierStatus", "Snapshot"]

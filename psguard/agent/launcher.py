@@ -106,7 +106,7 @@ class AgentProcess:
         return self._url
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        from psguard.agent import http_json
+        from psguard.handoff.client import http_json
 
         code, doc = http_json("GET", f"{self.wait_url(60)}/status", timeout=timeout)
         if code != 200 or not isinstance(doc, dict):
@@ -129,7 +129,7 @@ def write_cluster(
     directory: Path, ps: int, workers: int, *, name: str = "cluster.json"
 ) -> tuple[Path, dict[str, list[str]]]:
     """``cluster.json`` on free loopback ports: one chief, ``ps`` PS tasks, ``workers`` workers."""
-    from psguard.testbed.ports import free_ports
+    from psguard.ports import free_ports
 
     ports = free_ports(1 + ps + workers)
     spec = {

@@ -1,0 +1,469 @@
+"""The agent's end of the spool (the protocol: :mod:`psguard.handoff.spool`)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import json
+import logging
+import os
+import re
+import shutil
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from psguard.agent.memory_tier import MemoryTier
+from psguard.agent.persister import Persister, PersistHandle
+from psguard.errors import (
+    CorruptCheckpointError,
+    PsguardError,
+)
+from psguard.handoff.contract import Tier
+from psguard.handoff.spool import (
+    AGENT_TMP,
+    REQ_RE,
+    RESTORE_FORMAT,
+    RESTORE_RE,
+    SEQ_RE,
+    TMP_RE,
+    VERSION,
+    Ack,
+    DurableAck,
+    SpoolPaths,
+    atomic_write_json,
+    read_capture,
+    try_flock,
+    write_array,
+)
+from psguard.store.dtypes import dtype_name
+
+__all__ = ["SpoolEvent", "SpoolServer", "SpoolServerStatus"]
+
+log = logging.getLogger(__name__)
+
+
+class _WatchdogStopRace(logging.Filter):
+    """Drop watchdog's ERROR "queue_events() called when the thread is inactive".
+
+    watchdog 7 logs it when an inotify event arrives while its observer is being stopped (its own race, nothing
+    lost: we process what is in the folders, not the events). Every agent stop printed it as an error.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+def _quiet_watchdog_stop_race() -> None:
+    logger = logging.getLogger("watchdog.observers.inotify")
+    if not any(isinstance(f, _WatchdogStopRace) for f in logger.filters):
+        logger.addFilter(_WatchdogStopRace())
+
+
+@dataclass(frozen=True)
+class SpoolEvent:
+    """One capture or restore handled by the agent, for metrics and logs."""
+
+    kind: Literal["capture", "restore"]
+    seq: int | None
+    step: int | None
+    status: str
+    nbytes: int
+    read_seconds: float
+    apply_seconds: float
+    message: str = ""
+    stall_seconds: float | None = None  # the trainer's training stall for this capture, when it said
+
+
+@dataclass(frozen=True)
+class SpoolServerStatus:
+    running: bool
+    captures: Mapping[str, int]
+    bytes_received: int
+    restores: int
+    last_seq: int | None
+    last_apply_seconds: float | None
+    last_error: str | None
+
+
+class _Wake:
+    """watchdog handler: any change in a watched folder wakes the processing thread (it rescans)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        from watchdog.events import FileSystemEventHandler
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, _: Any) -> None:
+                event.set()
+
+        self.handler = Handler()
+
+
+class SpoolServer:
+    """The agent's end: applies captures to ``tier``, feeds ``persister``, serves restores.
+
+    ``start()`` takes the spool's agent lock, cleans what dead processes left, and (``watch=True``) starts a
+    ``watchdog`` observer plus one processing thread; everything present is processed at once, in order.
+    ``start(watch=False)`` only takes the lock, for callers that drive :meth:`process_once` themselves.
+    """
+
+    def __init__(
+        self,
+        root: str | Path,
+        tier: MemoryTier,
+        persister: Persister | None = None,
+        *,
+        poll_interval: float = 0.5,
+        ack_ttl: float = 3600.0,
+        lock_timeout: float = 5.0,
+        on_event: Callable[[SpoolEvent], None] | None = None,
+    ) -> None:
+        self._paths = SpoolPaths(root)
+        self.root = self._paths.root
+        self.tier = tier
+        self.persister = persister
+        self.poll_interval = poll_interval
+        self.ack_ttl = ack_ttl
+        self.lock_timeout = lock_timeout
+        self.on_event = on_event
+        self._lock_fd: int | None = None
+        self._process_lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._observer: Any = None
+        self._dead_writers: set[str] = set()
+        self._last_prune = 0.0
+        self._counts: dict[str, int] = {"ok": 0, "need_full": 0, "error": 0}
+        self._bytes = 0
+        self._restores = 0
+        self._last_seq: int | None = None
+        self._last_apply: float | None = None
+        self._last_error: str | None = None
+
+    # ------------------------------------------------------------------------------------------- lifecycle
+    def start(self, *, watch: bool = True) -> SpoolServer:
+        self._paths.make()
+        self._stop.clear()
+        deadline = time.monotonic() + self.lock_timeout
+        while True:  # a trainer's liveness probe may hold a shared lock for a moment
+            fd = try_flock(self._paths.agent_lock, fcntl.LOCK_EX)
+            if fd is not None:
+                break
+            if time.monotonic() > deadline:
+                raise PsguardError(f"another agent serves spool {self.root} (its agent.lock is held); stop it first")
+            time.sleep(0.05)
+        self._lock_fd = fd
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._recover()
+        if watch:
+            from watchdog.observers import Observer
+
+            _quiet_watchdog_stop_race()
+
+            observer = Observer()
+            handler = _Wake(self._wake).handler
+            observer.schedule(handler, str(self._paths.incoming), recursive=False)
+            observer.schedule(handler, str(self._paths.requests), recursive=False)
+            observer.start()
+            self._observer = observer
+            self._thread = threading.Thread(target=self._run, name="psguard-spool", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Stop watching and processing (a capture being applied finishes first), release the spool."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout)
+            self._observer = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> SpoolServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def status(self) -> SpoolServerStatus:
+        return SpoolServerStatus(
+            running=self._thread is not None and self._thread.is_alive(),
+            captures=dict(self._counts),
+            bytes_received=self._bytes,
+            restores=self._restores,
+            last_seq=self._last_seq,
+            last_apply_seconds=self._last_apply,
+            last_error=self._last_error,
+        )
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self.process_once()
+            except Exception as e:  # keep serving; the next scan retries
+                self._last_error = f"{type(e).__name__}: {e}"
+                log.exception("spool %s: processing failed", self.root)
+            self._wake.wait(self.poll_interval)
+
+    def _recover(self) -> None:
+        """At start (holding the agent lock): whatever a previous agent left half-done is ours to settle."""
+        for p in self._paths.restore.iterdir():
+            if p.name.endswith(AGENT_TMP):
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self._paths.acks.iterdir():
+            if p.name.startswith("."):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+            elif p.name.endswith(".pending.json"):
+                seq = int(p.name.split(".", 1)[0])
+                self._write_durable_ack(
+                    DurableAck(
+                        seq,
+                        "error",
+                        None,
+                        None,
+                        "the agent was restarted before this capture became durable; send a whole capture",
+                    )
+                )
+
+    # ------------------------------------------------------------------------------------------- processing
+    def process_once(self) -> int:
+        """Process everything waiting, in order: captures first (so a restore sees them), then requests."""
+        if self._lock_fd is None:
+            raise PsguardError("start() the spool server (it takes the agent lock) before processing")
+        with self._process_lock:
+            done = 0
+            seqs = []
+            for name in os.listdir(self._paths.incoming):
+                tmp = TMP_RE.match(name)
+                if tmp:
+                    if not self._writer_alive(tmp.group(2)):
+                        log.info("spool %s: removing %s left by a dead writer", self.root, name)
+                        shutil.rmtree(self._paths.incoming / name, ignore_errors=True)
+                elif SEQ_RE.match(name):
+                    seqs.append(int(name))
+            for seq in sorted(seqs):
+                if self._stop.is_set() and self._thread is not None:
+                    break
+                self._process_capture(seq)
+                done += 1
+            for name in sorted(os.listdir(self._paths.requests)):
+                m = REQ_RE.match(name)
+                if m:
+                    self._serve_restore(self._paths.requests / name, f"{m.group(1)}-{m.group(2)}", m.group(1))
+                elif name.startswith("."):
+                    gen = re.search(r"restore-([0-9a-f]{8})-", name)
+                    if gen and not self._writer_alive(gen.group(1)):
+                        with contextlib.suppress(OSError):
+                            (self._paths.requests / name).unlink()
+            self._prune()
+            return done
+
+    def _process_capture(self, seq: int) -> None:
+        folder = self._paths.incoming / f"{seq:012d}"
+        if self._paths.ack(seq).exists() or self._paths.ack(seq, "durable").exists():
+            shutil.rmtree(folder, ignore_errors=True)  # a predecessor answered, then died before deleting
+            return
+        t0 = time.perf_counter()
+        step: int | None = None
+        tiers: frozenset[Tier] = frozenset()
+        nbytes = 0
+        apply_seconds = 0.0
+        stall: float | None = None
+        try:
+            cap = read_capture(folder)
+            step, tiers, nbytes = cap.step, cap.tiers, cap.nbytes
+            raw_stall = cap.metadata.get("capture_stall_seconds")
+            if isinstance(raw_stall, int | float) and not isinstance(raw_stall, bool) and raw_stall >= 0:
+                stall = float(raw_stall)
+            if cap.seq != seq:
+                raise CorruptCheckpointError(f"spool capture {folder}: says it is seq {cap.seq}")
+            read_seconds = time.perf_counter() - t0
+            result = self.tier.apply(
+                cap.tensors,
+                step=cap.step,
+                token=cap.token,
+                parent=cap.parent,
+                metadata=cap.metadata,
+                metrics=cap.metrics,
+            )
+            apply_seconds = result.seconds
+            ack = Ack(seq, result.status, self.tier.step, self.tier.token, result.message)
+        except Exception as e:  # whatever is wrong with this capture, answer it: never block the ones after it
+            read_seconds = time.perf_counter() - t0
+            ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}")
+            log.warning("spool %s: capture seq %d rejected: %s", self.root, seq, e)
+            if not tiers:
+                tiers = self._tiers_of(folder)
+        durable = Tier.DURABLE in tiers
+        if durable:
+            if ack.status == "ok" and self.persister is not None:
+                atomic_write_json(self._paths.ack(seq, "pending"), {"seq": seq, "step": step})
+            elif ack.status == "ok":
+                self._write_durable_ack(DurableAck(seq, "error", None, None, "this agent has no durable store"))
+            else:
+                self._write_durable_ack(DurableAck(seq, "error", None, None, f"not applied: {ack.message}"))
+        try:
+            atomic_write_json(self._paths.ack(seq), ack.to_json())
+        except OSError:
+            # Likely a full tmpfs: free the capture's space, then try once more (re-applying it is harmless).
+            shutil.rmtree(folder, ignore_errors=True)
+            atomic_write_json(self._paths.ack(seq), ack.to_json())
+        if durable and ack.status == "ok" and self.persister is not None:
+            try:
+                handle = self.persister.request(step, new_base=Tier.BASE in tiers)
+            except PsguardError as e:  # the persister was stopped first
+                self._write_durable_ack(DurableAck(seq, "error", None, None, str(e)))
+            else:
+                handle.add_done_callback(functools.partial(self._durable_done, seq))
+        shutil.rmtree(folder, ignore_errors=True)
+        self._counts[ack.status] = self._counts.get(ack.status, 0) + 1
+        self._bytes += nbytes
+        self._last_seq = seq
+        self._last_apply = apply_seconds
+        if ack.status == "error":
+            self._last_error = ack.message
+        self._emit(
+            SpoolEvent("capture", seq, step, ack.status, nbytes, read_seconds, apply_seconds, ack.message, stall)
+        )
+
+    def _tiers_of(self, folder: Path) -> frozenset[Tier]:
+        try:
+            doc = json.loads((folder / "capture.json").read_bytes())
+            return frozenset(Tier(t) for t in doc["tiers"])
+        except Exception:
+            return frozenset()
+
+    def _durable_done(self, seq: int, handle: PersistHandle) -> None:
+        try:
+            error = handle.exception(0)
+            if error is not None:
+                ack = DurableAck(seq, "error", None, None, f"{type(error).__name__}: {error}")
+            else:
+                info = handle.result(0)
+                if info is None:
+                    ack = DurableAck(seq, "error", None, None, "the memory tier was empty; nothing was persisted")
+                else:
+                    ack = DurableAck(seq, "ok", info.id, info.step)
+            self._write_durable_ack(ack)
+        except Exception:
+            log.exception("spool %s: could not write the durable ack of seq %d", self.root, seq)
+
+    def _write_durable_ack(self, ack: DurableAck) -> None:
+        atomic_write_json(self._paths.ack(ack.seq, "durable"), ack.to_json())
+        with contextlib.suppress(OSError):
+            self._paths.ack(ack.seq, "pending").unlink()
+
+    def _serve_restore(self, request: Path, name: str, gen: str) -> None:
+        final = self._paths.restore / name
+        if final.exists() or not self._writer_alive(gen):
+            with contextlib.suppress(OSError):
+                request.unlink()
+            return
+        t0 = time.perf_counter()
+        tmp = self._paths.restore / f"{name}{AGENT_TMP}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        durable = self.persister.status() if self.persister is not None else None
+        nbytes = 0
+        try:
+            with self.tier.export() as snap:
+                doc: dict[str, Any] = {
+                    "format": RESTORE_FORMAT,
+                    "version": VERSION,
+                    "status": "empty" if snap.empty else "ok",
+                    "step": snap.step,
+                    "metadata": snap.metadata,
+                    "token": snap.token,
+                    "durable_id": durable.last_id if durable else None,
+                    "durable_step": durable.last_step if durable else None,
+                    "message": "no capture applied since the agent started" if snap.empty else "",
+                    "tensors": [],
+                }
+                for i, (tname, value) in enumerate(snap.tensors.items()):
+                    ref = write_array(tmp, f"{i}.bin", value)
+                    nbytes += int(ref["size"])
+                    doc["tensors"].append(
+                        {"name": tname, "dtype": dtype_name(value.dtype), "shape": list(value.shape), **ref}
+                    )
+            status = doc["status"]
+        except (OSError, PsguardError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+            status = "error"
+            reason = "the spool's tmpfs is full" if isinstance(e, OSError) and e.errno == errno.ENOSPC else str(e)
+            doc = {"format": RESTORE_FORMAT, "version": VERSION, "status": "error", "message": reason}
+            log.warning("spool %s: could not export the memory tier: %s", self.root, e)
+        (tmp / "manifest.json").write_bytes(json.dumps(doc, allow_nan=False).encode())
+        os.rename(tmp, final)
+        with contextlib.suppress(OSError):
+            request.unlink()
+        self._restores += 1
+        self._emit(SpoolEvent("restore", None, doc.get("step"), status, nbytes, 0.0, time.perf_counter() - t0))
+
+    def _writer_alive(self, gen: str) -> bool:
+        if gen in self._dead_writers:
+            return False
+        path = self._paths.writers / f"{gen}.lock"
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            self._dead_writers.add(gen)
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        self._dead_writers.add(gen)
+        return False
+
+    def _prune(self) -> None:
+        """Drop what nobody will read: answers to dead writers' restores, acks older than ``ack_ttl``."""
+        now = time.time()
+        if now - self._last_prune < min(60.0, self.ack_ttl / 2):
+            return
+        self._last_prune = now
+        for p in self._paths.restore.iterdir():
+            m = RESTORE_RE.match(p.name)
+            if m and not self._writer_alive(m.group(1)):
+                shutil.rmtree(p, ignore_errors=True)
+        for p in self._paths.writers.glob("*.lock.tmp"):  # a writer killed while creating its lock
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime < 60:
+                    continue  # maybe being created right now (created, not yet locked)
+            fd = try_flock(p, fcntl.LOCK_EX)
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+                os.close(fd)
+        for p in self._paths.acks.iterdir():
+            if p.name.endswith(".pending.json"):
+                continue
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime > self.ack_ttl:
+                    p.unlink()
+
+    def _emit(self, event: SpoolEvent) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event)
+            except Exception:
+                log.exception("spool event callback failed (ignored)")

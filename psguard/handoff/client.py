@@ -1,0 +1,147 @@
+"""The HTTP calls a trainer makes to its agent: report a failure or a recovery, restart the PS servers.
+
+They live in the contract, not in the agent's package, so a trainer never loads the daemon (HTTP server,
+prober, supervisor, metrics) to make three requests. Each reads the agent's URL and token file from the
+environment the agent set for its task (:mod:`psguard.handoff.contract`).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import time
+import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from psguard.errors import ConfigError, PsguardError
+from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL
+
+__all__ = ["http_json", "read_token", "report_failure", "report_recovery", "restart_ps_servers"]
+
+log = logging.getLogger(__name__)
+
+
+def http_json(
+    method: str,
+    url: str,
+    *,
+    body: Mapping[str, Any] | None = None,
+    token: str | None = None,
+    timeout: float = 10.0,
+) -> tuple[int, Any]:
+    """One request to an agent: ``(status, JSON body or None)``. Raises ``OSError`` when it cannot connect."""
+    parts = urllib.parse.urlsplit(url)
+    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    conn = cls(parts.hostname or "", parts.port, timeout=timeout)
+    headers = {"Content-Type": "application/json"} if method == "POST" else {}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    try:
+        conn.request(method, parts.path or "/", body=data, headers=headers)
+        response = conn.getresponse()
+        raw = response.read()
+    except http.client.HTTPException as e:
+        raise OSError(f"{method} {url}: {e}") from e
+    finally:
+        conn.close()
+    try:
+        return response.status, json.loads(raw) if raw else None
+    except ValueError:
+        return response.status, None
+
+
+def read_token(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except OSError as e:
+        raise ConfigError(f"--token-file {path}: cannot read: {e}") from e
+    if not token:
+        raise ConfigError(f"--token-file {path}: the file is empty")
+    return token
+
+
+def restart_ps_servers(
+    url: str | None = None,
+    *,
+    reason: str = "in-process rejoin after a PS failure",
+    failed_at: float | None = None,
+    timeout: float = 600.0,
+) -> dict[str, Any]:
+    """From the trainer: ask the chief's agent to restart every PS server and wait until they all serve.
+
+    The ``restart_ps`` of :func:`psguard.trainer.recovery.run_with_recovery` under ``psguard agent``. ``url``
+    defaults to ``$PSGUARD_AGENT_URL`` (and the token to the file named by ``$PSGUARD_AGENT_TOKEN_FILE``).
+    ``failed_at``: when the trainer saw the failure (``time.time()``); a PS started since then (the one that
+    died, already restarted by its agent) is not restarted a second time, which saves one PS start.
+    Returns the agent's outcome per PS agent; raises :class:`PsguardError` when one did not come back.
+    """
+    base = url or os.environ.get(ENV_AGENT_URL)
+    if not base:
+        raise ConfigError("no agent URL: run the trainer under `psguard agent`, which sets PSGUARD_AGENT_URL")
+    token = read_token(os.environ.get(ENV_AGENT_TOKEN_FILE))
+    try:
+        status, doc = http_json(
+            "POST",
+            f"{base.rstrip('/')}/new-generation",
+            body={"reason": reason, "failed_at": failed_at},
+            token=token,
+            timeout=timeout,
+        )
+    except OSError as e:
+        raise PsguardError(f"cannot reach the chief's agent at {base} to restart the PS servers: {e}") from e
+    if status != 200 or not isinstance(doc, dict):
+        detail = doc.get("peers") or doc.get("error") if isinstance(doc, dict) else doc
+        raise PsguardError(f"the chief's agent at {base} could not restart every PS server (HTTP {status}): {detail}")
+    return doc
+
+
+def report_failure(
+    failed_at: float | None = None, url: str | None = None, *, step: int | None = None, timeout: float = 5.0
+) -> bool:
+    """From the trainer, before it exits 75 after a PS failure: tell the chief's agent when it saw the failure.
+
+    The agent then does not restart, for the next generation, a PS started since (the one that died, already
+    restarted by its own agent), which saves one PS start. ``step``: the last step trained, so that the next
+    trainer's restore can be turned into lost steps. Best effort: False when there is no agent to tell.
+    """
+    body: dict[str, Any] = {"failed_at": time.time() if failed_at is None else failed_at}
+    if step is not None:
+        body["step"] = int(step)
+    return _tell_agent("/failure", body, url, timeout)
+
+
+def report_recovery(
+    restored_step: int,
+    *,
+    seen_step: int | None = None,
+    source: str | None = None,
+    url: str | None = None,
+    timeout: float = 5.0,
+) -> bool:
+    """From the trainer after a restore: the agent turns it into lost steps (``psguard_lost_steps_total``).
+
+    ``seen_step``: the highest step this process trained before (an in-process rejoin); without it the agent
+    uses the step the failed trainer reported with :func:`report_failure`. Best effort, like that one.
+    """
+    body: dict[str, Any] = {"restored_step": int(restored_step), "seen_step": seen_step, "source": source}
+    return _tell_agent("/recovery", body, url, timeout)
+
+
+def _tell_agent(path: str, body: dict[str, Any], url: str | None, timeout: float) -> bool:
+    base = url or os.environ.get(ENV_AGENT_URL)
+    if not base:
+        return False
+    try:
+        token = read_token(os.environ.get(ENV_AGENT_TOKEN_FILE))
+        code, _ = http_json("POST", f"{base.rstrip('/')}{path}", body=body, token=token, timeout=timeout)
+    except (OSError, ConfigError) as e:
+        log.warning("could not tell the agent at %s (%s): %s", base, path, e)
+        return False
+    return code == 200

@@ -1,0 +1,61 @@
+"""What the trainer and its agent agree on, besides the spool's file format (:mod:`psguard.handoff.spool`).
+
+Both sides import these names; neither defines its own copy. Changing a value here changes the protocol
+between two processes that may run different psguard versions during a rolling upgrade: add, never rename.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = [
+    "ENV_AGENT_TOKEN_FILE",
+    "ENV_AGENT_URL",
+    "ENV_SPOOL",
+    "ENV_TASK",
+    "EXIT_OK",
+    "EXIT_RESTART",
+    "RETENTION_KEY",
+    "STALL_KEY",
+    "TOKEN_KEY",
+    "Tier",
+]
+
+
+class Tier(enum.StrEnum):
+    """Where a save goes. ``BASE`` means: make the durable chain start afresh from a full base."""
+
+    MEMORY = "memory"
+    DURABLE = "durable"
+    BASE = "base"
+
+
+# ------------------------------------------------------------------------------------------------ environment
+#: The spool folder the agent serves, set for the trainer it runs.
+ENV_SPOOL = "PSGUARD_SPOOL"
+#: The agent's HTTP base URL, set for its task.
+ENV_AGENT_URL = "PSGUARD_AGENT_URL"
+#: The path of the agent's bearer-token file (never the token itself), when it has one.
+ENV_AGENT_TOKEN_FILE = "PSGUARD_AGENT_TOKEN_FILE"
+#: ``role:index`` of the task the agent runs (``ps:0``).
+ENV_TASK = "PSGUARD_TASK"
+
+# ------------------------------------------------------------------------------------------------ exit codes
+EXIT_OK = 0
+"""The task finished: the supervisor does not restart it and is done."""
+
+EXIT_RESTART = 75
+"""``EX_TEMPFAIL`` from ``sysexits.h``: restart me now, this is not a crash (the trainer after a PS failure)."""
+
+# ------------------------------------------------------------------------------------------------ metadata keys
+#: Metadata key under which a durable checkpoint records the memory-tier token of its state, so a tier
+#: re-seeded from it (or a trainer restored from it) can accept deltas relative to that state.
+TOKEN_KEY = "psguard.token"
+
+#: Metadata key under which a trainer's CheckpointManager asks for its retention (``max_to_keep``,
+#: ``keep_checkpoint_every_n_hours``) when the agent writes the durable log for it: the writer applies it
+#: after each commit, as the manager does when it writes itself.
+RETENTION_KEY = "psguard.store.retention"
+
+#: Metadata key of a capture: the training stall it cost in seconds (the agent's stall histogram).
+STALL_KEY = "capture_stall_seconds"

@@ -1,0 +1,527 @@
+"""The hand-off between the trainer and the agent on its node: a spool folder on tmpfs (both ends' format).
+
+The trainer's end is :class:`psguard.trainer.spool_writer.SpoolWriter`; the agent's is
+:class:`psguard.agent.spool_server.SpoolServer`. This module holds what both must agree on: the layout, the
+records and the file format.
+
+Why files on tmpfs rather than a socket or shared-memory segments: a capture must survive either side being
+killed at any moment, and must be picked up by whichever agent runs next. A folder made visible by one atomic
+``rename`` gives that for free (no half capture is ever visible, and unprocessed captures wait in order for
+the next agent), costs memory copies only (tmpfs), and needs no pickle: raw tensor bytes plus JSON.
+
+Layout under the spool folder (default ``/dev/shm/psguard-<job>/``)::
+
+    agent.lock                         flock'ed (exclusive) by the live agent: one agent per spool
+    writers/<gen>.lock                 flock'ed by a live trainer-side writer (generation ``gen``)
+    seq                                the last sequence number handed off (so a new writer never reuses one)
+    incoming/<seq>.tmp-<gen>/          a capture being written (ignored; deleted once its writer is dead)
+    incoming/<seq:012d>/               a complete capture: capture.json + <i>.bin / <i>.ids files
+    acks/<seq:012d>.json               the agent's answer once applied to the memory tier
+    acks/<seq:012d>.pending.json       the capture is on its way to the durable log
+    acks/<seq:012d>.durable.json       ... and its outcome
+    requests/restore-<gen>-<nonce>.json    a trainer asks for the memory tier's snapshot
+    restore/<gen>-<nonce>/             the answer: manifest.json + <i>.bin files (renamed into place whole)
+
+Capture protocol. The writer writes every tensor file (native little-endian bytes, C order; strings as in
+:mod:`psguard.store.chunks`: uint64 lengths then the bytes; row ids as int64) and ``capture.json`` into
+``incoming/<seq>.tmp-<gen>/``, then renames the folder to ``incoming/<seq:012d>/``. ``capture.json``::
+
+    {"format": "psguard-spool-capture", "version": 1, "seq": 7, "writer": "<gen>",
+     "token": "<gen>-7", "parent": "<gen>-6" | null, "step": 1200, "tiers": ["memory", "durable"],
+     "metadata": {...}, "metrics": {"loss": 0.3}, "created_at": 1.7e9,
+     "tensors": [{"name": "...", "kind": "full", "dtype": "bfloat16", "shape": [..], "file": "0.bin",
+                  "size": N, "crc32c": C},
+                 {"name": "...", "kind": "rows", "dtype": ..., "shape": [..], "count": n,
+                  "ids": {"file": "1.ids", "size": .., "crc32c": ..}, "values": {"file": "1.bin", ...}},
+                 {"name": "...", "kind": "same", "dtype": ..., "shape": [..]}]}
+
+``token`` names the state the capture produces, ``parent`` the state it applies to (null: a whole capture).
+The agent processes complete captures in ``seq`` order (a startup scan, then ``watchdog`` events, with a slow
+poll as a safety net): it checks every file's size and CRC32C, applies the capture to the memory tier, writes
+``acks/<seq>.json`` (``{"status": "ok" | "need_full" | "error", "memory_step", "token", "message"}``) by
+write-then-rename, asks its persister to make captures for the durable tier durable, and deletes the folder.
+
+Restore protocol. The trainer writes ``requests/restore-<gen>-<nonce>.json``; the agent exports a consistent
+snapshot of the memory tier (step, metadata, token, the last durable checkpoint it knows, a CRC32C per
+tensor) into ``restore/<gen>-<nonce>.tmp-agent/`` and renames it to ``restore/<gen>-<nonce>/``. The trainer
+verifies every CRC32C before returning anything, then deletes the folder.
+
+Crashes. A killed writer leaves ``*.tmp-<gen>`` folders: the agent deletes them once ``writers/<gen>.lock``
+is no longer locked (flock works across PID namespaces, so a sidecar container that cannot see the trainer's
+PID still tells). A killed agent leaves captures unprocessed: its successor processes them in order (one whose
+ack already exists is only deleted; captures announced as pending for the durable log get an error durable
+ack saying the agent restarted). A killed trainer leaves acks and restore folders that the agent removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import crc32c as _crc32c
+import numpy as np
+
+from psguard.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    PsguardError,
+    SaveError,
+)
+from psguard.handoff.contract import Tier
+from psguard.store.chunks import as_le_bytes, byte_view, deserialize_strings, serialize_strings
+from psguard.store.dtypes import dtype_from_name, dtype_name
+from psguard.tensors import Full, Rows, Same, TensorUpdate
+
+__all__ = [
+    "Ack",
+    "Capture",
+    "DurableAck",
+    "NeedFullCaptureError",
+    "Restored",
+    "SpoolPaths",
+    "SpooledCapture",
+    "default_spool_dir",
+    "read_capture",
+    "read_restore",
+]
+
+log = logging.getLogger(__name__)
+
+CAPTURE_FORMAT = "psguard-spool-capture"
+RESTORE_FORMAT = "psguard-spool-restore"
+VERSION = 1
+_PIECE = 8 << 20  # bytes per write/read+CRC step: keeps the piece in cache between the two
+SEQ_RE = re.compile(r"^[0-9]{12,}$")
+GEN_RE = re.compile(r"^[0-9a-f]{8}$")
+TMP_RE = re.compile(r"^([0-9]+)\.tmp-([0-9a-f]{8})$")
+REQ_RE = re.compile(r"^restore-([0-9a-f]{8})-([0-9a-f]{12})\.json$")
+RESTORE_RE = re.compile(r"^([0-9a-f]{8})-([0-9a-f]{12})$")
+AGENT_TMP = ".tmp-agent"
+
+T = TypeVar("T")
+
+
+def default_spool_dir(job: str) -> Path:
+    """``/dev/shm/psguard-<job>`` (tmpfs), or the temp folder where there is no ``/dev/shm``."""
+    if not re.match(r"^[A-Za-z0-9_.-]+$", job):
+        raise ConfigError(f"job name {job!r} must be made of [A-Za-z0-9_.-] to name a spool folder")
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / f"psguard-{job}"
+
+
+# ------------------------------------------------------------------------------------------------ records
+@dataclass(frozen=True)
+class Capture:
+    """What the trainer hands off: one update per tensor, the step, JSON metadata (the data position) and
+    the tiers it is for (``DURABLE`` implies ``MEMORY``; ``BASE`` asks the persister for a new full base)."""
+
+    step: int
+    tensors: Mapping[str, TensorUpdate]
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    tiers: frozenset[Tier] = frozenset({Tier.MEMORY})
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def whole(self) -> bool:
+        return all(isinstance(u, Full) for u in self.tensors.values())
+
+
+@dataclass(frozen=True)
+class SpooledCapture:
+    """A capture as the agent read it from the spool (every file verified)."""
+
+    seq: int
+    writer: str
+    token: str
+    parent: str | None
+    step: int
+    tiers: frozenset[Tier]
+    metadata: dict[str, Any]
+    metrics: dict[str, float]
+    tensors: dict[str, TensorUpdate]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Ack:
+    """The agent's answer to one capture (memory tier)."""
+
+    seq: int
+    status: Literal["ok", "need_full", "error"]
+    memory_step: int | None
+    token: str | None
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "status": self.status,
+            "memory_step": self.memory_step,
+            "token": self.token,
+            "message": self.message,
+        }
+
+
+@dataclass(frozen=True)
+class DurableAck:
+    """The durable log's outcome for a capture meant for it: the checkpoint that covers it, or an error."""
+
+    seq: int
+    status: Literal["ok", "error"]
+    checkpoint: str | None
+    durable_step: int | None
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seq": self.seq,
+            "status": self.status,
+            "checkpoint": self.checkpoint,
+            "durable_step": self.durable_step,
+            "message": self.message,
+        }
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The memory tier's snapshot as the trainer received it (every tensor verified)."""
+
+    step: int
+    tensors: dict[str, np.ndarray]
+    metadata: dict[str, Any]
+    token: str | None
+    durable_id: str | None = None
+    durable_step: int | None = None
+
+
+class NeedFullCaptureError(SaveError):
+    """The agent could not apply a delta (its memory tier is not at the delta's parent state): the capture
+    was not applied; send a whole capture (``Capturer.capture(full=True)``)."""
+
+    def __init__(self, message: str, ack: Ack) -> None:
+        super().__init__(message)
+        self.ack = ack
+
+
+# ------------------------------------------------------------------------------------------------ files
+def atomic_write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    try:
+        tmp.write_bytes(json.dumps(doc, allow_nan=False).encode())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _write_blob(path: Path, data: memoryview) -> int:
+    """Write ``data``; return its CRC32C, computed piece by piece while the piece is in cache."""
+    crc = 0
+    with open(path, "wb", buffering=0) as f:
+        for start in range(0, len(data), _PIECE):
+            piece = data[start : start + _PIECE]
+            crc = _crc32c.crc32c(piece, crc)
+            done = 0
+            while done < len(piece):
+                done += f.write(piece[done:]) or 0
+    return int(crc)
+
+
+def _read_blob(path: Path, out: memoryview, size: int, crc: int, what: str) -> None:
+    """Read exactly ``size`` bytes into ``out`` and check their CRC32C; raise CorruptCheckpointError."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            actual = os.fstat(f.fileno()).st_size
+            if actual != size or len(out) != size:
+                raise CorruptCheckpointError(f"{what}: {path.name} has {actual} bytes, expected {size}")
+            got = 0
+            running = 0
+            while got < size:
+                n = f.readinto(out[got : min(size, got + _PIECE)])
+                if not n:
+                    raise CorruptCheckpointError(f"{what}: {path.name} ended after {got} of {size} bytes")
+                running = _crc32c.crc32c(out[got : got + n], running)
+                got += n
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what}: {path.name} is missing") from None
+    if int(running) != crc:
+        raise CorruptCheckpointError(f"{what}: {path.name} failed its CRC32C check (damaged in the spool)")
+
+
+def _tensor_bytes(value: np.ndarray) -> memoryview:
+    if value.dtype.kind in ("O", "S", "U"):
+        return memoryview(serialize_strings(value))
+    return as_le_bytes(value)
+
+
+def write_array(folder: Path, file: str, value: np.ndarray) -> dict[str, Any]:
+    data = _tensor_bytes(value)
+    return {"file": file, "size": len(data), "crc32c": _write_blob(folder / file, data)}
+
+
+def _file_ref(doc: Any, what: str) -> tuple[str, int, int]:
+    try:
+        file, size, crc = doc["file"], doc["size"], doc["crc32c"]
+    except (KeyError, TypeError):
+        raise CorruptCheckpointError(f"{what}: file reference incomplete") from None
+    if not isinstance(file, str) or not re.match(r"^[0-9]+\.(bin|ids)$", file):
+        raise CorruptCheckpointError(f"{what}: bad file name {file!r}")
+    if not isinstance(size, int) or not isinstance(crc, int) or size < 0:
+        raise CorruptCheckpointError(f"{what}: bad size or CRC32C")
+    return file, size, crc
+
+
+def _read_array(folder: Path, ref: Any, dtype: np.dtype[Any], shape: tuple[int, ...], what: str) -> np.ndarray:
+    file, size, crc = _file_ref(ref, what)
+    if dtype.kind == "O":
+        blob = bytearray(size)
+        _read_blob(folder / file, memoryview(blob), size, crc, what)
+        try:
+            return deserialize_strings(memoryview(blob), shape)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{what}: {e}") from None
+    out = np.empty(shape, dtype=dtype)
+    if out.nbytes != size:
+        raise CorruptCheckpointError(f"{what}: {size} bytes on file for a {dtype}{list(shape)} tensor")
+    _read_blob(folder / file, byte_view(out), size, crc, what)
+    return out
+
+
+def _parse_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what}: {path.name} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{what}: {path.name} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError(f"{what}: {path.name} is not a JSON object")
+    return doc
+
+
+def _shape_dtype(doc: Mapping[str, Any], what: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
+    shape = doc.get("shape")
+    if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
+        raise CorruptCheckpointError(f"{what}: bad shape {shape!r}")
+    try:
+        dtype = dtype_from_name(str(doc.get("dtype")))
+    except (ValueError, ImportError) as e:
+        raise CorruptCheckpointError(f"{what}: {e}") from None
+    return tuple(shape), dtype
+
+
+def check_json(metadata: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        json.dumps(metadata, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"capture metadata must be plain JSON: {e}") from None
+    return dict(metadata)
+
+
+def write_capture_files(folder: Path, capture: Capture) -> list[dict[str, Any]]:
+    entries: list[dict[str, Any]] = []
+    for i, (name, update) in enumerate(capture.tensors.items()):
+        if isinstance(update, Full):
+            value = update.value
+            entry: dict[str, Any] = {
+                "name": name,
+                "kind": "full",
+                "dtype": dtype_name(value.dtype),
+                "shape": list(value.shape),
+            }
+            entry.update(write_array(folder, f"{i}.bin", value))
+        elif isinstance(update, Rows):
+            ids = np.ascontiguousarray(update.ids, dtype="<i8")
+            entry = {
+                "name": name,
+                "kind": "rows",
+                "dtype": dtype_name(update.dtype),
+                "shape": [int(x) for x in update.shape],
+                "count": int(ids.size),
+                "ids": write_array(folder, f"{i}.ids", ids),
+                "values": write_array(folder, f"{i}.bin", update.values),
+            }
+        elif isinstance(update, Same):
+            entry = {
+                "name": name,
+                "kind": "same",
+                "dtype": dtype_name(np.dtype(update.dtype)),
+                "shape": [int(x) for x in update.shape],
+            }
+        else:
+            raise ConfigError(f"tensor {name!r}: {type(update).__name__} is not a Full, Rows or Same update")
+        entries.append(entry)
+    return entries
+
+
+def payload_bytes(capture: Capture) -> int:
+    total = 0
+    for u in capture.tensors.values():
+        if isinstance(u, Full):
+            total += u.value.nbytes if u.value.dtype.kind != "O" else 8 * u.value.size + 1024
+        elif isinstance(u, Rows):
+            total += u.values.nbytes + 8 * u.ids.size
+    return total
+
+
+def read_capture(folder: Path) -> SpooledCapture:
+    """Read and verify a complete capture folder; :class:`CorruptCheckpointError` names what is wrong."""
+    what = f"spool capture {folder}"
+    doc = _parse_json(folder / "capture.json", what)
+    if doc.get("format") != CAPTURE_FORMAT or doc.get("version") != VERSION:
+        raise CorruptCheckpointError(f"{what}: not a version-{VERSION} capture ({doc.get('format')!r})")
+    try:
+        seq, writer, token, parent = int(doc["seq"]), str(doc["writer"]), str(doc["token"]), doc["parent"]
+        step = int(doc["step"])
+        tiers = frozenset(Tier(t) for t in doc["tiers"])
+        metadata = doc["metadata"]
+        metrics = {str(k): float(v) for k, v in doc.get("metrics", {}).items()}
+        items = doc["tensors"]
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{what}: capture.json lacks or garbles {e}") from None
+    if parent is not None and not isinstance(parent, str):
+        raise CorruptCheckpointError(f"{what}: bad parent token {parent!r}")
+    if not isinstance(metadata, dict) or not isinstance(items, list):
+        raise CorruptCheckpointError(f"{what}: metadata or tensors malformed")
+    tensors: dict[str, TensorUpdate] = {}
+    nbytes = 0
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise CorruptCheckpointError(f"{what}: tensor entry malformed")
+        name = item["name"]
+        where = f"{what}, tensor {name!r}"
+        shape, dtype = _shape_dtype(item, where)
+        kind = item.get("kind")
+        if kind == "full":
+            value = _read_array(folder, item, dtype, shape, where)
+            tensors[name] = Full(value)
+            nbytes += int(item["size"])
+        elif kind == "rows":
+            count = item.get("count")
+            if not isinstance(count, int) or count < 0 or not shape:
+                raise CorruptCheckpointError(f"{where}: bad row count or shape")
+            ids = _read_array(folder, item.get("ids"), np.dtype("<i8"), (count,), where)
+            values = _read_array(folder, item.get("values"), dtype, (count, *shape[1:]), where)
+            tensors[name] = Rows(ids, values, shape)
+            nbytes += values.nbytes + ids.nbytes
+        elif kind == "same":
+            tensors[name] = Same(shape, dtype)
+        else:
+            raise CorruptCheckpointError(f"{where}: unknown kind {kind!r}")
+    return SpooledCapture(seq, writer, token, parent, step, tiers, metadata, metrics, tensors, nbytes)
+
+
+def read_restore(folder: Path) -> Restored:
+    """Read an exported snapshot, verifying every tensor's size and CRC32C before returning anything.
+
+    :class:`NoCheckpointError` when the agent's memory tier was empty; :class:`CorruptCheckpointError`
+    on any damage; :class:`PsguardError` with the agent's message when the export failed.
+    """
+    what = f"memory-tier snapshot {folder}"
+    doc = _parse_json(folder / "manifest.json", what)
+    if doc.get("format") != RESTORE_FORMAT or doc.get("version") != VERSION:
+        raise CorruptCheckpointError(f"{what}: not a version-{VERSION} snapshot")
+    status = doc.get("status")
+    if status == "empty":
+        raise NoCheckpointError(f"the agent's memory tier is empty ({doc.get('message', '')}); use the durable log")
+    if status != "ok":
+        raise PsguardError(f"the agent could not export its memory tier: {doc.get('message', status)}")
+    tensors: dict[str, np.ndarray] = {}
+    items = doc.get("tensors")
+    if not isinstance(items, list):
+        raise CorruptCheckpointError(f"{what}: tensors malformed")
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise CorruptCheckpointError(f"{what}: tensor entry malformed")
+        shape, dtype = _shape_dtype(item, f"{what}, tensor {item['name']!r}")
+        tensors[item["name"]] = _read_array(folder, item, dtype, shape, f"{what}, tensor {item['name']!r}")
+    try:
+        return Restored(
+            step=int(doc["step"]),
+            tensors=tensors,
+            metadata=dict(doc["metadata"]),
+            token=doc.get("token"),
+            durable_id=doc.get("durable_id"),
+            durable_step=doc.get("durable_step"),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise CorruptCheckpointError(f"{what}: manifest lacks or garbles {e}") from None
+
+
+# ------------------------------------------------------------------------------------------------ both sides
+class SpoolPaths:
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.incoming = self.root / "incoming"
+        self.acks = self.root / "acks"
+        self.requests = self.root / "requests"
+        self.restore = self.root / "restore"
+        self.writers = self.root / "writers"
+        self.agent_lock = self.root / "agent.lock"
+        self.seq = self.root / "seq"
+
+    def make(self) -> None:
+        for d in (self.incoming, self.acks, self.requests, self.restore, self.writers):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def ack(self, seq: int, kind: str = "") -> Path:
+        return self.acks / f"{seq:012d}{'.' + kind if kind else ''}.json"
+
+
+def try_flock(path: Path, mode: int) -> int | None:
+    """An fd holding ``mode`` on ``path`` (created if absent), or None when someone else holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def poll_until(
+    check: Callable[[], T | None], timeout: float | None, max_poll: float, timeout_message: Callable[[], str]
+) -> T:
+    """Poll ``check`` with a backoff from 0.2 ms up to ``max_poll`` until it answers or ``timeout`` passes."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = 0.0002
+    while True:
+        got = check()
+        if got is not None:
+            return got
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(timeout_message())
+            time.sleep(min(delay, left))
+        else:
+            time.sleep(delay)
+        delay = min(delay * 2, max_poll)
+
+
+def read_json_if_present(path: Path) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None  # cannot happen with write-then-rename; poll again
+    return doc if isinstance(doc, dict) else None

@@ -1,0 +1,460 @@
+"""``psguard.trainer.keras.CheckpointCallback``: psguard checkpoints for tf_keras ``model.fit``, with resume.
+
+``tf_keras.callbacks.BackupAndRestore`` writes a whole TF checkpoint to a local path, and under
+``ParameterServerStrategy`` only at epoch ends (it skips its batch hooks there). A PS job's state is mostly
+large embedding tables of which few rows change between saves, so this callback hands the saving to a
+:class:`psguard.CheckpointManager` instead: incremental (changed rows only), asynchronous (training stalls
+only for the capture), verified, and to any store URL (local, ``s3://``, ``hdfs://``), every N steps or per
+psguard policy.
+
+Resume: ``on_train_begin`` restores the newest checkpoint, then tells ``fit`` where to continue the same
+way ``BackupAndRestore`` does, through ``model._training_state``: right after ``on_train_begin``, tf_keras'
+``fit`` asks ``model._training_state.maybe_load_initial_counters_from_ckpt(steps_per_epoch, initial_epoch,
+mode)`` for the ``(epoch, step)`` to start at. Each checkpoint records the fit position it was taken at
+(epoch and batches done in it, in the manifest's ``data_position``), so a chief restarted with the same
+``fit(...)`` call schedules exactly the steps the checkpoint had not seen, and ``optimizer.iterations``
+ends where an uninterrupted run would have. What ``fit`` cannot get back is the input pipeline's position:
+PS training reads per-worker datasets that are recreated from scratch (as with ``BackupAndRestore``).
+
+Only tf_keras models: in TF 2.21 Keras 3's ``model.fit`` does not support ``ParameterServerStrategy``
+(see :func:`_refuse_keras3`). With ``TF_USE_LEGACY_KERAS=1``, ``tf.keras`` is tf_keras.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import tensorflow as tf
+
+try:
+    import tf_keras
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "psguard.trainer.keras needs the tf_keras package (pip install --no-deps tf_keras==2.21.*; set "
+        "TF_USE_LEGACY_KERAS=1 so that tf.keras is tf_keras). For Keras 3 models use a custom training loop "
+        "with psguard.CheckpointManager."
+    ) from e
+
+from psguard.errors import ConfigError, PsguardError
+from psguard.policy.engine import AnyOf, EverySteps, Schedule
+from psguard.trainer.manager import CheckpointManager, SaveHandle, _load_schedule
+
+__all__ = ["CheckpointCallback", "FitPosition", "KerasSupportError"]
+
+log = logging.getLogger(__name__)
+
+_UNSET = object()
+
+#: Key of the fit position inside a checkpoint's ``data_position`` metadata.
+POSITION_KEY = "keras_fit"
+
+
+class KerasSupportError(PsguardError, NotImplementedError):
+    """The model or strategy is one this callback cannot checkpoint and resume correctly."""
+
+
+@dataclass(frozen=True)
+class FitPosition:
+    """Where ``model.fit`` stood when a checkpoint was taken.
+
+    ``epoch`` is the epoch of the last scheduled batch and ``batches`` how many of its batches were done;
+    ``step`` is the global step (``optimizer.iterations`` once the scheduled steps have run, which the
+    capture's drain guarantees). ``steps_per_epoch`` is what that fit used, kept for diagnostics.
+    """
+
+    epoch: int
+    batches: int
+    step: int
+    steps_per_epoch: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> FitPosition | None:
+        """The position in ``doc`` (a ``data_position``), or ``None`` when it holds none."""
+        if not isinstance(doc, Mapping) or not isinstance(doc.get(POSITION_KEY), Mapping):
+            return None
+        d = doc[POSITION_KEY]
+        try:
+            spe = d.get("steps_per_epoch")
+            return cls(int(d["epoch"]), int(d["batches"]), int(d["step"]), None if spe is None else int(spe))
+        except (KeyError, TypeError, ValueError):
+            log.warning("ignoring an unreadable fit position in the checkpoint: %r", d)
+            return None
+
+    def resume_at(self, steps_per_epoch: int | None) -> tuple[int, int]:
+        """``(initial_epoch, initial_step)`` for a fit of ``steps_per_epoch`` batches per epoch.
+
+        An epoch whose batches were all done resumes at the next epoch's start; otherwise at the next batch.
+        """
+        if steps_per_epoch is not None and steps_per_epoch > 0 and self.batches >= steps_per_epoch:
+            return self.epoch + 1, 0
+        return self.epoch, self.batches
+
+
+class _ResumeState:
+    """Stands in for tf_keras' ``WorkerTrainingState`` on ``model._training_state`` (one method is used).
+
+    It answers once: a later ``fit`` that does not carry this callback must not inherit the position (the
+    attribute would otherwise linger after a fit that raised before ``on_train_end``).
+    """
+
+    def __init__(self, callback: CheckpointCallback) -> None:
+        self._callback = callback
+        self._used = False
+
+    def maybe_load_initial_counters_from_ckpt(
+        self, steps_per_epoch: int | None, initial_epoch: int, mode: Any = None
+    ) -> tuple[int, int]:
+        if self._used:
+            return initial_epoch, 0
+        self._used = True
+        return self._callback._resume_at(steps_per_epoch, initial_epoch)
+
+
+class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
+    """Incremental, asynchronous psguard checkpoints of ``model.fit``, and resume after a restart.
+
+    ``directory``: a store URL (path, ``s3://``, ``hdfs://`` ...), or an existing
+    :class:`psguard.CheckpointManager`, which must checkpoint this model and optimizer; the callback then
+    waits for its saves at the end but leaves closing it to its owner. ``storage_options`` and
+    ``max_to_keep`` apply only to a URL (they configure the manager the callback creates), as do
+    ``manager_options`` (more :class:`CheckpointManager` arguments: ``new_base_after``, ``preemption``...).
+
+    When to save: ``save_every_n_steps`` and/or ``policy`` (a :class:`psguard.policy.engine.Schedule`, a policy
+    file or a preset name); with both, a durable save happens when either is due. With an existing manager
+    and neither, its own policy applies. ``save_at_end`` also saves the final state when ``fit`` returns;
+    ``on_train_end`` waits until every save is durable and raises :class:`psguard.errors.SaveError` if one
+    could not be made so.
+
+    ``on_train_begin`` builds the optimizer (its slots must exist before a restore; TF would silently skip
+    them), restores the newest checkpoint that verifies, and makes ``fit`` continue from its step: see the
+    module doc. The store holds one run's progress: a second ``fit`` with the same arguments over a store
+    whose last checkpoint finished them trains nothing, as with ``BackupAndRestore``; start a new run in a
+    new directory.
+
+    Steps are counted from what ``fit`` schedules (under PS the steps run asynchronously on the workers,
+    and reading ``optimizer.iterations`` at each batch would cost an RPC and see a lagging value). They
+    equal ``optimizer.iterations`` after the capture's drain, except when a worker failure made TF run a
+    step twice (its closures run at least once); checkpoints keep TF's ``iterations`` as it was.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str] | CheckpointManager,
+        *,
+        save_every_n_steps: int | None = None,
+        policy: Schedule | str | os.PathLike[str] | None = None,
+        max_to_keep: int | None = None,
+        storage_options: Mapping[str, Any] | None = None,
+        save_at_end: bool = True,
+        manager_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        if save_every_n_steps is not None and (isinstance(save_every_n_steps, bool) or save_every_n_steps < 1):
+            raise ConfigError(f"save_every_n_steps must be a positive integer, not {save_every_n_steps!r}")
+        given = directory if isinstance(directory, CheckpointManager) else None
+        if given is not None and (max_to_keep is not None or storage_options is not None or manager_options):
+            raise ConfigError(
+                "max_to_keep, storage_options and manager_options configure the manager the callback creates; "
+                "with an existing CheckpointManager set them on it"
+            )
+        schedule = _combine(_load_schedule(policy), save_every_n_steps)
+        if schedule is None and (given is None or given.schedule is None):
+            raise ConfigError(
+                "say when to save: save_every_n_steps=N and/or policy=... (a Schedule, a policy file or a preset "
+                "such as 'default')"
+            )
+        self._given = given
+        self._url = None if isinstance(directory, CheckpointManager) else os.fspath(directory)
+        self._schedule = schedule
+        self.max_to_keep = max_to_keep
+        self.storage_options = dict(storage_options) if storage_options is not None else None
+        self.manager_options = dict(manager_options or {})
+        self.save_at_end = save_at_end
+        self.manager: CheckpointManager | None = self._given
+        #: What the callback saves (the manager's checkpoint), set by ``on_train_begin``.
+        self.checkpoint: Any = None
+        #: The newest save this callback started (``result()`` blocks until it is durable).
+        self.last_save: SaveHandle | None = None
+        #: The checkpoint restored by the last ``on_train_begin`` (``None``: started fresh).
+        self.restored_step: int | None = None
+        self.restored_position: FitPosition | None = None
+        #: ``(initial_epoch, initial_step)`` that the last fit was told to start at.
+        self.resumed_at: tuple[int, int] | None = None
+        # tf_keras calls batch hooks under PS only for callbacks that accept RemoteValue logs; this one never
+        # reads the logs, so it must not force a sync of them either.
+        self._supports_tf_logs = True
+        # Under PS only the chief runs fit (and saves); multi-worker mirrored training is refused below.
+        self._chief_worker_only = True
+        self._step = 0
+        self._epoch = 0
+        self._batches = 0
+        self._steps_per_epoch: int | None = None
+        self._position_hook = False
+        self._given_schedule: Any = _UNSET
+
+    # ------------------------------------------------------------------------------------------ Keras hooks
+
+    def set_model(self, model: Any) -> None:
+        _refuse_keras3(model)
+        super().set_model(model)
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return True
+
+    def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
+        model = self.model
+        _refuse_keras3(model)
+        strategy = _check_strategy(model)
+        other = getattr(model, "_training_state", None)
+        if other is not None and not isinstance(other, _ResumeState):
+            raise ConfigError(
+                f"another callback ({type(other).__name__}, from BackupAndRestore?) also resumes this fit through "
+                "model._training_state; use one of them"
+            )
+        if self.manager is not None and self.manager is not self._given:
+            self._close_own()  # left open by a fit that raised before on_train_end
+        self.last_save = None
+        self._build_optimizer(model, strategy)
+        coordinator = getattr(model, "_cluster_coordinator", None)
+        if self._given is None:
+            assert self._url is not None
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+            self.manager = CheckpointManager(
+                checkpoint,
+                self._url,
+                max_to_keep=self.max_to_keep,
+                coordinator=coordinator,
+                policy=self._schedule,
+                storage_options=self.storage_options,
+                data_position=self._data_position,
+                **self.manager_options,
+            )
+        else:
+            self.manager = self._given
+            checkpoint = self.manager.checkpoint
+            if self._schedule is not None:
+                self._given_schedule = self.manager.schedule
+                self.manager.schedule = self._schedule
+            if self.manager.coordinator is None and coordinator is not None:
+                raise ConfigError(
+                    "the CheckpointManager has no coordinator but the model trains under ParameterServerStrategy: "
+                    "create it with coordinator=model._cluster_coordinator (or the strategy's ClusterCoordinator) "
+                    "so that captures drain the scheduled steps first"
+                )
+            # The position is what makes resume exact; a manager that records none still resumes by step.
+            if self.manager.data_position is None:
+                self.manager.data_position = self._data_position
+                self._position_hook = True
+        self.checkpoint = checkpoint
+        try:
+            self._restore(model)
+        except BaseException:
+            self._close_own()
+            raise
+        self._steps_per_epoch = _steps_per_epoch(self.params)
+        self.resumed_at = None
+        # Installed after the restore succeeded: fit consults it right after on_train_begin returns.
+        model._training_state = _ResumeState(self)
+
+    def on_epoch_begin(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        if self.restored_step is not None and self.resumed_at is None:
+            # Training would start over on top of restored weights and number its saves wrongly.
+            raise KerasSupportError(
+                "model.fit did not ask model._training_state where to resume (a tf_keras version other than 2.x, "
+                "or another callback replaced it): cannot resume at the restored step"
+            )
+        first = self.resumed_at is not None and epoch == self.resumed_at[0]
+        self._epoch = epoch
+        self._batches = self.resumed_at[1] if first and self.resumed_at is not None else 0
+
+    def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
+        # `batch` is the index of the last batch of this execution (steps_per_execution batches per call).
+        done = int(batch) + 1
+        self._step += max(done - self._batches, 0)
+        self._batches = done
+        assert self.manager is not None
+        handle = self.manager.maybe_save(self._step)
+        if handle is not None:
+            self.last_save = handle
+
+    def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
+        model = self.model
+        if isinstance(getattr(model, "_training_state", None), _ResumeState):
+            model._training_state = None
+        manager = self.manager
+        if manager is None:
+            return
+        try:
+            saved = self.last_save.step if self.last_save is not None else self.restored_step
+            if self.save_at_end and saved != self._step:
+                self.last_save = manager.save(self._step)
+            manager.wait()
+            if self.last_save is not None:
+                self.last_save.result()  # a save handed to a sidecar is not the writer's to wait for
+        finally:
+            self._close_own()
+
+    # ------------------------------------------------------------------------------------------ public
+
+    @property
+    def step(self) -> int:
+        """The global step of the last batch fit scheduled (what the next save is numbered)."""
+        return self._step
+
+    @property
+    def position(self) -> FitPosition:
+        """Where fit stands now, as a checkpoint taken now would record it."""
+        return FitPosition(self._epoch, self._batches, self._step, self._steps_per_epoch)
+
+    def close(self) -> None:
+        """Wait for pending saves and release the manager this callback created (idempotent).
+
+        ``on_train_end`` does this; call it yourself after a ``fit`` that raised.
+        """
+        self._close_own()
+
+    # ------------------------------------------------------------------------------------------ internals
+
+    def _close_own(self) -> None:
+        manager, self.manager = self.manager, self._given
+        if self._given is not None:
+            if self._position_hook:
+                self._given.data_position = None
+                self._position_hook = False
+            if self._given_schedule is not _UNSET:
+                self._given.schedule = self._given_schedule
+                self._given_schedule = _UNSET
+        if manager is not None and manager is not self._given:
+            manager.close()
+
+    def _build_optimizer(self, model: Any, strategy: Any) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            raise ConfigError("compile the model before fit: the callback checkpoints its optimizer too")
+        if not model.built:
+            raise ConfigError(
+                "build the model before fit (give it an Input, or call it on a batch): the callback restores "
+                "before the first step, into variables that must exist"
+            )
+        variables = list(model.trainable_variables)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            if callable(getattr(optimizer, "build", None)):
+                if not getattr(optimizer, "_built", False):
+                    optimizer.build(variables)
+            elif callable(getattr(optimizer, "_create_all_weights", None)):  # tf_keras.optimizers.legacy
+                optimizer._create_all_weights(variables)
+
+    def _restore(self, model: Any) -> None:
+        assert self.manager is not None
+        restored = self.manager.restore_or_initialize()
+        info = self.manager.restored if restored is not None else None
+        self.restored_position = None
+        if info is not None:
+            self.restored_step = info.step
+            self.restored_position = FitPosition.from_json(info.metadata.get("data_position"))
+            self._step = self.restored_position.step if self.restored_position is not None else info.step
+            log.info("restored step %d (%s)", info.step, info.id)
+        else:
+            self.restored_step = None
+            self._step = int(model.optimizer.iterations.numpy())
+            # Count "every N steps" from where this run starts, not from step 0 of an earlier run.
+            self.manager.context = dataclasses.replace(self.manager.context, started_step=self._step)
+
+    def _resume_at(self, steps_per_epoch: int | None, initial_epoch: int) -> tuple[int, int]:
+        """Called by fit (through ``_ResumeState``) right after ``on_train_begin``."""
+        spe = steps_per_epoch if steps_per_epoch is not None else self._steps_per_epoch
+        self._steps_per_epoch = spe
+        if self.restored_step is None:
+            at = (initial_epoch, 0)
+        elif self.restored_position is not None:
+            at = self.restored_position.resume_at(spe)
+        elif spe:
+            # A checkpoint without a fit position (written by a manager outside this callback): assume the
+            # run started at step 0 with this many steps per epoch.
+            at = divmod(self._step, spe)
+        else:
+            at = (initial_epoch, 0)
+        self.resumed_at = at
+        self._epoch, self._batches = at
+        if self.restored_step is not None:
+            log.info("resuming fit at epoch %d, batch %d (step %d)", at[0], at[1], self._step)
+        return at
+
+    def _data_position(self) -> dict[str, Any]:
+        return {POSITION_KEY: self.position.to_json()}
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _combine(schedule: Schedule | None, every: int | None) -> Schedule | None:
+    if every is None:
+        return schedule
+    steps = EverySteps(every)
+    if schedule is None:
+        return Schedule(durable=steps)
+    durable = steps if schedule.durable is None else AnyOf((schedule.durable, steps))
+    return dataclasses.replace(schedule, durable=durable)
+
+
+def _is_keras3(model: Any) -> bool:
+    if isinstance(model, tf_keras.Model):
+        return False
+    return type(model).__module__.split(".")[0] == "keras" or any(
+        c.__module__.startswith("keras.") for c in type(model).__mro__
+    )
+
+
+def _is_ps(strategy: Any) -> bool:
+    return bool(getattr(strategy, "_should_use_with_coordinator", False)) or isinstance(
+        strategy, tf.distribute.experimental.ParameterServerStrategy
+    )
+
+
+def _refuse_keras3(model: Any) -> None:
+    """Fail before training with what to use instead.
+
+    In TF 2.21 Keras 3's ``model.fit`` cannot train under ``ParameterServerStrategy`` at all, and its
+    ``fit`` has no hook to resume mid-epoch; saving without a correct resume would be worse than failing.
+    """
+    if model is None or not _is_keras3(model):
+        return
+    strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+    if _is_ps(strategy):
+        raise KerasSupportError(
+            "psguard.trainer.keras.CheckpointCallback got a Keras 3 model under ParameterServerStrategy: Keras 3's "
+            "model.fit does not support ParameterServerStrategy in TF 2.21. Use tf_keras for model.fit "
+            "(pip install --no-deps tf_keras==2.21.*, set TF_USE_LEGACY_KERAS=1 so tf.keras is tf_keras, and "
+            "build the model with tf.keras / tf_keras), or train with a custom loop (ClusterCoordinator.schedule) "
+            "and save with psguard.CheckpointManager(tf.train.Checkpoint(model=..., optimizer=...), url, "
+            "coordinator=coordinator)."
+        )
+    raise KerasSupportError(
+        "psguard.trainer.keras.CheckpointCallback drives tf_keras model.fit (TF_USE_LEGACY_KERAS=1); this is a Keras 3 "
+        "model. With Keras 3 save from a custom training loop with psguard.CheckpointManager."
+    )
+
+
+def _check_strategy(model: Any) -> Any:
+    """The model's strategy (``None``: the default one); refuse those whose variables are untested here."""
+    strategy = getattr(model, "_distribution_strategy", None)
+    if strategy is None or _is_ps(strategy):
+        return strategy
+    raise KerasSupportError(
+        f"psguard.trainer.keras.CheckpointCallback supports ParameterServerStrategy and no strategy, not "
+        f"{type(strategy).__name__}"
+    )
+
+
+def _steps_per_epoch(params: Mapping[str, Any] | None) -> int | None:
+    steps = (params or {}).get("steps")
+    return int(steps) if isinstance(steps, int) and steps > 0 else None

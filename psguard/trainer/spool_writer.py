@@ -1,0 +1,318 @@
+"""The trainer's end of the spool (the protocol: :mod:`psguard.handoff.spool`)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import TypeVar
+
+from psguard.errors import (
+    ConfigError,
+    PsguardError,
+    SaveError,
+    StorageError,
+)
+from psguard.handoff.contract import Tier
+from psguard.handoff.spool import (
+    CAPTURE_FORMAT,
+    VERSION,
+    Ack,
+    Capture,
+    DurableAck,
+    NeedFullCaptureError,
+    Restored,
+    SpoolPaths,
+    atomic_write_json,
+    atomic_write_text,
+    check_json,
+    payload_bytes,
+    poll_until,
+    read_json_if_present,
+    read_restore,
+    try_flock,
+    write_capture_files,
+)
+
+__all__ = ["CaptureHandle", "RestoreHandle", "SpoolWriter"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class CaptureHandle:
+    """One capture handed off. :meth:`result` waits for the memory tier; :meth:`durable` for the log."""
+
+    def __init__(self, writer: SpoolWriter, seq: int, token: str, step: int, tiers: frozenset[Tier]) -> None:
+        self._writer = writer
+        self.seq = seq
+        self.token = token
+        self.step = step
+        self.tiers = tiers
+        self._ack: Ack | None = None
+        self._durable: DurableAck | None = None
+
+    def done(self) -> bool:
+        """True once the agent answered (without consuming the answer)."""
+        return self._ack is not None or self._writer._paths.ack(self.seq).exists()
+
+    def result(self, timeout: float | None = None) -> Ack:
+        """The agent's ack once the capture is applied to the memory tier (the save is *restorable*).
+
+        Raises :class:`NeedFullCaptureError` when the agent needs a whole capture, :class:`SaveError` when it
+        rejected the capture, :class:`TimeoutError` when no answer came within ``timeout`` seconds.
+        """
+        if self._ack is None:
+            path = self._writer._paths.ack(self.seq)
+            doc = poll_until(
+                lambda: read_json_if_present(path),
+                timeout,
+                self._writer.poll_interval,
+                lambda: self._writer._no_answer(f"capture seq {self.seq} (step {self.step})", timeout),
+            )
+            self._ack = Ack(
+                seq=self.seq,
+                status=doc.get("status", "error"),
+                memory_step=doc.get("memory_step"),
+                token=doc.get("token"),
+                message=str(doc.get("message", "")),
+            )
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._writer._answered(self.seq, self._ack)
+        ack = self._ack
+        if ack.status == "need_full":
+            raise NeedFullCaptureError(f"capture seq {self.seq} (step {self.step}) not applied: {ack.message}", ack)
+        if ack.status != "ok":
+            raise SaveError(f"the agent rejected capture seq {self.seq} (step {self.step}): {ack.message}")
+        return ack
+
+    def durable(self, timeout: float | None = None) -> DurableAck:
+        """The durable log's outcome (the save is *durable*); raises :class:`SaveError` on failure."""
+        if Tier.DURABLE not in self.tiers:
+            raise ConfigError(f"capture seq {self.seq} was not meant for the durable tier")
+        if self._durable is None:
+            path = self._writer._paths.ack(self.seq, "durable")
+            doc = poll_until(
+                lambda: read_json_if_present(path),
+                timeout,
+                max(self._writer.poll_interval, 0.05),
+                lambda: self._writer._no_answer(f"the durable save of capture seq {self.seq}", timeout),
+            )
+            self._durable = DurableAck(
+                seq=self.seq,
+                status="ok" if doc.get("status") == "ok" else "error",
+                checkpoint=doc.get("checkpoint"),
+                durable_step=doc.get("durable_step"),
+                message=str(doc.get("message", "")),
+            )
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if self._durable.status != "ok":
+            raise SaveError(
+                f"capture seq {self.seq} (step {self.step}) did not become durable: {self._durable.message}"
+            )
+        return self._durable
+
+
+class RestoreHandle:
+    """A pending request for the memory tier's snapshot."""
+
+    def __init__(self, writer: SpoolWriter, name: str) -> None:
+        self._writer = writer
+        self.name = name
+        self.folder = writer._paths.restore / name
+
+    def done(self) -> bool:
+        return self.folder.is_dir()
+
+    def result(self, timeout: float | None = None) -> Restored:
+        """Wait for the export, verify it, delete it, return it (see :func:`read_restore` for errors)."""
+        poll_until(
+            lambda: True if self.folder.is_dir() else None,
+            timeout,
+            self._writer.poll_interval,
+            lambda: self._writer._no_answer("the restore request", timeout),
+        )
+        try:
+            return read_restore(self.folder)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+class SpoolWriter:
+    """The trainer's end of the spool. Not a thread: handing off is a few file writes and one rename.
+
+    ``parent``: the token of the state the next delta applies to (set it to ``Restored.token`` after
+    restoring from the memory tier, or to the durable checkpoint's token after restoring from the log);
+    it then follows the captures submitted. A whole capture needs no parent.
+    """
+
+    def __init__(self, root: str | Path, *, parent: str | None = None, poll_interval: float = 0.005) -> None:
+        self._paths = SpoolPaths(root)
+        self._paths.make()
+        self.root = self._paths.root
+        self.poll_interval = poll_interval
+        self.generation = secrets.token_hex(4)
+        self._lock = threading.Lock()
+        self._parent = parent
+        self._chain_start = 0  # a capture from here on that is not applied breaks the chain
+        lock_tmp = self._paths.writers / f"{self.generation}.lock.tmp"
+        fd = try_flock(lock_tmp, fcntl.LOCK_EX)
+        if fd is None:  # pragma: no cover - a fresh random name
+            raise PsguardError(f"could not lock {lock_tmp}")
+        self._lock_fd: int | None = fd
+        self._lock_path = self._paths.writers / f"{self.generation}.lock"
+        os.rename(lock_tmp, self._lock_path)  # only now visible: never seen unlocked by the agent
+        self._seq = self._high_water() + 1
+
+    def _high_water(self) -> int:
+        high = -1
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            high = int(self._paths.seq.read_text().strip() or -1)
+        for folder in (self._paths.incoming, self._paths.acks):
+            for name in os.listdir(folder):
+                m = re.match(r"^\.?([0-9]+)", name)
+                if m:
+                    high = max(high, int(m.group(1)))
+        return high
+
+    @property
+    def parent(self) -> str | None:
+        return self._parent
+
+    @parent.setter
+    def parent(self, token: str | None) -> None:
+        with self._lock:
+            self._parent = token
+            self._chain_start = self._seq
+
+    def agent_alive(self) -> bool:
+        """Whether an agent holds the spool (flock probe; never blocks)."""
+        fd = try_flock(self._paths.agent_lock, fcntl.LOCK_SH)
+        if fd is None:
+            return True
+        os.close(fd)
+        return False
+
+    def submit(self, capture: Capture) -> CaptureHandle:
+        """Hand ``capture`` off; returns at once after the rename (nothing waits for the agent).
+
+        The arrays are written out before this returns, so the caller may reuse them. Raises
+        :class:`StorageError` when the spool's filesystem is full (nothing half-written stays visible) and
+        :class:`ConfigError` for a delta with no known parent state.
+        """
+        if capture.step < 0:
+            raise ConfigError(f"step must be >= 0, got {capture.step}")
+        metadata = check_json(capture.metadata)
+        metrics = {str(k): float(v) for k, v in capture.metrics.items()}
+        if not all(math.isfinite(v) for v in metrics.values()):
+            raise ConfigError(f"capture metrics must be finite numbers, got {metrics}")
+        tiers = set(capture.tiers)
+        if Tier.DURABLE in tiers or Tier.BASE in tiers:
+            tiers |= {Tier.MEMORY, Tier.DURABLE}
+        with self._lock:
+            whole = capture.whole
+            parent = None if whole else self._parent
+            if not whole and parent is None:
+                raise ConfigError(
+                    "this delta has no parent state: send a whole capture first (capture(full=True)), or set "
+                    "writer.parent to the token of the state the trainer restored"
+                )
+            seq = self._seq
+            token = f"{self.generation}-{seq}"
+            self._check_space(capture, seq)
+            tmp = self._paths.incoming / f"{seq}.tmp-{self.generation}"
+            final = self._paths.incoming / f"{seq:012d}"
+            try:
+                tmp.mkdir()
+                entries = write_capture_files(tmp, capture)
+                doc = {
+                    "format": CAPTURE_FORMAT,
+                    "version": VERSION,
+                    "seq": seq,
+                    "writer": self.generation,
+                    "token": token,
+                    "parent": parent,
+                    "step": int(capture.step),
+                    "tiers": sorted(t.value for t in tiers),
+                    "metadata": metadata,
+                    "metrics": metrics,
+                    "created_at": time.time(),
+                    "tensors": entries,
+                }
+                (tmp / "capture.json").write_bytes(json.dumps(doc, allow_nan=False).encode())
+                os.rename(tmp, final)  # the hand-off
+            except BaseException as e:
+                shutil.rmtree(tmp, ignore_errors=True)
+                if isinstance(e, OSError):
+                    raise self._os_error(e, seq, capture) from e
+                raise
+            self._seq = seq + 1
+            self._parent = token
+            if whole:
+                self._chain_start = seq
+            with contextlib.suppress(OSError):
+                atomic_write_text(self._paths.seq, str(seq))
+        return CaptureHandle(self, seq, token, capture.step, frozenset(tiers))
+
+    def _check_space(self, capture: Capture, seq: int) -> None:
+        need = payload_bytes(capture)
+        st = os.statvfs(self._paths.incoming)
+        free = st.f_bavail * st.f_frsize
+        if need > free:
+            raise StorageError(
+                f"spool {self.root} has {free / 1e6:.1f} MB free, capture seq {seq} (step {capture.step}) needs "
+                f"{need / 1e6:.1f} MB: not handed off. Enlarge the tmpfs (docker --shm-size, a bigger emptyDir "
+                "medium: Memory limit) or point the spool elsewhere"
+            )
+
+    def _os_error(self, e: OSError, seq: int, capture: Capture) -> StorageError:
+        if e.errno == errno.ENOSPC:
+            return StorageError(
+                f"spool {self.root} filled up (ENOSPC) while writing capture seq {seq} (step {capture.step}): "
+                "not handed off, nothing left behind. Enlarge the tmpfs (docker --shm-size) or point the spool "
+                "elsewhere"
+            )
+        return StorageError(f"writing capture seq {seq} to spool {self.root} failed: {e}")
+
+    def _answered(self, seq: int, ack: Ack) -> None:
+        """A capture that was not applied breaks the chain of every later delta (until a whole capture)."""
+        if ack.status != "ok":
+            with self._lock:
+                if seq >= self._chain_start:
+                    self._parent = None
+
+    def _no_answer(self, what: str, timeout: float | None) -> str:
+        agent = "an agent holds the spool" if self.agent_alive() else "no agent is running on this spool"
+        return f"no answer from the agent for {what} within {timeout}s ({agent}: {self.root})"
+
+    def request_restore(self) -> RestoreHandle:
+        """Ask the agent for its memory tier's snapshot; ``result(timeout)`` returns it verified."""
+        name = f"{self.generation}-{secrets.token_hex(6)}"
+        atomic_write_json(self._paths.requests / f"restore-{name}.json", {"writer": self.generation, "at": time.time()})
+        return RestoreHandle(self, name)
+
+    def close(self) -> None:
+        """Release the writer's lock (a killed writer's is released by the kernel)."""
+        if self._lock_fd is not None:
+            with contextlib.suppress(OSError):
+                self._lock_path.unlink()
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def __enter__(self) -> SpoolWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
