@@ -62,5 +62,13 @@ class SaveError(PsguardError):
     """An asynchronous save failed; the cause is chained."""
 
 
+class ParentMissingError(SaveError):
+    """A delta's parent checkpoint is gone (deleted by gc or retention) or was never there.
+
+    Nothing was committed; the caller's next save must be a full base. Writers react to this type, not to
+    the wording of a message.
+    """
+
+
 class CrashLoopError(PsguardError):
     """A supervised task kept exiting and the restart limit was reached."""

@@ -36,6 +36,7 @@ from psguard.errors import (
     NoCheckpointError,
     ObjectExistsError,
     ObjectNotFoundError,
+    ParentMissingError,
     PsguardError,
     SaveError,
     UnsupportedFormatError,
@@ -575,11 +576,16 @@ class Store:
         except (TypeError, ValueError) as e:
             raise ConfigError(f"checkpoint metadata must be plain JSON: {e}") from None
         cid = new_checkpoint_id(step)
-        parent_m = self.manifest(parent) if parent is not None else None
+        try:
+            parent_m = self.manifest(parent) if parent is not None else None
+        except (NoCheckpointError, ObjectNotFoundError) as e:
+            raise ParentMissingError(f"step {step}: the parent checkpoint {parent} is gone: {e}") from e
         lock = self._acquire_writer_lock(cid, reuse)
         try:
             if reuse is not None and not self.backend.exists(manifest_key(reuse)):
-                raise SaveError(f"checkpoint {reuse} was deleted (by gc?) while step {step} was being written on it")
+                raise ParentMissingError(
+                    f"checkpoint {reuse} was deleted (by gc?) while step {step} was being written on it"
+                )
             known = self._known_chunks(reuse) if reuse is not None else set()
             writer = ChunkWriter(self.backend, self._pool, inflight_bytes=self.inflight_bytes, known=known)
             pending: dict[str, tuple[str, tuple[int, ...], str, list[Future[Any]]]] = {}
