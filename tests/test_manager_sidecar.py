@@ -23,7 +23,7 @@ from psguard.agent.spool_server import SpoolServer
 from psguard.handoff.contract import Tier
 from psguard.store.log import Store
 from psguard.trainer.capture import bitwise_equal
-from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
 from tests.test_manager import assert_restores, make_local, snapshot, train_local
 
 
@@ -80,7 +80,8 @@ def test_restore_prefers_a_newer_memory_tier(sidecar: Sidecar) -> None:
         m.save(1).result(timeout=60)
         train_local(emb, dense, ckpt, rng)
         h = m.save(2, tiers=frozenset({Tier.MEMORY}))  # restorable, not durable
-        assert h.result(timeout=60) is None
+        memory_only = h.result(timeout=60)
+        assert isinstance(memory_only, MemoryCheckpoint) and memory_only.step == 2 and memory_only.token
         want = snapshot(ckpt)
     fresh, _, _ = make_local(seed=5, rows=(3000,))
     with CheckpointManager(fresh, url, spool=sidecar.spool) as m2:

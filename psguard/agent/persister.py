@@ -41,11 +41,11 @@ from dataclasses import dataclass
 from typing import Literal
 
 from psguard.agent.memory_tier import DirtyTake, MemoryTier
-from psguard.errors import NoCheckpointError, PsguardError, SaveError
+from psguard.config import from_data
+from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
 from psguard.handoff.contract import RETENTION_KEY, TOKEN_KEY
-from psguard.policy.engine import ChainLimit, SaveContext, SavePolicy, TierState
+from psguard.policy.engine import ChainLimit, Retention, SaveContext, SavePolicy, TierState
 from psguard.store.log import CheckpointInfo, Store
-from psguard.store.manifest import manifest_key
 
 __all__ = ["PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
 
@@ -349,14 +349,13 @@ class Persister:
         spec = info.metadata.get(RETENTION_KEY)
         if not isinstance(spec, dict):
             return
-        keep_last, hours = spec.get("keep_last"), spec.get("keep_every_hours")
-        if not (keep_last is None or (isinstance(keep_last, int) and keep_last >= 1)) or not (
-            hours is None or (isinstance(hours, int | float) and hours > 0)
-        ):
-            log.warning("ignoring a malformed retention request in %s: %r", info.id, spec)
+        try:
+            retention = from_data(Retention, spec, source=f"{info.id}: {RETENTION_KEY}")
+        except ConfigError as e:
+            log.warning("ignoring a malformed retention request in %s: %s", info.id, e)
             return
         try:
-            self.store.retain(keep_last=keep_last, keep_every_hours=hours)
+            self.store.retain(**retention.as_kwargs())
         except PsguardError as e:
             log.warning("retention after %s failed (retried after the next commit): %s", info.id, e)
 
@@ -383,9 +382,19 @@ class Persister:
                 )
             else:
                 info = self.store.save(take.step, take.updates, parent=last.id, metadata=metadata, metrics=take.metrics)
+        except ParentMissingError:
+            take.abort()
+            log.warning(
+                "checkpoint %s is gone from %s; the next persist writes a new base",
+                last.id if last else None,
+                self.store.url,
+            )
+            with self._cond:
+                self._last = None
+                self._last_token = None
+            raise
         except BaseException:
             take.abort()
-            self._forget_missing_parent()
             raise
         take.commit()
         with self._cond:
@@ -416,21 +425,6 @@ class Persister:
         )
         step = self.tier.step or 0
         return bool(self.base_policy.should_save(step, time.time(), last=context.base, context=context))
-
-    def _forget_missing_parent(self) -> None:
-        """After a failure: if the last checkpoint was deleted (gc), stop building on it (next: a new base)."""
-        last = self._last
-        if last is None:
-            return
-        try:
-            gone = not self.store.backend.exists(manifest_key(last.id))
-        except PsguardError:
-            return  # storage is down; the next attempt will tell
-        if gone:
-            log.warning("checkpoint %s is gone from %s; the next persist writes a new base", last.id, self.store.url)
-            with self._cond:
-                self._last = None
-                self._last_token = None
 
     def _failed(self, batch: PersistHandle, error: Exception, take: DirtyTake | None, seconds: float) -> None:
         with self._cond:

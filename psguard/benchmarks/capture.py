@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from psguard.benchmarks.common import alternate, median, print_results, progress
+from psguard.store.log import CheckpointInfo
 
 MiB = 1 << 20
 OPTIMIZERS = ("adagrad", "sgd")  # slots (if any) change only in the rows of the gradients
@@ -232,6 +233,7 @@ class _Job:
         t1 = time.perf_counter()
         info = handle.result()
         t2 = time.perf_counter()
+        assert isinstance(info, CheckpointInfo), "the benchmark writes to the store itself"
         stats = self.psguard.capturer.last_stats
         return {
             "stall_s": t1 - t0,

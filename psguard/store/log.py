@@ -781,17 +781,28 @@ class Store:
         return live
 
     # ----------------------------------------------------------------------------------------------- gc
-    def retain(self, *, keep_last: int | None, keep_every_hours: float | None) -> GcReport | None:
-        """A writer's retention after each commit (``max_to_keep``, ``keep_checkpoint_every_n_hours``).
+    def retain(
+        self,
+        *,
+        keep_last: int | None,
+        keep_every_hours: float | None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] = "min",
+    ) -> GcReport | None:
+        """A writer's retention after each commit (``max_to_keep``, ``keep_checkpoint_every_n_hours``, or a
+        policy file's ``retention:``, whose keys these are).
 
         Skips the gc (its locks and listing) when nothing can go: no rule, or no more checkpoints than
-        ``keep_last``. ``None`` when skipped.
+        ``keep_last`` (the other rules only keep more). ``None`` when skipped.
         """
-        if keep_last is None and keep_every_hours is None:
+        if keep_last is None and keep_every_hours is None and keep_best is None:
             return None
         if keep_last is not None and len(self.checkpoint_ids()) <= keep_last:
             return None
-        return self.gc(keep_last=keep_last, keep_every_hours=keep_every_hours)
+        return self.gc(
+            keep_last=keep_last, keep_every_hours=keep_every_hours, keep_best=keep_best, metric=metric, mode=mode
+        )
 
     def gc(
         self,

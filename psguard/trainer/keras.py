@@ -43,7 +43,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 
 from psguard.errors import ConfigError, PsguardError
 from psguard.policy.engine import AnyOf, EverySteps, Schedule
-from psguard.trainer.manager import CheckpointManager, SaveHandle, _load_schedule
+from psguard.trainer.manager import CheckpointManager, SaveHandle, load_schedule
 
 __all__ = ["CheckpointCallback", "FitPosition", "KerasSupportError"]
 
@@ -166,7 +166,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 "max_to_keep, storage_options and manager_options configure the manager the callback creates; "
                 "with an existing CheckpointManager set them on it"
             )
-        schedule = _combine(_load_schedule(policy), save_every_n_steps)
+        schedule = _combine(load_schedule(policy), save_every_n_steps)
         if schedule is None and (given is None or given.schedule is None):
             raise ConfigError(
                 "say when to save: save_every_n_steps=N and/or policy=... (a Schedule, a policy file or a preset "

@@ -29,21 +29,26 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from psguard.errors import NoCheckpointError, PsguardError, SaveError
-from psguard.handoff.contract import Tier
-from psguard.policy.engine import SaveContext, Schedule
-from psguard.store.log import CheckpointInfo, Store
-from psguard.tensors import Full, Rows, Same, TensorUpdate, merge_updates
+from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError
+from psguard.handoff.client import report_recovery
+from psguard.handoff.contract import ENV_SPOOL, TOKEN_KEY, Tier
+from psguard.policy.engine import Retention, SaveContext, Schedule
+from psguard.policy.files import PolicySpec, PolicyWatcher, load_policy
+from psguard.store.log import Store
+from psguard.tensors import Full, Same, TensorUpdate
+from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
 from psguard.trainer.preemption import PreemptionHandler
+from psguard.trainer.sinks import AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
+from psguard.trainer.spool_writer import SpoolWriter
+
+__all__ = ["CheckpointManager", "MemoryCheckpoint", "RestoreInfo", "SaveHandle", "last_seen_step"]
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +71,11 @@ def _drain_at_exit() -> None:
     ``close()``; our writer is a daemon thread, and without this the exit would cut the last saves off.
     """
     for manager in list(_open_managers):
-        if not manager._writer.in_flight:
+        if not manager._sink.in_flight():
             continue
         log.warning("the process is exiting: waiting up to %.0fs for pending checkpoint writes", EXIT_WAIT_SECONDS)
         try:
-            errors = manager._writer.wait(EXIT_WAIT_SECONDS)
+            errors = manager._sink.wait(EXIT_WAIT_SECONDS)
         except TimeoutError:
             log.error("pending checkpoint writes did not finish within %.0fs: they are lost", EXIT_WAIT_SECONDS)
             continue
@@ -108,162 +113,43 @@ class RestoreInfo:
     source: str  # "memory" or "durable"
 
 
-class SaveHandle:
-    """The pending result of one :meth:`CheckpointManager.save`.
+class _Policy:
+    """Where the manager's schedule and retention come from, kept current when a policy file is edited.
 
-    ``result(timeout)`` returns the committed :class:`~psguard.store.log.CheckpointInfo` or re-raises why the save
-    failed. When saves were folded together (the store was slower than the save cadence), every folded handle
-    resolves to the checkpoint that contains them, whose step is the latest folded one.
+    A user's policy file is watched (:class:`~psguard.policy.files.PolicyWatcher`): an edit that validates
+    changes the next decision and the retention after the next save; one that does not is logged and the
+    old policy stays. Presets and :class:`Schedule` objects do not change.
     """
 
-    def __init__(self, step: int, stall_seconds: float) -> None:
-        self.step = step
-        self.stall_seconds = stall_seconds
-        self._future: Future[CheckpointInfo] = Future()
-
-    def result(self, timeout: float | None = None) -> CheckpointInfo:
-        try:
-            return self._future.result(timeout)
-        except FutureTimeout:
-            raise TimeoutError(f"save of step {self.step} not durable within {timeout}s") from None
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
-
-    def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"SaveHandle(step={self.step}, {state})"
-
-
-class _SpoolSaveHandle(SaveHandle):
-    """A save handed to the sidecar: restorable once the agent acks it, durable once its persister commits.
-
-    ``result()`` waits for the strongest tier the save was for: the durable checkpoint's info for a durable
-    save, ``None`` for a memory-only save (then it is restorable from the sidecar's memory tier).
-    """
-
-    def __init__(self, step: int, stall_seconds: float, spooled: Any, store: Store) -> None:
-        super().__init__(step, stall_seconds)
-        self._spooled = spooled
-        self._store = store
-
-    def restorable(self, timeout: float | None = None) -> None:
-        self._spooled.result(timeout)
-
-    def result(self, timeout: float | None = None) -> CheckpointInfo:  # type: ignore[override]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._spooled.result(timeout)
-        if Tier.DURABLE not in self._spooled.tiers:
-            return None  # type: ignore[return-value]
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ack = self._spooled.durable(left)
-        return CheckpointInfo.of(self._store.manifest(str(ack.checkpoint)))
-
-    def done(self) -> bool:
-        return bool(self._spooled.done())
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        try:
-            self.result(timeout)
-        except BaseException as e:
-            return e
-        return None
-
-
-@dataclass
-class _Job:
-    step: int
-    updates: dict[str, TensorUpdate]
-    metadata: dict[str, Any]
-    metrics: dict[str, float]
-    handles: list[SaveHandle] = field(default_factory=list)
-
-    def fold(self, newer: _Job) -> _Job:
-        """This job followed by ``newer``, as one."""
-        merged = dict(self.updates)
-        for name, update in newer.updates.items():
-            merged[name] = merge_updates(merged[name], update) if name in merged else update
-        return _Job(newer.step, merged, newer.metadata, newer.metrics, [*self.handles, *newer.handles])
+    def __init__(self, policy: Schedule | str | os.PathLike[str] | None, *, watch: bool) -> None:
+        self._fixed: Schedule | None = None
+        self._spec: PolicySpec | None = None
+        self.watcher: PolicyWatcher | None = None
+        if policy is None or isinstance(policy, Schedule):
+            self._fixed = policy
+        elif watch and Path(policy).is_file():
+            self.watcher = PolicyWatcher(policy).start()
+        else:
+            self._spec = load_policy(os.fspath(policy))
 
     @property
-    def full(self) -> bool:
-        return all(isinstance(u, Full) for u in self.updates.values())
-
-
-class _Writer:
-    """The background thread that persists captures in order, with one job writing and one waiting."""
-
-    def __init__(self, manager: CheckpointManager) -> None:
-        self.m = manager
-        self._cond = threading.Condition()
-        self._waiting: _Job | None = None
-        self._carry: _Job | None = None  # rows of a failed write, folded into the next job
-        self._busy = False
-        self._stop = False
-        self._errors: list[BaseException] = []
-        self._thread = threading.Thread(target=self._run, name="psguard-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: _Job) -> None:
-        with self._cond:
-            if self._stop:
-                raise SaveError("the checkpoint manager is closed")
-            self._waiting = self._waiting.fold(job) if self._waiting is not None else job
-            self._cond.notify_all()
+    def spec(self) -> PolicySpec | None:
+        return self.watcher.spec if self.watcher is not None else self._spec
 
     @property
-    def in_flight(self) -> bool:
-        with self._cond:
-            return self._busy or self._waiting is not None
+    def schedule(self) -> Schedule | None:
+        spec = self.spec
+        return spec.schedule if spec is not None else self._fixed
 
-    def wait(self, timeout: float | None) -> list[BaseException]:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while self._busy or self._waiting is not None:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"pending saves not durable within {timeout}s")
-                self._cond.wait(left)
-            errors, self._errors = self._errors, []
-            return errors
+    @schedule.setter
+    def schedule(self, schedule: Schedule | None) -> None:
+        self.close()
+        self._fixed, self._spec = schedule, None
 
     def close(self) -> None:
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
-        self._thread.join()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while self._waiting is None and not self._stop:
-                    self._cond.wait()
-                if self._waiting is None:
-                    return
-                job, self._waiting = self._waiting, None
-                if self._carry is not None:
-                    job, self._carry = self._carry.fold(job), None
-                self._busy = True
-            try:
-                info = self.m._persist(job)
-            except BaseException as e:  # the handle carries it to the caller
-                keep = self.m._after_failure(e)
-                for h in job.handles:
-                    h._future.set_exception(e)
-                with self._cond:
-                    if keep:
-                        self._carry = _Job(job.step, job.updates, job.metadata, job.metrics)
-                    self._errors.append(e)
-            else:
-                for h in job.handles:
-                    h._future.set_result(info)
-            finally:
-                with self._cond:
-                    self._busy = False
-                    self._cond.notify_all()
+        watcher, self.watcher = self.watcher, None
+        if watcher is not None:
+            watcher.stop()
 
 
 class CheckpointManager:
@@ -274,13 +160,17 @@ class CheckpointManager:
     - ``checkpoint``: a ``tf.train.Checkpoint`` (or any trackable) whose variables to save.
     - ``directory``: a store URL (path, ``s3://``, ``hdfs://`` ...); ``storage_options`` go to its client.
     - ``max_to_keep`` / ``keep_checkpoint_every_n_hours``: retention, applied after each save (a kept delta
-      keeps the checkpoints it is built on).
+      keeps the checkpoints it is built on). ``retention``: the same as a
+      :class:`~psguard.policy.engine.Retention` (which can also keep the best by a metric). When none of these
+      is given, a policy file's ``retention:`` applies; with no policy file, every checkpoint is kept.
     - ``step_counter``: a variable whose value numbers saves when ``save()`` gets no ``checkpoint_number``.
     - ``coordinator``: the job's ``ClusterCoordinator``; captures drain it first so that weights, slots and
       counters all come from the same step.
     - ``policy``: a :class:`~psguard.policy.engine.Schedule`, a policy file or preset name, used by
-      :meth:`maybe_save`. ``new_base_after``: fold the delta chain into a new full checkpoint (in the
-      background, from storage, no stall) after this many deltas.
+      :meth:`maybe_save`. A policy file is watched while the manager is open (``watch_policy``): an edit
+      changes the next decisions and the retention. ``new_base_after``: fold the delta chain into a new full
+      checkpoint (in the background, from storage, no stall) after this many deltas; a policy's ``base:``
+      section asks for new bases too.
     - ``data_position``: a callable returning JSON (e.g. the number of batches consumed), stored with each
       checkpoint and returned by :attr:`restored_data_position` after a restore.
     - ``preemption``: install a SIGTERM handler: the next :meth:`maybe_save` saves at once, waits until it
@@ -289,6 +179,9 @@ class CheckpointManager:
       the trainer it runs). With a sidecar, saves are handed to it (it keeps a memory tier and writes the
       durable log in the background) and restores take its memory tier when that is at least as new as the
       durable log; ``restore_timeout`` bounds the wait for its answer.
+
+    Where saves go is chosen once, here (:mod:`psguard.trainer.sinks`); :meth:`save`, :meth:`wait` and
+    :meth:`close` mean the same with or without a sidecar.
     """
 
     def __init__(
@@ -302,6 +195,8 @@ class CheckpointManager:
         *,
         coordinator: Any = None,
         policy: Schedule | str | os.PathLike[str] | None = None,
+        retention: Retention | None = None,
+        watch_policy: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         data_position: Callable[[], Any] | None = None,
         new_base_after: int = 16,
@@ -311,44 +206,49 @@ class CheckpointManager:
         spool: str | os.PathLike[str] | None = None,
         restore_timeout: float = 120.0,
     ) -> None:
-        from psguard.trainer.capture import Capturer
-
         if max_to_keep is not None and max_to_keep < 1:
             raise PsguardError("max_to_keep must be >= 1 or None (keep everything)")
+        if retention is not None and (max_to_keep is not None or keep_checkpoint_every_n_hours is not None):
+            raise ConfigError("give either retention= or max_to_keep/keep_checkpoint_every_n_hours, not both")
+        if max_to_keep is not None or keep_checkpoint_every_n_hours is not None:
+            retention = Retention(keep_last=max_to_keep, keep_every_hours=keep_checkpoint_every_n_hours)
         self._checkpoint = checkpoint
         self._directory = str(directory)
         self.checkpoint_name = checkpoint_name
         self._max_to_keep = max_to_keep
-        self._keep_hours = keep_checkpoint_every_n_hours
+        self._retention_arg = retention
         self._step_counter = step_counter
         self.coordinator = coordinator
-        self.new_base_after = new_base_after
         self._data_position = data_position
         self.store = store or Store.open(self._directory, storage_options)
         self._owns_store = store is None
         self.capturer = Capturer(checkpoint, coordinator=coordinator, **dict(capturer_options or {}))
-        self.schedule = _load_schedule(policy)
+        self._policy = _Policy(policy, watch=watch_policy)
         self.context = SaveContext(started_at=time.time(), observed_since=time.time())
         self._preemption = PreemptionHandler().install() if preemption else None
         self._capture_lock = threading.Lock()
-        self._state_lock = threading.Lock()
-        self._last_id: str | None = None
         self._saves = 0
         self._graph: bytes | None = None
         self.restored: RestoreInfo | None = None
         self.restore_timeout = restore_timeout
-        spool_dir = spool if spool is not None else os.environ.get("PSGUARD_SPOOL")
-        self._spool: Any = None
+        spool_dir = spool if spool is not None else os.environ.get(ENV_SPOOL)
+        self._sink: Sink
         if spool_dir:
-            from psguard.trainer.spool_writer import SpoolWriter
-
-            self._spool = SpoolWriter(str(spool_dir))
-        self._last_spooled: Any = None
+            self._sink = AgentSink(
+                SpoolWriter(str(spool_dir)), self.store, retention=self._retention, restore_timeout=restore_timeout
+            )
+        else:
+            self._sink = StoreSink(
+                self.store,
+                retention=self._retention,
+                new_base_after=new_base_after,
+                on_parent_missing=self._forget_state,
+            )
+        self._new_base_after = new_base_after
         self.last_stall_seconds = 0.0
         # tf.train.Checkpoint creates save_counter lazily on its first save; create it now so it is part of
         # every capture (and of exports), and number saves by it as TF's manager does.
         self._save_counter = getattr(checkpoint, "save_counter", None)
-        self._writer = _Writer(self)
         _open_managers.add(self)
 
     # ------------------------------------------------------------------------------------ tf.train API
@@ -389,6 +289,30 @@ class CheckpointManager:
         """The data position saved with the checkpoint the last restore used (``None`` if none)."""
         return self.restored.metadata.get("data_position") if self.restored else None
 
+    @property
+    def schedule(self) -> Schedule | None:
+        """The schedule :meth:`maybe_save` follows now (a watched policy file's current one)."""
+        return self._policy.schedule
+
+    @schedule.setter
+    def schedule(self, schedule: Schedule | None) -> None:
+        self._policy.schedule = schedule
+
+    @property
+    def retention(self) -> Retention | None:
+        """The retention applied after each save now (``None``: keep every checkpoint)."""
+        return self._retention()
+
+    @property
+    def new_base_after(self) -> int:
+        return self._new_base_after
+
+    @new_base_after.setter
+    def new_base_after(self, value: int) -> None:
+        self._new_base_after = value
+        if isinstance(self._sink, StoreSink):
+            self._sink.new_base_after = value
+
     def save(
         self,
         checkpoint_number: int | None = None,
@@ -409,11 +333,9 @@ class CheckpointManager:
             step = self._step_for(checkpoint_number)
             _note_step(self.directory, step)
             t0 = time.perf_counter()
-            full = self._spool is not None and self._spool.parent is None
-            updates = self.capturer.capture(full=full)
+            updates = self.capturer.capture(full=self._sink.whole_next())
             stall = time.perf_counter() - t0
             self._add_object_graph(updates)
-            handle = SaveHandle(step, stall)
             metadata: dict[str, Any] = {
                 "partitioning": {n: list(i.partitioning) for n, i in self.capturer.tensors.items()},
                 "writer": f"{socket.gethostname()}:{os.getpid()}",
@@ -421,30 +343,17 @@ class CheckpointManager:
             }
             if self._data_position is not None:
                 metadata["data_position"] = self._data_position()
-            if self._spool is not None:
-                # The agent writes the durable log: it applies our retention, and reports the stall.
-                metadata["capture_stall_seconds"] = round(stall, 6)
-                if self._max_to_keep is not None or self._keep_hours is not None:
-                    from psguard.handoff.contract import RETENTION_KEY
-
-                    metadata[RETENTION_KEY] = {"keep_last": self._max_to_keep, "keep_every_hours": self._keep_hours}
             self.last_stall_seconds = stall
             self._saves += 1
-            if self._spool is not None:
-                from psguard.handoff.spool import Capture
-
-                wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
-                spooled = self._spool.submit(Capture(step, updates, metadata, wanted, dict(metrics or {})))
-                self._last_spooled = spooled
-                handle = _SpoolSaveHandle(step, time.perf_counter() - t0, spooled, self.store)
-            else:
-                self._writer.submit(_Job(step, updates, metadata, dict(metrics or {}), [handle]))
-        log.info("captured step %d in %.3fs (%s)", step, stall, _summary(updates))
+            wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
+            handle = self._sink.submit(Job(step, updates, metadata, dict(metrics or {}), wanted), stall)
+        log.info("captured step %d in %.3fs (%s)", step, stall, summary(updates))
         return handle
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every pending save is durable; raise :class:`SaveError` if any failed since last time."""
-        errors = self._writer.wait(timeout)
+        """Block until every save since the last wait reached the strongest tier it was asked for (durable
+        unless it was memory-only); raise :class:`SaveError` if any failed."""
+        errors = self._sink.wait(timeout)
         if errors:
             raise SaveError(f"{len(errors)} save(s) failed; the last: {errors[-1]}") from errors[-1]
 
@@ -455,7 +364,7 @@ class CheckpointManager:
         model (build the optimizer first: its slots must exist), else :class:`TensorMismatchError` lists the
         mismatches and nothing is assigned.
         """
-        memory = self._restore_from_memory_tier()
+        memory = self._sink.memory_snapshot(self.restore_timeout)
         durable_latest = self.store.latest() if memory is not None else None
         token: str | None
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
@@ -477,46 +386,25 @@ class CheckpointManager:
                 return None
             tensors = dict(result.tensors)
             info = RestoreInfo(result.info.id, result.info.step, result.info.metadata, "durable")
-            from psguard.handoff.contract import TOKEN_KEY
-
             raw = result.info.metadata.get(TOKEN_KEY)
             token = str(raw) if raw else None
         tensors.pop(OBJECT_GRAPH_KEY, None)
         with self._capture_lock:
             self.capturer.restore(tensors)
-            with self._state_lock:
-                self._last_id = info.id if info.source == "durable" else None
-            if self._spool is not None:
-                self._spool.parent = token  # the next delta applies to exactly this state (None: send it whole)
+            self._sink.rebase(info.id if info.source == "durable" else None, token)
             self.restored = info
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save
         now = time.time()
         self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
         log.info("restored %s (step %d) from the %s tier", info.id, info.step, info.source)
-        if self._spool is not None:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
-            from psguard.handoff.client import report_recovery
-
+        if isinstance(self._sink, AgentSink):  # under an agent: it counts the lost steps (psguard_lost_steps_total)
             report_recovery(info.step, seen_step=last_seen_step(self.directory), source=info.source)
         return info.id
 
-    def _restore_from_memory_tier(self) -> Any:
-        """The sidecar's memory-tier snapshot, verified; ``None`` when there is no sidecar or it has nothing."""
-        if self._spool is None:
-            return None
-        if not self._spool.agent_alive():
-            log.warning("no psguard agent holds spool %s: restoring from the durable log", self._spool.root)
-            return None
-        try:
-            return self._spool.request_restore().result(self.restore_timeout)
-        except NoCheckpointError:
-            return None
-        except (TimeoutError, PsguardError) as e:
-            log.warning("the memory tier could not be used (%s): restoring from the durable log", e)
-            return None
-
     def maybe_save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Ask the policy; save when it says so. Without a policy, never saves (call :meth:`save`)."""
-        if self.schedule is None:
+        schedule = self.schedule
+        if schedule is None:
             return None
         step = self._step_for(step)
         _note_step(self.directory, step)
@@ -524,16 +412,9 @@ class CheckpointManager:
         ctx = self.context
         if self._preemption is not None:
             ctx = self._preemption.apply(ctx)
-        if self._spool is not None:
-            busy = self._last_spooled is not None and not self._last_spooled.done()
-            ctx = _dc_replace(ctx, in_flight=frozenset({Tier.MEMORY}) if busy else frozenset())
-        else:
-            ctx = _dc_replace(ctx, in_flight=frozenset({Tier.DURABLE}) if self._writer.in_flight else frozenset())
-        decision = self.schedule.decide(step, now, ctx)
-        if not decision:
-            return None
-        if self._spool is None and Tier.DURABLE not in decision.tiers and not decision.urgent:
-            # Without a sidecar there is no memory tier: memory-only saves wait for the durable cadence.
+        ctx = replace(ctx, in_flight=self._sink.busy())
+        decision = schedule.decide(step, now, ctx)
+        if not decision or not self._sink.takes(decision.tiers, decision.urgent):
             return None
         handle = self.save(step, metrics=metrics, tiers=decision.tiers)
         self.context = ctx.with_save(decision.tiers, step=step, at=now, stall=handle.stall_seconds)
@@ -541,10 +422,7 @@ class CheckpointManager:
         if decision.urgent and self._preemption is not None:
             remaining = self._preemption.remaining()
             try:
-                if isinstance(handle, _SpoolSaveHandle):
-                    handle.restorable(timeout=remaining)  # in the sidecar's memory: survives this process
-                else:
-                    handle.result(timeout=remaining)
+                handle.restorable(timeout=remaining)  # survives this process: in the agent's memory, or committed
             finally:
                 self._preemption.done()
                 self.close()
@@ -552,14 +430,13 @@ class CheckpointManager:
         return handle
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for pending saves (re-raising failures), then stop the writer and release the store."""
+        """Wait for pending saves as :meth:`wait` does (re-raising failures), then release everything."""
         _open_managers.discard(self)
         try:
-            self._writer.wait(timeout)
+            self.wait(timeout)
         finally:
-            self._writer.close()
-            if self._spool is not None:
-                self._spool.close()
+            self._sink.close()
+            self._policy.close()
             if self._preemption is not None:
                 self._preemption.uninstall()
             if self._owns_store:
@@ -572,6 +449,17 @@ class CheckpointManager:
         self.close()
 
     # ------------------------------------------------------------------------------------ internals
+    def _retention(self) -> Retention | None:
+        if self._retention_arg is not None:
+            return self._retention_arg
+        spec = self._policy.spec
+        return spec.retention if spec is not None else None
+
+    def _forget_state(self) -> None:
+        """The checkpoint the next delta would build on is gone: make the next capture whole."""
+        self.capturer.invalidate()
+        self._graph = None
+
     def _step_for(self, number: int | None) -> int:
         if number is not None:
             return int(number)
@@ -589,64 +477,9 @@ class CheckpointManager:
             updates[OBJECT_GRAPH_KEY] = Full(np.array(graph, dtype=object))
             self._graph = graph
 
-    def _persist(self, job: _Job) -> CheckpointInfo:
-        """Runs on the writer thread."""
-        with self._state_lock:
-            parent = None if job.full else self._last_id
-        if not job.full and parent is None:
-            raise SaveError(f"step {job.step}: a delta without a checkpoint to build on (the next save is full)")
-        info = self.store.save(job.step, job.updates, parent=parent, metadata=job.metadata, metrics=job.metrics)
-        with self._state_lock:
-            self._last_id = info.id
-        if (
-            info.kind == "delta"
-            and info.parent is not None
-            and self.new_base_after
-            and (self.store.manifest(info.id).chain_length >= self.new_base_after)
-        ):
-            try:
-                compacted = self.store.compact(info.id)
-                if compacted is not None:
-                    with self._state_lock:
-                        self._last_id = compacted.id
-            except PsguardError as e:
-                log.warning("compaction after %s failed (the chain grows on): %s", info.id, e)
-        self._apply_retention()
-        return info
 
-    def _after_failure(self, e: BaseException) -> bool:
-        """Decide what a failed write means for the next one; True keeps its rows for the next save."""
-        log.error("checkpoint write failed: %s", e)
-        if isinstance(e, SaveError) and ("deleted" in str(e) or "without a checkpoint" in str(e)):
-            with self._state_lock:
-                self._last_id = None
-            self.capturer.invalidate()
-            self._graph = None
-            return False
-        return True
-
-    def _apply_retention(self) -> None:
-        try:
-            self.store.retain(keep_last=self._max_to_keep, keep_every_hours=self._keep_hours)
-        except PsguardError as e:
-            log.warning("retention failed (will retry after the next save): %s", e)
-
-
-def _dc_replace(ctx: SaveContext, **changes: Any) -> SaveContext:
-    import dataclasses
-
-    return dataclasses.replace(ctx, **changes)
-
-
-def _load_schedule(policy: Schedule | str | os.PathLike[str] | None) -> Schedule | None:
+def load_schedule(policy: Schedule | str | os.PathLike[str] | None) -> Schedule | None:
+    """The schedule of ``policy`` (a Schedule, a policy file or a preset name)."""
     if policy is None or isinstance(policy, Schedule):
         return policy
-    from psguard.policy.files import load_policy
-
-    return load_policy(str(policy) if isinstance(policy, Path) else policy).schedule
-
-
-def _summary(updates: Mapping[str, TensorUpdate]) -> str:
-    full = sum(isinstance(u, Full) for u in updates.values())
-    rows = sum(len(u.ids) for u in updates.values() if isinstance(u, Rows))
-    return f"{full} whole, {rows} changed rows"
+    return load_policy(os.fspath(policy)).schedule

@@ -66,6 +66,10 @@ class CaptureHandle:
         """True once the agent answered (without consuming the answer)."""
         return self._ack is not None or self._writer._paths.ack(self.seq).exists()
 
+    def durable_answered(self) -> bool:
+        """True once the durable log's outcome is in (without consuming it)."""
+        return self._durable is not None or self._writer._paths.ack(self.seq, "durable").exists()
+
     def result(self, timeout: float | None = None) -> Ack:
         """The agent's ack once the capture is applied to the memory tier (the save is *restorable*).
 

@@ -1,0 +1,465 @@
+"""Where a captured save goes: the manager's own writer to the store, or the agent through the spool.
+
+:class:`~psguard.trainer.manager.CheckpointManager` captures once (the only stall) and hands the capture to
+one sink, chosen when the manager is built:
+
+- :class:`StoreSink`: no agent on this node. A background thread commits each capture to the durable log,
+  applies retention after each commit and folds a long delta chain into a new base (``Store.compact``, from
+  storage, no stall). Bounded: one job writing and at most one waiting; a save asked for while both places are
+  taken is folded into the waiting one (rows merged, later values win). A failed write keeps its rows for the
+  next job, unless its parent is gone (then the next capture is whole).
+- :class:`AgentSink`: under ``psguard agent``. The capture is handed to the agent through the spool; the agent
+  applies it to its memory tier (the save is *restorable*) and writes the durable log (*durable*), applying
+  the retention that travels with each capture.
+
+Both give the caller the same :class:`SaveHandle`, and both make :meth:`Sink.wait` mean the same thing: every
+save asked for since the last wait has reached the strongest tier it was for, or the wait raises.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from psguard.errors import NoCheckpointError, ParentMissingError, PsguardError, SaveError
+from psguard.handoff.contract import RETENTION_KEY, STALL_KEY, Tier
+from psguard.handoff.spool import Capture, Restored
+from psguard.policy.engine import ChainLimit, Retention, SaveContext, TierState
+from psguard.store.log import CheckpointInfo, Store
+from psguard.tensors import Full, Rows, TensorUpdate, merge_updates
+from psguard.trainer.spool_writer import CaptureHandle, SpoolWriter
+
+__all__ = ["AgentSink", "Job", "MemoryCheckpoint", "SaveHandle", "Sink", "StoreSink"]
+
+log = logging.getLogger(__name__)
+
+BOTH = frozenset({Tier.MEMORY, Tier.DURABLE})
+
+
+@dataclass(frozen=True)
+class MemoryCheckpoint:
+    """A save held by the agent's memory tier only: restorable from it, not written to the durable log."""
+
+    step: int
+    token: str
+
+
+class SaveHandle:
+    """The pending result of one :meth:`CheckpointManager.save`.
+
+    ``result(timeout)`` waits for the strongest tier the save was for and returns it: the committed
+    :class:`~psguard.store.log.CheckpointInfo` of a durable save, a :class:`MemoryCheckpoint` of a
+    memory-only save (under an agent). It re-raises why the save failed. ``restorable(timeout)`` returns as
+    soon as the save survives this process: in the agent's memory tier, or committed when there is no agent.
+    When saves were folded together (the store was slower than the save cadence), every folded handle
+    resolves to the checkpoint that contains them, whose step is the latest folded one.
+    """
+
+    def __init__(self, step: int, stall_seconds: float, tiers: frozenset[Tier]) -> None:
+        self.step = step
+        self.stall_seconds = stall_seconds
+        self.tiers = tiers
+
+    @property
+    def durable(self) -> bool:
+        """Whether this save was asked to reach the durable log."""
+        return Tier.DURABLE in self.tiers
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo | MemoryCheckpoint:
+        raise NotImplementedError
+
+    def restorable(self, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        try:
+            self.result(timeout)
+        except TimeoutError:
+            raise
+        except BaseException as e:
+            return e
+        return None
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"{type(self).__name__}(step={self.step}, {state})"
+
+
+class _StoreSaveHandle(SaveHandle):
+    def __init__(self, step: int, stall_seconds: float, tiers: frozenset[Tier]) -> None:
+        super().__init__(step, stall_seconds, tiers)
+        self.future: Future[CheckpointInfo] = Future()
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo:
+        try:
+            return self.future.result(timeout)
+        except FutureTimeout:
+            raise TimeoutError(f"save of step {self.step} not durable within {timeout}s") from None
+
+    def restorable(self, timeout: float | None = None) -> None:
+        self.result(timeout)  # no memory tier without an agent: restorable means committed
+
+    def done(self) -> bool:
+        return self.future.done()
+
+
+class _AgentSaveHandle(SaveHandle):
+    def __init__(self, step: int, stall_seconds: float, spooled: CaptureHandle, store: Store) -> None:
+        super().__init__(step, stall_seconds, spooled.tiers)
+        self._spooled = spooled
+        self._store = store
+        self._outcome: CheckpointInfo | MemoryCheckpoint | BaseException | None = None
+
+    def restorable(self, timeout: float | None = None) -> None:
+        self._spooled.result(timeout)
+
+    def result(self, timeout: float | None = None) -> CheckpointInfo | MemoryCheckpoint:
+        if self._outcome is None:
+            self._outcome = self._wait(timeout)
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+    def _wait(self, timeout: float | None) -> CheckpointInfo | MemoryCheckpoint | BaseException:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            ack = self._spooled.result(timeout)  # TimeoutError propagates: the outcome is still unknown
+            if not self.durable:
+                return MemoryCheckpoint(self.step, str(ack.token))
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            durable = self._spooled.durable(left)
+            return CheckpointInfo.of(self._store.manifest(str(durable.checkpoint)))
+        except TimeoutError:
+            raise
+        except PsguardError as e:
+            return e
+
+    def done(self) -> bool:
+        if self._outcome is not None:
+            return True
+        if not self._spooled.done():
+            return False
+        if not self.durable:
+            return True
+        return self._spooled.durable_answered()
+
+
+@dataclass
+class Job:
+    """One capture on its way to a sink."""
+
+    step: int
+    updates: dict[str, TensorUpdate]
+    metadata: dict[str, Any]
+    metrics: dict[str, float]
+    tiers: frozenset[Tier] = BOTH
+    handles: list[_StoreSaveHandle] = field(default_factory=list)
+
+    def fold(self, newer: Job) -> Job:
+        """This job followed by ``newer``, as one."""
+        merged = dict(self.updates)
+        for name, update in newer.updates.items():
+            merged[name] = merge_updates(merged[name], update) if name in merged else update
+        return Job(
+            newer.step, merged, newer.metadata, newer.metrics, self.tiers | newer.tiers, [*self.handles, *newer.handles]
+        )
+
+    @property
+    def full(self) -> bool:
+        return all(isinstance(u, Full) for u in self.updates.values())
+
+
+class Sink(Protocol):
+    """What :class:`CheckpointManager` needs from where its captures go."""
+
+    def whole_next(self) -> bool:
+        """Whether the next capture must be whole (the sink has no state a delta could apply to)."""
+        ...
+
+    def takes(self, tiers: frozenset[Tier], urgent: bool) -> bool:
+        """Whether a scheduled save for ``tiers`` is worth capturing here."""
+        ...
+
+    def submit(self, job: Job, stall_seconds: float) -> SaveHandle: ...
+
+    def busy(self) -> frozenset[Tier]:
+        """The tiers with a save still on its way (the policy's ``in_flight``)."""
+        ...
+
+    def in_flight(self) -> bool:
+        """Whether this process must stay alive for a save to complete."""
+        ...
+
+    def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
+        """After a restore: the next delta applies to this state."""
+        ...
+
+    def memory_snapshot(self, timeout: float) -> Restored | None:
+        """The agent's memory-tier snapshot, verified; ``None`` when there is none to be had."""
+        ...
+
+    def wait(self, timeout: float | None) -> list[BaseException]:
+        """Block until every save since the last wait reached its tier; the failures among them."""
+        ...
+
+    def close(self) -> None: ...
+
+
+def _chain_due(limit: int, chain_length: int) -> bool:
+    """The one rule for a new base after ``limit`` links, shared with the agent's persister (ChainLimit)."""
+    if limit <= 0:
+        return False
+    context = SaveContext(chain_length=chain_length)
+    return ChainLimit(max_chain=limit).should_save(0, time.time(), last=TierState(), context=context).save
+
+
+class StoreSink:
+    """The manager's own writer: commits captures to ``store`` on a background thread (see the module doc)."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        retention: Callable[[], Retention | None],
+        new_base_after: int,
+        on_parent_missing: Callable[[], None],
+    ) -> None:
+        self.store = store
+        self.new_base_after = new_base_after
+        self._retention = retention
+        self._on_parent_missing = on_parent_missing
+        self._last_id: str | None = None
+        self._state_lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._waiting: Job | None = None
+        self._carry: Job | None = None  # rows of a failed write, folded into the next job
+        self._busy = False
+        self._stop = False
+        self._errors: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, name="psguard-writer", daemon=True)
+        self._thread.start()
+
+    # ---- Sink
+    def whole_next(self) -> bool:
+        return False  # the capturer sends whole tensors itself when it has no fingerprints
+
+    def takes(self, tiers: frozenset[Tier], urgent: bool) -> bool:
+        # No memory tier without an agent: memory-only saves wait for the durable cadence.
+        return Tier.DURABLE in tiers or urgent
+
+    def submit(self, job: Job, stall_seconds: float) -> SaveHandle:
+        handle = _StoreSaveHandle(job.step, stall_seconds, job.tiers)
+        job.handles.append(handle)
+        with self._cond:
+            if self._stop:
+                raise SaveError("the checkpoint manager is closed")
+            self._waiting = self._waiting.fold(job) if self._waiting is not None else job
+            self._cond.notify_all()
+        return handle
+
+    def busy(self) -> frozenset[Tier]:
+        return frozenset({Tier.DURABLE}) if self.in_flight() else frozenset()
+
+    def in_flight(self) -> bool:
+        with self._cond:
+            return self._busy or self._waiting is not None
+
+    def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
+        with self._state_lock:
+            self._last_id = checkpoint_id
+
+    def memory_snapshot(self, timeout: float) -> Restored | None:
+        return None
+
+    def wait(self, timeout: float | None) -> list[BaseException]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while self._busy or self._waiting is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"pending saves not durable within {timeout}s")
+                self._cond.wait(left)
+            errors, self._errors = self._errors, []
+            return errors
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join()
+
+    # ---- the writer thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._waiting is None and not self._stop:
+                    self._cond.wait()
+                if self._waiting is None:
+                    return
+                job, self._waiting = self._waiting, None
+                if self._carry is not None:
+                    job, self._carry = self._carry.fold(job), None
+                self._busy = True
+            try:
+                info = self._persist(job)
+            except BaseException as e:  # the handles carry it to the caller
+                log.error("checkpoint write failed: %s", e)
+                keep = not isinstance(e, ParentMissingError)
+                if not keep:
+                    with self._state_lock:
+                        self._last_id = None
+                    self._on_parent_missing()
+                for h in job.handles:
+                    h.future.set_exception(e)
+                with self._cond:
+                    if keep:
+                        self._carry = Job(job.step, job.updates, job.metadata, job.metrics, job.tiers)
+                    self._errors.append(e)
+            else:
+                for h in job.handles:
+                    h.future.set_result(info)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _persist(self, job: Job) -> CheckpointInfo:
+        with self._state_lock:
+            parent = None if job.full else self._last_id
+        if not job.full and parent is None:
+            raise ParentMissingError(
+                f"step {job.step}: a delta without a checkpoint to build on (the next save is whole)"
+            )
+        info = self.store.save(job.step, job.updates, parent=parent, metadata=job.metadata, metrics=job.metrics)
+        with self._state_lock:
+            self._last_id = info.id
+        if info.kind == "delta" and (
+            Tier.BASE in job.tiers or _chain_due(self.new_base_after, self.store.manifest(info.id).chain_length)
+        ):
+            try:
+                compacted = self.store.compact(info.id)
+                if compacted is not None:
+                    with self._state_lock:
+                        self._last_id = compacted.id
+            except PsguardError as e:
+                log.warning("compaction after %s failed (the chain grows on): %s", info.id, e)
+        retention = self._retention()
+        if retention is not None:
+            try:
+                self.store.retain(**retention.as_kwargs())
+            except PsguardError as e:
+                log.warning("retention failed (will retry after the next save): %s", e)
+        return info
+
+
+class AgentSink:
+    """Hands captures to the agent on this node through the spool (see the module doc)."""
+
+    def __init__(
+        self, spool: SpoolWriter, store: Store, *, retention: Callable[[], Retention | None], restore_timeout: float
+    ) -> None:
+        self.spool = spool
+        self.store = store
+        self.restore_timeout = restore_timeout
+        self._retention = retention
+        self._lock = threading.Lock()
+        self._pending: list[_AgentSaveHandle] = []  # handed off since the last wait
+        self._errors: list[BaseException] = []  # failures of handles swept before a wait
+
+    def whole_next(self) -> bool:
+        return self.spool.parent is None
+
+    def takes(self, tiers: frozenset[Tier], urgent: bool) -> bool:
+        return True
+
+    def submit(self, job: Job, stall_seconds: float) -> SaveHandle:
+        metadata = dict(job.metadata)
+        metadata[STALL_KEY] = round(stall_seconds, 6)  # the agent reports the training stall it cost
+        retention = self._retention()
+        if retention is not None:  # the agent writes the log: it applies our retention after each commit
+            metadata[RETENTION_KEY] = retention.as_kwargs()
+        spooled = self.spool.submit(Capture(job.step, job.updates, metadata, job.tiers, job.metrics))
+        handle = _AgentSaveHandle(job.step, stall_seconds, spooled, self.store)
+        with self._lock:
+            self._sweep()
+            self._pending.append(handle)
+        return handle
+
+    def _sweep(self) -> None:
+        """Keep the pending list bounded: settle handles whose answers are in, keeping their failures."""
+        still: list[_AgentSaveHandle] = []
+        for h in self._pending:
+            if h.done():
+                error = h.exception(0)
+                if error is not None:
+                    self._errors.append(error)
+            else:
+                still.append(h)
+        self._pending = still
+
+    def busy(self) -> frozenset[Tier]:
+        with self._lock:
+            last = self._pending[-1] if self._pending else None
+        return frozenset({Tier.MEMORY}) if last is not None and not last.done() else frozenset()
+
+    def in_flight(self) -> bool:
+        return False  # handed off: the agent finishes it whether or not this process lives
+
+    def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
+        self.spool.parent = token  # the next delta applies to exactly this state (None: send it whole)
+
+    def memory_snapshot(self, timeout: float) -> Restored | None:
+        if not self.spool.agent_alive():
+            log.warning("no psguard agent holds spool %s: restoring from the durable log", self.spool.root)
+            return None
+        try:
+            return self.spool.request_restore().result(timeout)
+        except NoCheckpointError:
+            return None
+        except (TimeoutError, PsguardError) as e:
+            log.warning("the memory tier could not be used (%s): restoring from the durable log", e)
+            return None
+
+    def wait(self, timeout: float | None) -> list[BaseException]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            pending, self._pending = self._pending, []
+            errors, self._errors = self._errors, []
+        try:
+            while pending:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    pending[0].result(left)
+                except TimeoutError:
+                    raise TimeoutError(
+                        f"save of step {pending[0].step} not {'durable' if pending[0].durable else 'acknowledged'} "
+                        f"within {timeout}s"
+                    ) from None
+                except PsguardError as e:
+                    errors.append(e)
+                pending.pop(0)
+        finally:
+            if pending:  # a timeout: what is still pending stays for the next wait
+                with self._lock:
+                    self._pending[:0] = pending
+                    self._errors[:0] = errors
+        return errors
+
+    def close(self) -> None:
+        self.spool.close()
+
+
+def summary(updates: Mapping[str, TensorUpdate]) -> str:
+    """``3 whole, 120 changed rows`` for logs."""
+    full = sum(isinstance(u, Full) for u in updates.values())
+    rows = sum(len(u.ids) for u in updates.values() if isinstance(u, Rows))
+    return f"{full} whole, {rows} changed rows"
