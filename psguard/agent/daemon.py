@@ -442,6 +442,7 @@ class Agent:
         self.http.start()
 
     def _start_memory_tier(self) -> None:
+        # lazy: numpy and the storage clients load only in the chief's agent (a PS agent starts faster)
         from psguard.agent.memory_tier import MemoryTier
         from psguard.agent.persister import Persister, resume
         from psguard.agent.spool_server import SpoolServer
@@ -1000,9 +1001,3 @@ def main(args: argparse.Namespace) -> int:
         for signum, handler in previous.items():
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
-
-
-if __name__ == "__main__":  # pragma: no cover - use `psguard agent`
-    from psguard.cli import main as _cli_main
-
-    sys.exit(_cli_main(["agent", *sys.argv[1:]]))

@@ -19,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from psguard.errors import PsguardError
+from psguard.handoff.client import http_json
+from psguard.ports import free_ports
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 AGENT_CONFIG = """\
@@ -106,8 +108,6 @@ class AgentProcess:
         return self._url
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        from psguard.handoff.client import http_json
-
         code, doc = http_json("GET", f"{self.wait_url(60)}/status", timeout=timeout)
         if code != 200 or not isinstance(doc, dict):
             raise LaunchError(f"agent {self.name}: /status answered HTTP {code}")
@@ -129,8 +129,6 @@ def write_cluster(
     directory: Path, ps: int, workers: int, *, name: str = "cluster.json"
 ) -> tuple[Path, dict[str, list[str]]]:
     """``cluster.json`` on free loopback ports: one chief, ``ps`` PS tasks, ``workers`` workers."""
-    from psguard.ports import free_ports
-
     ports = free_ports(1 + ps + workers)
     spec = {
         "chief": [f"127.0.0.1:{ports[0]}"],

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
 from psguard.errors import ConfigError, PsguardError
 
 __all__ = ["CHIEF_CONFIG", "WrapError", "main", "register", "run"]
@@ -128,8 +129,6 @@ def run(
     Blocks until the command finished or the chief's agent gave up; every process started here is stopped
     before this returns, also on ``KeyboardInterrupt``.
     """
-    from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
-
     if not command:
         raise ConfigError("give the training command after '--': psguard wrap [OPTIONS] -- python train.py ...")
     if ps < 1:

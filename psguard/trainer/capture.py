@@ -197,7 +197,7 @@ def _numpy_dtype(var: Any) -> np.dtype:  # type: ignore[type-arg]
     return dtype
 
 
-def _gather(root: Any) -> list[tuple[str, Any]]:
+def gather_variables(root: Any) -> list[tuple[str, Any]]:
     """(checkpoint key, variable-like object) for every variable a ``tf.train.Checkpoint`` of ``root`` saves.
 
     Uses TF's own traversal (``objects_ids_and_slot_variables_and_paths``) so that names, slot-variable
@@ -233,7 +233,7 @@ def _gather(root: Any) -> list[tuple[str, Any]]:
 def list_tensors(root: Any) -> dict[str, TensorInfo]:
     """Every logical tensor of ``root``'s checkpoint, keyed by its checkpoint key, aliases marked."""
     infos: list[TensorInfo] = []
-    for name, obj in _gather(root):
+    for name, obj in gather_variables(root):
         outer = _chain(obj)
         inner = outer[-1]
         parts = list(inner.variables) if _is_sharded(inner) else [inner]

@@ -12,7 +12,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from psguard.store.cli import add_store_arguments, open_store
 from psguard.store.log import Store
+from psguard.trainer.capture import gather_variables
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
@@ -25,14 +27,12 @@ def object_graph_bytes(root: Any) -> bytes:
     tables to the chief); here only the graph is walked and each variable node gets the attribute that names
     its checkpoint key.
     """
-    from tensorflow.python.checkpoint import graph_view, save_util, util
-
-    from psguard.trainer.capture import _gather
+    from tensorflow.python.checkpoint import graph_view, save_util, util  # lazy: TF only when exporting
 
     view = graph_view.ObjectGraphView(root)
     trackable_data, _ = save_util._gather_trackable_data(view, None)
     proto = save_util._fill_object_graph_proto(trackable_data)
-    keys = {id(obj): key for key, obj in _gather(root)}
+    keys = {id(obj): key for key, obj in gather_variables(root)}
     for td in trackable_data:
         key = keys.get(id(td.trackable))
         if key is not None:
@@ -68,8 +68,6 @@ def export_checkpoint(store: Store, checkpoint_id: str, directory: str | Path, *
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from psguard.store.cli import open_store
-
     with open_store(args) as store:
         cid = store.resolve(step=args.step, checkpoint_id=args.id)
         prefix = export_checkpoint(store, cid, args.out)
@@ -79,8 +77,6 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from psguard.store.cli import add_store_arguments
-
     p = sub.add_parser("export", help="write a checkpoint as a standard TensorFlow checkpoint")
     add_store_arguments(p)
     p.add_argument("out", help="folder for the TF checkpoint (created)")

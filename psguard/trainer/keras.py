@@ -42,7 +42,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     ) from e
 
 from psguard.errors import ConfigError, PsguardError
-from psguard.policy.engine import AnyOf, EverySteps, Schedule
+from psguard.policy.engine import AnyOf, EverySteps, Retention, Schedule
+from psguard.policy.files import load_policy
 from psguard.trainer.manager import CheckpointManager, SaveHandle, load_schedule
 
 __all__ = ["CheckpointCallback", "FitPosition", "KerasSupportError"]
@@ -175,6 +176,15 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self._given = given
         self._url = None if isinstance(directory, CheckpointManager) else os.fspath(directory)
         self._schedule = schedule
+        # A policy file on its own goes to the manager as it is: it watches the file and applies its
+        # retention. Combined with save_every_n_steps, the combined schedule goes, and the file's retention.
+        self._manager_policy: Schedule | str | os.PathLike[str] | None = schedule
+        self._retention: Retention | None = None
+        if policy is not None and not isinstance(policy, Schedule):
+            if save_every_n_steps is None:
+                self._manager_policy = policy
+            elif max_to_keep is None:
+                self._retention = load_policy(os.fspath(policy)).retention
         self.max_to_keep = max_to_keep
         self.storage_options = dict(storage_options) if storage_options is not None else None
         self.manager_options = dict(manager_options or {})
@@ -232,8 +242,9 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 checkpoint,
                 self._url,
                 max_to_keep=self.max_to_keep,
+                retention=self._retention,
                 coordinator=coordinator,
-                policy=self._schedule,
+                policy=self._manager_policy,
                 storage_options=self.storage_options,
                 data_position=self._data_position,
                 **self.manager_options,

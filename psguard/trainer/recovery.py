@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar
 
 from psguard.errors import PsguardError
+from psguard.handoff.client import report_failure
 from psguard.handoff.contract import EXIT_RESTART
+from psguard.trainer.manager import last_seen_step
 
 log = logging.getLogger(__name__)
 
@@ -80,9 +82,6 @@ def exit_for_restart(exc: BaseException | None = None, *, failed_at: float | Non
     all of it added to the recovery time. Captures the agent acknowledged are safe in its memory tier; without
     a sidecar, call ``manager.wait()`` before this so pending durable writes finish.
     """
-    from psguard.handoff.client import report_failure
-    from psguard.trainer.manager import last_seen_step
-
     log.error("cluster failure (%s): exiting with %d so the agent restarts the trainer", exc, EXIT_RESTART)
     report_failure(failed_at, step=last_seen_step())
     logging.shutdown()
