@@ -38,7 +38,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "psguard.trainer.export",
     "psguard.policy.cli",
     "psguard.benchmarks.cli",
-    "psguard.agent.daemon",
+    "psguard.agent.cli",
     "psguard.chaos.cli",
     "psguard.agent.wrap",
 )

@@ -26,8 +26,8 @@ import tensorflow as tf
 import tf_keras
 
 from psguard.agent.tf_server import _die_with_parent
-from psguard.trainer.capture import read_tensors
 from psguard.trainer.keras import CheckpointCallback
+from psguard.trainer.variables import read_tensors
 
 VOCAB = 2000
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-from psguard.agent.daemon import Agent, AgentConfig, load_cluster, validate_cluster
+from psguard.agent.config import AgentConfig, load_cluster, validate_cluster
+from psguard.agent.daemon import Agent
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.client import http_json

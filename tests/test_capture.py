@@ -29,7 +29,8 @@ from tensorflow.python.distribute import sharded_variable
 from psguard.errors import ConfigError, TensorMismatchError
 from psguard.tensors import Full, Rows, Same, TensorUpdate, apply_update
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
-from psguard.trainer.capture import Capturer, bitwise_equal, list_tensors, read_tensors, restore
+from psguard.trainer.capture import Capturer
+from psguard.trainer.variables import bitwise_equal, list_tensors, read_tensors, restore
 from tests.conftest import Chief
 
 SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"

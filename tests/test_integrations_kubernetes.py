@@ -28,7 +28,7 @@ import yaml
 from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
-from psguard.agent.daemon import AgentConfig, validate_cluster
+from psguard.agent.config import AgentConfig, validate_cluster
 from psguard.cli import build_parser
 from psguard.config import load_yaml
 

@@ -32,10 +32,10 @@ import tf_keras
 from psguard.errors import ConfigError
 from psguard.policy.engine import AnyOf, EveryInterval, EverySteps, Schedule
 from psguard.store.log import Store
-from psguard.trainer.capture import bitwise_equal, read_tensors
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.keras import CheckpointCallback, FitPosition, KerasSupportError
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.variables import bitwise_equal, read_tensors
 from tests.conftest import Chief
 from tests.storage_targets import make_target
 

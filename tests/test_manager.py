@@ -29,9 +29,9 @@ from psguard.storage.base import Backend, Buffer
 from psguard.storage.retry import RetryingBackend
 from psguard.store.log import Store
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
-from psguard.trainer.capture import bitwise_equal, read_tensors
 from psguard.trainer.export import OBJECT_GRAPH_KEY, export_checkpoint
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.variables import bitwise_equal, read_tensors
 from tests.conftest import Chief
 
 

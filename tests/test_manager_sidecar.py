@@ -22,8 +22,8 @@ from psguard.agent.persister import Persister, resume
 from psguard.agent.spool_server import SpoolServer
 from psguard.handoff.contract import Tier
 from psguard.store.log import Store
-from psguard.trainer.capture import bitwise_equal
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
+from psguard.trainer.variables import bitwise_equal
 from tests.test_manager import assert_restores, make_local, snapshot, train_local
 
 

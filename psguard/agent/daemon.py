@@ -82,39 +82,33 @@ around 60-90 MB plus the memory tier on the chief. ``import grpc`` happens only 
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import json
 import logging
 import os
-import re
-import signal
 import sys
 import threading
 import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response, is_loopback
+from psguard.agent.config import ROLES, AgentConfig
+from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response
 from psguard.agent.metrics import AgentMetrics
+from psguard.agent.peers import PeerSync
 from psguard.agent.prober import (
     GrpcStatusProbe,
     Health,
     HealthMonitor,
     HealthReport,
     HttpProbe,
-    MonitorConfig,
     Probe,
     ProcessProbe,
     TcpProbe,
 )
-from psguard.agent.supervisor import EventKind, Supervisor, SupervisorConfig, SupervisorEvent
-from psguard.config import Duration, load_yaml
+from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
 from psguard.errors import ConfigError
-from psguard.handoff.client import http_json, read_token
 from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL, ENV_SPOOL, ENV_TASK, EXIT_RESTART
 
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
@@ -123,136 +117,12 @@ if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only th
     from psguard.agent.spool_server import SpoolEvent, SpoolServer
     from psguard.store.log import Store
 
-__all__ = [
-    "ROLES",
-    "Agent",
-    "AgentConfig",
-    "HttpConfig",
-    "PeersConfig",
-    "PersistConfig",
-    "load_cluster",
-    "main",
-    "register",
-    "validate_cluster",
-]
+__all__ = ["Agent"]
 
 log = logging.getLogger(__name__)
 
-ROLES = ("chief", "ps", "worker")
 """Roles an agent runs; ``cluster.json`` may also list ``evaluator`` tasks (TensorFlow knows them)."""
-_CLUSTER_KEYS = (*ROLES, "evaluator")
-_HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)$")
 _QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
-
-
-# ------------------------------------------------------------------------------------------------ config
-@dataclass(frozen=True)
-class HttpConfig:
-    """``http:``: where the agent serves. CLI flags override these."""
-
-    bind: str = "127.0.0.1"
-    port: int = 0
-    token_file: str | None = None
-
-
-@dataclass(frozen=True)
-class PersistConfig:
-    """``persister:``: the durable log writer (chief only)."""
-
-    max_chain: int | None = 16
-    max_delta_percent: float | None = 100.0
-    retry_after: Duration | None = 5.0
-    drain_timeout: Duration = 120.0  # at a stop: the longest wait for the last save
-
-
-@dataclass(frozen=True)
-class PeersConfig:
-    """``peers:``: the chief's agent watches the other agents and restarts the PS servers per generation."""
-
-    restart_ps: bool = True  # on every new trainer generation (see the module docstring)
-    ready_timeout: Duration = 180.0  # for all PS agents to report a restarted, healthy server
-    request_timeout: Duration = 10.0
-    probe: MonitorConfig = field(default_factory=lambda: MonitorConfig(interval=2.0, deadline=2.0))
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """The agent's YAML file (``--config``); every key is optional, unknown keys are rejected."""
-
-    job: str = "default"  # names the default spool folder
-    store: str | None = None
-    storage_options: Mapping[str, str] = field(default_factory=dict)
-    spool: str | None = None
-    task_log: str | None = None  # append the task's output here (default: the agent's own stdout/stderr)
-    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
-    probe: MonitorConfig = field(default_factory=MonitorConfig)
-    peers: PeersConfig = field(default_factory=PeersConfig)
-    persister: PersistConfig = field(default_factory=PersistConfig)
-    http: HttpConfig = field(default_factory=HttpConfig)
-
-
-# ------------------------------------------------------------------------------------------------ cluster
-def _check_address(value: object, key: str) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a 'host:port' string, got {value!r}")
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host or not _HOST_RE.match(host):
-        raise ConfigError(f"{key}: expected 'host:port' (e.g. '10.0.0.5:2222'), got {value!r}")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ConfigError(f"{key}: the port must be a number from 1 to 65535, got {value!r}")
-    return value
-
-
-def validate_cluster(data: object, *, source: str = "cluster.json") -> dict[str, list[str]]:
-    """Check a cluster spec (``{"chief": ["host:port"], "ps": [...], "worker": [...]}``); return a clean copy.
-
-    :class:`ConfigError` names the file and the key: unknown roles, lists that are not lists of ``host:port``
-    strings, more than one chief, the same address twice.
-    """
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{source}: expected a JSON object mapping roles to address lists, got {type(data).__name__}")
-    out: dict[str, list[str]] = {}
-    seen: dict[str, str] = {}
-    for role, addresses in data.items():
-        if role not in _CLUSTER_KEYS:
-            raise ConfigError(f"{source}: {role!r}: unknown role (known roles: {', '.join(_CLUSTER_KEYS)})")
-        if not isinstance(addresses, list) or not addresses:
-            raise ConfigError(f"{source}: {role}: expected a non-empty list of 'host:port' strings, got {addresses!r}")
-        if role == "chief" and len(addresses) != 1:
-            raise ConfigError(f"{source}: chief: a job has exactly one chief, got {len(addresses)} addresses")
-        for i, address in enumerate(addresses):
-            key = f"{role}[{i}]"
-            _check_address(address, f"{source}: {key}")
-            if address in seen:
-                raise ConfigError(f"{source}: {key}: address {address} is already used by {seen[address]}")
-            seen[address] = key
-        out[role] = list(addresses)
-    if not out:
-        raise ConfigError(f"{source}: the cluster lists no tasks")
-    return out
-
-
-def load_cluster(path: str | os.PathLike[str], role: str, index: int) -> dict[str, list[str]]:
-    """Read and validate ``cluster.json``, and check that it has task ``role:index``."""
-    source = os.fspath(path)
-    try:
-        data = json.loads(Path(source).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such file (--cluster)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{source}: cannot read: {e}") from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{source}: not valid JSON: {e}") from None
-    cluster = validate_cluster(data, source=source)
-    if role not in ROLES:
-        raise ConfigError(f"--role: expected one of {', '.join(ROLES)}, got {role!r}")
-    if role not in cluster:
-        raise ConfigError(f"{source}: {role}: no such role in the cluster, but the agent runs {role}:{index}")
-    if not 0 <= index < len(cluster[role]):
-        raise ConfigError(
-            f"{source}: {role}: --index {index} is out of range (the cluster has {len(cluster[role])} {role} tasks)"
-        )
-    return cluster
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -314,13 +184,11 @@ class Agent:
         self._peer_token = peer_token if peer_token is not None else token
         self.metrics = AgentMetrics.create()
         self._stop_requested = threading.Event()
+        self.peer_sync = PeerSync(self.task, self.peers, self.config.peers, self._peer_token, self._stop_requested)
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._started_at = time.time()
         self._failure_at: float | None = None  # monotonic: when the current outage began
-        self._generation = 0
-        self._generation_log: dict[str, Any] | None = None
-        self._generation_lock = threading.Lock()
         self._reported_failure: float | None = None  # POST /failure: when the trainer saw it (Unix time)
         self._reported_step: int | None = None  # ... and the last step it trained
         self._last_lost_steps: int | None = None
@@ -408,9 +276,9 @@ class Agent:
                 self.peer_monitors.append(monitor.start())
             if self.role == "chief" and self._resumed_step is not None and cfg.peers.restart_ps:
                 # An earlier chief ran this job: the PS servers may hold its context. Start from clean ones.
-                self._new_generation(f"the agent resumed a job (durable step {self._resumed_step})")
+                self.peer_sync.new_generation(f"the agent resumed a job (durable step {self._resumed_step})")
             elif self.peers:
-                outcome = self._sync_peers(restart_ps=False)
+                outcome = self.peer_sync.sync(restart_ps=False)
                 (log.info if all(o == "ready" for o in outcome.values()) else log.error)(
                     "event=peers_checked task=%s outcome=%s", self.task, json.dumps(outcome)
                 )
@@ -592,7 +460,7 @@ class Agent:
                 run_start = event.time - (event.run_seconds or 0.0)
                 if event.exit_code != EXIT_RESTART or failed_at is None or failed_at < run_start:
                     failed_at = None  # only a report from the run that just asked for a restart counts
-                self._new_generation(f"the trainer {event.reason}", failed_at)
+                self.peer_sync.new_generation(f"the trainer {event.reason}", failed_at)
         elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
             self._wake.set()
 
@@ -644,119 +512,6 @@ class Agent:
         lag = self.persister.status().lag_steps if self.persister is not None else None
         return float(lag) if lag is not None else 0.0
 
-    # ------------------------------------------------------------------------------------------ generations
-    def _sync_peers(self, *, restart_ps: bool, why: str = "", failed_at: float | None = None) -> dict[str, str]:
-        """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
-
-        ``restart_ps``: every peer whose ``/status`` says ``role: ps`` restarts its task (``POST /restart``) and
-        is waited for until its restart count went up and it is ready; other peers are skipped. Otherwise every
-        peer is only waited for until ready. Peers that do not answer yet (their agent is still starting) are
-        retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends the wait for that peer.
-        ``failed_at`` (Unix time, this host's clock): when the trainer saw the failure. A PS whose current run
-        started after it is left alone (only waited for): no chief has connected to it since, so it holds no
-        old context; typically the PS that died, already restarted by its own agent. Its start is judged by its
-        uptime, so the PS host's clock does not matter.
-        """
-        cfg = self.config.peers
-        deadline = time.monotonic() + cfg.ready_timeout
-        outcome: dict[str, str] = {}
-        pending: dict[str, int | None] = dict.fromkeys(self.peers)  # None: not asked yet; int: restarts before
-        fresh: set[str] = set()
-        last_error: dict[str, str] = {}
-        while pending and not self._stop_requested.is_set() and time.monotonic() < deadline:
-            for url, before in list(pending.items()):
-                asked_at = time.time()  # the answer's uptime is measured later: the PS started after asked - uptime
-                try:
-                    code, doc = http_json("GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout)
-                except OSError as e:
-                    last_error[url] = str(e)
-                    continue  # not serving yet: retried until the deadline
-                if code != 200 or not isinstance(doc, dict):
-                    outcome[url] = f"error: GET /status answered HTTP {code}"
-                    del pending[url]
-                    continue
-                restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
-                uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
-                if (
-                    before is None
-                    and restart_ps
-                    and failed_at is not None
-                    and doc.get("role") == "ps"
-                    and isinstance(uptime, int | float)
-                    and asked_at - uptime > failed_at  # a lower bound of its start: no margin needed
-                ):
-                    fresh.add(url)  # started after the failure: wait for it, do not restart it again
-                    pending[url] = restarts
-                    before = restarts
-                if url in fresh:
-                    if ready:
-                        outcome[url] = "fresh (started after the failure)"
-                        del pending[url]
-                elif before is None and restart_ps and doc.get("role") == "ps":
-                    try:
-                        code, answer = http_json(
-                            "POST",
-                            f"{url}/restart",
-                            body={"reason": why},
-                            token=self._peer_token,
-                            timeout=cfg.request_timeout,
-                        )
-                    except OSError as e:
-                        last_error[url] = str(e)
-                        continue
-                    if not 200 <= code < 300:
-                        message = answer.get("error", "") if isinstance(answer, dict) else ""
-                        outcome[url] = f"error: POST /restart answered HTTP {code}: {message}"
-                        del pending[url]
-                        continue
-                    pending[url] = restarts
-                elif before is None and restart_ps:
-                    outcome[url] = f"skipped ({doc.get('role')})"
-                    del pending[url]
-                elif ready and (before is None or restarts > before):
-                    outcome[url] = "restarted" if before is not None else "ready"
-                    del pending[url]
-            if pending:
-                self._stop_requested.wait(0.1)  # polling the peers' state, bounded by the deadline
-        for url in pending:
-            detail = f" (last error: {last_error[url]})" if url in last_error else ""
-            outcome[url] = (
-                f"error: not {'restarted and ' if restart_ps else ''}ready within {cfg.ready_timeout:g}s{detail}"
-            )
-        return outcome
-
-    def _new_generation(self, reason: str, failed_at: float | None = None) -> dict[str, Any]:
-        """Restart every PS peer and wait until all serve again (see the module docstring); the outcome.
-
-        One at a time: the supervisor's exit callback and ``POST /new-generation`` may both ask.
-        """
-        with self._generation_lock:
-            return self._restart_ps_peers(reason, failed_at)
-
-    def _restart_ps_peers(self, reason: str, failed_at: float | None) -> dict[str, Any]:
-        with self._lock:
-            self._generation += 1
-            generation = self._generation
-        t0 = time.monotonic()
-        log.info(
-            "event=generation task=%s generation=%d reason=%r peers=%d", self.task, generation, reason, len(self.peers)
-        )
-        why = f"new trainer generation {generation}: {reason}"
-        outcome = self._sync_peers(restart_ps=True, why=why, failed_at=failed_at)
-        seconds = time.monotonic() - t0
-        failed = {u: o for u, o in outcome.items() if o.startswith("error")}
-        (log.error if failed else log.info)(
-            "event=generation_ready task=%s generation=%d seconds=%.2f outcome=%s",
-            self.task,
-            generation,
-            seconds,
-            json.dumps(outcome),
-        )
-        result = {"generation": generation, "reason": reason, "at": time.time(), "seconds": seconds, "peers": outcome}
-        with self._lock:
-            self._generation_log = result
-        return result
-
     # ------------------------------------------------------------------------------------------ HTTP
     def _handle_restart(self, request: Request) -> Response:
         body = request.json()
@@ -781,7 +536,7 @@ class Agent:
         failed_at = (body or {}).get("failed_at")
         if failed_at is not None and (not isinstance(failed_at, int | float) or failed_at > time.time() + 5):
             raise RequestError(400, "failed_at: expected the Unix time at which the trainer saw the failure")
-        result = self._new_generation(reason, None if failed_at is None else float(failed_at))
+        result = self.peer_sync.new_generation(reason, None if failed_at is None else float(failed_at))
         failed = any(str(o).startswith("error") for o in result["peers"].values())
         return Response(503 if failed else 200, {"ok": not failed, **result})
 
@@ -874,8 +629,8 @@ class Agent:
             ],
         }
         with self._lock:
-            doc["generation"] = self._generation
-            doc["last_generation"] = self._generation_log
+            doc["generation"] = self.peer_sync.generation
+            doc["last_generation"] = self.peer_sync.last
             doc["last_lost_steps"] = self._last_lost_steps
             durable_id, durable_step = self._durable_id, self._durable_step
         if self.role == "chief":
@@ -910,94 +665,3 @@ class Agent:
                 }
             )
         return doc
-
-
-# ------------------------------------------------------------------------------------------------ CLI
-def register(sub: Any) -> None:
-    p = sub.add_parser(
-        "agent",
-        help="run the sidecar beside one task: supervise, probe, memory tier and durable log (chief), HTTP",
-        description=(
-            "Supervise one task of a parameter-server job (a PS or worker server, or the chief's trainer given "
-            "after '--'), probe it, serve /healthz /readyz /metrics /status and POST /restart. The chief's agent "
-            "also holds the memory tier, persists it to --store, and restarts the PS servers (--peer agents) "
-            "before every new trainer generation."
-        ),
-    )
-    p.add_argument("--role", required=True, choices=ROLES)
-    p.add_argument("--index", required=True, type=int)
-    p.add_argument("--cluster", required=True, metavar="cluster.json", help='{"chief": ["host:port"], "ps": [...]}')
-    p.add_argument("--store", metavar="URL", help="durable log (chief): a path, file://, s3://, hdfs://")
-    p.add_argument("--spool", metavar="DIR", help="spool folder shared with the trainer (default /dev/shm/psguard-JOB)")
-    p.add_argument("--http-port", type=int, help="HTTP port (default: config http.port, 0 = any free port)")
-    p.add_argument("--bind", help="HTTP address (default 127.0.0.1; any other needs --token-file)")
-    p.add_argument("--token-file", help="bearer token for HTTP, also sent to --peer agents")
-    p.add_argument("--config", metavar="agent.yaml", help="agent settings (supervisor, probe, peers, persister, http)")
-    p.add_argument("--peer", action="append", default=[], metavar="URL", help="another agent (chief only); repeatable")
-    p.add_argument("--ready-file", help="write this agent's HTTP URL here once it serves (for scripts and tests)")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD...: the task (required for the chief)")
-    p.set_defaults(func=main)
-
-
-def _merge(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
-    http_cfg = config.http
-    http_cfg = HttpConfig(
-        bind=args.bind if args.bind is not None else http_cfg.bind,
-        port=args.http_port if args.http_port is not None else http_cfg.port,
-        token_file=args.token_file if args.token_file is not None else http_cfg.token_file,
-    )
-    return AgentConfig(
-        job=config.job,
-        store=args.store if args.store is not None else config.store,
-        storage_options=config.storage_options,
-        spool=args.spool if args.spool is not None else config.spool,
-        task_log=config.task_log,
-        supervisor=config.supervisor,
-        probe=config.probe,
-        peers=config.peers,
-        persister=config.persister,
-        http=http_cfg,
-    )
-
-
-def main(args: argparse.Namespace) -> int:
-    """``psguard agent``: returns 0 when the task completed or the agent was stopped; raises on a crash loop."""
-    command = list(args.command or [])
-    if command and command[0] == "--":
-        command = command[1:]
-    config = load_yaml(AgentConfig, args.config) if args.config else AgentConfig()
-    config = _merge(config, args)
-    cluster = load_cluster(args.cluster, args.role, args.index)
-    if args.role != "chief" and (args.store or args.spool):
-        raise ConfigError("--store and --spool belong to the chief's agent (it holds the memory tier and the log)")
-    token = read_token(config.http.token_file)
-    if token is None and not is_loopback(config.http.bind):
-        raise ConfigError(
-            f"--bind {config.http.bind}: serving on a non-loopback address needs --token-file "
-            "(POST /restart kills the task)"
-        )
-    agent = Agent(
-        args.role,
-        args.index,
-        cluster,
-        command=command,
-        config=config,
-        peers=args.peer,
-        token=token,
-        token_file=config.http.token_file,
-    )
-    previous: dict[int, Any] = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, agent.request_stop)
-    try:
-        agent.start()
-        if args.ready_file and agent.http is not None:
-            tmp = Path(f"{args.ready_file}.tmp")
-            tmp.write_text(agent.http.url + "\n")
-            tmp.rename(args.ready_file)
-        return agent.wait()  # a crash loop raises CrashLoopError: psguard prints it and exits 1
-    finally:
-        agent.stop()
-        for signum, handler in previous.items():
-            with contextlib.suppress(ValueError, TypeError):
-                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)

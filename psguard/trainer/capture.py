@@ -25,91 +25,44 @@ below the rate of undetected memory errors on the host). A full capture (``captu
 manager does when it starts a new base) does not use fingerprints at all and bounds how long such a miss
 could live.
 
-Names are the keys ``tf.train.Checkpoint`` uses for the same object graph
-(``model/embedding/.ATTRIBUTES/VARIABLE_VALUE``, ``model/emb/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/...``),
-and the value of a ``ShardedVariable`` is its logical tensor (shards concatenated on axis 0), as in a TF
-checkpoint; so a psguard checkpoint can be exported to a standard one and restored under any partitioning.
+Names and logical values: :mod:`psguard.trainer.variables`; written-row tracking: :mod:`psguard.trainer.write_tracking`.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import threading
 import time
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from psguard.errors import ConfigError, TensorMismatchError
+from psguard.errors import ConfigError
 from psguard.tensors import Full, Rows, Same, TensorUpdate
+from psguard.trainer.variables import (
+    Shard,
+    TensorInfo,
+    concat_parts,
+    lazy_tf,
+    list_tensors,
+    restore,
+    to_numpy,
+    unwrap,
+    writable,
+)
+from psguard.trainer.write_tracking import DirtyRows, StepCounter, apply_hook, find_optimizers, write_hook
 
-__all__ = [
-    "CaptureStats",
-    "Capturer",
-    "TensorInfo",
-    "bitwise_equal",
-    "list_tensors",
-    "read_tensors",
-    "restore",
-]
+__all__ = ["CaptureStats", "Capturer"]
 
 log = logging.getLogger(__name__)
 
-VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 #: Bytes a row id costs on the wire and in a delta; part of the Rows-or-Full decision.
 _ID_BYTES = 8
 #: Below this many bytes per row a per-row fingerprint (8 bytes) costs more memory than the rows it guards.
 _MIN_ROW_BYTES = 8
-
-
-@dataclass(frozen=True)
-class _Shard:
-    var: Any  # the innermost resource variable (no CachingVariable / Keras wrapper in between)
-    offset: int  # first logical row
-    rows: int
-    # Every object from the one the object graph holds down to ``var``: writers may go through any of them
-    # (a CachingVariable is a resource variable itself and writes through the handle, not through ``var``).
-    chain: tuple[Any, ...] = field(default=(), repr=False, compare=False)
-
-    @property
-    def device(self) -> str:
-        return str(self.var.device)
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    """One logical tensor of the object graph: what a manifest records and what restore checks against.
-
-    ``alias_of`` names the tensor that owns the same variables when this one is a second path to them
-    (Keras 3 optimizers track every model shard again under ``optimizer/_trainable_variables/N``); its
-    rows are ``alias_offset`` to ``alias_offset + shape[0]`` of that tensor, and it is captured from that
-    tensor's result, never read twice.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: np.dtype  # type: ignore[type-arg]
-    shards: tuple[_Shard, ...] = field(repr=False)
-    alias_of: str | None = None
-    alias_offset: int = 0
-
-    @property
-    def partitioning(self) -> tuple[int, ...]:
-        """Rows per shard, in order: how the tensor is laid out now (restore does not need it to match)."""
-        return tuple(s.rows for s in self.shards)
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(s.device for s in self.shards)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
 
 @dataclass
@@ -138,414 +91,6 @@ class CaptureStats:
         return self.capture_seconds
 
 
-# --------------------------------------------------------------------------------------------- object graph
-
-
-def _tf() -> Any:
-    import tensorflow as tf
-
-    return tf
-
-
-def _unwrap(var: Any) -> Any:
-    """The resource variable under PS-strategy and Keras 3 wrappers, which is what lives on the PS."""
-    return _chain(var)[-1]
-
-
-def _chain(var: Any) -> list[Any]:
-    """``var``, the wrappers inside it, and last the resource variable (or ShardedVariable) they wrap."""
-    from tensorflow.python.distribute import ps_values
-
-    chain = [var]
-    for _ in range(16):
-        if isinstance(var, (ps_values.CachingVariable, ps_values.AggregatingVariable)):
-            var = var.get()
-            chain.append(var)
-            continue
-        inner = getattr(var, "_value", None) if not isinstance(var, _tf().Variable) else None
-        if inner is not None and (isinstance(inner, _tf().Variable) or _is_sharded(inner)):
-            var = inner  # Keras 3 `keras.Variable` on the TensorFlow backend
-            chain.append(var)
-            continue
-        return chain
-    raise ConfigError(f"cannot find the resource variable inside {type(var).__name__}")
-
-
-def _is_sharded(obj: Any) -> bool:
-    from tensorflow.python.distribute import sharded_variable
-
-    return isinstance(obj, sharded_variable.ShardedVariableMixin)
-
-
-def _has_state(obj: Any) -> bool:
-    """True for trackables that put tensors in a TF checkpoint (and so would be lost if we skipped them)."""
-    from tensorflow.python.training.saving import saveable_object_util
-
-    if saveable_object_util.trackable_has_serialize_to_tensor(obj):
-        return True
-    try:
-        return bool(obj._gather_saveables_for_checkpoint())
-    except (AttributeError, NotImplementedError):
-        return False
-
-
-def _numpy_dtype(var: Any) -> np.dtype:  # type: ignore[type-arg]
-    tf = _tf()
-    if var.dtype == tf.string:
-        return np.dtype(object)
-    dtype: np.dtype = np.dtype(var.dtype.as_numpy_dtype)  # type: ignore[type-arg]
-    return dtype
-
-
-def gather_variables(root: Any) -> list[tuple[str, Any]]:
-    """(checkpoint key, variable-like object) for every variable a ``tf.train.Checkpoint`` of ``root`` saves.
-
-    Uses TF's own traversal (``objects_ids_and_slot_variables_and_paths``) so that names, slot-variable
-    names included, are exactly the checkpoint keys.
-    """
-    from tensorflow.python.checkpoint import graph_view, util
-
-    view = graph_view.ObjectGraphView(root)
-    objects, _, _, _, names = util.objects_ids_and_slot_variables_and_paths(view)
-    found: list[tuple[str, Any]] = []
-    unsupported: list[str] = []
-    tf = _tf()
-    for obj in objects:
-        name = names[obj]
-        if _is_sharded(obj) or isinstance(obj, tf.Variable):
-            found.append((name + VARIABLE_SUFFIX, obj))
-            continue
-        inner = getattr(obj, "_value", None)
-        if inner is not None and (isinstance(inner, tf.Variable) or _is_sharded(inner)):
-            found.append((name + VARIABLE_SUFFIX, obj))
-            continue
-        if _has_state(obj):
-            unsupported.append(f"{name or '(root)'} ({type(obj).__name__})")
-    if unsupported:
-        raise ConfigError(
-            "psguard captures variables only; these objects also save state in a TF checkpoint and would be "
-            "lost: " + ", ".join(unsupported) + ". Keep them out of the checkpointed object graph (record a "
-            "data position as a counter variable instead of an iterator)."
-        )
-    return found
-
-
-def list_tensors(root: Any) -> dict[str, TensorInfo]:
-    """Every logical tensor of ``root``'s checkpoint, keyed by its checkpoint key, aliases marked."""
-    infos: list[TensorInfo] = []
-    for name, obj in gather_variables(root):
-        outer = _chain(obj)
-        inner = outer[-1]
-        parts = list(inner.variables) if _is_sharded(inner) else [inner]
-        shards: list[_Shard] = []
-        offset = 0
-        for part in parts:
-            chain = _chain(part) if _is_sharded(inner) else outer
-            var = chain[-1]
-            shape = tuple(int(d) for d in var.shape)
-            rows = shape[0] if shape else 1
-            shards.append(_Shard(var, offset, rows, tuple(chain)))
-            offset += rows
-        first = shards[0].var
-        shape = tuple(int(d) for d in inner.shape)
-        infos.append(TensorInfo(name, shape, _numpy_dtype(first), tuple(shards)))
-    return _mark_aliases(infos)
-
-
-def _mark_aliases(infos: list[TensorInfo]) -> dict[str, TensorInfo]:
-    """Mark tensors whose variables all belong, contiguously, to another (larger) tensor.
-
-    The owner is the tensor with the most shards (the logical ShardedVariable), ties broken by graph order,
-    so the choice does not depend on which path the traversal found first.
-    """
-    order = sorted(range(len(infos)), key=lambda i: (-len(infos[i].shards), i))
-    owner: dict[int, tuple[str, int]] = {}  # id(resource variable) -> (owning tensor, its first row there)
-    result: dict[str, TensorInfo] = {}
-    for i in order:
-        info = infos[i]
-        homes = [owner.get(id(s.var)) for s in info.shards]
-        target = homes[0][0] if homes[0] is not None else None
-        contiguous = target is not None and all(
-            h is not None and h[0] == target and h[1] == homes[0][1] + s.offset  # type: ignore[index]
-            for h, s in zip(homes, info.shards, strict=True)
-        )
-        if contiguous and target is not None and homes[0] is not None:
-            result[info.name] = TensorInfo(
-                info.name, info.shape, info.dtype, info.shards, alias_of=target, alias_offset=homes[0][1]
-            )
-            continue
-        for s in info.shards:
-            owner.setdefault(id(s.var), (info.name, s.offset))
-        result[info.name] = info
-    return {info.name: result[info.name] for info in infos}
-
-
-# --------------------------------------------------------------------------------------------- read / restore
-
-
-def _writable(a: np.ndarray) -> np.ndarray:
-    """Stores apply later deltas in place, so what we hand out must be writable (and ours)."""
-    return a if a.flags.writeable else np.array(a, copy=True)
-
-
-def _concat(parts: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
-    value = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
-    return _writable(value.reshape(shape))
-
-
-def read_tensors(root: Any) -> dict[str, np.ndarray]:
-    """Read every logical tensor whole (shards concatenated), for tests, export and full snapshots.
-
-    This reads everything to the chief, shard by shard; a capture reads only what changed.
-    """
-    infos = list_tensors(root)
-    values: dict[str, np.ndarray] = {}
-    for name, info in infos.items():
-        if info.alias_of is None:
-            values[name] = _concat([_to_numpy(s.var.read_value()) for s in info.shards], info.shape)
-    for name, info in infos.items():
-        if info.alias_of is not None:
-            values[name] = values[info.alias_of][info.alias_offset : info.alias_offset + info.shape[0]].copy()
-    return {name: values[name] for name in infos}
-
-
-def bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
-    """Same shape, dtype and bytes: ``-0.0 != 0.0`` and NaNs compare by payload, as a restore must keep them."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    if a.dtype == np.dtype(object):
-        return bool(a.tolist() == b.tolist())
-    return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
-
-
-def _to_numpy(t: Any) -> np.ndarray:
-    value = t.numpy()
-    return value if isinstance(value, np.ndarray) else np.asarray(value)
-
-
-def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, np.ndarray]) -> list[str]:
-    problems: list[str] = []
-    for name, info in infos.items():
-        if name not in tensors:
-            problems.append(f"{name}: missing from the checkpoint (model has {info.shape} {info.dtype})")
-            continue
-        value = np.asarray(tensors[name])
-        shape, dtype = tuple(int(d) for d in value.shape), value.dtype
-        if shape != info.shape or dtype != info.dtype:
-            problems.append(f"{name}: checkpoint has {shape} {dtype}, model has {info.shape} {info.dtype}")
-    for name in tensors:
-        if name not in infos:
-            value = tensors[name]
-            hint = (
-                " (is the optimizer built before restoring? Its slots exist only after build())"
-                if "optimizer" in name.lower() or ".OPTIMIZER_SLOT" in name
-                else ""
-            )
-            problems.append(f"{name}: in the checkpoint ({np.shape(value)}) but not in the model{hint}")
-    return problems
-
-
-def restore(root: Any, tensors: Mapping[str, np.ndarray]) -> dict[str, TensorInfo]:
-    """Assign logical tensors into ``root``'s variables, whatever their current partitioning.
-
-    All or nothing on names, shapes and dtypes: every variable must get a value and every saved tensor
-    must land somewhere, otherwise :class:`TensorMismatchError` lists every mismatch and nothing is
-    assigned. (TF's own restore silently skips, for instance, the slots of an optimizer not built yet.)
-    A ``Capturer`` of the same root must be rebased afterwards; :meth:`Capturer.restore` does both.
-    """
-    infos = list_tensors(root)
-    problems = _check(infos, tensors)
-    if problems:
-        raise TensorMismatchError(
-            f"{len(problems)} tensor(s) do not match between the checkpoint and the model:\n  " + "\n  ".join(problems)
-        )
-    for name, info in infos.items():
-        if info.alias_of is not None:
-            continue  # its variables are assigned through the tensor that owns them
-        value = np.asarray(tensors[name])
-        for s in info.shards:
-            part = value[s.offset : s.offset + s.rows] if info.shape else value
-            s.var.assign(part.reshape(tuple(int(d) for d in s.var.shape)))
-    return infos
-
-
-# --------------------------------------------------------------------------------------------- write tracking
-
-#: Variable methods that write the rows named by their first argument (an ``IndexedSlices``).
-_ROW_WRITES = (
-    "scatter_add",
-    "scatter_sub",
-    "scatter_mul",
-    "scatter_div",
-    "scatter_min",
-    "scatter_max",
-    "scatter_update",
-)
-#: Variable methods that write the rows named by ``indices[..., 0]`` of their first argument.
-_ND_WRITES = ("scatter_nd_add", "scatter_nd_sub", "scatter_nd_update", "scatter_nd_max", "scatter_nd_min")
-#: Variable methods that may write any row: a call marks the whole shard.
-_DENSE_WRITES = ("assign", "assign_add", "assign_sub", "batch_scatter_update", "_strided_slice_assign")
-
-
-class _Dirty:
-    """Which rows of one shard were written since the last capture: a bool per row and a whole-shard flag.
-
-    Both live on the shard's PS, set by the write hooks inside the training step itself, so marking costs
-    a small scatter on the PS per sparse write and nothing travels to the chief.
-    """
-
-    def __init__(self, shard: _Shard) -> None:
-        tf = _tf()
-        from tensorflow.python.ops import resource_variable_ops
-
-        with tf.init_scope(), tf.device(shard.device):
-            self.rows = resource_variable_ops.ResourceVariable(
-                tf.zeros([shard.rows], tf.bool), trainable=False, name="psguard_dirty_rows"
-            )
-            self.whole = resource_variable_ops.ResourceVariable(False, trainable=False, name="psguard_dirty_all")
-
-    def mark_rows(self, indices: Any) -> Any:
-        from tensorflow.python.ops import gen_resource_variable_ops
-
-        tf = _tf()
-        ids = tf.reshape(tf.cast(indices, tf.int64), [-1])
-        # Raw ops on the handles: the marks must not go through (hooked) variable methods themselves.
-        return gen_resource_variable_ops.resource_scatter_update(self.rows.handle, ids, tf.ones_like(ids, tf.bool))
-
-    def mark_whole(self) -> Any:
-        from tensorflow.python.ops import gen_resource_variable_ops
-
-        return gen_resource_variable_ops.assign_variable_op(self.whole.handle, _tf().constant(True))
-
-
-class _WriteHook:
-    """Installed once per resource variable: its write methods mark every registered :class:`_Dirty` first.
-
-    Instance attributes shadow the class's methods, so every caller that writes through the variable object
-    (or a wrapper that delegates to it: ``ShardedVariable``, the PS strategy's caching and aggregating
-    variables, Keras 3 variables, every tf_keras and Keras 3 optimizer) is seen, eagerly and while a
-    ``tf.function`` is traced. Marks are made before the write (control dependencies), so a step that dies
-    half-way leaves marks for at least the rows it wrote.
-    """
-
-    def __init__(self, var: Any) -> None:
-        self.targets: weakref.WeakSet[_Dirty] = weakref.WeakSet()
-        for name in (*_ROW_WRITES, *_ND_WRITES, *_DENSE_WRITES):
-            original = getattr(var, name, None)
-            if original is not None:
-                object.__setattr__(var, name, self._wrap(name, original))
-
-    def _wrap(self, name: str, original: Any) -> Any:
-        def hooked(*args: Any, **kwargs: Any) -> Any:
-            tf = _tf()
-            marks: list[Any] = []
-            if self.targets:
-                first = args[0] if args else next(iter(kwargs.values()), None)
-                for target in list(self.targets):
-                    if name in _ROW_WRITES and isinstance(first, tf.IndexedSlices):
-                        marks.append(target.mark_rows(first.indices))
-                    elif name in _ND_WRITES and first is not None:
-                        marks.append(target.mark_rows(tf.convert_to_tensor(first)[..., 0]))
-                    else:
-                        marks.append(target.mark_whole())
-            with tf.control_dependencies([] if tf.executing_eagerly() else marks):
-                return original(*args, **kwargs)
-
-        return hooked
-
-
-def _write_hook(var: Any) -> _WriteHook:
-    hook: _WriteHook | None = var.__dict__.get("_psguard_write_hook")
-    if hook is None:
-        hook = _WriteHook(var)
-        object.__setattr__(var, "_psguard_write_hook", hook)
-    return hook
-
-
-class _Counter:
-    """Counts ``apply`` calls of hooked optimizers (one variable per hook generation, beside ``iterations``)."""
-
-    def __init__(self, device: str) -> None:
-        tf = _tf()
-        from tensorflow.python.ops import resource_variable_ops
-
-        with tf.init_scope(), tf.device(device):
-            self.var = resource_variable_ops.ResourceVariable(
-                tf.constant(0, tf.int64), trainable=False, name="psguard_applies"
-            )
-
-    def increment(self) -> Any:
-        from tensorflow.python.ops import gen_resource_variable_ops
-
-        tf = _tf()
-        return gen_resource_variable_ops.assign_add_variable_op(self.var.handle, tf.constant(1, tf.int64))
-
-
-class _ApplyHook:
-    """Wraps an optimizer's apply method: each call increments every registered :class:`_Counter` first.
-
-    A step traced before the hook (or before the counter's generation) increments ``iterations`` but not the
-    counter: the capture sees the two disagree and hashes every row, so such a step can never hide a write.
-    """
-
-    def __init__(self, optimizer: Any, method: str) -> None:
-        self.counters: weakref.WeakSet[_Counter] = weakref.WeakSet()
-        original = getattr(optimizer, method)
-
-        def hooked(*args: Any, **kwargs: Any) -> Any:
-            tf = _tf()
-            increments = [c.increment() for c in list(self.counters)]
-            with tf.control_dependencies([] if tf.executing_eagerly() else increments):
-                return original(*args, **kwargs)
-
-        object.__setattr__(optimizer, method, hooked)
-
-
-def _apply_hook(optimizer: Any, method: str) -> _ApplyHook:
-    hook: _ApplyHook | None = optimizer.__dict__.get("_psguard_apply_hook")
-    if hook is None:
-        hook = _ApplyHook(optimizer, method)
-        object.__setattr__(optimizer, "_psguard_apply_hook", hook)
-    return hook
-
-
-def _apply_method(obj: Any) -> str | None:
-    """The method through which ``obj`` (an optimizer) applies updates, if it writes only through variable
-    methods and increments ``iterations`` once per call; ``None`` for any other optimizer.
-
-    tf_keras (2.11+) and Keras 3 optimizers qualify. tf_keras legacy ``OptimizerV2`` writes with raw
-    training ops on the variables' handles (``ResourceSparseApplyAdagradV2``...), which no hook sees.
-    """
-    if "LossScale" in type(obj).__name__:
-        return None  # skips steps on non-finite gradients: iterations and applies would not move together
-    tfk = sys.modules.get("tf_keras.src.optimizers.optimizer")
-    if tfk is not None and isinstance(obj, tfk.Optimizer):
-        return "apply_gradients"
-    k3 = sys.modules.get("keras.src.optimizers.base_optimizer")
-    if k3 is not None and isinstance(obj, k3.BaseOptimizer):
-        return "apply"
-    return None
-
-
-def _optimizers(root: Any) -> tuple[list[tuple[Any, str]], bool]:
-    """(optimizers that can be hooked, with their apply method), and whether ``root`` holds any other one."""
-    from tensorflow.python.checkpoint import graph_view, util
-
-    objects = util.objects_ids_and_slot_variables_and_paths(graph_view.ObjectGraphView(root))[0]
-    known: list[tuple[Any, str]] = []
-    other = False
-    for obj in objects:
-        if not (hasattr(obj, "apply_gradients") or hasattr(obj, "apply")) or not hasattr(obj, "iterations"):
-            continue
-        method = _apply_method(obj)
-        if method is None:
-            other = True
-        else:
-            known.append((obj, method))
-    return known, other
-
-
 # --------------------------------------------------------------------------------------------- capture
 
 
@@ -558,7 +103,7 @@ class _Tracked:
     by_row: bool
     fingerprints: list[Any]
     need_full: bool = True
-    dirty: list[_Dirty] | None = None
+    dirty: list[DirtyRows] | None = None
 
 
 def _same_layout(a: TensorInfo, b: TensorInfo) -> bool:
@@ -642,7 +187,7 @@ class Capturer:
         # Write tracking: the optimizers' iterations, this generation's apply counter, and the value of
         # sum(iterations) - applies after the last capture (None: unknown, hash every row next time).
         self._iterations: list[Any] = []
-        self._counter: _Counter | None = None
+        self._counter: StepCounter | None = None
         self._expected_gap: int | None = None
         self._since_verify = 0
         self._sync()
@@ -665,7 +210,7 @@ class Capturer:
         fingerprints on the PS may already describe a state the caller never received, so the next capture
         is made full.
         """
-        tf = _tf()
+        tf = lazy_tf()
         with self._lock:
             # Re-reading the object graph is pure Python on the chief (about 40 us per variable): do it while
             # the workers finish their queued steps. Variables are only created by this (the chief's) thread,
@@ -761,7 +306,7 @@ class Capturer:
             _same_layout(infos[n], self._infos[n]) and infos[n].alias_of == self._infos[n].alias_of for n in infos
         ):
             return
-        optimizers, other = _optimizers(self.root) if self.track_writes else ([], True)
+        optimizers, other = find_optimizers(self.root) if self.track_writes else ([], True)
         hooked = bool(optimizers) and not other
         new_hooks = False
         tracked: dict[str, _Tracked] = {}
@@ -779,34 +324,34 @@ class Capturer:
                 tr.dirty = None
             elif tr.dirty is None:
                 new_hooks = True
-                tr.dirty = [_Dirty(s) for s in info.shards]
+                tr.dirty = [DirtyRows(s) for s in info.shards]
                 for s, d in zip(info.shards, tr.dirty, strict=True):
                     for obj in s.chain or (s.var,):
-                        _write_hook(obj).targets.add(d)
+                        write_hook(obj).targets.add(d)
         self._infos = infos
         self._tracked = tracked
         # A new generation of the apply counter whenever variables got hooked or the optimizers changed: steps
         # traced before now do not mark the new variables, and they do not count in the new counter either.
         # (Other changes, such as a new small variable, keep the counter, or every step traced before it would
         # make every capture hash every row.)
-        iterations = [_unwrap(opt.iterations) for opt, _ in optimizers] if hooked else []
+        iterations = [unwrap(opt.iterations) for opt, _ in optimizers] if hooked else []
         same_optimizers = len(iterations) == len(self._iterations) and all(
             a is b for a, b in zip(iterations, self._iterations, strict=True)
         )
         if new_hooks or not same_optimizers or not hooked:
             self._iterations = iterations
-            self._counter = _Counter(str(iterations[0].device)) if hooked else None
+            self._counter = StepCounter(str(iterations[0].device)) if hooked else None
             self._expected_gap = None
             for opt, method in optimizers if hooked else []:
-                hook = _apply_hook(opt, method)
+                hook = apply_hook(opt, method)
                 hook.counters.clear()
                 if self._counter is not None:
                     hook.counters.add(self._counter)
         self._build_functions()
 
     @staticmethod
-    def _fingerprint_var(shard: _Shard, by_row: bool) -> Any:
-        tf = _tf()
+    def _fingerprint_var(shard: Shard, by_row: bool) -> Any:
+        tf = lazy_tf()
         from tensorflow.python.ops import resource_variable_ops
 
         n = shard.rows if by_row else 1
@@ -820,7 +365,7 @@ class Capturer:
     # ------------------------------------------------------------------------------------------ graph
 
     def _build_functions(self) -> None:
-        tf = _tf()
+        tf = lazy_tf()
         from tensorflow.python.eager import context
 
         local = context.context().host_address_space() + "/device:CPU:0"
@@ -833,7 +378,7 @@ class Capturer:
         def row_bytes_of(tr: _Tracked) -> int:
             return tr.info.nbytes // max(tr.info.shape[0], 1) if tr.info.shape else tr.info.nbytes
 
-        def read_rows(tr: _Tracked, s: _Shard) -> list[Any]:
+        def read_rows(tr: _Tracked, s: Shard) -> list[Any]:
             """The shard's value, for row-tracked shards as slices read with a gather.
 
             A variable that has ever been updated sparsely (every embedding under an optimizer) is in TF's
@@ -855,7 +400,7 @@ class Capturer:
             joined = hashes[0] if len(hashes) == 1 else tf.concat(hashes, axis=0)
             return tf.reshape(tf.bitcast(joined, tf.int64), [-1])
 
-        def changed_all_rows(tr: _Tracked, s: _Shard, fp_var: Any) -> Any:
+        def changed_all_rows(tr: _Tracked, s: Shard, fp_var: Any) -> Any:
             """Ids of the rows whose bytes changed, hashing every row; stores the new fingerprints."""
             with tf.device(s.device):  # also inside a tf.cond branch, whose graph starts without a device
                 fp = fingerprints(tr, read_rows(tr, s))
@@ -864,7 +409,7 @@ class Capturer:
                     fp_var.assign(fp)
                 return tf.where(changed)[:, 0]
 
-        def changed_marked_rows(tr: _Tracked, s: _Shard, fp_var: Any, dirty: _Dirty) -> Any:
+        def changed_marked_rows(tr: _Tracked, s: Shard, fp_var: Any, dirty: DirtyRows) -> Any:
             """The same, hashing only the rows marked as written (their fingerprints alone are updated)."""
             with tf.device(s.device):
                 marked = tf.where(dirty.rows.read_value())[:, 0]
@@ -882,7 +427,7 @@ class Capturer:
                 total = tf.add_n([tf.cast(it.read_value(), tf.int64) for it in iterations])
                 return total - counter.var.read_value()
 
-        def stray_writes(tr: _Tracked, s: _Shard, fp_var: Any, dirty: _Dirty) -> Any:
+        def stray_writes(tr: _Tracked, s: Shard, fp_var: Any, dirty: DirtyRows) -> Any:
             """Whether some of ``probe_rows`` random rows changed without being marked: writes the hooks did
             not see (a writer we do not know of). Cheap (a few hundred kB hashed), and it turns a systematic
             miss into a capture that hashes every row at once instead of at the next full check."""
@@ -893,7 +438,7 @@ class Capturer:
             moved = tf.not_equal(fp, fp_var.sparse_read(sample))
             return tf.reduce_any(tf.logical_and(moved, tf.logical_not(dirty.rows.sparse_read(sample))))
 
-        def changed_ids(tr: _Tracked, s: _Shard, fp_var: Any, dirty: _Dirty | None, hash_all: Any) -> Any:
+        def changed_ids(tr: _Tracked, s: Shard, fp_var: Any, dirty: DirtyRows | None, hash_all: Any) -> Any:
             if dirty is None:
                 return changed_all_rows(tr, s, fp_var), tf.constant(True), tf.constant(False)
             # Only meaningful when the fingerprints and marks are current (not on a first or forced capture).
@@ -991,11 +536,11 @@ class Capturer:
         nbytes = 0
         for tr, outs in zip(primaries, outputs, strict=True):
             info = tr.info
-            arrays = [[_to_numpy(t) for t in shard_out] for shard_out in outs]
+            arrays = [[to_numpy(t) for t in shard_out] for shard_out in outs]
             nbytes += sum(a.nbytes for shard_out in arrays for a in shard_out)
             sent_all = [bool(a[0]) for a in arrays]
             if all(sent_all):
-                updates[info.name] = Full(_concat([a[1] for a in arrays], info.shape))
+                updates[info.name] = Full(concat_parts([a[1] for a in arrays], info.shape))
                 continue
             ids: list[np.ndarray] = []
             values: list[np.ndarray] = []
@@ -1011,7 +556,7 @@ class Capturer:
                 continue
             updates[info.name] = Rows(
                 np.concatenate(ids) if len(ids) > 1 else ids[0],
-                _writable(np.concatenate(values) if len(values) > 1 else values[0]),
+                writable(np.concatenate(values) if len(values) > 1 else values[0]),
                 info.shape,
             )
         for name, info in self._infos.items():

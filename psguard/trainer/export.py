@@ -14,7 +14,7 @@ from typing import Any
 
 from psguard.store.cli import add_store_arguments, open_store
 from psguard.store.log import Store
-from psguard.trainer.capture import gather_variables
+from psguard.trainer.variables import gather_variables
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"

@@ -1,0 +1,134 @@
+"""The agent's configuration (``agent.yaml``, merged with CLI flags) and the cluster spec it runs in.
+
+Frozen dataclasses loaded with unknown keys rejected (:func:`psguard.config.load_yaml`); the cluster spec
+(``cluster.json``, TF's ``cluster`` dict) is validated before any process starts, naming the bad key.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from psguard.agent.prober import MonitorConfig
+from psguard.agent.supervisor import SupervisorConfig
+from psguard.config import Duration
+from psguard.errors import ConfigError
+
+__all__ = ["ROLES", "AgentConfig", "HttpConfig", "PeersConfig", "PersistConfig", "load_cluster", "validate_cluster"]
+
+ROLES = ("chief", "ps", "worker")
+
+_CLUSTER_KEYS = (*ROLES, "evaluator")
+_HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?)$")
+
+
+@dataclass(frozen=True)
+class HttpConfig:
+    """``http:``: where the agent serves. CLI flags override these."""
+
+    bind: str = "127.0.0.1"
+    port: int = 0
+    token_file: str | None = None
+
+
+@dataclass(frozen=True)
+class PersistConfig:
+    """``persister:``: the durable log writer (chief only)."""
+
+    max_chain: int | None = 16
+    max_delta_percent: float | None = 100.0
+    retry_after: Duration | None = 5.0
+    drain_timeout: Duration = 120.0  # at a stop: the longest wait for the last save
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    """``peers:``: the chief's agent watches the other agents and restarts the PS servers per generation."""
+
+    restart_ps: bool = True  # on every new trainer generation (see the module docstring)
+    ready_timeout: Duration = 180.0  # for all PS agents to report a restarted, healthy server
+    request_timeout: Duration = 10.0
+    probe: MonitorConfig = field(default_factory=lambda: MonitorConfig(interval=2.0, deadline=2.0))
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The agent's YAML file (``--config``); every key is optional, unknown keys are rejected."""
+
+    job: str = "default"  # names the default spool folder
+    store: str | None = None
+    storage_options: Mapping[str, str] = field(default_factory=dict)
+    spool: str | None = None
+    task_log: str | None = None  # append the task's output here (default: the agent's own stdout/stderr)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    probe: MonitorConfig = field(default_factory=MonitorConfig)
+    peers: PeersConfig = field(default_factory=PeersConfig)
+    persister: PersistConfig = field(default_factory=PersistConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
+
+
+def _check_address(value: object, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a 'host:port' string, got {value!r}")
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not _HOST_RE.match(host):
+        raise ConfigError(f"{key}: expected 'host:port' (e.g. '10.0.0.5:2222'), got {value!r}")
+    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+        raise ConfigError(f"{key}: the port must be a number from 1 to 65535, got {value!r}")
+    return value
+
+
+def validate_cluster(data: object, *, source: str = "cluster.json") -> dict[str, list[str]]:
+    """Check a cluster spec (``{"chief": ["host:port"], "ps": [...], "worker": [...]}``); return a clean copy.
+
+    :class:`ConfigError` names the file and the key: unknown roles, lists that are not lists of ``host:port``
+    strings, more than one chief, the same address twice.
+    """
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a JSON object mapping roles to address lists, got {type(data).__name__}")
+    out: dict[str, list[str]] = {}
+    seen: dict[str, str] = {}
+    for role, addresses in data.items():
+        if role not in _CLUSTER_KEYS:
+            raise ConfigError(f"{source}: {role!r}: unknown role (known roles: {', '.join(_CLUSTER_KEYS)})")
+        if not isinstance(addresses, list) or not addresses:
+            raise ConfigError(f"{source}: {role}: expected a non-empty list of 'host:port' strings, got {addresses!r}")
+        if role == "chief" and len(addresses) != 1:
+            raise ConfigError(f"{source}: chief: a job has exactly one chief, got {len(addresses)} addresses")
+        for i, address in enumerate(addresses):
+            key = f"{role}[{i}]"
+            _check_address(address, f"{source}: {key}")
+            if address in seen:
+                raise ConfigError(f"{source}: {key}: address {address} is already used by {seen[address]}")
+            seen[address] = key
+        out[role] = list(addresses)
+    if not out:
+        raise ConfigError(f"{source}: the cluster lists no tasks")
+    return out
+
+
+def load_cluster(path: str | os.PathLike[str], role: str, index: int) -> dict[str, list[str]]:
+    """Read and validate ``cluster.json``, and check that it has task ``role:index``."""
+    source = os.fspath(path)
+    try:
+        data = json.loads(Path(source).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file (--cluster)") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{source}: cannot read: {e}") from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}: not valid JSON: {e}") from None
+    cluster = validate_cluster(data, source=source)
+    if role not in ROLES:
+        raise ConfigError(f"--role: expected one of {', '.join(ROLES)}, got {role!r}")
+    if role not in cluster:
+        raise ConfigError(f"{source}: {role}: no such role in the cluster, but the agent runs {role}:{index}")
+    if not 0 <= index < len(cluster[role]):
+        raise ConfigError(
+            f"{source}: {role}: --index {index} is out of range (the cluster has {len(cluster[role])} {role} tasks)"
+        )
+    return cluster

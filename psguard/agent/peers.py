@@ -1,0 +1,157 @@
+"""The chief's agent and its peers: PS servers restarted for every new trainer generation.
+
+A PS that survives its chief keeps the old chief's eager context and variables, and TensorFlow offers no way
+to drop a remote context from outside; the new generation restores every variable anyway. So before a new
+trainer generation starts, the chief's agent asks every PS peer to restart its task and waits until each
+serves again (docs/design.md, "New trainer generation", has the measurements behind this decision).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from psguard.agent.config import PeersConfig
+from psguard.handoff.client import http_json
+
+__all__ = ["PeerSync"]
+
+log = logging.getLogger(__name__)
+
+
+class PeerSync:
+    """The peers of the chief's agent (their base URLs) and the trainer generations it started.
+
+    :meth:`sync` brings them to a known state before a trainer starts; :meth:`new_generation` restarts every
+    PS peer, one generation at a time (the supervisor's exit callback and ``POST /new-generation`` may both
+    ask). ``stop``: set when the agent stops, ends every wait.
+    """
+
+    def __init__(
+        self, task: str, peers: Sequence[str], config: PeersConfig, token: str | None, stop: threading.Event
+    ) -> None:
+        self.task = task
+        self.peers = list(peers)
+        self.config = config
+        self._peer_token = token
+        self._stop = stop
+        self._lock = threading.Lock()
+        self._one_at_a_time = threading.Lock()
+        self.generation = 0
+        self.last: dict[str, Any] | None = None
+
+    def sync(self, *, restart_ps: bool, why: str = "", failed_at: float | None = None) -> dict[str, str]:
+        """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
+
+        ``restart_ps``: every peer whose ``/status`` says ``role: ps`` restarts its task (``POST /restart``) and
+        is waited for until its restart count went up and it is ready; other peers are skipped. Otherwise every
+        peer is only waited for until ready. Peers that do not answer yet (their agent is still starting) are
+        retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends the wait for that peer.
+        ``failed_at`` (Unix time, this host's clock): when the trainer saw the failure. A PS whose current run
+        started after it is left alone (only waited for): no chief has connected to it since, so it holds no
+        old context; typically the PS that died, already restarted by its own agent. Its start is judged by its
+        uptime, so the PS host's clock does not matter.
+        """
+        cfg = self.config
+        deadline = time.monotonic() + cfg.ready_timeout
+        outcome: dict[str, str] = {}
+        pending: dict[str, int | None] = dict.fromkeys(self.peers)  # None: not asked yet; int: restarts before
+        fresh: set[str] = set()
+        last_error: dict[str, str] = {}
+        while pending and not self._stop.is_set() and time.monotonic() < deadline:
+            for url, before in list(pending.items()):
+                asked_at = time.time()  # the answer's uptime is measured later: the PS started after asked - uptime
+                try:
+                    code, doc = http_json("GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout)
+                except OSError as e:
+                    last_error[url] = str(e)
+                    continue  # not serving yet: retried until the deadline
+                if code != 200 or not isinstance(doc, dict):
+                    outcome[url] = f"error: GET /status answered HTTP {code}"
+                    del pending[url]
+                    continue
+                restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
+                uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
+                if (
+                    before is None
+                    and restart_ps
+                    and failed_at is not None
+                    and doc.get("role") == "ps"
+                    and isinstance(uptime, int | float)
+                    and asked_at - uptime > failed_at  # a lower bound of its start: no margin needed
+                ):
+                    fresh.add(url)  # started after the failure: wait for it, do not restart it again
+                    pending[url] = restarts
+                    before = restarts
+                if url in fresh:
+                    if ready:
+                        outcome[url] = "fresh (started after the failure)"
+                        del pending[url]
+                elif before is None and restart_ps and doc.get("role") == "ps":
+                    try:
+                        code, answer = http_json(
+                            "POST",
+                            f"{url}/restart",
+                            body={"reason": why},
+                            token=self._peer_token,
+                            timeout=cfg.request_timeout,
+                        )
+                    except OSError as e:
+                        last_error[url] = str(e)
+                        continue
+                    if not 200 <= code < 300:
+                        message = answer.get("error", "") if isinstance(answer, dict) else ""
+                        outcome[url] = f"error: POST /restart answered HTTP {code}: {message}"
+                        del pending[url]
+                        continue
+                    pending[url] = restarts
+                elif before is None and restart_ps:
+                    outcome[url] = f"skipped ({doc.get('role')})"
+                    del pending[url]
+                elif ready and (before is None or restarts > before):
+                    outcome[url] = "restarted" if before is not None else "ready"
+                    del pending[url]
+            if pending:
+                self._stop.wait(0.1)  # polling the peers' state, bounded by the deadline
+        for url in pending:
+            detail = f" (last error: {last_error[url]})" if url in last_error else ""
+            outcome[url] = (
+                f"error: not {'restarted and ' if restart_ps else ''}ready within {cfg.ready_timeout:g}s{detail}"
+            )
+        return outcome
+
+    def new_generation(self, reason: str, failed_at: float | None = None) -> dict[str, Any]:
+        """Restart every PS peer and wait until all serve again; the outcome.
+
+        One at a time: the supervisor's exit callback and ``POST /new-generation`` may both ask.
+        """
+        with self._one_at_a_time:
+            return self._restart_ps(reason, failed_at)
+
+    def _restart_ps(self, reason: str, failed_at: float | None) -> dict[str, Any]:
+        with self._lock:
+            self.generation += 1
+            generation = self.generation
+        t0 = time.monotonic()
+        log.info(
+            "event=generation task=%s generation=%d reason=%r peers=%d", self.task, generation, reason, len(self.peers)
+        )
+        why = f"new trainer generation {generation}: {reason}"
+        outcome = self.sync(restart_ps=True, why=why, failed_at=failed_at)
+        seconds = time.monotonic() - t0
+        failed = {u: o for u, o in outcome.items() if o.startswith("error")}
+        (log.error if failed else log.info)(
+            "event=generation_ready task=%s generation=%d seconds=%.2f outcome=%s",
+            self.task,
+            generation,
+            seconds,
+            json.dumps(outcome),
+        )
+        result = {"generation": generation, "reason": reason, "at": time.time(), "seconds": seconds, "peers": outcome}
+        with self._lock:
+            self.last = result
+        return result
