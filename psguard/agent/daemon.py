@@ -6,27 +6,24 @@ One agent per task process (the chief's trainer, each PS, optionally each worker
     psguard agent --role chief --index 0 --cluster cluster.json --store s3://b/job \\
         --peer http://ps0:8470 --peer http://ps1:8470 -- python train.py        # the user's trainer
 
-It wires the parts built elsewhere; it adds no mechanism of its own beyond the generation rule below.
+It wires the parts built elsewhere; it adds no mechanism of its own beyond the generation rule
+(:mod:`psguard.agent.peers`; the decision and its measurements: docs/design.md).
 
 ==================  ==========================================================================================
 supervision         :class:`~psguard.agent.supervisor.Supervisor` runs the task in its own process group (same
                     address every restart, backoff, crash-loop limit). Exit 0 of the task: the agent drains
                     and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
                     message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
-                    ``supervisor.stop_timeout``), the persister drained, exit 0. In the built-in server
-                    mode a **warm standby** (:mod:`psguard.agent.standby`: a second server process with TensorFlow
-                    imported, its port not yet bound) is started ``supervisor.standby_delay`` (5 s) after each
-                    run and swapped in on a restart: ~0.2 s instead of a Python + TensorFlow start (3-6 s
-                    here). Costs one idle process (~250 MB RSS) per task; ``supervisor.standby: false`` turns
-                    it off. A user's command (after ``--``) never gets one: it would not wait to bind.
+                    ``supervisor.stop_timeout``), the persister drained, exit 0. The built-in server gets a
+                    warm standby (:mod:`psguard.agent.standby`) swapped in on a restart.
 health              ps / worker: :class:`~psguard.agent.prober.HealthMonitor` with process + TCP + ``GetStatus``
                     RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
                     unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
                     ``--peer`` agent's ``/readyz`` (reported in ``/status`` and ``/metrics`` only).
 memory tier         chief only: :class:`~psguard.agent.memory_tier.MemoryTier` fed by a
                     :class:`~psguard.agent.spool_server.SpoolServer` (``--spool``, default
-                    :func:`~psguard.handoff.spool.default_spool_dir` of the job) and written to the durable log by a
-                    :class:`~psguard.agent.persister.Persister` (``--store``). At start
+                    :func:`~psguard.handoff.spool.default_spool_dir` of the job) and written to the durable log
+                    by a :class:`~psguard.agent.persister.Persister` (``--store``). At start
                     :func:`~psguard.agent.persister.resume` seeds the tier from the durable log, so an agent
                     restarted after a crash (even a SIGKILL in the middle of a persist: the manifest is the
                     commit) continues from the last commit.
@@ -35,49 +32,14 @@ HTTP                :class:`~psguard.agent.httpd.AgentHTTPServer` (127.0.0.1 by 
                     /restart`` (restart the task), ``POST /recovery`` (a restored trainer reports the step
                     it restored and, in process, the step it had reached; with the step a failed trainer gave
                     in ``POST /failure`` the agent counts ``psguard_lost_steps_total``) and, on the chief,
-                    ``POST /new-generation`` (restart every PS now; see below).
+                    ``POST /new-generation`` (restart every PS now).
 ==================  ==========================================================================================
 
-The trainer (the chief's task) gets ``TF_CONFIG`` (the cluster from ``cluster.json``, task ``chief:0``),
-``PSGUARD_SPOOL`` (the spool folder of :mod:`psguard.handoff.spool`) and ``PSGUARD_AGENT_URL`` (this agent's HTTP
-base URL; ``PSGUARD_AGENT_TOKEN_FILE`` names the token file when there is one). Every task gets ``TF_CONFIG``
-for its own role and index and ``PSGUARD_TASK`` (``ps:0``).
+The trainer (the chief's task) gets ``TF_CONFIG`` (the cluster from ``cluster.json``, task ``chief:0``) and
+the variables of :mod:`psguard.handoff.contract`: the spool folder, this agent's HTTP base URL and the path of
+its token file. Every task gets ``TF_CONFIG`` for its own role and index and its task name (``ps:0``).
 
-New trainer generation: the PS servers are restarted first
------------------------------------------------------------
-A PS that survives its chief keeps the old chief's eager context and its variables: measured here, a PS with a
-2M x 16 table grew by about 75 MB per recovery even after the old variables were deleted, and never gave the
-memory back (DESIGN.md: 1.2 GB -> 1.5 GB over two chief restarts). TensorFlow offers no way to drop a remote
-context from outside, and the new generation restores every variable anyway, so a surviving PS has nothing
-worth keeping. **Decision: on every new trainer generation the chief's agent restarts the PS servers.** A new
-generation is any start of the trainer after the first: a crash, a hang caught by the probe, ``POST
-/restart``, or exit :data:`~psguard.handoff.contract.EXIT_RESTART` (75), which the trainer uses after a PS failure
-when it cannot rejoin in-process. The first start counts too when the agent resumed state (the durable log
-was not empty, so an earlier chief may have left contexts behind). Before the trainer is started again, the
-chief's agent asks every ``--peer`` whose ``/status`` says ``role: ps`` to ``POST /restart`` its task, in
-parallel, and waits (``peers.ready_timeout``) until each reports a restart count above the one it had and a
-healthy task; then the supervisor starts the trainer. This runs inside the supervisor's exit callback, on its
-thread, so no trainer can start while PS servers are being replaced. A peer that does not come back in time is
-logged and reported in ``/status``; the trainer is started anyway (it fails on the missing PS and exits again,
-which counts towards the crash-loop limit). Workers are not restarted: they hold no variables and rejoin
-through TensorFlow's own retry.
-
-A trainer that rejoins in-process (:func:`psguard.trainer.recovery.run_with_recovery` with a model factory) starts a
-new generation without exiting: it passes :func:`restart_ps_servers` as ``restart_ps``, which calls ``POST
-/new-generation`` on its agent and returns once every PS serves again (before its ``update_server_def``).
-One PS start is saved when the trainer says when it saw the failure (``restart_ps_servers(failed_at=...)``, or
-:func:`report_failure` before exiting 75): a PS whose current run started after that moment (the one that died,
-already restarted by its own agent) cannot hold a context of the failed generation and is only waited for.
-
-Cost and evidence: one PS start per recovery, before the trainer starts again: about 0.2-0.5 s with the
-warm standby (a cold start: 3-5 s on an idle machine here, 20-35 s with the machine overloaded).
-Measured by ``test_ps_memory_stays_flat_over_five_trainer_generations`` (a real TF chief puts a 32 MB
-table on one PS per generation): with this rule the PS stayed at 725-742 MB RSS over five generations;
-without it (``peers.restart_ps: false``) it grew from 725 to 968 MB.
-Before the first start the chief's agent waits (same timeout) until every peer is ready.
-
-The agent never imports TensorFlow (``python -X importtime -m psguard.cli agent --help``): its RSS stays
-around 60-90 MB plus the memory tier on the chief. ``import grpc`` happens only for the RPC probe.
+The agent never imports TensorFlow: a PS agent stays small and starts fast.
 """
 
 from __future__ import annotations

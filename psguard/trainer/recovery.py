@@ -8,17 +8,15 @@ tensor remote_handle", "RecvTensor expects a different device incarnation"). Two
 1. **In-process rejoin** (:func:`run_with_recovery`): the user hands psguard a ``build`` function that
    creates model, optimizer, step function and :class:`~psguard.CheckpointManager` (and restores); on a
    PS failure psguard drops the dead objects, has every PS restarted, resets the eager context's cluster
-   (``update_server_def``) and calls ``build`` again. Measured here: training resumes about 3 s after a
-   ``kill -9`` of a PS, with no process start and no re-import.
+   (``update_server_def``) and calls ``build`` again: no process start and no re-import.
 2. **Restart the trainer** (:func:`exit_for_restart`): without a ``build`` function the trainer exits with
    :data:`~psguard.handoff.contract.EXIT_RESTART` (75) and the chief's ``psguard agent`` restarts it; the new
    process restores (from the sidecar's memory tier first).
 
 Why every PS is restarted, not only the dead one: a surviving PS keeps the previous generation's variables
-(they belong to a remote context nobody closes). Measured on a 2M x 16 table with Adagrad: +75 MB on the
-surviving PS per recovery, growing with every recovery even after the chief deleted its old variables
-before rejoining. Restarted PS processes start empty and are filled by the restore, so the memory of the
-PS fleet stays flat whatever the number of recoveries.
+(they belong to a remote context nobody closes), so its memory grows with every recovery. Restarted PS
+processes start empty and are filled by the restore, so the memory of the PS fleet stays flat whatever the
+number of recoveries (docs/design.md, "New trainer generation", has the measurements).
 """
 
 from __future__ import annotations
