@@ -136,3 +136,22 @@ def test_frozen_s3_server_fails_the_save_instead_of_hanging(seaweed: object, uni
         store.close()
     with Store.open(url, seaweed.storage_options) as again:  # type: ignore[attr-defined]
         assert again.checkpoint_ids() == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("status", "code"), [(503, "SlowDown"), (503, "ServiceUnavailable"), (500, "InternalError")])
+def test_s3_error_responses_are_retried(seaweed: object, unique: str, status: int, code: str) -> None:
+    """A store answering 500/503 for a while (as SeaweedFS does right after a restart) costs retries, not a save."""
+    from psguard.chaos.http_faults import HttpErrorProxy
+
+    with HttpErrorProxy(seaweed.endpoint_url) as proxy:  # type: ignore[attr-defined]
+        options = {**seaweed.storage_options, "endpoint_url": proxy.endpoint_url}  # type: ignore[attr-defined]
+        with Store.open(seaweed.url(unique), options, retry=RetryConfig(deadline=30, initial_backoff=0.01)) as store:  # type: ignore[attr-defined]
+            table = np.arange(4000, dtype=np.float32).reshape(500, 8)
+            proxy.fail_next(3, status=status, code=code)
+            info = store.save(1, {"t": table})
+            assert proxy.failed == 3 and proxy.forwarded > 0
+            proxy.fail_next(3, status=status, code=code)
+            loaded = store.load(info.id)
+            assert proxy.failed == 6
+            assert np.array_equal(loaded["t"], table)

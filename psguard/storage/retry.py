@@ -36,6 +36,10 @@ _TRANSIENT_ERRNOS = {
     errno.ENETUNREACH,
     errno.EAGAIN,
     errno.EIO,
+    # s3fs turns InternalError / 500 into EREMOTEIO and SlowDown / ServiceUnavailable / 503 (and 409
+    # OperationAborted) into EBUSY: all "try again", and they come right after an object store restarts.
+    getattr(errno, "EREMOTEIO", errno.EIO),
+    errno.EBUSY,
 }
 # Client-library exception class names that mean "the server did not answer properly this time". Matched by
 # name so this module imports no client library.

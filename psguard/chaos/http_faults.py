@@ -1,0 +1,118 @@
+"""An HTTP proxy in front of an object store that answers some requests with S3 error responses.
+
+Object stores fail in ways a TCP proxy cannot show: an ``InternalError`` (500) right after a restart, or
+``SlowDown`` / ``ServiceUnavailable`` (503) under load. Every S3 client must retry those; this proxy makes
+them happen on demand. Requests are forwarded as they came (method, path, headers, body), so SigV4
+signatures made for the proxy's address stay valid: the upstream checks them against the ``Host`` header the
+client sent.
+
+``fail_next(n, status=503, code="SlowDown")`` answers the next ``n`` requests with that error instead of
+forwarding them; :attr:`failed` counts the error answers given. :meth:`close` stops the server and joins its
+threads.
+"""
+
+from __future__ import annotations
+
+import http.client
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = ["HttpErrorProxy"]
+
+_MESSAGES = {
+    "SlowDown": "Please reduce your request rate.",
+    "ServiceUnavailable": "Service is unable to handle request.",
+    "InternalError": "We encountered an internal error, please try again.",
+}
+
+
+class HttpErrorProxy:
+    """Listens on ``127.0.0.1`` (a free port: :attr:`endpoint_url`) and forwards to ``upstream``."""
+
+    def __init__(self, upstream: str) -> None:
+        parts = urlsplit(upstream)
+        self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
+        self._lock = threading.Lock()
+        self._pending: list[tuple[int, str]] = []
+        self.failed = 0
+        self.forwarded = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *_: Any) -> None:  # quiet: the test asserts on counts
+                pass
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else b""
+                fault = proxy._take_fault()
+                if fault is not None:
+                    status, code = fault
+                    doc = (
+                        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+                        f"<Message>{_MESSAGES.get(code, code)}</Message><RequestId>psguard-chaos</RequestId></Error>"
+                    ).encode()
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(doc)))
+                    self.end_headers()
+                    self.wfile.write(doc)
+                    return
+                conn = http.client.HTTPConnection(*proxy._upstream, timeout=60)
+                try:
+                    headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+                    conn.request(self.command, self.path, body=body if length else None, headers=headers)
+                    response = conn.getresponse()
+                    data = response.read()
+                finally:
+                    conn.close()
+                with proxy._lock:
+                    proxy.forwarded += 1
+                self.send_response(response.status, response.reason)
+                for key, value in response.getheaders():
+                    if key.lower() not in ("connection", "transfer-encoding", "content-length"):
+                        self.send_header(key, value)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = False
+        self._server.block_on_close = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="chaos-http-proxy", daemon=True)
+        self._thread.start()
+
+    @property
+    def endpoint_url(self) -> str:
+        port = self._server.server_address[1]
+        return f"http://127.0.0.1:{port}"
+
+    def fail_next(self, n: int, *, status: int = 503, code: str = "SlowDown") -> None:
+        """Answer the next ``n`` requests with ``status`` and the S3 error ``code`` (not forwarded)."""
+        with self._lock:
+            self._pending.extend([(status, code)] * n)
+
+    def _take_fault(self) -> tuple[int, str] | None:
+        with self._lock:
+            if not self._pending:
+                return None
+            self.failed += 1
+            return self._pending.pop(0)
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join()
+
+    def __enter__(self) -> HttpErrorProxy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
