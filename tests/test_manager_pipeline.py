@@ -294,3 +294,41 @@ def test_a_trainer_under_a_real_agent_finds_its_save_committed_when_wait_returns
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["latest_step"] == 1, result
+
+
+@pytest.mark.slow
+def test_a_restore_holding_the_memory_tier_does_not_wait_for_a_store_that_is_down(
+    tmp_path: Path, seaweed: object, unique: str
+) -> None:
+    from psguard.chaos.http_faults import HttpErrorProxy
+    from psguard.trainer.variables import bitwise_equal
+    from tests.test_manager import snapshot
+
+    with HttpErrorProxy(seaweed.endpoint_url) as proxy:  # type: ignore[attr-defined]
+        options = {**seaweed.storage_options, "endpoint_url": proxy.endpoint_url}  # type: ignore[attr-defined]
+        store = Store.open(seaweed.url(unique), options)  # type: ignore[attr-defined]
+        agent = Agent(tmp_path / "spool", store)
+        try:
+            ckpt, emb, dense = make_local()
+            rng = np.random.default_rng(10)
+            with CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", store=store) as m:
+                train_local(emb, dense, ckpt, rng)
+                m.save(1).result(timeout=60)
+                train_local(emb, dense, ckpt, rng)
+                m.save(2, tiers=frozenset({Tier.MEMORY})).result(timeout=60)
+                want = snapshot(ckpt)
+            proxy.fail_next(1_000_000, status=503, code="ServiceUnavailable")  # the store is down from here
+            fresh, _, _ = make_local(seed=3)
+            with CheckpointManager(fresh, str(store.url), spool=tmp_path / "spool", store=store) as m2:
+                t0 = time.monotonic()
+                restored = m2.restore_or_initialize()
+                took = time.monotonic() - t0
+                assert restored is not None and restored.startswith("memory:"), restored
+                assert took < 30, f"the restore waited {took:.1f}s for a store that was down"
+                got = snapshot(fresh)
+                assert all(bitwise_equal(want[n], got[n]) for n in want)
+                proxy.heal()
+        finally:
+            proxy.heal()
+            agent.stop()
+            store.close()

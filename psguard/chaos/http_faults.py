@@ -99,6 +99,11 @@ class HttpErrorProxy:
         with self._lock:
             self._pending.extend([(status, code)] * n)
 
+    def heal(self) -> None:
+        """Forward every request again (drops the error answers not given yet)."""
+        with self._lock:
+            self._pending.clear()
+
     def _take_fault(self) -> tuple[int, str] | None:
         with self._lock:
             if not self._pending:

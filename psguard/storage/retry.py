@@ -10,12 +10,13 @@ when a PS could not reach HDFS; we must not).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -122,14 +123,29 @@ class RetryingBackend(Backend):
         self.io_parallelism = inner.io_parallelism
         self.config = config or RetryConfig()
         self._stop = threading.Event()
+        self._local = threading.local()  # a cap on the deadline for calls made by one thread (``capped``)
 
     def abort(self) -> None:
         """Make pending and future retries give up at once (used when shutting down)."""
         self._stop.set()
 
+    @contextlib.contextmanager
+    def capped(self, seconds: float) -> Iterator[None]:
+        """Calls made by this thread inside the block give up after ``seconds`` (or the configured deadline,
+        whichever is shorter): for a caller that has a better answer than waiting, such as a restore that
+        already holds the memory tier and only asks the store whether it has something newer."""
+        before = getattr(self._local, "cap", None)
+        self._local.cap = seconds if before is None else min(before, seconds)
+        try:
+            yield
+        finally:
+            self._local.cap = before
+
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         cfg = self.config
-        deadline = time.monotonic() + cfg.deadline
+        cap = getattr(self._local, "cap", None)
+        budget = cfg.deadline if cap is None else min(cfg.deadline, cap)
+        deadline = time.monotonic() + budget
         backoff = cfg.initial_backoff
         attempt = 0
         while True:
@@ -143,7 +159,7 @@ class RetryingBackend(Backend):
                 if remaining <= 0 or self._stop.is_set():
                     raise StorageUnavailableError(
                         f"storage unavailable: {op} {key!r} on {self.url} failed {attempt} time(s) "
-                        f"over {cfg.deadline:.0f}s; last error: {type(e).__name__}: {e}. "
+                        f"over {budget:.0f}s; last error: {type(e).__name__}: {e}. "
                         "Check that the storage service is up and reachable, then retry."
                     ) from e
                 sleep = min(backoff * (0.5 + random.random()), remaining, cfg.max_backoff)

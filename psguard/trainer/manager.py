@@ -29,18 +29,21 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError
+from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.client import report_recovery
 from psguard.handoff.contract import ENV_SPOOL, TOKEN_KEY, Tier
+from psguard.handoff.spool import Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import PolicySpec, PolicyWatcher, load_policy
-from psguard.store.log import Store
+from psguard.storage.retry import RetryingBackend
+from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
@@ -58,6 +61,10 @@ log = logging.getLogger(__name__)
 _seen_lock = threading.Lock()
 _seen_steps: dict[str, int] = {}
 
+
+#: How long a restore that holds the memory tier's snapshot waits for the durable log to say whether it has
+#: something newer (only another writer could have written it).
+STORE_CHECK_SECONDS = 5.0
 
 #: How long the interpreter's exit waits for saves still being written by a manager nobody closed.
 EXIT_WAIT_SECONDS = 600.0
@@ -365,7 +372,7 @@ class CheckpointManager:
         mismatches and nothing is assigned.
         """
         memory = self._sink.memory_snapshot(self.restore_timeout)
-        durable_latest = self.store.latest() if memory is not None else None
+        durable_latest = self._durable_latest_beside(memory) if memory is not None else None
         token: str | None
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
             tensors = dict(memory.tensors)
@@ -454,6 +461,29 @@ class CheckpointManager:
             return self._retention_arg
         spec = self._policy.spec
         return spec.retention if spec is not None else None
+
+    def _durable_latest_beside(self, memory: Restored) -> CheckpointInfo | None:
+        """The durable log's newest checkpoint, asked only to compare with the memory tier's snapshot.
+
+        The memory tier is what the agent persists from, so the log is newer only if another writer wrote to
+        it. A store that is down must not hold a restore that has its state in hand: the question is bounded
+        (``STORE_CHECK_SECONDS``) and an unanswered one leaves the memory tier in charge.
+        """
+        backend = self.store.backend
+        capped = backend.capped(STORE_CHECK_SECONDS) if isinstance(backend, RetryingBackend) else nullcontext()
+        try:
+            with capped:
+                return self.store.latest()
+        except StorageError as e:
+            log.warning(
+                "the durable log did not answer within %.0fs (%s): restoring from the memory tier (step %d; the "
+                "agent's last durable commit: step %s)",
+                STORE_CHECK_SECONDS,
+                e,
+                memory.step,
+                memory.durable_step,
+            )
+            return None
 
     def _forget_state(self) -> None:
         """The checkpoint the next delta would build on is gone: make the next capture whole."""
