@@ -24,6 +24,7 @@ from psguard.errors import (
 from psguard.store import Store
 
 if TYPE_CHECKING:
+    from psguard.trainer.follower import Follower
     from psguard.trainer.manager import CheckpointManager, SaveHandle
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointManager",
     "ConfigError",
     "CorruptCheckpointError",
+    "Follower",
     "NoCheckpointError",
     "PsguardError",
     "SaveError",
@@ -42,7 +44,11 @@ __all__ = [
     "TensorMismatchError",
 ]
 
-_LAZY = {"CheckpointManager": "psguard.trainer.manager", "SaveHandle": "psguard.trainer.manager"}
+_LAZY = {
+    "CheckpointManager": "psguard.trainer.manager",
+    "SaveHandle": "psguard.trainer.manager",
+    "Follower": "psguard.trainer.follower",
+}
 
 
 def __getattr__(name: str) -> Any:

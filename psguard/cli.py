@@ -35,6 +35,7 @@ EXIT_NOT_FOUND = 4
 COMMAND_MODULES: tuple[str, ...] = (
     "psguard.demo",
     "psguard.store.cli",
+    "psguard.store.follow",
     "psguard.trainer.export",
     "psguard.policy.cli",
     "psguard.benchmarks.cli",

@@ -59,7 +59,7 @@ from psguard.store.manifest import (
     step_of_id,
 )
 from psguard.store.retention import Candidate, select_kept
-from psguard.tensors import Full, Same, TensorUpdate
+from psguard.tensors import Full, Rows, Same, TensorUpdate
 
 log = logging.getLogger(__name__)
 
@@ -480,6 +480,51 @@ class Store:
                 )
             rows = np.frombuffer(f_vals.result(), dtype=value.dtype).reshape((seg.count, *value.shape[1:]))
             value[ids] = rows
+
+    def updates(self, checkpoint_id: str, *, verify_hash: bool = False) -> tuple[dict[str, TensorUpdate], int]:
+        """What ``checkpoint_id`` itself changed, per tensor, read from its own chunks only; and the bytes read.
+
+        A full checkpoint gives every tensor whole (``Full``); a delta gives ``Rows`` for its changed rows,
+        ``Full`` for tensors it stored whole and ``Same`` for the others. Followers apply these in step order on
+        top of the state they hold, instead of rebuilding every tensor (:meth:`load`). Every chunk is verified;
+        a defect raises :class:`CorruptCheckpointError` before anything is returned.
+        """
+        m = self.manifest(checkpoint_id)
+        out: dict[str, TensorUpdate] = {}
+        nbytes = 0
+        for name, entry in m.tensors.items():
+            try:
+                dtype = dtype_from_name(entry.dtype)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
+            if entry.encoding == "full":
+                out[name] = Full(self._read_full(m, name, verify_hash))
+                nbytes += sum(c.size for c in entry.chunks)
+            elif entry.encoding == "rows":
+                rb = dtype.itemsize * int(np.prod(entry.shape[1:], dtype=np.int64))
+                ids_parts: list[np.ndarray] = []
+                value_parts: list[np.ndarray] = []
+                reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+                for seg in entry.segments:
+                    if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
+                        raise CorruptCheckpointError(
+                            f"checkpoint {m.id}: tensor {name!r}: a segment's chunk sizes do not match its row count",
+                            checkpoint=m.id,
+                        )
+                    ids_parts.append(np.frombuffer(reader.read(seg.ids), dtype="<i8").astype(np.int64))
+                    rows = np.frombuffer(reader.read(seg.values), dtype=dtype)
+                    value_parts.append(rows.reshape((seg.count, *entry.shape[1:])))
+                    nbytes += seg.ids.size + seg.values.size
+                ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int64)
+                if ids.size and (ids.min() < 0 or ids.max() >= entry.shape[0]):
+                    raise CorruptCheckpointError(
+                        f"checkpoint {m.id}: tensor {name!r}: row id out of range", checkpoint=m.id
+                    )
+                values = np.concatenate(value_parts) if value_parts else np.zeros((0, *entry.shape[1:]), dtype)
+                out[name] = Rows(ids, values, entry.shape)
+            else:
+                out[name] = Same(entry.shape, dtype)
+        return out, nbytes
 
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
         """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.
