@@ -44,7 +44,7 @@ def test_every_preset_loads_and_is_commented(name: str) -> None:
     schedule = spec.schedule
     assert schedule.memory is not None or schedule.durable is not None
     summary = spec.summary()
-    assert set(summary) == {"memory", "durable", "base", "preemption", "retention"}
+    assert set(summary) == {"memory", "durable", "base", "preemption", "retention", "hang"}
     # It decides: overdue everything -> saves.
     d = schedule.decide(10**6, T0 + 30 * 86400, SaveContext(started_at=T0, observed_since=T0))
     assert Tier.MEMORY in d.tiers

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psguard.agent.config import ROLES, AgentConfig
+from psguard.agent.hang import Hang, HangWatch
 from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response
 from psguard.agent.metrics import AgentMetrics
 from psguard.agent.peers import PeerSync
@@ -154,6 +155,8 @@ class Agent:
         self._reported_failure: float | None = None  # POST /failure: when the trainer saw it (Unix time)
         self._reported_step: int | None = None  # ... and the last step it trained
         self._last_lost_steps: int | None = None
+        self._hangs = 0
+        self._last_hang: dict[str, Any] | None = None
         self._resumed_step: int | None = None
         self._resume_seconds: float | None = None
         self._durable_id: str | None = None
@@ -168,6 +171,8 @@ class Agent:
         self.persister: Persister | None = None
         self.spool: SpoolServer | None = None
         self.spool_dir: Path | None = None
+        self._heartbeat_path: Path | None = None
+        self.hang_watch: HangWatch | None = None
 
     # ------------------------------------------------------------------------------------------ commands
     def _server_command(self) -> list[str]:
@@ -248,6 +253,14 @@ class Agent:
                 return self
             self.supervisor.start()
             self.monitor.start()
+            if self._heartbeat_path is not None:
+                sup = self.supervisor
+                self.hang_watch = HangWatch(
+                    self._heartbeat_path,
+                    task_pid=lambda: sup.pid,
+                    uptime=lambda: sup.status().uptime_seconds,
+                    on_hang=self._on_hang,
+                ).start()
             log.info("event=agent_started task=%s address=%s http=%s", self.task, self.address, self.http.url)
         except BaseException:
             self.stop()
@@ -276,7 +289,7 @@ class Agent:
         from psguard.agent.memory_tier import MemoryTier
         from psguard.agent.persister import Persister, resume
         from psguard.agent.spool_server import SpoolServer
-        from psguard.handoff.spool import default_spool_dir
+        from psguard.handoff.spool import SpoolPaths, default_spool_dir
         from psguard.store.log import Store
 
         cfg = self.config
@@ -313,6 +326,7 @@ class Agent:
             self.metrics.persist_queue_depth.set_function(lambda: float(persister.status().pending_requests))
         self.spool_dir = Path(cfg.spool) if cfg.spool else default_spool_dir(cfg.job)
         self.spool = SpoolServer(self.spool_dir, tier, persister, on_event=self._on_spool_event).start()
+        self._heartbeat_path = SpoolPaths(self.spool_dir).heartbeat
         log.info("event=spool_serving task=%s spool=%s store=%s", self.task, self.spool_dir, cfg.store or "-")
 
     def _task_probes(self) -> list[Probe]:
@@ -357,6 +371,8 @@ class Agent:
                 log.exception("event=stop_step_failed task=%s step=%s", self.task, getattr(fn, "__qualname__", fn))
                 errors.append(e)
 
+        if self.hang_watch is not None:
+            attempt(self.hang_watch.stop)
         if self.monitor is not None:
             attempt(self.monitor.stop)
         for monitor in self.peer_monitors:
@@ -425,6 +441,18 @@ class Agent:
                 self.peer_sync.new_generation(f"the trainer {event.reason}", failed_at)
         elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
             self._wake.set()
+
+    def _on_hang(self, hang: Hang) -> None:
+        """The trainer is alive and makes no steps (:mod:`psguard.agent.hang`): count it and restart it; the
+        new trainer restores from the memory tier (a new generation: the PS servers are restarted first)."""
+        self.metrics.hangs.inc()
+        with self._lock:
+            self._hangs += 1
+            self._last_hang = {"step": hang.step, "stuck_seconds": round(hang.stuck_seconds, 1), "at": time.time()}
+        if self.supervisor is not None:
+            self.supervisor.restart(
+                f"hung: no step for {hang.stuck_seconds:.0f}s at step {hang.step} (bound {hang.bound:.0f}s)"
+            )
 
     def _on_unhealthy(self, report: HealthReport) -> None:
         sup, monitor = self.supervisor, self.monitor
@@ -561,6 +589,7 @@ class Agent:
         }
         if self.role == "chief":
             checks["spool"] = self.spool is not None and self.spool.status().running
+            checks["progress"] = self.hang_watch is None or not self.hang_watch.hung
             if self.config.store is not None:
                 checks["persister"] = self.persister is not None and self.persister.status().running
         return checks
@@ -594,6 +623,8 @@ class Agent:
             doc["generation"] = self.peer_sync.generation
             doc["last_generation"] = self.peer_sync.last
             doc["last_lost_steps"] = self._last_lost_steps
+            doc["hangs"] = self._hangs
+            doc["last_hang"] = self._last_hang
             durable_id, durable_step = self._durable_id, self._durable_step
         if self.role == "chief":
             tier = self.tier.status() if self.tier is not None else None

@@ -47,6 +47,7 @@ __all__ = [
     "CHECKPOINT_STALL_SECONDS",
     "CONTENT_TYPE",
     "CRASH_LOOP",
+    "HANGS_TOTAL",
     "LAST_CHECKPOINT_STEP",
     "LAST_CHECKPOINT_TIMESTAMP_SECONDS",
     "LOST_STEPS_TOTAL",
@@ -81,6 +82,7 @@ RECOVERY_SECONDS = "psguard_recovery_seconds"
 RECOVERIES_TOTAL = "psguard_recoveries_total"
 LOST_STEPS_TOTAL = "psguard_lost_steps_total"
 CHECKPOINT_STALL_SECONDS = "psguard_checkpoint_stall_seconds"
+HANGS_TOTAL = "psguard_hangs_total"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -389,6 +391,7 @@ class AgentMetrics:
     recoveries: Counter
     lost_steps: Counter
     checkpoint_stall: Histogram
+    hangs: Counter
 
     @classmethod
     def create(cls, registry: Registry | None = None) -> AgentMetrics:
@@ -423,6 +426,7 @@ class AgentMetrics:
             checkpoint_stall=r.histogram(
                 CHECKPOINT_STALL_SECONDS, "Training stall caused by each checkpoint save.", buckets=STALL_BUCKETS
             ),
+            hangs=r.counter(HANGS_TOTAL, "Times the trainer made no step within its hang bound and was restarted."),
         )
 
     def on_supervisor_event(self, event: SupervisorEvent) -> None:

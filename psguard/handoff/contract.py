@@ -7,6 +7,7 @@ between two processes that may run different psguard versions during a rolling u
 from __future__ import annotations
 
 import enum
+import signal
 
 __all__ = [
     "ENV_AGENT_TOKEN_FILE",
@@ -15,6 +16,7 @@ __all__ = [
     "ENV_TASK",
     "EXIT_OK",
     "EXIT_RESTART",
+    "HANG_DUMP_SIGNAL",
     "RETENTION_KEY",
     "STALL_KEY",
     "TOKEN_KEY",
@@ -46,6 +48,10 @@ EXIT_OK = 0
 
 EXIT_RESTART = 75
 """``EX_TEMPFAIL`` from ``sysexits.h``: restart me now, this is not a crash (the trainer after a PS failure)."""
+
+#: The signal on which a trainer under an agent writes every thread's Python stack to stderr (faulthandler):
+#: the agent sends it to a hung trainer before restarting it, so the task log says where it was stuck.
+HANG_DUMP_SIGNAL = signal.SIGUSR1
 
 # ------------------------------------------------------------------------------------------------ metadata keys
 #: Metadata key under which a durable checkpoint records the memory-tier token of its state, so a tier

@@ -19,6 +19,7 @@ Layout under the spool folder (default ``/dev/shm/psguard-<job>/``)::
     acks/<seq:012d>.json               the agent's answer once applied to the memory tier
     acks/<seq:012d>.pending.json       the capture is on its way to the durable log
     acks/<seq:012d>.durable.json       ... and its outcome
+    heartbeat.json                     the trainer's last step, when it was made, and its hang bound (below)
     requests/restore-<gen>-<nonce>.json    a trainer asks for the memory tier's snapshot
     restore/<gen>-<nonce>/             the answer: manifest.json + <i>.bin files (renamed into place whole)
 
@@ -45,6 +46,11 @@ Restore protocol. The trainer writes ``requests/restore-<gen>-<nonce>.json``; th
 snapshot of the memory tier (step, metadata, token, the last durable checkpoint it knows, a CRC32C per
 tensor) into ``restore/<gen>-<nonce>.tmp-agent/`` and renames it to ``restore/<gen>-<nonce>/``. The trainer
 verifies every CRC32C before returning anything, then deletes the folder.
+
+Heartbeat. The trainer's manager replaces ``heartbeat.json`` (write-then-rename) at most once a second while
+it makes steps: ``{"step": 1200, "at": <time.time()>, "pid": <the trainer's pid>, "hang_after": 300.0 | null}``.
+The agent declares the trainer hung when the step has not changed for ``hang_after`` seconds of its own clock
+(``null``: the trainer does not ask to be judged yet); see :mod:`psguard.agent.hang`.
 
 Crashes. A killed writer leaves ``*.tmp-<gen>`` folders: the agent deletes them once ``writers/<gen>.lock``
 is no longer locked (flock works across PID namespaces, so a sidecar container that cannot see the trainer's
@@ -477,6 +483,7 @@ class SpoolPaths:
         self.writers = self.root / "writers"
         self.agent_lock = self.root / "agent.lock"
         self.seq = self.root / "seq"
+        self.heartbeat = self.root / "heartbeat.json"
 
     def make(self) -> None:
         for d in (self.incoming, self.acks, self.requests, self.restore, self.writers):

@@ -25,12 +25,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from psguard.config import changed_keys, format_duration, invalid, load_yaml
+from psguard.config import Check, changed_keys, format_duration, invalid, load_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import (
@@ -52,6 +52,7 @@ from psguard.policy.engine import (
 
 __all__ = [
     "BaseSpec",
+    "HangSpec",
     "PolicySpec",
     "PolicyWatcher",
     "PreemptionSpec",
@@ -156,6 +157,29 @@ class PreemptionSpec:
 
 
 @dataclass(frozen=True)
+class HangSpec:
+    """When a trainer that stopped making steps counts as hung: its agent dumps its Python stacks and restarts
+    it (it restores from the memory tier). ``after``: a fixed bound; otherwise ``median_steps`` times the
+    median time of a step, never less than ``floor`` (the first chunk of steps, tracing, and a slow input
+    pipeline at start must not look like a hang). ``enabled: false`` turns detection off."""
+
+    enabled: bool = True
+    after: PositiveDuration | None = None
+    median_steps: Annotated[float, Check(lambda v: v > 0, "(> 0)")] = 50.0
+    floor: PositiveDuration = 300.0
+
+    def bound(self, median_step_seconds: float | None) -> float | None:
+        """Seconds without a step after which the trainer is hung; ``None``: do not judge (yet)."""
+        if not self.enabled:
+            return None
+        if self.after is not None:
+            return float(self.after)
+        if median_step_seconds is None:
+            return None  # no step time measured yet: the first steps (tracing) are not judged
+        return max(float(self.floor), self.median_steps * median_step_seconds)
+
+
+@dataclass(frozen=True)
 class PolicySpec:
     """A whole policy file. Build the engine with :attr:`schedule`; retention is :attr:`retention`."""
 
@@ -165,6 +189,7 @@ class PolicySpec:
     base: BaseSpec = BaseSpec()
     preemption: PreemptionSpec = PreemptionSpec()
     retention: Retention = field(default_factory=Retention)
+    hang: HangSpec = HangSpec()
 
     def __post_init__(self) -> None:
         if self.memory.policy() is None and self.durable.policy() is None:
@@ -186,6 +211,15 @@ class PolicySpec:
         if self.preemption.tiers:
             out["preemption"] += f" within {format_duration(self.preemption.grace)}"
         out["retention"] = self.retention.describe()
+        h = self.hang
+        out["hang"] = (
+            "not detected"
+            if not h.enabled
+            else f"restart after {format_duration(h.after)} without a step"
+            if h.after is not None
+            else f"restart after {h.median_steps:g} median step times without a step "
+            f"(at least {format_duration(h.floor)})"
+        )
         return out
 
 

@@ -21,9 +21,12 @@ next save: nothing captured is lost while the store is down. Two captures never 
 from __future__ import annotations
 
 import atexit
+import collections
+import faulthandler
 import logging
 import os
 import socket
+import statistics
 import sys
 import threading
 import time
@@ -38,10 +41,10 @@ import numpy as np
 
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.client import report_recovery
-from psguard.handoff.contract import ENV_SPOOL, TOKEN_KEY, Tier
+from psguard.handoff.contract import ENV_SPOOL, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
 from psguard.handoff.spool import Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
-from psguard.policy.files import PolicySpec, PolicyWatcher, load_policy
+from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
 from psguard.storage.retry import RetryingBackend
 from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Same, TensorUpdate
@@ -65,6 +68,9 @@ _seen_steps: dict[str, int] = {}
 #: How long a restore that holds the memory tier's snapshot waits for the durable log to say whether it has
 #: something newer (only another writer could have written it).
 STORE_CHECK_SECONDS = 5.0
+
+#: At most one heartbeat a second reaches the agent, however fast the steps.
+HEARTBEAT_SECONDS = 1.0
 
 #: How long the interpreter's exit waits for saves still being written by a manager nobody closed.
 EXIT_WAIT_SECONDS = 600.0
@@ -118,6 +124,26 @@ class RestoreInfo:
     step: int
     metadata: Mapping[str, Any]
     source: str  # "memory" or "durable"
+
+
+class _StepClock:
+    """The median time of a step, from the steps the trainer reports (``maybe_save(step)`` every step or
+    chunk of steps), and when the last heartbeat went to the agent."""
+
+    def __init__(self, window: int = 64) -> None:
+        self._per_step: collections.deque[float] = collections.deque(maxlen=window)
+        self._last: tuple[int, float] | None = None
+        self.sent_at = float("-inf")
+
+    def observe(self, step: int, now: float) -> None:
+        if self._last is not None and step > self._last[0]:
+            self._per_step.append((now - self._last[1]) / (step - self._last[0]))
+        if self._last is None or step != self._last[0]:
+            self._last = (step, now)  # a step back (a restore) starts the clock again from there
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self._per_step) if self._per_step else None
 
 
 class _Policy:
@@ -186,6 +212,9 @@ class CheckpointManager:
       the trainer it runs). With a sidecar, saves are handed to it (it keeps a memory tier and writes the
       durable log in the background) and restores take its memory tier when that is at least as new as the
       durable log; ``restore_timeout`` bounds the wait for its answer.
+    - ``hang``: when the agent declares this trainer hung (no step for a while) and restarts it; default: the
+      policy file's ``hang:`` section, else :class:`~psguard.policy.files.HangSpec` (50 median step times,
+      at least 5 minutes). The manager learns the steps from :meth:`maybe_save` (call it every step).
 
     Where saves go is chosen once, here (:mod:`psguard.trainer.sinks`); :meth:`save`, :meth:`wait` and
     :meth:`close` mean the same with or without a sidecar.
@@ -212,6 +241,7 @@ class CheckpointManager:
         capturer_options: Mapping[str, Any] | None = None,
         spool: str | os.PathLike[str] | None = None,
         restore_timeout: float = 120.0,
+        hang: HangSpec | None = None,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise PsguardError("max_to_keep must be >= 1 or None (keep everything)")
@@ -252,6 +282,12 @@ class CheckpointManager:
                 on_parent_missing=self._forget_state,
             )
         self._new_base_after = new_base_after
+        self._hang_arg = hang
+        self._steps = _StepClock()
+        if isinstance(self._sink, AgentSink):
+            # A hung trainer's agent asks for every thread's stack before it restarts it (the task log shows
+            # where it was stuck). Only under an agent: a plain script keeps its own signal handling.
+            faulthandler.register(HANG_DUMP_SIGNAL, all_threads=True, chain=False)
         self.last_stall_seconds = 0.0
         # tf.train.Checkpoint creates save_counter lazily on its first save; create it now so it is part of
         # every capture (and of exports), and number saves by it as TF's manager does.
@@ -412,9 +448,11 @@ class CheckpointManager:
         """Ask the policy; save when it says so. Without a policy, never saves (call :meth:`save`)."""
         schedule = self.schedule
         if schedule is None:
+            self._beat(self._step_for(step))
             return None
         step = self._step_for(step)
         _note_step(self.directory, step)
+        self._beat(step)
         now = time.time()
         ctx = self.context
         if self._preemption is not None:
@@ -484,6 +522,23 @@ class CheckpointManager:
                 memory.durable_step,
             )
             return None
+
+    @property
+    def hang(self) -> HangSpec:
+        """When the agent declares this trainer hung (a watched policy file's current ``hang:``)."""
+        if self._hang_arg is not None:
+            return self._hang_arg
+        spec = self._policy.spec
+        return spec.hang if spec is not None else HangSpec()
+
+    def _beat(self, step: int) -> None:
+        """Record the step; tell the agent at most once a second (it judges hangs on its own clock)."""
+        now = time.monotonic()
+        self._steps.observe(step, now)
+        if now - self._steps.sent_at < HEARTBEAT_SECONDS:
+            return
+        self._steps.sent_at = now
+        self._sink.heartbeat(step, self.hang.bound(self._steps.median))
 
     def _forget_state(self) -> None:
         """The checkpoint the next delta would build on is gone: make the next capture whole."""

@@ -203,6 +203,10 @@ class Sink(Protocol):
         """After a restore: the next delta applies to this state."""
         ...
 
+    def heartbeat(self, step: int, hang_after: float | None) -> None:
+        """The trainer made ``step`` (an agent judges hangs by it; without one, nobody listens)."""
+        ...
+
     def memory_snapshot(self, timeout: float) -> Restored | None:
         """The agent's memory-tier snapshot, verified; ``None`` when there is none to be had."""
         ...
@@ -279,6 +283,9 @@ class StoreSink:
 
     def memory_snapshot(self, timeout: float) -> Restored | None:
         return None
+
+    def heartbeat(self, step: int, hang_after: float | None) -> None:
+        pass  # no agent watches this process
 
     def wait(self, timeout: float | None) -> list[BaseException]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -416,6 +423,9 @@ class AgentSink:
 
     def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
         self.spool.parent = token  # the next delta applies to exactly this state (None: send it whole)
+
+    def heartbeat(self, step: int, hang_after: float | None) -> None:
+        self.spool.heartbeat(step, hang_after)
 
     def memory_snapshot(self, timeout: float) -> Restored | None:
         if not self.spool.agent_alive():

@@ -301,6 +301,16 @@ class SpoolWriter:
         agent = "an agent holds the spool" if self.agent_alive() else "no agent is running on this spool"
         return f"no answer from the agent for {what} within {timeout}s ({agent}: {self.root})"
 
+    def heartbeat(self, step: int, hang_after: float | None) -> None:
+        """Tell the agent the trainer made ``step`` (see the protocol); best effort, never raises."""
+        try:
+            atomic_write_json(
+                self._paths.heartbeat,
+                {"step": int(step), "at": time.time(), "pid": os.getpid(), "hang_after": hang_after},
+            )
+        except OSError as e:
+            log.debug("heartbeat not written to %s: %s", self.root, e)
+
     def request_restore(self) -> RestoreHandle:
         """Ask the agent for its memory tier's snapshot; ``result(timeout)`` returns it verified."""
         name = f"{self.generation}-{secrets.token_hex(6)}"

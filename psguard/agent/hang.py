@@ -1,0 +1,176 @@
+"""Hang detection for the chief's trainer: a process that is alive but makes no steps.
+
+A deadlocked input pipeline or a stuck collective leaves the trainer's process running: the supervisor and the
+process probe see nothing wrong while the job burns its nodes. The trainer's manager writes a heartbeat into
+the spool at most once a second (:mod:`psguard.handoff.spool`, "Heartbeat"): its step, its pid and the bound
+its policy sets (``hang:``). :class:`HangWatch` reads it on the agent's own clock: when the step has not changed
+for ``hang_after`` seconds, it asks the trainer for every thread's Python stack (``HANG_DUMP_SIGNAL``,
+faulthandler in the trainer writes them to the task log), then calls ``on_hang``; the agent counts the hang,
+fails ``/readyz`` until a new trainer makes a step, and restarts the trainer, which restores from the memory tier.
+
+Only heartbeats written after the current trainer run started count, so a restarted trainer is judged afresh;
+and a bound of ``null`` (the trainer has not measured a step time yet) judges nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from psguard.handoff.contract import HANG_DUMP_SIGNAL
+
+__all__ = ["Hang", "HangWatch"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Hang:
+    """A hung trainer: its last step, how long it has been stuck, the bound, and its pid."""
+
+    step: int
+    stuck_seconds: float
+    bound: float
+    pid: int | None
+    stacks_requested: bool
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    """Whether ``pid`` is ``ancestor`` or one of its descendants (read from /proc; False when unknown)."""
+    seen = 0
+    while pid > 1 and seen < 64:
+        if pid == ancestor:
+            return True
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the command name is the state, then ppid
+        except (OSError, ValueError, IndexError):
+            return False
+        seen += 1
+    return pid == ancestor
+
+
+class HangWatch:
+    """Watches ``heartbeat`` (a path) for the run of the trainer whose process is ``task_pid()``.
+
+    A run is told apart by its process (``task_pid()``, ``None`` while no trainer runs); ``uptime()`` says how
+    long it has run, so heartbeats older than the run are ignored. ``on_hang`` is called once per run that
+    hangs, on the watch's thread.
+    """
+
+    def __init__(
+        self,
+        heartbeat: Path,
+        *,
+        task_pid: Callable[[], int | None],
+        uptime: Callable[[], float | None],
+        on_hang: Callable[[Hang], None],
+        interval: float = 1.0,
+        dump_grace: float = 2.0,
+    ) -> None:
+        self.heartbeat = heartbeat
+        self._task_pid = task_pid
+        self._uptime = uptime
+        self._on_hang = on_hang
+        self.interval = interval
+        self.dump_grace = dump_grace
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._run: int | None = None  # the trainer process being judged
+        self._run_started = 0.0  # Unix time it started (heartbeats before it are its predecessor's)
+        self._step: int | None = None
+        self._changed_at = 0.0  # monotonic: when this watch saw the step change last
+        self._hung_run: int | None = None
+        self.last_step: int | None = None
+
+    def start(self) -> HangWatch:
+        self._thread = threading.Thread(target=self._loop, name="psguard-hang-watch", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    @property
+    def hung(self) -> bool:
+        """True from a hang until a new trainer run makes a step."""
+        with self._lock:
+            return self._hung_run is not None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.check(time.monotonic())
+            except Exception:  # a watch that dies silently would turn hang detection off for good
+                log.exception("event=hang_watch_error heartbeat=%s", self.heartbeat)
+
+    def check(self, now: float) -> Hang | None:
+        """One look at the heartbeat; the hang it declared, if any (also passed to ``on_hang``)."""
+        run, uptime = self._task_pid(), self._uptime()
+        doc = self._read()
+        with self._lock:
+            if run != self._run:  # a new trainer run: judged afresh
+                self._run, self._step, self._changed_at = run, None, now
+                self._run_started = time.time() - (uptime or 0.0)
+            if run is None or doc is None or float(doc.get("at", 0.0)) < self._run_started:
+                return None  # no trainer, or no heartbeat of this run yet
+            step = int(doc["step"])
+            if step != self._step:
+                self._step, self._changed_at = step, now
+                self.last_step = step
+                if self._hung_run is not None and self._hung_run != run:
+                    self._hung_run = None  # a new trainer makes steps: ready again
+                return None
+            bound = doc.get("hang_after")
+            if bound is None or self._hung_run == run:
+                return None
+            stuck = now - self._changed_at
+            if stuck < float(bound):
+                return None
+            self._hung_run = run
+        pid = doc.get("pid")
+        pid = int(pid) if isinstance(pid, int) else None
+        asked = self._dump_stacks(pid)
+        hang = Hang(step, stuck, float(bound), pid, asked)
+        log.error(
+            "event=hang step=%d stuck_seconds=%.1f bound=%.1f pid=%s stacks=%s",
+            step,
+            stuck,
+            float(bound),
+            pid,
+            "in the task log" if asked else "not requested",
+        )
+        self._on_hang(hang)
+        return hang
+
+    def _read(self) -> dict[str, Any] | None:
+        try:
+            doc = json.loads(self.heartbeat.read_bytes())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
+            return None
+        return doc
+
+    def _dump_stacks(self, pid: int | None) -> bool:
+        """Ask the trainer for its stacks, only if ``pid`` is really the process this agent supervises."""
+        task = self._task_pid()
+        if pid is None or task is None or not _descends_from(pid, task):
+            return False
+        try:
+            os.kill(pid, HANG_DUMP_SIGNAL)
+        except OSError:
+            return False
+        self._stop.wait(self.dump_grace)  # faulthandler writes at once; give the pipe to the task log a moment
+        return True
