@@ -196,3 +196,54 @@ def test_unmodified_custom_loop_survives_a_killed_ps_under_wrap(tmp_path: Path) 
     assert 'model_checkpoint_path: "ckpt-40"' in (ckpt / "checkpoint").read_text()
     ps_log = (work / "agents" / "ps0" / "agent.log").read_text()
     assert "event=restart_requested" in ps_log  # the new trainer generation restarted the PS again
+
+
+EVALUATOR_TRAINER = """
+import sys
+sys.path.insert(0, sys.argv[2])
+import tensorflow as tf
+import psguard
+from train_psguard import Model
+
+model = Model()
+accum = tf.Variable(tf.zeros_like(model.embedding))  # stands for the optimizer's slots the evaluator ignores
+ckpt = tf.train.Checkpoint(model=model, optimizer=tf.train.Checkpoint(accum=accum))
+with psguard.CheckpointManager(ckpt, sys.argv[1], step_counter=model.step) as manager:
+    for _ in range(3):
+        ids = tf.constant([[1, 2], [3, 4], [5, 6]], dtype=tf.int64)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids) - 1.0))
+        grads = tape.gradient(loss, [model.embedding, model.kernel, model.out])
+        for var, grad in zip([model.embedding, model.kernel, model.out], grads):
+            var.assign_sub(0.1 * tf.convert_to_tensor(grad))
+        accum.assign_add(tf.ones_like(accum))
+        model.step.assign_add(1)
+        manager.save()
+"""
+
+
+@pytest.mark.slow
+def test_the_evaluator_example_follows_a_store_and_writes_tensorboard_scalars(tmp_path: Path) -> None:
+    store = str(tmp_path / "store")
+    script = tmp_path / "trainer.py"
+    script.write_text(EVALUATOR_TRAINER)
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    subprocess.run(
+        [sys.executable, str(script), store, str(EXAMPLES / "custom_loop")], check=True, timeout=300, env=env
+    )
+    logdir = tmp_path / "eval"
+    argv = [sys.executable, str(EXAMPLES / "evaluator" / "evaluate.py"), "--checkpoint-dir", store]
+    argv += ["--logdir", str(logdir), "--metrics-port", "0", "--poll-interval", "0.1", "--until-step", "3"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert lines and lines[-1]["step"] == 3 and lines[-1]["loss"] > 0, done.stdout
+    import tensorflow as tf
+
+    tags = {
+        (value.tag, event.step)
+        for path in logdir.glob("events.out.tfevents.*")
+        for event in tf.compat.v1.train.summary_iterator(str(path))
+        for value in event.summary.value
+    }
+    assert ("eval/loss", 3) in tags and ("eval/lag_seconds", 3) in tags, tags
