@@ -1,0 +1,163 @@
+"""``psguard bench follow``: an evaluator following a job's log vs restoring each TF checkpoint whole.
+
+A trainer saves a ``--rows`` x ``--dim`` table every ``--interval`` seconds with ``--changed`` of its rows
+changed each time, twice: with ``psguard.CheckpointManager`` to a local store and with TF's own
+``tf.train.Checkpoint.write`` to a local folder. A :class:`psguard.Follower` in a thread (polling every
+``--poll`` seconds) applies each psguard checkpoint as it lands; the baseline restores each TF checkpoint into a
+fresh model, as ``tf.train.checkpoints_iterator`` evaluators do. Printed: bytes read and seconds per applied
+checkpoint on each side and their ratios, and the follower's lag from each commit to its application.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from psguard.benchmarks.common import median, print_results, progress
+
+KEYS = (
+    "rows",
+    "dim",
+    "state_bytes",
+    "saves",
+    "changed",
+    "follower_bytes_per_checkpoint",
+    "tf_bytes_per_restore",
+    "bytes_ratio",
+    "follower_apply_seconds",
+    "tf_restore_seconds",
+    "apply_vs_restore_ratio",
+    "lag_seconds_median",
+    "lag_seconds_max",
+)
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def run(rows: int, dim: int, saves: int, changed: float, interval: float, poll: float) -> dict[str, Any]:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    import tensorflow as tf  # lazy: only the benchmark that runs needs it
+
+    from psguard.trainer.follower import Follower
+    from psguard.trainer.manager import CheckpointManager
+
+    rng = np.random.default_rng(0)
+    table = rng.standard_normal((rows, dim)).astype(np.float32)
+    work = Path(tempfile.mkdtemp(prefix="psguard-bench-follow-"))
+    try:
+        emb = tf.Variable(table)
+        trainer = tf.train.Checkpoint(emb=emb, step=tf.Variable(0, dtype=tf.int64))
+        del table
+        store_url = str(work / "store")
+        applied: list[tuple[int, float, float, int]] = []  # step, apply seconds, lag seconds, bytes read
+        stop = threading.Event()
+        follower_model = tf.train.Checkpoint(
+            emb=tf.Variable(tf.zeros((rows, dim))), step=tf.Variable(0, dtype=tf.int64)
+        )
+
+        errors: list[BaseException] = []
+
+        def follow() -> None:
+            try:
+                _follow()
+            except BaseException as e:  # surfaced after the join, not lost with the thread
+                errors.append(e)
+                stop.set()
+
+        def _follow() -> None:
+            with Follower(follower_model, store_url) as f:
+                while not stop.is_set():
+                    before, t0 = f.stats.bytes_read, time.perf_counter()
+                    info = f.poll()
+                    if info is None:
+                        stop.wait(poll)
+                        continue
+                    seconds = time.perf_counter() - t0
+                    applied.append((info.step, seconds, f.stats.lag_seconds or 0.0, f.stats.bytes_read - before))
+
+        tf_dirs: list[Path] = []
+        with CheckpointManager(trainer, store_url, new_base_after=0) as manager:
+            manager.save(0).result()
+            thread = threading.Thread(target=follow, name="bench-follower")
+            thread.start()
+            try:
+                for step in range(1, saves + 1):
+                    time.sleep(interval)  # the job trains between saves; the follower polls meanwhile
+                    ids = np.unique(rng.integers(0, rows, size=int(rows * changed)))
+                    emb.scatter_add(tf.IndexedSlices(tf.ones((len(ids), dim)), tf.constant(ids)))
+                    trainer.step.assign(step)
+                    manager.save(step).result()
+                    tf_dir = work / f"tf-{step}"
+                    trainer.write(str(tf_dir / "ckpt"))
+                    tf_dirs.append(tf_dir)
+                    progress(f"saved step {step}/{saves}")
+                deadline = time.monotonic() + 120
+                while (not applied or applied[-1][0] < saves) and time.monotonic() < deadline and not errors:
+                    time.sleep(0.05)  # the follower's last poll (bounded)
+            finally:
+                stop.set()
+                thread.join()
+        if errors:
+            raise errors[0]
+        tf_seconds: list[float] = []
+        tf_bytes: list[int] = []
+        for tf_dir in tf_dirs:  # what an evaluator does without psguard: restore each checkpoint whole
+            fresh = tf.train.Checkpoint(emb=tf.Variable(tf.zeros((rows, dim))), step=tf.Variable(0, dtype=tf.int64))
+            t0 = time.perf_counter()
+            fresh.read(str(tf_dir / "ckpt")).assert_consumed()
+            _ = fresh.emb.numpy()[0, 0]  # the restore is lazy until a value is used
+            tf_seconds.append(time.perf_counter() - t0)
+            tf_bytes.append(_folder_bytes(tf_dir))
+        assert np.array_equal(follower_model.emb.numpy(), emb.numpy()), "the follower ended at another state"
+    finally:
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
+    deltas = [a for a in applied if a[0] > 0]
+    apply_s = median([a[1] for a in deltas]) if deltas else float("nan")
+    follower_bytes = median([float(a[3]) for a in deltas]) if deltas else float("nan")
+    tf_s, tf_b = median(tf_seconds), median([float(b) for b in tf_bytes])
+    lags = [a[2] for a in deltas]
+    return {
+        "rows": rows,
+        "dim": dim,
+        "state_bytes": rows * dim * 4,
+        "saves": saves,
+        "changed": changed,
+        "applied_steps": [a[0] for a in applied],
+        "follower_bytes_per_checkpoint": follower_bytes,
+        "tf_bytes_per_restore": tf_b,
+        "bytes_ratio": follower_bytes / tf_b,
+        "follower_apply_seconds": apply_s,
+        "tf_restore_seconds": tf_s,
+        "apply_vs_restore_ratio": apply_s / tf_s,
+        "lag_seconds_median": median(lags) if lags else float("nan"),
+        "lag_seconds_max": max(lags) if lags else float("nan"),
+    }
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    results = run(args.rows, args.dim, args.saves, args.changed, args.interval, args.poll)
+    print_results(results, as_json=args.json, keys=KEYS)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("follow", help="psguard.Follower vs restoring each TF checkpoint whole")
+    p.add_argument("--rows", type=int, default=2_000_000, help="table rows (default 2,000,000)")
+    p.add_argument("--dim", type=int, default=32, help="row width (default 32)")
+    p.add_argument("--saves", type=int, default=5, help="checkpoints after the first (default 5)")
+    p.add_argument("--changed", type=float, default=0.01, help="fraction of rows changed per save (default 0.01)")
+    p.add_argument("--interval", type=float, default=3.0, help="seconds between saves (default 3)")
+    p.add_argument("--poll", type=float, default=1.0, help="the follower's poll interval (default 1 s)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd)
