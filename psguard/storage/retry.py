@@ -116,6 +116,7 @@ class RetryingBackend(Backend):
         self.inner = inner
         self.url = inner.url
         self.io_parallelism = inner.io_parallelism
+        self.mtime_resolution = inner.mtime_resolution
         self.config = config or RetryConfig()
         self._stop = threading.Event()
 
@@ -191,6 +192,12 @@ class RetryingBackend(Backend):
 
     def delete(self, key: str) -> None:
         self._call("delete", key, lambda: self.inner.delete(key))
+
+    def mtime(self, key: str) -> float:
+        return self._call("stat", key, lambda: self.inner.mtime(key))
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        return self._call("list", prefix, lambda: self.inner.mtimes(prefix))
 
     def leftovers(self) -> list[str]:
         return self._call("list", "(temporaries)", self.inner.leftovers)
