@@ -9,16 +9,18 @@ One agent per task process (the chief's trainer, each PS, optionally each worker
 It wires the parts built elsewhere; it adds no mechanism of its own beyond the generation rule below.
 
 ==================  ==========================================================================================
-supervision         :class:`~psguard.agent.supervisor.Supervisor` runs the task in its own process group (same
-                    address every restart, backoff, crash-loop limit). Exit 0 of the task: the agent drains
-                    and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
-                    message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
-                    ``supervisor.stop_timeout``), the persister drained, exit 0. In the built-in server
-                    mode a **warm standby** (:mod:`psguard.agent.standby`: a second server process with TensorFlow
-                    imported, its port not yet bound) is started ``supervisor.standby_delay`` (5 s) after each
-                    run and swapped in on a restart: ~0.2 s instead of a Python + TensorFlow start (3-6 s
-                    here). Costs one idle process (~250 MB RSS) per task; ``supervisor.standby: false`` turns
-                    it off. A user's command (after ``--``) never gets one: it would not wait to bind.
+supervision         :class:`~psguard.agent.supervisor.Supervisor` runs the task in its own process group (same address
+                    every restart, backoff, crash-loop limit), marks its whole process tree and records it under
+                    ``state_dir``: a guard kills the tree if the agent is SIGKILLed, and the next agent kills what still
+                    survives (:mod:`psguard.agent.reaper`). Exit 0 of the task: the agent drains and exits 0. Crash
+                    loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError` message. SIGTERM / SIGINT:
+                    the task is stopped gracefully (SIGTERM, then SIGKILL after ``supervisor.stop_timeout``), the
+                    persister drained, exit 0. In the built-in server mode a **warm standby**
+                    (:mod:`psguard.agent.standby`: a second server process with TensorFlow imported, its port not yet
+                    bound) is started ``supervisor.standby_delay`` (5 s) after each run and swapped in on a restart:
+                    ~0.2 s instead of a Python + TensorFlow start (3-6 s here). Costs one idle process (~250 MB RSS) per
+                    task; ``supervisor.standby: false`` turns it off. A user's command (after ``--``) never gets one: it
+                    would not wait to bind.
 health              ps / worker: :class:`~psguard.agent.prober.HealthMonitor` with process + TCP + ``GetStatus``
                     RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
                     unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
@@ -184,6 +186,9 @@ class AgentConfig:
     storage_options: Mapping[str, str] = field(default_factory=dict)
     spool: str | None = None
     task_log: str | None = None  # append the task's output here (default: the agent's own stdout/stderr)
+    # Where the agent records its task's process tree, so that its successor kills what survives a SIGKILL of
+    # this agent (default: /dev/shm/psguard-<job>-agents, a tmpfs cleared at boot like the processes).
+    state_dir: str | None = None
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     probe: MonitorConfig = field(default_factory=MonitorConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
@@ -370,6 +375,16 @@ class Agent:
             env[ENV_SPOOL] = str(self.spool_dir)
         return env
 
+    def _task_record(self) -> Path:
+        """The file in which the supervisor records the task's process tree (one per task on a host)."""
+        from psguard.handoff.spool import default_spool_dir
+
+        cfg = self.config
+        folder = (
+            Path(cfg.state_dir) if cfg.state_dir else default_spool_dir(cfg.job).with_name(f"psguard-{cfg.job}-agents")
+        )
+        return folder / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.task)}.task.json"
+
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
         """Start every part; the task last (after the PS peers when this chief resumes a job)."""
@@ -387,6 +402,8 @@ class Agent:
                 name=self.task,
                 on_event=self._on_supervisor_event,
                 log_path=cfg.task_log,
+                record=self._task_record(),
+                subreaper=True,
             )
             self.monitor = HealthMonitor.from_config(
                 self.task,
@@ -951,6 +968,7 @@ def _merge(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
         storage_options=config.storage_options,
         spool=args.spool if args.spool is not None else config.spool,
         task_log=config.task_log,
+        state_dir=config.state_dir,
         supervisor=config.supervisor,
         probe=config.probe,
         peers=config.peers,
