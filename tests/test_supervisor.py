@@ -597,6 +597,7 @@ def test_no_process_of_the_task_survives_a_sigkilled_agent(tmp_path: Path) -> No
         kill_leftovers(list(sleeps.values()))
 
 
+@pytest.mark.slow
 def test_a_new_agent_kills_what_its_sigkilled_predecessor_left(tmp_path: Path) -> None:
     """Agent and guard both SIGKILLed (an OOM kill of both, say): the sleeps survive, and the next agent,
     reading the task record, kills them before it starts its own task."""
@@ -644,3 +645,25 @@ def test_a_process_that_left_the_group_dies_with_the_run(supervisors: list[Super
     assert os.getsid(escaped) != os.getsid(s.pid or 0)  # in a session of its own: a group kill misses it
     s.stop()
     assert not pid_alive(escaped)
+
+
+@pytest.mark.slow
+def test_the_agent_adopts_its_tasks_orphans_and_reaps_them(tmp_path: Path) -> None:
+    """A subreaping agent: the task's orphan becomes the agent's child (not init's) and, once it exits, does not
+    stay a zombie."""
+    pidfile = tmp_path / "orphan.pid"
+    agent = TreeAgent(tmp_path / "t.task.json", f"(sleep 3 & echo $! > {pidfile}); exec sleep 600")
+    try:
+        wait_until(lambda: pidfile.exists() and pidfile.read_text().strip().isdigit(), what="orphan started")
+        orphan = int(pidfile.read_text())
+
+        def parent() -> int | None:
+            try:
+                return int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                return None
+
+        wait_until(lambda: parent() == agent.proc.pid, what="orphan re-parented to the agent, not to init")
+        wait_until(lambda: not Path(f"/proc/{orphan}").exists(), timeout=20, what="orphan reaped, not a zombie")
+    finally:
+        agent.close()

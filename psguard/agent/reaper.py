@@ -72,6 +72,31 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+def adopted_zombies(sessions: frozenset[int], *, spare: frozenset[int] = frozenset()) -> list[int]:
+    """Exited children of this process that were in one of ``sessions`` (a task's runs): orphans a subreaper
+    adopted. Only those: reaping a child some ``Popen`` owns would steal its exit status."""
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in spare:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command name: state, ppid, pgrp, session
+        if len(fields) > 3 and fields[0] == "Z" and int(fields[1]) == me and int(fields[3]) in sessions:
+            out.append(int(entry))
+    return out
+
+
+def reap(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
 def marked(token: str, *, exclude: frozenset[int] = frozenset()) -> list[int]:
     """Live processes of this user whose environment carries the tree's mark (never this process)."""
     needle = tree_env_var(token).encode() + b"="

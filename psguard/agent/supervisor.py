@@ -84,6 +84,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
+# How often a subreaping supervisor looks for its task's exited orphans while the task runs.
+_REAP_EVERY = 5.0
+
 # Exit code recorded for a run that could not even be started (the shell's "command not found").
 _EXIT_SPAWN_FAILED = 127
 
@@ -332,6 +335,7 @@ class Supervisor:
         self._use_guard = guard and sys.platform.startswith("linux")
         self._guard: subprocess.Popen[bytes] | None = None
         self._guard_w = -1
+        self._sessions: set[int] = set()  # every run's session id (its leader's pid): whose orphans we reap
         # Only when the caller knows the command honours the standby protocol: one that ignored it would bind
         # its port while the task still runs.
         self._standby = Standby(self.name, self._popen) if standby else None
@@ -686,6 +690,18 @@ class Supervisor:
         killed = reaper.kill_tree(self._tree, exclude=spare)
         if killed:
             log.info("event=tree_killed task=%s pids=%s", self.name, killed)
+        self._reap_adopted()
+
+    def _reap_adopted(self) -> None:
+        """Reap the task's orphans this subreaper adopted and that have exited (else they stay zombies)."""
+        if not self._subreaper:
+            return
+        with self._lock:
+            spare = {p.pid for p in (self._proc, self._guard) if p is not None}
+            sessions = frozenset(self._sessions)
+        if self._standby is not None and self._standby.pid is not None:
+            spare.add(self._standby.pid)
+        reaper.reap(reaper.adopted_zombies(sessions, spare=frozenset(spare)))
 
     def _popen(self, extra_env: dict[str, str], *, stdin: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
         """Start the command once (a run, or a standby with ``extra_env``); raises ``OSError``."""
@@ -737,6 +753,7 @@ class Supervisor:
             self._proc = proc
             self._run_healthy = False
             self._last_pid = proc.pid
+            self._sessions.add(proc.pid)
             self._run_started = time.monotonic()
             self._state = SupervisorState.RUNNING
             if not first:
@@ -789,6 +806,9 @@ class Supervisor:
                     return _Request.TIMEOUT
                 fds = [self._wake_r] + ([pidfd] if pidfd is not None else [])
                 poll = 0.05 if proc is not None and pidfd is None else None
+                if self._subreaper:  # adopted orphans that exited: nothing signals us, look now and then
+                    self._reap_adopted()
+                    poll = _REAP_EVERY if poll is None else poll
                 wait = remaining if poll is None else poll if remaining is None else min(poll, remaining)
                 readable, _, _ = select.select(fds, [], [], wait)
                 if self._wake_r in readable:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from psguard.errors import ObjectNotFoundError, PsguardError
+from psguard.errors import ObjectNotFoundError, PsguardError, SaveError
 from psguard.storage.base import Backend
 
 log = logging.getLogger(__name__)
@@ -39,8 +39,8 @@ LOST_AFTER = 0.6
 REFRESH_EVERY = 0.2
 
 
-class LeaseLostError(PsguardError):
-    """A save or gc lost its lock lease (someone judged it stale and took or removed it, or it could not be
+class LeaseLostError(SaveError):
+    """A save (or gc) lost its lock lease (someone judged it stale and took or removed it, or it could not be
     refreshed in time): its work is not protected any more and it must not report success."""
 
 

@@ -890,8 +890,11 @@ class Store:
 
         # A chain folded by compaction is superseded by its full copy, if that copy is sound: it then no
         # longer counts towards keep-last.
+        present = {i.id for i in infos}
         superseded = {
-            str(i.metadata["compacted_from"]) for i in infos if i.metadata.get("compacted_from") and restorable(i.id)
+            str(i.metadata["compacted_from"])
+            for i in infos
+            if i.metadata.get("compacted_from") in present and restorable(i.id)
         }
         pool = [Candidate(i.id, i.step, i.committed_at, i.metrics) for i in infos if i.id not in superseded]
         bad: set[str] = set()
