@@ -377,6 +377,7 @@ class Agent:
 
     def _task_record(self) -> Path:
         """The file in which the supervisor records the task's process tree (one per task on a host)."""
+        # lazy: as in _start_memory_tier, the spool module (and numpy) only when the agent starts
         from psguard.handoff.spool import default_spool_dir
 
         cfg = self.config

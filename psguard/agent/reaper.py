@@ -72,6 +72,28 @@ def _zombie(pid: int) -> bool:
         return True
 
 
+def descendants(root: int) -> set[int]:
+    """Every live descendant of ``root`` (the same walk as :mod:`psguard.testbed.procs`, which the agent may
+    not import: the test bed is the top floor)."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[0] != "Z":
+            parent_of[int(entry)] = int(fields[1])
+    out: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {p for p, pp in parent_of.items() if pp in frontier and p not in out}
+        out |= frontier
+    return out
+
+
 def adopted_zombies(sessions: frozenset[int], *, spare: frozenset[int] = frozenset()) -> list[int]:
     """Exited children of this process that were in one of ``sessions`` (a task's runs): orphans a subreaper
     adopted. Only those: reaping a child some ``Popen`` owns would steal its exit status."""

@@ -65,7 +65,6 @@ from psguard.agent.standby import Standby
 from psguard.config import Check, Duration, validate
 from psguard.errors import CrashLoopError, PsguardError
 from psguard.handoff.contract import EXIT_OK, EXIT_RESTART
-from psguard.testbed.procs import descendants
 
 if TYPE_CHECKING:
     from typing import Self
@@ -686,7 +685,7 @@ class Supervisor:
         spare: frozenset[int] = frozenset()
         standby = self._standby.pid if spare_standby and self._standby is not None else None
         if standby is not None:
-            spare = frozenset({standby, *descendants(standby)})
+            spare = frozenset({standby, *reaper.descendants(standby)})
         killed = reaper.kill_tree(self._tree, exclude=spare)
         if killed:
             log.info("event=tree_killed task=%s pids=%s", self.name, killed)
