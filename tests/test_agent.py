@@ -8,6 +8,7 @@ observable condition (the agent's ``/status`` and ``/readyz``, files, process ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from psguard.config import loads_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.client import http_json
 from psguard.ports import free_ports
+from psguard.testbed.procs import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
@@ -371,6 +373,43 @@ def test_a_task_that_always_fails_ends_in_a_crash_loop(tmp_path: Path, agents: C
     log = agent.log()
     assert "psguard: error: task chief:0 crashed 3 times within 300s (exit codes: 1, 1, 1" in log
     assert "giving up" in log
+
+
+@pytest.mark.slow
+def test_no_process_of_the_task_survives_a_sigkilled_agent_daemon(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """``psguard agent ... -- sh -c 'sleep 600 & sleep 601; wait'``, then SIGKILL of the agent: no sleep lives on
+    (the parent-death signal reaches only the shell; the agent's reaper guard takes the rest), and the next
+    agent for the task starts over the record the killed one left."""
+    cluster, _ = write_cluster(tmp_path)
+    (tmp_path / "chief").mkdir()
+    (tmp_path / "chief" / "agent.yaml").write_text(FAST + f"state_dir: {tmp_path / 'state'}\n")
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--spool", str(tmp_path / "spool")]
+    command = ["/bin/sh", "-c", "sleep 600 & sleep 601; wait"]
+    agent = agents("chief", args, command)
+
+    def sleeps() -> list[int]:
+        found = []
+        for pid in descendants(agent.proc.pid):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{pid}/cmdline").read_bytes() in (b"sleep\x00600\x00", b"sleep\x00601\x00"):
+                    found.append(pid)
+        return found if len(found) == 2 else []
+
+    pids = wait_until(sleeps, 60, "the task's two sleeps running")
+    try:
+        assert (tmp_path / "state" / "chief_0.task.json").exists()
+        agent.proc.kill()
+        agent.proc.wait(10)
+        for pid in pids:
+            wait_until(lambda pid=pid: not alive(pid), 10, f"sleep {pid} killed with its agent")
+        again = agents("chief", args, ["/bin/sh", "-c", "sleep 602; wait"])
+        again.wait_status(lambda doc: doc["supervisor"]["state"] == "running", 60, "the next agent's task running")
+    finally:
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 TRAINER = textwrap.dedent(

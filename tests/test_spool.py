@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -544,11 +545,90 @@ def test_answers_nobody_will_read_are_pruned(spool: Path) -> None:
         w.close()
 
 
+def child_submitter(root: str, count: int) -> None:
+    """A trainer that opens its writer, says "ready", waits for "go", then submits ``count`` whole captures as
+    fast as it can and prints one JSON line per capture: its seq, token and what its handle reported."""
+    w = SpoolWriter(root)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    handles = [w.submit(Capture(k, {"v": Full(np.full(64, k, np.float32))})) for k in range(count)]
+    for h in handles:
+        try:
+            status = h.result(timeout=120).status
+        except SaveError as e:
+            status = f"error: {e}"
+        print(json.dumps({"seq": h.seq, "token": h.token, "status": status}), flush=True)
+    print("done", flush=True)
+    w.close()
+
+
+@pytest.mark.slow
+def test_two_writers_in_two_processes_never_share_a_seq_and_every_ok_was_applied_once(spool: Path) -> None:
+    """An orphaned trainer and its replacement on one spool, both opened before either submits (so both
+    start from the same spool state), then submitting concurrently against a watching agent."""
+    applied: list[str] = []
+    tier = MemoryTier()
+    real_apply = tier.apply
+
+    def recording_apply(updates: Any, **kw: Any) -> Any:
+        result = real_apply(updates, **kw)
+        applied.append(kw["token"])
+        return result
+
+    tier.apply = recording_apply  # type: ignore[method-assign]
+    count = 40
+    writers = [start_child("submitter", str(spool), str(count)) for _ in range(2)]
+    try:
+        with SpoolServer(spool, tier, poll_interval=0.05):
+            for w in writers:
+                expect(w, "ready")
+            for w in writers:
+                assert w.stdin is not None
+                w.stdin.write("go\n")
+                w.stdin.flush()
+            reports: list[dict[str, Any]] = []
+            for w in writers:
+                assert w.stdout is not None
+                lines = [w.stdout.readline() for _ in range(count + 1)]
+                assert lines[-1].strip() == "done", lines[-1]
+                reports += [json.loads(line) for line in lines[:-1]]
+                assert w.wait(timeout=30) == 0
+    finally:
+        for w in writers:
+            if w.poll() is None:
+                kill(w)
+            for f in (w.stdin, w.stdout):
+                if f:
+                    f.close()
+    seqs = [r["seq"] for r in reports]
+    assert len(set(seqs)) == len(seqs) == 2 * count  # reserved atomically: no seq handed out twice
+    ok = [r["token"] for r in reports if r["status"] == "ok"]
+    assert len(ok) == 2 * count, [r for r in reports if r["status"] != "ok"][:3]
+    assert sorted(applied) == sorted(ok)  # every acknowledged capture applied exactly once, nothing else
+
+
+def test_a_handle_never_takes_another_captures_answer_for_its_own(spool: Path) -> None:
+    """Two captures under one seq (a writer of an older version that did not reserve its numbers): the ack
+    names the capture it answers, and the other capture's handle reports an error, not ok."""
+    with SpoolWriter(spool) as w:
+        h = w.submit(Capture(1, {"v": Full(np.zeros(4, np.float32))}))
+        shutil.rmtree(spool / "incoming" / f"{h.seq:012d}")  # the agent applied the other capture instead
+        other = f"{'0' * 8}-{h.seq}"
+        spool_mod.atomic_write_json(
+            spool / "acks" / f"{h.seq:012d}.json",
+            {"seq": h.seq, "status": "ok", "memory_step": 1, "token": other, "message": "", "capture": other},
+        )
+        with pytest.raises(SaveError, match="is for capture"):
+            h.result(timeout=5)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "agent":
         child_agent(sys.argv[2], sys.argv[3], int(sys.argv[4]))
     elif sys.argv[1] == "writer":
         child_writer(sys.argv[2])
+    elif sys.argv[1] == "submitter":
+        child_submitter(sys.argv[2], int(sys.argv[3]))
 
 
 def test_watchdogs_stop_race_message_is_not_logged_as_an_error(

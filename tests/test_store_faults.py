@@ -66,8 +66,14 @@ def test_writer_killed_before_commit_leaves_no_checkpoint(
         assert len(store.backend.keys(CHUNK_PREFIX)) > 1  # its chunks are there, orphaned
         if point == "mid-manifest":
             assert any("manifests" in k for k in store.backend.leftovers())
-        # the next writer works, and gc (seeing the dead writer's lock is stale) cleans up
+        # the next writer works; gc sees the dead writer's lock is stale, but its chunks are younger than a
+        # lease: gc leaves them (it cannot tell a dead save from one whose lease it could not see)
         nxt = store.save(2, {"w": np.full(10, 2, np.float32)})
+        report = store.gc(keep_last=2)
+        assert not report.chunks_deferred
+        assert report.deleted_chunks == 0 and report.young_chunks > 0
+    # a lease later (chunk_grace=0 stands for the wait), gc cleans up
+    with Store.open(target.url, target.options, chunk_grace=0) as store:
         report = store.gc(keep_last=2)
         assert not report.chunks_deferred
         assert report.deleted_chunks > 0

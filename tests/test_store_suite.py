@@ -44,7 +44,8 @@ def backend(target: Target) -> Iterator[Backend]:
 
 @pytest.fixture
 def store(target: Target) -> Iterator[Store]:
-    s = Store.open(target.url, target.options, retry=FAST_RETRY, chunk_bytes=4096, io_threads=4)
+    # chunk_grace=0: these tests' unreferenced chunks are garbage at once (the age guard has its own tests)
+    s = Store.open(target.url, target.options, retry=FAST_RETRY, chunk_bytes=4096, io_threads=4, chunk_grace=0)
     yield s
     s.close()
 
@@ -319,13 +320,14 @@ def test_gc_refuses_retention_that_keeps_nothing(store: Store) -> None:
 def test_gc_defers_chunk_deletion_while_a_writer_is_active(store: Store) -> None:
     a = store.save(0, {"x": np.ones(100, np.float32)})
     b = store.save(1, {"x": np.zeros(100, np.float32)})
-    lock = store._acquire_writer_lock("000000000002-00000000", b.id)
+    lease, keeper = store._acquire_writer_lock("000000000002-00000000", b.id)
     try:
         report = store.gc(keep_last=1)
         assert report.deleted_checkpoints == (a.id,)
         assert report.chunks_deferred and report.deleted_chunks == 0
     finally:
-        lock.release()
+        keeper.stop()
+        lease.release()
     report = store.gc(keep_last=1)
     assert not report.chunks_deferred and report.deleted_chunks == 1
 

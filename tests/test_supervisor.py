@@ -29,6 +29,7 @@ from psguard.agent.supervisor import (
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError, CrashLoopError
 from psguard.handoff.contract import EXIT_RESTART
+from psguard.testbed.procs import descendants
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -498,3 +499,171 @@ def test_runs_declared_healthy_and_requested_restarts_do_not_make_a_crash_loop(
     events.wait(EventKind.GAVE_UP)
     with pytest.raises(CrashLoopError, match="crashed 2 times"):
         s.result(timeout=10)
+
+
+# ----------------------------------------------------------------------------------------------- orphans
+_TREE = "sleep 600 & sleep 601; wait"
+
+_TREE_AGENT = """
+import sys
+from psguard.agent.supervisor import Supervisor
+
+sup = Supervisor(["sh", "-c", sys.argv[2]], name="victim", record=sys.argv[1], subreaper=True).start()
+print(sup.pid, flush=True)
+sys.stdin.read()  # until the test kills us, or closes stdin for a clean stop
+sup.stop()
+"""
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""
+
+
+def sleeps_of(root: int, *names: str) -> dict[str, int]:
+    """The ``sleep N`` processes below ``root``, once all of ``names`` run (waited for, with a deadline)."""
+    found: dict[str, int] = {}
+
+    def all_running() -> bool:
+        found.clear()
+        for pid in descendants(root):
+            if cmdline(pid) in names and pid_alive(pid):
+                found[cmdline(pid)] = pid
+        return len(found) == len(names)
+
+    wait_until(all_running, timeout=10, what=f"{names} running under {root}")
+    return dict(found)
+
+
+class TreeAgent:
+    """A real agent process supervising ``sh -c 'sleep 600 & sleep 601; wait'`` with a task record."""
+
+    def __init__(self, record: Path, script: str = _TREE) -> None:
+        env = dict(os.environ, PYTHONPATH=str(ROOT))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _TREE_AGENT, str(record), script],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        assert line.strip().isdigit(), f"agent did not start its task: {line!r}"
+        self.task_pid = int(line)
+
+    def guard_pid(self) -> int:
+        (pid,) = [p for p in descendants(self.proc.pid) if "reaper.py guard" in cmdline(p)]
+        return pid
+
+    def sigkill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()  # a clean stop
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f and not f.closed:
+                f.close()
+
+
+def kill_leftovers(pids: Iterator[int] | list[int]) -> None:
+    for pid in pids:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_no_process_of_the_task_survives_a_sigkilled_agent(tmp_path: Path) -> None:
+    """The parent-death signal takes only the shell; the agent's guard takes the sleeps, at once."""
+    agent = TreeAgent(tmp_path / "victim.task.json")
+    sleeps: dict[str, int] = {}
+    try:
+        sleeps = sleeps_of(agent.proc.pid, "sleep 600", "sleep 601")
+        agent.sigkill()
+        for name, pid in sleeps.items():
+            wait_until(lambda pid=pid: not pid_alive(pid), timeout=10, what=f"{name} killed with its agent")
+        assert not pid_alive(agent.task_pid)
+    finally:
+        agent.close()
+        kill_leftovers(list(sleeps.values()))
+
+
+@pytest.mark.slow
+def test_a_new_agent_kills_what_its_sigkilled_predecessor_left(tmp_path: Path) -> None:
+    """Agent and guard both SIGKILLed (an OOM kill of both, say): the sleeps survive, and the next agent,
+    reading the task record, kills them before it starts its own task."""
+    record = tmp_path / "victim.task.json"
+    first = TreeAgent(record)
+    second: TreeAgent | None = None
+    old: dict[str, int] = {}
+    try:
+        old = sleeps_of(first.proc.pid, "sleep 600", "sleep 601")
+        guard = first.guard_pid()
+        os.kill(guard, signal.SIGKILL)
+        wait_until(lambda: not pid_alive(guard), what="guard killed")
+        first.sigkill()
+        wait_until(lambda: not pid_alive(first.task_pid), what="the shell killed by its parent-death signal")
+        assert all(pid_alive(pid) for pid in old.values())  # the fault is real: orphans, not in any agent's group
+        second = TreeAgent(record)
+        assert not any(pid_alive(pid) for pid in old.values())  # killed before the new task started
+        new = sleeps_of(second.proc.pid, "sleep 600", "sleep 601")
+        assert set(new.values()).isdisjoint(old.values())
+        second.close()  # a clean stop takes its own tree
+        assert not any(pid_alive(pid) for pid in new.values())
+        assert not record.exists()
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
+        kill_leftovers(list(old.values()))
+
+
+def test_a_second_agent_for_a_live_agents_task_is_refused(tmp_path: Path) -> None:
+    record = tmp_path / "victim.task.json"
+    agent = TreeAgent(record)
+    try:
+        with pytest.raises(SpawnError, match="still supervised by the agent with pid"):
+            Supervisor(["true"], name="victim", record=record).start()
+        assert pid_alive(agent.task_pid)
+    finally:
+        agent.close()
+
+
+def test_a_process_that_left_the_group_dies_with_the_run(supervisors: list[Supervisor]) -> None:
+    s = make(supervisors, sh("setsid sleep 602 & exec sleep 603"), name="escapee")
+    s.start()
+    escaped = sleeps_of(os.getpid(), "sleep 602", "sleep 603")["sleep 602"]
+    assert os.getsid(escaped) != os.getsid(s.pid or 0)  # in a session of its own: a group kill misses it
+    s.stop()
+    assert not pid_alive(escaped)
+
+
+@pytest.mark.slow
+def test_the_agent_adopts_its_tasks_orphans_and_reaps_them(tmp_path: Path) -> None:
+    """A subreaping agent: the task's orphan becomes the agent's child (not init's) and, once it exits, does not
+    stay a zombie."""
+    pidfile = tmp_path / "orphan.pid"
+    agent = TreeAgent(tmp_path / "t.task.json", f"(sleep 3 & echo $! > {pidfile}); exec sleep 600")
+    try:
+        wait_until(lambda: pidfile.exists() and pidfile.read_text().strip().isdigit(), what="orphan started")
+        orphan = int(pidfile.read_text())
+
+        def parent() -> int | None:
+            try:
+                return int(Path(f"/proc/{orphan}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                return None
+
+        wait_until(lambda: parent() == agent.proc.pid, what="orphan re-parented to the agent, not to init")
+        wait_until(lambda: not Path(f"/proc/{orphan}").exists(), timeout=20, what="orphan reaped, not a zombie")
+    finally:
+        agent.close()

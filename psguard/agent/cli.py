@@ -58,6 +58,7 @@ def _merge(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
         storage_options=config.storage_options,
         spool=args.spool if args.spool is not None else config.spool,
         task_log=config.task_log,
+        state_dir=config.state_dir,
         supervisor=config.supervisor,
         probe=config.probe,
         peers=config.peers,

@@ -64,6 +64,9 @@ class AgentConfig:
     storage_options: Mapping[str, str] = field(default_factory=dict)
     spool: str | None = None
     task_log: str | None = None  # append the task's output here (default: the agent's own stdout/stderr)
+    # Where the agent records its task's process tree, so that its successor kills what survives a SIGKILL of
+    # this agent (default: /dev/shm/psguard-<job>-agents, a tmpfs cleared at boot like the processes).
+    state_dir: str | None = None
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     probe: MonitorConfig = field(default_factory=MonitorConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)

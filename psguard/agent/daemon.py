@@ -11,7 +11,9 @@ It wires the parts built elsewhere; it adds no mechanism of its own beyond the g
 
 ==================  ==========================================================================================
 supervision         :class:`~psguard.agent.supervisor.Supervisor` runs the task in its own process group (same
-                    address every restart, backoff, crash-loop limit). Exit 0 of the task: the agent drains
+                    address every restart, backoff, crash-loop limit), marks its whole process tree and records
+                    it under ``state_dir``: a guard kills the tree if the agent is SIGKILLed, and the next agent
+                    kills what still survives (:mod:`psguard.agent.reaper`). Exit 0 of the task: the agent drains
                     and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
                     message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
                     ``supervisor.stop_timeout``), the persister drained, exit 0. The built-in server gets a
@@ -47,6 +49,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -205,6 +208,17 @@ class Agent:
             env[ENV_SPOOL] = str(self.spool_dir)
         return env
 
+    def _task_record(self) -> Path:
+        """The file in which the supervisor records the task's process tree (one per task on a host)."""
+        # lazy: as in _start_memory_tier, the spool module (and numpy) only when the agent starts
+        from psguard.handoff.spool import default_spool_dir
+
+        cfg = self.config
+        folder = (
+            Path(cfg.state_dir) if cfg.state_dir else default_spool_dir(cfg.job).with_name(f"psguard-{cfg.job}-agents")
+        )
+        return folder / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.task)}.task.json"
+
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
         """Start every part; the task last (after the PS peers when this chief resumes a job)."""
@@ -222,6 +236,8 @@ class Agent:
                 name=self.task,
                 on_event=self._on_supervisor_event,
                 log_path=cfg.task_log,
+                record=self._task_record(),
+                subreaper=True,
             )
             self.monitor = HealthMonitor.from_config(
                 self.task,

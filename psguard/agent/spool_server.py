@@ -38,6 +38,7 @@ from psguard.handoff.spool import (
     SpoolPaths,
     atomic_write_json,
     read_capture,
+    read_json_if_present,
     try_flock,
     write_array,
 )
@@ -276,6 +277,18 @@ class SpoolServer:
     def _process_capture(self, seq: int) -> None:
         folder = self._paths.incoming / f"{seq:012d}"
         if self._paths.ack(seq).exists() or self._paths.ack(seq, "durable").exists():
+            answered = (read_json_if_present(self._paths.ack(seq)) or {}).get("capture")
+            mine = self._token_of(folder)
+            if answered is not None and mine is not None and answered != mine:
+                # Two captures under one seq (a writer that did not reserve its numbers): this one was never
+                # applied, and its writer will see that the answer under its seq is not for its token.
+                log.error(
+                    "spool %s: capture %s under seq %d dropped: seq already answered for %s",
+                    self.root,
+                    mine,
+                    seq,
+                    answered,
+                )
             shutil.rmtree(folder, ignore_errors=True)  # a predecessor answered, then died before deleting
             return
         t0 = time.perf_counter()
@@ -302,10 +315,10 @@ class SpoolServer:
                 metrics=cap.metrics,
             )
             apply_seconds = result.seconds
-            ack = Ack(seq, result.status, self.tier.step, self.tier.token, result.message)
+            ack = Ack(seq, result.status, self.tier.step, self.tier.token, result.message, capture=cap.token)
         except Exception as e:  # whatever is wrong with this capture, answer it: never block the ones after it
             read_seconds = time.perf_counter() - t0
-            ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}")
+            ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}", self._token_of(folder))
             log.warning("spool %s: capture seq %d rejected: %s", self.root, seq, e)
             if not tiers:
                 tiers = self._tiers_of(folder)
@@ -340,6 +353,11 @@ class SpoolServer:
         self._emit(
             SpoolEvent("capture", seq, step, ack.status, nbytes, read_seconds, apply_seconds, ack.message, stall)
         )
+
+    def _token_of(self, folder: Path) -> str | None:
+        doc = read_json_if_present(folder / "capture.json")
+        token = doc.get("token") if doc is not None else None
+        return token if isinstance(token, str) else None
 
     def _tiers_of(self, folder: Path) -> frozenset[Tier]:
         try:

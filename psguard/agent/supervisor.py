@@ -23,6 +23,14 @@ mark_healthy`: the PS answered its RPC probe, the trainer delivered a checkpoint
 cannot get going, and a PS killed five times in five minutes after serving each time is not one (the chaos
 harness's repeated-kill scenario made the agent give up on exactly that).
 
+The process group is not the whole tree: a task's process may leave the group (``setsid``), and once the agent
+is SIGKILLed nobody signals the group at all (the parent-death signal reaches only the direct child; with the
+task ``sh -c 'sleep 600 & sleep 601; wait'`` both sleeps survived). So every process of the task is marked in
+its environment and killed by that mark (:mod:`psguard.agent.reaper`): at the end of every run, by a guard
+process the moment the agent dies, and, from the task record the agent keeps (``record``), by the next agent
+when it starts. The agent also makes itself a child subreaper (``subreaper=True``) so that it adopts and reaps
+its task's orphans.
+
 All spawning happens on the supervisor's own thread. That is not a style choice: Linux delivers the
 parent-death signal when the *thread* that forked the child exits, so a child started from a short-lived
 thread (a probe's, an HTTP request's) would be killed as soon as that thread finished.
@@ -34,8 +42,10 @@ import collections
 import contextlib
 import enum
 import functools
+import json
 import logging
 import os
+import secrets
 import select
 import shlex
 import shutil
@@ -50,6 +60,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Annotated
 
+from psguard.agent import reaper
 from psguard.agent.standby import Standby
 from psguard.config import Check, Duration, validate
 from psguard.errors import CrashLoopError, PsguardError
@@ -71,6 +82,9 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+
+# How often a subreaping supervisor looks for its task's exited orphans while the task runs.
+_REAP_EVERY = 5.0
 
 # Exit code recorded for a run that could not even be started (the shell's "command not found").
 _EXIT_SPAWN_FAILED = 127
@@ -287,6 +301,9 @@ class Supervisor:
         pdeathsig: bool = True,
         standby: bool = False,
         standby_delay: float = 5.0,
+        record: str | os.PathLike[str] | None = None,
+        subreaper: bool = False,
+        guard: bool = True,
     ) -> None:
         if not cmd:
             raise ValueError("Supervisor needs a command to run")
@@ -309,6 +326,15 @@ class Supervisor:
         self._on_event = on_event
         self._log_path = Path(log_path) if log_path is not None else None
         self._pdeathsig = pdeathsig
+        # The mark of this supervisor's process tree (psguard.agent.reaper), the file that records it for the
+        # next agent, and the guard that kills the tree when this process dies.
+        self._tree = secrets.token_hex(8)
+        self._record = Path(record) if record is not None else None
+        self._subreaper = subreaper
+        self._use_guard = guard and sys.platform.startswith("linux")
+        self._guard: subprocess.Popen[bytes] | None = None
+        self._guard_w = -1
+        self._sessions: set[int] = set()  # every run's session id (its leader's pid): whose orphans we reap
         # Only when the caller knows the command honours the standby protocol: one that ignored it would bind
         # its port while the task still runs.
         self._standby = Standby(self.name, self._popen) if standby else None
@@ -368,6 +394,21 @@ class Supervisor:
             os.set_blocking(self._wake_r, False)
             os.set_blocking(self._wake_w, False)
             self._thread = threading.Thread(target=self._run, name=f"psguard-supervisor-{self.name}", daemon=True)
+        try:
+            self._settle_predecessor()
+            if self._subreaper and not reaper.set_child_subreaper():
+                log.warning("event=no_subreaper task=%s reason='prctl(PR_SET_CHILD_SUBREAPER) unavailable'", self.name)
+            self._start_guard()
+            self._write_record()
+        except BaseException as e:
+            self._error = e
+            with self._lock:
+                self._thread = None
+                self._state = SupervisorState.FAILED
+                self._close_wake_pipe()
+            self._stop_guard()
+            self._done.set()
+            raise
         self._thread.start()
         self._first_spawn.wait()
         if self._spawn_error is not None:
@@ -488,6 +529,9 @@ class Supervisor:
                 self._kill_group_and_reap(signal.SIGKILL)
                 if self._standby is not None:
                     self._standby.discard()
+                self._kill_tree(spare_standby=False)
+                self._stop_guard()
+                self._remove_record()
             finally:
                 self._first_spawn.set()
                 with self._lock:
@@ -550,15 +594,125 @@ class Supervisor:
             if request is _Request.RESTART:
                 reason = self._take_restart_reason()
 
+    # ------------------------------------------------------------------------------------------ the tree
+
+    def _settle_predecessor(self) -> None:
+        """Kill what a dead predecessor's task left running (its record names its tree's mark).
+
+        Refuses to start when the recorded agent is still alive: two agents must not supervise one task.
+        """
+        if self._record is None:
+            return
+        try:
+            doc = json.loads(self._record.read_bytes())
+        except FileNotFoundError:
+            return
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            log.warning("event=task_record_unreadable task=%s path=%s error=%r", self.name, self._record, str(e))
+            return
+        if not isinstance(doc, dict) or doc.get("boot_id") != reaper.boot_id():
+            return  # another boot: nothing of it survives
+        pid, token = doc.get("agent_pid"), doc.get("tree")
+        if not isinstance(pid, int) or not isinstance(token, str) or not token.isalnum():
+            return
+        if pid != os.getpid() and reaper.start_ticks(pid) == doc.get("agent_start"):
+            raise SpawnError(
+                f"task {self.name} is still supervised by the agent with pid {pid} (record {self._record}); "
+                "stop that agent first"
+            )
+        killed = reaper.kill_tree(token)
+        if killed:
+            log.warning(
+                "event=leftovers_killed task=%s pids=%s reason='processes of a dead agent's task survived it'",
+                self.name,
+                killed,
+            )
+
+    def _write_record(self) -> None:
+        if self._record is None:
+            return
+        self._record.parent.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "task": self.name,
+            "tree": self._tree,
+            "agent_pid": os.getpid(),
+            "agent_start": reaper.start_ticks(os.getpid()),
+            "boot_id": reaper.boot_id(),
+        }
+        tmp = self._record.with_name(f".{self._record.name}.tmp-{secrets.token_hex(4)}")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self._record)
+
+    def _remove_record(self) -> None:
+        if self._record is None:
+            return
+        with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
+            if json.loads(self._record.read_bytes()).get("tree") == self._tree:  # ours, not a successor's
+                self._record.unlink()
+
+    def _start_guard(self) -> None:
+        """The process that kills the tree when this one dies (it reads EOF when our end of the pipe closes)."""
+        if not self._use_guard:
+            return
+        r, w = os.pipe()  # both ends non-inheritable: only the guard gets r (as its stdin), nobody else gets w
+        try:
+            self._guard = subprocess.Popen(
+                [sys.executable, "-I", reaper.__file__, "guard", self._tree],
+                stdin=r,
+                start_new_session=True,  # outside the task's group: a group kill must not take the guard
+            )
+        except BaseException:
+            os.close(w)
+            raise
+        finally:
+            os.close(r)
+        self._guard_w = w
+
+    def _stop_guard(self) -> None:
+        if self._guard_w >= 0:
+            os.close(self._guard_w)  # the guard reads EOF, finds the tree gone, exits
+            self._guard_w = -1
+        if self._guard is not None:
+            try:
+                self._guard.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self._guard.kill()
+                self._guard.wait()
+            self._guard = None
+
+    def _kill_tree(self, *, spare_standby: bool) -> None:
+        """Kill every process of the task's tree that outlived its run (left the group, or was orphaned)."""
+        spare: frozenset[int] = frozenset()
+        standby = self._standby.pid if spare_standby and self._standby is not None else None
+        if standby is not None:
+            spare = frozenset({standby, *reaper.descendants(standby)})
+        killed = reaper.kill_tree(self._tree, exclude=spare)
+        if killed:
+            log.info("event=tree_killed task=%s pids=%s", self.name, killed)
+        self._reap_adopted()
+
+    def _reap_adopted(self) -> None:
+        """Reap the task's orphans this subreaper adopted and that have exited (else they stay zombies)."""
+        if not self._subreaper:
+            return
+        with self._lock:
+            spare = {p.pid for p in (self._proc, self._guard) if p is not None}
+            sessions = frozenset(self._sessions)
+        if self._standby is not None and self._standby.pid is not None:
+            spare.add(self._standby.pid)
+        reaper.reap(reaper.adopted_zombies(sessions, spare=frozenset(spare)))
+
     def _popen(self, extra_env: dict[str, str], *, stdin: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
         """Start the command once (a run, or a standby with ``extra_env``); raises ``OSError``."""
         cmd = (_pdeathsig_prefix() if self._pdeathsig else []) + list(self.cmd)
         _check_executable(self.cmd[0], self._env, self._cwd)
         if self._cwd is not None and not Path(self._cwd).is_dir():
             raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
-        env = self._env
-        if extra_env:
-            env = {**(env if env is not None else os.environ), **extra_env}
+        env = {
+            **(self._env if self._env is not None else os.environ),
+            reaper.tree_env_var(self._tree): "1",  # inherited by everything the task starts
+            **extra_env,
+        }
         log_file: IO[bytes] | None = None
         if self._log_path is not None:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -598,6 +752,7 @@ class Supervisor:
             self._proc = proc
             self._run_healthy = False
             self._last_pid = proc.pid
+            self._sessions.add(proc.pid)
             self._run_started = time.monotonic()
             self._state = SupervisorState.RUNNING
             if not first:
@@ -650,6 +805,9 @@ class Supervisor:
                     return _Request.TIMEOUT
                 fds = [self._wake_r] + ([pidfd] if pidfd is not None else [])
                 poll = 0.05 if proc is not None and pidfd is None else None
+                if self._subreaper:  # adopted orphans that exited: nothing signals us, look now and then
+                    self._reap_adopted()
+                    poll = _REAP_EVERY if poll is None else poll
                 wait = remaining if poll is None else poll if remaining is None else min(poll, remaining)
                 readable, _, _ = select.select(fds, [], [], wait)
                 if self._wake_r in readable:
@@ -724,6 +882,7 @@ class Supervisor:
         with self._lock:
             self._proc = None
             self._last_exit = code
+        self._kill_tree(spare_standby=True)
         return code
 
     def _end_run(self) -> float | None:

@@ -13,7 +13,8 @@ Layout under the spool folder (default ``/dev/shm/psguard-<job>/``)::
 
     agent.lock                         flock'ed (exclusive) by the live agent: one agent per spool
     writers/<gen>.lock                 flock'ed by a live trainer-side writer (generation ``gen``)
-    seq                                the last sequence number handed off (so a new writer never reuses one)
+    seq.lock                           flock'ed (exclusive) while a writer reserves a sequence number
+    seq                                the last sequence number reserved (written by rename, under seq.lock)
     incoming/<seq>.tmp-<gen>/          a capture being written (ignored; deleted once its writer is dead)
     incoming/<seq:012d>/               a complete capture: capture.json + <i>.bin / <i>.ids files
     acks/<seq:012d>.json               the agent's answer once applied to the memory tier
@@ -22,6 +23,13 @@ Layout under the spool folder (default ``/dev/shm/psguard-<job>/``)::
     heartbeat.json                     the trainer's last step, when it was made, and its hang bound (below)
     requests/restore-<gen>-<nonce>.json    a trainer asks for the memory tier's snapshot
     restore/<gen>-<nonce>/             the answer: manifest.json + <i>.bin files (renamed into place whole)
+
+Sequence numbers. Several writers may share a spool (an orphaned trainer and its replacement), each in its
+own process, so a writer reserves every ``seq`` atomically across processes: it takes an exclusive ``flock``
+on ``seq.lock``, reads ``seq`` (when absent, the highest number found under ``incoming/`` and ``acks/``),
+writes the next number by write-then-rename, and releases the lock. No two captures ever share a ``seq``;
+a reserved number whose capture was never handed off (a full tmpfs, a killed writer) is a gap, which the
+agent does not wait for.
 
 Capture protocol. The writer writes every tensor file (native little-endian bytes, C order; strings as in
 :mod:`psguard.store.chunks`: uint64 lengths then the bytes; row ids as int64) and ``capture.json`` into
@@ -39,7 +47,9 @@ Capture protocol. The writer writes every tensor file (native little-endian byte
 ``token`` names the state the capture produces, ``parent`` the state it applies to (null: a whole capture).
 The agent processes complete captures in ``seq`` order (a startup scan, then ``watchdog`` events, with a slow
 poll as a safety net): it checks every file's size and CRC32C, applies the capture to the memory tier, writes
-``acks/<seq>.json`` (``{"status": "ok" | "need_full" | "error", "memory_step", "token", "message"}``) by
+``acks/<seq>.json`` (``{"status": "ok" | "need_full" | "error", "memory_step", "token", "capture",
+"message"}``, ``capture`` being the token of the capture it answers; a writer accepts an ack only for its
+own token, so it never takes another capture's answer for its own) by
 write-then-rename, asks its persister to make captures for the durable tier durable, and deletes the folder.
 
 Restore protocol. The trainer writes ``requests/restore-<gen>-<nonce>.json``; the agent exports a consistent
@@ -168,6 +178,7 @@ class Ack:
     memory_step: int | None
     token: str | None
     message: str = ""
+    capture: str | None = None  # the token of the capture this answers (None: its capture.json was unreadable)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -176,6 +187,7 @@ class Ack:
             "memory_step": self.memory_step,
             "token": self.token,
             "message": self.message,
+            "capture": self.capture,
         }
 
 
@@ -484,6 +496,7 @@ class SpoolPaths:
         self.agent_lock = self.root / "agent.lock"
         self.seq = self.root / "seq"
         self.heartbeat = self.root / "heartbeat.json"
+        self.seq_lock = self.root / "seq.lock"
 
     def make(self) -> None:
         for d in (self.incoming, self.acks, self.requests, self.restore, self.writers):

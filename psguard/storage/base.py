@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 from abc import ABC, abstractmethod
 
-from psguard.errors import ConfigError
+from psguard.errors import ConfigError, StorageError
 
 Buffer = bytes | bytearray | memoryview
 
@@ -36,6 +36,9 @@ class Backend(ABC):
     #: How many requests in parallel suit it: remote stores hide latency with many, a local disk read from
     #: the page cache is memory-bound and only loses to thread switching beyond the number of cores.
     io_parallelism: int = 8
+    #: How coarse :meth:`mtime` may be, in seconds (S3's HEAD answers in whole seconds); age judgements
+    #: allow this much on top of a lease's TTL.
+    mtime_resolution: float = 1.0
 
     @abstractmethod
     def get(self, key: str) -> bytes:
@@ -70,6 +73,25 @@ class Backend(ABC):
     @abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object; absent objects are not an error (deletion is idempotent)."""
+
+    def mtime(self, key: str) -> float:
+        """When the object was last written, by the *storage's* clock (seconds since the epoch).
+
+        gc judges the age of locks and chunks by these times, never by comparing a writer's wall clock with
+        its own: two nodes' clocks may disagree by minutes, one storage service's clock agrees with itself.
+        :class:`ObjectNotFoundError` when absent.
+        """
+        raise StorageError(f"{type(self).__name__} cannot tell when {key} was written")
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        """:meth:`keys` under ``prefix`` with their :meth:`mtime` (backends override this with one listing)."""
+        out: dict[str, float] = {}
+        for key in self.keys(prefix):
+            try:
+                out[key] = self.mtime(key)
+            except FileNotFoundError:
+                continue  # deleted since the listing
+        return out
 
     def leftovers(self) -> list[str]:
         """Keys of temporary objects a killed writer left behind (never visible through :meth:`keys`)."""

@@ -3,13 +3,43 @@
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
-from psguard.errors import ObjectNotFoundError
+from psguard.errors import ObjectNotFoundError, StorageError
 from psguard.storage.base import Backend, validate_key
 
 TMP_MARK = ".tmp."
+
+
+def info_mtime(info: Mapping[str, Any]) -> float | None:
+    """The modification time in an fsspec ``info`` dict, as the server recorded it (seconds since the epoch).
+
+    s3fs: ``LastModified`` (a datetime); hdfs-native: ``modification_time``; WebHDFS: ``modificationTime``
+    (both milliseconds).
+    """
+    value = info.get("LastModified", info.get("last_modified"))
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        return value.timestamp()
+    if isinstance(value, str) and value:
+        try:
+            parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            parsed = None
+        if parsed is not None:
+            return info_mtime({"LastModified": parsed})
+    for name in ("modification_time", "modificationTime"):
+        ms = info.get(name)
+        if isinstance(ms, int | float) and not isinstance(ms, bool):
+            return float(ms) / 1000.0
+    mtime = info.get("mtime")
+    if isinstance(mtime, int | float) and not isinstance(mtime, bool):
+        return float(mtime)
+    return None
 
 
 class FsspecBackend(Backend):
@@ -38,26 +68,47 @@ class FsspecBackend(Backend):
         return bool(self.fs.exists(self._p(key)))
 
     def _files(self, base: str) -> list[str]:
+        return list(self._file_infos(base))
+
+    def _file_infos(self, base: str) -> dict[str, dict[str, Any]]:
         try:
             found = self.fs.find(base, detail=True)
         except FileNotFoundError:
-            return []
+            return {}
         # Some servers list an emptied "folder" as an entry of its own: only files are objects.
-        return [name for name, info in found.items() if info.get("type") == "file"]
+        return {name: info for name, info in found.items() if info.get("type") == "file"}
+
+    def _rel(self, path: str) -> str | None:
+        """The key of a listed path, or None for a temporary object."""
+        strip = self.root.strip("/") + "/"
+        rel = path.strip("/")
+        if rel.startswith(strip):
+            rel = rel[len(strip) :]
+        return None if TMP_MARK in rel.rsplit("/", 1)[-1] else rel
 
     def keys(self, prefix: str) -> list[str]:
         found = self._files(f"{self.root}/{prefix}".rstrip("/"))
-        strip = self.root.strip("/") + "/"
-        keys = []
-        for path in found:
-            rel = path.strip("/")
-            if rel.startswith(strip):
-                rel = rel[len(strip) :]
-            if TMP_MARK in rel.rsplit("/", 1)[-1]:
+        return sorted(k for k in map(self._rel, found) if k is not None)
+
+    def mtime(self, key: str) -> float:
+        try:
+            info = self.fs.info(self._p(key))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+        when = info_mtime(info)
+        if when is None:
+            raise StorageError(f"{self.url} reports no modification time for {key}")
+        return when
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for path, info in self._file_infos(f"{self.root}/{prefix}".rstrip("/")).items():
+            key = self._rel(path)
+            if key is None:
                 continue
-            keys.append(rel)
-        keys.sort()
-        return keys
+            when = info_mtime(info)
+            out[key] = when if when is not None else self.mtime(key)
+        return dict(sorted(out.items()))
 
     def leftovers(self) -> list[str]:
         found = self._files(self.root)

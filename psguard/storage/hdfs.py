@@ -80,8 +80,11 @@ class HdfsBackend(FsspecBackend):
     def exists(self, key: str) -> bool:
         return bool(self._run(self.fs.exists, self._p(key)))
 
-    def _files(self, base: str) -> list[str]:
-        return self._run(super()._files, base)
+    def _file_infos(self, base: str) -> dict[str, dict[str, Any]]:
+        return self._run(super()._file_infos, base)
+
+    def mtime(self, key: str) -> float:
+        return self._run(super().mtime, key)
 
     def delete(self, key: str) -> None:
         self._run(super().delete, key)

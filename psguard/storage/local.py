@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import secrets
@@ -40,6 +41,7 @@ class LocalBackend(Backend):
         self.url = str(self.root)
         self.fsync = bool((options or {}).get("fsync", True))
         self.io_parallelism = max(2, min(4, os.cpu_count() or 2))
+        self.mtime_resolution = 0.01
 
     def _path(self, key: str) -> Path:
         return self.root / validate_key(key)
@@ -127,6 +129,19 @@ class LocalBackend(Backend):
 
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
+
+    def mtime(self, key: str) -> float:
+        try:
+            return self._path(key).stat().st_mtime
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for key in self.keys(prefix):
+            with contextlib.suppress(FileNotFoundError):
+                out[key] = self._path(key).stat().st_mtime
+        return out
 
     def leftovers(self) -> list[str]:
         if not self.root.is_dir():

@@ -8,12 +8,14 @@ memory filesystem is not used because its single hidden global store leaks betwe
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from psguard.errors import ObjectExistsError, ObjectNotFoundError
 from psguard.storage.base import Backend, Buffer, validate_key
 
 _STORES: dict[str, dict[str, bytes]] = {}
+_MTIMES: dict[str, dict[str, float]] = {}  # per store: when each object was written (one process, one clock)
 _LOCK = threading.Lock()
 
 
@@ -21,6 +23,7 @@ def drop(name: str) -> None:
     """Forget the named memory store."""
     with _LOCK:
         _STORES.pop(name, None)
+        _MTIMES.pop(name, None)
 
 
 class MemoryBackend(Backend):
@@ -28,8 +31,10 @@ class MemoryBackend(Backend):
         self.name = url[len("memory://") :].strip("/")
         self.url = f"memory://{self.name}"
         self.io_parallelism = 2
+        self.mtime_resolution = 0.0
         with _LOCK:
             self._objects = _STORES.setdefault(self.name, {})
+            self._mtimes = _MTIMES.setdefault(self.name, {})
 
     def get(self, key: str) -> bytes:
         with _LOCK:
@@ -42,6 +47,7 @@ class MemoryBackend(Backend):
         blob = bytes(data)
         with _LOCK:
             self._objects[validate_key(key)] = blob
+            self._mtimes[key] = time.time()
 
     def put_new(self, key: str, data: Buffer) -> None:
         blob = bytes(data)
@@ -49,6 +55,7 @@ class MemoryBackend(Backend):
             if validate_key(key) in self._objects:
                 raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it")
             self._objects[key] = blob
+            self._mtimes[key] = time.time()
 
     def exists(self, key: str) -> bool:
         with _LOCK:
@@ -61,3 +68,14 @@ class MemoryBackend(Backend):
     def delete(self, key: str) -> None:
         with _LOCK:
             self._objects.pop(validate_key(key), None)
+            self._mtimes.pop(key, None)
+
+    def mtime(self, key: str) -> float:
+        with _LOCK:
+            if validate_key(key) not in self._objects:
+                raise ObjectNotFoundError(f"{key} not found in {self.url}")
+            return self._mtimes.get(key, 0.0)
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        with _LOCK:
+            return {k: self._mtimes.get(k, 0.0) for k in sorted(self._objects) if k.startswith(prefix)}

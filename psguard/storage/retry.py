@@ -121,6 +121,7 @@ class RetryingBackend(Backend):
         self.inner = inner
         self.url = inner.url
         self.io_parallelism = inner.io_parallelism
+        self.mtime_resolution = inner.mtime_resolution
         self.config = config or RetryConfig()
         self._stop = threading.Event()
         self._local = threading.local()  # a cap on the deadline for calls made by one thread (``capped``)
@@ -211,6 +212,12 @@ class RetryingBackend(Backend):
 
     def delete(self, key: str) -> None:
         self._call("delete", key, lambda: self.inner.delete(key))
+
+    def mtime(self, key: str) -> float:
+        return self._call("stat", key, lambda: self.inner.mtime(key))
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        return self._call("list", prefix, lambda: self.inner.mtimes(prefix))
 
     def leftovers(self) -> list[str]:
         return self._call("list", "(temporaries)", self.inner.leftovers)

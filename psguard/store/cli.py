@@ -123,11 +123,15 @@ def cmd_gc(args: argparse.Namespace) -> int:
         ]
         if report.chunks_deferred:
             lines.append("chunk deletion deferred: a writer is active or a manifest is unreadable; run gc again later")
+        if report.young_chunks:
+            lines.append(f"left {report.young_chunks} unreferenced chunk(s) younger than a lock lease for a later gc")
         lines.extend(f"  deleted {cid}" for cid in report.deleted_checkpoints)
+        for p in report.corrupt:
+            lines.append(f"CORRUPT {p.checkpoint} (not counted as kept): {p.message}")
         return "\n".join(lines)
 
     _emit(args, report.to_json(), text)
-    return 0
+    return 3 if report.corrupt else 0
 
 
 def cmd_compact(args: argparse.Namespace) -> int:

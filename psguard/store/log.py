@@ -44,6 +44,14 @@ from psguard.errors import (
 from psguard.storage import Backend, RetryConfig, open_backend
 from psguard.store.chunks import ChunkReader, ChunkWriter, byte_view, deserialize_strings
 from psguard.store.dtypes import STRING, dtype_from_name, dtype_name, logical_nbytes
+from psguard.store.lease import (
+    Lease,
+    LeaseKeeper,
+    LeaseLostError,
+    lease_stale,
+    read_lease,
+    storage_now,
+)
 from psguard.store.manifest import (
     CHUNK_PREFIX,
     JOURNAL_PREFIX,
@@ -158,6 +166,16 @@ class GcReport:
     deleted_chunks: int
     chunks_deferred: bool  # True when a live writer made gc leave chunks for a later run
     dry_run: bool
+    #: Checkpoints that failed verification: never counted towards a retention rule (and deleted, unless
+    #: nothing in the store is restorable), with what is wrong with each.
+    corrupt: tuple[Problem, ...] = ()
+    #: Unreferenced chunks left alone because the storage wrote them less than a lease TTL ago: they may
+    #: belong to a save gc cannot see (a lost lease, skewed clocks); a later gc takes them.
+    young_chunks: int = 0
+
+    @property
+    def corrupt_checkpoints(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.checkpoint for p in self.corrupt))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,6 +184,8 @@ class GcReport:
             "deleted_chunks": self.deleted_chunks,
             "chunks_deferred": self.chunks_deferred,
             "dry_run": self.dry_run,
+            "corrupt": [p.to_json() for p in self.corrupt],
+            "young_chunks": self.young_chunks,
         }
 
 
@@ -176,43 +196,6 @@ class LoadResult:
     info: CheckpointInfo
     tensors: dict[str, np.ndarray]
     skipped: tuple[Problem, ...] = ()
-
-
-class _Lock:
-    """A lease object in the store. Stale when expired, or when its holder on this host is dead."""
-
-    def __init__(self, store: Store, key: str, payload: Mapping[str, Any]) -> None:
-        self.store = store
-        self.key = key
-        self.payload = dict(payload)
-
-    @staticmethod
-    def stale(doc: Mapping[str, Any], now: float) -> bool:
-        if float(doc.get("expires_at", 0)) < now:
-            return True
-        if doc.get("host") == socket.gethostname():
-            pid = int(doc.get("pid", 0))
-            if pid > 0 and not _pid_alive(pid):
-                return True
-        return False
-
-    def release(self) -> None:
-        try:
-            self.store.backend.delete(self.key)
-        except PsguardError as e:  # an expired lock is harmless; never mask the caller's own outcome
-            log.warning("could not release lock %s: %s", self.key, e)
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Store:
@@ -227,6 +210,7 @@ class Store:
         io_threads: int | None = None,
         inflight_bytes: int = 128 << 20,
         lock_ttl: float = 600.0,
+        chunk_grace: float | None = None,
     ) -> None:
         io_threads = io_threads if io_threads is not None else backend.io_parallelism
         if chunk_bytes <= 0 or io_threads <= 0 or inflight_bytes <= 0:
@@ -235,7 +219,12 @@ class Store:
         self.url = backend.url
         self.chunk_bytes = chunk_bytes
         self.inflight_bytes = inflight_bytes
+        #: The lease of a save or gc: refreshed every quarter of it while the work runs; a lease the storage
+        #: has not seen refreshed for this long is stale. Short values stand for long saves in tests.
         self.lock_ttl = lock_ttl
+        #: gc leaves unreferenced chunks younger than this (storage clock) alone; defaults to ``lock_ttl``.
+        #: 0 turns the guard off: only for a test that knows its chunks are garbage.
+        self.chunk_grace = lock_ttl if chunk_grace is None else chunk_grace
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="psguard-io")
         self._save_lock = threading.Lock()
         self._manifests: dict[str, Manifest] = {}
@@ -556,27 +545,42 @@ class Store:
 
     def verify(self, checkpoint_id: str) -> VerifyReport:
         """Read every chunk of the checkpoint's chain, checking size, CRC32C and SHA-256; report all defects."""
+        return self._verify(checkpoint_id, None)
+
+    def _verify(self, checkpoint_id: str, chunk_results: dict[str, str | None] | None) -> VerifyReport:
+        """:meth:`verify`, reading each chunk once across calls sharing ``chunk_results`` (hash -> problem).
+
+        gc verifies a delta chain's members one after another; with a shared cache that is linear, not
+        quadratic, in the chain's length.
+        """
         problems: list[Problem] = []
         try:
             chain = self.chain(checkpoint_id)
         except (CorruptCheckpointError, UnsupportedFormatError, NoCheckpointError) as e:
             return VerifyReport(checkpoint_id, (), 0, 0, (Problem(e.checkpoint or checkpoint_id, None, str(e)),))
+        cache: dict[str, str | None] = chunk_results if chunk_results is not None else {}
         seen: set[str] = set()
-        futures: list[tuple[Manifest, ChunkRef, Future[Any]]] = []
+        futures: list[tuple[Manifest, ChunkRef, Future[Any] | None]] = []
         for m in chain:
             reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=True)
             for ref in m.refs():
                 if ref.hash in seen:
                     continue
                 seen.add(ref.hash)
-                futures.append((m, ref, self._pool.submit(reader.read, ref)))
+                futures.append((m, ref, None if ref.hash in cache else self._pool.submit(reader.read, ref)))
         nbytes = 0
         for m, ref, fut in futures:
-            try:
-                fut.result()
+            if fut is not None:
+                try:
+                    fut.result()
+                    cache[ref.hash] = None
+                except CorruptCheckpointError as e:
+                    cache[ref.hash] = str(e)
+            message = cache[ref.hash]
+            if message is None:
                 nbytes += ref.size
-            except CorruptCheckpointError as e:
-                problems.append(Problem(m.id, ref.hash, str(e)))
+            else:
+                problems.append(Problem(m.id, ref.hash, message))
         return VerifyReport(checkpoint_id, tuple(m.id for m in chain), len(futures), nbytes, tuple(problems))
 
     # ----------------------------------------------------------------------------------------------- writing
@@ -625,7 +629,7 @@ class Store:
             parent_m = self.manifest(parent) if parent is not None else None
         except (NoCheckpointError, ObjectNotFoundError) as e:
             raise ParentMissingError(f"step {step}: the parent checkpoint {parent} is gone: {e}") from e
-        lock = self._acquire_writer_lock(cid, reuse)
+        lease, keeper = self._acquire_writer_lock(cid, reuse)
         try:
             if reuse is not None and not self.backend.exists(manifest_key(reuse)):
                 raise ParentMissingError(
@@ -679,9 +683,17 @@ class Store:
                 stats=stats,
                 writer=self._writer_name,
             )
+            try:
+                keeper.confirm()  # the lease still ours, just refreshed: gc cannot have taken our chunks
+            except LeaseLostError as e:
+                raise SaveError(
+                    f"step {step}: the save's lock lease on {self.url} was lost while it ran ({e}); gc may have "
+                    "deleted its chunks, so nothing was committed. Save again"
+                ) from e
             self.backend.put_new(manifest_key(cid), manifest.to_bytes())  # the commit
         finally:
-            lock.release()
+            keeper.stop()
+            lease.release()
         with self._cache_lock:
             self._manifests[cid] = manifest
         self._append_journal(manifest)
@@ -774,53 +786,68 @@ class Store:
         return out
 
     # ----------------------------------------------------------------------------------------------- locks
-    def _lock_payload(self, **extra: Any) -> dict[str, Any]:
-        now = time.time()
-        return {
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "created_at": now,
-            "expires_at": now + self.lock_ttl,
-            **extra,
-        }
-
-    def _acquire_writer_lock(self, cid: str, parent: str | None) -> _Lock:
+    def _acquire_writer_lock(self, cid: str, parent: str | None) -> tuple[Lease, LeaseKeeper]:
+        """Create this save's lease and start refreshing it; then wait for a live gc to finish."""
         key = f"{LOCK_PREFIX}writer-{cid}.json"
-        payload = self._lock_payload(checkpoint=cid, parent=parent)
-        self.backend.put(key, json.dumps(payload).encode())
-        lock = _Lock(self, key, payload)
-        # A gc that started before our lock existed may not have seen it: wait for it to finish.
-        deadline = time.monotonic() + self.lock_ttl
-        while True:
-            doc = self._read_lock(GC_LOCK)
-            if doc is None or _Lock.stale(doc, time.time()):
-                return lock
-            if time.monotonic() > deadline:
-                lock.release()
-                raise SaveError(f"a gc on {self.url} held its lock for over {self.lock_ttl:.0f}s")
-            time.sleep(0.2)
-
-    def _read_lock(self, key: str) -> dict[str, Any] | None:
+        lease = Lease(self.backend, key, self.lock_ttl, checkpoint=cid, parent=parent)
+        lease.create()
+        keeper = LeaseKeeper(lease).start()
         try:
-            doc = json.loads(self.backend.get(key))
-        except ObjectNotFoundError:
-            return None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return {"expires_at": 0}  # a torn lock from a killed process: stale
-        return doc if isinstance(doc, dict) else {"expires_at": 0}
+            # A gc that started before our lock existed may not have seen it: wait for it to finish.
+            deadline = time.monotonic() + max(self.lock_ttl, 30.0)
+            while True:
+                doc, written = self._read_lease_with_mtime(GC_LOCK)
+                if doc is None or lease_stale(doc, written, self._storage_now(key), self.lock_ttl):
+                    return lease, keeper
+                if time.monotonic() > deadline:
+                    raise SaveError(f"a gc on {self.url} held its lock for over {max(self.lock_ttl, 30.0):.0f}s")
+                keeper.check()
+                time.sleep(0.2)  # polling another process's lock in the store: there is no event to wait on
+        except BaseException:
+            keeper.stop()
+            lease.release()
+            raise
 
-    def _live_writer_locks(self) -> list[dict[str, Any]]:
-        now = time.time()
+    def _storage_now(self, hint_key: str | None = None) -> float:
+        """The storage's clock (never this host's; see :mod:`psguard.store.lease`), minus its resolution."""
+        return storage_now(self.backend, hint_key=hint_key) - self.backend.mtime_resolution
+
+    def _read_lease_with_mtime(self, key: str) -> tuple[dict[str, Any] | None, float]:
+        """The lease and when the storage wrote it (read in that order: a refresh in between only makes the
+        lease look younger, the safe side)."""
+        doc = read_lease(self.backend, key)
+        if doc is None:
+            return None, 0.0
+        try:
+            return doc, self.backend.mtime(key)
+        except ObjectNotFoundError:
+            return None, 0.0
+
+    def _remove_if_unchanged(self, key: str, doc: Mapping[str, Any], written: float) -> bool:
+        """Delete a lease judged stale, unless it changed since it was judged (refreshed, or taken over).
+
+        Read-check-delete: on storage without a conditional delete a holder's refresh may still land
+        between the check and the delete; the holder's next refresh then finds its lease gone and fails.
+        """
+        again, written_again = self._read_lease_with_mtime(key)
+        if again is None or again.get("token") != doc.get("token") or written_again != written:
+            return False
+        log.info("event=stale_lock_removed key=%s holder=%s:%s", key, doc.get("host"), doc.get("pid"))
+        self.backend.delete(key)
+        return True
+
+    def _live_writer_locks(self, now: float, *, remove: bool = True) -> list[dict[str, Any]]:
+        """Writer leases still alive at storage time ``now``; stale ones are removed (``remove``)."""
         live = []
         for key in self.backend.keys(LOCK_PREFIX):
             if not key.startswith(f"{LOCK_PREFIX}writer-"):
                 continue
-            doc = self._read_lock(key)
+            doc, written = self._read_lease_with_mtime(key)
             if doc is None:
                 continue
-            if _Lock.stale(doc, now):
-                log.info("removing stale writer lock %s", key)
-                self.backend.delete(key)
+            if lease_stale(doc, written, now, self.lock_ttl):
+                if remove:
+                    self._remove_if_unchanged(key, doc, written)
             else:
                 live.append(doc)
         return live
@@ -867,20 +894,83 @@ class Store:
             raise ConfigError("gc needs a retention rule: keep_last, keep_every_hours or keep_best")
         if keep_last is not None and keep_last < 1 and keep_every_hours is None and keep_best is None:
             raise ConfigError("keep_last must be at least 1 (retention that keeps nothing is refused)")
-        payload = self._lock_payload(op="gc")
+        lease = Lease(self.backend, GC_LOCK, self.lock_ttl, op="gc")
         try:
-            self.backend.put_new(GC_LOCK, json.dumps(payload).encode())
+            lease.create_new()
         except ObjectExistsError:
-            doc = self._read_lock(GC_LOCK)
-            if doc is not None and not _Lock.stale(doc, time.time()):
-                raise PsguardError(f"another gc is running on {self.url} (since {doc.get('created_at')})") from None
-            self.backend.delete(GC_LOCK)
-            self.backend.put_new(GC_LOCK, json.dumps(payload).encode())
-        lock = _Lock(self, GC_LOCK, payload)
+            doc, written = self._read_lease_with_mtime(GC_LOCK)
+            if doc is not None:
+                if not lease_stale(doc, written, self._storage_now(), self.lock_ttl):
+                    raise PsguardError(
+                        f"another gc is running on {self.url} ({doc.get('host')}:{doc.get('pid')}, "
+                        f"since {doc.get('created_at')} by its clock); wait for it, it keeps its lock alive"
+                    ) from None
+                self._remove_if_unchanged(GC_LOCK, doc, written)
+            try:
+                lease.create_new()
+            except ObjectExistsError:
+                raise PsguardError(f"another gc started on {self.url} just now; run this one later") from None
+        keeper = LeaseKeeper(lease).start()
         try:
-            return self._gc(keep_last, keep_every_hours, keep_best, metric, mode, dry_run)
+            now = self._storage_now(GC_LOCK)
+            return self._gc(keep_last, keep_every_hours, keep_best, metric, mode, dry_run, keeper, now)
+        except LeaseLostError as e:
+            raise PsguardError(f"gc on {self.url} stopped: {e}. Nothing more was deleted; run gc again") from e
         finally:
-            lock.release()
+            keeper.stop()
+            lease.release()
+
+    def _select(
+        self,
+        infos: Sequence[CheckpointInfo],
+        keep_last: int | None,
+        keep_every_hours: float | None,
+        keep_best: int | None,
+        metric: str | None,
+        mode: Literal["min", "max"],
+    ) -> tuple[set[str], dict[str, VerifyReport]]:
+        """The checkpoints to keep, chosen among those that verify; and every verification done.
+
+        Only the candidates a rule would keep are verified (cached per id, chunks read once across a chain);
+        one that fails is dropped and the rule chooses again, so keep-last N keeps N *restorable*
+        checkpoints and the newest restorable one is always among them. When nothing verifies, everything
+        is kept: gc never deletes what might be the only copy an operator can still salvage.
+        """
+        reports: dict[str, VerifyReport] = {}
+        chunk_results: dict[str, str | None] = {}
+
+        def restorable(cid: str) -> bool:
+            if cid not in reports:
+                reports[cid] = self._verify(cid, chunk_results)
+            return reports[cid].ok
+
+        # A chain folded by compaction is superseded by its full copy, if that copy is sound: it then no
+        # longer counts towards keep-last.
+        present = {i.id for i in infos}
+        superseded = {
+            str(i.metadata["compacted_from"])
+            for i in infos
+            if i.metadata.get("compacted_from") in present and restorable(i.id)
+        }
+        pool = [Candidate(i.id, i.step, i.committed_at, i.metrics) for i in infos if i.id not in superseded]
+        bad: set[str] = set()
+        while True:
+            chosen = select_kept(
+                [c for c in pool if c.id not in bad],
+                keep_last=keep_last,
+                keep_every_hours=keep_every_hours,
+                keep_best=keep_best,
+                metric=metric,
+                mode=mode,
+            )
+            failed = {cid for cid in chosen if not restorable(cid)}
+            if not failed:
+                break
+            bad |= failed
+        if pool and not chosen:
+            log.error("event=gc_nothing_restorable store=%s action='keeping every checkpoint'", self.url)
+            chosen = {i.id for i in infos}
+        return chosen, reports
 
     def _gc(
         self,
@@ -890,21 +980,84 @@ class Store:
         metric: str | None,
         mode: Literal["min", "max"],
         dry_run: bool,
+        keeper: LeaseKeeper,
+        now: float,
     ) -> GcReport:
         unreadable: list[str] = []
         infos = self.checkpoints(on_error=lambda cid, e: unreadable.append(cid))
-        # A chain folded by compaction is superseded by its full copy: it no longer counts towards keep-last.
-        superseded = {str(i.metadata["compacted_from"]) for i in infos if i.metadata.get("compacted_from")}
-        chosen = select_kept(
-            [Candidate(i.id, i.step, i.committed_at, i.metrics) for i in infos if i.id not in superseded],
-            keep_last=keep_last,
-            keep_every_hours=keep_every_hours,
-            keep_best=keep_best,
-            metric=metric,
-            mode=mode,
-        )
-        writers = self._live_writer_locks()
+        chosen, reports = self._select(infos, keep_last, keep_every_hours, keep_best, metric, mode)
+        corrupt = tuple(p for r in reports.values() if not r.ok for p in r.problems)
+        for r in reports.values():
+            if not r.ok:
+                log.warning(
+                    "event=gc_corrupt_checkpoint checkpoint=%s problem=%r action='not counted by retention'",
+                    r.checkpoint,
+                    r.problems[0].message,
+                )
+        writers = self._live_writer_locks(now, remove=not dry_run)
         chosen.update(str(w["parent"]) for w in writers if w.get("parent"))
+        kept = self._with_parents(chosen)
+        doomed = [i.id for i in infos if i.id not in kept]
+        if unreadable:
+            log.warning("gc leaves %d unreadable manifest(s) alone: %s", len(unreadable), unreadable)
+        if not dry_run:
+            keeper.check()
+            for cid in doomed:
+                self.backend.delete(manifest_key(cid))
+                with self._cache_lock:
+                    self._manifests.pop(cid, None)
+        deleted_chunks = young = 0
+        late: list[str] = []
+        # A live writer may be about to reference any chunk; an unreadable manifest may reference any chunk.
+        deferred = bool(writers) or bool(unreadable)
+        if not deferred:
+            keeper.confirm()  # still our lease, just refreshed: no other gc runs beside this one
+            # A second look, after the deletions: commits and writers that appeared since the first listing.
+            listed = {i.id for i in infos}
+            late = [cid for cid in self.checkpoint_ids() if cid not in listed]
+            deferred = bool(self._live_writer_locks(now, remove=not dry_run))
+        if not deferred:
+            referenced: set[str] = set()
+            for cid in kept:
+                referenced.update(r.hash for r in self.manifest(cid).refs())
+            for cid in late:
+                try:
+                    for m in self.chain(cid):
+                        referenced.update(r.hash for r in m.refs())
+                except CheckpointError as e:
+                    log.warning("event=gc_late_commit_unreadable checkpoint=%s error=%r", cid, str(e))
+            # Whatever the locks say, a chunk the storage wrote less than a lease ago may belong to a save in
+            # progress (one whose lease was lost, or written by a host whose clock is off): leave it.
+            grace = self.chunk_grace + self.backend.mtime_resolution
+            for key, written in self.backend.mtimes(CHUNK_PREFIX).items():
+                if key.rsplit("/", 1)[-1] in referenced:
+                    continue
+                if self.chunk_grace > 0 and now - written < grace:
+                    young += 1
+                    continue
+                if not dry_run:
+                    self.backend.delete(key)
+                deleted_chunks += 1
+            # With no live writer, a temporary object older than a lease is a killed writer's leftover.
+            for key in self.backend.leftovers():
+                try:
+                    if now - self.backend.mtime(key) < grace:
+                        continue
+                except PsguardError:
+                    continue
+                if not dry_run:
+                    self.backend.delete(key)
+        log.info(
+            "gc kept %d, deleted %d checkpoint(s) and %d chunk(s)%s%s",
+            len(kept),
+            len(doomed),
+            deleted_chunks,
+            " (chunk deletion deferred)" if deferred else "",
+            f" ({young} unreferenced chunk(s) younger than a lease left)" if young else "",
+        )
+        return GcReport(tuple(sorted(kept)), tuple(doomed), deleted_chunks, deferred, dry_run, corrupt, young)
+
+    def _with_parents(self, chosen: set[str]) -> set[str]:
         kept: set[str] = set()
         for cid in chosen:
             cur: str | None = cid
@@ -914,38 +1067,7 @@ class Store:
                     cur = self.manifest(cur).parent
                 except CheckpointError:
                     break
-        doomed = [i.id for i in infos if i.id not in kept]
-        if unreadable:
-            log.warning("gc leaves %d unreadable manifest(s) alone: %s", len(unreadable), unreadable)
-        if not dry_run:
-            for cid in doomed:
-                self.backend.delete(manifest_key(cid))
-                with self._cache_lock:
-                    self._manifests.pop(cid, None)
-        deleted_chunks = 0
-        # A live writer may be about to reference any chunk; an unreadable manifest may reference any chunk.
-        deferred = bool(writers) or bool(unreadable)
-        if not deferred:
-            referenced: set[str] = set()
-            for cid in kept:
-                referenced.update(r.hash for r in self.manifest(cid).refs())
-            for key in self.backend.keys(CHUNK_PREFIX):
-                if key.rsplit("/", 1)[-1] not in referenced:
-                    if not dry_run:
-                        self.backend.delete(key)
-                    deleted_chunks += 1
-            # With no live writer, every temporary object is a killed writer's leftover.
-            for key in self.backend.leftovers():
-                if not dry_run:
-                    self.backend.delete(key)
-        log.info(
-            "gc kept %d, deleted %d checkpoint(s) and %d chunk(s)%s",
-            len(kept),
-            len(doomed),
-            deleted_chunks,
-            " (chunk deletion deferred)" if deferred else "",
-        )
-        return GcReport(tuple(sorted(kept)), tuple(doomed), deleted_chunks, deferred, dry_run)
+        return kept
 
     # ----------------------------------------------------------------------------------------------- compaction
     def compact(self, checkpoint_id: str | None = None) -> CheckpointInfo | None:

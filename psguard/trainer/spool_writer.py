@@ -84,12 +84,21 @@ class CaptureHandle:
                 self._writer.poll_interval,
                 lambda: self._writer._no_answer(f"capture seq {self.seq} (step {self.step})", timeout),
             )
+            status = doc.get("status", "error")
+            message = str(doc.get("message", ""))
+            answered = doc.get("capture")
+            # An agent names the capture it answers (None only when it could not read which: never with ok).
+            if "capture" in doc and (answered != self.token) and (answered is not None or status == "ok"):
+                # Not this capture's answer (two captures under one seq): never take it for ours.
+                status = "error"
+                message = f"the agent's answer under seq {self.seq} is for capture {answered}, not {self.token}"
             self._ack = Ack(
                 seq=self.seq,
-                status=doc.get("status", "error"),
+                status=status,
                 memory_step=doc.get("memory_step"),
                 token=doc.get("token"),
-                message=str(doc.get("message", "")),
+                message=message,
+                capture=answered,
             )
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -178,12 +187,43 @@ class SpoolWriter:
         self._lock_fd: int | None = fd
         self._lock_path = self._paths.writers / f"{self.generation}.lock"
         os.rename(lock_tmp, self._lock_path)  # only now visible: never seen unlocked by the agent
-        self._seq = self._high_water() + 1
+        self._last_seq = -1  # the last seq this writer reserved
+
+    def _reserve_seq(self) -> int:
+        """The next sequence number, reserved atomically across every process writing to this spool.
+
+        Under an exclusive flock on ``seq.lock``: read ``seq`` (or, when it is absent or garbled, the highest
+        number in the spool's folders), write the next one by rename, release. Two writers (an orphaned
+        trainer and its replacement) therefore never hand off two captures under one number.
+        """
+        fd = os.open(self._paths.seq_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a rename: microseconds
+            try:
+                last = int(self._paths.seq.read_text().strip())
+            except (FileNotFoundError, ValueError):
+                last = self._high_water()
+            seq = max(last, self._last_seq) + 1
+            atomic_write_text(self._paths.seq, str(seq))
+        finally:
+            os.close(fd)  # releases the flock
+        self._last_seq = seq
+        return seq
+
+    def _unreserve(self, seq: int) -> None:
+        """Give ``seq`` back after a hand-off that failed (a full tmpfs), if no one reserved a later one."""
+        fd = os.open(self._paths.seq_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                if int(self._paths.seq.read_text().strip()) == seq:
+                    atomic_write_text(self._paths.seq, str(seq - 1))
+                    self._last_seq = seq - 1
+        finally:
+            os.close(fd)
 
     def _high_water(self) -> int:
         high = -1
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            high = int(self._paths.seq.read_text().strip() or -1)
         for folder in (self._paths.incoming, self._paths.acks):
             for name in os.listdir(folder):
                 m = re.match(r"^\.?([0-9]+)", name)
@@ -199,7 +239,7 @@ class SpoolWriter:
     def parent(self, token: str | None) -> None:
         with self._lock:
             self._parent = token
-            self._chain_start = self._seq
+            self._chain_start = self._last_seq + 1  # this writer's later captures all get higher numbers
 
     def agent_alive(self) -> bool:
         """Whether an agent holds the spool (flock probe; never blocks)."""
@@ -233,9 +273,9 @@ class SpoolWriter:
                     "this delta has no parent state: send a whole capture first (capture(full=True)), or set "
                     "writer.parent to the token of the state the trainer restored"
                 )
-            seq = self._seq
+            self._check_space(capture, self._last_seq + 1)
+            seq = self._reserve_seq()
             token = f"{self.generation}-{seq}"
-            self._check_space(capture, seq)
             tmp = self._paths.incoming / f"{seq}.tmp-{self.generation}"
             final = self._paths.incoming / f"{seq:012d}"
             try:
@@ -259,15 +299,14 @@ class SpoolWriter:
                 os.rename(tmp, final)  # the hand-off
             except BaseException as e:
                 shutil.rmtree(tmp, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    self._unreserve(seq)
                 if isinstance(e, OSError):
                     raise self._os_error(e, seq, capture) from e
                 raise
-            self._seq = seq + 1
             self._parent = token
             if whole:
                 self._chain_start = seq
-            with contextlib.suppress(OSError):
-                atomic_write_text(self._paths.seq, str(seq))
         return CaptureHandle(self, seq, token, capture.step, frozenset(tiers))
 
     def _check_space(self, capture: Capture, seq: int) -> None:

@@ -1,0 +1,201 @@
+"""Killing a task's whole process tree: while its agent runs, after the agent was SIGKILLed, and at a new start.
+
+Why more than the process group. ``sh -c 'sleep 600 & sleep 601; wait'`` under an agent killed with SIGKILL
+left both sleeps running: the parent-death signal reaches only the agent's direct child (the shell), nobody
+signals the group once the agent is gone, and a process that calls ``setsid`` leaves the group anyway. So:
+
+* **Marked tree.** Every process a supervisor starts carries ``PSGUARD_TREE_<token>=1`` in its environment,
+  ``token`` being random per supervisor; descendants inherit it (through nested agents too, since each
+  supervisor adds its own variable). ``/proc/<pid>/environ`` then tells which processes are the task's,
+  whatever their process group, session or parent, and a reused pid can never match (it would need the
+  token). :func:`kill_tree` kills every marked process until none is left.
+* **Guard.** A tiny process (this file run as a script: the standard library only, no psguard import, so it
+  starts in milliseconds) holds the read end of a pipe whose write end only the agent holds. When the agent
+  dies, however it dies, the kernel closes the write end; the guard reads EOF and kills the marked tree.
+  After a clean stop the agent closes the pipe itself, and the guard finds nothing to kill.
+* **Subreaper.** The agent makes itself a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so the task's
+  orphans are re-parented to the agent, not to init, while it lives, and it can reap them.
+* **Record.** The supervisor's token and its own identity (pid, ``/proc`` start time, boot id) go to a file
+  owned by the agent; a new agent reads it at start and kills what a dead predecessor's tree left, if the
+  guard could not (it was killed too). See :mod:`psguard.agent.supervisor`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+import time
+
+ENV_PREFIX = "PSGUARD_TREE_"
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def tree_env_var(token: str) -> str:
+    """The environment variable marking the processes of one supervisor's tree."""
+    if not token.isalnum():
+        raise ValueError(f"tree token must be alphanumeric, got {token!r}")
+    return f"{ENV_PREFIX}{token}"
+
+
+def start_ticks(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone.
+
+    With the boot id it names a process for good: a pid is reused, a (pid, start time) pair is not.
+    """
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    try:
+        return int(fields[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+def descendants(root: int) -> set[int]:
+    """Every live descendant of ``root`` (the same walk as :mod:`psguard.testbed.procs`, which the agent may
+    not import: the test bed is the top floor)."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 1 and fields[0] != "Z":
+            parent_of[int(entry)] = int(fields[1])
+    out: set[int] = set()
+    frontier = {root}
+    while frontier:
+        frontier = {p for p, pp in parent_of.items() if pp in frontier and p not in out}
+        out |= frontier
+    return out
+
+
+def adopted_zombies(sessions: frozenset[int], *, spare: frozenset[int] = frozenset()) -> list[int]:
+    """Exited children of this process that were in one of ``sessions`` (a task's runs): orphans a subreaper
+    adopted. Only those: reaping a child some ``Popen`` owns would steal its exit status."""
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in spare:
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command name: state, ppid, pgrp, session
+        if len(fields) > 3 and fields[0] == "Z" and int(fields[1]) == me and int(fields[3]) in sessions:
+            out.append(int(entry))
+    return out
+
+
+def reap(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def marked(token: str, *, exclude: frozenset[int] = frozenset()) -> list[int]:
+    """Live processes of this user whose environment carries the tree's mark (never this process)."""
+    needle = tree_env_var(token).encode() + b"="
+    me = os.getpid()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        pid = int(entry)
+        if pid == me or pid in exclude:
+            continue
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:  # gone, or another user's (which we could not signal anyway)
+            continue
+        if (env.startswith(needle) or b"\0" + needle in env) and not _zombie(pid):
+            out.append(pid)
+    return sorted(out)
+
+
+def kill_tree(token: str, *, exclude: frozenset[int] = frozenset(), timeout: float = 10.0) -> list[int]:
+    """SIGKILL every marked process, again and again until none is left (a dying shell may still fork).
+
+    Reaps those that are this process's children (a subreaper adopts orphans), except ``exclude``d ones,
+    whose owners reap them. Returns the pids killed.
+    """
+    killed: list[int] = []
+    deadline = time.monotonic() + timeout
+    delay = 0.001
+    while True:
+        pids = marked(token, exclude=exclude)
+        if not pids:
+            return killed
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                if pid not in killed:
+                    killed.append(pid)
+        for pid in pids:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)  # ours only when adopted (subreaper) or started by us
+        if time.monotonic() > deadline:
+            return killed
+        time.sleep(delay)  # SIGKILL is delivered asynchronously: look again until the kernel is done
+        delay = min(delay * 2, 0.05)
+
+
+def set_child_subreaper() -> bool:
+    """Make this process adopt its descendants' orphans (Linux); False where that is not possible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def guard_main(token: str) -> int:
+    """The guard: wait for EOF on stdin (the agent is gone or done), then kill the tree."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C in the agent's terminal must not disarm the guard
+    while True:
+        try:
+            if not os.read(0, 4096):
+                break
+        except InterruptedError:
+            continue
+        except OSError:
+            break
+    killed = kill_tree(token)
+    if killed:
+        print(f"psguard reaper: killed {len(killed)} process(es) left by a dead agent: {killed}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1] != "guard":
+        raise SystemExit("usage: reaper.py guard TOKEN")
+    raise SystemExit(guard_main(sys.argv[2]))

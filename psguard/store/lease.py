@@ -1,0 +1,243 @@
+"""Leases: the lock objects a save and a gc hold in the store, kept alive while they run.
+
+The protocol (docs/storage-format.md, "Locks and leases"):
+
+* A lease is a JSON object under ``locks/`` carrying a random ``token`` (its owner's proof) and ``ttl``.
+* Its holder rewrites it every ``ttl / 5`` seconds (:class:`LeaseKeeper`, a thread with a handle) for as
+  long as the save or gc runs, so a save longer than the TTL keeps its lock.
+* Nobody compares clocks across nodes. A lease is stale when the *storage* last wrote it more than ``ttl``
+  ago, where "now" is also a time the storage wrote (the mtime of an object the judge itself just wrote):
+  both times come from the one storage clock, so a writer whose clock runs minutes behind gc's is judged
+  correctly.
+* Only the owner deletes its lease: release reads the object and deletes it only if the token is still its
+  own (read-check-delete; see the doc for the window this leaves on S3).
+* A holder that could not refresh for ``ttl * 0.6`` (a stalled process, an unreachable store), or that finds
+  its token gone or replaced, has *lost* the lease: whatever it was doing must fail, never report success.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from psguard.errors import ObjectNotFoundError, PsguardError, SaveError
+from psguard.storage.base import Backend
+
+log = logging.getLogger(__name__)
+
+#: A holder whose last successful refresh is older than this fraction of the TTL considers the lease lost:
+#: the judge needs a full TTL without a refresh to call it stale, so the holder gives up well before that.
+LOST_AFTER = 0.6
+#: Refresh period as a fraction of the TTL: two failed or slow refreshes in a row are survived.
+REFRESH_EVERY = 0.2
+
+
+class LeaseLostError(SaveError):
+    """A save (or gc) lost its lock lease (someone judged it stale and took or removed it, or it could not be
+    refreshed in time): its work is not protected any more and it must not report success."""
+
+
+def read_lease(backend: Backend, key: str) -> dict[str, Any] | None:
+    """The lease document, ``{}`` for an unreadable one (a torn write by a killed process), None if absent."""
+    try:
+        raw = backend.get(key)
+    except ObjectNotFoundError:
+        return None
+    try:
+        doc = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def lease_ttl(doc: Mapping[str, Any], default: float) -> float:
+    """The TTL the holder declared (older locks: ``expires_at - created_at``), else ``default``."""
+    try:
+        if "ttl" in doc:
+            return float(doc["ttl"])
+        if "expires_at" in doc and "created_at" in doc:
+            return float(doc["expires_at"]) - float(doc["created_at"])
+    except (TypeError, ValueError):
+        pass
+    return default
+
+
+def pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def lease_stale(doc: Mapping[str, Any], written_at: float, storage_now: float, default_ttl: float) -> bool:
+    """Whether a lease whose object the storage wrote at ``written_at`` is dead at ``storage_now``.
+
+    Both times are the storage's. Also stale at once: an unreadable lease older than a second, and a lease
+    whose holder ran on this host and is gone.
+    """
+    age = storage_now - written_at
+    if not doc:
+        return age > 1.0
+    if age > lease_ttl(doc, default_ttl):
+        return True
+    if doc.get("host") == socket.gethostname():
+        try:
+            pid = int(doc.get("pid", 0))
+        except (TypeError, ValueError):
+            pid = 0
+        if pid > 0 and not pid_alive(pid):
+            return True
+    return False
+
+
+def storage_now(backend: Backend, *, hint_key: str | None = None) -> float:
+    """The storage's clock, now: the mtime of an object just written (``hint_key`` if we just wrote it)."""
+    if hint_key is not None:
+        try:
+            return backend.mtime(hint_key)
+        except ObjectNotFoundError:
+            pass
+    probe = f"locks/clock-{secrets.token_hex(6)}.json"
+    backend.put(probe, b"{}")
+    try:
+        return backend.mtime(probe)
+    finally:
+        backend.delete(probe)
+
+
+class Lease:
+    """One lease object this process owns (its ``token`` in the payload)."""
+
+    def __init__(self, backend: Backend, key: str, ttl: float, **fields: Any) -> None:
+        self.backend = backend
+        self.key = key
+        self.ttl = ttl
+        self.token = secrets.token_hex(16)
+        now = time.time()
+        self.payload: dict[str, Any] = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "token": self.token,
+            "ttl": ttl,
+            "created_at": now,  # informative only: the writer's clock is never compared with another's
+            "expires_at": now + ttl,
+            **fields,
+        }
+        self.refreshed = time.monotonic()  # last time the storage confirmed the lease was ours
+
+    def _data(self) -> bytes:
+        self.payload["expires_at"] = time.time() + self.ttl
+        return json.dumps(self.payload).encode()
+
+    def create(self) -> None:
+        """Write the lease, replacing any object (a writer's key is unique to its checkpoint)."""
+        started = time.monotonic()
+        self.backend.put(self.key, self._data())
+        self.refreshed = started
+
+    def create_new(self) -> None:
+        """Write the lease only if absent (:class:`ObjectExistsError` otherwise): for a shared key (gc)."""
+        started = time.monotonic()
+        self.backend.put_new(self.key, self._data())
+        self.refreshed = started
+
+    def owned(self) -> bool:
+        doc = read_lease(self.backend, self.key)
+        return doc is not None and doc.get("token") == self.token
+
+    def refresh(self) -> None:
+        """Check the lease is still ours and rewrite it; :class:`LeaseLostError` when it is not."""
+        started = time.monotonic()
+        if started - self.refreshed > self.ttl * LOST_AFTER:
+            raise LeaseLostError(
+                f"lease {self.key} on {self.backend.url} was not refreshed for {started - self.refreshed:.1f}s "
+                f"(TTL {self.ttl:g}s): it may have been judged stale"
+            )
+        doc = read_lease(self.backend, self.key)
+        if doc is None or doc.get("token") != self.token:
+            holder = "removed" if doc is None else f"taken by {doc.get('host')}:{doc.get('pid')}"
+            raise LeaseLostError(f"lease {self.key} on {self.backend.url} was {holder} (judged stale)")
+        self.backend.put(self.key, self._data())
+        self.refreshed = started
+
+    def release(self) -> None:
+        """Delete the lease if it is still ours; never raises (the caller's own outcome matters more)."""
+        try:
+            doc = read_lease(self.backend, self.key)
+            if doc is None:
+                return
+            if doc.get("token") != self.token:
+                log.warning("event=lease_not_released key=%s reason='taken over by another holder'", self.key)
+                return
+            self.backend.delete(self.key)
+        except PsguardError as e:
+            log.warning("event=lease_release_failed key=%s error=%r", self.key, str(e))
+
+
+class LeaseKeeper:
+    """The handle of a background refresher: started with the work, stopped in ``finally``.
+
+    :meth:`check` raises :class:`LeaseLostError` once the lease is lost (the thread stops refreshing then);
+    :meth:`confirm` refreshes synchronously (right before a commit or a deletion) and raises the same way.
+    """
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self._stop = threading.Event()
+        self._mutex = threading.Lock()  # one refresh at a time (the thread's and confirm()'s)
+        self._state = threading.Lock()  # guards _error; never held across storage calls
+        self._error: LeaseLostError | None = None
+        self._thread = threading.Thread(target=self._run, name=f"psguard-lease-{lease.key}", daemon=True)
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        period = max(0.01, self.lease.ttl * REFRESH_EVERY)
+        while not self._stop.wait(period):
+            try:
+                self.confirm()
+            except LeaseLostError:
+                log.error("event=lease_lost key=%s error=%r", self.lease.key, str(self._error))
+                return
+            except Exception as e:  # storage trouble: try again next period, until LOST_AFTER says lost
+                log.warning("event=lease_refresh_failed key=%s error=%r", self.lease.key, str(e))
+
+    def confirm(self) -> None:
+        with self._mutex:
+            self.check()
+            try:
+                self.lease.refresh()
+            except LeaseLostError as e:
+                with self._state:
+                    self._error = e
+                raise
+
+    def check(self) -> None:
+        with self._state:
+            error = self._error
+        if error is not None:
+            raise error
+
+    @property
+    def lost(self) -> bool:
+        with self._state:
+            return self._error is not None
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
