@@ -112,6 +112,7 @@ def run(rows: int, dim: int, saves: int, changed: float, interval: float, poll: 
         tf_bytes: list[int] = []
         for tf_dir in tf_dirs:  # what an evaluator does without psguard: restore each checkpoint whole
             fresh = tf.train.Checkpoint(emb=tf.Variable(tf.zeros((rows, dim))), step=tf.Variable(0, dtype=tf.int64))
+            _ = fresh.save_counter  # the trainer's checkpoint has it (the manager creates it); so must the reader
             t0 = time.perf_counter()
             fresh.read(str(tf_dir / "ckpt")).assert_consumed()
             _ = fresh.emb.numpy()[0, 0]  # the restore is lazy until a value is used
