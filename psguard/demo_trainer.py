@@ -29,6 +29,8 @@ import argparse
 import hashlib
 import json
 import os
+import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -92,6 +94,15 @@ def variables_digest(model: Any, optimizer: Any) -> dict[str, str]:
     return out
 
 
+#: The signal the chaos harness sends to make this trainer's step loop block forever (a ``hang`` fault).
+HANG_SIGNAL = signal.SIGUSR2
+
+
+def hang_forever() -> None:
+    """An input pipeline that never returns: the process lives and answers signals, no step is made."""
+    threading.Event().wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m psguard.demo_trainer")
     p.add_argument("--store", required=True)
@@ -108,12 +119,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--digest", action="store_true", help="digest the variables at every capture and restore")
     p.add_argument("--save-timeout", type=float, default=120.0)
+    p.add_argument("--hang-after", type=float, help="seconds without a step before the agent declares a hang")
     args = p.parse_args(argv)
 
     import tensorflow as tf
 
     from psguard.handoff.client import restart_ps_servers
     from psguard.handoff.contract import Tier
+    from psguard.policy.files import HangSpec
     from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
     from psguard.trainer.manager import CheckpointManager
     from psguard.trainer.recovery import RecoveryEvent, run_with_recovery
@@ -127,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
     state: dict[str, Any] = {"seen": 0, "kill_sent": False, "memory": None, "durable": None}
+    stuck = threading.Event()  # the chaos harness's hang fault: SIGUSR2 makes the step loop block for good
+    signal.signal(HANG_SIGNAL, lambda *_: stuck.set())
     progress.emit("start", pid=os.getpid(), target=args.steps, memory_every=args.memory_every,
                   durable_every=args.durable_every, chunk=args.chunk)  # fmt: skip
 
@@ -140,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = Trainer(strategy, coordinator, model, optimizer)
         manager = CheckpointManager(
             tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, coordinator=coordinator,
-            step_counter=model.step,
+            step_counter=model.step, hang=HangSpec(after=args.hang_after) if args.hang_after else None,
         )  # fmt: skip
         progress.op("invoke", "restore")
         try:
@@ -212,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not state["kill_sent"] and step >= args.kill_at and state["durable"] is not None:
                     state["kill_sent"] = True
                     progress.emit("kill", step=step)
+            if stuck.is_set():
+                progress.emit("hung", step=step)
+                hang_forever()
             progress.op("invoke", "train", step=step, steps=args.chunk)
             try:
                 job.trainer.train(args.chunk)

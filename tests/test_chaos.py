@@ -459,3 +459,40 @@ def test_network_faults_need_a_ps_target_and_turn_the_proxy_on() -> None:
     assert s.needs_proxy and not _scenario().needs_proxy
     with pytest.raises(ConfigError, match="a PS"):
         _scenario(faults=[{"action": "delay", "target": "worker:0", "at_step": 5}])
+
+
+def _hung(restore_after: float, hang_after: float | None = 10.0) -> H:
+    """Train 0..10, the trainer hangs at 10, a new trainer restores 10 ``restore_after`` seconds later."""
+    h = H()
+    h.records[0].value["training"]["hang_after"] = hang_after
+    h.records[1].value["training"]["hang_after"] = hang_after
+    h.restore(0, source=None)
+    h.commit(0, durable=True)
+    h.train(0, 5)
+    h.commit(5, durable=False)
+    h.train(5, 10)
+    h.commit(10, durable=True)
+    h.fault("hang", "chief")
+    h.t += restore_after
+    h.restore(10)
+    h.train(10, 15)
+    h.train(15, 20)
+    h.finish()
+    return h
+
+
+def test_a_hang_replaced_within_its_bound_is_valid_and_one_never_replaced_is_invalid() -> None:
+    assert verdicts(_hung(restore_after=25.0))["hang-detected"] == "valid"
+    assert verdicts(_hung(restore_after=500.0))["hang-detected"] == "invalid"
+    assert verdicts(_hung(restore_after=25.0, hang_after=None))["hang-detected"] == "unknown"
+    h = H().good()
+    h.finish()
+    assert check_all(h.records)["hang-detected"].status == "valid"  # no hang injected: nothing to detect
+
+
+def test_a_hang_fault_targets_the_chief_only() -> None:
+    from psguard.chaos.scenario import Fault
+
+    assert Fault(action="hang", target="chief", at_step=10).action == "hang"
+    with pytest.raises(ConfigError, match="chief for hang"):
+        Fault(action="hang", target="ps:0", at_step=10)

@@ -39,7 +39,7 @@ __all__ = [
 Status = Literal["valid", "invalid", "unknown"]
 FAULTS = (
     "kill", "terminate", "pause", "kill-agent", "terminate-agent", "pause-agent", "corrupt-chunk",
-    "truncate-chunk", "storage-stop", "partition", "delay", "drop",
+    "truncate-chunk", "storage-stop", "partition", "delay", "drop", "hang",
 )  # fmt: skip
 HEALS = ("resume", "start-agent", "storage-start", "heal")
 COMMITS = ("memory-commit", "durable-commit")
@@ -325,6 +325,36 @@ def lost_work_bounded(ctx: _Context) -> Verdict:
     return Verdict(name, "valid", f"{len(outcomes)} fault(s), lost steps {lost}, all within bound", evidence)
 
 
+#: Seconds a hung trainer's replacement may take, past the hang bound, to restore: the agent's watch (1 s), the
+#: stack dump (2 s), the PS restarts of the new generation and a Python + TensorFlow start on a loaded machine.
+HANG_RESTART_SLACK = 90.0
+
+
+def hang_detected(ctx: _Context) -> Verdict:
+    """Each hung trainer was found and replaced: a restore by a new trainer started within the hang bound plus
+    the time a restart takes (``HANG_RESTART_SLACK``) after the hang was injected."""
+    name = "hang-detected"
+    hangs = [o for o in ctx.of(("hang",)) if o.process == "nemesis" and o.type == "ok"]
+    if not hangs:
+        return Verdict(name, "valid", "no hang was injected: nothing to detect", {})
+    bound = ctx.run.get("training", {}).get("hang_after")
+    if bound is None:
+        return Verdict(name, "unknown", "a hang was injected but the trainer had no hang bound (training.hang_after)")
+    restores = [r for r in ctx.trainer("restore", "ok")]
+    found: list[dict[str, Any]] = []
+    missed: list[dict[str, Any]] = []
+    for h in hangs:
+        t = h.end or h.start
+        after = next((r for r in restores if r.start >= t), None)
+        seconds = (after.start - t) if after is not None else None
+        entry = {"at": t, "restore_after_seconds": seconds, "bound": float(bound) + HANG_RESTART_SLACK}
+        (found if seconds is not None and seconds <= float(bound) + HANG_RESTART_SLACK else missed).append(entry)
+    evidence = {"found": found, "missed": missed}
+    if missed:
+        return Verdict(name, "invalid", f"{len(missed)} hang(s) not replaced within their bound", evidence)
+    return Verdict(name, "valid", f"{len(found)} hang(s) found and the trainer replaced", evidence)
+
+
 def liveness(ctx: _Context) -> Verdict:
     """Training reached its target step within the bound after the last fault was healed."""
     name = "liveness"
@@ -430,6 +460,7 @@ CHECKERS: dict[str, Callable[[_Context], Verdict]] = {
     "restore-newest": restores_newest,
     "restore-exact": restores_exact,
     "lost-work-bounded": lost_work_bounded,
+    "hang-detected": hang_detected,
     "liveness": liveness,
     "final-loss": final_loss,
     "no-leaks": no_leaks,

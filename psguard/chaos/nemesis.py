@@ -318,6 +318,14 @@ class Nemesis:
                 self.history.append(NEMESIS, "fail", fault.action, {**value, "error": "the task is not running"})
                 return
             self._run(fault.action, {**value, "signal": sig.name}, lambda: _signal(int(pid), sig))
+        elif fault.action == "hang":
+            if pid is None:
+                self.history.append(NEMESIS, "invoke", "hang", value)
+                self.history.append(NEMESIS, "fail", "hang", {**value, "error": "the trainer is not running"})
+                return
+            # The trainer's step loop blocks for good on this signal (a stuck input pipeline): no heal, its
+            # agent must notice that no step is made and restart it.
+            self._run("hang", {**value, "signal": "SIGUSR2"}, lambda: _signal(int(pid), signal.SIGUSR2))
         elif fault.action == "pause":
             if pid is None:
                 self.history.append(NEMESIS, "invoke", "pause", value)

@@ -200,6 +200,8 @@ class _Run:
         trainer += ["--steps", str(t.steps), "--kill-at", str(t.steps), "--chunk", str(t.chunk)]
         trainer += ["--memory-every", str(t.memory_every), "--durable-every", str(t.durable_every)]
         trainer += ["--vocab", str(t.vocab), "--dim", str(t.dim), "--batch", str(t.batch), "--seed", str(self.seed)]
+        if t.hang_after is not None:
+            trainer += ["--hang-after", str(t.hang_after)]
         chief_args = ["--role", "chief", "--index", "0", *others, "--store", self.store_url]
         chief_args += ["--spool", str(self.dir / "spool"), *peers]
         self.agents["chief"] = AgentProcess(root, "chief", chief_args, trainer, env=env)

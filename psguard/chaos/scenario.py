@@ -34,7 +34,7 @@ __all__ = [
 
 Action = Literal[
     "kill", "terminate", "pause", "kill-agent", "terminate-agent", "pause-agent", "corrupt-chunk",
-    "truncate-chunk", "storage-outage", "partition", "delay", "drop",
+    "truncate-chunk", "storage-outage", "partition", "delay", "drop", "hang",
 ]  # fmt: skip
 NETWORK_ACTIONS = ("partition", "delay", "drop")
 ACTIONS: tuple[str, ...] = (
@@ -50,6 +50,7 @@ ACTIONS: tuple[str, ...] = (
     "partition",  # the chief and workers cannot reach a PS (a TCP proxy holds every byte) for `duration`
     "delay",  # every chunk of bytes to and from a PS is held `latency` seconds, for `duration`
     "drop",  # connections to a PS are reset and refused, for `duration`
+    "hang",  # the trainer's step loop blocks forever (its process lives); its agent must find and restart it
 )
 _TARGET = re.compile(r"^(chief|ps:(\d+|\*)|worker:(\d+|\*)|store)$")
 Positive = Annotated[int, Check(lambda n: n > 0, "> 0")]
@@ -82,6 +83,8 @@ class Fault:
             )  # fmt: skip
         if self.action in NETWORK_ACTIONS:
             return
+        if self.action == "hang" and self.target != "chief":
+            raise invalid("target", "chief for hang (the trainer's step loop is what hangs)", self.target)
         on_store = self.action in ("corrupt-chunk", "truncate-chunk", "storage-outage")
         if on_store != (self.target == "store"):
             raise invalid("target", f"'store' for {self.action}" if on_store else "a task", self.target)
@@ -156,6 +159,7 @@ class TrainingSpec:
     chunk: Positive = 5
     memory_every: Positive = 5
     durable_every: Positive = 25
+    hang_after: Duration | None = None  # the trainer's hang bound (its policy's hang.after), for hang faults
     vocab: Positive = 20_000
     dim: Positive = 8
     batch: Positive = 64

@@ -375,6 +375,7 @@ class CheckpointManager:
                 self.coordinator.join()  # read the step counter at the state the capture will see
             step = self._step_for(checkpoint_number)
             _note_step(self.directory, step)
+            self._beat(step)
             t0 = time.perf_counter()
             updates = self.capturer.capture(full=self._sink.whole_next())
             stall = time.perf_counter() - t0
