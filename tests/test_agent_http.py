@@ -179,6 +179,7 @@ def test_agent_metrics_export_every_documented_name() -> None:
         m.RECOVERIES_TOTAL: ("counter", []),
         m.LOST_STEPS_TOTAL: ("counter", []),
         m.CHECKPOINT_STALL_SECONDS: ("histogram", []),
+        m.HANGS_TOTAL: ("counter", []),
     }
     assert set(metrics.registry.names()) == set(expected)
     for name, (kind, labels) in expected.items():
