@@ -25,6 +25,7 @@ name                                            type       labels       meaning
 ``psguard_recoveries_total``                    counter                 recoveries completed
 ``psguard_lost_steps_total``                    counter                 training steps redone after recoveries
 ``psguard_checkpoint_stall_seconds``            histogram               training stall per save (the capture)
+``psguard_hangs_total``                         counter                 trainer hangs found and restarted (chief)
 ==============================================  =========  ===========  =============================================
 """
 
