@@ -245,10 +245,15 @@ def test_https_with_mutual_tls(pki: dict[str, Any]) -> None:
             )
 
         assert request(server.url, "GET", "/status", token=TOKEN, tls=ctx("client")) == (200, {"ok": 1})
-        # Refused at the handshake: no client certificate, one from another CA, an expired one.
-        for name in (None, "rogue_client", "expired_client"):
+        # Refused at the handshake: a certificate from another CA, an expired one.
+        for name in ("rogue_client", "expired_client"):
             with pytest.raises(OSError):
                 request(server.url, "GET", "/status", token=TOKEN, tls=ctx(name))
+        # No certificate: only the kubelet's probes are answered.
+        assert request(server.url, "GET", "/healthz", tls=ctx(None))[0] == 200
+        for method, path in (("GET", "/status"), ("GET", "/metrics"), ("POST", "/restart")):
+            code, doc = request(server.url, method, path, token=TOKEN, tls=ctx(None))
+            assert code == 403 and "client certificate" in doc["error"], path
         # The client refuses a server its CA did not sign.
         with pytest.raises(ssl.SSLCertVerificationError):
             request(server.url, "GET", "/healthz", tls=ctx("client", trust="rogue"))
@@ -394,7 +399,7 @@ TRAINER_OVER_MTLS = textwrap.dedent(
 def test_agent_serves_mtls_and_jwt_and_its_trainer_calls_it_over_mtls(
     tmp_path: Path, agents: Callable[..., AgentProc], pki: dict[str, Any]
 ) -> None:
-    ca, srv, client = pki["ca"], pki["server"], pki["client"]
+    ca, srv, client, rogue = pki["ca"], pki["server"], pki["client"], pki["rogue_client"]
     secret = tmp_path / "jwt-secret"
     secret.write_bytes(SECRET)
     secret.chmod(0o600)
@@ -421,8 +426,11 @@ def test_agent_serves_mtls_and_jwt_and_its_trainer_calls_it_over_mtls(
     code, status = http_json("GET", f"{url}/status", token=mint("read"), tls=tls)
     assert code == 200 and status["last_lost_steps"] == 4  # the trainer's report arrived over mTLS
     assert http_json("POST", f"{url}/restart", body={}, token=mint("read"), tls=tls)[0] == 403
-    with pytest.raises(OSError):  # no client certificate
-        http_json("GET", f"{url}/healthz", tls=client_context(str(ca.cert)))
+    no_cert = client_context(str(ca.cert))
+    assert http_json("GET", f"{url}/healthz", tls=no_cert)[0] == 200  # kubelet probes present no certificate
+    assert http_json("GET", f"{url}/status", token=mint("read"), tls=no_cert)[0] == 403
+    with pytest.raises(OSError):  # a certificate from another CA fails the handshake
+        http_json("GET", f"{url}/healthz", tls=client_context(str(ca.cert), str(rogue.cert), str(rogue.key)))
     assert SECRET.decode() not in chief.log()
 
 

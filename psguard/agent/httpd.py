@@ -18,8 +18,10 @@ Security, because ``POST /restart`` kills a training task (docs/security.md has 
   user can connect. ``open_read=True`` serves the ``read`` paths without a credential (a Prometheus that cannot
   send one). A server with no authenticator at all starts only on loopback and only when the caller says
   ``insecure_no_auth=True`` (unit tests); the agent always has one (it makes a token when given none).
-- With ``tls`` (an ``ssl.SSLContext`` from :func:`psguard.handoff.tls.server_context`) it serves HTTPS, and
-  with a CA in that context every client must present a certificate signed by it.
+- With ``tls`` (an ``ssl.SSLContext`` from :func:`psguard.handoff.tls.server_context`) it serves HTTPS. With a
+  CA in that context (``verify_mode`` not ``CERT_NONE``) every path but the open two needs a client certificate
+  the CA signed (a presented certificate that does not verify already fails the handshake); the bearer
+  credential is still required on top.
 - Each connection has an absolute deadline (``request_timeout``): the TLS handshake, headers and body must
   all arrive within it, whatever the pace of the bytes, and :meth:`AgentHTTPServer.stop` shuts down every open
   connection, so a slow client holds neither a thread nor a stopping agent.
@@ -242,6 +244,7 @@ class AgentHTTPServer:
         self._auth = authenticators
         self.open_read = open_read
         self.tls = tls
+        self._mutual_tls = tls is not None and tls.verify_mode != ssl.CERT_NONE
         self._registry = registry
         self._status = status
         self._readiness = readiness
@@ -303,7 +306,7 @@ class AgentHTTPServer:
             self.host,
             self.port,
             ",".join(type(a).__name__ for a in self._auth) or "none",
-            "mutual" if self.tls is not None and self.tls.verify_mode == ssl.CERT_REQUIRED else bool(self.tls),
+            "mutual" if self._mutual_tls else bool(self.tls),
             self.open_read,
         )
         return self
@@ -447,6 +450,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._send(Response(403, {"error": "Host header does not name a loopback address"}))
                 return
             required = agent._required_scope(method, path)
+            if path not in OPEN_PATHS and agent._mutual_tls and not self._client_certificate():
+                self._send(Response(403, {"error": "a client certificate signed by the agent's CA is required"}))
+                return
             if required is not None:
                 granted = agent._scopes(self.headers.get("Authorization"))
                 if granted is None:
@@ -482,6 +488,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             log.exception("event=http_handler_failed method=%s path=%s", method, path)
             response = Response(500, {"error": f"{type(e).__name__}: {e}"})
         self._send(response)
+
+    def _client_certificate(self) -> bool:
+        """True when the client presented a certificate (the handshake already verified it against the CA)."""
+        connection = self.connection
+        return isinstance(connection, ssl.SSLSocket) and bool(connection.getpeercert())
 
     @staticmethod
     def _not_found(agent: AgentHTTPServer, path: str, method: str) -> Response:

@@ -1,11 +1,12 @@
 """TLS for the agents' HTTP: the server's context, and the client's (agent to agent, trainer to agent).
 
 Both ends use the standard library's ``ssl`` with its secure defaults (TLS 1.2 at least, certificate and
-host name verification on). The server requires a client certificate signed by ``--tls-ca`` when one is
-given (mutual TLS). A client verifies the agent against the CA file it is given, else the system store, and
-presents its own certificate when it has one. A trainer finds these files through the environment its agent
-sets (``PSGUARD_AGENT_CA``, ``PSGUARD_AGENT_CLIENT_CERT``, ``PSGUARD_AGENT_CLIENT_KEY``); every private key
-file must be private (:func:`psguard.handoff.credentials.check_private_file`).
+host name verification on). With ``--tls-ca`` the server verifies every client certificate against it and
+requires one for all but ``/healthz`` and ``/readyz`` (mutual TLS; kubelet probes present none). A client
+verifies the agent against the CA file it is given, else the system store, and presents its own certificate
+when it has one. A trainer finds these files through the environment its agent sets (``PSGUARD_AGENT_CA``,
+``PSGUARD_AGENT_CLIENT_CERT``, ``PSGUARD_AGENT_CLIENT_KEY``); every private key file must be private
+(:func:`psguard.handoff.credentials.check_private_file`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ def _load_chain(ctx: ssl.SSLContext, cert: str, key: str, what: str) -> None:
 
 
 def server_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLContext:
-    """HTTPS with ``cert``/``key``; with ``ca``, clients must present a certificate signed by it (mTLS)."""
+    """HTTPS with ``cert``/``key``; with ``ca``, clients must present a certificate signed by it (mTLS) for
+    every path but the open health checks (:class:`psguard.agent.httpd.AgentHTTPServer` enforces that)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     _load_chain(ctx, cert, key, "--tls-cert/--tls-key")
@@ -39,7 +41,10 @@ def server_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLContext
             ctx.load_verify_locations(cafile=ca)
         except (OSError, ssl.SSLError) as e:
             raise ConfigError(f"--tls-ca {ca}: cannot load: {e}") from None
-        ctx.verify_mode = ssl.CERT_REQUIRED
+        # OPTIONAL, not REQUIRED: a certificate a client presents must verify against the CA (else the handshake
+        # fails), and the server refuses every path but /healthz and /readyz to a client without one. A kubelet
+        # probe cannot present a certificate, so REQUIRED would fail every pod's probes.
+        ctx.verify_mode = ssl.CERT_OPTIONAL
     return ctx
 
 
