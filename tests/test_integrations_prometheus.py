@@ -209,6 +209,8 @@ def test_scrape_config_matches_the_alerts_and_the_manifests() -> None:
     assert job["job_name"] == "psguard" and job["metrics_path"] == "/metrics"
     assert job["authorization"]["type"] == "Bearer"
     assert job["authorization"]["credentials_file"]  # /metrics needs the agents' token (or a read-scope JWT)
+    # The agents serve HTTPS with mutual TLS: Prometheus verifies them and presents a client certificate.
+    assert job["scheme"] == "https" and {"ca_file", "cert_file", "key_file"} <= job["tls_config"].keys()
     keep = next(r for r in job["relabel_configs"] if r["action"] == "keep")
     manifests = (ROOT / "integrations" / "kubernetes" / "psguard-ps-job.yaml").read_text()
     assert f"name: {keep['regex']}, containerPort: 8470" in manifests
