@@ -13,6 +13,7 @@ import signal
 import socket
 import ssl
 import stat
+import subprocess
 import sys
 import textwrap
 import threading
@@ -441,9 +442,7 @@ def test_store_credentials_stay_out_of_the_agent_log_and_status(
     key, secret = moto.access_key or "AKIATESTKEY", moto.secret_key or "test/secret+key"
     config = tmp_path / "chief" / "agent.yaml"
     config.parent.mkdir(parents=True)
-    from tests.test_agent import FAST
-
-    config.write_text(FAST + f"storage_options: {{endpoint_url: '{moto.endpoint_url}'}}\n")
+    config.write_text(test_agent.FAST + f"storage_options: {{endpoint_url: '{moto.endpoint_url}'}}\n")
     store = f"s3://{key}:{secret}@{moto.bucket}/job-{time.monotonic_ns()}"
     cluster, _ = write_cluster(tmp_path)
     args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--spool", str(tmp_path / "spool")]
@@ -456,3 +455,54 @@ def test_store_credentials_stay_out_of_the_agent_log_and_status(
     log = chief.log_path.read_text()
     assert "event=spool_serving" in log
     assert secret not in log and secret not in json.dumps(status)
+
+
+TRAINER_WITH_MADE_TOKEN = textwrap.dedent(
+    """
+    import json, os, stat, sys
+    from psguard.handoff.client import report_failure, report_recovery
+    path = os.environ["PSGUARD_AGENT_TOKEN_FILE"]
+    doc = {"path": path, "mode": stat.S_IMODE(os.stat(path).st_mode),
+           "dir_mode": stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode),
+           "failure": report_failure(step=12), "recovery": report_recovery(10, source="memory")}
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+    import time; time.sleep(600)
+    """
+)
+
+
+@pytest.mark.slow
+def test_an_agent_without_a_token_file_guards_loopback_and_its_trainer_still_gets_in(tmp_path: Path) -> None:
+    (tmp_path / "trainer.py").write_text(TRAINER_WITH_MADE_TOKEN)
+    out, ready = tmp_path / "trainer.json", tmp_path / "url"
+    cluster, _ = write_cluster(tmp_path)
+    argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", "--role", "chief", "--index", "0"]
+    argv += ["--cluster", str(cluster), "--spool", str(tmp_path / "spool"), "--ready-file", str(ready)]
+    argv += ["--", sys.executable, str(tmp_path / "trainer.py"), str(out)]
+    env = dict(os.environ, PYTHONPATH=str(test_agent.ROOT), **test_agent.QUIET)
+    log = tmp_path / "agent.log"
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 90
+        while not out.exists():
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        doc = json.loads(out.read_text())
+        assert doc["mode"] == 0o600 and doc["dir_mode"] == 0o700
+        assert doc["failure"] is True and doc["recovery"] is True  # the trainer's calls work with the made token
+        url = ready.read_text().strip()
+        assert http_json("POST", f"{url}/restart", body={"reason": "a local user"})[0] == 401
+        assert http_json("GET", f"{url}/status")[0] == 401
+        code, status = http_json("GET", f"{url}/status", token=read_token(doc["path"]))
+        assert code == 200 and status["last_lost_steps"] == 2 and status["restarts"] == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not Path(doc["path"]).exists() and not Path(doc["path"]).parent.exists()  # removed at exit
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

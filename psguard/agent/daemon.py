@@ -683,7 +683,7 @@ class Agent:
                             "checkpoints_written": persister.checkpoints_written,
                             "bytes_persisted": persister.bytes_persisted,
                             "failures": persister.failures,
-                            "last_error": persister.last_error,
+                            "last_error": redact(persister.last_error) if persister.last_error else None,
                         }
                         if persister
                         else None
