@@ -178,9 +178,14 @@ class _Server(http.server.ThreadingHTTPServer):
             sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         return sock, address
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Registered here, on the accept loop, not on the request thread: once shutdown() returns, every
+        # accepted connection is in the set for close_connections(), even one whose thread has not run yet.
         with self.connections_lock:
             self.open_connections.add(request)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
