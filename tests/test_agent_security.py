@@ -506,3 +506,18 @@ def test_an_agent_without_a_token_file_guards_loopback_and_its_trainer_still_get
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_cli_redacts_urls_in_log_lines_and_tracebacks() -> None:
+    from psguard.cli import RedactingFormatter
+
+    try:
+        raise OSError("cannot reach s3://AKIAKEY:top/secret@bucket/job")
+    except OSError:
+        record = logging.LogRecord(
+            "psguard.x", logging.ERROR, __file__, 1, "store=%s", ("s3://K:top/secret@b/j",), None
+        )
+        record.exc_info = sys.exc_info()
+    text = RedactingFormatter("%(message)s").format(record)
+    assert "top/secret" not in text and "AKIAKEY" not in text
+    assert "store=s3://***@b/j" in text and "s3://***@bucket/job" in text
