@@ -13,6 +13,7 @@ import argparse
 import importlib
 import logging
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 
 from psguard.errors import (
@@ -23,6 +24,7 @@ from psguard.errors import (
     PsguardError,
     UnsupportedFormatError,
 )
+from psguard.storage.registry import redact
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -46,6 +48,9 @@ COMMAND_MODULES: tuple[str, ...] = (
 
 Handler = Callable[[argparse.Namespace], int]
 
+#: Client libraries whose DEBUG logs carry request headers: never below INFO, even with -vv.
+_CHATTY_CLIENTS = ("botocore", "aiobotocore", "s3fs", "urllib3", "hdfs_native", "fsspec")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -60,29 +65,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class RedactingFormatter(logging.Formatter):
+    """Every line the CLI logs, traceback included, with the user info of URLs hidden (``s3://***@bucket``):
+    a library's exception message can quote the URL it was given, credentials and all."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return redact(super().format(record))
+
+
+def _error(e: BaseException) -> None:
+    print(f"psguard: error: {redact(str(e))}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+    for library in _CHATTY_CLIENTS:  # at DEBUG they print request headers (AWS key ids, signatures)
+        logging.getLogger(library).setLevel(max(level, logging.INFO))
     func: Handler = args.func
     try:
         return func(args)
     except (CorruptCheckpointError, UnsupportedFormatError) as e:
-        print(f"psguard: error: {e}", file=sys.stderr)
+        _error(e)
         return EXIT_CORRUPT
     except (NoCheckpointError, ObjectNotFoundError) as e:
-        print(f"psguard: error: {e}", file=sys.stderr)
+        _error(e)
         return EXIT_NOT_FOUND
     except ConfigError as e:
-        print(f"psguard: error: {e}", file=sys.stderr)
+        _error(e)
         return EXIT_USAGE
     except PsguardError as e:
-        print(f"psguard: error: {e}", file=sys.stderr)
+        _error(e)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("psguard: interrupted", file=sys.stderr)
         return 130
+    except Exception:
+        # Python would print the traceback as is; it may quote a URL with its credentials.
+        print(redact(traceback.format_exc()), file=sys.stderr, end="")
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -25,9 +25,10 @@ import pytest
 
 from psguard.agent.config import AgentConfig, load_cluster, validate_cluster
 from psguard.agent.daemon import Agent
+from psguard.agent.launcher import run_token_file
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError
-from psguard.handoff.client import http_json
+from psguard.handoff.client import http_json, read_token
 from psguard.ports import free_ports
 from psguard.testbed.procs import descendants
 
@@ -172,13 +173,17 @@ class AgentProc:
             config.write_text(FAST)
         argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *args, "--config", str(config)]
         argv += ["--ready-file", str(self.ready_file)]
+        self.token: str | None = None
+        if "--token-file" not in args:  # one token for the test's agents: the chief's agent calls its peers
+            token_file = run_token_file(tmp)
+            argv += ["--token-file", str(token_file)]
+            self.token = read_token(str(token_file))
         if command:
             argv += ["--", *command]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             argv, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT), **QUIET)
         )
-        self.token: str | None = None
 
     @property
     def url(self) -> str:
@@ -415,6 +420,10 @@ def test_no_process_of_the_task_survives_a_sigkilled_agent_daemon(
 TRAINER = textwrap.dedent(
     """
     import json, os, sys, time, urllib.request
+    def _open(url, timeout=10):  # with the token the test's agents share (the task's agent token file)
+        req = url if isinstance(url, urllib.request.Request) else urllib.request.Request(url)
+        req.add_header("Authorization", "Bearer " + open(os.environ["PSGUARD_AGENT_TOKEN_FILE"]).read().strip())
+        return urllib.request.urlopen(req, timeout=timeout)
     import numpy as np
     from psguard.handoff.contract import Tier
     from psguard.handoff.spool import Capture
@@ -430,7 +439,7 @@ TRAINER = textwrap.dedent(
         os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
 
     def agent_status():
-        with urllib.request.urlopen(os.environ["PSGUARD_AGENT_URL"] + "/status", timeout=10) as r:
+        with _open(os.environ["PSGUARD_AGENT_URL"] + "/status", timeout=10) as r:
             return json.load(r)
 
     put(f"env-{mode}", {k: os.environ.get(k) for k in ("TF_CONFIG", "PSGUARD_SPOOL", "PSGUARD_AGENT_URL")}
@@ -461,7 +470,7 @@ TRAINER = textwrap.dedent(
         ps_url = sys.argv[3]
 
         def ps_status():
-            with urllib.request.urlopen(ps_url + "/status", timeout=10) as r:
+            with _open(ps_url + "/status", timeout=10) as r:
                 return json.load(r)
 
         ps = ps_status()
@@ -476,7 +485,7 @@ TRAINER = textwrap.dedent(
             failed_at = time.time()
             req = urllib.request.Request(ps_url + "/restart", data=b"{}", method="POST",
                                          headers={"Content-Type": "application/json"})
-            urllib.request.urlopen(req, timeout=10).read()
+            _open(req, timeout=10).read()
             while not ((s := ps_status())["restarts"] > ps["restarts"] and s["ready"]):
                 time.sleep(0.05)
             assert report_failure(failed_at)
@@ -558,6 +567,7 @@ def test_restart_over_http_needs_the_token_on_a_public_bind(
     cluster, _ = write_cluster(tmp_path)
     token_file = tmp_path / "token"
     token_file.write_text("s3cret-token-0123456789abcdef\n")
+    token_file.chmod(0o600)
     args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--spool", str(tmp_path / "spool")]
     args += ["--bind", "0.0.0.0", "--token-file", str(token_file)]
     agent = agents("chief", args, trainer("sleep"))
@@ -566,7 +576,7 @@ def test_restart_over_http_needs_the_token_on_a_public_bind(
     code, doc = http_json("GET", f"{url}/status")
     assert code == 401
     code, doc = http_json("POST", f"{url}/restart", body={"reason": "no token"})
-    assert code == 401 and "token" in doc["error"]
+    assert code == 401 and "bearer credential" in doc["error"]
     code, doc = http_json("POST", f"{url}/restart", body={"reason": "wrong"}, token="x" * 24)
     assert code == 401
     agent.token = "s3cret-token-0123456789abcdef"
@@ -640,6 +650,10 @@ def test_sigterm_stops_the_trainer_gracefully_and_drains_the_persister(
 E2E_TRAINER = textwrap.dedent(
     """
     import json, os, sys, time, urllib.request
+    def _open(url, timeout=10):  # with the token the test's agents share (the task's agent token file)
+        req = url if isinstance(url, urllib.request.Request) else urllib.request.Request(url)
+        req.add_header("Authorization", "Bearer " + open(os.environ["PSGUARD_AGENT_TOKEN_FILE"]).read().strip())
+        return urllib.request.urlopen(req, timeout=timeout)
     import tensorflow as tf
     from psguard.handoff.client import restart_ps_servers
     from psguard.trainer.manager import CheckpointManager
@@ -677,7 +691,7 @@ E2E_TRAINER = textwrap.dedent(
         restored = manager.restored
         trainer.next_index = int(model.step.numpy())
         where = None if restored is None else {"source": restored.source, "step": restored.step}
-        with urllib.request.urlopen(os.environ["PSGUARD_AGENT_URL"] + "/status", timeout=10) as r:
+        with _open(os.environ["PSGUARD_AGENT_URL"] + "/status", timeout=10) as r:
             agent = json.load(r)
         put(f"gen-{gen}", {"pid": os.getpid(), "at": time.time(), "restored": where, "agent": agent})
         gen += 1
@@ -804,7 +818,7 @@ def test_recovery_reports_become_lost_steps(tmp_path: Path, agents: Callable[...
     url = chief.url
 
     def post(path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        return http_json("POST", f"{url}{path}", body=body)
+        return http_json("POST", f"{url}{path}", body=body, token=chief.token)
 
     # Restart path: the failing trainer reports its last step, the next one the step it restored.
     assert post("/failure", {"failed_at": time.time(), "step": 57})[0] == 200
@@ -968,6 +982,10 @@ def test_end_to_end_chief_agent_killed_leaves_no_torn_checkpoint_and_training_co
 LEAK_TRAINER = textwrap.dedent(
     """
     import json, os, sys, urllib.request
+    def _open(url, timeout=10):  # with the token the test's agents share (the task's agent token file)
+        req = url if isinstance(url, urllib.request.Request) else urllib.request.Request(url)
+        req.add_header("Authorization", "Bearer " + open(os.environ["PSGUARD_AGENT_TOKEN_FILE"]).read().strip())
+        return urllib.request.urlopen(req, timeout=timeout)
     import tensorflow as tf
 
     out, ps_url, generations = sys.argv[1], sys.argv[2], int(sys.argv[3])
@@ -980,7 +998,7 @@ LEAK_TRAINER = textwrap.dedent(
         table = tf.Variable(tf.random.uniform([500_000, 16]))  # 32 MB on the PS
     table.assign_add(tf.ones_like(table))
     float(table[0, 0].numpy())
-    with urllib.request.urlopen(ps_url + "/status", timeout=10) as r:
+    with _open(ps_url + "/status", timeout=10) as r:
         ps = json.load(r)
     status = open(f"/proc/{ps['pid']}/status").read()
     rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) * 1024

@@ -237,7 +237,10 @@ def open_server() -> Iterator[AgentHTTPServer]:
     metrics.task_up.labels(task="ps:0").set(1)
     checks = {"task": True, "memory_tier": True}
     server = AgentHTTPServer(
-        registry=metrics.registry, status=lambda: {"task": "ps:0", "restarts": 2}, readiness=lambda: checks
+        registry=metrics.registry,
+        status=lambda: {"task": "ps:0", "restarts": 2},
+        readiness=lambda: checks,
+        insecure_no_auth=True,
     )
     server.checks = checks  # type: ignore[attr-defined]
     with server:
@@ -349,7 +352,7 @@ def test_token_guards_everything_but_health(caplog: pytest.LogCaptureFixture) ->
 
 
 def test_stop_is_bounded_by_a_client_that_never_sends() -> None:
-    server = AgentHTTPServer(request_timeout=0.5).start()
+    server = AgentHTTPServer(request_timeout=0.5, token=TOKEN).start()
     client = socket.create_connection(("127.0.0.1", server.port))
     try:
         assert request(server, "GET", "/healthz")[0] == 200  # a stuck client does not block others
@@ -367,7 +370,7 @@ def test_serves_on_ipv6_loopback() -> None:
     if not socket.has_ipv6:
         pytest.skip("no IPv6")
     try:
-        server = AgentHTTPServer(host="::1").start()
+        server = AgentHTTPServer(host="::1", token=TOKEN).start()
     except Exception as e:  # pragma: no cover - IPv6 disabled in this kernel
         pytest.skip(f"cannot bind ::1: {e}")
     try:
@@ -381,8 +384,8 @@ def test_failing_callables_answer_errors_not_crashes() -> None:
     def broken() -> dict[str, bool]:
         raise RuntimeError("memory tier gone")
 
-    with AgentHTTPServer(status=lambda: 1 / 0, readiness=broken) as server:  # type: ignore[arg-type,return-value]
+    with AgentHTTPServer(status=lambda: 1 / 0, readiness=broken, token=TOKEN) as server:  # type: ignore[arg-type,return-value]
         status, _, body = request(server, "GET", "/readyz")
         assert status == 503 and "memory tier gone" in json.loads(body)["error"]
-        assert request(server, "GET", "/status")[0] == 500
+        assert request(server, "GET", "/status", token=TOKEN)[0] == 500
         assert request(server, "GET", "/healthz")[0] == 200

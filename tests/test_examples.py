@@ -144,7 +144,9 @@ def save(self, *args, **kwargs):
     path = original(self, *args, **kwargs)
     if not os.path.exists(gate + ".passed"):
         open(gate + ".passed", "w").close()
-        open(gate + ".saved", "w").close()
+        with open(gate + ".saved.tmp", "w") as f:  # the run's agent token (wrap shares one), for the test
+            f.write(os.environ.get("PSGUARD_AGENT_TOKEN_FILE", ""))
+        os.rename(gate + ".saved.tmp", gate + ".saved")
         while not os.path.exists(gate + ".killed"):
             time.sleep(0.05)
     return path
@@ -159,7 +161,7 @@ runpy.run_path(example, run_name="__main__")
 def test_unmodified_custom_loop_survives_a_killed_ps_under_wrap(tmp_path: Path) -> None:
     """No psguard in the script: a PS dies, the coordinator raises, the script crashes; its agent restarts every
     PS and the script, which restores its own TF checkpoint and finishes."""
-    from psguard.handoff.client import http_json
+    from psguard.handoff.client import http_json, read_token
 
     gate, ckpt, work = tmp_path / "gate", tmp_path / "ckpt", tmp_path / "w"
     (tmp_path / "gate.py").write_text(GATE)
@@ -177,7 +179,8 @@ def test_unmodified_custom_loop_survives_a_killed_ps_under_wrap(tmp_path: Path) 
             assert time.monotonic() < deadline, "no first save within 300s"
             time.sleep(0.1)
         url = (work / "agents" / "ps0" / "url").read_text().strip()
-        code, status = http_json("GET", f"{url}/status")
+        token = read_token(Path(f"{gate}.saved").read_text())
+        code, status = http_json("GET", f"{url}/status", token=token)
         assert code == 200 and status["state"] == "running"
         os.kill(int(status["pid"]), signal.SIGKILL)
         Path(f"{gate}.killed").touch()

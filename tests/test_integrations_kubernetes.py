@@ -30,7 +30,7 @@ from referencing import Registry, Resource
 
 from psguard.agent.config import AgentConfig, validate_cluster
 from psguard.cli import build_parser
-from psguard.config import load_yaml
+from psguard.config import load_yaml, loads_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "integrations" / "kubernetes"
@@ -197,6 +197,20 @@ def _containers(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return list(doc["spec"]["template"]["spec"]["containers"])
 
 
+def _check_secret_mounts(
+    config: AgentConfig, mounts: dict[str, str], volumes: dict[str, Any], secrets: dict[str, Any]
+) -> None:
+    """The token and the TLS files come from Secrets the example creates, mounted 0400: the agent refuses a secret
+    file that group or others can read, and a Secret volume's default mode is 0644."""
+    http = config.http
+    assert http.token_file and http.tls_cert and http.tls_key and http.tls_ca  # token and mutual TLS
+    for path in (http.token_file, http.tls_cert, http.tls_key, http.tls_ca):
+        folder, key = str(Path(path).parent), Path(path).name
+        secret = volumes[mounts[folder]]["secret"]
+        assert secret["defaultMode"] == 0o400, f"{path}: the agent refuses a file others can read"
+        assert key in secrets[secret["secretName"]]["stringData"], path
+
+
 def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
     config_map = _by_kind(JOB, "ConfigMap", "psguard-config")
     cluster = validate_cluster(json.loads(config_map["data"]["cluster.json"]))
@@ -221,12 +235,11 @@ def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes[mounts["/etc/psguard"]]["configMap"]["name"] == "psguard-config"
-        token_dir = str(Path(config.http.token_file or "").parent)
-        assert volumes[mounts[token_dir]]["secret"]["secretName"] in secrets
+        _check_secret_mounts(config, mounts, volumes, secrets)
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert ports["psguard"] == config.http.port
-        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "psguard"}
-        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "psguard"}
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "psguard", "scheme": "HTTPS"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "psguard", "scheme": "HTTPS"}
         service = _by_kind(JOB, "Service", f"psguard-{role}")
         assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
         assert service["spec"]["selector"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
@@ -246,7 +259,7 @@ def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
             assert volumes[mounts["/psguard-spool"]]["emptyDir"]["medium"] == "Memory"
             assert args.spool.startswith("/psguard-spool/")
             expected_peers = [
-                f"http://{a.rsplit(':', 1)[0]}:{config.http.port}" for r in ("ps", "worker") for a in cluster[r]
+                f"https://{a.rsplit(':', 1)[0]}:{config.http.port}" for r in ("ps", "worker") for a in cluster[r]
             ]
             assert args.peer == expected_peers
             assert args.command[1:4] == ["python", "/app/train_psguard.py", "--checkpoint-dir"]
@@ -301,9 +314,9 @@ def test_tfjob_bootstrap_turns_tf_config_into_the_agent_command(
     if task["type"] == "chief":
         assert written == cluster
         assert args.peer == [
-            "http://ctr-42-ps-0.default.svc:8470",
-            "http://ctr-42-ps-1.default.svc:8470",
-            "http://ctr-42-worker-0.default.svc:8470",
+            "https://ctr-42-ps-0.default.svc:8470",
+            "https://ctr-42-ps-1.default.svc:8470",
+            "https://ctr-42-worker-0.default.svc:8470",
         ]
         assert args.store == "s3://my-bucket/jobs/ctr-42" and args.spool == "/psguard-spool/ctr-42"
         assert args.command == ["--", *trainer], shlex.join(argv)
@@ -312,6 +325,11 @@ def test_tfjob_bootstrap_turns_tf_config_into_the_agent_command(
         assert written["ps"] == ["ctr-42-ps-0.default.svc:2222", "127.0.0.1:2222"]
         assert written["chief"] == cluster["chief"] and written["worker"] == cluster["worker"]
         assert args.peer == [] and args.store is None and args.command == []
+
+
+def load_yaml_text(text: str) -> AgentConfig:
+    """The agent's config from a manifest's ConfigMap, as the agent loads it (unknown keys raise)."""
+    return loads_yaml(AgentConfig, text)
 
 
 def test_tfjob_pods_mount_what_bootstrap_and_agent_read() -> None:
@@ -327,7 +345,10 @@ def test_tfjob_pods_mount_what_bootstrap_and_agent_read() -> None:
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes[mounts["/etc/psguard"]]["configMap"]["name"] == config_map["metadata"]["name"]
-        assert "secret" in volumes[mounts["/etc/psguard-token"]]
+        agent_config = load_yaml_text(config_map["data"]["agent.yaml"])
+        secrets = {d["metadata"]["name"]: d for d in _docs(SECRETS)}
+        _check_secret_mounts(agent_config, mounts, volumes, secrets)
+        assert container["livenessProbe"]["httpGet"]["scheme"] == "HTTPS"
         assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
         assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
         if role == "Chief":

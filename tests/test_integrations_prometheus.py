@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,10 @@ def test_scrape_config_matches_the_alerts_and_the_manifests() -> None:
     up = [r["expr"] for r in _alert_rules() if re.search(r"(?<![a-z_])up\{", r["expr"])]
     assert up and all('job="psguard"' in e for e in up)
     assert job["job_name"] == "psguard" and job["metrics_path"] == "/metrics"
-    assert job["authorization"]["credentials_file"]  # /metrics needs the agents' token
+    assert job["authorization"]["type"] == "Bearer"
+    assert job["authorization"]["credentials_file"]  # /metrics needs the agents' token (or a read-scope JWT)
+    # The agents serve HTTPS with mutual TLS: Prometheus verifies them and presents a client certificate.
+    assert job["scheme"] == "https" and {"ca_file", "cert_file", "key_file"} <= job["tls_config"].keys()
     keep = next(r for r in job["relabel_configs"] if r["action"] == "keep")
     manifests = (ROOT / "integrations" / "kubernetes" / "psguard-ps-job.yaml").read_text()
     assert f"name: {keep['regex']}, containerPort: 8470" in manifests
@@ -219,7 +223,10 @@ def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(tmp_path
     ready = tmp_path / "url"
     argv = [sys.executable, "-m", "psguard.cli", "agent", "--role", "chief", "--index", "0", "--cluster", str(cluster)]
     argv += ["--store", str(tmp_path / "store"), "--spool", str(tmp_path / "spool"), "--ready-file", str(ready)]
-    argv += ["--", sys.executable, "-c", "import time; time.sleep(600)"]
+    token = tmp_path / "token"  # what the scrape config's credentials_file names; 0600 like the Secret
+    token.write_text("scrape-token-0123456789abcdef\n")
+    token.chmod(0o600)
+    argv += ["--token-file", str(token), "--", sys.executable, "-c", "import time; time.sleep(600)"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -227,7 +234,11 @@ def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(tmp_path
             assert proc.poll() is None, proc.communicate()[0]
             assert time.monotonic() < deadline, "the agent did not serve within 60s"
             time.sleep(0.05)
-        with urllib.request.urlopen(f"{ready.read_text().strip()}/metrics", timeout=10) as response:
+        url = f"{ready.read_text().strip()}/metrics"
+        with pytest.raises(urllib.error.HTTPError, match="401"):  # /metrics needs the token, on loopback too
+            urllib.request.urlopen(url, timeout=10)
+        scrape = urllib.request.Request(url, headers={"Authorization": "Bearer scrape-token-0123456789abcdef"})
+        with urllib.request.urlopen(scrape, timeout=10) as response:
             body = response.read().decode()
     finally:
         proc.terminate()

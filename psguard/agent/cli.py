@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import signal
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.config import ROLES, AgentConfig, HttpConfig, load_cluster
+from psguard.agent.config import ROLES, AgentConfig, load_cluster
 from psguard.agent.daemon import Agent
 from psguard.agent.httpd import is_loopback
 from psguard.config import load_yaml
@@ -36,8 +37,20 @@ def register(sub: Any) -> None:
     p.add_argument("--store", metavar="URL", help="durable log (chief): a path, file://, s3://, hdfs://")
     p.add_argument("--spool", metavar="DIR", help="spool folder shared with the trainer (default /dev/shm/psguard-JOB)")
     p.add_argument("--http-port", type=int, help="HTTP port (default: config http.port, 0 = any free port)")
-    p.add_argument("--bind", help="HTTP address (default 127.0.0.1; any other needs --token-file)")
-    p.add_argument("--token-file", help="bearer token for HTTP, also sent to --peer agents")
+    p.add_argument("--bind", help="HTTP address (default 127.0.0.1; any other needs --token-file or JWT settings)")
+    p.add_argument(
+        "--token-file",
+        help="bearer token for HTTP (a 0600 file), also sent to --peer agents; default: a random one for this run",
+    )
+    p.add_argument("--open-read", action="store_true", default=None, help="serve /metrics and /status without auth")
+    p.add_argument("--tls-cert", metavar="FILE", help="serve HTTPS with this certificate (PEM)")
+    p.add_argument("--tls-key", metavar="FILE", help="the certificate's private key (PEM, a 0600 file)")
+    p.add_argument(
+        "--tls-ca", metavar="FILE", help="mutual TLS: clients must present a certificate this CA signed; peers verified"
+    )
+    p.add_argument("--jwt-secret-file", metavar="FILE", help="accept bearer JWTs signed HS256 with this secret")
+    p.add_argument("--jwt-public-key", metavar="FILE", help="accept bearer JWTs signed RS256/ES256 (PEM public key)")
+    p.add_argument("--jwt-audience", metavar="AUD", help="the 'aud' every JWT must carry (required with JWTs)")
     p.add_argument("--config", metavar="agent.yaml", help="agent settings (supervisor, probe, peers, persister, http)")
     p.add_argument("--peer", action="append", default=[], metavar="URL", help="another agent (chief only); repeatable")
     p.add_argument("--ready-file", help="write this agent's HTTP URL here once it serves (for scripts and tests)")
@@ -46,12 +59,19 @@ def register(sub: Any) -> None:
 
 
 def _merge(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
-    http_cfg = config.http
-    http_cfg = HttpConfig(
-        bind=args.bind if args.bind is not None else http_cfg.bind,
-        port=args.http_port if args.http_port is not None else http_cfg.port,
-        token_file=args.token_file if args.token_file is not None else http_cfg.token_file,
-    )
+    flags = {
+        "bind": args.bind,
+        "port": args.http_port,
+        "token_file": args.token_file,
+        "open_read": args.open_read,
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_ca": args.tls_ca,
+        "jwt_secret_file": args.jwt_secret_file,
+        "jwt_public_key": args.jwt_public_key,
+        "jwt_audience": args.jwt_audience,
+    }
+    http_cfg = dataclasses.replace(config.http, **{k: v for k, v in flags.items() if v is not None})
     return AgentConfig(
         job=config.job,
         store=args.store if args.store is not None else config.store,
@@ -78,7 +98,8 @@ def main(args: argparse.Namespace) -> int:
     if args.role != "chief" and (args.store or args.spool):
         raise ConfigError("--store and --spool belong to the chief's agent (it holds the memory tier and the log)")
     token = read_token(config.http.token_file)
-    if token is None and not is_loopback(config.http.bind):
+    jwt_configured = config.http.jwt_secret_file or config.http.jwt_public_key
+    if token is None and not jwt_configured and not is_loopback(config.http.bind):
         raise ConfigError(
             f"--bind {config.http.bind}: serving on a non-loopback address needs --token-file "
             "(POST /restart kills the task)"

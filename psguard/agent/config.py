@@ -28,11 +28,24 @@ _HOST_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-
 
 @dataclass(frozen=True)
 class HttpConfig:
-    """``http:``: where the agent serves. CLI flags override these."""
+    """``http:``: where the agent serves and who may call it (docs/security.md). CLI flags override these.
+
+    Without ``token_file`` the agent makes a random token in a private file for this run and gives its path to
+    its task; a chief with peers needs the token they share. ``open_read`` serves ``/metrics`` and ``/status``
+    without a credential. ``request_timeout`` bounds a whole request (handshake, headers and body).
+    """
 
     bind: str = "127.0.0.1"
     port: int = 0
     token_file: str | None = None
+    open_read: bool = False
+    request_timeout: Duration = 10.0
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_ca: str | None = None  # with a CA: mutual TLS (clients present a certificate it signed)
+    jwt_secret_file: str | None = None  # HS256
+    jwt_public_key: str | None = None  # RS256 / ES256
+    jwt_audience: str | None = None
 
 
 @dataclass(frozen=True)

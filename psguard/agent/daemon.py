@@ -58,6 +58,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from psguard.agent.auth import Authenticator, JwtAuth
 from psguard.agent.config import ROLES, AgentConfig
 from psguard.agent.hang import Hang, HangWatch
 from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response
@@ -75,7 +76,19 @@ from psguard.agent.prober import (
 )
 from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
 from psguard.errors import ConfigError
-from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL, ENV_SPOOL, ENV_TASK, EXIT_RESTART
+from psguard.handoff.contract import (
+    ENV_AGENT_CA,
+    ENV_AGENT_CLIENT_CERT,
+    ENV_AGENT_CLIENT_KEY,
+    ENV_AGENT_TOKEN_FILE,
+    ENV_AGENT_URL,
+    ENV_SPOOL,
+    ENV_TASK,
+    EXIT_RESTART,
+)
+from psguard.handoff.credentials import TokenFile, create_token_file
+from psguard.handoff.tls import client_context, server_context
+from psguard.storage.registry import redact
 
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
     from psguard.agent.memory_tier import MemoryTier
@@ -148,9 +161,27 @@ class Agent:
         self._token = token
         self._token_file = str(Path(token_file).resolve()) if token_file is not None else None
         self._peer_token = peer_token if peer_token is not None else token
+        if self.peers and self._peer_token is None:
+            raise ConfigError(
+                "--peer: the chief's agent calls its peers' /status and POST /restart with the token they share, "
+                "and it has none. Give every agent of the job the same --token-file (a 0600 file holding a random "
+                "token; on Kubernetes a Secret volume with defaultMode: 0400); psguard wrap makes one per run"
+            )
+        self._made_token: TokenFile | None = None  # made in start() when no token was given
+        http_cfg = self.config.http
+        if (http_cfg.tls_cert is None) != (http_cfg.tls_key is None):
+            raise ConfigError("--tls-cert and --tls-key go together")
+        if http_cfg.tls_ca is not None and http_cfg.tls_cert is None:
+            raise ConfigError("--tls-ca (mutual TLS) needs the agent's own --tls-cert and --tls-key")
+        # Agent-to-agent calls: verify peers against --tls-ca (else the system store), present our certificate.
+        self._client_tls = (
+            client_context(http_cfg.tls_ca, http_cfg.tls_cert, http_cfg.tls_key) if http_cfg.tls_cert else None
+        )
         self.metrics = AgentMetrics.create()
         self._stop_requested = threading.Event()
-        self.peer_sync = PeerSync(self.task, self.peers, self.config.peers, self._peer_token, self._stop_requested)
+        self.peer_sync = PeerSync(
+            self.task, self.peers, self.config.peers, self._peer_token, self._stop_requested, tls=self._client_tls
+        )
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._started_at = time.time()
@@ -204,6 +235,15 @@ class Agent:
         env[ENV_AGENT_URL] = url
         if self._token_file is not None:
             env[ENV_AGENT_TOKEN_FILE] = self._token_file  # the path, never the token itself
+        for name in (ENV_AGENT_CA, ENV_AGENT_CLIENT_CERT, ENV_AGENT_CLIENT_KEY):
+            env.pop(name, None)  # only this agent's TLS settings, not a parent's
+        http_cfg = self.config.http
+        if http_cfg.tls_ca is not None and http_cfg.tls_cert is not None and http_cfg.tls_key is not None:
+            # Mutual TLS: the task verifies its agent against the CA and presents the agent's certificate (the
+            # task runs as the agent's user and already holds its token: no new trust).
+            env[ENV_AGENT_CA] = str(Path(http_cfg.tls_ca).resolve())
+            env[ENV_AGENT_CLIENT_CERT] = str(Path(http_cfg.tls_cert).resolve())
+            env[ENV_AGENT_CLIENT_KEY] = str(Path(http_cfg.tls_key).resolve())
         if self.spool_dir is not None:
             env[ENV_SPOOL] = str(self.spool_dir)
         return env
@@ -248,7 +288,7 @@ class Agent:
                 on_health=self._on_health,
             )
             for url in self.peers:
-                probe = HttpProbe(f"{url}/readyz", name="readyz")
+                probe = HttpProbe(f"{url}/readyz", name="readyz", tls=self._client_tls)
                 monitor = HealthMonitor.from_config(
                     f"peer {urllib.parse.urlsplit(url).netloc}",
                     [probe],
@@ -285,10 +325,31 @@ class Agent:
 
     def _start_http(self) -> None:
         cfg = self.config.http
+        if self._token is None:
+            # No token given: control is authenticated anyway, with a token made for this run in a private file
+            # whose path the task gets (PSGUARD_AGENT_TOKEN_FILE); removed at stop().
+            self._made_token = create_token_file()
+            self._token, self._token_file = self._made_token.token, str(self._made_token.path)
+        auth: list[Authenticator] = []
+        if cfg.jwt_secret_file is not None or cfg.jwt_public_key is not None:
+            if cfg.jwt_secret_file is not None and cfg.jwt_public_key is not None:
+                raise ConfigError("--jwt-secret-file (HS256) and --jwt-public-key (RS256/ES256): give one")
+            if not cfg.jwt_audience:
+                raise ConfigError("--jwt-audience is required with JWTs: the 'aud' claim tokens for this agent carry")
+            auth.append(
+                JwtAuth.from_secret_file(cfg.jwt_secret_file, cfg.jwt_audience)
+                if cfg.jwt_secret_file is not None
+                else JwtAuth.from_public_key_file(str(cfg.jwt_public_key), cfg.jwt_audience)
+            )
+        tls = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert and cfg.tls_key else None
         self.http = AgentHTTPServer(
             host=cfg.bind,
             port=cfg.port,
             token=self._token,
+            auth=auth,
+            open_read=cfg.open_read,
+            tls=tls,
+            request_timeout=cfg.request_timeout,
             registry=self.metrics.registry,
             status=self.status,
             readiness=self.readiness,
@@ -343,7 +404,8 @@ class Agent:
         self.spool_dir = Path(cfg.spool) if cfg.spool else default_spool_dir(cfg.job)
         self.spool = SpoolServer(self.spool_dir, tier, persister, on_event=self._on_spool_event).start()
         self._heartbeat_path = SpoolPaths(self.spool_dir).heartbeat
-        log.info("event=spool_serving task=%s spool=%s store=%s", self.task, self.spool_dir, cfg.store or "-")
+        store_url = redact(cfg.store) if cfg.store else "-"
+        log.info("event=spool_serving task=%s spool=%s store=%s", self.task, self.spool_dir, store_url)
 
     def _task_probes(self) -> list[Probe]:
         assert self.supervisor is not None
@@ -422,6 +484,9 @@ class Agent:
             attempt(self.store.close)
         if self.http is not None:
             attempt(self.http.stop)
+        if self._made_token is not None:
+            self._made_token.remove()
+            self._made_token = None
         self.monitor = self.supervisor = self.spool = self.persister = self.store = self.http = None
         self.peer_monitors = []
 
@@ -649,7 +714,7 @@ class Agent:
             doc.update(
                 {
                     "spool": str(self.spool_dir) if self.spool_dir else None,
-                    "store": self.config.store,
+                    "store": redact(self.config.store) if self.config.store else None,
                     "resumed_step": self._resumed_step,
                     "resume_seconds": self._resume_seconds,
                     "memory_step": tier.step if tier else None,
@@ -665,7 +730,7 @@ class Agent:
                             "checkpoints_written": persister.checkpoints_written,
                             "bytes_persisted": persister.bytes_persisted,
                             "failures": persister.failures,
-                            "last_error": persister.last_error,
+                            "last_error": redact(persister.last_error) if persister.last_error else None,
                         }
                         if persister
                         else None

@@ -1,42 +1,57 @@
 """The agent's HTTP endpoint: health for orchestrators, metrics for Prometheus, status and actions for people.
 
-===========  ======  =====================================================================================
-path         auth    answer
-===========  ======  =====================================================================================
-/healthz     never   200 while the agent process serves (liveness: restart the agent when this fails)
-/readyz      never   200 when every readiness check passes, else 503; the body lists the checks
-/metrics     token   the registry in Prometheus text format 0.0.4
-/status      token   JSON from the agent's status callable
-(added)      token   GET and POST handlers the agent registers (``/restart``, ``/restore`` ...)
-===========  ======  =====================================================================================
+===========  =========  =====================================================================================
+path         scope      answer
+===========  =========  =====================================================================================
+/healthz     none       200 while the agent process serves (liveness: restart the agent when this fails)
+/readyz      none       200 when every readiness check passes, else 503; the body lists the checks
+/metrics     read       the registry in Prometheus text format 0.0.4
+/status      read       JSON from the agent's status callable
+(GET added)  read       GET handlers the agent registers
+(POST)       control    POST handlers the agent registers (``/restart``, ``/failure``, ``/recovery`` ...)
+===========  =========  =====================================================================================
 
-Security, because ``POST /restart`` kills a training task:
+Security, because ``POST /restart`` kills a training task (docs/security.md has the threat model):
 
-- It binds 127.0.0.1 unless told otherwise, and binding anything else (``0.0.0.0``, a LAN address) needs a
-  token: :class:`AgentHTTPServer` refuses to start without one. With a token, every request but ``/healthz``
-  and ``/readyz`` needs ``Authorization: Bearer <token>``, compared in constant time. Tokens are never
-  logged and never appear in an error message.
-- On loopback without a token, a web page in a local browser could still reach the port. Two guards: the
-  ``Host`` header must name a loopback host (defeats DNS rebinding), and a POST must be
-  ``Content-Type: application/json``, which a page can only send cross-origin after a CORS preflight that
-  this server never approves.
+- Every path but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer <credential>`` that one of the
+  :mod:`psguard.agent.auth` authenticators accepts with the path's scope: on loopback too, where every local
+  user can connect. ``open_read=True`` serves the ``read`` paths without a credential (a Prometheus that cannot
+  send one). A server with no authenticator at all starts only on loopback and only when the caller says
+  ``insecure_no_auth=True`` (unit tests); the agent always has one (it makes a token when given none).
+- With ``tls`` (an ``ssl.SSLContext`` from :func:`psguard.handoff.tls.server_context`) it serves HTTPS. With a
+  CA in that context (``verify_mode`` not ``CERT_NONE``) every path but the open two needs a client certificate
+  the CA signed (a presented certificate that does not verify already fails the handshake); the bearer
+  credential is still required on top.
+- Each connection has an absolute deadline (``request_timeout``): the TLS handshake, headers and body must
+  all arrive within it, whatever the pace of the bytes, and :meth:`AgentHTTPServer.stop` shuts down every open
+  connection, so a slow client holds neither a thread nor a stopping agent.
+- Where reads are not authenticated (``open_read`` or ``insecure_no_auth``) on loopback, a web page in a local
+  browser could reach the port: the ``Host`` header must name a loopback host (defeats DNS rebinding), and a
+  POST must be ``Content-Type: application/json``, which a page can only send cross-origin after a CORS
+  preflight that this server never approves.
+- Credentials are never logged and never appear in an error message; handlers never see ``Authorization``.
 """
 
 from __future__ import annotations
 
-import hmac
+import contextlib
 import http.server
+import io
 import ipaddress
 import json
 import logging
+import select
 import socket
+import ssl
 import threading
+import time
 import urllib.parse
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+from psguard.agent.auth import CONTROL, READ, SCOPES, Authenticator, TokenAuth
 from psguard.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from psguard.agent.metrics import Registry
 from psguard.errors import ConfigError, PsguardError
@@ -50,7 +65,6 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 BUILTIN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/status"})
-MIN_TOKEN_LENGTH = 16
 
 
 class RequestError(PsguardError):
@@ -105,22 +119,87 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _check_token(token: str) -> None:
-    if len(token) < MIN_TOKEN_LENGTH or not token.isascii() or not token.isprintable() or " " in token:
-        # Never echo the token itself.
-        raise ConfigError(
-            f"the agent's HTTP token must be at least {MIN_TOKEN_LENGTH} printable ASCII characters without "
-            f"spaces (got {len(token)} characters); generate one with: python -c 'import secrets; "
-            f"print(secrets.token_urlsafe(32))'"
-        )
+class _DeadlineReader(io.RawIOBase):
+    """Socket reads that all end by one absolute deadline (a per-read timeout lets a byte every few seconds
+    hold a connection forever)."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock = sock
+        self._deadline = deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("the request did not arrive within its deadline")
+        self._sock.settimeout(remaining)
+        return self._sock.recv_into(buffer)
+
+
+def _handshake(sock: ssl.SSLSocket, deadline: float) -> None:
+    """The server side of a TLS handshake, bounded by ``deadline`` as a whole (not per read)."""
+    sock.setblocking(False)
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError("the TLS handshake did not finish within the request deadline")
+            try:
+                sock.do_handshake()
+                return
+            except ssl.SSLWantReadError:
+                select.select([sock], [], [], remaining)
+            except ssl.SSLWantWriteError:
+                select.select([], [sock], [], remaining)
+    finally:
+        sock.setblocking(True)
 
 
 class _Server(http.server.ThreadingHTTPServer):
-    # Request threads are joined on close (no thread outlives stop()); slow clients are cut by the handler's
-    # socket timeout, so the join is bounded.
+    # Request threads are joined on close (no thread outlives stop()); stop() shuts down every open connection
+    # first and each has an absolute deadline, so the join is bounded.
     daemon_threads = False
     block_on_close = True
     agent: AgentHTTPServer
+    tls: ssl.SSLContext | None = None
+
+    def server_activate(self) -> None:
+        super().server_activate()
+        self.open_connections: set[socket.socket] = set()
+        self.connections_lock = threading.Lock()
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, address = self.socket.accept()
+        if self.tls is not None:
+            # The handshake happens on the request thread (_Handler.setup), within the request's deadline:
+            # a client that never finishes it must not hold the accept loop.
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Registered here, on the accept loop, not on the request thread: once shutdown() returns, every
+        # accepted connection is in the set for close_connections(), even one whose thread has not run yet.
+        with self.connections_lock:
+            self.open_connections.add(request)
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.connections_lock:
+                self.open_connections.discard(request)
+
+    def close_connections(self) -> None:
+        """Shut down every open connection: a blocked read on it returns at once, its thread ends."""
+        with self.connections_lock:
+            connections = list(self.open_connections)
+        for sock in connections:
+            # socket.socket's, not SSLSocket's: that one drops its TLS object under the reading thread.
+            with contextlib.suppress(OSError):  # already closed by its thread
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that hung up mid-answer is normal; the base class would print a traceback to stderr.
@@ -141,22 +220,36 @@ class AgentHTTPServer:
         host: str = "127.0.0.1",
         port: int = 0,
         token: str | None = None,
+        auth: Sequence[Authenticator] = (),
+        open_read: bool = False,
+        insecure_no_auth: bool = False,
+        tls: ssl.SSLContext | None = None,
         registry: Registry | None = None,
         status: Callable[[], Mapping[str, Any]] | None = None,
         readiness: Callable[[], Mapping[str, bool]] | None = None,
         max_body: int = 1 << 20,
         request_timeout: float = 10.0,
     ) -> None:
-        if token is not None:
-            _check_token(token)
-        elif not is_loopback(host):
-            raise ConfigError(
-                f"refusing to serve the agent's HTTP endpoint on {host!r} without a token: anyone who can reach "
-                f"that address could restart tasks. Bind 127.0.0.1, or set a token (agent config http.token_file)"
-            )
+        authenticators: list[Authenticator] = [TokenAuth(token)] if token is not None else []
+        authenticators += auth
+        if not authenticators:
+            if not is_loopback(host):
+                raise ConfigError(
+                    f"refusing to serve the agent's HTTP endpoint on {host!r} without a token: anyone who can "
+                    f"reach that address could restart tasks. Bind 127.0.0.1, or set a token (--token-file)"
+                )
+            if not insecure_no_auth:
+                raise ConfigError(
+                    "refusing to serve the agent's HTTP endpoint without a credential, even on loopback: every "
+                    "local user could restart tasks. Give a token (--token-file; the agent makes one when none "
+                    "is given) or JWT settings"
+                )
         self.host = host
         self._requested_port = port
-        self._token = token.encode("ascii") if token is not None else None
+        self._auth = authenticators
+        self.open_read = open_read
+        self.tls = tls
+        self._mutual_tls = tls is not None and tls.verify_mode != ssl.CERT_NONE
         self._registry = registry
         self._status = status
         self._readiness = readiness
@@ -170,16 +263,17 @@ class AgentHTTPServer:
         self._error: BaseException | None = None
 
     def __repr__(self) -> str:  # no token in reprs either
-        return f"AgentHTTPServer(host={self.host!r}, port={self.port}, token={'set' if self._token else 'none'})"
+        auth = ",".join(type(a).__name__ for a in self._auth) or "none"
+        return f"AgentHTTPServer(host={self.host!r}, port={self.port}, auth={auth}, tls={self.tls is not None})"
 
     # ------------------------------------------------------------------------------------------ routes
 
     def add_post(self, path: str, handler: Handler) -> None:
-        """Serve ``POST path`` with ``handler`` (token required when one is set; JSON content type required)."""
+        """Serve ``POST path`` with ``handler`` (the ``control`` scope and a JSON content type required)."""
         self._add(self._post, path, handler)
 
     def add_get(self, path: str, handler: Handler) -> None:
-        """Serve ``GET path`` with ``handler`` (token required when one is set)."""
+        """Serve ``GET path`` with ``handler`` (the ``read`` scope required unless ``open_read``)."""
         if path in BUILTIN_PATHS:
             raise ValueError(f"{path} is built in")
         self._add(self._get, path, handler)
@@ -207,11 +301,19 @@ class AgentHTTPServer:
                 f"cannot serve the agent's HTTP endpoint on {self.host}:{self._requested_port}: {e}"
             ) from e
         httpd.agent = self
+        httpd.tls = self.tls
         with self._lock:
             self._httpd = httpd
             self._thread = threading.Thread(target=self._serve, name=f"psguard-http-{self.port}", daemon=True)
         self._thread.start()
-        log.info("event=http_serving host=%s port=%d auth=%s", self.host, self.port, "token" if self._token else "none")
+        log.info(
+            "event=http_serving host=%s port=%d auth=%s tls=%s open_read=%s",
+            self.host,
+            self.port,
+            ",".join(type(a).__name__ for a in self._auth) or "none",
+            "mutual" if self._mutual_tls else bool(self.tls),
+            self.open_read,
+        )
         return self
 
     def _serve(self) -> None:
@@ -223,7 +325,7 @@ class AgentHTTPServer:
             self._error = e
 
     def stop(self) -> None:
-        """Stop accepting, finish the requests in flight, close the socket; re-raise a serving error.
+        """Stop accepting, cut open connections, wait for their threads, close the socket; re-raise a serving error.
 
         Not from a handler: it waits for every request thread, the caller's too. A ``/shutdown`` handler should
         set an event that the agent's main thread waits on.
@@ -235,6 +337,7 @@ class AgentHTTPServer:
         if thread.is_alive():
             httpd.shutdown()
         thread.join()
+        httpd.close_connections()  # a client sending a byte now and then must not hold a stopping agent
         httpd.server_close()
         with self._lock:
             self._thread = None
@@ -251,7 +354,7 @@ class AgentHTTPServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         if host in ("0.0.0.0", "[::]", ""):
             host = "127.0.0.1"
-        return f"http://{host}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{host}:{self.port}"
 
     def __enter__(self) -> Self:
         return self.start()
@@ -263,23 +366,34 @@ class AgentHTTPServer:
 
     # ------------------------------------------------------------------------------------------ for _Handler
 
-    def _authorized(self, header: str | None) -> bool:
-        if self._token is None:
-            return True
+    def _required_scope(self, method: str, path: str) -> str | None:
+        """The scope a request needs; ``None`` for the open paths (and reads under ``open_read``)."""
+        if path in OPEN_PATHS:
+            return None
+        if method == "POST":
+            return CONTROL
+        return None if self.open_read else READ
+
+    def _scopes(self, header: str | None) -> frozenset[str] | None:
+        """The scopes the ``Authorization`` header's credential grants; ``None`` when none accepts it."""
+        if not self._auth:
+            return SCOPES  # insecure_no_auth, loopback only
         if not header:
-            return False
+            return None
         scheme, _, value = header.partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        try:
-            provided = value.strip().encode("ascii")
-        except UnicodeEncodeError:
-            return False
-        return hmac.compare_digest(provided, self._token)
+        credential = value.strip()
+        if scheme.lower() != "bearer" or not credential:
+            return None
+        for authenticator in self._auth:
+            granted = authenticator.scopes(credential)
+            if granted is not None:
+                return granted
+        return None
 
     def _host_allowed(self, header: str | None) -> bool:
-        """Against DNS rebinding: on loopback without a token, the browser must believe it talks to loopback."""
-        if self._token is not None or not is_loopback(self.host) or not header:
+        """Against DNS rebinding: where loopback serves something unauthenticated, the browser must believe it
+        talks to loopback."""
+        if (self._auth and not self.open_read) or not is_loopback(self.host) or not header:
             return True
         name = header.strip()
         if name.startswith("["):
@@ -316,9 +430,15 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     sys_version = ""
 
     def setup(self) -> None:
+        # One absolute deadline for the handshake, the headers and the body: a client sending a byte every few
+        # seconds is cut when it passes, not kept alive by each byte as a per-read timeout would.
+        deadline = time.monotonic() + self.server.agent.request_timeout
+        if isinstance(self.request, ssl.SSLSocket):
+            _handshake(self.request, deadline)
         super().setup()
-        # A slow client cannot hold a request thread, and so stop(), for long.
-        self.connection.settimeout(self.server.agent.request_timeout)
+        self.connection.settimeout(self.server.agent.request_timeout)  # for writing the answer
+        self.rfile.close()
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -334,11 +454,24 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if not agent._host_allowed(self.headers.get("Host")):
                 self._send(Response(403, {"error": "Host header does not name a loopback address"}))
                 return
-            if path not in OPEN_PATHS and not agent._authorized(self.headers.get("Authorization")):
-                self._send(
-                    Response(401, {"error": "missing or wrong bearer token"}, headers={"WWW-Authenticate": "Bearer"})
-                )
+            required = agent._required_scope(method, path)
+            if path not in OPEN_PATHS and agent._mutual_tls and not self._client_certificate():
+                self._send(Response(403, {"error": "a client certificate signed by the agent's CA is required"}))
                 return
+            if required is not None:
+                granted = agent._scopes(self.headers.get("Authorization"))
+                if granted is None:
+                    self._send(
+                        Response(
+                            401,
+                            {"error": "missing, wrong or expired bearer credential"},
+                            headers={"WWW-Authenticate": "Bearer"},
+                        )
+                    )
+                    return
+                if required not in granted:
+                    self._send(Response(403, {"error": f"the credential lacks the {required!r} scope for {path}"}))
+                    return
             if method == "GET":
                 response = agent._builtin(path)
                 if response is None:
@@ -360,6 +493,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             log.exception("event=http_handler_failed method=%s path=%s", method, path)
             response = Response(500, {"error": f"{type(e).__name__}: {e}"})
         self._send(response)
+
+    def _client_certificate(self) -> bool:
+        """True when the client presented a certificate (the handshake already verified it against the CA)."""
+        connection = self.connection
+        return isinstance(connection, ssl.SSLSocket) and bool(connection.getpeercert())
 
     @staticmethod
     def _not_found(agent: AgentHTTPServer, path: str, method: str) -> Response:

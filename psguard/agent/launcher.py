@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from psguard.errors import PsguardError
-from psguard.handoff.client import http_json
+from psguard.handoff.client import http_json, read_token
 from psguard.ports import free_ports
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
@@ -30,7 +31,26 @@ peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
 persister: {retry_after: 1}
 """
 
-__all__ = ["AGENT_CONFIG", "QUIET", "AgentProcess", "LaunchError", "ProgressReader", "write_cluster"]
+__all__ = ["AGENT_CONFIG", "QUIET", "AgentProcess", "LaunchError", "ProgressReader", "run_token_file", "write_cluster"]
+
+
+def run_token_file(directory: Path) -> Path:
+    """The token every agent of the run in ``directory`` shares: ``directory/.token/token``, made on first use.
+
+    Agents authenticate each other (the chief's agent restarts PS servers with ``POST /restart``), so a run
+    needs one token for all; a ``0600`` file in a ``0700`` folder, like the one an agent makes for itself.
+    """
+    folder = directory / ".token"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(folder, 0o700)
+    path = folder / "token"
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return path
 
 
 class LaunchError(PsguardError):
@@ -49,8 +69,10 @@ class AgentProcess:
         *,
         env: Mapping[str, str] | None = None,
         config: str = AGENT_CONFIG,
+        token_file: Path | None = None,
     ) -> None:
         self.name = name
+        self.token_file = token_file if token_file is not None else run_token_file(directory)
         self.dir = directory / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ready_file = self.dir / "url"
@@ -68,6 +90,7 @@ class AgentProcess:
 
     def _spawn(self, extra: Sequence[str]) -> None:
         argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *self._args, *extra, "--config", str(self._config)]
+        argv += ["--token-file", str(self.token_file)]
         argv += ["--ready-file", str(self.ready_file)]
         if self._command:
             argv += ["--", *self._command]
@@ -108,7 +131,8 @@ class AgentProcess:
         return self._url
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
-        code, doc = http_json("GET", f"{self.wait_url(60)}/status", timeout=timeout)
+        token = read_token(str(self.token_file))
+        code, doc = http_json("GET", f"{self.wait_url(60)}/status", token=token, timeout=timeout)
         if code != 200 or not isinstance(doc, dict):
             raise LaunchError(f"agent {self.name}: /status answered HTTP {code}")
         return doc

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Sequence
@@ -32,12 +33,20 @@ class PeerSync:
     """
 
     def __init__(
-        self, task: str, peers: Sequence[str], config: PeersConfig, token: str | None, stop: threading.Event
+        self,
+        task: str,
+        peers: Sequence[str],
+        config: PeersConfig,
+        token: str | None,
+        stop: threading.Event,
+        *,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.task = task
         self.peers = list(peers)
         self.config = config
         self._peer_token = token
+        self._tls = tls  # https:// peers: verified against the agent's CA; our client certificate under mTLS
         self._stop = stop
         self._lock = threading.Lock()
         self._one_at_a_time = threading.Lock()
@@ -66,7 +75,9 @@ class PeerSync:
             for url, before in list(pending.items()):
                 asked_at = time.time()  # the answer's uptime is measured later: the PS started after asked - uptime
                 try:
-                    code, doc = http_json("GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout)
+                    code, doc = http_json(
+                        "GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout, tls=self._tls
+                    )
                 except OSError as e:
                     last_error[url] = str(e)
                     continue  # not serving yet: retried until the deadline
@@ -99,6 +110,7 @@ class PeerSync:
                             body={"reason": why},
                             token=self._peer_token,
                             timeout=cfg.request_timeout,
+                            tls=self._tls,
                         )
                     except OSError as e:
                         last_error[url] = str(e)

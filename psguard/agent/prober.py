@@ -28,6 +28,7 @@ import http.client
 import logging
 import os
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -237,8 +238,16 @@ class HttpProbe(_BaseProbe):
     ``headers`` may carry a bearer token; it is sent, never logged or put into an error message.
     """
 
-    def __init__(self, url: str, *, name: str = "http", headers: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        name: str = "http",
+        headers: Mapping[str, str] | None = None,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
         super().__init__(name)
+        self._tls = tls  # for https://: the CA to verify against and the client certificate to present
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"HttpProbe needs an http:// or https:// URL, got {url!r}")
@@ -248,8 +257,11 @@ class HttpProbe(_BaseProbe):
 
     def _check(self, timeout: float) -> None:
         parts = self._parts
-        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-        conn = cls(parts.hostname or "", parts.port, timeout=timeout)
+        conn: http.client.HTTPConnection
+        if parts.scheme == "https":
+            conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=self._tls)
+        else:
+            conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
         deadline = time.monotonic() + timeout
         path = parts.path or "/"
         if parts.query:

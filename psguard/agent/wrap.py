@@ -40,6 +40,7 @@ from typing import Any
 
 from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
 from psguard.errors import ConfigError, PsguardError
+from psguard.handoff.credentials import create_token_file
 
 __all__ = ["CHIEF_CONFIG", "WrapError", "main", "register", "run"]
 
@@ -147,12 +148,15 @@ def run(
     servers: list[Any] = []
     chief: subprocess.Popen[bytes] | None = None
     failed = True
+    # One token per run for every agent (the chief's agent restarts the PS servers with it), in a private file
+    # outside the work folder, which is kept on failure; removed when the run ends.
+    token = create_token_file("psguard-wrap-token-")
     try:
         base = ["--cluster", str(cluster)]
         for role, count in (("ps", ps), ("worker", workers)):
             for i in range(count):
                 args = ["--role", role, "--index", str(i), *base]
-                servers.append(AgentProcess(agents_dir, f"{role}{i}", args))
+                servers.append(AgentProcess(agents_dir, f"{role}{i}", args, token_file=token.path))
         try:
             peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(start_timeout))]
         except LaunchError as e:
@@ -164,7 +168,7 @@ def run(
             chief_config.write_text(CHIEF_CONFIG)
         argv = [sys.executable, "-m", "psguard.cli", *(["-v"] * verbose), "agent", "--role", "chief"]
         argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
-        argv += ["--ready-file", str(chief_dir / "url")]
+        argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token.path)]
         if store is not None:
             argv += ["--store", store]
         argv += ["--", *command]
@@ -189,6 +193,7 @@ def run(
         _stop_all(chief, [agent.proc for agent in servers])
         for agent in servers:
             agent.stop()  # already exited: closes its log
+        token.remove()
         if spool.parent == Path("/dev/shm"):
             shutil.rmtree(spool, ignore_errors=True)
         if own_dir and not failed:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from psguard.benchmarks.common import alternate, median, print_results, progress, reset_peak_rss, rss_bytes, timed
+from psguard.storage.registry import redact
 from psguard.store.log import Store
 from psguard.tensors import Rows
 
@@ -118,11 +119,16 @@ def bench_restore(workdir: Path, tensors: dict[str, np.ndarray], runs: int) -> d
     }
 
 
-def rss_child(url: str, options_json: str, size_mib: int) -> None:
-    """Runs in a fresh process: the data exists, the peak mark is reset, then save + load."""
+def rss_child(url: str, size_mib: int) -> None:
+    """Runs in a fresh process: the data exists, the peak mark is reset, then save + load.
+
+    The storage options (they hold the S3 secret key) arrive as JSON on stdin: a command line is readable by
+    every local user (``ps``, ``/proc/PID/cmdline``).
+    """
+    options = json.loads(sys.stdin.read() or "{}")
     tensors = make_tensors(size_mib * MiB, seed=3)
     size = nbytes(tensors)
-    with Store.open(url, json.loads(options_json)) as store:
+    with Store.open(url, options) as store:
         store.checkpoint_ids()  # client libraries imported and connected: fixed costs, not growth
         base = rss_bytes()
         reset_peak_rss()
@@ -133,20 +139,19 @@ def rss_child(url: str, options_json: str, size_mib: int) -> None:
     print(json.dumps({"peak_growth": peak - base, "size": size}))
 
 
-_RSS_CHILD = "import sys; from psguard.benchmarks.store import rss_child; rss_child(*sys.argv[1:3], int(sys.argv[3]))"
+_RSS_CHILD = "import sys; from psguard.benchmarks.store import rss_child; rss_child(sys.argv[1], int(sys.argv[2]))"
+
+
+def rss_child_command(url: str, size_mib: int) -> list[str]:
+    """The child's command line: the URL (its credentials removed) and the size; never the storage options."""
+    return [sys.executable, "-c", _RSS_CHILD, redact(url), str(size_mib)]
 
 
 def bench_rss(server: Any, size_mib: int) -> dict[str, float]:
     url = server.url(f"rss-{uuid.uuid4().hex[:8]}")
     out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys; from psguard.benchmarks.store import rss_child; rss_child(*sys.argv[1:3], int(sys.argv[3]))",
-            url,
-            json.dumps(server.storage_options),
-            str(size_mib),
-        ],
+        rss_child_command(url, size_mib),
+        input=json.dumps(server.storage_options),  # the secret key goes through a pipe, not argv
         check=True,
         capture_output=True,
         text=True,

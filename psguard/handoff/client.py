@@ -11,14 +11,16 @@ import http.client
 import json
 import logging
 import os
+import ssl
 import time
 import urllib.parse
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 from psguard.errors import ConfigError, PsguardError
 from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL
+from psguard.handoff.credentials import read_secret_file
+from psguard.handoff.tls import client_context, client_context_from_env
 
 __all__ = ["http_json", "read_token", "report_failure", "report_recovery", "restart_ps_servers"]
 
@@ -32,11 +34,21 @@ def http_json(
     body: Mapping[str, Any] | None = None,
     token: str | None = None,
     timeout: float = 10.0,
+    tls: ssl.SSLContext | None = None,
 ) -> tuple[int, Any]:
-    """One request to an agent: ``(status, JSON body or None)``. Raises ``OSError`` when it cannot connect."""
+    """One request to an agent: ``(status, JSON body or None)``. Raises ``OSError`` when it cannot connect.
+
+    ``https://`` URLs verify the agent's certificate with ``tls`` (else the context the environment describes,
+    :func:`psguard.handoff.tls.client_context_from_env`, else the system store); a TLS failure is an
+    ``OSError`` (``ssl.SSLError``) like a refused connection.
+    """
     parts = urllib.parse.urlsplit(url)
-    cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
-    conn = cls(parts.hostname or "", parts.port, timeout=timeout)
+    conn: http.client.HTTPConnection
+    if parts.scheme == "https":
+        context = tls or client_context_from_env() or client_context()
+        conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=context)
+    else:
+        conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
     headers = {"Content-Type": "application/json"} if method == "POST" else {}
     if token:
         headers["Authorization"] = f"Bearer {token}"
@@ -56,15 +68,10 @@ def http_json(
 
 
 def read_token(path: str | None) -> str | None:
+    """The bearer token in ``path`` (``None`` for no path); refused when others can read the file."""
     if path is None:
         return None
-    try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except OSError as e:
-        raise ConfigError(f"--token-file {path}: cannot read: {e}") from e
-    if not token:
-        raise ConfigError(f"--token-file {path}: the file is empty")
-    return token
+    return read_secret_file(path, "--token-file")
 
 
 def restart_ps_servers(

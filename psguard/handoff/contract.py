@@ -10,6 +10,9 @@ import enum
 import signal
 
 __all__ = [
+    "ENV_AGENT_CA",
+    "ENV_AGENT_CLIENT_CERT",
+    "ENV_AGENT_CLIENT_KEY",
     "ENV_AGENT_TOKEN_FILE",
     "ENV_AGENT_URL",
     "ENV_SPOOL",
@@ -39,6 +42,11 @@ ENV_SPOOL = "PSGUARD_SPOOL"
 ENV_AGENT_URL = "PSGUARD_AGENT_URL"
 #: The path of the agent's bearer-token file (never the token itself), when it has one.
 ENV_AGENT_TOKEN_FILE = "PSGUARD_AGENT_TOKEN_FILE"
+#: With HTTPS: the CA file that signed the agent's certificate (the trainer verifies its agent against it).
+ENV_AGENT_CA = "PSGUARD_AGENT_CA"
+#: With mutual TLS: the client certificate and its key file the trainer presents to its agent.
+ENV_AGENT_CLIENT_CERT = "PSGUARD_AGENT_CLIENT_CERT"
+ENV_AGENT_CLIENT_KEY = "PSGUARD_AGENT_CLIENT_KEY"
 #: ``role:index`` of the task the agent runs (``ps:0``).
 ENV_TASK = "PSGUARD_TASK"
 

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 from psguard.errors import ConfigError, ObjectExistsError, ObjectNotFoundError
 from psguard.storage.base import Buffer
 from psguard.storage.fsspec_backend import FsspecBackend
+from psguard.storage.registry import redact
 from psguard.storage.retry import TransientStorageError
 
 T = TypeVar("T")
@@ -40,7 +41,7 @@ DEFAULT_OP_TIMEOUT = 60.0
 def _host_port_path(url: str, default_port: int) -> tuple[str, int, str]:
     parts = urlsplit(url)
     if not parts.hostname:
-        raise ConfigError(f"HDFS URL {url!r} names no NameNode; use {parts.scheme}://host:port/path")
+        raise ConfigError(f"HDFS URL {redact(url)!r} names no NameNode; use {parts.scheme}://host:port/path")
     return parts.hostname, parts.port or default_port, "/" + parts.path.strip("/")
 
 

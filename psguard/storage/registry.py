@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,6 +27,20 @@ def register_backend(scheme: str, module: str, cls: str, requirement: str | None
     _REGISTRY[scheme] = (module, cls, requirement)
 
 
+_USERINFO = re.compile(r"""(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^\s@'"]*)@""")
+
+
+def redact(url: str) -> str:
+    """``url`` with any ``user:password@`` part replaced by ``***@``: the one form of a URL that is logged,
+    put in an error or in ``/status``. ``s3://KEY:SECRET@bucket/p`` becomes ``s3://***@bucket/p``.
+
+    Text that merely contains URLs (an exception message from a client library) is redacted too: every
+    ``scheme://userinfo@`` in it is replaced. The user info may hold a raw ``/`` (AWS secret keys do), so
+    everything from ``://`` to an ``@`` before the next space or quote counts: erring towards hiding.
+    """
+    return _USERINFO.sub(lambda m: f"{m['scheme']}***@", url)
+
+
 def split_url(url: str) -> tuple[str, str]:
     """Return (scheme, rest); a plain path is ``file``."""
     if "://" not in url:
@@ -46,7 +61,7 @@ def open_backend(
     scheme, _ = split_url(url)
     if scheme not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY))
-        raise ConfigError(f"unknown storage scheme {scheme!r} in {url!r}; psguard knows: {known}")
+        raise ConfigError(f"unknown storage scheme {scheme!r} in {redact(url)!r}; psguard knows: {known}")
     module_name, cls_name, requirement = _REGISTRY[scheme]
     try:
         module = importlib.import_module(module_name)

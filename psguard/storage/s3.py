@@ -1,5 +1,6 @@
-"""S3 backend (s3fs). Credentials and endpoint come from storage options or the standard AWS chain
-(environment, ``~/.aws``, instance metadata): psguard never logs them.
+"""S3 backend (s3fs). Credentials and endpoint come from storage options, the URL's ``KEY:SECRET@`` part
+(moved into the options at once), or the standard AWS chain (environment, ``~/.aws``, instance metadata):
+psguard never logs them.
 
 S3 has no atomic rename, so the create-only commit is a conditional PUT (``If-None-Match: *``): the server
 refuses to overwrite, and a PUT is atomic, so a reader never sees a torn manifest.
@@ -8,12 +9,14 @@ refuses to overwrite, and a PUT is atomic, so a reader never sees a torn manifes
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import unquote
 
 import s3fs
 
 from psguard.errors import ConfigError, ObjectExistsError
 from psguard.storage.base import Buffer
 from psguard.storage.fsspec_backend import FsspecBackend
+from psguard.storage.registry import redact
 
 # Bounded client timeouts: psguard's own retry layer (with a deadline) decides how long to keep trying.
 _DEFAULT_CONFIG = {
@@ -63,12 +66,21 @@ def _session_without_expect() -> Any:
 
 class S3Backend(FsspecBackend):
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
-        rest = url.split("://", 1)[1].strip("/")
+        rest = url.split("://", 1)[1]
+        opts = dict(options or {})
+        userinfo, at, location = rest.partition("@")
+        if at and ":" in userinfo:
+            # s3://KEY:SECRET@bucket/prefix (the secret may hold a raw '/'): the credentials become options and
+            # leave the URL, so no path, log line or error message built from it can carry them.
+            key, _, secret = userinfo.partition(":")
+            opts.setdefault("key", unquote(key))
+            opts.setdefault("secret", unquote(secret))
+            rest = location
+        rest = rest.strip("/")
         if not rest:
-            raise ConfigError(f"S3 URL {url!r} names no bucket; use s3://bucket/prefix")
+            raise ConfigError(f"S3 URL {redact(url)!r} names no bucket; use s3://bucket/prefix")
         self.root = rest
         self.url = f"s3://{rest}"
-        opts = dict(options or {})
         config = dict(_DEFAULT_CONFIG)
         config.update(opts.pop("config_kwargs", {}) or {})
         if "session" not in opts:

@@ -1,0 +1,116 @@
+"""Secret files: read one only when no other user can read or replace it; make a private one for a run.
+
+A bearer token, a JWT signing secret or a TLS private key in a file that group or others can read is a secret
+every local user holds (a Kubernetes Secret volume is mounted 0644 unless ``defaultMode`` says otherwise), and a
+file another user owns is a secret that user chooses. Both are refused, with the fix in the message, the way
+``ssh`` refuses a private key with loose permissions. A file owned by root is accepted: root can read anything
+anyway, and a Secret volume in a pod that runs as root is owned by root.
+
+When the operator gives no token, the agent still authenticates its control endpoints: it makes a random token
+in a ``0600`` file inside a fresh ``0700`` folder (under ``$XDG_RUNTIME_DIR`` when that is a private folder,
+else the system's temp folder) and hands the file's path (never the token) to its task. This lives in the
+contract because ``psguard wrap`` and the launcher make one such file per run for all their agents.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from psguard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from typing import Self
+
+__all__ = ["TokenFile", "check_private_file", "create_token_file", "read_secret_file"]
+
+
+def check_private_file(path: str | os.PathLike[str], what: str) -> os.stat_result:
+    """Refuse ``path`` unless only its owner (this user or root) can read it; its ``stat`` (links followed).
+
+    ``what`` names the setting in the message (``--token-file``). Links are followed: a Kubernetes Secret
+    volume's files are symlinks into a ``..data`` folder, and the mode that matters is the target's.
+    """
+    name = os.fspath(path)
+    try:
+        st = os.stat(name)
+    except OSError as e:
+        raise ConfigError(f"{what} {name}: cannot read: {e.strerror or e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise ConfigError(f"{what} {name}: not a regular file")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise ConfigError(
+            f"{what} {name}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}) or root: another user "
+            f"could replace the secret. Make it yours: chown {os.geteuid()} {name}; chmod 600 {name}"
+        )
+    if st.st_mode & 0o077:
+        raise ConfigError(
+            f"{what} {name}: mode {stat.S_IMODE(st.st_mode):04o} lets group or others read or change a secret. "
+            f"Fix: chmod 600 {name} (on Kubernetes: defaultMode: 0400 on the Secret volume)"
+        )
+    return st
+
+
+def read_secret_file(path: str | os.PathLike[str], what: str) -> str:
+    """The stripped text of a private secret file (:func:`check_private_file`); never echoed in an error."""
+    name = os.fspath(path)
+    check_private_file(name, what)
+    try:
+        text = Path(name).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {name}: cannot read: {type(e).__name__}") from None
+    if not text:
+        raise ConfigError(f"{what} {name}: the file is empty")
+    return text
+
+
+def _private_base() -> str | None:
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime:
+        try:
+            st = os.stat(runtime)
+        except OSError:
+            return None
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            return runtime
+    return None  # tempfile's default folder; mkdtemp makes our folder 0700 inside it
+
+
+class TokenFile:
+    """A random bearer token in a ``0600`` file in a fresh ``0700`` folder; :meth:`remove` deletes both."""
+
+    def __init__(self, path: Path, token: str) -> None:
+        self.path = path
+        self.token = token
+
+    def __repr__(self) -> str:  # never the token
+        return f"TokenFile({str(self.path)!r})"
+
+    def remove(self) -> None:
+        """Delete the file and its folder (idempotent)."""
+        shutil.rmtree(self.path.parent, ignore_errors=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.remove()
+
+
+def create_token_file(prefix: str = "psguard-token-") -> TokenFile:
+    """Make a fresh random token (256 bits, URL-safe) in a private file; the caller removes it at exit."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=_private_base()))  # mode 0700
+    path = folder / "token"
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(token + "\n")
+    return TokenFile(path, token)
