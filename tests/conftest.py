@@ -8,7 +8,9 @@ psguard also runs processes). Servers that live for the whole session are starte
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import sys
 import threading
 import time
 import uuid
@@ -158,3 +160,16 @@ def chief() -> Iterator[Chief]:
         yield result
     finally:
         cluster.stop()
+
+
+def lone_chief_agent(tmp_path: Path, store: Path, command: list[str], *extra: str) -> list[str]:
+    """argv of a real ``psguard agent --role chief`` with no PS (a cluster of the chief alone), its spool and
+    store under ``tmp_path``, running ``command``: for tests of the trainer <-> agent hand-off itself."""
+    from psguard.ports import free_ports
+
+    (port,) = free_ports(1)
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"chief": [f"127.0.0.1:{port}"]}))
+    argv = [sys.executable, "-m", "psguard.cli", "agent", "--role", "chief", "--index", "0", "--cluster", str(cluster)]
+    argv += ["--store", str(store), "--spool", str(tmp_path / "spool"), "--http-port", "0", *extra]
+    return [*argv, "--", *command]

@@ -18,6 +18,7 @@ import pytest
 from psguard.agent.hang import Hang, HangWatch
 from psguard.handoff.spool import atomic_write_json
 from psguard.policy.files import HangSpec
+from tests.conftest import lone_chief_agent
 
 
 class Trainer:
@@ -122,20 +123,14 @@ json.dump({"restored": restored, "start": start, "end": int(step.numpy()), "v": 
 
 @pytest.mark.slow
 def test_a_real_agent_restarts_a_hung_trainer_which_restores_from_the_memory_tier(tmp_path: Path) -> None:
-    from psguard.ports import free_ports
-
-    (port,) = free_ports(1)
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"chief": [f"127.0.0.1:{port}"]}))
     task_log = tmp_path / "task.log"
     config = tmp_path / "agent.yaml"
     config.write_text(f"task_log: {task_log}\nsupervisor: {{backoff_initial: 0.1}}\n")
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     store, out = tmp_path / "store", tmp_path / "out.json"
-    argv = [sys.executable, "-m", "psguard.cli", "agent", "--role", "chief", "--index", "0", "--cluster", str(cluster)]
-    argv += ["--store", str(store), "--spool", str(tmp_path / "spool"), "--config", str(config), "--http-port", "0"]
-    argv += ["--", sys.executable, str(script), str(store), str(tmp_path / "hung-once"), str(out)]
+    command = [sys.executable, str(script), str(store), str(tmp_path / "hung-once"), str(out)]
+    argv = lone_chief_agent(tmp_path, store, command, "--config", str(config))
     t0 = time.monotonic()
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -30,6 +30,7 @@ from psguard.policy.engine import EverySteps, Retention, Schedule
 from psguard.storage import open_backend
 from psguard.store.log import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
+from tests.conftest import lone_chief_agent
 from tests.test_manager import GatedBackend, make_local, train_local
 
 POLICY = """
@@ -278,18 +279,11 @@ json.dump({"latest_step": latest.step if latest else None, "waited": waited}, op
 @pytest.mark.slow
 def test_a_trainer_under_a_real_agent_finds_its_save_committed_when_wait_returns(tmp_path: Path) -> None:
     """The check of the layout issue: a few hundred MB, a real ``psguard agent --role chief --store DIR``."""
-    from psguard.ports import free_ports
-
-    (chief_port,) = free_ports(1)
-    cluster = tmp_path / "cluster.json"
-    cluster.write_text(json.dumps({"chief": [f"127.0.0.1:{chief_port}"]}))
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     store, out = tmp_path / "store", tmp_path / "out.json"
     rows = 1_000_000  # 1M x 64 float32: 256 MB
-    argv = [sys.executable, "-m", "psguard.cli", "agent", "--role", "chief", "--index", "0"]
-    argv += ["--cluster", str(cluster), "--store", str(store), "--spool", str(tmp_path / "spool"), "--http-port", "0"]
-    argv += ["--", sys.executable, str(script), str(store), str(out), str(rows)]
+    argv = lone_chief_agent(tmp_path, store, [sys.executable, str(script), str(store), str(out), str(rows)])
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
