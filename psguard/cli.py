@@ -15,6 +15,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 
+from psguard.dependencies import EXTRAS, install_hint, versions
 from psguard.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -46,12 +47,29 @@ COMMAND_MODULES: tuple[str, ...] = (
 Handler = Callable[[argparse.Namespace], int]
 
 
+def version_text() -> str:
+    """psguard's, TensorFlow's (from its metadata: TensorFlow is not imported) and Python's versions."""
+    v = versions()
+    tf = f"TensorFlow {v['tensorflow']}" if v["tensorflow"] else f"TensorFlow: {EXTRAS['tensorflow']}"
+    return f"psguard {v['psguard']}\n{tf}\nPython {v['python']}"
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="psguard",
         description="Fault-tolerant checkpointing and recovery for TensorFlow parameter-server training.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    parser.add_argument("-V", "--version", action=_Version, help="print psguard, TensorFlow and Python versions")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
@@ -78,6 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except PsguardError as e:
         print(f"psguard: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except ModuleNotFoundError as e:
+        hint = install_hint(e)
+        if hint is None:
+            raise
+        print(f"psguard: error: {hint}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("psguard: interrupted", file=sys.stderr)

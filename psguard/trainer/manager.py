@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from psguard.dependencies import import_optional
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.client import report_recovery
 from psguard.handoff.contract import ENV_SPOOL, TOKEN_KEY, Tier
@@ -206,6 +207,7 @@ class CheckpointManager:
         spool: str | os.PathLike[str] | None = None,
         restore_timeout: float = 120.0,
     ) -> None:
+        import_optional("tensorflow")  # without it, say which extra brings it (psguard[cpu] or psguard[gpu])
         if max_to_keep is not None and max_to_keep < 1:
             raise PsguardError("max_to_keep must be >= 1 or None (keep everything)")
         if retention is not None and (max_to_keep is not None or keep_checkpoint_every_n_hours is not None):
