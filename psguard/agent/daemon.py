@@ -109,7 +109,14 @@ from psguard.agent.prober import (
 )
 from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
 from psguard.errors import ConfigError
-from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL, ENV_SPOOL, ENV_TASK, EXIT_RESTART
+from psguard.handoff.contract import (
+    ENV_AGENT_TOKEN_FILE,
+    ENV_AGENT_URL,
+    ENV_SPOOL,
+    ENV_STORE,
+    ENV_TASK,
+    EXIT_RESTART,
+)
 
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
     from psguard.agent.memory_tier import MemoryTier
@@ -236,6 +243,7 @@ class Agent:
             env[ENV_AGENT_TOKEN_FILE] = self._token_file  # the path, never the token itself
         if self.spool_dir is not None:
             env[ENV_SPOOL] = str(self.spool_dir)
+            env[ENV_STORE] = self.config.store or ""  # the trainer's manager checks its directory against it
         return env
 
     # ------------------------------------------------------------------------------------------ lifecycle
