@@ -783,6 +783,27 @@ def test_recovery_reports_become_lost_steps(tmp_path: Path, agents: Callable[...
     assert "psguard_lost_steps_total 10\n" in chief.metrics()
 
 
+@pytest.mark.slow
+def test_metrics_start_at_zero_and_peers_are_labelled_by_task_name(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    cluster, _ = write_cluster(tmp_path)
+    ps = agents("ps0", ["--role", "ps", "--index", "0", "--cluster", str(cluster)])
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--spool", str(tmp_path / "spool")]
+    chief = agents("chief", [*args, "--peer", ps.url], [sys.executable, "-c", "import time; time.sleep(600)"])
+    chief.wait_status(lambda s: s["ready"], 120, "chief ready")
+    metrics = chief.metrics()
+    for line in (
+        'psguard_task_restarts_total{task="chief:0"} 0',  # before any restart: rate() and alerts see the first
+        'psguard_crash_loop{task="chief:0"} 0',
+        'psguard_probe_failures_total{task="ps:0",probe="readyz"} 0',  # the peer, by its task's name
+        "psguard_persist_failures_total 0",
+        "psguard_recovery_seconds_count 0",
+    ):
+        assert line + "\n" in metrics, line
+    assert "peer 127.0.0.1" not in metrics and ps.url.split("//")[1] not in metrics
+
+
 class E2E:
     """Every process under an agent (2 PS, 1 worker, chief running E2E_TRAINER), as a user would run it."""
 
