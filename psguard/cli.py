@@ -42,6 +42,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "psguard.agent.cli",
     "psguard.chaos.cli",
     "psguard.agent.wrap",
+    "psguard.agent.status",
 )
 
 Handler = Callable[[argparse.Namespace], int]

@@ -24,6 +24,7 @@ import pytest
 
 from psguard.agent.config import AgentConfig, load_cluster, validate_cluster
 from psguard.agent.daemon import Agent
+from psguard.cli import main as cli_main
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.client import http_json
@@ -785,7 +786,7 @@ def test_recovery_reports_become_lost_steps(tmp_path: Path, agents: Callable[...
 
 @pytest.mark.slow
 def test_metrics_start_at_zero_and_peers_are_labelled_by_task_name(
-    tmp_path: Path, agents: Callable[..., AgentProc]
+    tmp_path: Path, agents: Callable[..., AgentProc], capsys: pytest.CaptureFixture[str]
 ) -> None:
     cluster, _ = write_cluster(tmp_path)
     ps = agents("ps0", ["--role", "ps", "--index", "0", "--cluster", str(cluster)])
@@ -802,6 +803,10 @@ def test_metrics_start_at_zero_and_peers_are_labelled_by_task_name(
     ):
         assert line + "\n" in metrics, line
     assert "peer 127.0.0.1" not in metrics and ps.url.split("//")[1] not in metrics
+    # psguard status from the chief's URL alone: both tasks, the chief's tiers
+    assert cli_main(["status", chief.url]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [r[0] for r in rows[1:3]] == ["chief:0", "ps:0"] and rows[1][5] == rows[2][5] == "yes"
 
 
 class E2E:
