@@ -51,7 +51,7 @@ Handler = Callable[[argparse.Namespace], int]
 def version_text() -> str:
     """psguard's, TensorFlow's (from its metadata: TensorFlow is not imported) and Python's versions."""
     v = versions()
-    tf = f"TensorFlow {v['tensorflow']}" if v["tensorflow"] else f"TensorFlow: {EXTRAS['tensorflow']}"
+    tf = f"TensorFlow {v['tensorflow']}" if v["tensorflow"] else f"TensorFlow: none. {EXTRAS['tensorflow']}"
     return f"psguard {v['psguard']}\n{tf}\nPython {v['python']}"
 
 

@@ -56,6 +56,16 @@ def test_version_names_psguard_tensorflow_and_python(capsys: pytest.CaptureFixtu
     ]
 
 
+def test_version_without_tensorflow_names_the_extras(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("psguard.dependencies.TENSORFLOW_DISTRIBUTIONS", ("no-such-distribution",))
+    with pytest.raises(SystemExit):
+        cli.main(["--version"])
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.startswith("TensorFlow: none. TensorFlow is not installed: pip install 'psguard[cpu]'")
+
+
 def test_without_tensorflow_the_manager_names_the_extras_and_the_cli_still_runs(tmp_path: Path) -> None:
     code = """
 import sys
