@@ -4,14 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint typecheck bench clean hdfs-runtime chaos chaos-smoke
+.PHONY: demo test test-fast test-compat dist lint typecheck bench clean hdfs-runtime chaos chaos-smoke
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip wheel
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# tf-keras depends on the full `tensorflow` wheel; tensorflow-cpu already provides it, so skip its deps.
-	$(BIN)/python -m pip install -q --no-deps 'tf-keras==2.21.*'
+	# Its minor version must be TensorFlow's.
+	$(BIN)/python -m pip install -q --no-deps "tf-keras==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu").rsplit(".", 1)[0])').*"
 	touch $(STAMP)
 
 # A real HDFS for the storage tests: Hadoop jars cached under ~/.cache/psguard/hadoop (and Debian's jersey1).
@@ -30,10 +31,23 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 test: lint typecheck hdfs-runtime
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m 'not compat'
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m 'not slow' -x
+
+# sdist and wheel in dist/ (the presets are package data inside the wheel).
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build -o dist .
+
+# The wheel in a venv holding the lowest versions pyproject.toml declares (TensorFlow 2.16, ...): about 600 MB
+# downloaded once into $(COMPAT_VENV), then a few minutes. Not part of `make test`.
+COMPAT_VENV ?= /tmp/psguard-compat-venv
+test-compat: $(STAMP)
+	test -x $(COMPAT_VENV)/bin/python || $(PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/python -m pip install -q -r tests/compat/lowest.txt
+	PSGUARD_COMPAT_PYTHON=$(COMPAT_VENV)/bin/python $(BIN)/python -m pytest -q -m compat tests/test_install.py
 
 # Every scenario in chaos/ on a real local cluster (one after another; each stops itself within its time limit
 # and cleans up). Runs, histories and reports in chaos-runs/; the fault-free reference run is shared.
@@ -51,4 +65,4 @@ bench: $(STAMP)
 	$(BIN)/psguard bench store
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache dist build

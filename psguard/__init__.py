@@ -3,18 +3,20 @@
 The public API is small on purpose: the manager users switch to, the store for tools, and the errors.
 Importing psguard imports neither TensorFlow nor either side's machinery: the manager (and through it the
 trainer's side) loads on first use of ``psguard.CheckpointManager``, so an agent that imports
-``psguard.agent`` never loads the trainer's modules.
+``psguard.agent`` never loads the trainer's modules. TensorFlow is an optional dependency (``psguard[cpu]`` or
+``psguard[gpu]``): without it, ``psguard.CheckpointManager`` raises :class:`MissingDependencyError` naming them.
 """
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from psguard.dependencies import import_optional
 from psguard.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    MissingDependencyError,
     NoCheckpointError,
     PsguardError,
     SaveError,
@@ -35,6 +37,7 @@ __all__ = [
     "ConfigError",
     "CorruptCheckpointError",
     "Follower",
+    "MissingDependencyError",
     "NoCheckpointError",
     "PsguardError",
     "SaveError",
@@ -55,6 +58,6 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'psguard' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(import_optional(module), name)
     globals()[name] = value
     return value

@@ -16,6 +16,7 @@ import sys
 import traceback
 from collections.abc import Callable, Sequence
 
+from psguard.dependencies import EXTRAS, install_hint, versions
 from psguard.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -44,6 +45,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "psguard.agent.cli",
     "psguard.chaos.cli",
     "psguard.agent.wrap",
+    "psguard.agent.status",
 )
 
 Handler = Callable[[argparse.Namespace], int]
@@ -52,12 +54,29 @@ Handler = Callable[[argparse.Namespace], int]
 _CHATTY_CLIENTS = ("botocore", "aiobotocore", "s3fs", "urllib3", "hdfs_native", "fsspec")
 
 
+def version_text() -> str:
+    """psguard's, TensorFlow's (from its metadata: TensorFlow is not imported) and Python's versions."""
+    v = versions()
+    tf = f"TensorFlow {v['tensorflow']}" if v["tensorflow"] else f"TensorFlow: none. {EXTRAS['tensorflow']}"
+    return f"psguard {v['psguard']}\n{tf}\nPython {v['python']}"
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        print(version_text())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="psguard",
         description="Fault-tolerant checkpointing and recovery for TensorFlow parameter-server training.",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv for debug)")
+    parser.add_argument("-V", "--version", action=_Version, help="print psguard, TensorFlow and Python versions")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in COMMAND_MODULES:
@@ -100,6 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except PsguardError as e:
         _error(e)
+        return EXIT_ERROR
+    except ModuleNotFoundError as e:
+        hint = install_hint(e)
+        if hint is None:
+            raise
+        print(f"psguard: error: {hint}", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("psguard: interrupted", file=sys.stderr)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import signal
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
+from psguard.run_folder import claim_folder
 from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Rows, TensorUpdate
 
@@ -74,8 +74,7 @@ class SampleModel:
 
 
 def run_quick(directory: Path, steps: int, every: int, new_base_every: int, users: int) -> dict[str, object]:
-    if directory.exists():
-        shutil.rmtree(directory)
+    directory = claim_folder(directory, "psguard demo")
     store_dir = directory / "store"
     say(f"psguard demo: training a sample recommendation model, checkpointing to {store_dir}")
     model = SampleModel(users=users, items=users // 4, dim=32, seed=0)
@@ -308,11 +307,9 @@ def run_cluster(
     durable_every: int,
     timeout: float,
 ) -> tuple[dict[str, Any], bool]:
-    """Run the full demo in ``directory`` (recreated); return the report and whether it succeeded."""
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-    directory = directory.resolve()
+    """Run the full demo in ``directory`` (recreated if a psguard run made it, see :func:`claim_folder`); return
+    the report and whether it succeeded."""
+    directory = claim_folder(directory, "psguard demo")
     store_url = store or str(directory / "store")
     progress = directory / "progress.jsonl"
     cluster, _ = write_cluster(directory, ps=2, workers=workers)
@@ -456,7 +453,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "timeline.png into --dir. --quick: the durable log alone (no cluster, no TensorFlow)."
         ),
     )
-    p.add_argument("--dir", default="psguard-demo", help="working folder (recreated; default ./psguard-demo)")
+    p.add_argument(
+        "--dir",
+        default="psguard-demo",
+        help="working folder (default ./psguard-demo): new, empty, or made by an earlier psguard run (then emptied)",
+    )
     p.add_argument("--store", metavar="URL", help="durable log: a path, file://, s3://, hdfs:// (default DIR/store)")
     p.add_argument("--steps", type=int, help="target step (default 1000; --quick: 200)")
     p.add_argument("--kill-at", type=int, help="kill -9 ps:0 at the first save from this step on (default steps/3)")

@@ -17,6 +17,11 @@ class ConfigError(PsguardError, ValueError):
     """Bad user input: a policy file, a cluster spec, a URL, a CLI argument."""
 
 
+class MissingDependencyError(PsguardError, ImportError):
+    """An optional dependency (TensorFlow, matplotlib, hdfs-native, ...) is not installed; the message names the
+    extra (``psguard[cpu]``, ...) that brings it."""
+
+
 class StorageError(PsguardError):
     """A storage operation failed for a reason that retrying will not fix (permissions, full disk)."""
 

@@ -26,6 +26,7 @@ import pytest
 from psguard.agent.config import AgentConfig, load_cluster, validate_cluster
 from psguard.agent.daemon import Agent
 from psguard.agent.launcher import run_token_file
+from psguard.cli import main as cli_main
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.client import http_json, read_token
@@ -834,6 +835,31 @@ def test_recovery_reports_become_lost_steps(tmp_path: Path, agents: Callable[...
         assert code == 400, (bad, doc)
     assert post("/failure", {"failed_at": time.time(), "step": -2})[0] == 400
     assert "psguard_lost_steps_total 10\n" in chief.metrics()
+
+
+@pytest.mark.slow
+def test_metrics_start_at_zero_and_peers_are_labelled_by_task_name(
+    tmp_path: Path, agents: Callable[..., AgentProc], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cluster, _ = write_cluster(tmp_path)
+    ps = agents("ps0", ["--role", "ps", "--index", "0", "--cluster", str(cluster)])
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--spool", str(tmp_path / "spool")]
+    chief = agents("chief", [*args, "--peer", ps.url], [sys.executable, "-c", "import time; time.sleep(600)"])
+    chief.wait_status(lambda s: s["ready"], 120, "chief ready")
+    metrics = chief.metrics()
+    for line in (
+        'psguard_task_restarts_total{task="chief:0"} 0',  # before any restart: rate() and alerts see the first
+        'psguard_crash_loop{task="chief:0"} 0',
+        'psguard_probe_failures_total{task="ps:0",probe="readyz"} 0',  # the peer, by its task's name
+        "psguard_persist_failures_total 0",
+        "psguard_recovery_seconds_count 0",
+    ):
+        assert line + "\n" in metrics, line
+    assert "peer 127.0.0.1" not in metrics and ps.url.split("//")[1] not in metrics
+    # psguard status from the chief's URL alone: both tasks, the chief's tiers
+    assert cli_main(["status", chief.url]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert [r[0] for r in rows[1:3]] == ["chief:0", "ps:0"] and rows[1][5] == rows[2][5] == "yes"
 
 
 class E2E:

@@ -175,7 +175,8 @@ def test_agent_metrics_export_every_documented_name() -> None:
         m.PERSIST_LAG_STEPS: ("gauge", []),
         m.PERSIST_QUEUE_DEPTH: ("gauge", []),
         m.BYTES_PERSISTED_TOTAL: ("counter", []),
-        m.RECOVERY_SECONDS: ("gauge", []),
+        m.PERSIST_FAILURES_TOTAL: ("counter", []),
+        m.RECOVERY_SECONDS: ("histogram", []),
         m.RECOVERIES_TOTAL: ("counter", []),
         m.LOST_STEPS_TOTAL: ("counter", []),
         m.CHECKPOINT_STALL_SECONDS: ("histogram", []),
@@ -200,9 +201,29 @@ def test_agent_metrics_export_every_documented_name() -> None:
     assert value[m.TASK_UP][(("task", "ps:0"),)] == 0
     assert value[m.CRASH_LOOP][(("task", "ps:0"),)] == 1
     assert value[m.LAST_CHECKPOINT_STEP][(("tier", "memory"),)] == 120
-    assert value[m.RECOVERY_SECONDS][()] == 4.2 and value[m.LOST_STEPS_TOTAL][()] == 7
+    text = metrics.registry.render()
+    assert "psguard_recovery_seconds_sum 4.2\n" in text and "psguard_recovery_seconds_count 1\n" in text
+    assert 'psguard_recovery_seconds_bucket{le="5.0"} 1\n' in text and value[m.LOST_STEPS_TOTAL][()] == 7
     assert value[m.RECOVERIES_TOTAL][()] == 1 and value[m.BYTES_PERSISTED_TOTAL][()] == 1 << 20
     assert value[m.PERSIST_QUEUE_DEPTH][()] == 0  # unlabelled metrics exist from the start
+    assert value[m.PERSIST_FAILURES_TOTAL][()] == 0
+
+
+def test_a_declared_task_is_exported_at_zero_before_anything_happens() -> None:
+    metrics = AgentMetrics.create()
+    metrics.declare_task("ps:0", ["process", "grpc"])
+    text = metrics.registry.render()
+    for line in (
+        'psguard_task_restarts_total{task="ps:0"} 0',
+        'psguard_task_up{task="ps:0"} 0',
+        'psguard_crash_loop{task="ps:0"} 0',
+        'psguard_probe_failures_total{task="ps:0",probe="grpc"} 0',
+        'psguard_probe_failures_total{task="ps:0",probe="process"} 0',
+        "psguard_recoveries_total 0",
+        "psguard_persist_failures_total 0",
+        "psguard_recovery_seconds_count 0",
+    ):
+        assert line + "\n" in text, line
 
 
 # --------------------------------------------------------------------------------- HTTP

@@ -593,6 +593,30 @@ def test_dense_writers_and_unknown_optimizers_hash_every_row(rng: np.random.Gene
     assert not Capturer(tf.train.Checkpoint(model=model, optimizer=adam), track_writes=False).tracks_writes
 
 
+def test_an_eager_loop_with_dense_optimizer_writes_reports_no_untracked_writes(
+    rng: np.random.Generator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Keras 3's Adam in a plain eager loop (no PS, no tf.function) updates the table and its moments densely:
+    the hooks mark those shards whole, which is a seen write, not one that went around the variable objects."""
+    model = local_model(rng, EVEN)
+    adam = make_optimizer("adam", "keras3")
+    build_optimizer(adam, list(model.trainable_variables))
+    capturer = Capturer(tf.train.Checkpoint(model=model, optimizer=adam), row_tracking_min_rows=100, verify_every=100)
+    state = apply_all({}, capturer.capture())
+    variables = list(model.trainable_variables)
+    for ids in ([1, 2], [600, 700], [1299]):
+        with tf.GradientTape() as tape:
+            emb = tf.nn.embedding_lookup(model.table, tf.constant(ids, tf.int64))
+            loss = tf.reduce_sum(emb * emb) + tf.reduce_sum(model.dense)
+        adam.apply_gradients(zip(tape.gradient(loss, variables), variables, strict=True))  # eager
+        updates = capturer.capture()
+        assert capturer.last_stats.untracked_writes == []
+        assert TABLE in capturer.last_stats.hashed_all  # dense writes: every row hashed, as it must be
+        state = apply_all(state, updates)
+        assert_bitwise(state, read_tensors(capturer.root))
+    assert not [r for r in caplog.records if "without going through their variable objects" in r.getMessage()]
+
+
 def test_the_probe_turns_a_systematic_miss_into_a_full_hash_at_once(rng: np.random.Generator) -> None:
     """A writer the hooks do not see (here raw scatters over a whole shard) is found by the sampled rows."""
     model = local_model(rng, EVEN)

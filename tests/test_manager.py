@@ -22,7 +22,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable
 
-from psguard.errors import SaveError, TensorMismatchError
+from psguard.errors import ConfigError, SaveError, TensorMismatchError
 from psguard.policy.engine import EverySteps, Schedule
 from psguard.storage import RetryConfig, open_backend
 from psguard.storage.base import Backend, Buffer
@@ -293,6 +293,18 @@ def test_cluster_chain_restores_exactly_for_every_optimizer(chief: Chief, optimi
             states[h] = snapshot(ckpt)
         for h, state in states.items():
             assert_restores(m.store, h.result(timeout=120).id, state)
+
+
+@pytest.mark.slow
+def test_cluster_save_without_a_coordinator_is_refused_with_the_fix(chief: Chief, url: str) -> None:
+    """Variables on the PS and no coordinator: the step counter would be read before queued steps ran."""
+    model, _, ckpt = fresh_model(chief, "fixed2", "sgd")
+    with CheckpointManager(ckpt, url, step_counter=model.step) as m:
+        with pytest.raises(ConfigError, match=r"live on parameter servers \(/job:ps/.*Fix: pass coordinator="):
+            m.save()
+        assert m.store.latest() is None
+        m.save(checkpoint_number=3).result(timeout=120)  # a step the caller vouches for is taken as given
+        assert [i.step for i in m.store.checkpoints()] == [3]
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 from psguard.agent.memory_tier import MemoryTier
 from psguard.agent.persister import Persister, resume
 from psguard.agent.spool_server import SpoolServer
-from psguard.handoff.contract import Tier
+from psguard.errors import ConfigError
+from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, Tier
 from psguard.store.log import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
 from psguard.trainer.variables import bitwise_equal
@@ -140,3 +141,52 @@ def test_under_an_agent_max_to_keep_is_applied_and_the_stall_is_reported(tmp_pat
         server.stop()
         persister.stop(drain=True)
         store.close()
+
+
+# ------------------------------------------------------------------ the agent's store against the manager's URL
+def test_a_manager_pointed_elsewhere_than_its_agents_store_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--store A with the manager pointed at B would put everything in A and leave B empty: refused, with both."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    monkeypatch.setenv(ENV_SPOOL, str(tmp_path / "spool"))
+    monkeypatch.setenv(ENV_STORE, str(a))
+    ckpt, _, _ = make_local()
+    with pytest.raises(ConfigError, match=r"writes checkpoints to --store .*/a, but the manager is pointed at .*/b"):
+        CheckpointManager(ckpt, str(b))
+    assert not b.exists()  # refused before anything was opened
+    monkeypatch.setenv(ENV_STORE, f"file://{a}/")  # another spelling of the same store is the same store
+    with CheckpointManager(ckpt, str(a)) as m:
+        assert type(m._sink).__name__ == "AgentSink"
+
+
+def test_under_an_agent_without_a_store_the_manager_writes_its_directory_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv(ENV_SPOOL, str(tmp_path / "spool"))
+    monkeypatch.setenv(ENV_STORE, "")  # the agent was started without --store
+    url = str(tmp_path / "store")
+    ckpt, emb, dense = make_local()
+    with CheckpointManager(ckpt, url) as m:
+        train_local(emb, dense, ckpt, np.random.default_rng(3))
+        m.save(5).result(timeout=60)
+    assert any(
+        r.levelname == "WARNING" and "started without --store" in r.getMessage() and f"--store {url}" in r.getMessage()
+        for r in caplog.records
+    )
+    with Store.open(url) as store:
+        assert [i.step for i in store.checkpoints()] == [5]
+
+
+def test_a_url_missing_a_slash_is_refused_not_made_a_local_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    ckpt, _, _ = make_local()
+    for url in ("s3:/bucket/job", "s3:bucket/job", "hdfs:/nn:8020/x"):
+        with pytest.raises(ConfigError, match=r"missing a slash: write (s3://bucket/job|hdfs://nn:8020/x)"):
+            CheckpointManager(ckpt, url)
+    with pytest.raises(ConfigError, match="write file:///tmp/x"):
+        Store.open("file:/tmp/x")
+    assert list(tmp_path.iterdir()) == []
+    Store.open("./s3:/bucket/job").close()  # said to be local: accepted

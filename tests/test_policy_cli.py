@@ -50,6 +50,27 @@ def test_check_rejects_a_bad_file_naming_file_key_and_expectation(
     assert f"{bad}: retention.keep_last: expected a retention that keeps something" in err
 
 
+def test_show_prints_a_preset_with_its_comments_that_checks_as_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(["policy", "show", "default"], capsys)
+    assert code == 0 and out.startswith("# psguard default checkpoint policy.")
+    copy = tmp_path / "mine.yaml"
+    copy.write_text(out)
+    code, out, err = run(["policy", "check", str(copy)], capsys)
+    assert code == 0, err
+    code, _, err = run(["policy", "show", "nonesuch"], capsys)
+    assert code == cli.EXIT_USAGE and "no preset named 'nonesuch'; presets: aggressive-memory, default" in err
+
+
+def test_presets_have_one_home_in_the_package() -> None:
+    """The top-level policies/ folder only points at the package data; it holds no second copy."""
+    top = Path(__file__).resolve().parents[1] / "policies"
+    assert not list(top.glob("*.yaml"))
+    assert "psguard/policy/presets" in (top / "README.md").read_text()
+    assert PRESETS_DIR.name == "presets" and PRESETS_DIR.parent.name == "policy"
+
+
 # --------------------------------------------------------------------------------------------- simulate
 def test_simulate_json_reports_every_tier_and_the_optimum(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["policy", "simulate", "default", "--mtbf", "6h", "--stall", "0.5s", "--persist", "20s"]

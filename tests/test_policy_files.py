@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -204,6 +205,18 @@ def test_deleted_file_keeps_the_old_policy(policy_file: Path, caplog: pytest.Log
         os.replace(tmp, policy_file)  # an editor's atomic save: write elsewhere, rename over
         assert wait_outcome(watcher, "applied", g).changes == ("memory.every: 30.0 -> 15.0",)
     assert any("event=policy_file_deleted" in r.message for r in caplog.records)
+
+
+def test_without_watchdog_the_file_is_polled(policy_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("watchdog", "watchdog.events", "watchdog.observers"):  # as where the extra is not installed
+        monkeypatch.setitem(sys.modules, name, None)
+    with PolicyWatcher(policy_file, settle=0.05, poll=0.05) as watcher:
+        assert watcher.polling
+        g = watcher.generation
+        tmp = policy_file.with_suffix(".tmp")
+        tmp.write_text(policy_file.read_text().replace("every: 10m", "every: 5m"))
+        os.replace(tmp, policy_file)
+        assert wait_outcome(watcher, "applied", g).changes == ("durable.every: 600.0 -> 300.0",)
 
 
 def test_watcher_needs_a_valid_file_to_start(tmp_path: Path) -> None:

@@ -173,6 +173,21 @@ def test_watchdog_wakes_the_agent_and_the_startup_scan_finds_earlier_captures(sp
     assert_same(got.tensors, truth)
 
 
+def without_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make ``import watchdog...`` fail as it does where the optional dependency is not installed."""
+    for name in ("watchdog", "watchdog.events", "watchdog.observers"):
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_without_watchdog_the_agent_polls_the_spool(spool: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    without_watchdog(monkeypatch)
+    truth = every_dtype()
+    with SpoolWriter(spool) as w, SpoolServer(spool, MemoryTier(), poll_interval=60.0) as srv:
+        assert srv._observer is None  # no watcher: the processing thread scans every POLL_WITHOUT_WATCHDOG
+        assert w.submit(Capture(1, whole(truth))).result(timeout=10).memory_step == 1
+        assert_same(w.request_restore().result(timeout=10).tensors, truth)
+
+
 def test_delta_on_a_lost_state_needs_a_whole_capture(spool: Path) -> None:
     truth = every_dtype()
     tier = MemoryTier()

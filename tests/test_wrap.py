@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from psguard.agent.wrap import NO_STORE_WARNING
 from psguard.cli import main as cli_main
 from tests.conftest import _children
 
@@ -40,6 +41,7 @@ TRAINER = textwrap.dedent(
             reached.append(address)
     with open(out, "a") as f:
         f.write(json.dumps({"tf_config": config, "reached": reached, "spool": os.environ.get("PSGUARD_SPOOL"),
+                            "store": os.environ.get("PSGUARD_STORE"),
                             "agent": os.environ.get("PSGUARD_AGENT_URL"), "pid": os.getpid()}) + "\\n")
     runs = sum(1 for _ in open(out))
     print(f"trainer run {runs}", flush=True)
@@ -61,6 +63,7 @@ def _wrap(*args: str) -> list[str]:
         (["wrap", "--ps", "0", "--", "true"], "--ps: a parameter-server job needs at least one PS"),
         (["wrap", "--workers", "0", "--", "true"], "--workers: a parameter-server job needs at least one worker"),
         (["wrap", "--config", "/nonexistent/agent.yaml", "--", "true"], "--config /nonexistent/agent.yaml"),
+        (["wrap", "--store", "s3:/bucket/x", "--", "true"], "'s3:/bucket/x' is missing a slash: write s3://bucket/x"),
     ],
 )
 def test_bad_input_is_a_usage_error_before_any_process_starts(
@@ -86,6 +89,7 @@ def test_unmodified_command_gets_tf_config_and_is_restarted_after_a_crash(tmp_pa
     assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
     # The trainer's output reaches wrap's stdout (the chief's agent passes its task's output through).
     assert "trainer run 1" in out.stdout and "trainer run 2" in out.stdout
+    assert NO_STORE_WARNING in out.stderr  # no --store: said at the start, with the fix
 
     cluster = json.loads((work / "cluster.json").read_text())
     assert len(cluster["ps"]) == 2 and len(cluster["worker"]) == 1 and len(cluster["chief"]) == 1
@@ -98,6 +102,7 @@ def test_unmodified_command_gets_tf_config_and_is_restarted_after_a_crash(tmp_pa
         assert sorted(run["reached"]) == sorted(cluster["ps"] + cluster["worker"])
         assert run["spool"] and run["spool"] != "/dev/shm/psguard-default"  # one spool per wrapped job
         assert run["agent"].startswith("http://127.0.0.1:")
+        assert run["store"] == ""  # the trainer's manager learns that its agent has no durable log
     assert not Path(runs[0]["spool"]).exists()  # removed at the end
     # A new trainer generation restarts the PS servers (the agent's rule), not the workers.
     for i in range(2):

@@ -83,6 +83,7 @@ from psguard.handoff.contract import (
     ENV_AGENT_TOKEN_FILE,
     ENV_AGENT_URL,
     ENV_SPOOL,
+    ENV_STORE,
     ENV_TASK,
     EXIT_RESTART,
 )
@@ -246,6 +247,7 @@ class Agent:
             env[ENV_AGENT_CLIENT_KEY] = str(Path(http_cfg.tls_key).resolve())
         if self.spool_dir is not None:
             env[ENV_SPOOL] = str(self.spool_dir)
+            env[ENV_STORE] = self.config.store or ""  # the trainer's manager checks its directory against it
         return env
 
     def _task_record(self) -> Path:
@@ -279,24 +281,16 @@ class Agent:
                 record=self._task_record(),
                 subreaper=True,
             )
+            probes = self._task_probes()
+            self.metrics.declare_task(self.task, [p.name for p in probes])
             self.monitor = HealthMonitor.from_config(
                 self.task,
-                self._task_probes(),
+                probes,
                 cfg.probe,
                 on_unhealthy=self._on_unhealthy,
                 on_result=self.metrics.on_probe_result,
                 on_health=self._on_health,
             )
-            for url in self.peers:
-                probe = HttpProbe(f"{url}/readyz", name="readyz", tls=self._client_tls)
-                monitor = HealthMonitor.from_config(
-                    f"peer {urllib.parse.urlsplit(url).netloc}",
-                    [probe],
-                    cfg.peers.probe,
-                    on_result=self.metrics.on_probe_result,
-                    on_health=self.metrics.on_health,
-                )
-                self.peer_monitors.append(monitor.start())
             if self.role == "chief" and self._resumed_step is not None and cfg.peers.restart_ps:
                 # An earlier chief ran this job: the PS servers may hold its context. Start from clean ones.
                 self.peer_sync.new_generation(f"the agent resumed a job (durable step {self._resumed_step})")
@@ -305,6 +299,7 @@ class Agent:
                 (log.info if all(o == "ready" for o in outcome.values()) else log.error)(
                     "event=peers_checked task=%s outcome=%s", self.task, json.dumps(outcome)
                 )
+            self._watch_peers()  # after the sync above, which learnt each peer's task name from its /status
             if self._stop_requested.is_set():
                 return self
             self.supervisor.start()
@@ -490,6 +485,21 @@ class Agent:
         self.monitor = self.supervisor = self.spool = self.persister = self.store = self.http = None
         self.peer_monitors = []
 
+    def _watch_peers(self) -> None:
+        """A readiness monitor per peer agent, its metrics labelled by the peer's task name (``ps:0``)."""
+        for url in self.peers:
+            task = self.peer_sync.names.get(url) or f"peer {urllib.parse.urlsplit(url).netloc}"
+            probe = HttpProbe(f"{url}/readyz", name="readyz", tls=self._client_tls)
+            self.metrics.declare_task(task, [probe.name])
+            monitor = HealthMonitor.from_config(
+                task,
+                [probe],
+                self.config.peers.probe,
+                on_result=self.metrics.on_probe_result,
+                on_health=self.metrics.on_health,
+            )
+            self.peer_monitors.append(monitor.start())
+
     def __enter__(self) -> Agent:
         return self.start()
 
@@ -558,8 +568,7 @@ class Agent:
             began, self._failure_at = self._failure_at, None
         if began is not None:
             seconds = time.monotonic() - began
-            self.metrics.recovery_seconds.set(seconds)
-            self.metrics.recoveries.inc()
+            self.metrics.record_recovery(seconds)
             log.info("event=recovered task=%s seconds=%.2f", self.task, seconds)
 
     def _on_spool_event(self, event: SpoolEvent) -> None:
@@ -573,6 +582,8 @@ class Agent:
                 self._recovered()  # the new generation's first capture: training runs again
 
     def _on_persist_event(self, event: PersistEvent) -> None:
+        if event.kind == "failed":
+            self.metrics.persist_failures.inc()
         if event.kind == "committed" and event.step is not None:
             self.metrics.bytes_persisted.inc(event.bytes_written)
             self.metrics.record_checkpoint("durable", event.step, time.time())
@@ -658,8 +669,8 @@ class Agent:
             self._last_lost_steps = lost
         log.info("event=recovery_reported task=%s lost_steps=%d restored_step=%s", self.task, lost, restored)
         seconds = body.get("seconds")
-        if isinstance(seconds, int | float) and seconds >= 0:
-            self.metrics.recovery_seconds.set(float(seconds))
+        if isinstance(seconds, int | float) and seconds >= 0:  # a recovery timed by the trainer (in process)
+            self.metrics.record_recovery(float(seconds))
         return Response(200, {"ok": True})
 
     def readiness(self) -> dict[str, bool]:

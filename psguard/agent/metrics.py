@@ -4,7 +4,10 @@ Why not ``prometheus_client``: the agent needs counters, gauges and histograms w
 exposition format 0.0.4, which is a page of code; one more dependency in every sidecar is not worth it.
 
 The names below are an interface: alerts and dashboards reference them, so they are exported as constants
-and changing one is a breaking change. :class:`AgentMetrics` creates all of them on a registry.
+and changing one is a breaking change. :class:`AgentMetrics` creates all of them on a registry. Every series
+an agent will have is exported from its start (counters at 0, :meth:`AgentMetrics.declare_task`), so
+``increase()`` sees the first event and an alert on a counter needs no ``or vector(0)``. ``task`` is a task's
+name (``ps:0``, ``chief:0``), also for the peers the chief's agent watches.
 
 ==============================================  =========  ===========  =============================================
 name                                            type       labels       meaning
@@ -21,7 +24,8 @@ name                                            type       labels       meaning
 ``psguard_persist_lag_steps``                   gauge                   steps the durable tier is behind memory
 ``psguard_persist_queue_depth``                 gauge                   captures waiting to be persisted
 ``psguard_bytes_persisted_total``               counter                 bytes written to the durable log
-``psguard_recovery_seconds``                    gauge                   last recovery: failure to first new step
+``psguard_persist_failures_total``             counter                 durable writes that failed (retried later)
+``psguard_recovery_seconds``                    histogram               each recovery: failure to first new step
 ``psguard_recoveries_total``                    counter                 recoveries completed
 ``psguard_lost_steps_total``                    counter                 training steps redone after recoveries
 ``psguard_checkpoint_stall_seconds``            histogram               training stall per save (the capture)
@@ -52,6 +56,7 @@ __all__ = [
     "LAST_CHECKPOINT_STEP",
     "LAST_CHECKPOINT_TIMESTAMP_SECONDS",
     "LOST_STEPS_TOTAL",
+    "PERSIST_FAILURES_TOTAL",
     "PERSIST_LAG_STEPS",
     "PERSIST_QUEUE_DEPTH",
     "PROBE_FAILURES_TOTAL",
@@ -79,6 +84,7 @@ LAST_CHECKPOINT_TIMESTAMP_SECONDS = "psguard_last_checkpoint_timestamp_seconds"
 PERSIST_LAG_STEPS = "psguard_persist_lag_steps"
 PERSIST_QUEUE_DEPTH = "psguard_persist_queue_depth"
 BYTES_PERSISTED_TOTAL = "psguard_bytes_persisted_total"
+PERSIST_FAILURES_TOTAL = "psguard_persist_failures_total"
 RECOVERY_SECONDS = "psguard_recovery_seconds"
 RECOVERIES_TOTAL = "psguard_recoveries_total"
 LOST_STEPS_TOTAL = "psguard_lost_steps_total"
@@ -92,6 +98,8 @@ DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 PROBE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 # Checkpoint stalls: from a small delta (tens of ms) to a full 2M-row table (~1 s) and worse.
 STALL_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Recoveries: an in-process rejoin takes 3-5 s here, a restarted trainer tens of seconds, a stuck one minutes.
+RECOVERY_BUCKETS = (1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 _NAME = re.compile(r"^[a-zA-Z_:][a-zA-Z0-9_:]*$")
 _LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
@@ -388,7 +396,8 @@ class AgentMetrics:
     persist_lag_steps: Gauge
     persist_queue_depth: Gauge
     bytes_persisted: Counter
-    recovery_seconds: Gauge
+    persist_failures: Counter
+    recovery_seconds: Histogram
     recoveries: Counter
     lost_steps: Counter
     checkpoint_stall: Histogram
@@ -419,8 +428,11 @@ class AgentMetrics:
             persist_lag_steps=r.gauge(PERSIST_LAG_STEPS, "Steps by which the durable tier trails the memory tier."),
             persist_queue_depth=r.gauge(PERSIST_QUEUE_DEPTH, "Captures waiting to be written to the durable log."),
             bytes_persisted=r.counter(BYTES_PERSISTED_TOTAL, "Bytes written to the durable log."),
-            recovery_seconds=r.gauge(
-                RECOVERY_SECONDS, "Last recovery: seconds from the failure to the first new step."
+            persist_failures=r.counter(
+                PERSIST_FAILURES_TOTAL, "Writes to the durable log that failed (the capture is retried later)."
+            ),
+            recovery_seconds=r.histogram(
+                RECOVERY_SECONDS, "Seconds from a failure to the first new training step.", buckets=RECOVERY_BUCKETS
             ),
             recoveries=r.counter(RECOVERIES_TOTAL, "Recoveries completed."),
             lost_steps=r.counter(LOST_STEPS_TOTAL, "Training steps redone because of recoveries."),
@@ -429,6 +441,16 @@ class AgentMetrics:
             ),
             hangs=r.counter(HANGS_TOTAL, "Times the trainer made no step within its hang bound and was restarted."),
         )
+
+    def declare_task(self, task: str, probes: Iterable[str] = ()) -> None:
+        """Export ``task``'s series at once (counters at 0, gauges at 0 until known), before anything happened."""
+        self.task_restarts.labels(task=task)
+        self.task_up.labels(task=task)
+        self.task_healthy.labels(task=task)
+        self.crash_loop.labels(task=task)
+        for probe in probes:
+            self.probe_failures.labels(task=task, probe=probe)
+            self.probe_latency.labels(task=task, probe=probe)
 
     def on_supervisor_event(self, event: SupervisorEvent) -> None:
         """``Supervisor(on_event=...)`` adapter: restarts, up, crash loop."""
@@ -460,7 +482,7 @@ class AgentMetrics:
         self.last_checkpoint_step.labels(tier=tier).set(step)
         self.last_checkpoint_timestamp.labels(tier=tier).set(timestamp)
 
-    def record_recovery(self, seconds: float, lost_steps: int) -> None:
-        self.recovery_seconds.set(seconds)
+    def record_recovery(self, seconds: float, lost_steps: int = 0) -> None:
+        self.recovery_seconds.observe(seconds)
         self.recoveries.inc()
         self.lost_steps.inc(lost_steps)

@@ -52,6 +52,7 @@ class PeerSync:
         self._one_at_a_time = threading.Lock()
         self.generation = 0
         self.last: dict[str, Any] | None = None
+        self.names: dict[str, str] = {}  # peer URL -> its task's name (``ps:0``), from its /status
 
     def sync(self, *, restart_ps: bool, why: str = "", failed_at: float | None = None) -> dict[str, str]:
         """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
@@ -85,6 +86,8 @@ class PeerSync:
                     outcome[url] = f"error: GET /status answered HTTP {code}"
                     del pending[url]
                     continue
+                if isinstance(doc.get("task"), str):
+                    self.names[url] = doc["task"]
                 restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
                 uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
                 if (

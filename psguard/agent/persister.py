@@ -435,9 +435,11 @@ class Persister:
             if self.retry_after is not None and not self._stopping:
                 self._retry_at = time.monotonic() + self.retry_after
         log.warning(
-            "persist of step %s failed (%s); the memory tier keeps the changes, retrying on the next request%s",
+            "event=persist_failed step=%s error=%r: persist of step %s failed; the memory tier keeps the changes, "
+            "retrying on the next request%s",
             take.step if take else self.tier.step,
             self._last_error,
+            take.step if take else self.tier.step,
             f" or in {self.retry_after:g}s" if self.retry_after is not None else "",
         )
         self._emit(

@@ -48,6 +48,9 @@ __all__ = ["SpoolEvent", "SpoolServer", "SpoolServerStatus"]
 
 log = logging.getLogger(__name__)
 
+POLL_WITHOUT_WATCHDOG = 0.05
+"""Seconds between scans of the spool when watchdog (an optional dependency) is not installed."""
+
 
 class _WatchdogStopRace(logging.Filter):
     """Drop watchdog's ERROR "queue_events() called when the thread is inactive".
@@ -164,16 +167,7 @@ class SpoolServer:
         os.write(fd, f"{os.getpid()}\n".encode())
         self._recover()
         if watch:
-            from watchdog.observers import Observer
-
-            _quiet_watchdog_stop_race()
-
-            observer = Observer()
-            handler = _Wake(self._wake).handler
-            observer.schedule(handler, str(self._paths.incoming), recursive=False)
-            observer.schedule(handler, str(self._paths.requests), recursive=False)
-            observer.start()
-            self._observer = observer
+            self._observer = self._observe()
             self._thread = threading.Thread(target=self._run, name="psguard-spool", daemon=True)
             self._thread.start()
         return self
@@ -210,6 +204,26 @@ class SpoolServer:
             last_error=self._last_error,
         )
 
+    def _observe(self) -> Any:
+        """A watchdog observer on the two folders the trainer writes, or ``None`` without watchdog installed
+        (``psguard[watch]``): then the processing thread polls every :data:`POLL_WITHOUT_WATCHDOG` seconds."""
+        try:
+            from watchdog.observers import Observer
+        except ImportError:
+            log.info("event=spool_polling spool=%s every=%ss reason=watchdog-not-installed", self.root, self._poll)
+            return None
+        _quiet_watchdog_stop_race()
+        observer = Observer()
+        handler = _Wake(self._wake).handler
+        observer.schedule(handler, str(self._paths.incoming), recursive=False)
+        observer.schedule(handler, str(self._paths.requests), recursive=False)
+        observer.start()
+        return observer
+
+    @property
+    def _poll(self) -> float:
+        return self.poll_interval if self._observer is not None else min(self.poll_interval, POLL_WITHOUT_WATCHDOG)
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
@@ -218,7 +232,7 @@ class SpoolServer:
             except Exception as e:  # keep serving; the next scan retries
                 self._last_error = f"{type(e).__name__}: {e}"
                 log.exception("spool %s: processing failed", self.root)
-            self._wake.wait(self.poll_interval)
+            self._wake.wait(self._poll)
 
     def _recover(self) -> None:
         """At start (holding the agent lock): whatever a previous agent left half-done is ours to settle."""

@@ -41,8 +41,9 @@ from typing import Any
 from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
 from psguard.errors import ConfigError, PsguardError
 from psguard.handoff.credentials import create_token_file
+from psguard.storage.registry import split_url
 
-__all__ = ["CHIEF_CONFIG", "WrapError", "main", "register", "run"]
+__all__ = ["CHIEF_CONFIG", "NO_STORE_WARNING", "WrapError", "main", "register", "run"]
 
 #: The chief's agent settings when ``--config`` is not given: a local cluster, so short probe intervals and
 #: backoffs; three crashes within five minutes end the run (a script with a bug should not loop for long).
@@ -52,6 +53,13 @@ supervisor: {backoff_initial: 0.5, backoff_max: 5, crash_loop_limit: 3, crash_lo
 peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
 persister: {retry_after: 1}
 """
+
+NO_STORE_WARNING = (
+    "psguard wrap: WARNING: no --store. The chief's agent keeps no durable log: a script using "
+    "psguard.CheckpointManager writes its checkpoints itself to the URL it gives the manager, without the "
+    "agent's memory tier, and a script that keeps tf.train.CheckpointManager is not checkpointed by psguard "
+    "at all. Fix: psguard wrap --store URL (the URL the script gives psguard.CheckpointManager) -- ..."
+)
 
 _POLL = 0.1  # seconds between looks at the agents' processes (nothing to await: they are other processes)
 
@@ -138,6 +146,10 @@ def run(
         raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {workers}")
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"--config {config}: no such file")
+    if store is None:
+        print(NO_STORE_WARNING, file=sys.stderr, flush=True)
+    else:
+        split_url(store)  # a URL missing a slash (s3:/bucket) fails here, before any process starts
     own_dir = directory is None
     work = Path(tempfile.mkdtemp(prefix="psguard-wrap-")) if directory is None else Path(directory)
     work.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from psguard.errors import ConfigError
+from psguard.run_folder import claim_folder
 
 EXIT_UNKNOWN = 5
 
@@ -40,7 +41,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     from psguard.chaos.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
-    directory = Path(args.report or f"chaos-runs/{scenario.name}-seed{args.seed}")
+    # Refuse a folder the run may not empty now, before a reference run or any process starts.
+    directory = claim_folder(args.report or f"chaos-runs/{scenario.name}-seed{args.seed}", "psguard chaos run")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C
     try:
         if args.baseline:
@@ -94,7 +96,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run = chaos.add_parser("run", help="run a scenario and judge its history")
     run.add_argument("scenario", metavar="SCENARIO.yaml")
     run.add_argument("--seed", type=int, default=0, help="seeds the random faults, the model and the data")
-    run.add_argument("--report", metavar="DIR", help="run folder (recreated; default chaos-runs/NAME-seedS)")
+    run.add_argument(
+        "--report",
+        metavar="DIR",
+        help="run folder (default chaos-runs/NAME-seedS): new, empty, or made by a psguard run (then emptied)",
+    )
     run.add_argument("--job", metavar="MODULE:FUNC", help="the trainer (default psguard.demo_trainer:main)")
     run.add_argument("--baseline", action="store_true", help="also run the plain-TF practice, side by side")
     run.add_argument("--reference-dir", metavar="DIR", help="where fault-free reference runs are kept and reused")

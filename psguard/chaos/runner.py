@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
 import sys
 import threading
@@ -35,6 +34,7 @@ from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_history
 from psguard.chaos.nemesis import Nemesis
 from psguard.chaos.scenario import Scenario
+from psguard.run_folder import claim_folder
 from psguard.testbed.procs import alive as pid_alive
 from psguard.testbed.procs import descendants
 
@@ -446,10 +446,7 @@ def run_scenario(
     """Run ``scenario`` in ``directory`` (recreated) and judge it; see the module docstring for the phases."""
     from psguard.chaos.report import write_report
 
-    if directory.exists():
-        shutil.rmtree(directory)
-    directory.mkdir(parents=True)
-    directory = directory.resolve()
+    directory = claim_folder(directory, "psguard chaos run")
     t0 = time.monotonic()
     deadline = t0 + scenario.time_limit
     run = (run_class or _Run)(scenario, directory, seed=seed, job=job, faults=faults, say=say)

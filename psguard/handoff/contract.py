@@ -16,6 +16,7 @@ __all__ = [
     "ENV_AGENT_TOKEN_FILE",
     "ENV_AGENT_URL",
     "ENV_SPOOL",
+    "ENV_STORE",
     "ENV_TASK",
     "EXIT_OK",
     "EXIT_RESTART",
@@ -38,6 +39,9 @@ class Tier(enum.StrEnum):
 # ------------------------------------------------------------------------------------------------ environment
 #: The spool folder the agent serves, set for the trainer it runs.
 ENV_SPOOL = "PSGUARD_SPOOL"
+#: The URL of the durable log the agent writes (its ``--store``), set beside ``ENV_SPOOL``; empty when it has
+#: none. A trainer's manager compares it with its own directory (absent: an agent too old to say).
+ENV_STORE = "PSGUARD_STORE"
 #: The agent's HTTP base URL, set for its task.
 ENV_AGENT_URL = "PSGUARD_AGENT_URL"
 #: The path of the agent's bearer-token file (never the token itself), when it has one.

@@ -1,6 +1,7 @@
 """``psguard policy``: check a policy file, or simulate what it costs.
 
     psguard policy check FILE...
+    psguard policy show PRESET > my-policy.yaml
     psguard policy simulate FILE --mtbf 6h --stall 0.5s --persist 20s --duration 7d [--json] [--plot out.png]
 
 FILE may also name a preset (``default``, ``spot-preemptible``, ...). Durations read like ``500ms``, ``0.5s``,
@@ -16,7 +17,7 @@ from typing import Any
 
 from psguard.config import format_duration, parse_duration
 from psguard.errors import ConfigError
-from psguard.policy.files import load_policy, preset_names
+from psguard.policy.files import load_policy, preset_names, preset_text
 from psguard.policy.sim import Job, format_report, plot, simulate
 
 
@@ -28,7 +29,7 @@ def _duration(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``psguard policy check`` and ``psguard policy simulate``."""
+    """Add ``psguard policy check``, ``psguard policy show`` and ``psguard policy simulate``."""
     policy = subparsers.add_parser("policy", help="check or simulate a checkpoint policy file")
     sub = policy.add_subparsers(dest="policy_command", metavar="ACTION")
     sub.required = True
@@ -36,6 +37,10 @@ def register(subparsers: Any) -> None:
     check = sub.add_parser("check", help="validate policy files and say what they do")
     check.add_argument("files", nargs="+", metavar="FILE", help=f"policy file or preset ({', '.join(preset_names())})")
     check.set_defaults(func=run_check)
+
+    show = sub.add_parser("show", help="print a preset (with its comments), to copy and edit")
+    show.add_argument("preset", metavar="PRESET", help=f"preset name ({', '.join(preset_names())})")
+    show.set_defaults(func=run_show)
 
     sim = sub.add_parser("simulate", help="expected saves, stall, lost work and overhead of a policy")
     sim.add_argument("file", metavar="FILE", help="policy file or preset")
@@ -59,6 +64,12 @@ def run_check(args: argparse.Namespace) -> int:
         print(f"{name}: ok" + (f" - {spec.description.strip().splitlines()[0]}" if spec.description.strip() else ""))
         for part, what in spec.summary().items():
             print(f"  {part:10} {what}")
+    return 0
+
+
+def run_show(args: argparse.Namespace) -> int:
+    """Print the preset's YAML; an unknown name raises ConfigError (exit status 2)."""
+    print(preset_text(args.preset), end="")
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Policy files: the YAML format of a checkpoint policy, the presets in ``policies/``, and live reloading.
+"""Policy files: the YAML format of a checkpoint policy, the presets shipped in the package, and live reloading.
 
-A policy file (see ``policies/*.yaml`` for commented examples)::
+A policy file (see ``psguard/policy/presets/*.yaml``, or ``psguard policy show NAME``, for commented examples)::
 
     description: who this is for
     memory:   {every: 30s}                       # any of: every, every_steps, cron, continuous, young_daly
@@ -18,19 +18,18 @@ changed; an invalid edit, or deleting the file, keeps the old policy and reports
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
-from watchdog.observers import Observer
-
-from psguard.config import Check, changed_keys, format_duration, invalid, load_yaml
+from psguard.config import Check, changed_keys, format_duration, invalid, load_yaml, loads_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import (
@@ -59,13 +58,18 @@ __all__ = [
     "TierSpec",
     "load_policy",
     "preset_names",
+    "PRESETS",
     "PRESETS_DIR",
+    "preset_text",
 ]
 
 logger = logging.getLogger(__name__)
 
-PRESETS_DIR = Path(__file__).resolve().parents[2] / "policies"
-"""Where the preset policies live (the repository's ``policies/`` folder)."""
+PRESETS: Traversable = importlib.resources.files(__package__) / "presets"
+"""The preset policies: package data (``psguard/policy/presets/*.yaml``), read with :mod:`importlib.resources`."""
+
+PRESETS_DIR = Path(str(PRESETS))
+"""The presets' folder on disk (psguard is installed as files, never zipped), for tools that list or copy them."""
 
 
 def _cron(expr: str | None) -> Cron | None:
@@ -224,15 +228,22 @@ class PolicySpec:
 
 
 def preset_names() -> list[str]:
-    """Names of the presets in :data:`PRESETS_DIR` (``default``, ``spot-preemptible``, ...)."""
-    return sorted(p.stem for p in PRESETS_DIR.glob("*.yaml"))
+    """Names of the presets in :data:`PRESETS` (``default``, ``spot-preemptible``, ...)."""
+    return sorted(p.name.removesuffix(".yaml") for p in PRESETS.iterdir() if p.name.endswith(".yaml"))
+
+
+def preset_text(name: str) -> str:
+    """The YAML text of preset ``name``, comments included (to copy and edit)."""
+    if name not in preset_names():
+        raise ConfigError(f"no preset named {name!r}; presets: {', '.join(preset_names())}")
+    return (PRESETS / f"{name}.yaml").read_text(encoding="utf-8")
 
 
 def load_policy(path_or_preset: str | os.PathLike[str]) -> PolicySpec:
     """Load and validate a policy file, or a preset by name (``default``) when no such file exists."""
     path = Path(path_or_preset)
-    if not path.exists() and isinstance(path_or_preset, str) and (PRESETS_DIR / f"{path_or_preset}.yaml").exists():
-        path = PRESETS_DIR / f"{path_or_preset}.yaml"
+    if not path.exists() and isinstance(path_or_preset, str) and path_or_preset in preset_names():
+        return loads_yaml(PolicySpec, preset_text(path_or_preset), source=f"preset {path_or_preset}")
     return load_yaml(PolicySpec, path)
 
 
@@ -251,11 +262,12 @@ class PolicyWatcher:
     """The policy of one file, kept current while the process runs.
 
     Loading fails at construction if the file is invalid (there is no old policy to fall back on). After
-    :meth:`start`, a watchdog observer watches the file's folder; changes are checked on the watcher's own
-    thread and each outcome counted in :attr:`generation` (see :class:`Reload`). :meth:`decide` uses the policy
-    current at the time of the call and logs saving decisions (and, at debug level, the others)::
+    :meth:`start`, a watchdog observer watches the file's folder (without watchdog installed, the watcher's
+    thread polls the file's inode, size and mtime every ``poll`` seconds instead); changes are checked on the
+    watcher's own thread and each outcome counted in :attr:`generation` (see :class:`Reload`). :meth:`decide`
+    uses the policy current at the time of the call and logs saving decisions (and, at debug level, the others)::
 
-        with PolicyWatcher("policies/default.yaml") as policy:
+        with PolicyWatcher("my-policy.yaml") as policy:
             decision = policy.decide(step, context)      # clock: the one given, time.time by default
 
     Editors that save by writing a new file and renaming it, and Kubernetes ConfigMap updates (a symlink
@@ -271,12 +283,15 @@ class PolicyWatcher:
         clock: Callable[[], float] = time.time,
         on_reload: Callable[[Reload], None] | None = None,
         settle: float = 0.2,
+        poll: float = 1.0,
     ) -> None:
         self.path = Path(path).absolute()
         self._settle = settle
+        self._poll = poll
         self._clock = clock
         self._on_reload = on_reload
         self._cond = threading.Condition()
+        self._stat = self._signature()
         self._bytes: bytes | None = self._read()
         self._spec = load_yaml(PolicySpec, self.path)
         self._generation = 0
@@ -290,18 +305,19 @@ class PolicyWatcher:
 
     # ---- lifecycle
     def start(self) -> PolicyWatcher:
-        """Start watching the file (idempotent): a watchdog observer and a reloading thread."""
-        if self._observer is None:
+        """Start watching the file (idempotent): a watchdog observer (if installed) and a reloading thread."""
+        if self._worker is None:
             self._stop.clear()
+            self._observer = _observe(self)
             self._worker = threading.Thread(target=self._run, name=f"psguard-policy-reload:{self.path.name}")
             self._worker.start()
-            observer = Observer()
-            observer.name = f"psguard-policy-watch:{self.path.name}"
-            observer.schedule(_Handler(self), str(self.path.parent), recursive=False)
-            observer.start()
-            self._observer = observer
             self.changed()  # catch an edit made between loading and watching
         return self
+
+    @property
+    def polling(self) -> bool:
+        """True when the file is polled (watchdog is not installed) rather than watched."""
+        return self._worker is not None and self._observer is None
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop watching; join both threads."""
@@ -386,9 +402,23 @@ class PolicyWatcher:
         self._last_event = time.monotonic()
         self._wake.set()
 
+    def _signature(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()  # follows a ConfigMap's symlink swap: the inode changes
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
     def _run(self) -> None:
         while True:
-            self._wake.wait()
+            if not self._wake.wait(None if self._observer is not None else self._poll):
+                if self._stop.is_set():
+                    return
+                signature = self._signature()
+                if signature == self._stat:
+                    continue
+                self._stat = signature
+                self._last_event = time.monotonic()
             while (quiet := time.monotonic() - self._last_event) < self._settle:
                 if self._stop.wait(self._settle - quiet):
                     return
@@ -443,10 +473,23 @@ class PolicyWatcher:
         return self._last
 
 
-class _Handler(FileSystemEventHandler):
-    def __init__(self, watcher: PolicyWatcher) -> None:
-        self._watcher = watcher
+def _observe(watcher: PolicyWatcher) -> Any:
+    """A started watchdog observer calling ``watcher.changed()`` on events in the file's folder; ``None`` when
+    watchdog (an optional dependency: ``psguard[watch]``) is not installed, and the watcher polls instead."""
+    try:
+        from watchdog.events import FileSystemEvent, FileSystemEventHandler
+        from watchdog.observers import Observer
+    except ImportError:
+        logger.info("event=policy_polling file=%s every=%ss reason=watchdog-not-installed", watcher.path, watcher._poll)
+        return None
 
-    def on_any_event(self, event: FileSystemEvent) -> None:
-        if event.event_type not in ("opened", "closed_no_write"):
-            self._watcher.changed()
+    class Handler(FileSystemEventHandler):
+        def on_any_event(self, event: FileSystemEvent) -> None:
+            if event.event_type not in ("opened", "closed_no_write"):
+                watcher.changed()
+
+    observer = Observer()
+    observer.name = f"psguard-policy-watch:{watcher.path.name}"
+    observer.schedule(Handler(), str(watcher.path.parent), recursive=False)
+    observer.start()
+    return observer

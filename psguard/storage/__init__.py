@@ -10,7 +10,7 @@ so transient failures are retried with backoff until a deadline, then surface as
 from __future__ import annotations
 
 from psguard.storage.base import Backend, validate_key
-from psguard.storage.registry import open_backend, redact, register_backend, split_url
+from psguard.storage.registry import canonical_url, open_backend, redact, register_backend, split_url
 from psguard.storage.retry import RetryConfig, RetryingBackend
 
 __all__ = [
@@ -20,6 +20,7 @@ __all__ = [
     "open_backend",
     "redact",
     "register_backend",
+    "canonical_url",
     "split_url",
     "validate_key",
 ]

@@ -100,5 +100,10 @@ class Backend(ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release connections; the default has nothing to release."""
 
+    def explain(self, error: BaseException) -> str | None:
+        """What a failure of this backend's client means and what to do, in one line (never a credential);
+        ``None`` when the backend has nothing to add to the error's own text."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

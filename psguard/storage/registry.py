@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
+from psguard.dependencies import install_hint
 from psguard.errors import ConfigError
 from psguard.storage.base import Backend
 from psguard.storage.retry import RetryConfig, RetryingBackend
@@ -41,12 +43,38 @@ def redact(url: str) -> str:
     return _USERINFO.sub(lambda m: f"{m['scheme']}***@", url)
 
 
+# Schemes that, written with one slash (``s3:/bucket/x``), are a typo for a URL rather than a local folder name.
+_URL_LOOKALIKES = ("gs", "gcs", "az", "abfs", "abfss", "http", "https", "viewfs")
+
+
 def split_url(url: str) -> tuple[str, str]:
-    """Return (scheme, rest); a plain path is ``file``."""
+    """Return (scheme, rest); a plain path is ``file``.
+
+    ``s3:/bucket/x`` or ``s3:bucket/x`` (a URL missing a slash) is refused with :class:`ConfigError`: taken as a
+    path it would create a local folder named ``s3:`` and every checkpoint would land on the local disk.
+    """
     if "://" not in url:
+        head = url.split("/", 1)[0]
+        scheme = head[:-1].lower() if head.endswith(":") else head.split(":", 1)[0].lower() if ":" in head else ""
+        if scheme and (scheme in _REGISTRY or scheme in _URL_LOOKALIKES):
+            rest = url.split(":", 1)[1].lstrip("/")
+            rest = "/" + rest if scheme == "file" else rest
+            raise ConfigError(
+                f"storage URL {url!r} is missing a slash: write {scheme}://{rest} (for a local folder whose name "
+                f"starts with '{scheme}:', write ./{url} or file://...)"
+            )
         return "file", url
     parts = urlsplit(url)
     return parts.scheme.lower(), url.split("://", 1)[1]
+
+
+def canonical_url(url: str) -> str:
+    """``url`` in one spelling per store, to tell whether two URLs name the same one: local paths absolute and
+    resolved (``file://`` dropped), others with the scheme in lower case and no trailing slash."""
+    scheme, rest = split_url(url)
+    if scheme == "file":
+        return os.path.realpath(os.path.expanduser(rest))
+    return f"{scheme}://{rest.rstrip('/')}"
 
 
 def open_backend(
@@ -66,7 +94,7 @@ def open_backend(
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        hint = f"pip install {requirement}" if requirement else "reinstall psguard"
+        hint = install_hint(e) or (f"pip install {requirement}" if requirement else "reinstall psguard")
         raise ConfigError(f"storage scheme {scheme!r} needs a package that is not installed ({e.name}): {hint}") from e
     backend_cls = getattr(module, cls_name)
     backend: Backend = backend_cls(url, dict(storage_options or {}))

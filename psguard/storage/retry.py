@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from psguard.errors import ObjectExistsError, PsguardError, StorageError, StorageUnavailableError
+from psguard.errors import ObjectExistsError, ObjectNotFoundError, PsguardError, StorageError, StorageUnavailableError
 from psguard.storage.base import Backend, Buffer
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,28 @@ _TRANSIENT_WORDS = (
     "ServiceUnavailable",
     "RequestTimeout",
 )
+
+
+# Modules whose exceptions are storage client failures (a bad answer, no credentials), not bugs in the caller.
+_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "hdfs_native", "requests", "urllib3")
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """``Type: message`` on one line, cut to ``limit`` characters."""
+    text = " ".join(f"{type(error).__name__}: {error}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def is_client_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) came from the OS or a storage client library."""
+    seen = 0
+    e: BaseException | None = exc
+    while e is not None and seen < 10:
+        if isinstance(e, OSError) or type(e).__module__.split(".", 1)[0] in _CLIENT_MODULES:
+            return True
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return False
 
 
 class TransientStorageError(StorageError):
@@ -155,27 +177,42 @@ class RetryingBackend(Backend):
                 return fn()
             except Exception as e:
                 if not is_transient(e):
-                    raise
+                    final = self._final(op, key, e)
+                    if final is e:
+                        raise
+                    raise final from e
                 remaining = deadline - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
                     raise StorageUnavailableError(
                         f"storage unavailable: {op} {key!r} on {self.url} failed {attempt} time(s) "
-                        f"over {budget:.0f}s; last error: {type(e).__name__}: {e}. "
+                        f"over {budget:.0f}s; last error: {self._why(e)}. "
                         "Check that the storage service is up and reachable, then retry."
                     ) from e
                 sleep = min(backoff * (0.5 + random.random()), remaining, cfg.max_backoff)
-                log.info(
-                    "storage %s %s on %s failed (%s: %s); retry %d in %.2fs",
+                log.warning(
+                    "event=storage_retry op=%s key=%s url=%s attempt=%d retry_in=%.2fs deadline_left=%.1fs error=%r",
                     op,
                     key,
                     self.url,
-                    type(e).__name__,
-                    e,
                     attempt,
                     sleep,
+                    remaining,
+                    self._why(e),
                 )
                 self._stop.wait(sleep)
                 backoff = min(backoff * cfg.multiplier, cfg.max_backoff)
+
+    def _why(self, e: BaseException) -> str:
+        return self.inner.explain(e) or one_line(e)
+
+    def _final(self, op: str, key: str, e: Exception) -> Exception:
+        """A failure retrying cannot fix, as the error to raise: psguard's own as they are; a storage client's
+        as one-line :class:`StorageError` (:class:`ObjectNotFoundError` for a missing object or bucket) saying
+        what to do; anything else (a bug) as it is."""
+        if isinstance(e, PsguardError) or not (is_client_failure(e) or self.inner.explain(e)):
+            return e
+        message = f"{op} {key!r} on {self.url} failed: {self._why(e)}"
+        return ObjectNotFoundError(message) if isinstance(e, FileNotFoundError) else StorageError(message)
 
     def get(self, key: str) -> bytes:
         return self._call("get", key, lambda: self.inner.get(key))

@@ -8,6 +8,8 @@ refuses to overwrite, and a PUT is atomic, so a reader never sees a torn manifes
 
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 from urllib.parse import unquote
 
@@ -46,6 +48,53 @@ def _is_precondition_failure(e: BaseException | None) -> bool:
     return False
 
 
+_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
+_CREDENTIALS_HINT = (
+    "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE with ~/.aws, an instance or pod role, or pass "
+    "key/secret storage options"
+)
+
+
+def _chain(e: BaseException | None) -> list[BaseException]:
+    out: list[BaseException] = []
+    while e is not None and len(out) < 10 and e not in out:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def explain_s3_error(error: BaseException, url: str, endpoint: str | None) -> str | None:
+    """One line for the S3 client failures users meet when setting up (credentials, endpoint, bucket), with the
+    fix; ``None`` for anything else. Built from error codes and class names, never from what the server echoed
+    (which may quote an access key id)."""
+    bucket = url.split("://", 1)[1].split("/", 1)[0]
+    where = f"the S3 endpoint {endpoint}" if endpoint else "AWS S3 (no endpoint_url or AWS_ENDPOINT_URL set)"
+    for e in _chain(error):
+        name = type(e).__name__
+        if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
+            return f"no usable S3 credentials ({name}): {_CREDENTIALS_HINT}"
+        if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ProxyConnectionError"):
+            return f"cannot connect to {where} ({name}): check endpoint_url / AWS_ENDPOINT_URL"
+        if name == "ParamValidationError" and "bucket" in str(e).lower():
+            return f"invalid S3 bucket name {bucket!r}: use 3-63 lower-case letters, digits, dots and hyphens"
+        response = getattr(e, "response", None)
+        if isinstance(response, dict):
+            code = str(response.get("Error", {}).get("Code", ""))
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if code == "NoSuchBucket":
+                return f"bucket {bucket!r} does not exist on {where}: create it, or fix the bucket in the URL"
+            if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "InvalidToken"):
+                return f"{where} rejected the credentials ({code}): {_CREDENTIALS_HINT}"
+            if code in ("AccessDenied", "AllAccessDisabled") or status == 403:
+                return (
+                    f"access denied to s3://{bucket} ({code or 403}): the credentials in use lack permission "
+                    "for this bucket and prefix (s3:GetObject, PutObject, ListBucket, DeleteObject)"
+                )
+            if code == "InvalidBucketName":
+                return f"invalid S3 bucket name {bucket!r}: use 3-63 lower-case letters, digits, dots and hyphens"
+    return None
+
+
 def _drop_expect(request: Any, **_: Any) -> None:
     request.headers.pop("Expect", None)
 
@@ -79,8 +128,16 @@ class S3Backend(FsspecBackend):
         rest = rest.strip("/")
         if not rest:
             raise ConfigError(f"S3 URL {redact(url)!r} names no bucket; use s3://bucket/prefix")
+        bucket = rest.split("/", 1)[0]
+        if not _BUCKET.fullmatch(bucket):
+            raise ConfigError(
+                f"S3 URL {redact(url)!r}: {bucket!r} is not a bucket name (3-63 letters, digits, dots and hyphens)"
+            )
         self.root = rest
         self.url = f"s3://{rest}"
+        opts = dict(options or {})
+        client = opts.get("client_kwargs") or {}
+        self._endpoint = opts.get("endpoint_url") or client.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
         config = dict(_DEFAULT_CONFIG)
         config.update(opts.pop("config_kwargs", {}) or {})
         if "session" not in opts:
@@ -97,6 +154,9 @@ class S3Backend(FsspecBackend):
             if _is_precondition_failure(e):
                 raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
             raise
+
+    def explain(self, error: BaseException) -> str | None:
+        return explain_s3_error(error, self.url, self._endpoint)
 
     def close(self) -> None:
         self.fs.clear_instance_cache()

@@ -1,4 +1,4 @@
-"""``psguard ls | verify | gc | compact | inspect``: look after a durable checkpoint log by hand."""
+"""``psguard ls | verify | gc | compact | inspect | copy``: look after a durable checkpoint log by hand."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from psguard.errors import ConfigError
+from psguard.store.copy import copy_checkpoint
 from psguard.store.log import CheckpointInfo, Store
 
 
@@ -183,6 +184,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_copy(args: argparse.Namespace) -> int:
+    """Copy one checkpoint and its chain to another store (any backend), verified at the destination."""
+    with open_store(args) as src, Store.open(args.dest, parse_storage_options(args.dest_option)) as dst:
+        report = copy_checkpoint(src, dst, _target(src, args))
+
+    def text() -> str:
+        v = report.verified
+        return (
+            f"{report.checkpoint}: copied to {args.dest} ({len(report.chain)} checkpoint(s) in its chain, "
+            f"{report.manifests_copied} manifest(s) and {report.chunks_copied} chunk(s), {_size(report.bytes_copied)} "
+            f"written); verified there: {v.chunks_checked} chunks, {_size(v.bytes_checked)}"
+        )
+
+    _emit(args, report.to_json(), text)
+    return 0
+
+
 def _add_target(p: argparse.ArgumentParser, required: bool = False) -> None:
     g = p.add_mutually_exclusive_group(required=required)
     g.add_argument("--step", type=int, help="the newest checkpoint of this step")
@@ -210,6 +228,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_store_arguments(p)
     _add_target(p)
     p.set_defaults(func=cmd_compact)
+
+    p = sub.add_parser("copy", help="copy a checkpoint and its chain to another store, verified there")
+    add_store_arguments(p)
+    _add_target(p, required=True)
+    p.add_argument("dest", metavar="DEST_URL", help="the store to copy into (any backend)")
+    p.add_argument(
+        "--dest-option", action="append", metavar="KEY=VALUE", help="storage option for DEST_URL; repeatable"
+    )
+    p.set_defaults(func=cmd_copy)
 
     p = sub.add_parser("inspect", help="show a checkpoint's tensors (names, dtypes, shapes)")
     add_store_arguments(p)

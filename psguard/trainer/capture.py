@@ -441,9 +441,13 @@ class Capturer:
         def changed_ids(tr: _Tracked, s: Shard, fp_var: Any, dirty: DirtyRows | None, hash_all: Any) -> Any:
             if dirty is None:
                 return changed_all_rows(tr, s, fp_var), tf.constant(True), tf.constant(False)
-            # Only meaningful when the fingerprints and marks are current (not on a first or forced capture).
-            stray = tf.logical_and(stray_writes(tr, s, fp_var, dirty), tf.logical_not(hash_all))
-            use_all = tf.logical_or(tf.logical_or(hash_all, dirty.whole.read_value()), stray)
+            # Only meaningful when the fingerprints and marks are current (not on a first or forced capture), and
+            # when no write marked the whole shard: then every row may have moved without a row mark (a dense
+            # update, such as Keras 3 optimizers make in eager mode), and every row is hashed anyway.
+            whole = dirty.whole.read_value()
+            unmarked = tf.logical_not(tf.logical_or(hash_all, whole))
+            stray = tf.logical_and(stray_writes(tr, s, fp_var, dirty), unmarked)
+            use_all = tf.logical_or(tf.logical_or(hash_all, whole), stray)
             ids = tf.cond(
                 use_all,
                 lambda: changed_all_rows(tr, s, fp_var),

@@ -39,12 +39,14 @@ from typing import Any
 
 import numpy as np
 
+from psguard.dependencies import import_optional
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.client import report_recovery
-from psguard.handoff.contract import ENV_SPOOL, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
+from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
 from psguard.handoff.spool import Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
+from psguard.storage.registry import canonical_url
 from psguard.storage.retry import RetryingBackend
 from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Same, TensorUpdate
@@ -146,6 +148,41 @@ class _StepClock:
         return statistics.median(self._per_step) if self._per_step else None
 
 
+def _ps_devices(capturer: Capturer) -> list[str]:
+    """The parameter-server devices holding the capturer's variables (empty when none is on a PS)."""
+    return sorted({s.device for info in capturer.tensors.values() for s in info.shards if "/job:ps/" in s.device})
+
+
+def _agent_spool(directory: str) -> str | None:
+    """The spool of the agent that runs this trainer (``$PSGUARD_SPOOL``), checked against the durable log it
+    writes (``$PSGUARD_STORE``): ``None`` (the manager writes ``directory`` itself) when that agent has no
+    ``--store``; :class:`ConfigError` when its store is not ``directory``. Either way the user's checkpoints
+    never end up somewhere they did not say, or nowhere, without a word."""
+    spool = os.environ.get(ENV_SPOOL)
+    agent_store = os.environ.get(ENV_STORE)
+    if not spool or agent_store is None:  # no agent, or one from before the store was handed over
+        return spool or None
+    if not agent_store:
+        log.warning(
+            "event=agent_without_store spool=%s directory=%s: the psguard agent running this trainer was started "
+            "without --store and keeps checkpoints in memory only, so this manager writes its durable checkpoints "
+            "to %s itself, without the agent's memory tier. Fix: start the agent (psguard agent, psguard wrap) "
+            "with --store %s",
+            spool,
+            directory,
+            directory,
+            directory,
+        )
+        return None
+    if canonical_url(agent_store) != canonical_url(directory):
+        raise ConfigError(
+            f"this trainer's psguard agent writes checkpoints to --store {agent_store}, but the manager is pointed "
+            f"at {directory}: everything would go to {agent_store} and {directory} would stay empty. Fix: give "
+            f"psguard.CheckpointManager the agent's URL ({agent_store}) or start the agent with --store {directory}"
+        )
+    return spool
+
+
 class _Policy:
     """Where the manager's schedule and retention come from, kept current when a policy file is edited.
 
@@ -243,6 +280,7 @@ class CheckpointManager:
         restore_timeout: float = 120.0,
         hang: HangSpec | None = None,
     ) -> None:
+        import_optional("tensorflow")  # without it, say which extra brings it (psguard[cpu] or psguard[gpu])
         if max_to_keep is not None and max_to_keep < 1:
             raise PsguardError("max_to_keep must be >= 1 or None (keep everything)")
         if retention is not None and (max_to_keep is not None or keep_checkpoint_every_n_hours is not None):
@@ -251,6 +289,7 @@ class CheckpointManager:
             retention = Retention(keep_last=max_to_keep, keep_every_hours=keep_checkpoint_every_n_hours)
         self._checkpoint = checkpoint
         self._directory = str(directory)
+        spool_dir = spool if spool is not None else _agent_spool(self._directory)  # before the store is opened
         self.checkpoint_name = checkpoint_name
         self._max_to_keep = max_to_keep
         self._retention_arg = retention
@@ -268,7 +307,6 @@ class CheckpointManager:
         self._graph: bytes | None = None
         self.restored: RestoreInfo | None = None
         self.restore_timeout = restore_timeout
-        spool_dir = spool if spool is not None else os.environ.get(ENV_SPOOL)
         self._sink: Sink
         if spool_dir:
             self._sink = AgentSink(
@@ -369,6 +407,13 @@ class CheckpointManager:
         without asking for a durable write (the default is both).
         """
         with self._capture_lock:
+            if checkpoint_number is None and self.coordinator is None and (on_ps := _ps_devices(self.capturer)):
+                raise ConfigError(
+                    f"variables live on parameter servers ({on_ps[0]}, ...) and this manager has no coordinator: "
+                    "a save would read them while workers still run queued steps and stamp the step counter's value "
+                    "from before those steps. Fix: pass coordinator= (the job's ClusterCoordinator) to "
+                    "psguard.CheckpointManager, or save(checkpoint_number=N) with a step you know"
+                )
             if self._save_counter is not None:
                 self._save_counter.assign_add(1)
             if checkpoint_number is None and self.coordinator is not None:

@@ -1,0 +1,41 @@
+"""Working folders that psguard's own commands (``psguard demo --dir``, ``psguard chaos run --report``) recreate.
+
+Such a command starts from an empty folder, so it deletes what a previous run left. It must never delete a folder
+it did not make: a mistyped ``--dir ~/project`` would take the project with it. A folder a psguard run made
+carries :data:`MARKER`; only such a folder, an empty one, or none at all is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from psguard.errors import ConfigError
+
+__all__ = ["MARKER", "claim_folder"]
+
+MARKER = ".psguard-run"
+"""The file a psguard run leaves in the folder it made: a reused folder is recognised by it."""
+
+
+def claim_folder(directory: str | os.PathLike[str], owner: str) -> Path:
+    """Make ``directory`` an empty folder marked as ``owner``'s (e.g. ``psguard demo``) and return it, resolved.
+
+    A missing or empty folder is taken; one that carries :data:`MARKER` is emptied; anything else is refused
+    with :class:`ConfigError` and left as it is.
+    """
+    path = Path(directory).expanduser()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{path} is a file, not a folder: give {owner} a folder to work in")
+    if path.is_dir() and any(path.iterdir()):
+        if not (path / MARKER).is_file():
+            raise ConfigError(
+                f"{path} is not empty and was not made by a psguard run (no {MARKER} in it): {owner} will not "
+                "delete it. Give a new or empty folder, or delete this one yourself"
+            )
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / MARKER).write_text(json.dumps({"by": owner, "pid": os.getpid()}) + "\n")
+    return path.resolve()

@@ -1,0 +1,93 @@
+"""Copying one checkpoint and the chain it needs from one store to another, across backends, verified.
+
+The copy follows the store's own commit protocol at the destination: under a writer lock (so a gc there leaves
+the new chunks alone), every chunk a manifest references is read from the source with its SHA-256 and CRC32C
+checked, written, and only then the manifest, create-only, base first. A manifest already at the destination
+is kept (checkpoint ids are unique: same id, same checkpoint), and so is a chunk (content-addressed). At the
+end the destination verifies the whole chain by reading it back; a damaged chunk found there is written again
+once from the verified source, and verified again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psguard.errors import CorruptCheckpointError, ObjectExistsError
+from psguard.store.chunks import ChunkReader
+from psguard.store.log import Store, VerifyReport
+from psguard.store.manifest import Manifest, chunk_key, manifest_key
+
+__all__ = ["CopyReport", "copy_checkpoint"]
+
+
+@dataclass(frozen=True)
+class CopyReport:
+    checkpoint: str
+    chain: tuple[str, ...]
+    manifests_copied: int
+    chunks_copied: int
+    bytes_copied: int
+    verified: VerifyReport
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "checkpoint": self.checkpoint,
+            "chain": list(self.chain),
+            "manifests_copied": self.manifests_copied,
+            "chunks_copied": self.chunks_copied,
+            "bytes_copied": self.bytes_copied,
+            "verified": self.verified.to_json(),
+        }
+
+
+def _copy_chunks(src: Store, dst: Store, m: Manifest, only: set[str] | None = None) -> tuple[int, int]:
+    reader = ChunkReader(src.backend, checkpoint=m.id, verify_hash=True)
+    count = nbytes = 0
+    for ref in {r.hash: r for r in m.refs()}.values():
+        key = chunk_key(ref.hash)
+        if only is not None and ref.hash not in only:
+            continue
+        if only is None and dst.backend.exists(key):
+            continue
+        data = reader.read(ref)  # raises CorruptCheckpointError when the source's copy is damaged
+        dst.backend.put(key, data)
+        count += 1
+        nbytes += len(data)
+    return count, nbytes
+
+
+def copy_checkpoint(src: Store, dst: Store, checkpoint_id: str) -> CopyReport:
+    """Copy ``checkpoint_id`` and its chain from ``src`` to ``dst``; the destination's verification of it."""
+    chain = src.chain(checkpoint_id)
+    lease, keeper = dst._acquire_writer_lock(checkpoint_id, None)  # a gc at the destination keeps our chunks
+    manifests = chunks = nbytes = 0
+    try:
+        for m in chain:
+            c, n = _copy_chunks(src, dst, m)
+            chunks, nbytes = chunks + c, nbytes + n
+            key = manifest_key(m.id)
+            if dst.backend.exists(key):
+                continue
+            try:
+                keeper.confirm()  # still our lease: a gc at the destination cannot have taken the chunks
+                dst.backend.put_new(key, src.backend.get(key))  # the commit, after every chunk it names
+                manifests += 1
+            except ObjectExistsError:
+                pass  # another copy committed it meanwhile: the same checkpoint
+        report = dst.verify(checkpoint_id)
+        if not report.ok:
+            damaged = {p.chunk for p in report.problems if p.chunk}
+            for m in chain:
+                c, n = _copy_chunks(src, dst, m, only=damaged)
+                chunks, nbytes = chunks + c, nbytes + n
+            report = dst.verify(checkpoint_id)
+    finally:
+        keeper.stop()
+        lease.release()
+    if not report.ok:
+        raise CorruptCheckpointError(
+            f"copy of {checkpoint_id} to {dst.url} does not verify there: "
+            + "; ".join(p.message for p in report.problems[:3]),
+            checkpoint=checkpoint_id,
+        )
+    return CopyReport(checkpoint_id, tuple(m.id for m in chain), manifests, chunks, nbytes, report)
