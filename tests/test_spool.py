@@ -658,3 +658,55 @@ def test_watchdogs_stop_race_message_is_not_logged_as_an_error(
         logger.error("InotifyEmitter.queue_events() called when the thread is inactive")
         logger.error("a real watchdog error")
     assert [r.getMessage() for r in caplog.records] == ["a real watchdog error"]
+
+
+# ------------------------------------------------------------------------------------------------ other users
+def test_the_spool_folder_is_private_and_a_foreign_or_open_one_is_refused(tmp_path: Path) -> None:
+    """Another local user who makes /dev/shm/psguard-<job> first must not be able to hand the agent a model."""
+    import stat as stat_mod
+
+    from psguard.agent.memory_tier import MemoryTier
+    from psguard.errors import ConfigError
+    from psguard.trainer.spool_writer import SpoolWriter
+
+    root = tmp_path / "fresh"
+    with SpoolWriter(root) as w:
+        w.heartbeat(1, None)
+    assert stat_mod.S_IMODE(root.stat().st_mode) == 0o700
+    assert stat_mod.S_IMODE((root / "heartbeat.json").stat().st_mode) == 0o600
+    assert all(stat_mod.S_IMODE(p.stat().st_mode) == 0o700 for p in root.iterdir() if p.is_dir())
+
+    open_root = tmp_path / "open"
+    open_root.mkdir()
+    open_root.chmod(0o777)  # as another user's pre-created folder would be
+    with pytest.raises(ConfigError, match="group or others write"):
+        SpoolWriter(open_root)
+    with pytest.raises(ConfigError, match="group or others write"):
+        SpoolServer(open_root, MemoryTier()).start(watch=False)
+    link = tmp_path / "link"
+    link.symlink_to(root)
+    with pytest.raises(ConfigError, match="not a folder"):
+        SpoolWriter(link)
+    if os.geteuid() != 0:
+        pytest.skip("the other-owner case needs root to give a folder away (the mode cases above ran)")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir(mode=0o700)
+    os.chown(foreign, 65534, 65534)  # nobody
+    with pytest.raises(ConfigError, match="owned by uid 65534"):
+        SpoolWriter(foreign)
+
+
+def test_a_stray_huge_sequence_number_is_ignored_not_obeyed(tmp_path: Path) -> None:
+    from psguard.agent.memory_tier import MemoryTier
+    from psguard.trainer.spool_writer import SpoolWriter
+
+    root = tmp_path / "spool"
+    with SpoolWriter(root) as w:
+        (root / "incoming" / ("9" * 255)).mkdir()
+        server = SpoolServer(root, MemoryTier()).start(watch=False)
+        try:
+            handle = w.submit(Capture(1, whole({"t": np.arange(4, dtype=np.float32)})))
+            server.process_once()
+            assert handle.result(timeout=10).status == "ok"
+        finally:
+            server.stop()

@@ -41,6 +41,7 @@ from psguard.handoff.spool import (
     read_json_if_present,
     try_flock,
     write_array,
+    write_private,
 )
 from psguard.store.dtypes import dtype_name
 
@@ -440,7 +441,7 @@ class SpoolServer:
             reason = "the spool's tmpfs is full" if isinstance(e, OSError) and e.errno == errno.ENOSPC else str(e)
             doc = {"format": RESTORE_FORMAT, "version": VERSION, "status": "error", "message": reason}
             log.warning("spool %s: could not export the memory tier: %s", self.root, e)
-        (tmp / "manifest.json").write_bytes(json.dumps(doc, allow_nan=False).encode())
+        write_private(tmp / "manifest.json", json.dumps(doc, allow_nan=False).encode())
         os.rename(tmp, final)
         with contextlib.suppress(OSError):
             request.unlink()

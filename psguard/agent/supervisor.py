@@ -65,6 +65,7 @@ from psguard.agent.standby import Standby
 from psguard.config import Check, Duration, validate
 from psguard.errors import CrashLoopError, PsguardError
 from psguard.handoff.contract import EXIT_OK, EXIT_RESTART
+from psguard.handoff.credentials import ensure_private_dir
 
 if TYPE_CHECKING:
     from typing import Self
@@ -631,7 +632,7 @@ class Supervisor:
     def _write_record(self) -> None:
         if self._record is None:
             return
-        self._record.parent.mkdir(parents=True, exist_ok=True)
+        ensure_private_dir(self._record.parent, "state_dir")  # its records tell the next agent what to kill
         doc = {
             "task": self.name,
             "tree": self._tree,

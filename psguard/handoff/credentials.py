@@ -28,7 +28,7 @@ from psguard.errors import ConfigError
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["TokenFile", "check_private_file", "create_token_file", "read_secret_file"]
+__all__ = ["TokenFile", "check_private_file", "create_token_file", "ensure_private_dir", "read_secret_file"]
 
 
 def check_private_file(path: str | os.PathLike[str], what: str) -> os.stat_result:
@@ -55,6 +55,42 @@ def check_private_file(path: str | os.PathLike[str], what: str) -> os.stat_resul
             f"Fix: chmod 600 {name} (on Kubernetes: defaultMode: 0400 on the Secret volume)"
         )
     return st
+
+
+def ensure_private_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a folder only this user can write: created ``0700`` when absent, refused when it is a link,
+    not a folder, owned by another user, or writable by group or others.
+
+    The spool and the agents' state folders default to ``/dev/shm``, which every local user can write: another
+    user who creates ``/dev/shm/psguard-<job>`` first could hand the agent forged captures (a model poisoned
+    into the memory tier and the durable log) or read the weights. Its parents are not checked: they are the
+    system's (``/dev/shm``, ``/tmp``) or the user's own.
+    """
+    folder = Path(path)
+    try:
+        os.mkdir(folder, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        return ensure_private_dir(folder, what)
+    except OSError as e:
+        raise ConfigError(f"{what} {folder}: cannot create the folder: {e.strerror or e}") from None
+    st = os.lstat(folder)
+    fix = f"remove it (rm -r {folder}) if it is not yours, or choose another folder"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"{what} {folder}: not a folder (a link or a file is in its place); {fix}")
+    if st.st_uid != os.geteuid():
+        raise ConfigError(
+            f"{what} {folder}: owned by uid {st.st_uid}, not by this user (uid {os.geteuid()}): whoever owns it could "
+            f"hand this process forged checkpoints; {fix}"
+        )
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"{what} {folder}: mode {stat.S_IMODE(st.st_mode):04o} lets group or others write in it (forged "
+            f"checkpoints); chmod 700 {folder}, or {fix}"
+        )
+    return folder
 
 
 def read_secret_file(path: str | os.PathLike[str], what: str) -> str:

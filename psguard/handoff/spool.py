@@ -95,6 +95,7 @@ from psguard.errors import (
     SaveError,
 )
 from psguard.handoff.contract import Tier
+from psguard.handoff.credentials import ensure_private_dir
 from psguard.store.chunks import as_le_bytes, byte_view, deserialize_strings, serialize_strings
 from psguard.store.dtypes import dtype_from_name, dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
@@ -110,6 +111,7 @@ __all__ = [
     "default_spool_dir",
     "read_capture",
     "read_restore",
+    "write_private",
 ]
 
 log = logging.getLogger(__name__)
@@ -118,9 +120,9 @@ CAPTURE_FORMAT = "psguard-spool-capture"
 RESTORE_FORMAT = "psguard-spool-restore"
 VERSION = 1
 _PIECE = 8 << 20  # bytes per write/read+CRC step: keeps the piece in cache between the two
-SEQ_RE = re.compile(r"^[0-9]{12,}$")
+SEQ_RE = re.compile(r"^[0-9]{12,18}$")  # at most 18 digits: a stray huge name is ignored, not obeyed
 GEN_RE = re.compile(r"^[0-9a-f]{8}$")
-TMP_RE = re.compile(r"^([0-9]+)\.tmp-([0-9a-f]{8})$")
+TMP_RE = re.compile(r"^([0-9]{1,18})\.tmp-([0-9a-f]{8})$")
 REQ_RE = re.compile(r"^restore-([0-9a-f]{8})-([0-9a-f]{12})\.json$")
 RESTORE_RE = re.compile(r"^([0-9a-f]{8})-([0-9a-f]{12})$")
 AGENT_TMP = ".tmp-agent"
@@ -233,10 +235,16 @@ class NeedFullCaptureError(SaveError):
 
 
 # ------------------------------------------------------------------------------------------------ files
+def write_private(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` readable by this user only (``0600``): spool files hold model weights."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        f.write(data)
+
+
 def atomic_write_json(path: Path, doc: Mapping[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     try:
-        tmp.write_bytes(json.dumps(doc, allow_nan=False).encode())
+        write_private(tmp, json.dumps(doc, allow_nan=False).encode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -246,14 +254,14 @@ def atomic_write_json(path: Path, doc: Mapping[str, Any]) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    tmp.write_text(text)
+    write_private(tmp, text.encode())
     os.replace(tmp, path)
 
 
 def _write_blob(path: Path, data: memoryview) -> int:
     """Write ``data``; return its CRC32C, computed piece by piece while the piece is in cache."""
     crc = 0
-    with open(path, "wb", buffering=0) as f:
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb", buffering=0) as f:
         for start in range(0, len(data), _PIECE):
             piece = data[start : start + _PIECE]
             crc = _crc32c.crc32c(piece, crc)
@@ -499,8 +507,10 @@ class SpoolPaths:
         self.seq_lock = self.root / "seq.lock"
 
     def make(self) -> None:
+        """Create the layout, the spool folder private to this user (refused if someone else could write it)."""
+        ensure_private_dir(self.root, "spool")
         for d in (self.incoming, self.acks, self.requests, self.restore, self.writers):
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(mode=0o700, exist_ok=True)
 
     def ack(self, seq: int, kind: str = "") -> Path:
         return self.acks / f"{seq:012d}{'.' + kind if kind else ''}.json"
@@ -508,7 +518,7 @@ class SpoolPaths:
 
 def try_flock(path: Path, mode: int) -> int | None:
     """An fd holding ``mode`` on ``path`` (created if absent), or None when someone else holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:

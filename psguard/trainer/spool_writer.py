@@ -42,11 +42,15 @@ from psguard.handoff.spool import (
     read_restore,
     try_flock,
     write_capture_files,
+    write_private,
 )
 
 __all__ = ["CaptureHandle", "RestoreHandle", "SpoolWriter"]
 
 log = logging.getLogger(__name__)
+
+#: Sequence numbers stay below this (18 digits): a larger one in the spool is garbage, not a number to follow.
+MAX_SEQ = 10**18
 T = TypeVar("T")
 
 
@@ -196,11 +200,13 @@ class SpoolWriter:
         number in the spool's folders), write the next one by rename, release. Two writers (an orphaned
         trainer and its replacement) therefore never hand off two captures under one number.
         """
-        fd = os.open(self._paths.seq_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._paths.seq_lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a rename: microseconds
             try:
                 last = int(self._paths.seq.read_text().strip())
+                if not 0 <= last < MAX_SEQ:
+                    raise ValueError("out of range")
             except (FileNotFoundError, ValueError):
                 last = self._high_water()
             seq = max(last, self._last_seq) + 1
@@ -212,7 +218,7 @@ class SpoolWriter:
 
     def _unreserve(self, seq: int) -> None:
         """Give ``seq`` back after a hand-off that failed (a full tmpfs), if no one reserved a later one."""
-        fd = os.open(self._paths.seq_lock, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self._paths.seq_lock, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             with contextlib.suppress(FileNotFoundError, ValueError):
@@ -226,7 +232,7 @@ class SpoolWriter:
         high = -1
         for folder in (self._paths.incoming, self._paths.acks):
             for name in os.listdir(folder):
-                m = re.match(r"^\.?([0-9]+)", name)
+                m = re.match(r"^\.?([0-9]{1,18})(?![0-9])", name)  # a stray huge name is not a sequence number
                 if m:
                     high = max(high, int(m.group(1)))
         return high
@@ -295,7 +301,7 @@ class SpoolWriter:
                     "created_at": time.time(),
                     "tensors": entries,
                 }
-                (tmp / "capture.json").write_bytes(json.dumps(doc, allow_nan=False).encode())
+                write_private(tmp / "capture.json", json.dumps(doc, allow_nan=False).encode())
                 os.rename(tmp, final)  # the hand-off
             except BaseException as e:
                 shutil.rmtree(tmp, ignore_errors=True)
