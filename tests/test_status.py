@@ -51,6 +51,7 @@ def job(tmp_path: Path) -> Iterator[dict[str, Any]]:
         )
         token_file = tmp_path / "token"
         token_file.write_text(TOKEN + "\n")
+        token_file.chmod(0o600)  # a token file others can read is refused
         yield {"chief": chief.url, "ps": ps.url, "token_file": str(token_file), "chief_doc": chief_doc}
 
 
