@@ -175,10 +175,11 @@ class AgentProc:
         argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *args, "--config", str(config)]
         argv += ["--ready-file", str(self.ready_file)]
         self.token: str | None = None
+        self.token_file: Path | None = None
         if "--token-file" not in args:  # one token for the test's agents: the chief's agent calls its peers
-            token_file = run_token_file(tmp)
-            argv += ["--token-file", str(token_file)]
-            self.token = read_token(str(token_file))
+            self.token_file = run_token_file(tmp)
+            argv += ["--token-file", str(self.token_file)]
+            self.token = read_token(str(self.token_file))
         if command:
             argv += ["--", *command]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
@@ -857,7 +858,8 @@ def test_metrics_start_at_zero_and_peers_are_labelled_by_task_name(
         assert line + "\n" in metrics, line
     assert "peer 127.0.0.1" not in metrics and ps.url.split("//")[1] not in metrics
     # psguard status from the chief's URL alone: both tasks, the chief's tiers
-    assert cli_main(["status", chief.url]) == 0
+    assert chief.token_file is not None
+    assert cli_main(["status", chief.url, "--token-file", str(chief.token_file)]) == 0
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     assert [r[0] for r in rows[1:3]] == ["chief:0", "ps:0"] and rows[1][5] == rows[2][5] == "yes"
 
