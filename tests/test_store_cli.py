@@ -103,7 +103,7 @@ def test_bad_input_gets_a_clear_error(tmp_path: Path) -> None:
     out = psguard("gc", str(tmp_path), "--keep-last", "0")
     assert out.returncode == 2 and "keeps nothing" in out.stderr
     out = psguard("ls", str(tmp_path / "nothing-here"))
-    assert out.returncode == 0 and "no checkpoints" in out.stdout
+    assert out.returncode == 4 and out.stderr.count("\n") == 1 and "the folder does not exist" in out.stderr
     out = psguard("ls", str(tmp_path), "-o", "novalue")
     assert out.returncode == 2 and "KEY=VALUE" in out.stderr
 
@@ -172,3 +172,45 @@ def test_copy_goes_across_backends(populated: tuple[str, list[str]]) -> None:
     assert cli.main(["copy", url, "--id", ids[2], dest]) == 0
     with Store.open(dest) as dst:
         assert [c.id for c in dst.checkpoints()] == ids and dst.verify(ids[2]).ok
+
+
+# ------------------------------------------------------------------------------------------------ missing store
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["ls"],
+        ["verify"],
+        ["gc", "--keep-last", "1"],
+        ["compact"],
+        ["inspect"],
+        ["copy", "--step", "1", "DEST"],
+        ["export", "OUT"],
+    ],
+)
+@pytest.mark.parametrize("spelling", ["path", "file-url"])
+def test_a_missing_local_store_is_refused_not_empty(
+    command: list[str], spelling: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "typo"
+    url = str(missing) if spelling == "path" else f"file://{missing}"
+    args = [command[0], url, *(str(tmp_path / a.lower()) if a.isupper() else a for a in command[1:])]
+    assert cli.main(args) == cli.EXIT_NOT_FOUND
+    err = capsys.readouterr().err.strip()
+    assert err == f"psguard: error: no store at {missing}: the folder does not exist; check the URL"
+    assert not missing.exists() and not (tmp_path / "dest").exists()
+
+
+def test_an_empty_store_folder_lists_nothing_and_has_nothing_to_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["ls", str(tmp_path)]) == cli.EXIT_OK
+    assert "no checkpoints" in capsys.readouterr().out
+    assert cli.main(["verify", str(tmp_path)]) == cli.EXIT_NOT_FOUND
+    assert f"no checkpoint to verify in {tmp_path}" in capsys.readouterr().err
+
+
+def test_writers_still_create_a_missing_local_folder(tmp_path: Path) -> None:
+    url = str(tmp_path / "new" / "store")
+    with Store.open(url) as s:
+        s.save(1, {"w": np.zeros(3, dtype=np.float32)})
+    assert cli.main(["verify", url]) == cli.EXIT_OK

@@ -6,9 +6,11 @@ import argparse
 import datetime as dt
 import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from psguard.errors import ConfigError
+from psguard.errors import ConfigError, NoCheckpointError
+from psguard.storage.registry import split_url
 from psguard.store.copy import copy_checkpoint
 from psguard.store.log import CheckpointInfo, Store
 
@@ -39,7 +41,24 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def open_store(args: argparse.Namespace) -> Store:
+def require_local_store(url: str) -> None:
+    """Refuse a local store URL whose folder does not exist: the read-only and maintenance commands would
+    otherwise report "no checkpoints" (and ``verify`` pass) for a typo. Other schemes have no folders to check
+    (an S3 prefix exists once something is written under it); writers create a missing local folder."""
+    scheme, rest = split_url(url)
+    if scheme != "file":
+        return
+    path = Path(rest).expanduser().absolute()
+    if not path.exists():
+        raise NoCheckpointError(f"no store at {path}: the folder does not exist; check the URL")
+    if not path.is_dir():
+        raise NoCheckpointError(f"no store at {path}: it is a file, not a folder; check the URL")
+
+
+def open_store(args: argparse.Namespace, *, must_exist: bool = True) -> Store:
+    """The store a command names; with ``must_exist`` (every command but ``follow``), a local folder must exist."""
+    if must_exist:
+        require_local_store(args.url)
     return Store.open(args.url, parse_storage_options(args.storage_option))
 
 
@@ -91,12 +110,12 @@ def _target(store: Store, args: argparse.Namespace) -> str:
 def cmd_verify(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         targets = [_target(store, args)] if (args.step is not None or args.id) else store.checkpoint_ids()
+        if not targets:
+            raise NoCheckpointError(f"no checkpoint to verify in {args.url}")
         reports = [store.verify(cid) for cid in targets]
     ok = all(r.ok for r in reports)
 
     def text() -> str:
-        if not reports:
-            return f"no checkpoints in {args.url}"
         lines = []
         for r in reports:
             status = "ok" if r.ok else "CORRUPT"
