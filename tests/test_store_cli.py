@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
+import pty
+import re
+import select
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from psguard import cli
+from psguard import cli, progress
+from psguard.storage.base import Backend
+from psguard.storage.metered import MeteredBackend
+from psguard.store import log
 from psguard.store.log import Store
-from psguard.store.manifest import chunk_key
+from psguard.store.manifest import CHUNK_PREFIX, chunk_key
 from psguard.tensors import Rows
 
 
@@ -214,3 +225,155 @@ def test_writers_still_create_a_missing_local_folder(tmp_path: Path) -> None:
     with Store.open(url) as s:
         s.save(1, {"w": np.zeros(3, dtype=np.float32)})
     assert cli.main(["verify", url]) == cli.EXIT_OK
+
+
+# ------------------------------------------------------------------------------------------------ progress
+PLAIN_LINE = re.compile(r"^verify: \d+(\.\d)? (B|KiB|MiB) of \d+(\.\d)? (B|KiB|MiB) \(\d+%\), .+/s, ETA \S+$")
+
+
+def test_plain_progress_lines_are_spaced_and_carry_bytes_rate_and_eta() -> None:
+    now = [0.0]
+    lines: list[str] = []
+
+    class Sink:
+        def write(self, text: str) -> None:
+            lines.extend(t for t in text.split("\n") if t)
+
+        def flush(self) -> None:
+            pass
+
+    p = progress.PlainProgress("verify", 10 << 20, Sink(), interval=5.0, clock=lambda: now[0])  # type: ignore[arg-type]
+    for _ in range(10):  # 1 MiB a second for 10 seconds, reported every second
+        now[0] += 1.0
+        p.update(1 << 20)
+    p.close()
+    assert lines == [
+        "verify: 5.0 MiB of 10.0 MiB (50%), 1.0 MiB/s, ETA 5s",
+        "verify: 10.0 MiB of 10.0 MiB (100%), 1.0 MiB/s, ETA 0s",
+        "verify: done, 10.0 MiB in 10s",
+    ]
+
+
+def test_verify_streams_verdicts_and_shows_plain_progress_off_a_terminal(
+    populated: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, ids = populated
+    monkeypatch.setattr(progress, "PLAIN_INTERVAL", 0.0)  # a line on every read: the store is tiny
+    printed_before: list[str] = []
+    verify = Store._verify
+
+    def spy(self: Store, cid: str, cache: dict[str, str | None] | None) -> Any:
+        printed_before.append(capsys.readouterr().out)
+        return verify(self, cid, cache)
+
+    monkeypatch.setattr(Store, "_verify", spy)
+    assert cli.main(["verify", url]) == 0
+    out, err = capsys.readouterr()
+    # each verdict was on stdout before the next checkpoint's verification began
+    assert printed_before[0] == "" and printed_before[1].startswith(f"{ids[0]}: ok")
+    assert printed_before[2].startswith(f"{ids[1]}: ok") and out.startswith(f"{ids[2]}: ok")
+    err_lines = err.splitlines()
+    assert err_lines and all(PLAIN_LINE.match(x) for x in err_lines[:-1]), err
+    assert err_lines[-1].startswith("verify: done, ")
+    assert cli.main(["verify", url, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_verify_json_is_one_document_at_the_end(
+    populated: tuple[str, list[str]], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, ids = populated
+    monkeypatch.setattr(progress, "PLAIN_INTERVAL", 0.0)
+    assert cli.main(["verify", url, "--json"]) == 0
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["ok"] and [r["checkpoint"] for r in doc["reports"]] == ids
+    assert set(doc["reports"][0]) == {"checkpoint", "ok", "chain", "chunks_checked", "bytes_checked", "problems"}
+    assert "verify: " in err
+
+
+@pytest.mark.parametrize("command", ["verify", "compact", "copy"])
+def test_progress_on_a_terminal_does_not_get_in_the_way(
+    command: str, populated: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    url, _ = populated
+    args = {"verify": [url], "compact": [url], "copy": [url, "--step", "30", str(tmp_path / "dest")]}[command]
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    chunks: list[bytes] = []
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-m", "psguard.cli", command, *args], stdout=subprocess.PIPE, stderr=slave, text=True
+        ) as proc:
+            os.close(slave)
+            slave = -1
+            while True:  # drain the terminal while the command runs: what it held is gone once the command exits
+                ready, _, _ = select.select([master], [], [], 0.05)
+                if ready:
+                    try:
+                        chunks.append(os.read(master, 65536))
+                    except OSError:  # EIO: the command closed its side
+                        break
+                elif proc.poll() is not None:
+                    break
+            stdout = proc.stdout.read() if proc.stdout else ""
+            proc.wait(timeout=120)
+    finally:
+        os.close(master)
+        if slave != -1:
+            os.close(slave)
+    err = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert {"verify": ": ok", "compact": "compacted", "copy": "copied to"}[command] in stdout
+    assert f"{command}:" in err and "B/s" in err  # tqdm's bar: name, bytes, rate
+
+
+# ------------------------------------------------------------------------------------------------ verify reads once
+class CountingBackend(MeteredBackend):
+    """Counts the bytes of chunks read (manifests aside)."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner, lambda n: None)
+        self.chunk_bytes_read = 0
+
+    def get_into(self, key: str, out: memoryview) -> int:
+        size = self.inner.get_into(key, out)
+        if key.startswith(CHUNK_PREFIX):
+            self.chunk_bytes_read += min(size, len(out))
+        return size
+
+    def get(self, key: str) -> bytes:
+        data = self.inner.get(key)
+        if key.startswith(CHUNK_PREFIX):
+            self.chunk_bytes_read += len(data)
+        return data
+
+
+def test_verify_reads_each_chunk_once_however_many_chains_share_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url = str(tmp_path / "store")
+    t = np.arange(40000, dtype=np.float32).reshape(10000, 4)
+    with Store.open(url, chunk_bytes=8192) as s:
+        ids = [s.save(0, {"emb": t.copy()}).id]
+        for step in range(1, 11):  # 1 base + 10 deltas, each over the previous one
+            t[step * 7] = -step
+            upd = {"emb": Rows(np.array([step * 7]), t[step * 7 : step * 7 + 1], t.shape)}
+            ids.append(s.save(step, upd, parent=ids[-1]).id)
+    stored = sum(p.stat().st_size for p in (Path(url) / CHUNK_PREFIX).rglob("*") if p.is_file())
+    opened: list[CountingBackend] = []
+    open_backend = log.open_backend
+
+    def counting(*a: Any, **kw: Any) -> Backend:
+        opened.append(CountingBackend(open_backend(*a, **kw)))
+        return opened[-1]
+
+    monkeypatch.setattr(log, "open_backend", counting)
+    with Store.open(url) as s:  # before: each checkpoint verified on its own, its whole chain read again
+        assert all(s.verify(cid).ok for cid in ids)
+    before = opened[-1].chunk_bytes_read
+    assert cli.main(["verify", url, "--quiet"]) == 0
+    after = opened[-1].chunk_bytes_read
+    print(f"chunk bytes read by verify: before {before}, after {after}; stored {stored}")
+    assert after <= stored < before / 5
