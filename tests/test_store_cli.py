@@ -377,3 +377,46 @@ def test_verify_reads_each_chunk_once_however_many_chains_share_it(
     after = opened[-1].chunk_bytes_read
     print(f"chunk bytes read by verify: before {before}, after {after}; stored {stored}")
     assert after <= stored < before / 5
+
+
+# ------------------------------------------------------------------------------------------------ TensorFlow's C++ log
+TF_CPP_LINE = re.compile(r"^[IWEF]\d{4} \d\d:\d\d:\d\d|cpu_feature_guard|absl::InitializeLog|oneDNN custom operations")
+
+
+@pytest.mark.slow
+def test_export_keeps_tensorflow_cpp_logging_out_of_its_output(
+    populated: tuple[str, list[str]], tmp_path: Path
+) -> None:
+    url, _ = populated
+    env = {k: v for k, v in os.environ.items() if k not in cli.QUIET_TENSORFLOW}
+    out = subprocess.run(
+        [sys.executable, "-m", "psguard.cli", "export", url, str(tmp_path / "tf"), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "tf" / "checkpoint").exists()
+    assert not [line for line in out.stderr.splitlines() if TF_CPP_LINE.search(line)], out.stderr
+    # -vv leaves TensorFlow's logging as the environment has it: the same command then shows its C++ lines
+    loud = subprocess.run(
+        [sys.executable, "-m", "psguard.cli", "-vv", "export", url, str(tmp_path / "tf2"), "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert loud.returncode == 0, loud.stderr
+    assert [line for line in loud.stderr.splitlines() if TF_CPP_LINE.search(line)], loud.stderr
+
+
+def test_quieting_tensorflow_leaves_what_the_user_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS", raising=False)
+    cli.quiet_tensorflow(verbose=1)
+    assert os.environ["TF_CPP_MIN_LOG_LEVEL"] == "1" and os.environ["TF_ENABLE_ONEDNN_OPTS"] == "0"
+    monkeypatch.delenv("TF_CPP_MIN_LOG_LEVEL")
+    monkeypatch.delenv("TF_ENABLE_ONEDNN_OPTS")
+    cli.quiet_tensorflow(verbose=2)
+    assert "TF_CPP_MIN_LOG_LEVEL" not in os.environ and "TF_ENABLE_ONEDNN_OPTS" not in os.environ
