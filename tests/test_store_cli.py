@@ -292,6 +292,25 @@ def test_verify_json_is_one_document_at_the_end(
     assert "verify: " in err
 
 
+@pytest.mark.parametrize("command", ["compact", "copy"])
+def test_compact_and_copy_show_plain_progress_off_a_terminal(
+    command: str,
+    populated: tuple[str, list[str]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    url, _ = populated
+    monkeypatch.setattr(progress, "PLAIN_INTERVAL", 0.0)
+    args = {"compact": [url], "copy": [url, "--step", "30", str(tmp_path / "dest")]}[command]
+    assert cli.main([command, *args]) == 0
+    err = capsys.readouterr().err.splitlines()
+    line = re.compile(rf"^{command}: \S+ \S+ of \S+ \S+ \(\d+%\), \S+ \S+/s, ETA \S+$")
+    assert err and all(line.match(x) for x in err[:-1]) and err[-1].startswith(f"{command}: done, "), err
+    assert cli.main([command, *args, "--quiet"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("command", ["verify", "compact", "copy"])
 def test_progress_on_a_terminal_does_not_get_in_the_way(
     command: str, populated: tuple[str, list[str]], tmp_path: Path
