@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -96,9 +97,24 @@ def _error(e: BaseException) -> None:
     print(f"psguard: error: {redact(str(e))}", file=sys.stderr)
 
 
+#: TensorFlow's C++ logger prints INFO and WARNING lines (CPU features, oneDNN) on stderr when it loads; a
+#: command's output is not the place for them. Set unless the user set them; ``-vv`` leaves them alone.
+QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
+
+
+def quiet_tensorflow(verbose: int) -> None:
+    """Default TensorFlow's C++ logging off in this process (and the tasks it starts) before any command imports
+    TensorFlow: the C++ logger reads these once, when TensorFlow loads."""
+    if verbose >= 2:
+        return
+    for key, value in QUIET_TENSORFLOW.items():
+        os.environ.setdefault(key, value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser()  # the command modules import TensorFlow lazily, inside their handlers
     args = parser.parse_args(argv)
+    quiet_tensorflow(args.verbose)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))

@@ -139,6 +139,76 @@ def test_cli_refuses_a_public_bind_without_a_token(tmp_path: Path, capsys: pytes
     assert "--store and --spool belong to the chief's agent" in capsys.readouterr().err
 
 
+# The agent's command line up to the Agent it builds: the Agent records its task and exits the process.
+_TASK_OF_AGENT = """
+import json, sys
+import psguard.agent.cli as agent_cli
+from psguard import cli
+
+class Recorder:
+    def __init__(self, role, index, cluster, **_):
+        print(json.dumps({"role": role, "index": index, "cluster": cluster}))
+        raise SystemExit(0)
+
+agent_cli.Agent = Recorder
+sys.exit(cli.main(["agent", *sys.argv[1:]]))
+"""
+
+TFJOB_CLUSTER = {
+    "chief": ["job-chief-0:2222"],
+    "ps": ["job-ps-0:2222", "job-ps-1:2222"],
+    "worker": ["job-worker-0:2222"],
+}
+
+
+def _agent_task(*args: str, tf_config: object | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    if tf_config is not None:
+        env["TF_CONFIG"] = tf_config if isinstance(tf_config, str) else json.dumps(tf_config)
+    return subprocess.run(
+        [sys.executable, "-c", _TASK_OF_AGENT, *args], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_agent_takes_its_task_from_tf_config_in_a_tfjob_pod() -> None:
+    tf_config = {"cluster": TFJOB_CLUSTER, "task": {"type": "ps", "index": 1}, "environment": "cloud"}
+    out = _agent_task(tf_config=tf_config)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"role": "ps", "index": 1, "cluster": TFJOB_CLUSTER}
+
+
+def test_agent_flags_win_over_tf_config(tmp_path: Path) -> None:
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}))
+    tf_config = {"cluster": TFJOB_CLUSTER, "task": {"type": "ps", "index": 0}}
+    out = _agent_task("--role", "worker", "--index", "0", "--cluster", str(cluster), tf_config=tf_config)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {
+        "role": "worker",
+        "index": 0,
+        "cluster": {"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]},
+    }
+
+
+@pytest.mark.parametrize(
+    ("args", "tf_config", "message"),
+    [
+        ((), None, "which task does this agent run? Give --role, --index and --cluster, or set TF_CONFIG"),
+        (("--role", "ps"), None, "--role also needs --index, --cluster: give --role, --index and --cluster together"),
+        ((), "{oops", "TF_CONFIG: not valid JSON"),
+        ((), {"task": {"type": "ps", "index": 0}}, "TF_CONFIG: no 'cluster' key"),
+        ((), {"cluster": TFJOB_CLUSTER}, "TF_CONFIG: task: expected"),
+        ((), {"cluster": TFJOB_CLUSTER, "task": {"type": "ps", "index": 2}}, "ps: task.index 2 is out of range"),
+        ((), {"cluster": {"evaluator": ["e:1"]}, "task": {"type": "evaluator"}}, "task.type: the agent runs one of"),
+        ((), {"cluster": {"ps": ["no-port"]}, "task": {"type": "ps"}}, "TF_CONFIG: cluster: ps[0]: expected"),
+    ],
+)
+def test_agent_without_a_task_says_how_to_give_one(args: tuple[str, ...], tf_config: object, message: str) -> None:
+    out = _agent_task(*args, tf_config=tf_config)
+    assert out.returncode == 2, out.stderr
+    assert out.stdout == "" and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+
+
 def test_agent_does_not_import_tensorflow() -> None:
     out = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "psguard.cli", "agent", "--help"],

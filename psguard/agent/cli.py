@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import os
 import signal
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.config import ROLES, AgentConfig, load_cluster
+from psguard.agent.config import ROLES, AgentConfig, load_cluster, task_from_tf_config
 from psguard.agent.daemon import Agent
 from psguard.agent.httpd import is_loopback
 from psguard.config import load_yaml
@@ -31,9 +33,13 @@ def register(sub: Any) -> None:
             "before every new trainer generation."
         ),
     )
-    p.add_argument("--role", required=True, choices=ROLES)
-    p.add_argument("--index", required=True, type=int)
-    p.add_argument("--cluster", required=True, metavar="cluster.json", help='{"chief": ["host:port"], "ps": [...]}')
+    p.add_argument("--role", choices=ROLES, help="the task's role (default: TF_CONFIG's task.type)")
+    p.add_argument("--index", type=int, help="the task's index in its role (default: TF_CONFIG's task.index)")
+    p.add_argument(
+        "--cluster",
+        metavar="cluster.json",
+        help='{"chief": ["host:port"], "ps": [...]} (default: TF_CONFIG\'s cluster, as in a Kubeflow TFJob pod)',
+    )
     p.add_argument("--store", metavar="URL", help="durable log (chief): a path, file://, s3://, hdfs://")
     p.add_argument("--spool", metavar="DIR", help="spool folder shared with the trainer (default /dev/shm/psguard-JOB)")
     p.add_argument("--http-port", type=int, help="HTTP port (default: config http.port, 0 = any free port)")
@@ -87,6 +93,24 @@ def _merge(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
     )
 
 
+def resolve_task(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, int, dict[str, list[str]]]:
+    """Role, index and cluster: from ``--role --index --cluster`` when given (all three), else from ``TF_CONFIG``."""
+    flags = {"--role": args.role, "--index": args.index, "--cluster": args.cluster}
+    given = [k for k, v in flags.items() if v is not None]
+    if len(given) == len(flags):
+        return args.role, args.index, load_cluster(args.cluster, args.role, args.index)
+    if given:
+        missing = ", ".join(k for k in flags if k not in given)
+        raise ConfigError(f"{', '.join(given)} also needs {missing}: give --role, --index and --cluster together")
+    text = environ.get("TF_CONFIG", "").strip()
+    if not text:
+        raise ConfigError(
+            "which task does this agent run? Give --role, --index and --cluster, or set TF_CONFIG "
+            '({"cluster": {...}, "task": {"type": "ps", "index": 0}}; a Kubeflow TFJob pod has it)'
+        )
+    return task_from_tf_config(text)
+
+
 def main(args: argparse.Namespace) -> int:
     """``psguard agent``: returns 0 when the task completed or the agent was stopped; raises on a crash loop."""
     command = list(args.command or [])
@@ -94,8 +118,8 @@ def main(args: argparse.Namespace) -> int:
         command = command[1:]
     config = load_yaml(AgentConfig, args.config) if args.config else AgentConfig()
     config = _merge(config, args)
-    cluster = load_cluster(args.cluster, args.role, args.index)
-    if args.role != "chief" and (args.store or args.spool):
+    role, index, cluster = resolve_task(args, os.environ)
+    if role != "chief" and (args.store or args.spool):
         raise ConfigError("--store and --spool belong to the chief's agent (it holds the memory tier and the log)")
     token = read_token(config.http.token_file)
     jwt_configured = config.http.jwt_secret_file or config.http.jwt_public_key
@@ -105,8 +129,8 @@ def main(args: argparse.Namespace) -> int:
             "(POST /restart kills the task)"
         )
     agent = Agent(
-        args.role,
-        args.index,
+        role,
+        index,
         cluster,
         command=command,
         config=config,

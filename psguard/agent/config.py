@@ -18,7 +18,16 @@ from psguard.agent.supervisor import SupervisorConfig
 from psguard.config import Duration
 from psguard.errors import ConfigError
 
-__all__ = ["ROLES", "AgentConfig", "HttpConfig", "PeersConfig", "PersistConfig", "load_cluster", "validate_cluster"]
+__all__ = [
+    "ROLES",
+    "AgentConfig",
+    "HttpConfig",
+    "PeersConfig",
+    "PersistConfig",
+    "load_cluster",
+    "task_from_tf_config",
+    "validate_cluster",
+]
 
 ROLES = ("chief", "ps", "worker")
 
@@ -139,12 +148,45 @@ def load_cluster(path: str | os.PathLike[str], role: str, index: int) -> dict[st
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}: not valid JSON: {e}") from None
     cluster = validate_cluster(data, source=source)
+    return _check_task(cluster, role, index, source, role_key="--role", index_key="--index")
+
+
+def _check_task(
+    cluster: dict[str, list[str]], role: str, index: int, source: str, *, role_key: str, index_key: str
+) -> dict[str, list[str]]:
     if role not in ROLES:
-        raise ConfigError(f"--role: expected one of {', '.join(ROLES)}, got {role!r}")
+        raise ConfigError(f"{role_key}: the agent runs one of {', '.join(ROLES)}, got {role!r}")
     if role not in cluster:
         raise ConfigError(f"{source}: {role}: no such role in the cluster, but the agent runs {role}:{index}")
     if not 0 <= index < len(cluster[role]):
         raise ConfigError(
-            f"{source}: {role}: --index {index} is out of range (the cluster has {len(cluster[role])} {role} tasks)"
+            f"{source}: {role}: {index_key} {index} is out of range (the cluster has {len(cluster[role])} {role} tasks)"
         )
     return cluster
+
+
+def task_from_tf_config(text: str) -> tuple[str, int, dict[str, list[str]]]:
+    """Role, index and cluster from ``TF_CONFIG`` (``{"cluster": {...}, "task": {"type": "ps", "index": 0}}``, as
+    a Kubeflow TFJob pod has it); :class:`ConfigError` names the bad part."""
+    source = "TF_CONFIG"
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{source}: not valid JSON: {e}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{source}: expected a JSON object with 'cluster' and 'task', got {type(data).__name__}")
+    if "cluster" not in data:
+        raise ConfigError(f"{source}: no 'cluster' key (the job's address lists)")
+    cluster = validate_cluster(data["cluster"], source=f"{source}: cluster")
+    task = data.get("task")
+    if not isinstance(task, Mapping):
+        raise ConfigError(f'{source}: task: expected {{"type": ROLE, "index": N}}, got {task!r}')
+    role, index = task.get("type"), task.get("index", 0)
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise ConfigError(f"{source}: task.index: expected a whole number, got {index!r}")
+    if not isinstance(role, str):
+        raise ConfigError(f"{source}: task.type: expected one of {', '.join(ROLES)}, got {role!r}")
+    cluster = _check_task(
+        cluster, role, index, f"{source}: cluster", role_key=f"{source}: task.type", index_key="task.index"
+    )
+    return role, index, cluster

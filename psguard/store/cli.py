@@ -6,11 +6,15 @@ import argparse
 import datetime as dt
 import json
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from psguard.errors import ConfigError
+from psguard.errors import ConfigError, NoCheckpointError
+from psguard.progress import Progress, human_bytes, open_progress
+from psguard.storage.metered import MeteredBackend
+from psguard.storage.registry import split_url
 from psguard.store.copy import copy_checkpoint
-from psguard.store.log import CheckpointInfo, Store
+from psguard.store.log import CheckpointInfo, Store, VerifyReport
 
 
 def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
@@ -39,21 +43,49 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def open_store(args: argparse.Namespace) -> Store:
+def require_local_store(url: str) -> None:
+    """Refuse a local store URL whose folder does not exist: the read-only and maintenance commands would
+    otherwise report "no checkpoints" (and ``verify`` pass) for a typo. Other schemes have no folders to check
+    (an S3 prefix exists once something is written under it); writers create a missing local folder."""
+    scheme, rest = split_url(url)
+    if scheme != "file":
+        return
+    path = Path(rest).expanduser().absolute()
+    if not path.exists():
+        raise NoCheckpointError(f"no store at {path}: the folder does not exist; check the URL")
+    if not path.is_dir():
+        raise NoCheckpointError(f"no store at {path}: it is a file, not a folder; check the URL")
+
+
+def open_store(args: argparse.Namespace, *, must_exist: bool = True) -> Store:
+    """The store a command names; with ``must_exist`` (every command but ``follow``), a local folder must exist."""
+    if must_exist:
+        require_local_store(args.url)
     return Store.open(args.url, parse_storage_options(args.storage_option))
+
+
+def add_progress_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--quiet",
+        "-q",
+        action="store_true",
+        help="no progress on stderr (shown by default: a bar on a terminal, else a line every few seconds)",
+    )
+
+
+def metered_progress(args: argparse.Namespace, what: str, total: int, *stores: Store) -> Progress:
+    """Progress of ``what`` (``total`` bytes to read), fed by every read from ``stores``' backends."""
+    progress = open_progress(what, total, quiet=args.quiet)
+    for store in stores:
+        store.backend = MeteredBackend(store.backend, progress.update)
+    return progress
 
 
 def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-def _size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
+_size = human_bytes
 
 
 def _emit(args: argparse.Namespace, doc: Any, text: Callable[[], str]) -> None:
@@ -88,23 +120,29 @@ def _target(store: Store, args: argparse.Namespace) -> str:
     return store.resolve(step=args.step, checkpoint_id=args.id)
 
 
+def _verdict(r: VerifyReport) -> str:
+    status = "ok" if r.ok else "CORRUPT"
+    lines = [f"{r.checkpoint}: {status} ({r.chunks_checked} chunks, {_size(r.bytes_checked)} checked)"]
+    lines.extend(f"  {p.message}" for p in r.problems)
+    return "\n".join(lines)
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
+    """Each checkpoint's verdict printed as soon as it is known (JSON: one document at the end); every chunk
+    read once however many chains share it."""
+    reports: list[VerifyReport] = []
     with open_store(args) as store:
         targets = [_target(store, args)] if (args.step is not None or args.id) else store.checkpoint_ids()
-        reports = [store.verify(cid) for cid in targets]
+        if not targets:
+            raise NoCheckpointError(f"no checkpoint to verify in {args.url}")
+        with metered_progress(args, "verify", store.chain_bytes(targets), store) as progress:
+            for report in store.verify_all(targets):
+                reports.append(report)
+                if not args.json:
+                    progress.write(_verdict(report))
     ok = all(r.ok for r in reports)
-
-    def text() -> str:
-        if not reports:
-            return f"no checkpoints in {args.url}"
-        lines = []
-        for r in reports:
-            status = "ok" if r.ok else "CORRUPT"
-            lines.append(f"{r.checkpoint}: {status} ({r.chunks_checked} chunks, {_size(r.bytes_checked)} checked)")
-            lines.extend(f"  {p.message}" for p in r.problems)
-        return "\n".join(lines)
-
-    _emit(args, {"ok": ok, "reports": [r.to_json() for r in reports]}, text)
+    if args.json:
+        print(json.dumps({"ok": ok, "reports": [r.to_json() for r in reports]}, indent=2))
     return 0 if ok else 3
 
 
@@ -138,7 +176,8 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_compact(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         target = _target(store, args)
-        info = store.compact(target)
+        with metered_progress(args, "compact", store.chain_bytes([target]), store):
+            info = store.compact(target)
     doc: dict[str, Any] = {"source": target, "compacted": info.to_json() if info else None}
     _emit(
         args,
@@ -187,7 +226,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_copy(args: argparse.Namespace) -> int:
     """Copy one checkpoint and its chain to another store (any backend), verified at the destination."""
     with open_store(args) as src, Store.open(args.dest, parse_storage_options(args.dest_option)) as dst:
-        report = copy_checkpoint(src, dst, _target(src, args))
+        target = _target(src, args)
+        # read at the source, then read back at the destination to verify it
+        with metered_progress(args, "copy", 2 * src.chain_bytes([target]), src, dst):
+            report = copy_checkpoint(src, dst, target)
 
     def text() -> str:
         v = report.verified
@@ -215,6 +257,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("verify", help="read every chunk and check hashes (exit 3 on corruption)")
     add_store_arguments(p)
     _add_target(p)
+    add_progress_argument(p)
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("gc", help="apply retention: delete old checkpoints and unreferenced chunks")
@@ -227,6 +270,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("compact", help="fold a delta chain into a new full checkpoint")
     add_store_arguments(p)
     _add_target(p)
+    add_progress_argument(p)
     p.set_defaults(func=cmd_compact)
 
     p = sub.add_parser("copy", help="copy a checkpoint and its chain to another store, verified there")
@@ -236,6 +280,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--dest-option", action="append", metavar="KEY=VALUE", help="storage option for DEST_URL; repeatable"
     )
+    add_progress_argument(p)
     p.set_defaults(func=cmd_copy)
 
     p = sub.add_parser("inspect", help="show a checkpoint's tensors (names, dtypes, shapes)")

@@ -31,7 +31,7 @@ def _line(info: CheckpointInfo, json_lines: bool) -> str:
 def follow(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     stop = stop or threading.Event()
     printed = 0
-    with open_store(args) as store:
+    with open_store(args, must_exist=False) as store:  # may start before the job creates the store
         seen: set[str] = set()
         if not args.from_start:
             latest = store.latest()

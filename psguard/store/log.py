@@ -547,6 +547,27 @@ class Store:
         """Read every chunk of the checkpoint's chain, checking size, CRC32C and SHA-256; report all defects."""
         return self._verify(checkpoint_id, None)
 
+    def verify_all(self, checkpoint_ids: Sequence[str]) -> Iterator[VerifyReport]:
+        """:meth:`verify` of each checkpoint, each report yielded as soon as it is known, every chunk read once
+        per call: a chunk several chains share (a base under many deltas) is checked the first time and its
+        verdict reused, a failure included, for every later checkpoint that uses it."""
+        chunk_results: dict[str, str | None] = {}
+        for cid in checkpoint_ids:
+            yield self._verify(cid, chunk_results)
+
+    def chain_bytes(self, checkpoint_ids: Sequence[str]) -> int:
+        """The bytes of the distinct chunks the chains of ``checkpoint_ids`` reference (manifests only; a chain
+        that cannot be read counts 0): what reading them all once costs."""
+        sizes: dict[str, int] = {}
+        for cid in checkpoint_ids:
+            try:
+                chain = self.chain(cid)
+            except CheckpointError:
+                continue
+            for m in chain:
+                sizes.update((ref.hash, ref.size) for ref in m.refs())
+        return sum(sizes.values())
+
     def _verify(self, checkpoint_id: str, chunk_results: dict[str, str | None] | None) -> VerifyReport:
         """:meth:`verify`, reading each chunk once across calls sharing ``chunk_results`` (hash -> problem).
 

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from psguard.store.cli import add_store_arguments, open_store
+from psguard.store.cli import add_progress_argument, add_store_arguments, metered_progress, open_store
 from psguard.store.log import Store
 from psguard.trainer.variables import gather_variables
 
@@ -70,7 +70,8 @@ def export_checkpoint(store: Store, checkpoint_id: str, directory: str | Path, *
 def cmd_export(args: argparse.Namespace) -> int:
     with open_store(args) as store:
         cid = store.resolve(step=args.step, checkpoint_id=args.id)
-        prefix = export_checkpoint(store, cid, args.out)
+        with metered_progress(args, "export", store.chain_bytes([cid]), store):
+            prefix = export_checkpoint(store, cid, args.out)
     doc = {"checkpoint": cid, "prefix": prefix}
     print(json.dumps(doc) if args.json else f"exported {cid} to {prefix} (read it with tf.train.Checkpoint.restore)")
     return 0
@@ -83,4 +84,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--step", type=int, help="the newest checkpoint of this step (default: the latest)")
     g.add_argument("--id", help="a checkpoint id")
+    add_progress_argument(p)
     p.set_defaults(func=cmd_export)
