@@ -91,7 +91,7 @@ TRAINER = textwrap.dedent(
     import json, sys, threading, time
     from pathlib import Path
     from psguard.trainer.preemption import PreemptionHandler
-from psguard.policy.engine import SaveContext
+    from psguard.policy.engine import SaveContext
     from psguard.policy.files import load_policy
 
     out, save_seconds = Path(sys.argv[1]), float(sys.argv[2])

@@ -135,7 +135,6 @@ class S3Backend(FsspecBackend):
             )
         self.root = rest
         self.url = f"s3://{rest}"
-        opts = dict(options or {})
         client = opts.get("client_kwargs") or {}
         self._endpoint = opts.get("endpoint_url") or client.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
         config = dict(_DEFAULT_CONFIG)
