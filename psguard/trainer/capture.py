@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Mapping
@@ -40,11 +41,14 @@ from typing import Any
 
 import numpy as np
 
-from psguard.errors import ConfigError
+from psguard.errors import ConfigError, TensorMismatchError
+from psguard.handoff.parts import Kind, PartCapture, ShardFiles, ShardKey, task_of_device
+from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.variables import (
     Shard,
     TensorInfo,
+    check_tensors,
     concat_parts,
     lazy_tf,
     list_tensors,
@@ -85,6 +89,8 @@ class CaptureStats:
     hashed_all: list[str] = field(default_factory=list)
     #: Tensors where a sample of rows not marked as written had changed all the same (see ``probe_rows``).
     untracked_writes: list[str] = field(default_factory=list)
+    #: Rows written to files on the PS nodes instead (``spill_dirs``): they never reached the chief.
+    rows_spilled: int = 0
 
     @property
     def stall_seconds(self) -> float:
@@ -104,6 +110,8 @@ class _Tracked:
     fingerprints: list[Any]
     need_full: bool = True
     dirty: list[DirtyRows] | None = None
+    #: Captured into files on each shard's PS node (``Capturer(spill_dirs=...)``) rather than to the chief.
+    spill: bool = False
 
 
 def _same_layout(a: TensorInfo, b: TensorInfo) -> bool:
@@ -166,6 +174,7 @@ class Capturer:
         track_writes: bool = True,
         verify_every: int = 16,
         probe_rows: int = 1024,
+        spill_dirs: Mapping[str, str] | None = None,
     ) -> None:
         if row_tracking_min_rows < 1 or hash_chunk_bytes < 1 or verify_every < 1 or probe_rows < 0:
             raise ConfigError(
@@ -178,11 +187,14 @@ class Capturer:
         self.track_writes = track_writes
         self.verify_every = verify_every
         self.probe_rows = probe_rows
+        self.spill_dirs = dict(spill_dirs or {})
         self.last_stats = CaptureStats()
+        self.last_parts: list[PartCapture] = []
         self._lock = threading.RLock()
         self._infos: dict[str, TensorInfo] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._capture_fn: Any = None
+        self._load_fn: tuple[Any, Any] | None = None
         self._rebase_fn: Any = None
         # Write tracking: the optimizers' iterations, this generation's apply counter, and the value of
         # sum(iterations) - applies after the last capture (None: unknown, hash every row next time).
@@ -209,6 +221,9 @@ class Capturer:
         The drain makes every variable, slot and counter come from the same step. If anything fails the
         fingerprints on the PS may already describe a state the caller never received, so the next capture
         is made full.
+
+        With ``spill_dirs``, the tensors captured on the PS nodes are absent from the result: their files and
+        descriptors are in :attr:`last_parts`, one :class:`PartCapture` per PS.
         """
         tf = lazy_tf()
         with self._lock:
@@ -230,16 +245,25 @@ class Capturer:
             hashed_all: Any = []
             strays: Any = []
             gap: Any = None
+            nonce = secrets.token_hex(8)
+            self.last_parts = []
             if primaries:
-                args = (tf.constant(force), tf.constant(verify), tf.constant(expected or 0, tf.int64))
+                args = (
+                    tf.constant(force),
+                    tf.constant(verify),
+                    tf.constant(expected or 0, tf.int64),
+                    tf.constant(f"incoming/{nonce}"),
+                )
                 outputs, hashed_all, strays, gap = self._capture_fn(*args)
             updates, nbytes = self._assemble(primaries, outputs)
+            self.last_parts = self._parts(primaries, outputs, nonce)
             for tr in primaries:
                 tr.need_full = False
             self._expected_gap = int(gap) if self.tracks_writes and gap is not None else None
             self._since_verify = 0 if verify else self._since_verify + 1
             t2 = time.perf_counter()
             self.last_stats = self._stats(updates, t1 - t0, t2 - t1, nbytes)
+            self.last_stats.rows_spilled = sum(s.count for p in self.last_parts for s in p.shards)
             self.last_stats.hashed_all = [
                 tr.info.name for tr, h in zip(primaries, hashed_all, strict=True) if tr.by_row and bool(h)
             ]
@@ -291,6 +315,69 @@ class Capturer:
             restore(self.root, tensors)
             self.rebase()
 
+    @property
+    def spilled(self) -> dict[str, list[ShardKey]]:
+        """The tensors captured into files on their PS nodes, and the shards each PS holds of them."""
+        with self._lock:
+            self._sync()
+            return {
+                tr.info.name: [ShardKey(tr.info.name, s.offset, s.rows) for s in tr.info.shards]
+                for tr in self._tracked.values()
+                if tr.spill
+            }
+
+    def restore_parts(self, tensors: Mapping[str, np.ndarray], files: Mapping[ShardKey, str]) -> None:
+        """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node.
+
+        ``files``: shard -> the path of its file on the node of the PS that hosts it (written there by that
+        PS's agent). Each PS reads and assigns its own shards in one function placed on its device, so all PS
+        load in parallel and no shard's bytes cross the chief. All or nothing: names, shapes and dtypes are
+        checked first, and every file is read and parsed (shape and dtype checked by TensorFlow) before any
+        variable is assigned. Then :meth:`rebase`.
+        """
+        tf = lazy_tf()
+        with self._lock:
+            if self.coordinator is not None:
+                self.coordinator.join()
+            self._sync()
+            spilled = [tr for tr in self._tracked.values() if tr.spill]
+            keys = [(tr, s, ShardKey(tr.info.name, s.offset, s.rows)) for tr in spilled for s in tr.info.shards]
+            wanted = {k for _, _, k in keys}
+            missing = sorted(k.label for k in wanted - set(files))
+            extra = sorted(k.label for k in set(files) - wanted)
+            if missing or extra:
+                raise TensorMismatchError(
+                    f"the PS-side snapshot does not match the model's shards: missing {missing[:5]} "
+                    f"({len(missing)}), not in the model {extra[:5]} ({len(extra)}); was the number of PS changed?"
+                )
+            elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for tr in spilled}
+            check_tensors(self.root, tensors, elsewhere=elsewhere)
+            if keys:
+                layout = tuple((id(s.var), k) for _, s, k in keys)
+                if self._load_fn is None or self._load_fn[0] != layout:
+                    self._load_fn = (layout, self._build_load_fn([(tr, s) for tr, s, _ in keys]))
+                self._load_fn[1](tf.constant([str(files[k]) for _, _, k in keys]))
+            restore(self.root, tensors, elsewhere=elsewhere)
+            self.rebase()
+
+    @staticmethod
+    def _build_load_fn(shards: list[tuple[_Tracked, Shard]]) -> Any:
+        tf = lazy_tf()
+
+        def load(paths: Any) -> None:
+            values = []
+            for k, (tr, s) in enumerate(shards):
+                with tf.device(s.device):
+                    value = tf.io.parse_tensor(tf.io.read_file(paths[k]), tf.as_dtype(tr.info.dtype))
+                    values.append(tf.ensure_shape(value, s.var.shape))
+            # Every file parsed and of the right shape before the first assign: all or nothing.
+            with tf.control_dependencies(values):
+                for value, (_, s) in zip(values, shards, strict=True):
+                    with tf.device(s.device):
+                        s.var.assign(value)
+
+        return tf.function(load, autograph=False)
+
     # ------------------------------------------------------------------------------------------ tracking
 
     def _tracks_rows(self, info: TensorInfo) -> bool:
@@ -328,6 +415,13 @@ class Capturer:
                 for s, d in zip(info.shards, tr.dirty, strict=True):
                     for obj in s.chain or (s.var,):
                         write_hook(obj).targets.add(d)
+        aliased = {info.alias_of for info in infos.values() if info.alias_of is not None}
+        for name, tr in tracked.items():
+            tr.spill = (
+                tr.by_row
+                and name not in aliased
+                and all(task_of_device(str(s.device)) in self.spill_dirs for s in tr.info.shards)
+            )
         self._infos = infos
         self._tracked = tracked
         # A new generation of the apply counter whenever variables got hooked or the optimizers changed: steps
@@ -458,7 +552,17 @@ class Capturer:
                 dirty.whole.assign(False)
             return ids, use_all, stray
 
-        def capture_fn(force: Any, verify: Any, expected_gap: Any) -> Any:
+        spill_dirs = dict(self.spill_dirs)
+
+        def spill(s: Shard, folder: Any, stem: str, tensors: dict[str, Any]) -> None:
+            """Write a shard's capture next to its PS (ops placed on its device): nothing goes to the chief."""
+            base = spill_dirs[task_of_device(str(s.device)) or ""]
+            with tf.device(s.device):
+                for ext, value in tensors.items():
+                    path = tf.strings.join([base, "/", folder, f"/{stem}.{ext}"])
+                    tf.io.write_file(path, tf.io.serialize_tensor(value))
+
+        def capture_fn(force: Any, verify: Any, expected_gap: Any, folder: Any) -> Any:
             gap = gap_now()
             # Every row is hashed when asked, or when some apply went unhooked since the last capture.
             hash_all = tf.logical_or(verify, tf.not_equal(gap, expected_gap))
@@ -490,6 +594,11 @@ class Capturer:
                             whole = s.var.sparse_read(
                                 tf.range(tf.where(send_all, tf.constant(s.rows, tf.int64), tf.constant(0, tf.int64)))
                             )
+                            if tr.spill:
+                                spill(s, folder, f"{i}-{j}", {"full": whole, "ids": ids, "rows": rows})
+                                with tf.device(local):
+                                    outs.append((tf.identity(send_all), tf.identity(tf.size(ids, out_type=tf.int64))))
+                                continue
                             whole = tf.reshape(whole, [-1])
                         else:
                             parts = read_rows(tr, s)
@@ -540,6 +649,8 @@ class Capturer:
         nbytes = 0
         for tr, outs in zip(primaries, outputs, strict=True):
             info = tr.info
+            if tr.spill:
+                continue  # in files on the PS nodes: see _parts
             arrays = [[to_numpy(t) for t in shard_out] for shard_out in outs]
             nbytes += sum(a.nbytes for shard_out in arrays for a in shard_out)
             sent_all = [bool(a[0]) for a in arrays]
@@ -566,7 +677,29 @@ class Capturer:
         for name, info in self._infos.items():
             if info.alias_of is not None:
                 updates[name] = _slice_update(updates[info.alias_of], info)
-        return {name: updates[name] for name in self._infos}, nbytes
+        return {name: updates[name] for name in self._infos if name in updates}, nbytes
+
+    def _parts(self, primaries: list[_Tracked], outputs: Any, nonce: str) -> list[PartCapture]:
+        """The descriptors of what the capture wrote on each PS node (small: a few numbers per shard)."""
+        by_task: dict[str, list[ShardFiles]] = {}
+        for i, (tr, outs) in enumerate(zip(primaries, outputs, strict=True)):
+            if not tr.spill:
+                continue
+            for j, (s, out) in enumerate(zip(tr.info.shards, outs, strict=True)):
+                sent_all, count = bool(to_numpy(out[0])), int(to_numpy(out[1]))
+                kind: Kind = "full" if sent_all else "rows" if count else "same"
+                task = task_of_device(str(s.device)) or ""
+                by_task.setdefault(task, []).append(
+                    ShardFiles(
+                        ShardKey(tr.info.name, s.offset, s.rows),
+                        tuple(tr.info.shape),
+                        dtype_name(tr.info.dtype),
+                        kind,
+                        s.rows if sent_all else count,
+                        f"{i}-{j}",
+                    )
+                )
+        return [PartCapture(task, nonce, tuple(shards)) for task, shards in sorted(by_task.items())]
 
     def _stats(self, updates: Mapping[str, TensorUpdate], drain: float, cap: float, nbytes: int) -> CaptureStats:
         stats = CaptureStats(drain_seconds=drain, capture_seconds=cap, bytes_read=nbytes)

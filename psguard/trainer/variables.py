@@ -265,14 +265,18 @@ def to_numpy(t: Any) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else np.asarray(value)
 
 
-def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, np.ndarray]) -> list[str]:
+def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, Described]) -> list[str]:
     problems: list[str] = []
     for name, info in infos.items():
         if name not in tensors:
             problems.append(f"{name}: missing from the checkpoint (model has {info.shape} {info.dtype})")
             continue
-        value = np.asarray(tensors[name])
-        shape, dtype = tuple(int(d) for d in value.shape), value.dtype
+        value = tensors[name]
+        if isinstance(value, tuple):
+            shape, dtype = value
+        else:
+            value = np.asarray(value)
+            shape, dtype = tuple(int(d) for d in value.shape), value.dtype
         if shape != info.shape or dtype != info.dtype:
             problems.append(f"{name}: checkpoint has {shape} {dtype}, model has {info.shape} {info.dtype}")
     for name in tensors:
@@ -283,11 +287,39 @@ def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, np.ndarray]) -
                 if "optimizer" in name.lower() or ".OPTIMIZER_SLOT" in name
                 else ""
             )
-            problems.append(f"{name}: in the checkpoint ({np.shape(value)}) but not in the model{hint}")
+            shape = value[0] if isinstance(value, tuple) else np.shape(value)
+            problems.append(f"{name}: in the checkpoint ({shape}) but not in the model{hint}")
     return problems
 
 
-def restore(root: Any, tensors: Mapping[str, np.ndarray]) -> dict[str, TensorInfo]:
+#: A tensor as ``_check`` compares it: its value, or (shape, dtype) when it is restored by another path.
+Described = np.ndarray | tuple[tuple[int, ...], np.dtype]  # type: ignore[type-arg]
+
+
+def check_tensors(
+    root: Any,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    elsewhere: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,  # type: ignore[type-arg]
+) -> dict[str, TensorInfo]:
+    """``root``'s tensors, once every one of them is shown to have a value of its shape and dtype (either in
+    ``tensors`` or, restored by another path, in ``elsewhere``) and nothing is left over; else
+    :class:`TensorMismatchError` listing every mismatch."""
+    infos = list_tensors(root)
+    problems = _check(infos, {**tensors, **(elsewhere or {})})
+    if problems:
+        raise TensorMismatchError(
+            f"{len(problems)} tensor(s) do not match between the checkpoint and the model:\n  " + "\n  ".join(problems)
+        )
+    return infos
+
+
+def restore(
+    root: Any,
+    tensors: Mapping[str, np.ndarray],
+    *,
+    elsewhere: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,  # type: ignore[type-arg]
+) -> dict[str, TensorInfo]:
     """Assign logical tensors into ``root``'s variables, whatever their current partitioning.
 
     All or nothing on names, shapes and dtypes: every variable must get a value and every saved tensor
@@ -295,15 +327,10 @@ def restore(root: Any, tensors: Mapping[str, np.ndarray]) -> dict[str, TensorInf
     assigned. (TF's own restore silently skips, for instance, the slots of an optimizer not built yet.)
     A ``Capturer`` of the same root must be rebased afterwards; :meth:`Capturer.restore` does both.
     """
-    infos = list_tensors(root)
-    problems = _check(infos, tensors)
-    if problems:
-        raise TensorMismatchError(
-            f"{len(problems)} tensor(s) do not match between the checkpoint and the model:\n  " + "\n  ".join(problems)
-        )
+    infos = check_tensors(root, tensors, elsewhere=elsewhere)
     for name, info in infos.items():
-        if info.alias_of is not None:
-            continue  # its variables are assigned through the tensor that owns them
+        if info.alias_of is not None or name in (elsewhere or {}):
+            continue  # assigned through the tensor that owns them / by the caller (on the PS, from files)
         value = np.asarray(tensors[name])
         for s in info.shards:
             part = value[s.offset : s.offset + s.rows] if info.shape else value

@@ -1,0 +1,178 @@
+"""What the trainer, the chief's agent and each PS's agent say about the shards a PS holds (issue 12).
+
+The bytes of a sharded variable stay on the node of the PS that hosts them (docs/design.md, "Where the data
+flows"): the trainer's capture function, placed on each PS device, writes that PS's changed rows as tensor
+files (:mod:`psguard.handoff.tensor_file`) into the *part folder* of that PS's agent, on the same node; only
+these small descriptors travel through the chief. A restore goes the other way: each PS's agent writes its
+shards' files into its part folder, and a function placed on the PS device reads and assigns them.
+
+Part folder of task ``ps:i`` of job ``J``: ``/dev/shm/psguard-J-ps-i`` (:func:`part_dir`), made owner-only by
+that PS's agent, which alone deletes what is in it::
+
+    incoming/<nonce>/<t>-<s>.{full,ids,rows}   a capture's files for tensor t, shard s (written by TF on the PS)
+    restore/<nonce>/<k>.tp                     a restore's files (written by the agent, read by TF on the PS)
+
+A capture writes all three files of every shard (the unused ones hold an empty tensor): the kind of each shard
+is decided inside the capture function, and three tiny writes cost less than a conditional in the graph.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from psguard.errors import CorruptCheckpointError
+from psguard.handoff.spool import default_spool_dir
+
+__all__ = [
+    "Kind",
+    "PartCapture",
+    "ShardFiles",
+    "ShardKey",
+    "check_coverage",
+    "part_dir",
+    "parts_from_json",
+    "task_of_device",
+]
+
+Kind = Literal["full", "rows", "same"]
+_TASK_RE = re.compile(r"^ps:[0-9]{1,6}$")
+_NONCE_RE = re.compile(r"^[0-9a-f]{16}$")
+_DEVICE_RE = re.compile(r"/job:([a-z]+)/(?:replica:[0-9]+/)?task:([0-9]+)")
+_MAX_DIM = 1 << 48
+
+
+def part_dir(job: str, task: str) -> Path:
+    """The part folder of ``task`` (``ps:0``) on its node, beside the job's spool."""
+    if not _TASK_RE.match(task):
+        raise ValueError(f"not a PS task name: {task!r}")
+    base = default_spool_dir(job)
+    return base.with_name(f"{base.name}-{task.replace(':', '-')}")
+
+
+def task_of_device(device: str) -> str | None:
+    """``ps:1`` for ``/job:ps/replica:0/task:1/device:CPU:0``; None for a device of no PS task."""
+    m = _DEVICE_RE.search(device)
+    return f"ps:{int(m.group(2))}" if m and m.group(1) == "ps" else None
+
+
+@dataclass(frozen=True)
+class ShardKey:
+    """Rows [offset, offset + rows) of logical tensor ``name``: what one PS holds of it."""
+
+    name: str
+    offset: int
+    rows: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}[{self.offset}:{self.offset + self.rows}]"
+
+
+@dataclass(frozen=True)
+class ShardFiles:
+    """One shard's part of a capture: what changed, and under which file stem (``<stem>.full`` etc.)."""
+
+    key: ShardKey
+    shape: tuple[int, ...]  # the logical tensor's
+    dtype: str
+    kind: Kind
+    count: int  # rows in the files: ``rows`` for full, the changed rows for rows, 0 for same
+    stem: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.key.name,
+            "offset": self.key.offset,
+            "rows": self.key.rows,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "kind": self.kind,
+            "count": self.count,
+            "stem": self.stem,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any, what: str) -> ShardFiles:
+        if not isinstance(doc, Mapping):
+            raise CorruptCheckpointError(f"{what}: a shard entry is not an object")
+        name, dtype, kind, stem = (doc.get(k) for k in ("name", "dtype", "kind", "stem"))
+        nums = [doc.get(k) for k in ("offset", "rows", "count")]
+        shape = doc.get("shape")
+        if (
+            not isinstance(name, str)
+            or not name
+            or not isinstance(dtype, str)
+            or kind not in ("full", "rows", "same")
+            or not isinstance(stem, str)
+            or not re.match(r"^[0-9]{1,6}-[0-9]{1,6}$", stem)
+            or not all(type(n) is int and 0 <= n < _MAX_DIM for n in nums)
+            or not isinstance(shape, list)
+            or not 1 <= len(shape) <= 32
+            or not all(type(d) is int and 0 <= d < _MAX_DIM for d in shape)
+        ):
+            raise CorruptCheckpointError(f"{what}: malformed shard entry")
+        offset, rows, count = (int(n) for n in nums)  # type: ignore[arg-type]  # all checked to be int above
+        if offset + rows > shape[0] or count > rows or (kind == "full" and count != rows) or (kind == "same" and count):
+            raise CorruptCheckpointError(f"{what}: shard {name}[{offset}:{offset + rows}] does not fit {shape}")
+        return cls(ShardKey(name, offset, rows), tuple(shape), dtype, kind, count, stem)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class PartCapture:
+    """One PS's share of a capture: the folder its files are in and one entry per shard it hosts."""
+
+    task: str
+    nonce: str
+    shards: tuple[ShardFiles, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"task": self.task, "nonce": self.nonce, "shards": [s.to_json() for s in self.shards]}
+
+    @classmethod
+    def from_json(cls, doc: Any, what: str) -> PartCapture:
+        if not isinstance(doc, Mapping):
+            raise CorruptCheckpointError(f"{what}: a part is not an object")
+        task, nonce, shards = doc.get("task"), doc.get("nonce"), doc.get("shards")
+        if not isinstance(task, str) or not _TASK_RE.match(task):
+            raise CorruptCheckpointError(f"{what}: bad part task {task!r}")
+        if not isinstance(nonce, str) or not _NONCE_RE.match(nonce):
+            raise CorruptCheckpointError(f"{what}: bad part folder name")
+        if not isinstance(shards, list):
+            raise CorruptCheckpointError(f"{what}: part shards is not a list")
+        parsed = tuple(ShardFiles.from_json(s, f"{what} {task}") for s in shards)
+        if len({s.key for s in parsed}) != len(parsed) or len({s.stem for s in parsed}) != len(parsed):
+            raise CorruptCheckpointError(f"{what}: a shard appears twice in the part of {task}")
+        return cls(task, nonce, parsed)
+
+
+def parts_from_json(docs: Any, what: str) -> list[PartCapture]:
+    if not isinstance(docs, list):
+        raise CorruptCheckpointError(f"{what}: parts is not a list")
+    parts = [PartCapture.from_json(d, what) for d in docs]
+    if len({p.task for p in parts}) != len(parts):
+        raise CorruptCheckpointError(f"{what}: a task has two parts")
+    return parts
+
+
+def check_coverage(parts: Sequence[PartCapture], what: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every spilled tensor covered exactly once by the parts' shards; name -> (shape, dtype)."""
+    by_name: dict[str, list[ShardFiles]] = {}
+    for p in parts:
+        for s in p.shards:
+            by_name.setdefault(s.key.name, []).append(s)
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, shards in by_name.items():
+        shards.sort(key=lambda s: s.key.offset)
+        at = 0
+        for s in shards:
+            if s.key.offset != at or (s.shape, s.dtype) != (shards[0].shape, shards[0].dtype):
+                raise CorruptCheckpointError(f"{what}: the shards of {name} do not tile it")
+            at += s.key.rows
+        if at != shards[0].shape[0]:
+            raise CorruptCheckpointError(f"{what}: the shards of {name} cover {at} of {shards[0].shape[0]} rows")
+        out[name] = (shards[0].shape, shards[0].dtype)
+    return out

@@ -1,0 +1,203 @@
+"""Tensor files both a PS's TensorFlow server and its TF-less agent read and write: serialized ``TensorProto``.
+
+Why this format: the bytes of a PS's shards must not leave the PS's node on the way to and from its agent
+(docs/design.md, "Where the data flows"). The only file I/O a ``tf.function`` placed on a PS device can do is
+``tf.io.write_file`` / ``tf.io.read_file`` of a string tensor, and the only tensor <-> string ops are
+``tf.io.serialize_tensor`` / ``tf.io.parse_tensor``, whose format is a ``TensorProto``. The agent does not
+import TensorFlow (a second copy of its 500 MB runtime per node, and seconds of start-up), so this module
+reads and writes the three fields of that message that a dense numeric tensor uses, and nothing else:
+
+    field 1 (varint)  dtype        TF's DataType enum
+    field 2 (bytes)   tensor_shape TensorShapeProto: field 2 (bytes) dim { field 1 (varint) size }
+    field 4 (bytes)   tensor_content  the values, C order, little-endian
+
+Reading maps ``tensor_content`` without copying it; everything about the header is checked against the
+file's size before anything is allocated, so a truncated or hostile file is a
+:class:`~psguard.errors.CorruptCheckpointError`, never a huge allocation. String tensors are not handled:
+they are small and travel through the chief's spool (:mod:`psguard.handoff.spool`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+
+from psguard.errors import CorruptCheckpointError
+from psguard.store.chunks import as_le_bytes, byte_view
+from psguard.store.dtypes import dtype_from_name
+
+__all__ = ["TF_DTYPES", "read_tensor_file", "tensor_file_header", "write_tensor_file"]
+
+#: TF DataType enum value -> the dtype name a manifest records (tensorflow/core/framework/types.proto).
+TF_DTYPES: dict[int, str] = {
+    1: "float32",
+    2: "float64",
+    3: "int32",
+    4: "uint8",
+    5: "int16",
+    6: "int8",
+    9: "int64",
+    10: "bool",
+    14: "bfloat16",
+    17: "uint16",
+    19: "float16",
+    22: "uint32",
+    23: "uint64",
+    8: "complex64",
+    18: "complex128",
+}
+_TF_ENUM = {name: num for num, name in TF_DTYPES.items()}
+_MAX_RANK = 32
+_MAX_HEADER = 1024  # dtype + a shape of at most 32 dims: a few hundred bytes
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _read_varint(buf: bytes | memoryview, pos: int, end: int, what: str) -> tuple[int, int]:
+    value = 0
+    for shift in range(0, 64, 7):
+        if pos >= end:
+            raise CorruptCheckpointError(f"{what}: truncated tensor header")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+    raise CorruptCheckpointError(f"{what}: a varint of more than 64 bits in the tensor header")
+
+
+def tensor_file_header(dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:  # type: ignore[type-arg]
+    """The bytes that precede ``nbytes`` of content in a serialized ``TensorProto``."""
+    name = str(dtype.name)
+    if name not in _TF_ENUM:
+        raise ValueError(f"dtype {name} has no TensorFlow tensor-file encoding here")
+    dims = b"".join(b"\x12" + _varint(len(d)) + d for d in (b"\x08" + _varint(int(s)) for s in shape))
+    head = b"\x08" + _varint(_TF_ENUM[name]) + b"\x12" + _varint(len(dims)) + dims
+    return head + b"\x22" + _varint(nbytes) if nbytes else head
+
+
+def write_tensor_file(path: Path, value: np.ndarray) -> int:
+    """Write ``value`` as ``tf.io.serialize_tensor`` would; owner-only, fsync not needed (tmpfs hand-off).
+
+    Returns the file's size. The caller renames the file (or its folder) into place to make it visible.
+    """
+    data = as_le_bytes(np.ascontiguousarray(value))
+    header = tensor_file_header(value.dtype, tuple(value.shape), len(data))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            f.write(header)
+            f.write(data)
+    finally:
+        os.close(fd)
+    return len(header) + len(data)
+
+
+def _parse_header(head: bytes, size: int, what: str) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype name, shape, content offset, content length) of a serialized TensorProto of ``size`` bytes.
+
+    ``head`` is the file's first bytes (at most ``_MAX_HEADER``); the content must be the last field, as
+    TensorFlow writes it, so the rest of the file is never parsed.
+    """
+    pos, dtype_num, shape = 0, None, None
+    end = len(head)
+    content = (size, 0)
+    while pos < size:
+        key, pos = _read_varint(head, pos, end, what)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, pos = _read_varint(head, pos, end, what)
+            if field == 1:
+                dtype_num = value
+            continue
+        if wire != 2:
+            raise CorruptCheckpointError(f"{what}: unexpected field {field} (wire type {wire}) in a tensor file")
+        length, pos = _read_varint(head, pos, end, what)
+        if length > size - pos:
+            raise CorruptCheckpointError(f"{what}: a field claims {length} bytes past the end of the file (truncated?)")
+        if field == 4:
+            if pos + length != size:
+                raise CorruptCheckpointError(f"{what}: bytes after the tensor's content")
+            content = (pos, length)
+            break
+        if field != 2 or pos + length > end:
+            raise CorruptCheckpointError(f"{what}: field {field} in a tensor file (only dense numeric tensors)")
+        shape = _parse_shape(head[pos : pos + length], what)
+        pos += length
+    if dtype_num not in TF_DTYPES or shape is None:
+        raise CorruptCheckpointError(f"{what}: tensor file without a known dtype ({dtype_num}) or a shape")
+    return TF_DTYPES[dtype_num], shape, content[0], content[1]
+
+
+def _parse_shape(buf: bytes | memoryview, what: str) -> tuple[int, ...]:
+    dims: list[int] = []
+    pos, end = 0, len(buf)
+    while pos < end:
+        key, pos = _read_varint(buf, pos, end, what)
+        if key == 0x18 or key == 0x08:  # unknown_rank (3) or a stray varint: not for a stored tensor
+            raise CorruptCheckpointError(f"{what}: tensor shape of unknown rank")
+        if key != 0x12:
+            raise CorruptCheckpointError(f"{what}: unexpected field in a tensor shape")
+        length, pos = _read_varint(buf, pos, end, what)
+        sub_end = pos + length
+        if sub_end > end:
+            raise CorruptCheckpointError(f"{what}: truncated tensor shape")
+        size = 0
+        while pos < sub_end:
+            k, pos = _read_varint(buf, pos, sub_end, what)
+            v, pos = _read_varint(buf, pos, sub_end, what) if k & 7 == 0 else (0, pos)
+            if k == 0x08:
+                size = v
+            elif k & 7 != 0:
+                raise CorruptCheckpointError(f"{what}: unexpected field in a tensor dimension")
+        dims.append(size)
+        if len(dims) > _MAX_RANK:
+            raise CorruptCheckpointError(f"{what}: a tensor of more than {_MAX_RANK} dimensions")
+    return tuple(dims)
+
+
+def read_tensor_file(
+    path: Path, *, dtype: str | None = None, shape: tuple[int, ...] | None = None, what: str = ""
+) -> np.ndarray:
+    """The array in a tensor file, checked against the ``dtype``/``shape`` the caller expects (if given).
+
+    The header's claims are checked against the file's real size before the array is allocated.
+    """
+    what = what or str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what}: tensor file missing") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{what}: cannot open the tensor file: {e}") from None
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        head = f.read(min(size, _MAX_HEADER))
+        name, got_shape, offset, length = _parse_header(head, size, what)
+        if dtype is not None and name != dtype:
+            raise CorruptCheckpointError(f"{what}: dtype {name}, expected {dtype}")
+        if shape is not None and got_shape != tuple(shape):
+            raise CorruptCheckpointError(f"{what}: shape {list(got_shape)}, expected {list(shape)}")
+        np_dtype = dtype_from_name(name)
+        if math.prod(got_shape) * np_dtype.itemsize != length:
+            raise CorruptCheckpointError(f"{what}: {length} bytes of content for a {name}{list(got_shape)} tensor")
+        out = np.empty(got_shape, dtype=np_dtype)
+        view = byte_view(out)
+        f.seek(offset)
+        got = f.readinto(view)
+        if got != length:
+            raise CorruptCheckpointError(f"{what}: the tensor file shrank while being read")
+    return out  # psguard runs on little-endian hosts only (store/chunks.py)
