@@ -324,7 +324,20 @@ def run_cluster(
     try:
         base = ["--cluster", str(cluster)]
         ps = [
-            AgentProcess(directory / "agents", f"ps{i}", ["--role", "ps", "--index", str(i), *base]) for i in range(2)
+            AgentProcess(
+                directory / "agents",
+                f"ps{i}",
+                [
+                    "--role",
+                    "ps",
+                    "--index",
+                    str(i),
+                    *base,
+                    *("--spool", str(directory / f"ps{i}-shards")),
+                    *("--store", store_url),
+                ],
+            )
+            for i in range(2)
         ]
         agents += ps
         agents += [

@@ -40,8 +40,13 @@ def register(sub: Any) -> None:
         metavar="cluster.json",
         help='{"chief": ["host:port"], "ps": [...]} (default: TF_CONFIG\'s cluster, as in a Kubeflow TFJob pod)',
     )
-    p.add_argument("--store", metavar="URL", help="durable log (chief): a path, file://, s3://, hdfs://")
-    p.add_argument("--spool", metavar="DIR", help="spool folder shared with the trainer (default /dev/shm/psguard-JOB)")
+    p.add_argument("--store", metavar="URL", help="durable log (chief and PS agents): a path, file://, s3://, hdfs://")
+    p.add_argument(
+        "--spool",
+        metavar="DIR",
+        help="chief: spool folder shared with the trainer (default /dev/shm/psguard-JOB); PS: the folder its "
+        "shards pass through (default /dev/shm/psguard-JOB-ps-I)",
+    )
     p.add_argument("--http-port", type=int, help="HTTP port (default: config http.port, 0 = any free port)")
     p.add_argument("--bind", help="HTTP address (default 127.0.0.1; any other needs --token-file or JWT settings)")
     p.add_argument(
@@ -119,8 +124,11 @@ def main(args: argparse.Namespace) -> int:
     config = load_yaml(AgentConfig, args.config) if args.config else AgentConfig()
     config = _merge(config, args)
     role, index, cluster = resolve_task(args, os.environ)
-    if role != "chief" and (args.store or args.spool):
-        raise ConfigError("--store and --spool belong to the chief's agent (it holds the memory tier and the log)")
+    if role == "worker" and (args.store or args.spool):
+        raise ConfigError(
+            "--store and --spool belong to the chief's agent and the PS agents (they hold the memory tiers and write "
+            "the log); a worker's agent holds no state"
+        )
     token = read_token(config.http.token_file)
     jwt_configured = config.http.jwt_secret_file or config.http.jwt_public_key
     if token is None and not jwt_configured and not is_loopback(config.http.bind):

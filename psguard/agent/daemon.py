@@ -75,13 +75,14 @@ from psguard.agent.prober import (
     TcpProbe,
 )
 from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
-from psguard.errors import ConfigError
+from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import (
     ENV_AGENT_CA,
     ENV_AGENT_CLIENT_CERT,
     ENV_AGENT_CLIENT_KEY,
     ENV_AGENT_TOKEN_FILE,
     ENV_AGENT_URL,
+    ENV_PARTS,
     ENV_SPOOL,
     ENV_STORE,
     ENV_TASK,
@@ -94,6 +95,7 @@ from psguard.storage.registry import redact
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
     from psguard.agent.memory_tier import MemoryTier
     from psguard.agent.persister import Persister, PersistEvent
+    from psguard.agent.shards import ShardClient, ShardKeeper
     from psguard.agent.spool_server import SpoolEvent, SpoolServer
     from psguard.store.log import Store
 
@@ -106,6 +108,23 @@ _QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+def _json_handler(fn: Any) -> Any:
+    """An HTTP handler for a method that takes and returns JSON objects; bad input is a 400."""
+
+    def handle(request: Request) -> Response:
+        body = request.json()
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object")
+        try:
+            return Response(200, fn(body))
+        except CorruptCheckpointError as e:
+            raise RequestError(400, str(e)) from None
+        except PsguardError as e:
+            raise RequestError(409, str(e)) from None
+
+    return handle
+
+
 def _rss_bytes() -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -208,6 +227,8 @@ class Agent:
         self.spool_dir: Path | None = None
         self._heartbeat_path: Path | None = None
         self.hang_watch: HangWatch | None = None
+        self.shards: ShardKeeper | None = None  # a PS's agent: the memory tier of its PS's shards
+        self.shard_client: ShardClient | None = None  # the chief's agent: its calls to the PS agents
 
     # ------------------------------------------------------------------------------------------ commands
     def _server_command(self) -> list[str]:
@@ -267,6 +288,8 @@ class Agent:
         try:
             if self.role == "chief":
                 self._start_memory_tier()
+            elif self.role == "ps":
+                self._start_shards()
             self._start_http()
             assert self.http is not None
             cfg = self.config
@@ -300,6 +323,8 @@ class Agent:
                     "event=peers_checked task=%s outcome=%s", self.task, json.dumps(outcome)
                 )
             self._watch_peers()  # after the sync above, which learnt each peer's task name from its /status
+            if self.role == "chief":
+                self._announce_parts()
             if self._stop_requested.is_set():
                 return self
             self.supervisor.start()
@@ -351,6 +376,16 @@ class Agent:
         )
         self.http.add_post("/restart", self._handle_restart)
         self.http.add_post("/recovery", self._handle_recovery)
+        if self.shards is not None:
+            keeper = self.shards
+            for name, handler in (
+                ("apply", keeper.apply),
+                ("export", keeper.export),
+                ("take", keeper.take),
+                ("write", keeper.write),
+                ("finish", keeper.finish),
+            ):
+                self.http.add_post(f"/shards/{name}", _json_handler(handler))
         if self.role == "chief":
             self.http.add_post("/new-generation", self._handle_new_generation)
             self.http.add_post("/failure", self._handle_failure)
@@ -367,6 +402,10 @@ class Agent:
         cfg = self.config
         tier = self.tier = MemoryTier()
         persister: Persister | None = None
+        if self.peers:
+            from psguard.agent.shards import ShardClient  # lazy: with the rest of the chief's parts above
+
+            self.shard_client = ShardClient(self.peer_sync.tasks, self.peer_sync.post)
         if cfg.store is not None:
             store = self.store = Store.open(cfg.store, dict(cfg.storage_options))
             t0 = time.perf_counter()
@@ -393,14 +432,57 @@ class Agent:
                 max_delta_percent=p.max_delta_percent,
                 retry_after=p.retry_after,
                 on_event=self._on_persist_event,
+                shards=self.shard_client,
             ).start()
             self.metrics.persist_lag_steps.set_function(self._lag_steps)
             self.metrics.persist_queue_depth.set_function(lambda: float(persister.status().pending_requests))
         self.spool_dir = Path(cfg.spool) if cfg.spool else default_spool_dir(cfg.job)
-        self.spool = SpoolServer(self.spool_dir, tier, persister, on_event=self._on_spool_event).start()
+        self.spool = SpoolServer(
+            self.spool_dir, tier, persister, on_event=self._on_spool_event, shards=self.shard_client
+        ).start()
         self._heartbeat_path = SpoolPaths(self.spool_dir).heartbeat
         store_url = redact(cfg.store) if cfg.store else "-"
         log.info("event=spool_serving task=%s spool=%s store=%s", self.task, self.spool_dir, store_url)
+
+    def _announce_parts(self) -> None:
+        """Tell the trainer where the PS agents keep their shards, when they can take the whole job of it."""
+        assert self.supervisor is not None
+        dirs, stores = self.peer_sync.part_dirs, self.peer_sync.part_stores
+        if not dirs:
+            return
+        lacking = sorted(t for t in dirs if self.config.store and not stores.get(t))
+        if lacking:
+            log.error(
+                "event=ps_side_shards_off task=%s reason=%r",
+                self.task,
+                f"the agents of {lacking} have no --store: they could not write their shards to the durable log, so "
+                "every shard goes through the chief. Give each PS agent the chief's --store",
+            )
+            return
+        self.supervisor.set_env(ENV_PARTS, json.dumps(dirs, sort_keys=True))
+        log.info("event=ps_side_shards task=%s parts=%s", self.task, json.dumps(dirs, sort_keys=True))
+
+    def _start_shards(self) -> None:
+        # lazy: numpy and the storage clients load only when the agent keeps shards
+        from psguard.agent.shards import ShardKeeper
+        from psguard.handoff.spool import part_dir
+        from psguard.store.log import Store
+
+        cfg = self.config
+        store = self.store = Store.open(cfg.store, dict(cfg.storage_options)) if cfg.store else None
+        folder = Path(cfg.spool) if cfg.spool else part_dir(cfg.job, self.task)
+        try:
+            self.shards = ShardKeeper(folder, self.task, store=store).start()
+        except (PsguardError, OSError) as e:
+            # The PS still serves; only its shards go through the chief (as before issue 12). Say so loudly.
+            log.error(
+                "event=shards_not_kept task=%s folder=%s error=%r: the chief holds this PS's state",
+                self.task,
+                folder,
+                str(e),
+            )
+            return
+        log.info("event=shards_kept task=%s folder=%s store=%s", self.task, folder, redact(cfg.store or "-"))
 
     def _task_probes(self) -> list[Probe]:
         assert self.supervisor is not None
@@ -475,6 +557,10 @@ class Agent:
                 self.tier.step,
                 durable,
             )
+        if self.shard_client is not None:
+            attempt(self.shard_client.close)
+        if self.shards is not None:
+            attempt(self.shards.close)
         if self.store is not None:
             attempt(self.store.close)
         if self.http is not None:
@@ -483,6 +569,7 @@ class Agent:
             self._made_token.remove()
             self._made_token = None
         self.monitor = self.supervisor = self.spool = self.persister = self.store = self.http = None
+        self.shards = self.shard_client = None
         self.peer_monitors = []
 
     def _watch_peers(self) -> None:
@@ -718,6 +805,8 @@ class Agent:
             doc["hangs"] = self._hangs
             doc["last_hang"] = self._last_hang
             durable_id, durable_step = self._durable_id, self._durable_step
+        if self.shards is not None:
+            doc["shards"] = self.shards.status()
         if self.role == "chief":
             tier = self.tier.status() if self.tier is not None else None
             persister = self.persister.status() if self.persister is not None else None

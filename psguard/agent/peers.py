@@ -13,7 +13,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from psguard.agent.config import PeersConfig
@@ -53,6 +53,8 @@ class PeerSync:
         self.generation = 0
         self.last: dict[str, Any] | None = None
         self.names: dict[str, str] = {}  # peer URL -> its task's name (``ps:0``), from its /status
+        self.part_dirs: dict[str, str] = {}  # PS task -> the part folder its agent keeps shards in (/status)
+        self.part_stores: dict[str, bool] = {}  # PS task -> whether its agent can write the durable log
 
     def sync(self, *, restart_ps: bool, why: str = "", failed_at: float | None = None) -> dict[str, str]:
         """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
@@ -88,6 +90,10 @@ class PeerSync:
                     continue
                 if isinstance(doc.get("task"), str):
                     self.names[url] = doc["task"]
+                    shards = doc.get("shards")
+                    if isinstance(shards, dict) and isinstance(shards.get("folder"), str):
+                        self.part_dirs[doc["task"]] = shards["folder"]
+                        self.part_stores[doc["task"]] = shards.get("store") is True
                 restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
                 uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
                 if (
@@ -138,6 +144,19 @@ class PeerSync:
                 f"error: not {'restarted and ' if restart_ps else ''}ready within {cfg.ready_timeout:g}s{detail}"
             )
         return outcome
+
+    def tasks(self) -> dict[str, str]:
+        """Task name -> base URL of every peer whose name is known."""
+        return {task: url for url, task in self.names.items()}
+
+    def post(self, url: str, body: Mapping[str, Any], timeout: float) -> Any:
+        """POST to a peer agent with the agents' credentials; the answer's JSON, or OSError/ShardError-like
+        ``RuntimeError`` for an HTTP error status (its message included)."""
+        code, answer = http_json("POST", url, body=body, token=self._peer_token, timeout=timeout, tls=self._tls)
+        if not 200 <= code < 300:
+            message = answer.get("error", "") if isinstance(answer, dict) else ""
+            raise RuntimeError(f"HTTP {code}: {message}")
+        return answer
 
     def new_generation(self, reason: str, failed_at: float | None = None) -> dict[str, Any]:
         """Restart every PS peer and wait until all serve again; the outcome.

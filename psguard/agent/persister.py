@@ -33,6 +33,7 @@ Typical use in the agent::
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from psguard.agent.memory_tier import DirtyTake, MemoryTier
+from psguard.agent.shards import ShardClient
 from psguard.config import from_data
 from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
 from psguard.handoff.contract import RETENTION_KEY, TOKEN_KEY
@@ -145,9 +147,12 @@ class Persister:
         retry_after: float | None = 5.0,
         on_event: Callable[[PersistEvent], None] | None = None,
         name: str = "psguard-persister",
+        shards: ShardClient | None = None,
     ) -> None:
         self.store = store
         self.tier = tier
+        #: The PS agents that hold the shards (issue 12): each writes its part, this persister commits once.
+        self.shards = shards
         self.base_policy: SavePolicy = base_policy or ChainLimit(
             max_chain=max_chain, max_delta_percent=max_delta_percent
         )
@@ -305,12 +310,15 @@ class Persister:
     def _serve(self, batch: PersistHandle) -> None:
         t0 = time.perf_counter()
         take: DirtyTake | None = None
+        parts: tuple[tuple[str, ...], str] | None = None
         try:
-            take = self.tier.take_dirty(base=batch.new_base or self._base_due())
-            info, fresh = self._write(take) if take is not None else (None, False)
+            take, parts = self._take(base=batch.new_base or self._base_due())
+            info, fresh = self._write(take, parts) if take is not None else (None, False)
         except Exception as e:
             if take is not None and take._state == "open":
                 take.abort()
+            if parts is not None and self.shards is not None:
+                self.shards.finish(parts[0], parts[1], committed=False)
             self._failed(batch, e, take, time.perf_counter() - t0)
             return
         seconds = time.perf_counter() - t0
@@ -359,20 +367,51 @@ class Persister:
         except PsguardError as e:
             log.warning("retention after %s failed (retried after the next commit): %s", info.id, e)
 
-    def _write(self, take: DirtyTake) -> tuple[CheckpointInfo | None, bool]:
+    def _take(self, *, base: bool) -> tuple[DirtyTake | None, tuple[tuple[str, ...], str] | None]:
+        """What the log lacks, from this tier and (with shards) from every PS agent's, at one capture's state."""
+        if self.shards is None:
+            return self.tier.take_dirty(base=base), None
+        with self.shards.order:  # no capture is applied anywhere between the takes
+            take = self.tier.take_dirty(base=base)
+            tasks = self.shards.active
+            if take is None or not tasks or take.token is None:
+                return take, None
+            take_id = secrets.token_hex(8)
+            try:
+                self.shards.take(tasks, take_id, take.token, take.base or self._last is None)
+            except BaseException:
+                take.abort()
+                raise
+            return take, (tasks, take_id)
+
+    def _write(
+        self, take: DirtyTake, parts: tuple[tuple[str, ...], str] | None = None
+    ) -> tuple[CheckpointInfo | None, bool]:
         """Save the take, or skip it when the log already holds this state; the take is closed either way.
+
+        ``parts``: the PS tasks that took their shards' share for this save, and the take's id. Each writes its
+        chunks, and the manifest that names them all is the one commit.
 
         Returns the checkpoint that now covers the tier's state and whether it was written by this call.
         """
         last = self._last
         if not take.changed and last is not None and take.step == last.step and take.token == self._last_token:
             take.commit()
+            if parts is not None and self.shards is not None:
+                self.shards.finish(parts[0], parts[1], committed=True)
             return last, False
         metadata = dict(take.metadata)
         if take.token is not None:
             metadata[TOKEN_KEY] = take.token
         try:
-            if take.base or last is None:
+            if parts is not None and self.shards is not None:
+                parent = None if take.base or last is None else last.id
+                dedup = last.id if last is not None else None
+                with self.store.begin_save(take.step, parent=parent, dedup_against=dedup) as tx:
+                    entries = self.shards.write(parts[0], parts[1], dedup)
+                    info = tx.commit(take.updates, parts=entries, metadata=metadata, metrics=take.metrics)
+                self.shards.finish(parts[0], parts[1], committed=True)
+            elif take.base or last is None:
                 info = self.store.save(
                     take.step,
                     take.updates,

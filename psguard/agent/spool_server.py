@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from psguard.agent.memory_tier import MemoryTier
 from psguard.agent.persister import Persister, PersistHandle
+from psguard.agent.shards import ShardClient, ShardError
 from psguard.errors import (
     CorruptCheckpointError,
     PsguardError,
@@ -35,6 +36,7 @@ from psguard.handoff.spool import (
     VERSION,
     Ack,
     DurableAck,
+    SpooledCapture,
     SpoolPaths,
     atomic_write_json,
     read_capture,
@@ -127,8 +129,12 @@ class SpoolServer:
         ack_ttl: float = 3600.0,
         lock_timeout: float = 5.0,
         on_event: Callable[[SpoolEvent], None] | None = None,
+        shards: ShardClient | None = None,
     ) -> None:
         self._paths = SpoolPaths(root)
+        #: The PS agents holding the shards the trainer captures on the PS nodes (issue 12).
+        self.shards = shards
+        self._order = shards.order if shards is not None else threading.Lock()
         self.root = self._paths.root
         self.tier = tier
         self.persister = persister
@@ -321,16 +327,21 @@ class SpoolServer:
             if cap.seq != seq:
                 raise CorruptCheckpointError(f"spool capture {folder}: says it is seq {cap.seq}")
             read_seconds = time.perf_counter() - t0
-            result = self.tier.apply(
-                cap.tensors,
-                step=cap.step,
-                token=cap.token,
-                parent=cap.parent,
-                metadata=cap.metadata,
-                metrics=cap.metrics,
-            )
-            apply_seconds = result.seconds
-            ack = Ack(seq, result.status, self.tier.step, self.tier.token, result.message, capture=cap.token)
+            with self._order:
+                status, message = self._apply_parts(cap)
+                if status == "ok":
+                    result = self.tier.apply(
+                        cap.tensors,
+                        step=cap.step,
+                        token=cap.token,
+                        parent=cap.parent,
+                        metadata=cap.metadata,
+                        metrics=cap.metrics,
+                    )
+                    status, message, apply_seconds = result.status, result.message, result.seconds
+                    if status == "ok" and self.shards is not None:
+                        self.shards.active = tuple(p.task for p in cap.parts)
+            ack = Ack(seq, status, self.tier.step, self.tier.token, message, capture=cap.token)
         except Exception as e:  # whatever is wrong with this capture, answer it: never block the ones after it
             read_seconds = time.perf_counter() - t0
             ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}", self._token_of(folder))
@@ -368,6 +379,17 @@ class SpoolServer:
         self._emit(
             SpoolEvent("capture", seq, step, ack.status, nbytes, read_seconds, apply_seconds, ack.message, stall)
         )
+
+    def _apply_parts(self, cap: SpooledCapture) -> tuple[Literal["ok", "need_full", "error"], str]:
+        """Forward the capture's PS parts to their agents first: the chief's tier moves only if they all did."""
+        if not cap.parts:
+            return "ok", ""
+        if self.shards is None:
+            return "error", "the capture has shards on PS nodes, but this agent knows no PS agents (--peer)"
+        try:
+            return self.shards.apply(cap.parts, step=cap.step, token=cap.token, parent=cap.parent)
+        except ShardError as e:
+            return "error", str(e)
 
     def _token_of(self, folder: Path) -> str | None:
         doc = read_json_if_present(folder / "capture.json")
@@ -433,6 +455,9 @@ class SpoolServer:
                     doc["tensors"].append(
                         {"name": tname, "dtype": dtype_name(value.dtype), "shape": list(value.shape), **ref}
                     )
+                if self.shards is not None and self.shards.active and not snap.empty and snap.token is not None:
+                    # Each PS's agent writes its shards on its own node; the trainer's PS load them there.
+                    doc["parts"] = self.shards.export(self.shards.active, snap.token)
             status = doc["status"]
         except (OSError, PsguardError) as e:
             shutil.rmtree(tmp, ignore_errors=True)

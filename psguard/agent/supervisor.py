@@ -442,6 +442,12 @@ class Supervisor:
                 raise TimeoutError(f"supervisor {self.name} did not stop within its timeout")
         return self.status()
 
+    def set_env(self, name: str, value: str) -> None:
+        """Add to the task's environment from its next start on (what the agent learns after building it)."""
+        if self._env is None:
+            self._env = dict(os.environ)
+        self._env[name] = value
+
     def restart(self, reason: str, *, crash: bool = True) -> bool:
         """Kill the task's process group with SIGKILL and start the command again, on the supervisor's thread.
 

@@ -168,6 +168,8 @@ def run(
         for role, count in (("ps", ps), ("worker", workers)):
             for i in range(count):
                 args = ["--role", role, "--index", str(i), *base]
+                if role == "ps":  # each PS's agent keeps its shards (memory tier, its part of the log)
+                    args += ["--spool", str(work / f"ps{i}-shards"), *(["--store", store] if store else [])]
                 servers.append(AgentProcess(agents_dir, f"{role}{i}", args, token_file=token.path))
         try:
             peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(start_timeout))]

@@ -190,7 +190,18 @@ class _Run:
                 self.agents[f"{role}{i}"] = AgentProcess(
                     root,
                     f"{role}{i}",
-                    ["--role", role, "--index", str(i), *(base if role == "ps" else others)],
+                    [
+                        "--role",
+                        role,
+                        "--index",
+                        str(i),
+                        *(base if role == "ps" else others),
+                        *(
+                            ["--spool", str(self.dir / f"ps{i}-shards"), "--store", self.store_url]
+                            if role == "ps"
+                            else []
+                        ),
+                    ],
                     env=env,
                 )
         peers = [arg for a in self.agents.values() for arg in ("--peer", a.wait_url(180))]

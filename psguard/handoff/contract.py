@@ -15,6 +15,7 @@ __all__ = [
     "ENV_AGENT_CLIENT_KEY",
     "ENV_AGENT_TOKEN_FILE",
     "ENV_AGENT_URL",
+    "ENV_PARTS",
     "ENV_SPOOL",
     "ENV_STORE",
     "ENV_TASK",
@@ -53,6 +54,10 @@ ENV_AGENT_CLIENT_CERT = "PSGUARD_AGENT_CLIENT_CERT"
 ENV_AGENT_CLIENT_KEY = "PSGUARD_AGENT_CLIENT_KEY"
 #: ``role:index`` of the task the agent runs (``ps:0``).
 ENV_TASK = "PSGUARD_TASK"
+#: Set by the chief's agent for its trainer when the PS run under agents that keep their shards: JSON
+#: ``{"ps:0": "<that PS agent's part folder on its node>", ...}`` (:mod:`psguard.handoff.parts`). The trainer
+#: then captures and restores those shards on the PS nodes.
+ENV_PARTS = "PSGUARD_PARTS"
 
 # ------------------------------------------------------------------------------------------------ exit codes
 EXIT_OK = 0

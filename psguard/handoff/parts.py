@@ -6,7 +6,8 @@ files (:mod:`psguard.handoff.tensor_file`) into the *part folder* of that PS's a
 these small descriptors travel through the chief. A restore goes the other way: each PS's agent writes its
 shards' files into its part folder, and a function placed on the PS device reads and assigns them.
 
-Part folder of task ``ps:i`` of job ``J``: ``/dev/shm/psguard-J-ps-i`` (:func:`part_dir`), made owner-only by
+Part folder of task ``ps:i`` of job ``J``: ``/dev/shm/psguard-J-ps-i``
+(:func:`psguard.handoff.spool.part_dir`), made owner-only by
 that PS's agent, which alone deletes what is in it::
 
     incoming/<nonce>/<t>-<s>.{full,ids,rows}   a capture's files for tensor t, shard s (written by TF on the PS)
@@ -21,11 +22,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 from psguard.errors import CorruptCheckpointError
-from psguard.handoff.spool import default_spool_dir
 
 __all__ = [
     "Kind",
@@ -33,7 +32,7 @@ __all__ = [
     "ShardFiles",
     "ShardKey",
     "check_coverage",
-    "part_dir",
+    "is_ps_task",
     "parts_from_json",
     "task_of_device",
 ]
@@ -43,14 +42,6 @@ _TASK_RE = re.compile(r"^ps:[0-9]{1,6}$")
 _NONCE_RE = re.compile(r"^[0-9a-f]{16}$")
 _DEVICE_RE = re.compile(r"/job:([a-z]+)/(?:replica:[0-9]+/)?task:([0-9]+)")
 _MAX_DIM = 1 << 48
-
-
-def part_dir(job: str, task: str) -> Path:
-    """The part folder of ``task`` (``ps:0``) on its node, beside the job's spool."""
-    if not _TASK_RE.match(task):
-        raise ValueError(f"not a PS task name: {task!r}")
-    base = default_spool_dir(job)
-    return base.with_name(f"{base.name}-{task.replace(':', '-')}")
 
 
 def task_of_device(device: str) -> str | None:
@@ -147,6 +138,10 @@ class PartCapture:
         if len({s.key for s in parsed}) != len(parsed) or len({s.stem for s in parsed}) != len(parsed):
             raise CorruptCheckpointError(f"{what}: a shard appears twice in the part of {task}")
         return cls(task, nonce, parsed)
+
+
+def is_ps_task(task: str) -> bool:
+    return bool(_TASK_RE.match(task))
 
 
 def parts_from_json(docs: Any, what: str) -> list[PartCapture]:

@@ -96,6 +96,7 @@ from psguard.errors import (
 )
 from psguard.handoff.contract import Tier
 from psguard.handoff.credentials import ensure_private_dir
+from psguard.handoff.parts import PartCapture, ShardKey, is_ps_task, parts_from_json
 from psguard.store.chunks import as_le_bytes, byte_view, deserialize_strings, serialize_strings
 from psguard.store.dtypes import dtype_from_name, dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
@@ -138,6 +139,14 @@ def default_spool_dir(job: str) -> Path:
     return base / f"psguard-{job}"
 
 
+def part_dir(job: str, task: str) -> Path:
+    """The part folder of PS ``task`` (``ps:0``) on its node, beside the job's spool (:mod:`.parts`)."""
+    if not is_ps_task(task):
+        raise ConfigError(f"not a PS task name: {task!r}")
+    base = default_spool_dir(job)
+    return base.with_name(f"{base.name}-{task.replace(':', '-')}")
+
+
 # ------------------------------------------------------------------------------------------------ records
 @dataclass(frozen=True)
 class Capture:
@@ -149,10 +158,14 @@ class Capture:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     tiers: frozenset[Tier] = frozenset({Tier.MEMORY})
     metrics: Mapping[str, float] = field(default_factory=dict)
+    #: The shards captured into files on their PS nodes (:mod:`psguard.handoff.parts`): only descriptors here.
+    parts: tuple[PartCapture, ...] = ()
 
     @property
     def whole(self) -> bool:
-        return all(isinstance(u, Full) for u in self.tensors.values())
+        return all(isinstance(u, Full) for u in self.tensors.values()) and all(
+            s.kind == "full" for p in self.parts for s in p.shards
+        )
 
 
 @dataclass(frozen=True)
@@ -169,6 +182,7 @@ class SpooledCapture:
     metrics: dict[str, float]
     tensors: dict[str, TensorUpdate]
     nbytes: int
+    parts: tuple[PartCapture, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -223,6 +237,8 @@ class Restored:
     token: str | None
     durable_id: str | None = None
     durable_step: int | None = None
+    #: Shard -> its file on the node of the PS that hosts it (written there by that PS's agent).
+    parts: dict[ShardKey, str] = field(default_factory=dict)
 
 
 class NeedFullCaptureError(SaveError):
@@ -452,7 +468,8 @@ def read_capture(folder: Path) -> SpooledCapture:
             tensors[name] = Same(shape, dtype)
         else:
             raise CorruptCheckpointError(f"{where}: unknown kind {kind!r}")
-    return SpooledCapture(seq, writer, token, parent, step, tiers, metadata, metrics, tensors, nbytes)
+    parts = tuple(parts_from_json(doc.get("parts", []), what))
+    return SpooledCapture(seq, writer, token, parent, step, tiers, metadata, metrics, tensors, nbytes, parts)
 
 
 def read_restore(folder: Path) -> Restored:
@@ -479,6 +496,18 @@ def read_restore(folder: Path) -> Restored:
             raise CorruptCheckpointError(f"{what}: tensor entry malformed")
         shape, dtype = _shape_dtype(item, f"{what}, tensor {item['name']!r}")
         tensors[item["name"]] = _read_array(folder, item, dtype, shape, f"{what}, tensor {item['name']!r}")
+    parts: dict[ShardKey, str] = {}
+    raw_parts = doc.get("parts", [])
+    for item in raw_parts if isinstance(raw_parts, list) else [None]:
+        try:
+            assert isinstance(item, dict)
+            key = ShardKey(str(item["name"]), int(item["offset"]), int(item["rows"]))
+            path = item["path"]
+        except (AssertionError, KeyError, TypeError, ValueError):
+            raise CorruptCheckpointError(f"{what}: a part entry is malformed") from None
+        if not isinstance(path, str) or key in parts:
+            raise CorruptCheckpointError(f"{what}: a part entry is malformed")
+        parts[key] = path
     try:
         return Restored(
             step=int(doc["step"]),
@@ -487,6 +516,7 @@ def read_restore(folder: Path) -> Restored:
             token=doc.get("token"),
             durable_id=doc.get("durable_id"),
             durable_step=doc.get("durable_step"),
+            parts=parts,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{what}: manifest lacks or garbles {e}") from None

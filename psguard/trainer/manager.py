@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import collections
 import faulthandler
+import json
 import logging
 import os
 import socket
@@ -42,7 +43,7 @@ import numpy as np
 from psguard.dependencies import import_optional
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.client import report_recovery
-from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
+from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
 from psguard.handoff.spool import Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
@@ -151,6 +152,20 @@ class _StepClock:
 def _ps_devices(capturer: Capturer) -> list[str]:
     """The parameter-server devices holding the capturer's variables (empty when none is on a PS)."""
     return sorted({s.device for info in capturer.tensors.values() for s in info.shards if "/job:ps/" in s.device})
+
+
+def _part_dirs() -> dict[str, str]:
+    """The PS agents' part folders the chief's agent announced (``ENV_PARTS``); empty when it did not."""
+    raw = os.environ.get(ENV_PARTS)
+    if not raw:
+        return {}
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+        raise ConfigError(f"${ENV_PARTS} is not a JSON object of PS task -> folder: {raw[:200]!r}")
+    return doc
 
 
 def _agent_spool(directory: str) -> str | None:
@@ -298,7 +313,10 @@ class CheckpointManager:
         self._data_position = data_position
         self.store = store or Store.open(self._directory, storage_options)
         self._owns_store = store is None
-        self.capturer = Capturer(checkpoint, coordinator=coordinator, **dict(capturer_options or {}))
+        options = dict(capturer_options or {})
+        if spool_dir and "spill_dirs" not in options:
+            options["spill_dirs"] = _part_dirs()  # under an agent whose PS agents keep their shards
+        self.capturer = Capturer(checkpoint, coordinator=coordinator, **options)
         self._policy = _Policy(policy, watch=watch_policy)
         self.context = SaveContext(started_at=time.time(), observed_since=time.time())
         self._preemption = PreemptionHandler().install() if preemption else None
@@ -435,7 +453,8 @@ class CheckpointManager:
             self.last_stall_seconds = stall
             self._saves += 1
             wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
-            handle = self._sink.submit(Job(step, updates, metadata, dict(metrics or {}), wanted), stall)
+            job = Job(step, updates, metadata, dict(metrics or {}), wanted, parts=tuple(self.capturer.last_parts))
+            handle = self._sink.submit(job, stall)
         log.info("captured step %d in %.3fs (%s)", step, stall, summary(updates))
         return handle
 
@@ -479,7 +498,10 @@ class CheckpointManager:
             token = str(raw) if raw else None
         tensors.pop(OBJECT_GRAPH_KEY, None)
         with self._capture_lock:
-            self.capturer.restore(tensors)
+            if memory is not None and info.source == "memory" and memory.parts:
+                self.capturer.restore_parts(tensors, memory.parts)  # each PS loads its shards on its own node
+            else:
+                self.capturer.restore(tensors)
             self._sink.rebase(info.id if info.source == "durable" else None, token)
             self.restored = info
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save

@@ -27,8 +27,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from psguard.errors import NoCheckpointError, ParentMissingError, PsguardError, SaveError
+from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
 from psguard.handoff.contract import RETENTION_KEY, STALL_KEY, Tier
+from psguard.handoff.parts import PartCapture
 from psguard.handoff.spool import Capture, Restored
 from psguard.policy.engine import ChainLimit, Retention, SaveContext, TierState
 from psguard.store.log import CheckpointInfo, Store
@@ -163,6 +164,8 @@ class Job:
     metrics: dict[str, float]
     tiers: frozenset[Tier] = BOTH
     handles: list[_StoreSaveHandle] = field(default_factory=list)
+    #: Shards captured into files on their PS nodes; only an agent sink takes them (never folded).
+    parts: tuple[PartCapture, ...] = ()
 
     def fold(self, newer: Job) -> Job:
         """This job followed by ``newer``, as one."""
@@ -261,6 +264,8 @@ class StoreSink:
         return Tier.DURABLE in tiers or urgent
 
     def submit(self, job: Job, stall_seconds: float) -> SaveHandle:
+        if job.parts:
+            raise ConfigError("shards captured on the PS nodes need the PS agents to keep them; this sink has none")
         handle = _StoreSaveHandle(job.step, stall_seconds, job.tiers)
         job.handles.append(handle)
         with self._cond:
@@ -394,7 +399,7 @@ class AgentSink:
         retention = self._retention()
         if retention is not None:  # the agent writes the log: it applies our retention after each commit
             metadata[RETENTION_KEY] = retention.as_kwargs()
-        spooled = self.spool.submit(Capture(job.step, job.updates, metadata, job.tiers, job.metrics))
+        spooled = self.spool.submit(Capture(job.step, job.updates, metadata, job.tiers, job.metrics, job.parts))
         handle = _AgentSaveHandle(job.step, stall_seconds, spooled, self.store)
         with self._lock:
             self._sweep()

@@ -300,6 +300,7 @@ class SpoolWriter:
                     "metrics": metrics,
                     "created_at": time.time(),
                     "tensors": entries,
+                    "parts": [p.to_json() for p in capture.parts],
                 }
                 write_private(tmp / "capture.json", json.dumps(doc, allow_nan=False).encode())
                 os.rename(tmp, final)  # the hand-off

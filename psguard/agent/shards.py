@@ -1,0 +1,367 @@
+"""The shards a PS hosts, kept by that PS's agent; and the chief agent's calls to every PS agent (issue 12).
+
+Why here and not in the chief's agent: a PS job's state is its embedding tables, spread over tens of PS with
+hundreds of GB each; the chief is one node. So each PS's agent keeps the memory tier of its own PS's shards
+(:class:`ShardKeeper`), fed by files the capture function writes on its node, and answers restores with files
+its PS loads on its node (:mod:`psguard.handoff.parts`). Only descriptors, tokens and steps cross the network;
+the chief's agent coordinates (:class:`ShardClient`): it forwards each capture's part to its PS's agent, asks
+all of them for a restore, and runs the durable two-phase save (take under the capture order, write in
+parallel, one commit).
+
+Consistency: every part of a capture carries the capture's token (the same token as the chief's tier), and
+a PS's tier accepts a delta only on top of the token it names, exactly as the chief's does. A restore is
+served only when every PS's tier holds the chief's token; otherwise the trainer falls back to the durable log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from psguard.agent.memory_tier import DirtyTake, MemoryTier
+from psguard.errors import CorruptCheckpointError, PsguardError
+from psguard.handoff.credentials import ensure_private_dir
+from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
+from psguard.handoff.spool import try_flock
+from psguard.handoff.tensor_file import read_tensor_file, write_tensor_file
+from psguard.store.dtypes import dtype_from_name, dtype_name
+from psguard.tensors import Full, Rows, Same, TensorUpdate
+
+__all__ = ["ShardClient", "ShardError", "ShardKeeper"]
+
+log = logging.getLogger(__name__)
+
+
+class ShardError(PsguardError):
+    """A PS agent could not do what the chief's agent asked (its answer says why)."""
+
+
+def _tier_name(key: ShardKey) -> str:
+    return f"{key.name}@{key.offset}:{key.rows}"
+
+
+def _token(doc: Mapping[str, Any], key: str, *, optional: bool = False) -> str | None:
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not 0 < len(value) <= 128:
+        raise CorruptCheckpointError(f"bad {key!r} in a shard request")
+    return value
+
+
+def _step(doc: Mapping[str, Any]) -> int:
+    step = doc.get("step")
+    if type(step) is not int or not 0 <= step < 1 << 62:
+        raise CorruptCheckpointError("bad 'step' in a shard request")
+    return step
+
+
+class ShardKeeper:
+    """A PS agent's memory tier of its PS's shards, fed and read through its part folder.
+
+    Every public method takes and returns plain JSON (the HTTP handlers pass bodies straight through).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], task: str, *, store: Any = None) -> None:
+        self.folder = Path(folder)
+        self.task = task
+        self.store = store
+        self.tier = MemoryTier()
+        self._keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}  # tier name -> shard, logical shape
+        self._lock = threading.Lock()
+        self._take: tuple[str, DirtyTake] | None = None  # the open durable take: its checkpoint id
+        self._applied = 0
+        self._bytes_in = 0
+        self._exports = 0
+        self._lock_fd: int | None = None
+
+    def start(self) -> ShardKeeper:
+        """Own the part folder (owner-only, one agent at a time) and clear what a previous agent left in it.
+
+        Raises :class:`ShardError` when another live agent keeps shards in the same folder.
+        """
+        ensure_private_dir(self.folder, "the PS agent's part folder")
+        fd = try_flock(self.folder / "agent.lock", fcntl.LOCK_EX)
+        if fd is None:
+            raise ShardError(f"another agent keeps shards in {self.folder} (give this one --spool DIR)")
+        self._lock_fd = fd
+        for sub in ("incoming", "restore"):
+            shutil.rmtree(self.folder / sub, ignore_errors=True)
+            ensure_private_dir(self.folder / sub, "the PS agent's part folder")
+        return self
+
+    def close(self) -> None:
+        if self._lock_fd is None:
+            return
+        for sub in ("incoming", "restore"):
+            shutil.rmtree(self.folder / sub, ignore_errors=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+
+    def status(self) -> dict[str, Any]:
+        s = self.tier.status()
+        return {
+            "folder": str(self.folder),
+            "store": self.store is not None,
+            "step": s.step,
+            "token": s.token,
+            "shards": s.tensors,
+            "bytes": s.nbytes,
+            "dirty_rows": s.dirty_rows,
+            "applied": self._applied,
+            "bytes_in": self._bytes_in,
+            "exports": self._exports,
+        }
+
+    # ------------------------------------------------------------------------------------------ memory tier
+    def apply(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """Apply one capture's part (``{"part", "step", "token", "parent"}``); the part's files are deleted."""
+        part = PartCapture.from_json(doc.get("part"), f"{self.task}: capture part")
+        folder = self.folder / "incoming" / part.nonce
+        try:
+            if part.task != self.task:
+                raise CorruptCheckpointError(f"a part for {part.task} sent to the agent of {self.task}")
+            step, token, parent = _step(doc), _token(doc, "token"), _token(doc, "parent", optional=True)
+            assert token is not None
+            if folder.is_symlink() or not folder.is_dir():
+                raise CorruptCheckpointError(f"{self.task}: the capture's files are not in {folder}")
+            updates: dict[str, TensorUpdate] = {}
+            keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}
+            nbytes = 0
+            for s in part.shards:
+                name = _tier_name(s.key)
+                updates[name] = self._read_shard(folder, s)
+                keys[name] = (s.key, s.shape)
+                u = updates[name]
+                nbytes += u.value.nbytes if isinstance(u, Full) else u.values.nbytes if isinstance(u, Rows) else 0
+            with self._lock:
+                result = self.tier.apply(updates, step=step, token=token, parent=parent)
+                if result.ok:
+                    if parent is None:
+                        self._keys = keys
+                    self._applied += 1
+                    self._bytes_in += nbytes
+            return {
+                "status": result.status,
+                "step": self.tier.step,
+                "token": self.tier.token,
+                "message": result.message,
+            }
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def _read_shard(self, folder: Path, s: ShardFiles) -> TensorUpdate:
+        inner = s.shape[1:]
+        what = f"{self.task}: {s.key.label}"
+        if s.kind == "full":
+            return Full(
+                read_tensor_file(folder / f"{s.stem}.full", dtype=s.dtype, shape=(s.key.rows, *inner), what=what)
+            )
+        if s.kind == "same":
+            return Same((s.key.rows, *inner), dtype_from_name(s.dtype))
+        ids = read_tensor_file(folder / f"{s.stem}.ids", dtype="int64", shape=(s.count,), what=what)
+        if ids.size and (ids[0] < 0 or ids[-1] >= s.key.rows or np.any(np.diff(ids) <= 0)):
+            raise CorruptCheckpointError(f"{what}: row ids not sorted, unique and within the shard")
+        values = read_tensor_file(folder / f"{s.stem}.rows", dtype=s.dtype, shape=(s.count, *inner), what=what)
+        return Rows(ids, values, (s.key.rows, *inner))
+
+    def export(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """Write every shard as a tensor file its PS loads (``{"token"}``: the state the chief expects).
+
+        Answers ``mismatch`` when this tier holds another state than the chief's tier (then nothing from the
+        memory tiers is restorable as one consistent state) and ``empty`` when it holds none.
+        """
+        expected = _token(doc, "token", optional=True)
+        nonce = secrets.token_hex(8)
+        restore = self.folder / "restore"
+        with self.tier.export() as snap:
+            if snap.empty:
+                return {"status": "empty", "step": None, "token": None}
+            if expected is not None and snap.token != expected:
+                return {"status": "mismatch", "step": snap.step, "token": snap.token}
+            for old in restore.iterdir():  # one restore at a time: the previous one was loaded or abandoned
+                shutil.rmtree(old, ignore_errors=True)
+            tmp = restore / f"{nonce}.tmp"
+            tmp.mkdir(mode=0o700)
+            files = []
+            for i, (name, value) in enumerate(snap.tensors.items()):
+                key, shape = self._keys[name]
+                write_tensor_file(tmp / f"{i}.tp", value)
+                files.append(
+                    {
+                        "name": key.name,
+                        "offset": key.offset,
+                        "rows": key.rows,
+                        "shape": list(shape),
+                        "dtype": dtype_name(value.dtype),
+                        "path": str(restore / nonce / f"{i}.tp"),
+                    }
+                )
+            os.rename(tmp, restore / nonce)
+            self._exports += 1
+            return {"status": "ok", "step": snap.step, "token": snap.token, "files": files}
+
+    # ------------------------------------------------------------------------------------------ durable log
+    def take(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """Phase one of a durable save: set aside what the log lacks, if this tier holds ``token``."""
+        checkpoint, token = _token(doc, "checkpoint"), _token(doc, "token")
+        base = doc.get("base") is True
+        with self._lock:
+            if self._take is not None:
+                self._take[1].abort()  # a coordinator that died between phases: its take is void
+                self._take = None
+            if self.tier.token != token:
+                return {"status": "mismatch", "step": self.tier.step, "token": self.tier.token}
+            take = self.tier.take_dirty(base=base)
+            if take is None:
+                return {"status": "empty"}
+            assert checkpoint is not None
+            self._take = (checkpoint, take)
+            return {"status": "ok", "step": take.step, "token": take.token, "base": take.base}
+
+    def write(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """Phase two: write the taken shards' chunks; the part entries go to the chief, who commits."""
+        checkpoint = _token(doc, "checkpoint")
+        dedup = _token(doc, "dedup_against", optional=True)
+        if self.store is None:
+            raise ShardError(f"the agent of {self.task} has no durable store (start it with --store)")
+        with self._lock:
+            if self._take is None or self._take[0] != checkpoint:
+                raise ShardError(f"{self.task}: no durable take open for {checkpoint}")
+            take = self._take[1]
+        parts: dict[str, list[dict[str, Any]]] = {}
+        for name, update in take.updates.items():
+            key, shape = self._keys[name]
+            entry = self.store.write_part(key.name, update, shape=shape, offset=key.offset, dedup_against=dedup)
+            parts.setdefault(key.name, []).append(entry)
+        return {"status": "ok", "parts": parts, "payload_bytes": take.payload_bytes}
+
+    def finish(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """Close the take: committed (its rows are durable) or not (they stay dirty for the next save)."""
+        checkpoint = _token(doc, "checkpoint")
+        committed = doc.get("committed") is True
+        with self._lock:
+            if self._take is None or self._take[0] != checkpoint:
+                return {"status": "none"}
+            take = self._take[1]
+            self._take = None
+        take.commit() if committed else take.abort()
+        return {"status": "ok"}
+
+
+class ShardClient:
+    """The chief agent's side: one call fans out to every PS agent, in parallel.
+
+    ``peers``: a callable giving ``{task: base URL}`` of the PS agents now (they may move when restarted);
+    ``call``: POSTs JSON to a URL with the agents' credentials and returns the answer's JSON.
+    """
+
+    def __init__(
+        self,
+        peers: Callable[[], Mapping[str, str]],
+        call: Callable[[str, Mapping[str, Any], float], Any],
+        *,
+        timeout: float = 120.0,
+    ) -> None:
+        self._peers = peers
+        self._call = call
+        self.timeout = timeout
+        #: The PS tasks whose agents hold the tier's shards (those of the last capture applied), and the lock
+        #: that orders captures (applied to every tier) and durable takes (taken from every tier) as one.
+        self.active: tuple[str, ...] = ()
+        self.order = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="psguard-shards")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fan_out(self, path: str, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+        peers = self._peers()
+        missing = sorted(set(bodies) - set(peers))
+        if missing:
+            raise ShardError(f"no agent known for {missing}: is every PS run under `psguard agent`?")
+        futures = {
+            task: self._pool.submit(self._call, peers[task] + path, body, self.timeout) for task, body in bodies.items()
+        }
+        answers: dict[str, dict[str, Any]] = {}
+        errors = []
+        for task, f in futures.items():
+            try:
+                answer = f.result()
+                if not isinstance(answer, dict):
+                    raise ShardError("not a JSON object")
+                answers[task] = answer
+            except Exception as e:
+                errors.append(f"{task}: {e}")
+        if errors:
+            raise ShardError(f"{path} failed on " + "; ".join(errors))
+        return answers
+
+    def apply(
+        self, parts: Sequence[PartCapture], *, step: int, token: str, parent: str | None
+    ) -> tuple[Literal["ok", "need_full", "error"], str]:
+        """Forward a capture's parts; ``(status, message)``, the worst of the PS agents' answers."""
+        answers = self._fan_out(
+            "/shards/apply",
+            {p.task: {"part": p.to_json(), "step": step, "token": token, "parent": parent} for p in parts},
+        )
+        wanted: Literal["need_full", "error"]
+        for wanted in ("error", "need_full"):
+            bad = {t: a for t, a in answers.items() if a.get("status") == wanted}
+            if bad:
+                return wanted, "; ".join(f"{t}: {a.get('message', '')}" for t, a in sorted(bad.items()))
+        unknown = {t: a.get("status") for t, a in answers.items() if a.get("status") != "ok"}
+        if unknown:
+            return "error", f"unexpected answers {unknown}"
+        return "ok", ""
+
+    def export(self, tasks: Sequence[str], token: str) -> list[dict[str, Any]]:
+        """Every PS agent's restore files for state ``token``; raises when one cannot give that state."""
+        answers = self._fan_out("/shards/export", {t: {"token": token} for t in tasks})
+        bad = {t: f"{a.get('status')} (step {a.get('step')})" for t, a in answers.items() if a.get("status") != "ok"}
+        if bad:
+            raise ShardError(f"the PS agents do not all hold the chief's state {token}: {bad}")
+        files: list[dict[str, Any]] = []
+        for task, a in sorted(answers.items()):
+            if not isinstance(a.get("files"), list):
+                raise ShardError(f"{task}: malformed export answer")
+            files.extend({**f, "task": task} for f in a["files"])
+        return files
+
+    def take(self, tasks: Sequence[str], checkpoint: str, token: str, base: bool) -> None:
+        answers = self._fan_out(
+            "/shards/take", {t: {"checkpoint": checkpoint, "token": token, "base": base} for t in tasks}
+        )
+        bad = {t: a for t, a in answers.items() if a.get("status") != "ok"}
+        if bad:
+            self.finish(tasks, checkpoint, committed=False)
+            raise ShardError(f"the PS agents do not all hold state {token}: {bad}")
+
+    def write(
+        self, tasks: Sequence[str], checkpoint: str, dedup_against: str | None
+    ) -> dict[str, list[dict[str, Any]]]:
+        answers = self._fan_out(
+            "/shards/write", {t: {"checkpoint": checkpoint, "dedup_against": dedup_against} for t in tasks}
+        )
+        parts: dict[str, list[dict[str, Any]]] = {}
+        for a in answers.values():
+            for name, entries in (a.get("parts") or {}).items():
+                parts.setdefault(name, []).extend(entries)
+        for entries in parts.values():
+            entries.sort(key=lambda e: int(e.get("offset", 0)))
+        return parts
+
+    def finish(self, tasks: Sequence[str], checkpoint: str, *, committed: bool) -> None:
+        with contextlib.suppress(ShardError):
+            self._fan_out("/shards/finish", {t: {"checkpoint": checkpoint, "committed": committed} for t in tasks})
