@@ -475,6 +475,8 @@ def test_a_transaction_left_without_commit_aborts(stores: tuple[Store, list[Stor
         assert isinstance(tx, SaveTransaction) and tx.checkpoint_id.startswith("000000000003-")
         assert [k for k in coordinator.backend.keys(LOCK_PREFIX) if tx.checkpoint_id in k]
         ps[0].write_part("t", np.ones((4, 2), np.float32), shape=(4, 2), offset=0)
+        with pytest.raises(ConfigError, match="already open"):  # not a deadlock on its own lock
+            coordinator.save(3, {"t": np.ones(1)})
     assert coordinator.checkpoint_ids() == [] and coordinator.backend.keys(LOCK_PREFIX) == []
     with pytest.raises(ConfigError, match="already committed or aborted"):
         tx.commit({"t": np.ones(1)})

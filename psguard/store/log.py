@@ -233,6 +233,7 @@ class Store:
         self.chunk_grace = lock_ttl if chunk_grace is None else chunk_grace
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="psguard-io")
         self._save_lock = threading.Lock()
+        self._tx_thread: int | None = None  # the thread whose transaction holds _save_lock
         self._manifests: dict[str, Manifest] = {}
         self._cache_lock = threading.Lock()
         self._journal_seq = -1
@@ -863,7 +864,10 @@ class Store:
         the chunk. One transaction at a time per instance (another thread's ``begin_save`` waits).
         """
         reuse = dedup_against or parent
+        if self._tx_thread == threading.get_ident():  # waiting for our own lock would never end
+            raise ConfigError(f"a transaction is already open on {self.url} in this thread: commit or abort it first")
         self._save_lock.acquire()  # released when the transaction ends (commit or abort)
+        self._tx_thread = threading.get_ident()
         try:
             try:
                 cid = new_checkpoint_id(step)
@@ -887,6 +891,7 @@ class Store:
             except Exception as e:
                 raise SaveError(f"saving step {step} to {self.url} failed: {e}") from e
         except BaseException:
+            self._tx_thread = None
             self._save_lock.release()
             raise
         return SaveTransaction(self, cid, step, parent, parent_m, lease, keeper, known)
@@ -1430,6 +1435,7 @@ class SaveTransaction:
                 self._keeper.stop()
                 self._lease.release()
             finally:
+                self.store._tx_thread = None
                 self.store._save_lock.release()
 
     def commit(
