@@ -876,6 +876,17 @@ def test_cli_ls_verify_inspect_on_a_v2_store(v2_store: tuple[str, list[str], np.
     assert bad.returncode == 3 and h in bad.stdout
 
 
+def test_copy_of_a_v2_chain(v2_store: tuple[str, list[str], np.ndarray], tmp_path: Path) -> None:
+    url, ids, emb = v2_store
+    dest = str(tmp_path / "copy")
+    out = psguard("copy", url, "--id", ids[1], dest, "--quiet", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["verified"]["ok"]
+    with open_store(dest) as copy:
+        assert bits(copy.load(ids[1])["emb"]) == bits(emb)
+        assert on_disk_version(dest, ids[1]) == 2
+
+
 @pytest.mark.slow
 def test_cli_export_of_a_v2_checkpoint_is_a_plain_tf_checkpoint(
     v2_store: tuple[str, list[str], np.ndarray], tmp_path: Path
