@@ -115,7 +115,7 @@ class Part:
 
 
 def _payload_json(encoding: str, chunks: tuple[ChunkRef, ...], segments: tuple[Segment, ...]) -> dict[str, Any]:
-    """The encoding-specific keys, shared by a whole entry and a part (one layout, one writer of it)."""
+    """A part's encoding-specific keys: the same layout as a whole entry's (:meth:`TensorEntry.to_json`)."""
     if encoding == "full":
         return {"chunks": [c.to_json() for c in chunks]}
     if encoding == "rows":
