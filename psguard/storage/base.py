@@ -83,6 +83,12 @@ class Backend(ABC):
         """
         raise StorageError(f"{type(self).__name__} cannot tell when {key} was written")
 
+    def size(self, key: str) -> int:
+        """The object's size in bytes, from a stat where the backend has one (a commit checks that chunks other
+        processes wrote are there without reading them); :class:`ObjectNotFoundError` when absent. This
+        default reads the object: correct everywhere, cheap nowhere, so every backend overrides it."""
+        return len(self.get(key))
+
     def mtimes(self, prefix: str) -> dict[str, float]:
         """:meth:`keys` under ``prefix`` with their :meth:`mtime` (backends override this with one listing)."""
         out: dict[str, float] = {}

@@ -100,6 +100,15 @@ class FsspecBackend(Backend):
             raise StorageError(f"{self.url} reports no modification time for {key}")
         return when
 
+    def size(self, key: str) -> int:
+        try:
+            info = self.fs.info(self._p(key))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+        if info.get("type", "file") != "file" or not isinstance(info.get("size"), int):
+            raise ObjectNotFoundError(f"{key} is not an object in {self.url}")
+        return int(info["size"])
+
     def mtimes(self, prefix: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for path, info in self._file_infos(f"{self.root}/{prefix}".rstrip("/")).items():

@@ -136,6 +136,12 @@ class LocalBackend(Backend):
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
 
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
     def mtimes(self, prefix: str) -> dict[str, float]:
         out: dict[str, float] = {}
         for key in self.keys(prefix):

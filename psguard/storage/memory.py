@@ -76,6 +76,13 @@ class MemoryBackend(Backend):
                 raise ObjectNotFoundError(f"{key} not found in {self.url}")
             return self._mtimes.get(key, 0.0)
 
+    def size(self, key: str) -> int:
+        with _LOCK:
+            data = self._objects.get(validate_key(key))
+            if data is None:
+                raise ObjectNotFoundError(f"{key} not found in {self.url}")
+            return len(data)
+
     def mtimes(self, prefix: str) -> dict[str, float]:
         with _LOCK:
             return {k: self._mtimes.get(k, 0.0) for k in sorted(self._objects) if k.startswith(prefix)}

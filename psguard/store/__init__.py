@@ -4,6 +4,6 @@ It knows neither policies nor TensorFlow: it stores and verifies named numpy ten
 backend of :mod:`psguard.storage`. ``psguard.store.Store`` is the public entry point.
 """
 
-from psguard.store.log import CheckpointInfo, GcReport, LoadResult, Problem, Store, VerifyReport
+from psguard.store.log import CheckpointInfo, GcReport, LoadResult, Problem, SaveTransaction, Store, VerifyReport
 
-__all__ = ["CheckpointInfo", "GcReport", "LoadResult", "Problem", "Store", "VerifyReport"]
+__all__ = ["CheckpointInfo", "GcReport", "LoadResult", "Problem", "SaveTransaction", "Store", "VerifyReport"]

@@ -197,7 +197,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         cid = _target(store, args)
         m = store.manifest(cid)
         info = CheckpointInfo.of(m)
-    tensors = {
+    tensors: dict[str, dict[str, Any]] = {
         name: {
             "dtype": t.dtype,
             "shape": list(t.shape),
@@ -207,19 +207,40 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         }
         for name, t in m.tensors.items()
     }
+    for name, t in m.tensors.items():
+        if t.encoding == "sharded":  # format version 2: each PS's part, as its agent wrote it
+            tensors[name]["parts"] = [
+                {
+                    "offset": p.offset,
+                    "rows": p.rows,
+                    "encoding": p.encoding,
+                    "bytes": sum(r.size for r in p.refs()),
+                    "rows_changed": sum(s.count for s in p.segments) if p.encoding == "rows" else None,
+                }
+                for p in t.parts
+            ]
 
     def text() -> str:
         lines = [
-            f"checkpoint {m.id}  step {m.step}  {m.kind}" + (f" over {m.parent}" if m.parent else ""),
+            f"checkpoint {m.id}  step {m.step}  {m.kind}"
+            + (f" over {m.parent}" if m.parent else "")
+            + f"  (format version {m.format_version})",
             f"metadata: {json.dumps(dict(m.metadata))}",
         ]
         width = max((len(n) for n in tensors), default=4)
         for name, t in tensors.items():
             extra = f"  {t['rows_changed']} rows changed" if t["rows_changed"] is not None else ""
+            extra += f"  {len(t['parts'])} parts" if "parts" in t else ""
             lines.append(f"  {name:{width}}  {t['dtype']:9} {t['shape']!s:18} {t['encoding']}{extra}")
+            for p in t.get("parts", ()):
+                changed = f"  {p['rows_changed']} rows changed" if p["rows_changed"] is not None else ""
+                lines.append(
+                    f"  {'':{width}}    part rows [{p['offset']}, {p['offset'] + p['rows']})  {p['encoding']:4}  "
+                    f"{_size(p['bytes'])}{changed}"
+                )
         return "\n".join(lines)
 
-    _emit(args, {**info.to_json(), "tensors": tensors}, text)
+    _emit(args, {**info.to_json(), "format_version": m.format_version, "tensors": tensors}, text)
     return 0
 
 

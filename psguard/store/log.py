@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Literal
 
 import numpy as np
@@ -59,11 +61,15 @@ from psguard.store.manifest import (
     MANIFEST_PREFIX,
     ChunkRef,
     Manifest,
+    Part,
+    Segment,
     TensorEntry,
+    chunk_key,
     is_checkpoint_id,
     manifest_key,
     new_checkpoint_id,
     parse_manifest,
+    sharded_entry_from_parts,
     step_of_id,
 )
 from psguard.store.retention import Candidate, select_kept
@@ -227,6 +233,7 @@ class Store:
         self.chunk_grace = lock_ttl if chunk_grace is None else chunk_grace
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="psguard-io")
         self._save_lock = threading.Lock()
+        self._tx_thread: int | None = None  # the thread whose transaction holds _save_lock
         self._manifests: dict[str, Manifest] = {}
         self._cache_lock = threading.Lock()
         self._journal_seq = -1
@@ -385,7 +392,137 @@ class Store:
         for name in chain[-1].tensors:
             yield name, self._materialise(chain, name, verify_hash)
 
+    def read_rows(
+        self, checkpoint_id: str, name: str, start: int, stop: int, *, verify_hash: bool = False
+    ) -> np.ndarray:
+        """Rows ``[start, stop)`` of tensor ``name`` of a checkpoint, bit-identical to slicing :meth:`load`'s.
+
+        How a PS that lost its node (and its memory tier) reads exactly the rows it owns: from the newest
+        checkpoint of the chain whose entry covers the range with whole rows, only the chunks that overlap the
+        range are read (a whole chunk holds ``size // row_bytes`` rows, so sizes alone locate them); later
+        deltas' row segments are read and filtered to the range (a segment's values only when one of its ids
+        falls in it). Every chunk read is checked (size, CRC32C; SHA-256 with ``verify_hash``).
+        """
+        chain = self.chain(checkpoint_id)
+        target = chain[-1].tensors.get(name)
+        if target is None:
+            raise NoCheckpointError(f"checkpoint {checkpoint_id} has no tensor {name!r}", checkpoint=checkpoint_id)
+        if not target.shape:
+            raise ConfigError(f"tensor {name!r} of checkpoint {checkpoint_id} is a scalar: it has no rows")
+        if not 0 <= start <= stop <= target.shape[0]:
+            raise ConfigError(f"rows [{start}, {stop}) are not within tensor {name!r}'s {target.shape[0]} rows")
+        if target.dtype == STRING:  # strings are stored whole and cut by bytes, not rows
+            return self._materialise(chain, name, verify_hash)[start:stop].copy()
+        dtype = self._dtype_of(chain[-1], name, target)
+        out = np.empty((stop - start, *target.shape[1:]), dtype=dtype)
+        if start == stop:
+            return out
+        first = self._start_of(chain, name, lambda e: _whole_over(e, start, stop))
+        for m in chain[first:]:
+            entry = m.tensors[name]
+            if entry.encoding == "full":
+                self._fill_range(m, name, entry.chunks, 0, entry.shape[0], start, out, verify_hash)
+            elif entry.encoding == "rows":
+                self._scatter_range(m, name, entry.segments, 0, entry.shape[0], start, out, verify_hash, part=False)
+            elif entry.encoding == "sharded":
+                for p in entry.parts:
+                    if p.offset >= stop or p.stop <= start:
+                        continue
+                    if p.encoding == "full":
+                        self._fill_range(m, name, p.chunks, p.offset, p.rows, start, out, verify_hash)
+                    elif p.encoding == "rows":
+                        self._scatter_range(m, name, p.segments, p.offset, p.rows, start, out, verify_hash, part=True)
+        return out
+
+    def _fill_range(
+        self,
+        m: Manifest,
+        name: str,
+        chunks: Sequence[ChunkRef],
+        base: int,
+        nrows: int,
+        start: int,
+        out: np.ndarray,
+        verify_hash: bool,
+    ) -> None:
+        """Copy the rows of ``out``'s range (``out`` holds rows ``[start, start + len(out))``) that the whole
+        rows ``[base, base + nrows)`` stored in ``chunks`` have, reading only the chunks that overlap it: a chunk
+        inside the range lands straight in ``out``, one across its edge is read whole and sliced."""
+        rb = _row_nbytes(out.shape, out.dtype)
+        if rb == 0:
+            return
+        stop = start + out.shape[0]
+        if sum(c.size for c in chunks) != nrows * rb or any(c.size % rb for c in chunks):
+            raise CorruptCheckpointError(
+                f"checkpoint {m.id}: tensor {name!r}: its chunks do not hold {nrows} whole rows of {rb} bytes",
+                checkpoint=m.id,
+            )
+        reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+        view = byte_view(out)
+        inside: list[tuple[ChunkRef, memoryview]] = []
+        edges: list[tuple[Future[bytearray], int, int, int]] = []
+        for ref, pos in _positions(chunks, 0):
+            r0 = base + pos // rb
+            r1 = r0 + ref.size // rb
+            lo, hi = max(r0, start), min(r1, stop)
+            if lo >= hi:
+                continue
+            if (lo, hi) == (r0, r1):
+                inside.append((ref, view[(r0 - start) * rb : (r1 - start) * rb]))
+            else:
+                edges.append((self._pool.submit(reader.read, ref), r0, lo, hi))
+        self._read_placed(reader, inside)
+        _wait_all([f for f, *_ in edges])
+        for f, r0, lo, hi in edges:
+            view[(lo - start) * rb : (hi - start) * rb] = memoryview(f.result())[(lo - r0) * rb : (hi - r0) * rb]
+
+    def _scatter_range(
+        self,
+        m: Manifest,
+        name: str,
+        segments: Sequence[Segment],
+        base: int,
+        nrows: int,
+        start: int,
+        out: np.ndarray,
+        verify_hash: bool,
+        *,
+        part: bool,
+    ) -> None:
+        """Apply the changed rows of ``segments`` (ids relative to ``base``, within ``[0, nrows)``) that fall in
+        ``out``'s range: every ids chunk is read, a values chunk only when one of its ids is in the range."""
+        rb = _row_nbytes(out.shape, out.dtype)
+        stop = start + out.shape[0]
+        reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+        for seg in segments:
+            if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
+                raise CorruptCheckpointError(
+                    f"checkpoint {m.id}: tensor {name!r}: a segment's chunk sizes do not match its row count",
+                    checkpoint=m.id,
+                )
+        id_futures = [self._pool.submit(reader.read, seg.ids) for seg in segments]
+        _wait_all(id_futures)
+        hits = []
+        for seg, f in zip(segments, id_futures, strict=True):
+            ids = self._checked_ids(m, name, seg, f.result(), nrows, part) + base
+            mask = (ids >= start) & (ids < stop)
+            if mask.any():
+                hits.append((seg, ids, mask, self._pool.submit(reader.read, seg.values)))
+        _wait_all([f for *_, f in hits])
+        for seg, ids, mask, f in hits:
+            rows = np.frombuffer(f.result(), dtype=out.dtype).reshape((seg.count, *out.shape[1:]))
+            out[ids[mask] - start] = rows[mask]
+
     def _materialise(self, chain: Sequence[Manifest], name: str, verify_hash: bool) -> np.ndarray:
+        start = self._start_of(chain, name, lambda e: e.whole)
+        value = self._read_whole(chain[start], name, verify_hash)
+        for m in chain[start + 1 :]:
+            self._apply_entry(m, name, value, verify_hash)
+        return value
+
+    def _start_of(self, chain: Sequence[Manifest], name: str, whole: Callable[[TensorEntry], bool]) -> int:
+        """Index of the newest checkpoint of ``chain`` whose entry for ``name`` is ``whole`` (all of the tensor,
+        or all of the rows asked for); every entry on the way must describe the same tensor."""
         target = chain[-1].tensors[name]
         start = None
         for i in range(len(chain) - 1, -1, -1):
@@ -400,7 +537,7 @@ class Store:
                     f"checkpoint {chain[-1].id}: tensor {name!r} changes dtype/shape along the chain at {chain[i].id}",
                     checkpoint=chain[-1].id,
                 )
-            if entry.encoding == "full":
+            if whole(entry):
                 start = i
                 break
         if start is None:
@@ -408,12 +545,47 @@ class Store:
                 f"checkpoint {chain[-1].id}: tensor {name!r} has no full value in its chain",
                 checkpoint=chain[-1].id,
             )
-        value = self._read_full(chain[start], name, verify_hash)
-        for m in chain[start + 1 :]:
-            entry = m.tensors[name]
-            if entry.encoding == "rows":
-                self._apply_rows(m, name, entry, value, verify_hash)
-        return value
+        return start
+
+    def _read_whole(self, m: Manifest, name: str, verify_hash: bool) -> np.ndarray:
+        """A whole entry's tensor: ``full``, or ``sharded`` with every part ``full`` (whose chunks, parts being
+        sorted and contiguous, are the tensor's bytes in order)."""
+        entry = m.tensors[name]
+        if entry.encoding == "full":
+            return self._read_full(m, name, verify_hash)
+        if not entry.whole:
+            raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r} is not whole here", checkpoint=m.id)
+        out = np.empty(entry.shape, dtype=self._dtype_of(m, name, entry))
+        reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+        self._read_all(reader, [c for p in entry.parts for c in p.chunks], byte_view(out))
+        return out
+
+    def _apply_entry(self, m: Manifest, name: str, value: np.ndarray, verify_hash: bool) -> None:
+        """Apply a later entry of the chain to ``value`` in place: ``full`` replaces, ``rows`` scatters,
+        ``sharded`` does each part (full: its range; rows: at offset + ids; same: nothing)."""
+        entry = m.tensors[name]
+        if entry.encoding == "full":
+            value[...] = self._read_full(m, name, verify_hash)
+        elif entry.encoding == "rows":
+            self._apply_rows(m, name, entry, value, verify_hash)
+        elif entry.encoding == "sharded":
+            reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+            rb = _row_nbytes(value.shape, value.dtype)
+            view = byte_view(value)
+            full = [p for p in entry.parts if p.encoding == "full"]
+            placed = [(c, view[pos : pos + c.size]) for p in full for c, pos in _positions(p.chunks, p.offset * rb)]
+            self._read_placed(reader, placed)
+            for p in entry.parts:
+                if p.encoding == "rows":
+                    part = value[p.offset : p.stop]
+                    for ids, rows in self._segment_arrays(m, name, p.segments, p.rows, value, verify_hash, part=True):
+                        part[ids] = rows
+
+    def _dtype_of(self, m: Manifest, name: str, entry: TensorEntry) -> np.dtype[Any]:
+        try:
+            return dtype_from_name(entry.dtype)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
 
     def _read_full(self, m: Manifest, name: str, verify_hash: bool) -> np.ndarray:
         entry = m.tensors[name]
@@ -440,18 +612,33 @@ class Store:
         return out
 
     def _read_all(self, reader: ChunkReader, refs: Sequence[ChunkRef], view: memoryview) -> None:
-        futures: list[Future[None]] = []
-        pos = 0
-        for ref in refs:
-            futures.append(self._pool.submit(reader.read_into, ref, view[pos : pos + ref.size]))
-            pos += ref.size
-        _wait_all(futures)
+        self._read_placed(reader, [(r, view[pos : pos + r.size]) for r, pos in _positions(refs, 0)])
+
+    def _read_placed(self, reader: ChunkReader, placed: Sequence[tuple[ChunkRef, memoryview]]) -> None:
+        """Read chunks in parallel, each straight into its slot (size and CRC32C checked)."""
+        _wait_all([self._pool.submit(reader.read_into, ref, slot) for ref, slot in placed])
 
     def _apply_rows(self, m: Manifest, name: str, entry: TensorEntry, value: np.ndarray, verify_hash: bool) -> None:
+        for ids, rows in self._segment_arrays(m, name, entry.segments, value.shape[0], value, verify_hash):
+            value[ids] = rows
+
+    def _segment_arrays(
+        self,
+        m: Manifest,
+        name: str,
+        segments: Sequence[Segment],
+        nrows: int,
+        like: np.ndarray,
+        verify_hash: bool,
+        *,
+        part: bool = False,
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each segment's ids and rows (rows shaped and typed like ``like``'s), every chunk read and checked, ids
+        within ``[0, nrows)``; a part's ids (``part``) must also be sorted and unique, as version 2 says."""
         reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
-        rb = value.itemsize * int(np.prod(value.shape[1:], dtype=np.int64))
+        rb = _row_nbytes(like.shape, like.dtype)
         futures = []
-        for seg in entry.segments:
+        for seg in segments:
             if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
                 raise CorruptCheckpointError(
                     f"checkpoint {m.id}: tensor {name!r}: a segment's chunk sizes do not match its row count",
@@ -459,16 +646,25 @@ class Store:
                 )
             futures.append((seg, self._pool.submit(reader.read, seg.ids), self._pool.submit(reader.read, seg.values)))
         _wait_all([f for _, a, b in futures for f in (a, b)])
+        out = []
         for seg, f_ids, f_vals in futures:
-            ids = np.frombuffer(f_ids.result(), dtype="<i8")
-            if ids.size and (ids.min() < 0 or ids.max() >= value.shape[0]):
-                raise CorruptCheckpointError(
-                    f"checkpoint {m.id}: tensor {name!r}: row id out of range",
-                    checkpoint=m.id,
-                    chunk=seg.ids.hash,
-                )
-            rows = np.frombuffer(f_vals.result(), dtype=value.dtype).reshape((seg.count, *value.shape[1:]))
-            value[ids] = rows
+            ids = self._checked_ids(m, name, seg, f_ids.result(), nrows, part)
+            rows = np.frombuffer(f_vals.result(), dtype=like.dtype).reshape((seg.count, *like.shape[1:]))
+            out.append((ids, rows))
+        return out
+
+    def _checked_ids(
+        self, m: Manifest, name: str, seg: Segment, data: bytes | bytearray, nrows: int, part: bool
+    ) -> np.ndarray:
+        ids = np.frombuffer(data, dtype="<i8")
+        if ids.size and (ids.min() < 0 or ids.max() >= nrows or (part and np.any(np.diff(ids) <= 0))):
+            raise CorruptCheckpointError(
+                f"checkpoint {m.id}: tensor {name!r}: row id out of range"
+                + (f" of its {nrows}-row part, or not sorted and unique" if part else ""),
+                checkpoint=m.id,
+                chunk=seg.ids.hash,
+            )
+        return ids
 
     def updates(self, checkpoint_id: str, *, verify_hash: bool = False) -> tuple[dict[str, TensorUpdate], int]:
         """What ``checkpoint_id`` itself changed, per tensor, read from its own chunks only; and the bytes read.
@@ -511,9 +707,40 @@ class Store:
                     )
                 values = np.concatenate(value_parts) if value_parts else np.zeros((0, *entry.shape[1:]), dtype)
                 out[name] = Rows(ids, values, entry.shape)
+            elif entry.encoding == "sharded":
+                out[name] = self._sharded_update(m, name, entry, dtype, verify_hash)
+                nbytes += sum(r.size for r in entry.refs())
             else:
                 out[name] = Same(entry.shape, dtype)
         return out, nbytes
+
+    def _sharded_update(
+        self, m: Manifest, name: str, entry: TensorEntry, dtype: np.dtype[Any], verify_hash: bool
+    ) -> TensorUpdate:
+        """A sharded entry as one update of the logical tensor: ``Full`` when every part is full, ``Same`` when
+        every part is unchanged, else ``Rows`` over logical ids (a full part gives all of its rows)."""
+        if entry.whole:
+            return Full(self._read_whole(m, name, verify_hash))
+        if all(p.encoding == "same" for p in entry.parts):
+            return Same(entry.shape, dtype)
+        like = np.empty((0, *entry.shape[1:]), dtype)
+        reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+        ids_parts: list[np.ndarray] = []
+        value_parts: list[np.ndarray] = []
+        for p in entry.parts:  # sorted by offset, ids sorted within a part: the logical ids come out sorted
+            if p.encoding == "full":
+                rows = np.empty((p.rows, *entry.shape[1:]), dtype)
+                view = byte_view(rows)
+                self._read_placed(reader, [(c, view[pos : pos + c.size]) for c, pos in _positions(p.chunks, 0)])
+                ids_parts.append(np.arange(p.offset, p.stop, dtype=np.int64))
+                value_parts.append(rows)
+            elif p.encoding == "rows":
+                for ids, rows in self._segment_arrays(m, name, p.segments, p.rows, like, verify_hash, part=True):
+                    ids_parts.append(ids.astype(np.int64) + p.offset)
+                    value_parts.append(rows)
+        ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int64)
+        values = np.concatenate(value_parts) if value_parts else like
+        return Rows(ids, values, entry.shape)
 
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
         """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.
@@ -620,113 +847,141 @@ class Store:
         if anything fails, in which case no checkpoint became visible.
 
         Chunks already stored for ``parent``'s chain (or ``dedup_against``'s, for a full checkpoint) are
-        not uploaded again; the writer's lock keeps gc from deleting them meanwhile.
+        not uploaded again; the writer's lock keeps gc from deleting them meanwhile. A save is one
+        :meth:`begin_save` transaction committed at once: one code path writes every manifest.
         """
-        with self._save_lock:
+        _check_metadata(metadata)  # before any lease: bad input costs no storage round trip
+        with self.begin_save(step, parent=parent, dedup_against=dedup_against) as tx:
+            return tx.commit(tensors, metadata=metadata, metrics=metrics)
+
+    def begin_save(self, step: int, *, parent: str | None = None, dedup_against: str | None = None) -> SaveTransaction:
+        """Open the transaction of one checkpoint: its id and writer lease now, its manifest at
+        :meth:`SaveTransaction.commit`; leaving the ``with`` block without a commit aborts (lease released,
+        nothing committed).
+
+        While it is open, other processes (each PS's agent) write the chunks of their shards with
+        :meth:`write_part` under its lease: gc deletes no chunk while a writer lease is live, whoever wrote
+        the chunk. One transaction at a time per instance (another thread's ``begin_save`` waits).
+        """
+        reuse = dedup_against or parent
+        if self._tx_thread == threading.get_ident():  # waiting for our own lock would never end
+            raise ConfigError(f"a transaction is already open on {self.url} in this thread: commit or abort it first")
+        self._save_lock.acquire()  # released when the transaction ends (commit or abort)
+        self._tx_thread = threading.get_ident()
+        try:
             try:
-                return self._save(
-                    step, tensors, parent, dict(metadata or {}), dict(metrics or {}), dedup_against or parent
-                )
+                cid = new_checkpoint_id(step)
+                try:
+                    parent_m = self.manifest(parent) if parent is not None else None
+                except (NoCheckpointError, ObjectNotFoundError) as e:
+                    raise ParentMissingError(f"step {step}: the parent checkpoint {parent} is gone: {e}") from e
+                lease, keeper = self._acquire_writer_lock(cid, parent or reuse, dedup_against=reuse)
+                try:
+                    if reuse is not None and not self.backend.exists(manifest_key(reuse)):
+                        raise ParentMissingError(
+                            f"checkpoint {reuse} was deleted (by gc?) while step {step} was being written on it"
+                        )
+                    known = self._known_chunks(reuse) if reuse is not None else set()
+                except BaseException:
+                    keeper.stop()
+                    lease.release()
+                    raise
             except PsguardError:
-                raise  # already says what happened (storage unavailable, disk full, bad input)
+                raise
             except Exception as e:
                 raise SaveError(f"saving step {step} to {self.url} failed: {e}") from e
+        except BaseException:
+            self._tx_thread = None
+            self._save_lock.release()
+            raise
+        return SaveTransaction(self, cid, step, parent, parent_m, lease, keeper, known)
 
-    def _save(
+    def write_part(
         self,
-        step: int,
-        tensors: Mapping[str, TensorUpdate | np.ndarray],
-        parent: str | None,
-        metadata: dict[str, Any],
-        metrics: dict[str, float],
-        reuse: str | None,
-    ) -> CheckpointInfo:
+        name: str,
+        update: TensorUpdate | np.ndarray,
+        *,
+        shape: tuple[int, ...],
+        offset: int,
+        dedup_against: str | None = None,
+    ) -> dict[str, Any]:
+        """Write the chunks of one shard's update (rows ``[offset, offset + rows)`` of the logical tensor
+        ``name`` shaped ``shape``) and return its part, for the coordinator's :meth:`SaveTransaction.commit`.
+
+        ``update`` describes the shard as a tensor of shape ``[rows, *shape[1:]]``: ``Full`` (or an array) of
+        the shard, ``Rows`` with ids relative to ``offset``, or ``Same``. The returned JSON is the part as the
+        manifest will hold it (``offset``, ``rows``, ``encoding`` and its chunks or segments) plus what the
+        coordinator needs and does not store in the part: ``dtype``, ``shape`` (the logical tensor's) and
+        ``stats`` (bytes written and deduplicated). Chunks of ``dedup_against``'s chain are not uploaded again.
+
+        No lease of its own: call it while the coordinator's transaction is open (after ``begin_save``
+        returned, before ``commit``), whose writer lease keeps gc from deleting these chunks whoever wrote
+        them; ``commit`` checks that every chunk a part names is in the store with its size.
+        """
         try:
-            json.dumps(metadata, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"checkpoint metadata must be plain JSON: {e}") from None
-        cid = new_checkpoint_id(step)
-        try:
-            parent_m = self.manifest(parent) if parent is not None else None
-        except (NoCheckpointError, ObjectNotFoundError) as e:
-            raise ParentMissingError(f"step {step}: the parent checkpoint {parent} is gone: {e}") from e
-        lease, keeper = self._acquire_writer_lock(cid, reuse)
-        try:
-            if reuse is not None and not self.backend.exists(manifest_key(reuse)):
-                raise ParentMissingError(
-                    f"checkpoint {reuse} was deleted (by gc?) while step {step} was being written on it"
-                )
-            known = self._known_chunks(reuse) if reuse is not None else set()
-            writer = ChunkWriter(self.backend, self._pool, inflight_bytes=self.inflight_bytes, known=known)
-            pending: dict[str, tuple[str, tuple[int, ...], str, list[Future[Any]]]] = {}
-            logical = 0
-            for name, update in tensors.items():
-                if isinstance(update, np.ndarray):
-                    update = Full(update)
-                dtype, shape, enc, futs = self._encode(name, update, parent_m, writer)
-                pending[name] = (dtype, shape, enc, futs)
-                logical += logical_nbytes(dtype, shape) if dtype != STRING else 0
-                del update
-            if parent_m is not None:
-                absent = sorted(set(parent_m.tensors) - set(pending))
-                if absent:
-                    raise ConfigError(f"a delta must list every tensor of its parent; missing: {absent[:10]}")
+            return self._write_part(name, update, tuple(int(x) for x in shape), int(offset), dedup_against)
+        except PsguardError:
+            raise
+        except Exception as e:
+            raise SaveError(f"writing part of {name!r} at row {offset} to {self.url} failed: {e}") from e
+
+    def _write_part(
+        self,
+        name: str,
+        update: TensorUpdate | np.ndarray,
+        shape: tuple[int, ...],
+        offset: int,
+        dedup_against: str | None,
+    ) -> dict[str, Any]:
+        if isinstance(update, np.ndarray):
+            update = Full(update)
+        if isinstance(update, Full):
+            dtype, part_shape = update.value.dtype, tuple(update.value.shape)
+        elif isinstance(update, Rows):
+            dtype, part_shape = update.values.dtype, tuple(int(x) for x in update.shape)
+        else:
+            dtype, part_shape = np.dtype(update.dtype), tuple(int(x) for x in update.shape)
+        what = f"part of {name!r} at row {offset}"
+        if not shape or not part_shape:
+            raise ConfigError(f"{what}: a sharded tensor has rank >= 1 (parts are row ranges)")
+        if dtype_name(dtype) == STRING:
+            raise ConfigError(f"{what}: string tensors are saved whole by the coordinator, not in parts")
+        rows = part_shape[0]
+        if part_shape[1:] != shape[1:] or offset < 0 or offset + rows > shape[0]:
+            raise ConfigError(
+                f"{what}: a shard of {list(part_shape)} does not fit rows of a tensor shaped {list(shape)}"
+            )
+        known: set[str] = set()
+        if dedup_against is not None:
+            if not self.backend.exists(manifest_key(dedup_against)):
+                raise ParentMissingError(f"{what}: checkpoint {dedup_against} to deduplicate against is gone")
+            known = self._known_chunks(dedup_against)
+        writer = ChunkWriter(self.backend, self._pool, inflight_bytes=self.inflight_bytes, known=known)
+        if isinstance(update, Full):
+            futs = writer.submit_tensor(update.value, self.chunk_bytes)
             writer.wait()
-            entries: dict[str, TensorEntry] = {}
-            for name, (dtype, shape, enc, futs) in pending.items():
-                results = [f.result() for f in futs]
-                if enc == "full":
-                    entries[name] = TensorEntry(dtype, shape, "full", chunks=tuple(results))
-                    if dtype == STRING:
-                        logical += sum(r.size for r in results)
-                elif enc == "rows":
-                    entries[name] = TensorEntry(dtype, shape, "rows", segments=tuple(results))
-                else:
-                    entries[name] = TensorEntry(dtype, shape, "same")
-            stats = {
-                "logical_bytes": logical,
+            part = Part(offset, rows, "full", chunks=tuple(f.result() for f in futs))
+        elif isinstance(update, Rows):
+            ids = np.asarray(update.ids, dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= rows or np.any(np.diff(ids) <= 0)):
+                raise ConfigError(f"{what}: row ids must be sorted, unique and within the shard's [0, {rows})")
+            segs = writer.submit_rows(ids, update.values, self.chunk_bytes)
+            writer.wait()
+            part = Part(offset, rows, "rows", segments=tuple(f.result() for f in segs))
+        else:
+            part = Part(offset, rows, "same")
+        doc = part.to_json()
+        doc.update(
+            dtype=dtype_name(dtype),
+            shape=list(shape),
+            stats={
                 "bytes_written": writer.stats.bytes_written,
                 "chunks_written": writer.stats.chunks_written,
                 "bytes_deduplicated": writer.stats.bytes_deduplicated,
                 "chunks_deduplicated": writer.stats.chunks_deduplicated,
-            }
-            manifest = Manifest(
-                id=cid,
-                step=step,
-                kind="full" if parent_m is None else "delta",
-                parent=parent,
-                base=cid if parent_m is None else parent_m.base,
-                chain_length=0 if parent_m is None else parent_m.chain_length + 1,
-                committed_at=time.time(),
-                tensors=entries,
-                metadata=metadata,
-                metrics=metrics,
-                stats=stats,
-                writer=self._writer_name,
-            )
-            try:
-                keeper.confirm()  # the lease still ours, just refreshed: gc cannot have taken our chunks
-            except LeaseLostError as e:
-                raise SaveError(
-                    f"step {step}: the save's lock lease on {self.url} was lost while it ran ({e}); gc may have "
-                    "deleted its chunks, so nothing was committed. Save again"
-                ) from e
-            self.backend.put_new(manifest_key(cid), manifest.to_bytes())  # the commit
-        finally:
-            keeper.stop()
-            lease.release()
-        with self._cache_lock:
-            self._manifests[cid] = manifest
-        self._append_journal(manifest)
-        log.info(
-            "committed checkpoint %s step=%d kind=%s tensors=%d written=%d bytes",
-            cid,
-            step,
-            manifest.kind,
-            len(entries),
-            stats["bytes_written"],
+            },
         )
-        return CheckpointInfo.of(manifest)
+        return doc
 
     def _encode(
         self, name: str, update: TensorUpdate, parent: Manifest | None, writer: ChunkWriter
@@ -807,10 +1062,16 @@ class Store:
         return out
 
     # ----------------------------------------------------------------------------------------------- locks
-    def _acquire_writer_lock(self, cid: str, parent: str | None) -> tuple[Lease, LeaseKeeper]:
-        """Create this save's lease and start refreshing it; then wait for a live gc to finish."""
+    def _acquire_writer_lock(
+        self, cid: str, parent: str | None, *, dedup_against: str | None = None
+    ) -> tuple[Lease, LeaseKeeper]:
+        """Create this save's lease and start refreshing it; then wait for a live gc to finish.
+
+        ``parent`` (the checkpoint the save builds on) and ``dedup_against`` (whose chunks it reuses) are in
+        the lease, so gc keeps both while it is live."""
         key = f"{LOCK_PREFIX}writer-{cid}.json"
-        lease = Lease(self.backend, key, self.lock_ttl, checkpoint=cid, parent=parent)
+        extra = {"dedup_against": dedup_against} if dedup_against not in (None, parent) else {}
+        lease = Lease(self.backend, key, self.lock_ttl, checkpoint=cid, parent=parent, **extra)
         lease.create()
         keeper = LeaseKeeper(lease).start()
         try:
@@ -1016,7 +1277,10 @@ class Store:
                     r.problems[0].message,
                 )
         writers = self._live_writer_locks(now, remove=not dry_run)
-        chosen.update(str(w["parent"]) for w in writers if w.get("parent"))
+        # A live writer's parent and the checkpoint it deduplicates against (v2 leases name both) stay.
+        chosen.update(
+            str(w[k]) for w in writers for k in ("parent", "dedup_against") if is_checkpoint_id(str(w.get(k) or ""))
+        )
         kept = self._with_parents(chosen)
         doomed = [i.id for i in infos if i.id not in kept]
         if unreadable:
@@ -1109,6 +1373,253 @@ class Store:
         return info
 
 
+#: The keys a part carries from :meth:`Store.write_part` to the commit that the manifest's part does not keep.
+PART_TRANSPORT_KEYS = ("dtype", "shape", "stats")
+_STAT_KEYS = ("bytes_written", "chunks_written", "bytes_deduplicated", "chunks_deduplicated")
+_NO_PARTS: Mapping[str, Sequence[Mapping[str, Any]]] = MappingProxyType({})
+
+
+def _check_metadata(metadata: Mapping[str, Any] | None) -> None:
+    try:
+        json.dumps(dict(metadata or {}), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint metadata must be plain JSON: {e}") from None
+
+
+class SaveTransaction:
+    """One checkpoint being written: its id and writer lease from :meth:`Store.begin_save`, its manifest (the
+    single commit point) at :meth:`commit`.
+
+    The coordinator (the chief's agent) opens it, the PS agents write their shards' chunks with
+    :meth:`Store.write_part` and send back their parts, and :meth:`commit` writes one manifest holding the
+    small tensors it encodes itself and the parts; a reader never sees a checkpoint with a part missing. A
+    context manager: leaving it without a commit aborts (lease released, nothing committed).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        checkpoint_id: str,
+        step: int,
+        parent: str | None,
+        parent_manifest: Manifest | None,
+        lease: Lease,
+        keeper: LeaseKeeper,
+        known: set[str],
+    ) -> None:
+        self.store = store
+        self.checkpoint_id = checkpoint_id
+        self.step = step
+        self.parent = parent
+        self._parent_m = parent_manifest
+        self._lease = lease
+        self._keeper = keeper
+        self._known = known
+        self._open = True
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.parent is None else "delta"
+
+    def __enter__(self) -> SaveTransaction:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        """Release the lease and commit nothing (the chunks written stay for gc); idempotent."""
+        if self._open:
+            self._open = False
+            try:
+                self._keeper.stop()
+                self._lease.release()
+            finally:
+                self.store._tx_thread = None
+                self.store._save_lock.release()
+
+    def commit(
+        self,
+        tensors: Mapping[str, TensorUpdate | np.ndarray],
+        *,
+        parts: Mapping[str, Sequence[Mapping[str, Any]]] = _NO_PARTS,
+        metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> CheckpointInfo:
+        """Write ``tensors`` (encoded here, as :meth:`Store.save` does) and commit the manifest with them and
+        with ``parts`` (tensor name -> the parts :meth:`Store.write_part` returned, in any order).
+
+        The parts are validated exactly as a reader validates a manifest (sorted, contiguous, covering the
+        tensor, chunk sizes matching rows) and every chunk they name must be in the store with its size (a
+        stat, no read). The lease is confirmed right before the create-only manifest write. Any failure raises
+        (:class:`SaveError` for an unexpected one) and commits nothing; the transaction is over either way.
+        """
+        if not self._open:
+            raise ConfigError(f"checkpoint {self.checkpoint_id}: the transaction was already committed or aborted")
+        try:
+            manifest = self._commit(tensors, parts, metadata, metrics)
+        except PsguardError:
+            raise
+        except Exception as e:
+            raise SaveError(f"saving step {self.step} to {self.store.url} failed: {e}") from e
+        finally:
+            self.abort()
+        store = self.store
+        with store._cache_lock:
+            store._manifests[manifest.id] = manifest
+        store._append_journal(manifest)
+        log.info(
+            "committed checkpoint %s step=%d kind=%s tensors=%d written=%d bytes",
+            manifest.id,
+            manifest.step,
+            manifest.kind,
+            len(manifest.tensors),
+            manifest.stats["bytes_written"],
+        )
+        return CheckpointInfo.of(manifest)
+
+    def _commit(
+        self,
+        tensors: Mapping[str, TensorUpdate | np.ndarray],
+        parts: Mapping[str, Sequence[Mapping[str, Any]]],
+        metadata_in: Mapping[str, Any] | None,
+        metrics_in: Mapping[str, float] | None,
+    ) -> Manifest:
+        store, cid, step, parent, parent_m = self.store, self.checkpoint_id, self.step, self.parent, self._parent_m
+        _check_metadata(metadata_in)
+        metadata = dict(metadata_in or {})
+        metrics = dict(metrics_in or {})
+        both = sorted(set(tensors) & set(parts))
+        if both:
+            raise ConfigError(f"tensor(s) given both whole and in parts: {both[:10]}")
+        sharded, part_stats = self._sharded_entries(parts)
+        self._check_chunks_present(sharded)
+        writer = ChunkWriter(store.backend, store._pool, inflight_bytes=store.inflight_bytes, known=self._known)
+        pending: dict[str, tuple[str, tuple[int, ...], str, list[Future[Any]]]] = {}
+        logical = sum(logical_nbytes(e.dtype, e.shape) for e in sharded.values())
+        for name, update in tensors.items():
+            if isinstance(update, np.ndarray):
+                update = Full(update)
+            dtype, shape, enc, futs = store._encode(name, update, parent_m, writer)
+            pending[name] = (dtype, shape, enc, futs)
+            logical += logical_nbytes(dtype, shape) if dtype != STRING else 0
+            del update
+        if parent_m is not None:
+            absent = sorted(set(parent_m.tensors) - set(pending) - set(sharded))
+            if absent:
+                raise ConfigError(f"a delta must list every tensor of its parent; missing: {absent[:10]}")
+        writer.wait()
+        entries: dict[str, TensorEntry] = {}
+        for name, (dtype, shape, enc, futs) in pending.items():
+            results = [f.result() for f in futs]
+            if enc == "full":
+                entries[name] = TensorEntry(dtype, shape, "full", chunks=tuple(results))
+                if dtype == STRING:
+                    logical += sum(r.size for r in results)
+            elif enc == "rows":
+                entries[name] = TensorEntry(dtype, shape, "rows", segments=tuple(results))
+            else:
+                entries[name] = TensorEntry(dtype, shape, "same")
+        entries.update(sharded)
+        stats = {
+            "logical_bytes": logical,
+            "bytes_written": writer.stats.bytes_written + part_stats["bytes_written"],
+            "chunks_written": writer.stats.chunks_written + part_stats["chunks_written"],
+            "bytes_deduplicated": writer.stats.bytes_deduplicated + part_stats["bytes_deduplicated"],
+            "chunks_deduplicated": writer.stats.chunks_deduplicated + part_stats["chunks_deduplicated"],
+        }
+        manifest = Manifest(
+            id=cid,
+            step=step,
+            kind="full" if parent_m is None else "delta",
+            parent=parent,
+            base=cid if parent_m is None else parent_m.base,
+            chain_length=0 if parent_m is None else parent_m.chain_length + 1,
+            committed_at=time.time(),
+            tensors=entries,
+            metadata=metadata,
+            metrics=metrics,
+            stats=stats,
+            writer=store._writer_name,
+        )
+        try:
+            self._keeper.confirm()  # the lease still ours, just refreshed: gc cannot have taken our chunks
+        except LeaseLostError as e:
+            raise SaveError(
+                f"step {step}: the save's lock lease on {store.url} was lost while it ran ({e}); gc may have "
+                "deleted its chunks, so nothing was committed. Save again"
+            ) from e
+        store.backend.put_new(manifest_key(cid), manifest.to_bytes())  # the commit
+        return manifest
+
+    def _sharded_entries(
+        self, parts: Mapping[str, Sequence[Mapping[str, Any]]]
+    ) -> tuple[dict[str, TensorEntry], dict[str, int]]:
+        """The sharded entries the parts make, validated as a reader would (before any chunk is checked or a
+        tensor uploaded); and the write statistics the PS agents reported."""
+        entries: dict[str, TensorEntry] = {}
+        stats = dict.fromkeys(_STAT_KEYS, 0)
+        for name, plist in parts.items():
+            plist = list(plist)
+            if not isinstance(name, str) or not plist or not all(isinstance(p, Mapping) for p in plist):
+                raise ConfigError(f"tensor {str(name)[:80]!r}: parts must be a non-empty list of write_part results")
+            described = {(str(p.get("dtype")), json.dumps(p.get("shape"))) for p in plist}
+            if len(described) != 1:
+                raise ConfigError(f"tensor {name!r}: its parts disagree on dtype or shape: {sorted(described)[:4]}")
+            dtype, shape_raw = plist[0].get("dtype"), plist[0].get("shape")
+            if (
+                not isinstance(dtype, str)
+                or not isinstance(shape_raw, list)
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape_raw)
+            ):
+                raise ConfigError(f"tensor {name!r}: a part lacks the dtype and logical shape write_part gives it")
+            shape = tuple(shape_raw)
+            if self._parent_m is not None:
+                prev = self._parent_m.tensors.get(name)
+                if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
+                    was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
+                    raise ConfigError(
+                        f"tensor {name!r}: parts of {dtype}{list(shape)} cannot apply to the parent's ({was})"
+                    )
+            stripped = [{k: v for k, v in p.items() if k not in PART_TRANSPORT_KEYS} for p in plist]
+            stripped.sort(key=lambda p: p["offset"] if isinstance(p.get("offset"), int) else -1)
+            entries[name] = sharded_entry_from_parts(self.checkpoint_id, self.kind, name, dtype, shape, stripped)
+            for p in plist:
+                reported = p.get("stats")
+                if isinstance(reported, Mapping):
+                    for k in _STAT_KEYS:
+                        v = reported.get(k)
+                        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                            stats[k] += v
+        return entries, stats
+
+    def _check_chunks_present(self, entries: Mapping[str, TensorEntry]) -> None:
+        """Every chunk the parts name is in the store with its size: a stat each, in parallel, no read (other
+        processes wrote them; their CRC32C is checked on every later read and by ``verify``)."""
+        store = self.store
+        refs: dict[str, tuple[str, ChunkRef]] = {}
+        for name, entry in entries.items():
+            for ref in entry.refs():
+                refs.setdefault(ref.hash, (name, ref))
+
+        def size(key: str) -> int | None:
+            try:
+                return store.backend.size(key)
+            except ObjectNotFoundError:
+                return None
+
+        futures = [(name, ref, store._pool.submit(size, chunk_key(ref.hash))) for name, ref in refs.values()]
+        _wait_all([f for *_, f in futures])
+        for name, ref, f in futures:
+            found = f.result()
+            if found != ref.size:
+                has = "is not in" if found is None else f"has {found} bytes (its part says {ref.size}) in"
+                raise SaveError(
+                    f"step {self.step}: tensor {name!r}: chunk {ref.hash} of a part {has} {store.url}; "
+                    "nothing was committed"
+                )
+
+
 class _LazyTensors(Mapping[str, TensorUpdate | np.ndarray]):
     """Materialises each tensor only when the writer asks for it."""
 
@@ -1138,3 +1649,26 @@ def _wait_all(futures: Sequence[Future[Any]]) -> None:
                 first = e
     if first is not None:
         raise first
+
+
+def _row_nbytes(shape: Sequence[int], dtype: np.dtype[Any]) -> int:
+    """Bytes of one row (axis 0) of a tensor shaped ``shape``: 0 for a ``[n, 0]`` tensor."""
+    return int(dtype.itemsize * math.prod(shape[1:]))
+
+
+def _positions(refs: Sequence[ChunkRef], start: int) -> Iterator[tuple[ChunkRef, int]]:
+    """Each chunk with its byte position when the chunks are laid end to end from ``start``."""
+    pos = start
+    for ref in refs:
+        yield ref, pos
+        pos += ref.size
+
+
+def _whole_over(entry: TensorEntry, start: int, stop: int) -> bool:
+    """Whether ``entry`` alone gives rows ``[start, stop)``: it is ``full``, or every part overlapping the
+    range is ``full`` (a row-range read starts there, not at an older whole value)."""
+    if entry.encoding == "full":
+        return True
+    if entry.encoding != "sharded":
+        return False
+    return all(p.encoding == "full" for p in entry.parts if p.offset < stop and p.stop > start)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import secrets
 from collections.abc import Mapping
@@ -19,10 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from psguard.errors import CorruptCheckpointError, UnsupportedFormatError
-from psguard.store.dtypes import logical_nbytes
+from psguard.store.dtypes import STRING, dtype_from_name, logical_nbytes
 
 FORMAT_NAME = "psguard-manifest"
-FORMAT_VERSION = 1
+#: The newest format this code reads. Version 2 adds the ``sharded`` encoding (a tensor stored in parts that
+#: different processes wrote); a manifest without a sharded entry is still written as version 1, so readers
+#: that only know version 1 keep reading every checkpoint that has no sharded tensor.
+FORMAT_VERSION = 2
+FORMAT_VERSION_V1 = 1
 
 MANIFEST_PREFIX = "manifests/"
 CHUNK_PREFIX = "chunks/"
@@ -32,7 +37,8 @@ LOCK_PREFIX = "locks/"
 _HASH_RE = re.compile(r"^[0-9a-f]{64}$")
 _ID_RE = re.compile(r"^[0-9]{12}-[0-9a-f]{8}$")
 
-Encoding = Literal["full", "rows", "same"]
+Encoding = Literal["full", "rows", "same", "sharded"]
+PartEncoding = Literal["full", "rows", "same"]
 Kind = Literal["full", "delta"]
 
 
@@ -81,16 +87,20 @@ class Segment:
 
 
 @dataclass(frozen=True)
-class TensorEntry:
-    dtype: str
-    shape: tuple[int, ...]
-    encoding: Encoding
+class Part:
+    """Rows ``[offset, offset + rows)`` of a sharded tensor (format version 2), written by the process that
+    hosts them: a version-1 entry of the shard seen as a tensor of shape ``[rows, *shape[1:]]`` (``full``:
+    chunks cut at row boundaries; ``rows``: ids relative to ``offset``; ``same``: unchanged)."""
+
+    offset: int
+    rows: int
+    encoding: PartEncoding
     chunks: tuple[ChunkRef, ...] = ()
     segments: tuple[Segment, ...] = ()
 
     @property
-    def logical_bytes(self) -> int:
-        return logical_nbytes(self.dtype, self.shape, self.chunks if self.encoding == "full" else ())
+    def stop(self) -> int:
+        return self.offset + self.rows
 
     def refs(self) -> list[ChunkRef]:
         out = list(self.chunks)
@@ -99,8 +109,54 @@ class TensorEntry:
         return out
 
     def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"offset": self.offset, "rows": self.rows, "encoding": self.encoding}
+        d.update(_payload_json(self.encoding, self.chunks, self.segments))
+        return d
+
+
+def _payload_json(encoding: str, chunks: tuple[ChunkRef, ...], segments: tuple[Segment, ...]) -> dict[str, Any]:
+    """A part's encoding-specific keys: the same layout as a whole entry's (:meth:`TensorEntry.to_json`)."""
+    if encoding == "full":
+        return {"chunks": [c.to_json() for c in chunks]}
+    if encoding == "rows":
+        return {
+            "count": sum(s.count for s in segments),
+            "segments": [{"count": s.count, "ids": s.ids.to_json(), "values": s.values.to_json()} for s in segments],
+        }
+    return {}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: Encoding
+    chunks: tuple[ChunkRef, ...] = ()
+    segments: tuple[Segment, ...] = ()
+    parts: tuple[Part, ...] = ()  # encoding "sharded" only (format version 2)
+
+    @property
+    def logical_bytes(self) -> int:
+        return logical_nbytes(self.dtype, self.shape, self.chunks if self.encoding == "full" else ())
+
+    @property
+    def whole(self) -> bool:
+        """Whether this entry alone gives the whole tensor (a chain is read from its newest whole entry)."""
+        return self.encoding == "full" or (self.encoding == "sharded" and all(p.encoding == "full" for p in self.parts))
+
+    def refs(self) -> list[ChunkRef]:
+        out = list(self.chunks)
+        for s in self.segments:
+            out.extend((s.ids, s.values))
+        for p in self.parts:
+            out.extend(p.refs())
+        return out
+
+    def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding}
-        if self.encoding == "full":
+        if self.encoding == "sharded":
+            d["parts"] = [p.to_json() for p in self.parts]
+        elif self.encoding == "full":
             d["chunks"] = [c.to_json() for c in self.chunks]
         elif self.encoding == "rows":
             d["count"] = sum(s.count for s in self.segments)
@@ -147,11 +203,16 @@ class Manifest:
             "stats": dict(self.stats),
         }
 
+    @property
+    def format_version(self) -> int:
+        """2 only when a tensor is sharded: every other manifest stays readable by version-1 readers."""
+        return FORMAT_VERSION if any(t.encoding == "sharded" for t in self.tensors.values()) else FORMAT_VERSION_V1
+
     def to_bytes(self) -> bytes:
         body = self.body()
         doc = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION,
+            "format_version": self.format_version,
             "sha256": hashlib.sha256(_canonical(body)).hexdigest(),
             "body": body,
         }
@@ -269,6 +330,10 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
             if kind != "delta":
                 raise c.fail(f"{where} is 'same' in a full checkpoint")
             tensors[name] = TensorEntry(dtype, tuple(shape_raw), "same")
+        elif enc == "sharded":
+            if version < 2:
+                raise c.fail(f"{where} is sharded in a format_version {version} manifest (sharded needs 2)")
+            tensors[name] = parse_sharded_entry(c, kind, where, t, dtype, tuple(shape_raw))
         else:
             raise c.fail(f"{where}.encoding {enc!r}")
     committed = c.get(body, "committed_at", (int, float), "")
@@ -286,3 +351,81 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
         stats=c.get(body, "stats", dict, ""),
         writer=str(body.get("writer", "")),
     )
+
+
+def parse_sharded_entry(
+    c: _Checker, kind: str, where: str, t: Mapping[str, Any], dtype: str, shape: tuple[int, ...]
+) -> TensorEntry:
+    """A ``sharded`` entry's parts, every defect refused before a byte is allocated or read.
+
+    Parts are sorted by offset, contiguous and cover ``[0, shape[0])`` exactly; a ``full`` part's chunks hold
+    whole rows and add up to its rows (so a row range is found from chunk sizes alone); a ``rows`` segment's
+    chunks match its count. Shared by :func:`parse_manifest` and by the commit of parts other processes wrote
+    (``SaveTransaction.commit``), so what is committed is exactly what a reader accepts.
+    """
+    if not shape:
+        raise c.fail(f"{where} is sharded but has rank 0 (parts are row ranges)")
+    if dtype == STRING:
+        raise c.fail(f"{where} is a sharded string tensor (strings are stored whole)")
+    try:
+        itemsize = dtype_from_name(dtype).itemsize
+    except ValueError as e:
+        raise c.fail(f"{where}.dtype: {e}") from None
+    rb = math.prod(shape[1:]) * itemsize  # 0 for a [n, 0] tensor: its parts hold no bytes
+    raw = c.get(t, "parts", list, where + ".")
+    if len(raw) > max(1, shape[0]):
+        raise c.fail(f"{where} has {len(raw)} parts for {shape[0]} rows")
+    parts: list[Part] = []
+    expect = 0
+    for i, p in enumerate(raw):
+        pw = f"{where}.parts[{i}]"
+        offset = c.nonneg(p, "offset", pw + ".")
+        rows = c.nonneg(p, "rows", pw + ".")
+        if offset != expect:
+            what = "overlaps the previous part" if offset < expect else "leaves a gap after the previous part"
+            raise c.fail(f"{pw} starts at row {offset}, expected {expect}: it {what} (parts sorted by offset)")
+        if rows > shape[0] - offset:
+            raise c.fail(f"{pw} rows [{offset}, {offset + rows}) out of bounds of {shape[0]} rows")
+        expect = offset + rows
+        enc = c.get(p, "encoding", str, pw + ".")
+        if enc == "full":
+            chunks = tuple(c.ref(r, f"{pw}.chunks[{j}]") for j, r in enumerate(c.get(p, "chunks", list, pw + ".")))
+            if sum(r.size for r in chunks) != rows * rb or (rb and any(r.size % rb for r in chunks)):
+                raise c.fail(f"{pw}: its chunks do not hold {rows} whole rows of {rb} bytes")
+            parts.append(Part(offset, rows, "full", chunks=chunks))
+        elif enc == "rows":
+            if kind != "delta":
+                raise c.fail(f"{pw} has row updates in a full checkpoint")
+            segs = []
+            total = 0
+            for j, s in enumerate(c.get(p, "segments", list, pw + ".")):
+                sw = f"{pw}.segments[{j}]"
+                seg = Segment(
+                    c.nonneg(s, "count", sw + "."),
+                    c.ref(s.get("ids"), sw + ".ids"),
+                    c.ref(s.get("values"), sw + ".values"),
+                )
+                if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
+                    raise c.fail(f"{sw}: chunk sizes do not match its {seg.count} rows")
+                total += seg.count
+                segs.append(seg)
+            if total > rows:
+                raise c.fail(f"{pw} changes {total} rows of a {rows}-row part")
+            parts.append(Part(offset, rows, "rows", segments=tuple(segs)))
+        elif enc == "same":
+            if kind != "delta":
+                raise c.fail(f"{pw} is 'same' in a full checkpoint")
+            parts.append(Part(offset, rows, "same"))
+        else:
+            raise c.fail(f"{pw}.encoding {enc!r}")
+    if expect != shape[0]:
+        raise c.fail(f"{where}: its parts cover rows [0, {expect}) of {shape[0]}")
+    return TensorEntry(dtype, shape, "sharded", parts=tuple(parts))
+
+
+def sharded_entry_from_parts(
+    checkpoint_id: str, kind: str, name: str, dtype: str, shape: tuple[int, ...], parts: list[Any]
+) -> TensorEntry:
+    """Validate parts other processes wrote exactly as :func:`parse_manifest` would read them back (same
+    checks, same :class:`CorruptCheckpointError` naming the checkpoint and the tensor)."""
+    return parse_sharded_entry(_Checker(checkpoint_id), kind, f"tensors[{name!r}]", {"parts": parts}, dtype, shape)

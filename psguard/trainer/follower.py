@@ -249,6 +249,6 @@ def _full_bytes(chain: Sequence[Manifest], names: Sequence[str] | None = None) -
             if entry is None:
                 break
             total += sum(ref.size for ref in entry.refs())
-            if entry.encoding == "full":
+            if entry.whole:  # full, or (format version 2) sharded with every part full
                 break
     return total
