@@ -1,0 +1,149 @@
+"""Issue 12 end to end: every task under an agent, each PS's agent keeps its PS's shards.
+
+The trainer captures the embedding's changed rows on the PS nodes (files in each PS agent's part folder), the
+chief's agent forwards the parts and keeps only the small tensors, each PS agent writes its part of every
+durable checkpoint (format 2, one commit by the chief's agent). A PS is killed with SIGKILL; the trainer comes
+back in a new process and every PS loads its shards from its own agent's memory tier. At the end the durable
+log's newest checkpoint, written part by part, must be bit-identical to the trainer's variables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from psguard.store.log import Store
+from tests import test_agent
+from tests.test_agent import AgentProc, wait_until, write_cluster
+
+agents = test_agent.agents  # the fixture that starts real agent processes and stops them after the test
+
+TRAINER = textwrap.dedent(
+    """
+    import hashlib, json, os, sys, time
+    import tensorflow as tf
+    from psguard.handoff.contract import Tier
+    from psguard.trainer.manager import CheckpointManager
+    from psguard.policy.engine import EverySteps, Schedule
+    from psguard.trainer.recovery import exit_for_restart, is_cluster_failure
+    from psguard.trainer.variables import read_tensors
+    from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+
+    out, store_url, target = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    os.makedirs(out, exist_ok=True)
+    gen = len([n for n in os.listdir(out) if n.startswith("gen-")])
+
+    def put(name, doc):
+        with open(os.path.join(out, name + ".tmp"), "w") as f:
+            json.dump(doc, f)
+        os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+    )
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = RecModel(ModelConfig(vocab_size=20_000, embedding_dim=8, batch_size=64))
+        optimizer = make_optimizer("adagrad")
+    trainer = Trainer(strategy, coordinator, model, optimizer)
+    root = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    manager = CheckpointManager(
+        root, store_url, coordinator=coordinator, step_counter=model.step,
+        policy=Schedule(memory=EverySteps(5), durable=EverySteps(20)),
+    )
+    manager.restore_or_initialize()
+    r = manager.restored
+    trainer.next_index = int(model.step.numpy())
+    put(f"gen-{gen}", {
+        "restored": None if r is None else {"source": r.source, "step": r.step},
+        "spilled": sorted(manager.capturer.spilled), "at": time.time(),
+    })
+    seen = 0
+    try:
+        while (seen := int(model.step.numpy())) < target:
+            handle = manager.maybe_save(seen)
+            if handle is not None and seen >= 20 and not os.path.exists(os.path.join(out, "kill")):
+                handle.result(timeout=120)  # a durable checkpoint exists before the fault
+                put("kill", {"step": seen, "stats": manager.capturer.last_stats.bytes_read})
+            trainer.train(5)
+        handle = manager.save(tiers=frozenset({Tier.MEMORY, Tier.DURABLE}))
+        info = handle.result(timeout=120)
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in read_tensors(root).items()}
+        put("final", {"step": int(model.step.numpy()), "checkpoint": info.id, "digests": digests})
+        manager.close()
+    except Exception as e:
+        if not is_cluster_failure(e):
+            raise
+        put(f"failure-{gen}", {"seen": seen})
+        exit_for_restart(e, failed_at=time.time())
+    """
+)
+
+
+@pytest.mark.slow
+def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out, store = tmp_path / "out", tmp_path / "store"
+    ps_args = [["--role", "ps", "--index", str(i), "--cluster", str(cluster), "--store", str(store)] for i in range(2)]
+    ps = [agents(f"ps{i}", [*a, "--spool", str(tmp_path / f"ps{i}-shards")]) for i, a in enumerate(ps_args)]
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(tmp_path / "spool"), *peers]
+    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "120"])
+
+    def kill_file() -> dict[str, Any] | None:
+        if chief.proc.poll() is not None:
+            raise AssertionError(f"chief agent exited {chief.proc.returncode}:\n{chief.log()}")
+        return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
+
+    kill = wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    first = json.loads((out / "gen-0").read_text())
+    table = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
+    assert table in first["spilled"], (first, chief.log())
+    assert "event=ps_side_shards" in chief.log()
+    # The chief's agent holds the small tensors only; each PS agent holds its half of the table and its slot.
+    chief_status = chief.status()
+    table_bytes = 20_000 * 8 * 4
+    assert chief_status["memory_bytes"] < table_bytes / 4, chief_status["memory_bytes"]
+    for p in ps:
+        shards = p.status()["shards"]
+        assert shards["applied"] >= 1 and shards["bytes"] >= table_bytes, shards  # half table + half slot
+    killed_at = time.time()
+    os.kill(ps[0].status()["pid"], signal.SIGKILL)
+    assert chief.wait_exit(400) == 0, chief.log()
+    failure = json.loads((out / "failure-0").read_text())
+    second = json.loads((out / "gen-1").read_text())
+    final = json.loads((out / "final").read_text())
+    print(
+        f"kill at {kill['step']}, seen {failure['seen']}, restored {second['restored']} "
+        f"{second['at'] - killed_at:.1f}s after the kill, final {final['step']}"
+    )
+    assert second["restored"]["source"] == "memory", chief.log()
+    assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
+    assert sum(p.status()["shards"]["exports"] for p in ps) >= 2  # each PS agent answered the restore
+    # The log: format 2, the table in two parts written by the PS agents; the newest equals the trainer's state.
+    with Store.open(str(store)) as s:
+        newest = s.manifest(final["checkpoint"])
+        assert newest.tensors[table].encoding == "sharded"
+        assert len(newest.tensors[table].parts) == 2
+        tensors = s.load(final["checkpoint"])
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items() if not n.startswith("_")}
+        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+        for report in s.verify_all(s.checkpoint_ids()):
+            assert report.ok, report
