@@ -133,10 +133,10 @@ def test_cli_refuses_a_public_bind_without_a_token(tmp_path: Path, capsys: pytes
     )
     assert code == 2
     assert "--bind 0.0.0.0: serving on a non-loopback address needs --token-file" in capsys.readouterr().err
-    cluster.write_text(json.dumps({"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}))
-    code = main(["agent", "--role", "ps", "--index", "0", "--cluster", str(cluster), "--store", str(tmp_path)])
+    cluster.write_text(json.dumps({"chief": ["127.0.0.1:1"], "worker": ["127.0.0.1:2"]}))
+    code = main(["agent", "--role", "worker", "--index", "0", "--cluster", str(cluster), "--store", str(tmp_path)])
     assert code == 2
-    assert "--store and --spool belong to the chief's agent" in capsys.readouterr().err
+    assert "--store and --spool belong to the chief's agent and the PS agents" in capsys.readouterr().err
 
 
 # The agent's command line up to the Agent it builds: the Agent records its task and exits the process.
