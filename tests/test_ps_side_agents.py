@@ -147,3 +147,52 @@ def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
         assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
         for report in s.verify_all(s.checkpoint_ids()):
             assert report.ok, report
+
+
+@pytest.mark.slow
+def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, agents: Callable[..., AgentProc]) -> None:
+    """SIGKILL of a PS together with its agent (its node lost): no memory tier holds its shards any more. The
+    new trainer asks every PS agent to read the rows its PS hosts from the newest durable checkpoint (format 2,
+    row-range reads), and trains on from there; the log stays bit-exact with the trainer's state."""
+    from psguard.ports import free_ports
+
+    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out, store = tmp_path / "out", tmp_path / "store"
+    ports = free_ports(2)
+    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
+    ps_args = [
+        [*common, "--index", str(i), "--spool", str(tmp_path / f"ps{i}-shards"), "--http-port", str(ports[i])]
+        for i in range(2)
+    ]
+    ps = [agents(f"ps{i}", a) for i, a in enumerate(ps_args)]
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(tmp_path / "spool"), *peers]
+    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "100"])
+
+    def kill_file() -> dict[str, Any] | None:
+        if chief.proc.poll() is not None:
+            raise AssertionError(f"chief agent exited {chief.proc.returncode}:\n{chief.log()}")
+        return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
+
+    wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    with Store.open(str(store)) as s:
+        durable_before = max(c.step for c in s.checkpoints())
+    server = ps[0].status()["pid"]
+    ps[0].proc.kill()  # the agent and its memory tier
+    os.kill(server, signal.SIGKILL)  # and the PS it ran: the node is gone
+    ps[0].proc.wait()
+    agents("ps0-again", ps_args[0])  # a new node takes its place, on the same addresses
+    assert chief.wait_exit(400) == 0, chief.log()
+    second = json.loads((out / "gen-1").read_text())
+    final = json.loads((out / "final").read_text())
+    assert second["restored"]["source"] == "durable", chief.log()
+    assert second["restored"]["step"] >= durable_before
+    assert "every tier loaded" in chief.log()
+    with Store.open(str(store)) as s:
+        tensors = s.load(final["checkpoint"])
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
+        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]

@@ -381,6 +381,7 @@ class Agent:
             for name, handler in (
                 ("apply", keeper.apply),
                 ("export", keeper.export),
+                ("load", keeper.load),
                 ("take", keeper.take),
                 ("write", keeper.write),
                 ("finish", keeper.finish),

@@ -31,6 +31,7 @@ import numpy as np
 
 from psguard.agent.memory_tier import DirtyTake, MemoryTier
 from psguard.errors import CorruptCheckpointError, PsguardError
+from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
 from psguard.handoff.spool import try_flock
@@ -212,6 +213,62 @@ class ShardKeeper:
             self._exports += 1
             return {"status": "ok", "step": snap.step, "token": snap.token, "files": files}
 
+    def load(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """Read this PS's rows of a durable checkpoint into the tier (``{"checkpoint", "shards", "durable"}``).
+
+        For a PS whose memory tier is gone (its node was lost) or that must restore an older state: it reads
+        exactly the rows it hosts now (``shards``: ``[[name, offset, rows], ...]``, whatever the partitioning
+        was when the checkpoint was written), verifying every chunk, and the tier then holds that state under
+        the checkpoint's token. ``durable``: the checkpoint is the newest in the log, so later durable saves
+        can be deltas over it.
+        """
+        checkpoint = _token(doc, "checkpoint")
+        assert checkpoint is not None
+        raw = doc.get("shards")
+        if self.store is None:
+            raise ShardError(f"the agent of {self.task} has no durable store (start it with --store)")
+        if not isinstance(raw, list) or not raw:
+            raise CorruptCheckpointError("bad 'shards' in a load request")
+        keys: list[ShardKey] = []
+        for item in raw:
+            if not (
+                isinstance(item, list)
+                and len(item) == 3
+                and isinstance(item[0], str)
+                and all(type(n) is int and n >= 0 for n in item[1:])
+            ):
+                raise CorruptCheckpointError("bad shard in a load request")
+            keys.append(ShardKey(item[0], item[1], item[2]))
+        manifest = self.store.manifest(checkpoint)
+        arrays: dict[str, np.ndarray] = {}
+        layout: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}
+        for key in keys:
+            entry = manifest.tensors.get(key.name)
+            if entry is None:
+                raise ShardError(f"checkpoint {checkpoint} has no tensor {key.name!r}")
+            name = _tier_name(key)
+            arrays[name] = self.store.read_rows(checkpoint, key.name, key.offset, key.offset + key.rows)
+            layout[name] = (key, tuple(entry.shape))
+        token = manifest.metadata.get(TOKEN_KEY)
+        with self._lock:
+            if self._take is not None:
+                self._take[1].abort()
+                self._take = None
+            self.tier.seed(
+                manifest.step,
+                arrays,
+                token=str(token) if token else None,
+                durable=doc.get("durable") is True,
+                metadata=dict(manifest.metadata),
+            )
+            self._keys = layout
+        return {
+            "status": "ok",
+            "step": manifest.step,
+            "token": self.tier.token,
+            "bytes": sum(a.nbytes for a in arrays.values()),
+        }
+
     # ------------------------------------------------------------------------------------------ durable log
     def take(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """Phase one of a durable save: set aside what the log lacks, if this tier holds ``token``."""
@@ -361,6 +418,24 @@ class ShardClient:
         for entries in parts.values():
             entries.sort(key=lambda e: int(e.get("offset", 0)))
         return parts
+
+    def load(self, shards: Mapping[str, Sequence[ShardKey]], checkpoint: str, *, durable: bool) -> None:
+        """Every PS agent reads its rows of ``checkpoint`` into its tier; raises when one cannot."""
+        answers = self._fan_out(
+            "/shards/load",
+            {
+                task: {
+                    "checkpoint": checkpoint,
+                    "shards": [[k.name, k.offset, k.rows] for k in keys],
+                    "durable": durable,
+                }
+                for task, keys in shards.items()
+            },
+        )
+        bad = {t: a for t, a in answers.items() if a.get("status") != "ok"}
+        if bad:
+            raise ShardError(f"loading {checkpoint} on the PS agents failed: {bad}")
+        self.active = tuple(sorted(shards))
 
     def finish(self, tasks: Sequence[str], checkpoint: str, *, committed: bool) -> None:
         with contextlib.suppress(ShardError):

@@ -25,7 +25,8 @@ from psguard.errors import (
     CorruptCheckpointError,
     PsguardError,
 )
-from psguard.handoff.contract import Tier
+from psguard.handoff.contract import TOKEN_KEY, Tier
+from psguard.handoff.parts import ShardKey
 from psguard.handoff.spool import (
     AGENT_TMP,
     REQ_RE,
@@ -46,6 +47,7 @@ from psguard.handoff.spool import (
     write_private,
 )
 from psguard.store.dtypes import dtype_name
+from psguard.store.manifest import is_checkpoint_id
 
 __all__ = ["SpoolEvent", "SpoolServer", "SpoolServerStatus"]
 
@@ -436,6 +438,9 @@ class SpoolServer:
         durable = self.persister.status() if self.persister is not None else None
         nbytes = 0
         try:
+            wanted = read_json_if_present(request) or {}
+            if wanted.get("checkpoint") is not None:
+                self._load_durable(wanted, durable.last_id if durable else None)
             with self.tier.export() as snap:
                 doc: dict[str, Any] = {
                     "format": RESTORE_FORMAT,
@@ -472,6 +477,42 @@ class SpoolServer:
             request.unlink()
         self._restores += 1
         self._emit(SpoolEvent("restore", None, doc.get("step"), status, nbytes, 0.0, time.perf_counter() - t0))
+
+    def _load_durable(self, wanted: Mapping[str, Any], last_id: str | None) -> None:
+        """Bring every tier to a durable checkpoint, each PS's agent reading its own rows of it from the log.
+
+        For a trainer that cannot restore from the memory tiers (a PS's node and its tier were lost): the
+        chief's tier takes the small tensors, each PS's agent the rows its PS hosts now, all under the
+        checkpoint's token, so the trainer's next capture is a delta again. Then the normal export answers.
+        """
+        checkpoint = wanted.get("checkpoint")
+        raw = wanted.get("shards")
+        if not isinstance(checkpoint, str) or not is_checkpoint_id(checkpoint):
+            raise CorruptCheckpointError(f"restore request: bad checkpoint {checkpoint!r}")
+        if self.persister is None or self.shards is None:
+            raise ShardError("this agent has no durable store or no PS agents: the trainer reads the log itself")
+        if not isinstance(raw, dict) or not all(isinstance(v, list) for v in raw.values()):
+            raise CorruptCheckpointError("restore request: bad shards")
+        try:
+            shards = {
+                str(task): [ShardKey(str(k[0]), int(k[1]), int(k[2])) for k in keys] for task, keys in raw.items()
+            }
+        except (TypeError, ValueError, IndexError, KeyError):
+            raise CorruptCheckpointError("restore request: bad shards") from None
+        store = self.persister.store
+        manifest = store.manifest(checkpoint)
+        spilled = {k.name for keys in shards.values() for k in keys}
+        small = store.load(checkpoint, [n for n in manifest.tensors if n not in spilled])
+        token = manifest.metadata.get(TOKEN_KEY)
+        durable = checkpoint == last_id  # later durable saves may be deltas over it
+        with self._order:
+            self.shards.load(shards, checkpoint, durable=durable)
+            self.tier.seed(
+                manifest.step, small, metadata=manifest.metadata, token=str(token) if token else None, durable=durable
+            )
+        log.info(
+            "spool %s: every tier loaded checkpoint %s (step %d) for a restore", self.root, checkpoint, manifest.step
+        )
 
     def _writer_alive(self, gen: str) -> bool:
         if gen in self._dead_writers:

@@ -326,6 +326,18 @@ class Capturer:
                 if tr.spill
             }
 
+    def spilled_by_task(self) -> dict[str, list[ShardKey]]:
+        """The spilled shards grouped by the PS task that hosts each (what each PS's agent must load)."""
+        with self._lock:
+            self._sync()
+            out: dict[str, list[ShardKey]] = {}
+            for tr in self._tracked.values():
+                if tr.spill:
+                    for s in tr.info.shards:
+                        task = task_of_device(str(s.device)) or ""
+                        out.setdefault(task, []).append(ShardKey(tr.info.name, s.offset, s.rows))
+            return out
+
     def restore_parts(self, tensors: Mapping[str, np.ndarray], files: Mapping[ShardKey, str]) -> None:
         """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node.
 

@@ -44,6 +44,7 @@ from psguard.dependencies import import_optional
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.client import report_recovery
 from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
+from psguard.handoff.parts import ShardKey
 from psguard.handoff.spool import Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
@@ -475,10 +476,16 @@ class CheckpointManager:
         memory = self._sink.memory_snapshot(self.restore_timeout)
         durable_latest = self._durable_latest_beside(memory) if memory is not None else None
         token: str | None
+        parts: Mapping[ShardKey, str] = {}
+        from_ps = None
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
             tensors = dict(memory.tensors)
             info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
             token = memory.token
+            parts = memory.parts
+        elif (from_ps := self._durable_on_the_ps()) is not None:
+            info, snap = from_ps
+            tensors, token, parts = dict(snap.tensors), snap.token, snap.parts
         else:
             if memory is not None and durable_latest is not None:
                 log.warning(
@@ -498,8 +505,8 @@ class CheckpointManager:
             token = str(raw) if raw else None
         tensors.pop(OBJECT_GRAPH_KEY, None)
         with self._capture_lock:
-            if memory is not None and info.source == "memory" and memory.parts:
-                self.capturer.restore_parts(tensors, memory.parts)  # each PS loads its shards on its own node
+            if parts:
+                self.capturer.restore_parts(tensors, parts)  # each PS loads its shards on its own node
             else:
                 self.capturer.restore(tensors)
             self._sink.rebase(info.id if info.source == "durable" else None, token)
@@ -511,6 +518,26 @@ class CheckpointManager:
         if isinstance(self._sink, AgentSink):  # under an agent: it counts the lost steps (psguard_lost_steps_total)
             report_recovery(info.step, seen_step=last_seen_step(self.directory), source=info.source)
         return info.id
+
+    def _durable_on_the_ps(self) -> tuple[RestoreInfo, Restored] | None:
+        """The newest durable checkpoint that loads, each PS's agent reading its own rows of it from the log.
+
+        None when the shards are not kept by PS agents (the trainer then reads the log itself). A checkpoint
+        that fails anywhere (a damaged chunk a PS agent read, a missing tensor) is skipped for the next older.
+        """
+        by_task = self.capturer.spilled_by_task()
+        if not by_task or not isinstance(self._sink, AgentSink):
+            return None
+        for checkpoint in sorted(self.store.checkpoints(), key=lambda c: (c.step, c.committed_at), reverse=True):
+            try:
+                snap = self._sink.durable_snapshot(checkpoint.id, by_task, self.restore_timeout)
+            except (PsguardError, TimeoutError) as e:
+                log.warning(
+                    "checkpoint %s could not be loaded on the PS agents (%s); trying an older one", checkpoint.id, e
+                )
+                continue
+            return RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable"), snap
+        return None
 
     def maybe_save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Ask the policy; save when it says so. Without a policy, never saves (call :meth:`save`)."""

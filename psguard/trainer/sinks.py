@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
 from psguard.handoff.contract import RETENTION_KEY, STALL_KEY, Tier
-from psguard.handoff.parts import PartCapture
+from psguard.handoff.parts import PartCapture, ShardKey
 from psguard.handoff.spool import Capture, Restored
 from psguard.policy.engine import ChainLimit, Retention, SaveContext, TierState
 from psguard.store.log import CheckpointInfo, Store
@@ -443,6 +443,10 @@ class AgentSink:
         except (TimeoutError, PsguardError) as e:
             log.warning("the memory tier could not be used (%s): restoring from the durable log", e)
             return None
+
+    def durable_snapshot(self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float) -> Restored:
+        """Every tier brought to ``checkpoint`` (each PS's agent reading its own rows), then its snapshot."""
+        return self.spool.request_restore(checkpoint=checkpoint, shards=shards).result(timeout)
 
     def wait(self, timeout: float | None) -> list[BaseException]:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -14,8 +14,9 @@ import secrets
 import shutil
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from psguard.errors import (
     ConfigError,
@@ -24,6 +25,7 @@ from psguard.errors import (
     StorageError,
 )
 from psguard.handoff.contract import Tier
+from psguard.handoff.parts import ShardKey
 from psguard.handoff.spool import (
     CAPTURE_FORMAT,
     VERSION,
@@ -357,10 +359,20 @@ class SpoolWriter:
         except OSError as e:
             log.debug("heartbeat not written to %s: %s", self.root, e)
 
-    def request_restore(self) -> RestoreHandle:
-        """Ask the agent for its memory tier's snapshot; ``result(timeout)`` returns it verified."""
+    def request_restore(
+        self, *, checkpoint: str | None = None, shards: Mapping[str, Sequence[ShardKey]] | None = None
+    ) -> RestoreHandle:
+        """Ask the agent for its memory tier's snapshot; ``result(timeout)`` returns it verified.
+
+        With ``checkpoint``: first bring every tier to that durable checkpoint, each PS's agent reading the rows
+        ``shards`` says its PS hosts (task -> shards) from the log itself; then the same snapshot.
+        """
         name = f"{self.generation}-{secrets.token_hex(6)}"
-        atomic_write_json(self._paths.requests / f"restore-{name}.json", {"writer": self.generation, "at": time.time()})
+        doc: dict[str, Any] = {"writer": self.generation, "at": time.time()}
+        if checkpoint is not None:
+            doc["checkpoint"] = checkpoint
+            doc["shards"] = {t: [[k.name, k.offset, k.rows] for k in keys] for t, keys in (shards or {}).items()}
+        atomic_write_json(self._paths.requests / f"restore-{name}.json", doc)
         return RestoreHandle(self, name)
 
     def close(self) -> None:
