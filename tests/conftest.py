@@ -172,4 +172,8 @@ def lone_chief_agent(tmp_path: Path, store: Path, command: list[str], *extra: st
     cluster.write_text(json.dumps({"chief": [f"127.0.0.1:{port}"]}))
     argv = [sys.executable, "-m", "psguard.cli", "agent", "--role", "chief", "--index", "0", "--cluster", str(cluster)]
     argv += ["--store", str(store), "--spool", str(tmp_path / "spool"), "--http-port", "0", *extra]
+    if "--config" not in extra:  # its own state folder: other runs' agents on this machine have the same task names
+        config = tmp_path / "lone-agent.yaml"
+        config.write_text(f"state_dir: {tmp_path / 'agent-state'}\n")
+        argv += ["--config", str(config)]
     return [*argv, "--", *command]

@@ -241,9 +241,11 @@ class AgentProc:
         self.log_path = self.dir / "agent.log"
         config = self.dir / "agent.yaml"
         if not config.exists():
+            config.write_text(FAST)
+        if "state_dir:" not in config.read_text():
             # The test's own state folder: agents of other test runs on this machine (same task names, default
             # job) must not see this one's task records.
-            config.write_text(FAST + f"state_dir: {tmp / 'agent-state'}\n")
+            config.write_text(config.read_text() + f"state_dir: {tmp / 'agent-state'}\n")
         argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *args, "--config", str(config)]
         argv += ["--ready-file", str(self.ready_file)]
         self.token: str | None = None
