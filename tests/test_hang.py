@@ -125,7 +125,7 @@ json.dump({"restored": restored, "start": start, "end": int(step.numpy()), "v": 
 def test_a_real_agent_restarts_a_hung_trainer_which_restores_from_the_memory_tier(tmp_path: Path) -> None:
     task_log = tmp_path / "task.log"
     config = tmp_path / "agent.yaml"
-    config.write_text(f"task_log: {task_log}\nsupervisor: {{backoff_initial: 0.1}}\n")
+    config.write_text(f"task_log: {task_log}\nsupervisor: {{backoff_initial: 0.1}}\nstate_dir: {tmp_path / 'state'}\n")
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     store, out = tmp_path / "store", tmp_path / "out.json"
