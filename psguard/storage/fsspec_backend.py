@@ -90,6 +90,16 @@ class FsspecBackend(Backend):
         found = self._files(f"{self.root}/{prefix}".rstrip("/"))
         return sorted(k for k in map(self._rel, found) if k is not None)
 
+    def size(self, key: str) -> int:
+        try:
+            info = self.fs.info(self._p(key))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+        size = info.get("size")
+        if not isinstance(size, int):
+            raise StorageError(f"{self.url} reports no size for {key}")
+        return size
+
     def mtime(self, key: str) -> float:
         try:
             info = self.fs.info(self._p(key))

@@ -87,6 +87,9 @@ class HdfsBackend(FsspecBackend):
     def mtime(self, key: str) -> float:
         return self._run(super().mtime, key)
 
+    def size(self, key: str) -> int:
+        return self._run(super().size, key)
+
     def delete(self, key: str) -> None:
         self._run(super().delete, key)
 

@@ -70,6 +70,13 @@ class MemoryBackend(Backend):
             self._objects.pop(validate_key(key), None)
             self._mtimes.pop(key, None)
 
+    def size(self, key: str) -> int:
+        with _LOCK:
+            try:
+                return len(self._objects[validate_key(key)])
+            except KeyError:
+                raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
     def mtime(self, key: str) -> float:
         with _LOCK:
             if validate_key(key) not in self._objects:

@@ -47,6 +47,9 @@ class MeteredBackend(Backend):
     def mtime(self, key: str) -> float:
         return self.inner.mtime(key)
 
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
     def mtimes(self, prefix: str) -> dict[str, float]:
         return self.inner.mtimes(prefix)
 

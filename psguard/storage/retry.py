@@ -253,6 +253,9 @@ class RetryingBackend(Backend):
     def mtime(self, key: str) -> float:
         return self._call("stat", key, lambda: self.inner.mtime(key))
 
+    def size(self, key: str) -> int:
+        return self._call("stat", key, lambda: self.inner.size(key))
+
     def mtimes(self, prefix: str) -> dict[str, float]:
         return self._call("list", prefix, lambda: self.inner.mtimes(prefix))
 
