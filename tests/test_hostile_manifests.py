@@ -172,7 +172,8 @@ def test_a_chunk_that_claims_a_terabyte_is_refused_before_anything_is_allocated(
             _, peak = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-    assert not report.ok and "has 1024 bytes in the store, its manifest claims 1000000000000" in report.problems[0].message
+    assert not report.ok
+    assert "has 1024 bytes in the store, its manifest claims 1000000000000" in report.problems[0].message
     assert loaded.info.id == good and loaded.skipped[0].checkpoint == bad
     assert peak < 16 << 20, peak
 
