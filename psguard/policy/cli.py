@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from psguard.config import format_duration, parse_duration
@@ -76,6 +77,12 @@ def run_show(args: argparse.Namespace) -> int:
 def run_simulate(args: argparse.Namespace) -> int:
     """Simulate the policy and print the report (or JSON); write the plot if asked."""
     spec = load_policy(args.file)
+    if args.plot:
+        from psguard.store.cli import require_output_folder
+
+        if Path(args.plot).is_dir():
+            raise ConfigError(f"--plot {args.plot}: is a folder; give a .png file name")
+        require_output_folder(Path(args.plot).parent, "--plot")
     try:
         job = Job(
             mtbf=args.mtbf,
@@ -87,7 +94,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise ConfigError(f"psguard policy simulate: {e}") from None
-    result = simulate(spec.schedule, job)
+    try:
+        result = simulate(spec.schedule, job)
+    except ValueError as e:
+        raise ConfigError(f"psguard policy simulate: {e}") from None
     if args.plot:
         title = f"{args.file}: MTBF {format_duration(args.mtbf)}, stall {format_duration(args.stall)}/save"
         plot(result, args.plot, title=f"{title}, persist {format_duration(args.persist)}")
