@@ -20,6 +20,7 @@ from psguard.config import format_duration, parse_duration
 from psguard.errors import ConfigError
 from psguard.policy.files import load_policy, preset_names, preset_text
 from psguard.policy.sim import Job, format_report, plot, simulate
+from psguard.store.cli import require_output_folder
 
 
 def _duration(text: str) -> float:
@@ -78,8 +79,6 @@ def run_simulate(args: argparse.Namespace) -> int:
     """Simulate the policy and print the report (or JSON); write the plot if asked."""
     spec = load_policy(args.file)
     if args.plot:
-        from psguard.store.cli import require_output_folder
-
         if Path(args.plot).is_dir():
             raise ConfigError(f"--plot {args.plot}: is a folder; give a .png file name")
         require_output_folder(Path(args.plot).parent, "--plot")
