@@ -4,7 +4,11 @@ Each subcommand lives in the module that owns its logic and registers itself thr
 function; this file only lists them, so ``psguard ls`` never pays for importing TensorFlow.
 
 Exit codes (documented in the README and stable):
-  0 ok; 1 error (bad input, storage failure); 2 usage error; 3 corrupt checkpoint; 4 not found.
+  0 ok; 1 error (storage failure, a run that failed, anything else); 2 bad input (usage: a bad argument,
+  option, URL, policy or scenario file: :class:`~psguard.errors.ConfigError`); 3 corrupt checkpoint
+  (:class:`~psguard.errors.CorruptCheckpointError`, :class:`~psguard.errors.UnsupportedFormatError`); 4 not found
+  (:class:`~psguard.errors.NoCheckpointError`, a missing store, checkpoint or object); 130 interrupted; 141 the
+  reader of the output went away (``psguard ls --json | head``), as for any Unix tool killed by SIGPIPE.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 EXIT_CORRUPT = 3
 EXIT_NOT_FOUND = 4
+EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, what a shell reports for a tool whose reader closed the pipe
 
 # Modules that contribute subcommands; each has ``register(subparsers) -> None``. The handlers they set with
 # ``set_defaults(func=...)`` take the parsed namespace and return an exit code.
@@ -111,6 +116,16 @@ def quiet_tensorflow(verbose: int) -> None:
         os.environ.setdefault(key, value)
 
 
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: its reader is gone, and Python's final flush would print a BrokenPipeError."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file descriptor (captured in a test): nothing to flush
+        pass
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()  # the command modules import TensorFlow lazily, inside their handlers
     args = parser.parse_args(argv)
@@ -123,7 +138,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger(library).setLevel(max(level, logging.INFO))
     func: Handler = args.func
     try:
-        return func(args)
+        code = func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handlers below, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        _silence_stdout()
+        return EXIT_BROKEN_PIPE
     except (CorruptCheckpointError, UnsupportedFormatError) as e:
         _error(e)
         return EXIT_CORRUPT

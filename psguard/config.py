@@ -31,12 +31,12 @@ import enum
 import math
 import os
 import re
+import stat
 import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
@@ -103,7 +103,10 @@ def parse_duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(f"expected {DURATION_FORMS}, got {value!r}")
     if isinstance(value, int | float):
-        seconds = float(value)
+        try:
+            seconds = float(value)
+        except OverflowError:  # an integer of hundreds of digits
+            raise ValueError(f"expected a finite duration >= 0, got a {len(str(abs(value)))}-digit integer") from None
     elif isinstance(value, str):
         text = value.strip()
         pos, seconds, parts = 0, 0.0, 0
@@ -166,7 +169,13 @@ def _join(path: str, key: str | int) -> str:
 
 
 def _expected(path: str, expected: str, got: object) -> _Invalid:
-    return _Invalid(path, f"expected {expected}, got {got!r}")
+    try:
+        shown = repr(got)
+    except ValueError:  # an integer too long to print
+        shown = f"an {type(got).__name__} too long to show"
+    if len(shown) > 80:
+        shown = f"{shown[:60]}... ({len(shown)} characters)"
+    return _Invalid(path, f"expected {expected}, got {shown}")
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -188,16 +197,54 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
+#: Largest integer a setting may hold (counts, steps, sizes): a YAML integer of 400 digits is a mistake, and
+#: turning one into a float overflows.
+MAX_INT = 2**63 - 1
+#: Largest settings file read: a policy or scenario is a page of YAML.
+MAX_FILE_BYTES = 1 << 20
+
+
+def read_settings_file(path: str | os.PathLike[str]) -> str:
+    """The text of a settings file (UTF-8); :class:`ConfigError` as :func:`read_settings_bytes`."""
+    data = read_settings_bytes(path)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{os.fspath(path)}: cannot read: {e}") from e
+
+
+def read_settings_bytes(path: str | os.PathLike[str]) -> bytes:
+    """The bytes of a settings file; :class:`ConfigError` when it is not a regular file of reasonable size.
+
+    A FIFO, a device or ``/dev/zero`` would block or never end; a folder cannot be read. They are refused from
+    a stat, before anything is opened for reading.
+    """
+    source = os.fspath(path)
+    try:
+        st = os.stat(source)
+    except FileNotFoundError:
+        raise ConfigError(f"{source}: no such file") from None
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read: {e}") from e
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, socket or device)"
+        raise ConfigError(f"{source}: cannot read: it is {kind}")
+    if st.st_size > MAX_FILE_BYTES:
+        raise ConfigError(f"{source}: {st.st_size} bytes is too large for a settings file (at most {MAX_FILE_BYTES})")
+    try:
+        with open(source, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise ConfigError(f"{source}: cannot read: {e}") from e
+    if len(data) > MAX_FILE_BYTES:
+        raise ConfigError(f"{source}: too large for a settings file (at most {MAX_FILE_BYTES} bytes)")
+    return data
+
+
 def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
     """Read the YAML file at ``path`` into ``cls`` (a dataclass); :class:`ConfigError` names file and key."""
     source = os.fspath(path)
-    try:
-        text = Path(source).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{source}: cannot read: {e}") from e
-    return loads_yaml(cls, text, source=source)
+    return loads_yaml(cls, read_settings_file(source), source=source)
 
 
 def loads_yaml(cls: type[T], text: str, *, source: str = "<yaml>") -> T:
@@ -211,6 +258,10 @@ def loads_yaml(cls: type[T], text: str, *, source: str = "<yaml>") -> T:
             where = f" line {mark.line + 1} column {mark.column + 1}:"
         problem = getattr(e, "problem", None) or str(e)
         raise ConfigError(f"{source}:{where} not valid YAML: {problem}") from e
+    except RecursionError:
+        raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
+    except ValueError as e:  # the YAML constructor's own int(): past 4300 digits
+        raise ConfigError(f"{source}: not valid YAML: {str(e)[:200]}") from None
     if data is None:
         raise ConfigError(f"{source}: expected a mapping of settings, got an empty document")
     return from_data(cls, data, source=source)
@@ -320,10 +371,14 @@ def _convert(tp: Any, value: object, path: str) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise _expected(path, "an integer", value)
+        if abs(value) > MAX_INT:
+            raise _expected(path, f"an integer of at most {len(str(MAX_INT))} digits", value)
         return value
     if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise _expected(path, "a number", value)
+        if isinstance(value, bool) or not isinstance(value, int | float) or abs(value) > MAX_INT:
+            raise _expected(path, "a number" if not isinstance(value, int) else "a number below 2^63", value)
+        if value != value:
+            raise _expected(path, "a number (not NaN)", value)
         return float(value)
     if tp is str:
         if not isinstance(value, str):

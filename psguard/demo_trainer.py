@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from psguard.handoff.client import restart_ps_servers
     from psguard.handoff.contract import Tier
     from psguard.policy.files import HangSpec
-    from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+    from psguard.testbed.model import ModelConfig, RecModel, Trainer, labels_for, make_optimizer
     from psguard.trainer.manager import CheckpointManager
     from psguard.trainer.recovery import RecoveryEvent, run_with_recovery
 
@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             ids = tf.random.stateless_uniform(
                 [2048, config.features], seed=[args.seed, 7919], maxval=config.vocab_size, dtype=tf.int64
             )
-            labels = tf.cast(tf.math.floormod(tf.reduce_sum(ids, axis=1), 2), tf.float32)
+            labels = labels_for(ids)
             logits = job.model(ids)
             loss = float(tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)))
         except Exception as e:  # the loss is evidence for a checker, not a reason to fail the run

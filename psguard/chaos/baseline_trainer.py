@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tensorflow as tf
 
-    from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+    from psguard.testbed.model import ModelConfig, RecModel, Trainer, labels_for, make_optimizer
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.experimental.ParameterServerStrategy(
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         ids = tf.random.stateless_uniform(
             [2048, config.features], seed=[args.seed, 7919], maxval=config.vocab_size, dtype=tf.int64
         )
-        labels = tf.cast(tf.math.floormod(tf.reduce_sum(ids, axis=1), 2), tf.float32)
+        labels = labels_for(ids)
         loss = float(tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=model(ids))))
         progress.op("ok", "eval", step=step, loss=loss)
     except Exception as e:  # a plain-TF chief dies with its cluster; the script restarts the whole job

@@ -42,6 +42,11 @@ FAULTS = (
     "truncate-chunk", "storage-stop", "partition", "delay", "drop", "hang",
 )  # fmt: skip
 HEALS = ("resume", "start-agent", "storage-start", "heal")
+#: The heal that ends each fault that lasts (the others last until training makes progress again).
+HEALED_BY = {
+    "pause": "resume", "pause-agent": "resume", "kill-agent": "start-agent", "terminate-agent": "start-agent",
+    "storage-stop": "storage-start", "partition": "heal", "delay": "heal", "drop": "heal",
+}  # fmt: skip
 COMMITS = ("memory-commit", "durable-commit")
 
 
@@ -261,34 +266,63 @@ def fault_outcomes(records: Iterable[Record]) -> list[dict[str, Any]]:
 
 
 def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
+    """Per fault: the restore it caused or shared, lost steps, the bound, seconds until training came back.
+
+    Faults may overlap (a kill during a storage outage), so a restore is attributed to *every* fault active when
+    it started, not only the latest: a fault is active from its invoke until its heal (a pause, an outage, a
+    dead agent) or, for faults nothing heals (a kill, a hang, damage), until training makes progress again. A
+    restore also belongs to a fault whose effect is over if no other fault began in between (a frozen PS its
+    agent replaced after the SIGCONT). The first restore in a fault's reach is its restore; the steps it lost
+    are reported for each fault that shares it (``restore_shared_with``), each judged against the largest bound
+    among them (``bound_applied``): which of two simultaneous faults cost the steps cannot be told apart.
+    """
     faults = [o for o in ctx.of(FAULTS) if o.process == "nemesis" and o.type == "ok"]
     heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
     trains = ctx.trainer("train", "ok")
     restores = ctx.trainer("restore", "ok")
     training = ctx.run.get("training", {})
-    out = []
+
+    def group(f: Op) -> tuple[Any, Any]:
+        return f.value.get("fault"), f.value.get("at_step")  # ``ps:*`` is one fault on every PS
+
+    rows: list[dict[str, Any]] = []
     for i, fault in enumerate(faults):
         t = fault.end or fault.start
-        # The next fault, skipping the other targets of this one (``ps:*`` is one fault on every PS).
-        same = (fault.value.get("fault"), fault.value.get("at_step"))
-        nxt = next(
-            (f.start for f in faults[i + 1 :] if (f.value.get("fault"), f.value.get("at_step")) != same), float("inf")
+        heal = next(
+            (
+                h
+                for h in heals
+                if h.f == HEALED_BY.get(fault.f) and h.start >= t and h.value.get("target") == fault.value.get("target")
+            ),
+            None,
         )
-        heal = next((h for h in heals if h.start >= t and h.value.get("target") == fault.value.get("target")), None)
         # Recovered: a chunk of steps started after the fault completed (training may come back before the
         # heal, e.g. when an agent replaces a frozen PS).
         resumed = next((o for o in trains if o.start >= t), None)
-        restore = next((r for r in restores if t <= r.start < nxt), None)
-        lost = None
-        if restore is not None:
-            done_before = [int(o.value["step"]) for o in trains if (o.end or 0) <= restore.start]
-            lost = max(0, max(done_before, default=0) - int(restore.value.get("step", 0)))
+        if heal is not None:
+            active_until = heal.end if heal.end is not None else heal.start
+        else:
+            active_until = resumed.start if resumed is not None else float("inf")
+        nxt = next((f.start for f in faults[i + 1 :] if group(f) != group(fault)), float("inf"))
+        restore = next(
+            (r for r in restores if r.start >= fault.start and (r.start <= active_until or r.start < nxt)), None
+        )
         bound = fault.value.get("max_lost_steps")
         if bound is None:
             memory_every, chunk = int(training.get("memory_every", 0)), int(training.get("chunk", 0))
             durable_every = int(training.get("durable_every", 0))
             loses_tier = fault.f in ("kill-agent", "terminate-agent") and fault.value.get("target") == "chief"
             bound = (durable_every if loses_tier else memory_every) + chunk
+        rows.append({"op": fault, "t": t, "heal": heal, "resumed": resumed, "restore": restore, "bound": bound})
+
+    out = []
+    for row in rows:
+        fault, t, heal, resumed, restore = row["op"], row["t"], row["heal"], row["resumed"], row["restore"]
+        lost = None
+        sharing = [r for r in rows if r is not row and restore is not None and r["restore"] is restore]
+        if restore is not None:
+            done_before = [int(o.value["step"]) for o in trains if (o.end or 0) <= restore.start]
+            lost = max(0, max(done_before, default=0) - int(restore.value.get("step", 0)))
         out.append(
             {
                 "fault": fault.f,
@@ -298,9 +332,12 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
                 "healed_at": heal.end if heal is not None else None,
                 "restored_step": int(restore.value["step"]) if restore is not None else None,
                 "restore_source": restore.value.get("source") if restore is not None else None,
+                "restore_at": restore.start if restore is not None else None,
+                "restore_shared_with": [f"{r['op'].f} {r['op'].value.get('target')}" for r in sharing],
                 # No restore: nothing lost if training went on (a worker fault), unknown if it never did.
                 "lost_steps": lost if restore is not None else (0 if resumed is not None else None),
-                "max_lost_steps": bound,
+                "max_lost_steps": row["bound"],
+                "bound_applied": max([row["bound"], *(r["bound"] for r in sharing)]),
                 "recovery_seconds": (resumed.end - t) if resumed is not None and resumed.end is not None else None,
             }
         )
@@ -312,7 +349,7 @@ def lost_work_bounded(ctx: _Context) -> Verdict:
     cadence when the fault takes the memory tier with it; a scenario may set its own ``max_lost_steps``)."""
     name = "lost-work-bounded"
     outcomes = _fault_outcomes(ctx)
-    over = [o for o in outcomes if o["lost_steps"] is not None and o["lost_steps"] > o["max_lost_steps"]]
+    over = [o for o in outcomes if o["lost_steps"] is not None and o["lost_steps"] > o["bound_applied"]]
     evidence = {"faults": outcomes, "over_bound": over}
     if not outcomes:
         return Verdict(name, "unknown", "no fault was injected", evidence)

@@ -500,8 +500,10 @@ def reference_key(scenario: Scenario, seed: int, job: str) -> str:
     """What a fault-free run depends on: the job, its training settings, the cluster, the storage and the seed."""
     import hashlib
 
+    # "labels": the built-in model's label function (psguard.testbed.model.labels_for); a reference trained with
+    # another label is not comparable, so bump it when the label changes.
     doc = {"training": asdict(scenario.training), "cluster": asdict(scenario.cluster),
-           "storage": scenario.storage.kind, "seed": seed, "job": job}  # fmt: skip
+           "storage": scenario.storage.kind, "seed": seed, "job": job, "labels": 2}  # fmt: skip
     return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -37,6 +37,8 @@ Action = Literal[
     "truncate-chunk", "storage-outage", "partition", "delay", "drop", "hang",
 ]  # fmt: skip
 NETWORK_ACTIONS = ("partition", "delay", "drop")
+#: Faults the nemesis carries out on the store's files: only a local store's folder is on this machine to damage.
+CHUNK_ACTIONS = ("corrupt-chunk", "truncate-chunk")
 ACTIONS: tuple[str, ...] = (
     "kill",  # SIGKILL the task (its agent restarts it)
     "terminate",  # SIGTERM the task
@@ -116,6 +118,15 @@ class RandomFaults:
         for t in self.targets:
             if not _TARGET.match(t) or t == "store":
                 raise invalid("targets", "tasks: chief, ps:N, worker:N", t)
+        # Every pair the seed may draw must be a fault the nemesis can carry out: found now, not mid-run.
+        for action in self.actions:
+            if action in CHUNK_ACTIONS or action == "storage-outage":
+                raise invalid("actions", "task faults (the store's faults go in faults:, with target store)", action)
+            for t in self.targets:
+                try:
+                    Fault(action=action, target=t, at_step=self.first_step)
+                except ValueError as e:
+                    raise invalid("actions", f"an action every target can take ({t}: {e})", action) from None
 
     def draw(self, seed: int) -> list[Fault]:
         rng = random.Random(seed)
@@ -202,6 +213,8 @@ class Scenario:
                 raise invalid(
                     f"faults[{i}].at_step", f"a step below training.steps ({self.training.steps})", fault.at_step
                 )
+            if fault.action in CHUNK_ACTIONS:
+                _check_chunk_fault(fault, self, f"faults[{i}]")
             if fault.action == "storage-outage" and self.storage.kind == "local":
                 raise invalid(
                     f"faults[{i}].action",
@@ -215,6 +228,10 @@ class Scenario:
         if self.random is not None:
             for t in self.random.targets:
                 _check_target(t, self.cluster, "random.targets")
+            if self.random.first_step >= self.training.steps:
+                raise invalid(
+                    "random.first_step", f"a step below training.steps ({self.training.steps})", self.random.first_step
+                )
 
     @property
     def needs_proxy(self) -> bool:
@@ -233,6 +250,29 @@ class Scenario:
         """The faults in firing order: the fixed ones plus those drawn from ``seed`` (same seed, same list)."""
         faults = list(self.faults) + (self.random.draw(seed) if self.random is not None else [])
         return sorted(faults, key=lambda f: (f.at_step if f.at_step is not None else -1, f.at_time or 0.0))
+
+
+def _check_chunk_fault(fault: Fault, scenario: Scenario, key: str) -> None:
+    """A chunk fault needs a store folder the nemesis can write (``storage.kind: local``) and a checkpoint to
+    damage: it must fire by step, after the first capture (taken after the first chunk of steps, durable) has
+    had a report in which to commit. Refused when the scenario loads, not 30 s into the run."""
+    if scenario.storage.kind != "local":
+        raise invalid(
+            f"{key}.action",
+            f"{fault.action} only with storage.kind local (the nemesis damages files in the store's folder; "
+            f"it cannot reach into {scenario.storage.kind})",
+            fault.action,
+        )
+    if fault.at_step is None:
+        raise invalid(f"{key}.at_step", f"a step for {fault.action} (a time cannot say a checkpoint exists yet)", None)
+    first = scenario.training.chunk
+    if fault.at_step <= first:
+        raise invalid(
+            f"{key}.at_step",
+            f"a step past {first} for {fault.action}: no checkpoint exists before the first capture, at step "
+            f"{first} (training.chunk), has committed",
+            fault.at_step,
+        )
 
 
 def _check_target(target: str, cluster: ClusterSpec, key: str) -> None:

@@ -75,9 +75,11 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import re
 import secrets
+import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -97,8 +99,10 @@ from psguard.errors import (
 from psguard.handoff.contract import Tier
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardKey, is_ps_task, parts_from_json
+from psguard.store import strict_json
 from psguard.store.chunks import as_le_bytes, byte_view, deserialize_strings, serialize_strings
 from psguard.store.dtypes import dtype_from_name, dtype_name
+from psguard.store.manifest import MAX_DIMS
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
 __all__ = [
@@ -324,15 +328,31 @@ def _file_ref(doc: Any, what: str) -> tuple[str, int, int]:
         file, size, crc = doc["file"], doc["size"], doc["crc32c"]
     except (KeyError, TypeError):
         raise CorruptCheckpointError(f"{what}: file reference incomplete") from None
-    if not isinstance(file, str) or not re.match(r"^[0-9]+\.(bin|ids)$", file):
-        raise CorruptCheckpointError(f"{what}: bad file name {file!r}")
-    if not isinstance(size, int) or not isinstance(crc, int) or size < 0:
+    if not isinstance(file, str) or not re.match(r"^[0-9]{1,9}\.(bin|ids)$", file):
+        raise CorruptCheckpointError(f"{what}: bad file name {str(file)[:80]!r}")
+    if not isinstance(size, int) or not isinstance(crc, int) or isinstance(size, bool) or size < 0:
         raise CorruptCheckpointError(f"{what}: bad size or CRC32C")
     return file, size, crc
 
 
 def _read_array(folder: Path, ref: Any, dtype: np.dtype[Any], shape: tuple[int, ...], what: str) -> np.ndarray:
+    """Read one tensor file, allocating only once the claims agree: its size with its dtype and shape, and with
+    the file's real size (so a capture.json claiming 10^12 rows costs a stat, not an allocation)."""
     file, size, crc = _file_ref(ref, what)
+    elements = math.prod(shape)
+    if dtype.kind == "O" and size < 8 * elements:
+        raise CorruptCheckpointError(f"{what}: {size} bytes cannot hold {elements} strings")
+    if dtype.kind != "O" and size != elements * dtype.itemsize:
+        raise CorruptCheckpointError(f"{what}: {size} bytes on file for a {dtype}{list(shape)} tensor")
+    try:
+        st = os.lstat(folder / file)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what}: {file} is missing") from None
+    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read, a link point elsewhere
+        raise CorruptCheckpointError(f"{what}: {file} is not a regular file")
+    actual = st.st_size
+    if actual != size:
+        raise CorruptCheckpointError(f"{what}: {file} has {actual} bytes, expected {size}")
     if dtype.kind == "O":
         blob = bytearray(size)
         _read_blob(folder / file, memoryview(blob), size, crc, what)
@@ -347,12 +367,24 @@ def _read_array(folder: Path, ref: Any, dtype: np.dtype[Any], shape: tuple[int, 
     return out
 
 
+#: Largest capture.json / manifest.json read from a spool: one entry per tensor, a few hundred bytes each.
+MAX_JSON_BYTES = 16 << 20
+
+
 def _parse_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_bytes())
+    """A spool JSON document, parsed strictly (:mod:`psguard.store.strict_json`) and refused unread when too big."""
+    try:  # O_NONBLOCK: a FIFO put in its place must not block the open
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise CorruptCheckpointError(f"{what}: {path.name} is not a regular file")
+            data = f.read(MAX_JSON_BYTES + 1)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what}: {path.name} is missing") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except OSError as e:
+        raise CorruptCheckpointError(f"{what}: {path.name} cannot be read ({e})") from None
+    try:
+        doc = strict_json.loads(data, max_bytes=MAX_JSON_BYTES)
+    except strict_json.StrictJSONError as e:
         raise CorruptCheckpointError(f"{what}: {path.name} is not valid JSON ({e})") from None
     if not isinstance(doc, dict):
         raise CorruptCheckpointError(f"{what}: {path.name} is not a JSON object")
@@ -361,8 +393,12 @@ def _parse_json(path: Path, what: str) -> dict[str, Any]:
 
 def _shape_dtype(doc: Mapping[str, Any], what: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
     shape = doc.get("shape")
-    if not isinstance(shape, list) or not all(isinstance(x, int) and x >= 0 for x in shape):
-        raise CorruptCheckpointError(f"{what}: bad shape {shape!r}")
+    if (
+        not isinstance(shape, list)
+        or len(shape) > MAX_DIMS
+        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
+    ):
+        raise CorruptCheckpointError(f"{what}: bad shape {str(shape)[:80]}")
     try:
         dtype = dtype_from_name(str(doc.get("dtype")))
     except (ValueError, ImportError) as e:
@@ -579,9 +615,9 @@ def poll_until(
 
 def read_json_if_present(path: Path) -> dict[str, Any] | None:
     try:
-        doc = json.loads(path.read_bytes())
+        doc = strict_json.loads(path.read_bytes())
     except FileNotFoundError:
         return None
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except strict_json.StrictJSONError:
         return None  # cannot happen with write-then-rename; poll again
     return doc if isinstance(doc, dict) else None

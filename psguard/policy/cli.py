@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from psguard.config import format_duration, parse_duration
 from psguard.errors import ConfigError
 from psguard.policy.files import load_policy, preset_names, preset_text
 from psguard.policy.sim import Job, format_report, plot, simulate
+from psguard.store.cli import require_output_folder
 
 
 def _duration(text: str) -> float:
@@ -76,6 +78,10 @@ def run_show(args: argparse.Namespace) -> int:
 def run_simulate(args: argparse.Namespace) -> int:
     """Simulate the policy and print the report (or JSON); write the plot if asked."""
     spec = load_policy(args.file)
+    if args.plot:
+        if Path(args.plot).is_dir():
+            raise ConfigError(f"--plot {args.plot}: is a folder; give a .png file name")
+        require_output_folder(Path(args.plot).parent, "--plot")
     try:
         job = Job(
             mtbf=args.mtbf,
@@ -87,7 +93,10 @@ def run_simulate(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         raise ConfigError(f"psguard policy simulate: {e}") from None
-    result = simulate(spec.schedule, job)
+    try:
+        result = simulate(spec.schedule, job)
+    except ValueError as e:
+        raise ConfigError(f"psguard policy simulate: {e}") from None
     if args.plot:
         title = f"{args.file}: MTBF {format_duration(args.mtbf)}, stall {format_duration(args.stall)}/save"
         plot(result, args.plot, title=f"{title}, persist {format_duration(args.persist)}")

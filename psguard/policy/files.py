@@ -29,7 +29,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from psguard.config import Check, changed_keys, format_duration, invalid, load_yaml, loads_yaml
+from psguard.config import Check, changed_keys, format_duration, invalid, load_yaml, loads_yaml, read_settings_bytes
 from psguard.errors import ConfigError
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import (
@@ -431,10 +431,10 @@ class PolicyWatcher:
                 logger.exception("event=policy_watch_error file=%s", self.path)
 
     def _read(self) -> bytes | None:
-        try:
-            return self.path.read_bytes()
-        except FileNotFoundError:
+        """The file's bytes (None when it is gone); a FIFO or device put in its place is refused, not read."""
+        if not self.path.exists():
             return None
+        return read_settings_bytes(self.path)
 
     def reload(self) -> Reload | None:
         """Look at the file now (the watcher's thread calls this after changes). ``None`` if its bytes are the

@@ -30,6 +30,13 @@ __all__ = ["Job", "SimResult", "TierResult", "format_report", "plot", "simulate"
 _BASE_BYTES = 1_000_000  # units for the chain-size rule; only ratios matter
 
 
+#: Longest job simulated: ten years. Past that the answer is no more useful and the run would never end.
+MAX_DURATION = 10 * 365 * 86400.0
+#: Most policy decisions one simulation makes (about a minute of CPU): a policy that saves every few steps
+#: over a long duration is refused with a message, not simulated for hours.
+MAX_DECISIONS = 300_000
+
+
 @dataclass(frozen=True)
 class Job:
     """The job being simulated: failure rate, save costs, how long it runs and how fast it steps."""
@@ -48,6 +55,8 @@ class Job:
         for name in ("stall", "persist", "delta_percent"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0")
+        if self.duration > MAX_DURATION:
+            raise ValueError(f"duration must be at most {MAX_DURATION / 86400:.0f} days (a simulation runs every step)")
 
     @property
     def failures(self) -> float:
@@ -140,7 +149,14 @@ def simulate(schedule: Schedule, job: Job) -> SimResult:
     commit_state = 0.0
     next_failure = job.mtbf
     captures, total_stall = 0, 0.0
+    decisions = 0
     while now < job.duration:
+        decisions += 1
+        if decisions > MAX_DECISIONS:
+            raise ValueError(
+                f"this policy decides more than {MAX_DECISIONS} times in the first {now / 86400:.1f} of "
+                f"{job.duration / 86400:.1f} days: simulate a shorter duration"
+            )
         if commit_at is not None and commit_at <= now:
             restorable[Tier.DURABLE].append((commit_at, commit_state))
             context = _replace_in_flight(context, frozenset())

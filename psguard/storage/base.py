@@ -74,6 +74,15 @@ class Backend(ABC):
     def delete(self, key: str) -> None:
         """Remove the object; absent objects are not an error (deletion is idempotent)."""
 
+    def size(self, key: str) -> int:
+        """The object's size in bytes, asked of the storage without reading the object (a stat, a HEAD).
+
+        Readers ask before allocating a buffer for a large object whose size a manifest only *claims*: the claim
+        may be hostile (10^12 bytes), the object's real size is not. :class:`ObjectNotFoundError` when absent.
+        This default reads the object (bounded by its real size); every shipped backend overrides it.
+        """
+        return len(self.get(key))
+
     def mtime(self, key: str) -> float:
         """When the object was last written, by the *storage's* clock (seconds since the epoch).
 
@@ -82,12 +91,6 @@ class Backend(ABC):
         :class:`ObjectNotFoundError` when absent.
         """
         raise StorageError(f"{type(self).__name__} cannot tell when {key} was written")
-
-    def size(self, key: str) -> int:
-        """The object's size in bytes, from a stat where the backend has one (a commit checks that chunks other
-        processes wrote are there without reading them); :class:`ObjectNotFoundError` when absent. This
-        default reads the object: correct everywhere, cheap nowhere, so every backend overrides it."""
-        return len(self.get(key))
 
     def mtimes(self, prefix: str) -> dict[str, float]:
         """:meth:`keys` under ``prefix`` with their :meth:`mtime` (backends override this with one listing)."""

@@ -130,15 +130,15 @@ class LocalBackend(Backend):
     def delete(self, key: str) -> None:
         self._path(key).unlink(missing_ok=True)
 
-    def mtime(self, key: str) -> float:
-        try:
-            return self._path(key).stat().st_mtime
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
-
     def size(self, key: str) -> int:
         try:
             return self._path(key).stat().st_size
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
+    def mtime(self, key: str) -> float:
+        try:
+            return self._path(key).stat().st_mtime
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
 

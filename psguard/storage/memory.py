@@ -70,18 +70,18 @@ class MemoryBackend(Backend):
             self._objects.pop(validate_key(key), None)
             self._mtimes.pop(key, None)
 
+    def size(self, key: str) -> int:
+        with _LOCK:
+            try:
+                return len(self._objects[validate_key(key)])
+            except KeyError:
+                raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
     def mtime(self, key: str) -> float:
         with _LOCK:
             if validate_key(key) not in self._objects:
                 raise ObjectNotFoundError(f"{key} not found in {self.url}")
             return self._mtimes.get(key, 0.0)
-
-    def size(self, key: str) -> int:
-        with _LOCK:
-            data = self._objects.get(validate_key(key))
-            if data is None:
-                raise ObjectNotFoundError(f"{key} not found in {self.url}")
-            return len(data)
 
     def mtimes(self, prefix: str) -> dict[str, float]:
         with _LOCK:

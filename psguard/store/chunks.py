@@ -25,6 +25,11 @@ from psguard.errors import CorruptCheckpointError, ObjectNotFoundError
 from psguard.storage.base import Backend
 from psguard.store.manifest import ChunkRef, Segment, chunk_key
 
+#: A reader allocates a buffer from the sizes a manifest *claims* only up to this many bytes at once; for more, it
+#: first asks the storage for the objects' real sizes (:meth:`ChunkReader.check_claims`), so a hostile claim of
+#: 10^12 bytes is refused before anything is allocated. Real chunks are 8 MiB (one row at least).
+LARGE_READ_BYTES = 64 << 20
+
 
 def crc32c(data: bytes | memoryview) -> int:
     return int(_crc32c.crc32c(data))
@@ -216,9 +221,40 @@ class ChunkReader:
         self.check(ref, out)
 
     def read(self, ref: ChunkRef) -> bytearray:
+        if ref.size > LARGE_READ_BYTES:
+            self.check_claims([ref])
         buf = bytearray(ref.size)
         self.read_into(ref, memoryview(buf))
         return buf
+
+    def verify(self, ref: ChunkRef) -> None:
+        """Read and check one chunk, keeping nothing (verifying a whole chain holds one chunk per thread)."""
+        self.read(ref)
+
+    def check_claims(self, refs: Sequence[ChunkRef], pool: ThreadPoolExecutor | None = None) -> None:
+        """Compare each chunk's claimed size with its size in the store, reading nothing (a stat or HEAD each,
+        in parallel on ``pool``); :class:`CorruptCheckpointError` for the first that differs or is missing."""
+
+        def one(ref: ChunkRef) -> None:
+            try:
+                actual = self.backend.size(chunk_key(ref.hash))
+            except ObjectNotFoundError:
+                raise self._corrupt(ref, "is missing") from None
+            if actual != ref.size:
+                raise self._corrupt(ref, f"has {actual} bytes in the store, its manifest claims {ref.size}")
+
+        if pool is None or len(refs) < 2:
+            for ref in refs:
+                one(ref)
+            return
+        first: BaseException | None = None
+        for fut in [pool.submit(one, ref) for ref in refs]:
+            try:
+                fut.result()
+            except BaseException as e:
+                first = first or e
+        if first is not None:
+            raise first
 
     def check(self, ref: ChunkRef, data: memoryview) -> None:
         if crc32c(data) != ref.crc32c:

@@ -57,6 +57,25 @@ def require_local_store(url: str) -> None:
         raise NoCheckpointError(f"no store at {path}: it is a file, not a folder; check the URL")
 
 
+def require_output_folder(path: str | Path, what: str) -> Path:
+    """Refuse an output folder that can never be made because it, or a folder above it, is a file: a bad argument
+    (exit 2) said before any work, not an ``ENOTDIR`` traceback after it."""
+    p = Path(path).expanduser().absolute()
+    for candidate in (p, *p.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise ConfigError(f"{what} {path}: {candidate} is a file, not a folder")
+            break
+    return p
+
+
+def require_output_store(url: str, what: str) -> None:
+    """:func:`require_output_folder` for a local store URL a command writes to; other schemes have no folders."""
+    scheme, rest = split_url(url)
+    if scheme == "file":
+        require_output_folder(rest, what)
+
+
 def open_store(args: argparse.Namespace, *, must_exist: bool = True) -> Store:
     """The store a command names; with ``must_exist`` (every command but ``follow``), a local folder must exist."""
     if must_exist:
@@ -246,6 +265,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_copy(args: argparse.Namespace) -> int:
     """Copy one checkpoint and its chain to another store (any backend), verified at the destination."""
+    require_output_store(args.dest, "DEST_URL")
     with open_store(args) as src, Store.open(args.dest, parse_storage_options(args.dest_option)) as dst:
         target = _target(src, args)
         # read at the source, then read back at the destination to verify it

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["STRING", "dtype_from_name", "dtype_name", "logical_nbytes"]
+__all__ = ["DTYPE_NAMES", "STRING", "dtype_from_name", "dtype_name", "itemsize_of", "logical_nbytes"]
 
 
 class _Sized(Protocol):
@@ -22,6 +22,15 @@ class _Sized(Protocol):
 
 STRING = "string"
 _EXTENDED = ("bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4")
+_NUMPY = (
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+)  # fmt: skip
+#: Every dtype a checkpoint may hold (docs/storage-format.md, "Dtypes"). Anything else (``object``, ``O``,
+#: ``datetime64``, a structured dtype) could never be restored into a TensorFlow variable, so a manifest or a
+#: capture naming it is refused when read, and a save of it when written.
+DTYPE_NAMES: frozenset[str] = frozenset((*_NUMPY, *_EXTENDED, STRING))
+_ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int4": 1, "uint4": 1}
 
 
 def dtype_name(dtype: np.dtype) -> str:  # type: ignore[type-arg]
@@ -32,6 +41,9 @@ def dtype_name(dtype: np.dtype) -> str:  # type: ignore[type-arg]
 
 
 def dtype_from_name(name: str) -> np.dtype:  # type: ignore[type-arg]
+    """The numpy dtype of an allowed name (:data:`DTYPE_NAMES`); ValueError for any other."""
+    if name not in DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {name[:40]!r} (not one psguard stores)")
     if name == STRING:
         return np.dtype(object)
     if name in _EXTENDED:
@@ -42,6 +54,16 @@ def dtype_from_name(name: str) -> np.dtype:  # type: ignore[type-arg]
         return np.dtype(name)
     except TypeError:
         raise ValueError(f"unknown dtype {name!r}") from None
+
+
+def itemsize_of(name: str) -> int:
+    """Bytes per element of an allowed numeric dtype name, without importing ml_dtypes (8 for ``string``: the
+    length table's entry, the least a string element takes on storage)."""
+    if name == STRING:
+        return 8
+    if name in _ITEMSIZE:
+        return _ITEMSIZE[name]
+    return int(np.dtype(name).itemsize)
 
 
 def logical_nbytes(dtype: str, shape: Sequence[int], chunks: Sequence[_Sized] = ()) -> int:

@@ -44,8 +44,8 @@ from psguard.errors import (
     UnsupportedFormatError,
 )
 from psguard.storage import Backend, RetryConfig, open_backend
-from psguard.store.chunks import ChunkReader, ChunkWriter, byte_view, deserialize_strings
-from psguard.store.dtypes import STRING, dtype_from_name, dtype_name, logical_nbytes
+from psguard.store.chunks import LARGE_READ_BYTES, ChunkReader, ChunkWriter, byte_view, deserialize_strings
+from psguard.store.dtypes import DTYPE_NAMES, STRING, dtype_from_name, dtype_name, logical_nbytes
 from psguard.store.lease import (
     Lease,
     LeaseKeeper,
@@ -68,6 +68,7 @@ from psguard.store.manifest import (
     is_checkpoint_id,
     manifest_key,
     new_checkpoint_id,
+    parse_journal_entry,
     parse_manifest,
     sharded_entry_from_parts,
     step_of_id,
@@ -521,31 +522,7 @@ class Store:
         return value
 
     def _start_of(self, chain: Sequence[Manifest], name: str, whole: Callable[[TensorEntry], bool]) -> int:
-        """Index of the newest checkpoint of ``chain`` whose entry for ``name`` is ``whole`` (all of the tensor,
-        or all of the rows asked for); every entry on the way must describe the same tensor."""
-        target = chain[-1].tensors[name]
-        start = None
-        for i in range(len(chain) - 1, -1, -1):
-            entry = chain[i].tensors.get(name)
-            if entry is None:
-                raise CorruptCheckpointError(
-                    f"checkpoint {chain[-1].id}: tensor {name!r} is absent from its ancestor {chain[i].id}",
-                    checkpoint=chain[-1].id,
-                )
-            if (entry.dtype, entry.shape) != (target.dtype, target.shape):
-                raise CorruptCheckpointError(
-                    f"checkpoint {chain[-1].id}: tensor {name!r} changes dtype/shape along the chain at {chain[i].id}",
-                    checkpoint=chain[-1].id,
-                )
-            if whole(entry):
-                start = i
-                break
-        if start is None:
-            raise CorruptCheckpointError(
-                f"checkpoint {chain[-1].id}: tensor {name!r} has no full value in its chain",
-                checkpoint=chain[-1].id,
-            )
-        return start
+        return _full_start(chain, name, whole)
 
     def _read_whole(self, m: Manifest, name: str, verify_hash: bool) -> np.ndarray:
         """A whole entry's tensor: ``full``, or ``sharded`` with every part ``full`` (whose chunks, parts being
@@ -555,9 +532,12 @@ class Store:
             return self._read_full(m, name, verify_hash)
         if not entry.whole:
             raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r} is not whole here", checkpoint=m.id)
-        out = np.empty(entry.shape, dtype=self._dtype_of(m, name, entry))
         reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
-        self._read_all(reader, [c for p in entry.parts for c in p.chunks], byte_view(out))
+        refs = [c for p in entry.parts for c in p.chunks]
+        if sum(r.size for r in refs) > LARGE_READ_BYTES:  # claims only, so far: the store's real sizes first
+            reader.check_claims(refs, self._pool)
+        out = np.empty(entry.shape, dtype=self._dtype_of(m, name, entry))
+        self._read_all(reader, refs, byte_view(out))
         return out
 
     def _apply_entry(self, m: Manifest, name: str, value: np.ndarray, verify_hash: bool) -> None:
@@ -595,6 +575,8 @@ class Store:
         except ValueError as e:
             raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
         total = sum(c.size for c in entry.chunks)
+        if total > LARGE_READ_BYTES:  # claims only, so far: the store's real sizes first, then allocate
+            reader.check_claims(entry.chunks, self._pool)
         if entry.dtype == STRING:
             blob = bytearray(total)
             self._read_all(reader, entry.chunks, memoryview(blob))
@@ -602,12 +584,13 @@ class Store:
                 return deserialize_strings(memoryview(blob), entry.shape)
             except ValueError as e:
                 raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
-        out = np.empty(entry.shape, dtype=dtype)
-        if out.nbytes != total:
+        nbytes = logical_nbytes(entry.dtype, entry.shape)
+        if nbytes != total:
             raise CorruptCheckpointError(
-                f"checkpoint {m.id}: tensor {name!r} has {total} bytes of chunks for {out.nbytes} bytes of data",
+                f"checkpoint {m.id}: tensor {name!r} has {total} bytes of chunks for {nbytes} bytes of data",
                 checkpoint=m.id,
             )
+        out = np.empty(entry.shape, dtype=dtype)
         self._read_all(reader, entry.chunks, byte_view(out))
         return out
 
@@ -690,6 +673,8 @@ class Store:
                 ids_parts: list[np.ndarray] = []
                 value_parts: list[np.ndarray] = []
                 reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
+                if sum(r.size for r in entry.refs()) > LARGE_READ_BYTES:  # all kept at once: real sizes first
+                    reader.check_claims(entry.refs(), self._pool)
                 for seg in entry.segments:
                     if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
                         raise CorruptCheckpointError(
@@ -806,6 +791,11 @@ class Store:
             chain = self.chain(checkpoint_id)
         except (CorruptCheckpointError, UnsupportedFormatError, NoCheckpointError) as e:
             return VerifyReport(checkpoint_id, (), 0, 0, (Problem(e.checkpoint or checkpoint_id, None, str(e)),))
+        for name in chain[-1].tensors:  # what a restore would refuse before reading anything
+            try:
+                _full_start(chain, name)
+            except CorruptCheckpointError as e:
+                problems.append(Problem(checkpoint_id, None, str(e)))
         cache: dict[str, str | None] = chunk_results if chunk_results is not None else {}
         seen: set[str] = set()
         futures: list[tuple[Manifest, ChunkRef, Future[Any] | None]] = []
@@ -815,7 +805,7 @@ class Store:
                 if ref.hash in seen:
                     continue
                 seen.add(ref.hash)
-                futures.append((m, ref, None if ref.hash in cache else self._pool.submit(reader.read, ref)))
+                futures.append((m, ref, None if ref.hash in cache else self._pool.submit(reader.verify, ref)))
         nbytes = 0
         for m, ref, fut in futures:
             if fut is not None:
@@ -988,6 +978,7 @@ class Store:
     ) -> tuple[str, tuple[int, ...], str, list[Future[Any]]]:
         if isinstance(update, Full):
             value = update.value
+            _storable(name, dtype_name(value.dtype))
             return (
                 dtype_name(value.dtype),
                 tuple(value.shape),
@@ -997,7 +988,7 @@ class Store:
         if parent is None:
             raise ConfigError(f"tensor {name!r}: a full checkpoint needs whole tensors, got {type(update).__name__}")
         prev = parent.tensors.get(name)
-        dtype = dtype_name(np.dtype(update.dtype))
+        dtype = _storable(name, dtype_name(np.dtype(update.dtype)))
         shape = tuple(int(x) for x in update.shape)
         if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
             was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
@@ -1043,7 +1034,7 @@ class Store:
         seqs = [
             int(k[len(JOURNAL_PREFIX) : -5])
             for k in keys
-            if k.endswith(".json") and k[len(JOURNAL_PREFIX) : -5].isdigit()
+            if k.endswith(".json") and k[len(JOURNAL_PREFIX) : -5].isdigit() and len(k) - len(JOURNAL_PREFIX) - 5 <= 18
         ]
         return max(seqs, default=-1)
 
@@ -1051,14 +1042,16 @@ class Store:
         """Journal entries in commit order."""
         out = []
         for key in self.backend.keys(JOURNAL_PREFIX):
-            try:
-                doc = json.loads(self.backend.get(key))
-            except (json.JSONDecodeError, ObjectNotFoundError, UnicodeDecodeError):
-                log.warning("unreadable journal entry %s", key)
+            seq = key[len(JOURNAL_PREFIX) : -5]
+            if not (key.endswith(".json") and seq.isdigit() and len(seq) <= 18):
                 continue
-            if isinstance(doc, dict):
-                doc["seq"] = int(key[len(JOURNAL_PREFIX) : -5])
-                out.append(doc)
+            try:
+                doc = parse_journal_entry(self.backend.get(key), key)
+            except (CorruptCheckpointError, ObjectNotFoundError) as e:
+                log.warning("skipping journal entry %s (the manifests are the commits): %s", key, e)
+                continue
+            doc["seq"] = int(seq)
+            out.append(doc)
         return out
 
     # ----------------------------------------------------------------------------------------------- locks
@@ -1174,6 +1167,11 @@ class Store:
         """
         if keep_last is None and keep_every_hours is None and keep_best is None:
             raise ConfigError("gc needs a retention rule: keep_last, keep_every_hours or keep_best")
+        if keep_every_hours is not None and not (math.isfinite(keep_every_hours) and keep_every_hours > 0):
+            raise ConfigError(f"keep_every_hours must be a number of hours > 0, got {keep_every_hours}")
+        for rule, n in (("keep_last", keep_last), ("keep_best", keep_best)):
+            if n is not None and n < 0:
+                raise ConfigError(f"{rule} must be >= 0, got {n}")
         if keep_last is not None and keep_last < 1 and keep_every_hours is None and keep_best is None:
             raise ConfigError("keep_last must be at least 1 (retention that keeps nothing is refused)")
         lease = Lease(self.backend, GC_LOCK, self.lock_ttl, op="gc")
@@ -1620,6 +1618,34 @@ class SaveTransaction:
                 )
 
 
+def _full_start(chain: Sequence[Manifest], name: str, whole: Callable[[TensorEntry], bool] = lambda e: e.whole) -> int:
+    """Where tensor ``name`` of ``chain[-1]`` is rebuilt from: the index of the newest entry in the chain that is
+    ``whole`` (by default: ``full``, or ``sharded`` with every part ``full``; a row-range read asks whether the
+    entry holds all of its rows).
+
+    Every manifest from there on must list the tensor with the same dtype and shape, else the checkpoint cannot
+    be restored (:class:`CorruptCheckpointError`). Reads nothing: ``verify`` asks this of every tensor too.
+    """
+    target = chain[-1].tensors[name]
+    for i in range(len(chain) - 1, -1, -1):
+        entry = chain[i].tensors.get(name)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"checkpoint {chain[-1].id}: tensor {name!r} is absent from its ancestor {chain[i].id}",
+                checkpoint=chain[-1].id,
+            )
+        if (entry.dtype, entry.shape) != (target.dtype, target.shape):
+            raise CorruptCheckpointError(
+                f"checkpoint {chain[-1].id}: tensor {name!r} changes dtype/shape along the chain at {chain[i].id}",
+                checkpoint=chain[-1].id,
+            )
+        if whole(entry):
+            return i
+    raise CorruptCheckpointError(
+        f"checkpoint {chain[-1].id}: tensor {name!r} has no full value in its chain", checkpoint=chain[-1].id
+    )
+
+
 class _LazyTensors(Mapping[str, TensorUpdate | np.ndarray]):
     """Materialises each tensor only when the writer asks for it."""
 
@@ -1636,6 +1662,13 @@ class _LazyTensors(Mapping[str, TensorUpdate | np.ndarray]):
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+def _storable(name: str, dtype: str) -> str:
+    """Refuse to write a dtype no reader would restore (``DTYPE_NAMES``): better now than at restore time."""
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"tensor {name!r}: dtype {dtype} cannot be checkpointed (supported: {sorted(DTYPE_NAMES)})")
+    return dtype
 
 
 def _wait_all(futures: Sequence[Future[Any]]) -> None:

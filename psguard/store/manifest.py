@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from psguard.errors import CorruptCheckpointError, UnsupportedFormatError
-from psguard.store.dtypes import STRING, dtype_from_name, logical_nbytes
+from psguard.store import strict_json
+from psguard.store.dtypes import DTYPE_NAMES, STRING, dtype_from_name, itemsize_of, logical_nbytes
 
 FORMAT_NAME = "psguard-manifest"
 #: The newest format this code reads. Version 2 adds the ``sharded`` encoding (a tensor stored in parts that
@@ -39,6 +40,14 @@ _ID_RE = re.compile(r"^[0-9]{12}-[0-9a-f]{8}$")
 
 Encoding = Literal["full", "rows", "same", "sharded"]
 PartEncoding = Literal["full", "rows", "same"]
+#: A manifest larger than this is refused unread: a 2M x 32 table in 8 MiB chunks takes 5 KiB, a delta of a
+#: million changed rows in 16384-row segments under 20 KiB, so this leaves room for any real checkpoint.
+MAX_MANIFEST_BYTES = 64 << 20
+#: Most dimensions a tensor may have (numpy's own limit is 32 in 1.x, 64 in 2.x).
+MAX_DIMS = 32
+#: Largest step (ids hold it in 12 digits).
+MAX_STEP = 10**12 - 1
+
 Kind = Literal["full", "delta"]
 
 
@@ -242,11 +251,19 @@ class _Checker:
             raise self.fail(f"{where}{key} has type {type(v).__name__}")
         return v
 
-    def nonneg(self, d: Mapping[str, Any], key: str, where: str) -> int:
+    def nonneg(self, d: Mapping[str, Any], key: str, where: str, limit: int = 2**63 - 1) -> int:
         v: int = self.get(d, key, int, where)
         if v < 0:
             raise self.fail(f"{where}{key} is negative")
+        if v > limit:
+            raise self.fail(f"{where}{key} {v} is out of range (at most {limit})")
         return v
+
+    def finite(self, value: Any, where: str) -> float:
+        """A JSON number (strict_json already refused NaN, Infinity and overlong ones)."""
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise self.fail(f"{where} has type {type(value).__name__}, not a number")
+        return float(value)
 
     def ref(self, d: Any, where: str) -> ChunkRef:
         if not isinstance(d, Mapping):
@@ -261,13 +278,21 @@ class _Checker:
 
 
 def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
-    """Parse and verify a manifest; any defect raises :class:`CorruptCheckpointError` naming it."""
+    """Parse and verify a manifest; any defect raises :class:`CorruptCheckpointError` naming it.
+
+    Everything a reader later trusts is checked here, before anything is allocated from it: the JSON is plain
+    (no NaN, no 5000-digit integers, not nested past :data:`strict_json.MAX_DEPTH`), the step in the body is
+    the step of the id (so listing, gc and restore order checkpoints alike), every dtype is one psguard stores,
+    and every shape agrees with the bytes its chunks declare (so a claim of 10^12 rows is refused here; the
+    chunks' actual sizes in the store are checked against their claims before a reader allocates, in
+    :mod:`psguard.store.chunks`).
+    """
     label = expected_id or "?"
     c = _Checker(label)
     try:
-        doc = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise c.fail(f"not valid JSON ({e}); the manifest is truncated or damaged") from None
+        doc = strict_json.loads(data, max_bytes=MAX_MANIFEST_BYTES)
+    except strict_json.StrictJSONError as e:
+        raise c.fail(f"{e}; the manifest is truncated, damaged or not psguard's") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise c.fail("not a psguard manifest")
     version = doc.get("format_version")
@@ -279,6 +304,8 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
             f"{FORMAT_VERSION}: upgrade psguard to read it",
             checkpoint=label,
         )
+    if version < 1:
+        raise c.fail(f"format_version {version}")
     body = c.get(doc, "body", dict, "")
     digest = hashlib.sha256(_canonical(body)).hexdigest()
     if doc.get("sha256") != digest:
@@ -289,67 +316,54 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
     if expected_id is not None and cid != expected_id:
         raise c.fail(f"id {cid} does not match its file name")
     c = _Checker(cid)
+    step = c.nonneg(body, "step", "", MAX_STEP)
+    if step != step_of_id(cid):
+        raise c.fail(
+            f"its body says step {step} but its id says step {step_of_id(cid)}: readers would order it differently"
+        )
     kind = c.get(body, "kind", str, "")
     if kind not in ("full", "delta"):
-        raise c.fail(f"kind {kind!r}")
+        raise c.fail(f"kind {kind[:40]!r}")
     parent = body.get("parent")
     if kind == "delta":
         if not isinstance(parent, str) or not _ID_RE.match(parent):
             raise c.fail(f"parent {str(parent)[:80]!r} is not a checkpoint id (refusing it as a path)")
+        if parent == cid:
+            raise c.fail("it is its own parent")
     elif parent is not None:
         raise c.fail("a full checkpoint has a parent")
     base = c.get(body, "base", str, "")
     if not _ID_RE.match(base):
         raise c.fail(f"base {base[:80]!r} is not a checkpoint id")
+    chain_length = c.nonneg(body, "chain_length", "", 10**9)
+    if kind == "full" and (base != cid or chain_length != 0):
+        raise c.fail("a full checkpoint must be its own base with chain_length 0")
+    if kind == "delta" and chain_length < 1:
+        raise c.fail("a delta must have chain_length >= 1")
     tensors: dict[str, TensorEntry] = {}
     for name, t in c.get(body, "tensors", dict, "").items():
-        where = f"tensors[{name!r}]"
-        dtype = c.get(t, "dtype", str, where + ".")
-        shape_raw = c.get(t, "shape", list, where + ".")
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape_raw):
-            raise c.fail(f"{where}.shape {shape_raw!r}")
-        enc = c.get(t, "encoding", str, where + ".")
-        if enc == "full":
-            chunks = tuple(c.ref(r, f"{where}.chunks[{i}]") for i, r in enumerate(c.get(t, "chunks", list, where)))
-            tensors[name] = TensorEntry(dtype, tuple(shape_raw), "full", chunks=chunks)
-        elif enc == "rows":
-            if kind != "delta":
-                raise c.fail(f"{where} has row updates in a full checkpoint")
-            segs = []
-            for i, s in enumerate(c.get(t, "segments", list, where)):
-                sw = f"{where}.segments[{i}]"
-                segs.append(
-                    Segment(
-                        c.nonneg(s, "count", sw + "."),
-                        c.ref(s.get("ids"), sw + ".ids"),
-                        c.ref(s.get("values"), sw + ".values"),
-                    )
-                )
-            tensors[name] = TensorEntry(dtype, tuple(shape_raw), "rows", segments=tuple(segs))
-        elif enc == "same":
-            if kind != "delta":
-                raise c.fail(f"{where} is 'same' in a full checkpoint")
-            tensors[name] = TensorEntry(dtype, tuple(shape_raw), "same")
-        elif enc == "sharded":
-            if version < 2:
-                raise c.fail(f"{where} is sharded in a format_version {version} manifest (sharded needs 2)")
-            tensors[name] = parse_sharded_entry(c, kind, where, t, dtype, tuple(shape_raw))
-        else:
-            raise c.fail(f"{where}.encoding {enc!r}")
-    committed = c.get(body, "committed_at", (int, float), "")
+        tensors[name] = _parse_tensor(c, kind, name, t, version)
+    committed = c.finite(body.get("committed_at"), "committed_at")
+    metrics_raw = c.get(body, "metrics", dict, "")
+    metrics = {str(k): c.finite(v, f"metrics[{str(k)[:40]!r}]") for k, v in metrics_raw.items()}
+    stats_raw = c.get(body, "stats", dict, "")
+    stats = {str(k): c.nonneg(stats_raw, k, "stats.") for k in stats_raw}
+    writer = body.get("writer", "")
+    if not isinstance(writer, str):
+        raise c.fail(f"writer has type {type(writer).__name__}")
     return Manifest(
         id=cid,
-        step=c.nonneg(body, "step", ""),
+        step=step,
         kind=kind,  # type: ignore[arg-type]
         parent=parent,
         base=base,
-        chain_length=c.nonneg(body, "chain_length", ""),
-        committed_at=float(committed),
+        chain_length=chain_length,
+        committed_at=committed,
         tensors=tensors,
         metadata=c.get(body, "metadata", dict, ""),
-        metrics={k: float(v) for k, v in c.get(body, "metrics", dict, "").items()},
-        stats=c.get(body, "stats", dict, ""),
-        writer=str(body.get("writer", "")),
+        metrics=metrics,
+        stats=stats,
+        writer=writer,
     )
 
 
@@ -429,3 +443,92 @@ def sharded_entry_from_parts(
     """Validate parts other processes wrote exactly as :func:`parse_manifest` would read them back (same
     checks, same :class:`CorruptCheckpointError` naming the checkpoint and the tensor)."""
     return parse_sharded_entry(_Checker(checkpoint_id), kind, f"tensors[{name!r}]", {"parts": parts}, dtype, shape)
+
+
+def _parse_tensor(c: _Checker, kind: str, name: str, t: Any, version: int) -> TensorEntry:
+    """One tensor entry, its shape checked against the bytes its chunks declare (nothing is read or allocated)."""
+    where = f"tensors[{name[:80]!r}]"
+    if not name:
+        raise c.fail("a tensor without a name")
+    if not isinstance(t, Mapping):
+        raise c.fail(f"{where} is not an object")
+    dtype = c.get(t, "dtype", str, where + ".")
+    if dtype not in DTYPE_NAMES:
+        raise c.fail(f"{where}.dtype {dtype[:40]!r} is not a dtype psguard stores, so it cannot be restored")
+    shape_raw = c.get(t, "shape", list, where + ".")
+    if len(shape_raw) > MAX_DIMS or not all(
+        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 2**63 for x in shape_raw
+    ):
+        raise c.fail(f"{where}.shape {str(shape_raw)[:80]}: at most {MAX_DIMS} non-negative dimensions")
+    shape = tuple(shape_raw)
+    itemsize = itemsize_of(dtype)
+    elements = math.prod(shape)
+    enc = c.get(t, "encoding", str, where + ".")
+    if enc == "full":
+        chunks = tuple(c.ref(r, f"{where}.chunks[{i}]") for i, r in enumerate(c.get(t, "chunks", list, where + ".")))
+        declared = sum(r.size for r in chunks)
+        if dtype == STRING:
+            if declared < 8 * elements:
+                raise c.fail(
+                    f"{where}: a string tensor of shape {list(shape)} needs at least {8 * elements} bytes; "
+                    f"its chunks declare {declared}"
+                )
+        elif declared != elements * itemsize:
+            raise c.fail(
+                f"{where}: shape {list(shape)} of {dtype} is {elements * itemsize} bytes; its chunks declare {declared}"
+            )
+        return TensorEntry(dtype, shape, "full", chunks=chunks)
+    if enc == "rows":
+        if kind != "delta":
+            raise c.fail(f"{where} has row updates in a full checkpoint")
+        if not shape or dtype == STRING:
+            raise c.fail(f"{where}: row updates need a numeric tensor of at least one dimension")
+        row_bytes = math.prod(shape[1:]) * itemsize
+        segs = []
+        total = 0
+        for i, s in enumerate(c.get(t, "segments", list, where + ".")):
+            sw = f"{where}.segments[{i}]"
+            if not isinstance(s, Mapping):
+                raise c.fail(f"{sw} is not an object")
+            count = c.nonneg(s, "count", sw + ".")
+            seg = Segment(count, c.ref(s.get("ids"), sw + ".ids"), c.ref(s.get("values"), sw + ".values"))
+            if seg.ids.size != 8 * count or seg.values.size != row_bytes * count:
+                raise c.fail(f"{sw}: its chunk sizes do not match its {count} rows of {row_bytes} bytes")
+            total += count
+            if total > shape[0]:
+                raise c.fail(f"{where}: more changed rows than the tensor's {shape[0]} rows")
+            segs.append(seg)
+        if "count" in t and t["count"] != total:
+            raise c.fail(f"{where}.count {str(t['count'])[:40]} is not the sum of its segments' ({total})")
+        return TensorEntry(dtype, shape, "rows", segments=tuple(segs))
+    if enc == "same":
+        if kind != "delta":
+            raise c.fail(f"{where} is 'same' in a full checkpoint")
+        return TensorEntry(dtype, shape, "same")
+    if enc == "sharded":
+        if version < 2:
+            raise c.fail(f"{where} is sharded in a format_version {version} manifest (sharded needs 2)")
+        return parse_sharded_entry(c, kind, where, t, dtype, shape)
+    raise c.fail(f"{where}.encoding {enc[:40]!r}")
+
+
+def parse_journal_entry(data: bytes, key: str) -> dict[str, Any]:
+    """A journal entry (``{"id", "step", "kind", "parent", "committed_at"}``), checked like a manifest's fields;
+    :class:`CorruptCheckpointError` naming the key otherwise."""
+    try:
+        doc = strict_json.loads(data, max_bytes=64 << 10)
+    except strict_json.StrictJSONError as e:
+        raise CorruptCheckpointError(f"journal entry {key}: {e}") from None
+    cid = doc.get("id") if isinstance(doc, dict) else None
+    c = _Checker(cid if isinstance(cid, str) and _ID_RE.match(cid) else f"journal entry {key}")
+    if not isinstance(doc, dict) or not isinstance(cid, str) or not _ID_RE.match(cid):
+        raise c.fail("not a journal entry with a checkpoint id")
+    if c.nonneg(doc, "step", "", MAX_STEP) != step_of_id(cid):
+        raise c.fail(f"journal entry {key}: its step differs from its id's")
+    if doc.get("kind") not in ("full", "delta"):
+        raise c.fail(f"journal entry {key}: kind {str(doc.get('kind'))[:40]!r}")
+    parent = doc.get("parent")
+    if parent is not None and not (isinstance(parent, str) and _ID_RE.match(parent)):
+        raise c.fail(f"journal entry {key}: parent {str(parent)[:80]!r} is not a checkpoint id")
+    c.finite(doc.get("committed_at"), f"journal entry {key}: committed_at")
+    return doc

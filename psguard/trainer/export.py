@@ -12,7 +12,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from psguard.store.cli import add_progress_argument, add_store_arguments, metered_progress, open_store
+from psguard.store.cli import (
+    add_progress_argument,
+    add_store_arguments,
+    metered_progress,
+    open_store,
+    require_output_folder,
+)
 from psguard.store.log import Store
 from psguard.trainer.variables import gather_variables
 
@@ -48,7 +54,7 @@ def export_checkpoint(store: Store, checkpoint_id: str, directory: str | Path, *
     import numpy as np
     import tensorflow as tf
 
-    out = Path(directory)
+    out = require_output_folder(directory, "export folder")
     out.mkdir(parents=True, exist_ok=True)
     info = store.manifest(checkpoint_id)
     prefix = str(out / f"{prefix_name}-{info.step}")
@@ -68,6 +74,7 @@ def export_checkpoint(store: Store, checkpoint_id: str, directory: str | Path, *
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    require_output_folder(args.out, "OUT")  # before reading anything: a bad OUT is a usage error
     with open_store(args) as store:
         cid = store.resolve(step=args.step, checkpoint_id=args.id)
         with metered_progress(args, "export", store.chain_bytes([cid]), store):

@@ -1,0 +1,78 @@
+"""JSON from storage and the spool, parsed so that a hostile document costs bounded time and memory.
+
+Python's ``json`` accepts ``NaN`` and ``Infinity``, turns ``1e999`` into ``inf``, parses integers of any length
+(and raises a bare ``ValueError`` past 4300 digits, after the quadratic work), and recurses once per nesting
+level (``RecursionError`` deep down). A manifest, journal entry or spool capture is written by psguard and never
+needs any of that, so every one of these is refused here, as :class:`StrictJSONError`, which the callers turn into
+a :class:`~psguard.errors.CorruptCheckpointError` naming the checkpoint or capture.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "StrictJSONError", "check_depth", "loads"]
+
+#: Digits of the longest integer accepted: 2**63 has 19. Sizes, steps, CRC32Cs and shapes all fit.
+MAX_INT_DIGITS = 19
+#: Nesting levels accepted (objects and arrays). psguard's own documents nest 6 deep; metadata gets the rest.
+MAX_DEPTH = 64
+
+
+class StrictJSONError(ValueError):
+    """The bytes are not a JSON document psguard could have written (the message says why)."""
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise StrictJSONError(f"an integer of {len(text.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    if len(text) > 64:
+        raise StrictJSONError(f"a number of {len(text)} characters")
+    value = float(text)
+    if not math.isfinite(value):
+        raise StrictJSONError(f"the number {text[:40]} is out of range")
+    return value
+
+
+def _constant(name: str) -> Any:
+    raise StrictJSONError(f"{name} is not a JSON number")
+
+
+def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
+    """Refuse a parsed value nested deeper than ``limit`` (iteratively: no recursion to exhaust)."""
+    stack: list[tuple[Any, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: Any = item.values()
+        elif isinstance(item, list):
+            children = item
+        else:
+            continue
+        if depth > limit:
+            raise StrictJSONError(f"nested more than {limit} levels deep")
+        stack.extend((child, depth + 1) for child in children)
+
+
+def loads(data: bytes | str, *, max_bytes: int | None = None) -> Any:
+    """Parse ``data``; :class:`StrictJSONError` for anything but plain, finite, shallow JSON."""
+    if max_bytes is not None and len(data) > max_bytes:
+        raise StrictJSONError(f"{len(data)} bytes (at most {max_bytes})")
+    try:
+        value = json.loads(data, parse_int=_int, parse_float=_float, parse_constant=_constant)
+    except StrictJSONError:
+        raise
+    except RecursionError:
+        raise StrictJSONError(f"nested more than {MAX_DEPTH} levels deep") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise StrictJSONError(f"not valid JSON ({e})") from None
+    except ValueError as e:  # anything else the decoder refuses
+        raise StrictJSONError(str(e)[:200]) from None
+    check_depth(value)
+    return value
