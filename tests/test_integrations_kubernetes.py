@@ -262,7 +262,7 @@ def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
                 f"https://{a.rsplit(':', 1)[0]}:{config.http.port}" for r in ("ps", "worker") for a in cluster[r]
             ]
             assert args.peer == expected_peers
-            assert args.command[1:4] == ["python", "/app/train_psguard.py", "--checkpoint-dir"]
+            assert args.command[1:4] == ["python", "/app/examples/custom_loop/train_psguard.py", "--checkpoint-dir"]
             for item in container["env"]:
                 ref = item.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
