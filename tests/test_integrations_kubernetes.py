@@ -38,7 +38,7 @@ JOB = K8S / "psguard-ps-job.yaml"
 SECRETS = K8S / "secrets.example.yaml"
 TFJOB = K8S / "kubeflow" / "tfjob.yaml"
 TFJOB_SCHEMA = K8S / "kubeflow" / "tfjob-v1.schema.json"
-# The oldest version the manifests support (the StatefulSet pod-index label is on by default from 1.28) and the
+# The oldest version the manifests support (Jobs with podReplacementPolicy: in the API from 1.28) and the
 # newest whose schemas kubernetes-validate bundles.
 VERSIONS = ("1.28", kubernetes_validate.utils.major_minor(kubernetes_validate.latest_version()))
 
@@ -111,8 +111,8 @@ def test_tfjob_validates_against_its_crd_and_the_pod_schema(version: str) -> Non
     validate_tfjob(_by_kind(TFJOB, "TFJob", "ctr-42"), version)
 
 
-def _statefulset() -> dict[str, Any]:
-    return copy.deepcopy(_by_kind(JOB, "StatefulSet", "psguard-ps"))
+def _ps_job() -> dict[str, Any]:
+    return copy.deepcopy(_by_kind(JOB, "Job", "psguard-ps"))
 
 
 def _rename(mapping: dict[str, Any], old: str, new: str) -> None:
@@ -123,14 +123,14 @@ def _rename(mapping: dict[str, Any], old: str, new: str) -> None:
     ("mutate", "fragment"),
     [
         (lambda d: _rename(d["spec"]["template"]["spec"]["containers"][0], "livenessProbe", "livenesProbe"), "livenes"),
-        (lambda d: d["spec"].update(replicas="two"), "'two' is not of type"),
+        (lambda d: d["spec"].update(completions="two"), "'two' is not of type"),
         (lambda d: _rename(d["spec"]["template"]["spec"]["volumes"][0], "configMap", "configmap"), "configmap"),
         (lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="2222"), "2222"),
     ],
-    ids=["typo-in-container", "replicas-string", "typo-in-volume", "port-as-string"],
+    ids=["typo-in-container", "completions-string", "typo-in-volume", "port-as-string"],
 )
 def test_a_typo_or_a_wrong_type_in_a_manifest_fails(mutate: Any, fragment: str) -> None:
-    doc = _statefulset()
+    doc = _ps_job()
     kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)  # the unmodified copy passes
     mutate(doc)
     with pytest.raises(kubernetes_validate.ValidationError) as e:
@@ -222,7 +222,10 @@ def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
     secrets = {d["metadata"]["name"]: d for d in _docs(SECRETS)}
     parser = build_parser()
     seen_roles = set()
-    for kind, name in (("StatefulSet", "psguard-ps"), ("StatefulSet", "psguard-worker"), ("Job", "psguard-chief")):
+    assert config.peers.finish_on_success  # the chief's agent ends the PS and worker Jobs when training is done
+    assert config.stop_exit_code == 143  # an evicted pod is a failed one (replaced), not a completed index
+    for name in ("psguard-ps", "psguard-worker", "psguard-chief"):
+        kind = "Job"
         doc = _by_kind(JOB, kind, name)
         pod = doc["spec"]["template"]["spec"]
         (container,) = _containers(doc)
@@ -243,14 +246,19 @@ def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
         service = _by_kind(JOB, "Service", f"psguard-{role}")
         assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
         assert service["spec"]["selector"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
-        if kind == "StatefulSet":
-            assert doc["spec"]["serviceName"] == service["metadata"]["name"]
-            assert doc["spec"]["replicas"] == len(cluster[role])
-            # The StatefulSet's pod names and the Service give exactly the addresses in cluster.json.
+        # Every Job completes when its pods exit 0 (the agent exits 1 only on a crash loop: restarted in place)
+        # and is deleted with its pods a while after it finished.
+        assert pod["restartPolicy"] == "OnFailure" and doc["spec"]["ttlSecondsAfterFinished"] > 0
+        if role != "chief":
+            spec = doc["spec"]
+            assert spec["completionMode"] == "Indexed" and spec["podReplacementPolicy"] == "Failed"
+            assert spec["completions"] == spec["parallelism"] == len(cluster[role])
+            assert pod["subdomain"] == service["metadata"]["name"]
+            # An Indexed Job's pods are named <job>-<index>: with the Service, exactly the addresses in cluster.json.
             expected = [f"{name}-{i}.{service['metadata']['name']}:{ports['tf']}" for i in range(len(cluster[role]))]
             assert cluster[role] == expected
-            assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"].endswith(
-                "['apps.kubernetes.io/pod-index']"
+            assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == (
+                "metadata.annotations['batch.kubernetes.io/job-completion-index']"
             )
         else:
             spec = doc["spec"]["template"]["spec"]
