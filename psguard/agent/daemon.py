@@ -418,10 +418,15 @@ class Agent:
         if self.role != "chief":
             host, _, port = self.address.rpartition(":")
             host = host.strip("[]")
-            if host in ("0.0.0.0", "::", ""):
+            target = self.address
+            if self._builtin_server or host in ("0.0.0.0", "::", ""):
+                # The built-in tf.distribute.Server listens on every interface (*:port): probe it on loopback, so
+                # its name need not resolve first. A TFJob operator's Service publishes a pod's name only once the
+                # pod is Ready, and Ready waits for these probes.
                 host = "127.0.0.1"
+                target = f"{host}:{port}" if self._builtin_server else self.address
             probes.append(TcpProbe(host, int(port)))
-            probes.append(GrpcStatusProbe(self.address))
+            probes.append(GrpcStatusProbe(target))
         return probes
 
     def request_stop(self, *_: object) -> None:
