@@ -12,11 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import shlex
-import stat
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +23,7 @@ import yaml
 from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
+from psguard.agent.cli import resolve_task
 from psguard.agent.config import AgentConfig, validate_cluster
 from psguard.cli import build_parser
 from psguard.config import load_yaml, loads_yaml
@@ -38,7 +34,7 @@ JOB = K8S / "psguard-ps-job.yaml"
 SECRETS = K8S / "secrets.example.yaml"
 TFJOB = K8S / "kubeflow" / "tfjob.yaml"
 TFJOB_SCHEMA = K8S / "kubeflow" / "tfjob-v1.schema.json"
-# The oldest version the manifests support (the StatefulSet pod-index label is on by default from 1.28) and the
+# The oldest version the manifests support (Jobs with podReplacementPolicy: in the API from 1.28) and the
 # newest whose schemas kubernetes-validate bundles.
 VERSIONS = ("1.28", kubernetes_validate.utils.major_minor(kubernetes_validate.latest_version()))
 
@@ -111,8 +107,8 @@ def test_tfjob_validates_against_its_crd_and_the_pod_schema(version: str) -> Non
     validate_tfjob(_by_kind(TFJOB, "TFJob", "ctr-42"), version)
 
 
-def _statefulset() -> dict[str, Any]:
-    return copy.deepcopy(_by_kind(JOB, "StatefulSet", "psguard-ps"))
+def _ps_job() -> dict[str, Any]:
+    return copy.deepcopy(_by_kind(JOB, "Job", "psguard-ps"))
 
 
 def _rename(mapping: dict[str, Any], old: str, new: str) -> None:
@@ -123,14 +119,14 @@ def _rename(mapping: dict[str, Any], old: str, new: str) -> None:
     ("mutate", "fragment"),
     [
         (lambda d: _rename(d["spec"]["template"]["spec"]["containers"][0], "livenessProbe", "livenesProbe"), "livenes"),
-        (lambda d: d["spec"].update(replicas="two"), "'two' is not of type"),
+        (lambda d: d["spec"].update(completions="two"), "'two' is not of type"),
         (lambda d: _rename(d["spec"]["template"]["spec"]["volumes"][0], "configMap", "configmap"), "configmap"),
         (lambda d: d["spec"]["template"]["spec"]["containers"][0]["ports"][0].update(containerPort="2222"), "2222"),
     ],
-    ids=["typo-in-container", "replicas-string", "typo-in-volume", "port-as-string"],
+    ids=["typo-in-container", "completions-string", "typo-in-volume", "port-as-string"],
 )
 def test_a_typo_or_a_wrong_type_in_a_manifest_fails(mutate: Any, fragment: str) -> None:
-    doc = _statefulset()
+    doc = _ps_job()
     kubernetes_validate.validate(doc, VERSIONS[-1], strict=True)  # the unmodified copy passes
     mutate(doc)
     with pytest.raises(kubernetes_validate.ValidationError) as e:
@@ -222,7 +218,10 @@ def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
     secrets = {d["metadata"]["name"]: d for d in _docs(SECRETS)}
     parser = build_parser()
     seen_roles = set()
-    for kind, name in (("StatefulSet", "psguard-ps"), ("StatefulSet", "psguard-worker"), ("Job", "psguard-chief")):
+    assert config.peers.finish_on_success  # the chief's agent ends the PS and worker Jobs when training is done
+    assert config.stop_exit_code == 143  # an evicted pod is a failed one (replaced), not a completed index
+    for name in ("psguard-ps", "psguard-worker", "psguard-chief"):
+        kind = "Job"
         doc = _by_kind(JOB, kind, name)
         pod = doc["spec"]["template"]["spec"]
         (container,) = _containers(doc)
@@ -243,14 +242,19 @@ def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
         service = _by_kind(JOB, "Service", f"psguard-{role}")
         assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
         assert service["spec"]["selector"].items() <= doc["spec"]["template"]["metadata"]["labels"].items()
-        if kind == "StatefulSet":
-            assert doc["spec"]["serviceName"] == service["metadata"]["name"]
-            assert doc["spec"]["replicas"] == len(cluster[role])
-            # The StatefulSet's pod names and the Service give exactly the addresses in cluster.json.
+        # Every Job completes when its pods exit 0 (the agent exits 1 only on a crash loop: restarted in place)
+        # and is deleted with its pods a while after it finished.
+        assert pod["restartPolicy"] == "OnFailure" and doc["spec"]["ttlSecondsAfterFinished"] > 0
+        if role != "chief":
+            spec = doc["spec"]
+            assert spec["completionMode"] == "Indexed" and spec["podReplacementPolicy"] == "Failed"
+            assert spec["completions"] == spec["parallelism"] == len(cluster[role])
+            assert pod["subdomain"] == service["metadata"]["name"]
+            # An Indexed Job's pods are named <job>-<index>: with the Service, exactly the addresses in cluster.json.
             expected = [f"{name}-{i}.{service['metadata']['name']}:{ports['tf']}" for i in range(len(cluster[role]))]
             assert cluster[role] == expected
-            assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"].endswith(
-                "['apps.kubernetes.io/pod-index']"
+            assert container["env"][0]["valueFrom"]["fieldRef"]["fieldPath"] == (
+                "metadata.annotations['batch.kubernetes.io/job-completion-index']"
             )
         else:
             spec = doc["spec"]["template"]["spec"]
@@ -262,7 +266,7 @@ def test_plain_job_agrees_with_the_agent(tmp_path: Path) -> None:
                 f"https://{a.rsplit(':', 1)[0]}:{config.http.port}" for r in ("ps", "worker") for a in cluster[r]
             ]
             assert args.peer == expected_peers
-            assert args.command[1:4] == ["python", "/app/train_psguard.py", "--checkpoint-dir"]
+            assert args.command[1:4] == ["python", "/app/examples/custom_loop/train_psguard.py", "--checkpoint-dir"]
             for item in container["env"]:
                 ref = item.get("valueFrom", {}).get("secretKeyRef")
                 if ref:
@@ -277,53 +281,39 @@ def test_plain_job_typo_in_agent_flags_would_fail() -> None:
     assert e.value.code == 2
 
 
-@pytest.mark.parametrize(
-    ("task", "trainer"),
-    [({"type": "chief", "index": 0}, ["python", "/app/train.py", "--x", "1"]), ({"type": "ps", "index": 1}, [])],
-)
-def test_tfjob_bootstrap_turns_tf_config_into_the_agent_command(
-    tmp_path: Path, task: dict[str, Any], trainer: list[str]
-) -> None:
-    """Run the bootstrap script for real with a TF_CONFIG as the operator writes it; `psguard` on PATH records the
-    argv it was exec'd with, which must parse as a valid agent command line."""
-    config_map = _by_kind(TFJOB, "ConfigMap", "ctr-42-psguard")
-    script = tmp_path / "bootstrap.py"
-    script.write_text(config_map["data"]["bootstrap.py"])
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    recorded = tmp_path / "argv.json"
-    fake = bin_dir / "psguard"
-    fake.write_text(f"#!{sys.executable}\nimport json, sys\njson.dump(sys.argv[1:], open({str(recorded)!r}, 'w'))\n")
-    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+def _operator_tf_config(doc: dict[str, Any], role: str, index: int) -> str:
+    """``TF_CONFIG`` as the training operator writes it into the pod of ``role:index`` (Service names)."""
+    name = doc["metadata"]["name"]
     cluster = {
-        "chief": ["ctr-42-chief-0.default.svc:2222"],
-        "ps": ["ctr-42-ps-0.default.svc:2222", "ctr-42-ps-1.default.svc:2222"],
-        "worker": ["ctr-42-worker-0.default.svc:2222"],
+        rtype.lower(): [f"{name}-{rtype.lower()}-{i}.default.svc:2222" for i in range(spec["replicas"])]
+        for rtype, spec in doc["spec"]["tfReplicaSpecs"].items()
     }
-    env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": task, "environment": "cloud"}))
-    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
-    env["PSGUARD_STORE"] = "s3://my-bucket/jobs/ctr-42"
-    env["PSGUARD_CLUSTER_FILE"] = str(tmp_path / "cluster.json")
-    out = subprocess.run([sys.executable, str(script), *trainer], env=env, capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    argv = json.loads(recorded.read_text())
-    args = build_parser().parse_args(argv)
-    assert (args.role, args.index) == (task["type"], task["index"])
-    assert args.config == "/etc/psguard/agent.yaml" and args.cluster == str(tmp_path / "cluster.json")
-    written = validate_cluster(json.loads((tmp_path / "cluster.json").read_text()))
-    if task["type"] == "chief":
-        assert written == cluster
-        assert args.peer == [
-            "https://ctr-42-ps-0.default.svc:8470",
-            "https://ctr-42-ps-1.default.svc:8470",
-            "https://ctr-42-worker-0.default.svc:8470",
-        ]
+    return json.dumps({"cluster": cluster, "task": {"type": role, "index": index}, "environment": "cloud"})
+
+
+@pytest.mark.parametrize("rtype", ["Chief", "PS", "Worker"])
+def test_tfjob_agents_take_their_task_from_the_operators_tf_config(rtype: str) -> None:
+    """No bootstrap: each container runs ``psguard agent`` without --role/--index/--cluster, and the agent's own
+    resolution (the code ``psguard agent`` runs) gives every replica its task from the operator's TF_CONFIG."""
+    doc = _tfjob()
+    config = load_yaml_text(_by_kind(TFJOB, "ConfigMap", "ctr-42-psguard")["data"]["agent.yaml"])
+    spec = doc["spec"]["tfReplicaSpecs"][rtype]
+    (container,) = spec["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+    assert container["command"] == ["psguard"]
+    args = build_parser().parse_args(_expand(container["command"][1:] + container["args"], env))
+    assert (args.role, args.index, args.cluster) == (None, None, None)
+    assert args.config == "/etc/psguard/agent.yaml"
+    for index in range(spec["replicas"]):
+        role, got, cluster = resolve_task(args, {"TF_CONFIG": _operator_tf_config(doc, rtype.lower(), index)})
+        assert (role, got) == (rtype.lower(), index)
+    if rtype == "Chief":
+        # One peer per PS and worker task, by the operator's Service name, on the agents' port.
+        expected = [f"https://{a.split('.')[0]}:{config.http.port}" for r in ("ps", "worker") for a in cluster[r]]
+        assert args.peer == expected
         assert args.store == "s3://my-bucket/jobs/ctr-42" and args.spool == "/psguard-spool/ctr-42"
-        assert args.command == ["--", *trainer], shlex.join(argv)
+        assert args.command[1:4] == ["python", "/app/examples/custom_loop/train_psguard.py", "--checkpoint-dir"]
     else:
-        # Its own address on loopback (see bootstrap.py), every other task as the operator named it.
-        assert written["ps"] == ["ctr-42-ps-0.default.svc:2222", "127.0.0.1:2222"]
-        assert written["chief"] == cluster["chief"] and written["worker"] == cluster["worker"]
         assert args.peer == [] and args.store is None and args.command == []
 
 
@@ -332,16 +322,18 @@ def load_yaml_text(text: str) -> AgentConfig:
     return loads_yaml(AgentConfig, text)
 
 
-def test_tfjob_pods_mount_what_bootstrap_and_agent_read() -> None:
+def test_tfjob_pods_mount_what_the_agent_reads() -> None:
     doc = _tfjob()
     config_map = _by_kind(TFJOB, "ConfigMap", "ctr-42-psguard")
-    assert {"agent.yaml", "bootstrap.py"} <= config_map["data"].keys()
+    assert set(config_map["data"]) == {"agent.yaml"}  # no bootstrap script: the agent reads TF_CONFIG
+    config = load_yaml_text(config_map["data"]["agent.yaml"])
+    assert config.peers.finish_on_success and config.stop_exit_code == 143
     for role, spec in doc["spec"]["tfReplicaSpecs"].items():
         pod = spec["template"]["spec"]
         (container,) = pod["containers"]
         assert container["name"] == "tensorflow"  # the operator finds the TF container by this name
         assert {"name": "tfjob-port", "containerPort": 2222} in container["ports"]
-        assert container["command"] == ["python", "/etc/psguard/bootstrap.py"]
+        assert container["command"] == ["psguard"]
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes[mounts["/etc/psguard"]]["configMap"]["name"] == config_map["metadata"]["name"]

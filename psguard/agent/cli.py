@@ -83,17 +83,10 @@ def _merge(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
         "jwt_audience": args.jwt_audience,
     }
     http_cfg = dataclasses.replace(config.http, **{k: v for k, v in flags.items() if v is not None})
-    return AgentConfig(
-        job=config.job,
+    return dataclasses.replace(
+        config,
         store=args.store if args.store is not None else config.store,
-        storage_options=config.storage_options,
         spool=args.spool if args.spool is not None else config.spool,
-        task_log=config.task_log,
-        state_dir=config.state_dir,
-        supervisor=config.supervisor,
-        probe=config.probe,
-        peers=config.peers,
-        persister=config.persister,
         http=http_cfg,
     )
 

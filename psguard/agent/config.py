@@ -72,6 +72,10 @@ class PeersConfig:
     """``peers:``: the chief's agent watches the other agents and restarts the PS servers per generation."""
 
     restart_ps: bool = True  # on every new trainer generation (see the module docstring)
+    # When the trainer exits 0, tell every peer agent that the job is done (POST /finish): PS and worker agents
+    # stop their servers and exit 0, so their pods complete (Kubernetes Jobs). Off by default: psguard wrap,
+    # demo and chaos stop their agents themselves.
+    finish_on_success: bool = False
     ready_timeout: Duration = 180.0  # for all PS agents to report a restarted, healthy server
     request_timeout: Duration = 10.0
     probe: MonitorConfig = field(default_factory=lambda: MonitorConfig(interval=2.0, deadline=2.0))
@@ -94,6 +98,10 @@ class AgentConfig:
     peers: PeersConfig = field(default_factory=PeersConfig)
     persister: PersistConfig = field(default_factory=PersistConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
+    # The agent's exit code after SIGTERM or SIGINT (the task stopped gracefully, the log drained). 0 by default;
+    # on Kubernetes Jobs 143, so that a pod deleted or evicted mid-job counts as failed and is replaced instead of
+    # completing its index. A PS or worker agent told the job is done (POST /finish) exits 0 regardless.
+    stop_exit_code: int = 0
 
 
 def _check_address(value: object, key: str) -> str:

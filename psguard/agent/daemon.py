@@ -16,8 +16,11 @@ supervision         :class:`~psguard.agent.supervisor.Supervisor` runs the task 
                     kills what still survives (:mod:`psguard.agent.reaper`). Exit 0 of the task: the agent drains
                     and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
                     message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
-                    ``supervisor.stop_timeout``), the persister drained, exit 0. The built-in server gets a
-                    warm standby (:mod:`psguard.agent.standby`) swapped in on a restart.
+                    ``supervisor.stop_timeout``), the persister drained, exit ``stop_exit_code`` (0 unless
+                    configured; 143 on Kubernetes Jobs). The built-in server gets a warm standby
+                    (:mod:`psguard.agent.standby`) swapped in on a restart.
+end of the job      with ``peers.finish_on_success``, the chief's agent whose trainer exited 0 sends ``POST
+                    /finish`` to every peer: a PS or worker agent stops its task and exits 0 (its pod completes).
 health              ps / worker: :class:`~psguard.agent.prober.HealthMonitor` with process + TCP + ``GetStatus``
                     RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
                     unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
@@ -33,8 +36,9 @@ HTTP                :class:`~psguard.agent.httpd.AgentHTTPServer` (127.0.0.1 by 
                     ``--token-file``): ``/healthz``, ``/readyz``, ``/metrics``, ``/status`` (JSON), ``POST
                     /restart`` (restart the task), ``POST /recovery`` (a restored trainer reports the step
                     it restored and, in process, the step it had reached; with the step a failed trainer gave
-                    in ``POST /failure`` the agent counts ``psguard_lost_steps_total``) and, on the chief,
-                    ``POST /new-generation`` (restart every PS now).
+                    in ``POST /failure`` the agent counts ``psguard_lost_steps_total``), on the chief
+                    ``POST /new-generation`` (restart every PS now), on a PS or worker ``POST /finish`` (the
+                    job is done: stop the task, exit 0).
 ==================  ==========================================================================================
 
 The trainer (the chief's task) gets ``TF_CONFIG`` (the cluster from ``cluster.json``, task ``chief:0``) and
@@ -171,6 +175,8 @@ class Agent:
             )
         if role != "chief" and peers:
             raise ConfigError("--peer: only the chief's agent probes and restarts other agents")
+        if not 0 <= self.config.stop_exit_code <= 255:
+            raise ConfigError(f"stop_exit_code: an exit status from 0 to 255, got {self.config.stop_exit_code}")
         self.command = list(command) if command else self._server_command()
         self._builtin_server = not command  # it honours psguard.agent.standby, so a warm standby can replace it
         self.peers = [p.rstrip("/") for p in peers]
@@ -210,6 +216,7 @@ class Agent:
         self._reported_step: int | None = None  # ... and the last step it trained
         self._last_lost_steps: int | None = None
         self._hangs = 0
+        self._finished: str | None = None  # POST /finish: the chief's agent said the job is done (its reason)
         self._last_hang: dict[str, Any] | None = None
         self._resumed_step: int | None = None
         self._resume_seconds: float | None = None
@@ -390,6 +397,8 @@ class Agent:
         if self.role == "chief":
             self.http.add_post("/new-generation", self._handle_new_generation)
             self.http.add_post("/failure", self._handle_failure)
+        else:
+            self.http.add_post("/finish", self._handle_finish)
         self.http.start()
 
     def _start_memory_tier(self) -> None:
@@ -492,10 +501,15 @@ class Agent:
         if self.role != "chief":
             host, _, port = self.address.rpartition(":")
             host = host.strip("[]")
-            if host in ("0.0.0.0", "::", ""):
+            target = self.address
+            if self._builtin_server or host in ("0.0.0.0", "::", ""):
+                # The built-in tf.distribute.Server listens on every interface (*:port): probe it on loopback, so
+                # its name need not resolve first. A TFJob operator's Service publishes a pod's name only once the
+                # pod is Ready, and Ready waits for these probes.
                 host = "127.0.0.1"
+                target = f"{host}:{port}" if self._builtin_server else self.address
             probes.append(TcpProbe(host, int(port)))
-            probes.append(GrpcStatusProbe(self.address))
+            probes.append(GrpcStatusProbe(target))
         return probes
 
     def request_stop(self, *_: object) -> None:
@@ -512,7 +526,12 @@ class Agent:
         if self.supervisor.done():
             code = self.supervisor.result()  # raises CrashLoopError
             log.info("event=task_done task=%s exit_code=%s", self.task, code)
-        return 0
+            if code == 0 and self.peers and self.config.peers.finish_on_success:
+                self.peer_sync.finish(f"the job is done: {self.task}'s task exited 0")
+            return 0
+        with self._lock:
+            finished = self._finished
+        return 0 if finished is not None else self.config.stop_exit_code
 
     def stop(self) -> None:
         """Stop the task gracefully, drain the persister, release everything. Idempotent."""
@@ -696,6 +715,18 @@ class Agent:
             raise RequestError(409, f"task {self.task} is not running under supervision ({sup.status().state.value})")
         log.info("event=restart_requested task=%s reason=%r", self.task, reason)
         return Response(202, {"ok": True, "task": self.task, "restarts_before": before})
+
+    def _handle_finish(self, request: Request) -> Response:
+        """The job is done (the chief's agent says so when its trainer exited 0): stop the task, exit 0."""
+        body = request.json()
+        if body is not None and not isinstance(body, dict):
+            raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
+        reason = str((body or {}).get("reason") or "POST /finish")[:300]
+        with self._lock:
+            self._finished = reason
+        log.info("event=finish_requested task=%s reason=%r", self.task, reason)
+        self.request_stop()  # wait() returns 0; the CLI then stops the task gracefully
+        return Response(202, {"ok": True, "task": self.task})
 
     def _handle_new_generation(self, request: Request) -> Response:
         """The trainer rejoins in-process after a PS failure: restart every PS peer first, answer when done."""

@@ -158,6 +158,38 @@ class PeerSync:
             raise RuntimeError(f"HTTP {code}: {message}")
         return answer
 
+    def finish(self, reason: str) -> dict[str, str]:
+        """The job is done: ``POST /finish`` to every peer agent (each stops its task and exits 0); the outcome per
+        peer URL. A peer that does not answer is tried again once after a second; an HTTP error is final."""
+        outcome: dict[str, str] = {}
+        for url in self.peers:
+            for attempt in (1, 2):
+                try:
+                    code, answer = http_json(
+                        "POST",
+                        f"{url}/finish",
+                        body={"reason": reason},
+                        token=self._peer_token,
+                        timeout=self.config.request_timeout,
+                        tls=self._tls,
+                    )
+                except OSError as e:
+                    outcome[url] = f"error: {e}"
+                    if attempt == 1:
+                        time.sleep(1.0)  # not self._stop.wait: the agent may be stopping; this is its last word
+                    continue
+                if 200 <= code < 300:
+                    outcome[url] = "finished"
+                else:
+                    message = answer.get("error", "") if isinstance(answer, dict) else ""
+                    outcome[url] = f"error: POST /finish answered HTTP {code}: {message}"
+                break
+        failed = any(o.startswith("error") for o in outcome.values())
+        (log.error if failed else log.info)(
+            "event=peers_finished task=%s reason=%r outcome=%s", self.task, reason, json.dumps(outcome)
+        )
+        return outcome
+
     def new_generation(self, reason: str, failed_at: float | None = None) -> dict[str, Any]:
         """Restart every PS peer and wait until all serve again; the outcome.
 
