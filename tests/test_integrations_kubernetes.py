@@ -313,6 +313,9 @@ def test_tfjob_agents_take_their_task_from_the_operators_tf_config(rtype: str) -
         assert args.peer == expected
         assert args.store == "s3://my-bucket/jobs/ctr-42" and args.spool == "/psguard-spool/ctr-42"
         assert args.command[1:4] == ["python", "/app/examples/custom_loop/train_psguard.py", "--checkpoint-dir"]
+    elif rtype == "PS":  # the PS agents keep their shards and write their part of the log: the chief's store
+        assert args.peer == [] and args.store == "s3://my-bucket/jobs/ctr-42" and args.command == []
+        assert args.spool == "/psguard-shards/ps"
     else:
         assert args.peer == [] and args.store is None and args.command == []
 

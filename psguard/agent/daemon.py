@@ -419,7 +419,7 @@ class Agent:
         if cfg.store is not None:
             store = self.store = Store.open(cfg.store, dict(cfg.storage_options))
             t0 = time.perf_counter()
-            last = resume(store, tier)
+            last = resume(store, tier, skip_sharded=self.shard_client is not None)
             self._resume_seconds = time.perf_counter() - t0
             if last is not None:
                 self._resumed_step = last.step

@@ -512,14 +512,23 @@ class Persister:
             log.exception("persister event callback failed (ignored)")
 
 
-def resume(store: Store, tier: MemoryTier) -> CheckpointInfo | None:
+def resume(store: Store, tier: MemoryTier, *, skip_sharded: bool = False) -> CheckpointInfo | None:
     """Seed ``tier`` from the newest usable durable checkpoint; return it (for ``Persister(last=...)``).
 
     An agent that restarts (or succeeds a killed one) calls this so its tier is at least as fresh as the
     durable log and accepts deltas relative to that checkpoint's token. None when the log is empty.
+    ``skip_sharded``: the chief's agent of PS agents that keep the shards loads only the tensors stored whole
+    (its memory stays independent of the model's size); the shards are loaded by the PS agents themselves
+    when a trainer restores (format 2, row-range reads).
     """
+    names = None
+    if skip_sharded:
+        latest = store.latest()
+        if latest is None:
+            return None
+        names = [n for n, e in store.manifest(latest.id).tensors.items() if e.encoding != "sharded"]
     try:
-        loaded = store.load_latest()
+        loaded = store.load_latest(names)
     except NoCheckpointError:
         return None
     metadata = dict(loaded.info.metadata)

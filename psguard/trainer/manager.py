@@ -474,6 +474,11 @@ class CheckpointManager:
         mismatches and nothing is assigned.
         """
         memory = self._sink.memory_snapshot(self.restore_timeout)
+        if memory is not None and not memory.parts:
+            absent = sorted(n for n in self.capturer.spilled if n not in memory.tensors)
+            if absent:  # the PS agents hold no state the chief's agent vouches for (e.g. it restarted)
+                log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
+                memory = None
         durable_latest = self._durable_latest_beside(memory) if memory is not None else None
         token: str | None
         parts: Mapping[ShardKey, str] = {}
