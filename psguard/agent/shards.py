@@ -146,6 +146,7 @@ class ShardKeeper:
                 keys[name] = (s.key, s.shape)
                 u = updates[name]
                 nbytes += u.value.nbytes if isinstance(u, Full) else u.values.nbytes if isinstance(u, Rows) else 0
+            self._drop_restore_files()  # a capture comes after the restore it followed was loaded
             with self._lock:
                 result = self.tier.apply(updates, step=step, token=token, parent=parent)
                 if result.ok:
@@ -191,8 +192,7 @@ class ShardKeeper:
                 return {"status": "empty", "step": None, "token": None}
             if expected is not None and snap.token != expected:
                 return {"status": "mismatch", "step": snap.step, "token": snap.token}
-            for old in restore.iterdir():  # one restore at a time: the previous one was loaded or abandoned
-                shutil.rmtree(old, ignore_errors=True)
+            self._drop_restore_files()  # one restore at a time: the previous one was loaded or abandoned
             tmp = restore / f"{nonce}.tmp"
             tmp.mkdir(mode=0o700)
             files = []
@@ -268,6 +268,12 @@ class ShardKeeper:
             "token": self.tier.token,
             "bytes": sum(a.nbytes for a in arrays.values()),
         }
+
+    def _drop_restore_files(self) -> None:
+        """The restore files are a second copy of the shards in this node's memory (tmpfs): kept only until
+        the trainer loaded them, which the next capture or restore shows."""
+        for old in (self.folder / "restore").iterdir():
+            shutil.rmtree(old, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------ durable log
     def take(self, doc: Mapping[str, Any]) -> dict[str, Any]:

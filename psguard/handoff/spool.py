@@ -45,6 +45,10 @@ Capture protocol. The writer writes every tensor file (native little-endian byte
                  {"name": "...", "kind": "same", "dtype": ..., "shape": [..]}]}
 
 ``token`` names the state the capture produces, ``parent`` the state it applies to (null: a whole capture).
+``parts`` (optional, list): the shards the capture wrote on their PS nodes instead, one entry per PS
+(:class:`psguard.handoff.parts.PartCapture`: ``{"task", "nonce", "shards": [{"name", "offset", "rows",
+"shape", "dtype", "kind", "count", "stem"}]}``); the agent forwards each to that PS's agent, and the capture
+is applied only if every PS's agent applied its part.
 The agent processes complete captures in ``seq`` order (a startup scan, then ``watchdog`` events, with a slow
 poll as a safety net): it checks every file's size and CRC32C, applies the capture to the memory tier, writes
 ``acks/<seq>.json`` (``{"status": "ok" | "need_full" | "error", "memory_step", "token", "capture",
@@ -55,7 +59,12 @@ write-then-rename, asks its persister to make captures for the durable tier dura
 Restore protocol. The trainer writes ``requests/restore-<gen>-<nonce>.json``; the agent exports a consistent
 snapshot of the memory tier (step, metadata, token, the last durable checkpoint it knows, a CRC32C per
 tensor) into ``restore/<gen>-<nonce>.tmp-agent/`` and renames it to ``restore/<gen>-<nonce>/``. The trainer
-verifies every CRC32C before returning anything, then deletes the folder.
+verifies every CRC32C before returning anything, then deletes the folder. When PS agents keep the shards,
+the snapshot's ``manifest.json`` also lists ``parts``: ``[{"task", "name", "offset", "rows", "shape",
+"dtype", "path"}]``, each shard's file on its own PS node, written there by that PS's agent for the same
+token. A request may name a durable ``checkpoint`` and the ``shards`` each PS task hosts (``{"ps:0":
+[[name, offset, rows], ...]}``): the agent first brings every tier to that checkpoint (each PS agent reading
+its rows from the log) and then answers the same way.
 
 Heartbeat. The trainer's manager replaces ``heartbeat.json`` (write-then-rename) at most once a second while
 it makes steps: ``{"step": 1200, "at": <time.time()>, "pid": <the trainer's pid>, "hang_after": 300.0 | null}``.
