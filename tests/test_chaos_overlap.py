@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,6 +123,10 @@ def test_a_fault_fires_while_another_is_still_open(tmp_path: Path, sleepers: dic
     assert sleepers["ps1"].proc.wait(10) == -signal.SIGKILL
     assert sleepers["ps0"].state() == "T", "the pause is still on: the faults overlap"
     nemesis.heal_all()
+    # SIGCONT is delivered asynchronously: await the state change (under load it can take a moment).
+    deadline = time.monotonic() + 10
+    while sleepers["ps0"].state() == "T" and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert sleepers["ps0"].state() in ("S", "R")
     history.close()
     ops = [(o.f, o.value["target"], o.type) for o in operations(read_history(tmp_path / "history.jsonl"))]
