@@ -69,6 +69,9 @@ def test_tiny_run_on_the_cluster(chief: Chief, tmp_path: Path) -> None:
     # at 100% changed rows the table comes whole to the chief
     assert r["sweep"]["100pct"]["changed_rows"] == 20_000
     assert r["sweep"]["100pct"]["ps_to_chief_bytes"] >= r["table_bytes"]
+    # the PS-side capture of the same states: the rows stay on the PS nodes, only counts reach the chief
+    assert r["ps_side_stall_seconds_at_100pct"] > 0 and r["ps_side_stall_ratio_at_100pct"] > 0
+    assert r["ps_side_to_chief_bytes_at_100pct"] < r["table_bytes"] / 100
     assert r["overhead_saves"] == 2 and r["overhead_idle_pct"] > 0
     assert set(r["spread"]) >= {"stall_ratio", "bytes_ratio", "overhead_pct_per_pair"}
     assert list(tmp_path.iterdir()) == []  # checkpoint folders removed

@@ -30,6 +30,9 @@ Keys:
   segments alternating no saves / saves (ABBA...). Target <= 3.
 - ``ps_to_chief_bytes_per_capture`` (against ``table_bytes``: one embedding table), and psguard's stall
   with 1%, 10% and 100% of the embedding's rows changed (by a scatter on the PS, no training).
+- ``ps_side_stall_seconds_at_{1,10,100}pct`` and ``ps_side_stall_ratio_at_100pct`` (over ``tf_stall_seconds``):
+  the same captures with the PS-side path of issue 12 (each shard's rows written to files on its own PS node,
+  what runs when PS agents keep the shards): the stall no longer grows with the bytes crossing to the chief.
 
 Progress goes to stderr; ``--json`` prints one object on stdout (``spread`` holds min/median/max across runs).
 Results are recorded in BENCHMARKS.md.
@@ -52,7 +55,9 @@ from psguard.benchmarks.common import alternate, median, print_results, progress
 from psguard.store.log import CheckpointInfo
 
 MiB = 1 << 20
-OPTIMIZERS = ("adagrad", "sgd")  # slots (if any) change only in the rows of the gradients
+#: adagrad/sgd: slots (if any) change only in the rows of the gradients; adam: its moments decay in every
+#: row that was ever touched, at every step (every save is then close to 100% changed rows).
+OPTIMIZERS = ("adagrad", "sgd", "adam")
 ID_DISTRIBUTIONS = ("hot", "uniform")
 #: A steady-state round trains until this share of the hot set was looked up (so ~all of it changed).
 HOT_COVERAGE = 0.99
@@ -208,6 +213,23 @@ class _Job:
         self.tf = tf.train.CheckpointManager(self.root, str(workdir / "tf"), max_to_keep=1)
         self.touch = touch_rows_fn(self.model.embedding)
         self._seed = 0
+        self.spill_root = workdir / "ps-side"
+        self._ps_side: Any = None
+
+    def ps_side_capturer(self) -> Any:
+        """The PS-side capture (issue 12): the same capture with every shard's rows written to files on its
+        own PS node (here: folders on this host, as the PS agents' part folders would be). Made only after
+        the psguard manager's last capture: two capturers of one model take over each other's write tracking."""
+        if self._ps_side is None:
+            from psguard.trainer.capture import Capturer
+
+            dirs = {}
+            for i in range(self.cfg.num_ps):
+                folder = self.spill_root / f"ps-{i}"
+                folder.mkdir(parents=True, mode=0o700)
+                dirs[f"ps:{i}"] = str(folder)
+            self._ps_side = Capturer(self.root, coordinator=self.coordinator, spill_dirs=dirs)
+        return self._ps_side
 
     def step(self) -> int:
         return int(self.model.step.numpy())
@@ -246,6 +268,19 @@ class _Job:
             "changed_rows": self.changed_rows(stats),
             "hashed_all_rows": bool(stats.hashed_all),
         }
+
+    def ps_side_capture(self) -> dict[str, Any]:
+        """One timed PS-side capture (the stall: until the files are on every PS node); the files are then
+        removed, as the PS agents do once applied."""
+        capturer = self.ps_side_capturer()
+        self.quiesce()
+        t0 = time.perf_counter()
+        capturer.capture()
+        stall = time.perf_counter() - t0
+        stats = capturer.last_stats
+        for part in capturer.last_parts:
+            shutil.rmtree(self.spill_root / part.task.replace(":", "-") / "incoming", ignore_errors=True)
+        return {"stall_s": stall, "ps_to_chief_bytes": stats.bytes_read, "rows_spilled": stats.rows_spilled}
 
     def changed_rows(self, stats: Any) -> int:
         """Rows of the embedding in the last capture (all of them when it went whole)."""
@@ -384,6 +419,24 @@ def sweep(job: _Job) -> dict[str, Any]:
             f"{fraction:.0%} rows changed: psguard stall {median(stalls):.3f}s "
             f"[{min(stalls):.3f}..{max(stalls):.3f}], read {runs[-1]['ps_to_chief_bytes'] / MiB:.1f} MiB from the PS"
         )
+    return out
+
+
+def ps_side_sweep(job: _Job) -> dict[str, Any]:
+    """The sweep's stalls again with the PS-side capture (after the psguard manager's last capture)."""
+    out: dict[str, Any] = {}
+    job.ps_side_capture()  # its first capture is whole; from here on each sees the rows touched before it
+    for fraction in job.cfg.sweep:
+        runs = []
+        for _ in range(job.cfg.sweep_runs):
+            job.touch_rows(fraction)
+            runs.append(job.ps_side_capture())
+        stalls = [float(r["stall_s"]) for r in runs]
+        key = f"ps_side_stall_seconds_at_{fraction * 100:g}pct"
+        out[key] = median(stalls)
+        out[f"ps_side_to_chief_bytes_at_{fraction * 100:g}pct"] = int(median([r["ps_to_chief_bytes"] for r in runs]))
+        out.setdefault("spread", {})[key] = spread(stalls)
+        progress(f"{fraction:.0%} rows changed, PS-side capture: stall {median(stalls):.3f}s")
     return out
 
 
@@ -571,12 +624,18 @@ def _run(cfg: Config, strategy: Any, coordinator: Any, tmp: Path, started: float
             _Throughput(job, cfg.overhead_seconds).run(),
             sweep(job),
             compaction(job),
+            ps_side_sweep(job),
         ]
         spreads: dict[str, Any] = {}
         for part in parts:
             spreads.update(part.pop("spread", {}))
             results.update(part)
         results["ps_to_chief_vs_table"] = results["ps_to_chief_bytes_per_capture"] / table_bytes
+        if "ps_side_stall_seconds_at_100pct" in results:
+            # Every row changed (Adam, a new base): the PS-side capture against TF's own save of the same state.
+            results["ps_side_stall_ratio_at_100pct"] = (
+                results["ps_side_stall_seconds_at_100pct"] / results["tf_stall_seconds"]
+            )
         results["spread"] = spreads
         results["config"] = asdict(cfg)
         results["seconds"] = time.perf_counter() - started
@@ -603,6 +662,10 @@ KEYS = (
     "stall_seconds_at_1pct",
     "stall_seconds_at_10pct",
     "stall_seconds_at_100pct",
+    "ps_side_stall_seconds_at_1pct",
+    "ps_side_stall_seconds_at_10pct",
+    "ps_side_stall_seconds_at_100pct",
+    "ps_side_stall_ratio_at_100pct",
     "steps_per_s_no_saves",
     "steps_per_s_with_saves",
     "overhead_changed_rows_per_save",
