@@ -711,6 +711,10 @@ class Agent:
         if sup is None:
             raise RequestError(503, "the task is not supervised yet")
         before = sup.status().restarts
+        if self.monitor is not None:
+            # The old process is killed now and stays a zombie until reaped: the probes must not count that as
+            # the new run failing (they killed a standby just swapped in, and the PS then started cold).
+            self.monitor.reset()
         if not sup.restart(f"requested over HTTP: {reason}", crash=False):
             raise RequestError(409, f"task {self.task} is not running under supervision ({sup.status().state.value})")
         log.info("event=restart_requested task=%s reason=%r", self.task, reason)

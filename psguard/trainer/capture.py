@@ -279,17 +279,17 @@ class Capturer:
                 )
             return updates
 
-    def rebase(self) -> None:
+    def rebase(self, *, spilled_too: bool = True) -> None:
         """Declare the variables' current values to be what the caller already holds (e.g. just restored).
 
         Recomputes the fingerprints on the PS without reading anything to the chief, so the next capture
-        is relative to now.
+        is relative to now. ``spilled_too=False``: not those of the spilled shards (already done).
         """
         with self._lock:
             self._sync()
             self._expected_gap = None
             if self._tracked:
-                gap = self._rebase_fn()
+                gap = self._rebase_fn() if spilled_too else self._rebase_local_fn()
                 self._expected_gap = int(gap) if self.tracks_writes else None
             self._since_verify = 0
             for tr in self._tracked.values():
@@ -370,7 +370,7 @@ class Capturer:
                     self._load_fn = (layout, self._build_load_fn([(tr, s) for tr, s, _ in keys]))
                 self._load_fn[1](tf.constant([str(files[k]) for _, _, k in keys]))
             restore(self.root, tensors, elsewhere=elsewhere)
-            self.rebase()
+            self.rebase(spilled_too=False)
 
     @staticmethod
     def _build_load_fn(shards: list[tuple[_Tracked, Shard]]) -> Any:
@@ -384,9 +384,17 @@ class Capturer:
                     values.append(tf.ensure_shape(value, s.var.shape))
             # Every file parsed and of the right shape before the first assign: all or nothing.
             with tf.control_dependencies(values):
-                for value, (_, s) in zip(values, shards, strict=True):
+                for value, (tr, s) in zip(values, shards, strict=True):
+                    j = next(i for i, x in enumerate(tr.info.shards) if x is s)
                     with tf.device(s.device):
-                        s.var.assign(value)
+                        assigned = s.var.assign(value)
+                        # The rebase, from the values in hand: hashing them here saves reading the shard again.
+                        fp = tf.reshape(tf.bitcast(tf.fingerprint(value), tf.int64), [-1])
+                        tr.fingerprints[j].assign(fp)
+                        if tr.dirty is not None:
+                            with tf.control_dependencies([assigned]):  # after the write hooks marked the assign
+                                tr.dirty[j].rows.assign(tf.zeros([s.rows], tf.bool))
+                                tr.dirty[j].whole.assign(False)
 
         return tf.function(load, autograph=False)
 
@@ -635,8 +643,10 @@ class Capturer:
                 gap = tf.identity(gap)
             return results, hashed_all, strays, gap
 
-        def rebase_fn() -> Any:
+        def rebase_fn(spilled_too: bool) -> Any:
             for tr in primaries:
+                if tr.spill and not spilled_too:
+                    continue  # restore_parts fingerprinted them from the values it loaded
                 for j, (s, fp_var) in enumerate(zip(tr.info.shards, tr.fingerprints, strict=True)):
                     with tf.device(s.device):
                         fp_var.assign(fingerprints(tr, read_rows(tr, s)))
@@ -647,7 +657,8 @@ class Capturer:
                 return tf.identity(gap_now())
 
         self._capture_fn = tf.function(capture_fn, autograph=False)
-        self._rebase_fn = tf.function(rebase_fn, autograph=False)
+        self._rebase_fn = tf.function(lambda: rebase_fn(True), autograph=False)
+        self._rebase_local_fn = tf.function(lambda: rebase_fn(False), autograph=False)
 
     # ------------------------------------------------------------------------------------------ assembly
 

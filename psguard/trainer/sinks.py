@@ -144,6 +144,10 @@ class _AgentSaveHandle(SaveHandle):
         except PsguardError as e:
             return e
 
+    def memory_done(self) -> bool:
+        """The agent answered for its memory tier (applied, or refused)."""
+        return self._outcome is not None or self._spooled.done()
+
     def done(self) -> bool:
         if self._outcome is not None:
             return True
@@ -419,9 +423,13 @@ class AgentSink:
         self._pending = still
 
     def busy(self) -> frozenset[Tier]:
+        """Busy only until the last capture is in the agent's memory tier. A durable write still running in the
+        agent does not hold the next capture back: the agent's tier takes new captures while its persister
+        writes (copy-on-write), and durable requests that arrive meanwhile are folded into the next write.
+        (Holding captures back until a durable commit, as before, lost every step of a 1 GB base's write.)"""
         with self._lock:
             last = self._pending[-1] if self._pending else None
-        return frozenset({Tier.MEMORY}) if last is not None and not last.done() else frozenset()
+        return frozenset({Tier.MEMORY}) if last is not None and not last.memory_done() else frozenset()
 
     def in_flight(self) -> bool:
         return False  # handed off: the agent finishes it whether or not this process lives
