@@ -179,7 +179,17 @@ def _expected(path: str, expected: str, got: object) -> _Invalid:
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that refuses a key given twice in one mapping (PyYAML silently keeps the last)."""
+    """A safe loader that refuses a key given twice in one mapping (PyYAML silently keeps the last), and
+    aliases (``*name``): nine nested aliases of nine make a billion nodes to validate ("billion laughs"), and
+    no psguard setting needs them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*name) are not accepted in psguard files (line {mark.line + 1})", mark
+            )
+        return super().compose_node(parent, index)
 
 
 def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:

@@ -226,3 +226,17 @@ def test_changed_keys_lists_nested_differences() -> None:
     b = Outer(name="x", inner=Inner(timeout=60.0), mode="max")
     assert changed_keys(a, b) == ["inner.timeout: 30.0 -> 60.0", "mode: 'min' -> 'max'"]
     assert changed_keys(a, a) == []
+
+
+def test_yaml_aliases_are_refused_before_they_can_multiply() -> None:
+    """Nine aliases of nine aliases... ("billion laughs"): refused at the first alias, nothing expanded."""
+
+    @dataclass(frozen=True)
+    class Tiny:
+        a: str = ""
+        b: str = ""
+
+    bomb = 'a: &a "xxxxxxxx"\nb: *a\n'
+    with pytest.raises(ConfigError, match=r"aliases \(\*name\) are not accepted.*line 2"):
+        loads_yaml(Tiny, bomb, source="bomb.yaml")
+    assert loads_yaml(Tiny, 'a: "x"\n', source="ok.yaml") == Tiny(a="x")
