@@ -78,6 +78,10 @@ class AgentProcess:
         self.ready_file = self.dir / "url"
         self.log_path = self.dir / "agent.log"
         self._config = self.dir / "agent.yaml"
+        if "state_dir:" not in config:
+            # The run's own task records: another run on this host (the same default job, the same task names)
+            # must neither see them nor refuse to start because of them.
+            config += f"\nstate_dir: {json.dumps(str(directory / '.state'))}\n"
         self._config.write_text(config)
         self._args = list(args)
         self._command = list(command)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -178,8 +179,8 @@ def run(
         chief_dir = agents_dir / "chief"
         chief_dir.mkdir(parents=True, exist_ok=True)
         chief_config = Path(config).resolve() if config is not None else chief_dir / "agent.yaml"
-        if config is None:
-            chief_config.write_text(CHIEF_CONFIG)
+        if config is None:  # the run's own task records (see AgentProcess)
+            chief_config.write_text(CHIEF_CONFIG + f"state_dir: {json.dumps(str(agents_dir / '.state'))}\n")
         argv = [sys.executable, "-m", "psguard.cli", *(["-v"] * verbose), "agent", "--role", "chief"]
         argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
         argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token.path)]
