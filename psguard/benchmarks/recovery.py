@@ -239,7 +239,10 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
         while (step := int(model.step.numpy())) < end:
             handle = manager.maybe_save(step)
             if handle is not None:
-                rec.emit("capture", gen=gen["n"], step=step, stall=handle.stall_seconds)
+                stats = manager.capturer.last_stats  # rows written on the PS nodes: all of them when full
+                rec.emit(
+                    "capture", gen=gen["n"], step=step, stall=handle.stall_seconds, rows_spilled=stats.rows_spilled
+                )
             if step == p.kill_at and not gen["killed"]:
                 gen["killed"] = True
                 rec.emit("kill", step=step)
@@ -399,6 +402,8 @@ def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> d
         "capture_stall_s": median(stalls[1:]) if len(stalls) > 1 else (stalls[0] if stalls else float("nan")),
         "first_capture_stall_s": stalls[0] if stalls else float("nan"),
         "capture_after_restore_stall_s": float(captures_after[0]["stall"]) if captures_after else None,
+        "capture_after_restore_rows": captures_after[0].get("rows_spilled") if captures_after else None,
+        "capture_rows": median([float(d.get("rows_spilled", 0)) for d in recs.of("capture")[1:]] or [0.0]),
     }
 
 
@@ -712,6 +717,8 @@ def summarize(
         "psguard_capture_stall_s": _med(ours, "capture_stall_s"),
         "baseline_capture_stall_s": _med(theirs, "capture_stall_s"),
         "psguard_capture_after_restore_stall_s": _med(ours, "capture_after_restore_stall_s"),
+        "psguard_capture_after_restore_rows": [d["capture_after_restore_rows"] for d in ours],
+        "psguard_capture_rows": _med(ours, "capture_rows"),
         "psguard_chief_rss_growth_bytes": _med(ours, "chief_rss_growth_bytes"),
         "psguard_trainer_rss_growth_bytes": _med(ours, "trainer_rss_growth_bytes"),
         "psguard_chief_agent_rss_growth_bytes": _med(ours, "chief_agent_rss_growth_bytes"),
