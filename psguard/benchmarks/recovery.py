@@ -32,9 +32,12 @@ before the kill (no capture in it). ``first_step_s`` is the older measure: kill 
 Keys: ``recovery_ratio`` (psguard's recovery seconds over the baseline's; medians), ``lost_steps_ratio``
 (steps lost, psguard over baseline, with the same durable cadence K: psguard restores the memory tier, at most
 5 steps old), ``agents`` (true: the product path), ``state_bytes`` (every variable of model and optimizer),
-``chief_peak_rss_growth_ratio`` (the chief's trainer plus the chief's agent: each one's peak RSS, the kernel's
-``VmHWM`` sampled from ``/proc/<pid>/status`` every 50 ms, minus its RSS just before the trainer builds the
-model, summed, over ``state_bytes``), ``ps_agent_peak_rss_ratio`` (the largest PS agent's peak RSS growth over
+``chief_peak_rss_growth_ratio`` (the chief's trainer plus the chief's agent, over ``state_bytes``: the agent's
+peak RSS, the kernel's ``VmHWM`` sampled from ``/proc/<pid>/status`` every 50 ms, minus its RSS when the trainer
+starts; the trainer's peak counted from just after it built model and optimizer, where it resets its peak mark,
+to the end of that generation, because building the testbed model alone peaks at ~0.8x the table on the chief
+in TensorFlow, psguard or not; ``chief_peak_rss_growth_ratio_with_build`` counts the trainer from before the
+model exists, as ``/proc`` sampling sees it), ``ps_agent_peak_rss_ratio`` (the largest PS agent's peak RSS growth over
 the same start, over the bytes of the shards it holds: the table's and the optimizer slot's rows of its PS),
 ``restore_vs_raw_ratio`` (psguard's restore throughput, ``state_bytes`` over the trainer's own timing of
 ``restore_or_initialize`` in the recovery, over a raw PS-side restore of the same variables in the same run:
@@ -217,7 +220,12 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
             model, optimizer = _model(tf, p)
         trainer = Trainer(strategy, coordinator, model, optimizer)
         root = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        # Building the model peaks at ~0.8x the table on the chief (TF's variable creation, psguard or not):
+        # psguard's own growth is counted from here (the kernel's peak mark reset).
+        built_rss, built_hwm = rss_bytes(), rss_bytes("VmHWM")
+        reset_peak_rss()
         manager = CheckpointManager(root, store_url, coordinator=coordinator, step_counter=model.step, policy=schedule)
+        parts = _timed_parts(manager)
         t1 = time.time()
         manager.restore_or_initialize()
         t2 = time.time()
@@ -225,7 +233,8 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
         trainer.next_index = step
         r = manager.restored
         rec.emit("restore", gen=gen["n"], t0=t1, t1=t2, build_s=t1 - t0, step=step,
-                 source=r.source if r is not None else None)  # fmt: skip
+                 source=r.source if r is not None else None, parts=parts, built_rss=built_rss, built_hwm=built_hwm,
+                 rss=rss_bytes(), hwm=rss_bytes("VmHWM"))  # fmt: skip
         if gen["n"] == 0:
             spilled = manager.capturer.spilled
             total, per_ps = state_layout(root, spilled)
@@ -240,9 +249,16 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
             handle = manager.maybe_save(step)
             if handle is not None:
                 stats = manager.capturer.last_stats  # rows written on the PS nodes: all of them when full
-                rec.emit(
-                    "capture", gen=gen["n"], step=step, stall=handle.stall_seconds, rows_spilled=stats.rows_spilled
-                )
+                rows = stats.rows_spilled
+                rec.emit("capture", gen=gen["n"], step=step, stall=handle.stall_seconds, rows_spilled=rows,
+                         hwm=rss_bytes("VmHWM"))  # fmt: skip
+                if gen["n"] == 0 and not gen.get("based"):
+                    # A job that has trained for a while has its first (full) capture in the memory tiers long
+                    # since: wait for it, so the kill finds the steady state (its cost is reported apart).
+                    gen["based"] = True
+                    t0 = time.time()
+                    handle.restorable(timeout=p.timeout)
+                    rec.emit("first-restorable", seconds=time.time() - t0)
             if step == p.kill_at and not gen["killed"]:
                 gen["killed"] = True
                 rec.emit("kill", step=step)
@@ -268,6 +284,31 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
     rec.emit("raw", **raw_restore(tf, root, Path(shm) / "raw"))
     rec.emit("done")
     rec.close()
+
+
+def _timed_parts(manager: Any) -> dict[str, float]:
+    """Time the phases of ``manager.restore_or_initialize()`` (filled in as it runs): ``snapshot_s`` (the
+    chief's agent gets every PS agent to write its shards' files: ``memory_snapshot``), ``load_s`` (each PS
+    reads and assigns its files, the small tensors from the chief: ``restore_parts``, its rebase included) and
+    ``rebase_s`` (fingerprints of every row for the next capture). Wraps the instance's methods only."""
+    times: dict[str, float] = {}
+
+    def wrap(obj: Any, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    wrap(manager._sink, "memory_snapshot", "snapshot_s")
+    wrap(manager.capturer, "restore_parts", "load_s")
+    wrap(manager.capturer, "rebase", "rebase_s")
+    return times
 
 
 # ------------------------------------------------------------------------------------------- child: baseline
@@ -299,11 +340,14 @@ def baseline_child(workdir: str, params_json: str, mode: str, progress_path: str
         model, optimizer = _model(tf, p)
     trainer = Trainer(strategy, coordinator, model, optimizer)
     ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    built_rss, built_hwm = rss_bytes(), rss_bytes("VmHWM")
+    reset_peak_rss()  # as on psguard's side: the growth of saving and restoring, the model's build apart
     manager = tf.train.CheckpointManager(ckpt, str(Path(workdir) / "tf-ckpt"), max_to_keep=2)
     t1 = time.time()
     manager.restore_or_initialize()
     step = int(model.step.numpy())
-    rec.emit("restore", gen=gen, t0=t1, t1=time.time(), build_s=t1 - t0, step=step, source="tf")
+    rec.emit("restore", gen=gen, t0=t1, t1=time.time(), build_s=t1 - t0, step=step, source="tf",
+             built_rss=built_rss, built_hwm=built_hwm)  # fmt: skip
     trainer.next_index = step
     if mode == "restart":
         for _ in range(p.after_steps):
@@ -403,8 +447,25 @@ def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> d
         "first_capture_stall_s": stalls[0] if stalls else float("nan"),
         "capture_after_restore_stall_s": float(captures_after[0]["stall"]) if captures_after else None,
         "capture_after_restore_rows": captures_after[0].get("rows_spilled") if captures_after else None,
+        "restore_parts_s": restore.get("parts") or {},
+        "first_capture_restorable_s": recs.of("first-restorable")[0]["seconds"]
+        if recs.of("first-restorable")
+        else None,
         "capture_rows": median([float(d.get("rows_spilled", 0)) for d in recs.of("capture")[1:]] or [0.0]),
     }
+
+
+def growth_after_build(recs: Records) -> int:
+    """The trainer's largest RSS growth over a generation, counted from its model's build (each process resets
+    its kernel peak mark there): the peaks its records carry after that, minus its RSS then."""
+    out = 0
+    restores = recs.of("restore")
+    for k, r in enumerate(restores):
+        later = restores[k + 1]["t"] if k + 1 < len(restores) else float("inf")
+        peaks = [int(d["hwm"]) for d in recs.docs if "hwm" in d and r["t"] <= d["t"] < later]
+        peaks += [int(r.get("hwm", 0))]
+        out = max(out, max(peaks) - int(r["built_rss"]))
+    return out
 
 
 # ------------------------------------------------------------------------------------------- the parent
@@ -500,8 +561,11 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
         state_bytes=int(state["state_bytes"]),
         ps_shard_bytes=held,
         ps_side_shards="event=ps_side_shards " in chief_log,
-        chief_rss_growth_bytes=rss.growth("trainer") + rss.growth("chief-agent"),
-        trainer_rss_growth_bytes=rss.growth("trainer"),
+        chief_rss_growth_bytes=growth_after_build(recs) + rss.growth("chief-agent"),
+        chief_rss_growth_with_build_bytes=rss.growth("trainer") + rss.growth("chief-agent"),
+        trainer_rss_growth_bytes=growth_after_build(recs),
+        trainer_rss_growth_with_build_bytes=rss.growth("trainer"),
+        trainer_rss_after_build_bytes=int(recs.first("restore")["built_rss"]) - int(recs.first("ready")["rss"]),
         chief_agent_rss_growth_bytes=rss.growth("chief-agent"),
         ps_agent_rss_growth_bytes={t: rss.growth(f"ps{t.split(':')[1]}") for t in held},
         ps_agent_peak_rss_ratio=max(ps_ratios.values()) if ps_ratios else float("nan"),
@@ -512,6 +576,7 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
         phases=_phases(recs, kill_t),
     )
     doc["chief_peak_rss_growth_ratio"] = doc["chief_rss_growth_bytes"] / doc["state_bytes"]
+    doc["chief_peak_rss_growth_ratio_with_build"] = doc["chief_rss_growth_with_build_bytes"] / doc["state_bytes"]
     if not os.environ.get("PSGUARD_BENCH_KEEP"):  # set: keep the agents' logs and the progress records
         shutil.rmtree(work, ignore_errors=True)
     return doc
@@ -625,10 +690,11 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
     doc = measure(recs, kill_t, p, need_capture=False)
     restart_ready = next(d for d in recs.of("ready") if d["gen"] == 1)
     restore = recs.of("restore")[-1]
-    growth = [int(d["hwm"]) - int(r["rss"]) for d, r in zip(recs.of("trainer-peak"), recs.of("ready"), strict=True)]
+    with_build = [int(d["hwm"]) - int(r["rss"]) for d, r in zip(recs.of("trainer-peak"), recs.of("ready"), strict=True)]
     doc.update(
         state_bytes=int(recs.first("state")["state_bytes"]),
-        chief_rss_growth_bytes=max(growth),
+        chief_rss_growth_bytes=growth_after_build(recs),
+        chief_rss_growth_with_build_bytes=max(with_build),
         phases={
             "detect_s": recs.first("failure")["t"] - kill_t,
             "chief_exit_s": exited_at - recs.first("failure")["t"],
@@ -677,7 +743,8 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
     try:
         xs, ys = alternate(runs, a, b)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+        if not os.environ.get("PSGUARD_BENCH_KEEP"):
+            shutil.rmtree(workdir, ignore_errors=True)
     return summarize(p, ours, theirs, xs, ys)
 
 
@@ -701,6 +768,7 @@ def summarize(
         "agents": True,
         "state_bytes": int(ours[0]["state_bytes"]),
         "chief_peak_rss_growth_ratio": _med(ours, "chief_peak_rss_growth_ratio"),
+        "chief_peak_rss_growth_ratio_with_build": _med(ours, "chief_peak_rss_growth_ratio_with_build"),
         "ps_agent_peak_rss_ratio": _med(ours, "ps_agent_peak_rss_ratio"),
         "restore_vs_raw_ratio": _med(ours, "restore_vs_raw_ratio"),
         "ps_side_shards": all(d["ps_side_shards"] for d in ours),
@@ -719,10 +787,19 @@ def summarize(
         "psguard_capture_after_restore_stall_s": _med(ours, "capture_after_restore_stall_s"),
         "psguard_capture_after_restore_rows": [d["capture_after_restore_rows"] for d in ours],
         "psguard_capture_rows": _med(ours, "capture_rows"),
+        "psguard_first_capture_stall_s": _med(ours, "first_capture_stall_s"),
+        "psguard_first_capture_restorable_s": _med(ours, "first_capture_restorable_s"),
+        "psguard_restore_parts_s": {
+            k: round(median([d["restore_parts_s"].get(k, 0.0) for d in ours]), 3)
+            for k in ("snapshot_s", "load_s", "rebase_s")
+        },
+        "psguard_trainer_rss_after_build_bytes": _med(ours, "trainer_rss_after_build_bytes"),
         "psguard_chief_rss_growth_bytes": _med(ours, "chief_rss_growth_bytes"),
         "psguard_trainer_rss_growth_bytes": _med(ours, "trainer_rss_growth_bytes"),
         "psguard_chief_agent_rss_growth_bytes": _med(ours, "chief_agent_rss_growth_bytes"),
         "baseline_chief_rss_growth_bytes": _med(theirs, "chief_rss_growth_bytes"),
+        "psguard_chief_rss_growth_with_build_bytes": _med(ours, "chief_rss_growth_with_build_bytes"),
+        "baseline_chief_rss_growth_with_build_bytes": _med(theirs, "chief_rss_growth_with_build_bytes"),
         "ps_agent_rss_growth_bytes_runs": [d["ps_agent_rss_growth_bytes"] for d in ours],
         "ps_shard_bytes": ours[0]["ps_shard_bytes"],
         "normal_speed_reached": {
