@@ -39,6 +39,13 @@ METRICS: dict[str, tuple[str, str]] = {
     "lost_steps": ("psguard_lost_steps", "baseline_lost_steps"),
     "chief_rss_growth_bytes": ("psguard_chief_rss_growth_bytes", "baseline_chief_rss_growth_bytes"),
 }
+TITLES = {
+    "capture_stall_s": "capture stall (s)",
+    "restore_s": "restore (s)",
+    "recovery_s": "recovery: kill to normal speed (s)",
+    "lost_steps": "lost steps",
+    "chief_rss_growth_bytes": "chief RSS growth (MiB)",
+}
 RATIOS = ("recovery_ratio", "restore_vs_raw_ratio", "chief_peak_rss_growth_ratio", "ps_agent_peak_rss_ratio")
 
 
@@ -115,7 +122,9 @@ def plot(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
             if sweep == "state" and len(xs) > 1:
                 ax.set_xscale("log", base=2)
             ax.set_xlabel(xlabel)
-            ax.set_title(metric.replace("_bytes", " (MiB)").replace("_s", " (s)").replace("_", " "))
+            ax.set_title(TITLES[metric])
+            if sweep == "ps":
+                ax.set_xticks(xs)
             ax.grid(alpha=0.3)
             if col == 0:
                 ax.legend()
