@@ -827,7 +827,7 @@ def summarize(
 def params_from_args(args: argparse.Namespace, **overrides: Any) -> Params:
     """The :class:`Params` of the options :func:`add_job_options` adds (``bench scale`` varies some)."""
     values = {
-        "vocab_size": args.vocab_size,
+        "vocab_size": getattr(args, "vocab_size", Params.vocab_size),
         "embedding_dim": args.embedding_dim,
         "num_ps": args.ps,
         "durable_every": args.durable_every,
