@@ -690,7 +690,11 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
     doc = measure(recs, kill_t, p, need_capture=False)
     restart_ready = next(d for d in recs.of("ready") if d["gen"] == 1)
     restore = recs.of("restore")[-1]
-    with_build = [int(d["hwm"]) - int(r["rss"]) for d, r in zip(recs.of("trainer-peak"), recs.of("ready"), strict=True)]
+    # Each chief resets its peak mark after its model's build: the build's peak is in its restore record.
+    with_build = [
+        max(int(d["hwm"]), int(b["built_hwm"])) - int(r["rss"])
+        for d, b, r in zip(recs.of("trainer-peak"), recs.of("restore"), recs.of("ready"), strict=True)
+    ]
     doc.update(
         state_bytes=int(recs.first("state")["state_bytes"]),
         chief_rss_growth_bytes=growth_after_build(recs),
