@@ -488,7 +488,7 @@ def _shm_dir(prefix: str) -> Path:
 
 def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
     """One recovery with every task under ``psguard agent``; the figures of :func:`measure` and the RSS."""
-    from psguard.agent.launcher import AgentProcess, write_cluster
+    from psguard.agent.launcher import AGENT_CONFIG, AgentProcess, write_cluster
 
     work = Path(tempfile.mkdtemp(prefix="psg-", dir=workdir))
     shm = _shm_dir("psguard-bench-")
@@ -501,16 +501,21 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
     try:
         cluster, _ = write_cluster(work, ps=p.num_ps, workers=NUM_WORKERS)
         root = work / "agents"
+        # The agents' task records in a folder of this run: the default one is shared by every job named
+        # "default" on the host, and another run's ps:0 there makes this run's PS agent refuse to start.
+        config = AGENT_CONFIG + f"state_dir: {shm / 'agents'}\n"
         for i in range(p.num_ps):
             args = ["--role", "ps", "--index", str(i), "--cluster", str(cluster)]
-            agents[f"ps{i}"] = AgentProcess(root, f"ps{i}", [*args, "--spool", str(shm / f"ps{i}"), "--store", store])
+            args += ["--spool", str(shm / f"ps{i}"), "--store", store]
+            agents[f"ps{i}"] = AgentProcess(root, f"ps{i}", args, config=config)
         for i in range(NUM_WORKERS):
             args = ["--role", "worker", "--index", str(i), "--cluster", str(cluster)]
-            agents[f"worker{i}"] = AgentProcess(root, f"worker{i}", args)
+            agents[f"worker{i}"] = AgentProcess(root, f"worker{i}", args, config=config)
         peers = [arg for a in agents.values() for arg in ("--peer", a.wait_url(180))]
         trainer = _child("agent_trainer", str(prog), store, str(shm), json.dumps(asdict(p)))
         args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", store]
-        agents["chief"] = AgentProcess(root, "chief", [*args, "--spool", str(shm / "spool"), *peers], trainer)
+        args += ["--spool", str(shm / "spool"), *peers]
+        agents["chief"] = AgentProcess(root, "chief", args, trainer, config=config)
         agents["chief"].wait_url(180)
         from psguard.agent.launcher import ProgressReader
 
