@@ -43,7 +43,10 @@ the same start, over the bytes of the shards it holds: the table's and the optim
 ``restore_or_initialize`` in the recovery, over a raw PS-side restore of the same variables in the same run:
 one ``tf.function`` with, per shard on its own PS device, ``parse_tensor(read_file)`` + ``assign`` of a tmpfs
 file of that shard, the best of two timed calls), plus both sides' raw figures per run and the phases of each
-recovery.
+recovery (psguard's restore split into the agents writing the files, the PS loading them and the rebase).
+
+``PSGUARD_BENCH_KEEP=1`` keeps each run's folder (agents' logs, the trainer's progress records) for a look at
+where the time went.
 """
 
 from __future__ import annotations
