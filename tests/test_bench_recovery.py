@@ -15,7 +15,6 @@ def test_bench_recovery_smoke() -> None:
     results = run(p, runs=1)
     for key in (
         "recovery_ratio",
-        "lost_steps_ratio",
         "psguard_recovery_s",
         "baseline_recovery_s",
         "chief_peak_rss_growth_ratio",
@@ -25,8 +24,7 @@ def test_bench_recovery_smoke() -> None:
         "baseline_restore_s",
     ):
         assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] > 0, (key, results)
-    for key in ("psguard_lost_steps", "baseline_lost_steps"):
-        assert results[key] > 0, (key, results)
+    assert 0 <= results["lost_steps_ratio"] < 1, results  # psguard may lose none: a capture at the kill step
     assert results["agents"] is True
     assert results["ps_side_shards"] is True, "the chief's agent did not log event=ps_side_shards"
     assert results["state_bytes"] > 2 * 2_000 * 4 * 4  # the table, its slot and the dense layers
