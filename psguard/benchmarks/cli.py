@@ -9,6 +9,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "psguard.benchmarks.store",
     "psguard.benchmarks.capture",
     "psguard.benchmarks.recovery",
+    "psguard.benchmarks.scale",
     "psguard.benchmarks.follow",
 )
 

@@ -45,11 +45,64 @@ def reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def rss_bytes(field: str = "VmRSS") -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def rss_bytes(field: str = "VmRSS", pid: int | str = "self") -> int:
+    """``field`` (``VmRSS``, ``VmHWM``: the kernel's peak) of process ``pid`` from ``/proc/<pid>/status``."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+class RssWatch:
+    """Peak RSS growth of other processes, sampled from ``/proc/<pid>/status`` while they run.
+
+    ``start(name, pid)`` takes the process's RSS now as its start (call it before the process holds the data
+    being measured) and resets its kernel peak mark when allowed (same user), so ``VmHWM`` then counts from
+    there; ``sample()`` (call it often) keeps the largest ``VmHWM``/``VmRSS`` seen, so a peak between two
+    samples is not missed and a process that has exited keeps its last figures.
+    """
+
+    def __init__(self) -> None:
+        self.start_rss: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self._pids: dict[str, int] = {}
+
+    def start(self, name: str, pid: int, rss: int | None = None) -> None:
+        """Watch ``pid`` as ``name``; ``rss``: its start-up RSS when the process measured it itself."""
+        try:
+            if rss is None:
+                Path(f"/proc/{pid}/clear_refs").write_text("5")
+            self.start_rss[name] = rss if rss is not None else rss_bytes("VmRSS", pid)
+        except (OSError, RuntimeError):
+            return  # gone already: nothing to watch
+        self._pids[name] = pid
+        self.sample()
+
+    def sample(self) -> None:
+        for name, pid in list(self._pids.items()):
+            try:
+                now = max(rss_bytes("VmHWM", pid), rss_bytes("VmRSS", pid))
+            except (OSError, RuntimeError):
+                continue  # exited: its peak so far stays
+            self.peak[name] = max(self.peak.get(name, 0), now)
+
+    def growth(self, name: str) -> int:
+        """Peak minus start-up RSS of ``name`` (0 if never seen)."""
+        return max(0, self.peak.get(name, 0) - self.start_rss.get(name, 0))
+
+
+def parse_size(text: str) -> int:
+    """``64M``, ``1.5G``, ``512MiB``, ``2gb`` or a plain byte count -> bytes (binary units: 1G = 2**30)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    number = t[:-1] if t[-1:] in "KMGT" and t[-1:] else t
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 64M, 1G, 2G)") from None
+    if value <= 0:
+        raise ValueError(f"not a positive size: {text!r}")
+    return int(value * scale)
 
 
 def print_results(results: Mapping[str, Any], *, as_json: bool, keys: Iterable[str] | None = None) -> None:

@@ -1,32 +1,60 @@
-"""``psguard bench recovery``: kill -9 a PS, psguard's in-process rejoin vs restarting the whole plain-TF job.
+"""``psguard bench recovery``: kill -9 a PS of a job under ``psguard agent``, against restarting the plain-TF job.
 
-Both sides train the same job (:class:`~psguard.testbed.model.RecModel`, a 200,000 x 16 table over 2 PS,
-tf_keras Adagrad, 1 worker) on their own :class:`~psguard.testbed.cluster.LocalCluster`, and both lose PS 0 to
-``SIGKILL`` at the same step, ``kill_step`` (default ``2K - 1``: K - 1 steps after the baseline's last save,
-so the baseline really loses steps).
+Both sides train the same job (:class:`~psguard.testbed.model.RecModel`, by default a 200,000 x 16 table over
+``--ps`` PS, tf_keras Adagrad, 1 worker) on loopback, and both lose PS 0 to ``SIGKILL`` after the same step,
+``kill_step`` (default ``2K - 1``: K - 1 steps after the baseline's last save, so the baseline really loses
+steps). The sides alternate, one recovery each per run.
 
-- **psguard** (what is measured: a chief process owning the LocalCluster, the sidecar's memory tier, spool
-  server and persister in threads, as ``tests/recovery_chief.py`` does; not every task under ``psguard
-  agent``): :class:`psguard.CheckpointManager` with the memory tier every 5 steps and the durable log every K
-  steps; :func:`psguard.trainer.recovery.run_with_recovery` rejoins in the same process: both PS servers restarted in
-  parallel (what the chief's agent does for a new generation) by swapping in their warm standby processes
-  (:mod:`psguard.agent.standby`, on by default in the agent's built-in server mode), ``update_server_def``, model
-  rebuilt, restored from the memory tier.
+- **psguard**, the product path: every task under its own ``psguard agent`` process, started as ``psguard wrap``
+  and the chaos runner start them (:class:`psguard.agent.launcher.AgentProcess`): each PS's agent with
+  ``--spool`` (its part folder, on tmpfs) and ``--store``, so it keeps its PS's shards and writes them to the
+  log (issue 12; the chief's agent must log ``event=ps_side_shards``, ``ps_side_shards`` in the results says
+  whether it did); the worker's agent; the chief's agent with ``--store``, ``--spool`` and every other agent
+  as ``--peer``, running the trainer (:func:`agent_trainer`). The trainer uses :class:`psguard.CheckpointManager`
+  with the memory tier every 5 steps and the durable log every K, and rejoins in process
+  (:func:`~psguard.trainer.recovery.run_with_recovery` with
+  :func:`~psguard.handoff.client.restart_ps_servers`: the chief's agent restarts every PS, the agents swap in
+  their warm standbys). At the kill step the trainer stops and waits; this process waits until every PS
+  agent's standby is warm (as it is after minutes of training), kills PS 0's server and lets the trainer go on.
 - **baseline** (plain TF): ``tf.train.CheckpointManager.save`` every K steps to a local folder. When the chief
   fails it exits (at once, with ``os._exit``: generous, a normal exit tears TF down for seconds); the
   "script" (this process) then stops every PS and worker server, starts a new set and a new chief process at
   the same time (the chief waits for the servers' ports), and the new chief restores with
-  ``tf.train.CheckpointManager.restore_or_initialize``.
+  ``tf.train.CheckpointManager.restore_or_initialize``. No agents, no standby: a plain-TF job has none.
 
-Keys: ``recovery_ratio`` (psguard's seconds from the kill to the first new training step completed, over the
-baseline's; medians; target <= 0.5), ``lost_steps_ratio`` (steps lost, psguard over baseline, with the same
-durable cadence K; target <= 0.1), plus both sides' raw figures per run and the phases of each recovery.
+Both trainers write timestamped progress records (:class:`psguard.demo_trainer.Progress`): one per step, per
+capture and per restore. **Recovery** is measured from the kill to the first step at normal speed: the step
+that completes at least ``memory_every + 2`` steps after the restored step (so both sides train the same steps
+after their restore, and psguard's first capture after the restore is inside the span; psguard's span also waits
+for that capture if the policy put it later), whose own duration is at most 3x the median step of the same job
+before the kill (no capture in it). ``first_step_s`` is the older measure: kill to the first step completed.
+
+Keys: ``recovery_ratio`` (psguard's recovery seconds over the baseline's; medians), ``lost_steps_ratio``
+(steps lost, psguard over baseline, with the same durable cadence K: psguard restores the memory tier, at most
+5 steps old), ``agents`` (true: the product path), ``state_bytes`` (every variable of model and optimizer),
+``chief_peak_rss_growth_ratio`` (the chief's trainer plus the chief's agent, over ``state_bytes``: the agent's
+peak RSS, the kernel's ``VmHWM`` sampled from ``/proc/<pid>/status`` every 50 ms, minus its RSS when the trainer
+starts; the trainer's peak counted from just after it built model and optimizer, where it resets its peak mark,
+to the end of that generation, because building the testbed model alone peaks at ~0.8x the table on the chief
+in TensorFlow, psguard or not; ``chief_peak_rss_growth_ratio_with_build`` counts the trainer from before the
+model exists, as ``/proc`` sampling sees it), ``ps_agent_peak_rss_ratio`` (the largest PS agent's peak RSS growth over
+the same start, over the bytes of the shards it holds: the table's and the optimizer slot's rows of its PS),
+``restore_vs_raw_ratio`` (psguard's restore throughput, ``state_bytes`` over the trainer's own timing of
+``restore_or_initialize`` in the recovery, over a raw PS-side restore of the same variables in the same run:
+one ``tf.function`` with, per shard on its own PS device, ``parse_tensor(read_file)`` + ``assign`` of a tmpfs
+file of that shard, the best of two timed calls), plus both sides' raw figures per run and the phases of each
+recovery (psguard's restore split into the agents writing the files, the PS loading them and the rebase).
+
+``PSGUARD_BENCH_KEEP=1`` keeps each run's folder (agents' logs, the trainer's progress records) for a look at
+where the time went.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import logging
 import os
 import shutil
 import signal
@@ -34,17 +62,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psguard.benchmarks.common import alternate, median, print_results, progress
+from psguard.benchmarks.common import RssWatch, alternate, median, print_results, progress, reset_peak_rss, rss_bytes
 from psguard.ports import port_open
 from psguard.testbed.cluster import LocalCluster
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
-NUM_PS = 2
 NUM_WORKERS = 1
+NORMAL_FACTOR = 3.0  # a step at most this many times the median step before the kill runs at normal speed
+_POLL = 0.05
 
 
 @dataclass(frozen=True)
@@ -52,18 +81,25 @@ class Params:
     vocab_size: int = 200_000
     embedding_dim: int = 16
     batch_size: int = 64
+    num_ps: int = 2
     memory_every: int = 5
     durable_every: int = 50  # K: psguard's durable cadence and the baseline's CheckpointManager.save cadence
     kill_step: int = 0  # 0: 2K - 1
-    timeout: float = 300.0
+    after_steps: int = 30  # steps trained after the restore (enough to find the first one at normal speed)
+    timeout: float = 600.0
 
     @property
     def kill_at(self) -> int:
         return self.kill_step or 2 * self.durable_every - 1
 
+    @property
+    def settle_steps(self) -> int:
+        return self.memory_every + 2
 
-def _say(**doc: Any) -> None:
-    print(json.dumps(doc), flush=True)
+    @property
+    def approx_state_bytes(self) -> int:
+        """The embedding and its Adagrad accumulator (float32); the dense layers are a few KB more."""
+        return 2 * self.vocab_size * self.embedding_dim * 4
 
 
 def _model(tf: Any, p: Params) -> tuple[Any, Any]:
@@ -73,158 +109,366 @@ def _model(tf: Any, p: Params) -> tuple[Any, Any]:
     return RecModel(cfg), make_optimizer("adagrad")
 
 
-def _strategy(tf: Any, resolver: Any) -> tuple[Any, Any]:
+def _strategy(tf: Any, resolver: Any, num_ps: int) -> tuple[Any, Any]:
     strategy = tf.distribute.experimental.ParameterServerStrategy(
-        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(NUM_PS)
+        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
     )
     return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+
+def _wait_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.005)
+
+
+def state_layout(root: Any, spilled: Any = ()) -> tuple[int, dict[str, int]]:
+    """(bytes of every variable of ``root``, bytes per PS task of the tensors in ``spilled``).
+
+    ``spilled``: the names of the tensors whose shards the PS agents keep (the table and its slot).
+    """
+    from psguard.handoff.parts import task_of_device
+    from psguard.trainer.variables import list_tensors
+
+    total, per_ps = 0, dict[str, int]()
+    for name, info in list_tensors(root).items():
+        if info.alias_of is not None:
+            continue
+        total += info.nbytes
+        if name in spilled:
+            row = info.nbytes // max(1, info.shape[0])
+            for s in info.shards:
+                task = task_of_device(s.device) or "?"
+                per_ps[task] = per_ps.get(task, 0) + s.rows * row
+    return total, per_ps
+
+
+def raw_restore(tf: Any, root: Any, folder: Path, repeats: int = 2) -> dict[str, Any]:
+    """The raw PS-side restore ``restore_vs_raw_ratio`` compares with: every shard of ``root`` written to a file
+    by its own PS (``serialize_tensor``), then read and assigned back on its own device by one ``tf.function``
+    (``parse_tensor(read_file)`` + ``assign``, all PS in parallel, nothing through the chief). The function is
+    traced before the timing; returns the file bytes and the best of ``repeats`` timed loads."""
+    from psguard.trainer.variables import list_tensors
+
+    shards = [s for info in list_tensors(root).values() if info.alias_of is None for s in info.shards]
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = tf.constant([str(folder / f"{k}.tp") for k in range(len(shards))])
+
+    def write(paths: Any) -> Any:
+        for k, s in enumerate(shards):
+            with tf.device(s.device):
+                tf.io.write_file(paths[k], tf.io.serialize_tensor(s.var.read_value()))
+        return tf.constant(0)
+
+    def load(paths: Any) -> Any:
+        values = []
+        for k, s in enumerate(shards):
+            with tf.device(s.device):
+                value = tf.io.parse_tensor(tf.io.read_file(paths[k]), s.var.dtype)
+                values.append(tf.ensure_shape(value, s.var.shape))
+        with tf.control_dependencies(values):
+            ops = []
+            for value, s in zip(values, shards, strict=True):
+                with tf.device(s.device):
+                    ops.append(s.var.assign(value, read_value=False))
+        with tf.control_dependencies(ops):
+            return tf.constant(0)
+
+    tf.function(write, autograph=False)(paths).numpy()
+    nbytes = sum(os.path.getsize(folder / f"{k}.tp") for k in range(len(shards)))
+    load_fn = tf.function(load, autograph=False)
+    load_fn.get_concrete_function(paths)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        load_fn(paths).numpy()
+        times.append(time.perf_counter() - t0)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"bytes": nbytes, "seconds": min(times), "seconds_runs": times}
 
 
 # ------------------------------------------------------------------------------------------- child: psguard
 
 
-def psguard_child(workdir: str, params_json: str) -> None:
-    """The psguard chief: LocalCluster + sidecar threads + run_with_recovery. Prints one JSON line at the end."""
+def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str) -> None:
+    """The psguard trainer, run by the chief's ``psguard agent`` (``TF_CONFIG``, the spool and the PS agents'
+    part folders come from it). Writes progress records; at the kill step it writes ``kill`` and waits for the
+    file ``<shm>/killed`` (the parent has killed PS 0 then); at the end it measures :func:`raw_restore`."""
     os.environ.update(QUIET)
     p = Params(**json.loads(params_json))
     import tensorflow as tf
 
-    from psguard.agent.memory_tier import MemoryTier
-    from psguard.agent.persister import Persister, resume
-    from psguard.agent.spool_server import SpoolServer
+    from psguard.demo_trainer import Progress
+    from psguard.handoff.client import restart_ps_servers
     from psguard.policy.engine import EverySteps, Schedule
-    from psguard.store.log import Store
     from psguard.testbed.model import Trainer
     from psguard.trainer.manager import CheckpointManager
     from psguard.trainer.recovery import run_with_recovery
 
-    work = Path(workdir)
-    url, spool = str(work / "store"), work / "spool"
-    store = Store.open(url)
-    tier = MemoryTier()
-    persister = Persister(store, tier, last=resume(store, tier)).start()
-    server = SpoolServer(spool, tier, persister).start()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("psguard").setLevel(logging.INFO)  # its capture and restore lines, in the chief agent's log
+    rec = Progress(progress_path)
+    strategy, coordinator = _strategy(tf, tf.distribute.cluster_resolver.TFConfigClusterResolver(), p.num_ps)
+    reset_peak_rss()
+    rec.emit("ready", pid=os.getpid(), rss=rss_bytes())
     schedule = Schedule(memory=EverySteps(p.memory_every), durable=EverySteps(p.durable_every))
-    t: dict[str, Any] = {"restored": []}
-    with LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS, log_dir=work / "logs", standby=True) as cluster:
-        strategy, coordinator = _strategy(tf, cluster.cluster_resolver())
+    gen = {"n": -1, "killed": False}
 
-        def build() -> tuple[Any, Trainer, CheckpointManager]:
-            with strategy.scope():
-                model, optimizer = _model(tf, p)
-            trainer = Trainer(strategy, coordinator, model, optimizer)
-            manager = CheckpointManager(
-                tf.train.Checkpoint(model=model, optimizer=optimizer),
-                url,
-                coordinator=coordinator,
-                step_counter=model.step,
-                policy=schedule,
-                spool=spool,
-            )
-            manager.restore_or_initialize()
-            step = int(model.step.numpy())
-            trainer.next_index = step
-            source = manager.restored.source if manager.restored is not None else None
-            t["restored"].append({"step": step, "source": source, "at": time.time()})
-            return model, trainer, manager
+    def build() -> tuple[Any, Trainer, CheckpointManager, Any]:
+        gen["n"] += 1
+        t0 = time.time()
+        with strategy.scope():
+            model, optimizer = _model(tf, p)
+        trainer = Trainer(strategy, coordinator, model, optimizer)
+        root = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        # Building the model peaks at ~0.8x the table on the chief (TF's variable creation, psguard or not):
+        # psguard's own growth is counted from here (the kernel's peak mark reset).
+        built_rss, built_hwm = rss_bytes(), rss_bytes("VmHWM")
+        reset_peak_rss()
+        manager = CheckpointManager(root, store_url, coordinator=coordinator, step_counter=model.step, policy=schedule)
+        parts = _timed_parts(manager)
+        t1 = time.time()
+        manager.restore_or_initialize()
+        t2 = time.time()
+        step = int(model.step.numpy())
+        trainer.next_index = step
+        r = manager.restored
+        rec.emit("restore", gen=gen["n"], t0=t1, t1=t2, build_s=t1 - t0, step=step,
+                 source=r.source if r is not None else None, parts=parts, built_rss=built_rss, built_hwm=built_hwm,
+                 rss=rss_bytes(), hwm=rss_bytes("VmHWM"))  # fmt: skip
+        if gen["n"] == 0:
+            spilled = manager.capturer.spilled
+            total, per_ps = state_layout(root, spilled)
+            rec.emit("state", state_bytes=total, ps_bytes=per_ps, spilled=sorted(spilled))
+        return model, trainer, manager, root
 
-        def train(job: tuple[Any, Trainer, CheckpointManager]) -> int:
-            model, trainer, manager = job
-            while (step := int(model.step.numpy())) < p.kill_at + 1 or "first_step_at" not in t:
-                manager.maybe_save(step)
-                if step == p.kill_at and "kill_at" not in t:
-                    # As the agents' standby_delay would have it after minutes of training: warm standbys.
-                    cluster.wait_standby()
-                    pid = cluster.pids[("ps", 0)]
-                    assert pid is not None
-                    os.kill(pid, signal.SIGKILL)
-                    t["kill_at"], t["trained_before_failure"] = time.time(), step
-                trainer.train(1)
-                if len(t["restored"]) > 1 and "first_step_at" not in t:
-                    t["first_step_at"] = time.time()
-            manager.close(timeout=60)
-            return int(model.step.numpy())
+    def train(job: tuple[Any, Trainer, CheckpointManager, Any]) -> Any:
+        model, trainer, manager, root = job
+        restored = int(model.step.numpy())
+        end = p.kill_at + 1 if gen["n"] == 0 else restored + p.after_steps
+        while (step := int(model.step.numpy())) < end:
+            handle = manager.maybe_save(step)
+            if handle is not None:
+                stats = manager.capturer.last_stats  # rows written on the PS nodes: all of them when full
+                rows = stats.rows_spilled
+                rec.emit("capture", gen=gen["n"], step=step, stall=handle.stall_seconds, rows_spilled=rows,
+                         hwm=rss_bytes("VmHWM"))  # fmt: skip
+                if gen["n"] == 0 and not gen.get("based"):
+                    # A job that has trained for a while has its first (full) capture in the memory tiers long
+                    # since: wait for it, so the kill finds the steady state (its cost is reported apart).
+                    gen["based"] = True
+                    t0 = time.time()
+                    handle.restorable(timeout=p.timeout)
+                    rec.emit("first-restorable", seconds=time.time() - t0)
+            if step == p.kill_at and not gen["killed"]:
+                gen["killed"] = True
+                rec.emit("kill", step=step)
+                _wait_file(Path(shm) / "killed", p.timeout)
+            trainer.train(1)
+            rec.emit("step", gen=gen["n"], step=step + 1, cap=handle is not None)
+        if gen["n"] == 0:
+            raise RuntimeError(f"trained past the kill step {p.kill_at} without a failure")
+        manager.close(timeout=p.timeout)
+        return root
 
-        def close(job: tuple[Any, Trainer, CheckpointManager]) -> None:
-            t["seen_at"] = time.time()
-            job[2].close(timeout=30)
+    def close(job: tuple[Any, Trainer, CheckpointManager, Any]) -> None:
+        rec.emit("failure", seen=int(p.kill_at))
+        job[2].close(timeout=30)
 
-        def restart_ps(failed_at: float) -> None:
-            t["restart_from"] = time.time()
-            cluster.restart_many([("ps", i) for i in range(cluster.num_ps)])
-            t["ps_ready_at"] = time.time()
+    def restart_ps(failed_at: float) -> None:
+        rec.emit("restart-ps")
+        restart_ps_servers(failed_at=failed_at)
+        rec.emit("ps-restarted")
 
-        _, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)
-    server.stop()
-    persister.stop(drain=True)
-    store.close()
-    kill_at, restored = t["kill_at"], t["restored"][-1]
-    _say(
-        recovery_s=t["first_step_at"] - kill_at,
-        lost_steps=t["trained_before_failure"] - restored["step"],
-        restored_step=restored["step"],
-        restored_from=restored["source"],
-        error=report.recoveries[0].error[:200],
-        trained_before_failure=t["trained_before_failure"],
-        phases={
-            "detect_s": t["seen_at"] - kill_at,
-            "close_s": t["restart_from"] - t["seen_at"],
-            "restart_ps_s": t["ps_ready_at"] - t["restart_from"],
-            "rebuild_restore_s": restored["at"] - t["ps_ready_at"],
-            "first_step_s": t["first_step_at"] - restored["at"],
-        },
-    )
+    root, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)
+    rec.emit("trainer-peak", hwm=rss_bytes("VmHWM"), recoveries=len(report.recoveries))
+    rec.emit("raw", **raw_restore(tf, root, Path(shm) / "raw"))
+    rec.emit("done")
+    rec.close()
+
+
+def _timed_parts(manager: Any) -> dict[str, float]:
+    """Time the phases of ``manager.restore_or_initialize()`` (filled in as it runs): ``snapshot_s`` (the
+    chief's agent gets every PS agent to write its shards' files: ``memory_snapshot``), ``load_s`` (each PS
+    reads and assigns its files, the small tensors from the chief: ``restore_parts``, its rebase included) and
+    ``rebase_s`` (fingerprints of every row for the next capture). Wraps the instance's methods only."""
+    times: dict[str, float] = {}
+
+    def wrap(obj: Any, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    wrap(manager._sink, "memory_snapshot", "snapshot_s")
+    wrap(manager.capturer, "restore_parts", "load_s")
+    wrap(manager.capturer, "rebase", "rebase_s")
+    return times
 
 
 # ------------------------------------------------------------------------------------------- child: baseline
 
 
-def baseline_child(workdir: str, params_json: str, mode: str) -> None:
+def baseline_child(workdir: str, params_json: str, mode: str, progress_path: str) -> None:
     """A plain-TF chief (``TF_CONFIG`` from the env). ``first``: train, kill PS 0 at the kill step, exit 1 on
-    the failure. ``restart``: wait for the servers, restore_or_initialize, train one step, exit 0."""
+    the failure. ``restart``: wait for the servers, restore_or_initialize, train ``after_steps`` steps, exit 0.
+    Writes the same progress records as :func:`agent_trainer`."""
     os.environ.update(QUIET)
     p = Params(**json.loads(params_json))
-    started = time.time()
     import tensorflow as tf
 
+    from psguard.demo_trainer import Progress
     from psguard.testbed.model import Trainer
 
+    rec = Progress(progress_path)
+    gen = 0 if mode == "first" else 1
     spec = json.loads(os.environ["TF_CONFIG"])["cluster"]
     for addr in spec["ps"] + spec["worker"]:  # the script's readiness check: every server port open
         host, port = addr.rsplit(":", 1)
         while not port_open(host, int(port)):
             time.sleep(0.02)
-    imported = time.time()
-    strategy, coordinator = _strategy(tf, tf.distribute.cluster_resolver.TFConfigClusterResolver())
+    strategy, coordinator = _strategy(tf, tf.distribute.cluster_resolver.TFConfigClusterResolver(), p.num_ps)
+    reset_peak_rss()
+    rec.emit("ready", gen=gen, pid=os.getpid(), rss=rss_bytes())
+    t0 = time.time()
     with strategy.scope():
         model, optimizer = _model(tf, p)
     trainer = Trainer(strategy, coordinator, model, optimizer)
     ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    built_rss, built_hwm = rss_bytes(), rss_bytes("VmHWM")
+    reset_peak_rss()  # as on psguard's side: the growth of saving and restoring, the model's build apart
     manager = tf.train.CheckpointManager(ckpt, str(Path(workdir) / "tf-ckpt"), max_to_keep=2)
+    t1 = time.time()
     manager.restore_or_initialize()
     step = int(model.step.numpy())
+    rec.emit("restore", gen=gen, t0=t1, t1=time.time(), build_s=t1 - t0, step=step, source="tf",
+             built_rss=built_rss, built_hwm=built_hwm)  # fmt: skip
     trainer.next_index = step
     if mode == "restart":
-        restored_at = time.time()
-        trainer.train(1)
-        _say(started=started, ready=imported, restored_at=restored_at, restored_step=step, first_step_at=time.time())
-        sys.stdout.flush()
+        for _ in range(p.after_steps):
+            trainer.train(1)
+            rec.emit("step", gen=gen, step=int(model.step.numpy()), cap=False)
+        rec.emit("trainer-peak", gen=gen, hwm=rss_bytes("VmHWM"))
+        rec.close()
         os._exit(0)
+    if mode == "first":
+        rec.emit("state", state_bytes=state_layout(ckpt)[0])
     saved = step
     try:
         while True:
             step = int(model.step.numpy())
+            captured = False
             if step > 0 and step % p.durable_every == 0 and step != saved:
+                c0 = time.perf_counter()
                 manager.save(checkpoint_number=step)
-                saved = step
+                rec.emit("capture", gen=gen, step=step, stall=time.perf_counter() - c0)
+                saved, captured = step, True
             if step == p.kill_at:
                 os.kill(int(os.environ["BENCH_PS0_PID"]), signal.SIGKILL)
-                _say(kill_at=time.time(), trained_before_failure=step)
+                rec.emit("kill", step=step)
             trainer.train(1)
+            rec.emit("step", gen=gen, step=step + 1, cap=captured)
     except Exception as e:  # the PS failure: a plain-TF chief dies with it; the script restarts the job
-        _say(seen_at=time.time(), error=str(e).splitlines()[0][:200])
-        sys.stdout.flush()
+        rec.emit("failure", seen=step, error=str(e).splitlines()[0][:200])
+        rec.emit("trainer-peak", gen=gen, hwm=rss_bytes("VmHWM"))
+        rec.close()
         os._exit(1)
+
+
+# ------------------------------------------------------------------------------------------- the records
+
+
+@dataclass
+class Records:
+    """One side's progress records of one run, read back: what :func:`measure` needs."""
+
+    docs: list[dict[str, Any]] = field(default_factory=list)
+
+    def of(self, event: str) -> list[dict[str, Any]]:
+        return [d for d in self.docs if d.get("event") == event]
+
+    def first(self, event: str) -> dict[str, Any]:
+        found = self.of(event)
+        if not found:
+            raise RuntimeError(f"no {event!r} record")
+        return found[0]
+
+
+def read_records(path: Path) -> Records:
+    from psguard.agent.launcher import ProgressReader
+
+    return Records(ProgressReader(path).read()) if path.exists() else Records()
+
+
+def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> dict[str, Any]:
+    """Recovery, lost steps, restore seconds and capture stalls of one side, from its records.
+
+    Normal speed: the median duration of the steps before the kill that had no capture in them (the first 5
+    skipped: tracing); recovery ends at the first step after the restore, ``settle_steps`` or more past the
+    restored step (and after a capture when ``need_capture``), that took at most ``NORMAL_FACTOR`` times that.
+    """
+    steps = recs.of("step")
+    before = [d for d in steps if d["gen"] == 0]
+    plain = [b["t"] - a["t"] for a, b in itertools.pairwise(before) if not b["cap"] and b["step"] > 5]
+    normal = median(plain) if plain else float("nan")
+    restore = recs.of("restore")[-1]
+    restored = int(restore["step"])
+    after = [d for d in steps if d["gen"] >= 1]
+    captures_after = [d for d in recs.of("capture") if d["gen"] >= 1]
+    end, prev, reached, captured = None, float(restore["t1"]), False, False
+    for d in after:
+        captured = captured or d["cap"]
+        ok = d["step"] >= restored + p.settle_steps and (captured or not need_capture) and not d["cap"]
+        if ok and d["t"] - prev <= NORMAL_FACTOR * normal:
+            end, reached = d["t"], True
+            break
+        prev = d["t"]
+    if end is None:
+        end = after[-1]["t"] if after else float("nan")
+    stalls = [float(d["stall"]) for d in recs.of("capture") if d["gen"] == 0]
+    return {
+        "recovery_s": end - kill_t,
+        "first_step_s": (after[0]["t"] - kill_t) if after else float("nan"),
+        "normal_speed_reached": reached,
+        "normal_step_s": normal,
+        "lost_steps": p.kill_at - restored,
+        "restored_step": restored,
+        "restored_from": restore.get("source"),
+        "restore_s": float(restore["t1"]) - float(restore["t0"]),
+        "build_s": float(restore["build_s"]),
+        "restore_end_to_first_step_s": (after[0]["t"] - float(restore["t1"])) if after else float("nan"),
+        # The first capture is a full one in every job; the steady state is the rest.
+        "capture_stall_s": median(stalls[1:]) if len(stalls) > 1 else (stalls[0] if stalls else float("nan")),
+        "first_capture_stall_s": stalls[0] if stalls else float("nan"),
+        "capture_after_restore_stall_s": float(captures_after[0]["stall"]) if captures_after else None,
+        "capture_after_restore_rows": captures_after[0].get("rows_spilled") if captures_after else None,
+        "restore_parts_s": restore.get("parts") or {},
+        "first_capture_restorable_s": recs.of("first-restorable")[0]["seconds"]
+        if recs.of("first-restorable")
+        else None,
+        "capture_rows": median([float(d.get("rows_spilled", 0)) for d in recs.of("capture")[1:]] or [0.0]),
+    }
+
+
+def growth_after_build(recs: Records) -> int:
+    """The trainer's largest RSS growth over a generation, counted from its model's build (each process resets
+    its kernel peak mark there): the peaks its records carry after that, minus its RSS then."""
+    out = 0
+    restores = recs.of("restore")
+    for k, r in enumerate(restores):
+        later = restores[k + 1]["t"] if k + 1 < len(restores) else float("inf")
+        peaks = [int(d["hwm"]) for d in recs.docs if "hwm" in d and r["t"] <= d["t"] < later]
+        peaks += [int(r.get("hwm", 0))]
+        out = max(out, max(peaks) - int(r["built_rss"]))
+    return out
 
 
 # ------------------------------------------------------------------------------------------- the parent
@@ -239,80 +483,209 @@ def _child(fn: str, *args: str) -> list[str]:
     ]
 
 
-def _lines(out: str) -> dict[str, Any]:
-    doc: dict[str, Any] = {}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            doc.update(json.loads(line))
-    return doc
-
-
-def _communicate(proc: subprocess.Popen[str], timeout: float, what: str, log: Path) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise RuntimeError(f"{what}: no end within {timeout}s; log {log}") from None
-    return out
+def _shm_dir(prefix: str) -> Path:
+    """A fresh folder on tmpfs (the PS agents' part folders, the raw files): where psguard keeps them."""
+    base = Path("/dev/shm")
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base if base.is_dir() else None))
 
 
 def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
+    """One recovery with every task under ``psguard agent``; the figures of :func:`measure` and the RSS."""
+    from psguard.agent.launcher import AGENT_CONFIG, AgentProcess, write_cluster
+
     work = Path(tempfile.mkdtemp(prefix="psg-", dir=workdir))
-    log = work / "chief.log"
-    with open(log, "w") as err:
-        proc = subprocess.Popen(
-            _child("psguard_child", str(work), json.dumps(asdict(p))),
-            stdout=subprocess.PIPE,
-            stderr=err,
-            text=True,
-            env=dict(os.environ, **QUIET),
-        )
-        out = _communicate(proc, p.timeout, "psguard chief", log)
-    doc = _lines(out)
-    if proc.returncode != 0 or "recovery_s" not in doc:
-        raise RuntimeError(f"psguard chief exited {proc.returncode}: {log.read_text()[-3000:]}")
-    shutil.rmtree(work, ignore_errors=True)
+    shm = _shm_dir("psguard-bench-")
+    prog = work / "progress.jsonl"
+    store = str(work / "store")
+    agents: dict[str, AgentProcess] = {}
+    rss = RssWatch()
+    kill_t: float | None = None
+    reader_recs: list[dict[str, Any]] = []
+    try:
+        cluster, _ = write_cluster(work, ps=p.num_ps, workers=NUM_WORKERS)
+        root = work / "agents"
+        # The agents' task records in a folder of this run: the default one is shared by every job named
+        # "default" on the host, and another run's ps:0 there makes this run's PS agent refuse to start.
+        config = AGENT_CONFIG + f"state_dir: {shm / 'agents'}\n"
+        for i in range(p.num_ps):
+            args = ["--role", "ps", "--index", str(i), "--cluster", str(cluster)]
+            args += ["--spool", str(shm / f"ps{i}"), "--store", store]
+            agents[f"ps{i}"] = AgentProcess(root, f"ps{i}", args, config=config)
+        for i in range(NUM_WORKERS):
+            args = ["--role", "worker", "--index", str(i), "--cluster", str(cluster)]
+            agents[f"worker{i}"] = AgentProcess(root, f"worker{i}", args, config=config)
+        peers = [arg for a in agents.values() for arg in ("--peer", a.wait_url(180))]
+        trainer = _child("agent_trainer", str(prog), store, str(shm), json.dumps(asdict(p)))
+        args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", store]
+        args += ["--spool", str(shm / "spool"), *peers]
+        agents["chief"] = AgentProcess(root, "chief", args, trainer, config=config)
+        agents["chief"].wait_url(180)
+        from psguard.agent.launcher import ProgressReader
+
+        reader = ProgressReader(prog)
+        deadline = time.monotonic() + p.timeout
+        chief = agents["chief"]
+        while chief.proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"psguard: no end within {p.timeout}s; logs in {root}")
+            for d in reader.read():
+                reader_recs.append(d)
+                if d["event"] == "ready":
+                    # Before the model exists: the start of every RSS growth measured.
+                    rss.start("trainer", int(d["pid"]), int(d["rss"]))
+                    rss.start("chief-agent", chief.proc.pid)
+                    for i in range(p.num_ps):
+                        rss.start(f"ps{i}", agents[f"ps{i}"].proc.pid)
+                elif d["event"] == "kill":
+                    kill_t = _kill_ps0(agents, p, rss)
+                    (shm / "killed").touch()
+            rss.sample()
+            time.sleep(_POLL)
+        reader_recs += reader.read()
+        if chief.proc.returncode != 0 or not any(d["event"] == "done" for d in reader_recs):
+            raise RuntimeError(f"psguard: the chief's agent exited {chief.proc.returncode}:\n{chief.log_tail()}")
+        ps_held = {}
+        for i in range(p.num_ps):
+            shards = agents[f"ps{i}"].status().get("shards") or {}
+            ps_held[f"ps:{i}"] = int(shards.get("bytes") or 0)
+        chief_log = chief.log_path.read_text(errors="replace")
+    finally:
+        for name in ["chief", *[n for n in agents if n != "chief"]]:
+            if name in agents:
+                agents[name].stop()
+        shutil.rmtree(shm, ignore_errors=True)
+    recs = Records(reader_recs)
+    assert kill_t is not None
+    doc = measure(recs, kill_t, p, need_capture=True)
+    state = recs.first("state")
+    raw = recs.first("raw")
+    trainer_peak = int(recs.first("trainer-peak")["hwm"])
+    rss.peak["trainer"] = max(rss.peak.get("trainer", 0), trainer_peak)
+    held = {t: b or int(state["ps_bytes"].get(t, 0)) for t, b in ps_held.items()}
+    ps_ratios = {t: rss.growth(f"ps{t.split(':')[1]}") / b for t, b in held.items() if b}
+    restore_rate = state["state_bytes"] / doc["restore_s"]
+    raw_rate = raw["bytes"] / raw["seconds"]
+    doc.update(
+        state_bytes=int(state["state_bytes"]),
+        ps_shard_bytes=held,
+        ps_side_shards="event=ps_side_shards " in chief_log,
+        chief_rss_growth_bytes=growth_after_build(recs) + rss.growth("chief-agent"),
+        chief_rss_growth_with_build_bytes=rss.growth("trainer") + rss.growth("chief-agent"),
+        trainer_rss_growth_bytes=growth_after_build(recs),
+        trainer_rss_growth_with_build_bytes=rss.growth("trainer"),
+        trainer_rss_after_build_bytes=int(recs.first("restore")["built_rss"]) - int(recs.first("ready")["rss"]),
+        chief_agent_rss_growth_bytes=rss.growth("chief-agent"),
+        ps_agent_rss_growth_bytes={t: rss.growth(f"ps{t.split(':')[1]}") for t in held},
+        ps_agent_peak_rss_ratio=max(ps_ratios.values()) if ps_ratios else float("nan"),
+        restore_mib_s=restore_rate / 2**20,
+        raw_restore_mib_s=raw_rate / 2**20,
+        raw_restore_s=raw["seconds"],
+        restore_vs_raw_ratio=restore_rate / raw_rate,
+        phases=_phases(recs, kill_t),
+    )
+    doc["chief_peak_rss_growth_ratio"] = doc["chief_rss_growth_bytes"] / doc["state_bytes"]
+    doc["chief_peak_rss_growth_ratio_with_build"] = doc["chief_rss_growth_with_build_bytes"] / doc["state_bytes"]
+    if not os.environ.get("PSGUARD_BENCH_KEEP"):  # set: keep the agents' logs and the progress records
+        shutil.rmtree(work, ignore_errors=True)
     return doc
 
 
-def run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="tf-", dir=workdir))
-    procs: list[subprocess.Popen[str]] = []
-    clusters: list[LocalCluster] = []
+def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> float:
+    """Wait until every PS agent's standby is warm (as after minutes of training), then SIGKILL PS 0's server."""
+    deadline = time.monotonic() + 120
+    while True:
+        statuses = [agents[f"ps{i}"].status() for i in range(p.num_ps)]
+        if all(s["supervisor"].get("standby_ready") for s in statuses):
+            break
+        if time.monotonic() > deadline:
+            raise RuntimeError("the PS agents' standbys did not get warm within 120 s")
+        rss.sample()
+        time.sleep(_POLL)
+    os.kill(int(statuses[0]["pid"]), signal.SIGKILL)
+    return time.time()
 
-    def start_chief(mode: str, env: dict[str, str], log: Path) -> subprocess.Popen[str]:
+
+def _phases(recs: Records, kill_t: float) -> dict[str, float]:
+    restore = recs.of("restore")[-1]
+    after = [d for d in recs.of("step") if d["gen"] >= 1]
+    return {
+        "detect_s": recs.first("failure")["t"] - kill_t,
+        "close_s": recs.first("restart-ps")["t"] - recs.first("failure")["t"],
+        "restart_ps_s": recs.first("ps-restarted")["t"] - recs.first("restart-ps")["t"],
+        "rebuild_s": float(restore["build_s"]),
+        "restore_s": float(restore["t1"]) - float(restore["t0"]),
+        "first_step_s": after[0]["t"] - float(restore["t1"]),
+    }
+
+
+class ServerStartError(RuntimeError):
+    """A server of the baseline's cluster died before the kill (its port taken by another job on the machine)."""
+
+
+def run_baseline(p: Params, workdir: Path, attempts: int = 3) -> dict[str, Any]:
+    """One plain-TF recovery; a run whose servers could not start is started again (at most ``attempts``)."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _run_baseline(p, workdir)
+        except ServerStartError as e:
+            if attempt == attempts:
+                raise
+            progress(f"baseline: {str(e)[:300]}; starting the run again")
+    raise AssertionError("unreachable")
+
+
+def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="tf-", dir=workdir))
+    procs: list[subprocess.Popen[bytes]] = []
+    clusters: list[LocalCluster] = []
+    rss = RssWatch()
+    prog = work / "progress.jsonl"
+
+    def start_chief(mode: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         with open(log, "w") as err:  # the child keeps its own copy of the descriptor
             return subprocess.Popen(
-                _child("baseline_child", str(work), json.dumps(asdict(p)), mode),
-                stdout=subprocess.PIPE,
+                _child("baseline_child", str(work), json.dumps(asdict(p)), mode, str(prog)),
+                stdout=err,
                 stderr=err,
-                text=True,
                 env=env,
             )
 
+    def wait(proc: subprocess.Popen[bytes], what: str, log: Path, cluster: LocalCluster) -> None:
+        deadline = time.monotonic() + p.timeout
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what}: no end within {p.timeout}s; log {log}")
+            if not prog.exists() or "kill" not in prog.read_text():  # before the kill every server must live
+                dead = [(j, i) for j, i in cluster.pids if not cluster.alive(j, i)]
+                if dead:  # e.g. "Could not start gRPC server": another process took its free port meanwhile
+                    raise ServerStartError(f"{what}: server {dead[0]} died: {cluster.log(*dead[0])[-600:]}")
+            rss.sample()
+            time.sleep(_POLL)
+
     try:
-        cluster = LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS).start()
+        cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS).start()
         clusters.append(cluster)
         env = dict(os.environ, **QUIET, TF_CONFIG=cluster.tf_config(), BENCH_PS0_PID=str(cluster.pids[("ps", 0)]))
         log1 = work / "chief-1.log"
         procs.append(start_chief("first", env, log1))
-        first = _lines(_communicate(procs[-1], p.timeout, "baseline chief", log1))
+        wait(procs[-1], "baseline chief", log1, cluster)
         exited_at = time.time()
-        if "seen_at" not in first:
+        first = read_records(prog)
+        if not first.of("failure"):
             raise RuntimeError(f"baseline chief exited {procs[-1].returncode}: {log1.read_text()[-3000:]}")
         # The restart script: the whole job down, then new servers and a new chief at once.
         cluster.stop()
         stopped_at = time.time()
-        cluster = LocalCluster(num_ps=NUM_PS, num_workers=NUM_WORKERS)
+        cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS)
         clusters.append(cluster)
         env = dict(os.environ, **QUIET, TF_CONFIG=cluster.tf_config())
         log2 = work / "chief-2.log"
         procs.append(start_chief("restart", env, log2))
         cluster.start()
         servers_at = time.time()
-        second = _lines(_communicate(procs[-1], p.timeout, "restarted baseline chief", log2))
-        if "first_step_at" not in second:
+        wait(procs[-1], "restarted baseline chief", log2, cluster)
+        recs = read_records(prog)
+        if not [d for d in recs.of("step") if d["gen"] == 1]:
             raise RuntimeError(f"restarted baseline chief exited {procs[-1].returncode}: {log2.read_text()[-3000:]}")
     finally:
         for proc in procs:
@@ -321,26 +694,37 @@ def run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
                 proc.wait()
         for c in clusters:
             c.stop()
-    shutil.rmtree(work, ignore_errors=True)
-    kill_at = first["kill_at"]
-    return {
-        "recovery_s": second["first_step_at"] - kill_at,
-        "lost_steps": first["trained_before_failure"] - second["restored_step"],
-        "restored_step": second["restored_step"],
-        "trained_before_failure": first["trained_before_failure"],
-        "phases": {
-            "detect_s": first["seen_at"] - kill_at,
-            "chief_exit_s": exited_at - first["seen_at"],
+    kill_t = recs.first("kill")["t"]
+    doc = measure(recs, kill_t, p, need_capture=False)
+    restart_ready = next(d for d in recs.of("ready") if d["gen"] == 1)
+    restore = recs.of("restore")[-1]
+    # Each chief resets its peak mark after its model's build: the build's peak is in its restore record.
+    with_build = [
+        max(int(d["hwm"]), int(b["built_hwm"])) - int(r["rss"])
+        for d, b, r in zip(recs.of("trainer-peak"), recs.of("restore"), recs.of("ready"), strict=True)
+    ]
+    doc.update(
+        state_bytes=int(recs.first("state")["state_bytes"]),
+        chief_rss_growth_bytes=growth_after_build(recs),
+        chief_rss_growth_with_build_bytes=max(with_build),
+        phases={
+            "detect_s": recs.first("failure")["t"] - kill_t,
+            "chief_exit_s": exited_at - recs.first("failure")["t"],
             "stop_job_s": stopped_at - exited_at,
             "servers_up_s": servers_at - stopped_at,
-            "chief_start_s": second["ready"] - stopped_at,  # TF import, in parallel with the servers' start
-            "connect_restore_s": second["restored_at"] - second["ready"],
-            "first_step_s": second["first_step_at"] - second["restored_at"],
+            "chief_start_s": restart_ready["t"] - stopped_at,  # TF import, in parallel with the servers' start
+            "connect_build_s": float(restore["t0"]) - restart_ready["t"],
+            "restore_s": float(restore["t1"]) - float(restore["t0"]),
+            "first_step_s": doc["restore_end_to_first_step_s"],
         },
-    }
+    )
+    doc["chief_rss_growth_ratio"] = doc["chief_rss_growth_bytes"] / doc["state_bytes"]
+    shutil.rmtree(work, ignore_errors=True)
+    return doc
 
 
 def run(p: Params, runs: int = 3) -> dict[str, Any]:
+    """``runs`` recoveries per side, alternating; the results document (see the module docstring)."""
     workdir = Path(tempfile.mkdtemp(prefix="psguard-bench-recovery-"))
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
@@ -348,25 +732,44 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
     def a(i: int) -> float:
         doc = run_psguard(p, workdir)
         ours.append(doc)
-        progress(f"run {i} psguard: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']} (from {doc['restored_from']})")
+        progress(
+            f"run {i} psguard: {doc['recovery_s']:.2f}s (first step {doc['first_step_s']:.2f}s), lost "
+            f"{doc['lost_steps']} (from {doc['restored_from']}), restore {doc['restore_s']:.2f}s "
+            f"({doc['restore_mib_s']:.0f} MiB/s, raw {doc['raw_restore_mib_s']:.0f} MiB/s)"
+        )
         return float(doc["recovery_s"])
 
     def b(i: int) -> float:
         doc = run_baseline(p, workdir)
         theirs.append(doc)
-        progress(f"run {i} baseline: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']}")
+        progress(
+            f"run {i} baseline: {doc['recovery_s']:.2f}s (first step {doc['first_step_s']:.2f}s), "
+            f"lost {doc['lost_steps']}, restore {doc['restore_s']:.2f}s"
+        )
         return float(doc["recovery_s"])
 
     progress(
-        f"{runs} runs per side: table {p.vocab_size} x {p.embedding_dim}, memory every {p.memory_every}, "
-        f"durable every {p.durable_every}, kill -9 PS 0 at step {p.kill_at}"
+        f"{runs} runs per side: table {p.vocab_size} x {p.embedding_dim} over {p.num_ps} PS, memory every "
+        f"{p.memory_every}, durable every {p.durable_every}, kill -9 PS 0 at step {p.kill_at}"
     )
     try:
         xs, ys = alternate(runs, a, b)
     finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    lost_ours = median([float(d["lost_steps"]) for d in ours])
-    lost_theirs = median([float(d["lost_steps"]) for d in theirs])
+        if not os.environ.get("PSGUARD_BENCH_KEEP"):
+            shutil.rmtree(workdir, ignore_errors=True)
+    return summarize(p, ours, theirs, xs, ys)
+
+
+def _med(docs: list[dict[str, Any]], key: str) -> float:
+    values = [float(d[key]) for d in docs if d.get(key) is not None]
+    return median(values) if values else float("nan")
+
+
+def summarize(
+    p: Params, ours: list[dict[str, Any]], theirs: list[dict[str, Any]], xs: list[float], ys: list[float]
+) -> dict[str, Any]:
+    lost_ours = _med(ours, "lost_steps")
+    lost_theirs = _med(theirs, "lost_steps")
 
     def phases(docs: list[dict[str, Any]]) -> dict[str, float]:
         return {k: round(median([d["phases"][k] for d in docs]), 3) for k in docs[0]["phases"]}
@@ -374,10 +777,47 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
     return {
         "recovery_ratio": median(xs) / median(ys),
         "lost_steps_ratio": lost_ours / lost_theirs if lost_theirs else float("nan"),
+        "agents": True,
+        "state_bytes": int(ours[0]["state_bytes"]),
+        "chief_peak_rss_growth_ratio": _med(ours, "chief_peak_rss_growth_ratio"),
+        "chief_peak_rss_growth_ratio_with_build": _med(ours, "chief_peak_rss_growth_ratio_with_build"),
+        "ps_agent_peak_rss_ratio": _med(ours, "ps_agent_peak_rss_ratio"),
+        "restore_vs_raw_ratio": _med(ours, "restore_vs_raw_ratio"),
+        "ps_side_shards": all(d["ps_side_shards"] for d in ours),
         "psguard_recovery_s": median(xs),
         "baseline_recovery_s": median(ys),
+        "psguard_first_step_s": _med(ours, "first_step_s"),
+        "baseline_first_step_s": _med(theirs, "first_step_s"),
         "psguard_lost_steps": lost_ours,
         "baseline_lost_steps": lost_theirs,
+        "psguard_restore_s": _med(ours, "restore_s"),
+        "baseline_restore_s": _med(theirs, "restore_s"),
+        "psguard_restore_mib_s": _med(ours, "restore_mib_s"),
+        "raw_restore_mib_s": _med(ours, "raw_restore_mib_s"),
+        "psguard_capture_stall_s": _med(ours, "capture_stall_s"),
+        "baseline_capture_stall_s": _med(theirs, "capture_stall_s"),
+        "psguard_capture_after_restore_stall_s": _med(ours, "capture_after_restore_stall_s"),
+        "psguard_capture_after_restore_rows": [d["capture_after_restore_rows"] for d in ours],
+        "psguard_capture_rows": _med(ours, "capture_rows"),
+        "psguard_first_capture_stall_s": _med(ours, "first_capture_stall_s"),
+        "psguard_first_capture_restorable_s": _med(ours, "first_capture_restorable_s"),
+        "psguard_restore_parts_s": {
+            k: round(median([d["restore_parts_s"].get(k, 0.0) for d in ours]), 3)
+            for k in ("snapshot_s", "load_s", "rebase_s")
+        },
+        "psguard_trainer_rss_after_build_bytes": _med(ours, "trainer_rss_after_build_bytes"),
+        "psguard_chief_rss_growth_bytes": _med(ours, "chief_rss_growth_bytes"),
+        "psguard_trainer_rss_growth_bytes": _med(ours, "trainer_rss_growth_bytes"),
+        "psguard_chief_agent_rss_growth_bytes": _med(ours, "chief_agent_rss_growth_bytes"),
+        "baseline_chief_rss_growth_bytes": _med(theirs, "chief_rss_growth_bytes"),
+        "psguard_chief_rss_growth_with_build_bytes": _med(ours, "chief_rss_growth_with_build_bytes"),
+        "baseline_chief_rss_growth_with_build_bytes": _med(theirs, "chief_rss_growth_with_build_bytes"),
+        "ps_agent_rss_growth_bytes_runs": [d["ps_agent_rss_growth_bytes"] for d in ours],
+        "ps_shard_bytes": ours[0]["ps_shard_bytes"],
+        "normal_speed_reached": {
+            "psguard": [d["normal_speed_reached"] for d in ours],
+            "baseline": [d["normal_speed_reached"] for d in theirs],
+        },
         "recovery_ratio_per_run": [x / y for x, y in zip(xs, ys, strict=True)],
         "psguard_recovery_s_runs": xs,
         "baseline_recovery_s_runs": ys,
@@ -389,31 +829,48 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         "kill_step": p.kill_at,
         "memory_every": p.memory_every,
         "durable_every": p.durable_every,
+        "num_ps": p.num_ps,
         "table": f"{p.vocab_size}x{p.embedding_dim}",
-        "runs": runs,
+        "runs": len(xs),
+        "load_average": list(os.getloadavg()),
     }
 
 
+def params_from_args(args: argparse.Namespace, **overrides: Any) -> Params:
+    """The :class:`Params` of the options :func:`add_job_options` adds (``bench scale`` varies some)."""
+    values = {
+        "vocab_size": getattr(args, "vocab_size", Params.vocab_size),
+        "embedding_dim": args.embedding_dim,
+        "num_ps": args.ps,
+        "durable_every": args.durable_every,
+        "memory_every": args.memory_every,
+        "kill_step": args.kill_step,
+        "timeout": args.timeout,
+    }
+    values.update(overrides)
+    return Params(**values)
+
+
+def add_job_options(p: argparse.ArgumentParser, *, embedding_dim: int = 16) -> None:
+    """The job's options both ``bench recovery`` and ``bench scale`` take (see :func:`params_from_args`)."""
+    p.add_argument("--embedding-dim", type=int, default=embedding_dim, help=f"default {embedding_dim}")
+    p.add_argument("--ps", type=int, default=2, help="PS tasks (default 2)")
+    p.add_argument("--memory-every", type=int, default=5, help="psguard memory-tier cadence in steps (default 5)")
+    p.add_argument("--durable-every", type=int, default=50, help="K: durable / TF save cadence (default 50)")
+    p.add_argument("--kill-step", type=int, default=0, help="step at which PS 0 is killed (default 2K - 1)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds one side's run may take (default 600)")
+    p.add_argument("--json", action="store_true")
+
+
 def cmd(args: argparse.Namespace) -> int:
-    p = Params(
-        vocab_size=args.vocab_size,
-        embedding_dim=args.embedding_dim,
-        durable_every=args.durable_every,
-        memory_every=args.memory_every,
-        kill_step=args.kill_step,
-    )
-    results = run(p, runs=args.runs)
+    results = run(params_from_args(args), runs=args.runs)
     print_results(results, as_json=args.json)
     return 0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("recovery", help="kill -9 a PS: psguard's in-process rejoin vs restarting the whole TF job")
+    p = sub.add_parser("recovery", help="kill -9 a PS of a job under agents vs restarting the whole TF job")
     p.add_argument("--runs", type=int, default=3, help="recoveries per side (default 3)")
     p.add_argument("--vocab-size", type=int, default=200_000, help="rows of the embedding table (default 200000)")
-    p.add_argument("--embedding-dim", type=int, default=16)
-    p.add_argument("--memory-every", type=int, default=5, help="psguard memory-tier cadence in steps (default 5)")
-    p.add_argument("--durable-every", type=int, default=50, help="K: durable / TF save cadence (default 50)")
-    p.add_argument("--kill-step", type=int, default=0, help="step at which PS 0 is killed (default 2K - 1)")
-    p.add_argument("--json", action="store_true")
+    add_job_options(p)
     p.set_defaults(func=cmd)

@@ -1,0 +1,37 @@
+"""``psguard bench scale``: one tiny point (the PS sweep's point is the state sweep's, reused), and its plot."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from psguard.benchmarks.common import parse_size
+from psguard.benchmarks.recovery import Params
+from psguard.benchmarks.scale import METRICS, plot, run_scale, vocab_for
+
+
+def test_sizes_and_rows() -> None:
+    assert [parse_size(t) for t in ("64M", "1G", "2GiB", "512mb", "4096")] == [2**26, 2**30, 2**31, 2**29, 4096]
+    with pytest.raises(ValueError):
+        parse_size("lots")
+    assert vocab_for(2**30, 32) == 2**30 // 256  # table + Adagrad slot, float32
+
+
+@pytest.mark.slow
+def test_bench_scale_smoke(tmp_path: Path) -> None:
+    base = Params(vocab_size=1000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300)
+    size = parse_size("256K")
+    results = run_scale(base, [size], [2], size, runs=1)
+    points = results["points"]
+    assert [(pt["sweep"], pt["num_ps"]) for pt in points] == [("state", 2), ("ps", 2)]
+    assert points[0]["psguard"] == points[1]["psguard"]  # measured once
+    for pt in points:
+        assert pt["state_bytes"] >= size
+        for side in ("psguard", "tf"):
+            assert set(pt[side]) == set(METRICS)
+            assert pt[side]["recovery_s"] > 0 and pt[side]["restore_s"] > 0, pt
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot(results, tmp_path / "scale.png")
+        assert (tmp_path / "scale.png").stat().st_size > 10_000
