@@ -53,7 +53,7 @@ def main() -> None:
     server = SpoolServer(spool, tier, persister).start()
     schedule = Schedule(memory=EverySteps(5), durable=EverySteps(20))
     state: dict[str, Any] = {"killed_at": None, "last_seen": 0, "restored": []}
-    with LocalCluster(num_ps=2, num_workers=2) as cluster:
+    with LocalCluster(num_ps=2, num_workers=2, standby=True) as cluster:
         strategy = tf.distribute.experimental.ParameterServerStrategy(
             cluster.cluster_resolver(),
             variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2),

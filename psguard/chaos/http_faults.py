@@ -13,7 +13,9 @@ threads.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -36,6 +38,7 @@ class HttpErrorProxy:
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self._lock = threading.Lock()
         self._pending: list[tuple[int, str]] = []
+        self._connections: set[socket.socket] = set()  # open client connections, ended by close()
         self.failed = 0
         self.forwarded = 0
         proxy = self
@@ -45,6 +48,16 @@ class HttpErrorProxy:
 
             def log_message(self, *_: Any) -> None:  # quiet: the test asserts on counts
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with proxy._lock:
+                    proxy._connections.add(self.connection)
+
+            def finish(self) -> None:
+                with proxy._lock:
+                    proxy._connections.discard(self.connection)
+                super().finish()
 
             def _handle(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
@@ -113,6 +126,13 @@ class HttpErrorProxy:
 
     def close(self) -> None:
         self._server.shutdown()
+        # A client's idle keep-alive connection holds its handler thread until the client closes it (its pool
+        # can keep it for many seconds): end every open connection, so server_close() joins at once.
+        with self._lock:
+            connections = list(self._connections)
+        for conn in connections:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         self._server.server_close()
         self._thread.join()
 
