@@ -357,6 +357,30 @@ def test_training_on_the_cluster_captures_exactly(chief: Chief, family: str, opt
 
 
 @pytest.mark.slow
+def test_a_new_generation_of_the_same_model_reuses_the_traced_capture(chief: Chief) -> None:
+    """In-process recovery builds the model again: its capturer must not trace and instantiate anew (2.2 s of
+    the demo's recovery), and must work on its own variables, not on those the functions were traced with."""
+    captures = []
+    for _ in range(2):  # generations
+        model, opt, root = fresh(chief, "fixed2", "tf_keras", "adagrad")
+        trainer = Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt)
+        capturer = Capturer(root, coordinator=chief.coordinator, row_tracking_min_rows=64)
+        traces = capturer._functions.capture.experimental_get_tracing_count()
+        state = apply_all({}, capturer.capture())
+        for _ in range(2):
+            trainer.train(4, join=False)
+            state = apply_all({n: v.copy() for n, v in state.items()}, capturer.capture())
+            assert_bitwise(state, read_tensors(root))
+            assert capturer.tracks_writes and capturer.last_stats.hashed_all == []
+        captures.append((capturer, root, traces, capturer._functions.capture.experimental_get_tracing_count()))
+    (first, _, _, first_traces), (second, _, before, after) = captures
+    assert second._functions is first._functions
+    assert after == before == first_traces, "the second generation traced its capture again"
+    # The first generation's variables were not touched by the second's captures: nothing new for it.
+    assert all(isinstance(u, Same) for u in first.capture().values())
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("family", "optimizer", "target"),
     [
