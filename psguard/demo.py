@@ -17,6 +17,7 @@ numpy model written, listed, verified and restored bit for bit).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
+from psguard.benchmarks.common import back_to_normal, seconds_per_step
 from psguard.run_folder import claim_folder
 from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Rows, TensorUpdate
@@ -222,6 +224,7 @@ def _summarise(run: DemoRun, target: int, store: str, workers: int, wall: float)
             "recovery_seconds": recovery[0]["seconds"] if recovery else None,
             "kill_to_restored_seconds": restored[0]["t"] - run.killed_at if restored else None,
             "kill_to_training_seconds": resumed["t"] - run.killed_at if resumed else None,
+            "kill_to_normal_speed_seconds": _since_kill(run, _normal_speed_at(run, restored[0]) if restored else None),
         }
     start = run.of("start")
     return {
@@ -238,6 +241,26 @@ def _summarise(run: DemoRun, target: int, store: str, workers: int, wall: float)
         },
         "recovery": rec,
     }
+
+
+def _since_kill(run: DemoRun, t: float | None) -> float | None:
+    return None if t is None or run.killed_at is None else t - run.killed_at
+
+
+def _normal_speed_at(run: DemoRun, restored: dict[str, Any]) -> float | None:
+    """When training was back at normal speed after the restore (None: never), the first capture after the
+    restore included: that is where a recovery used to hide seconds of tracing."""
+    assert run.killed_at is not None
+    steps = run.of("step")
+    before = [e for e in steps if e["t"] < run.killed_at and e["step"] > 5]  # the first steps trace
+    normal = seconds_per_step((a["t"], b["t"], b["step"] - a["step"]) for a, b in itertools.pairwise(before))
+    after = [restored, *(e for e in steps if e["t"] > restored["t"])]
+    captured = [e["t"] for e in run.of("op") if e["type"] == "ok" and e["f"] == "capture" and e["t"] > restored["t"]]
+    return back_to_normal(
+        ((a["t"], b["t"], b["step"] - a["step"]) for a, b in itertools.pairwise(after)),
+        normal,
+        not_before=captured[0] if captured else restored["t"],
+    )
 
 
 def _timeline(run: DemoRun, report: dict[str, Any], path: Path) -> None:
@@ -280,10 +303,11 @@ def _timeline(run: DemoRun, report: dict[str, Any], path: Path) -> None:
         restored = [e for e in run.of("restored") if e["t"] >= run.killed_at]
         if restored:
             r = restored[0]
-            end = r["t"] - t0
-            ax.axvspan(run.killed_at - t0, end, color="tab:red", alpha=0.12,
-                       label=f"recovery ({end - (run.killed_at - t0):.1f}s)")  # fmt: skip
-            ax.scatter([end], [r["step"]], marker="*", s=180, color="tab:orange", zorder=4,
+            normal = rec.get("kill_to_normal_speed_seconds")
+            if normal is not None:
+                ax.axvspan(run.killed_at - t0, run.killed_at - t0 + normal, color="tab:red", alpha=0.12,
+                           label=f"recovery: kill to normal speed ({normal:.1f}s)")  # fmt: skip
+            ax.scatter([r["t"] - t0], [r["step"]], marker="*", s=180, color="tab:orange", zorder=4,
                        label=f"restored step {r['step']} from {r['source']} tier "
                        f"(lost {rec.get('lost_steps')} steps)")  # fmt: skip
     ax.set_xlabel("seconds since the trainer started")
@@ -417,9 +441,11 @@ def run_cluster(
         )
         if rec["recovery_seconds"] is not None:
             resumed = rec["kill_to_training_seconds"]
+            normal = rec["kill_to_normal_speed_seconds"]
             say(
                 f"  recovery:     {rec['recovery_seconds']:.1f}s from the failure seen to restored (in process); "
-                f"{float('nan') if resumed is None else resumed:.1f}s from the kill to the next training step"
+                f"{float('nan') if resumed is None else resumed:.1f}s from the kill to the next training step; "
+                f"{float('nan') if normal is None else normal:.1f}s to normal speed (first capture included)"
             )
     say(f"  wall time:    {wall:.0f}s")
     say(f"  report:       {directory / 'report.json'}\n  timeline:     {directory / 'timeline.png'}")

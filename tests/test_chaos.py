@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psguard.chaos.checkers import check_all, overall
+from psguard.chaos.checkers import check_all, fault_outcomes, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, operations, read_history
 from psguard.chaos.nemesis import damage_chunk
 from psguard.chaos.scenario import Scenario, load_scenario
@@ -306,6 +306,28 @@ def test_lost_work_over_the_bound_is_invalid() -> None:
     h.finish()
     v = check_all(h.records)["lost-work-bounded"]
     assert v.status == "invalid" and v.evidence["faults"][0]["lost_steps"] == 15
+
+
+def test_recovery_lasts_until_normal_speed_and_counts_the_first_capture_after_the_restore() -> None:
+    h = H(target=35)
+    h.restore(0, source=None)
+    for step in range(0, 20, 5):
+        h.train(step, step + 5)  # 0.2 s per 5 steps
+    h.commit(20, durable=True)
+    h.fault()
+    fault_at = h.t
+    h.restore(20)
+    h.train(20, 25)
+    first_steps_at = h.t
+    h.t += 3.0  # the first capture after the restore is slow (it traced its functions again)
+    h.commit(25, durable=False)
+    h.train(25, 30)  # slowed by that capture: not yet normal speed
+    h.train(30, 35)
+    normal_at = h.t
+    h.finish()
+    f = fault_outcomes(h.records)[0]
+    assert f["resumed_seconds"] == pytest.approx(first_steps_at - fault_at)
+    assert f["recovery_seconds"] == pytest.approx(normal_at - fault_at)
 
 
 def test_a_job_that_never_reaches_its_target_is_not_live() -> None:

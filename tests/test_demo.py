@@ -37,6 +37,8 @@ def test_demo_kills_a_ps_recovers_from_a_checkpoint_and_reports(tmp_path: Path) 
     assert rec["restored_step"] <= rec["failure_seen_at_step"]
     assert 0 <= rec["lost_steps"] <= memory_every + chunk
     assert rec["recovery_seconds"] > 0 and rec["kill_to_training_seconds"] > 0
+    # Normal speed comes after the first steps, and after the first capture following the restore.
+    assert rec["kill_to_normal_speed_seconds"] >= rec["kill_to_training_seconds"]
     assert json.loads((demo / "cluster.json").read_text()).keys() == {"chief", "ps", "worker"}
 
     png = (demo / "timeline.png").read_bytes()

@@ -40,6 +40,49 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+#: Training is back at normal speed when a stretch of steps runs at most this many times slower per step than
+#: the median stretch before the fault. The benchmark, the demo and the chaos report all use this definition.
+NORMAL_FACTOR = 3.0
+
+#: A stretch of training: (start time, end time, steps done). Anything between the end of one stretch and the
+#: end of the next (a capture, a stall) counts in the next one.
+Stretch = tuple[float, float, int]
+
+
+def seconds_per_step(stretches: Iterable[Stretch]) -> float | None:
+    """The median seconds per step over ``stretches``, each measured from the end of the one before."""
+    rates: list[float] = []
+    prev_end: float | None = None
+    for start, end, steps in stretches:
+        begin = start if prev_end is None else prev_end
+        if steps > 0:
+            rates.append((end - begin) / steps)
+        prev_end = end
+    return median(rates) if rates else None
+
+
+def back_to_normal(
+    stretches: Iterable[Stretch], normal: float | None, *, not_before: float, factor: float = NORMAL_FACTOR
+) -> float | None:
+    """When training ran at normal speed again after a fault: the end of the first stretch that ends after
+    ``not_before`` and ran no slower than ``factor`` x ``normal`` seconds per step, counting the time since
+    the previous stretch ended (so a slow capture between two stretches delays it).
+
+    ``stretches``: those after the fault, in order. ``not_before``: e.g. the end of the first capture after the
+    restore (a recovery is not over while the first capture is still tracing or reading the whole model).
+    ``None`` when it never happened (or no ``normal`` speed is known).
+    """
+    if normal is None:
+        return None
+    prev_end: float | None = None
+    for start, end, steps in stretches:
+        begin = start if prev_end is None else prev_end
+        prev_end = end
+        if end >= not_before and steps > 0 and (end - begin) / steps <= factor * normal:
+            return end
+    return None
+
+
 def reset_peak_rss() -> None:
     """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux >= 4.0)."""
     Path("/proc/self/clear_refs").write_text("5")

@@ -66,13 +66,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psguard.benchmarks.common import RssWatch, alternate, median, print_results, progress, reset_peak_rss, rss_bytes
+from psguard.benchmarks.common import (
+    NORMAL_FACTOR,
+    RssWatch,
+    alternate,
+    median,
+    print_results,
+    progress,
+    reset_peak_rss,
+    rss_bytes,
+)
 from psguard.ports import port_open
 from psguard.testbed.cluster import LocalCluster
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 NUM_WORKERS = 1
-NORMAL_FACTOR = 3.0  # a step at most this many times the median step before the kill runs at normal speed
 _POLL = 0.05
 
 

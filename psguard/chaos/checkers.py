@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from psguard.benchmarks.common import Stretch, back_to_normal, seconds_per_step
 from psguard.chaos.history import Op, Record, operations
 
 __all__ = [
@@ -285,6 +286,10 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
     def group(f: Op) -> tuple[Any, Any]:
         return f.value.get("fault"), f.value.get("at_step")  # ``ps:*`` is one fault on every PS
 
+    captures = ctx.trainer("capture", "ok")
+    first_fault = min((f.start for f in faults), default=float("inf"))
+    normal = seconds_per_step(_stretches([o for o in trains if o.end is not None and o.end < first_fault][2:]))
+
     rows: list[dict[str, Any]] = []
     for i, fault in enumerate(faults):
         t = fault.end or fault.start
@@ -313,7 +318,14 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
             durable_every = int(training.get("durable_every", 0))
             loses_tier = fault.f in ("kill-agent", "terminate-agent") and fault.value.get("target") == "chief"
             bound = (durable_every if loses_tier else memory_every) + chunk
-        rows.append({"op": fault, "t": t, "heal": heal, "resumed": resumed, "restore": restore, "bound": bound})
+        # Back at normal speed: after the first capture that followed the restore (its stall counts).
+        since = restore.end if restore is not None and restore.end is not None else t
+        first_capture = next((c.end for c in captures if c.start >= since and c.end is not None), since)
+        normal_at = back_to_normal(_stretches([o for o in trains if o.start >= t]), normal, not_before=first_capture)
+        rows.append(
+            {"op": fault, "t": t, "heal": heal, "resumed": resumed, "restore": restore, "bound": bound,
+             "normal_at": normal_at}
+        )  # fmt: skip
 
     out = []
     for row in rows:
@@ -338,10 +350,18 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
                 "lost_steps": lost if restore is not None else (0 if resumed is not None else None),
                 "max_lost_steps": row["bound"],
                 "bound_applied": max([row["bound"], *(r["bound"] for r in sharing)]),
-                "recovery_seconds": (resumed.end - t) if resumed is not None and resumed.end is not None else None,
+                # The first chunk of steps done after the fault, and training back at normal speed (what a
+                # recovery costs: a slow first capture after the restore is part of it).
+                "resumed_seconds": (resumed.end - t) if resumed is not None and resumed.end is not None else None,
+                "recovery_seconds": row["normal_at"] - t if row["normal_at"] is not None else None,
             }
         )
     return out
+
+
+def _stretches(trains: Sequence[Op]) -> list[Stretch]:
+    """The trainer's ``train`` chunks as stretches of steps (see :func:`psguard.benchmarks.common.back_to_normal`)."""
+    return [(o.start, o.end, int(o.invoke.value.get("steps", 0))) for o in trains if o.end is not None]
 
 
 def lost_work_bounded(ctx: _Context) -> Verdict:

@@ -79,16 +79,19 @@ def _markdown(report: Mapping[str, Any]) -> str:
     lines += ["| checker | verdict | summary |", "| --- | --- | --- |"]
     for name, v in report["verdicts"].items():
         lines.append(f"| {name} | {v['status']} | {v['summary']} |")
-    lines += ["", "| fault | target | at step | restored step | source | lost steps (bound) | recovery s |",
-              "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    lines += ["", "| fault | target | at step | restored step | source | lost steps (bound) | first steps s "
+              "| recovery s |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for f in report["faults"]:
         rec = "-" if f["recovery_seconds"] is None else f"{f['recovery_seconds']:.1f}"
+        resumed = "-" if f.get("resumed_seconds") is None else f"{f['resumed_seconds']:.1f}"
         restored = "-" if f["restored_step"] is None else f["restored_step"]
         lost = "-" if f["lost_steps"] is None else f["lost_steps"]
         lines.append(
             f"| {f['fault']} | {f['target']} | {f['at_step']} | {restored}"
-            f" | {f['restore_source'] or '-'} | {lost} ({f['max_lost_steps']}) | {rec} |"
+            f" | {f['restore_source'] or '-'} | {lost} ({f['max_lost_steps']}) | {resumed} | {rec} |"
         )
+    lines += ["", "first steps s: from the fault to the first chunk of steps done; recovery s: to training at "
+              "normal speed again (the first capture after a restore included)."]  # fmt: skip
     g = report["goodput"]
     if g.get("steps_per_second") is not None:
         lines += ["", f"Goodput: {g['steps_per_second']:.1f} steps/s over {g['seconds']:.1f}s of training; "
@@ -155,6 +158,12 @@ def _timeline(ops: Sequence[Op], report: Mapping[str, Any], path: Path) -> None:
                         xytext=(2, 4), textcoords="offset points")  # fmt: skip
         elif o.process == "nemesis" and o.f in HEALS and o.type == "ok":
             ax.axvline(o.start - t0, color="tab:green", ls=":", lw=1.2)
+    shaded = False
+    for f in report.get("faults", []):
+        if f.get("recovery_seconds") is not None and f.get("at") is not None:
+            ax.axvspan(f["at"] - t0, f["at"] - t0 + f["recovery_seconds"], color="tab:red", alpha=0.1,
+                       label=None if shaded else "recovery: fault to normal speed")  # fmt: skip
+            shaded = True
     restores = [o for o in ops if o.f == "restore" and o.type == "ok" and o.value.get("source")]
     if restores:
         ax.scatter([(o.end or o.start) - t0 for o in restores], [int(o.value["step"]) for o in restores], marker="*",
