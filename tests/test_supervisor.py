@@ -6,6 +6,7 @@ external conditions (a file written, a process gone) with deadlines, never on fi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from psguard.agent.standby import warm_trainer_command
 from psguard.agent.supervisor import (
     EventKind,
     SpawnError,
@@ -469,6 +471,65 @@ def test_no_standby_for_commands_not_known_to_honour_it() -> None:
     assert Supervisor.from_config(["true"], config)._standby is None
     assert Supervisor.from_config(["true"], config, standby_capable=True)._standby is not None
     assert Supervisor.from_config(["true"], SupervisorConfig(standby=False), standby_capable=True)._standby is None
+
+
+# A user's trainer script, unmodified: it records what a warm start must give it exactly as a cold one does.
+TRAINER_SCRIPT = """
+import json, os, sys, time
+record = {
+    "pid": os.getpid(), "argv": sys.argv, "name": __name__, "path0": sys.path[0],
+    "tf_preloaded": "tensorflow" in sys.modules, "late": os.environ.get("LATE"),
+    "standby_env": sorted(k for k in os.environ if k.startswith("PSGUARD_STANDBY")),
+}
+with open(os.path.join(sys.argv[1], f"run.{os.getpid()}"), "w") as f:
+    json.dump(record, f)
+time.sleep(300)
+"""
+
+
+def test_warm_trainer_commands_only_for_plain_python_scripts_and_modules() -> None:
+    warm = ["-m", "psguard.trainer.warm"]
+    assert warm_trainer_command(["python3", "train.py", "--x"]) == ["python3", *warm, "train.py", "--x"]
+    assert warm_trainer_command(["/v/bin/python", "-m", "pkg.train", "1"]) == [
+        "/v/bin/python",
+        *warm,
+        "-m",
+        "pkg.train",
+        "1",
+    ]
+    for cmd in (["python"], ["python", "-u", "t.py"], ["python", "-c", "pass"], ["bash", "t.sh"], ["python", "-m"]):
+        assert warm_trainer_command(cmd) is None, cmd
+
+
+@pytest.mark.slow
+def test_a_trainer_restart_runs_the_script_in_the_warm_standby_with_the_environment_of_now(
+    supervisors: list[Supervisor], events: Events, tmp_path: Path
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(TRAINER_SCRIPT)
+    cmd = [sys.executable, str(script), str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TF_CPP_MIN_LOG_LEVEL": "3"}
+    s = make(supervisors, cmd, env=env, standby=True, standby_delay=0.2, standby_cmd=warm_trainer_command(cmd),
+             on_event=events)  # fmt: skip
+    s.start()
+    first = s.pid
+    assert first is not None
+    wait_until(lambda: s.status().standby_ready, timeout=120, what="the warm trainer imported TensorFlow")
+    standby = s.status().standby_pid
+    assert not (tmp_path / f"run.{standby}").exists()  # it waits: the script has not run
+    s.set_env("LATE", "learnt after the standby started")
+    os.kill(first, signal.SIGKILL)
+    restarted = events.wait(EventKind.RESTARTED)
+    assert restarted.pid == standby
+    wait_until(lambda: (tmp_path / f"run.{standby}").exists(), what="the script running in the standby")
+    wait_until(lambda: (tmp_path / f"run.{standby}").read_text().endswith("}"), what="its record")
+    cold = json.loads((tmp_path / f"run.{first}").read_text())
+    warm = json.loads((tmp_path / f"run.{standby}").read_text())
+    assert warm["tf_preloaded"] and not cold["tf_preloaded"]
+    assert warm["late"] == "learnt after the standby started" and cold["late"] is None
+    for key in ("argv", "name", "path0", "standby_env"):
+        assert warm[key] == cold[key], key
+    assert cold["name"] == "__main__" and cold["standby_env"] == []
 
 
 def test_runs_declared_healthy_and_requested_restarts_do_not_make_a_crash_loop(

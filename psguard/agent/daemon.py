@@ -78,6 +78,7 @@ from psguard.agent.prober import (
     ProcessProbe,
     TcpProbe,
 )
+from psguard.agent.standby import warm_trainer_command
 from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
 from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import (
@@ -304,6 +305,9 @@ class Agent:
                 self.command,
                 cfg.supervisor,
                 standby_capable=self._builtin_server,
+                # A trainer run as `python SCRIPT` gets a warm standby too (TensorFlow imported): restarts of a
+                # trainer without a model factory then skip the interpreter start and the import.
+                standby_cmd=warm_trainer_command(self.command) if self.role == "chief" and self.command else None,
                 env=self._task_env(self.http.url),
                 name=self.task,
                 on_event=self._on_supervisor_event,

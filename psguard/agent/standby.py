@@ -8,53 +8,34 @@ more process of the same command started beforehand. It runs everything up to bi
 on its stdin until it is told to go (:func:`wait_for_go`). It must not bind earlier: gRPC servers set
 ``SO_REUSEPORT``, so two processes listening on one address would silently share its connections.
 
-The protocol is deliberately tiny so that any command can honour it: the standby sees
-``PSGUARD_STANDBY=1`` in its environment and reads one line from stdin; ``go`` means serve now, end of file
-means the standby is no longer wanted (its spawner died or discarded it) and it exits 0. Before it blocks it
-creates the file named by ``PSGUARD_STANDBY_READY``, so its spawner can tell a warm standby from one still
-importing (:attr:`Standby.ready`). Only commands known
-to honour it get a standby (the built-in server mode); a user's command that ignored it would bind at once.
+The protocol (:mod:`psguard.handoff.standby`) is deliberately tiny so that any command can honour it: the
+standby sees ``PSGUARD_STANDBY=1`` in its environment and reads one line from stdin; ``go`` means serve now,
+end of file means the standby is no longer wanted (its spawner died or discarded it) and it exits 0. Before it
+blocks it creates the file named by ``PSGUARD_STANDBY_READY``, so its spawner can tell a warm standby from one
+still importing (:attr:`Standby.ready`). Only commands known to honour it get a standby: the built-in server
+mode, and a trainer run as ``python SCRIPT ...`` or ``python -m MODULE ...``, whose standby is
+:mod:`psguard.trainer.warm` running the same script (:func:`warm_trainer_command`); a user's command that
+ignored the protocol would bind at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import re
 import signal
 import subprocess
-import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO
 
-__all__ = ["GO", "STANDBY_ENV", "Standby", "is_standby", "wait_for_go"]
+from psguard.handoff.standby import GO, READY_ENV, STANDBY_ENV, is_standby, wait_for_go
+
+__all__ = ["GO", "READY_ENV", "STANDBY_ENV", "Standby", "is_standby", "wait_for_go", "warm_trainer_command"]
 
 log = logging.getLogger(__name__)
-
-STANDBY_ENV = "PSGUARD_STANDBY"
-READY_ENV = "PSGUARD_STANDBY_READY"
-GO = b"go\n"
-
-
-def is_standby(environ: Mapping[str, str] | None = None) -> bool:
-    """True in a process started as a standby (it must call :func:`wait_for_go` before binding anything)."""
-    return (os.environ if environ is None else environ).get(STANDBY_ENV) == "1"
-
-
-def wait_for_go(stream: BinaryIO | None = None) -> bool:
-    """Block until the spawner says go (True) or drops us (False: end of file, or anything but ``go``)."""
-    stream = stream if stream is not None else sys.stdin.buffer
-    ready = os.environ.get(READY_ENV)
-    if ready:
-        with contextlib.suppress(
-            OSError
-        ):  # only a signal to the spawner: not being able to give it is no reason to fail
-            Path(ready).touch()
-    line = stream.readline()
-    return line == GO
-
 
 Popen = subprocess.Popen[bytes]
 
@@ -68,9 +49,17 @@ class Standby:
     is tied to the thread that forked).
     """
 
-    def __init__(self, name: str, spawn: Callable[[dict[str, str]], Popen]) -> None:
+    def __init__(
+        self,
+        name: str,
+        spawn: Callable[[dict[str, str]], Popen],
+        *,
+        env_at_go: Callable[[], Mapping[str, str]] | None = None,
+    ) -> None:
         self.name = name
         self._spawn = spawn
+        # For standbys that read their environment after ``go`` (the warm trainer): what the task gets now.
+        self._env_at_go = env_at_go
         self._proc: Popen | None = None
         self._ready_path: Path | None = None
 
@@ -115,7 +104,10 @@ class Standby:
             return None
         assert proc.stdin is not None
         try:
-            proc.stdin.write(GO)
+            message = GO
+            if self._env_at_go is not None:
+                message += json.dumps(dict(self._env_at_go())).encode() + b"\n"
+            proc.stdin.write(message)
             proc.stdin.close()
         except OSError as e:  # it died between poll() and the write
             log.warning("event=standby_lost task=%s pid=%d error=%r", self.name, proc.pid, str(e))
@@ -135,6 +127,23 @@ class Standby:
         path, self._ready_path = self._ready_path, None
         if path is not None:
             path.unlink(missing_ok=True)
+
+
+_PYTHON = re.compile(r"python(3(\.\d+)?)?")
+
+
+def warm_trainer_command(cmd: Sequence[str]) -> list[str] | None:
+    """The command of a warm standby for trainer command ``cmd``, or ``None`` when ``cmd`` is not a plain
+    ``python SCRIPT ARGS...`` or ``python -m MODULE ARGS...`` (interpreter options, ``-c``, a shell script: no
+    standby, the trainer starts cold). The standby runs the same interpreter, so psguard must be importable by it;
+    if it is not, the standby dies at once and restarts are cold, as without one."""
+    if len(cmd) < 2 or not _PYTHON.fullmatch(Path(cmd[0]).name):
+        return None
+    if cmd[1] == "-m":
+        return [cmd[0], "-m", "psguard.trainer.warm", *cmd[1:]] if len(cmd) >= 3 else None
+    if cmd[1].startswith("-"):
+        return None
+    return [cmd[0], "-m", "psguard.trainer.warm", *cmd[1:]]
 
 
 def _kill_and_reap(proc: Popen) -> None:

@@ -302,6 +302,7 @@ class Supervisor:
         pdeathsig: bool = True,
         standby: bool = False,
         standby_delay: float = 5.0,
+        standby_cmd: Sequence[str] | None = None,
         record: str | os.PathLike[str] | None = None,
         subreaper: bool = False,
         guard: bool = True,
@@ -338,7 +339,14 @@ class Supervisor:
         self._sessions: set[int] = set()  # every run's session id (its leader's pid): whose orphans we reap
         # Only when the caller knows the command honours the standby protocol: one that ignored it would bind
         # its port while the task still runs.
-        self._standby = Standby(self.name, self._popen) if standby else None
+        # ``standby_cmd``: the standby runs another command that becomes this one on ``go`` (the warm trainer,
+        # psguard.trainer.warm), and it is told the task's environment then, as it is at that moment.
+        self._standby: Standby | None = None
+        if standby and standby_cmd is not None:
+            warm = tuple(standby_cmd)
+            self._standby = Standby(self.name, lambda extra: self._popen(extra, cmd=warm), env_at_go=self._run_env)
+        elif standby:
+            self._standby = Standby(self.name, self._popen)
 
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -368,7 +376,8 @@ class Supervisor:
     ) -> Supervisor:
         """A supervisor with the policy from a config file; ``kwargs`` are the other constructor arguments.
 
-        ``standby_capable``: the command honours :mod:`psguard.agent.standby`, so ``config.standby`` may apply.
+        ``standby_capable``: the command honours :mod:`psguard.agent.standby`, so ``config.standby`` may apply
+        (it applies too with a ``standby_cmd``: a command that honours it and becomes this one).
         """
         return cls(
             cmd,
@@ -379,7 +388,7 @@ class Supervisor:
             crash_loop_window=config.crash_loop_window,
             stop_timeout=config.stop_timeout,
             restart_codes=config.restart_codes,
-            standby=config.standby and standby_capable,
+            standby=config.standby and (standby_capable or kwargs.get("standby_cmd") is not None),
             standby_delay=config.standby_delay,
             **kwargs,  # type: ignore[arg-type]
         )
@@ -709,24 +718,30 @@ class Supervisor:
             spare.add(self._standby.pid)
         reaper.reap(reaper.adopted_zombies(sessions, spare=frozenset(spare)))
 
-    def _popen(self, extra_env: dict[str, str], *, stdin: int = subprocess.PIPE) -> subprocess.Popen[bytes]:
-        """Start the command once (a run, or a standby with ``extra_env``); raises ``OSError``."""
-        cmd = (_pdeathsig_prefix() if self._pdeathsig else []) + list(self.cmd)
-        _check_executable(self.cmd[0], self._env, self._cwd)
-        if self._cwd is not None and not Path(self._cwd).is_dir():
-            raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
-        env = {
+    def _run_env(self) -> dict[str, str]:
+        """The environment of a run started now."""
+        return {
             **(self._env if self._env is not None else os.environ),
             reaper.tree_env_var(self._tree): "1",  # inherited by everything the task starts
-            **extra_env,
         }
+
+    def _popen(
+        self, extra_env: dict[str, str], *, stdin: int = subprocess.PIPE, cmd: Sequence[str] | None = None
+    ) -> subprocess.Popen[bytes]:
+        """Start the command (or ``cmd``) once (a run, or a standby with ``extra_env``); raises ``OSError``."""
+        program = list(cmd if cmd is not None else self.cmd)
+        argv = (_pdeathsig_prefix() if self._pdeathsig else []) + program
+        _check_executable(program[0], self._env, self._cwd)
+        if self._cwd is not None and not Path(self._cwd).is_dir():
+            raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
+        env = {**self._run_env(), **extra_env}
         log_file: IO[bytes] | None = None
         if self._log_path is not None:
             self._log_path.parent.mkdir(parents=True, exist_ok=True)
             log_file = open(self._log_path, "ab")  # noqa: SIM115 - the child keeps its own copy of the fd
         try:
             return subprocess.Popen(
-                cmd,
+                argv,
                 stdin=stdin,
                 stdout=log_file,
                 stderr=subprocess.STDOUT if log_file is not None else None,

@@ -16,7 +16,7 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from psguard.agent.standby import is_standby, wait_for_go
+from psguard.handoff.standby import is_standby, wait_for_go
 
 _PR_SET_PDEATHSIG = 1
 

@@ -41,7 +41,7 @@ from typing import Any
 
 from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
 from psguard.errors import ConfigError, PsguardError
-from psguard.handoff.credentials import create_token_file
+from psguard.handoff.credentials import create_token_file, read_secret_file
 from psguard.storage.registry import split_url
 
 __all__ = ["CHIEF_CONFIG", "NO_STORE_WARNING", "WrapError", "main", "register", "run"]
@@ -133,11 +133,14 @@ def run(
     config: str | os.PathLike[str] | None = None,
     verbose: int = 0,
     start_timeout: float = 180.0,
+    token_file: str | os.PathLike[str] | None = None,
 ) -> int:
     """Run ``command`` as the chief of a local PS cluster, every task under an agent; its exit code (see above).
 
     Blocks until the command finished or the chief's agent gave up; every process started here is stopped
-    before this returns, also on ``KeyboardInterrupt``.
+    before this returns, also on ``KeyboardInterrupt``. ``token_file``: the agents' bearer token (a file only its
+    owner can read; kept), so that the run can be queried (``psguard status URL --token-file``); by default a
+    fresh one, removed at the end.
     """
     if not command:
         raise ConfigError("give the training command after '--': psguard wrap [OPTIONS] -- python train.py ...")
@@ -147,6 +150,8 @@ def run(
         raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {workers}")
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"--config {config}: no such file")
+    if token_file is not None:
+        read_secret_file(str(token_file), "--token-file")  # missing, empty, or readable by others: refused now
     if store is None:
         print(NO_STORE_WARNING, file=sys.stderr, flush=True)
     else:
@@ -163,7 +168,8 @@ def run(
     failed = True
     # One token per run for every agent (the chief's agent restarts the PS servers with it), in a private file
     # outside the work folder, which is kept on failure; removed when the run ends.
-    token = create_token_file("psguard-wrap-token-")
+    token = create_token_file("psguard-wrap-token-") if token_file is None else None
+    token_path = token.path if token is not None else Path(os.fspath(token_file or "")).resolve()
     try:
         base = ["--cluster", str(cluster)]
         for role, count in (("ps", ps), ("worker", workers)):
@@ -171,7 +177,7 @@ def run(
                 args = ["--role", role, "--index", str(i), *base]
                 if role == "ps":  # each PS's agent keeps its shards (memory tier, its part of the log)
                     args += ["--spool", str(work / f"ps{i}-shards"), *(["--store", store] if store else [])]
-                servers.append(AgentProcess(agents_dir, f"{role}{i}", args, token_file=token.path))
+                servers.append(AgentProcess(agents_dir, f"{role}{i}", args, token_file=token_path))
         try:
             peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(start_timeout))]
         except LaunchError as e:
@@ -183,7 +189,7 @@ def run(
             chief_config.write_text(CHIEF_CONFIG + f"state_dir: {json.dumps(str(agents_dir / '.state'))}\n")
         argv = [sys.executable, "-m", "psguard.cli", *(["-v"] * verbose), "agent", "--role", "chief"]
         argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
-        argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token.path)]
+        argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token_path)]
         if store is not None:
             argv += ["--store", store]
         argv += ["--", *command]
@@ -208,7 +214,8 @@ def run(
         _stop_all(chief, [agent.proc for agent in servers])
         for agent in servers:
             agent.stop()  # already exited: closes its log
-        token.remove()
+        if token is not None:
+            token.remove()
         if spool.parent == Path("/dev/shm"):
             shutil.rmtree(spool, ignore_errors=True)
         if own_dir and not failed:
@@ -236,6 +243,7 @@ def main(args: argparse.Namespace) -> int:
             config=args.config,
             verbose=getattr(args, "verbose", 0),
             start_timeout=args.start_timeout,
+            token_file=args.token_file,
         )
     except _Stop:
         print("psguard wrap: terminated; every process it started was stopped", file=sys.stderr, flush=True)
@@ -267,5 +275,10 @@ def register(sub: Any) -> None:
         "--config", metavar="agent.yaml", help="settings of the chief's agent (default: see psguard.agent.wrap)"
     )
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds for each agent to serve (default 180)")
+    p.add_argument(
+        "--token-file",
+        help="the agents' bearer token, in a file only you can read (to query them with psguard status while the "
+        "job runs; default: a fresh token, removed at the end)",
+    )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...: the training script and its arguments")
     p.set_defaults(func=main)

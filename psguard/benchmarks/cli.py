@@ -11,6 +11,7 @@ BENCH_MODULES: tuple[str, ...] = (
     "psguard.benchmarks.recovery",
     "psguard.benchmarks.scale",
     "psguard.benchmarks.follow",
+    "psguard.benchmarks.wrap",
 )
 
 
