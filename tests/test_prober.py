@@ -305,6 +305,7 @@ def test_monitor_feeds_the_metrics() -> None:
     assert f'{PROBE_LATENCY_SECONDS}_count{{task="ps:0",probe="rpc"}}' in text
 
 
+@pytest.mark.serial
 def test_agent_modules_do_not_import_tensorflow_and_grpc_is_cheap() -> None:
     code = (
         "import time, sys\n"
