@@ -73,6 +73,18 @@ def test_bad_input_is_a_usage_error_before_any_process_starts(
     assert message in capsys.readouterr().err
 
 
+def test_a_token_file_others_can_read_or_that_is_missing_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    shared = tmp_path / "token"
+    shared.write_text("secret-token\n")
+    shared.chmod(0o644)
+    for path in (shared, tmp_path / "missing"):
+        assert cli_main(["wrap", "--token-file", str(path), "--", "true"]) == 2
+        err = capsys.readouterr().err
+        assert f"--token-file {path}" in err and "secret-token" not in err
+
+
 # ------------------------------------------------------------------------------------------ slow: processes
 @pytest.mark.slow
 def test_unmodified_command_gets_tf_config_and_is_restarted_after_a_crash(tmp_path: Path) -> None:
