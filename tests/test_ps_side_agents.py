@@ -49,8 +49,9 @@ TRAINER = textwrap.dedent(
         os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    num_ps = len(resolver.cluster_spec().as_dict()["ps"])
     strategy = tf.distribute.experimental.ParameterServerStrategy(
-        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
     )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     with strategy.scope():
@@ -68,6 +69,7 @@ TRAINER = textwrap.dedent(
     put(f"gen-{gen}", {
         "restored": None if r is None else {"source": r.source, "step": r.step},
         "spilled": sorted(manager.capturer.spilled), "at": time.time(),
+        "digests": {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in read_tensors(root).items()},
     })
     seen = 0
     try:
@@ -193,6 +195,55 @@ def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, ag
     assert second["restored"]["step"] >= durable_before
     assert "every tier loaded" in chief.log()
     with Store.open(str(store)) as s:
+        tensors = s.load(final["checkpoint"])
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
+        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+
+
+def _job(tmp_path: Path, agents: Callable[..., AgentProc], name: str, num_ps: int, store: Path, target: int) -> Path:
+    """A job of ``num_ps`` PS agents (each keeping its shards), a worker and the chief running TRAINER to
+    ``target``, on its own ports and folders, writing to ``store``; returns its output folder once it is done."""
+    base = tmp_path / name
+    base.mkdir()
+    cluster, _ = write_cluster(base, ps=num_ps, workers=1)
+    script = base / "trainer.py"
+    script.write_text(TRAINER)
+    out = base / "out"
+    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
+    ps = [
+        agents(f"{name}-ps{i}", [*common, "--index", str(i), "--spool", str(base / f"ps{i}-shards")])
+        for i in range(num_ps)
+    ]
+    worker = agents(f"{name}-worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(base / "spool"), *peers]
+    chief = agents(f"{name}-chief", args, [sys.executable, str(script), str(out), str(store), str(target)])
+    assert chief.wait_exit(400) == 0, chief.log()
+    for a in (*ps, worker):
+        a.close()  # the next job reuses nothing of this one but the store
+    return out
+
+
+@pytest.mark.slow
+def test_a_log_written_by_two_ps_restores_bit_exact_onto_three(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """The job comes back with one PS more: every PS agent of the new job reads the logical rows its PS now
+    hosts from the durable log that two PS agents wrote (format 2, one part per old shard)."""
+    store = tmp_path / "store"
+    two = _job(tmp_path, agents, "two", 2, store, 20)
+    saved = json.loads((two / "final").read_text())
+    three = _job(tmp_path, agents, "three", 3, store, 25)
+    restored = json.loads((three / "gen-0").read_text())
+    assert restored["restored"] == {"source": restored["restored"]["source"], "step": saved["step"]}, restored
+    table = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
+    assert table in restored["spilled"]  # captured on the three PS from here on
+    assert {n: d for n, d in restored["digests"].items() if n in saved["digests"]} == saved["digests"]
+    final = json.loads((three / "final").read_text())
+    with Store.open(str(store)) as s:
+        newest = s.manifest(final["checkpoint"])
+        assert len(newest.tensors[table].parts) == 3  # written by the three PS agents
         tensors = s.load(final["checkpoint"])
         digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
         assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
