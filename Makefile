@@ -30,11 +30,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two test processes: most of a test's time is waiting on processes it started (TensorFlow servers, agents,
-# storage servers), so two at a time take about half as long on 2 cores. Tests marked `serial` (they judge
-# time or load) run afterwards, alone.
+# Two test processes: the tests that start TensorFlow clusters run one at a time in one of them (tests/conftest.py
+# groups them), everything else in the other. Tests marked `serial` (they judge time or load) run afterwards, alone.
 test: lint typecheck hdfs-runtime
-	$(BIN)/python -m pytest -q -m 'not compat and not serial' -n 2 --durations=25
+	$(BIN)/python -m pytest -q -m 'not compat and not serial' -n 2 --dist loadgroup --durations=25
 	$(BIN)/python -m pytest -q -m 'serial and not compat' --durations=10
 
 test-fast: $(STAMP)

@@ -28,6 +28,39 @@ _ALLOWED_PIDS: set[int] = set()
 _ALLOWED_THREAD_PREFIXES = ("fsspecIO", "asyncio_", "pydevd", "Dummy-", "ThreadPoolExecutor-")
 
 
+#: Files whose slow tests start storage servers or single processes, not TensorFlow clusters.
+_LIGHT_FILES = frozenset(
+    {
+        "test_cli_bad_input.py",
+        "test_dockerfile.py",
+        "test_fuzz_hostile_input.py",
+        "test_install.py",
+        "test_integrations_prometheus.py",
+        "test_persister.py",
+        "test_policy_cli.py",
+        "test_policy_preemption.py",
+        "test_spool.py",
+        "test_store_cli.py",
+        "test_store_faults.py",
+        "test_store_leases.py",
+        "test_store_retention_corrupt.py",
+        "test_store_suite.py",
+        "test_store_v2.py",
+        "test_testbed_hdfs.py",
+        "test_testbed_s3.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``pytest -n 2 --dist loadgroup`` (make test), the slow tests that start TensorFlow clusters, agents
+    or trainers run one after another in one worker while the other takes everything else: two clusters at once
+    overload a 2-core machine (load 11, slower than one at a time, and timing-sensitive waits start failing)."""
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.path.name not in _LIGHT_FILES:
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+
+
 def _children(pid: int | None = None) -> set[int]:
     """Every live descendant of ``pid`` (this process by default)."""
     return descendants(os.getpid() if pid is None else pid)

@@ -44,6 +44,7 @@ def test_no_credentials_is_one_line_naming_the_fix(no_aws: None, capsys: pytest.
     assert len(err) == 1 and err[0].startswith("psguard: error: ") and "no usable S3 credentials" in err[0]
 
 
+@pytest.mark.serial  # it judges how long the retries take
 def test_an_unreachable_endpoint_retries_saying_so_then_fails_in_one_line(
     no_aws: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
