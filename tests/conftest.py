@@ -28,37 +28,55 @@ _ALLOWED_PIDS: set[int] = set()
 _ALLOWED_THREAD_PREFIXES = ("fsspecIO", "asyncio_", "pydevd", "Dummy-", "ThreadPoolExecutor-")
 
 
-#: Files whose slow tests start storage servers or single processes, not TensorFlow clusters.
-_LIGHT_FILES = frozenset(
+#: Files whose tests start TensorFlow clusters, agents or trainers. Under ``make test`` (``pytest -n 2 --dist
+#: loadgroup``) they run one after another in one worker while the other takes every other file: two clusters at
+#: once overload a 2-core machine (load 11, slower than one at a time, and timing-sensitive waits fail).
+_CLUSTER_FILES = frozenset(
     {
-        "test_cli_bad_input.py",
-        "test_dockerfile.py",
-        "test_fuzz_hostile_input.py",
-        "test_install.py",
-        "test_integrations_prometheus.py",
-        "test_persister.py",
-        "test_policy_cli.py",
-        "test_policy_preemption.py",
-        "test_spool.py",
-        "test_store_cli.py",
-        "test_store_faults.py",
-        "test_store_leases.py",
-        "test_store_retention_corrupt.py",
-        "test_store_suite.py",
-        "test_store_v2.py",
-        "test_testbed_hdfs.py",
-        "test_testbed_s3.py",
+        "test_agent.py",
+        "test_agent_finish.py",
+        "test_agent_security.py",
+        "test_agent_tfjob.py",
+        "test_bench_capture.py",
+        "test_bench_recovery.py",
+        "test_bench_scale.py",
+        "test_capture.py",
+        "test_chaos_overlap.py",
+        "test_chaos_smoke.py",
+        "test_cluster.py",
+        "test_demo.py",
+        "test_examples.py",
+        "test_follower.py",
+        "test_hang.py",
+        "test_hostile_manifests.py",
+        "test_keras_callback.py",
+        "test_layout.py",
+        "test_manager.py",
+        "test_manager_pipeline.py",
+        "test_manager_sidecar.py",
+        "test_prober.py",
+        "test_ps_side.py",
+        "test_ps_side_agents.py",
+        "test_recovery.py",
+        "test_supervisor.py",
+        "test_wrap.py",
     }
 )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``pytest -n 2 --dist loadgroup`` (make test), the slow tests that start TensorFlow clusters, agents
-    or trainers run one after another in one worker while the other takes everything else: two clusters at once
-    overload a 2-core machine (load 11, slower than one at a time, and timing-sensitive waits start failing)."""
-    for item in items:
-        if item.get_closest_marker("slow") is not None and item.path.name not in _LIGHT_FILES:
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` with one group made here, by file (xdist's own ``xdist_group`` markers do not reach
+    its scheduler under pytest 9): every test of a cluster file is one unit of work, every other test its own."""
+    if config.getoption("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ClusterLane(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+            return "cluster" if name in _CLUSTER_FILES else nodeid
+
+    return ClusterLane(config, log)
 
 
 def _children(pid: int | None = None) -> set[int]:
