@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         runpy.run_module(args[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = list(args)
-        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        sys.path[0] = os.path.dirname(os.path.realpath(args[0]))  # as python SCRIPT does: symlinks resolved
         runpy.run_path(args[0], run_name="__main__")
     return 0
 
