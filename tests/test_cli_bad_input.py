@@ -147,3 +147,19 @@ def test_the_cli_docstring_and_the_readme_agree_on_exit_codes() -> None:
     assert "2 bad input (usage" in doc and "1 error (storage failure" in doc
     assert "`2` bad input" in readme and "`141`" in readme
     assert (cli.EXIT_USAGE, cli.EXIT_CORRUPT, cli.EXIT_NOT_FOUND) == (2, 3, 4)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--script", "/nonexistent/train.py"], "--script /nonexistent/train.py: no such file"),
+        (["--runs", "0"], "--runs 0"),
+    ],
+)
+def test_bench_wrap_refuses_bad_input_before_starting_anything(
+    args: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from psguard.cli import main
+
+    assert main(["bench", "wrap", *args]) == 2
+    assert message in capsys.readouterr().err

@@ -27,6 +27,7 @@ from typing import Any
 
 from psguard.agent.wrap import CHIEF_CONFIG
 from psguard.benchmarks.common import median, print_results, progress
+from psguard.errors import ConfigError
 
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 EXAMPLE = Path(__file__).resolve().parents[2] / "integrations" / "examples" / "custom_loop" / "train.py"
@@ -111,9 +112,11 @@ def run(
     *, runs: int = 3, fault: str = "trainer", script: Path = EXAMPLE, save_every: int = 10, settle: float = 12.0
 ) -> dict[str, Any]:
     if fault not in ("trainer", "ps"):
-        raise ValueError(f"fault {fault!r}: expected trainer or ps")
+        raise ConfigError(f"--fault {fault!r}: expected trainer or ps")
+    if runs < 1:
+        raise ConfigError(f"--runs {runs}: expected at least 1")
     if not script.is_file():
-        raise FileNotFoundError(f"{script}: no such script (pass --script; the example is in the source tree)")
+        raise ConfigError(f"--script {script}: no such file (the default example is in the source tree)")
     warm: list[float] = []
     cold: list[float] = []
     for i in range(runs):
