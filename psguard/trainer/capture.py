@@ -194,7 +194,6 @@ class Capturer:
         self._lock = threading.RLock()
         self._infos: dict[str, TensorInfo] = {}
         self._tracked: dict[str, _Tracked] = {}
-        self._plan: _Plan | None = None
         self._fns: _Functions | None = None
         # Write tracking: the optimizers' iterations, this generation's apply counter, and the value of
         # sum(iterations) - applies after the last capture (None: unknown, hash every row next time).
@@ -352,9 +351,14 @@ class Capturer:
             if self.coordinator is not None:
                 self.coordinator.join()
             self._sync()
-            spilled = [tr for tr in self._tracked.values() if tr.spill]
-            keys = [(tr, s, ShardKey(tr.info.name, s.offset, s.rows)) for tr in spilled for s in tr.info.shards]
-            wanted = {k for _, _, k in keys}
+            spilled = [(i, tr) for i, tr in enumerate(self._tracked.values()) if tr.spill]
+            # (tensor, shard) indices in the functions' plan, and each shard's key.
+            keys = [
+                ((i, j), ShardKey(tr.info.name, s.offset, s.rows))
+                for i, tr in spilled
+                for j, s in enumerate(tr.info.shards)
+            ]
+            wanted = {k for _, k in keys}
             missing = sorted(k.label for k in wanted - set(files))
             extra = sorted(k.label for k in set(files) - wanted)
             if missing or extra:
@@ -362,18 +366,11 @@ class Capturer:
                     f"the PS-side snapshot does not match the model's shards: missing {missing[:5]} "
                     f"({len(missing)}), not in the model {extra[:5]} ({len(extra)}); was the number of PS changed?"
                 )
-            elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for tr in spilled}
+            elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
             check_tensors(self.root, tensors, elsewhere=elsewhere)
             if keys:
-                which = tuple(
-                    (i, j)
-                    for i, tr in enumerate(self._tracked.values())
-                    if tr.spill
-                    for j in range(len(tr.info.shards))
-                )
-                assert self._plan is not None
-                load = _load_function(self._plan, self._functions, which)
-                load(tf.constant([str(files[k]) for _, _, k in keys]), self._variables())
+                load = _load_function(self._functions, tuple(ij for ij, _ in keys))
+                load(tf.constant([str(files[k]) for _, k in keys]), self._variables())
             restore(self.root, tensors, elsewhere=elsewhere)
             self.rebase(spilled_too=False)
 
@@ -469,7 +466,7 @@ class Capturer:
                 _TensorPlan(tr.by_row, tr.spill, tr.dirty is not None, row_bytes, info.dtype, info.shape[1:], shards)
             )
         counter = self._counter
-        self._plan = _Plan(
+        plan = _Plan(
             tuple(tensors),
             str(counter.var.device) if counter is not None else None,
             len(self._iterations),
@@ -478,7 +475,7 @@ class Capturer:
             tuple(sorted(self.spill_dirs.items())),
             context.context().host_address_space() + "/device:CPU:0",
         )
-        self._fns = _functions_for(self._plan)
+        self._fns = _functions_for(plan)
 
     @property
     def _functions(self) -> _Functions:
@@ -638,6 +635,7 @@ _ShardVars = tuple[Any, Any, Any, Any]
 
 @dataclass
 class _Functions:
+    plan: _Plan
     capture: Any
     rebase: Any
     loads: dict[tuple[tuple[int, int], ...], Any] = field(default_factory=dict)
@@ -828,11 +826,14 @@ def _make_functions(plan: _Plan) -> _Functions:
         with tf.device(local):
             return tf.identity(gap_now(counter, iterations))
 
-    return _Functions(capture=tf.function(capture_fn, autograph=False), rebase=tf.function(rebase_fn, autograph=False))
+    return _Functions(
+        plan, capture=tf.function(capture_fn, autograph=False), rebase=tf.function(rebase_fn, autograph=False)
+    )
 
 
-def _load_function(plan: _Plan, fns: _Functions, which: tuple[tuple[int, int], ...]) -> Any:
-    """The function that reads shards ``which`` ((tensor, shard) indices in ``plan``) from files on their PS."""
+def _load_function(fns: _Functions, which: tuple[tuple[int, int], ...]) -> Any:
+    """The function that reads shards ``which`` ((tensor, shard) indices in ``fns.plan``) from files on their PS."""
+    plan = fns.plan
     with _FUNCTIONS_LOCK:
         fn = fns.loads.get(which)
     if fn is not None:
