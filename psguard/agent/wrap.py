@@ -41,7 +41,7 @@ from typing import Any
 
 from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
 from psguard.errors import ConfigError, PsguardError
-from psguard.handoff.credentials import create_token_file, read_secret_file
+from psguard.handoff.credentials import TokenFile, create_token_file, read_secret_file
 from psguard.storage.registry import split_url
 
 __all__ = ["CHIEF_CONFIG", "NO_STORE_WARNING", "WrapError", "main", "register", "run"]
@@ -168,8 +168,12 @@ def run(
     failed = True
     # One token per run for every agent (the chief's agent restarts the PS servers with it), in a private file
     # outside the work folder, which is kept on failure; removed when the run ends.
-    token = create_token_file("psguard-wrap-token-") if token_file is None else None
-    token_path = token.path if token is not None else Path(os.fspath(token_file or "")).resolve()
+    token: TokenFile | None = None  # one made here, removed at the end; a given one is the caller's
+    if token_file is None:
+        token = create_token_file("psguard-wrap-token-")
+        token_path = token.path
+    else:
+        token_path = Path(token_file).resolve()
     try:
         base = ["--cluster", str(cluster)]
         for role, count in (("ps", ps), ("worker", workers)):

@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from psguard.agent.launcher import QUIET
 from psguard.benchmarks.common import (
     NORMAL_FACTOR,
     RssWatch,
@@ -79,7 +80,6 @@ from psguard.benchmarks.common import (
 from psguard.ports import port_open
 from psguard.testbed.cluster import LocalCluster
 
-QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 NUM_WORKERS = 1
 _POLL = 0.05
 

@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from psguard.agent.launcher import QUIET
 from psguard.agent.wrap import CHIEF_CONFIG
 from psguard.benchmarks.common import median, print_results, progress
 from psguard.errors import ConfigError
 
-QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 EXAMPLE = Path(__file__).resolve().parents[2] / "integrations" / "examples" / "custom_loop" / "train.py"
 _CKPT = re.compile(r"ckpt-(\d+)\.index")
 
