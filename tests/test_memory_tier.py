@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -10,7 +11,9 @@ import pytest
 
 from psguard.agent.memory_tier import MemoryTier
 from psguard.errors import ConfigError, PsguardError, TensorMismatchError
-from psguard.tensors import Full, Rows, Same, TensorUpdate
+from psguard.storage.registry import open_backend
+from psguard.store import Store
+from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
 
 
 def bits(a: np.ndarray) -> bytes:
@@ -277,11 +280,99 @@ def test_seeded_from_the_durable_log_is_clean(rng: np.random.Generator) -> None:
     take.commit()
 
 
-def test_applies_and_takes_from_two_threads_lose_nothing(rng: np.random.Generator) -> None:
+def test_a_persist_streams_big_tensors_and_a_capture_meanwhile_saves_rows_not_the_tensor(
+    rng: np.random.Generator,
+) -> None:
+    truth = state(rng)
+    tier = MemoryTier(stream_min_bytes=16_000)  # emb (32 KB) and slot (16 KB) stream; the rest is by reference
+    tier.apply(full(truth), step=1, token="g-1", parent=None)
+    before = {n: v.copy() for n, v in truth.items()}
+    take = tier.take_dirty()
+    assert take is not None and take.base
+    emb, slot = take.updates["emb"], take.updates["slot"]
+    assert isinstance(emb, FullStream) and isinstance(slot, FullStream)
+    assert isinstance(take.updates["dense"], Full)
+    assert list(take.updates) == list(truth)  # every tensor, in the tier's order
+    # Three captures during the write, overlapping rows: the first write of a row saves it, the rest do not.
+    tier.apply(delta(truth, {"emb": [0, 1, 2, 999]}, {}), step=2, token="g-2", parent="g-1")
+    half = emb.read(0, 500)
+    tier.apply(delta(truth, {"emb": [1, 2, 3, 600], "slot": [5]}, {}), step=3, token="g-3", parent="g-2")
+    tier.apply(delta(truth, {"emb": [2, 998]}, {}), step=4, token="g-4", parent="g-3")
+    got = np.concatenate([half, emb.read(500, 700), emb.read(700, 1000)])
+    assert bits(got) == bits(before["emb"])  # the persist sees step 1, however its reads interleave
+    assert bits(slot.read(0, 1000)) == bits(before["slot"])
+    assert bits(emb.read(3, 3)) == bits(before["emb"][3:3])
+    with pytest.raises(ValueError):
+        emb.read(0, 1001)
+    row = truth["emb"][0].nbytes + 8
+    assert tier.status().copy_on_write_bytes == 7 * row + (truth["slot"][0].nbytes + 8)  # 7 emb rows, 1 slot row
+    with tier.export() as snap:  # the live state moved on, in place
+        assert_same(snap.tensors, truth)
+    take.commit()
+    assert tier.status().leased_arrays == 0
+    with pytest.raises(PsguardError, match="closed"):
+        emb.read(0, 1)
+
+
+def test_an_export_during_a_streamed_persist_copies_and_both_see_their_state(rng: np.random.Generator) -> None:
+    truth = state(rng)
+    tier = MemoryTier(stream_min_bytes=16 << 10)
+    tier.apply(full(truth), step=1, token="g-1", parent=None)
+    take = tier.take_dirty()
+    assert take is not None
+    tier.apply(delta(truth, {"emb": [7]}, {}), step=2, token="g-2", parent="g-1")
+    at2 = truth["emb"].copy()
+    snap = tier.export()
+    tier.apply(delta(truth, {"emb": [7, 8]}, {}), step=3, token="g-3", parent="g-2")  # the export's view: a copy
+    stream = take.updates["emb"]
+    assert isinstance(stream, FullStream)
+    assert bits(snap.tensors["emb"]) == bits(at2)
+    snap.release()
+    take.abort()
+    take = tier.take_dirty()
+    assert take is not None
+    stream = take.updates["emb"]
+    assert isinstance(stream, FullStream)  # still a base: nothing was committed
+    assert bits(stream.read(0, 1000)) == bits(truth["emb"])
+    take.commit()
+
+
+def test_a_streamed_tensor_is_stored_as_the_same_chunks_as_a_whole_one(
+    tmp_path: Path, request: pytest.FixtureRequest, rng: np.random.Generator
+) -> None:
+    truth = state(rng)
+    store = Store(open_backend(tmp_path.as_uri()), chunk_bytes=4096)
+    request.addfinalizer(store.close)
+    whole = store.save(1, {"emb": truth["emb"]})
+    tier = MemoryTier(stream_min_bytes=16 << 10)
+    tier.apply(full({"emb": truth["emb"]}), step=1, token="g-1", parent=None)
+    take = tier.take_dirty()
+    assert take is not None
+    tier.apply(delta({"emb": truth["emb"]}, {"emb": [3, 500]}, {}), step=2, token="g-2", parent="g-1")
+    streamed = store.save(1, take.updates, dedup_against=whole.id)
+    take.commit()
+    a, b = store.manifest(whole.id).tensors["emb"], store.manifest(streamed.id).tensors["emb"]
+    assert [r.hash for r in a.refs()] == [r.hash for r in b.refs()] and len(a.refs()) == 8
+    assert store.manifest(streamed.id).stats["bytes_written"] == 0  # every chunk deduplicated
+    assert bits(store.load(streamed.id)["emb"]) == bits(store.load(whole.id)["emb"])
+    # A PS agent writes its shard's part the same way.
+    take = tier.take_dirty(base=True)
+    assert take is not None
+    stream = take.updates["emb"]
+    assert isinstance(stream, FullStream)
+    with store.begin_save(2):
+        as_stream = store.write_part("emb", stream, shape=(1000, 8), offset=0)
+        as_array = store.write_part("emb", Full(truth["emb"]), shape=(1000, 8), offset=0)
+    take.commit()
+    assert as_stream["chunks"] == as_array["chunks"] and len(as_stream["chunks"]) == 8
+
+
+@pytest.mark.parametrize("stream_min_bytes", [1 << 30, 1], ids=["by-reference", "streamed"])
+def test_applies_and_takes_from_two_threads_lose_nothing(rng: np.random.Generator, stream_min_bytes: int) -> None:
     """A persister thread taking and failing/committing while the agent applies: the final take after the
     last commit must equal exactly the rows touched since, whatever the interleaving."""
     truth = state(rng)
-    tier = MemoryTier()
+    tier = MemoryTier(stream_min_bytes=stream_min_bytes)
     tier.apply(full(truth), step=0, token="g-0", parent=None)
     tier.take_dirty().commit()  # type: ignore[union-attr]
     durable = {n: v.copy() for n, v in truth.items()}
@@ -303,6 +394,8 @@ def test_applies_and_takes_from_two_threads_lose_nothing(rng: np.random.Generato
                         durable[name][u.ids] = u.values
                     elif isinstance(u, Full):
                         durable[name] = u.value.copy()
+                    elif isinstance(u, FullStream):
+                        durable[name] = np.concatenate([u.read(0, 10), u.read(10, u.shape[0])])
                 take.commit()
         except BaseException as e:
             errors.append(e)
@@ -324,5 +417,7 @@ def test_applies_and_takes_from_two_threads_lose_nothing(rng: np.random.Generato
             durable[name][u.ids] = u.values
         elif isinstance(u, Full):
             durable[name] = u.value.copy()
+        elif isinstance(u, FullStream):
+            durable[name] = u.read(0, u.shape[0])
     final.commit()
     assert_same(durable, truth)

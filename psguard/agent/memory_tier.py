@@ -20,10 +20,18 @@ the last durable checkpoint up to the current state, and moves the dirty marks i
 :class:`DirtyTake`. ``commit()`` drops them (they are durable now); ``abort()`` merges them back into the
 marks made meanwhile, so a failed persist is retried by the next one with nothing lost.
 
-No copies of whole tensors are made for a persist or an export: arrays handed out are *leased* (read-only
-views) and an apply that would write into a leased array copies it first (copy-on-write), so a snapshot
-being uploaded or exported stays consistent while training continues, and memory only doubles for a tensor
-actually written during that window. Rows being persisted are gathered (``array[ids]``), which is small.
+No copies of whole tensors are made for a persist or an export; arrays handed out are *leased*, and what
+the tier does when an apply writes rows into a leased array depends on the lease:
+
+* an export's :class:`Snapshot` hands out read-only views, so the apply copies the array first
+  (copy-on-write). Exports are short and happen while the trainer restores, not while it captures;
+* a persist's :class:`DirtyTake` hands out big arrays as :class:`~psguard.tensors.FullStream`, read in row
+  ranges, so the apply writes in place and saves the old values of the rows it overwrites beside the lease
+  (row-level copy-on-write). A base of a 512 MB shard written for seconds while captures keep arriving thus
+  costs the rows those captures wrote, not a second 512 MB (measured: a whole copy took 1 s under the
+  writer's load and doubled the PS agent's memory).
+
+Rows being persisted as a delta are gathered (``array[ids]``), which is small.
 """
 
 from __future__ import annotations
@@ -38,7 +46,7 @@ import numpy as np
 
 from psguard.errors import ConfigError, PsguardError, TensorMismatchError
 from psguard.store.dtypes import dtype_name
-from psguard.tensors import Full, Rows, Same, TensorUpdate
+from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
 
 __all__ = ["ApplyResult", "DirtyTake", "MemoryTier", "MemoryTierStatus", "Snapshot"]
 
@@ -50,6 +58,9 @@ ROWS_MAX_FRACTION = 0.5
 #: capture re-sent after ``need_full`` becomes a small delta in the durable log rather than a full rewrite.
 DIFF_MIN_BYTES = 64 << 10
 _DIFF_BLOCK_BYTES = 4 << 20
+#: A persist streams whole tensors at least this big (:class:`~psguard.tensors.FullStream`) rather than
+#: handing them out by reference, so captures during the write copy rows, not the tensor.
+STREAM_MIN_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,45 @@ def _changed_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray | None:
     return out
 
 
+class _Lease:
+    """Arrays handed out together, and what keeps them as they were for their holder.
+
+    ``rows_saved`` (a persist's streams): applies write in place and first save the old rows here, per array;
+    otherwise (an export's views) an apply copies a leased array before writing into it.
+    """
+
+    def __init__(self, arrays: Iterable[np.ndarray], *, rows_saved: bool) -> None:
+        self.arrays = list(arrays)
+        self.rows_saved = rows_saved
+        self.saved: dict[int, _SavedRows] = {}  # id(array) -> the rows overwritten since the lease
+        self.released = False
+
+
+class _SavedRows:
+    """The old values of the rows of one array overwritten while it is leased (first write wins)."""
+
+    def __init__(self, rows: int) -> None:
+        self.seen = np.zeros(rows, dtype=bool)
+        self.batches: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted ids, their old rows)
+        self.nbytes = 0
+
+    def save(self, arr: np.ndarray, ids: np.ndarray) -> int:
+        new = ids[~self.seen[ids]]
+        if not new.size:
+            return 0
+        old = arr[new]
+        self.batches.append((new, old))
+        self.seen[new] = True
+        self.nbytes += old.nbytes + new.nbytes
+        return int(old.nbytes + new.nbytes)
+
+    def patch(self, out: np.ndarray, start: int, stop: int) -> None:
+        for ids, old in self.batches:
+            lo, hi = np.searchsorted(ids, (start, stop))
+            if hi > lo:
+                out[ids[lo:hi] - start] = old[lo:hi]
+
+
 class Snapshot:
     """A consistent view of the tier at one moment: read-only arrays, step, metadata and token.
 
@@ -124,12 +174,13 @@ class Snapshot:
         metadata: dict[str, Any],
         token: str | None,
         arrays: dict[str, np.ndarray],
+        lease: _Lease,
     ) -> None:
         self._tier = tier
         self.step = step
         self.metadata = metadata
         self.token = token
-        self._arrays = arrays
+        self._lease = lease
         self.tensors: Mapping[str, np.ndarray] = {n: _readonly(a) for n, a in arrays.items()}
         self._released = False
 
@@ -140,7 +191,7 @@ class Snapshot:
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._tier._release(self._arrays.values())
+            self._tier._release(self._lease)
 
     def __enter__(self) -> Snapshot:
         return self
@@ -153,8 +204,9 @@ class Snapshot:
 class DirtyTake:
     """What one persist must write, and the dirty marks it carries until it commits or aborts.
 
-    ``updates`` lists every tensor (Full / Rows / Same), as a delta over the last durable checkpoint must;
-    when ``base`` is true every update is Full (first persist, layout change, or a new base was asked for).
+    ``updates`` lists every tensor (Full / FullStream / Rows / Same), as a delta over the last durable checkpoint
+    must; when ``base`` is true every update is whole (first persist, layout change, or a new base was asked
+    for). Tensors of at least the tier's ``stream_min_bytes`` come whole as a FullStream (module docstring).
     ``payload_bytes`` is what the durable log will receive (row ids included), the measure of a link's cost.
     """
 
@@ -163,14 +215,14 @@ class DirtyTake:
     metadata: dict[str, Any]
     metrics: dict[str, float]
     token: str | None
-    updates: dict[str, TensorUpdate]
+    updates: dict[str, TensorUpdate | FullStream]
     base: bool
     payload_bytes: int
     logical_bytes: int
     layout: Layout = field(repr=False)
     _all: set[str] = field(repr=False, default_factory=set)
     _rows: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
-    _leased: list[np.ndarray] = field(repr=False, default_factory=list)
+    _leases: list[_Lease] = field(repr=False, default_factory=list)
     _state: Literal["open", "committed", "aborted"] = "open"
 
     @property
@@ -190,7 +242,13 @@ class DirtyTake:
 class MemoryTier:
     """One materialised latest snapshot; thread-safe (one lock, applies are short)."""
 
-    def __init__(self, *, rows_max_fraction: float = ROWS_MAX_FRACTION, diff_min_bytes: int = DIFF_MIN_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        rows_max_fraction: float = ROWS_MAX_FRACTION,
+        diff_min_bytes: int = DIFF_MIN_BYTES,
+        stream_min_bytes: int = STREAM_MIN_BYTES,
+    ) -> None:
         self._lock = threading.Lock()
         self._arrays: dict[str, np.ndarray] = {}
         self._step: int | None = None
@@ -200,12 +258,13 @@ class MemoryTier:
         self._all: set[str] = set()  # whole tensor changed since the durable commit
         self._rows: dict[str, np.ndarray] = {}  # row bitmap of changes since the durable commit
         self._durable_layout: Layout | None = None
-        self._leases: dict[int, int] = {}  # id(array) -> lease count (the leaseholder keeps the array alive)
+        self._leases: dict[int, list[_Lease]] = {}  # id(array) -> its leases (a lease keeps its arrays alive)
         self._take_open = False
         self._applies = 0
         self._cow_bytes = 0
         self.rows_max_fraction = rows_max_fraction
         self.diff_min_bytes = diff_min_bytes
+        self.stream_min_bytes = stream_min_bytes
 
     # ------------------------------------------------------------------------------------------- reading
     @property
@@ -244,8 +303,8 @@ class MemoryTier:
         """A consistent snapshot for a restore, without copying: release it when written out."""
         with self._lock:
             arrays = dict(self._arrays)
-            self._lease(arrays.values())
-            return Snapshot(self, self._step, dict(self._metadata), self._token, arrays)
+            lease = self._lease(arrays.values(), rows_saved=False)
+            return Snapshot(self, self._step, dict(self._metadata), self._token, arrays, lease)
 
     # ------------------------------------------------------------------------------------------- writing
     def seed(
@@ -380,7 +439,7 @@ class MemoryTier:
             elif changed.any():
                 self._mark_rows(name, value.shape[0], changed)
             return
-        arr = self._writable(name)
+        arr = self._writable(name, update.ids)
         arr[update.ids] = update.values
         if name not in self._all and update.ids.size:
             bitmap = self._rows.get(name)
@@ -395,27 +454,55 @@ class MemoryTier:
         else:
             bitmap |= changed
 
-    def _writable(self, name: str) -> np.ndarray:
+    def _writable(self, name: str, ids: np.ndarray) -> np.ndarray:
+        """The array of ``name``, ready for rows ``ids`` to be written into it: copied first if an export
+        holds it (or it is not ours to write), else with the old rows saved for each persist that holds it."""
         arr = self._arrays[name]
-        if id(arr) in self._leases or not arr.flags.writeable or not arr.flags.c_contiguous:
+        leases = self._leases.get(id(arr), ())
+        if any(not lease.rows_saved for lease in leases) or not arr.flags.writeable or not arr.flags.c_contiguous:
             arr = np.array(arr, copy=True, order="C")
             self._arrays[name] = arr
             self._cow_bytes += arr.nbytes
+            return arr
+        for lease in leases:
+            saved = lease.saved.get(id(arr))
+            if saved is None:
+                saved = lease.saved[id(arr)] = _SavedRows(arr.shape[0])
+            self._cow_bytes += saved.save(arr, ids)
         return arr
 
     # ------------------------------------------------------------------------------------------- leases
-    def _lease(self, arrays: Iterable[np.ndarray]) -> None:
-        for a in arrays:
-            self._leases[id(a)] = self._leases.get(id(a), 0) + 1
+    def _lease(self, arrays: Iterable[np.ndarray], *, rows_saved: bool) -> _Lease:
+        lease = _Lease(arrays, rows_saved=rows_saved)
+        for a in lease.arrays:
+            self._leases.setdefault(id(a), []).append(lease)
+        return lease
 
-    def _release(self, arrays: Iterable[np.ndarray]) -> None:
+    def _release(self, lease: _Lease) -> None:
         with self._lock:
-            for a in arrays:
-                n = self._leases.get(id(a), 0) - 1
-                if n > 0:
-                    self._leases[id(a)] = n
-                else:
+            if lease.released:
+                return
+            lease.released = True
+            for a in lease.arrays:
+                holders = self._leases.get(id(a), [])
+                if lease in holders:
+                    holders.remove(lease)
+                if not holders:
                     self._leases.pop(id(a), None)
+            lease.saved.clear()
+
+    def _stream(self, arr: np.ndarray, lease: _Lease) -> FullStream:
+        def read(start: int, stop: int) -> np.ndarray:
+            with self._lock:
+                if lease.released:
+                    raise PsguardError("this persist take was closed: its tensors cannot be read any more")
+                out = np.array(arr[start:stop], copy=True)
+                saved = lease.saved.get(id(arr))
+                if saved is not None:
+                    saved.patch(out, start, stop)
+                return out
+
+        return FullStream(tuple(int(x) for x in arr.shape), arr.dtype, read)
 
     # ------------------------------------------------------------------------------------------- persisting
     def take_dirty(self, *, base: bool = False) -> DirtyTake | None:
@@ -432,8 +519,9 @@ class MemoryTier:
                 raise PsguardError("a persist is already in progress on this memory tier (one take at a time)")
             layout = _layout_of(self._arrays)
             base = base or self._durable_layout is None or self._durable_layout != layout
-            updates: dict[str, TensorUpdate] = {}
+            updates: dict[str, TensorUpdate | FullStream] = {}
             leased: list[np.ndarray] = []
+            streamed: dict[str, np.ndarray] = {}
             payload = 0
             for name, arr in self._arrays.items():
                 bitmap = self._rows.get(name)
@@ -445,12 +533,20 @@ class MemoryTier:
                         payload += cost
                         continue
                 if base or name in self._all or bitmap is not None:  # string rows too: the log takes them whole
-                    updates[name] = Full(_readonly(arr))
-                    leased.append(arr)
+                    if arr.nbytes >= self.stream_min_bytes and _row_tracked(arr) and arr.flags.c_contiguous:
+                        streamed[name] = arr
+                        updates[name] = Same(tuple(arr.shape), arr.dtype)  # a place in the order; replaced below
+                    else:
+                        updates[name] = Full(_readonly(arr))
+                        leased.append(arr)
                     payload += arr.nbytes
                 else:
                     updates[name] = Same(tuple(arr.shape), arr.dtype)
-            self._lease(leased)
+            leases = [self._lease(leased, rows_saved=False)]
+            if streamed:
+                leases.append(self._lease(streamed.values(), rows_saved=True))
+                for name, arr in streamed.items():
+                    updates[name] = self._stream(arr, leases[1])
             take = DirtyTake(
                 tier=self,
                 step=self._step,
@@ -464,7 +560,7 @@ class MemoryTier:
                 layout=layout,
                 _all=self._all,
                 _rows=self._rows,
-                _leased=leased,
+                _leases=leases,
             )
             self._all = set()
             self._rows = {}
@@ -481,8 +577,9 @@ class MemoryTier:
                 self._durable_layout = take.layout
             else:
                 self._merge_back(take)
-        self._release(take._leased)
-        take._leased = []
+        for lease in take._leases:
+            self._release(lease)
+        take._leases = []
         take.updates = {}
 
     def _merge_back(self, take: DirtyTake) -> None:

@@ -24,6 +24,7 @@ import numpy as np
 from psguard.errors import CorruptCheckpointError, ObjectNotFoundError
 from psguard.storage.base import Backend
 from psguard.store.manifest import ChunkRef, Segment, chunk_key
+from psguard.tensors import FullStream
 
 #: A reader allocates a buffer from the sizes a manifest *claims* only up to this many bytes at once; for more, it
 #: first asks the storage for the objects' real sizes (:meth:`ChunkReader.check_claims`), so a hostile claim of
@@ -160,6 +161,15 @@ class ChunkWriter:
         buf = as_le_bytes(value)
         unit = row_bytes(value.shape, value.dtype.itemsize) if value.ndim else len(buf) or 1
         return [self.submit(buf[a:b]) for a, b in split_ranges(len(buf), unit, chunk_bytes)]
+
+    def submit_stream(self, stream: FullStream, chunk_bytes: int) -> list[Future[ChunkRef]]:
+        """As :meth:`submit_tensor`, the same chunks, but each read from ``stream`` just before its upload:
+        the bytes held at once are bounded by ``inflight_bytes``, not by the tensor's size."""
+        unit = row_bytes(stream.shape, stream.dtype.itemsize) if stream.shape else stream.nbytes or 1
+        return [
+            self.submit(as_le_bytes(stream.read(a // unit, b // unit)))
+            for a, b in split_ranges(stream.nbytes, unit, chunk_bytes)
+        ]
 
     def submit_rows(self, ids: np.ndarray, values: np.ndarray, chunk_bytes: int) -> list[Future[Segment]]:
         ids = np.ascontiguousarray(ids, dtype="<i8")

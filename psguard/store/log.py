@@ -74,7 +74,7 @@ from psguard.store.manifest import (
     step_of_id,
 )
 from psguard.store.retention import Candidate, select_kept
-from psguard.tensors import Full, Rows, Same, TensorUpdate
+from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
 
 log = logging.getLogger(__name__)
 
@@ -825,7 +825,7 @@ class Store:
     def save(
         self,
         step: int,
-        tensors: Mapping[str, TensorUpdate | np.ndarray],
+        tensors: Mapping[str, TensorUpdate | FullStream | np.ndarray],
         *,
         parent: str | None = None,
         metadata: Mapping[str, Any] | None = None,
@@ -889,7 +889,7 @@ class Store:
     def write_part(
         self,
         name: str,
-        update: TensorUpdate | np.ndarray,
+        update: TensorUpdate | FullStream | np.ndarray,
         *,
         shape: tuple[int, ...],
         offset: int,
@@ -918,7 +918,7 @@ class Store:
     def _write_part(
         self,
         name: str,
-        update: TensorUpdate | np.ndarray,
+        update: TensorUpdate | FullStream | np.ndarray,
         shape: tuple[int, ...],
         offset: int,
         dedup_against: str | None,
@@ -927,6 +927,8 @@ class Store:
             update = Full(update)
         if isinstance(update, Full):
             dtype, part_shape = update.value.dtype, tuple(update.value.shape)
+        elif isinstance(update, FullStream):
+            dtype, part_shape = update.dtype, update.shape
         elif isinstance(update, Rows):
             dtype, part_shape = update.values.dtype, tuple(int(x) for x in update.shape)
         else:
@@ -947,8 +949,11 @@ class Store:
                 raise ParentMissingError(f"{what}: checkpoint {dedup_against} to deduplicate against is gone")
             known = self._known_chunks(dedup_against)
         writer = ChunkWriter(self.backend, self._pool, inflight_bytes=self.inflight_bytes, known=known)
-        if isinstance(update, Full):
-            futs = writer.submit_tensor(update.value, self.chunk_bytes)
+        if isinstance(update, Full | FullStream):
+            if isinstance(update, Full):
+                futs = writer.submit_tensor(update.value, self.chunk_bytes)
+            else:
+                futs = writer.submit_stream(update, self.chunk_bytes)
             writer.wait()
             part = Part(offset, rows, "full", chunks=tuple(f.result() for f in futs))
         elif isinstance(update, Rows):
@@ -974,8 +979,11 @@ class Store:
         return doc
 
     def _encode(
-        self, name: str, update: TensorUpdate, parent: Manifest | None, writer: ChunkWriter
+        self, name: str, update: TensorUpdate | FullStream, parent: Manifest | None, writer: ChunkWriter
     ) -> tuple[str, tuple[int, ...], str, list[Future[Any]]]:
+        if isinstance(update, FullStream):
+            dtype = _storable(name, dtype_name(update.dtype))
+            return dtype, update.shape, "full", writer.submit_stream(update, self.chunk_bytes)
         if isinstance(update, Full):
             value = update.value
             _storable(name, dtype_name(value.dtype))
@@ -1438,7 +1446,7 @@ class SaveTransaction:
 
     def commit(
         self,
-        tensors: Mapping[str, TensorUpdate | np.ndarray],
+        tensors: Mapping[str, TensorUpdate | FullStream | np.ndarray],
         *,
         parts: Mapping[str, Sequence[Mapping[str, Any]]] = _NO_PARTS,
         metadata: Mapping[str, Any] | None = None,
@@ -1478,7 +1486,7 @@ class SaveTransaction:
 
     def _commit(
         self,
-        tensors: Mapping[str, TensorUpdate | np.ndarray],
+        tensors: Mapping[str, TensorUpdate | FullStream | np.ndarray],
         parts: Mapping[str, Sequence[Mapping[str, Any]]],
         metadata_in: Mapping[str, Any] | None,
         metrics_in: Mapping[str, float] | None,
