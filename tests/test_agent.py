@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 FAST = """
 probe: {interval: 0.5, deadline: 0.5, failure_threshold: 2, startup_timeout: 120}
-supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 5, standby_delay: 1}
+supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 5, standby_delay: 1, standby_delay_after_restart: 1}
 peers: {ready_timeout: 120, probe: {interval: 0.5, deadline: 0.5}}
 persister: {retry_after: 1}
 """

@@ -8,6 +8,7 @@ what TensorFlow writes the agent reads, and what the agent writes TensorFlow loa
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -22,10 +23,12 @@ import tensorflow as tf
 
 from psguard.errors import CorruptCheckpointError, TensorMismatchError
 from psguard.handoff.parts import PartCapture, ShardKey, check_coverage
+from psguard.handoff.spool import Restored, write_array
 from psguard.handoff.tensor_file import read_tensor_file, write_tensor_file
 from psguard.tensors import apply_update
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
 from psguard.trainer.capture import Capturer
+from psguard.trainer.manager import CheckpointManager, RestoreInfo
 from psguard.trainer.variables import read_tensors
 from tests.conftest import Chief
 
@@ -99,15 +102,15 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
             assert state[name].tobytes() == expected[name].tobytes(), name
         trainer.train(4, join=False)
 
-    # The agent's end of a restore: one file per shard, written by the TF-less codec; each PS loads its own.
+    # The agent's end of a restore: one file of raw values per shard, written as the agent writes them (without
+    # TensorFlow); each PS loads its own.
     restore_dir = tmp_path / "restore"
     restore_dir.mkdir()
     files: dict[ShardKey, str] = {}
     for name, keys in spilled.items():
         for k in keys:
-            path = restore_dir / f"{len(files)}.tp"
-            write_tensor_file(path, state[name][k.offset : k.offset + k.rows])
-            files[k] = str(path)
+            ref = write_array(restore_dir, f"{len(files)}.bin", state[name][k.offset : k.offset + k.rows])
+            files[k] = str(restore_dir / ref["file"])
     local = {n: v for n, v in state.items() if n not in spilled}
 
     _, _, root2 = fresh(chief)
@@ -116,11 +119,13 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
     before = read_tensors(root2)
     victim = next(iter(files.values()))
     good = Path(victim).read_bytes()
-    Path(victim).write_bytes(good[: len(good) - 5])
-    with pytest.raises(tf.errors.OpError):
-        capturer2.restore_parts(local, files)
-    after = read_tensors(root2)
-    assert all(after[n].tobytes() == before[n].tobytes() for n in before)
+    row = CONFIG.embedding_dim * 4
+    for damaged in (good[:-5], good[:-row], good + good[:row]):  # not whole values; a row short; a row long
+        Path(victim).write_bytes(damaged)
+        with pytest.raises(tf.errors.OpError):
+            capturer2.restore_parts(local, files)
+        after = read_tensors(root2)
+        assert all(after[n].tobytes() == before[n].tobytes() for n in before)
     Path(victim).write_bytes(good)
     with pytest.raises(TensorMismatchError, match="missing"):
         capturer2.restore_parts(local, dict(list(files.items())[1:]))
@@ -195,3 +200,47 @@ def test_part_descriptors_are_validated() -> None:
     ):
         with pytest.raises(CorruptCheckpointError):
             PartCapture.from_json({**good, **change}, "x")
+
+
+def test_shard_files_that_do_not_load_on_the_ps_send_the_restore_elsewhere_with_nothing_assigned(
+    chief: Chief, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A damaged restore file (here truncated) made every new trainer generation crash on it, again and again:
+    the manager now reports it and goes on to the durable log, the variables untouched."""
+    _, _, source = fresh(chief)
+    want = read_tensors(source)
+    _, _, root = fresh(chief)
+    dirs = part_dirs(tmp_path)
+    manager = CheckpointManager(
+        root,
+        (tmp_path / "store").as_uri(),
+        coordinator=chief.coordinator,
+        capturer_options={"row_tracking_min_rows": 64, "spill_dirs": dirs},
+    )
+    try:
+        for name, value in read_tensors(root).items():
+            want.setdefault(name, value)  # the manager's own counter, which the source has not
+        spilled = manager.capturer.spilled
+        assert TABLE in spilled
+        files: dict[ShardKey, str] = {}
+        for name, keys in spilled.items():
+            for k in keys:
+                ref = write_array(tmp_path, f"{len(files)}.bin", want[name][k.offset : k.offset + k.rows])
+                files[k] = str(tmp_path / ref["file"])
+        snap = Restored(7, {n: v for n, v in want.items() if n not in spilled}, {}, "tok", parts=files)
+        info = RestoreInfo("memory:tok", 7, {}, "memory")
+        before = read_tensors(root)
+        victim = Path(files[spilled[TABLE][1]])
+        good = victim.read_bytes()
+        victim.write_bytes(good[: len(good) // 2])
+        with caplog.at_level(logging.WARNING, "psguard.trainer.manager"):
+            assert manager._load_from_ps(info, snap) is False
+        assert "reshape" in caplog.text.lower() and "did not load on the PS" in caplog.text  # TF's size check
+        after = read_tensors(root)
+        assert all(after[n].tobytes() == before[n].tobytes() for n in before)
+        victim.write_bytes(good)
+        assert manager._load_from_ps(info, snap) is True
+        restored = read_tensors(root)
+        assert all(restored[n].tobytes() == want[n].tobytes() for n in want)
+    finally:
+        manager.close()

@@ -428,7 +428,8 @@ def test_a_restart_swaps_in_the_warm_standby_and_a_new_one_follows(
     supervisors: list[Supervisor], events: Events, tmp_path: Path
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2, on_event=events)
+    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2,
+             standby_delay_after_restart=1.5, on_event=events)  # fmt: skip
     s.start()
     first = s.pid
     assert first is not None
@@ -442,6 +443,8 @@ def test_a_restart_swaps_in_the_warm_standby_and_a_new_one_follows(
     assert restarted.pid == standby and s.pid == standby
     wait_until(lambda: standby in serving(tmp_path), what="the standby serving after go")
     wait_until(lambda: s.status().standby_pid not in (None, standby), what="a new standby for the next restart")
+    # ... started only once the recovery that restart belongs to had time to use the node.
+    assert time.time() - restarted.time >= 1.5
     second_standby = s.status().standby_pid
     assert second_standby is not None
     s.stop()

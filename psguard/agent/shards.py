@@ -34,8 +34,8 @@ from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
-from psguard.handoff.spool import try_flock
-from psguard.handoff.tensor_file import read_tensor_file, write_tensor_file
+from psguard.handoff.spool import try_flock, write_array
+from psguard.handoff.tensor_file import read_tensor_file
 from psguard.store.dtypes import dtype_from_name, dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
@@ -198,7 +198,7 @@ class ShardKeeper:
             files = []
             for i, (name, value) in enumerate(snap.tensors.items()):
                 key, shape = self._keys[name]
-                write_tensor_file(tmp / f"{i}.tp", value)
+                write_array(tmp, f"{i}.bin", value)  # the values only: the PS decodes them as raw bytes
                 files.append(
                     {
                         "name": key.name,
@@ -206,7 +206,7 @@ class ShardKeeper:
                         "rows": key.rows,
                         "shape": list(shape),
                         "dtype": dtype_name(value.dtype),
-                        "path": str(restore / nonce / f"{i}.tp"),
+                        "path": str(restore / nonce / f"{i}.bin"),
                     }
                 )
             os.rename(tmp, restore / nonce)

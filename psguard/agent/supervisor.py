@@ -203,6 +203,11 @@ class SupervisorConfig:
     # each run starts, so that it does not compete with the task (or a recovery) for CPU while that starts.
     standby: bool = True
     standby_delay: Duration = 5.0
+    # ... and this long after a *restart*: the run was restarted because the job is recovering, and a recovery
+    # rebuilds and restores the model on this node for seconds to minutes. A standby importing TensorFlow then
+    # took half of a 2-core node for 13 s, in the middle of a 1 GB restore (BENCHMARKS.md). A second failure
+    # within this window restarts cold.
+    standby_delay_after_restart: Duration = 30.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -302,6 +307,7 @@ class Supervisor:
         pdeathsig: bool = True,
         standby: bool = False,
         standby_delay: float = 5.0,
+        standby_delay_after_restart: float = 30.0,
         standby_cmd: Sequence[str] | None = None,
         record: str | os.PathLike[str] | None = None,
         subreaper: bool = False,
@@ -320,6 +326,7 @@ class Supervisor:
             restart_codes=tuple(restart_codes),
             standby=standby,
             standby_delay=standby_delay,
+            standby_delay_after_restart=standby_delay_after_restart,
         )
         self.cmd = tuple(cmd)
         self.name = name or Path(self.cmd[0]).name
@@ -390,6 +397,7 @@ class Supervisor:
             restart_codes=config.restart_codes,
             standby=config.standby and (standby_capable or kwargs.get("standby_cmd") is not None),
             standby_delay=config.standby_delay,
+            standby_delay_after_restart=config.standby_delay_after_restart,
             **kwargs,  # type: ignore[arg-type]
         )
 
@@ -561,7 +569,7 @@ class Supervisor:
                 self._finish_stop()
                 return
             if self._spawn(reason):
-                request = self._wait_run()
+                request = self._wait_run(restarted=bool(reason))
                 if request is _Request.STOP:
                     self._finish_stop()
                     return
@@ -789,10 +797,12 @@ class Supervisor:
             self._emit(EventKind.RESTARTED, pid=proc.pid, reason=reason, restarts=restarts)
         return True
 
-    def _wait_run(self) -> _Request:
-        """:meth:`_wait` for the run to end; meanwhile, once it has run ``standby_delay``, start its standby."""
+    def _wait_run(self, *, restarted: bool) -> _Request:
+        """:meth:`_wait` for the run to end; meanwhile, once it has run ``standby_delay`` (or
+        ``standby_delay_after_restart``), start its standby."""
         if self._standby is not None:
-            request = self._wait(self.config.standby_delay)
+            c = self.config
+            request = self._wait(c.standby_delay_after_restart if restarted else c.standby_delay)
             if request is not _Request.TIMEOUT:
                 return request
             self._standby.fill()

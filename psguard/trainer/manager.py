@@ -44,7 +44,6 @@ from psguard.dependencies import import_optional
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.client import report_recovery
 from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
-from psguard.handoff.parts import ShardKey
 from psguard.handoff.spool import Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
@@ -480,41 +479,65 @@ class CheckpointManager:
                 log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
                 memory = None
         durable_latest = self._durable_latest_beside(memory) if memory is not None else None
-        token: str | None
-        parts: Mapping[ShardKey, str] = {}
-        from_ps = None
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
-            tensors = dict(memory.tensors)
             info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
-            token = memory.token
-            parts = memory.parts
-        elif (from_ps := self._durable_on_the_ps()) is not None:
-            info, snap = from_ps
-            tensors, token, parts = dict(snap.tensors), snap.token, snap.parts
-        else:
-            if memory is not None and durable_latest is not None:
-                log.warning(
-                    "the memory tier (step %d) is older than the durable log (step %d): restoring from the log",
-                    memory.step,
-                    durable_latest.step,
-                )
-            try:
-                result = self.store.load_latest()
-            except NoCheckpointError:
-                if init_fn is not None:
-                    init_fn()
-                return None
-            tensors = dict(result.tensors)
-            info = RestoreInfo(result.info.id, result.info.step, result.info.metadata, "durable")
-            raw = result.info.metadata.get(TOKEN_KEY)
-            token = str(raw) if raw else None
+            if self._load_from_ps(info, memory):
+                return self._restored(info)
+        elif memory is not None and durable_latest is not None:
+            log.warning(
+                "the memory tier (step %d) is older than the durable log (step %d): restoring from the log",
+                memory.step,
+                durable_latest.step,
+            )
+        from_ps = self._durable_on_the_ps()
+        if from_ps is not None and self._load_from_ps(*from_ps):
+            return self._restored(from_ps[0])
+        try:
+            result = self.store.load_latest()
+        except NoCheckpointError:
+            if init_fn is not None:
+                init_fn()
+            return None
+        tensors = dict(result.tensors)
+        info = RestoreInfo(result.info.id, result.info.step, result.info.metadata, "durable")
+        raw = result.info.metadata.get(TOKEN_KEY)
         tensors.pop(OBJECT_GRAPH_KEY, None)
         with self._capture_lock:
-            if parts:
-                self.capturer.restore_parts(tensors, parts)  # each PS loads its shards on its own node
-            else:
-                self.capturer.restore(tensors)
-            self._sink.rebase(info.id if info.source == "durable" else None, token)
+            self.capturer.restore(tensors)
+            self._sink.rebase(info.id, str(raw) if raw else None)
+        return self._restored(info)
+
+    def _load_from_ps(self, info: RestoreInfo, snap: Restored) -> bool:
+        """Restore ``snap`` (the chief's tensors, and each PS's shards from files on its node); all or nothing.
+
+        False, with the variables untouched, when a PS could not load its files (damaged, truncated, of
+        another layout): the caller then goes to an older or slower source rather than crash-looping on this
+        one. (A truncated restore file made every new trainer generation fail the same way.)
+        """
+        tensors = dict(snap.tensors)
+        tensors.pop(OBJECT_GRAPH_KEY, None)
+        tf = import_optional("tensorflow")
+        with self._capture_lock:
+            try:
+                if snap.parts:
+                    self.capturer.restore_parts(tensors, snap.parts)  # each PS loads its shards on its own node
+                else:
+                    self.capturer.restore(tensors)
+            except (PsguardError, tf.errors.OpError) as e:
+                if not snap.parts:
+                    raise
+                log.warning(
+                    "%s (step %d) did not load on the PS (%s): nothing was assigned; trying the durable log",
+                    info.id,
+                    info.step,
+                    " ".join(str(e).split())[:400],
+                )
+                return False
+            self._sink.rebase(info.id if info.source == "durable" else None, snap.token)
+        return True
+
+    def _restored(self, info: RestoreInfo) -> str:
+        with self._capture_lock:
             self.restored = info
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save
         now = time.time()
