@@ -28,7 +28,9 @@ from psguard.handoff.tensor_file import read_tensor_file, write_tensor_file
 from psguard.tensors import apply_update
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
 from psguard.trainer.capture import Capturer
+from psguard.trainer.deferred_init import deferred_initial_values
 from psguard.trainer.manager import CheckpointManager, RestoreInfo
+from psguard.trainer.recovery import _rebuild
 from psguard.trainer.variables import read_tensors
 from tests.conftest import Chief
 
@@ -244,3 +246,43 @@ def test_shard_files_that_do_not_load_on_the_ps_send_the_restore_elsewhere_with_
         assert all(restored[n].tobytes() == want[n].tobytes() for n in want)
     finally:
         manager.close()
+
+
+def test_a_rebuild_before_a_restore_creates_big_variables_as_zeros_and_only_a_restore_completes_it(
+    chief: Chief, tmp_path: Path
+) -> None:
+    """In-process recovery builds the model again and restores it at once: the big variables are created as
+    zeros (their initial values cost seconds at 1 GB and are overwritten), and only a restore that assigned every
+    one of them lets the rebuild stand; without a checkpoint the caller must build again (``_rebuild``)."""
+    _, _, saved = fresh(chief)
+    url = (tmp_path / "store").as_uri()
+    with CheckpointManager(saved, url, coordinator=chief.coordinator) as m:
+        m.save(3)
+        m.wait()
+    want = read_tensors(saved)
+    with deferred_initial_values(min_bytes=8192) as deferred:  # the table and its accumulator, 16 KB a shard
+        _, _, root = fresh(chief)
+        zeros = read_tensors(root)
+        assert not deferred.complete and deferred.deferred == 4  # 2 tensors x 2 shards
+        assert not zeros[TABLE].any() and want[TABLE].any()
+        with CheckpointManager(root, url, coordinator=chief.coordinator) as m:
+            assert m.restore_or_initialize() is not None
+    assert deferred.complete
+    got = read_tensors(root)
+    assert all(got[n].tobytes() == want[n].tobytes() for n in want if n in got)
+
+    with deferred_initial_values(min_bytes=8192) as deferred:
+        _, _, root = fresh(chief)
+        with CheckpointManager(root, (tmp_path / "empty").as_uri(), coordinator=chief.coordinator) as m:
+            assert m.restore_or_initialize() is None  # nothing to restore: the zeros stay
+    assert not deferred.complete
+
+    built: list[Any] = []
+
+    def build() -> Any:
+        _, _, root = fresh(chief)
+        built.append(root)
+        return root
+
+    root = _rebuild(build, None, min_bytes=8192)  # a build that restores nothing is done again, with initial values
+    assert len(built) == 2 and root is built[1] and read_tensors(root)[TABLE].any()

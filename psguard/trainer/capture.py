@@ -46,6 +46,7 @@ from psguard.errors import ConfigError, TensorMismatchError
 from psguard.handoff.parts import Kind, PartCapture, ShardFiles, ShardKey, task_of_device
 from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
+from psguard.trainer.deferred_init import note_restored
 from psguard.trainer.variables import (
     Shard,
     TensorInfo,
@@ -313,6 +314,7 @@ class Capturer:
                 self.coordinator.join()
             restore(self.root, tensors)
             self.rebase()
+            note_restored(self._variables_of_root())
 
     @property
     def spilled(self) -> dict[str, list[ShardKey]]:
@@ -373,6 +375,12 @@ class Capturer:
                 load(tf.constant([str(files[k]) for _, k in keys]), self._variables())
             restore(self.root, tensors, elsewhere=elsewhere)
             self.rebase(spilled_too=False)
+            note_restored(self._variables_of_root())
+
+    def _variables_of_root(self) -> list[Any]:
+        """Every variable object behind the root's tensors (each shard, and what wraps it), for
+        :func:`~psguard.trainer.deferred_init.note_restored` after a restore assigned them all."""
+        return [obj for tr in self._tracked.values() for s in tr.info.shards for obj in (s.var, *s.chain)]
 
     # ------------------------------------------------------------------------------------------ tracking
 

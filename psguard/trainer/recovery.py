@@ -33,6 +33,7 @@ from typing import NoReturn, TypeVar
 from psguard.errors import PsguardError
 from psguard.handoff.client import report_failure
 from psguard.handoff.contract import EXIT_RESTART
+from psguard.trainer.deferred_init import MIN_BYTES, deferred_initial_values
 from psguard.trainer.manager import last_seen_step
 
 log = logging.getLogger(__name__)
@@ -107,6 +108,32 @@ def reset_cluster_context() -> None:
     context.context().update_server_def(context.get_server_def())
 
 
+def _rebuild(build: Callable[[], T], close: Callable[[T], None] | None, min_bytes: int = MIN_BYTES) -> T:
+    """``build()`` with big variables created as zeros, since its restore overwrites them at once
+    (:mod:`psguard.trainer.deferred_init`); built again the ordinary way if the restore did not assign them all."""
+    t0 = time.monotonic()
+    with deferred_initial_values(min_bytes) as deferred:
+        job = build()
+    if deferred.complete:
+        if deferred.deferred:
+            log.info(
+                "rebuilt in %.1fs; %d variable(s), %d MB, were not initialised: the restore assigned them",
+                time.monotonic() - t0,
+                deferred.deferred,
+                deferred.deferred_bytes >> 20,
+            )
+        return job
+    log.warning(
+        "the rebuild's restore did not assign every variable created without its initial value (no checkpoint "
+        "yet, or variables outside the checkpoint): building again with initial values"
+    )
+    if close is not None:
+        close(job)
+    del job
+    gc.collect()
+    return build()
+
+
 def run_with_recovery(
     build: Callable[[], T],
     train: Callable[[T], R],
@@ -151,7 +178,7 @@ def run_with_recovery(
             gc.collect()
             restart_ps(failed_at)
             reset_cluster_context()
-            job = build()
+            job = _rebuild(build, close)
             event = RecoveryEvent(attempt, str(e).splitlines()[0][:500], time.monotonic() - t0)
             report.recoveries.append(event)
             if on_recovery is not None:
