@@ -30,6 +30,7 @@ from psguard.errors import (
     PsguardError,
     UnsupportedFormatError,
 )
+from psguard.handoff.contract import QUIET_TENSORFLOW
 from psguard.storage.registry import redact
 
 EXIT_OK = 0
@@ -102,14 +103,9 @@ def _error(e: BaseException) -> None:
     print(f"psguard: error: {redact(str(e))}", file=sys.stderr)
 
 
-#: TensorFlow's C++ logger prints INFO and WARNING lines (CPU features, oneDNN) on stderr when it loads; a
-#: command's output is not the place for them. Set unless the user set them; ``-vv`` leaves them alone.
-QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
-
-
 def quiet_tensorflow(verbose: int) -> None:
     """Default TensorFlow's C++ logging off in this process (and the tasks it starts) before any command imports
-    TensorFlow: the C++ logger reads these once, when TensorFlow loads."""
+    TensorFlow: a command's output is not the place for it. ``-vv`` leaves it alone."""
     if verbose >= 2:
         return
     for key, value in QUIET_TENSORFLOW.items():

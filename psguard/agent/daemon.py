@@ -92,6 +92,7 @@ from psguard.handoff.contract import (
     ENV_STORE,
     ENV_TASK,
     EXIT_RESTART,
+    QUIET_TENSORFLOW,
 )
 from psguard.handoff.credentials import TokenFile, create_token_file
 from psguard.handoff.tls import client_context, server_context
@@ -109,7 +110,6 @@ __all__ = ["Agent"]
 log = logging.getLogger(__name__)
 
 """Roles an agent runs; ``cluster.json`` may also list ``evaluator`` tasks (TensorFlow knows them)."""
-_QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -256,7 +256,7 @@ class Agent:
 
     def _task_env(self, url: str) -> dict[str, str]:
         env = dict(os.environ)
-        for key, value in _QUIET.items():
+        for key, value in QUIET_TENSORFLOW.items():
             env.setdefault(key, value)
         env["TF_CONFIG"] = json.dumps(
             {"cluster": self.cluster, "task": {"type": self.role, "index": self.index}, "rpc_layer": "grpc"}

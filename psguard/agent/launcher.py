@@ -21,9 +21,9 @@ from typing import Any
 
 from psguard.errors import PsguardError
 from psguard.handoff.client import http_json, read_token
+from psguard.handoff.contract import QUIET_TENSORFLOW
 from psguard.ports import free_ports
 
-QUIET = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 AGENT_CONFIG = """\
 probe: {interval: 0.5, deadline: 1.0, failure_threshold: 3, startup_timeout: 180}
 supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 10}
@@ -31,7 +31,7 @@ peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
 persister: {retry_after: 1}
 """
 
-__all__ = ["AGENT_CONFIG", "QUIET", "AgentProcess", "LaunchError", "ProgressReader", "run_token_file", "write_cluster"]
+__all__ = ["AGENT_CONFIG", "AgentProcess", "LaunchError", "ProgressReader", "run_token_file", "write_cluster"]
 
 
 def run_token_file(directory: Path) -> Path:
@@ -85,7 +85,7 @@ class AgentProcess:
         self._config.write_text(config)
         self._args = list(args)
         self._command = list(command)
-        self._env = dict(os.environ, **QUIET, **(env or {}))
+        self._env = dict(os.environ, **QUIET_TENSORFLOW, **(env or {}))
         self._url: str | None = None
         self.starts = 0
         self.pids: list[int] = []

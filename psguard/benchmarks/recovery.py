@@ -66,7 +66,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.launcher import QUIET
 from psguard.benchmarks.common import (
     NORMAL_FACTOR,
     RssWatch,
@@ -77,6 +76,7 @@ from psguard.benchmarks.common import (
     reset_peak_rss,
     rss_bytes,
 )
+from psguard.handoff.contract import QUIET_TENSORFLOW
 from psguard.ports import port_open
 from psguard.testbed.cluster import LocalCluster
 
@@ -204,7 +204,7 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
     """The psguard trainer, run by the chief's ``psguard agent`` (``TF_CONFIG``, the spool and the PS agents'
     part folders come from it). Writes progress records; at the kill step it writes ``kill`` and waits for the
     file ``<shm>/killed`` (the parent has killed PS 0 then); at the end it measures :func:`raw_restore`."""
-    os.environ.update(QUIET)
+    os.environ.update(QUIET_TENSORFLOW)
     p = Params(**json.loads(params_json))
     import tensorflow as tf
 
@@ -329,7 +329,7 @@ def baseline_child(workdir: str, params_json: str, mode: str, progress_path: str
     """A plain-TF chief (``TF_CONFIG`` from the env). ``first``: train, kill PS 0 at the kill step, exit 1 on
     the failure. ``restart``: wait for the servers, restore_or_initialize, train ``after_steps`` steps, exit 0.
     Writes the same progress records as :func:`agent_trainer`."""
-    os.environ.update(QUIET)
+    os.environ.update(QUIET_TENSORFLOW)
     p = Params(**json.loads(params_json))
     import tensorflow as tf
 
@@ -673,7 +673,9 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
     try:
         cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS).start()
         clusters.append(cluster)
-        env = dict(os.environ, **QUIET, TF_CONFIG=cluster.tf_config(), BENCH_PS0_PID=str(cluster.pids[("ps", 0)]))
+        env = dict(
+            os.environ, **QUIET_TENSORFLOW, TF_CONFIG=cluster.tf_config(), BENCH_PS0_PID=str(cluster.pids[("ps", 0)])
+        )
         log1 = work / "chief-1.log"
         procs.append(start_chief("first", env, log1))
         wait(procs[-1], "baseline chief", log1, cluster)
@@ -686,7 +688,7 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
         stopped_at = time.time()
         cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS)
         clusters.append(cluster)
-        env = dict(os.environ, **QUIET, TF_CONFIG=cluster.tf_config())
+        env = dict(os.environ, **QUIET_TENSORFLOW, TF_CONFIG=cluster.tf_config())
         log2 = work / "chief-2.log"
         procs.append(start_chief("restart", env, log2))
         cluster.start()

@@ -25,10 +25,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.launcher import QUIET
 from psguard.agent.wrap import CHIEF_CONFIG
 from psguard.benchmarks.common import median, print_results, progress
 from psguard.errors import ConfigError
+from psguard.handoff.contract import QUIET_TENSORFLOW
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "integrations" / "examples" / "custom_loop" / "train.py"
 _CKPT = re.compile(r"ckpt-(\d+)\.index")
@@ -73,7 +73,7 @@ def one_run(script: Path, fault: str, warm: bool, *, save_every: int, settle: fl
         argv += ["--", sys.executable, str(script), "--checkpoint-dir", str(ckpt), "--steps", "100000000"]
         argv += ["--save-every", str(save_every)]
         log = open(tmp / "wrap.log", "wb")  # noqa: SIM115 - closed in finally
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **QUIET})
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **QUIET_TENSORFLOW})
         try:
             _wait(lambda: _latest(ckpt) >= 0, 300, "first checkpoint", proc)
 

@@ -21,9 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.launcher import QUIET, write_cluster
+from psguard.agent.launcher import write_cluster
 from psguard.chaos.runner import HARNESS, RunResult, _Run, run_scenario
 from psguard.chaos.scenario import Scenario
+from psguard.handoff.contract import QUIET_TENSORFLOW
 
 __all__ = ["run_side_by_side"]
 
@@ -88,7 +89,7 @@ class BaselineRun(_Run):
 
     def _start_job(self) -> None:
         spec_json = json.dumps(self.spec, sort_keys=True)
-        env = dict(os.environ, **QUIET)
+        env = dict(os.environ, **QUIET_TENSORFLOW)
         logs = self.dir / "logs"
         for role, count in (("ps", len(self.spec["ps"])), ("worker", len(self.spec["worker"]))):
             for i in range(count):

@@ -52,6 +52,9 @@ ENV_AGENT_CA = "PSGUARD_AGENT_CA"
 #: With mutual TLS: the client certificate and its key file the trainer presents to its agent.
 ENV_AGENT_CLIENT_CERT = "PSGUARD_AGENT_CLIENT_CERT"
 ENV_AGENT_CLIENT_KEY = "PSGUARD_AGENT_CLIENT_KEY"
+#: TensorFlow's C++ logger prints INFO and WARNING lines (CPU features, oneDNN) on stderr when it loads; the tasks
+#: psguard starts and its own commands set these unless the user did (the logger reads them once, at load).
+QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
 #: ``role:index`` of the task the agent runs (``ps:0``).
 ENV_TASK = "PSGUARD_TASK"
 #: Set by the chief's agent for its trainer when the PS run under agents that keep their shards: JSON
