@@ -286,3 +286,25 @@ def test_a_rebuild_before_a_restore_creates_big_variables_as_zeros_and_only_a_re
 
     root = _rebuild(build, None, min_bytes=8192)  # a build that restores nothing is done again, with initial values
     assert len(built) == 2 and root is built[1] and read_tensors(root)[TABLE].any()
+
+
+def test_psguards_functions_run_unoptimised_and_leave_the_users_options_alone(chief: Chief, tmp_path: Path) -> None:
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    from psguard.trainer.capture import _unoptimized_calls
+
+    ctx = context.context()
+    before = ctx.function_call_options
+    with _unoptimized_calls():
+        inside = ctx.function_call_options
+    assert ctx.function_call_options is before
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(inside.config_proto_serialized)
+    assert config.graph_options.rewrite_options.disable_meta_optimizer
+    assert inside.config_proto_serialized != before.config_proto_serialized
+    _, _, root = fresh(chief)
+    capturer = Capturer(root, coordinator=chief.coordinator, row_tracking_min_rows=64, spill_dirs=part_dirs(tmp_path))
+    capturer.capture(full=True)
+    capturer.rebase()
+    assert ctx.function_call_options is before  # a capture and a rebase changed nothing of the caller's

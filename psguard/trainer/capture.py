@@ -30,13 +30,14 @@ Names and logical values: :mod:`psguard.trainer.variables`; written-row tracking
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,7 +255,8 @@ class Capturer:
                     tf.constant(expected or 0, tf.int64),
                     tf.constant(f"incoming/{nonce}"),
                 )
-                outputs, hashed_all, strays, gap = self._functions.capture(*args, self._variables())
+                with _unoptimized_calls():
+                    outputs, hashed_all, strays, gap = self._functions.capture(*args, self._variables())
             updates, nbytes = self._assemble(primaries, outputs)
             self.last_parts = self._parts(primaries, outputs, nonce)
             for tr in primaries:
@@ -289,7 +291,8 @@ class Capturer:
             self._sync()
             self._expected_gap = None
             if self._tracked:
-                gap = self._functions.rebase(spilled_too, self._variables())
+                with _unoptimized_calls():
+                    gap = self._functions.rebase(spilled_too, self._variables())
                 self._expected_gap = int(gap) if self.tracks_writes else None
             self._since_verify = 0
             for tr in self._tracked.values():
@@ -372,7 +375,8 @@ class Capturer:
             check_tensors(self.root, tensors, elsewhere=elsewhere)
             if keys:
                 load = _load_function(self._functions, tuple(ij for ij, _ in keys))
-                load(tf.constant([str(files[k]) for _, k in keys]), self._variables())
+                with _unoptimized_calls():
+                    load(tf.constant([str(files[k]) for _, k in keys]), self._variables())
             restore(self.root, tensors, elsewhere=elsewhere)
             self.rebase(spilled_too=False)
             note_restored(self._variables_of_root())
@@ -852,6 +856,30 @@ def _decode_raw(tf: Any, data: Any, dtype: str) -> Any:
         return tf.io.decode_raw(data, tf.as_dtype(dtype))
     itemsize = tf.as_dtype(dtype).size
     return tf.bitcast(tf.reshape(tf.io.decode_raw(data, tf.uint8), [-1, itemsize]), tf.as_dtype(dtype))
+
+
+@contextlib.contextmanager
+def _unoptimized_calls() -> Iterator[None]:
+    """Call psguard's functions without Grappler's graph optimisations (this thread only).
+
+    Why: a function is optimised and partitioned again on its first call on new PS processes, which is on the
+    recovery's path (the restore's load, the first capture after it). These functions are a few reads, hashes
+    and writes per shard that gain nothing from it: at 1 GB the first capture after a restore took 1.35 s with
+    it and 1.01 s without (one run each, `bench recovery`). The user's own functions keep their options.
+    """
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    before = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(before.config_proto_serialized)
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    ctx.function_call_options = context.FunctionCallOptions(executor_type=before.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = before
 
 
 def _load_function(fns: _Functions, which: tuple[tuple[int, int], ...]) -> Any:
