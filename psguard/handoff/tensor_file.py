@@ -1,20 +1,21 @@
-"""Tensor files both a PS's TensorFlow server and its TF-less agent read and write: serialized ``TensorProto``.
+"""The tensor files a PS's capture writes for its TF-less agent: serialized ``TensorProto``.
 
-Why this format: the bytes of a PS's shards must not leave the PS's node on the way to and from its agent
-(docs/design.md, "Where the data flows"). The only file I/O a ``tf.function`` placed on a PS device can do is
+Why this format: the bytes of a PS's shards must not leave the PS's node on the way to its agent (docs/design.md,
+"Where the data flows"). The only file I/O a ``tf.function`` placed on a PS device can do is
 ``tf.io.write_file`` / ``tf.io.read_file`` of a string tensor, and the only tensor <-> string ops are
 ``tf.io.serialize_tensor`` / ``tf.io.parse_tensor``, whose format is a ``TensorProto``. The agent does not
 import TensorFlow (a second copy of its 500 MB runtime per node, and seconds of start-up), so this module
-reads and writes the three fields of that message that a dense numeric tensor uses, and nothing else:
+reads the three fields of that message that a dense numeric tensor uses, and nothing else:
 
     field 1 (varint)  dtype        TF's DataType enum
     field 2 (bytes)   tensor_shape TensorShapeProto: field 2 (bytes) dim { field 1 (varint) size }
     field 4 (bytes)   tensor_content  the values, C order, little-endian
 
-Reading maps ``tensor_content`` without copying it; everything about the header is checked against the
-file's size before anything is allocated, so a truncated or hostile file is a
+Reading puts ``tensor_content`` straight into the array it returns; everything about the header is checked
+against the file's size before anything is allocated, so a truncated or hostile file is a
 :class:`~psguard.errors.CorruptCheckpointError`, never a huge allocation. String tensors are not handled:
-they are small and travel through the chief's spool (:mod:`psguard.handoff.spool`).
+they are small and travel through the chief's spool (:mod:`psguard.handoff.spool`). The other way, a restore,
+the agent writes raw values that the PS decodes with ``tf.io.decode_raw`` (one copy fewer than parsing).
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from pathlib import Path
 import numpy as np
 
 from psguard.errors import CorruptCheckpointError
-from psguard.store.chunks import as_le_bytes, byte_view
+from psguard.store.chunks import byte_view
 from psguard.store.dtypes import dtype_from_name
 
-__all__ = ["TF_DTYPES", "read_tensor_file", "tensor_file_header", "write_tensor_file"]
+__all__ = ["TF_DTYPES", "read_tensor_file"]
 
 #: TF DataType enum value -> the dtype name a manifest records (tensorflow/core/framework/types.proto).
 TF_DTYPES: dict[int, str] = {
@@ -49,21 +50,8 @@ TF_DTYPES: dict[int, str] = {
     8: "complex64",
     18: "complex128",
 }
-_TF_ENUM = {name: num for num, name in TF_DTYPES.items()}
 _MAX_RANK = 32
 _MAX_HEADER = 1024  # dtype + a shape of at most 32 dims: a few hundred bytes
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
 def _read_varint(buf: bytes | memoryview, pos: int, end: int, what: str) -> tuple[int, int]:
@@ -77,33 +65,6 @@ def _read_varint(buf: bytes | memoryview, pos: int, end: int, what: str) -> tupl
         if not byte & 0x80:
             return value, pos
     raise CorruptCheckpointError(f"{what}: a varint of more than 64 bits in the tensor header")
-
-
-def tensor_file_header(dtype: np.dtype, shape: tuple[int, ...], nbytes: int) -> bytes:  # type: ignore[type-arg]
-    """The bytes that precede ``nbytes`` of content in a serialized ``TensorProto``."""
-    name = str(dtype.name)
-    if name not in _TF_ENUM:
-        raise ValueError(f"dtype {name} has no TensorFlow tensor-file encoding here")
-    dims = b"".join(b"\x12" + _varint(len(d)) + d for d in (b"\x08" + _varint(int(s)) for s in shape))
-    head = b"\x08" + _varint(_TF_ENUM[name]) + b"\x12" + _varint(len(dims)) + dims
-    return head + b"\x22" + _varint(nbytes) if nbytes else head
-
-
-def write_tensor_file(path: Path, value: np.ndarray) -> int:
-    """Write ``value`` as ``tf.io.serialize_tensor`` would; owner-only, fsync not needed (tmpfs hand-off).
-
-    Returns the file's size. The caller renames the file (or its folder) into place to make it visible.
-    """
-    data = as_le_bytes(np.ascontiguousarray(value))
-    header = tensor_file_header(value.dtype, tuple(value.shape), len(data))
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb", closefd=False) as f:
-            f.write(header)
-            f.write(data)
-    finally:
-        os.close(fd)
-    return len(header) + len(data)
 
 
 def _parse_header(head: bytes, size: int, what: str) -> tuple[str, tuple[int, ...], int, int]:
