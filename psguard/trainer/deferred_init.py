@@ -67,6 +67,11 @@ class DeferredInit:
             for v in variables:
                 self._pending.pop(id(v), None)
 
+    def forget(self) -> None:
+        """Drop the references to the variables (a build being thrown away must be freed)."""
+        with _lock:
+            self._pending.clear()
+
     @property
     def complete(self) -> bool:
         """Whether every variable created as zeros has been assigned by a restore since."""

@@ -127,6 +127,7 @@ def _rebuild(build: Callable[[], T], close: Callable[[T], None] | None, min_byte
         "the rebuild's restore did not assign every variable created without its initial value (no checkpoint "
         "yet, or variables outside the checkpoint): building again with initial values"
     )
+    deferred.forget()  # its references would keep this build's variables alive beside the next one's
     if close is not None:
         close(job)
     del job
