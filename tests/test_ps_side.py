@@ -232,12 +232,12 @@ def test_shard_files_that_do_not_load_on_the_ps_send_the_restore_elsewhere_with_
         good = victim.read_bytes()
         victim.write_bytes(good[: len(good) // 2])
         with caplog.at_level(logging.WARNING, "psguard.trainer.manager"):
-            assert manager._load_from_ps(info, snap) is False
+            assert manager._load(info, snap) is False
         assert "reshape" in caplog.text.lower() and "did not load on the PS" in caplog.text  # TF's size check
         after = read_tensors(root)
         assert all(after[n].tobytes() == before[n].tobytes() for n in before)
         victim.write_bytes(good)
-        assert manager._load_from_ps(info, snap) is True
+        assert manager._load(info, snap) is True
         restored = read_tensors(root)
         assert all(restored[n].tobytes() == want[n].tobytes() for n in want)
     finally:

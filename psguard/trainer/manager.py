@@ -481,7 +481,7 @@ class CheckpointManager:
         durable_latest = self._durable_latest_beside(memory) if memory is not None else None
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
             info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
-            if self._load_from_ps(info, memory):
+            if self._load(info, memory):
                 return self._restored(info)
         elif memory is not None and durable_latest is not None:
             log.warning(
@@ -490,7 +490,7 @@ class CheckpointManager:
                 durable_latest.step,
             )
         from_ps = self._durable_on_the_ps()
-        if from_ps is not None and self._load_from_ps(*from_ps):
+        if from_ps is not None and self._load(*from_ps):
             return self._restored(from_ps[0])
         try:
             result = self.store.load_latest()
@@ -498,21 +498,18 @@ class CheckpointManager:
             if init_fn is not None:
                 init_fn()
             return None
-        tensors = dict(result.tensors)
         info = RestoreInfo(result.info.id, result.info.step, result.info.metadata, "durable")
         raw = result.info.metadata.get(TOKEN_KEY)
-        tensors.pop(OBJECT_GRAPH_KEY, None)
-        with self._capture_lock:
-            self.capturer.restore(tensors)
-            self._sink.rebase(info.id, str(raw) if raw else None)
+        self._load(info, Restored(info.step, dict(result.tensors), dict(info.metadata), str(raw) if raw else None))
         return self._restored(info)
 
-    def _load_from_ps(self, info: RestoreInfo, snap: Restored) -> bool:
+    def _load(self, info: RestoreInfo, snap: Restored) -> bool:
         """Restore ``snap`` (the chief's tensors, and each PS's shards from files on its node); all or nothing.
 
         False, with the variables untouched, when a PS could not load its files (damaged, truncated, of
         another layout): the caller then goes to an older or slower source rather than crash-looping on this
-        one. (A truncated restore file made every new trainer generation fail the same way.)
+        one. (A truncated restore file made every new trainer generation fail the same way.) Without shard
+        files a failure raises: the tensors came whole from the chief's side and there is nothing to fall to.
         """
         tensors = dict(snap.tensors)
         tensors.pop(OBJECT_GRAPH_KEY, None)
