@@ -115,6 +115,39 @@ def test_without_a_live_agent_restore_uses_the_durable_log(tmp_path: Path) -> No
         assert all(bitwise_equal(want[n], got[n]) for n in want)
 
 
+def test_a_failed_generation_is_released_without_waiting_for_the_agents_durable_write(tmp_path: Path) -> None:
+    """After a cluster failure the in-process rejoin closes the old managers at once: the agent finishes their
+    durable writes on its own. ``close`` (end of training) still waits for them."""
+    import time
+
+    from psguard.trainer.manager import _open_managers, release_after_failure
+
+    store = Store.open(str(tmp_path / "store"))
+    tier = MemoryTier()
+    persister = Persister(store, tier)  # never started: every durable write stays pending
+    server = SpoolServer(tmp_path / "spool", tier, persister).start()
+    try:
+        ckpt, emb, dense = make_local()
+        train_local(emb, dense, ckpt, np.random.default_rng(21))
+        waiting = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool")
+        waiting.save(1).restorable(timeout=60)  # in the memory tier, durable never
+        with pytest.raises(TimeoutError, match="save of step 1 not durable"):
+            waiting.close(timeout=0.5)
+        m = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool")
+        handle = m.save(2)
+        handle.restorable(timeout=60)
+        t0 = time.monotonic()
+        release_after_failure(timeout=600)
+        assert time.monotonic() - t0 < 60  # it did not wait for the durable write (which never comes)
+        assert m not in _open_managers and not handle.done()
+        m.close(timeout=0.1)  # the user's own close afterwards does nothing: no wait, no TimeoutError
+        assert tier.step == 2  # the memory tier has the save: nothing the agent acknowledged is dropped
+    finally:
+        server.stop()
+        persister.stop(drain=False)
+        store.close()
+
+
 def test_under_an_agent_max_to_keep_is_applied_and_the_stall_is_reported(tmp_path: Path) -> None:
     """The agent's writer applies the manager's retention; each capture tells the agent its training stall."""
     from psguard.agent.spool_server import SpoolEvent

@@ -284,6 +284,7 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
     def close(job: tuple[Any, Trainer, CheckpointManager, Any]) -> None:
         rec.emit("failure", seen=int(p.kill_at))
         job[2].close(timeout=30)
+        rec.emit("closed")
 
     def restart_ps(failed_at: float) -> None:
         rec.emit("restart-ps")

@@ -80,6 +80,28 @@ EXIT_WAIT_SECONDS = 600.0
 _open_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 
+def release_after_failure(timeout: float = 30.0) -> None:
+    """Close every open manager of a generation that a cluster failure ended, for an in-process rejoin.
+
+    Saves handed to a sidecar are not waited for: the agent finishes them whether or not this generation
+    lives, and waiting for a durable write of 1 GB that happened to be running added a second to every
+    recovery. A manager that writes the log itself finishes its pending write (up to ``timeout``), as
+    :meth:`CheckpointManager.close` would. Failures of the old generation's saves are expected after a
+    failure: they are logged, not raised.
+    """
+    for manager in list(_open_managers):
+        own_writes = manager._sink.in_flight()
+        try:
+            manager.close(timeout=timeout if own_writes else 0.0)
+        except TimeoutError:
+            if own_writes:
+                log.warning("the failed generation's pending saves did not finish within %.0fs", timeout)
+            else:
+                log.info("the failed generation's pending saves are left to the agent, which finishes them")
+        except PsguardError as e:
+            log.info("the failed generation's saves: %s", e)
+
+
 def _drain_at_exit() -> None:
     """Finish pending writes of managers never closed before the interpreter exits.
 
@@ -348,6 +370,7 @@ class CheckpointManager:
         # tf.train.Checkpoint creates save_counter lazily on its first save; create it now so it is part of
         # every capture (and of exports), and number saves by it as TF's manager does.
         self._save_counter = getattr(checkpoint, "save_counter", None)
+        self._closed = False
         _open_managers.add(self)
 
     # ------------------------------------------------------------------------------------ tf.train API
@@ -595,8 +618,12 @@ class CheckpointManager:
         return handle
 
     def close(self, timeout: float | None = None) -> None:
-        """Wait for pending saves as :meth:`wait` does (re-raising failures), then release everything."""
+        """Wait for pending saves as :meth:`wait` does (re-raising failures), then release everything.
+        Closing a closed manager does nothing."""
         _open_managers.discard(self)
+        if self._closed:
+            return
+        self._closed = True
         try:
             self.wait(timeout)
         finally:
