@@ -138,7 +138,10 @@ def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
     )
     assert second["restored"]["source"] == "memory", chief.log()
     assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
-    assert sum(p.status()["shards"]["exports"] for p in ps) >= 2  # each PS agent answered the restore
+    exports = [p.status()["shards"] for p in ps]
+    assert sum(e["exports"] for e in exports) >= 2  # each PS agent answered the restore
+    # The chief's agent had them export when the new generation started; the restore reused those files.
+    assert all(e["exports_reused"] >= 1 for e in exports), (exports, chief.log())
     # The log: format 2, the table in two parts written by the PS agents; the newest equals the trainer's state.
     with Store.open(str(store)) as s:
         newest = s.manifest(final["checkpoint"])

@@ -640,6 +640,7 @@ class Agent:
                 run_start = event.time - (event.run_seconds or 0.0)
                 if event.exit_code != EXIT_RESTART or failed_at is None or failed_at < run_start:
                     failed_at = None  # only a report from the run that just asked for a restart counts
+                self._export_ahead()
                 self.peer_sync.new_generation(f"the trainer {event.reason}", failed_at)
         elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
             self._wake.set()
@@ -736,6 +737,11 @@ class Agent:
         self.request_stop()  # wait() returns 0; the CLI then stops the task gracefully
         return Response(202, {"ok": True, "task": self.task})
 
+    def _export_ahead(self) -> None:
+        """A restore follows every new generation: the PS agents start writing its files now."""
+        if self.spool is not None:
+            self.spool.export_ahead()
+
     def _handle_new_generation(self, request: Request) -> Response:
         """The trainer rejoins in-process after a PS failure: restart every PS peer first, answer when done."""
         body = request.json()
@@ -745,6 +751,7 @@ class Agent:
         failed_at = (body or {}).get("failed_at")
         if failed_at is not None and (not isinstance(failed_at, int | float) or failed_at > time.time() + 5):
             raise RequestError(400, "failed_at: expected the Unix time at which the trainer saw the failure")
+        self._export_ahead()
         result = self.peer_sync.new_generation(reason, None if failed_at is None else float(failed_at))
         failed = any(str(o).startswith("error") for o in result["peers"].values())
         return Response(503 if failed else 200, {"ok": not failed, **result})

@@ -85,6 +85,11 @@ class ShardKeeper:
         self._applied = 0
         self._bytes_in = 0
         self._exports = 0
+        self._exports_reused = 0
+        # Exports one at a time, and the files of the last one with the tier state they hold: a restore that
+        # asks for that state again (after the chief's agent exported ahead of it) gets them without a rewrite.
+        self._export_lock = threading.Lock()
+        self._exported: tuple[str, dict[str, Any]] | None = None
         self._lock_fd: int | None = None
 
     def start(self) -> ShardKeeper:
@@ -123,6 +128,7 @@ class ShardKeeper:
             "applied": self._applied,
             "bytes_in": self._bytes_in,
             "exports": self._exports,
+            "exports_reused": self._exports_reused,
         }
 
     # ------------------------------------------------------------------------------------------ memory tier
@@ -185,6 +191,28 @@ class ShardKeeper:
         memory tiers is restorable as one consistent state) and ``empty`` when it holds none.
         """
         expected = _token(doc, "token", optional=True)
+        with self._export_lock:
+            reused = self._reuse_export(expected)
+            if reused is not None:
+                return reused
+            return self._export(expected)
+
+    def _reuse_export(self, expected: str | None) -> dict[str, Any] | None:
+        """The last export's answer when the tier still holds its state and its files are all there.
+
+        A token names one state of the tier (a capture gets a new one), so the same token means the same values.
+        """
+        if self._exported is None or expected is None:
+            return None
+        token, answer = self._exported
+        if token != expected or self.tier.token != token:
+            return None
+        if not all(Path(f["path"]).is_file() for f in answer["files"]):
+            return None
+        self._exports_reused += 1
+        return answer
+
+    def _export(self, expected: str | None) -> dict[str, Any]:
         nonce = secrets.token_hex(8)
         restore = self.folder / "restore"
         with self.tier.export() as snap:
@@ -192,7 +220,7 @@ class ShardKeeper:
                 return {"status": "empty", "step": None, "token": None}
             if expected is not None and snap.token != expected:
                 return {"status": "mismatch", "step": snap.step, "token": snap.token}
-            self._drop_restore_files()  # one restore at a time: the previous one was loaded or abandoned
+            self._drop_restore_files_locked()  # one restore at a time: the previous one was loaded or abandoned
             tmp = restore / f"{nonce}.tmp"
             tmp.mkdir(mode=0o700)
             files = []
@@ -211,7 +239,10 @@ class ShardKeeper:
                 )
             os.rename(tmp, restore / nonce)
             self._exports += 1
-            return {"status": "ok", "step": snap.step, "token": snap.token, "files": files}
+            answer = {"status": "ok", "step": snap.step, "token": snap.token, "files": files}
+            if snap.token is not None:
+                self._exported = (snap.token, answer)
+            return answer
 
     def load(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """Read this PS's rows of a durable checkpoint into the tier (``{"checkpoint", "shards", "durable"}``).
@@ -272,6 +303,11 @@ class ShardKeeper:
     def _drop_restore_files(self) -> None:
         """The restore files are a second copy of the shards in this node's memory (tmpfs): kept only until
         the trainer loaded them, which the next capture or restore shows."""
+        with self._export_lock:
+            self._drop_restore_files_locked()
+
+    def _drop_restore_files_locked(self) -> None:
+        self._exported = None
         for old in (self.folder / "restore").iterdir():
             shutil.rmtree(old, ignore_errors=True)
 

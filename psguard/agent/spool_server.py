@@ -196,6 +196,33 @@ class SpoolServer:
             os.close(self._lock_fd)
             self._lock_fd = None
 
+    def export_ahead(self) -> threading.Thread | None:
+        """Have every PS agent write its restore files for the tier's state now, in the background.
+
+        Called when a new trainer generation is about to start (PS restarts, then a rebuild, then a restore):
+        the PS agents write while the PS restart and the trainer rebuilds, and the restore's export finds the
+        files written for the same state (:meth:`ShardKeeper.export` reuses them; any other state is written
+        again, so this is only ever a head start). Returns the thread, or None when there is nothing to export.
+        """
+        shards, token = self.shards, self.tier.token
+        if shards is None or not shards.active or token is None:
+            return None
+        tasks = shards.active
+
+        def run() -> None:
+            t0 = time.perf_counter()
+            try:
+                shards.export(tasks, token)
+            except (OSError, PsguardError) as e:  # the restore's own export will say what is wrong
+                log.info("spool %s: exporting ahead of the restore failed: %s", self.root, e)
+                return
+            log.info("spool %s: the PS agents exported state %s ahead of the restore in %.2fs", self.root, token,
+                     time.perf_counter() - t0)  # fmt: skip
+
+        thread = threading.Thread(target=run, name="psguard-export-ahead", daemon=True)
+        thread.start()
+        return thread
+
     def __enter__(self) -> SpoolServer:
         return self.start()
 
