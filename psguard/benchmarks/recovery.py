@@ -618,9 +618,11 @@ def _phases(recs: Records, kill_t: float) -> dict[str, float]:
     restore = recs.of("restore")[-1]
     after = [d for d in recs.of("step") if d["gen"] >= 1]
     return {
-        "detect_s": recs.first("failure")["t"] - kill_t,
-        "close_s": recs.first("restart-ps")["t"] - recs.first("failure")["t"],
+        # The trainer asks for the PS restart as soon as it sees the failure, then closes the failed generation
+        # while the PS restart: close_s overlaps restart_ps_s.
+        "detect_s": recs.first("restart-ps")["t"] - kill_t,
         "restart_ps_s": recs.first("ps-restarted")["t"] - recs.first("restart-ps")["t"],
+        "close_s": recs.first("closed")["t"] - recs.first("restart-ps")["t"],
         "rebuild_s": float(restore["build_s"]),
         "restore_s": float(restore["t1"]) - float(restore["t0"]),
         "first_step_s": after[0]["t"] - float(restore["t1"]),
