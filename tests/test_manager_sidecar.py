@@ -148,6 +148,38 @@ def test_a_failed_generation_is_released_without_waiting_for_the_agents_durable_
         store.close()
 
 
+def test_the_failure_time_told_to_the_agent_is_the_failed_generations_last_step(tmp_path: Path) -> None:
+    """A PS started after that moment holds nothing of the failed generation, so the agent leaves it alone: the
+    time the failure was seen would be later than a PS its agent had already restarted (a warm standby, 0.1 s),
+    which was then restarted a second time, cold (12.7 s at 1 GB under load)."""
+    import time
+
+    from psguard.trainer.manager import generation_ran_at, release_after_failure
+    from psguard.trainer.recovery import _failure_time
+
+    store = Store.open(str(tmp_path / "store"))
+    tier = MemoryTier()
+    persister = Persister(store, tier).start()
+    server = SpoolServer(tmp_path / "spool", tier, persister).start()
+    try:
+        ckpt, _, _ = make_local()
+        m = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool")
+        before = time.time()
+        m.save(1).result(timeout=60)
+        ran = generation_ran_at()
+        assert ran is not None and before <= ran <= time.time()
+        assert _failure_time() == ran
+        assert _failure_time(ran - 5) == ran - 5  # a failure seen even earlier (the caller's own time) wins
+        release_after_failure()
+        assert generation_ran_at() is None  # the next generation has made no step yet
+        now = time.time()
+        assert _failure_time() >= now
+    finally:
+        server.stop()
+        persister.stop(drain=False)
+        store.close()
+
+
 def test_under_an_agent_max_to_keep_is_applied_and_the_stall_is_reported(tmp_path: Path) -> None:
     """The agent's writer applies the manager's retention; each capture tells the agent its training stall."""
     from psguard.agent.spool_server import SpoolEvent

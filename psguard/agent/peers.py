@@ -63,9 +63,10 @@ class PeerSync:
         is waited for until its restart count went up and it is ready; other peers are skipped. Otherwise every
         peer is only waited for until ready. Peers that do not answer yet (their agent is still starting) are
         retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends the wait for that peer.
-        ``failed_at`` (Unix time, this host's clock): when the trainer saw the failure. A PS whose current run
-        started after it is left alone (only waited for): no chief has connected to it since, so it holds no
-        old context; typically the PS that died, already restarted by its own agent. Its start is judged by its
+        ``failed_at`` (Unix time, this host's clock): a moment the failed trainer generation still ran (its last
+        step, or when it saw the failure). A PS whose current run started after it is left alone (only waited
+        for): the generation connected to the PS before that moment, so this process holds none of its state;
+        typically the PS that died, already restarted by its own agent. Its start is judged by its
         uptime, so the PS host's clock does not matter.
         """
         cfg = self.config

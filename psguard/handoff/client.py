@@ -85,8 +85,10 @@ def restart_ps_servers(
 
     The ``restart_ps`` of :func:`psguard.trainer.recovery.run_with_recovery` under ``psguard agent``. ``url``
     defaults to ``$PSGUARD_AGENT_URL`` (and the token to the file named by ``$PSGUARD_AGENT_TOKEN_FILE``).
-    ``failed_at``: when the trainer saw the failure (``time.time()``); a PS started since then (the one that
-    died, already restarted by its agent) is not restarted a second time, which saves one PS start.
+    ``failed_at`` (``time.time()``): a moment the failed generation was still running, e.g. its last step
+    (:func:`~psguard.trainer.recovery.run_with_recovery` passes the last step a CheckpointManager saw) or when
+    the failure was seen; a PS started since then (the one that died, already restarted by its agent) holds none
+    of that generation's state and is not restarted a second time, which saves one PS start.
     Returns the agent's outcome per PS agent; raises :class:`PsguardError` when one did not come back.
     """
     base = url or os.environ.get(ENV_AGENT_URL)
@@ -112,7 +114,8 @@ def restart_ps_servers(
 def report_failure(
     failed_at: float | None = None, url: str | None = None, *, step: int | None = None, timeout: float = 5.0
 ) -> bool:
-    """From the trainer, before it exits 75 after a PS failure: tell the chief's agent when it saw the failure.
+    """From the trainer, before it exits 75 after a PS failure: tell the chief's agent when it failed
+    (``failed_at`` as for :func:`restart_ps_servers`; default now).
 
     The agent then does not restart, for the next generation, a PS started since (the one that died, already
     restarted by its own agent), which saves one PS start. ``step``: the last step trained, so that the next

@@ -66,6 +66,9 @@ log = logging.getLogger(__name__)
 # the step it restores to tell the agent how many steps were lost: the only party that knows both.
 _seen_lock = threading.Lock()
 _seen_steps: dict[str, int] = {}
+# When a manager of this process last saw a step of the running trainer generation (None: none since it began).
+# That generation connected to every PS before: a PS process started after this time holds none of its state.
+_step_seen_at: float | None = None
 
 
 #: How long a restore that holds the memory tier's snapshot waits for the durable log to say whether it has
@@ -89,6 +92,9 @@ def release_after_failure(timeout: float = 30.0) -> None:
     :meth:`CheckpointManager.close` would. Failures of the old generation's saves are expected after a
     failure: they are logged, not raised.
     """
+    global _step_seen_at
+    with _seen_lock:
+        _step_seen_at = None  # the next generation's steps are its own
     for manager in list(_open_managers):
         own_writes = manager._sink.in_flight()
         try:
@@ -135,8 +141,22 @@ def last_seen_step(directory: str | None = None) -> int | None:
         return max(_seen_steps.values(), default=None)
 
 
-def _note_step(directory: str, step: int) -> None:
+def generation_ran_at() -> float | None:
+    """When the running trainer generation last made a step a manager saw (``time.time()``); ``None`` if none.
+
+    Recovery hands it to the chief's agent as the failure time (``failed_at``): every PS process started after it
+    was started after this generation connected to the cluster, so it holds none of its state and need not be
+    restarted for the next generation. The time the failure was *seen* is later, and a PS its agent restarted
+    in between (0.1-0.2 s after a kill: a warm standby) would be restarted a second time, cold.
+    """
     with _seen_lock:
+        return _step_seen_at
+
+
+def _note_step(directory: str, step: int) -> None:
+    global _step_seen_at
+    with _seen_lock:
+        _step_seen_at = time.time()
         if step > _seen_steps.get(directory, -1):
             _seen_steps[directory] = step
 

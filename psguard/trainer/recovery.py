@@ -35,7 +35,7 @@ from psguard.errors import PsguardError
 from psguard.handoff.client import report_failure
 from psguard.handoff.contract import EXIT_RESTART
 from psguard.trainer.deferred_init import MIN_BYTES, deferred_initial_values
-from psguard.trainer.manager import last_seen_step, release_after_failure
+from psguard.trainer.manager import generation_ran_at, last_seen_step, release_after_failure
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,14 @@ def is_cluster_failure(exc: BaseException) -> bool:
     return False
 
 
+def _failure_time(seen_at: float | None = None) -> float:
+    """The ``failed_at`` for the chief's agent: the last step the failed generation made, when a manager saw one
+    (:func:`~psguard.trainer.manager.generation_ran_at`), else when the failure was seen."""
+    seen = time.time() if seen_at is None else seen_at
+    ran = generation_ran_at()
+    return seen if ran is None else min(seen, ran)
+
+
 def exit_for_restart(exc: BaseException | None = None, *, failed_at: float | None = None) -> NoReturn:
     """Leave with the exit code that asks ``psguard agent`` for an immediate restart of this trainer.
 
@@ -83,7 +91,7 @@ def exit_for_restart(exc: BaseException | None = None, *, failed_at: float | Non
     a sidecar, call ``manager.wait()`` before this so pending durable writes finish.
     """
     log.error("cluster failure (%s): exiting with %d so the agent restarts the trainer", exc, EXIT_RESTART)
-    report_failure(failed_at, step=last_seen_step())
+    report_failure(_failure_time(failed_at), step=last_seen_step())
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -192,7 +200,7 @@ def run_with_recovery(
             if attempt > max_recoveries:
                 raise PsguardError(f"giving up after {max_recoveries} recoveries; last failure: {e}") from e
             t0 = time.monotonic()
-            failed_at = time.time()
+            failed_at = _failure_time()
             log.warning("cluster failure (%s): recovery %d in process", str(e).splitlines()[0][:200], attempt)
             # The PS restart (waiting on the agents) overlaps with dropping the failed generation (CPU here, the
             # collection alone 0.3-0.4 s with a model built): asked first, so that a collection holding the
