@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -421,3 +422,48 @@ def test_applies_and_takes_from_two_threads_lose_nothing(rng: np.random.Generato
             durable[name] = u.read(0, u.shape[0])
     final.commit()
     assert_same(durable, truth)
+
+
+def test_a_streamed_tensor_reads_no_further_ahead_of_its_uploads_than_the_window(tmp_path: Path) -> None:
+    """The bytes a PS agent holds beyond its shards during a durable write: the window, read before it was
+    acquired no more (each chunk's read waited for nothing, so one chunk more than the window was held)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from psguard.store.chunks import ChunkWriter
+
+    chunk, window = 64 << 10, 4 * (64 << 10)
+    rows = np.arange(64 * 1024 * 8, dtype=np.float32).reshape(-1, 64)  # 32 chunks of 64 KiB
+    backend = open_backend(str(tmp_path / "store"))
+    gate, window_full = threading.Event(), threading.Event()
+    lock = threading.Lock()
+    held = {"read": 0, "stored": 0, "most": 0}
+    real_put = backend.put
+
+    def put(key: str, data: bytes | memoryview) -> None:
+        assert gate.wait(60), "the window never filled"
+        real_put(key, data)
+        with lock:
+            held["stored"] += len(data)
+
+    def read(a: int, b: int) -> np.ndarray:
+        value = rows[a:b].copy()
+        with lock:
+            held["read"] += value.nbytes
+            held["most"] = max(held["most"], held["read"] - held["stored"])
+            if held["read"] >= window:
+                window_full.set()
+        return value
+
+    backend.put = put  # type: ignore[method-assign]  # uploads wait until the window has filled
+    with ThreadPoolExecutor(4) as pool:
+        writer = ChunkWriter(backend, pool, inflight_bytes=window, known=set())
+        stream = FullStream(rows.shape, rows.dtype, read)
+        result: list[Any] = []
+        submitter = threading.Thread(target=lambda: result.append(writer.submit_stream(stream, chunk)))
+        submitter.start()
+        assert window_full.wait(60)
+        gate.set()
+        submitter.join(60)
+        refs = [f.result(60) for f in result[0]]
+    assert len(refs) == rows.nbytes // chunk and held["stored"] == rows.nbytes
+    assert held["most"] <= window, held

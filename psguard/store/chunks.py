@@ -128,8 +128,12 @@ class ChunkWriter:
             self._budget.notify_all()
 
     def submit(self, data: memoryview | bytes) -> Future[ChunkRef]:
+        self._acquire(len(data))
+        return self._start(data)
+
+    def _start(self, data: memoryview | bytes) -> Future[ChunkRef]:
+        """Upload ``data``, whose bytes were acquired from the window (released when its upload ends)."""
         size = len(data)
-        self._acquire(size)
 
         def work() -> ChunkRef:
             try:
@@ -166,10 +170,16 @@ class ChunkWriter:
         """As :meth:`submit_tensor`, the same chunks, but each read from ``stream`` just before its upload:
         the bytes held at once are bounded by ``inflight_bytes``, not by the tensor's size."""
         unit = row_bytes(stream.shape, stream.dtype.itemsize) if stream.shape else stream.nbytes or 1
-        return [
-            self.submit(as_le_bytes(stream.read(a // unit, b // unit)))
-            for a, b in split_ranges(stream.nbytes, unit, chunk_bytes)
-        ]
+        futures = []
+        for a, b in split_ranges(stream.nbytes, unit, chunk_bytes):
+            self._acquire(b - a)  # before the read: the window bounds the bytes read, not only those uploading
+            try:
+                data = as_le_bytes(stream.read(a // unit, b // unit))
+            except BaseException:
+                self._release(b - a)
+                raise
+            futures.append(self._start(data))
+        return futures
 
     def submit_rows(self, ids: np.ndarray, values: np.ndarray, chunk_bytes: int) -> list[Future[Segment]]:
         ids = np.ascontiguousarray(ids, dtype="<i8")

@@ -215,11 +215,15 @@ class Store:
         *,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         io_threads: int | None = None,
-        inflight_bytes: int = 128 << 20,
+        inflight_bytes: int | None = None,
         lock_ttl: float = 600.0,
         chunk_grace: float | None = None,
     ) -> None:
         io_threads = io_threads if io_threads is not None else backend.io_parallelism
+        # The bytes read ahead of their upload: by default two chunks per I/O thread (one uploading, one ready).
+        # More would only wait in the pool's queue, and a streamed tensor's reads are the memory a PS agent
+        # holds beyond its shards (a fixed 128 MB was 0.25 of a 512 MB PS on a local store with 2 threads).
+        inflight_bytes = 2 * io_threads * chunk_bytes if inflight_bytes is None else inflight_bytes
         if chunk_bytes <= 0 or io_threads <= 0 or inflight_bytes <= 0:
             raise ConfigError("chunk_bytes, io_threads and inflight_bytes must be positive")
         self.backend = backend
