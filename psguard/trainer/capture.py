@@ -659,6 +659,12 @@ _FUNCTIONS_LOCK = threading.Lock()
 _FUNCTIONS_KEPT = 8
 
 
+#: A shard hashed in at most this many slices is hashed by one op per slice; more go through a loop.
+_UNROLLED_SLICES = 8
+#: Slices of one shard hashed at once (``tf.fingerprint`` uses one thread per call).
+_PARALLEL_SLICES = 8
+
+
 def _functions_for(plan: _Plan) -> _Functions:
     with _FUNCTIONS_LOCK:
         fns = _FUNCTIONS.get(plan)
@@ -699,11 +705,41 @@ def _make_functions(plan: _Plan) -> _Functions:
         joined = hashes[0] if len(hashes) == 1 else tf.concat(hashes, axis=0)
         return tf.reshape(tf.bitcast(joined, tf.int64), [-1])
 
+    def all_fingerprints(t: _TensorPlan, s: _ShardPlan, var: Any) -> Any:
+        """Every row's fingerprint (the whole shard's for a tensor not tracked by row), on the shard's PS.
+
+        Hashed in slices (see :func:`read_rows`), but in a loop rather than one op per slice: unrolled, the
+        graph grew with the table (a 1 GB job's function had 3,000 ops), and with it the chief's memory (50 MB
+        per GB of state, held for the job's life) and the time to instantiate the function on restarted PS.
+        ``parallel_iterations`` keeps several slices hashing at once, as independent ops did.
+        """
+        step = max(1, chunk_bytes // max(t.row_bytes, 1))
+        slices = -(-s.rows // step)
+        if not t.by_row or slices <= _UNROLLED_SLICES:
+            return fingerprints(t, read_rows(t, s, var))
+
+        def body(k: Any, out: Any) -> tuple[Any, Any]:
+            with tf.device(s.device):  # a loop body's graph starts without a device
+                a = k * step
+                rows = var.sparse_read(tf.range(a, tf.minimum(a + step, s.rows), dtype=tf.int64))
+                fp = tf.reshape(tf.bitcast(tf.fingerprint(rows), tf.int64), [-1])
+                return k + 1, out.write(tf.cast(k, tf.int32), fp)
+
+        with tf.device(s.device):
+            out = tf.TensorArray(tf.int64, size=slices, infer_shape=False, element_shape=tf.TensorShape([None]))
+            _, out = tf.while_loop(
+                lambda k, _: k < slices,
+                body,
+                (tf.constant(0, tf.int64), out),
+                parallel_iterations=_PARALLEL_SLICES,
+            )
+            return out.concat()
+
     def changed_all_rows(t: _TensorPlan, s: _ShardPlan, v: _ShardVars) -> Any:
         """Ids of the rows whose bytes changed, hashing every row; stores the new fingerprints."""
         var, fp_var = v[0], v[1]
         with tf.device(s.device):  # also inside a tf.cond branch, whose graph starts without a device
-            fp = fingerprints(t, read_rows(t, s, var))
+            fp = all_fingerprints(t, s, var)
             changed = tf.not_equal(fp, fp_var.read_value())
             with tf.control_dependencies([changed]):
                 fp_var.assign(fp)
@@ -831,7 +867,7 @@ def _make_functions(plan: _Plan) -> _Functions:
                 continue  # restore_parts fingerprinted them from the values it loaded
             for s, v in zip(t.shards, vs, strict=True):
                 with tf.device(s.device):
-                    v[1].assign(fingerprints(t, read_rows(t, s, v[0])))
+                    v[1].assign(all_fingerprints(t, s, v[0]))
                     if t.marks:
                         v[2].assign(tf.zeros([s.rows], tf.bool))
                         v[3].assign(False)
