@@ -603,7 +603,19 @@ def test_compact_a_v2_chain(stores: tuple[Store, list[Store]], url: str) -> None
         },
         parent=c0,
     )
+    # One part (in the newest partitioning: 3 x 40 rows) materialised at a time, each once, while the writer's
+    # chunks of 7 rows straddle the parts' edges.
+    reads: list[tuple[int, int]] = []
+    read_rows = coordinator._read_rows
+
+    def spy(chain: Any, name: str, start: int, stop: int, verify_hash: bool) -> np.ndarray:
+        reads.append((start, stop))
+        return read_rows(chain, name, start, stop, verify_hash)
+
+    coordinator._read_rows = spy  # type: ignore[method-assign]
+    coordinator.chunk_bytes = 7 * 3 * 2
     info = coordinator.compact(c1)
+    assert reads == [(0, 40), (40, 80), (80, 120)]
     assert info is not None and info.kind == "full" and info.step == 1
     assert on_disk_version(url, info.id) == 1  # compaction writes the logical tensor whole
     with open_store(url) as reader:
