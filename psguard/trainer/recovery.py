@@ -179,13 +179,15 @@ def run_with_recovery(
     ``build`` must create everything that holds variables (model, optimizer, step function, the
     CheckpointManager) and restore (``manager.restore_or_initialize()``); ``train`` trains from the
     restored step to the end and returns. ``restart_ps`` restarts every PS task and returns once they all
-    serve (see the module docstring for why every one); it gets the time the failure was seen
-    (``time.time()``), so a PS started since (the dead one, already restarted by its agent) need not be
-    restarted again: under ``psguard agent`` pass :func:`psguard.handoff.client.restart_ps_servers` as
-    ``lambda failed_at: restart_ps_servers(failed_at=failed_at)``. Every
-    :class:`~psguard.CheckpointManager` open in this process is closed by psguard first (they belong to the
-    failed generation: create them in ``build``), without waiting for saves a sidecar agent finishes on its own (:func:`~psguard.trainer.manager.release_after_failure`); ``close`` releases the
-    rest of a job before it is dropped (closing its manager again does nothing).
+    serve (see the module docstring for why every one); it gets a moment the failed generation still ran (its
+    last step a manager saw, else when the failure was seen: ``time.time()``), so a PS started since (the dead
+    one, already restarted by its agent) need not be restarted again: under ``psguard agent`` pass
+    :func:`psguard.handoff.client.restart_ps_servers` as
+    ``lambda failed_at: restart_ps_servers(failed_at=failed_at)``. Every :class:`~psguard.CheckpointManager`
+    open in this process is closed by psguard first (they belong to the failed generation: create them in
+    ``build``), without waiting for saves a sidecar agent finishes on its own
+    (:func:`~psguard.trainer.manager.release_after_failure`); ``close`` releases the rest of a job before it is
+    dropped (closing its manager again does nothing).
     """
     report = RecoveryReport()
     attempt = 0
