@@ -738,6 +738,7 @@ E2E_TRAINER = textwrap.dedent(
     from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
 
     out, store_url, target, mode = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    faults = int(sys.argv[5]) if len(sys.argv) > 5 else 0  # 0: one fault ("kill"); N: a chain of N
     os.makedirs(out, exist_ok=True)
     gen = len([n for n in os.listdir(out) if n.startswith("gen-")])
 
@@ -745,6 +746,25 @@ E2E_TRAINER = textwrap.dedent(
         with open(os.path.join(out, name + ".tmp"), "w") as f:
             json.dump(doc, f)
         os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+    # When the test injects its fault. One fault: "kill", once a durable checkpoint exists. A chain of faults:
+    # "kill-N" 20+ steps after "kill-(N-1)" (a recovery and training since), once its save is done; then this
+    # trainer waits for the test's "go-N" (the test checks the previous fault's outcome while nothing moves).
+    def mark(seen, handle):
+        if not faults:
+            if not os.path.exists(os.path.join(out, "kill")):
+                handle.result(timeout=120)  # a durable checkpoint exists before the fault
+                put("kill", {"step": seen})
+            return
+        n = len([name for name in os.listdir(out) if name.startswith("kill-") and not name.endswith(".tmp")])
+        if n == faults:
+            return
+        if n and seen < json.load(open(os.path.join(out, f"kill-{n - 1}")))["step"] + 20:
+            return
+        handle.result(timeout=120)
+        put(f"kill-{n}", {"step": seen})
+        while not os.path.exists(os.path.join(out, f"go-{n}")):
+            time.sleep(0.02)
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.experimental.ParameterServerStrategy(
@@ -778,9 +798,8 @@ E2E_TRAINER = textwrap.dedent(
         while (seen := int(model.step.numpy())) < target:
             state["seen"] = seen
             handle = manager.maybe_save(seen)
-            if handle is not None and seen >= 20 and not os.path.exists(os.path.join(out, "kill")):
-                handle.result(timeout=120)  # a durable checkpoint exists before the fault
-                put("kill", {"step": seen})
+            if handle is not None and seen >= 20:
+                mark(seen, handle)
             trainer.train(5)
         manager.close()
         return int(model.step.numpy())
@@ -946,7 +965,9 @@ def test_metrics_start_at_zero_and_peers_are_labelled_by_task_name(
 class E2E:
     """Every process under an agent (2 PS, 1 worker, chief running E2E_TRAINER), as a user would run it."""
 
-    def __init__(self, tmp_path: Path, agents: Callable[..., AgentProc], mode: str, target: int) -> None:
+    def __init__(
+        self, tmp_path: Path, agents: Callable[..., AgentProc], mode: str, target: int, faults: int = 0
+    ) -> None:
         self.cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
         self.script = tmp_path / "e2e_trainer.py"
         self.script.write_text(E2E_TRAINER)
@@ -970,6 +991,8 @@ class E2E:
         ]
         self.chief_args += ["--spool", str(tmp_path / "spool"), *peers]
         self.command = [sys.executable, str(self.script), str(self.out), str(self.store), str(target), mode]
+        if faults:  # a chain: the trainer marks each fault point "kill-N" and waits for "go-N"
+            self.command.append(str(faults))
         self.chief = self.start_chief()
 
     def start_chief(self) -> AgentProc:
@@ -979,13 +1002,20 @@ class E2E:
     def doc(self, name: str) -> dict[str, Any]:
         return dict(json.loads((self.out / name).read_text()))
 
-    def wait_durable_before_fault(self) -> dict[str, Any]:
-        def kill_file() -> dict[str, Any] | None:
+    def fault_point(self, n: int) -> dict[str, Any]:
+        """A chain's n-th fault point: the trainer saved 20+ steps after the previous one and waits for go(n)."""
+
+        def marker() -> dict[str, Any] | None:
             if self.chief.proc.poll() is not None:
                 raise AssertionError(f"chief agent exited {self.chief.proc.returncode}:\n{self.chief.log()}")
-            return self.doc("kill") if (self.out / "kill").exists() else None
+            return self.doc(f"kill-{n}") if (self.out / f"kill-{n}").exists() else None
 
-        return dict(wait_until(kill_file, 300, "a durable checkpoint before the fault"))
+        return dict(wait_until(marker, 300, f"fault point {n}"))
+
+    def go(self, n: int) -> None:
+        """Let the trainer go on past fault point n."""
+        (self.out / f"go-{n}.tmp").write_text("{}")
+        (self.out / f"go-{n}.tmp").rename(self.out / f"go-{n}")
 
     def finish(self) -> dict[str, Any]:
         assert self.chief.wait_exit(400) == 0, self.chief.log()
@@ -997,76 +1027,78 @@ class E2E:
         return [self.doc(f"gen-{i}") for i in range(len(list(self.out.glob("gen-*"))))]
 
 
+# The chain's target: its last fault comes at about step 80, 40+ steps before the end.
+E2E_CHAIN_TARGET = 120
+
+
 @pytest.mark.slow
-def test_end_to_end_worker_killed_rejoins_through_tf_retry_without_a_restore(
+def test_end_to_end_four_faults_in_sequence_each_recovered_as_it_should(
     tmp_path: Path, agents: Callable[..., AgentProc]
 ) -> None:
-    job = E2E(tmp_path, agents, "inprocess", E2E_TARGET)
-    job.wait_durable_before_fault()
+    """One job under agents (the trainer rejoins in process), four faults one after another. Each comes 20+
+    steps after the previous one, at a point where the trainer waits while the test checks the previous fault's
+    outcome, then lets it go on and injects the next one:
+
+    1. kill -9 of the worker: its agent restarts it and TensorFlow retries; no restore, the PS keep their state.
+    2. SIGSTOP of a PS under training: caught, restarted; the trainer recovers from the memory tier.
+    3. kill -9 of the trainer: its agent restarts it; it restores from the memory tier; fresh PS servers.
+    4. kill -9 of the chief's agent mid-training: no torn checkpoint; a new agent; training completes.
+    """
+    from psguard.store.log import Store
+
+    job = E2E(tmp_path, agents, "inprocess", E2E_CHAIN_TARGET, faults=4)
+
+    # 1. The worker killed: it rejoins through TF's retry without a restore.
+    job.fault_point(0)
+    job.go(0)
     victim = job.worker.status()["pid"]
     os.kill(victim, signal.SIGKILL)
     job.worker.wait_status(lambda s: s["restarts"] == 1 and s["ready"], 120, "worker restarted")
-    job.finish()
+    kill = job.fault_point(1)  # 20 steps trained since, on the restarted worker
     gens = job.generations()
     assert len(gens) == 1 and gens[0]["restored"] is None, gens  # one trainer, never restored: TF retried
-    assert job.doc("recoveries")["count"] == 0
-    assert not list(job.out.glob("failure-*"))
+    assert not list(job.out.glob("failure-*"))  # no recovery at all
     assert [p.status()["restarts"] for p in job.ps] == [0, 0]  # no new generation, the PS kept their state
 
-
-@pytest.mark.slow
-def test_end_to_end_trainer_killed_is_restarted_and_restores_from_the_memory_tier(
-    tmp_path: Path, agents: Callable[..., AgentProc]
-) -> None:
-    job = E2E(tmp_path, agents, "inprocess", E2E_TARGET)
-    job.wait_durable_before_fault()
-    before = job.chief.status()
-    trainer = before["pid"]
-    acknowledged = before["memory_step"]
-    os.kill(trainer, signal.SIGKILL)
-    job.finish()
-    gens = job.generations()
-    assert len(gens) >= 2 and gens[1]["pid"] != trainer, gens
-    restored = gens[1]["restored"]
-    assert restored["source"] == "memory", restored  # the agent kept the tier across the trainer's crash
-    assert restored["step"] >= acknowledged, (restored, acknowledged)  # nothing acknowledged was lost
-    assert job.chief.log().count("event=restarted task=chief:0") == 1
-    # A new trainer generation gets fresh PS servers (a dead chief's context would otherwise leak there). An
-    # in-process recovery right after (a worker's stale channel to a replaced PS) would add one each.
-    later = gens[2:]
-    assert all(g["restored"]["source"] == "memory" for g in later), later
-    assert [p.status()["restarts"] for p in job.ps] == [1 + len(later)] * 2
-
-
-@pytest.mark.slow
-def test_end_to_end_frozen_ps_is_caught_restarted_and_training_recovers(
-    tmp_path: Path, agents: Callable[..., AgentProc]
-) -> None:
-    job = E2E(tmp_path, agents, "inprocess", E2E_TARGET)
-    kill = job.wait_durable_before_fault()
+    # 2. A frozen PS is caught, restarted, and training recovers from the memory tier.
+    job.go(1)
     frozen = job.ps[0].status()["pid"]
     os.kill(frozen, signal.SIGSTOP)
     t0 = time.monotonic()
     job.ps[0].wait_status(lambda s: s["restarts"] >= 1, 60, "frozen PS detected and restarted")
     print(f"SIGSTOP under training: restarted after {time.monotonic() - t0:.2f}s")
     wait_until(lambda: not alive(frozen), 30, "the frozen server killed")
-    job.finish()
+    job.fault_point(2)
     failure, second = job.doc("failure-0"), job.doc("gen-1")
     assert second["restored"]["source"] == "memory", second
     assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
     assert failure["seen"] - second["restored"]["step"] <= 10  # memory cadence 5 + one chunk of 5 steps
 
+    # 3. The trainer killed: restarted by its agent, it restores from the memory tier.
+    before = job.chief.status()
+    trainer = before["pid"]
+    acknowledged = before["memory_step"]
+    ps_restarts = [p.status()["restarts"] for p in job.ps]
+    first = len(job.generations())  # the index of the killed trainer's successor
+    job.go(2)
+    os.kill(trainer, signal.SIGKILL)
+    job.fault_point(3)
+    gens = job.generations()
+    assert len(gens) > first and gens[first]["pid"] != trainer, gens
+    restored = gens[first]["restored"]
+    assert restored["source"] == "memory", restored  # the agent kept the tier across the trainer's crash
+    assert restored["step"] >= acknowledged, (restored, acknowledged)  # nothing acknowledged was lost
+    assert job.chief.log().count("event=restarted task=chief:0") == 1
+    # A new trainer generation gets fresh PS servers (a dead chief's context would otherwise leak there). An
+    # in-process recovery right after (a worker's stale channel to a replaced PS) would add one each.
+    later = gens[first + 1 :]
+    assert all(g["restored"]["source"] == "memory" for g in later), later
+    assert [p.status()["restarts"] for p in job.ps] == [n + 1 + len(later) for n in ps_restarts]
 
-@pytest.mark.slow
-def test_end_to_end_chief_agent_killed_leaves_no_torn_checkpoint_and_training_completes(
-    tmp_path: Path, agents: Callable[..., AgentProc]
-) -> None:
-    from psguard.store.log import Store
-
-    job = E2E(tmp_path, agents, "inprocess", E2E_TARGET)
-    job.wait_durable_before_fault()
+    # 4. The chief's agent killed: no torn checkpoint, and training completes under a new agent.
     before = job.chief.wait_status(lambda s: (s["durable_step"] or 0) >= 20, 60, "a durable checkpoint")
     trainer = before["pid"]
+    job.go(3)
     os.kill(job.chief.proc.pid, signal.SIGKILL)  # mid-training, persister running: no clean-up at all
     job.chief.wait_exit(30)
     wait_until(lambda: not alive(trainer), 30, "the trainer dies with its agent")
@@ -1077,8 +1109,7 @@ def test_end_to_end_chief_agent_killed_leaves_no_torn_checkpoint_and_training_co
     assert durable >= before["durable_step"]
     job.chief = job.start_chief()  # what Kubernetes does with a dead sidecar container
     job.finish()
-    gens = job.generations()
-    restored = gens[-1]["restored"]
+    restored = job.generations()[-1]["restored"]
     # The tier died with the agent; its successor reloads it from the durable log (resume), so the trainer may
     # read that copy ("memory") or the log itself: either way nothing older than the newest durable commit.
     assert restored["source"] in ("memory", "durable") and restored["step"] >= durable, restored
