@@ -228,3 +228,14 @@ def lone_chief_agent(tmp_path: Path, store: Path, command: list[str], *extra: st
         config.write_text(f"state_dir: {tmp_path / 'agent-state'}\n")
         argv += ["--config", str(config)]
     return [*argv, "--", *command]
+
+
+# ----------------------------------------------------------------------------------------------- benchmarks
+@pytest.fixture(scope="session")
+def bench_recovery_smoke() -> tuple[Any, dict[str, Any]]:
+    """One tiny ``psguard bench recovery`` job (one recovery per side): its parameters and results. Its own
+    smoke test judges the results; ``bench scale``'s smoke test has one point, and that point is this job."""
+    from psguard.benchmarks.recovery import Params, run
+
+    p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300)
+    return p, run(p, runs=1)

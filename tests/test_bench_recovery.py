@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 
-from psguard.benchmarks.recovery import Params, run
+from psguard.benchmarks.recovery import Params
 
 
 @pytest.mark.slow
-def test_bench_recovery_smoke() -> None:
-    p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300)
-    results = run(p, runs=1)
+def test_bench_recovery_smoke(bench_recovery_smoke: tuple[Params, dict[str, Any]]) -> None:
+    p, results = bench_recovery_smoke  # Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10)
     for key in (
         "recovery_ratio",
         "psguard_recovery_s",

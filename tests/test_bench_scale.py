@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from psguard.benchmarks import scale
 from psguard.benchmarks.common import parse_size
 from psguard.benchmarks.recovery import Params
 from psguard.benchmarks.scale import METRICS, plot, run_scale, vocab_for
@@ -20,10 +22,22 @@ def test_sizes_and_rows() -> None:
 
 
 @pytest.mark.slow
-def test_bench_scale_smoke(tmp_path: Path) -> None:
-    base = Params(vocab_size=1000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300)
-    size = parse_size("256K")
+def test_bench_scale_smoke(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bench_recovery_smoke: tuple[Params, dict[str, Any]]
+) -> None:
+    """The one point is ``bench recovery``'s smoke job (the same parameters): that job's real run, shared with
+    its own smoke test, is what the sweep gets when it asks for exactly that job, once."""
+    base, measured = bench_recovery_smoke
+    size = base.approx_state_bytes  # vocab_for(size) gives back the job's vocabulary
+    asked: list[tuple[Params, int]] = []
+
+    def run(p: Params, runs: int) -> dict[str, Any]:
+        asked.append((p, runs))
+        return measured
+
+    monkeypatch.setattr(scale, "run", run)
     results = run_scale(base, [size], [2], size, runs=1)
+    assert asked == [(base, 1)]  # the state sweep's point is the job; the PS sweep's is the same, reused
     points = results["points"]
     assert [(pt["sweep"], pt["num_ps"]) for pt in points] == [("state", 2), ("ps", 2)]
     assert points[0]["psguard"] == points[1]["psguard"]  # measured once
