@@ -811,6 +811,7 @@ E2E_TRAINER = textwrap.dedent(
 
     def restart_ps(failed_at):  # a PS restarted since the failure (the one that died) is not restarted again
         state["rejoin"] = restart_ps_servers(failed_at=failed_at)
+        put(f"rejoin-{gen}", state["rejoin"])  # the rejoin before generation gen
 
     if mode == "inprocess":  # a model factory: rejoin in this process; the agent restarts the PS servers
         final, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)
@@ -837,15 +838,14 @@ E2E_TARGET = 100
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["restart", "inprocess"])
 def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
-    tmp_path: Path, agents: Callable[..., AgentProc], mode: str
+    tmp_path: Path, agents: Callable[..., AgentProc]
 ) -> None:
-    """Every process under an agent; a PS is killed during training; the trainer comes back two ways.
-
-    ``restart``: it exits 75, its agent restarts every PS, then the trainer. ``inprocess``: it rejoins in the
-    same process, asking its agent (``POST /new-generation``) to restart every PS first.
+    """Every process under an agent; a PS is killed during training; the trainer exits 75, its agent restarts
+    every PS, then the trainer. (The other way back, rejoining in the same process: the chain's second fault,
+    test_end_to_end_five_faults_in_sequence_each_recovered_as_it_should.)
     """
+    mode = "restart"
     cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
     script = tmp_path / "e2e_trainer.py"
     script.write_text(E2E_TRAINER)
@@ -890,15 +890,11 @@ def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
     for n in range(1, failures + 1):
         later = json.loads((out / f"gen-{n}").read_text())["restored"]
         assert later["source"] == "memory" and later["step"] >= second["restored"]["step"], later
-    if mode == "restart":
-        generation = json.loads((out / f"gen-{failures}").read_text())["agent"]["last_generation"]
-    else:
-        assert json.loads((out / "recoveries").read_text())["count"] == failures
-        generation = json.loads((out / "rejoin").read_text())
+    generation = json.loads((out / f"gen-{failures}").read_text())["agent"]["last_generation"]
     print(f"generation: {generation['peers']} in {generation['seconds']:.1f}s ({failures} recoveries)")
     assert generation["peers"][ps[1].url] == "restarted" and generation["peers"][worker.url] == "skipped (worker)"
     assert worker.status()["restarts"] == 0
-    assert chief.log().count("event=restarted task=chief:0") == (failures if mode == "restart" else 0)
+    assert chief.log().count("event=restarted task=chief:0") == failures
     assert restarts[1] == failures, (restarts, generation)  # the surviving PS: once per generation
     if failures == 1:
         # ps0 died and was restarted by its own agent: when that was after the trainer saw the failure, it is
@@ -1027,26 +1023,28 @@ class E2E:
         return [self.doc(f"gen-{i}") for i in range(len(list(self.out.glob("gen-*"))))]
 
 
-# The chain's target: its last fault comes at about step 80, 40+ steps before the end.
-E2E_CHAIN_TARGET = 120
+# The chain's target: its last fault comes at about step 100, 40+ steps before the end.
+E2E_CHAIN_TARGET = 140
 
 
 @pytest.mark.slow
-def test_end_to_end_four_faults_in_sequence_each_recovered_as_it_should(
+def test_end_to_end_five_faults_in_sequence_each_recovered_as_it_should(
     tmp_path: Path, agents: Callable[..., AgentProc]
 ) -> None:
-    """One job under agents (the trainer rejoins in process), four faults one after another. Each comes 20+
+    """One job under agents (the trainer rejoins in process), five faults one after another. Each comes 20+
     steps after the previous one, at a point where the trainer waits while the test checks the previous fault's
     outcome, then lets it go on and injects the next one:
 
     1. kill -9 of the worker: its agent restarts it and TensorFlow retries; no restore, the PS keep their state.
-    2. SIGSTOP of a PS under training: caught, restarted; the trainer recovers from the memory tier.
-    3. kill -9 of the trainer: its agent restarts it; it restores from the memory tier; fresh PS servers.
-    4. kill -9 of the chief's agent mid-training: no torn checkpoint; a new agent; training completes.
+    2. kill -9 of a PS: the trainer rejoins in the same process, asking its agent (``POST /new-generation``)
+       to restart every PS first, and restores from the memory tier.
+    3. SIGSTOP of a PS under training: caught, restarted; the trainer recovers from the memory tier.
+    4. kill -9 of the trainer: its agent restarts it; it restores from the memory tier; fresh PS servers.
+    5. kill -9 of the chief's agent mid-training: no torn checkpoint; a new agent; training completes.
     """
     from psguard.store.log import Store
 
-    job = E2E(tmp_path, agents, "inprocess", E2E_CHAIN_TARGET, faults=4)
+    job = E2E(tmp_path, agents, "inprocess", E2E_CHAIN_TARGET, faults=5)
 
     # 1. The worker killed: it rejoins through TF's retry without a restore.
     job.fault_point(0)
@@ -1060,29 +1058,68 @@ def test_end_to_end_four_faults_in_sequence_each_recovered_as_it_should(
     assert not list(job.out.glob("failure-*"))  # no recovery at all
     assert [p.status()["restarts"] for p in job.ps] == [0, 0]  # no new generation, the PS kept their state
 
-    # 2. A frozen PS is caught, restarted, and training recovers from the memory tier.
+    # 2. A PS killed: the trainer rejoins in process; its agent restarts every PS first.
     job.go(1)
-    frozen = job.ps[0].status()["pid"]
+    os.kill(job.ps[0].status()["pid"], signal.SIGKILL)
+    kill_next = job.fault_point(2)
+    failure, second = job.doc("failure-0"), job.doc("gen-1")
+    assert second["restored"]["source"] == "memory"
+    assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
+    assert failure["seen"] - second["restored"]["step"] <= 10  # memory cadence 5 + one scheduled chunk of 5
+    lost = failure["seen"] - second["restored"]["step"]
+    assert f"event=recovery_reported task=chief:0 lost_steps={lost} " in job.chief.log(), job.chief.log()
+    restarts = [p.status()["restarts"] for p in job.ps]
+    # With the warm standby a killed PS serves again ~0.1 s later; now and then the first steps after the rejoin
+    # still hit a connection of the dead server (the worker's channel: "Connection reset by peer") and the trainer
+    # recovers a second time, as it should. Each recovery must be a correct one; two at the most.
+    failures = len(list(job.out.glob("failure-*")))
+    assert failures in (1, 2), failures
+    gens = job.generations()
+    assert len(gens) == 1 + failures and {g["pid"] for g in gens} == {gens[0]["pid"]}, gens  # all in process
+    for later in gens[2:]:
+        assert later["restored"]["source"] == "memory", later
+        assert later["restored"]["step"] >= second["restored"]["step"], later
+    generation = job.doc(f"rejoin-{failures}")  # the last rejoin
+    print(f"generation: {generation['peers']} in {generation['seconds']:.1f}s ({failures} recoveries)")
+    assert generation["peers"][job.ps[1].url] == "restarted"
+    assert generation["peers"][job.worker.url] == "skipped (worker)"
+    assert job.worker.status()["restarts"] == 1  # the first fault's restart only
+    assert job.chief.log().count("event=restarted task=chief:0") == 0
+    assert restarts[1] == failures, (restarts, generation)  # the surviving PS: once per generation
+    if failures == 1:
+        # ps0 died and was restarted by its own agent: when that was after the trainer saw the failure, it is
+        # fresh (no chief connected since) and not restarted again. When the generation's restart request
+        # reaches ps0's agent while that agent is still restarting it, the two coalesce into one start, so ps0
+        # may count 1 restart even when "restarted".
+        fresh = generation["peers"][job.ps[0].url].startswith("fresh")
+        assert restarts[0] in ((1,) if fresh else (1, 2)), (restarts, generation)
+
+    # 3. A frozen PS is caught, restarted, and training recovers from the memory tier.
+    kill = kill_next
+    failed = len(job.generations()) - 1  # its failure-N and the generation after it
+    job.go(2)
+    before = job.ps[0].status()
+    frozen, frozen_restarts = before["pid"], before["restarts"]
     os.kill(frozen, signal.SIGSTOP)
     t0 = time.monotonic()
-    job.ps[0].wait_status(lambda s: s["restarts"] >= 1, 60, "frozen PS detected and restarted")
+    job.ps[0].wait_status(lambda s: s["restarts"] > frozen_restarts, 60, "frozen PS detected and restarted")
     print(f"SIGSTOP under training: restarted after {time.monotonic() - t0:.2f}s")
     wait_until(lambda: not alive(frozen), 30, "the frozen server killed")
-    job.fault_point(2)
-    failure, second = job.doc("failure-0"), job.doc("gen-1")
-    assert second["restored"]["source"] == "memory", second
-    assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
-    assert failure["seen"] - second["restored"]["step"] <= 10  # memory cadence 5 + one chunk of 5 steps
+    job.fault_point(3)
+    failure, after = job.doc(f"failure-{failed}"), job.doc(f"gen-{failed + 1}")
+    assert after["restored"]["source"] == "memory", after
+    assert kill["step"] <= after["restored"]["step"] <= failure["seen"]
+    assert failure["seen"] - after["restored"]["step"] <= 10  # memory cadence 5 + one chunk of 5 steps
 
-    # 3. The trainer killed: restarted by its agent, it restores from the memory tier.
+    # 4. The trainer killed: restarted by its agent, it restores from the memory tier.
     before = job.chief.status()
     trainer = before["pid"]
     acknowledged = before["memory_step"]
     ps_restarts = [p.status()["restarts"] for p in job.ps]
     first = len(job.generations())  # the index of the killed trainer's successor
-    job.go(2)
+    job.go(3)
     os.kill(trainer, signal.SIGKILL)
-    job.fault_point(3)
+    job.fault_point(4)
     gens = job.generations()
     assert len(gens) > first and gens[first]["pid"] != trainer, gens
     restored = gens[first]["restored"]
@@ -1095,10 +1132,10 @@ def test_end_to_end_four_faults_in_sequence_each_recovered_as_it_should(
     assert all(g["restored"]["source"] == "memory" for g in later), later
     assert [p.status()["restarts"] for p in job.ps] == [n + 1 + len(later) for n in ps_restarts]
 
-    # 4. The chief's agent killed: no torn checkpoint, and training completes under a new agent.
+    # 5. The chief's agent killed: no torn checkpoint, and training completes under a new agent.
     before = job.chief.wait_status(lambda s: (s["durable_step"] or 0) >= 20, 60, "a durable checkpoint")
     trainer = before["pid"]
-    job.go(3)
+    job.go(4)
     os.kill(job.chief.proc.pid, signal.SIGKILL)  # mid-training, persister running: no clean-up at all
     job.chief.wait_exit(30)
     wait_until(lambda: not alive(trainer), 30, "the trainer dies with its agent")
