@@ -153,6 +153,32 @@ def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
         for report in s.verify_all(s.checkpoint_ids()):
             assert report.ok, report
 
+    # The job comes back with one PS more: every PS agent of the new job reads the logical rows its PS now
+    # hosts from the durable log the two PS agents wrote (format 2, one part per old shard).
+    for a in (*ps, worker):
+        a.close()  # the next job reuses nothing of this one but the store
+    _restores_bit_exact_onto_three(tmp_path, agents, store, final)
+
+
+def _restores_bit_exact_onto_three(
+    tmp_path: Path, agents: Callable[..., AgentProc], store: Path, saved: dict[str, Any]
+) -> None:
+    """A job of three PS agents restores ``saved`` (the final document of a job of two PS agents that wrote
+    ``store``), bit-exact, and writes its own checkpoint in three parts."""
+    three = _job(tmp_path, agents, "three", 3, store, saved["step"] + 5)
+    restored = json.loads((three / "gen-0").read_text())
+    assert restored["restored"] == {"source": restored["restored"]["source"], "step": saved["step"]}, restored
+    table = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
+    assert table in restored["spilled"]  # captured on the three PS from here on
+    assert {n: d for n, d in restored["digests"].items() if n in saved["digests"]} == saved["digests"]
+    final = json.loads((three / "final").read_text())
+    with Store.open(str(store)) as s:
+        newest = s.manifest(final["checkpoint"])
+        assert len(newest.tensors[table].parts) == 3  # written by the three PS agents
+        tensors = s.load(final["checkpoint"])
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
+        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+
 
 @pytest.mark.slow
 def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, agents: Callable[..., AgentProc]) -> None:
@@ -226,27 +252,3 @@ def _job(tmp_path: Path, agents: Callable[..., AgentProc], name: str, num_ps: in
     for a in (*ps, worker):
         a.close()  # the next job reuses nothing of this one but the store
     return out
-
-
-@pytest.mark.slow
-def test_a_log_written_by_two_ps_restores_bit_exact_onto_three(
-    tmp_path: Path, agents: Callable[..., AgentProc]
-) -> None:
-    """The job comes back with one PS more: every PS agent of the new job reads the logical rows its PS now
-    hosts from the durable log that two PS agents wrote (format 2, one part per old shard)."""
-    store = tmp_path / "store"
-    two = _job(tmp_path, agents, "two", 2, store, 20)
-    saved = json.loads((two / "final").read_text())
-    three = _job(tmp_path, agents, "three", 3, store, 25)
-    restored = json.loads((three / "gen-0").read_text())
-    assert restored["restored"] == {"source": restored["restored"]["source"], "step": saved["step"]}, restored
-    table = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
-    assert table in restored["spilled"]  # captured on the three PS from here on
-    assert {n: d for n, d in restored["digests"].items() if n in saved["digests"]} == saved["digests"]
-    final = json.loads((three / "final").read_text())
-    with Store.open(str(store)) as s:
-        newest = s.manifest(final["checkpoint"])
-        assert len(newest.tensors[table].parts) == 3  # written by the three PS agents
-        tensors = s.load(final["checkpoint"])
-        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
-        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
