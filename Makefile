@@ -60,7 +60,7 @@ chaos: $(STAMP) hdfs-runtime
 		$(BIN)/psguard chaos run $$s --seed $(CHAOS_SEED) --reference-dir chaos-runs || status=1; \
 	done; exit $$status
 
-# The CI smoke set (kill-ps, kill-worker, corrupt-chunk): about 4 minutes on 2 cores.
+# The CI smoke set (kill-ps, kill-worker, corrupt-chunk): 8-12 minutes on 2 cores.
 chaos-smoke: $(STAMP)
 	$(BIN)/python -m pytest -q tests/test_chaos_smoke.py
 
