@@ -162,6 +162,29 @@ def test_every_row_hashed_in_slices_finds_exactly_the_changed_rows(rng: np.rando
     assert all(isinstance(u, Same) for u in capturer.capture().values())
 
 
+def test_the_capture_runs_through_its_concrete_function_and_falls_back_on_other_arguments(
+    rng: np.random.Generator,
+) -> None:
+    """Calls go to the traced function directly (no per-call dispatch over every variable); a concrete function
+    traced for other arguments is refused while binding, and the capture goes through ``tf.function`` instead."""
+    model = local_model(rng)
+    root = tf.train.Checkpoint(model=model)
+    capturer = Capturer(root, row_tracking_min_rows=100)
+    state = apply_all({}, capturer.capture())
+    concrete = capturer._capture_concrete
+    assert concrete is not None
+    other = Capturer(tf.train.Checkpoint(model=local_model(rng, rows=(10, 20, 30))), row_tracking_min_rows=1)
+    other.capture()
+    capturer._capture_concrete = other._capture_concrete  # traced for three shards, not two
+    model.table.variables[1].scatter_update(tf.IndexedSlices(tf.ones([1, 4]), tf.constant([5])))
+    updates = capturer.capture()
+    assert capturer._capture_concrete is None  # forgotten; the next capture traces (or finds) its own again
+    state = apply_all(state, updates)
+    assert_bitwise(state, read_tensors(root))
+    capturer.capture()
+    assert capturer._capture_concrete is concrete  # the same traced function, found again
+
+
 def test_no_change_gives_same_and_full_when_asked(rng: np.random.Generator) -> None:
     root = tf.train.Checkpoint(model=local_model(rng))
     capturer = Capturer(root, row_tracking_min_rows=100)
