@@ -25,9 +25,9 @@ import gc
 import logging
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import NoReturn, TypeVar
 
@@ -117,27 +117,6 @@ def reset_cluster_context() -> None:
     context.context().update_server_def(context.get_server_def())
 
 
-class _InBackground:
-    """``fn(*args)`` on a thread; :meth:`join` waits for it and re-raises what it raised."""
-
-    def __init__(self, name: str, fn: Callable[..., object], *args: object) -> None:
-        self._error: BaseException | None = None
-        self._fn, self._args = fn, args
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._fn(*self._args)
-        except BaseException as e:  # re-raised in the caller's thread
-            self._error = e
-
-    def join(self) -> None:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-
 def _rebuild(build: Callable[[], T], close: Callable[[T], None] | None, min_bytes: int = MIN_BYTES) -> T:
     """``build()`` with big variables created as zeros, since its restore overwrites them at once
     (:mod:`psguard.trainer.deferred_init`); built again the ordinary way if the restore did not assign them all."""
@@ -207,16 +186,17 @@ def run_with_recovery(
             # The PS restart (waiting on the agents) overlaps with dropping the failed generation (CPU here, the
             # collection alone 0.3-0.4 s with a model built): asked first, so that a collection holding the
             # interpreter cannot delay the request. Both are over before the cluster context is reset.
-            restarting = _InBackground("psguard-restart-ps", restart_ps, failed_at)
-            release_after_failure()
-            if close is not None:
-                try:
-                    close(job)
-                except Exception as close_error:  # the old generation's saves may fail now: expected
-                    log.info("closing the failed generation: %s", close_error)
-            del job
-            gc.collect()
-            restarting.join()
+            with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
+                restarting = pool.submit(restart_ps, failed_at)
+                release_after_failure()
+                if close is not None:
+                    try:
+                        close(job)
+                    except Exception as close_error:  # the old generation's saves may fail now: expected
+                        log.info("closing the failed generation: %s", close_error)
+                del job
+                gc.collect()
+                restarting.result()  # its failure, raised here
             reset_cluster_context()
             job = _rebuild(build, close)
             event = RecoveryEvent(attempt, str(e).splitlines()[0][:500], time.monotonic() - t0)
