@@ -94,6 +94,13 @@ class Sleeper:
         with open(f"/proc/{self.proc.pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0]
 
+    def await_state(self, wanted: tuple[str, ...], timeout: float = 10.0) -> str:
+        """Signals are delivered asynchronously: under load a SIGSTOP/SIGCONT shows in /proc a moment later."""
+        deadline = time.monotonic() + timeout
+        while (now := self.state()) not in wanted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return now
+
 
 @pytest.fixture
 def sleepers() -> Iterator[dict[str, Sleeper]]:
@@ -118,16 +125,12 @@ def test_a_fault_fires_while_another_is_still_open(tmp_path: Path, sleepers: dic
     history = HistoryWriter(tmp_path / "history.jsonl")
     nemesis = Nemesis(scenario, scenario.schedule(0), history, sleepers, store_dir=None, storage=None, seed=0)  # type: ignore[arg-type]
     nemesis.tick(10, 1.0)
-    assert sleepers["ps0"].state() == "T" and nemesis.healing
+    assert sleepers["ps0"].await_state(("T",)) == "T" and nemesis.healing
     nemesis.tick(12, 2.0)
     assert sleepers["ps1"].proc.wait(10) == -signal.SIGKILL
     assert sleepers["ps0"].state() == "T", "the pause is still on: the faults overlap"
     nemesis.heal_all()
-    # SIGCONT is delivered asynchronously: await the state change (under load it can take a moment).
-    deadline = time.monotonic() + 10
-    while sleepers["ps0"].state() == "T" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert sleepers["ps0"].state() in ("S", "R")
+    assert sleepers["ps0"].await_state(("S", "R")) in ("S", "R")
     history.close()
     ops = [(o.f, o.value["target"], o.type) for o in operations(read_history(tmp_path / "history.jsonl"))]
     assert ops == [("pause", "ps:0", "ok"), ("kill", "ps:1", "ok"), ("resume", "ps:0", "ok")]
