@@ -22,6 +22,14 @@ def test_steps_for_fraction_draws_enough_distinct_ids() -> None:
         bench.steps_for_fraction(100, 1, 1.0)
 
 
+def test_adam_rounds_are_short_and_the_others_cover_the_hot_set() -> None:
+    """Adam changes every row of its moments at every step: its rounds need not train to cover the hot set."""
+    adagrad = bench.Config(rows=2_000_000)
+    assert bench.steps_per_round(adagrad) == bench.steps_for_fraction(20_000, 512, bench.HOT_COVERAGE) > 100
+    adam = bench.Config(rows=2_000_000, optimizer="adam")
+    assert bench.steps_per_round(adam) == bench.ADAM_STEPS_PER_ROUND < bench.steps_per_round(adagrad)
+
+
 def test_tf_checkpoint_files_are_those_of_one_save(tmp_path: Path) -> None:
     for name, size in [("ckpt-2.index", 10), ("ckpt-2.data-00000-of-00001", 100), ("ckpt-1.index", 7)]:
         (tmp_path / name).write_bytes(b"x" * size)
