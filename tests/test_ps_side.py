@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,8 @@ import tensorflow as tf
 
 from psguard.errors import CorruptCheckpointError, TensorMismatchError
 from psguard.handoff.parts import PartCapture, ShardKey, check_coverage
-from psguard.handoff.spool import Restored, write_array
+from psguard.handoff.spool import Restored
+from psguard.handoff.tensor_bundle import bundle_files, write_bundle
 from psguard.handoff.tensor_file import read_tensor_file
 from psguard.tensors import apply_update
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
@@ -104,30 +106,42 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
             assert state[name].tobytes() == expected[name].tobytes(), name
         trainer.train(4, join=False)
 
-    # The agent's end of a restore: one file of raw values per shard, written as the agent writes them (without
-    # TensorFlow); each PS loads its own.
+    # The agent's end of a restore: one bundle per shard, written as the agent writes them (without TensorFlow);
+    # each PS loads its own.
     restore_dir = tmp_path / "restore"
     restore_dir.mkdir()
     files: dict[ShardKey, str] = {}
     for name, keys in spilled.items():
         for k in keys:
-            ref = write_array(restore_dir, f"{len(files)}.bin", state[name][k.offset : k.offset + k.rows])
-            files[k] = str(restore_dir / ref["file"])
+            prefix = restore_dir / str(len(files))
+            write_bundle(prefix, state[name][k.offset : k.offset + k.rows])
+            files[k] = str(prefix)
     local = {n: v for n, v in state.items() if n not in spilled}
 
     _, _, root2 = fresh(chief)
     capturer2 = Capturer(root2, coordinator=chief.coordinator, row_tracking_min_rows=64, spill_dirs=dirs)
     # All or nothing: one damaged file and no variable changes.
     before = read_tensors(root2)
-    victim = next(iter(files.values()))
-    good = Path(victim).read_bytes()
-    row = CONFIG.embedding_dim * 4
-    for damaged in (good[:-5], good[:-row], good + good[:row]):  # not whole values; a row short; a row long
-        Path(victim).write_bytes(damaged)
+    victim_key, victim = next(iter(files.items()))
+    index, data = bundle_files(victim)
+    good = data.read_bytes()
+    value = state[victim_key.name][victim_key.offset : victim_key.offset + victim_key.rows]
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 0x10
+    damages: list[Callable[[], object]] = [
+        lambda: data.write_bytes(good[:-5]),  # truncated
+        lambda: data.write_bytes(bytes(flipped)),  # one bit: the CRC32C
+        lambda: write_bundle(victim, value[:-1]),  # a row short
+        lambda: write_bundle(victim, np.concatenate([value, value[:1]])),  # a row long
+        lambda: index.unlink(),  # gone
+    ]
+    for damage in damages:
+        damage()
         with pytest.raises(tf.errors.OpError):
             capturer2.restore_parts(local, files)
         after = read_tensors(root2)
         assert all(after[n].tobytes() == before[n].tobytes() for n in before)
+        write_bundle(victim, value)
     Path(victim).write_bytes(good)
     with pytest.raises(TensorMismatchError, match="missing"):
         capturer2.restore_parts(local, dict(list(files.items())[1:]))
@@ -223,17 +237,18 @@ def test_shard_files_that_do_not_load_on_the_ps_send_the_restore_elsewhere_with_
         files: dict[ShardKey, str] = {}
         for name, keys in spilled.items():
             for k in keys:
-                ref = write_array(tmp_path, f"{len(files)}.bin", want[name][k.offset : k.offset + k.rows])
-                files[k] = str(tmp_path / ref["file"])
+                prefix = tmp_path / str(len(files))
+                write_bundle(prefix, want[name][k.offset : k.offset + k.rows])
+                files[k] = str(prefix)
         snap = Restored(7, {n: v for n, v in want.items() if n not in spilled}, {}, "tok", parts=files)
         info = RestoreInfo("memory:tok", 7, {}, "memory")
         before = read_tensors(root)
-        victim = Path(files[spilled[TABLE][1]])
+        victim = bundle_files(files[spilled[TABLE][1]])[1]
         good = victim.read_bytes()
         victim.write_bytes(good[: len(good) // 2])
         with caplog.at_level(logging.WARNING, "psguard.trainer.manager"):
             assert manager._load(info, snap) is False
-        assert "reshape" in caplog.text.lower() and "did not load on the PS" in caplog.text  # TF's size check
+        assert "did not load on the PS" in caplog.text and "RestoreV2" in caplog.text  # TF's read of the bundle
         after = read_tensors(root)
         assert all(after[n].tobytes() == before[n].tobytes() for n in before)
         victim.write_bytes(good)

@@ -15,6 +15,7 @@ import numpy as np
 
 from psguard.agent.shards import ShardKeeper
 from psguard.handoff.parts import ShardKey
+from psguard.handoff.tensor_bundle import BUNDLE_KEY, bundle_files
 from psguard.tensors import Full, Rows
 
 NAME = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
@@ -30,8 +31,15 @@ def keeper_with(tmp_path: Path, value: np.ndarray, token: str) -> ShardKeeper:
 
 
 def read_back(answer: dict[str, Any], like: np.ndarray) -> np.ndarray:
+    """The file as the PS reads it (RestoreV2, checking its CRC32C, dtype and shape)."""
+    import tensorflow as tf
+
     (f,) = answer["files"]
-    return np.fromfile(f["path"], dtype=like.dtype).reshape(like.shape)
+    (value,) = tf.raw_ops.RestoreV2(
+        prefix=f["path"], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(like.dtype)]
+    )
+    assert list(value.shape) == [f["rows"], *f["shape"][1:]] == list(like.shape)
+    return np.asarray(value.numpy())
 
 
 def test_an_export_for_the_same_state_reuses_the_files_and_any_other_state_is_written_again(tmp_path: Path) -> None:
@@ -50,7 +58,7 @@ def test_an_export_for_the_same_state_reuses_the_files_and_any_other_state_is_wr
         rows = np.ones((2, 4), dtype=np.float32)
         assert keeper.tier.apply({TIER_NAME: Rows(ids, rows, value.shape)}, step=10, token="t2", parent="t1").ok
         keeper._drop_restore_files()  # what ShardKeeper.apply does before it applies a capture
-        assert not Path(first["files"][0]["path"]).exists()
+        assert not any(p.exists() for p in bundle_files(first["files"][0]["path"]))
         assert keeper.export({"token": "t1"})["status"] == "mismatch"
         second = keeper.export({"token": "t2"})
         want = value.copy()
@@ -59,7 +67,7 @@ def test_an_export_for_the_same_state_reuses_the_files_and_any_other_state_is_wr
         assert keeper.status()["exports"] == 2
 
         # Files that went missing (a restore loaded and dropped them, someone cleaned tmpfs): written again.
-        Path(second["files"][0]["path"]).unlink()
+        bundle_files(second["files"][0]["path"])[1].unlink()
         third = keeper.export({"token": "t2"})
         assert third["files"] != second["files"] and np.array_equal(read_back(third, value), want)
         assert keeper.status()["exports"] == 3 and keeper.status()["exports_reused"] == 1

@@ -34,7 +34,8 @@ from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
-from psguard.handoff.spool import try_flock, write_array
+from psguard.handoff.spool import try_flock
+from psguard.handoff.tensor_bundle import bundle_files, write_bundle
 from psguard.handoff.tensor_file import read_tensor_file
 from psguard.store.dtypes import dtype_from_name, dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
@@ -207,7 +208,7 @@ class ShardKeeper:
         token, answer = self._exported
         if token != expected or self.tier.token != token:
             return None
-        if not all(Path(f["path"]).is_file() for f in answer["files"]):
+        if not all(p.is_file() for f in answer["files"] for p in bundle_files(f["path"])):
             return None
         self._exports_reused += 1
         return answer
@@ -226,7 +227,7 @@ class ShardKeeper:
             files = []
             for i, (name, value) in enumerate(snap.tensors.items()):
                 key, shape = self._keys[name]
-                write_array(tmp, f"{i}.bin", value)  # the values only: the PS decodes them as raw bytes
+                write_bundle(tmp / str(i), value)  # what RestoreV2 reads on the PS
                 files.append(
                     {
                         "name": key.name,
@@ -234,7 +235,7 @@ class ShardKeeper:
                         "rows": key.rows,
                         "shape": list(shape),
                         "dtype": dtype_name(value.dtype),
-                        "path": str(restore / nonce / f"{i}.bin"),
+                        "path": str(restore / nonce / str(i)),  # the bundle's prefix
                     }
                 )
             os.rename(tmp, restore / nonce)
