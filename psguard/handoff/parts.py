@@ -11,7 +11,9 @@ Part folder of task ``ps:i`` of job ``J``: ``/dev/shm/psguard-J-ps-i``
 that PS's agent, which alone deletes what is in it::
 
     incoming/<nonce>/<t>-<s>.{full,ids,rows}   a capture's files for tensor t, shard s (written by TF on the PS)
-    restore/<nonce>/<k>.bin                    a restore's raw values (written by the agent, read by TF on the PS)
+    restore/<nonce>/<k>.{index,data-00000-of-00001}
+                                               a restore's values: a one-tensor TF bundle (written by the agent
+                                               without TF, :mod:`psguard.handoff.tensor_bundle`; RestoreV2 on the PS)
 
 A capture writes all three files of every shard (the unused ones hold an empty tensor): the kind of each shard
 is decided inside the capture function, and three tiny writes cost less than a conditional in the graph.

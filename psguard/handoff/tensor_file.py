@@ -15,7 +15,8 @@ Reading puts ``tensor_content`` straight into the array it returns; everything a
 against the file's size before anything is allocated, so a truncated or hostile file is a
 :class:`~psguard.errors.CorruptCheckpointError`, never a huge allocation. String tensors are not handled:
 they are small and travel through the chief's spool (:mod:`psguard.handoff.spool`). The other way, a restore,
-the agent writes raw values that the PS decodes with ``tf.io.decode_raw`` (one copy fewer than parsing).
+the agent writes one-tensor checkpoint bundles that the PS reads with ``RestoreV2`` straight into the tensor
+(:mod:`psguard.handoff.tensor_bundle`).
 """
 
 from __future__ import annotations
