@@ -1,11 +1,13 @@
-"""Big variables created as zeros while a restore is about to overwrite them (in-process recovery).
+"""Big variables created without values while a restore is about to overwrite them (in-process recovery).
 
 Why: after a PS failure the trainer builds its model again, which computes every variable's initial value, and
 the PS strategy sends any initial value not made by a callable from the chief to the PS. For the 1 GB bench job
 that was 5.9 s of a 13.4 s recovery (the table's random values on the PS, the optimizer's accumulators sent from
 the chief), and the restore replaced all of it a moment later. During such a rebuild, variables of at least
-``min_bytes`` are created as zeros on their own device; the manager's restore reports every variable it
-assigned (:func:`note_restored`); when a deferred one was not assigned (no checkpoint yet, or a variable the
+``min_bytes`` are created on their own device without initial values; the manager's restore reports every variable it
+assigned (:func:`note_restored`); until then their values are whatever the memory held (a build that reads them
+before its restore gets neither the model's initial values nor the checkpoint's, as with any deferred value); when a
+deferred one was not assigned (no checkpoint yet, or a variable the
 checkpoint does not cover), :attr:`DeferredInit.complete` is false and the caller builds again the ordinary way.
 So a restore is never left with a variable whose value is neither restored nor its own initial value.
 """
@@ -30,7 +32,7 @@ _active: DeferredInit | None = None
 
 
 class DeferredInit:
-    """The variables created as zeros during one build, until a restore assigns them."""
+    """The variables created without values during one build, until a restore assigns them."""
 
     def __init__(self, min_bytes: int = MIN_BYTES) -> None:
         self.min_bytes = min_bytes
@@ -53,7 +55,9 @@ class DeferredInit:
         nbytes = shape.num_elements() * dtype.size
         if nbytes < self.min_bytes:
             return next_creator(**kwargs)
-        kwargs["initial_value"] = lambda: tf.zeros(shape, dtype)  # made where the variable lives
+        # Allocated where the variable lives and never written: the restore's assign replaces the buffer whole,
+        # so zeros would only cost a fill of every byte (and the page faults) to be thrown away.
+        kwargs["initial_value"] = lambda: tf.raw_ops.Empty(shape=shape, dtype=dtype, init=False)
         kwargs["dtype"] = dtype
         var = next_creator(**kwargs)
         with _lock:
@@ -74,14 +78,15 @@ class DeferredInit:
 
     @property
     def complete(self) -> bool:
-        """Whether every variable created as zeros has been assigned by a restore since."""
+        """Whether every variable created without values has been assigned by a restore since."""
         with _lock:
             return not self._pending
 
 
 @contextlib.contextmanager
 def deferred_initial_values(min_bytes: int = MIN_BYTES) -> Iterator[DeferredInit]:
-    """Inside: big variables are created as zeros, and restores report what they assigned to the yielded record."""
+    """Inside: big variables are created without values, and restores report what they assigned to the yielded
+    record."""
     global _active
     tf = lazy_tf()
     record = DeferredInit(min_bytes)

@@ -121,7 +121,7 @@ def reset_cluster_context() -> None:
 
 
 def _rebuild(build: Callable[[], T], close: Callable[[T], None] | None, min_bytes: int = MIN_BYTES) -> T:
-    """``build()`` with big variables created as zeros, since its restore overwrites them at once
+    """``build()`` with big variables created without values, since its restore overwrites them at once
     (:mod:`psguard.trainer.deferred_init`); built again the ordinary way if the restore did not assign them all."""
     t0 = time.monotonic()
     with deferred_initial_values(min_bytes) as deferred:
