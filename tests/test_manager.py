@@ -237,6 +237,37 @@ def test_export_is_a_standard_tf_checkpoint(url: str, tmp_path: Path) -> None:
     )
 
 
+def test_the_object_graph_is_walked_again_only_when_the_variables_change(
+    url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Walking TF's object graph is a part of every save's stall: done when the capture saw the variables change
+    (here a variable added to the checkpoint), and the export then has the new graph."""
+    import psguard.trainer.manager as manager_module
+
+    walks: list[int] = []
+    real = manager_module.object_graph_bytes
+
+    def counted(root: Any) -> bytes:
+        walks.append(1)
+        return real(root)
+
+    monkeypatch.setattr(manager_module, "object_graph_bytes", counted)
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(9)
+    with CheckpointManager(ckpt, url) as m:
+        for step in (1, 2, 3):
+            train_local(emb, dense, ckpt, rng)
+            m.save(step).result(timeout=60)
+        assert len(walks) == 1
+        ckpt.extra = tf.Variable(tf.fill([4], 7.0))
+        info = m.save(4).result(timeout=60)
+        assert len(walks) == 2
+        prefix = export_checkpoint(m.store, info.id, tmp_path / "tf")
+    extra = tf.Variable(tf.zeros([4]))
+    tf.train.Checkpoint(extra=extra).restore(prefix).expect_partial()
+    assert extra.numpy().tolist() == [7.0] * 4
+
+
 class GatedBackend(RetryingBackend):
     """Chunk writes wait for ``gate``: a store that is slow exactly as long as the test wants."""
 

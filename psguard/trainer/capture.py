@@ -205,6 +205,8 @@ class Capturer:
         self._counter: StepCounter | None = None
         self._expected_gap: int | None = None
         self._since_verify = 0
+        #: Changes whenever the variables under ``root`` (names, shapes, shards, the objects themselves) do.
+        self.layout_version = 0
         self._sync()
 
     @property
@@ -451,6 +453,7 @@ class Capturer:
                 hook.counters.clear()
                 if self._counter is not None:
                     hook.counters.add(self._counter)
+        self.layout_version += 1
         self._build_functions()
 
     @staticmethod
