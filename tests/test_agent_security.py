@@ -480,7 +480,9 @@ def test_an_agent_without_a_token_file_guards_loopback_and_its_trainer_still_get
     cluster, _ = write_cluster(tmp_path)
     argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", "--role", "chief", "--index", "0"]
     argv += ["--cluster", str(cluster), "--spool", str(tmp_path / "spool"), "--ready-file", str(ready)]
-    argv += ["--", sys.executable, str(tmp_path / "trainer.py"), str(out)]
+    config = tmp_path / "agent.yaml"  # its task records here, not in the default job's folder in /dev/shm
+    config.write_text(f"state_dir: {json.dumps(str(tmp_path / 'state'))}\n")
+    argv += ["--config", str(config), "--", sys.executable, str(tmp_path / "trainer.py"), str(out)]
     env = dict(os.environ, PYTHONPATH=str(test_agent.ROOT), **test_agent.QUIET)
     log = tmp_path / "agent.log"
     with open(log, "wb") as sink:

@@ -223,6 +223,9 @@ def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(tmp_path
     ready = tmp_path / "url"
     argv = [sys.executable, "-m", "psguard.cli", "agent", "--role", "chief", "--index", "0", "--cluster", str(cluster)]
     argv += ["--store", str(tmp_path / "store"), "--spool", str(tmp_path / "spool"), "--ready-file", str(ready)]
+    config = tmp_path / "agent.yaml"  # its task records here, not in the default job's folder in /dev/shm
+    config.write_text(f"state_dir: {json.dumps(str(tmp_path / 'state'))}\n")
+    argv += ["--config", str(config)]
     token = tmp_path / "token"  # what the scrape config's credentials_file names; 0600 like the Secret
     token.write_text("scrape-token-0123456789abcdef\n")
     token.chmod(0o600)
