@@ -15,8 +15,9 @@ import numpy as np
 
 from psguard.agent.shards import ShardKeeper
 from psguard.handoff.parts import ShardKey
-from psguard.handoff.tensor_bundle import BUNDLE_KEY, bundle_files
+from psguard.handoff.tensor_bundle import bundle_files
 from psguard.tensors import Full, Rows
+from tests.test_tensor_bundle import restore_bundle
 
 NAME = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
 KEY = ShardKey(NAME, 0, 1000)
@@ -32,12 +33,8 @@ def keeper_with(tmp_path: Path, value: np.ndarray, token: str) -> ShardKeeper:
 
 def read_back(answer: dict[str, Any], like: np.ndarray) -> np.ndarray:
     """The file as the PS reads it (RestoreV2, checking its CRC32C, dtype and shape)."""
-    import tensorflow as tf
-
     (f,) = answer["files"]
-    (value,) = tf.raw_ops.RestoreV2(
-        prefix=f["path"], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(like.dtype)]
-    )
+    value = restore_bundle(f["path"], like.dtype)
     assert list(value.shape) == [f["rows"], *f["shape"][1:]] == list(like.shape)
     return np.asarray(value.numpy())
 

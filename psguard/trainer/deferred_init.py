@@ -4,12 +4,12 @@ Why: after a PS failure the trainer builds its model again, which computes every
 the PS strategy sends any initial value not made by a callable from the chief to the PS. For the 1 GB bench job
 that was 5.9 s of a 13.4 s recovery (the table's random values on the PS, the optimizer's accumulators sent from
 the chief), and the restore replaced all of it a moment later. During such a rebuild, variables of at least
-``min_bytes`` are created on their own device without initial values; the manager's restore reports every variable it
-assigned (:func:`note_restored`); until then their values are whatever the memory held (a build that reads them
-before its restore gets neither the model's initial values nor the checkpoint's, as with any deferred value); when a
-deferred one was not assigned (no checkpoint yet, or a variable the
-checkpoint does not cover), :attr:`DeferredInit.complete` is false and the caller builds again the ordinary way.
-So a restore is never left with a variable whose value is neither restored nor its own initial value.
+``min_bytes`` are created on their own device without initial values; the manager's restore reports every
+variable it assigned (:func:`note_restored`); until then their values are whatever the memory held (a build that
+reads them before its restore gets neither the model's initial values nor the checkpoint's, as with any deferred
+value); when a deferred one was not assigned (no checkpoint yet, or a variable the checkpoint does not cover),
+:attr:`DeferredInit.complete` is false and the caller builds again the ordinary way. So a restore is never left
+with a variable whose value is neither restored nor its own initial value.
 """
 
 from __future__ import annotations
