@@ -1179,7 +1179,9 @@ LEAK_TRAINER = textwrap.dedent(
     rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS"))) * 1024
     with open(os.path.join(out, f"gen-{run}"), "w") as f:
         json.dump({"ps_pid": ps["pid"], "ps_rss": rss, "restarts": ps["restarts"]}, f)
-    sys.exit(75 if run + 1 < generations else 0)
+    # Ends as a crashed trainer does: no context teardown. An orderly exit may or may not reach the PS in time to
+    # close its eager context (which frees the table), and that race made the control flaky.
+    os._exit(75 if run + 1 < generations else 0)
     """
 )
 
@@ -1210,7 +1212,8 @@ def test_ps_memory_stays_flat_over_five_trainer_generations(
     if restart_ps:
         assert [r["restarts"] for r in runs] == [0, 1, 2, 3, 4]  # a fresh PS server for every generation
         assert len({r["ps_pid"] for r in runs}) == 5
-        assert max(rss) - min(rss) < 60, rss  # no copy of the table (32 MB) kept per generation
+        # A fresh process cannot hold an old table; its RSS still varies by up to 64 MB between generations.
+        assert max(rss) - min(rss) < 3 * 32, rss
     else:
         assert [r["restarts"] for r in runs] == [0] * 5
-        assert max(rss) - rss[0] > 4 * 25, rss  # the surviving PS keeps old generations' tables
+        assert max(rss) - rss[0] > 4 * 32, rss  # the surviving PS keeps the four later tables (32 MB each)
