@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import psguard.agent.supervisor as supervisor_module
 from psguard.agent.standby import warm_trainer_command
 from psguard.agent.supervisor import (
     EventKind,
@@ -433,18 +434,25 @@ def test_a_restart_swaps_in_the_warm_standby_and_a_new_one_follows(
     s.start()
     first = s.pid
     assert first is not None
+    wait_until(lambda: first in serving(tmp_path), what="the first run serving")
+    # No standby while the run is not declared healthy: it would compete with the run's own start. Counted from
+    # the spawn, it would have been started 0.2 s in.
+    time.sleep(0.5)
+    assert s.status().standby_pid is None
+    s.mark_healthy()  # what the agent does once the RPC probe passes
     wait_until(lambda: s.status().standby_ready, what="standby started and ready")
     standby = s.status().standby_pid
     assert standby is not None and standby != first
-    wait_until(lambda: first in serving(tmp_path), what="the first run serving")
     assert serving(tmp_path) == {first}  # the ready standby waits: it must not serve (bind) before it is told to
     os.kill(first, signal.SIGKILL)
     restarted = events.wait(EventKind.RESTARTED)
     assert restarted.pid == standby and s.pid == standby
     wait_until(lambda: standby in serving(tmp_path), what="the standby serving after go")
+    declared = time.time()
+    s.mark_healthy()
     wait_until(lambda: s.status().standby_pid not in (None, standby), what="a new standby for the next restart")
     # ... started only once the recovery that restart belongs to had time to use the node.
-    assert time.time() - restarted.time >= 1.5
+    assert time.time() - declared >= 1.5
     second_standby = s.status().standby_pid
     assert second_standby is not None
     s.stop()
@@ -458,6 +466,7 @@ def test_a_dead_standby_means_a_cold_start_not_a_failure(
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2, on_event=events)
     s.start()
+    s.mark_healthy()
     wait_until(lambda: s.status().standby_pid is not None, what="standby started")
     standby = s.status().standby_pid
     assert standby is not None
@@ -467,6 +476,20 @@ def test_a_dead_standby_means_a_cold_start_not_a_failure(
     restarted = events.wait(EventKind.RESTARTED)
     assert restarted.pid not in (None, standby)
     wait_until(lambda: restarted.pid in serving(tmp_path), what="the cold-started run serving")
+
+
+def test_a_run_nobody_declares_healthy_still_gets_its_standby(
+    supervisors: list[Supervisor], events: Events, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A user's script that never delivers a checkpoint is never declared healthy: its standby comes
+    ``STANDBY_UNDECLARED_AFTER`` after the start (shortened here), then ``standby_delay``."""
+    monkeypatch.setattr(supervisor_module, "STANDBY_UNDECLARED_AFTER", 1.0)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2, on_event=events)
+    s.start()
+    started = time.monotonic()
+    wait_until(lambda: s.status().standby_pid is not None, what="standby started")
+    assert time.monotonic() - started >= 1.0
 
 
 def test_no_standby_for_commands_not_known_to_honour_it() -> None:
@@ -517,6 +540,7 @@ def test_a_trainer_restart_runs_the_script_in_the_warm_standby_with_the_environm
     s.start()
     first = s.pid
     assert first is not None
+    s.mark_healthy()  # what the chief's agent does at the trainer's first checkpoint
     wait_until(lambda: s.status().standby_ready, timeout=120, what="the warm trainer imported TensorFlow")
     standby = s.status().standby_pid
     assert not (tmp_path / f"run.{standby}").exists()  # it waits: the script has not run

@@ -86,6 +86,9 @@ log = logging.getLogger(__name__)
 
 # How often a subreaping supervisor looks for its task's exited orphans while the task runs.
 _REAP_EVERY = 5.0
+#: A run that nobody declares healthy (a user's script that never delivers a checkpoint to the agent) gets its
+#: warm standby this long after it started, ``standby_delay`` later.
+STANDBY_UNDECLARED_AFTER = 60.0
 
 # Exit code recorded for a run that could not even be started (the shell's "command not found").
 _EXIT_SPAWN_FAILED = 127
@@ -200,7 +203,11 @@ class SupervisorConfig:
     restart_codes: tuple[int, ...] = (EXIT_RESTART,)
     # Keep a warm standby process for commands that honour psguard.agent.standby (the agent's built-in server
     # mode): a restart then costs ~0.1 s instead of a Python + TensorFlow start. It is started this long after
-    # each run starts, so that it does not compete with the task (or a recovery) for CPU while that starts.
+    # the run is declared healthy (:meth:`Supervisor.mark_healthy`: the PS answers its probe, the trainer
+    # delivered a checkpoint), so that it does not compete with the task (or a recovery) for CPU while that
+    # starts: counted from the spawn, a standby importing TensorFlow beside the server it backs made a 2-PS
+    # job's start 10-15 s slower on 2 cores. A run nobody declares healthy gets its standby
+    # ``STANDBY_UNDECLARED_AFTER`` seconds after it started.
     standby: bool = True
     standby_delay: Duration = 5.0
     # ... and this long after a *restart*: the run was restarted because the job is recovering, and a recovery
@@ -501,8 +508,10 @@ class Supervisor:
         Also resets the backoff for the next start, as a long run does.
         """
         with self._lock:
-            if self._proc is not None:
-                self._run_healthy = True
+            if self._proc is None or self._run_healthy:
+                return
+            self._run_healthy = True
+        self._wake()  # the standby's delay counts from now
 
     def status(self) -> SupervisorStatus:
         with self._lock:
@@ -798,18 +807,29 @@ class Supervisor:
         return True
 
     def _wait_run(self, *, restarted: bool) -> _Request:
-        """:meth:`_wait` for the run to end; meanwhile, once it has run ``standby_delay`` (or
-        ``standby_delay_after_restart``), start its standby."""
+        """:meth:`_wait` for the run to end; meanwhile, ``standby_delay`` (or ``standby_delay_after_restart``)
+        after the run was declared healthy, start its standby."""
         if self._standby is not None:
             c = self.config
+            request = self._wait(STANDBY_UNDECLARED_AFTER, until=self._healthy)
+            if request is not _Request.TIMEOUT:
+                return request
             request = self._wait(c.standby_delay_after_restart if restarted else c.standby_delay)
             if request is not _Request.TIMEOUT:
                 return request
             self._standby.fill()
         return self._wait(None)
 
-    def _wait(self, timeout: float | None, *, watch_process: bool = True) -> _Request:
-        """Block until the run exits, stop or restart is asked for, or ``timeout`` passes.
+    def _healthy(self) -> bool:
+        with self._lock:
+            return self._run_healthy
+
+    def _wait(
+        self, timeout: float | None, *, watch_process: bool = True, until: Callable[[], bool] | None = None
+    ) -> _Request:
+        """Block until the run exits, stop or restart is asked for, or ``timeout`` passes (or ``until()`` holds:
+        :meth:`_wake` makes it look).
+
 
         The process is watched through a pidfd, which turns readable when it exits but leaves it unreaped:
         until we reap it its pid, and so its process group id, cannot be reused, which makes the group kill
@@ -833,7 +853,7 @@ class Supervisor:
                 if proc is not None and self._exited(proc.pid):
                     return _Request.EXITED
                 remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
+                if (remaining is not None and remaining <= 0) or (until is not None and until()):
                     return _Request.TIMEOUT
                 fds = [self._wake_r] + ([pidfd] if pidfd is not None else [])
                 poll = 0.05 if proc is not None and pidfd is None else None
