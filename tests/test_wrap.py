@@ -85,6 +85,17 @@ def test_a_token_file_others_can_read_or_that_is_missing_is_refused_before_any_p
         assert f"--token-file {path}" in err and "secret-token" not in err
 
 
+def test_a_config_with_a_bad_key_is_refused_before_any_process_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "chief.yaml"
+    config.write_text("supervisor: {backoff_initial: 0.1, standby_dealy: 3}\n")
+    assert cli_main(["wrap", "--config", str(config), "--dir", str(tmp_path / "wrap"), "--", "true"]) == 2
+    err = capsys.readouterr().err
+    assert str(config) in err and "standby_dealy" in err and "standby_delay" in err  # names it, suggests the key
+    assert not (tmp_path / "wrap").exists()
+
+
 # ------------------------------------------------------------------------------------------ slow: processes
 @pytest.mark.slow
 def test_unmodified_command_gets_tf_config_and_is_restarted_after_a_crash(tmp_path: Path) -> None:
@@ -142,6 +153,11 @@ def test_a_command_that_keeps_failing_ends_in_exit_1_after_the_crash_loop_limit(
     assert "crashed 2 times" in out.stderr and "exit codes: 7, 7" in out.stderr
     assert "psguard wrap: the chief's agent exited 1" in out.stderr
     assert (tmp_path / "wrap" / "agents" / "ps0" / "agent.log").exists()  # logs kept for the post-mortem
+    # The user's settings, with the run's own task records: not the host-wide default another job would share.
+    used = json.loads((tmp_path / "wrap" / "agents" / "chief" / "agent.yaml").read_text())
+    assert used["supervisor"]["crash_loop_limit"] == 2 and used["peers"] == {"restart_ps": False}
+    assert used["state_dir"] == str(tmp_path / "wrap" / "agents" / ".state")
+    assert (tmp_path / "wrap" / "agents" / ".state").is_dir()
 
 
 def _alive(pid: int) -> bool:

@@ -39,7 +39,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from psguard.agent.config import AgentConfig
 from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
+from psguard.config import load_yaml, read_settings_file
 from psguard.errors import ConfigError, PsguardError
 from psguard.handoff.credentials import TokenFile, create_token_file, read_secret_file
 from psguard.storage.registry import split_url
@@ -84,6 +88,19 @@ def _spool_dir(work: Path) -> Path:
     path = work / "spool"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def _chief_settings(path: Path) -> dict[str, Any]:
+    """The user's ``--config``, checked now (a bad key is refused before any process starts, naming their file).
+
+    The chief's agent gets a copy with the run's own ``state_dir`` unless the file sets one: with the default
+    (``/dev/shm/psguard-default-agents``) two wrapped jobs on one host would share ``chief_0.task.json``, and
+    each new chief agent kills the process tree the record names as its predecessor's leftovers.
+    """
+    load_yaml(AgentConfig, path)
+    data = yaml.safe_load(read_settings_file(str(path))) or {}
+    assert isinstance(data, dict)  # load_yaml accepted it: a mapping
+    return data
 
 
 def _terminate(proc: subprocess.Popen[Any], timeout: float, hurry: threading.Event) -> None:
@@ -150,6 +167,7 @@ def run(
         raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {workers}")
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"--config {config}: no such file")
+    chief_settings = None if config is None else _chief_settings(Path(config))
     if token_file is not None:
         read_secret_file(str(token_file), "--token-file")  # missing, empty, or readable by others: refused now
     if store is None:
@@ -188,9 +206,12 @@ def run(
             raise WrapError(str(e)) from None
         chief_dir = agents_dir / "chief"
         chief_dir.mkdir(parents=True, exist_ok=True)
-        chief_config = Path(config).resolve() if config is not None else chief_dir / "agent.yaml"
-        if config is None:  # the run's own task records (see AgentProcess)
-            chief_config.write_text(CHIEF_CONFIG + f"state_dir: {json.dumps(str(agents_dir / '.state'))}\n")
+        chief_config = chief_dir / "agent.yaml"
+        state_dir = {"state_dir": str(agents_dir / ".state")}  # the run's own task records (see AgentProcess)
+        if chief_settings is None:
+            chief_config.write_text(CHIEF_CONFIG + f"state_dir: {json.dumps(state_dir['state_dir'])}\n")
+        else:  # the user's settings; their own state_dir if they chose one
+            chief_config.write_text(json.dumps({**state_dir, **chief_settings}, indent=1) + "\n")
         argv = [sys.executable, "-m", "psguard.cli", *(["-v"] * verbose), "agent", "--role", "chief"]
         argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
         argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token_path)]
@@ -276,7 +297,10 @@ def register(sub: Any) -> None:
     p.add_argument("--store", metavar="URL", help="durable log for psguard checkpoints: the URL the script uses")
     p.add_argument("--dir", help="cluster.json and agents' logs (default: a temporary folder, kept on failure)")
     p.add_argument(
-        "--config", metavar="agent.yaml", help="settings of the chief's agent (default: see psguard.agent.wrap)"
+        "--config",
+        metavar="agent.yaml",
+        help="settings of the chief's agent (default: see psguard.agent.wrap); its task records go under --dir "
+        "unless the file sets state_dir",
     )
     p.add_argument("--start-timeout", type=float, default=180.0, help="seconds for each agent to serve (default 180)")
     p.add_argument(
