@@ -94,8 +94,9 @@ def _chief_settings(path: Path) -> dict[str, Any]:
     """The user's ``--config``, checked now (a bad key is refused before any process starts, naming their file).
 
     The chief's agent gets a copy with the run's own ``state_dir`` unless the file sets one: with the default
-    (``/dev/shm/psguard-default-agents``) two wrapped jobs on one host would share ``chief_0.task.json``, and
-    each new chief agent kills the process tree the record names as its predecessor's leftovers.
+    (``/dev/shm/psguard-default-agents``) two wrapped jobs on one host would share ``chief_0.task.json``: the
+    second job's chief agent would refuse to start, taking the first job's live agent for another agent of its
+    own task.
     """
     load_yaml(AgentConfig, path)
     data = yaml.safe_load(read_settings_file(str(path))) or {}
