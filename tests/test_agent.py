@@ -248,6 +248,11 @@ class AgentProc:
             config.write_text(config.read_text() + f"state_dir: {tmp / 'agent-state'}\n")
         argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *args, "--config", str(config)]
         argv += ["--ready-file", str(self.ready_file)]
+        role = args[args.index("--role") + 1] if "--role" in args else None
+        if role == "ps" and "--spool" not in args:
+            # A PS agent keeps its shards in the test's folder, not in /dev/shm/psguard-default-ps-N, which
+            # other test runs on this machine would share.
+            argv += ["--spool", str(self.dir / "shards")]
         self.token: str | None = None
         self.token_file: Path | None = None
         if "--token-file" not in args:  # one token for the test's agents: the chief's agent calls its peers

@@ -35,7 +35,9 @@ def test_a_ps_agent_from_tf_config_gets_ready_before_its_own_name_resolves(
     tf_config = {"cluster": cluster, "task": {"type": "ps", "index": 1}, "environment": "cloud"}
     monkeypatch.setenv("TF_CONFIG", json.dumps(tf_config))
     (tmp_path / "ps1").mkdir()
-    (tmp_path / "ps1" / "agent.yaml").write_text(FAST + f"state_dir: {tmp_path / 'state'}\n")
+    (tmp_path / "ps1" / "agent.yaml").write_text(
+        FAST + f"state_dir: {tmp_path / 'state'}\nspool: {tmp_path / 'ps1' / 'shards'}\n"  # not in /dev/shm
+    )
     agent = agents("ps1", [])  # no --role, --index, --cluster: TF_CONFIG, as the TFJob manifest runs it
     status = agent.wait_status(lambda s: s["ready"], 180, "the PS server ready")
     assert (status["task"], status["address"]) == ("ps:1", cluster["ps"][1])
