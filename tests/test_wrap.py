@@ -154,7 +154,9 @@ def test_a_command_that_keeps_failing_ends_in_exit_1_after_the_crash_loop_limit(
     assert "psguard wrap: the chief's agent exited 1" in out.stderr
     assert (tmp_path / "wrap" / "agents" / "ps0" / "agent.log").exists()  # logs kept for the post-mortem
     # The user's settings, with the run's own task records: not the host-wide default another job would share.
-    used = json.loads((tmp_path / "wrap" / "agents" / "chief" / "agent.yaml").read_text())
+    copy = tmp_path / "wrap" / "agents" / "chief" / "agent.yaml"
+    assert copy.stat().st_mode & 0o077 == 0  # it may hold the user's storage_options
+    used = json.loads(copy.read_text())
     assert used["supervisor"]["crash_loop_limit"] == 2 and used["peers"] == {"restart_ps": False}
     assert used["state_dir"] == str(tmp_path / "wrap" / "agents" / ".state")
     assert (tmp_path / "wrap" / "agents" / ".state").is_dir()

@@ -830,7 +830,6 @@ class Supervisor:
         """Block until the run exits, stop or restart is asked for, or ``timeout`` passes (or ``until()`` holds:
         :meth:`_wake` makes it look).
 
-
         The process is watched through a pidfd, which turns readable when it exits but leaves it unreaped:
         until we reap it its pid, and so its process group id, cannot be reused, which makes the group kill
         that follows safe.

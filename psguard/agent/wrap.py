@@ -211,8 +211,11 @@ def run(
         state_dir = {"state_dir": str(agents_dir / ".state")}  # the run's own task records (see AgentProcess)
         if chief_settings is None:
             chief_config.write_text(CHIEF_CONFIG + f"state_dir: {json.dumps(state_dir['state_dir'])}\n")
-        else:  # the user's settings; their own state_dir if they chose one
-            chief_config.write_text(json.dumps({**state_dir, **chief_settings}, indent=1) + "\n")
+        else:  # the user's settings (storage_options may hold secrets: owner-only); their state_dir if set
+            chief_config.unlink(missing_ok=True)  # a file of an earlier run in --dir keeps its mode otherwise
+            fd = os.open(chief_config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(json.dumps({**state_dir, **chief_settings}, indent=1) + "\n")
         argv = [sys.executable, "-m", "psguard.cli", *(["-v"] * verbose), "agent", "--role", "chief"]
         argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
         argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token_path)]
