@@ -43,7 +43,7 @@ import yaml
 
 from psguard.agent.config import AgentConfig
 from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
-from psguard.config import load_yaml, read_settings_file
+from psguard.config import loads_yaml, read_settings_file
 from psguard.errors import ConfigError, PsguardError
 from psguard.handoff.credentials import TokenFile, create_token_file, read_secret_file
 from psguard.storage.registry import split_url
@@ -98,8 +98,9 @@ def _chief_settings(path: Path) -> dict[str, Any]:
     second job's chief agent would refuse to start, taking the first job's live agent for another agent of its
     own task.
     """
-    load_yaml(AgentConfig, path)
-    data = yaml.safe_load(read_settings_file(str(path))) or {}
+    text = read_settings_file(str(path))
+    loads_yaml(AgentConfig, text, source=str(path))
+    data = yaml.safe_load(text) or {}
     assert isinstance(data, dict)  # load_yaml accepted it: a mapping
     return data
 
