@@ -74,6 +74,9 @@ def url(tmp_path: Path) -> str:
     return str(tmp_path / "ckpts")
 
 
+SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+
+
 # --------------------------------------------------------------------------------------------- local
 def test_incremental_chain_restores_every_step_exactly(url: str) -> None:
     ckpt, emb, dense = make_local()
@@ -292,6 +295,90 @@ class FlakyBackend(RetryingBackend):
         super().put(key, data)
 
 
+# --------------------------------------------------------------------------------------------- TF's API
+def test_it_is_a_tf_checkpoint_manager_taking_tfs_positional_arguments(url: str) -> None:
+    ckpt, _, _ = make_local()
+    calls: list[int] = []
+    m = CheckpointManager(ckpt, url, 3, None, "ckpt", ckpt.step, 2, lambda: calls.append(1))
+    with m:
+        assert isinstance(m, tf.train.CheckpointManager)
+        assert m.checkpoint is ckpt and m.checkpoint_interval == 2 and m.max_to_keep == 3
+        assert m.restore_or_initialize() is None and calls == [1], "init_fn from the constructor, as TF's"
+        ckpt.step.assign(10)
+        first = m.save()
+        assert first is not None and first.result(timeout=60).step == 10
+        ckpt.step.assign(11)
+        assert m.save() is None, "within checkpoint_interval: no save, as TF's"
+        ckpt.step.assign(12)
+        assert m.save() is not None
+        assert m.save(check_interval=False) is None, "never twice at one step"
+        ckpt.step.assign(13)
+        assert m.save(check_interval=False) is not None
+        m.sync()
+        assert [c.step for c in m.store.checkpoints()] == [10, 12, 13]
+    with pytest.raises(ConfigError, match="step_counter"):
+        CheckpointManager(ckpt, url, checkpoint_interval=5)
+
+
+def test_saves_are_numbered_by_save_counter_or_the_number_given(url: str) -> None:
+    ckpt, _, _ = make_local()
+    with CheckpointManager(ckpt, url) as m:
+        steps = []
+        for number in (None, None, tf.constant(40, tf.int64), tf.Variable(41, dtype=tf.int64), 7, None):
+            handle = m.save(number)
+            assert handle is not None
+            steps.append(handle.result(timeout=60).step)
+    assert steps == [1, 2, 40, 41, 7, 6], "save_counter counts every save, numbered or not, as TF's"
+
+
+def test_tf_restore_idioms_restore_psguard_checkpoints_and_pass_tf_paths_through(url: str, tmp_path: Path) -> None:
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(3)
+    states = []
+    with CheckpointManager(ckpt, url) as m:
+        for _ in range(3):
+            train_local(emb, dense, ckpt, rng)
+            m.save()
+            states.append(snapshot(ckpt))
+        m.wait()
+        ids = m.checkpoints
+        tf_path = tf.train.Checkpoint(emb=emb, dense=dense, step=ckpt.step).write(str(tmp_path / "tf" / "ckpt"))
+    ckpt2, _, _ = make_local(seed=9)
+    m2 = CheckpointManager(ckpt2, url)
+    with m2:
+        status = ckpt2.restore(m2.latest_checkpoint)  # the tutorial's line
+        status.assert_consumed().assert_existing_objects_matched().assert_nontrivial_match().expect_partial()
+        assert (status.checkpoint_id, status.step) == (ids[-1], 3)
+        assert all(bitwise_equal(states[-1][n], v) for n, v in snapshot(ckpt2).items())
+        status = m2.checkpoint.restore(ids[0])  # an older one, by id
+        assert status.step == 1
+        assert all(bitwise_equal(states[0][n], v) for n, v in snapshot(ckpt2).items())
+        assert type(ckpt2.restore(tf_path)).__module__.startswith("tensorflow"), "a TF path goes to TF"
+    # The manager closed: its ids are TF's problem again, with TF's error.
+    with pytest.raises((tf.errors.NotFoundError, ValueError)):
+        ckpt2.restore(ids[-1])
+
+
+def test_values_without_a_variable_wait_for_it_and_a_wrong_model_is_still_refused(url: str) -> None:
+    ckpt, _, _ = make_local()
+    extra = tf.Variable(np.arange(6, dtype=np.float32))
+    ckpt.extra = extra
+    with CheckpointManager(ckpt, url) as m:
+        m.save()
+    later, _, _ = make_local(seed=5)
+    with CheckpointManager(later, url) as m2:
+        status = later.restore(m2.latest_checkpoint)
+        status.assert_existing_objects_matched()
+        with pytest.raises(AssertionError, match="extra"):
+            status.assert_consumed()
+        later.extra = tf.Variable(np.zeros(6, np.float32))  # created after the restore, as slots are
+        assert later.extra.numpy().tolist() == [0, 1, 2, 3, 4, 5]
+        status.assert_consumed()
+    wrong = tf.train.Checkpoint(emb=tf.Variable(np.zeros((3000, 9), np.float32)))
+    with CheckpointManager(wrong, url) as m3, pytest.raises(TensorMismatchError, match=r"model has \(3000, 9\)"):
+        m3.restore_or_initialize()
+
+
 # --------------------------------------------------------------------------------------------- cluster
 CONFIG = ModelConfig(vocab_size=4000, embedding_dim=8, hidden=16, batch_size=64)
 
@@ -327,15 +414,53 @@ def test_cluster_chain_restores_exactly_for_every_optimizer(chief: Chief, optimi
 
 
 @pytest.mark.slow
-def test_cluster_save_without_a_coordinator_is_refused_with_the_fix(chief: Chief, url: str) -> None:
-    """Variables on the PS and no coordinator: the step counter would be read before queued steps ran."""
-    model, _, ckpt = fresh_model(chief, "fixed2", "sgd")
-    with CheckpointManager(ckpt, url, step_counter=model.step) as m:
-        with pytest.raises(ConfigError, match=r"live on parameter servers \(/job:ps/.*Fix: pass coordinator="):
-            m.save()
-        assert m.store.latest() is None
-        m.save(checkpoint_number=3).result(timeout=120)  # a step the caller vouches for is taken as given
-        assert [i.step for i in m.store.checkpoints()] == [3]
+def test_cluster_tf_arguments_are_enough_the_coordinator_is_found(chief: Chief, url: str) -> None:
+    """TF's manager needs no coordinator; ours finds the one the variables' strategy registered, and drains it."""
+    model, opt, ckpt = fresh_model(chief, "fixed2", "sgd")
+    trainer = Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt)
+    with CheckpointManager(ckpt, url, max_to_keep=3) as m:
+        assert isinstance(m, tf.train.CheckpointManager)
+        trainer.train(20, join=False)
+        handle = m.save()  # drained first: the checkpoint holds all 20 steps
+        assert handle is not None
+        assert m.coordinator is chief.coordinator
+        info = handle.result(timeout=120)
+        assert info.step == int(ckpt.save_counter.numpy()) == 1, "numbered by save_counter, as TF's manager"
+        assert int(m.store.load(info.id)["model/step" + SUFFIX]) == int(model.step.numpy()) >= 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "optimizer"), [("tf_keras_legacy", "adagrad"), ("tf_keras", "adam")])
+def test_cluster_slots_created_after_the_restore_get_their_saved_values(
+    chief: Chief, url: str, family: str, optimizer: str
+) -> None:
+    """TF's tutorial restores before its optimizer exists: the slots get their saved values when created."""
+    strategy = chief.strategies["min"]
+    with strategy.scope():
+        model = RecModel(CONFIG)
+        opt = make_optimizer(optimizer, family)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=opt)
+    with CheckpointManager(ckpt, url) as m:
+        Trainer(strategy, chief.coordinators["min"], model, opt).train(8, join=False)
+        m.save()
+        saved = snapshot(ckpt)
+    assert any(".OPTIMIZER_SLOT" in n or "optimizer/_variables" in n for n in saved), sorted(saved)
+
+    with strategy.scope():
+        model2 = RecModel(ModelConfig(**{**CONFIG.__dict__, "seed": CONFIG.seed + 1}))
+        opt2 = make_optimizer(optimizer, family)  # not built: no slots, no iterations yet
+    ckpt2 = tf.train.Checkpoint(model=model2, optimizer=opt2)
+    with CheckpointManager(ckpt2, url) as m2:
+        status = ckpt2.restore(m2.latest_checkpoint)  # the tutorial's line
+        status.assert_existing_objects_matched()
+        with pytest.raises(AssertionError):
+            status.assert_consumed()  # as TF's: values wait for their variables
+        Trainer(strategy, chief.coordinators["min"], model2, opt2)  # builds the optimizer: the slots appear
+        status.assert_consumed()
+        got = snapshot(ckpt2)
+        assert sorted(got) == sorted(saved)
+        bad = [n for n in saved if not bitwise_equal(saved[n], got[n])]
+        assert not bad, bad
 
 
 @pytest.mark.slow

@@ -260,6 +260,7 @@ class _Job:
         t0 = time.perf_counter()
         handle = self.psguard.save()
         t1 = time.perf_counter()
+        assert handle is not None, "no checkpoint_interval: every save happens"
         info = handle.result()
         t2 = time.perf_counter()
         assert isinstance(info, CheckpointInfo), "the benchmark writes to the store itself"

@@ -86,7 +86,9 @@ def run(rows: int, dim: int, saves: int, changed: float, interval: float, poll: 
 
         tf_dirs: list[Path] = []
         with CheckpointManager(trainer, store_url, new_base_after=0) as manager:
-            manager.save(0).result()
+            first = manager.save(0)
+            assert first is not None, "no checkpoint_interval: every save happens"
+            first.result()
             thread = threading.Thread(target=follow, name="bench-follower")
             thread.start()
             try:
@@ -95,7 +97,9 @@ def run(rows: int, dim: int, saves: int, changed: float, interval: float, poll: 
                     ids = np.unique(rng.integers(0, rows, size=int(rows * changed)))
                     emb.scatter_add(tf.IndexedSlices(tf.ones((len(ids), dim)), tf.constant(ids)))
                     trainer.step.assign(step)
-                    manager.save(step).result()
+                    handle = manager.save(step)
+                    assert handle is not None
+                    handle.result()
                     tf_dir = work / f"tf-{step}"
                     trainer.write(str(tf_dir / "ckpt"))
                     tf_dirs.append(tf_dir)

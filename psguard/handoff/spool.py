@@ -252,6 +252,9 @@ class Restored:
     durable_step: int | None = None
     #: Shard -> its file on the node of the PS that hosts it (written there by that PS's agent).
     parts: dict[ShardKey, str] = field(default_factory=dict)
+    #: Shard -> (the PS task whose node holds its file, its dtype's name): what it takes to read a shard that
+    #: has no variable yet (a deferred restore) on that PS.
+    part_homes: dict[ShardKey, tuple[str, str]] = field(default_factory=dict)
 
 
 class NeedFullCaptureError(SaveError):
@@ -542,6 +545,7 @@ def read_restore(folder: Path) -> Restored:
         shape, dtype = _shape_dtype(item, f"{what}, tensor {item['name']!r}")
         tensors[item["name"]] = _read_array(folder, item, dtype, shape, f"{what}, tensor {item['name']!r}")
     parts: dict[ShardKey, str] = {}
+    homes: dict[ShardKey, tuple[str, str]] = {}
     raw_parts = doc.get("parts", [])
     for item in raw_parts if isinstance(raw_parts, list) else [None]:
         try:
@@ -553,6 +557,7 @@ def read_restore(folder: Path) -> Restored:
         if not isinstance(path, str) or key in parts:
             raise CorruptCheckpointError(f"{what}: a part entry is malformed")
         parts[key] = path
+        homes[key] = (str(item.get("task", "")), str(item.get("dtype", "")))
     try:
         return Restored(
             step=int(doc["step"]),
@@ -562,6 +567,7 @@ def read_restore(folder: Path) -> Restored:
             durable_id=doc.get("durable_id"),
             durable_step=doc.get("durable_step"),
             parts=parts,
+            part_homes=homes,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{what}: manifest lacks or garbles {e}") from None

@@ -50,6 +50,7 @@ from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.deferred_init import note_restored
 from psguard.trainer.variables import (
+    Shape,
     Shard,
     TensorInfo,
     check_tensors,
@@ -213,6 +214,12 @@ class Capturer:
     def tensors(self) -> dict[str, TensorInfo]:
         return dict(self._infos)
 
+    def names(self) -> set[str]:
+        """The checkpoint keys of the root's variables now (variables created since the last look included)."""
+        with self._lock:
+            self._sync()
+            return set(self._infos)
+
     @property
     def tracks_writes(self) -> bool:
         """Whether captures can hash only written rows (see the class docstring for when they cannot)."""
@@ -314,12 +321,12 @@ class Capturer:
             for tr in self._tracked.values():
                 tr.need_full = True
 
-    def restore(self, tensors: Mapping[str, np.ndarray]) -> None:
+    def restore(self, tensors: Mapping[str, np.ndarray], *, deferred: Mapping[str, Shape] | None = None) -> None:
         """:func:`restore` into this capturer's root, then :meth:`rebase` so deltas continue from it."""
         with self._lock:
             if self.coordinator is not None:
                 self.coordinator.join()
-            restore(self.root, tensors)
+            restore(self.root, tensors, deferred=deferred)
             self.rebase()
             note_restored(self._variables_of_root())
 
@@ -346,7 +353,13 @@ class Capturer:
                         out.setdefault(task, []).append(ShardKey(tr.info.name, s.offset, s.rows))
             return out
 
-    def restore_parts(self, tensors: Mapping[str, np.ndarray], files: Mapping[ShardKey, str]) -> None:
+    def restore_parts(
+        self,
+        tensors: Mapping[str, np.ndarray],
+        files: Mapping[ShardKey, str],
+        *,
+        deferred: Mapping[str, Shape] | None = None,
+    ) -> None:
         """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node.
 
         ``files``: shard -> the path of its file on the node of the PS that hosts it (written there by that
@@ -376,12 +389,12 @@ class Capturer:
                     f"({len(missing)}), not in the model {extra[:5]} ({len(extra)}); was the number of PS changed?"
                 )
             elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
-            check_tensors(self.root, tensors, elsewhere=elsewhere)
+            check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             if keys:
                 load = _load_function(self._functions, tuple(ij for ij, _ in keys))
                 with _unoptimized_calls():
                     load(tf.constant([str(files[k]) for _, k in keys]), self._variables())
-            restore(self.root, tensors, elsewhere=elsewhere)
+            restore(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             self.rebase(spilled_too=False)
             note_restored(self._variables_of_root())
 

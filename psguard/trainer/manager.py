@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from psguard.dependencies import import_optional
-from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError
+from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError, TensorMismatchError
 from psguard.handoff.client import report_recovery
 from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
 from psguard.handoff.spool import Restored
@@ -54,10 +54,16 @@ from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
 from psguard.trainer.preemption import PreemptionHandler
+from psguard.trainer.restore_status import DeferredRestore, RestoreStatus, read_pending_parts
 from psguard.trainer.sinks import AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
 from psguard.trainer.spool_writer import SpoolWriter
+from psguard.trainer.variables import assign_existing
 
-__all__ = ["CheckpointManager", "MemoryCheckpoint", "RestoreInfo", "SaveHandle", "last_seen_step"]
+__all__ = ["CheckpointManager", "MemoryCheckpoint", "RestoreInfo", "RestoreStatus", "SaveHandle", "last_seen_step"]
+
+tf: Any = import_optional("tensorflow")
+#: The manager is a ``tf.train.CheckpointManager``: libraries (orbit's ``Controller``) check the type.
+_TFCheckpointManager: Any = tf.train.CheckpointManager
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +246,55 @@ def _agent_spool(directory: str) -> str | None:
     return spool
 
 
+def _integer(value: Any) -> int:
+    """An int from an int, a numpy scalar, or an integer variable or tensor (TF's ``checkpoint_number``)."""
+    return int(np.asarray(value.numpy() if hasattr(value, "numpy") else value))
+
+
+def _coordinator_of(root: Any) -> Any:
+    """The ``ClusterCoordinator`` of the strategy that made ``root``'s variables, ``None`` without one.
+
+    ``ClusterCoordinator(strategy)`` registers itself on the strategy (``strategy._cluster_coordinator``), and
+    every variable made under ``ParameterServerStrategy`` (sharded or not, tf_keras or Keras 3 wrapped) leads
+    to that strategy: so TF's arguments are enough, as they are for ``tf.train.CheckpointManager``.
+    """
+    from psguard.trainer.variables import gather_variables, unwrap
+
+    for _, obj in gather_variables(root):
+        for candidate in (obj, unwrap(obj)):
+            strategy = getattr(candidate, "_distribute_strategy", None)
+            coordinator = getattr(strategy, "_cluster_coordinator", None)
+            if coordinator is not None:
+                return coordinator
+    return None
+
+
+def _hook_restore(manager: CheckpointManager) -> Any:
+    """Put ``manager.restore`` in front of its checkpoint's ``restore`` (for the checkpoint object only); return
+    TF's own restore (unbound), which the deferred restore calls past it.
+
+    Jobs restore with ``checkpoint.restore(manager.latest_checkpoint)``: that id names a psguard checkpoint,
+    which TF cannot read. The manager is held weakly: once it is gone (or closed), every path goes to whatever
+    ``restore`` the checkpoint had before (TF's, or another manager's).
+    """
+    checkpoint = manager.checkpoint
+    tf_restore = getattr(type(checkpoint), "restore", None)
+    before = getattr(checkpoint, "restore", None)
+    if tf_restore is None or before is None:
+        return tf_restore
+    ref = weakref.ref(manager)
+
+    def restore(save_path: Any, options: Any = None) -> Any:
+        owner = ref()
+        if owner is None or owner._closed or save_path is None or not owner._is_own(os.fspath(save_path)):
+            return before(save_path, options=options)
+        return owner.restore(save_path, options=options)
+
+    restore.__doc__ = CheckpointManager.restore.__doc__
+    object.__setattr__(checkpoint, "restore", restore)  # past Trackable's attribute tracking
+    return tf_restore
+
+
 class _Policy:
     """Where the manager's schedule and retention come from, kept current when a policy file is edited.
 
@@ -279,20 +334,32 @@ class _Policy:
             watcher.stop()
 
 
-class CheckpointManager:
+class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
     """Incremental, asynchronous, verified checkpoints of a ``tf.train.Checkpoint`` (see the module doc).
 
-    Arguments as ``tf.train.CheckpointManager`` where they exist:
+    It is a ``tf.train.CheckpointManager`` (libraries such as orbit's ``Controller`` check the type) that
+    replaces every method; TF's own state (its ``checkpoint`` file in a local folder) is never made.
 
-    - ``checkpoint``: a ``tf.train.Checkpoint`` (or any trackable) whose variables to save.
+    Arguments as ``tf.train.CheckpointManager``, in TF's order, where they exist:
+
+    - ``checkpoint``: a ``tf.train.Checkpoint`` (or any trackable) whose variables to save. Its ``restore``
+      takes this manager's checkpoint ids too (``checkpoint.restore(manager.latest_checkpoint)``, TF's idiom):
+      see :meth:`restore`. Any other path goes to TF unchanged.
     - ``directory``: a store URL (path, ``s3://``, ``hdfs://`` ...); ``storage_options`` go to its client.
     - ``max_to_keep`` / ``keep_checkpoint_every_n_hours``: retention, applied after each save (a kept delta
       keeps the checkpoints it is built on). ``retention``: the same as a
       :class:`~psguard.policy.engine.Retention` (which can also keep the best by a metric). When none of these
       is given, a policy file's ``retention:`` applies; with no policy file, every checkpoint is kept.
-    - ``step_counter``: a variable whose value numbers saves when ``save()`` gets no ``checkpoint_number``.
+    - ``step_counter``: a variable holding the training step. psguard records its value as each checkpoint's
+      step when ``save()`` gets no ``checkpoint_number`` (TF numbers those by ``checkpoint.save_counter``, as
+      psguard does without a ``step_counter``), and ``checkpoint_interval`` is counted in it, as in TF.
+    - ``checkpoint_interval``, ``last_checkpoint_step``: as TF's: ``save()`` does nothing (returns ``None``)
+      until the step counter moved ``checkpoint_interval`` steps past the last save, unless
+      ``save(check_interval=False)``; never twice at one step.
+    - ``init_fn``: called by :meth:`restore_or_initialize` when there is no checkpoint.
     - ``coordinator``: the job's ``ClusterCoordinator``; captures drain it first so that weights, slots and
-      counters all come from the same step.
+      counters all come from the same step. Default: the coordinator of the variables' strategy
+      (``ClusterCoordinator(strategy)`` registers itself there), found at the first save or restore.
     - ``policy``: a :class:`~psguard.policy.engine.Schedule`, a policy file or preset name, used by
       :meth:`maybe_save`. A policy file is watched while the manager is open (``watch_policy``): an edit
       changes the next decisions and the retention. ``new_base_after``: fold the delta chain into a new full
@@ -322,6 +389,9 @@ class CheckpointManager:
         keep_checkpoint_every_n_hours: float | None = None,
         checkpoint_name: str = "ckpt",
         step_counter: Any = None,
+        checkpoint_interval: int | None = None,
+        init_fn: Callable[[], Any] | None = None,
+        last_checkpoint_step: int | None = None,
         *,
         coordinator: Any = None,
         policy: Schedule | str | os.PathLike[str] | None = None,
@@ -340,6 +410,8 @@ class CheckpointManager:
         import_optional("tensorflow")  # without it, say which extra brings it (psguard[cpu] or psguard[gpu])
         if max_to_keep is not None and max_to_keep < 1:
             raise PsguardError("max_to_keep must be >= 1 or None (keep everything)")
+        if checkpoint_interval is not None and step_counter is None:
+            raise ConfigError("checkpoint_interval counts steps of step_counter: pass step_counter= too (as TF's)")
         if retention is not None and (max_to_keep is not None or keep_checkpoint_every_n_hours is not None):
             raise ConfigError("give either retention= or max_to_keep/keep_checkpoint_every_n_hours, not both")
         if max_to_keep is not None or keep_checkpoint_every_n_hours is not None:
@@ -351,7 +423,10 @@ class CheckpointManager:
         self._max_to_keep = max_to_keep
         self._retention_arg = retention
         self._step_counter = step_counter
-        self.coordinator = coordinator
+        self._checkpoint_interval = checkpoint_interval
+        self._last_checkpoint_step = last_checkpoint_step
+        self._init_fn = init_fn
+        self._coordinator = coordinator
         self._data_position = data_position
         self.store = store or Store.open(self._directory, storage_options)
         self._owns_store = store is None
@@ -359,6 +434,8 @@ class CheckpointManager:
         if spool_dir and "spill_dirs" not in options:
             options["spill_dirs"] = _part_dirs()  # under an agent whose PS agents keep their shards
         self.capturer = Capturer(checkpoint, coordinator=coordinator, **options)
+        self._deferred: DeferredRestore | None = None  # values waiting for variables the job creates later
+        self._snapshot_for: tuple[str, Restored] | None = None  # what latest_checkpoint fetched for the restore
         self._policy = _Policy(policy, watch=watch_policy)
         self.context = SaveContext(started_at=time.time(), observed_since=time.time())
         self._preemption = PreemptionHandler().install() if preemption else None
@@ -392,6 +469,7 @@ class CheckpointManager:
         # every capture (and of exports), and number saves by it as TF's manager does.
         self._save_counter = getattr(checkpoint, "save_counter", None)
         self._closed = False
+        self._tf_restore = _hook_restore(self)
         _open_managers.add(self)
 
     # ------------------------------------------------------------------------------------ tf.train API
@@ -408,10 +486,40 @@ class CheckpointManager:
         return self._max_to_keep
 
     @property
+    def checkpoint_interval(self) -> int | None:
+        return self._checkpoint_interval
+
+    @property
+    def coordinator(self) -> Any:
+        """The ``ClusterCoordinator`` captures drain: the one given, else the one of the variables' strategy."""
+        if self._coordinator is None:
+            found = _coordinator_of(self._checkpoint)
+            if found is not None:
+                self.coordinator = found
+        return self._coordinator
+
+    @coordinator.setter
+    def coordinator(self, coordinator: Any) -> None:
+        self._coordinator = coordinator
+        self.capturer.coordinator = coordinator
+
+    @property
     def latest_checkpoint(self) -> str | None:
-        """Id of the newest committed checkpoint in the store (``None`` when there is none)."""
+        """Id of the newest checkpoint (``None`` when there is none), for ``checkpoint.restore()``.
+
+        The newest committed checkpoint of the store; under an agent whose memory tier holds a save that no
+        durable checkpoint has yet (a restart before the first durable commit), ``memory:<token>``, so that
+        the tutorial's ``if manager.latest_checkpoint: checkpoint.restore(...)`` does not start from scratch.
+        """
         info = self.store.latest()
-        return info.id if info else None
+        if info is not None or not isinstance(self._sink, AgentSink):
+            return info.id if info else None
+        memory = self._sink.memory_snapshot(self.restore_timeout)
+        if memory is None:
+            return None
+        cid = f"memory:{memory.token}"
+        self._snapshot_for = (cid, memory)
+        return cid
 
     @property
     def checkpoints(self) -> list[str]:
@@ -458,34 +566,67 @@ class CheckpointManager:
 
     def save(
         self,
-        checkpoint_number: int | None = None,
+        checkpoint_number: Any = None,
+        check_interval: bool = True,
+        options: Any = None,
         *,
         metrics: Mapping[str, float] | None = None,
         tiers: frozenset[Tier] | None = None,
-    ) -> SaveHandle:
+    ) -> SaveHandle | None:
         """Capture now (the only stall) and persist in the background; see :class:`SaveHandle`.
+
+        TF's arguments keep their meaning: ``checkpoint_number`` (an int, or an integer variable or tensor)
+        numbers the checkpoint, else the step counter's value, else ``checkpoint.save_counter`` (incremented at
+        every save, as TF does); with ``checkpoint_interval`` set, ``None`` is returned and nothing saved
+        while the interval has not passed (``check_interval=False`` saves anyway, once per step). ``options``
+        (a ``tf.train.CheckpointOptions``) is accepted for compatibility: psguard does its IO itself.
 
         ``tiers`` matters with a sidecar only: ``{Tier.MEMORY}`` makes a save restorable from its memory tier
         without asking for a durable write (the default is both).
         """
+        del options
+        if self._checkpoint_interval is not None:
+            current = _integer(self._step_counter)
+            last = self._last_checkpoint_step
+            if last is not None and (
+                current == last or (check_interval and current < last + self._checkpoint_interval)
+            ):
+                return None
+            self._last_checkpoint_step = current
+        return self._save(checkpoint_number, metrics=metrics, tiers=tiers)
+
+    def _save(
+        self,
+        checkpoint_number: Any,
+        *,
+        metrics: Mapping[str, float] | None,
+        tiers: frozenset[Tier] | None,
+    ) -> SaveHandle:
         with self._capture_lock:
-            if checkpoint_number is None and self.coordinator is None and (on_ps := _ps_devices(self.capturer)):
+            coordinator = self.coordinator
+            if checkpoint_number is None and coordinator is None and (on_ps := _ps_devices(self.capturer)):
                 raise ConfigError(
-                    f"variables live on parameter servers ({on_ps[0]}, ...) and this manager has no coordinator: "
-                    "a save would read them while workers still run queued steps and stamp the step counter's value "
-                    "from before those steps. Fix: pass coordinator= (the job's ClusterCoordinator) to "
-                    "psguard.CheckpointManager, or save(checkpoint_number=N) with a step you know"
+                    f"variables live on parameter servers ({on_ps[0]}, ...) and no ClusterCoordinator was found: "
+                    "a save would read them while workers still run queued steps. Fix: create the job's "
+                    "tf.distribute.coordinator.ClusterCoordinator(strategy) before saving, or pass it as "
+                    "coordinator= to psguard.CheckpointManager"
                 )
             if self._save_counter is not None:
                 self._save_counter.assign_add(1)
-            if checkpoint_number is None and self.coordinator is not None:
-                self.coordinator.join()  # read the step counter at the state the capture will see
+            if coordinator is not None:
+                coordinator.join()  # read the counters at the state the capture will see
             step = self._step_for(checkpoint_number)
             _note_step(self.directory, step)
             self._beat(step)
             t0 = time.perf_counter()
             updates = self.capturer.capture(full=self._sink.whole_next())
             stall = time.perf_counter() - t0
+            if (
+                self._deferred is not None
+                and all(n in updates for n in self._deferred.pending)
+                and not self._deferred.sharded_slots.unresolved
+            ):
+                self._close_deferred()  # every deferred value found its variable: the file is not needed
             self._add_object_graph(updates)
             metadata: dict[str, Any] = {
                 "partitioning": {n: list(i.partitioning) for n, i in self.capturer.tensors.items()},
@@ -502,6 +643,10 @@ class CheckpointManager:
         log.info("captured step %d in %.3fs (%s)", step, stall, summary(updates))
         return handle
 
+    def sync(self) -> None:
+        """TF's: wait for outstanding saves (here: until durable, as :meth:`wait`)."""
+        self.wait()
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save since the last wait reached the strongest tier it was asked for (durable
         unless it was memory-only); raise :class:`SaveError` if any failed."""
@@ -510,12 +655,62 @@ class CheckpointManager:
             raise SaveError(f"{len(errors)} save(s) failed; the last: {errors[-1]}") from errors[-1]
 
     def restore_or_initialize(self, init_fn: Callable[[], Any] | None = None) -> str | None:
-        """Restore the newest checkpoint that verifies, or run ``init_fn`` when there is none.
+        """Restore the newest checkpoint that verifies, or run ``init_fn`` (default: the constructor's) when
+        there is none.
 
-        Returns the restored checkpoint's id, or ``None``. Every saved tensor must land in a variable of the
-        model (build the optimizer first: its slots must exist), else :class:`TensorMismatchError` lists the
-        mismatches and nothing is assigned.
+        Returns the restored checkpoint's id, or ``None``. Every variable of the model must get a value (else
+        :class:`TensorMismatchError` lists the mismatches and nothing is assigned); saved values whose variables
+        do not exist yet (an optimizer's slots before its first step, a layer not built yet) are assigned by TF
+        when the job creates them, as TF's own restore does (see :mod:`psguard.trainer.restore_status`).
         """
+        restored = self._restore_newest()
+        if restored is None:
+            fn = init_fn if init_fn is not None else self._init_fn
+            if fn is not None:
+                fn()
+            return None
+        if self._checkpoint_interval is not None:
+            self._last_checkpoint_step = _integer(self._step_counter)
+        return restored[0].id
+
+    def restore(self, save_path: str, options: Any = None) -> Any:
+        """``checkpoint.restore(save_path)`` for this manager's checkpoint: what the checkpoint's own ``restore``
+        does with an id of this manager (the manager puts this in front of it); any other path goes to TF.
+
+        The newest id (``latest_checkpoint``) restores the newest state, memory tier first when it is at least
+        as new, as :meth:`restore_or_initialize`; an older id restores that checkpoint from the durable log.
+        Returns a :class:`RestoreStatus` (TF's assertions, deferred values included).
+        """
+        path = os.fspath(save_path) if save_path is not None else None
+        if path is None or not self._is_own(path):
+            return self._tf_restore(self._checkpoint, save_path, options=options)  # TF's (or the one before)
+        if self._snapshot_for is not None and self._snapshot_for[0] == path:
+            memory = self._snapshot_for[1]
+            self._snapshot_for = None
+            info = RestoreInfo(path, memory.step, memory.metadata, "memory")
+            if not self._load(info, memory, status=True):
+                raise NoCheckpointError(f"{path} did not load on the PS; call manager.restore_or_initialize()")
+            self._restored(info)
+        elif path.startswith("memory:") or path == self.latest_checkpoint:
+            if self._restore_newest(status=True) is None:
+                raise NoCheckpointError(f"no checkpoint to restore in {self.directory}")
+        else:
+            self._restore_durable(path)
+        assert self._deferred is not None and self.restored is not None
+        return RestoreStatus(
+            self._deferred, checkpoint_id=self.restored.id, step=self.restored.step, source=self.restored.source
+        )
+
+    def _is_own(self, path: str) -> bool:
+        if path.startswith("memory:"):
+            return True
+        try:
+            return path in set(self.store.checkpoint_ids())
+        except StorageError:
+            return False
+
+    def _restore_newest(self, *, status: bool = False) -> tuple[RestoreInfo, Restored] | None:
+        """The newest state that loads: the memory tier when at least as new as the log, else the log."""
         memory = self._sink.memory_snapshot(self.restore_timeout)
         if memory is not None and not memory.parts:
             absent = sorted(n for n in self.capturer.spilled if n not in memory.tensors)
@@ -525,8 +720,9 @@ class CheckpointManager:
         durable_latest = self._durable_latest_beside(memory) if memory is not None else None
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
             info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
-            if self._load(info, memory):
-                return self._restored(info)
+            if self._load(info, memory, status=status):
+                self._restored(info)
+                return info, memory
         elif memory is not None and durable_latest is not None:
             log.warning(
                 "the memory tier (step %d) is older than the durable log (step %d): restoring from the log",
@@ -534,37 +730,69 @@ class CheckpointManager:
                 durable_latest.step,
             )
         from_ps = self._durable_on_the_ps()
-        if from_ps is not None and self._load(*from_ps):
-            return self._restored(from_ps[0])
+        if from_ps is not None and self._load(*from_ps, status=status):
+            self._restored(from_ps[0])
+            return from_ps
         try:
             result = self.store.load_latest()
         except NoCheckpointError:
-            if init_fn is not None:
-                init_fn()
             return None
-        info = RestoreInfo(result.info.id, result.info.step, result.info.metadata, "durable")
-        raw = result.info.metadata.get(TOKEN_KEY)
-        self._load(info, Restored(info.step, dict(result.tensors), dict(info.metadata), str(raw) if raw else None))
-        return self._restored(info)
+        return self._restore_loaded(result.info, dict(result.tensors), status=status)
 
-    def _load(self, info: RestoreInfo, snap: Restored) -> bool:
+    def _restore_durable(self, checkpoint_id: str) -> None:
+        """Restore durable checkpoint ``checkpoint_id`` (verified; each PS agent reading its rows when they
+        keep the shards), whatever newer ones exist."""
+        checkpoint = CheckpointInfo.of(self.store.manifest(checkpoint_id))
+        by_task = self.capturer.spilled_by_task()
+        if by_task and isinstance(self._sink, AgentSink):
+            snap = self._sink.durable_snapshot(checkpoint_id, by_task, self.restore_timeout)
+            info = RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
+            if self._load(info, snap, status=True):
+                self._restored(info)
+                return
+        self._restore_loaded(checkpoint, self.store.load(checkpoint_id), status=True)
+
+    def _restore_loaded(
+        self, checkpoint: CheckpointInfo, tensors: dict[str, np.ndarray], *, status: bool
+    ) -> tuple[RestoreInfo, Restored]:
+        info = RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
+        raw = checkpoint.metadata.get(TOKEN_KEY)
+        snap = Restored(info.step, tensors, dict(info.metadata), str(raw) if raw else None)
+        self._load(info, snap, status=status)
+        self._restored(info)
+        return info, snap
+
+    def _load(self, info: RestoreInfo, snap: Restored, *, status: bool = False) -> bool:
         """Restore ``snap`` (the chief's tensors, and each PS's shards from files on its node); all or nothing.
 
         False, with the variables untouched, when a PS could not load its files (damaged, truncated, of
         another layout): the caller then goes to an older or slower source rather than crash-looping on this
         one. (A truncated restore file made every new trainer generation fail the same way.) Without shard
         files a failure raises: the tensors came whole from the chief's side and there is nothing to fall to.
+
+        Saved tensors whose variables do not exist yet are handed to TF's deferred restoration
+        (:class:`DeferredRestore`), after the rest is assigned; ``status``: do that even when none is pending,
+        for the status object of ``checkpoint.restore()``.
         """
         tensors = dict(snap.tensors)
-        tensors.pop(OBJECT_GRAPH_KEY, None)
-        tf = import_optional("tensorflow")
+        graph = tensors.pop(OBJECT_GRAPH_KEY, None)
         with self._capture_lock:
+            self.capturer.coordinator = self.coordinator  # found now: the capturer drains it before assigning
+            names = self.capturer.names()
+            pending = {n: tensors.pop(n) for n in list(tensors) if n not in names}
+            parts = {k: p for k, p in snap.parts.items() if k.name in names}
+            pending_parts = {k: p for k, p in snap.parts.items() if k.name not in names}
             try:
-                if snap.parts:
-                    self.capturer.restore_parts(tensors, snap.parts)  # each PS loads its shards on its own node
+                if pending_parts:  # read before anything is assigned: a damaged file fails the whole load
+                    pending.update(read_pending_parts(pending_parts, snap.part_homes))
+                if info.source == "durable":
+                    pending.update(self._absent_from(info.id, snap, names))
+                waiting = {n: (tuple(np.shape(v)), np.asarray(v).dtype) for n, v in pending.items()}
+                if snap.parts:  # each PS loads its shards on its own node
+                    self.capturer.restore_parts(tensors, parts, deferred=waiting)
                 else:
-                    self.capturer.restore(tensors)
-            except (PsguardError, tf.errors.OpError) as e:
+                    self.capturer.restore(tensors, deferred=waiting)
+            except (PsguardError, tf.errors.OpError, ValueError) as e:
                 if not snap.parts:
                     raise
                 log.warning(
@@ -575,7 +803,46 @@ class CheckpointManager:
                 )
                 return False
             self._sink.rebase(info.id if info.source == "durable" else None, snap.token)
+            self._defer(pending, graph, info, status=status)
         return True
+
+    def _absent_from(self, checkpoint_id: str, snap: Restored, names: set[str]) -> dict[str, np.ndarray]:
+        """Tensors of a durable checkpoint that ``snap`` lacks and the model has no variable for (the PS agents
+        were asked only for the model's shards): read from the log on the chief, for TF's deferred restore."""
+        have = set(snap.tensors) | {k.name for k in snap.parts}
+        wanted = [n for n in self.store.manifest(checkpoint_id).tensors if n not in have and n not in names]
+        return self.store.load(checkpoint_id, wanted) if wanted else {}
+
+    def _defer(self, pending: dict[str, np.ndarray], graph: Any, info: RestoreInfo, *, status: bool) -> None:
+        """Hand ``pending`` to TF's deferred restoration (replacing what an earlier restore left pending)."""
+        self._close_deferred()
+        if not pending and not status:
+            return
+        if graph is None:
+            raise TensorMismatchError(
+                f"{info.id} has no object graph, so its {len(pending)} tensor(s) without a variable in the model "
+                f"cannot wait for one ({sorted(pending)[:5]}): build the optimizer before restoring"
+            )
+        raw = np.asarray(graph).item() if isinstance(graph, np.ndarray) else graph
+        self._deferred = DeferredRestore(self._checkpoint, bytes(raw), pending, self._tf_restore)
+        # TF creates some of them during its restore (a legacy optimizer's slots of existing variables, eagerly),
+        # and fills a partitioned one's every shard with the tensor's first rows: assign those again, exactly.
+        made = assign_existing(self._checkpoint, pending)
+        pending = {n: v for n, v in pending.items() if n not in made}
+        if pending:
+            log.info(
+                "restore of %s: %d tensor(s) wait for variables the job has not created yet (%s%s); TF assigns "
+                "each when it is created",
+                info.id,
+                len(pending),
+                ", ".join(sorted(pending)[:3]),
+                ", ..." if len(pending) > 3 else "",
+            )
+
+    def _close_deferred(self) -> None:
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            deferred.close()
 
     def _restored(self, info: RestoreInfo) -> str:
         with self._capture_lock:
@@ -625,7 +892,7 @@ class CheckpointManager:
         decision = schedule.decide(step, now, ctx)
         if not decision or not self._sink.takes(decision.tiers, decision.urgent):
             return None
-        handle = self.save(step, metrics=metrics, tiers=decision.tiers)
+        handle = self._save(step, metrics=metrics, tiers=decision.tiers)
         self.context = ctx.with_save(decision.tiers, step=step, at=now, stall=handle.stall_seconds)
         log.info("save at step %d: %s", step, decision.reason)
         if decision.urgent and self._preemption is not None:
@@ -648,6 +915,7 @@ class CheckpointManager:
         try:
             self.wait(timeout)
         finally:
+            self._close_deferred()
             self._sink.close()
             self._policy.close()
             if self._preemption is not None:
@@ -713,13 +981,14 @@ class CheckpointManager:
         self.capturer.invalidate()
         self._graph = None
 
-    def _step_for(self, number: int | None) -> int:
+    def _step_for(self, number: Any) -> int:
+        """The step a save records: ``number``, else the step counter, else TF's numbering (save_counter)."""
         if number is not None:
-            return int(number)
+            return _integer(number)
         if self._step_counter is not None:
-            return int(
-                np.asarray(self._step_counter.numpy() if hasattr(self._step_counter, "numpy") else self._step_counter)
-            )
+            return _integer(self._step_counter)
+        if self._save_counter is not None:
+            return _integer(self._save_counter)
         return self._saves + 1
 
     def _add_object_graph(self, updates: dict[str, TensorUpdate]) -> None:

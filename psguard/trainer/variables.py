@@ -265,11 +265,12 @@ def to_numpy(t: Any) -> np.ndarray:
     return value if isinstance(value, np.ndarray) else np.asarray(value)
 
 
-def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, Described]) -> list[str]:
-    problems: list[str] = []
+def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, Described]) -> list[tuple[str, str]]:
+    """(tensor name, what is wrong) for every mismatch."""
+    problems: list[tuple[str, str]] = []
     for name, info in infos.items():
         if name not in tensors:
-            problems.append(f"{name}: missing from the checkpoint (model has {info.shape} {info.dtype})")
+            problems.append((name, f"{name}: missing from the checkpoint (model has {info.shape} {info.dtype})"))
             continue
         value = tensors[name]
         if isinstance(value, tuple):
@@ -278,7 +279,7 @@ def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, Described]) ->
             value = np.asarray(value)
             shape, dtype = tuple(int(d) for d in value.shape), value.dtype
         if shape != info.shape or dtype != info.dtype:
-            problems.append(f"{name}: checkpoint has {shape} {dtype}, model has {info.shape} {info.dtype}")
+            problems.append((name, f"{name}: checkpoint has {shape} {dtype}, model has {info.shape} {info.dtype}"))
     for name in tensors:
         if name not in infos:
             value = tensors[name]
@@ -288,12 +289,14 @@ def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, Described]) ->
                 else ""
             )
             shape = value[0] if isinstance(value, tuple) else np.shape(value)
-            problems.append(f"{name}: in the checkpoint ({shape}) but not in the model{hint}")
+            problems.append((name, f"{name}: in the checkpoint ({shape}) but not in the model{hint}"))
     return problems
 
 
 #: A tensor as ``_check`` compares it: its value, or (shape, dtype) when it is restored by another path.
 Described = np.ndarray | tuple[tuple[int, ...], np.dtype]  # type: ignore[type-arg]
+#: A tensor described without its value: (shape, dtype).
+Shape = tuple[tuple[int, ...], np.dtype]  # type: ignore[type-arg]
 
 
 def check_tensors(
@@ -301,12 +304,18 @@ def check_tensors(
     tensors: Mapping[str, np.ndarray],
     *,
     elsewhere: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,  # type: ignore[type-arg]
+    deferred: Mapping[str, Shape] | None = None,
 ) -> dict[str, TensorInfo]:
     """``root``'s tensors, once every one of them is shown to have a value of its shape and dtype (either in
     ``tensors`` or, restored by another path, in ``elsewhere``) and nothing is left over; else
-    :class:`TensorMismatchError` listing every mismatch."""
+    :class:`TensorMismatchError` listing every mismatch.
+
+    ``deferred``: saved tensors with no variable in the model that may get one later (TF's deferred
+    restoration): not a mismatch by themselves, but listed with the others when the model does not match.
+    """
     infos = list_tensors(root)
-    problems = _check(infos, {**tensors, **(elsewhere or {})})
+    found = _check(infos, {**tensors, **(elsewhere or {}), **(deferred or {})})
+    problems = [text for _, text in found] if any(n not in (deferred or {}) for n, _ in found) else []
     if problems:
         raise TensorMismatchError(
             f"{len(problems)} tensor(s) do not match between the checkpoint and the model:\n  " + "\n  ".join(problems)
@@ -319,6 +328,7 @@ def restore(
     tensors: Mapping[str, np.ndarray],
     *,
     elsewhere: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,  # type: ignore[type-arg]
+    deferred: Mapping[str, Shape] | None = None,
 ) -> dict[str, TensorInfo]:
     """Assign logical tensors into ``root``'s variables, whatever their current partitioning.
 
@@ -327,12 +337,36 @@ def restore(
     assigned. (TF's own restore silently skips, for instance, the slots of an optimizer not built yet.)
     A ``Capturer`` of the same root must be rebased afterwards; :meth:`Capturer.restore` does both.
     """
-    infos = check_tensors(root, tensors, elsewhere=elsewhere)
-    for name, info in infos.items():
-        if info.alias_of is not None or name in (elsewhere or {}):
-            continue  # assigned through the tensor that owns them / by the caller (on the PS, from files)
-        value = np.asarray(tensors[name])
+    infos = check_tensors(root, tensors, elsewhere=elsewhere, deferred=deferred)
+    _assign(infos, {n: v for n, v in tensors.items() if n in infos and n not in (elsewhere or {})})
+    return infos
+
+
+def assign_existing(root: Any, tensors: Mapping[str, np.ndarray]) -> list[str]:
+    """Assign those of ``tensors`` that ``root`` has a variable for now, whatever its partitioning; return
+    their names. Names, shapes and dtypes are checked first (:class:`TensorMismatchError`, nothing assigned).
+
+    For values that TF's deferred restoration assigned on creation, again, exactly: TF's restoring
+    initializer gives every shard of a partitioned slot the logical tensor's first rows.
+    """
+    infos = list_tensors(root)
+    present = {n: v for n, v in tensors.items() if n in infos}
+    problems = [text for name, text in _check(infos, present) if name in present]
+    if problems:
+        raise TensorMismatchError(
+            f"{len(problems)} tensor(s) do not match between the checkpoint and the model:\n  " + "\n  ".join(problems)
+        )
+    _assign(infos, present)
+    return sorted(present)
+
+
+def _assign(infos: Mapping[str, TensorInfo], tensors: Mapping[str, np.ndarray]) -> None:
+    """Each logical tensor into the shards of its variable (aliases are assigned through their owner)."""
+    for name, raw in tensors.items():
+        info = infos[name]
+        if info.alias_of is not None:
+            continue
+        value = np.asarray(raw)
         for s in info.shards:
             part = value[s.offset : s.offset + s.rows] if info.shape else value
             s.var.assign(part.reshape(tuple(int(d) for d in s.var.shape)))
-    return infos
