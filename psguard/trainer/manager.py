@@ -9,8 +9,9 @@ differences a caller sees:
   re-raises a failure, ``wait()`` blocks until every pending save is durable.
 - ``directory`` is any store URL; ``latest_checkpoint`` and ``checkpoints`` are checkpoint ids of that store.
 - Restores verify every chunk and fall back to the newest checkpoint that verifies, and they are complete:
-  every saved tensor must land in a variable (optimizer slots included), or nothing is assigned and the
-  error lists every mismatch.
+  every variable of the model gets its value, or nothing is assigned and the error lists every mismatch;
+  saved values whose variables do not exist yet wait for them (TF's deferred restoration,
+  :mod:`psguard.trainer.restore_status`). ``checkpoint.restore(manager.latest_checkpoint)`` works as with TF.
 
 Bounded memory: one save is written while at most one more waits; a save requested while both places are
 taken is folded into the waiting one (its rows merged, the later values winning), so a slow or unavailable
@@ -57,7 +58,7 @@ from psguard.trainer.preemption import PreemptionHandler
 from psguard.trainer.restore_status import DeferredRestore, RestoreStatus, read_pending_parts
 from psguard.trainer.sinks import AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
 from psguard.trainer.spool_writer import SpoolWriter
-from psguard.trainer.variables import assign_existing
+from psguard.trainer.variables import assign_existing, gather_variables, unwrap
 
 __all__ = ["CheckpointManager", "MemoryCheckpoint", "RestoreInfo", "RestoreStatus", "SaveHandle", "last_seen_step"]
 
@@ -258,8 +259,6 @@ def _coordinator_of(root: Any) -> Any:
     every variable made under ``ParameterServerStrategy`` (sharded or not, tf_keras or Keras 3 wrapped) leads
     to that strategy: so TF's arguments are enough, as they are for ``tf.train.CheckpointManager``.
     """
-    from psguard.trainer.variables import gather_variables, unwrap
-
     for _, obj in gather_variables(root):
         for candidate in (obj, unwrap(obj)):
             strategy = getattr(candidate, "_distribute_strategy", None)

@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from psguard.handoff.tensor_bundle import BUNDLE_KEY
 from psguard.trainer.export import OBJECT_GRAPH_KEY
-from psguard.trainer.variables import lazy_tf
+from psguard.trainer.variables import VARIABLE_SUFFIX, gather_variables, lazy_tf, list_tensors, unwrap
 
 __all__ = ["DeferredRestore", "RestoreStatus", "chief_io_device", "strip_restored"]
 
@@ -127,8 +128,6 @@ class ShardedSlots:
     """
 
     def __init__(self, root: Any, pending: Mapping[str, np.ndarray]) -> None:
-        from psguard.trainer.variables import VARIABLE_SUFFIX, gather_variables, list_tensors, unwrap
-
         # (the optimizer's key of a shard, slot name) -> (checkpoint key, shard, its rows)
         self._waiting: dict[tuple[Any, str], tuple[str, Any, np.ndarray]] = {}
         self._key_of: Any = None
@@ -262,8 +261,6 @@ def read_pending_parts(files: Mapping[Any, str], homes: Mapping[Any, tuple[str, 
     The files are one-tensor bundles (:mod:`psguard.handoff.tensor_bundle`): ``RestoreV2`` checks their CRC32C
     and dtype, so a damaged file fails here, before anything is handed to TF.
     """
-    from psguard.handoff.tensor_bundle import BUNDLE_KEY
-
     tf = lazy_tf()
     by_name: dict[str, list[tuple[int, np.ndarray]]] = {}
     for key, path in files.items():
