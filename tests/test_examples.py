@@ -49,6 +49,14 @@ def _code_lines(path: Path) -> list[str]:
             },
         ),
         (
+            "tutorial_custom_loop",
+            {
+                "+import psguard",
+                "-checkpoint_manager = tf.train.CheckpointManager(",
+                "+checkpoint_manager = psguard.CheckpointManager(",
+            },
+        ),
+        (
             "keras_fit",
             {
                 "+import psguard.keras",
