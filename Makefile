@@ -1,4 +1,4 @@
-# Every target does its own set-up on a fresh machine: the venv is (re)built when pyproject.toml changes.
+# Every target does its own set-up on a fresh machine: the venv is (re)built when pyproject.toml or this file changes.
 PY ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -6,13 +6,18 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test test-fast test-compat dist lint typecheck bench clean hdfs-runtime chaos chaos-smoke
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip wheel
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	# tf-keras depends on the full `tensorflow` wheel; tensorflow-cpu already provides it, so skip its deps.
 	# Its minor version must be TensorFlow's.
 	$(BIN)/python -m pip install -q --no-deps "tf-keras==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu").rsplit(".", 1)[0])').*"
+	# Libraries whose job styles tests/test_job_styles.py runs: Model Garden's orbit (shipped in tf-models-no-deps)
+	# and TensorFlow Recommenders. Both declare the full `tensorflow` wheel (tf-models-no-deps some 25 more: opencv,
+	# pandas, kaggle, ...), yet orbit and tensorflow_recommenders import only TensorFlow, tf_keras, absl-py and numpy,
+	# which are here: skip their deps.
+	$(BIN)/python -m pip install -q --no-deps "tf-models-no-deps==2.19.*" "tensorflow-recommenders==0.7.*"
 	touch $(STAMP)
 
 # A real HDFS for the storage tests: Hadoop jars cached under ~/.cache/psguard/hadoop (and Debian's jersey1).

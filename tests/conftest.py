@@ -49,6 +49,7 @@ _CLUSTER_FILES = frozenset(
         "test_follower.py",
         "test_hang.py",
         "test_hostile_manifests.py",
+        "test_job_styles.py",
         "test_keras_callback.py",
         "test_layout.py",
         "test_manager.py",
