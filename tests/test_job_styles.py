@@ -64,7 +64,7 @@ RUN_TIMEOUT = 480.0  # the rest: a crash, PS and trainer restarts, the remaining
 
 @dataclass(frozen=True)
 class Style:
-    script: str
+    script: str  # under tests/jobs, or a path from the repository's root
     fit: bool  # model.fit (the change is to the callback) or a custom loop (to the manager)
     last_step: int
     #: A line printed once a checkpoint exists, with training left to do: the PS is killed when it shows.
@@ -78,6 +78,13 @@ class Style:
     args: Callable[[Path, str], list[str]]
     #: (``tf`` variant) the newest checkpoint's prefix in the run folder.
     newest: Callable[[Path], str | None]
+    #: Appended to a script that is also a user-facing example (it cannot call the test's hook itself).
+    report: str = ""
+
+    def source(self) -> str:
+        """The script's text as the test runs it (the ``tf`` variant)."""
+        path = JOBS / self.script if (JOBS / self.script).is_file() else ROOT / self.script
+        return path.read_text() + self.report
 
 
 def _latest(folder: str) -> Callable[[Path], str | None]:
@@ -92,8 +99,9 @@ def _latest(folder: str) -> Callable[[Path], str | None]:
 STYLES = {
     # TF tutorial, custom loop: StringLookup in dataset_fn, MinSizePartitioner Embedding, legacy RMSprop never built
     # before the restore, Accuracy on the PS, 4 epochs of 5 steps, a save after each epoch's join.
+    # It is the example users copy (integrations/examples/tutorial_custom_loop), with the test's report appended.
     "tutorial_ctl": Style(
-        script="tutorial_ctl.py",
+        script="integrations/examples/tutorial_custom_loop/train.py",
         fit=False,
         last_step=20,
         kill_after=r"^Finished epoch 0,",
@@ -102,6 +110,10 @@ STYLES = {
         resumed_at_least=1,
         args=lambda run, ckpt: [ckpt],
         newest=_latest("ckpt"),
+        report=(
+            "\nfrom final_state import report\n\n"
+            "report(checkpoint_manager.checkpoint, step=optimizer.iterations.numpy())\n"
+        ),
     ),
     # TF tutorial, Model.fit: DatasetCreator, steps_per_execution=10, TensorBoard + ModelCheckpoint (a SavedModel
     # per epoch) + BackupAndRestore(backup_dir=...); 5 epochs of 20 steps.
@@ -183,7 +195,7 @@ def with_psguard(source: str, *, fit: bool) -> str:
 @pytest.mark.parametrize("name", sorted(STYLES))
 def test_the_psguard_variant_differs_by_one_line_and_its_import(name: str) -> None:
     style = STYLES[name]
-    before = (JOBS / style.script).read_text()
+    before = style.source()
     after = with_psguard(before, fit=style.fit)
     changed = [
         line
@@ -369,12 +381,13 @@ def _differences(state: dict[str, str], tensors: dict[str, np.ndarray]) -> list[
 def test_job_style_survives_a_killed_ps(name: str, variant: str, tmp_path: Path) -> None:
     style = STYLES[name]
     store = tmp_path / "store"
+    script = tmp_path / "jobs" / f"{name}.py"
+    script.parent.mkdir()
     if variant == "tf":
-        script, ckpt = JOBS / style.script, str(tmp_path / "ckpt")
+        script.write_text(style.source())
+        ckpt = str(tmp_path / "ckpt")
     else:
-        script = tmp_path / "jobs" / style.script
-        script.parent.mkdir()
-        script.write_text(with_psguard((JOBS / style.script).read_text(), fit=style.fit))
+        script.write_text(with_psguard(style.source(), fit=style.fit))
         ckpt = str(store)  # the manager's directory is the store wrap's agents write (the same URL)
     run = _run_job(style, script, tmp_path, ckpt, store)
     assert run.code == 0, f"wrap exited {run.code}\n{run.tail()}"

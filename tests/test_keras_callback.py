@@ -188,10 +188,18 @@ def test_an_existing_manager_is_used_and_left_open(url: str) -> None:
 
 
 def test_configuration_errors(url: str) -> None:
-    with pytest.raises(ConfigError, match="say when to save"):
-        CheckpointCallback(url)
+    with pytest.raises(ConfigError, match="store once"):
+        CheckpointCallback(url, backup_dir=url)
+    with pytest.raises(ConfigError, match="store once"):
+        CheckpointCallback()
     with pytest.raises(ConfigError, match="positive"):
         CheckpointCallback(url, save_every_n_steps=0)
+    with pytest.raises(ConfigError, match="save_freq"):
+        CheckpointCallback(url, save_freq="batch")
+    with pytest.raises(ConfigError, match="needs monitor"):
+        CheckpointCallback(url, save_best_only=True)
+    with pytest.raises(ConfigError, match="mode"):
+        CheckpointCallback(url, monitor="loss", mode="up")
     manager = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), url)
     try:
         with pytest.raises(ConfigError, match="existing CheckpointManager"):
@@ -202,6 +210,39 @@ def test_configuration_errors(url: str) -> None:
     unbuilt.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ConfigError, match="build the model"):
         unbuilt.fit(np.zeros((4, 2)), np.zeros((4, 1)), callbacks=[CheckpointCallback(url, save_every_n_steps=1)])
+
+
+def test_it_replaces_backup_and_restore_with_one_line(url: str) -> None:
+    """BackupAndRestore(backup_dir) -> CheckpointCallback(backup_dir): a save at every epoch's end, resumed."""
+    x, y = local_data()
+    callback = CheckpointCallback(backup_dir=url)
+    model = local_model()
+    model.fit(x, y, epochs=3, batch_size=32, callbacks=[callback], verbose=0)
+    steps = [c.step for c in Store.open(url).checkpoints()]
+    # One save per epoch (10 batches each); a save asked while the previous one is still written folds into it.
+    assert steps[-1] == 30 and steps[0] == 10 and set(steps) <= {10, 20, 30}, steps
+    again = CheckpointCallback(url, "epoch")
+    model2 = local_model()
+    model2.fit(x, y, epochs=3, batch_size=32, callbacks=[again], verbose=0)
+    assert again.restored_step == 30 and int(model2.optimizer.iterations.numpy()) == 30, "nothing left to train"
+
+
+def test_model_checkpoint_monitor_keeps_the_best_epoch_and_save_best_only_skips_the_rest(url: str) -> None:
+    x, y = local_data()
+
+    class Scripted(tf_keras.callbacks.Callback):  # type: ignore[misc]
+        """Replaces the epoch's val_loss by a scripted one (before psguard's callback reads it)."""
+
+        def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+            logs["val_loss"] = [0.5, 0.2, 0.4, 0.3, 0.6][epoch]
+
+    callback = CheckpointCallback(url, monitor="val_loss", save_best_only=True, max_to_keep=1, save_at_end=False)
+    local_model().fit(x, y, epochs=5, batch_size=32, callbacks=[Scripted(), callback], verbose=0)
+    store = Store.open(url)
+    steps = [c.step for c in store.checkpoints()]
+    assert steps[-1] == 20 and set(steps) <= {10, 20}, f"only improvements saved, the best kept: {steps}"
+    assert callback.best == 0.2 and callback.mode == "min"
+    assert CheckpointCallback(url, monitor="val_accuracy").mode == "max", "auto as ModelCheckpoint decides"
 
 
 def test_backup_and_restore_beside_it_is_refused(url: str, tmp_path: Path) -> None:
@@ -295,6 +336,65 @@ def test_fit_under_ps_saves_incrementally_and_restores_exactly(chief: Chief, url
     fresh.fit(data, epochs=2, steps_per_epoch=10, callbacks=[cb2, batches], verbose=0)
     assert cb2.restored_step == 20 and cb2.resumed_at == (2, 0) and batches.seen == []
     assert_bitwise(live, read_tensors(cb2.checkpoint))
+
+
+class HashedAll(tf_keras.callbacks.Callback):  # type: ignore[misc]
+    """Placed after the psguard callback: for each save it made, the tensors whose every row its capture hashed."""
+
+    def __init__(self, psguard: CheckpointCallback) -> None:
+        super().__init__()
+        self._supports_tf_logs = True
+        self.psguard = psguard
+        self.seen: list[list[str]] = []
+        self.last: Any = None
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return True
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.psguard.last_save is not self.last:
+            self.last = self.psguard.last_save
+            assert self.psguard.manager is not None
+            self.seen.append(list(self.psguard.manager.capturer.last_stats.hashed_all))
+
+
+@pytest.mark.slow
+def test_write_tracking_holds_across_fits(chief: Chief, url: str, tmp_path: Path) -> None:
+    """Only written rows are hashed in every fit, not in the first one alone.
+
+    tf_keras keeps the first fit's train function for later fits; traced under the first fit's capturer, it
+    would leave every capture of a second fit hashing every row (an Adagrad job as slow to save as an Adam one).
+    And an existing manager made before the optimizer was built gets the slots hooked before fit traces a step.
+    """
+    strategy = chief.strategies["fixed2"]
+    data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
+    model = ps_model(strategy)
+    cb = CheckpointCallback(url, save_every_n_steps=4)
+    watch = HashedAll(cb)
+    model.fit(data, epochs=1, steps_per_epoch=8, callbacks=[cb, watch], verbose=0)
+    first = model.train_tf_function
+    model.fit(data, epochs=2, steps_per_epoch=8, callbacks=[cb, watch], verbose=0)  # resumes at epoch 1
+    assert len(watch.seen) >= 3 and watch.seen[0], watch.seen  # the first capture is full: every row
+    assert not any(watch.seen[1:]), watch.seen
+    assert model.train_tf_function is not first  # traced again, under the second fit's hooks
+
+    fresh = ps_model(strategy)  # optimizer not built: its slots appear in the callback's on_train_begin
+    manager = CheckpointManager(
+        tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer),
+        str(tmp_path / "given"),
+        coordinator=chief.coordinator,
+    )
+    try:
+        cb2 = CheckpointCallback(manager, save_every_n_steps=4)
+        watch2 = HashedAll(cb2)
+        fresh.fit(data, epochs=1, steps_per_epoch=8, callbacks=[cb2, watch2], verbose=0)
+        kept = fresh.train_tf_function
+        fresh.fit(data, epochs=2, steps_per_epoch=8, callbacks=[cb2, watch2], verbose=0)
+        assert len(watch2.seen) >= 3 and watch2.seen[0], watch2.seen
+        assert not any(watch2.seen[1:]), watch2.seen
+        assert fresh.train_tf_function is kept  # traced under this manager's hooks: nothing to trace again
+    finally:
+        manager.close()
 
 
 @pytest.mark.slow

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -129,6 +130,18 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
     ``max_to_keep`` apply only to a URL (they configure the manager the callback creates), as do
     ``manager_options`` (more :class:`CheckpointManager` arguments: ``new_base_after``, ``preemption``...).
 
+    It takes ``BackupAndRestore``'s arguments, so replacing that callback is one line
+    (``BackupAndRestore(backup_dir)`` -> ``CheckpointCallback(backup_dir)``): ``backup_dir`` names the store as
+    ``directory`` does, ``save_freq`` is ``"epoch"`` (the default when nothing else says when to save) or a
+    number of steps. ``delete_checkpoint`` and ``save_before_preemption`` are accepted and do nothing: psguard
+    keeps its checkpoints (retention applies; a second fit resumes where the first ended) and saves before a
+    preemption when its policy has ``preemption``.
+
+    And ``ModelCheckpoint``'s meaning of ``monitor`` / ``mode`` / ``save_best_only``: every epoch's save carries
+    the monitored value from the epoch's logs, the retention keeps the best one by it (beside ``max_to_keep``
+    and the newest), and with ``save_best_only`` an epoch saves only when the value improved. A job can then
+    drop its full per-epoch ``ModelCheckpoint`` writes.
+
     When to save: ``save_every_n_steps`` and/or ``policy`` (a :class:`psguard.policy.engine.Schedule`, a policy
     file or a preset name); with both, a durable save happens when either is due. With an existing manager
     and neither, its own policy applies. ``save_at_end`` also saves the final state when ``fit`` returns;
@@ -149,18 +162,41 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
     def __init__(
         self,
-        directory: str | os.PathLike[str] | CheckpointManager,
+        directory: str | os.PathLike[str] | CheckpointManager | None = None,
+        save_freq: str | int | None = None,
+        delete_checkpoint: bool = True,
+        save_before_preemption: bool = False,
         *,
+        backup_dir: str | os.PathLike[str] | None = None,
         save_every_n_steps: int | None = None,
         policy: Schedule | str | os.PathLike[str] | None = None,
         max_to_keep: int | None = None,
+        monitor: str | None = None,
+        mode: str = "auto",
+        save_best_only: bool = False,
         storage_options: Mapping[str, Any] | None = None,
         save_at_end: bool = True,
         manager_options: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        del delete_checkpoint, save_before_preemption  # BackupAndRestore's; see the class doc
+        if (directory is None) == (backup_dir is None):
+            raise ConfigError("give the store once: directory (or BackupAndRestore's backup_dir)")
+        if directory is None:
+            directory = backup_dir
+        assert directory is not None
+        if save_freq is not None and save_freq != "epoch":
+            if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
+                raise ConfigError(f"save_freq must be 'epoch' or a positive number of steps, not {save_freq!r}")
+            if save_every_n_steps is not None:
+                raise ConfigError("give save_freq (steps) or save_every_n_steps, not both")
+            save_every_n_steps = save_freq
         if save_every_n_steps is not None and (isinstance(save_every_n_steps, bool) or save_every_n_steps < 1):
             raise ConfigError(f"save_every_n_steps must be a positive integer, not {save_every_n_steps!r}")
+        if mode not in ("auto", "min", "max"):
+            raise ConfigError(f"mode must be 'auto', 'min' or 'max', not {mode!r}")
+        if save_best_only and monitor is None:
+            raise ConfigError("save_best_only needs monitor= (the metric of the epoch's logs to judge by)")
         given = directory if isinstance(directory, CheckpointManager) else None
         if given is not None and (max_to_keep is not None or storage_options is not None or manager_options):
             raise ConfigError(
@@ -168,11 +204,17 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 "with an existing CheckpointManager set them on it"
             )
         schedule = _combine(load_schedule(policy), save_every_n_steps)
-        if schedule is None and (given is None or given.schedule is None):
-            raise ConfigError(
-                "say when to save: save_every_n_steps=N and/or policy=... (a Schedule, a policy file or a preset "
-                "such as 'default')"
-            )
+        #: Save at every epoch's end: asked (``save_freq="epoch"``, ``monitor``), or as BackupAndRestore does by
+        #: default when nothing else says when.
+        self.save_per_epoch = (
+            save_freq == "epoch"
+            or monitor is not None
+            or (schedule is None and (given is None or given.schedule is None))
+        )
+        self.monitor = monitor
+        self.mode: str = _monitor_mode(monitor, mode)
+        self.save_best_only = save_best_only
+        self.best: float | None = None
         self._given = given
         self._url = None if isinstance(directory, CheckpointManager) else os.fspath(directory)
         self._schedule = schedule
@@ -185,6 +227,19 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 self._manager_policy = policy
             elif max_to_keep is None:
                 self._retention = load_policy(os.fspath(policy)).retention
+        if monitor is not None:
+            if given is not None:
+                raise ConfigError(
+                    "monitor keeps the best checkpoint by retention: with an existing manager, set "
+                    "retention=Retention(keep_best=1, metric=..., mode=...) on it instead"
+                )
+            self._retention = Retention(
+                keep_last=max_to_keep if max_to_keep is not None else (self._retention or Retention()).keep_last,
+                keep_best=1,
+                metric=monitor,
+                mode="max" if self.mode == "max" else "min",
+            )
+            max_to_keep = None
         self.max_to_keep = max_to_keep
         self.storage_options = dict(storage_options) if storage_options is not None else None
         self.manager_options = dict(manager_options or {})
@@ -210,6 +265,10 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self._steps_per_epoch: int | None = None
         self._position_hook = False
         self._given_schedule: Any = _UNSET
+        # The train function the last on_train_begin left to fit and the write-hook generation it is (or will
+        # be) traced under: see _retrace_unhooked. Weak references: they must not keep a closed manager's
+        # capturer (its fingerprint variables live on the PS) or an old train function alive.
+        self._hooked: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None
 
     # ------------------------------------------------------------------------------------------ Keras hooks
 
@@ -271,6 +330,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         except BaseException:
             self._close_own()
             raise
+        self._retrace_unhooked(model)
         self._steps_per_epoch = _steps_per_epoch(self.params)
         self.resumed_at = None
         # Installed after the restore succeeded: fit consults it right after on_train_begin returns.
@@ -296,6 +356,27 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         handle = self.manager.maybe_save(self._step)
         if handle is not None:
             self.last_save = handle
+
+    def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
+        if not self.save_per_epoch:
+            return
+        metrics: dict[str, float] | None = None
+        if self.monitor is not None:
+            value = (logs or {}).get(self.monitor)
+            if value is None:
+                log.warning("monitor %r is not in the epoch's logs (%s)", self.monitor, sorted(logs or {}))
+            else:
+                current = float(value)
+                metrics = {self.monitor: current}
+                better = self.best is None or (current > self.best if self.mode == "max" else current < self.best)
+                if better:
+                    self.best = current
+                elif self.save_best_only:
+                    return
+        if self.save_best_only and metrics is None:
+            return
+        assert self.manager is not None
+        self.last_save = self.manager.save(self._step, metrics=metrics)
 
     def on_train_end(self, logs: Mapping[str, Any] | None = None) -> None:
         model = self.model
@@ -364,6 +445,33 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             elif callable(getattr(optimizer, "_create_all_weights", None)):  # tf_keras.optimizers.legacy
                 optimizer._create_all_weights(variables)
 
+    def _retrace_unhooked(self, model: Any) -> None:
+        """Make ``fit`` trace its train function again when the cached one was traced under other write hooks.
+
+        tf_keras keeps the train function of the first ``fit`` for every later one (``make_train_function``
+        caches it), and a function traced earlier marks written rows for an earlier capturer, or for none:
+        every capture of this fit would then hash every row of every large table (exact, but as slow as no
+        write tracking; measured with Adagrad: a second ``fit`` hashed all rows at each of its saves, the first
+        at none). The callback's own manager is new at each ``on_train_begin``, so a second ``fit`` needs a new
+        trace: one per ``fit`` (seconds), against a hash of the whole model at every save. A given manager
+        keeps its hooks across fits, and the function traced under them is kept; its capturer may predate the
+        slots :meth:`_build_optimizer` just made, so it hooks them first, before ``fit`` traces anything.
+        """
+        assert self.manager is not None
+        capturer = self.manager.capturer
+        capturer.refresh()  # a given manager's capturer may predate the optimizer's slots built above
+        generation = capturer.hook_generation
+        fn = getattr(model, "train_tf_function", None)
+        if fn is None or generation is None:
+            self._hooked = None
+            return
+        hooked = self._hooked
+        if _traced(fn) and not (hooked is not None and hooked[0]() is fn and hooked[1]() is generation):
+            log.info("the train function was traced before this fit's write hooks: tracing it again")
+            model.make_train_function(force=True)
+            fn = model.train_tf_function
+        self._hooked = (weakref.ref(fn), weakref.ref(generation))
+
     def _restore(self, model: Any) -> None:
         assert self.manager is not None
         restored = self.manager.restore_or_initialize()
@@ -405,6 +513,14 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------------------------- checks
+
+
+def _monitor_mode(monitor: str | None, mode: str) -> str:
+    """``min`` or ``max`` for ``mode``; ``auto`` as ModelCheckpoint decides it (accuracies and F-measures up)."""
+    if mode != "auto":
+        return mode
+    name = (monitor or "").lower()
+    return "max" if "acc" in name or name.startswith("fmeasure") or "auc" in name else "min"
 
 
 def _combine(schedule: Schedule | None, every: int | None) -> Schedule | None:
@@ -464,6 +580,12 @@ def _check_strategy(model: Any) -> Any:
         f"psguard.trainer.keras.CheckpointCallback supports ParameterServerStrategy and no strategy, not "
         f"{type(strategy).__name__}"
     )
+
+
+def _traced(fn: Any) -> bool:
+    """Whether the ``tf.function`` ``fn`` has been traced at least once."""
+    count = getattr(fn, "experimental_get_tracing_count", None)
+    return bool(count()) if callable(count) else True
 
 
 def _steps_per_epoch(params: Mapping[str, Any] | None) -> int | None:
