@@ -381,7 +381,7 @@ def _differences(state: dict[str, str], tensors: dict[str, np.ndarray]) -> list[
 def test_job_style_survives_a_killed_ps(name: str, variant: str, tmp_path: Path) -> None:
     style = STYLES[name]
     store = tmp_path / "store"
-    script = tmp_path / "jobs" / f"{name}.py"
+    script = tmp_path / "jobs" / Path(style.script).name  # not the style's name: `orbit.py` would shadow orbit
     script.parent.mkdir()
     if variant == "tf":
         script.write_text(style.source())
