@@ -34,6 +34,10 @@ Keys:
   the same captures with the PS-side path of issue 12 (each shard's rows written to files on its own PS node,
   what runs when PS agents keep the shards): the stall no longer grows with the bytes crossing to the chief.
 
+``--keras`` runs another job instead: the same table trained by tf_keras ``model.fit`` and saved by
+``psguard.keras.CheckpointCallback``, timed against TF's save of the same state
+(:mod:`psguard.benchmarks.capture_keras`).
+
 Progress goes to stderr; ``--json`` prints one object on stdout (``spread`` holds min/median/max across runs).
 Results are recorded in BENCHMARKS.md.
 """
@@ -87,6 +91,7 @@ class Config:
     in_flight: int = 32  # steps kept scheduled ahead of the workers while measuring throughput
     num_ps: int = 2
     num_workers: int = 2
+    steps_per_execution: int = 10  # ``--keras``: steps per ``model.fit`` execution (one batch end each)
 
 
 # --------------------------------------------------------------------------------------------- pure helpers
@@ -692,7 +697,14 @@ def cmd(args: argparse.Namespace) -> int:
         save_interval=args.save_interval,
         optimizer=args.optimizer,
         ids=args.ids,
+        steps_per_execution=args.steps_per_execution,
     )
+    if args.keras:
+        from psguard.benchmarks import capture_keras
+
+        results = capture_keras.run(cfg, workdir=args.workdir)
+        print_results(results, as_json=args.json, keys=capture_keras.KEYS)
+        return 0
     results = run(cfg, workdir=args.workdir)
     print_results(results, as_json=args.json, keys=KEYS)
     return 0
@@ -719,6 +731,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=Config.ids,
         help="lookups over a fixed hot 1%% of the rows (default) or over all rows (then a save every 10 s finds "
         "far more than 1%% changed)",
+    )
+    p.add_argument(
+        "--keras",
+        action="store_true",
+        help="train the same table with tf_keras model.fit and time psguard.keras.CheckpointCallback's save against "
+        "TF's save of the same state (psguard.benchmarks.capture_keras; --rows, --dim, --optimizer, --ids, --runs "
+        "apply, the overhead and sweep phases do not run)",
+    )
+    p.add_argument(
+        "--steps-per-execution",
+        type=int,
+        default=Config.steps_per_execution,
+        help="with --keras: model.compile(steps_per_execution=...) (default 10)",
     )
     p.add_argument("--workdir", type=Path, default=None, help="where the checkpoint folders go (default: temp)")
     p.add_argument("--json", action="store_true")

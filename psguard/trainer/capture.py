@@ -225,6 +225,13 @@ class Capturer:
         """Whether captures can hash only written rows (see the class docstring for when they cannot)."""
         return self._counter is not None
 
+    @property
+    def hook_generation(self) -> StepCounter | None:
+        """The apply counter of the current write hooks (``None`` without write tracking). A new one comes with
+        every capturer and whenever variables get hooked anew: a step function traced under another
+        generation makes every capture hash every row until it is traced again."""
+        return self._counter
+
     # ------------------------------------------------------------------------------------------ public
 
     def capture(self, *, full: bool = False) -> dict[str, TensorUpdate]:
@@ -308,6 +315,35 @@ class Capturer:
             self._since_verify = 0
             for tr in self._tracked.values():
                 tr.need_full = False
+
+    def prepare(self) -> None:
+        """Do the chief-side work of the next capture that does not need the variables at rest, now: re-read the
+        object graph (hooking new variables) and trace the capture function for it.
+
+        A caller about to drain the coordinator (``coordinator.join()``, as a save does) calls it first, so that
+        the work is done while the workers finish their queued steps. The first trace is most of a first
+        save's own stall: about 1,000 ops for an Adam model on 2 PS, 4.6 s under cProfile on a loaded machine
+        (0.7-1.4 s quiet) against 1.3 s for the call, which reads the whole base. The function is still
+        instantiated on the PS by its first call.
+        """
+        tf = lazy_tf()
+        with self._lock:
+            self._sync()
+            if self._tracked and self._capture_concrete is None:
+                specs = (
+                    tf.TensorSpec([len(self._tracked)], tf.bool),  # force, per primary tensor
+                    tf.TensorSpec([], tf.bool),  # verify
+                    tf.TensorSpec([], tf.int64),  # expected gap
+                    tf.TensorSpec([], tf.string),  # spill folder
+                )
+                self._capture_concrete = self._functions.capture.get_concrete_function(*specs, self._variables())
+
+    def refresh(self) -> None:
+        """Re-read the variables under ``root`` now, hooking those created since (an optimizer's slots built after
+        this capturer). Every capture does it too, but a step function traced before the next capture would
+        not mark the new variables' rows, and until it is traced again every capture would hash every row."""
+        with self._lock:
+            self._sync()
 
     def verify_next(self) -> None:
         """Make the next capture hash every row (it still sends only the changed rows): the safety net that

@@ -154,6 +154,12 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
     whose last checkpoint finished them trains nothing, as with ``BackupAndRestore``; start a new run in a
     new directory.
 
+    What a save costs under PS: ``fit`` schedules steps without waiting for them, so a save first waits for the
+    steps scheduled so far (the workers train meanwhile), then stalls for the capture (measured at 1.5 GB with
+    Adam: 0.4-0.7 s, as in a custom loop; ``psguard bench capture --keras``). tf_keras' warning that
+    ``on_train_batch_end`` "is slow compared to the batch time" averages the first five batch ends of a fit,
+    which hold the first save: that wait for the first executions, and a full base.
+
     Steps are counted from what ``fit`` schedules (under PS the steps run asynchronously on the workers,
     and reading ``optimizer.iterations`` at each batch would cost an RPC and see a lagging value). They
     equal ``optimizer.iterations`` after the capture's drain, except when a worker failure made TF run a

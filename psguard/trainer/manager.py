@@ -613,6 +613,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
             if self._save_counter is not None:
                 self._save_counter.assign_add(1)
             if coordinator is not None:
+                self.capturer.prepare()  # its chief-side work (a first trace: seconds) while the workers drain
                 coordinator.join()  # read the counters at the state the capture will see
             step = self._step_for(checkpoint_number)
             _note_step(self.directory, step)
