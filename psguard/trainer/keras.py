@@ -148,8 +148,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
     ``on_train_end`` waits until every save is durable and raises :class:`psguard.errors.SaveError` if one
     could not be made so.
 
-    ``on_train_begin`` builds the optimizer (its slots must exist before a restore; TF would silently skip
-    them), restores the newest checkpoint that verifies, and makes ``fit`` continue from its step: see the
+    ``on_train_begin`` builds the optimizer (so that its slots load on the PS with the rest instead of waiting
+    for the first step), restores the newest checkpoint that verifies, and makes ``fit`` continue from its step: see the
     module doc. The store holds one run's progress: a second ``fit`` with the same arguments over a store
     whose last checkpoint finished them trains nothing, as with ``BackupAndRestore``; start a new run in a
     new directory.

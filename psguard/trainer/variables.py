@@ -334,7 +334,8 @@ def restore(
 
     All or nothing on names, shapes and dtypes: every variable must get a value and every saved tensor
     must land somewhere, otherwise :class:`TensorMismatchError` lists every mismatch and nothing is
-    assigned. (TF's own restore silently skips, for instance, the slots of an optimizer not built yet.)
+    assigned. (TF's own restore leaves unmatched values pending without a word; the manager hands values whose
+    variables do not exist yet to TF's deferred restoration explicitly, as ``deferred``.)
     A ``Capturer`` of the same root must be rebased afterwards; :meth:`Capturer.restore` does both.
     """
     infos = check_tensors(root, tensors, elsewhere=elsewhere, deferred=deferred)
