@@ -97,6 +97,28 @@ def test_restore_prefers_a_newer_memory_tier(sidecar: Sidecar) -> None:
         assert_restores(sidecar.store, info.id, snapshot(fresh))
 
 
+def test_tfs_restore_lines_take_the_memory_tier_when_nothing_is_durable_yet(sidecar: Sidecar) -> None:
+    """``if manager.latest_checkpoint: checkpoint.restore(...)`` after a restart before the first durable commit:
+    the memory tier's state, not a fresh start."""
+    ckpt, emb, dense = make_local()
+    url = str(sidecar.store.url)
+    with CheckpointManager(ckpt, url, spool=sidecar.spool) as m:
+        train_local(emb, dense, ckpt, np.random.default_rng(13))
+        m.save(4, tiers=frozenset({Tier.MEMORY})).result(timeout=60)
+        want = snapshot(ckpt)
+    assert sidecar.store.latest() is None
+    fresh, _, _ = make_local(seed=6)
+    with CheckpointManager(fresh, url, spool=sidecar.spool) as m2:
+        latest = m2.latest_checkpoint
+        assert latest is not None and latest.startswith("memory:")
+        status = fresh.restore(latest).assert_consumed()
+        assert (status.source, status.step) == ("memory", 4)
+        got = snapshot(fresh)
+        assert all(bitwise_equal(want[n], got[n]) for n in want)
+        m2.save(5)
+        assert m2.latest_checkpoint is None or not m2.latest_checkpoint.startswith("memory:")
+
+
 def test_without_a_live_agent_restore_uses_the_durable_log(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     car = start_sidecar(tmp_path / "spool", url)

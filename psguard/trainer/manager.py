@@ -509,10 +509,11 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         The newest committed checkpoint of the store; under an agent whose memory tier holds a save that no
         durable checkpoint has yet (a restart before the first durable commit), ``memory:<token>``, so that
         the tutorial's ``if manager.latest_checkpoint: checkpoint.restore(...)`` does not start from scratch.
+        (The memory tier is asked only before this manager's first save or restore: asking exports it.)
         """
         info = self.store.latest()
-        if info is not None or not isinstance(self._sink, AgentSink):
-            return info.id if info else None
+        if info is not None or not isinstance(self._sink, AgentSink) or self._saves or self.restored is not None:
+            return info.id if info else None  # the memory tier is asked only before this generation's first save
         memory = self._sink.memory_snapshot(self.restore_timeout)
         if memory is None:
             return None
