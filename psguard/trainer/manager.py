@@ -684,7 +684,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         """
         path = os.fspath(save_path) if save_path is not None else None
         if path is None or not self._is_own(path):
-            return self._tf_restore(self._checkpoint, save_path, options=options)  # TF's (or the one before)
+            return self._tf_restore(self._checkpoint, save_path, options=options)  # TF's own
         if self._snapshot_for is not None and self._snapshot_for[0] == path:
             memory = self._snapshot_for[1]
             self._snapshot_for = None
