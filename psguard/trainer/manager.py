@@ -268,9 +268,10 @@ def _coordinator_of(root: Any) -> Any:
     return None
 
 
-def _hook_restore(manager: CheckpointManager) -> Any:
+def _hook_restore(manager: CheckpointManager) -> tuple[Any, Any]:
     """Put ``manager.restore`` in front of its checkpoint's ``restore`` (for the checkpoint object only); return
-    TF's own restore (unbound), which the deferred restore calls past it.
+    TF's own restore (unbound), which the deferred restore calls past it, and the ``restore`` the checkpoint had
+    before (bound), which takes every path that is not the manager's.
 
     Jobs restore with ``checkpoint.restore(manager.latest_checkpoint)``: that id names a psguard checkpoint,
     which TF cannot read. The manager is held weakly: once it is gone (or closed), every path goes to whatever
@@ -280,18 +281,18 @@ def _hook_restore(manager: CheckpointManager) -> Any:
     tf_restore = getattr(type(checkpoint), "restore", None)
     before = getattr(checkpoint, "restore", None)
     if tf_restore is None or before is None:
-        return tf_restore
+        return tf_restore, before
     ref = weakref.ref(manager)
 
     def restore(save_path: Any, options: Any = None) -> Any:
         owner = ref()
-        if owner is None or owner._closed or save_path is None or not owner._is_own(os.fspath(save_path)):
+        if owner is None or owner._closed:
             return before(save_path, options=options)
         return owner.restore(save_path, options=options)
 
     restore.__doc__ = CheckpointManager.restore.__doc__
     object.__setattr__(checkpoint, "restore", restore)  # past Trackable's attribute tracking
-    return tf_restore
+    return tf_restore, before
 
 
 class _Policy:
@@ -468,7 +469,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         # every capture (and of exports), and number saves by it as TF's manager does.
         self._save_counter = getattr(checkpoint, "save_counter", None)
         self._closed = False
-        self._tf_restore = _hook_restore(self)
+        self._tf_restore, self._restore_before = _hook_restore(self)
         _open_managers.add(self)
 
     # ------------------------------------------------------------------------------------ tf.train API
@@ -684,7 +685,9 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         """
         path = os.fspath(save_path) if save_path is not None else None
         if path is None or not self._is_own(path):
-            return self._tf_restore(self._checkpoint, save_path, options=options)  # TF's own
+            if self._restore_before is None:
+                raise NoCheckpointError(f"{save_path!r} is not a checkpoint of {self.directory}")
+            return self._restore_before(save_path, options=options)  # TF's (or another manager's)
         if self._snapshot_for is not None and self._snapshot_for[0] == path:
             memory = self._snapshot_for[1]
             self._snapshot_for = None

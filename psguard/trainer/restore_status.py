@@ -94,14 +94,10 @@ class DeferredRestore:
         names = [OBJECT_GRAPH_KEY, *for_tf]
         stripped = strip_restored(graph, pending, not_slots=self.sharded_slots.keys)
         values = [tf.constant(stripped), *(tf.constant(pending[n]) for n in for_tf)]
-        with tf.device(chief_io_device()):
+        device = chief_io_device()
+        with tf.device(device):
             tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=values)
-        options = tf.train.CheckpointOptions(experimental_io_device=chief_io_device())
-        self.status = restore(root, prefix, options=options)
-
-    @property
-    def open(self) -> bool:
-        return self._folder is not None
+        self.status = restore(root, prefix, options=tf.train.CheckpointOptions(experimental_io_device=device))
 
     def close(self) -> None:
         """Delete the file: values not restored by now are not restored (TF's status says which)."""
