@@ -342,10 +342,11 @@ def fresh(chief: Chief, partitioning: str, family: str, optimizer: str) -> tuple
 
 
 #: Optimizers whose sparse steps on this cluster write only the gradient's rows, through variable methods the
-#: capturer hooks. Not: tf_keras SGD (a momentum slot even at momentum 0, rewritten whole), tf_keras legacy
+#: capturer hooks (tf_keras Adam decays its moments densely, but only rows where they are not 0 move, and those are
+#: the rows marked live). Not: tf_keras SGD (a momentum slot even at momentum 0, rewritten whole), tf_keras legacy
 #: (raw ops), Keras 3 Adagrad and FTRL (dense updates), Keras 3 SGD (its ``iterations`` loses increments with two
 #: workers, 8 after 12 steps, so the capturer cannot tell a lost increment from an unhooked step).
-WRITE_TRACKED = {("tf_keras", "adagrad")}
+WRITE_TRACKED = {("tf_keras", "adagrad"), ("tf_keras", "adam")}
 
 CASES = [
     *[("tf_keras", o) for o in ("sgd", "adagrad", "adam", "ftrl")],
@@ -646,23 +647,119 @@ def test_a_step_traced_before_the_capturer_makes_captures_hash_every_row(rng: np
 
 def test_dense_writers_and_unknown_optimizers_hash_every_row(rng: np.random.Generator) -> None:
     model = local_model(rng, EVEN)
-    adam = make_optimizer("adam", "tf_keras")
-    build_optimizer(adam, list(model.trainable_variables))
-    capturer = Capturer(tf.train.Checkpoint(model=model, optimizer=adam), row_tracking_min_rows=100, verify_every=100)
+    sgd = make_optimizer("sgd", "tf_keras")
+    build_optimizer(sgd, list(model.trainable_variables))
+    capturer = Capturer(tf.train.Checkpoint(model=model, optimizer=sgd), row_tracking_min_rows=100, verify_every=100)
     state = apply_all({}, capturer.capture())
-    step = sparse_trainer(model, adam)
+    step = sparse_trainer(model, sgd)
     for ids in ([1], [2]):
         step(tf.constant(ids, tf.int64))
         updates = capturer.capture()
-        # Adam decays every moment row at every step: dense writes, so every row is hashed and all go out
+        # tf_keras SGD rewrites its momentum slot whole (dense) even at momentum 0: every row is hashed
         assert sorted(capturer.last_stats.hashed_all) == sorted(table_slots(capturer))
         state = apply_all(state, updates)
         assert_bitwise(state, read_tensors(capturer.root))
+    adam = make_optimizer("adam", "keras3")  # Keras 3 Adam writes its moments densely, without sparse rows
+    build_optimizer(adam, list(model.trainable_variables))
+    capturer = Capturer(tf.train.Checkpoint(model=model, optimizer=adam), row_tracking_min_rows=100, verify_every=100)
+    state = apply_all({}, capturer.capture())
+    sparse_trainer(model, adam)(tf.constant([3], tf.int64))
+    assert_bitwise(apply_all(state, capturer.capture()), read_tensors(capturer.root))
+    assert TABLE in capturer.last_stats.hashed_all
     legacy = make_optimizer("adagrad", "tf_keras_legacy")
     build_optimizer(legacy, list(model.trainable_variables))
     assert not Capturer(tf.train.Checkpoint(model=model, optimizer=legacy)).tracks_writes
     assert not Capturer(tf.train.Checkpoint(model=model)).tracks_writes
     assert not Capturer(tf.train.Checkpoint(model=model, optimizer=adam), track_writes=False).tracks_writes
+
+
+def adam_like(kind: str) -> Any:
+    import tf_keras
+
+    if kind == "adam_amsgrad":
+        return tf_keras.optimizers.Adam(0.01, amsgrad=True)
+    return {"adam": tf_keras.optimizers.Adam, "adamw": tf_keras.optimizers.AdamW, "adamax": tf_keras.optimizers.Adamax}[
+        kind
+    ](0.01)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adam_amsgrad", "adamw", "adamax"])
+def test_adam_decay_marks_the_rows_its_moments_hold_not_every_row(kind: str, rng: np.random.Generator) -> None:
+    """tf_keras Adam decays both moments of every row at every step with dense writes, but a row whose moments
+    are 0 stays as it was: the captures hash the rows ever written, not the table, and stay bit-exact."""
+    model = local_model(rng, EVEN)
+    opt = adam_like(kind)
+    build_optimizer(opt, list(model.trainable_variables))
+    capturer = Capturer(tf.train.Checkpoint(model=model, optimizer=opt), row_tracking_min_rows=100, verify_every=100)
+    big = table_slots(capturer)
+    assert TABLE in big and len(big) == {"adam_amsgrad": 4, "adamax": 3}.get(kind, 3)
+    state = apply_all({}, capturer.capture())
+    assert sorted(capturer.last_stats.hashed_all) == sorted(big)  # the first capture hashes everything
+    step = sparse_trainer(model, opt)
+    # AdamW's weight decay moves every weight (a dense write outside the update): the table is hashed whole,
+    # its moments are not.
+    hashed = [TABLE] if kind == "adamw" else []
+    touched: set[int] = set()
+    for ids in ([3, 3, 699], [1299], [5, 700]):
+        step(tf.constant(ids, tf.int64))
+        touched |= set(ids)
+        updates = capturer.capture()
+        assert capturer.last_stats.hashed_all == hashed, "the moments' decay must not make the capture hash every row"
+        assert capturer.last_stats.untracked_writes == []
+        # every row ever touched moved (its moments decay, its weight follows them), no other row did
+        # (amsgrad's running maximum of the second moment stays where the decayed moment is below it)
+        if kind != "adamw":
+            assert isinstance(updates[TABLE], Rows) and updates[TABLE].ids.tolist() == sorted(touched)
+        for name in big:
+            if name not in hashed:
+                assert not isinstance(updates[name], Full) and set(getattr(updates[name], "ids", [])) <= touched
+        state = apply_all(state, updates)
+        assert_bitwise(state, read_tensors(capturer.root))
+
+    # A write to a slot outside the optimizer's update (user code): that slot is hashed whole once, its live
+    # rows are read again, and the captures after it go back to the written rows.
+    slot = next(n for n in big if n != TABLE)
+    first = capturer.tensors[slot].shards[0].var
+    first.assign(tf.tensor_scatter_nd_update(first, [[640]], tf.fill([1, 4], 0.5)))
+    updates = capturer.capture()
+    assert slot in capturer.last_stats.hashed_all
+    state = apply_all(state, updates)
+    assert_bitwise(state, read_tensors(capturer.root))
+    step(tf.constant([9], tf.int64))
+    updates = capturer.capture()
+    assert capturer.last_stats.hashed_all == hashed
+    # row 640 now decays too (in that slot, and the weight moves where the first moment is not 0)
+    assert 640 in updates[slot].ids.tolist()  # type: ignore[union-attr]
+    state = apply_all(state, updates)
+    assert_bitwise(state, read_tensors(capturer.root))
+
+    # After a restore (every slot assigned whole), the live rows are those of the restored values.
+    capturer.restore(state)
+    step(tf.constant([11], tf.int64))
+    updates = capturer.capture()
+    assert capturer.last_stats.hashed_all == hashed
+    assert_bitwise(apply_all(state, updates), read_tensors(capturer.root))
+
+
+def test_a_subclass_that_overrides_adams_update_hashes_every_row(rng: np.random.Generator) -> None:
+    """The rule holds for the update tf_keras ships; another ``update_step`` may write any row."""
+    import tf_keras
+
+    class Decaying(tf_keras.optimizers.Adam):  # type: ignore[misc]
+        def update_step(self, gradient: Any, variable: Any) -> None:
+            super().update_step(gradient, variable)
+            variable.assign(variable * 0.5)  # every row moves, although its moments are 0
+
+    model = local_model(rng, EVEN)
+    opt = Decaying(0.01)
+    build_optimizer(opt, list(model.trainable_variables))
+    capturer = Capturer(tf.train.Checkpoint(model=model, optimizer=opt), row_tracking_min_rows=100, verify_every=100)
+    state = apply_all({}, capturer.capture())
+    sparse_trainer(model, opt)(tf.constant([3], tf.int64))
+    updates = capturer.capture()
+    assert TABLE in capturer.last_stats.hashed_all
+    assert isinstance(updates[TABLE], Full) or len(updates[TABLE].ids) == 1300  # type: ignore[union-attr]
+    assert_bitwise(apply_all(state, updates), read_tensors(capturer.root))
 
 
 def test_an_eager_loop_with_dense_optimizer_writes_reports_no_untracked_writes(

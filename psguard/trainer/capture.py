@@ -13,7 +13,10 @@ zero, so all those rows come out, not only the rows of the last gradients).
 Candidates: hashing every row of every large shard was most of the stall (about two thirds of it for two 256 MB
 tables at 1% changed rows). So the capturer also hooks the write methods of those variables, and each sparse
 write marks its rows in a bool variable beside the shard, inside the training step, on the PS; the candidates
-are then the marked rows. Every row is a candidate when a write was dense, when the optimizers' step count
+are then the marked rows. Adam's moment decay is a dense write that moves only the rows where the moments are not
+0, so for tf_keras Adam, AdamW and Adamax the marks follow those rows instead (the slots' live rows, see
+:class:`~psguard.trainer.write_tracking.DirtyRows`). Every row is a candidate when another write was dense, when
+the optimizers' step count
 says some step ran without the hooks, when a random sample of unmarked rows turns out changed, on full
 captures, and every ``verify_every`` captures. What this relies on, and what it costs when it cannot be used,
 is in :class:`Capturer`.
@@ -62,7 +65,16 @@ from psguard.trainer.variables import (
     unwrap,
     writable,
 )
-from psguard.trainer.write_tracking import DirtyRows, StepCounter, apply_hook, find_optimizers, write_hook
+from psguard.trainer.write_tracking import (
+    DirtyRows,
+    SlotGroup,
+    StepCounter,
+    apply_hook,
+    find_optimizers,
+    slot_groups,
+    update_hook,
+    write_hook,
+)
 
 __all__ = ["CaptureStats", "Capturer"]
 
@@ -150,7 +162,10 @@ class Capturer:
 
     - the optimizers' ``iterations`` moved by another amount than the hooked apply calls (a step function
       traced before this capturer hooked the variables, or a step that died half-way): nothing is missed;
-    - a shard was written by a dense write (``assign``..., Adam's moment decay: every row, every step);
+    - a shard was written by a dense write (``assign``..., AdamW's weight decay, Keras 3 Adam's updates), except
+      the decay of tf_keras Adam, AdamW and Adamax inside their update for a sparse gradient: it moves only rows
+      where the slots are not 0, which the slots' live rows (rows ever written sparsely, re-read from the
+      values whenever the shard is hashed whole) cover, so it marks those rows;
     - the capture is full, or every ``verify_every``-th capture (the safety net below);
     - ``probe_rows`` random rows of a shard (re-drawn at each capture) hold a change that was not marked.
 
@@ -457,6 +472,8 @@ class Capturer:
         optimizers, other = find_optimizers(self.root) if self.track_writes else ([], True)
         hooked = bool(optimizers) and not other
         new_hooks = False
+        groups = self._slot_groups(infos, optimizers) if hooked else []
+        slots = {id(slot) for _, _, members in groups for slot in members}
         tracked: dict[str, _Tracked] = {}
         for name, info in infos.items():
             if info.alias_of is not None:
@@ -472,10 +489,11 @@ class Capturer:
                 tr.dirty = None
             elif tr.dirty is None:
                 new_hooks = True
-                tr.dirty = [DirtyRows(s) for s in info.shards]
+                tr.dirty = [DirtyRows(s, slot=id(s.var) in slots) for s in info.shards]
                 for s, d in zip(info.shards, tr.dirty, strict=True):
                     for obj in s.chain or (s.var,):
                         write_hook(obj).targets.add(d)
+        self._link_groups(tracked, groups)
         aliased = {info.alias_of for info in infos.values() if info.alias_of is not None}
         for name, tr in tracked.items():
             tr.spill = (
@@ -506,6 +524,39 @@ class Capturer:
         self._build_functions()
 
     @staticmethod
+    def _slot_groups(
+        infos: Mapping[str, TensorInfo], optimizers: list[tuple[Any, str]]
+    ) -> list[tuple[tuple[int, Any], Any, list[Any]]]:
+        """(update key, variable shard, its slot shards) of every shard updated by a zero-preserving optimizer
+        (:func:`~psguard.trainer.write_tracking.slot_groups`), innermost variables, with the hook installed."""
+        candidates = [s.var for info in infos.values() if info.alias_of is None for s in info.shards]
+        out = []
+        for opt, _ in optimizers:
+            if update_hook(opt):
+                out += [
+                    (key, unwrap(var), [unwrap(x) for x in members])
+                    for key, var, members in slot_groups(opt, candidates)
+                ]
+        return out
+
+    @staticmethod
+    def _link_groups(tracked: Mapping[str, _Tracked], groups: list[tuple[tuple[int, Any], Any, list[Any]]]) -> None:
+        """Give every member of a group (the variable's shard and its slots' shards) the group's live rows.
+
+        A group is linked only when every slot's shard is row-tracked with live rows: a slot compared whole
+        has none, and the variable's dense writes then stay marked whole, as without groups."""
+        dirty = {
+            id(s.var): d for tr in tracked.values() if tr.dirty for s, d in zip(tr.info.shards, tr.dirty, strict=True)
+        }
+        for key, var, members in groups:
+            found = [dirty.get(id(x)) for x in (var, *members)]
+            if not members or any(d is None for d in found) or any(d.live is None for d in found[1:]):  # type: ignore[union-attr]
+                continue
+            group = SlotGroup(key, tuple(d.live for d in found[1:]))  # type: ignore[union-attr]
+            for d in found:
+                d.group = group  # type: ignore[union-attr]
+
+    @staticmethod
     def _fingerprint_var(shard: Shard, by_row: bool) -> Any:
         tf = lazy_tf()
         from tensorflow.python.ops import resource_variable_ops
@@ -529,7 +580,16 @@ class Capturer:
             row_bytes = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
             shards = tuple(_ShardPlan(str(s.device), s.rows) for s in info.shards)
             tensors.append(
-                _TensorPlan(tr.by_row, tr.spill, tr.dirty is not None, row_bytes, info.dtype, info.shape[1:], shards)
+                _TensorPlan(
+                    tr.by_row,
+                    tr.spill,
+                    tr.dirty is not None,
+                    tr.dirty is not None and tr.dirty[0].live is not None,
+                    row_bytes,
+                    info.dtype,
+                    info.shape[1:],
+                    shards,
+                )
             )
         counter = self._counter
         plan = _Plan(
@@ -573,7 +633,7 @@ class Capturer:
             dirty: list[DirtyRows | None] = list(tr.dirty) if tr.dirty is not None else [None] * len(tr.info.shards)
             shard_vars.append(
                 tuple(
-                    (s.var, fp, d.rows if d else None, d.whole if d else None)
+                    (s.var, fp, d.rows if d else None, d.whole if d else None, d.live if d else None)
                     for s, fp, d in zip(tr.info.shards, tr.fingerprints, dirty, strict=True)
                 )
             )
@@ -686,6 +746,7 @@ class _TensorPlan:
     by_row: bool
     spill: bool
     marks: bool  # written rows are marked beside each shard (write tracking)
+    live: bool  # a slot of a SlotGroup: its shards' live rows are refreshed whenever every row is hashed
     row_bytes: int  # bytes of one row (of the whole tensor when not tracked by row)
     dtype: Any  # numpy dtype
     tail: tuple[int, ...]  # the shape of a row
@@ -712,9 +773,9 @@ class _Plan:
     local: str
 
 
-#: Per shard, the variables the functions work on: (the shard, its fingerprints, dirty rows, dirty-all flag);
-#: the last two are None without write tracking.
-_ShardVars = tuple[Any, Any, Any, Any]
+#: Per shard, the variables the functions work on: (the shard, its fingerprints, dirty rows, dirty-all flag,
+#: live rows); the last three are None without write tracking, the last one for all but group slots.
+_ShardVars = tuple[Any, Any, Any, Any, Any]
 
 
 @dataclass
@@ -748,6 +809,15 @@ def _functions_for(plan: _Plan) -> _Functions:
         return fns
 
 
+def _nonzero_rows(rows: Any) -> Any:
+    """Per row, whether any of its bytes is not 0 (so -0.0 counts: a slot holding it is not at rest)."""
+    tf = lazy_tf()
+    flat = tf.reshape(rows, [tf.shape(rows)[0], -1])
+    if flat.dtype.is_floating:
+        flat = tf.bitcast(flat, {2: tf.int16, 4: tf.int32, 8: tf.int64}[flat.dtype.size])
+    return tf.reduce_any(tf.not_equal(flat, tf.zeros([], flat.dtype)), axis=1)
+
+
 def _make_functions(plan: _Plan) -> _Functions:
     tf = lazy_tf()
     chunk_bytes = plan.chunk_bytes
@@ -777,8 +847,9 @@ def _make_functions(plan: _Plan) -> _Functions:
         joined = hashes[0] if len(hashes) == 1 else tf.concat(hashes, axis=0)
         return tf.reshape(tf.bitcast(joined, tf.int64), [-1])
 
-    def all_fingerprints(t: _TensorPlan, s: _ShardPlan, var: Any) -> Any:
-        """Every row's fingerprint (the whole shard's for a tensor not tracked by row), on the shard's PS.
+    def all_fingerprints(t: _TensorPlan, s: _ShardPlan, var: Any, *, live: bool = False) -> tuple[Any, Any]:
+        """Every row's fingerprint (the whole shard's for a tensor not tracked by row), on the shard's PS, and
+        with ``live`` each row's :func:`nonzero_rows` (else None), from the same reads.
 
         Hashed in slices (see :func:`read_rows`), but in a loop rather than one op per slice: unrolled, the
         graph grew with the table (a 1 GB job's function had 3,000 ops), and with it the chief's memory (50 MB
@@ -788,33 +859,44 @@ def _make_functions(plan: _Plan) -> _Functions:
         step = max(1, chunk_bytes // max(t.row_bytes, 1))
         slices = -(-s.rows // step)
         if not t.by_row or slices <= _UNROLLED_SLICES:
-            return fingerprints(t, read_rows(t, s, var))
+            parts = read_rows(t, s, var)
+            nonzero = None
+            if live:
+                found = [_nonzero_rows(p) for p in parts]
+                nonzero = found[0] if len(found) == 1 else tf.concat(found, axis=0)
+            return fingerprints(t, parts), nonzero
 
-        def body(k: Any, out: Any) -> tuple[Any, Any]:
+        def body(k: Any, out: Any, nz: Any) -> tuple[Any, Any, Any]:
             with tf.device(s.device):  # a loop body's graph starts without a device
                 a = k * step
                 rows = var.sparse_read(tf.range(a, tf.minimum(a + step, s.rows), dtype=tf.int64))
                 fp = tf.reshape(tf.bitcast(tf.fingerprint(rows), tf.int64), [-1])
-                return k + 1, out.write(tf.cast(k, tf.int32), fp)
+                if live:
+                    nz = nz.write(tf.cast(k, tf.int32), _nonzero_rows(rows))
+                return k + 1, out.write(tf.cast(k, tf.int32), fp), nz
 
         with tf.device(s.device):
             out = tf.TensorArray(tf.int64, size=slices, infer_shape=False, element_shape=tf.TensorShape([None]))
-            _, out = tf.while_loop(
-                lambda k, _: k < slices,
+            nz = tf.TensorArray(tf.bool, size=slices if live else 0, infer_shape=False, element_shape=[None])
+            _, out, nz = tf.while_loop(
+                lambda k, *_: k < slices,
                 body,
-                (tf.constant(0, tf.int64), out),
+                (tf.constant(0, tf.int64), out, nz),
                 parallel_iterations=_PARALLEL_SLICES,
             )
-            return out.concat()
+            return out.concat(), (nz.concat() if live else None)
 
     def changed_all_rows(t: _TensorPlan, s: _ShardPlan, v: _ShardVars) -> Any:
-        """Ids of the rows whose bytes changed, hashing every row; stores the new fingerprints."""
-        var, fp_var = v[0], v[1]
+        """Ids of the rows whose bytes changed, hashing every row; stores the new fingerprints (and for a group
+        slot its live rows: the rows non-zero now)."""
+        var, fp_var, live = v[0], v[1], v[4]
         with tf.device(s.device):  # also inside a tf.cond branch, whose graph starts without a device
-            fp = all_fingerprints(t, s, var)
+            fp, nonzero = all_fingerprints(t, s, var, live=t.live)
             changed = tf.not_equal(fp, fp_var.read_value())
             with tf.control_dependencies([changed]):
                 fp_var.assign(fp)
+                if t.live:
+                    live.assign(nonzero)
             return tf.where(changed)[:, 0]
 
     def changed_marked_rows(t: _TensorPlan, s: _ShardPlan, v: _ShardVars) -> Any:
@@ -939,10 +1021,13 @@ def _make_functions(plan: _Plan) -> _Functions:
                 continue  # restore_parts fingerprinted them from the values it loaded
             for s, v in zip(t.shards, vs, strict=True):
                 with tf.device(s.device):
-                    v[1].assign(all_fingerprints(t, s, v[0]))
+                    fp, nonzero = all_fingerprints(t, s, v[0], live=t.live)
+                    v[1].assign(fp)
                     if t.marks:
                         v[2].assign(tf.zeros([s.rows], tf.bool))
                         v[3].assign(False)
+                    if t.live:
+                        v[4].assign(nonzero)
         with tf.device(local):
             return tf.identity(gap_now(counter, iterations))
 
@@ -1000,16 +1085,19 @@ def _load_function(fns: _Functions, which: tuple[tuple[int, int], ...]) -> Any:
         with tf.control_dependencies(values):
             for value, (i, j) in zip(values, which, strict=True):
                 t, s = plan.tensors[i], plan.tensors[i].shards[j]
-                var, fp_var, dirty_rows, dirty_whole = shard_vars[i][j]
+                var, fp_var, dirty_rows, dirty_whole, live = shard_vars[i][j]
                 with tf.device(s.device):
                     assigned = var.assign(value, read_value=False)
                     # The rebase, hashed from the variable once assigned: the assign is then the value's only
                     # reader and takes its buffer instead of copying it (1 GB over 2 PS: 2.1 s against 2.5 s).
                     with tf.control_dependencies([assigned]):
-                        fp_var.assign(tf.reshape(tf.bitcast(tf.fingerprint(var.read_value()), tf.int64), [-1]))
+                        now = var.read_value()
+                        fp_var.assign(tf.reshape(tf.bitcast(tf.fingerprint(now), tf.int64), [-1]))
                         if t.marks:
                             dirty_rows.assign(tf.zeros([s.rows], tf.bool))
                             dirty_whole.assign(False)
+                        if t.live:
+                            live.assign(_nonzero_rows(now))
 
     fn = tf.function(load, autograph=False)
     with _FUNCTIONS_LOCK:

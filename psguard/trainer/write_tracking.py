@@ -9,12 +9,25 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from psguard.trainer.variables import Shard, lazy_tf
 
-__all__ = ["DirtyRows", "StepCounter", "apply_hook", "find_optimizers", "write_hook"]
+__all__ = [
+    "DirtyRows",
+    "SlotGroup",
+    "StepCounter",
+    "apply_hook",
+    "find_optimizers",
+    "slot_groups",
+    "update_hook",
+    "write_hook",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +47,31 @@ _ND_WRITES = ("scatter_nd_add", "scatter_nd_sub", "scatter_nd_update", "scatter_
 _DENSE_WRITES = ("assign", "assign_add", "assign_sub", "batch_scatter_update", "_strided_slice_assign")
 
 
+@dataclass(frozen=True)
+class SlotGroup:
+    """A model variable's shard and its optimizer's slot shards, updated together by one ``update_step``.
+
+    ``key`` names the update (``(id(optimizer), var_key)``) whose dense writes only change rows where a slot is
+    non-zero (see :func:`slot_groups`); ``lives`` are those slots' :attr:`DirtyRows.live` variables.
+    """
+
+    key: tuple[int, Any]
+    lives: tuple[Any, ...]
+
+
 class DirtyRows:
     """Which rows of one shard were written since the last capture: a bool per row and a whole-shard flag.
 
     Both live on the shard's PS, set by the write hooks inside the training step itself, so marking costs
     a small scatter on the PS per sparse write and nothing travels to the chief.
+
+    A slot of a :class:`SlotGroup` (``slot=True``) also has ``live``: the rows where the slot may be non-zero.
+    Its sparse writes add their rows; a capture that hashes the whole shard sets it to the rows that are
+    non-zero then; any other write makes it every row (unknown until that next capture). Adam's moment decay
+    then marks the ``live`` rows of its group instead of the whole shard (:meth:`mark_group`).
     """
 
-    def __init__(self, shard: Shard) -> None:
+    def __init__(self, shard: Shard, *, slot: bool = False) -> None:
         tf = lazy_tf()
         from tensorflow.python.ops import resource_variable_ops
 
@@ -50,19 +80,75 @@ class DirtyRows:
                 tf.zeros([shard.rows], tf.bool), trainable=False, name="psguard_dirty_rows"
             )
             self.whole = resource_variable_ops.ResourceVariable(False, trainable=False, name="psguard_dirty_all")
+            # Every row until a capture has looked: the slot may already hold non-zero rows.
+            self.live = (
+                resource_variable_ops.ResourceVariable(
+                    tf.ones([shard.rows], tf.bool), trainable=False, name="psguard_live_rows"
+                )
+                if slot
+                else None
+            )
+        self.group: SlotGroup | None = None
 
-    def mark_rows(self, indices: Any) -> Any:
+    def mark_rows(self, indices: Any) -> list[Any]:
         from tensorflow.python.ops import gen_resource_variable_ops
 
         tf = lazy_tf()
         ids = tf.reshape(tf.cast(indices, tf.int64), [-1])
         # Raw ops on the handles: the marks must not go through (hooked) variable methods themselves.
-        return gen_resource_variable_ops.resource_scatter_update(self.rows.handle, ids, tf.ones_like(ids, tf.bool))
+        targets = [self.rows] if self.live is None else [self.rows, self.live]
+        return [
+            gen_resource_variable_ops.resource_scatter_update(v.handle, ids, tf.ones_like(ids, tf.bool))
+            for v in targets
+        ]
 
-    def mark_whole(self) -> Any:
+    def mark_whole(self) -> list[Any]:
         from tensorflow.python.ops import gen_resource_variable_ops
 
-        return gen_resource_variable_ops.assign_variable_op(self.whole.handle, lazy_tf().constant(True))
+        tf = lazy_tf()
+        marks = [gen_resource_variable_ops.assign_variable_op(self.whole.handle, tf.constant(True))]
+        if self.live is not None:
+            marks.append(self._fill_live())
+        return marks
+
+    def _fill_live(self) -> Any:
+        from tensorflow.python.ops import gen_resource_variable_ops
+
+        tf = lazy_tf()
+        assert self.live is not None
+        shape = gen_resource_variable_ops.variable_shape(self.live.handle)
+        return gen_resource_variable_ops.assign_variable_op(self.live.handle, tf.ones(shape, tf.bool))
+
+    def mark_group(self) -> list[Any]:
+        """Mark every row where a slot of this shard's group may be non-zero (a dense write of its update)."""
+        from tensorflow.python.ops import gen_resource_variable_ops
+
+        tf = lazy_tf()
+        assert self.group is not None
+        live = [gen_resource_variable_ops.read_variable_op(v.handle, tf.bool) for v in self.group.lives]
+        marked = gen_resource_variable_ops.read_variable_op(self.rows.handle, tf.bool)
+        for rows in live:
+            marked = tf.logical_or(marked, rows)
+        return [gen_resource_variable_ops.assign_variable_op(self.rows.handle, marked)]
+
+
+#: ``(id(optimizer), var_key)`` of the ``update_step`` calls running in this thread (see :func:`update_hook`).
+_updating = threading.local()
+
+
+def _current_update() -> tuple[int, Any] | None:
+    stack: list[tuple[int, Any]] | None = getattr(_updating, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextmanager
+def _in_update(key: tuple[int, Any]) -> Iterator[None]:
+    stack: list[tuple[int, Any]] = _updating.__dict__.setdefault("stack", [])
+    stack.append(key)
+    try:
+        yield
+    finally:
+        stack.pop()
 
 
 class _WriteHook:
@@ -88,13 +174,16 @@ class _WriteHook:
             marks: list[Any] = []
             if self.targets:
                 first = args[0] if args else next(iter(kwargs.values()), None)
+                update = _current_update()
                 for target in list(self.targets):
                     if name in _ROW_WRITES and isinstance(first, tf.IndexedSlices):
-                        marks.append(target.mark_rows(first.indices))
+                        marks += target.mark_rows(first.indices)
                     elif name in _ND_WRITES and first is not None:
-                        marks.append(target.mark_rows(tf.convert_to_tensor(first)[..., 0]))
+                        marks += target.mark_rows(tf.convert_to_tensor(first)[..., 0])
+                    elif update is not None and target.group is not None and target.group.key == update:
+                        marks += target.mark_group()
                     else:
-                        marks.append(target.mark_whole())
+                        marks += target.mark_whole()
             with tf.control_dependencies([] if tf.executing_eagerly() else marks):
                 return original(*args, **kwargs)
 
@@ -154,6 +243,74 @@ def apply_hook(optimizer: Any, method: str) -> _ApplyHook:
         hook = _ApplyHook(optimizer, method)
         object.__setattr__(optimizer, "_psguard_apply_hook", hook)
     return hook
+
+
+#: tf_keras optimizers whose ``update_step`` for a sparse gradient, apart from scatters into the gradient's rows,
+#: only writes densely in a way that leaves every row where all of the variable's slots are 0 as it was: the
+#: slots are decayed (``m - m * c``, ``u * c``, ``max(v_hat, v)``: 0 stays +0) and the variable moves by
+#: ``m * alpha / (sqrt(v) + eps)`` or ``lr * m / (c * (u + eps))``, which is +0 where ``m`` is (``x - 0 == x``
+#: bit for bit, -0.0 and NaN payloads included). Module, class, the attributes holding its slots (one list
+#: each, indexed like ``_index_dict``). This rests on positive finite hyperparameters (``epsilon > 0``): a NaN
+#: learning rate changes every row unmarked, which the capturer's probe of unmarked rows turns into a capture
+#: that hashes every row, as it does for any writer it does not know.
+_ZERO_PRESERVING = (
+    ("tf_keras.src.optimizers.adam", "Adam", ("_momentums", "_velocities", "_velocity_hats")),
+    ("tf_keras.src.optimizers.adamw", "AdamW", ("_momentums", "_velocities", "_velocity_hats")),
+    ("tf_keras.src.optimizers.adamax", "Adamax", ("_m", "_u")),
+)
+
+
+def _slot_attrs(optimizer: Any) -> tuple[str, ...] | None:
+    """The slot attributes of ``optimizer`` when it is one of :data:`_ZERO_PRESERVING`, with its update unchanged
+    (a subclass that overrides ``update_step`` may write anything)."""
+    for module, name, attrs in _ZERO_PRESERVING:
+        cls = getattr(sys.modules.get(module), name, None)
+        if cls is not None and isinstance(optimizer, cls) and type(optimizer).update_step is cls.update_step:
+            return attrs
+    return None
+
+
+def slot_groups(optimizer: Any, variables: list[Any]) -> list[tuple[tuple[int, Any], Any, list[Any]]]:
+    """For each of ``variables`` (shard objects) that ``optimizer`` updates as a :data:`_ZERO_PRESERVING` one:
+    (the key :func:`update_hook` marks its updates with, the variable, its slot variables)."""
+    attrs = _slot_attrs(optimizer)
+    if attrs is None:
+        return []
+    index: dict[Any, int] = getattr(optimizer, "_index_dict", {})
+    out: list[tuple[tuple[int, Any], Any, list[Any]]] = []
+    for var in variables:
+        try:
+            key = optimizer._var_key(var)
+        except (AttributeError, TypeError):
+            continue
+        i = index.get(key)
+        if i is None:
+            continue
+        slots = [getattr(optimizer, a)[i] for a in attrs if len(getattr(optimizer, a, ())) > i]
+        out.append(((id(optimizer), key), var, slots))
+    return out
+
+
+def update_hook(optimizer: Any) -> bool:
+    """Wrap a :data:`_ZERO_PRESERVING` optimizer's ``update_step``: its writes for a sparse gradient are made
+    with the update's key current, so the write hooks mark the group's live rows for its dense writes instead
+    of the whole shard. Whether ``optimizer`` is hooked (``False``: not one of those)."""
+    if "_psguard_update_hook" in optimizer.__dict__:
+        return True
+    if _slot_attrs(optimizer) is None:
+        return False
+    original = optimizer.update_step
+    owner = id(optimizer)
+
+    def hooked(gradient: Any, variable: Any, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(gradient, lazy_tf().IndexedSlices):
+            return original(gradient, variable, *args, **kwargs)  # dense: every row may move, marked whole
+        with _in_update((owner, original.__self__._var_key(variable))):
+            return original(gradient, variable, *args, **kwargs)
+
+    object.__setattr__(optimizer, "update_step", hooked)
+    object.__setattr__(optimizer, "_psguard_update_hook", True)
+    return True
 
 
 def _apply_method(obj: Any) -> str | None:
