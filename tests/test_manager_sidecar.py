@@ -7,7 +7,8 @@ itself is tested in test_agent.py); the trainer side is the manager over local v
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,10 @@ from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, Tier
 from psguard.store.log import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
 from psguard.trainer.variables import bitwise_equal
+from tests.test_agent import AgentProc, agents, write_cluster
 from tests.test_manager import assert_restores, make_local, snapshot, train_local
+
+__all__ = ["agents"]  # the fixture, imported for the tests below
 
 
 @dataclass
@@ -277,3 +281,50 @@ def test_a_url_missing_a_slash_is_refused_not_made_a_local_folder(
         Store.open("file:/tmp/x")
     assert list(tmp_path.iterdir()) == []
     Store.open("./s3:/bucket/job").close()  # said to be local: accepted
+
+
+# ------------------------------------------------------------------ one rule for new bases, whoever writes the log
+NEW_BASE_TRAINER = """
+import os, sys
+import numpy as np
+import tensorflow as tf
+import psguard
+
+table = tf.Variable(np.zeros((256, 8), np.float32))
+ckpt = tf.train.Checkpoint(table=table)
+manager = psguard.CheckpointManager(ckpt, os.environ["PSGUARD_STORE"], new_base_after=int(sys.argv[1]))
+for step in range(1, 8):
+    table.scatter_update(tf.IndexedSlices(tf.fill([1, 8], float(step)), tf.constant([step])))
+    manager.save(step).result(timeout=120)  # durable: the agent committed it
+manager.close()
+"""
+
+
+@pytest.mark.slow
+def test_new_base_after_is_honoured_when_the_agent_writes_the_log(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """The agent's own rule would make one base and six deltas (``max_chain`` 16); the trainer's
+    ``new_base_after=2`` travels with its captures and the agent's writer follows it, as the manager's own
+    writer does without an agent."""
+    cluster, _ = write_cluster(tmp_path)
+    script = tmp_path / "trainer.py"
+    script.write_text(NEW_BASE_TRAINER)
+    store_dir = tmp_path / "store"
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store_dir)]
+    args += ["--spool", str(tmp_path / "spool")]
+    agent = agents("chief", args, [sys.executable, str(script), "2"])
+    assert agent.wait_exit(300) == 0, agent.log()
+    with Store.open(str(store_dir)) as store:
+        made = [(i.step, i.kind, i.chain_length) for i in sorted(store.checkpoints(), key=lambda i: i.step)]
+        assert all(store.verify(cid).ok for cid in store.checkpoint_ids())
+    # a new base whenever the chain reached 2 deltas: full, delta, delta, full, ...
+    assert made == [
+        (1, "full", 0),
+        (2, "delta", 1),
+        (3, "delta", 2),
+        (4, "full", 0),
+        (5, "delta", 1),
+        (6, "delta", 2),
+        (7, "full", 0),
+    ], made

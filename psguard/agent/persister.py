@@ -13,7 +13,9 @@ layout change, when asked, or when the new-base policy (a :class:`~psguard.polic
 is long enough; otherwise a delta over the last durable checkpoint (changed rows, whole tensors that changed,
 ``Same`` for the rest). A new base is written from memory with ``dedup_against`` the previous checkpoint, so
 unchanged chunks are not uploaded again and nothing is read back from storage (cheaper than
-``Store.compact``, which rebuilds the chain from the log).
+``Store.compact``, which rebuilds the chain from the log). The commits themselves, the missing-parent rule and the
+retention are :class:`~psguard.store.durable.DurableWriter`'s, the same as the trainer's own writer; a trainer's
+``new_base_after`` travels with its captures (``NEW_BASE_KEY``) and replaces the agent's ``max_chain``.
 
 Failures: a failed save aborts its take (the dirty marks go back to the tier), fails the batch's handles with
 the store's error, is reported (status, event callback), and is retried on the next request or, with
@@ -39,14 +41,15 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from psguard.agent.memory_tier import DirtyTake, MemoryTier
 from psguard.agent.shards import ShardClient
 from psguard.config import from_data
-from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
-from psguard.handoff.contract import RETENTION_KEY, TOKEN_KEY
-from psguard.policy.engine import ChainLimit, Retention, SaveContext, SavePolicy, TierState
+from psguard.errors import NoCheckpointError, PsguardError, SaveError
+from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, TOKEN_KEY
+from psguard.policy.engine import ChainLimit, Retention, SaveContext, SavePolicy, TierState, Verdict, base_rule
+from psguard.store.durable import ChainState, DurableWriter
 from psguard.store.log import CheckpointInfo, Store
 
 __all__ = ["PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
@@ -156,6 +159,12 @@ class Persister:
         self.base_policy: SavePolicy = base_policy or ChainLimit(
             max_chain=max_chain, max_delta_percent=max_delta_percent
         )
+        self._max_delta_percent = max_delta_percent
+        #: The trainer's ``new_base_after`` (``NEW_BASE_KEY`` of its last commit), which replaces ``max_chain``.
+        self._trainer_rule: SavePolicy | None = None
+        # The log's rules (last commit, missing parent, new base, retention): the agent holds the whole state
+        # in its tier, so it rewrites bases from memory instead of compacting.
+        self.writer = DurableWriter(store, base_rule=self._base_rule, retention=_retention_asked, compact=False)
         self.retry_after = retry_after
         self.on_event = on_event
         self._cond = threading.Condition()
@@ -166,14 +175,7 @@ class Persister:
         self._retry_at: float | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
-        # durable chain state
-        self._last: CheckpointInfo | None = None
-        self._last_token: str | None = None
-        self._base_step: int | None = None
-        self._chain_length = 0
-        self._delta_bytes = 0
-        self._base_bytes = 0
-        self._force_base = False
+        self._last_token: str | None = None  # the memory-tier token of the last commit's state
         # counters
         self._written = 0
         self._bytes = 0
@@ -185,18 +187,14 @@ class Persister:
             self._adopt(last)
 
     def _adopt(self, last: CheckpointInfo) -> None:
-        """Take the chain state (links, delta bytes, base size) from the log, for the new-base policy."""
-        self._last = last
+        """Continue the chain of ``last`` (the checkpoint the tier was seeded from)."""
         self._last_token = last.metadata.get(TOKEN_KEY)
-        self._chain_length = last.chain_length
-        try:
-            chain = self.store.chain(last.id)
-            self._base_bytes = CheckpointInfo.of(chain[0]).logical_bytes
-            self._base_step = chain[0].step
-            self._delta_bytes = sum(sum(r.size for r in m.refs()) for m in chain[1:])
-        except PsguardError as e:
-            log.warning("could not read the chain of %s (%s); the next persist writes a new base", last.id, e)
-            self._force_base = True
+        self._follow_trainer(last)
+        self.writer.adopt(last)
+
+    @property
+    def _last(self) -> CheckpointInfo | None:
+        return self.writer.last
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> Persister:
@@ -258,7 +256,7 @@ class Persister:
                 lag_steps=None if mem is None else mem - (last_step if last_step is not None else 0),
                 pending_requests=self._pending.requests if self._pending else 0,
                 in_flight=self._in_flight is not None,
-                chain_length=self._chain_length,
+                chain_length=self.writer.state.chain_length,
                 checkpoints_written=self._written,
                 bytes_persisted=self._bytes,
                 failures=self._failures,
@@ -348,24 +346,7 @@ class Persister:
                 coalesced=batch.requests,
             )
         )
-        if fresh and info is not None:
-            self._retain(info)
         batch._future.set_result(info)
-
-    def _retain(self, info: CheckpointInfo) -> None:
-        """Apply the retention the trainer asked for with this checkpoint (``RETENTION_KEY``), if any."""
-        spec = info.metadata.get(RETENTION_KEY)
-        if not isinstance(spec, dict):
-            return
-        try:
-            retention = from_data(Retention, spec, source=f"{info.id}: {RETENTION_KEY}")
-        except ConfigError as e:
-            log.warning("ignoring a malformed retention request in %s: %s", info.id, e)
-            return
-        try:
-            self.store.retain(**retention.as_kwargs())
-        except PsguardError as e:
-            log.warning("retention after %s failed (retried after the next commit): %s", info.id, e)
 
     def _take(self, *, base: bool) -> tuple[DirtyTake | None, tuple[tuple[str, ...], str] | None]:
         """What the log lacks, from this tier and (with shards) from every PS agent's, at one capture's state."""
@@ -403,67 +384,61 @@ class Persister:
         metadata = dict(take.metadata)
         if take.token is not None:
             metadata[TOKEN_KEY] = take.token
+        write_parts = None
+        if parts is not None and self.shards is not None:
+            shards, (tasks, take_id) = self.shards, parts
+
+            def write_parts(dedup: str | None) -> Any:
+                return shards.write(tasks, take_id, dedup)
+
         try:
-            if parts is not None and self.shards is not None:
-                parent = None if take.base or last is None else last.id
-                dedup = last.id if last is not None else None
-                with self.store.begin_save(take.step, parent=parent, dedup_against=dedup) as tx:
-                    entries = self.shards.write(parts[0], parts[1], dedup)
-                    info = tx.commit(take.updates, parts=entries, metadata=metadata, metrics=take.metrics)
-                self.shards.finish(parts[0], parts[1], committed=True)
-            elif take.base or last is None:
-                info = self.store.save(
-                    take.step,
-                    take.updates,
-                    metadata=metadata,
-                    metrics=take.metrics,
-                    dedup_against=last.id if last else None,
-                )
-            else:
-                info = self.store.save(take.step, take.updates, parent=last.id, metadata=metadata, metrics=take.metrics)
-        except ParentMissingError:
-            take.abort()
-            log.warning(
-                "checkpoint %s is gone from %s; the next persist writes a new base",
-                last.id if last else None,
-                self.store.url,
+            info = self.writer.save(
+                take.step,
+                take.updates,
+                whole=take.base or last is None,
+                metadata=metadata,
+                metrics=take.metrics,
+                payload_bytes=take.payload_bytes,
+                parts=write_parts,
             )
-            with self._cond:
-                self._last = None
-                self._last_token = None
-            raise
         except BaseException:
             take.abort()
+            with self._cond:
+                if self.writer.last is None:  # its parent was gone: the writer forgot it
+                    self._last_token = None
             raise
+        if parts is not None and self.shards is not None:
+            self.shards.finish(parts[0], parts[1], committed=True)
         take.commit()
+        self._follow_trainer(info)
         with self._cond:
-            self._last = info
             self._last_token = take.token
-            if info.kind == "full":
-                self._force_base = False
-                self._chain_length = 0
-                self._delta_bytes = 0
-                self._base_bytes = take.logical_bytes
-                self._base_step = info.step
-            else:
-                self._chain_length = info.chain_length
-                self._delta_bytes += take.payload_bytes
             self._written += 1
             self._bytes += info.stored_bytes
             self._consecutive_failures = 0
         return info, True
 
     def _base_due(self) -> bool:
-        if self._last is None or self._force_base:
-            return True
-        context = SaveContext(
-            base=TierState(self._base_step),
-            chain_length=self._chain_length,
-            delta_bytes=self._delta_bytes,
-            base_bytes=self._base_bytes,
-        )
-        step = self.tier.step or 0
-        return bool(self.base_policy.should_save(step, time.time(), last=context.base, context=context))
+        return self.writer.base_due(self.tier.step or 0)
+
+    def _base_rule(self, chain: ChainState, step: int) -> bool:
+        return base_rule(self._trainer_rule or self.base_policy)(chain, step)
+
+    def _follow_trainer(self, info: CheckpointInfo) -> None:
+        """Take the trainer's ``new_base_after`` from its commit (``NEW_BASE_KEY``): with the agent's
+        ``max_delta_percent``, it replaces the agent's rule, so the setting means the same under an agent."""
+        spec = info.metadata.get(NEW_BASE_KEY)
+        if not isinstance(spec, dict):
+            return
+        limit = spec.get("max_chain")
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            log.warning("ignoring a malformed new-base request in %s: %r", info.id, spec)
+            return
+        chain = limit if limit > 0 else None
+        if chain is None and self._max_delta_percent is None:
+            self._trainer_rule = _NEVER
+            return
+        self._trainer_rule = ChainLimit(max_chain=chain, max_delta_percent=self._max_delta_percent)
 
     def _failed(self, batch: PersistHandle, error: Exception, take: DirtyTake | None, seconds: float) -> None:
         with self._cond:
@@ -510,6 +485,27 @@ class Persister:
             self.on_event(event)
         except Exception:
             log.exception("persister event callback failed (ignored)")
+
+
+class _Never:
+    """The new-base rule of a trainer that asked for none (``new_base_after=0``) when the agent has no size limit."""
+
+    def describe(self) -> str:
+        return "never"
+
+    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
+        return Verdict(False, "the trainer asked for no new bases (new_base_after=0)")
+
+
+_NEVER = _Never()
+
+
+def _retention_asked(info: CheckpointInfo) -> dict[str, Any] | None:
+    """The retention the trainer asked for with this checkpoint (``RETENTION_KEY``), if any."""
+    spec = info.metadata.get(RETENTION_KEY)
+    if not isinstance(spec, dict):
+        return None
+    return from_data(Retention, spec, source=f"{info.id}: {RETENTION_KEY}").as_kwargs()  # ConfigError: skipped
 
 
 def resume(store: Store, tier: MemoryTier, *, skip_sharded: bool = False) -> CheckpointInfo | None:

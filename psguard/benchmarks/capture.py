@@ -57,6 +57,7 @@ from typing import Any
 
 from psguard.benchmarks.common import alternate, median, print_results, progress
 from psguard.store.log import CheckpointInfo
+from psguard.trainer.sinks import NEW_BASE_AFTER
 
 MiB = 1 << 20
 #: adagrad/sgd: slots (if any) change only in the rows of the gradients; adam: its moments decay in every
@@ -462,7 +463,7 @@ def compaction(job: _Job) -> dict[str, Any]:
     store.compact(newest.id)
     seconds = time.perf_counter() - t0
     chain = newest.chain_length
-    every = job.psguard.new_base_after * job.cfg.save_interval
+    every = (job.psguard.new_base_after or NEW_BASE_AFTER) * job.cfg.save_interval
     progress(f"compaction of a chain of {chain} deltas into a new base: {seconds:.1f}s (background, every {every:g}s)")
     return {
         "psguard_compaction_seconds": seconds,

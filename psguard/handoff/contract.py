@@ -22,6 +22,7 @@ __all__ = [
     "EXIT_OK",
     "EXIT_RESTART",
     "HANG_DUMP_SIGNAL",
+    "NEW_BASE_KEY",
     "RETENTION_KEY",
     "STALL_KEY",
     "TOKEN_KEY",
@@ -82,6 +83,11 @@ TOKEN_KEY = "psguard.token"
 #: ``keep_checkpoint_every_n_hours``) when the agent writes the durable log for it: the writer applies it
 #: after each commit, as the manager does when it writes itself.
 RETENTION_KEY = "psguard.store.retention"
+
+#: Metadata key under which a trainer's CheckpointManager passes its ``new_base_after`` (when the user set it) to
+#: the agent that writes the durable log for it: ``{"max_chain": N}``, which replaces the agent's own ``max_chain``
+#: (``0``: never a new base by chain length). One rule, one setting, whichever process writes.
+NEW_BASE_KEY = "psguard.store.new_base"
 
 #: Metadata key of a capture: the training stall it cost in seconds (the agent's stall histogram).
 STALL_KEY = "capture_stall_seconds"

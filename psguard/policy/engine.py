@@ -32,6 +32,7 @@ import datetime
 import functools
 import logging
 import math
+import time
 import zoneinfo
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from croniter import croniter
 
 from psguard.config import Check, Duration, format_duration, invalid, validate
 from psguard.handoff.contract import Tier
+from psguard.store.durable import BaseRule, ChainState
 from psguard.store.retention import Candidate, select_kept
 
 __all__ = [
@@ -60,6 +62,7 @@ __all__ = [
     "TierState",
     "Verdict",
     "YoungDaly",
+    "base_rule",
     "young_daly_interval",
 ]
 
@@ -431,6 +434,20 @@ class ChainLimit:
         if self.max_delta_percent is not None:
             limits.append(f"deltas {percent:.0f}%/{self.max_delta_percent:g}% of the base")
         return Verdict(False, "chain limit: " + ", ".join(limits))
+
+
+def base_rule(policy: SavePolicy) -> BaseRule:
+    """``policy`` (a :class:`ChainLimit`, or a policy file's ``base:`` section) as the new-base rule of a
+    :class:`~psguard.store.durable.DurableWriter`: the same decision whichever process writes the log."""
+
+    def due(chain: ChainState, step: int) -> bool:
+        base = TierState(chain.base_step)
+        context = SaveContext(
+            base=base, chain_length=chain.chain_length, delta_bytes=chain.delta_bytes, base_bytes=chain.base_bytes
+        )
+        return bool(policy.should_save(step, time.time(), last=base, context=context))
+
+    return due
 
 
 def _min(values: Iterable[float | None]) -> Any:

@@ -56,7 +56,7 @@ from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
 from psguard.trainer.preemption import PreemptionHandler
 from psguard.trainer.restore_status import DeferredRestore, RestoreStatus, read_pending_parts
-from psguard.trainer.sinks import AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
+from psguard.trainer.sinks import NEW_BASE_AFTER, AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
 from psguard.trainer.spool_writer import SpoolWriter
 from psguard.trainer.variables import assign_existing, gather_variables, unwrap
 
@@ -67,7 +67,6 @@ tf: Any = import_optional("tensorflow")
 _TFCheckpointManager: Any = tf.train.CheckpointManager
 
 log = logging.getLogger(__name__)
-
 # The highest step each store directory's managers in this process saw (maybe_save/save). A manager built
 # after a failure (in-process rejoin) or the failing trainer's last report (exit_for_restart) compares it with
 # the step it restores to tell the agent how many steps were lost: the only party that knows both.
@@ -362,9 +361,10 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
       (``ClusterCoordinator(strategy)`` registers itself there), found at the first save or restore.
     - ``policy``: a :class:`~psguard.policy.engine.Schedule`, a policy file or preset name, used by
       :meth:`maybe_save`. A policy file is watched while the manager is open (``watch_policy``): an edit
-      changes the next decisions and the retention. ``new_base_after``: fold the delta chain into a new full
-      checkpoint (in the background, from storage, no stall) after this many deltas; a policy's ``base:``
-      section asks for new bases too.
+      changes the next decisions and the retention. ``new_base_after``: a new full checkpoint after this many
+      deltas (in the background, no stall; default 16). Under an agent the agent writes it from its memory tier
+      and this setting, when given, replaces the agent's ``max_chain``; a policy's ``base:`` section asks for
+      new bases too.
     - ``data_position``: a callable returning JSON (e.g. the number of batches consumed), stored with each
       checkpoint and returned by :attr:`restored_data_position` after a restore.
     - ``preemption``: install a SIGTERM handler: the next :meth:`maybe_save` saves at once, waits until it
@@ -399,7 +399,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         watch_policy: bool = True,
         storage_options: Mapping[str, Any] | None = None,
         data_position: Callable[[], Any] | None = None,
-        new_base_after: int = 16,
+        new_base_after: int | None = None,
         preemption: bool = False,
         store: Store | None = None,
         capturer_options: Mapping[str, Any] | None = None,
@@ -454,13 +454,15 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
             self._sink = StoreSink(
                 self.store,
                 retention=self._retention,
-                new_base_after=new_base_after,
+                new_base_after=NEW_BASE_AFTER,
                 on_parent_missing=self._forget_state,
             )
+        #: What the user set (``None``: the writer's default, NEW_BASE_AFTER or the agent's ``max_chain``).
         self._new_base_after = new_base_after
+        self._sink.set_new_base_after(new_base_after)
         self._hang_arg = hang
         self._steps = _StepClock()
-        if isinstance(self._sink, AgentSink):
+        if self._sink.supervised:
             # A hung trainer's agent asks for every thread's stack before it restarts it (the task log shows
             # where it was stuck). Only under an agent: a plain script keeps its own signal handling.
             faulthandler.register(HANG_DUMP_SIGNAL, all_threads=True, chain=False)
@@ -513,7 +515,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         (The memory tier is asked only before this manager's first save or restore: asking exports it.)
         """
         info = self.store.latest()
-        if info is not None or not isinstance(self._sink, AgentSink) or self._saves or self.restored is not None:
+        if info is not None or not self._sink.supervised or self._saves or self.restored is not None:
             return info.id if info else None  # the memory tier is asked only before this generation's first save
         memory = self._sink.memory_snapshot(self.restore_timeout)
         if memory is None:
@@ -556,14 +558,15 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         return self._retention()
 
     @property
-    def new_base_after(self) -> int:
+    def new_base_after(self) -> int | None:
+        """Deltas after which the chain gets a new base (``0``: only when a policy asks); ``None``: the
+        writer's default (16, or under an agent its ``max_chain``)."""
         return self._new_base_after
 
     @new_base_after.setter
-    def new_base_after(self, value: int) -> None:
+    def new_base_after(self, value: int | None) -> None:
         self._new_base_after = value
-        if isinstance(self._sink, StoreSink):
-            self._sink.new_base_after = value
+        self._sink.set_new_base_after(value)
 
     def save(
         self,
@@ -748,7 +751,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         keep the shards), whatever newer ones exist."""
         checkpoint = CheckpointInfo.of(self.store.manifest(checkpoint_id))
         by_task = self.capturer.spilled_by_task()
-        if by_task and isinstance(self._sink, AgentSink):
+        if by_task and self._sink.supervised:
             snap = self._sink.durable_snapshot(checkpoint_id, by_task, self.restore_timeout)
             info = RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
             if self._load(info, snap, status=True):
@@ -855,7 +858,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         now = time.time()
         self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
         log.info("restored %s (step %d) from the %s tier", info.id, info.step, info.source)
-        if isinstance(self._sink, AgentSink):  # under an agent: it counts the lost steps (psguard_lost_steps_total)
+        if self._sink.supervised:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
             report_recovery(info.step, seen_step=last_seen_step(self.directory), source=info.source)
         return info.id
 
@@ -866,7 +869,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         that fails anywhere (a damaged chunk a PS agent read, a missing tensor) is skipped for the next older.
         """
         by_task = self.capturer.spilled_by_task()
-        if not by_task or not isinstance(self._sink, AgentSink):
+        if not by_task or not self._sink.supervised:
             return None
         for checkpoint in sorted(self.store.checkpoints(), key=lambda c: (c.step, c.committed_at), reverse=True):
             try:

@@ -5,7 +5,8 @@ one sink, chosen when the manager is built:
 
 - :class:`StoreSink`: no agent on this node. A background thread commits each capture to the durable log,
   applies retention after each commit and folds a long delta chain into a new base (``Store.compact``, from
-  storage, no stall). Bounded: one job writing and at most one waiting; a save asked for while both places are
+  storage, no stall): the rules of :class:`~psguard.store.durable.DurableWriter`, as the agent's. Bounded: one
+  job writing and at most one waiting; a save asked for while both places are
   taken is folded into the waiting one (rows merged, later values win). A failed write keeps its rows for the
   next job, unless its parent is gone (then the next capture is whole).
 - :class:`AgentSink`: under ``psguard agent``. The capture is handed to the agent through the spool; the agent
@@ -28,17 +29,21 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
-from psguard.handoff.contract import RETENTION_KEY, STALL_KEY, Tier
+from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, STALL_KEY, Tier
 from psguard.handoff.parts import PartCapture, ShardKey
 from psguard.handoff.spool import Capture, Restored
-from psguard.policy.engine import ChainLimit, Retention, SaveContext, TierState
+from psguard.policy.engine import ChainLimit, Retention, base_rule
+from psguard.store.durable import ChainState, DurableWriter
 from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Rows, TensorUpdate, merge_updates
 from psguard.trainer.spool_writer import CaptureHandle, SpoolWriter
 
-__all__ = ["AgentSink", "Job", "MemoryCheckpoint", "SaveHandle", "Sink", "StoreSink"]
+__all__ = ["NEW_BASE_AFTER", "AgentSink", "Job", "MemoryCheckpoint", "SaveHandle", "Sink", "StoreSink"]
 
 log = logging.getLogger(__name__)
+
+#: Deltas after which the chain gets a new base when the manager sets none (the agent's ``max_chain`` default too).
+NEW_BASE_AFTER = 16
 
 BOTH = frozenset({Tier.MEMORY, Tier.DURABLE})
 
@@ -210,12 +215,26 @@ class Sink(Protocol):
         """After a restore: the next delta applies to this state."""
         ...
 
+    def set_new_base_after(self, deltas: int | None) -> None:
+        """The manager's ``new_base_after`` changed (``None``: the writer's default)."""
+        ...
+
     def heartbeat(self, step: int, hang_after: float | None) -> None:
         """The trainer made ``step`` (an agent judges hangs by it; without one, nobody listens)."""
         ...
 
+    @property
+    def supervised(self) -> bool:
+        """Whether an agent runs this process and writes the log for it (it counts lost steps, dumps stacks
+        of a hung trainer, and PS agents may keep the shards)."""
+        ...
+
     def memory_snapshot(self, timeout: float) -> Restored | None:
         """The agent's memory-tier snapshot, verified; ``None`` when there is none to be had."""
+        ...
+
+    def durable_snapshot(self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float) -> Restored:
+        """Every tier brought to durable ``checkpoint``, each PS's agent reading its own rows of ``shards``."""
         ...
 
     def wait(self, timeout: float | None) -> list[BaseException]:
@@ -223,14 +242,6 @@ class Sink(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-def _chain_due(limit: int, chain_length: int) -> bool:
-    """The one rule for a new base after ``limit`` links, shared with the agent's persister (ChainLimit)."""
-    if limit <= 0:
-        return False
-    context = SaveContext(chain_length=chain_length)
-    return ChainLimit(max_chain=limit).should_save(0, time.time(), last=TierState(), context=context).save
 
 
 class StoreSink:
@@ -248,8 +259,8 @@ class StoreSink:
         self.new_base_after = new_base_after
         self._retention = retention
         self._on_parent_missing = on_parent_missing
-        self._last_id: str | None = None
-        self._state_lock = threading.Lock()
+        # It only has the rows it captured: new bases are compacted in storage.
+        self.writer = DurableWriter(store, base_rule=self._base_due, retention=self._retention_spec, compact=True)
         self._cond = threading.Condition()
         self._waiting: Job | None = None
         self._carry: Job | None = None  # rows of a failed write, folded into the next job
@@ -287,11 +298,27 @@ class StoreSink:
             return self._busy or self._waiting is not None
 
     def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
-        with self._state_lock:
-            self._last_id = checkpoint_id
+        self.writer.adopt(checkpoint_id)
+
+    supervised = False
 
     def memory_snapshot(self, timeout: float) -> Restored | None:
         return None
+
+    def durable_snapshot(self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float) -> Restored:
+        raise ConfigError("shards kept by PS agents need an agent on this node; this manager writes the log itself")
+
+    def set_new_base_after(self, deltas: int | None) -> None:
+        self.new_base_after = NEW_BASE_AFTER if deltas is None else deltas
+
+    def _base_due(self, chain: ChainState, step: int) -> bool:
+        """``new_base_after`` (read at each decision: the manager's setter changes it) as the writer's rule."""
+        limit = self.new_base_after
+        return limit > 0 and base_rule(ChainLimit(max_chain=limit))(chain, step)
+
+    def _retention_spec(self, info: CheckpointInfo) -> dict[str, Any] | None:
+        retention = self._retention()
+        return retention.as_kwargs() if retention is not None else None
 
     def heartbeat(self, step: int, hang_after: float | None) -> None:
         pass  # no agent watches this process
@@ -330,9 +357,7 @@ class StoreSink:
             except BaseException as e:  # the handles carry it to the caller
                 log.error("checkpoint write failed: %s", e)
                 keep = not isinstance(e, ParentMissingError)
-                if not keep:
-                    with self._state_lock:
-                        self._last_id = None
+                if not keep:  # the writer forgot its parent: the next capture must be whole
                     self._on_parent_missing()
                 for h in job.handles:
                     h.future.set_exception(e)
@@ -349,32 +374,14 @@ class StoreSink:
                     self._cond.notify_all()
 
     def _persist(self, job: Job) -> CheckpointInfo:
-        with self._state_lock:
-            parent = None if job.full else self._last_id
-        if not job.full and parent is None:
-            raise ParentMissingError(
-                f"step {job.step}: a delta without a checkpoint to build on (the next save is whole)"
-            )
-        info = self.store.save(job.step, job.updates, parent=parent, metadata=job.metadata, metrics=job.metrics)
-        with self._state_lock:
-            self._last_id = info.id
-        if info.kind == "delta" and (
-            Tier.BASE in job.tiers or _chain_due(self.new_base_after, self.store.manifest(info.id).chain_length)
-        ):
-            try:
-                compacted = self.store.compact(info.id)
-                if compacted is not None:
-                    with self._state_lock:
-                        self._last_id = compacted.id
-            except PsguardError as e:
-                log.warning("compaction after %s failed (the chain grows on): %s", info.id, e)
-        retention = self._retention()
-        if retention is not None:
-            try:
-                self.store.retain(**retention.as_kwargs())
-            except PsguardError as e:
-                log.warning("retention failed (will retry after the next save): %s", e)
-        return info
+        return self.writer.save(
+            job.step,
+            job.updates,
+            whole=job.full,
+            new_base=Tier.BASE in job.tiers,
+            metadata=job.metadata,
+            metrics=job.metrics,
+        )
 
 
 class AgentSink:
@@ -387,6 +394,7 @@ class AgentSink:
         self.store = store
         self.restore_timeout = restore_timeout
         self._retention = retention
+        self._new_base_after: int | None = None
         self._lock = threading.Lock()
         self._pending: list[_AgentSaveHandle] = []  # handed off since the last wait
         self._errors: list[BaseException] = []  # failures of handles swept before a wait
@@ -403,6 +411,8 @@ class AgentSink:
         retention = self._retention()
         if retention is not None:  # the agent writes the log: it applies our retention after each commit
             metadata[RETENTION_KEY] = retention.as_kwargs()
+        if self._new_base_after is not None:  # one rule with one setting: it replaces the agent's max_chain
+            metadata[NEW_BASE_KEY] = {"max_chain": self._new_base_after}
         spooled = self.spool.submit(Capture(job.step, job.updates, metadata, job.tiers, job.metrics, job.parts))
         handle = _AgentSaveHandle(job.step, stall_seconds, spooled, self.store)
         with self._lock:
@@ -434,8 +444,13 @@ class AgentSink:
     def in_flight(self) -> bool:
         return False  # handed off: the agent finishes it whether or not this process lives
 
+    supervised = True
+
     def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
         self.spool.parent = token  # the next delta applies to exactly this state (None: send it whole)
+
+    def set_new_base_after(self, deltas: int | None) -> None:
+        self._new_base_after = deltas  # sent with each capture, for the agent's writer
 
     def heartbeat(self, step: int, hang_after: float | None) -> None:
         self.spool.heartbeat(step, hang_after)

@@ -1,0 +1,126 @@
+"""The one durable writer (psguard.store.durable): the rules both the trainer's writer and the agent's persister
+follow, on a real local store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from psguard.errors import ConfigError, ParentMissingError
+from psguard.policy.engine import ChainLimit, base_rule
+from psguard.store.durable import ChainState, DurableWriter
+from psguard.store.log import CheckpointInfo, Store
+from psguard.store.manifest import manifest_key
+from psguard.tensors import Full, Rows, TensorUpdate
+
+ROWS = 64
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    s = Store.open(str(tmp_path / "store"))
+    yield s
+    s.close()
+
+
+def whole(table: np.ndarray) -> dict[str, TensorUpdate]:
+    return {"table": Full(table.copy())}
+
+
+def delta(table: np.ndarray, step: int) -> dict[str, TensorUpdate]:
+    ids = np.array([step % ROWS], np.int64)
+    table[ids] = float(step)
+    return {"table": Rows(ids, table[ids].copy(), table.shape)}
+
+
+def no_retention(info: CheckpointInfo) -> None:
+    return None
+
+
+def test_a_delta_needs_a_parent_and_a_lost_parent_makes_the_next_save_whole(store: Store) -> None:
+    writer = DurableWriter(store, base_rule=lambda c, s: False, retention=no_retention, compact=True)
+    table = np.zeros((ROWS, 4), np.float32)
+    with pytest.raises(ParentMissingError, match="without a checkpoint to build on"):
+        writer.save(1, delta(table, 1), whole=False)
+    first = writer.save(1, whole(table), whole=True)
+    second = writer.save(2, delta(table, 2), whole=False)
+    assert second.parent == first.id and writer.last == second and writer.state.chain_length == 1
+    store.backend.delete(manifest_key(second.id))  # gone behind the writer's back (another writer's gc, say)
+    with pytest.raises(ParentMissingError):
+        writer.save(3, delta(table, 3), whole=False)
+    assert writer.last is None and writer.base_due(3)  # forgotten: the next save must be whole
+    third = writer.save(3, whole(table), whole=True)
+    np.testing.assert_array_equal(store.load(third.id)["table"], table)
+
+
+def test_a_compacting_writer_folds_the_chain_when_the_rule_says_and_builds_on_the_new_base(store: Store) -> None:
+    rule = base_rule(ChainLimit(max_chain=2))
+    writer = DurableWriter(store, base_rule=rule, retention=no_retention, compact=True)
+    table = np.zeros((ROWS, 4), np.float32)
+    writer.save(1, whole(table), whole=True)
+    writer.save(2, delta(table, 2), whole=False)
+    folded = writer.save(3, delta(table, 3), whole=False)  # the second link made the rule fire: compacted
+    assert folded.kind == "full" and folded.step == 3 and writer.state.chain_length == 0
+    nxt = writer.save(4, delta(table, 4), whole=False)
+    assert nxt.parent == folded.id
+    asked = writer.save(5, delta(table, 5), whole=False, new_base=True)  # the caller's policy asked for a base
+    assert asked.kind == "full"
+    np.testing.assert_array_equal(store.load(asked.id)["table"], table)
+
+
+def test_a_rewriting_writer_only_says_when_a_base_is_due(store: Store) -> None:
+    """The agent holds the whole state: it writes the base itself, nothing is compacted behind it."""
+    seen: list[ChainState] = []
+
+    def rule(chain: ChainState, step: int) -> bool:
+        seen.append(chain)
+        return base_rule(ChainLimit(max_chain=2, max_delta_percent=None))(chain, step)
+
+    writer = DurableWriter(store, base_rule=rule, retention=no_retention, compact=False)
+    table = np.zeros((ROWS, 4), np.float32)
+    assert writer.base_due(1)  # nothing to build on
+    writer.save(1, whole(table), whole=True)
+    assert not writer.base_due(2)
+    writer.save(2, delta(table, 2), whole=False, payload_bytes=100)
+    writer.save(3, delta(table, 3), whole=False, payload_bytes=100)
+    assert [c.kind for c in store.checkpoints()] == ["full", "delta", "delta"]  # not compacted
+    assert writer.base_due(4) and seen[-1].chain_length == 2 and seen[-1].delta_bytes == 200
+    assert writer.save(4, whole(table), whole=True).kind == "full"
+    assert not writer.base_due(5)
+
+
+def test_retention_follows_each_commit_and_a_bad_request_skips_only_the_retention(store: Store) -> None:
+    def keep_two(info: CheckpointInfo) -> dict[str, Any] | None:
+        if info.step == 4:
+            raise ConfigError("a malformed retention request")
+        return {"keep_last": 2, "keep_every_hours": None}
+
+    writer = DurableWriter(store, base_rule=lambda c, s: True, retention=keep_two, compact=False)
+    table = np.zeros((ROWS, 4), np.float32)
+    for step in range(1, 5):
+        writer.save(step, whole(table), whole=True)
+    assert sorted(i.step for i in store.checkpoints()) == [2, 3, 4]  # step 4's retention was skipped
+    writer.save(5, whole(table), whole=True)
+    assert sorted(i.step for i in store.checkpoints()) == [4, 5]
+
+
+def test_adopting_a_checkpoint_reads_its_chain_on_the_writers_next_decision(store: Store) -> None:
+    table = np.zeros((ROWS, 4), np.float32)
+    first = DurableWriter(store, base_rule=lambda c, s: False, retention=no_retention, compact=True)
+    first.save(1, whole(table), whole=True)
+    first.save(2, delta(table, 2), whole=False)
+    last = first.save(3, delta(table, 3), whole=False)
+
+    successor = DurableWriter(store, base_rule=base_rule(ChainLimit(max_chain=3)), retention=no_retention, compact=True)
+    successor.adopt(last.id)  # by id, as after a restore: nothing is read yet
+    assert successor.last is None
+    assert not successor.base_due(4)  # the read: two links, limit three
+    assert successor.last == last and successor.state.chain_length == 2 and successor.state.base_step == 1
+    folded = successor.save(4, delta(table, 4), whole=False)
+    assert folded.kind == "full"  # the third link: compacted
+    successor.adopt("no-such-checkpoint")
+    assert successor.base_due(5) and successor.last is None
