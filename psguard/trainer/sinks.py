@@ -28,7 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
+from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, STALL_KEY, Tier
 from psguard.handoff.parts import PartCapture, ShardKey
 from psguard.handoff.spool import Capture, Restored
@@ -356,8 +356,10 @@ class StoreSink:
                 info = self._persist(job)
             except BaseException as e:  # the handles carry it to the caller
                 log.error("checkpoint write failed: %s", e)
-                keep = not isinstance(e, ParentMissingError)
-                if not keep:  # the writer forgot its parent: the next capture must be whole
+                # Without a last commit (its parent was gone, or nothing was ever committed) a delta cannot be
+                # carried over: the next capture must be whole.
+                keep = self.writer.last is not None
+                if not keep:
                     self._on_parent_missing()
                 for h in job.handles:
                     h.future.set_exception(e)
