@@ -47,7 +47,7 @@ from psguard.config import from_data
 from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
 from psguard.handoff.contract import RETENTION_KEY, TOKEN_KEY
 from psguard.policy.engine import ChainLimit, Retention, SaveContext, SavePolicy, TierState
-from psguard.store.log import CheckpointInfo, Store
+from psguard.store import CheckpointInfo, Store
 
 __all__ = ["PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
 

@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from psguard.benchmarks.common import alternate, median, print_results, progress
-from psguard.store.log import CheckpointInfo
+from psguard.store import CheckpointInfo
 
 MiB = 1 << 20
 #: adagrad/sgd: slots (if any) change only in the rows of the gradients; adam: its moments decay in every
