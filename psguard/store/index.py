@@ -135,7 +135,7 @@ class Index:
         return out
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest checkpoint whose manifest reads (chunks not checked: see :meth:`load_latest`)."""
+        """The newest checkpoint whose manifest reads (chunks not checked: see :meth:`Store.load_latest`)."""
         for cid in self.newest_first():
             try:
                 return CheckpointInfo.of(self.manifest(cid))
@@ -144,6 +144,7 @@ class Index:
         return None
 
     def newest_first(self) -> list[str]:
+        """Checkpoint ids, newest step first: the order a restore tries them in."""
         ids = self.checkpoint_ids()
         # Same step: later commit first (a compaction re-commits a step as a full checkpoint).
         by_step: dict[int, list[str]] = {}

@@ -94,6 +94,7 @@ class Reader:
     def read_chain_rows(
         self, chain: Sequence[Manifest], name: str, start: int, stop: int, verify_hash: bool
     ) -> np.ndarray:
+        """:meth:`read_rows` of a chain already read (compaction reads a sharded tensor a part at a time)."""
         checkpoint_id = chain[-1].id
         target = chain[-1].tensors[name]
         if not target.shape:
@@ -203,6 +204,7 @@ class Reader:
             out[ids[mask] - start] = rows[mask]
 
     def materialise(self, chain: Sequence[Manifest], name: str, verify_hash: bool) -> np.ndarray:
+        """Tensor ``name`` of ``chain[-1]``: its newest whole value in the chain, then every later entry applied."""
         start = self._start_of(chain, name, lambda e: e.whole)
         value = self._read_whole(chain[start], name, verify_hash)
         for m in chain[start + 1 :]:
@@ -250,6 +252,7 @@ class Reader:
                         part[ids] = rows
 
     def dtype_of(self, m: Manifest, name: str, entry: TensorEntry) -> np.dtype[Any]:
+        """The entry's dtype; one no reader knows makes the checkpoint corrupt."""
         try:
             return dtype_from_name(entry.dtype)
         except ValueError as e:

@@ -151,8 +151,7 @@ class Writer:
             except Exception as e:
                 raise SaveError(f"saving step {step} to {self.url} failed: {e}") from e
         except BaseException:
-            self._tx_thread = None
-            self._save_lock.release()
+            self.end_transaction()
             raise
         return SaveTransaction(self, cid, step, parent, parent_m, lease, keeper, known)
 
@@ -284,6 +283,7 @@ class Writer:
         return dtype, shape, "rows", list(writer.submit_rows(ids, update.values, self.chunk_bytes))
 
     def known_chunks(self, parent: str) -> set[str]:
+        """The hashes of every chunk of ``parent``'s chain: what a save on it need not upload again."""
         known: set[str] = set()
         for m in self.index.chain(parent):
             known.update(r.hash for r in m.refs())
