@@ -24,7 +24,7 @@ from psguard.agent.memory_tier import MemoryTier
 from psguard.agent.persister import Persister, resume
 from psguard.agent.spool_server import SpoolServer
 from psguard.policy.engine import EverySteps, Schedule
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.testbed.cluster import LocalCluster
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
 from psguard.trainer.manager import CheckpointManager

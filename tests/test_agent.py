@@ -593,7 +593,7 @@ def trainer(tmp_path: Path) -> Callable[..., list[str]]:
 def test_chief_agent_double_writes_and_a_killed_agent_leaves_no_torn_checkpoint(
     tmp_path: Path, agents: Callable[..., AgentProc], trainer: Callable[..., list[str]]
 ) -> None:
-    from psguard.store.log import Store
+    from psguard.store import Store
 
     cluster, spec = write_cluster(tmp_path)
     store_dir, spool_dir, out = tmp_path / "store", tmp_path / "spool", tmp_path / "out"
@@ -708,7 +708,7 @@ def test_a_new_trainer_generation_restarts_the_ps_servers_first(
 def test_sigterm_stops_the_trainer_gracefully_and_drains_the_persister(
     tmp_path: Path, agents: Callable[..., AgentProc], trainer: Callable[..., list[str]]
 ) -> None:
-    from psguard.store.log import Store
+    from psguard.store import Store
 
     cluster, _ = write_cluster(tmp_path)
     store_dir = tmp_path / "store"
@@ -1047,7 +1047,7 @@ def test_end_to_end_five_faults_in_sequence_each_recovered_as_it_should(
     4. kill -9 of the trainer: its agent restarts it; it restores from the memory tier; fresh PS servers.
     5. kill -9 of the chief's agent mid-training: no torn checkpoint; a new agent; training completes.
     """
-    from psguard.store.log import Store
+    from psguard.store import Store
 
     job = E2E(tmp_path, agents, "inprocess", E2E_CHAIN_TARGET, faults=5)
 

@@ -22,7 +22,7 @@ from psguard.chaos.nemesis import damage_chunk
 from psguard.chaos.scenario import Scenario, load_scenario
 from psguard.config import from_data
 from psguard.errors import ConfigError
-from psguard.store.log import Store
+from psguard.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 T = "trainer-100"

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from psguard import cli
-from psguard.store.log import Store
+from psguard.store import Store
 
 
 def psguard(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -12,8 +12,8 @@ import pytest
 
 from psguard.errors import ConfigError, ParentMissingError
 from psguard.policy.engine import ChainLimit, base_rule
+from psguard.store import CheckpointInfo, Store
 from psguard.store.durable import ChainState, DurableWriter
-from psguard.store.log import CheckpointInfo, Store
 from psguard.store.manifest import manifest_key
 from psguard.tensors import Full, Rows, TensorUpdate
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from psguard.store.log import Store
+from psguard.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "integrations" / "examples"

@@ -25,7 +25,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import sharded_variable
 
 from psguard.errors import TensorMismatchError
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.store.manifest import chunk_key
 from psguard.trainer.follower import Follower
 from psguard.trainer.manager import CheckpointManager

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from psguard import cli
 from psguard.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, PsguardError
 from psguard.handoff.spool import Capture, read_capture, write_capture_files
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.store.manifest import manifest_key, parse_manifest
 from psguard.tensors import Full, Rows, Same
 

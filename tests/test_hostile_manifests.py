@@ -23,7 +23,7 @@ import pytest
 
 from psguard import cli
 from psguard.errors import ConfigError, CorruptCheckpointError
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.store.manifest import manifest_key, parse_manifest
 from psguard.tensors import Rows
 
@@ -115,7 +115,7 @@ def test_a_hostile_manifest_is_corrupt_everywhere_and_restore_falls_back(
         parse_manifest((root / manifest_key(bad)).read_bytes(), expected_id=bad)
     assert raised.value.checkpoint == bad
 
-    with caplog.at_level(logging.WARNING, logger="psguard.store.log"), Store.open(str(root)) as store:
+    with caplog.at_level(logging.WARNING, logger="psguard.store.reader"), Store.open(str(root)) as store:
         loaded = store.load_latest()
         assert loaded.info.id == good and loaded.info.step == 10
         assert [p.checkpoint for p in loaded.skipped] == [bad] and why in loaded.skipped[0].message
@@ -219,7 +219,7 @@ def test_a_hostile_journal_entry_is_skipped_with_a_warning(
 ) -> None:
     root, good, bad = _store(tmp_path)
     (root / "journal" / "000000000099.json").write_bytes(entry)
-    with caplog.at_level(logging.WARNING, logger="psguard.store.log"), Store.open(str(root)) as store:
+    with caplog.at_level(logging.WARNING, logger="psguard.store.writer"), Store.open(str(root)) as store:
         assert [j["id"] for j in store.journal()] == [good, bad]
     assert "skipping journal entry journal/000000000099.json" in caplog.text
 

@@ -45,7 +45,7 @@ import pytest
 
 from psguard.handoff.client import http_json
 from psguard.handoff.credentials import create_token_file
-from psguard.store.log import Store
+from psguard.store import Store
 
 ROOT = Path(__file__).resolve().parents[1]
 JOBS = ROOT / "tests" / "jobs"

@@ -31,7 +31,7 @@ import tf_keras
 
 from psguard.errors import ConfigError
 from psguard.policy.engine import AnyOf, EveryInterval, EverySteps, Schedule
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.keras import CheckpointCallback, FitPosition, KerasSupportError
 from psguard.trainer.manager import CheckpointManager

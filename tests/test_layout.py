@@ -100,7 +100,7 @@ def test_import_rules(side: str, forbidden: tuple[str, ...]) -> None:
 
 def test_the_store_does_not_import_tensorflow() -> None:
     loaded = loaded_after("import psguard.store, psguard.store.cli; import sys; assert 'tensorflow' not in sys.modules")
-    assert "psguard.store.log" in loaded
+    assert "psguard.store.facade" in loaded
 
 
 def test_nothing_outside_the_chaos_harness_imports_it() -> None:

@@ -27,7 +27,7 @@ from psguard.policy.engine import EverySteps, Schedule
 from psguard.storage import RetryConfig, open_backend
 from psguard.storage.base import Backend, Buffer
 from psguard.storage.retry import RetryingBackend
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, export_checkpoint
 from psguard.trainer.manager import CheckpointManager

@@ -28,7 +28,7 @@ from psguard.errors import SaveError
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import EverySteps, Retention, Schedule
 from psguard.storage import open_backend
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
 from tests.conftest import lone_chief_agent
 from tests.test_manager import GatedBackend, make_local, train_local

@@ -23,7 +23,7 @@ from psguard.agent.persister import Persister, resume
 from psguard.agent.spool_server import SpoolServer
 from psguard.errors import ConfigError
 from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, Tier
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
 from psguard.trainer.variables import bitwise_equal
 from tests.test_agent import AgentProc, agents, write_cluster

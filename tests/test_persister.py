@@ -23,7 +23,7 @@ from psguard.policy.engine import ChainLimit
 from psguard.storage.base import Buffer
 from psguard.storage.local import LocalBackend
 from psguard.storage.memory import MemoryBackend, drop
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.store.manifest import manifest_key
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 

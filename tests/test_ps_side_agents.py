@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from psguard.store.log import Store
+from psguard.store import Store
 from tests import test_agent
 from tests.test_agent import AgentProc, wait_until, write_cluster
 

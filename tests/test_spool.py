@@ -27,7 +27,7 @@ from psguard.agent.spool_server import SpoolEvent, SpoolServer
 from psguard.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.contract import Tier
 from psguard.handoff.spool import Capture, NeedFullCaptureError, default_spool_dir, read_capture
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.spool_writer import SpoolWriter
 

@@ -12,6 +12,7 @@ import struct
 import subprocess
 import sys
 import termios
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ import pytest
 from psguard import cli, progress
 from psguard.storage.base import Backend
 from psguard.storage.metered import MeteredBackend
-from psguard.store import log
-from psguard.store.log import Store
+from psguard.store import Store, facade
+from psguard.store import verify as verify_module
+from psguard.store.index import Index
 from psguard.store.manifest import CHUNK_PREFIX, chunk_key
 from psguard.tensors import Rows
 
@@ -260,13 +262,13 @@ def test_verify_streams_verdicts_and_shows_plain_progress_off_a_terminal(
     url, ids = populated
     monkeypatch.setattr(progress, "PLAIN_INTERVAL", 0.0)  # a line on every read: the store is tiny
     printed_before: list[str] = []
-    verify = Store._verify
+    verify = verify_module.verify_checkpoint
 
-    def spy(self: Store, cid: str, cache: dict[str, str | None] | None) -> Any:
+    def spy(index: Index, pool: ThreadPoolExecutor, cid: str, cache: dict[str, str | None] | None) -> Any:
         printed_before.append(capsys.readouterr().out)
-        return verify(self, cid, cache)
+        return verify(index, pool, cid, cache)
 
-    monkeypatch.setattr(Store, "_verify", spy)
+    monkeypatch.setattr(verify_module, "verify_checkpoint", spy)
     assert cli.main(["verify", url]) == 0
     out, err = capsys.readouterr()
     # each verdict was on stdout before the next checkpoint's verification began
@@ -382,13 +384,13 @@ def test_verify_reads_each_chunk_once_however_many_chains_share_it(
             ids.append(s.save(step, upd, parent=ids[-1]).id)
     stored = sum(p.stat().st_size for p in (Path(url) / CHUNK_PREFIX).rglob("*") if p.is_file())
     opened: list[CountingBackend] = []
-    open_backend = log.open_backend
+    open_backend = facade.open_backend
 
     def counting(*a: Any, **kw: Any) -> Backend:
         opened.append(CountingBackend(open_backend(*a, **kw)))
         return opened[-1]
 
-    monkeypatch.setattr(log, "open_backend", counting)
+    monkeypatch.setattr(facade, "open_backend", counting)
     with Store.open(url) as s:  # before: each checkpoint verified on its own, its whole chain read again
         assert all(s.verify(cid).ok for cid in ids)
     before = opened[-1].chunk_bytes_read

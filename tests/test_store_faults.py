@@ -17,7 +17,7 @@ from psguard.errors import StorageUnavailableError
 from psguard.storage import RetryConfig, open_backend
 from psguard.storage.base import Backend, Buffer
 from psguard.storage.retry import RetryingBackend
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.store.manifest import CHUNK_PREFIX
 from tests.conftest import allow_new_children
 from tests.storage_targets import Target, make_target

@@ -27,8 +27,8 @@ from psguard.errors import PsguardError
 from psguard.storage import RetryConfig, open_backend
 from psguard.storage.base import Backend, Buffer
 from psguard.storage.retry import RetryingBackend
-from psguard.store.lease import Lease, read_lease
-from psguard.store.log import GC_LOCK, Store
+from psguard.store import Store
+from psguard.store.lease import GC_LOCK, Lease, read_lease
 from psguard.store.manifest import CHUNK_PREFIX, LOCK_PREFIX
 from tests.storage_targets import Target, make_target
 
@@ -108,6 +108,9 @@ class SkewedClock:
 
     def monotonic(self) -> float:
         return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.store.manifest import chunk_key
 from psguard.tensors import Rows
 from tests.storage_targets import Target, make_target

@@ -22,7 +22,8 @@ from psguard.errors import (
     UnsupportedFormatError,
 )
 from psguard.storage import Backend, RetryConfig, open_backend
-from psguard.store.log import Store
+from psguard.store import Store
+from psguard.store.lease import acquire_writer_lease
 from psguard.store.manifest import CHUNK_PREFIX, chunk_key, manifest_key
 from psguard.tensors import Full, Rows, Same
 from tests.storage_targets import BACKENDS, Target, make_target
@@ -333,7 +334,7 @@ def test_gc_refuses_retention_that_keeps_nothing(store: Store) -> None:
 def test_gc_defers_chunk_deletion_while_a_writer_is_active(store: Store) -> None:
     a = store.save(0, {"x": np.ones(100, np.float32)})
     b = store.save(1, {"x": np.zeros(100, np.float32)})
-    lease, keeper = store._acquire_writer_lock("000000000002-00000000", b.id)
+    lease, keeper = acquire_writer_lease(store.backend, "000000000002-00000000", b.id, store.lock_ttl)
     try:
         report = store.gc(keep_last=1)
         assert report.deleted_checkpoints == (a.id,)

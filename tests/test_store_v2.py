@@ -579,6 +579,9 @@ class _SkewedClock:
     def monotonic(self) -> float:
         return time.monotonic()
 
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
 
 # ----------------------------------------------------------------------------------------------- compaction
 def test_compact_a_v2_chain(stores: tuple[Store, list[Store]], url: str) -> None:
@@ -606,13 +609,13 @@ def test_compact_a_v2_chain(stores: tuple[Store, list[Store]], url: str) -> None
     # One part (in the newest partitioning: 3 x 40 rows) materialised at a time, each once, while the writer's
     # chunks of 7 rows straddle the parts' edges.
     reads: list[tuple[int, int]] = []
-    read_rows = coordinator._read_rows
+    read_rows = coordinator._reader.read_chain_rows
 
     def spy(chain: Any, name: str, start: int, stop: int, verify_hash: bool) -> np.ndarray:
         reads.append((start, stop))
         return read_rows(chain, name, start, stop, verify_hash)
 
-    coordinator._read_rows = spy  # type: ignore[method-assign]
+    coordinator._reader.read_chain_rows = spy  # type: ignore[method-assign]
     coordinator.chunk_bytes = 7 * 3 * 2
     info = coordinator.compact(c1)
     assert reads == [(0, 40), (40, 80), (80, 120)]

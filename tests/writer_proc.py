@@ -19,7 +19,7 @@ from psguard.storage import open_backend
 from psguard.storage.base import Backend, Buffer
 from psguard.storage.local import LocalBackend
 from psguard.storage.retry import RetryingBackend
-from psguard.store.log import Store
+from psguard.store import Store
 
 
 def park() -> None:

@@ -103,7 +103,7 @@ if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only th
     from psguard.agent.persister import Persister, PersistEvent
     from psguard.agent.shards import ShardClient, ShardKeeper
     from psguard.agent.spool_server import SpoolEvent, SpoolServer
-    from psguard.store.log import Store
+    from psguard.store import Store
 
 __all__ = ["Agent"]
 
@@ -411,7 +411,7 @@ class Agent:
         from psguard.agent.persister import Persister, resume
         from psguard.agent.spool_server import SpoolServer
         from psguard.handoff.spool import SpoolPaths, default_spool_dir
-        from psguard.store.log import Store
+        from psguard.store import Store
 
         cfg = self.config
         tier = self.tier = MemoryTier()
@@ -480,7 +480,7 @@ class Agent:
         # lazy: numpy and the storage clients load only when the agent keeps shards
         from psguard.agent.shards import ShardKeeper
         from psguard.handoff.spool import part_dir
-        from psguard.store.log import Store
+        from psguard.store import Store
 
         cfg = self.config
         store = self.store = Store.open(cfg.store, dict(cfg.storage_options)) if cfg.store else None

@@ -49,8 +49,8 @@ from psguard.config import from_data
 from psguard.errors import NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, TOKEN_KEY
 from psguard.policy.engine import ChainLimit, Retention, SaveContext, SavePolicy, TierState, Verdict, base_rule
+from psguard.store import CheckpointInfo, Store
 from psguard.store.durable import ChainState, DurableWriter
-from psguard.store.log import CheckpointInfo, Store
 
 __all__ = ["PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
 

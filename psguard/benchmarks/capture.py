@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from psguard.benchmarks.common import alternate, median, print_results, progress
-from psguard.store.log import CheckpointInfo
+from psguard.store import CheckpointInfo
 from psguard.trainer.sinks import NEW_BASE_AFTER
 
 MiB = 1 << 20

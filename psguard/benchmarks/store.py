@@ -28,7 +28,7 @@ import numpy as np
 
 from psguard.benchmarks.common import alternate, median, print_results, progress, reset_peak_rss, rss_bytes, timed
 from psguard.storage.registry import redact
-from psguard.store.log import Store
+from psguard.store import Store
 from psguard.tensors import Rows
 
 MiB = 1 << 20

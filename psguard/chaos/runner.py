@@ -332,7 +332,7 @@ class _Run:
             proxy.close()
 
     def final_store(self) -> None:
-        from psguard.store.log import Store
+        from psguard.store import Store
 
         self.history.append(HARNESS, "invoke", "final-store", {"url": self.store_url})
         listing = self.list_store()
@@ -370,7 +370,7 @@ class _Run:
         """The store's own clean-up, keeping every checkpoint: what a killed writer left (temporary files,
         chunks no manifest references) is removed by gc by design (docs/storage-format.md), so the leak audit
         runs after it; what was there before is recorded in ``final-store``."""
-        from psguard.store.log import Store
+        from psguard.store import Store
 
         self.history.append(HARNESS, "invoke", "gc", {"keep_last": max(1, keep)})
         try:

@@ -17,6 +17,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
@@ -281,3 +282,16 @@ class ChunkReader:
             raise self._corrupt(ref, "failed its CRC32C check (bit rot or a damaged write)")
         if self.verify_hash and hashlib.sha256(data).hexdigest() != ref.hash:
             raise self._corrupt(ref, "does not match its SHA-256 name")
+
+
+def wait_all(futures: Sequence[Future[Any]]) -> None:
+    """Wait for all futures, then raise the first error (never leave reads running behind an exception)."""
+    first: BaseException | None = None
+    for f in futures:
+        try:
+            f.result()
+        except BaseException as e:
+            if first is None:
+                first = e
+    if first is not None:
+        raise first

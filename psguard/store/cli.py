@@ -14,7 +14,9 @@ from psguard.progress import Progress, human_bytes, open_progress
 from psguard.storage.metered import MeteredBackend
 from psguard.storage.registry import split_url
 from psguard.store.copy import copy_checkpoint
-from psguard.store.log import CheckpointInfo, Store, VerifyReport
+from psguard.store.facade import Store
+from psguard.store.index import CheckpointInfo
+from psguard.store.verify import VerifyReport
 
 
 def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:

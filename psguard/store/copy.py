@@ -14,8 +14,10 @@ from dataclasses import dataclass
 
 from psguard.errors import CorruptCheckpointError, ObjectExistsError
 from psguard.store.chunks import ChunkReader
-from psguard.store.log import Store, VerifyReport
+from psguard.store.facade import Store
+from psguard.store.lease import acquire_writer_lease
 from psguard.store.manifest import Manifest, chunk_key, manifest_key
+from psguard.store.verify import VerifyReport
 
 __all__ = ["CopyReport", "copy_checkpoint"]
 
@@ -59,7 +61,8 @@ def _copy_chunks(src: Store, dst: Store, m: Manifest, only: set[str] | None = No
 def copy_checkpoint(src: Store, dst: Store, checkpoint_id: str) -> CopyReport:
     """Copy ``checkpoint_id`` and its chain from ``src`` to ``dst``; the destination's verification of it."""
     chain = src.chain(checkpoint_id)
-    lease, keeper = dst._acquire_writer_lock(checkpoint_id, None)  # a gc at the destination keeps our chunks
+    # a gc at the destination keeps our chunks
+    lease, keeper = acquire_writer_lease(dst.backend, checkpoint_id, None, dst.lock_ttl)
     manifests = chunks = nbytes = 0
     try:
         for m in chain:

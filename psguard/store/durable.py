@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from psguard.errors import ParentMissingError, PsguardError
-from psguard.store.log import CheckpointInfo, SaveTransaction, Store
+from psguard.store.facade import Store
+from psguard.store.index import CheckpointInfo
+from psguard.store.writer import SaveTransaction
 
 __all__ = ["BaseRule", "ChainState", "DurableWriter", "RetentionSpec"]
 

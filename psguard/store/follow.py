@@ -14,7 +14,7 @@ import time
 
 from psguard.errors import ConfigError
 from psguard.store.cli import add_store_arguments, open_store
-from psguard.store.log import CheckpointInfo
+from psguard.store.index import CheckpointInfo
 
 __all__ = ["register"]
 

@@ -27,8 +27,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from psguard.errors import ObjectNotFoundError, PsguardError, SaveError
+from psguard.errors import ObjectExistsError, ObjectNotFoundError, PsguardError, SaveError
 from psguard.storage.base import Backend
+from psguard.store.manifest import LOCK_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 LOST_AFTER = 0.6
 #: Refresh period as a fraction of the TTL: two failed or slow refreshes in a row are survived.
 REFRESH_EVERY = 0.2
+#: The lease of the gc running on a store (at most one); a save's lease is ``locks/writer-<checkpoint id>.json``.
+GC_LOCK = f"{LOCK_PREFIX}gc.json"
 
 
 class LeaseLostError(SaveError):
@@ -241,3 +244,102 @@ class LeaseKeeper:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout)
+
+
+# ----------------------------------------------------------------------------------------------- the store's locks
+def judging_now(backend: Backend, hint_key: str | None = None) -> float:
+    """The storage's clock (never this host's; see above), minus its resolution: the "now" a lease is judged at."""
+    return storage_now(backend, hint_key=hint_key) - backend.mtime_resolution
+
+
+def read_lease_with_mtime(backend: Backend, key: str) -> tuple[dict[str, Any] | None, float]:
+    """The lease and when the storage wrote it (read in that order: a refresh in between only makes the
+    lease look younger, the safe side)."""
+    doc = read_lease(backend, key)
+    if doc is None:
+        return None, 0.0
+    try:
+        return doc, backend.mtime(key)
+    except ObjectNotFoundError:
+        return None, 0.0
+
+
+def remove_if_unchanged(backend: Backend, key: str, doc: Mapping[str, Any], written: float) -> bool:
+    """Delete a lease judged stale, unless it changed since it was judged (refreshed, or taken over).
+
+    Read-check-delete: on storage without a conditional delete a holder's refresh may still land
+    between the check and the delete; the holder's next refresh then finds its lease gone and fails.
+    """
+    again, written_again = read_lease_with_mtime(backend, key)
+    if again is None or again.get("token") != doc.get("token") or written_again != written:
+        return False
+    log.info("event=stale_lock_removed key=%s holder=%s:%s", key, doc.get("host"), doc.get("pid"))
+    backend.delete(key)
+    return True
+
+
+def acquire_writer_lease(
+    backend: Backend, cid: str, parent: str | None, ttl: float, *, dedup_against: str | None = None
+) -> tuple[Lease, LeaseKeeper]:
+    """Create a save's lease and start refreshing it; then wait for a live gc to finish.
+
+    ``parent`` (the checkpoint the save builds on) and ``dedup_against`` (whose chunks it reuses) are in
+    the lease, so gc keeps both while it is live."""
+    key = f"{LOCK_PREFIX}writer-{cid}.json"
+    extra = {"dedup_against": dedup_against} if dedup_against not in (None, parent) else {}
+    lease = Lease(backend, key, ttl, checkpoint=cid, parent=parent, **extra)
+    lease.create()
+    keeper = LeaseKeeper(lease).start()
+    try:
+        # A gc that started before our lock existed may not have seen it: wait for it to finish.
+        deadline = time.monotonic() + max(ttl, 30.0)
+        while True:
+            doc, written = read_lease_with_mtime(backend, GC_LOCK)
+            if doc is None or lease_stale(doc, written, judging_now(backend, key), ttl):
+                return lease, keeper
+            if time.monotonic() > deadline:
+                raise SaveError(f"a gc on {backend.url} held its lock for over {max(ttl, 30.0):.0f}s")
+            keeper.check()
+            time.sleep(0.2)  # polling another process's lock in the store: there is no event to wait on
+    except BaseException:
+        keeper.stop()
+        lease.release()
+        raise
+
+
+def live_writer_leases(backend: Backend, now: float, ttl: float, *, remove: bool = True) -> list[dict[str, Any]]:
+    """Writer leases still alive at storage time ``now``; stale ones are removed (``remove``)."""
+    live = []
+    for key in backend.keys(LOCK_PREFIX):
+        if not key.startswith(f"{LOCK_PREFIX}writer-"):
+            continue
+        doc, written = read_lease_with_mtime(backend, key)
+        if doc is None:
+            continue
+        if lease_stale(doc, written, now, ttl):
+            if remove:
+                remove_if_unchanged(backend, key, doc, written)
+        else:
+            live.append(doc)
+    return live
+
+
+def acquire_gc_lease(backend: Backend, ttl: float) -> Lease:
+    """Create the gc's lease (one gc at a time per store), taking over a stale one; refuse while another lives."""
+    lease = Lease(backend, GC_LOCK, ttl, op="gc")
+    try:
+        lease.create_new()
+    except ObjectExistsError:
+        doc, written = read_lease_with_mtime(backend, GC_LOCK)
+        if doc is not None:
+            if not lease_stale(doc, written, judging_now(backend), ttl):
+                raise PsguardError(
+                    f"another gc is running on {backend.url} ({doc.get('host')}:{doc.get('pid')}, "
+                    f"since {doc.get('created_at')} by its clock); wait for it, it keeps its lock alive"
+                ) from None
+            remove_if_unchanged(backend, GC_LOCK, doc, written)
+        try:
+            lease.create_new()
+        except ObjectExistsError:
+            raise PsguardError(f"another gc started on {backend.url} just now; run this one later") from None
+    return lease

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from psguard.store import Store
 from psguard.store.cli import (
     add_progress_argument,
     add_store_arguments,
@@ -19,7 +20,6 @@ from psguard.store.cli import (
     open_store,
     require_output_folder,
 )
-from psguard.store.log import Store
 from psguard.trainer.variables import gather_variables
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"

@@ -50,7 +50,7 @@ from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
 from psguard.storage.registry import canonical_url
 from psguard.storage.retry import RetryingBackend
-from psguard.store.log import CheckpointInfo, Store
+from psguard.store import CheckpointInfo, Store
 from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes

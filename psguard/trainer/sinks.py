@@ -33,8 +33,8 @@ from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, STALL_KEY, Tie
 from psguard.handoff.parts import PartCapture, ShardKey
 from psguard.handoff.spool import Capture, Restored
 from psguard.policy.engine import ChainLimit, Retention, base_rule
+from psguard.store import CheckpointInfo, Store
 from psguard.store.durable import ChainState, DurableWriter
-from psguard.store.log import CheckpointInfo, Store
 from psguard.tensors import Full, Rows, TensorUpdate, merge_updates
 from psguard.trainer.spool_writer import CaptureHandle, SpoolWriter
 
@@ -60,7 +60,7 @@ class SaveHandle:
     """The pending result of one :meth:`CheckpointManager.save`.
 
     ``result(timeout)`` waits for the strongest tier the save was for and returns it: the committed
-    :class:`~psguard.store.log.CheckpointInfo` of a durable save, a :class:`MemoryCheckpoint` of a
+    :class:`~psguard.store.CheckpointInfo` of a durable save, a :class:`MemoryCheckpoint` of a
     memory-only save (under an agent). It re-raises why the save failed. ``restorable(timeout)`` returns as
     soon as the save survives this process: in the agent's memory tier, or committed when there is no agent.
     When saves were folded together (the store was slower than the save cadence), every folded handle

@@ -1,0 +1,351 @@
+"""What a store keeps, and how it shrinks: gc under retention rules, and compaction of delta chains.
+
+``gc`` removes manifests first and chunks last, keeps every checkpoint a kept one needs, and leaves chunks
+alone while a writer is active, so it is safe to run beside training. The rules themselves (which
+checkpoints to keep) are :mod:`psguard.store.retention`'s; gc only counts checkpoints that verify.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from psguard.errors import CheckpointError, ConfigError, PsguardError
+from psguard.storage import Backend
+from psguard.store.dtypes import STRING
+from psguard.store.index import CheckpointInfo, Index
+from psguard.store.lease import GC_LOCK, LeaseKeeper, LeaseLostError, acquire_gc_lease, judging_now, live_writer_leases
+from psguard.store.manifest import CHUNK_PREFIX, Manifest, TensorEntry, is_checkpoint_id, manifest_key
+from psguard.store.reader import Reader
+from psguard.store.retention import Candidate, select_kept
+from psguard.store.verify import Problem, VerifyReport, verify_checkpoint
+from psguard.store.writer import Writer
+from psguard.tensors import FullStream, TensorUpdate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GcReport:
+    kept: tuple[str, ...]
+    deleted_checkpoints: tuple[str, ...]
+    deleted_chunks: int
+    chunks_deferred: bool  # True when a live writer made gc leave chunks for a later run
+    dry_run: bool
+    #: Checkpoints that failed verification: never counted towards a retention rule (and deleted, unless
+    #: nothing in the store is restorable), with what is wrong with each.
+    corrupt: tuple[Problem, ...] = ()
+    #: Unreferenced chunks left alone because the storage wrote them less than a lease TTL ago: they may
+    #: belong to a save gc cannot see (a lost lease, skewed clocks); a later gc takes them.
+    young_chunks: int = 0
+
+    @property
+    def corrupt_checkpoints(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(p.checkpoint for p in self.corrupt))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kept": list(self.kept),
+            "deleted_checkpoints": list(self.deleted_checkpoints),
+            "deleted_chunks": self.deleted_chunks,
+            "chunks_deferred": self.chunks_deferred,
+            "dry_run": self.dry_run,
+            "corrupt": [p.to_json() for p in self.corrupt],
+            "young_chunks": self.young_chunks,
+        }
+
+
+class Collector:
+    """gc of one store, through its :class:`Index`, verifying on a pool of I/O threads.
+
+    ``lock_ttl`` is the lease gc holds and judges writers' leases by; unreferenced chunks younger than
+    ``chunk_grace`` (storage clock) are left alone.
+    """
+
+    def __init__(self, index: Index, pool: ThreadPoolExecutor, *, lock_ttl: float, chunk_grace: float) -> None:
+        self.index = index
+        self.pool = pool
+        self.lock_ttl = lock_ttl
+        self.chunk_grace = chunk_grace
+
+    @property
+    def backend(self) -> Backend:
+        return self.index.backend
+
+    def retain(
+        self,
+        *,
+        keep_last: int | None,
+        keep_every_hours: float | None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] = "min",
+    ) -> GcReport | None:
+        """A writer's retention after each commit (``max_to_keep``, ``keep_checkpoint_every_n_hours``, or a
+        policy file's ``retention:``, whose keys these are).
+
+        Skips the gc (its locks and listing) when nothing can go: no rule, or no more checkpoints than
+        ``keep_last`` (the other rules only keep more). ``None`` when skipped.
+        """
+        if keep_last is None and keep_every_hours is None and keep_best is None:
+            return None
+        if keep_last is not None and len(self.index.checkpoint_ids()) <= keep_last:
+            return None
+        return self.gc(
+            keep_last=keep_last, keep_every_hours=keep_every_hours, keep_best=keep_best, metric=metric, mode=mode
+        )
+
+    def gc(
+        self,
+        *,
+        keep_last: int | None = None,
+        keep_every_hours: float | None = None,
+        keep_best: int | None = None,
+        metric: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        dry_run: bool = False,
+    ) -> GcReport:
+        """Apply retention: delete checkpoints not kept (manifests first), then unreferenced chunks.
+
+        Every parent a kept checkpoint needs is kept. Chunk deletion is deferred while a writer is active.
+        """
+        if keep_last is None and keep_every_hours is None and keep_best is None:
+            raise ConfigError("gc needs a retention rule: keep_last, keep_every_hours or keep_best")
+        if keep_every_hours is not None and not (math.isfinite(keep_every_hours) and keep_every_hours > 0):
+            raise ConfigError(f"keep_every_hours must be a number of hours > 0, got {keep_every_hours}")
+        for rule, n in (("keep_last", keep_last), ("keep_best", keep_best)):
+            if n is not None and n < 0:
+                raise ConfigError(f"{rule} must be >= 0, got {n}")
+        if keep_last is not None and keep_last < 1 and keep_every_hours is None and keep_best is None:
+            raise ConfigError("keep_last must be at least 1 (retention that keeps nothing is refused)")
+        lease = acquire_gc_lease(self.backend, self.lock_ttl)
+        keeper = LeaseKeeper(lease).start()
+        try:
+            now = judging_now(self.backend, GC_LOCK)
+            return self._collect(keep_last, keep_every_hours, keep_best, metric, mode, dry_run, keeper, now)
+        except LeaseLostError as e:
+            raise PsguardError(f"gc on {self.index.url} stopped: {e}. Nothing more was deleted; run gc again") from e
+        finally:
+            keeper.stop()
+            lease.release()
+
+    def _select(
+        self,
+        infos: Sequence[CheckpointInfo],
+        keep_last: int | None,
+        keep_every_hours: float | None,
+        keep_best: int | None,
+        metric: str | None,
+        mode: Literal["min", "max"],
+    ) -> tuple[set[str], dict[str, VerifyReport]]:
+        """The checkpoints to keep, chosen among those that verify; and every verification done.
+
+        Only the candidates a rule would keep are verified (cached per id, chunks read once across a chain);
+        one that fails is dropped and the rule chooses again, so keep-last N keeps N *restorable*
+        checkpoints and the newest restorable one is always among them. When nothing verifies, everything
+        is kept: gc never deletes what might be the only copy an operator can still salvage.
+        """
+        reports: dict[str, VerifyReport] = {}
+        chunk_results: dict[str, str | None] = {}
+
+        def restorable(cid: str) -> bool:
+            if cid not in reports:
+                reports[cid] = verify_checkpoint(self.index, self.pool, cid, chunk_results)
+            return reports[cid].ok
+
+        # A chain folded by compaction is superseded by its full copy, if that copy is sound: it then no
+        # longer counts towards keep-last.
+        present = {i.id for i in infos}
+        superseded = {
+            str(i.metadata["compacted_from"])
+            for i in infos
+            if i.metadata.get("compacted_from") in present and restorable(i.id)
+        }
+        pool = [Candidate(i.id, i.step, i.committed_at, i.metrics) for i in infos if i.id not in superseded]
+        bad: set[str] = set()
+        while True:
+            chosen = select_kept(
+                [c for c in pool if c.id not in bad],
+                keep_last=keep_last,
+                keep_every_hours=keep_every_hours,
+                keep_best=keep_best,
+                metric=metric,
+                mode=mode,
+            )
+            failed = {cid for cid in chosen if not restorable(cid)}
+            if not failed:
+                break
+            bad |= failed
+        if pool and not chosen:
+            log.error("event=gc_nothing_restorable store=%s action='keeping every checkpoint'", self.index.url)
+            chosen = {i.id for i in infos}
+        return chosen, reports
+
+    def _collect(
+        self,
+        keep_last: int | None,
+        keep_every_hours: float | None,
+        keep_best: int | None,
+        metric: str | None,
+        mode: Literal["min", "max"],
+        dry_run: bool,
+        keeper: LeaseKeeper,
+        now: float,
+    ) -> GcReport:
+        unreadable: list[str] = []
+        infos = self.index.checkpoints(on_error=lambda cid, e: unreadable.append(cid))
+        chosen, reports = self._select(infos, keep_last, keep_every_hours, keep_best, metric, mode)
+        corrupt = tuple(p for r in reports.values() if not r.ok for p in r.problems)
+        for r in reports.values():
+            if not r.ok:
+                log.warning(
+                    "event=gc_corrupt_checkpoint checkpoint=%s problem=%r action='not counted by retention'",
+                    r.checkpoint,
+                    r.problems[0].message,
+                )
+        writers = live_writer_leases(self.backend, now, self.lock_ttl, remove=not dry_run)
+        # A live writer's parent and the checkpoint it deduplicates against (v2 leases name both) stay.
+        chosen.update(
+            str(w[k]) for w in writers for k in ("parent", "dedup_against") if is_checkpoint_id(str(w.get(k) or ""))
+        )
+        kept = self._with_parents(chosen)
+        doomed = [i.id for i in infos if i.id not in kept]
+        if unreadable:
+            log.warning("gc leaves %d unreadable manifest(s) alone: %s", len(unreadable), unreadable)
+        if not dry_run:
+            keeper.check()
+            for cid in doomed:
+                self.backend.delete(manifest_key(cid))
+                self.index.forget(cid)
+        deleted_chunks = young = 0
+        late: list[str] = []
+        # A live writer may be about to reference any chunk; an unreadable manifest may reference any chunk.
+        deferred = bool(writers) or bool(unreadable)
+        if not deferred:
+            keeper.confirm()  # still our lease, just refreshed: no other gc runs beside this one
+            # A second look, after the deletions: commits and writers that appeared since the first listing.
+            listed = {i.id for i in infos}
+            late = [cid for cid in self.index.checkpoint_ids() if cid not in listed]
+            deferred = bool(live_writer_leases(self.backend, now, self.lock_ttl, remove=not dry_run))
+        if not deferred:
+            referenced: set[str] = set()
+            for cid in kept:
+                referenced.update(r.hash for r in self.index.manifest(cid).refs())
+            for cid in late:
+                try:
+                    for m in self.index.chain(cid):
+                        referenced.update(r.hash for r in m.refs())
+                except CheckpointError as e:
+                    log.warning("event=gc_late_commit_unreadable checkpoint=%s error=%r", cid, str(e))
+            # Whatever the locks say, a chunk the storage wrote less than a lease ago may belong to a save in
+            # progress (one whose lease was lost, or written by a host whose clock is off): leave it.
+            grace = self.chunk_grace + self.backend.mtime_resolution
+            for key, written in self.backend.mtimes(CHUNK_PREFIX).items():
+                if key.rsplit("/", 1)[-1] in referenced:
+                    continue
+                if self.chunk_grace > 0 and now - written < grace:
+                    young += 1
+                    continue
+                if not dry_run:
+                    self.backend.delete(key)
+                deleted_chunks += 1
+            # With no live writer, a temporary object older than a lease is a killed writer's leftover.
+            for key in self.backend.leftovers():
+                try:
+                    if now - self.backend.mtime(key) < grace:
+                        continue
+                except PsguardError:
+                    continue
+                if not dry_run:
+                    self.backend.delete(key)
+        log.info(
+            "gc kept %d, deleted %d checkpoint(s) and %d chunk(s)%s%s",
+            len(kept),
+            len(doomed),
+            deleted_chunks,
+            " (chunk deletion deferred)" if deferred else "",
+            f" ({young} unreferenced chunk(s) younger than a lease left)" if young else "",
+        )
+        return GcReport(tuple(sorted(kept)), tuple(doomed), deleted_chunks, deferred, dry_run, corrupt, young)
+
+    def _with_parents(self, chosen: set[str]) -> set[str]:
+        kept: set[str] = set()
+        for cid in chosen:
+            cur: str | None = cid
+            while cur is not None and cur not in kept:
+                kept.add(cur)
+                try:
+                    cur = self.index.manifest(cur).parent
+                except CheckpointError:
+                    break
+        return kept
+
+
+def compact(index: Index, reader: Reader, writer: Writer, checkpoint_id: str | None = None) -> CheckpointInfo | None:
+    """Fold a delta chain into a new full checkpoint of the same step (same contents).
+
+    Returns None when the checkpoint already is full. Memory holds one tensor at a time.
+    """
+    cid = checkpoint_id or index.resolve()
+    m = index.manifest(cid)
+    if m.kind == "full":
+        return None
+    chain = index.chain(cid)
+    metadata = dict(m.metadata)
+    metadata["compacted_from"] = cid
+    lazy = _LazyTensors(reader, chain)
+    info = writer.save(m.step, lazy, metadata=metadata, metrics=m.metrics, dedup_against=cid)
+    log.info("compacted chain of %d ending at %s into full checkpoint %s", len(chain), cid, info.id)
+    return info
+
+
+class _LazyTensors(Mapping[str, TensorUpdate | FullStream | np.ndarray]):
+    """Materialises each tensor only when the writer asks for it; a sharded one a part at a time."""
+
+    def __init__(self, reader: Reader, chain: list[Manifest]) -> None:
+        self.reader = reader
+        self.chain = chain
+        self.names = list(chain[-1].tensors)
+
+    def __getitem__(self, name: str) -> np.ndarray | FullStream:
+        entry = self.chain[-1].tensors[name]
+        if entry.encoding == "sharded" and entry.shape and entry.dtype != STRING and len(entry.parts) > 1:
+            dtype = self.reader.dtype_of(self.chain[-1], name, entry)
+            return FullStream(tuple(entry.shape), dtype, _PartByPart(self.reader, self.chain, name, entry).read)
+        return self.reader.materialise(self.chain, name, False)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+class _PartByPart:
+    """Rows of a sharded tensor of a chain, read for a writer in order, one part (a PS's shard, in the newest
+    entry's partitioning) materialised at a time: compacting a format-2 chain holds one shard, not the table
+    (a job of 100 PS x 10 GB: 10 GB, not 1 TB)."""
+
+    def __init__(self, reader: Reader, chain: Sequence[Manifest], name: str, entry: TensorEntry) -> None:
+        self.reader, self.chain, self.name = reader, chain, name
+        self.bounds = sorted((p.offset, p.stop) for p in entry.parts)
+        self._part: tuple[int, int, np.ndarray] | None = None
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        pieces = []
+        row = start
+        while row < stop:
+            lo, hi = next((a, b) for a, b in self.bounds if a <= row < b)
+            if self._part is None or self._part[0] != lo:
+                self._part = None  # the previous part goes before the next is read
+                self._part = (lo, hi, self.reader.read_chain_rows(self.chain, self.name, lo, hi, False))
+            end = min(stop, hi)
+            pieces.append(self._part[2][row - lo : end - lo].copy())
+            row = end
+        return pieces[0] if len(pieces) == 1 else np.concatenate(pieces)

@@ -1,0 +1,236 @@
+"""The index: which checkpoints are committed, their manifests, and the chains they form.
+
+A checkpoint exists exactly when its manifest does, so listing ``manifests/`` is listing the checkpoints; the
+manifests are immutable once written (create-only), so each is read, checksum-verified and parsed once and then
+served from memory. Nothing here reads a chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from psguard.errors import CheckpointError, ConfigError, CorruptCheckpointError, NoCheckpointError, ObjectNotFoundError
+from psguard.storage import Backend
+from psguard.store.manifest import (
+    MANIFEST_PREFIX,
+    Manifest,
+    TensorEntry,
+    is_checkpoint_id,
+    manifest_key,
+    parse_manifest,
+    step_of_id,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """A committed checkpoint as ``psguard ls`` shows it."""
+
+    id: str
+    step: int
+    kind: str
+    parent: str | None
+    base: str
+    chain_length: int
+    committed_at: float
+    tensors: int
+    logical_bytes: int
+    stored_bytes: int
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, m: Manifest) -> CheckpointInfo:
+        return cls(
+            id=m.id,
+            step=m.step,
+            kind=m.kind,
+            parent=m.parent,
+            base=m.base,
+            chain_length=m.chain_length,
+            committed_at=m.committed_at,
+            tensors=len(m.tensors),
+            logical_bytes=int(m.stats.get("logical_bytes", 0)),
+            stored_bytes=int(m.stats.get("bytes_written", 0)),
+            metadata=m.metadata,
+            metrics=m.metrics,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "step": self.step,
+            "kind": self.kind,
+            "parent": self.parent,
+            "base": self.base,
+            "chain_length": self.chain_length,
+            "committed_at": self.committed_at,
+            "tensors": self.tensors,
+            "logical_bytes": self.logical_bytes,
+            "stored_bytes": self.stored_bytes,
+            "metadata": dict(self.metadata),
+            "metrics": dict(self.metrics),
+        }
+
+
+class Index:
+    """The committed checkpoints of one store, listed from its backend; manifests cached (they never change).
+
+    Thread-safe. ``backend`` may be replaced (the CLI meters reads that way): every call uses the current one.
+    """
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.url = backend.url
+        self._manifests: dict[str, Manifest] = {}
+        self._cache_lock = threading.Lock()
+
+    def checkpoint_ids(self) -> list[str]:
+        """Ids of committed checkpoints in step order (names only; nothing verified yet)."""
+        ids = []
+        for key in self.backend.keys(MANIFEST_PREFIX):
+            name = key[len(MANIFEST_PREFIX) :]
+            if name.endswith(".json") and is_checkpoint_id(name[:-5]):
+                ids.append(name[:-5])
+        ids.sort()
+        return ids
+
+    def manifest(self, checkpoint_id: str) -> Manifest:
+        """The parsed, checksum-verified manifest (cached: manifests are immutable)."""
+        with self._cache_lock:
+            cached = self._manifests.get(checkpoint_id)
+        if cached is not None:
+            return cached
+        if not is_checkpoint_id(checkpoint_id):
+            raise ConfigError(f"{checkpoint_id!r} is not a checkpoint id")
+        try:
+            data = self.backend.get(manifest_key(checkpoint_id))
+        except ObjectNotFoundError:
+            raise NoCheckpointError(
+                f"checkpoint {checkpoint_id} not found in {self.url}", checkpoint=checkpoint_id
+            ) from None
+        m = parse_manifest(data, expected_id=checkpoint_id)
+        with self._cache_lock:
+            self._manifests[checkpoint_id] = m
+        return m
+
+    def checkpoints(self, *, on_error: Callable[[str, CheckpointError], None] | None = None) -> list[CheckpointInfo]:
+        """Every readable committed checkpoint, oldest first; unreadable manifests go to ``on_error``."""
+        out = []
+        for cid in self.checkpoint_ids():
+            try:
+                out.append(CheckpointInfo.of(self.manifest(cid)))
+            except CheckpointError as e:
+                if on_error is None:
+                    log.warning("skipping checkpoint %s: %s", cid, e)
+                else:
+                    on_error(cid, e)
+        out.sort(key=lambda i: (i.step, i.committed_at, i.id))
+        return out
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest checkpoint whose manifest reads (chunks not checked: see :meth:`Store.load_latest`)."""
+        for cid in self.newest_first():
+            try:
+                return CheckpointInfo.of(self.manifest(cid))
+            except CheckpointError as e:
+                log.warning("skipping checkpoint %s: %s", cid, e)
+        return None
+
+    def newest_first(self) -> list[str]:
+        """Checkpoint ids, newest step first: the order a restore tries them in."""
+        ids = self.checkpoint_ids()
+        # Same step: later commit first (a compaction re-commits a step as a full checkpoint).
+        by_step: dict[int, list[str]] = {}
+        for cid in ids:
+            by_step.setdefault(step_of_id(cid), []).append(cid)
+        out = []
+        for step in sorted(by_step, reverse=True):
+            group = by_step[step]
+            if len(group) > 1:
+
+                def when(c: str) -> float:
+                    try:
+                        return self.manifest(c).committed_at
+                    except CheckpointError:
+                        return -1.0
+
+                group.sort(key=when, reverse=True)
+            out.extend(group)
+        return out
+
+    def resolve(self, *, step: int | None = None, checkpoint_id: str | None = None) -> str:
+        """The id for a step (the newest commit of it), an explicit id, or the latest checkpoint."""
+        if checkpoint_id is not None:
+            self.manifest(checkpoint_id)
+            return checkpoint_id
+        for cid in self.newest_first():
+            if step is None or step_of_id(cid) == step:
+                return cid
+        where = f"at step {step} " if step is not None else ""
+        raise NoCheckpointError(f"no checkpoint {where}in {self.url}")
+
+    def chain(self, checkpoint_id: str) -> list[Manifest]:
+        """Manifests from the base to ``checkpoint_id``; a missing link is a corrupt checkpoint."""
+        out = []
+        cid: str | None = checkpoint_id
+        seen = set()
+        while cid is not None:
+            if cid in seen:
+                raise CorruptCheckpointError(f"checkpoint {checkpoint_id}: parent cycle at {cid}", checkpoint=cid)
+            seen.add(cid)
+            try:
+                m = self.manifest(cid)
+            except NoCheckpointError:
+                raise CorruptCheckpointError(
+                    f"checkpoint {checkpoint_id}: its parent {cid} is missing, so it cannot be rebuilt",
+                    checkpoint=checkpoint_id,
+                ) from None
+            out.append(m)
+            cid = m.parent
+        out.reverse()
+        return out
+
+    def remember(self, m: Manifest) -> None:
+        """Cache a manifest this process just committed (it is what a later read would parse)."""
+        with self._cache_lock:
+            self._manifests[m.id] = m
+
+    def forget(self, checkpoint_id: str) -> None:
+        """Drop a deleted checkpoint's manifest from the cache."""
+        with self._cache_lock:
+            self._manifests.pop(checkpoint_id, None)
+
+
+def full_start(chain: Sequence[Manifest], name: str, whole: Callable[[TensorEntry], bool] = lambda e: e.whole) -> int:
+    """Where tensor ``name`` of ``chain[-1]`` is rebuilt from: the index of the newest entry in the chain that is
+    ``whole`` (by default: ``full``, or ``sharded`` with every part ``full``; a row-range read asks whether the
+    entry holds all of its rows).
+
+    Every manifest from there on must list the tensor with the same dtype and shape, else the checkpoint cannot
+    be restored (:class:`CorruptCheckpointError`). Reads nothing: ``verify`` asks this of every tensor too.
+    """
+    target = chain[-1].tensors[name]
+    for i in range(len(chain) - 1, -1, -1):
+        entry = chain[i].tensors.get(name)
+        if entry is None:
+            raise CorruptCheckpointError(
+                f"checkpoint {chain[-1].id}: tensor {name!r} is absent from its ancestor {chain[i].id}",
+                checkpoint=chain[-1].id,
+            )
+        if (entry.dtype, entry.shape) != (target.dtype, target.shape):
+            raise CorruptCheckpointError(
+                f"checkpoint {chain[-1].id}: tensor {name!r} changes dtype/shape along the chain at {chain[i].id}",
+                checkpoint=chain[-1].id,
+            )
+        if whole(entry):
+            return i
+    raise CorruptCheckpointError(
+        f"checkpoint {chain[-1].id}: tensor {name!r} has no full value in its chain", checkpoint=chain[-1].id
+    )

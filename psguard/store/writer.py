@@ -1,0 +1,592 @@
+"""The writer: chunks uploaded, then one manifest committed per checkpoint, then the commit journaled.
+
+A checkpoint exists exactly when its manifest does; the manifest is written create-only after all its
+chunks, so readers never see a torn checkpoint and no checkpoint is ever overwritten. A save holds a writer
+lease (:mod:`psguard.store.lease`) from before its first chunk until its commit, so gc deletes none of the
+chunks it wrote or reuses; the lease is confirmed right before the manifest is written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from psguard.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ParentMissingError,
+    PsguardError,
+    SaveError,
+)
+from psguard.storage import Backend
+from psguard.store.chunks import ChunkWriter, wait_all
+from psguard.store.dtypes import DTYPE_NAMES, STRING, dtype_name, logical_nbytes
+from psguard.store.index import CheckpointInfo, Index
+from psguard.store.lease import Lease, LeaseKeeper, LeaseLostError, acquire_writer_lease
+from psguard.store.manifest import (
+    JOURNAL_PREFIX,
+    ChunkRef,
+    Manifest,
+    Part,
+    TensorEntry,
+    chunk_key,
+    manifest_key,
+    new_checkpoint_id,
+    parse_journal_entry,
+    sharded_entry_from_parts,
+)
+from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
+
+log = logging.getLogger(__name__)
+
+#: The keys a part carries from :meth:`Store.write_part` to the commit that the manifest's part does not keep.
+PART_TRANSPORT_KEYS = ("dtype", "shape", "stats")
+_STAT_KEYS = ("bytes_written", "chunks_written", "bytes_deduplicated", "chunks_deduplicated")
+_NO_PARTS: Mapping[str, Sequence[Mapping[str, Any]]] = MappingProxyType({})
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> None:
+    try:
+        json.dumps(dict(metadata or {}), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"checkpoint metadata must be plain JSON: {e}") from None
+
+
+class Writer:
+    """Saves checkpoints through an :class:`Index`, uploading on a pool of I/O threads: whole saves, the
+    transactions of sharded ones and their parts. One transaction at a time per instance."""
+
+    def __init__(
+        self, index: Index, pool: ThreadPoolExecutor, *, chunk_bytes: int, inflight_bytes: int, lock_ttl: float
+    ) -> None:
+        self.index = index
+        self.pool = pool
+        self.chunk_bytes = chunk_bytes
+        self.inflight_bytes = inflight_bytes
+        self.lock_ttl = lock_ttl
+        self.journal = Journal(index)
+        self.name = f"{socket.gethostname()}:{os.getpid()}"  # the manifest's ``writer``
+        self._save_lock = threading.Lock()
+        self._tx_thread: int | None = None  # the thread whose transaction holds _save_lock
+
+    @property
+    def backend(self) -> Backend:
+        return self.index.backend
+
+    @property
+    def url(self) -> str:
+        return self.index.url
+
+    def save(
+        self,
+        step: int,
+        tensors: Mapping[str, TensorUpdate | FullStream | np.ndarray],
+        *,
+        parent: str | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+        dedup_against: str | None = None,
+    ) -> CheckpointInfo:
+        """Write a checkpoint and commit it. Full when ``parent`` is None (every tensor must be whole),
+        else a delta over ``parent``. Blocks until committed; raises :class:`SaveError` (cause chained)
+        if anything fails, in which case no checkpoint became visible.
+
+        Chunks already stored for ``parent``'s chain (or ``dedup_against``'s, for a full checkpoint) are
+        not uploaded again; the writer's lock keeps gc from deleting them meanwhile. A save is one
+        :meth:`begin_save` transaction committed at once: one code path writes every manifest.
+        """
+        check_metadata(metadata)  # before any lease: bad input costs no storage round trip
+        with self.begin_save(step, parent=parent, dedup_against=dedup_against) as tx:
+            return tx.commit(tensors, metadata=metadata, metrics=metrics)
+
+    def begin_save(self, step: int, *, parent: str | None = None, dedup_against: str | None = None) -> SaveTransaction:
+        """Open the transaction of one checkpoint: its id and writer lease now, its manifest at
+        :meth:`SaveTransaction.commit`; leaving the ``with`` block without a commit aborts (lease released,
+        nothing committed).
+
+        While it is open, other processes (each PS's agent) write the chunks of their shards with
+        :meth:`write_part` under its lease: gc deletes no chunk while a writer lease is live, whoever wrote
+        the chunk. One transaction at a time per instance (another thread's ``begin_save`` waits).
+        """
+        reuse = dedup_against or parent
+        if self._tx_thread == threading.get_ident():  # waiting for our own lock would never end
+            raise ConfigError(f"a transaction is already open on {self.url} in this thread: commit or abort it first")
+        self._save_lock.acquire()  # released when the transaction ends (commit or abort)
+        self._tx_thread = threading.get_ident()
+        try:
+            try:
+                cid = new_checkpoint_id(step)
+                try:
+                    parent_m = self.index.manifest(parent) if parent is not None else None
+                except (NoCheckpointError, ObjectNotFoundError) as e:
+                    raise ParentMissingError(f"step {step}: the parent checkpoint {parent} is gone: {e}") from e
+                lease, keeper = acquire_writer_lease(
+                    self.backend, cid, parent or reuse, self.lock_ttl, dedup_against=reuse
+                )
+                try:
+                    if reuse is not None and not self.backend.exists(manifest_key(reuse)):
+                        raise ParentMissingError(
+                            f"checkpoint {reuse} was deleted (by gc?) while step {step} was being written on it"
+                        )
+                    known = self.known_chunks(reuse) if reuse is not None else set()
+                except BaseException:
+                    keeper.stop()
+                    lease.release()
+                    raise
+            except PsguardError:
+                raise
+            except Exception as e:
+                raise SaveError(f"saving step {step} to {self.url} failed: {e}") from e
+        except BaseException:
+            self.end_transaction()
+            raise
+        return SaveTransaction(self, cid, step, parent, parent_m, lease, keeper, known)
+
+    def write_part(
+        self,
+        name: str,
+        update: TensorUpdate | FullStream | np.ndarray,
+        *,
+        shape: tuple[int, ...],
+        offset: int,
+        dedup_against: str | None = None,
+    ) -> dict[str, Any]:
+        """Write the chunks of one shard's update (rows ``[offset, offset + rows)`` of the logical tensor
+        ``name`` shaped ``shape``) and return its part, for the coordinator's :meth:`SaveTransaction.commit`.
+
+        ``update`` describes the shard as a tensor of shape ``[rows, *shape[1:]]``: ``Full`` (or an array) of
+        the shard, ``Rows`` with ids relative to ``offset``, or ``Same``. The returned JSON is the part as the
+        manifest will hold it (``offset``, ``rows``, ``encoding`` and its chunks or segments) plus what the
+        coordinator needs and does not store in the part: ``dtype``, ``shape`` (the logical tensor's) and
+        ``stats`` (bytes written and deduplicated). Chunks of ``dedup_against``'s chain are not uploaded again.
+
+        No lease of its own: call it while the coordinator's transaction is open (after ``begin_save``
+        returned, before ``commit``), whose writer lease keeps gc from deleting these chunks whoever wrote
+        them; ``commit`` checks that every chunk a part names is in the store with its size.
+        """
+        try:
+            return self._write_part(name, update, tuple(int(x) for x in shape), int(offset), dedup_against)
+        except PsguardError:
+            raise
+        except Exception as e:
+            raise SaveError(f"writing part of {name!r} at row {offset} to {self.url} failed: {e}") from e
+
+    def _write_part(
+        self,
+        name: str,
+        update: TensorUpdate | FullStream | np.ndarray,
+        shape: tuple[int, ...],
+        offset: int,
+        dedup_against: str | None,
+    ) -> dict[str, Any]:
+        if isinstance(update, np.ndarray):
+            update = Full(update)
+        if isinstance(update, Full):
+            dtype, part_shape = update.value.dtype, tuple(update.value.shape)
+        elif isinstance(update, FullStream):
+            dtype, part_shape = update.dtype, update.shape
+        elif isinstance(update, Rows):
+            dtype, part_shape = update.values.dtype, tuple(int(x) for x in update.shape)
+        else:
+            dtype, part_shape = np.dtype(update.dtype), tuple(int(x) for x in update.shape)
+        what = f"part of {name!r} at row {offset}"
+        if not shape or not part_shape:
+            raise ConfigError(f"{what}: a sharded tensor has rank >= 1 (parts are row ranges)")
+        if dtype_name(dtype) == STRING:
+            raise ConfigError(f"{what}: string tensors are saved whole by the coordinator, not in parts")
+        rows = part_shape[0]
+        if part_shape[1:] != shape[1:] or offset < 0 or offset + rows > shape[0]:
+            raise ConfigError(
+                f"{what}: a shard of {list(part_shape)} does not fit rows of a tensor shaped {list(shape)}"
+            )
+        known: set[str] = set()
+        if dedup_against is not None:
+            if not self.backend.exists(manifest_key(dedup_against)):
+                raise ParentMissingError(f"{what}: checkpoint {dedup_against} to deduplicate against is gone")
+            known = self.known_chunks(dedup_against)
+        writer = ChunkWriter(self.backend, self.pool, inflight_bytes=self.inflight_bytes, known=known)
+        if isinstance(update, Full | FullStream):
+            if isinstance(update, Full):
+                futs = writer.submit_tensor(update.value, self.chunk_bytes)
+            else:
+                futs = writer.submit_stream(update, self.chunk_bytes)
+            writer.wait()
+            part = Part(offset, rows, "full", chunks=tuple(f.result() for f in futs))
+        elif isinstance(update, Rows):
+            ids = np.asarray(update.ids, dtype=np.int64)
+            if ids.size and (ids.min() < 0 or ids.max() >= rows or np.any(np.diff(ids) <= 0)):
+                raise ConfigError(f"{what}: row ids must be sorted, unique and within the shard's [0, {rows})")
+            segs = writer.submit_rows(ids, update.values, self.chunk_bytes)
+            writer.wait()
+            part = Part(offset, rows, "rows", segments=tuple(f.result() for f in segs))
+        else:
+            part = Part(offset, rows, "same")
+        doc = part.to_json()
+        doc.update(
+            dtype=dtype_name(dtype),
+            shape=list(shape),
+            stats={
+                "bytes_written": writer.stats.bytes_written,
+                "chunks_written": writer.stats.chunks_written,
+                "bytes_deduplicated": writer.stats.bytes_deduplicated,
+                "chunks_deduplicated": writer.stats.chunks_deduplicated,
+            },
+        )
+        return doc
+
+    def encode(
+        self, name: str, update: TensorUpdate | FullStream, parent: Manifest | None, writer: ChunkWriter
+    ) -> tuple[str, tuple[int, ...], str, list[Future[Any]]]:
+        if isinstance(update, FullStream):
+            dtype = _storable(name, dtype_name(update.dtype))
+            return dtype, update.shape, "full", writer.submit_stream(update, self.chunk_bytes)
+        if isinstance(update, Full):
+            value = update.value
+            _storable(name, dtype_name(value.dtype))
+            return (
+                dtype_name(value.dtype),
+                tuple(value.shape),
+                "full",
+                writer.submit_tensor(value, self.chunk_bytes),
+            )
+        if parent is None:
+            raise ConfigError(f"tensor {name!r}: a full checkpoint needs whole tensors, got {type(update).__name__}")
+        prev = parent.tensors.get(name)
+        dtype = _storable(name, dtype_name(np.dtype(update.dtype)))
+        shape = tuple(int(x) for x in update.shape)
+        if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
+            was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
+            raise ConfigError(
+                f"tensor {name!r}: a {type(update).__name__} update of {dtype}{list(shape)} cannot apply to "
+                f"the parent's ({was}); save it whole"
+            )
+        if isinstance(update, Same):
+            return dtype, shape, "same", []
+        if dtype == STRING:
+            raise ConfigError(f"tensor {name!r}: string tensors are saved whole, not by rows")
+        ids = np.asarray(update.ids, dtype=np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= shape[0] or np.any(np.diff(ids) <= 0)):
+            raise ConfigError(f"tensor {name!r}: row ids must be sorted, unique and within [0, {shape[0]})")
+        return dtype, shape, "rows", list(writer.submit_rows(ids, update.values, self.chunk_bytes))
+
+    def known_chunks(self, parent: str) -> set[str]:
+        """The hashes of every chunk of ``parent``'s chain: what a save on it need not upload again."""
+        known: set[str] = set()
+        for m in self.index.chain(parent):
+            known.update(r.hash for r in m.refs())
+        return known
+
+    def end_transaction(self) -> None:
+        """The open transaction is over (committed or aborted): the next ``begin_save`` may start."""
+        self._tx_thread = None
+        self._save_lock.release()
+
+
+class Journal:
+    """``journal/<seq>.json``: the commits in the order they happened, one create-only object each.
+
+    Best effort: the manifests are the commits, so a commit whose journal entry could not be written is still
+    committed, and a journal entry that does not parse is skipped with a warning.
+    """
+
+    def __init__(self, index: Index) -> None:
+        self.index = index
+        self._seq = -1  # the last sequence number this writer took (or saw taken)
+
+    @property
+    def backend(self) -> Backend:
+        return self.index.backend
+
+    def append(self, m: Manifest) -> None:
+        """Record the commit in order. Best effort: the manifest already is the commit."""
+        entry = json.dumps(
+            {"id": m.id, "step": m.step, "kind": m.kind, "parent": m.parent, "committed_at": m.committed_at}
+        ).encode()
+        try:
+            if self._seq < 0:
+                self._seq = self._last_seq()
+            for _ in range(1000):
+                self._seq += 1
+                try:
+                    self.backend.put_new(f"{JOURNAL_PREFIX}{self._seq:012d}.json", entry)
+                    return
+                except ObjectExistsError:
+                    continue  # another writer took this sequence number
+        except PsguardError as e:
+            log.warning("could not journal checkpoint %s (it is committed): %s", m.id, e)
+
+    def _last_seq(self) -> int:
+        keys = self.backend.keys(JOURNAL_PREFIX)
+        seqs = [
+            int(k[len(JOURNAL_PREFIX) : -5])
+            for k in keys
+            if k.endswith(".json") and k[len(JOURNAL_PREFIX) : -5].isdigit() and len(k) - len(JOURNAL_PREFIX) - 5 <= 18
+        ]
+        return max(seqs, default=-1)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """Journal entries in commit order."""
+        out = []
+        for key in self.backend.keys(JOURNAL_PREFIX):
+            seq = key[len(JOURNAL_PREFIX) : -5]
+            if not (key.endswith(".json") and seq.isdigit() and len(seq) <= 18):
+                continue
+            try:
+                doc = parse_journal_entry(self.backend.get(key), key)
+            except (CorruptCheckpointError, ObjectNotFoundError) as e:
+                log.warning("skipping journal entry %s (the manifests are the commits): %s", key, e)
+                continue
+            doc["seq"] = int(seq)
+            out.append(doc)
+        return out
+
+
+class SaveTransaction:
+    """One checkpoint being written: its id and writer lease from :meth:`Store.begin_save`, its manifest (the
+    single commit point) at :meth:`commit`.
+
+    The coordinator (the chief's agent) opens it, the PS agents write their shards' chunks with
+    :meth:`Store.write_part` and send back their parts, and :meth:`commit` writes one manifest holding the
+    small tensors it encodes itself and the parts; a reader never sees a checkpoint with a part missing. A
+    context manager: leaving it without a commit aborts (lease released, nothing committed).
+    """
+
+    def __init__(
+        self,
+        writer: Writer,
+        checkpoint_id: str,
+        step: int,
+        parent: str | None,
+        parent_manifest: Manifest | None,
+        lease: Lease,
+        keeper: LeaseKeeper,
+        known: set[str],
+    ) -> None:
+        self.writer = writer
+        self.checkpoint_id = checkpoint_id
+        self.step = step
+        self.parent = parent
+        self._parent_m = parent_manifest
+        self._lease = lease
+        self._keeper = keeper
+        self._known = known
+        self._open = True
+
+    @property
+    def kind(self) -> str:
+        return "full" if self.parent is None else "delta"
+
+    def __enter__(self) -> SaveTransaction:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        """Release the lease and commit nothing (the chunks written stay for gc); idempotent."""
+        if self._open:
+            self._open = False
+            try:
+                self._keeper.stop()
+                self._lease.release()
+            finally:
+                self.writer.end_transaction()
+
+    def commit(
+        self,
+        tensors: Mapping[str, TensorUpdate | FullStream | np.ndarray],
+        *,
+        parts: Mapping[str, Sequence[Mapping[str, Any]]] = _NO_PARTS,
+        metadata: Mapping[str, Any] | None = None,
+        metrics: Mapping[str, float] | None = None,
+    ) -> CheckpointInfo:
+        """Write ``tensors`` (encoded here, as :meth:`Store.save` does) and commit the manifest with them and
+        with ``parts`` (tensor name -> the parts :meth:`Store.write_part` returned, in any order).
+
+        The parts are validated exactly as a reader validates a manifest (sorted, contiguous, covering the
+        tensor, chunk sizes matching rows) and every chunk they name must be in the store with its size (a
+        stat, no read). The lease is confirmed right before the create-only manifest write. Any failure raises
+        (:class:`SaveError` for an unexpected one) and commits nothing; the transaction is over either way.
+        """
+        if not self._open:
+            raise ConfigError(f"checkpoint {self.checkpoint_id}: the transaction was already committed or aborted")
+        try:
+            manifest = self._commit(tensors, parts, metadata, metrics)
+        except PsguardError:
+            raise
+        except Exception as e:
+            raise SaveError(f"saving step {self.step} to {self.writer.url} failed: {e}") from e
+        finally:
+            self.abort()
+        self.writer.index.remember(manifest)
+        self.writer.journal.append(manifest)
+        log.info(
+            "committed checkpoint %s step=%d kind=%s tensors=%d written=%d bytes",
+            manifest.id,
+            manifest.step,
+            manifest.kind,
+            len(manifest.tensors),
+            manifest.stats["bytes_written"],
+        )
+        return CheckpointInfo.of(manifest)
+
+    def _commit(
+        self,
+        tensors: Mapping[str, TensorUpdate | FullStream | np.ndarray],
+        parts: Mapping[str, Sequence[Mapping[str, Any]]],
+        metadata_in: Mapping[str, Any] | None,
+        metrics_in: Mapping[str, float] | None,
+    ) -> Manifest:
+        owner, cid, step, parent, parent_m = self.writer, self.checkpoint_id, self.step, self.parent, self._parent_m
+        check_metadata(metadata_in)
+        metadata = dict(metadata_in or {})
+        metrics = dict(metrics_in or {})
+        both = sorted(set(tensors) & set(parts))
+        if both:
+            raise ConfigError(f"tensor(s) given both whole and in parts: {both[:10]}")
+        sharded, part_stats = self._sharded_entries(parts)
+        self._check_chunks_present(sharded)
+        writer = ChunkWriter(owner.backend, owner.pool, inflight_bytes=owner.inflight_bytes, known=self._known)
+        pending: dict[str, tuple[str, tuple[int, ...], str, list[Future[Any]]]] = {}
+        logical = sum(logical_nbytes(e.dtype, e.shape) for e in sharded.values())
+        for name, update in tensors.items():
+            if isinstance(update, np.ndarray):
+                update = Full(update)
+            dtype, shape, enc, futs = owner.encode(name, update, parent_m, writer)
+            pending[name] = (dtype, shape, enc, futs)
+            logical += logical_nbytes(dtype, shape) if dtype != STRING else 0
+            del update
+        if parent_m is not None:
+            absent = sorted(set(parent_m.tensors) - set(pending) - set(sharded))
+            if absent:
+                raise ConfigError(f"a delta must list every tensor of its parent; missing: {absent[:10]}")
+        writer.wait()
+        entries: dict[str, TensorEntry] = {}
+        for name, (dtype, shape, enc, futs) in pending.items():
+            results = [f.result() for f in futs]
+            if enc == "full":
+                entries[name] = TensorEntry(dtype, shape, "full", chunks=tuple(results))
+                if dtype == STRING:
+                    logical += sum(r.size for r in results)
+            elif enc == "rows":
+                entries[name] = TensorEntry(dtype, shape, "rows", segments=tuple(results))
+            else:
+                entries[name] = TensorEntry(dtype, shape, "same")
+        entries.update(sharded)
+        stats = {
+            "logical_bytes": logical,
+            "bytes_written": writer.stats.bytes_written + part_stats["bytes_written"],
+            "chunks_written": writer.stats.chunks_written + part_stats["chunks_written"],
+            "bytes_deduplicated": writer.stats.bytes_deduplicated + part_stats["bytes_deduplicated"],
+            "chunks_deduplicated": writer.stats.chunks_deduplicated + part_stats["chunks_deduplicated"],
+        }
+        manifest = Manifest(
+            id=cid,
+            step=step,
+            kind="full" if parent_m is None else "delta",
+            parent=parent,
+            base=cid if parent_m is None else parent_m.base,
+            chain_length=0 if parent_m is None else parent_m.chain_length + 1,
+            committed_at=time.time(),
+            tensors=entries,
+            metadata=metadata,
+            metrics=metrics,
+            stats=stats,
+            writer=owner.name,
+        )
+        try:
+            self._keeper.confirm()  # the lease still ours, just refreshed: gc cannot have taken our chunks
+        except LeaseLostError as e:
+            raise SaveError(
+                f"step {step}: the save's lock lease on {owner.url} was lost while it ran ({e}); gc may have "
+                "deleted its chunks, so nothing was committed. Save again"
+            ) from e
+        owner.backend.put_new(manifest_key(cid), manifest.to_bytes())  # the commit
+        return manifest
+
+    def _sharded_entries(
+        self, parts: Mapping[str, Sequence[Mapping[str, Any]]]
+    ) -> tuple[dict[str, TensorEntry], dict[str, int]]:
+        """The sharded entries the parts make, validated as a reader would (before any chunk is checked or a
+        tensor uploaded); and the write statistics the PS agents reported."""
+        entries: dict[str, TensorEntry] = {}
+        stats = dict.fromkeys(_STAT_KEYS, 0)
+        for name, plist in parts.items():
+            plist = list(plist)
+            if not isinstance(name, str) or not plist or not all(isinstance(p, Mapping) for p in plist):
+                raise ConfigError(f"tensor {str(name)[:80]!r}: parts must be a non-empty list of write_part results")
+            described = {(str(p.get("dtype")), json.dumps(p.get("shape"))) for p in plist}
+            if len(described) != 1:
+                raise ConfigError(f"tensor {name!r}: its parts disagree on dtype or shape: {sorted(described)[:4]}")
+            dtype, shape_raw = plist[0].get("dtype"), plist[0].get("shape")
+            if (
+                not isinstance(dtype, str)
+                or not isinstance(shape_raw, list)
+                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape_raw)
+            ):
+                raise ConfigError(f"tensor {name!r}: a part lacks the dtype and logical shape write_part gives it")
+            shape = tuple(shape_raw)
+            if self._parent_m is not None:
+                prev = self._parent_m.tensors.get(name)
+                if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
+                    was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
+                    raise ConfigError(
+                        f"tensor {name!r}: parts of {dtype}{list(shape)} cannot apply to the parent's ({was})"
+                    )
+            stripped = [{k: v for k, v in p.items() if k not in PART_TRANSPORT_KEYS} for p in plist]
+            stripped.sort(key=lambda p: p["offset"] if isinstance(p.get("offset"), int) else -1)
+            entries[name] = sharded_entry_from_parts(self.checkpoint_id, self.kind, name, dtype, shape, stripped)
+            for p in plist:
+                reported = p.get("stats")
+                if isinstance(reported, Mapping):
+                    for k in _STAT_KEYS:
+                        v = reported.get(k)
+                        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                            stats[k] += v
+        return entries, stats
+
+    def _check_chunks_present(self, entries: Mapping[str, TensorEntry]) -> None:
+        """Every chunk the parts name is in the store with its size: a stat each, in parallel, no read (other
+        processes wrote them; their CRC32C is checked on every later read and by ``verify``)."""
+        owner = self.writer
+        refs: dict[str, tuple[str, ChunkRef]] = {}
+        for name, entry in entries.items():
+            for ref in entry.refs():
+                refs.setdefault(ref.hash, (name, ref))
+
+        def size(key: str) -> int | None:
+            try:
+                return owner.backend.size(key)
+            except ObjectNotFoundError:
+                return None
+
+        futures = [(name, ref, owner.pool.submit(size, chunk_key(ref.hash))) for name, ref in refs.values()]
+        wait_all([f for *_, f in futures])
+        for name, ref, f in futures:
+            found = f.result()
+            if found != ref.size:
+                has = "is not in" if found is None else f"has {found} bytes (its part says {ref.size}) in"
+                raise SaveError(
+                    f"step {self.step}: tensor {name!r}: chunk {ref.hash} of a part {has} {owner.url}; "
+                    "nothing was committed"
+                )
+
+
+def _storable(name: str, dtype: str) -> str:
+    """Refuse to write a dtype no reader would restore (``DTYPE_NAMES``): better now than at restore time."""
+    if dtype not in DTYPE_NAMES:
+        raise ConfigError(f"tensor {name!r}: dtype {dtype} cannot be checkpointed (supported: {sorted(DTYPE_NAMES)})")
+    return dtype
