@@ -7,32 +7,32 @@ One agent per task process (the chief's trainer, each PS, optionally each worker
         --peer http://ps0:8470 --peer http://ps1:8470 -- python train.py        # the user's trainer
 
 It wires the parts built elsewhere; it adds no mechanism of its own beyond the generation rule
-(:mod:`psguard.agent.peers`; the decision and its measurements: docs/design.md).
+(:mod:`psguard.agent.control.peers`; the decision and its measurements: docs/design.md).
 
 ==================  ==========================================================================================
-supervision         :class:`~psguard.agent.supervisor.Supervisor` runs the task in its own process group (same
+supervision         :class:`~psguard.agent.process.supervisor.Supervisor` runs the task in its own process group (same
                     address every restart, backoff, crash-loop limit), marks its whole process tree and records
                     it under ``state_dir``: a guard kills the tree if the agent is SIGKILLed, and the next agent
-                    kills what still survives (:mod:`psguard.agent.reaper`). Exit 0 of the task: the agent drains
-                    and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
+                    kills what still survives (:mod:`psguard.agent.process.reaper`). Exit 0 of the task: the agent
+                    drains and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
                     message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
                     ``supervisor.stop_timeout``), the persister drained, exit ``stop_exit_code`` (0 unless
                     configured; 143 on Kubernetes Jobs). The built-in server gets a warm standby
-                    (:mod:`psguard.agent.standby`) swapped in on a restart.
+                    (:mod:`psguard.agent.process.standby`) swapped in on a restart.
 end of the job      with ``peers.finish_on_success``, the chief's agent whose trainer exited 0 sends ``POST
                     /finish`` to every peer: a PS or worker agent stops its task and exits 0 (its pod completes).
-health              ps / worker: :class:`~psguard.agent.prober.HealthMonitor` with process + TCP + ``GetStatus``
+health              ps / worker: :class:`~psguard.agent.process.prober.HealthMonitor` with process + TCP + ``GetStatus``
                     RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
                     unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
                     ``--peer`` agent's ``/readyz`` (reported in ``/status`` and ``/metrics`` only).
-memory tier         chief only: :class:`~psguard.agent.memory_tier.MemoryTier` fed by a
-                    :class:`~psguard.agent.spool_server.SpoolServer` (``--spool``, default
+memory tier         chief only: :class:`~psguard.agent.tiers.memory_tier.MemoryTier` fed by a
+                    :class:`~psguard.agent.tiers.spool_server.SpoolServer` (``--spool``, default
                     :func:`~psguard.handoff.spool.default_spool_dir` of the job) and written to the durable log
-                    by a :class:`~psguard.agent.persister.Persister` (``--store``). At start
-                    :func:`~psguard.agent.persister.resume` seeds the tier from the durable log, so an agent
+                    by a :class:`~psguard.agent.tiers.persister.Persister` (``--store``). At start
+                    :func:`~psguard.agent.tiers.persister.resume` seeds the tier from the durable log, so an agent
                     restarted after a crash (even a SIGKILL in the middle of a persist: the manifest is the
                     commit) continues from the last commit.
-HTTP                :class:`~psguard.agent.httpd.AgentHTTPServer` (127.0.0.1 by default; any other address needs
+HTTP                :class:`~psguard.agent.control.httpd.AgentHTTPServer` (127.0.0.1 by default; any other address needs
                     ``--token-file``): ``/healthz``, ``/readyz``, ``/metrics``, ``/status`` (JSON), ``POST
                     /restart`` (restart the task), ``POST /recovery`` (a restored trainer reports the step
                     it restored and, in process, the step it had reached; with the step a failed trainer gave
@@ -62,13 +62,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psguard.agent.auth import Authenticator, JwtAuth
 from psguard.agent.config import ROLES, AgentConfig
-from psguard.agent.hang import Hang, HangWatch
-from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response
-from psguard.agent.metrics import AgentMetrics
-from psguard.agent.peers import PeerSync
-from psguard.agent.prober import (
+from psguard.agent.control.auth import Authenticator, JwtAuth
+from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
+from psguard.agent.control.metrics import AgentMetrics
+from psguard.agent.control.peers import PeerSync
+from psguard.agent.process.hang import Hang, HangWatch
+from psguard.agent.process.prober import (
     GrpcStatusProbe,
     Health,
     HealthMonitor,
@@ -78,8 +78,8 @@ from psguard.agent.prober import (
     ProcessProbe,
     TcpProbe,
 )
-from psguard.agent.standby import warm_trainer_command
-from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
+from psguard.agent.process.standby import warm_trainer_command
+from psguard.agent.process.supervisor import EventKind, Supervisor, SupervisorEvent
 from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import (
     ENV_AGENT_CA,
@@ -99,10 +99,10 @@ from psguard.handoff.tls import client_context, server_context
 from psguard.storage.registry import redact
 
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
-    from psguard.agent.memory_tier import MemoryTier
-    from psguard.agent.persister import Persister, PersistEvent
-    from psguard.agent.shards import ShardClient, ShardKeeper
-    from psguard.agent.spool_server import SpoolEvent, SpoolServer
+    from psguard.agent.tiers.memory_tier import MemoryTier
+    from psguard.agent.tiers.persister import Persister, PersistEvent
+    from psguard.agent.tiers.shards import ShardClient, ShardKeeper
+    from psguard.agent.tiers.spool_server import SpoolEvent, SpoolServer
     from psguard.store.log import Store
 
 __all__ = ["Agent"]
@@ -179,7 +179,7 @@ class Agent:
         if not 0 <= self.config.stop_exit_code <= 255:
             raise ConfigError(f"stop_exit_code: an exit status from 0 to 255, got {self.config.stop_exit_code}")
         self.command = list(command) if command else self._server_command()
-        self._builtin_server = not command  # it honours psguard.agent.standby, so a warm standby can replace it
+        self._builtin_server = not command  # it honours psguard.agent.process.standby, so a warm standby can replace it
         self.peers = [p.rstrip("/") for p in peers]
         for p in self.peers:
             parts = urllib.parse.urlsplit(p)
@@ -243,7 +243,7 @@ class Agent:
         return [
             sys.executable,
             "-m",
-            "psguard.agent.tf_server",
+            "psguard.agent.process.tf_server",
             "--cluster-spec",
             json.dumps(self.cluster, sort_keys=True),
             "--job",
@@ -407,9 +407,9 @@ class Agent:
 
     def _start_memory_tier(self) -> None:
         # lazy: numpy and the storage clients load only in the chief's agent (a PS agent starts faster)
-        from psguard.agent.memory_tier import MemoryTier
-        from psguard.agent.persister import Persister, resume
-        from psguard.agent.spool_server import SpoolServer
+        from psguard.agent.tiers.memory_tier import MemoryTier
+        from psguard.agent.tiers.persister import Persister, resume
+        from psguard.agent.tiers.spool_server import SpoolServer
         from psguard.handoff.spool import SpoolPaths, default_spool_dir
         from psguard.store.log import Store
 
@@ -417,7 +417,7 @@ class Agent:
         tier = self.tier = MemoryTier()
         persister: Persister | None = None
         if self.peers:
-            from psguard.agent.shards import ShardClient  # lazy: with the rest of the chief's parts above
+            from psguard.agent.tiers.shards import ShardClient  # lazy: with the rest of the chief's parts above
 
             self.shard_client = ShardClient(self.peer_sync.tasks, self.peer_sync.post)
         if cfg.store is not None:
@@ -478,7 +478,7 @@ class Agent:
 
     def _start_shards(self) -> None:
         # lazy: numpy and the storage clients load only when the agent keeps shards
-        from psguard.agent.shards import ShardKeeper
+        from psguard.agent.tiers.shards import ShardKeeper
         from psguard.handoff.spool import part_dir
         from psguard.store.log import Store
 
@@ -646,7 +646,7 @@ class Agent:
             self._wake.set()
 
     def _on_hang(self, hang: Hang) -> None:
-        """The trainer is alive and makes no steps (:mod:`psguard.agent.hang`): count it and restart it; the
+        """The trainer is alive and makes no steps (:mod:`psguard.agent.process.hang`): count it and restart it; the
         new trainer restores from the memory tier (a new generation: the PS servers are restarted first)."""
         self.metrics.hangs.inc()
         with self._lock:

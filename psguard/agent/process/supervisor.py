@@ -26,7 +26,7 @@ harness's repeated-kill scenario made the agent give up on exactly that).
 The process group is not the whole tree: a task's process may leave the group (``setsid``), and once the agent
 is SIGKILLed nobody signals the group at all (the parent-death signal reaches only the direct child; with the
 task ``sh -c 'sleep 600 & sleep 601; wait'`` both sleeps survived). So every process of the task is marked in
-its environment and killed by that mark (:mod:`psguard.agent.reaper`): at the end of every run, by a guard
+its environment and killed by that mark (:mod:`psguard.agent.process.reaper`): at the end of every run, by a guard
 process the moment the agent dies, and, from the task record the agent keeps (``record``), by the next agent
 when it starts. The agent also makes itself a child subreaper (``subreaper=True``) so that it adopts and reaps
 its task's orphans.
@@ -60,8 +60,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Annotated
 
-from psguard.agent import reaper
-from psguard.agent.standby import Standby
+from psguard.agent.process import reaper
+from psguard.agent.process.standby import Standby
 from psguard.config import Check, Duration, validate
 from psguard.errors import CrashLoopError, PsguardError
 from psguard.handoff.contract import EXIT_OK, EXIT_RESTART
@@ -168,7 +168,7 @@ class SupervisorStatus:
     uptime_seconds: float | None  # of the current run; None when no process runs
     crashes_in_window: int
     last_reason: str
-    standby_pid: int | None = None  # the warm standby waiting to replace the task (psguard.agent.standby)
+    standby_pid: int | None = None  # the warm standby waiting to replace the task (psguard.agent.process.standby)
     standby_ready: bool = False  # ... and it has imported what it needs: swapping it in is quick
 
     def to_dict(self) -> dict[str, object]:
@@ -201,7 +201,7 @@ class SupervisorConfig:
     crash_loop_window: Annotated[Duration, Check(_positive, "> 0")] = 300.0
     stop_timeout: Duration = 10.0  # SIGTERM, then SIGKILL after this long
     restart_codes: tuple[int, ...] = (EXIT_RESTART,)
-    # Keep a warm standby process for commands that honour psguard.agent.standby (the agent's built-in server
+    # Keep a warm standby process for commands that honour psguard.agent.process.standby (the agent's built-in server
     # mode): a restart then costs ~0.1 s instead of a Python + TensorFlow start. It is started this long after
     # the run is declared healthy (:meth:`Supervisor.mark_healthy`: the PS answers its probe, the trainer
     # delivered a checkpoint), so that it does not compete with the task (or a recovery) for CPU while that
@@ -342,7 +342,7 @@ class Supervisor:
         self._on_event = on_event
         self._log_path = Path(log_path) if log_path is not None else None
         self._pdeathsig = pdeathsig
-        # The mark of this supervisor's process tree (psguard.agent.reaper), the file that records it for the
+        # The mark of this supervisor's process tree (psguard.agent.process.reaper), the file that records it for the
         # next agent, and the guard that kills the tree when this process dies.
         self._tree = secrets.token_hex(8)
         self._record = Path(record) if record is not None else None
@@ -390,7 +390,7 @@ class Supervisor:
     ) -> Supervisor:
         """A supervisor with the policy from a config file; ``kwargs`` are the other constructor arguments.
 
-        ``standby_capable``: the command honours :mod:`psguard.agent.standby`, so ``config.standby`` may apply
+        ``standby_capable``: the command honours :mod:`psguard.agent.process.standby`, so ``config.standby`` may apply
         (it applies too with a ``standby_cmd``: a command that honours it and becomes this one).
         """
         return cls(

@@ -41,8 +41,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Literal
 
-from psguard.agent.memory_tier import DirtyTake, MemoryTier
-from psguard.agent.shards import ShardClient
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier
+from psguard.agent.tiers.shards import ShardClient
 from psguard.config import from_data
 from psguard.errors import ConfigError, NoCheckpointError, ParentMissingError, PsguardError, SaveError
 from psguard.handoff.contract import RETENTION_KEY, TOKEN_KEY
