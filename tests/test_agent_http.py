@@ -22,7 +22,7 @@ import pytest
 from psguard.agent.control import metrics as m
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response, is_loopback
 from psguard.agent.control.metrics import AgentMetrics, Registry
-from psguard.agent.process.supervisor import EventKind, SupervisorEvent
+from psguard.agent.process.lifecycle import EventKind, SupervisorEvent
 from psguard.errors import ConfigError
 
 TOKEN = "s3cr3t-token-that-must-never-be-logged"

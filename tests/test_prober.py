@@ -23,6 +23,7 @@ import pytest
 
 from psguard.agent.control.httpd import AgentHTTPServer
 from psguard.agent.control.metrics import PROBE_LATENCY_SECONDS, AgentMetrics
+from psguard.agent.process.lifecycle import EventKind, SupervisorEvent
 from psguard.agent.process.prober import (
     GrpcStatusProbe,
     Health,
@@ -33,7 +34,7 @@ from psguard.agent.process.prober import (
     ProcessProbe,
     TcpProbe,
 )
-from psguard.agent.process.supervisor import EventKind, Supervisor, SupervisorEvent
+from psguard.agent.process.supervisor import Supervisor
 from psguard.ports import free_port, free_ports, wait_port
 from tests.conftest import allow_new_children
 

@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 
 import psguard.agent.process.supervisor as supervisor_module
-from psguard.agent.process.standby import warm_trainer_command
-from psguard.agent.process.supervisor import (
+from psguard.agent.process.lifecycle import (
     EventKind,
     SpawnError,
-    Supervisor,
     SupervisorConfig,
     SupervisorEvent,
     SupervisorState,
 )
+from psguard.agent.process.standby import warm_trainer_command
+from psguard.agent.process.supervisor import Supervisor
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError, CrashLoopError
 from psguard.handoff.contract import EXIT_RESTART

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from psguard.agent.control.peers import PeersConfig
+from psguard.agent.process.lifecycle import SupervisorConfig
 from psguard.agent.process.prober import MonitorConfig
-from psguard.agent.process.supervisor import SupervisorConfig
 from psguard.config import Duration
 from psguard.errors import ConfigError
 
