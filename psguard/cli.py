@@ -52,7 +52,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "psguard.agent.cli",
     "psguard.chaos.cli",
     "psguard.agent.wrap",
-    "psguard.agent.status",
+    "psguard.agent.control.status",
 )
 
 Handler = Callable[[argparse.Namespace], int]

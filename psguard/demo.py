@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from psguard.agent.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
+from psguard.agent.process.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
 from psguard.benchmarks.common import back_to_normal, seconds_per_step
 from psguard.run_folder import claim_folder
 from psguard.store import CheckpointInfo, Store

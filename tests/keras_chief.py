@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from psguard.agent.tf_server import _die_with_parent
+from psguard.agent.process.tf_server import _die_with_parent
 from psguard.trainer.keras import CheckpointCallback
 from psguard.trainer.variables import read_tensors
 

@@ -20,9 +20,9 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import tensorflow as tf
 
-from psguard.agent.memory_tier import MemoryTier
-from psguard.agent.persister import Persister, resume
-from psguard.agent.spool_server import SpoolServer
+from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.agent.tiers.persister import Persister, resume
+from psguard.agent.tiers.spool_server import SpoolServer
 from psguard.policy.engine import EverySteps, Schedule
 from psguard.store import Store
 from psguard.testbed.cluster import LocalCluster

@@ -25,7 +25,7 @@ import pytest
 
 from psguard.agent.config import AgentConfig, load_cluster, validate_cluster
 from psguard.agent.daemon import Agent
-from psguard.agent.launcher import run_token_file
+from psguard.agent.process.launcher import run_token_file
 from psguard.cli import main as cli_main
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError
@@ -112,7 +112,7 @@ def test_chief_needs_a_command_and_only_the_chief_has_peers() -> None:
         Agent("chief", 0, cluster, command=["true"], peers=["127.0.0.1:5"])
     # Built-in server: the same address every restart, from the cluster spec.
     cmd = Agent("ps", 0, cluster).command
-    assert cmd[1:3] == ["-m", "psguard.agent.tf_server"]
+    assert cmd[1:3] == ["-m", "psguard.agent.process.tf_server"]
     assert json.loads(cmd[cmd.index("--cluster-spec") + 1]) == cluster
 
 
@@ -221,9 +221,9 @@ def test_agent_does_not_import_tensorflow() -> None:
     assert "--peer" in out.stdout
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if "|" in line}
     assert {
-        "psguard.agent.supervisor",
-        "psguard.agent.prober",
-        "psguard.agent.httpd",
+        "psguard.agent.process.supervisor",
+        "psguard.agent.process.prober",
+        "psguard.agent.control.httpd",
     } <= imported  # the agent's own parts
     assert not {m for m in imported if m == "tensorflow" or m.startswith("tensorflow.")}
 
@@ -372,11 +372,13 @@ def test_ps_killed_is_restarted_on_the_same_port_and_a_stopped_one_too(
     assert "tensorflow" not in Path(f"/proc/{agent.proc.pid}/maps").read_text()
     print(f"PS agent RSS {first['agent_rss_bytes'] / 1e6:.0f} MB")
     pid = first["pid"]
-    assert "psguard.agent.tf_server" in Path(f"/proc/{pid}/cmdline").read_text()
+    assert "psguard.agent.process.tf_server" in Path(f"/proc/{pid}/cmdline").read_text()
     # The built-in server mode keeps a warm standby (TensorFlow imported, port not bound) to swap in.
     warm = agent.wait_status(lambda s: s["supervisor"]["standby_ready"], 120, "warm standby ready")
     standby = warm["supervisor"]["standby_pid"]
-    assert standby not in (None, pid) and "psguard.agent.tf_server" in Path(f"/proc/{standby}/cmdline").read_text()
+    assert (
+        standby not in (None, pid) and "psguard.agent.process.tf_server" in Path(f"/proc/{standby}/cmdline").read_text()
+    )
 
     os.kill(pid, signal.SIGKILL)
     t0 = time.monotonic()
@@ -412,7 +414,7 @@ def test_frozen_ps_behind_a_wrapper_is_caught_by_the_rpc_deadline(
     server = [
         sys.executable,
         "-m",
-        "psguard.agent.tf_server",
+        "psguard.agent.process.tf_server",
         "--cluster-spec",
         json.dumps(spec),
         "--job",

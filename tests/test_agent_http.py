@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from psguard.agent import metrics as m
-from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response, is_loopback
-from psguard.agent.metrics import AgentMetrics, Registry
-from psguard.agent.supervisor import EventKind, SupervisorEvent
+from psguard.agent.control import metrics as m
+from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response, is_loopback
+from psguard.agent.control.metrics import AgentMetrics, Registry
+from psguard.agent.process.lifecycle import EventKind, SupervisorEvent
 from psguard.errors import ConfigError
 
 TOKEN = "s3cr3t-token-that-must-never-be-logged"

@@ -27,9 +27,9 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from psguard.agent.auth import JwtAuth, TokenAuth
+from psguard.agent.control.auth import JwtAuth, TokenAuth
+from psguard.agent.control.httpd import AgentHTTPServer
 from psguard.agent.daemon import Agent
-from psguard.agent.httpd import AgentHTTPServer
 from psguard.errors import ConfigError
 from psguard.handoff.client import http_json, read_token
 from psguard.handoff.credentials import check_private_file, create_token_file

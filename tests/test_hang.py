@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from psguard.agent.hang import Hang, HangWatch
+from psguard.agent.process.hang import Hang, HangWatch
 from psguard.handoff.spool import atomic_write_json
 from psguard.policy.files import HangSpec
 from tests.conftest import lone_chief_agent

@@ -1,9 +1,9 @@
 """integrations/prometheus: the alert rules and the Grafana dashboard use exactly the metrics the agent exports.
 
 Every expression is parsed with a real PromQL parser (``promql-parser``, a syntax error fails). Every
-``psguard_*`` series it references must be a metric of :class:`psguard.agent.metrics.AgentMetrics` (``_bucket`` /
-``_sum`` / ``_count`` only on histograms, ``rate`` / ``increase`` only on counters and histogram parts), with
-only the labels it has; and a real agent, started as a user would, must expose all of them on ``/metrics``.
+``psguard_*`` series it references must be a metric of :class:`psguard.agent.control.metrics.AgentMetrics`
+(``_bucket`` / ``_sum`` / ``_count`` only on histograms, ``rate`` / ``increase`` only on counters and histogram
+parts), with only the labels it has; and a real agent, started as a user would, must expose all of them on ``/metrics``.
 Each alert links to its section of the runbook, which must exist.
 """
 
@@ -23,7 +23,7 @@ import promql_parser
 import pytest
 import yaml
 
-from psguard.agent.metrics import AgentMetrics
+from psguard.agent.control.metrics import AgentMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PROM = ROOT / "integrations" / "prometheus"

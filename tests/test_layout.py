@@ -2,6 +2,10 @@
 
 - ``psguard.trainer`` (runs in the user's training process) and ``psguard.agent`` (the sidecar) never import
   each other; both speak ``psguard.handoff``, which imports neither.
+- The agent's rooms build on one another in one direction only: ``psguard.agent.process`` (keeping a task alive)
+  and ``psguard.agent.tiers`` (the checkpoint tiers) import no other room, ``psguard.agent.control`` (the
+  control plane) may import ``process`` and nothing else, and no room imports the modules that wire them
+  (``psguard.agent.daemon``, ``recovery``, ``config``, ``cli``, ``wrap``).
 - ``psguard.store`` knows neither policies nor TensorFlow; the top floor (demo, chaos, testbed, benchmarks,
   the CLI) is imported by nothing below it.
 - No import cycles, and no function-local import of psguard code below the top floor unless its line says
@@ -70,8 +74,8 @@ def test_the_trainer_side_loads_no_agent_module() -> None:
 
 
 def test_the_agent_side_loads_no_trainer_module() -> None:
-    code = "import psguard.agent, psguard.agent.daemon, psguard.agent.wrap, psguard.agent.spool_server"
-    loaded = loaded_after(code + ", psguard.agent.persister")
+    code = "import psguard.agent, psguard.agent.daemon, psguard.agent.wrap, psguard.agent.tiers.spool_server"
+    loaded = loaded_after(code + ", psguard.agent.tiers.persister, psguard.agent.control.status")
     assert "psguard.agent.daemon" in loaded
     assert not {m for m in loaded if under(m, "psguard.trainer")}
 
@@ -96,6 +100,42 @@ def test_import_rules(side: str, forbidden: tuple[str, ...]) -> None:
         if under(name, *forbidden) or under(name, *TOP_FLOOR)
     ]
     assert not bad, bad
+
+
+AGENT_TOP = tuple(f"psguard.agent.{m}" for m in ("daemon", "recovery", "config", "cli", "wrap"))
+
+
+@pytest.mark.parametrize(
+    ("room", "forbidden"),
+    [
+        ("psguard.agent.process", ("psguard.agent.tiers", "psguard.agent.control", *AGENT_TOP)),
+        ("psguard.agent.tiers", ("psguard.agent.process", "psguard.agent.control", *AGENT_TOP)),
+        ("psguard.agent.control", ("psguard.agent.tiers", *AGENT_TOP)),
+    ],
+)
+def test_the_agents_rooms(room: str, forbidden: tuple[str, ...]) -> None:
+    bad = [
+        f"{module}:{line} imports {name}"
+        for module, path in modules().items()
+        if under(module, room)
+        for name, line, _ in imports(path)
+        if under(name, *forbidden)
+    ]
+    assert not bad, bad
+
+
+def test_the_agent_keeps_few_modules_at_its_top() -> None:
+    top = [p.name for p in (ROOT / "agent").glob("*.py")]
+    assert len(top) <= 12, top
+
+
+def test_no_agent_module_is_too_long() -> None:
+    long = {
+        module: n
+        for module, path in modules().items()
+        if under(module, "psguard.agent") and (n := len(path.read_text().splitlines())) > 800
+    }
+    assert not long, long
 
 
 def test_the_store_does_not_import_tensorflow() -> None:

@@ -21,9 +21,9 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-from psguard.agent.memory_tier import MemoryTier
-from psguard.agent.persister import Persister
-from psguard.agent.spool_server import SpoolServer
+from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.agent.tiers.persister import Persister
+from psguard.agent.tiers.spool_server import SpoolServer
 from psguard.errors import SaveError
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import EverySteps, Retention, Schedule

@@ -18,9 +18,9 @@ import pytest
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
-from psguard.agent.memory_tier import MemoryTier
-from psguard.agent.persister import Persister, resume
-from psguard.agent.spool_server import SpoolServer
+from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.agent.tiers.persister import Persister, resume
+from psguard.agent.tiers.spool_server import SpoolServer
 from psguard.errors import ConfigError
 from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, Tier
 from psguard.store import Store
@@ -208,7 +208,7 @@ def test_the_failure_time_told_to_the_agent_is_the_failed_generations_last_step(
 
 def test_under_an_agent_max_to_keep_is_applied_and_the_stall_is_reported(tmp_path: Path) -> None:
     """The agent's writer applies the manager's retention; each capture tells the agent its training stall."""
-    from psguard.agent.spool_server import SpoolEvent
+    from psguard.agent.tiers.spool_server import SpoolEvent
 
     events: list[SpoolEvent] = []
     store = Store.open(str(tmp_path / "store"))

@@ -10,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from psguard.agent.memory_tier import MemoryTier
+from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.errors import ConfigError, PsguardError, TensorMismatchError
 from psguard.storage.registry import open_backend
 from psguard.store import Store

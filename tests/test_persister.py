@@ -15,8 +15,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from psguard.agent.memory_tier import MemoryTier
-from psguard.agent.persister import Persister, PersistEvent, resume
+from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.agent.tiers.persister import Persister, PersistEvent, resume
 from psguard.errors import SaveError, StorageUnavailableError
 from psguard.handoff.contract import TOKEN_KEY
 from psguard.policy.engine import ChainLimit

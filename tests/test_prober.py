@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from psguard.agent.httpd import AgentHTTPServer
-from psguard.agent.metrics import PROBE_LATENCY_SECONDS, AgentMetrics
-from psguard.agent.prober import (
+from psguard.agent.control.httpd import AgentHTTPServer
+from psguard.agent.control.metrics import PROBE_LATENCY_SECONDS, AgentMetrics
+from psguard.agent.process.lifecycle import EventKind, SupervisorEvent
+from psguard.agent.process.prober import (
     GrpcStatusProbe,
     Health,
     HealthMonitor,
@@ -33,7 +34,7 @@ from psguard.agent.prober import (
     ProcessProbe,
     TcpProbe,
 )
-from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
+from psguard.agent.process.supervisor import Supervisor
 from psguard.ports import free_port, free_ports, wait_port
 from tests.conftest import allow_new_children
 
@@ -58,7 +59,7 @@ def server_cmd(port: int, other_port: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "psguard.agent.tf_server",
+        "psguard.agent.process.tf_server",
         "--cluster-spec",
         json.dumps(spec),
         "--job",
@@ -310,8 +311,9 @@ def test_agent_modules_do_not_import_tensorflow_and_grpc_is_cheap() -> None:
     code = (
         "import time, sys\n"
         "t = time.perf_counter()\n"
-        "import psguard.agent.supervisor, psguard.agent.prober, psguard.agent.metrics, psguard.agent.httpd\n"
-        "p = psguard.agent.prober.GrpcStatusProbe('127.0.0.1:1')\n"
+        "import psguard.agent.process.supervisor, psguard.agent.process.prober\n"
+        "import psguard.agent.control.metrics, psguard.agent.control.httpd\n"
+        "p = psguard.agent.process.prober.GrpcStatusProbe('127.0.0.1:1')\n"
         "took = time.perf_counter() - t\n"
         "rss = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])\n"
         "print(took, rss, 'tensorflow' in sys.modules, 'grpc' in sys.modules)\n"

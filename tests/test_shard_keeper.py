@@ -1,4 +1,4 @@
-"""A PS agent's shard tier answering restores (psguard.agent.shards.ShardKeeper.export).
+"""A PS agent's shard tier answering restores (psguard.agent.tiers.shards.ShardKeeper.export).
 
 The chief's agent asks the PS agents to export ahead of a restore, while the PS restart and the trainer
 rebuilds; the restore's own export must then get the same files without writing them again, and must never get
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from psguard.agent.shards import ShardKeeper
+from psguard.agent.tiers.shards import ShardKeeper
 from psguard.handoff.parts import ShardKey
 from psguard.handoff.tensor_bundle import bundle_files
 from psguard.tensors import Full, Rows

@@ -21,9 +21,9 @@ import pytest
 
 import psguard.handoff.spool as spool_mod
 import psguard.trainer.spool_writer as spool_writer_mod
-from psguard.agent.memory_tier import MemoryTier
-from psguard.agent.persister import Persister, resume
-from psguard.agent.spool_server import SpoolEvent, SpoolServer
+from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.agent.tiers.persister import Persister, resume
+from psguard.agent.tiers.spool_server import SpoolEvent, SpoolServer
 from psguard.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.contract import Tier
 from psguard.handoff.spool import Capture, NeedFullCaptureError, default_spool_dir, read_capture
@@ -665,7 +665,7 @@ def test_the_spool_folder_is_private_and_a_foreign_or_open_one_is_refused(tmp_pa
     """Another local user who makes /dev/shm/psguard-<job> first must not be able to hand the agent a model."""
     import stat as stat_mod
 
-    from psguard.agent.memory_tier import MemoryTier
+    from psguard.agent.tiers.memory_tier import MemoryTier
     from psguard.errors import ConfigError
     from psguard.trainer.spool_writer import SpoolWriter
 
@@ -697,7 +697,7 @@ def test_the_spool_folder_is_private_and_a_foreign_or_open_one_is_refused(tmp_pa
 
 
 def test_a_stray_huge_sequence_number_is_ignored_not_obeyed(tmp_path: Path) -> None:
-    from psguard.agent.memory_tier import MemoryTier
+    from psguard.agent.tiers.memory_tier import MemoryTier
     from psguard.trainer.spool_writer import SpoolWriter
 
     root = tmp_path / "spool"

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from psguard import cli
-from psguard.agent.httpd import AgentHTTPServer
-from psguard.agent.metrics import AgentMetrics
+from psguard.agent.control.httpd import AgentHTTPServer
+from psguard.agent.control.metrics import AgentMetrics
 
 TOKEN = secrets.token_urlsafe(32)
 

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import pytest
 
-import psguard.agent.supervisor as supervisor_module
-from psguard.agent.standby import warm_trainer_command
-from psguard.agent.supervisor import (
+import psguard.agent.process.supervisor as supervisor_module
+from psguard.agent.process.lifecycle import (
     EventKind,
     SpawnError,
-    Supervisor,
     SupervisorConfig,
     SupervisorEvent,
     SupervisorState,
 )
+from psguard.agent.process.standby import warm_trainer_command
+from psguard.agent.process.supervisor import Supervisor
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError, CrashLoopError
 from psguard.handoff.contract import EXIT_RESTART
@@ -347,7 +347,7 @@ def test_restart_policy_loads_from_yaml() -> None:
 
 _AGENT = """
 import sys, threading
-from psguard.agent.supervisor import Supervisor
+from psguard.agent.process.supervisor import Supervisor
 
 def start_from_a_short_lived_thread():
     sup.start()
@@ -405,11 +405,11 @@ def test_stop_from_an_event_callback(supervisors: list[Supervisor], events: Even
     assert events.kinds() == ["started", "exited", "stopped"]
 
 
-# A task that honours psguard.agent.standby: as a standby it waits for "go" on stdin; every run that serves writes
-# its pid to serving.<pid>, so a test can tell which process took over.
+# A task that honours psguard.agent.process.standby: as a standby it waits for "go" on stdin; every run that serves
+# writes its pid to serving.<pid>, so a test can tell which process took over.
 STANDBY_TASK = """
 import os, pathlib, signal, sys
-from psguard.agent.standby import is_standby, wait_for_go
+from psguard.agent.process.standby import is_standby, wait_for_go
 if is_standby() and not wait_for_go():
     sys.exit(0)
 pathlib.Path(sys.argv[1], f"serving.{os.getpid()}").write_text("")
@@ -594,7 +594,7 @@ _TREE = "sleep 600 & sleep 601; wait"
 
 _TREE_AGENT = """
 import sys
-from psguard.agent.supervisor import Supervisor
+from psguard.agent.process.supervisor import Supervisor
 
 sup = Supervisor(["sh", "-c", sys.argv[2]], name="victim", record=sys.argv[1], subreaper=True).start()
 print(sup.pid, flush=True)

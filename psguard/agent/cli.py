@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from psguard.agent.config import ROLES, AgentConfig, load_cluster, task_from_tf_config
+from psguard.agent.control.httpd import is_loopback
 from psguard.agent.daemon import Agent
-from psguard.agent.httpd import is_loopback
 from psguard.config import load_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.client import read_token

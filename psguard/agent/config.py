@@ -13,8 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from psguard.agent.prober import MonitorConfig
-from psguard.agent.supervisor import SupervisorConfig
+from psguard.agent.control.peers import PeersConfig
+from psguard.agent.process.lifecycle import SupervisorConfig
+from psguard.agent.process.prober import MonitorConfig
 from psguard.config import Duration
 from psguard.errors import ConfigError
 
@@ -65,20 +66,6 @@ class PersistConfig:
     max_delta_percent: float | None = 100.0
     retry_after: Duration | None = 5.0
     drain_timeout: Duration = 120.0  # at a stop: the longest wait for the last save
-
-
-@dataclass(frozen=True)
-class PeersConfig:
-    """``peers:``: the chief's agent watches the other agents and restarts the PS servers per generation."""
-
-    restart_ps: bool = True  # on every new trainer generation (see the module docstring)
-    # When the trainer exits 0, tell every peer agent that the job is done (POST /finish): PS and worker agents
-    # stop their servers and exit 0, so their pods complete (Kubernetes Jobs). Off by default: psguard wrap,
-    # demo and chaos stop their agents themselves.
-    finish_on_success: bool = False
-    ready_timeout: Duration = 180.0  # for all PS agents to report a restarted, healthy server
-    request_timeout: Duration = 10.0
-    probe: MonitorConfig = field(default_factory=lambda: MonitorConfig(interval=2.0, deadline=2.0))
 
 
 @dataclass(frozen=True)

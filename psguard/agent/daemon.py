@@ -6,33 +6,41 @@ One agent per task process (the chief's trainer, each PS, optionally each worker
     psguard agent --role chief --index 0 --cluster cluster.json --store s3://b/job \\
         --peer http://ps0:8470 --peer http://ps1:8470 -- python train.py        # the user's trainer
 
-It wires the parts built elsewhere; it adds no mechanism of its own beyond the generation rule
-(:mod:`psguard.agent.peers`; the decision and its measurements: docs/design.md).
+It wires the parts built elsewhere and adds no mechanism of its own: the parts are in the rooms
+:mod:`psguard.agent.process` (keeping the task alive), :mod:`psguard.agent.tiers` (the checkpoint tiers) and
+:mod:`psguard.agent.control` (HTTP, auth, metrics, the peers); what the task is given (command, environment,
+probes) is :mod:`psguard.agent.task`; and the rules that connect what notices a failure to what acts on it
+(restarts, outages, new trainer generations, hangs, lost steps) are :class:`~psguard.agent.recovery.Recovery`,
+to which every callback of the supervisor, the monitors and the hang watch goes. The generation protocol of a
+PS-failure recovery, across the trainer, the agents and the PS processes: docs/design.md.
 
 ==================  ==========================================================================================
-supervision         :class:`~psguard.agent.supervisor.Supervisor` runs the task in its own process group (same
+supervision         :class:`~psguard.agent.process.supervisor.Supervisor` runs the task in its own process group (same
                     address every restart, backoff, crash-loop limit), marks its whole process tree and records
                     it under ``state_dir``: a guard kills the tree if the agent is SIGKILLed, and the next agent
-                    kills what still survives (:mod:`psguard.agent.reaper`). Exit 0 of the task: the agent drains
-                    and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
+                    kills what still survives (:mod:`psguard.agent.process.reaper`). Exit 0 of the task: the agent
+                    drains and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
                     message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
                     ``supervisor.stop_timeout``), the persister drained, exit ``stop_exit_code`` (0 unless
                     configured; 143 on Kubernetes Jobs). The built-in server gets a warm standby
-                    (:mod:`psguard.agent.standby`) swapped in on a restart.
+                    (:mod:`psguard.agent.process.standby`) swapped in on a restart.
+recovery            :class:`~psguard.agent.recovery.Recovery`: an outage runs from a failure (a run that ends with
+                    a restart to follow, an unhealthy verdict) to the first sign the new run serves; on the chief
+                    every trainer restart is a new generation (the PS peers restarted first, ``peers.restart_ps``).
 end of the job      with ``peers.finish_on_success``, the chief's agent whose trainer exited 0 sends ``POST
                     /finish`` to every peer: a PS or worker agent stops its task and exits 0 (its pod completes).
-health              ps / worker: :class:`~psguard.agent.prober.HealthMonitor` with process + TCP + ``GetStatus``
+health              ps / worker: :class:`~psguard.agent.process.prober.HealthMonitor` with process + TCP + ``GetStatus``
                     RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
                     unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
                     ``--peer`` agent's ``/readyz`` (reported in ``/status`` and ``/metrics`` only).
-memory tier         chief only: :class:`~psguard.agent.memory_tier.MemoryTier` fed by a
-                    :class:`~psguard.agent.spool_server.SpoolServer` (``--spool``, default
+memory tier         chief only: :class:`~psguard.agent.tiers.memory_tier.MemoryTier` fed by a
+                    :class:`~psguard.agent.tiers.spool_server.SpoolServer` (``--spool``, default
                     :func:`~psguard.handoff.spool.default_spool_dir` of the job) and written to the durable log
-                    by a :class:`~psguard.agent.persister.Persister` (``--store``). At start
-                    :func:`~psguard.agent.persister.resume` seeds the tier from the durable log, so an agent
+                    by a :class:`~psguard.agent.tiers.persister.Persister` (``--store``). At start
+                    :func:`~psguard.agent.tiers.persister.resume` seeds the tier from the durable log, so an agent
                     restarted after a crash (even a SIGKILL in the middle of a persist: the manifest is the
                     commit) continues from the last commit.
-HTTP                :class:`~psguard.agent.httpd.AgentHTTPServer` (127.0.0.1 by default; any other address needs
+HTTP                :class:`~psguard.agent.control.httpd.AgentHTTPServer` (127.0.0.1 by default; any other address needs
                     ``--token-file``): ``/healthz``, ``/readyz``, ``/metrics``, ``/status`` (JSON), ``POST
                     /restart`` (restart the task), ``POST /recovery`` (a restored trainer reports the step
                     it restored and, in process, the step it had reached; with the step a failed trainer gave
@@ -53,8 +61,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import sys
 import threading
 import time
 import urllib.parse
@@ -62,47 +68,28 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from psguard.agent.auth import Authenticator, JwtAuth
 from psguard.agent.config import ROLES, AgentConfig
-from psguard.agent.hang import Hang, HangWatch
-from psguard.agent.httpd import AgentHTTPServer, Request, RequestError, Response
-from psguard.agent.metrics import AgentMetrics
-from psguard.agent.peers import PeerSync
-from psguard.agent.prober import (
-    GrpcStatusProbe,
-    Health,
-    HealthMonitor,
-    HealthReport,
-    HttpProbe,
-    Probe,
-    ProcessProbe,
-    TcpProbe,
-)
-from psguard.agent.standby import warm_trainer_command
-from psguard.agent.supervisor import EventKind, Supervisor, SupervisorEvent
+from psguard.agent.control.auth import Authenticator, JwtAuth
+from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
+from psguard.agent.control.metrics import AgentMetrics
+from psguard.agent.control.peers import PeerSync
+from psguard.agent.process.hang import HangWatch
+from psguard.agent.process.prober import HealthMonitor, HttpProbe
+from psguard.agent.process.standby import warm_trainer_command
+from psguard.agent.process.supervisor import Supervisor
+from psguard.agent.recovery import Recovery
+from psguard.agent.task import server_command, task_env, task_probes, task_record
 from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
-from psguard.handoff.contract import (
-    ENV_AGENT_CA,
-    ENV_AGENT_CLIENT_CERT,
-    ENV_AGENT_CLIENT_KEY,
-    ENV_AGENT_TOKEN_FILE,
-    ENV_AGENT_URL,
-    ENV_PARTS,
-    ENV_SPOOL,
-    ENV_STORE,
-    ENV_TASK,
-    EXIT_RESTART,
-    QUIET_TENSORFLOW,
-)
+from psguard.handoff.contract import ENV_PARTS
 from psguard.handoff.credentials import TokenFile, create_token_file
 from psguard.handoff.tls import client_context, server_context
 from psguard.storage.registry import redact
 
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
-    from psguard.agent.memory_tier import MemoryTier
-    from psguard.agent.persister import Persister, PersistEvent
-    from psguard.agent.shards import ShardClient, ShardKeeper
-    from psguard.agent.spool_server import SpoolEvent, SpoolServer
+    from psguard.agent.tiers.memory_tier import MemoryTier
+    from psguard.agent.tiers.persister import Persister, PersistEvent
+    from psguard.agent.tiers.shards import ShardClient, ShardKeeper
+    from psguard.agent.tiers.spool_server import SpoolEvent, SpoolServer
     from psguard.store import Store
 
 __all__ = ["Agent"]
@@ -178,8 +165,8 @@ class Agent:
             raise ConfigError("--peer: only the chief's agent probes and restarts other agents")
         if not 0 <= self.config.stop_exit_code <= 255:
             raise ConfigError(f"stop_exit_code: an exit status from 0 to 255, got {self.config.stop_exit_code}")
-        self.command = list(command) if command else self._server_command()
-        self._builtin_server = not command  # it honours psguard.agent.standby, so a warm standby can replace it
+        self.command = list(command) if command else server_command(self.cluster, role, index)
+        self._builtin_server = not command  # it honours psguard.agent.process.standby, so a warm standby can replace it
         self.peers = [p.rstrip("/") for p in peers]
         for p in self.peers:
             parts = urllib.parse.urlsplit(p)
@@ -210,15 +197,20 @@ class Agent:
             self.task, self.peers, self.config.peers, self._peer_token, self._stop_requested, tls=self._client_tls
         )
         self._wake = threading.Event()
+        self.recovery = Recovery(
+            self.task,
+            role,
+            restart_ps=self.config.peers.restart_ps,
+            metrics=self.metrics,
+            peer_sync=self.peer_sync,
+            supervisor=lambda: self.supervisor,
+            monitor=lambda: self.monitor,
+            export_ahead=self._export_ahead,
+            on_done=self._wake.set,
+        )
         self._lock = threading.Lock()
         self._started_at = time.time()
-        self._failure_at: float | None = None  # monotonic: when the current outage began
-        self._reported_failure: float | None = None  # POST /failure: when the trainer saw it (Unix time)
-        self._reported_step: int | None = None  # ... and the last step it trained
-        self._last_lost_steps: int | None = None
-        self._hangs = 0
         self._finished: str | None = None  # POST /finish: the chief's agent said the job is done (its reason)
-        self._last_hang: dict[str, Any] | None = None
         self._resumed_step: int | None = None
         self._resume_seconds: float | None = None
         self._durable_id: str | None = None
@@ -238,57 +230,17 @@ class Agent:
         self.shards: ShardKeeper | None = None  # a PS's agent: the memory tier of its PS's shards
         self.shard_client: ShardClient | None = None  # the chief's agent: its calls to the PS agents
 
-    # ------------------------------------------------------------------------------------------ commands
-    def _server_command(self) -> list[str]:
-        return [
-            sys.executable,
-            "-m",
-            "psguard.agent.tf_server",
-            "--cluster-spec",
-            json.dumps(self.cluster, sort_keys=True),
-            "--job",
-            self.role,
-            "--index",
-            str(self.index),
-            "--parent-pid",
-            str(os.getpid()),
-        ]
-
     def _task_env(self, url: str) -> dict[str, str]:
-        env = dict(os.environ)
-        for key, value in QUIET_TENSORFLOW.items():
-            env.setdefault(key, value)
-        env["TF_CONFIG"] = json.dumps(
-            {"cluster": self.cluster, "task": {"type": self.role, "index": self.index}, "rpc_layer": "grpc"}
+        return task_env(
+            self.cluster,
+            self.role,
+            self.index,
+            url=url,
+            token_file=self._token_file,
+            http=self.config.http,
+            spool_dir=self.spool_dir,
+            store=self.config.store,
         )
-        env[ENV_TASK] = self.task
-        env[ENV_AGENT_URL] = url
-        if self._token_file is not None:
-            env[ENV_AGENT_TOKEN_FILE] = self._token_file  # the path, never the token itself
-        for name in (ENV_AGENT_CA, ENV_AGENT_CLIENT_CERT, ENV_AGENT_CLIENT_KEY):
-            env.pop(name, None)  # only this agent's TLS settings, not a parent's
-        http_cfg = self.config.http
-        if http_cfg.tls_ca is not None and http_cfg.tls_cert is not None and http_cfg.tls_key is not None:
-            # Mutual TLS: the task verifies its agent against the CA and presents the agent's certificate (the
-            # task runs as the agent's user and already holds its token: no new trust).
-            env[ENV_AGENT_CA] = str(Path(http_cfg.tls_ca).resolve())
-            env[ENV_AGENT_CLIENT_CERT] = str(Path(http_cfg.tls_cert).resolve())
-            env[ENV_AGENT_CLIENT_KEY] = str(Path(http_cfg.tls_key).resolve())
-        if self.spool_dir is not None:
-            env[ENV_SPOOL] = str(self.spool_dir)
-            env[ENV_STORE] = self.config.store or ""  # the trainer's manager checks its directory against it
-        return env
-
-    def _task_record(self) -> Path:
-        """The file in which the supervisor records the task's process tree (one per task on a host)."""
-        # lazy: as in _start_memory_tier, the spool module (and numpy) only when the agent starts
-        from psguard.handoff.spool import default_spool_dir
-
-        cfg = self.config
-        folder = (
-            Path(cfg.state_dir) if cfg.state_dir else default_spool_dir(cfg.job).with_name(f"psguard-{cfg.job}-agents")
-        )
-        return folder / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', self.task)}.task.json"
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
@@ -310,24 +262,24 @@ class Agent:
                 standby_cmd=warm_trainer_command(self.command) if self.role == "chief" and self.command else None,
                 env=self._task_env(self.http.url),
                 name=self.task,
-                on_event=self._on_supervisor_event,
+                on_event=self.recovery.on_supervisor_event,
                 log_path=cfg.task_log,
-                record=self._task_record(),
+                record=task_record(cfg, self.task),
                 subreaper=True,
             )
-            probes = self._task_probes()
+            sup = self.supervisor
+            probes = task_probes(self.role, self.address, lambda: sup.pid, builtin_server=self._builtin_server)
             self.metrics.declare_task(self.task, [p.name for p in probes])
             self.monitor = HealthMonitor.from_config(
                 self.task,
                 probes,
                 cfg.probe,
-                on_unhealthy=self._on_unhealthy,
+                on_unhealthy=self.recovery.on_unhealthy,
                 on_result=self.metrics.on_probe_result,
-                on_health=self._on_health,
+                on_health=self.recovery.on_health,
             )
             if self.role == "chief" and self._resumed_step is not None and cfg.peers.restart_ps:
-                # An earlier chief ran this job: the PS servers may hold its context. Start from clean ones.
-                self.peer_sync.new_generation(f"the agent resumed a job (durable step {self._resumed_step})")
+                self.recovery.resumed(self._resumed_step)
             elif self.peers:
                 outcome = self.peer_sync.sync(restart_ps=False)
                 (log.info if all(o == "ready" for o in outcome.values()) else log.error)(
@@ -346,7 +298,7 @@ class Agent:
                     self._heartbeat_path,
                     task_pid=lambda: sup.pid,
                     uptime=lambda: sup.status().uptime_seconds,
-                    on_hang=self._on_hang,
+                    on_hang=self.recovery.on_hang,
                 ).start()
             log.info("event=agent_started task=%s address=%s http=%s", self.task, self.address, self.http.url)
         except BaseException:
@@ -407,9 +359,9 @@ class Agent:
 
     def _start_memory_tier(self) -> None:
         # lazy: numpy and the storage clients load only in the chief's agent (a PS agent starts faster)
-        from psguard.agent.memory_tier import MemoryTier
-        from psguard.agent.persister import Persister, resume
-        from psguard.agent.spool_server import SpoolServer
+        from psguard.agent.tiers.memory_tier import MemoryTier
+        from psguard.agent.tiers.persister import Persister, resume
+        from psguard.agent.tiers.spool_server import SpoolServer
         from psguard.handoff.spool import SpoolPaths, default_spool_dir
         from psguard.store import Store
 
@@ -417,7 +369,7 @@ class Agent:
         tier = self.tier = MemoryTier()
         persister: Persister | None = None
         if self.peers:
-            from psguard.agent.shards import ShardClient  # lazy: with the rest of the chief's parts above
+            from psguard.agent.tiers.shards import ShardClient  # lazy: with the rest of the chief's parts above
 
             self.shard_client = ShardClient(self.peer_sync.tasks, self.peer_sync.post)
         if cfg.store is not None:
@@ -478,7 +430,7 @@ class Agent:
 
     def _start_shards(self) -> None:
         # lazy: numpy and the storage clients load only when the agent keeps shards
-        from psguard.agent.shards import ShardKeeper
+        from psguard.agent.tiers.shards import ShardKeeper
         from psguard.handoff.spool import part_dir
         from psguard.store import Store
 
@@ -497,24 +449,6 @@ class Agent:
             )
             return
         log.info("event=shards_kept task=%s folder=%s store=%s", self.task, folder, redact(cfg.store or "-"))
-
-    def _task_probes(self) -> list[Probe]:
-        assert self.supervisor is not None
-        sup = self.supervisor
-        probes: list[Probe] = [ProcessProbe(lambda: sup.pid)]
-        if self.role != "chief":
-            host, _, port = self.address.rpartition(":")
-            host = host.strip("[]")
-            target = self.address
-            if self._builtin_server or host in ("0.0.0.0", "::", ""):
-                # The built-in tf.distribute.Server listens on every interface (*:port): probe it on loopback, so
-                # its name need not resolve first. A TFJob operator's Service publishes a pod's name only once the
-                # pod is Ready, and Ready waits for these probes.
-                host = "127.0.0.1"
-                target = f"{host}:{port}" if self._builtin_server else self.address
-            probes.append(TcpProbe(host, int(port)))
-            probes.append(GrpcStatusProbe(target))
-        return probes
 
     def request_stop(self, *_: object) -> None:
         """Ask for a graceful stop (signal-handler safe: only sets events)."""
@@ -618,80 +552,12 @@ class Agent:
         self.stop()
 
     # ------------------------------------------------------------------------------------------ callbacks
-    def _on_supervisor_event(self, event: SupervisorEvent) -> None:
-        self.metrics.on_supervisor_event(event)
-        if event.kind in (EventKind.STARTED, EventKind.RESTARTED):
-            if self.monitor is not None:
-                self.monitor.reset()
-        elif event.kind is EventKind.EXITED:
-            # No process until the next start (backoff, PS restarts): the monitor must not count that gap as
-            # a hang and cut the backoff short or kill the next run; STARTING ignores failures until it answers.
-            if self.monitor is not None:
-                self.monitor.reset()
-            restart_follows = event.backoff_seconds is not None
-            if restart_follows:
-                with self._lock:
-                    if self._failure_at is None:
-                        self._failure_at = time.monotonic()
-            if restart_follows and self.role == "chief" and self.config.peers.restart_ps:
-                # Runs on the supervisor's thread: the trainer is not started again until this returns.
-                with self._lock:
-                    failed_at, self._reported_failure = self._reported_failure, None
-                run_start = event.time - (event.run_seconds or 0.0)
-                if event.exit_code != EXIT_RESTART or failed_at is None or failed_at < run_start:
-                    failed_at = None  # only a report from the run that just asked for a restart counts
-                self._export_ahead()
-                self.peer_sync.new_generation(f"the trainer {event.reason}", failed_at)
-        elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
-            self._wake.set()
-
-    def _on_hang(self, hang: Hang) -> None:
-        """The trainer is alive and makes no steps (:mod:`psguard.agent.hang`): count it and restart it; the
-        new trainer restores from the memory tier (a new generation: the PS servers are restarted first)."""
-        self.metrics.hangs.inc()
-        with self._lock:
-            self._hangs += 1
-            self._last_hang = {"step": hang.step, "stuck_seconds": round(hang.stuck_seconds, 1), "at": time.time()}
-        if self.supervisor is not None:
-            self.supervisor.restart(
-                f"hung: no step for {hang.stuck_seconds:.0f}s at step {hang.step} (bound {hang.bound:.0f}s)"
-            )
-
-    def _on_unhealthy(self, report: HealthReport) -> None:
-        sup, monitor = self.supervisor, self.monitor
-        if sup is None or sup.pid is None:
-            return  # between runs: the supervisor is already on it (backoff, or PS restarts for a generation)
-        if monitor is not None and monitor.health is Health.STARTING:
-            return  # the task was (re)started after this verdict was reached: it is about an earlier run
-        with self._lock:
-            if self._failure_at is None:
-                self._failure_at = time.monotonic()
-        sup.restart(f"unhealthy: {report.reason}")
-
-    def _on_health(self, task: str, health: Health) -> None:
-        self.metrics.on_health(task, health)
-        if health is Health.HEALTHY and self.role != "chief":
-            if self.supervisor is not None:
-                self.supervisor.mark_healthy()  # it serves: its end will not count towards a crash loop
-            self._recovered()
-
-    def _recovered(self) -> None:
-        with self._lock:
-            began, self._failure_at = self._failure_at, None
-        if began is not None:
-            seconds = time.monotonic() - began
-            self.metrics.record_recovery(seconds)
-            log.info("event=recovered task=%s seconds=%.2f", self.task, seconds)
-
     def _on_spool_event(self, event: SpoolEvent) -> None:
         if event.kind == "capture" and event.stall_seconds is not None:
             self.metrics.checkpoint_stall.observe(event.stall_seconds)
         if event.kind == "capture" and event.status == "ok" and event.step is not None:
             self.metrics.record_checkpoint("memory", event.step, time.time())
-            if self.supervisor is not None:
-                self.supervisor.mark_healthy()  # the trainer trains: a later death is no crash loop
-            if self.role == "chief":
-                self._recovered()  # the new generation's first capture: training runs again
+            self.recovery.on_capture()
 
     def _on_persist_event(self, event: PersistEvent) -> None:
         if event.kind == "failed":
@@ -716,11 +582,7 @@ class Agent:
         if sup is None:
             raise RequestError(503, "the task is not supervised yet")
         before = sup.status().restarts
-        if self.monitor is not None:
-            # The old process is killed now and stays a zombie until reaped: the probes must not count that as
-            # the new run failing (they killed a standby just swapped in, and the PS then started cold).
-            self.monitor.reset()
-        if not sup.restart(f"requested over HTTP: {reason}", crash=False):
+        if not self.recovery.restart(sup, f"requested over HTTP: {reason}"):
             raise RequestError(409, f"task {self.task} is not running under supervision ({sup.status().state.value})")
         log.info("event=restart_requested task=%s reason=%r", self.task, reason)
         return Response(202, {"ok": True, "task": self.task, "restarts_before": before})
@@ -751,8 +613,7 @@ class Agent:
         failed_at = (body or {}).get("failed_at")
         if failed_at is not None and (not isinstance(failed_at, int | float) or failed_at > time.time() + 5):
             raise RequestError(400, "failed_at: expected the Unix time at which the trainer saw the failure")
-        self._export_ahead()
-        result = self.peer_sync.new_generation(reason, None if failed_at is None else float(failed_at))
+        result = self.recovery.new_generation(reason, None if failed_at is None else float(failed_at))
         failed = any(str(o).startswith("error") for o in result["peers"].values())
         return Response(503 if failed else 200, {"ok": not failed, **result})
 
@@ -766,11 +627,7 @@ class Agent:
         step = body.get("step")
         if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
             raise RequestError(400, '"step": expected the last step trained, an integer >= 0')
-        with self._lock:
-            self._reported_failure = float(failed_at)
-            if step is not None:
-                self._reported_step = step
-        log.info("event=failure_reported task=%s age=%.2fs", self.task, time.time() - failed_at)
+        self.recovery.failure_reported(float(failed_at), step)
         return Response(200, {"ok": True})
 
     def _handle_recovery(self, request: Request) -> Response:
@@ -790,21 +647,10 @@ class Agent:
         lost, restored, seen = count("lost_steps"), count("restored_step"), count("seen_step")
         if lost is None and restored is None:
             raise RequestError(400, 'expected {"lost_steps": N} or {"restored_step": N, "seen_step": M}')
-        if lost is None:
-            with self._lock:
-                reported, self._reported_step = self._reported_step, None
-            seen = seen if seen is not None else reported
-            if seen is None:  # a first start, or a trainer that died without a word: nothing to compare with
-                return Response(200, {"ok": True, "lost_steps": None})
-            assert restored is not None
-            lost = max(0, seen - restored)
-        self.metrics.lost_steps.inc(lost)
-        with self._lock:
-            self._last_lost_steps = lost
-        log.info("event=recovery_reported task=%s lost_steps=%d restored_step=%s", self.task, lost, restored)
         seconds = body.get("seconds")
-        if isinstance(seconds, int | float) and seconds >= 0:  # a recovery timed by the trainer (in process)
-            self.metrics.record_recovery(float(seconds))
+        timed = float(seconds) if isinstance(seconds, int | float) and seconds >= 0 else None
+        if self.recovery.recovery_reported(lost, restored, seen, timed) is None:
+            return Response(200, {"ok": True, "lost_steps": None})
         return Response(200, {"ok": True})
 
     def readiness(self) -> dict[str, bool]:
@@ -845,12 +691,10 @@ class Agent:
                 {"url": url, **m.status().to_dict()} for url, m in zip(self.peers, self.peer_monitors, strict=False)
             ],
         }
+        doc["generation"] = self.peer_sync.generation
+        doc["last_generation"] = self.peer_sync.last
+        doc.update(self.recovery.status())
         with self._lock:
-            doc["generation"] = self.peer_sync.generation
-            doc["last_generation"] = self.peer_sync.last
-            doc["last_lost_steps"] = self._last_lost_steps
-            doc["hangs"] = self._hangs
-            doc["last_hang"] = self._last_hang
             durable_id, durable_step = self._durable_id, self._durable_step
         if self.shards is not None:
             doc["shards"] = self.shards.status()

@@ -17,7 +17,7 @@ message lists the exit codes) or an agent died; 130 / 143 when interrupted (SIGI
 process ``wrap`` started was stopped: the chief's agent first (it stops the trainer and drains the durable log),
 then the PS and worker agents together. A second Ctrl-C or SIGTERM during that kills them at once.
 
-The PS / worker agents are :class:`psguard.agent.launcher.AgentProcess` as in ``psguard demo`` (output to
+The PS / worker agents are :class:`psguard.agent.process.launcher.AgentProcess` as in ``psguard demo`` (output to
 a log file, settings tuned for a local cluster). The chief's agent is started here instead: its output is the
 user's training output and belongs on the terminal, and ``--config`` applies to it.
 """
@@ -42,7 +42,7 @@ from typing import Any
 import yaml
 
 from psguard.agent.config import AgentConfig
-from psguard.agent.launcher import AgentProcess, LaunchError, write_cluster
+from psguard.agent.process.launcher import AgentProcess, LaunchError, write_cluster
 from psguard.config import loads_yaml, read_settings_file
 from psguard.errors import ConfigError, PsguardError
 from psguard.handoff.credentials import TokenFile, create_token_file, read_secret_file

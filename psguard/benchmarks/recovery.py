@@ -6,7 +6,7 @@ Both sides train the same job (:class:`~psguard.testbed.model.RecModel`, by defa
 steps). The sides alternate, one recovery each per run.
 
 - **psguard**, the product path: every task under its own ``psguard agent`` process, started as ``psguard wrap``
-  and the chaos runner start them (:class:`psguard.agent.launcher.AgentProcess`): each PS's agent with
+  and the chaos runner start them (:class:`psguard.agent.process.launcher.AgentProcess`): each PS's agent with
   ``--spool`` (its part folder, on tmpfs) and ``--store``, so it keeps its PS's shards and writes them to the
   log (issue 12; the chief's agent must log ``event=ps_side_shards``, ``ps_side_shards`` in the results says
   whether it did); the worker's agent; the chief's agent with ``--store``, ``--spool`` and every other agent
@@ -412,7 +412,7 @@ class Records:
 
 
 def read_records(path: Path) -> Records:
-    from psguard.agent.launcher import ProgressReader
+    from psguard.agent.process.launcher import ProgressReader
 
     return Records(ProgressReader(path).read()) if path.exists() else Records()
 
@@ -500,7 +500,7 @@ def _shm_dir(prefix: str) -> Path:
 
 def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
     """One recovery with every task under ``psguard agent``; the figures of :func:`measure` and the RSS."""
-    from psguard.agent.launcher import AGENT_CONFIG, AgentProcess, write_cluster
+    from psguard.agent.process.launcher import AGENT_CONFIG, AgentProcess, write_cluster
 
     work = Path(tempfile.mkdtemp(prefix="psg-", dir=workdir))
     shm = _shm_dir("psguard-bench-")
@@ -529,7 +529,7 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
         args += ["--spool", str(shm / "spool"), *peers]
         agents["chief"] = AgentProcess(root, "chief", args, trainer, config=config)
         agents["chief"].wait_url(180)
-        from psguard.agent.launcher import ProgressReader
+        from psguard.agent.process.launcher import ProgressReader
 
         reader = ProgressReader(prog)
         deadline = time.monotonic() + p.timeout

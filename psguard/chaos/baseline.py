@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.launcher import write_cluster
+from psguard.agent.process.launcher import write_cluster
 from psguard.chaos.runner import HARNESS, RunResult, _Run, run_scenario
 from psguard.chaos.scenario import Scenario
 from psguard.handoff.contract import QUIET_TENSORFLOW
@@ -93,8 +93,8 @@ class BaselineRun(_Run):
         logs = self.dir / "logs"
         for role, count in (("ps", len(self.spec["ps"])), ("worker", len(self.spec["worker"]))):
             for i in range(count):
-                argv = [sys.executable, "-m", "psguard.agent.tf_server", "--cluster-spec", spec_json, "--job", role,
-                        "--index", str(i), "--parent-pid", str(os.getpid())]  # fmt: skip
+                argv = [sys.executable, "-m", "psguard.agent.process.tf_server", "--cluster-spec", spec_json,
+                        "--job", role, "--index", str(i), "--parent-pid", str(os.getpid())]  # fmt: skip
                 self.tasks[f"{role}{i}"] = _Task(f"{role}{i}", argv, env, logs / f"{role}{i}.log")
         t = self.scenario.training
         argv = [sys.executable, "-m", "psguard.chaos.baseline_trainer", "--store", self.store_url]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from psguard.agent.launcher import AgentProcess
+from psguard.agent.process.launcher import AgentProcess
 from psguard.chaos.history import HistoryWriter
 from psguard.chaos.proxy import TcpProxy
 from psguard.chaos.scenario import Fault, Scenario, expand_targets

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
+from psguard.agent.process.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
 from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_history
 from psguard.chaos.nemesis import Nemesis

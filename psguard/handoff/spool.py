@@ -1,7 +1,7 @@
 """The hand-off between the trainer and the agent on its node: a spool folder on tmpfs (both ends' format).
 
 The trainer's end is :class:`psguard.trainer.spool_writer.SpoolWriter`; the agent's is
-:class:`psguard.agent.spool_server.SpoolServer`. This module holds what both must agree on: the layout, the
+:class:`psguard.agent.tiers.spool_server.SpoolServer`. This module holds what both must agree on: the layout, the
 records and the file format.
 
 Why files on tmpfs rather than a socket or shared-memory segments: a capture must survive either side being
@@ -69,7 +69,7 @@ its rows from the log) and then answers the same way.
 Heartbeat. The trainer's manager replaces ``heartbeat.json`` (write-then-rename) at most once a second while
 it makes steps: ``{"step": 1200, "at": <time.time()>, "pid": <the trainer's pid>, "hang_after": 300.0 | null}``.
 The agent declares the trainer hung when the step has not changed for ``hang_after`` seconds of its own clock
-(``null``: the trainer does not ask to be judged yet); see :mod:`psguard.agent.hang`.
+(``null``: the trainer does not ask to be judged yet); see :mod:`psguard.agent.process.hang`.
 
 Crashes. A killed writer leaves ``*.tmp-<gen>`` folders: the agent deletes them once ``writers/<gen>.lock``
 is no longer locked (flock works across PID namespaces, so a sidecar container that cannot see the trainer's

@@ -3,9 +3,9 @@
 A standby sees ``PSGUARD_STANDBY=1`` in its environment, creates the file named by ``PSGUARD_STANDBY_READY``
 once it has done its preparation (imported TensorFlow), and reads one line from stdin: ``go`` means start now,
 end of file (or anything else) means it is not wanted and exits 0. The spawner's side is
-:class:`psguard.agent.standby.Standby`; the built-in TF server (:mod:`psguard.agent.tf_server`) and the warm
-trainer (:mod:`psguard.trainer.warm`, which then reads one more line: the environment to run with) are the
-processes that honour it.
+:class:`psguard.agent.process.standby.Standby`; the built-in TF server (:mod:`psguard.agent.process.tf_server`)
+and the warm trainer (:mod:`psguard.trainer.warm`, which then reads one more line: the environment to run
+with) are the processes that honour it.
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def _load_chain(ctx: ssl.SSLContext, cert: str, key: str, what: str) -> None:
 
 def server_context(cert: str, key: str, ca: str | None = None) -> ssl.SSLContext:
     """HTTPS with ``cert``/``key``; with ``ca``, clients must present a certificate signed by it (mTLS) for
-    every path but the open health checks (:class:`psguard.agent.httpd.AgentHTTPServer` enforces that)."""
+    every path but the open health checks (:class:`psguard.agent.control.httpd.AgentHTTPServer` enforces that)."""
     ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     _load_chain(ctx, cert, key, "--tls-cert/--tls-key")

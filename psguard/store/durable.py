@@ -2,7 +2,7 @@
 
 Two processes write a job's durable log, never at once: the trainer's own writer thread when no agent runs on its
 node (:class:`~psguard.trainer.sinks.StoreSink`), and the chief's agent from its memory tier
-(:class:`~psguard.agent.persister.Persister`). They used to keep the rules each in its own way; now both hold a
+(:class:`~psguard.agent.tiers.persister.Persister`). They used to keep the rules each in its own way; now both hold a
 :class:`DurableWriter`, which owns:
 
 - **the last commit** (the parent of the next delta) and the chain behind it (links, delta bytes, the base's

@@ -1,7 +1,7 @@
 """A real parameter-server cluster on loopback: one OS process per PS and worker task.
 
 psguard's promises are about processes dying (a PS killed mid-save, a frozen worker, a chief restarted), so
-the testbed cannot be an in-process cluster: every task here is ``python -m psguard.agent.tf_server`` in its
+the testbed cannot be an in-process cluster: every task here is ``python -m psguard.agent.process.tf_server`` in its
 own session and process group, killable and restartable alone on the same address. The calling process is
 the chief: it connects with the spec or resolver this class hands out.
 
@@ -32,7 +32,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from psguard.agent.standby import Standby
+from psguard.agent.process.standby import Standby
 from psguard.errors import PsguardError
 from psguard.ports import free_port, free_ports, port_open
 
@@ -214,7 +214,7 @@ class LocalCluster:
         return self
 
     def fill_standby(self) -> None:
-        """Start a warm standby (:mod:`psguard.agent.standby`) for every task that has none waiting.
+        """Start a warm standby (:mod:`psguard.agent.process.standby`) for every task that has none waiting.
 
         With ``standby=True``, :meth:`restart` swaps the waiting process in (~0.1 s instead of a TensorFlow
         start) and does not start the next one itself: that costs a TensorFlow import, so call this when the
@@ -317,7 +317,7 @@ class LocalCluster:
         cmd = [
             self._python,
             "-m",
-            "psguard.agent.tf_server",
+            "psguard.agent.process.tf_server",
             "--cluster-spec",
             json.dumps(self.cluster_spec()),
             "--job",

@@ -5,7 +5,7 @@ A trainer that cannot rejoin in process (no model factory: ``exit_for_restart``,
 ``psguard agent``, and most of that restart was starting Python and importing TensorFlow again (measured under
 ``psguard wrap`` with the unmodified custom-loop example: 5.7-8.0 s from a kill -9 of the trainer to its next
 capture). The agent keeps one such process ready instead, as it does for the PS and worker servers
-(:mod:`psguard.agent.standby`): ``python -m psguard.trainer.warm SCRIPT ARGS...`` (or ``-m MODULE ARGS...``)
+(:mod:`psguard.agent.process.standby`): ``python -m psguard.trainer.warm SCRIPT ARGS...`` (or ``-m MODULE ARGS...``)
 imports TensorFlow, says it is ready, and blocks on stdin. On ``go`` it reads the environment the trainer must
 have *now* (one JSON line: the agent may have learnt things since the standby started, such as the PS-side
 shard folders), replaces its own with it, and runs the script as ``python SCRIPT ARGS...`` would: as

@@ -14,14 +14,30 @@ import ssl
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from psguard.agent.config import PeersConfig
+from psguard.agent.process.prober import MonitorConfig
+from psguard.config import Duration
 from psguard.handoff.client import http_json
 
-__all__ = ["PeerSync"]
+__all__ = ["PeerSync", "PeersConfig"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PeersConfig:
+    """``peers:``: the chief's agent watches the other agents and restarts the PS servers per generation."""
+
+    restart_ps: bool = True  # on every new trainer generation (see the module docstring)
+    # When the trainer exits 0, tell every peer agent that the job is done (POST /finish): PS and worker agents
+    # stop their servers and exit 0, so their pods complete (Kubernetes Jobs). Off by default: psguard wrap,
+    # demo and chaos stop their agents themselves.
+    finish_on_success: bool = False
+    ready_timeout: Duration = 180.0  # for all PS agents to report a restarted, healthy server
+    request_timeout: Duration = 10.0
+    probe: MonitorConfig = field(default_factory=lambda: MonitorConfig(interval=2.0, deadline=2.0))
 
 
 class PeerSync:

@@ -7,7 +7,7 @@ request that arrives while a save is running joins one pending batch, served by 
 tier holds by then. Memory stays bounded (the tier's marks plus one take in flight, whose whole tensors are
 leased, not copied) and the durable log skips intermediate steps instead of lagging further.
 
-Each save writes what :meth:`~psguard.agent.memory_tier.MemoryTier.take_dirty` says: a full base first, after a
+Each save writes what :meth:`~psguard.agent.tiers.memory_tier.MemoryTier.take_dirty` says: a full base first, after a
 layout change, when asked, or when the new-base policy (a :class:`~psguard.policy.engine.SavePolicy`, by default
 :class:`~psguard.policy.engine.ChainLimit` on chain links and delta bytes as a percentage of the base) says the chain
 is long enough; otherwise a delta over the last durable checkpoint (changed rows, whole tensors that changed,
@@ -43,8 +43,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from psguard.agent.memory_tier import DirtyTake, MemoryTier
-from psguard.agent.shards import ShardClient
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier
+from psguard.agent.tiers.shards import ShardClient
 from psguard.config import from_data
 from psguard.errors import NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, TOKEN_KEY

@@ -1,9 +1,9 @@
 """One ``tf.distribute.Server`` task (PS or worker) as its own OS process.
 
-Run as ``python -m psguard.agent.tf_server --cluster-spec JSON --job ps --index 0``. A separate process per
+Run as ``python -m psguard.agent.process.tf_server --cluster-spec JSON --job ps --index 0``. A separate process per
 task is the point: a real PS or worker can then be killed, frozen and restarted alone, which is what
 psguard's recovery has to survive. The process serves until it is killed. Started with ``PSGUARD_STANDBY=1``
-it is a warm standby (:mod:`psguard.agent.standby`): it imports TensorFlow, then waits on stdin before binding.
+it is a warm standby (:mod:`psguard.agent.process.standby`): it imports TensorFlow, then waits on stdin before binding.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m psguard.agent.tf_server", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m psguard.agent.process.tf_server", description=__doc__)
     p.add_argument("--cluster-spec", required=True, help='JSON, e.g. {"ps": ["127.0.0.1:1234"], ...}')
     p.add_argument("--job", required=True, choices=["ps", "worker", "chief", "evaluator"])
     p.add_argument("--index", required=True, type=int)
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import tensorflow as tf  # late: importing costs 2.5-5 s, and --help should not pay it
 
     cluster = tf.train.ClusterSpec(spec)
-    # A warm standby (psguard.agent.standby): everything but the bind is done; serve only when told to.
+    # A warm standby (psguard.agent.process.standby): everything but the bind is done; serve only when told to.
     if is_standby() and not wait_for_go():
         return 0
     server = tf.distribute.Server(

@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
-    from psguard.agent.prober import Health, ProbeResult
-    from psguard.agent.supervisor import SupervisorEvent
+    from psguard.agent.process.lifecycle import SupervisorEvent
+    from psguard.agent.process.prober import Health, ProbeResult
 
 __all__ = [
     "BYTES_PERSISTED_TOTAL",

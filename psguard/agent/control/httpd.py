@@ -14,7 +14,7 @@ path         scope      answer
 Security, because ``POST /restart`` kills a training task (docs/security.md has the threat model):
 
 - Every path but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer <credential>`` that one of the
-  :mod:`psguard.agent.auth` authenticators accepts with the path's scope: on loopback too, where every local
+  :mod:`psguard.agent.control.auth` authenticators accepts with the path's scope: on loopback too, where every local
   user can connect. ``open_read=True`` serves the ``read`` paths without a credential (a Prometheus that cannot
   send one). A server with no authenticator at all starts only on loopback and only when the caller says
   ``insecure_no_auth=True`` (unit tests); the agent always has one (it makes a token when given none).
@@ -51,9 +51,9 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from psguard.agent.auth import CONTROL, READ, SCOPES, Authenticator, TokenAuth
-from psguard.agent.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from psguard.agent.metrics import Registry
+from psguard.agent.control.auth import CONTROL, READ, SCOPES, Authenticator, TokenAuth
+from psguard.agent.control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from psguard.agent.control.metrics import Registry
 from psguard.errors import ConfigError, PsguardError
 
 if TYPE_CHECKING:

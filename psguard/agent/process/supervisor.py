@@ -23,13 +23,10 @@ mark_healthy`: the PS answered its RPC probe, the trainer delivered a checkpoint
 cannot get going, and a PS killed five times in five minutes after serving each time is not one (the chaos
 harness's repeated-kill scenario made the agent give up on exactly that).
 
-The process group is not the whole tree: a task's process may leave the group (``setsid``), and once the agent
-is SIGKILLed nobody signals the group at all (the parent-death signal reaches only the direct child; with the
-task ``sh -c 'sleep 600 & sleep 601; wait'`` both sleeps survived). So every process of the task is marked in
-its environment and killed by that mark (:mod:`psguard.agent.reaper`): at the end of every run, by a guard
-process the moment the agent dies, and, from the task record the agent keeps (``record``), by the next agent
-when it starts. The agent also makes itself a child subreaper (``subreaper=True``) so that it adopts and reaps
-its task's orphans.
+The process group is not the whole tree, so the task's processes are marked, recorded and killed by their mark
+(:mod:`psguard.agent.process.tree` says why and how): at the end of every run, by a guard process the moment the
+agent dies, and by the next agent when it starts. The agent also makes itself a child subreaper
+(``subreaper=True``) so that it adopts and reaps its task's orphans.
 
 All spawning happens on the supervisor's own thread. That is not a style choice: Linux delivers the
 parent-death signal when the *thread* that forked the child exits, so a child started from a short-lived
@@ -41,45 +38,40 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
-import functools
-import json
 import logging
 import os
-import secrets
 import select
 import shlex
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING, Annotated
+from typing import IO, TYPE_CHECKING
 
-from psguard.agent import reaper
-from psguard.agent.standby import Standby
-from psguard.config import Check, Duration, validate
-from psguard.errors import CrashLoopError, PsguardError
+from psguard.agent.process import reaper
+from psguard.agent.process.lifecycle import (
+    FINAL_STATES,
+    EventKind,
+    SpawnError,
+    SupervisorConfig,
+    SupervisorEvent,
+    SupervisorState,
+    SupervisorStatus,
+    describe_exit,
+)
+from psguard.agent.process.standby import Standby
+from psguard.agent.process.tree import TaskTree, pdeathsig_prefix
+from psguard.errors import CrashLoopError
 from psguard.handoff.contract import EXIT_OK, EXIT_RESTART
-from psguard.handoff.credentials import ensure_private_dir
 
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = [
-    "EventKind",
-    "SpawnError",
-    "Supervisor",
-    "SupervisorConfig",
-    "SupervisorEvent",
-    "SupervisorState",
-    "SupervisorStatus",
-    "describe_exit",
-]
+__all__ = ["Supervisor"]
 
 log = logging.getLogger(__name__)
 
@@ -92,168 +84,6 @@ STANDBY_UNDECLARED_AFTER = 60.0
 
 # Exit code recorded for a run that could not even be started (the shell's "command not found").
 _EXIT_SPAWN_FAILED = 127
-
-# Parent-death signal without ``preexec_fn`` (unsafe in a threaded process: the child may deadlock on a lock
-# another thread held at fork). ``setpriv`` sets it and execs; the shell then checks that the parent is still
-# the agent, because a parent that died between fork and prctl would never send the signal.
-_PPID_GUARD = '[ "$PPID" = "$0" ] || exit 1; exec "$@"'
-
-
-class SpawnError(PsguardError):
-    """The task's command could not be started at all (no such file, not executable, bad working directory)."""
-
-
-class SupervisorState(enum.StrEnum):
-    IDLE = "idle"  # not started yet
-    RUNNING = "running"
-    BACKOFF = "backoff"  # waiting before the next start after a crash
-    STOPPING = "stopping"
-    STOPPED = "stopped"  # stop() was called; final
-    COMPLETED = "completed"  # the task exited 0; final
-    GAVE_UP = "gave_up"  # crash loop; final
-    FAILED = "failed"  # the supervisor itself hit an unexpected error; final
-
-
-_FINAL = frozenset(
-    {SupervisorState.STOPPED, SupervisorState.COMPLETED, SupervisorState.GAVE_UP, SupervisorState.FAILED}
-)
-
-
-class EventKind(enum.StrEnum):
-    STARTED = "started"  # first start
-    RESTARTED = "restarted"  # every later start; ``reason`` says why
-    EXITED = "exited"  # a run ended; ``exit_code`` (negative: killed by that signal) and ``reason``
-    COMPLETED = "completed"  # exit 0, supervision over
-    STOPPED = "stopped"  # stop() finished, supervision over
-    GAVE_UP = "gave_up"  # crash loop, supervision over; ``reason`` is the CrashLoopError message
-
-
-@dataclass(frozen=True)
-class SupervisorEvent:
-    """One line of a task's history, for metrics and the agent's ``/status``."""
-
-    kind: EventKind
-    task: str
-    time: float  # wall clock, seconds since the epoch
-    pid: int | None = None
-    exit_code: int | None = None
-    reason: str = ""
-    restarts: int = 0
-    run_seconds: float | None = None  # for EXITED: how long that run lasted
-    backoff_seconds: float | None = None  # for EXITED: the wait before the next start (0: at once)
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "kind": self.kind.value,
-            "task": self.task,
-            "time": self.time,
-            "pid": self.pid,
-            "exit_code": self.exit_code,
-            "reason": self.reason,
-            "restarts": self.restarts,
-            "run_seconds": self.run_seconds,
-            "backoff_seconds": self.backoff_seconds,
-        }
-
-
-@dataclass(frozen=True)
-class SupervisorStatus:
-    """A consistent snapshot of a supervisor, taken under its lock."""
-
-    task: str
-    state: SupervisorState
-    pid: int | None
-    restarts: int
-    last_exit_code: int | None
-    uptime_seconds: float | None  # of the current run; None when no process runs
-    crashes_in_window: int
-    last_reason: str
-    standby_pid: int | None = None  # the warm standby waiting to replace the task (psguard.agent.standby)
-    standby_ready: bool = False  # ... and it has imported what it needs: swapping it in is quick
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "task": self.task,
-            "state": self.state.value,
-            "pid": self.pid,
-            "restarts": self.restarts,
-            "last_exit_code": self.last_exit_code,
-            "uptime_seconds": self.uptime_seconds,
-            "crashes_in_window": self.crashes_in_window,
-            "last_reason": self.last_reason,
-            "standby_pid": self.standby_pid,
-            "standby_ready": self.standby_ready,
-        }
-
-
-def _positive(x: float) -> bool:
-    return x > 0
-
-
-@dataclass(frozen=True)
-class SupervisorConfig:
-    """The restart policy, as the agent's YAML section ``supervisor:`` (see :mod:`psguard.config`)."""
-
-    backoff_initial: Annotated[Duration, Check(_positive, "> 0")] = 0.5
-    backoff_max: Annotated[Duration, Check(_positive, "> 0")] = 30.0
-    backoff_reset_after: Duration = 60.0  # a run at least this long resets the backoff to backoff_initial
-    crash_loop_limit: Annotated[int, Check(lambda n: n >= 1, ">= 1")] = 5
-    crash_loop_window: Annotated[Duration, Check(_positive, "> 0")] = 300.0
-    stop_timeout: Duration = 10.0  # SIGTERM, then SIGKILL after this long
-    restart_codes: tuple[int, ...] = (EXIT_RESTART,)
-    # Keep a warm standby process for commands that honour psguard.agent.standby (the agent's built-in server
-    # mode): a restart then costs ~0.1 s instead of a Python + TensorFlow start. It is started this long after
-    # the run is declared healthy (:meth:`Supervisor.mark_healthy`: the PS answers its probe, the trainer
-    # delivered a checkpoint), so that it does not compete with the task (or a recovery) for CPU while that
-    # starts: counted from the spawn, a standby importing TensorFlow beside the server it backs made a 2-PS
-    # job's start 10-15 s slower on 2 cores. A run nobody declares healthy gets its standby
-    # ``STANDBY_UNDECLARED_AFTER`` seconds after it started.
-    standby: bool = True
-    standby_delay: Duration = 5.0
-    # ... and this long after a *restart*: the run was restarted because the job is recovering, and a recovery
-    # rebuilds and restores the model on this node for seconds to minutes. A standby importing TensorFlow then
-    # took half of a 2-core node for 13 s, in the middle of a 1 GB restore (BENCHMARKS.md). A second failure
-    # within this window restarts cold.
-    standby_delay_after_restart: Duration = 30.0
-
-    def __post_init__(self) -> None:
-        validate(self)
-        if self.backoff_max < self.backoff_initial:
-            raise ValueError(
-                f"backoff_max: expected >= backoff_initial ({self.backoff_initial}), got {self.backoff_max}"
-            )
-        if 0 in self.restart_codes:
-            raise ValueError("restart_codes: 0 means the task finished and cannot also mean 'restart me'")
-
-
-def describe_exit(code: int | None) -> str:
-    """``1``, ``-9 (SIGKILL)``: exit codes as people read them in an error message."""
-    if code is None:
-        return "none"
-    if code < 0:
-        try:
-            return f"{code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return str(code)
-    return str(code)
-
-
-@functools.cache
-def _setpriv() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    path = shutil.which("setpriv")
-    if path is None:
-        log.warning("event=no_pdeathsig reason='setpriv (util-linux) not found: a task may outlive a killed agent'")
-    return path
-
-
-def _pdeathsig_prefix() -> list[str]:
-    """The command prefix that makes the task die with the agent, or ``[]`` where that is not possible."""
-    setpriv = _setpriv()
-    if setpriv is None:
-        return []
-    return [setpriv, "--pdeathsig", "KILL", "--", "/bin/sh", "-c", _PPID_GUARD, str(os.getpid())]
 
 
 def _check_executable(program: str, env: Mapping[str, str] | None, cwd: str | os.PathLike[str] | None) -> None:
@@ -342,14 +172,10 @@ class Supervisor:
         self._on_event = on_event
         self._log_path = Path(log_path) if log_path is not None else None
         self._pdeathsig = pdeathsig
-        # The mark of this supervisor's process tree (psguard.agent.reaper), the file that records it for the
+        # The mark of this supervisor's process tree (psguard.agent.process.reaper), the file that records it for the
         # next agent, and the guard that kills the tree when this process dies.
-        self._tree = secrets.token_hex(8)
-        self._record = Path(record) if record is not None else None
+        self._tree = TaskTree(self.name, record, guard=guard)
         self._subreaper = subreaper
-        self._use_guard = guard and sys.platform.startswith("linux")
-        self._guard: subprocess.Popen[bytes] | None = None
-        self._guard_w = -1
         self._sessions: set[int] = set()  # every run's session id (its leader's pid): whose orphans we reap
         # Only when the caller knows the command honours the standby protocol: one that ignored it would bind
         # its port while the task still runs.
@@ -390,7 +216,7 @@ class Supervisor:
     ) -> Supervisor:
         """A supervisor with the policy from a config file; ``kwargs`` are the other constructor arguments.
 
-        ``standby_capable``: the command honours :mod:`psguard.agent.standby`, so ``config.standby`` may apply
+        ``standby_capable``: the command honours :mod:`psguard.agent.process.standby`, so ``config.standby`` may apply
         (it applies too with a ``standby_cmd``: a command that honours it and becomes this one).
         """
         return cls(
@@ -420,18 +246,18 @@ class Supervisor:
             os.set_blocking(self._wake_w, False)
             self._thread = threading.Thread(target=self._run, name=f"psguard-supervisor-{self.name}", daemon=True)
         try:
-            self._settle_predecessor()
+            self._tree.settle_predecessor()
             if self._subreaper and not reaper.set_child_subreaper():
                 log.warning("event=no_subreaper task=%s reason='prctl(PR_SET_CHILD_SUBREAPER) unavailable'", self.name)
-            self._start_guard()
-            self._write_record()
+            self._tree.start_guard()
+            self._tree.write_record()
         except BaseException as e:
             self._error = e
             with self._lock:
                 self._thread = None
                 self._state = SupervisorState.FAILED
                 self._close_wake_pipe()
-            self._stop_guard()
+            self._tree.stop_guard()
             self._done.set()
             raise
         self._thread.start()
@@ -481,7 +307,7 @@ class Supervisor:
         starts the task now.
         """
         with self._lock:
-            if self._thread is None or self._state in _FINAL or self._stop.is_set():
+            if self._thread is None or self._state in FINAL_STATES or self._stop.is_set():
                 return False
             self._restart_reason = reason or "restart requested"
             self._restart_is_crash = crash
@@ -563,8 +389,8 @@ class Supervisor:
                 if self._standby is not None:
                     self._standby.discard()
                 self._kill_tree(spare_standby=False)
-                self._stop_guard()
-                self._remove_record()
+                self._tree.stop_guard()
+                self._tree.remove_record()
             finally:
                 self._first_spawn.set()
                 with self._lock:
@@ -629,99 +455,13 @@ class Supervisor:
 
     # ------------------------------------------------------------------------------------------ the tree
 
-    def _settle_predecessor(self) -> None:
-        """Kill what a dead predecessor's task left running (its record names its tree's mark).
-
-        Refuses to start when the recorded agent is still alive: two agents must not supervise one task.
-        """
-        if self._record is None:
-            return
-        try:
-            doc = json.loads(self._record.read_bytes())
-        except FileNotFoundError:
-            return
-        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-            log.warning("event=task_record_unreadable task=%s path=%s error=%r", self.name, self._record, str(e))
-            return
-        if not isinstance(doc, dict) or doc.get("boot_id") != reaper.boot_id():
-            return  # another boot: nothing of it survives
-        pid, token = doc.get("agent_pid"), doc.get("tree")
-        if not isinstance(pid, int) or not isinstance(token, str) or not token.isalnum():
-            return
-        if pid != os.getpid() and reaper.start_ticks(pid) == doc.get("agent_start"):
-            raise SpawnError(
-                f"task {self.name} is still supervised by the agent with pid {pid} (record {self._record}); "
-                "stop that agent first"
-            )
-        killed = reaper.kill_tree(token)
-        if killed:
-            log.warning(
-                "event=leftovers_killed task=%s pids=%s reason='processes of a dead agent's task survived it'",
-                self.name,
-                killed,
-            )
-
-    def _write_record(self) -> None:
-        if self._record is None:
-            return
-        ensure_private_dir(self._record.parent, "state_dir")  # its records tell the next agent what to kill
-        doc = {
-            "task": self.name,
-            "tree": self._tree,
-            "agent_pid": os.getpid(),
-            "agent_start": reaper.start_ticks(os.getpid()),
-            "boot_id": reaper.boot_id(),
-        }
-        tmp = self._record.with_name(f".{self._record.name}.tmp-{secrets.token_hex(4)}")
-        tmp.write_text(json.dumps(doc))
-        os.replace(tmp, self._record)
-
-    def _remove_record(self) -> None:
-        if self._record is None:
-            return
-        with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError):
-            if json.loads(self._record.read_bytes()).get("tree") == self._tree:  # ours, not a successor's
-                self._record.unlink()
-
-    def _start_guard(self) -> None:
-        """The process that kills the tree when this one dies (it reads EOF when our end of the pipe closes)."""
-        if not self._use_guard:
-            return
-        r, w = os.pipe()  # both ends non-inheritable: only the guard gets r (as its stdin), nobody else gets w
-        try:
-            self._guard = subprocess.Popen(
-                [sys.executable, "-I", reaper.__file__, "guard", self._tree],
-                stdin=r,
-                start_new_session=True,  # outside the task's group: a group kill must not take the guard
-            )
-        except BaseException:
-            os.close(w)
-            raise
-        finally:
-            os.close(r)
-        self._guard_w = w
-
-    def _stop_guard(self) -> None:
-        if self._guard_w >= 0:
-            os.close(self._guard_w)  # the guard reads EOF, finds the tree gone, exits
-            self._guard_w = -1
-        if self._guard is not None:
-            try:
-                self._guard.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self._guard.kill()
-                self._guard.wait()
-            self._guard = None
-
     def _kill_tree(self, *, spare_standby: bool) -> None:
         """Kill every process of the task's tree that outlived its run (left the group, or was orphaned)."""
         spare: frozenset[int] = frozenset()
         standby = self._standby.pid if spare_standby and self._standby is not None else None
         if standby is not None:
             spare = frozenset({standby, *reaper.descendants(standby)})
-        killed = reaper.kill_tree(self._tree, exclude=spare)
-        if killed:
-            log.info("event=tree_killed task=%s pids=%s", self.name, killed)
+        self._tree.kill(exclude=spare)
         self._reap_adopted()
 
     def _reap_adopted(self) -> None:
@@ -729,7 +469,9 @@ class Supervisor:
         if not self._subreaper:
             return
         with self._lock:
-            spare = {p.pid for p in (self._proc, self._guard) if p is not None}
+            spare = {self._proc.pid} if self._proc is not None else set()
+            if self._tree.guard_pid is not None:
+                spare.add(self._tree.guard_pid)
             sessions = frozenset(self._sessions)
         if self._standby is not None and self._standby.pid is not None:
             spare.add(self._standby.pid)
@@ -739,7 +481,7 @@ class Supervisor:
         """The environment of a run started now."""
         return {
             **(self._env if self._env is not None else os.environ),
-            reaper.tree_env_var(self._tree): "1",  # inherited by everything the task starts
+            self._tree.env_var: "1",  # inherited by everything the task starts
         }
 
     def _popen(
@@ -747,7 +489,7 @@ class Supervisor:
     ) -> subprocess.Popen[bytes]:
         """Start the command (or ``cmd``) once (a run, or a standby with ``extra_env``); raises ``OSError``."""
         program = list(cmd if cmd is not None else self.cmd)
-        argv = (_pdeathsig_prefix() if self._pdeathsig else []) + program
+        argv = (pdeathsig_prefix() if self._pdeathsig else []) + program
         _check_executable(program[0], self._env, self._cwd)
         if self._cwd is not None and not Path(self._cwd).is_dir():
             raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))

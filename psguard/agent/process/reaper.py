@@ -17,7 +17,7 @@ signals the group once the agent is gone, and a process that calls ``setsid`` le
   orphans are re-parented to the agent, not to init, while it lives, and it can reap them.
 * **Record.** The supervisor's token and its own identity (pid, ``/proc`` start time, boot id) go to a file
   owned by the agent; a new agent reads it at start and kills what a dead predecessor's tree left, if the
-  guard could not (it was killed too). See :mod:`psguard.agent.supervisor`.
+  guard could not (it was killed too). See :mod:`psguard.agent.process.supervisor`.
 """
 
 from __future__ import annotations

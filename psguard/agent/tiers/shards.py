@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from psguard.agent.memory_tier import DirtyTake, MemoryTier
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from psguard.agent.memory_tier import MemoryTier
-from psguard.agent.persister import Persister, PersistHandle
-from psguard.agent.shards import ShardClient, ShardError
+from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.agent.tiers.persister import Persister, PersistHandle
+from psguard.agent.tiers.shards import ShardClient, ShardError
 from psguard.errors import (
     CorruptCheckpointError,
     PsguardError,

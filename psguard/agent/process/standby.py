@@ -3,8 +3,8 @@
 Restarting a PS costs one process start, and almost all of it is Python plus ``import tensorflow`` (2-6 s on
 the machines we measured) while creating and starting the ``tf.distribute.Server`` itself takes about 0.1 s.
 That start is on the critical path of every recovery: training waits for the new PS. So whoever restarts a
-server task (the agent's :class:`~psguard.agent.supervisor.Supervisor`, the testbed's ``LocalCluster``) keeps one
-more process of the same command started beforehand. It runs everything up to binding the port, then blocks
+server task (the agent's :class:`~psguard.agent.process.supervisor.Supervisor`, the testbed's ``LocalCluster``)
+keeps one more process of the same command started beforehand. It runs everything up to binding the port, then blocks
 on its stdin until it is told to go (:func:`wait_for_go`). It must not bind earlier: gRPC servers set
 ``SO_REUSEPORT``, so two processes listening on one address would silently share its connections.
 

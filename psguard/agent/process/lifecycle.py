@@ -1,0 +1,169 @@
+"""A supervised task's life as its owner sees it: the restart policy it is given and what it reports back.
+
+The :class:`~psguard.agent.process.supervisor.Supervisor` takes a :class:`SupervisorConfig` (the agent's
+``supervisor:`` section) and reports through :class:`SupervisorEvent` (to its ``on_event`` callback: the agent's
+recovery rules, metrics) and :class:`SupervisorStatus` (``/status``). They live apart from the supervisor so
+that those readers (:mod:`psguard.agent.config`, :mod:`psguard.agent.control.metrics`,
+:mod:`psguard.agent.recovery`) need only the vocabulary, not the machinery that spawns and kills processes.
+"""
+
+from __future__ import annotations
+
+import enum
+import signal
+from dataclasses import dataclass
+from typing import Annotated
+
+from psguard.config import Check, Duration, validate
+from psguard.errors import PsguardError
+from psguard.handoff.contract import EXIT_RESTART
+
+__all__ = [
+    "FINAL_STATES",
+    "EventKind",
+    "SpawnError",
+    "SupervisorConfig",
+    "SupervisorEvent",
+    "SupervisorState",
+    "SupervisorStatus",
+    "describe_exit",
+]
+
+
+class SpawnError(PsguardError):
+    """The task's command could not be started at all (no such file, not executable, bad working directory)."""
+
+
+class SupervisorState(enum.StrEnum):
+    IDLE = "idle"  # not started yet
+    RUNNING = "running"
+    BACKOFF = "backoff"  # waiting before the next start after a crash
+    STOPPING = "stopping"
+    STOPPED = "stopped"  # stop() was called; final
+    COMPLETED = "completed"  # the task exited 0; final
+    GAVE_UP = "gave_up"  # crash loop; final
+    FAILED = "failed"  # the supervisor itself hit an unexpected error; final
+
+
+FINAL_STATES = frozenset(
+    {SupervisorState.STOPPED, SupervisorState.COMPLETED, SupervisorState.GAVE_UP, SupervisorState.FAILED}
+)
+
+
+class EventKind(enum.StrEnum):
+    STARTED = "started"  # first start
+    RESTARTED = "restarted"  # every later start; ``reason`` says why
+    EXITED = "exited"  # a run ended; ``exit_code`` (negative: killed by that signal) and ``reason``
+    COMPLETED = "completed"  # exit 0, supervision over
+    STOPPED = "stopped"  # stop() finished, supervision over
+    GAVE_UP = "gave_up"  # crash loop, supervision over; ``reason`` is the CrashLoopError message
+
+
+@dataclass(frozen=True)
+class SupervisorEvent:
+    """One line of a task's history, for metrics and the agent's ``/status``."""
+
+    kind: EventKind
+    task: str
+    time: float  # wall clock, seconds since the epoch
+    pid: int | None = None
+    exit_code: int | None = None
+    reason: str = ""
+    restarts: int = 0
+    run_seconds: float | None = None  # for EXITED: how long that run lasted
+    backoff_seconds: float | None = None  # for EXITED: the wait before the next start (0: at once)
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "kind": self.kind.value,
+            "task": self.task,
+            "time": self.time,
+            "pid": self.pid,
+            "exit_code": self.exit_code,
+            "reason": self.reason,
+            "restarts": self.restarts,
+            "run_seconds": self.run_seconds,
+            "backoff_seconds": self.backoff_seconds,
+        }
+
+
+@dataclass(frozen=True)
+class SupervisorStatus:
+    """A consistent snapshot of a supervisor, taken under its lock."""
+
+    task: str
+    state: SupervisorState
+    pid: int | None
+    restarts: int
+    last_exit_code: int | None
+    uptime_seconds: float | None  # of the current run; None when no process runs
+    crashes_in_window: int
+    last_reason: str
+    standby_pid: int | None = None  # the warm standby waiting to replace the task (psguard.agent.process.standby)
+    standby_ready: bool = False  # ... and it has imported what it needs: swapping it in is quick
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "task": self.task,
+            "state": self.state.value,
+            "pid": self.pid,
+            "restarts": self.restarts,
+            "last_exit_code": self.last_exit_code,
+            "uptime_seconds": self.uptime_seconds,
+            "crashes_in_window": self.crashes_in_window,
+            "last_reason": self.last_reason,
+            "standby_pid": self.standby_pid,
+            "standby_ready": self.standby_ready,
+        }
+
+
+def _positive(x: float) -> bool:
+    return x > 0
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    """The restart policy, as the agent's YAML section ``supervisor:`` (see :mod:`psguard.config`)."""
+
+    backoff_initial: Annotated[Duration, Check(_positive, "> 0")] = 0.5
+    backoff_max: Annotated[Duration, Check(_positive, "> 0")] = 30.0
+    backoff_reset_after: Duration = 60.0  # a run at least this long resets the backoff to backoff_initial
+    crash_loop_limit: Annotated[int, Check(lambda n: n >= 1, ">= 1")] = 5
+    crash_loop_window: Annotated[Duration, Check(_positive, "> 0")] = 300.0
+    stop_timeout: Duration = 10.0  # SIGTERM, then SIGKILL after this long
+    restart_codes: tuple[int, ...] = (EXIT_RESTART,)
+    # Keep a warm standby process for commands that honour psguard.agent.process.standby (the agent's built-in server
+    # mode): a restart then costs ~0.1 s instead of a Python + TensorFlow start. It is started this long after
+    # the run is declared healthy (:meth:`Supervisor.mark_healthy`: the PS answers its probe, the trainer
+    # delivered a checkpoint), so that it does not compete with the task (or a recovery) for CPU while that
+    # starts: counted from the spawn, a standby importing TensorFlow beside the server it backs made a 2-PS
+    # job's start 10-15 s slower on 2 cores. A run nobody declares healthy gets its standby
+    # ``STANDBY_UNDECLARED_AFTER`` seconds after it started.
+    standby: bool = True
+    standby_delay: Duration = 5.0
+    # ... and this long after a *restart*: the run was restarted because the job is recovering, and a recovery
+    # rebuilds and restores the model on this node for seconds to minutes. A standby importing TensorFlow then
+    # took half of a 2-core node for 13 s, in the middle of a 1 GB restore (BENCHMARKS.md). A second failure
+    # within this window restarts cold.
+    standby_delay_after_restart: Duration = 30.0
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError(
+                f"backoff_max: expected >= backoff_initial ({self.backoff_initial}), got {self.backoff_max}"
+            )
+        if 0 in self.restart_codes:
+            raise ValueError("restart_codes: 0 means the task finished and cannot also mean 'restart me'")
+
+
+def describe_exit(code: int | None) -> str:
+    """``1``, ``-9 (SIGKILL)``: exit codes as people read them in an error message."""
+    if code is None:
+        return "none"
+    if code < 0:
+        try:
+            return f"{code} ({signal.Signals(-code).name})"
+        except ValueError:
+            return str(code)
+    return str(code)

@@ -1,0 +1,115 @@
+"""What an agent gives its task: its command (the built-in server), its environment, its probes, its record.
+
+The task's side of the agent, apart from the agent's own lifecycle (:mod:`psguard.agent.daemon`): everything here
+is decided from the cluster, the task's role and index and the agent's settings, before the task starts. The
+environment is the contract with the trainer (:mod:`psguard.handoff.contract`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from psguard.agent.config import AgentConfig, HttpConfig
+from psguard.agent.process.prober import GrpcStatusProbe, Probe, ProcessProbe, TcpProbe
+from psguard.handoff.contract import (
+    ENV_AGENT_CA,
+    ENV_AGENT_CLIENT_CERT,
+    ENV_AGENT_CLIENT_KEY,
+    ENV_AGENT_TOKEN_FILE,
+    ENV_AGENT_URL,
+    ENV_SPOOL,
+    ENV_STORE,
+    ENV_TASK,
+    QUIET_TENSORFLOW,
+)
+
+__all__ = ["server_command", "task_env", "task_probes", "task_record"]
+
+
+def server_command(cluster: Mapping[str, Sequence[str]], role: str, index: int) -> list[str]:
+    """The built-in PS / worker task: a ``tf.distribute.Server`` that dies with this agent."""
+    return [
+        sys.executable,
+        "-m",
+        "psguard.agent.process.tf_server",
+        "--cluster-spec",
+        json.dumps(cluster, sort_keys=True),
+        "--job",
+        role,
+        "--index",
+        str(index),
+        "--parent-pid",
+        str(os.getpid()),
+    ]
+
+
+def task_env(
+    cluster: Mapping[str, Sequence[str]],
+    role: str,
+    index: int,
+    *,
+    url: str,
+    token_file: str | None,
+    http: HttpConfig,
+    spool_dir: Path | None,
+    store: str | None,
+) -> dict[str, str]:
+    """The task's environment: ``TF_CONFIG`` for its role and index, and the variables of
+    :mod:`psguard.handoff.contract` (its agent's URL, token file and TLS files; the chief's spool and store)."""
+    env = dict(os.environ)
+    for key, value in QUIET_TENSORFLOW.items():
+        env.setdefault(key, value)
+    env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}, "rpc_layer": "grpc"})
+    env[ENV_TASK] = f"{role}:{index}"
+    env[ENV_AGENT_URL] = url
+    if token_file is not None:
+        env[ENV_AGENT_TOKEN_FILE] = token_file  # the path, never the token itself
+    for name in (ENV_AGENT_CA, ENV_AGENT_CLIENT_CERT, ENV_AGENT_CLIENT_KEY):
+        env.pop(name, None)  # only this agent's TLS settings, not a parent's
+    if http.tls_ca is not None and http.tls_cert is not None and http.tls_key is not None:
+        # Mutual TLS: the task verifies its agent against the CA and presents the agent's certificate (the
+        # task runs as the agent's user and already holds its token: no new trust).
+        env[ENV_AGENT_CA] = str(Path(http.tls_ca).resolve())
+        env[ENV_AGENT_CLIENT_CERT] = str(Path(http.tls_cert).resolve())
+        env[ENV_AGENT_CLIENT_KEY] = str(Path(http.tls_key).resolve())
+    if spool_dir is not None:
+        env[ENV_SPOOL] = str(spool_dir)
+        env[ENV_STORE] = store or ""  # the trainer's manager checks its directory against it
+    return env
+
+
+def task_record(config: AgentConfig, task: str) -> Path:
+    """The file in which the supervisor records the task's process tree (one per task on a host)."""
+    # lazy: as in the agent's _start_memory_tier, the spool module (and numpy) only when the agent starts
+    from psguard.handoff.spool import default_spool_dir
+
+    folder = (
+        Path(config.state_dir)
+        if config.state_dir
+        else default_spool_dir(config.job).with_name(f"psguard-{config.job}-agents")
+    )
+    return folder / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', task)}.task.json"
+
+
+def task_probes(role: str, address: str, pid: Callable[[], int | None], *, builtin_server: bool) -> list[Probe]:
+    """What judges the task's health: its process (``pid``: the running one's); a PS or worker's port and
+    ``GetStatus`` RPC too (a frozen server keeps its port: only the RPC's deadline notices)."""
+    probes: list[Probe] = [ProcessProbe(pid)]
+    if role != "chief":
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        target = address
+        if builtin_server or host in ("0.0.0.0", "::", ""):
+            # The built-in tf.distribute.Server listens on every interface (*:port): probe it on loopback, so
+            # its name need not resolve first. A TFJob operator's Service publishes a pod's name only once the
+            # pod is Ready, and Ready waits for these probes.
+            host = "127.0.0.1"
+            target = f"{host}:{port}" if builtin_server else address
+        probes.append(TcpProbe(host, int(port)))
+        probes.append(GrpcStatusProbe(target))
+    return probes
