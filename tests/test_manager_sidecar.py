@@ -176,8 +176,8 @@ def test_the_failure_time_told_to_the_agent_is_the_failed_generations_last_step(
     which was then restarted a second time, cold (12.7 s at 1 GB under load)."""
     import time
 
-    from psguard.trainer.registry import process_managers
     from psguard.trainer.recovery import _failure_time
+    from psguard.trainer.registry import process_managers
 
     store = Store.open(str(tmp_path / "store"))
     tier = MemoryTier()
