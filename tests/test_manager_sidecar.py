@@ -146,7 +146,7 @@ def test_a_failed_generation_is_released_without_waiting_for_the_agents_durable_
     durable writes on its own. ``close`` (end of training) still waits for them."""
     import time
 
-    from psguard.trainer.manager import _open_managers, release_after_failure
+    from psguard.trainer.registry import process_managers
 
     store = Store.open(str(tmp_path / "store"))
     tier = MemoryTier()
@@ -163,9 +163,9 @@ def test_a_failed_generation_is_released_without_waiting_for_the_agents_durable_
         handle = m.save(2)
         handle.restorable(timeout=60)
         t0 = time.monotonic()
-        release_after_failure(timeout=600)
+        process_managers.release_after_failure(timeout=600)
         assert time.monotonic() - t0 < 60  # it did not wait for the durable write (which never comes)
-        assert m not in _open_managers and not handle.done()
+        assert not process_managers.is_open(m) and not handle.done()
         m.close(timeout=0.1)  # the user's own close afterwards does nothing: no wait, no TimeoutError
         assert tier.step == 2  # the memory tier has the save: nothing the agent acknowledged is dropped
     finally:
@@ -180,8 +180,8 @@ def test_the_failure_time_told_to_the_agent_is_the_failed_generations_last_step(
     which was then restarted a second time, cold (12.7 s at 1 GB under load)."""
     import time
 
-    from psguard.trainer.manager import generation_ran_at, release_after_failure
     from psguard.trainer.recovery import _failure_time
+    from psguard.trainer.registry import process_managers
 
     store = Store.open(str(tmp_path / "store"))
     tier = MemoryTier()
@@ -192,12 +192,12 @@ def test_the_failure_time_told_to_the_agent_is_the_failed_generations_last_step(
         m = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool")
         before = time.time()
         m.save(1).result(timeout=60)
-        ran = generation_ran_at()
+        ran = process_managers.generation_ran_at()
         assert ran is not None and before <= ran <= time.time()
         assert _failure_time() == ran
         assert _failure_time(ran - 5) == ran - 5  # a failure seen even earlier (the caller's own time) wins
-        release_after_failure()
-        assert generation_ran_at() is None  # the next generation has made no step yet
+        process_managers.release_after_failure()
+        assert process_managers.generation_ran_at() is None  # the next generation has made no step yet
         now = time.time()
         assert _failure_time() >= now
     finally:

@@ -302,11 +302,11 @@ def test_psguards_functions_run_unoptimised_and_leave_the_users_options_alone(ch
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.eager import context
 
-    from psguard.trainer.capture import _unoptimized_calls
+    from psguard.trainer.capture_graph import unoptimized_calls
 
     ctx = context.context()
     before = ctx.function_call_options
-    with _unoptimized_calls():
+    with unoptimized_calls():
         inside = ctx.function_call_options
     assert ctx.function_call_options is before
     config = config_pb2.ConfigProto()

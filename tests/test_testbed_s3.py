@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from psguard.ports import port_open
-from psguard.testbed.s3 import GRPC_PORT_OFFSET, MotoS3, S3Server, S3ServerError, SeaweedS3, free_port_pairs
+from psguard.testbed.s3 import GRPC_PORT_OFFSET, MotoS3, SeaweedS3, free_port_pairs
+from psguard.testbed.s3_server import S3Server, S3ServerError
 
 s3fs = pytest.importorskip("s3fs")
 botocore_exceptions = pytest.importorskip("botocore.exceptions")

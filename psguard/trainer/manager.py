@@ -55,6 +55,7 @@ from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
 from psguard.trainer.preemption import PreemptionHandler
+from psguard.trainer.registry import process_managers
 from psguard.trainer.restore_status import DeferredRestore, RestoreStatus, read_pending_parts
 from psguard.trainer.sinks import NEW_BASE_AFTER, AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
 from psguard.trainer.spool_writer import SpoolWriter
@@ -67,15 +68,6 @@ tf: Any = import_optional("tensorflow")
 _TFCheckpointManager: Any = tf.train.CheckpointManager
 
 log = logging.getLogger(__name__)
-# The highest step each store directory's managers in this process saw (maybe_save/save). A manager built
-# after a failure (in-process rejoin) or the failing trainer's last report (exit_for_restart) compares it with
-# the step it restores to tell the agent how many steps were lost: the only party that knows both.
-_seen_lock = threading.Lock()
-_seen_steps: dict[str, int] = {}
-# When a manager of this process last saw a step of the running trainer generation (None: none since it began).
-# That generation connected to every PS before: a PS process started after this time holds none of its state.
-_step_seen_at: float | None = None
-
 
 #: How long a restore that holds the memory tier's snapshot waits for the durable log to say whether it has
 #: something newer (only another writer could have written it).
@@ -86,32 +78,12 @@ HEARTBEAT_SECONDS = 1.0
 
 #: How long the interpreter's exit waits for saves still being written by a manager nobody closed.
 EXIT_WAIT_SECONDS = 600.0
-_open_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
-
-def release_after_failure(timeout: float = 30.0) -> None:
-    """Close every open manager of a generation that a cluster failure ended, for an in-process rejoin.
-
-    Saves handed to a sidecar are not waited for: the agent finishes them whether or not this generation
-    lives, and waiting for a durable write of 1 GB that happened to be running added a second to every
-    recovery. A manager that writes the log itself finishes its pending write (up to ``timeout``), as
-    :meth:`CheckpointManager.close` would. Failures of the old generation's saves are expected after a
-    failure: they are logged, not raised.
-    """
-    global _step_seen_at
-    with _seen_lock:
-        _step_seen_at = None  # the next generation's steps are its own
-    for manager in list(_open_managers):
-        own_writes = manager._sink.in_flight()
-        try:
-            manager.close(timeout=timeout if own_writes else 0.0)
-        except TimeoutError:
-            if own_writes:
-                log.warning("the failed generation's pending saves did not finish within %.0fs", timeout)
-            else:
-                log.info("the failed generation's pending saves are left to the agent, which finishes them")
-        except PsguardError as e:
-            log.info("the failed generation's saves: %s", e)
+# What recovery asks about this process's managers, answered by the registry every manager joins
+# (psguard.trainer.registry); importable from here as well, as before the registry.
+release_after_failure = process_managers.release_after_failure
+last_seen_step = process_managers.last_seen_step
+generation_ran_at = process_managers.generation_ran_at
 
 
 def _drain_at_exit() -> None:
@@ -120,51 +92,13 @@ def _drain_at_exit() -> None:
     ``tf.train.CheckpointManager.save`` is durable when it returns, so scripts written for it end without a
     ``close()``; our writer is a daemon thread, and without this the exit would cut the last saves off.
     """
-    for manager in list(_open_managers):
-        if not manager._sink.in_flight():
-            continue
-        log.warning("the process is exiting: waiting up to %.0fs for pending checkpoint writes", EXIT_WAIT_SECONDS)
-        try:
-            errors = manager._sink.wait(EXIT_WAIT_SECONDS)
-        except TimeoutError:
-            log.error("pending checkpoint writes did not finish within %.0fs: they are lost", EXIT_WAIT_SECONDS)
-            continue
-        for e in errors:
-            log.error("a checkpoint write failed before exit: %s", e)
+    process_managers.drain_at_exit(EXIT_WAIT_SECONDS)
 
 
 # Before concurrent.futures stops taking work at shutdown (its own hook, registered the same way when it was
 # imported, runs after ours: last in, first out); a plain atexit hook would run too late to write anything.
 _register_exit_hook = getattr(threading, "_register_atexit", atexit.register)
 _register_exit_hook(_drain_at_exit)
-
-
-def last_seen_step(directory: str | None = None) -> int | None:
-    """The highest step a manager of this process saw, for ``directory`` or any; ``None`` before any."""
-    with _seen_lock:
-        if directory is not None:
-            return _seen_steps.get(directory)
-        return max(_seen_steps.values(), default=None)
-
-
-def generation_ran_at() -> float | None:
-    """When the running trainer generation last made a step a manager saw (``time.time()``); ``None`` if none.
-
-    Recovery hands it to the chief's agent as the failure time (``failed_at``): every PS process started after it
-    was started after this generation connected to the cluster, so it holds none of its state and need not be
-    restarted for the next generation. The time the failure was *seen* is later, and a PS its agent restarted
-    in between (0.1-0.2 s after a kill: a warm standby) would be restarted a second time, cold.
-    """
-    with _seen_lock:
-        return _step_seen_at
-
-
-def _note_step(directory: str, step: int) -> None:
-    global _step_seen_at
-    with _seen_lock:
-        _step_seen_at = time.time()
-        if step > _seen_steps.get(directory, -1):
-            _seen_steps[directory] = step
 
 
 @dataclass(frozen=True)
@@ -472,7 +406,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         self._save_counter = getattr(checkpoint, "save_counter", None)
         self._closed = False
         self._tf_restore, self._restore_before = _hook_restore(self)
-        _open_managers.add(self)
+        process_managers.opened(self, self._sink)
 
     # ------------------------------------------------------------------------------------ tf.train API
     @property
@@ -621,7 +555,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
                 self.capturer.prepare()  # its chief-side work (a first trace: seconds) while the workers drain
                 coordinator.join()  # read the counters at the state the capture will see
             step = self._step_for(checkpoint_number)
-            _note_step(self.directory, step)
+            process_managers.note_step(self.directory, step)
             self._beat(step)
             t0 = time.perf_counter()
             updates = self.capturer.capture(full=self._sink.whole_next())
@@ -859,7 +793,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
         log.info("restored %s (step %d) from the %s tier", info.id, info.step, info.source)
         if self._sink.supervised:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
-            report_recovery(info.step, seen_step=last_seen_step(self.directory), source=info.source)
+            report_recovery(info.step, seen_step=process_managers.last_seen_step(self.directory), source=info.source)
         return info.id
 
     def _durable_on_the_ps(self) -> tuple[RestoreInfo, Restored] | None:
@@ -889,7 +823,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
             self._beat(self._step_for(step))
             return None
         step = self._step_for(step)
-        _note_step(self.directory, step)
+        process_managers.note_step(self.directory, step)
         self._beat(step)
         now = time.time()
         ctx = self.context
@@ -915,7 +849,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
     def close(self, timeout: float | None = None) -> None:
         """Wait for pending saves as :meth:`wait` does (re-raising failures), then release everything.
         Closing a closed manager does nothing."""
-        _open_managers.discard(self)
+        process_managers.closed(self)
         if self._closed:
             return
         self._closed = True

@@ -35,7 +35,7 @@ from psguard.errors import PsguardError
 from psguard.handoff.client import report_failure
 from psguard.handoff.contract import EXIT_RESTART
 from psguard.trainer.deferred_init import MIN_BYTES, deferred_initial_values
-from psguard.trainer.manager import generation_ran_at, last_seen_step, release_after_failure
+from psguard.trainer.registry import process_managers
 
 log = logging.getLogger(__name__)
 
@@ -79,9 +79,9 @@ def is_cluster_failure(exc: BaseException) -> bool:
 
 def _failure_time(seen_at: float | None = None) -> float:
     """The ``failed_at`` for the chief's agent: the last step the failed generation made, when a manager saw one
-    (:func:`~psguard.trainer.manager.generation_ran_at`), else when the failure was seen."""
+    (:meth:`~psguard.trainer.registry.ManagerRegistry.generation_ran_at`), else when the failure was seen."""
     seen = time.time() if seen_at is None else seen_at
-    ran = generation_ran_at()
+    ran = process_managers.generation_ran_at()
     return seen if ran is None else min(seen, ran)
 
 
@@ -94,7 +94,7 @@ def exit_for_restart(exc: BaseException | None = None, *, failed_at: float | Non
     a sidecar, call ``manager.wait()`` before this so pending durable writes finish.
     """
     log.error("cluster failure (%s): exiting with %d so the agent restarts the trainer", exc, EXIT_RESTART)
-    report_failure(_failure_time(failed_at), step=last_seen_step())
+    report_failure(_failure_time(failed_at), step=process_managers.last_seen_step())
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -168,8 +168,8 @@ def run_with_recovery(
     ``lambda failed_at: restart_ps_servers(failed_at=failed_at)``. Every :class:`~psguard.CheckpointManager`
     open in this process is closed by psguard first (they belong to the failed generation: create them in
     ``build``), without waiting for saves a sidecar agent finishes on its own
-    (:func:`~psguard.trainer.manager.release_after_failure`); ``close`` releases the rest of a job before it is
-    dropped (closing its manager again does nothing).
+    (:meth:`~psguard.trainer.registry.ManagerRegistry.release_after_failure`); ``close`` releases the rest of a
+    job before it is dropped (closing its manager again does nothing).
     """
     report = RecoveryReport()
     attempt = 0
@@ -190,7 +190,7 @@ def run_with_recovery(
             # collection alone 0.3-0.4 s with a model built). Both are over before the cluster context is reset.
             with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
                 restarting = pool.submit(restart_ps, failed_at)
-                release_after_failure()
+                process_managers.release_after_failure()
                 if close is not None:
                     try:
                         close(job)

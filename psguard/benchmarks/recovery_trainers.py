@@ -1,0 +1,307 @@
+"""The two trainers ``psguard bench recovery`` (:mod:`psguard.benchmarks.recovery`) runs as child processes.
+
+:func:`agent_trainer` is psguard's, run by the chief's ``psguard agent``; :func:`baseline_child` is the
+plain-TF job's chief, run by the benchmark's own process (the "script"). Both train the same model and write
+the same timestamped progress records (:class:`psguard.demo_trainer.Progress`), which the parent reads back
+to measure each side: nothing else passes between them (parameters come as JSON on the command line).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from psguard.benchmarks.common import reset_peak_rss, rss_bytes
+from psguard.benchmarks.recovery import Params
+from psguard.handoff.contract import QUIET_TENSORFLOW
+from psguard.ports import port_open
+
+__all__ = ["agent_trainer", "baseline_child", "raw_restore", "state_layout"]
+
+
+def _model(tf: Any, p: Params) -> tuple[Any, Any]:
+    from psguard.testbed.model import ModelConfig, RecModel, make_optimizer
+
+    cfg = ModelConfig(vocab_size=p.vocab_size, embedding_dim=p.embedding_dim, batch_size=p.batch_size)
+    return RecModel(cfg), make_optimizer("adagrad")
+
+
+def _strategy(tf: Any, resolver: Any, num_ps: int) -> tuple[Any, Any]:
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
+    )
+    return strategy, tf.distribute.coordinator.ClusterCoordinator(strategy)
+
+
+def _wait_file(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear within {timeout}s")
+        time.sleep(0.005)
+
+
+def state_layout(root: Any, spilled: Any = ()) -> tuple[int, dict[str, int]]:
+    """(bytes of every variable of ``root``, bytes per PS task of the tensors in ``spilled``).
+
+    ``spilled``: the names of the tensors whose shards the PS agents keep (the table and its slot).
+    """
+    from psguard.handoff.parts import task_of_device
+    from psguard.trainer.variables import list_tensors
+
+    total, per_ps = 0, dict[str, int]()
+    for name, info in list_tensors(root).items():
+        if info.alias_of is not None:
+            continue
+        total += info.nbytes
+        if name in spilled:
+            row = info.nbytes // max(1, info.shape[0])
+            for s in info.shards:
+                task = task_of_device(s.device) or "?"
+                per_ps[task] = per_ps.get(task, 0) + s.rows * row
+    return total, per_ps
+
+
+def raw_restore(tf: Any, root: Any, folder: Path, repeats: int = 2) -> dict[str, Any]:
+    """The raw PS-side restore ``restore_vs_raw_ratio`` compares with: every shard of ``root`` written to a file
+    by its own PS (``serialize_tensor``), then read and assigned back on its own device by one ``tf.function``
+    (``parse_tensor(read_file)`` + ``assign``, all PS in parallel, nothing through the chief). The function is
+    traced before the timing; returns the file bytes and the best of ``repeats`` timed loads."""
+    from psguard.trainer.variables import list_tensors
+
+    shards = [s for info in list_tensors(root).values() if info.alias_of is None for s in info.shards]
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = tf.constant([str(folder / f"{k}.tp") for k in range(len(shards))])
+
+    def write(paths: Any) -> Any:
+        for k, s in enumerate(shards):
+            with tf.device(s.device):
+                tf.io.write_file(paths[k], tf.io.serialize_tensor(s.var.read_value()))
+        return tf.constant(0)
+
+    def load(paths: Any) -> Any:
+        values = []
+        for k, s in enumerate(shards):
+            with tf.device(s.device):
+                value = tf.io.parse_tensor(tf.io.read_file(paths[k]), s.var.dtype)
+                values.append(tf.ensure_shape(value, s.var.shape))
+        with tf.control_dependencies(values):
+            ops = []
+            for value, s in zip(values, shards, strict=True):
+                with tf.device(s.device):
+                    ops.append(s.var.assign(value, read_value=False))
+        with tf.control_dependencies(ops):
+            return tf.constant(0)
+
+    tf.function(write, autograph=False)(paths).numpy()
+    nbytes = sum(os.path.getsize(folder / f"{k}.tp") for k in range(len(shards)))
+    load_fn = tf.function(load, autograph=False)
+    load_fn.get_concrete_function(paths)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        load_fn(paths).numpy()
+        times.append(time.perf_counter() - t0)
+    shutil.rmtree(folder, ignore_errors=True)
+    return {"bytes": nbytes, "seconds": min(times), "seconds_runs": times}
+
+
+# ------------------------------------------------------------------------------------------- child: psguard
+
+
+def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str) -> None:
+    """The psguard trainer, run by the chief's ``psguard agent`` (``TF_CONFIG``, the spool and the PS agents'
+    part folders come from it). Writes progress records; at the kill step it writes ``kill`` and waits for the
+    file ``<shm>/killed`` (the parent has killed PS 0 then); at the end it measures :func:`raw_restore`."""
+    os.environ.update(QUIET_TENSORFLOW)
+    p = Params(**json.loads(params_json))
+    import tensorflow as tf
+
+    from psguard.demo_trainer import Progress
+    from psguard.handoff.client import restart_ps_servers
+    from psguard.policy.engine import EverySteps, Schedule
+    from psguard.testbed.model import Trainer
+    from psguard.trainer.manager import CheckpointManager
+    from psguard.trainer.recovery import run_with_recovery
+
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("psguard").setLevel(logging.INFO)  # its capture and restore lines, in the chief agent's log
+    rec = Progress(progress_path)
+    strategy, coordinator = _strategy(tf, tf.distribute.cluster_resolver.TFConfigClusterResolver(), p.num_ps)
+    reset_peak_rss()
+    rec.emit("ready", pid=os.getpid(), rss=rss_bytes())
+    schedule = Schedule(memory=EverySteps(p.memory_every), durable=EverySteps(p.durable_every))
+    gen = {"n": -1, "killed": False}
+
+    def build() -> tuple[Any, Trainer, CheckpointManager, Any]:
+        gen["n"] += 1
+        t0 = time.time()
+        with strategy.scope():
+            model, optimizer = _model(tf, p)
+        trainer = Trainer(strategy, coordinator, model, optimizer)
+        root = tf.train.Checkpoint(model=model, optimizer=optimizer)
+        # Building the model peaks at ~0.8x the table on the chief (TF's variable creation, psguard or not):
+        # psguard's own growth is counted from here (the kernel's peak mark reset).
+        built_rss, built_hwm = rss_bytes(), rss_bytes("VmHWM")
+        reset_peak_rss()
+        manager = CheckpointManager(root, store_url, coordinator=coordinator, step_counter=model.step, policy=schedule)
+        parts = _timed_parts(manager)
+        t1 = time.time()
+        manager.restore_or_initialize()
+        t2 = time.time()
+        step = int(model.step.numpy())
+        trainer.next_index = step
+        r = manager.restored
+        rec.emit("restore", gen=gen["n"], t0=t1, t1=t2, build_s=t1 - t0, step=step,
+                 source=r.source if r is not None else None, parts=parts, built_rss=built_rss, built_hwm=built_hwm,
+                 rss=rss_bytes(), hwm=rss_bytes("VmHWM"))  # fmt: skip
+        if gen["n"] == 0:
+            spilled = manager.capturer.spilled
+            total, per_ps = state_layout(root, spilled)
+            rec.emit("state", state_bytes=total, ps_bytes=per_ps, spilled=sorted(spilled))
+        return model, trainer, manager, root
+
+    def train(job: tuple[Any, Trainer, CheckpointManager, Any]) -> Any:
+        model, trainer, manager, root = job
+        restored = int(model.step.numpy())
+        end = p.kill_at + 1 if gen["n"] == 0 else restored + p.after_steps
+        while (step := int(model.step.numpy())) < end:
+            handle = manager.maybe_save(step)
+            if handle is not None:
+                stats = manager.capturer.last_stats  # rows written on the PS nodes: all of them when full
+                rows = stats.rows_spilled
+                rec.emit("capture", gen=gen["n"], step=step, stall=handle.stall_seconds, rows_spilled=rows,
+                         hwm=rss_bytes("VmHWM"))  # fmt: skip
+                if gen["n"] == 0 and not gen.get("based"):
+                    # A job that has trained for a while has its first (full) capture in the memory tiers long
+                    # since: wait for it, so the kill finds the steady state (its cost is reported apart).
+                    gen["based"] = True
+                    t0 = time.time()
+                    handle.restorable(timeout=p.timeout)
+                    rec.emit("first-restorable", seconds=time.time() - t0)
+            if step == p.kill_at and not gen["killed"]:
+                gen["killed"] = True
+                rec.emit("kill", step=step)
+                _wait_file(Path(shm) / "killed", p.timeout)
+            trainer.train(1)
+            rec.emit("step", gen=gen["n"], step=step + 1, cap=handle is not None)
+        if gen["n"] == 0:
+            raise RuntimeError(f"trained past the kill step {p.kill_at} without a failure")
+        manager.close(timeout=p.timeout)
+        return root
+
+    def close(job: tuple[Any, Trainer, CheckpointManager, Any]) -> None:
+        rec.emit("failure", seen=int(p.kill_at))
+        job[2].close(timeout=30)
+        rec.emit("closed")
+
+    def restart_ps(failed_at: float) -> None:
+        rec.emit("restart-ps")
+        restart_ps_servers(failed_at=failed_at)
+        rec.emit("ps-restarted")
+
+    root, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)
+    rec.emit("trainer-peak", hwm=rss_bytes("VmHWM"), recoveries=len(report.recoveries))
+    rec.emit("raw", **raw_restore(tf, root, Path(shm) / "raw"))
+    rec.emit("done")
+    rec.close()
+
+
+def _timed_parts(manager: Any) -> dict[str, float]:
+    """Time the phases of ``manager.restore_or_initialize()`` (filled in as it runs): ``snapshot_s`` (the
+    chief's agent gets every PS agent to write its shards' files: ``memory_snapshot``), ``load_s`` (each PS
+    reads and assigns its files, the small tensors from the chief: ``restore_parts``, its rebase included) and
+    ``rebase_s`` (fingerprints of every row for the next capture). Wraps the instance's methods only."""
+    times: dict[str, float] = {}
+
+    def wrap(obj: Any, name: str, key: str) -> None:
+        inner = getattr(obj, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                times[key] = times.get(key, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+
+    wrap(manager._sink, "memory_snapshot", "snapshot_s")
+    wrap(manager.capturer, "restore_parts", "load_s")
+    wrap(manager.capturer, "rebase", "rebase_s")
+    return times
+
+
+# ------------------------------------------------------------------------------------------- child: baseline
+
+
+def baseline_child(workdir: str, params_json: str, mode: str, progress_path: str) -> None:
+    """A plain-TF chief (``TF_CONFIG`` from the env). ``first``: train, kill PS 0 at the kill step, exit 1 on
+    the failure. ``restart``: wait for the servers, restore_or_initialize, train ``after_steps`` steps, exit 0.
+    Writes the same progress records as :func:`agent_trainer`."""
+    os.environ.update(QUIET_TENSORFLOW)
+    p = Params(**json.loads(params_json))
+    import tensorflow as tf
+
+    from psguard.demo_trainer import Progress
+    from psguard.testbed.model import Trainer
+
+    rec = Progress(progress_path)
+    gen = 0 if mode == "first" else 1
+    spec = json.loads(os.environ["TF_CONFIG"])["cluster"]
+    for addr in spec["ps"] + spec["worker"]:  # the script's readiness check: every server port open
+        host, port = addr.rsplit(":", 1)
+        while not port_open(host, int(port)):
+            time.sleep(0.02)
+    strategy, coordinator = _strategy(tf, tf.distribute.cluster_resolver.TFConfigClusterResolver(), p.num_ps)
+    reset_peak_rss()
+    rec.emit("ready", gen=gen, pid=os.getpid(), rss=rss_bytes())
+    t0 = time.time()
+    with strategy.scope():
+        model, optimizer = _model(tf, p)
+    trainer = Trainer(strategy, coordinator, model, optimizer)
+    ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    built_rss, built_hwm = rss_bytes(), rss_bytes("VmHWM")
+    reset_peak_rss()  # as on psguard's side: the growth of saving and restoring, the model's build apart
+    manager = tf.train.CheckpointManager(ckpt, str(Path(workdir) / "tf-ckpt"), max_to_keep=2)
+    t1 = time.time()
+    manager.restore_or_initialize()
+    step = int(model.step.numpy())
+    rec.emit("restore", gen=gen, t0=t1, t1=time.time(), build_s=t1 - t0, step=step, source="tf",
+             built_rss=built_rss, built_hwm=built_hwm)  # fmt: skip
+    trainer.next_index = step
+    if mode == "restart":
+        for _ in range(p.after_steps):
+            trainer.train(1)
+            rec.emit("step", gen=gen, step=int(model.step.numpy()), cap=False)
+        rec.emit("trainer-peak", gen=gen, hwm=rss_bytes("VmHWM"))
+        rec.close()
+        os._exit(0)
+    if mode == "first":
+        rec.emit("state", state_bytes=state_layout(ckpt)[0])
+    saved = step
+    try:
+        while True:
+            step = int(model.step.numpy())
+            captured = False
+            if step > 0 and step % p.durable_every == 0 and step != saved:
+                c0 = time.perf_counter()
+                manager.save(checkpoint_number=step)
+                rec.emit("capture", gen=gen, step=step, stall=time.perf_counter() - c0)
+                saved, captured = step, True
+            if step == p.kill_at:
+                os.kill(int(os.environ["BENCH_PS0_PID"]), signal.SIGKILL)
+                rec.emit("kill", step=step)
+            trainer.train(1)
+            rec.emit("step", gen=gen, step=step + 1, cap=captured)
+    except Exception as e:  # the PS failure: a plain-TF chief dies with it; the script restarts the job
+        rec.emit("failure", seen=step, error=str(e).splitlines()[0][:200])
+        rec.emit("trainer-peak", gen=gen, hwm=rss_bytes("VmHWM"))
+        rec.close()
+        os._exit(1)

@@ -1,0 +1,408 @@
+"""The TensorFlow functions a capture, a rebase and a PS-side load run: one call each for the whole model.
+
+A capture is one ``tf.function`` call for the whole model (:class:`~psguard.trainer.capture.Capturer` keeps
+the fingerprint variables and the write marks it works on, and turns its outputs into updates): on each PS it
+hashes the candidate rows, compares with the stored fingerprints, gathers only the changed rows, stores the new
+fingerprints, and sends ids + rows to the chief. Nothing is assumed about the optimizer: a row whose bytes changed
+is captured whatever changed it (Adam's moments decay in every row where they are not zero, so all those rows
+come out, not only the rows of the last gradients).
+
+Exactness: rows are compared by their bytes, not their values, so ``-0.0`` vs ``+0.0`` and NaN payloads are
+told apart and a restore is bit-identical. A changed row is missed only if its new fingerprint equals the old
+one, probability 2**-64 per changed row per capture for farmhash64 (about 5e-11 after 1e9 changed rows, far
+below the rate of undetected memory errors on the host). A full capture (``capture(full=True)``, which a
+manager does when it starts a new base) does not use fingerprints at all and bounds how long such a miss
+could live.
+
+The functions are traced from a :class:`Plan` (the layout, not the variables, which are their arguments) and
+kept per plan, so a new generation of the same model reuses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from psguard.handoff.parts import task_of_device
+from psguard.handoff.tensor_bundle import BUNDLE_KEY
+from psguard.trainer.variables import lazy_tf
+
+__all__ = ["Functions", "Plan", "ShardPlan", "ShardVars", "TensorPlan", "functions_for", "load_function"]
+__all__ += ["unoptimized_calls"]
+
+#: Bytes a row id costs on the wire and in a delta; part of the Rows-or-Full decision.
+_ID_BYTES = 8
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    device: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    by_row: bool
+    spill: bool
+    marks: bool  # written rows are marked beside each shard (write tracking)
+    live: bool  # a slot of a SlotGroup: its shards' live rows are refreshed whenever every row is hashed
+    row_bytes: int  # bytes of one row (of the whole tensor when not tracked by row)
+    dtype: Any  # numpy dtype
+    tail: tuple[int, ...]  # the shape of a row
+    shards: tuple[ShardPlan, ...]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the capture functions are traced from, the variables excepted: those are their arguments.
+
+    TensorFlow traces a function whose arguments are variables once per variable shape and dtype, and runs
+    the traced, instantiated function on other variables of the same layout. A new generation of the same model
+    (in-process recovery after a PS failure) has new variables but the same plan, so its first capture runs
+    at once: tracing and instantiating them anew took 2.2 s of the demo's recovery (1.3 s tracing, 0.9 s
+    instantiating on the PS), which is longer than the rest of it.
+    """
+
+    tensors: tuple[TensorPlan, ...]
+    counter_device: str | None
+    iterations: int
+    chunk_bytes: int
+    probe_rows: int
+    spill_dirs: tuple[tuple[str, str], ...]
+    local: str
+
+
+#: Per shard, the variables the functions work on: (the shard, its fingerprints, dirty rows, dirty-all flag,
+#: live rows); the last three are None without write tracking, the last one for all but group slots.
+ShardVars = tuple[Any, Any, Any, Any, Any]
+
+
+@dataclass
+class Functions:
+    plan: Plan
+    capture: Any
+    rebase: Any
+    loads: dict[tuple[tuple[int, int], ...], Any] = field(default_factory=dict)
+
+
+_FUNCTIONS: OrderedDict[Plan, Functions] = OrderedDict()
+_FUNCTIONS_LOCK = threading.Lock()
+#: Plans kept: a model's layout changes a few times (slots appear after the first step), generations repeat it.
+_FUNCTIONS_KEPT = 8
+
+
+#: A shard hashed in at most this many slices is hashed by one op per slice; more go through a loop.
+_UNROLLED_SLICES = 8
+#: Slices of one shard hashed at once (``tf.fingerprint`` uses one thread per call).
+_PARALLEL_SLICES = 8
+
+
+def functions_for(plan: Plan) -> Functions:
+    with _FUNCTIONS_LOCK:
+        fns = _FUNCTIONS.get(plan)
+        if fns is None:
+            fns = _FUNCTIONS[plan] = _make_functions(plan)
+            while len(_FUNCTIONS) > _FUNCTIONS_KEPT:
+                _FUNCTIONS.popitem(last=False)
+        _FUNCTIONS.move_to_end(plan)
+        return fns
+
+
+def _nonzero_rows(rows: Any) -> Any:
+    """Per row, whether any of its bytes is not 0 (so -0.0 counts: a slot holding it is not at rest)."""
+    tf = lazy_tf()
+    flat = tf.reshape(rows, [tf.shape(rows)[0], -1])
+    if flat.dtype.is_floating:
+        flat = tf.bitcast(flat, {2: tf.int16, 4: tf.int32, 8: tf.int64}[flat.dtype.size])
+    return tf.reduce_any(tf.not_equal(flat, tf.zeros([], flat.dtype)), axis=1)
+
+
+def _make_functions(plan: Plan) -> Functions:
+    tf = lazy_tf()
+    chunk_bytes = plan.chunk_bytes
+    probe_rows = plan.probe_rows
+    local = plan.local
+    spill_dirs = dict(plan.spill_dirs)
+
+    def read_rows(t: TensorPlan, s: ShardPlan, var: Any) -> list[Any]:
+        """The shard's value, for row-tracked shards as slices read with a gather.
+
+        A variable that has ever been updated sparsely (every embedding under an optimizer) is in TF's
+        copy-on-read mode: a plain read copies the whole shard into a fresh buffer, which measured 5x
+        the cost of hashing it (page faults on 128 MB). Gathers of a few MB reuse buffers instead,
+        and independent slices let the PS hash them in parallel (tf.fingerprint runs on one thread).
+        """
+        if not t.by_row:
+            return [var.read_value()]
+        step = max(1, chunk_bytes // max(t.row_bytes, 1))
+        bounds = [*range(0, s.rows, step), s.rows]
+        return [var.sparse_read(tf.range(a, b, dtype=tf.int64)) for a, b in itertools.pairwise(bounds)]
+
+    def fingerprints(t: TensorPlan, parts: list[Any]) -> Any:
+        """farmhash64 of each row's bytes (of the whole shard when not tracked by row)."""
+        if not t.by_row:
+            return tf.reshape(tf.bitcast(tf.fingerprint(tf.reshape(parts[0], [1, -1])), tf.int64), [-1])
+        hashes = [tf.fingerprint(p) for p in parts]
+        joined = hashes[0] if len(hashes) == 1 else tf.concat(hashes, axis=0)
+        return tf.reshape(tf.bitcast(joined, tf.int64), [-1])
+
+    def all_fingerprints(t: TensorPlan, s: ShardPlan, var: Any, *, live: bool = False) -> tuple[Any, Any]:
+        """Every row's fingerprint (the whole shard's for a tensor not tracked by row), on the shard's PS, and
+        with ``live`` each row's :func:`nonzero_rows` (else None), from the same reads.
+
+        Hashed in slices (see :func:`read_rows`), but in a loop rather than one op per slice: unrolled, the
+        graph grew with the table (a 1 GB job's function had 3,000 ops), and with it the chief's memory (50 MB
+        per GB of state, held for the job's life) and the time to instantiate the function on restarted PS.
+        ``parallel_iterations`` keeps several slices hashing at once, as independent ops did.
+        """
+        step = max(1, chunk_bytes // max(t.row_bytes, 1))
+        slices = -(-s.rows // step)
+        if not t.by_row or slices <= _UNROLLED_SLICES:
+            parts = read_rows(t, s, var)
+            nonzero = None
+            if live:
+                found = [_nonzero_rows(p) for p in parts]
+                nonzero = found[0] if len(found) == 1 else tf.concat(found, axis=0)
+            return fingerprints(t, parts), nonzero
+
+        def body(k: Any, out: Any, nz: Any) -> tuple[Any, Any, Any]:
+            with tf.device(s.device):  # a loop body's graph starts without a device
+                a = k * step
+                rows = var.sparse_read(tf.range(a, tf.minimum(a + step, s.rows), dtype=tf.int64))
+                fp = tf.reshape(tf.bitcast(tf.fingerprint(rows), tf.int64), [-1])
+                if live:
+                    nz = nz.write(tf.cast(k, tf.int32), _nonzero_rows(rows))
+                return k + 1, out.write(tf.cast(k, tf.int32), fp), nz
+
+        with tf.device(s.device):
+            out = tf.TensorArray(tf.int64, size=slices, infer_shape=False, element_shape=tf.TensorShape([None]))
+            nz = tf.TensorArray(tf.bool, size=slices if live else 0, infer_shape=False, element_shape=[None])
+            _, out, nz = tf.while_loop(
+                lambda k, *_: k < slices,
+                body,
+                (tf.constant(0, tf.int64), out, nz),
+                parallel_iterations=_PARALLEL_SLICES,
+            )
+            return out.concat(), (nz.concat() if live else None)
+
+    def changed_all_rows(t: TensorPlan, s: ShardPlan, v: ShardVars) -> Any:
+        """Ids of the rows whose bytes changed, hashing every row; stores the new fingerprints (and for a group
+        slot its live rows: the rows non-zero now)."""
+        var, fp_var, live = v[0], v[1], v[4]
+        with tf.device(s.device):  # also inside a tf.cond branch, whose graph starts without a device
+            fp, nonzero = all_fingerprints(t, s, var, live=t.live)
+            changed = tf.not_equal(fp, fp_var.read_value())
+            with tf.control_dependencies([changed]):
+                fp_var.assign(fp)
+                if t.live:
+                    live.assign(nonzero)
+            return tf.where(changed)[:, 0]
+
+    def changed_marked_rows(t: TensorPlan, s: ShardPlan, v: ShardVars) -> Any:
+        """The same, hashing only the rows marked as written (their fingerprints alone are updated)."""
+        var, fp_var, dirty_rows = v[0], v[1], v[2]
+        with tf.device(s.device):
+            marked = tf.where(dirty_rows.read_value())[:, 0]
+            fp = fingerprints(t, [var.sparse_read(marked)])
+            changed = tf.not_equal(fp, fp_var.sparse_read(marked))
+            with tf.control_dependencies([changed]):
+                fp_var.scatter_update(tf.IndexedSlices(fp, marked))
+            return tf.boolean_mask(marked, changed)
+
+    def gap_now(counter: Any, iterations: tuple[Any, ...]) -> Any:
+        """sum(iterations) - hooked applies: unchanged since the last capture iff every apply was hooked."""
+        if plan.counter_device is None:
+            return tf.constant(0, tf.int64)
+        with tf.device(plan.counter_device):
+            total = tf.add_n([tf.cast(it.read_value(), tf.int64) for it in iterations])
+            return total - counter.read_value()
+
+    def stray_writes(t: TensorPlan, s: ShardPlan, v: ShardVars) -> Any:
+        """Whether some of ``probe_rows`` random rows changed without being marked: writes the hooks did
+        not see (a writer we do not know of). Cheap (a few hundred kB hashed), and it turns a systematic
+        miss into a capture that hashes every row at once instead of at the next full check."""
+        if probe_rows == 0:
+            return tf.constant(False)
+        var, fp_var, dirty_rows = v[0], v[1], v[2]
+        sample = tf.random.uniform([probe_rows], maxval=s.rows, dtype=tf.int64)
+        fp = fingerprints(t, [var.sparse_read(sample)])
+        moved = tf.not_equal(fp, fp_var.sparse_read(sample))
+        return tf.reduce_any(tf.logical_and(moved, tf.logical_not(dirty_rows.sparse_read(sample))))
+
+    def changed_ids(t: TensorPlan, s: ShardPlan, v: ShardVars, hash_all: Any) -> Any:
+        if not t.marks:
+            return changed_all_rows(t, s, v), tf.constant(True), tf.constant(False)
+        dirty_rows, dirty_whole = v[2], v[3]
+        # Only meaningful when the fingerprints and marks are current (not on a first or forced capture), and
+        # when no write marked the whole shard: then every row may have moved without a row mark (a dense
+        # update, such as Keras 3 optimizers make in eager mode), and every row is hashed anyway.
+        whole = dirty_whole.read_value()
+        unmarked = tf.logical_not(tf.logical_or(hash_all, whole))
+        stray = tf.logical_and(stray_writes(t, s, v), unmarked)
+        use_all = tf.logical_or(tf.logical_or(hash_all, whole), stray)
+        ids = tf.cond(use_all, lambda: changed_all_rows(t, s, v), lambda: changed_marked_rows(t, s, v))
+        with tf.control_dependencies([ids]):
+            dirty_rows.assign(tf.zeros([s.rows], tf.bool))
+            dirty_whole.assign(False)
+        return ids, use_all, stray
+
+    def spill(s: ShardPlan, folder: Any, stem: str, tensors: dict[str, Any]) -> None:
+        """Write a shard's capture next to its PS (ops placed on its device): nothing goes to the chief."""
+        base = spill_dirs[task_of_device(s.device) or ""]
+        with tf.device(s.device):
+            for ext, value in tensors.items():
+                path = tf.strings.join([base, "/", folder, f"/{stem}.{ext}"])
+                tf.io.write_file(path, tf.io.serialize_tensor(value))
+
+    def capture_fn(force: Any, verify: Any, expected_gap: Any, folder: Any, variables: Any) -> Any:
+        shard_vars, counter, iterations = variables
+        gap = gap_now(counter, iterations)
+        # Every row is hashed when asked, or when some apply went unhooked since the last capture.
+        hash_all = tf.logical_or(verify, tf.not_equal(gap, expected_gap))
+        results = []
+        hashed_all = []
+        strays = []
+        for i, (t, vs) in enumerate(zip(plan.tensors, shard_vars, strict=True)):
+            outs: list[tuple[Any, ...]] = []
+            all_flags = []
+            stray_flags = []
+            for j, (s, v) in enumerate(zip(t.shards, vs, strict=True)):
+                var, fp_var = v[0], v[1]
+                # Everything for one shard happens on its PS and depends on nothing from other devices
+                # but the flags, so all PS work in parallel and the chief waits for one call.
+                with tf.device(s.device):
+                    if t.by_row:
+                        changed, used_all, stray = changed_ids(t, s, v, tf.logical_or(force[i], hash_all))
+                        all_flags.append(used_all)
+                        stray_flags.append(stray)
+                        count = tf.size(changed, out_type=tf.int64)
+                        send_all = tf.logical_or(force[i], count * (t.row_bytes + _ID_BYTES) >= s.rows * t.row_bytes)
+                        ids = changed[: tf.where(send_all, tf.constant(0, tf.int64), count)]
+                        rows = var.sparse_read(ids)
+                        # Slicing to a computed length rather than tf.cond: nothing the size of the shard is
+                        # read unless it is sent.
+                        whole = var.sparse_read(
+                            tf.range(tf.where(send_all, tf.constant(s.rows, tf.int64), tf.constant(0, tf.int64)))
+                        )
+                        if t.spill:
+                            spill(s, folder, f"{i}-{j}", {"full": whole, "ids": ids, "rows": rows})
+                            with tf.device(local):
+                                outs.append((tf.identity(send_all), tf.identity(tf.size(ids, out_type=tf.int64))))
+                            continue
+                        whole = tf.reshape(whole, [-1])
+                    else:
+                        parts = read_rows(t, s, var)
+                        fp = fingerprints(t, parts)
+                        changed = tf.not_equal(fp, fp_var.read_value())
+                        fp_var.assign(fp)
+                        send_all = tf.logical_or(force[i], changed[0])
+                        flat = tf.reshape(parts[0], [-1])
+                        whole = flat[
+                            : tf.where(send_all, tf.shape(flat, out_type=tf.int64)[0], tf.constant(0, tf.int64))
+                        ]
+                with tf.device(local):
+                    # Outputs land on the chief inside the same call, not as remote handles to fetch one
+                    # by one afterwards (measured 2-3x faster for large outputs).
+                    out = (tf.identity(send_all), tf.identity(whole))
+                    outs.append(out + ((tf.identity(ids), tf.identity(rows)) if t.by_row else ()))
+            results.append(outs)
+            with tf.device(local):
+                hashed_all.append(tf.reduce_any(tf.stack(all_flags)) if all_flags else tf.constant(False))
+                strays.append(tf.reduce_any(tf.stack(stray_flags)) if stray_flags else tf.constant(False))
+        with tf.device(local):
+            gap = tf.identity(gap)
+        return results, hashed_all, strays, gap
+
+    def rebase_fn(spilled_too: bool, variables: Any) -> Any:
+        shard_vars, counter, iterations = variables
+        for t, vs in zip(plan.tensors, shard_vars, strict=True):
+            if t.spill and not spilled_too:
+                continue  # restore_parts fingerprinted them from the values it loaded
+            for s, v in zip(t.shards, vs, strict=True):
+                with tf.device(s.device):
+                    fp, nonzero = all_fingerprints(t, s, v[0], live=t.live)
+                    v[1].assign(fp)
+                    if t.marks:
+                        v[2].assign(tf.zeros([s.rows], tf.bool))
+                        v[3].assign(False)
+                    if t.live:
+                        v[4].assign(nonzero)
+        with tf.device(local):
+            return tf.identity(gap_now(counter, iterations))
+
+    return Functions(
+        plan, capture=tf.function(capture_fn, autograph=False), rebase=tf.function(rebase_fn, autograph=False)
+    )
+
+
+@contextlib.contextmanager
+def unoptimized_calls() -> Iterator[None]:
+    """Call psguard's functions without Grappler's graph optimisations (this thread only).
+
+    Why: a function is optimised and partitioned again on its first call on new PS processes, which is on the
+    recovery's path (the restore's load, the first capture after it). These functions are a few reads, hashes
+    and writes per shard that gain nothing from it: at 1 GB the first capture after a restore took 1.35 s with
+    it and 1.01 s without (one run each, `bench recovery`). The user's own functions keep their options.
+    """
+    from tensorflow.core.protobuf import config_pb2
+    from tensorflow.python.eager import context
+
+    ctx = context.context()
+    before = ctx.function_call_options
+    config = config_pb2.ConfigProto()
+    config.ParseFromString(before.config_proto_serialized)
+    config.graph_options.rewrite_options.disable_meta_optimizer = True
+    ctx.function_call_options = context.FunctionCallOptions(executor_type=before.executor_type, config_proto=config)
+    try:
+        yield
+    finally:
+        ctx.function_call_options = before
+
+
+def load_function(fns: Functions, which: tuple[tuple[int, int], ...]) -> Any:
+    """The function that reads shards ``which`` ((tensor, shard) indices in ``fns.plan``) from files on their PS."""
+    plan = fns.plan
+    with _FUNCTIONS_LOCK:
+        fn = fns.loads.get(which)
+    if fn is not None:
+        return fn
+    tf = lazy_tf()
+
+    def load(paths: Any, variables: Any) -> None:
+        shard_vars = variables[0]
+        values = []
+        for k, (i, j) in enumerate(which):
+            t, s = plan.tensors[i], plan.tensors[i].shards[j]
+            with tf.device(s.device):
+                # A one-tensor bundle (psguard.handoff.tensor_bundle): RestoreV2 reads the values straight into
+                # the tensor and checks their CRC32C and dtype. The reshape checks the size, before any assign.
+                (value,) = tf.raw_ops.RestoreV2(
+                    prefix=paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(t.dtype)]
+                )
+                values.append(tf.reshape(value, (s.rows, *t.tail)))
+        # Every file parsed and of the right shape before the first assign: all or nothing.
+        with tf.control_dependencies(values):
+            for value, (i, j) in zip(values, which, strict=True):
+                t, s = plan.tensors[i], plan.tensors[i].shards[j]
+                var, fp_var, dirty_rows, dirty_whole, live = shard_vars[i][j]
+                with tf.device(s.device):
+                    assigned = var.assign(value, read_value=False)
+                    # The rebase, hashed from the variable once assigned: the assign is then the value's only
+                    # reader and takes its buffer instead of copying it (1 GB over 2 PS: 2.1 s against 2.5 s).
+                    with tf.control_dependencies([assigned]):
+                        now = var.read_value()
+                        fp_var.assign(tf.reshape(tf.bitcast(tf.fingerprint(now), tf.int64), [-1]))
+                        if t.marks:
+                            dirty_rows.assign(tf.zeros([s.rows], tf.bool))
+                            dirty_whole.assign(False)
+                        if t.live:
+                            live.assign(_nonzero_rows(now))
+
+    fn = tf.function(load, autograph=False)
+    with _FUNCTIONS_LOCK:
+        return fns.loads.setdefault(which, fn)

@@ -1,0 +1,148 @@
+"""This process's checkpoint managers and the steps they saw: what a recovery needs to know of them.
+
+Recovery (:mod:`psguard.trainer.recovery`) happens outside any one manager: the failed generation's managers
+are the user's, built in the user's ``build``, and the failure is seen in the user's ``train``. So every
+:class:`~psguard.CheckpointManager` registers here when it opens, and notes every step it saves; recovery asks
+this one object (:data:`process_managers`) when the failed generation last ran, which step it reached, and
+has it release the generation's managers. The interpreter's exit hook asks it too (managers nobody closed).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from typing import Protocol
+
+from psguard.errors import PsguardError
+
+__all__ = ["ManagerRegistry", "process_managers"]
+
+log = logging.getLogger(__name__)
+
+
+class Manager(Protocol):
+    """What the registry does with an open manager: close it."""
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+class Writes(Protocol):
+    """A manager's pending saves (its sink): whether it writes any itself, and waiting for them."""
+
+    def in_flight(self) -> bool: ...
+
+    def wait(self, timeout: float | None) -> list[BaseException]: ...
+
+
+class ManagerRegistry:
+    """The open managers of this process (weakly: a manager nobody holds any more is not kept alive) and the
+    steps they saw. One per process: :data:`process_managers`."""
+
+    def __init__(self) -> None:
+        # The highest step each store directory's managers in this process saw (maybe_save/save). A manager built
+        # after a failure (in-process rejoin) or the failing trainer's last report (exit_for_restart) compares it
+        # with the step it restores to tell the agent how many steps were lost: the only party that knows both.
+        self._seen_lock = threading.Lock()
+        self._seen_steps: dict[str, int] = {}
+        # When a manager of this process last saw a step of the running trainer generation (None: none since it
+        # began). That generation connected to every PS before: a PS process started after this time holds none
+        # of its state.
+        self._step_seen_at: float | None = None
+        # Each open manager's sink, weakly too: a sink may hold its manager (a callback), and a strong value
+        # would then keep the manager, its key, alive for ever. The manager holds its sink for its whole life.
+        self._open: weakref.WeakKeyDictionary[Manager, weakref.ref[Writes]] = weakref.WeakKeyDictionary()
+
+    # ------------------------------------------------------------------------------------ managers' side
+
+    def opened(self, manager: Manager, writes: Writes) -> None:
+        """``manager`` is open, its pending saves in ``writes`` (its sink)."""
+        self._open[manager] = weakref.ref(writes)
+
+    def closed(self, manager: Manager) -> None:
+        """``manager`` is closed (or closing): recovery and the exit no longer wait for it."""
+        self._open.pop(manager, None)
+
+    def is_open(self, manager: Manager) -> bool:
+        return manager in self._open
+
+    def note_step(self, directory: str, step: int) -> None:
+        """A manager of ``directory`` saw ``step`` of the running generation, now."""
+        with self._seen_lock:
+            self._step_seen_at = time.time()
+            if step > self._seen_steps.get(directory, -1):
+                self._seen_steps[directory] = step
+
+    # ------------------------------------------------------------------------------------ recovery's side
+
+    def last_seen_step(self, directory: str | None = None) -> int | None:
+        """The highest step a manager of this process saw, for ``directory`` or any; ``None`` before any."""
+        with self._seen_lock:
+            if directory is not None:
+                return self._seen_steps.get(directory)
+            return max(self._seen_steps.values(), default=None)
+
+    def generation_ran_at(self) -> float | None:
+        """When the running trainer generation last made a step a manager saw (``time.time()``); ``None`` if none.
+
+        Recovery hands it to the chief's agent as the failure time (``failed_at``): every PS process started after it
+        was started after this generation connected to the cluster, so it holds none of its state and need not be
+        restarted for the next generation. The time the failure was *seen* is later, and a PS its agent restarted
+        in between (0.1-0.2 s after a kill: a warm standby) would be restarted a second time, cold.
+        """
+        with self._seen_lock:
+            return self._step_seen_at
+
+    def release_after_failure(self, timeout: float = 30.0) -> None:
+        """Close every open manager of a generation that a cluster failure ended, for an in-process rejoin.
+
+        Saves handed to a sidecar are not waited for: the agent finishes them whether or not this generation
+        lives, and waiting for a durable write of 1 GB that happened to be running added a second to every
+        recovery. A manager that writes the log itself finishes its pending write (up to ``timeout``), as
+        :meth:`~psguard.CheckpointManager.close` would. Failures of the old generation's saves are expected after a
+        failure: they are logged, not raised.
+        """
+        with self._seen_lock:
+            self._step_seen_at = None  # the next generation's steps are its own
+        for manager, writes in self._open_now():
+            own_writes = writes.in_flight()
+            try:
+                manager.close(timeout=timeout if own_writes else 0.0)
+            except TimeoutError:
+                if own_writes:
+                    log.warning("the failed generation's pending saves did not finish within %.0fs", timeout)
+                else:
+                    log.info("the failed generation's pending saves are left to the agent, which finishes them")
+            except PsguardError as e:
+                log.info("the failed generation's saves: %s", e)
+
+    # ------------------------------------------------------------------------------------ the exit's side
+
+    def drain_at_exit(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for the pending writes of every manager still open (each in turn); log, never
+        raise, what is lost or failed: the interpreter is exiting."""
+        for _, writes in self._open_now():
+            if not writes.in_flight():
+                continue
+            log.warning("the process is exiting: waiting up to %.0fs for pending checkpoint writes", timeout)
+            try:
+                errors = writes.wait(timeout)
+            except TimeoutError:
+                log.error("pending checkpoint writes did not finish within %.0fs: they are lost", timeout)
+                continue
+            for e in errors:
+                log.error("a checkpoint write failed before exit: %s", e)
+
+    def _open_now(self) -> list[tuple[Manager, Writes]]:
+        """The open managers and their sinks at this moment (a copy: closing a manager unregisters it)."""
+        out = []
+        for manager, ref in list(self._open.items()):
+            writes = ref()
+            if writes is not None:  # always, while the manager lives: it holds its sink
+                out.append((manager, writes))
+        return out
+
+
+#: This process's registry, which every manager and recovery use.
+process_managers = ManagerRegistry()
