@@ -23,8 +23,8 @@ psguard's save in odd rounds and after it in even ones. Keys:
 - ``stall_ratio``: median over rounds of (the callback's ``on_train_batch_end`` / TF's save). Issue 23's target
   at 1.5 GB of state with Adam: <= 0.15.
 - ``psguard_stall_seconds``, ``psguard_capture_seconds`` (its capture), ``tf_stall_seconds``;
-  ``psguard_saves_hashing_all_rows``: rounds whose capture hashed every row (Adam: all, its moments are
-  written densely; Adagrad and SGD: none expected).
+  ``psguard_saves_hashing_all_rows``: rounds whose capture hashed every row (none expected with tf_keras Adam,
+  Adagrad or SGD; Adam's dense moment decay marks only the rows its moments hold).
 - ``drain_seconds``, ``drain_steps``: what a save waited for first (median; training, not a stall: those steps
   run anyway); ``batch_end_with_drain_seconds``: both together, what tf_keras' warning sees.
 - ``first_save_seconds``: the stall of the callback's first save, left to drain the first executions itself as

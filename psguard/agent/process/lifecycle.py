@@ -143,7 +143,7 @@ class SupervisorConfig:
     standby_delay: Duration = 5.0
     # ... and this long after a *restart*: the run was restarted because the job is recovering, and a recovery
     # rebuilds and restores the model on this node for seconds to minutes. A standby importing TensorFlow then
-    # took half of a 2-core node for 13 s, in the middle of a 1 GB restore (BENCHMARKS.md). A second failure
+    # took half of a 2-core node for 13 s, in the middle of a 1 GB restore (docs/bench/history.md). A second failure
     # within this window restarts cold.
     standby_delay_after_restart: Duration = 30.0
 
