@@ -247,9 +247,10 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     - ``policy``: a :class:`~psguard.policy.engine.Schedule`, a policy file or preset name, used by
       :meth:`maybe_save`. A policy file is watched while the manager is open (``watch_policy``): an edit
       changes the next decisions and the retention. ``new_base_after``: a new full checkpoint after this many
-      deltas (in the background, no stall; default 16). Under an agent the agent writes it from its memory tier
-      and this setting, when given, replaces the agent's ``max_chain``; a policy's ``base:`` section asks for
-      new bases too.
+      deltas (in the background, no stall; ``0``: only when a policy asks). ``None`` (the default): 16 without
+      an agent; under an agent, the agent's ``max_chain``. Under an agent the agent writes it from its memory
+      tier and this setting, when given, travels with each capture and replaces the agent's ``max_chain``; a
+      policy's ``base:`` section asks for new bases too.
     - ``data_position``: a callable returning JSON (e.g. the number of batches consumed), stored with each
       checkpoint and returned by :attr:`restored_data_position` after a restore.
     - ``preemption``: install a SIGTERM handler: the next :meth:`maybe_save` saves at once, waits until it
