@@ -1,10 +1,14 @@
 """psguard: fault-tolerant checkpointing and recovery for TensorFlow parameter-server training.
 
-The public API is small on purpose: the manager users switch to, the store for tools, and the errors.
+The public API is small on purpose: the manager users switch to, the Keras callback (``psguard.keras``), the
+in-process recovery calls, the follower, the store for tools, and the errors a caller catches. The user guide
+teaches each at the path it is exported from here (``tests/test_public_api.py`` keeps the two in step).
+
 Importing psguard imports neither TensorFlow nor either side's machinery: the manager (and through it the
-trainer's side) loads on first use of ``psguard.CheckpointManager``, so an agent that imports
-``psguard.agent`` never loads the trainer's modules. TensorFlow is an optional dependency (``psguard[cpu]`` or
-``psguard[gpu]``): without it, ``psguard.CheckpointManager`` raises :class:`MissingDependencyError` naming them.
+trainer's side) loads on first use of ``psguard.CheckpointManager``, the recovery calls on first use of
+``psguard.run_with_recovery`` and the others, so an agent that imports ``psguard.agent`` never loads the
+trainer's modules. TensorFlow is an optional dependency (``psguard[cpu]`` or ``psguard[gpu]``): without it,
+``psguard.CheckpointManager`` raises :class:`MissingDependencyError` naming them.
 """
 
 from __future__ import annotations
@@ -16,18 +20,26 @@ from psguard.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    CrashLoopError,
     MissingDependencyError,
     NoCheckpointError,
+    ObjectExistsError,
+    ObjectNotFoundError,
+    ParentMissingError,
     PsguardError,
     SaveError,
+    StorageError,
     StorageUnavailableError,
     TensorMismatchError,
+    UnsupportedFormatError,
 )
 from psguard.store import Store
 
 if TYPE_CHECKING:
+    from psguard.handoff.client import restart_ps_servers
     from psguard.trainer.follower import Follower
     from psguard.trainer.manager import CheckpointManager, SaveHandle
+    from psguard.trainer.recovery import exit_for_restart, is_cluster_failure, run_with_recovery
 
 __version__ = "0.1.0"
 
@@ -36,28 +48,54 @@ __all__ = [
     "CheckpointManager",
     "ConfigError",
     "CorruptCheckpointError",
+    "CrashLoopError",
     "Follower",
     "MissingDependencyError",
     "NoCheckpointError",
+    "ObjectExistsError",
+    "ObjectNotFoundError",
+    "ParentMissingError",
     "PsguardError",
     "SaveError",
     "SaveHandle",
+    "StorageError",
     "StorageUnavailableError",
     "Store",
     "TensorMismatchError",
+    "UnsupportedFormatError",
+    "exit_for_restart",
+    "is_cluster_failure",
+    "restart_ps_servers",
+    "run_with_recovery",
 ]
 
+#: Names resolved on first use, and the module each comes from (each loads TensorFlow or the trainer's side,
+#: except ``restart_ps_servers``, the trainer's HTTP call to its agent).
 _LAZY = {
     "CheckpointManager": "psguard.trainer.manager",
     "SaveHandle": "psguard.trainer.manager",
     "Follower": "psguard.trainer.follower",
+    "run_with_recovery": "psguard.trainer.recovery",
+    "exit_for_restart": "psguard.trainer.recovery",
+    "is_cluster_failure": "psguard.trainer.recovery",
+    "restart_ps_servers": "psguard.handoff.client",
 }
+
+#: Submodules reachable as attributes of ``psguard`` without importing them first (``psguard.keras`` after a
+#: plain ``import psguard``), also loaded on first use.
+_SUBMODULES = ("keras",)
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return import_optional(f"{__name__}.{name}")  # the import binds it as an attribute of this package
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'psguard' has no attribute {name!r}")
     value = getattr(import_optional(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_SUBMODULES})

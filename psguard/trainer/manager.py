@@ -32,34 +32,31 @@ import statistics
 import sys
 import threading
 import time
-import weakref
 from collections.abc import Callable, Mapping
-from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from psguard.dependencies import import_optional
-from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError, StorageError, TensorMismatchError
-from psguard.handoff.client import report_recovery
-from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, TOKEN_KEY, Tier
+from psguard.errors import ConfigError, PsguardError, SaveError
+from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, Tier
 from psguard.handoff.spool import Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
 from psguard.storage.registry import canonical_url
-from psguard.storage.retry import RetryingBackend
-from psguard.store import CheckpointInfo, Store
+from psguard.store import Store
 from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
 from psguard.trainer.preemption import PreemptionHandler
 from psguard.trainer.registry import process_managers
-from psguard.trainer.restore_status import DeferredRestore, RestoreStatus, read_pending_parts
+from psguard.trainer.restore_status import DeferredRestore, RestoreStatus
+from psguard.trainer.restoring import RestoreInfo, RestoreSide, hook_restore
 from psguard.trainer.sinks import NEW_BASE_AFTER, AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
 from psguard.trainer.spool_writer import SpoolWriter
-from psguard.trainer.variables import assign_existing, gather_variables, unwrap
+from psguard.trainer.variables import gather_variables, to_int, unwrap
 
 __all__ = ["CheckpointManager", "MemoryCheckpoint", "RestoreInfo", "RestoreStatus", "SaveHandle", "last_seen_step"]
 
@@ -68,10 +65,6 @@ tf: Any = import_optional("tensorflow")
 _TFCheckpointManager: Any = tf.train.CheckpointManager
 
 log = logging.getLogger(__name__)
-
-#: How long a restore that holds the memory tier's snapshot waits for the durable log to say whether it has
-#: something newer (only another writer could have written it).
-STORE_CHECK_SECONDS = 5.0
 
 #: At most one heartbeat a second reaches the agent, however fast the steps.
 HEARTBEAT_SECONDS = 1.0
@@ -99,16 +92,6 @@ def _drain_at_exit() -> None:
 # imported, runs after ours: last in, first out); a plain atexit hook would run too late to write anything.
 _register_exit_hook = getattr(threading, "_register_atexit", atexit.register)
 _register_exit_hook(_drain_at_exit)
-
-
-@dataclass(frozen=True)
-class RestoreInfo:
-    """What :meth:`CheckpointManager.restore_or_initialize` restored, and from which tier."""
-
-    id: str  # the durable checkpoint id, or ``memory:<token>`` for the sidecar's memory tier
-    step: int
-    metadata: Mapping[str, Any]
-    source: str  # "memory" or "durable"
 
 
 class _StepClock:
@@ -180,11 +163,6 @@ def _agent_spool(directory: str) -> str | None:
     return spool
 
 
-def _integer(value: Any) -> int:
-    """An int from an int, a numpy scalar, or an integer variable or tensor (TF's ``checkpoint_number``)."""
-    return int(np.asarray(value.numpy() if hasattr(value, "numpy") else value))
-
-
 def _coordinator_of(root: Any) -> Any:
     """The ``ClusterCoordinator`` of the strategy that made ``root``'s variables, ``None`` without one.
 
@@ -199,33 +177,6 @@ def _coordinator_of(root: Any) -> Any:
             if coordinator is not None:
                 return coordinator
     return None
-
-
-def _hook_restore(manager: CheckpointManager) -> tuple[Any, Any]:
-    """Put ``manager.restore`` in front of its checkpoint's ``restore`` (for the checkpoint object only); return
-    TF's own restore (unbound), which the deferred restore calls past it, and the ``restore`` the checkpoint had
-    before (bound), which takes every path that is not the manager's.
-
-    Jobs restore with ``checkpoint.restore(manager.latest_checkpoint)``: that id names a psguard checkpoint,
-    which TF cannot read. The manager is held weakly: once it is gone (or closed), every path goes to whatever
-    ``restore`` the checkpoint had before (TF's, or another manager's).
-    """
-    checkpoint = manager.checkpoint
-    tf_restore = getattr(type(checkpoint), "restore", None)
-    before = getattr(checkpoint, "restore", None)
-    if tf_restore is None or before is None:
-        return tf_restore, before
-    ref = weakref.ref(manager)
-
-    def restore(save_path: Any, options: Any = None) -> Any:
-        owner = ref()
-        if owner is None or owner._closed:
-            return before(save_path, options=options)
-        return owner.restore(save_path, options=options)
-
-    restore.__doc__ = CheckpointManager.restore.__doc__
-    object.__setattr__(checkpoint, "restore", restore)  # past Trackable's attribute tracking
-    return tf_restore, before
 
 
 class _Policy:
@@ -267,7 +218,7 @@ class _Policy:
             watcher.stop()
 
 
-class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
+class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc]
     """Incremental, asynchronous, verified checkpoints of a ``tf.train.Checkpoint`` (see the module doc).
 
     It is a ``tf.train.CheckpointManager`` (libraries such as orbit's ``Controller`` check the type) that
@@ -296,9 +247,10 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
     - ``policy``: a :class:`~psguard.policy.engine.Schedule`, a policy file or preset name, used by
       :meth:`maybe_save`. A policy file is watched while the manager is open (``watch_policy``): an edit
       changes the next decisions and the retention. ``new_base_after``: a new full checkpoint after this many
-      deltas (in the background, no stall; default 16). Under an agent the agent writes it from its memory tier
-      and this setting, when given, replaces the agent's ``max_chain``; a policy's ``base:`` section asks for
-      new bases too.
+      deltas (in the background, no stall; ``0``: only when a policy asks). ``None`` (the default): 16 without
+      an agent; under an agent, the agent's ``max_chain``. Under an agent the agent writes it from its memory
+      tier and this setting, when given, travels with each capture and replaces the agent's ``max_chain``; a
+      policy's ``base:`` section asks for new bases too.
     - ``data_position``: a callable returning JSON (e.g. the number of batches consumed), stored with each
       checkpoint and returned by :attr:`restored_data_position` after a restore.
     - ``preemption``: install a SIGTERM handler: the next :meth:`maybe_save` saves at once, waits until it
@@ -312,7 +264,9 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
       at least 5 minutes). The manager learns the steps from :meth:`maybe_save` (call it every step).
 
     Where saves go is chosen once, here (:mod:`psguard.trainer.sinks`); :meth:`save`, :meth:`wait` and
-    :meth:`close` mean the same with or without a sidecar.
+    :meth:`close` mean the same with or without a sidecar. Restores (:meth:`restore_or_initialize`,
+    :meth:`restore`, the choice between the memory tier and the durable log) are
+    :class:`~psguard.trainer.restoring.RestoreSide`'s.
     """
 
     def __init__(
@@ -405,7 +359,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         # every capture (and of exports), and number saves by it as TF's manager does.
         self._save_counter = getattr(checkpoint, "save_counter", None)
         self._closed = False
-        self._tf_restore, self._restore_before = _hook_restore(self)
+        self._tf_restore, self._restore_before = hook_restore(self)
         process_managers.opened(self, self._sink)
 
     # ------------------------------------------------------------------------------------ tf.train API
@@ -524,7 +478,7 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         """
         del options
         if self._checkpoint_interval is not None:
-            current = _integer(self._step_counter)
+            current = to_int(self._step_counter)
             last = self._last_checkpoint_step
             if last is not None and (
                 current == last or (check_interval and current < last + self._checkpoint_interval)
@@ -593,229 +547,6 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         if errors:
             raise SaveError(f"{len(errors)} save(s) failed; the last: {errors[-1]}") from errors[-1]
 
-    def restore_or_initialize(self, init_fn: Callable[[], Any] | None = None) -> str | None:
-        """Restore the newest checkpoint that verifies, or run ``init_fn`` (default: the constructor's) when
-        there is none.
-
-        Returns the restored checkpoint's id, or ``None``. Every variable of the model must get a value (else
-        :class:`TensorMismatchError` lists the mismatches and nothing is assigned); saved values whose variables
-        do not exist yet (an optimizer's slots before its first step, a layer not built yet) are assigned by TF
-        when the job creates them, as TF's own restore does (see :mod:`psguard.trainer.restore_status`).
-        """
-        restored = self._restore_newest()
-        if restored is None:
-            fn = init_fn if init_fn is not None else self._init_fn
-            if fn is not None:
-                fn()
-            return None
-        if self._checkpoint_interval is not None:
-            self._last_checkpoint_step = _integer(self._step_counter)
-        return restored[0].id
-
-    def restore(self, save_path: str, options: Any = None) -> Any:
-        """``checkpoint.restore(save_path)`` for this manager's checkpoint: what the checkpoint's own ``restore``
-        does with an id of this manager (the manager puts this in front of it); any other path goes to TF.
-
-        The newest id (``latest_checkpoint``) restores the newest state, memory tier first when it is at least
-        as new, as :meth:`restore_or_initialize`; an older id restores that checkpoint from the durable log.
-        Returns a :class:`RestoreStatus` (TF's assertions, deferred values included).
-        """
-        path = os.fspath(save_path) if save_path is not None else None
-        if path is None or not self._is_own(path):
-            if self._restore_before is None:
-                raise NoCheckpointError(f"{save_path!r} is not a checkpoint of {self.directory}")
-            return self._restore_before(save_path, options=options)  # TF's (or another manager's)
-        if self._snapshot_for is not None and self._snapshot_for[0] == path:
-            memory = self._snapshot_for[1]
-            self._snapshot_for = None
-            info = RestoreInfo(path, memory.step, memory.metadata, "memory")
-            if not self._load(info, memory, status=True):
-                raise NoCheckpointError(f"{path} did not load on the PS; call manager.restore_or_initialize()")
-            self._restored(info)
-        elif path.startswith("memory:") or path == self.latest_checkpoint:
-            if self._restore_newest(status=True) is None:
-                raise NoCheckpointError(f"no checkpoint to restore in {self.directory}")
-        else:
-            self._restore_durable(path)
-        assert self._deferred is not None and self.restored is not None
-        return RestoreStatus(
-            self._deferred, checkpoint_id=self.restored.id, step=self.restored.step, source=self.restored.source
-        )
-
-    def _is_own(self, path: str) -> bool:
-        if path.startswith("memory:"):
-            return True
-        try:
-            return path in set(self.store.checkpoint_ids())
-        except StorageError:
-            return False
-
-    def _restore_newest(self, *, status: bool = False) -> tuple[RestoreInfo, Restored] | None:
-        """The newest state that loads: the memory tier when at least as new as the log, else the log."""
-        memory = self._sink.memory_snapshot(self.restore_timeout)
-        if memory is not None and not memory.parts:
-            absent = sorted(n for n in self.capturer.spilled if n not in memory.tensors)
-            if absent:  # the PS agents hold no state the chief's agent vouches for (e.g. it restarted)
-                log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
-                memory = None
-        durable_latest = self._durable_latest_beside(memory) if memory is not None else None
-        if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
-            info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
-            if self._load(info, memory, status=status):
-                self._restored(info)
-                return info, memory
-        elif memory is not None and durable_latest is not None:
-            log.warning(
-                "the memory tier (step %d) is older than the durable log (step %d): restoring from the log",
-                memory.step,
-                durable_latest.step,
-            )
-        from_ps = self._durable_on_the_ps()
-        if from_ps is not None and self._load(*from_ps, status=status):
-            self._restored(from_ps[0])
-            return from_ps
-        try:
-            result = self.store.load_latest()
-        except NoCheckpointError:
-            return None
-        return self._restore_loaded(result.info, dict(result.tensors), status=status)
-
-    def _restore_durable(self, checkpoint_id: str) -> None:
-        """Restore durable checkpoint ``checkpoint_id`` (verified; each PS agent reading its rows when they
-        keep the shards), whatever newer ones exist."""
-        checkpoint = CheckpointInfo.of(self.store.manifest(checkpoint_id))
-        by_task = self.capturer.spilled_by_task()
-        if by_task and self._sink.supervised:
-            snap = self._sink.durable_snapshot(checkpoint_id, by_task, self.restore_timeout)
-            info = RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
-            if self._load(info, snap, status=True):
-                self._restored(info)
-                return
-        self._restore_loaded(checkpoint, self.store.load(checkpoint_id), status=True)
-
-    def _restore_loaded(
-        self, checkpoint: CheckpointInfo, tensors: dict[str, np.ndarray], *, status: bool
-    ) -> tuple[RestoreInfo, Restored]:
-        info = RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
-        raw = checkpoint.metadata.get(TOKEN_KEY)
-        snap = Restored(info.step, tensors, dict(info.metadata), str(raw) if raw else None)
-        self._load(info, snap, status=status)
-        self._restored(info)
-        return info, snap
-
-    def _load(self, info: RestoreInfo, snap: Restored, *, status: bool = False) -> bool:
-        """Restore ``snap`` (the chief's tensors, and each PS's shards from files on its node); all or nothing.
-
-        False, with the variables untouched, when a PS could not load its files (damaged, truncated, of
-        another layout): the caller then goes to an older or slower source rather than crash-looping on this
-        one. (A truncated restore file made every new trainer generation fail the same way.) Without shard
-        files a failure raises: the tensors came whole from the chief's side and there is nothing to fall to.
-
-        Saved tensors whose variables do not exist yet are handed to TF's deferred restoration
-        (:class:`DeferredRestore`), after the rest is assigned; ``status``: do that even when none is pending,
-        for the status object of ``checkpoint.restore()``.
-        """
-        tensors = dict(snap.tensors)
-        graph = tensors.pop(OBJECT_GRAPH_KEY, None)
-        with self._capture_lock:
-            self.capturer.coordinator = self.coordinator  # found now: the capturer drains it before assigning
-            names = self.capturer.names()
-            pending = {n: tensors.pop(n) for n in list(tensors) if n not in names}
-            parts = {k: p for k, p in snap.parts.items() if k.name in names}
-            pending_parts = {k: p for k, p in snap.parts.items() if k.name not in names}
-            try:
-                if pending_parts:  # read before anything is assigned: a damaged file fails the whole load
-                    pending.update(read_pending_parts(pending_parts, snap.part_homes))
-                if info.source == "durable":
-                    pending.update(self._absent_from(info.id, snap, names))
-                waiting = {n: (tuple(np.shape(v)), np.asarray(v).dtype) for n, v in pending.items()}
-                if snap.parts:  # each PS loads its shards on its own node
-                    self.capturer.restore_parts(tensors, parts, deferred=waiting)
-                else:
-                    self.capturer.restore(tensors, deferred=waiting)
-            except (PsguardError, tf.errors.OpError, ValueError) as e:
-                if not snap.parts:
-                    raise
-                log.warning(
-                    "%s (step %d) did not load on the PS (%s): nothing was assigned; trying the durable log",
-                    info.id,
-                    info.step,
-                    " ".join(str(e).split())[:400],
-                )
-                return False
-            self._sink.rebase(info.id if info.source == "durable" else None, snap.token)
-            self._defer(pending, graph, info, status=status)
-        return True
-
-    def _absent_from(self, checkpoint_id: str, snap: Restored, names: set[str]) -> dict[str, np.ndarray]:
-        """Tensors of a durable checkpoint that ``snap`` lacks and the model has no variable for (the PS agents
-        were asked only for the model's shards): read from the log on the chief, for TF's deferred restore."""
-        have = set(snap.tensors) | {k.name for k in snap.parts}
-        wanted = [n for n in self.store.manifest(checkpoint_id).tensors if n not in have and n not in names]
-        return self.store.load(checkpoint_id, wanted) if wanted else {}
-
-    def _defer(self, pending: dict[str, np.ndarray], graph: Any, info: RestoreInfo, *, status: bool) -> None:
-        """Hand ``pending`` to TF's deferred restoration (replacing what an earlier restore left pending)."""
-        self._close_deferred()
-        if not pending and not status:
-            return
-        if graph is None:
-            raise TensorMismatchError(
-                f"{info.id} has no object graph, so its {len(pending)} tensor(s) without a variable in the model "
-                f"cannot wait for one ({sorted(pending)[:5]}): build the optimizer before restoring"
-            )
-        raw = np.asarray(graph).item() if isinstance(graph, np.ndarray) else graph
-        self._deferred = DeferredRestore(self._checkpoint, bytes(raw), pending, self._tf_restore)
-        # TF creates some of them during its restore (a legacy optimizer's slots of existing variables, eagerly),
-        # and fills a partitioned one's every shard with the tensor's first rows: assign those again, exactly.
-        made = assign_existing(self._checkpoint, pending)
-        pending = {n: v for n, v in pending.items() if n not in made}
-        if pending:
-            log.info(
-                "restore of %s: %d tensor(s) wait for variables the job has not created yet (%s%s); TF assigns "
-                "each when it is created",
-                info.id,
-                len(pending),
-                ", ".join(sorted(pending)[:3]),
-                ", ..." if len(pending) > 3 else "",
-            )
-
-    def _close_deferred(self) -> None:
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:
-            deferred.close()
-
-    def _restored(self, info: RestoreInfo) -> str:
-        with self._capture_lock:
-            self.restored = info
-            self._graph = None  # the restored manifest's graph may differ: send ours with the next save
-        now = time.time()
-        self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
-        log.info("restored %s (step %d) from the %s tier", info.id, info.step, info.source)
-        if self._sink.supervised:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
-            report_recovery(info.step, seen_step=process_managers.last_seen_step(self.directory), source=info.source)
-        return info.id
-
-    def _durable_on_the_ps(self) -> tuple[RestoreInfo, Restored] | None:
-        """The newest durable checkpoint that loads, each PS's agent reading its own rows of it from the log.
-
-        None when the shards are not kept by PS agents (the trainer then reads the log itself). A checkpoint
-        that fails anywhere (a damaged chunk a PS agent read, a missing tensor) is skipped for the next older.
-        """
-        by_task = self.capturer.spilled_by_task()
-        if not by_task or not self._sink.supervised:
-            return None
-        for checkpoint in sorted(self.store.checkpoints(), key=lambda c: (c.step, c.committed_at), reverse=True):
-            try:
-                snap = self._sink.durable_snapshot(checkpoint.id, by_task, self.restore_timeout)
-            except (PsguardError, TimeoutError) as e:
-                log.warning(
-                    "checkpoint %s could not be loaded on the PS agents (%s); trying an older one", checkpoint.id, e
-                )
-                continue
-            return RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable"), snap
-        return None
-
     def maybe_save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Ask the policy; save when it says so. Without a policy, never saves (call :meth:`save`)."""
         schedule = self.schedule
@@ -877,29 +608,6 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
         spec = self._policy.spec
         return spec.retention if spec is not None else None
 
-    def _durable_latest_beside(self, memory: Restored) -> CheckpointInfo | None:
-        """The durable log's newest checkpoint, asked only to compare with the memory tier's snapshot.
-
-        The memory tier is what the agent persists from, so the log is newer only if another writer wrote to
-        it. A store that is down must not hold a restore that has its state in hand: the question is bounded
-        (``STORE_CHECK_SECONDS``) and an unanswered one leaves the memory tier in charge.
-        """
-        backend = self.store.backend
-        capped = backend.capped(STORE_CHECK_SECONDS) if isinstance(backend, RetryingBackend) else nullcontext()
-        try:
-            with capped:
-                return self.store.latest()
-        except StorageError as e:
-            log.warning(
-                "the durable log did not answer within %.0fs (%s): restoring from the memory tier (step %d; the "
-                "agent's last durable commit: step %s)",
-                STORE_CHECK_SECONDS,
-                e,
-                memory.step,
-                memory.durable_step,
-            )
-            return None
-
     @property
     def hang(self) -> HangSpec:
         """When the agent declares this trainer hung (a watched policy file's current ``hang:``)."""
@@ -925,11 +633,11 @@ class CheckpointManager(_TFCheckpointManager):  # type: ignore[misc]
     def _step_for(self, number: Any) -> int:
         """The step a save records: ``number``, else the step counter, else TF's numbering (save_counter)."""
         if number is not None:
-            return _integer(number)
+            return to_int(number)
         if self._step_counter is not None:
-            return _integer(self._step_counter)
+            return to_int(self._step_counter)
         if self._save_counter is not None:
-            return _integer(self._save_counter)
+            return to_int(self._save_counter)
         return self._saves + 1
 
     def _add_object_graph(self, updates: dict[str, TensorUpdate]) -> None:

@@ -164,8 +164,8 @@ def run_with_recovery(
     serve (see the module docstring for why every one); it gets a moment the failed generation still ran (its
     last step a manager saw, else when the failure was seen: ``time.time()``), so a PS started since (the dead
     one, already restarted by its agent) need not be restarted again: under ``psguard agent`` pass
-    :func:`psguard.handoff.client.restart_ps_servers` as
-    ``lambda failed_at: restart_ps_servers(failed_at=failed_at)``. Every :class:`~psguard.CheckpointManager`
+    :func:`psguard.restart_ps_servers` as
+    ``lambda failed_at: psguard.restart_ps_servers(failed_at=failed_at)``. Every :class:`~psguard.CheckpointManager`
     open in this process is closed by psguard first (they belong to the failed generation: create them in
     ``build``), without waiting for saves a sidecar agent finishes on its own
     (:meth:`~psguard.trainer.registry.ManagerRegistry.release_after_failure`); ``close`` releases the rest of a

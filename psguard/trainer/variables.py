@@ -260,6 +260,11 @@ def bitwise_equal(a: np.ndarray, b: np.ndarray) -> bool:
     return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
 
 
+def to_int(value: Any) -> int:
+    """An int from an int, a numpy scalar, or an integer variable or tensor (TF's ``checkpoint_number``)."""
+    return int(np.asarray(value.numpy() if hasattr(value, "numpy") else value))
+
+
 def to_numpy(t: Any) -> np.ndarray:
     value = t.numpy()
     return value if isinstance(value, np.ndarray) else np.asarray(value)
