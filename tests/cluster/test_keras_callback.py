@@ -2,7 +2,7 @@
 
 The first half runs without a cluster (a plain tf_keras model: fast); the second trains under
 ParameterServerStrategy on the session cluster, in this process and, for the restart test, in chief
-subprocesses (``tests/keras_chief.py``) that connect to the same PS and worker servers. A second chief in
+subprocesses (``tests/support/keras_chief.py``) that connect to the same PS and worker servers. A second chief in
 another process works beside this one: each chief is its own TF context on the servers.
 """
 

@@ -2,7 +2,7 @@
 nothing hangs, loops for hours or prints a traceback (issue 13, item 7).
 
 Each case starts ``psguard`` (10 s or more on a loaded machine), so the processes are ``slow``; the fast suite
-covers the same inputs in-process through ``tests/test_fuzz_hostile_input.py``.
+covers the same inputs in-process through ``tests/system/test_fuzz_hostile_input.py``.
 """
 
 from __future__ import annotations
