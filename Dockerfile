@@ -1,5 +1,5 @@
 # The psguard image: the agent, the CLI and TensorFlow on Python 3.11, with the examples of integrations/examples
-# under /app/examples. It is the image integrations/kubernetes/ runs (tests/test_dockerfile.py checks the names
+# under /app/examples. It is the image integrations/kubernetes/ runs (tests/system/test_dockerfile.py checks the names
 # agree); a training image adds its own script on top (FROM psguard:0.1.0, COPY train.py /app/).
 #
 #   docker build -t psguard:0.1.0 .                              # tensorflow-cpu (psguard[cpu])

@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	# tf-keras depends on the full `tensorflow` wheel; tensorflow-cpu already provides it, so skip its deps.
 	# Its minor version must be TensorFlow's.
 	$(BIN)/python -m pip install -q --no-deps "tf-keras==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu").rsplit(".", 1)[0])').*"
-	# Libraries whose job styles tests/test_job_styles.py runs: Model Garden's orbit (shipped in tf-models-no-deps)
+	# Libraries whose job styles tests/cluster/test_job_styles.py runs: Model Garden's orbit (in tf-models-no-deps)
 	# and TensorFlow Recommenders. Both declare the full `tensorflow` wheel (tf-models-no-deps some 25 more: opencv,
 	# pandas, kaggle, ...), yet orbit and tensorflow_recommenders import only TensorFlow, tf_keras, absl-py and numpy,
 	# which are here: skip their deps.
@@ -35,8 +35,8 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Two test processes: the tests that start TensorFlow clusters run one at a time in one of them (tests/conftest.py
-# groups them), everything else in the other. Tests marked `serial` (they judge time or load) run afterwards, alone.
+# Two test processes: the tests that start TensorFlow clusters (tests/cluster/; tests/conftest.py groups them) run
+# one at a time in one of them, everything else in the other. Tests marked `serial` (they judge time or load) run afterwards, alone.
 test: lint typecheck hdfs-runtime
 	$(BIN)/python -m pytest -q -m 'not compat and not serial' -n 2 --dist loadgroup --durations=25
 	$(BIN)/python -m pytest -q -m 'serial and not compat' --durations=10
@@ -55,7 +55,7 @@ COMPAT_VENV ?= /tmp/psguard-compat-venv
 test-compat: $(STAMP)
 	test -x $(COMPAT_VENV)/bin/python || $(PY) -m venv $(COMPAT_VENV)
 	$(COMPAT_VENV)/bin/python -m pip install -q -r tests/compat/lowest.txt
-	PSGUARD_COMPAT_PYTHON=$(COMPAT_VENV)/bin/python $(BIN)/python -m pytest -q -m compat tests/test_install.py
+	PSGUARD_COMPAT_PYTHON=$(COMPAT_VENV)/bin/python $(BIN)/python -m pytest -q -m compat tests/system/test_install.py
 
 # Every scenario in chaos/ on a real local cluster (one after another; each stops itself within its time limit
 # and cleans up). Runs, histories and reports in chaos-runs/; the fault-free reference run is shared.
@@ -67,7 +67,7 @@ chaos: $(STAMP) hdfs-runtime
 
 # The CI smoke set (kill-ps, kill-worker, corrupt-chunk): 8-12 minutes on 2 cores.
 chaos-smoke: $(STAMP)
-	$(BIN)/python -m pytest -q tests/test_chaos_smoke.py
+	$(BIN)/python -m pytest -q tests/cluster/test_chaos_smoke.py
 
 bench: $(STAMP)
 	$(BIN)/psguard bench store

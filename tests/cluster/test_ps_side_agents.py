@@ -1,0 +1,252 @@
+"""Issue 12 end to end: every task under an agent, each PS's agent keeps its PS's shards.
+
+The trainer captures the embedding's changed rows on the PS nodes (files in each PS agent's part folder), the
+chief's agent forwards the parts and keeps only the small tensors, each PS agent writes its part of every
+durable checkpoint (format 2, one commit by the chief's agent). A PS is killed with SIGKILL; the trainer comes
+back in a new process and every PS loads its shards from its own agent's memory tier. At the end the durable
+log's newest checkpoint, written part by part, must be bit-identical to the trainer's variables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from psguard.store import Store
+from tests.support.agents import AgentProc, write_cluster
+from tests.support.processes import wait_until
+
+TRAINER = textwrap.dedent(
+    """
+    import hashlib, json, os, sys, time
+    import tensorflow as tf
+    from psguard.handoff.contract import Tier
+    from psguard.trainer.manager import CheckpointManager
+    from psguard.policy.engine import EverySteps, Schedule
+    from psguard.trainer.recovery import exit_for_restart, is_cluster_failure
+    from psguard.trainer.variables import read_tensors
+    from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+
+    out, store_url, target = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    os.makedirs(out, exist_ok=True)
+    gen = len([n for n in os.listdir(out) if n.startswith("gen-")])
+
+    def put(name, doc):
+        with open(os.path.join(out, name + ".tmp"), "w") as f:
+            json.dump(doc, f)
+        os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    num_ps = len(resolver.cluster_spec().as_dict()["ps"])
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
+    )
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = RecModel(ModelConfig(vocab_size=20_000, embedding_dim=8, batch_size=64))
+        optimizer = make_optimizer("adagrad")
+    trainer = Trainer(strategy, coordinator, model, optimizer)
+    root = tf.train.Checkpoint(model=model, optimizer=optimizer)
+    manager = CheckpointManager(
+        root, store_url, coordinator=coordinator, step_counter=model.step,
+        policy=Schedule(memory=EverySteps(5), durable=EverySteps(20)),
+    )
+    manager.restore_or_initialize()
+    r = manager.restored
+    trainer.next_index = int(model.step.numpy())
+    put(f"gen-{gen}", {
+        "restored": None if r is None else {"source": r.source, "step": r.step},
+        "spilled": sorted(manager.capturer.spilled), "at": time.time(),
+        "digests": {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in read_tensors(root).items()},
+    })
+    seen = 0
+    try:
+        while (seen := int(model.step.numpy())) < target:
+            handle = manager.maybe_save(seen)
+            if handle is not None and seen >= 20 and not os.path.exists(os.path.join(out, "kill")):
+                handle.result(timeout=120)  # a durable checkpoint exists before the fault
+                put("kill", {"step": seen, "stats": manager.capturer.last_stats.bytes_read})
+            trainer.train(5)
+        handle = manager.save(tiers=frozenset({Tier.MEMORY, Tier.DURABLE}))
+        info = handle.result(timeout=120)
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in read_tensors(root).items()}
+        put("final", {"step": int(model.step.numpy()), "checkpoint": info.id, "digests": digests})
+        manager.close()
+    except Exception as e:
+        if not is_cluster_failure(e):
+            raise
+        put(f"failure-{gen}", {"seen": seen})
+        exit_for_restart(e, failed_at=time.time())
+    """
+)
+
+
+@pytest.mark.slow
+def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out, store = tmp_path / "out", tmp_path / "store"
+    ps_args = [["--role", "ps", "--index", str(i), "--cluster", str(cluster), "--store", str(store)] for i in range(2)]
+    ps = [agents(f"ps{i}", [*a, "--spool", str(tmp_path / f"ps{i}-shards")]) for i, a in enumerate(ps_args)]
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(tmp_path / "spool"), *peers]
+    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "120"])
+
+    def kill_file() -> dict[str, Any] | None:
+        if chief.proc.poll() is not None:
+            raise AssertionError(f"chief agent exited {chief.proc.returncode}:\n{chief.log()}")
+        return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
+
+    kill = wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    first = json.loads((out / "gen-0").read_text())
+    table = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
+    assert table in first["spilled"], (first, chief.log())
+    assert "event=ps_side_shards" in chief.log()
+    # The chief's agent holds the small tensors only; each PS agent holds its half of the table and its slot.
+    chief_status = chief.status()
+    table_bytes = 20_000 * 8 * 4
+    assert chief_status["memory_bytes"] < table_bytes / 4, chief_status["memory_bytes"]
+    for p in ps:
+        shards = p.status()["shards"]
+        assert shards["applied"] >= 1 and shards["bytes"] >= table_bytes, shards  # half table + half slot
+    killed_at = time.time()
+    os.kill(ps[0].status()["pid"], signal.SIGKILL)
+    assert chief.wait_exit(400) == 0, chief.log()
+    failure = json.loads((out / "failure-0").read_text())
+    second = json.loads((out / "gen-1").read_text())
+    final = json.loads((out / "final").read_text())
+    print(
+        f"kill at {kill['step']}, seen {failure['seen']}, restored {second['restored']} "
+        f"{second['at'] - killed_at:.1f}s after the kill, final {final['step']}"
+    )
+    assert second["restored"]["source"] == "memory", chief.log()
+    assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
+    exports = [p.status()["shards"] for p in ps]
+    assert sum(e["exports"] for e in exports) >= 2  # each PS agent answered the restore
+    # The chief's agent had them export when the new generation started; the restore reused those files.
+    assert all(e["exports_reused"] >= 1 for e in exports), (exports, chief.log())
+    # The log: format 2, the table in two parts written by the PS agents; the newest equals the trainer's state.
+    with Store.open(str(store)) as s:
+        newest = s.manifest(final["checkpoint"])
+        assert newest.tensors[table].encoding == "sharded"
+        assert len(newest.tensors[table].parts) == 2
+        tensors = s.load(final["checkpoint"])
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items() if not n.startswith("_")}
+        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+        for report in s.verify_all(s.checkpoint_ids()):
+            assert report.ok, report
+
+    # The job comes back with one PS more: every PS agent of the new job reads the logical rows its PS now
+    # hosts from the durable log the two PS agents wrote (format 2, one part per old shard).
+    for a in (*ps, worker):
+        a.close()  # the next job reuses nothing of this one but the store
+    _restores_bit_exact_onto_three(tmp_path, agents, store, final)
+
+
+def _restores_bit_exact_onto_three(
+    tmp_path: Path, agents: Callable[..., AgentProc], store: Path, saved: dict[str, Any]
+) -> None:
+    """A job of three PS agents restores ``saved`` (the final document of a job of two PS agents that wrote
+    ``store``), bit-exact, and writes its own checkpoint in three parts."""
+    three = _job(tmp_path, agents, "three", 3, store, saved["step"] + 5)
+    restored = json.loads((three / "gen-0").read_text())
+    assert restored["restored"] == {"source": restored["restored"]["source"], "step": saved["step"]}, restored
+    table = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
+    assert table in restored["spilled"]  # captured on the three PS from here on
+    assert {n: d for n, d in restored["digests"].items() if n in saved["digests"]} == saved["digests"]
+    final = json.loads((three / "final").read_text())
+    with Store.open(str(store)) as s:
+        newest = s.manifest(final["checkpoint"])
+        assert len(newest.tensors[table].parts) == 3  # written by the three PS agents
+        tensors = s.load(final["checkpoint"])
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
+        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+
+
+@pytest.mark.slow
+def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, agents: Callable[..., AgentProc]) -> None:
+    """SIGKILL of a PS together with its agent (its node lost): no memory tier holds its shards any more. The
+    new trainer asks every PS agent to read the rows its PS hosts from the newest durable checkpoint (format 2,
+    row-range reads), and trains on from there; the log stays bit-exact with the trainer's state."""
+    from psguard.ports import free_ports
+
+    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out, store = tmp_path / "out", tmp_path / "store"
+    ports = free_ports(2)
+    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
+    ps_args = [
+        [*common, "--index", str(i), "--spool", str(tmp_path / f"ps{i}-shards"), "--http-port", str(ports[i])]
+        for i in range(2)
+    ]
+    ps = [agents(f"ps{i}", a) for i, a in enumerate(ps_args)]
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(tmp_path / "spool"), *peers]
+    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "100"])
+
+    def kill_file() -> dict[str, Any] | None:
+        if chief.proc.poll() is not None:
+            raise AssertionError(f"chief agent exited {chief.proc.returncode}:\n{chief.log()}")
+        return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
+
+    wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    with Store.open(str(store)) as s:
+        durable_before = max(c.step for c in s.checkpoints())
+    server = ps[0].status()["pid"]
+    ps[0].proc.kill()  # the agent and its memory tier
+    os.kill(server, signal.SIGKILL)  # and the PS it ran: the node is gone
+    ps[0].proc.wait()
+    agents("ps0-again", ps_args[0])  # a new node takes its place, on the same addresses
+    assert chief.wait_exit(400) == 0, chief.log()
+    second = json.loads((out / "gen-1").read_text())
+    final = json.loads((out / "final").read_text())
+    assert second["restored"]["source"] == "durable", chief.log()
+    assert second["restored"]["step"] >= durable_before
+    assert "every tier loaded" in chief.log()
+    with Store.open(str(store)) as s:
+        tensors = s.load(final["checkpoint"])
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
+        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+
+
+def _job(tmp_path: Path, agents: Callable[..., AgentProc], name: str, num_ps: int, store: Path, target: int) -> Path:
+    """A job of ``num_ps`` PS agents (each keeping its shards), a worker and the chief running TRAINER to
+    ``target``, on its own ports and folders, writing to ``store``; returns its output folder once it is done."""
+    base = tmp_path / name
+    base.mkdir()
+    cluster, _ = write_cluster(base, ps=num_ps, workers=1)
+    script = base / "trainer.py"
+    script.write_text(TRAINER)
+    out = base / "out"
+    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
+    ps = [
+        agents(f"{name}-ps{i}", [*common, "--index", str(i), "--spool", str(base / f"ps{i}-shards")])
+        for i in range(num_ps)
+    ]
+    worker = agents(f"{name}-worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(base / "spool"), *peers]
+    chief = agents(f"{name}-chief", args, [sys.executable, str(script), str(out), str(store), str(target)])
+    assert chief.wait_exit(400) == 0, chief.log()
+    for a in (*ps, worker):
+        a.close()  # the next job reuses nothing of this one but the store
+    return out

@@ -1,0 +1,126 @@
+"""A PS killed with SIGKILL during real training: the trainer rejoins in process and finishes.
+
+The chief runs in a subprocess (one TF context per process) that owns its cluster and sidecar; the test
+delivers the fault with a real signal when the chief says a durable checkpoint exists. And the order of an
+in-process recovery (``run_with_recovery``), on the session's real local cluster.
+"""
+
+from __future__ import annotations
+
+import gc
+import http.server
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tensorflow as tf
+
+from psguard.trainer.recovery import run_with_recovery
+from tests.support.clusters import Chief
+from tests.support.paths import ROOT
+
+
+@pytest.mark.slow
+def test_kill_ps_recovers_in_process_from_the_memory_tier(tmp_path: Path) -> None:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.support.recovery_chief", str(tmp_path), "60"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert proc.stdout is not None
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert "kill" in first, first
+        os.kill(int(first["kill"]), signal.SIGKILL)
+        summary = json.loads(proc.stdout.readline())
+        assert proc.wait(timeout=300) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+    assert summary["final"] >= 60
+    assert len(summary["recoveries"]) == 1
+    restored = summary["restored"][-1]
+    assert restored["source"] == "memory"
+    # lost work is bounded by the memory tier's cadence (5 steps) plus the steps scheduled in one batch (5)
+    assert 0 <= summary["seen_at_failure"] - restored["step"] <= 10
+    assert restored["step"] >= first["step"]
+
+
+class _Agent(http.server.ThreadingHTTPServer):
+    """Stands where the chief's agent is: records when a restart request arrives, answers after a PS restart's
+    time (its restart of the PS processes is tested in test_agent.py)."""
+
+    arrived: list[float]
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Agent
+
+    def do_POST(self) -> None:
+        self.server.arrived.append(time.perf_counter())
+        self.rfile.read(int(self.headers["Content-Length"]))
+        time.sleep(0.2)
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+def test_the_ps_restart_request_leaves_before_the_failed_generation_is_collected(chief: Chief) -> None:
+    """The collection of the failed generation holds the interpreter for as long as it runs (0.3-0.4 s with a
+    model): the restart request must be on its way to the agent before it starts, or the PS restart waits."""
+    agent = _Agent(("127.0.0.1", 0), _Handler)
+    agent.arrived = []
+    threading.Thread(target=agent.serve_forever, daemon=True).start()
+    full_collections: list[float] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full_collections.append(time.perf_counter())
+
+    def restart_ps(failed_at: float) -> None:
+        url = f"http://127.0.0.1:{agent.server_port}/new-generation"
+        urllib.request.urlopen(urllib.request.Request(url, data=b"{}", method="POST"), timeout=30).read()
+
+    def build() -> list[Any]:
+        job: list[Any] = [[{}] for _ in range(300_000)]  # enough cyclic garbage for a collection of ~0.1 s
+        for item in job:
+            item.append(item)
+        return job
+
+    failures = iter([tf.errors.UnavailableError(None, None, "Socket closed")])
+    failed: list[float] = []
+
+    def train(job: list[Any]) -> str:
+        failure = next(failures, None)
+        if failure is not None:
+            failed.append(time.perf_counter())
+            raise failure
+        return "done"
+
+    gc.callbacks.append(on_gc)
+    gc.disable()  # only the collections asked for: recovery's own
+    try:
+        result, report = run_with_recovery(build, train, restart_ps=restart_ps)
+    finally:
+        gc.enable()
+        gc.callbacks.remove(on_gc)
+        agent.shutdown()
+    assert result == "done" and len(report.recoveries) == 1 and len(agent.arrived) == 1
+    recovery_collection = min(t for t in full_collections if t > failed[0])
+    assert agent.arrived[0] < recovery_collection, "the request reached the agent only after the collection"

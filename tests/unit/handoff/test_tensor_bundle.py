@@ -1,0 +1,66 @@
+"""The PS agents' restore files: one-tensor TensorFlow bundles written without TensorFlow, read by RestoreV2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from psguard.handoff.tensor_bundle import BUNDLE_KEY, bundle_files, write_bundle
+from psguard.handoff.tensor_file import TF_DTYPES
+from psguard.store.dtypes import dtype_name
+from tests.support.tensors import every_dtype, lazy_tf, restore_bundle
+
+DTYPES = every_dtype()
+NUMERIC = sorted(k for k, v in DTYPES.items() if dtype_name(v.dtype) in TF_DTYPES.values())
+
+
+@pytest.mark.parametrize("case", NUMERIC)
+def test_the_files_are_byte_identical_to_tensorflows_own_and_restore_exactly(tmp_path: Path, case: str) -> None:
+    tf = lazy_tf()
+    value = DTYPES[case]
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    write_bundle(ours, value)
+    tensor = tf.constant(value)
+    tf.raw_ops.SaveV2(prefix=str(theirs), tensor_names=[BUNDLE_KEY], shape_and_slices=[""], tensors=[tensor])
+    for mine, tfs in zip(bundle_files(ours), bundle_files(theirs), strict=True):
+        assert mine.read_bytes() == tfs.read_bytes(), mine.name
+        assert mine.stat().st_mode & 0o777 == 0o600
+    back = restore_bundle(ours, value.dtype).numpy()
+    assert back.shape == value.shape and back.dtype == value.dtype
+    assert back.tobytes() == np.ascontiguousarray(value).tobytes()
+
+
+def test_a_damaged_or_mismatched_bundle_fails_the_restore(tmp_path: Path) -> None:
+    """What the PS's load relies on to refuse a file before assigning anything: RestoreV2 checks them all."""
+    tf = lazy_tf()
+    value = DTYPES["f32"]  # 64 x 4
+    prefix = tmp_path / "b"
+    write_bundle(prefix, value)
+    index, data = bundle_files(prefix)
+    good = data.read_bytes()
+    with pytest.raises(tf.errors.InvalidArgumentError):  # the dtype asked for is not the file's
+        restore_bundle(prefix, np.float64)
+    flipped = bytearray(good)
+    flipped[100] ^= 0x01
+    data.write_bytes(bytes(flipped))
+    with pytest.raises(tf.errors.DataLossError, match=r"(?i)checksum|crc"):
+        restore_bundle(prefix, np.float32)
+    data.write_bytes(good[:-4])
+    with pytest.raises((tf.errors.OutOfRangeError, tf.errors.DataLossError, tf.errors.InvalidArgumentError)):
+        restore_bundle(prefix, np.float32)
+    data.write_bytes(good)
+    table = bytearray(index.read_bytes())
+    table[12] ^= 0x40  # inside the data block: its CRC no longer matches
+    index.write_bytes(bytes(table))
+    with pytest.raises((tf.errors.DataLossError, tf.errors.InvalidArgumentError)):
+        restore_bundle(prefix, np.float32)
+
+
+@pytest.mark.parametrize("case", sorted(set(DTYPES) - set(NUMERIC)))
+def test_only_numeric_tensors_are_written(tmp_path: Path, case: str) -> None:
+    """Strings, and dtypes TensorFlow's enum lacks here (float8), are refused before a file is made."""
+    with pytest.raises(ValueError, match="numeric tensors only"):
+        write_bundle(tmp_path / "s", DTYPES[case])
+    assert not any(tmp_path.iterdir())

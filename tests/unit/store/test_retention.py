@@ -1,0 +1,103 @@
+"""Retention with a corrupt newest checkpoint (a flipped bit in one of its chunks): the good one survives.
+
+The fault is forced (a bit flipped in a chunk only the newest checkpoint uses), then retention runs both
+ways it runs in production: the ``psguard gc`` CLI in a real process, and ``Store.retain`` as the agent's
+persister calls it after every commit.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from psguard.store import Store
+from psguard.store.manifest import chunk_key
+from psguard.tensors import Rows
+from tests.support.paths import ROOT
+from tests.support.storage_targets import Target, make_target
+
+
+@pytest.fixture(
+    params=[pytest.param("local", id="local"), pytest.param("seaweed", id="s3-seaweedfs", marks=pytest.mark.slow)]
+)
+def target(request: pytest.FixtureRequest, tmp_path: Path, unique: str) -> Target:
+    return make_target(request.param, request, tmp_path, unique)
+
+
+def two_checkpoints_newest_corrupt(store: Store, *, delta: bool) -> tuple[str, str, np.ndarray]:
+    """A good checkpoint, then a newer one (a full or a delta over it) with a bit flipped in its own chunk."""
+    t = np.arange(8000, dtype=np.float32).reshape(1000, 8)
+    good = store.save(10, {"t": t.copy()}).id
+    t2 = t.copy()
+    t2[500] = -1
+    if delta:
+        newest = store.save(20, {"t": Rows(np.array([500]), t2[500:501], t2.shape)}, parent=good).id
+    else:
+        newest = store.save(20, {"t": t2 * 3}).id
+    own = {r.hash for r in store.manifest(newest).refs()} - {r.hash for r in store.manifest(good).refs()}
+    victim = sorted(own)[0]
+    data = bytearray(store.backend.get(chunk_key(victim)))
+    data[len(data) // 2] ^= 0x10
+    store.backend.put(chunk_key(victim), bytes(data))
+    assert not store.verify(newest).ok and store.verify(good).ok
+    return good, newest, t
+
+
+@pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
+def test_retain_keeps_the_restorable_checkpoint_not_the_corrupt_newest(target: Target, delta: bool) -> None:
+    with Store.open(target.url, target.options, chunk_bytes=4096) as store:
+        good, newest, want = two_checkpoints_newest_corrupt(store, delta=delta)
+        report = store.retain(keep_last=1, keep_every_hours=None)  # what the agent runs after each commit
+        assert report is not None
+        assert good in report.kept and newest not in report.kept
+        assert report.corrupt_checkpoints == (newest,)
+        assert report.deleted_checkpoints == (newest,)
+    with Store.open(target.url, target.options) as fresh:
+        restored = fresh.load_latest()
+        assert restored.info.id == good
+        assert np.array_equal(restored.tensors["t"], want)
+
+
+def test_cli_gc_keep_last_1_keeps_the_good_checkpoint_and_reports_the_corrupt_one(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    with Store.open(url, chunk_bytes=4096) as store:
+        good, newest, want = two_checkpoints_newest_corrupt(store, delta=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "psguard.cli", "gc", url, "--keep-last", "1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert out.returncode == 3, out.stderr  # the documented exit code for corruption
+    doc = json.loads(out.stdout)
+    assert doc["kept"] == [good]
+    assert {p["checkpoint"] for p in doc["corrupt"]} == {newest}
+    assert "CRC32C" in doc["corrupt"][0]["message"]
+    text = subprocess.run(
+        [sys.executable, "-m", "psguard.cli", "verify", url], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert text.returncode == 0, text.stdout  # what is left is all restorable
+    with Store.open(url) as fresh:
+        restored = fresh.load_latest()
+        assert restored.info.id == good and np.array_equal(restored.tensors["t"], want)
+
+
+def test_nothing_restorable_means_nothing_deleted(tmp_path: Path) -> None:
+    with Store.open(str(tmp_path / "store"), chunk_bytes=4096) as store:
+        t = np.arange(4000, dtype=np.float32)
+        a = store.save(1, {"t": t}).id
+        b = store.save(2, {"t": t + 1}).id
+        for cid in (a, b):
+            ref = store.manifest(cid).tensors["t"].chunks[0]
+            data = bytearray(store.backend.get(chunk_key(ref.hash)))
+            data[0] ^= 1
+            store.backend.put(chunk_key(ref.hash), bytes(data))
+        report = store.gc(keep_last=1)
+        assert report.deleted_checkpoints == () and set(report.kept) == {a, b}
+        assert set(report.corrupt_checkpoints) == {a, b}
