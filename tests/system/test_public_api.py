@@ -18,7 +18,7 @@ import pytest
 import psguard
 import psguard.errors
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = (ROOT / "README.md", ROOT / "docs" / "user-guide.md")
 TABLE_HEADING = "### `CheckpointManager` arguments"
 #: A name the docs use through the package: ``psguard.CheckpointManager``, ``psguard.keras.CheckpointCallback``.
