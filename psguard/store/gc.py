@@ -111,10 +111,7 @@ class Collector:
         mode: Literal["min", "max"] = "min",
         dry_run: bool = False,
     ) -> GcReport:
-        """Apply retention: delete checkpoints not kept (manifests first), then unreferenced chunks.
-
-        Every parent a kept checkpoint needs is kept. Chunk deletion is deferred while a writer is active.
-        """
+        """:meth:`psguard.store.Store.gc` (documented there for its callers)."""
         if keep_last is None and keep_every_hours is None and keep_best is None:
             raise ConfigError("gc needs a retention rule: keep_last, keep_every_hours or keep_best")
         if keep_every_hours is not None and not (math.isfinite(keep_every_hours) and keep_every_hours > 0):

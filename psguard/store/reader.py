@@ -56,11 +56,7 @@ class Reader:
         *,
         verify_hash: bool = False,
     ) -> dict[str, np.ndarray]:
-        """Materialise tensors of a checkpoint (base + deltas), verifying every chunk read.
-
-        Raises :class:`CorruptCheckpointError` naming the checkpoint and chunk on any defect; nothing
-        partially restored is returned.
-        """
+        """:meth:`psguard.store.Store.load` (documented there for its callers)."""
         chain = self.index.chain(checkpoint_id)
         target = chain[-1]
         wanted = list(target.tensors) if names is None else list(names)

@@ -164,19 +164,8 @@ class Writer:
         offset: int,
         dedup_against: str | None = None,
     ) -> dict[str, Any]:
-        """Write the chunks of one shard's update (rows ``[offset, offset + rows)`` of the logical tensor
-        ``name`` shaped ``shape``) and return its part, for the coordinator's :meth:`SaveTransaction.commit`.
-
-        ``update`` describes the shard as a tensor of shape ``[rows, *shape[1:]]``: ``Full`` (or an array) of
-        the shard, ``Rows`` with ids relative to ``offset``, or ``Same``. The returned JSON is the part as the
-        manifest will hold it (``offset``, ``rows``, ``encoding`` and its chunks or segments) plus what the
-        coordinator needs and does not store in the part: ``dtype``, ``shape`` (the logical tensor's) and
-        ``stats`` (bytes written and deduplicated). Chunks of ``dedup_against``'s chain are not uploaded again.
-
-        No lease of its own: call it while the coordinator's transaction is open (after ``begin_save``
-        returned, before ``commit``), whose writer lease keeps gc from deleting these chunks whoever wrote
-        them; ``commit`` checks that every chunk a part names is in the store with its size.
-        """
+        """:meth:`psguard.store.Store.write_part` (documented there for its callers), any failure as
+        :class:`SaveError`."""
         try:
             return self._write_part(name, update, tuple(int(x) for x in shape), int(offset), dedup_against)
         except PsguardError:
