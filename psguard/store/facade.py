@@ -174,11 +174,8 @@ class Store:
     ) -> np.ndarray:
         """Rows ``[start, stop)`` of tensor ``name`` of a checkpoint, bit-identical to slicing :meth:`load`'s.
 
-        How a PS that lost its node (and its memory tier) reads exactly the rows it owns: from the newest
-        checkpoint of the chain whose entry covers the range with whole rows, only the chunks that overlap the
-        range are read (a whole chunk holds ``size // row_bytes`` rows, so sizes alone locate them); later
-        deltas' row segments are read and filtered to the range (a segment's values only when one of its ids
-        falls in it). Every chunk read is checked (size, CRC32C; SHA-256 with ``verify_hash``).
+        How a PS that lost its node (and its memory tier) reads exactly the rows it owns, without reading the
+        whole tensor. Every chunk read is checked (size, CRC32C; SHA-256 with ``verify_hash``).
         """
         return self._reader.read_rows(checkpoint_id, name, start, stop, verify_hash=verify_hash)
 
@@ -230,8 +227,7 @@ class Store:
         if anything fails, in which case no checkpoint became visible.
 
         Chunks already stored for ``parent``'s chain (or ``dedup_against``'s, for a full checkpoint) are
-        not uploaded again; the writer's lock keeps gc from deleting them meanwhile. A save is one
-        :meth:`begin_save` transaction committed at once: one code path writes every manifest.
+        not uploaded again; the writer's lock keeps gc from deleting them meanwhile.
         """
         return self._writer.save(
             step, tensors, parent=parent, metadata=metadata, metrics=metrics, dedup_against=dedup_against

@@ -87,12 +87,7 @@ class Collector:
         metric: str | None = None,
         mode: Literal["min", "max"] = "min",
     ) -> GcReport | None:
-        """A writer's retention after each commit (``max_to_keep``, ``keep_checkpoint_every_n_hours``, or a
-        policy file's ``retention:``, whose keys these are).
-
-        Skips the gc (its locks and listing) when nothing can go: no rule, or no more checkpoints than
-        ``keep_last`` (the other rules only keep more). ``None`` when skipped.
-        """
+        """:meth:`psguard.store.Store.retain` (documented there for its callers)."""
         if keep_last is None and keep_every_hours is None and keep_best is None:
             return None
         if keep_last is not None and len(self.index.checkpoint_ids()) <= keep_last:
@@ -285,10 +280,7 @@ class Collector:
 
 
 def compact(index: Index, reader: Reader, writer: Writer, checkpoint_id: str | None = None) -> CheckpointInfo | None:
-    """Fold a delta chain into a new full checkpoint of the same step (same contents).
-
-    Returns None when the checkpoint already is full. Memory holds one tensor at a time.
-    """
+    """:meth:`psguard.store.Store.compact` (documented there for its callers)."""
     cid = checkpoint_id or index.resolve()
     m = index.manifest(cid)
     if m.kind == "full":

@@ -92,7 +92,7 @@ class Index:
         self._cache_lock = threading.Lock()
 
     def checkpoint_ids(self) -> list[str]:
-        """Ids of committed checkpoints in step order (names only; nothing verified yet)."""
+        """:meth:`psguard.store.Store.checkpoint_ids` (documented there for its callers)."""
         ids = []
         for key in self.backend.keys(MANIFEST_PREFIX):
             name = key[len(MANIFEST_PREFIX) :]
@@ -102,7 +102,7 @@ class Index:
         return ids
 
     def manifest(self, checkpoint_id: str) -> Manifest:
-        """The parsed, checksum-verified manifest (cached: manifests are immutable)."""
+        """:meth:`psguard.store.Store.manifest` (documented there for its callers)."""
         with self._cache_lock:
             cached = self._manifests.get(checkpoint_id)
         if cached is not None:
@@ -121,7 +121,7 @@ class Index:
         return m
 
     def checkpoints(self, *, on_error: Callable[[str, CheckpointError], None] | None = None) -> list[CheckpointInfo]:
-        """Every readable committed checkpoint, oldest first; unreadable manifests go to ``on_error``."""
+        """:meth:`psguard.store.Store.checkpoints` (documented there for its callers)."""
         out = []
         for cid in self.checkpoint_ids():
             try:
@@ -135,7 +135,7 @@ class Index:
         return out
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest checkpoint whose manifest reads (chunks not checked: see :meth:`Store.load_latest`)."""
+        """:meth:`psguard.store.Store.latest` (documented there for its callers)."""
         for cid in self.newest_first():
             try:
                 return CheckpointInfo.of(self.manifest(cid))
@@ -166,7 +166,7 @@ class Index:
         return out
 
     def resolve(self, *, step: int | None = None, checkpoint_id: str | None = None) -> str:
-        """The id for a step (the newest commit of it), an explicit id, or the latest checkpoint."""
+        """:meth:`psguard.store.Store.resolve` (documented there for its callers)."""
         if checkpoint_id is not None:
             self.manifest(checkpoint_id)
             return checkpoint_id
@@ -177,7 +177,7 @@ class Index:
         raise NoCheckpointError(f"no checkpoint {where}in {self.url}")
 
     def chain(self, checkpoint_id: str) -> list[Manifest]:
-        """Manifests from the base to ``checkpoint_id``; a missing link is a corrupt checkpoint."""
+        """:meth:`psguard.store.Store.chain` (documented there for its callers)."""
         out = []
         cid: str | None = checkpoint_id
         seen = set()

@@ -66,7 +66,7 @@ class Reader:
         return {name: self.materialise(chain, name, verify_hash) for name in wanted}
 
     def iter_tensors(self, checkpoint_id: str, *, verify_hash: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-        """Tensors one at a time, so a large checkpoint is never all in memory at once."""
+        """:meth:`psguard.store.Store.iter_tensors` (documented there for its callers)."""
         chain = self.index.chain(checkpoint_id)
         for name in chain[-1].tensors:
             yield name, self.materialise(chain, name, verify_hash)
@@ -74,13 +74,12 @@ class Reader:
     def read_rows(
         self, checkpoint_id: str, name: str, start: int, stop: int, *, verify_hash: bool = False
     ) -> np.ndarray:
-        """Rows ``[start, stop)`` of tensor ``name`` of a checkpoint, bit-identical to slicing :meth:`load`'s.
+        """:meth:`psguard.store.Store.read_rows` (documented there for its callers), reading as little as it can.
 
-        How a PS that lost its node (and its memory tier) reads exactly the rows it owns: from the newest
-        checkpoint of the chain whose entry covers the range with whole rows, only the chunks that overlap the
-        range are read (a whole chunk holds ``size // row_bytes`` rows, so sizes alone locate them); later
-        deltas' row segments are read and filtered to the range (a segment's values only when one of its ids
-        falls in it). Every chunk read is checked (size, CRC32C; SHA-256 with ``verify_hash``).
+        From the newest checkpoint of the chain whose entry covers the range with whole rows, only the chunks that
+        overlap the range are read (a whole chunk holds ``size // row_bytes`` rows, so sizes alone locate them);
+        later deltas' row segments are read and filtered to the range (a segment's values only when one of its ids
+        falls in it).
         """
         chain = self.index.chain(checkpoint_id)
         if name not in chain[-1].tensors:
@@ -337,13 +336,7 @@ class Reader:
         return ids
 
     def updates(self, checkpoint_id: str, *, verify_hash: bool = False) -> tuple[dict[str, TensorUpdate], int]:
-        """What ``checkpoint_id`` itself changed, per tensor, read from its own chunks only; and the bytes read.
-
-        A full checkpoint gives every tensor whole (``Full``); a delta gives ``Rows`` for its changed rows,
-        ``Full`` for tensors it stored whole and ``Same`` for the others. Followers apply these in step order on
-        top of the state they hold, instead of rebuilding every tensor (:meth:`load`). Every chunk is verified;
-        a defect raises :class:`CorruptCheckpointError` before anything is returned.
-        """
+        """:meth:`psguard.store.Store.updates` (documented there for its callers)."""
         m = self.index.manifest(checkpoint_id)
         out: dict[str, TensorUpdate] = {}
         nbytes = 0
@@ -415,10 +408,7 @@ class Reader:
         return Rows(ids, values, entry.shape)
 
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
-        """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.
-
-        Never returns data from a checkpoint that failed verification.
-        """
+        """:meth:`psguard.store.Store.load_latest` (documented there for its callers)."""
         skipped: list[Problem] = []
         for cid in self.index.newest_first():
             try:

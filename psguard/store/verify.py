@@ -51,17 +51,14 @@ class VerifyReport:
 
 
 def verify_all(index: Index, pool: ThreadPoolExecutor, checkpoint_ids: Sequence[str]) -> Iterator[VerifyReport]:
-    """:func:`verify_checkpoint` of each checkpoint, each report yielded as soon as it is known, every chunk read
-    once per call: a chunk several chains share (a base under many deltas) is checked the first time and its
-    verdict reused, a failure included, for every later checkpoint that uses it."""
+    """:meth:`psguard.store.Store.verify_all` (documented there for its callers): one ``chunk_results`` for all."""
     chunk_results: dict[str, str | None] = {}
     for cid in checkpoint_ids:
         yield verify_checkpoint(index, pool, cid, chunk_results)
 
 
 def chain_bytes(index: Index, checkpoint_ids: Sequence[str]) -> int:
-    """The bytes of the distinct chunks the chains of ``checkpoint_ids`` reference (manifests only; a chain
-    that cannot be read counts 0): what reading them all once costs."""
+    """:meth:`psguard.store.Store.chain_bytes` (documented there for its callers)."""
     sizes: dict[str, int] = {}
     for cid in checkpoint_ids:
         try:
@@ -76,7 +73,7 @@ def chain_bytes(index: Index, checkpoint_ids: Sequence[str]) -> int:
 def verify_checkpoint(
     index: Index, pool: ThreadPoolExecutor, checkpoint_id: str, chunk_results: dict[str, str | None] | None = None
 ) -> VerifyReport:
-    """Read every chunk of the checkpoint's chain, checking size, CRC32C and SHA-256; report all defects.
+    """:meth:`psguard.store.Store.verify` (documented there for its callers), sharing a cache with other calls.
 
     Each chunk is read once across calls sharing ``chunk_results`` (hash -> problem): gc verifies a delta
     chain's members one after another; with a shared cache that is linear, not quadratic, in the chain's length.

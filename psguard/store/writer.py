@@ -100,27 +100,15 @@ class Writer:
         metrics: Mapping[str, float] | None = None,
         dedup_against: str | None = None,
     ) -> CheckpointInfo:
-        """Write a checkpoint and commit it. Full when ``parent`` is None (every tensor must be whole),
-        else a delta over ``parent``. Blocks until committed; raises :class:`SaveError` (cause chained)
-        if anything fails, in which case no checkpoint became visible.
-
-        Chunks already stored for ``parent``'s chain (or ``dedup_against``'s, for a full checkpoint) are
-        not uploaded again; the writer's lock keeps gc from deleting them meanwhile. A save is one
-        :meth:`begin_save` transaction committed at once: one code path writes every manifest.
-        """
+        """:meth:`psguard.store.Store.save` (documented there for its callers), as one :meth:`begin_save`
+        transaction committed at once: one code path writes every manifest."""
         check_metadata(metadata)  # before any lease: bad input costs no storage round trip
         with self.begin_save(step, parent=parent, dedup_against=dedup_against) as tx:
             return tx.commit(tensors, metadata=metadata, metrics=metrics)
 
     def begin_save(self, step: int, *, parent: str | None = None, dedup_against: str | None = None) -> SaveTransaction:
-        """Open the transaction of one checkpoint: its id and writer lease now, its manifest at
-        :meth:`SaveTransaction.commit`; leaving the ``with`` block without a commit aborts (lease released,
-        nothing committed).
-
-        While it is open, other processes (each PS's agent) write the chunks of their shards with
-        :meth:`write_part` under its lease: gc deletes no chunk while a writer lease is live, whoever wrote
-        the chunk. One transaction at a time per instance (another thread's ``begin_save`` waits).
-        """
+        """:meth:`psguard.store.Store.begin_save` (documented there for its callers), any unexpected failure as
+        :class:`SaveError`."""
         reuse = dedup_against or parent
         if self._tx_thread == threading.get_ident():  # waiting for our own lock would never end
             raise ConfigError(f"a transaction is already open on {self.url} in this thread: commit or abort it first")
@@ -327,7 +315,7 @@ class Journal:
         return max(seqs, default=-1)
 
     def entries(self) -> list[dict[str, Any]]:
-        """Journal entries in commit order."""
+        """:meth:`psguard.store.Store.journal` (documented there for its callers)."""
         out = []
         for key in self.backend.keys(JOURNAL_PREFIX):
             seq = key[len(JOURNAL_PREFIX) : -5]
