@@ -97,7 +97,7 @@ class Store:
 
     @property
     def lock_ttl(self) -> float:
-        """The lease of a save or gc: refreshed every quarter of it while the work runs; a lease the storage
+        """The lease of a save or gc: refreshed every fifth of it while the work runs; a lease the storage
         has not seen refreshed for this long is stale. Short values stand for long saves in tests."""
         return self._writer.lock_ttl
 
