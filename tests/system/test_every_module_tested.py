@@ -58,7 +58,6 @@ NOT_YET = frozenset(
         "psguard.agent.process.reaper",
         "psguard.agent.process.tree",
         "psguard.agent.recovery",
-        "psguard.agent.task",
         "psguard.benchmarks.follow",
         "psguard.benchmarks.recovery_trainers",
         "psguard.benchmarks.wrap",

@@ -1,0 +1,82 @@
+"""What an agent gives its task (psguard.agent.task): the environment is the contract with the trainer, the probes
+decide when a task is dead or hung."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from psguard.agent.config import AgentConfig, HttpConfig
+from psguard.agent.process.prober import GrpcStatusProbe, ProcessProbe, TcpProbe
+from psguard.agent.task import server_command, task_env, task_probes, task_record
+from psguard.handoff.contract import (
+    ENV_AGENT_CA,
+    ENV_AGENT_CLIENT_CERT,
+    ENV_AGENT_CLIENT_KEY,
+    ENV_AGENT_TOKEN_FILE,
+    ENV_AGENT_URL,
+    ENV_SPOOL,
+    ENV_STORE,
+    ENV_TASK,
+)
+
+CLUSTER = {"chief": ["127.0.0.1:2000"], "ps": ["127.0.0.1:2001", "127.0.0.1:2002"], "worker": ["127.0.0.1:2003"]}
+
+
+def test_the_environment_names_the_task_and_its_agent_and_passes_the_token_files_path_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(ENV_AGENT_CA, "/parent/ca.pem")  # a parent agent's TLS settings must not leak through
+    monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")  # the user's own choice wins over the quiet default
+    token = tmp_path / "token"
+    env = task_env(
+        CLUSTER, "ps", 1, url="http://127.0.0.1:9", token_file=str(token), http=HttpConfig(), spool_dir=None, store=None
+    )
+    assert json.loads(env["TF_CONFIG"]) == {"cluster": CLUSTER, "task": {"type": "ps", "index": 1}, "rpc_layer": "grpc"}
+    assert env[ENV_TASK] == "ps:1" and env[ENV_AGENT_URL] == "http://127.0.0.1:9"
+    assert env[ENV_AGENT_TOKEN_FILE] == str(token)
+    assert ENV_AGENT_CA not in env and ENV_AGENT_CLIENT_CERT not in env and ENV_AGENT_CLIENT_KEY not in env
+    assert ENV_SPOOL not in env and ENV_STORE not in env  # only a chief's agent with a spool sets them
+    assert env["TF_CPP_MIN_LOG_LEVEL"] == "1" and env["TF_ENABLE_ONEDNN_OPTS"] == "0"
+
+
+def test_a_chiefs_environment_carries_its_spool_its_store_and_mutual_tls_files(tmp_path: Path) -> None:
+    http = HttpConfig(tls_cert="cert.pem", tls_key="key.pem", tls_ca="ca.pem")
+    env = task_env(
+        CLUSTER, "chief", 0, url="https://a:1", token_file=None, http=http, spool_dir=tmp_path / "spool", store=None
+    )
+    assert env[ENV_SPOOL] == str(tmp_path / "spool")
+    assert env[ENV_STORE] == ""  # an agent without --store: the manager warns and writes its own directory
+    assert env[ENV_AGENT_CA] == str(Path("ca.pem").resolve())
+    assert env[ENV_AGENT_CLIENT_CERT] == str(Path("cert.pem").resolve())
+    assert env[ENV_AGENT_CLIENT_KEY] == str(Path("key.pem").resolve())
+
+
+def test_the_builtin_server_dies_with_its_agent_and_gets_the_cluster_as_json() -> None:
+    argv = server_command(CLUSTER, "worker", 0)
+    assert argv[:3] == [sys.executable, "-m", "psguard.agent.process.tf_server"]
+    assert json.loads(argv[argv.index("--cluster-spec") + 1]) == CLUSTER
+    assert argv[argv.index("--job") + 1] == "worker" and argv[argv.index("--index") + 1] == "0"
+    assert argv[argv.index("--parent-pid") + 1] == str(os.getpid())
+
+
+def test_a_servers_probes_include_its_port_and_an_rpc_a_chief_only_its_process() -> None:
+    chief = task_probes("chief", "127.0.0.1:2000", lambda: 1, builtin_server=False)
+    assert [type(p) for p in chief] == [ProcessProbe]
+    builtin = task_probes("ps", "ps-0.example:2001", lambda: 1, builtin_server=True)
+    assert [type(p) for p in builtin] == [ProcessProbe, TcpProbe, GrpcStatusProbe]
+    tcp, rpc = builtin[1], builtin[2]
+    assert isinstance(tcp, TcpProbe) and (tcp.host, tcp.port) == ("127.0.0.1", 2001)  # on loopback, no DNS
+    assert isinstance(rpc, GrpcStatusProbe) and rpc.target == "127.0.0.1:2001"
+    user = task_probes("worker", "worker-0.example:2003", lambda: 1, builtin_server=False)
+    assert isinstance(user[1], TcpProbe) and user[1].host == "worker-0.example"
+    assert isinstance(user[2], GrpcStatusProbe) and user[2].target == "worker-0.example:2003"
+
+
+def test_the_task_record_lives_in_the_state_folder_under_a_safe_name(tmp_path: Path) -> None:
+    path = task_record(AgentConfig(state_dir=str(tmp_path)), "ps:0/../x")
+    assert path.parent == tmp_path and "/" not in path.name and path.name.endswith(".task.json")
