@@ -32,7 +32,6 @@ from typing import Any
 from psguard.errors import ParentMissingError, PsguardError
 from psguard.store.facade import Store
 from psguard.store.index import CheckpointInfo
-from psguard.store.writer import SaveTransaction
 
 __all__ = ["BaseRule", "ChainState", "DurableWriter", "RetentionSpec"]
 
@@ -194,7 +193,7 @@ class DurableWriter:
             try:
                 if parts is not None:
                     with self.store.begin_save(step, parent=parent, dedup_against=dedup) as tx:
-                        info = self._commit(tx, updates, parts(dedup), metadata, metrics)
+                        info = tx.commit(updates, parts=parts(dedup), metadata=metadata, metrics=metrics)
                 else:
                     info = self.store.save(
                         step,
@@ -224,16 +223,6 @@ class DurableWriter:
                         info = compacted
             self._retain(info)
             return info
-
-    @staticmethod
-    def _commit(
-        tx: SaveTransaction,
-        updates: Mapping[str, Any],
-        entries: Any,
-        metadata: Mapping[str, Any] | None,
-        metrics: Mapping[str, float] | None,
-    ) -> CheckpointInfo:
-        return tx.commit(updates, parts=entries, metadata=metadata, metrics=metrics)
 
     def _record(self, info: CheckpointInfo, payload_bytes: int | None) -> None:
         with self._lock:
