@@ -171,8 +171,8 @@ class DurableWriter:
     ) -> CheckpointInfo:
         """Commit ``updates``: whole (a base, chunks shared with the last commit not uploaded again) or a delta
         over the last commit. Then, for a compacting writer, a new base in storage when ``new_base`` or the rule
-        asks for one, and the retention. Returns the commit (the compacted base when one was made: the next
-        delta's parent).
+        asks for one, and the retention. Returns the commit of ``updates`` (what the caller acknowledges); a base
+        compacted after it is the next delta's parent (:attr:`last`).
 
         ``parts``: with PS agents writing their shards' chunks, called inside the open transaction with the
         checkpoint to dedup against; it returns the part entries that the manifest names.
@@ -220,8 +220,7 @@ class DurableWriter:
                 else:
                     if compacted is not None:
                         self._record(compacted, None)
-                        info = compacted
-            self._retain(info)
+            self._retain(self.last or info)
             return info
 
     def _record(self, info: CheckpointInfo, payload_bytes: int | None) -> None:

@@ -63,12 +63,15 @@ def test_a_compacting_writer_folds_the_chain_when_the_rule_says_and_builds_on_th
     table = np.zeros((ROWS, 4), np.float32)
     writer.save(1, whole(table), whole=True)
     writer.save(2, delta(table, 2), whole=False)
-    folded = writer.save(3, delta(table, 3), whole=False)  # the second link made the rule fire: compacted
-    assert folded.kind == "full" and folded.step == 3 and writer.state.chain_length == 0
+    saved = writer.save(3, delta(table, 3), whole=False)  # the second link made the rule fire: compacted
+    folded = writer.last
+    assert saved.kind == "delta" and saved.step == 3  # the caller gets the commit it asked for
+    assert folded is not None and folded.kind == "full" and folded.step == 3 and writer.state.chain_length == 0
     nxt = writer.save(4, delta(table, 4), whole=False)
     assert nxt.parent == folded.id
-    asked = writer.save(5, delta(table, 5), whole=False, new_base=True)  # the caller's policy asked for a base
-    assert asked.kind == "full"
+    writer.save(5, delta(table, 5), whole=False, new_base=True)  # the caller's policy asked for a base
+    asked = writer.last
+    assert asked is not None and asked.kind == "full"
     np.testing.assert_array_equal(store.load(asked.id)["table"], table)
 
 
@@ -120,7 +123,8 @@ def test_adopting_a_checkpoint_reads_its_chain_on_the_writers_next_decision(stor
     assert successor.last is None
     assert not successor.base_due(4)  # the read: two links, limit three
     assert successor.last == last and successor.state.chain_length == 2 and successor.state.base_step == 1
-    folded = successor.save(4, delta(table, 4), whole=False)
-    assert folded.kind == "full"  # the third link: compacted
+    successor.save(4, delta(table, 4), whole=False)
+    folded = successor.last
+    assert folded is not None and folded.kind == "full"  # the third link: compacted
     successor.adopt("no-such-checkpoint")
     assert successor.base_due(5) and successor.last is None
