@@ -74,7 +74,7 @@ from psguard.benchmarks.common import (
     print_results,
     progress,
 )
-from psguard.handoff.contract import QUIET_TENSORFLOW
+from psguard.handoff.contract import PLAIN_TF_SERVERS, QUIET_TENSORFLOW
 from psguard.testbed.cluster import LocalCluster
 
 NUM_WORKERS = 1
@@ -389,7 +389,7 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
             time.sleep(_POLL)
 
     try:
-        cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS).start()
+        cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS, env=PLAIN_TF_SERVERS).start()
         clusters.append(cluster)
         env = dict(
             os.environ, **QUIET_TENSORFLOW, TF_CONFIG=cluster.tf_config(), BENCH_PS0_PID=str(cluster.pids[("ps", 0)])
@@ -404,7 +404,7 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
         # The restart script: the whole job down, then new servers and a new chief at once.
         cluster.stop()
         stopped_at = time.time()
-        cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS)
+        cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS, env=PLAIN_TF_SERVERS)
         clusters.append(cluster)
         env = dict(os.environ, **QUIET_TENSORFLOW, TF_CONFIG=cluster.tf_config())
         log2 = work / "chief-2.log"

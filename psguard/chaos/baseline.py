@@ -24,7 +24,7 @@ from typing import Any
 from psguard.agent.process.launcher import write_cluster
 from psguard.chaos.runner import HARNESS, RunResult, _Run, run_scenario
 from psguard.chaos.scenario import Scenario
-from psguard.handoff.contract import QUIET_TENSORFLOW
+from psguard.handoff.contract import PLAIN_TF_SERVERS, QUIET_TENSORFLOW
 
 __all__ = ["run_side_by_side"]
 
@@ -89,7 +89,8 @@ class BaselineRun(_Run):
 
     def _start_job(self) -> None:
         spec_json = json.dumps(self.spec, sort_keys=True)
-        env = dict(os.environ, **QUIET_TENSORFLOW)
+        # A plain-TF job's servers run `import tensorflow`; psguard's lean start is not the baseline's.
+        env = dict(os.environ, **QUIET_TENSORFLOW, **PLAIN_TF_SERVERS)
         logs = self.dir / "logs"
         for role, count in (("ps", len(self.spec["ps"])), ("worker", len(self.spec["worker"]))):
             for i in range(count):

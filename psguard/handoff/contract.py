@@ -56,6 +56,11 @@ ENV_AGENT_CLIENT_KEY = "PSGUARD_AGENT_CLIENT_KEY"
 #: TensorFlow's C++ logger prints INFO and WARNING lines (CPU features, oneDNN) on stderr when it loads; the tasks
 #: psguard starts and its own commands set these unless the user did (the logger reads them once, at load).
 QUIET_TENSORFLOW = {"TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
+#: ``full``: the built-in server (:mod:`psguard.agent.process.tf_server`) starts through ``import tensorflow``
+#: instead of loading only TF's runtime (1 s against 9-10 s of CPU).
+ENV_SERVER_IMPORT = "PSGUARD_SERVER_IMPORT"
+#: The environment of servers that stand for a plain-TF job's (the baselines): its PS scripts import tensorflow.
+PLAIN_TF_SERVERS = {ENV_SERVER_IMPORT: "full"}
 #: ``role:index`` of the task the agent runs (``ps:0``).
 ENV_TASK = "PSGUARD_TASK"
 #: Set by the chief's agent for its trainer when the PS run under agents that keep their shards: JSON

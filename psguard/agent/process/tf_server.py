@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
+import importlib.util
 import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import types
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Protocol, cast
 
+from psguard.handoff.contract import ENV_SERVER_IMPORT
 from psguard.handoff.standby import is_standby, wait_for_go
 
 _PR_SET_PDEATHSIG = 1
@@ -55,6 +61,78 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class _ServerApi(Protocol):
+    def TF_NewServer(self, server_def: bytes) -> Any: ...  # TF's C API names
+    def TF_ServerStart(self, server: Any) -> None: ...
+    def TF_ServerJoin(self, server: Any) -> None: ...
+    def TF_ServerTarget(self, server: Any) -> str: ...
+
+
+def lean_import_allowed(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process may load TF's server without ``import tensorflow``.
+
+    ``import tensorflow`` costs 9-10 s of CPU on the 2-core machines we measured (Keras 3 alone pulls in
+    matplotlib), yet a task that only serves needs the C++ runtime with its kernels and the ServerDef protos: 1 s.
+    Every PS and worker start, restart and warm standby pays that import, on the critical path of a cold restart.
+    The full import also loads device plugins (``tensorflow-plugins``, ``TF_PLUGGABLE_DEVICE_LIBRARY_PATH``) and
+    modular filesystems; where any of those is configured the full import is kept, as it is when the user asks.
+    """
+    if environ.get(ENV_SERVER_IMPORT, "").lower() == "full":
+        return False
+    if environ.get("TF_PLUGGABLE_DEVICE_LIBRARY_PATH"):
+        return False
+    if environ.get("TF_USE_MODULAR_FILESYSTEM", "0") in ("1", "true"):
+        return False
+    spec = importlib.util.find_spec("tensorflow")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    return not any((Path(p).parent / "tensorflow-plugins").is_dir() for p in spec.submodule_search_locations)
+
+
+def lean_server_api() -> _ServerApi:
+    """TF's server C API with its kernels loaded, without running ``tensorflow/__init__.py``.
+
+    A package object stands in for ``tensorflow`` so that importing its submodules does not execute the
+    package's ``__init__`` (Python imports a parent before its children). ``pywrap_tensorflow`` loads the runtime
+    library that registers every kernel; what it lacks against a full import is checked by the unit tests
+    (the kernel registry of both, compared). Only for a process that serves and never runs TF's Python API.
+    """
+    spec = importlib.util.find_spec("tensorflow")
+    assert spec is not None and spec.submodule_search_locations is not None
+    package = types.ModuleType("tensorflow")
+    package.__path__ = list(spec.submodule_search_locations)
+    package.__file__ = spec.origin
+    sys.modules["tensorflow"] = package
+    importlib.import_module("tensorflow.python.pywrap_tensorflow")
+    return cast(_ServerApi, importlib.import_module("tensorflow.python.client.pywrap_tf_session"))
+
+
+def server_def(spec: Mapping[str, Any], job: str, index: int, protocol: str) -> bytes:
+    """The serialized ``tf.train.ServerDef`` that ``tf.distribute.Server(ClusterSpec(spec), ...)`` builds.
+
+    ``spec`` maps each job to a list of addresses (task i at position i) or to ``{index: address}``, as
+    ``tf.train.ClusterSpec`` accepts. Importing the protos needs the ``tensorflow`` package stand-in or TF itself.
+    """
+    from tensorflow.core.protobuf import cluster_pb2, tensorflow_server_pb2
+
+    cluster = cluster_pb2.ClusterDef()
+    for name in sorted(spec):
+        tasks = spec[name]
+        job_def = cluster.job.add(name=name)
+        pairs = enumerate(tasks) if isinstance(tasks, list) else ((int(k), v) for k, v in dict(tasks).items())
+        for i, address in pairs:
+            job_def.tasks[i] = address
+    if job not in spec:
+        raise ValueError(f"job {job!r} is not in the cluster spec (jobs: {sorted(spec)})")
+    if index not in {int(i) for j in cluster.job if j.name == job for i in j.tasks}:
+        raise ValueError(f"task {job}:{index} is not in the cluster spec")
+    return bytes(
+        tensorflow_server_pb2.ServerDef(
+            cluster=cluster, job_name=job, task_index=index, protocol=protocol
+        ).SerializeToString()
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.parent_pid:
@@ -63,22 +141,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     spec = json.loads(args.cluster_spec)
 
-    import tensorflow as tf  # late: importing costs 2.5-5 s, and --help should not pay it
+    # Late: importing costs 1 s lean, 9-10 s full, and --help should pay neither.
+    if lean_import_allowed():
+        try:
+            api = lean_server_api()
+        except (ImportError, AttributeError, OSError) as e:
+            # A TF whose layout the lean start does not know: start again the way TF documents.
+            print(f"psguard server: lean start failed ({e!r}); importing tensorflow", file=sys.stderr, flush=True)
+            args_again = list(sys.argv[1:] if argv is None else argv)
+            env = {**os.environ, ENV_SERVER_IMPORT: "full"}
+            os.execve(sys.executable, [sys.executable, "-m", __spec__.name if __spec__ else __name__, *args_again], env)
+        definition = server_def(spec, args.job, args.index, args.protocol)
+        # A warm standby (psguard.agent.process.standby): everything but the bind is done; serve only when told.
+        if is_standby() and not wait_for_go():
+            return 0
+        server = api.TF_NewServer(definition)
+        api.TF_ServerStart(server)
+        target = api.TF_ServerTarget(server)
+        join: Callable[[], None] = lambda: api.TF_ServerJoin(server)  # noqa: E731
+    else:
+        import tensorflow as tf
 
-    cluster = tf.train.ClusterSpec(spec)
-    # A warm standby (psguard.agent.process.standby): everything but the bind is done; serve only when told to.
-    if is_standby() and not wait_for_go():
-        return 0
-    server = tf.distribute.Server(
-        cluster,
-        job_name=args.job,
-        task_index=args.index,
-        protocol=args.protocol,
-        start=True,
-    )
+        cluster = tf.train.ClusterSpec(spec)
+        if is_standby() and not wait_for_go():
+            return 0
+        full = tf.distribute.Server(
+            cluster, job_name=args.job, task_index=args.index, protocol=args.protocol, start=True
+        )
+        target, join = full.target, full.join
     # One line for the log file; readiness itself is observed on the port by whoever waits for us.
-    print(f"psguard server {args.job}:{args.index} serving {server.target} pid {os.getpid()}", flush=True)
-    server.join()
+    print(f"psguard server {args.job}:{args.index} serving {target} pid {os.getpid()}", flush=True)
+    join()
     return 0
 
 
