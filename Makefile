@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml Makefile
 	# tf-keras depends on the full `tensorflow` wheel; tensorflow-cpu already provides it, so skip its deps.
 	# Its minor version must be TensorFlow's.
 	$(BIN)/python -m pip install -q --no-deps "tf-keras==$$($(BIN)/python -c 'import importlib.metadata as m; print(m.version("tensorflow-cpu").rsplit(".", 1)[0])').*"
-	# Libraries whose job styles tests/cluster/test_job_styles.py runs: Model Garden's orbit (in tf-models-no-deps)
+	# Libraries whose job styles tests/cluster/e2e/test_job_styles.py runs: Model Garden's orbit (in tf-models-no-deps)
 	# and TensorFlow Recommenders. Both declare the full `tensorflow` wheel (tf-models-no-deps some 25 more: opencv,
 	# pandas, kaggle, ...), yet orbit and tensorflow_recommenders import only TensorFlow, tf_keras, absl-py and numpy,
 	# which are here: skip their deps.
@@ -67,7 +67,7 @@ chaos: $(STAMP) hdfs-runtime
 
 # The CI smoke set (kill-ps, kill-worker, corrupt-chunk): 8-12 minutes on 2 cores.
 chaos-smoke: $(STAMP)
-	$(BIN)/python -m pytest -q tests/cluster/test_chaos_smoke.py
+	$(BIN)/python -m pytest -q tests/cluster/e2e/test_chaos_smoke.py
 
 bench: $(STAMP)
 	$(BIN)/psguard bench store

@@ -23,24 +23,33 @@ from tests.support.processes import ALLOWED_PIDS, allow_new_children, children, 
 _ALLOWED_THREAD_PREFIXES = ("fsspecIO", "asyncio_", "pydevd", "Dummy-", "ThreadPoolExecutor-")
 
 #: The folder of the tests that start TensorFlow clusters, agents or trainers (from the repository's root, as
-#: xdist's node ids are). Under ``make test`` (``pytest -n 2 --dist loadgroup``) they run one after another in
-#: one worker while the other takes every other test: two clusters at once overload a 2-core machine (load 11,
-#: slower than one at a time, and timing-sensitive waits fail).
+#: xdist's node ids are). Under ``make test`` (``pytest -n 2 --dist loadgroup``) each folder in it is one lane: its
+#: tests run one after another in one worker. Two lanes of clusters run at once (tests/cluster/ itself, and
+#: tests/cluster/e2e/: whole jobs run through the CLI), the other worker taking every other test once its lane is
+#: done. More than two clusters at once overload a 2-core machine and timing-sensitive waits fail.
 CLUSTER_DIR = "tests/cluster/"
 
 
+def cluster_lane(nodeid: str) -> str:
+    """The lane of a test: its folder when it is under tests/cluster/, else the test alone."""
+    if not nodeid.startswith(CLUSTER_DIR):
+        return nodeid
+    return nodeid.split("::", 1)[0].rsplit("/", 1)[0] + "/"
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadgroup`` with one group made here, by folder (xdist's own ``xdist_group`` markers do not reach
-    its scheduler under pytest 9): every test under tests/cluster/ is one unit of work, every other test its own."""
+    """``--dist loadgroup`` with the groups made here, by folder (xdist's own ``xdist_group`` markers do not reach
+    its scheduler under pytest 9): every folder under tests/cluster/ is one unit of work, every other test its own.
+    xdist hands out the largest units first, so both cluster lanes start at once."""
     if config.getoption("dist") != "loadgroup":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
-    class ClusterLane(LoadScopeScheduling):  # type: ignore[misc]
+    class ClusterLanes(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
-            return "cluster" if nodeid.startswith(CLUSTER_DIR) else nodeid
+            return cluster_lane(nodeid)
 
-    return ClusterLane(config, log)
+    return ClusterLanes(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """train.py after the one-line change: psguard.CheckpointManager instead of tf.train.CheckpointManager.
 
-Nothing else differs (tests/cluster/test_examples.py checks that). Give psguard wrap the same URL as --store, so the
+Nothing else differs (tests/cluster/e2e/test_examples.py checks that). Give psguard wrap the same URL as --store, so the
 chief's agent keeps the memory tier and writes the durable log there:
 
     psguard wrap --ps 1 --workers 1 --store /tmp/ckpt -- python train_psguard.py --checkpoint-dir /tmp/ckpt

@@ -1,6 +1,6 @@
 """train.py after the one-line change: psguard.keras.CheckpointCallback instead of BackupAndRestore.
 
-Nothing else differs (tests/cluster/test_examples.py checks that). BackupAndRestore saves only at epoch ends under
+Nothing else differs (tests/cluster/e2e/test_examples.py checks that). BackupAndRestore saves only at epoch ends under
 ParameterServerStrategy, writes whole checkpoints to a local path and deletes them when fit succeeds; the
 psguard callback saves the changed rows every N steps to any store URL and resumes fit where it stood. Give
 psguard wrap the same URL as --store, so the chief's agent keeps the memory tier and the durable log:
