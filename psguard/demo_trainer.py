@@ -106,6 +106,14 @@ def variables_digest(model: Any, optimizer: Any) -> dict[str, str]:
     return out
 
 
+def timed_digest(model: Any, optimizer: Any) -> tuple[dict[str, str], float]:
+    """:func:`variables_digest` and the seconds it took: the harness's own time, which the chaos report keeps out
+    of psguard's figures (goodput), since a user's job does not digest its variables."""
+    t0 = time.perf_counter()
+    taken = variables_digest(model, optimizer)
+    return taken, time.perf_counter() - t0
+
+
 #: The compiled fingerprint function per set of shards (a restored job has new variables; slots appear late).
 _FINGERPRINTS: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
 
@@ -188,8 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     progress.emit("start", pid=os.getpid(), target=args.steps, memory_every=args.memory_every,
                   durable_every=args.durable_every, chunk=args.chunk)  # fmt: skip
 
-    def digest(job_model: Any, job_optimizer: Any) -> dict[str, str] | None:
-        return variables_digest(job_model, job_optimizer) if args.digest else None
+    def digest(job_model: Any, job_optimizer: Any) -> dict[str, Any]:
+        """The digest fields of a capture or restore record (none without --digest)."""
+        if not args.digest:
+            return {"digest": None}
+        taken, seconds = timed_digest(job_model, job_optimizer)
+        return {"digest": taken, "harness_seconds": round(seconds, 4)}
 
     def build() -> Job:
         with strategy.scope():
@@ -212,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         state["memory"] = state["durable"] = restored.step if restored is not None else None
         if restored is not None:
             progress.op("ok", "restore", step=restored.step, source=restored.source, id=restored.id,
-                        digest=digest(model, optimizer))  # fmt: skip
+                        **digest(model, optimizer))  # fmt: skip
             progress.emit("restored", source=restored.source, step=restored.step, id=restored.id)
         else:
-            progress.op("ok", "restore", step=0, source=None, id=None, digest=digest(model, optimizer))
+            progress.op("ok", "restore", step=0, source=None, id=None, **digest(model, optimizer))
         return Job(model, optimizer, trainer, manager)
 
     def due(last: int | None, every: int, step: int) -> bool:
@@ -225,16 +237,14 @@ def main(argv: list[str] | None = None) -> int:
         durable = due(state["durable"], args.durable_every, step)
         tiers = frozenset({Tier.MEMORY, Tier.DURABLE} if durable else {Tier.MEMORY})
         progress.op("invoke", "capture", step=step, tiers=sorted(str(t) for t in tiers))
-        taken: dict[str, str] | None = None
+        taken: dict[str, Any] = {"digest": None}
         try:
             taken = digest(job.model, job.optimizer)  # the cluster is drained: this is the state captured next
             handle = job.manager.save(step, tiers=tiers)
         except Exception as e:  # it may have reached the agent's memory tier before the failure: unknown
-            progress.op(
-                "info", "capture", step=step, digest=taken, error=str(e).splitlines()[0][:300] if str(e) else ""
-            )
+            progress.op("info", "capture", step=step, error=str(e).splitlines()[0][:300] if str(e) else "", **taken)
             raise
-        progress.op("ok", "capture", step=step, stall=handle.stall_seconds, digest=taken)
+        progress.op("ok", "capture", step=step, stall=handle.stall_seconds, **taken)
         progress.op("invoke", "memory-commit", step=step)
         try:
             if hasattr(handle, "restorable"):

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from psguard.demo_trainer import Progress, variables_digest
+    from psguard.demo_trainer import Progress, timed_digest
     from psguard.ports import port_open
 
     progress = Progress(args.progress, fsync=True)
@@ -67,14 +67,15 @@ def main(argv: list[str] | None = None) -> int:
         path = manager.restore_or_initialize()
         step = int(model.step.numpy())
         trainer.next_index = step
+        digest, seconds = timed_digest(model, optimizer)
         progress.op("ok", "restore", step=step, source="durable" if path else None, id=path,
-                    digest=variables_digest(model, optimizer))  # fmt: skip
+                    digest=digest, harness_seconds=round(seconds, 4))  # fmt: skip
         saved = step if path else None
         while step < args.steps:
             if saved is None or step - saved >= args.durable_every:
                 progress.op("invoke", "capture", step=step, tiers=["durable"])
-                digest = variables_digest(model, optimizer)
-                progress.op("ok", "capture", step=step, digest=digest)
+                digest, seconds = timed_digest(model, optimizer)
+                progress.op("ok", "capture", step=step, digest=digest, harness_seconds=round(seconds, 4))
                 progress.op("invoke", "durable-commit", step=step)
                 saved_path = manager.save(checkpoint_number=step)
                 progress.op("ok", "durable-commit", step=step, id=saved_path)

@@ -20,19 +20,32 @@ __all__ = ["goodput", "write_report", "write_side_by_side"]
 
 
 def goodput(ops: Sequence[Op], target: int | None) -> dict[str, Any]:
-    """Useful steps per second of training wall time, and the share of trained steps that were kept."""
+    """Useful steps per second of training wall time, and the share of trained steps that were kept.
+
+    The harness's own time is left out: the trainers digest every variable at each capture and restore to prove
+    restores exact (``harness_seconds`` in those records), which a user's job does not do. psguard's side digests
+    at every memory capture, the plain-TF side only at its saves, so counting it would charge psguard for the
+    harness.
+    """
     trains = [o for o in ops if o.f == "train" and o.process.startswith("trainer")]
     ok = [o for o in trains if o.type == "ok" and o.end is not None]
     if not ok:
         return {"steps_per_second": None, "seconds": None, "steps_trained": 0, "useful_fraction": None}
     start = min(o.start for o in trains)
     reached = next((o for o in ok if target is not None and int(o.value["step"]) >= target), ok[-1])
-    seconds = (reached.end or reached.start) - start
+    end = reached.end or reached.start
+    harness = sum(
+        float(o.value.get("harness_seconds") or 0.0)
+        for o in ops
+        if o.process.startswith("trainer") and start <= o.start <= end
+    )
+    seconds = end - start - harness
     final = int(reached.value["step"])
     trained = sum(int(o.value.get("steps", 0)) for o in trains)  # every chunk scheduled, kept or lost
     return {
         "steps_per_second": final / seconds if seconds > 0 else None,
         "seconds": seconds,
+        "harness_seconds": harness,
         "final_step": final,
         "steps_scheduled": trained,
         "useful_fraction": final / trained if trained else None,
@@ -95,7 +108,8 @@ def _markdown(report: Mapping[str, Any]) -> str:
     g = report["goodput"]
     if g.get("steps_per_second") is not None:
         lines += ["", f"Goodput: {g['steps_per_second']:.1f} steps/s over {g['seconds']:.1f}s of training; "
-                  f"{g['useful_fraction']:.0%} of scheduled steps kept."]  # fmt: skip
+                  f"{g['useful_fraction']:.0%} of scheduled steps kept (the harness's own "
+                  f"{g.get('harness_seconds', 0.0):.1f}s of digests left out)."]  # fmt: skip
     if report.get("wall_seconds") is not None:
         lines += [f"Wall time: {report['wall_seconds']:.0f}s."]
     return "\n".join(lines) + "\n"

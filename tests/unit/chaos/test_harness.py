@@ -19,6 +19,7 @@ import pytest
 from psguard.chaos.checkers import check_all, fault_outcomes, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, operations, read_history
 from psguard.chaos.nemesis import damage_chunk
+from psguard.chaos.report import goodput
 from psguard.chaos.scenario import Scenario, load_scenario
 from psguard.config import from_data
 from psguard.errors import ConfigError
@@ -454,3 +455,22 @@ def test_a_hang_fault_targets_the_chief_only() -> None:
     assert Fault(action="hang", target="chief", at_step=10).action == "hang"
     with pytest.raises(ConfigError, match="chief for hang"):
         Fault(action="hang", target="ps:0", at_step=10)
+
+
+def test_goodput_leaves_the_harness_digests_out() -> None:
+    """The trainers' restore-exact digests are the harness's time, not training's: 10 steps in 3 s of which 1 s
+    digesting is 5 steps/s, and a record without harness_seconds (a user's job) counts as none."""
+    records = [
+        Record(0, 0.0, T, "invoke", "train", {"step": 0, "steps": 5}),
+        Record(1, 1.0, T, "ok", "train", {"step": 5}),
+        Record(2, 1.0, T, "invoke", "capture", {"step": 5}),
+        Record(3, 2.0, T, "ok", "capture", {"step": 5, "harness_seconds": 1.0}),
+        Record(4, 2.0, T, "invoke", "train", {"step": 5, "steps": 5}),
+        Record(5, 3.0, T, "ok", "train", {"step": 10}),
+    ]
+    g = goodput(operations(records), 10)
+    assert g["harness_seconds"] == 1.0 and g["seconds"] == 2.0 and g["steps_per_second"] == 5.0
+    plain = [
+        r if r.f != "capture" or r.type != "ok" else Record(3, 2.0, T, "ok", "capture", {"step": 5}) for r in records
+    ]
+    assert goodput(operations(plain), 10)["steps_per_second"] == pytest.approx(10 / 3)
