@@ -49,20 +49,28 @@ NORMAL_FACTOR = 3.0
 Stretch = tuple[float, float, int]
 
 
-def seconds_per_step(stretches: Iterable[Stretch]) -> float | None:
-    """The median seconds per step over ``stretches``, each measured from the end of the one before."""
+def seconds_per_step(
+    stretches: Iterable[Stretch], *, excluded: Callable[[float, float], float] | None = None
+) -> float | None:
+    """The median seconds per step over ``stretches``, each measured from the end of the one before
+    (``excluded`` as in :func:`back_to_normal`)."""
     rates: list[float] = []
     prev_end: float | None = None
     for start, end, steps in stretches:
         begin = start if prev_end is None else prev_end
         if steps > 0:
-            rates.append((end - begin) / steps)
+            rates.append((end - begin - (excluded(begin, end) if excluded is not None else 0.0)) / steps)
         prev_end = end
     return median(rates) if rates else None
 
 
 def back_to_normal(
-    stretches: Iterable[Stretch], normal: float | None, *, not_before: float, factor: float = NORMAL_FACTOR
+    stretches: Iterable[Stretch],
+    normal: float | None,
+    *,
+    not_before: float,
+    factor: float = NORMAL_FACTOR,
+    excluded: Callable[[float, float], float] | None = None,
 ) -> float | None:
     """When training ran at normal speed again after a fault: the end of the first stretch that ends after
     ``not_before`` and ran no slower than ``factor`` x ``normal`` seconds per step, counting the time since
@@ -70,7 +78,8 @@ def back_to_normal(
 
     ``stretches``: those after the fault, in order. ``not_before``: e.g. the end of the first capture after the
     restore (a recovery is not over while the first capture is still tracing or reading the whole model).
-    ``None`` when it never happened (or no ``normal`` speed is known).
+    ``None`` when it never happened (or no ``normal`` speed is known). ``excluded(begin, end)``: seconds of that
+    span that are not the job's (the chaos harness's own digests), left out of its pace.
     """
     if normal is None:
         return None
@@ -78,7 +87,8 @@ def back_to_normal(
     for start, end, steps in stretches:
         begin = start if prev_end is None else prev_end
         prev_end = end
-        if end >= not_before and steps > 0 and (end - begin) / steps <= factor * normal:
+        spent = end - begin - (excluded(begin, end) if excluded is not None else 0.0)
+        if end >= not_before and steps > 0 and spent / steps <= factor * normal:
             return end
     return None
 

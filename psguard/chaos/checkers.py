@@ -287,8 +287,15 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
         return f.value.get("fault"), f.value.get("at_step")  # ``ps:*`` is one fault on every PS
 
     captures = ctx.trainer("capture", "ok")
+    digests = [(o.start, float(o.value.get("harness_seconds") or 0.0)) for o in [*captures, *restores]]
+
+    def harness(begin: float, end: float) -> float:
+        """The trainer's restore-exact digests in [begin, end): the harness's time, not the job's."""
+        return sum(seconds for at, seconds in digests if begin <= at < end)
+
     first_fault = min((f.start for f in faults), default=float("inf"))
-    normal = seconds_per_step(_stretches([o for o in trains if o.end is not None and o.end < first_fault][2:]))
+    before = _stretches([o for o in trains if o.end is not None and o.end < first_fault][2:])
+    normal = seconds_per_step(before, excluded=harness)
 
     rows: list[dict[str, Any]] = []
     for i, fault in enumerate(faults):
@@ -321,7 +328,9 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
         # Back at normal speed: after the first capture that followed the restore (its stall counts).
         since = restore.end if restore is not None and restore.end is not None else t
         first_capture = next((c.end for c in captures if c.start >= since and c.end is not None), since)
-        normal_at = back_to_normal(_stretches([o for o in trains if o.start >= t]), normal, not_before=first_capture)
+        normal_at = back_to_normal(
+            _stretches([o for o in trains if o.start >= t]), normal, not_before=first_capture, excluded=harness
+        )
         rows.append(
             {"op": fault, "t": t, "heal": heal, "resumed": resumed, "restore": restore, "bound": bound,
              "normal_at": normal_at}

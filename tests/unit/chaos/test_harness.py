@@ -474,3 +474,36 @@ def test_goodput_leaves_the_harness_digests_out() -> None:
         r if r.f != "capture" or r.type != "ok" else Record(3, 2.0, T, "ok", "capture", {"step": 5}) for r in records
     ]
     assert goodput(operations(plain), 10)["steps_per_second"] == pytest.approx(10 / 3)
+
+
+def test_recovery_does_not_count_the_harness_digests_as_the_jobs_time() -> None:
+    """A capture slowed by 3 s of the harness's digest (harness_seconds) is not a slow job: back at normal speed
+    with the first chunk after it, where the same 3 s spent by psguard would delay it (test above)."""
+    h = H(target=35)
+    h.restore(0, source=None)
+    for step in range(0, 20, 5):
+        h.t += 1.0  # each chunk trains for about a second
+        h.train(step, step + 5)
+    h.commit(20, durable=True)
+    h.fault()
+    fault_at = h.t
+    h.restore(20)
+    h.t += 1.0
+    h.train(20, 25)
+    h.rec(T, "invoke", "capture", {"step": 25})
+    h.t += 3.0
+    h.rec(T, "ok", "capture", {"step": 25, "digest": {"*": "d25"}, "harness_seconds": 3.0})
+    h.op(T, "memory-commit", {"step": 25}, {"step": 25})
+    h.t += 1.0
+    h.train(25, 30)
+    normal_at = h.t
+    h.t += 1.0
+    h.train(30, 35)
+    h.finish()
+    assert fault_outcomes(h.records)[0]["recovery_seconds"] == pytest.approx(normal_at - fault_at)
+    # Without harness_seconds the same history is a slow job: not yet back at normal speed there.
+    plain = [
+        r if not (r.f == "capture" and r.type == "ok") else Record(r.index, r.time, r.process, r.type, r.f, {})
+        for r in h.records
+    ]
+    assert fault_outcomes(plain)[0]["recovery_seconds"] > normal_at - fault_at + 0.5
