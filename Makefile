@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-compat dist lint typecheck bench clean hdfs-runtime chaos chaos-smoke
+.PHONY: demo test test-fast test-compat dist lint typecheck bench clean hdfs-runtime prometheus-runtime chaos chaos-smoke
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,10 @@ $(STAMP): pyproject.toml Makefile
 hdfs-runtime: $(STAMP)
 	$(BIN)/python -m psguard.testbed.hdfs prepare
 
+# Debian's Prometheus binaries (promtool tests the shipped alerts), unpacked into ~/.cache/psguard/prometheus once.
+prometheus-runtime: $(STAMP)
+	$(BIN)/python -m psguard.testbed.prometheus prepare
+
 demo: $(STAMP)
 	$(BIN)/psguard demo
 
@@ -37,7 +41,7 @@ typecheck: $(STAMP)
 
 # Two test processes: the tests that start TensorFlow clusters (tests/cluster/; tests/conftest.py groups them) run
 # one at a time in one of them, everything else in the other. Tests marked `serial` (they judge time or load) run afterwards, alone.
-test: lint typecheck hdfs-runtime
+test: lint typecheck hdfs-runtime prometheus-runtime
 	$(BIN)/python -m pytest -q -m 'not compat and not serial' -n 2 --dist loadgroup --durations=25
 	$(BIN)/python -m pytest -q -m 'serial and not compat' --durations=10
 

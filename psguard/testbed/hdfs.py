@@ -161,11 +161,16 @@ def _quiet(msg: str) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def default_cache_dir() -> Path:
-    """``$PSGUARD_CACHE/hadoop`` when set (CI points it at a cached folder), else ``~/.cache/psguard/hadoop``."""
+def cache_root() -> Path:
+    """``$PSGUARD_CACHE`` when set (CI points it at a cached folder), else ``~/.cache/psguard``: the testbed's
+    downloads (Hadoop here, Prometheus in :mod:`psguard.testbed.prometheus`)."""
     root = os.environ.get("PSGUARD_CACHE")
-    base = Path(root).expanduser() if root else Path.home() / ".cache" / "psguard"
-    return base / "hadoop"
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "psguard"
+
+
+def default_cache_dir() -> Path:
+    """``<cache_root>/hadoop``."""
+    return cache_root() / "hadoop"
 
 
 def _runtime_dir(cache_dir: Path | None) -> Path:

@@ -64,7 +64,6 @@ NOT_YET = frozenset(
         "psguard.chaos.baseline",
         "psguard.chaos.baseline_trainer",
         "psguard.chaos.cli",
-        "psguard.chaos.report",
         "psguard.chaos.runner",
         "psguard.demo",
         "psguard.demo_trainer",

@@ -270,3 +270,34 @@ def test_checkpoint_age_thresholds_follow_the_default_policy() -> None:
             assert interval is not None and 2 * interval <= threshold <= 4 * interval, rule["alert"]
             seen.add(tier)
     assert seen == {"memory", "durable"}
+
+
+# ------------------------------------------------------------------------------------------------ promtool
+@pytest.fixture(scope="module")
+def promtool() -> Path:
+    from psguard.testbed.prometheus import promtool as find
+
+    return find()
+
+
+def test_promtool_accepts_the_alert_rules_and_their_templates(promtool: Path) -> None:
+    done = subprocess.run([str(promtool), "check", "rules", str(ALERTS)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(_alert_rules())} rules found" in done.stdout
+
+
+def test_each_alert_fires_on_its_fault_and_not_on_a_healthy_agent(promtool: Path, tmp_path: Path) -> None:
+    """promtool's unit tests (alerts_test.yaml beside this file), against the shipped rules without their
+    annotations (exp_alerts would otherwise repeat every description). They caught PsguardRecoverySlow comparing
+    a series with ``le`` to one without: it could never fire."""
+    rules = yaml.safe_load(ALERTS.read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "alerts.yaml").write_text(yaml.safe_dump(rules))
+    tests = Path(__file__).with_name("alerts_test.yaml")
+    (tmp_path / tests.name).write_text(tests.read_text())
+    done = subprocess.run([str(promtool), "test", "rules", tests.name], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    tested = {t["alertname"] for case in yaml.safe_load(tests.read_text())["tests"] for t in case["alert_rule_test"]}
+    assert tested == {r["alert"] for r in _alert_rules()}  # every alert has its test
