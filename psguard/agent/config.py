@@ -77,6 +77,10 @@ class AgentConfig:
     storage_options: Mapping[str, str] = field(default_factory=dict)
     spool: str | None = None
     task_log: str | None = None  # append the task's output here (default: the agent's own stdout/stderr)
+    # The task log's bound: past task_log_max_mb it is copied to <task_log>.1 and truncated, task_log_keep
+    # copies kept (psguard/agent/process/task_log.py); at most (keep + 1) x max on the node.
+    task_log_max_mb: int = 100
+    task_log_keep: int = 3
     # Where the agent records its task's process tree, so that its successor kills what survives a SIGKILL of
     # this agent (default: /dev/shm/psguard-<job>-agents, a tmpfs cleared at boot like the processes).
     state_dir: str | None = None

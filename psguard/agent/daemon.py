@@ -264,6 +264,8 @@ class Agent:
                 name=self.task,
                 on_event=self.recovery.on_supervisor_event,
                 log_path=cfg.task_log,
+                log_max_bytes=cfg.task_log_max_mb * 2**20,
+                log_keep=cfg.task_log_keep,
                 record=task_record(cfg, self.task),
                 subreaper=True,
             )

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 from psguard.agent.process import reaper
 from psguard.agent.process.lifecycle import (
@@ -64,6 +64,7 @@ from psguard.agent.process.lifecycle import (
     describe_exit,
 )
 from psguard.agent.process.standby import Standby
+from psguard.agent.process.task_log import TaskLog
 from psguard.agent.process.tree import TaskTree, pdeathsig_prefix
 from psguard.errors import CrashLoopError
 from psguard.handoff.contract import EXIT_OK, EXIT_RESTART
@@ -141,6 +142,8 @@ class Supervisor:
         restart_codes: Sequence[int] = (EXIT_RESTART,),
         on_event: Callable[[SupervisorEvent], None] | None = None,
         log_path: str | os.PathLike[str] | None = None,
+        log_max_bytes: int = 100 * 2**20,
+        log_keep: int = 3,
         pdeathsig: bool = True,
         standby: bool = False,
         standby_delay: float = 5.0,
@@ -170,7 +173,8 @@ class Supervisor:
         self._env = dict(env) if env is not None else None
         self._cwd = cwd
         self._on_event = on_event
-        self._log_path = Path(log_path) if log_path is not None else None
+        # Bounded for a job that runs for weeks: copied and truncated past log_max_bytes (task_log.py).
+        self._log = TaskLog(log_path, max_bytes=log_max_bytes, keep=log_keep) if log_path is not None else None
         self._pdeathsig = pdeathsig
         # The mark of this supervisor's process tree (psguard.agent.process.reaper), the file that records it for the
         # next agent, and the guard that kills the tree when this process dies.
@@ -261,6 +265,8 @@ class Supervisor:
             self._done.set()
             raise
         self._thread.start()
+        if self._log is not None:
+            self._log.start()
         self._first_spawn.wait()
         if self._spawn_error is not None:
             self._thread.join()
@@ -391,6 +397,8 @@ class Supervisor:
                 self._kill_tree(spare_standby=False)
                 self._tree.stop_guard()
                 self._tree.remove_record()
+                if self._log is not None:
+                    self._log.stop()
             finally:
                 self._first_spawn.set()
                 with self._lock:
@@ -494,23 +502,20 @@ class Supervisor:
         if self._cwd is not None and not Path(self._cwd).is_dir():
             raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
         env = {**self._run_env(), **extra_env}
-        log_file: IO[bytes] | None = None
-        if self._log_path is not None:
-            self._log_path.parent.mkdir(parents=True, exist_ok=True)
-            log_file = open(self._log_path, "ab")  # noqa: SIM115 - the child keeps its own copy of the fd
+        log_fd = self._log.open() if self._log is not None else None  # the child keeps its own copy
         try:
             return subprocess.Popen(
                 argv,
                 stdin=stdin,
-                stdout=log_file,
-                stderr=subprocess.STDOUT if log_file is not None else None,
+                stdout=log_fd,
+                stderr=subprocess.STDOUT if log_fd is not None else None,
                 env=env,
                 cwd=self._cwd,
                 start_new_session=True,
             )
         finally:
-            if log_file is not None:
-                log_file.close()
+            if log_fd is not None:
+                os.close(log_fd)
 
     def _spawn(self, reason: str) -> bool:
         """Start one run. False when it failed; the first failure is kept for :meth:`start` to raise."""
