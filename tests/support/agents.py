@@ -28,6 +28,11 @@ supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 5, standby_dela
 peers: {ready_timeout: 120, probe: {interval: 0.5, deadline: 0.5}}
 persister: {retry_after: 1}
 """
+#: FAST for a chief's agent: no warm standby for its trainer (a Python with TensorFlow imported, 10 s of CPU).
+#: At FAST's 1 s delay every chief-agent test paid that import for a standby none of them uses, a large share of
+#: a 2-core CI; restarts here are cold. The warm trainer is tested where it is the subject (test_supervisor.py)
+#: and runs with the default settings in every whole-job test (e2e/: job styles, examples, demo, chaos smoke).
+FAST_CHIEF = FAST.replace("standby_delay: 1, standby_delay_after_restart: 1", "standby: false")
 
 
 class AgentProc:
@@ -39,15 +44,15 @@ class AgentProc:
         self.ready_file = self.dir / "url"
         self.log_path = self.dir / "agent.log"
         config = self.dir / "agent.yaml"
+        role = args[args.index("--role") + 1] if "--role" in args else None
         if not config.exists():
-            config.write_text(FAST)
+            config.write_text(FAST_CHIEF if role == "chief" else FAST)
         if "state_dir:" not in config.read_text():
             # The test's own state folder: agents of other test runs on this machine (same task names, default
             # job) must not see this one's task records.
             config.write_text(config.read_text() + f"state_dir: {tmp / 'agent-state'}\n")
         argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *args, "--config", str(config)]
         argv += ["--ready-file", str(self.ready_file)]
-        role = args[args.index("--role") + 1] if "--role" in args else None
         if role == "ps" and "--spool" not in args:
             # A PS agent keeps its shards in the test's folder, not in /dev/shm/psguard-default-ps-N, which
             # other test runs on this machine would share.
