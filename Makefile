@@ -42,7 +42,7 @@ typecheck: $(STAMP)
 # Two test processes: the tests that start TensorFlow clusters (tests/cluster/; tests/conftest.py groups them) run
 # one at a time in one of them, everything else in the other. Tests marked `serial` (they judge time or load) run afterwards, alone.
 test: lint typecheck hdfs-runtime prometheus-runtime
-	$(BIN)/python -m pytest -q -m 'not compat and not serial' -n 2 --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -q -m 'not compat and not serial' -n 2 --dist loadgroup --durations=60
 	$(BIN)/python -m pytest -q -m 'serial and not compat' --durations=10
 
 test-fast: $(STAMP)
