@@ -44,12 +44,32 @@ def goodput(ops: Sequence[Op], target: int | None) -> dict[str, Any]:
     trained = sum(int(o.value.get("steps", 0)) for o in trains)  # every chunk scheduled, kept or lost
     return {
         "steps_per_second": final / seconds if seconds > 0 else None,
+        "fault_free_steps_per_second": _fault_free_pace(ops, ok),
         "seconds": seconds,
         "harness_seconds": harness,
         "final_step": final,
         "steps_scheduled": trained,
         "useful_fraction": final / trained if trained else None,
     }
+
+
+def _fault_free_pace(ops: Sequence[Op], ok: Sequence[Op]) -> float | None:
+    """Steps per second before the first fault, the harness's digests left out: the price of checkpointing
+    itself (captures and saves between the chunks count), comparable between psguard and plain TF. The first
+    two chunks are warm-up (tracing), as for the checkers' normal speed."""
+    first_fault = min((o.start for o in ops if o.process == "nemesis"), default=float("inf"))
+    calm = [o for o in ok if (o.end or 0.0) < first_fault][2:]
+    if len(calm) < 2:
+        return None
+    begin, end = calm[0].end or calm[0].start, calm[-1].end or calm[-1].start
+    harness = sum(
+        float(o.value.get("harness_seconds") or 0.0)
+        for o in ops
+        if o.process.startswith("trainer") and begin <= o.start < end
+    )
+    steps = sum(int(o.invoke.value.get("steps", 0)) for o in calm[1:])
+    seconds = end - begin - harness
+    return steps / seconds if seconds > 0 and steps > 0 else None
 
 
 def write_report(
@@ -126,6 +146,9 @@ def _side_by_side(report: Mapping[str, Any]) -> str:
     rows.append(
         f"| goodput (steps/s) | {fmt(g.get('steps_per_second'), '.1f')} | {fmt(bg.get('steps_per_second'), '.1f')} |"
     )
+    ours, theirs = g.get("fault_free_steps_per_second"), bg.get("fault_free_steps_per_second")
+    ratio = f" ({ours / theirs:.0%} of plain TF's)" if ours and theirs else ""
+    rows.append(f"| steps/s before the first fault | {fmt(ours, '.1f')}{ratio} | {fmt(theirs, '.1f')} |")
     rec = [f["recovery_seconds"] for f in report["faults"]]
     brec = [f["recovery_seconds"] for f in b["faults"]]
     rows.append(f"| recovery s per fault | {_list(rec)} | {_list(brec)} |")

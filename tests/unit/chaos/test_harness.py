@@ -507,3 +507,28 @@ def test_recovery_does_not_count_the_harness_digests_as_the_jobs_time() -> None:
         for r in h.records
     ]
     assert fault_outcomes(plain)[0]["recovery_seconds"] > normal_at - fault_at + 0.5
+
+
+def test_the_pace_before_the_first_fault_counts_captures_but_not_the_harness() -> None:
+    """Chunks of 5 steps every 1 s with a capture between (psguard's cost: counted) taking 0.5 s of which 0.3 s
+    was the harness's digest (not counted); two warm-up chunks skipped; nothing after the fault."""
+    records: list[Record] = []
+    t = 0.0
+
+    def rec(process: str, type: str, f: str, value: dict[str, Any]) -> None:
+        records.append(Record(len(records), t, process, type, f, value))
+
+    for i in range(6):
+        rec(T, "invoke", "train", {"step": 5 * i, "steps": 5})
+        t += 1.0
+        rec(T, "ok", "train", {"step": 5 * i + 5})
+        rec(T, "invoke", "capture", {"step": 5 * i + 5})
+        t += 0.5
+        rec(T, "ok", "capture", {"step": 5 * i + 5, "harness_seconds": 0.3})
+    rec("nemesis", "invoke", "kill", {"target": "ps:0"})
+    rec("nemesis", "ok", "kill", {"target": "ps:0"})
+    rec(T, "invoke", "train", {"step": 30, "steps": 5})
+    t += 30.0  # the recovery: not part of the fault-free pace
+    rec(T, "ok", "train", {"step": 35})
+    pace = goodput(operations(records), 35)["fault_free_steps_per_second"]
+    assert pace == pytest.approx(5 / 1.2)  # chunks 3-6: 1.0 s training + 0.5 s capture - 0.3 s harness per 5 steps
