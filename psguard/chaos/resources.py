@@ -1,0 +1,140 @@
+"""Resources of a run's processes and folders over time, and whether their growth would exhaust a node in a week.
+
+What a week of training does that minutes of chaos cannot show: memory, threads, open files or child processes
+that creep up per capture or per restart, files left on tmpfs, a store that outgrows its retention. A
+:class:`ResourceSampler` samples, every few seconds, each process of the run by its role (``agent:chief``,
+``server:ps:0``, ``trainer``; pids change across restarts, roles do not) and each folder that must stay bounded
+(spool, tiers, store, logs). :func:`slope_per_hour` fits a least-squares line after a warm-up, and
+:func:`week_projection` says what that slope makes of the resource in a week, for the soak checkers' bounds.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from psguard.testbed.procs import descendants
+
+__all__ = ["ProcessUsage", "ResourceSampler", "folder_bytes", "process_usage", "slope_per_hour", "week_projection"]
+
+WEEK_HOURS = 168.0
+
+
+@dataclass(frozen=True)
+class ProcessUsage:
+    """One process at one moment: resident memory, threads, open file descriptors, live child processes."""
+
+    rss_bytes: int
+    threads: int
+    fds: int
+    children: int
+
+
+def process_usage(pid: int) -> ProcessUsage | None:
+    """``pid``'s usage from /proc, ``None`` when it is gone (or not ours to read)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fds = len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return None
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    try:
+        rss = int(fields["VmRSS"].split()[0]) * 1024
+        threads = int(fields["Threads"].strip())
+    except (KeyError, ValueError, IndexError):
+        return None  # a zombie has no VmRSS
+    return ProcessUsage(rss, threads, fds, len(descendants(pid)))
+
+
+def folder_bytes(path: Path) -> tuple[int, int]:
+    """Bytes and files under ``path`` (0, 0 when it does not exist); files that vanish meanwhile are skipped."""
+    total = files = 0
+    for root, _dirs, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                continue
+            files += 1
+    return total, files
+
+
+class ResourceSampler:
+    """Samples ``processes()`` (role -> pid, asked anew each time) and ``folders`` every ``every`` seconds into
+    ``record(time, series, value)``: series ``<role>/rss_bytes``, ``<role>/threads``, ``<role>/fds``,
+    ``<role>/children``, ``folder:<name>/bytes`` and ``folder:<name>/files``."""
+
+    def __init__(
+        self,
+        processes: Callable[[], Mapping[str, int]],
+        folders: Mapping[str, Path],
+        record: Callable[[float, str, float], None],
+        *,
+        every: float = 5.0,
+    ) -> None:
+        self._processes = processes
+        self._folders = dict(folders)
+        self._record = record
+        self.every = every
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def sample(self) -> None:
+        now = time.time()
+        for role, pid in sorted(self._processes().items()):
+            usage = process_usage(pid)
+            if usage is None:
+                continue
+            for key in ("rss_bytes", "threads", "fds", "children"):
+                self._record(now, f"{role}/{key}", float(getattr(usage, key)))
+        for name, path in sorted(self._folders.items()):
+            size, files = folder_bytes(path)
+            self._record(now, f"folder:{name}/bytes", float(size))
+            self._record(now, f"folder:{name}/files", float(files))
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="chaos-resources", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.sample()
+            if self._stop.wait(self.every):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=30.0)
+
+
+def slope_per_hour(points: Sequence[tuple[float, float]], *, warmup: float = 0.0) -> float | None:
+    """Least-squares slope (units per hour) of ``(time, value)`` after ``warmup`` seconds from the first point;
+    ``None`` with fewer than 3 points left or no spread in time."""
+    if not points:
+        return None
+    start = min(t for t, _ in points)
+    kept = [(t, v) for t, v in points if t - start >= warmup]
+    if len(kept) < 3:
+        return None
+    mean_t = sum(t for t, _ in kept) / len(kept)
+    mean_v = sum(v for _, v in kept) / len(kept)
+    spread = sum((t - mean_t) ** 2 for t, _ in kept)
+    if spread <= 0:
+        return None
+    return sum((t - mean_t) * (v - mean_v) for t, v in kept) / spread * 3600.0
+
+
+def week_projection(points: Sequence[tuple[float, float]], *, warmup: float = 0.0) -> float | None:
+    """The value a week after the last point if the fitted slope held (never below the last value)."""
+    slope = slope_per_hour(points, warmup=warmup)
+    if slope is None:
+        return None
+    last = max(points)[1]
+    return last + max(0.0, slope) * WEEK_HOURS
