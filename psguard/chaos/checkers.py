@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from psguard.benchmarks.common import Stretch, back_to_normal, seconds_per_step
-from psguard.chaos.history import Op, Record, operations
+from psguard.chaos.history import Op, Record, harness_seconds, operations
 
 __all__ = [
     "CHECKERS",
@@ -287,11 +287,10 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
         return f.value.get("fault"), f.value.get("at_step")  # ``ps:*`` is one fault on every PS
 
     captures = ctx.trainer("capture", "ok")
-    digests = [(o.start, float(o.value.get("harness_seconds") or 0.0)) for o in [*captures, *restores]]
+    timed = [*captures, *restores]  # the records that carry the harness's digest time
 
     def harness(begin: float, end: float) -> float:
-        """The trainer's restore-exact digests in [begin, end): the harness's time, not the job's."""
-        return sum(seconds for at, seconds in digests if begin <= at < end)
+        return harness_seconds(timed, begin, end)
 
     first_fault = min((f.start for f in faults), default=float("inf"))
     before = _stretches([o for o in trains if o.end is not None and o.end < first_fault][2:])

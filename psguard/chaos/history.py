@@ -214,3 +214,13 @@ def operations(records: Iterable[Record]) -> list[Op]:
 def iter_ops(ops: Iterable[Op], f: str | tuple[str, ...], type: str | None = None) -> Iterator[Op]:
     fs = (f,) if isinstance(f, str) else f
     return (o for o in ops if o.f in fs and (type is None or o.type == type))
+
+
+def harness_seconds(ops: Iterable[Op], begin: float, end: float) -> float:
+    """Seconds the trainers spent on the harness's own work (``harness_seconds``: the restore-exact digests)
+    in operations started in ``[begin, end)``: time a user's job would not spend, left out of its pace."""
+    return sum(
+        float(o.value.get("harness_seconds") or 0.0)
+        for o in ops
+        if o.process.startswith("trainer") and begin <= o.start < end
+    )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from psguard.chaos.checkers import FAULTS, HEALS, Verdict, fault_outcomes, overall
-from psguard.chaos.history import Op, Record, operations
+from psguard.chaos.history import Op, Record, harness_seconds, operations
 
 __all__ = ["goodput", "write_report", "write_side_by_side"]
 
@@ -34,11 +34,7 @@ def goodput(ops: Sequence[Op], target: int | None) -> dict[str, Any]:
     start = min(o.start for o in trains)
     reached = next((o for o in ok if target is not None and int(o.value["step"]) >= target), ok[-1])
     end = reached.end or reached.start
-    harness = sum(
-        float(o.value.get("harness_seconds") or 0.0)
-        for o in ops
-        if o.process.startswith("trainer") and start <= o.start <= end
-    )
+    harness = harness_seconds(ops, start, end)
     seconds = end - start - harness
     final = int(reached.value["step"])
     trained = sum(int(o.value.get("steps", 0)) for o in trains)  # every chunk scheduled, kept or lost
@@ -62,11 +58,7 @@ def _fault_free_pace(ops: Sequence[Op], ok: Sequence[Op]) -> float | None:
     if len(calm) < 2:
         return None
     begin, end = calm[0].end or calm[0].start, calm[-1].end or calm[-1].start
-    harness = sum(
-        float(o.value.get("harness_seconds") or 0.0)
-        for o in ops
-        if o.process.startswith("trainer") and begin <= o.start < end
-    )
+    harness = harness_seconds(ops, begin, end)
     steps = sum(int(o.invoke.value.get("steps", 0)) for o in calm[1:])
     seconds = end - begin - harness
     return steps / seconds if seconds > 0 and steps > 0 else None
