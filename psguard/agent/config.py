@@ -16,6 +16,7 @@ from pathlib import Path
 from psguard.agent.control.peers import PeersConfig
 from psguard.agent.process.lifecycle import SupervisorConfig
 from psguard.agent.process.prober import MonitorConfig
+from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.config import Duration
 from psguard.errors import ConfigError
 
@@ -87,6 +88,11 @@ class AgentConfig:
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     probe: MonitorConfig = field(default_factory=MonitorConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
+    peer_copy: PeerCopyConfig = field(default_factory=PeerCopyConfig)
+    # The node this agent runs on: peer copies are never placed on the same node as their original. Default:
+    # $PSGUARD_NODE, else $NODE_NAME (Kubernetes: the pod's spec.nodeName through the downward API), else the
+    # host name.
+    node: str | None = None
     persister: PersistConfig = field(default_factory=PersistConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
     # The agent's exit code after SIGTERM or SIGINT (the task stopped gracefully, the log drained). 0 by default;

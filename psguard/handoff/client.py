@@ -22,7 +22,7 @@ from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL
 from psguard.handoff.credentials import read_secret_file
 from psguard.handoff.tls import client_context, client_context_from_env
 
-__all__ = ["http_json", "read_token", "report_failure", "report_recovery", "restart_ps_servers"]
+__all__ = ["http_json", "http_request", "read_token", "report_failure", "report_recovery", "restart_ps_servers"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +42,26 @@ def http_json(
     :func:`psguard.handoff.tls.client_context_from_env`, else the system store); a TLS failure is an
     ``OSError`` (``ssl.SSLError``) like a refused connection.
     """
+    data = json.dumps(body or {}).encode() if method == "POST" else None
+    status, raw, _ = http_request(method, url, data=data, token=token, timeout=timeout, tls=tls)
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, None
+
+
+def http_request(
+    method: str,
+    url: str,
+    *,
+    data: bytes | None = None,
+    content_type: str = "application/json",
+    token: str | None = None,
+    timeout: float = 10.0,
+    tls: ssl.SSLContext | None = None,
+) -> tuple[int, bytes, str]:
+    """One request to an agent with a raw body: ``(status, body, content type)``; as :func:`http_json`
+    otherwise (the peer copies send and fetch bytes with it)."""
     parts = urllib.parse.urlsplit(url)
     conn: http.client.HTTPConnection
     if parts.scheme == "https":
@@ -49,10 +69,9 @@ def http_json(
         conn = http.client.HTTPSConnection(parts.hostname or "", parts.port, timeout=timeout, context=context)
     else:
         conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
-    headers = {"Content-Type": "application/json"} if method == "POST" else {}
+    headers = {"Content-Type": content_type} if method == "POST" else {}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    data = json.dumps(body or {}).encode() if method == "POST" else None
     try:
         conn.request(method, parts.path or "/", body=data, headers=headers)
         response = conn.getresponse()
@@ -61,10 +80,7 @@ def http_json(
         raise OSError(f"{method} {url}: {e}") from e
     finally:
         conn.close()
-    try:
-        return response.status, json.loads(raw) if raw else None
-    except ValueError:
-        return response.status, None
+    return response.status, raw, response.getheader("Content-Type") or ""
 
 
 def read_token(path: str | None) -> str | None:

@@ -227,6 +227,84 @@ def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, ag
         assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
 
 
+@pytest.mark.slow
+def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, agents: Callable[..., AgentProc]) -> None:
+    """Peer copies on (``peers.copies: full``), each PS agent on its own node: SIGKILL of ps:0 with its agent.
+    The new agent, with an empty tier, takes ps:0's shards from ps:1's copy (verified against ps:0's digests),
+    so the trainer restores the memory tier's newest state, newer than the durable log, and the log written
+    after stays bit-exact with the trainer."""
+    from psguard.ports import free_ports
+    from tests.support.agents import FAST, FAST_CHIEF
+
+    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out, store = tmp_path / "out", tmp_path / "store"
+    ports = free_ports(2)
+    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
+    ps_args = [
+        [*common, "--index", str(i), "--spool", str(tmp_path / f"ps{i}-shards"), "--http-port", str(ports[i])]
+        for i in range(2)
+    ]
+    for i, name in enumerate(("ps0", "ps1", "ps0-again")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "agent.yaml").write_text(FAST + f"node: node-{i % 2}\n")
+    ps = [agents(f"ps{i}", a) for i, a in enumerate(ps_args)]
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(tmp_path / "spool"), *peers]
+    (tmp_path / "chief").mkdir()
+    (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", "peers: {copies: full, "))
+    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "100"])
+
+    def kill_file() -> dict[str, Any] | None:
+        if chief.proc.poll() is not None:
+            raise AssertionError(f"chief agent exited {chief.proc.returncode}:\n{chief.log()}")
+        return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
+
+    wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    trainer = chief.status()["pid"]
+
+    def copy_current() -> bool:
+        held = ps[1].status()["shards"]["copies_held"].get("ps:0") or {}
+        return held.get("token") is not None and held.get("token") == chief.status()["memory_token"]
+
+    def durable_step() -> int:
+        with Store.open(str(store)) as s:
+            return max(c.step for c in s.checkpoints())
+
+    # Stop the trainer (no capture while the fault is set up: the copy is made current, not hoped to be) at a
+    # memory capture newer than the durable log, so that the restore shows where it came from.
+    for _ in range(10):
+        os.kill(trainer, signal.SIGSTOP)
+        wait_until(copy_current, 60, "ps:1's copy of ps:0 at the chief's newest capture")
+        memory_step = chief.status()["memory_step"]
+        if memory_step > durable_step():
+            break
+        os.kill(trainer, signal.SIGCONT)
+        wait_until(lambda: chief.status()["memory_step"] != memory_step, 60, "a newer capture")
+    else:
+        raise AssertionError(f"no memory capture newer than the durable log:\n{chief.log()}")
+    try:
+        server = ps[0].status()["pid"]
+        ps[0].proc.kill()  # the agent and its memory tier
+        os.kill(server, signal.SIGKILL)  # and the PS it ran: the node is gone
+        ps[0].proc.wait()
+    finally:
+        os.kill(trainer, signal.SIGCONT)
+    agents("ps0-again", ps_args[0])  # a new node takes its place, on the same addresses, with an empty tier
+    assert chief.wait_exit(400) == 0, chief.log()
+    second = json.loads((out / "gen-1").read_text())
+    final = json.loads((out / "final").read_text())
+    assert second["restored"] == {"source": "memory", "step": memory_step}, chief.log()
+    assert "event=peer_copy_used task=ps:0 holder=ps:1" in chief.log()
+    with Store.open(str(store)) as s:
+        tensors = s.load(final["checkpoint"])
+        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
+        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+
+
 def _job(tmp_path: Path, agents: Callable[..., AgentProc], name: str, num_ps: int, store: Path, target: int) -> Path:
     """A job of ``num_ps`` PS agents (each keeping its shards), a worker and the chief running TRAINER to
     ``target``, on its own ports and folders, writing to ``store``; returns its output folder once it is done."""

@@ -258,6 +258,7 @@ class AgentHTTPServer:
         self._lock = threading.Lock()
         self._get: dict[str, Handler] = {}
         self._post: dict[str, Handler] = {}
+        self._binary_max: dict[str, int] = {}  # POST routes that take raw bytes, and their limit
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -268,9 +269,15 @@ class AgentHTTPServer:
 
     # ------------------------------------------------------------------------------------------ routes
 
-    def add_post(self, path: str, handler: Handler) -> None:
-        """Serve ``POST path`` with ``handler`` (the ``control`` scope and a JSON content type required)."""
+    def add_post(self, path: str, handler: Handler, *, binary_max: int | None = None) -> None:
+        """Serve ``POST path`` with ``handler`` (the ``control`` scope and a JSON content type required).
+
+        ``binary_max``: the route also takes ``application/octet-stream`` bodies up to that many bytes (the
+        peer copies' data between agents); JSON bodies keep the server's ``max_body``.
+        """
         self._add(self._post, path, handler)
+        if binary_max is not None:
+            self._binary_max[path] = binary_max
 
     def add_get(self, path: str, handler: Handler) -> None:
         """Serve ``GET path`` with ``handler`` (the ``read`` scope required unless ``open_read``)."""
@@ -485,7 +492,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 if handler is None:
                     self._send(self._not_found(agent, path, method))
                     return
-                body = self._read_body(agent.max_body)
+                body = self._read_body(agent.max_body, agent._binary_max.get(path))
                 response = self._call(handler, method, parts, body)
         except RequestError as e:
             response = Response(e.status, {"error": str(e)})
@@ -506,9 +513,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             return Response(405, {"error": f"{method} not allowed on {path}"})
         return Response(404, {"error": f"no such endpoint: {path}"})
 
-    def _read_body(self, limit: int) -> bytes:
+    def _read_body(self, limit: int, binary_max: int | None = None) -> bytes:
         content_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
-        if content_type != "application/json":
+        if binary_max is not None and content_type == "application/octet-stream":
+            limit = binary_max
+        elif content_type != "application/json":
             raise RequestError(415, "POST bodies must be sent as Content-Type: application/json")
         length_text = self.headers.get("Content-Length")
         if length_text is None:

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from psguard.agent.process.prober import MonitorConfig
 from psguard.config import Duration
@@ -31,6 +31,12 @@ class PeersConfig:
     """``peers:``: the chief's agent watches the other agents and restarts the PS servers per generation."""
 
     restart_ps: bool = True  # on every new trainer generation (see the module docstring)
+    # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
+    # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
+    # memory twice over. "none": off.
+    copies: Literal["none", "full"] = "none"
+    # Owner PS task -> the PS task whose agent holds its copy (default: the next PS on another node).
+    copy_placement: Mapping[str, str] = field(default_factory=dict)
     # When the trainer exits 0, tell every peer agent that the job is done (POST /finish): PS and worker agents
     # stop their servers and exit 0, so their pods complete (Kubernetes Jobs). Off by default: psguard wrap,
     # demo and chaos stop their agents themselves.
@@ -71,6 +77,7 @@ class PeerSync:
         self.names: dict[str, str] = {}  # peer URL -> its task's name (``ps:0``), from its /status
         self.part_dirs: dict[str, str] = {}  # PS task -> the part folder its agent keeps shards in (/status)
         self.part_stores: dict[str, bool] = {}  # PS task -> whether its agent can write the durable log
+        self.nodes: dict[str, str | None] = {}  # task -> the node its agent runs on (/status), for peer copies
 
     def sync(self, *, restart_ps: bool, why: str = "", failed_at: float | None = None) -> dict[str, str]:
         """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
@@ -107,6 +114,8 @@ class PeerSync:
                     continue
                 if isinstance(doc.get("task"), str):
                     self.names[url] = doc["task"]
+                    node = doc.get("node")
+                    self.nodes[doc["task"]] = node if isinstance(node, str) else None
                     shards = doc.get("shards")
                     if isinstance(shards, dict) and isinstance(shards.get("folder"), str):
                         self.part_dirs[doc["task"]] = shards["folder"]

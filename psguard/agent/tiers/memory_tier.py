@@ -299,6 +299,16 @@ class MemoryTier:
                 copy_on_write_bytes=self._cow_bytes,
             )
 
+    def gather(self, name: str, ids: np.ndarray) -> np.ndarray | None:
+        """A copy of rows ``ids`` of tensor ``name`` (``None`` when the tier has no such tensor or the ids do not
+        fit): what a delta is about to overwrite, for the peer copy's digest."""
+        with self._lock:
+            arr = self._arrays.get(name)
+            if arr is None or (ids.size and (ids.min() < 0 or ids.max() >= arr.shape[0])):
+                return None
+            out: np.ndarray = arr[ids]
+            return out
+
     def export(self) -> Snapshot:
         """A consistent snapshot for a restore, without copying: release it when written out."""
         with self._lock:

@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +30,16 @@ from typing import Any, Literal
 
 import numpy as np
 
-from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier
+from psguard.agent.tiers.copy_settings import PeerCopyConfig
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot
+from psguard.agent.tiers.peer_copy import (
+    CopyHolder,
+    CopySender,
+    delta_digest,
+    fetch_copy,
+    new_delta,
+    rows_digest,
+)
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir
@@ -62,6 +72,20 @@ def _token(doc: Mapping[str, Any], key: str, *, optional: bool = False) -> str |
     return value
 
 
+def _copy_target(raw: object) -> tuple[str, str] | None:
+    """``copy_to`` of an apply: ``{"task": "ps:1", "url": ...}``, the holder of this PS's copy, or none."""
+    if raw is None:
+        return None
+    if (
+        not isinstance(raw, dict)
+        or not isinstance(raw.get("task"), str)
+        or not isinstance(raw.get("url"), str)
+        or not raw["url"].startswith(("http://", "https://"))
+    ):
+        raise CorruptCheckpointError("bad 'copy_to' in a shard request")
+    return raw["task"], raw["url"]
+
+
 def _step(doc: Mapping[str, Any]) -> int:
     step = doc.get("step")
     if type(step) is not int or not 0 <= step < 1 << 62:
@@ -75,11 +99,32 @@ class ShardKeeper:
     Every public method takes and returns plain JSON (the HTTP handlers pass bodies straight through).
     """
 
-    def __init__(self, folder: str | os.PathLike[str], task: str, *, store: Any = None) -> None:
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        task: str,
+        *,
+        store: Any = None,
+        copy_config: PeerCopyConfig | None = None,
+        send_frame: Callable[[str, bytes, float], dict[str, Any]] | None = None,
+        read_copy: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
+    ) -> None:
+        """``send_frame`` (to a peer agent's ``/peer-copy/put``) and ``read_copy`` (its ``/peer-copy/read``):
+        the peer copies' calls, with the agents' credentials; without them this agent neither sends nor fetches
+        copies (it still holds the copies others send)."""
         self.folder = Path(folder)
         self.task = task
         self.store = store
         self.tier = MemoryTier()
+        self.copy_config = copy_config or PeerCopyConfig()
+        self.holder = CopyHolder(task)  # the copies of other PS's shards this agent holds
+        self.sender = (
+            CopySender(task, self._copy_snapshot, send_frame, self.copy_config) if send_frame is not None else None
+        )
+        self._read_copy = read_copy
+        # Per tier tensor, the digest of its state (peer_copy.rows_digest); kept only while a copy is sent.
+        self._digests: dict[str, int] | None = None
+        self._pulls = 0
         self._keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}  # tier name -> shard, logical shape
         self._lock = threading.Lock()
         self._take: tuple[str, DirtyTake] | None = None  # the open durable take: its checkpoint id
@@ -109,6 +154,8 @@ class ShardKeeper:
         return self
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
         if self._lock_fd is None:
             return
         for sub in ("incoming", "restore"):
@@ -130,6 +177,9 @@ class ShardKeeper:
             "bytes_in": self._bytes_in,
             "exports": self._exports,
             "exports_reused": self._exports_reused,
+            "copy_out": self.sender.status() if self.sender is not None else None,
+            "copies_held": self.holder.status(),
+            "copy_pulls": self._pulls,
         }
 
     # ------------------------------------------------------------------------------------------ memory tier
@@ -154,21 +204,180 @@ class ShardKeeper:
                 u = updates[name]
                 nbytes += u.value.nbytes if isinstance(u, Full) else u.values.nbytes if isinstance(u, Rows) else 0
             self._drop_restore_files()  # a capture comes after the restore it followed was loaded
-            with self._lock:
-                result = self.tier.apply(updates, step=step, token=token, parent=parent)
-                if result.ok:
-                    if parent is None:
-                        self._keys = keys
-                    self._applied += 1
-                    self._bytes_in += nbytes
-            return {
-                "status": result.status,
-                "step": self.tier.step,
-                "token": self.tier.token,
-                "message": result.message,
-            }
+            return self.apply_updates(
+                updates,
+                keys,
+                step=step,
+                token=token,
+                parent=parent,
+                copy_to=_copy_target(doc.get("copy_to")),
+                nbytes=nbytes,
+            )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def apply_updates(
+        self,
+        updates: Mapping[str, TensorUpdate],
+        keys: Mapping[str, tuple[ShardKey, tuple[int, ...]]],
+        *,
+        step: int,
+        token: str,
+        parent: str | None,
+        copy_to: tuple[str, str] | None = None,
+        nbytes: int = 0,
+    ) -> dict[str, Any]:
+        """The tier's half of :meth:`apply`, once the part's files are read; then the change goes to the peer
+        copy (``copy_to``: the holder's task and URL, as the chief names it)."""
+        with self._lock:
+            copying = self.sender is not None and copy_to is not None
+            old_rows = self._old_rows(updates) if copying and parent is not None else None
+            result = self.tier.apply(updates, step=step, token=token, parent=parent)
+            if result.ok:
+                if parent is None:
+                    self._keys = dict(keys)
+                self._applied += 1
+                self._bytes_in += nbytes
+            if self.sender is not None:
+                self.sender.set_target(copy_to)
+                if not copying:
+                    self._digests = None
+                elif result.ok and result.message != "already applied":
+                    self._offer_copy(updates, step, token, parent, old_rows)
+        return {
+            "status": result.status,
+            "step": self.tier.step,
+            "token": self.tier.token,
+            "message": result.message,
+            "copy": self._copy_state(),
+        }
+
+    # ------------------------------------------------------------------------------------------ peer copies
+    def _old_rows(self, updates: Mapping[str, TensorUpdate]) -> dict[str, np.ndarray] | None:
+        """The rows a delta is about to overwrite (under ``_lock``), for the digests; ``None`` when unknown."""
+        if self._digests is None:
+            return None
+        out: dict[str, np.ndarray] = {}
+        for name, u in updates.items():
+            if isinstance(u, Rows):
+                old = self.tier.gather(name, u.ids)
+                if old is None:
+                    return None
+                out[name] = old
+        return out
+
+    def _offer_copy(
+        self,
+        updates: Mapping[str, TensorUpdate],
+        step: int,
+        token: str,
+        parent: str | None,
+        old_rows: Mapping[str, np.ndarray] | None,
+    ) -> None:
+        """Update the digests after an apply (under ``_lock``) and hand the change to the sender."""
+        assert self.sender is not None
+        whole = parent is None or old_rows is None or self._digests is None
+        if whole:
+            with self.tier.export() as snap:
+                self._digests = {n: rows_digest(a) for n, a in snap.tensors.items()}
+            self.sender.offer(None, step)
+            return
+        assert self._digests is not None and old_rows is not None
+        for name, u in updates.items():
+            if isinstance(u, Rows):
+                self._digests[name] = delta_digest(self._digests[name], u.ids, old_rows[name], u.values)
+            elif isinstance(u, Full):
+                self._digests[name] = rows_digest(u.value)
+                whole = True
+        if whole:
+            self.sender.offer(None, step)
+        else:
+            assert parent is not None
+            self.sender.offer(new_delta(step, token, parent, updates, self._digests), step)
+
+    def _copy_snapshot(self) -> tuple[Snapshot, list[dict[str, Any]], dict[str, int]]:
+        """For the sender's whole copy: the tier, its layout and its digests, at one state."""
+        with self._lock:
+            assert self.sender is not None
+            snap = self.tier.export()
+            if self._digests is None or set(self._digests) != set(snap.tensors):
+                self._digests = {n: rows_digest(a) for n, a in snap.tensors.items()}
+            self.sender.begin_whole()
+            layout = []
+            for name, value in snap.tensors.items():
+                key, shape = self._keys[name]
+                layout.append(
+                    {
+                        "name": name,
+                        "key": [key.name, key.offset, key.rows],
+                        "shape": list(shape),
+                        "dtype": dtype_name(value.dtype),
+                        "array_shape": list(value.shape),
+                    }
+                )
+            return snap, layout, dict(self._digests)
+
+    def _copy_state(self) -> dict[str, Any] | None:
+        if self.sender is None or self.sender.target is None:
+            return None
+        s = self.sender.status()
+        return {"holder": s["target"], "step": s["synced_step"], "token": s["synced_token"]}
+
+    def pull(self, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """Take this PS's shards from a peer's copy (``{"token", "holder"}``: the state the chief expects and
+        the URL of the agent holding the copy), for a new agent whose node was lost.
+
+        Answers ``unavailable`` when the holder has no copy at that state (it lags, or holds none) and
+        ``refused`` when the copy does not match its owner's digests; the tier is untouched then.
+        """
+        token = _token(doc, "token")
+        holder = doc.get("holder")
+        assert token is not None
+        if not isinstance(holder, str) or not holder.startswith(("http://", "https://")):
+            raise CorruptCheckpointError("bad 'holder' in a pull request")
+        if self._read_copy is None:
+            raise ShardError(f"the agent of {self.task} cannot fetch peer copies")
+        t0 = time.perf_counter()
+        try:
+            info, arrays = fetch_copy(self.task, holder, token, self._read_copy, self.copy_config)
+        except CorruptCheckpointError as e:
+            log.error("event=peer_copy_refused task=%s holder=%s error=%r", self.task, holder, str(e))
+            return {"status": "refused", "message": str(e)}
+        except (PsguardError, OSError) as e:
+            return {"status": "unavailable", "message": str(e)}
+        layout: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}
+        for t in info.get("tensors") or []:
+            key = t["key"]
+            layout[str(t["name"])] = (
+                ShardKey(str(key[0]), int(key[1]), int(key[2])),
+                tuple(int(x) for x in t["shape"]),
+            )
+        with self._lock:
+            if self._take is not None:
+                self._take[1].abort()
+                self._take = None
+            metadata = info.get("metadata")
+            self.tier.seed(
+                int(info["step"]),
+                arrays,
+                token=token,
+                durable=False,  # which rows the log holds is unknown here: the next durable save writes them all
+                metadata=metadata if isinstance(metadata, dict) else {},
+            )
+            self._keys = layout
+            self._digests = None
+            self._pulls += 1
+        nbytes = sum(a.nbytes for a in arrays.values())
+        seconds = time.perf_counter() - t0
+        log.info(
+            "event=peer_copy_restored task=%s holder=%s step=%s bytes=%d seconds=%.3f",
+            self.task,
+            holder,
+            info["step"],
+            nbytes,
+            seconds,
+        )
+        return {"status": "ok", "step": info["step"], "token": token, "bytes": nbytes, "seconds": seconds}
 
     def _read_shard(self, folder: Path, s: ShardFiles) -> TensorUpdate:
         inner = s.shape[1:]
@@ -294,6 +503,7 @@ class ShardKeeper:
                 metadata=dict(manifest.metadata),
             )
             self._keys = layout
+            self._digests = None
         return {
             "status": "ok",
             "step": manifest.step,
@@ -373,15 +583,55 @@ class ShardClient:
         call: Callable[[str, Mapping[str, Any], float], Any],
         *,
         timeout: float = 120.0,
+        copies: str = "none",
+        placement: Mapping[str, str] | None = None,
+        nodes: Callable[[], Mapping[str, str | None]] | None = None,
     ) -> None:
+        """``copies``: ``"full"`` to have each PS agent keep a copy of another node's shards
+        (:mod:`psguard.agent.tiers.peer_copy`); ``placement``: owner task -> holder task, else a ring;
+        ``nodes``: task -> the node its agent runs on (copies never go to the same node)."""
         self._peers = peers
         self._call = call
         self.timeout = timeout
+        self.copies = copies
+        self.placement = dict(placement or {})
+        self._nodes = nodes or dict
         #: The PS tasks whose agents hold the tier's shards (those of the last capture applied), and the lock
         #: that orders captures (applied to every tier) and durable takes (taken from every tier) as one.
         self.active: tuple[str, ...] = ()
         self.order = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="psguard-shards")
+        self.copy_state: dict[str, dict[str, Any]] = {}  # owner -> its copy's holder and step (apply answers)
+        self.peer_restores = 0
+        self.last_restore_sources: dict[str, str] = {}
+        self._warned: set[str] = set()
+
+    def copy_targets(self) -> dict[str, str]:
+        """Owner PS task -> the PS task whose agent holds its copy: the user's placement, else the next PS in
+        index order on another node. A PS with no such peer gets none (and a warning, once)."""
+        if self.copies == "none":
+            return {}
+        peers, nodes = self._peers(), self._nodes()
+        ps = sorted((t for t in peers if t.startswith("ps:")), key=lambda t: int(t.split(":")[1]))
+        out: dict[str, str] = {}
+        for i, owner in enumerate(ps):
+            wanted = self.placement.get(owner)
+            candidates = [wanted] if wanted is not None else [ps[(i + k) % len(ps)] for k in range(1, len(ps))]
+            for holder in candidates:
+                if holder in peers and holder != owner and (nodes.get(holder) or "?") != (nodes.get(owner) or ""):
+                    out[owner] = holder
+                    break
+            else:
+                if owner not in self._warned:
+                    self._warned.add(owner)
+                    log.warning(
+                        "event=peer_copy_unplaced task=%s nodes=%s: no PS agent on another node can hold its copy "
+                        "(placement %s); a loss of its node restores from the durable log",
+                        owner,
+                        dict(nodes),
+                        wanted or "ring",
+                    )
+        return out
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -412,10 +662,21 @@ class ShardClient:
         self, parts: Sequence[PartCapture], *, step: int, token: str, parent: str | None
     ) -> tuple[Literal["ok", "need_full", "error"], str]:
         """Forward a capture's parts; ``(status, message)``, the worst of the PS agents' answers."""
-        answers = self._fan_out(
-            "/shards/apply",
-            {p.task: {"part": p.to_json(), "step": step, "token": token, "parent": parent} for p in parts},
-        )
+        targets = self.copy_targets()
+        peers = self._peers() if targets else {}
+        bodies: dict[str, dict[str, Any]] = {}
+        for p in parts:
+            body: dict[str, Any] = {"part": p.to_json(), "step": step, "token": token, "parent": parent}
+            holder = targets.get(p.task)
+            if self.copies != "none":
+                body["copy_to"] = {"task": holder, "url": peers[holder]} if holder is not None else None
+            bodies[p.task] = body
+        answers = self._fan_out("/shards/apply", bodies)
+        for task, a in answers.items():
+            if isinstance(a.get("copy"), dict):
+                self.copy_state[task] = a["copy"]
+            else:
+                self.copy_state.pop(task, None)
         wanted: Literal["need_full", "error"]
         for wanted in ("error", "need_full"):
             bad = {t: a for t, a in answers.items() if a.get("status") == wanted}
@@ -427,17 +688,68 @@ class ShardClient:
         return "ok", ""
 
     def export(self, tasks: Sequence[str], token: str) -> list[dict[str, Any]]:
-        """Every PS agent's restore files for state ``token``; raises when one cannot give that state."""
+        """Every PS agent's restore files for state ``token``; raises when one cannot give that state.
+
+        A PS agent that does not hold it (its node was lost: a new agent with an empty tier) first takes its
+        shards from the peer holding its copy, when that copy is at ``token`` and verifies; otherwise this
+        raises and the trainer restores from the durable log.
+        """
         answers = self._fan_out("/shards/export", {t: {"token": token} for t in tasks})
+        sources = {t: "own tier" for t in tasks}
+        lost = [t for t, a in answers.items() if a.get("status") in ("empty", "mismatch")]
+        if lost and self.copies != "none":
+            pulled = self._pull_from_peers(lost, token)
+            if pulled:
+                answers.update(self._fan_out("/shards/export", {t: {"token": token} for t in pulled}))
+                sources.update({t: f"peer {h}" for t, h in pulled.items()})
         bad = {t: f"{a.get('status')} (step {a.get('step')})" for t, a in answers.items() if a.get("status") != "ok"}
         if bad:
             raise ShardError(f"the PS agents do not all hold the chief's state {token}: {bad}")
+        self.last_restore_sources = sources
         files: list[dict[str, Any]] = []
         for task, a in sorted(answers.items()):
             if not isinstance(a.get("files"), list):
                 raise ShardError(f"{task}: malformed export answer")
             files.extend({**f, "task": task} for f in a["files"])
         return files
+
+    def _pull_from_peers(self, lost: Sequence[str], token: str) -> dict[str, str]:
+        """Ask each lost PS's new agent to fetch its shards from the holder of its copy; the tasks that did,
+        with their holder. Each failure is logged with its reason (the log is used then)."""
+        peers = self._peers()
+        holders = {t: h for t in lost if (h := self.copy_state.get(t, {}).get("holder") or self.copy_targets().get(t))}
+        for t in sorted(set(lost) - set(holders)):
+            log.warning("event=peer_copy_none task=%s: no peer holds a copy; the durable log serves", t)
+        bodies = {t: {"token": token, "holder": peers[h]} for t, h in holders.items() if h in peers}
+        if not bodies:
+            return {}
+        try:
+            answers = self._fan_out("/shards/pull", bodies)
+        except ShardError as e:
+            log.warning("event=peer_copy_pull_failed error=%r", str(e))
+            return {}
+        pulled: dict[str, str] = {}
+        for t, a in answers.items():
+            if a.get("status") == "ok":
+                pulled[t] = holders[t]
+                self.peer_restores += 1
+                log.info(
+                    "event=peer_copy_used task=%s holder=%s step=%s bytes=%s seconds=%s",
+                    t,
+                    holders[t],
+                    a.get("step"),
+                    a.get("bytes"),
+                    a.get("seconds"),
+                )
+            else:
+                log.warning(
+                    "event=peer_copy_not_used task=%s holder=%s status=%s reason=%r: the durable log serves",
+                    t,
+                    holders[t],
+                    a.get("status"),
+                    a.get("message"),
+                )
+        return pulled if len(pulled) == len(lost) else {}
 
     def take(self, tasks: Sequence[str], checkpoint: str, token: str, base: bool) -> None:
         answers = self._fan_out(

@@ -1,0 +1,25 @@
+"""The peer copies' settings (``peer_copy:`` in a PS agent's config), apart from the code that sends them.
+
+Apart because the agent's config loads them in every agent, and the copies' code loads numpy, which a worker's
+agent never needs (it starts faster without).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from psguard.config import Duration
+
+__all__ = ["PeerCopyConfig"]
+
+
+@dataclass(frozen=True)
+class PeerCopyConfig:
+    """``peer_copy:`` (a PS agent): how its copy reaches the peer that holds it (``peers.copies`` of the
+    chief's agent turns the copies on and places them)."""
+
+    max_queue_mb: int = 256  # deltas waiting to be sent; past it they are dropped and the next send is whole
+    max_mb_per_s: float = 0.0  # the bandwidth the copies may take (0: no limit)
+    chunk_mb: int = 32  # bytes per request of a whole copy, and of a fetch by a new agent
+    request_timeout: Duration = 60.0
+    retry_after: Duration = 1.0  # after a failed send (the holder down): wait, then send the whole state

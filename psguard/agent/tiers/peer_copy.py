@@ -1,0 +1,659 @@
+"""Peer copies: every PS agent also holds a copy of another node's shards, so losing a node loses no memory tier.
+
+Why: when a PS dies with its agent (a pod evicted, a machine gone), the node's memory tier is gone, and without
+a copy elsewhere its new agent reads the PS's rows from the durable log at the store's rate: as slow as
+TensorFlow's own restore, and older (the durable interval, not the memory one). With a copy on another node the
+new agent fetches the shards from the peer's memory over the network, at the newest capture.
+
+How (docs/design.md, "Peer copies"):
+
+- **Placement** is the chief's agent's: a ring over the PS tasks that skips tasks on the same node, or the
+  user's ``peers.copy_placement``. It names each part's holder in every ``/shards/apply``, so a moved or
+  restarted agent is picked up at the next capture.
+- **The owner pushes** (:class:`CopySender`): after its tier applied a capture, the changed rows go to the
+  holder in the background, bounded in queued bytes (past the bound the queue is dropped and the next send is
+  whole) and in bandwidth. Training never waits on it; a holder that is down or lags is reported
+  (``/status``: ``copy_out.lag_steps``).
+- **The holder** (:class:`CopyHolder`) keeps one :class:`MemoryTier` per owner, under the owner's tokens: a
+  delta applies only on top of the state it names, exactly as in the owner's tier, or the holder answers
+  ``need_full`` and the owner sends its whole state again.
+- **Verification.** The owner keeps a digest per shard of its tier's state (:func:`rows_digest`, a sum over
+  rows of a hash of the row's index and bytes, so a delta updates it from the rows it changes) and sends it with
+  every frame. The holder checks each delta against it before applying (its own old rows out, the new rows in),
+  and a new agent fetching a copy checks the bytes it received against it before its tier takes them. Frames
+  carry a CRC32 of their payload. Nothing is restored from a copy that does not verify.
+- A peer copy is never durable: it only ever serves a restore of the memory tier's state.
+
+Wire format (agent to agent, over the authenticated control endpoint; no pickle): ``MAGIC``, a little-endian
+u32 header length, a JSON header (with ``arrays``: dtype and shape of each array that follows, and ``crc32``
+of the payload), then the arrays' bytes, C order, back to back.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import struct
+import threading
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from psguard.agent.tiers.copy_settings import PeerCopyConfig
+from psguard.agent.tiers.memory_tier import MemoryTier, Snapshot
+from psguard.errors import CorruptCheckpointError, PsguardError
+from psguard.store.dtypes import dtype_from_name, dtype_name
+from psguard.tensors import Rows, Same, TensorUpdate
+
+__all__ = [
+    "CopyHolder",
+    "CopySender",
+    "decode_frame",
+    "encode_frame",
+    "rows_digest",
+]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"PSGCOPY1"
+MAX_HEADER = 4 << 20
+_MASK = (1 << 64) - 1
+_BLOCK_ROWS = 1 << 15
+
+
+# ---------------------------------------------------------------------------------------------------- digests
+@cache
+def _weights(words: int) -> np.ndarray:
+    rng = np.random.default_rng(0x5053475541524400 + words)  # fixed: owners and holders must agree
+    return rng.integers(1, 1 << 63, size=words + 1, dtype=np.uint64) | np.uint64(1)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, in place: a row's sum of products becomes a well-spread 64-bit value."""
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def rows_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
+    """The digest of rows ``values`` (row ``ids``, default ``0..n-1``): a sum over rows modulo 2**64.
+
+    A sum, so a tier's digest follows a delta by the changed rows alone: ``d - rows_digest(old, ids) +
+    rows_digest(new, ids)``. Each row's term hashes its index with its bytes, so a row moved or swapped shows.
+    """
+    n = int(values.shape[0]) if values.ndim else 1
+    if n == 0:
+        return 0
+    flat = np.ascontiguousarray(values).reshape(n, -1).view(np.uint8)
+    width = flat.shape[1]
+    pad = (-width) % 4
+    w = _weights((width + pad) // 4)
+    total = 0
+    for lo in range(0, n, _BLOCK_ROWS):
+        block = flat[lo : lo + _BLOCK_ROWS]
+        if pad:
+            block = np.concatenate([block, np.zeros((block.shape[0], pad), np.uint8)], axis=1)
+        words = block.view(np.uint32).astype(np.uint64)
+        h = (words * w[:-1]).sum(axis=1, dtype=np.uint64)
+        rid = (
+            np.arange(lo, lo + block.shape[0], dtype=np.uint64)
+            if ids is None
+            else ids[lo : lo + block.shape[0]].astype(np.uint64)
+        )
+        h += (rid + np.uint64(1)) * w[-1]
+        total = (total + int(_mix(h).sum(dtype=np.uint64))) & _MASK
+    return total
+
+
+def delta_digest(before: int, ids: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
+    return (before - rows_digest(old, ids) + rows_digest(new, ids)) & _MASK
+
+
+# ---------------------------------------------------------------------------------------------------- frames
+def encode_frame(header: Mapping[str, Any], arrays: Sequence[np.ndarray] = ()) -> bytes:
+    """One message: the header JSON (with each array's dtype and shape) and the arrays' bytes."""
+    chunks = [np.ascontiguousarray(a) for a in arrays]
+    crc = 0
+    for c in chunks:
+        crc = zlib.crc32(c.data.cast("B"), crc)
+    doc = {**header, "arrays": [{"dtype": dtype_name(c.dtype), "shape": list(c.shape)} for c in chunks], "crc32": crc}
+    head = json.dumps(doc, allow_nan=False).encode()
+    return b"".join([MAGIC, struct.pack("<I", len(head)), head, *(c.data.cast("B") for c in chunks)])
+
+
+def decode_frame(data: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The header and read-only arrays of a frame; :class:`CorruptCheckpointError` for anything malformed."""
+    if len(data) < len(MAGIC) + 4 or not data.startswith(MAGIC):
+        raise CorruptCheckpointError("peer copy frame: bad magic")
+    (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
+    start = len(MAGIC) + 4
+    if hlen > MAX_HEADER or start + hlen > len(data):
+        raise CorruptCheckpointError("peer copy frame: bad header length")
+    try:
+        header = json.loads(data[start : start + hlen])
+    except ValueError as e:
+        raise CorruptCheckpointError(f"peer copy frame: header is not JSON: {e}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
+        raise CorruptCheckpointError("peer copy frame: header without arrays")
+    view = memoryview(data)
+    offset = start + hlen
+    arrays: list[np.ndarray] = []
+    crc = 0
+    for spec in header["arrays"]:
+        try:
+            dtype = dtype_from_name(str(spec["dtype"]))
+            shape = tuple(int(x) for x in spec["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"peer copy frame: bad array spec {spec!r}: {e}") from None
+        if any(x < 0 for x in shape):
+            raise CorruptCheckpointError(f"peer copy frame: bad shape {shape}")
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if offset + nbytes > len(data):
+            raise CorruptCheckpointError("peer copy frame: truncated")
+        chunk = view[offset : offset + nbytes]
+        crc = zlib.crc32(chunk, crc)
+        arrays.append(np.frombuffer(chunk, dtype=dtype).reshape(shape))
+        offset += nbytes
+    if offset != len(data):
+        raise CorruptCheckpointError("peer copy frame: bytes after the last array")
+    if crc != header.get("crc32"):
+        raise CorruptCheckpointError("peer copy frame: CRC32 mismatch (damaged in transit)")
+    return header, arrays
+
+
+def _digests_from(doc: Any) -> dict[str, int]:
+    if not isinstance(doc, dict):
+        raise CorruptCheckpointError("peer copy: bad digests")
+    try:
+        return {str(k): int(v) & _MASK for k, v in doc.items()}
+    except (TypeError, ValueError):
+        raise CorruptCheckpointError("peer copy: bad digests") from None
+
+
+def _digests_json(digests: Mapping[str, int]) -> dict[str, str]:
+    return {k: str(v) for k, v in digests.items()}  # JSON numbers lose 64-bit precision in some readers
+
+
+# ---------------------------------------------------------------------------------------------------- holder
+@dataclass
+class _Copy:
+    tier: MemoryTier
+    layout: list[dict[str, Any]]  # per tensor: name (tier name), key [name, offset, rows], shape (logical), dtype
+    digests: dict[str, int]
+    received_at: float
+    bytes_in: int = 0
+
+
+@dataclass
+class _Incoming:
+    header: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    filled: dict[str, int]
+
+
+class CopyHolder:
+    """The copies this agent holds of other PS agents' shards (one tier per owner task)."""
+
+    def __init__(self, task: str) -> None:
+        self.task = task
+        self._lock = threading.Lock()
+        self._copies: dict[str, _Copy] = {}
+        self._incoming: dict[str, _Incoming] = {}  # owner -> a whole copy being received
+        self._refused = 0
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                owner: {
+                    "step": c.tier.step,
+                    "token": c.tier.token,
+                    "bytes": c.tier.status().nbytes,
+                    "age_seconds": round(time.time() - c.received_at, 3),
+                }
+                for owner, c in self._copies.items()
+            } | ({"refused_frames": self._refused} if self._refused else {})
+
+    def put(self, body: bytes) -> dict[str, Any]:
+        """One frame from an owner: ``begin``/``fill``/``end`` of a whole copy, or a ``delta``."""
+        header, arrays = decode_frame(body)
+        owner = header.get("task")
+        if not isinstance(owner, str) or not owner.startswith("ps:") or owner == self.task:
+            raise CorruptCheckpointError(f"peer copy frame: bad owner {owner!r}")
+        op = header.get("op")
+        if op == "begin":
+            return self._begin(owner, header)
+        if op == "fill":
+            return self._fill(owner, header, arrays)
+        if op == "end":
+            return self._end(owner, header)
+        if op == "delta":
+            return self._delta(owner, header, arrays, len(body))
+        raise CorruptCheckpointError(f"peer copy frame: unknown op {op!r}")
+
+    def _begin(self, owner: str, header: dict[str, Any]) -> dict[str, Any]:
+        layout = header.get("tensors")
+        if not isinstance(layout, list):
+            raise CorruptCheckpointError("peer copy begin: no tensors")
+        arrays: dict[str, np.ndarray] = {}
+        for t in layout:
+            try:
+                arrays[str(t["name"])] = np.empty(
+                    tuple(int(x) for x in t["array_shape"]), dtype=dtype_from_name(str(t["dtype"]))
+                )
+            except (KeyError, TypeError, ValueError) as e:
+                raise CorruptCheckpointError(f"peer copy begin: bad tensor {t!r}: {e}") from None
+        with self._lock:
+            self._incoming[owner] = _Incoming(header, arrays, dict.fromkeys(arrays, 0))
+        return {"status": "ok"}
+
+    def _fill(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:
+        with self._lock:
+            inc = self._incoming.get(owner)
+        if inc is None or inc.header.get("session") != header.get("session"):
+            return {"status": "need_full", "message": "no whole copy in progress for this session"}
+        name, start = header.get("name"), header.get("start")
+        target = inc.arrays.get(str(name))
+        if target is None or type(start) is not int or len(arrays) != 1:
+            raise CorruptCheckpointError("peer copy fill: bad tensor or start")
+        rows = arrays[0]
+        if rows.dtype != target.dtype or rows.shape[1:] != target.shape[1:] or start + rows.shape[0] > target.shape[0]:
+            raise CorruptCheckpointError(f"peer copy fill: rows do not fit {name}")
+        target[start : start + rows.shape[0]] = rows
+        inc.filled[str(name)] += rows.shape[0]
+        return {"status": "ok"}
+
+    def _end(self, owner: str, header: dict[str, Any]) -> dict[str, Any]:
+        with self._lock:
+            inc = self._incoming.pop(owner, None)
+        if inc is None or inc.header.get("session") != header.get("session"):
+            return {"status": "need_full", "message": "no whole copy in progress for this session"}
+        short = [n for n, a in inc.arrays.items() if inc.filled[n] != a.shape[0]]
+        if short:
+            return {"status": "need_full", "message": f"rows missing in {short[:3]}"}
+        digests = _digests_from(inc.header.get("digests"))
+        bad = [n for n, a in inc.arrays.items() if rows_digest(a) != digests.get(n)]
+        if bad:
+            with self._lock:
+                self._refused += 1
+            log.error("event=peer_copy_refused owner=%s holder=%s tensors=%s: digest mismatch", owner, self.task, bad)
+            return {"status": "need_full", "message": f"digest mismatch in {bad[:3]}"}
+        tier = MemoryTier()
+        h = inc.header
+        tier.seed(int(h["step"]), inc.arrays, metadata=h.get("metadata") or {}, token=str(h["token"]), durable=False)
+        nbytes = sum(a.nbytes for a in inc.arrays.values())
+        with self._lock:
+            self._copies[owner] = _Copy(tier, list(h["tensors"]), digests, time.time(), nbytes)
+        log.info("event=peer_copy_whole owner=%s holder=%s step=%s bytes=%d", owner, self.task, h["step"], nbytes)
+        return {"status": "ok", "step": tier.step, "token": tier.token}
+
+    def _delta(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray], nbytes: int) -> dict[str, Any]:
+        with self._lock:
+            copy = self._copies.get(owner)
+        parent, token, step = header.get("parent"), header.get("token"), header.get("step")
+        if copy is None or copy.tier.token != parent:
+            have = None if copy is None else copy.tier.token
+            return {"status": "need_full", "message": f"the copy holds {have}, the delta applies to {parent}"}
+        if not isinstance(token, str) or type(step) is not int:
+            raise CorruptCheckpointError("peer copy delta: bad token or step")
+        digests = _digests_from(header.get("digests"))
+        updates: dict[str, TensorUpdate] = {}
+        new_digests = dict(copy.digests)
+        it = iter(arrays)
+        with copy.tier.export() as snap:
+            for t in header.get("tensors") or []:
+                name, kind = str(t.get("name")), t.get("kind")
+                current = snap.tensors.get(name)
+                if current is None:
+                    raise CorruptCheckpointError(f"peer copy delta: unknown tensor {name}")
+                if kind == "same":
+                    updates[name] = Same(current.shape, current.dtype)
+                    continue
+                ids, values = next(it, None), next(it, None)
+                if ids is None or values is None or kind != "rows":
+                    raise CorruptCheckpointError(f"peer copy delta: bad update of {name}")
+                ids = ids.astype(np.int64, copy=False)
+                if ids.size and (ids[0] < 0 or ids[-1] >= current.shape[0] or np.any(np.diff(ids) <= 0)):
+                    raise CorruptCheckpointError(f"peer copy delta: bad row ids for {name}")
+                new_digests[name] = delta_digest(copy.digests.get(name, 0), ids, current[ids], values)
+                updates[name] = Rows(ids, values, current.shape)
+        bad = sorted(n for n in updates if new_digests.get(n) != digests.get(n))
+        if bad:
+            with self._lock:
+                self._refused += 1
+            log.error("event=peer_copy_refused owner=%s holder=%s tensors=%s: digest mismatch", owner, self.task, bad)
+            return {"status": "need_full", "message": f"digest mismatch in {bad[:3]}"}
+        result = copy.tier.apply(updates, step=step, token=token, parent=parent, metadata=header.get("metadata"))
+        if result.ok:
+            copy.digests = new_digests
+            copy.received_at = time.time()
+            copy.bytes_in += nbytes
+        return {"status": result.status, "step": copy.tier.step, "token": copy.tier.token, "message": result.message}
+
+    def read(self, doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """What a new agent of ``owner`` fetches: ``{"owner"}`` gives the layout, token and digests;
+        ``{"owner", "token", "name", "start", "stop"}`` the rows of one tensor (only while the copy is at
+        ``token``)."""
+        owner = doc.get("owner")
+        with self._lock:
+            copy = self._copies.get(str(owner))
+        if copy is None:
+            return {"status": "empty", "message": f"{self.task} holds no copy of {owner}"}, []
+        with copy.tier.export() as snap:
+            if "name" not in doc:
+                return {
+                    "status": "ok",
+                    "step": snap.step,
+                    "token": snap.token,
+                    "metadata": snap.metadata,
+                    "tensors": copy.layout,
+                    "digests": _digests_json(copy.digests),
+                }, []
+            if doc.get("token") != snap.token:
+                return {"status": "mismatch", "step": snap.step, "token": snap.token}, []
+            arr = snap.tensors.get(str(doc.get("name")))
+            start, stop = doc.get("start"), doc.get("stop")
+            if arr is None or type(start) is not int or type(stop) is not int or not 0 <= start <= stop:
+                raise CorruptCheckpointError("peer copy read: bad tensor or row range")
+            return {"status": "ok", "token": snap.token}, [np.array(arr[start:stop])]
+
+    def drop(self, owner: str) -> None:
+        with self._lock:
+            self._copies.pop(owner, None)
+            self._incoming.pop(owner, None)
+
+
+# ---------------------------------------------------------------------------------------------------- sender
+@dataclass
+class _Delta:
+    step: int
+    token: str
+    parent: str
+    updates: dict[str, TensorUpdate]
+    digests: dict[str, int]
+    metadata: dict[str, Any]
+    nbytes: int
+
+
+class CopySender:
+    """The owner's side: pushes its tier's state to the holder the chief named, in the background.
+
+    ``snapshot``: under the owner's lock, a consistent ``(Snapshot, layout, digests)`` of its tier (the
+    layout as :class:`CopyHolder` keeps it); ``post``: sends one frame to a URL and returns the answer's JSON.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        snapshot: Callable[[], tuple[Snapshot, list[dict[str, Any]], dict[str, int]]],
+        post: Callable[[str, bytes, float], dict[str, Any]],
+        config: PeerCopyConfig,
+    ) -> None:
+        self.task = task
+        self._snapshot = snapshot
+        self._post = post
+        self.config = config
+        self._cond = threading.Condition()
+        self._queue: deque[_Delta] = deque()
+        self._queued_bytes = 0
+        self._target: tuple[str, str] | None = None  # (holder task, URL)
+        self._whole = True  # the next send is the whole state
+        self._stop = False
+        self._synced: tuple[int, str] | None = None  # (step, token) the holder acknowledged last
+        self._tier_step: int | None = None
+        self._counts = {"whole": 0, "deltas": 0, "errors": 0, "dropped": 0, "bytes": 0}
+        self._last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"psguard-copy-{task}", daemon=True)
+        self._thread.start()
+
+    @property
+    def target(self) -> str | None:
+        with self._cond:
+            return self._target[0] if self._target else None
+
+    def set_target(self, target: tuple[str, str] | None) -> None:
+        """The holder the chief names (``None``: no copy); a new one gets the whole state first."""
+        with self._cond:
+            if target == self._target:
+                return
+            self._target = target
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._whole = True
+            self._synced = None
+            self._cond.notify_all()
+
+    def offer(self, delta: _Delta | None, step: int) -> None:
+        """After the owner's tier applied a capture: queue its delta (``None``: a whole capture, so the next
+        send is whole). Never blocks on the network."""
+        with self._cond:
+            self._tier_step = step
+            if self._target is None:
+                return
+            if delta is None:
+                self._queue.clear()
+                self._queued_bytes = 0
+                self._whole = True
+            elif not self._whole:
+                if self._queued_bytes + delta.nbytes > self.config.max_queue_mb << 20:
+                    self._counts["dropped"] += len(self._queue) + 1
+                    self._queue.clear()
+                    self._queued_bytes = 0
+                    self._whole = True  # the holder lags too far: it gets the whole state next
+                else:
+                    self._queue.append(delta)
+                    self._queued_bytes += delta.nbytes
+            self._cond.notify_all()
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            synced = self._synced
+            lag = None
+            if synced is not None and self._tier_step is not None:
+                lag = max(0, self._tier_step - synced[0])
+            return {
+                "target": self._target[0] if self._target else None,
+                "synced_step": synced[0] if synced else None,
+                "synced_token": synced[1] if synced else None,
+                "lag_steps": lag,
+                "queued": len(self._queue),
+                "queued_bytes": self._queued_bytes,
+                "sending_whole": self._whole and self._target is not None,
+                **self._counts,
+                "last_error": self._last_error,
+            }
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and (self._target is None or (not self._whole and not self._queue)):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                target, whole = self._target, self._whole
+                delta = None if whole else self._queue.popleft()
+                if delta is not None:
+                    self._queued_bytes -= delta.nbytes
+            assert target is not None
+            try:
+                if whole:
+                    self._send_whole(target)
+                else:
+                    assert delta is not None
+                    self._send_delta(target, delta)
+            except Exception as e:  # the holder is down or refused: report, wait, start again whole
+                with self._cond:
+                    self._counts["errors"] += 1
+                    self._last_error = f"{type(e).__name__}: {e}"
+                    if self._target == target:
+                        self._whole = True
+                        self._queue.clear()
+                        self._queued_bytes = 0
+                log.warning("event=peer_copy_failed owner=%s holder=%s error=%r", self.task, target[0], str(e))
+                with self._cond:
+                    self._cond.wait(self.config.retry_after)
+
+    def _pace(self, nbytes: int, started: float) -> None:
+        rate = self.config.max_mb_per_s
+        if rate > 0:
+            wait = nbytes / (rate * (1 << 20)) - (time.perf_counter() - started)
+            if wait > 0:
+                with self._cond:
+                    self._cond.wait(wait)
+
+    def _answer(self, target: tuple[str, str], frame: bytes) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        answer = self._post(target[1], frame, self.config.request_timeout)
+        self._pace(len(frame), t0)
+        with self._cond:
+            self._counts["bytes"] += len(frame)
+        status = answer.get("status")
+        if status != "ok":
+            raise PsguardError(f"{target[0]} answered {status}: {answer.get('message', '')}")
+        return answer
+
+    def begin_whole(self) -> None:
+        """Called by ``snapshot`` under the owner's lock: the snapshot holds every delta queued so far, and the
+        deltas applied after it are queued on top of it (``offer`` runs under the same lock)."""
+        with self._cond:
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._whole = False
+
+    def _send_whole(self, target: tuple[str, str]) -> None:
+        snap, layout, digests = self._snapshot()
+        with snap:
+            if snap.empty or snap.token is None:
+                with self._cond:
+                    self._whole = True
+                return
+            session = secrets.token_hex(8)
+            base = {"task": self.task, "session": session}
+            self._answer(
+                target,
+                encode_frame(
+                    {
+                        **base,
+                        "op": "begin",
+                        "step": snap.step,
+                        "token": snap.token,
+                        "metadata": snap.metadata,
+                        "tensors": layout,
+                        "digests": _digests_json(digests),
+                    }
+                ),
+            )
+            chunk = max(1, self.config.chunk_mb) << 20
+            for t in layout:
+                arr = snap.tensors[t["name"]]
+                per_row = max(1, arr.nbytes // max(1, arr.shape[0]))
+                rows = max(1, chunk // per_row)
+                for start in range(0, arr.shape[0], rows):
+                    frame = encode_frame(
+                        {**base, "op": "fill", "name": t["name"], "start": start}, [arr[start : start + rows]]
+                    )
+                    self._answer(target, frame)
+            answer = self._answer(target, encode_frame({**base, "op": "end"}))
+        with self._cond:
+            self._counts["whole"] += 1
+            self._synced = (int(answer["step"]), str(answer["token"]))
+        log.info("event=peer_copy_whole_sent owner=%s holder=%s step=%s", self.task, target[0], answer["step"])
+
+    def _send_delta(self, target: tuple[str, str], d: _Delta) -> None:
+        tensors: list[dict[str, Any]] = []
+        arrays: list[np.ndarray] = []
+        for name, u in d.updates.items():
+            if isinstance(u, Rows):
+                tensors.append({"name": name, "kind": "rows"})
+                arrays += [np.asarray(u.ids, dtype=np.int64), u.values]
+            else:
+                tensors.append({"name": name, "kind": "same"})
+        frame = encode_frame(
+            {
+                "task": self.task,
+                "op": "delta",
+                "step": d.step,
+                "token": d.token,
+                "parent": d.parent,
+                "metadata": d.metadata,
+                "tensors": tensors,
+                "digests": _digests_json(d.digests),
+            },
+            arrays,
+        )
+        answer = self._answer(target, frame)
+        with self._cond:
+            self._counts["deltas"] += 1
+            self._synced = (int(answer["step"]), str(answer["token"]))
+
+
+def new_delta(
+    step: int, token: str, parent: str, updates: Mapping[str, TensorUpdate], digests: Mapping[str, int]
+) -> _Delta:
+    nbytes = 0
+    for u in updates.values():
+        if isinstance(u, Rows):
+            nbytes += u.values.nbytes + u.ids.nbytes
+    return _Delta(step, token, parent, dict(updates), dict(digests), {}, nbytes)
+
+
+def fetch_copy(
+    owner: str,
+    holder_url: str,
+    token: str,
+    post: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]],
+    config: PeerCopyConfig,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified.
+
+    Returns the copy's description (step, token, metadata, layout) and the arrays; raises
+    :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none) and
+    :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
+    """
+    info, _ = post(holder_url, {"owner": owner}, config.request_timeout)
+    if info.get("status") != "ok":
+        raise PsguardError(f"the holder has no copy of {owner}: {info.get('status')} {info.get('message', '')}")
+    if info.get("token") != token:
+        raise PsguardError(f"the holder's copy of {owner} is at step {info.get('step')}, not at the chief's state")
+    digests = _digests_from(info.get("digests"))
+    arrays: dict[str, np.ndarray] = {}
+    chunk = max(1, config.chunk_mb) << 20
+    for t in info.get("tensors") or []:
+        name = str(t["name"])
+        shape = tuple(int(x) for x in t["array_shape"])
+        out = np.empty(shape, dtype=dtype_from_name(str(t["dtype"])))
+        per_row = max(1, out.nbytes // max(1, shape[0])) if shape else out.nbytes
+        rows = max(1, chunk // per_row)
+        for start in range(0, shape[0], rows):
+            stop = min(shape[0], start + rows)
+            answer, got = post(
+                holder_url,
+                {"owner": owner, "token": token, "name": name, "start": start, "stop": stop},
+                config.request_timeout,
+            )
+            if answer.get("status") != "ok" or len(got) != 1:
+                raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
+            if got[0].shape != (stop - start, *shape[1:]) or got[0].dtype != out.dtype:
+                raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
+            out[start:stop] = got[0]
+        if rows_digest(out) != digests.get(name):
+            raise CorruptCheckpointError(
+                f"the peer copy of {owner}'s {name} does not match its owner's digest: refused"
+            )
+        arrays[name] = out
+    return info, arrays

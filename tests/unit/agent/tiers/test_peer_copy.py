@@ -1,0 +1,202 @@
+"""Peer copies (psguard.agent.tiers.peer_copy): digests, frames, and an owner's tier copied to a holder, fetched
+back by a new agent, refused when damaged.
+
+The owner and the holder are two ShardKeepers joined by direct calls in place of the HTTP hop (the hop itself
+and a real node loss: tests/cluster/test_ps_side_agents.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from psguard.agent.tiers.copy_settings import PeerCopyConfig
+from psguard.agent.tiers.peer_copy import decode_frame, encode_frame, rows_digest
+from psguard.agent.tiers.shards import ShardKeeper
+from psguard.errors import CorruptCheckpointError
+from psguard.handoff.parts import ShardKey
+from psguard.tensors import Full, Rows, Same
+from tests.support.processes import wait_until
+
+EMB = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
+SLOT = "optimizer/slot/.ATTRIBUTES/VARIABLE_VALUE"
+KEYS = {
+    f"{EMB}@0:500": (ShardKey(EMB, 0, 500), (1000, 8)),
+    f"{SLOT}@0:500": (ShardKey(SLOT, 0, 500), (1000, 8)),
+}
+HOLDER_URL = "http://holder.invalid:1"
+
+
+def test_a_digest_follows_a_delta_by_the_changed_rows_alone() -> None:
+    rng = np.random.default_rng(0)
+    for dtype in (np.float32, np.float64, np.int64, np.int32, np.float16):
+        a = rng.normal(size=(300, 7)).astype(dtype)
+        ids = np.array([3, 17, 200, 299])
+        new = rng.normal(size=(4, 7)).astype(dtype)
+        d0 = rows_digest(a)
+        b = a.copy()
+        b[ids] = new
+        delta = (d0 - rows_digest(a[ids], ids) + rows_digest(new, ids)) % (1 << 64)
+        assert delta == rows_digest(b) != d0
+    swapped = np.arange(20, dtype=np.float32).reshape(10, 2)
+    assert rows_digest(swapped) != rows_digest(swapped[[1, 0, *range(2, 10)]])  # rows moved show
+    assert rows_digest(np.arange(10, dtype=np.int64)) != rows_digest(np.arange(1, 11, dtype=np.int64))
+
+
+def test_frames_round_trip_and_refuse_damage() -> None:
+    arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.array([1, 5], dtype=np.int64)]
+    frame = encode_frame({"op": "delta", "task": "ps:0"}, arrays)
+    header, back = decode_frame(frame)
+    assert header["op"] == "delta" and all(np.array_equal(x, y) for x, y in zip(arrays, back, strict=True))
+    flipped = bytearray(frame)
+    flipped[-3] ^= 0x10
+    with pytest.raises(CorruptCheckpointError, match="CRC32"):
+        decode_frame(bytes(flipped))
+    with pytest.raises(CorruptCheckpointError, match="truncated"):
+        decode_frame(frame[:-1])
+    with pytest.raises(CorruptCheckpointError, match="magic"):
+        decode_frame(b"GARBAGE!" + frame[8:])
+
+
+class Pair:
+    """An owner (ps:0) whose copy goes to a holder (ps:1), and a way to read the holder as a new agent would."""
+
+    def __init__(self, tmp: Path, config: PeerCopyConfig | None = None) -> None:
+        self.holder = ShardKeeper(tmp / "holder", "ps:1").start()
+        self.owner = ShardKeeper(
+            tmp / "owner", "ps:0", copy_config=config, send_frame=self.send, read_copy=self.read
+        ).start()
+        self.sent = 0
+
+    def send(self, url: str, frame: bytes, timeout: float) -> dict[str, Any]:
+        assert url == HOLDER_URL
+        self.sent += 1
+        return self.holder.holder.put(frame)
+
+    def read(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
+        header, arrays = self.holder.holder.read(body)
+        return decode_frame(encode_frame(header, arrays))  # through the wire format, as over HTTP
+
+    def apply(self, updates: Mapping[str, Any], step: int, token: str, parent: str | None) -> dict[str, Any]:
+        return self.owner.apply_updates(
+            updates, KEYS, step=step, token=token, parent=parent, copy_to=("ps:1", HOLDER_URL)
+        )
+
+    def synced(self) -> bool:
+        s = self.owner.sender.status() if self.owner.sender else {}
+        return s.get("synced_token") == self.owner.tier.token and not s.get("queued")
+
+    def copy_arrays(self) -> dict[str, np.ndarray]:
+        return dict(self.holder.holder._copies["ps:0"].tier._arrays)
+
+    def close(self) -> None:
+        self.owner.close()
+        self.holder.close()
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Any:
+    p = Pair(tmp_path)
+    yield p
+    p.close()
+
+
+def _state(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    return {n: rng.normal(size=(500, 8)).astype(np.float32) for n in KEYS}
+
+
+def _delta(rng: np.random.Generator, ids: list[int]) -> tuple[dict[str, Any], np.ndarray]:
+    new = rng.normal(size=(len(ids), 8)).astype(np.float32)
+    names = list(KEYS)
+    return {names[0]: Rows(np.array(ids), new, (500, 8)), names[1]: Same((500, 8), np.dtype(np.float32))}, new
+
+
+def _owner_arrays(keeper: ShardKeeper) -> dict[str, np.ndarray]:
+    with keeper.tier.export() as snap:
+        return {n: np.array(a) for n, a in snap.tensors.items()}
+
+
+def test_the_holder_follows_the_owner_whole_then_by_deltas(pair: Pair) -> None:
+    rng = np.random.default_rng(1)
+    assert pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)["status"] == "ok"
+    parent = "t1"
+    for step in range(2, 6):
+        updates, _ = _delta(rng, sorted(rng.choice(500, 20, replace=False).tolist()))
+        assert pair.apply(updates, step, f"t{step}", parent)["status"] == "ok"
+        parent = f"t{step}"
+    wait_until(pair.synced, 30, "the copy at the owner's newest capture")
+    copy = pair.copy_arrays()
+    for name, value in _owner_arrays(pair.owner).items():
+        assert np.array_equal(copy[name], value)
+    status = pair.owner.sender.status() if pair.owner.sender else {}
+    assert status["whole"] == 1 and status["deltas"] >= 1 and status["lag_steps"] == 0
+    assert pair.holder.status()["copies_held"]["ps:0"]["token"] == "t5"
+
+
+def test_a_damaged_copy_is_refused_at_the_next_delta_and_sent_whole_again(pair: Pair) -> None:
+    rng = np.random.default_rng(2)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    wait_until(pair.synced, 30, "the first whole copy")
+    name = next(iter(KEYS))
+    pair.copy_arrays()[name][7, 0] += 1.0  # a row the next delta overwrites, damaged in the holder's memory
+    updates, _ = _delta(rng, [7, 8])
+    pair.apply(updates, 2, "t2", "t1")
+    wait_until(lambda: pair.synced() and (pair.owner.sender.status()["whole"] == 2), 30, "a second whole copy")
+    assert pair.holder.holder.status()["refused_frames"] == 1
+    assert np.array_equal(pair.copy_arrays()[name], _owner_arrays(pair.owner)[name])
+
+
+def test_a_new_agent_takes_its_shards_from_the_copy_only_when_it_verifies(pair: Pair, tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    updates, _ = _delta(rng, [1, 2, 3])
+    pair.apply(updates, 2, "t2", "t1")
+    wait_until(pair.synced, 30, "the copy at t2")
+    want = _owner_arrays(pair.owner)
+
+    fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", send_frame=pair.send, read_copy=pair.read).start()
+    try:
+        lagging = fresh.pull({"token": "t3", "holder": HOLDER_URL})  # the chief is at a state the copy lacks
+        assert lagging["status"] == "unavailable" and fresh.tier.empty
+        answer = fresh.pull({"token": "t2", "holder": HOLDER_URL})
+        assert answer["status"] == "ok" and answer["step"] == 2 and fresh.tier.token == "t2"
+        got = _owner_arrays(fresh)
+        assert got.keys() == want.keys() and all(np.array_equal(got[n], want[n]) for n in want)
+        assert fresh.export({"token": "t2"})["status"] == "ok"  # the restore files of the pulled shards
+    finally:
+        fresh.close()
+
+    pair.copy_arrays()[next(iter(KEYS))][400, 3] = np.float32(1e9)  # damaged at rest, no delta since
+    damaged = ShardKeeper(tmp_path / "another", "ps:0", read_copy=pair.read).start()
+    try:
+        refused = damaged.pull({"token": "t2", "holder": HOLDER_URL})
+        assert refused["status"] == "refused" and "digest" in refused["message"] and damaged.tier.empty
+    finally:
+        damaged.close()
+
+
+def test_a_holder_that_lags_past_the_bound_gets_the_whole_state(tmp_path: Path) -> None:
+    config = PeerCopyConfig(max_queue_mb=0)  # every delta is past the bound
+    p = Pair(tmp_path, config)
+    try:
+        rng = np.random.default_rng(4)
+        p.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+        wait_until(p.synced, 30, "the first whole copy")
+        updates, _ = _delta(rng, [5])
+        p.apply(updates, 2, "t2", "t1")
+        wait_until(p.synced, 30, "the copy at t2")
+        status = p.owner.sender.status() if p.owner.sender else {}
+        assert status["dropped"] >= 1 and status["whole"] == 2 and status["deltas"] == 0
+        assert all(np.array_equal(p.copy_arrays()[n], a) for n, a in _owner_arrays(p.owner).items())
+    finally:
+        p.close()
+
+
+def test_a_copy_needs_an_owner_other_than_the_holder(pair: Pair) -> None:
+    frame = encode_frame({"op": "begin", "task": "ps:1", "tensors": []})
+    with pytest.raises(CorruptCheckpointError, match="owner"):
+        pair.holder.holder.put(frame)
