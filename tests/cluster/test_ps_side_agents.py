@@ -283,7 +283,7 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
         if memory_step > durable_step():
             break
         os.kill(trainer, signal.SIGCONT)
-        wait_until(lambda: chief.status()["memory_step"] != memory_step, 60, "a newer capture")
+        wait_until(lambda seen=memory_step: chief.status()["memory_step"] != seen, 60, "a newer capture")
     else:
         raise AssertionError(f"no memory capture newer than the durable log:\n{chief.log()}")
     try:
