@@ -4,9 +4,12 @@ The baseline is what a PS job does without psguard: servers started by a script,
 ``tf.train.CheckpointManager`` checkpoint every ``durable_every`` steps (psguard's durable cadence, so the two
 write to storage equally often), and a script that restarts the *whole job* (every server and a new trainer,
 which restores the latest checkpoint) whenever a task dies or the trainer exits with an error. The nemesis
-fires the same faults at the same steps; faults that need an agent (``kill-agent``) or a psguard store (chunk
-damage) have no baseline equivalent and are recorded as not injected. The same checkers judge the baseline's
-history; the side-by-side report compares goodput, recovery seconds and lost steps per fault.
+fires the same faults at the same steps. A node loss (``kill-agent`` / ``terminate-agent``: on psguard's side the
+agent dies and its task with it) is, without an agent, the task's own death: kill -9 / SIGTERM of that process
+(:class:`BaselineNemesis`), after which the script restarts the whole job as for any dead task. Faults that need
+an agent alive (``pause-agent``: the task runs on) or a psguard store (chunk damage) have no baseline equivalent
+and are recorded as not injected. The same checkers judge the baseline's history; the side-by-side report
+compares goodput, recovery seconds and lost steps per fault.
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ import signal
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from psguard.agent.process.launcher import write_cluster
+from psguard.chaos.nemesis import Nemesis
 from psguard.chaos.runner import HARNESS, RunResult, _Run, run_scenario
-from psguard.chaos.scenario import Scenario
+from psguard.chaos.scenario import Fault, Scenario
 from psguard.handoff.contract import PLAIN_TF_SERVERS, QUIET_TENSORFLOW
 
-__all__ = ["run_side_by_side"]
+__all__ = ["BaselineNemesis", "run_side_by_side"]
+
+#: The baseline's equivalent of each agent fault that takes the task down with the agent.
+TASK_FAULT_FOR: dict[str, Literal["kill", "terminate"]] = {"kill-agent": "kill", "terminate-agent": "terminate"}
 
 
 class _Task:
@@ -65,8 +73,27 @@ class _Handle:
         return self._run.tasks[self._name].status(timeout)
 
 
+class BaselineNemesis(Nemesis):
+    """The nemesis of the plain-TF job: an agent fault that takes its task down becomes that task's own death.
+
+    ``kill-agent`` of ``ps:N`` is a PS node lost; without psguard that is the PS process dying (kill -9), and
+    ``terminate-agent`` its SIGTERM. The fault is recorded as what was done (``kill`` / ``terminate``, with
+    ``baseline_for`` naming the scenario's fault), so ``faults-injected`` sees it fired and the lost steps are
+    judged as for a killed task (the baseline's bound is its durable cadence anyway). The script restarts the
+    whole job at once, as for any dead task, not after the fault's ``duration``: the restart a plain-TF job gets.
+    """
+
+    def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
+        action = TASK_FAULT_FOR.get(fault.action)
+        if action is None:
+            super()._fire_on_task(fault, target, base)
+            return
+        super()._fire_on_task(replace(fault, action=action), target, {**base, "baseline_for": fault.action})
+
+
 class BaselineRun(_Run):
     mode = "baseline"
+    nemesis_class = BaselineNemesis
 
     def training_record(self) -> dict[str, Any]:
         t = super().training_record()

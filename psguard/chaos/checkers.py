@@ -11,7 +11,8 @@ The vocabulary of the history they rely on (see :mod:`psguard.demo_trainer` and 
   ``id``, ``digest``), ``eval`` (``loss``);
 - ``nemesis``: the faults (``kill``, ``terminate``, ``pause``, ``kill-agent``, ``corrupt-chunk``,
   ``truncate-chunk``, ``storage-stop``) and heals (``resume``, ``start-agent``, ``storage-start``);
-- ``harness``: ``run`` (the run's parameters, the target step, the bounds), ``final-store``, ``cleanup``.
+- ``harness``: ``run`` (the run's parameters, the target step, the bounds, ``peer_copies``: whether the PS
+  agents keep copies of each other's shards, absent = no), ``final-store``, ``cleanup``.
 
 Outcome rules. A commit with an ``ok`` completion happened. One with ``fail`` did not. One with ``info`` or
 no completion (its process died) may or may not have: a restore may return it or anything older than it, up to
@@ -166,10 +167,25 @@ def no_torn_checkpoint(ctx: _Context) -> Verdict:
                    evidence)  # fmt: skip
 
 
+def _loses_memory_tier(fault: Op, peer_copies: bool) -> bool:
+    """Whether ``fault`` makes every memory commit made before it unrestorable.
+
+    The chief's agent killed or stopped: it held the tier's commits in its memory. A PS's agent killed or
+    stopped (a PS node loss): it held that PS's shards, and a memory commit needs every PS's shards, so the
+    trainer falls back to the durable log; unless the PS agents keep a copy of each other's shards
+    (``peer_copies`` in the run record), when a peer's copy still serves the memory commit.
+    """
+    if fault.f not in ("kill-agent", "terminate-agent"):
+        return False
+    target = str(fault.value.get("target", ""))
+    return target == "chief" or (target.startswith("ps:") and not peer_copies)
+
+
 def _memory_lost_at(ctx: _Context) -> list[float]:
-    """Times the memory tier was lost: the chief's agent was killed (it held the tier in its memory)."""
+    """Times the memory tier was lost (see :func:`_loses_memory_tier`)."""
     stops = ctx.of(("kill-agent", "terminate-agent"))
-    return [o.start for o in stops if o.type != "fail" and o.value.get("target") == "chief"]
+    peer_copies = bool(ctx.run.get("peer_copies", False))
+    return [o.start for o in stops if o.type != "fail" and _loses_memory_tier(o, peer_copies)]
 
 
 def restores_newest(ctx: _Context) -> Verdict:
@@ -322,7 +338,7 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
         if bound is None:
             memory_every, chunk = int(training.get("memory_every", 0)), int(training.get("chunk", 0))
             durable_every = int(training.get("durable_every", 0))
-            loses_tier = fault.f in ("kill-agent", "terminate-agent") and fault.value.get("target") == "chief"
+            loses_tier = _loses_memory_tier(fault, bool(ctx.run.get("peer_copies", False)))
             bound = (durable_every if loses_tier else memory_every) + chunk
         # Back at normal speed: after the first capture that followed the restore (its stall counts).
         since = restore.end if restore is not None and restore.end is not None else t
@@ -374,7 +390,8 @@ def _stretches(trains: Sequence[Op]) -> list[Stretch]:
 
 def lost_work_bounded(ctx: _Context) -> Verdict:
     """Steps lost per fault stay within the policy bound (memory-tier cadence + one chunk by default; the durable
-    cadence when the fault takes the memory tier with it; a scenario may set its own ``max_lost_steps``)."""
+    cadence + one chunk when the fault takes the memory tier with it: the chief's agent, or a PS's agent without
+    peer copies; a scenario may set its own ``max_lost_steps``)."""
     name = "lost-work-bounded"
     outcomes = _fault_outcomes(ctx)
     over = [o for o in outcomes if o["lost_steps"] is not None and o["lost_steps"] > o["bound_applied"]]

@@ -29,7 +29,9 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.process.launcher import AgentProcess, LaunchError, ProgressReader, write_cluster
+import yaml
+
+from psguard.agent.process.launcher import AGENT_CONFIG, AgentProcess, LaunchError, ProgressReader, write_cluster
 from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_history
 from psguard.chaos.nemesis import Nemesis
@@ -38,7 +40,7 @@ from psguard.run_folder import claim_folder
 from psguard.testbed.procs import alive as pid_alive
 from psguard.testbed.procs import descendants
 
-__all__ = ["DEFAULT_JOB", "RunResult", "run_scenario"]
+__all__ = ["DEFAULT_JOB", "RunResult", "chief_config", "run_scenario"]
 
 HARNESS = "harness"
 DEFAULT_JOB = "psguard.demo_trainer:main"
@@ -61,6 +63,16 @@ def _port_busy(port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def chief_config(scenario: Scenario) -> str:
+    """The chief's agent config: the launcher's, plus ``peers: {copies: full}`` when the scenario runs with peer
+    copies (the scenario loader has refused ``peer_copies`` if this agent has no ``peers.copies``)."""
+    if not scenario.peer_copies:
+        return AGENT_CONFIG
+    doc = yaml.safe_load(AGENT_CONFIG)
+    doc.setdefault("peers", {})["copies"] = "full"
+    return str(yaml.safe_dump(doc, sort_keys=False))
 
 
 def _job_command(job: str) -> list[str]:
@@ -117,6 +129,7 @@ class _Run:
             "mode": self.mode,
             "target_step": s.training.steps,
             "training": self.training_record(),
+            "peer_copies": s.peer_copies,  # how the checkers judge a PS node loss
             "cluster": asdict(s.cluster),
             "storage": s.storage.kind,
             "liveness_seconds": s.checks.liveness,
@@ -215,7 +228,7 @@ class _Run:
             trainer += ["--hang-after", str(t.hang_after)]
         chief_args = ["--role", "chief", "--index", "0", *others, "--store", self.store_url]
         chief_args += ["--spool", str(self.dir / "spool"), *peers]
-        self.agents["chief"] = AgentProcess(root, "chief", chief_args, trainer, env=env)
+        self.agents["chief"] = AgentProcess(root, "chief", chief_args, trainer, env=env, config=chief_config(s))
         for a in self.agents.values():
             url = a.wait_url(180)
             self.ports.append(int(url.rsplit(":", 1)[1]))
@@ -234,8 +247,11 @@ class _Run:
     def supervise(self) -> None:
         """The psguard side needs nothing here: the agents supervise. The baseline's script restarts its job."""
 
+    #: What injects the faults (the baseline maps the agent faults onto its plain processes).
+    nemesis_class: type[Nemesis] = Nemesis
+
     def loop(self, deadline: float) -> None:
-        nemesis = Nemesis(
+        nemesis = self.nemesis_class(
             self.scenario,
             list(self.schedule),
             self.history,

@@ -7,10 +7,17 @@ because a run that passes is only worth what its scenario claims.
 Faults fire at a training step (``at_step``: the first step the trainer reports at or past it) or at a time
 (``at_time``: seconds since the trainer started). ``random:`` adds faults drawn from the run's seed, so the same
 seed gives the same schedule (:meth:`Scenario.schedule`).
+
+``peer_copies`` says whether the PS agents keep a copy of each other's shards. It changes what a PS node loss
+(``kill-agent`` / ``terminate-agent`` of ``ps:N``: the agent's memory tier goes with it) may cost, and so how the
+checkers judge it: without copies no memory commit made before the loss can be restored (a memory commit needs
+every PS's shards) and the trainer falls back to the durable log, so the loss is bounded by the durable cadence
+plus a chunk; with copies the memory tier survives the loss and the memory cadence plus a chunk is the bound.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 from collections.abc import Sequence
@@ -18,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
+from psguard.agent.control.peers import PeersConfig
 from psguard.config import Check, Duration, invalid, load_yaml, validate
+from psguard.errors import ConfigError
 
 __all__ = [
     "ACTIONS",
@@ -202,9 +211,18 @@ class Scenario:
     faults: tuple[Fault, ...] = ()
     random: RandomFaults | None = None
     checks: Checks = field(default_factory=Checks)
+    # The PS agents keep a copy of each other's shards (the chief's agent gets ``peers: {copies: full}``): a PS
+    # node loss then keeps the memory tier. See the module docstring for how the checkers judge either way.
+    peer_copies: bool = False
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.peer_copies and "copies" not in {f.name for f in dataclasses.fields(PeersConfig)}:
+            # Refused at load: a run whose agents ignore the setting would be judged against copies it never had.
+            raise ConfigError(
+                "peer_copies: needs an agent with peers.copies (psguard.agent.control.peers.PeersConfig has no "
+                "field 'copies' in this psguard yet)"
+            )
         if not self.faults and self.random is None:
             raise invalid("faults", "at least one fault (or random:)", [])
         for i, fault in enumerate(self.faults):

@@ -1,0 +1,215 @@
+"""psguard issue 24, item 5: the chaos harness judges the loss of a PS node (its agent killed: the memory tier
+that agent held goes with it) against the durable log, unless the scenario runs with peer copies; and the
+plain-TF baseline gets the same fault as the death of its own PS process."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from psguard.agent.control.peers import PeersConfig
+from psguard.agent.process.launcher import AGENT_CONFIG
+from psguard.chaos import scenario as scenario_module
+from psguard.chaos.baseline import BaselineNemesis
+from psguard.chaos.checkers import check_all
+from psguard.chaos.history import HistoryWriter, operations, read_history
+from psguard.chaos.nemesis import Nemesis
+from psguard.chaos.runner import chief_config
+from psguard.chaos.scenario import Scenario, load_scenario
+from psguard.config import from_data
+from psguard.errors import ConfigError
+from tests.support.chaos import H, T
+from tests.support.paths import ROOT
+
+#: The bounds of the histories below: memory tier every 5 steps, durable every 20, chunks of 5.
+MEMORY_BOUND, DURABLE_BOUND = 5 + 5, 20 + 5
+
+
+def _lost_node(
+    fault: str = "kill-agent", target: str = "ps:0", *, peer_copies: bool | None = None, restored: int = 20
+) -> H:
+    """Memory commits every 5 steps up to 30 (durable at 0 and 20), a fault at step 35, a restore of
+    ``restored`` (20: the durable log; 30: the memory tier), training to 40. ``peer_copies`` None: a run record
+    without the key (a history of before the field)."""
+    h = H(target=40)
+    run = h.records[0].value  # the run's invoke and completion share this dict
+    run["training"]["durable_every"] = 20
+    if peer_copies is not None:
+        run["peer_copies"] = peer_copies
+    h.restore(0, source=None)
+    h.commit(0, durable=True)
+    for step in range(0, 30, 5):
+        h.train(step, step + 5)
+        h.commit(step + 5, durable=(step + 5) % 20 == 0)
+    h.train(30, 35)
+    h.fault(fault, target)
+    h.rec(T, "invoke", "train", {"step": 35, "steps": 5})
+    h.rec(T, "info", "train", {"error": "UnavailableError"})
+    h.restore(restored, source="durable" if restored == 20 else "memory")
+    h.train(restored, 40)
+    h.finish()
+    return h
+
+
+def _judged(h: H) -> tuple[dict[str, Any], dict[str, Any]]:
+    """restore-newest's row for the restore, and lost-work-bounded's row for the fault, each with its status."""
+    v = check_all(h.records)
+    newest, bounded = v["restore-newest"], v["lost-work-bounded"]
+    restore = next(r for r in newest.evidence["restores"] if r["source"])
+    return {**restore, "status": newest.status}, {**bounded.evidence["faults"][0], "status": bounded.status}
+
+
+# ------------------------------------------------------------------------------------------------ checkers
+@pytest.mark.parametrize("peer_copies", [None, False], ids=["no-key", "false"])
+@pytest.mark.parametrize(("fault", "target"), [("kill-agent", "ps:0"), ("terminate-agent", "ps:1")])
+def test_a_ps_node_loss_without_peer_copies_is_judged_against_the_durable_log(
+    fault: str, target: str, peer_copies: bool | None
+) -> None:
+    """Memory commit 30 acknowledged, durable 20 the newest durable one: after the PS node loss 20 is right, and
+    its 15 lost steps (over the memory tier's bound of 10) are within the durable bound."""
+    newest, bounded = _judged(_lost_node(fault, target, peer_copies=peer_copies))
+    assert newest["status"] == "valid" and newest["restored"] == newest["newest_ok"] == 20, newest
+    assert bounded["status"] == "valid", bounded
+    assert bounded["lost_steps"] == 15 > MEMORY_BOUND and bounded["max_lost_steps"] == DURABLE_BOUND
+
+
+def test_with_peer_copies_a_ps_node_loss_keeps_the_memory_tier() -> None:
+    """A peer's copy of the lost shards should have served memory commit 30: the durable restore is stale and
+    loses more than the memory tier's bound; the restore of 30 is what is expected."""
+    newest, bounded = _judged(_lost_node(peer_copies=True, restored=20))
+    assert newest["status"] == "invalid" and newest["newest_ok"] == 30, newest
+    assert bounded["status"] == "invalid" and bounded["max_lost_steps"] == MEMORY_BOUND, bounded
+    newest, bounded = _judged(_lost_node(peer_copies=True, restored=30))
+    assert newest["status"] == "valid" and bounded["status"] == "valid" and bounded["lost_steps"] == 5
+
+
+@pytest.mark.parametrize("peer_copies", [False, True])
+def test_the_chief_agent_takes_the_memory_tier_with_it_whatever_the_peer_copies(peer_copies: bool) -> None:
+    newest, bounded = _judged(_lost_node("kill-agent", "chief", peer_copies=peer_copies))
+    assert newest["status"] == "valid" and newest["newest_ok"] == 20, newest
+    assert bounded["status"] == "valid" and bounded["max_lost_steps"] == DURABLE_BOUND, bounded
+
+
+@pytest.mark.parametrize(("fault", "target"), [("kill", "ps:0"), ("pause-agent", "ps:0"), ("kill-agent", "worker:0")])
+def test_faults_that_leave_every_ps_agent_alive_still_need_the_memory_tier(fault: str, target: str) -> None:
+    newest, bounded = _judged(_lost_node(fault, target))
+    assert newest["status"] == "invalid" and newest["newest_ok"] == 30, newest
+    assert bounded["status"] == "invalid" and bounded["max_lost_steps"] == MEMORY_BOUND, bounded
+
+
+# ------------------------------------------------------------------------------------------------ scenario
+def _scenario(**extra: Any) -> Scenario:
+    doc: dict[str, Any] = {"name": "t", "proves": "x", "faults": [{"action": "kill-agent", "target": "ps:0",
+                                                                   "at_step": 50}]}  # fmt: skip
+    return from_data(Scenario, {**doc, **extra}, source="t.yaml")
+
+
+def test_peer_copies_is_off_by_default_and_the_chief_agent_gets_the_launchers_config() -> None:
+    s = _scenario()
+    assert s.peer_copies is False and chief_config(s) == AGENT_CONFIG
+    assert load_scenario(ROOT / "chaos" / "kill-ps-node-large.yaml").peer_copies is False
+
+
+def test_peer_copies_needs_an_agent_that_has_them() -> None:
+    if "copies" in {f.name for f in dataclasses.fields(PeersConfig)}:
+        pytest.skip("this agent has peers.copies: the scenario loads (next test)")
+    with pytest.raises(ConfigError, match=r"t\.yaml: peer_copies: needs an agent with peers\.copies"):
+        _scenario(peer_copies=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PeersWithCopies:
+    copies: str = "none"
+
+
+def test_with_peer_copies_the_chief_agent_is_asked_for_full_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    if "copies" not in {f.name for f in dataclasses.fields(PeersConfig)}:
+        monkeypatch.setattr(scenario_module, "PeersConfig", _PeersWithCopies)  # the agent being built
+    s = _scenario(peer_copies=True)
+    doc = yaml.safe_load(chief_config(s))
+    assert doc["peers"]["copies"] == "full"
+    assert {k: v for k, v in doc.items() if k != "peers"} == {
+        k: v for k, v in yaml.safe_load(AGENT_CONFIG).items() if k != "peers"
+    }
+    assert {k: v for k, v in doc["peers"].items() if k != "copies"} == yaml.safe_load(AGENT_CONFIG)["peers"]
+
+
+# ------------------------------------------------------------------------------------------------ baseline
+class _Process:
+    """A plain task as the baseline's (its ``status()`` has no agent)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        return {"pid": self.proc.pid, "agent_pid": None}
+
+
+@pytest.fixture
+def tasks() -> Iterator[dict[str, _Process]]:
+    out = {"ps0": _Process(), "ps1": _Process(), "chief": _Process()}
+    yield out
+    for t in out.values():
+        if t.proc.poll() is None:
+            t.proc.kill()
+        t.proc.wait(10)
+
+
+def _fire(tmp_path: Path, tasks: dict[str, _Process], faults: list[dict[str, Any]], cls: type[Nemesis]) -> list[Any]:
+    s = _scenario(faults=faults)
+    tmp_path.mkdir(exist_ok=True)
+    history = HistoryWriter(tmp_path / "history.jsonl")
+    run = {"faults_scheduled": len(faults), "target_step": 40}
+    history.append("harness", "invoke", "run", run)
+    history.append("harness", "ok", "run", run)
+    nemesis = cls(s, s.schedule(0), history, tasks, store_dir=None, storage=None, seed=0)  # type: ignore[arg-type]
+    nemesis.tick(50, 1.0)
+    history.close()
+    return read_history(tmp_path / "history.jsonl")
+
+
+@pytest.mark.parametrize(
+    ("fault", "target", "task", "sig"),
+    [
+        ("kill-agent", "ps:0", "ps0", signal.SIGKILL),
+        ("terminate-agent", "ps:1", "ps1", signal.SIGTERM),
+        ("kill-agent", "chief", "chief", signal.SIGKILL),
+    ],
+)
+def test_the_baseline_loses_the_node_as_its_own_process_dies(
+    tmp_path: Path, tasks: dict[str, _Process], fault: str, target: str, task: str, sig: signal.Signals
+) -> None:
+    """No agent to kill on the plain-TF side: the task itself is killed (the baseline's script then restarts the
+    whole job, as for any dead task), recorded as what was done, and the fault counts as injected."""
+    records = _fire(tmp_path, tasks, [{"action": fault, "target": target, "at_step": 50, "duration": 2}],
+                    BaselineNemesis)  # fmt: skip
+    assert tasks[task].proc.wait(10) == -sig
+    assert all(t.proc.poll() is None for name, t in tasks.items() if name != task)
+    (op,) = [o for o in operations(records) if o.process == "nemesis"]
+    done = "kill" if fault == "kill-agent" else "terminate"
+    assert (op.f, op.type, op.value["target"], op.value["baseline_for"]) == (done, "ok", target, fault)
+    assert op.value["signal"] == sig.name and op.value["pid"] == tasks[task].proc.pid
+    assert check_all(records)["faults-injected"].status == "valid"
+
+
+def test_the_baseline_still_cannot_pause_an_agent_and_the_plain_nemesis_kills_no_agentless_task(
+    tmp_path: Path, tasks: dict[str, _Process]
+) -> None:
+    """pause-agent freezes the agent while its task runs on: nothing to do without an agent (not injected). And
+    the nemesis of psguard's side refuses agent faults on a task without one, as before."""
+    pause = [{"action": "pause-agent", "target": "ps:0", "at_step": 50}]
+    records = _fire(tmp_path / "pause", tasks, pause, BaselineNemesis)
+    (op,) = [o for o in operations(records) if o.process == "nemesis"]
+    assert op.type == "fail" and "without an agent" in op.value["error"]
+    assert check_all(records)["faults-injected"].status == "invalid"
+    records = _fire(tmp_path / "plain", tasks, [{"action": "kill-agent", "target": "ps:0", "at_step": 50}], Nemesis)
+    (op,) = [o for o in operations(records) if o.process == "nemesis"]
+    assert op.f == "kill-agent" and op.type == "fail" and tasks["ps0"].proc.poll() is None
