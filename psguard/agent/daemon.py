@@ -74,6 +74,7 @@ from psguard.agent.control.auth import Authenticator, JwtAuth
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
 from psguard.agent.control.metrics import AgentMetrics
 from psguard.agent.control.peers import PeerSync
+from psguard.agent.copies import PeerLink, copies_status, serve_copies
 from psguard.agent.process.hang import HangWatch
 from psguard.agent.process.prober import HealthMonitor, HttpProbe
 from psguard.agent.process.standby import warm_trainer_command
@@ -81,7 +82,6 @@ from psguard.agent.process.supervisor import Supervisor
 from psguard.agent.recovery import Recovery
 from psguard.agent.task import server_command, task_env, task_probes, task_record
 from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
-from psguard.handoff.client import http_request
 from psguard.handoff.contract import ENV_PARTS
 from psguard.handoff.credentials import TokenFile, create_token_file
 from psguard.handoff.tls import client_context, server_context
@@ -348,7 +348,6 @@ class Agent:
         self.http.add_post("/recovery", self._handle_recovery)
         if self.shards is not None:
             keeper = self.shards
-            cfg_copy = self.config.peer_copy
             for name, handler in (
                 ("apply", keeper.apply),
                 ("export", keeper.export),
@@ -359,78 +358,13 @@ class Agent:
             ):
                 self.http.add_post(f"/shards/{name}", _json_handler(handler))
             self.http.add_post("/shards/pull", _json_handler(keeper.pull))
-            frame_max = (max(cfg_copy.chunk_mb, cfg_copy.max_queue_mb) << 20) + (16 << 20)
-            self.http.add_post("/peer-copy/put", self._handle_copy_put, binary_max=frame_max)
-            self.http.add_post("/peer-copy/read", self._handle_copy_read)
+            serve_copies(self.http, keeper, self.config.peer_copy)
         if self.role == "chief":
             self.http.add_post("/new-generation", self._handle_new_generation)
             self.http.add_post("/failure", self._handle_failure)
         else:
             self.http.add_post("/finish", self._handle_finish)
         self.http.start()
-
-    # -------------------------------------------------------------------------------------- peer copies
-    def _handle_copy_put(self, request: Request) -> Response:
-        """A frame of another PS agent's copy, kept in this agent's memory (psguard/agent/tiers/peer_copy.py)."""
-        assert self.shards is not None
-        try:
-            return Response(200, self.shards.holder.put(request.body))
-        except CorruptCheckpointError as e:
-            raise RequestError(400, str(e)) from None
-
-    def _handle_copy_read(self, request: Request) -> Response:
-        """A new agent of a lost PS fetches its shards: the layout (JSON in a frame) or one range of rows."""
-        assert self.shards is not None
-        body = request.json()
-        if not isinstance(body, dict):
-            raise RequestError(400, "the body must be a JSON object")
-        try:
-            header, arrays = self.shards.holder.read(body)
-        except CorruptCheckpointError as e:
-            raise RequestError(400, str(e)) from None
-        # lazy: numpy's frame encoder, loaded with the shards it serves
-        from psguard.agent.tiers.peer_copy import encode_frame
-
-        return Response(200, encode_frame(header, arrays))
-
-    def _peer_credentials(self) -> str | None:
-        return self._peer_token or self._token
-
-    def _send_copy_frame(self, url: str, frame: bytes, timeout: float) -> dict[str, Any]:
-        code, raw, _ = http_request(
-            "POST",
-            f"{url}/peer-copy/put",
-            data=frame,
-            content_type="application/octet-stream",
-            token=self._peer_credentials(),
-            timeout=timeout,
-            tls=self._client_tls,
-        )
-        try:
-            answer = json.loads(raw) if raw else None
-        except ValueError:
-            answer = None
-        if code != 200 or not isinstance(answer, dict):
-            detail = answer.get("error") if isinstance(answer, dict) else raw[:200].decode(errors="replace")
-            raise PsguardError(f"POST {url}/peer-copy/put: HTTP {code}: {detail}")
-        return answer
-
-    def _read_peer_copy(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[Any]]:
-        # lazy: as above
-        from psguard.agent.tiers.peer_copy import decode_frame
-
-        code, raw, ctype = http_request(
-            "POST",
-            f"{url}/peer-copy/read",
-            data=json.dumps(body).encode(),
-            token=self._peer_credentials(),
-            timeout=timeout,
-            tls=self._client_tls,
-        )
-        if code != 200 or not ctype.startswith("application/octet-stream"):
-            raise PsguardError(f"POST {url}/peer-copy/read: HTTP {code}: {raw[:200]!r}")
-        header, arrays = decode_frame(raw)
-        return header, list(arrays)
 
     def _start_memory_tier(self) -> None:
         # lazy: numpy and the storage clients load only in the chief's agent (a PS agent starts faster)
@@ -518,14 +452,15 @@ class Agent:
         cfg = self.config
         store = self.store = Store.open(cfg.store, dict(cfg.storage_options)) if cfg.store else None
         folder = Path(cfg.spool) if cfg.spool else part_dir(cfg.job, self.task)
+        link = PeerLink(self._peer_token or self._token, self._client_tls)
         try:
             self.shards = ShardKeeper(
                 folder,
                 self.task,
                 store=store,
                 copy_config=cfg.peer_copy,
-                send_frame=self._send_copy_frame,
-                read_copy=self._read_peer_copy,
+                send_frame=link.send_frame,
+                read_copy=link.read_copy,
             ).start()
         except (PsguardError, OSError) as e:
             # The PS still serves; only its shards go through the chief (as before issue 12). Say so loudly.
@@ -754,19 +689,6 @@ class Agent:
                 checks["persister"] = self.persister is not None and self.persister.status().running
         return checks
 
-    def _copies_status(self) -> dict[str, Any] | None:
-        """The chief's view of the peer copies: each part's holder and the step its copy reached."""
-        client = self.shard_client
-        if client is None or client.copies == "none":
-            return None
-        return {
-            "mode": client.copies,
-            "placement": client.copy_targets(),
-            "parts": {task: dict(state) for task, state in client.copy_state.items()},
-            "peer_restores": client.peer_restores,
-            "last_restore_sources": dict(client.last_restore_sources),
-        }
-
     def status(self) -> dict[str, Any]:
         sup, monitor = self.supervisor, self.monitor
         sup_status = sup.status().to_dict() if sup is not None else {}
@@ -829,7 +751,7 @@ class Agent:
                         else None
                     ),
                     "captures": dict(spool.captures) if spool else None,
-                    "copies": self._copies_status(),
+                    "copies": copies_status(self.shard_client),
                 }
             )
         return doc

@@ -67,7 +67,7 @@ def _port_busy(port: int) -> bool:
 
 def chief_config(scenario: Scenario) -> str:
     """The chief's agent config: the launcher's, plus ``peers: {copies: full}`` when the scenario runs with peer
-    copies (the scenario loader has refused ``peer_copies`` if this agent has no ``peers.copies``)."""
+    copies."""
     if not scenario.peer_copies:
         return AGENT_CONFIG
     doc = yaml.safe_load(AGENT_CONFIG)
@@ -215,7 +215,8 @@ class _Run:
                             else []
                         ),
                     ],
-                    env=env,
+                    # Each task on a node of its own, as in a real job: peer copies never go to the same node.
+                    env={**env, "PSGUARD_NODE": f"node-{role}{i}"} if s.peer_copies else env,
                 )
         peers = [arg for a in self.agents.values() for arg in ("--peer", a.wait_url(180))]
         t = s.training

@@ -17,7 +17,6 @@ plus a chunk; with copies the memory tier survives the loss and the memory caden
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import re
 from collections.abc import Sequence
@@ -25,9 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from psguard.agent.control.peers import PeersConfig
 from psguard.config import Check, Duration, invalid, load_yaml, validate
-from psguard.errors import ConfigError
 
 __all__ = [
     "ACTIONS",
@@ -217,12 +214,6 @@ class Scenario:
 
     def __post_init__(self) -> None:
         validate(self)
-        if self.peer_copies and "copies" not in {f.name for f in dataclasses.fields(PeersConfig)}:
-            # Refused at load: a run whose agents ignore the setting would be judged against copies it never had.
-            raise ConfigError(
-                "peer_copies: needs an agent with peers.copies (psguard.agent.control.peers.PeersConfig has no "
-                "field 'copies' in this psguard yet)"
-            )
         if not self.faults and self.random is None:
             raise invalid("faults", "at least one fault (or random:)", [])
         for i, fault in enumerate(self.faults):

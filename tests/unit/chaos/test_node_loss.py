@@ -4,7 +4,6 @@ plain-TF baseline gets the same fault as the death of its own PS process."""
 
 from __future__ import annotations
 
-import dataclasses
 import signal
 import subprocess
 import sys
@@ -15,9 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from psguard.agent.control.peers import PeersConfig
 from psguard.agent.process.launcher import AGENT_CONFIG
-from psguard.chaos import scenario as scenario_module
 from psguard.chaos.baseline import BaselineNemesis
 from psguard.chaos.checkers import check_all
 from psguard.chaos.history import HistoryWriter, operations, read_history
@@ -25,7 +22,6 @@ from psguard.chaos.nemesis import Nemesis
 from psguard.chaos.runner import chief_config
 from psguard.chaos.scenario import Scenario, load_scenario
 from psguard.config import from_data
-from psguard.errors import ConfigError
 from tests.support.chaos import H, T
 from tests.support.paths import ROOT
 
@@ -118,21 +114,7 @@ def test_peer_copies_is_off_by_default_and_the_chief_agent_gets_the_launchers_co
     assert load_scenario(ROOT / "chaos" / "kill-ps-node-large.yaml").peer_copies is False
 
 
-def test_peer_copies_needs_an_agent_that_has_them() -> None:
-    if "copies" in {f.name for f in dataclasses.fields(PeersConfig)}:
-        pytest.skip("this agent has peers.copies: the scenario loads (next test)")
-    with pytest.raises(ConfigError, match=r"t\.yaml: peer_copies: needs an agent with peers\.copies"):
-        _scenario(peer_copies=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class _PeersWithCopies:
-    copies: str = "none"
-
-
-def test_with_peer_copies_the_chief_agent_is_asked_for_full_copies(monkeypatch: pytest.MonkeyPatch) -> None:
-    if "copies" not in {f.name for f in dataclasses.fields(PeersConfig)}:
-        monkeypatch.setattr(scenario_module, "PeersConfig", _PeersWithCopies)  # the agent being built
+def test_with_peer_copies_the_chief_agent_is_asked_for_full_copies() -> None:
     s = _scenario(peer_copies=True)
     doc = yaml.safe_load(chief_config(s))
     assert doc["peers"]["copies"] == "full"

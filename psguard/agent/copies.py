@@ -1,0 +1,108 @@
+"""The peer copies' wiring in an agent: their HTTP endpoints, the calls one PS agent makes to another, and the
+chief's view of them (the copies themselves: psguard/agent/tiers/peer_copy.py).
+
+Here, at the agent's top, because it joins the two rooms that may not import each other: the control plane's
+HTTP server and the tiers' shard keeper.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
+from psguard.agent.tiers.copy_settings import PeerCopyConfig
+from psguard.errors import CorruptCheckpointError, PsguardError
+from psguard.handoff.client import http_request
+
+if TYPE_CHECKING:  # numpy, loaded with the shards (a worker's agent never keeps any)
+    import numpy as np
+
+    from psguard.agent.tiers.shards import ShardClient, ShardKeeper
+
+__all__ = ["PeerLink", "copies_status", "serve_copies"]
+
+
+def serve_copies(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyConfig) -> None:
+    """``POST /peer-copy/put`` (an owner's frame, raw bytes) and ``POST /peer-copy/read`` (a new agent's fetch,
+    answered with a frame). Both need the ``control`` scope like every other POST: copy data is never open."""
+
+    def put(request: Request) -> Response:
+        try:
+            return Response(200, keeper.holder.put(request.body))
+        except CorruptCheckpointError as e:
+            raise RequestError(400, str(e)) from None
+
+    def read(request: Request) -> Response:
+        # lazy: numpy's frame encoder, loaded with the shards it serves
+        from psguard.agent.tiers.peer_copy import encode_frame
+
+        body = request.json()
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object")
+        try:
+            header, arrays = keeper.holder.read(body)
+        except CorruptCheckpointError as e:
+            raise RequestError(400, str(e)) from None
+        return Response(200, encode_frame(header, arrays))
+
+    http.add_post("/peer-copy/put", put, binary_max=(max(config.chunk_mb, config.max_queue_mb) << 20) + (16 << 20))
+    http.add_post("/peer-copy/read", read)
+
+
+class PeerLink:
+    """One PS agent's calls to another for the copies, with the credentials the job's agents share."""
+
+    def __init__(self, token: str | None, tls: ssl.SSLContext | None) -> None:
+        self._token = token
+        self._tls = tls
+
+    def send_frame(self, url: str, frame: bytes, timeout: float) -> dict[str, Any]:
+        code, raw, _ = http_request(
+            "POST",
+            f"{url}/peer-copy/put",
+            data=frame,
+            content_type="application/octet-stream",
+            token=self._token,
+            timeout=timeout,
+            tls=self._tls,
+        )
+        try:
+            answer = json.loads(raw) if raw else None
+        except ValueError:
+            answer = None
+        if code != 200 or not isinstance(answer, dict):
+            detail = answer.get("error") if isinstance(answer, dict) else raw[:200].decode(errors="replace")
+            raise PsguardError(f"POST {url}/peer-copy/put: HTTP {code}: {detail}")
+        return answer
+
+    def read_copy(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
+        # lazy: as in serve_copies
+        from psguard.agent.tiers.peer_copy import decode_frame
+
+        code, raw, content_type = http_request(
+            "POST",
+            f"{url}/peer-copy/read",
+            data=json.dumps(body).encode(),
+            token=self._token,
+            timeout=timeout,
+            tls=self._tls,
+        )
+        if code != 200 or not content_type.startswith("application/octet-stream"):
+            raise PsguardError(f"POST {url}/peer-copy/read: HTTP {code}: {raw[:200]!r}")
+        return decode_frame(raw)
+
+
+def copies_status(client: ShardClient | None) -> dict[str, Any] | None:
+    """The chief's view of the peer copies (``/status``): each part's holder and the step its copy reached."""
+    if client is None or client.copies == "none":
+        return None
+    return {
+        "mode": client.copies,
+        "placement": client.copy_targets(),
+        "parts": {task: dict(state) for task, state in client.copy_state.items()},
+        "peer_restores": client.peer_restores,
+        "last_restore_sources": dict(client.last_restore_sources),
+    }
