@@ -62,9 +62,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from psguard.benchmarks.common import (
     NORMAL_FACTOR,
@@ -75,6 +77,7 @@ from psguard.benchmarks.common import (
     progress,
 )
 from psguard.handoff.contract import PLAIN_TF_SERVERS, QUIET_TENSORFLOW
+from psguard.ports import free_ports
 from psguard.testbed.cluster import LocalCluster
 
 NUM_WORKERS = 1
@@ -92,6 +95,10 @@ class Params:
     kill_step: int = 0  # 0: 2K - 1
     after_steps: int = 30  # steps trained after the restore (enough to find the first one at normal speed)
     timeout: float = 600.0
+    # "process": PS 0's server is killed, its agent restarts it. "node": PS 0's agent is killed with it (its
+    # memory tier gone) and a new agent starts with an empty part folder, as on a replacement node.
+    fault: str = "process"
+    copies: str = "none"  # psguard's peers.copies ("full": each PS agent holds a copy of another's shards)
 
     @property
     def kill_at(self) -> int:
@@ -231,10 +238,14 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
         # The agents' task records in a folder of this run: the default one is shared by every job named
         # "default" on the host, and another run's ps:0 there makes this run's PS agent refuse to start.
         config = AGENT_CONFIG + f"state_dir: {shm / 'agents'}\n"
+        ps_args: dict[str, list[str]] = {}
+        ps_ports = free_ports(p.num_ps)
         for i in range(p.num_ps):
-            args = ["--role", "ps", "--index", str(i), "--cluster", str(cluster)]
+            args = ["--role", "ps", "--index", str(i), "--cluster", str(cluster), "--http-port", str(ps_ports[i])]
             args += ["--spool", str(shm / f"ps{i}"), "--store", store]
-            agents[f"ps{i}"] = AgentProcess(root, f"ps{i}", args, config=config)
+            ps_args[f"ps{i}"] = args
+            # Every PS on a node of its own, as in a real job (peer copies never go to the same node).
+            agents[f"ps{i}"] = AgentProcess(root, f"ps{i}", args, config=config + f"node: node-ps{i}\n")
         for i in range(NUM_WORKERS):
             args = ["--role", "worker", "--index", str(i), "--cluster", str(cluster)]
             agents[f"worker{i}"] = AgentProcess(root, f"worker{i}", args, config=config)
@@ -242,7 +253,12 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
         trainer = _child("agent_trainer", str(prog), store, str(shm), json.dumps(asdict(p)))
         args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", store]
         args += ["--spool", str(shm / "spool"), *peers]
-        agents["chief"] = AgentProcess(root, "chief", args, trainer, config=config)
+        chief_config = config
+        if p.copies != "none":
+            doc = yaml.safe_load(config)
+            doc.setdefault("peers", {})["copies"] = p.copies
+            chief_config = yaml.safe_dump(doc, sort_keys=False)
+        agents["chief"] = AgentProcess(root, "chief", args, trainer, config=chief_config)
         agents["chief"].wait_url(180)
         from psguard.agent.process.launcher import ProgressReader
 
@@ -261,7 +277,13 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
                     for i in range(p.num_ps):
                         rss.start(f"ps{i}", agents[f"ps{i}"].proc.pid)
                 elif d["event"] == "kill":
-                    kill_t = _kill_ps0(agents, p, rss)
+                    kill_t, copy_lag = _kill_ps0(agents, p, rss)
+                    if p.fault == "node":
+                        # A replacement node: a new agent, its part folder empty, on the same addresses.
+                        shutil.rmtree(shm / "ps0", ignore_errors=True)
+                        agents["ps0-new"] = AgentProcess(
+                            root, "ps0-new", ps_args["ps0"], config=config + "node: node-ps0-new\n"
+                        )
                     (shm / "killed").touch()
             rss.sample()
             time.sleep(_POLL)
@@ -269,9 +291,12 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
         if chief.proc.returncode != 0 or not any(d["event"] == "done" for d in reader_recs):
             raise RuntimeError(f"psguard: the chief's agent exited {chief.proc.returncode}:\n{chief.log_tail()}")
         ps_held = {}
+        copies_held: dict[str, int] = {}
         for i in range(p.num_ps):
-            shards = agents[f"ps{i}"].status().get("shards") or {}
+            name = "ps0-new" if i == 0 and "ps0-new" in agents else f"ps{i}"
+            shards = agents[name].status().get("shards") or {}
             ps_held[f"ps:{i}"] = int(shards.get("bytes") or 0)
+            copies_held[f"ps:{i}"] = sum(int(c.get("bytes") or 0) for c in _held(shards).values())
         chief_log = chief.log_path.read_text(errors="replace")
     finally:
         for name in ["chief", *[n for n in agents if n != "chief"]]:
@@ -286,7 +311,14 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
     trainer_peak = int(recs.first("trainer-peak")["hwm"])
     rss.peak["trainer"] = max(rss.peak.get("trainer", 0), trainer_peak)
     held = {t: b or int(state["ps_bytes"].get(t, 0)) for t, b in ps_held.items()}
-    ps_ratios = {t: rss.growth(f"ps{t.split(':')[1]}") / b for t, b in held.items() if b}
+    ps_ratios = {t: rss.growth(f"ps{t.split(':')[1]}") / b for t, b in held.items() if b and t != "ps:0"}
+    if p.fault != "node":  # ps:0's agent was replaced: its growth was not followed
+        ps_ratios.update({t: rss.growth("ps0") / b for t, b in held.items() if b and t == "ps:0"})
+    # The copy's own cost: a holder's growth beyond its own shards, over the shards it copies.
+    peer_ratios = {
+        t: (rss.growth(f"ps{t.split(':')[1]}") - held[t]) / c for t, c in copies_held.items() if c and t != "ps:0"
+    }
+    from_peer = "event=peer_copy_used " in chief_log
     restore_rate = state["state_bytes"] / doc["restore_s"]
     raw_rate = raw["bytes"] / raw["seconds"]
     doc.update(
@@ -306,7 +338,13 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
         raw_restore_s=raw["seconds"],
         restore_vs_raw_ratio=restore_rate / raw_rate,
         phases=_phases(recs, kill_t),
+        fault=p.fault,
+        copies=p.copies,
+        peer_copy_lag_steps=copy_lag,
+        peer_rss_ratio=max(peer_ratios.values()) if peer_ratios else None,
     )
+    if from_peer and doc["restored_from"] == "memory":
+        doc["restored_from"] = "peer"
     doc["chief_peak_rss_growth_ratio"] = doc["chief_rss_growth_bytes"] / doc["state_bytes"]
     doc["chief_peak_rss_growth_ratio_with_build"] = doc["chief_rss_growth_with_build_bytes"] / doc["state_bytes"]
     if not os.environ.get("PSGUARD_BENCH_KEEP"):  # set: keep the agents' logs and the progress records
@@ -314,8 +352,15 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
     return doc
 
 
-def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> float:
-    """Wait until every PS agent's standby is warm (as after minutes of training), then SIGKILL PS 0's server."""
+def _held(shards: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The copies a PS agent holds (its ``/status``), without the counters beside them."""
+    held = shards.get("copies_held") or {}
+    return {k: v for k, v in held.items() if isinstance(v, dict)}
+
+
+def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> tuple[float, int | None]:
+    """Wait until every PS agent's standby is warm (as after minutes of training), then SIGKILL PS 0's server
+    (with ``fault="node"`` its agent first). Returns the time and how many steps ps:0's peer copy lagged then."""
     deadline = time.monotonic() + 120
     while True:
         statuses = [agents[f"ps{i}"].status() for i in range(p.num_ps)]
@@ -325,8 +370,14 @@ def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> float:
             raise RuntimeError("the PS agents' standbys did not get warm within 120 s")
         rss.sample()
         time.sleep(_POLL)
+    lag = ((statuses[0].get("shards") or {}).get("copy_out") or {}).get("lag_steps")
+    if p.fault == "node":
+        agents["ps0"].proc.kill()
     os.kill(int(statuses[0]["pid"]), signal.SIGKILL)
-    return time.time()
+    t = time.time()
+    if p.fault == "node":
+        agents["ps0"].proc.wait()
+    return t, lag
 
 
 def _phases(recs: Records, kill_t: float) -> dict[str, float]:
@@ -452,10 +503,15 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
 
 
 def run(p: Params, runs: int = 3) -> dict[str, Any]:
-    """``runs`` recoveries per side, alternating; the results document (see the module docstring)."""
+    """``runs`` recoveries per side, alternating; the results document (see the module docstring).
+
+    With peer copies on and ``fault="node"``, psguard also runs the same fault with copies off, once per run:
+    ``recovery_vs_no_copies_ratio`` is what the copies buy.
+    """
     workdir = Path(tempfile.mkdtemp(prefix="psguard-bench-recovery-"))
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
+    no_copies: list[dict[str, Any]] = []
 
     def a(i: int) -> float:
         doc = run_psguard(p, workdir)
@@ -476,16 +532,33 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         )
         return float(doc["recovery_s"])
 
+    what = "PS 0 with its agent (node lost)" if p.fault == "node" else "PS 0"
     progress(
         f"{runs} runs per side: table {p.vocab_size} x {p.embedding_dim} over {p.num_ps} PS, memory every "
-        f"{p.memory_every}, durable every {p.durable_every}, kill -9 PS 0 at step {p.kill_at}"
+        f"{p.memory_every}, durable every {p.durable_every}, kill -9 {what} at step {p.kill_at}, peer copies "
+        f"{p.copies}"
     )
     try:
         xs, ys = alternate(runs, a, b)
+        if p.fault == "node" and p.copies != "none":
+            off = replace(p, copies="none")
+            for i in range(runs):
+                doc = run_psguard(off, workdir)
+                no_copies.append(doc)
+                progress(f"run {i} psguard, copies off: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']}")
     finally:
         if not os.environ.get("PSGUARD_BENCH_KEEP"):
             shutil.rmtree(workdir, ignore_errors=True)
-    return summarize(p, ours, theirs, xs, ys)
+    result = summarize(p, ours, theirs, xs, ys)
+    if no_copies:
+        off_s = median([float(d["recovery_s"]) for d in no_copies])
+        result.update(
+            recovery_vs_no_copies_ratio=median(xs) / off_s,
+            psguard_no_copies_recovery_s=off_s,
+            psguard_no_copies_lost_steps=_med(no_copies, "lost_steps"),
+            psguard_no_copies_restored_from=[d["restored_from"] for d in no_copies],
+        )
+    return result
 
 
 def _med(docs: list[dict[str, Any]], key: str) -> float:
@@ -552,6 +625,10 @@ def summarize(
         "psguard_lost_steps_runs": [d["lost_steps"] for d in ours],
         "baseline_lost_steps_runs": [d["lost_steps"] for d in theirs],
         "psguard_restored_from": [d["restored_from"] for d in ours],
+        "fault": p.fault,
+        "copies": p.copies,
+        "peer_copy_lag_steps": [d["peer_copy_lag_steps"] for d in ours],
+        "peer_rss_ratio": _med(ours, "peer_rss_ratio"),
         "psguard_phases_s": phases(ours),
         "baseline_phases_s": phases(theirs),
         "kill_step": p.kill_at,
@@ -574,6 +651,8 @@ def params_from_args(args: argparse.Namespace, **overrides: Any) -> Params:
         "memory_every": args.memory_every,
         "kill_step": args.kill_step,
         "timeout": args.timeout,
+        "fault": getattr(args, "fault", "process"),
+        "copies": getattr(args, "copies", "none"),
     }
     values.update(overrides)
     return Params(**values)
@@ -591,6 +670,8 @@ def add_job_options(p: argparse.ArgumentParser, *, embedding_dim: int = 16) -> N
 
 
 def cmd(args: argparse.Namespace) -> int:
+    if args.copies is None:
+        args.copies = "full" if args.fault == "node" else "none"
     results = run(params_from_args(args), runs=args.runs)
     print_results(results, as_json=args.json)
     return 0
@@ -600,5 +681,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("recovery", help="kill -9 a PS of a job under agents vs restarting the whole TF job")
     p.add_argument("--runs", type=int, default=3, help="recoveries per side (default 3)")
     p.add_argument("--vocab-size", type=int, default=200_000, help="rows of the embedding table (default 200000)")
+    p.add_argument(
+        "--fault",
+        choices=("process", "node"),
+        default="process",
+        help="process: kill -9 PS 0's server; node: with its agent, a new agent on an empty folder (default process)",
+    )
+    p.add_argument(
+        "--copies",
+        choices=("none", "full"),
+        default=None,
+        help="psguard's peer copies (default: full with --fault node, else none); with --fault node and copies "
+        "on, psguard also runs with them off for recovery_vs_no_copies_ratio",
+    )
     add_job_options(p)
     p.set_defaults(func=cmd)

@@ -125,10 +125,17 @@ class PeerSync:
                 if (
                     before is None
                     and restart_ps
-                    and failed_at is not None
                     and doc.get("role") == "ps"
-                    and isinstance(uptime, int | float)
-                    and asked_at - uptime > failed_at  # a lower bound of its start: no margin needed
+                    and (
+                        # A new agent (a replacement node) that has not started its PS yet: that PS will hold
+                        # nothing of any generation. Asked to restart it, the agent answers 409 (idle).
+                        (doc.get("state") == "idle" and restarts == 0)
+                        or (
+                            failed_at is not None
+                            and isinstance(uptime, int | float)
+                            and asked_at - uptime > failed_at  # a lower bound of its start: no margin needed
+                        )
+                    )
                 ):
                     fresh.add(url)  # started after the failure: wait for it, do not restart it again
                     pending[url] = restarts

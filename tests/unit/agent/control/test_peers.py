@@ -56,3 +56,33 @@ def test_an_http_error_is_an_error_with_the_peers_message(refusing_peer: str) ->
         peers.post(f"{refusing_peer}/new-generation", {"generation": 1}, timeout=5.0)
     outcome = peers.finish("done")
     assert outcome == {refusing_peer: "error: POST /finish answered HTTP 409: busy"}
+
+
+def test_a_replacement_agent_whose_ps_has_not_started_is_waited_for_not_restarted() -> None:
+    """A PS agent on a replacement node answers /status before its supervisor starts the PS (``state: idle``), and
+    ``POST /restart`` with 409 then. That PS holds nothing of any generation: the chief waits for it (it was
+    reported as an error, and the trainer's in-process rejoin failed, when a node was replaced)."""
+    from psguard.agent.control.httpd import AgentHTTPServer, Response
+
+    polls = {"n": 0}
+    restarts: list[object] = []
+
+    def status() -> dict[str, object]:
+        polls["n"] += 1
+        started = polls["n"] > 2
+        return {
+            "task": "ps:0",
+            "role": "ps",
+            "state": "running" if started else "idle",
+            "restarts": 0,
+            "ready": started,
+            "supervisor": {"uptime_seconds": 0.1 if started else None},
+        }
+
+    token = "a-token-of-sixteen-chars"
+    server = AgentHTTPServer(token=token, status=status)
+    server.add_post("/restart", lambda r: restarts.append(r) or Response(409, {"error": "not running (idle)"}))
+    with server:
+        sync = PeerSync("chief:0", [server.url], PeersConfig(ready_timeout=30), token, threading.Event())
+        outcome = sync.sync(restart_ps=True, failed_at=None)
+    assert outcome == {server.url: "fresh (started after the failure)"} and not restarts
