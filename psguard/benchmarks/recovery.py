@@ -99,6 +99,7 @@ class Params:
     # memory tier gone) and a new agent starts with an empty part folder, as on a replacement node.
     fault: str = "process"
     copies: str = "none"  # psguard's peers.copies ("full": each PS agent holds a copy of another's shards)
+    store: str = "local"  # psguard's durable log: "local" (a folder) or "s3" (a SeaweedFS server this run starts)
 
     @property
     def kill_at(self) -> int:
@@ -220,14 +221,17 @@ def _shm_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=base if base.is_dir() else None))
 
 
-def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
-    """One recovery with every task under ``psguard agent``; the figures of :func:`measure` and the RSS."""
+def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
+    """One recovery with every task under ``psguard agent``; the figures of :func:`measure` and the RSS.
+
+    ``s3``: a started :class:`psguard.testbed.s3.SeaweedS3` holding the durable log (a prefix per run)."""
     from psguard.agent.process.launcher import AGENT_CONFIG, AgentProcess, write_cluster
 
     work = Path(tempfile.mkdtemp(prefix="psg-", dir=workdir))
     shm = _shm_dir("psguard-bench-")
     prog = work / "progress.jsonl"
-    store = str(work / "store")
+    store = s3.url(f"job-{work.name}") if s3 is not None else str(work / "store")
+    env = dict(s3.env) if s3 is not None else None
     agents: dict[str, AgentProcess] = {}
     rss = RssWatch()
     kill_t: float | None = None
@@ -245,7 +249,7 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
             args += ["--spool", str(shm / f"ps{i}"), "--store", store]
             ps_args[f"ps{i}"] = args
             # Every PS on a node of its own, as in a real job (peer copies never go to the same node).
-            agents[f"ps{i}"] = AgentProcess(root, f"ps{i}", args, config=config + f"node: node-ps{i}\n")
+            agents[f"ps{i}"] = AgentProcess(root, f"ps{i}", args, config=config + f"node: node-ps{i}\n", env=env)
         for i in range(NUM_WORKERS):
             args = ["--role", "worker", "--index", str(i), "--cluster", str(cluster)]
             agents[f"worker{i}"] = AgentProcess(root, f"worker{i}", args, config=config)
@@ -258,7 +262,7 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
             doc = yaml.safe_load(config)
             doc.setdefault("peers", {})["copies"] = p.copies
             chief_config = yaml.safe_dump(doc, sort_keys=False)
-        agents["chief"] = AgentProcess(root, "chief", args, trainer, config=chief_config)
+        agents["chief"] = AgentProcess(root, "chief", args, trainer, config=chief_config, env=env)
         agents["chief"].wait_url(180)
         from psguard.agent.process.launcher import ProgressReader
 
@@ -282,7 +286,7 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
                         # A replacement node: a new agent, its part folder empty, on the same addresses.
                         shutil.rmtree(shm / "ps0", ignore_errors=True)
                         agents["ps0-new"] = AgentProcess(
-                            root, "ps0-new", ps_args["ps0"], config=config + "node: node-ps0-new\n"
+                            root, "ps0-new", ps_args["ps0"], config=config + "node: node-ps0-new\n", env=env
                         )
                     (shm / "killed").touch()
             rss.sample()
@@ -345,6 +349,8 @@ def run_psguard(p: Params, workdir: Path) -> dict[str, Any]:
     )
     if from_peer and doc["restored_from"] == "memory":
         doc["restored_from"] = "peer"
+    elif "every tier loaded checkpoint" in chief_log and doc["restored_from"] == "memory":
+        doc["restored_from"] = "durable (each agent its rows)"  # served through the tiers, read from the log
     doc["chief_peak_rss_growth_ratio"] = doc["chief_rss_growth_bytes"] / doc["state_bytes"]
     doc["chief_peak_rss_growth_ratio_with_build"] = doc["chief_rss_growth_with_build_bytes"] / doc["state_bytes"]
     if not os.environ.get("PSGUARD_BENCH_KEEP"):  # set: keep the agents' logs and the progress records
@@ -512,9 +518,15 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
     no_copies: list[dict[str, Any]] = []
+    s3 = None
+    if p.store == "s3":
+        from psguard.testbed.s3 import SeaweedS3
+
+        s3 = SeaweedS3(workdir / "seaweed", bucket="psguard-bench")
+        s3.start()
 
     def a(i: int) -> float:
-        doc = run_psguard(p, workdir)
+        doc = run_psguard(p, workdir, s3)
         ours.append(doc)
         progress(
             f"run {i} psguard: {doc['recovery_s']:.2f}s (first step {doc['first_step_s']:.2f}s), lost "
@@ -536,17 +548,19 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
     progress(
         f"{runs} runs per side: table {p.vocab_size} x {p.embedding_dim} over {p.num_ps} PS, memory every "
         f"{p.memory_every}, durable every {p.durable_every}, kill -9 {what} at step {p.kill_at}, peer copies "
-        f"{p.copies}"
+        f"{p.copies}, psguard's log on {'SeaweedFS (S3)' if p.store == 's3' else 'a local folder'}"
     )
     try:
         xs, ys = alternate(runs, a, b)
         if p.fault == "node" and p.copies != "none":
             off = replace(p, copies="none")
             for i in range(runs):
-                doc = run_psguard(off, workdir)
+                doc = run_psguard(off, workdir, s3)
                 no_copies.append(doc)
                 progress(f"run {i} psguard, copies off: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']}")
     finally:
+        if s3 is not None:
+            s3.stop()
         if not os.environ.get("PSGUARD_BENCH_KEEP"):
             shutil.rmtree(workdir, ignore_errors=True)
     result = summarize(p, ours, theirs, xs, ys)
@@ -627,6 +641,7 @@ def summarize(
         "psguard_restored_from": [d["restored_from"] for d in ours],
         "fault": p.fault,
         "copies": p.copies,
+        "store": p.store,
         "peer_copy_lag_steps": [d["peer_copy_lag_steps"] for d in ours],
         "peer_rss_ratio": _med(ours, "peer_rss_ratio"),
         "psguard_phases_s": phases(ours),
@@ -653,6 +668,7 @@ def params_from_args(args: argparse.Namespace, **overrides: Any) -> Params:
         "timeout": args.timeout,
         "fault": getattr(args, "fault", "process"),
         "copies": getattr(args, "copies", "none"),
+        "store": getattr(args, "store", "local"),
     }
     values.update(overrides)
     return Params(**values)
@@ -693,6 +709,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="psguard's peer copies (default: full with --fault node, else none); with --fault node and copies "
         "on, psguard also runs with them off for recovery_vs_no_copies_ratio",
+    )
+    p.add_argument(
+        "--store",
+        choices=("local", "s3"),
+        default="local",
+        help="psguard's durable log: a local folder, or SeaweedFS started for the run (the baseline saves locally)",
     )
     add_job_options(p)
     p.set_defaults(func=cmd)
