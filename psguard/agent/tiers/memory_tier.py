@@ -200,6 +200,44 @@ class Snapshot:
         self.release()
 
 
+class StreamSnapshot:
+    """A consistent view of the tier read in row ranges (:class:`FullStream`): a write while it is held saves
+    the rows it overwrites instead of copying the whole array, so reading a big shard out (a peer copy sent
+    whole) never doubles the node's memory. :meth:`release` (or ``with``) when done."""
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        step: int | None,
+        metadata: dict[str, Any],
+        token: str | None,
+        tensors: dict[str, FullStream],
+        lease: _Lease,
+    ) -> None:
+        self._tier = tier
+        self.step = step
+        self.metadata = metadata
+        self.token = token
+        self.tensors: Mapping[str, FullStream] = tensors
+        self._lease = lease
+        self._released = False
+
+    @property
+    def empty(self) -> bool:
+        return self.step is None
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._tier._release(self._lease)
+
+    def __enter__(self) -> StreamSnapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 @dataclass
 class DirtyTake:
     """What one persist must write, and the dirty marks it carries until it commits or aborts.
@@ -308,6 +346,14 @@ class MemoryTier:
                 return None
             out: np.ndarray = arr[ids]
             return out
+
+    def stream_export(self) -> StreamSnapshot:
+        """A consistent snapshot read in row ranges (rows saved on write instead of whole copies)."""
+        with self._lock:
+            arrays = dict(self._arrays)
+            lease = self._lease(arrays.values(), rows_saved=True)
+            streams = {n: self._stream(a, lease) for n, a in arrays.items()}
+            return StreamSnapshot(self, self._step, dict(self._metadata), self._token, streams, lease)
 
     def export(self) -> Snapshot:
         """A consistent snapshot for a restore, without copying: release it when written out."""

@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import MemoryTier, Snapshot
+from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.store.dtypes import dtype_from_name, dtype_name
 from psguard.tensors import Rows, Same, TensorUpdate
@@ -394,7 +394,7 @@ class CopySender:
     def __init__(
         self,
         task: str,
-        snapshot: Callable[[], tuple[Snapshot, list[dict[str, Any]], dict[str, int]]],
+        snapshot: Callable[[], tuple[StreamSnapshot, list[dict[str, Any]], dict[str, int]]],
         post: Callable[[str, bytes, float], dict[str, Any]],
         config: PeerCopyConfig,
     ) -> None:
@@ -560,14 +560,12 @@ class CopySender:
             )
             chunk = max(1, self.config.chunk_mb) << 20
             for t in layout:
-                arr = snap.tensors[t["name"]]
-                per_row = max(1, arr.nbytes // max(1, arr.shape[0]))
-                rows = max(1, chunk // per_row)
-                for start in range(0, arr.shape[0], rows):
-                    frame = encode_frame(
-                        {**base, "op": "fill", "name": t["name"], "start": start}, [arr[start : start + rows]]
-                    )
-                    self._answer(target, frame)
+                stream = snap.tensors[t["name"]]
+                n = stream.shape[0] if stream.shape else 1
+                rows = max(1, chunk // max(1, stream.nbytes // max(1, n)))
+                for start in range(0, n, rows):
+                    head = {**base, "op": "fill", "name": t["name"], "start": start}
+                    self._answer(target, encode_frame(head, [stream.read(start, min(n, start + rows))]))
             answer = self._answer(target, encode_frame({**base, "op": "end"}))
         with self._cond:
             self._counts["whole"] += 1

@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, StreamSnapshot
 from psguard.agent.tiers.peer_copy import (
     CopyHolder,
     CopySender,
@@ -295,13 +295,14 @@ class ShardKeeper:
             assert parent is not None
             self.sender.offer(new_delta(step, token, parent, updates, self._digests), step)
 
-    def _copy_snapshot(self) -> tuple[Snapshot, list[dict[str, Any]], dict[str, int]]:
-        """For the sender's whole copy: the tier, its layout and its digests, at one state."""
+    def _copy_snapshot(self) -> tuple[StreamSnapshot, list[dict[str, Any]], dict[str, int]]:
+        """For the sender's whole copy: the tier (read in row ranges), its layout and its digests, at one state."""
         with self._lock:
             assert self.sender is not None
-            snap = self.tier.export()
-            if self._digests is None or set(self._digests) != set(snap.tensors):
-                self._digests = {n: rows_digest(a) for n, a in snap.tensors.items()}
+            if self._digests is None or set(self._digests) != set(self.tier.names()):
+                with self.tier.export() as whole:
+                    self._digests = {n: rows_digest(a) for n, a in whole.tensors.items()}
+            snap = self.tier.stream_export()
             self.sender.begin_whole()
             layout = []
             for name, value in snap.tensors.items():

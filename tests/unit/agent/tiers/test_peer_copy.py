@@ -201,3 +201,38 @@ def test_a_copy_needs_an_owner_other_than_the_holder(pair: Pair) -> None:
     frame = encode_frame({"op": "begin", "task": "ps:1", "tensors": []})
     with pytest.raises(CorruptCheckpointError, match="owner"):
         pair.holder.holder.put(frame)
+
+
+def test_a_capture_during_a_whole_copy_saves_its_rows_instead_of_copying_the_shard(tmp_path: Path) -> None:
+    """The whole copy reads the tier in row ranges: a capture applied meanwhile saves the rows it overwrites (a
+    few KB), not the 16 KB shards whole, and the holder still gets the state the copy began at, then the delta."""
+    import threading
+
+    p = Pair(tmp_path, PeerCopyConfig(chunk_mb=1))
+    first_fill = threading.Event()
+    go_on = threading.Event()
+    send = p.send
+
+    def slow_send(url: str, frame: bytes, timeout: float) -> dict[str, Any]:
+        header, _ = decode_frame(frame)
+        if header.get("op") == "fill" and not first_fill.is_set():
+            first_fill.set()
+            assert go_on.wait(30)
+        return send(url, frame, timeout)
+
+    p.owner.sender._post = slow_send  # type: ignore[union-attr]
+    try:
+        rng = np.random.default_rng(5)
+        p.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+        assert first_fill.wait(30)
+        before = p.owner.tier.status().copy_on_write_bytes
+        updates, _ = _delta(rng, [0, 499])
+        p.apply(updates, 2, "t2", "t1")  # while the whole copy of t1 is being sent
+        grown = p.owner.tier.status().copy_on_write_bytes - before
+        go_on.set()
+        wait_until(p.synced, 30, "the copy at t2")
+        assert grown < 500 * 8 * 4  # less than one shard: rows saved, no whole copy
+        assert all(np.array_equal(p.copy_arrays()[n], a) for n, a in _owner_arrays(p.owner).items())
+    finally:
+        go_on.set()
+        p.close()
