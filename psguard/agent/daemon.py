@@ -472,6 +472,15 @@ class Agent:
             )
             return
         log.info("event=shards_kept task=%s folder=%s store=%s", self.task, folder, redact(cfg.store or "-"))
+        keeper = self.shards
+        held = self.metrics.peer_copy_held_bytes
+        keeper.holder.on_copy = lambda owner, nbytes: held.labels(owner=owner).set(nbytes)
+
+        def lag() -> float:
+            value = keeper.sender.status()["lag_steps"] if keeper.sender is not None else None
+            return float("nan") if value is None else float(value)
+
+        self.metrics.peer_copy_lag_steps.labels(task=self.task).set_function(lag)
 
     def request_stop(self, *_: object) -> None:
         """Ask for a graceful stop (signal-handler safe: only sets events)."""

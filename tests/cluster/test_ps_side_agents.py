@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import sys
 import textwrap
@@ -286,6 +287,8 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
         wait_until(lambda seen=memory_step: chief.status()["memory_step"] != seen, 60, "a newer capture")
     else:
         raise AssertionError(f"no memory capture newer than the durable log:\n{chief.log()}")
+    assert re.search(r'psguard_peer_copy_held_bytes\{owner="ps:0"\} [1-9]', ps[1].metrics()), ps[1].metrics()
+    assert re.search(r'psguard_peer_copy_lag_steps\{task="ps:0"\} 0', ps[0].metrics()), ps[0].metrics()
     try:
         server = ps[0].status()["pid"]
         ps[0].proc.kill()  # the agent and its memory tier

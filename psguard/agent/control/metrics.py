@@ -30,6 +30,9 @@ name                                            type       labels       meaning
 ``psguard_lost_steps_total``                    counter                 training steps redone after recoveries
 ``psguard_checkpoint_stall_seconds``            histogram               training stall per save (the capture)
 ``psguard_hangs_total``                         counter                 trainer hangs found and restarted (chief)
+``psguard_peer_copy_lag_steps``                 gauge      task         steps the holder's copy of this PS's shards
+                                                                        trails its tier (NaN: no copy yet)
+``psguard_peer_copy_held_bytes``                gauge      owner        bytes of another PS's shards held here
 ==============================================  =========  ===========  =============================================
 """
 
@@ -57,6 +60,8 @@ __all__ = [
     "LAST_CHECKPOINT_TIMESTAMP_SECONDS",
     "LOST_STEPS_TOTAL",
     "PERSIST_FAILURES_TOTAL",
+    "PEER_COPY_HELD_BYTES",
+    "PEER_COPY_LAG_STEPS",
     "PERSIST_LAG_STEPS",
     "PERSIST_QUEUE_DEPTH",
     "PROBE_FAILURES_TOTAL",
@@ -90,6 +95,8 @@ RECOVERIES_TOTAL = "psguard_recoveries_total"
 LOST_STEPS_TOTAL = "psguard_lost_steps_total"
 CHECKPOINT_STALL_SECONDS = "psguard_checkpoint_stall_seconds"
 HANGS_TOTAL = "psguard_hangs_total"
+PEER_COPY_LAG_STEPS = "psguard_peer_copy_lag_steps"
+PEER_COPY_HELD_BYTES = "psguard_peer_copy_held_bytes"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -402,6 +409,8 @@ class AgentMetrics:
     lost_steps: Counter
     checkpoint_stall: Histogram
     hangs: Counter
+    peer_copy_lag_steps: Gauge
+    peer_copy_held_bytes: Gauge
 
     @classmethod
     def create(cls, registry: Registry | None = None) -> AgentMetrics:
@@ -440,6 +449,12 @@ class AgentMetrics:
                 CHECKPOINT_STALL_SECONDS, "Training stall caused by each checkpoint save.", buckets=STALL_BUCKETS
             ),
             hangs=r.counter(HANGS_TOTAL, "Times the trainer made no step within its hang bound and was restarted."),
+            peer_copy_lag_steps=r.gauge(
+                PEER_COPY_LAG_STEPS, "Steps by which the peer copy of this PS's shards trails its tier.", ["task"]
+            ),
+            peer_copy_held_bytes=r.gauge(
+                PEER_COPY_HELD_BYTES, "Bytes of another PS's shards this agent holds as its peer copy.", ["owner"]
+            ),
         )
 
     def declare_task(self, task: str, probes: Iterable[str] = ()) -> None:

@@ -204,8 +204,10 @@ class _Incoming:
 class CopyHolder:
     """The copies this agent holds of other PS agents' shards (one tier per owner task)."""
 
-    def __init__(self, task: str) -> None:
+    def __init__(self, task: str, on_copy: Callable[[str, int], None] | None = None) -> None:
+        """``on_copy(owner, bytes)``: after each change of a copy (the agent's metrics)."""
         self.task = task
+        self.on_copy = on_copy
         self._lock = threading.Lock()
         self._copies: dict[str, _Copy] = {}
         self._incoming: dict[str, _Incoming] = {}  # owner -> a whole copy being received
@@ -294,6 +296,8 @@ class CopyHolder:
         with self._lock:
             self._copies[owner] = _Copy(tier, list(h["tensors"]), digests, time.time(), nbytes)
         log.info("event=peer_copy_whole owner=%s holder=%s step=%s bytes=%d", owner, self.task, h["step"], nbytes)
+        if self.on_copy is not None:
+            self.on_copy(owner, nbytes)
         return {"status": "ok", "step": tier.step, "token": tier.token}
 
     def _delta(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray], nbytes: int) -> dict[str, Any]:

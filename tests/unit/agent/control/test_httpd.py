@@ -181,6 +181,8 @@ def test_agent_metrics_export_every_documented_name() -> None:
         m.LOST_STEPS_TOTAL: ("counter", []),
         m.CHECKPOINT_STALL_SECONDS: ("histogram", []),
         m.HANGS_TOTAL: ("counter", []),
+        m.PEER_COPY_LAG_STEPS: ("gauge", ["task"]),
+        m.PEER_COPY_HELD_BYTES: ("gauge", ["owner"]),
     }
     assert set(metrics.registry.names()) == set(expected)
     for name, (kind, labels) in expected.items():
