@@ -367,16 +367,24 @@ def _held(shards: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> tuple[float, int | None]:
     """Wait until every PS agent's standby is warm (as after minutes of training), then SIGKILL PS 0's server
     (with ``fault="node"`` its agent first). Returns the time and how many steps ps:0's peer copy lagged then."""
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
+    first_lag: int | None = None
     while True:
         statuses = [agents[f"ps{i}"].status() for i in range(p.num_ps)]
-        if all(s["supervisor"].get("standby_ready") for s in statuses):
+        copies = [(s.get("shards") or {}).get("copy_out") or {} for s in statuses]
+        if first_lag is None and copies[0]:
+            first_lag = copies[0].get("lag_steps")
+        # As after minutes of training: every standby warm, and with peer copies every copy made and current
+        # (the first whole copy of a GB shard takes seconds; the trainer waits at the kill step meanwhile).
+        warm = all(s["supervisor"].get("standby_ready") for s in statuses)
+        copied = p.copies == "none" or all(c.get("lag_steps") == 0 and not c.get("sending_whole") for c in copies)
+        if warm and copied:
             break
         if time.monotonic() > deadline:
-            raise RuntimeError("the PS agents' standbys did not get warm within 120 s")
+            raise RuntimeError(f"within 300 s: standbys warm {warm}, peer copies current {copied} ({copies})")
         rss.sample()
         time.sleep(_POLL)
-    lag = ((statuses[0].get("shards") or {}).get("copy_out") or {}).get("lag_steps")
+    lag = first_lag
     if p.fault == "node":
         agents["ps0"].proc.kill()
     os.kill(int(statuses[0]["pid"]), signal.SIGKILL)

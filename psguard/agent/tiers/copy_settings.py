@@ -23,3 +23,8 @@ class PeerCopyConfig:
     chunk_mb: int = 32  # bytes per request of a whole copy, and of a fetch by a new agent
     request_timeout: Duration = 60.0
     retry_after: Duration = 1.0  # after a failed send (the holder down): wait, then send the whole state
+    # A capture's delta: its apply answers once the holder has it too, up to this long (0: never waits), so that
+    # the state the chief's tier moves to is held by the copies as well (a copy one capture behind cannot serve
+    # a restore). The trainer does not wait for it: only the capture's acknowledgement does. A whole copy is
+    # never waited for.
+    wait_for_copy: Duration = 5.0

@@ -411,6 +411,7 @@ class CopySender:
         self._queued_bytes = 0
         self._target: tuple[str, str] | None = None  # (holder task, URL)
         self._whole = True  # the next send is the whole state
+        self._in_whole = False  # a whole copy is being sent (deltas queue behind it, nobody waits for them)
         self._stop = False
         self._synced: tuple[int, str] | None = None  # (step, token) the holder acknowledged last
         self._tier_step: int | None = None
@@ -457,6 +458,19 @@ class CopySender:
                     self._queue.append(delta)
                     self._queued_bytes += delta.nbytes
             self._cond.notify_all()
+
+    def wait_synced(self, token: str, timeout: float) -> bool:
+        """Wait until the holder holds state ``token``; False at once when a whole copy is due (it may take
+        minutes) or there is no holder, else after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._synced is not None and self._synced[1] == token:
+                    return True
+                left = deadline - time.monotonic()
+                if self._target is None or self._whole or self._in_whole or self._stop or left <= 0:
+                    return False
+                self._cond.wait(left)
 
     def status(self) -> dict[str, Any]:
         with self._cond:
@@ -538,13 +552,23 @@ class CopySender:
             self._queue.clear()
             self._queued_bytes = 0
             self._whole = False
+            self._in_whole = True
 
     def _send_whole(self, target: tuple[str, str]) -> None:
+        try:
+            self._send_whole_once(target)
+        finally:
+            with self._cond:
+                self._in_whole = False
+                self._cond.notify_all()
+
+    def _send_whole_once(self, target: tuple[str, str]) -> None:
         snap, layout, digests = self._snapshot()
         with snap:
             if snap.empty or snap.token is None:
                 with self._cond:
                     self._whole = True
+                    self._cond.wait(self.config.retry_after)  # nothing to copy yet
                 return
             session = secrets.token_hex(8)
             base = {"task": self.task, "session": session}
@@ -574,6 +598,7 @@ class CopySender:
         with self._cond:
             self._counts["whole"] += 1
             self._synced = (int(answer["step"]), str(answer["token"]))
+            self._cond.notify_all()
         log.info("event=peer_copy_whole_sent owner=%s holder=%s step=%s", self.task, target[0], answer["step"])
 
     def _send_delta(self, target: tuple[str, str], d: _Delta) -> None:
@@ -602,6 +627,7 @@ class CopySender:
         with self._cond:
             self._counts["deltas"] += 1
             self._synced = (int(answer["step"]), str(answer["token"]))
+            self._cond.notify_all()
 
 
 def new_delta(

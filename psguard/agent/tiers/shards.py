@@ -244,6 +244,9 @@ class ShardKeeper:
                     self._digests = None
                 elif result.ok and result.message != "already applied":
                     self._offer_copy(updates, step, token, parent, old_rows)
+        if copying and result.ok and self.copy_config.wait_for_copy > 0:
+            assert self.sender is not None
+            self.sender.wait_synced(token, self.copy_config.wait_for_copy)
         return {
             "status": result.status,
             "step": self.tier.step,

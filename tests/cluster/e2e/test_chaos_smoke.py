@@ -20,7 +20,7 @@ import pytest
 from tests.support.paths import QUIET, ROOT
 
 # kill-ps: test_kill_ps_is_valid_and_side_by_side_with_plain_tf (one run for psguard and the baseline).
-SMOKE = ("kill-worker", "corrupt-chunk")
+SMOKE = ("kill-worker", "corrupt-chunk", "kill-ps-node")
 
 
 @pytest.fixture(scope="module")

@@ -127,9 +127,11 @@ def test_the_holder_follows_the_owner_whole_then_by_deltas(pair: Pair) -> None:
     parent = "t1"
     for step in range(2, 6):
         updates, _ = _delta(rng, sorted(rng.choice(500, 20, replace=False).tolist()))
-        assert pair.apply(updates, step, f"t{step}", parent)["status"] == "ok"
+        answer = pair.apply(updates, step, f"t{step}", parent)
+        # wait_for_copy: the apply answers once the holder has the capture too, and says so
+        assert answer["status"] == "ok" and answer["copy"] == {"holder": "ps:1", "step": step, "token": f"t{step}"}
         parent = f"t{step}"
-    wait_until(pair.synced, 30, "the copy at the owner's newest capture")
+    assert pair.synced()
     copy = pair.copy_arrays()
     for name, value in _owner_arrays(pair.owner).items():
         assert np.array_equal(copy[name], value)
