@@ -1,6 +1,6 @@
-"""The chaos smoke set on real clusters (CI): kill-ps, kill-worker, corrupt-chunk, each run by ``psguard chaos
-run`` as a user would, every checker's verdict required to be valid. One fault-free reference run (same job,
-seed and settings) is shared by the three for the final-loss checker. kill-ps runs once, with ``--baseline``:
+"""The chaos smoke set on real clusters (CI): kill-ps, kill-worker, corrupt-chunk, kill-ps-node (peer copies),
+each run by ``psguard chaos run`` as a user would, every checker's verdict required to be valid. One fault-free
+reference run (same job, seed and settings) is shared by the four for the final-loss checker. kill-ps runs once, with ``--baseline``:
 its psguard side is the smoke run, judged against the shared reference from its history, and the plain-TF side
 takes the same faults beside it."""
 
