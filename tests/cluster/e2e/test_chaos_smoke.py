@@ -1,8 +1,8 @@
 """The chaos smoke set on real clusters (CI): kill-ps, kill-worker, corrupt-chunk, kill-ps-node (peer copies),
 each run by ``psguard chaos run`` as a user would, every checker's verdict required to be valid. One fault-free
-reference run (same job, seed and settings) is shared by the four for the final-loss checker. kill-ps runs once, with ``--baseline``:
-its psguard side is the smoke run, judged against the shared reference from its history, and the plain-TF side
-takes the same faults beside it."""
+reference run (same job, seed and settings) is shared by the four for the final-loss checker. kill-ps runs
+once, with ``--baseline``: its psguard side is the smoke run, judged against the shared reference from its
+history, and the plain-TF side takes the same faults beside it."""
 
 from __future__ import annotations
 
