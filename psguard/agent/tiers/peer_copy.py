@@ -40,6 +40,7 @@ import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -659,29 +660,39 @@ def fetch_copy(
     if info.get("token") != token:
         raise PsguardError(f"the holder's copy of {owner} is at step {info.get('step')}, not at the chief's state")
     digests = _digests_from(info.get("digests"))
-    arrays: dict[str, np.ndarray] = {}
     chunk = max(1, config.chunk_mb) << 20
+    ranges: list[tuple[str, int, int]] = []  # every request, in order: tensor, start, stop
+    arrays: dict[str, np.ndarray] = {}
     for t in info.get("tensors") or []:
         name = str(t["name"])
         shape = tuple(int(x) for x in t["array_shape"])
-        out = np.empty(shape, dtype=dtype_from_name(str(t["dtype"])))
-        per_row = max(1, out.nbytes // max(1, shape[0])) if shape else out.nbytes
+        arrays[name] = np.empty(shape, dtype=dtype_from_name(str(t["dtype"])))
+        per_row = max(1, arrays[name].nbytes // max(1, shape[0]))
         rows = max(1, chunk // per_row)
-        for start in range(0, shape[0], rows):
-            stop = min(shape[0], start + rows)
-            answer, got = post(
-                holder_url,
-                {"owner": owner, "token": token, "name": name, "start": start, "stop": stop},
-                config.request_timeout,
-            )
+        ranges += [(name, start, min(shape[0], start + rows)) for start in range(0, shape[0], rows)]
+
+    def fetch(r: tuple[str, int, int]) -> tuple[dict[str, Any], list[np.ndarray]]:
+        body = {"owner": owner, "token": token, "name": r[0], "start": r[1], "stop": r[2]}
+        return post(holder_url, body, config.request_timeout)
+
+    sums = dict.fromkeys(arrays, 0)
+    # One request ahead: the next chunk travels while this one is checked and placed.
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="psguard-copy-fetch") as pool:
+        pending = pool.submit(fetch, ranges[0]) if ranges else None
+        for i, (name, start, stop) in enumerate(ranges):
+            assert pending is not None
+            answer, got = pending.result()
+            pending = pool.submit(fetch, ranges[i + 1]) if i + 1 < len(ranges) else None
+            out = arrays[name]
             if answer.get("status") != "ok" or len(got) != 1:
                 raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
-            if got[0].shape != (stop - start, *shape[1:]) or got[0].dtype != out.dtype:
+            if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
                 raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
             out[start:stop] = got[0]
-        if rows_digest(out) != digests.get(name):
-            raise CorruptCheckpointError(
-                f"the peer copy of {owner}'s {name} does not match its owner's digest: refused"
-            )
-        arrays[name] = out
+            sums[name] = (sums[name] + rows_digest(got[0], np.arange(start, stop, dtype=np.int64))) & _MASK
+    bad = sorted(n for n, d in sums.items() if d != digests.get(n))
+    if bad:
+        raise CorruptCheckpointError(
+            f"the peer copy of {owner} does not match its owner's digests in {bad[:3]}: refused"
+        )
     return info, arrays
