@@ -378,10 +378,18 @@ def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> tuple[float, 
         # (the first whole copy of a GB shard takes seconds; the trainer waits at the kill step meanwhile).
         warm = all(s["supervisor"].get("standby_ready") for s in statuses)
         copied = p.copies == "none" or all(c.get("lag_steps") == 0 and not c.get("sending_whole") for c in copies)
-        if warm and copied:
+        # A node loss loses the node's memory tier: without a copy the log serves, and a first 1 GB base to S3
+        # can still be on its way at the kill step. Wait for the last durable save due, as in a job running
+        # for hours, so that both sides lose what their cadence says (the baseline's saves are synchronous).
+        due = (p.kill_at // p.durable_every) * p.durable_every
+        durable = p.fault != "node" or (agents["chief"].status().get("durable_step") or -1) >= due
+        if warm and copied and durable:
             break
         if time.monotonic() > deadline:
-            raise RuntimeError(f"within 300 s: standbys warm {warm}, peer copies current {copied} ({copies})")
+            raise RuntimeError(
+                f"within 300 s: standbys warm {warm}, peer copies current {copied} ({copies}), durable step {due} "
+                f"written {durable}"
+            )
         rss.sample()
         time.sleep(_POLL)
     lag = first_lag
