@@ -347,6 +347,18 @@ class MemoryTier:
             out: np.ndarray = arr[ids]
             return out
 
+    def take_array(self, name: str) -> np.ndarray | None:
+        """Remove tensor ``name`` and hand its array to the caller (``None`` if absent, or leased: then it is not
+        the tier's to give). For a tier being discarded whose memory is reused (a peer copy replaced whole)."""
+        with self._lock:
+            arr = self._arrays.get(name)
+            if arr is None or id(arr) in self._leases:
+                return None
+            del self._arrays[name]
+            self._all.discard(name)
+            self._rows.pop(name, None)
+            return arr
+
     def stream_export(self) -> StreamSnapshot:
         """A consistent snapshot read in row ranges (rows saved on write instead of whole copies)."""
         with self._lock:

@@ -247,14 +247,27 @@ class CopyHolder:
         layout = header.get("tensors")
         if not isinstance(layout, list):
             raise CorruptCheckpointError("peer copy begin: no tensors")
+        # The copy this replaces is behind the owner already (a whole copy is sent when the holder cannot take a
+        # delta), so it could not serve a restore at the chief's state: drop it now and fill its arrays in place
+        # where they fit, so that the holder never holds two copies of one owner (2x the memory of the copy).
+        with self._lock:
+            old = self._copies.pop(owner, None)
+            self._incoming.pop(owner, None)
+        reuse: dict[str, np.ndarray] = {}
+        if old is not None:
+            reuse = {n: a for n in old.tier.names() if (a := old.tier.take_array(n)) is not None}
+            del old
         arrays: dict[str, np.ndarray] = {}
         for t in layout:
             try:
-                arrays[str(t["name"])] = np.empty(
-                    tuple(int(x) for x in t["array_shape"]), dtype=dtype_from_name(str(t["dtype"]))
-                )
+                name = str(t["name"])
+                shape, dtype = tuple(int(x) for x in t["array_shape"]), dtype_from_name(str(t["dtype"]))
             except (KeyError, TypeError, ValueError) as e:
                 raise CorruptCheckpointError(f"peer copy begin: bad tensor {t!r}: {e}") from None
+            have = reuse.pop(name, None)
+            ok = have is not None and have.shape == shape and have.dtype == dtype and have.flags.writeable
+            arrays[name] = have if ok and have is not None else np.empty(shape, dtype=dtype)
+        reuse.clear()
         with self._lock:
             self._incoming[owner] = _Incoming(header, arrays, dict.fromkeys(arrays, 0))
         return {"status": "ok"}

@@ -238,3 +238,16 @@ def test_a_capture_during_a_whole_copy_saves_its_rows_instead_of_copying_the_sha
     finally:
         go_on.set()
         p.close()
+
+
+def test_a_whole_copy_replacing_another_reuses_its_memory(pair: Pair) -> None:
+    """A whole copy is sent when the holder's copy is behind (it could not serve a restore): the holder drops the
+    old one at the start and fills its arrays in place, never holding two copies of one owner."""
+    rng = np.random.default_rng(6)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    wait_until(pair.synced, 30, "the first whole copy")
+    before = {n: id(a) for n, a in pair.copy_arrays().items()}
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 2, "t2", None)  # a whole capture: a whole copy
+    wait_until(pair.synced, 30, "the second whole copy")
+    assert {n: id(a) for n, a in pair.copy_arrays().items()} == before
+    assert all(np.array_equal(pair.copy_arrays()[n], a) for n, a in _owner_arrays(pair.owner).items())
