@@ -20,7 +20,8 @@ from psguard.handoff.client import http_request
 if TYPE_CHECKING:  # numpy, loaded with the shards (a worker's agent never keeps any)
     import numpy as np
 
-    from psguard.agent.tiers.shards import ShardClient, ShardKeeper
+    from psguard.agent.tiers.shard_client import ShardClient
+    from psguard.agent.tiers.shards import ShardKeeper
 
 __all__ = ["PeerLink", "copies_status", "serve_copies"]
 

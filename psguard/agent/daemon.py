@@ -90,7 +90,8 @@ from psguard.storage.registry import redact
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
     from psguard.agent.tiers.memory_tier import MemoryTier
     from psguard.agent.tiers.persister import Persister, PersistEvent
-    from psguard.agent.tiers.shards import ShardClient, ShardKeeper
+    from psguard.agent.tiers.shard_client import ShardClient
+    from psguard.agent.tiers.shards import ShardKeeper
     from psguard.agent.tiers.spool_server import SpoolEvent, SpoolServer
     from psguard.store import Store
 
@@ -378,7 +379,7 @@ class Agent:
         tier = self.tier = MemoryTier()
         persister: Persister | None = None
         if self.peers:
-            from psguard.agent.tiers.shards import ShardClient  # lazy: with the rest of the chief's parts above
+            from psguard.agent.tiers.shard_client import ShardClient  # lazy: with the rest of the chief's parts above
 
             self.shard_client = ShardClient(
                 self.peer_sync.tasks,

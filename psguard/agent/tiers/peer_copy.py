@@ -193,6 +193,9 @@ class _Copy:
     digests: dict[str, int]
     received_at: float
     bytes_in: int = 0
+    # The last delta's way back: the state it applied to, its step, the rows it overwrote and the digests
+    # before it (an owner's capture that did not reach every PS: see ShardKeeper._roll_back_to).
+    undo: tuple[str, int, dict[str, tuple[np.ndarray, np.ndarray]], dict[str, int]] | None = None
 
 
 @dataclass
@@ -326,6 +329,7 @@ class CopyHolder:
         digests = _digests_from(header.get("digests"))
         updates: dict[str, TensorUpdate] = {}
         new_digests = dict(copy.digests)
+        undo_rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         it = iter(arrays)
         with copy.tier.export() as snap:
             for t in header.get("tensors") or []:
@@ -342,7 +346,9 @@ class CopyHolder:
                 ids = ids.astype(np.int64, copy=False)
                 if ids.size and (ids[0] < 0 or ids[-1] >= current.shape[0] or np.any(np.diff(ids) <= 0)):
                     raise CorruptCheckpointError(f"peer copy delta: bad row ids for {name}")
-                new_digests[name] = delta_digest(copy.digests.get(name, 0), ids, current[ids], values)
+                before = current[ids]
+                undo_rows[name] = (ids, before)
+                new_digests[name] = delta_digest(copy.digests.get(name, 0), ids, before, values)
                 updates[name] = Rows(ids, values, current.shape)
         bad = sorted(n for n in updates if new_digests.get(n) != digests.get(n))
         if bad:
@@ -350,22 +356,28 @@ class CopyHolder:
                 self._refused += 1
             log.error("event=peer_copy_refused owner=%s holder=%s tensors=%s: digest mismatch", owner, self.task, bad)
             return {"status": "need_full", "message": f"digest mismatch in {bad[:3]}"}
+        before_step = copy.tier.step
         result = copy.tier.apply(updates, step=step, token=token, parent=parent, metadata=header.get("metadata"))
         if result.ok:
+            if before_step is not None and result.message != "already applied":
+                copy.undo = (str(parent), before_step, undo_rows, copy.digests)
             copy.digests = new_digests
             copy.received_at = time.time()
             copy.bytes_in += nbytes
         return {"status": result.status, "step": copy.tier.step, "token": copy.tier.token, "message": result.message}
 
     def read(self, doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
-        """What a new agent of ``owner`` fetches: ``{"owner"}`` gives the layout, token and digests;
-        ``{"owner", "token", "name", "start", "stop"}`` the rows of one tensor (only while the copy is at
-        ``token``)."""
+        """What a new agent of ``owner`` fetches: ``{"owner", "token"}`` gives the layout, token and digests (the
+        copy's last delta undone first when that gives ``token``); with ``"name", "start", "stop"`` the rows of
+        one tensor (only while the copy is at ``token``)."""
         owner = doc.get("owner")
         with self._lock:
             copy = self._copies.get(str(owner))
         if copy is None:
             return {"status": "empty", "message": f"{self.task} holds no copy of {owner}"}, []
+        wanted = doc.get("token")
+        if isinstance(wanted, str) and copy.tier.token != wanted:
+            self._roll_back(str(owner), copy, wanted)
         with copy.tier.export() as snap:
             if "name" not in doc:
                 return {
@@ -383,6 +395,28 @@ class CopyHolder:
             if arr is None or type(start) is not int or type(stop) is not int or not 0 <= start <= stop:
                 raise CorruptCheckpointError("peer copy read: bad tensor or row range")
             return {"status": "ok", "token": snap.token}, [np.array(arr[start:stop])]
+
+    def _roll_back(self, owner: str, copy: _Copy, token: str) -> bool:
+        """Undo the copy's last delta when that gives state ``token`` (the chief's: the owner's last capture
+        reached this copy but not every PS). True when the copy is at ``token`` now."""
+        undo = copy.undo
+        if undo is None or undo[0] != token:
+            return False
+        _, step, rows, digests = undo
+        current = copy.tier.token
+        if current is None:
+            return False
+        with copy.tier.export() as snap:
+            updates: dict[str, TensorUpdate] = {
+                n: Rows(rows[n][0], rows[n][1], a.shape) if n in rows else Same(a.shape, a.dtype)
+                for n, a in snap.tensors.items()
+            }
+        result = copy.tier.apply(updates, step=step, token=token, parent=current)
+        if not result.ok:
+            return False
+        copy.digests, copy.undo = digests, None
+        log.info("event=peer_copy_rolled_back owner=%s holder=%s to_step=%d", owner, self.task, step)
+        return True
 
     def drop(self, owner: str) -> None:
         with self._lock:
@@ -667,7 +701,7 @@ def fetch_copy(
     :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none) and
     :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
     """
-    info, _ = post(holder_url, {"owner": owner}, config.request_timeout)
+    info, _ = post(holder_url, {"owner": owner, "token": token}, config.request_timeout)
     if info.get("status") != "ok":
         raise PsguardError(f"the holder has no copy of {owner}: {info.get('status')} {info.get('message', '')}")
     if info.get("token") != token:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier
-from psguard.agent.tiers.shards import ShardClient
+from psguard.agent.tiers.shard_client import ShardClient
 from psguard.config import from_data
 from psguard.errors import NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, TOKEN_KEY

@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.agent.tiers.persister import Persister, PersistHandle
-from psguard.agent.tiers.shards import ShardClient, ShardError
+from psguard.agent.tiers.shard_client import ShardClient
+from psguard.agent.tiers.shards import ShardError
 from psguard.errors import (
     CorruptCheckpointError,
     PsguardError,

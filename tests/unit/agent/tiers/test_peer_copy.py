@@ -251,3 +251,44 @@ def test_a_whole_copy_replacing_another_reuses_its_memory(pair: Pair) -> None:
     wait_until(pair.synced, 30, "the second whole copy")
     assert {n: id(a) for n, a in pair.copy_arrays().items()} == before
     assert all(np.array_equal(pair.copy_arrays()[n], a) for n, a in _owner_arrays(pair.owner).items())
+
+
+def test_a_tier_one_capture_ahead_of_the_chief_rolls_back_for_the_restore(pair: Pair) -> None:
+    """The chief's tier moves only when every PS applied a capture: when the agent of another PS dies in between,
+    this PS holds the newer capture and the chief the older one. The restore asks for the chief's state; the
+    tier undoes its last delta to it (and its copy follows) instead of sending the restore to the log."""
+    rng = np.random.default_rng(7)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    wait_until(pair.synced, 30, "the first whole copy")
+    at_t1 = _owner_arrays(pair.owner)
+    updates, _ = _delta(rng, [3, 4, 5])
+    pair.apply(updates, 2, "t2", "t1")
+    assert pair.owner.export({"token": "t0"})["status"] == "mismatch"  # only one capture back
+    answer = pair.owner.export({"token": "t1"})
+    assert answer["status"] == "ok" and answer["step"] == 1 and pair.owner.tier.token == "t1"
+    now = _owner_arrays(pair.owner)
+    assert all(np.array_equal(now[n], at_t1[n]) for n in at_t1)
+    assert pair.owner.status()["rollbacks"] == 1
+    wait_until(pair.synced, 30, "the copy back at t1")
+    assert all(np.array_equal(pair.copy_arrays()[n], at_t1[n]) for n in at_t1)
+
+
+def test_a_copy_one_capture_ahead_of_the_chief_rolls_back_for_a_new_agent(pair: Pair, tmp_path: Path) -> None:
+    """The owner applied a capture and its copy received it, then the owner's node was lost before the chief's
+    tier moved: the copy is one capture ahead of the chief's state, and a new agent asking for that state gets
+    it, the copy's last delta undone."""
+    rng = np.random.default_rng(8)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    wait_until(pair.synced, 30, "the first whole copy")
+    at_t1 = _owner_arrays(pair.owner)
+    updates, _ = _delta(rng, [9, 10])
+    pair.apply(updates, 2, "t2", "t1")
+    assert pair.holder.status()["copies_held"]["ps:0"]["token"] == "t2"
+    fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", read_copy=pair.read).start()
+    try:
+        answer = fresh.pull({"token": "t1", "holder": HOLDER_URL})
+        assert answer["status"] == "ok" and answer["step"] == 1
+        got = _owner_arrays(fresh)
+        assert all(np.array_equal(got[n], at_t1[n]) for n in at_t1)
+    finally:
+        fresh.close()

@@ -1,0 +1,246 @@
+"""The chief agent's side of the PS agents' shard tiers: one call fans out to every PS agent (issue 12), and the
+peer copies' placement and node-loss restore (issue 24). The PS agent's side: :mod:`psguard.agent.tiers.shards`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from psguard.agent.tiers.shards import ShardError
+from psguard.handoff.parts import PartCapture, ShardKey
+
+__all__ = ["ShardClient"]
+
+log = logging.getLogger(__name__)
+
+
+class ShardClient:
+    """The chief agent's side: one call fans out to every PS agent, in parallel.
+
+    ``peers``: a callable giving ``{task: base URL}`` of the PS agents now (they may move when restarted);
+    ``call``: POSTs JSON to a URL with the agents' credentials and returns the answer's JSON.
+    """
+
+    def __init__(
+        self,
+        peers: Callable[[], Mapping[str, str]],
+        call: Callable[[str, Mapping[str, Any], float], Any],
+        *,
+        timeout: float = 120.0,
+        copies: str = "none",
+        placement: Mapping[str, str] | None = None,
+        nodes: Callable[[], Mapping[str, str | None]] | None = None,
+    ) -> None:
+        """``copies``: ``"full"`` to have each PS agent keep a copy of another node's shards
+        (:mod:`psguard.agent.tiers.peer_copy`); ``placement``: owner task -> holder task, else a ring;
+        ``nodes``: task -> the node its agent runs on (copies never go to the same node)."""
+        self._peers = peers
+        self._call = call
+        self.timeout = timeout
+        self.copies = copies
+        self.placement = dict(placement or {})
+        self._nodes = nodes or dict
+        #: The PS tasks whose agents hold the tier's shards (those of the last capture applied), and the lock
+        #: that orders captures (applied to every tier) and durable takes (taken from every tier) as one.
+        self.active: tuple[str, ...] = ()
+        self.order = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="psguard-shards")
+        self.copy_state: dict[str, dict[str, Any]] = {}  # owner -> its copy's holder and step (apply answers)
+        self.peer_restores = 0
+        self.last_restore_sources: dict[str, str] = {}
+        self._warned: set[str] = set()
+
+    def copy_targets(self) -> dict[str, str]:
+        """Owner PS task -> the PS task whose agent holds its copy: the user's placement, else the next PS in
+        index order on another node. A PS with no such peer gets none (and a warning, once)."""
+        if self.copies == "none":
+            return {}
+        peers, nodes = self._peers(), self._nodes()
+        ps = sorted((t for t in peers if t.startswith("ps:")), key=lambda t: int(t.split(":")[1]))
+        out: dict[str, str] = {}
+        for i, owner in enumerate(ps):
+            wanted = self.placement.get(owner)
+            candidates = [wanted] if wanted is not None else [ps[(i + k) % len(ps)] for k in range(1, len(ps))]
+            for holder in candidates:
+                if holder in peers and holder != owner and (nodes.get(holder) or "?") != (nodes.get(owner) or ""):
+                    out[owner] = holder
+                    break
+            else:
+                if owner not in self._warned:
+                    self._warned.add(owner)
+                    log.warning(
+                        "event=peer_copy_unplaced task=%s nodes=%s: no PS agent on another node can hold its copy "
+                        "(placement %s); a loss of its node restores from the durable log",
+                        owner,
+                        dict(nodes),
+                        wanted or "ring",
+                    )
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _fan_out(self, path: str, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+        peers = self._peers()
+        missing = sorted(set(bodies) - set(peers))
+        if missing:
+            raise ShardError(f"no agent known for {missing}: is every PS run under `psguard agent`?")
+        futures = {
+            task: self._pool.submit(self._call, peers[task] + path, body, self.timeout) for task, body in bodies.items()
+        }
+        answers: dict[str, dict[str, Any]] = {}
+        errors = []
+        for task, f in futures.items():
+            try:
+                answer = f.result()
+                if not isinstance(answer, dict):
+                    raise ShardError("not a JSON object")
+                answers[task] = answer
+            except Exception as e:
+                errors.append(f"{task}: {e}")
+        if errors:
+            raise ShardError(f"{path} failed on " + "; ".join(errors))
+        return answers
+
+    def apply(
+        self, parts: Sequence[PartCapture], *, step: int, token: str, parent: str | None
+    ) -> tuple[Literal["ok", "need_full", "error"], str]:
+        """Forward a capture's parts; ``(status, message)``, the worst of the PS agents' answers."""
+        targets = self.copy_targets()
+        peers = self._peers() if targets else {}
+        bodies: dict[str, dict[str, Any]] = {}
+        for p in parts:
+            body: dict[str, Any] = {"part": p.to_json(), "step": step, "token": token, "parent": parent}
+            holder = targets.get(p.task)
+            if self.copies != "none":
+                body["copy_to"] = {"task": holder, "url": peers[holder]} if holder is not None else None
+            bodies[p.task] = body
+        answers = self._fan_out("/shards/apply", bodies)
+        for task, a in answers.items():
+            if isinstance(a.get("copy"), dict):
+                self.copy_state[task] = a["copy"]
+            else:
+                self.copy_state.pop(task, None)
+        wanted: Literal["need_full", "error"]
+        for wanted in ("error", "need_full"):
+            bad = {t: a for t, a in answers.items() if a.get("status") == wanted}
+            if bad:
+                return wanted, "; ".join(f"{t}: {a.get('message', '')}" for t, a in sorted(bad.items()))
+        unknown = {t: a.get("status") for t, a in answers.items() if a.get("status") != "ok"}
+        if unknown:
+            return "error", f"unexpected answers {unknown}"
+        return "ok", ""
+
+    def export(self, tasks: Sequence[str], token: str) -> list[dict[str, Any]]:
+        """Every PS agent's restore files for state ``token``; raises when one cannot give that state.
+
+        A PS agent that does not hold it (its node was lost: a new agent with an empty tier) first takes its
+        shards from the peer holding its copy, when that copy is at ``token`` and verifies; otherwise this
+        raises and the trainer restores from the durable log.
+        """
+        answers = self._fan_out("/shards/export", {t: {"token": token} for t in tasks})
+        sources = {t: "own tier" for t in tasks}
+        lost = [t for t, a in answers.items() if a.get("status") in ("empty", "mismatch")]
+        if lost and self.copies != "none":
+            pulled = self._pull_from_peers(lost, token)
+            if pulled:
+                answers.update(self._fan_out("/shards/export", {t: {"token": token} for t in pulled}))
+                sources.update({t: f"peer {h}" for t, h in pulled.items()})
+        bad = {t: f"{a.get('status')} (step {a.get('step')})" for t, a in answers.items() if a.get("status") != "ok"}
+        if bad:
+            raise ShardError(f"the PS agents do not all hold the chief's state {token}: {bad}")
+        self.last_restore_sources = sources
+        files: list[dict[str, Any]] = []
+        for task, a in sorted(answers.items()):
+            if not isinstance(a.get("files"), list):
+                raise ShardError(f"{task}: malformed export answer")
+            files.extend({**f, "task": task} for f in a["files"])
+        return files
+
+    def _pull_from_peers(self, lost: Sequence[str], token: str) -> dict[str, str]:
+        """Ask each lost PS's new agent to fetch its shards from the holder of its copy; the tasks that did,
+        with their holder. Each failure is logged with its reason (the log is used then)."""
+        peers = self._peers()
+        holders = {t: h for t in lost if (h := self.copy_state.get(t, {}).get("holder") or self.copy_targets().get(t))}
+        for t in sorted(set(lost) - set(holders)):
+            log.warning("event=peer_copy_none task=%s: no peer holds a copy; the durable log serves", t)
+        bodies = {t: {"token": token, "holder": peers[h]} for t, h in holders.items() if h in peers}
+        if not bodies:
+            return {}
+        try:
+            answers = self._fan_out("/shards/pull", bodies)
+        except ShardError as e:
+            log.warning("event=peer_copy_pull_failed error=%r", str(e))
+            return {}
+        pulled: dict[str, str] = {}
+        for t, a in answers.items():
+            if a.get("status") == "ok":
+                pulled[t] = holders[t]
+                self.peer_restores += 1
+                log.info(
+                    "event=peer_copy_used task=%s holder=%s step=%s bytes=%s seconds=%s",
+                    t,
+                    holders[t],
+                    a.get("step"),
+                    a.get("bytes"),
+                    a.get("seconds"),
+                )
+            else:
+                log.warning(
+                    "event=peer_copy_not_used task=%s holder=%s status=%s reason=%r: the durable log serves",
+                    t,
+                    holders[t],
+                    a.get("status"),
+                    a.get("message"),
+                )
+        return pulled if len(pulled) == len(lost) else {}
+
+    def take(self, tasks: Sequence[str], checkpoint: str, token: str, base: bool) -> None:
+        answers = self._fan_out(
+            "/shards/take", {t: {"checkpoint": checkpoint, "token": token, "base": base} for t in tasks}
+        )
+        bad = {t: a for t, a in answers.items() if a.get("status") != "ok"}
+        if bad:
+            self.finish(tasks, checkpoint, committed=False)
+            raise ShardError(f"the PS agents do not all hold state {token}: {bad}")
+
+    def write(
+        self, tasks: Sequence[str], checkpoint: str, dedup_against: str | None
+    ) -> dict[str, list[dict[str, Any]]]:
+        answers = self._fan_out(
+            "/shards/write", {t: {"checkpoint": checkpoint, "dedup_against": dedup_against} for t in tasks}
+        )
+        parts: dict[str, list[dict[str, Any]]] = {}
+        for a in answers.values():
+            for name, entries in (a.get("parts") or {}).items():
+                parts.setdefault(name, []).extend(entries)
+        for entries in parts.values():
+            entries.sort(key=lambda e: int(e.get("offset", 0)))
+        return parts
+
+    def load(self, shards: Mapping[str, Sequence[ShardKey]], checkpoint: str, *, durable: bool) -> None:
+        """Every PS agent reads its rows of ``checkpoint`` into its tier; raises when one cannot."""
+        answers = self._fan_out(
+            "/shards/load",
+            {
+                task: {
+                    "checkpoint": checkpoint,
+                    "shards": [[k.name, k.offset, k.rows] for k in keys],
+                    "durable": durable,
+                }
+                for task, keys in shards.items()
+            },
+        )
+        bad = {t: a for t, a in answers.items() if a.get("status") != "ok"}
+        if bad:
+            raise ShardError(f"loading {checkpoint} on the PS agents failed: {bad}")
+        self.active = tuple(sorted(shards))
+
+    def finish(self, tasks: Sequence[str], checkpoint: str, *, committed: bool) -> None:
+        with contextlib.suppress(ShardError):
+            self._fan_out("/shards/finish", {t: {"checkpoint": checkpoint, "committed": committed} for t in tasks})
