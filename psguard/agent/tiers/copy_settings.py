@@ -21,6 +21,7 @@ class PeerCopyConfig:
     max_queue_mb: int = 256  # deltas waiting to be sent; past it they are dropped and the next send is whole
     max_mb_per_s: float = 0.0  # the bandwidth the copies may take (0: no limit)
     chunk_mb: int = 32  # bytes per request of a whole copy, and of a fetch by a new agent
+    fetch_streams: int = 4  # requests in flight when a new agent fetches its copy (each checked on its own thread)
     request_timeout: Duration = 60.0
     retry_after: Duration = 1.0  # after a failed send (the holder down): wait, then send the whole state
     # A capture's delta: its apply answers once the holder has it too, up to this long (0: never waits), so that

@@ -723,20 +723,26 @@ def fetch_copy(
         return post(holder_url, body, config.request_timeout)
 
     sums = dict.fromkeys(arrays, 0)
-    # One request ahead: the next chunk travels while this one is checked and placed.
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="psguard-copy-fetch") as pool:
-        pending = pool.submit(fetch, ranges[0]) if ranges else None
-        for i, (name, start, stop) in enumerate(ranges):
-            assert pending is not None
-            answer, got = pending.result()
-            pending = pool.submit(fetch, ranges[i + 1]) if i + 1 < len(ranges) else None
-            out = arrays[name]
-            if answer.get("status") != "ok" or len(got) != 1:
-                raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
-            if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
-                raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
-            out[start:stop] = got[0]
-            sums[name] = (sums[name] + rows_digest(got[0], np.arange(start, stop, dtype=np.int64))) & _MASK
+    streams = max(1, config.fetch_streams)
+
+    def place(i: int) -> int:
+        """Fetch one chunk, check it and put it in place; its rows' digest (numpy and zlib release the GIL)."""
+        name, start, stop = ranges[i]
+        answer, got = fetch(ranges[i])
+        out = arrays[name]
+        if answer.get("status") != "ok" or len(got) != 1:
+            raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
+        if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
+            raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
+        out[start:stop] = got[0]
+        return rows_digest(got[0], np.arange(start, stop, dtype=np.int64))
+
+    # ``streams`` requests in flight: each is fetched, checked and placed on its own thread.
+    with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="psguard-copy-fetch") as pool:
+        futures = [pool.submit(place, i) for i in range(len(ranges))]
+        for i, f in enumerate(futures):
+            name = ranges[i][0]
+            sums[name] = (sums[name] + f.result()) & _MASK
     bad = sorted(n for n, d in sums.items() if d != digests.get(n))
     if bad:
         raise CorruptCheckpointError(
