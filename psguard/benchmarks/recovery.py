@@ -140,6 +140,14 @@ def read_records(path: Path) -> Records:
     return Records(ProgressReader(path).read()) if path.exists() else Records()
 
 
+def _pace(steps: list[dict[str, Any]]) -> float:
+    """Steps per second over ``steps`` past the first 5 (tracing), captures and all."""
+    run = [d for d in steps if d["step"] > 5]
+    if len(run) < 2 or run[-1]["t"] <= run[0]["t"]:
+        return float("nan")
+    return float(run[-1]["step"] - run[0]["step"]) / float(run[-1]["t"] - run[0]["t"])
+
+
 def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> dict[str, Any]:
     """Recovery, lost steps, restore seconds and capture stalls of one side, from its records.
 
@@ -171,6 +179,7 @@ def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> d
         "first_step_s": (after[0]["t"] - kill_t) if after else float("nan"),
         "normal_speed_reached": reached,
         "normal_step_s": normal,
+        "steps_per_s": _pace(before),
         "lost_steps": p.kill_at - restored,
         "restored_step": restored,
         "restored_from": restore.get("source"),
@@ -587,6 +596,9 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
             psguard_no_copies_recovery_s=off_s,
             psguard_no_copies_lost_steps=_med(no_copies, "lost_steps"),
             psguard_no_copies_restored_from=[d["restored_from"] for d in no_copies],
+            # Steps per second before the fault, captures included (every memory_every steps), copies on over
+            # off: what keeping the copies current costs training.
+            goodput_copies_on_vs_off=_med(ours, "steps_per_s") / _med(no_copies, "steps_per_s"),
         )
     return result
 
