@@ -37,17 +37,13 @@ def serve_copies(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyCon
             raise RequestError(400, str(e)) from None
 
     def read(request: Request) -> Response:
-        # lazy: numpy's frame encoder, loaded with the shards it serves
-        from psguard.agent.tiers.peer_copy import encode_frame
-
         body = request.json()
         if not isinstance(body, dict):
             raise RequestError(400, "the body must be a JSON object")
         try:
-            header, arrays = keeper.holder.read(body)
+            return Response(200, keeper.holder.read(body))
         except CorruptCheckpointError as e:
             raise RequestError(400, str(e)) from None
-        return Response(200, encode_frame(header, arrays))
 
     http.add_post("/peer-copy/put", put, binary_max=(max(config.chunk_mb, config.max_queue_mb) << 20) + (16 << 20))
     http.add_post("/peer-copy/read", read)

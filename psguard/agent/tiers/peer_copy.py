@@ -366,35 +366,38 @@ class CopyHolder:
             copy.bytes_in += nbytes
         return {"status": result.status, "step": copy.tier.step, "token": copy.tier.token, "message": result.message}
 
-    def read(self, doc: Mapping[str, Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
-        """What a new agent of ``owner`` fetches: ``{"owner", "token"}`` gives the layout, token and digests (the
-        copy's last delta undone first when that gives ``token``); with ``"name", "start", "stop"`` the rows of
-        one tensor (only while the copy is at ``token``)."""
+    def read(self, doc: Mapping[str, Any]) -> bytes:
+        """A frame of what a new agent of ``owner`` fetches: ``{"owner", "token"}`` gives the layout, token and
+        digests (the copy's last delta undone first when that gives ``token``); with ``"name", "start",
+        "stop"`` the rows of one tensor (only while the copy is at ``token``), encoded straight from the copy
+        (one copy of the rows, in the frame)."""
         owner = doc.get("owner")
         with self._lock:
             copy = self._copies.get(str(owner))
         if copy is None:
-            return {"status": "empty", "message": f"{self.task} holds no copy of {owner}"}, []
+            return encode_frame({"status": "empty", "message": f"{self.task} holds no copy of {owner}"})
         wanted = doc.get("token")
         if isinstance(wanted, str) and copy.tier.token != wanted:
             self._roll_back(str(owner), copy, wanted)
         with copy.tier.export() as snap:
             if "name" not in doc:
-                return {
-                    "status": "ok",
-                    "step": snap.step,
-                    "token": snap.token,
-                    "metadata": snap.metadata,
-                    "tensors": copy.layout,
-                    "digests": _digests_json(copy.digests),
-                }, []
+                return encode_frame(
+                    {
+                        "status": "ok",
+                        "step": snap.step,
+                        "token": snap.token,
+                        "metadata": snap.metadata,
+                        "tensors": copy.layout,
+                        "digests": _digests_json(copy.digests),
+                    }
+                )
             if doc.get("token") != snap.token:
-                return {"status": "mismatch", "step": snap.step, "token": snap.token}, []
+                return encode_frame({"status": "mismatch", "step": snap.step, "token": snap.token})
             arr = snap.tensors.get(str(doc.get("name")))
             start, stop = doc.get("start"), doc.get("stop")
             if arr is None or type(start) is not int or type(stop) is not int or not 0 <= start <= stop:
                 raise CorruptCheckpointError("peer copy read: bad tensor or row range")
-            return {"status": "ok", "token": snap.token}, [np.array(arr[start:stop])]
+            return encode_frame({"status": "ok", "token": snap.token}, [arr[start:stop]])
 
     def _roll_back(self, owner: str, copy: _Copy, token: str) -> bool:
         """Undo the copy's last delta when that gives state ``token`` (the chief's: the owner's last capture
