@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, StreamSnapshot
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, StreamSnapshot, limit_malloc_retention
 from psguard.agent.tiers.peer_copy import (
     CopyHolder,
     CopySender,
@@ -147,6 +147,7 @@ class ShardKeeper:
 
         Raises :class:`ShardError` when another live agent keeps shards in the same folder.
         """
+        limit_malloc_retention()  # this process moves shards through MB-sized buffers from now on
         ensure_private_dir(self.folder, "the PS agent's part folder")
         fd = try_flock(self.folder / "agent.lock", fcntl.LOCK_EX)
         if fd is None:

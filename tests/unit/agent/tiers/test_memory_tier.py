@@ -467,3 +467,11 @@ def test_a_streamed_tensor_reads_no_further_ahead_of_its_uploads_than_the_window
         refs = [f.result(60) for f in result[0]]
     assert len(refs) == rows.nbytes // chunk and held["stored"] == rows.nbytes
     assert held["most"] <= window, held
+
+
+def test_glibc_takes_the_settings_that_bound_freed_buffers() -> None:
+    """A PS agent moves shards through MB-sized buffers on many threads; with glibc's defaults their freed memory
+    stays in per-thread arenas (the 1 GB node-loss bench: +0.5 GB). The settings must take on this platform."""
+    from psguard.agent.tiers.memory_tier import limit_malloc_retention
+
+    assert limit_malloc_retention() is True
