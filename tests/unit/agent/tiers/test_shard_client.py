@@ -1,0 +1,59 @@
+"""The chief agent's side of the shard tiers (psguard.agent.tiers.shard_client): where peer copies go, and a
+restore that takes a lost PS's shards from its copy or says why not. The PS agents' answers are scripted here;
+the same calls over real agents: tests/cluster/test_ps_side_agents.py."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from psguard.agent.tiers.shard_client import ShardClient
+from psguard.agent.tiers.shards import ShardError
+
+PEERS = {"ps:0": "http://a:1", "ps:1": "http://b:1", "ps:2": "http://c:1", "worker:0": "http://w:1"}
+
+
+def client(nodes: Mapping[str, str | None], placement: Mapping[str, str] | None = None, **kw: Any) -> ShardClient:
+    return ShardClient(lambda: PEERS, kw.pop("call", lambda *a: {}), copies="full", placement=placement,
+                       nodes=lambda: nodes, **kw)  # fmt: skip
+
+
+def test_copies_go_to_the_next_ps_on_another_node() -> None:
+    ring = client({"ps:0": "n0", "ps:1": "n1", "ps:2": "n2", "worker:0": "n0"})
+    assert ring.copy_targets() == {"ps:0": "ps:1", "ps:1": "ps:2", "ps:2": "ps:0"}
+    shared = client({"ps:0": "n0", "ps:1": "n0", "ps:2": "n1"})  # ps:0 and ps:1 share a node
+    assert shared.copy_targets() == {"ps:0": "ps:2", "ps:1": "ps:2", "ps:2": "ps:0"}
+    alone = client({"ps:0": "n0", "ps:1": "n0", "ps:2": "n0"})
+    assert alone.copy_targets() == {}  # nowhere else to go: no copy (and a warning)
+    placed = client({"ps:0": "n0", "ps:1": "n1", "ps:2": "n2"}, {"ps:0": "ps:2", "ps:1": "ps:1"})
+    assert placed.copy_targets() == {"ps:0": "ps:2", "ps:2": "ps:0"}  # ps:1 onto itself is refused
+    off = ShardClient(lambda: PEERS, lambda *a: {}, copies="none")
+    assert off.copy_targets() == {}
+
+
+def test_a_lost_ps_takes_its_shards_from_its_copy_else_the_restore_fails_with_the_reason() -> None:
+    calls: list[tuple[str, dict[str, Any]]] = []
+    state = {"pull": "ok"}
+
+    def call(url: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        calls.append((url, dict(body)))
+        if url == "http://a:1/shards/export":
+            pulled = any(u == "http://a:1/shards/pull" for u, _ in calls) and state["pull"] == "ok"
+            return {"status": "ok", "files": []} if pulled else {"status": "empty", "step": None}
+        if url.endswith("/shards/export"):
+            return {"status": "ok", "files": []}
+        if url == "http://a:1/shards/pull":
+            return {"status": state["pull"], "step": 7, "message": "the holder's copy lags"}
+        raise AssertionError(url)
+
+    c = client({"ps:0": "n0", "ps:1": "n1", "ps:2": "n2"}, call=call)
+    assert c.export(["ps:0", "ps:1", "ps:2"], "T") == []
+    assert ("http://a:1/shards/pull", {"token": "T", "holder": "http://b:1"}) in calls
+    assert c.last_restore_sources["ps:0"] == "peer ps:1" and c.peer_restores == 1
+
+    state["pull"] = "unavailable"
+    calls.clear()
+    with pytest.raises(ShardError, match="ps:0"):  # the trainer goes to the durable log
+        c.export(["ps:0", "ps:1", "ps:2"], "T")
