@@ -184,24 +184,7 @@ def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, ag
     """SIGKILL of a PS together with its agent (its node lost): no memory tier holds its shards any more. The
     new trainer asks every PS agent to read the rows its PS hosts from the newest durable checkpoint (format 2,
     row-range reads), and trains on from there; the log stays bit-exact with the trainer's state."""
-    from psguard.ports import free_ports
-
-    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    out, store = tmp_path / "out", tmp_path / "store"
-    ports = free_ports(2)
-    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
-    ps_args = [
-        [*common, "--index", str(i), "--spool", str(tmp_path / f"ps{i}-shards"), "--http-port", str(ports[i])]
-        for i in range(2)
-    ]
-    ps = [agents(f"ps{i}", a) for i, a in enumerate(ps_args)]
-    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
-    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
-    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
-    args += ["--spool", str(tmp_path / "spool"), *peers]
-    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "100"])
+    chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents)
 
     def kill_file() -> dict[str, Any] | None:
         if chief.proc.poll() is not None:
@@ -234,30 +217,7 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
     The new agent, with an empty tier, takes ps:0's shards from ps:1's copy (verified against ps:0's digests),
     so the trainer restores the memory tier's newest state, newer than the durable log, and the log written
     after stays bit-exact with the trainer."""
-    from psguard.ports import free_ports
-    from tests.support.agents import FAST, FAST_CHIEF
-
-    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    out, store = tmp_path / "out", tmp_path / "store"
-    ports = free_ports(2)
-    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
-    ps_args = [
-        [*common, "--index", str(i), "--spool", str(tmp_path / f"ps{i}-shards"), "--http-port", str(ports[i])]
-        for i in range(2)
-    ]
-    for i, name in enumerate(("ps0", "ps1", "ps0-again")):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "agent.yaml").write_text(FAST + f"node: node-{i % 2}\n")
-    ps = [agents(f"ps{i}", a) for i, a in enumerate(ps_args)]
-    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
-    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
-    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
-    args += ["--spool", str(tmp_path / "spool"), *peers]
-    (tmp_path / "chief").mkdir()
-    (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", "peers: {copies: full, "))
-    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "100"])
+    chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents, copies=True)
 
     def kill_file() -> dict[str, Any] | None:
         if chief.proc.poll() is not None:
@@ -306,6 +266,40 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
         tensors = s.load(final["checkpoint"])
         digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
         assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+
+
+def _node_loss_job(
+    tmp_path: Path, agents: Callable[..., AgentProc], *, copies: bool = False
+) -> tuple[AgentProc, list[AgentProc], list[list[str]], Path, Path]:
+    """Two PS agents on fixed HTTP ports (a replacement agent takes the same address), a worker and the chief
+    running TRAINER to step 100. ``copies``: each PS agent on a node of its own (``ps0-again`` too) and the chief's
+    ``peers.copies: full``. Returns the chief, the PS agents, their arguments, the output folder and the store."""
+    from psguard.ports import free_ports
+    from tests.support.agents import FAST, FAST_CHIEF
+
+    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    out, store = tmp_path / "out", tmp_path / "store"
+    ports = free_ports(2)
+    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
+    ps_args = [
+        [*common, "--index", str(i), "--spool", str(tmp_path / f"ps{i}-shards"), "--http-port", str(ports[i])]
+        for i in range(2)
+    ]
+    if copies:
+        for i, name in enumerate(("ps0", "ps1", "ps0-again")):
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "agent.yaml").write_text(FAST + f"node: node-{i % 2}\n")
+        (tmp_path / "chief").mkdir()
+        (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", "peers: {copies: full, "))
+    ps = [agents(f"ps{i}", a) for i, a in enumerate(ps_args)]
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
+    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    args += ["--spool", str(tmp_path / "spool"), *peers]
+    chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "100"])
+    return chief, ps, ps_args, out, store
 
 
 def _job(tmp_path: Path, agents: Callable[..., AgentProc], name: str, num_ps: int, store: Path, target: int) -> Path:

@@ -40,13 +40,16 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import numpy as np
 
 from psguard.errors import ConfigError, PsguardError, TensorMismatchError
 from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
+
+if TYPE_CHECKING:
+    from typing import Self
 
 __all__ = [
     "ApplyResult",
@@ -192,82 +195,58 @@ class _SavedRows:
                 out[ids[lo:hi] - start] = old[lo:hi]
 
 
-class Snapshot:
-    """A consistent view of the tier at one moment: read-only arrays, step, metadata and token.
+T = TypeVar("T")
+
+
+class _View(Generic[T]):
+    """A consistent view of the tier at one moment, holding a lease on its arrays until :meth:`release` (or the
+    end of a ``with``), so that the tier's later applies do not write under it."""
+
+    def __init__(
+        self,
+        tier: MemoryTier,
+        step: int | None,
+        metadata: dict[str, Any],
+        token: str | None,
+        tensors: Mapping[str, T],
+        lease: _Lease,
+    ) -> None:
+        self._tier = tier
+        self.step = step
+        self.metadata = metadata
+        self.token = token
+        self.tensors: Mapping[str, T] = tensors
+        self._lease = lease
+        self._released = False
+
+    @property
+    def empty(self) -> bool:
+        return self.step is None
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._tier._release(self._lease)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class Snapshot(_View[np.ndarray]):
+    """Read-only arrays, step, metadata and token.
 
     The arrays are the tier's own (leased, so later applies copy before writing); call :meth:`release`
     (or use ``with``) when done so the tier stops copying them.
     """
 
-    def __init__(
-        self,
-        tier: MemoryTier,
-        step: int | None,
-        metadata: dict[str, Any],
-        token: str | None,
-        arrays: dict[str, np.ndarray],
-        lease: _Lease,
-    ) -> None:
-        self._tier = tier
-        self.step = step
-        self.metadata = metadata
-        self.token = token
-        self._lease = lease
-        self.tensors: Mapping[str, np.ndarray] = {n: _readonly(a) for n, a in arrays.items()}
-        self._released = False
 
-    @property
-    def empty(self) -> bool:
-        return self.step is None
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._tier._release(self._lease)
-
-    def __enter__(self) -> Snapshot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-class StreamSnapshot:
-    """A consistent view of the tier read in row ranges (:class:`FullStream`): a write while it is held saves
-    the rows it overwrites instead of copying the whole array, so reading a big shard out (a peer copy sent
-    whole) never doubles the node's memory. :meth:`release` (or ``with``) when done."""
-
-    def __init__(
-        self,
-        tier: MemoryTier,
-        step: int | None,
-        metadata: dict[str, Any],
-        token: str | None,
-        tensors: dict[str, FullStream],
-        lease: _Lease,
-    ) -> None:
-        self._tier = tier
-        self.step = step
-        self.metadata = metadata
-        self.token = token
-        self.tensors: Mapping[str, FullStream] = tensors
-        self._lease = lease
-        self._released = False
-
-    @property
-    def empty(self) -> bool:
-        return self.step is None
-
-    def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._tier._release(self._lease)
-
-    def __enter__(self) -> StreamSnapshot:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+class StreamSnapshot(_View[FullStream]):
+    """The tier read in row ranges (:class:`FullStream`): a write while it is held saves the rows it overwrites
+    instead of copying the whole array, so reading a big shard out (a peer copy sent whole) never doubles the
+    node's memory."""
 
 
 @dataclass
@@ -404,7 +383,8 @@ class MemoryTier:
         with self._lock:
             arrays = dict(self._arrays)
             lease = self._lease(arrays.values(), rows_saved=False)
-            return Snapshot(self, self._step, dict(self._metadata), self._token, arrays, lease)
+            tensors = {n: _readonly(a) for n, a in arrays.items()}
+            return Snapshot(self, self._step, dict(self._metadata), self._token, tensors, lease)
 
     # ------------------------------------------------------------------------------------------- writing
     def seed(
