@@ -113,6 +113,7 @@ class Recovery:
                     failed_at = None  # only a report from the run that just asked for a restart counts
                 self._export_ahead()
                 self.peer_sync.new_generation(f"the trainer {event.reason}", failed_at)
+                self._export_ahead()  # again: a PS agent that was not up the first time (a replacement) is now
         elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
             self._on_done()
 
@@ -181,7 +182,11 @@ class Recovery:
         """The trainer rejoins in-process after a PS failure: restart every PS peer first (``POST
         /new-generation``); the PS agents export the memory tier ahead of the restore that follows."""
         self._export_ahead()
-        return self.peer_sync.new_generation(reason, failed_at)
+        outcome = self.peer_sync.new_generation(reason, failed_at)
+        # Again, now that every PS agent answers: a replacement agent (its node lost) was not up at the first
+        # call, and its shards' fetch from the peer's copy then overlaps the trainer's rebuild.
+        self._export_ahead()
+        return outcome
 
     # ------------------------------------------------------------------------------------------ reports
     def failure_reported(self, failed_at: float, step: int | None) -> None:

@@ -124,6 +124,7 @@ class ShardKeeper:
         # Per tier tensor, the digest of its state (peer_copy.rows_digest); kept only while a copy is sent.
         self._digests: dict[str, int] | None = None
         self._pulls = 0
+        self._pull_lock = threading.Lock()
         # The last delta's way back (while copies are on): the state it was applied to and the rows it overwrote.
         # A capture that reached this PS but not every PS leaves this tier one capture ahead of the chief's; the
         # restore then asks for the chief's state, which this undoes to (see _roll_back_to).
@@ -356,6 +357,13 @@ class ShardKeeper:
             raise CorruptCheckpointError("bad 'holder' in a pull request")
         if self._read_copy is None:
             raise ShardError(f"the agent of {self.task} cannot fetch peer copies")
+        with self._pull_lock:  # one fetch at a time: the export ahead of a restore and the restore's own
+            if self.tier.token == token:
+                return {"status": "ok", "step": self.tier.step, "token": token, "bytes": 0, "seconds": 0.0}
+            return self._pull(token, holder)
+
+    def _pull(self, token: str, holder: str) -> dict[str, Any]:
+        assert self._read_copy is not None
         t0 = time.perf_counter()
         try:
             info, arrays = fetch_copy(self.task, holder, token, self._read_copy, self.copy_config)

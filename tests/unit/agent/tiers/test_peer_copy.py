@@ -291,3 +291,25 @@ def test_a_copy_one_capture_ahead_of_the_chief_rolls_back_for_a_new_agent(pair: 
         assert all(np.array_equal(got[n], at_t1[n]) for n in at_t1)
     finally:
         fresh.close()
+
+
+def test_a_second_fetch_of_the_same_state_reads_nothing(pair: Pair, tmp_path: Path) -> None:
+    """The chief asks a replacement agent for its shards ahead of the restore and again at the restore: the
+    second ask finds the tier at that state and fetches nothing."""
+    rng = np.random.default_rng(9)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    wait_until(pair.synced, 30, "the first whole copy")
+    reads: list[object] = []
+
+    def counting_read(url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
+        reads.append(body)
+        return pair.read(url, body, timeout)
+
+    fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", read_copy=counting_read).start()
+    try:
+        assert fresh.pull({"token": "t1", "holder": HOLDER_URL})["status"] == "ok"
+        first = len(reads)
+        again = fresh.pull({"token": "t1", "holder": HOLDER_URL})
+        assert again["status"] == "ok" and again["bytes"] == 0 and len(reads) == first > 0
+    finally:
+        fresh.close()
