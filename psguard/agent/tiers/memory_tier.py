@@ -358,6 +358,22 @@ class MemoryTier:
             out: np.ndarray = arr[ids]
             return out
 
+    def revert(
+        self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]], *, step: int, token: str
+    ) -> tuple[ApplyResult, dict[str, TensorUpdate]]:
+        """Write back the rows (``name -> (ids, old values)``) the last delta overwrote: the tier returns to the
+        state ``token`` at ``step`` it was applied to. Returns the result and the updates applied (a delta from
+        the current state, for whoever follows this tier). All or nothing, like :meth:`apply`."""
+        with self._lock:
+            current = self._token
+            updates: dict[str, TensorUpdate] = {
+                n: Rows(rows[n][0], rows[n][1], tuple(a.shape)) if n in rows else Same(tuple(a.shape), a.dtype)
+                for n, a in self._arrays.items()
+            }
+        if current is None:
+            return ApplyResult("need_full", self._step, None, "the tier is empty", 0.0), updates
+        return self.apply(updates, step=step, token=token, parent=current), updates
+
     def take_array(self, name: str) -> np.ndarray | None:
         """Remove tensor ``name`` and hand its array to the caller (``None`` if absent, or leased: then it is not
         the tier's to give). For a tier being discarded whose memory is reused (a peer copy replaced whole)."""

@@ -406,15 +406,7 @@ class CopyHolder:
         if undo is None or undo[0] != token:
             return False
         _, step, rows, digests = undo
-        current = copy.tier.token
-        if current is None:
-            return False
-        with copy.tier.export() as snap:
-            updates: dict[str, TensorUpdate] = {
-                n: Rows(rows[n][0], rows[n][1], a.shape) if n in rows else Same(a.shape, a.dtype)
-                for n, a in snap.tensors.items()
-            }
-        result = copy.tier.apply(updates, step=step, token=token, parent=current)
+        result, _ = copy.tier.revert(rows, step=step, token=token)
         if not result.ok:
             return False
         copy.digests, copy.undo = digests, None

@@ -297,8 +297,7 @@ class ShardKeeper:
         assert self.sender is not None
         whole = parent is None or old_rows is None or self._digests is None
         if whole:
-            with self.tier.export() as snap:
-                self._digests = {n: rows_digest(a) for n, a in snap.tensors.items()}
+            self._digests = self._whole_digests()
             self.sender.offer(None, step)
             return
         assert self._digests is not None and old_rows is not None
@@ -314,13 +313,17 @@ class ShardKeeper:
             assert parent is not None
             self.sender.offer(new_delta(step, token, parent, updates, self._digests), step)
 
+    def _whole_digests(self) -> dict[str, int]:
+        """Every tensor's digest, hashed whole (a whole capture, or copies just turned on)."""
+        with self.tier.export() as snap:
+            return {n: rows_digest(a) for n, a in snap.tensors.items()}
+
     def _copy_snapshot(self) -> tuple[StreamSnapshot, list[dict[str, Any]], dict[str, int]]:
         """For the sender's whole copy: the tier (read in row ranges), its layout and its digests, at one state."""
         with self._lock:
             assert self.sender is not None
             if self._digests is None or set(self._digests) != set(self.tier.names()):
-                with self.tier.export() as whole:
-                    self._digests = {n: rows_digest(a) for n, a in whole.tensors.items()}
+                self._digests = self._whole_digests()
             snap = self.tier.stream_export()
             self.sender.begin_whole()
             layout = []
@@ -445,22 +448,13 @@ class ShardKeeper:
                 return
             _, step, rows = undo
             current = self.tier.token
-            names = self.tier.names()
-            updates: dict[str, TensorUpdate] = {}
             now: dict[str, np.ndarray] = {}
-            for name in names:
-                if name in rows:
-                    ids, old = rows[name]
-                    got = self.tier.gather(name, ids)
-                    if got is None:
-                        return
-                    now[name] = got
-                    updates[name] = Rows(ids, old, (self._keys[name][0].rows, *old.shape[1:]))
-                else:
-                    with self.tier.export() as snap:
-                        a = snap.tensors[name]
-                        updates[name] = Same(tuple(a.shape), a.dtype)
-            result = self.tier.apply(updates, step=step, token=token, parent=current)
+            for name, (ids, _old) in rows.items():
+                got = self.tier.gather(name, ids)
+                if got is None:
+                    return
+                now[name] = got
+            result, updates = self.tier.revert(rows, step=step, token=token)
             if not result.ok:
                 return
             self._undo = None
