@@ -14,13 +14,15 @@ is the one place that connects the first to the second, so that the rules read i
   operator's restart): the gap before the next start (a backoff, the PS restarts of a generation) is no hang,
   and a verdict reached about an earlier run (``STARTING`` again, or no process at all) restarts nothing.
 - **A new trainer generation** (the chief's agent, ``peers.restart_ps``): when the trainer's run ends with a
-  restart to follow, every PS peer is restarted before the next trainer starts (this runs on the supervisor's
+  restart to follow, every PS peer (and every worker: ``peers.restart_workers``) is restarted before the next
+  trainer starts (this runs on the supervisor's
   thread, which starts the trainer only once it returns), after asking the PS agents to export the memory tier
   ahead of the restore that follows. ``failed_at`` from ``POST /failure`` is passed on only if the run that
   reported it is the one that just asked for a restart (exit 75): a PS started since that time is left alone.
-  An in-process rejoin asks for the same through ``POST /new-generation``; an agent resuming a job from the
-  durable log starts one too, since the PS servers may hold the earlier chief's context. The protocol as a whole
-  is in docs/design.md ("The generation protocol of a PS-failure recovery").
+  An in-process rejoin asks for the same through ``POST /new-generation`` (its workers are kept: the same
+  process numbers its resources on, so nothing it creates meets an earlier generation's); an agent resuming a
+  job from the durable log starts one too, since the PS servers may hold the earlier chief's context. The
+  protocol as a whole is in docs/design.md ("The generation protocol of a PS-failure recovery").
 - **A hang** (:mod:`psguard.agent.process.hang`) is counted and the trainer restarted (a crash); the new trainer
   restores from the memory tier.
 - **Lost steps**: the step a failed trainer reported (``POST /failure``) against the step the restored one
@@ -182,7 +184,7 @@ class Recovery:
         """The trainer rejoins in-process after a PS failure: restart every PS peer first (``POST
         /new-generation``); the PS agents export the memory tier ahead of the restore that follows."""
         self._export_ahead()
-        outcome = self.peer_sync.new_generation(reason, failed_at)
+        outcome = self.peer_sync.new_generation(reason, failed_at, new_process=False)
         # Again, now that every PS agent answers: a replacement agent (its node lost) was not up at the first
         # call, and its shards' fetch from the peer's copy then overlaps the trainer's rebuild.
         self._export_ahead()

@@ -740,8 +740,9 @@ def test_end_to_end_ps_killed_under_agents_restores_from_the_memory_tier(
         assert later["source"] == "memory" and later["step"] >= second["restored"]["step"], later
     generation = json.loads((out / f"gen-{failures}").read_text())["agent"]["last_generation"]
     print(f"generation: {generation['peers']} in {generation['seconds']:.1f}s ({failures} recoveries)")
-    assert generation["peers"][ps[1].url] == "restarted" and generation["peers"][worker.url] == "skipped (worker)"
-    assert worker.status()["restarts"] == 0
+    # A new trainer process: its workers are restarted too (peers.restart_workers; see PeersConfig).
+    assert generation["peers"][ps[1].url] == "restarted" and generation["peers"][worker.url] == "restarted"
+    assert worker.status()["restarts"] == failures
     assert chief.log().count("event=restarted task=chief:0") == failures
     assert restarts[1] == failures, (restarts, generation)  # the surviving PS: once per generation
     if failures == 1:

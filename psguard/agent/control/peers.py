@@ -31,6 +31,12 @@ class PeersConfig:
     """``peers:``: the chief's agent watches the other agents and restarts the PS servers per generation."""
 
     restart_ps: bool = True  # on every new trainer generation (see the module docstring)
+    # ... and the workers too when the new generation's trainer is a new process. A worker's servers keep the
+    # device resources every earlier chief created there: a restarted chief numbers its lookup tables from the
+    # same counter (``ops.uid()``), so a Keras StringLookup of the new chief finds an old chief's table under
+    # its name ("Table was already initialized with different data"), and each chief restart leaks the last
+    # one's tables and iterators. An in-process rejoin keeps its counter and its workers.
+    restart_workers: bool = True
     # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
     # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
     # memory twice over. "none": off.
@@ -79,12 +85,15 @@ class PeerSync:
         self.part_stores: dict[str, bool] = {}  # PS task -> whether its agent can write the durable log
         self.nodes: dict[str, str | None] = {}  # task -> the node its agent runs on (/status), for peer copies
 
-    def sync(self, *, restart_ps: bool, why: str = "", failed_at: float | None = None) -> dict[str, str]:
+    def sync(
+        self, *, restart_ps: bool, why: str = "", failed_at: float | None = None, workers: bool = False
+    ) -> dict[str, str]:
         """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
 
-        ``restart_ps``: every peer whose ``/status`` says ``role: ps`` restarts its task (``POST /restart``) and
-        is waited for until its restart count went up and it is ready; other peers are skipped. Otherwise every
-        peer is only waited for until ready. Peers that do not answer yet (their agent is still starting) are
+        ``restart_ps``: every peer whose ``/status`` says ``role: ps`` (and ``worker`` too with ``workers``)
+        restarts its task (``POST /restart``) and is waited for until its restart count went up and it is
+        ready; other peers are skipped. Otherwise every peer is only waited for until ready. Peers that do not
+        answer yet (their agent is still starting) are
         retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends the wait for that peer.
         ``failed_at`` (Unix time, this host's clock): a moment the failed trainer generation still ran (its last
         step, or when it saw the failure). A PS whose current run started after it is left alone (only waited
@@ -93,6 +102,7 @@ class PeerSync:
         uptime, so the PS host's clock does not matter.
         """
         cfg = self.config
+        restarted_roles = {"ps", "worker"} if workers else {"ps"}
         deadline = time.monotonic() + cfg.ready_timeout
         outcome: dict[str, str] = {}
         pending: dict[str, int | None] = dict.fromkeys(self.peers)  # None: not asked yet; int: restarts before
@@ -125,7 +135,7 @@ class PeerSync:
                 if (
                     before is None
                     and restart_ps
-                    and doc.get("role") == "ps"
+                    and doc.get("role") in restarted_roles
                     and (
                         # A new agent (a replacement node) that has not started its PS yet: that PS will hold
                         # nothing of any generation. Asked to restart it, the agent answers 409 (idle).
@@ -144,7 +154,7 @@ class PeerSync:
                     if ready:
                         outcome[url] = "fresh (started after the failure)"
                         del pending[url]
-                elif before is None and restart_ps and doc.get("role") == "ps":
+                elif before is None and restart_ps and doc.get("role") in restarted_roles:
                     try:
                         code, answer = http_json(
                             "POST",
@@ -173,9 +183,14 @@ class PeerSync:
                 self._stop.wait(0.1)  # polling the peers' state, bounded by the deadline
         for url in pending:
             detail = f" (last error: {last_error[url]})" if url in last_error else ""
-            outcome[url] = (
-                f"error: not {'restarted and ' if restart_ps else ''}ready within {cfg.ready_timeout:g}s{detail}"
-            )
+            if self._stop.is_set():
+                outcome[url] = (
+                    f"error: this agent stopped before the peer was {'restarted and ' if restart_ps else ''}ready"
+                )
+            else:
+                outcome[url] = (
+                    f"error: not {'restarted and ' if restart_ps else ''}ready within {cfg.ready_timeout:g}s{detail}"
+                )
         return outcome
 
     def tasks(self) -> dict[str, str]:
@@ -223,15 +238,18 @@ class PeerSync:
         )
         return outcome
 
-    def new_generation(self, reason: str, failed_at: float | None = None) -> dict[str, Any]:
-        """Restart every PS peer and wait until all serve again; the outcome.
+    def new_generation(
+        self, reason: str, failed_at: float | None = None, *, new_process: bool = True
+    ) -> dict[str, Any]:
+        """Restart every PS peer (and every worker for a ``new_process`` trainer, unless
+        ``peers.restart_workers`` is off) and wait until all serve again; the outcome.
 
         One at a time: the supervisor's exit callback and ``POST /new-generation`` may both ask.
         """
         with self._one_at_a_time:
-            return self._restart_ps(reason, failed_at)
+            return self._restart_ps(reason, failed_at, workers=new_process and self.config.restart_workers)
 
-    def _restart_ps(self, reason: str, failed_at: float | None) -> dict[str, Any]:
+    def _restart_ps(self, reason: str, failed_at: float | None, *, workers: bool) -> dict[str, Any]:
         with self._lock:
             self.generation += 1
             generation = self.generation
@@ -240,7 +258,7 @@ class PeerSync:
             "event=generation task=%s generation=%d reason=%r peers=%d", self.task, generation, reason, len(self.peers)
         )
         why = f"new trainer generation {generation}: {reason}"
-        outcome = self.sync(restart_ps=True, why=why, failed_at=failed_at)
+        outcome = self.sync(restart_ps=True, why=why, failed_at=failed_at, workers=workers)
         seconds = time.monotonic() - t0
         failed = {u: o for u, o in outcome.items() if o.startswith("error")}
         (log.error if failed else log.info)(

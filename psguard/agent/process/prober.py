@@ -39,6 +39,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
 from psguard.config import Check, Duration, validate
+from psguard.ports import self_connected
 
 if TYPE_CHECKING:
     from typing import Self
@@ -161,8 +162,9 @@ class TcpProbe(_BaseProbe):
 
     def _check(self, timeout: float) -> None:
         try:
-            with socket.create_connection((self.host, self.port), timeout=timeout):
-                pass
+            with socket.create_connection((self.host, self.port), timeout=timeout) as s:
+                if self_connected(s):  # nothing listens, and the port was ours until closed: see psguard.ports
+                    raise _Failed("refused", f"nothing listens on {self.host}:{self.port} (self-connection)")
         except TimeoutError:
             raise _Failed("timeout", f"no TCP connection to {self.host}:{self.port} within {timeout:.3g}s") from None
         except ConnectionRefusedError:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -322,7 +323,10 @@ _ORPHAN_SCRIPT = textwrap.dedent(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["atexit", "crash"])
-def test_servers_die_with_their_python_process(how: str) -> None:
+def test_servers_die_with_their_python_process(how: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A temporary folder of this test's own: any server started by a parallel test sweeps stale folders in
+    # the shared /tmp, which would remove the crashed one before this test looks for it.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     out = subprocess.run(
         [sys.executable, "-c", _ORPHAN_SCRIPT, how],
         capture_output=True,
@@ -330,9 +334,11 @@ def test_servers_die_with_their_python_process(how: str) -> None:
         timeout=60,
         check=True,
         cwd=ROOT,
+        env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     pid_text, workdir_text = out.stdout.split()
     pid, workdir = int(pid_text), Path(workdir_text)
+    assert workdir.parent == tmp_path
     deadline = time.monotonic() + 10
     while group_members(pid) and time.monotonic() < deadline:
         time.sleep(0.1)

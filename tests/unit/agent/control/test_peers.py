@@ -86,3 +86,62 @@ def test_a_replacement_agent_whose_ps_has_not_started_is_waited_for_not_restarte
         sync = PeerSync("chief:0", [server.url], PeersConfig(ready_timeout=30), token, threading.Event())
         outcome = sync.sync(restart_ps=True, failed_at=None)
     assert outcome == {server.url: "fresh (started after the failure)"} and not restarts
+
+
+class _FakeTask:
+    """A peer agent's /status and POST /restart, as far as a generation reads them."""
+
+    def __init__(self, task: str, role: str) -> None:
+        from psguard.agent.control.httpd import AgentHTTPServer, Response
+
+        self.task, self.role, self.restarts = task, role, 0
+        self.server = AgentHTTPServer(token=TOKEN, status=self.status)
+
+        def restart(_: object) -> Response:
+            self.restarts += 1
+            return Response(202, {"ok": True})
+
+        self.server.add_post("/restart", restart)
+
+    def status(self) -> dict[str, object]:
+        return {
+            "task": self.task,
+            "role": self.role,
+            "state": "running",
+            "restarts": self.restarts,
+            "ready": True,
+            "supervisor": {"uptime_seconds": 1000.0},
+        }
+
+
+TOKEN = "a-token-of-sixteen-chars"
+
+
+@pytest.mark.parametrize(
+    ("new_process", "restart_workers", "worker_restarted"),
+    [(True, True, True), (False, True, False), (True, False, False)],
+)
+def test_a_new_trainer_process_restarts_the_workers_too(
+    new_process: bool, restart_workers: bool, worker_restarted: bool
+) -> None:
+    """A worker keeps the device resources of every chief that used it; a new chief process numbers its lookup
+    tables from the same counter and meets an old one's under its name ("Table was already initialized with
+    different data", the TFRS job's failure in CI). An in-process rejoin keeps its workers."""
+    ps, worker = _FakeTask("ps:0", "ps"), _FakeTask("worker:0", "worker")
+    with ps.server, worker.server:
+        config = PeersConfig(ready_timeout=30, restart_workers=restart_workers)
+        peers = PeerSync("chief:0", [ps.server.url, worker.server.url], config, TOKEN, threading.Event())
+        result = peers.new_generation("the trainer exited 1", None, new_process=new_process)
+    assert ps.restarts == 1 and result["peers"][ps.server.url] == "restarted"
+    assert worker.restarts == int(worker_restarted)
+    assert result["peers"][worker.server.url] == ("restarted" if worker_restarted else "skipped (worker)")
+
+
+def test_a_stopping_agent_says_so_instead_of_a_timeout() -> None:
+    ps = _FakeTask("ps:0", "ps")
+    stop = threading.Event()
+    stop.set()
+    with ps.server:
+        peers = PeerSync("chief:0", [ps.server.url], PeersConfig(ready_timeout=30), TOKEN, stop)
+        outcome = peers.sync(restart_ps=True)
+    assert outcome == {ps.server.url: "error: this agent stopped before the peer was restarted and ready"}
