@@ -682,7 +682,9 @@ class Agent:
             raise RequestError(400, 'expected {"lost_steps": N} or {"restored_step": N, "seen_step": M}')
         seconds = body.get("seconds")
         timed = float(seconds) if isinstance(seconds, int | float) and seconds >= 0 else None
-        if self.recovery.recovery_reported(lost, restored, seen, timed) is None:
+        source = body.get("source")
+        source = str(source)[:40] if isinstance(source, str) else None
+        if self.recovery.recovery_reported(lost, restored, seen, timed, source=source) is None:
             return Response(200, {"ok": True, "lost_steps": None})
         return Response(200, {"ok": True})
 

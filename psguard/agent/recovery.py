@@ -88,6 +88,7 @@ class Recovery:
         self._last_lost_steps: int | None = None
         self._hangs = 0
         self._last_hang: dict[str, Any] | None = None
+        self._last_restore: dict[str, Any] | None = None  # POST /recovery: the step and tier the trainer restored
 
     # ------------------------------------------------------------------------------------------ callbacks
     def on_supervisor_event(self, event: SupervisorEvent) -> None:
@@ -201,11 +202,22 @@ class Recovery:
         log.info("event=failure_reported task=%s age=%.2fs", self.task, time.time() - failed_at)
 
     def recovery_reported(
-        self, lost: int | None, restored: int | None, seen: int | None, seconds: float | None
+        self,
+        lost: int | None,
+        restored: int | None,
+        seen: int | None,
+        seconds: float | None,
+        *,
+        source: str | None = None,
     ) -> int | None:
         """``POST /recovery``: count the steps lost, from the trainer's own figure (``lost``) or from the step it
         restored against the step it (``seen``) or its failed predecessor (``POST /failure``) had reached. The
-        steps lost, or ``None`` when there is nothing to compare with."""
+        steps lost, or ``None`` when there is nothing to compare with. ``source``: the tier the trainer restored
+        from (``memory``, ``durable``), logged and kept for ``/status`` whatever the count."""
+        if restored is not None:
+            with self._lock:
+                self._last_restore = {"step": restored, "source": source, "at": time.time()}
+            log.info("event=trainer_restored task=%s restored_step=%d source=%s", self.task, restored, source)
         if lost is None:
             with self._lock:
                 reported, self._reported_step = self._reported_step, None
@@ -225,4 +237,9 @@ class Recovery:
     def status(self) -> dict[str, Any]:
         """The recovery's part of the agent's ``/status``."""
         with self._lock:
-            return {"last_lost_steps": self._last_lost_steps, "hangs": self._hangs, "last_hang": self._last_hang}
+            return {
+                "last_lost_steps": self._last_lost_steps,
+                "last_restore": self._last_restore,
+                "hangs": self._hangs,
+                "last_hang": self._last_hang,
+            }

@@ -12,10 +12,17 @@ With the one-line change (``tf.train.CheckpointManager`` -> ``psguard.Checkpoint
 as ``--store``) the script also gets psguard checkpoints: the chief's agent holds the memory tier (the
 ``PSGUARD_SPOOL`` hand-off) and writes the durable log to ``--store``.
 
-Exit code: 0 when the command finished (exit 0); 1 when the chief's agent gave up on it (crash loop: the
-message lists the exit codes) or an agent died; 130 / 143 when interrupted (SIGINT / SIGTERM), after every
-process ``wrap`` started was stopped: the chief's agent first (it stops the trainer and drains the durable log),
-then the PS and worker agents together. A second Ctrl-C or SIGTERM during that kills them at once.
+A PS or worker agent that dies while the job runs (killed with its task: what a lost node looks like) is
+replaced as a cluster manager would replace the pod: started again with the same arguments and address, up to
+``--agent-restarts`` times per agent. Each task counts as its own node (``PSGUARD_NODE=wrap-ps0``...), so that
+peer copies (``peers: {copies: full}`` in ``--config``) are placed on another task's agent and a replaced PS
+agent takes its shards from there.
+
+Exit code: 0 when the command finished (exit 0); 1 when the chief's agent gave up on it (crash loop: the message
+lists the exit codes) or an agent died more often than it may be replaced; 130 / 143 when interrupted (SIGINT /
+SIGTERM), after every process ``wrap`` started was stopped: the chief's agent first (it stops the trainer and
+drains the durable log), then the PS and worker agents together. A second Ctrl-C or SIGTERM during that kills them
+at once.
 
 The PS / worker agents are :class:`psguard.agent.process.launcher.AgentProcess` as in ``psguard demo`` (output to
 a log file, settings tuned for a local cluster). The chief's agent is started here instead: its output is the
@@ -153,6 +160,7 @@ def run(
     verbose: int = 0,
     start_timeout: float = 180.0,
     token_file: str | os.PathLike[str] | None = None,
+    agent_restarts: int = 3,
 ) -> int:
     """Run ``command`` as the chief of a local PS cluster, every task under an agent; its exit code (see above).
 
@@ -167,6 +175,8 @@ def run(
         raise ConfigError(f"--ps: a parameter-server job needs at least one PS, got {ps}")
     if workers < 1:
         raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {workers}")
+    if agent_restarts < 0:
+        raise ConfigError(f"--agent-restarts: expected 0 or more replacements per agent, got {agent_restarts}")
     if config is not None and not Path(config).is_file():
         raise ConfigError(f"--config {config}: no such file")
     chief_settings = None if config is None else _chief_settings(Path(config))
@@ -201,7 +211,8 @@ def run(
                 args = ["--role", role, "--index", str(i), *base]
                 if role == "ps":  # each PS's agent keeps its shards (memory tier, its part of the log)
                     args += ["--spool", str(work / f"ps{i}-shards"), *(["--store", store] if store else [])]
-                servers.append(AgentProcess(agents_dir, f"{role}{i}", args, token_file=token_path))
+                node = {"PSGUARD_NODE": f"wrap-{role}{i}"}  # each task its own node: see the module docstring
+                servers.append(AgentProcess(agents_dir, f"{role}{i}", args, env=node, token_file=token_path))
         try:
             peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(start_timeout))]
         except LaunchError as e:
@@ -229,10 +240,7 @@ def run(
         while (code := chief.poll()) is None:
             for agent in servers:
                 if agent.proc.poll() is not None:
-                    raise WrapError(
-                        f"the agent of {agent.name} exited {agent.proc.returncode} while the job ran "
-                        f"(log {agent.log_path}):\n{agent.log_tail()}"
-                    )
+                    _replace(agent, agent_restarts)
             time.sleep(_POLL)
         failed = code != 0
         if failed:
@@ -252,6 +260,24 @@ def run(
             shutil.rmtree(work, ignore_errors=True)
         elif failed:
             print(f"psguard wrap: cluster.json and the agents' logs are in {work}", file=sys.stderr)
+
+
+def _replace(agent: AgentProcess, limit: int) -> None:
+    """Start a dead PS or worker agent again, as a cluster manager replaces a lost pod; past ``limit``
+    replacements the run fails with the agent's log."""
+    replaced = agent.starts - 1
+    if replaced >= limit:
+        raise WrapError(
+            f"the agent of {agent.name} exited {agent.proc.returncode} while the job ran, after {replaced} "
+            f"replacement(s) (--agent-restarts {limit}; log {agent.log_path}):\n{agent.log_tail()}"
+        )
+    print(
+        f"psguard wrap: the agent of {agent.name} exited {agent.proc.returncode} while the job ran; starting a "
+        f"replacement ({replaced + 1} of at most {limit})",
+        file=sys.stderr,
+        flush=True,
+    )
+    agent.restart()
 
 
 def main(args: argparse.Namespace) -> int:
@@ -274,6 +300,7 @@ def main(args: argparse.Namespace) -> int:
             verbose=getattr(args, "verbose", 0),
             start_timeout=args.start_timeout,
             token_file=args.token_file,
+            agent_restarts=args.agent_restarts,
         )
     except _Stop:
         print("psguard wrap: terminated; every process it started was stopped", file=sys.stderr, flush=True)
@@ -312,6 +339,13 @@ def register(sub: Any) -> None:
         "--token-file",
         help="the agents' bearer token, in a file only you can read (to query them with psguard status while the "
         "job runs; default: a fresh token, removed at the end)",
+    )
+    p.add_argument(
+        "--agent-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="replace a PS or worker agent that dies (with its task: a lost node) up to N times (default 3)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND...: the training script and its arguments")
     p.set_defaults(func=main)

@@ -26,8 +26,8 @@ class PeerCopyConfig:
     fetch_streams: int = 4  # requests in flight when a new agent fetches its copy (each checked on its own thread)
     request_timeout: Duration = 60.0
     retry_after: Duration = 1.0  # after a failed send (the holder down): wait, then send the whole state
-    # A capture's delta: its apply answers once the holder has it too, up to this long (0: never waits), so that
-    # the state the chief's tier moves to is held by the copies as well (a copy one capture behind cannot serve
-    # a restore). The trainer does not wait for it: only the capture's acknowledgement does. A whole copy is
-    # never waited for.
+    # A capture: its apply answers once the holder has it too, up to this long (0: never waits), so that the
+    # state the chief's tier moves to is held by the copies as well (a copy one capture behind cannot serve a
+    # restore). The trainer does not wait for it: only the capture's acknowledgement does. A whole copy is
+    # waited for as long, so a large state's first capture is acknowledged this much later.
     wait_for_copy: Duration = 5.0

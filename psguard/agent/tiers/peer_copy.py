@@ -503,15 +503,17 @@ class CopySender:
             self._cond.notify_all()
 
     def wait_synced(self, token: str, timeout: float) -> bool:
-        """Wait until the holder holds state ``token``; False at once when a whole copy is due (it may take
-        minutes) or there is no holder, else after ``timeout``."""
+        """Wait until the holder holds state ``token``; False at once when there is no holder, else after
+        ``timeout``. A whole copy is waited for too: a small state's takes milliseconds, and without it a node
+        lost just after its first capture had no copy to restore from; a large state's outlasts ``timeout``,
+        which bounds the wait."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
                 if self._synced is not None and self._synced[1] == token:
                     return True
                 left = deadline - time.monotonic()
-                if self._target is None or self._whole or self._in_whole or self._stop or left <= 0:
+                if self._target is None or self._stop or left <= 0:
                     return False
                 self._cond.wait(left)
 

@@ -121,8 +121,10 @@ def _owner_arrays(keeper: ShardKeeper) -> dict[str, np.ndarray]:
 
 def test_the_holder_follows_the_owner_whole_then_by_deltas(pair: Pair) -> None:
     rng = np.random.default_rng(1)
-    assert pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)["status"] == "ok"
-    wait_until(pair.synced, 30, "the first whole copy")  # else one whole copy may hold every delta below
+    first = pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    # The whole copy is waited for too (bounded by wait_for_copy): a node lost right after it finds its copy.
+    assert first["status"] == "ok" and first["copy"] == {"holder": "ps:1", "step": 1, "token": "t1"}, first
+    assert pair.synced()
     parent = "t1"
     for step in range(2, 6):
         updates, _ = _delta(rng, sorted(rng.choice(500, 20, replace=False).tolist()))
