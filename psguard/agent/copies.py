@@ -92,14 +92,20 @@ class PeerLink:
         return decode_frame(raw)
 
 
-def copies_status(client: ShardClient | None) -> dict[str, Any] | None:
-    """The chief's view of the peer copies (``/status``): each part's holder and the step its copy reached."""
+def copies_status(client: ShardClient | None, memory_token: str | None = None) -> dict[str, Any] | None:
+    """The chief's view of the peer copies (``/status``): each part's holder, the step its copy reached, and how
+    many copies of the memory tier's newest state the part has (its own tier, plus the peer's when current)."""
     if client is None or client.copies == "none":
         return None
+    parts: dict[str, dict[str, Any]] = {}
+    for task in client.active or tuple(client.copy_state):
+        state = dict(client.copy_state.get(task) or {})
+        current = memory_token is not None and state.get("token") == memory_token
+        parts[task] = {**state, "current": current, "copies": 2 if current else 1}
     return {
         "mode": client.copies,
         "placement": client.copy_targets(),
-        "parts": {task: dict(state) for task, state in client.copy_state.items()},
+        "parts": parts,
         "peer_restores": client.peer_restores,
         "last_restore_sources": dict(client.last_restore_sources),
     }

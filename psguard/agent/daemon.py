@@ -763,7 +763,7 @@ class Agent:
                         else None
                     ),
                     "captures": dict(spool.captures) if spool else None,
-                    "copies": copies_status(self.shard_client),
+                    "copies": copies_status(self.shard_client, tier.token if tier else None),
                 }
             )
         return doc

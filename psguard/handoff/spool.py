@@ -208,9 +208,12 @@ class Ack:
     token: str | None
     message: str = ""
     capture: str | None = None  # the token of the capture this answers (None: its capture.json was unreadable)
+    #: With peer copies on: PS task -> the task whose agent holds this capture's copy of its shards (``None``:
+    #: no copy holds it yet, so that PS's node lost now means the durable log). ``None``: copies off.
+    copies: Mapping[str, str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "seq": self.seq,
             "status": self.status,
             "memory_step": self.memory_step,
@@ -218,6 +221,9 @@ class Ack:
             "message": self.message,
             "capture": self.capture,
         }
+        if self.copies is not None:
+            doc["copies"] = dict(self.copies)
+        return doc
 
 
 @dataclass(frozen=True)

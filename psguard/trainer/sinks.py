@@ -56,13 +56,29 @@ class MemoryCheckpoint:
     token: str
 
 
+@dataclass(frozen=True)
+class Restorable:
+    """Where a save survives this process, once :meth:`SaveHandle.restorable` returned.
+
+    ``copies``: with peer copies on (``peers: {copies: full}``), each PS task whose rows the agents keep ->
+    the PS task whose agent holds a copy of this save's rows (``None``: none holds it yet, so losing that PS's
+    node now restores from the durable log). Empty without an agent, without rows on the PS nodes, or with
+    copies off. ``durable``: the save is committed to the durable log (always so without an agent).
+    """
+
+    step: int
+    copies: Mapping[str, str | None]
+    durable: bool = False
+
+
 class SaveHandle:
     """The pending result of one :meth:`CheckpointManager.save`.
 
     ``result(timeout)`` waits for the strongest tier the save was for and returns it: the committed
     :class:`~psguard.store.CheckpointInfo` of a durable save, a :class:`MemoryCheckpoint` of a
     memory-only save (under an agent). It re-raises why the save failed. ``restorable(timeout)`` returns as
-    soon as the save survives this process: in the agent's memory tier, or committed when there is no agent.
+    soon as the save survives this process: in the agent's memory tier, or committed when there is no agent;
+    its :class:`Restorable` says which peer copies hold it too.
     When saves were folded together (the store was slower than the save cadence), every folded handle
     resolves to the checkpoint that contains them, whose step is the latest folded one.
     """
@@ -80,7 +96,7 @@ class SaveHandle:
     def result(self, timeout: float | None = None) -> CheckpointInfo | MemoryCheckpoint:
         raise NotImplementedError
 
-    def restorable(self, timeout: float | None = None) -> None:
+    def restorable(self, timeout: float | None = None) -> Restorable:
         raise NotImplementedError
 
     def done(self) -> bool:
@@ -111,8 +127,9 @@ class _StoreSaveHandle(SaveHandle):
         except FutureTimeout:
             raise TimeoutError(f"save of step {self.step} not durable within {timeout}s") from None
 
-    def restorable(self, timeout: float | None = None) -> None:
-        self.result(timeout)  # no memory tier without an agent: restorable means committed
+    def restorable(self, timeout: float | None = None) -> Restorable:
+        info = self.result(timeout)  # no memory tier without an agent: restorable means committed
+        return Restorable(info.step, {}, durable=True)
 
     def done(self) -> bool:
         return self.future.done()
@@ -125,8 +142,9 @@ class _AgentSaveHandle(SaveHandle):
         self._store = store
         self._outcome: CheckpointInfo | MemoryCheckpoint | BaseException | None = None
 
-    def restorable(self, timeout: float | None = None) -> None:
-        self._spooled.result(timeout)
+    def restorable(self, timeout: float | None = None) -> Restorable:
+        ack = self._spooled.result(timeout)
+        return Restorable(self.step, dict(ack.copies or {}))
 
     def result(self, timeout: float | None = None) -> CheckpointInfo | MemoryCheckpoint:
         if self._outcome is None:

@@ -105,6 +105,7 @@ class CaptureHandle:
                 token=doc.get("token"),
                 message=message,
                 capture=answered,
+                copies=_copies(doc.get("copies")),
             )
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -388,3 +389,10 @@ class SpoolWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _copies(raw: object) -> dict[str, str | None] | None:
+    """An ack's ``copies`` (PS task -> holder or null); anything else from an older or damaged ack: unknown."""
+    if not isinstance(raw, dict):
+        return None
+    return {str(k): v if isinstance(v, str) else None for k, v in raw.items()}

@@ -76,7 +76,8 @@ TRAINER = textwrap.dedent(
             handle = manager.maybe_save(seen)
             if handle is not None and seen >= 20 and not os.path.exists(os.path.join(out, "kill")):
                 handle.result(timeout=120)  # a durable checkpoint exists before the fault
-                put("kill", {"step": seen, "stats": manager.capturer.last_stats.bytes_read})
+                copies = handle.restorable(timeout=120).copies  # which peer copies hold this save
+                put("kill", {"step": seen, "stats": manager.capturer.last_stats.bytes_read, "copies": copies})
             trainer.train(5)
         handle = manager.save(tiers=frozenset({Tier.MEMORY, Tier.DURABLE}))
         info = handle.result(timeout=120)
@@ -114,6 +115,7 @@ def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
         return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
 
     kill = wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    assert kill["copies"] == {}, kill  # peer copies off: no copy holds any save
     first = json.loads((out / "gen-0").read_text())
     table = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
     assert table in first["spilled"], (first, chief.log())
@@ -224,7 +226,11 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
             raise AssertionError(f"chief agent exited {chief.proc.returncode}:\n{chief.log()}")
         return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
 
-    wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    kill = wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    # The save's acknowledgement says which copy holds each PS's rows (wait_for_copy: the copy had it first).
+    assert kill["copies"] == {"ps:0": "ps:1", "ps:1": "ps:0"}, kill
+    parts = chief.status()["copies"]["parts"]
+    assert {t: p["holder"] for t, p in parts.items()} == {"ps:0": "ps:1", "ps:1": "ps:0"}, parts
     trainer = chief.status()["pid"]
 
     def copy_current() -> bool:

@@ -93,6 +93,14 @@ def format_status(agents: list[dict[str, Any]]) -> str:
                 f"  persister     {p.get('pending_requests', 0)} pending, {p.get('checkpoints_written', 0)} written, "
                 f"{p.get('failures', 0)} failures, last error: {_cell(p.get('last_error'))}"
             )
+        copies = (a.get("copies") or {}).get("parts") or {}
+        if copies:
+            cells = [
+                f"{task} {part.get('copies', 1)}"
+                + (f" (+{part['holder']})" if part.get("current") else f" (copy at {_cell(part.get('step'))})")
+                for task, part in sorted(copies.items())
+            ]
+            lines.append(f"  copies        {', '.join(cells)}")
         generation = a.get("last_generation") or {}
         lines.append(
             f"  generation    {_cell(a.get('generation'))}"

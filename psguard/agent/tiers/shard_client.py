@@ -55,6 +55,17 @@ class ShardClient:
         self.last_restore_sources: dict[str, str] = {}
         self._warned: set[str] = set()
 
+    def holders_of(self, tasks: Sequence[str], token: str) -> dict[str, str | None] | None:
+        """Each PS task -> the task whose agent's copy holds state ``token`` (``None``: no copy holds it), from
+        the answers of the last apply; ``None`` when copies are off."""
+        if self.copies == "none":
+            return None
+        out: dict[str, str | None] = {}
+        for t in tasks:
+            state = self.copy_state.get(t) or {}
+            out[t] = state.get("holder") if state.get("token") == token else None
+        return out
+
     def copy_targets(self) -> dict[str, str]:
         """Owner PS task -> the PS task whose agent holds its copy: the user's placement, else the next PS in
         index order on another node. A PS with no such peer gets none (and a warning, once)."""

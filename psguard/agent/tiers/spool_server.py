@@ -371,7 +371,12 @@ class SpoolServer:
                     status, message, apply_seconds = result.status, result.message, result.seconds
                     if status == "ok" and self.shards is not None:
                         self.shards.active = tuple(p.task for p in cap.parts)
-            ack = Ack(seq, status, self.tier.step, self.tier.token, message, capture=cap.token)
+                copies = (
+                    self.shards.holders_of([p.task for p in cap.parts], cap.token)
+                    if status == "ok" and self.shards is not None and cap.parts
+                    else None
+                )
+            ack = Ack(seq, status, self.tier.step, self.tier.token, message, capture=cap.token, copies=copies)
         except Exception as e:  # whatever is wrong with this capture, answer it: never block the ones after it
             read_seconds = time.perf_counter() - t0
             ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}", self._token_of(folder))

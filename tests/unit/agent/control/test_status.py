@@ -40,6 +40,9 @@ def job(tmp_path: Path) -> Iterator[dict[str, Any]]:
             "last_generation": {"peers": {ps.url: "restarted"}}, "last_lost_steps": 7,
             "persister": {"pending_requests": 0, "checkpoints_written": 4, "failures": 1,
                           "last_error": "StorageUnavailableError: ..."},
+            "copies": {"mode": "full", "parts": {
+                "ps:0": {"holder": "ps:1", "step": 120, "token": "t", "current": True, "copies": 2},
+                "ps:1": {"holder": "ps:0", "step": 115, "token": "u", "current": False, "copies": 1}}},
         }  # fmt: skip
         chief = stack.enter_context(
             AgentHTTPServer(
@@ -68,6 +71,7 @@ def test_the_chiefs_url_is_enough_and_the_token_is_never_printed(
     assert "memory tier   step 120 (3.0 MiB)" in out
     assert "durable log   step 100 (000000000100-abc), lag 20 steps" in out
     assert "1 failures, last error: StorageUnavailableError" in out and "lost steps at the last recovery: 7" in out
+    assert "copies        ps:0 2 (+ps:1), ps:1 1 (copy at 115)" in out  # how many copies each part has
     assert TOKEN not in out
 
 
