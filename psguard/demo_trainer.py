@@ -33,6 +33,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -160,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--progress", required=True)
     p.add_argument("--fsync", action="store_true", help="fsync every progress line (chaos runs)")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--max-to-keep", type=int, help="retention: keep the newest N checkpoints (default: all)")
+    p.add_argument(
+        "--finish-file",
+        help='a soak\'s end: once this file holds {"step": N}, train to step N (not --steps) and finish',
+    )
     p.add_argument("--kill-at", type=int, default=100)
     p.add_argument("--memory-every", type=int, default=5)
     p.add_argument("--durable-every", type=int, default=25)
@@ -211,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         manager = CheckpointManager(
             tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, coordinator=coordinator,
             step_counter=model.step, hang=HangSpec(after=args.hang_after) if args.hang_after else None,
+            max_to_keep=args.max_to_keep,
         )  # fmt: skip
         progress.op("invoke", "restore")
         try:
@@ -271,8 +278,17 @@ def main(argv: list[str] | None = None) -> int:
             state["durable"] = step
         progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds)
 
+    def target() -> int:
+        """``--steps``, or the step a soak's harness asked to finish at (it writes the file atomically)."""
+        if args.finish_file is None:
+            return int(args.steps)
+        try:
+            return int(json.loads(Path(args.finish_file).read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return int(args.steps)
+
     def train(job: Job) -> int:
-        while (step := int(job.model.step.numpy())) < args.steps:
+        while (step := int(job.model.step.numpy())) < target():
             state["seen"] = step
             progress.emit("step", step=step, memory=state["memory"], durable=state["durable"])
             if due(state["memory"], args.memory_every, step):

@@ -27,15 +27,18 @@ from typing import Any, Literal
 
 from psguard.benchmarks.common import Stretch, back_to_normal, seconds_per_step
 from psguard.chaos.history import Op, Record, harness_seconds, operations
+from psguard.chaos.resources import WEEK_HOURS, slope_per_hour
 
 __all__ = [
     "CHECKERS",
     "FAULTS",
     "HEALS",
+    "SOAK_CHECKERS",
     "Verdict",
     "check_all",
     "fault_outcomes",
     "overall",
+    "resource_series",
 ]
 
 Status = Literal["valid", "invalid", "unknown"]
@@ -117,7 +120,15 @@ def durable_commits_kept(ctx: _Context) -> Verdict:
         if o.value.get("id") in present and not present[o.value["id"]]["ok"] and o.value["id"] not in corrupted
     ]
     missing += [i for i in deleted_by_gc if i in {o.value.get("id") for o in acked}]  # the final gc keeps all
-    evidence = {"acknowledged": len(acked), "missing": missing, "unreadable": unreadable}
+    # A job with retention (``max_to_keep``: a soak's store must stay bounded) deletes its older commits: only
+    # the newest ``keep`` acknowledged ones must still be there (retention never deletes those).
+    keep = ctx.run.get("training", {}).get("max_to_keep")
+    retired: list[Any] = []
+    if isinstance(keep, int) and keep > 0:
+        newest = {str(o.value.get("id")) for o in sorted(acked, key=lambda o: int(o.value.get("step", 0)))[-keep:]}
+        retired = [i for i in missing if i not in newest]
+        missing = [i for i in missing if i in newest]
+    evidence = {"acknowledged": len(acked), "missing": missing, "unreadable": unreadable, "retired": len(retired)}
     if not acked:
         return Verdict(name, "unknown", "no durable commit was acknowledged during the run", evidence)
     if missing or unreadable:
@@ -441,6 +452,9 @@ def liveness(ctx: _Context) -> Verdict:
     """Training reached its target step within the bound after the last fault was healed."""
     name = "liveness"
     target = ctx.run.get("target_step")
+    finish = [o for o in ctx.of("finish", "ok") if o.process == "harness"]
+    if finish:  # a soak: the harness named the last step once its duration was over
+        target = finish[-1].value.get("target_step")
     bound = float(ctx.run.get("liveness_seconds", 120.0))
     trains = ctx.trainer("train", "ok")
     faults = [o for o in ctx.of((*FAULTS, *HEALS)) if o.process == "nemesis" and o.type != "fail"]
@@ -535,6 +549,99 @@ def faults_injected(ctx: _Context) -> Verdict:
     return Verdict(name, "valid", f"all {scheduled} faults injected and healed", evidence)
 
 
+# ------------------------------------------------------------------------------------------------ soak
+def resource_series(records: Iterable[Record]) -> dict[str, list[tuple[float, float]]]:
+    """A soak's resource samples (``resources`` of the harness) as series name -> [(time, value)]."""
+    out: dict[str, list[tuple[float, float]]] = {}
+    for r in records:
+        if r.process == "harness" and r.f == "resources" and r.type == "ok":
+            for name, v in (r.value.get("values") or {}).items():
+                out.setdefault(name, []).append((r.time, float(v)))
+    return out
+
+
+def _series_bound(name: str, bounds: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
+    """The per-hour slope a series may have, with the unit it is judged in; ``None``: not judged."""
+    role, _, key = name.rpartition("/")
+    mb = float(1 << 20)
+    if role.startswith("folder:"):
+        folder = role.removeprefix("folder:")
+        if key != "bytes":
+            return None
+        which = "logs_mb" if folder == "logs" else "store_mb" if folder == "store" else "tmpfs_mb"
+        return float(bounds[which]) * mb, "bytes"
+    if key == "rss_bytes":
+        if role.startswith("agent:"):
+            return float(bounds["agent_rss_pct_of_state"]) / 100.0 * state_bytes, "bytes"
+        return float(bounds["process_rss_mb"]) * mb, "bytes"
+    if key in ("fds", "threads", "children"):
+        return float(bounds[key]), key
+    return None
+
+
+def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
+    """No resource of any psguard process or folder grows, after the warm-up, at a rate that the scenario's
+    bounds forbid (each stated per hour; a week is 168 hours of it)."""
+    name = "resources-bounded"
+    soak = ctx.run.get("soak") or {}
+    bounds, warmup = soak.get("bounds") or {}, float(soak.get("warmup", 0.0))
+    state_bytes = float(soak.get("state_bytes") or 0)
+    rows, over = [], []
+    for series, points in sorted(resource_series(records).items()):
+        bound = _series_bound(series, bounds, state_bytes)
+        slope = slope_per_hour(points, warmup=warmup)
+        if bound is None or slope is None:
+            continue
+        limit, unit = bound
+        row = {"series": series, "slope_per_hour": slope, "bound_per_hour": limit, "unit": unit,
+               "last": points[-1][1], "week": points[-1][1] + max(0.0, slope) * WEEK_HOURS}  # fmt: skip
+        rows.append(row)
+        if slope > limit:
+            over.append(row)
+    evidence = {"series": rows, "over": over, "warmup_seconds": warmup}
+    if not rows:
+        return Verdict(name, "unknown", "no resource series with enough samples after the warm-up", evidence)
+    if over:
+        worst = ", ".join(f"{r['series']} +{r['slope_per_hour']:.3g} {r['unit']}/h" for r in over[:5])
+        return Verdict(name, "invalid", f"{len(over)} resource(s) grow past their bound: {worst}", evidence)
+    return Verdict(name, "valid", f"{len(rows)} resource series within their bounds after the warm-up", evidence)
+
+
+def recoveries_not_slower(ctx: _Context, records: Sequence[Record]) -> Verdict:
+    """Each later recovery of a kind of fault is no slower than the first of that kind, within noise: a run
+    that gets slower each time would not last a week."""
+    name = "recoveries-not-slower"
+    bounds = (ctx.run.get("soak") or {}).get("bounds") or {}
+    factor, noise = float(bounds.get("recovery_slowdown", 2.0)), float(bounds.get("recovery_noise", 10.0))
+    first: dict[str, float] = {}
+    slower, judged = [], 0
+    for row in _fault_outcomes(ctx):
+        seconds = row.get("recovery_seconds")
+        if seconds is None:
+            continue
+        kind = f"{row['fault']} {str(row['target']).split(':')[0]}"
+        if kind not in first:
+            first[kind] = seconds
+            continue
+        judged += 1
+        allowed = max(first[kind] * factor, first[kind] + noise)
+        if seconds > allowed:
+            slower.append({"kind": kind, "at": row["at"], "seconds": seconds, "first": first[kind],
+                           "allowed": allowed})  # fmt: skip
+    evidence = {"first_by_kind": first, "slower": slower, "judged": judged}
+    if not judged:
+        return Verdict(name, "unknown", "no kind of fault recovered twice", evidence)
+    if slower:
+        return Verdict(name, "invalid", f"{len(slower)} recoveries slower than the first of their kind", evidence)
+    return Verdict(name, "valid", f"{judged} later recoveries no slower than the first of their kind", evidence)
+
+
+#: Judged only in a soak (its ``run`` record has ``soak``): they need the resource samples and many faults.
+SOAK_CHECKERS: dict[str, Callable[[_Context, Sequence[Record]], Verdict]] = {
+    "resources-bounded": resources_bounded,
+    "recoveries-not-slower": recoveries_not_slower,
+}
+
 CHECKERS: dict[str, Callable[[_Context], Verdict]] = {
     "faults-injected": faults_injected,
     "durable-commits-kept": durable_commits_kept,
@@ -553,8 +660,14 @@ def check_all(records: Sequence[Record], reference: Sequence[Record] | None = No
     """Run every checker over ``records`` (and a fault-free ``reference`` history for the loss checker)."""
     ctx = _context(records)
     out: dict[str, Verdict] = {}
+    soak = bool(ctx.run.get("soak"))
     for name, checker in CHECKERS.items():
+        if soak and checker is final_loss:
+            continue  # a soak ends at a step drawn from its duration: no fault-free run of it to compare with
         out[name] = final_loss(ctx, reference) if checker is final_loss else checker(ctx)
+    if soak:
+        for name, soak_checker in SOAK_CHECKERS.items():
+            out[name] = soak_checker(ctx, records)
     return out
 
 

@@ -1,4 +1,5 @@
-"""``psguard chaos run SCENARIO.yaml`` and ``psguard chaos check history.jsonl``.
+"""``psguard chaos run SCENARIO.yaml``, ``psguard chaos soak SCENARIO.yaml --duration 1h`` and ``psguard chaos
+check history.jsonl``.
 
 Exit codes: 0 every checker valid; 1 a checker found the run invalid (or the run failed); 2 bad input (a
 scenario that does not validate names the key); 5 no checker invalid but some could not decide (unknown).
@@ -41,6 +42,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from psguard.chaos.scenario import load_scenario
 
     scenario = load_scenario(args.scenario)
+    if scenario.soak is not None:
+        raise ConfigError(
+            f"{args.scenario}: a soak scenario; run it with psguard chaos soak {args.scenario} --duration 1h"
+        )
     # Refuse a folder the run may not empty now, before a reference run or any process starts.
     directory = claim_folder(args.report or f"chaos-runs/{scenario.name}-seed{args.seed}", "psguard chaos run")
     previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C
@@ -56,6 +61,35 @@ def cmd_run(args: argparse.Namespace) -> int:
             )
     except KeyboardInterrupt:
         print("psguard chaos: interrupted; every process the run started was stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    _print_verdicts(result.report, result.directory)
+    return _exit_code(result.overall)
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    import secrets
+
+    from psguard.chaos.runner import DEFAULT_JOB
+    from psguard.chaos.scenario import load_scenario
+    from psguard.chaos.soak import check_soak, run_soak
+    from psguard.config import parse_duration
+
+    scenario = load_scenario(args.scenario)
+    try:
+        duration = parse_duration(args.duration)
+    except ValueError as e:
+        raise ConfigError(f"--duration: {e}") from None
+    check_soak(scenario, duration)
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    print(f"psguard chaos soak {scenario.name}: seed {seed} (replay this run with --seed {seed})", flush=True)
+    directory = claim_folder(args.report or f"chaos-runs/{scenario.name}-seed{seed}", "psguard chaos soak")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = run_soak(scenario, directory, duration=duration, seed=seed, job=args.job or DEFAULT_JOB)
+    except KeyboardInterrupt:
+        print("psguard chaos: interrupted; every process the soak started was stopped", file=sys.stderr, flush=True)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -91,7 +125,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="inject faults into a real local PS job and check the history (kill, pause, storage faults)",
         description="Chaos runs on a real localhost cluster under psguard agents; see chaos/*.yaml.",
     )
-    chaos = p.add_subparsers(dest="chaos_command", metavar="{run,check}")
+    chaos = p.add_subparsers(dest="chaos_command", metavar="{run,soak,check}")
     chaos.required = True
     run = chaos.add_parser("run", help="run a scenario and judge its history")
     run.add_argument("scenario", metavar="SCENARIO.yaml")
@@ -105,6 +139,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     run.add_argument("--baseline", action="store_true", help="also run the plain-TF practice, side by side")
     run.add_argument("--reference-dir", metavar="DIR", help="where fault-free reference runs are kept and reused")
     run.set_defaults(func=cmd_run)
+    soak = chaos.add_parser(
+        "soak", help="faults at random times for a duration, resources sampled; judged as a whole (week in an hour)"
+    )
+    soak.add_argument("scenario", metavar="SCENARIO.yaml", help="a scenario with a soak: section (chaos/soak-*.yaml)")
+    soak.add_argument("--duration", default="1h", help="how long faults are drawn, e.g. 5m, 1h (default 1h)")
+    soak.add_argument("--seed", type=int, help="the fault schedule's seed (default: a fresh one, printed)")
+    soak.add_argument("--report", metavar="DIR", help="run folder (default chaos-runs/NAME-seedS)")
+    soak.add_argument("--job", metavar="MODULE:FUNC", help="the trainer (default psguard.demo_trainer:main)")
+    soak.set_defaults(func=cmd_soak)
     check = chaos.add_parser("check", help="run the checkers again over a history file")
     check.add_argument("history", metavar="history.jsonl")
     check.add_argument("--reference", metavar="history.jsonl", help="a fault-free run's history (final loss)")

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from psguard.chaos.checkers import FAULTS, HEALS, Verdict, fault_outcomes, overall
+from psguard.chaos.checkers import FAULTS, HEALS, Verdict, fault_outcomes, overall, resource_series
 from psguard.chaos.history import Op, Record, harness_seconds, operations
 
 __all__ = ["goodput", "write_report", "write_side_by_side"]
@@ -76,6 +76,9 @@ def write_report(
     run = next((o.value for o in ops if o.process == "harness" and o.f == "run"), {})
     outcomes = fault_outcomes(records)
     target = run.get("target_step")
+    finish = [o for o in ops if o.process == "harness" and o.f == "finish" and o.type == "ok"]
+    if finish:  # a soak names its last step when its duration is over
+        target = finish[-1].value.get("target_step")
     report: dict[str, Any] = {
         "scenario": run.get("scenario"),
         "proves": run.get("proves"),
@@ -88,11 +91,62 @@ def write_report(
         "wall_seconds": wall_seconds,
         "schedule": run.get("schedule", []),
     }
+    if run.get("soak"):
+        report["soak"] = _soak_summary(run["soak"], outcomes, verdicts)
     (directory / "report.json").write_text(json.dumps(report, indent=2, default=str))
     (directory / "report.md").write_text(_markdown(report))
     with contextlib.suppress(ImportError):  # matplotlib is a dependency; a stripped install still gets the rest
         _timeline(ops, report, directory / "timeline.png")
+        if run.get("soak"):
+            _resources_plot(resource_series(records), directory / "resources.png")
     return report
+
+
+def _soak_summary(
+    soak: Mapping[str, Any], outcomes: Sequence[Mapping[str, Any]], verdicts: Mapping[str, Verdict]
+) -> dict[str, Any]:
+    """What the issue asks a soak to show: faults by kind, recoveries, lost steps per fault, acknowledged
+    commits lost, each resource's slope per hour and what a week of it makes."""
+    kinds: dict[str, int] = {}
+    for f in outcomes:
+        kind = f"{f['fault']} {str(f['target']).split(':')[0]}"
+        kinds[kind] = kinds.get(kind, 0) + 1
+    lost = [f["lost_steps"] for f in outcomes if f.get("lost_steps") is not None]
+    kept = verdicts.get("durable-commits-kept")
+    resources = verdicts.get("resources-bounded")
+    return {
+        "duration_seconds": soak.get("duration"),
+        "faults_by_kind": kinds,
+        "recoveries": sum(1 for f in outcomes if f.get("restored_step") is not None),
+        "lost_steps_per_fault": {"mean": sum(lost) / len(lost) if lost else None, "max": max(lost, default=None)},
+        "acknowledged_commits_lost": len(kept.evidence.get("missing", [])) if kept is not None else None,
+        "resources": list(resources.evidence.get("series", [])) if resources is not None else [],
+    }
+
+
+def _resources_plot(series: Mapping[str, Sequence[tuple[float, float]]], path: Path) -> None:
+    """One panel per kind of resource (RSS, threads, fds, children, folder bytes), one line per role."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    kinds = ("rss_bytes", "threads", "fds", "children", "bytes")
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(10, 2.4 * len(kinds)), sharex=True)
+    start = min((pts[0][0] for pts in series.values() if pts), default=0.0)
+    for ax, kind in zip(axes, kinds, strict=True):
+        for name, pts in sorted(series.items()):
+            if name.rpartition("/")[2] != kind:
+                continue
+            scale = 2**20 if kind.endswith("bytes") else 1
+            ax.plot([(t - start) / 60 for t, _ in pts], [v / scale for _, v in pts], label=name.rpartition("/")[0])
+        ax.set_ylabel(f"{kind} (MiB)" if kind.endswith("bytes") else kind)
+        if ax.lines:
+            ax.legend(fontsize=6, ncol=3, loc="upper left")
+    axes[-1].set_xlabel("minutes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def _markdown(report: Mapping[str, Any]) -> str:
@@ -124,7 +178,32 @@ def _markdown(report: Mapping[str, Any]) -> str:
                   f"{g.get('harness_seconds', 0.0):.1f}s of digests left out)."]  # fmt: skip
     if report.get("wall_seconds") is not None:
         lines += [f"Wall time: {report['wall_seconds']:.0f}s."]
+    if report.get("soak"):
+        lines += _soak_markdown(report["soak"])
     return "\n".join(lines) + "\n"
+
+
+def _soak_markdown(soak: Mapping[str, Any]) -> list[str]:
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(soak["faults_by_kind"].items())) or "none"
+    lost = soak["lost_steps_per_fault"]
+    mean = "-" if lost["mean"] is None else f"{lost['mean']:.1f}"
+    lines = ["", f"## Soak: {float(soak['duration_seconds'] or 0) / 60:.0f} minutes", "",
+             f"Faults by kind: {kinds}. Recoveries (restores): {soak['recoveries']}. Lost steps per fault: mean "
+             f"{mean}, max {lost['max']}. Acknowledged durable commits lost: {soak['acknowledged_commits_lost']}.",
+             "", "| resource | slope per hour | bound per hour | last | a week at that slope |",
+             "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for r in soak["resources"]:
+        mib = r["unit"] == "bytes"
+
+        def fmt(x: float, mib: bool = mib) -> str:
+            return f"{x / 2**20:.2f} MiB" if mib else f"{x:.2f}"
+
+        lines.append(
+            f"| {r['series']} | {fmt(r['slope_per_hour'])} | {fmt(r['bound_per_hour'])} | {fmt(r['last'])} "
+            f"| {fmt(r['week'])} |"
+        )
+    lines += ["", "Plots: resources.png."]
+    return lines
 
 
 def _side_by_side(report: Mapping[str, Any]) -> str:

@@ -137,12 +137,28 @@ class _Run:
             "time_limit": s.time_limit,
             "faults_scheduled": len(self.schedule),
             "schedule": [f.describe() for f in self.schedule],
+            **self.run_extra(),
         }
         self.history.append(HARNESS, "invoke", "run", value)
         self.history.append(HARNESS, "ok", "run", value)
 
     def training_record(self) -> dict[str, Any]:
         return asdict(self.scenario.training)
+
+    def run_extra(self) -> dict[str, Any]:
+        """More of the run's parameters for its first record (a soak's duration and bounds)."""
+        return {}
+
+    def trainer_extra(self) -> list[str]:
+        """More arguments for the trainer (a soak's finish file)."""
+        return []
+
+    def progress_line(self, fired: str, elapsed: float | None) -> str:
+        """The line said every few seconds while the job trains."""
+        return f"  step {self.step}/{self.scenario.training.steps}  faults fired {fired}"
+
+    def on_tick(self, now: float, elapsed: float | None) -> None:
+        """Called on every turn of the loop, after the nemesis (a soak samples resources and ends the run)."""
 
     def start_storage(self) -> None:
         if self.scenario.storage.kind == "s3":
@@ -227,6 +243,9 @@ class _Run:
         trainer += ["--vocab", str(t.vocab), "--dim", str(t.dim), "--batch", str(t.batch), "--seed", str(self.seed)]
         if t.hang_after is not None:
             trainer += ["--hang-after", str(t.hang_after)]
+        if t.max_to_keep is not None:
+            trainer += ["--max-to-keep", str(t.max_to_keep)]
+        trainer += self.trainer_extra()
         chief_args = ["--role", "chief", "--index", "0", *others, "--store", self.store_url]
         chief_args += ["--spool", str(self.dir / "spool"), *peers]
         self.agents["chief"] = AgentProcess(root, "chief", chief_args, trainer, env=env, config=chief_config(s))
@@ -286,15 +305,15 @@ class _Run:
             if now - last_pids > 0.5:
                 self.pids_seen |= descendants(os.getpid())
                 last_pids = now
-            if self.step is not None and now - last_line > 5:
-                fired = f"{len(nemesis.fired)}/{len(self.schedule)}"
-                self.say(f"  step {self.step}/{self.scenario.training.steps}  faults fired {fired}")
-                last_line = now
             elapsed = None if self.started_at is None else now - self.started_at
+            if self.step is not None and now - last_line > 5:
+                self.say(self.progress_line(f"{len(nemesis.fired)}/{len(self.schedule)}", elapsed))
+                last_line = now
             # A durable commit invoked since the last tick counts even if its ack arrived in the same read; the
             # fault's record says whether it was still in flight.
             nemesis.tick(self.step, elapsed, durable_seen)
             durable_seen = durable_in_flight
+            self.on_tick(now, elapsed)
             self.supervise()
             self._note_dead_agents()
             code = self.job_exit()
@@ -469,7 +488,7 @@ def run_scenario(
     faults: bool = True,
     reference: Sequence[Record] | None = None,
     say: Callable[[str], None] = print,
-    run_class: type[_Run] | None = None,
+    run_class: Callable[..., _Run] | None = None,
 ) -> RunResult:
     """Run ``scenario`` in ``directory`` (recreated) and judge it; see the module docstring for the phases."""
     from psguard.chaos.report import write_report

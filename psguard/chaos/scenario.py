@@ -32,6 +32,9 @@ __all__ = [
     "ClusterSpec",
     "Fault",
     "RandomFaults",
+    "SoakBounds",
+    "SoakKind",
+    "SoakSpec",
     "Scenario",
     "StorageSpec",
     "TrainingSpec",
@@ -152,6 +155,88 @@ class RandomFaults:
 
 
 @dataclass(frozen=True)
+class SoakKind:
+    """One kind of fault a soak draws: an action on a target (``ps:*``: a PS drawn at random), its weight among
+    the kinds, and how long it lasts (drawn from the range; pauses, outages, a node's absence)."""
+
+    action: Action
+    target: str = "ps:*"
+    weight: Annotated[float, Check(lambda w: w > 0, "> 0")] = 1.0
+    duration: tuple[Duration, Duration] = (1.0, 3.0)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if self.duration[0] > self.duration[1]:
+            raise invalid("duration", "[low, high] with low <= high", list(self.duration))
+        Fault(action=self.action, target=self.target, at_time=0.0)  # a pair the nemesis can carry out
+
+
+@dataclass(frozen=True)
+class SoakBounds:
+    """What a soak's resources may do after its warm-up, per hour of fitted slope (a week is 168 of them)."""
+
+    agent_rss_pct_of_state: float = 1.0  # an agent's RSS growth per hour, in % of the job's state bytes
+    process_rss_mb: float = 64.0  # a trainer's or server's RSS growth per hour, MB
+    fds: float = 20.0  # open file descriptors per hour, any process (flat, within noise)
+    threads: float = 20.0
+    children: float = 2.0
+    tmpfs_mb: float = 64.0  # spool and tier folders, MB per hour
+    store_mb: float = 1024.0  # the store's bytes per hour (retention keeps it flat)
+    logs_mb: float = 64.0  # the agents' logs, MB per hour (rotation keeps them bounded)
+    recovery_slowdown: float = 2.0  # a later recovery of a kind at most this many times the first of its kind...
+    recovery_noise: Duration = 10.0  # ... or this many seconds slower, whichever is more
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+#: A soak's faults when the scenario lists none: the kinds the field reports for week-long jobs.
+SOAK_KINDS: tuple[SoakKind, ...] = (
+    SoakKind("kill", "ps:*", 2.0),
+    SoakKind("kill", "worker:*", 2.0),
+    SoakKind("kill", "chief"),
+    SoakKind("kill-agent", "ps:*", 1.0, (1.0, 3.0)),  # a PS node lost: its agent and its PS
+    SoakKind("pause", "ps:*", 1.0, (2.0, 5.0)),
+)
+
+
+@dataclass(frozen=True)
+class SoakSpec:
+    """``soak:``: faults drawn at random times (exponential gaps of mean ``mean_interval``) for the run's
+    ``--duration``, none in the first ``first_after`` or the last ``quiet_tail`` seconds; resources sampled every
+    ``sample_every`` seconds and their slopes judged after ``warmup`` against ``bounds``."""
+
+    mean_interval: Duration = 60.0
+    first_after: Duration = 30.0
+    quiet_tail: Duration = 45.0
+    kinds: tuple[SoakKind, ...] = SOAK_KINDS
+    warmup: Duration = 120.0
+    sample_every: Duration = 5.0
+    bounds: SoakBounds = field(default_factory=SoakBounds)
+
+    def __post_init__(self) -> None:
+        validate(self)
+        if not self.kinds:
+            raise invalid("kinds", "at least one kind of fault", [])
+        if self.mean_interval <= 0 or self.sample_every <= 0:
+            raise invalid("mean_interval", "> 0 (and sample_every > 0)", self.mean_interval)
+
+    def draw(self, seed: int, duration: float, cluster: ClusterSpec) -> list[Fault]:
+        """The soak's faults for ``duration`` seconds: the same seed, the same list (replayable)."""
+        rng = random.Random(seed)
+        weights = [k.weight for k in self.kinds]
+        out: list[Fault] = []
+        t = self.first_after + rng.expovariate(1.0 / self.mean_interval)
+        while t < duration - self.quiet_tail:
+            kind = rng.choices(self.kinds, weights)[0]
+            target = rng.choice(list(expand_targets(kind.target, cluster)))
+            lasts = round(rng.uniform(*kind.duration), 2)
+            out.append(Fault(action=kind.action, target=target, at_time=round(t, 1), duration=lasts))
+            t += lasts + rng.expovariate(1.0 / self.mean_interval)
+        return out
+
+
+@dataclass(frozen=True)
 class ClusterSpec:
     ps: Annotated[int, Check(lambda n: 1 <= n <= 4, "1 to 4")] = 2
     workers: Annotated[int, Check(lambda n: 1 <= n <= 4, "1 to 4")] = 1
@@ -177,6 +262,7 @@ class TrainingSpec:
     memory_every: Positive = 5
     durable_every: Positive = 25
     hang_after: Duration | None = None  # the trainer's hang bound (its policy's hang.after), for hang faults
+    max_to_keep: Positive | None = None  # retention (a soak's store must stay bounded); default: keep every one
     vocab: Positive = 20_000
     dim: Positive = 8
     batch: Positive = 64
@@ -211,11 +297,12 @@ class Scenario:
     # The PS agents keep a copy of each other's shards (the chief's agent gets ``peers: {copies: full}``): a PS
     # node loss then keeps the memory tier. See the module docstring for how the checkers judge either way.
     peer_copies: bool = False
+    soak: SoakSpec | None = None  # ``psguard chaos soak``: faults at random times for a duration
 
     def __post_init__(self) -> None:
         validate(self)
-        if not self.faults and self.random is None:
-            raise invalid("faults", "at least one fault (or random:)", [])
+        if not self.faults and self.random is None and self.soak is None:
+            raise invalid("faults", "at least one fault (or random: or soak:)", [])
         for i, fault in enumerate(self.faults):
             _check_target(fault.target, self.cluster, f"faults[{i}].target")
             if fault.at_step is not None and fault.at_step >= self.training.steps:
@@ -234,6 +321,14 @@ class Scenario:
                 raise invalid(
                     f"faults[{i}].action", f"{fault.action} of the store only with storage.kind s3", fault.action
                 )
+        for i, kind in enumerate(self.soak.kinds if self.soak is not None else ()):
+            _check_target(kind.target, self.cluster, f"soak.kinds[{i}].target")
+            if kind.action in CHUNK_ACTIONS:
+                raise invalid(f"soak.kinds[{i}].action", "no chunk damage in a soak (it needs a step)", kind.action)
+            if kind.action == "storage-outage" and self.storage.kind == "local":
+                raise invalid(f"soak.kinds[{i}].action", "storage-outage with storage.kind s3 or hdfs", kind.action)
+            if kind.target == "store" and kind.action in NETWORK_ACTIONS and self.storage.kind != "s3":
+                raise invalid(f"soak.kinds[{i}].action", f"{kind.action} of the store with s3", kind.action)
         if self.random is not None:
             for t in self.random.targets:
                 _check_target(t, self.cluster, "random.targets")
@@ -248,12 +343,15 @@ class Scenario:
         actions = {f.action for f in self.faults if f.target != "store"} | set(
             self.random.actions if self.random else ()
         )
+        actions |= {k.action for k in (self.soak.kinds if self.soak else ()) if k.target != "store"}
         return bool(actions & set(NETWORK_ACTIONS))
 
     @property
     def needs_store_proxy(self) -> bool:
         """Network faults on the store (latency, resets, a cut) need a TCP proxy in front of the S3 server."""
-        return any(f.action in NETWORK_ACTIONS and f.target == "store" for f in self.faults)
+        pairs = [(f.action, f.target) for f in self.faults]
+        pairs += [(k.action, k.target) for k in (self.soak.kinds if self.soak else ())]
+        return any(action in NETWORK_ACTIONS and target == "store" for action, target in pairs)
 
     def schedule(self, seed: int) -> list[Fault]:
         """The faults in firing order: the fixed ones plus those drawn from ``seed`` (same seed, same list)."""

@@ -77,6 +77,10 @@ def test_every_shipped_scenario_validates_and_says_what_it_proves(path: Path) ->
     scenario = load_scenario(path)
     assert scenario.name == path.stem
     assert len(scenario.proves.split()) >= 15
+    if scenario.soak is not None:  # psguard chaos soak: faults drawn for the duration given on the command line
+        assert path.stem.startswith("soak-") and not scenario.faults and scenario.random is None
+        assert len(scenario.soak.draw(0, 3600, scenario.cluster)) >= 10, "an hour of it must fault many times"
+        return
     assert scenario.schedule(0), "a scenario without faults proves nothing"
     assert scenario.time_limit <= 600
 

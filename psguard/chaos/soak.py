@@ -1,0 +1,180 @@
+"""``psguard chaos soak SCENARIO --duration 1h``: a week of faults compressed into an hour, judged as a whole.
+
+The jobs psguard exists for run for a week: thousands of captures, hundreds of durable saves and gcs, tens of
+faults. What a week does that a few minutes of chaos cannot show is growth: an agent's memory, threads, open
+files or child processes creeping up per capture or per restart; tmpfs files a fault left behind; a store that
+outgrows its retention; logs that fill a disk; a recovery that gets slower each time. A soak is a chaos run
+(:mod:`psguard.chaos.runner`, every per-fault checker included) with three differences:
+
+- **Faults at random times**, drawn from the scenario's ``soak.kinds`` with exponential gaps of mean
+  ``soak.mean_interval`` for ``--duration`` (:meth:`~psguard.chaos.scenario.SoakSpec.draw`): the seed is printed
+  and the same seed replays the same schedule.
+- **Resources sampled** every ``soak.sample_every`` seconds (:mod:`psguard.chaos.resources`) for every psguard
+  process by role (``agent:ps0``, ``server:ps:0``, ``trainer``: pids change across restarts, roles do not) and
+  for the folders that must stay bounded (spool, PS tiers, store, logs), each sample a ``resources`` record of
+  the history, so ``psguard chaos check`` judges a finished soak again from its history alone.
+- **An end by time**: once ``--duration`` is over, the harness names the last step (``finish.json``, read by
+  the trainer at each chunk) and the run ends when the trainer reaches it. The soak checkers then judge slopes
+  after ``soak.warmup`` against ``soak.bounds`` (``resources-bounded``) and each recovery against the first of
+  its kind (``recoveries-not-slower``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from psguard.chaos.resources import ResourceSampler
+from psguard.chaos.runner import DEFAULT_JOB, HARNESS, RunResult, _Run, run_scenario
+from psguard.chaos.scenario import Scenario, SoakSpec
+from psguard.errors import ConfigError
+
+__all__ = ["check_soak", "run_soak", "state_bytes"]
+
+#: The trainer's ``--steps`` in a soak: never reached; the run ends at the step the harness names.
+_UNBOUNDED_STEPS = 10**9
+#: Steps past the last one seen that the harness asks for: a few chunks, so the end is near but not past.
+_FINISH_CHUNKS = 4
+#: Seconds past ``--duration`` the run may take to start, finish its last steps and stop, before its time limit.
+_SLACK = 900.0
+
+
+def state_bytes(scenario: Scenario) -> int:
+    """The job's state: the built-in model's table and its Adagrad slot, float32 (the bound of an agent's RSS
+    growth is a share of it)."""
+    t = scenario.training
+    return int(t.vocab) * int(t.dim) * 4 * 2
+
+
+class _SoakRun(_Run):
+    """A chaos run whose faults come at random times, whose resources are sampled, and which ends by time."""
+
+    def __init__(self, scenario: Scenario, directory: Path, *, duration: float, **kwargs: Any) -> None:
+        assert scenario.soak is not None
+        super().__init__(scenario, directory, **kwargs)
+        self.soak: SoakSpec = scenario.soak
+        self.duration = duration
+        self.schedule = self.soak.draw(self.seed, duration, scenario.cluster) if kwargs.get("faults", True) else []
+        self.finish_path = directory / "finish.json"
+        self.finished_at_step: int | None = None
+        self._last_sample = 0.0
+        self._sampler = ResourceSampler(self._processes, self._folders(), self._collect, every=self.soak.sample_every)
+        self._values: dict[str, float] = {}
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def run_extra(self) -> dict[str, Any]:
+        soak = {
+            "duration": self.duration,
+            "mean_interval": self.soak.mean_interval,
+            "warmup": self.soak.warmup,
+            "sample_every": self.soak.sample_every,
+            "bounds": asdict(self.soak.bounds),
+            "state_bytes": state_bytes(self.scenario),
+        }
+        return {"soak": soak, "target_step": None}  # the target is named at the end (``finish``)
+
+    def trainer_extra(self) -> list[str]:
+        return ["--finish-file", str(self.finish_path)]
+
+    def on_tick(self, now: float, elapsed: float | None) -> None:
+        if elapsed is None:
+            return  # the trainer has not started: nothing to sample or end yet
+        if now - self._last_sample >= self.soak.sample_every:
+            self._last_sample = now
+            self._sample(now)
+        if self.finished_at_step is None and elapsed >= self.duration and self.step is not None:
+            self._finish()
+
+    def progress_line(self, fired: str, elapsed: float | None) -> str:
+        minutes = 0.0 if elapsed is None else elapsed / 60
+        return f"  soak {minutes:.1f}/{self.duration / 60:.1f} min  step {self.step}  faults fired {fired}"
+
+    # ------------------------------------------------------------------------------------------ sampling
+    def _processes(self) -> dict[str, int]:
+        """Role -> pid of every psguard process now: each agent, and the task it runs (from its ``/status``)."""
+        out: dict[str, int] = {}
+        for name, agent in self.agents.items():
+            if agent.proc.poll() is not None:
+                continue
+            out[f"agent:{name}"] = agent.proc.pid
+            with contextlib.suppress(Exception):  # an agent between restarts: its task is sampled next time
+                pid = agent.status(timeout=2.0).get("pid")
+                if isinstance(pid, int):
+                    out["trainer" if name == "chief" else f"server:{name}"] = pid
+        return out
+
+    def _folders(self) -> dict[str, Path]:
+        folders = {"spool": self.dir / "spool", "logs": self.dir / "agents"}
+        for i in range(self.scenario.cluster.ps):
+            folders[f"ps{i}-shards"] = self.dir / f"ps{i}-shards"
+        if self.scenario.storage.kind == "local":
+            folders["store"] = self.dir / "store"
+        else:
+            folders["store"] = self.dir / self.scenario.storage.kind  # the storage server's data folder
+        return folders
+
+    def _collect(self, _t: float, series: str, value: float) -> None:
+        self._values[series] = value
+
+    def _sample(self, now: float) -> None:
+        self._values = {}
+        self._sampler.sample()
+        self.history.append(HARNESS, "invoke", "resources", {}, at=now)
+        self.history.append(HARNESS, "ok", "resources", {"values": dict(self._values)}, at=now)
+
+    # ------------------------------------------------------------------------------------------ the end
+    def _finish(self) -> None:
+        """The duration is over: name the last step (a few chunks on) for the trainer, which ends there."""
+        assert self.step is not None
+        target = self.step + _FINISH_CHUNKS * self.scenario.training.chunk
+        tmp = self.finish_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"step": target}))
+        os.replace(tmp, self.finish_path)  # the trainer reads it whole or not at all
+        self.finished_at_step = target
+        self.history.append(HARNESS, "invoke", "finish", {"target_step": target})
+        self.history.append(HARNESS, "ok", "finish", {"target_step": target})
+        self.say(f"  soak: {self.duration / 60:.1f} min are over; training to step {target}, then the verdicts")
+
+
+def check_soak(scenario: Scenario, duration: float) -> None:
+    """Refuse a scenario that is no soak, or a duration in which no fault could fire, before anything starts."""
+    if scenario.soak is None:
+        raise ConfigError(f"{scenario.name}: not a soak scenario (no soak: section); run it with psguard chaos run")
+    if duration < scenario.soak.first_after + scenario.soak.quiet_tail:
+        raise ConfigError(
+            f"--duration {duration:g}s: shorter than the soak's first_after + quiet_tail "
+            f"({scenario.soak.first_after + scenario.soak.quiet_tail:g}s): no fault could fire"
+        )
+
+
+def run_soak(
+    scenario: Scenario,
+    directory: Path,
+    *,
+    duration: float,
+    seed: int,
+    job: str = DEFAULT_JOB,
+    say: Callable[[str], None] = print,
+) -> RunResult:
+    """Soak ``scenario`` for ``duration`` seconds in ``directory``; see the module docstring."""
+    check_soak(scenario, duration)
+    soaked = replace(
+        scenario,
+        training=replace(scenario.training, steps=_UNBOUNDED_STEPS),
+        time_limit=duration + _SLACK,
+        checks=replace(scenario.checks, reference=False),  # no fault-free run lasts as long to compare with
+    )
+
+    def make(s: Scenario, d: Path, **kwargs: Any) -> _SoakRun:
+        return _SoakRun(s, d, duration=duration, **kwargs)
+
+    t0 = time.monotonic()
+    result = run_scenario(soaked, directory, seed=seed, job=job, say=say, run_class=make)
+    say(f"soak {scenario.name}: {time.monotonic() - t0:.0f}s, seed {seed} (replay: --seed {seed})")
+    return result

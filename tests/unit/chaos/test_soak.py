@@ -1,0 +1,192 @@
+"""The soak's parts without a cluster: its fault schedule, its checkers fed hand-made histories (each must be able
+to fail: a leak, a recovery that slows down, retention), and the command's refusals."""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from psguard.chaos.checkers import check_all
+from psguard.chaos.report import write_report
+from psguard.chaos.scenario import ClusterSpec, SoakKind, SoakSpec, load_scenario
+from psguard.errors import ConfigError
+from tests.support.chaos import H, T
+from tests.support.paths import ROOT
+
+SOAK_RUN = {"duration": 600.0, "warmup": 60.0, "state_bytes": 256 << 20,
+            "bounds": {"agent_rss_pct_of_state": 1.0, "process_rss_mb": 64.0, "fds": 20.0, "threads": 20.0,
+                       "children": 2.0, "tmpfs_mb": 64.0, "store_mb": 1024.0, "logs_mb": 64.0,
+                       "recovery_slowdown": 2.0, "recovery_noise": 10.0}}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ schedule
+def test_the_same_seed_replays_the_same_schedule_and_gaps_average_the_mean_interval() -> None:
+    spec = SoakSpec(mean_interval=60.0, first_after=30.0, quiet_tail=45.0)
+    cluster = ClusterSpec(ps=2, workers=2)
+    a, b, c = spec.draw(7, 36_000, cluster), spec.draw(7, 36_000, cluster), spec.draw(8, 36_000, cluster)
+    assert a == b and a != c
+    times = [f.at_time for f in a if f.at_time is not None]
+    assert len(times) == len(a) and times == sorted(times)
+    assert times[0] >= 30.0 and times[-1] < 36_000 - 45.0  # nothing in the first or the quiet last seconds
+    gaps = [y - x for x, y in itertools.pairwise(times)]
+    # exponential gaps of mean 60 s, plus each fault's own duration (1-3 s) before the next gap is drawn
+    assert 55.0 < statistics.mean(gaps) < 70.0
+    assert {f.target for f in a} >= {"ps:0", "ps:1", "worker:0", "worker:1", "chief"}  # ps:* expands
+    assert {f.action for f in a} == {"kill", "kill-agent", "pause"}
+
+
+def test_the_ci_soak_faults_a_few_times_in_its_five_minutes() -> None:
+    scenario = load_scenario(ROOT / "chaos" / "soak-ci.yaml")
+    assert scenario.soak is not None
+    assert len(scenario.soak.draw(0, 300, scenario.cluster)) >= 3
+
+
+def test_a_soak_kind_is_checked_when_the_scenario_loads(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'store' for storage-outage"):
+        SoakKind("storage-outage", "ps:0")
+    base = (ROOT / "chaos" / "soak-ci.yaml").read_text()
+    bad = tmp_path / "soak-bad.yaml"
+    bad.write_text(base + "    - {action: storage-outage, target: store}\n")
+    with pytest.raises(ConfigError, match=r"soak\.kinds\[5\]\.action: expected storage-outage with storage\.kind"):
+        load_scenario(bad)
+
+
+# ------------------------------------------------------------------------------------------------ checkers
+def _soak(target: int = 60) -> H:
+    h = H(target)
+    run = h.records[0].value
+    h.records[0] = replace(h.records[0], value={**run, "soak": SOAK_RUN, "target_step": None})
+    h.records[1] = replace(h.records[1], value={**run, "soak": SOAK_RUN, "target_step": None})
+    return h
+
+
+def _sample(h: H, values: dict[str, float]) -> None:
+    h.op("harness", "resources", {}, {"values": values})
+
+
+def _samples(h: H, minutes: int, per_minute: dict[str, float], base: dict[str, float] | None = None) -> None:
+    """One sample a minute for ``minutes`` minutes, each series growing by ``per_minute``."""
+    for m in range(minutes):
+        h.t += 60.0
+        _sample(h, {k: (base or {}).get(k, 10.0) + v * m for k, v in per_minute.items()})
+
+
+def _finished(h: H, step: int) -> H:
+    h.op("harness", "finish", {"target_step": step}, {"target_step": step})
+    h.train(step - 5, step)
+    h.finish()
+    return h
+
+
+def _trained(h: H) -> H:
+    h.restore(0, source=None)
+    h.commit(0, durable=True)
+    h.train(0, 5)
+    h.commit(5, durable=True)
+    return h
+
+
+def test_a_leaking_agent_fails_the_soak_and_a_flat_one_passes() -> None:
+    flat = _trained(_soak())
+    _samples(flat, 20, {"agent:ps0/fds": 0.0, "agent:ps0/rss_bytes": 0.0, "server:ps:0/threads": 0.0})
+    verdicts = check_all(_finished(flat, 10).records)
+    assert verdicts["resources-bounded"].status == "valid", verdicts["resources-bounded"]
+    assert "final-loss" not in verdicts  # no fault-free run of a soak's length to compare with
+
+    leak = _trained(_soak())
+    # one more fd a minute: 60 an hour, over the bound of 20; RSS +4 MiB a minute: 240 MiB/h > 1% of 256 MiB
+    _samples(leak, 20, {"agent:ps0/fds": 1.0, "agent:ps0/rss_bytes": 4 * 2**20, "server:ps:0/threads": 0.0})
+    verdict = check_all(_finished(leak, 10).records)["resources-bounded"]
+    assert verdict.status == "invalid"
+    assert {r["series"] for r in verdict.evidence["over"]} == {"agent:ps0/fds", "agent:ps0/rss_bytes"}
+
+
+def test_the_warm_up_is_left_out_of_the_slope() -> None:
+    h = _trained(_soak())
+    _sample(h, {"agent:chief/rss_bytes": 0.0})  # the first samples climb while the tiers fill
+    h.t += 30.0
+    _sample(h, {"agent:chief/rss_bytes": 200.0 * 2**20})
+    _samples(h, 20, {"agent:chief/rss_bytes": 0.0}, base={"agent:chief/rss_bytes": 200.0 * 2**20})
+    assert check_all(_finished(h, 10).records)["resources-bounded"].status == "valid"
+
+
+def _kill_and_recover(h: H, step: int, pause: float) -> None:
+    """A PS killed at ``step``; training back ``pause`` seconds later (a restore, then a chunk, then a capture)."""
+    h.fault("kill", "ps:0")
+    h.rec(T, "invoke", "train", {"step": step, "steps": 5})
+    h.rec(T, "info", "train", {"error": "UnavailableError"})
+    h.t += pause
+    h.restore(step)
+    h.train(step, step + 5)
+    h.commit(step + 5, durable=False)  # the first capture after the restore: part of the recovery
+    for s in range(step + 5, step + 25, 5):
+        h.train(s, s + 5)
+
+
+@pytest.mark.parametrize(("later", "status"), [(3.0, "valid"), (60.0, "invalid")])
+def test_a_recovery_much_slower_than_the_first_of_its_kind_fails_the_soak(later: float, status: str) -> None:
+    h = _trained(_soak(100))
+    for s in range(5, 30, 5):
+        h.train(s, s + 5)
+    _kill_and_recover(h, 30, 2.0)
+    _kill_and_recover(h, 55, later)
+    verdict = check_all(_finished(h, 85).records)["recoveries-not-slower"]
+    assert verdict.status == status, verdict
+
+
+def test_retention_may_delete_old_commits_but_never_the_newest_kept() -> None:
+    def history(keep: int | None, drop: int) -> H:
+        h = _soak()
+        run = dict(h.records[1].value)
+        run["training"] = {**run["training"], "max_to_keep": keep}
+        h.records[0] = replace(h.records[0], value=run)
+        h.records[1] = replace(h.records[1], value=run)
+        h.restore(0, source=None)
+        for s in range(0, 30, 5):
+            h.commit(s, durable=True)
+            h.train(s, s + 5)
+        h.op("harness", "finish", {"target_step": 30}, {"target_step": 30})
+        h.finish(store=[c for c in h.store() if c["step"] != drop])
+        return h
+
+    assert check_all(history(2, drop=0).records)["durable-commits-kept"].status == "valid"  # retired by retention
+    assert check_all(history(2, drop=25).records)["durable-commits-kept"].status == "invalid"  # the newest
+    assert check_all(history(None, drop=0).records)["durable-commits-kept"].status == "invalid"  # keeps all
+
+
+def test_the_report_sums_up_the_soak_and_plots_its_resources(tmp_path: Path) -> None:
+    h = _trained(_soak())
+    _samples(h, 10, {"agent:ps0/rss_bytes": 0.0, "folder:store/bytes": 1000.0})
+    _kill_and_recover(h, 5, 1.0)
+    records = _finished(h, 35).records
+    report = write_report(tmp_path, records, check_all(records))
+    soak: dict[str, Any] = report["soak"]
+    assert soak["faults_by_kind"] == {"kill ps": 1} and soak["recoveries"] >= 1
+    assert soak["acknowledged_commits_lost"] == 0
+    assert {r["series"] for r in soak["resources"]} == {"agent:ps0/rss_bytes", "folder:store/bytes"}
+    assert (tmp_path / "resources.png").stat().st_size > 10_000
+    assert "## Soak: 10 minutes" in (tmp_path / "report.md").read_text()
+
+
+# ------------------------------------------------------------------------------------------------ command
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "psguard.cli", "chaos", *args], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)  # fmt: skip
+
+
+def test_soak_and_run_refuse_each_others_scenarios() -> None:
+    out = _cli("soak", str(ROOT / "chaos" / "kill-ps.yaml"), "--duration", "5m")
+    assert out.returncode == 2 and "not a soak scenario" in out.stderr, out.stderr
+    out = _cli("run", str(ROOT / "chaos" / "soak-ci.yaml"))
+    assert out.returncode == 2 and "run it with psguard chaos soak" in out.stderr, out.stderr
+    out = _cli("soak", str(ROOT / "chaos" / "soak-ci.yaml"), "--duration", "30s")
+    assert out.returncode == 2 and "shorter than the soak's first_after + quiet_tail" in out.stderr, out.stderr
+    out = _cli("soak", str(ROOT / "chaos" / "soak-ci.yaml"), "--duration", "an hour")
+    assert out.returncode == 2 and "--duration" in out.stderr, out.stderr
