@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from psguard.benchmarks.common import Stretch, back_to_normal, seconds_per_step
 from psguard.chaos.history import Op, Record, harness_seconds, operations
-from psguard.chaos.resources import WEEK_HOURS, slope_per_hour
+from psguard.chaos.resources import WEEK_HOURS, slope_fit
 
 __all__ = [
     "CHECKERS",
@@ -561,7 +561,7 @@ def resource_series(records: Iterable[Record]) -> dict[str, list[tuple[float, fl
 
 
 def _series_bound(name: str, bounds: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
-    """The per-hour slope a series may have, with the unit it is judged in; ``None``: not judged."""
+    """The per-hour slope a series may have, with the unit it is judged in; ``None``: not judged by slope."""
     role, _, key = name.rpartition("/")
     mb = float(1 << 20)
     if role.startswith("folder:"):
@@ -572,11 +572,12 @@ def _series_bound(name: str, bounds: Mapping[str, Any], state_bytes: float) -> t
         return float(bounds[which]) * mb, "bytes"
     if key == "rss_bytes":
         if role.startswith("agent:"):
-            return float(bounds["agent_rss_pct_of_state"]) / 100.0 * state_bytes, "bytes"
+            share = float(bounds["agent_rss_pct_of_state"]) / 100.0 * state_bytes
+            return max(share, float(bounds.get("agent_rss_floor_mb", 0.0)) * mb), "bytes"
         return float(bounds["process_rss_mb"]) * mb, "bytes"
-    if key in ("fds", "threads", "children"):
+    if key in ("fds", "threads"):
         return float(bounds[key]), key
-    return None
+    return None  # children: a count that steps with every restart and standby, judged by its maximum
 
 
 def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
@@ -586,24 +587,32 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
     soak = ctx.run.get("soak") or {}
     bounds, warmup = soak.get("bounds") or {}, float(soak.get("warmup", 0.0))
     state_bytes = float(soak.get("state_bytes") or 0)
-    rows, over = [], []
+    rows, over, crowded = [], [], []
+    children_max = int(bounds.get("children_max", 4))
     for series, points in sorted(resource_series(records).items()):
-        bound = _series_bound(series, bounds, state_bytes)
-        slope = slope_per_hour(points, warmup=warmup)
-        if bound is None or slope is None:
+        if series.endswith("/children"):
+            most = max(v for _, v in points)
+            if most > children_max:
+                crowded.append({"series": series, "max": most, "bound": children_max})
             continue
-        limit, unit = bound
-        row = {"series": series, "slope_per_hour": slope, "bound_per_hour": limit, "unit": unit,
-               "last": points[-1][1], "week": points[-1][1] + max(0.0, slope) * WEEK_HOURS}  # fmt: skip
+        bound = _series_bound(series, bounds, state_bytes)
+        fit = slope_fit(points, warmup=warmup)
+        if bound is None or fit is None:
+            continue
+        (slope, stderr), (limit, unit) = fit, bound
+        row = {"series": series, "slope_per_hour": slope, "stderr_per_hour": stderr, "bound_per_hour": limit,
+               "unit": unit, "last": points[-1][1], "week": points[-1][1] + max(0.0, slope) * WEEK_HOURS}  # fmt: skip
         rows.append(row)
-        if slope > limit:
+        # Over the bound by more than two standard errors: growth, not a restart's step or noise.
+        if slope - 2.0 * stderr > limit:
             over.append(row)
-    evidence = {"series": rows, "over": over, "warmup_seconds": warmup}
-    if not rows:
+    evidence = {"series": rows, "over": over, "children_over": crowded, "warmup_seconds": warmup}
+    if not rows and not crowded:
         return Verdict(name, "unknown", "no resource series with enough samples after the warm-up", evidence)
-    if over:
+    if over or crowded:
         worst = ", ".join(f"{r['series']} +{r['slope_per_hour']:.3g} {r['unit']}/h" for r in over[:5])
-        return Verdict(name, "invalid", f"{len(over)} resource(s) grow past their bound: {worst}", evidence)
+        worst += "".join(f", {r['series']} reached {r['max']:g} (> {r['bound']})" for r in crowded[:5])
+        return Verdict(name, "invalid", f"{len(over) + len(crowded)} resource(s) past their bound: {worst}", evidence)
     return Verdict(name, "valid", f"{len(rows)} resource series within their bounds after the warm-up", evidence)
 
 

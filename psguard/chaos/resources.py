@@ -19,7 +19,15 @@ from pathlib import Path
 
 from psguard.testbed.procs import descendants
 
-__all__ = ["ProcessUsage", "ResourceSampler", "folder_bytes", "process_usage", "slope_per_hour", "week_projection"]
+__all__ = [
+    "ProcessUsage",
+    "ResourceSampler",
+    "folder_bytes",
+    "process_usage",
+    "slope_fit",
+    "slope_per_hour",
+    "week_projection",
+]
 
 WEEK_HOURS = 168.0
 
@@ -117,6 +125,13 @@ class ResourceSampler:
 def slope_per_hour(points: Sequence[tuple[float, float]], *, warmup: float = 0.0) -> float | None:
     """Least-squares slope (units per hour) of ``(time, value)`` after ``warmup`` seconds from the first point;
     ``None`` with fewer than 3 points left or no spread in time."""
+    fit = slope_fit(points, warmup=warmup)
+    return None if fit is None else fit[0]
+
+
+def slope_fit(points: Sequence[tuple[float, float]], *, warmup: float = 0.0) -> tuple[float, float] | None:
+    """The least-squares slope per hour after ``warmup`` and its standard error (per hour): a slope within two
+    standard errors of a bound is not evidence of crossing it (a restart's step, a burst of threads, noise)."""
     if not points:
         return None
     start = min(t for t, _ in points)
@@ -128,7 +143,10 @@ def slope_per_hour(points: Sequence[tuple[float, float]], *, warmup: float = 0.0
     spread = sum((t - mean_t) ** 2 for t, _ in kept)
     if spread <= 0:
         return None
-    return sum((t - mean_t) * (v - mean_v) for t, v in kept) / spread * 3600.0
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in kept) / spread
+    residual = sum((v - mean_v - slope * (t - mean_t)) ** 2 for t, v in kept)
+    stderr = (residual / (len(kept) - 2) / spread) ** 0.5
+    return slope * 3600.0, stderr * 3600.0
 
 
 def week_projection(points: Sequence[tuple[float, float]], *, warmup: float = 0.0) -> float | None:

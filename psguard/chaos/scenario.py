@@ -173,13 +173,16 @@ class SoakKind:
 
 @dataclass(frozen=True)
 class SoakBounds:
-    """What a soak's resources may do after its warm-up, per hour of fitted slope (a week is 168 of them)."""
+    """What a soak's resources may do after its warm-up, per hour of fitted slope (a week is 168 of them). A
+    slope counts as over its bound only when it is over by more than two standard errors of the fit: a
+    restart's step or a burst is not growth, and a short run can only show a gross leak."""
 
-    agent_rss_pct_of_state: float = 1.0  # an agent's RSS growth per hour, in % of the job's state bytes
+    agent_rss_pct_of_state: float = 1.0  # an agent's RSS growth per hour, in % of the job's state bytes...
+    agent_rss_floor_mb: float = 8.0  # ... or this many MB, whichever is more (a tiny job's 1% is noise)
     process_rss_mb: float = 64.0  # a trainer's or server's RSS growth per hour, MB
     fds: float = 20.0  # open file descriptors per hour, any process (flat, within noise)
     threads: float = 20.0
-    children: float = 2.0
+    children_max: int = 4  # live child processes of any process at any time (a task, its standby, helpers)
     tmpfs_mb: float = 64.0  # spool and tier folders, MB per hour
     store_mb: float = 1024.0  # the store's bytes per hour (retention keeps it flat)
     logs_mb: float = 64.0  # the agents' logs, MB per hour (rotation keeps them bounded)

@@ -21,8 +21,9 @@ from tests.support.chaos import H, T
 from tests.support.paths import ROOT
 
 SOAK_RUN = {"duration": 600.0, "warmup": 60.0, "state_bytes": 256 << 20,
-            "bounds": {"agent_rss_pct_of_state": 1.0, "process_rss_mb": 64.0, "fds": 20.0, "threads": 20.0,
-                       "children": 2.0, "tmpfs_mb": 64.0, "store_mb": 1024.0, "logs_mb": 64.0,
+            "bounds": {"agent_rss_pct_of_state": 1.0, "agent_rss_floor_mb": 8.0, "process_rss_mb": 64.0,
+                       "fds": 20.0, "threads": 20.0, "children_max": 4, "tmpfs_mb": 64.0, "store_mb": 1024.0,
+                       "logs_mb": 64.0,
                        "recovery_slowdown": 2.0, "recovery_noise": 10.0}}  # fmt: skip
 
 
@@ -106,6 +107,18 @@ def test_a_leaking_agent_fails_the_soak_and_a_flat_one_passes() -> None:
     verdict = check_all(_finished(leak, 10).records)["resources-bounded"]
     assert verdict.status == "invalid"
     assert {r["series"] for r in verdict.evidence["over"]} == {"agent:ps0/fds", "agent:ps0/rss_bytes"}
+
+
+def test_a_restarts_step_is_not_growth_but_children_past_the_bound_are() -> None:
+    h = _trained(_soak())
+    for m in range(20):  # threads step up at a restart and back at the next: noise around a flat line
+        h.t += 60.0
+        _sample(h, {"server:worker0/threads": 100.0 + (16.0 if m % 7 in (3, 4) else 0.0), "agent:ps1/children": 3})
+    assert check_all(_finished(h, 10).records)["resources-bounded"].status == "valid"
+    h = _trained(_soak())
+    _samples(h, 20, {"agent:ps1/children": 0.0}, base={"agent:ps1/children": 6.0})  # flat, but too many
+    verdict = check_all(_finished(h, 10).records)["resources-bounded"]
+    assert verdict.status == "invalid" and verdict.evidence["children_over"][0]["max"] == 6.0
 
 
 def test_the_warm_up_is_left_out_of_the_slope() -> None:
