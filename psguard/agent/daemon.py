@@ -386,6 +386,8 @@ class Agent:
                 self.peer_sync.post,
                 copies=cfg.peers.copies,
                 placement=cfg.peers.copy_placement,
+                parity_group=cfg.peers.parity_group,
+                parity_placement=cfg.peers.parity_placement,
                 nodes=lambda: dict(self.peer_sync.nodes),
             )
         if cfg.store is not None:
@@ -462,6 +464,7 @@ class Agent:
                 copy_config=cfg.peer_copy,
                 send_frame=link.send_frame,
                 read_copy=link.read_copy,
+                read_stripe=link.read_stripe,
             ).start()
         except (PsguardError, OSError) as e:
             # The PS still serves; only its shards go through the chief (as before issue 12). Say so loudly.
