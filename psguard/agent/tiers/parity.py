@@ -148,7 +148,9 @@ class _Group:
     urls: dict[str, str]
     held: dict[str, _Member] = field(default_factory=dict)  # the members whose stripe is in the parity
     resets: int = 0
-    restored: tuple[str, str, dict[str, Any], dict[str, np.ndarray]] | None = None  # owner, token, info, arrays
+    # The last member rebuilt (owner, token, info, arrays): verified at that token, served to its new agent in row
+    # ranges until that member sends again.
+    restored: tuple[str, str, dict[str, Any], dict[str, np.ndarray]] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -237,7 +239,8 @@ class ParityHolder:
         g = self._group(owner, header)
         op = header.get("op")
         with g.lock:
-            g.restored = None  # the state moves on: a reconstruction served is not served again
+            if g.restored is not None and g.restored[0] == owner:
+                g.restored = None  # the rebuilt member sends again: its new agent took the rebuilt state
             if op == "begin":
                 return self._begin(g, owner, header)
             if op == "fill":
