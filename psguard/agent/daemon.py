@@ -479,6 +479,7 @@ class Agent:
         keeper = self.shards
         held = self.metrics.peer_copy_held_bytes
         keeper.holder.on_copy = lambda owner, nbytes: held.labels(owner=owner).set(nbytes)
+        keeper.parity.on_copy = keeper.holder.on_copy  # a parity block: owner="ps:0,ps:1", its group
 
         def lag() -> float:
             value = keeper.sender.status()["lag_steps"] if keeper.sender is not None else None

@@ -185,6 +185,7 @@ class ParityHolder:
         self._groups: dict[str, _Group] = {}  # group key -> group
         self._refused = 0
         self._restores = 0
+        self.on_copy: Callable[[str, int], None] | None = None  # (group, bytes) after a whole: the agent's metrics
 
     def holds(self, owner: str) -> bool:
         with self._lock:
@@ -320,6 +321,8 @@ class ParityHolder:
             return {"status": "need_full", "message": f"rows missing in {short[:3]}" if short else f"digests {bad[:3]}"}
         m.session, m.sums, m.filled = None, {}, {}
         log.info("event=parity_whole owner=%s holder=%s group=%s step=%s", owner, self.task, g.key, m.step)
+        if self.on_copy is not None:
+            self.on_copy(g.key, int(g.parity.nbytes))
         return {"status": "ok", "step": m.step, "token": m.token}
 
     def _delta(self, g: _Group, owner: str, header: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:

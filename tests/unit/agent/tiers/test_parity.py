@@ -168,6 +168,8 @@ def test_xor_rows_is_its_own_inverse_bit_for_bit() -> None:
 
 
 def test_the_parity_is_the_xor_of_the_stripes_and_as_long_as_the_longest(trio: Trio) -> None:
+    held: dict[str, int] = {}
+    trio.keepers["ps:2"].parity.on_copy = held.__setitem__  # the agent's psguard_peer_copy_held_bytes
     token = _run(trio, 5, seed=1)
     want = _expected_parity(trio.keepers["ps:0"], trio.keepers["ps:1"])
     assert np.array_equal(trio.parity(), want)
@@ -177,6 +179,7 @@ def test_the_parity_is_the_xor_of_the_stripes_and_as_long_as_the_longest(trio: T
     # would hold 51200
     assert status["bytes"] == trio.parity().nbytes == max(stripes.values()) == 32000 < sum(stripes.values()), stripes
     assert status["members"] == {"ps:0": {"step": 5, "token": token}, "ps:1": {"step": 5, "token": token}}
+    assert held == {GROUP: 32000}
     assert trio.keepers["ps:2"].status()["copies_held"] == {}  # no full copy next to the parity
     sent = trio.keepers["ps:0"].status()["copy_out"]
     assert sent["whole"] == 1 and sent["deltas"] == 4 and sent["lag_steps"] == 0
