@@ -23,6 +23,8 @@ How (docs/design.md, "Peer copies"):
   and a new agent fetching a copy checks the bytes it received against it before its tier takes them. Frames
   carry a CRC32 of their payload. Nothing is restored from a copy that does not verify.
 - A peer copy is never durable: it only ever serves a restore of the memory tier's state.
+- ``copies: parity``: the same sender feeds one XOR block per group of PS instead (frames with ``parity`` in
+  their header go to the holder's :class:`ParityPart`, :mod:`psguard.agent.tiers.parity`).
 
 Wire format (agent to agent, over the authenticated control endpoint; no pickle): ``MAGIC``, a little-endian
 u32 header length, a JSON header (with ``arrays``: dtype and shape of each array that follows, and ``crc32``

@@ -7,7 +7,7 @@ its PS loads on its node (:mod:`psguard.handoff.parts`). Only descriptors, token
 the chief's agent coordinates (:mod:`psguard.agent.tiers.shard_client`): it forwards each capture's part to its
 PS's agent, asks all of them for a restore, and runs the durable two-phase save (take under the capture order,
 write in parallel, one commit). With peer copies on, a PS agent also keeps a copy of another node's shards
-(:mod:`psguard.agent.tiers.peer_copy`).
+(:mod:`psguard.agent.tiers.peer_copy`), or the XOR parity of a group of them (:mod:`psguard.agent.tiers.parity`).
 
 Consistency: every part of a capture carries the capture's token (the same token as the chief's tier), and
 a PS's tier accepts a delta only on top of the token it names, exactly as the chief's does. A restore is
