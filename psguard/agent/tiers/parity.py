@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.peer_copy import _digests_from, _digests_json, encode_frame, rows_digest
+from psguard.agent.tiers.peer_copy import _digests_from, _digests_json, delta_rows, encode_frame, rows_digest
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.store.dtypes import dtype_from_name
 
@@ -345,12 +345,7 @@ class ParityHolder:
                 raise CorruptCheckpointError(f"parity delta: unknown tensor {name}")
             if kind == "same":
                 continue
-            ids, values = next(it, None), next(it, None)
-            if ids is None or values is None or kind != "rows":
-                raise CorruptCheckpointError(f"parity delta: bad update of {name}")
-            ids = ids.astype(np.int64, copy=False)
-            if ids.size and (ids[0] < 0 or ids[-1] >= part.shape[0] or np.any(np.diff(ids) <= 0)):
-                raise CorruptCheckpointError(f"parity delta: bad row ids for {name}")
+            ids, values = delta_rows(it, name, kind, part.shape[0], "parity")
             if values.nbytes != ids.size * part.row_bytes:
                 raise CorruptCheckpointError(f"parity delta: rows do not fit {name}")
             rows[name] = (ids, _bytes(values).reshape(ids.size, part.row_bytes))

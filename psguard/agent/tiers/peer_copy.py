@@ -41,7 +41,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -172,6 +172,19 @@ def decode_frame(data: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     if crc != header.get("crc32"):
         raise CorruptCheckpointError("peer copy frame: CRC32 mismatch (damaged in transit)")
     return header, arrays
+
+
+def delta_rows(
+    it: Iterator[np.ndarray], name: str, kind: object, rows: int, what: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The next row ids and values of a delta frame for tensor ``name`` of ``rows`` rows, checked."""
+    ids, values = next(it, None), next(it, None)
+    if ids is None or values is None or kind != "rows":
+        raise CorruptCheckpointError(f"{what} delta: bad update of {name}")
+    ids = ids.astype(np.int64, copy=False)
+    if ids.size and (ids[0] < 0 or ids[-1] >= rows or np.any(np.diff(ids) <= 0)):
+        raise CorruptCheckpointError(f"{what} delta: bad row ids for {name}")
+    return ids, values
 
 
 def _digests_from(doc: Any) -> dict[str, int]:
@@ -359,12 +372,7 @@ class CopyHolder:
                 if kind == "same":
                     updates[name] = Same(current.shape, current.dtype)
                     continue
-                ids, values = next(it, None), next(it, None)
-                if ids is None or values is None or kind != "rows":
-                    raise CorruptCheckpointError(f"peer copy delta: bad update of {name}")
-                ids = ids.astype(np.int64, copy=False)
-                if ids.size and (ids[0] < 0 or ids[-1] >= current.shape[0] or np.any(np.diff(ids) <= 0)):
-                    raise CorruptCheckpointError(f"peer copy delta: bad row ids for {name}")
+                ids, values = delta_rows(it, name, kind, current.shape[0], "peer copy")
                 before = current[ids]
                 undo_rows[name] = (ids, before)
                 new_digests[name] = delta_digest(copy.digests.get(name, 0), ids, before, values)
