@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import ssl
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
@@ -27,8 +27,9 @@ __all__ = ["PeerLink", "copies_status", "serve_copies"]
 
 
 def serve_copies(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyConfig) -> None:
-    """``POST /peer-copy/put`` (an owner's frame, raw bytes) and ``POST /peer-copy/read`` (a new agent's fetch,
-    answered with a frame). Both need the ``control`` scope like every other POST: copy data is never open."""
+    """``POST /peer-copy/put`` (an owner's frame, raw bytes), ``POST /peer-copy/read`` (a new agent's fetch,
+    answered with a frame) and ``POST /peer-copy/stripe`` (this PS's own tier, for the holder of its group's
+    parity). All need the ``control`` scope like every other POST: copy data is never open."""
 
     def put(request: Request) -> Response:
         try:
@@ -36,17 +37,21 @@ def serve_copies(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyCon
         except CorruptCheckpointError as e:
             raise RequestError(400, str(e)) from None
 
-    def read(request: Request) -> Response:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise RequestError(400, "the body must be a JSON object")
-        try:
-            return Response(200, keeper.holder.read(body))
-        except CorruptCheckpointError as e:
-            raise RequestError(400, str(e)) from None
+    def reader(answer: Callable[[Mapping[str, Any]], bytes]) -> Callable[[Request], Response]:
+        def read(request: Request) -> Response:
+            body = request.json()
+            if not isinstance(body, dict):
+                raise RequestError(400, "the body must be a JSON object")
+            try:
+                return Response(200, answer(body))
+            except CorruptCheckpointError as e:
+                raise RequestError(400, str(e)) from None
+
+        return read
 
     http.add_post("/peer-copy/put", put, binary_max=(max(config.chunk_mb, config.max_queue_mb) << 20) + (16 << 20))
-    http.add_post("/peer-copy/read", read)
+    http.add_post("/peer-copy/read", reader(keeper.holder.read))
+    http.add_post("/peer-copy/stripe", reader(keeper.stripe))
 
 
 class PeerLink:
@@ -76,19 +81,26 @@ class PeerLink:
         return answer
 
     def read_copy(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
+        return self._read(f"{url}/peer-copy/read", body, timeout)
+
+    def read_stripe(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
+        """A parity group member's tier (its agent's ``/peer-copy/stripe``), for the holder rebuilding another."""
+        return self._read(f"{url}/peer-copy/stripe", body, timeout)
+
+    def _read(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
         # lazy: as in serve_copies
         from psguard.agent.tiers.peer_copy import decode_frame
 
         code, raw, content_type = http_request(
             "POST",
-            f"{url}/peer-copy/read",
+            url,
             data=json.dumps(body).encode(),
             token=self._token,
             timeout=timeout,
             tls=self._tls,
         )
         if code != 200 or not content_type.startswith("application/octet-stream"):
-            raise PsguardError(f"POST {url}/peer-copy/read: HTTP {code}: {raw[:200]!r}")
+            raise PsguardError(f"POST {url}: HTTP {code}: {raw[:200]!r}")
         return decode_frame(raw)
 
 
@@ -98,13 +110,16 @@ def copies_status(client: ShardClient | None, memory_token: str | None = None) -
     if client is None or client.copies == "none":
         return None
     parts: dict[str, dict[str, Any]] = {}
-    for task in client.active or tuple(client.copy_state):
+    tasks = client.active or tuple(client.copy_state)
+    held = client.holders_of(tasks, memory_token) if memory_token is not None else None
+    for task in tasks:
         state = dict(client.copy_state.get(task) or {})
-        current = memory_token is not None and state.get("token") == memory_token
+        current = held is not None and held.get(task) is not None  # parity: every member of its group is current
         parts[task] = {**state, "current": current, "copies": 2 if current else 1}
     return {
         "mode": client.copies,
         "placement": client.copy_targets(),
+        **({"parity_groups": [",".join(g) for g in client.parity_groups()]} if client.copies == "parity" else {}),
         "parts": parts,
         "peer_restores": client.peer_restores,
         "last_restore_sources": dict(client.last_restore_sources),

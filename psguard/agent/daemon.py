@@ -386,6 +386,8 @@ class Agent:
                 self.peer_sync.post,
                 copies=cfg.peers.copies,
                 placement=cfg.peers.copy_placement,
+                parity_group=cfg.peers.parity_group,
+                parity_placement=cfg.peers.parity_placement,
                 nodes=lambda: dict(self.peer_sync.nodes),
             )
         if cfg.store is not None:
@@ -462,6 +464,7 @@ class Agent:
                 copy_config=cfg.peer_copy,
                 send_frame=link.send_frame,
                 read_copy=link.read_copy,
+                read_stripe=link.read_stripe,
             ).start()
         except (PsguardError, OSError) as e:
             # The PS still serves; only its shards go through the chief (as before issue 12). Say so loudly.
@@ -476,6 +479,7 @@ class Agent:
         keeper = self.shards
         held = self.metrics.peer_copy_held_bytes
         keeper.holder.on_copy = lambda owner, nbytes: held.labels(owner=owner).set(nbytes)
+        keeper.parity.on_copy = keeper.holder.on_copy  # a parity block: owner="ps:0,ps:1", its group
 
         def lag() -> float:
             value = keeper.sender.status()["lag_steps"] if keeper.sender is not None else None

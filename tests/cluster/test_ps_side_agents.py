@@ -219,41 +219,66 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
     The new agent, with an empty tier, takes ps:0's shards from ps:1's copy (verified against ps:0's digests),
     so the trainer restores the memory tier's newest state, newer than the durable log, and the log written
     after stays bit-exact with the trainer."""
-    chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents, copies=True)
+    chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents, copies="full")
+    kill = _kill_file(chief, out)
+    # The save's acknowledgement says which copy holds each PS's rows (wait_for_copy: the copy had it first).
+    assert kill["copies"] == {"ps:0": "ps:1", "ps:1": "ps:0"}, kill
+    parts = chief.status()["copies"]["parts"]
+    assert {t: p["holder"] for t, p in parts.items()} == {"ps:0": "ps:1", "ps:1": "ps:0"}, parts
+
+    def copy_current() -> bool:
+        held = ps[1].status()["shards"]["copies_held"].get("ps:0") or {}
+        return held.get("token") is not None and held.get("token") == chief.status()["memory_token"]
+
+    trainer = _stop_at_a_capture_newer_than_the_log(chief, store, copy_current, "ps:1's copy of ps:0")
+    assert re.search(r'psguard_peer_copy_held_bytes\{owner="ps:0"\} [1-9]', ps[1].metrics()), ps[1].metrics()
+    _lose_ps0_and_restore_from_memory(chief, ps, ps_args[0], agents, out, store, trainer)
+    assert "event=peer_copy_used task=ps:0 holder=ps:1" in chief.log()
+
+
+def _kill_file(chief: AgentProc, out: Path) -> dict[str, Any]:
+    """What TRAINER wrote once a durable checkpoint exists (the step, the save's copies)."""
 
     def kill_file() -> dict[str, Any] | None:
         if chief.proc.poll() is not None:
             raise AssertionError(f"chief agent exited {chief.proc.returncode}:\n{chief.log()}")
         return json.loads((out / "kill").read_text()) if (out / "kill").exists() else None
 
-    kill = wait_until(kill_file, 300, "a durable checkpoint before the fault")
-    # The save's acknowledgement says which copy holds each PS's rows (wait_for_copy: the copy had it first).
-    assert kill["copies"] == {"ps:0": "ps:1", "ps:1": "ps:0"}, kill
-    parts = chief.status()["copies"]["parts"]
-    assert {t: p["holder"] for t, p in parts.items()} == {"ps:0": "ps:1", "ps:1": "ps:0"}, parts
-    trainer = chief.status()["pid"]
+    found: dict[str, Any] = wait_until(kill_file, 300, "a durable checkpoint before the fault")
+    return found
 
-    def copy_current() -> bool:
-        held = ps[1].status()["shards"]["copies_held"].get("ps:0") or {}
-        return held.get("token") is not None and held.get("token") == chief.status()["memory_token"]
+
+def _stop_at_a_capture_newer_than_the_log(chief: AgentProc, store: Path, current: Callable[[], bool], what: str) -> int:
+    """SIGSTOP the trainer (no capture while the fault is set up: the copy is made current, not hoped to be) at a
+    memory capture newer than the durable log, so that the restore shows where it came from; its pid."""
+    trainer: int = chief.status()["pid"]
 
     def durable_step() -> int:
         with Store.open(str(store)) as s:
             return max(c.step for c in s.checkpoints())
 
-    # Stop the trainer (no capture while the fault is set up: the copy is made current, not hoped to be) at a
-    # memory capture newer than the durable log, so that the restore shows where it came from.
     for _ in range(10):
         os.kill(trainer, signal.SIGSTOP)
-        wait_until(copy_current, 60, "ps:1's copy of ps:0 at the chief's newest capture")
+        wait_until(current, 60, f"{what} at the chief's newest capture")
         memory_step = chief.status()["memory_step"]
         if memory_step > durable_step():
-            break
+            return trainer
         os.kill(trainer, signal.SIGCONT)
         wait_until(lambda seen=memory_step: chief.status()["memory_step"] != seen, 60, "a newer capture")
-    else:
-        raise AssertionError(f"no memory capture newer than the durable log:\n{chief.log()}")
-    assert re.search(r'psguard_peer_copy_held_bytes\{owner="ps:0"\} [1-9]', ps[1].metrics()), ps[1].metrics()
+    raise AssertionError(f"no memory capture newer than the durable log:\n{chief.log()}")
+
+
+def _lose_ps0_and_restore_from_memory(
+    chief: AgentProc,
+    ps: list[AgentProc],
+    ps0_args: list[str],
+    agents: Callable[..., AgentProc],
+    out: Path,
+    store: Path,
+    trainer: int,
+) -> None:
+    """SIGKILL ps:0 with its agent (the trainer stopped), start a new agent in its place, let the trainer go on:
+    it must restore the memory tier's newest capture, and the log at the end must match the trainer bit for bit."""
     # 0 once a capture applied since the check above (written before the trainer stopped) reached the copy too
     wait_until(lambda: re.search(r'psguard_peer_copy_lag_steps\{task="ps:0"\} 0', ps[0].metrics()), 30, "lag 0")
     try:
@@ -266,12 +291,11 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
         memory_step = chief.status()["memory_step"]
     finally:
         os.kill(trainer, signal.SIGCONT)
-    agents("ps0-again", ps_args[0])  # a new node takes its place, on the same addresses, with an empty tier
+    agents("ps0-again", ps0_args)  # a new node takes its place, on the same addresses, with an empty tier
     assert chief.wait_exit(400) == 0, chief.log()
     second = json.loads((out / "gen-1").read_text())
     final = json.loads((out / "final").read_text())
     assert second["restored"] == {"source": "memory", "step": memory_step}, chief.log()
-    assert "event=peer_copy_used task=ps:0 holder=ps:1" in chief.log()
     with Store.open(str(store)) as s:
         tensors = s.load(final["checkpoint"])
         digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
@@ -279,30 +303,32 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
 
 
 def _node_loss_job(
-    tmp_path: Path, agents: Callable[..., AgentProc], *, copies: bool = False
+    tmp_path: Path, agents: Callable[..., AgentProc], *, copies: str = "none", num_ps: int = 2
 ) -> tuple[AgentProc, list[AgentProc], list[list[str]], Path, Path]:
-    """Two PS agents on fixed HTTP ports (a replacement agent takes the same address), a worker and the chief
-    running TRAINER to step 100. ``copies``: each PS agent on a node of its own (``ps0-again`` too) and the chief's
-    ``peers.copies: full``. Returns the chief, the PS agents, their arguments, the output folder and the store."""
+    """``num_ps`` PS agents on fixed HTTP ports (a replacement agent takes the same address), a worker and the
+    chief running TRAINER to step 100. ``copies`` (``full``, ``parity``: groups of 2): each PS agent on a node of
+    its own (``ps0-again`` on ps0's) and the chief's ``peers.copies``. Returns the chief, the PS agents, their
+    arguments, the output folder and the store."""
     from psguard.ports import free_ports
     from tests.support.agents import FAST, FAST_CHIEF
 
-    cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
+    cluster, _ = write_cluster(tmp_path, ps=num_ps, workers=1)
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     out, store = tmp_path / "out", tmp_path / "store"
-    ports = free_ports(2)
+    ports = free_ports(num_ps)
     common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
     ps_args = [
         [*common, "--index", str(i), "--spool", str(tmp_path / f"ps{i}-shards"), "--http-port", str(ports[i])]
-        for i in range(2)
+        for i in range(num_ps)
     ]
-    if copies:
-        for i, name in enumerate(("ps0", "ps1", "ps0-again")):
+    if copies != "none":
+        for name, node in [*((f"ps{i}", i) for i in range(num_ps)), ("ps0-again", 0)]:
             (tmp_path / name).mkdir()
-            (tmp_path / name / "agent.yaml").write_text(FAST + f"node: node-{i % 2}\n")
+            (tmp_path / name / "agent.yaml").write_text(FAST + f"node: node-{node}\n")
         (tmp_path / "chief").mkdir()
-        (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", "peers: {copies: full, "))
+        mode = "copies: parity, parity_group: 2" if copies == "parity" else f"copies: {copies}"
+        (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", f"peers: {{{mode}, "))
     ps = [agents(f"ps{i}", a) for i, a in enumerate(ps_args)]
     worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
     peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
@@ -310,6 +336,35 @@ def _node_loss_job(
     args += ["--spool", str(tmp_path / "spool"), *peers]
     chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "100"])
     return chief, ps, ps_args, out, store
+
+
+@pytest.mark.slow
+def test_a_ps_lost_with_its_agent_is_rebuilt_from_its_groups_parity(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """``peers: {copies: parity, parity_group: 2}``, three PS agents each on its own node: ps:0 and ps:1 form a
+    group whose XOR parity ps:2 holds (ps:2's group of one is held by ps:0). SIGKILL of ps:0 with its agent: the
+    new agent's shards are rebuilt by ps:2 from the parity and ps:1's stripe (each checked against its owner's
+    digests), so the trainer restores the memory tier's newest state, and the log after stays bit-exact."""
+    chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents, copies="parity", num_ps=3)
+    kill = _kill_file(chief, out)
+    # The save's acknowledgement names the parity holder of each member whose whole group's parity has it.
+    assert kill["copies"] == {"ps:0": "ps:2", "ps:1": "ps:2", "ps:2": "ps:0"}, kill
+    status = chief.status()["copies"]
+    assert status["mode"] == "parity" and status["parity_groups"] == ["ps:0,ps:1", "ps:2"], status
+    assert {t: p["holder"] for t, p in status["parts"].items()} == {"ps:0": "ps:2", "ps:1": "ps:2", "ps:2": "ps:0"}
+
+    def parity_current() -> bool:
+        group = ps[2].status()["shards"]["parity_held"].get("ps:0,ps:1") or {}
+        return group.get("token") is not None and group.get("token") == chief.status()["memory_token"]
+
+    trainer = _stop_at_a_capture_newer_than_the_log(chief, store, parity_current, "ps:2's parity of ps:0, ps:1")
+    group = ps[2].status()["shards"]["parity_held"]["ps:0,ps:1"]
+    sizes = [p.status()["shards"]["bytes"] for p in ps[:2]]
+    assert group["bytes"] == max(sizes) < sum(sizes), (group, sizes)  # the longest stripe, not both
+    _lose_ps0_and_restore_from_memory(chief, ps, ps_args[0], agents, out, store, trainer)
+    assert "event=peer_copy_used task=ps:0 holder=ps:2" in chief.log()
+    assert "event=parity_reconstructed owner=ps:0 holder=ps:2" in ps[2].log()
 
 
 def _job(tmp_path: Path, agents: Callable[..., AgentProc], name: str, num_ps: int, store: Path, target: int) -> Path:

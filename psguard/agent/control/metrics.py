@@ -32,7 +32,8 @@ name                                            type       labels       meaning
 ``psguard_hangs_total``                         counter                 trainer hangs found and restarted (chief)
 ``psguard_peer_copy_lag_steps``                 gauge      task         steps the holder's copy of this PS's shards
                                                                         trails its tier (NaN: no copy yet)
-``psguard_peer_copy_held_bytes``                gauge      owner        bytes of another PS's shards held here
+``psguard_peer_copy_held_bytes``                gauge      owner        bytes of another PS's shards held here (a
+                                                                        parity block: owner is its group, ps:0,ps:1)
 ==============================================  =========  ===========  =============================================
 """
 

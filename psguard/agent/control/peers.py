@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from psguard.agent.process.prober import MonitorConfig
-from psguard.config import Duration
+from psguard.config import Check, Duration, validate
 from psguard.handoff.client import http_json
 
 __all__ = ["PeerSync", "PeersConfig"]
@@ -39,10 +39,16 @@ class PeersConfig:
     restart_workers: bool = True
     # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
     # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
-    # memory twice over. "none": off.
-    copies: Literal["none", "full"] = "none"
+    # memory twice over. "parity": one XOR block per group of ``parity_group`` PS tasks (ps:0..ps:K-1, ...), held
+    # by an agent outside the group on another node (psguard/agent/tiers/parity.py): costs the holder the largest
+    # member's memory (1/K of the group), survives one lost node per group. "none": off.
+    copies: Literal["none", "full", "parity"] = "none"
     # Owner PS task -> the PS task whose agent holds its copy (default: the next PS on another node).
     copy_placement: Mapping[str, str] = field(default_factory=dict)
+    parity_group: Annotated[int, Check(lambda n: n >= 2, ">= 2")] = 2  # PS tasks per parity block
+    # A group ("ps:0,ps:1") -> the PS task whose agent holds its parity (default: the first PS after the group, in
+    # ring order, on a node no member is on).
+    parity_placement: Mapping[str, str] = field(default_factory=dict)
     # When the trainer exits 0, tell every peer agent that the job is done (POST /finish): PS and worker agents
     # stop their servers and exit 0, so their pods complete (Kubernetes Jobs). Off by default: psguard wrap,
     # demo and chaos stop their agents themselves.
@@ -50,6 +56,9 @@ class PeersConfig:
     ready_timeout: Duration = 180.0  # for all PS agents to report a restarted, healthy server
     request_timeout: Duration = 10.0
     probe: MonitorConfig = field(default_factory=lambda: MonitorConfig(interval=2.0, deadline=2.0))
+
+    def __post_init__(self) -> None:
+        validate(self)
 
 
 class PeerSync:

@@ -23,6 +23,8 @@ How (docs/design.md, "Peer copies"):
   and a new agent fetching a copy checks the bytes it received against it before its tier takes them. Frames
   carry a CRC32 of their payload. Nothing is restored from a copy that does not verify.
 - A peer copy is never durable: it only ever serves a restore of the memory tier's state.
+- ``copies: parity``: the same sender feeds one XOR block per group of PS instead (frames with ``parity`` in
+  their header go to the holder's :class:`ParityPart`, :mod:`psguard.agent.tiers.parity`).
 
 Wire format (agent to agent, over the authenticated control endpoint; no pickle): ``MAGIC``, a little-endian
 u32 header length, a JSON header (with ``arrays``: dtype and shape of each array that follows, and ``crc32``
@@ -39,11 +41,11 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -172,6 +174,19 @@ def decode_frame(data: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     return header, arrays
 
 
+def delta_rows(
+    it: Iterator[np.ndarray], name: str, kind: object, rows: int, what: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """The next row ids and values of a delta frame for tensor ``name`` of ``rows`` rows, checked."""
+    ids, values = next(it, None), next(it, None)
+    if ids is None or values is None or kind != "rows":
+        raise CorruptCheckpointError(f"{what} delta: bad update of {name}")
+    ids = ids.astype(np.int64, copy=False)
+    if ids.size and (ids[0] < 0 or ids[-1] >= rows or np.any(np.diff(ids) <= 0)):
+        raise CorruptCheckpointError(f"{what} delta: bad row ids for {name}")
+    return ids, values
+
+
 def _digests_from(doc: Any) -> dict[str, int]:
     if not isinstance(doc, dict):
         raise CorruptCheckpointError("peer copy: bad digests")
@@ -198,6 +213,17 @@ class _Copy:
     undo: tuple[str, int, dict[str, tuple[np.ndarray, np.ndarray]], dict[str, int]] | None = None
 
 
+class ParityPart(Protocol):
+    """The parity blocks an agent holds (:class:`psguard.agent.tiers.parity.ParityHolder`): the frames and reads
+    of owners in ``copies: parity`` go there."""
+
+    def put(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray], nbytes: int) -> dict[str, Any]: ...
+
+    def holds(self, owner: str) -> bool: ...
+
+    def read(self, doc: Mapping[str, Any]) -> bytes: ...
+
+
 @dataclass
 class _Incoming:
     header: dict[str, Any]
@@ -216,6 +242,7 @@ class CopyHolder:
         self._copies: dict[str, _Copy] = {}
         self._incoming: dict[str, _Incoming] = {}  # owner -> a whole copy being received
         self._refused = 0
+        self.parity: ParityPart | None = None  # the parity blocks held here, if any
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -235,6 +262,11 @@ class CopyHolder:
         owner = header.get("task")
         if not isinstance(owner, str) or not owner.startswith("ps:") or owner == self.task:
             raise CorruptCheckpointError(f"peer copy frame: bad owner {owner!r}")
+        if header.get("parity") is not None:
+            if self.parity is None:
+                raise CorruptCheckpointError("peer copy frame: parity is not held here")
+            self.drop(owner)  # the owner's copies moved to parity: its full copy is behind already
+            return self.parity.put(owner, header, arrays, len(body))
         op = header.get("op")
         if op == "begin":
             return self._begin(owner, header)
@@ -340,12 +372,7 @@ class CopyHolder:
                 if kind == "same":
                     updates[name] = Same(current.shape, current.dtype)
                     continue
-                ids, values = next(it, None), next(it, None)
-                if ids is None or values is None or kind != "rows":
-                    raise CorruptCheckpointError(f"peer copy delta: bad update of {name}")
-                ids = ids.astype(np.int64, copy=False)
-                if ids.size and (ids[0] < 0 or ids[-1] >= current.shape[0] or np.any(np.diff(ids) <= 0)):
-                    raise CorruptCheckpointError(f"peer copy delta: bad row ids for {name}")
+                ids, values = delta_rows(it, name, kind, current.shape[0], "peer copy")
                 before = current[ids]
                 undo_rows[name] = (ids, before)
                 new_digests[name] = delta_digest(copy.digests.get(name, 0), ids, before, values)
@@ -374,6 +401,8 @@ class CopyHolder:
         owner = doc.get("owner")
         with self._lock:
             copy = self._copies.get(str(owner))
+        if copy is None and self.parity is not None and self.parity.holds(str(owner)):
+            return self.parity.read(doc)
         if copy is None:
             return encode_frame({"status": "empty", "message": f"{self.task} holds no copy of {owner}"})
         wanted = doc.get("token")
@@ -453,6 +482,7 @@ class CopySender:
         self._queue: deque[_Delta] = deque()
         self._queued_bytes = 0
         self._target: tuple[str, str] | None = None  # (holder task, URL)
+        self._extra: dict[str, Any] = {}  # fields every frame's header carries (``parity``: the owner's group)
         self._whole = True  # the next send is the whole state
         self._in_whole = False  # a whole copy is being sent (deltas queue behind it, nobody waits for them)
         self._stop = False
@@ -468,12 +498,14 @@ class CopySender:
         with self._cond:
             return self._target[0] if self._target else None
 
-    def set_target(self, target: tuple[str, str] | None) -> None:
-        """The holder the chief names (``None``: no copy); a new one gets the whole state first."""
+    def set_target(self, target: tuple[str, str] | None, extra: Mapping[str, Any] | None = None) -> None:
+        """The holder the chief names (``None``: no copy) and what every frame to it carries (``extra``); a new
+        one gets the whole state first."""
         with self._cond:
-            if target == self._target:
+            if target == self._target and dict(extra or {}) == self._extra:
                 return
             self._target = target
+            self._extra = dict(extra or {})
             self._queue.clear()
             self._queued_bytes = 0
             self._whole = True
@@ -616,7 +648,9 @@ class CopySender:
                     self._cond.wait(self.config.retry_after)  # nothing to copy yet
                 return
             session = secrets.token_hex(8)
-            base = {"task": self.task, "session": session}
+            with self._cond:
+                extra = dict(self._extra)
+            base = {**extra, "task": self.task, "session": session}
             self._answer(
                 target,
                 encode_frame(
@@ -655,8 +689,11 @@ class CopySender:
                 arrays += [np.asarray(u.ids, dtype=np.int64), u.values]
             else:
                 tensors.append({"name": name, "kind": "same"})
+        with self._cond:
+            extra = dict(self._extra)
         frame = encode_frame(
             {
+                **extra,
                 "task": self.task,
                 "op": "delta",
                 "step": d.step,
@@ -699,6 +736,8 @@ def fetch_copy(
     :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
     """
     info, _ = post(holder_url, {"owner": owner, "token": token}, config.request_timeout)
+    if info.get("status") == "refused":  # a parity holder's reconstruction that did not verify
+        raise CorruptCheckpointError(f"the holder refused {owner}'s state: {info.get('message', '')}")
     if info.get("status") != "ok":
         raise PsguardError(f"the holder has no copy of {owner}: {info.get('status')} {info.get('message', '')}")
     if info.get("token") != token:

@@ -35,15 +35,21 @@ class ShardClient:
         copies: str = "none",
         placement: Mapping[str, str] | None = None,
         nodes: Callable[[], Mapping[str, str | None]] | None = None,
+        parity_group: int = 2,
+        parity_placement: Mapping[str, str] | None = None,
     ) -> None:
         """``copies``: ``"full"`` to have each PS agent keep a copy of another node's shards
-        (:mod:`psguard.agent.tiers.peer_copy`); ``placement``: owner task -> holder task, else a ring;
+        (:mod:`psguard.agent.tiers.peer_copy`), ``"parity"`` for one XOR block per ``parity_group`` PS tasks
+        (:mod:`psguard.agent.tiers.parity`); ``placement``: owner task -> holder task, else a ring;
+        ``parity_placement``: ``"ps:0,ps:1"`` -> holder task, else the first PS after the group on another node;
         ``nodes``: task -> the node its agent runs on (copies never go to the same node)."""
         self._peers = peers
         self._call = call
         self.timeout = timeout
         self.copies = copies
         self.placement = dict(placement or {})
+        self.parity_group = max(2, parity_group)
+        self.parity_placement = dict(parity_placement or {})
         self._nodes = nodes or dict
         #: The PS tasks whose agents hold the tier's shards (those of the last capture applied), and the lock
         #: that orders captures (applied to every tier) and durable takes (taken from every tier) as one.
@@ -64,6 +70,47 @@ class ShardClient:
         for t in tasks:
             state = self.copy_state.get(t) or {}
             out[t] = state.get("holder") if state.get("token") == token else None
+        if self.copies == "parity":  # a parity block holds a member's state when it holds every member's
+            for members in self.parity_groups():
+                states = [self.copy_state.get(m) or {} for m in members]
+                whole = all(s.get("token") == token and s.get("holder") == states[0].get("holder") for s in states)
+                for m in set(members) & set(out):
+                    out[m] = out[m] if whole else None
+        return out
+
+    def parity_groups(self) -> list[tuple[str, ...]]:
+        """The PS tasks in groups of ``parity_group`` by index (ps:0..ps:K-1, ps:K..., the last may be smaller),
+        so a missing agent never shifts another task's group."""
+        groups: dict[int, list[str]] = {}
+        for t in sorted((t for t in self._peers() if t.startswith("ps:")), key=lambda t: int(t.split(":")[1])):
+            groups.setdefault(int(t.split(":")[1]) // self.parity_group, []).append(t)
+        return [tuple(g) for _, g in sorted(groups.items())]
+
+    def _parity_targets(self, peers: Mapping[str, str], nodes: Mapping[str, str | None]) -> dict[str, str]:
+        """Member -> the holder of its group's parity: the user's, else the first PS after the group in ring order
+        on a node none of the members is on."""
+        ps = sorted((t for t in peers if t.startswith("ps:")), key=lambda t: int(t.split(":")[1]))
+        out: dict[str, str] = {}
+        for members in self.parity_groups():
+            key = ",".join(members)
+            wanted = self.parity_placement.get(key)
+            last = ps.index(members[-1])
+            ring = [ps[(last + k) % len(ps)] for k in range(1, len(ps))]
+            taken = {nodes.get(m) or "" for m in members}
+            for holder in [wanted] if wanted is not None else ring:
+                if holder in peers and holder not in members and (nodes.get(holder) or "?") not in taken:
+                    out.update(dict.fromkeys(members, holder))
+                    break
+            else:
+                if key not in self._warned:
+                    self._warned.add(key)
+                    log.warning(
+                        "event=parity_unplaced group=%s nodes=%s: no PS agent outside the group on another node "
+                        "can hold its parity (placement %s); a loss of a member's node restores from the durable log",
+                        key,
+                        dict(nodes),
+                        wanted or "ring",
+                    )
         return out
 
     def copy_targets(self) -> dict[str, str]:
@@ -72,6 +119,8 @@ class ShardClient:
         if self.copies == "none":
             return {}
         peers, nodes = self._peers(), self._nodes()
+        if self.copies == "parity":
+            return self._parity_targets(peers, nodes)
         ps = sorted((t for t in peers if t.startswith("ps:")), key=lambda t: int(t.split(":")[1]))
         out: dict[str, str] = {}
         for i, owner in enumerate(ps):
@@ -124,12 +173,16 @@ class ShardClient:
         """Forward a capture's parts; ``(status, message)``, the worst of the PS agents' answers."""
         targets = self.copy_targets()
         peers = self._peers() if targets else {}
+        groups = {m: g for g in self.parity_groups() for m in g} if self.copies == "parity" else {}
         bodies: dict[str, dict[str, Any]] = {}
         for p in parts:
             body: dict[str, Any] = {"part": p.to_json(), "step": step, "token": token, "parent": parent}
             holder = targets.get(p.task)
             if self.copies != "none":
                 body["copy_to"] = {"task": holder, "url": peers[holder]} if holder is not None else None
+            if body.get("copy_to") and p.task in groups:
+                group = groups[p.task]
+                body["copy_to"]["parity"] = {"group": list(group), "urls": {m: peers[m] for m in group}}
             bodies[p.task] = body
         answers = self._fan_out("/shards/apply", bodies)
         for task, a in answers.items():

@@ -7,7 +7,7 @@ its PS loads on its node (:mod:`psguard.handoff.parts`). Only descriptors, token
 the chief's agent coordinates (:mod:`psguard.agent.tiers.shard_client`): it forwards each capture's part to its
 PS's agent, asks all of them for a restore, and runs the durable two-phase save (take under the capture order,
 write in parallel, one commit). With peer copies on, a PS agent also keeps a copy of another node's shards
-(:mod:`psguard.agent.tiers.peer_copy`).
+(:mod:`psguard.agent.tiers.peer_copy`), or the XOR parity of a group of them (:mod:`psguard.agent.tiers.parity`).
 
 Consistency: every part of a capture carries the capture's token (the same token as the chief's tier), and
 a PS's tier accepts a delta only on top of the token it names, exactly as the chief's does. A restore is
@@ -31,6 +31,7 @@ import numpy as np
 
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, StreamSnapshot, limit_malloc_retention
+from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame, xor_rows
 from psguard.agent.tiers.peer_copy import (
     CopyHolder,
     CopySender,
@@ -107,16 +108,21 @@ class ShardKeeper:
         copy_config: PeerCopyConfig | None = None,
         send_frame: Callable[[str, bytes, float], dict[str, Any]] | None = None,
         read_copy: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
+        read_stripe: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
     ) -> None:
         """``send_frame`` (to a peer agent's ``/peer-copy/put``) and ``read_copy`` (its ``/peer-copy/read``):
         the peer copies' calls, with the agents' credentials; without them this agent neither sends nor fetches
-        copies (it still holds the copies others send)."""
+        copies (it still holds the copies others send). ``read_stripe`` (a member's ``/peer-copy/stripe``): a
+        parity holder's fetch of the survivors' stripes when it reconstructs a lost member."""
         self.folder = Path(folder)
         self.task = task
         self.store = store
         self.tier = MemoryTier()
         self.copy_config = copy_config or PeerCopyConfig()
         self.holder = CopyHolder(task)  # the copies of other PS's shards this agent holds
+        self.parity = ParityHolder(task, read_stripe, self.copy_config)  # and the parity blocks (copies: parity)
+        self.holder.parity = self.parity
+        self._parity = False  # this PS's copy is a part of a parity block (its deltas are XOR deltas)
         self.sender = (
             CopySender(task, self._copy_snapshot, send_frame, self.copy_config) if send_frame is not None else None
         )
@@ -185,6 +191,7 @@ class ShardKeeper:
             "exports_reused": self._exports_reused,
             "copy_out": self.sender.status() if self.sender is not None else None,
             "copies_held": self.holder.status(),
+            "parity_held": self.parity.status(),
             "copy_pulls": self._pulls,
             "rollbacks": self._rollbacks,
         }
@@ -219,6 +226,7 @@ class ShardKeeper:
                 parent=parent,
                 copy_to=_copy_target(doc.get("copy_to")),
                 nbytes=nbytes,
+                parity=group_header((doc.get("copy_to") or {}).get("parity")),
             )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -233,9 +241,11 @@ class ShardKeeper:
         parent: str | None,
         copy_to: tuple[str, str] | None = None,
         nbytes: int = 0,
+        parity: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """The tier's half of :meth:`apply`, once the part's files are read; then the change goes to the peer
-        copy (``copy_to``: the holder's task and URL, as the chief names it)."""
+        copy (``copy_to``: the holder's task and URL, as the chief names it; ``parity``: the group whose parity
+        block that holder keeps, ``{"group", "urls"}``, for ``copies: parity``)."""
         with self._lock:
             copying = self.sender is not None and copy_to is not None
             old_rows = self._old_rows(updates) if copying and parent is not None else None
@@ -247,7 +257,8 @@ class ShardKeeper:
                 self._applied += 1
                 self._bytes_in += nbytes
             if self.sender is not None:
-                self.sender.set_target(copy_to)
+                self._parity = copying and parity is not None
+                self.sender.set_target(copy_to, {"parity": dict(parity)} if self._parity and parity else None)
                 if not copying:
                     self._digests = None
                 elif result.ok and result.message != "already applied":
@@ -311,7 +322,19 @@ class ShardKeeper:
             self.sender.offer(None, step)
         else:
             assert parent is not None
-            self.sender.offer(new_delta(step, token, parent, updates, self._digests), step)
+            copied = self._copy_updates(updates, old_rows)
+            self.sender.offer(new_delta(step, token, parent, copied, self._digests), step)
+
+    def _copy_updates(
+        self, updates: Mapping[str, TensorUpdate], before: Mapping[str, np.ndarray]
+    ) -> Mapping[str, TensorUpdate]:
+        """What a delta sends: the new rows, or for a parity block ``before XOR new`` of each changed row."""
+        if not self._parity:
+            return updates
+        return {
+            n: Rows(u.ids, xor_rows(before[n], u.values), u.shape) if isinstance(u, Rows) else u
+            for n, u in updates.items()
+        }
 
     def _whole_digests(self) -> dict[str, int]:
         """Every tensor's digest, hashed whole (a whole capture, or copies just turned on)."""
@@ -462,12 +485,22 @@ class ShardKeeper:
             if self._digests is not None and self.sender is not None:
                 for name, (ids, old) in rows.items():
                     self._digests[name] = delta_digest(self._digests[name], ids, now[name], old)
-                self.sender.offer(new_delta(step, token, current, updates, self._digests), step)
+                copied = self._copy_updates(updates, now)
+                self.sender.offer(new_delta(step, token, current, copied, self._digests), step)
         log.info(
             "event=tier_rolled_back task=%s to_step=%d: the chief's state (its last capture did not reach every PS)",
             self.task,
             step,
         )
+
+    def stripe(self, doc: Mapping[str, Any]) -> bytes:
+        """This PS's tier as its parity stripe (``{"token"}``: only at that state, one capture undone first when
+        that gives it), for the holder of its group's parity rebuilding a lost member."""
+        token = _token(doc, "token")
+        assert token is not None
+        self._roll_back_to(token)
+        with self.tier.export() as snap:
+            return stripe_frame(token, snap.token, snap.tensors)
 
     def _reuse_export(self, expected: str | None) -> dict[str, Any] | None:
         """The last export's answer when the tier still holds its state and its files are all there.

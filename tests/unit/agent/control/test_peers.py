@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from psguard.agent.control.peers import PeersConfig, PeerSync
+from psguard.config import ConfigError, from_data
 
 
 class _Refusing(http.server.BaseHTTPRequestHandler):
@@ -145,3 +146,13 @@ def test_a_stopping_agent_says_so_instead_of_a_timeout() -> None:
         peers = PeerSync("chief:0", [ps.server.url], PeersConfig(ready_timeout=30), TOKEN, stop)
         outcome = peers.sync(restart_ps=True)
     assert outcome == {ps.server.url: "error: this agent stopped before the peer was restarted and ready"}
+
+
+def test_parity_copies_take_groups_of_two_or_more() -> None:
+    config = from_data(PeersConfig, {"copies": "parity", "parity_group": 3, "parity_placement": {"ps:0,ps:1": "ps:2"}})
+    assert config.copies == "parity" and config.parity_group == 3 and config.parity_placement == {"ps:0,ps:1": "ps:2"}
+    assert from_data(PeersConfig, {"copies": "parity"}).parity_group == 2
+    with pytest.raises(ConfigError, match="parity_group"):
+        from_data(PeersConfig, {"copies": "parity", "parity_group": 1})
+    with pytest.raises(ConfigError, match="copies"):
+        from_data(PeersConfig, {"copies": "xor"})

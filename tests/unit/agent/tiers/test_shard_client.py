@@ -11,6 +11,7 @@ import pytest
 
 from psguard.agent.tiers.shard_client import ShardClient
 from psguard.agent.tiers.shards import ShardError
+from psguard.handoff.parts import PartCapture
 
 PEERS = {"ps:0": "http://a:1", "ps:1": "http://b:1", "ps:2": "http://c:1", "worker:0": "http://w:1"}
 
@@ -57,3 +58,51 @@ def test_a_lost_ps_takes_its_shards_from_its_copy_else_the_restore_fails_with_th
     calls.clear()
     with pytest.raises(ShardError, match="ps:0"):  # the trainer goes to the durable log
         c.export(["ps:0", "ps:1", "ps:2"], "T")
+
+
+def parity(nodes: Mapping[str, str | None], k: int = 2, **kw: Any) -> ShardClient:
+    return ShardClient(lambda: PEERS, kw.pop("call", lambda *a: {}), copies="parity", parity_group=k,
+                       nodes=lambda: nodes, **kw)  # fmt: skip
+
+
+def test_a_parity_group_goes_to_the_first_ps_after_it_on_a_node_no_member_is_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    three = {"ps:0": "n0", "ps:1": "n1", "ps:2": "n2"}
+    ring = parity(three)
+    assert ring.parity_groups() == [("ps:0", "ps:1"), ("ps:2",)]  # the last group may be smaller
+    assert ring.copy_targets() == {"ps:0": "ps:2", "ps:1": "ps:2", "ps:2": "ps:0"}
+    assert parity(three, k=3).copy_targets() == {}  # every PS is in the group: nobody outside holds it
+    assert "event=parity_unplaced group=ps:0,ps:1,ps:2" in caplog.text
+    shared = parity({"ps:0": "n0", "ps:1": "n1", "ps:2": "n1"})  # ps:2 shares ps:1's node
+    assert shared.copy_targets() == {"ps:2": "ps:0"}
+    assert "event=parity_unplaced group=ps:0,ps:1" in caplog.text
+    placed = parity(three, parity_placement={"ps:0,ps:1": "ps:2", "ps:2": "ps:1"})
+    assert placed.copy_targets() == {"ps:0": "ps:2", "ps:1": "ps:2", "ps:2": "ps:1"}
+    inside = parity(three, parity_placement={"ps:0,ps:1": "ps:1"})  # a member cannot hold its own group's parity
+    assert inside.copy_targets() == {"ps:2": "ps:0"}
+
+
+def test_an_apply_names_the_parity_group_and_a_member_is_held_when_its_whole_group_is() -> None:
+    sent: dict[str, Any] = {}
+
+    def call(url: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        task = {u: t for t, u in PEERS.items()}[url.removesuffix("/shards/apply")]
+        sent[task] = body
+        synced = "T0" if task == "ps:1" else "T"  # ps:1's parity is one capture behind
+        holder = body["copy_to"]["task"]
+        return {"status": "ok", "copy": {"holder": holder, "step": 1, "token": synced}}
+
+    c = parity({"ps:0": "n0", "ps:1": "n1", "ps:2": "n2"}, call=call)
+    parts = [PartCapture(t, f"nonce{i}", ()) for i, t in enumerate(("ps:0", "ps:1", "ps:2"))]
+    assert c.apply(parts, step=1, token="T", parent=None) == ("ok", "")
+    assert sent["ps:0"]["copy_to"] == {
+        "task": "ps:2",
+        "url": "http://c:1",
+        "parity": {"group": ["ps:0", "ps:1"], "urls": {"ps:0": "http://a:1", "ps:1": "http://b:1"}},
+    }
+    assert sent["ps:2"]["copy_to"]["parity"] == {"group": ["ps:2"], "urls": {"ps:2": "http://c:1"}}
+    # ps:0's own frames reached the parity, but ps:1's did not: the block holds neither at T
+    assert c.holders_of(["ps:0", "ps:1", "ps:2"], "T") == {"ps:0": None, "ps:1": None, "ps:2": "ps:0"}
+    c.copy_state["ps:1"]["token"] = "T"
+    assert c.holders_of(["ps:0", "ps:1", "ps:2"], "T") == {"ps:0": "ps:2", "ps:1": "ps:2", "ps:2": "ps:0"}
