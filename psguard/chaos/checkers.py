@@ -134,6 +134,10 @@ def durable_commits_kept(ctx: _Context) -> Verdict:
     if missing or unreadable:
         return Verdict(name, "invalid", f"{len(missing)} acknowledged commit(s) missing, {len(unreadable)} unreadable",
                        evidence)  # fmt: skip
+    if retired:
+        kept = len(acked) - len(retired)
+        return Verdict(name, "valid", f"of {len(acked)} acknowledged durable commits, the newest {kept} are in the "
+                       f"store and verify; {len(retired)} older ones were deleted by retention", evidence)  # fmt: skip
     return Verdict(
         name, "valid", f"all {len(acked)} acknowledged durable commits are in the store and verify", evidence
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,8 +80,16 @@ class CheckpointInfo:
         }
 
 
+#: Manifests kept parsed per store, least recently used dropped first. A week-long job commits thousands of
+#: checkpoints, and another process's retention deletes most of them without this one hearing of it: an
+#: unbounded cache grew a PS agent by every manifest ever committed (found by the soak, issue 26). Chains are
+#: bounded by the new-base rule far below this, so a restore or a save never reads one twice.
+MANIFEST_CACHE_ENTRIES = 128
+
+
 class Index:
-    """The committed checkpoints of one store, listed from its backend; manifests cached (they never change).
+    """The committed checkpoints of one store, listed from its backend; manifests cached (they never change),
+    at most :data:`MANIFEST_CACHE_ENTRIES` of them.
 
     Thread-safe. ``backend`` may be replaced (the CLI meters reads that way): every call uses the current one.
     """
@@ -88,8 +97,15 @@ class Index:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.url = backend.url
-        self._manifests: dict[str, Manifest] = {}
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
         self._cache_lock = threading.Lock()
+
+    def _cache(self, m: Manifest) -> None:
+        """Under ``_cache_lock``: keep ``m`` as the most recently used, dropping the least recently used."""
+        self._manifests[m.id] = m
+        self._manifests.move_to_end(m.id)
+        while len(self._manifests) > MANIFEST_CACHE_ENTRIES:
+            self._manifests.popitem(last=False)
 
     def checkpoint_ids(self) -> list[str]:
         """:meth:`psguard.store.Store.checkpoint_ids` (documented there for its callers)."""
@@ -105,6 +121,8 @@ class Index:
         """:meth:`psguard.store.Store.manifest` (documented there for its callers)."""
         with self._cache_lock:
             cached = self._manifests.get(checkpoint_id)
+            if cached is not None:
+                self._manifests.move_to_end(checkpoint_id)
         if cached is not None:
             return cached
         if not is_checkpoint_id(checkpoint_id):
@@ -117,7 +135,7 @@ class Index:
             ) from None
         m = parse_manifest(data, expected_id=checkpoint_id)
         with self._cache_lock:
-            self._manifests[checkpoint_id] = m
+            self._cache(m)
         return m
 
     def checkpoints(self, *, on_error: Callable[[str, CheckpointError], None] | None = None) -> list[CheckpointInfo]:
@@ -200,7 +218,7 @@ class Index:
     def remember(self, m: Manifest) -> None:
         """Cache a manifest this process just committed (it is what a later read would parse)."""
         with self._cache_lock:
-            self._manifests[m.id] = m
+            self._cache(m)
 
     def forget(self, checkpoint_id: str) -> None:
         """Drop a deleted checkpoint's manifest from the cache."""

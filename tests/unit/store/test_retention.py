@@ -15,7 +15,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from psguard.storage.registry import open_backend
 from psguard.store import Store
+from psguard.store.index import MANIFEST_CACHE_ENTRIES, Index
 from psguard.store.manifest import chunk_key
 from psguard.tensors import Rows
 from tests.support.paths import ROOT
@@ -101,3 +103,21 @@ def test_nothing_restorable_means_nothing_deleted(tmp_path: Path) -> None:
         report = store.gc(keep_last=1)
         assert report.deleted_checkpoints == () and set(report.kept) == {a, b}
         assert set(report.corrupt_checkpoints) == {a, b}
+
+
+def test_a_reader_keeps_a_bounded_number_of_manifests_however_many_were_committed(tmp_path: Path) -> None:
+    """A PS agent reads the chain of every save it writes while the chief's retention deletes the old ones; it
+    held every manifest it had ever parsed (the soak found the agent growing by each commit)."""
+
+    table = np.zeros((4, 2), dtype=np.float32)
+    with Store.open(str(tmp_path)) as writer:
+        ids = [writer.save(step, {"t": table + step}).id for step in range(MANIFEST_CACHE_ENTRIES + 40)]
+    reader = Index(open_backend(str(tmp_path)))
+    for cid in ids:
+        assert reader.manifest(cid).id == cid
+    cached = reader._manifests
+    assert len(cached) == MANIFEST_CACHE_ENTRIES
+    assert ids[-1] in cached and ids[0] not in cached  # the least recently used went first
+    reader.manifest(ids[-MANIFEST_CACHE_ENTRIES])  # read again: now the most recent, kept at the next insert
+    reader.manifest(ids[0])
+    assert ids[-MANIFEST_CACHE_ENTRIES] in cached and ids[-MANIFEST_CACHE_ENTRIES + 1] not in cached
