@@ -153,6 +153,10 @@ class _Run:
         """More arguments for the trainer (a soak's finish file)."""
         return []
 
+    def target_line(self) -> str:
+        """Where the run's training ends, said once the cluster is up."""
+        return f"training to step {self.scenario.training.steps}"
+
     def progress_line(self, fired: str, elapsed: float | None) -> str:
         """The line said every few seconds while the job trains."""
         return f"  step {self.step}/{self.scenario.training.steps}  faults fired {fired}"
@@ -506,7 +510,7 @@ def run_scenario(
         )
         run.start_storage()
         run.start_cluster()
-        say(f"  cluster up in {time.monotonic() - t0:.0f}s; training to step {scenario.training.steps}")
+        say(f"  cluster up in {time.monotonic() - t0:.0f}s; {run.target_line()}")
         run.loop(deadline)
     except (KeyboardInterrupt, LaunchError, HistoryError) as e:
         interrupted = e

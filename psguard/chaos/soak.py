@@ -91,6 +91,9 @@ class _SoakRun(_Run):
         if self.finished_at_step is None and elapsed >= self.duration and self.step is not None:
             self._finish()
 
+    def target_line(self) -> str:
+        return f"training for {self.duration / 60:g} minutes, {len(self.schedule)} faults, then to a step named then"
+
     def progress_line(self, fired: str, elapsed: float | None) -> str:
         minutes = 0.0 if elapsed is None else elapsed / 60
         return f"  soak {minutes:.1f}/{self.duration / 60:.1f} min  step {self.step}  faults fired {fired}"
