@@ -649,10 +649,44 @@ def recoveries_not_slower(ctx: _Context, records: Sequence[Record]) -> Verdict:
     return Verdict(name, "valid", f"{judged} later recoveries no slower than the first of their kind", evidence)
 
 
+def alerts_watched(ctx: _Context, records: Sequence[Record]) -> Verdict:
+    """With Prometheus watching (``soak.prometheus``): no shipped alert fires before the first fault, the one
+    meant for repeated restarts (PsguardTaskRestarting) fires for every task the faults restarted three times
+    within its 15-minute window, and every query of the shipped Grafana dashboard returns data."""
+    name = "alerts-watched"
+    watch = next((o for o in ctx.of("prometheus") if o.process == "harness"), None)
+    if watch is None or watch.type != "ok":
+        error = watch.value.get("error") if watch is not None else "no prometheus record"
+        return Verdict(name, "invalid", f"Prometheus did not report: {error}", {})
+    alerts, dashboard = list(watch.value.get("alerts", [])), dict(watch.value.get("dashboard", {}))
+    faults = sorted(o.start for o in ctx.of(FAULTS, "ok") if o.process == "nemesis")
+    first_fault = faults[0] if faults else float("inf")
+    early = [a for a in alerts if float(a["first"]) < first_fault]
+    bursts = set(watch.value.get("restart_bursts", []))
+    alerted = {str(a["labels"].get("task")) for a in alerts if a["alert"] == "PsguardTaskRestarting"}
+    empty = sorted(expr for expr, n in dashboard.items() if not n)
+    evidence = {"alerts": alerts, "dashboard": dashboard, "first_fault": first_fault, "restart_bursts": sorted(bursts)}
+    problems = []
+    if early:
+        problems.append(f"{', '.join(sorted({a['alert'] for a in early}))} fired before the first fault")
+    if bursts - alerted:
+        problems.append(f"restarted 3 times in 15 minutes, no PsguardTaskRestarting: {sorted(bursts - alerted)}")
+    if empty:
+        problems.append(f"{len(empty)} dashboard query(ies) returned nothing: {empty[:3]}")
+    if not dashboard:
+        problems.append("no dashboard query was run")
+    if problems:
+        return Verdict(name, "invalid", "; ".join(problems), evidence)
+    fired = sorted({a["alert"] for a in alerts})
+    return Verdict(name, "valid", f"alerts fired: {', '.join(fired) or 'none'}; quiet before the first fault; "
+                   f"all {len(dashboard)} dashboard queries return data", evidence)  # fmt: skip
+
+
 #: Judged only in a soak (its ``run`` record has ``soak``): they need the resource samples and many faults.
 SOAK_CHECKERS: dict[str, Callable[[_Context, Sequence[Record]], Verdict]] = {
     "resources-bounded": resources_bounded,
     "recoveries-not-slower": recoveries_not_slower,
+    "alerts-watched": alerts_watched,  # only when Prometheus watched it (``soak.prometheus``)
 }
 
 CHECKERS: dict[str, Callable[[_Context], Verdict]] = {
@@ -680,6 +714,8 @@ def check_all(records: Sequence[Record], reference: Sequence[Record] | None = No
         out[name] = final_loss(ctx, reference) if checker is final_loss else checker(ctx)
     if soak:
         for name, soak_checker in SOAK_CHECKERS.items():
+            if soak_checker is alerts_watched and not (ctx.run.get("soak") or {}).get("prometheus"):
+                continue
             out[name] = soak_checker(ctx, records)
     return out
 

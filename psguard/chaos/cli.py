@@ -11,10 +11,15 @@ import argparse
 import json
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from psguard.errors import ConfigError
 from psguard.run_folder import claim_folder
+
+if TYPE_CHECKING:
+    from psguard.chaos.runner import RunResult
 
 EXIT_UNKNOWN = 5
 
@@ -48,19 +53,27 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
     # Refuse a folder the run may not empty now, before a reference run or any process starts.
     directory = claim_folder(args.report or f"chaos-runs/{scenario.name}-seed{args.seed}", "psguard chaos run")
-    previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM cleans up like Ctrl-C
-    try:
+
+    def run() -> RunResult:
         if args.baseline:
             from psguard.chaos.baseline import run_side_by_side
 
-            result = run_side_by_side(scenario, directory, seed=args.seed)
-        else:
-            references = Path(args.reference_dir) if args.reference_dir else None
-            result = run_with_reference(
-                scenario, directory, seed=args.seed, job=args.job or DEFAULT_JOB, references=references
-            )
+            return run_side_by_side(scenario, directory, seed=args.seed)
+        references = Path(args.reference_dir) if args.reference_dir else None
+        return run_with_reference(
+            scenario, directory, seed=args.seed, job=args.job or DEFAULT_JOB, references=references
+        )
+
+    return _judged(run, "run")
+
+
+def _judged(run: Callable[[], RunResult], what: str) -> int:
+    """Run with SIGTERM cleaning up like Ctrl-C, print the verdicts, and return the exit code they make."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        result = run()
     except KeyboardInterrupt:
-        print("psguard chaos: interrupted; every process the run started was stopped", file=sys.stderr, flush=True)
+        print(f"psguard chaos: interrupted; every process the {what} started was stopped", file=sys.stderr, flush=True)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -85,16 +98,8 @@ def cmd_soak(args: argparse.Namespace) -> int:
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     print(f"psguard chaos soak {scenario.name}: seed {seed} (replay this run with --seed {seed})", flush=True)
     directory = claim_folder(args.report or f"chaos-runs/{scenario.name}-seed{seed}", "psguard chaos soak")
-    previous = signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        result = run_soak(scenario, directory, duration=duration, seed=seed, job=args.job or DEFAULT_JOB)
-    except KeyboardInterrupt:
-        print("psguard chaos: interrupted; every process the soak started was stopped", file=sys.stderr, flush=True)
-        return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    _print_verdicts(result.report, result.directory)
-    return _exit_code(result.overall)
+    return _judged(lambda: run_soak(scenario, directory, duration=duration, seed=seed, job=args.job or DEFAULT_JOB),
+                   "soak")  # fmt: skip
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -216,6 +216,10 @@ class SoakSpec:
     warmup: Duration = 120.0
     sample_every: Duration = 5.0
     bounds: SoakBounds = field(default_factory=SoakBounds)
+    # A real Prometheus (Debian's, psguard.testbed.prometheus) scrapes every agent with the shipped scrape job and
+    # evaluates the shipped alerts (integrations/prometheus/): the soak then also judges the alerts and the
+    # Grafana dashboard's queries (``alerts-watched``).
+    prometheus: bool = False
 
     def __post_init__(self) -> None:
         validate(self)

@@ -35,7 +35,7 @@ from psguard.chaos.runner import DEFAULT_JOB, HARNESS, RunResult, _Run, run_scen
 from psguard.chaos.scenario import Scenario, SoakSpec
 from psguard.errors import ConfigError
 
-__all__ = ["check_soak", "run_soak", "state_bytes"]
+__all__ = ["check_soak", "dashboard_queries", "prometheus_config", "run_soak", "state_bytes"]
 
 #: The trainer's ``--steps`` in a soak: never reached; the run ends at the step the harness names.
 _UNBOUNDED_STEPS = 10**9
@@ -75,6 +75,7 @@ class _SoakRun(_Run):
             "warmup": self.soak.warmup,
             "sample_every": self.soak.sample_every,
             "bounds": asdict(self.soak.bounds),
+            "prometheus": self.soak.prometheus,
             "state_bytes": state_bytes(self.scenario),
         }
         return {"soak": soak, "target_step": None}  # the target is named at the end (``finish``)
@@ -131,6 +132,58 @@ class _SoakRun(_Run):
         self.history.append(HARNESS, "invoke", "resources", {}, at=now)
         self.history.append(HARNESS, "ok", "resources", {"values": dict(self._values)}, at=now)
 
+    # ------------------------------------------------------------------------------------------ Prometheus
+    def start_cluster(self) -> None:
+        super().start_cluster()
+        if self.soak.prometheus:
+            self._start_prometheus()
+
+    def _start_prometheus(self) -> None:
+        from psguard.testbed.prometheus import PrometheusServer
+
+        if not (INTEGRATIONS / "scrape-config.yaml").is_file():
+            raise ConfigError(f"soak.prometheus: the shipped Prometheus files are not here ({INTEGRATIONS})")
+        targets = [str(a.url).removeprefix("http://") for a in self.agents.values() if a.url]
+        token = next(iter(self.agents.values())).token_file  # the run's agents share one
+        config = prometheus_config(targets, token, self.soak.sample_every)
+        self.prometheus = PrometheusServer(self.dir / "prometheus", config).start()
+        self._prom_started = time.time()
+        self.say(f"  prometheus {self.prometheus.url} scrapes {len(targets)} agents, the shipped alerts loaded")
+
+    def stop_all(self) -> None:
+        prom = getattr(self, "prometheus", None)
+        if prom is not None:
+            try:
+                self._record_prometheus(prom)
+            finally:
+                prom.stop()
+        super().stop_all()
+
+    def _record_prometheus(self, prom: Any) -> None:
+        """What Prometheus saw, as a history record: each alert's firing span (on the history's clock) and how
+        many series each of the Grafana dashboard's queries returns now."""
+        offset = time.time() - time.monotonic()
+        self.history.append(HARNESS, "invoke", "prometheus", {})
+        try:
+            firing = prom.query_range('ALERTS{alertstate="firing"}', self._prom_started, time.time(), 2.0)
+            alerts = [
+                {"alert": s["metric"].get("alertname"), "labels": s["metric"],
+                 "first": float(s["values"][0][0]) - offset, "last": float(s["values"][-1][0]) - offset}
+                for s in firing if s.get("values")
+            ]  # fmt: skip
+            dashboard = {expr: len(prom.query(expr)) for expr in dashboard_queries()}
+            # The tasks whose restarts reached PsguardTaskRestarting's condition at some moment: the alert must
+            # have fired for each of them.
+            bursts = prom.query_range(
+                "increase(psguard_task_restarts_total[15m]) >= 3", self._prom_started, time.time(), 2.0
+            )
+            restarted = sorted({str(b["metric"].get("task")) for b in bursts if b.get("values")})
+        except Exception as e:  # evidence of a broken watch, judged as such
+            self.history.append(HARNESS, "fail", "prometheus", {"error": f"{type(e).__name__}: {e}"[:500]})
+            return
+        value = {"alerts": alerts, "dashboard": dashboard, "restart_bursts": restarted}
+        self.history.append(HARNESS, "ok", "prometheus", value)
+
     # ------------------------------------------------------------------------------------------ the end
     def _finish(self) -> None:
         """The duration is over: name the last step (a few chunks on) for the trainer, which ends there."""
@@ -143,6 +196,35 @@ class _SoakRun(_Run):
         self.history.append(HARNESS, "invoke", "finish", {"target_step": target})
         self.history.append(HARNESS, "ok", "finish", {"target_step": target})
         self.say(f"  soak: {self.duration / 60:.1f} min are over; training to step {target}, then the verdicts")
+
+
+#: The shipped Prometheus files (the repository's integrations/prometheus/), which the soak's Prometheus loads.
+INTEGRATIONS = Path(__file__).resolve().parents[2] / "integrations" / "prometheus"
+
+
+def prometheus_config(targets: list[str], token_file: Path, interval: float) -> dict[str, Any]:
+    """The shipped scrape job (integrations/prometheus/scrape-config.yaml) pointed at this run's agents: static
+    loopback targets instead of Kubernetes discovery, plain HTTP with the run's token instead of mutual TLS, and
+    an interval of ``interval`` seconds (15 s in the file) so a soak of minutes has enough samples; the shipped
+    alerts as its rules, evaluated as often."""
+    import yaml
+
+    job = dict(yaml.safe_load((INTEGRATIONS / "scrape-config.yaml").read_text())["scrape_configs"][0])
+    for key in ("kubernetes_sd_configs", "relabel_configs", "tls_config"):
+        job.pop(key, None)
+    job.update(scheme="http", scrape_interval=f"{interval:g}s", static_configs=[{"targets": targets}])
+    job["authorization"] = {**job["authorization"], "credentials_file": str(token_file)}
+    return {
+        "global": {"scrape_interval": f"{interval:g}s", "evaluation_interval": f"{interval:g}s"},
+        "rule_files": [str(INTEGRATIONS / "alerts.yaml")],
+        "scrape_configs": [job],
+    }
+
+
+def dashboard_queries() -> list[str]:
+    """Every query of the shipped Grafana dashboard."""
+    doc = json.loads((INTEGRATIONS / "grafana-dashboard.json").read_text())
+    return [t["expr"] for panel in doc.get("panels", []) for t in panel.get("targets", []) if t.get("expr")]
 
 
 def check_soak(scenario: Scenario, duration: float) -> None:

@@ -19,12 +19,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from psguard.testbed.hdfs import cache_root
 
-__all__ = ["PrometheusError", "prepare", "promtool"]
+__all__ = ["PrometheusError", "PrometheusServer", "prepare", "promtool"]
 
 PACKAGE = "prometheus"
 
@@ -88,6 +90,104 @@ def promtool(cache_dir: Path | None = None) -> Path:
     """``promtool``: from PATH when installed, else from the cache (fetched on first use)."""
     found = shutil.which("promtool")
     return Path(found) if found else _binaries(prepare(cache_dir))["promtool"]
+
+
+class PrometheusServer:
+    """A real Prometheus server on loopback, on a configuration given as a dict, with its data in ``directory``.
+
+    For the soak (:mod:`psguard.chaos.soak`): it scrapes the run's agents and evaluates the shipped alerts while
+    the faults happen, and :meth:`query` / :meth:`query_range` read what it saw through its HTTP API. Dies with
+    the Python process that started it (parent-death signal), like the S3 servers.
+    """
+
+    def __init__(self, directory: Path, config: dict[str, Any], *, startup_timeout: float = 60.0) -> None:
+        self.directory = directory
+        self.config = config
+        self.startup_timeout = startup_timeout
+        self.port = 0
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> PrometheusServer:
+        import json
+
+        from psguard.ports import free_port, wait_port
+        from psguard.testbed.s3_server import pdeathsig_prefix
+
+        binary = _binaries(prepare())["prometheus"]
+        self.directory.mkdir(parents=True, exist_ok=True)
+        config = self.directory / "prometheus.yml"
+        config.write_text(json.dumps(self.config, indent=1))  # YAML is a superset of JSON
+        self.port = free_port()
+        cmd = [
+            *pdeathsig_prefix(True),
+            str(binary),
+            f"--config.file={config}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+        ]
+        cmd += [f"--storage.tsdb.path={self.directory / 'tsdb'}", "--log.level=warn"]
+        log = open(self.directory / "prometheus.log", "ab")  # noqa: SIM115 - the server's for its lifetime
+        self._proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            wait_port("127.0.0.1", self.port, self.startup_timeout, what="prometheus")
+            # The port opens before the TSDB and the rules are loaded: /-/ready answers 503 until then.
+            while not self._ready():
+                if time.monotonic() > deadline or self._proc.poll() is not None:
+                    raise TimeoutError
+                time.sleep(0.1)
+        except TimeoutError:
+            self.stop()
+            raise PrometheusError(
+                f"prometheus did not become ready within {self.startup_timeout:.0f}s: {self.directory}"
+            ) from None
+        return self
+
+    def _ready(self) -> bool:
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(f"{self.url}/-/ready", timeout=5) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _get(self, path: str, **params: str) -> Any:
+        import json
+        import urllib.parse
+        import urllib.request
+
+        url = f"{self.url}{path}?{urllib.parse.urlencode(params)}"
+        with urllib.request.urlopen(url, timeout=30) as r:  # our own loopback server
+            doc = json.loads(r.read())
+        if doc.get("status") != "success":
+            raise PrometheusError(f"{path} {params}: {doc.get('error')}")
+        return doc["data"]
+
+    def query(self, expr: str) -> list[dict[str, Any]]:
+        """An instant query now: the result's series (``metric`` labels and ``value``)."""
+        return list(self._get("/api/v1/query", query=expr)["result"])
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
+        """A range query (Unix times): each series' ``metric`` labels and ``values`` ([time, value] pairs)."""
+        data = self._get("/api/v1/query_range", query=expr, start=f"{start:.3f}", end=f"{end:.3f}", step=f"{step:g}")
+        return list(data["result"])
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Self
 
 from psguard.ports import port_open
 
-__all__ = ["HOST", "REGION", "S3Server", "S3ServerError"]
+__all__ = ["HOST", "REGION", "S3Server", "S3ServerError", "pdeathsig_prefix"]
 
 HOST = "127.0.0.1"
 """Servers bind loopback only: a test bed must never be reachable from the network."""
@@ -119,7 +119,7 @@ def _terminate_group(proc: subprocess.Popen[bytes], timeout: float, *, graceful:
         time.sleep(0.02)
 
 
-def _pdeathsig_prefix(enabled: bool) -> list[str]:
+def pdeathsig_prefix(enabled: bool) -> list[str]:
     """Make the kernel SIGKILL the server when the Python process that started it dies.
 
     The servers run in their own session (so a chaos run can kill one alone), which also means nothing stops
@@ -438,7 +438,7 @@ class S3Server(ABC):
 
     def _launch(self) -> None:
         self._starts += 1
-        cmd = _pdeathsig_prefix(self.die_with_parent) + self._command()
+        cmd = pdeathsig_prefix(self.die_with_parent) + self._command()
         with self.log_path.open("ab") as log:
             log.write(f"\n=== psguard testbed: start #{self._starts} of {self.kind} at {time.ctime()} ===\n".encode())
             log.flush()

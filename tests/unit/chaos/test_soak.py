@@ -203,3 +203,93 @@ def test_soak_and_run_refuse_each_others_scenarios() -> None:
     assert out.returncode == 2 and "shorter than the soak's first_after + quiet_tail" in out.stderr, out.stderr
     out = _cli("soak", str(ROOT / "chaos" / "soak-ci.yaml"), "--duration", "an hour")
     assert out.returncode == 2 and "--duration" in out.stderr, out.stderr
+
+
+def test_the_soak_refuses_a_duration_without_room_for_a_fault_and_sizes_its_state() -> None:
+    from psguard.chaos.soak import check_soak, state_bytes
+
+    big = load_scenario(ROOT / "chaos" / "soak-256mb.yaml")
+    assert state_bytes(big) == 256_000_000  # a 1,000,000 x 32 float32 table and its Adagrad slot
+    check_soak(big, 3600.0)
+    with pytest.raises(ConfigError, match="shorter than the soak's first_after"):
+        check_soak(big, 100.0)
+    with pytest.raises(ConfigError, match="not a soak scenario"):
+        check_soak(load_scenario(ROOT / "chaos" / "kill-ps.yaml"), 3600.0)
+
+
+# ------------------------------------------------------------------------------------------------ Prometheus
+def _watched(alerts: list[dict[str, Any]], dashboard: dict[str, int], bursts: tuple[str, ...] = ("ps:0",)) -> str:
+    h = _soak()
+    run = dict(h.records[1].value)
+    run["soak"] = {**run["soak"], "prometheus": True}
+    h.records[0] = replace(h.records[0], value=run)
+    h.records[1] = replace(h.records[1], value=run)
+    h.restore(0, source=None)
+    h.commit(0, durable=True)
+    h.train(0, 5)
+    start = h.t
+    for _ in range(3):
+        h.t += 60.0
+        h.fault("kill", "ps:0")
+        h.train(5, 10)
+    h.op("harness", "prometheus", {}, {"alerts": [{**a, "first": start + a["first"], "last": start + a["last"]}
+                                                  for a in alerts], "dashboard": dashboard,
+                                       "restart_bursts": list(bursts)})  # fmt: skip
+    return check_all(_finished(h, 15).records)["alerts-watched"].status
+
+
+def test_the_alerts_must_fire_for_repeated_restarts_only_after_a_fault_and_the_dashboard_show_data() -> None:
+    restarting = {"alert": "PsguardTaskRestarting", "labels": {"task": "ps:0"}, "first": 150.0, "last": 200.0}
+    assert _watched([restarting], {"psguard_task_up": 4}) == "valid"
+    assert _watched([], {"psguard_task_up": 4}) == "invalid"  # ps:0 restarted 3 times in 15 minutes, no alert
+    assert _watched([], {"psguard_task_up": 4}, bursts=()) == "valid"  # no task did: nothing was meant to fire
+    assert _watched([restarting], {"psguard_task_up": 4}, bursts=("ps:0", "ps:1")) == "invalid"  # ps:1's missing
+    early = {"alert": "PsguardAgentDown", "labels": {}, "first": 10.0, "last": 20.0}  # before the first fault
+    assert _watched([restarting, early], {"psguard_task_up": 4}) == "invalid"
+    assert _watched([restarting], {"psguard_task_up": 4, "rate(psguard_probe_failures_total[5m])": 0}) == "invalid"
+
+
+def test_the_soaks_prometheus_is_the_shipped_scrape_job_pointed_at_the_run(tmp_path: Path) -> None:
+    from psguard.chaos.soak import INTEGRATIONS, dashboard_queries, prometheus_config
+
+    config = prometheus_config(["127.0.0.1:1234", "127.0.0.1:1235"], tmp_path / "token", 2.0)
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == "psguard" and job["metrics_path"] == "/metrics"  # the shipped job's
+    assert job["scheme"] == "http" and "tls_config" not in job and "kubernetes_sd_configs" not in job
+    assert job["static_configs"] == [{"targets": ["127.0.0.1:1234", "127.0.0.1:1235"]}]
+    assert job["authorization"] == {"type": "Bearer", "credentials_file": str(tmp_path / "token")}
+    assert config["rule_files"] == [str(INTEGRATIONS / "alerts.yaml")]
+    assert len(dashboard_queries()) >= 10 and "psguard_task_up" in dashboard_queries()
+
+
+def test_a_real_prometheus_scrapes_an_agent_with_its_token_and_loads_the_alerts(tmp_path: Path) -> None:
+    import secrets
+    import time
+
+    from psguard.agent.control.httpd import AgentHTTPServer
+    from psguard.agent.control.metrics import AgentMetrics
+    from psguard.chaos.soak import prometheus_config
+    from psguard.testbed.prometheus import PrometheusServer
+
+    token = secrets.token_urlsafe(24)
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    token_file.chmod(0o600)
+    metrics = AgentMetrics.create()
+    with AgentHTTPServer(token=token, registry=metrics.registry, status=dict) as agent:
+        target = agent.url.removeprefix("http://")
+        prom = PrometheusServer(tmp_path / "prom", prometheus_config([target], token_file, 1.0)).start()
+        try:
+            deadline = time.monotonic() + 60
+            up: list[dict[str, Any]] = []
+            while time.monotonic() < deadline:
+                up = prom.query('up{job="psguard"}')
+                if up and up[0]["value"][1] == "1":
+                    break
+                time.sleep(0.5)  # Prometheus scrapes on its own clock: nothing to await but its answer
+            assert up and up[0]["value"][1] == "1", up  # the token worked: /metrics answered
+            groups = prom._get("/api/v1/rules")["groups"]
+            names = {r["name"] for g in groups for r in g["rules"]}
+            assert {"PsguardTaskRestarting", "PsguardAgentDown", "PsguardPeerCopyLagging"} <= names
+        finally:
+            prom.stop()
