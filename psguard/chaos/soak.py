@@ -41,6 +41,8 @@ __all__ = ["check_soak", "dashboard_queries", "prometheus_config", "run_soak", "
 _UNBOUNDED_STEPS = 10**9
 #: Steps past the last one seen that the harness asks for: a few chunks, so the end is near but not past.
 _FINISH_CHUNKS = 4
+#: Seconds between two listings of an S3 store (each lists every chunk: not every sample).
+_LISTING_EVERY = 30.0
 #: Seconds past ``--duration`` the run may take to start, finish its last steps and stop, before its time limit.
 _SLACK = 900.0
 
@@ -64,6 +66,7 @@ class _SoakRun(_Run):
         self.finish_path = directory / "finish.json"
         self.finished_at_step: int | None = None
         self._last_sample = 0.0
+        self._last_listing = 0.0
         self._sampler = ResourceSampler(self._processes, self._folders(), self._collect, every=self.soak.sample_every)
         self._values: dict[str, float] = {}
 
@@ -119,9 +122,22 @@ class _SoakRun(_Run):
             folders[f"ps{i}-shards"] = self.dir / f"ps{i}-shards"
         if self.scenario.storage.kind == "local":
             folders["store"] = self.dir / "store"
-        else:
-            folders["store"] = self.dir / self.scenario.storage.kind  # the storage server's data folder
+        elif self.scenario.storage.kind == "hdfs":
+            folders["store"] = self.dir / "hdfs"  # the DataNode's folder: HDFS frees a deleted block at once
+        # S3: the objects the store holds, listed (_store_objects); SeaweedFS keeps a deleted object's space
+        # in its volume files until a vacuum, so its data folder grew by every checkpoint retention deleted.
         return folders
+
+    def _store_objects(self) -> tuple[float, float] | None:
+        """Bytes and objects under the store's S3 URL (one listing), or ``None`` when it cannot be listed now."""
+        import fsspec
+
+        try:
+            fs, path = fsspec.core.url_to_fs(self.store_url, **self.storage_options)
+            sizes = fs.du(path, total=False)
+        except Exception:  # an outage the nemesis made: this sample has no store figure
+            return None
+        return float(sum(sizes.values())), float(len(sizes))
 
     def _collect(self, _t: float, series: str, value: float) -> None:
         self._values[series] = value
@@ -129,6 +145,11 @@ class _SoakRun(_Run):
     def _sample(self, now: float) -> None:
         self._values = {}
         self._sampler.sample()
+        if self.scenario.storage.kind == "s3" and now - self._last_listing >= _LISTING_EVERY:
+            self._last_listing = now
+            listed = self._store_objects()
+            if listed is not None:
+                self._values["folder:store/bytes"], self._values["folder:store/files"] = listed
         self.history.append(HARNESS, "invoke", "resources", {}, at=now)
         self.history.append(HARNESS, "ok", "resources", {"values": dict(self._values)}, at=now)
 
