@@ -60,11 +60,14 @@ def test_a_soak_kind_is_checked_when_the_scenario_loads(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ checkers
-def _soak(target: int = 60) -> H:
+def _soak(target: int = 60, *, training: dict[str, Any] | None = None, **soak: Any) -> H:
+    """A hand-made soak history: the run record (invoke and ok) says ``soak``, with ``soak`` and ``training``
+    settings merged in."""
     h = H(target)
-    run = h.records[0].value
-    h.records[0] = replace(h.records[0], value={**run, "soak": SOAK_RUN, "target_step": None})
-    h.records[1] = replace(h.records[1], value={**run, "soak": SOAK_RUN, "target_step": None})
+    run = dict(h.records[0].value)
+    run.update(soak={**SOAK_RUN, **soak}, target_step=None, training={**run["training"], **(training or {})})
+    h.records[0] = replace(h.records[0], value=run)
+    h.records[1] = replace(h.records[1], value=run)
     return h
 
 
@@ -156,11 +159,7 @@ def test_a_recovery_much_slower_than_the_first_of_its_kind_fails_the_soak(later:
 
 def test_retention_may_delete_old_commits_but_never_the_newest_kept() -> None:
     def history(keep: int | None, drop: int) -> H:
-        h = _soak()
-        run = dict(h.records[1].value)
-        run["training"] = {**run["training"], "max_to_keep": keep}
-        h.records[0] = replace(h.records[0], value=run)
-        h.records[1] = replace(h.records[1], value=run)
+        h = _soak(training={"max_to_keep": keep})
         h.restore(0, source=None)
         for s in range(0, 30, 5):
             h.commit(s, durable=True)
@@ -219,11 +218,7 @@ def test_the_soak_refuses_a_duration_without_room_for_a_fault_and_sizes_its_stat
 
 # ------------------------------------------------------------------------------------------------ Prometheus
 def _watched(alerts: list[dict[str, Any]], dashboard: dict[str, int], bursts: tuple[str, ...] = ("ps:0",)) -> str:
-    h = _soak()
-    run = dict(h.records[1].value)
-    run["soak"] = {**run["soak"], "prometheus": True}
-    h.records[0] = replace(h.records[0], value=run)
-    h.records[1] = replace(h.records[1], value=run)
+    h = _soak(prometheus=True)
     h.restore(0, source=None)
     h.commit(0, durable=True)
     h.train(0, 5)
