@@ -409,12 +409,14 @@ class _Run:
     def store_gc(self, keep: int) -> None:
         """The store's own clean-up, keeping every checkpoint: what a killed writer left (temporary files,
         chunks no manifest references) is removed by gc by design (docs/storage-format.md), so the leak audit
-        runs after it; what was there before is recorded in ``final-store``."""
+        runs after it; what was there before is recorded in ``final-store``. Every writer is stopped by now, so
+        no grace period: gc otherwise leaves what a writer killed less than a lease before the run's end wrote
+        (a PS agent killed mid-write near the end), which the audit then counted as a leak."""
         from psguard.store import Store
 
         self.history.append(HARNESS, "invoke", "gc", {"keep_last": max(1, keep)})
         try:
-            with Store.open(self.store_url, self.storage_options) as store:
+            with Store.open(self.store_url, self.storage_options, chunk_grace=0.0) as store:
                 report = store.gc(keep_last=max(1, keep))
         except Exception as e:
             self.history.append(HARNESS, "fail", "gc", {"error": str(e)[:500]})

@@ -8,8 +8,10 @@ persister calls it after every commit.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -121,3 +123,21 @@ def test_a_reader_keeps_a_bounded_number_of_manifests_however_many_were_committe
     reader.manifest(ids[-MANIFEST_CACHE_ENTRIES])  # read again: now the most recent, kept at the next insert
     reader.manifest(ids[0])
     assert ids[-MANIFEST_CACHE_ENTRIES] in cached and ids[-MANIFEST_CACHE_ENTRIES + 1] not in cached
+
+
+def test_a_gc_with_no_grace_removes_what_a_writer_killed_a_moment_ago_left(tmp_path: Path) -> None:
+    """The chaos harness's final gc runs once every writer is stopped: a PS agent killed mid-write shortly before
+    the end left a temporary chunk that a gc with the usual grace (a lease) keeps, and the leak audit failed."""
+    with Store.open(str(tmp_path)) as store:
+        store.save(0, {"t": np.zeros((4, 2), dtype=np.float32)})
+    leftover = tmp_path / "chunks" / "ab" / ("ab" * 32 + ".tmp.0123456789ab")
+    leftover.parent.mkdir(parents=True, exist_ok=True)
+    leftover.write_bytes(b"half a chunk")
+    a_second_ago = time.time() - 1.0  # past the storage's mtime resolution, well within a lease
+    os.utime(leftover, (a_second_ago, a_second_ago))
+    with Store.open(str(tmp_path)) as store:
+        store.gc(keep_last=1)
+    assert leftover.exists(), "with the grace of a lease, a fresh leftover may be a live writer's: kept"
+    with Store.open(str(tmp_path), chunk_grace=0.0) as store:
+        store.gc(keep_last=1)
+    assert not leftover.exists()
