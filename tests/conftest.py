@@ -24,9 +24,10 @@ _ALLOWED_THREAD_PREFIXES = ("fsspecIO", "asyncio_", "pydevd", "Dummy-", "ThreadP
 
 #: The folder of the tests that start TensorFlow clusters, agents or trainers (from the repository's root, as
 #: xdist's node ids are). Under ``make test`` (``pytest -n 2 --dist loadgroup``) each folder in it is one lane: its
-#: tests run one after another in one worker. Two lanes of clusters run at once (tests/cluster/ itself, and
-#: tests/cluster/e2e/: whole jobs run through the CLI), the other worker taking every other test once its lane is
-#: done. More than two clusters at once overload a 2-core machine and timing-sensitive waits fail.
+#: tests run one after another in one worker. Two lanes of clusters run at once (of tests/cluster/ itself,
+#: tests/cluster/e2e/: whole jobs run through the CLI, tests/cluster/node/: node loss in those jobs,
+#: tests/cluster/soak/: the 5-minute soak), the other worker taking every other test once its lane is done. More
+#: than two clusters at once overload a 2-core machine and timing-sensitive waits fail.
 CLUSTER_DIR = "tests/cluster/"
 
 
