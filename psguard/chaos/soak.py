@@ -28,12 +28,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from psguard.chaos.resources import ResourceSampler
 from psguard.chaos.runner import DEFAULT_JOB, HARNESS, RunResult, _Run, run_scenario
 from psguard.chaos.scenario import Scenario, SoakSpec
 from psguard.errors import ConfigError
+
+if TYPE_CHECKING:
+    from psguard.testbed.prometheus import PrometheusServer
 
 __all__ = ["check_soak", "dashboard_queries", "prometheus_config", "run_soak", "state_bytes"]
 
@@ -67,6 +70,8 @@ class _SoakRun(_Run):
         self.finished_at_step: int | None = None
         self._last_sample = 0.0
         self._last_listing = 0.0
+        self.prometheus: PrometheusServer | None = None  # soak.prometheus: started with the cluster
+        self._prom_started = 0.0
         self._sampler = ResourceSampler(self._processes, self._folders(), self._collect, every=self.soak.sample_every)
         self._values: dict[str, float] = {}
 
@@ -160,7 +165,7 @@ class _SoakRun(_Run):
             self._start_prometheus()
 
     def _start_prometheus(self) -> None:
-        from psguard.testbed.prometheus import PrometheusServer
+        from psguard.testbed.prometheus import PrometheusServer  # lazy: only a watched soak needs it
 
         if not (INTEGRATIONS / "scrape-config.yaml").is_file():
             raise ConfigError(f"soak.prometheus: the shipped Prometheus files are not here ({INTEGRATIONS})")
@@ -172,7 +177,7 @@ class _SoakRun(_Run):
         self.say(f"  prometheus {self.prometheus.url} scrapes {len(targets)} agents, the shipped alerts loaded")
 
     def stop_all(self) -> None:
-        prom = getattr(self, "prometheus", None)
+        prom = self.prometheus
         if prom is not None:
             try:
                 self._record_prometheus(prom)
@@ -180,7 +185,7 @@ class _SoakRun(_Run):
                 prom.stop()
         super().stop_all()
 
-    def _record_prometheus(self, prom: Any) -> None:
+    def _record_prometheus(self, prom: PrometheusServer) -> None:
         """What Prometheus saw, as a history record: each alert's firing span (on the history's clock) and how
         many series each of the Grafana dashboard's queries returns now."""
         offset = time.time() - time.monotonic()
