@@ -68,6 +68,7 @@ class _SoakRun(_Run):
         self.schedule = self.soak.draw(self.seed, duration, scenario.cluster) if kwargs.get("faults", True) else []
         self.finish_path = directory / "finish.json"
         self.finished_at_step: int | None = None
+        self._finished_wall: float | None = None  # Unix time the duration ended (the dashboard is read as of it)
         self._last_sample = 0.0
         self._last_listing = 0.0
         self.prometheus: PrometheusServer | None = None  # soak.prometheus: started with the cluster
@@ -197,13 +198,18 @@ class _SoakRun(_Run):
                  "first": float(s["values"][0][0]) - offset, "last": float(s["values"][-1][0]) - offset}
                 for s in firing if s.get("values")
             ]  # fmt: skip
-            dashboard = {expr: len(prom.query(expr)) for expr in dashboard_queries()}
-            # The tasks whose restarts reached PsguardTaskRestarting's condition at some moment: the alert must
-            # have fired for each of them.
+            # As of the end of the duration, when every agent still ran: the chief's agent stops with its
+            # trainer, and its series go stale at the next scrape, before this runs.
+            at = self._finished_wall if self._finished_wall is not None else time.time()
+            dashboard = {expr: len(prom.query(expr, at=at)) for expr in dashboard_queries()}
+            # The tasks whose restarts held PsguardTaskRestarting's condition for two of its evaluations: the
+            # alert must have fired for each of them. A shorter span (increase() extrapolates, so the value
+            # wobbles around 3 as restarts leave the window) may fall between the rule's evaluations.
             bursts = prom.query_range(
-                "increase(psguard_task_restarts_total[15m]) >= 3", self._prom_started, time.time(), 2.0
+                "increase(psguard_task_restarts_total[15m]) >= 3", self._prom_started, time.time(), 1.0
             )
-            restarted = sorted({str(b["metric"].get("task")) for b in bursts if b.get("values")})
+            held = 2.0 * self.soak.sample_every
+            restarted = sorted({str(b["metric"].get("task")) for b in bursts if longest_span(b["values"]) >= held})
         except Exception as e:  # evidence of a broken watch, judged as such
             self.history.append(HARNESS, "fail", "prometheus", {"error": f"{type(e).__name__}: {e}"[:500]})
             return
@@ -219,6 +225,7 @@ class _SoakRun(_Run):
         tmp.write_text(json.dumps({"step": target}))
         os.replace(tmp, self.finish_path)  # the trainer reads it whole or not at all
         self.finished_at_step = target
+        self._finished_wall = time.time()
         self.history.append(HARNESS, "invoke", "finish", {"target_step": target})
         self.history.append(HARNESS, "ok", "finish", {"target_step": target})
         self.say(f"  soak: {self.duration / 60:.1f} min are over; training to step {target}, then the verdicts")
@@ -245,6 +252,19 @@ def prometheus_config(targets: list[str], token_file: Path, interval: float) -> 
         "rule_files": [str(INTEGRATIONS / "alerts.yaml")],
         "scrape_configs": [job],
     }
+
+
+def longest_span(values: list[list[Any]], step: float = 1.0) -> float:
+    """The longest run of consecutive points of a range query's series (``[time, value]`` pairs ``step``
+    seconds apart; a condition's series has points only where it held), in seconds."""
+    longest, start, last = 0.0, None, None
+    for t, _ in values:
+        t = float(t)
+        if start is None or last is None or t - last > step * 1.5:
+            start = t
+        last = t
+        longest = max(longest, last - start)
+    return longest
 
 
 def dashboard_queries() -> list[str]:

@@ -169,9 +169,14 @@ class PrometheusServer:
             raise PrometheusError(f"{path} {params}: {doc.get('error')}")
         return doc["data"]
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """An instant query now: the result's series (``metric`` labels and ``value``)."""
-        return list(self._get("/api/v1/query", query=expr)["result"])
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """An instant query, now or as of Unix time ``at``: the result's series (``metric`` labels and ``value``).
+
+        ``at`` matters once targets are gone: Prometheus marks a stopped target's series stale at its next
+        failed scrape, so a plain selector asked after the job ended finds nothing.
+        """
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        return list(self._get("/api/v1/query", **params)["result"])
 
     def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict[str, Any]]:
         """A range query (Unix times): each series' ``metric`` labels and ``values`` ([time, value] pairs)."""

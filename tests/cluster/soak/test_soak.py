@@ -28,7 +28,8 @@ def test_a_five_minute_soak_is_valid_on_every_checker(tmp_path: Path) -> None:
     assert "seed 1 (replay this run with --seed 1)" in out.stdout
     report = json.loads((report_dir / "report.json").read_text())
     statuses = {k: v["status"] for k, v in report["verdicts"].items()}
-    assert statuses == dict.fromkeys(statuses, "valid"), json.dumps(report["verdicts"], indent=1)[:8000]
+    invalid = {k: v for k, v in report["verdicts"].items() if v["status"] != "valid"}
+    assert not invalid, json.dumps(invalid, indent=1)[:8000]
     judged = {"resources-bounded", "recoveries-not-slower", "alerts-watched", "liveness", "restore-exact"}
     assert judged <= set(statuses)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -7,6 +7,8 @@ import itertools
 import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -257,9 +259,19 @@ def test_the_soaks_prometheus_is_the_shipped_scrape_job_pointed_at_the_run(tmp_p
     assert len(dashboard_queries()) >= 10 and "psguard_task_up" in dashboard_queries()
 
 
+def _await_query(prom: Any, expr: str, ok: Callable[[list[dict[str, Any]]], bool]) -> list[dict[str, Any]]:
+    deadline = time.monotonic() + 60
+    answer: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        answer = prom.query(expr)
+        if ok(answer):
+            break
+        time.sleep(0.5)  # Prometheus scrapes on its own clock: nothing to await but its answer
+    return answer
+
+
 def test_a_real_prometheus_scrapes_an_agent_with_its_token_and_loads_the_alerts(tmp_path: Path) -> None:
     import secrets
-    import time
 
     from psguard.agent.control.httpd import AgentHTTPServer
     from psguard.agent.control.metrics import AgentMetrics
@@ -271,20 +283,35 @@ def test_a_real_prometheus_scrapes_an_agent_with_its_token_and_loads_the_alerts(
     token_file.write_text(token)
     token_file.chmod(0o600)
     metrics = AgentMetrics.create()
-    with AgentHTTPServer(token=token, registry=metrics.registry, status=dict) as agent:
-        target = agent.url.removeprefix("http://")
-        prom = PrometheusServer(tmp_path / "prom", prometheus_config([target], token_file, 1.0)).start()
-        try:
-            deadline = time.monotonic() + 60
-            up: list[dict[str, Any]] = []
-            while time.monotonic() < deadline:
-                up = prom.query('up{job="psguard"}')
-                if up and up[0]["value"][1] == "1":
-                    break
-                time.sleep(0.5)  # Prometheus scrapes on its own clock: nothing to await but its answer
+    metrics.record_checkpoint("memory", 40, time.time())
+    prom = None
+    try:
+        with AgentHTTPServer(token=token, registry=metrics.registry, status=dict) as agent:
+            target = agent.url.removeprefix("http://")
+            prom = PrometheusServer(tmp_path / "prom", prometheus_config([target], token_file, 1.0)).start()
+            up = _await_query(prom, 'up{job="psguard"}', lambda a: bool(a) and a[0]["value"][1] == "1")
             assert up and up[0]["value"][1] == "1", up  # the token worked: /metrics answered
             groups = prom._get("/api/v1/rules")["groups"]
             names = {r["name"] for g in groups for r in g["rules"]}
             assert {"PsguardTaskRestarting", "PsguardAgentDown", "PsguardPeerCopyLagging"} <= names
-        finally:
+            while_up = time.time()
+            assert [s["value"][1] for s in prom.query("psguard_last_checkpoint_step")] == ["40"]
+        # The agent is gone (as the chief's is once its trainer finished): its series go stale at the next
+        # failed scrape, and only a query as of a time it ran still reads them (the soak's dashboard check).
+        down = _await_query(prom, 'up{job="psguard"}', lambda a: bool(a) and a[0]["value"][1] == "0")
+        assert down and down[0]["value"][1] == "0", down
+        assert prom.query("psguard_last_checkpoint_step") == []
+        assert [s["value"][1] for s in prom.query("psguard_last_checkpoint_step", at=while_up)] == ["40"]
+    finally:
+        if prom is not None:
             prom.stop()
+
+
+def test_a_restart_burst_counts_only_when_its_condition_held_for_two_evaluations() -> None:
+    from psguard.chaos.soak import longest_span
+
+    assert longest_span([]) == 0.0
+    assert longest_span([[100, "3"]]) == 0.0  # one point: a wobble around 3 the rule may never evaluate
+    gap = [[100, "3"], [101, "3"], [102, "3"], [110, "3"], [111, "3"]]
+    assert longest_span(gap) == 2.0  # a gap splits the spans
+    assert longest_span([[t, "4"] for t in range(200, 207)]) == 6.0
