@@ -652,7 +652,9 @@ def recoveries_not_slower(ctx: _Context, records: Sequence[Record]) -> Verdict:
 def alerts_watched(ctx: _Context, records: Sequence[Record]) -> Verdict:
     """With Prometheus watching (``soak.prometheus``): no shipped alert fires before the first fault, the one
     meant for repeated restarts (PsguardTaskRestarting) fires for every task the faults restarted three times
-    within its 15-minute window, and every query of the shipped Grafana dashboard returns data."""
+    within its 15-minute window, every alert still firing when the duration ended has a fault within its range
+    (the others resolved once their cause was healed), and every query of the shipped Grafana dashboard returns
+    data as of that end."""
     name = "alerts-watched"
     watch = next((o for o in ctx.of("prometheus") if o.process == "harness"), None)
     if watch is None or watch.type != "ok":
@@ -675,11 +677,38 @@ def alerts_watched(ctx: _Context, records: Sequence[Record]) -> Verdict:
         problems.append(f"{len(empty)} dashboard query(ies) returned nothing: {empty[:3]}")
     if not dashboard:
         problems.append("no dashboard query was run")
+    unresolved, resolved = _unresolved_alerts(ctx, watch.value, alerts, faults)
+    evidence["resolved"], evidence["still_firing_unexplained"] = resolved, unresolved
+    if unresolved:
+        problems.append(f"still firing at the end with no fault within their window: {unresolved[:3]}")
     if problems:
         return Verdict(name, "invalid", "; ".join(problems), evidence)
     fired = sorted({a["alert"] for a in alerts})
-    return Verdict(name, "valid", f"alerts fired: {', '.join(fired) or 'none'}; quiet before the first fault; "
-                   f"all {len(dashboard)} dashboard queries return data", evidence)  # fmt: skip
+    ended = f"{resolved} resolved before the end" if resolved is not None else "resolution not recorded"
+    return Verdict(name, "valid", f"alerts fired: {', '.join(fired) or 'none'} ({ended}); quiet before the first "
+                   f"fault; all {len(dashboard)} dashboard queries return data", evidence)  # fmt: skip
+
+
+def _unresolved_alerts(
+    ctx: _Context, watched: Mapping[str, Any], alerts: list[dict[str, Any]], faults: list[float]
+) -> tuple[list[str], int | None]:
+    """The alerts still firing when the duration ended that no fault explains, and how many firing spans had
+    ended by then. An alert over a range (``increase(x[15m])``) may outlast its cause by that range; any
+    other (a gauge held ``for:`` a while) must have resolved once the faults were healed."""
+    finish = [o.start for o in ctx.of("finish", "ok") if o.process == "harness"]
+    windows, interval = watched.get("windows"), float(watched.get("interval") or 0.0)
+    if not finish or windows is None:  # a history from before the harness recorded them
+        return [], None
+    end = finish[0]
+    unresolved, resolved = [], 0
+    for a in alerts:
+        if float(a["last"]) < end - 2.0 * interval:
+            resolved += 1
+            continue
+        window = float(windows.get(a["alert"], 0.0))
+        if not any(end - window <= t <= end for t in faults):
+            unresolved.append(f"{a['alert']}{{task={a['labels'].get('task', '')}}}")
+    return unresolved, resolved
 
 
 #: Judged only in a soak (its ``run`` record has ``soak``): they need the resource samples and many faults.

@@ -213,7 +213,8 @@ class _SoakRun(_Run):
         except Exception as e:  # evidence of a broken watch, judged as such
             self.history.append(HARNESS, "fail", "prometheus", {"error": f"{type(e).__name__}: {e}"[:500]})
             return
-        value = {"alerts": alerts, "dashboard": dashboard, "restart_bursts": restarted}
+        value = {"alerts": alerts, "dashboard": dashboard, "restart_bursts": restarted,
+                 "windows": alert_windows(), "interval": self.soak.sample_every}  # fmt: skip
         self.history.append(HARNESS, "ok", "prometheus", value)
 
     # ------------------------------------------------------------------------------------------ the end
@@ -252,6 +253,24 @@ def prometheus_config(targets: list[str], token_file: Path, interval: float) -> 
         "rule_files": [str(INTEGRATIONS / "alerts.yaml")],
         "scrape_configs": [job],
     }
+
+
+def alert_windows() -> dict[str, float]:
+    """Each shipped alert's longest range (``increase(x[15m])``: 900 s): how long after its cause it may still
+    fire. An alert with no range (a gauge held ``for:`` a while) must resolve once its cause is healed."""
+    import re
+
+    import yaml
+
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+    doc = yaml.safe_load((INTEGRATIONS / "alerts.yaml").read_text())
+    windows = {}
+    for group in doc.get("groups", []):
+        for rule in group.get("rules", []):
+            ranges = [int(n) * units[u] for n, u in re.findall(r"\[(\d+)([smhd])\]", str(rule.get("expr", "")))]
+            if "alert" in rule and ranges:
+                windows[str(rule["alert"])] = float(max(ranges))
+    return windows
 
 
 def longest_span(values: list[list[Any]], step: float = 1.0) -> float:

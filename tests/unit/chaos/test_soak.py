@@ -219,7 +219,14 @@ def test_the_soak_refuses_a_duration_without_room_for_a_fault_and_sizes_its_stat
 
 
 # ------------------------------------------------------------------------------------------------ Prometheus
-def _watched(alerts: list[dict[str, Any]], dashboard: dict[str, int], bursts: tuple[str, ...] = ("ps:0",)) -> str:
+def _watched(
+    alerts: list[dict[str, Any]],
+    dashboard: dict[str, int],
+    bursts: tuple[str, ...] = ("ps:0",),
+    windows: dict[str, float] | None = None,
+) -> str:
+    """The verdict of a soak with three kills of ps:0 a minute apart and this Prometheus record (alert times
+    from the soak's start; a ``last`` of None: still firing when the duration ended)."""
     h = _soak(prometheus=True)
     h.restore(0, source=None)
     h.commit(0, durable=True)
@@ -229,10 +236,18 @@ def _watched(alerts: list[dict[str, Any]], dashboard: dict[str, int], bursts: tu
         h.t += 60.0
         h.fault("kill", "ps:0")
         h.train(5, 10)
-    h.op("harness", "prometheus", {}, {"alerts": [{**a, "first": start + a["first"], "last": start + a["last"]}
-                                                  for a in alerts], "dashboard": dashboard,
-                                       "restart_bursts": list(bursts)})  # fmt: skip
-    return check_all(_finished(h, 15).records)["alerts-watched"].status
+    h.t += 30.0  # a quiet tail
+    end = h.t
+    watched: dict[str, Any] = {"dashboard": dashboard, "restart_bursts": list(bursts)}
+    watched["alerts"] = [{**a, "first": start + a["first"], "last": end if a["last"] is None else start + a["last"]}
+                         for a in alerts]  # fmt: skip
+    if windows is not None:
+        watched.update(windows=windows, interval=3.0)
+    h.op("harness", "finish", {"target_step": 15}, {"target_step": 15})
+    h.op("harness", "prometheus", {}, watched)
+    h.train(10, 15)
+    h.finish()
+    return check_all(h.records)["alerts-watched"].status
 
 
 def test_the_alerts_must_fire_for_repeated_restarts_only_after_a_fault_and_the_dashboard_show_data() -> None:
@@ -315,3 +330,16 @@ def test_a_restart_burst_counts_only_when_its_condition_held_for_two_evaluations
     gap = [[100, "3"], [101, "3"], [102, "3"], [110, "3"], [111, "3"]]
     assert longest_span(gap) == 2.0  # a gap splits the spans
     assert longest_span([[t, "4"] for t in range(200, 207)]) == 6.0
+
+
+def test_an_alert_still_firing_at_the_end_must_be_explained_by_a_fault_within_its_range() -> None:
+    up = {"psguard_task_up": 4}
+    windows = {"PsguardTaskRestarting": 900.0}
+    restarting = {"alert": "PsguardTaskRestarting", "labels": {"task": "ps:0"}, "first": 150.0, "last": None}
+    assert _watched([restarting], up, windows=windows) == "valid"  # its 15-minute range still holds the kills
+    assert _watched([restarting], up, windows={"PsguardTaskRestarting": 1.0}) == "invalid"  # the kills left it
+    down = {"alert": "PsguardAgentDown", "labels": {}, "first": 70.0, "last": 100.0}
+    assert _watched([restarting, down], up, windows=windows) == "valid"  # fired during a fault, then resolved
+    stuck = {**down, "last": None}  # a gauge held for a while: must resolve once the faults are healed
+    assert _watched([restarting, stuck], up, windows=windows) == "invalid"
+    assert _watched([restarting, stuck], up) == "valid"  # a record from before the harness kept the windows
