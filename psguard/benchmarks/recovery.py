@@ -76,6 +76,7 @@ from psguard.benchmarks.common import (
     print_results,
     progress,
 )
+from psguard.errors import ConfigError
 from psguard.handoff.contract import PLAIN_TF_SERVERS, QUIET_TENSORFLOW
 from psguard.ports import free_ports
 from psguard.testbed.cluster import LocalCluster
@@ -99,6 +100,7 @@ class Params:
     # memory tier gone) and a new agent starts with an empty part folder, as on a replacement node.
     fault: str = "process"
     copies: str = "none"  # psguard's peers.copies ("full": each PS agent holds a copy of another's shards)
+    parity_group: int = 2  # with copies "parity": PS per XOR block (peers.parity_group)
     store: str = "local"  # psguard's durable log: "local" (a folder) or "s3" (a SeaweedFS server this run starts)
 
     @property
@@ -270,6 +272,8 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
         if p.copies != "none":
             doc = yaml.safe_load(config)
             doc.setdefault("peers", {})["copies"] = p.copies
+            if p.copies == "parity":
+                doc["peers"]["parity_group"] = p.parity_group
             chief_config = yaml.safe_dump(doc, sort_keys=False)
         agents["chief"] = AgentProcess(root, "chief", args, trainer, config=chief_config, env=env)
         agents["chief"].wait_url(180)
@@ -310,6 +314,7 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
             shards = agents[name].status().get("shards") or {}
             ps_held[f"ps:{i}"] = int(shards.get("bytes") or 0)
             copies_held[f"ps:{i}"] = sum(int(c.get("bytes") or 0) for c in _held(shards).values())
+            copies_held[f"ps:{i}"] += sum(int(g.get("bytes") or 0) for g in _held(shards, "parity_held").values())
         chief_log = chief.log_path.read_text(errors="replace")
     finally:
         for name in ["chief", *[n for n in agents if n != "chief"]]:
@@ -355,6 +360,8 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
         copies=p.copies,
         peer_copy_lag_steps=copy_lag,
         peer_rss_ratio=max(peer_ratios.values()) if peer_ratios else None,
+        # The memory every copy costs the job, over its state: about 1 for full copies, 1/K for parity.
+        copy_overhead_ratio=sum(copies_held.values()) / int(state["state_bytes"]) if p.copies != "none" else None,
     )
     if from_peer and doc["restored_from"] == "memory":
         doc["restored_from"] = "peer"
@@ -367,9 +374,10 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     return doc
 
 
-def _held(shards: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The copies a PS agent holds (its ``/status``), without the counters beside them."""
-    held = shards.get("copies_held") or {}
+def _held(shards: dict[str, Any], kind: str = "copies_held") -> dict[str, dict[str, Any]]:
+    """The copies (``parity_held``: the parity blocks) a PS agent holds (its ``/status``), without the counters
+    beside them."""
+    held = shards.get(kind) or {}
     return {k: v for k, v in held.items() if isinstance(v, dict)}
 
 
@@ -672,6 +680,8 @@ def summarize(
         "store": p.store,
         "peer_copy_lag_steps": [d["peer_copy_lag_steps"] for d in ours],
         "peer_rss_ratio": _med(ours, "peer_rss_ratio"),
+        "copy_overhead_ratio": _med(ours, "copy_overhead_ratio"),
+        "parity_group": p.parity_group if p.copies == "parity" else None,
         "psguard_phases_s": phases(ours),
         "baseline_phases_s": phases(theirs),
         "kill_step": p.kill_at,
@@ -696,6 +706,7 @@ def params_from_args(args: argparse.Namespace, **overrides: Any) -> Params:
         "timeout": args.timeout,
         "fault": getattr(args, "fault", "process"),
         "copies": getattr(args, "copies", "none"),
+        "parity_group": getattr(args, "parity_group", Params.parity_group),
         "store": getattr(args, "store", "local"),
     }
     values.update(overrides)
@@ -716,6 +727,9 @@ def add_job_options(p: argparse.ArgumentParser, *, embedding_dim: int = 16) -> N
 def cmd(args: argparse.Namespace) -> int:
     if args.copies is None:
         args.copies = "full" if args.fault == "node" else "none"
+    if args.copies == "parity" and not 2 <= args.parity_group < args.ps:
+        # The parity of a group is held outside it: with every PS in one group there is no holder.
+        raise ConfigError(f"--copies parity needs 2 <= --parity-group < --ps (got {args.parity_group}, {args.ps} PS)")
     results = run(params_from_args(args), runs=args.runs)
     print_results(results, as_json=args.json)
     return 0
@@ -733,11 +747,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument(
         "--copies",
-        choices=("none", "full"),
+        choices=("none", "full", "parity"),
         default=None,
-        help="psguard's peer copies (default: full with --fault node, else none); with --fault node and copies "
-        "on, psguard also runs with them off for recovery_vs_no_copies_ratio",
+        help="psguard's peer copies (default: full with --fault node, else none; parity: one XOR block per "
+        "--parity-group PS, needs --ps above it); with --fault node and copies on, psguard also runs with them off "
+        "for recovery_vs_no_copies_ratio",
     )
+    p.add_argument("--parity-group", type=int, default=Params.parity_group, help="PS per parity block (default 2)")
     p.add_argument(
         "--store",
         choices=("local", "s3"),

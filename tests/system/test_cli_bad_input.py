@@ -164,3 +164,15 @@ def test_bench_wrap_refuses_bad_input_before_starting_anything(
 
     assert main(["bench", "wrap", *args]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args", [["--ps", "2"], ["--ps", "3", "--parity-group", "3"], ["--ps", "3", "--parity-group", "1"]]
+)
+def test_bench_recovery_refuses_parity_with_no_agent_outside_its_group(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    from psguard.cli import main
+
+    assert main(["bench", "recovery", "--copies", "parity", *args]) == 2
+    assert "--copies parity needs 2 <= --parity-group < --ps" in capsys.readouterr().err
