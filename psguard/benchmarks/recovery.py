@@ -142,9 +142,9 @@ def read_records(path: Path) -> Records:
     return Records(ProgressReader(path).read()) if path.exists() else Records()
 
 
-def _pace(steps: list[dict[str, Any]]) -> float:
-    """Steps per second over ``steps`` past the first 5 (tracing), captures and all."""
-    run = [d for d in steps if d["step"] > 5]
+def _pace(steps: list[dict[str, Any]], after: int = 5) -> float:
+    """Steps per second over ``steps`` past step ``after`` (at least the first 5: tracing), captures and all."""
+    run = [d for d in steps if d["step"] > max(5, after)]
     if len(run) < 2 or run[-1]["t"] <= run[0]["t"]:
         return float("nan")
     return float(run[-1]["step"] - run[0]["step"]) / float(run[-1]["t"] - run[0]["t"])
@@ -181,7 +181,10 @@ def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> d
         "first_step_s": (after[0]["t"] - kill_t) if after else float("nan"),
         "normal_speed_reached": reached,
         "normal_step_s": normal,
-        "steps_per_s": _pace(before),
+        # From the settle point on (psguard's side: the peer copies made, as in a job that has run for hours),
+        # and from the start (the first whole copy included).
+        "steps_per_s": _pace(before, int(recs.of("settle")[0]["step"]) if recs.of("settle") else 5),
+        "steps_per_s_from_start": _pace(before),
         "lost_steps": p.kill_at - restored,
         "restored_step": restored,
         "restored_from": restore.get("source"),
@@ -293,6 +296,9 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
                     rss.start("chief-agent", chief.proc.pid)
                     for i in range(p.num_ps):
                         rss.start(f"ps{i}", agents[f"ps{i}"].proc.pid)
+                elif d["event"] == "settle":
+                    _steady(agents, p, rss, durable=False)
+                    (shm / "settled").touch()
                 elif d["event"] == "kill":
                     kill_t, copy_lag = _kill_ps0(agents, p, rss)
                     if p.fault == "node":
@@ -384,6 +390,22 @@ def _held(shards: dict[str, Any], kind: str = "copies_held") -> dict[str, dict[s
 def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> tuple[float, int | None]:
     """Wait until every PS agent's standby is warm (as after minutes of training), then SIGKILL PS 0's server
     (with ``fault="node"`` its agent first). Returns the time and how many steps ps:0's peer copy lagged then."""
+    lag, statuses = _steady(agents, p, rss, durable=p.fault == "node")
+    if p.fault == "node":
+        agents["ps0"].proc.kill()
+    os.kill(int(statuses[0]["pid"]), signal.SIGKILL)
+    t = time.time()
+    if p.fault == "node":
+        agents["ps0"].proc.wait()
+    return t, lag
+
+
+def _steady(
+    agents: dict[str, Any], p: Params, rss: RssWatch, *, durable: bool
+) -> tuple[int | None, list[dict[str, Any]]]:
+    """Wait for the state of a job that has run for hours: every PS standby warm, every peer copy made and
+    current, and (``durable``) the last durable save due written. Returns how many steps ps:0's peer copy
+    lagged when first seen, and the PS agents' statuses."""
     deadline = time.monotonic() + 300
     first_lag: int | None = None
     while True:
@@ -399,24 +421,16 @@ def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> tuple[float, 
         # can still be on its way at the kill step. Wait for the last durable save due, as in a job running
         # for hours, so that both sides lose what their cadence says (the baseline's saves are synchronous).
         due = (p.kill_at // p.durable_every) * p.durable_every
-        durable = p.fault != "node" or (agents["chief"].status().get("durable_step") or -1) >= due
-        if warm and copied and durable:
-            break
+        written = not durable or (agents["chief"].status().get("durable_step") or -1) >= due
+        if warm and copied and written:
+            return first_lag, statuses
         if time.monotonic() > deadline:
             raise RuntimeError(
                 f"within 300 s: standbys warm {warm}, peer copies current {copied} ({copies}), durable step {due} "
-                f"written {durable}"
+                f"written {written}"
             )
         rss.sample()
         time.sleep(_POLL)
-    lag = first_lag
-    if p.fault == "node":
-        agents["ps0"].proc.kill()
-    os.kill(int(statuses[0]["pid"]), signal.SIGKILL)
-    t = time.time()
-    if p.fault == "node":
-        agents["ps0"].proc.wait()
-    return t, lag
 
 
 def _phases(recs: Records, kill_t: float) -> dict[str, float]:
@@ -583,6 +597,7 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         f"{p.memory_every}, durable every {p.durable_every}, kill -9 {what} at step {p.kill_at}, peer copies "
         f"{p.copies}, psguard's log on {'SeaweedFS (S3)' if p.store == 's3' else 'a local folder'}"
     )
+    finished = False
     try:
         xs, ys = alternate(runs, a, b)
         if p.fault == "node" and p.copies != "none":
@@ -591,11 +606,14 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
                 doc = run_psguard(off, workdir, s3)
                 no_copies.append(doc)
                 progress(f"run {i} psguard, copies off: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']}")
+        finished = True
     finally:
         if s3 is not None:
             s3.stop()
-        if not os.environ.get("PSGUARD_BENCH_KEEP"):
+        if finished and not os.environ.get("PSGUARD_BENCH_KEEP"):
             shutil.rmtree(workdir, ignore_errors=True)
+        elif not finished:  # what failed is in the agents' logs and the progress records
+            progress(f"the run failed: its agents' logs and progress records are kept in {workdir}")
     result = summarize(p, ours, theirs, xs, ys)
     if no_copies:
         off_s = median([float(d["recovery_s"]) for d in no_copies])
@@ -604,9 +622,12 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
             psguard_no_copies_recovery_s=off_s,
             psguard_no_copies_lost_steps=_med(no_copies, "lost_steps"),
             psguard_no_copies_restored_from=[d["restored_from"] for d in no_copies],
-            # Steps per second before the fault, captures included (every memory_every steps), copies on over
+            # Steps per second from the settle point to the fault, captures included, copies on over
             # off: what keeping the copies current costs training.
             goodput_copies_on_vs_off=_med(ours, "steps_per_s") / _med(no_copies, "steps_per_s"),
+            # The same with the first whole copy of every shard in the window (once per job and per node loss).
+            goodput_copies_on_vs_off_from_start=_med(ours, "steps_per_s_from_start")
+            / _med(no_copies, "steps_per_s_from_start"),
         )
     return result
 

@@ -117,8 +117,10 @@ def raw_restore(tf: Any, root: Any, folder: Path, repeats: int = 2) -> dict[str,
 
 def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str) -> None:
     """The psguard trainer, run by the chief's ``psguard agent`` (``TF_CONFIG``, the spool and the PS agents'
-    part folders come from it). Writes progress records; at the kill step it writes ``kill`` and waits for the
-    file ``<shm>/killed`` (the parent has killed PS 0 then); at the end it measures :func:`raw_restore`."""
+    part folders come from it). Writes progress records; after its first capture it writes ``settle`` and waits
+    for the file ``<shm>/settled`` (the parent saw the peer copies made), at the kill step it writes ``kill``
+    and waits for ``<shm>/killed`` (the parent has killed PS 0 then); at the end it measures :func:`raw_restore`.
+    """
     os.environ.update(QUIET_TENSORFLOW)
     p = Params(**json.loads(params_json))
     import tensorflow as tf
@@ -185,6 +187,10 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
                     t0 = time.time()
                     handle.restorable(timeout=p.timeout)
                     rec.emit("first-restorable", seconds=time.time() - t0)
+                    # And its peer copies made (the first whole copy of a GB shard takes seconds, once per
+                    # job): the pace before the kill is then the steady state's (the parent waits for them).
+                    rec.emit("settle", step=step)
+                    _wait_file(Path(shm) / "settled", p.timeout)
             if step == p.kill_at and not gen["killed"]:
                 gen["killed"] = True
                 rec.emit("kill", step=step)

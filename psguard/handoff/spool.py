@@ -117,6 +117,7 @@ from psguard.tensors import Full, Rows, Same, TensorUpdate
 __all__ = [
     "Ack",
     "Capture",
+    "DeltaWithoutParentError",
     "DurableAck",
     "NeedFullCaptureError",
     "Restored",
@@ -261,6 +262,12 @@ class Restored:
     #: Shard -> (the PS task whose node holds its file, its dtype's name): what it takes to read a shard that
     #: has no variable yet (a deferred restore) on that PS.
     part_homes: dict[ShardKey, tuple[str, str]] = field(default_factory=dict)
+
+
+class DeltaWithoutParentError(ConfigError):
+    """A delta was handed to a writer that knows no parent state for it: none was ever sent, or the chain broke
+    (the agent did not apply an earlier capture) after the caller decided to capture a delta. Nothing was
+    handed off; capture whole (``Capturer.capture(full=True)``) and submit that."""
 
 
 class NeedFullCaptureError(SaveError):

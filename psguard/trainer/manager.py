@@ -42,7 +42,7 @@ import numpy as np
 from psguard.dependencies import import_optional
 from psguard.errors import ConfigError, PsguardError, SaveError
 from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, Tier
-from psguard.handoff.spool import Restored
+from psguard.handoff.spool import DeltaWithoutParentError, Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
 from psguard.storage.registry import canonical_url
@@ -512,7 +512,10 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
             process_managers.note_step(self.directory, step)
             self._beat(step)
             t0 = time.perf_counter()
-            updates = self.capturer.capture(full=self._sink.whole_next())
+            full = self._sink.whole_next()
+            if full:
+                self._graph = None  # a whole capture carries the object graph too, not "same as before"
+            updates = self.capturer.capture(full=full)
             stall = time.perf_counter() - t0
             if (
                 self._deferred is not None
@@ -532,7 +535,23 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
             self._saves += 1
             wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
             job = Job(step, updates, metadata, dict(metrics or {}), wanted, parts=tuple(self.capturer.last_parts))
-            handle = self._sink.submit(job, stall)
+            try:
+                handle = self._sink.submit(job, stall)
+            except DeltaWithoutParentError:
+                if full:
+                    raise
+                # The chain broke while this delta was captured: the agent's answer to an earlier capture
+                # (it did not apply it) came after whole_next() was asked. The same state, whole this time.
+                log.warning("step %d: an earlier capture was not applied; capturing it whole", step)
+                t0 = time.perf_counter()
+                self._graph = None
+                updates = self.capturer.capture(full=True)
+                stall += time.perf_counter() - t0
+                self.last_stall_seconds = stall
+                self._add_object_graph(updates)
+                parts = tuple(self.capturer.last_parts)
+                job = Job(step, updates, metadata, dict(metrics or {}), wanted, parts=parts)
+                handle = self._sink.submit(job, stall)
         log.info("captured step %d in %.3fs (%s)", step, stall, summary(updates))
         return handle
 

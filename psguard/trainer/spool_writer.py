@@ -31,6 +31,7 @@ from psguard.handoff.spool import (
     VERSION,
     Ack,
     Capture,
+    DeltaWithoutParentError,
     DurableAck,
     NeedFullCaptureError,
     Restored,
@@ -263,7 +264,7 @@ class SpoolWriter:
 
         The arrays are written out before this returns, so the caller may reuse them. Raises
         :class:`StorageError` when the spool's filesystem is full (nothing half-written stays visible) and
-        :class:`ConfigError` for a delta with no known parent state.
+        :class:`DeltaWithoutParentError` (a :class:`ConfigError`) for a delta with no known parent state.
         """
         if capture.step < 0:
             raise ConfigError(f"step must be >= 0, got {capture.step}")
@@ -278,7 +279,7 @@ class SpoolWriter:
             whole = capture.whole
             parent = None if whole else self._parent
             if not whole and parent is None:
-                raise ConfigError(
+                raise DeltaWithoutParentError(
                     "this delta has no parent state: send a whole capture first (capture(full=True)), or set "
                     "writer.parent to the token of the state the trainer restored"
                 )

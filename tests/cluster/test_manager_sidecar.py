@@ -74,6 +74,41 @@ def test_saves_reach_the_memory_tier_and_the_durable_log(sidecar: Sidecar) -> No
         assert kinds[0] == "full" and set(kinds[1:]) == {"delta"}
 
 
+def test_a_chain_broken_while_a_delta_is_captured_gets_the_state_whole_not_a_crash(
+    sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's answer that it did not apply an earlier capture (which breaks the chain of deltas) can come
+    while the next delta is being captured, after the manager asked whether it must be whole: the trainer
+    crashed on it (``ConfigError: this delta has no parent state``, in a node-loss recovery with parity)."""
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(5)
+    with CheckpointManager(ckpt, str(sidecar.store.url), spool=sidecar.spool) as m:
+        train_local(emb, dense, ckpt, rng)
+        m.save(1).result(timeout=60)
+        writer, real = m._sink.spool, m.capturer.capture  # type: ignore[attr-defined]
+        fulls: list[bool] = []
+
+        def capture(full: bool = False) -> object:
+            fulls.append(full)
+            out = real(full=full)
+            if not full:
+                writer.parent = None  # as the writer's ack handler does for a capture the agent refused
+            return out
+
+        monkeypatch.setattr(m.capturer, "capture", capture)
+        train_local(emb, dense, ckpt, rng)
+        info = m.save(2).result(timeout=60)
+        assert fulls == [False, True]  # the delta, then the same state whole
+        assert info.step == 2 and sidecar.tier.step == 2
+        assert_restores(sidecar.store, info.id, snapshot(ckpt))
+        # The answer before the capture (the usual order): the next capture is whole, object graph and all.
+        writer.parent = None
+        train_local(emb, dense, ckpt, rng)
+        info = m.save(3).result(timeout=60)
+        assert fulls[2:] == [True] and sidecar.tier.step == 3
+        assert_restores(sidecar.store, info.id, snapshot(ckpt))
+
+
 def test_restore_prefers_a_newer_memory_tier(sidecar: Sidecar) -> None:
     ckpt, emb, dense = make_local()
     rng = np.random.default_rng(12)
