@@ -31,7 +31,7 @@ from typing import Any, Protocol
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, STALL_KEY, Tier
 from psguard.handoff.parts import PartCapture, ShardKey
-from psguard.handoff.spool import Capture, Restored
+from psguard.handoff.spool import Capture, NeedFullCaptureError, Restored
 from psguard.policy.engine import ChainLimit, Retention, base_rule
 from psguard.store import CheckpointInfo, Store
 from psguard.store.durable import ChainState, DurableWriter
@@ -417,7 +417,10 @@ class AgentSink:
         self._new_base_after: int | None = None
         self._lock = threading.Lock()
         self._pending: list[_AgentSaveHandle] = []  # handed off since the last wait
-        self._errors: list[BaseException] = []  # failures of handles swept before a wait
+        self._errors: list[tuple[int, bool, BaseException]] = []  # (step, durable, failure) swept before a wait
+        # The newest steps whose saves reached their tier (memory, durable): a refused capture (need_full) older
+        # than one as strong was redone.
+        self._applied = {False: -1, True: -1}
 
     def whole_next(self) -> bool:
         return self.spool.parent is None
@@ -447,7 +450,9 @@ class AgentSink:
             if h.done():
                 error = h.exception(0)
                 if error is not None:
-                    self._errors.append(error)
+                    self._errors.append((h.step, h.durable, error))
+                else:
+                    self._note_applied(h)
             else:
                 still.append(h)
         self._pending = still
@@ -501,20 +506,35 @@ class AgentSink:
                 left = None if deadline is None else max(0.0, deadline - time.monotonic())
                 try:
                     pending[0].result(left)
+                    with self._lock:
+                        self._note_applied(pending[0])
                 except TimeoutError:
                     raise TimeoutError(
                         f"save of step {pending[0].step} not {'durable' if pending[0].durable else 'acknowledged'} "
                         f"within {timeout}s"
                     ) from None
                 except PsguardError as e:
-                    errors.append(e)
+                    errors.append((pending[0].step, pending[0].durable, e))
                 pending.pop(0)
         finally:
             if pending:  # a timeout: what is still pending stays for the next wait
                 with self._lock:
                     self._pending[:0] = pending
                     self._errors[:0] = errors
-        return errors
+        return [e for step, durable, e in errors if not self._redone(step, durable, e)]
+
+    def _note_applied(self, handle: _AgentSaveHandle) -> None:
+        for durable in {False, handle.durable}:
+            self._applied[durable] = max(self._applied[durable], handle.step)
+
+    def _redone(self, step: int, durable: bool, error: BaseException) -> bool:
+        """Whether a failed save's state was saved after all: a capture the agent did not apply for want of its
+        parent state (a tier or a peer copy that was reset) is redone whole by the next one, so once a later
+        save as strong (durable for a durable one) reached its tier, nothing the caller asked for is missing."""
+        if isinstance(error, NeedFullCaptureError) and step < self._applied[durable]:
+            log.info("the save of step %d was not applied (%s); a later one was", step, error)
+            return True
+        return False
 
     def close(self) -> None:
         self.spool.close()

@@ -21,8 +21,9 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.agent.tiers.persister import Persister, resume
 from psguard.agent.tiers.spool_server import SpoolServer
-from psguard.errors import ConfigError
+from psguard.errors import ConfigError, SaveError
 from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, Tier
+from psguard.handoff.spool import NeedFullCaptureError
 from psguard.store import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
 from psguard.trainer.variables import bitwise_equal
@@ -107,6 +108,39 @@ def test_a_chain_broken_while_a_delta_is_captured_gets_the_state_whole_not_a_cra
         info = m.save(3).result(timeout=60)
         assert fulls[2:] == [True] and sidecar.tier.step == 3
         assert_restores(sidecar.store, info.id, snapshot(ckpt))
+
+
+def test_a_refused_capture_redone_whole_by_the_next_save_does_not_fail_wait(sidecar: Sidecar) -> None:
+    """The agent refuses a delta whose parent state its tier does not hold (need_full: after a tier or a peer
+    copy was reset); the next save is whole. ``wait()`` then reports nothing lost, while a refused save with
+    no later save is still a failure."""
+    ckpt, emb, dense = make_local()
+    rng = np.random.default_rng(9)
+    with CheckpointManager(ckpt, str(sidecar.store.url), spool=sidecar.spool) as m:
+        train_local(emb, dense, ckpt, rng)
+        m.save(1, tiers=frozenset({Tier.MEMORY})).result(timeout=60)
+        writer = m._sink.spool  # type: ignore[attr-defined]
+        writer.parent = "gone-7"  # a state the tier does not hold
+        train_local(emb, dense, ckpt, rng)
+        refused = m.save(2, tiers=frozenset({Tier.MEMORY}))
+        with pytest.raises(NeedFullCaptureError):
+            refused.result(timeout=60)
+        train_local(emb, dense, ckpt, rng)
+        m.save(3, tiers=frozenset({Tier.MEMORY})).result(timeout=60)  # whole: the chain was broken
+        m.wait(60)  # step 2's refusal was redone by step 3
+        assert sidecar.tier.step == 3
+        writer.parent = "gone-8"
+        m.save(4, tiers=frozenset({Tier.MEMORY}))
+        with pytest.raises(SaveError, match="not applied"):
+            m.wait(60)
+        # A durable save is redone only by a later durable one: a memory-only save after it does not count.
+        writer.parent = "gone-9"
+        with pytest.raises(NeedFullCaptureError):
+            m.save(5).result(timeout=60)
+        train_local(emb, dense, ckpt, rng)
+        m.save(6, tiers=frozenset({Tier.MEMORY}))
+        with pytest.raises(SaveError, match="step 5"):
+            m.wait(60)
 
 
 def test_restore_prefers_a_newer_memory_tier(sidecar: Sidecar) -> None:

@@ -381,6 +381,9 @@ class SpoolServer:
                     else None
                 )
             ack = Ack(seq, status, self.tier.step, self.tier.token, message, capture=cap.token, copies=copies)
+            if status != "ok":  # the trainer learns it from the ack; whoever reads the log learns why
+                log.warning("event=capture_not_applied seq=%d step=%d status=%s message=%r", seq, cap.step, status,
+                            message[:500])  # fmt: skip
         except Exception as e:  # whatever is wrong with this capture, answer it: never block the ones after it
             read_seconds = time.perf_counter() - t0
             ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}", self._token_of(folder))
