@@ -21,15 +21,16 @@ number of recoveries (docs/design.md, "New trainer generation", has the measurem
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from psguard.errors import PsguardError
 from psguard.handoff.client import report_failure
@@ -120,11 +121,48 @@ def reset_cluster_context() -> None:
     context.context().update_server_def(context.get_server_def())
 
 
-def _rebuild(build: Callable[[], T], close: Callable[[T], None] | None, min_bytes: int = MIN_BYTES) -> T:
+class StablePlacement:
+    """Every generation rebuilt in this process puts its variables on the PS its first generation put them on.
+
+    Why: ``ParameterServerStrategy`` puts each new variable (each shard of a partitioned one) on the next PS,
+    round robin, counting in the strategy object (``extended._variable_count``). A generation rebuilt in the same
+    process went on counting, so unless the first one created a multiple of ``num_ps`` variables, shard i of a
+    table landed on another PS than before (3 PS and the bench's model: every shard moved by one). psguard's PS
+    agents keep each shard where it was captured: the restore then read another node's files, and the next
+    capture's parts matched no tier (the trainer crash-looped). A new process starts the count at 0 anyway.
+    Each :meth:`building` starts the count where the first one found it.
+    """
+
+    def __init__(self) -> None:
+        self._starts: dict[int, tuple[Any, int]] = {}  # id(strategy.extended) -> (it, its count then)
+
+    @contextlib.contextmanager
+    def building(self) -> Iterator[None]:
+        import tensorflow as tf
+
+        for extended, count in self._starts.values():
+            extended._variable_count = count
+        with tf.variable_creator_scope(self._creator):
+            yield
+
+    def _creator(self, next_creator: Callable[..., Any], **kwargs: Any) -> Any:
+        # Called inside the strategy's own creator, once it chose this variable's PS by the count.
+        import tensorflow as tf
+
+        extended = getattr(tf.distribute.get_strategy(), "extended", None)
+        count = getattr(extended, "_variable_count", None)
+        if type(count) is int and id(extended) not in self._starts:
+            self._starts[id(extended)] = (extended, count)
+        return next_creator(**kwargs)
+
+
+def _rebuild(
+    build: Callable[[], T], close: Callable[[T], None] | None, placement: StablePlacement, min_bytes: int = MIN_BYTES
+) -> T:
     """``build()`` with big variables created without values, since its restore overwrites them at once
     (:mod:`psguard.trainer.deferred_init`); built again the ordinary way if the restore did not assign them all."""
     t0 = time.monotonic()
-    with deferred_initial_values(min_bytes) as deferred:
+    with deferred_initial_values(min_bytes) as deferred, placement.building():
         job = build()
     if deferred.complete:
         if deferred.deferred:
@@ -144,7 +182,8 @@ def _rebuild(build: Callable[[], T], close: Callable[[T], None] | None, min_byte
         close(job)
     del job
     gc.collect()
-    return build()
+    with placement.building():
+        return build()
 
 
 def run_with_recovery(
@@ -173,7 +212,9 @@ def run_with_recovery(
     """
     report = RecoveryReport()
     attempt = 0
-    job = build()
+    placement = StablePlacement()
+    with placement.building():
+        job = build()
     while True:
         try:
             return train(job), report
@@ -204,7 +245,7 @@ def run_with_recovery(
                 gc.collect()
                 restarting.result()  # its failure, raised here
             reset_cluster_context()
-            job = _rebuild(build, close)
+            job = _rebuild(build, close, placement)
             event = RecoveryEvent(attempt, str(e).splitlines()[0][:500], time.monotonic() - t0)
             report.recoveries.append(event)
             if on_recovery is not None:

@@ -32,7 +32,7 @@ from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimize
 from psguard.trainer.capture import Capturer
 from psguard.trainer.deferred_init import deferred_initial_values
 from psguard.trainer.manager import CheckpointManager, RestoreInfo
-from psguard.trainer.recovery import _rebuild
+from psguard.trainer.recovery import StablePlacement, _rebuild
 from psguard.trainer.variables import read_tensors
 from tests.support.clusters import Chief
 
@@ -294,8 +294,30 @@ def test_a_rebuild_before_a_restore_creates_big_variables_without_values_and_onl
         built.append(root)
         return root
 
-    root = _rebuild(build, None, min_bytes=8192)  # a build that restores nothing is done again, with initial values
+    # A build that restores nothing is done again, with initial values.
+    root = _rebuild(build, None, StablePlacement(), min_bytes=8192)
     assert len(built) == 2 and root is built[1] and read_tensors(root)[TABLE].any()
+
+
+def test_a_generation_rebuilt_in_process_puts_every_shard_on_the_ps_the_first_did(chief: Chief) -> None:
+    """TF's strategy places variables round robin, counting on from the last build; with an odd number of
+    variables (here one more than the model's) on 2 PS, a rebuild put every shard on the other PS, where no
+    agent kept it. ``run_with_recovery`` builds under :class:`StablePlacement`."""
+
+    def build() -> list[str]:
+        model, _, _ = fresh(chief)
+        with chief.strategies["fixed2"].scope():
+            extra = tf.Variable(0.0)  # makes the count odd
+        return [v.device for v in model.trainable_variables] + [extra.device]
+
+    first = build()
+    assert build() != first  # TF alone: the next build is placed elsewhere (the control)
+    placement = StablePlacement()
+    with placement.building():
+        first = build()
+    for _ in range(2):
+        with placement.building():
+            assert build() == first
 
 
 def test_psguards_functions_run_unoptimised_and_leave_the_users_options_alone(chief: Chief, tmp_path: Path) -> None:
