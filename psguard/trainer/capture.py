@@ -405,11 +405,14 @@ class Capturer:
         files: Mapping[ShardKey, str],
         *,
         deferred: Mapping[str, Shape] | None = None,
+        homes: Mapping[ShardKey, str] | None = None,
     ) -> None:
         """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node.
 
         ``files``: shard -> the path of its file on the node of the PS that hosts it (written there by that
-        PS's agent). Each PS reads and assigns its own shards in one function placed on its device, so all PS
+        PS's agent); ``homes``: shard -> the PS task whose agent wrote it, which must be the PS the model put
+        the shard on now (else the path is on another node: a model placed differently from the captured one).
+        Each PS reads and assigns its own shards in one function placed on its device, so all PS
         load in parallel and no shard's bytes cross the chief. All or nothing: names, shapes and dtypes are
         checked first, and every file is read and parsed (shape and dtype checked by TensorFlow) before any
         variable is assigned. Then :meth:`rebase`.
@@ -433,6 +436,19 @@ class Capturer:
                 raise TensorMismatchError(
                     f"the PS-side snapshot does not match the model's shards: missing {missing[:5]} "
                     f"({len(missing)}), not in the model {extra[:5]} ({len(extra)}); was the number of PS changed?"
+                )
+            moved = [
+                f"{ShardKey(tr.info.name, s.offset, s.rows).label} on {task_of_device(str(s.device))}, its file on "
+                f"{homes[k]}'s node"
+                for i, tr in spilled
+                for s in tr.info.shards
+                if homes and (k := ShardKey(tr.info.name, s.offset, s.rows)) in homes
+                and homes[k] != task_of_device(str(s.device))
+            ]  # fmt: skip
+            if moved:
+                raise TensorMismatchError(
+                    f"the model placed {len(moved)} shard(s) on another PS than the one that captured them "
+                    f"({moved[:3]}): each PS reads only its own node's files"
                 )
             elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
             check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)

@@ -145,8 +145,15 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
     Path(victim).write_bytes(good)
     with pytest.raises(TensorMismatchError, match="missing"):
         capturer2.restore_parts(local, dict(list(files.items())[1:]))
+    # Each file's home is the PS whose agent wrote it: a shard the model now puts on another PS is refused
+    # (on a real cluster that path is on another node), before anything is assigned.
+    homes = {k: task for task, keys in capturer2.spilled_by_task().items() for k in keys}
+    swapped = {k: "ps:1" if t == "ps:0" else "ps:0" for k, t in homes.items()}
+    with pytest.raises(TensorMismatchError, match="on another PS than the one that captured them"):
+        capturer2.restore_parts(local, files, homes=swapped)
+    assert all(t.tobytes() == before[n].tobytes() for n, t in read_tensors(root2).items())
 
-    capturer2.restore_parts(local, files)
+    capturer2.restore_parts(local, files, homes=homes)
     restored = read_tensors(root2)
     for name in state:
         assert restored[name].tobytes() == state[name].tobytes(), name
