@@ -150,6 +150,15 @@ def _pace(steps: list[dict[str, Any]], after: int = 5) -> float:
     return float(run[-1]["step"] - run[0]["step"]) / float(run[-1]["t"] - run[0]["t"])
 
 
+def _settle_wait(recs: Records, before: list[dict[str, Any]]) -> float | None:
+    """Seconds from the trainer's ``settle`` record to its next step's: the wait for the peer copies."""
+    if not recs.of("settle"):
+        return None
+    settle = recs.of("settle")[0]
+    after = [d for d in before if d["step"] > int(settle["step"])]
+    return float(after[0]["t"]) - float(settle["t"]) if after else None
+
+
 def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> dict[str, Any]:
     """Recovery, lost steps, restore seconds and capture stalls of one side, from its records.
 
@@ -181,10 +190,10 @@ def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> d
         "first_step_s": (after[0]["t"] - kill_t) if after else float("nan"),
         "normal_speed_reached": reached,
         "normal_step_s": normal,
-        # From the settle point on (psguard's side: the peer copies made, as in a job that has run for hours),
-        # and from the start (the first whole copy included).
+        # From the settle point on (psguard's side: the peer copies made, as in a job that has run for hours).
         "steps_per_s": _pace(before, int(recs.of("settle")[0]["step"]) if recs.of("settle") else 5),
-        "steps_per_s_from_start": _pace(before),
+        # How long the trainer waited there: the first whole copy of every shard (once per job and node loss).
+        "settle_wait_s": _settle_wait(recs, before),
         "lost_steps": p.kill_at - restored,
         "restored_step": restored,
         "restored_from": restore.get("source"),
@@ -625,9 +634,8 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
             # Steps per second from the settle point to the fault, captures included, copies on over
             # off: what keeping the copies current costs training.
             goodput_copies_on_vs_off=_med(ours, "steps_per_s") / _med(no_copies, "steps_per_s"),
-            # The same with the first whole copy of every shard in the window (once per job and per node loss).
-            goodput_copies_on_vs_off_from_start=_med(ours, "steps_per_s_from_start")
-            / _med(no_copies, "steps_per_s_from_start"),
+            # The first whole copies' time at the settle point, copies on minus off (standbys warm in both).
+            first_copy_s=_med(ours, "settle_wait_s") - _med(no_copies, "settle_wait_s"),
         )
     return result
 
