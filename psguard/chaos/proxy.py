@@ -14,8 +14,12 @@ Modes (switched by the nemesis, recorded in the history before they take effect)
   bytes flow again;
 - ``drop``: every open connection is reset and new ones are closed at once (a path that refuses).
 
-Every connection is two pump threads; :meth:`close` stops them all (a stop event, sockets shut down, threads
-joined), so a run leaves no thread behind.
+Every connection is two pump threads; when both are done its sockets are closed and it is forgotten, so an
+hour-long soak through the proxy keeps a bounded number of file descriptors and threads (it kept every socket
+before: after about 500 connections a descriptor passed 1024, ``select()`` refused it, the accept loop died and
+the store stayed unreachable for the rest of the run). Readiness is asked with ``poll()``, which has no such
+limit. :meth:`close` stops them all (a stop event, sockets shut down, threads joined), so a run leaves no thread
+behind.
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ class TcpProxy:
         self._flowing = threading.Event()
         self._flowing.set()
         self._lock = threading.Lock()
-        self._conns: list[tuple[socket.socket, socket.socket]] = []
+        self._conns: dict[int, tuple[socket.socket, socket.socket]] = {}  # open connections by id
+        self._pumps_left: dict[int, int] = {}  # connection id -> its pump threads still running
         self._threads: list[threading.Thread] = []
         self._server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -60,7 +65,7 @@ class TcpProxy:
     def set_mode(self, mode: Mode, *, delay: float = 0.0) -> None:
         with self._lock:
             self.mode, self.delay = mode, delay
-            conns = list(self._conns)
+            conns = list(self._conns.values())
         if mode == "partition":
             self._flowing.clear()
         else:
@@ -72,39 +77,48 @@ class TcpProxy:
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
-            ready, _, _ = select.select([self._server], [], [], 0.2)
-            if not ready:
-                continue
             try:
-                client, _ = self._server.accept()
-            except OSError:
-                continue
-            if self.mode == "drop":
-                _reset(client)
-                continue
-            # A partitioned path: the connection waits, unanswered, until the heal (or the proxy's end).
-            while not self._flowing.wait(0.2):
-                if self._stop.is_set():
-                    client.close()
-                    return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
-            except OSError:
+                self._accept_one()
+            except Exception:  # one connection's trouble must not take the path down for the rest of the run
+                log.exception("%s: accepting a connection failed", self.name)
+                time.sleep(0.2)
+
+    def _accept_one(self) -> None:
+        if not _readable(self._server, 0.2):
+            return
+        try:
+            client, _ = self._server.accept()
+        except OSError:
+            return
+        if self.mode == "drop":
+            _reset(client)
+            return
+        # A partitioned path: the connection waits, unanswered, until the heal (or the proxy's end).
+        while not self._flowing.wait(0.2):
+            if self._stop.is_set():
                 client.close()
-                continue
-            upstream.settimeout(None)
+                return
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+        except OSError:
+            client.close()
+            return
+        upstream.settimeout(None)
+        key = id(client)
+        with self._lock:
+            self._conns[key] = (client, upstream)
+            self._pumps_left[key] = 2
+            self._threads = [t for t in self._threads if t.is_alive()]
+        for src, dst, tag in ((client, upstream, "up"), (upstream, client, "down")):
+            t = threading.Thread(target=self._pump, args=(key, src, dst), name=f"chaos-{self.name}-{tag}", daemon=True)
+            t.start()
             with self._lock:
-                self._conns.append((client, upstream))
-            for src, dst, tag in ((client, upstream, "up"), (upstream, client, "down")):
-                t = threading.Thread(target=self._pump, args=(src, dst), name=f"chaos-{self.name}-{tag}", daemon=True)
-                t.start()
                 self._threads.append(t)
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, key: int, src: socket.socket, dst: socket.socket) -> None:
         try:
             while not self._stop.is_set():
-                ready, _, _ = select.select([src], [], [], 0.2)
-                if not ready:
+                if not _readable(src, 0.2):
                     continue
                 while not self._flowing.wait(0.2):  # partitioned: hold the bytes (and read no more)
                     if self._stop.is_set():
@@ -121,6 +135,20 @@ class TcpProxy:
             for s in (src, dst):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
+            self._pump_done(key)
+
+    def _pump_done(self, key: int) -> None:
+        """The second pump of a connection to finish closes its sockets (the first may still be writing)."""
+        with self._lock:
+            left = self._pumps_left.get(key, 0) - 1
+            if left > 0:
+                self._pumps_left[key] = left
+                return
+            self._pumps_left.pop(key, None)
+            pair = self._conns.pop(key, None)
+        for s in pair or ():
+            with contextlib.suppress(OSError):
+                s.close()
 
     def close(self) -> None:
         self._stop.set()
@@ -129,16 +157,25 @@ class TcpProxy:
         with contextlib.suppress(OSError):
             self._server.close()
         with self._lock:
-            conns, self._conns = self._conns, []
+            conns, self._conns = list(self._conns.values()), {}
+            threads = list(self._threads)
         for a, b in conns:
             for s in (a, b):
                 with contextlib.suppress(OSError):
                     s.shutdown(socket.SHUT_RDWR)
-        for t in self._threads:
+        for t in threads:
             t.join(5)
         for a, b in conns:
             a.close()
             b.close()
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` has bytes (or a connection, or its end) to read within ``timeout`` seconds: ``poll()``,
+    which takes any descriptor (``select()`` refuses those past 1024)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN | select.POLLPRI | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(timeout * 1000.0))
 
 
 def _reset(sock: socket.socket) -> None:

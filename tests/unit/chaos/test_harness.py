@@ -361,6 +361,8 @@ def _echo_server() -> tuple[Any, int, Any]:
                 c.sendall(data)
         except OSError:
             pass  # the proxy reset the connection (drop)
+        finally:
+            c.close()
 
     def serve() -> None:
         srv.settimeout(0.2)
@@ -411,6 +413,41 @@ def test_the_proxy_forwards_holds_bytes_during_a_partition_and_resets_on_drop() 
             socket.create_connection(("127.0.0.1", proxy.listen_port), timeout=5) as fresh,
         ):
             assert fresh.recv(1) == b""
+    finally:
+        proxy.close()
+        stop.set()
+        thread.join(5)
+
+
+def test_the_proxy_closes_what_it_is_done_with_over_many_connections() -> None:
+    """A soak's store path opens a connection per request for an hour: the proxy kept every socket, a
+    descriptor passed 1024, ``select()`` refused it and the path stayed down for the rest of the run."""
+    import os
+    import socket
+    import time
+
+    from psguard.chaos.proxy import TcpProxy
+    from psguard.ports import free_ports
+
+    stop, port, thread = _echo_server()
+    proxy = TcpProxy(free_ports(1)[0], port)
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    try:
+        before = fds()
+        for _ in range(700):  # 1,400 sockets through the proxy, more than select() takes
+            with socket.create_connection(("127.0.0.1", proxy.listen_port), timeout=5) as c:
+                c.sendall(b"x")
+                assert c.recv(1) == b"x"
+        deadline = time.monotonic() + 15
+        while fds() - before >= 50 and time.monotonic() < deadline:
+            time.sleep(0.1)  # the pumps close each connection's sockets on their own threads: nothing to await
+        assert fds() - before < 50, fds() - before
+        with socket.create_connection(("127.0.0.1", proxy.listen_port), timeout=5) as c:
+            c.sendall(b"still")
+            assert c.recv(5) == b"still"
     finally:
         proxy.close()
         stop.set()
