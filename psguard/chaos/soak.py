@@ -110,8 +110,9 @@ class _SoakRun(_Run):
 
     # ------------------------------------------------------------------------------------------ sampling
     def _processes(self) -> dict[str, int]:
-        """Role -> pid of every psguard process now: each agent, and the task it runs (from its ``/status``)."""
-        out: dict[str, int] = {}
+        """Role -> pid of every psguard process now: each agent, the task it runs (from its ``/status``), and
+        this harness (its store proxy once kept every socket it opened: an hour in, the store was cut off)."""
+        out: dict[str, int] = {"harness": os.getpid()}
         for name, agent in self.agents.items():
             if agent.proc.poll() is not None:
                 continue

@@ -40,7 +40,7 @@ def test_a_five_minute_soak_is_valid_on_every_checker(tmp_path: Path) -> None:
     series = {r["series"] for r in soak["resources"]}
     # every kind of psguard process and folder was sampled and judged
     for name in ("agent:chief/rss_bytes", "agent:ps0/fds", "server:ps0/threads", "trainer/rss_bytes",
-                 "folder:store/bytes", "folder:logs/bytes", "folder:spool/bytes"):  # fmt: skip
+                 "folder:store/bytes", "folder:logs/bytes", "folder:spool/bytes", "harness/fds"):  # fmt: skip
         assert name in series, sorted(series)
     assert (report_dir / "resources.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     # the run ended where the harness asked, once its duration was over

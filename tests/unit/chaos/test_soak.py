@@ -113,6 +113,13 @@ def test_a_leaking_agent_fails_the_soak_and_a_flat_one_passes() -> None:
     assert verdict.status == "invalid"
     assert {r["series"] for r in verdict.evidence["over"]} == {"agent:ps0/fds", "agent:ps0/rss_bytes"}
 
+    # The harness is judged as well (its store proxy kept every socket), but not by its children (the run's).
+    harness = _trained(_soak())
+    _samples(harness, 20, {"harness/fds": 2.0, "harness/children": 0.0}, base={"harness/children": 9.0})
+    verdict = check_all(_finished(harness, 10).records)["resources-bounded"]
+    assert verdict.status == "invalid" and [r["series"] for r in verdict.evidence["over"]] == ["harness/fds"]
+    assert not verdict.evidence["children_over"]
+
 
 def test_a_restarts_step_is_not_growth_but_children_past_the_bound_are() -> None:
     h = _trained(_soak())
