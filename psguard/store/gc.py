@@ -247,10 +247,11 @@ class Collector:
                 if not dry_run:
                     self.backend.delete(key)
                 deleted_chunks += 1
-            # With no live writer, a temporary object older than a lease is a killed writer's leftover.
+            # With no live writer, a temporary object older than a lease is a killed writer's leftover (the same
+            # age rule as chunks: with chunk_grace=0 the caller says the lease has passed, whatever the mtime).
             for key in self.backend.leftovers():
                 try:
-                    if now - self.backend.mtime(key) < grace:
+                    if self.chunk_grace > 0 and now - self.backend.mtime(key) < grace:
                         continue
                 except PsguardError:
                     continue
