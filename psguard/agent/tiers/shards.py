@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, StreamSnapshot, limit_malloc_retention
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot, StreamSnapshot, limit_malloc_retention
 from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame, xor_rows
 from psguard.agent.tiers.peer_copy import (
     CopyHolder,
@@ -40,6 +40,7 @@ from psguard.agent.tiers.peer_copy import (
     new_delta,
     rows_digest,
 )
+from psguard.agent.tiers.tier_files import TierFiles
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir
@@ -109,15 +110,19 @@ class ShardKeeper:
         send_frame: Callable[[str, bytes, float], dict[str, Any]] | None = None,
         read_copy: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
         read_stripe: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
+        tier_files: bool | None = None,
     ) -> None:
         """``send_frame`` (to a peer agent's ``/peer-copy/put``) and ``read_copy`` (its ``/peer-copy/read``):
         the peer copies' calls, with the agents' credentials; without them this agent neither sends nor fetches
         copies (it still holds the copies others send). ``read_stripe`` (a member's ``/peer-copy/stripe``): a
-        parity holder's fetch of the survivors' stripes when it reconstructs a lost member."""
+        parity holder's fetch of the survivors' stripes when it reconstructs a lost member. ``tier_files``: the
+        tier's arrays in files a restore hands to the PS as they are (tier_files.py): None, when the folder is
+        in memory (the default, /dev/shm); or forced on or off."""
         self.folder = Path(folder)
         self.task = task
         self.store = store
-        self.tier = MemoryTier()
+        self.files = TierFiles(self.folder / "tier", enabled=tier_files)
+        self.tier = MemoryTier(home=self.files)
         self.copy_config = copy_config or PeerCopyConfig()
         self.holder = CopyHolder(task)  # the copies of other PS's shards this agent holds
         self.parity = ParityHolder(task, read_stripe, self.copy_config)  # and the parity blocks (copies: parity)
@@ -147,6 +152,9 @@ class ShardKeeper:
         # asks for that state again (after the chief's agent exported ahead of it) gets them without a rewrite.
         self._export_lock = threading.Lock()
         self._exported: tuple[str, dict[str, Any]] | None = None
+        # The last export's lease: the tier writes no array of it in place while its restore files exist.
+        self._export_lease: Snapshot | None = None
+        self._export_bytes = 0  # bytes the exports wrote (the data of arrays without a tier file)
         self._lock_fd: int | None = None
 
     def start(self) -> ShardKeeper:
@@ -163,6 +171,7 @@ class ShardKeeper:
         for sub in ("incoming", "restore"):
             shutil.rmtree(self.folder / sub, ignore_errors=True)
             ensure_private_dir(self.folder / sub, "the PS agent's part folder")
+        self.files.open()
         return self
 
     def close(self) -> None:
@@ -170,8 +179,10 @@ class ShardKeeper:
             self.sender.close()
         if self._lock_fd is None:
             return
+        self._drop_restore_files()
         for sub in ("incoming", "restore"):
             shutil.rmtree(self.folder / sub, ignore_errors=True)
+        self.files.close()
         os.close(self._lock_fd)
         self._lock_fd = None
 
@@ -189,6 +200,8 @@ class ShardKeeper:
             "bytes_in": self._bytes_in,
             "exports": self._exports,
             "exports_reused": self._exports_reused,
+            "export_bytes_written": self._export_bytes,
+            "tier_files": self.files.status(),
             "copy_out": self.sender.status() if self.sender is not None else None,
             "copies_held": self.holder.status(),
             "parity_held": self.parity.status(),
@@ -393,6 +406,8 @@ class ShardKeeper:
         t0 = time.perf_counter()
         try:
             info, arrays = fetch_copy(self.task, holder, token, self._read_copy, self.copy_config)
+            for name in list(arrays):  # into tier files one by one: the node holds at most one shard twice
+                arrays[name] = self.files.adopt(arrays[name])
         except CorruptCheckpointError as e:
             log.error("event=peer_copy_refused task=%s holder=%s error=%r", self.task, holder, str(e))
             return {"status": "refused", "message": str(e)}
@@ -436,9 +451,9 @@ class ShardKeeper:
         inner = s.shape[1:]
         what = f"{self.task}: {s.key.label}"
         if s.kind == "full":
-            return Full(
-                read_tensor_file(folder / f"{s.stem}.full", dtype=s.dtype, shape=(s.key.rows, *inner), what=what)
-            )
+            path, shape = folder / f"{s.stem}.full", (s.key.rows, *inner)
+            # Read where the tier keeps it (its file), so the apply takes it without a copy.
+            return Full(read_tensor_file(path, dtype=s.dtype, shape=shape, what=what, allocate=self.files.new))
         if s.kind == "same":
             return Same((s.key.rows, *inner), dtype_from_name(s.dtype))
         ids = read_tensor_file(folder / f"{s.stem}.ids", dtype="int64", shape=(s.count,), what=what)
@@ -518,9 +533,14 @@ class ShardKeeper:
         return answer
 
     def _export(self, expected: str | None) -> dict[str, Any]:
+        """Restore files for the tier's state: per shard, its tier file hard-linked and an index (tier_files.py),
+        or, for an array without a file, a bundle written out. The export's lease is kept until the files are
+        dropped, so the tier writes none of the linked files while its PS may read them."""
         nonce = secrets.token_hex(8)
         restore = self.folder / "restore"
-        with self.tier.export() as snap:
+        snap = self.tier.export()
+        kept = False
+        try:
             if snap.empty:
                 return {"status": "empty", "step": None, "token": None}
             if expected is not None and snap.token != expected:
@@ -531,7 +551,9 @@ class ShardKeeper:
             files = []
             for i, (name, value) in enumerate(snap.tensors.items()):
                 key, shape = self._keys[name]
-                write_bundle(tmp / str(i), value)  # what RestoreV2 reads on the PS
+                if not self.files.export(value, tmp / str(i)):
+                    write_bundle(tmp / str(i), value)  # what RestoreV2 reads on the PS
+                    self._export_bytes += value.nbytes
                 files.append(
                     {
                         "name": key.name,
@@ -544,10 +566,14 @@ class ShardKeeper:
                 )
             os.rename(tmp, restore / nonce)
             self._exports += 1
+            self._export_lease, kept = snap, True
             answer = {"status": "ok", "step": snap.step, "token": snap.token, "files": files}
             if snap.token is not None:
                 self._exported = (snap.token, answer)
             return answer
+        finally:
+            if not kept:
+                snap.release()
 
     def load(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """Read this PS's rows of a durable checkpoint into the tier (``{"checkpoint", "shards", "durable"}``).
@@ -583,7 +609,9 @@ class ShardKeeper:
             if entry is None:
                 raise ShardError(f"checkpoint {checkpoint} has no tensor {key.name!r}")
             name = _tier_name(key)
-            arrays[name] = self.store.read_rows(checkpoint, key.name, key.offset, key.offset + key.rows)
+            # Into a tier file shard by shard: the node holds at most one shard twice.
+            rows = self.store.read_rows(checkpoint, key.name, key.offset, key.offset + key.rows)
+            arrays[name] = self.files.adopt(rows)
             layout[name] = (key, tuple(entry.shape))
         token = manifest.metadata.get(TOKEN_KEY)
         with self._lock:
@@ -616,6 +644,9 @@ class ShardKeeper:
         self._exported = None
         for old in (self.folder / "restore").iterdir():
             shutil.rmtree(old, ignore_errors=True)
+        if self._export_lease is not None:  # the tier may write its arrays in place again
+            self._export_lease.release()
+            self._export_lease = None
 
     # ------------------------------------------------------------------------------------------ durable log
     def take(self, doc: Mapping[str, Any]) -> dict[str, Any]:
