@@ -534,8 +534,8 @@ class ShardKeeper:
 
     def _export(self, expected: str | None) -> dict[str, Any]:
         """Restore files for the tier's state: per shard, its tier file hard-linked and an index (tier_files.py),
-        or, for an array without a file, a bundle written out. The export's lease is kept until the files are
-        dropped, so the tier writes none of the linked files while its PS may read them."""
+        or, for an array without a file, a bundle written out. When a file was linked, the export's lease is kept
+        until the files are dropped, so the tier writes none of the linked files while its PS may read them."""
         nonce = secrets.token_hex(8)
         restore = self.folder / "restore"
         snap = self.tier.export()
@@ -549,9 +549,12 @@ class ShardKeeper:
             tmp = restore / f"{nonce}.tmp"
             tmp.mkdir(mode=0o700)
             files = []
+            linked = False
             for i, (name, value) in enumerate(snap.tensors.items()):
                 key, shape = self._keys[name]
-                if not self.files.export(value, tmp / str(i)):
+                if self.files.export(value, tmp / str(i)):
+                    linked = True
+                else:
                     write_bundle(tmp / str(i), value)  # what RestoreV2 reads on the PS
                     self._export_bytes += value.nbytes
                 files.append(
@@ -566,7 +569,8 @@ class ShardKeeper:
                 )
             os.rename(tmp, restore / nonce)
             self._exports += 1
-            self._export_lease, kept = snap, True
+            if linked:  # written files are copies: nothing to keep them from
+                self._export_lease, kept = snap, True
             answer = {"status": "ok", "step": snap.step, "token": snap.token, "files": files}
             if snap.token is not None:
                 self._exported = (snap.token, answer)

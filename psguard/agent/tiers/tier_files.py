@@ -205,7 +205,11 @@ class TierFiles:
         if path is None:
             return False
         _, data = bundle_files(prefix)
-        os.link(path, data)
+        try:
+            os.link(path, data)
+        except OSError as e:  # another file system (a folder mounted inside), links not allowed: write it
+            log.warning("event=tier_file_not_linked path=%s error=%r: the restore file is written", data, str(e))
+            return False
         write_index(prefix, arr.dtype, tuple(arr.shape), arr.nbytes, crc32c(byte_view(arr)))
         self.bytes_linked += arr.nbytes
         return True

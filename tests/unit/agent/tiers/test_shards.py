@@ -125,6 +125,15 @@ def test_a_restore_from_the_own_tier_writes_no_data_its_file_is_the_tiers(tmp_pa
         assert np.array_equal(read_back(answer, value), value)
     finally:
         keeper.close()
+    off = ShardKeeper(tmp_path / "off", "ps:0", tier_files=False).start()  # a part folder on a disk, say
+    try:
+        off._keys = {TIER_NAME: (KEY, (2000, value.shape[1]))}
+        assert off.tier.apply({TIER_NAME: Full(value)}, step=5, token="t1", parent=None).ok
+        answer = off.export({"token": "t1"})
+        assert off.status()["export_bytes_written"] == value.nbytes
+        assert np.array_equal(read_back(answer, value), value) and off.tier.status().leased_arrays == 0
+    finally:
+        off.close()
 
 
 def test_while_its_restore_files_exist_the_tier_leaves_the_exported_file_as_it_was(tmp_path: Path) -> None:

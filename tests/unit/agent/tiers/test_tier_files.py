@@ -100,10 +100,20 @@ def test_an_export_links_the_tiers_own_file_and_restores_bit_exactly(files: Tier
     assert files.status()["bytes_linked"] == value.nbytes
 
 
-def test_an_array_without_a_file_is_not_exported_by_link(tmp_path: Path) -> None:
-    files = TierFiles(tmp_path / "tier", enabled=False).open()
-    assert not files.export(np.ones((3, 2), np.float32), tmp_path / "b")
+def test_an_array_without_a_file_or_a_link_refused_is_not_exported_by_link(
+    tmp_path: Path, files: TierFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller then writes the bundle, as before the zero-copy restore."""
+    off = TierFiles(tmp_path / "off", enabled=False).open()
+    assert not off.export(np.ones((3, 2), np.float32), tmp_path / "b")
     assert not bundle_files(tmp_path / "b")[1].exists()
+
+    def refused(src: object, dst: object) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    arr = files.adopt(np.ones((3, 2), np.float32))
+    monkeypatch.setattr(os, "link", refused)
+    assert not files.export(arr, tmp_path / "c") and not bundle_files(tmp_path / "c")[0].exists()
 
 
 def test_a_file_changed_under_its_index_fails_the_load(files: TierFiles) -> None:
