@@ -22,7 +22,7 @@ from psguard.errors import ConfigError
 from psguard.handoff.tensor_bundle import bundle_files
 from psguard.handoff.tensor_file import TF_DTYPES, read_tensor_file
 from psguard.store.dtypes import dtype_name
-from psguard.tensors import Full, Rows
+from psguard.tensors import Full, FullStream, Rows
 from tests.support.tensors import every_dtype, lazy_tf, restore_bundle
 
 DTYPES = every_dtype()
@@ -162,3 +162,23 @@ def test_a_capture_file_is_read_straight_into_a_tier_file(files: TierFiles, tmp_
     assert tier.apply({"a": Full(got)}, step=1, token="t1", parent=None).ok
     with tier.export() as snap:
         assert files.data_file(snap.tensors["a"]) == files.data_file(got)  # no copy
+
+
+def test_a_persist_reading_a_tier_file_sees_its_state_while_captures_write_into_the_file(files: TierFiles) -> None:
+    """The durable write's lease saves the rows a capture overwrites (row-level copy-on-write), with files too:
+    the capture writes into the tier's file, the persist reads the rows as they were."""
+    tier = MemoryTier(home=files, stream_min_bytes=1)
+    value = np.arange(400, dtype=np.float32).reshape(100, 4)
+    assert tier.apply({"a": Full(value)}, step=1, token="t1", parent=None).ok
+    with tier.export() as snap:
+        path = files.data_file(snap.tensors["a"])
+    take = tier.take_dirty()
+    assert take is not None
+    ids = np.array([0, 50], np.int64)
+    assert tier.apply({"a": Rows(ids, np.zeros((2, 4), np.float32), (100, 4))}, step=2, token="t2", parent="t1").ok
+    stream = take.updates["a"]
+    assert isinstance(stream, FullStream) and np.array_equal(stream.read(0, 100), value)
+    with tier.export() as snap:
+        assert files.data_file(snap.tensors["a"]) == path and not snap.tensors["a"][50].any()  # in place
+    assert path is not None and not np.fromfile(path, dtype=np.float32).reshape(100, 4)[0].any()
+    take.commit()
