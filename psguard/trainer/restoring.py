@@ -263,7 +263,8 @@ class RestoreSide:
                     pending.update(self._absent_from(info.id, snap, names))
                 waiting = {n: (tuple(np.shape(v)), np.asarray(v).dtype) for n, v in pending.items()}
                 if snap.parts:  # each PS loads its shards on its own node
-                    self.capturer.restore_parts(tensors, parts, deferred=waiting)
+                    fps = {k: p for k, p in snap.part_fps.items() if k in parts}
+                    self.capturer.restore_parts(tensors, parts, deferred=waiting, fingerprints=fps)
                 else:
                     self.capturer.restore(tensors, deferred=waiting)
             except (PsguardError, tf.errors.OpError, ValueError) as e:

@@ -179,3 +179,44 @@ def test_a_capture_after_a_restore_writes_the_tier_file_and_a_stale_index_then_f
             restore_bundle(stale, np.float32)
     finally:
         keeper.close()
+
+
+def test_the_rows_fingerprints_are_kept_beside_them_and_exported_only_for_the_same_state(tmp_path: Path) -> None:
+    """A restore gets the fingerprints the captures computed (the PS loads them instead of hashing) only while
+    every capture since the last whole one sent them: never ones of another state than the rows'."""
+    rng = np.random.default_rng(7)
+    value = rng.standard_normal((1000, 4)).astype(np.float32)
+    fps = rng.integers(-(2**63), 2**63 - 1, size=1000, dtype=np.int64)
+    keeper = ShardKeeper(tmp_path / "parts", "ps:0", tier_files=True).start()
+    keys = {TIER_NAME: (KEY, (2000, 4))}
+
+    def capture(token: str, parent: str | None, update: Any, fp: Any) -> None:
+        fp_updates = None if fp is None else {TIER_NAME: fp}
+        keeper._drop_restore_files()  # as ShardKeeper.apply does
+        answer = keeper.apply_updates({TIER_NAME: update}, keys, step=1, token=token, parent=parent, fps=fp_updates)
+        assert answer["status"] == "ok"
+
+    def exported_fps(token: str) -> np.ndarray | None:
+        (f,) = keeper.export({"token": token})["files"]
+        return None if "fp_path" not in f else np.asarray(restore_bundle(f["fp_path"], np.int64).numpy())
+
+    try:
+        capture("t1", None, Full(value), Full(fps))
+        got = exported_fps("t1")
+        assert got is not None and np.array_equal(got, fps)
+        ids = np.array([2, 500], np.int64)
+        new_fps = np.array([11, 22], np.int64)
+        capture("t2", "t1", Rows(ids, value[ids] + 1, value.shape), Rows(ids, new_fps, (1000,)))
+        want = fps.copy()
+        want[ids] = new_fps
+        got = exported_fps("t2")
+        assert got is not None and np.array_equal(got, want)
+        capture("t3", "t2", Rows(ids, value[ids] + 2, value.shape), None)  # an older trainer: none sent
+        assert exported_fps("t3") is None
+        capture("t4", "t3", Rows(ids, value[ids] + 3, value.shape), Rows(ids, new_fps, (1000,)))
+        assert exported_fps("t4") is None  # a delta over fingerprints it does not have
+        capture("t5", "t4", Full(value), Full(fps))
+        got = exported_fps("t5")
+        assert got is not None and np.array_equal(got, fps)
+    finally:
+        keeper.close()
