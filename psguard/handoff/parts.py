@@ -75,6 +75,9 @@ class ShardFiles:
     kind: Kind
     count: int  # rows in the files: ``rows`` for full, the changed rows for rows, 0 for same
     stem: str
+    #: ``<stem>.fps`` holds the rows' fingerprints (int64, ``count`` of them) as the capture stored them on the
+    #: PS; absent from parts of older trainers (their agent then has none, and a restore hashes the rows).
+    fps: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +89,7 @@ class ShardFiles:
             "kind": self.kind,
             "count": self.count,
             "stem": self.stem,
+            **({"fps": True} if self.fps else {}),
         }
 
     @classmethod
@@ -111,7 +115,8 @@ class ShardFiles:
         offset, rows, count = (int(n) for n in nums)  # type: ignore[arg-type]  # all checked to be int above
         if offset + rows > shape[0] or count > rows or (kind == "full" and count != rows) or (kind == "same" and count):
             raise CorruptCheckpointError(f"{what}: shard {name}[{offset}:{offset + rows}] does not fit {shape}")
-        return cls(ShardKey(name, offset, rows), tuple(shape), dtype, kind, count, stem)  # type: ignore[arg-type]
+        key = ShardKey(name, offset, rows)
+        return cls(key, tuple(shape), dtype, kind, count, stem, doc.get("fps") is True)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -262,6 +262,9 @@ class Restored:
     #: Shard -> (the PS task whose node holds its file, its dtype's name): what it takes to read a shard that
     #: has no variable yet (a deferred restore) on that PS.
     part_homes: dict[ShardKey, tuple[str, str]] = field(default_factory=dict)
+    #: Shard -> the bundle of its rows' fingerprints beside its file, when its agent kept them (the PS then
+    #: loads them instead of hashing every row).
+    part_fps: dict[ShardKey, str] = field(default_factory=dict)
 
 
 class DeltaWithoutParentError(ConfigError):
@@ -559,6 +562,7 @@ def read_restore(folder: Path) -> Restored:
         tensors[item["name"]] = _read_array(folder, item, dtype, shape, f"{what}, tensor {item['name']!r}")
     parts: dict[ShardKey, str] = {}
     homes: dict[ShardKey, tuple[str, str]] = {}
+    fps: dict[ShardKey, str] = {}
     raw_parts = doc.get("parts", [])
     for item in raw_parts if isinstance(raw_parts, list) else [None]:
         try:
@@ -571,6 +575,8 @@ def read_restore(folder: Path) -> Restored:
             raise CorruptCheckpointError(f"{what}: a part entry is malformed")
         parts[key] = path
         homes[key] = (str(item.get("task", "")), str(item.get("dtype", "")))
+        if isinstance(item.get("fp_path"), str):
+            fps[key] = item["fp_path"]
     try:
         return Restored(
             step=int(doc["step"]),
@@ -581,6 +587,7 @@ def read_restore(folder: Path) -> Restored:
             durable_step=doc.get("durable_step"),
             parts=parts,
             part_homes=homes,
+            part_fps=fps,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{what}: manifest lacks or garbles {e}") from None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from psguard.handoff.tensor_file import TF_DTYPES
 from psguard.store.chunks import crc32c
 from psguard.store.dtypes import dtype_name
 
-__all__ = ["BUNDLE_KEY", "bundle_files", "write_bundle"]
+__all__ = ["BUNDLE_KEY", "bundle_files", "write_bundle", "write_index"]
 
 #: The name of the one tensor in a bundle (what ``RestoreV2`` is asked for).
 BUNDLE_KEY = "t"
@@ -49,16 +50,30 @@ def write_bundle(prefix: str | Path, value: np.ndarray) -> None:
     name = dtype_name(value.dtype)
     if name not in _DT_ENUM:
         raise ValueError(f"a restore file cannot hold dtype {name} (numeric tensors only)")
-    index, data = bundle_files(prefix)
+    data = bundle_files(prefix)[1]
     ref = write_array(data.parent, data.name, value)
+    write_index(prefix, value.dtype, value.shape, ref["size"], ref["crc32c"])
+
+
+def write_index(prefix: str | Path, dtype: np.dtype[Any], shape: tuple[int, ...], size: int, crc: int) -> None:
+    """Write the index of the bundle at ``prefix`` for a data file already there: ``size`` bytes of a ``dtype``
+    tensor of ``shape`` whose CRC32C (unmasked) is ``crc``.
+
+    A PS agent whose tier already lives in bundle data files (:mod:`psguard.agent.tiers.tier_files`) writes only
+    this for a restore. ``RestoreV2`` checks the data against ``size`` and ``crc``: an index that does not
+    describe the data file's bytes as they are when the PS reads them fails the load.
+    """
+    name = dtype_name(np.dtype(dtype))
+    if name not in _DT_ENUM:
+        raise ValueError(f"a restore file cannot hold dtype {name} (numeric tensors only)")
     # proto3, as TensorFlow serializes it: a field at its default (0) is left out.
-    shape = b"".join(_field_bytes(2, _field_varint(1, d) if d else b"") for d in value.shape)
+    dims = b"".join(_field_bytes(2, _field_varint(1, d) if d else b"") for d in shape)
     entry = (
         _field_varint(1, _DT_ENUM[name])
-        + _field_bytes(2, shape)
-        + (_field_varint(5, ref["size"]) if ref["size"] else b"")
+        + _field_bytes(2, dims)
+        + (_field_varint(5, size) if size else b"")
         + _tag(6, 5)
-        + _masked(ref["crc32c"]).to_bytes(4, "little")
+        + _masked(crc).to_bytes(4, "little")
     )
     header = _field_varint(1, 1) + _field_bytes(3, _field_varint(1, 1))  # num_shards 1, version {producer 1}
     key = BUNDLE_KEY.encode()
@@ -68,7 +83,8 @@ def write_bundle(prefix: str | Path, value: np.ndarray) -> None:
     index_block = _block(table, [(_successor(key), _handle(data_block))])
     footer = (_handle(meta_block) + _handle(index_block)).ljust(_FOOTER_HANDLES, b"\0")
     table += footer + _TABLE_MAGIC.to_bytes(8, "little")
-    fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    index = bundle_files(prefix)[0]
+    fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "wb") as f:
         f.write(table)
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -132,11 +134,18 @@ def _parse_shape(buf: bytes | memoryview, what: str) -> tuple[int, ...]:
 
 
 def read_tensor_file(
-    path: Path, *, dtype: str | None = None, shape: tuple[int, ...] | None = None, what: str = ""
+    path: Path,
+    *,
+    dtype: str | None = None,
+    shape: tuple[int, ...] | None = None,
+    what: str = "",
+    allocate: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None = None,
 ) -> np.ndarray:
     """The array in a tensor file, checked against the ``dtype``/``shape`` the caller expects (if given).
 
-    The header's claims are checked against the file's real size before the array is allocated.
+    The header's claims are checked against the file's real size before the array is allocated. ``allocate``
+    (shape, dtype) gives the C-order array to read into (a PS agent's tier file: the value is read where the
+    tier keeps it, with no copy after), or None for a new one.
     """
     what = what or str(path)
     try:
@@ -156,7 +165,9 @@ def read_tensor_file(
         np_dtype = dtype_from_name(name)
         if math.prod(got_shape) * np_dtype.itemsize != length:
             raise CorruptCheckpointError(f"{what}: {length} bytes of content for a {name}{list(got_shape)} tensor")
-        out = np.empty(got_shape, dtype=np_dtype)
+        out = allocate(got_shape, np_dtype) if allocate is not None else None
+        if out is None:
+            out = np.empty(got_shape, dtype=np_dtype)
         view = byte_view(out)
         f.seek(offset)
         got = f.readinto(view)

@@ -406,6 +406,7 @@ class Capturer:
         *,
         deferred: Mapping[str, Shape] | None = None,
         homes: Mapping[ShardKey, str] | None = None,
+        fingerprints: Mapping[ShardKey, str] | None = None,
     ) -> None:
         """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node.
 
@@ -415,7 +416,9 @@ class Capturer:
         Each PS reads and assigns its own shards in one function placed on its device, so all PS
         load in parallel and no shard's bytes cross the chief. All or nothing: names, shapes and dtypes are
         checked first, and every file is read and parsed (shape and dtype checked by TensorFlow) before any
-        variable is assigned. Then :meth:`rebase`.
+        variable is assigned. Then :meth:`rebase`. ``fingerprints``: shard -> the bundle of its rows'
+        fingerprints on the same node (its agent kept what the captures computed), loaded instead of hashing
+        the rows.
         """
         tf = lazy_tf()
         with self._lock:
@@ -453,9 +456,11 @@ class Capturer:
             elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
             check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             if keys:
-                load = load_function(self._functions, tuple(ij for ij, _ in keys))
+                fps = fingerprints or {}
+                load = load_function(self._functions, tuple(ij for ij, _ in keys), tuple(k in fps for _, k in keys))
+                paths = tf.constant([str(files[k]) for _, k in keys])
                 with unoptimized_calls():
-                    load(tf.constant([str(files[k]) for _, k in keys]), self._variables())
+                    load(paths, tf.constant([str(fps.get(k, "")) for _, k in keys]), self._variables())
             restore(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             self.rebase(spilled_too=False)
             note_restored(self._variables_of_root())
@@ -711,6 +716,7 @@ class Capturer:
                         kind,
                         s.rows if sent_all else count,
                         f"{i}-{j}",
+                        fps=True,  # capture_fn writes them for every spilled shard
                     )
                 )
         return [PartCapture(task, nonce, tuple(shards)) for task, shards in sorted(by_task.items())]

@@ -3,9 +3,11 @@
 A capture is one ``tf.function`` call for the whole model (:class:`~psguard.trainer.capture.Capturer` keeps
 the fingerprint variables and the write marks it works on, and turns its outputs into updates): on each PS it
 hashes the candidate rows, compares with the stored fingerprints, gathers only the changed rows, stores the new
-fingerprints, and sends ids + rows to the chief. Nothing is assumed about the optimizer: a row whose bytes changed
-is captured whatever changed it (Adam's moments decay in every row where they are not zero, so all those rows
-come out, not only the rows of the last gradients).
+fingerprints, and sends ids + rows to the chief (a spilled shard: to files beside its PS, with the new
+fingerprints of those rows, which its agent keeps so that a restore loads them instead of hashing every row).
+Nothing is assumed about the optimizer: a row whose bytes changed is captured whatever changed it (Adam's
+moments decay in every row where they are not zero, so all those rows come out, not only the rows of the last
+gradients).
 
 Exactness: rows are compared by their bytes, not their values, so ``-0.0`` vs ``+0.0`` and NaN payloads are
 told apart and a restore is bit-identical. A changed row is missed only if its new fingerprint equals the old
@@ -87,7 +89,7 @@ class Functions:
     plan: Plan
     capture: Any
     rebase: Any
-    loads: dict[tuple[tuple[int, int], ...], Any] = field(default_factory=dict)
+    loads: dict[tuple[tuple[tuple[int, int], ...], tuple[bool, ...]], Any] = field(default_factory=dict)
 
 
 _FUNCTIONS: OrderedDict[Plan, Functions] = OrderedDict()
@@ -190,9 +192,9 @@ def _make_functions(plan: Plan) -> Functions:
             )
             return out.concat(), (nz.concat() if live else None)
 
-    def changed_all_rows(t: TensorPlan, s: ShardPlan, v: ShardVars) -> Any:
-        """Ids of the rows whose bytes changed, hashing every row; stores the new fingerprints (and for a group
-        slot its live rows: the rows non-zero now)."""
+    def changed_all_rows(t: TensorPlan, s: ShardPlan, v: ShardVars) -> tuple[Any, Any]:
+        """Ids of the rows whose bytes changed and their new fingerprints, hashing every row; stores the new
+        fingerprints (and for a group slot its live rows: the rows non-zero now)."""
         var, fp_var, live = v[0], v[1], v[4]
         with tf.device(s.device):  # also inside a tf.cond branch, whose graph starts without a device
             fp, nonzero = all_fingerprints(t, s, var, live=t.live)
@@ -201,9 +203,10 @@ def _make_functions(plan: Plan) -> Functions:
                 fp_var.assign(fp)
                 if t.live:
                     live.assign(nonzero)
-            return tf.where(changed)[:, 0]
+            ids = tf.where(changed)[:, 0]
+            return ids, tf.gather(fp, ids)
 
-    def changed_marked_rows(t: TensorPlan, s: ShardPlan, v: ShardVars) -> Any:
+    def changed_marked_rows(t: TensorPlan, s: ShardPlan, v: ShardVars) -> tuple[Any, Any]:
         """The same, hashing only the rows marked as written (their fingerprints alone are updated)."""
         var, fp_var, dirty_rows = v[0], v[1], v[2]
         with tf.device(s.device):
@@ -212,7 +215,7 @@ def _make_functions(plan: Plan) -> Functions:
             changed = tf.not_equal(fp, fp_var.sparse_read(marked))
             with tf.control_dependencies([changed]):
                 fp_var.scatter_update(tf.IndexedSlices(fp, marked))
-            return tf.boolean_mask(marked, changed)
+            return tf.boolean_mask(marked, changed), tf.boolean_mask(fp, changed)
 
     def gap_now(counter: Any, iterations: tuple[Any, ...]) -> Any:
         """sum(iterations) - hooked applies: unchanged since the last capture iff every apply was hooked."""
@@ -235,8 +238,9 @@ def _make_functions(plan: Plan) -> Functions:
         return tf.reduce_any(tf.logical_and(moved, tf.logical_not(dirty_rows.sparse_read(sample))))
 
     def changed_ids(t: TensorPlan, s: ShardPlan, v: ShardVars, hash_all: Any) -> Any:
+        """(changed ids, their new fingerprints, whether every row was hashed, whether stray writes were seen)."""
         if not t.marks:
-            return changed_all_rows(t, s, v), tf.constant(True), tf.constant(False)
+            return (*changed_all_rows(t, s, v), tf.constant(True), tf.constant(False))
         dirty_rows, dirty_whole = v[2], v[3]
         # Only meaningful when the fingerprints and marks are current (not on a first or forced capture), and
         # when no write marked the whole shard: then every row may have moved without a row mark (a dense
@@ -245,11 +249,11 @@ def _make_functions(plan: Plan) -> Functions:
         unmarked = tf.logical_not(tf.logical_or(hash_all, whole))
         stray = tf.logical_and(stray_writes(t, s, v), unmarked)
         use_all = tf.logical_or(tf.logical_or(hash_all, whole), stray)
-        ids = tf.cond(use_all, lambda: changed_all_rows(t, s, v), lambda: changed_marked_rows(t, s, v))
+        ids, fps = tf.cond(use_all, lambda: changed_all_rows(t, s, v), lambda: changed_marked_rows(t, s, v))
         with tf.control_dependencies([ids]):
             dirty_rows.assign(tf.zeros([s.rows], tf.bool))
             dirty_whole.assign(False)
-        return ids, use_all, stray
+        return ids, fps, use_all, stray
 
     def spill(s: ShardPlan, folder: Any, stem: str, tensors: dict[str, Any]) -> None:
         """Write a shard's capture next to its PS (ops placed on its device): nothing goes to the chief."""
@@ -277,7 +281,7 @@ def _make_functions(plan: Plan) -> Functions:
                 # but the flags, so all PS work in parallel and the chief waits for one call.
                 with tf.device(s.device):
                     if t.by_row:
-                        changed, used_all, stray = changed_ids(t, s, v, tf.logical_or(force[i], hash_all))
+                        changed, changed_fps, used_all, stray = changed_ids(t, s, v, tf.logical_or(force[i], hash_all))
                         all_flags.append(used_all)
                         stray_flags.append(stray)
                         count = tf.size(changed, out_type=tf.int64)
@@ -290,7 +294,15 @@ def _make_functions(plan: Plan) -> Functions:
                             tf.range(tf.where(send_all, tf.constant(s.rows, tf.int64), tf.constant(0, tf.int64)))
                         )
                         if t.spill:
-                            spill(s, folder, f"{i}-{j}", {"full": whole, "ids": ids, "rows": rows})
+                            # The fingerprints of what is sent, for the agent to keep beside the rows: a restore
+                            # from its tier then loads them instead of hashing every row. Sent whole: every
+                            # row's, as stored by this capture (read after its writes to fp_var).
+                            n = tf.size(ids, out_type=tf.int64)
+                            whole_fps = fp_var.sparse_read(
+                                tf.range(tf.where(send_all, tf.constant(s.rows, tf.int64), tf.constant(0, tf.int64)))
+                            )
+                            fps = tf.concat([whole_fps, changed_fps[:n]], axis=0)
+                            spill(s, folder, f"{i}-{j}", {"full": whole, "ids": ids, "rows": rows, "fps": fps})
                             with tf.device(local):
                                 outs.append((tf.identity(send_all), tf.identity(tf.size(ids, out_type=tf.int64))))
                             continue
@@ -364,18 +376,28 @@ def unoptimized_calls() -> Iterator[None]:
         ctx.function_call_options = before
 
 
-def load_function(fns: Functions, which: tuple[tuple[int, int], ...]) -> Any:
-    """The function that reads shards ``which`` ((tensor, shard) indices in ``fns.plan``) from files on their PS."""
+def load_function(fns: Functions, which: tuple[tuple[int, int], ...], with_fps: tuple[bool, ...] | None = None) -> Any:
+    """The function that reads shards ``which`` ((tensor, shard) indices in ``fns.plan``) from files on their PS,
+    called with (paths, fingerprint paths, variables).
+
+    ``with_fps`` (per shard of ``which``): its agent kept the rows' fingerprints (a bundle of int64, one per
+    row), which are loaded into the shard's fingerprint variable instead of hashing every row after the assign.
+    The values are exact either way; a wrong fingerprint only makes the next capture send that row again, or,
+    equal to the row's next hash by a 2**-64 chance, miss it until the next full capture.
+    """
     plan = fns.plan
+    fps_of = with_fps or (False,) * len(which)
+    key = (which, fps_of)
     with _FUNCTIONS_LOCK:
-        fn = fns.loads.get(which)
+        fn = fns.loads.get(key)
     if fn is not None:
         return fn
     tf = lazy_tf()
 
-    def load(paths: Any, variables: Any) -> None:
+    def load(paths: Any, fp_paths: Any, variables: Any) -> None:
         shard_vars = variables[0]
         values = []
+        loaded_fps: list[Any] = []
         for k, (i, j) in enumerate(which):
             t, s = plan.tensors[i], plan.tensors[i].shards[j]
             with tf.device(s.device):
@@ -385,9 +407,16 @@ def load_function(fns: Functions, which: tuple[tuple[int, int], ...]) -> Any:
                     prefix=paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(t.dtype)]
                 )
                 values.append(tf.reshape(value, (s.rows, *t.tail)))
+                if fps_of[k] and t.by_row:
+                    (fp,) = tf.raw_ops.RestoreV2(
+                        prefix=fp_paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.int64]
+                    )
+                    loaded_fps.append(tf.reshape(fp, [s.rows]))
+                else:
+                    loaded_fps.append(None)
         # Every file parsed and of the right shape before the first assign: all or nothing.
-        with tf.control_dependencies(values):
-            for value, (i, j) in zip(values, which, strict=True):
+        with tf.control_dependencies(values + [f for f in loaded_fps if f is not None]):
+            for value, fp, (i, j) in zip(values, loaded_fps, which, strict=True):
                 t, s = plan.tensors[i], plan.tensors[i].shards[j]
                 var, fp_var, dirty_rows, dirty_whole, live = shard_vars[i][j]
                 with tf.device(s.device):
@@ -395,14 +424,17 @@ def load_function(fns: Functions, which: tuple[tuple[int, int], ...]) -> Any:
                     # The rebase, hashed from the variable once assigned: the assign is then the value's only
                     # reader and takes its buffer instead of copying it (1 GB over 2 PS: 2.1 s against 2.5 s).
                     with tf.control_dependencies([assigned]):
-                        now = var.read_value()
-                        fp_var.assign(tf.reshape(tf.bitcast(tf.fingerprint(now), tf.int64), [-1]))
+                        if fp is not None:
+                            fp_var.assign(fp)
+                        else:
+                            now = var.read_value()
+                            fp_var.assign(tf.reshape(tf.bitcast(tf.fingerprint(now), tf.int64), [-1]))
                         if t.marks:
                             dirty_rows.assign(tf.zeros([s.rows], tf.bool))
                             dirty_whole.assign(False)
                         if t.live:
-                            live.assign(_nonzero_rows(now))
+                            live.assign(_nonzero_rows(var.read_value() if fp is not None else now))
 
     fn = tf.function(load, autograph=False)
     with _FUNCTIONS_LOCK:
-        return fns.loads.setdefault(which, fn)
+        return fns.loads.setdefault(key, fn)

@@ -264,7 +264,8 @@ class RestoreSide:
                 waiting = {n: (tuple(np.shape(v)), np.asarray(v).dtype) for n, v in pending.items()}
                 if snap.parts:  # each PS loads its shards on its own node
                     homes = {k: task for k, (task, _) in snap.part_homes.items() if task}
-                    self.capturer.restore_parts(tensors, parts, deferred=waiting, homes=homes)
+                    fps = {k: p for k, p in snap.part_fps.items() if k in parts}
+                    self.capturer.restore_parts(tensors, parts, deferred=waiting, homes=homes, fingerprints=fps)
                 else:
                     self.capturer.restore(tensors, deferred=waiting)
             except (PsguardError, tf.errors.OpError, ValueError) as e:

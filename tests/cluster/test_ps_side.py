@@ -57,8 +57,14 @@ def part_dirs(tmp_path: Path) -> dict[str, str]:
     return dirs
 
 
-def apply_parts(state: dict[str, np.ndarray], parts: list[PartCapture], dirs: dict[str, str]) -> None:
-    """What a PS agent does with its part, done for every PS: read the files, apply them to the shards."""
+def apply_parts(
+    state: dict[str, np.ndarray],
+    parts: list[PartCapture],
+    dirs: dict[str, str],
+    fps: dict[ShardKey, np.ndarray] | None = None,
+) -> None:
+    """What a PS agent does with its part, done for every PS: read the files, apply them to the shards (and the
+    rows' fingerprints to ``fps``)."""
     for part in parts:
         folder = Path(dirs[part.task]) / "incoming" / part.nonce
         for s in part.shards:
@@ -66,15 +72,27 @@ def apply_parts(state: dict[str, np.ndarray], parts: list[PartCapture], dirs: di
             full = read_tensor_file(folder / f"{s.stem}.full", dtype=s.dtype)
             ids = read_tensor_file(folder / f"{s.stem}.ids", dtype="int64")
             rows = read_tensor_file(folder / f"{s.stem}.rows", dtype=s.dtype)
+            assert s.fps
+            fp = read_tensor_file(folder / f"{s.stem}.fps", dtype="int64")
+            assert fp.shape == (s.count,)
             if s.kind == "full":
                 assert full.shape[0] == s.count == s.key.rows and ids.size == 0
                 state.setdefault(s.key.name, np.zeros(s.shape, full.dtype))[lo:hi] = full
+                if fps is not None:
+                    fps[s.key] = fp
             elif s.kind == "rows":
                 assert full.shape[0] == 0 and ids.size == rows.shape[0] == s.count > 0
                 assert ids.min() >= 0 and ids.max() < s.key.rows
                 state[s.key.name][lo + ids] = rows
+                if fps is not None:
+                    fps[s.key][ids] = fp
             else:
                 assert full.shape[0] == 0 and ids.size == 0
+
+
+def row_fingerprints(rows: np.ndarray) -> np.ndarray:
+    """What the capture stores per row: farmhash64 of its bytes, as int64."""
+    return np.asarray(tf.reshape(tf.bitcast(tf.fingerprint(tf.constant(rows)), tf.int64), [-1]).numpy())
 
 
 @pytest.mark.slow
@@ -86,6 +104,7 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
     spilled = capturer.spilled
     assert TABLE in spilled and len(spilled[TABLE]) == 2
     state: dict[str, np.ndarray] = {}
+    fps: dict[ShardKey, np.ndarray] = {}
     for round_ in range(3):
         updates = capturer.capture(full=round_ == 0)
         parts = capturer.last_parts
@@ -96,7 +115,7 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
         assert capturer.last_stats.bytes_read < CONFIG.vocab_size * CONFIG.embedding_dim * 4 / 4
         for name, u in updates.items():
             state[name] = apply_update(state.get(name), u)
-        apply_parts(state, parts, dirs)
+        apply_parts(state, parts, dirs, fps)
         kinds = {s.kind for p in parts for s in p.shards if s.key.name == TABLE}
         assert kinds == ({"full"} if round_ == 0 else {"rows"}), kinds
         assert capturer.last_stats.rows_spilled > 0
@@ -104,6 +123,8 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
         assert sorted(state) == sorted(expected)
         for name in expected:
             assert state[name].tobytes() == expected[name].tobytes(), name
+        for k, fp in fps.items():  # the fingerprints sent beside the rows are the rows' own
+            assert np.array_equal(fp, row_fingerprints(state[k.name][k.offset : k.offset + k.rows])), k
         trainer.train(4, join=False)
 
     # The agent's end of a restore: one bundle per shard, written as the agent writes them (without TensorFlow);
@@ -160,6 +181,21 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
     # Rebased: nothing changed since the restore, so the next capture sends nothing of the tables.
     capturer2.capture()
     assert all(s.kind == "same" for p in capturer2.last_parts for s in p.shards)
+
+    # With the fingerprints the agent kept, the PS loads them instead of hashing: a marked one shows it.
+    fp_files: dict[ShardKey, str] = {}
+    for k, fp in fps.items():
+        prefix = restore_dir / f"fp-{len(fp_files)}"
+        marked = fp.copy()
+        marked[0] = 12345
+        write_bundle(prefix, marked)
+        fp_files[k] = str(prefix)
+    capturer2.restore_parts(local, files, fingerprints=fp_files)
+    restored = read_tensors(root2)
+    assert all(restored[name].tobytes() == state[name].tobytes() for name in state)  # exact either way
+    for j, k in enumerate(spilled[TABLE]):
+        loaded = capturer2._tracked[TABLE].fingerprints[j].numpy()
+        assert loaded[0] == 12345 and np.array_equal(loaded[1:], fps[k][1:])
 
 
 def test_tensor_files_tensorflow_writes_are_read_exactly_and_damage_is_refused(tmp_path: Path) -> None:

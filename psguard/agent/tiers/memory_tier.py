@@ -32,6 +32,12 @@ the tier does when an apply writes rows into a leased array depends on the lease
   writer's load and doubled the PS agent's memory).
 
 Rows being persisted as a delta are gathered (``array[ids]``), which is small.
+
+Where the arrays live: in anonymous memory, or, given a ``home`` (:class:`ArrayHome`; a PS agent's
+:class:`~psguard.agent.tiers.tier_files.TierFiles`), in arrays it makes: every array the tier takes (a whole
+value, a seed, the copy of a copy-on-write) is moved into the home unless it is one of its arrays already. A PS
+agent's home keeps them in files a restore hands to TensorFlow without copying them; an export's lease is then
+what keeps such a file unchanged while its PS reads it (copy-on-write, above).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -53,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ApplyResult",
+    "ArrayHome",
     "DirtyTake",
     "MemoryTier",
     "MemoryTierStatus",
@@ -96,6 +103,15 @@ def limit_malloc_retention() -> bool:
         return False
     m_mmap_threshold, m_arena_max = -3, -8
     return bool(mallopt(m_mmap_threshold, 1 << 20)) and bool(mallopt(m_arena_max, 2))
+
+
+class ArrayHome(Protocol):
+    """Where a tier's arrays are kept (:class:`~psguard.agent.tiers.tier_files.TierFiles`)."""
+
+    def adopt(self, value: np.ndarray, *, copy: bool = False) -> np.ndarray:
+        """``value`` as one of the home's arrays: itself if it is one (and not ``copy``), else a copy in it (or,
+        when the home has no room, ``value``, C-ordered and copied when ``copy``)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -297,8 +313,10 @@ class MemoryTier:
         rows_max_fraction: float = ROWS_MAX_FRACTION,
         diff_min_bytes: int = DIFF_MIN_BYTES,
         stream_min_bytes: int = STREAM_MIN_BYTES,
+        home: ArrayHome | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self.home = home
         self._arrays: dict[str, np.ndarray] = {}
         self._step: int | None = None
         self._metadata: dict[str, Any] = {}
@@ -416,10 +434,12 @@ class MemoryTier:
         """Replace the state wholesale (an agent restarting from the durable log, or a test).
 
         ``durable``: the state *is* the last durable checkpoint, so nothing is dirty and the next persist
-        may be a delta over it. The tier takes ownership of the arrays.
+        may be a delta over it. The tier takes ownership of the arrays (moved into its home first unless they are
+        the home's already).
         """
+        arrays = {n: self._own(a, copy=False) for n, a in tensors.items()}
         with self._lock:
-            self._arrays = dict(tensors)
+            self._arrays = arrays
             self._step = step
             self._metadata = dict(metadata or {})
             self._metrics = dict(metrics or {})
@@ -521,7 +541,7 @@ class MemoryTier:
         if isinstance(update, Same):
             return
         if isinstance(update, Full):
-            value = np.array(update.value, copy=True) if copy else update.value
+            value = self._own(update.value, copy=copy)
             old = self._arrays.get(name)
             self._arrays[name] = value
             if name in self._all:
@@ -543,6 +563,12 @@ class MemoryTier:
                 bitmap = self._rows[name] = np.zeros(arr.shape[0], dtype=bool)
             bitmap[update.ids] = True
 
+    def _own(self, value: np.ndarray, *, copy: bool) -> np.ndarray:
+        """``value`` as an array the tier may keep: in its home when it has one; a C-order copy when ``copy``."""
+        if self.home is not None:
+            return self.home.adopt(value, copy=copy)
+        return np.array(value, copy=True, order="C") if copy else value
+
     def _mark_rows(self, name: str, rows: int, changed: np.ndarray) -> None:
         bitmap = self._rows.get(name)
         if bitmap is None or bitmap.shape[0] != rows:
@@ -556,7 +582,7 @@ class MemoryTier:
         arr = self._arrays[name]
         leases = self._leases.get(id(arr), ())
         if any(not lease.rows_saved for lease in leases) or not arr.flags.writeable or not arr.flags.c_contiguous:
-            arr = np.array(arr, copy=True, order="C")
+            arr = self._own(arr, copy=True)
             self._arrays[name] = arr
             self._cow_bytes += arr.nbytes
             return arr

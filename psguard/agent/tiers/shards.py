@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, StreamSnapshot, limit_malloc_retention
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot, StreamSnapshot, limit_malloc_retention
 from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame, xor_rows
 from psguard.agent.tiers.peer_copy import (
     CopyHolder,
@@ -40,6 +40,7 @@ from psguard.agent.tiers.peer_copy import (
     new_delta,
     rows_digest,
 )
+from psguard.agent.tiers.tier_files import TierFiles
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir
@@ -109,15 +110,22 @@ class ShardKeeper:
         send_frame: Callable[[str, bytes, float], dict[str, Any]] | None = None,
         read_copy: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
         read_stripe: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
+        tier_files: bool | None = None,
     ) -> None:
         """``send_frame`` (to a peer agent's ``/peer-copy/put``) and ``read_copy`` (its ``/peer-copy/read``):
         the peer copies' calls, with the agents' credentials; without them this agent neither sends nor fetches
         copies (it still holds the copies others send). ``read_stripe`` (a member's ``/peer-copy/stripe``): a
-        parity holder's fetch of the survivors' stripes when it reconstructs a lost member."""
+        parity holder's fetch of the survivors' stripes when it reconstructs a lost member. ``tier_files``: the
+        tier's arrays in files a restore hands to the PS as they are (tier_files.py): None, when the folder is
+        in memory (the default, /dev/shm); or forced on or off."""
         self.folder = Path(folder)
         self.task = task
         self.store = store
-        self.tier = MemoryTier()
+        self.files = TierFiles(self.folder / "tier", enabled=tier_files)
+        self.tier = MemoryTier(home=self.files)
+        # The rows' fingerprints as the captures stored them on the PS (one int64 per row, per shard), at the
+        # tier's token or dropped: a restore then loads them instead of hashing every row. Never persisted.
+        self.fp_tier = MemoryTier(home=self.files)
         self.copy_config = copy_config or PeerCopyConfig()
         self.holder = CopyHolder(task)  # the copies of other PS's shards this agent holds
         self.parity = ParityHolder(task, read_stripe, self.copy_config)  # and the parity blocks (copies: parity)
@@ -147,6 +155,9 @@ class ShardKeeper:
         # asks for that state again (after the chief's agent exported ahead of it) gets them without a rewrite.
         self._export_lock = threading.Lock()
         self._exported: tuple[str, dict[str, Any]] | None = None
+        # The last export's lease: the tier writes no array of it in place while its restore files exist.
+        self._export_lease: list[Snapshot] = []
+        self._export_bytes = 0  # bytes the exports wrote (the data of arrays without a tier file)
         self._lock_fd: int | None = None
 
     def start(self) -> ShardKeeper:
@@ -163,6 +174,7 @@ class ShardKeeper:
         for sub in ("incoming", "restore"):
             shutil.rmtree(self.folder / sub, ignore_errors=True)
             ensure_private_dir(self.folder / sub, "the PS agent's part folder")
+        self.files.open()
         return self
 
     def close(self) -> None:
@@ -170,8 +182,10 @@ class ShardKeeper:
             self.sender.close()
         if self._lock_fd is None:
             return
+        self._drop_restore_files()
         for sub in ("incoming", "restore"):
             shutil.rmtree(self.folder / sub, ignore_errors=True)
+        self.files.close()
         os.close(self._lock_fd)
         self._lock_fd = None
 
@@ -189,6 +203,9 @@ class ShardKeeper:
             "bytes_in": self._bytes_in,
             "exports": self._exports,
             "exports_reused": self._exports_reused,
+            "export_bytes_written": self._export_bytes,
+            "tier_files": self.files.status(),
+            "fingerprints_kept": self.fp_tier.token is not None and self.fp_tier.token == s.token,
             "copy_out": self.sender.status() if self.sender is not None else None,
             "copies_held": self.holder.status(),
             "parity_held": self.parity.status(),
@@ -210,6 +227,7 @@ class ShardKeeper:
                 raise CorruptCheckpointError(f"{self.task}: the capture's files are not in {folder}")
             updates: dict[str, TensorUpdate] = {}
             keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}
+            fps: dict[str, TensorUpdate] | None = {}
             nbytes = 0
             for s in part.shards:
                 name = _tier_name(s.key)
@@ -217,6 +235,8 @@ class ShardKeeper:
                 keys[name] = (s.key, s.shape)
                 u = updates[name]
                 nbytes += u.value.nbytes if isinstance(u, Full) else u.values.nbytes if isinstance(u, Rows) else 0
+                fp = self._read_fps(folder, s, u)
+                fps = None if fp is None or fps is None else {**fps, name: fp}
             self._drop_restore_files()  # a capture comes after the restore it followed was loaded
             return self.apply_updates(
                 updates,
@@ -227,6 +247,7 @@ class ShardKeeper:
                 copy_to=_copy_target(doc.get("copy_to")),
                 nbytes=nbytes,
                 parity=group_header((doc.get("copy_to") or {}).get("parity")),
+                fps=fps,
             )
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -242,10 +263,12 @@ class ShardKeeper:
         copy_to: tuple[str, str] | None = None,
         nbytes: int = 0,
         parity: Mapping[str, Any] | None = None,
+        fps: Mapping[str, TensorUpdate] | None = None,
     ) -> dict[str, Any]:
         """The tier's half of :meth:`apply`, once the part's files are read; then the change goes to the peer
         copy (``copy_to``: the holder's task and URL, as the chief names it; ``parity``: the group whose parity
-        block that holder keeps, ``{"group", "urls"}``, for ``copies: parity``)."""
+        block that holder keeps, ``{"group", "urls"}``, for ``copies: parity``). ``fps``: the same update of
+        the rows' fingerprints (:meth:`_keep_fps`), None when the capture sent none."""
         with self._lock:
             copying = self.sender is not None and copy_to is not None
             old_rows = self._old_rows(updates) if copying and parent is not None else None
@@ -264,6 +287,7 @@ class ShardKeeper:
                 elif result.ok and result.message != "already applied":
                     self._offer_copy(updates, step, token, parent, old_rows)
             if result.ok and result.message != "already applied":
+                self._keep_fps(fps, step=step, token=token, parent=parent)
                 self._undo = None
                 if parent is not None and old_rows is not None and prev_step is not None:
                     self._undo = (
@@ -393,6 +417,8 @@ class ShardKeeper:
         t0 = time.perf_counter()
         try:
             info, arrays = fetch_copy(self.task, holder, token, self._read_copy, self.copy_config)
+            for name in list(arrays):  # into tier files one by one: the node holds at most one shard twice
+                arrays[name] = self.files.adopt(arrays[name])
         except CorruptCheckpointError as e:
             log.error("event=peer_copy_refused task=%s holder=%s error=%r", self.task, holder, str(e))
             return {"status": "refused", "message": str(e)}
@@ -419,6 +445,7 @@ class ShardKeeper:
             )
             self._keys = layout
             self._digests = None
+            self._drop_fps()  # a copy carries no fingerprints
             self._pulls += 1
         nbytes = sum(a.nbytes for a in arrays.values())
         seconds = time.perf_counter() - t0
@@ -432,13 +459,43 @@ class ShardKeeper:
         )
         return {"status": "ok", "step": info["step"], "token": token, "bytes": nbytes, "seconds": seconds}
 
+    def _keep_fps(self, fps: Mapping[str, TensorUpdate] | None, *, step: int, token: str, parent: str | None) -> None:
+        """Apply a capture's fingerprints beside its rows (under ``_lock``, after the tier took the capture), or
+        drop them all when they cannot follow the tier (none sent, a delta over fingerprints this agent lacks):
+        fingerprints of another state than the rows' would be restored as if they were the rows'."""
+        if fps is not None and set(fps) == set(self.tier.names()):
+            whole = all(isinstance(u, Full) for u in fps.values())
+            try:
+                if self.fp_tier.apply(fps, step=step, token=token, parent=None if whole else parent).ok:
+                    return
+            except PsguardError as e:
+                log.warning("event=fingerprints_dropped task=%s error=%r", self.task, str(e))
+        self._drop_fps()
+
+    def _drop_fps(self) -> None:
+        self.fp_tier = MemoryTier(home=self.files)  # an export holding the old one keeps its lease on it
+
+    def _read_fps(self, folder: Path, s: ShardFiles, update: TensorUpdate) -> TensorUpdate | None:
+        """The fingerprints of the rows in ``update`` (one int64 each), or None when the capture sent none."""
+        if not s.fps:
+            return None
+        shape = (s.key.rows,)
+        if isinstance(update, Same):
+            return Same(shape, np.dtype(np.int64))
+        what = f"{self.task}: {s.key.label} fingerprints"
+        path = folder / f"{s.stem}.fps"
+        if isinstance(update, Full):
+            return Full(read_tensor_file(path, dtype="int64", shape=shape, what=what, allocate=self.files.new))
+        assert isinstance(update, Rows)
+        return Rows(update.ids, read_tensor_file(path, dtype="int64", shape=(s.count,), what=what), shape)
+
     def _read_shard(self, folder: Path, s: ShardFiles) -> TensorUpdate:
         inner = s.shape[1:]
         what = f"{self.task}: {s.key.label}"
         if s.kind == "full":
-            return Full(
-                read_tensor_file(folder / f"{s.stem}.full", dtype=s.dtype, shape=(s.key.rows, *inner), what=what)
-            )
+            path, shape = folder / f"{s.stem}.full", (s.key.rows, *inner)
+            # Read where the tier keeps it (its file), so the apply takes it without a copy.
+            return Full(read_tensor_file(path, dtype=s.dtype, shape=shape, what=what, allocate=self.files.new))
         if s.kind == "same":
             return Same((s.key.rows, *inner), dtype_from_name(s.dtype))
         ids = read_tensor_file(folder / f"{s.stem}.ids", dtype="int64", shape=(s.count,), what=what)
@@ -480,6 +537,7 @@ class ShardKeeper:
             result, updates = self.tier.revert(rows, step=step, token=token)
             if not result.ok:
                 return
+            self._drop_fps()  # not kept for the state rolled back to
             self._undo = None
             self._rollbacks += 1
             if self._digests is not None and self.sender is not None:
@@ -512,15 +570,23 @@ class ShardKeeper:
         token, answer = self._exported
         if token != expected or self.tier.token != token:
             return None
-        if not all(p.is_file() for f in answer["files"] for p in bundle_files(f["path"])):
+        prefixes = [p for f in answer["files"] for p in (f["path"], f.get("fp_path")) if p]
+        if not all(p.is_file() for prefix in prefixes for p in bundle_files(prefix)):
             return None
         self._exports_reused += 1
         return answer
 
     def _export(self, expected: str | None) -> dict[str, Any]:
+        """Restore files for the tier's state: per shard, its tier file hard-linked and an index (tier_files.py),
+        or, for an array without a file, a bundle written out. When a file was linked, the export's lease is kept
+        until the files are dropped, so the tier writes none of the linked files while its PS may read them.
+        The rows' fingerprints go beside them (``fp_path``) when they are kept for the same state."""
         nonce = secrets.token_hex(8)
         restore = self.folder / "restore"
-        with self.tier.export() as snap:
+        snap = self.tier.export()
+        fp_snap = self.fp_tier.export()
+        kept = False
+        try:
             if snap.empty:
                 return {"status": "empty", "step": None, "token": None}
             if expected is not None and snap.token != expected:
@@ -529,25 +595,44 @@ class ShardKeeper:
             tmp = restore / f"{nonce}.tmp"
             tmp.mkdir(mode=0o700)
             files = []
+            linked = False
+            with_fps = fp_snap.token == snap.token and set(fp_snap.tensors) == set(snap.tensors)
             for i, (name, value) in enumerate(snap.tensors.items()):
                 key, shape = self._keys[name]
-                write_bundle(tmp / str(i), value)  # what RestoreV2 reads on the PS
-                files.append(
-                    {
-                        "name": key.name,
-                        "offset": key.offset,
-                        "rows": key.rows,
-                        "shape": list(shape),
-                        "dtype": dtype_name(value.dtype),
-                        "path": str(restore / nonce / str(i)),  # the bundle's prefix
-                    }
-                )
+                linked = self._bundle(value, tmp / str(i)) or linked
+                entry = {
+                    "name": key.name,
+                    "offset": key.offset,
+                    "rows": key.rows,
+                    "shape": list(shape),
+                    "dtype": dtype_name(value.dtype),
+                    "path": str(restore / nonce / str(i)),  # the bundle's prefix
+                }
+                fps = fp_snap.tensors.get(name) if with_fps else None
+                if fps is not None and fps.shape == (key.rows,) and fps.dtype == np.int64:
+                    linked = self._bundle(fps, tmp / f"{i}.fp") or linked
+                    entry["fp_path"] = str(restore / nonce / f"{i}.fp")
+                files.append(entry)
             os.rename(tmp, restore / nonce)
             self._exports += 1
+            if linked:  # written files are copies: nothing to keep them from
+                self._export_lease, kept = [snap, fp_snap], True
             answer = {"status": "ok", "step": snap.step, "token": snap.token, "files": files}
             if snap.token is not None:
                 self._exported = (snap.token, answer)
             return answer
+        finally:
+            if not kept:
+                snap.release()
+                fp_snap.release()
+
+    def _bundle(self, value: np.ndarray, prefix: Path) -> bool:
+        """The bundle at ``prefix`` from ``value``'s tier file (True) or written out (False)."""
+        if self.files.export(value, prefix):
+            return True
+        write_bundle(prefix, value)  # what RestoreV2 reads on the PS
+        self._export_bytes += value.nbytes
+        return False
 
     def load(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """Read this PS's rows of a durable checkpoint into the tier (``{"checkpoint", "shards", "durable"}``).
@@ -583,7 +668,9 @@ class ShardKeeper:
             if entry is None:
                 raise ShardError(f"checkpoint {checkpoint} has no tensor {key.name!r}")
             name = _tier_name(key)
-            arrays[name] = self.store.read_rows(checkpoint, key.name, key.offset, key.offset + key.rows)
+            # Into a tier file shard by shard: the node holds at most one shard twice.
+            rows = self.store.read_rows(checkpoint, key.name, key.offset, key.offset + key.rows)
+            arrays[name] = self.files.adopt(rows)
             layout[name] = (key, tuple(entry.shape))
         token = manifest.metadata.get(TOKEN_KEY)
         with self._lock:
@@ -599,6 +686,7 @@ class ShardKeeper:
             )
             self._keys = layout
             self._digests = None
+            self._drop_fps()  # the log keeps no fingerprints
         return {
             "status": "ok",
             "step": manifest.step,
@@ -616,6 +704,9 @@ class ShardKeeper:
         self._exported = None
         for old in (self.folder / "restore").iterdir():
             shutil.rmtree(old, ignore_errors=True)
+        for lease in self._export_lease:  # the tier may write its arrays in place again
+            lease.release()
+        self._export_lease = []
 
     # ------------------------------------------------------------------------------------------ durable log
     def take(self, doc: Mapping[str, Any]) -> dict[str, Any]:

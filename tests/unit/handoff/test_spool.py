@@ -25,6 +25,7 @@ from psguard.agent.tiers.persister import Persister, resume
 from psguard.agent.tiers.spool_server import SpoolEvent, SpoolServer
 from psguard.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.contract import Tier
+from psguard.handoff.parts import ShardFiles, ShardKey
 from psguard.handoff.spool import Capture, NeedFullCaptureError, default_spool_dir, read_capture
 from psguard.store import Store
 from psguard.tensors import Full, Rows, Same, TensorUpdate
@@ -684,3 +685,27 @@ def test_a_stray_huge_sequence_number_is_ignored_not_obeyed(tmp_path: Path) -> N
             assert handle.result(timeout=10).status == "ok"
         finally:
             server.stop()
+
+
+def test_a_restore_names_each_shards_fingerprints_when_its_agent_kept_them(tmp_path: Path) -> None:
+    """``fp_path`` beside a part's ``path`` reaches the trainer as ``Restored.part_fps``; a part without it
+    (an agent without fingerprints, an older agent) has none, and its PS hashes the rows."""
+    part = {"name": "t", "offset": 0, "rows": 10, "task": "ps:0", "dtype": "float32", "path": "/p/0"}
+    doc = {
+        "format": spool_mod.RESTORE_FORMAT,
+        "version": spool_mod.VERSION,
+        "status": "ok",
+        "step": 3,
+        "metadata": {},
+        "tensors": [],
+        "parts": [{**part, "fp_path": "/p/0.fp"}, {**part, "offset": 10, "path": "/p/1"}],
+    }
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    restored = spool_mod.read_restore(tmp_path)
+    assert restored.parts == {ShardKey("t", 0, 10): "/p/0", ShardKey("t", 10, 10): "/p/1"}
+    assert restored.part_fps == {ShardKey("t", 0, 10): "/p/0.fp"}
+
+    shard = ShardFiles(ShardKey("t", 0, 10), (20, 4), "float32", "rows", 2, "0-1", fps=True)
+    assert ShardFiles.from_json(shard.to_json(), "test") == shard
+    older = {k: v for k, v in shard.to_json().items() if k != "fps"}
+    assert ShardFiles.from_json(older, "test").fps is False

@@ -7,8 +7,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psguard.handoff.tensor_bundle import BUNDLE_KEY, bundle_files, write_bundle
+from psguard.handoff.tensor_bundle import BUNDLE_KEY, bundle_files, write_bundle, write_index
 from psguard.handoff.tensor_file import TF_DTYPES
+from psguard.store.chunks import byte_view, crc32c
 from psguard.store.dtypes import dtype_name
 from tests.support.tensors import every_dtype, lazy_tf, restore_bundle
 
@@ -64,3 +65,14 @@ def test_only_numeric_tensors_are_written(tmp_path: Path, case: str) -> None:
     with pytest.raises(ValueError, match="numeric tensors only"):
         write_bundle(tmp_path / "s", DTYPES[case])
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("case", ["f32", "bf16", "int64", "bool"])
+def test_an_index_for_a_data_file_already_there_is_the_one_write_bundle_writes(tmp_path: Path, case: str) -> None:
+    """A PS agent whose tier is its data files writes only the index (write_index); it must be the same bytes."""
+    value = np.ascontiguousarray(DTYPES[case])
+    write_bundle(tmp_path / "whole", value)
+    bundle_files(tmp_path / "whole")[1].rename(bundle_files(tmp_path / "index_only")[1])
+    write_index(tmp_path / "index_only", value.dtype, value.shape, value.nbytes, crc32c(byte_view(value)))
+    assert bundle_files(tmp_path / "index_only")[0].read_bytes() == bundle_files(tmp_path / "whole")[0].read_bytes()
+    assert restore_bundle(tmp_path / "index_only", value.dtype).numpy().tobytes() == value.tobytes()
