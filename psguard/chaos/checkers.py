@@ -211,9 +211,17 @@ def restores_newest(ctx: _Context) -> Verdict:
     problems: list[dict[str, Any]] = []
     checked: list[dict[str, Any]] = []
     memory_lost = _memory_lost_at(ctx)
+    interrupted: list[dict[str, Any]] = []
+    starts = sorted(r.start for r in restores)
     for r in restores:
         if r.type != "ok":
-            problems.append({"restore_at": r.start, "error": r.value.get("error", "no completion")})
+            row = {"restore_at": r.start, "process": r.process, "error": r.value.get("error", "no completion")}
+            # Until the next restore began (by this process or its successor): a fault then may have ended it.
+            until = next((t for t in starts if t > r.start), float("inf"))
+            if faults := _faults_during(ctx, r.start, until):
+                interrupted.append({**row, "faults": faults})
+            else:
+                problems.append({**row, "why": "the restore failed with no fault to explain it"})
             continue
         corrupted = ctx.corrupted(before=r.start)
         lost_before = max((t for t in memory_lost if t < r.start), default=None)
@@ -248,12 +256,34 @@ def restores_newest(ctx: _Context) -> Verdict:
             problems.append({**row, "why": "an older checkpoint than the newest acknowledged commit"})
         else:
             problems.append({**row, "why": "a step no commit was invoked for"})
-    evidence = {"restores": checked, "problems": problems}
+    evidence = {"restores": checked, "problems": problems, "interrupted": interrupted}
     if not restores:
         return Verdict(name, "unknown", "no restore happened", evidence)
     if problems:
         return Verdict(name, "invalid", f"{len(problems)} of {len(restores)} restore(s) wrong", evidence)
-    return Verdict(name, "valid", f"all {len(restores)} restores took the newest commit", evidence)
+    done = len(restores) - len(interrupted)
+    cut = f" ({len(interrupted)} more cut short by a fault, the next one judged)" if interrupted else ""
+    return Verdict(name, "valid", f"all {done} restores took the newest commit{cut}", evidence)
+
+
+def _faults_during(ctx: _Context, begin: float, end: float) -> list[str]:
+    """The faults injected in [begin, end), or injected before and not healed by ``begin`` (a store still down):
+    what may have cut an operation in that span short (a restore whose PS was frozen under it)."""
+    heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
+    out: list[str] = []
+    for f in ctx.of(FAULTS, "ok"):
+        if f.process != "nemesis" or f.start >= end:
+            continue
+        if f.start < begin:
+            healed = next(
+                (h.start for h in heals if h.f == HEALED_BY.get(f.f) and h.start >= f.start
+                 and h.value.get("target") == f.value.get("target")),
+                None,
+            )  # fmt: skip
+            if f.f not in HEALED_BY or (healed is not None and healed <= begin):
+                continue
+        out.append(str(f.value.get("fault") or f"{f.f} {f.value.get('target', '')}"))
+    return out
 
 
 def restores_exact(ctx: _Context) -> Verdict:

@@ -210,6 +210,35 @@ def test_restoring_a_step_nobody_committed_is_invalid() -> None:
     assert check_all(h.records)["restore-newest"].status == "invalid"
 
 
+def test_a_restore_cut_short_by_a_fault_is_judged_by_the_next_one() -> None:
+    """The 1-hour soak (seed 1230020514): the chief's trainer restored, then its PS was frozen while the trainer
+    took its digest; the trainer exited, its successor restored the same step. The first restore has no completion
+    and the fault explains it; one with no fault to explain it stays a problem."""
+    h = H()
+    h.commit(0, durable=True)
+    h.train(0, 5)
+    h.commit(5, durable=False)
+    h.fault("kill", "chief")
+    h.op("trainer-200", "restore", {}, None)  # invoked, never completed
+    h.fault("pause", "ps:1")
+    h.restore(5, p="trainer-300")
+    h.train(5, 20, p="trainer-300")
+    h.finish()
+    v = check_all(h.records)["restore-newest"]
+    assert v.status == "valid", v.evidence
+    assert v.evidence["interrupted"][0]["faults"] == ["pause ps:1"] and "1 more cut short" in v.summary
+
+    unexplained = H()
+    unexplained.commit(0, durable=True)
+    unexplained.fault("kill", "chief")
+    unexplained.op("trainer-200", "restore", {}, None)
+    unexplained.restore(0, source="durable", p="trainer-300")
+    unexplained.train(0, 20, p="trainer-300")
+    unexplained.finish()
+    v = check_all(unexplained.records)["restore-newest"]
+    assert v.status == "invalid" and v.evidence["problems"][0]["why"].startswith("the restore failed")
+
+
 def test_a_dead_chief_agent_takes_the_memory_tier_with_it() -> None:
     h = H()
     h.commit(0, durable=True)
