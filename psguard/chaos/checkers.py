@@ -120,14 +120,19 @@ def durable_commits_kept(ctx: _Context) -> Verdict:
         if o.value.get("id") in present and not present[o.value["id"]]["ok"] and o.value["id"] not in corrupted
     ]
     missing += [i for i in deleted_by_gc if i in {o.value.get("id") for o in acked}]  # the final gc keeps all
-    # A job with retention (``max_to_keep``: a soak's store must stay bounded) deletes its older commits: only
-    # the newest ``keep`` acknowledged ones must still be there (retention never deletes those).
+    # A job with retention (``max_to_keep``: a soak's store must stay bounded) deletes its older commits. It
+    # keeps the newest ``keep`` commits of the store, acknowledged or not (a commit whose answer a killed trainer
+    # never read is a commit all the same): an acknowledged one may be gone only with ``keep`` newer ones there.
     keep = ctx.run.get("training", {}).get("max_to_keep")
     retired: list[Any] = []
     if isinstance(keep, int) and keep > 0:
-        newest = {str(o.value.get("id")) for o in sorted(acked, key=lambda o: int(o.value.get("step", 0)))[-keep:]}
-        retired = [i for i in missing if i not in newest]
-        missing = [i for i in missing if i in newest]
+        step_of = {o.value.get("id"): int(o.value.get("step", 0)) for o in acked}
+
+        def newer_kept(cid: Any) -> int:
+            return sum(1 for c in present.values() if c["id"] != cid and int(c.get("step", 0)) >= step_of[cid])
+
+        retired = [i for i in missing if newer_kept(i) >= keep]
+        missing = [i for i in missing if newer_kept(i) < keep]
     evidence = {"acknowledged": len(acked), "missing": missing, "unreadable": unreadable, "retired": len(retired)}
     if not acked:
         return Verdict(name, "unknown", "no durable commit was acknowledged during the run", evidence)

@@ -58,7 +58,13 @@ T = TypeVar("T")
 
 
 class CaptureHandle:
-    """One capture handed off. :meth:`result` waits for the memory tier; :meth:`durable` for the log."""
+    """One capture handed off. :meth:`result` waits for the memory tier; :meth:`durable` for the log.
+
+    Thread-safe: each answer is read from the spool and deleted once, under a lock, and every caller sees it. A
+    user's thread waiting on a save while the step loop's next save settles the same handle is ordinary; when
+    each read the file unlocked, the one that lost the race polled a deleted file until its timeout (a soak's
+    trainer awaited its durable commits off the step loop and none was ever acknowledged).
+    """
 
     def __init__(self, writer: SpoolWriter, seq: int, token: str, step: int, tiers: frozenset[Tier]) -> None:
         self._writer = writer
@@ -68,6 +74,7 @@ class CaptureHandle:
         self.tiers = tiers
         self._ack: Ack | None = None
         self._durable: DurableAck | None = None
+        self._answers = threading.Lock()
 
     def done(self) -> bool:
         """True once the agent answered (without consuming the answer)."""
@@ -83,35 +90,12 @@ class CaptureHandle:
         Raises :class:`NeedFullCaptureError` when the agent needs a whole capture, :class:`SaveError` when it
         rejected the capture, :class:`TimeoutError` when no answer came within ``timeout`` seconds.
         """
-        if self._ack is None:
-            path = self._writer._paths.ack(self.seq)
-            doc = poll_until(
-                lambda: read_json_if_present(path),
-                timeout,
-                self._writer.poll_interval,
-                lambda: self._writer._no_answer(f"capture seq {self.seq} (step {self.step})", timeout),
-            )
-            status = doc.get("status", "error")
-            message = str(doc.get("message", ""))
-            answered = doc.get("capture")
-            # An agent names the capture it answers (None only when it could not read which: never with ok).
-            if "capture" in doc and (answered != self.token) and (answered is not None or status == "ok"):
-                # Not this capture's answer (two captures under one seq): never take it for ours.
-                status = "error"
-                message = f"the agent's answer under seq {self.seq} is for capture {answered}, not {self.token}"
-            self._ack = Ack(
-                seq=self.seq,
-                status=status,
-                memory_step=doc.get("memory_step"),
-                token=doc.get("token"),
-                message=message,
-                capture=answered,
-                copies=_copies(doc.get("copies")),
-            )
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self._writer._answered(self.seq, self._ack)
-        ack = self._ack
+        ack = self._ack or poll_until(
+            self._take_ack,
+            timeout,
+            self._writer.poll_interval,
+            lambda: self._writer._no_answer(f"capture seq {self.seq} (step {self.step})", timeout),
+        )
         if ack.status == "need_full":
             raise NeedFullCaptureError(f"capture seq {self.seq} (step {self.step}) not applied: {ack.message}", ack)
         if ack.status != "ok":
@@ -122,14 +106,58 @@ class CaptureHandle:
         """The durable log's outcome (the save is *durable*); raises :class:`SaveError` on failure."""
         if Tier.DURABLE not in self.tiers:
             raise ConfigError(f"capture seq {self.seq} was not meant for the durable tier")
-        if self._durable is None:
-            path = self._writer._paths.ack(self.seq, "durable")
-            doc = poll_until(
-                lambda: read_json_if_present(path),
-                timeout,
-                max(self._writer.poll_interval, 0.05),
-                lambda: self._writer._no_answer(f"the durable save of capture seq {self.seq}", timeout),
+        durable = self._durable or poll_until(
+            self._take_durable,
+            timeout,
+            max(self._writer.poll_interval, 0.05),
+            lambda: self._writer._no_answer(f"the durable save of capture seq {self.seq}", timeout),
+        )
+        if durable.status != "ok":
+            raise SaveError(f"capture seq {self.seq} (step {self.step}) did not become durable: {durable.message}")
+        return durable
+
+    def _take_ack(self) -> Ack | None:
+        """The memory tier's answer: taken by whichever caller comes first (the file read and deleted once),
+        then kept for every caller; None while the agent has not answered."""
+        with self._answers:
+            if self._ack is not None:
+                return self._ack
+            path = self._writer._paths.ack(self.seq)
+            doc = read_json_if_present(path)
+            if doc is None:
+                return None
+            status = doc.get("status", "error")
+            message = str(doc.get("message", ""))
+            answered = doc.get("capture")
+            # An agent names the capture it answers (None only when it could not read which: never with ok).
+            if "capture" in doc and (answered != self.token) and (answered is not None or status == "ok"):
+                # Not this capture's answer (two captures under one seq): never take it for ours.
+                status = "error"
+                message = f"the agent's answer under seq {self.seq} is for capture {answered}, not {self.token}"
+            ack = Ack(
+                seq=self.seq,
+                status=status,
+                memory_step=doc.get("memory_step"),
+                token=doc.get("token"),
+                message=message,
+                capture=answered,
+                copies=_copies(doc.get("copies")),
             )
+            with contextlib.suppress(OSError):
+                path.unlink()
+            self._writer._answered(self.seq, ack)
+            self._ack = ack
+            return ack
+
+    def _take_durable(self) -> DurableAck | None:
+        """The durable log's answer, taken once as :meth:`_take_ack` takes the memory tier's."""
+        with self._answers:
+            if self._durable is not None:
+                return self._durable
+            path = self._writer._paths.ack(self.seq, "durable")
+            doc = read_json_if_present(path)
+            if doc is None:
+                return None
             self._durable = DurableAck(
                 seq=self.seq,
                 status="ok" if doc.get("status") == "ok" else "error",
@@ -139,11 +167,7 @@ class CaptureHandle:
             )
             with contextlib.suppress(OSError):
                 path.unlink()
-        if self._durable.status != "ok":
-            raise SaveError(
-                f"capture seq {self.seq} (step {self.step}) did not become durable: {self._durable.message}"
-            )
-        return self._durable
+            return self._durable
 
 
 class RestoreHandle:

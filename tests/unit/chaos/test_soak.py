@@ -181,6 +181,22 @@ def test_retention_may_delete_old_commits_but_never_the_newest_kept() -> None:
     assert check_all(history(2, drop=25).records)["durable-commits-kept"].status == "invalid"  # the newest
     assert check_all(history(None, drop=0).records)["durable-commits-kept"].status == "invalid"  # keeps all
 
+    # The 5-minute soak: the trainer was killed before it read the answers of commits 30 and 35; retention kept
+    # them as the newest, so the acknowledged 20 and 25 went. Not a loss: two newer commits are there.
+    h = _soak(training={"max_to_keep": 2})
+    h.restore(0, source=None)
+    for s in range(0, 40, 5):
+        h.commit(s, durable=True, type="ok" if s < 30 else "info")
+        h.train(s, s + 5)
+    h.op("harness", "finish", {"target_step": 40}, {"target_step": 40})
+    unread = [{"id": f"{s:012d}-aaaaaaaa", "step": s, "ok": True, "problems": []} for s in (30, 35)]
+    h.finish(store=unread)
+    verdict = check_all(h.records)["durable-commits-kept"]
+    assert verdict.status == "valid" and verdict.evidence["retired"] == 6, verdict
+    h.records[:] = [r for r in h.records if r.f != "final-store"]
+    h.op("harness", "final-store", {}, {"checkpoints": unread[1:]})  # one newer commit only: 25 must be there
+    assert check_all(h.records)["durable-commits-kept"].status == "invalid"
+
 
 def test_the_report_sums_up_the_soak_and_plots_its_resources(tmp_path: Path) -> None:
     h = _trained(_soak())

@@ -320,6 +320,42 @@ def test_a_real_full_tmpfs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 # ----------------------------------------------------------------------------------------------- double write
+def test_two_threads_waiting_on_one_capture_both_get_its_answers(spool: Path, tmp_path: Path) -> None:
+    """A user's thread awaits a save while the step loop's next save settles the same handle (the 5-minute
+    soak: the trainer awaited durable commits off its step loop). Each answer file is read and deleted once;
+    before, the thread that lost the race polled the deleted file until its timeout."""
+    import threading
+
+    with Store.open(str(tmp_path / "store")) as store:
+        tier = MemoryTier()
+        with Persister(store, tier) as persister, SpoolWriter(spool) as w:
+            srv = server(spool, tier, persister=persister)
+            try:
+                h = w.submit(Capture(1, whole({"t": np.arange(12.0)}), tiers=DURABLE))
+                got: dict[str, list[object]] = {"memory": [], "durable": []}
+                waiting = threading.Barrier(5)
+
+                def wait(kind: str) -> None:
+                    waiting.wait()  # all four wait before the agent answers
+                    try:
+                        got[kind].append(h.result(10) if kind == "memory" else h.durable(10))
+                    except Exception as e:  # the assertion below names it
+                        got[kind].append(e)
+
+                threads = [threading.Thread(target=wait, args=(k,)) for k in ("memory", "memory", "durable", "durable")]
+                for t in threads:
+                    t.start()
+                waiting.wait()
+                srv.process_once()
+                for t in threads:
+                    t.join()
+            finally:
+                srv.stop()
+    assert all(not isinstance(a, Exception) for a in got["memory"] + got["durable"]), got
+    assert got["memory"][0] is got["memory"][1] and got["durable"][0] is got["durable"][1]
+    assert got["durable"][0].durable_step == 1  # type: ignore[attr-defined]
+
+
 def test_durable_captures_reach_the_log_and_their_acks(spool: Path, tmp_path: Path) -> None:
     truth = every_dtype()
     with Store.open(str(tmp_path / "store")) as store:
