@@ -150,11 +150,16 @@ def _pace(steps: list[dict[str, Any]], after: int = 5) -> float:
     return float(run[-1]["step"] - run[0]["step"]) / float(run[-1]["t"] - run[0]["t"])
 
 
-def _settle_wait(recs: Records, before: list[dict[str, Any]]) -> float | None:
+def _settle(recs: Records) -> dict[str, Any] | None:
+    """The trainer's ``settle`` record (psguard's side: where the peer copies were made), if any."""
+    found = recs.of("settle")
+    return found[0] if found else None
+
+
+def _settle_wait(settle: dict[str, Any] | None, before: list[dict[str, Any]]) -> float | None:
     """Seconds from the trainer's ``settle`` record to its next step's: the wait for the peer copies."""
-    if not recs.of("settle"):
+    if settle is None:
         return None
-    settle = recs.of("settle")[0]
     after = [d for d in before if d["step"] > int(settle["step"])]
     return float(after[0]["t"]) - float(settle["t"]) if after else None
 
@@ -185,15 +190,16 @@ def measure(recs: Records, kill_t: float, p: Params, *, need_capture: bool) -> d
     if end is None:
         end = after[-1]["t"] if after else float("nan")
     stalls = [float(d["stall"]) for d in recs.of("capture") if d["gen"] == 0]
+    settle = _settle(recs)
     return {
         "recovery_s": end - kill_t,
         "first_step_s": (after[0]["t"] - kill_t) if after else float("nan"),
         "normal_speed_reached": reached,
         "normal_step_s": normal,
         # From the settle point on (psguard's side: the peer copies made, as in a job that has run for hours).
-        "steps_per_s": _pace(before, int(recs.of("settle")[0]["step"]) if recs.of("settle") else 5),
+        "steps_per_s": _pace(before, int(settle["step"]) if settle is not None else 5),
         # How long the trainer waited there: the first whole copy of every shard (once per job and node loss).
-        "settle_wait_s": _settle_wait(recs, before),
+        "settle_wait_s": _settle_wait(settle, before),
         "lost_steps": p.kill_at - restored,
         "restored_step": restored,
         "restored_from": restore.get("source"),

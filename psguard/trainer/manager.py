@@ -511,47 +511,43 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
             step = self._step_for(checkpoint_number)
             process_managers.note_step(self.directory, step)
             self._beat(step)
-            t0 = time.perf_counter()
             full = self._sink.whole_next()
-            if full:
-                self._graph = None  # a whole capture carries the object graph too, not "same as before"
-            updates = self.capturer.capture(full=full)
-            stall = time.perf_counter() - t0
-            if (
-                self._deferred is not None
-                and all(n in updates for n in self._deferred.pending)
-                and not self._deferred.sharded_slots.unresolved
-            ):
-                self._close_deferred()  # every deferred value found its variable: the file is not needed
-            self._add_object_graph(updates)
-            metadata: dict[str, Any] = {
-                "partitioning": {n: list(i.partitioning) for n, i in self.capturer.tensors.items()},
-                "writer": f"{socket.gethostname()}:{os.getpid()}",
-                "checkpoint_name": self.checkpoint_name,
-            }
-            if self._data_position is not None:
-                metadata["data_position"] = self._data_position()
-            self.last_stall_seconds = stall
+            stall = 0.0
             self._saves += 1
-            wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
-            job = Job(step, updates, metadata, dict(metrics or {}), wanted, parts=tuple(self.capturer.last_parts))
-            try:
-                handle = self._sink.submit(job, stall)
-            except DeltaWithoutParentError:
-                if full:
-                    raise
-                # The chain broke while this delta was captured: the agent's answer to an earlier capture
-                # (it did not apply it) came after whole_next() was asked. The same state, whole this time.
-                log.warning("step %d: an earlier capture was not applied; capturing it whole", step)
+            while True:
                 t0 = time.perf_counter()
-                self._graph = None
-                updates = self.capturer.capture(full=True)
+                if full:
+                    self._graph = None  # a whole capture carries the object graph too, not "same as before"
+                updates = self.capturer.capture(full=full)
                 stall += time.perf_counter() - t0
                 self.last_stall_seconds = stall
+                if (
+                    self._deferred is not None
+                    and all(n in updates for n in self._deferred.pending)
+                    and not self._deferred.sharded_slots.unresolved
+                ):
+                    self._close_deferred()  # every deferred value found its variable: the file is not needed
                 self._add_object_graph(updates)
+                metadata: dict[str, Any] = {
+                    "partitioning": {n: list(i.partitioning) for n, i in self.capturer.tensors.items()},
+                    "writer": f"{socket.gethostname()}:{os.getpid()}",
+                    "checkpoint_name": self.checkpoint_name,
+                }
+                if self._data_position is not None:
+                    metadata["data_position"] = self._data_position()
+                wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
                 parts = tuple(self.capturer.last_parts)
                 job = Job(step, updates, metadata, dict(metrics or {}), wanted, parts=parts)
-                handle = self._sink.submit(job, stall)
+                try:
+                    handle = self._sink.submit(job, stall)
+                    break
+                except DeltaWithoutParentError:
+                    if full:
+                        raise
+                    # The chain broke while this delta was captured: the agent's answer to an earlier capture
+                    # (it did not apply it) came after whole_next() was asked. The same state, whole this time.
+                    log.warning("step %d: an earlier capture was not applied; capturing it whole", step)
+                    full = True
         log.info("captured step %d in %.3fs (%s)", step, stall, summary(updates))
         return handle
 
