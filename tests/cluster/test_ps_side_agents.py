@@ -13,11 +13,13 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import sys
+import tempfile
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,16 +95,28 @@ TRAINER = textwrap.dedent(
 )
 
 
+@pytest.fixture
+def shm() -> Iterator[Path]:
+    """A folder on tmpfs, where a PS agent's part folder lives in production (its tier then lives in files
+    there, and a restore links them: no copy). Pytest's tmp_path is on disk here, where the tier stays in
+    anonymous memory and the export writes the data out."""
+    if not Path("/dev/shm").is_dir():
+        pytest.fail("no /dev/shm on this machine: the production layout cannot be tested")
+    path = Path(tempfile.mkdtemp(prefix="psguard-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
 def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
-    tmp_path: Path, agents: Callable[..., AgentProc]
+    tmp_path: Path, shm: Path, agents: Callable[..., AgentProc]
 ) -> None:
     cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     out, store = tmp_path / "out", tmp_path / "store"
     ps_args = [["--role", "ps", "--index", str(i), "--cluster", str(cluster), "--store", str(store)] for i in range(2)]
-    ps = [agents(f"ps{i}", [*a, "--spool", str(tmp_path / f"ps{i}-shards")]) for i, a in enumerate(ps_args)]
+    ps = [agents(f"ps{i}", [*a, "--spool", str(shm / f"ps{i}-shards")]) for i, a in enumerate(ps_args)]
     worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
     peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
     args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
@@ -143,6 +157,10 @@ def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
     assert sum(e["exports"] for e in exports) >= 2  # each PS agent answered the restore
     # The chief's agent had them export when the new generation started; the restore reused those files.
     assert all(e["exports_reused"] >= 1 for e in exports), (exports, chief.log())
+    # On tmpfs the tier is its files: every export linked them and wrote no shard's data (zero-copy).
+    for e in exports:
+        assert e["tier_files"]["enabled"] and e["tier_files"]["bytes_linked"] >= table_bytes, e
+        assert e["export_bytes_written"] == 0 and e["tier_files"]["failures"] == 0, e
     # The log: format 2, the table in two parts written by the PS agents; the newest equals the trainer's state.
     with Store.open(str(store)) as s:
         newest = s.manifest(final["checkpoint"])
