@@ -54,16 +54,13 @@ class Progress:
     def __init__(self, path: str, *, fsync: bool = False) -> None:
         self._f = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._fsync = fsync
-        self._lock = threading.Lock()  # the step loop and the durable acknowledgements both write
         self.process = f"trainer-{os.getpid()}"
 
     def _write(self, doc: dict[str, Any]) -> None:
-        line = json.dumps(doc, default=str) + "\n"
-        with self._lock:
-            self._f.write(line)
-            self._f.flush()
-            if self._fsync:
-                os.fsync(self._f.fileno())
+        self._f.write(json.dumps(doc, default=str) + "\n")
+        self._f.flush()
+        if self._fsync:
+            os.fsync(self._f.fileno())
 
     def emit(self, event: str, **doc: Any) -> None:
         self._write({"event": event, "t": time.time(), **doc})
@@ -77,52 +74,6 @@ class Progress:
 
     def close(self) -> None:
         self._f.close()
-
-
-class DurableAcks:
-    """Waits for each durable commit's acknowledgement off the step loop, as a user's job does (its saves are
-    async): the step loop waiting for it charged a slow store's every write to recovery (the 1-hour soak: 26 s
-    without a step under a 0.2 s store delay, judged slower recoveries). One acknowledgement is awaited at a
-    time (the history keeps one ``durable-commit`` open per process); a durable save due while one is awaited
-    goes to the memory tier only and the next capture tries again, the rule psguard's policies follow
-    (``in_flight``). A failure is raised by the step loop at its next save, as the manager re-raises one."""
-
-    def __init__(self, progress: Progress, timeout: float) -> None:
-        self._progress = progress
-        self._timeout = timeout
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-
-    def busy(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def await_in_background(self, handle: Any, step: int, on_ok: Any) -> None:
-        self.join()
-        self._progress.op("invoke", "durable-commit", step=step)
-        self._thread = threading.Thread(target=self._wait, args=(handle, step, on_ok), name="durable-ack", daemon=True)
-        self._thread.start()
-
-    def _wait(self, handle: Any, step: int, on_ok: Any) -> None:
-        try:
-            info = handle.result(timeout=self._timeout)  # committed to the durable log
-        except TimeoutError as e:
-            self._progress.op("info", "durable-commit", step=step, error=str(e)[:300])
-            self._error = e
-        except Exception as e:
-            self._progress.op("fail", "durable-commit", step=step, error=str(e)[:300])
-            self._error = e
-        else:
-            self._progress.op("ok", "durable-commit", step=info.step, id=info.id)
-            on_ok(step)
-
-    def join(self) -> None:
-        if self._thread is not None:
-            self._thread.join()
-
-    def raise_failure(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise error
 
 
 def variables_digest(model: Any, optimizer: Any) -> dict[str, str]:
@@ -246,7 +197,6 @@ def main(argv: list[str] | None = None) -> int:
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
     state: dict[str, Any] = {"seen": 0, "kill_sent": False, "memory": None, "durable": None}
-    acks = DurableAcks(progress, args.save_timeout)
     stuck = threading.Event()  # the chaos harness's hang fault: SIGUSR2 makes the step loop block for good
     signal.signal(HANG_SIGNAL, lambda *_: stuck.set())
     progress.emit("start", pid=os.getpid(), target=args.steps, memory_every=args.memory_every,
@@ -291,8 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         return last is None or step - last >= every
 
     def save(job: Job, step: int) -> None:
-        acks.raise_failure()
-        durable = due(state["durable"], args.durable_every, step) and not acks.busy()
+        durable = due(state["durable"], args.durable_every, step)
         tiers = frozenset({Tier.MEMORY, Tier.DURABLE} if durable else {Tier.MEMORY})
         progress.op("invoke", "capture", step=step, tiers=sorted(str(t) for t in tiers))
         taken: dict[str, Any] = {"digest": None}
@@ -311,15 +260,22 @@ def main(argv: list[str] | None = None) -> int:
             progress.op("info", "memory-commit", step=step, error=str(e)[:300])
             raise
         except Exception as e:
-            # Refused (a PS agent died mid-apply: its node is lost). A user's job does not look and trains on: its
-            # next step meets the dead PS and recovers in process, its next capture is whole. Raising here made the
-            # 1 GB soak's trainer exit and restart (34 s against 14 s for the same fault recovered in process).
             progress.op("fail", "memory-commit", step=step, error=str(e)[:300])
-            return
+            raise
         progress.op("ok", "memory-commit", step=step)
         state["memory"] = step
         if durable:
-            acks.await_in_background(handle, step, on_ok=lambda s: state.update(durable=max(s, state["durable"] or 0)))
+            progress.op("invoke", "durable-commit", step=step)
+            try:
+                info = handle.result(timeout=args.save_timeout)  # committed to the durable log
+            except TimeoutError as e:
+                progress.op("info", "durable-commit", step=step, error=str(e)[:300])
+                raise
+            except Exception as e:
+                progress.op("fail", "durable-commit", step=step, error=str(e)[:300])
+                raise
+            progress.op("ok", "durable-commit", step=info.step, id=info.id)
+            state["durable"] = step
         progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds)
 
     def target() -> int:
@@ -350,8 +306,6 @@ def main(argv: list[str] | None = None) -> int:
                 progress.op("info", "train", error=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
                 raise
             progress.op("ok", "train", step=int(job.model.step.numpy()))
-        acks.join()
-        acks.raise_failure()
         job.manager.close()
         final = int(job.model.step.numpy())
         evaluate(job, final)
