@@ -271,6 +271,12 @@ def restores_newest(ctx: _Context) -> Verdict:
     return Verdict(name, "valid", f"all {done} restores took the newest commit{cut}", evidence)
 
 
+def _heal_of(fault: Op, heals: Sequence[Op], since: float) -> Op | None:
+    """The first heal of ``fault``'s kind and target at or after ``since`` (None: not healed, or not healable)."""
+    kind, target = HEALED_BY.get(fault.f), fault.value.get("target")
+    return next((h for h in heals if h.f == kind and h.start >= since and h.value.get("target") == target), None)
+
+
 def _faults_during(ctx: _Context, begin: float, end: float) -> list[str]:
     """The faults injected in [begin, end), or injected before and not healed by ``begin`` (a store still down):
     what may have cut an operation in that span short (a restore whose PS was frozen under it)."""
@@ -280,12 +286,8 @@ def _faults_during(ctx: _Context, begin: float, end: float) -> list[str]:
         if f.process != "nemesis" or f.start >= end:
             continue
         if f.start < begin:
-            healed = next(
-                (h.start for h in heals if h.f == HEALED_BY.get(f.f) and h.start >= f.start
-                 and h.value.get("target") == f.value.get("target")),
-                None,
-            )  # fmt: skip
-            if f.f not in HEALED_BY or (healed is not None and healed <= begin):
+            heal = _heal_of(f, heals, f.start)
+            if f.f not in HEALED_BY or (heal is not None and heal.start <= begin):
                 continue
         out.append(str(f.value.get("fault") or f"{f.f} {f.value.get('target', '')}"))
     return out
@@ -365,14 +367,7 @@ def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for i, fault in enumerate(faults):
         t = fault.end or fault.start
-        heal = next(
-            (
-                h
-                for h in heals
-                if h.f == HEALED_BY.get(fault.f) and h.start >= t and h.value.get("target") == fault.value.get("target")
-            ),
-            None,
-        )
+        heal = _heal_of(fault, heals, t)
         # Recovered: a chunk of steps started after the fault completed (training may come back before the
         # heal, e.g. when an agent replaces a frozen PS).
         resumed = next((o for o in trains if o.start >= t), None)
