@@ -54,13 +54,18 @@ class Progress:
     def __init__(self, path: str, *, fsync: bool = False) -> None:
         self._f = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._fsync = fsync
+        self._lock = threading.Lock()  # the step loop and the durable acks' threads write lines
         self.process = f"trainer-{os.getpid()}"
 
     def _write(self, doc: dict[str, Any]) -> None:
-        self._f.write(json.dumps(doc, default=str) + "\n")
-        self._f.flush()
-        if self._fsync:
-            os.fsync(self._f.fileno())
+        line = json.dumps(doc, default=str) + "\n"
+        with self._lock:
+            if self._f.closed:  # a durable answer that came after the trainer finished: past the history
+                return
+            self._f.write(line)
+            self._f.flush()
+            if self._fsync:
+                os.fsync(self._f.fileno())
 
     def emit(self, event: str, **doc: Any) -> None:
         self._write({"event": event, "t": time.time(), **doc})
@@ -73,7 +78,63 @@ class Progress:
         )  # fmt: skip
 
     def close(self) -> None:
-        self._f.close()
+        with self._lock:
+            self._f.close()
+
+
+class DurableAcks:
+    """Waits for the durable answers of the saves off the step loop, one thread per save, each recording its
+    ``durable-commit`` outcome when it comes (a user's job does not wait on its saves either: the sync wait made
+    the harness's own time under a slow store look like slow recoveries, and a failed durable write exit the
+    trainer). The store's write rate does not follow the step rate for that: the agent writes one durable save
+    at a time and folds the requests that arrive meanwhile into the next write. A new generation (after a
+    recovery) does not wait for the old one's: their threads still record what the agent answers, or ``info``
+    (unknown) at the timeout."""
+
+    def __init__(self, progress: Progress, timeout: float) -> None:
+        self._progress = progress
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._generation = 0
+        self._threads: list[threading.Thread] = []
+        self.acked: int | None = None  # the newest step this generation saw durable
+
+    def add(self, step: int, handle: Any) -> None:
+        with self._lock:
+            generation = self._generation
+            self._threads = [t for t in self._threads if t.is_alive()]
+        thread = threading.Thread(
+            target=self._await, args=(generation, step, handle), name=f"durable-ack-{step}", daemon=True
+        )
+        with self._lock:
+            self._threads.append(thread)
+        thread.start()
+
+    def new_generation(self, restored: int | None) -> None:
+        with self._lock:
+            self._generation += 1
+            self.acked = restored
+
+    def join(self, timeout: float) -> None:
+        """Until every open durable save (of any generation) has its outcome recorded, or ``timeout``."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            threads = list(self._threads)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+
+    def _await(self, generation: int, step: int, handle: Any) -> None:
+        try:
+            info = handle.result(timeout=self._timeout)  # committed to the durable log
+        except TimeoutError as e:
+            self._progress.op("info", "durable-commit", step=step, error=str(e)[:300])
+        except Exception as e:  # a node lost mid-write, a store down: recorded; the job goes on, as a user's would
+            self._progress.op("fail", "durable-commit", step=step, error=str(e).splitlines()[0][:300] if str(e) else "")
+        else:
+            self._progress.op("ok", "durable-commit", step=info.step, id=info.id)
+            with self._lock:
+                if generation == self._generation:
+                    self.acked = max(step, self.acked or step)
 
 
 def variables_digest(model: Any, optimizer: Any) -> dict[str, str]:
@@ -169,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kill-at", type=int, default=100)
     p.add_argument("--memory-every", type=int, default=5)
     p.add_argument("--durable-every", type=int, default=25)
+    p.add_argument(
+        "--durable-min-seconds", type=float, default=0.0,
+        help="and at least this long after the last durable save (a soak's store writes at a bounded rate)",
+    )  # fmt: skip
     p.add_argument("--chunk", type=int, default=5, help="steps scheduled per coordinator join")
     p.add_argument("--vocab", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=16)
@@ -196,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
     config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
-    state: dict[str, Any] = {"seen": 0, "kill_sent": False, "memory": None, "durable": None}
+    # "durable": the last step asked durable (with "durable_at", when); the acknowledged one is acks.acked.
+    state: dict[str, Any] = {"seen": 0, "kill_sent": False, "memory": None, "durable": None, "durable_at": None}
+    acks = DurableAcks(progress, args.save_timeout)
     stuck = threading.Event()  # the chaos harness's hang fault: SIGUSR2 makes the step loop block for good
     signal.signal(HANG_SIGNAL, lambda *_: stuck.set())
     progress.emit("start", pid=os.getpid(), target=args.steps, memory_every=args.memory_every,
@@ -229,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         trainer.next_index = int(model.step.numpy())
         # The saves of a new generation count from what it restored.
         state["memory"] = state["durable"] = restored.step if restored is not None else None
+        state["durable_at"] = None
+        acks.new_generation(state["durable"])
         if restored is not None:
             progress.op("ok", "restore", step=restored.step, source=restored.source, id=restored.id,
                         **digest(model, optimizer))  # fmt: skip
@@ -240,8 +309,14 @@ def main(argv: list[str] | None = None) -> int:
     def due(last: int | None, every: int, step: int) -> bool:
         return last is None or step - last >= every
 
+    def durable_due(step: int) -> bool:
+        if not due(state["durable"], args.durable_every, step):
+            return False
+        at = state["durable_at"]
+        return at is None or time.monotonic() - at >= args.durable_min_seconds
+
     def save(job: Job, step: int) -> None:
-        durable = due(state["durable"], args.durable_every, step)
+        durable = durable_due(step)
         tiers = frozenset({Tier.MEMORY, Tier.DURABLE} if durable else {Tier.MEMORY})
         progress.op("invoke", "capture", step=step, tiers=sorted(str(t) for t in tiers))
         taken: dict[str, Any] = {"digest": None}
@@ -253,29 +328,22 @@ def main(argv: list[str] | None = None) -> int:
             raise
         progress.op("ok", "capture", step=step, stall=handle.stall_seconds, **taken)
         progress.op("invoke", "memory-commit", step=step)
+        if durable:
+            progress.op("invoke", "durable-commit", step=step)
+            state["durable"], state["durable_at"] = step, time.monotonic()
+            acks.add(step, handle)
+        # A refused or late memory commit is recorded and training goes on, as a user's job does (it does not ask):
+        # the PS or node behind it fails the next step, and that is the recovery the history should show.
         try:
             if hasattr(handle, "restorable"):
                 handle.restorable(timeout=args.save_timeout)  # acknowledged: in the agent's memory tier
         except TimeoutError as e:
             progress.op("info", "memory-commit", step=step, error=str(e)[:300])
-            raise
         except Exception as e:
-            progress.op("fail", "memory-commit", step=step, error=str(e)[:300])
-            raise
-        progress.op("ok", "memory-commit", step=step)
-        state["memory"] = step
-        if durable:
-            progress.op("invoke", "durable-commit", step=step)
-            try:
-                info = handle.result(timeout=args.save_timeout)  # committed to the durable log
-            except TimeoutError as e:
-                progress.op("info", "durable-commit", step=step, error=str(e)[:300])
-                raise
-            except Exception as e:
-                progress.op("fail", "durable-commit", step=step, error=str(e)[:300])
-                raise
-            progress.op("ok", "durable-commit", step=info.step, id=info.id)
-            state["durable"] = step
+            progress.op("fail", "memory-commit", step=step, error=str(e).splitlines()[0][:300] if str(e) else "")
+        else:
+            progress.op("ok", "memory-commit", step=step)
+            state["memory"] = step
         progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds)
 
     def target() -> int:
@@ -290,10 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     def train(job: Job) -> int:
         while (step := int(job.model.step.numpy())) < target():
             state["seen"] = step
-            progress.emit("step", step=step, memory=state["memory"], durable=state["durable"])
+            progress.emit("step", step=step, memory=state["memory"], durable=acks.acked)
             if due(state["memory"], args.memory_every, step):
                 save(job, step)
-                if not state["kill_sent"] and step >= args.kill_at and state["durable"] is not None:
+                if not state["kill_sent"] and step >= args.kill_at and acks.acked is not None:
                     state["kill_sent"] = True
                     progress.emit("kill", step=step)
             if stuck.is_set():
@@ -307,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             progress.op("ok", "train", step=int(job.model.step.numpy()))
         job.manager.close()
+        acks.join(args.save_timeout)  # every durable answer in the history before the final records
         final = int(job.model.step.numpy())
         evaluate(job, final)
         return final
@@ -327,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         progress.op("ok", "eval", step=step, loss=loss)
 
     def close(job: Job) -> None:
-        progress.emit("failure", seen=state["seen"], memory=state["memory"], durable=state["durable"])
+        progress.emit("failure", seen=state["seen"], memory=state["memory"], durable=acks.acked)
         job.manager.close(timeout=30)
 
     def restart_ps(failed_at: float) -> None:

@@ -34,7 +34,7 @@ import yaml
 from psguard.agent.process.launcher import AGENT_CONFIG, AgentProcess, LaunchError, ProgressReader, write_cluster
 from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_history
-from psguard.chaos.nemesis import Nemesis
+from psguard.chaos.nemesis import NEMESIS, Nemesis
 from psguard.chaos.scenario import Scenario
 from psguard.run_folder import claim_folder
 from psguard.testbed.procs import alive as pid_alive
@@ -103,7 +103,8 @@ class _Run:
         self.job = job
         self.say = say
         self.schedule = scenario.schedule(seed) if faults else []
-        self.history = HistoryWriter(directory / "history.jsonl")
+        # The runner looks back only at the nemesis's records (the agents it killed, the chunks it damaged).
+        self.history = HistoryWriter(directory / "history.jsonl", keep=frozenset({NEMESIS}))
         self.agents: dict[str, AgentProcess] = {}
         self.proxies: dict[str, Any] = {}
         self._dead_noted: set[tuple[str, int]] = set()
@@ -245,6 +246,8 @@ class _Run:
         trainer += ["--steps", str(t.steps), "--kill-at", str(t.steps), "--chunk", str(t.chunk)]
         trainer += ["--memory-every", str(t.memory_every), "--durable-every", str(t.durable_every)]
         trainer += ["--vocab", str(t.vocab), "--dim", str(t.dim), "--batch", str(t.batch), "--seed", str(self.seed)]
+        if t.durable_min_seconds:
+            trainer += ["--durable-min-seconds", str(t.durable_min_seconds)]
         if t.hang_after is not None:
             trainer += ["--hang-after", str(t.hang_after)]
         if t.max_to_keep is not None:

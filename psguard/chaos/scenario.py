@@ -268,6 +268,9 @@ class TrainingSpec:
     chunk: Positive = 5
     memory_every: Positive = 5
     durable_every: Positive = 25
+    # ... and at least this long after the last one: a soak's durable cadence by time too, as a week-long job
+    # sets it, so its store writes at a rate that does not follow a small job's step rate.
+    durable_min_seconds: Duration = 0.0
     hang_after: Duration | None = None  # the trainer's hang bound (its policy's hang.after), for hang faults
     max_to_keep: Positive | None = None  # retention (a soak's store must stay bounded); default: keep every one
     vocab: Positive = 20_000

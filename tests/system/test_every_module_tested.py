@@ -64,7 +64,6 @@ NOT_YET = frozenset(
         "psguard.chaos.baseline_trainer",
         "psguard.chaos.cli",
         "psguard.demo",
-        "psguard.demo_trainer",
         "psguard.policy.cli",
         "psguard.storage.hdfs",
         "psguard.store.cli",

@@ -41,6 +41,16 @@ def test_history_is_appended_in_order_and_read_back(tmp_path: Path) -> None:
         HistoryWriter(path)
 
 
+def test_the_writer_keeps_in_memory_only_the_processes_asked_for_and_writes_every_record(tmp_path: Path) -> None:
+    path = tmp_path / "history.jsonl"
+    with HistoryWriter(path, keep=frozenset({"nemesis"})) as h:
+        h.append("harness", "info", "resources", {"rss": 1})
+        h.append("nemesis", "ok", "kill", {"target": "ps:0"})
+        h.append("trainer-1", "ok", "train", {"step": 5})
+    assert [(r.process, r.f) for r in h.records] == [("nemesis", "kill")]
+    assert [r.process for r in read_history(path)] == ["harness", "nemesis", "trainer-1"]
+
+
 def test_a_history_that_cannot_be_written_stops_the_run(tmp_path: Path) -> None:
     h = HistoryWriter(tmp_path / "history.jsonl")
     os.close(h._fd)  # the file is gone from under the writer (disk error, closed descriptor)
