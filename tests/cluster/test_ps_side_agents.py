@@ -19,15 +19,19 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from psguard.handoff.client import http_json
+from psguard.handoff.tls import client_context
 from psguard.store import Store
 from tests.support.agents import AgentProc, write_cluster
+from tests.support.pki import issue, make_ca
 from tests.support.processes import wait_until
+from tests.support.tamper import CopyTamperProxy
 
 TRAINER = textwrap.dedent(
     """
@@ -232,17 +236,38 @@ def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, ag
 
 
 @pytest.mark.slow
-def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, agents: Callable[..., AgentProc]) -> None:
-    """Peer copies on (``peers.copies: full``), each PS agent on its own node: SIGKILL of ps:0 with its agent.
-    The new agent, with an empty tier, takes ps:0's shards from ps:1's copy (verified against ps:0's digests),
-    so the trainer restores the memory tier's newest state, newer than the durable log, and the log written
-    after stays bit-exact with the trainer."""
-    chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents, copies="full")
+def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy_over_mutual_tls(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """Peer copies on (``peers.copies: full``), each PS agent on its own node, every agent serving HTTPS with
+    mutual TLS (certificates of the job's CA; JWTs accepted too): SIGKILL of ps:0 with its agent. The new agent,
+    with an empty tier, takes ps:0's shards from ps:1's copy over mTLS (verified against ps:0's digests), so the
+    trainer restores the memory tier's newest state, newer than the durable log, and the log written after stays
+    bit-exact with the trainer. The copy endpoints refuse a caller without the shared token (even with a good
+    certificate) and a certificate of another CA at the handshake: copy data is never open."""
+    pki = tmp_path / "pki"
+    pki.mkdir()
+    ca, rogue_ca = make_ca(pki, "ca"), make_ca(pki, "rogue-ca")
+    leaf, rogue = issue(pki, ca, "agent"), issue(pki, rogue_ca, "rogue")
+    secret = tmp_path / "jwt-secret"
+    secret.write_bytes(os.urandom(32))
+    secret.chmod(0o600)
+    security = ["--tls-cert", str(leaf.cert), "--tls-key", str(leaf.key), "--tls-ca", str(ca.cert)]
+    security += ["--jwt-secret-file", str(secret), "--jwt-audience", "psguard-test"]
+    chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents, copies="full", security=security)
+    assert all(a.url.startswith("https://") for a in (chief, *ps)), [a.url for a in (chief, *ps)]
     kill = _kill_file(chief, out)
     # The save's acknowledgement says which copy holds each PS's rows (wait_for_copy: the copy had it first).
-    assert kill["copies"] == {"ps:0": "ps:1", "ps:1": "ps:0"}, kill
+    assert kill["copies"] == {"ps:0": "ps:1", "ps:1": "ps:0"}, kill  # made over HTTPS between the PS agents
     parts = chief.status()["copies"]["parts"]
     assert {t: p["holder"] for t, p in parts.items()} == {"ps:0": "ps:1", "ps:1": "ps:0"}, parts
+    holder = ps[1]
+    read = {"owner": "ps:0", "token": chief.status()["memory_token"]}
+    code, _ = http_json("POST", f"{holder.url}/peer-copy/read", body=read, tls=holder.tls)  # no token
+    assert code in (401, 403), code
+    with pytest.raises(OSError):  # a certificate of another CA: refused at the handshake
+        http_json("POST", f"{holder.url}/peer-copy/read", body=read, token=holder.token,
+                  tls=client_context(str(ca.cert), str(rogue.cert), str(rogue.key)))  # fmt: skip
 
     def copy_current() -> bool:
         held = ps[1].status()["shards"]["copies_held"].get("ps:0") or {}
@@ -250,8 +275,77 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy(tmp_path: Path, ag
 
     trainer = _stop_at_a_capture_newer_than_the_log(chief, store, copy_current, "ps:1's copy of ps:0")
     assert re.search(r'psguard_peer_copy_held_bytes\{owner="ps:0"\} [1-9]', ps[1].metrics()), ps[1].metrics()
-    _lose_ps0_and_restore_from_memory(chief, ps, ps_args[0], agents, out, store, trainer)
+    _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer)
     assert "event=peer_copy_used task=ps:0 holder=ps:1" in chief.log()
+
+
+@pytest.mark.slow
+def test_a_ps_node_lost_with_the_node_holding_its_copy_restores_from_the_log(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """Peer copies on, and both nodes lost at once: ps:0 with its agent and ps:1 (the holder of ps:0's copy, and
+    ps:0 of its) with its agent. No copy survives: the new agents read their rows from the durable log, the
+    chief says why the copies were not used, and the restore is that checkpoint, bit for bit."""
+    chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents, copies="full")
+    kill = _kill_file(chief, out)
+    assert kill["copies"] == {"ps:0": "ps:1", "ps:1": "ps:0"}, kill
+    with Store.open(str(store)) as s:
+        durable_before = max(c.step for c in s.checkpoints())
+    servers = [p.status()["pid"] for p in ps]
+    for agent, server in zip(ps, servers, strict=True):
+        agent.proc.kill()  # the agent, its tier and the copy it held
+        os.kill(server, signal.SIGKILL)  # and its PS: the node is gone
+        agent.proc.wait()
+    agents("ps0-again", ps_args[0])
+    agents("ps1-again", ps_args[1])
+    assert chief.wait_exit(400) == 0, chief.log()
+    second = json.loads((out / "gen-1").read_text())
+    assert second["restored"]["source"] == "durable" and second["restored"]["step"] >= durable_before, chief.log()
+    assert re.search(r"event=peer_copy_not_used task=ps:0 holder=ps:1 status=unavailable", chief.log()), chief.log()
+    with Store.open(str(store)) as s:
+        restored = next(c.id for c in s.checkpoints() if c.step == second["restored"]["step"])
+        tensors = s.load(restored)
+    digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
+    assert {n: d for n, d in digests.items() if n in second["digests"]} == second["digests"]
+
+
+@pytest.mark.slow
+def test_a_peer_copy_that_does_not_verify_is_refused_and_the_log_serves(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """ps:1 holds ps:0's copy, and the rows it serves come back damaged (a proxy changes one value in every frame
+    of rows and re-frames it: well formed, wrong). When ps:0's node is lost, its new agent checks the rows
+    against ps:0's digests, refuses them and says so; the trainer restores the durable log's checkpoint,
+    bit-exact, rather than anything from the damaged copy."""
+    proxies: list[CopyTamperProxy] = []
+
+    def behind_a_proxy(i: int, url: str) -> str:
+        if i != 1:
+            return url
+        proxies.append(CopyTamperProxy(url))
+        return proxies[-1].url
+
+    try:
+        chief, ps, ps_args, out, store = _node_loss_job(tmp_path, agents, copies="full", front=behind_a_proxy)
+        kill = _kill_file(chief, out)
+        assert kill["copies"] == {"ps:0": "ps:1", "ps:1": "ps:0"}, kill
+
+        def copy_current() -> bool:
+            held = ps[1].status()["shards"]["copies_held"].get("ps:0") or {}
+            return held.get("token") is not None and held.get("token") == chief.status()["memory_token"]
+
+        trainer = _stop_at_a_capture_newer_than_the_log(chief, store, copy_current, "ps:1's copy of ps:0")
+        proxies[0].arm()
+        restored = _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer, source="durable")
+    finally:
+        for proxy in proxies:
+            proxy.close()
+    assert proxies[0].damaged >= 1
+    assert "event=peer_copy_used" not in chief.log()
+    assert re.search(r"event=peer_copy_not_used task=ps:0 holder=ps:1 status=refused", chief.log()), chief.log()
+    again = (tmp_path / "ps0-again" / "agent.log").read_text(errors="replace")
+    assert "event=peer_copy_refused task=ps:0" in again and "does not match its owner's digests" in again, again
+    assert restored["source"] == "durable"
 
 
 def _kill_file(chief: AgentProc, out: Path) -> dict[str, Any]:
@@ -286,7 +380,7 @@ def _stop_at_a_capture_newer_than_the_log(chief: AgentProc, store: Path, current
     raise AssertionError(f"no memory capture newer than the durable log:\n{chief.log()}")
 
 
-def _lose_ps0_and_restore_from_memory(
+def _lose_ps0_and_restore(
     chief: AgentProc,
     ps: list[AgentProc],
     ps0_args: list[str],
@@ -294,9 +388,12 @@ def _lose_ps0_and_restore_from_memory(
     out: Path,
     store: Path,
     trainer: int,
-) -> None:
+    *,
+    source: str = "memory",
+) -> dict[str, Any]:
     """SIGKILL ps:0 with its agent (the trainer stopped), start a new agent in its place, let the trainer go on:
-    it must restore the memory tier's newest capture, and the log at the end must match the trainer bit for bit."""
+    it must restore the memory tier's newest capture (``source="durable"``: an older step, the log's), and the
+    log at the end must match the trainer bit for bit. Returns what the trainer restored."""
     # 0 once a capture applied since the check above (written before the trainer stopped) reached the copy too
     wait_until(lambda: re.search(r'psguard_peer_copy_lag_steps\{task="ps:0"\} 0', ps[0].metrics()), 30, "lag 0")
     try:
@@ -313,20 +410,40 @@ def _lose_ps0_and_restore_from_memory(
     assert chief.wait_exit(400) == 0, chief.log()
     second = json.loads((out / "gen-1").read_text())
     final = json.loads((out / "final").read_text())
-    assert second["restored"] == {"source": "memory", "step": memory_step}, chief.log()
-    with Store.open(str(store)) as s:
-        tensors = s.load(final["checkpoint"])
+    if source == "memory":
+        assert second["restored"] == {"source": "memory", "step": memory_step}, chief.log()
+    else:
+        assert second["restored"]["source"] == source and second["restored"]["step"] < memory_step, chief.log()
+
+    def same(checkpoint: str, expected: dict[str, str]) -> bool:
+        with Store.open(str(store)) as s:
+            tensors = s.load(checkpoint)
         digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
-        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+        return {n: d for n, d in digests.items() if n in expected} == expected
+
+    assert same(final["checkpoint"], final["digests"])
+    if source == "durable":  # the restored variables are that checkpoint's, bit for bit
+        with Store.open(str(store)) as s:
+            restored = next(c.id for c in s.checkpoints() if c.step == second["restored"]["step"])
+        assert same(restored, second["digests"])
+    return dict(second["restored"])
 
 
 def _node_loss_job(
-    tmp_path: Path, agents: Callable[..., AgentProc], *, copies: str = "none", num_ps: int = 2
+    tmp_path: Path,
+    agents: Callable[..., AgentProc],
+    *,
+    copies: str = "none",
+    num_ps: int = 2,
+    security: Sequence[str] = (),
+    front: Callable[[int, str], str] | None = None,
 ) -> tuple[AgentProc, list[AgentProc], list[list[str]], Path, Path]:
     """``num_ps`` PS agents on fixed HTTP ports (a replacement agent takes the same address), a worker and the
     chief running TRAINER to step 100. ``copies`` (``full``, ``parity``: groups of 2): each PS agent on a node of
-    its own (``ps0-again`` on ps0's) and the chief's ``peers.copies``. Returns the chief, the PS agents, their
-    arguments, the output folder and the store."""
+    its own (``ps0-again`` on ps0's) and the chief's ``peers.copies``. ``security``: arguments every agent gets
+    (its TLS certificate, JWT settings); ``front(i, url)``: the URL the chief knows PS agent ``i`` by (a proxy
+    in front of it). Returns the chief, the PS agents, their arguments, the output folder and
+    the store."""
     from psguard.ports import free_ports
     from tests.support.agents import FAST, FAST_CHIEF
 
@@ -335,22 +452,23 @@ def _node_loss_job(
     script.write_text(TRAINER)
     out, store = tmp_path / "out", tmp_path / "store"
     ports = free_ports(num_ps)
-    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
+    common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store), *security]
     ps_args = [
         [*common, "--index", str(i), "--spool", str(tmp_path / f"ps{i}-shards"), "--http-port", str(ports[i])]
         for i in range(num_ps)
     ]
     if copies != "none":
-        for name, node in [*((f"ps{i}", i) for i in range(num_ps)), ("ps0-again", 0)]:
+        for name, node in [*((f"ps{i}", i) for i in range(num_ps)), ("ps0-again", 0), ("ps1-again", 1)]:
             (tmp_path / name).mkdir()
             (tmp_path / name / "agent.yaml").write_text(FAST + f"node: node-{node}\n")
         (tmp_path / "chief").mkdir()
         mode = "copies: parity, parity_group: 2" if copies == "parity" else f"copies: {copies}"
         (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", f"peers: {{{mode}, "))
     ps = [agents(f"ps{i}", a) for i, a in enumerate(ps_args)]
-    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
-    peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
-    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
+    worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster), *security])
+    urls = [front(i, a.url) if front is not None else a.url for i, a in enumerate(ps)]
+    peers = [arg for url in (*urls, worker.url) for arg in ("--peer", url)]
+    args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store), *security]
     args += ["--spool", str(tmp_path / "spool"), *peers]
     chief = agents("chief", args, [sys.executable, str(script), str(out), str(store), "100"])
     return chief, ps, ps_args, out, store
@@ -380,7 +498,7 @@ def test_a_ps_lost_with_its_agent_is_rebuilt_from_its_groups_parity(
     group = ps[2].status()["shards"]["parity_held"]["ps:0,ps:1"]
     sizes = [p.status()["shards"]["bytes"] for p in ps[:2]]
     assert group["bytes"] == max(sizes) < sum(sizes), (group, sizes)  # the longest stripe, not both
-    _lose_ps0_and_restore_from_memory(chief, ps, ps_args[0], agents, out, store, trainer)
+    _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer)
     assert "event=peer_copy_used task=ps:0 holder=ps:2" in chief.log()
     assert "event=parity_reconstructed owner=ps:0 holder=ps:2" in ps[2].log()
 

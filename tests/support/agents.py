@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -17,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from psguard.agent.process.launcher import run_token_file
-from psguard.handoff.client import http_json, read_token
+from psguard.handoff.client import http_json, http_request, read_token
+from psguard.handoff.tls import client_context
 from psguard.ports import free_ports
 from tests.support.paths import QUIET, ROOT
 from tests.support.processes import wait_until
@@ -59,6 +61,11 @@ class AgentProc:
             argv += ["--spool", str(self.dir / "shards")]
         self.token: str | None = None
         self.token_file: Path | None = None
+        # An agent serving mutual TLS is called with the certificate it serves (usable as a client's too).
+        self.tls: ssl.SSLContext | None = None
+        if "--tls-cert" in args:
+            option = {a: args[args.index(a) + 1] for a in ("--tls-ca", "--tls-cert", "--tls-key") if a in args}
+            self.tls = client_context(option.get("--tls-ca"), option["--tls-cert"], option["--tls-key"])
         if "--token-file" not in args:  # one token for the test's agents: the chief's agent calls its peers
             self.token_file = run_token_file(tmp)
             argv += ["--token-file", str(self.token_file)]
@@ -83,11 +90,15 @@ class AgentProc:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def status(self) -> dict[str, Any]:
-        code, doc = http_json("GET", f"{self.url}/status", token=self.token)
+        code, doc = http_json("GET", f"{self.url}/status", token=self.token, tls=self.tls)
         assert code == 200, doc
         return dict(doc)
 
     def metrics(self) -> str:
+        if self.tls is not None:
+            code, body, _ = http_request("GET", f"{self.url}/metrics", token=self.token, tls=self.tls)
+            assert code == 200, body[:500]
+            return body.decode()
         host_port = self.url.removeprefix("http://")
         with socket.create_connection(tuple(host_port.rsplit(":", 1)), timeout=5) as s:  # type: ignore[arg-type]
             auth = f"Authorization: Bearer {self.token}\r\n" if self.token else ""
