@@ -70,11 +70,12 @@ class Progress:
     def emit(self, event: str, **doc: Any) -> None:
         self._write({"event": event, "t": time.time(), **doc})
 
-    def op(self, type: str, f: str, **value: Any) -> None:
-        """One history record of this trainer (see :mod:`psguard.chaos.history`)."""
+    def op(self, type: str, f: str, *, process: str | None = None, **value: Any) -> None:
+        """One history record of this trainer (see :mod:`psguard.chaos.history`); ``process``: one of its
+        logical processes (each has at most one operation of a kind open), this trainer's by default."""
         self._write(
-            {"event": "op", "t": time.time(), "mono": time.monotonic(), "process": self.process, "type": type,
-             "f": f, "value": value}
+            {"event": "op", "t": time.time(), "mono": time.monotonic(), "process": process or self.process,
+             "type": type, "f": f, "value": value}
         )  # fmt: skip
 
     def close(self) -> None:
@@ -89,7 +90,10 @@ class DurableAcks:
     trainer). The store's write rate does not follow the step rate for that: the agent writes one durable save
     at a time and folds the requests that arrive meanwhile into the next write. A new generation (after a
     recovery) does not wait for the old one's: their threads still record what the agent answers, or ``info``
-    (unknown) at the timeout."""
+    (unknown) at the timeout. Several are open at once, so each is an operation of a logical process of its own
+    (``trainer-PID/durable-N``; the history pairs one invoke with one completion per process); each completion
+    names the step asked (``asked``) beside the step the agent committed (a request folded into a later write
+    commits that write's step)."""
 
     def __init__(self, progress: Progress, timeout: float) -> None:
         self._progress = progress
@@ -97,14 +101,19 @@ class DurableAcks:
         self._lock = threading.Lock()
         self._generation = 0
         self._threads: list[threading.Thread] = []
+        self._count = 0
         self.acked: int | None = None  # the newest step this generation saw durable
 
     def add(self, step: int, handle: Any) -> None:
+        """Record the ``durable-commit`` invoke of the save of ``step`` and await its answer off this thread."""
         with self._lock:
             generation = self._generation
+            self._count += 1
+            process = f"{self._progress.process}/durable-{self._count}"
             self._threads = [t for t in self._threads if t.is_alive()]
+        self._progress.op("invoke", "durable-commit", process=process, step=step)
         thread = threading.Thread(
-            target=self._await, args=(generation, step, handle), name=f"durable-ack-{step}", daemon=True
+            target=self._await, args=(generation, process, step, handle), name=f"durable-ack-{step}", daemon=True
         )
         with self._lock:
             self._threads.append(thread)
@@ -123,15 +132,17 @@ class DurableAcks:
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
-    def _await(self, generation: int, step: int, handle: Any) -> None:
+    def _await(self, generation: int, process: str, step: int, handle: Any) -> None:
+        record = self._progress.op
         try:
             info = handle.result(timeout=self._timeout)  # committed to the durable log
         except TimeoutError as e:
-            self._progress.op("info", "durable-commit", step=step, error=str(e)[:300])
+            record("info", "durable-commit", process=process, step=step, asked=step, error=str(e)[:300])
         except Exception as e:  # a node lost mid-write, a store down: recorded; the job goes on, as a user's would
-            self._progress.op("fail", "durable-commit", step=step, error=str(e).splitlines()[0][:300] if str(e) else "")
+            error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            record("fail", "durable-commit", process=process, step=step, asked=step, error=error)
         else:
-            self._progress.op("ok", "durable-commit", step=info.step, id=info.id)
+            record("ok", "durable-commit", process=process, step=info.step, asked=step, id=info.id)
             with self._lock:
                 if generation == self._generation:
                     self.acked = max(step, self.acked or step)
@@ -329,7 +340,6 @@ def main(argv: list[str] | None = None) -> int:
         progress.op("ok", "capture", step=step, stall=handle.stall_seconds, **taken)
         progress.op("invoke", "memory-commit", step=step)
         if durable:
-            progress.op("invoke", "durable-commit", step=step)
             state["durable"], state["durable_at"] = step, time.monotonic()
             acks.add(step, handle)
         # A refused or late memory commit is recorded and training goes on, as a user's job does (it does not ask):

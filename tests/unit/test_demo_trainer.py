@@ -6,6 +6,7 @@ import json
 import threading
 from pathlib import Path
 
+from psguard.chaos.history import Record, operations
 from psguard.demo_trainer import DurableAcks, Progress
 from psguard.errors import SaveError
 
@@ -31,8 +32,10 @@ class _Handle:
 
 
 def _ops(path: Path) -> list[tuple[str, int]]:
+    """The durable-commit completions, as (type, step asked)."""
     docs = [json.loads(line) for line in path.read_text().splitlines()]
-    return [(d["type"], d["value"]["step"]) for d in docs if d["event"] == "op" and d["f"] == "durable-commit"]
+    ops = [d for d in docs if d["event"] == "op" and d["f"] == "durable-commit"]
+    return [(d["type"], d["value"]["asked"]) for d in ops if d["type"] != "invoke"]
 
 
 def test_add_returns_at_once_and_each_answer_is_recorded_when_it_comes(tmp_path: Path) -> None:
@@ -72,3 +75,27 @@ def test_an_answer_that_never_comes_is_recorded_unknown_at_the_timeout(tmp_path:
     acks.add(30, _Handle(30))
     acks.join(30)  # an answer after the trainer closed its progress file is dropped, not an error
     assert _ops(tmp_path / "progress.jsonl") == [("info", 25)]
+
+
+def test_open_saves_are_operations_of_processes_of_their_own_so_the_history_pairs_them(tmp_path: Path) -> None:
+    path = tmp_path / "progress.jsonl"
+    progress = Progress(str(path))
+    acks = DurableAcks(progress, timeout=30)
+    handles = [_Handle(100), _Handle(200)]
+    for h in handles:
+        acks.add(h.step, h)  # both open at once
+    handles[1].answered.set()
+    acks.join(0.5)
+    handles[0].answered.set()
+    acks.join(30)
+    progress.close()
+    records = []
+    for n, line in enumerate(path.read_text().splitlines()):
+        d = json.loads(line)
+        records.append(Record(n, d["mono"], d["process"], d["type"], d["f"], d["value"]))
+    ops = operations(records)  # raises on a completion without its invoke
+    assert sorted((o.invoke.value["step"], o.value["asked"], o.type) for o in ops) == [
+        (100, 100, "ok"),
+        (200, 200, "ok"),
+    ]
+    assert len({o.process for o in ops}) == 2 and all(o.process.startswith("trainer-") for o in ops)
