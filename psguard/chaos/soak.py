@@ -25,7 +25,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +57,18 @@ def state_bytes(scenario: Scenario) -> int:
     return int(t.vocab) * int(t.dim) * 4 * 2
 
 
+def s3_usage(url: str, storage_options: Mapping[str, Any]) -> tuple[float, float]:
+    """Bytes and objects under an S3 URL, from one fresh listing. Fresh: fsspec's cached instance answers from
+    its listing cache, and once gc had deleted an object listed before, every later listing of the hour-long
+    soaks raised FileNotFoundError: their store series held the first minute only."""
+    import s3fs  # lazy: only an S3 soak lists its store
+
+    options = {**storage_options, "skip_instance_cache": True, "use_listings_cache": False}
+    fs = s3fs.S3FileSystem(**options)
+    sizes = fs.du(url.removeprefix("s3://"), total=False)
+    return float(sum(sizes.values())), float(len(sizes))
+
+
 class _SoakRun(_Run):
     """A chaos run whose faults come at random times, whose resources are sampled, and which ends by time."""
 
@@ -71,6 +83,7 @@ class _SoakRun(_Run):
         self._finished_wall: float | None = None  # Unix time the duration ended (the dashboard is read as of it)
         self._last_sample = 0.0
         self._last_listing = 0.0
+        self._listing_errors: set[str] = set()
         self.prometheus: PrometheusServer | None = None  # soak.prometheus: started with the cluster
         self._prom_started = 0.0
         self._sampler = ResourceSampler(self._processes, self._folders(), self._collect, every=self.soak.sample_every)
@@ -136,15 +149,16 @@ class _SoakRun(_Run):
         return folders
 
     def _store_objects(self) -> tuple[float, float] | None:
-        """Bytes and objects under the store's S3 URL (one listing), or ``None`` when it cannot be listed now."""
-        import fsspec
-
+        """Bytes and objects under the store's S3 URL, or ``None`` when it cannot be listed now (an outage the
+        nemesis made: that sample has no store figure; the first failure of each kind is said)."""
         try:
-            fs, path = fsspec.core.url_to_fs(self.store_url, **self.storage_options)
-            sizes = fs.du(path, total=False)
-        except Exception:  # an outage the nemesis made: this sample has no store figure
+            return s3_usage(self.store_url, self.storage_options)
+        except Exception as e:
+            kind = type(e).__name__
+            if kind not in self._listing_errors:
+                self._listing_errors.add(kind)
+                self.say(f"  the store could not be listed ({kind}: {str(e)[:200]}); its samples wait for the next")
             return None
-        return float(sum(sizes.values())), float(len(sizes))
 
     def _collect(self, _t: float, series: str, value: float) -> None:
         self._values[series] = value

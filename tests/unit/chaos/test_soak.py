@@ -366,3 +366,23 @@ def test_an_alert_still_firing_at_the_end_must_be_explained_by_a_fault_within_it
     stuck = {**down, "last": None}  # a gauge held for a while: must resolve once the faults are healed
     assert _watched([restarting, stuck], up, windows=windows) == "invalid"
     assert _watched([restarting, stuck], up) == "valid"  # a record from before the harness kept the windows
+
+
+def test_the_store_listing_follows_objects_that_come_and_go_on_a_real_s3(seaweed: Any, unique: str) -> None:
+    """Every listing sees the store as it is now: fsspec's cached instance answered from its listing cache, and
+    once an object listed before was deleted (by gc), every later listing raised (the soaks' store series stopped
+    after the first minute)."""
+    import s3fs
+
+    from psguard.chaos.soak import s3_usage
+
+    url = seaweed.url(unique)
+    writer = s3fs.S3FileSystem(**seaweed.storage_options, skip_instance_cache=True, use_listings_cache=False)
+    root = url.removeprefix("s3://")
+    for i in range(3):
+        writer.pipe(f"{root}/chunks/a{i}", b"x" * 100)
+    assert s3_usage(url, seaweed.storage_options) == (300.0, 3.0)
+    for k in range(3):
+        writer.pipe(f"{root}/chunks/b{k}", b"y" * 10)
+        writer.rm(f"{root}/chunks/a{k}")  # what gc does between two samples
+        assert s3_usage(url, seaweed.storage_options) == (200.0 - 100 * k + 10 * (k + 1), 3.0)
