@@ -60,13 +60,16 @@ def state_bytes(scenario: Scenario) -> int:
 def s3_usage(url: str, storage_options: Mapping[str, Any]) -> tuple[float, float]:
     """Bytes and objects under an S3 URL, from one fresh listing. Fresh: fsspec's cached instance answers from
     its listing cache, and once gc had deleted an object listed before, every later listing of the hour-long
-    soaks raised FileNotFoundError: their store series held the first minute only."""
+    soaks raised FileNotFoundError: their store series held the first minute only. One listing: ``du`` also
+    asked for every object's info after it, and a lock file released in between failed the whole sample."""
     import s3fs  # lazy: only an S3 soak lists its store
 
     options = {**storage_options, "skip_instance_cache": True, "use_listings_cache": False}
     fs = s3fs.S3FileSystem(**options)
-    sizes = fs.du(url.removeprefix("s3://"), total=False)
-    return float(sum(sizes.values())), float(len(sizes))
+    # The sizes the listing returns: ``du`` asks for each object's info after the listing (a request per object,
+    # and FileNotFoundError for a lock file or a chunk deleted in between).
+    listed = fs.find(url.removeprefix("s3://"), detail=True)
+    return float(sum(int(info.get("size") or 0) for info in listed.values())), float(len(listed))
 
 
 class _SoakRun(_Run):

@@ -7,6 +7,7 @@ import itertools
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -386,3 +387,22 @@ def test_the_store_listing_follows_objects_that_come_and_go_on_a_real_s3(seaweed
         writer.pipe(f"{root}/chunks/b{k}", b"y" * 10)
         writer.rm(f"{root}/chunks/a{k}")  # what gc does between two samples
         assert s3_usage(url, seaweed.storage_options) == (200.0 - 100 * k + 10 * (k + 1), 3.0)
+    # Objects written and deleted while it lists (a writer's lock files): no sample fails for them.
+    stop = threading.Event()
+
+    def churn() -> None:
+        n = 0
+        while not stop.is_set():
+            writer.pipe(f"{root}/locks/l{n}", b"{}")
+            writer.rm(f"{root}/locks/l{n}")
+            n += 1
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(8):
+            size, objects = s3_usage(url, seaweed.storage_options)
+            assert (size, objects) in ((30.0, 3.0), (32.0, 4.0))  # the three chunks, and a lock or none
+    finally:
+        stop.set()
+        thread.join()
