@@ -594,6 +594,10 @@ def resource_series(records: Iterable[Record]) -> dict[str, list[tuple[float, fl
     return out
 
 
+#: :attr:`psguard.chaos.scenario.SoakBounds.store_settle`'s default (the checkers read records, not scenarios).
+STORE_SETTLE = 660.0
+
+
 def _series_bound(name: str, bounds: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
     """The per-hour slope a series may have, with the unit it is judged in; ``None``: not judged by slope."""
     role, _, key = name.rpartition("/")
@@ -632,7 +636,9 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
                 crowded.append({"series": series, "max": most, "bound": children_max})
             continue
         bound = _series_bound(series, bounds, state_bytes)
-        fit = slope_fit(points, warmup=warmup)
+        # A history from before store_settle existed is judged with its default.
+        settle = float(bounds.get("store_settle", STORE_SETTLE)) if series.startswith("folder:store/") else 0.0
+        fit = slope_fit(points, warmup=max(warmup, settle))
         if bound is None or fit is None:
             continue
         (slope, stderr), (limit, unit) = fit, bound

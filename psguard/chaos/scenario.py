@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
+from psguard.chaos.checkers import STORE_SETTLE
 from psguard.config import Check, Duration, invalid, load_yaml, validate
 
 __all__ = [
@@ -184,7 +185,11 @@ class SoakBounds:
     threads: float = 20.0
     children_max: int = 4  # live child processes of any process at any time (a task, its standby, helpers)
     tmpfs_mb: float = 64.0  # spool and tier folders, MB per hour
-    store_mb: float = 1024.0  # the store's bytes per hour (retention keeps it flat)
+    store_mb: float = 1024.0  # the store's bytes per hour (retention keeps it flat)...
+    # ... fitted only this long after the run's start: until gc's chunk grace (600 s by default) has passed, gc can
+    # delete no chunk a newer checkpoint left unreferenced, and the store grows by its write rate whatever the
+    # retention (a 1 GB soak: +4 GB in its first 11 minutes, flat at 3-5 GB after).
+    store_settle: Duration = STORE_SETTLE
     logs_mb: float = 64.0  # the agents' logs, MB per hour (rotation keeps them bounded)
     recovery_slowdown: float = 2.0  # a later recovery of a kind at most this many times the first of its kind...
     recovery_noise: Duration = 10.0  # ... or this many seconds slower, whichever is more

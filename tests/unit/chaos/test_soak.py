@@ -26,7 +26,7 @@ from tests.support.paths import ROOT
 SOAK_RUN = {"duration": 600.0, "warmup": 60.0, "state_bytes": 256 << 20,
             "bounds": {"agent_rss_pct_of_state": 1.0, "agent_rss_floor_mb": 8.0, "process_rss_mb": 64.0,
                        "fds": 20.0, "threads": 20.0, "children_max": 4, "tmpfs_mb": 64.0, "store_mb": 1024.0,
-                       "logs_mb": 64.0,
+                       "store_settle": 660.0, "logs_mb": 64.0,
                        "recovery_slowdown": 2.0, "recovery_noise": 10.0}}  # fmt: skip
 
 
@@ -143,6 +143,21 @@ def test_the_warm_up_is_left_out_of_the_slope() -> None:
     assert check_all(_finished(h, 10).records)["resources-bounded"].status == "valid"
 
 
+def test_the_store_is_judged_once_gc_can_delete_what_the_first_checkpoints_left() -> None:
+    """The store grows by its write rate until gc's chunk grace has passed (it may delete no younger unreferenced
+    chunk), then retention holds it: that ramp is not growth. Growth after it is."""
+    for after, status in ((0.0, "valid"), (200.0 * 2**20, "invalid")):
+        h = _trained(_soak())
+        _samples(h, 11, {"folder:store/bytes": 400.0 * 2**20})  # 4 GB in the first 11 minutes, as at 1 GB
+        _samples(h, 20, {"folder:store/bytes": after}, base={"folder:store/bytes": 4000.0 * 2**20})
+        verdict = check_all(_finished(h, 10).records)["resources-bounded"]
+        assert verdict.status == status, verdict
+    flat_late = _trained(_soak(bounds={**SOAK_RUN["bounds"], "store_settle": 0.0}))  # the ramp fitted too
+    _samples(flat_late, 11, {"folder:store/bytes": 400.0 * 2**20})
+    _samples(flat_late, 20, {"folder:store/bytes": 0.0}, base={"folder:store/bytes": 4000.0 * 2**20})
+    assert check_all(_finished(flat_late, 10).records)["resources-bounded"].status == "invalid"
+
+
 def _kill_and_recover(h: H, step: int, pause: float) -> None:
     """A PS killed at ``step``; training back ``pause`` seconds later (a restore, then a chunk, then a capture)."""
     h.fault("kill", "ps:0")
@@ -200,7 +215,7 @@ def test_retention_may_delete_old_commits_but_never_the_newest_kept() -> None:
 
 
 def test_the_report_sums_up_the_soak_and_plots_its_resources(tmp_path: Path) -> None:
-    h = _trained(_soak())
+    h = _trained(_soak(bounds={**SOAK_RUN["bounds"], "store_settle": 60.0}))  # ten minutes: judge the store early
     _samples(h, 10, {"agent:ps0/rss_bytes": 0.0, "folder:store/bytes": 1000.0})
     _kill_and_recover(h, 5, 1.0)
     records = _finished(h, 35).records
