@@ -250,7 +250,7 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy_over_mutual_tls(
     ca, rogue_ca = make_ca(pki, "ca"), make_ca(pki, "rogue-ca")
     leaf, rogue = issue(pki, ca, "agent"), issue(pki, rogue_ca, "rogue")
     secret = tmp_path / "jwt-secret"
-    secret.write_bytes(os.urandom(32))
+    secret.write_text(os.urandom(32).hex())
     secret.chmod(0o600)
     security = ["--tls-cert", str(leaf.cert), "--tls-key", str(leaf.key), "--tls-ca", str(ca.cert)]
     security += ["--jwt-secret-file", str(secret), "--jwt-audience", "psguard-test"]
