@@ -107,16 +107,14 @@ class DurableAcks:
     def add(self, step: int, handle: Any) -> None:
         """Record the ``durable-commit`` invoke of the save of ``step`` and await its answer off this thread."""
         with self._lock:
-            generation = self._generation
             self._count += 1
             process = f"{self._progress.process}/durable-{self._count}"
-            self._threads = [t for t in self._threads if t.is_alive()]
-        self._progress.op("invoke", "durable-commit", process=process, step=step)
-        thread = threading.Thread(
-            target=self._await, args=(generation, process, step, handle), name=f"durable-ack-{step}", daemon=True
-        )
-        with self._lock:
-            self._threads.append(thread)
+            self._progress.op("invoke", "durable-commit", process=process, step=step)  # before any completion
+            thread = threading.Thread(
+                target=self._await, args=(self._generation, process, step, handle), name=f"durable-ack-{step}",
+                daemon=True,
+            )  # fmt: skip
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
     def new_generation(self, restored: int | None) -> None:

@@ -66,8 +66,6 @@ def s3_usage(url: str, storage_options: Mapping[str, Any]) -> tuple[float, float
 
     options = {**storage_options, "skip_instance_cache": True, "use_listings_cache": False}
     fs = s3fs.S3FileSystem(**options)
-    # The sizes the listing returns: ``du`` asks for each object's info after the listing (a request per object,
-    # and FileNotFoundError for a lock file or a chunk deleted in between).
     listed = fs.find(url.removeprefix("s3://"), detail=True)
     return float(sum(int(info.get("size") or 0) for info in listed.values())), float(len(listed))
 

@@ -269,11 +269,7 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy_over_mutual_tls(
         http_json("POST", f"{holder.url}/peer-copy/read", body=read, token=holder.token,
                   tls=client_context(str(ca.cert), str(rogue.cert), str(rogue.key)))  # fmt: skip
 
-    def copy_current() -> bool:
-        held = ps[1].status()["shards"]["copies_held"].get("ps:0") or {}
-        return held.get("token") is not None and held.get("token") == chief.status()["memory_token"]
-
-    trainer = _stop_at_a_capture_newer_than_the_log(chief, store, copy_current, "ps:1's copy of ps:0")
+    trainer = _stop_at_a_capture_newer_than_the_log(chief, store, _ps1_copy_current(chief, ps), "ps:1's copy of ps:0")
     assert re.search(r'psguard_peer_copy_held_bytes\{owner="ps:0"\} [1-9]', ps[1].metrics()), ps[1].metrics()
     _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer)
     assert "event=peer_copy_used task=ps:0 holder=ps:1" in chief.log()
@@ -330,11 +326,9 @@ def test_a_peer_copy_that_does_not_verify_is_refused_and_the_log_serves(
         kill = _kill_file(chief, out)
         assert kill["copies"] == {"ps:0": "ps:1", "ps:1": "ps:0"}, kill
 
-        def copy_current() -> bool:
-            held = ps[1].status()["shards"]["copies_held"].get("ps:0") or {}
-            return held.get("token") is not None and held.get("token") == chief.status()["memory_token"]
-
-        trainer = _stop_at_a_capture_newer_than_the_log(chief, store, copy_current, "ps:1's copy of ps:0")
+        trainer = _stop_at_a_capture_newer_than_the_log(
+            chief, store, _ps1_copy_current(chief, ps), "ps:1's copy of ps:0"
+        )
         proxies[0].arm()
         restored = _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer, source="durable")
     finally:
@@ -346,6 +340,16 @@ def test_a_peer_copy_that_does_not_verify_is_refused_and_the_log_serves(
     again = (tmp_path / "ps0-again" / "agent.log").read_text(errors="replace")
     assert "event=peer_copy_refused task=ps:0" in again and "does not match its owner's digests" in again, again
     assert restored["source"] == "durable"
+
+
+def _ps1_copy_current(chief: AgentProc, ps: list[AgentProc]) -> Callable[[], bool]:
+    """Whether ps:1's copy of ps:0 is at the chief's newest capture."""
+
+    def current() -> bool:
+        held = ps[1].status()["shards"]["copies_held"].get("ps:0") or {}
+        return held.get("token") is not None and held.get("token") == chief.status()["memory_token"]
+
+    return current
 
 
 def _kill_file(chief: AgentProc, out: Path) -> dict[str, Any]:
