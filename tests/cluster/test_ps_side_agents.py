@@ -229,10 +229,7 @@ def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, ag
     assert second["restored"]["source"] == "durable", chief.log()
     assert second["restored"]["step"] >= durable_before
     assert "every tier loaded" in chief.log()
-    with Store.open(str(store)) as s:
-        tensors = s.load(final["checkpoint"])
-        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
-        assert {n: d for n, d in digests.items() if n in final["digests"]} == final["digests"]
+    assert _holds(store, final["checkpoint"], final["digests"])
 
 
 @pytest.mark.slow
@@ -300,9 +297,7 @@ def test_a_ps_node_lost_with_the_node_holding_its_copy_restores_from_the_log(
     assert re.search(r"event=peer_copy_not_used task=ps:0 holder=ps:1 status=unavailable", chief.log()), chief.log()
     with Store.open(str(store)) as s:
         restored = next(c.id for c in s.checkpoints() if c.step == second["restored"]["step"])
-        tensors = s.load(restored)
-    digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
-    assert {n: d for n, d in digests.items() if n in second["digests"]} == second["digests"]
+    assert _holds(store, restored, second["digests"])
 
 
 @pytest.mark.slow
@@ -340,6 +335,14 @@ def test_a_peer_copy_that_does_not_verify_is_refused_and_the_log_serves(
     again = (tmp_path / "ps0-again" / "agent.log").read_text(errors="replace")
     assert "event=peer_copy_refused task=ps:0" in again and "does not match its owner's digests" in again, again
     assert restored["source"] == "durable"
+
+
+def _holds(store: Path, checkpoint: str, expected: dict[str, str]) -> bool:
+    """Whether ``checkpoint`` of the store holds exactly the tensors the trainer digested (sha256 by name)."""
+    with Store.open(str(store)) as s:
+        tensors = s.load(checkpoint)
+    digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
+    return {n: d for n, d in digests.items() if n in expected} == expected
 
 
 def _ps1_copy_current(chief: AgentProc, ps: list[AgentProc]) -> Callable[[], bool]:
@@ -419,17 +422,11 @@ def _lose_ps0_and_restore(
     else:
         assert second["restored"]["source"] == source and second["restored"]["step"] < memory_step, chief.log()
 
-    def same(checkpoint: str, expected: dict[str, str]) -> bool:
-        with Store.open(str(store)) as s:
-            tensors = s.load(checkpoint)
-        digests = {n: hashlib.sha256(v.tobytes()).hexdigest() for n, v in tensors.items()}
-        return {n: d for n, d in digests.items() if n in expected} == expected
-
-    assert same(final["checkpoint"], final["digests"])
+    assert _holds(store, final["checkpoint"], final["digests"])
     if source == "durable":  # the restored variables are that checkpoint's, bit for bit
         with Store.open(str(store)) as s:
             restored = next(c.id for c in s.checkpoints() if c.step == second["restored"]["step"])
-        assert same(restored, second["digests"])
+        assert _holds(store, restored, second["digests"])
     return dict(second["restored"])
 
 
