@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 from psguard.benchmarks.common import Stretch, back_to_normal, seconds_per_step
 from psguard.chaos.history import Op, Record, harness_seconds, operations
-from psguard.chaos.resources import WEEK_HOURS, slope_fit
+from psguard.chaos.resources import WEEK_HOURS, pooled_slope_fit
 
 __all__ = [
     "CHECKERS",
@@ -586,11 +586,24 @@ def faults_injected(ctx: _Context) -> Verdict:
 # ------------------------------------------------------------------------------------------------ soak
 def resource_series(records: Iterable[Record]) -> dict[str, list[tuple[float, float]]]:
     """A soak's resource samples (``resources`` of the harness) as series name -> [(time, value)]."""
-    out: dict[str, list[tuple[float, float]]] = {}
+    return {name: [p for life in lives for p in life] for name, lives in resource_lives(records).items()}
+
+
+def resource_lives(records: Iterable[Record]) -> dict[str, list[list[tuple[float, float]]]]:
+    """The samples of each series split at its process's restarts (a new pid for its role; the samples say
+    which since ``pids`` was recorded, a history without it is one life per series): series -> lives."""
+    out: dict[str, list[list[tuple[float, float]]]] = {}
+    last_pid: dict[str, Any] = {}
     for r in records:
         if r.process == "harness" and r.f == "resources" and r.type == "ok":
+            pids = r.value.get("pids") or {}
             for name, v in (r.value.get("values") or {}).items():
-                out.setdefault(name, []).append((r.time, float(v)))
+                pid = pids.get(name.rpartition("/")[0])
+                lives = out.setdefault(name, [])
+                if not lives or last_pid.get(name) != pid:
+                    lives.append([])
+                    last_pid[name] = pid
+                lives[-1].append((r.time, float(v)))
     return out
 
 
@@ -627,7 +640,8 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
     state_bytes = float(soak.get("state_bytes") or 0)
     rows, over, crowded = [], [], []
     children_max = int(bounds.get("children_max", 4))
-    for series, points in sorted(resource_series(records).items()):
+    for series, lives in sorted(resource_lives(records).items()):
+        points = [p for life in lives for p in life]
         if series.endswith("/children"):
             if series.startswith("harness/"):
                 continue  # the harness's children are the run's agents and servers, by design
@@ -638,7 +652,7 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
         bound = _series_bound(series, bounds, state_bytes)
         # A history from before store_settle existed is judged with its default.
         settle = float(bounds.get("store_settle", STORE_SETTLE)) if series.startswith("folder:store/") else 0.0
-        fit = slope_fit(points, warmup=max(warmup, settle))
+        fit = pooled_slope_fit(lives, warmup=max(warmup, settle))  # each restarted process warms up again
         if bound is None or fit is None:
             continue
         (slope, stderr), (limit, unit) = fit, bound

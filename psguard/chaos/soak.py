@@ -166,14 +166,14 @@ class _SoakRun(_Run):
 
     def _sample(self, now: float) -> None:
         self._values = {}
-        self._sampler.sample()
+        pids = self._sampler.sample()
         if self.scenario.storage.kind == "s3" and now - self._last_listing >= _LISTING_EVERY:
             self._last_listing = now
             listed = self._store_objects()
             if listed is not None:
                 self._values["folder:store/bytes"], self._values["folder:store/files"] = listed
         self.history.append(HARNESS, "invoke", "resources", {}, at=now)
-        self.history.append(HARNESS, "ok", "resources", {"values": dict(self._values)}, at=now)
+        self.history.append(HARNESS, "ok", "resources", {"values": dict(self._values), "pids": pids}, at=now)
 
     # ------------------------------------------------------------------------------------------ Prometheus
     def start_cluster(self) -> None:

@@ -74,8 +74,8 @@ def _soak(target: int = 60, *, training: dict[str, Any] | None = None, **soak: A
     return h
 
 
-def _sample(h: H, values: dict[str, float]) -> None:
-    h.op("harness", "resources", {}, {"values": values})
+def _sample(h: H, values: dict[str, float], pids: dict[str, int] | None = None) -> None:
+    h.op("harness", "resources", {}, {"values": values, **({"pids": pids} if pids is not None else {})})
 
 
 def _samples(h: H, minutes: int, per_minute: dict[str, float], base: dict[str, float] | None = None) -> None:
@@ -132,6 +132,27 @@ def test_a_restarts_step_is_not_growth_but_children_past_the_bound_are() -> None
     _samples(h, 20, {"agent:ps1/children": 0.0}, base={"agent:ps1/children": 6.0})  # flat, but too many
     verdict = check_all(_finished(h, 10).records)["resources-bounded"]
     assert verdict.status == "invalid" and verdict.evidence["children_over"][0]["max"] == 6.0
+
+
+def _worker_lives(h: H, *, pids: bool, leak_per_minute: float) -> None:
+    """worker0 killed 45 s in (just before the soak's 60-s warm-up ends, as in CI); its new life's threads climb
+    for a minute (its first RPCs), then hold for five, plus ``leak_per_minute``; a sample every 5 s."""
+    for k in range(80):
+        h.t += 5.0
+        life, age = (1, k * 5.0) if k < 9 else (2, (k - 9) * 5.0)
+        threads = 60.0 + min(age, 60.0) * 0.8 + leak_per_minute * age / 60.0
+        _sample(h, {"server:worker0/threads": threads}, {"server:worker0": 100 + life} if pids else None)
+
+
+def test_a_restarted_process_warms_up_again_and_only_growth_within_a_life_counts() -> None:
+    """The CI soak killed its worker just before the warm-up ended: its new life's climb (a TF server's threads
+    grow with its first RPCs) fitted as +62 threads/h. Split at the pids, each life without its own warm-up,
+    that climb is no growth; a leak within every life still is."""
+    for pids, leak, status in ((False, 0.0, "invalid"), (True, 0.0, "valid"), (True, 2.0, "invalid")):
+        h = _trained(_soak())
+        _worker_lives(h, pids=pids, leak_per_minute=leak)
+        verdict = check_all(_finished(h, 10).records)["resources-bounded"]
+        assert verdict.status == status, (pids, leak, verdict)
 
 
 def test_the_warm_up_is_left_out_of_the_slope() -> None:
