@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 from psguard.benchmarks.common import Stretch, back_to_normal, seconds_per_step
 from psguard.chaos.history import Op, Record, harness_seconds, operations
-from psguard.chaos.resources import WEEK_HOURS, pooled_slope_fit
+from psguard.chaos.resources import WEEK_HOURS, slope_fit
 
 __all__ = [
     "CHECKERS",
@@ -592,7 +592,8 @@ def resource_series(records: Iterable[Record]) -> dict[str, list[tuple[float, fl
 
 def resource_lives(records: Iterable[Record]) -> dict[str, list[tuple[Any, list[tuple[float, float]]]]]:
     """The samples of each series split at its process's restarts (a new pid for its role; the samples say
-    which since ``pids`` was recorded, a history without it is one life per series): series -> [(pid, life)]."""
+    which since ``pids`` was recorded, a history without it is one life per series): series -> [(pid, life)].
+    A restart resets what a process kept per recovery (:func:`_less_recovery_threads`)."""
     out: dict[str, list[tuple[Any, list[tuple[float, float]]]]] = {}
     for r in records:
         if r.process == "harness" and r.f == "resources" and r.type == "ok":
@@ -606,23 +607,32 @@ def resource_lives(records: Iterable[Record]) -> dict[str, list[tuple[Any, list[
     return out
 
 
+def _recoveries(ctx: _Context) -> list[float]:
+    """When each in-process recovery began: a restore of a trainer process after its first (its start)."""
+    by_process: dict[str, list[float]] = {}
+    for o in ctx.of("restore"):
+        if o.process.startswith("trainer-"):
+            by_process.setdefault(o.process, []).append(o.invoke.time)
+    return sorted(t for times in by_process.values() for t in sorted(times)[1:])
+
+
 def _less_recovery_threads(
-    ctx: _Context, pid: Any, life: list[tuple[float, float]], each: float
+    recoveries: Sequence[float], life: list[tuple[float, float]], each: float
 ) -> list[tuple[float, float]]:
-    """The trainer's threads without ``each`` per in-process recovery before each sample: TensorFlow keeps
-    threads behind at every ``update_server_def`` (4 on TF 2.21, whatever the cluster's size), a cost per
-    fault, not per hour, that psguard cannot free (tests/cluster/test_recovery.py measures it). A recovery is
-    a restore of the same trainer process after its first."""
-    if pid is None:
+    """A life's thread counts without ``each`` per recovery since the life began: TensorFlow keeps threads
+    behind at every ``update_server_def`` in the trainer and in every worker it reaches (4 on TF 2.21, whatever
+    the cluster's size; PS servers restart at each recovery), a cost per fault, not per hour, that psguard
+    cannot free (tests/cluster/test_recovery.py measures it)."""
+    if not life:
         return life
-    starts = sorted(o.invoke.time for o in ctx.of("restore", process=f"trainer-{pid}"))[1:]
-    return [(t, v - each * bisect.bisect_right(starts, t)) for t, v in life]
+    first = bisect.bisect_left(recoveries, life[0][0])
+    return [(t, v - each * (bisect.bisect_right(recoveries, t) - first)) for t, v in life]
 
 
 #: :attr:`psguard.chaos.scenario.SoakBounds.store_settle`'s default (the checkers read records, not scenarios).
 STORE_SETTLE = 660.0
-#: :attr:`psguard.chaos.scenario.SoakBounds.trainer_threads_per_recovery`'s default.
-TRAINER_THREADS_PER_RECOVERY = 4.0
+#: :attr:`psguard.chaos.scenario.SoakBounds.threads_per_recovery`'s default.
+THREADS_PER_RECOVERY = 4.0
 
 
 def _series_bound(name: str, bounds: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
@@ -654,12 +664,13 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
     state_bytes = float(soak.get("state_bytes") or 0)
     rows, over, crowded = [], [], []
     children_max = int(bounds.get("children_max", 4))
-    per_recovery = float(bounds.get("trainer_threads_per_recovery", TRAINER_THREADS_PER_RECOVERY))
-    for series, pid_lives in sorted(resource_lives(records).items()):
-        points = [p for _, life in pid_lives for p in life]
-        lives = [life for _, life in pid_lives]
-        if series == "trainer/threads":
-            lives = [_less_recovery_threads(ctx, pid, life, per_recovery) for pid, life in pid_lives]
+    per_recovery = float(bounds.get("threads_per_recovery", THREADS_PER_RECOVERY))
+    recoveries = _recoveries(ctx)
+    for series, lives in sorted(resource_lives(records).items()):
+        points = [p for _, life in lives for p in life]
+        judged = points
+        if series == "trainer/threads" or (series.startswith("server:worker") and series.endswith("/threads")):
+            judged = [p for _, life in lives for p in _less_recovery_threads(recoveries, life, per_recovery)]
         if series.endswith("/children"):
             if series.startswith("harness/"):
                 continue  # the harness's children are the run's agents and servers, by design
@@ -670,7 +681,7 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
         bound = _series_bound(series, bounds, state_bytes)
         # A history from before store_settle existed is judged with its default.
         settle = float(bounds.get("store_settle", STORE_SETTLE)) if series.startswith("folder:store/") else 0.0
-        fit = pooled_slope_fit(lives, warmup=max(warmup, settle))  # each restarted process warms up again
+        fit = slope_fit(judged, warmup=max(warmup, settle))
         if bound is None or fit is None:
             continue
         (slope, stderr), (limit, unit) = fit, bound

@@ -23,7 +23,6 @@ __all__ = [
     "ProcessUsage",
     "ResourceSampler",
     "folder_bytes",
-    "pooled_slope_fit",
     "process_usage",
     "slope_fit",
     "slope_per_hour",
@@ -137,42 +136,20 @@ def slope_per_hour(points: Sequence[tuple[float, float]], *, warmup: float = 0.0
 def slope_fit(points: Sequence[tuple[float, float]], *, warmup: float = 0.0) -> tuple[float, float] | None:
     """The least-squares slope per hour after ``warmup`` and its standard error (per hour): a slope within two
     standard errors of a bound is not evidence of crossing it (a restart's step, a burst of threads, noise)."""
-    return pooled_slope_fit([points], warmup=warmup)
-
-
-def pooled_slope_fit(
-    segments: Sequence[Sequence[tuple[float, float]]], *, warmup: float = 0.0
-) -> tuple[float, float] | None:
-    """One slope per hour fitted across ``segments`` (the incarnations of a role: each restart starts one), each
-    with its own level and each without its own first ``warmup`` seconds, and its standard error.
-
-    Why per incarnation: a restarted process starts lean and warms up again (a TF server's threads grow with
-    its first RPCs), so one line through all of a role's samples saw a rise after every restart and called it a
-    leak (the CI soak's worker, killed just before the warm-up ended). A leak is growth within a life; one
-    across restarts shows in the process that outlives them (the agent). ``None`` with no spread in time or no
-    degree of freedom left."""
-    kept = []
-    for points in segments:
-        if not points:
-            continue
-        start = min(t for t, _ in points)
-        seg = [(t, v) for t, v in points if t - start >= warmup]
-        if len(seg) >= 2:
-            kept.append(seg)
-    n = sum(len(seg) for seg in kept)
-    if n - len(kept) < 2:  # one intercept per segment and the slope, and one degree of freedom for the error
+    if not points:
         return None
-    centred = []
-    for seg in kept:
-        mean_t = sum(t for t, _ in seg) / len(seg)
-        mean_v = sum(v for _, v in seg) / len(seg)
-        centred += [(t - mean_t, v - mean_v) for t, v in seg]
-    spread = sum(dt * dt for dt, _ in centred)
+    start = min(t for t, _ in points)
+    kept = [(t, v) for t, v in points if t - start >= warmup]
+    if len(kept) < 3:
+        return None
+    mean_t = sum(t for t, _ in kept) / len(kept)
+    mean_v = sum(v for _, v in kept) / len(kept)
+    spread = sum((t - mean_t) ** 2 for t, _ in kept)
     if spread <= 0:
         return None
-    slope = sum(dt * dv for dt, dv in centred) / spread
-    residual = sum((dv - slope * dt) ** 2 for dt, dv in centred)
-    stderr = (residual / (n - len(kept) - 1) / spread) ** 0.5
+    slope = sum((t - mean_t) * (v - mean_v) for t, v in kept) / spread
+    residual = sum((v - mean_v - slope * (t - mean_t)) ** 2 for t, v in kept)
+    stderr = (residual / (len(kept) - 2) / spread) ** 0.5
     return slope * 3600.0, stderr * 3600.0
 
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from psguard.chaos.checkers import STORE_SETTLE, TRAINER_THREADS_PER_RECOVERY
+from psguard.chaos.checkers import STORE_SETTLE, THREADS_PER_RECOVERY
 from psguard.config import Check, Duration, invalid, load_yaml, validate
 
 __all__ = [
@@ -183,9 +183,9 @@ class SoakBounds:
     process_rss_mb: float = 64.0  # a trainer's or server's RSS growth per hour, MB
     fds: float = 20.0  # open file descriptors per hour, any process (flat, within noise)
     threads: float = 20.0
-    # TensorFlow keeps threads behind at every in-process recovery's update_server_def (4 on TF 2.21, whatever
-    # the cluster's size): a cost per fault, which the trainer's thread series is judged without.
-    trainer_threads_per_recovery: float = TRAINER_THREADS_PER_RECOVERY
+    # TensorFlow keeps threads behind at every in-process recovery's update_server_def, in the trainer and in
+    # each worker (4 on TF 2.21, whatever the cluster's size): a cost per fault their threads are judged without.
+    threads_per_recovery: float = THREADS_PER_RECOVERY
     children_max: int = 4  # live child processes of any process at any time (a task, its standby, helpers)
     tmpfs_mb: float = 64.0  # spool and tier folders, MB per hour
     store_mb: float = 1024.0  # the store's bytes per hour (retention keeps it flat)...

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import tensorflow as tf
 
-from psguard.chaos.checkers import TRAINER_THREADS_PER_RECOVERY
+from psguard.chaos.checkers import THREADS_PER_RECOVERY
 from psguard.trainer.recovery import reset_cluster_context, run_with_recovery
 from tests.support.clusters import Chief
 from tests.support.paths import ROOT
@@ -130,7 +130,7 @@ def test_the_ps_restart_request_leaves_before_the_failed_generation_is_collected
 def test_tensorflow_keeps_no_more_threads_per_recovery_than_the_soak_allows(chief: Chief) -> None:
     """Every in-process recovery resets the eager context's cluster (``update_server_def``), and TF 2.21 keeps
     4 native threads behind each time, whatever the cluster's size (1, 2 or 4 PS measured alike): the soak's
-    trainer thread series is judged without ``TRAINER_THREADS_PER_RECOVERY`` per recovery. This measures that
+    trainer and worker thread series are judged without ``THREADS_PER_RECOVERY`` per recovery. This measures that
     cost on a real cluster, so a TF that keeps more (or none: then the allowance hides nothing and should go)
     is seen here, not as a soak that fails or a leak that passes."""
 
@@ -149,4 +149,4 @@ def test_tensorflow_keeps_no_more_threads_per_recovery_than_the_soak_allows(chie
         remote_step()
     per_call = (native_threads() - before) / calls
     print(f"threads kept per update_server_def: {per_call:g}")
-    assert 0 < per_call <= TRAINER_THREADS_PER_RECOVERY, per_call
+    assert 0 < per_call <= THREADS_PER_RECOVERY, per_call
