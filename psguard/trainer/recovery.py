@@ -208,15 +208,28 @@ def run_with_recovery(
     open in this process is closed by psguard first (they belong to the failed generation: create them in
     ``build``), without waiting for saves a sidecar agent finishes on its own
     (:meth:`~psguard.trainer.registry.ManagerRegistry.release_after_failure`); ``close`` releases the rest of a
-    job before it is dropped (closing its manager again does nothing).
+    job before it is dropped (closing its manager again does nothing). A cluster failure during ``build`` (a PS
+    lost while the rebuild restores) is recovered from the same way, within ``max_recoveries``.
     """
     report = RecoveryReport()
     attempt = 0
     placement = StablePlacement()
     with placement.building():
-        job = build()
+        job: T | None = build()
+    failure: tuple[BaseException, float] | None = None  # the failure being recovered from, and when it was seen
     while True:
         try:
+            if job is None:
+                # A rebuild is a restore on a cluster that may fail again (a second PS killed mid-restore): that
+                # failure is recovered from like one in training, never by a restore of an older checkpoint.
+                reset_cluster_context()
+                job = _rebuild(build, close, placement)
+                assert failure is not None
+                event = RecoveryEvent(attempt, str(failure[0]).splitlines()[0][:500], time.monotonic() - failure[1])
+                failure = None
+                report.recoveries.append(event)
+                if on_recovery is not None:
+                    on_recovery(event)
             return train(job), report
         except Exception as e:  # classified below; anything else propagates unchanged
             if not is_cluster_failure(e):
@@ -224,7 +237,8 @@ def run_with_recovery(
             attempt += 1
             if attempt > max_recoveries:
                 raise PsguardError(f"giving up after {max_recoveries} recoveries; last failure: {e}") from e
-            t0 = time.monotonic()
+            t0 = time.monotonic() if failure is None else failure[1]
+            failure = (e, t0)
             failed_at = _failure_time()
             log.warning("cluster failure (%s): recovery %d in process", str(e).splitlines()[0][:200], attempt)
             # The PS restart (waiting on the agents) overlaps with dropping the failed generation (CPU here, the
@@ -232,21 +246,15 @@ def run_with_recovery(
             with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
                 restarting = pool.submit(restart_ps, failed_at)
                 process_managers.release_after_failure()
-                if close is not None:
+                if close is not None and job is not None:
                     try:
                         close(job)
                     except Exception as close_error:  # the old generation's saves may fail now: expected
                         log.info("closing the failed generation: %s", close_error)
-                del job
+                job = None
                 # The collection holds the interpreter until it is done (its traversal runs no Python code): a
                 # request not yet on the wire waits for it. Let the restart's thread send first: 0.28 s later
                 # at the agent without this, 4 ms with it (a model and 300k cyclic objects, one process).
                 wait([restarting], timeout=_SEND_FIRST_SECONDS)
                 gc.collect()
                 restarting.result()  # its failure, raised here
-            reset_cluster_context()
-            job = _rebuild(build, close, placement)
-            event = RecoveryEvent(attempt, str(e).splitlines()[0][:500], time.monotonic() - t0)
-            report.recoveries.append(event)
-            if on_recovery is not None:
-                on_recovery(event)

@@ -36,6 +36,7 @@ from psguard.storage.retry import RetryingBackend
 from psguard.store import CheckpointInfo, Store
 from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY
+from psguard.trainer.recovery import is_cluster_failure
 from psguard.trainer.registry import process_managers
 from psguard.trainer.restore_status import DeferredRestore, RestoreStatus, read_pending_parts
 from psguard.trainer.sinks import Sink
@@ -242,7 +243,9 @@ class RestoreSide:
         False, with the variables untouched, when a PS could not load its files (damaged, truncated, of
         another layout): the caller then goes to an older or slower source rather than crash-looping on this
         one. (A truncated restore file made every new trainer generation fail the same way.) Without shard
-        files a failure raises: the tensors came whole from the chief's side and there is nothing to fall to.
+        files a failure raises: the tensors came whole from the chief's side and there is nothing to fall to. A
+        cluster failure (:func:`~psguard.trainer.recovery.is_cluster_failure`: a PS died or restarted during the
+        load) raises too: the checkpoint is not at fault, and recovery restores the newest again.
 
         Saved tensors whose variables do not exist yet are handed to TF's deferred restoration
         (:class:`DeferredRestore`), after the rest is assigned; ``status``: do that even when none is pending,
@@ -269,7 +272,11 @@ class RestoreSide:
                 else:
                     self.capturer.restore(tensors, deferred=waiting)
             except (PsguardError, tf.errors.OpError, ValueError) as e:
-                if not snap.parts:
+                # A PS that died or restarted during the load says nothing about the checkpoint: going on to an
+                # older one would load it into every tier and lose the newer acknowledged state (a 1-h soak:
+                # ps:0 killed mid-restore, the log's step 67001 restored instead of the tiers' 67301). The
+                # caller's recovery restarts the PS and restores the newest again.
+                if not snap.parts or is_cluster_failure(e):
                     raise
                 log.warning(
                     "%s (step %d) did not load on the PS (%s): nothing was assigned; trying the durable log",

@@ -302,6 +302,38 @@ def test_shard_files_that_do_not_load_on_the_ps_send_the_restore_elsewhere_with_
         manager.close()
 
 
+def test_a_ps_lost_during_the_load_raises_rather_than_sending_the_restore_to_an_older_checkpoint(
+    chief: Chief, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A PS killed while the trainer loaded the tiers' newest state is a cluster failure, not a bad checkpoint:
+    falling back to the log's older step loaded that step into every tier, and the newer acknowledged state was
+    lost (a 1-h soak: 300 steps). The load raises; recovery restores the newest again."""
+    _, _, root = fresh(chief)
+    manager = CheckpointManager(
+        root,
+        (tmp_path / "store").as_uri(),
+        coordinator=chief.coordinator,
+        capturer_options={"row_tracking_min_rows": 64, "spill_dirs": part_dirs(tmp_path)},
+    )
+    try:
+        spilled = manager.capturer.spilled
+        files = {k: str(tmp_path / f"{name}-{k.offset}") for name, keys in spilled.items() for k in keys}
+        snap = Restored(7, {}, {}, "tok", parts=files)
+        dead = tf.errors.UnavailableError(None, None, "failed to connect to all addresses; Connection refused")
+
+        def restore_parts(*args: Any, **kwargs: Any) -> None:
+            raise dead
+
+        monkeypatch.setattr(manager.capturer, "restore_parts", restore_parts)
+        with pytest.raises(tf.errors.UnavailableError):
+            manager._load(RestoreInfo("memory:tok", 7, {}, "memory"), snap)
+        damaged = CorruptCheckpointError("truncated restore file")  # the checkpoint's fault: the next source
+        monkeypatch.setattr(manager.capturer, "restore_parts", lambda *a, **k: (_ for _ in ()).throw(damaged))
+        assert manager._load(RestoreInfo("memory:tok", 7, {}, "memory"), snap) is False
+    finally:
+        manager.close()
+
+
 def test_a_rebuild_before_a_restore_creates_big_variables_without_values_and_only_a_restore_completes_it(
     chief: Chief, tmp_path: Path
 ) -> None:

@@ -150,3 +150,31 @@ def test_tensorflow_keeps_no_more_threads_per_recovery_than_the_soak_allows(chie
     per_call = (native_threads() - before) / calls
     print(f"threads kept per update_server_def: {per_call:g}")
     assert 0 < per_call <= THREADS_PER_RECOVERY, per_call
+
+
+def test_a_cluster_failure_during_the_rebuild_is_recovered_from_like_one_in_training(chief: Chief) -> None:
+    """A 1-h soak killed ps:0 while the trainer restored after another fault: the rebuild's restore failed on
+    the dead PS and the trainer process died with it (or, before, restored an older checkpoint). The rebuild
+    is now one more recovery: the PS restarted again, the cluster reset, ``build`` called again."""
+    restarts: list[float] = []
+    builds = iter(["first", tf.errors.UnavailableError(None, None, "failed to connect to all addresses"), "third"])
+    failures = iter([tf.errors.AbortedError(None, None, "Unable to find a context_id matching the specified one")])
+
+    def build() -> str:
+        job = next(builds)
+        if isinstance(job, Exception):
+            raise job
+        return job
+
+    def train(job: str) -> str:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return f"done with {job}"
+
+    seen: list[Any] = []
+    result, report = run_with_recovery(build, train, restart_ps=restarts.append, on_recovery=seen.append)
+    assert result == "done with third"
+    assert len(restarts) == 2 and restarts == sorted(restarts)  # once per failure, the rebuild's included
+    assert [e.attempt for e in report.recoveries] == [2] and seen == report.recoveries
+    assert "failed to connect" in report.recoveries[0].error
