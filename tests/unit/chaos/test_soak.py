@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from psguard.chaos.checkers import check_all
+from psguard.chaos.checkers import check_all, fault_outcomes
 from psguard.chaos.report import write_report
 from psguard.chaos.scenario import ClusterSpec, SoakKind, SoakSpec, load_scenario
 from psguard.errors import ConfigError
@@ -225,6 +225,58 @@ def test_a_recovery_much_slower_than_the_first_of_its_kind_fails_the_soak(later:
     _kill_and_recover(h, 30, 2.0)
     _kill_and_recover(h, 55, later)
     verdict = check_all(_finished(h, 85).records)["recoveries-not-slower"]
+    assert verdict.status == status, verdict
+
+
+def _outage(h: H, seconds: float) -> None:
+    h.fault("storage-stop", "store")
+    h.t += seconds
+    h.op("nemesis", "storage-start", {"target": "store"}, {"target": "store"})
+
+
+@pytest.mark.parametrize(("overlapping", "status"), [(True, "valid"), (False, "invalid")])
+def test_a_fault_during_another_faults_recovery_is_not_judged_by_its_kinds_pace(overlapping: bool, status: str) -> None:
+    """The 1-h soak lost ps:0's node (its new agent up at once: the fault's heal) and the store went down a
+    second later, before the restore the node loss caused: that restore was given to the outage alone, and the
+    outage's 'recovery' (12 s, the node's) judged against the first outage's 0.5 s. A fault is now active until
+    healed and training came back, the restore is both faults', and neither is judged for pace."""
+    h = _trained(_soak(200))
+    for s in range(5, 30, 5):
+        h.train(s, s + 5)
+    _outage(h, 0.5)  # the first of its kind: training never stopped
+    for s in range(30, 50, 5):
+        h.train(s, s + 5)
+    h.fault("kill-agent", "ps:0")
+    h.rec(T, "invoke", "train", {"step": 50, "steps": 5})
+    h.rec(T, "info", "train", {"error": "UnavailableError"})
+    h.op("nemesis", "start-agent", {"target": "ps:0"}, {"target": "ps:0"})  # the kill-agent's heal
+    if not overlapping:  # the node's recovery is over before the outage
+        h.t += 2.0
+        h.restore(50)
+        for s in range(50, 70, 5):
+            h.train(s, s + 5)
+    h.t += 1.0
+    h.fault("storage-stop", "store")
+    if overlapping:
+        h.t += 1.0
+        h.restore(50)
+    h.t += 11.0
+    h.op("nemesis", "storage-start", {"target": "store"}, {"target": "store"})
+    for s in range(50 if overlapping else 70, 120, 5):
+        h.train(s, s + 5)
+    _outage(h, 0.5)  # a later outage on its own: judged
+    for s in range(120, 140, 5):
+        h.train(s, s + 5)
+    records = _finished(h, 145).records
+    rows = fault_outcomes(records)
+    node = next(r for r in rows if r["fault"] == "kill-agent")
+    outage = [r for r in rows if r["fault"] == "storage-stop"][1]
+    if overlapping:
+        assert node["restore_shared_with"] == ["storage-stop store"] and node["restored_step"] == 50
+        assert outage["overlaps_with"] == ["kill-agent ps:0"]
+    else:
+        assert not outage["overlaps_with"] and outage["restored_step"] is None
+    verdict = check_all(records)["recoveries-not-slower"]
     assert verdict.status == status, verdict
 
 
