@@ -174,9 +174,12 @@ class Nemesis:
     def healing(self) -> bool:
         return bool(self._heals)
 
-    def tick(self, step: int | None, elapsed: float | None, durable_in_flight: int | None = None) -> None:
+    def tick(
+        self, step: int | None, elapsed: float | None, durable_in_flight: int | None = None, *, restoring: bool = False
+    ) -> None:
         """Fire every fault whose trigger has come (``step``: the trainer's last reported step; ``elapsed``:
-        seconds since the trainer started) and heal every fault whose duration is over."""
+        seconds since the trainer started; ``restoring``: a trainer's restore is in flight) and heal every fault
+        whose duration is over."""
         now = time.monotonic()
         for pending in [p for p in self._heals if p.due <= now]:
             self._heals.remove(pending)
@@ -192,6 +195,10 @@ class Nemesis:
                 # Aimed at the agent's persist: once the trainer has asked for a durable commit, watch the chief
                 # agent's persister closely and strike while it writes (what it was doing is recorded).
                 due = durable_in_flight is not None
+            if due and fault.during == "restore":
+                # Aimed at a restore (another fault's recovery): a PS lost while the trainer loads is a cluster
+                # failure to recover from again, never a reason to load an older checkpoint.
+                due = restoring
             if not due:
                 return
             self.pending.pop(0)
@@ -219,7 +226,7 @@ class Nemesis:
 
     def _fire(self, fault: Fault, step: int | None, durable_in_flight: int | None = None) -> None:
         base: dict[str, Any] = {"fault": fault.describe(), "at_step": step, "trigger": fault.trigger}
-        if fault.during is not None:
+        if fault.during == "durable-commit":
             base["durable_commit_step"] = durable_in_flight  # invoked since the last look
         if fault.max_lost_steps is not None:
             base["max_lost_steps"] = fault.max_lost_steps

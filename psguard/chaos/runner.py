@@ -294,6 +294,7 @@ class _Run:
         last_line = 0.0
         durable_in_flight: int | None = None
         durable_seen: int | None = None
+        restores_open: set[str] = set()  # trainer processes with a restore invoked and not completed
         while True:
             for e in reader.read():
                 if e["event"] == "op":
@@ -302,6 +303,8 @@ class _Run:
                         durable_in_flight = e["value"].get("step") if e["type"] == "invoke" else None
                         if e["type"] == "invoke":
                             durable_seen = durable_in_flight
+                    if e["f"] == "restore":
+                        (restores_open.add if e["type"] == "invoke" else restores_open.discard)(e["process"])
                     if e["f"] == "train" and e["type"] == "ok":
                         self.step = int(e["value"]["step"])
                     if self.started_at is None:
@@ -318,7 +321,7 @@ class _Run:
                 last_line = now
             # A durable commit invoked since the last tick counts even if its ack arrived in the same read; the
             # fault's record says whether it was still in flight.
-            nemesis.tick(self.step, elapsed, durable_seen)
+            nemesis.tick(self.step, elapsed, durable_seen, restoring=bool(restores_open))
             durable_seen = durable_in_flight
             self.on_tick(now, elapsed)
             self.supervise()

@@ -79,7 +79,8 @@ class Fault:
     at_time: Duration | None = None
     duration: Duration = 1.0  # pause / kill-agent / storage-outage: until the heal
     max_lost_steps: NonNegative | None = None  # the policy bound for this fault (default: see checkers)
-    during: Literal["durable-commit"] | None = None  # also wait until a durable commit is in flight
+    # Also wait until a durable commit (the chief agent's persist) or a trainer's restore is in flight.
+    during: Literal["durable-commit", "restore"] | None = None
     latency: Duration = 0.2  # delay: seconds added to each chunk of bytes
 
     def __post_init__(self) -> None:
@@ -93,6 +94,9 @@ class Fault:
                 "target", f"a PS (ps:N, ps:*) or the store for {self.action}: the proxy sits in front of them",
                 self.target,
             )  # fmt: skip
+        if self.during == "restore" and self.target in ("store", "chief"):
+            raise invalid("during", "durable-commit for a fault on the chief or the store (restore: a PS or worker)",
+                          self.during)  # fmt: skip
         if self.action in NETWORK_ACTIONS:
             return
         if self.action == "hang" and self.target != "chief":

@@ -195,3 +195,23 @@ def test_the_baseline_still_cannot_pause_an_agent_and_the_plain_nemesis_kills_no
     records = _fire(tmp_path / "plain", tasks, [{"action": "kill-agent", "target": "ps:0", "at_step": 50}], Nemesis)
     (op,) = [o for o in operations(records) if o.process == "nemesis"]
     assert op.f == "kill-agent" and op.type == "fail" and tasks["ps0"].proc.poll() is None
+
+
+def test_a_fault_during_a_restore_waits_for_one_and_only_aims_at_tasks(
+    tmp_path: Path, tasks: dict[str, _Process]
+) -> None:
+    """``during: restore`` (kill-ps-during-restore): the kill waits, step reached or not, until a trainer's
+    restore is in flight, then strikes (a PS lost while the trainer loads is a second cluster failure)."""
+    s = _scenario(faults=[{"action": "kill", "target": "ps:0", "at_step": 50, "during": "restore"}])
+    history = HistoryWriter(tmp_path / "history.jsonl")
+    nemesis = Nemesis(s, s.schedule(0), history, tasks, store_dir=None, storage=None, seed=0)  # type: ignore[arg-type]
+    nemesis.tick(60, 1.0)
+    assert not nemesis.fired and tasks["ps0"].proc.poll() is None
+    nemesis.tick(60, 2.0, restoring=True)
+    history.close()
+    assert [f.describe() for f in nemesis.fired] == ["kill ps:0 at step 50 during a restore"]
+    assert tasks["ps0"].proc.wait(10) == -signal.SIGKILL
+    kill = next(o for o in operations(read_history(tmp_path / "history.jsonl")) if o.f == "kill")
+    assert kill.type == "ok" and kill.value["trigger"] == "step 50 during a restore"
+    with pytest.raises(ValueError, match="restore: a PS or worker"):
+        _scenario(faults=[{"action": "storage-outage", "target": "store", "at_step": 50, "during": "restore"}])
