@@ -21,14 +21,22 @@ the newest commit known to have happened.
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from psguard.benchmarks.common import Stretch, back_to_normal, seconds_per_step
 from psguard.chaos.history import Op, Record, harness_seconds, operations
-from psguard.chaos.resources import WEEK_HOURS, slope_fit
+from psguard.chaos.resources import (
+    STORE_SETTLE,
+    THREADS_PER_RECOVERY,
+    WEEK_HOURS,
+    less_recovery_threads,
+    recovery_times,
+    resource_lives,
+    series_bound,
+    slope_fit,
+)
 
 __all__ = [
     "CHECKERS",
@@ -39,7 +47,6 @@ __all__ = [
     "check_all",
     "fault_outcomes",
     "overall",
-    "resource_series",
 ]
 
 Status = Literal["valid", "invalid", "unknown"]
@@ -593,76 +600,6 @@ def faults_injected(ctx: _Context) -> Verdict:
 
 
 # ------------------------------------------------------------------------------------------------ soak
-def resource_series(records: Iterable[Record]) -> dict[str, list[tuple[float, float]]]:
-    """A soak's resource samples (``resources`` of the harness) as series name -> [(time, value)]."""
-    return {name: [p for _, life in lives for p in life] for name, lives in resource_lives(records).items()}
-
-
-def resource_lives(records: Iterable[Record]) -> dict[str, list[tuple[Any, list[tuple[float, float]]]]]:
-    """The samples of each series split at its process's restarts (a new pid for its role; the samples say
-    which since ``pids`` was recorded, a history without it is one life per series): series -> [(pid, life)].
-    A restart resets what a process kept per recovery (:func:`_less_recovery_threads`)."""
-    out: dict[str, list[tuple[Any, list[tuple[float, float]]]]] = {}
-    for r in records:
-        if r.process == "harness" and r.f == "resources" and r.type == "ok":
-            pids = r.value.get("pids") or {}
-            for name, v in (r.value.get("values") or {}).items():
-                pid = pids.get(name.rpartition("/")[0])
-                lives = out.setdefault(name, [])
-                if not lives or lives[-1][0] != pid:
-                    lives.append((pid, []))
-                lives[-1][1].append((r.time, float(v)))
-    return out
-
-
-def _recoveries(ctx: _Context) -> list[float]:
-    """When each in-process recovery began: a restore of a trainer process after its first (its start)."""
-    by_process: dict[str, list[float]] = {}
-    for o in ctx.of("restore"):
-        if o.process.startswith("trainer-"):
-            by_process.setdefault(o.process, []).append(o.invoke.time)
-    return sorted(t for times in by_process.values() for t in sorted(times)[1:])
-
-
-def _less_recovery_threads(
-    recoveries: Sequence[float], life: list[tuple[float, float]], each: float
-) -> list[tuple[float, float]]:
-    """A life's thread counts without ``each`` per recovery since the life began: TensorFlow keeps threads
-    behind at every ``update_server_def`` in the trainer and in every worker it reaches (4 on TF 2.21, whatever
-    the cluster's size; PS servers restart at each recovery), a cost per fault, not per hour, that psguard
-    cannot free (tests/cluster/test_recovery.py measures it)."""
-    if not life:
-        return life
-    first = bisect.bisect_left(recoveries, life[0][0])
-    return [(t, v - each * (bisect.bisect_right(recoveries, t) - first)) for t, v in life]
-
-
-#: :attr:`psguard.chaos.scenario.SoakBounds.store_settle`'s default (the checkers read records, not scenarios).
-STORE_SETTLE = 660.0
-#: :attr:`psguard.chaos.scenario.SoakBounds.threads_per_recovery`'s default.
-THREADS_PER_RECOVERY = 4.0
-
-
-def _series_bound(name: str, bounds: Mapping[str, Any], state_bytes: float) -> tuple[float, str] | None:
-    """The per-hour slope a series may have, with the unit it is judged in; ``None``: not judged by slope."""
-    role, _, key = name.rpartition("/")
-    mb = float(1 << 20)
-    if role.startswith("folder:"):
-        folder = role.removeprefix("folder:")
-        if key != "bytes":
-            return None
-        which = "logs_mb" if folder == "logs" else "store_mb" if folder == "store" else "tmpfs_mb"
-        return float(bounds[which]) * mb, "bytes"
-    if key == "rss_bytes":
-        if role.startswith("agent:"):
-            share = float(bounds["agent_rss_pct_of_state"]) / 100.0 * state_bytes
-            return max(share, float(bounds.get("agent_rss_floor_mb", 0.0)) * mb), "bytes"
-        return float(bounds["process_rss_mb"]) * mb, "bytes"
-    if key in ("fds", "threads"):
-        return float(bounds[key]), key
-    return None  # children: a count that steps with every restart and standby, judged by its maximum
-
-
 def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
     """No resource of any psguard process or folder grows, after the warm-up, at a rate that the scenario's
     bounds forbid (each stated per hour; a week is 168 hours of it)."""
@@ -673,12 +610,12 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
     rows, over, crowded = [], [], []
     children_max = int(bounds.get("children_max", 4))
     per_recovery = float(bounds.get("threads_per_recovery", THREADS_PER_RECOVERY))
-    recoveries = _recoveries(ctx)
+    recoveries = recovery_times(ctx.of("restore"))
     for series, lives in sorted(resource_lives(records).items()):
         points = [p for _, life in lives for p in life]
         judged = points
         if series == "trainer/threads" or (series.startswith("server:worker") and series.endswith("/threads")):
-            judged = [p for _, life in lives for p in _less_recovery_threads(recoveries, life, per_recovery)]
+            judged = [p for _, life in lives for p in less_recovery_threads(recoveries, life, per_recovery)]
         if series.endswith("/children"):
             if series.startswith("harness/"):
                 continue  # the harness's children are the run's agents and servers, by design
@@ -686,7 +623,7 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
             if most > children_max:
                 crowded.append({"series": series, "max": most, "bound": children_max})
             continue
-        bound = _series_bound(series, bounds, state_bytes)
+        bound = series_bound(series, bounds, state_bytes)
         # A history from before store_settle existed is judged with its default.
         settle = float(bounds.get("store_settle", STORE_SETTLE)) if series.startswith("folder:store/") else 0.0
         fit = slope_fit(judged, warmup=max(warmup, settle))

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from psguard.chaos.checkers import STORE_SETTLE, THREADS_PER_RECOVERY
+from psguard.chaos.resources import STORE_SETTLE, THREADS_PER_RECOVERY
 from psguard.config import Check, Duration, invalid, load_yaml, validate
 
 __all__ = [

@@ -216,6 +216,29 @@ class SeaweedS3(S3Server):
         self._poll_list_buckets(deadline, key=self._access_key, secret=self._secret_key)
         self._await_volumes(deadline)
         self._ensure_bucket()
+        self._await_reads(deadline)
+
+    def _await_reads(self, deadline: float) -> None:
+        """After a restart, wait until an object stored before it reads back.
+
+        The master listing the volumes is not the end of it: under load (CI, 2 cores) a GetObject of an object
+        stored before the restart answered InternalError for a while after it. A fresh server has nothing to wait
+        for."""
+        c = self.client(connect_timeout=1, read_timeout=3, retries={"max_attempts": 1, "mode": "standard"})
+        last: Exception | None = None
+        while True:
+            self._check_alive()
+            try:
+                listed = c.list_objects_v2(Bucket=self.bucket, MaxKeys=1).get("Contents") or []
+                if not listed:
+                    return
+                c.get_object(Bucket=self.bucket, Key=listed[0]["Key"])["Body"].read()
+                return
+            except Exception as e:  # InternalError, a reset connection: not serving reads yet
+                last = e
+            if time.monotonic() > deadline:
+                raise self._failure(f"did not read back a stored object within {self.startup_timeout:.0f}s ({last})")
+            time.sleep(0.1)
 
     def _await_volumes(self, deadline: float) -> None:
         """Wait until the master lists the volume server with every volume found on disk.

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import tensorflow as tf
 
-from psguard.chaos.checkers import THREADS_PER_RECOVERY
+from psguard.chaos.resources import THREADS_PER_RECOVERY
 from psguard.trainer.recovery import reset_cluster_context, run_with_recovery
 from tests.support.clusters import Chief
 from tests.support.paths import ROOT
