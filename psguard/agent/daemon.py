@@ -202,6 +202,7 @@ class Agent:
         self.peer_sync = PeerSync(
             self.task, self.peers, self.config.peers, self._peer_token, self._stop_requested, tls=self._client_tls
         )
+        self.peer_sync.on_fresh = self._fresh_ps
         self._wake = threading.Event()
         self.recovery = Recovery(
             self.task,
@@ -640,6 +641,12 @@ class Agent:
         """A restore follows every new generation: the PS agents start writing its files now."""
         if self.spool is not None:
             self.spool.export_ahead()
+
+    def _fresh_ps(self, task: str) -> None:
+        """A PS agent started after the failure answered (a replacement node's: its tier is empty): it fetches
+        its shards from the peer's copy now, overlapping its PS server's start and the trainer's rebuild."""
+        if self.spool is not None and self.config.peers.copies != "none":
+            self.spool.export_ahead(only=[task])
 
     def _handle_new_generation(self, request: Request) -> Response:
         """The trainer rejoins in-process after a PS failure: restart every PS peer first, answer when done."""

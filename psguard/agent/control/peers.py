@@ -13,7 +13,7 @@ import logging
 import ssl
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -93,6 +93,10 @@ class PeerSync:
         self.part_dirs: dict[str, str] = {}  # PS task -> the part folder its agent keeps shards in (/status)
         self.part_stores: dict[str, bool] = {}  # PS task -> whether its agent can write the durable log
         self.nodes: dict[str, str | None] = {}  # task -> the node its agent runs on (/status), for peer copies
+        # Called with a PS task's name when :meth:`sync` first sees its agent as fresh (started after the failure:
+        # a replacement node's agent, whose tier is empty): the chief's agent has it fetch its shards from the
+        # peer's copy at once, while its PS server still starts, instead of after the whole generation is ready.
+        self.on_fresh: Callable[[str], None] | None = None
 
     def sync(
         self, *, restart_ps: bool, why: str = "", failed_at: float | None = None, workers: bool = False
@@ -159,6 +163,8 @@ class PeerSync:
                     fresh.add(url)  # started after the failure: wait for it, do not restart it again
                     pending[url] = restarts
                     before = restarts
+                    if self.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
+                        self.on_fresh(doc["task"])
                 if url in fresh:
                     if ready:
                         outcome[url] = "fresh (started after the failure)"

@@ -728,10 +728,13 @@ def fetch_copy(
     token: str,
     post: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]],
     config: PeerCopyConfig,
+    alloc: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified.
 
-    Returns the copy's description (step, token, metadata, layout) and the arrays; raises
+    ``alloc`` makes the arrays the rows are fetched into (the agent's tier files: the bytes land where the tier
+    keeps them, with no second copy; None from it, or no ``alloc``: anonymous memory). Returns the copy's
+    description (step, token, metadata, layout) and the arrays; raises
     :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none) and
     :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
     """
@@ -749,7 +752,9 @@ def fetch_copy(
     for t in info.get("tensors") or []:
         name = str(t["name"])
         shape = tuple(int(x) for x in t["array_shape"])
-        arrays[name] = np.empty(shape, dtype=dtype_from_name(str(t["dtype"])))
+        dtype = dtype_from_name(str(t["dtype"]))
+        made = alloc(shape, dtype) if alloc is not None else None
+        arrays[name] = made if made is not None else np.empty(shape, dtype=dtype)
         per_row = max(1, arrays[name].nbytes // max(1, shape[0]))
         rows = max(1, chunk // per_row)
         ranges += [(name, start, min(shape[0], start + rows)) for start in range(0, shape[0], rows)]

@@ -59,6 +59,9 @@ class ShardClient:
         self.copy_state: dict[str, dict[str, Any]] = {}  # owner -> its copy's holder and step (apply answers)
         self.peer_restores = 0
         self.last_restore_sources: dict[str, str] = {}
+        # PS task -> (state token, holder) of its last fetch from a peer's copy: an export that finds the task at
+        # that state later (a fetch ahead of the restore) says where its shards came from.
+        self._pulled: dict[str, tuple[str, str]] = {}
         self._warned: set[str] = set()
 
     def holders_of(self, tasks: Sequence[str], token: str) -> dict[str, str | None] | None:
@@ -208,7 +211,7 @@ class ShardClient:
         raises and the trainer restores from the durable log.
         """
         answers = self._fan_out("/shards/export", {t: {"token": token} for t in tasks})
-        sources = {t: "own tier" for t in tasks}
+        sources = {t: f"peer {p[1]}" if (p := self._pulled.get(t)) and p[0] == token else "own tier" for t in tasks}
         lost = [t for t, a in answers.items() if a.get("status") in ("empty", "mismatch")]
         if lost and self.copies != "none":
             pulled = self._pull_from_peers(lost, token)
@@ -245,6 +248,7 @@ class ShardClient:
         for t, a in answers.items():
             if a.get("status") == "ok":
                 pulled[t] = holders[t]
+                self._pulled[t] = (token, holders[t])
                 self.peer_restores += 1
                 log.info(
                     "event=peer_copy_used task=%s holder=%s step=%s bytes=%s seconds=%s",

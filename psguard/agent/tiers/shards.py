@@ -416,8 +416,8 @@ class ShardKeeper:
         assert self._read_copy is not None
         t0 = time.perf_counter()
         try:
-            info, arrays = fetch_copy(self.task, holder, token, self._read_copy, self.copy_config)
-            for name in list(arrays):  # into tier files one by one: the node holds at most one shard twice
+            info, arrays = fetch_copy(self.task, holder, token, self._read_copy, self.copy_config, self.files.new)
+            for name in list(arrays):  # fetched into tier files already; any that could not get one moves now
                 arrays[name] = self.files.adopt(arrays[name])
         except CorruptCheckpointError as e:
             log.error("event=peer_copy_refused task=%s holder=%s error=%r", self.task, holder, str(e))

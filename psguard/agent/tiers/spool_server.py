@@ -13,7 +13,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -201,18 +201,23 @@ class SpoolServer:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def export_ahead(self) -> threading.Thread | None:
-        """Have every PS agent write its restore files for the tier's state now, in the background.
+    def export_ahead(self, only: Sequence[str] | None = None) -> threading.Thread | None:
+        """Have every PS agent (or those in ``only``) write its restore files for the tier's state now, in the
+        background.
 
         Called when a new trainer generation is about to start (PS restarts, then a rebuild, then a restore):
         the PS agents write while the PS restart and the trainer rebuilds, and the restore's export finds the
         files written for the same state (:meth:`ShardKeeper.export` reuses them; any other state is written
-        again, so this is only ever a head start). Returns the thread, or None when there is nothing to export.
+        again, so this is only ever a head start). A replacement agent (its node lost) fetches its shards from
+        the peer holding its copy then (:meth:`ShardClient.export`). Returns the thread, or None when there is
+        nothing to export.
         """
         shards, token = self.shards, self.tier.token
         if shards is None or not shards.active or token is None:
             return None
-        tasks = shards.active
+        tasks = tuple(t for t in shards.active if only is None or t in only)
+        if not tasks:
+            return None
 
         def run() -> None:
             t0 = time.perf_counter()

@@ -85,8 +85,12 @@ def test_a_replacement_agent_whose_ps_has_not_started_is_waited_for_not_restarte
     server.add_post("/restart", lambda r: restarts.append(r) or Response(409, {"error": "not running (idle)"}))
     with server:
         sync = PeerSync("chief:0", [server.url], PeersConfig(ready_timeout=30), token, threading.Event())
+        fresh: list[tuple[str, int]] = []
+        sync.on_fresh = lambda task: fresh.append((task, polls["n"]))
         outcome = sync.sync(restart_ps=True, failed_at=None)
     assert outcome == {server.url: "fresh (started after the failure)"} and not restarts
+    # Told once, at its first answer (its PS not started yet): the chief's agent has it fetch its copy then.
+    assert fresh == [("ps:0", 1)]
 
 
 class _FakeTask:

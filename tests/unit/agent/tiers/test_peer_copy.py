@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.peer_copy import decode_frame, encode_frame, rows_digest
+from psguard.agent.tiers.peer_copy import decode_frame, encode_frame, fetch_copy, rows_digest
 from psguard.agent.tiers.shards import ShardKeeper
 from psguard.errors import CorruptCheckpointError
 from psguard.handoff.parts import ShardKey
@@ -315,3 +315,50 @@ def test_a_second_fetch_of_the_same_state_reads_nothing(pair: Pair, tmp_path: Pa
         assert again["status"] == "ok" and again["bytes"] == 0 and len(reads) == first > 0
     finally:
         fresh.close()
+
+
+def test_a_fetched_copy_lands_in_the_tiers_files_and_exports_without_a_copy(pair: Pair, tmp_path: Path) -> None:
+    """A replacement agent's fetch writes the rows where its tier keeps them (its tier files): no second copy of
+    the shard in anonymous memory first, and the restore's export links those files."""
+    rng = np.random.default_rng(10)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    wait_until(pair.synced, 30, "the first whole copy")
+    fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", read_copy=pair.read, tier_files=True).start()
+    adopt, moved = fresh.files.adopt, []
+
+    def watched_adopt(value: np.ndarray, *, copy: bool = False) -> np.ndarray:
+        moved.append(not fresh.files.owns(value))  # an array fetched into anonymous memory, copied now
+        return adopt(value, copy=copy)
+
+    fresh.files.adopt = watched_adopt  # type: ignore[method-assign]
+    try:
+        assert fresh.pull({"token": "t1", "holder": HOLDER_URL})["status"] == "ok"
+        assert moved and not any(moved)
+        with fresh.tier.export() as snap:
+            assert all(fresh.files.owns(np.asarray(a)) for a in snap.tensors.values())
+        before = fresh.files.status()["bytes_linked"]
+        assert fresh.export({"token": "t1"})["status"] == "ok"
+        assert fresh.files.status()["bytes_linked"] - before == sum(a.nbytes for a in pair.copy_arrays().values())
+        got, want = _owner_arrays(fresh), _owner_arrays(pair.owner)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+    finally:
+        fresh.close()
+
+
+def test_fetch_copy_places_the_rows_in_the_arrays_it_is_given(pair: Pair) -> None:
+    rng = np.random.default_rng(11)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    wait_until(pair.synced, 30, "the first whole copy")
+    made: list[np.ndarray] = []
+
+    def alloc(shape: tuple[int, ...], dtype: Any) -> np.ndarray | None:
+        if made:  # the second array: none given, so anonymous memory
+            return None
+        made.append(np.full(shape, np.nan, dtype=dtype))
+        return made[0]
+
+    _, arrays = fetch_copy("ps:0", HOLDER_URL, "t1", pair.read, PeerCopyConfig(chunk_mb=1), alloc)
+    given = [a for a in arrays.values() if a is made[0]]
+    assert len(given) == 1 and len(arrays) == 2
+    want = _owner_arrays(pair.owner)
+    assert all(np.array_equal(arrays[n], want[n]) for n in want)

@@ -60,6 +60,29 @@ def test_a_lost_ps_takes_its_shards_from_its_copy_else_the_restore_fails_with_th
         c.export(["ps:0", "ps:1", "ps:2"], "T")
 
 
+def test_a_restore_after_a_fetch_ahead_says_its_shards_came_from_the_peer() -> None:
+    """The chief's agent has a replacement agent fetch its copy as soon as it answers (before the restore asks):
+    the restore's export then finds ps:0 at the state, fetches nothing, and still reports where it came from."""
+    pulls: list[str] = []
+
+    def call(url: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        if url == "http://a:1/shards/pull":
+            pulls.append(str(body["token"]))
+            return {"status": "ok", "step": 7}
+        if url == "http://a:1/shards/export":
+            return {"status": "ok", "files": []} if str(body["token"]) in pulls else {"status": "empty"}
+        return {"status": "ok", "files": []}
+
+    c = client({"ps:0": "n0", "ps:1": "n1", "ps:2": "n2"}, call=call)
+    c.export(["ps:0"], "T")  # ahead of the restore, for the fresh agent alone
+    assert pulls == ["T"]
+    c.export(["ps:0", "ps:1", "ps:2"], "T")  # the restore's
+    assert pulls == ["T"] and c.peer_restores == 1
+    assert c.last_restore_sources == {"ps:0": "peer ps:1", "ps:1": "own tier", "ps:2": "own tier"}
+    c.export(["ps:0", "ps:1", "ps:2"], "U")  # another state: not the fetched one
+    assert c.last_restore_sources["ps:0"] == "peer ps:1" and pulls == ["T", "U"]
+
+
 def parity(nodes: Mapping[str, str | None], k: int = 2, **kw: Any) -> ShardClient:
     return ShardClient(lambda: PEERS, kw.pop("call", lambda *a: {}), copies="parity", parity_group=k,
                        nodes=lambda: nodes, **kw)  # fmt: skip
