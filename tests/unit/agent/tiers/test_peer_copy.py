@@ -362,3 +362,47 @@ def test_fetch_copy_places_the_rows_in_the_arrays_it_is_given(pair: Pair) -> Non
     assert len(given) == 1 and len(arrays) == 2
     want = _owner_arrays(pair.owner)
     assert all(np.array_equal(arrays[n], want[n]) for n in want)
+
+
+def test_a_holder_lost_mid_whole_copy_gets_the_whole_state_again_and_serves_only_whole(tmp_path: Path) -> None:
+    """The holder's agent dies while a whole copy is on its way (after the first fill) and a new agent takes its
+    place, empty. The owner's send fails, the owner sends the whole state again (after ``retry_after``), and a
+    new agent of the owner fetches it exact; before that the new holder serves nothing (never half a copy)."""
+    p = Pair(tmp_path, PeerCopyConfig(chunk_mb=1, retry_after=0.1, wait_for_copy=0.0))
+    send = p.send
+    lost: dict[str, Any] = {}
+
+    def failing_send(url: str, frame: bytes, timeout: float) -> dict[str, Any]:
+        header, _ = decode_frame(frame)
+        second_fill = header.get("op") == "fill" and header.get("name") != next(iter(KEYS))  # the first went in
+        if second_fill and not lost and p.owner.tier.token == "t2":
+            p.holder.close()
+            p.holder = ShardKeeper(tmp_path / "holder-again", "ps:1").start()  # its node replaced, empty
+            probe = ShardKeeper(tmp_path / "probe", "ps:0", read_copy=p.read).start()
+            try:
+                lost["mid_copy"] = probe.pull({"token": "t2", "holder": HOLDER_URL})
+                lost["probe_empty"] = probe.tier.empty
+            finally:
+                probe.close()
+            raise ConnectionResetError("the holder's agent was killed")
+        return send(url, frame, timeout)
+
+    p.owner.sender._post = failing_send  # type: ignore[union-attr]
+    try:
+        rng = np.random.default_rng(12)
+        p.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+        wait_until(p.synced, 30, "the first whole copy")
+        p.apply({n: Full(a) for n, a in _state(rng).items()}, 2, "t2", None)  # a whole capture: a whole copy
+        wait_until(lambda: p.synced() and bool(lost), 30, "the copy at t2 on the new holder")
+        assert lost["mid_copy"]["status"] == "unavailable" and lost["probe_empty"], lost
+        status = p.owner.sender.status() if p.owner.sender else {}
+        assert status["errors"] >= 1 and status["whole"] == 2 and "killed" in str(status["last_error"])
+        fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", read_copy=p.read).start()
+        try:
+            assert fresh.pull({"token": "t2", "holder": HOLDER_URL})["status"] == "ok"
+            got, want = _owner_arrays(fresh), _owner_arrays(p.owner)
+            assert all(np.array_equal(got[n], want[n]) for n in want)
+        finally:
+            fresh.close()
+    finally:
+        p.close()
