@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.errors import CorruptCheckpointError, PsguardError
-from psguard.handoff.client import http_request
+from psguard.handoff.client import http_receive, http_request
 
 if TYPE_CHECKING:  # numpy, loaded with the shards (a worker's agent never keeps any)
     import numpy as np
@@ -83,13 +83,31 @@ class PeerLink:
     def read_copy(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
         return self._read(f"{url}/peer-copy/read", body, timeout)
 
+    def read_copy_into(self, url: str, body: Mapping[str, Any], timeout: float, out: np.ndarray) -> dict[str, Any]:
+        """:meth:`read_copy` with the answer's rows read straight into ``out``; the answer's header."""
+        from psguard.agent.tiers.copy_frames import read_frame_into  # lazy: as in serve_copies
+
+        code, answer, content_type = http_receive(
+            "POST",
+            f"{url}/peer-copy/read",
+            data=json.dumps(body).encode(),
+            token=self._token,
+            timeout=timeout,
+            tls=self._tls,
+            receive=lambda response: read_frame_into(response, out),
+        )
+        if code != 200 or not content_type.startswith("application/octet-stream"):
+            raise PsguardError(f"POST {url}/peer-copy/read: HTTP {code}: {answer[:200]!r}")
+        assert isinstance(answer, dict)  # read_frame_into's header: the answer was a frame
+        return answer
+
     def read_stripe(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
         """A parity group member's tier (its agent's ``/peer-copy/stripe``), for the holder rebuilding another."""
         return self._read(f"{url}/peer-copy/stripe", body, timeout)
 
     def _read(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
         # lazy: as in serve_copies
-        from psguard.agent.tiers.peer_copy import decode_frame
+        from psguard.agent.tiers.copy_frames import decode_frame
 
         code, raw, content_type = http_request(
             "POST",

@@ -465,6 +465,7 @@ class Agent:
                 copy_config=cfg.peer_copy,
                 send_frame=link.send_frame,
                 read_copy=link.read_copy,
+                read_copy_into=link.read_copy_into,
                 read_stripe=link.read_stripe,
             ).start()
         except (PsguardError, OSError) as e:

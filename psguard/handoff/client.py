@@ -14,7 +14,7 @@ import os
 import ssl
 import time
 import urllib.parse
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from psguard.errors import ConfigError, PsguardError
@@ -22,7 +22,15 @@ from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL
 from psguard.handoff.credentials import read_secret_file
 from psguard.handoff.tls import client_context, client_context_from_env
 
-__all__ = ["http_json", "http_request", "read_token", "report_failure", "report_recovery", "restart_ps_servers"]
+__all__ = [
+    "http_json",
+    "http_receive",
+    "http_request",
+    "read_token",
+    "report_failure",
+    "report_recovery",
+    "restart_ps_servers",
+]
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +70,26 @@ def http_request(
 ) -> tuple[int, bytes, str]:
     """One request to an agent with a raw body: ``(status, body, content type)``; as :func:`http_json`
     otherwise (the peer copies send and fetch bytes with it)."""
+    status, raw, content_type = http_receive(
+        method, url, data=data, content_type=content_type, token=token, timeout=timeout, tls=tls
+    )
+    return status, raw, content_type
+
+
+def http_receive(
+    method: str,
+    url: str,
+    *,
+    data: bytes | None = None,
+    content_type: str = "application/json",
+    token: str | None = None,
+    timeout: float = 10.0,
+    tls: ssl.SSLContext | None = None,
+    receive: Callable[[http.client.HTTPResponse], Any] | None = None,
+) -> tuple[int, Any, str]:
+    """:func:`http_request`, with a 200 answer of raw bytes (``application/octet-stream``) read by ``receive``
+    from the response as it arrives (a peer copy's rows go straight where they are kept, with no buffer of the
+    whole body first): ``(status, what receive returned, content type)``; any other answer is read whole."""
     parts = urllib.parse.urlsplit(url)
     conn: http.client.HTTPConnection
     if parts.scheme == "https":
@@ -75,12 +103,16 @@ def http_request(
     try:
         conn.request(method, parts.path or "/", body=data, headers=headers)
         response = conn.getresponse()
-        raw = response.read()
+        answer_type = response.getheader("Content-Type") or ""
+        if receive is not None and response.status == 200 and answer_type.startswith("application/octet-stream"):
+            out = receive(response)
+        else:
+            out = response.read()
     except http.client.HTTPException as e:
         raise OSError(f"{method} {url}: {e}") from e
     finally:
         conn.close()
-    return response.status, raw, response.getheader("Content-Type") or ""
+    return response.status, out, answer_type
 
 
 def read_token(path: str | None) -> str | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from psguard.agent.tiers.peer_copy import decode_frame, encode_frame
+from psguard.agent.tiers.copy_frames import decode_frame, encode_frame
 
 __all__ = ["CopyTamperProxy"]
 

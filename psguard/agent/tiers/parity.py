@@ -32,16 +32,14 @@ from typing import Any
 
 import numpy as np
 
+from psguard.agent.tiers.copy_frames import MASK, delta_rows, digests_from, digests_json, encode_frame, rows_digest
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.peer_copy import _digests_from, _digests_json, delta_rows, encode_frame, rows_digest
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.store.dtypes import dtype_from_name
 
 __all__ = ["ParityHolder", "group_header", "stripe_frame", "stripe_parts", "xor_rows"]
 
 log = logging.getLogger(__name__)
-
-_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -266,7 +264,7 @@ class ParityHolder:
         token, step = header.get("token"), header.get("step")
         if not isinstance(token, str) or type(step) is not int:
             raise CorruptCheckpointError("parity begin: bad token or step")
-        digests = _digests_from(header.get("digests"))
+        digests = digests_from(header.get("digests"))
         if owner in g.held:
             # Its old contribution is unknown here: the parity restarts, every member sends its whole again.
             self._reset(g, f"a whole state of {owner}")
@@ -302,7 +300,7 @@ class ParityHolder:
             raise CorruptCheckpointError(f"parity fill: rows do not fit {part.name}")
         lo = part.offset + start * part.row_bytes
         g.parity[lo : lo + n * part.row_bytes] ^= _bytes(rows).reshape(-1)
-        m.sums[part.name] = (m.sums[part.name] + rows_digest(rows, np.arange(start, start + n, dtype=np.int64))) & _MASK
+        m.sums[part.name] = (m.sums[part.name] + rows_digest(rows, np.arange(start, start + n, dtype=np.int64))) & MASK
         m.filled[part.name] += n
         return {"status": "ok"}
 
@@ -335,7 +333,7 @@ class ParityHolder:
             return {"status": "need_full", "message": f"the parity holds {owner} at {have}, the delta needs {parent}"}
         if not isinstance(token, str) or type(step) is not int:
             raise CorruptCheckpointError("parity delta: bad token or step")
-        digests = _digests_from(header.get("digests"))
+        digests = digests_from(header.get("digests"))
         rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         it = iter(arrays)
         for t in header.get("tensors") or []:
@@ -436,7 +434,7 @@ class ParityHolder:
             "token": token,
             "metadata": m.metadata,
             "tensors": m.layout,
-            "digests": _digests_json(m.digests),
+            "digests": digests_json(m.digests),
         }
         return info, out
 

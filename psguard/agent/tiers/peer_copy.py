@@ -26,182 +26,47 @@ How (docs/design.md, "Peer copies"):
 - ``copies: parity``: the same sender feeds one XOR block per group of PS instead (frames with ``parity`` in
   their header go to the holder's :class:`ParityPart`, :mod:`psguard.agent.tiers.parity`).
 
-Wire format (agent to agent, over the authenticated control endpoint; no pickle): ``MAGIC``, a little-endian
-u32 header length, a JSON header (with ``arrays``: dtype and shape of each array that follows, and ``crc32``
-of the payload), then the arrays' bytes, C order, back to back.
+The frames and the digests: :mod:`psguard.agent.tiers.copy_frames`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import secrets
-import struct
 import threading
 import time
-import zlib
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import cache
 from typing import Any, Protocol
 
 import numpy as np
 
+from psguard.agent.tiers.copy_frames import (
+    MASK,
+    decode_frame,
+    delta_digest,
+    delta_rows,
+    digests_from,
+    digests_json,
+    encode_frame,
+    rows_digest,
+)
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
 from psguard.errors import CorruptCheckpointError, PsguardError
-from psguard.store.dtypes import dtype_from_name, dtype_name
+from psguard.store.dtypes import dtype_from_name
 from psguard.tensors import Rows, Same, TensorUpdate
 
 __all__ = [
     "CopyHolder",
     "CopySender",
-    "decode_frame",
-    "encode_frame",
-    "rows_digest",
+    "fetch_copy",
+    "new_delta",
 ]
 
 log = logging.getLogger(__name__)
-
-MAGIC = b"PSGCOPY1"
-MAX_HEADER = 4 << 20
-_MASK = (1 << 64) - 1
-_BLOCK_ROWS = 1 << 15
-_BLOCK_BYTES = 2 << 20
-
-
-# ---------------------------------------------------------------------------------------------------- digests
-@cache
-def _weights(words: int) -> np.ndarray:
-    rng = np.random.default_rng(0x5053475541524400 + words)  # fixed: owners and holders must agree
-    return rng.integers(1, 1 << 63, size=words + 1, dtype=np.uint64) | np.uint64(1)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, in place: a row's sum of products becomes a well-spread 64-bit value."""
-    x ^= x >> np.uint64(30)
-    x *= np.uint64(0xBF58476D1CE4E5B9)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(0x94D049BB133111EB)
-    x ^= x >> np.uint64(31)
-    return x
-
-
-def rows_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
-    """The digest of rows ``values`` (row ``ids``, default ``0..n-1``): a sum over rows modulo 2**64.
-
-    A sum, so a tier's digest follows a delta by the changed rows alone: ``d - rows_digest(old, ids) +
-    rows_digest(new, ids)``. Each row's term hashes its index with its bytes, so a row moved or swapped shows.
-    """
-    n = int(values.shape[0]) if values.ndim else 1
-    if n == 0:
-        return 0
-    flat = np.ascontiguousarray(values).reshape(n, -1).view(np.uint8)
-    width = flat.shape[1]
-    pad = (-width) % 4
-    w = _weights((width + pad) // 4)
-    # Blocks of about _BLOCK_BYTES of 64-bit words stay in cache, and a matrix-vector product sums each row's
-    # products without a temporary of them all: 4-5x the rate of multiply-then-sum over 32k rows (2026-12-04:
-    # 0.8 -> 3.5-4 GB/s at 32 float32 a row), the same digest (integer arithmetic modulo 2**64 either way).
-    block_rows = min(_BLOCK_ROWS, max(2048, _BLOCK_BYTES // (8 * len(w))))
-    total = 0
-    for lo in range(0, n, block_rows):
-        block = flat[lo : lo + block_rows]
-        if pad:
-            block = np.concatenate([block, np.zeros((block.shape[0], pad), np.uint8)], axis=1)
-        h = block.view(np.uint32).astype(np.uint64) @ w[:-1]
-        rid = (
-            np.arange(lo, lo + block.shape[0], dtype=np.uint64)
-            if ids is None
-            else ids[lo : lo + block.shape[0]].astype(np.uint64)
-        )
-        h += (rid + np.uint64(1)) * w[-1]
-        total = (total + int(_mix(h).sum(dtype=np.uint64))) & _MASK
-    return total
-
-
-def delta_digest(before: int, ids: np.ndarray, old: np.ndarray, new: np.ndarray) -> int:
-    return (before - rows_digest(old, ids) + rows_digest(new, ids)) & _MASK
-
-
-# ---------------------------------------------------------------------------------------------------- frames
-def encode_frame(header: Mapping[str, Any], arrays: Sequence[np.ndarray] = ()) -> bytes:
-    """One message: the header JSON (with each array's dtype and shape) and the arrays' bytes."""
-    chunks = [np.ascontiguousarray(a) for a in arrays]
-    crc = 0
-    for c in chunks:
-        crc = zlib.crc32(c.data.cast("B"), crc)
-    doc = {**header, "arrays": [{"dtype": dtype_name(c.dtype), "shape": list(c.shape)} for c in chunks], "crc32": crc}
-    head = json.dumps(doc, allow_nan=False).encode()
-    return b"".join([MAGIC, struct.pack("<I", len(head)), head, *(c.data.cast("B") for c in chunks)])
-
-
-def decode_frame(data: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """The header and read-only arrays of a frame; :class:`CorruptCheckpointError` for anything malformed."""
-    if len(data) < len(MAGIC) + 4 or not data.startswith(MAGIC):
-        raise CorruptCheckpointError("peer copy frame: bad magic")
-    (hlen,) = struct.unpack_from("<I", data, len(MAGIC))
-    start = len(MAGIC) + 4
-    if hlen > MAX_HEADER or start + hlen > len(data):
-        raise CorruptCheckpointError("peer copy frame: bad header length")
-    try:
-        header = json.loads(data[start : start + hlen])
-    except ValueError as e:
-        raise CorruptCheckpointError(f"peer copy frame: header is not JSON: {e}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
-        raise CorruptCheckpointError("peer copy frame: header without arrays")
-    view = memoryview(data)
-    offset = start + hlen
-    arrays: list[np.ndarray] = []
-    crc = 0
-    for spec in header["arrays"]:
-        try:
-            dtype = dtype_from_name(str(spec["dtype"]))
-            shape = tuple(int(x) for x in spec["shape"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"peer copy frame: bad array spec {spec!r}: {e}") from None
-        if any(x < 0 for x in shape):
-            raise CorruptCheckpointError(f"peer copy frame: bad shape {shape}")
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if offset + nbytes > len(data):
-            raise CorruptCheckpointError("peer copy frame: truncated")
-        chunk = view[offset : offset + nbytes]
-        crc = zlib.crc32(chunk, crc)
-        arrays.append(np.frombuffer(chunk, dtype=dtype).reshape(shape))
-        offset += nbytes
-    if offset != len(data):
-        raise CorruptCheckpointError("peer copy frame: bytes after the last array")
-    if crc != header.get("crc32"):
-        raise CorruptCheckpointError("peer copy frame: CRC32 mismatch (damaged in transit)")
-    return header, arrays
-
-
-def delta_rows(
-    it: Iterator[np.ndarray], name: str, kind: object, rows: int, what: str
-) -> tuple[np.ndarray, np.ndarray]:
-    """The next row ids and values of a delta frame for tensor ``name`` of ``rows`` rows, checked."""
-    ids, values = next(it, None), next(it, None)
-    if ids is None or values is None or kind != "rows":
-        raise CorruptCheckpointError(f"{what} delta: bad update of {name}")
-    ids = ids.astype(np.int64, copy=False)
-    if ids.size and (ids[0] < 0 or ids[-1] >= rows or np.any(np.diff(ids) <= 0)):
-        raise CorruptCheckpointError(f"{what} delta: bad row ids for {name}")
-    return ids, values
-
-
-def _digests_from(doc: Any) -> dict[str, int]:
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError("peer copy: bad digests")
-    try:
-        return {str(k): int(v) & _MASK for k, v in doc.items()}
-    except (TypeError, ValueError):
-        raise CorruptCheckpointError("peer copy: bad digests") from None
-
-
-def _digests_json(digests: Mapping[str, int]) -> dict[str, str]:
-    return {k: str(v) for k, v in digests.items()}  # JSON numbers lose 64-bit precision in some readers
 
 
 # ---------------------------------------------------------------------------------------------------- holder
@@ -335,7 +200,7 @@ class CopyHolder:
         short = [n for n, a in inc.arrays.items() if inc.filled[n] != a.shape[0]]
         if short:
             return {"status": "need_full", "message": f"rows missing in {short[:3]}"}
-        digests = _digests_from(inc.header.get("digests"))
+        digests = digests_from(inc.header.get("digests"))
         bad = [n for n, a in inc.arrays.items() if rows_digest(a) != digests.get(n)]
         if bad:
             with self._lock:
@@ -362,7 +227,7 @@ class CopyHolder:
             return {"status": "need_full", "message": f"the copy holds {have}, the delta applies to {parent}"}
         if not isinstance(token, str) or type(step) is not int:
             raise CorruptCheckpointError("peer copy delta: bad token or step")
-        digests = _digests_from(header.get("digests"))
+        digests = digests_from(header.get("digests"))
         updates: dict[str, TensorUpdate] = {}
         new_digests = dict(copy.digests)
         undo_rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -421,7 +286,7 @@ class CopyHolder:
                         "token": snap.token,
                         "metadata": snap.metadata,
                         "tensors": copy.layout,
-                        "digests": _digests_json(copy.digests),
+                        "digests": digests_json(copy.digests),
                     }
                 )
             if doc.get("token") != snap.token:
@@ -665,7 +530,7 @@ class CopySender:
                         "token": snap.token,
                         "metadata": snap.metadata,
                         "tensors": layout,
-                        "digests": _digests_json(digests),
+                        "digests": digests_json(digests),
                     }
                 ),
             )
@@ -705,7 +570,7 @@ class CopySender:
                 "parent": d.parent,
                 "metadata": d.metadata,
                 "tensors": tensors,
-                "digests": _digests_json(d.digests),
+                "digests": digests_json(d.digests),
             },
             arrays,
         )
@@ -733,11 +598,14 @@ def fetch_copy(
     post: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]],
     config: PeerCopyConfig,
     alloc: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None = None,
+    read_into: Callable[[str, Mapping[str, Any], float, np.ndarray], dict[str, Any]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified.
 
     ``alloc`` makes the arrays the rows are fetched into (the agent's tier files: the bytes land where the tier
-    keeps them, with no second copy; None from it, or no ``alloc``: anonymous memory). Returns the copy's
+    keeps them, with no second copy; None from it, or no ``alloc``: anonymous memory); ``read_into`` (as
+    ``post``, the rows read straight into the array given: :func:`read_frame_into`) saves the buffer of each
+    answer and its copy into place. Returns the copy's
     description (step, token, metadata, layout) and the arrays; raises
     :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none) and
     :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
@@ -749,7 +617,7 @@ def fetch_copy(
         raise PsguardError(f"the holder has no copy of {owner}: {info.get('status')} {info.get('message', '')}")
     if info.get("token") != token:
         raise PsguardError(f"the holder's copy of {owner} is at step {info.get('step')}, not at the chief's state")
-    digests = _digests_from(info.get("digests"))
+    digests = digests_from(info.get("digests"))
     chunk = max(1, config.chunk_mb) << 20
     ranges: list[tuple[str, int, int]] = []  # every request, in order: tensor, start, stop
     arrays: dict[str, np.ndarray] = {}
@@ -773,8 +641,14 @@ def fetch_copy(
     def place(i: int) -> int:
         """Fetch one chunk, check it and put it in place; its rows' digest (numpy and zlib release the GIL)."""
         name, start, stop = ranges[i]
-        answer, got = fetch(ranges[i])
         out = arrays[name]
+        if read_into is not None:
+            body = {"owner": owner, "token": token, "name": name, "start": start, "stop": stop}
+            answer = read_into(holder_url, body, config.request_timeout, out[start:stop])
+            if answer.get("status") != "ok" or not answer.get("arrays"):
+                raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
+            return rows_digest(out[start:stop], np.arange(start, stop, dtype=np.int64))
+        answer, got = fetch(ranges[i])
         if answer.get("status") != "ok" or len(got) != 1:
             raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
         if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
@@ -787,7 +661,7 @@ def fetch_copy(
         futures = [pool.submit(place, i) for i in range(len(ranges))]
         for i, f in enumerate(futures):
             name = ranges[i][0]
-            sums[name] = (sums[name] + f.result()) & _MASK
+            sums[name] = (sums[name] + f.result()) & MASK
     bad = sorted(n for n, d in sums.items() if d != digests.get(n))
     if bad:
         raise CorruptCheckpointError(

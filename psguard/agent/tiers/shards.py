@@ -29,17 +29,11 @@ from typing import Any
 
 import numpy as np
 
+from psguard.agent.tiers.copy_frames import delta_digest, rows_digest
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot, StreamSnapshot, limit_malloc_retention
 from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame, xor_rows
-from psguard.agent.tiers.peer_copy import (
-    CopyHolder,
-    CopySender,
-    delta_digest,
-    fetch_copy,
-    new_delta,
-    rows_digest,
-)
+from psguard.agent.tiers.peer_copy import CopyHolder, CopySender, fetch_copy, new_delta
 from psguard.agent.tiers.tier_files import TierFiles
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
@@ -109,6 +103,7 @@ class ShardKeeper:
         copy_config: PeerCopyConfig | None = None,
         send_frame: Callable[[str, bytes, float], dict[str, Any]] | None = None,
         read_copy: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
+        read_copy_into: Callable[[str, Mapping[str, Any], float, np.ndarray], dict[str, Any]] | None = None,
         read_stripe: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
         tier_files: bool | None = None,
     ) -> None:
@@ -135,6 +130,7 @@ class ShardKeeper:
             CopySender(task, self._copy_snapshot, send_frame, self.copy_config) if send_frame is not None else None
         )
         self._read_copy = read_copy
+        self._read_copy_into = read_copy_into  # the same reads, each answer's rows straight into the tier
         # Per tier tensor, the digest of its state (peer_copy.rows_digest); kept only while a copy is sent.
         self._digests: dict[str, int] | None = None
         self._pulls = 0
@@ -416,7 +412,9 @@ class ShardKeeper:
         assert self._read_copy is not None
         t0 = time.perf_counter()
         try:
-            info, arrays = fetch_copy(self.task, holder, token, self._read_copy, self.copy_config, self.files.new)
+            info, arrays = fetch_copy(
+                self.task, holder, token, self._read_copy, self.copy_config, self.files.new, self._read_copy_into
+            )
             for name in list(arrays):  # fetched into tier files already; any that could not get one moves now
                 arrays[name] = self.files.adopt(arrays[name])
         except CorruptCheckpointError as e:

@@ -54,15 +54,31 @@ def test_a_copy_travels_over_http_and_comes_back_verified(tmp_path: Path, holder
         wait_until(lambda: (owner.status()["copy_out"] or {}).get("synced_token") == "t2", 30, "the copy at t2")
         assert keeper.status()["copies_held"]["ps:0"]["step"] == 2
 
-        fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", read_copy=link.read_copy).start()
-        try:
-            assert fresh.pull({"token": "t2", "holder": url})["status"] == "ok"
-            with fresh.tier.export() as snap:
-                got = np.array(snap.tensors[TIER])
-            value[[0, 299]] = new
-            assert np.array_equal(got, value)
-        finally:
-            fresh.close()
+        value[[0, 299]] = new
+        # As the agent wires it: each answer's rows read straight into the new agent's tier files.
+        for into in (None, link.read_copy_into):
+            fresh = ShardKeeper(
+                tmp_path / f"new-owner-{into is None}", "ps:0", read_copy=link.read_copy, read_copy_into=into,
+                tier_files=True,
+            ).start()  # fmt: skip
+            try:
+                assert fresh.pull({"token": "t2", "holder": url})["status"] == "ok"
+                with fresh.tier.export() as snap:
+                    got = np.array(snap.tensors[TIER])
+                    assert fresh.files.owns(np.asarray(snap.tensors[TIER]))
+                assert np.array_equal(got, value)
+                assert fresh.pull({"token": "t3", "holder": url})["status"] == "unavailable"  # no copy at t3
+            finally:
+                fresh.close()
+        out = np.zeros((300, 4), np.float32)
+        header = link.read_copy_into(
+            url, {"owner": "ps:0", "token": "t2", "name": TIER, "start": 0, "stop": 300}, 5, out
+        )
+        assert header["status"] == "ok" and np.array_equal(out, value)
+        moved = link.read_copy_into(
+            url, {"owner": "ps:0", "token": "t0", "name": TIER, "start": 0, "stop": 300}, 5, out
+        )
+        assert moved["status"] == "mismatch" and np.array_equal(out, value)  # an answer without rows: out untouched
     finally:
         owner.close()
 

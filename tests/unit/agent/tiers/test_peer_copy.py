@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from psguard.agent.tiers.copy_frames import decode_frame, encode_frame
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.peer_copy import _weights, decode_frame, encode_frame, fetch_copy, rows_digest
+from psguard.agent.tiers.peer_copy import fetch_copy
 from psguard.agent.tiers.shards import ShardKeeper
 from psguard.errors import CorruptCheckpointError
 from psguard.handoff.parts import ShardKey
@@ -29,68 +30,6 @@ KEYS = {
     f"{SLOT}@0:500": (ShardKey(SLOT, 0, 500), (1000, 8)),
 }
 HOLDER_URL = "http://holder.invalid:1"
-
-
-def test_a_digest_follows_a_delta_by_the_changed_rows_alone() -> None:
-    rng = np.random.default_rng(0)
-    for dtype in (np.float32, np.float64, np.int64, np.int32, np.float16):
-        a = rng.normal(size=(300, 7)).astype(dtype)
-        ids = np.array([3, 17, 200, 299])
-        new = rng.normal(size=(4, 7)).astype(dtype)
-        d0 = rows_digest(a)
-        b = a.copy()
-        b[ids] = new
-        delta = (d0 - rows_digest(a[ids], ids) + rows_digest(new, ids)) % (1 << 64)
-        assert delta == rows_digest(b) != d0
-    swapped = np.arange(20, dtype=np.float32).reshape(10, 2)
-    assert rows_digest(swapped) != rows_digest(swapped[[1, 0, *range(2, 10)]])  # rows moved show
-    assert rows_digest(np.arange(10, dtype=np.int64)) != rows_digest(np.arange(1, 11, dtype=np.int64))
-
-
-def _reference_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
-    """rows_digest as specified, row by row in Python integers: owners and holders of different psguard versions
-    (a rolling upgrade) must compute the same digest, however rows_digest is made fast."""
-    mask = (1 << 64) - 1
-    n = values.shape[0]
-    flat = np.ascontiguousarray(values).reshape(n, -1).view(np.uint8)
-    pad = (-flat.shape[1]) % 4
-    words = np.concatenate([flat, np.zeros((n, pad), np.uint8)], axis=1).view(np.uint32)
-    w = [int(x) for x in _weights(words.shape[1])]
-    total = 0
-    for r in range(n):
-        h = sum(int(x) * wi for x, wi in zip(words[r], w[:-1], strict=True))
-        h = (h + (int(ids[r] if ids is not None else r) + 1) * w[-1]) & mask
-        h ^= h >> 30
-        h = (h * 0xBF58476D1CE4E5B9) & mask
-        h ^= h >> 27
-        h = (h * 0x94D049BB133111EB) & mask
-        h ^= h >> 31
-        total = (total + h) & mask
-    return total
-
-
-@pytest.mark.parametrize(("dtype", "shape"), [(np.float32, (20000, 32)), (np.float16, (40000, 3)), (np.int64, (40,))])
-def test_the_digest_is_the_specified_one_across_blocks_and_padding(dtype: Any, shape: tuple[int, ...]) -> None:
-    rng = np.random.default_rng(13)
-    a = (rng.normal(size=shape) * 1000).astype(dtype)
-    assert rows_digest(a) == _reference_digest(a)
-    ids = rng.choice(10**6, shape[0], replace=False)
-    assert rows_digest(a, ids) == _reference_digest(a, ids)
-
-
-def test_frames_round_trip_and_refuse_damage() -> None:
-    arrays = [np.arange(12, dtype=np.float32).reshape(3, 4), np.array([1, 5], dtype=np.int64)]
-    frame = encode_frame({"op": "delta", "task": "ps:0"}, arrays)
-    header, back = decode_frame(frame)
-    assert header["op"] == "delta" and all(np.array_equal(x, y) for x, y in zip(arrays, back, strict=True))
-    flipped = bytearray(frame)
-    flipped[-3] ^= 0x10
-    with pytest.raises(CorruptCheckpointError, match="CRC32"):
-        decode_frame(bytes(flipped))
-    with pytest.raises(CorruptCheckpointError, match="truncated"):
-        decode_frame(frame[:-1])
-    with pytest.raises(CorruptCheckpointError, match="magic"):
-        decode_frame(b"GARBAGE!" + frame[8:])
 
 
 class Pair:
