@@ -174,6 +174,7 @@ class ShardClient:
         self, parts: Sequence[PartCapture], *, step: int, token: str, parent: str | None
     ) -> tuple[Literal["ok", "need_full", "error"], str]:
         """Forward a capture's parts; ``(status, message)``, the worst of the PS agents' answers."""
+        self._pulled.clear()  # a new state: what a restore finds from now on came from the PS agents' own tiers
         targets = self.copy_targets()
         peers = self._peers() if targets else {}
         groups = {m: g for g in self.parity_groups() for m in g} if self.copies == "parity" else {}
