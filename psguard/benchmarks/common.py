@@ -143,6 +143,17 @@ class RssWatch:
         """Peak minus start-up RSS of ``name`` (0 if never seen)."""
         return max(0, self.peak.get(name, 0) - self.start_rss.get(name, 0))
 
+    def growth_now(self, name: str) -> int | None:
+        """RSS now minus start-up RSS of ``name``: what it holds at a quiet moment, apart from the transients of
+        its peak (None when not watched or gone)."""
+        pid = self._pids.get(name)
+        if pid is None or name not in self.start_rss:
+            return None
+        try:
+            return rss_bytes("VmRSS", pid) - self.start_rss[name]
+        except (OSError, RuntimeError):
+            return None
+
 
 def parse_size(text: str) -> int:
     """``64M``, ``1.5G``, ``512MiB``, ``2gb`` or a plain byte count -> bytes (binary units: 1G = 2**30)."""

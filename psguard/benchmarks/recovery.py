@@ -263,6 +263,7 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     env = dict(s3.env) if s3 is not None else None
     agents: dict[str, AgentProcess] = {}
     rss = RssWatch()
+    steady: dict[str, int | None] = {}  # each PS agent's RSS growth just before the kill
     kill_t: float | None = None
     reader_recs: list[dict[str, Any]] = []
     try:
@@ -315,7 +316,7 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
                     _steady(agents, p, rss, durable=False)
                     (shm / "settled").touch()
                 elif d["event"] == "kill":
-                    kill_t, copy_lag = _kill_ps0(agents, p, rss)
+                    kill_t, copy_lag = _kill_ps0(agents, p, rss, steady)
                     if p.fault == "node":
                         # A replacement node: a new agent, its part folder empty, on the same addresses.
                         shutil.rmtree(shm / "ps0", ignore_errors=True)
@@ -353,9 +354,14 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     ps_ratios = {t: rss.growth(f"ps{t.split(':')[1]}") / b for t, b in held.items() if b and t != "ps:0"}
     if p.fault != "node":  # ps:0's agent was replaced: its growth was not followed
         ps_ratios.update({t: rss.growth("ps0") / b for t, b in held.items() if b and t == "ps:0"})
-    # The copy's own cost: a holder's growth beyond its own shards, over the shards it copies.
-    peer_ratios = {
+    # The copy's own cost: a holder's growth beyond its own shards, over the shards it copies; at its peak (the
+    # durable writes' buffers included: 2 x io_threads x chunk in flight, about 280 MB to S3 whatever the state)
+    # and just before the kill (what it holds: the copy and its own shards).
+    peer_peak = {
         t: (rss.growth(f"ps{t.split(':')[1]}") - held[t]) / c for t, c in copies_held.items() if c and t != "ps:0"
+    }
+    peer_ratios = {
+        t: (g - held[t]) / c for t, c in copies_held.items() if c and t != "ps:0" and (g := steady.get(t)) is not None
     }
     from_peer = "event=peer_copy_used " in chief_log
     restore_rate = state["state_bytes"] / doc["restore_s"]
@@ -381,6 +387,9 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
         copies=p.copies,
         peer_copy_lag_steps=copy_lag,
         peer_rss_ratio=max(peer_ratios.values()) if peer_ratios else None,
+        peer_rss_peak_ratio=max(peer_peak.values()) if peer_peak else None,
+        ps_agent_steady_growth_bytes=dict(steady),
+        copies_held_bytes=copies_held,
         # The memory every copy costs the job, over its state: about 1 for full copies, 1/K for parity.
         copy_overhead_ratio=sum(copies_held.values()) / int(state["state_bytes"]) if p.copies != "none" else None,
     )
@@ -402,10 +411,14 @@ def _held(shards: dict[str, Any], kind: str = "copies_held") -> dict[str, dict[s
     return {k: v for k, v in held.items() if isinstance(v, dict)}
 
 
-def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> tuple[float, int | None]:
+def _kill_ps0(
+    agents: dict[str, Any], p: Params, rss: RssWatch, steady: dict[str, int | None]
+) -> tuple[float, int | None]:
     """Wait until every PS agent's standby is warm (as after minutes of training), then SIGKILL PS 0's server
-    (with ``fault="node"`` its agent first). Returns the time and how many steps ps:0's peer copy lagged then."""
+    (with ``fault="node"`` its agent first). Returns the time and how many steps ps:0's peer copy lagged then;
+    ``steady`` gets each PS agent's RSS growth just before the kill (nothing being written or copied then)."""
     lag, statuses = _steady(agents, p, rss, durable=p.fault == "node")
+    steady.update({f"ps:{i}": rss.growth_now(f"ps{i}") for i in range(p.num_ps)})
     if p.fault == "node":
         agents["ps0"].proc.kill()
     os.kill(int(statuses[0]["pid"]), signal.SIGKILL)
@@ -643,6 +656,19 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
             # The first whole copies' time at the settle point, copies on minus off (standbys warm in both).
             first_copy_s=_med(ours, "settle_wait_s") - _med(no_copies, "settle_wait_s"),
         )
+        # What holding a copy costs its holder: its RSS just before the kill, copies on minus off (the same job,
+        # the same step, nothing being written: the libraries the durable writer loads are in both), over the copy.
+        pairs = [
+            (t, (grown_on - grown_off) / c)
+            for d_on, d_off in zip(ours, no_copies, strict=False)
+            for t, c in (d_on.get("copies_held_bytes") or {}).items()
+            if c
+            and t != "ps:0"
+            and (grown_on := (d_on.get("ps_agent_steady_growth_bytes") or {}).get(t)) is not None
+            and (grown_off := (d_off.get("ps_agent_steady_growth_bytes") or {}).get(t)) is not None
+        ]
+        if pairs:
+            result["peer_rss_vs_no_copies_ratio"] = median([r for _, r in pairs])
     return result
 
 
@@ -715,6 +741,7 @@ def summarize(
         "store": p.store,
         "peer_copy_lag_steps": [d["peer_copy_lag_steps"] for d in ours],
         "peer_rss_ratio": _med(ours, "peer_rss_ratio"),
+        "peer_rss_peak_ratio": _med(ours, "peer_rss_peak_ratio"),
         "copy_overhead_ratio": _med(ours, "copy_overhead_ratio"),
         "parity_group": p.parity_group if p.copies == "parity" else None,
         "psguard_phases_s": phases(ours),
