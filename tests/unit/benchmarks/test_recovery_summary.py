@@ -1,0 +1,40 @@
+"""The node-loss comparison of ``psguard bench recovery`` (copies on against off), on documents of known runs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from psguard.benchmarks.recovery_summary import compare_no_copies
+
+MB = 1 << 20
+
+
+def _run(recovery_s: float, steady: dict[str, int], held: dict[str, int] | None = None) -> dict[str, Any]:
+    return {
+        "recovery_s": recovery_s,
+        "lost_steps": 5 if held else 49,
+        "restored_from": "peer" if held else "durable",
+        "steps_per_s": 10.0,
+        "settle_wait_s": 2.0 if held else 1.0,
+        "ps_agent_steady_growth_bytes": steady,
+        "copies_held_bytes": held or {},
+    }
+
+
+def test_the_copys_memory_is_the_holders_quiet_growth_with_copies_on_less_off_over_the_copy() -> None:
+    # ps:1 holds ps:0's 512 MB: 600 MB more than with copies off at the same step (ps:0 was replaced: left out).
+    on = _run(4.0, {"ps:0": 1100 * MB, "ps:1": 1200 * MB}, {"ps:0": 512 * MB, "ps:1": 500 * MB})
+    off = _run(8.0, {"ps:0": 580 * MB, "ps:1": 600 * MB})
+    result = compare_no_copies([on], [off], [4.0])
+    assert result["peer_rss_vs_no_copies_ratio"] == pytest.approx(600 / 500)
+    assert result["recovery_vs_no_copies_ratio"] == pytest.approx(0.5)
+    assert result["psguard_no_copies_lost_steps"] == 49 and result["psguard_no_copies_restored_from"] == ["durable"]
+    assert result["goodput_copies_on_vs_off"] == pytest.approx(1.0) and result["first_copy_s"] == pytest.approx(1.0)
+
+
+def test_no_memory_figure_without_a_quiet_sample_of_both_runs() -> None:
+    on = _run(4.0, {"ps:0": 1, "ps:1": 2}, {"ps:1": 500 * MB})
+    off = _run(8.0, {"ps:0": 1})  # ps:1's agent was gone when sampled
+    assert "peer_rss_vs_no_copies_ratio" not in compare_no_copies([on], [off], [4.0])
