@@ -79,6 +79,7 @@ def summarize(
         "psguard_restore_s": _med(ours, "restore_s"),
         "baseline_restore_s": _med(theirs, "restore_s"),
         "psguard_restore_mib_s": _med(ours, "restore_mib_s"),
+        "restore_gib_per_s": _med(ours, "restore_mib_s") / 1024,  # the state over the restore's time
         "raw_restore_mib_s": _med(ours, "raw_restore_mib_s"),
         "psguard_capture_stall_s": _med(ours, "capture_stall_s"),
         "baseline_capture_stall_s": _med(theirs, "capture_stall_s"),

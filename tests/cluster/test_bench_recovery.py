@@ -22,6 +22,7 @@ def test_bench_recovery_smoke(bench_recovery_smoke: tuple[Params, dict[str, Any]
         "restore_vs_raw_ratio",
         "psguard_restore_s",
         "baseline_restore_s",
+        "restore_gib_per_s",
     ):
         assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] > 0, (key, results)
     assert 0 <= results["lost_steps_ratio"] < 1, results  # psguard may lose none: a capture at the kill step
