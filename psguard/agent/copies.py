@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.errors import CorruptCheckpointError, PsguardError
-from psguard.handoff.client import http_receive, http_request
+from psguard.handoff.client import http_request
 
 if TYPE_CHECKING:  # numpy, loaded with the shards (a worker's agent never keeps any)
     import numpy as np
@@ -87,7 +87,7 @@ class PeerLink:
         """:meth:`read_copy` with the answer's rows read straight into ``out``; the answer's header."""
         from psguard.agent.tiers.copy_frames import read_frame_into  # lazy: as in serve_copies
 
-        code, answer, content_type = http_receive(
+        code, answer, content_type = http_request(
             "POST",
             f"{url}/peer-copy/read",
             data=json.dumps(body).encode(),

@@ -24,7 +24,6 @@ from psguard.handoff.tls import client_context, client_context_from_env
 
 __all__ = [
     "http_json",
-    "http_receive",
     "http_request",
     "read_token",
     "report_failure",
@@ -67,29 +66,12 @@ def http_request(
     token: str | None = None,
     timeout: float = 10.0,
     tls: ssl.SSLContext | None = None,
-) -> tuple[int, bytes, str]:
-    """One request to an agent with a raw body: ``(status, body, content type)``; as :func:`http_json`
-    otherwise (the peer copies send and fetch bytes with it)."""
-    status, raw, content_type = http_receive(
-        method, url, data=data, content_type=content_type, token=token, timeout=timeout, tls=tls
-    )
-    return status, raw, content_type
-
-
-def http_receive(
-    method: str,
-    url: str,
-    *,
-    data: bytes | None = None,
-    content_type: str = "application/json",
-    token: str | None = None,
-    timeout: float = 10.0,
-    tls: ssl.SSLContext | None = None,
     receive: Callable[[http.client.HTTPResponse], Any] | None = None,
 ) -> tuple[int, Any, str]:
-    """:func:`http_request`, with a 200 answer of raw bytes (``application/octet-stream``) read by ``receive``
-    from the response as it arrives (a peer copy's rows go straight where they are kept, with no buffer of the
-    whole body first): ``(status, what receive returned, content type)``; any other answer is read whole."""
+    """One request to an agent with a raw body: ``(status, body, content type)``; as :func:`http_json`
+    otherwise (the peer copies send and fetch bytes with it). With ``receive``, a 200 answer of raw bytes
+    (``application/octet-stream``) is read by ``receive`` from the response as it arrives (a peer copy's rows go
+    straight where they are kept, with no buffer of the whole body first), and its result is the body."""
     parts = urllib.parse.urlsplit(url)
     conn: http.client.HTTPConnection
     if parts.scheme == "https":
