@@ -87,19 +87,10 @@ class PeerLink:
         """:meth:`read_copy` with the answer's rows read straight into ``out``; the answer's header."""
         from psguard.agent.tiers.copy_frames import read_frame_into  # lazy: as in serve_copies
 
-        code, answer, content_type = http_request(
-            "POST",
-            f"{url}/peer-copy/read",
-            data=json.dumps(body).encode(),
-            token=self._token,
-            timeout=timeout,
-            tls=self._tls,
-            receive=lambda response: read_frame_into(response, out),
+        header: dict[str, Any] = self._post(
+            f"{url}/peer-copy/read", body, timeout, receive=lambda response: read_frame_into(response, out)
         )
-        if code != 200 or not content_type.startswith("application/octet-stream"):
-            raise PsguardError(f"POST {url}/peer-copy/read: HTTP {code}: {answer[:200]!r}")
-        assert isinstance(answer, dict)  # read_frame_into's header: the answer was a frame
-        return answer
+        return header
 
     def read_stripe(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
         """A parity group member's tier (its agent's ``/peer-copy/stripe``), for the holder rebuilding another."""
@@ -109,17 +100,24 @@ class PeerLink:
         # lazy: as in serve_copies
         from psguard.agent.tiers.copy_frames import decode_frame
 
-        code, raw, content_type = http_request(
+        return decode_frame(self._post(url, body, timeout))
+
+    def _post(
+        self, url: str, body: Mapping[str, Any], timeout: float, receive: Callable[[Any], Any] | None = None
+    ) -> Any:
+        """POST ``body`` to ``url``: the frame it answers (its bytes, or what ``receive`` read of it as it came)."""
+        code, answer, content_type = http_request(
             "POST",
             url,
             data=json.dumps(body).encode(),
             token=self._token,
             timeout=timeout,
             tls=self._tls,
+            receive=receive,
         )
         if code != 200 or not content_type.startswith("application/octet-stream"):
-            raise PsguardError(f"POST {url}: HTTP {code}: {raw[:200]!r}")
-        return decode_frame(raw)
+            raise PsguardError(f"POST {url}: HTTP {code}: {answer[:200]!r}")
+        return answer
 
 
 def copies_status(client: ShardClient | None, memory_token: str | None = None) -> dict[str, Any] | None:

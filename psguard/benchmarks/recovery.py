@@ -62,6 +62,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -317,7 +318,7 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
                     _steady(agents, p, rss, durable=False)
                     (shm / "settled").touch()
                 elif d["event"] == "kill":
-                    kill_t, copy_lag = _kill_ps0(agents, p, rss, steady)
+                    kill_t, copy_lag, steady = _kill_ps0(agents, p, rss)
                     if p.fault == "node":
                         # A replacement node: a new agent, its part folder empty, on the same addresses.
                         shutil.rmtree(shm / "ps0", ignore_errors=True)
@@ -355,15 +356,19 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     ps_ratios = {t: rss.growth(f"ps{t.split(':')[1]}") / b for t, b in held.items() if b and t != "ps:0"}
     if p.fault != "node":  # ps:0's agent was replaced: its growth was not followed
         ps_ratios.update({t: rss.growth("ps0") / b for t, b in held.items() if b and t == "ps:0"})
+
     # The copy's own cost: a holder's growth beyond its own shards, over the shards it copies; at its peak (the
     # durable writes' buffers included: 2 x io_threads x chunk in flight, about 280 MB to S3 whatever the state)
     # and just before the kill (what it holds: the copy and its own shards).
-    peer_peak = {
-        t: (rss.growth(f"ps{t.split(':')[1]}") - held[t]) / c for t, c in copies_held.items() if c and t != "ps:0"
-    }
-    peer_ratios = {
-        t: (g - held[t]) / c for t, c in copies_held.items() if c and t != "ps:0" and (g := steady.get(t)) is not None
-    }
+    def per_copy(growth: Mapping[str, int | None]) -> dict[str, float]:
+        return {
+            t: (g - held[t]) / c
+            for t, c in copies_held.items()
+            if c and t != "ps:0" and (g := growth.get(t)) is not None
+        }
+
+    peer_peak = per_copy({t: rss.growth(f"ps{t.split(':')[1]}") for t in copies_held})
+    peer_ratios = per_copy(steady)
     from_peer = "event=peer_copy_used " in chief_log
     restore_rate = state["state_bytes"] / doc["restore_s"]
     raw_rate = raw["bytes"] / raw["seconds"]
@@ -412,21 +417,19 @@ def _held(shards: dict[str, Any], kind: str = "copies_held") -> dict[str, dict[s
     return {k: v for k, v in held.items() if isinstance(v, dict)}
 
 
-def _kill_ps0(
-    agents: dict[str, Any], p: Params, rss: RssWatch, steady: dict[str, int | None]
-) -> tuple[float, int | None]:
+def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> tuple[float, int | None, dict[str, int | None]]:
     """Wait until every PS agent's standby is warm (as after minutes of training), then SIGKILL PS 0's server
-    (with ``fault="node"`` its agent first). Returns the time and how many steps ps:0's peer copy lagged then;
-    ``steady`` gets each PS agent's RSS growth just before the kill (nothing being written or copied then)."""
+    (with ``fault="node"`` its agent first). Returns the time, how many steps ps:0's peer copy lagged then, and
+    each PS agent's RSS growth just before the kill (nothing being written or copied then)."""
     lag, statuses = _steady(agents, p, rss, durable=p.fault == "node")
-    steady.update({f"ps:{i}": rss.growth_now(f"ps{i}") for i in range(p.num_ps)})
+    steady = {f"ps:{i}": rss.growth_now(f"ps{i}") for i in range(p.num_ps)}
     if p.fault == "node":
         agents["ps0"].proc.kill()
     os.kill(int(statuses[0]["pid"]), signal.SIGKILL)
     t = time.time()
     if p.fault == "node":
         agents["ps0"].proc.wait()
-    return t, lag
+    return t, lag, steady
 
 
 def _steady(

@@ -114,9 +114,9 @@ def encode_frame(header: Mapping[str, Any], arrays: Sequence[np.ndarray] = ()) -
     return b"".join([MAGIC, struct.pack("<I", len(head)), head, *(c.data.cast("B") for c in chunks)])
 
 
-def _frame_header(prefix: bytes, read_head: Callable[[int], bytes]) -> dict[str, Any]:
+def _frame_header(prefix: bytes, read_head: Callable[[int], bytes]) -> tuple[dict[str, Any], int]:
     """The header of a frame that starts with ``prefix`` (magic and header length), its JSON read by
-    ``read_head(length)``; :class:`CorruptCheckpointError` for anything malformed."""
+    ``read_head(length)``, and where the arrays start; :class:`CorruptCheckpointError` for anything malformed."""
     if len(prefix) < len(MAGIC) + 4 or not prefix.startswith(MAGIC):
         raise CorruptCheckpointError("peer copy frame: bad magic")
     (hlen,) = struct.unpack_from("<I", prefix, len(MAGIC))
@@ -131,7 +131,7 @@ def _frame_header(prefix: bytes, read_head: Callable[[int], bytes]) -> dict[str,
         raise CorruptCheckpointError(f"peer copy frame: header is not JSON: {e}") from None
     if not isinstance(header, dict) or not isinstance(header.get("arrays"), list):
         raise CorruptCheckpointError("peer copy frame: header without arrays")
-    return header
+    return header, len(prefix) + hlen
 
 
 def _array_specs(header: Mapping[str, Any]) -> list[tuple[np.dtype[Any], tuple[int, ...], int]]:
@@ -152,9 +152,8 @@ def _array_specs(header: Mapping[str, Any]) -> list[tuple[np.dtype[Any], tuple[i
 def decode_frame(data: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     """The header and read-only arrays of a frame; :class:`CorruptCheckpointError` for anything malformed."""
     start = len(MAGIC) + 4
-    header = _frame_header(data[:start], lambda n: data[start : start + n])
+    header, offset = _frame_header(data[:start], lambda n: data[start : start + n])
     view = memoryview(data)
-    offset = start + struct.unpack_from("<I", data, len(MAGIC))[0]  # past the header _frame_header read
     arrays: list[np.ndarray] = []
     crc = 0
     for dtype, shape, nbytes in _array_specs(header):
@@ -184,7 +183,7 @@ def read_frame_into(stream: _Readable, out: np.ndarray) -> dict[str, Any]:
     and leaves ``out`` alone. Checked as :func:`decode_frame` checks (``out`` may hold a part of the damaged
     bytes then: the caller drops it)."""
     start = len(MAGIC) + 4
-    header = _frame_header(stream.read(start), stream.read)
+    header, _ = _frame_header(stream.read(start), stream.read)
     specs = _array_specs(header)
     crc = 0
     if specs:

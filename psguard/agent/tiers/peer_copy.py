@@ -631,9 +631,8 @@ def fetch_copy(
         rows = max(1, chunk // per_row)
         ranges += [(name, start, min(shape[0], start + rows)) for start in range(0, shape[0], rows)]
 
-    def fetch(r: tuple[str, int, int]) -> tuple[dict[str, Any], list[np.ndarray]]:
-        body = {"owner": owner, "token": token, "name": r[0], "start": r[1], "stop": r[2]}
-        return post(holder_url, body, config.request_timeout)
+    def request(r: tuple[str, int, int]) -> dict[str, Any]:
+        return {"owner": owner, "token": token, "name": r[0], "start": r[1], "stop": r[2]}
 
     sums = dict.fromkeys(arrays, 0)
     streams = max(1, config.fetch_streams)
@@ -643,12 +642,11 @@ def fetch_copy(
         name, start, stop = ranges[i]
         out = arrays[name]
         if read_into is not None:
-            body = {"owner": owner, "token": token, "name": name, "start": start, "stop": stop}
-            answer = read_into(holder_url, body, config.request_timeout, out[start:stop])
+            answer = read_into(holder_url, request(ranges[i]), config.request_timeout, out[start:stop])
             if answer.get("status") != "ok" or not answer.get("arrays"):
                 raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
             return rows_digest(out[start:stop], np.arange(start, stop, dtype=np.int64))
-        answer, got = fetch(ranges[i])
+        answer, got = post(holder_url, request(ranges[i]), config.request_timeout)
         if answer.get("status") != "ok" or len(got) != 1:
             raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
         if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
