@@ -12,7 +12,7 @@ import ssl
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
+from psguard.agent.control.httpd import AgentHTTPServer, Pieces, Request, RequestError, Response
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.client import http_request
@@ -37,7 +37,7 @@ def serve_copies(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyCon
         except CorruptCheckpointError as e:
             raise RequestError(400, str(e)) from None
 
-    def reader(answer: Callable[[Mapping[str, Any]], bytes]) -> Callable[[Request], Response]:
+    def reader(answer: Callable[[Mapping[str, Any]], bytes | Pieces]) -> Callable[[Request], Response]:
         def read(request: Request) -> Response:
             body = request.json()
             if not isinstance(body, dict):

@@ -251,12 +251,13 @@ class Agent:
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
-        """Start every part; the task last (after the PS peers when this chief resumes a job)."""
+        """Start every part; the task last (after the PS peers when this chief resumes a job), except a PS's:
+        a PS agent starts its PS as soon as its HTTP address is bound, and opens its store and tier while the PS
+        imports TensorFlow. On a node replaced after a loss both are on the recovery's path (the trainer waits
+        for the PS, the restore for the peer copy this agent fetches), and each took about a second in turn."""
         try:
             if self.role == "chief":
                 self._start_memory_tier()
-            elif self.role == "ps":
-                self._start_shards()
             self._start_http()
             assert self.http is not None
             cfg = self.config
@@ -276,6 +277,13 @@ class Agent:
                 record=task_record(cfg, self.task),
                 subreaper=True,
             )
+            early = self.role == "ps"  # nothing the PS process is given depends on the shards
+            if early and not self._stop_requested.is_set():
+                self.supervisor.start()
+            if self.role == "ps":
+                self._start_shards()
+                self._serve_shards()
+            self.http.start()
             sup = self.supervisor
             probes = task_probes(self.role, self.address, lambda: sup.pid, builtin_server=self._builtin_server)
             self.metrics.declare_task(self.task, [p.name for p in probes])
@@ -299,7 +307,8 @@ class Agent:
                 self._announce_parts()
             if self._stop_requested.is_set():
                 return self
-            self.supervisor.start()
+            if not early:
+                self.supervisor.start()
             self.monitor.start()
             if self._heartbeat_path is not None:
                 sup = self.supervisor
@@ -348,25 +357,28 @@ class Agent:
         )
         self.http.add_post("/restart", self._handle_restart)
         self.http.add_post("/recovery", self._handle_recovery)
-        if self.shards is not None:
-            keeper = self.shards
-            for name, handler in (
-                ("apply", keeper.apply),
-                ("export", keeper.export),
-                ("load", keeper.load),
-                ("take", keeper.take),
-                ("write", keeper.write),
-                ("finish", keeper.finish),
-            ):
-                self.http.add_post(f"/shards/{name}", _json_handler(handler))
-            self.http.add_post("/shards/pull", _json_handler(keeper.pull))
-            serve_copies(self.http, keeper, self.config.peer_copy)
         if self.role == "chief":
             self.http.add_post("/new-generation", self._handle_new_generation)
             self.http.add_post("/failure", self._handle_failure)
         else:
             self.http.add_post("/finish", self._handle_finish)
-        self.http.start()
+        self.http.bind()  # the address the task is given; served once every route is there (start())
+
+    def _serve_shards(self) -> None:
+        keeper = self.shards
+        if self.http is None or keeper is None:
+            return
+        for name, handler in (
+            ("apply", keeper.apply),
+            ("export", keeper.export),
+            ("load", keeper.load),
+            ("take", keeper.take),
+            ("write", keeper.write),
+            ("finish", keeper.finish),
+        ):
+            self.http.add_post(f"/shards/{name}", _json_handler(handler))
+        self.http.add_post("/shards/pull", _json_handler(keeper.pull))
+        serve_copies(self.http, keeper, self.config.peer_copy)
 
     def _start_memory_tier(self) -> None:
         # lazy: numpy and the storage clients load only in the chief's agent (a PS agent starts faster)

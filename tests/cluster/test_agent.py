@@ -9,6 +9,7 @@ observable condition (the agent's ``/status`` and ``/readyz``, files, process ex
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -28,6 +29,7 @@ from psguard.cli import main as cli_main
 from psguard.config import loads_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.client import http_json
+from psguard.ports import free_ports
 from psguard.testbed.procs import descendants
 from tests.support.agents import FAST, AgentProc, port_accepts, write_cluster
 from tests.support.paths import QUIET
@@ -1066,3 +1068,68 @@ def test_ps_memory_stays_flat_over_five_trainer_generations(
     else:
         assert [r["restarts"] for r in runs] == [0] * 5
         assert max(rss) - rss[0] > 4 * 32, rss  # the surviving PS keeps the four later tables (32 MB each)
+
+
+@pytest.mark.slow
+def test_a_ps_agent_starts_its_ps_while_it_opens_its_store_and_answers_calls_made_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a node replaced after a loss, the PS's start (TensorFlow's import) and the agent's own (its store, its
+    tier) are both on the recovery's path: they overlap. A call to the agent before its shards are served waits
+    and is answered (a refused connection would send the chief's agent to the durable log)."""
+    import threading
+
+    from psguard.store import Store
+
+    opening, go_on = threading.Event(), threading.Event()
+    real_open = Store.open.__func__  # type: ignore[attr-defined]
+
+    def slow_open(cls: type[Store], *args: Any, **kwargs: Any) -> Store:
+        opening.set()
+        assert go_on.wait(120)
+        return real_open(cls, *args, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Store, "open", classmethod(slow_open))
+    _, spec = write_cluster(tmp_path)
+    config = AgentConfig(
+        job="early-ps",
+        store=str(tmp_path / "store"),
+        spool=str(tmp_path / "part"),
+        state_dir=str(tmp_path / "state"),
+        http=dataclasses.replace(AgentConfig().http, port=free_ports(1)[0]),
+    )
+    agent = Agent("ps", 0, spec, config=config, token="t" * 32)
+    started: list[BaseException | None] = []
+    thread = threading.Thread(target=lambda: started.append(_start(agent)), daemon=True)
+    thread.start()
+    try:
+        assert opening.wait(60)
+        wait_until(lambda: port_accepts(spec["ps"][0]), 120, "the PS serving while the agent opens its store")
+        assert not started, "the agent's start should still be waiting for its store"
+        answer: list[Any] = []
+        caller = threading.Thread(
+            target=lambda: answer.append(
+                http_json("GET", f"http://127.0.0.1:{config.http.port}/status", token="t" * 32, timeout=60)[1]
+            ),
+            daemon=True,
+        )
+        caller.start()
+        caller.join(0.5)
+        assert not answer  # queued until the routes are all there
+        go_on.set()
+        thread.join(60)
+        caller.join(60)
+        assert started == [None] and answer and answer[0]["task"] == "ps:0"
+        assert answer[0]["shards"] is not None, "the first answer already serves the shards"
+    finally:
+        go_on.set()
+        thread.join(60)
+        agent.stop()
+
+
+def _start(agent: Agent) -> BaseException | None:
+    try:
+        agent.start()
+    except BaseException as e:  # handed to the test's thread
+        return e
+    return None

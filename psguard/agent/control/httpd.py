@@ -49,7 +49,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from psguard.agent.control.auth import CONTROL, READ, SCOPES, Authenticator, TokenAuth
 from psguard.agent.control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -95,9 +95,19 @@ class Request:
             raise RequestError(400, f"body is not valid JSON: {e}") from None
 
 
+@runtime_checkable
+class Pieces(Protocol):
+    """A binary body written piece by piece, never joined (views of a big array: a peer copy's rows), then
+    released (what keeps the views valid), sent or not."""
+
+    parts: list[bytes | memoryview]
+
+    def release(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class Response:
-    """``body``: JSON-able data (sent as JSON), ``str`` (text) or ``bytes``."""
+    """``body``: JSON-able data (sent as JSON), ``str`` (text), ``bytes`` or :class:`Pieces`."""
 
     status: int = 200
     body: Any = None
@@ -261,6 +271,7 @@ class AgentHTTPServer:
         self._binary_max: dict[str, int] = {}  # POST routes that take raw bytes, and their limit
         self._httpd: _Server | None = None
         self._thread: threading.Thread | None = None
+        self._closed = False
         self._error: BaseException | None = None
 
     def __repr__(self) -> str:  # no token in reprs either
@@ -295,10 +306,12 @@ class AgentHTTPServer:
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
-    def start(self) -> Self:
+    def bind(self) -> Self:
+        """Listen on the address without answering yet: :attr:`url` is then known (to give a task before it
+        starts) and a client that calls early waits in the listen queue until :meth:`start`."""
         with self._lock:
             if self._httpd is not None:
-                raise RuntimeError("the agent's HTTP server was already started")
+                raise RuntimeError("the agent's HTTP server was already bound")
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         server_cls = type("_AgentServer", (_Server,), {"address_family": family})
         try:
@@ -311,6 +324,17 @@ class AgentHTTPServer:
         httpd.tls = self.tls
         with self._lock:
             self._httpd = httpd
+        return self
+
+    def start(self) -> Self:
+        """Serve (binding first unless :meth:`bind` did)."""
+        with self._lock:
+            bound, started = self._httpd is not None, self._thread is not None or self._closed
+        if started:
+            raise RuntimeError("the agent's HTTP server was already started")
+        if not bound:
+            self.bind()
+        with self._lock:
             self._thread = threading.Thread(target=self._serve, name=f"psguard-http-{self.port}", daemon=True)
         self._thread.start()
         log.info(
@@ -338,14 +362,16 @@ class AgentHTTPServer:
         set an event that the agent's main thread waits on.
         """
         with self._lock:
-            httpd, thread = self._httpd, self._thread
-        if httpd is None or thread is None:
+            httpd, thread, closed = self._httpd, self._thread, self._closed
+            self._closed = True
+        if httpd is None or closed:
             return
-        if thread.is_alive():
-            httpd.shutdown()
-        thread.join()
-        httpd.close_connections()  # a client sending a byte now and then must not hold a stopping agent
-        httpd.server_close()
+        if thread is not None:
+            if thread.is_alive():
+                httpd.shutdown()
+            thread.join()
+            httpd.close_connections()  # a client sending a byte now and then must not hold a stopping agent
+        httpd.server_close()  # also a server bound and never started
         with self._lock:
             self._thread = None
         if self._error is not None:
@@ -540,20 +566,32 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, response: Response) -> None:
         body = response.body
+        if isinstance(body, Pieces):
+            try:
+                self._send_parts(response, body.parts)
+            finally:
+                body.release()
+            return
         if isinstance(body, bytes):
             data, content_type = body, "application/octet-stream"
         elif isinstance(body, str):
             data, content_type = body.encode("utf-8"), "text/plain; charset=utf-8"
         else:
             data, content_type = (json.dumps(body, default=str) + "\n").encode("utf-8"), "application/json"
+        self._send_parts(response, [data], content_type)
+
+    def _send_parts(
+        self, response: Response, parts: Sequence[bytes | memoryview], content_type: str = "application/octet-stream"
+    ) -> None:
         self.send_response(response.status)
         self.send_header("Content-Type", response.content_type or content_type)
-        self.send_header("Content-Length", str(len(data)))
+        self.send_header("Content-Length", str(sum(memoryview(p).nbytes for p in parts)))
         self.send_header("Cache-Control", "no-store")
         for name, value in response.headers.items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        for part in parts:
+            self.wfile.write(part)
 
     # The base class logs the raw request line to stderr; ours are structured and leave the query out.
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:

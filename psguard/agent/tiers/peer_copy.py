@@ -45,12 +45,14 @@ import numpy as np
 
 from psguard.agent.tiers.copy_frames import (
     MASK,
+    Frame,
     decode_frame,
     delta_digest,
     delta_rows,
     digests_from,
     digests_json,
     encode_frame,
+    frame_parts,
     rows_digest,
 )
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
@@ -90,7 +92,7 @@ class ParityPart(Protocol):
 
     def holds(self, owner: str) -> bool: ...
 
-    def read(self, doc: Mapping[str, Any]) -> bytes: ...
+    def read(self, doc: Mapping[str, Any]) -> bytes | Frame: ...
 
 
 @dataclass
@@ -262,11 +264,11 @@ class CopyHolder:
             copy.bytes_in += nbytes
         return {"status": result.status, "step": copy.tier.step, "token": copy.tier.token, "message": result.message}
 
-    def read(self, doc: Mapping[str, Any]) -> bytes:
+    def read(self, doc: Mapping[str, Any]) -> bytes | Frame:
         """A frame of what a new agent of ``owner`` fetches: ``{"owner", "token"}`` gives the layout, token and
         digests (the copy's last delta undone first when that gives ``token``); with ``"name", "start",
-        "stop"`` the rows of one tensor (only while the copy is at ``token``), encoded straight from the copy
-        (one copy of the rows, in the frame)."""
+        "stop"`` the rows of one tensor (only while the copy is at ``token``), as a :class:`Frame` of views of the
+        copy, under an export lease its sender releases: no copy of the rows at all."""
         owner = doc.get("owner")
         with self._lock:
             copy = self._copies.get(str(owner))
@@ -277,7 +279,9 @@ class CopyHolder:
         wanted = doc.get("token")
         if isinstance(wanted, str) and copy.tier.token != wanted:
             self._roll_back(str(owner), copy, wanted)
-        with copy.tier.export() as snap:
+        snap = copy.tier.export()
+        sent = False
+        try:
             if "name" not in doc:
                 return encode_frame(
                     {
@@ -295,7 +299,12 @@ class CopyHolder:
             start, stop = doc.get("start"), doc.get("stop")
             if arr is None or type(start) is not int or type(stop) is not int or not 0 <= start <= stop:
                 raise CorruptCheckpointError("peer copy read: bad tensor or row range")
-            return encode_frame({"status": "ok", "token": snap.token}, [arr[start:stop]])
+            frame = Frame(frame_parts({"status": "ok", "token": snap.token}, [arr[start:stop]]), snap.release)
+            sent = True  # the lease goes with the frame: released once it is written
+            return frame
+        finally:
+            if not sent:
+                snap.release()
 
     def _roll_back(self, owner: str, copy: _Copy, token: str) -> bool:
         """Undo the copy's last delta when that gives state ``token`` (the chief's: the owner's last capture

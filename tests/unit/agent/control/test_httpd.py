@@ -412,3 +412,58 @@ def test_failing_callables_answer_errors_not_crashes() -> None:
         assert status == 503 and "memory tier gone" in json.loads(body)["error"]
         assert request(server, "GET", "/status", token=TOKEN)[0] == 500
         assert request(server, "GET", "/healthz")[0] == 200
+
+
+class _Pieces:
+    def __init__(self, parts: list[bytes | memoryview]) -> None:
+        self.parts = parts
+        self.released = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+
+def test_a_body_of_pieces_is_sent_unjoined_then_released(open_server: AgentHTTPServer) -> None:
+    """A peer copy's rows go out as views of the holder's tier: the client gets them back to back with the right
+    length, and the lease behind the views is released once, also when the client is gone before the body."""
+    big = bytearray(range(256)) * 4096  # 1 MiB
+    sent = _Pieces([b"HEAD", memoryview(big)[17:], b"", b"TAIL"])
+    open_server.add_post("/rows", lambda req: Response(200, sent))
+    status, headers, body = request(open_server, "POST", "/rows", body=b"{}")
+    assert status == 200 and headers["content-type"] == "application/octet-stream"
+    assert body == b"HEAD" + bytes(big[17:]) + b"TAIL" and int(headers["content-length"]) == len(body)
+    assert sent.released == 1
+
+    gone = _Pieces([memoryview(bytearray(64 << 20))])  # more than the socket buffers take
+    released = threading.Event()
+    gone.release = released.set  # type: ignore[method-assign]
+    open_server.add_post("/gone", lambda req: Response(200, gone))
+    with socket.create_connection(("127.0.0.1", open_server.port), timeout=10) as s:
+        s.sendall(
+            b"POST /gone HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        )
+        assert s.recv(1)  # the answer began
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")  # reset on close
+    assert released.wait(10)
+
+
+def test_a_bound_server_queues_calls_until_it_starts_and_a_stop_closes_it_even_unstarted() -> None:
+    server = AgentHTTPServer(insecure_no_auth=True).bind()
+    assert server.port != 0 and server.url.endswith(f":{server.port}")
+    answered: list[int] = []
+    caller = threading.Thread(target=lambda: answered.append(request(server, "GET", "/healthz")[0]), daemon=True)
+    caller.start()
+    caller.join(0.3)
+    assert not answered  # in the listen queue: not refused, not answered
+    server.start()
+    caller.join(10)
+    assert answered == [200]
+    server.stop()
+    with pytest.raises(RuntimeError, match="already started"):
+        server.start()
+
+    unstarted = AgentHTTPServer(insecure_no_auth=True).bind()
+    port = unstarted.port
+    unstarted.stop()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()

@@ -48,7 +48,7 @@ class Pair:
         return self.holder.holder.put(frame)
 
     def read(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
-        return decode_frame(self.holder.holder.read(body))  # the frame, as it travels over HTTP
+        return decode_frame(bytes(self.holder.holder.read(body)))  # the frame, as it travels over HTTP
 
     def apply(self, updates: Mapping[str, Any], step: int, token: str, parent: str | None) -> dict[str, Any]:
         return self.owner.apply_updates(
