@@ -67,7 +67,7 @@ import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from psguard.agent.config import ROLES, AgentConfig
 from psguard.agent.control.auth import Authenticator, JwtAuth
@@ -94,6 +94,7 @@ if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only th
     from psguard.agent.tiers.shards import ShardKeeper
     from psguard.agent.tiers.spool_server import SpoolEvent, SpoolServer
     from psguard.store import Store
+    from psguard.store.opening import StoreOpening
 
 __all__ = ["Agent"]
 
@@ -227,7 +228,7 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self.monitor: HealthMonitor | None = None
         self.peer_monitors: list[HealthMonitor] = []
-        self.store: Store | None = None
+        self.store: Store | StoreOpening | None = None
         self.tier: MemoryTier | None = None
         self.persister: Persister | None = None
         self.spool: SpoolServer | None = None
@@ -305,6 +306,8 @@ class Agent:
             self._watch_peers()  # after the sync above, which learnt each peer's task name from its /status
             if self.role == "chief":
                 self._announce_parts()
+            if self.role == "ps" and self.store is not None:
+                cast("StoreOpening", self.store).wait()  # a bad store fails the start, as when opened first
             if self._stop_requested.is_set():
                 return self
             if not early:
@@ -463,10 +466,10 @@ class Agent:
         # lazy: numpy and the storage clients load only when the agent keeps shards
         from psguard.agent.tiers.shards import ShardKeeper
         from psguard.handoff.spool import part_dir
-        from psguard.store import Store
+        from psguard.store.opening import StoreOpening
 
         cfg = self.config
-        store = self.store = Store.open(cfg.store, dict(cfg.storage_options)) if cfg.store else None
+        store = self.store = StoreOpening(cfg.store, cfg.storage_options) if cfg.store else None  # waited in start()
         folder = Path(cfg.spool) if cfg.spool else part_dir(cfg.job, self.task)
         link = PeerLink(self._peer_token or self._token, self._client_tls)
         try:
