@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from psguard.agent.tiers.copy_frames import delta_digest, rows_digest
+from psguard.agent.tiers.copy_frames import delta_digest, digests_from, rows_digest
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot, StreamSnapshot, limit_malloc_retention
 from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame, xor_rows
@@ -442,7 +442,11 @@ class ShardKeeper:
                 metadata=metadata if isinstance(metadata, dict) else {},
             )
             self._keys = layout
-            self._digests = None
+            # The owner's digests the copy was verified against: the next capture's delta updates them, and goes
+            # to the holder it came from without a whole copy first (CopySender.synced_with).
+            self._digests = digests_from(info.get("digests")) if "digests" in info else None
+            if self.sender is not None and self._digests is not None:
+                self.sender.synced_with(holder, int(info["step"]), token)
             self._drop_fps()  # a copy carries no fingerprints
             self._pulls += 1
         nbytes = sum(a.nbytes for a in arrays.values())

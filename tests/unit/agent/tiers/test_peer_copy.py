@@ -376,3 +376,35 @@ def test_a_holder_lost_mid_whole_copy_gets_the_whole_state_again_and_serves_only
             fresh.close()
     finally:
         p.close()
+
+
+@pytest.mark.parametrize("holder_moved", [False, True])
+def test_a_new_agent_sends_deltas_to_the_holder_it_fetched_from_without_a_whole_copy_first(
+    pair: Pair, tmp_path: Path, holder_moved: bool
+) -> None:
+    """After a node loss the new agent's tier is the holder's copy: the next capture goes to it as a delta (no
+    512 MB sent back at 1 GB while training resumes). Should the copy have moved meanwhile, the holder refuses the
+    delta and gets the whole state: it still ends up exact."""
+    rng = np.random.default_rng(9)
+    pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
+    updates, _ = _delta(rng, [1, 2, 3])
+    pair.apply(updates, 2, "t2", "t1")
+    wait_until(pair.synced, 30, "the copy at t2")
+
+    fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", send_frame=pair.send, read_copy=pair.read).start()
+    try:
+        assert fresh.pull({"token": "t2", "holder": HOLDER_URL})["status"] == "ok"
+        if holder_moved:  # the old owner's last capture reached the holder after the fetch
+            pair.apply(_delta(rng, [7])[0], 3, "t3-old", "t2")
+            wait_until(pair.synced, 30, "the copy at t3-old")
+        updates, _ = _delta(rng, [4, 5])
+        answer = fresh.apply_updates(updates, KEYS, step=3, token="t3", parent="t2", copy_to=("ps:1", HOLDER_URL))
+        assert answer["status"] == "ok"
+        assert fresh.sender is not None
+        wait_until(lambda: fresh.sender.status()["synced_token"] == "t3", 30, "the holder at t3")  # type: ignore[union-attr]
+        status = fresh.sender.status()
+        assert (status["whole"], status["deltas"]) == ((1, 0) if holder_moved else (0, 1)), status
+        copy = pair.copy_arrays()
+        assert all(np.array_equal(copy[n], a) for n, a in _owner_arrays(fresh).items())
+    finally:
+        fresh.close()
