@@ -33,10 +33,10 @@ from psguard.errors import (
     TensorMismatchError,
     UnsupportedFormatError,
 )
-from psguard.store import Store
 
 if TYPE_CHECKING:
     from psguard.handoff.client import restart_ps_servers
+    from psguard.store import Store
     from psguard.trainer.follower import Follower
     from psguard.trainer.manager import CheckpointManager, SaveHandle
     from psguard.trainer.recovery import exit_for_restart, is_cluster_failure, run_with_recovery
@@ -79,6 +79,7 @@ _LAZY = {
     "exit_for_restart": "psguard.trainer.recovery",
     "is_cluster_failure": "psguard.trainer.recovery",
     "restart_ps_servers": "psguard.handoff.client",
+    "Store": "psguard.store",  # numpy and the log's modules: a worker's or PS's agent starts its task first
 }
 
 #: Submodules reachable as attributes of ``psguard`` without importing them first (``psguard.keras`` after a

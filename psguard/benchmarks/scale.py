@@ -16,6 +16,10 @@ Per point and side: capture stall (psguard: the median steady-state ``save()`` s
 agent; TF: its chief). ``--plot FILE.png`` draws each of them against the sweep's variable (``psguard[plot]``:
 matplotlib is an optional extra).
 
+``--node-loss`` adds, at every point with two PS or more, the same job with PS 0 lost with its node (its agent
+killed too, a new one started with an empty tier: ``bench recovery --fault node --store s3``), psguard with peer
+copies on and off against plain TF: the recovery panel's node-loss lines and each point's ``node``.
+
 Why these and not more points: each point costs two job starts, two trainings to the kill step and two
 recoveries, about 1-3 minutes at 1 GB on this machine; ``--runs`` repeats each point.
 """
@@ -46,6 +50,11 @@ TITLES = {
     "lost_steps": "lost steps",
     "chief_rss_growth_bytes": "chief RSS growth (MiB)",
 }
+NODE_LINES = (
+    ("psguard", "tab:blue", "psguard, node lost"),
+    ("no_copies", "tab:green", "psguard, node lost, no copies"),
+    ("tf", "tab:orange", "plain TF, PS lost"),
+)
 RATIOS = ("recovery_ratio", "restore_vs_raw_ratio", "chief_peak_rss_growth_ratio", "ps_agent_peak_rss_ratio")
 
 
@@ -71,10 +80,34 @@ def point(sweep: str, p: Params, results: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def run_scale(base: Params, sizes: list[int], ps_counts: list[int], ps_state: int, runs: int) -> dict[str, Any]:
-    """Both sweeps; ``base`` gives everything but the table's rows and the PS count."""
+def node_point(results: dict[str, Any]) -> dict[str, Any]:
+    """A point's node-loss figures, from a ``bench recovery --fault node`` run with copies on."""
+    return {
+        "recovery_s": {
+            "psguard": results["psguard_recovery_s"],
+            "no_copies": results["psguard_no_copies_recovery_s"],
+            "tf": results["baseline_recovery_s"],
+        },
+        "lost_steps": {
+            "psguard": results["psguard_lost_steps"],
+            "no_copies": results["psguard_no_copies_lost_steps"],
+            "tf": results["baseline_lost_steps"],
+        },
+        "restored_from": results["psguard_restored_from"],
+        "recovery_ratio": results["recovery_ratio"],
+        "recovery_vs_no_copies_ratio": results["recovery_vs_no_copies_ratio"],
+        "psguard_phases_s": results["psguard_phases_s"],
+    }
+
+
+def run_scale(
+    base: Params, sizes: list[int], ps_counts: list[int], ps_state: int, runs: int, *, node_loss: bool = False
+) -> dict[str, Any]:
+    """Both sweeps; ``base`` gives everything but the table's rows and the PS count. ``node_loss``: each point
+    with two PS or more also gets :func:`node_point` (a node needs another PS to hold its copy)."""
     points: list[dict[str, Any]] = []
     done: dict[tuple[int, int], dict[str, Any]] = {}
+    node_done: dict[tuple[int, int], dict[str, Any]] = {}
 
     def measure(sweep: str, state: int, num_ps: int) -> None:
         p = replace(base, vocab_size=vocab_for(state, base.embedding_dim), num_ps=num_ps)
@@ -82,7 +115,13 @@ def run_scale(base: Params, sizes: list[int], ps_counts: list[int], ps_state: in
         if key not in done:
             progress(f"scale: {state / 2**20:.0f} MiB of state over {num_ps} PS")
             done[key] = run(p, runs=runs)
-        points.append(point(sweep, p, done[key]))
+        pt = point(sweep, p, done[key])
+        if node_loss and num_ps >= 2:
+            if key not in node_done:
+                progress(f"scale: {state / 2**20:.0f} MiB of state over {num_ps} PS, a PS node lost")
+                node_done[key] = run(replace(p, fault="node", copies="full", store="s3"), runs=runs)
+            pt["node"] = node_point(node_done[key])
+        points.append(pt)
 
     for size in sizes:
         measure("state", size, base.num_ps)
@@ -119,6 +158,11 @@ def plot(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
             for side, colour in (("psguard", "tab:blue"), ("tf", "tab:orange")):
                 ys = [pt[side][metric] / scale for pt in pts]
                 ax.plot(xs, ys, marker="o", color=colour, label="psguard" if side == "psguard" else "plain TF")
+            lost = [(x, pt["node"]) for x, pt in zip(xs, pts, strict=True) if "node" in pt]
+            if metric == "recovery_s" and lost:
+                for side, colour, label in NODE_LINES:
+                    ys = [n["recovery_s"][side] for _, n in lost]
+                    ax.plot([x for x, _ in lost], ys, marker="x", linestyle="--", color=colour, label=label)
             if sweep == "state" and len(xs) > 1:
                 ax.set_xscale("log", base=2)
             ax.set_xlabel(xlabel)
@@ -126,8 +170,8 @@ def plot(results: dict[str, Any], path: str | os.PathLike[str]) -> None:
             if sweep == "ps":
                 ax.set_xticks(xs)
             ax.grid(alpha=0.3)
-            if col == 0:
-                ax.legend()
+            if col == 0 or (metric == "recovery_s" and lost):
+                ax.legend(fontsize="small")
     ps_state = results["ps_state_bytes"] / 2**20
     fig.suptitle(f"psguard bench scale: state sweep (top), PS sweep at {ps_state:.0f} MiB (bottom)")
     fig.savefig(str(path), dpi=100)
@@ -152,7 +196,7 @@ def _counts(text: str) -> list[int]:
 
 def cmd(args: argparse.Namespace) -> int:
     base = params_from_args(args, vocab_size=1000)
-    results = run_scale(base, args.sizes, args.ps_counts, args.ps_state, args.runs)
+    results = run_scale(base, args.sizes, args.ps_counts, args.ps_state, args.runs, node_loss=args.node_loss)
     if args.plot:
         plot(results, args.plot)
         progress(f"plot written to {Path(args.plot).resolve()}")
@@ -162,6 +206,9 @@ def cmd(args: argparse.Namespace) -> int:
         for pt in results["points"]:
             name = f"{pt['sweep']:5} {pt['state_bytes'] / 2**20:7.0f} MiB {pt['num_ps']} PS"
             figures = "  ".join(f"{k} {pt['psguard'][k]:.3g}/{pt['tf'][k]:.3g}" for k in METRICS)
+            if "node" in pt:
+                r = pt["node"]["recovery_s"]
+                figures += f"  node lost: recovery_s {r['psguard']:.3g}/{r['tf']:.3g} ({r['no_copies']:.3g} no copies)"
             print(f"{name}  (psguard/TF) {figures}")
     return 0
 
@@ -172,6 +219,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--ps-counts", type=_counts, default=[1, 2, 4], help="PS counts of the second sweep (default 1,2,4)")
     p.add_argument("--ps-state", type=parse_size, default=parse_size("512M"), help="its state (default 512M)")
     p.add_argument("--runs", type=int, default=1, help="recoveries per side and point (default 1)")
+    p.add_argument(
+        "--node-loss",
+        action="store_true",
+        help="also lose PS 0 with its node at each point of 2+ PS (peer copies on and off; a SeaweedFS log)",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="draw each cost against the sweeps (needs psguard[plot])")
     add_job_options(p, embedding_dim=32)
     p.set_defaults(func=cmd)

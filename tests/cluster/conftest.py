@@ -71,3 +71,14 @@ def bench_recovery_smoke() -> tuple[Any, dict[str, Any]]:
 
     p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300)
     return p, run(p, runs=1)
+
+
+@pytest.fixture(scope="session")
+def bench_node_loss_smoke() -> tuple[Any, dict[str, Any]]:
+    """The same tiny job with PS 0 lost with its node (``--fault node``, peer copies on, then off): judged by its
+    own smoke test, and the node-loss line of ``bench scale``'s."""
+    from psguard.benchmarks.recovery import Params, run
+
+    p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300, fault="node",
+               copies="full")  # fmt: skip
+    return p, run(p, runs=1)

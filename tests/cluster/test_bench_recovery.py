@@ -38,15 +38,11 @@ def test_bench_recovery_smoke(bench_recovery_smoke: tuple[Params, dict[str, Any]
 
 
 @pytest.mark.slow
-def test_bench_recovery_node_loss_smoke() -> None:
+def test_bench_recovery_node_loss_smoke(bench_node_loss_smoke: tuple[Params, dict[str, Any]]) -> None:
     """``--fault node`` on a tiny job: PS 0 lost with its agent, a new agent with an empty tier restores from the
     peer's copy, and the same fault with copies off restores from the log; the copy's memory is measured at a
     quiet moment (just before the kill) as well as at its peak, and against the copies-off run."""
-    from psguard.benchmarks.recovery import run
-
-    p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300, fault="node",
-               copies="full")  # fmt: skip
-    results = run(p, runs=1)
+    p, results = bench_node_loss_smoke
     assert results["psguard_restored_from"] == ["peer"], results
     assert [r.split(" ")[0] for r in results["psguard_no_copies_restored_from"]] == ["durable"], results
     assert results["psguard_lost_steps"] <= p.memory_every < results["psguard_no_copies_lost_steps"]

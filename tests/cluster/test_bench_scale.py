@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,41 @@ def test_bench_scale_smoke(
         for side in ("psguard", "tf"):
             assert set(pt[side]) == set(METRICS)
             assert pt[side]["recovery_s"] > 0 and pt[side]["restore_s"] > 0, pt
+    assert all("node" not in pt for pt in points)  # only asked for
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot(results, tmp_path / "scale.png")
+        assert (tmp_path / "scale.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_bench_scale_node_loss_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    bench_recovery_smoke: tuple[Params, dict[str, Any]],
+    bench_node_loss_smoke: tuple[Params, dict[str, Any]],
+) -> None:
+    """``--node-loss``: each point of two PS or more also runs the job with a PS node lost (copies on and off, the
+    log on S3) and carries its recovery beside the process fault's; a single PS has no peer to hold its copy."""
+    base, measured = bench_recovery_smoke
+    _, lost = bench_node_loss_smoke
+    size = base.approx_state_bytes
+    asked: list[Params] = []
+
+    def run(p: Params, runs: int) -> dict[str, Any]:
+        asked.append(p)
+        return lost if p.fault == "node" else measured
+
+    monkeypatch.setattr(scale, "run", run)
+    results = run_scale(base, [size], [1, 2], size, runs=1, node_loss=True)
+    node = replace(base, fault="node", copies="full", store="s3")
+    assert asked == [base, node, replace(base, num_ps=1)]  # the 2-PS point's node run reused by the PS sweep
+    by = {(pt["sweep"], pt["num_ps"]): pt for pt in results["points"]}
+    assert "node" not in by[("ps", 1)]
+    for key in (("state", 2), ("ps", 2)):
+        n = by[key]["node"]
+        assert n["restored_from"] == ["peer"] and n["recovery_s"]["psguard"] == lost["psguard_recovery_s"]
+        assert n["recovery_s"]["no_copies"] > 0 and n["recovery_s"]["tf"] > 0
+        assert n["recovery_ratio"] == lost["recovery_ratio"]
     if importlib.util.find_spec("matplotlib") is not None:
         plot(results, tmp_path / "scale.png")
         assert (tmp_path / "scale.png").stat().st_size > 10_000
