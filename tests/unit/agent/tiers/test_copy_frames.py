@@ -98,3 +98,23 @@ def test_a_frame_read_into_an_array_is_checked_like_a_decoded_one() -> None:
         read_frame_into(io.BytesIO(frame), np.zeros((10, 5), np.float32))
     with pytest.raises(CorruptCheckpointError, match="does not fit"):
         read_frame_into(io.BytesIO(frame), np.zeros((10, 4), np.float64))
+
+
+def test_rows_sent_without_a_crc_are_still_checked_for_shape_and_length() -> None:
+    """A fetch's rows come without a CRC (the new agent checks them against the owner's digests, see
+    test_peer_copy: a damaged copy is refused); everything else about the frame is still checked."""
+    import io
+
+    from psguard.agent.tiers.copy_frames import frame_parts
+
+    rows = np.arange(40, dtype=np.float32).reshape(10, 4)
+    frame = b"".join(frame_parts({"status": "ok"}, [rows], crc=False))
+    header, back = decode_frame(frame)
+    assert header["crc32"] is None and np.array_equal(back[0], rows)
+    out = np.zeros_like(rows)
+    assert read_frame_into(io.BytesIO(frame), out)["status"] == "ok" and np.array_equal(out, rows)
+    for message, data in {"truncated": frame[:-1], "after the last array": frame + b"x"}.items():
+        with pytest.raises(CorruptCheckpointError, match=message):
+            read_frame_into(io.BytesIO(data), np.zeros_like(rows))
+        with pytest.raises(CorruptCheckpointError, match=message.split()[0]):
+            decode_frame(data)
