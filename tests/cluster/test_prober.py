@@ -456,3 +456,21 @@ def test_supervisor_and_monitor_restart_a_frozen_tf_server() -> None:
     finally:
         monitor.stop()
         sup.stop()
+
+
+def test_a_starting_task_is_seen_healthy_soon_after_it_answers_not_a_whole_interval_later() -> None:
+    """While a task starts, failed rounds repeat every STARTING_POLL, not every ``interval``: a new PS's recovery
+    waits for its agent to see it healthy. Once healthy (or unhealthy) the configured interval holds again."""
+    probe, rec = Scripted(), Recorder()
+    probe.ok = False
+    monitor = HealthMonitor("ps:0", [probe], interval=5.0, deadline=5.0, on_health=rec.on_health)
+    with monitor:
+        wait_until(lambda: probe.checks >= 3, 5, "a few failing rounds while starting, well within one interval")
+        probe.ok = True
+        answered = time.monotonic()
+        rec.wait(lambda: Health.HEALTHY in rec.health, timeout=4.0)  # the old pace: 5 s after the last round
+        assert time.monotonic() - answered < 4.0
+        checks = probe.checks
+        probe.ok = False
+        time.sleep(0.3)  # a healthy task is probed every interval: no round in this window (asserting an absence)
+        assert probe.checks == checks

@@ -477,6 +477,11 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------------------------------ the thread
 
+    #: Between failed rounds while the task is starting: a PS up 0.6 s after its start was seen healthy only at
+    #: the next round, a second after the first, and a new PS's recovery waits for that (a node replaced after a
+    #: loss). A round of a task not listening yet is a refused connect: cheap at this pace.
+    STARTING_POLL = 0.05
+
     def _run(self) -> None:
         try:
             next_start = time.monotonic()
@@ -484,6 +489,8 @@ class HealthMonitor:
                 round_start = time.monotonic()
                 ok = self._round()
                 step = self.config.interval if ok else min(self.config.interval, self.config.deadline)
+                if not ok and self.health is Health.STARTING:
+                    step = min(step, self.STARTING_POLL)
                 next_start = round_start + step
         except BaseException as e:
             log.exception("event=monitor_failed task=%s", self.task)
