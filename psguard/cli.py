@@ -41,15 +41,16 @@ EXIT_NOT_FOUND = 4
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, what a shell reports for a tool whose reader closed the pipe
 
 # Modules that contribute subcommands; each has ``register(subparsers) -> None``. The handlers they set with
-# ``set_defaults(func=...)`` take the parsed namespace and return an exit code.
+# ``set_defaults(func=...)`` take the parsed namespace and return an exit code. The agent's first: a replacement
+# PS node's agent is on its recovery's path, and a command stops the imports once its module registered it.
 COMMAND_MODULES: tuple[str, ...] = (
+    "psguard.agent.cli",
     "psguard.demo",
     "psguard.store.cli",
     "psguard.store.follow",
     "psguard.trainer.export",
     "psguard.policy.cli",
     "psguard.benchmarks.cli",
-    "psguard.agent.cli",
     "psguard.chaos.cli",
     "psguard.agent.wrap",
     "psguard.agent.control.status",
@@ -77,7 +78,9 @@ class _Version(argparse.Action):
         parser.exit()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The whole CLI; with ``argv``, only as far as the module of the command it names (the others import numpy,
+    the demo's model, the benchmarks: 0.3 s of a ``psguard agent``'s start, which a lost PS node waits for)."""
     parser = argparse.ArgumentParser(
         prog="psguard",
         description="Fault-tolerant checkpointing and recovery for TensorFlow parameter-server training.",
@@ -86,8 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-V", "--version", action=_Version, help="print psguard, TensorFlow and Python versions")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    wanted = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
     for name in COMMAND_MODULES:
         importlib.import_module(name).register(sub)
+        if wanted is not None and wanted in sub.choices:
+            break
     return parser
 
 
@@ -123,7 +129,8 @@ def _silence_stdout() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()  # the command modules import TensorFlow lazily, inside their handlers
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)  # the command modules import TensorFlow lazily, inside their handlers
     args = parser.parse_args(argv)
     quiet_tensorflow(args.verbose)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG

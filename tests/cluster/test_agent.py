@@ -198,6 +198,8 @@ def test_agent_does_not_import_tensorflow() -> None:
         "psguard.agent.control.httpd",
     } <= imported  # the agent's own parts
     assert not {m for m in imported if m == "tensorflow" or m.startswith("tensorflow.")}
+    # Nor what other commands or a PS agent's shards need: a replacement node's agent starts its PS first.
+    assert not {m for m in imported if m in ("numpy", "psguard.demo", "psguard.store", "psguard.benchmarks.cli")}
 
 
 # ------------------------------------------------------------------------------------------ slow: processes
