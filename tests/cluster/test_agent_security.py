@@ -135,8 +135,9 @@ def test_an_agent_without_a_token_makes_one_and_hands_its_path_to_the_task() -> 
     cluster = {"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]}
     agent = Agent("ps", 0, cluster, command=[sys.executable, "-c", "pass"])
     try:
-        agent._start_http()
+        agent._start_http()  # binds; start() serves once every route is there
         assert agent.http is not None and agent._token_file is not None
+        agent.http.start()
         env = agent._task_env(agent.http.url)
         path = Path(env["PSGUARD_AGENT_TOKEN_FILE"])
         assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
