@@ -139,8 +139,9 @@ def durable_commits_kept(ctx: _Context) -> Verdict:
         def newer_kept(cid: Any) -> int:
             return sum(1 for c in present.values() if c["id"] != cid and int(c.get("step", 0)) >= step_of[cid])
 
-        retired = [i for i in missing if newer_kept(i) >= keep]
-        missing = [i for i in missing if newer_kept(i) < keep]
+        newer = {i: newer_kept(i) for i in missing}
+        retired = [i for i in missing if newer[i] >= keep]
+        missing = [i for i in missing if newer[i] < keep]
     evidence = {"acknowledged": len(acked), "missing": missing, "unreadable": unreadable, "retired": len(retired)}
     if not acked:
         return Verdict(name, "unknown", "no durable commit was acknowledged during the run", evidence)
