@@ -1117,6 +1117,15 @@ def test_a_ps_agent_starts_its_ps_and_serves_its_peers_while_it_opens_its_store(
         go_on.set()
         thread.join(60)
         agent.stop()
+        _no_subreaper()
+
+
+def _no_subreaper() -> None:
+    """An agent started in the test's process made it a child subreaper (Supervisor(subreaper=True)): undo it, or
+    orphans of later tests in this worker become its unreaped zombies (a test_s3 case counted one as a survivor)."""
+    from psguard.agent.process.reaper import set_child_subreaper
+
+    assert set_child_subreaper(False)
 
 
 def _start(agent: Agent) -> BaseException | None:

@@ -167,13 +167,14 @@ def kill_tree(token: str, *, exclude: frozenset[int] = frozenset(), timeout: flo
         delay = min(delay * 2, 0.05)
 
 
-def set_child_subreaper() -> bool:
-    """Make this process adopt its descendants' orphans (Linux); False where that is not possible."""
+def set_child_subreaper(enabled: bool = True) -> bool:
+    """Make this process adopt its descendants' orphans (Linux), or stop (``enabled=False``: a process that
+    ran a supervisor for a while, such as a test's); False where that is not possible."""
     if not sys.platform.startswith("linux"):
         return False
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)) == 0
+        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, int(enabled), 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 
