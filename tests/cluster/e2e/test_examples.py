@@ -105,7 +105,10 @@ def test_custom_loop_with_the_change_checkpoints_to_the_store_and_resumes(tmp_pa
     first = _wrap(tmp_path, script, "--checkpoint-dir", str(store), "--steps", "30", store=store)
     assert first == [{"event": "start", "restored": False, "step": 0}, {"event": "done", "step": 30}]
     with Store.open(str(store)) as s:
-        assert [c.step for c in s.checkpoints()] == [10, 20, 30]
+        # A durable save asked for while the previous one is still being written is folded into the next write
+        # (the agent's persister coalesces them, PersistEvent.coalesced): loaded, step 20 can commit as part of 30.
+        steps = [c.step for c in s.checkpoints()]
+        assert steps[-1] == 30 and set(steps) <= {10, 20, 30} and steps == sorted(steps), steps
         assert all(s.verify(c.id).ok for c in s.checkpoints())
         names = set(s.load_latest().tensors)
     assert any("embedding" in n for n in names) and any("optimizer" in n for n in names)
