@@ -35,6 +35,7 @@ from psguard.policy.engine import SaveContext
 from psguard.storage.retry import RetryingBackend
 from psguard.store import CheckpointInfo, Store
 from psguard.trainer.capture import Capturer
+from psguard.trainer.deferred_init import rebuilding
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.recovery import is_cluster_failure
 from psguard.trainer.registry import process_managers
@@ -186,6 +187,8 @@ class RestoreSide:
 
     def _restore_newest(self, *, status: bool = False) -> tuple[RestoreInfo, Restored] | None:
         """The newest state that loads: the memory tier when at least as new as the log, else the log."""
+        if rebuilding():  # a recovery: what the restore loads is on its way; instantiate the capture meanwhile
+            self.capturer.warm_up()
         memory = self._sink.memory_snapshot(self.restore_timeout)
         if memory is not None and not memory.parts:
             absent = sorted(n for n in self.capturer.spilled if n not in memory.tensors)

@@ -185,6 +185,44 @@ def test_the_capture_runs_through_its_concrete_function_and_falls_back_on_other_
     assert capturer._capture_concrete is concrete  # the same traced function, found again
 
 
+def test_a_dry_call_instantiates_the_functions_and_reads_and_writes_nothing(
+    rng: np.random.Generator, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restore instantiates the capture and rebase functions by dry calls beside its load
+    (``Capturer._warm_up``), so the first capture after it does not pay that as stall: such a call must read and
+    write nothing, or the capture after it would miss the rows written before it."""
+    model = local_model(rng)
+    root = tf.train.Checkpoint(model=model)
+    capturer = Capturer(root, row_tracking_min_rows=100)
+    state = apply_all({}, capturer.capture())
+    model.table.variables[1].scatter_add(tf.IndexedSlices(tf.ones([2, 4]), tf.constant([3, 9])))
+
+    def values() -> list[np.ndarray]:
+        shard_vars, counter, iterations = capturer._variables()
+        held = [v for t in shard_vars for s in t for v in s if v is not None]
+        return [np.asarray(v.numpy()).copy() for v in [*held, *([counter] if counter is not None else [])]]
+
+    before = values()
+    fns, n = capturer._functions, len(capturer.tensors)
+    # Asked for everything (forced, verified): a live call would hash and send every row and reset the marks.
+    results, hashed_all, strays, gap = fns.capture(
+        tf.constant(True), tf.ones([n], tf.bool), tf.constant(True), tf.constant(0, tf.int64), tf.constant("x"),
+        capturer._variables(),
+    )  # fmt: skip
+    flat = [np.asarray(t) for t in tf.nest.flatten((results, hashed_all, strays, gap))]
+    assert flat and all((a.size == 0) if a.ndim else not a.item() for a in flat), "a dry call returns nothing"
+    fns.rebase(tf.constant(True), True, capturer._variables())
+    assert all(bitwise_equal(a, b) for a, b in zip(before, values(), strict=True)), "a dry call wrote something"
+    with caplog.at_level("DEBUG", logger="psguard.trainer.capture_graph"), capturer._lock:
+        capturer._warm_up(spilled_too=True)
+        capturer._join_warm()
+    assert "warming" not in caplog.text
+    updates = capturer.capture()
+    update = updates["model/table" + SUFFIX]
+    assert isinstance(update, Rows) and update.ids.tolist() == [703, 709]
+    assert_bitwise(apply_all(state, updates), read_tensors(root))
+
+
 def test_no_change_gives_same_and_full_when_asked(rng: np.random.Generator) -> None:
     root = tf.train.Checkpoint(model=local_model(rng))
     capturer = Capturer(root, row_tracking_min_rows=100)
