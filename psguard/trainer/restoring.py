@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -189,13 +190,14 @@ class RestoreSide:
         """The newest state that loads: the memory tier when at least as new as the log, else the log."""
         if rebuilding():  # a recovery: what the restore loads is on its way; instantiate the capture meanwhile
             self.capturer.warm_up()
+        asked = self._ask_durable_latest() if self._sink.supervised else None
         memory = self._sink.memory_snapshot(self.restore_timeout)
         if memory is not None and not memory.parts:
             absent = sorted(n for n in self.capturer.spilled if n not in memory.tensors)
             if absent:  # the PS agents hold no state the chief's agent vouches for (e.g. it restarted)
                 log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
                 memory = None
-        durable_latest = self._durable_latest_beside(memory) if memory is not None else None
+        durable_latest = self._durable_latest_beside(memory, asked) if memory is not None else None
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
             info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
             if self._load(info, memory, status=status):
@@ -361,18 +363,37 @@ class RestoreSide:
             return RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable"), snap
         return None
 
-    def _durable_latest_beside(self, memory: Restored) -> CheckpointInfo | None:
-        """The durable log's newest checkpoint, asked only to compare with the memory tier's snapshot.
+    def _ask_durable_latest(self) -> Future[CheckpointInfo | None]:
+        """The durable log's newest checkpoint, asked on a thread now: the restore compares it with the memory
+        tier's snapshot once that arrives, and the snapshot may take a while (a lost node's peer copy is fetched
+        first), so the store's answer (a listing and a manifest: a round trip or two to S3) waits beside it
+        rather than after it.
 
         The memory tier is what the agent persists from, so the log is newer only if another writer wrote to
         it. A store that is down must not hold a restore that has its state in hand: the question is bounded
         (``STORE_CHECK_SECONDS``) and an unanswered one leaves the memory tier in charge.
         """
+        asked: Future[CheckpointInfo | None] = Future()
         backend = self.store.backend
-        capped = backend.capped(STORE_CHECK_SECONDS) if isinstance(backend, RetryingBackend) else nullcontext()
+
+        def ask() -> None:
+            capped = backend.capped(STORE_CHECK_SECONDS) if isinstance(backend, RetryingBackend) else nullcontext()
+            try:
+                with capped:
+                    asked.set_result(self.store.latest())
+            except BaseException as e:  # handed to the restore, which decides
+                asked.set_exception(e)
+
+        threading.Thread(target=ask, name="psguard-durable-latest", daemon=True).start()
+        return asked
+
+    def _durable_latest_beside(
+        self, memory: Restored, asked: Future[CheckpointInfo | None] | None
+    ) -> CheckpointInfo | None:
+        """The answer of :meth:`_ask_durable_latest` (asked now when it was not), or None when the store did not
+        give one in time."""
         try:
-            with capped:
-                return self.store.latest()
+            return (asked or self._ask_durable_latest()).result()
         except StorageError as e:
             log.warning(
                 "the durable log did not answer within %.0fs (%s): restoring from the memory tier (step %d; the "

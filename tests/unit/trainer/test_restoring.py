@@ -4,6 +4,7 @@ manager for its own ids and TF for every other path, and only while the manager 
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -39,3 +40,32 @@ def test_checkpoint_restore_takes_the_managers_ids_and_leaves_other_paths_to_tf(
     # closed: the hook is gone, every path is TF's again (and the store's id is no TF checkpoint)
     with pytest.raises((tf.errors.NotFoundError, ValueError)):
         ckpt.restore(own).assert_consumed()
+
+
+def test_the_store_is_asked_for_its_newest_checkpoint_while_the_memory_snapshot_is_awaited(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lost node's restore waits for its peer copy's fetch before the memory snapshot comes; the store's answer
+    (which the restore compares it with: a listing and a manifest, round trips to S3) is awaited beside that wait,
+    not after it. Here the snapshot comes only once the store has been asked: asked after it, it never would."""
+    v = tf.Variable(np.array([1.0, 2.0], np.float32))
+    ckpt = tf.train.Checkpoint(v=v)
+    with CheckpointManager(ckpt, str(tmp_path / "store")) as manager:
+        manager.save(1).result(timeout=60)
+        v.assign([0.0, 0.0])
+        asked = threading.Event()
+        latest = manager.store.latest
+
+        def store_latest() -> object:
+            asked.set()
+            return latest()
+
+        def memory_snapshot(timeout: float) -> None:
+            assert asked.wait(30), "the store was not asked while the snapshot was awaited"
+            # no memory tier after all: the restore goes on to the log
+
+        monkeypatch.setattr(manager.store, "latest", store_latest)
+        monkeypatch.setattr(manager._sink, "memory_snapshot", memory_snapshot)
+        monkeypatch.setattr(manager._sink, "supervised", True)  # an agent's sink: it has a memory tier to ask
+        assert manager.restore_or_initialize() is not None
+        assert asked.is_set() and v.numpy().tolist() == [1.0, 2.0]
