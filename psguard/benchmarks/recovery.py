@@ -593,8 +593,8 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
 def run(p: Params, runs: int = 3) -> dict[str, Any]:
     """``runs`` recoveries per side, alternating; the results document (see the module docstring).
 
-    With peer copies on and ``fault="node"``, psguard also runs the same fault with copies off, once per run:
-    ``recovery_vs_no_copies_ratio`` is what the copies buy.
+    With peer copies on and ``fault="node"``, psguard also runs the same fault with copies off, once per run and
+    beside it: ``recovery_vs_no_copies_ratio`` is what the copies buy.
     """
     workdir = Path(tempfile.mkdtemp(prefix="psguard-bench-recovery-"))
     ours: list[dict[str, Any]] = []
@@ -607,9 +607,24 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         s3 = SeaweedS3(workdir / "seaweed", bucket="psguard-bench")
         s3.start()
 
+    off = replace(p, copies="none") if p.fault == "node" and p.copies != "none" else None
+
+    def copies_off(i: int) -> None:
+        assert off is not None
+        doc = run_psguard(off, workdir, s3)
+        no_copies.append(doc)
+        progress(f"run {i} psguard, copies off: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']}")
+
     def a(i: int) -> float:
+        # With copies off as well: right beside the run with them, in turns before and after it, so that what
+        # drifts over the benchmark (the store's size, the machine's other load) does not land on one side of
+        # their ratios (goodput with copies on over off moved 0.67-1.36 with the off runs all at the end).
+        if off is not None and i % 2:
+            copies_off(i)
         doc = run_psguard(p, workdir, s3)
         ours.append(doc)
+        if off is not None and not i % 2:
+            copies_off(i)
         progress(
             f"run {i} psguard: {doc['recovery_s']:.2f}s (first step {doc['first_step_s']:.2f}s), lost "
             f"{doc['lost_steps']} (from {doc['restored_from']}), restore {doc['restore_s']:.2f}s "
@@ -635,12 +650,6 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
     finished = False
     try:
         xs, ys = alternate(runs, a, b)
-        if p.fault == "node" and p.copies != "none":
-            off = replace(p, copies="none")
-            for i in range(runs):
-                doc = run_psguard(off, workdir, s3)
-                no_copies.append(doc)
-                progress(f"run {i} psguard, copies off: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']}")
         finished = True
     finally:
         if s3 is not None:

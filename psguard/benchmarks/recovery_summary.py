@@ -143,6 +143,7 @@ def compare_no_copies(ours: list[dict[str, Any]], no_copies: list[dict[str, Any]
         # Steps per second from the settle point to the fault, captures included, copies on over
         # off: what keeping the copies current costs training.
         goodput_copies_on_vs_off=_med(ours, "steps_per_s") / _med(no_copies, "steps_per_s"),
+        goodput_steps_per_s_runs={"on": [d["steps_per_s"] for d in ours], "off": [d["steps_per_s"] for d in no_copies]},
         # The first whole copies' time at the settle point, copies on minus off (standbys warm in both).
         first_copy_s=_med(ours, "settle_wait_s") - _med(no_copies, "settle_wait_s"),
     )

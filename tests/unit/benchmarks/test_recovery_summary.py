@@ -32,6 +32,7 @@ def test_the_copys_memory_is_the_holders_quiet_growth_with_copies_on_less_off_ov
     assert result["recovery_vs_no_copies_ratio"] == pytest.approx(0.5)
     assert result["psguard_no_copies_lost_steps"] == 49 and result["psguard_no_copies_restored_from"] == ["durable"]
     assert result["goodput_copies_on_vs_off"] == pytest.approx(1.0) and result["first_copy_s"] == pytest.approx(1.0)
+    assert result["goodput_steps_per_s_runs"] == {"on": [10.0], "off": [10.0]}
 
 
 def test_no_memory_figure_without_a_quiet_sample_of_both_runs() -> None:
