@@ -623,13 +623,13 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
             copies_off(i)
         doc = run_psguard(p, workdir, s3)
         ours.append(doc)
-        if off is not None and not i % 2:
-            copies_off(i)
         progress(
             f"run {i} psguard: {doc['recovery_s']:.2f}s (first step {doc['first_step_s']:.2f}s), lost "
             f"{doc['lost_steps']} (from {doc['restored_from']}), restore {doc['restore_s']:.2f}s "
             f"({doc['restore_mib_s']:.0f} MiB/s, raw {doc['raw_restore_mib_s']:.0f} MiB/s)"
         )
+        if off is not None and not i % 2:
+            copies_off(i)
         return float(doc["recovery_s"])
 
     def b(i: int) -> float:
