@@ -212,7 +212,7 @@ class Capturer:
         self._tracked: dict[str, _Tracked] = {}
         self._fns: Functions | None = None
         self._capture_concrete: Any = None  # the traced capture of self._fns for these variables (see _call_capture)
-        self._warming: threading.Thread | None = None  # dry calls instantiating the functions (see _warm_up)
+        self._warming: threading.Thread | None = None  # a dry call instantiating the capture (see _warm_up)
         # Write tracking: the optimizers' iterations, this generation's apply counter, and the value of
         # sum(iterations) - applies after the last capture (None: unknown, hash every row next time).
         self._iterations: list[Any] = []
@@ -320,14 +320,12 @@ class Capturer:
         Recomputes the fingerprints on the PS without reading anything to the chief, so the next capture
         is relative to now. ``spilled_too=False``: not those of the spilled shards (already done).
         """
-        tf = lazy_tf()
         with self._lock:
             self._sync()
             self._expected_gap = None
             if self._tracked:
-                self._join_warm()
                 with unoptimized_calls():
-                    gap = self._functions.rebase(tf.constant(False), spilled_too, self._variables())
+                    gap = self._functions.rebase(spilled_too, self._variables())
                 self._expected_gap = int(gap) if self.tracks_writes else None
             self._since_verify = 0
             for tr in self._tracked.values():
@@ -350,23 +348,16 @@ class Capturer:
                     *capture_specs(len(self._tracked)), self._variables()
                 )
 
-    def warm_up(self) -> None:
-        """Start instantiating the capture and rebase functions on the PS in the background (:meth:`_warm_up`):
-        for a caller about to restore, before it waits for its snapshot, so that the work overlaps with the
-        wait rather than with the load."""
-        with self._lock:
-            self._sync()
-            self._warm_up(spilled_too=not any(tr.spill for tr in self._tracked.values()))
-
-    def _warm_up(self, *, spilled_too: bool) -> None:
-        """Instantiate the capture and rebase functions on the PS now, in the background, by dry calls (nothing
-        read or written: ``capture_graph._unless_dry``): for a restore, which is about to keep
-        the PS busy loading while the chief waits, so that neither the rebase after it nor the first capture
-        after it pays the instantiation (0.15 s of training stall at 1 GB on 2 PS, every recovery). Caller
-        holds the lock; the next call of either function waits for this one (:meth:`_join_warm`).
+    def _warm_up(self) -> None:
+        """Instantiate the capture function on the PS now, in the background, by a dry call (nothing read or
+        written: ``capture_graph._unless_dry``), right after a restore: the first capture after every recovery
+        paid the instantiation as training stall (0.16-0.17 s at 1 GB on 2 new PS, against 0.02-0.03 s steady),
+        and here it overlaps with training's first steps instead. Not beside the restore's load: on the 2-core
+        machine that made the load (CPU-bound) as much slower as the capture got faster. Caller holds the lock;
+        the next capture waits for it (:meth:`_join_warm`).
         """
         if self._tracked and self._warming is None:
-            self._warming = warm_functions(self._functions, self._variables(), spilled_too=spilled_too)
+            self._warming = warm_functions(self._functions, self._variables())
 
     def _join_warm(self) -> None:
         warming, self._warming = self._warming, None
@@ -397,14 +388,10 @@ class Capturer:
         with self._lock:
             if self.coordinator is not None:
                 self.coordinator.join()
-            self._warm_up(spilled_too=True)
-            try:
-                restore(self.root, tensors, deferred=deferred)
-            except BaseException:
-                self._join_warm()
-                raise
+            restore(self.root, tensors, deferred=deferred)
             self.rebase()
             note_restored(self._variables_of_root())
+            self._warm_up()
 
     @property
     def spilled(self) -> dict[str, list[ShardKey]]:
@@ -485,21 +472,17 @@ class Capturer:
                 )
             elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
             check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
-            self._warm_up(spilled_too=False)
-            try:
-                if keys:
-                    fps = fingerprints or {}
-                    which = tuple(ij for ij, _ in keys)
-                    load = load_function(self._functions, which, tuple(k in fps for _, k in keys))
-                    paths = tf.constant([str(files[k]) for _, k in keys])
-                    with unoptimized_calls():
-                        load(paths, tf.constant([str(fps.get(k, "")) for _, k in keys]), self._variables())
-                restore(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
-            except BaseException:
-                self._join_warm()  # nothing of this generation may still be calling into the cluster
-                raise
+            if keys:
+                fps = fingerprints or {}
+                which = tuple(ij for ij, _ in keys)
+                load = load_function(self._functions, which, tuple(k in fps for _, k in keys))
+                paths = tf.constant([str(files[k]) for _, k in keys])
+                with unoptimized_calls():
+                    load(paths, tf.constant([str(fps.get(k, "")) for _, k in keys]), self._variables())
+            restore(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             self.rebase(spilled_too=False)
             note_restored(self._variables_of_root())
+            self._warm_up()
 
     def _variables_of_root(self) -> list[Any]:
         """Every variable object behind the root's tensors (each shard, and what wraps it), for

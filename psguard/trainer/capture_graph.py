@@ -336,10 +336,7 @@ def _make_functions(plan: Plan) -> Functions:
             gap = tf.identity(gap)
         return results, hashed_all, strays, gap
 
-    def rebase_fn(dry: Any, spilled_too: bool, variables: Any) -> Any:
-        return _unless_dry(dry, lambda: rebase_body(spilled_too, variables), local)
-
-    def rebase_body(spilled_too: bool, variables: Any) -> Any:
+    def rebase_fn(spilled_too: bool, variables: Any) -> Any:
         shard_vars, counter, iterations = variables
         for t, vs in zip(plan.tensors, shard_vars, strict=True):
             if t.spill and not spilled_too:
@@ -367,8 +364,8 @@ def _unless_dry(dry: Any, body: Callable[[], Any], local: str) -> Any:
     Why: a function is instantiated on the PS processes at its first call in a cluster context, in time that
     grows with its ops (0.15 s for a capture of 13 tensors on 2 new PS; 0.12 s per 800 ops measured), and the
     first capture after every restore paid it as training stall. A dry call instantiates the whole function
-    (the branch is lowered into the function's graph: one instantiation for both sides) while the restore's load
-    keeps the PS busy, and runs nothing of it: it can run beside anything, even on variables not yet assigned.
+    (the branch is lowered into the function's graph: one instantiation for both sides) and runs nothing of it,
+    so it can run beside anything (training's first steps after a restore), even on variables not yet assigned.
     """
     tf = lazy_tf()
     traced: list[Any] = []
@@ -401,9 +398,9 @@ def capture_specs(tensors: int) -> tuple[Any, ...]:
     )
 
 
-def warm_functions(fns: Functions, variables: Any, *, spilled_too: bool) -> threading.Thread:
-    """A started thread that instantiates ``fns``' capture and rebase (``spilled_too``) on ``variables``' devices
-    by dry calls (:func:`_unless_dry`). A failure is left for the real call to report (it instantiates then)."""
+def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
+    """A started thread that instantiates ``fns``' capture on ``variables``' devices by a dry call
+    (:func:`_unless_dry`). A failure is left for the real call to report (it instantiates then)."""
     tf = lazy_tf()
     n = len(fns.plan.tensors)
 
@@ -413,9 +410,8 @@ def warm_functions(fns: Functions, variables: Any, *, spilled_too: bool) -> thre
                 concrete = fns.capture.get_concrete_function(*capture_specs(n), variables)
                 off = (tf.zeros([n], tf.bool), tf.constant(False), tf.constant(0, tf.int64), tf.constant(""))
                 concrete(tf.constant(True), *off, variables)
-                fns.rebase(tf.constant(True), spilled_too, variables)
         except Exception as e:
-            log.debug("warming the capture functions up failed: %s", e)
+            log.debug("warming the capture function up failed: %s", e)
 
     thread = threading.Thread(target=warm, name="psguard-capture-warm", daemon=True)
     thread.start()

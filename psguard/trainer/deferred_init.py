@@ -21,7 +21,7 @@ from typing import Any
 
 from psguard.trainer.variables import lazy_tf
 
-__all__ = ["DeferredInit", "deferred_initial_values", "note_restored", "rebuilding"]
+__all__ = ["DeferredInit", "deferred_initial_values", "note_restored"]
 
 #: Variables (each shard of a sharded one) smaller than this are initialised as the model says: cheap, and
 #: small ones (metrics, counters) are the ones a checkpoint may not cover.
@@ -108,10 +108,3 @@ def note_restored(variables: Iterable[Any]) -> None:
         record = _active
     if record is not None:
         record.restored(variables)
-
-
-def rebuilding() -> bool:
-    """Whether a recovery's rebuild is under way in this process (inside :func:`deferred_initial_values`): a
-    restore follows for certain, so work for after it may start now."""
-    with _lock:
-        return _active is not None

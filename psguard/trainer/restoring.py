@@ -36,7 +36,6 @@ from psguard.policy.engine import SaveContext
 from psguard.storage.retry import RetryingBackend
 from psguard.store import CheckpointInfo, Store
 from psguard.trainer.capture import Capturer
-from psguard.trainer.deferred_init import rebuilding
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.recovery import is_cluster_failure
 from psguard.trainer.registry import process_managers
@@ -188,8 +187,6 @@ class RestoreSide:
 
     def _restore_newest(self, *, status: bool = False) -> tuple[RestoreInfo, Restored] | None:
         """The newest state that loads: the memory tier when at least as new as the log, else the log."""
-        if rebuilding():  # a recovery: what the restore loads is on its way; instantiate the capture meanwhile
-            self.capturer.warm_up()
         asked = self._ask_durable_latest() if self._sink.supervised else None
         memory = self._sink.memory_snapshot(self.restore_timeout)
         if memory is not None and not memory.parts:

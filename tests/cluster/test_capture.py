@@ -185,10 +185,10 @@ def test_the_capture_runs_through_its_concrete_function_and_falls_back_on_other_
     assert capturer._capture_concrete is concrete  # the same traced function, found again
 
 
-def test_a_dry_call_instantiates_the_functions_and_reads_and_writes_nothing(
+def test_a_dry_call_instantiates_the_capture_and_reads_and_writes_nothing(
     rng: np.random.Generator, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A restore instantiates the capture and rebase functions by dry calls beside its load
+    """A restore has the capture function instantiated by a dry call while training resumes
     (``Capturer._warm_up``), so the first capture after it does not pay that as stall: such a call must read and
     write nothing, or the capture after it would miss the rows written before it."""
     model = local_model(rng)
@@ -211,10 +211,9 @@ def test_a_dry_call_instantiates_the_functions_and_reads_and_writes_nothing(
     )  # fmt: skip
     flat = [np.asarray(t) for t in tf.nest.flatten((results, hashed_all, strays, gap))]
     assert flat and all((a.size == 0) if a.ndim else not a.item() for a in flat), "a dry call returns nothing"
-    fns.rebase(tf.constant(True), True, capturer._variables())
     assert all(bitwise_equal(a, b) for a, b in zip(before, values(), strict=True)), "a dry call wrote something"
     with caplog.at_level("DEBUG", logger="psguard.trainer.capture_graph"), capturer._lock:
-        capturer._warm_up(spilled_too=True)
+        capturer._warm_up()
         capturer._join_warm()
     assert "warming" not in caplog.text
     updates = capturer.capture()
