@@ -636,6 +636,9 @@ class Agent:
         if sup is None:
             raise RequestError(503, "the task is not supervised yet")
         before = sup.status().restarts
+        within = (body or {}).get("unless_started_within")  # seconds: a run that young is left alone
+        if isinstance(within, int | float) and self.recovery.started_within(sup, float(within)):
+            return Response(200, {"ok": True, "task": self.task, "restarts_before": before, "fresh": True})
         if not self.recovery.restart(sup, f"requested over HTTP: {reason}"):
             raise RequestError(409, f"task {self.task} is not running under supervision ({sup.status().state.value})")
         log.info("event=restart_requested task=%s reason=%r", self.task, reason)

@@ -514,6 +514,13 @@ def test_restart_over_http_needs_the_token_on_a_public_bind(
     assert code == 202 and doc["restarts_before"] == 0
     after = agent.wait_status(lambda s: s["restarts"] == 1 and s["pid"] not in (None, before["pid"]), 30, "restart")
     assert "requested over HTTP: operator" in after["supervisor"]["last_reason"]
+    # A restart for a failure older than the current run leaves that run alone (it replaced the failed one).
+    body = {"reason": "a failure an hour ago", "unless_started_within": 3600.0}
+    code, doc = http_json("POST", f"{url}/restart", body=body, token=agent.token)
+    assert code == 200 and doc["fresh"] is True and doc["restarts_before"] == 1
+    status = agent.wait_status(lambda s: s["ready"], 30, "still running")
+    assert status["restarts"] == 1 and status["pid"] == after["pid"]
+    assert "event=restart_skipped" in agent.log()
     assert "s3cret" not in agent.log()
     agent.proc.send_signal(signal.SIGTERM)
     assert agent.wait_exit(30) == 0

@@ -198,7 +198,7 @@ def test_a_dry_call_instantiates_the_capture_and_reads_and_writes_nothing(
     model.table.variables[1].scatter_add(tf.IndexedSlices(tf.ones([2, 4]), tf.constant([3, 9])))
 
     def values() -> list[np.ndarray]:
-        shard_vars, counter, iterations = capturer._variables()
+        shard_vars, counter, _ = capturer._variables()
         held = [v for t in shard_vars for s in t for v in s if v is not None]
         return [np.asarray(v.numpy()).copy() for v in [*held, *([counter] if counter is not None else [])]]
 

@@ -171,10 +171,13 @@ class PeerSync:
                         del pending[url]
                 elif before is None and restart_ps and doc.get("role") in restarted_roles:
                     try:
+                        # A run that started after the failure is left alone by the peer: it may have come up
+                        # since its /status above (out of its restart backoff).
+                        since = {} if failed_at is None else {"unless_started_within": time.time() - failed_at}
                         code, answer = http_json(
                             "POST",
                             f"{url}/restart",
-                            body={"reason": why},
+                            body={"reason": why, **since},
                             token=self._peer_token,
                             timeout=cfg.request_timeout,
                             tls=self._tls,

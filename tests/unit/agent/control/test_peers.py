@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -160,3 +161,42 @@ def test_parity_copies_take_groups_of_two_or_more() -> None:
         from_data(PeersConfig, {"copies": "parity", "parity_group": 1})
     with pytest.raises(ConfigError, match="copies"):
         from_data(PeersConfig, {"copies": "xor"})
+
+
+def test_a_ps_restarted_by_its_agent_after_its_status_was_read_is_not_killed_again() -> None:
+    """The race of a 1 GB bench run (0.5 s of a 2 s recovery): the generation read the crashed PS's /status in its
+    restart backoff (no run), its agent restarted it from the standby, then the generation's POST /restart killed
+    that new run and the PS started cold. The POST now says how long ago the failure was; a run younger than that
+    is left alone by its agent (``unless_started_within``), and the generation waits for it like any restart."""
+    from psguard.agent.control.httpd import AgentHTTPServer, Response
+
+    state = {"restarts": 0, "uptime": None}
+    bodies: list[dict[str, object]] = []
+
+    def status() -> dict[str, object]:
+        return {
+            "task": "ps:0",
+            "role": "ps",
+            "state": "backoff" if state["uptime"] is None else "running",
+            "restarts": state["restarts"],
+            "ready": state["uptime"] is not None,
+            "supervisor": {"uptime_seconds": state["uptime"]},
+        }
+
+    def restart(request: object) -> Response:
+        body = request.json()  # type: ignore[attr-defined]
+        bodies.append(body)
+        state["restarts"], state["uptime"] = 1, 0.05  # its own restart came first: it is 0.05 s old
+        within = body.get("unless_started_within")
+        if isinstance(within, float) and state["uptime"] < within:  # as the agent judges (AgentRecovery)
+            return Response(200, {"ok": True, "fresh": True, "restarts_before": 0})
+        raise AssertionError("the generation asked to kill a run that started after the failure")
+
+    server = AgentHTTPServer(token=TOKEN, status=status)
+    server.add_post("/restart", restart)
+    with server:
+        peers = PeerSync("chief:0", [server.url], PeersConfig(ready_timeout=30), TOKEN, threading.Event())
+        failed_at = time.time() - 0.5
+        outcome = peers.sync(restart_ps=True, failed_at=failed_at)
+    assert outcome == {server.url: "restarted"}
+    assert len(bodies) == 1 and 0.5 <= float(bodies[0]["unless_started_within"]) < 30  # type: ignore[arg-type]
