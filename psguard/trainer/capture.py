@@ -474,8 +474,7 @@ class Capturer:
             check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             if keys:
                 fps = fingerprints or {}
-                which = tuple(ij for ij, _ in keys)
-                load = load_function(self._functions, which, tuple(k in fps for _, k in keys))
+                load = load_function(self._functions, tuple(ij for ij, _ in keys), tuple(k in fps for _, k in keys))
                 paths = tf.constant([str(files[k]) for _, k in keys])
                 with unoptimized_calls():
                     load(paths, tf.constant([str(fps.get(k, "")) for _, k in keys]), self._variables())
