@@ -22,10 +22,12 @@ number of recoveries (docs/design.md, "New trainer generation", has the measurem
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import logging
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -42,6 +44,13 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+#: How long a new generation waits for every worker to reach every PS again (gRPC's reconnect backoff, which TF
+#: caps at 1 s plus jitter, is what it waits out; a PS that does not answer by then is a new failure).
+REACH_SECONDS = 20.0
+
+#: How long an in-process rejoin waits for TF to reset the cluster context before the process leaves for a restart.
+RESET_SECONDS = 120.0
 
 #: How long the failed generation's collection waits for the PS restart's request to leave (see run_with_recovery).
 _SEND_FIRST_SECONDS = 0.05
@@ -114,11 +123,100 @@ class RecoveryReport:
     recoveries: list[RecoveryEvent] = field(default_factory=list)
 
 
-def reset_cluster_context() -> None:
-    """Give the eager context a fresh view of the cluster: old remote handles are dropped."""
+def reset_cluster_context(timeout: float = RESET_SECONDS) -> None:
+    """Give the eager context a fresh view of the cluster: old remote handles are dropped.
+
+    TF's ``update_server_def`` has no deadline, and it did not return in some runs where a second failure came
+    while a rebuild was in flight (a PS restarted under a worker's call). A hung reset never recovers, so after
+    ``timeout`` the process leaves with :func:`exit_for_restart`: under ``psguard agent`` a new trainer process
+    restores (the same checkpoints); without one, the exit code and the log say what happened.
+    """
     from tensorflow.python.eager import context
 
-    context.context().update_server_def(context.get_server_def())
+    done = threading.Event()
+
+    def give_up() -> None:
+        if not done.wait(timeout):
+            exit_for_restart(PsguardError(f"resetting the cluster context (update_server_def) took over {timeout:g}s"))
+
+    threading.Thread(target=give_up, name="psguard-reset-deadline", daemon=True).start()
+    try:
+        context.context().update_server_def(context.get_server_def())
+    finally:
+        done.set()
+
+
+_TOUCH: dict[tuple[str, ...], Any] = {}  # reach_every_ps's function, per list of PS devices
+
+
+def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
+    """Return once this process (``workers=False``: an op on every PS) or every worker (a function on each worker
+    with an op on every PS) reached every PS; the number of calls that failed first.
+
+    Why: a process that called the dead PS while it was down keeps its gRPC subchannel to that address in
+    reconnect backoff (up to 1.2 s in TF; gRPC shares subchannels between channels, so the new context's channels
+    inherit it) and fails every call to it at once until the backoff ends ("failed to connect to all addresses ...
+    Connection refused"), although the PS serves again. A rebuild (the chief's variables) or a first step (the
+    workers') quicker than that backoff failed: a second recovery for nothing, whose ``update_server_def`` hung in
+    TF in some runs. TF's coordinator would not retry it either: it tolerates 3 such errors per PS over its life,
+    and the failed generation used them up (:func:`restore_failure_tolerance`). Raises the last cluster failure
+    once ``deadline`` is over.
+    """
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    jobs = {job.name: sorted(job.tasks) for job in context.get_server_def().cluster.job}
+    ps_devices = [f"/job:ps/replica:0/task:{p}" for p in jobs.get("ps", [])]
+    end = time.monotonic() + deadline
+
+    def until_reached(call: Callable[[], object]) -> int:
+        failed = 0
+        while True:
+            try:
+                call()
+                return failed
+            except tf.errors.OpError as e:
+                if not is_cluster_failure(e) or time.monotonic() >= end:
+                    raise
+                failed += 1
+                time.sleep(0.05)  # nothing to wait on: gRPC connects again when its backoff ends
+
+    def from_here() -> None:
+        for device in ps_devices:
+            with tf.device(device):
+                tf.timestamp().numpy()
+
+    if not workers:
+        return until_reached(from_here)
+
+    def stamps() -> list[Any]:
+        out = []
+        for device in ps_devices:  # one output per PS: the worker talks to each PS, no PS to another
+            with tf.device(device):
+                out.append(tf.timestamp())
+        return out
+
+    touch = _TOUCH.setdefault(tuple(ps_devices), tf.function(stamps, autograph=False))  # traced once per process
+
+    def from_worker(device: str) -> None:
+        with tf.device(device):
+            for stamp in touch():
+                stamp.numpy()
+
+    worker_devices = [f"/job:worker/replica:0/task:{w}" for w in jobs.get("worker", [])] if ps_devices else []
+    return sum(until_reached(functools.partial(from_worker, device)) for device in worker_devices)
+
+
+def restore_failure_tolerance() -> None:
+    """Give each open manager's coordinator back TF's tolerance of transient PS errors (3 per PS, counted over
+    the coordinator's life): the failed generation used it up, and a new generation starts with it whole."""
+    for coordinator in process_managers.coordinators():
+        cluster = getattr(coordinator, "_cluster", None)
+        counts = getattr(cluster, "_potential_ps_failures_count", None)
+        lock = getattr(cluster, "_potential_ps_failures_lock", None)
+        if isinstance(counts, list) and lock is not None:
+            with lock:
+                counts[:] = [0] * len(counts)
 
 
 class StablePlacement:
@@ -186,6 +284,24 @@ def _rebuild(
         return build()
 
 
+def _rebuild_reaching(build: Callable[[], T], close: Callable[[T], None] | None, placement: StablePlacement) -> T:
+    """:func:`_rebuild` once this process reaches every PS, then wait until every worker does too
+    (:func:`reach_every_ps`); the new generation trains with TF's tolerance of transient PS errors whole again.
+
+    One after the other, not side by side: a worker's failed call (its backoff) also failed the chief's calls in
+    flight at the time, so a rebuild beside the workers' reach failed again and again until the backoff ended.
+    """
+    failed = reach_every_ps(workers=False)
+    if failed:
+        log.info("the chief reached every PS after %d failed call(s)", failed)
+    job = _rebuild(build, close, placement)
+    failed = reach_every_ps(workers=True)
+    if failed:
+        log.info("the workers reached every PS after %d failed call(s)", failed)
+    restore_failure_tolerance()
+    return job
+
+
 def run_with_recovery(
     build: Callable[[], T],
     train: Callable[[T], R],
@@ -223,7 +339,7 @@ def run_with_recovery(
                 # A rebuild is a restore on a cluster that may fail again (a second PS killed mid-restore): that
                 # failure is recovered from like one in training, never by a restore of an older checkpoint.
                 reset_cluster_context()
-                job = _rebuild(build, close, placement)
+                job = _rebuild_reaching(build, close, placement)
                 assert failure is not None
                 event = RecoveryEvent(attempt, str(failure[0]).splitlines()[0][:500], time.monotonic() - failure[1])
                 failure = None

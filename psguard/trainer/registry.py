@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 from psguard.errors import PsguardError
 
@@ -116,6 +116,15 @@ class ManagerRegistry:
                     log.info("the failed generation's pending saves are left to the agent, which finishes them")
             except PsguardError as e:
                 log.info("the failed generation's saves: %s", e)
+
+    def coordinators(self) -> list[Any]:
+        """The ``ClusterCoordinator`` of each open manager that has one (each once)."""
+        found: dict[int, Any] = {}
+        for manager, _ in self._open_now():
+            coordinator = getattr(manager, "coordinator", None)
+            if coordinator is not None:
+                found.setdefault(id(coordinator), coordinator)
+        return list(found.values())
 
     # ------------------------------------------------------------------------------------ the exit's side
 

@@ -24,6 +24,7 @@ import pytest
 import tensorflow as tf
 
 from psguard.chaos.resources import THREADS_PER_RECOVERY
+from psguard.handoff.contract import ENV_AGENT_URL, EXIT_RESTART
 from psguard.trainer.recovery import reset_cluster_context, run_with_recovery
 from tests.support.clusters import Chief
 from tests.support.paths import ROOT
@@ -59,6 +60,68 @@ def test_kill_ps_recovers_in_process_from_the_memory_tier(tmp_path: Path) -> Non
     # lost work is bounded by the memory tier's cadence (5 steps) plus the steps scheduled in one batch (5)
     assert 0 <= summary["seen_at_failure"] - restored["step"] <= 10
     assert restored["step"] >= first["step"]
+
+
+@pytest.mark.slow
+def test_a_new_generation_waits_until_the_workers_reach_every_ps_again() -> None:
+    """A worker that called the dead PS keeps its connection to that address in gRPC's reconnect backoff for up to
+    1.2 s after the PS serves again, failing every call to it at once: the in-process recovery test's second,
+    needless recovery (and a hung reset) came from the new generation's first steps hitting it. The chief here
+    (a subprocess with its own cluster) forces that backoff on a worker and checks that a call right after
+    ``reach_every_ps`` succeeds, and that a PS that stays dead is reported as a cluster failure at the deadline."""
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.support.reach_chief"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["down_call_failed"], out  # the worker did call the dead PS
+    assert out["worker_call_after_reach"] == "ok", out  # failed_calls says how long the backoff held it
+    assert out["dead_ps"] == "cluster failure" and 1.0 <= out["dead_ps_seconds"] < 30, out
+
+
+@pytest.mark.slow
+def test_a_reset_that_never_returns_ends_the_trainer_for_a_restart() -> None:
+    """TF's ``update_server_def`` has no deadline and hung in some runs (a second failure during a rebuild). The
+    hang is forced here (TF's method replaced by one that sleeps): the process leaves with the restart exit code
+    and says why, instead of hanging for good."""
+    program = (
+        "import time\n"
+        "from tensorflow.python.eager import context\n"
+        "from psguard.trainer.recovery import reset_cluster_context\n"
+        "context.context().update_server_def = lambda server_def: time.sleep(600)\n"
+        "reset_cluster_context(timeout=0.5)\n"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
+    env.pop(ENV_AGENT_URL, None)
+    done = subprocess.run(
+        [sys.executable, "-c", program], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == EXIT_RESTART, done.stderr[-3000:]
+    assert "update_server_def) took over 0.5s" in done.stderr
+
+
+def test_a_new_generation_gets_back_the_coordinators_tolerance_of_transient_ps_errors(
+    chief: Chief, tmp_path: Path
+) -> None:
+    """TF's coordinator re-runs a closure that failed on a PS up to 3 times per PS over its life (a transient
+    network error), and the failed generation used them up: the new generation's first such error ended it. The
+    rebuild gives the coordinator of every open manager its tolerance back."""
+    from psguard.trainer.manager import CheckpointManager
+    from psguard.trainer.recovery import restore_failure_tolerance
+
+    cluster = chief.coordinator._cluster
+    with chief.strategies["fixed2"].scope():
+        step = tf.Variable(0, dtype=tf.int64)
+    with CheckpointManager(tf.train.Checkpoint(step=step), str(tmp_path / "store"), coordinator=chief.coordinator):
+        cluster._potential_ps_failures_count[:] = [3] * len(cluster._potential_ps_failures_count)
+        restore_failure_tolerance()
+        assert cluster._potential_ps_failures_count == [0] * chief.cluster.num_ps
 
 
 class _Agent(http.server.ThreadingHTTPServer):
