@@ -248,6 +248,7 @@ class Agent:
             http=self.config.http,
             spool_dir=self.spool_dir,
             store=self.config.store,
+            huge_pages=self.config.supervisor.huge_pages,
         )
 
     # ------------------------------------------------------------------------------------------ lifecycle

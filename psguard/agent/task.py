@@ -48,6 +48,18 @@ def server_command(cluster: Mapping[str, Sequence[str]], role: str, index: int) 
     ]
 
 
+#: glibc's tunable for malloc to ask the kernel for transparent huge pages (``supervisor.huge_pages``).
+HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+
+
+def with_huge_pages(env: dict[str, str]) -> None:
+    """Add :data:`HUGE_PAGES_TUNABLE` to ``env``'s ``GLIBC_TUNABLES``, unless it sets ``glibc.malloc.hugetlb``
+    already (the user's choice stands). An older glibc ignores the name; a kernel without THP, the advice."""
+    current = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb=" not in current:
+        env["GLIBC_TUNABLES"] = f"{current}:{HUGE_PAGES_TUNABLE}" if current else HUGE_PAGES_TUNABLE
+
+
 def task_env(
     cluster: Mapping[str, Sequence[str]],
     role: str,
@@ -58,12 +70,16 @@ def task_env(
     http: HttpConfig,
     spool_dir: Path | None,
     store: str | None,
+    huge_pages: bool = False,
 ) -> dict[str, str]:
     """The task's environment: ``TF_CONFIG`` for its role and index, and the variables of
-    :mod:`psguard.handoff.contract` (its agent's URL, token file and TLS files; the chief's spool and store)."""
+    :mod:`psguard.handoff.contract` (its agent's URL, token file and TLS files; the chief's spool and store);
+    a PS's malloc asks for huge pages with ``huge_pages`` (``supervisor.huge_pages``)."""
     env = dict(os.environ)
     for key, value in QUIET_TENSORFLOW.items():
         env.setdefault(key, value)
+    if huge_pages and role == "ps":
+        with_huge_pages(env)
     env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}, "rpc_layer": "grpc"})
     env[ENV_TASK] = f"{role}:{index}"
     env[ENV_AGENT_URL] = url

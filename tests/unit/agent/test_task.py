@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import pytest
 
 from psguard.agent.config import AgentConfig, HttpConfig
 from psguard.agent.process.prober import GrpcStatusProbe, ProcessProbe, TcpProbe
-from psguard.agent.task import server_command, task_env, task_probes, task_record
+from psguard.agent.task import HUGE_PAGES_TUNABLE, server_command, task_env, task_probes, task_record
 from psguard.handoff.contract import (
     ENV_AGENT_CA,
     ENV_AGENT_CLIENT_CERT,
@@ -54,6 +55,49 @@ def test_a_chiefs_environment_carries_its_spool_its_store_and_mutual_tls_files(t
     assert env[ENV_AGENT_CA] == str(Path("ca.pem").resolve())
     assert env[ENV_AGENT_CLIENT_CERT] == str(Path("cert.pem").resolve())
     assert env[ENV_AGENT_CLIENT_KEY] == str(Path("key.pem").resolve())
+
+
+def test_a_ps_mallocs_with_huge_pages_and_a_users_own_tunables_stay(monkeypatch: pytest.MonkeyPatch) -> None:
+    def tunables(role: str, huge_pages: bool = True) -> str | None:
+        env = task_env(
+            CLUSTER, role, 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
+            huge_pages=huge_pages,
+        )  # fmt: skip
+        return env.get("GLIBC_TUNABLES")
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert tunables("ps") == HUGE_PAGES_TUNABLE
+    assert tunables("chief") is None and tunables("worker") is None and tunables("ps", huge_pages=False) is None
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    assert tunables("ps") == f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
+    assert tunables("ps") == "glibc.malloc.hugetlb=0"  # the user turned it off
+
+
+def test_the_huge_pages_tunable_gives_a_process_huge_pages_for_its_large_blocks() -> None:
+    """The setting does what it is for with this machine's glibc and kernel: 64 MB from malloc, touched, sits
+    (partly) in transparent huge pages."""
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not mode.exists() or "[never]" in mode.read_text():
+        pytest.skip("the kernel has transparent huge pages off")
+    program = (
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None)\n"
+        "libc.malloc.restype = ctypes.c_void_p\n"
+        "n = 64 << 20\n"
+        "p = libc.malloc(n)\n"
+        "ctypes.memset(p, 1, n)\n"
+        "rollup = open('/proc/self/smaps_rollup').read()\n"
+        "print(int(rollup.split('AnonHugePages:')[1].split()[0]))\n"
+    )
+
+    def huge_kb(tunables: str) -> int:
+        env = {**os.environ, "GLIBC_TUNABLES": tunables}
+        done = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    assert huge_kb(HUGE_PAGES_TUNABLE) >= 32 << 10, "64 MB malloc'd with the tunable: under 32 MB in huge pages"
 
 
 def test_the_builtin_server_dies_with_its_agent_and_gets_the_cluster_as_json() -> None:
