@@ -165,7 +165,10 @@ def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
     import tensorflow as tf
     from tensorflow.python.eager import context
 
-    jobs = {job.name: sorted(job.tasks) for job in context.get_server_def().cluster.job}
+    server_def = context.get_server_def()
+    if server_def is None:  # no cluster: nothing to reach
+        return 0
+    jobs = {job.name: sorted(job.tasks) for job in server_def.cluster.job}
     ps_devices = [f"/job:ps/replica:0/task:{p}" for p in jobs.get("ps", [])]
     end = time.monotonic() + deadline
 
@@ -333,8 +336,13 @@ def run_with_recovery(
     with placement.building():
         job: T | None = build()
     failure: tuple[BaseException, float] | None = None  # the failure being recovered from, and when it was seen
+    warm = True
     while True:
         try:
+            if warm:  # reach_every_ps traced and instantiated now: 0.1 s of the first recovery otherwise
+                warm = False
+                reach_every_ps(workers=False)
+                reach_every_ps(workers=True)
             if job is None:
                 # A rebuild is a restore on a cluster that may fail again (a second PS killed mid-restore): that
                 # failure is recovered from like one in training, never by a restore of an older checkpoint.
