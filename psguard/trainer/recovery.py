@@ -153,7 +153,8 @@ def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
     """Return once this process (``workers=False``: an op on every PS) or every worker (a function on each worker
     with an op on every PS) reached every PS; the number of calls that failed first.
 
-    Why: a process that called the dead PS while it was down keeps its gRPC subchannel to that address in
+    A worker that is down itself is skipped (TF's coordinator handles a lost worker). Why: a process that called
+    the dead PS while it was down keeps its gRPC subchannel to that address in
     reconnect backoff (up to 1.2 s in TF; gRPC shares subchannels between channels, so the new context's channels
     inherit it) and fails every call to it at once until the backoff ends ("failed to connect to all addresses ...
     Connection refused"), although the PS serves again. A rebuild (the chief's variables) or a first step (the
@@ -202,9 +203,16 @@ def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
     touch = _TOUCH.setdefault(tuple(ps_devices), tf.function(stamps, autograph=False))  # traced once per process
 
     def from_worker(device: str) -> None:
-        with tf.device(device):
-            for stamp in touch():
-                stamp.numpy()
+        try:
+            with tf.device(device):
+                for stamp in touch():
+                    stamp.numpy()
+        except tf.errors.OpError as e:
+            if "/job:ps/" in str(e) or not is_cluster_failure(e):
+                raise  # the worker is up and cannot reach a PS (its backoff): retried
+            # The worker itself is down (preempted, its node lost): TF's coordinator waits for a worker on its own
+            # and re-runs its closures; a PS recovery must not wait for it, let alone fail on it.
+            log.info("%s is not reachable; the coordinator handles a lost worker: %s", device, str(e).splitlines()[0])
 
     worker_devices = [f"/job:worker/replica:0/task:{w}" for w in jobs.get("worker", [])] if ps_devices else []
     return sum(until_reached(functools.partial(from_worker, device)) for device in worker_devices)

@@ -68,7 +68,8 @@ def test_a_new_generation_waits_until_the_workers_reach_every_ps_again() -> None
     1.2 s after the PS serves again, failing every call to it at once: the in-process recovery test's second,
     needless recovery (and a hung reset) came from the new generation's first steps hitting it. The chief here
     (a subprocess with its own cluster) forces that backoff on a worker and checks that a call right after
-    ``reach_every_ps`` succeeds, and that a PS that stays dead is reported as a cluster failure at the deadline."""
+    ``reach_every_ps`` succeeds, that a worker down itself is skipped (TF's coordinator waits for workers), and that
+    a PS that stays dead is reported as a cluster failure at the deadline."""
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "TF_ENABLE_ONEDNN_OPTS": "0"}
     done = subprocess.run(
         [sys.executable, "-m", "tests.support.reach_chief"],
@@ -82,6 +83,7 @@ def test_a_new_generation_waits_until_the_workers_reach_every_ps_again() -> None
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["down_call_failed"], out  # the worker did call the dead PS
     assert out["worker_call_after_reach"] == "ok", out  # failed_calls says how long the backoff held it
+    assert out["dead_worker_failed_calls"] == 0 and out["dead_worker_seconds"] < 10.0, out  # skipped, not waited for
     assert out["dead_ps"] == "cluster failure" and 1.0 <= out["dead_ps_seconds"] < 30, out
 
 

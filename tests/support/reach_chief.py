@@ -2,8 +2,9 @@
 
 It owns a 2-PS, 1-worker LocalCluster. It kills ps:0 and calls it from the worker while it is down (the call
 fails to connect: the worker's gRPC backs off that address for up to 1.2 s), restarts ps:0, resets the cluster
-context and runs psguard.trainer.recovery.reach_every_ps, then calls ps:0 from the worker at once. Then
-it kills ps:1 for good and asks for a reach with a short deadline. Prints one JSON line.
+context and runs psguard.trainer.recovery.reach_every_ps, then calls ps:0 from the worker at once. Then it
+kills the worker (a reach goes on without it) and ps:1 for good (a reach with a short deadline fails). Prints one
+JSON line.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def main() -> None:
             out["worker_call_after_reach"] = "ok"
         except tf.errors.OpError as e:
             out["worker_call_after_reach"] = str(e).splitlines()[0]
+
+        cluster.kill("worker", 0)  # a worker down itself: left to the coordinator, the reach goes on without it
+        t0 = time.monotonic()
+        out["dead_worker_failed_calls"] = reach_every_ps(workers=True, deadline=10.0)
+        out["dead_worker_seconds"] = time.monotonic() - t0
 
         cluster.kill("ps", 1)
         t0 = time.monotonic()
