@@ -153,15 +153,14 @@ def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
     """Return once this process (``workers=False``: an op on every PS) or every worker (a function on each worker
     with an op on every PS) reached every PS; the number of calls that failed first.
 
-    A worker that is down itself is skipped (TF's coordinator handles a lost worker). Why: a process that called
-    the dead PS while it was down keeps its gRPC subchannel to that address in
+    Why: a process that called the dead PS while it was down keeps its gRPC subchannel to that address in
     reconnect backoff (up to 1.2 s in TF; gRPC shares subchannels between channels, so the new context's channels
     inherit it) and fails every call to it at once until the backoff ends ("failed to connect to all addresses ...
     Connection refused"), although the PS serves again. A rebuild (the chief's variables) or a first step (the
     workers') quicker than that backoff failed: a second recovery for nothing, whose ``update_server_def`` hung in
     TF in some runs. TF's coordinator would not retry it either: it tolerates 3 such errors per PS over its life,
-    and the failed generation used them up (:func:`restore_failure_tolerance`). Raises the last cluster failure
-    once ``deadline`` is over.
+    and the failed generation used them up (:func:`restore_failure_tolerance`). A worker that is down itself is
+    skipped (TF's coordinator handles a lost worker). Raises the last cluster failure once ``deadline`` is over.
     """
     import tensorflow as tf
     from tensorflow.python.eager import context
