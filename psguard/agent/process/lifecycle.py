@@ -151,7 +151,7 @@ class SupervisorConfig:
     # user's own is kept): the kernel then maps and frees the tensors' memory 2 MB at a time. A killed PS holding
     # 512 MB closes its sockets (its peers see the failure, its port is free for the next run) only once that
     # memory is freed: 0.2-0.25 s with 4 KB pages, a few ms with huge pages; and a restore of 512 MB took 0.45
-    # instead of 0.65 s. A 1 GB job's recovery went from 2.3 to 1.5 s (BENCHMARKS.md, "1 GB").
+    # instead of 0.65 s. A 1 GB job's recovery went from 2.4 to 1.8 s (BENCHMARKS.md, "1 GB").
     huge_pages: bool = True
 
     def __post_init__(self) -> None:
