@@ -14,6 +14,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -24,6 +25,9 @@ from psguard.handoff.client import http_json
 __all__ = ["PeerSync", "PeersConfig"]
 
 log = logging.getLogger(__name__)
+
+#: Peers a generation visits at once (each visit is an HTTP call or two).
+_MAX_PARALLEL = 32
 
 
 @dataclass(frozen=True)
@@ -121,84 +125,94 @@ class PeerSync:
         pending: dict[str, int | None] = dict.fromkeys(self.peers)  # None: not asked yet; int: restarts before
         fresh: set[str] = set()
         last_error: dict[str, str] = {}
-        while pending and not self._stop.is_set() and time.monotonic() < deadline:
-            for url, before in list(pending.items()):
-                asked_at = time.time()  # the answer's uptime is measured later: the PS started after asked - uptime
+
+        def visit(url: str, before: int | None) -> None:
+            """One peer's round: its status, its restart if due, its outcome once settled. Each visit touches
+            only its own peer's keys, so the peers are visited side by side."""
+            asked_at = time.time()  # the answer's uptime is measured later: the PS started after asked - uptime
+            try:
+                code, doc = http_json(
+                    "GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout, tls=self._tls
+                )
+            except OSError as e:
+                last_error[url] = str(e)
+                return  # not serving yet: retried until the deadline
+            if code != 200 or not isinstance(doc, dict):
+                outcome[url] = f"error: GET /status answered HTTP {code}"
+                del pending[url]
+                return
+            if isinstance(doc.get("task"), str):
+                self.names[url] = doc["task"]
+                node = doc.get("node")
+                self.nodes[doc["task"]] = node if isinstance(node, str) else None
+                shards = doc.get("shards")
+                if isinstance(shards, dict) and isinstance(shards.get("folder"), str):
+                    self.part_dirs[doc["task"]] = shards["folder"]
+                    self.part_stores[doc["task"]] = shards.get("store") is True
+            restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
+            uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
+            if (
+                before is None
+                and restart_ps
+                and doc.get("role") in restarted_roles
+                and (
+                    # A new agent (a replacement node) that has not started its PS yet: that PS will hold
+                    # nothing of any generation. Asked to restart it, the agent answers 409 (idle).
+                    (doc.get("state") == "idle" and restarts == 0)
+                    or (
+                        failed_at is not None
+                        and isinstance(uptime, int | float)
+                        and asked_at - uptime > failed_at  # a lower bound of its start: no margin needed
+                    )
+                )
+            ):
+                fresh.add(url)  # started after the failure: wait for it, do not restart it again
+                pending[url] = restarts
+                before = restarts
+                if self.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
+                    self.on_fresh(doc["task"])
+            if url in fresh:
+                if ready:
+                    outcome[url] = "fresh (started after the failure)"
+                    del pending[url]
+            elif before is None and restart_ps and doc.get("role") in restarted_roles:
                 try:
-                    code, doc = http_json(
-                        "GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout, tls=self._tls
+                    # A run that started after the failure is left alone by the peer: it may have come up
+                    # since its /status above (out of its restart backoff).
+                    since = {} if failed_at is None else {"unless_started_within": time.time() - failed_at}
+                    code, answer = http_json(
+                        "POST",
+                        f"{url}/restart",
+                        body={"reason": why, **since},
+                        token=self._peer_token,
+                        timeout=cfg.request_timeout,
+                        tls=self._tls,
                     )
                 except OSError as e:
                     last_error[url] = str(e)
-                    continue  # not serving yet: retried until the deadline
-                if code != 200 or not isinstance(doc, dict):
-                    outcome[url] = f"error: GET /status answered HTTP {code}"
+                    return
+                if not 200 <= code < 300:
+                    message = answer.get("error", "") if isinstance(answer, dict) else ""
+                    outcome[url] = f"error: POST /restart answered HTTP {code}: {message}"
                     del pending[url]
-                    continue
-                if isinstance(doc.get("task"), str):
-                    self.names[url] = doc["task"]
-                    node = doc.get("node")
-                    self.nodes[doc["task"]] = node if isinstance(node, str) else None
-                    shards = doc.get("shards")
-                    if isinstance(shards, dict) and isinstance(shards.get("folder"), str):
-                        self.part_dirs[doc["task"]] = shards["folder"]
-                        self.part_stores[doc["task"]] = shards.get("store") is True
-                restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
-                uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
-                if (
-                    before is None
-                    and restart_ps
-                    and doc.get("role") in restarted_roles
-                    and (
-                        # A new agent (a replacement node) that has not started its PS yet: that PS will hold
-                        # nothing of any generation. Asked to restart it, the agent answers 409 (idle).
-                        (doc.get("state") == "idle" and restarts == 0)
-                        or (
-                            failed_at is not None
-                            and isinstance(uptime, int | float)
-                            and asked_at - uptime > failed_at  # a lower bound of its start: no margin needed
-                        )
-                    )
-                ):
-                    fresh.add(url)  # started after the failure: wait for it, do not restart it again
-                    pending[url] = restarts
-                    before = restarts
-                    if self.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
-                        self.on_fresh(doc["task"])
-                if url in fresh:
-                    if ready:
-                        outcome[url] = "fresh (started after the failure)"
-                        del pending[url]
-                elif before is None and restart_ps and doc.get("role") in restarted_roles:
-                    try:
-                        # A run that started after the failure is left alone by the peer: it may have come up
-                        # since its /status above (out of its restart backoff).
-                        since = {} if failed_at is None else {"unless_started_within": time.time() - failed_at}
-                        code, answer = http_json(
-                            "POST",
-                            f"{url}/restart",
-                            body={"reason": why, **since},
-                            token=self._peer_token,
-                            timeout=cfg.request_timeout,
-                            tls=self._tls,
-                        )
-                    except OSError as e:
-                        last_error[url] = str(e)
-                        continue
-                    if not 200 <= code < 300:
-                        message = answer.get("error", "") if isinstance(answer, dict) else ""
-                        outcome[url] = f"error: POST /restart answered HTTP {code}: {message}"
-                        del pending[url]
-                        continue
-                    pending[url] = restarts
-                elif before is None and restart_ps:
-                    outcome[url] = f"skipped ({doc.get('role')})"
-                    del pending[url]
-                elif ready and (before is None or restarts > before):
-                    outcome[url] = "restarted" if before is not None else "ready"
-                    del pending[url]
-            if pending:
-                self._stop.wait(0.1)  # polling the peers' state, bounded by the deadline
+                    return
+                pending[url] = restarts
+            elif before is None and restart_ps:
+                outcome[url] = f"skipped ({doc.get('role')})"
+                del pending[url]
+            elif ready and (before is None or restarts > before):
+                outcome[url] = "restarted" if before is not None else "ready"
+                del pending[url]
+
+        # Side by side: one at a time, a restart request reached the N-th PS N round trips after the first (about
+        # 25 ms each on loopback: 2.4 s at 100 PS, on every recovery's path).
+        with ThreadPoolExecutor(
+            min(_MAX_PARALLEL, max(1, len(self.peers))), thread_name_prefix="psguard-peers"
+        ) as pool:
+            while pending and not self._stop.is_set() and time.monotonic() < deadline:
+                list(pool.map(lambda item: visit(*item), list(pending.items())))
+                if pending:
+                    self._stop.wait(0.1)  # polling the peers' state, bounded by the deadline
         for url in pending:
             detail = f" (last error: {last_error[url]})" if url in last_error else ""
             if self._stop.is_set():
