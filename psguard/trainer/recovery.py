@@ -294,6 +294,20 @@ def _rebuild(
         return build()
 
 
+def _reach(*, workers: bool) -> None:
+    """:func:`reach_every_ps`, said in the log; a check that cannot run at all (an error that is not a cluster
+    failure, as in a cluster psguard's probe does not fit) is logged and skipped, never the end of the job."""
+    try:
+        failed = reach_every_ps(workers=workers)
+    except Exception as e:
+        if is_cluster_failure(e):
+            raise
+        log.warning("could not check that %s every PS: %s", "the workers reach" if workers else "the chief reaches", e)
+        return
+    if failed:
+        log.info("%s reached every PS after %d failed call(s)", "the workers" if workers else "the chief", failed)
+
+
 def _rebuild_reaching(build: Callable[[], T], close: Callable[[T], None] | None, placement: StablePlacement) -> T:
     """:func:`_rebuild` once this process reaches every PS, then wait until every worker does too
     (:func:`reach_every_ps`); the new generation trains with TF's tolerance of transient PS errors whole again.
@@ -301,13 +315,9 @@ def _rebuild_reaching(build: Callable[[], T], close: Callable[[T], None] | None,
     One after the other, not side by side: a worker's failed call (its backoff) also failed the chief's calls in
     flight at the time, so a rebuild beside the workers' reach failed again and again until the backoff ended.
     """
-    failed = reach_every_ps(workers=False)
-    if failed:
-        log.info("the chief reached every PS after %d failed call(s)", failed)
+    _reach(workers=False)
     job = _rebuild(build, close, placement)
-    failed = reach_every_ps(workers=True)
-    if failed:
-        log.info("the workers reached every PS after %d failed call(s)", failed)
+    _reach(workers=True)
     restore_failure_tolerance()
     return job
 
@@ -348,8 +358,8 @@ def run_with_recovery(
         try:
             if warm:  # reach_every_ps traced and instantiated now: 0.1 s of the first recovery otherwise
                 warm = False
-                reach_every_ps(workers=False)
-                reach_every_ps(workers=True)
+                _reach(workers=False)
+                _reach(workers=True)
             if job is None:
                 # A rebuild is a restore on a cluster that may fail again (a second PS killed mid-restore): that
                 # failure is recovered from like one in training, never by a restore of an older checkpoint.
