@@ -327,15 +327,22 @@ def main(argv: list[str] | None = None) -> int:
     def save(job: Job, step: int) -> None:
         durable = durable_due(step)
         tiers = frozenset({Tier.MEMORY, Tier.DURABLE} if durable else {Tier.MEMORY})
-        progress.op("invoke", "capture", step=step, tiers=sorted(str(t) for t in tiers))
-        taken: dict[str, Any] = {"digest": None}
+        named = sorted(str(t) for t in tiers)
         try:
             taken = digest(job.model, job.optimizer)  # the cluster is drained: this is the state captured next
+        except Exception as e:  # nothing was handed to the agent: the capture did not happen
+            progress.op("invoke", "capture", step=step, tiers=named)
+            progress.op("fail", "capture", step=step, error=str(e).splitlines()[0][:300] if str(e) else "")
+            raise
+        # The digest goes with the invoke: a trainer killed inside the save leaves a capture its agent may hold
+        # (and restore), and the history must still say what that capture was.
+        progress.op("invoke", "capture", step=step, tiers=named, **taken)
+        try:
             handle = job.manager.save(step, tiers=tiers)
         except Exception as e:  # it may have reached the agent's memory tier before the failure: unknown
-            progress.op("info", "capture", step=step, error=str(e).splitlines()[0][:300] if str(e) else "", **taken)
+            progress.op("info", "capture", step=step, error=str(e).splitlines()[0][:300] if str(e) else "")
             raise
-        progress.op("ok", "capture", step=step, stall=handle.stall_seconds, **taken)
+        progress.op("ok", "capture", step=step, stall=handle.stall_seconds)
         progress.op("invoke", "memory-commit", step=step)
         if durable:
             state["durable"], state["durable_at"] = step, time.monotonic()

@@ -73,9 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         saved = step if path else None
         while step < args.steps:
             if saved is None or step - saved >= args.durable_every:
-                progress.op("invoke", "capture", step=step, tiers=["durable"])
-                digest, seconds = timed_digest(model, optimizer)
-                progress.op("ok", "capture", step=step, digest=digest, harness_seconds=round(seconds, 4))
+                digest, seconds = timed_digest(model, optimizer)  # with the invoke, as the psguard trainer's
+                progress.op("invoke", "capture", step=step, tiers=["durable"], digest=digest,
+                            harness_seconds=round(seconds, 4))  # fmt: skip
+                progress.op("ok", "capture", step=step)
                 progress.op("invoke", "durable-commit", step=step)
                 saved_path = manager.save(checkpoint_number=step)
                 progress.op("ok", "durable-commit", step=step, id=saved_path)

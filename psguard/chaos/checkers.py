@@ -7,8 +7,9 @@ so ``psguard chaos check history.jsonl`` judges a finished run again without its
 The vocabulary of the history they rely on (see :mod:`psguard.demo_trainer` and :mod:`psguard.chaos.nemesis`):
 
 - trainer processes ``trainer-<pid>``: ``train`` (value ``step`` = the step after the chunk), ``capture``
-  (``step``, ``digest``), ``memory-commit``, ``durable-commit`` (``id``), ``restore`` (``step``, ``source``,
-  ``id``, ``digest``), ``eval`` (``loss``);
+  (``step``; ``digest`` on the invoke, so that a capture cut short by the trainer's death still has one),
+  ``memory-commit``, ``durable-commit`` (``id``), ``restore`` (``step``, ``source``, ``id``, ``digest``),
+  ``eval`` (``loss``);
 - ``nemesis``: the faults (``kill``, ``terminate``, ``pause``, ``kill-agent``, ``corrupt-chunk``,
   ``truncate-chunk``, ``storage-stop``) and heals (``resume``, ``start-agent``, ``storage-start``);
 - ``harness``: ``run`` (the run's parameters, the target step, the bounds, ``peer_copies``: whether the PS

@@ -35,7 +35,8 @@ class H:
         self.op(p, "train", {"step": step, "steps": to - step}, {"step": to})
 
     def commit(self, step: int, durable: bool, p: str = T, type: str = "ok") -> None:
-        self.op(p, "capture", {"step": step}, {"step": step, "digest": {"*": f"d{step}"}})
+        # As the chaos trainer records it: the digest with the invoke, taken before the capture is handed over.
+        self.op(p, "capture", {"step": step, "digest": {"*": f"d{step}"}}, {"step": step})
         self.op(p, "memory-commit", {"step": step}, {"step": step}, type)
         if durable:
             self.op(p, "durable-commit", {"step": step}, {"step": step, "id": f"{step:012d}-aaaaaaaa"}, type)

@@ -274,6 +274,32 @@ def test_a_restore_that_differs_from_its_capture_is_invalid() -> None:
     assert v.status == "invalid" and v.evidence["mismatched"][0]["variables_differing"] == ["embedding"]
 
 
+def test_a_capture_cut_short_by_the_trainers_death_is_still_checked_against_its_digest() -> None:
+    """The trainer killed inside a save: the agent already held the capture and the next generation restores it.
+    The capture's invoke carries the digest, so the restore is still checked bit for bit (it was once unknown)."""
+    h = H()
+    h.commit(0, durable=True)
+    h.train(0, 5)
+    h.op(T, "capture", {"step": 5, "digest": {"*": "d5"}}, None)  # no completion: the trainer died in the save
+    h.fault("kill", "chief")
+    h.restore(5, source="memory", p="trainer-200")
+    h.train(5, 20, p="trainer-200")
+    h.finish()
+    verdicts = check_all(h.records)
+    assert verdicts["restore-exact"].status == "valid", verdicts["restore-exact"]
+    assert verdicts["restore-exact"].evidence["matched"] == [{"step": 5, "source": "memory", "digest": "d5"}]
+    assert verdicts["restore-newest"].status == "valid", verdicts["restore-newest"]
+    h2 = H()
+    h2.commit(0, durable=True)
+    h2.train(0, 5)
+    h2.op(T, "capture", {"step": 5, "digest": {"*": "d5"}}, None)
+    h2.fault("kill", "chief")
+    h2.restore(5, source="memory", digest="torn", p="trainer-200")
+    h2.train(5, 20, p="trainer-200")
+    h2.finish()
+    assert check_all(h2.records)["restore-exact"].status == "invalid"
+
+
 def test_lost_work_over_the_bound_is_invalid() -> None:
     h = H()
     h.commit(0, durable=True)
