@@ -474,3 +474,21 @@ def test_a_starting_task_is_seen_healthy_soon_after_it_answers_not_a_whole_inter
         probe.ok = False
         time.sleep(0.3)  # a healthy task is probed every interval: no round in this window (asserting an absence)
         assert probe.checks == checks
+
+
+def test_a_reset_probes_the_new_run_at_once_not_at_the_healthy_schedule() -> None:
+    """A healthy PS restarted by a new generation (the monitor reset): its next round comes at once, then every
+    STARTING_POLL, not a whole ``interval`` after its last healthy round (the generation waits for the last PS
+    to be seen serving: 0.07-0.43 s at interval 0.5, 1 GB bench)."""
+    probe, rec = Scripted(), Recorder()
+    monitor = HealthMonitor("ps:1", [probe], interval=30.0, deadline=5.0, on_health=rec.on_health)
+    with monitor:
+        rec.wait(lambda: Health.HEALTHY in rec.health)
+        checks = probe.checks
+        probe.ok = False  # the restarted run does not answer yet
+        monitor.reset()
+        wait_until(lambda: probe.checks >= checks + 3, 5, "rounds right after the reset, 30 s before the next due")
+        assert monitor.health is Health.STARTING
+        probe.ok = True
+        rec.wait(lambda: rec.health[-1] is Health.HEALTHY, timeout=5.0)
+    assert rec.health == [Health.HEALTHY, Health.STARTING, Health.HEALTHY]

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 
 #: Peers a generation visits at once (each visit is an HTTP call or two).
 _MAX_PARALLEL = 32
+#: Between rounds of GET /status to the peers still starting (a new generation's restart, the start's sync).
+_POLL_SECONDS = 0.025
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,10 @@ class PeerSync:
             while pending and not self._stop.is_set() and time.monotonic() < deadline:
                 list(pool.map(lambda item: visit(*item), list(pending.items())))
                 if pending:
-                    self._stop.wait(0.1)  # polling the peers' state, bounded by the deadline
+                    # Polling the peers' state, bounded by the deadline. The trainer waits for the last PS seen
+                    # ready: at 0.1 s a round cost 0.05 s of every recovery on average; a round is one GET /status
+                    # per PS still pending.
+                    self._stop.wait(_POLL_SECONDS)
         for url in pending:
             detail = f" (last error: {last_error[url]})" if url in last_error else ""
             if self._stop.is_set():
