@@ -492,3 +492,18 @@ def test_a_reset_probes_the_new_run_at_once_not_at_the_healthy_schedule() -> Non
         probe.ok = True
         rec.wait(lambda: rec.health[-1] is Health.HEALTHY, timeout=5.0)
     assert rec.health == [Health.HEALTHY, Health.STARTING, Health.HEALTHY]
+
+
+def test_an_agent_without_jwt_settings_never_loads_pyjwt_or_cryptography() -> None:
+    """Every agent's start pays its imports, and a replaced node's agent is on the recovery's path: PyJWT and
+    cryptography (~50 ms) load only when an agent is given JWT settings."""
+    code = (
+        "import sys\n"
+        "import psguard.agent.daemon, psguard.agent.cli\n"
+        "from psguard.agent.control.auth import TokenAuth\n"
+        "print(sorted(m for m in ('jwt', 'cryptography') if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=server_env(), capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "[]", out.stdout

@@ -20,10 +20,6 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-import jwt
-from cryptography.hazmat.primitives.asymmetric import ec, rsa
-from cryptography.hazmat.primitives.serialization import load_pem_public_key
-
 from psguard.errors import ConfigError
 from psguard.handoff.credentials import read_secret_file
 
@@ -102,6 +98,11 @@ class JwtAuth:
     @classmethod
     def from_public_key_file(cls, path: str, audience: str) -> JwtAuth:
         """RS256 (an RSA key) or ES256 (an EC P-256 key) from a PEM public key; the algorithm follows the key."""
+        # Here, not at the top: PyJWT and cryptography cost every agent ~50 ms of its start (a replaced node's
+        # agent is on the recovery's path), and only agents given JWT settings use them.
+        from cryptography.hazmat.primitives.asymmetric import ec, rsa
+        from cryptography.hazmat.primitives.serialization import load_pem_public_key
+
         try:
             with open(path, "rb") as f:
                 key = load_pem_public_key(f.read())
@@ -118,6 +119,8 @@ class JwtAuth:
     def scopes(self, credential: str) -> frozenset[str] | None:
         if credential.count(".") != 2:
             return None  # not a JWT: another authenticator's credential
+        import jwt  # lazy: see from_public_key_file
+
         try:
             claims = jwt.decode(
                 credential,
