@@ -35,7 +35,7 @@ health              ps / worker: :class:`~psguard.agent.process.prober.HealthMon
                     ``--peer`` agent's ``/readyz`` (reported in ``/status`` and ``/metrics`` only).
 memory tier         chief only: :class:`~psguard.agent.tiers.memory_tier.MemoryTier` fed by a
                     :class:`~psguard.agent.tiers.spool_server.SpoolServer` (``--spool``, default
-                    :func:`~psguard.handoff.spool.default_spool_dir` of the job) and written to the durable log
+                    :func:`~psguard.handoff.contract.default_spool_dir` of the job) and written to the durable log
                     by a :class:`~psguard.agent.tiers.persister.Persister` (``--store``). At start
                     :func:`~psguard.agent.tiers.persister.resume` seeds the tier from the durable log, so an agent
                     restarted after a crash (even a SIGKILL in the middle of a persist: the manifest is the
@@ -82,7 +82,7 @@ from psguard.agent.process.supervisor import Supervisor
 from psguard.agent.recovery import Recovery
 from psguard.agent.task import server_command, task_env, task_probes, task_record
 from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
-from psguard.handoff.contract import ENV_PARTS
+from psguard.handoff.contract import ENV_PARTS, default_spool_dir
 from psguard.handoff.credentials import TokenFile, create_token_file
 from psguard.handoff.tls import client_context, server_context
 from psguard.storage.registry import redact
@@ -389,7 +389,7 @@ class Agent:
         from psguard.agent.tiers.memory_tier import MemoryTier
         from psguard.agent.tiers.persister import Persister, resume
         from psguard.agent.tiers.spool_server import SpoolServer
-        from psguard.handoff.spool import SpoolPaths, default_spool_dir
+        from psguard.handoff.spool import SpoolPaths
         from psguard.store import Store
 
         cfg = self.config

@@ -26,6 +26,7 @@ from psguard.handoff.contract import (
     ENV_STORE,
     ENV_TASK,
     QUIET_TENSORFLOW,
+    default_spool_dir,
 )
 
 __all__ = ["server_command", "task_env", "task_probes", "task_record"]
@@ -101,9 +102,6 @@ def task_env(
 
 def task_record(config: AgentConfig, task: str) -> Path:
     """The file in which the supervisor records the task's process tree (one per task on a host)."""
-    # lazy: as in the agent's _start_memory_tier, the spool module (and numpy) only when the agent starts
-    from psguard.handoff.spool import default_spool_dir
-
     folder = (
         Path(config.state_dir)
         if config.state_dir

@@ -7,9 +7,15 @@ between two processes that may run different psguard versions during a rolling u
 from __future__ import annotations
 
 import enum
+import os
+import re
 import signal
+from pathlib import Path
+
+from psguard.errors import ConfigError
 
 __all__ = [
+    "default_spool_dir",
     "ENV_AGENT_CA",
     "ENV_AGENT_CLIENT_CERT",
     "ENV_AGENT_CLIENT_KEY",
@@ -96,3 +102,13 @@ NEW_BASE_KEY = "psguard.store.new_base"
 
 #: Metadata key of a capture: the training stall it cost in seconds (the agent's stall histogram).
 STALL_KEY = "capture_stall_seconds"
+
+
+def default_spool_dir(job: str) -> Path:
+    """``/dev/shm/psguard-<job>`` (tmpfs), or the temp folder where there is no ``/dev/shm``: where the trainer
+    and its agent meet when neither is told (here, beside the other names both read, and light: every agent's
+    start computes it before it starts its task, and it once imported the spool, numpy and the store for it)."""
+    if not re.match(r"^[A-Za-z0-9_.-]+$", job):
+        raise ConfigError(f"job name {job!r} must be made of [A-Za-z0-9_.-] to name a spool folder")
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / f"psguard-{job}"

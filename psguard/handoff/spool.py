@@ -105,7 +105,7 @@ from psguard.errors import (
     PsguardError,
     SaveError,
 )
-from psguard.handoff.contract import Tier
+from psguard.handoff.contract import Tier, default_spool_dir
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardKey, is_ps_task, parts_from_json
 from psguard.store import strict_json
@@ -143,14 +143,6 @@ RESTORE_RE = re.compile(r"^([0-9a-f]{8})-([0-9a-f]{12})$")
 AGENT_TMP = ".tmp-agent"
 
 T = TypeVar("T")
-
-
-def default_spool_dir(job: str) -> Path:
-    """``/dev/shm/psguard-<job>`` (tmpfs), or the temp folder where there is no ``/dev/shm``."""
-    if not re.match(r"^[A-Za-z0-9_.-]+$", job):
-        raise ConfigError(f"job name {job!r} must be made of [A-Za-z0-9_.-] to name a spool folder")
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / f"psguard-{job}"
 
 
 def part_dir(job: str, task: str) -> Path:
