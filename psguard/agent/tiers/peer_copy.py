@@ -623,13 +623,16 @@ def fetch_copy(
     config: PeerCopyConfig,
     alloc: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None = None,
     read_into: Callable[[str, Mapping[str, Any], float, np.ndarray], dict[str, Any]] | None = None,
+    reserve: Callable[[np.ndarray, int, int], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified.
 
     ``alloc`` makes the arrays the rows are fetched into (the agent's tier files: the bytes land where the tier
     keeps them, with no second copy; None from it, or no ``alloc``: anonymous memory); ``read_into`` (as
     ``post``, the rows read straight into the array given: :func:`read_frame_into`) saves the buffer of each
-    answer and its copy into place. Returns the copy's
+    answer and its copy into place; ``reserve(array, start, stop)`` allocates the rows' memory before they are
+    written (tier files made without their pages: :meth:`TierFiles.reserve`), on the stream's thread. Returns
+    the copy's
     description (step, token, metadata, layout) and the arrays; raises
     :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none) and
     :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
@@ -665,6 +668,11 @@ def fetch_copy(
         """Fetch one chunk, check it and put it in place; its rows' digest (numpy and zlib release the GIL)."""
         name, start, stop = ranges[i]
         out = arrays[name]
+        if reserve is not None:
+            try:
+                reserve(out, start, stop)
+            except OSError as e:  # no room on the node's tmpfs: nothing was written, the log is used instead
+                raise PsguardError(f"no memory for {owner}'s copy of {name} on this node: {e}") from None
         if read_into is not None:
             answer = read_into(holder_url, request(ranges[i]), config.request_timeout, out[start:stop])
             if answer.get("status") != "ok" or not answer.get("arrays"):

@@ -413,7 +413,14 @@ class ShardKeeper:
         t0 = time.perf_counter()
         try:
             info, arrays = fetch_copy(
-                self.task, holder, token, self._read_copy, self.copy_config, self.files.new, self._read_copy_into
+                self.task,
+                holder,
+                token,
+                self._read_copy,
+                self.copy_config,
+                lambda shape, dtype: self.files.new(shape, dtype, reserve=False),
+                self._read_copy_into,
+                self.files.reserve,
             )
             for name in list(arrays):  # fetched into tier files already; any that could not get one moves now
                 arrays[name] = self.files.adopt(arrays[name])

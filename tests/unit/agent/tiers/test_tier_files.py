@@ -53,6 +53,34 @@ def test_an_array_lives_in_an_owner_only_file_removed_when_the_tier_drops_it(fil
     assert files.status()["files"] == 0 and not any(files.folder.iterdir())
 
 
+def test_an_array_made_without_its_pages_gets_them_range_by_range(
+    files: TierFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``reserve=False`` (a peer copy's fetch): the file has no pages until :meth:`TierFiles.reserve` gives a row
+    range its own; a full file system fails the reserve with ``OSError`` before anything is written there."""
+    arr = files.new((1024, 1024), np.dtype(np.float32), reserve=False)  # 4 MB
+    assert arr is not None
+    path = files.data_file(arr)
+    assert path is not None and path.stat().st_size == arr.nbytes and path.stat().st_blocks == 0
+    files.reserve(arr, 0, 256)
+    quarter = path.stat().st_blocks * 512
+    assert arr.nbytes // 4 <= quarter < arr.nbytes // 2
+    files.reserve(arr, 256, 1024)
+    assert path.stat().st_blocks * 512 >= arr.nbytes
+    arr[:] = 2.0
+    assert float(np.fromfile(path, dtype=np.float32).sum()) == 2.0 * arr.size
+    files.reserve(np.zeros((4, 4), np.float32), 0, 4)  # not a tier file: nothing to do
+
+    def full(fd: int, offset: int, size: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    other = files.new((64, 64), np.dtype(np.float32), reserve=False)
+    assert other is not None
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match="No space"):
+        files.reserve(other, 0, 64)
+
+
 def test_a_folder_others_could_write_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "tier"
     folder.mkdir(mode=0o700)
