@@ -303,10 +303,7 @@ def test_agent_modules_do_not_import_tensorflow_and_grpc_is_cheap() -> None:
         "rss = int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0])\n"
         "print(took, rss, 'tensorflow' in sys.modules, 'grpc' in sys.modules)\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=server_env(), capture_output=True, text=True, check=True, timeout=60
-    )
-    took, rss_kb, tf_loaded, grpc_loaded = out.stdout.split()
+    took, rss_kb, tf_loaded, grpc_loaded = _python(code).split()
     print(f"agent modules + grpc: import {float(took) * 1000:.0f} ms, RSS {int(rss_kb) / 1024:.0f} MB")
     assert tf_loaded == "False" and grpc_loaded == "True"
     assert float(took) < 2.0 and int(rss_kb) < 150 * 1024
@@ -507,7 +504,12 @@ def test_an_agent_loads_nothing_heavy_before_it_starts_its_task() -> None:
         "task_record(AgentConfig(), 'ps:0')\n"
         "print(sorted(m for m in ('jwt', 'cryptography', 'numpy', 'psguard.store') if m in sys.modules))\n"
     )
-    out = subprocess.run(
+    loaded = _python(code).strip()
+    assert loaded == "[]", loaded
+
+
+def _python(code: str) -> str:
+    """What ``code`` prints, run in a fresh interpreter (a module already imported here proves nothing)."""
+    return subprocess.run(
         [sys.executable, "-c", code], env=server_env(), capture_output=True, text=True, check=True, timeout=60
-    )
-    assert out.stdout.strip() == "[]", out.stdout
+    ).stdout
