@@ -137,7 +137,7 @@ class DurableAcks:
         except TimeoutError as e:
             record("info", "durable-commit", process=process, step=step, asked=step, error=str(e)[:300])
         except Exception as e:  # a node lost mid-write, a store down: recorded; the job goes on, as a user's would
-            error = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+            error = error_line(e, type(e).__name__)
             record("fail", "durable-commit", process=process, step=step, asked=step, error=error)
         else:
             record("ok", "durable-commit", process=process, step=info.step, asked=step, id=info.id)
@@ -175,6 +175,12 @@ def variables_digest(model: Any, optimizer: Any) -> dict[str, str]:
         total.update(key.encode() + b"\0" + one.hexdigest().encode())
     out["*"] = total.hexdigest()
     return out
+
+
+def error_line(e: BaseException, empty: str = "") -> str:
+    """The first line of ``e``'s message, at most 300 characters (``empty`` when it has none), for a record."""
+    text = str(e)
+    return text.splitlines()[0][:300] if text else empty
 
 
 def timed_digest(model: Any, optimizer: Any) -> tuple[dict[str, str], float]:
@@ -332,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             taken = digest(job.model, job.optimizer)  # the cluster is drained: this is the state captured next
         except Exception as e:  # nothing was handed to the agent: the capture did not happen
             progress.op("invoke", "capture", step=step, tiers=named)
-            progress.op("fail", "capture", step=step, error=str(e).splitlines()[0][:300] if str(e) else "")
+            progress.op("fail", "capture", step=step, error=error_line(e))
             raise
         # The digest goes with the invoke: a trainer killed inside the save leaves a capture its agent may hold
         # (and restore), and the history must still say what that capture was.
@@ -340,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             handle = job.manager.save(step, tiers=tiers)
         except Exception as e:  # it may have reached the agent's memory tier before the failure: unknown
-            progress.op("info", "capture", step=step, error=str(e).splitlines()[0][:300] if str(e) else "")
+            progress.op("info", "capture", step=step, error=error_line(e))
             raise
         progress.op("ok", "capture", step=step, stall=handle.stall_seconds)
         progress.op("invoke", "memory-commit", step=step)
@@ -355,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         except TimeoutError as e:
             progress.op("info", "memory-commit", step=step, error=str(e)[:300])
         except Exception as e:
-            progress.op("fail", "memory-commit", step=step, error=str(e).splitlines()[0][:300] if str(e) else "")
+            progress.op("fail", "memory-commit", step=step, error=error_line(e))
         else:
             progress.op("ok", "memory-commit", step=step)
             state["memory"] = step
@@ -386,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 job.trainer.train(args.chunk)
             except Exception as e:
-                progress.op("info", "train", error=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+                progress.op("info", "train", error=error_line(e, type(e).__name__))
                 raise
             progress.op("ok", "train", step=int(job.model.step.numpy()))
         job.manager.close()

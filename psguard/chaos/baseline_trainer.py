@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from psguard.demo_trainer import Progress, timed_digest
+    from psguard.demo_trainer import Progress, error_line, timed_digest
     from psguard.ports import port_open
 
     progress = Progress(args.progress, fsync=True)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         loss = float(tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=model(ids))))
         progress.op("ok", "eval", step=step, loss=loss)
     except Exception as e:  # a plain-TF chief dies with its cluster; the script restarts the whole job
-        progress.emit("failure", seen=step, error=str(e).splitlines()[0][:300] if str(e) else type(e).__name__)
+        progress.emit("failure", seen=step, error=error_line(e, type(e).__name__))
         progress.close()
         os._exit(1)  # the open operation stays without completion: its outcome is unknown (info)
     progress.emit("done", step=step)
