@@ -126,6 +126,7 @@ class PeerSync:
         outcome: dict[str, str] = {}
         pending: dict[str, int | None] = dict.fromkeys(self.peers)  # None: not asked yet; int: restarts before
         fresh: set[str] = set()
+        left_alone: set[str] = set()  # asked to restart, the agent answered that its run is fresh
         last_error: dict[str, str] = {}
 
         def visit(url: str, before: int | None) -> None:
@@ -198,12 +199,22 @@ class PeerSync:
                     outcome[url] = f"error: POST /restart answered HTTP {code}: {message}"
                     del pending[url]
                     return
+                if isinstance(answer, dict) and answer.get("fresh") is True:
+                    # The agent left its run alone: it started after the failure. A replacement node's agent
+                    # whose PS came up between its /status and this request is on its first run, and its
+                    # restart count never goes up: waiting for that held a generation for ready_timeout.
+                    left_alone.add(url)
+                    if self.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
+                        self.on_fresh(doc["task"])
                 pending[url] = restarts
             elif before is None and restart_ps:
                 outcome[url] = f"skipped ({doc.get('role')})"
                 del pending[url]
             elif ready and (before is None or restarts > before):
                 outcome[url] = "restarted" if before is not None else "ready"
+                del pending[url]
+            elif ready and url in left_alone:
+                outcome[url] = "fresh (started after the failure)"
                 del pending[url]
 
         # Side by side: one at a time, a restart request reached the N-th PS N round trips after the first (about

@@ -205,6 +205,42 @@ def test_a_ps_restarted_by_its_agent_after_its_status_was_read_is_not_killed_aga
     assert len(bodies) == 1 and 0.5 <= float(bodies[0]["unless_started_within"]) < 30  # type: ignore[arg-type]
 
 
+def test_a_replacement_agent_that_leaves_its_first_run_alone_is_waited_for_as_fresh() -> None:
+    """A replacement node's agent answered /status before its PS's run showed an uptime, then left that run alone
+    when asked to restart it (``fresh``: it started after the failure). Its restart count stays 0 (it is the
+    agent's first run), so waiting for it to go up held the generation for ``ready_timeout`` (a clean-clone CI
+    run: 180 s, then the trainer's restore failed); it is waited for until ready, as a fresh PS."""
+    from psguard.agent.control.httpd import AgentHTTPServer, Response
+
+    state = {"asked": False}
+
+    def status() -> dict[str, object]:
+        asked = state["asked"]
+        return {
+            "task": "ps:0",
+            "role": "ps",
+            "state": "running",
+            "restarts": 0,
+            "ready": asked,
+            "supervisor": {"uptime_seconds": 0.4 if asked else None},
+        }
+
+    def restart(request: object) -> Response:
+        state["asked"] = True
+        return Response(200, {"ok": True, "fresh": True, "restarts_before": 0})
+
+    server = AgentHTTPServer(token=TOKEN, status=status)
+    server.add_post("/restart", restart)
+    fresh: list[str] = []
+    with server:
+        peers = PeerSync("chief:0", [server.url], PeersConfig(ready_timeout=30), TOKEN, threading.Event())
+        peers.on_fresh = fresh.append
+        t0 = time.monotonic()
+        outcome = peers.sync(restart_ps=True, failed_at=time.time() - 1.0)
+    assert outcome == {server.url: "fresh (started after the failure)"}
+    assert time.monotonic() - t0 < 10 and fresh == ["ps:0"]
+
+
 def test_the_peers_are_asked_to_restart_side_by_side() -> None:
     """One peer at a time, the N-th PS got its restart request N round trips after the first (2.4 s at 100 PS on
     every recovery's path). Each peer here answers /status after 0.2 s: one after the other, the fourth request
