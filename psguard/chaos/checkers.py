@@ -228,12 +228,22 @@ def restores_newest(ctx: _Context) -> Verdict:
     memory_lost = _memory_lost_at(ctx)
     interrupted: list[dict[str, Any]] = []
     starts = sorted(r.start for r in restores)
+    trainer_ops = [o for o in ctx.ops if o.process.startswith("trainer")]
     for r in restores:
         if r.type != "ok":
             row = {"restore_at": r.start, "process": r.process, "error": r.value.get("error", "no completion")}
-            # Until the next restore began (by this process or its successor): a fault then may have ended it.
+            # From the last record of the trainer before this one (this one was started after it: a PS killed
+            # while the new trainer was still building its job leaves it holding the dead incarnation's devices)
+            # until the next restore began (by this process or its successor): a fault then may have ended it.
+            me = r.process.split("/")[0]
+            before = [o.end or o.start for o in trainer_ops if o.process.split("/")[0] != me and o.start < r.start]
             until = next((t for t in starts if t > r.start), float("inf"))
-            if faults := _faults_during(ctx, r.start, until):
+            faults = [
+                _fault_name(f)
+                for f in _faults_during(ctx, min(max(before, default=r.start), r.start), until)
+                if f.start >= r.start or f.value.get("target") != "chief"  # that one ended the trainer before
+            ]
+            if faults:
                 interrupted.append({**row, "faults": faults})
             else:
                 problems.append({**row, "why": "the restore failed with no fault to explain it"})
@@ -287,11 +297,11 @@ def _heal_of(fault: Op, heals: Sequence[Op], since: float) -> Op | None:
     return next((h for h in heals if h.f == kind and h.start >= since and h.value.get("target") == target), None)
 
 
-def _faults_during(ctx: _Context, begin: float, end: float) -> list[str]:
+def _faults_during(ctx: _Context, begin: float, end: float) -> list[Op]:
     """The faults injected in [begin, end), or injected before and not healed by ``begin`` (a store still down):
     what may have cut an operation in that span short (a restore whose PS was frozen under it)."""
     heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
-    out: list[str] = []
+    out: list[Op] = []
     for f in ctx.of(FAULTS, "ok"):
         if f.process != "nemesis" or f.start >= end:
             continue
@@ -299,8 +309,12 @@ def _faults_during(ctx: _Context, begin: float, end: float) -> list[str]:
             heal = _heal_of(f, heals, f.start)
             if f.f not in HEALED_BY or (heal is not None and heal.start <= begin):
                 continue
-        out.append(str(f.value.get("fault") or f"{f.f} {f.value.get('target', '')}"))
+        out.append(f)
     return out
+
+
+def _fault_name(f: Op) -> str:
+    return str(f.value.get("fault") or f"{f.f} {f.value.get('target', '')}")
 
 
 def restores_exact(ctx: _Context) -> Verdict:

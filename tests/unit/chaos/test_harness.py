@@ -249,6 +249,38 @@ def test_a_restore_cut_short_by_a_fault_is_judged_by_the_next_one() -> None:
     assert v.status == "invalid" and v.evidence["problems"][0]["why"].startswith("the restore failed")
 
 
+def test_a_restore_failed_by_a_ps_killed_while_its_trainer_started_is_explained() -> None:
+    """The CI soak (stop 40): the chief's trainer killed, then ps:0 killed while the new trainer was building its
+    job (before its restore began); that restore failed on the dead incarnation's devices, the next trainer
+    restored. The kill came before the failed restore's invoke, after the killed trainer's last record."""
+    h = H()
+    h.commit(0, durable=True)
+    h.train(0, 5)
+    h.commit(5, durable=False)
+    h.fault("kill", "chief")
+    h.fault("kill", "ps:0")
+    h.op("trainer-200", "restore", {}, {"error": "device incarnation"}, type="fail")
+    h.restore(5, p="trainer-300")
+    h.train(5, 20, p="trainer-300")
+    h.finish()
+    v = check_all(h.records)["restore-newest"]
+    assert v.status == "valid", v.evidence
+    assert v.evidence["interrupted"][0]["faults"] == ["kill ps:0"]
+
+    # A PS killed before the killed trainer's last record was already behind it: no excuse for the new one.
+    early = H()
+    early.commit(0, durable=True)
+    early.fault("kill", "ps:0")
+    early.train(0, 5)
+    early.fault("kill", "chief")
+    early.op("trainer-200", "restore", {}, {"error": "device incarnation"}, type="fail")
+    early.restore(0, source="durable", p="trainer-300")
+    early.train(0, 20, p="trainer-300")
+    early.finish()
+    v = check_all(early.records)["restore-newest"]
+    assert v.status == "invalid" and v.evidence["problems"][0]["why"].startswith("the restore failed")
+
+
 def test_a_dead_chief_agent_takes_the_memory_tier_with_it() -> None:
     h = H()
     h.commit(0, durable=True)
