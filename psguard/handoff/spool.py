@@ -120,6 +120,7 @@ __all__ = [
     "DeltaWithoutParentError",
     "DurableAck",
     "NeedFullCaptureError",
+    "NewerInMemoryError",
     "Restored",
     "SpoolPaths",
     "SpooledCapture",
@@ -263,6 +264,12 @@ class DeltaWithoutParentError(ConfigError):
     """A delta was handed to a writer that knows no parent state for it: none was ever sent, or the chain broke
     (the agent did not apply an earlier capture) after the caller decided to capture a delta. Nothing was
     handed off; capture whole (``Capturer.capture(full=True)``) and submit that."""
+
+
+class NewerInMemoryError(PsguardError):
+    """A durable checkpoint was asked of the agents while their memory tiers hold a newer state that every PS's
+    agent can still give: loading the log over it would lose acknowledged saves, so the agent refused. The
+    trainer restores the memory tier instead."""
 
 
 class NeedFullCaptureError(SaveError):
@@ -541,6 +548,8 @@ def read_restore(folder: Path) -> Restored:
     status = doc.get("status")
     if status == "empty":
         raise NoCheckpointError(f"the agent's memory tier is empty ({doc.get('message', '')}); use the durable log")
+    if status == "newer":
+        raise NewerInMemoryError(str(doc.get("message", "the memory tiers hold a newer state")))
     if status != "ok":
         raise PsguardError(f"the agent could not export its memory tier: {doc.get('message', status)}")
     tensors: dict[str, np.ndarray] = {}

@@ -31,7 +31,7 @@ from psguard.dependencies import import_optional
 from psguard.errors import NoCheckpointError, PsguardError, StorageError, TensorMismatchError
 from psguard.handoff.client import report_recovery
 from psguard.handoff.contract import TOKEN_KEY, Tier
-from psguard.handoff.spool import Restored
+from psguard.handoff.spool import NewerInMemoryError, Restored
 from psguard.policy.engine import SaveContext
 from psguard.storage.retry import RetryingBackend
 from psguard.store import CheckpointInfo, Store
@@ -195,18 +195,28 @@ class RestoreSide:
                 log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
                 memory = None
         durable_latest = self._durable_latest_beside(memory, asked) if memory is not None else None
+        # The memory tier's state did not load on the PS (a damaged file): the log may replace it in the tiers.
+        # Otherwise the agents refuse to load the log over a newer state they all still hold.
+        failed_to_load = False
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
             info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
             if self._load(info, memory, status=status):
                 self._restored(info)
                 return info, memory
+            failed_to_load = True
         elif memory is not None and durable_latest is not None:
             log.warning(
                 "the memory tier (step %d) is older than the durable log (step %d): restoring from the log",
                 memory.step,
                 durable_latest.step,
             )
-        from_ps = self._durable_on_the_ps()
+        try:
+            from_ps = self._durable_on_the_ps(force=failed_to_load)
+        except NewerInMemoryError as e:
+            again = self._memory_again(e, status=status)
+            if again is not None:
+                return again
+            from_ps = self._durable_on_the_ps(force=True)
         if from_ps is not None and self._load(*from_ps, status=status):
             self._restored(from_ps[0])
             return from_ps
@@ -216,13 +226,29 @@ class RestoreSide:
             return None
         return self._restore_loaded(result.info, dict(result.tensors), status=status)
 
+    def _memory_again(self, refusal: NewerInMemoryError, *, status: bool) -> tuple[RestoreInfo, Restored] | None:
+        """The memory tier restored after the agents refused the log (``refusal``): its first export failed for
+        a reason that was not the tiers' (they all still hold the state). None when it did not load on the PS
+        (then the log replaces it); an error when it cannot be had at all: failing the restore, so the
+        trainer's recovery tries again, loses nothing, where loading the log would lose acknowledged saves."""
+        log.warning("%s: asking the memory tier again", refusal)
+        memory = self._sink.memory_snapshot(self.restore_timeout)
+        if memory is None:
+            raise PsguardError(f"{refusal}; but the memory tier could not be exported either: not restoring now")
+        info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
+        if not self._load(info, memory, status=status):
+            return None
+        self._restored(info)
+        return info, memory
+
     def _restore_durable(self, checkpoint_id: str) -> None:
         """Restore durable checkpoint ``checkpoint_id`` (verified; each PS agent reading its rows when they
         keep the shards), whatever newer ones exist."""
         checkpoint = CheckpointInfo.of(self.store.manifest(checkpoint_id))
         by_task = self.capturer.spilled_by_task()
         if by_task and self._sink.supervised:
-            snap = self._sink.durable_snapshot(checkpoint_id, by_task, self.restore_timeout)
+            # Asked for by name: it goes into the tiers whatever newer state they hold.
+            snap = self._sink.durable_snapshot(checkpoint_id, by_task, self.restore_timeout, force=True)
             info = RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
             if self._load(info, snap, status=True):
                 self._restored(info)
@@ -340,18 +366,22 @@ class RestoreSide:
             report_recovery(info.step, seen_step=process_managers.last_seen_step(self.directory), source=info.source)
         return info.id
 
-    def _durable_on_the_ps(self) -> tuple[RestoreInfo, Restored] | None:
+    def _durable_on_the_ps(self, *, force: bool = False) -> tuple[RestoreInfo, Restored] | None:
         """The newest durable checkpoint that loads, each PS's agent reading its own rows of it from the log.
 
         None when the shards are not kept by PS agents (the trainer then reads the log itself). A checkpoint
         that fails anywhere (a damaged chunk a PS agent read, a missing tensor) is skipped for the next older.
+        :class:`NewerInMemoryError` (the agents' refusal, without ``force``) is raised at once: no older one
+        would be let in either.
         """
         by_task = self.capturer.spilled_by_task()
         if not by_task or not self._sink.supervised:
             return None
         for checkpoint in sorted(self.store.checkpoints(), key=lambda c: (c.step, c.committed_at), reverse=True):
             try:
-                snap = self._sink.durable_snapshot(checkpoint.id, by_task, self.restore_timeout)
+                snap = self._sink.durable_snapshot(checkpoint.id, by_task, self.restore_timeout, force=force)
+            except NewerInMemoryError:
+                raise
             except (PsguardError, TimeoutError) as e:
                 log.warning(
                     "checkpoint %s could not be loaded on the PS agents (%s); trying an older one", checkpoint.id, e

@@ -251,8 +251,11 @@ class Sink(Protocol):
         """The agent's memory-tier snapshot, verified; ``None`` when there is none to be had."""
         ...
 
-    def durable_snapshot(self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float) -> Restored:
-        """Every tier brought to durable ``checkpoint``, each PS's agent reading its own rows of ``shards``."""
+    def durable_snapshot(
+        self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float, *, force: bool = False
+    ) -> Restored:
+        """Every tier brought to durable ``checkpoint``, each PS's agent reading its own rows of ``shards``;
+        :class:`~psguard.handoff.spool.NewerInMemoryError` when the tiers hold a newer whole state, unless ``force``."""
         ...
 
     def wait(self, timeout: float | None) -> list[BaseException]:
@@ -323,7 +326,9 @@ class StoreSink:
     def memory_snapshot(self, timeout: float) -> Restored | None:
         return None
 
-    def durable_snapshot(self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float) -> Restored:
+    def durable_snapshot(
+        self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float, *, force: bool = False
+    ) -> Restored:
         raise ConfigError("shards kept by PS agents need an agent on this node; this manager writes the log itself")
 
     def set_new_base_after(self, deltas: int | None) -> None:
@@ -492,9 +497,11 @@ class AgentSink:
             log.warning("the memory tier could not be used (%s): restoring from the durable log", e)
             return None
 
-    def durable_snapshot(self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float) -> Restored:
+    def durable_snapshot(
+        self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float, *, force: bool = False
+    ) -> Restored:
         """Every tier brought to ``checkpoint`` (each PS's agent reading its own rows), then its snapshot."""
-        return self.spool.request_restore(checkpoint=checkpoint, shards=shards).result(timeout)
+        return self.spool.request_restore(checkpoint=checkpoint, shards=shards, force=force).result(timeout)
 
     def wait(self, timeout: float | None) -> list[BaseException]:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -386,17 +386,24 @@ class SpoolWriter:
             log.debug("heartbeat not written to %s: %s", self.root, e)
 
     def request_restore(
-        self, *, checkpoint: str | None = None, shards: Mapping[str, Sequence[ShardKey]] | None = None
+        self,
+        *,
+        checkpoint: str | None = None,
+        shards: Mapping[str, Sequence[ShardKey]] | None = None,
+        force: bool = False,
     ) -> RestoreHandle:
         """Ask the agent for its memory tier's snapshot; ``result(timeout)`` returns it verified.
 
         With ``checkpoint``: first bring every tier to that durable checkpoint, each PS's agent reading the rows
-        ``shards`` says its PS hosts (task -> shards) from the log itself; then the same snapshot.
+        ``shards`` says its PS hosts (task -> shards) from the log itself; then the same snapshot. The agent
+        refuses (:class:`~psguard.handoff.spool.NewerInMemoryError`) when its tiers hold a newer state every PS agent
+        still gives, unless ``force`` (the caller asked for that checkpoint, or the newer state did not load).
         """
         name = f"{self.generation}-{secrets.token_hex(6)}"
         doc: dict[str, Any] = {"writer": self.generation, "at": time.time()}
         if checkpoint is not None:
             doc["checkpoint"] = checkpoint
+            doc["force"] = force
             doc["shards"] = {t: [[k.name, k.offset, k.rows] for k in keys] for t, keys in (shards or {}).items()}
         atomic_write_json(self._paths.requests / f"restore-{name}.json", doc)
         return RestoreHandle(self, name)

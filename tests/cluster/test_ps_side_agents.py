@@ -507,14 +507,22 @@ def test_a_ps_lost_with_its_agent_is_rebuilt_from_its_groups_parity(
     assert "event=parity_reconstructed owner=ps:0 holder=ps:2" in ps[2].log()
 
 
-def _job(tmp_path: Path, agents: Callable[..., AgentProc], name: str, num_ps: int, store: Path, target: int) -> Path:
-    """A job of ``num_ps`` PS agents (each keeping its shards), a worker and the chief running TRAINER to
+def _job(
+    tmp_path: Path,
+    agents: Callable[..., AgentProc],
+    name: str,
+    num_ps: int,
+    store: Path,
+    target: int,
+    trainer: str = TRAINER,
+) -> Path:
+    """A job of ``num_ps`` PS agents (each keeping its shards), a worker and the chief running ``trainer`` to
     ``target``, on its own ports and folders, writing to ``store``; returns its output folder once it is done."""
     base = tmp_path / name
     base.mkdir()
     cluster, _ = write_cluster(base, ps=num_ps, workers=1)
     script = base / "trainer.py"
-    script.write_text(TRAINER)
+    script.write_text(trainer)
     out = base / "out"
     common = ["--role", "ps", "--cluster", str(cluster), "--store", str(store)]
     ps = [
@@ -530,3 +538,75 @@ def _job(tmp_path: Path, agents: Callable[..., AgentProc], name: str, num_ps: in
     for a in (*ps, worker):
         a.close()  # the next job reuses nothing of this one but the store
     return out
+
+
+KEEPS_NEWER = textwrap.dedent(
+    """
+    import json, os, sys
+    import tensorflow as tf
+    from psguard.handoff.spool import NewerInMemoryError
+    from psguard.handoff.contract import Tier
+    from psguard.trainer.manager import CheckpointManager
+    from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
+
+    out, store_url = sys.argv[1], sys.argv[2]
+    os.makedirs(out, exist_ok=True)
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
+    )
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = RecModel(ModelConfig(vocab_size=20_000, embedding_dim=8, batch_size=64))
+        optimizer = make_optimizer("adagrad")
+    trainer = Trainer(strategy, coordinator, model, optimizer)
+    manager = CheckpointManager(
+        tf.train.Checkpoint(model=model, optimizer=optimizer), store_url, coordinator=coordinator,
+        step_counter=model.step,
+    )
+    manager.restore_or_initialize()
+    trainer.train(5)
+    durable = manager.save(tiers=frozenset({Tier.MEMORY, Tier.DURABLE})).result(timeout=120)
+    trainer.train(10)
+    memory = manager.save(tiers=frozenset({Tier.MEMORY}))
+    memory.restorable(timeout=120)
+    doc = {"durable": durable.step, "memory": int(model.step.numpy())}
+    # The trainer's memory restore failed (not the tiers' fault) and it asked the log: the agents refuse.
+    try:
+        manager._durable_on_the_ps()
+        doc["refused"] = None
+    except NewerInMemoryError as e:
+        doc["refused"] = str(e)
+    doc["tiers_after_refusal"] = manager._sink.memory_snapshot(60).step
+    # The whole restore with the first memory answer lost: the memory tier all the same.
+    real, calls = manager._sink.memory_snapshot, []
+    manager._sink.memory_snapshot = lambda timeout: real(timeout) if calls.append(1) or len(calls) > 1 else None
+    info, _ = manager._restore_newest()
+    manager._sink.memory_snapshot = real
+    doc["restored"] = {"source": info.source, "step": info.step, "memory_asks": len(calls)}
+    # Forced (the memory state did not load on the PS, or the user named the checkpoint): the log goes in.
+    info, snap = manager._durable_on_the_ps(force=True)
+    doc["forced"] = {"source": info.source, "step": snap.step, "tiers": manager._sink.memory_snapshot(60).step}
+    with open(os.path.join(out, "final"), "w") as f:
+        json.dump(doc, f)
+    manager.close()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_failed_memory_restore_does_not_let_the_log_overwrite_a_newer_state_the_tiers_hold(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """A CI soak: the chief killed, then ps:0 while the new trainer started; its memory restore failed, it asked
+    the log, and the log's older step went into every tier, so the next trainer restored it "from memory" and
+    the acknowledged newer save was lost. The agents now refuse the log while every PS agent still gives the
+    newer state, the trainer asks the memory tier again, and only a forced load (the state did not load, or the
+    user named the checkpoint) replaces it."""
+    out = _job(tmp_path, agents, "job", 2, tmp_path / "store", 0, trainer=KEEPS_NEWER)
+    doc = json.loads((out / "final").read_text())
+    assert doc["memory"] > doc["durable"], doc
+    assert doc["refused"] and f"step {doc['memory']}" in doc["refused"], doc
+    assert doc["tiers_after_refusal"] == doc["memory"]
+    assert doc["restored"] == {"source": "memory", "step": doc["memory"], "memory_asks": 2}, doc
+    assert doc["forced"] == {"source": "durable", "step": doc["durable"], "tiers": doc["durable"]}, doc

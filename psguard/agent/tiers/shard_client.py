@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from psguard.agent.tiers.shards import ShardError
+from psguard.agent.tiers.shards import ShardError, StateNotHeldError
 from psguard.handoff.parts import PartCapture, ShardKey
 
 __all__ = ["ShardClient"]
@@ -221,7 +221,10 @@ class ShardClient:
                 sources.update({t: f"peer {h}" for t, h in pulled.items()})
         bad = {t: f"{a.get('status')} (step {a.get('step')})" for t, a in answers.items() if a.get("status") != "ok"}
         if bad:
-            raise ShardError(f"the PS agents do not all hold the chief's state {token}: {bad}")
+            gone = all(answers[t].get("status") in ("empty", "mismatch") for t in bad)
+            raise (StateNotHeldError if gone else ShardError)(
+                f"the PS agents do not all hold the chief's state {token}: {bad}"
+            )
         self.last_restore_sources = sources
         files: list[dict[str, Any]] = []
         for task, a in sorted(answers.items()):

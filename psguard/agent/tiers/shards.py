@@ -45,13 +45,18 @@ from psguard.handoff.tensor_file import read_tensor_file
 from psguard.store.dtypes import dtype_from_name, dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
-__all__ = ["ShardError", "ShardKeeper"]
+__all__ = ["ShardError", "ShardKeeper", "StateNotHeldError"]
 
 log = logging.getLogger(__name__)
 
 
 class ShardError(PsguardError):
     """A PS agent could not do what the chief's agent asked (its answer says why)."""
+
+
+class StateNotHeldError(ShardError):
+    """A PS agent answered that it holds no shards of the asked state (its tier is empty or at another state,
+    and no peer copy gave it): that state is gone, unlike a PS agent that did not answer."""
 
 
 def _tier_name(key: ShardKey) -> str:

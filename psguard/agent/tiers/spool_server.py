@@ -21,7 +21,7 @@ from typing import Any, Literal
 from psguard.agent.tiers.memory_tier import MemoryTier, limit_malloc_retention
 from psguard.agent.tiers.persister import Persister, PersistHandle
 from psguard.agent.tiers.shard_client import ShardClient
-from psguard.agent.tiers.shards import ShardError
+from psguard.agent.tiers.shards import ShardError, StateNotHeldError
 from psguard.errors import (
     CorruptCheckpointError,
     PsguardError,
@@ -38,6 +38,7 @@ from psguard.handoff.spool import (
     VERSION,
     Ack,
     DurableAck,
+    NewerInMemoryError,
     SpooledCapture,
     SpoolPaths,
     atomic_write_json,
@@ -512,9 +513,9 @@ class SpoolServer:
         except (OSError, PsguardError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
-            status = "error"
+            status = "newer" if isinstance(e, NewerInMemoryError) else "error"
             reason = "the spool's tmpfs is full" if isinstance(e, OSError) and e.errno == errno.ENOSPC else str(e)
-            doc = {"format": RESTORE_FORMAT, "version": VERSION, "status": "error", "message": reason}
+            doc = {"format": RESTORE_FORMAT, "version": VERSION, "status": status, "message": reason}
             log.warning("spool %s: could not export the memory tier: %s", self.root, e)
         write_private(tmp / "manifest.json", json.dumps(doc, allow_nan=False).encode())
         os.rename(tmp, final)
@@ -546,6 +547,8 @@ class SpoolServer:
             raise CorruptCheckpointError("restore request: bad shards") from None
         store = self.persister.store
         manifest = store.manifest(checkpoint)
+        if not wanted.get("force"):
+            self._refuse_over_newer(checkpoint, manifest.step)
         spilled = {k.name for keys in shards.values() for k in keys}
         small = store.load(checkpoint, [n for n in manifest.tensors if n not in spilled])
         token = manifest.metadata.get(TOKEN_KEY)
@@ -557,6 +560,35 @@ class SpoolServer:
             )
         log.info(
             "spool %s: every tier loaded checkpoint %s (step %d) for a restore", self.root, checkpoint, manifest.step
+        )
+
+    def _refuse_over_newer(self, checkpoint: str, step: int) -> None:
+        """Raise :class:`NewerInMemoryError` when the tiers hold a newer state than ``checkpoint`` that every PS
+        agent still gives: the trainer asked for the log because its memory restore failed, and a failure that
+        was not the tiers' (a PS restarted under the export, an agent slow to answer) must not have the log
+        overwrite acknowledged saves. A CI soak lost one so: the chief and then ps:0 killed, the new trainer's
+        memory restore failed, the log's step 6200 went into every tier, and the next trainer restored it as
+        "memory" instead of the acknowledged 6265. Only a PS agent that answers it holds no such state (its
+        node lost, no peer copy) lets the log in; one that cannot answer stops the load (it would fail on that
+        agent too)."""
+        token, newer = self.tier.token, self.tier.step
+        shards = self.shards
+        if token is None or newer is None or newer <= step or shards is None or not shards.active:
+            return
+        try:
+            shards.export(shards.active, token)
+        except StateNotHeldError as e:
+            log.warning("spool %s: the tiers' step %d is not whole on the PS agents (%s): loading checkpoint %s "
+                        "(step %d)", self.root, newer, e, checkpoint, step)  # fmt: skip
+            return
+        except ShardError as e:
+            raise ShardError(
+                f"could not tell whether the PS agents still hold the memory tier's step {newer} ({e}): not loading "
+                f"the older checkpoint {checkpoint} (step {step}) over it"
+            ) from e
+        raise NewerInMemoryError(
+            f"the memory tiers hold step {newer}, newer than checkpoint {checkpoint} (step {step}), and every PS "
+            "agent still gives it: restore the memory tier (loading the log would lose acknowledged saves)"
         )
 
     def _writer_alive(self, gen: str) -> bool:
