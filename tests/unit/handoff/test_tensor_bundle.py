@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from psguard.handoff.tensor_bundle import BUNDLE_KEY, bundle_files, write_bundle, write_index
+from psguard.errors import CorruptCheckpointError
+from psguard.handoff.tensor_bundle import BUNDLE_KEY, bundle_files, read_bundle, write_bundle, write_index
 from psguard.handoff.tensor_file import TF_DTYPES
 from psguard.store.chunks import byte_view, crc32c
 from psguard.store.dtypes import dtype_name
@@ -76,3 +77,60 @@ def test_an_index_for_a_data_file_already_there_is_the_one_write_bundle_writes(t
     write_index(tmp_path / "index_only", value.dtype, value.shape, value.nbytes, crc32c(byte_view(value)))
     assert bundle_files(tmp_path / "index_only")[0].read_bytes() == bundle_files(tmp_path / "whole")[0].read_bytes()
     assert restore_bundle(tmp_path / "index_only", value.dtype).numpy().tobytes() == value.tobytes()
+
+
+@pytest.mark.parametrize("case", NUMERIC)
+def test_a_bundle_tensorflow_saved_reads_back_exactly_without_tensorflow(tmp_path: Path, case: str) -> None:
+    """A PS's capture writes a shard sent whole with SaveV2; its agent (no TensorFlow) reads it with read_bundle,
+    into the array ``allocate`` gives (its tier file). Also for a shard of no rows (what a capture that did not
+    send it whole writes)."""
+    tf = lazy_tf()
+    value = np.ascontiguousarray(DTYPES[case])
+    given: list[np.ndarray] = []
+
+    def allocate(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        given.append(np.empty(shape, dtype))
+        return given[-1]
+
+    for name, v in (("whole", value), ("empty", value[:0])):
+        prefix = tmp_path / name
+        tf.raw_ops.SaveV2(
+            prefix=str(prefix), tensor_names=[BUNDLE_KEY], shape_and_slices=[""], tensors=[tf.constant(v)]
+        )
+        given.clear()
+        got = read_bundle(prefix, dtype=dtype_name(v.dtype), shape=v.shape, allocate=allocate)
+        assert got is given[0] and got.shape == v.shape and got.dtype == v.dtype
+        assert got.tobytes() == v.tobytes()
+
+
+def test_a_damaged_truncated_or_other_bundle_is_refused_before_it_is_used(tmp_path: Path) -> None:
+    tf = lazy_tf()
+    value = np.ascontiguousarray(DTYPES["f32"])  # 64 x 4
+    prefix = tmp_path / "b"
+    tf.raw_ops.SaveV2(
+        prefix=str(prefix), tensor_names=[BUNDLE_KEY], shape_and_slices=[""], tensors=[tf.constant(value)]
+    )
+    index, data = bundle_files(prefix)
+    good_data, good_index = data.read_bytes(), index.read_bytes()
+    assert read_bundle(prefix, dtype="float32", shape=value.shape).tobytes() == value.tobytes()
+    cases = {
+        "a flipped bit in the data": (bytes([good_data[0] ^ 1]) + good_data[1:], good_index),
+        "a truncated data file": (good_data[:-4], good_index),
+        "a damaged index": (good_data, good_index[:-1] + bytes([good_index[-1] ^ 1])),
+        "an empty index": (good_data, b""),
+    }
+    for why, (d, i) in cases.items():
+        data.write_bytes(d)
+        index.write_bytes(i)
+        with pytest.raises(CorruptCheckpointError):
+            read_bundle(prefix, dtype="float32", shape=value.shape)
+            pytest.fail(why)
+    data.write_bytes(good_data)
+    index.write_bytes(good_index)
+    with pytest.raises(CorruptCheckpointError, match="does not describe"):  # same bytes, read as another dtype
+        read_bundle(prefix, dtype="int32", shape=value.shape)
+    with pytest.raises(CorruptCheckpointError, match="bytes of data"):
+        read_bundle(prefix, dtype="float32", shape=(32, 4))
+    data.unlink()
+    with pytest.raises(CorruptCheckpointError, match="missing"):
+        read_bundle(prefix, dtype="float32", shape=value.shape)
