@@ -29,7 +29,7 @@ import numpy as np
 
 from psguard.errors import CorruptCheckpointError
 from psguard.handoff.spool import write_array
-from psguard.handoff.tensor_file import TF_DTYPES
+from psguard.handoff.tensor_file import TF_DTYPES, open_capture_file
 from psguard.store.chunks import byte_view, crc32c
 from psguard.store.dtypes import dtype_from_name, dtype_name
 
@@ -121,12 +121,7 @@ def read_bundle(
     index, data = bundle_files(prefix)
     np_dtype = dtype_from_name(dtype)
     size = math.prod(shape) * np_dtype.itemsize
-    try:
-        fd = os.open(data, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{what}: bundle data file missing") from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"{what}: cannot open the bundle data file: {e}") from None
+    fd = open_capture_file(data, what, "bundle data file")
     with os.fdopen(fd, "rb") as f:
         got = os.fstat(fd).st_size
         if got != size:
@@ -136,12 +131,8 @@ def read_bundle(
             out = np.empty(shape, dtype=np_dtype)
         if size and f.readinto(byte_view(out)) != size:
             raise CorruptCheckpointError(f"{what}: the bundle data file shrank while being read")
-    try:
-        fd = os.open(index, os.O_RDONLY | os.O_NOFOLLOW)
-        with os.fdopen(fd, "rb") as f:
-            table = f.read(_MAX_INDEX + 1)
-    except OSError as e:
-        raise CorruptCheckpointError(f"{what}: cannot read the bundle index: {e}") from None
+    with os.fdopen(open_capture_file(index, what, "bundle index"), "rb") as f:
+        table = f.read(_MAX_INDEX + 1)
     if table != index_bytes(np_dtype, shape, size, crc32c(byte_view(out)) if size else 0):
         raise CorruptCheckpointError(f"{what}: the bundle index does not describe its data (damaged or another tensor)")
     return out

@@ -34,7 +34,7 @@ from psguard.errors import CorruptCheckpointError
 from psguard.store.chunks import byte_view
 from psguard.store.dtypes import dtype_from_name
 
-__all__ = ["TF_DTYPES", "read_tensor_file"]
+__all__ = ["TF_DTYPES", "open_capture_file", "read_tensor_file"]
 
 #: TF DataType enum value -> the dtype name a manifest records (tensorflow/core/framework/types.proto).
 TF_DTYPES: dict[int, str] = {
@@ -134,6 +134,17 @@ def _parse_shape(buf: bytes | memoryview, what: str) -> tuple[int, ...]:
     return tuple(dims)
 
 
+def open_capture_file(path: Path, what: str, noun: str) -> int:
+    """A read-only descriptor of a file a capture left (never through a symlink); a missing or unreadable one is
+    a :class:`~psguard.errors.CorruptCheckpointError` naming ``what`` and ``noun``."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{what}: {noun} missing") from None
+    except OSError as e:
+        raise CorruptCheckpointError(f"{what}: cannot open the {noun}: {e}") from None
+
+
 def read_tensor_file(
     path: Path,
     *,
@@ -149,12 +160,7 @@ def read_tensor_file(
     tier keeps it, with no copy after), or None for a new one.
     """
     what = what or str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{what}: tensor file missing") from None
-    except OSError as e:
-        raise CorruptCheckpointError(f"{what}: cannot open the tensor file: {e}") from None
+    fd = open_capture_file(path, what, "tensor file")
     with os.fdopen(fd, "rb") as f:
         size = os.fstat(fd).st_size
         head = f.read(min(size, _MAX_HEADER))
