@@ -118,6 +118,8 @@ def read_bundle(
     :func:`~psguard.handoff.tensor_file.read_tensor_file` (the tier file to read into).
     """
     what = what or str(prefix)
+    if dtype not in _DT_ENUM:
+        raise CorruptCheckpointError(f"{what}: a bundle of dtype {dtype} (numeric tensors only)")
     index, data = bundle_files(prefix)
     np_dtype = dtype_from_name(dtype)
     size = math.prod(shape) * np_dtype.itemsize

@@ -131,6 +131,8 @@ def test_a_damaged_truncated_or_other_bundle_is_refused_before_it_is_used(tmp_pa
         read_bundle(prefix, dtype="int32", shape=value.shape)
     with pytest.raises(CorruptCheckpointError, match="bytes of data"):
         read_bundle(prefix, dtype="float32", shape=(32, 4))
+    with pytest.raises(CorruptCheckpointError, match="numeric tensors only"):
+        read_bundle(prefix, dtype="string", shape=value.shape)
     data.unlink()
     with pytest.raises(CorruptCheckpointError, match="missing"):
         read_bundle(prefix, dtype="float32", shape=value.shape)
