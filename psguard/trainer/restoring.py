@@ -199,10 +199,8 @@ class RestoreSide:
         # Otherwise the agents refuse to load the log over a newer state they all still hold.
         failed_to_load = False
         if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
-            info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
-            if self._load(info, memory, status=status):
-                self._restored(info)
-                return info, memory
+            if (loaded := self._load_memory(memory, status=status)) is not None:
+                return loaded
             failed_to_load = True
         elif memory is not None and durable_latest is not None:
             log.warning(
@@ -235,6 +233,10 @@ class RestoreSide:
         memory = self._sink.memory_snapshot(self.restore_timeout)
         if memory is None:
             raise PsguardError(f"{refusal}; but the memory tier could not be exported either: not restoring now")
+        return self._load_memory(memory, status=status)
+
+    def _load_memory(self, memory: Restored, *, status: bool) -> tuple[RestoreInfo, Restored] | None:
+        """Restore the memory tier's snapshot ``memory``; None when it did not load on the PS (nothing assigned)."""
         info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
         if not self._load(info, memory, status=status):
             return None
