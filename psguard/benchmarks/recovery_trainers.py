@@ -222,8 +222,10 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
 def _timed_parts(manager: Any) -> dict[str, float]:
     """Time the phases of ``manager.restore_or_initialize()`` (filled in as it runs): ``snapshot_s`` (the
     chief's agent gets every PS agent to write its shards' files: ``memory_snapshot``), ``load_s`` (each PS
-    reads and assigns its files, the small tensors from the chief: ``restore_parts``, its rebase included) and
-    ``rebase_s`` (fingerprints of every row for the next capture). Wraps the instance's methods only."""
+    reads and assigns its files, the small tensors from the chief, and hashes what it did not load the
+    fingerprints of, in one function: ``restore_parts``) and ``rebase_s`` (a separate rebase: the fingerprints of
+    every row for the next capture, after a restore that is not PS-side; 0 after a PS-side one). Wraps the
+    instance's methods only."""
     times: dict[str, float] = {}
 
     def wrap(obj: Any, name: str, key: str) -> None:

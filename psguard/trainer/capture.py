@@ -213,6 +213,8 @@ class Capturer:
         self._fns: Functions | None = None
         self._capture_concrete: Any = None  # the traced capture of self._fns for these variables (see _call_capture)
         self._warming: threading.Thread | None = None  # a dry call instantiating the capture (see _warm_up)
+        self._load_traced: Any = None  # the functions whose usual PS-side load is traced (see _trace_load)
+        self._tracing_load: threading.Thread | None = None
         # Write tracking: the optimizers' iterations, this generation's apply counter, and the value of
         # sum(iterations) - applies after the last capture (None: unknown, hash every row next time).
         self._iterations: list[Any] = []
@@ -312,24 +314,30 @@ class Capturer:
                     "can miss such writes",
                     ", ".join(self.last_stats.untracked_writes),
                 )
+            self._trace_load()
             return updates
 
-    def rebase(self, *, spilled_too: bool = True) -> None:
+    def rebase(self) -> None:
         """Declare the variables' current values to be what the caller already holds (e.g. just restored).
 
         Recomputes the fingerprints on the PS without reading anything to the chief, so the next capture
-        is relative to now. ``spilled_too=False``: not those of the spilled shards (already done).
+        is relative to now.
         """
         with self._lock:
             self._sync()
             self._expected_gap = None
+            gap = None
             if self._tracked:
                 with unoptimized_calls():
-                    gap = self._functions.rebase(spilled_too, self._variables())
-                self._expected_gap = int(gap) if self.tracks_writes else None
-            self._since_verify = 0
-            for tr in self._tracked.values():
-                tr.need_full = False
+                    gap = self._functions.rebase(True, self._variables())
+            self._rebased(gap)
+
+    def _rebased(self, gap: Any) -> None:
+        """What a rebase leaves behind once its function ran (``gap``: its result, None without tensors)."""
+        self._expected_gap = int(gap) if gap is not None and self.tracks_writes else None
+        self._since_verify = 0
+        for tr in self._tracked.values():
+            tr.need_full = False
 
     def prepare(self) -> None:
         """Do the chief-side work of the next capture that does not need the variables at rest, now: re-read the
@@ -358,6 +366,47 @@ class Capturer:
         """
         if self._tracked and self._warming is None:
             self._warming = warm_functions(self._functions, self._variables())
+
+    def _trace_load(self) -> None:
+        """Trace the PS-side load of this layout (:func:`load_function`, every shard with its fingerprints and
+        every other tensor from the chief: what a restore from the memory tiers passes) now, in the background,
+        once per layout. Caller holds the lock.
+
+        Why: a recovery builds the model again and restores at once, and tracing that function was 0.1 s of a 1 GB
+        job's 0.43 s restore (about 20 ops per tensor, in Python on the chief). A trace is kept with the layout's
+        functions, which the next generation's capturer finds again (:func:`functions_for`): variables of the
+        same shapes and dtypes are the same arguments to it. A restore of another kind (a shard without its
+        fingerprints after a node loss, say) traces its own, as before.
+        """
+        fns = self._functions
+        if self._load_traced is fns or (self._tracing_load is not None and self._tracing_load.is_alive()):
+            return  # done, or another layout's still tracing: this one at a later capture
+        self._load_traced = fns
+        tracked = list(self._tracked.values())
+        which = tuple((i, j) for i, tr in enumerate(tracked) if tr.spill for j in range(len(tr.info.shards)))
+        if not which:
+            return
+        given = [((i, j), s.var) for i, tr in enumerate(tracked) if not tr.spill for j, s in enumerate(tr.info.shards)]
+        variables = self._variables()
+        tf = lazy_tf()
+
+        def trace() -> None:
+            try:
+                load = load_function(fns, which, (True,) * len(which), tuple(ij for ij, _ in given))
+                paths = tf.TensorSpec([len(which)], tf.string)
+                values = tuple(tf.TensorSpec(v.shape, v.dtype) for _, v in given)
+                with unoptimized_calls():
+                    load.get_concrete_function(paths, paths, values, variables)
+            except Exception as e:  # the restore traces it then, and reports what fails
+                log.debug("tracing the PS-side load ahead failed: %s", e)
+
+        self._tracing_load = threading.Thread(target=trace, name="psguard-load-trace", daemon=True)
+        self._tracing_load.start()
+
+    def _join_load_trace(self) -> None:
+        tracing, self._tracing_load = self._tracing_load, None
+        if tracing is not None:
+            tracing.join()
 
     def _join_warm(self) -> None:
         warming, self._warming = self._warming, None
@@ -433,7 +482,8 @@ class Capturer:
         Each PS reads and assigns its own shards in one function placed on its device, so all PS
         load in parallel and no shard's bytes cross the chief. All or nothing: names, shapes and dtypes are
         checked first, and every file is read and parsed (shape and dtype checked by TensorFlow) before any
-        variable is assigned. Then :meth:`rebase`. ``fingerprints``: shard -> the bundle of its rows'
+        variable is assigned; the same function assigns ``tensors`` and rebases (:func:`load_function`: one
+        function to instantiate on the PS, not three). ``fingerprints``: shard -> the bundle of its rows'
         fingerprints on the same node (its agent kept what the captures computed), loaded instead of hashing
         the rows.
         """
@@ -471,15 +521,27 @@ class Capturer:
                     f"({moved[:3]}): each PS reads only its own node's files"
                 )
             elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
-            check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
-            if keys:
-                fps = fingerprints or {}
-                load = load_function(self._functions, tuple(ij for ij, _ in keys), tuple(k in fps for _, k in keys))
-                paths = tf.constant([str(files[k]) for _, k in keys])
-                with unoptimized_calls():
-                    load(paths, tf.constant([str(fps.get(k, "")) for _, k in keys]), self._variables())
-            restore(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
-            self.rebase(spilled_too=False)
+            infos = check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
+            # The tensors the chief holds go in by the same function, shard by shard (aliases through their owner).
+            given, values = [], []
+            for i, tr in enumerate(self._tracked.values()):
+                if tr.spill or tr.info.name not in tensors or tr.info.name not in infos:
+                    continue
+                whole = np.asarray(tensors[tr.info.name])
+                for j, s in enumerate(tr.info.shards):
+                    part = whole[s.offset : s.offset + s.rows] if tr.info.shape else whole
+                    given.append((i, j))
+                    values.append(tf.constant(part.reshape(tuple(int(d) for d in s.var.shape)), dtype=s.var.dtype))
+            fps = fingerprints or {}
+            self._join_load_trace()
+            load = load_function(
+                self._functions, tuple(ij for ij, _ in keys), tuple(k in fps for _, k in keys), tuple(given)
+            )
+            paths = tf.constant([str(files[k]) for _, k in keys], dtype=tf.string)
+            fp_paths = tf.constant([str(fps.get(k, "")) for _, k in keys], dtype=tf.string)
+            with unoptimized_calls():
+                gap = load(paths, fp_paths, tuple(values), self._variables())
+            self._rebased(gap)
             note_restored(self._variables_of_root())
             self._warm_up()
 

@@ -27,7 +27,7 @@ from psguard.handoff.parts import PartCapture, ShardKey, check_coverage
 from psguard.handoff.spool import Restored
 from psguard.handoff.tensor_bundle import bundle_files, read_bundle, write_bundle
 from psguard.handoff.tensor_file import read_tensor_file
-from psguard.tensors import apply_update
+from psguard.tensors import Same, apply_update
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
 from psguard.trainer.capture import Capturer
 from psguard.trainer.deferred_init import deferred_initial_values
@@ -127,6 +127,7 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
         for k, fp in fps.items():  # the fingerprints sent beside the rows are the rows' own
             assert np.array_equal(fp, row_fingerprints(state[k.name][k.offset : k.offset + k.rows])), k
         trainer.train(4, join=False)
+    capturer._join_load_trace()
 
     # The agent's end of a restore: one bundle per shard, written as the agent writes them (without TensorFlow);
     # each PS loads its own.
@@ -179,11 +180,18 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
     restored = read_tensors(root2)
     for name in state:
         assert restored[name].tobytes() == state[name].tobytes(), name
-    # Rebased: nothing changed since the restore, so the next capture sends nothing of the tables.
-    capturer2.capture()
+    # Rebased: nothing changed since the restore, so the next capture sends nothing, of the tables (their
+    # fingerprints loaded) nor of the tensors the chief passed (hashed by the same function once assigned).
+    after_restore = capturer2.capture()
+    assert set(local) <= set(after_restore) and all(isinstance(u, Same) for u in after_restore.values())
     assert all(s.kind == "same" for p in capturer2.last_parts for s in p.shards)
 
-    # With the fingerprints the agent kept, the PS loads them instead of hashing: a marked one shows it.
+    # With the fingerprints the agent kept, the PS loads them instead of hashing: a marked one shows it. That
+    # restore (the usual one) was traced by the first capturer after its captures, for variables of the same
+    # shapes: the second one's restore traces nothing.
+    assert capturer2._functions is capturer._functions
+    (usual,) = [fn for (_, with_fps, given), fn in capturer._functions.loads.items() if all(with_fps) and given]
+    assert usual.experimental_get_tracing_count() == 1
     fp_files: dict[ShardKey, str] = {}
     for k, fp in fps.items():
         prefix = restore_dir / f"fp-{len(fp_files)}"
@@ -197,6 +205,7 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
     for j, k in enumerate(spilled[TABLE]):
         loaded = capturer2._tracked[TABLE].fingerprints[j].numpy()
         assert loaded[0] == 12345 and np.array_equal(loaded[1:], fps[k][1:])
+    assert usual.experimental_get_tracing_count() == 1
 
 
 def test_tensor_files_tensorflow_writes_are_read_exactly_and_damage_is_refused(tmp_path: Path) -> None:
