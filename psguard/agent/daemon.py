@@ -136,8 +136,7 @@ class Agent:
     """One sidecar: supervise ``role:index``'s task, probe it, serve HTTP; on the chief, the memory tier too.
 
     :meth:`start`, then :meth:`wait` (returns the exit code for the CLI, or raises ``CrashLoopError``), then
-    :meth:`stop` (idempotent, from ``finally``). :meth:`request_stop` is safe from a signal handler.
-    """
+    :meth:`stop` (idempotent, from ``finally``). :meth:`request_stop` is safe from a signal handler."""
 
     def __init__(
         self,
@@ -249,6 +248,7 @@ class Agent:
             spool_dir=self.spool_dir,
             store=self.config.store,
             huge_pages=self.config.supervisor.huge_pages,
+            reconnect_backoff=self.config.supervisor.reconnect_backoff,
         )
 
     # ------------------------------------------------------------------------------------------ lifecycle

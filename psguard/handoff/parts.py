@@ -26,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from psguard.errors import CorruptCheckpointError
+from psguard.errors import CorruptCheckpointError, TensorMismatchError
 
 __all__ = [
     "Kind",
@@ -34,6 +34,7 @@ __all__ = [
     "ShardFiles",
     "ShardKey",
     "check_coverage",
+    "check_restore_files",
     "is_ps_task",
     "parts_from_json",
     "task_of_device",
@@ -178,3 +179,28 @@ def check_coverage(parts: Sequence[PartCapture], what: str) -> dict[str, tuple[t
             raise CorruptCheckpointError(f"{what}: the shards of {name} cover {at} of {shards[0].shape[0]} rows")
         out[name] = (shards[0].shape, shards[0].dtype)
     return out
+
+
+def check_restore_files(
+    placed: Mapping[ShardKey, str], files: Mapping[ShardKey, str], homes: Mapping[ShardKey, str] | None
+) -> None:
+    """A PS-side restore's files against the model's shards (``placed``: shard -> the PS task the model put it
+    on): one file per shard, no other; and (``homes``: shard -> the PS whose agent wrote its file) each on its
+    own PS's node, since each PS reads only its own node's files. :class:`TensorMismatchError` otherwise."""
+    missing = sorted(k.label for k in placed.keys() - files.keys())
+    extra = sorted(k.label for k in files.keys() - placed.keys())
+    if missing or extra:
+        raise TensorMismatchError(
+            f"the PS-side snapshot does not match the model's shards: missing {missing[:5]} "
+            f"({len(missing)}), not in the model {extra[:5]} ({len(extra)}); was the number of PS changed?"
+        )
+    moved = [
+        f"{k.label} on {task}, its file on {homes[k]}'s node"
+        for k, task in placed.items()
+        if homes and k in homes and homes[k] != task
+    ]
+    if moved:
+        raise TensorMismatchError(
+            f"the model placed {len(moved)} shard(s) on another PS than the one that captured them "
+            f"({moved[:3]}): each PS reads only its own node's files"
+        )

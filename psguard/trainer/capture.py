@@ -35,8 +35,8 @@ from typing import Any
 
 import numpy as np
 
-from psguard.errors import ConfigError, TensorMismatchError
-from psguard.handoff.parts import Kind, PartCapture, ShardFiles, ShardKey, task_of_device
+from psguard.errors import ConfigError
+from psguard.handoff.parts import Kind, PartCapture, ShardFiles, ShardKey, check_restore_files, task_of_device
 from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.capture_graph import (
@@ -47,6 +47,7 @@ from psguard.trainer.capture_graph import (
     capture_specs,
     functions_for,
     load_function,
+    trace_load,
     unoptimized_calls,
     warm_functions,
 )
@@ -386,22 +387,9 @@ class Capturer:
         which = tuple((i, j) for i, tr in enumerate(tracked) if tr.spill for j in range(len(tr.info.shards)))
         if not which:
             return
-        given = [((i, j), s.var) for i, tr in enumerate(tracked) if not tr.spill for j, s in enumerate(tr.info.shards)]
-        variables = self._variables()
-        tf = lazy_tf()
-
-        def trace() -> None:
-            try:
-                load = load_function(fns, which, (True,) * len(which), tuple(ij for ij, _ in given))
-                paths = tf.TensorSpec([len(which)], tf.string)
-                values = tuple(tf.TensorSpec(v.shape, v.dtype) for _, v in given)
-                with unoptimized_calls():
-                    load.get_concrete_function(paths, paths, values, variables)
-            except Exception as e:  # the restore traces it then, and reports what fails
-                log.debug("tracing the PS-side load ahead failed: %s", e)
-
-        self._tracing_load = threading.Thread(target=trace, name="psguard-load-trace", daemon=True)
-        self._tracing_load.start()
+        given = [(i, j) for i, tr in enumerate(tracked) if not tr.spill for j in range(len(tr.info.shards))]
+        shards = [tracked[i].info.shards[j].var for i, j in given]
+        self._tracing_load = trace_load(fns, which, tuple(given), shards, self._variables())
 
     def _join_load_trace(self) -> None:
         tracing, self._tracing_load = self._tracing_load, None
@@ -493,33 +481,14 @@ class Capturer:
                 self.coordinator.join()
             self._sync()
             spilled = [(i, tr) for i, tr in enumerate(self._tracked.values()) if tr.spill]
-            # (tensor, shard) indices in the functions' plan, and each shard's key.
-            keys = [
-                ((i, j), ShardKey(tr.info.name, s.offset, s.rows))
+            # (tensor, shard) indices in the functions' plan, and each shard's key and PS.
+            placed = [
+                ((i, j), ShardKey(tr.info.name, s.offset, s.rows), task_of_device(str(s.device)) or "")
                 for i, tr in spilled
                 for j, s in enumerate(tr.info.shards)
             ]
-            wanted = {k for _, k in keys}
-            missing = sorted(k.label for k in wanted - set(files))
-            extra = sorted(k.label for k in set(files) - wanted)
-            if missing or extra:
-                raise TensorMismatchError(
-                    f"the PS-side snapshot does not match the model's shards: missing {missing[:5]} "
-                    f"({len(missing)}), not in the model {extra[:5]} ({len(extra)}); was the number of PS changed?"
-                )
-            moved = [
-                f"{ShardKey(tr.info.name, s.offset, s.rows).label} on {task_of_device(str(s.device))}, its file on "
-                f"{homes[k]}'s node"
-                for i, tr in spilled
-                for s in tr.info.shards
-                if homes and (k := ShardKey(tr.info.name, s.offset, s.rows)) in homes
-                and homes[k] != task_of_device(str(s.device))
-            ]  # fmt: skip
-            if moved:
-                raise TensorMismatchError(
-                    f"the model placed {len(moved)} shard(s) on another PS than the one that captured them "
-                    f"({moved[:3]}): each PS reads only its own node's files"
-                )
+            check_restore_files({k: task for _, k, task in placed}, files, homes)
+            keys = [(ij, k) for ij, k, _ in placed]
             elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
             infos = check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             # The tensors the chief holds go in by the same function, shard by shard (aliases through their owner).

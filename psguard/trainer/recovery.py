@@ -294,6 +294,20 @@ def _rebuild(
         return build()
 
 
+def _freeze_what_lives_on() -> None:
+    """Move every object the process holds before its first build into the collector's permanent generation
+    (``gc.freeze``, after a collection): the imported modules, TensorFlow's and Keras's state, the strategy.
+
+    Why: a recovery collects the failed generation (below, ``gc.collect``) while the PS restarts, and a full
+    collection traverses every object of the process: 380,000 in the 1 GB bench's trainer, 0.31 s on the
+    recovery's path, 0.12-0.15 s once the 320,000 that were there before the first build are frozen. Those live
+    as long as the process anyway; the garbage among them was just collected. Python's own full collections
+    during training get as much cheaper. ``gc.unfreeze()`` undoes it.
+    """
+    gc.collect()
+    gc.freeze()
+
+
 def _reach(*, workers: bool) -> None:
     """:func:`reach_every_ps`, said in the log; a check that cannot run at all (an error that is not a cluster
     failure, as in a cluster psguard's probe does not fit) is logged and skipped, never the end of the job."""
@@ -350,6 +364,7 @@ def run_with_recovery(
     report = RecoveryReport()
     attempt = 0
     placement = StablePlacement()
+    _freeze_what_lives_on()
     with placement.building():
         job: T | None = build()
     failure: tuple[BaseException, float] | None = None  # the failure being recovered from, and when it was seen

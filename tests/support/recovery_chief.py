@@ -8,9 +8,11 @@ failure surfaces; then it recovers in process and trains to the target step.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,7 @@ def main() -> None:
     persister = Persister(store, tier, last=resume(store, tier)).start()
     server = SpoolServer(spool, tier, persister).start()
     schedule = Schedule(memory=EverySteps(5), durable=EverySteps(20))
-    state: dict[str, Any] = {"killed_at": None, "last_seen": 0, "restored": []}
+    state: dict[str, Any] = {"killed_at": None, "last_seen": 0, "restored": [], "models": []}
     with LocalCluster(num_ps=2, num_workers=2, standby=True) as cluster:
         strategy = tf.distribute.experimental.ParameterServerStrategy(
             cluster.cluster_resolver(),
@@ -65,6 +67,7 @@ def main() -> None:
             with strategy.scope():
                 model = RecModel(cfg)
                 optimizer = make_optimizer("adagrad")
+            state["models"].append(weakref.ref(model))
             trainer = Trainer(strategy, coordinator, model, optimizer)
             manager = CheckpointManager(
                 tf.train.Checkpoint(model=model, optimizer=optimizer),
@@ -100,6 +103,8 @@ def main() -> None:
             job.manager.close(timeout=30)
 
         final, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)
+        gc.collect()  # what the recovery dropped is gone by now, unless something still holds it
+        failed_generations_alive = sum(ref() is not None for ref in state["models"][:-1])
         rss = []
         for i in range(cluster.num_ps):
             status = Path(f"/proc/{cluster.pids[('ps', i)]}/status").read_text()
@@ -114,6 +119,8 @@ def main() -> None:
         restored=state["restored"],
         recoveries=[{"attempt": r.attempt, "seconds": r.seconds} for r in report.recoveries],
         ps_rss=rss,
+        failed_generations_alive=failed_generations_alive,
+        frozen=gc.get_freeze_count(),
     )
 
 

@@ -153,6 +153,13 @@ class SupervisorConfig:
     # memory is freed: 0.2-0.25 s with 4 KB pages, a few ms with huge pages; and a restore of 512 MB took 0.45
     # instead of 0.65 s. A 1 GB job's recovery went from 2.4 to 1.8 s (BENCHMARKS.md, "1 GB").
     huge_pages: bool = True
+    # The first wait of TensorFlow's gRPC channels before they connect again to a task that refused them (a PS
+    # being restarted), for every task this agent starts (``TF_GRPC_DEFAULT_OPTIONS``; a
+    # ``grpc.initial_reconnect_backoff_ms`` of the user's own is kept; 0: TensorFlow's 1 s). The waits grow
+    # 1.6x per refusal up to TensorFlow's 1 s cap. A worker that called the killed PS waited out 1 s (0.8-1.2)
+    # before its first step after a 1 GB job's recovery, which was the rest of the recovery's length: 1.2 s
+    # from the failure to the workers' reach, against 0.96 s with 0.1 (one run each, `bench recovery`).
+    reconnect_backoff: Annotated[Duration, Check(lambda s: 0 <= s <= 1, "between 0 and 1 s")] = 0.1
 
     def __post_init__(self) -> None:
         validate(self)

@@ -13,7 +13,15 @@ import pytest
 
 from psguard.agent.config import AgentConfig, HttpConfig
 from psguard.agent.process.prober import GrpcStatusProbe, ProcessProbe, TcpProbe
-from psguard.agent.task import HUGE_PAGES_TUNABLE, server_command, task_env, task_probes, task_record
+from psguard.agent.task import (
+    HUGE_PAGES_TUNABLE,
+    RECONNECT_BACKOFF_ARG,
+    TF_GRPC_OPTIONS,
+    server_command,
+    task_env,
+    task_probes,
+    task_record,
+)
 from psguard.handoff.contract import (
     ENV_AGENT_CA,
     ENV_AGENT_CLIENT_CERT,
@@ -124,3 +132,21 @@ def test_a_servers_probes_include_its_port_and_an_rpc_a_chief_only_its_process()
 def test_the_task_record_lives_in_the_state_folder_under_a_safe_name(tmp_path: Path) -> None:
     path = task_record(AgentConfig(state_dir=str(tmp_path)), "ps:0/../x")
     assert path.parent == tmp_path and "/" not in path.name and path.name.endswith(".task.json")
+
+
+def test_the_backoff_is_set_for_every_task_and_a_users_own_stands(monkeypatch: pytest.MonkeyPatch) -> None:
+    def options(role: str, backoff: float = 0.1) -> str | None:
+        env = task_env(
+            CLUSTER, role, 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None,
+            store=None, reconnect_backoff=backoff,
+        )  # fmt: skip
+        return env.get(TF_GRPC_OPTIONS)
+
+    monkeypatch.delenv(TF_GRPC_OPTIONS, raising=False)
+    for role in ("chief", "worker", "ps"):
+        assert options(role) == f"{RECONNECT_BACKOFF_ARG}=100"
+    assert options("ps", 0.0) is None  # off: TensorFlow's own
+    monkeypatch.setenv(TF_GRPC_OPTIONS, "grpc.keepalive_time_ms=5000")
+    assert options("worker") == f"grpc.keepalive_time_ms=5000,{RECONNECT_BACKOFF_ARG}=100"
+    monkeypatch.setenv(TF_GRPC_OPTIONS, f"{RECONNECT_BACKOFF_ARG}=2000")
+    assert options("worker") == f"{RECONNECT_BACKOFF_ARG}=2000"  # the user's choice
