@@ -508,6 +508,10 @@ class ShardKeeper:
         what = f"{self.task}: {s.key.label}"
         if s.kind == "full":
             path, shape = folder / f"{s.stem}.full", (s.key.rows, *inner)
+            if path.is_file() and not path.is_symlink():
+                # A trainer of psguard before 2026-12-05 (420f2bf) wrote a tensor file (serialize_tensor): read as
+                # then, so that its agent can be upgraded first.
+                return Full(read_tensor_file(path, dtype=s.dtype, shape=shape, what=what, allocate=self.files.new))
             # A bundle (SaveV2 on the PS), read where the tier keeps it (its file): the apply takes it without a copy.
             return Full(read_bundle(path, dtype=s.dtype, shape=shape, what=what, allocate=self.files.new))
         if s.kind == "same":

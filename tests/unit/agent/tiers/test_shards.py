@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from psguard.agent.tiers.shards import ShardKeeper
-from psguard.handoff.parts import ShardKey
-from psguard.handoff.tensor_bundle import bundle_files
+from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
+from psguard.handoff.tensor_bundle import bundle_files, write_bundle
 from psguard.tensors import Full, Rows
 from tests.support.tensors import lazy_tf, restore_bundle
 
@@ -218,5 +218,34 @@ def test_the_rows_fingerprints_are_kept_beside_them_and_exported_only_for_the_sa
         capture("t5", "t4", Full(value), Full(fps))
         got = exported_fps("t5")
         assert got is not None and np.array_equal(got, fps)
+    finally:
+        keeper.close()
+
+
+def test_a_whole_shard_from_an_older_trainer_a_tensor_file_not_a_bundle_is_applied_all_the_same(
+    tmp_path: Path,
+) -> None:
+    """Trainers before 420f2bf wrote a shard sent whole as a tensor file (``serialize_tensor``), newer ones as a
+    bundle (``SaveV2``): an agent upgraded before its job's trainer reads both, exactly."""
+    tf = lazy_tf()
+    rng = np.random.default_rng(5)
+    keeper = ShardKeeper(tmp_path / "parts", "ps:0").start()
+    try:
+        parent = None
+        for k, (nonce, fmt) in enumerate([("a" * 16, "tensor file"), ("b" * 16, "bundle")]):
+            value = rng.standard_normal((1000, 4)).astype(np.float32)
+            folder = tmp_path / "parts" / "incoming" / nonce
+            folder.mkdir(mode=0o700, parents=True)
+            if fmt == "tensor file":
+                (folder / "0-0.full").write_bytes(tf.io.serialize_tensor(tf.constant(value)).numpy())
+            else:
+                write_bundle(folder / "0-0.full", value)
+            part = PartCapture("ps:0", nonce, (ShardFiles(KEY, (2000, 4), "float32", "full", 1000, "0-0"),))
+            token = f"t{k}"
+            keeper.apply({"part": part.to_json(), "step": 5 + k, "token": token, "parent": parent})
+            parent = token
+            answer = keeper.export({"token": token})
+            assert answer["status"] == "ok" and np.array_equal(read_back(answer, value), value), fmt
+            assert not folder.exists()  # the part's files are deleted once applied
     finally:
         keeper.close()
