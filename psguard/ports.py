@@ -5,11 +5,18 @@ as the source port, and the TCP simultaneous open then succeeds with no listener
 "open", and for as long as that socket lives the real server cannot bind its port (it dies with "address in
 use"). Both checks here rule that out: a loopback port is looked up in the kernel's listening table without
 connecting, and a connection whose two ends are the same address is refused and closed at once.
+
+Free ports are chosen *below* the ephemeral range (``ip_local_port_range``) where there is room: a port chosen
+now is bound by its server seconds later (a cluster's ports are written before its tasks start), and meanwhile
+any outgoing connection of any process may get it as its source port, which keeps the server from binding it for
+as long as that connection lives (a chief crashed five times on "Could not start gRPC server" so in CI). The
+kernel never gives a port below the range to an outgoing connection.
 """
 
 from __future__ import annotations
 
 import ipaddress
+import random
 import socket
 import time
 from pathlib import Path
@@ -17,20 +24,46 @@ from pathlib import Path
 _LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp's "st" column
 
 
+#: The lowest port :func:`free_ports` chooses below the ephemeral range (above the usual services' ports).
+LOWEST_CHOSEN = 15000
+#: The fewest ports below the ephemeral range worth choosing from; with fewer the OS picks (in the range).
+_MIN_ROOM = 2000
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (``/proc/sys/net/ipv4/ip_local_port_range``)."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that was free a moment ago (the OS picks it, so parallel runs rarely collide)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """Return a TCP port that was free a moment ago, below the ephemeral range where there is room."""
+    return free_ports(1, host)[0]
 
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """Return ``n`` distinct free ports, holding all of them open until all are chosen."""
-    socks = []
+    """Return ``n`` distinct free ports, holding all of them open until all are chosen. Random ones below the
+    ephemeral range when it leaves room (see the module docstring), else ones the OS picks."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    low, high = LOWEST_CHOSEN, ephemeral_range()[0] - 1
+    socks: list[socket.socket] = []
+    rng = random.SystemRandom()
     try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
+        tries = 0
+        while len(socks) < n:
+            s = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                if high - low >= _MIN_ROOM and tries < 50 * n:
+                    tries += 1
+                    s.bind((host, rng.randint(low, high)))
+                else:
+                    s.bind((host, 0))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
         return [int(s.getsockname()[1]) for s in socks]
     finally:

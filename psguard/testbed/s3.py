@@ -56,8 +56,8 @@ def _try_bind(host: str, port: int) -> socket.socket | None:
 def free_port_pairs(n: int, host: str = HOST, offset: int = GRPC_PORT_OFFSET, tries: int = 500) -> list[int]:
     """Return ``n`` distinct ports ``p`` such that ``p`` and ``p + offset`` were both free a moment ago.
 
-    The OS hands out free ports from the ephemeral range, but nothing checks the derived gRPC port, which
-    may be taken or above 65535; both are held bound until all pairs are chosen so they cannot repeat.
+    :func:`psguard.ports.free_port` checks ``p`` only, not the derived gRPC port, which may be taken or above
+    65535; both are held bound until all pairs are chosen so they cannot repeat.
     """
     chosen: list[int] = []
     taken: set[int] = set()

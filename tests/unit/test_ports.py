@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from psguard.agent.process.prober import TcpProbe
-from psguard.ports import free_port, listening, port_open, self_connected
+from psguard.ports import LOWEST_CHOSEN, ephemeral_range, free_port, free_ports, listening, port_open, self_connected
 
 
 @pytest.fixture
@@ -80,3 +80,18 @@ def test_the_tcp_probe_fails_on_a_closed_port() -> None:
     probe = TcpProbe("127.0.0.1", free_port())
     result = probe.check(1.0)
     assert not result.ok and result.code == "refused"
+
+
+def test_free_ports_are_below_the_ephemeral_range_where_no_outgoing_connection_can_take_them() -> None:
+    """A cluster's ports are chosen before its tasks bind them: in the ephemeral range any process's outgoing
+    connection could get one as its source port meanwhile and keep the task from binding it."""
+    low, high = ephemeral_range()
+    assert 0 < low <= high <= 65535
+    ports = free_ports(20)
+    assert len(set(ports)) == 20
+    if low - LOWEST_CHOSEN > 2000:
+        assert all(LOWEST_CHOSEN <= p < low for p in ports), (ports, low)
+    for p in ports:  # free: a server can bind each
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))
+    assert LOWEST_CHOSEN <= free_port() < low if low - LOWEST_CHOSEN > 2000 else free_port() > 0
