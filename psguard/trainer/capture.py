@@ -215,7 +215,6 @@ class Capturer:
         self._capture_concrete: Any = None  # the traced capture of self._fns for these variables (see _call_capture)
         self._warming: threading.Thread | None = None  # a dry call instantiating the capture (see _warm_up)
         self._load_traced: Any = None  # the functions whose usual PS-side load is traced (see _trace_load)
-        self._tracing_load: threading.Thread | None = None
         # Write tracking: the optimizers' iterations, this generation's apply counter, and the value of
         # sum(iterations) - applies after the last capture (None: unknown, hash every row next time).
         self._iterations: list[Any] = []
@@ -370,18 +369,21 @@ class Capturer:
 
     def _trace_load(self) -> None:
         """Trace the PS-side load of this layout (:func:`load_function`, every shard with its fingerprints and
-        every other tensor from the chief: what a restore from the memory tiers passes) now, in the background,
-        once per layout. Caller holds the lock.
+        every other tensor from the chief: what a restore from the memory tiers passes) now, once per layout, at
+        the end of a capture (the capture function was traced for the same layout just before). Caller holds the
+        lock.
 
         Why: a recovery builds the model again and restores at once, and tracing that function was 0.1 s of a 1 GB
         job's 0.43 s restore (about 20 ops per tensor, in Python on the chief). A trace is kept with the layout's
         functions, which the next generation's capturer finds again (:func:`functions_for`): variables of the
-        same shapes and dtypes are the same arguments to it. A restore of another kind (a shard without its
-        fingerprints after a node loss, say) traces its own, as before.
+        same shapes and dtypes are the same arguments to it, and its trace is then a lookup. A restore of another
+        kind (a shard without its fingerprints after a node loss, say) traces its own, as before. Not on a thread:
+        a daemon thread still tracing when the trainer exits (a failure right after a capture) aborted the
+        process (TensorFlow's C++ code met Python's thread teardown: "FATAL: exception not rethrown").
         """
         fns = self._functions
-        if self._load_traced is fns or (self._tracing_load is not None and self._tracing_load.is_alive()):
-            return  # done, or another layout's still tracing: this one at a later capture
+        if self._load_traced is fns:
+            return
         self._load_traced = fns
         tracked = list(self._tracked.values())
         which = tuple((i, j) for i, tr in enumerate(tracked) if tr.spill for j in range(len(tr.info.shards)))
@@ -389,12 +391,7 @@ class Capturer:
             return
         given = [(i, j) for i, tr in enumerate(tracked) if not tr.spill for j in range(len(tr.info.shards))]
         shards = [tracked[i].info.shards[j].var for i, j in given]
-        self._tracing_load = trace_load(fns, which, tuple(given), shards, self._variables())
-
-    def _join_load_trace(self) -> None:
-        tracing, self._tracing_load = self._tracing_load, None
-        if tracing is not None:
-            tracing.join()
+        trace_load(fns, which, tuple(given), shards, self._variables())
 
     def _join_warm(self) -> None:
         warming, self._warming = self._warming, None
@@ -502,7 +499,6 @@ class Capturer:
                     given.append((i, j))
                     values.append(tf.constant(part.reshape(tuple(int(d) for d in s.var.shape)), dtype=s.var.dtype))
             fps = fingerprints or {}
-            self._join_load_trace()
             load = load_function(
                 self._functions, tuple(ij for ij, _ in keys), tuple(k in fps for _, k in keys), tuple(given)
             )

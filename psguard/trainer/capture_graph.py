@@ -447,26 +447,20 @@ def trace_load(
     given: tuple[tuple[int, int], ...],
     given_vars: list[Any],
     variables: Any,
-) -> threading.Thread:
-    """A started thread that traces :func:`load_function` for shards ``which``, each with its fingerprints, and
-    ``given`` (whose variables are ``given_vars``) on ``variables`` (:meth:`Capturer._trace_load` says why). A
-    failure is left for the restore to report (it traces then)."""
+) -> None:
+    """Trace :func:`load_function` for shards ``which``, each with its fingerprints, and ``given`` (whose
+    variables are ``given_vars``) on ``variables`` (:meth:`Capturer._trace_load` says why). A failure is left for
+    the restore to report (it traces then)."""
     tf = lazy_tf()
-
-    def trace() -> None:
-        try:
-            load = load_function(fns, which, (True,) * len(which), given)
-            paths = tf.TensorSpec([len(which)], tf.string)
-            with unoptimized_calls():
-                load.get_concrete_function(
-                    paths, paths, tuple(tf.TensorSpec(v.shape, v.dtype) for v in given_vars), variables
-                )
-        except Exception as e:
-            log.debug("tracing the PS-side load ahead failed: %s", e)
-
-    thread = threading.Thread(target=trace, name="psguard-load-trace", daemon=True)
-    thread.start()
-    return thread
+    try:
+        load = load_function(fns, which, (True,) * len(which), given)
+        paths = tf.TensorSpec([len(which)], tf.string)
+        with unoptimized_calls():
+            load.get_concrete_function(
+                paths, paths, tuple(tf.TensorSpec(v.shape, v.dtype) for v in given_vars), variables
+            )
+    except Exception as e:
+        log.debug("tracing the PS-side load ahead failed: %s", e)
 
 
 @contextlib.contextmanager

@@ -127,7 +127,6 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
         for k, fp in fps.items():  # the fingerprints sent beside the rows are the rows' own
             assert np.array_equal(fp, row_fingerprints(state[k.name][k.offset : k.offset + k.rows])), k
         trainer.train(4, join=False)
-    capturer._join_load_trace()
 
     # The agent's end of a restore: one bundle per shard, written as the agent writes them (without TensorFlow);
     # each PS loads its own.
@@ -187,7 +186,7 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
     assert all(s.kind == "same" for p in capturer2.last_parts for s in p.shards)
 
     # With the fingerprints the agent kept, the PS loads them instead of hashing: a marked one shows it. That
-    # restore (the usual one) was traced by the first capturer after its captures, for variables of the same
+    # restore (the usual one) was traced by the first capturer at its captures, for variables of the same
     # shapes: the second one's restore traces nothing.
     assert capturer2._functions is capturer._functions
     (usual,) = [fn for (_, with_fps, given), fn in capturer._functions.loads.items() if all(with_fps) and given]
