@@ -15,9 +15,11 @@ kernel never gives a port below the range to an outgoing connection.
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import random
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -44,31 +46,44 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(1, host)[0]
 
 
+#: Ports this process handed out lately, never handed out again soon: a caller binds them seconds later (a
+#: benchmark chose a cluster's ports, then its agents' HTTP ports, and got one of the cluster's again).
+_RECENT: collections.deque[int] = collections.deque(maxlen=4096)
+_RECENT_LOCK = threading.Lock()
+
+
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """Return ``n`` distinct free ports, holding all of them open until all are chosen. Random ones below the
-    ephemeral range when it leaves room (see the module docstring), else ones the OS picks."""
+    ephemeral range when it leaves room (see the module docstring), else ones the OS picks; none this process
+    handed out among its last 4,096."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     low, high = LOWEST_CHOSEN, ephemeral_range()[0] - 1
     socks: list[socket.socket] = []
     rng = random.SystemRandom()
-    try:
-        tries = 0
-        while len(socks) < n:
-            s = socket.socket(family, socket.SOCK_STREAM)
-            try:
-                if high - low >= _MIN_ROOM and tries < 50 * n:
-                    tries += 1
-                    s.bind((host, rng.randint(low, high)))
-                else:
-                    s.bind((host, 0))
-            except OSError:
+    with _RECENT_LOCK:
+        try:
+            tries = 0
+            while len(socks) < n:
+                tries += 1
+                s = socket.socket(family, socket.SOCK_STREAM)
+                try:
+                    if high - low >= _MIN_ROOM and tries <= 50 * n:
+                        s.bind((host, rng.randint(low, high)))
+                    else:
+                        s.bind((host, 0))
+                except OSError:
+                    s.close()
+                    continue
+                if int(s.getsockname()[1]) in _RECENT and tries <= 100 * n:
+                    s.close()
+                    continue
+                socks.append(s)
+            ports = [int(s.getsockname()[1]) for s in socks]
+            _RECENT.extend(ports)
+            return ports
+        finally:
+            for s in socks:
                 s.close()
-                continue
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _proc_address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:

@@ -95,3 +95,10 @@ def test_free_ports_are_below_the_ephemeral_range_where_no_outgoing_connection_c
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
     assert LOWEST_CHOSEN <= free_port() < low if low - LOWEST_CHOSEN > 2000 else free_port() > 0
+
+
+def test_a_process_never_gets_a_port_it_was_handed_lately_again() -> None:
+    """A caller binds its ports seconds after choosing them: a second choice in between must not return them
+    (a benchmark's agents once got one of its cluster's ports)."""
+    chosen = [p for _ in range(300) for p in free_ports(5)]
+    assert len(set(chosen)) == len(chosen)
