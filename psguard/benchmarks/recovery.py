@@ -30,21 +30,22 @@ after their restore, and psguard's first capture after the restore is inside the
 that capture if the policy put it later), whose own duration is at most 3x the median step of the same job before
 the kill (no capture in it). ``first_step_s`` is the older measure: kill to the first step completed.
 
-Keys: ``recovery_ratio`` (psguard's recovery seconds over the baseline's; medians), ``lost_steps_ratio``
-(steps lost, psguard over baseline, with the same durable cadence K: psguard restores the memory tier, at most
-5 steps old), ``agents`` (true: the product path), ``state_bytes`` (every variable of model and optimizer),
-``chief_peak_rss_growth_ratio`` (the chief's trainer plus the chief's agent, over ``state_bytes``: the agent's
-peak RSS, the kernel's ``VmHWM`` sampled from ``/proc/<pid>/status`` every 50 ms, minus its RSS when the trainer
-starts; the trainer's peak counted from just after it built model and optimizer, where it resets its peak mark,
-to the end of that generation, because building the testbed model alone peaks at ~0.8x the table on the chief
-in TensorFlow, psguard or not; ``chief_peak_rss_growth_ratio_with_build`` counts the trainer from before the
-model exists, as ``/proc`` sampling sees it), ``ps_agent_peak_rss_ratio`` (the largest PS agent's peak RSS growth over
-the same start, over the bytes of the shards it holds: the table's and the optimizer slot's rows of its PS),
+Keys: ``recovery_ratio`` (psguard's recovery seconds over the baseline's; medians), ``lost_steps_ratio`` (steps lost,
+psguard over baseline, with the same durable cadence K: psguard restores the memory tier, at most 5 steps old),
+``agents`` (true: the product path), ``state_bytes`` (every variable of model and optimizer),
+``chief_peak_rss_growth_ratio`` (the chief's trainer plus the chief's agent, over ``state_bytes``: the agent's peak
+RSS, the kernel's ``VmHWM`` sampled from ``/proc/<pid>/status`` every 50 ms, minus its RSS when the trainer starts;
+the trainer's peak counted from just after it built model and optimizer, where it resets its peak mark, to the end of
+that generation (its start read after :func:`~psguard.benchmarks.common.settle_rss` handed the build's freed memory
+back to the kernel, on both sides), because building the testbed model alone peaks at ~0.8x the table on the chief in
+TensorFlow, psguard or not; ``chief_peak_rss_growth_ratio_with_build`` counts the trainer from before the model
+exists, as ``/proc`` sampling sees it), ``ps_agent_peak_rss_ratio`` (the largest PS agent's peak RSS growth over the
+same start, over the bytes of the shards it holds: the table's and the optimizer slot's rows of its PS),
 ``restore_vs_raw_ratio`` (psguard's restore throughput, ``state_bytes`` over the trainer's own timing of
-``restore_or_initialize`` in the recovery, over a raw PS-side restore of the same variables in the same run:
-one ``tf.function`` with, per shard on its own PS device, ``parse_tensor(read_file)`` + ``assign`` of a tmpfs
-file of that shard, the best of two timed calls), plus both sides' raw figures per run and the phases of each
-recovery (psguard's restore split into the agents writing the files, the PS loading them and the rebase).
+``restore_or_initialize`` in the recovery, over a raw PS-side restore of the same variables in the same run: one
+``tf.function`` with, per shard on its own PS device, ``parse_tensor(read_file)`` + ``assign`` of a tmpfs file of that
+shard, the best of two timed calls), plus both sides' raw figures per run and the phases of each recovery (psguard's
+restore split into the agents writing the files, the PS loading them and the rebase).
 
 ``PSGUARD_BENCH_KEEP=1`` keeps each run's folder (agents' logs, the trainer's progress records) for a look at
 where the time went.

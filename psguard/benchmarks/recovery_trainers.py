@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from psguard.benchmarks.common import reset_peak_rss, rss_bytes
+from psguard.benchmarks.common import reset_peak_rss, rss_bytes, settle_rss
 from psguard.benchmarks.recovery import Params
 from psguard.handoff.contract import QUIET_TENSORFLOW
 from psguard.ports import port_open
@@ -150,7 +150,9 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
         root = tf.train.Checkpoint(model=model, optimizer=optimizer)
         # Building the model peaks at ~0.8x the table on the chief (TF's variable creation, psguard or not):
         # psguard's own growth is counted from here (the kernel's peak mark reset).
-        built_rss, built_hwm = rss_bytes(), rss_bytes("VmHWM")
+        built_hwm = rss_bytes("VmHWM")
+        settle_rss()
+        built_rss = rss_bytes()
         reset_peak_rss()
         manager = CheckpointManager(root, store_url, coordinator=coordinator, step_counter=model.step, policy=schedule)
         parts = _timed_parts(manager)
@@ -275,7 +277,9 @@ def baseline_child(workdir: str, params_json: str, mode: str, progress_path: str
         model, optimizer = _model(tf, p)
     trainer = Trainer(strategy, coordinator, model, optimizer)
     ckpt = tf.train.Checkpoint(model=model, optimizer=optimizer)
-    built_rss, built_hwm = rss_bytes(), rss_bytes("VmHWM")
+    built_hwm = rss_bytes("VmHWM")
+    settle_rss()  # as on psguard's side
+    built_rss = rss_bytes()
     reset_peak_rss()  # as on psguard's side: the growth of saving and restoring, the model's build apart
     manager = tf.train.CheckpointManager(ckpt, str(Path(workdir) / "tf-ckpt"), max_to_keep=2)
     t1 = time.time()

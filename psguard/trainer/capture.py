@@ -29,7 +29,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,7 @@ from psguard.trainer.variables import (
     lazy_tf,
     list_tensors,
     restore,
+    shard_part,
     to_numpy,
     unwrap,
     writable,
@@ -387,11 +388,20 @@ class Capturer:
         self._load_traced = fns
         tracked = list(self._tracked.values())
         which = tuple((i, j) for i, tr in enumerate(tracked) if tr.spill for j in range(len(tr.info.shards)))
-        if not which:
-            return
-        given = [(i, j) for i, tr in enumerate(tracked) if not tr.spill for j in range(len(tr.info.shards))]
-        shards = [tracked[i].info.shards[j].var for i, j in given]
-        trace_load(fns, which, tuple(given), shards, self._variables())
+        if which:
+            trace_load(fns, which, self._given(lambda _: True), self._variables())
+
+    def _given(self, held: Callable[[str], bool]) -> tuple[tuple[int, int], ...]:
+        """The (tensor, shard) indices in the functions' plan of the tensors the chief passes to a PS-side load:
+        every shard of each tensor not captured on its PS whose name ``held`` accepts. The same tuple for the
+        load traced ahead (all of them) and a restore that has them all is what makes its trace a lookup."""
+        tracked = self._tracked.values()
+        return tuple(
+            (i, j)
+            for i, tr in enumerate(tracked)
+            if not tr.spill and held(tr.info.name)
+            for j in range(len(tr.info.shards))
+        )
 
     def _join_warm(self) -> None:
         warming, self._warming = self._warming, None
@@ -489,19 +499,12 @@ class Capturer:
             elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
             infos = check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             # The tensors the chief holds go in by the same function, shard by shard (aliases through their owner).
-            given, values = [], []
-            for i, tr in enumerate(self._tracked.values()):
-                if tr.spill or tr.info.name not in tensors or tr.info.name not in infos:
-                    continue
-                whole = np.asarray(tensors[tr.info.name])
-                for j, s in enumerate(tr.info.shards):
-                    part = whole[s.offset : s.offset + s.rows] if tr.info.shape else whole
-                    given.append((i, j))
-                    values.append(tf.constant(part.reshape(tuple(int(d) for d in s.var.shape)), dtype=s.var.dtype))
+            given = self._given(lambda name: name in tensors and name in infos)
+            infos_of = [tr.info for tr in self._tracked.values()]
+            shards = [(infos_of[i], infos_of[i].shards[j]) for i, j in given]
+            values = [tf.constant(shard_part(tensors[t.name], t, s), dtype=s.var.dtype) for t, s in shards]
             fps = fingerprints or {}
-            load = load_function(
-                self._functions, tuple(ij for ij, _ in keys), tuple(k in fps for _, k in keys), tuple(given)
-            )
+            load = load_function(self._functions, tuple(ij for ij, _ in keys), tuple(k in fps for _, k in keys), given)
             paths = tf.constant([str(files[k]) for _, k in keys], dtype=tf.string)
             fp_paths = tf.constant([str(fps.get(k, "")) for _, k in keys], dtype=tf.string)
             with unoptimized_calls():

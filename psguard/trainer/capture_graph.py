@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -421,6 +422,45 @@ def capture_specs(tensors: int) -> tuple[Any, ...]:
     )
 
 
+_WARMING: set[threading.Thread] = set()  # started by warm_functions, not yet joined by join_warming
+_WARMING_LOCK = threading.Lock()
+
+
+def join_warming(timeout: float) -> None:
+    """Wait up to ``timeout`` seconds in all for the threads :func:`warm_functions` started (the process's exit
+    hook calls it).
+
+    Why: a daemon thread still inside TensorFlow's C++ code when the interpreter finalizes is unwound by force,
+    and TensorFlow's ``catch (...)`` there aborts the whole process ("FATAL: exception not rethrown"; a trainer
+    that exits right after a restore). Joined first, the thread is done before finalization starts. Bounded: a
+    call that hangs on a dead PS must not hold the exit up.
+    """
+    deadline = time.monotonic() + timeout
+    with _WARMING_LOCK:
+        threads = list(_WARMING)
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            log.warning("the capture function's warm-up was still running at exit (a PS unreachable?)")
+
+
+def _in_background(target: Callable[[], None], name: str) -> threading.Thread:
+    """``target`` started on a daemon thread that :func:`join_warming` waits for."""
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            with _WARMING_LOCK:
+                _WARMING.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _WARMING_LOCK:
+        _WARMING.add(thread)
+    thread.start()
+    return thread
+
+
 def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
     """A started thread that instantiates ``fns``' capture on ``variables``' devices by a dry call
     (:func:`_unless_dry`). A failure is left for the real call to report (it instantiates then)."""
@@ -436,29 +476,26 @@ def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
         except Exception as e:
             log.debug("warming the capture function up failed: %s", e)
 
-    thread = threading.Thread(target=warm, name="psguard-capture-warm", daemon=True)
-    thread.start()
-    return thread
+    return _in_background(warm, "psguard-capture-warm")
 
 
 def trace_load(
     fns: Functions,
     which: tuple[tuple[int, int], ...],
     given: tuple[tuple[int, int], ...],
-    given_vars: list[Any],
     variables: Any,
 ) -> None:
-    """Trace :func:`load_function` for shards ``which``, each with its fingerprints, and ``given`` (whose
-    variables are ``given_vars``) on ``variables`` (:meth:`Capturer._trace_load` says why). A failure is left for
-    the restore to report (it traces then)."""
+    """Trace :func:`load_function` for shards ``which``, each with its fingerprints, and ``given`` on
+    ``variables`` (:meth:`Capturer._trace_load` says why). A failure is left for the restore to report (it
+    traces then)."""
     tf = lazy_tf()
     try:
         load = load_function(fns, which, (True,) * len(which), given)
         paths = tf.TensorSpec([len(which)], tf.string)
+        shard_vars = variables[0]  # (variable, fingerprints, ...) per (tensor, shard), as load_function reads it
+        specs = tuple(tf.TensorSpec(shard_vars[i][j][0].shape, shard_vars[i][j][0].dtype) for i, j in given)
         with unoptimized_calls():
-            load.get_concrete_function(
-                paths, paths, tuple(tf.TensorSpec(v.shape, v.dtype) for v in given_vars), variables
-            )
+            load.get_concrete_function(paths, paths, specs, variables)
     except Exception as e:
         log.debug("tracing the PS-side load ahead failed: %s", e)
 

@@ -49,6 +49,7 @@ from psguard.storage.registry import canonical_url
 from psguard.store import Store
 from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.capture import Capturer
+from psguard.trainer.capture_graph import join_warming
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
 from psguard.trainer.preemption import PreemptionHandler
 from psguard.trainer.registry import process_managers
@@ -71,6 +72,9 @@ HEARTBEAT_SECONDS = 1.0
 
 #: How long the interpreter's exit waits for saves still being written by a manager nobody closed.
 EXIT_WAIT_SECONDS = 600.0
+# How long the exit waits for a capture function's warm-up after a restore (capture_graph.join_warming): 0.1-0.2 s
+# when its PS are up; an unreachable PS must not hold the exit up longer.
+WARM_EXIT_WAIT_SECONDS = 3.0
 
 # What recovery asks about this process's managers, answered by the registry every manager joins
 # (psguard.trainer.registry); importable from here as well, as before the registry.
@@ -86,6 +90,7 @@ def _drain_at_exit() -> None:
     ``close()``; our writer is a daemon thread, and without this the exit would cut the last saves off.
     """
     process_managers.drain_at_exit(EXIT_WAIT_SECONDS)
+    join_warming(WARM_EXIT_WAIT_SECONDS)
 
 
 # Before concurrent.futures stops taking work at shutdown (its own hook, registered the same way when it was

@@ -374,5 +374,12 @@ def _assign(infos: Mapping[str, TensorInfo], tensors: Mapping[str, np.ndarray]) 
             continue
         value = np.asarray(raw)
         for s in info.shards:
-            part = value[s.offset : s.offset + s.rows] if info.shape else value
-            s.var.assign(part.reshape(tuple(int(d) for d in s.var.shape)))
+            s.var.assign(shard_part(value, info, s))
+
+
+def shard_part(value: Any, info: TensorInfo, shard: Shard) -> np.ndarray:
+    """The part of logical tensor ``value`` that ``shard`` holds, in its variable's own shape (a scalar or a
+    partitioned table's rows alike): what an assign of that one shard takes."""
+    whole: np.ndarray = np.asarray(value)
+    part = whole[shard.offset : shard.offset + shard.rows] if info.shape else whole
+    return part.reshape(tuple(int(d) for d in shard.var.shape))
