@@ -12,7 +12,8 @@
 # Build arguments: BASE_IMAGE (the runtime's base, default python:3.11-slim), TENSORFLOW (cpu | gpu | none),
 # PSGUARD_EXTRAS (more extras, comma-separated, default "watch": spool and policy files noticed by events),
 # TF_KERAS (1: tf-keras matching the TensorFlow minor, installed without its dependencies, as the examples and
-# model.fit under ParameterServerStrategy need; 0: none), PSGUARD_UID (the non-root user's uid, default 10001).
+# model.fit under ParameterServerStrategy need; 0: none), PSGUARD_UID (the non-root user's uid, default 10001),
+# MAP_OP (1: compile psguard's zero-copy restore op into the image, the default; 0: not).
 #
 # The build needs PyPI (the wheel's dependencies); nothing else is downloaded. No secret goes into the image:
 # S3 credentials, the agents' token and TLS files are mounted at run time (see integrations/kubernetes/).
@@ -65,6 +66,15 @@ COPY integrations/examples/ /app/examples/
 # A non-root user with a fixed uid (runAsNonRoot can check it). /dev/shm (the spool and the agents' state)
 # is writable by every user; the working directory is its home.
 RUN useradd --uid "$PSGUARD_UID" --user-group --create-home --home-dir /home/psguard --shell /usr/sbin/nologin psguard
+# psguard's zero-copy restore op, compiled for the image's TensorFlow into the user's cache (psguard build-op), with a
+# compiler that leaves the image in the same layer. MAP_OP=0 skips it (restores then read every shard, as before).
+ARG MAP_OP=1
+RUN set -eu; \
+    if [ "$MAP_OP" = 1 ]; then \
+      apt-get update; apt-get install -y --no-install-recommends g++; \
+      su psguard -s /bin/sh -c "psguard build-op" || echo "psguard build-op failed: restores will read every shard" >&2; \
+      apt-get purge -y --auto-remove g++; rm -rf /var/lib/apt/lists/*; \
+    fi
 USER ${PSGUARD_UID}:${PSGUARD_UID}
 WORKDIR /home/psguard
 RUN psguard --version && psguard policy check default

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-compat dist lint typecheck bench clean hdfs-runtime prometheus-runtime chaos chaos-smoke soak
+.PHONY: demo test test-fast test-compat dist lint typecheck bench clean hdfs-runtime prometheus-runtime map-op chaos chaos-smoke soak
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,11 @@ $(STAMP): pyproject.toml Makefile
 hdfs-runtime: $(STAMP)
 	$(BIN)/python -m psguard.testbed.hdfs prepare
 
+# psguard's zero-copy restore op (psguard/handoff/map_bundle.cc) compiled for this TensorFlow into
+# ~/.cache/psguard/ops, once (a few seconds): without it restores read every shard, as they did before.
+map-op: $(STAMP)
+	$(BIN)/python -m psguard.handoff.mapped
+
 # Debian's Prometheus binaries (promtool tests the shipped alerts), unpacked into ~/.cache/psguard/prometheus once.
 prometheus-runtime: $(STAMP)
 	$(BIN)/python -m psguard.testbed.prometheus prepare
@@ -41,7 +46,7 @@ typecheck: $(STAMP)
 
 # Two test processes: the tests that start TensorFlow clusters (tests/cluster/; tests/conftest.py groups them) run
 # one at a time in one of them, everything else in the other. Tests marked `serial` (they judge time or load) run afterwards, alone.
-test: lint typecheck hdfs-runtime prometheus-runtime
+test: lint typecheck hdfs-runtime prometheus-runtime map-op
 	$(BIN)/python -m pytest -q -m 'not compat and not serial' -n 2 --dist loadgroup --durations=60
 	$(BIN)/python -m pytest -q -m 'serial and not compat' --durations=10
 
@@ -64,7 +69,7 @@ test-compat: $(STAMP)
 # Every scenario in chaos/ on a real local cluster (one after another; each stops itself within its time limit
 # and cleans up). Runs, histories and reports in chaos-runs/; the fault-free reference run is shared.
 CHAOS_SEED ?= 0
-chaos: $(STAMP) hdfs-runtime
+chaos: $(STAMP) hdfs-runtime map-op
 	@status=0; for s in $(filter-out chaos/soak-%,$(wildcard chaos/*.yaml)); do \
 		$(BIN)/psguard chaos run $$s --seed $(CHAOS_SEED) --reference-dir chaos-runs || status=1; \
 	done; exit $$status
@@ -72,11 +77,11 @@ chaos: $(STAMP) hdfs-runtime
 # A week of faults in an hour on 256 MB of state (issue 26); CI runs soak-ci for 5 minutes. A fresh seed each
 # time (printed; SOAK_SEED=S replays one).
 SOAK_DURATION ?= 1h
-soak: $(STAMP)
+soak: $(STAMP) map-op
 	$(BIN)/psguard chaos soak chaos/soak-256mb.yaml --duration $(SOAK_DURATION) $(if $(SOAK_SEED),--seed $(SOAK_SEED))
 
 # The CI smoke set (kill-ps, kill-worker, corrupt-chunk): 8-12 minutes on 2 cores.
-chaos-smoke: $(STAMP)
+chaos-smoke: $(STAMP) map-op
 	$(BIN)/python -m pytest -q tests/cluster/e2e/test_chaos_smoke.py
 
 bench: $(STAMP)

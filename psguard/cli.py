@@ -54,6 +54,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "psguard.chaos.cli",
     "psguard.agent.wrap",
     "psguard.agent.control.status",
+    "psguard.handoff.mapped",
 )
 
 Handler = Callable[[argparse.Namespace], int]

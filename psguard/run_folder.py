@@ -14,7 +14,7 @@ from pathlib import Path
 
 from psguard.errors import ConfigError
 
-__all__ = ["MARKER", "claim_folder"]
+__all__ = ["MARKER", "cache_root", "claim_folder"]
 
 MARKER = ".psguard-run"
 """The file a psguard run leaves in the folder it made: a reused folder is recognised by it."""
@@ -39,3 +39,11 @@ def claim_folder(directory: str | os.PathLike[str], owner: str) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     (path / MARKER).write_text(json.dumps({"by": owner, "pid": os.getpid()}) + "\n")
     return path.resolve()
+
+
+def cache_root() -> Path:
+    """``$PSGUARD_CACHE`` when set (CI points it at a cached folder), else ``~/.cache/psguard``: what psguard
+    builds or downloads once per machine (its compiled op, :mod:`psguard.handoff.mapped`; the testbed's Hadoop
+    and Prometheus)."""
+    root = os.environ.get("PSGUARD_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "psguard"

@@ -258,6 +258,9 @@ class Restored:
     #: Shard -> the bundle of its rows' fingerprints beside its file, when its agent kept them (the PS then
     #: loads them instead of hashing every row).
     part_fps: dict[ShardKey, str] = field(default_factory=dict)
+    #: The shards whose file is the PS agent's own tier file, linked (its PS may map it instead of reading it:
+    #: :mod:`psguard.handoff.mapped`).
+    part_linked: frozenset[ShardKey] = frozenset()
 
 
 class DeltaWithoutParentError(ConfigError):
@@ -564,6 +567,7 @@ def read_restore(folder: Path) -> Restored:
     parts: dict[ShardKey, str] = {}
     homes: dict[ShardKey, tuple[str, str]] = {}
     fps: dict[ShardKey, str] = {}
+    linked: set[ShardKey] = set()
     raw_parts = doc.get("parts", [])
     for item in raw_parts if isinstance(raw_parts, list) else [None]:
         try:
@@ -578,6 +582,8 @@ def read_restore(folder: Path) -> Restored:
         homes[key] = (str(item.get("task", "")), str(item.get("dtype", "")))
         if isinstance(item.get("fp_path"), str):
             fps[key] = item["fp_path"]
+        if item.get("linked") is True:
+            linked.add(key)
     try:
         return Restored(
             step=int(doc["step"]),
@@ -589,6 +595,7 @@ def read_restore(folder: Path) -> Restored:
             parts=parts,
             part_homes=homes,
             part_fps=fps,
+            part_linked=frozenset(linked),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"{what}: manifest lacks or garbles {e}") from None

@@ -39,6 +39,7 @@ from typing import Any, Final
 from xml.sax.saxutils import escape
 
 from psguard.ports import free_ports, port_open
+from psguard.run_folder import cache_root
 
 __all__ = [
     "HADOOP_VERSION",
@@ -159,13 +160,6 @@ def _quiet(msg: str) -> None:
 # --------------------------------------------------------------------------------------------------------------
 # prepare
 # --------------------------------------------------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    """``$PSGUARD_CACHE`` when set (CI points it at a cached folder), else ``~/.cache/psguard``: the testbed's
-    downloads (Hadoop here, Prometheus in :mod:`psguard.testbed.prometheus`)."""
-    root = os.environ.get("PSGUARD_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "psguard"
 
 
 def default_cache_dir() -> Path:

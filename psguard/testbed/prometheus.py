@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from psguard.testbed.hdfs import cache_root
+from psguard.run_folder import cache_root
 
 __all__ = ["PrometheusError", "PrometheusServer", "prepare", "promtool"]
 

@@ -29,7 +29,7 @@ import logging
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,7 @@ from psguard.trainer.capture_graph import (
     TensorPlan,
     capture_specs,
     functions_for,
-    load_function,
+    run_load,
     trace_load,
     unoptimized_calls,
     warm_functions,
@@ -468,6 +468,7 @@ class Capturer:
         deferred: Mapping[str, Shape] | None = None,
         homes: Mapping[ShardKey, str] | None = None,
         fingerprints: Mapping[ShardKey, str] | None = None,
+        mappable: Collection[ShardKey] = (),
     ) -> None:
         """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node.
 
@@ -480,7 +481,7 @@ class Capturer:
         variable is assigned; the same function assigns ``tensors`` and rebases (:func:`load_function`: one
         function to instantiate on the PS, not three). ``fingerprints``: shard -> the bundle of its rows'
         fingerprints on the same node (its agent kept what the captures computed), loaded instead of hashing
-        the rows.
+        the rows. ``mappable``: the shards whose file is their agent's own tier file (mapped, not read).
         """
         tf = lazy_tf()
         with self._lock:
@@ -504,11 +505,8 @@ class Capturer:
             shards = [(infos_of[i], infos_of[i].shards[j]) for i, j in given]
             values = [tf.constant(shard_part(tensors[t.name], t, s), dtype=s.var.dtype) for t, s in shards]
             fps = fingerprints or {}
-            load = load_function(self._functions, tuple(ij for ij, _ in keys), tuple(k in fps for _, k in keys), given)
-            paths = tf.constant([str(files[k]) for _, k in keys], dtype=tf.string)
-            fp_paths = tf.constant([str(fps.get(k, "")) for _, k in keys], dtype=tf.string)
-            with unoptimized_calls():
-                gap = load(paths, fp_paths, tuple(values), self._variables())
+            loads = [(ij, str(files[k]), fps.get(k), k in mappable) for ij, k in keys]
+            gap = run_load(self._functions, loads, given, tuple(values), self._variables())
             self._rebased(gap)
             note_restored(self._variables_of_root())
             self._warm_up()

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from psguard.handoff.mapped import map_op
 from psguard.handoff.parts import task_of_device
 from psguard.handoff.tensor_bundle import BUNDLE_KEY
 from psguard.trainer.variables import lazy_tf
@@ -87,9 +88,9 @@ class Plan:
 #: live rows); the last three are None without write tracking, the last one for all but group slots.
 ShardVars = tuple[Any, Any, Any, Any, Any]
 
-#: A load function's shards read from files, whether each has a fingerprints file, and the shards assigned from
-#: values the chief passes (each a (tensor, shard) index in the plan).
-LoadKey = tuple[tuple[tuple[int, int], ...], tuple[bool, ...], tuple[tuple[int, int], ...]]
+#: A load function's shards read from files, whether each has a fingerprints file, the shards assigned from
+#: values the chief passes (each a (tensor, shard) index in the plan), and whether each file is mapped.
+LoadKey = tuple[tuple[tuple[int, int], ...], tuple[bool, ...], tuple[tuple[int, int], ...], tuple[bool, ...]]
 
 
 @dataclass
@@ -490,7 +491,7 @@ def trace_load(
     traces then)."""
     tf = lazy_tf()
     try:
-        load = load_function(fns, which, (True,) * len(which), given)
+        load = load_function(fns, which, (True,) * len(which), given, (can_map(),) * len(which))
         paths = tf.TensorSpec([len(which)], tf.string)
         shard_vars = variables[0]  # (variable, fingerprints, ...) per (tensor, shard), as load_function reads it
         specs = tuple(tf.TensorSpec(shard_vars[i][j][0].shape, shard_vars[i][j][0].dtype) for i, j in given)
@@ -529,6 +530,7 @@ def load_function(
     which: tuple[tuple[int, int], ...],
     with_fps: tuple[bool, ...] | None = None,
     given: tuple[tuple[int, int], ...] = (),
+    mapped: tuple[bool, ...] | None = None,
 ) -> Any:
     """The whole restore of a PS-side snapshot as one function, called with (paths, fingerprint paths, values,
     variables): it reads shards ``which`` ((tensor, shard) indices in ``fns.plan``) from files on their PS,
@@ -544,15 +546,20 @@ def load_function(
     row), which are loaded into the shard's fingerprint variable instead of hashing every row after the assign.
     The values are exact either way; a wrong fingerprint only makes the next capture send that row again, or,
     equal to the row's next hash by a 2**-64 chance, miss it until the next full capture.
+
+    ``mapped`` (per shard of ``which``): its file is its agent's own tier file, which the PS maps instead of
+    reading (:mod:`psguard.handoff.mapped`; the op must be loaded in this process and on the PS).
     """
     plan = fns.plan
     fps_of = with_fps or (False,) * len(which)
-    key = (which, fps_of, given)
+    mapped_of = mapped or (False,) * len(which)
+    key = (which, fps_of, given, mapped_of)
     with _FUNCTIONS_LOCK:
         fn = fns.loads.get(key)
     if fn is not None:
         return fn
     tf = lazy_tf()
+    mapper = map_op() if any(mapped_of) else None
 
     def load(paths: Any, fp_paths: Any, values_given: Any, variables: Any) -> Any:
         shard_vars = variables[0]
@@ -562,10 +569,14 @@ def load_function(
             t, s = plan.tensors[i], plan.tensors[i].shards[j]
             with tf.device(s.device):
                 # A one-tensor bundle (psguard.handoff.tensor_bundle): RestoreV2 reads the values straight into
-                # the tensor and checks their CRC32C and dtype. The reshape checks the size, before any assign.
-                (value,) = tf.raw_ops.RestoreV2(
-                    prefix=paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(t.dtype)]
-                )
+                # the tensor and checks their CRC32C and dtype; a tier file is mapped instead, no copy. The reshape
+                # checks the size, before any assign.
+                if mapped_of[k] and mapper is not None:
+                    value = mapper(paths[k], dtype=tf.as_dtype(t.dtype), key=BUNDLE_KEY, verify=False)
+                else:
+                    (value,) = tf.raw_ops.RestoreV2(
+                        prefix=paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(t.dtype)]
+                    )
                 values.append(tf.reshape(value, (s.rows, *t.tail)))
                 if fps_of[k] and t.by_row:
                     (fp,) = tf.raw_ops.RestoreV2(
@@ -608,3 +619,46 @@ def load_function(
     fn = tf.function(load, autograph=False)
     with _FUNCTIONS_LOCK:
         return fns.loads.setdefault(key, fn)
+
+
+_PS_WITHOUT_MAP_OP: list[bool] = []  # set once a PS lacked the op: this process maps nothing more
+
+
+def can_map() -> bool:
+    """Whether a load may map tier files: the op loads here and no PS was found without it."""
+    return not _PS_WITHOUT_MAP_OP and map_op() is not None
+
+
+def run_load(
+    fns: Functions,
+    shards: list[tuple[tuple[int, int], str, str | None, bool]],
+    given: tuple[tuple[int, int], ...],
+    values: tuple[Any, ...],
+    variables: Any,
+) -> Any:
+    """Call :func:`load_function` for ``shards`` ((tensor, shard), file, fingerprints' file or None, its agent's
+    own tier file) and ``given`` (their ``values``); returns its gap.
+
+    A tier file is mapped when :func:`can_map`. A PS started without the op (a PS psguard did not start, or an
+    older psguard's) fails the function's instantiation, before anything ran: the load is made again reading
+    every file, and this process maps nothing more.
+    """
+    tf = lazy_tf()
+    which = tuple(ij for ij, _, _, _ in shards)
+    paths = tf.constant([p for _, p, _, _ in shards], dtype=tf.string)
+    fp_paths = tf.constant([f or "" for _, _, f, _ in shards], dtype=tf.string)
+    with_fps = tuple(f is not None for _, _, f, _ in shards)
+    mapped = tuple(m and can_map() for _, _, _, m in shards)
+    try:
+        with unoptimized_calls():
+            gap = load_function(fns, which, with_fps, given, mapped)(paths, fp_paths, values, variables)
+    except tf.errors.OpError as e:
+        if not any(mapped) or "PsguardMapBundle" not in str(e) or "registered" not in str(e):
+            raise
+        log.warning("event=map_op_missing_on_ps: a PS has no zero-copy restore op (%s); reading the files", e.message)
+        _PS_WITHOUT_MAP_OP.append(True)
+        mapped = (False,) * len(which)
+        with unoptimized_calls():
+            gap = load_function(fns, which, with_fps, given, mapped)(paths, fp_paths, values, variables)
+    log.info("event=ps_load shards=%d mapped=%d", len(which), sum(mapped))
+    return gap

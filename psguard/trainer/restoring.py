@@ -298,7 +298,9 @@ class RestoreSide:
                 if snap.parts:  # each PS loads its shards on its own node
                     homes = {k: task for k, (task, _) in snap.part_homes.items() if task}
                     fps = {k: p for k, p in snap.part_fps.items() if k in parts}
-                    self.capturer.restore_parts(tensors, parts, deferred=waiting, homes=homes, fingerprints=fps)
+                    self.capturer.restore_parts(
+                        tensors, parts, deferred=waiting, homes=homes, fingerprints=fps, mappable=snap.part_linked
+                    )
                 else:
                     self.capturer.restore(tensors, deferred=waiting)
             except (PsguardError, tf.errors.OpError, ValueError) as e:

@@ -7,7 +7,7 @@ another cluster.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +53,10 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., AgentProc]]:
     """Start real ``psguard agent`` processes (``agents(name, args, command)``); stopped after the test."""
     started: list[AgentProc] = []
 
-    def start(name: str, args: Sequence[str], command: Sequence[str] = ()) -> AgentProc:
-        agent = AgentProc(tmp_path, name, args, command)
+    def start(
+        name: str, args: Sequence[str], command: Sequence[str] = (), env: Mapping[str, str] | None = None
+    ) -> AgentProc:
+        agent = AgentProc(tmp_path, name, args, command, env)
         started.append(agent)
         return agent
 

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from psguard.handoff.client import http_json
+from psguard.handoff.mapped import ENV_MAP_OP, map_op
 from psguard.handoff.tls import client_context
 from psguard.store import Store
 from tests.support.agents import AgentProc, write_cluster
@@ -35,9 +36,12 @@ from tests.support.tamper import CopyTamperProxy
 
 TRAINER = textwrap.dedent(
     """
-    import hashlib, json, os, sys, time
+    import hashlib, json, logging, os, sys, time
     import tensorflow as tf
     from psguard.handoff.contract import Tier
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("psguard.trainer.capture_graph").setLevel(logging.INFO)  # its restores' event=ps_load
     from psguard.trainer.manager import CheckpointManager
     from psguard.policy.engine import EverySteps, Schedule
     from psguard.trainer.recovery import exit_for_restart, is_cluster_failure
@@ -112,15 +116,19 @@ def shm() -> Iterator[Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ps_op", ["mapped", "ps-without-op"])
 def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
-    tmp_path: Path, shm: Path, agents: Callable[..., AgentProc]
+    tmp_path: Path, shm: Path, agents: Callable[..., AgentProc], ps_op: str
 ) -> None:
+    """``ps-without-op``: the PS started without the zero-copy op (PSGUARD_MAP_OP=0 there, as a PS psguard did not
+    start), the chief with it: its mapped load fails before anything is assigned, and it loads by reading."""
     cluster, _ = write_cluster(tmp_path, ps=2, workers=1)
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     out, store = tmp_path / "out", tmp_path / "store"
     ps_args = [["--role", "ps", "--index", str(i), "--cluster", str(cluster), "--store", str(store)] for i in range(2)]
-    ps = [agents(f"ps{i}", [*a, "--spool", str(shm / f"ps{i}-shards")]) for i, a in enumerate(ps_args)]
+    ps_env = {ENV_MAP_OP: "0"} if ps_op == "ps-without-op" else {}
+    ps = [agents(f"ps{i}", [*a, "--spool", str(shm / f"ps{i}-shards")], env=ps_env) for i, a in enumerate(ps_args)]
     worker = agents("worker0", ["--role", "worker", "--index", "0", "--cluster", str(cluster)])
     peers = [arg for a in (*ps, worker) for arg in ("--peer", a.url)]
     args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", str(store)]
@@ -165,6 +173,15 @@ def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
     for e in exports:
         assert e["tier_files"]["enabled"] and e["tier_files"]["bytes_linked"] >= table_bytes, e
         assert e["export_bytes_written"] == 0 and e["tier_files"]["failures"] == 0, e
+    # And each PS mapped its shards' files rather than reading them (the op `make test` builds), table and slot
+    # on both PS. The log's bit-exactness below covers what training did on those mappings.
+    if map_op() is not None:
+        loads = re.findall(r"event=ps_load shards=(\d+) mapped=(\d+)", chief.log())
+        assert loads and all(int(n) >= 4 for n, _ in loads), (loads, chief.log())
+        if ps_op == "mapped":
+            assert all(n == m for n, m in loads), (loads, chief.log())
+        else:
+            assert all(m == "0" for _, m in loads) and "map_op_missing_on_ps" in chief.log(), (loads, chief.log())
     # The log: format 2, the table in two parts written by the PS agents; the newest equals the trainer's state.
     with Store.open(str(store)) as s:
         newest = s.manifest(final["checkpoint"])
@@ -180,7 +197,8 @@ def test_ps_agents_keep_the_shards_restore_them_after_a_kill_and_write_the_log(
     # hosts from the durable log the two PS agents wrote (format 2, one part per old shard).
     for a in (*ps, worker):
         a.close()  # the next job reuses nothing of this one but the store
-    _restores_bit_exact_onto_three(tmp_path, agents, store, final)
+    if ps_op == "mapped":  # (the rest has nothing to do with how the PS loads)
+        _restores_bit_exact_onto_three(tmp_path, agents, store, final)
 
 
 def _restores_bit_exact_onto_three(

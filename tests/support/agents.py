@@ -13,7 +13,7 @@ import socket
 import ssl
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +40,14 @@ FAST_CHIEF = FAST.replace("standby_delay: 1, standby_delay_after_restart: 1", "s
 class AgentProc:
     """``psguard agent ...`` as a subprocess; its HTTP URL from ``--ready-file``."""
 
-    def __init__(self, tmp: Path, name: str, args: Sequence[str], command: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        args: Sequence[str],
+        command: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.dir = tmp / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ready_file = self.dir / "url"
@@ -74,7 +81,10 @@ class AgentProc:
             argv += ["--", *command]
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONPATH=str(ROOT), **QUIET)
+            argv,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=dict(os.environ, PYTHONPATH=str(ROOT), **QUIET, **(env or {})),
         )
 
     @property

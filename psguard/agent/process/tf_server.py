@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol, cast
 
 from psguard.handoff.contract import ENV_SERVER_IMPORT
+from psguard.handoff.mapped import load_into_server
 from psguard.handoff.standby import is_standby, wait_for_go
 
 _PR_SET_PDEATHSIG = 1
@@ -151,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args_again = list(sys.argv[1:] if argv is None else argv)
             env = {**os.environ, ENV_SERVER_IMPORT: "full"}
             os.execve(sys.executable, [sys.executable, "-m", __spec__.name if __spec__ else __name__, *args_again], env)
+        mapped = load_into_server()
         definition = server_def(spec, args.job, args.index, args.protocol)
         # A warm standby (psguard.agent.process.standby): everything but the bind is done; serve only when told.
         if is_standby() and not wait_for_go():
@@ -162,6 +164,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         import tensorflow as tf
 
+        mapped = load_into_server()
         cluster = tf.train.ClusterSpec(spec)
         if is_standby() and not wait_for_go():
             return 0
@@ -170,7 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         target, join = full.target, full.join
     # One line for the log file; readiness itself is observed on the port by whoever waits for us.
-    print(f"psguard server {args.job}:{args.index} serving {target} pid {os.getpid()}", flush=True)
+    op = ", zero-copy restore op loaded" if mapped else ""
+    print(f"psguard server {args.job}:{args.index} serving {target} pid {os.getpid()}{op}", flush=True)
     join()
     return 0
 

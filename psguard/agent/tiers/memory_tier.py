@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
@@ -239,10 +240,13 @@ class _View(Generic[T]):
     def empty(self) -> bool:
         return self.step is None
 
-    def release(self) -> None:
+    def release(self, *, hand_off: bool = False) -> None:
+        """Let the tier write the arrays again. ``hand_off``: never in place, though: the arrays' files were given
+        to a restore that may have mapped them (:mod:`psguard.handoff.mapped`), and a write into a mapped page
+        that its PS has not written yet would show there. The tier copies each such array on its next write."""
         if not self._released:
             self._released = True
-            self._tier._release(self._lease)
+            self._tier._release(self._lease, hand_off=hand_off)
 
     def __enter__(self) -> Self:
         return self
@@ -326,6 +330,7 @@ class MemoryTier:
         self._rows: dict[str, np.ndarray] = {}  # row bitmap of changes since the durable commit
         self._durable_layout: Layout | None = None
         self._leases: dict[int, list[_Lease]] = {}  # id(array) -> its leases (a lease keeps its arrays alive)
+        self._handed: dict[int, weakref.ref[np.ndarray]] = {}  # id(array) -> the arrays never written in place again
         self._take_open = False
         self._applies = 0
         self._cow_bytes = 0
@@ -397,7 +402,7 @@ class MemoryTier:
         the tier's to give). For a tier being discarded whose memory is reused (a peer copy replaced whole)."""
         with self._lock:
             arr = self._arrays.get(name)
-            if arr is None or id(arr) in self._leases:
+            if arr is None or id(arr) in self._leases or self._is_handed(arr):
                 return None
             del self._arrays[name]
             self._all.discard(name)
@@ -581,7 +586,13 @@ class MemoryTier:
         holds it (or it is not ours to write), else with the old rows saved for each persist that holds it."""
         arr = self._arrays[name]
         leases = self._leases.get(id(arr), ())
-        if any(not lease.rows_saved for lease in leases) or not arr.flags.writeable or not arr.flags.c_contiguous:
+        if (
+            any(not lease.rows_saved for lease in leases)
+            or self._is_handed(arr)
+            or not arr.flags.writeable
+            or not arr.flags.c_contiguous
+        ):
+            self._handed.pop(id(arr), None)
             arr = self._own(arr, copy=True)
             self._arrays[name] = arr
             self._cow_bytes += arr.nbytes
@@ -594,17 +605,26 @@ class MemoryTier:
         return arr
 
     # ------------------------------------------------------------------------------------------- leases
+    def _is_handed(self, arr: np.ndarray) -> bool:
+        ref = self._handed.get(id(arr))
+        return ref is not None and ref() is arr
+
     def _lease(self, arrays: Iterable[np.ndarray], *, rows_saved: bool) -> _Lease:
         lease = _Lease(arrays, rows_saved=rows_saved)
         for a in lease.arrays:
             self._leases.setdefault(id(a), []).append(lease)
         return lease
 
-    def _release(self, lease: _Lease) -> None:
+    def _release(self, lease: _Lease, *, hand_off: bool = False) -> None:
         with self._lock:
             if lease.released:
                 return
             lease.released = True
+            current = {id(a) for a in self._arrays.values()}
+            self._handed = {k: r for k, r in self._handed.items() if r() is not None}
+            for a in lease.arrays if hand_off else ():
+                if id(a) in current:  # one replaced since is written by no one
+                    self._handed[id(a)] = weakref.ref(a)
             for a in lease.arrays:
                 holders = self._leases.get(id(a), [])
                 if lease in holders:

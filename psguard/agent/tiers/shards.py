@@ -157,7 +157,7 @@ class ShardKeeper:
         self._export_lock = threading.Lock()
         self._exported: tuple[str, dict[str, Any]] | None = None
         # The last export's lease: the tier writes no array of it in place while its restore files exist.
-        self._export_lease: list[Snapshot] = []
+        self._export_lease: list[Snapshot] = []  # [the shards', their fingerprints']
         self._export_bytes = 0  # bytes the exports wrote (the data of arrays without a tier file)
         self._lock_fd: int | None = None
 
@@ -617,7 +617,8 @@ class ShardKeeper:
             with_fps = fp_snap.token == snap.token and set(fp_snap.tensors) == set(snap.tensors)
             for i, (name, value) in enumerate(snap.tensors.items()):
                 key, shape = self._keys[name]
-                linked = self._bundle(value, tmp / str(i)) or linked
+                mine = self._bundle(value, tmp / str(i))
+                linked = mine or linked
                 entry = {
                     "name": key.name,
                     "offset": key.offset,
@@ -625,6 +626,7 @@ class ShardKeeper:
                     "shape": list(shape),
                     "dtype": dtype_name(value.dtype),
                     "path": str(restore / nonce / str(i)),  # the bundle's prefix
+                    "linked": mine,  # the tier's own file: the PS may map it (psguard.handoff.mapped)
                 }
                 fps = fp_snap.tensors.get(name) if with_fps else None
                 if fps is not None and fps.shape == (key.rows,) and fps.dtype == np.int64:
@@ -722,8 +724,10 @@ class ShardKeeper:
         self._exported = None
         for old in (self.folder / "restore").iterdir():
             shutil.rmtree(old, ignore_errors=True)
-        for lease in self._export_lease:  # the tier may write its arrays in place again
-            lease.release()
+        for k, lease in enumerate(self._export_lease):
+            # The tier may write the arrays again, but the shards' never in place: their PS may have mapped them.
+            # (The fingerprints were read by RestoreV2, a copy.)
+            lease.release(hand_off=k == 0)
         self._export_lease = []
 
     # ------------------------------------------------------------------------------------------ durable log
