@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import mmap
 import os
 import shutil
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -140,6 +142,19 @@ class TierFiles:
             or dtype_name(dtype) not in _BUNDLE_DTYPES
         ):
             return None
+
+        def fill(fd: int) -> None:
+            if reserve:
+                os.posix_fallocate(fd, 0, nbytes)
+            else:
+                os.ftruncate(fd, nbytes)
+
+        return self._made(shape, dtype, fill)
+
+    def _made(self, shape: tuple[int, ...], dtype: np.dtype[Any], fill: Callable[[int], None]) -> np.ndarray | None:
+        """A new file of ``shape`` and ``dtype`` whose bytes ``fill(fd)`` gives it, as an array of this tier."""
+        count = math.prod(int(d) for d in shape)
+        nbytes = count * dtype.itemsize
         path = self.folder / f"{next(self._seq)}{DATA_SUFFIX}"
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -147,10 +162,7 @@ class TierFiles:
             self._failed(path, e)
             return None
         try:
-            if reserve:
-                os.posix_fallocate(fd, 0, nbytes)
-            else:
-                os.ftruncate(fd, nbytes)
+            fill(fd)
             mapped = mmap.mmap(fd, nbytes)  # MAP_SHARED, read and write; it keeps its own handle on the file
         except OSError as e:
             path.unlink(missing_ok=True)
@@ -181,8 +193,18 @@ class TierFiles:
 
     def adopt(self, value: np.ndarray, *, copy: bool = False) -> np.ndarray:
         """``value`` as an array of this tier's files: itself when it is one already (and not ``copy``), else a
-        new file holding a copy of it; without a file, ``value`` (a C-order copy of it when ``copy``)."""
-        if not copy and self.owns(value):
+        new file holding a copy of it; without a file, ``value`` (a C-order copy of it when ``copy``).
+
+        A copy of one of this tier's arrays is made file to file by the kernel (``copy_file_range``), not through
+        this process's memory: copying a 256 MB shard given to a restore (``MemoryTier`` hand-off) through two
+        mappings made the PS agent's RSS peak at 1.57x the shards it holds, against 1.15 (the copy's pages are its
+        file's, not this process's, until a write touches them)."""
+        source = self.data_file(value) if copy else None
+        if source is not None:
+            out = self._made(tuple(value.shape), value.dtype, lambda fd: _copy_file(source, fd, value.nbytes))
+            if out is not None:
+                return out
+        elif not copy and self.owns(value):
             return value
         out = self.new(tuple(value.shape), value.dtype)
         if out is None:
@@ -236,6 +258,16 @@ class TierFiles:
         write_index(prefix, arr.dtype, tuple(arr.shape), arr.nbytes, crc32c(byte_view(arr)))
         self.bytes_linked += arr.nbytes
         return True
+
+
+def _copy_file(source: Path, fd: int, nbytes: int) -> None:
+    with open(source, "rb") as src:
+        done = 0
+        while done < nbytes:
+            n = os.copy_file_range(src.fileno(), fd, nbytes - done)
+            if n <= 0:
+                raise OSError(f"{source}: {done} of {nbytes} bytes copied")
+            done += n
 
 
 def _address(arr: np.ndarray) -> int:

@@ -210,3 +210,23 @@ def test_a_persist_reading_a_tier_file_sees_its_state_while_captures_write_into_
         assert files.data_file(snap.tensors["a"]) == path and not snap.tensors["a"][50].any()  # in place
     assert path is not None and not np.fromfile(path, dtype=np.float32).reshape(100, 4)[0].any()
     take.commit()
+
+
+def test_a_copy_of_a_tier_array_is_made_file_to_file_not_through_this_process(files: TierFiles) -> None:
+    """What keeps a PS agent's RSS flat when it copies a shard a restore was given (MemoryTier hand-off): the copy's
+    pages are its file's; this process maps none of them until it writes one."""
+    value = files.adopt(np.random.default_rng(5).standard_normal((8192, 64)).astype(np.float32))  # 2 MB
+    copy = files.adopt(value, copy=True)
+    path = files.data_file(copy)
+    assert path is not None and path != files.data_file(value)
+    assert _rss_kb_of_mapping(path) == 0
+    assert copy.tobytes() == value.tobytes()  # reads the pages in
+    assert _rss_kb_of_mapping(path) >= value.nbytes // 1024
+
+
+def _rss_kb_of_mapping(path: Path) -> int:
+    """This process's resident kB of its mapping of ``path`` (/proc/self/smaps)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.endswith(str(path)))
+    rss = next(line for line in lines[start + 1 :] if line.startswith("Rss:"))
+    return int(rss.split()[1])
