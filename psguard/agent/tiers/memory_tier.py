@@ -114,6 +114,10 @@ class ArrayHome(Protocol):
         when the home has no room, ``value``, C-ordered and copied when ``copy``)."""
         ...
 
+    def owns(self, arr: np.ndarray) -> bool:
+        """Whether ``arr`` is one of the home's arrays (a file an export can link: a PS may map it)."""
+        ...
+
 
 @dataclass(frozen=True)
 class ApplyResult:
@@ -622,8 +626,11 @@ class MemoryTier:
             lease.released = True
             current = {id(a) for a in self._arrays.values()}
             self._handed = {k: r for k, r in self._handed.items() if r() is not None}
-            for a in lease.arrays if hand_off else ():
-                if id(a) in current:  # one replaced since is written by no one
+            home = self.home
+            for a in lease.arrays if hand_off and home is not None else ():
+                # Only a home's arrays were linked (the others were written out: a copy); one replaced since is
+                # written by no one.
+                if id(a) in current and home is not None and home.owns(a):
                     self._handed[id(a)] = weakref.ref(a)
             for a in lease.arrays:
                 holders = self._leases.get(id(a), [])
