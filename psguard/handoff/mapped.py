@@ -10,8 +10,9 @@ which the variable adopts: nothing is copied, and a page is copied into the PS o
 Measured at 1 GB over 2 PS: restore 0.35 -> 0.19 s.
 
 Why the op does not check the CRC32C of a linked tier file: the PS maps the very pages the agent's tier holds (the
-same physical memory), in files only this user can write, which the agent never writes again once exported (a
-tier hands the array off and copies it on its next write: :meth:`MemoryTier.hand_off`). There is no transfer to
+same physical memory), in files only this user can write, which the agent never writes again once exported (the
+export's snapshot is released with ``hand_off=True`` and the tier copies the array on its next write:
+:meth:`psguard.agent.tiers.memory_tier.Snapshot.release`). There is no transfer to
 verify, and checking would read every byte (0.1 s per 512 MB). Every other file (a bundle the agent wrote out,
 a peer's or the log's bytes) is loaded by ``RestoreV2`` with its CRC32C, as before.
 

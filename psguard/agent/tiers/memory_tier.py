@@ -624,14 +624,15 @@ class MemoryTier:
             if lease.released:
                 return
             lease.released = True
-            current = {id(a) for a in self._arrays.values()}
-            self._handed = {k: r for k, r in self._handed.items() if r() is not None}
             home = self.home
-            for a in lease.arrays if hand_off and home is not None else ():
-                # Only a home's arrays were linked (the others were written out: a copy); one replaced since is
-                # written by no one.
-                if id(a) in current and home is not None and home.owns(a):
-                    self._handed[id(a)] = weakref.ref(a)
+            if hand_off and home is not None:
+                current = {id(a) for a in self._arrays.values()}
+                self._handed = {k: r for k, r in self._handed.items() if r() is not None}
+                for a in lease.arrays:
+                    # Only a home's arrays were linked (the others were written out: a copy); one replaced since
+                    # is written by no one.
+                    if id(a) in current and home.owns(a):
+                        self._handed[id(a)] = weakref.ref(a)
             for a in lease.arrays:
                 holders = self._leases.get(id(a), [])
                 if lease in holders:
