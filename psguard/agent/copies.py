@@ -83,12 +83,20 @@ class PeerLink:
     def read_copy(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
         return self._read(f"{url}/peer-copy/read", body, timeout)
 
-    def read_copy_into(self, url: str, body: Mapping[str, Any], timeout: float, out: np.ndarray) -> dict[str, Any]:
-        """:meth:`read_copy` with the answer's rows read straight into ``out``; the answer's header."""
+    def read_copy_into(
+        self,
+        url: str,
+        body: Mapping[str, Any],
+        timeout: float,
+        out: np.ndarray,
+        take: Callable[[int, np.ndarray], None] | None = None,
+    ) -> dict[str, Any]:
+        """:meth:`read_copy` with the answer's rows read straight into ``out`` (or handed to ``take`` piece by
+        piece: :func:`~psguard.agent.tiers.copy_frames.read_frame_into`); the answer's header."""
         from psguard.agent.tiers.copy_frames import read_frame_into  # lazy: as in serve_copies
 
         header: dict[str, Any] = self._post(
-            f"{url}/peer-copy/read", body, timeout, receive=lambda response: read_frame_into(response, out)
+            f"{url}/peer-copy/read", body, timeout, receive=lambda response: read_frame_into(response, out, take)
         )
         return header
 

@@ -61,6 +61,10 @@ from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.store.dtypes import dtype_from_name
 from psguard.tensors import Rows, Same, TensorUpdate
 
+#: A holder's answer read as it arrives (url, body, timeout, the rows' array, ``take(row, rows)`` called with each
+#: piece): :meth:`psguard.agent.copies.PeerLink.read_copy_into`. Returns the answer's header.
+ReadInto = Callable[[str, Mapping[str, Any], float, np.ndarray, Callable[[int, np.ndarray], None]], dict[str, Any]]
+
 __all__ = [
     "CopyHolder",
     "CopySender",
@@ -622,20 +626,20 @@ def fetch_copy(
     post: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]],
     config: PeerCopyConfig,
     alloc: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None = None,
-    read_into: Callable[[str, Mapping[str, Any], float, np.ndarray], dict[str, Any]] | None = None,
-    reserve: Callable[[np.ndarray, int, int], None] | None = None,
+    read_into: ReadInto | None = None,
+    write: Callable[[np.ndarray, int, np.ndarray], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified.
 
     ``alloc`` makes the arrays the rows are fetched into (the agent's tier files: the bytes land where the tier
-    keeps them, with no second copy; None from it, or no ``alloc``: anonymous memory); ``read_into`` (as
-    ``post``, the rows read straight into the array given: :func:`read_frame_into`) saves the buffer of each
-    answer and its copy into place; ``reserve(array, start, stop)`` allocates the rows' memory before they are
-    written (tier files made without their pages: :meth:`TierFiles.reserve`), on the stream's thread. Returns
-    the copy's
+    keeps them, with no second copy; None from it, or no ``alloc``: anonymous memory). ``read_into`` (as
+    ``post``, each answer's rows handed over as they arrive: :func:`read_frame_into`) saves the buffer of each
+    answer: its rows are hashed in pieces while in cache and put in place by ``write(array, row, rows)``
+    (:meth:`TierFiles.write_rows`: ``pwrite`` into the tier file, which allocates its pages as it goes and fails
+    with ``ENOSPC`` on a full tmpfs, never a ``SIGBUS``; default: assignment into the array). Returns the copy's
     description (step, token, metadata, layout) and the arrays; raises
-    :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none) and
-    :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
+    :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none, or this node has no
+    room for it) and :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
     """
     info, _ = post(holder_url, {"owner": owner, "token": token}, config.request_timeout)
     if info.get("status") == "refused":  # a parity holder's reconstruction that did not verify
@@ -664,26 +668,38 @@ def fetch_copy(
     sums = dict.fromkeys(arrays, 0)
     streams = max(1, config.fetch_streams)
 
+    def put(out: np.ndarray, row: int, rows: np.ndarray) -> None:
+        try:
+            if write is not None:
+                write(out, row, rows)
+            else:
+                out[row : row + rows.shape[0]] = rows
+        except OSError as e:  # no room on the node's tmpfs: the log is used instead
+            raise PsguardError(f"no memory for {owner}'s copy on this node: {e}") from None
+
     def place(i: int) -> int:
         """Fetch one chunk, check it and put it in place; its rows' digest (numpy and zlib release the GIL)."""
         name, start, stop = ranges[i]
         out = arrays[name]
-        if reserve is not None:
-            try:
-                reserve(out, start, stop)
-            except OSError as e:  # no room on the node's tmpfs: nothing was written, the log is used instead
-                raise PsguardError(f"no memory for {owner}'s copy of {name} on this node: {e}") from None
         if read_into is not None:
-            answer = read_into(holder_url, request(ranges[i]), config.request_timeout, out[start:stop])
+            total = 0
+
+            def take(row: int, rows: np.ndarray) -> None:
+                nonlocal total
+                first = start + row
+                total = (total + rows_digest(rows, np.arange(first, first + rows.shape[0], dtype=np.int64))) & MASK
+                put(out, first, rows)
+
+            answer = read_into(holder_url, request(ranges[i]), config.request_timeout, out[start:stop], take)
             if answer.get("status") != "ok" or not answer.get("arrays"):
                 raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
-            return rows_digest(out[start:stop], np.arange(start, stop, dtype=np.int64))
+            return total
         answer, got = post(holder_url, request(ranges[i]), config.request_timeout)
         if answer.get("status") != "ok" or len(got) != 1:
             raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
         if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
             raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
-        out[start:stop] = got[0]
+        put(out, start, got[0])
         return rows_digest(got[0], np.arange(start, stop, dtype=np.int64))
 
     # ``streams`` requests in flight: each is fetched, checked and placed on its own thread.

@@ -33,7 +33,7 @@ from psguard.agent.tiers.copy_frames import delta_digest, digests_from, rows_dig
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot, StreamSnapshot, limit_malloc_retention
 from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame, xor_rows
-from psguard.agent.tiers.peer_copy import CopyHolder, CopySender, fetch_copy, new_delta
+from psguard.agent.tiers.peer_copy import CopyHolder, CopySender, ReadInto, fetch_copy, new_delta
 from psguard.agent.tiers.tier_files import TierFiles
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
@@ -108,7 +108,7 @@ class ShardKeeper:
         copy_config: PeerCopyConfig | None = None,
         send_frame: Callable[[str, bytes, float], dict[str, Any]] | None = None,
         read_copy: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
-        read_copy_into: Callable[[str, Mapping[str, Any], float, np.ndarray], dict[str, Any]] | None = None,
+        read_copy_into: ReadInto | None = None,
         read_stripe: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
         tier_files: bool | None = None,
     ) -> None:
@@ -425,7 +425,7 @@ class ShardKeeper:
                 self.copy_config,
                 lambda shape, dtype: self.files.new(shape, dtype, reserve=False),
                 self._read_copy_into,
-                self.files.reserve,
+                self.files.write_rows,
             )
             for name in list(arrays):  # fetched into tier files already; any that could not get one moves now
                 arrays[name] = self.files.adopt(arrays[name])

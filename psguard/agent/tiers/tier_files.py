@@ -23,8 +23,8 @@ A file is unlinked when the tier lets go of its array (a finalizer on the array)
 last mapping and the last link (a restore file) are gone. Files are created ``0600`` in a folder only this user
 can write (:func:`psguard.handoff.credentials.ensure_private_dir`), and their pages are allocated at creation
 (``posix_fallocate``): a tmpfs that is full fails there, and the array lives in anonymous memory as before, not
-with a ``SIGBUS`` at the first write into a mapping that has no page behind it. (A peer copy's fetch allocates
-them range by range instead, each just before its rows are written: :meth:`TierFiles.reserve`.) On a folder
+with a ``SIGBUS`` at the first write into a mapping that has no page behind it. (A peer copy's fetch writes
+its files with ``pwrite`` instead, which allocates the pages as it goes: :meth:`TierFiles.write_rows`.) On a folder
 that is not in memory (tmpfs, ramfs) the tier stays in anonymous memory: a mapping of a disk file would send
 every capture's rows to the disk. Without files the export writes the data as before.
 """
@@ -125,10 +125,10 @@ class TierFiles:
         """A writable C-order array of ``shape`` backed by a new file, or None (no files here, an empty or
         non-numeric tensor, a big-endian host, or no room: then the caller allocates as before).
 
-        ``reserve=False``: the file's pages are not allocated yet, and the caller must :meth:`reserve` every
-        row range before it writes there (a write into a page that a full tmpfs cannot give is a ``SIGBUS``). A
-        peer copy's fetch does so per request, on its streams' threads: allocating 512 MB of tmpfs up front took
-        0.25-0.35 s before its first request went out, on a replaced node's recovery path."""
+        ``reserve=False``: the file's pages are not allocated yet, and the caller must fill it with
+        :meth:`write_rows`, never through the array (a write into a page that a full tmpfs cannot give is a
+        ``SIGBUS``). A peer copy's fetch does so, piece by piece on its streams' threads: allocating 512 MB of
+        tmpfs up front took 0.25-0.35 s before its first request went out, on a replaced node's recovery path."""
         dtype = np.dtype(dtype)
         count = 1
         for d in shape:
@@ -177,17 +177,24 @@ class TierFiles:
         weakref.finalize(arr, self._forget, addr, path)
         return arr
 
-    def reserve(self, arr: np.ndarray, start: int, stop: int) -> None:
-        """Allocate the pages of rows ``start:stop`` of ``arr`` (one of this tier's arrays made with
-        ``reserve=False``); nothing for an array of anonymous memory. Raises ``OSError`` (``ENOSPC``) when the
-        file system has no room: the caller writes nothing there then."""
+    def write_rows(self, arr: np.ndarray, row: int, values: np.ndarray) -> None:
+        """Put ``values`` at row ``row`` of ``arr`` (one of this tier's arrays; any array: by assignment). Into a
+        tier file with ``pwrite``, not through the mapping: the file system allocates the pages as it writes and
+        a full tmpfs raises ``OSError`` (``ENOSPC``) here, where a write into a mapping with no page behind it
+        would be a ``SIGBUS``; nor does each page cost a fault in this process. How a peer copy's fetch fills an
+        array made with ``reserve=False``."""
+        n = int(values.shape[0]) if values.ndim else 1
         path = self.data_file(arr)
-        if path is None or stop <= start:
+        if path is None:
+            arr[row : row + n] = values
             return
-        row = arr.nbytes // max(1, arr.shape[0]) if arr.ndim else arr.nbytes
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        size = arr.nbytes // max(1, arr.shape[0]) if arr.ndim else arr.nbytes
+        data = byte_view(np.ascontiguousarray(values, dtype=arr.dtype))
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            os.posix_fallocate(fd, start * row, (stop - start) * row)
+            done = 0
+            while done < data.nbytes:
+                done += os.pwrite(fd, data[done:], row * size + done)
         finally:
             os.close(fd)
 

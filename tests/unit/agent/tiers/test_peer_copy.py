@@ -7,15 +7,16 @@ and a real node loss: tests/cluster/test_ps_side_agents.py).
 
 from __future__ import annotations
 
+import io
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from psguard.agent.tiers.copy_frames import decode_frame, encode_frame
+from psguard.agent.tiers.copy_frames import decode_frame, encode_frame, read_frame_into
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.peer_copy import fetch_copy
 from psguard.agent.tiers.shards import ShardKeeper
@@ -335,41 +336,49 @@ def test_fetch_copy_places_the_rows_in_the_arrays_it_is_given(pair: Pair) -> Non
     assert all(np.array_equal(arrays[n], want[n]) for n in want)
 
 
-def test_a_fetch_reserves_each_range_before_writing_it_and_a_full_node_fails_it_cleanly(
+def test_a_fetch_writes_each_piece_once_as_it_arrives_and_a_full_node_fails_it_cleanly(
     pair: Pair, tmp_path: Path
 ) -> None:
     """A replacement agent's tier files are made without their pages (allocating 512 MB up front was a third of
-    a second before the first request); each request's rows are reserved on its stream's thread before they are
-    written, every row exactly once. A node without room fails the fetch (the log is used), never a SIGBUS."""
+    a second before the first request). Each answer's rows come through a small buffer, piece by piece, hashed
+    there and written in place once (``pwrite`` into the file: it allocates the pages, and a full tmpfs fails it
+    with ``ENOSPC``). A node without room fails the fetch (the log is used), never a SIGBUS."""
     rng = np.random.default_rng(12)
     pair.apply({n: Full(a) for n, a in _state(rng).items()}, 1, "t1", None)
     wait_until(pair.synced, 30, "the first whole copy")
-    reserved: dict[int, list[tuple[int, int]]] = {}
+    written: dict[int, list[tuple[int, int]]] = {}
 
     def alloc(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         return np.full(shape, np.nan, dtype=dtype)
 
-    def reserve(arr: np.ndarray, start: int, stop: int) -> None:
-        assert np.isnan(arr[start:stop]).all()  # not written yet
-        reserved.setdefault(id(arr), []).append((start, stop))
+    def write(arr: np.ndarray, row: int, rows: np.ndarray) -> None:
+        assert np.isnan(arr[row : row + len(rows)]).all()  # not written yet
+        written.setdefault(id(arr), []).append((row, row + len(rows)))
+        arr[row : row + len(rows)] = rows
+
+    def read_into(
+        url: str, body: Mapping[str, Any], timeout: float, out: np.ndarray, take: Callable[[int, np.ndarray], None]
+    ) -> dict[str, Any]:  # as the HTTP link reads an answer, in pieces of 8 rows of 8 float32
+        return read_frame_into(io.BytesIO(bytes(pair.holder.holder.read(body))), out, take, piece_bytes=256)
 
     config = PeerCopyConfig(chunk_mb=1)
-    _, arrays = fetch_copy("ps:0", HOLDER_URL, "t1", pair.read, config, alloc, reserve=reserve)
+    _, arrays = fetch_copy("ps:0", HOLDER_URL, "t1", pair.read, config, alloc, read_into, write)
     want = _owner_arrays(pair.owner)
     assert all(np.array_equal(arrays[n], want[n]) for n in want)
     for arr in arrays.values():
-        ranges = sorted(reserved[id(arr)])
-        assert ranges[0][0] == 0 and ranges[-1][1] == arr.shape[0]
-        assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))  # each row once
+        pieces = sorted(written[id(arr)])
+        assert len(pieces) == -(-arr.shape[0] // 8) and all(b - a == 8 for a, b in pieces[:-1])
+        assert pieces[0][0] == 0 and pieces[-1][1] == arr.shape[0]
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))  # each row once
 
-    def full(arr: np.ndarray, start: int, stop: int) -> None:
+    def full(arr: np.ndarray, row: int, rows: np.ndarray) -> None:
         raise OSError(28, "No space left on device")
 
     with pytest.raises(PsguardError, match="no memory for ps:0's copy"):
-        fetch_copy("ps:0", HOLDER_URL, "t1", pair.read, config, alloc, reserve=full)
+        fetch_copy("ps:0", HOLDER_URL, "t1", pair.read, config, alloc, read_into, full)
     fresh = ShardKeeper(tmp_path / "full-node", "ps:0", read_copy=pair.read, tier_files=True).start()
     try:
-        fresh.files.reserve = full  # type: ignore[assignment]
+        fresh.files.write_rows = full  # type: ignore[method-assign]
         assert fresh.pull({"token": "t1", "holder": HOLDER_URL})["status"] == "unavailable"
         assert fresh.tier.token is None  # nothing seeded from a fetch that could not be placed
     finally:

@@ -53,32 +53,36 @@ def test_an_array_lives_in_an_owner_only_file_removed_when_the_tier_drops_it(fil
     assert files.status()["files"] == 0 and not any(files.folder.iterdir())
 
 
-def test_an_array_made_without_its_pages_gets_them_range_by_range(
+def test_an_array_made_without_its_pages_is_filled_by_writes_that_allocate_them(
     files: TierFiles, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``reserve=False`` (a peer copy's fetch): the file has no pages until :meth:`TierFiles.reserve` gives a row
-    range its own; a full file system fails the reserve with ``OSError`` before anything is written there."""
+    """``reserve=False`` (a peer copy's fetch): the file has no pages until :meth:`TierFiles.write_rows` writes
+    rows there, and the array (the tier's shared mapping) sees them; a full file system fails the write with
+    ``OSError``, never a ``SIGBUS`` in the agent."""
     arr = files.new((1024, 1024), np.dtype(np.float32), reserve=False)  # 4 MB
     assert arr is not None
     path = files.data_file(arr)
     assert path is not None and path.stat().st_size == arr.nbytes and path.stat().st_blocks == 0
-    files.reserve(arr, 0, 256)
+    head, rest = np.full((256, 1024), 2.0, np.float32), np.arange(768 * 1024, dtype=np.float32).reshape(768, 1024)
+    files.write_rows(arr, 0, head)
     quarter = path.stat().st_blocks * 512
     assert arr.nbytes // 4 <= quarter < arr.nbytes // 2
-    files.reserve(arr, 256, 1024)
+    files.write_rows(arr, 256, rest)
     assert path.stat().st_blocks * 512 >= arr.nbytes
-    arr[:] = 2.0
-    assert float(np.fromfile(path, dtype=np.float32).sum()) == 2.0 * arr.size
-    files.reserve(np.zeros((4, 4), np.float32), 0, 4)  # not a tier file: nothing to do
+    want = np.concatenate([head, rest])
+    assert np.array_equal(arr, want) and np.array_equal(np.fromfile(path, dtype=np.float32).reshape(1024, 1024), want)
+    plain = np.zeros((4, 4), np.float32)
+    files.write_rows(plain, 1, np.ones((2, 4), np.float32))  # not a tier file: assigned
+    assert plain.sum() == 8 and plain[1:3].all()
 
-    def full(fd: int, offset: int, size: int) -> None:
+    def full(fd: int, data: Any, offset: int) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     other = files.new((64, 64), np.dtype(np.float32), reserve=False)
     assert other is not None
-    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "pwrite", full)
     with pytest.raises(OSError, match="No space"):
-        files.reserve(other, 0, 64)
+        files.write_rows(other, 0, np.ones((64, 64), np.float32))
 
 
 def test_a_folder_others_could_write_is_refused(tmp_path: Path) -> None:
