@@ -94,6 +94,27 @@ def test_turned_off_nothing_is_mapped(op: Any, monkeypatch: pytest.MonkeyPatch) 
     assert mapped.built() is None and not mapped.load_into_server()
 
 
+def test_an_op_not_built_is_said_once_as_a_warning_and_not_when_turned_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``pip install`` does not build the op: a job without it restores 3-4x slower, so the chief says why."""
+    monkeypatch.setenv("PSGUARD_CACHE", str(tmp_path / "empty-cache"))
+    mapped.map_op.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=mapped.__name__):
+            assert mapped.map_op() is None and mapped.map_op() is None
+        said = [r.getMessage() for r in caplog.records if "map_op_not_built" in r.getMessage()]
+        assert len(said) == 1 and "psguard build-op" in said[0] and str(tmp_path) in said[0], said
+        caplog.clear()
+        monkeypatch.setenv(mapped.ENV_MAP_OP, "0")
+        mapped.map_op.cache_clear()
+        with caplog.at_level("WARNING", logger=mapped.__name__):
+            assert mapped.map_op() is None
+        assert not [r for r in caplog.records if "map_op" in r.getMessage()]
+    finally:
+        mapped.map_op.cache_clear()
+
+
 def test_an_exported_tier_file_a_ps_mapped_is_never_written_in_place_again(tmp_path: Path) -> None:
     """The hand-off: after the export's restore files are dropped (the next capture), the tier's next write copies
     the array; the file the PS mapped keeps the bytes it had. Without it the write would show in the PS's pages
