@@ -79,7 +79,7 @@ from psguard.agent.process.hang import HangWatch
 from psguard.agent.process.prober import HealthMonitor, HttpProbe
 from psguard.agent.process.standby import warm_trainer_command
 from psguard.agent.process.supervisor import Supervisor
-from psguard.agent.recovery import Recovery
+from psguard.agent.recovery import Recovery, shards_mapped
 from psguard.agent.task import server_command, task_env, task_probes, task_record
 from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import ENV_PARTS, default_spool_dir
@@ -711,11 +711,10 @@ class Agent:
         lost, restored, seen = count("lost_steps"), count("restored_step"), count("seen_step")
         if lost is None and restored is None:
             raise RequestError(400, 'expected {"lost_steps": N} or {"restored_step": N, "seen_step": M}')
-        seconds = body.get("seconds")
-        timed = float(seconds) if isinstance(seconds, int | float) and seconds >= 0 else None
-        source = body.get("source")
-        source = str(source)[:40] if isinstance(source, str) else None
-        if self.recovery.recovery_reported(lost, restored, seen, timed, source=source) is None:
+        timed = float(sec) if isinstance(sec := body.get("seconds"), int | float) and sec >= 0 else None
+        source = str(src)[:40] if isinstance(src := body.get("source"), str) else None
+        mapped = shards_mapped(body.get("shards_mapped"))  # 400 for a malformed one
+        if self.recovery.recovery_reported(lost, restored, seen, timed, source=source, mapped=mapped) is None:
             return Response(200, {"ok": True, "lost_steps": None})
         return Response(200, {"ok": True})
 

@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from psguard.agent.control.httpd import RequestError
 from psguard.agent.control.metrics import AgentMetrics
 from psguard.agent.control.peers import PeerSync
 from psguard.agent.process.hang import Hang
@@ -45,7 +46,7 @@ from psguard.agent.process.prober import Health, HealthMonitor, HealthReport
 from psguard.agent.process.supervisor import Supervisor
 from psguard.handoff.contract import EXIT_RESTART
 
-__all__ = ["Recovery"]
+__all__ = ["Recovery", "shards_mapped"]
 
 log = logging.getLogger(__name__)
 
@@ -222,15 +223,26 @@ class Recovery:
         seconds: float | None,
         *,
         source: str | None = None,
+        mapped: tuple[int, int] | None = None,
     ) -> int | None:
         """``POST /recovery``: count the steps lost, from the trainer's own figure (``lost``) or from the step it
         restored against the step it (``seen``) or its failed predecessor (``POST /failure``) had reached. The
         steps lost, or ``None`` when there is nothing to compare with. ``source``: the tier the trainer restored
-        from (``memory``, ``durable``), logged and kept for ``/status`` whatever the count."""
+        from (``memory``, ``durable``), logged and kept for ``/status`` whatever the count; ``mapped``: of the
+        shard files its PS nodes loaded, how many they mapped (zero-copy) and how many there were, likewise."""
         if restored is not None:
+            last: dict[str, Any] = {"step": restored, "source": source, "at": time.time()}
+            if mapped is not None:
+                last["shards_mapped"], last["shards_loaded"] = mapped
             with self._lock:
-                self._last_restore = {"step": restored, "source": source, "at": time.time()}
-            log.info("event=trainer_restored task=%s restored_step=%d source=%s", self.task, restored, source)
+                self._last_restore = last
+            log.info(
+                "event=trainer_restored task=%s restored_step=%d source=%s%s",
+                self.task,
+                restored,
+                source,
+                f" shards_mapped={mapped[0]}/{mapped[1]}" if mapped is not None else "",
+            )
         if lost is None:
             with self._lock:
                 reported, self._reported_step = self._reported_step, None
@@ -256,3 +268,14 @@ class Recovery:
                 "hangs": self._hangs,
                 "last_hang": self._last_hang,
             }
+
+
+def shards_mapped(value: Any) -> tuple[int, int] | None:
+    """``POST /recovery``'s ``shards_mapped`` ([mapped, loaded], two integers, mapped <= loaded), or None when
+    absent; :class:`RequestError` (400) for anything else."""
+    if value is None:
+        return None
+    ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)
+    if not ok or value[0] > value[1]:
+        raise RequestError(400, f'"shards_mapped": expected [mapped, loaded], integers, got {value!r}')
+    return int(value[0]), int(value[1])

@@ -84,15 +84,19 @@ class _Stop(BaseException):
     """SIGTERM: unwind through the ``finally`` blocks that stop every agent, as Ctrl-C does."""
 
 
-def _spool_dir(work: Path) -> Path:
-    """A fresh spool folder on tmpfs (the memory-tier hand-off copies bytes only), one per run.
+def _spool_dir(work: Path, name: str = "spool") -> Path:
+    """A fresh folder on tmpfs, one per run: the chief's spool (``name="spool"``: the memory-tier hand-off copies
+    bytes only) or a PS agent's part folder (its memory tier in files its PS maps at a restore: tier_files.py,
+    on only on a file system in memory; on the run's folder on disk a wrapped job restored every shard by
+    reading it, found by the TF Recommenders node-loss test). ``work/<name>`` without a writable /dev/shm.
 
     Never the agent's default ``/dev/shm/psguard-default``: two wrapped jobs on one host would fight over it.
     """
     base = Path("/dev/shm")
     if base.is_dir() and os.access(base, os.W_OK):
-        return Path(tempfile.mkdtemp(prefix="psguard-wrap-", dir=base))
-    path = work / "spool"
+        prefix = "psguard-wrap-" if name == "spool" else f"psguard-wrap-{name}-"
+        return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    path = work / name
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -192,6 +196,7 @@ def run(
     work = work.resolve()
     cluster, _ = write_cluster(work, ps=ps, workers=workers)
     spool = _spool_dir(work)
+    in_memory = [spool]  # the run's folders on tmpfs, removed at the end whatever happened
     agents_dir = work / "agents"
     servers: list[Any] = []
     chief: subprocess.Popen[bytes] | None = None
@@ -210,7 +215,8 @@ def run(
             for i in range(count):
                 args = ["--role", role, "--index", str(i), *base]
                 if role == "ps":  # each PS's agent keeps its shards (memory tier, its part of the log)
-                    args += ["--spool", str(work / f"ps{i}-shards"), *(["--store", store] if store else [])]
+                    in_memory.append(_spool_dir(work, f"ps{i}-shards"))
+                    args += ["--spool", str(in_memory[-1]), *(["--store", store] if store else [])]
                 node = {"PSGUARD_NODE": f"wrap-{role}{i}"}  # each task its own node: see the module docstring
                 servers.append(AgentProcess(agents_dir, f"{role}{i}", args, env=node, token_file=token_path))
         try:
@@ -254,8 +260,9 @@ def run(
             agent.stop()  # already exited: closes its log
         if token is not None:
             token.remove()
-        if spool.parent == Path("/dev/shm"):
-            shutil.rmtree(spool, ignore_errors=True)
+        for folder in in_memory:
+            if folder.parent == Path("/dev/shm"):
+                shutil.rmtree(folder, ignore_errors=True)
         if own_dir and not failed:
             shutil.rmtree(work, ignore_errors=True)
         elif failed:

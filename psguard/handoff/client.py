@@ -155,15 +155,20 @@ def report_recovery(
     *,
     seen_step: int | None = None,
     source: str | None = None,
+    shards_mapped: tuple[int, int] | None = None,
     url: str | None = None,
     timeout: float = 5.0,
 ) -> bool:
     """From the trainer after a restore: the agent turns it into lost steps (``psguard_lost_steps_total``).
 
     ``seen_step``: the highest step this process trained before (an in-process rejoin); without it the agent
-    uses the step the failed trainer reported with :func:`report_failure`. Best effort, like that one.
+    uses the step the failed trainer reported with :func:`report_failure`. ``shards_mapped``: of the shard
+    files the PS nodes loaded, how many they mapped (the zero-copy restore) and how many there were; the agent
+    logs it and shows it in ``/status``, where a restore that read every file is seen. Best effort.
     """
     body: dict[str, Any] = {"restored_step": int(restored_step), "seen_step": seen_step, "source": source}
+    if shards_mapped is not None:
+        body["shards_mapped"] = [int(shards_mapped[0]), int(shards_mapped[1])]
     return _tell_agent("/recovery", body, url, timeout)
 
 

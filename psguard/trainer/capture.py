@@ -469,8 +469,9 @@ class Capturer:
         homes: Mapping[ShardKey, str] | None = None,
         fingerprints: Mapping[ShardKey, str] | None = None,
         mappable: Collection[ShardKey] = (),
-    ) -> None:
-        """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node.
+    ) -> tuple[int, int]:
+        """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node;
+        returns how many shards the PS nodes mapped (zero-copy) and how many they loaded.
 
         ``files``: shard -> the path of its file on the node of the PS that hosts it (written there by that
         PS's agent); ``homes``: shard -> the PS task whose agent wrote it, which must be the PS the model put
@@ -506,10 +507,11 @@ class Capturer:
             values = [tf.constant(shard_part(tensors[t.name], t, s), dtype=s.var.dtype) for t, s in shards]
             fps = fingerprints or {}
             loads = [(ij, str(files[k]), fps.get(k), k in mappable) for ij, k in keys]
-            gap = run_load(self._functions, loads, given, tuple(values), self._variables())
+            gap, mapped = run_load(self._functions, loads, given, tuple(values), self._variables())
             self._rebased(gap)
             note_restored(self._variables_of_root())
             self._warm_up()
+            return mapped, len(loads)
 
     def _variables_of_root(self) -> list[Any]:
         """Every variable object behind the root's tensors (each shard, and what wraps it), for

@@ -635,9 +635,9 @@ def run_load(
     given: tuple[tuple[int, int], ...],
     values: tuple[Any, ...],
     variables: Any,
-) -> Any:
+) -> tuple[Any, int]:
     """Call :func:`load_function` for ``shards`` ((tensor, shard), file, fingerprints' file or None, its agent's
-    own tier file) and ``given`` (their ``values``); returns its gap.
+    own tier file) and ``given`` (their ``values``); returns its gap and how many shards the PS mapped.
 
     A tier file is mapped when :func:`can_map`. A PS started without the op (a PS psguard did not start, or an
     older psguard's) fails the function's instantiation, before anything ran: the load is made again reading
@@ -661,4 +661,4 @@ def run_load(
         with unoptimized_calls():
             gap = load_function(fns, which, with_fps, given, mapped)(paths, fp_paths, values, variables)
     log.info("event=ps_load shards=%d mapped=%d", len(which), sum(mapped))
-    return gap
+    return gap, sum(mapped)

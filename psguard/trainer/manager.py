@@ -329,6 +329,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self.capturer = Capturer(checkpoint, coordinator=coordinator, **options)
         self._deferred: DeferredRestore | None = None  # values waiting for variables the job creates later
         self._snapshot_for: tuple[str, Restored] | None = None  # what latest_checkpoint fetched for the restore
+        self._shards_mapped: tuple[int, int] | None = None  # the last load's shards mapped by their PS, and loaded
         self._policy = _Policy(policy, watch=watch_policy)
         self.context = SaveContext(started_at=time.time(), observed_since=time.time())
         self._preemption = PreemptionHandler().install() if preemption else None

@@ -105,6 +105,7 @@ class RestoreSide:
     _capture_lock: threading.Lock
     _deferred: DeferredRestore | None
     _snapshot_for: tuple[str, Restored] | None
+    _shards_mapped: tuple[int, int] | None
     _graph: bytes | None
     _init_fn: Callable[[], Any] | None
     _step_counter: Any
@@ -295,10 +296,11 @@ class RestoreSide:
                 if info.source == "durable":
                     pending.update(self._absent_from(info.id, snap, names))
                 waiting = {n: (tuple(np.shape(v)), np.asarray(v).dtype) for n, v in pending.items()}
+                self._shards_mapped = None
                 if snap.parts:  # each PS loads its shards on its own node
                     homes = {k: task for k, (task, _) in snap.part_homes.items() if task}
                     fps = {k: p for k, p in snap.part_fps.items() if k in parts}
-                    self.capturer.restore_parts(
+                    self._shards_mapped = self.capturer.restore_parts(
                         tensors, parts, deferred=waiting, homes=homes, fingerprints=fps, mappable=snap.part_linked
                     )
                 else:
@@ -365,9 +367,17 @@ class RestoreSide:
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save
         now = time.time()
         self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
-        log.info("restored %s (step %d) from the %s tier", info.id, info.step, info.source)
+        mapped = self._shards_mapped
+        log.info(
+            "restored %s (step %d) from the %s tier%s",
+            info.id,
+            info.step,
+            info.source,
+            f"; the PS mapped {mapped[0]} of its {mapped[1]} shard file(s)" if mapped else "",
+        )
         if self._sink.supervised:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
-            report_recovery(info.step, seen_step=process_managers.last_seen_step(self.directory), source=info.source)
+            seen = process_managers.last_seen_step(self.directory)
+            report_recovery(info.step, seen_step=seen, source=info.source, shards_mapped=mapped)
         return info.id
 
     def _durable_on_the_ps(self, *, force: bool = False) -> tuple[RestoreInfo, Restored] | None:

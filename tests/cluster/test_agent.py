@@ -778,14 +778,20 @@ def test_recovery_reports_become_lost_steps(tmp_path: Path, agents: Callable[...
 
     # Restart path: the failing trainer reports its last step, the next one the step it restored.
     assert post("/failure", {"failed_at": time.time(), "step": 57})[0] == 200
-    assert post("/recovery", {"restored_step": 50, "source": "memory"}) == (200, {"ok": True})
+    body = {"restored_step": 50, "source": "memory", "shards_mapped": [3, 4]}
+    assert post("/recovery", body) == (200, {"ok": True})
     assert chief.status()["last_lost_steps"] == 7
+    last = chief.status()["last_restore"]  # of 4 shard files, the PS nodes mapped 3 (the zero-copy restore)
+    assert (last["step"], last["source"], last["shards_mapped"], last["shards_loaded"]) == (50, "memory", 3, 4)
+    assert "event=trainer_restored task=chief:0 restored_step=50 source=memory shards_mapped=3/4" in chief.log()
     # In-process rejoin: one process knows both; the failure report was used up above.
     assert post("/recovery", {"restored_step": 10, "seen_step": 13})[0] == 200
     # A first start (nothing seen, nothing reported) is not a recovery and counts nothing.
     assert post("/recovery", {"restored_step": 99}) == (200, {"ok": True, "lost_steps": None})
     assert "psguard_lost_steps_total 10\n" in chief.metrics()
-    for bad in ({"restored_step": -1}, {"restored_step": True}, {"seen_step": 3}, {"lost_steps": "7"}):
+    mapped_bad = [[5, 4], [1], "2/2", [1.0, 2], [True, 2], [-1, 2]]
+    bad_mapped = [{"restored_step": 1, "shards_mapped": m} for m in mapped_bad]
+    for bad in ({"restored_step": -1}, {"restored_step": True}, {"seen_step": 3}, {"lost_steps": "7"}, *bad_mapped):
         code, doc = post("/recovery", bad)
         assert code == 400, (bad, doc)
     assert post("/failure", {"failed_at": time.time(), "step": -2})[0] == 400

@@ -208,7 +208,8 @@ def test_capture_writes_each_shard_on_its_ps_and_restore_reads_it_there(chief: C
         marked[0] = 12345
         write_bundle(prefix, marked)
         fp_files[k] = str(prefix)
-    capturer2.restore_parts(local, files, fingerprints=fp_files, mappable=set(files))
+    counts = capturer2.restore_parts(local, files, fingerprints=fp_files, mappable=set(files))
+    assert counts == (len(files) if map_op() is not None else 0, len(files))  # mapped, loaded
     restored = read_tensors(root2)
     assert all(restored[name].tobytes() == state[name].tobytes() for name in state)  # exact either way
     for j, k in enumerate(spilled[TABLE]):

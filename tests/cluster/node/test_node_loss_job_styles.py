@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from psguard.agent.wrap import CHIEF_CONFIG
+from psguard.handoff import mapped
 from psguard.handoff.client import http_json
 from tests.cluster.e2e.test_job_styles import STYLES, check_resumed_and_finished, run_job, with_psguard
 
@@ -77,6 +78,14 @@ def test_job_style_survives_a_lost_ps_node_from_the_peer_copy(name: str, tmp_pat
     if NODE_STYLES[name]:
         assert used, f"ps:0's shards did not come from a peer's copy\n{run.tail()}"
         assert int(used[0][1]) == int(restored[0][0]), (used, restored)
+        # Every PS mapped its shard files (the replaced node's too: fetched into tier files), when the op is built
+        # (`make test` builds it); the user's own job restored through the zero-copy path.
+        loads = re.findall(
+            r"event=trainer_restored task=chief:0 restored_step=\d+ source=\S+ shards_mapped=(\d+)/(\d+)", run.err
+        )
+        assert loads and int(loads[0][1]) > 0, f"no shard files loaded on the PS nodes\n{run.tail()}"
+        if mapped.built() is not None:
+            assert loads[0][0] == loads[0][1], f"shard files read, not mapped: {loads}\n{run.tail()}"
     else:
         assert not used, "nothing of this job is kept on the PS nodes: there is no copy to use"
     assert "event=peer_copy_not_used" not in run.err and "event=peer_copy_none" not in run.err, run.tail()
