@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from psguard.errors import ConfigError
 
-__all__ = ["MARKER", "cache_root", "claim_folder"]
+__all__ = ["MARKER", "cache_root", "claim_folder", "drop_memory_folders", "memory_folder"]
 
 MARKER = ".psguard-run"
 """The file a psguard run leaves in the folder it made: a reused folder is recognised by it."""
@@ -47,3 +49,28 @@ def cache_root() -> Path:
     and Prometheus)."""
     root = os.environ.get("PSGUARD_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "psguard"
+
+
+_SHM = Path("/dev/shm")
+
+
+def memory_folder(work: Path, name: str, prefix: str) -> Path:
+    """A fresh folder on tmpfs for one run (``/dev/shm/<prefix><name>-XXXX``), or ``work/<name>`` without a
+    writable /dev/shm: a chief's spool (the memory-tier hand-off only copies bytes there) or a PS agent's part
+    folder (its memory tier in files its PS maps at a restore, which tier_files.py turns on only on a file system
+    in memory: on a run folder on disk, ``psguard wrap`` jobs and chaos runs restored every shard by reading it).
+    Never an agent's default folder: two runs on one host would share it. :func:`drop_memory_folders` at the end.
+    """
+    if _SHM.is_dir() and os.access(_SHM, os.W_OK):
+        return Path(tempfile.mkdtemp(prefix=f"{prefix}{name}-", dir=_SHM))
+    path = work / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def drop_memory_folders(folders: Iterable[Path]) -> None:
+    """Remove the folders :func:`memory_folder` made on tmpfs (memory, gone with the run); ``work/<name>`` ones stay
+    with the run's folder."""
+    for folder in folders:
+        if folder.parent == _SHM:
+            shutil.rmtree(folder, ignore_errors=True)

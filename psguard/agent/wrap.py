@@ -53,6 +53,7 @@ from psguard.agent.process.launcher import AgentProcess, LaunchError, write_clus
 from psguard.config import loads_yaml, read_settings_file
 from psguard.errors import ConfigError, PsguardError
 from psguard.handoff.credentials import TokenFile, create_token_file, read_secret_file
+from psguard.run_folder import drop_memory_folders, memory_folder
 from psguard.storage.registry import split_url
 
 __all__ = ["CHIEF_CONFIG", "NO_STORE_WARNING", "WrapError", "main", "register", "run"]
@@ -82,23 +83,6 @@ class WrapError(PsguardError):
 
 class _Stop(BaseException):
     """SIGTERM: unwind through the ``finally`` blocks that stop every agent, as Ctrl-C does."""
-
-
-def _spool_dir(work: Path, name: str = "spool") -> Path:
-    """A fresh folder on tmpfs, one per run: the chief's spool (``name="spool"``: the memory-tier hand-off copies
-    bytes only) or a PS agent's part folder (its memory tier in files its PS maps at a restore: tier_files.py,
-    on only on a file system in memory; on the run's folder on disk a wrapped job restored every shard by
-    reading it, found by the TF Recommenders node-loss test). ``work/<name>`` without a writable /dev/shm.
-
-    Never the agent's default ``/dev/shm/psguard-default``: two wrapped jobs on one host would fight over it.
-    """
-    base = Path("/dev/shm")
-    if base.is_dir() and os.access(base, os.W_OK):
-        prefix = "psguard-wrap-" if name == "spool" else f"psguard-wrap-{name}-"
-        return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
-    path = work / name
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _chief_settings(path: Path) -> dict[str, Any]:
@@ -195,7 +179,7 @@ def run(
     work.mkdir(parents=True, exist_ok=True)
     work = work.resolve()
     cluster, _ = write_cluster(work, ps=ps, workers=workers)
-    spool = _spool_dir(work)
+    spool = memory_folder(work, "spool", "psguard-wrap-")
     in_memory = [spool]  # the run's folders on tmpfs, removed at the end whatever happened
     agents_dir = work / "agents"
     servers: list[Any] = []
@@ -215,7 +199,7 @@ def run(
             for i in range(count):
                 args = ["--role", role, "--index", str(i), *base]
                 if role == "ps":  # each PS's agent keeps its shards (memory tier, its part of the log)
-                    in_memory.append(_spool_dir(work, f"ps{i}-shards"))
+                    in_memory.append(memory_folder(work, f"ps{i}-shards", "psguard-wrap-"))
                     args += ["--spool", str(in_memory[-1]), *(["--store", store] if store else [])]
                 node = {"PSGUARD_NODE": f"wrap-{role}{i}"}  # each task its own node: see the module docstring
                 servers.append(AgentProcess(agents_dir, f"{role}{i}", args, env=node, token_file=token_path))
@@ -260,9 +244,7 @@ def run(
             agent.stop()  # already exited: closes its log
         if token is not None:
             token.remove()
-        for folder in in_memory:
-            if folder.parent == Path("/dev/shm"):
-                shutil.rmtree(folder, ignore_errors=True)
+        drop_memory_folders(in_memory)
         if own_dir and not failed:
             shutil.rmtree(work, ignore_errors=True)
         elif failed:

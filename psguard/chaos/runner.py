@@ -36,7 +36,7 @@ from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_history
 from psguard.chaos.nemesis import NEMESIS, Nemesis
 from psguard.chaos.scenario import Scenario
-from psguard.run_folder import claim_folder
+from psguard.run_folder import claim_folder, drop_memory_folders, memory_folder
 from psguard.testbed.procs import alive as pid_alive
 from psguard.testbed.procs import descendants
 
@@ -115,6 +115,9 @@ class _Run:
         self.storage_options: dict[str, Any] = {}
         self.storage_env: dict[str, str] = {}
         self.store_dir: Path | None = None
+        # Each PS agent's part folder, on tmpfs as in a deployment (an emptyDir in memory): its tier files are on
+        # only there, and a restore maps them. Removed at the end (run_scenario), whatever happened.
+        self.part_dirs: dict[int, Path] = {}
         self.started_at: float | None = None
         self.step: int | None = None
         self.threads_before = {t.ident for t in threading.enumerate()}
@@ -231,7 +234,7 @@ class _Run:
                         str(i),
                         *(base if role == "ps" else others),
                         *(
-                            ["--spool", str(self.dir / f"ps{i}-shards"), "--store", self.store_url]
+                            ["--spool", str(self.part_dir(i)), "--store", self.store_url]
                             if role == "ps"
                             else []
                         ),
@@ -362,6 +365,12 @@ class _Run:
             self.history.append(HARNESS, "invoke", "agent-exited", value)
             self.history.append(HARNESS, "ok", "agent-exited", value)
             self.say(f"  agent {agent.name} exited {code} on its own: {value['last_error']}")
+
+    def part_dir(self, i: int) -> Path:
+        """PS ``i``'s part folder (made at the first call): see ``part_dirs``."""
+        if i not in self.part_dirs:
+            self.part_dirs[i] = memory_folder(self.dir, f"ps{i}-shards", f"psguard-chaos-{os.getpid()}-")
+        return self.part_dirs[i]
 
     def stop_all(self) -> None:
         nemesis = getattr(self, "nemesis", None)
@@ -535,6 +544,7 @@ def run_scenario(
             if not isinstance(interrupted, HistoryError):
                 run.cleanup_audit()
             run.kill_leftovers()
+            drop_memory_folders(run.part_dirs.values())
             run.history.close()
     records = read_history(directory / "history.jsonl")
     verdicts = check_all(records, reference)

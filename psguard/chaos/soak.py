@@ -140,7 +140,7 @@ class _SoakRun(_Run):
     def _folders(self) -> dict[str, Path]:
         folders = {"spool": self.dir / "spool", "logs": self.dir / "agents"}
         for i in range(self.scenario.cluster.ps):
-            folders[f"ps{i}-shards"] = self.dir / f"ps{i}-shards"
+            folders[f"ps{i}-shards"] = self.part_dir(i)
         if self.scenario.storage.kind == "local":
             folders["store"] = self.dir / "store"
         elif self.scenario.storage.kind == "hdfs":
