@@ -233,11 +233,7 @@ class _Run:
                         "--index",
                         str(i),
                         *(base if role == "ps" else others),
-                        *(
-                            ["--spool", str(self.part_dir(i)), "--store", self.store_url]
-                            if role == "ps"
-                            else []
-                        ),
+                        *(["--spool", str(self.part_dir(i)), "--store", self.store_url] if role == "ps" else []),
                     ],
                     # Each task on a node of its own, as in a real job: peer copies never go to the same node.
                     env={**env, "PSGUARD_NODE": f"node-{role}{i}"} if s.peer_copies else env,

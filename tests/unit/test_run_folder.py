@@ -1,4 +1,5 @@
-"""``psguard demo --dir`` and ``psguard chaos run --report`` never delete a folder a psguard run did not make."""
+"""``psguard demo --dir`` and ``psguard chaos run --report`` never delete a folder a psguard run did not make;
+runs' folders on tmpfs (memory_folder) are fresh and dropped."""
 
 from __future__ import annotations
 
@@ -65,3 +66,26 @@ def test_the_quick_demo_reuses_its_own_folder(tmp_path: Path, capsys: pytest.Cap
     for _ in range(2):
         assert cli.main(["demo", "--quick", "--dir", str(folder), "--steps", "20", "--users", "2000"]) == 0
     assert (folder / MARKER).is_file() and (folder / "store").is_dir()
+
+
+def test_a_memory_folder_is_fresh_private_and_on_tmpfs_then_dropped(tmp_path: Path) -> None:
+    """PS part folders of ``psguard wrap`` and chaos runs: on /dev/shm (tier files need memory), one per call,
+    owner-only; dropped at the end. Without a writable /dev/shm, ``work/<name>``, which is left alone."""
+    from psguard.agent.tiers.tier_files import on_memory_fs
+    from psguard.run_folder import drop_memory_folders, memory_folder
+
+    a, b = (
+        memory_folder(tmp_path, "ps0-shards", "psguard-test-"),
+        memory_folder(tmp_path, "ps0-shards", "psguard-test-"),
+    )
+    try:
+        assert a != b and a.parent == Path("/dev/shm") and a.name.startswith("psguard-test-ps0-shards-")
+        assert on_memory_fs(a) and (a.stat().st_mode & 0o777) == 0o700
+        (a / "tier").mkdir()
+    finally:
+        drop_memory_folders([a, b])
+    assert not a.exists() and not b.exists()
+    fallback = tmp_path / "ps1-shards"
+    fallback.mkdir()
+    drop_memory_folders([fallback])
+    assert fallback.is_dir()
