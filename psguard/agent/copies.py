@@ -1,5 +1,5 @@
-"""The peer copies' wiring in an agent: their HTTP endpoints, the calls one PS agent makes to another, and the
-chief's view of them (the copies themselves: psguard/agent/tiers/peer_copy.py).
+"""The PS-side shards' and the peer copies' wiring in an agent: their HTTP endpoints, the calls one PS agent makes
+to another, and the chief's view of the copies (the copies themselves: psguard/agent/tiers/peer_copy.py).
 
 Here, at the agent's top, because it joins the two rooms that may not import each other: the control plane's
 HTTP server and the tiers' shard keeper.
@@ -23,13 +23,32 @@ if TYPE_CHECKING:  # numpy, loaded with the shards (a worker's agent never keeps
     from psguard.agent.tiers.shard_client import ShardClient
     from psguard.agent.tiers.shards import ShardKeeper
 
-__all__ = ["PeerLink", "copies_status", "serve_copies"]
+__all__ = ["PeerLink", "copies_status", "serve_shards"]
 
 
-def serve_copies(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyConfig) -> None:
-    """``POST /peer-copy/put`` (an owner's frame, raw bytes), ``POST /peer-copy/read`` (a new agent's fetch,
-    answered with a frame) and ``POST /peer-copy/stripe`` (this PS's own tier, for the holder of its group's
-    parity). All need the ``control`` scope like every other POST: copy data is never open."""
+def _json_handler(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[Request], Response]:
+    """An HTTP handler for a method that takes and returns JSON objects; bad input is a 400."""
+
+    def handle(request: Request) -> Response:
+        body = request.json()
+        if not isinstance(body, dict):
+            raise RequestError(400, "the body must be a JSON object")
+        try:
+            return Response(200, fn(body))
+        except CorruptCheckpointError as e:
+            raise RequestError(400, str(e)) from None
+        except PsguardError as e:
+            raise RequestError(409, str(e)) from None
+
+    return handle
+
+
+def serve_shards(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyConfig) -> None:
+    """A PS agent's ``POST /shards/<call>`` (the chief's agent's calls: apply, export, load, take, write,
+    finish, pull) and its copies' endpoints: ``POST /peer-copy/put`` (an owner's frame, raw bytes),
+    ``POST /peer-copy/read`` (a new agent's fetch, answered with a frame) and ``POST /peer-copy/stripe`` (this
+    PS's own tier, for the holder of its group's parity). All need the ``control`` scope like every other POST:
+    copy data is never open."""
 
     def put(request: Request) -> Response:
         try:
@@ -49,6 +68,16 @@ def serve_copies(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyCon
 
         return read
 
+    for name, handler in (
+        ("apply", keeper.apply),
+        ("export", keeper.export),
+        ("load", keeper.load),
+        ("take", keeper.take),
+        ("write", keeper.write),
+        ("finish", keeper.finish),
+        ("pull", keeper.pull),
+    ):
+        http.add_post(f"/shards/{name}", _json_handler(handler))
     http.add_post("/peer-copy/put", put, binary_max=(max(config.chunk_mb, config.max_queue_mb) << 20) + (16 << 20))
     http.add_post("/peer-copy/read", reader(keeper.holder.read))
     http.add_post("/peer-copy/stripe", reader(keeper.stripe))
@@ -93,7 +122,7 @@ class PeerLink:
     ) -> dict[str, Any]:
         """:meth:`read_copy` with the answer's rows read straight into ``out`` (or handed to ``take`` piece by
         piece: :func:`~psguard.agent.tiers.copy_frames.read_frame_into`); the answer's header."""
-        from psguard.agent.tiers.copy_frames import read_frame_into  # lazy: as in serve_copies
+        from psguard.agent.tiers.copy_frames import read_frame_into  # lazy: as in serve_shards
 
         header: dict[str, Any] = self._post(
             f"{url}/peer-copy/read", body, timeout, receive=lambda response: read_frame_into(response, out, take)
@@ -105,7 +134,7 @@ class PeerLink:
         return self._read(f"{url}/peer-copy/stripe", body, timeout)
 
     def _read(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
-        # lazy: as in serve_copies
+        # lazy: as in serve_shards
         from psguard.agent.tiers.copy_frames import decode_frame
 
         return decode_frame(self._post(url, body, timeout))

@@ -67,21 +67,21 @@ import time
 import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from psguard.agent.config import ROLES, AgentConfig
 from psguard.agent.control.auth import Authenticator, JwtAuth
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
 from psguard.agent.control.metrics import AgentMetrics
 from psguard.agent.control.peers import PeerSync
-from psguard.agent.copies import PeerLink, copies_status, serve_copies
+from psguard.agent.copies import PeerLink, copies_status, serve_shards
 from psguard.agent.process.hang import HangWatch
 from psguard.agent.process.prober import HealthMonitor, HttpProbe
 from psguard.agent.process.standby import warm_trainer_command
 from psguard.agent.process.supervisor import Supervisor
 from psguard.agent.recovery import Recovery, shards_mapped
 from psguard.agent.task import server_command, task_env, task_probes, task_record
-from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
+from psguard.errors import ConfigError, PsguardError
 from psguard.handoff.contract import ENV_PARTS, default_spool_dir
 from psguard.handoff.credentials import TokenFile, create_token_file
 from psguard.handoff.tls import client_context, server_context
@@ -100,27 +100,13 @@ __all__ = ["Agent"]
 
 log = logging.getLogger(__name__)
 
+# How long a PS agent holds back its store's open (its imports) for a fetch of its shards from a peer's copy.
+_STORE_HOLD_SECONDS = 5.0
+
 """Roles an agent runs; ``cluster.json`` may also list ``evaluator`` tasks (TensorFlow knows them)."""
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _json_handler(fn: Any) -> Any:
-    """An HTTP handler for a method that takes and returns JSON objects; bad input is a 400."""
-
-    def handle(request: Request) -> Response:
-        body = request.json()
-        if not isinstance(body, dict):
-            raise RequestError(400, "the body must be a JSON object")
-        try:
-            return Response(200, fn(body))
-        except CorruptCheckpointError as e:
-            raise RequestError(400, str(e)) from None
-        except PsguardError as e:
-            raise RequestError(409, str(e)) from None
-
-    return handle
-
-
 def _rss_bytes() -> int | None:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
@@ -217,6 +203,7 @@ class Agent:
         )
         self._lock = threading.Lock()
         self._started_at = time.time()
+        self._store_error: PsguardError | None = None
         self._finished: str | None = None  # POST /finish: the chief's agent said the job is done (its reason)
         self._resumed_step: int | None = None
         self._resume_seconds: float | None = None
@@ -254,9 +241,10 @@ class Agent:
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self) -> Agent:
         """Start every part; the task last (after the PS peers when this chief resumes a job), except a PS's:
-        a PS agent starts its PS as soon as its HTTP address is bound, and opens its store and tier while the PS
-        imports TensorFlow. On a node replaced after a loss both are on the recovery's path (the trainer waits
-        for the PS, the restore for the peer copy this agent fetches), and each took about a second in turn."""
+        a PS agent starts its PS as soon as its HTTP address is bound, and makes its tier while the PS imports
+        TensorFlow. On a node replaced after a loss both are on the recovery's path (the trainer waits for the
+        PS, the restore for the peer copy this agent fetches), and each took about a second in turn. Its store
+        opens after the fetch (store/opening.py): a store that does not open fails the agent then (:meth:`wait`)."""
         try:
             if self.role == "chief":
                 self._start_memory_tier()
@@ -307,8 +295,6 @@ class Agent:
             self._watch_peers()  # after the sync above, which learnt each peer's task name from its /status
             if self.role == "chief":
                 self._announce_parts()
-            if self.role == "ps" and self.store is not None:
-                cast("StoreOpening", self.store).wait()  # a bad store fails the start, as when opened first
             if self._stop_requested.is_set():
                 return self
             if not early:
@@ -372,17 +358,7 @@ class Agent:
         keeper = self.shards
         if self.http is None or keeper is None:
             return
-        for name, handler in (
-            ("apply", keeper.apply),
-            ("export", keeper.export),
-            ("load", keeper.load),
-            ("take", keeper.take),
-            ("write", keeper.write),
-            ("finish", keeper.finish),
-        ):
-            self.http.add_post(f"/shards/{name}", _json_handler(handler))
-        self.http.add_post("/shards/pull", _json_handler(keeper.pull))
-        serve_copies(self.http, keeper, self.config.peer_copy)
+        serve_shards(self.http, keeper, self.config.peer_copy)
 
     def _start_memory_tier(self) -> None:
         # lazy: numpy and the storage clients load only in the chief's agent (a PS agent starts faster)
@@ -470,7 +446,11 @@ class Agent:
         from psguard.store.opening import StoreOpening
 
         cfg = self.config
-        store = self.store = StoreOpening(cfg.store, cfg.storage_options) if cfg.store else None  # waited in start()
+        store = self.store = (
+            StoreOpening(cfg.store, cfg.storage_options, hold=_STORE_HOLD_SECONDS, on_error=self._store_failed)
+            if cfg.store
+            else None
+        )
         folder = Path(cfg.spool) if cfg.spool else part_dir(cfg.job, self.task)
         link = PeerLink(self._peer_token or self._token, self._client_tls)
         try:
@@ -505,6 +485,13 @@ class Agent:
 
         self.metrics.peer_copy_lag_steps.labels(task=self.task).set_function(lag)
 
+    def _store_failed(self, error: BaseException) -> None:
+        """The PS agent's store, opened after its start (store/opening.py), did not open: the agent fails."""
+        failure = error if isinstance(error, PsguardError) else PsguardError(f"the store did not open: {error!r}")
+        log.error("event=store_open_failed task=%s error=%r", self.task, redact(str(failure)))
+        self._store_error = failure
+        self._wake.set()
+
     def request_stop(self, *_: object) -> None:
         """Ask for a graceful stop (signal-handler safe: only sets events)."""
         self._stop_requested.set()
@@ -513,9 +500,11 @@ class Agent:
     def wait(self) -> int:
         """Block until the task completes (0), a stop is requested (0), or supervision fails (raises)."""
         assert self.supervisor is not None
-        while not self._stop_requested.is_set() and not self.supervisor.done():
+        while not self._stop_requested.is_set() and not self.supervisor.done() and self._store_error is None:
             self._wake.wait(1.0)  # woken by events; the timeout is only a safety net
             self._wake.clear()
+        if self._store_error is not None:  # as a bad store failed the start when it was opened first
+            raise self._store_error
         if self.supervisor.done():
             code = self.supervisor.result()  # raises CrashLoopError
             log.info("event=task_done task=%s exit_code=%s", self.task, code)

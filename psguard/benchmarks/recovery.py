@@ -82,6 +82,7 @@ from psguard.benchmarks.recovery_summary import compare_no_copies, summarize
 from psguard.errors import ConfigError
 from psguard.handoff.contract import PLAIN_TF_SERVERS, QUIET_TENSORFLOW
 from psguard.ports import free_ports
+from psguard.run_folder import drop_memory_folders, memory_folder
 from psguard.testbed.cluster import LocalCluster
 
 NUM_WORKERS = 1
@@ -247,12 +248,6 @@ def _child(fn: str, *args: str) -> list[str]:
     ]
 
 
-def _shm_dir(prefix: str) -> Path:
-    """A fresh folder on tmpfs (the PS agents' part folders, the raw files): where psguard keeps them."""
-    base = Path("/dev/shm")
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base if base.is_dir() else None))
-
-
 def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     """One recovery with every task under ``psguard agent``; the figures of :func:`measure` and the RSS.
 
@@ -260,7 +255,7 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     from psguard.agent.process.launcher import AGENT_CONFIG, AgentProcess, write_cluster
 
     work = Path(tempfile.mkdtemp(prefix="psg-", dir=workdir))
-    shm = _shm_dir("psguard-bench-")
+    shm = memory_folder(work, "parts", "psguard-bench-")  # the PS agents' part folders: where psguard keeps them
     prog = work / "progress.jsonl"
     store = s3.url(f"job-{work.name}") if s3 is not None else str(work / "store")
     env = dict(s3.env) if s3 is not None else None
@@ -348,7 +343,7 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
         for name in ["chief", *[n for n in agents if n != "chief"]]:
             if name in agents:
                 agents[name].stop()
-        shutil.rmtree(shm, ignore_errors=True)
+        drop_memory_folders([shm])
     recs = Records(reader_recs)
     assert kill_t is not None
     doc = measure(recs, kill_t, p, need_capture=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import re
 from collections.abc import Mapping
@@ -77,6 +78,26 @@ def canonical_url(url: str) -> str:
     return f"{scheme}://{rest.rstrip('/')}"
 
 
+def _entry(url: str) -> tuple[str, str, str | None]:
+    if not url:
+        raise ConfigError("empty storage URL; give a path, file://, memory://, s3://, hdfs:// or webhdfs:// URL")
+    scheme, _ = split_url(url)
+    if scheme not in _REGISTRY:
+        known = ", ".join(sorted(_REGISTRY))
+        raise ConfigError(f"unknown storage scheme {scheme!r} in {redact(url)!r}; psguard knows: {known}")
+    return _REGISTRY[scheme]
+
+
+def check_url(url: str) -> None:
+    """Refuse what :func:`open_backend` would refuse before it imports anything: an unknown scheme, a URL missing
+    a slash, a client package not installed. For an open put off until later (a PS agent's, which makes way for
+    the restore on a replaced node: store/opening.py), so that such a mistake still fails the start."""
+    requirement = _entry(url)[2]
+    if requirement is not None and importlib.util.find_spec(requirement.replace("-", "_")) is None:
+        scheme = split_url(url)[0]
+        raise ConfigError(f"storage scheme {scheme!r} needs a package that is not installed: pip install {requirement}")
+
+
 def open_backend(
     url: str,
     storage_options: Mapping[str, Any] | None = None,
@@ -84,17 +105,12 @@ def open_backend(
     retry: RetryConfig | None = None,
 ) -> Backend:
     """Open the backend for ``url``, wrapped with retries (``retry=RetryConfig(deadline=0)`` disables them)."""
-    if not url:
-        raise ConfigError("empty storage URL; give a path, file://, memory://, s3://, hdfs:// or webhdfs:// URL")
-    scheme, _ = split_url(url)
-    if scheme not in _REGISTRY:
-        known = ", ".join(sorted(_REGISTRY))
-        raise ConfigError(f"unknown storage scheme {scheme!r} in {redact(url)!r}; psguard knows: {known}")
-    module_name, cls_name, requirement = _REGISTRY[scheme]
+    module_name, cls_name, requirement = _entry(url)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         hint = install_hint(e) or (f"pip install {requirement}" if requirement else "reinstall psguard")
+        scheme = split_url(url)[0]
         raise ConfigError(f"storage scheme {scheme!r} needs a package that is not installed ({e.name}): {hint}") from e
     backend_cls = getattr(module, cls_name)
     backend: Backend = backend_cls(url, dict(storage_options or {}))

@@ -1086,25 +1086,28 @@ def test_ps_memory_stays_flat_over_five_trainer_generations(
 
 
 @pytest.mark.slow
-def test_a_ps_agent_starts_its_ps_and_serves_its_peers_while_it_opens_its_store(
+def test_a_ps_agent_opens_its_store_after_the_fetch_it_serves_first(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a node replaced after a loss, the PS's start (TensorFlow's import), the peer copy's fetch (through this
-    agent's HTTP) and the agent's store opening (s3fs's import) are all on the recovery's path: they overlap. The
-    agent still says it started only once the store is open (a bad store fails the start)."""
+    """On a node replaced after a loss, the PS's start (TensorFlow's import) and the peer copy's fetch are on the
+    recovery's path; the store's open (s3fs's imports, under the GIL) slowed the fetch, and nothing needs the store
+    before the fetch is done. The agent starts, serves and starts its PS with the open held back; a pull releases
+    it; an open that fails then fails the agent, as it failed its start when the store was opened first."""
     import threading
 
+    from psguard.agent import daemon
+    from psguard.errors import PsguardError
     from psguard.store import Store
 
     opening, go_on = threading.Event(), threading.Event()
-    real_open = Store.open.__func__  # type: ignore[attr-defined]
 
-    def slow_open(cls: type[Store], *args: Any, **kwargs: Any) -> Store:
+    def failing_open(cls: type[Store], *args: Any, **kwargs: Any) -> Store:
         opening.set()
         assert go_on.wait(120)
-        return real_open(cls, *args, **kwargs)  # type: ignore[no-any-return]
+        raise PsguardError("the bucket's credentials were refused")
 
-    monkeypatch.setattr(Store, "open", classmethod(slow_open))
+    monkeypatch.setattr(Store, "open", classmethod(failing_open))
+    monkeypatch.setattr(daemon, "_STORE_HOLD_SECONDS", 600.0)  # only the pull releases it here
     _, spec = write_cluster(tmp_path)
     config = AgentConfig(
         job="early-ps",
@@ -1114,23 +1117,40 @@ def test_a_ps_agent_starts_its_ps_and_serves_its_peers_while_it_opens_its_store(
         http=dataclasses.replace(AgentConfig().http, port=free_ports(1)[0]),
     )
     agent = Agent("ps", 0, spec, config=config, token="t" * 32)
-    started: list[BaseException | None] = []
-    thread = threading.Thread(target=lambda: started.append(_start(agent)), daemon=True)
-    thread.start()
+    waited: list[BaseException | None] = []
+    thread = threading.Thread(target=lambda: waited.append(_wait(agent)), daemon=True)
     try:
-        assert opening.wait(60)
-        wait_until(lambda: port_accepts(spec["ps"][0]), 120, "the PS serving while the agent opens its store")
-        code, status = http_json("GET", f"http://127.0.0.1:{config.http.port}/status", token="t" * 32, timeout=30)
+        assert _start(agent) is None
+        assert not opening.is_set(), "the store opened before any fetch"
+        wait_until(lambda: port_accepts(spec["ps"][0]), 120, "the PS serving while the store's open is held")
+        base = f"http://127.0.0.1:{config.http.port}"
+        code, status = http_json("GET", f"{base}/status", token="t" * 32, timeout=30)
         assert code == 200 and status["task"] == "ps:0" and status["shards"] is not None, status
-        assert not started, "the agent's start should still be waiting for its store"
+        thread.start()
+        closed = f"http://127.0.0.1:{free_ports(1)[0]}"  # no holder there: the fetch fails, the log comes next
+        code, answer = http_json(
+            "POST", f"{base}/shards/pull", body={"token": "t1", "holder": closed}, token="t" * 32, timeout=60
+        )
+        assert code == 200 and answer["status"] == "unavailable", answer
+        assert opening.wait(60), "the pull did not release the store's open"
+        assert not waited, "the agent failed before its store's open did"
         go_on.set()
         thread.join(60)
-        assert started == [None]
+        assert len(waited) == 1 and isinstance(waited[0], PsguardError), waited
+        assert "credentials were refused" in str(waited[0])
     finally:
         go_on.set()
-        thread.join(60)
         agent.stop()
+        thread.join(60)
         _no_subreaper()
+
+
+def _wait(agent: Agent) -> BaseException | None:
+    try:
+        agent.wait()
+    except BaseException as e:  # handed to the test's thread
+        return e
+    return None
 
 
 def _no_subreaper() -> None:

@@ -13,10 +13,8 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import signal
 import sys
-import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +26,7 @@ import pytest
 from psguard.handoff.client import http_json
 from psguard.handoff.mapped import ENV_MAP_OP, map_op
 from psguard.handoff.tls import client_context
+from psguard.run_folder import drop_memory_folders, memory_folder
 from psguard.store import Store
 from tests.support.agents import AgentProc, write_cluster
 from tests.support.pki import issue, make_ca
@@ -104,15 +103,15 @@ TRAINER = textwrap.dedent(
 
 
 @pytest.fixture
-def shm() -> Iterator[Path]:
+def shm(tmp_path: Path) -> Iterator[Path]:
     """A folder on tmpfs, where a PS agent's part folder lives in production (its tier then lives in files
     there, and a restore links them: no copy). Pytest's tmp_path is on disk here, where the tier stays in
     anonymous memory and the export writes the data out."""
-    if not Path("/dev/shm").is_dir():
-        pytest.fail("no /dev/shm on this machine: the production layout cannot be tested")
-    path = Path(tempfile.mkdtemp(prefix="psguard-test-", dir="/dev/shm"))
+    path = memory_folder(tmp_path, "parts", "psguard-test-")
+    if path.parent != Path("/dev/shm"):
+        pytest.fail("no writable /dev/shm on this machine: the production layout cannot be tested")
     yield path
-    shutil.rmtree(path, ignore_errors=True)
+    drop_memory_folders([path])
 
 
 @pytest.mark.slow

@@ -43,6 +43,7 @@ from psguard.handoff.spool import try_flock
 from psguard.handoff.tensor_bundle import bundle_files, read_bundle, write_bundle
 from psguard.handoff.tensor_file import read_tensor_file
 from psguard.store.dtypes import dtype_from_name, dtype_name
+from psguard.store.opening import StoreOpening
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
 __all__ = ["ShardError", "ShardKeeper", "StateNotHeldError"]
@@ -408,10 +409,14 @@ class ShardKeeper:
             raise CorruptCheckpointError("bad 'holder' in a pull request")
         if self._read_copy is None:
             raise ShardError(f"the agent of {self.task} cannot fetch peer copies")
-        with self._pull_lock:  # one fetch at a time: the export ahead of a restore and the restore's own
-            if self.tier.token == token:
-                return {"status": "ok", "step": self.tier.step, "token": token, "bytes": 0, "seconds": 0.0}
-            return self._pull(token, holder)
+        try:
+            with self._pull_lock:  # one fetch at a time: the export ahead of a restore and the restore's own
+                if self.tier.token == token:
+                    return {"status": "ok", "step": self.tier.step, "token": token, "bytes": 0, "seconds": 0.0}
+                return self._pull(token, holder)
+        finally:
+            if isinstance(self.store, StoreOpening):
+                self.store.release()  # its open was held back for this fetch
 
     def _pull(self, token: str, holder: str) -> dict[str, Any]:
         assert self._read_copy is not None

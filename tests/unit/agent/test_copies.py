@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from psguard.agent.control.httpd import AgentHTTPServer
-from psguard.agent.copies import PeerLink, copies_status, serve_copies
+from psguard.agent.copies import PeerLink, copies_status, serve_shards
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.shards import ShardKeeper
 from psguard.errors import PsguardError
@@ -29,7 +29,7 @@ TOKEN = "a-token-the-job-shares"
 def holder(tmp_path: Path) -> Iterator[tuple[ShardKeeper, str]]:
     keeper = ShardKeeper(tmp_path / "holder", "ps:1").start()
     server = AgentHTTPServer(token=TOKEN)
-    serve_copies(server, keeper, PeerCopyConfig())
+    serve_shards(server, keeper, PeerCopyConfig())
     with server:
         yield keeper, server.url
     keeper.close()

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from psguard.agent.control.httpd import AgentHTTPServer
-from psguard.agent.copies import PeerLink, serve_copies
+from psguard.agent.copies import PeerLink, serve_shards
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.parity import xor_rows
 from psguard.agent.tiers.shards import ShardKeeper
@@ -61,7 +61,7 @@ class Trio:
             read_stripe=self.link.read_stripe,
         ).start()
         server = AgentHTTPServer(token=TOKEN)
-        serve_copies(server, keeper, CONFIG)
+        serve_shards(server, keeper, CONFIG)
         server.start()
         self.keepers[task], self.servers[task] = keeper, server
         return keeper

@@ -22,6 +22,7 @@ from psguard.agent.tiers.peer_copy import fetch_copy
 from psguard.agent.tiers.shards import ShardKeeper
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.parts import ShardKey
+from psguard.store.opening import StoreOpening
 from psguard.tensors import Full, Rows, Same
 from tests.support.processes import wait_until
 
@@ -134,10 +135,15 @@ def test_a_new_agent_takes_its_shards_from_the_copy_only_when_it_verifies(pair: 
     wait_until(pair.synced, 30, "the copy at t2")
     want = _owner_arrays(pair.owner)
 
-    fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", send_frame=pair.send, read_copy=pair.read).start()
+    # The new agent's store opens only after the fetch (its imports slowed the fetch): a pull releases it.
+    store = StoreOpening(str(tmp_path / "log"), hold=600)
+    fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", store=store, send_frame=pair.send, read_copy=pair.read)
+    fresh.start()
     try:
+        assert store.held
         lagging = fresh.pull({"token": "t3", "holder": HOLDER_URL})  # the chief is at a state the copy lacks
         assert lagging["status"] == "unavailable" and fresh.tier.empty
+        assert not store.held  # the log is read next: its store opens now
         answer = fresh.pull({"token": "t2", "holder": HOLDER_URL})
         assert answer["status"] == "ok" and answer["step"] == 2 and fresh.tier.token == "t2"
         got = _owner_arrays(fresh)
@@ -145,6 +151,7 @@ def test_a_new_agent_takes_its_shards_from_the_copy_only_when_it_verifies(pair: 
         assert fresh.export({"token": "t2"})["status"] == "ok"  # the restore files of the pulled shards
     finally:
         fresh.close()
+        store.close()
 
     pair.copy_arrays()[next(iter(KEYS))][400, 3] = np.float32(1e9)  # damaged at rest, no delta since
     damaged = ShardKeeper(tmp_path / "another", "ps:0", read_copy=pair.read).start()
