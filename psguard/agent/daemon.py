@@ -653,8 +653,9 @@ class Agent:
 
     def _fresh_ps(self, task: str) -> None:
         """A PS agent started after the failure answered (a replacement node's: its tier is empty): it fetches
-        its shards from the peer's copy now, overlapping its PS server's start and the trainer's rebuild."""
-        if self.spool is not None and self.config.peers.copies != "none":
+        its shards from the peer's copy now, or with no copies opens its store for the log, overlapping its PS
+        server's start and the trainer's rebuild."""
+        if self.spool is not None:
             self.spool.export_ahead(only=[task])
 
     def _handle_new_generation(self, request: Request) -> Response:

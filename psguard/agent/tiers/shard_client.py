@@ -211,13 +211,15 @@ class ShardClient:
         shards from the peer holding its copy, when that copy is at ``token`` and verifies; otherwise this
         raises and the trainer restores from the durable log.
         """
-        answers = self._fan_out("/shards/export", {t: {"token": token} for t in tasks})
+        # Whether a pull may follow an answer of "empty": if not, that agent reads the log next (its store opens).
+        body = {"token": token, "peer_copies": self.copies != "none"}
+        answers = self._fan_out("/shards/export", dict.fromkeys(tasks, body))
         sources = {t: f"peer {p[1]}" if (p := self._pulled.get(t)) and p[0] == token else "own tier" for t in tasks}
         lost = [t for t, a in answers.items() if a.get("status") in ("empty", "mismatch")]
         if lost and self.copies != "none":
             pulled = self._pull_from_peers(lost, token)
             if pulled:
-                answers.update(self._fan_out("/shards/export", {t: {"token": token} for t in pulled}))
+                answers.update(self._fan_out("/shards/export", dict.fromkeys(pulled, body)))
                 sources.update({t: f"peer {h}" for t, h in pulled.items()})
         bad = {t: f"{a.get('status')} (step {a.get('step')})" for t, a in answers.items() if a.get("status") != "ok"}
         if bad:

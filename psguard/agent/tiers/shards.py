@@ -531,7 +531,9 @@ class ShardKeeper:
         """Write every shard as a tensor file its PS loads (``{"token"}``: the state the chief expects).
 
         Answers ``mismatch`` when this tier holds another state than the chief's tier (then nothing from the
-        memory tiers is restorable as one consistent state) and ``empty`` when it holds none.
+        memory tiers is restorable as one consistent state) and ``empty`` when it holds none. ``peer_copies``:
+        whether the chief may ask this agent to pull from a peer's copy next; if not, the log is read next and a
+        store held back for that fetch opens now.
         """
         expected = _token(doc, "token", optional=True)
         if expected is not None:
@@ -540,7 +542,10 @@ class ShardKeeper:
             reused = self._reuse_export(expected)
             if reused is not None:
                 return reused
-            return self._export(expected)
+            answer = self._export(expected)
+        if answer["status"] != "ok" and doc.get("peer_copies") is not True and isinstance(self.store, StoreOpening):
+            self.store.release()  # no peer copy to fetch first (store/opening.py): the log is read next
+        return answer
 
     def _roll_back_to(self, token: str) -> None:
         """Bring the tier back one capture when that is the chief's state ``token`` (its last capture reached

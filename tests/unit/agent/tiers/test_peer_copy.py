@@ -140,7 +140,8 @@ def test_a_new_agent_takes_its_shards_from_the_copy_only_when_it_verifies(pair: 
     fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", store=store, send_frame=pair.send, read_copy=pair.read)
     fresh.start()
     try:
-        assert store.held
+        assert fresh.export({"token": "t2", "peer_copies": True})["status"] == "empty"
+        assert store.held  # the chief asks for a pull next
         lagging = fresh.pull({"token": "t3", "holder": HOLDER_URL})  # the chief is at a state the copy lacks
         assert lagging["status"] == "unavailable" and fresh.tier.empty
         assert not store.held  # the log is read next: its store opens now
@@ -151,6 +152,16 @@ def test_a_new_agent_takes_its_shards_from_the_copy_only_when_it_verifies(pair: 
         assert fresh.export({"token": "t2"})["status"] == "ok"  # the restore files of the pulled shards
     finally:
         fresh.close()
+        store.close()
+
+    # With no peer copies in the job, an export that finds the tier empty means the log next: the store opens.
+    store = StoreOpening(str(tmp_path / "log"), hold=600)
+    alone = ShardKeeper(tmp_path / "no-copies", "ps:0", store=store).start()
+    try:
+        assert alone.export({"token": "t2", "peer_copies": False})["status"] == "empty"
+        assert not store.held
+    finally:
+        alone.close()
         store.close()
 
     pair.copy_arrays()[next(iter(KEYS))][400, 3] = np.float32(1e9)  # damaged at rest, no delta since
