@@ -248,6 +248,17 @@ def _child(fn: str, *args: str) -> list[str]:
     ]
 
 
+def _wait_store_open(agent: Any, timeout: float = 60.0) -> None:
+    """A PS agent holds its store's open back for a few seconds after its start (store/opening.py)."""
+    deadline = time.monotonic() + timeout
+    while (state := (agent.status().get("shards") or {}).get("store_state")) in ("held", "opening"):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"agent {agent.name}: its store is still {state} after {timeout:.0f}s")
+        time.sleep(0.1)  # polling the agent's /status: no event to wait on from this process
+    if state == "failed":
+        raise RuntimeError(f"agent {agent.name}: its store did not open; see {agent.log_path}")
+
+
 def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     """One recovery with every task under ``psguard agent``; the figures of :func:`measure` and the RSS.
 
@@ -282,6 +293,8 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
             args = ["--role", "worker", "--index", str(i), "--cluster", str(cluster)]
             agents[f"worker{i}"] = AgentProcess(root, f"worker{i}", args, config=config)
         peers = [arg for a in agents.values() for arg in ("--peer", a.wait_url(180))]
+        for name in ps_args:  # their RSS is followed from the trainer's start: as in a job, with their store open
+            _wait_store_open(agents[name])
         trainer = _child("agent_trainer", str(prog), store, str(shm), json.dumps(asdict(p)))
         args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", store]
         args += ["--spool", str(shm / "spool"), *peers]

@@ -12,14 +12,18 @@ open before any import (an unknown scheme, a client package not installed) still
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from psguard.storage.registry import check_url
+from psguard.storage.registry import check_url, redact
 from psguard.store.facade import Store
 
 __all__ = ["StoreOpening"]
+
+log = logging.getLogger(__name__)
 
 
 class StoreOpening:
@@ -44,14 +48,28 @@ class StoreOpening:
         self._error: BaseException | None = None
         self._on_error = on_error
         self._closed = False
+        self._kept = False  # keep_held(): no end to the hold but a release
+        self._opening = False
         options = dict(storage_options or {})
         threading.Thread(target=self._open, args=(options, hold), name="psguard-store-open", daemon=True).start()
 
     def _open(self, options: dict[str, Any], hold: float) -> None:
-        self._go.wait(hold)
+        t0 = time.monotonic()
+        released = self._go.wait(hold)
+        if not released and self._kept:
+            released = self._go.wait()  # a fetch began within the hold: its end releases the open
+        self._opening = True
+        t1 = time.monotonic()
         try:
             if not self._closed:  # else closed while held: nothing to open
                 self._store = Store.open(self.url, options)
+                log.info(
+                    "event=store_opened store=%s held_seconds=%.2f (%s) open_seconds=%.2f",
+                    redact(self.url),
+                    t1 - t0,
+                    "released" if released or hold <= 0 else "hold over",
+                    time.monotonic() - t1,
+                )
         except BaseException as e:  # handed to whoever waits
             self._error = e
         finally:
@@ -63,10 +81,17 @@ class StoreOpening:
         """Open now: what the hold made way for is done."""
         self._go.set()
 
+    def keep_held(self) -> None:
+        """What the hold makes way for has begun (a fetch of 10 GB outlasts any hold): only :meth:`release`
+        (which its end calls) or a use of the store opens it now."""
+        self._kept = True
+
     @property
-    def held(self) -> bool:
-        """Whether the open still waits for its release (or the end of its hold)."""
-        return not self._go.is_set() and not self._done.is_set()
+    def state(self) -> str:
+        """``held``, ``opening``, ``open``, ``failed`` or ``closed`` (closed while held, never opened)."""
+        if self._done.is_set():
+            return "failed" if self._error is not None else "open" if self._store is not None else "closed"
+        return "opening" if self._opening or self._go.is_set() else "held"
 
     @property
     def failed(self) -> BaseException | None:

@@ -196,6 +196,8 @@ class ShardKeeper:
         return {
             "folder": str(self.folder),
             "store": self.store is not None,
+            # held until a fetch from a peer's copy is done (store/opening.py), then opening, open, or failed
+            "store_state": self.store.state if isinstance(self.store, StoreOpening) else None,
             "step": s.step,
             "token": s.token,
             "shards": s.tensors,
@@ -409,6 +411,8 @@ class ShardKeeper:
             raise CorruptCheckpointError("bad 'holder' in a pull request")
         if self._read_copy is None:
             raise ShardError(f"the agent of {self.task} cannot fetch peer copies")
+        if isinstance(self.store, StoreOpening):
+            self.store.keep_held()  # its imports would slow the fetch: opened when it is done
         try:
             with self._pull_lock:  # one fetch at a time: the export ahead of a restore and the restore's own
                 if self.tier.token == token:

@@ -51,10 +51,22 @@ def test_a_held_open_waits_for_its_release(tmp_path: Path, opens: threading.Even
     """A PS agent holds its open back while it fetches its shards: the open's imports slowed the fetch."""
     opening = StoreOpening(str(tmp_path / "log"), hold=600)
     assert not opens.wait(0.5), "the store opened while held"
-    assert opening.failed is None
+    assert opening.failed is None and opening.state == "held"
     opening.release()  # the fetch is done
     assert opens.wait(30)
     assert opening.wait().checkpoint_ids() == []
+    assert opening.state == "open"
+    opening.close()
+
+
+def test_a_fetch_begun_within_the_hold_keeps_it_past_its_end(tmp_path: Path, opens: threading.Event) -> None:
+    """A fetch of 10 GB outlasts any hold: once begun, only its end (or a use of the store) opens it."""
+    opening = StoreOpening(str(tmp_path / "log"), hold=0.3)
+    opening.keep_held()
+    assert not opens.wait(1.5), "the hold ended in the middle of the fetch"
+    assert opening.state == "held"
+    opening.release()
+    assert opens.wait(30)
     opening.close()
 
 
@@ -72,7 +84,7 @@ def test_a_held_open_runs_when_its_hold_ends_or_someone_needs_the_store(tmp_path
 def test_a_store_closed_while_held_is_never_opened(tmp_path: Path, opens: threading.Event) -> None:
     opening = StoreOpening(str(tmp_path / "log"), hold=600)
     opening.close()
-    assert not opens.is_set()
+    assert not opens.is_set() and opening.state == "closed"
     assert not (tmp_path / "log").exists()
 
 
@@ -100,6 +112,7 @@ def test_an_open_that_fails_later_is_reported(monkeypatch: pytest.MonkeyPatch) -
     opening.release()
     assert done.wait(30)
     assert isinstance(opening.failed, PsguardError) and reported == [opening.failed]
+    assert opening.state == "failed"
     with pytest.raises(PsguardError, match="credentials were refused"):
         opening.wait()
     opening.close()
