@@ -4,10 +4,12 @@ A PS agent on a node replaced after a loss has two things on the recovery's path
 its PS and fetch its shards from the peer's copy (the chief's agent asks for it as soon as the agent answers).
 Opening an S3 store imports s3fs, aiohttp and botocore first (0.3 s of imports on the machines we measured, holding
 the GIL), which no call needs until a save or a load of the log. Opened beside the fetch, those imports slowed it by
-half or more (the fetch's threads hash and place each piece under the GIL). So a PS agent holds the open back
-(``hold``) until the fetch is done, or anything needs the store, or ``hold`` seconds pass. What would fail the
-open before any import (an unknown scheme, a client package not installed) still fails at once:
-:func:`~psguard.storage.registry.check_url`; anything else goes to ``on_error`` when the open runs.
+half or more (the fetch's threads hash and place each piece under the GIL), and opened right after it they slowed
+the restore that follows. So a PS agent holds the open back: ``hold`` seconds after its start, for as long as a
+fetch runs (:meth:`StoreOpening.keep_held`), ``hold`` seconds more after a fetch that worked (the restore, then
+training resume) and not at all after one that did not (the log is read next). Any use of the store opens it at
+once. What would fail the open before any import (an unknown scheme, a client package not installed) still fails
+at once: :func:`~psguard.storage.registry.check_url`; anything else goes to ``on_error`` when the open runs.
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class StoreOpening:
-    """:meth:`Store.open` on a thread, held back up to ``hold`` seconds (until :meth:`release`). Any attribute of
-    the store waits for it (releasing the hold; raises what the open raised); :meth:`wait` does the same and
-    returns the store."""
+    """:meth:`Store.open` on a thread, held back ``hold`` seconds (see the module's text). Any attribute of the
+    store waits for it (opening it now; raises what the open raised); :meth:`wait` does the same and returns the
+    store."""
 
     def __init__(
         self,
@@ -42,23 +44,26 @@ class StoreOpening:
         if hold > 0:
             check_url(url)
         self.url = url
-        self._go = threading.Event()
+        self._hold = hold
+        self._cond = threading.Condition()
+        self._now = hold <= 0  # open now: released, used or closed
+        self._deadline: float | None = time.monotonic() + hold  # None: no end to the hold but a release
         self._done = threading.Event()
         self._store: Store | None = None
         self._error: BaseException | None = None
         self._on_error = on_error
         self._closed = False
-        self._kept = False  # keep_held(): no end to the hold but a release
         self._opening = False
         options = dict(storage_options or {})
-        threading.Thread(target=self._open, args=(options, hold), name="psguard-store-open", daemon=True).start()
+        threading.Thread(target=self._open, args=(options,), name="psguard-store-open", daemon=True).start()
 
-    def _open(self, options: dict[str, Any], hold: float) -> None:
+    def _open(self, options: dict[str, Any]) -> None:
         t0 = time.monotonic()
-        released = self._go.wait(hold)
-        if not released and self._kept:
-            released = self._go.wait()  # a fetch began within the hold: its end releases the open
-        self._opening = True
+        with self._cond:
+            while not self._now and (self._deadline is None or time.monotonic() < self._deadline):
+                self._cond.wait(None if self._deadline is None else self._deadline - time.monotonic())
+            self._opening = True
+            why = "released" if self._now else "hold over"
         t1 = time.monotonic()
         try:
             if not self._closed:  # else closed while held: nothing to open
@@ -67,7 +72,7 @@ class StoreOpening:
                     "event=store_opened store=%s held_seconds=%.2f (%s) open_seconds=%.2f",
                     redact(self.url),
                     t1 - t0,
-                    "released" if released or hold <= 0 else "hold over",
+                    why,
                     time.monotonic() - t1,
                 )
         except BaseException as e:  # handed to whoever waits
@@ -77,21 +82,29 @@ class StoreOpening:
         if self._error is not None and self._on_error is not None:
             self._on_error(self._error)
 
-    def release(self) -> None:
-        """Open now: what the hold made way for is done."""
-        self._go.set()
+    def release(self, *, later: bool = False) -> None:
+        """Open now (what the hold made way for is done, and the store is needed next), or with ``later``
+        ``hold`` seconds from now (a fetch that worked: its restore and the training it resumes come first)."""
+        with self._cond:
+            if later:
+                self._deadline = time.monotonic() + self._hold
+            else:
+                self._now = True
+            self._cond.notify_all()
 
     def keep_held(self) -> None:
         """What the hold makes way for has begun (a fetch of 10 GB outlasts any hold): only :meth:`release`
-        (which its end calls) or a use of the store opens it now."""
-        self._kept = True
+        (which its end calls) or a use of the store ends the hold now."""
+        with self._cond:
+            self._deadline = None
+            self._cond.notify_all()
 
     @property
     def state(self) -> str:
         """``held``, ``opening``, ``open``, ``failed`` or ``closed`` (closed while held, never opened)."""
         if self._done.is_set():
             return "failed" if self._error is not None else "open" if self._store is not None else "closed"
-        return "opening" if self._opening or self._go.is_set() else "held"
+        return "opening" if self._opening or self._now else "held"
 
     @property
     def failed(self) -> BaseException | None:
@@ -99,7 +112,7 @@ class StoreOpening:
         return self._error if self._done.is_set() else None
 
     def wait(self) -> Store:
-        self._go.set()
+        self.release()
         self._done.wait()
         if self._error is not None:
             raise self._error
@@ -111,7 +124,7 @@ class StoreOpening:
 
     def close(self) -> None:
         self._closed = True
-        self._go.set()
+        self.release()
         self._done.wait()
         if self._store is not None:
             self._store.close()

@@ -1125,7 +1125,7 @@ def test_a_ps_agent_opens_its_store_after_the_fetch_it_serves_first(
         wait_until(lambda: port_accepts(spec["ps"][0]), 120, "the PS serving while the store's open is held")
         base = f"http://127.0.0.1:{config.http.port}"
         code, status = http_json("GET", f"{base}/status", token="t" * 32, timeout=30)
-        assert code == 200 and status["task"] == "ps:0" and status["shards"] is not None, status
+        assert code == 200 and status["task"] == "ps:0" and status["shards"]["store_state"] == "held", status
         thread.start()
         closed = f"http://127.0.0.1:{free_ports(1)[0]}"  # no holder there: the fetch fails, the log comes next
         code, answer = http_json(
@@ -1138,6 +1138,8 @@ def test_a_ps_agent_opens_its_store_after_the_fetch_it_serves_first(
         thread.join(60)
         assert len(waited) == 1 and isinstance(waited[0], PsguardError), waited
         assert "credentials were refused" in str(waited[0])
+        code, status = http_json("GET", f"{base}/status", token="t" * 32, timeout=30)
+        assert code == 200 and status["shards"]["store_state"] == "failed", status
     finally:
         go_on.set()
         agent.stop()

@@ -411,16 +411,20 @@ class ShardKeeper:
             raise CorruptCheckpointError("bad 'holder' in a pull request")
         if self._read_copy is None:
             raise ShardError(f"the agent of {self.task} cannot fetch peer copies")
-        if isinstance(self.store, StoreOpening):
-            self.store.keep_held()  # its imports would slow the fetch: opened when it is done
+        opening = self.store if isinstance(self.store, StoreOpening) else None
+        if opening is not None:
+            opening.keep_held()  # its imports would slow the fetch, and the restore after it
+        answer: dict[str, Any] = {}
         try:
             with self._pull_lock:  # one fetch at a time: the export ahead of a restore and the restore's own
                 if self.tier.token == token:
-                    return {"status": "ok", "step": self.tier.step, "token": token, "bytes": 0, "seconds": 0.0}
-                return self._pull(token, holder)
+                    answer = {"status": "ok", "step": self.tier.step, "token": token, "bytes": 0, "seconds": 0.0}
+                else:
+                    answer = self._pull(token, holder)
+                return answer
         finally:
-            if isinstance(self.store, StoreOpening):
-                self.store.release()  # its open was held back for this fetch
+            if opening is not None:  # after a fetch that did not work the log is read next
+                opening.release(later=answer.get("status") == "ok")
 
     def _pull(self, token: str, holder: str) -> dict[str, Any]:
         assert self._read_copy is not None

@@ -81,6 +81,21 @@ def test_a_held_open_runs_when_its_hold_ends_or_someone_needs_the_store(tmp_path
     needed.close()
 
 
+def test_after_a_fetch_that_worked_the_hold_starts_again(tmp_path: Path, opens: threading.Event) -> None:
+    """The restore after the fetch, then the training it resumes, come before the open's imports."""
+    opening = StoreOpening(str(tmp_path / "log"), hold=600)
+    opening.keep_held()
+    opening.release(later=True)
+    assert not opens.wait(0.5) and opening.state == "held"
+    opening.close()
+    short = StoreOpening(str(tmp_path / "log"), hold=0.3)
+    short.keep_held()
+    short.release(later=True)
+    assert opens.wait(30), "the hold after the fetch never ended"
+    assert short.wait().checkpoint_ids() == []
+    short.close()
+
+
 def test_a_store_closed_while_held_is_never_opened(tmp_path: Path, opens: threading.Event) -> None:
     opening = StoreOpening(str(tmp_path / "log"), hold=600)
     opening.close()

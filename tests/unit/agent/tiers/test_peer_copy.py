@@ -154,6 +154,16 @@ def test_a_new_agent_takes_its_shards_from_the_copy_only_when_it_verifies(pair: 
         fresh.close()
         store.close()
 
+    # After a fetch that worked, the restore and the training it resumes come first: the store opens later.
+    store = StoreOpening(str(tmp_path / "log"), hold=600)
+    again = ShardKeeper(tmp_path / "again", "ps:0", store=store, read_copy=pair.read).start()
+    try:
+        assert again.pull({"token": "t2", "holder": HOLDER_URL})["status"] == "ok"
+        assert store.state == "held"
+    finally:
+        again.close()
+        store.close()
+
     # With no peer copies in the job, an export that finds the tier empty means the log next: the store opens.
     store = StoreOpening(str(tmp_path / "log"), hold=600)
     alone = ShardKeeper(tmp_path / "no-copies", "ps:0", store=store).start()
