@@ -26,8 +26,9 @@ if TYPE_CHECKING:  # numpy, loaded with the shards (a worker's agent never keeps
 __all__ = ["PeerLink", "copies_status", "serve_shards"]
 
 
-def _json_handler(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[Request], Response]:
-    """An HTTP handler for a method that takes and returns JSON objects; bad input is a 400."""
+def _json_handler(fn: Callable[[dict[str, Any]], dict[str, Any] | bytes | Pieces]) -> Callable[[Request], Response]:
+    """An HTTP handler for a method that takes a JSON object and answers one (or a frame: bytes, pieces); bad
+    input is a 400, a state that does not allow the call a 409."""
 
     def handle(request: Request) -> Response:
         body = request.json()
@@ -56,18 +57,6 @@ def serve_shards(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyCon
         except CorruptCheckpointError as e:
             raise RequestError(400, str(e)) from None
 
-    def reader(answer: Callable[[Mapping[str, Any]], bytes | Pieces]) -> Callable[[Request], Response]:
-        def read(request: Request) -> Response:
-            body = request.json()
-            if not isinstance(body, dict):
-                raise RequestError(400, "the body must be a JSON object")
-            try:
-                return Response(200, answer(body))
-            except CorruptCheckpointError as e:
-                raise RequestError(400, str(e)) from None
-
-        return read
-
     for name, handler in (
         ("apply", keeper.apply),
         ("export", keeper.export),
@@ -79,8 +68,8 @@ def serve_shards(http: AgentHTTPServer, keeper: ShardKeeper, config: PeerCopyCon
     ):
         http.add_post(f"/shards/{name}", _json_handler(handler))
     http.add_post("/peer-copy/put", put, binary_max=(max(config.chunk_mb, config.max_queue_mb) << 20) + (16 << 20))
-    http.add_post("/peer-copy/read", reader(keeper.holder.read))
-    http.add_post("/peer-copy/stripe", reader(keeper.stripe))
+    http.add_post("/peer-copy/read", _json_handler(keeper.holder.read))
+    http.add_post("/peer-copy/stripe", _json_handler(keeper.stripe))
 
 
 class PeerLink:

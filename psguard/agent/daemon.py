@@ -651,11 +651,12 @@ class Agent:
         if self.spool is not None:
             self.spool.export_ahead()
 
-    def _fresh_ps(self, task: str) -> None:
+    def _fresh_ps(self, task: str, status: Mapping[str, Any]) -> None:
         """A PS agent started after the failure answered (a replacement node's: its tier is empty): it fetches
-        its shards from the peer's copy now, or with no copies opens its store for the log, overlapping its PS
-        server's start and the trainer's rebuild."""
-        if self.spool is not None:
+        its shards from the peer's copy now, or with no copies opens its store (held: store/opening.py) for the
+        log, overlapping its PS server's start and the trainer's rebuild."""
+        held = (status.get("shards") or {}).get("store_state") == "held"
+        if self.spool is not None and (self.config.peers.copies != "none" or held):
             self.spool.export_ahead(only=[task])
 
     def _handle_new_generation(self, request: Request) -> Response:

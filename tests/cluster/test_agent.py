@@ -1118,9 +1118,9 @@ def test_a_ps_agent_opens_its_store_after_the_fetch_it_serves_first(
     )
     agent = Agent("ps", 0, spec, config=config, token="t" * 32)
     waited: list[BaseException | None] = []
-    thread = threading.Thread(target=lambda: waited.append(_wait(agent)), daemon=True)
+    thread = threading.Thread(target=lambda: waited.append(_outcome(agent.wait)), daemon=True)
     try:
-        assert _start(agent) is None
+        agent.start()
         assert not opening.is_set(), "the store opened before any fetch"
         wait_until(lambda: port_accepts(spec["ps"][0]), 120, "the PS serving while the store's open is held")
         base = f"http://127.0.0.1:{config.http.port}"
@@ -1147,14 +1147,6 @@ def test_a_ps_agent_opens_its_store_after_the_fetch_it_serves_first(
         _no_subreaper()
 
 
-def _wait(agent: Agent) -> BaseException | None:
-    try:
-        agent.wait()
-    except BaseException as e:  # handed to the test's thread
-        return e
-    return None
-
-
 def _no_subreaper() -> None:
     """An agent started in the test's process made it a child subreaper (Supervisor(subreaper=True)): undo it, or
     orphans of later tests in this worker become its unreaped zombies (a test_s3 case counted one as a survivor)."""
@@ -1163,9 +1155,10 @@ def _no_subreaper() -> None:
     assert set_child_subreaper(False)
 
 
-def _start(agent: Agent) -> BaseException | None:
+def _outcome(call: Callable[[], object]) -> BaseException | None:
+    """What ``call`` raised (handed to the test's thread), or None."""
     try:
-        agent.start()
-    except BaseException as e:  # handed to the test's thread
+        call()
+    except BaseException as e:
         return e
     return None

@@ -239,13 +239,17 @@ def test_a_ps_lost_with_its_agent_reads_its_rows_from_the_log(tmp_path: Path, ag
     ps[0].proc.kill()  # the agent and its memory tier
     os.kill(server, signal.SIGKILL)  # and the PS it ran: the node is gone
     ps[0].proc.wait()
-    agents("ps0-again", ps_args[0])  # a new node takes its place, on the same addresses
+    again = agents("ps0-again", ps_args[0])  # a new node takes its place, on the same addresses
     assert chief.wait_exit(400) == 0, chief.log()
     second = json.loads((out / "gen-1").read_text())
     final = json.loads((out / "final").read_text())
     assert second["restored"]["source"] == "durable", chief.log()
     assert second["restored"]["step"] >= durable_before
     assert "every tier loaded" in chief.log()
+    # Its store's open was held for a peer copy this job has none of: the chief's export ahead (or the log's
+    # read) released it, not the end of the hold.
+    opened = [line for line in again.log().splitlines() if "event=store_opened" in line]
+    assert len(opened) == 1 and "(released)" in opened[0], again.log()
     assert _holds(store, final["checkpoint"], final["digests"])
 
 

@@ -99,10 +99,11 @@ class PeerSync:
         self.part_dirs: dict[str, str] = {}  # PS task -> the part folder its agent keeps shards in (/status)
         self.part_stores: dict[str, bool] = {}  # PS task -> whether its agent can write the durable log
         self.nodes: dict[str, str | None] = {}  # task -> the node its agent runs on (/status), for peer copies
-        # Called with a PS task's name when :meth:`sync` first sees its agent as fresh (started after the failure:
-        # a replacement node's agent, whose tier is empty): the chief's agent has it fetch its shards from the
-        # peer's copy at once, while its PS server still starts, instead of after the whole generation is ready.
-        self.on_fresh: Callable[[str], None] | None = None
+        # Called with a PS task's name and its /status when :meth:`sync` first sees its agent as fresh (started after
+        # the failure: a replacement node's agent, whose tier is empty): the chief's agent has it fetch its shards
+        # from the peer's copy at once, while its PS server still starts, instead of after the whole generation is
+        # ready.
+        self.on_fresh: Callable[[str, Mapping[str, Any]], None] | None = None
 
     def sync(
         self, *, restart_ps: bool, why: str = "", failed_at: float | None = None, workers: bool = False
@@ -173,7 +174,7 @@ class PeerSync:
                 pending[url] = restarts
                 before = restarts
                 if self.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
-                    self.on_fresh(doc["task"])
+                    self.on_fresh(doc["task"], doc)
             if url in fresh:
                 if ready:
                     outcome[url] = "fresh (started after the failure)"
@@ -205,7 +206,7 @@ class PeerSync:
                     # restart count never goes up: waiting for that held a generation for ready_timeout.
                     left_alone.add(url)
                     if self.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
-                        self.on_fresh(doc["task"])
+                        self.on_fresh(doc["task"], doc)
                 pending[url] = restarts
             elif before is None and restart_ps:
                 outcome[url] = f"skipped ({doc.get('role')})"

@@ -88,7 +88,7 @@ def test_a_replacement_agent_whose_ps_has_not_started_is_waited_for_not_restarte
     with server:
         sync = PeerSync("chief:0", [server.url], PeersConfig(ready_timeout=30), token, threading.Event())
         fresh: list[tuple[str, int]] = []
-        sync.on_fresh = lambda task: fresh.append((task, polls["n"]))
+        sync.on_fresh = lambda task, doc: fresh.append((task, polls["n"]))
         outcome = sync.sync(restart_ps=True, failed_at=None)
     assert outcome == {server.url: "fresh (started after the failure)"} and not restarts
     # Told once, at its first answer (its PS not started yet): the chief's agent has it fetch its copy then.
@@ -234,7 +234,7 @@ def test_a_replacement_agent_that_leaves_its_first_run_alone_is_waited_for_as_fr
     fresh: list[str] = []
     with server:
         peers = PeerSync("chief:0", [server.url], PeersConfig(ready_timeout=30), TOKEN, threading.Event())
-        peers.on_fresh = fresh.append
+        peers.on_fresh = lambda task, doc: fresh.append(task)
         t0 = time.monotonic()
         outcome = peers.sync(restart_ps=True, failed_at=time.time() - 1.0)
     assert outcome == {server.url: "fresh (started after the failure)"}
