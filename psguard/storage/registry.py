@@ -78,23 +78,23 @@ def canonical_url(url: str) -> str:
     return f"{scheme}://{rest.rstrip('/')}"
 
 
-def _entry(url: str) -> tuple[str, str, str | None]:
+def _entry(url: str) -> tuple[str, str, str, str | None]:
+    """``url``'s scheme with its backend's module, class and client requirement; refused when unknown."""
     if not url:
         raise ConfigError("empty storage URL; give a path, file://, memory://, s3://, hdfs:// or webhdfs:// URL")
     scheme, _ = split_url(url)
     if scheme not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY))
         raise ConfigError(f"unknown storage scheme {scheme!r} in {redact(url)!r}; psguard knows: {known}")
-    return _REGISTRY[scheme]
+    return (scheme, *_REGISTRY[scheme])
 
 
 def check_url(url: str) -> None:
     """Refuse what :func:`open_backend` would refuse before it imports anything: an unknown scheme, a URL missing
     a slash, a client package not installed. For an open put off until later (a PS agent's, which makes way for
     the restore on a replaced node: store/opening.py), so that such a mistake still fails the start."""
-    requirement = _entry(url)[2]
+    scheme, _, _, requirement = _entry(url)
     if requirement is not None and importlib.util.find_spec(requirement.replace("-", "_")) is None:
-        scheme = split_url(url)[0]
         raise ConfigError(f"storage scheme {scheme!r} needs a package that is not installed: pip install {requirement}")
 
 
@@ -105,12 +105,11 @@ def open_backend(
     retry: RetryConfig | None = None,
 ) -> Backend:
     """Open the backend for ``url``, wrapped with retries (``retry=RetryConfig(deadline=0)`` disables them)."""
-    module_name, cls_name, requirement = _entry(url)
+    scheme, module_name, cls_name, requirement = _entry(url)
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
         hint = install_hint(e) or (f"pip install {requirement}" if requirement else "reinstall psguard")
-        scheme = split_url(url)[0]
         raise ConfigError(f"storage scheme {scheme!r} needs a package that is not installed ({e.name}): {hint}") from e
     backend_cls = getattr(module, cls_name)
     backend: Backend = backend_cls(url, dict(storage_options or {}))
