@@ -83,7 +83,10 @@ def main() -> None:
             return Job(model, trainer, manager)
 
         def train(job: Job) -> int:
-            while (step := int(job.model.step.numpy())) < target:
+            # Until the target, and on past it until the fault was made: saves never overlap, so under load every
+            # maybe_save from step 20 to the target can find the durable save of step 20 still running (a CI run
+            # once ended at 60 with no fault). Bounded: the test fails on a missing "kill" line, not a hang.
+            while (step := int(job.model.step.numpy())) < target or (state["killed_at"] is None and step < 20 * target):
                 state["last_seen"] = step
                 handle = job.manager.maybe_save(step)
                 if handle is not None and state["killed_at"] is None and step >= 20:
