@@ -211,11 +211,16 @@ def _loses_memory_tier(fault: Op, peer_copies: bool) -> bool:
     return target == "chief" or (target.startswith("ps:") and not peer_copies)
 
 
-def _memory_lost_at(ctx: _Context) -> list[float]:
-    """Times the memory tier was lost (see :func:`_loses_memory_tier`)."""
+def _memory_lost_at(ctx: _Context) -> list[tuple[float, float]]:
+    """When the memory tier was lost (see :func:`_loses_memory_tier`): each loss's invoke and completion.
+
+    The agent dies somewhere between the two, so a memory commit acknowledged inside that window (the trainer
+    handed the capture over just before the signal landed) went with it: the commits lost are those begun
+    before the completion, and the loss counts for the restores begun after the invoke.
+    """
     stops = ctx.of(("kill-agent", "terminate-agent"))
     peer_copies = bool(ctx.run.get("peer_copies", False))
-    return [o.start for o in stops if o.type != "fail" and _loses_memory_tier(o, peer_copies)]
+    return [(o.start, o.end or o.start) for o in stops if o.type != "fail" and _loses_memory_tier(o, peer_copies)]
 
 
 def restores_newest(ctx: _Context) -> Verdict:
@@ -249,7 +254,7 @@ def restores_newest(ctx: _Context) -> Verdict:
                 problems.append({**row, "why": "the restore failed with no fault to explain it"})
             continue
         corrupted = ctx.corrupted(before=r.start)
-        lost_before = max((t for t in memory_lost if t < r.start), default=None)
+        lost_before = max((end for start, end in memory_lost if start < r.start), default=None)
         ok_steps: list[int] = []
         maybe_steps: list[int] = []
         for c in ctx.trainer(COMMITS):

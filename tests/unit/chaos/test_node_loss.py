@@ -94,6 +94,30 @@ def test_the_chief_agent_takes_the_memory_tier_with_it_whatever_the_peer_copies(
     assert bounded["status"] == "valid" and bounded["max_lost_steps"] == DURABLE_BOUND, bounded
 
 
+def test_a_memory_commit_acknowledged_while_the_chief_agent_was_being_killed_went_with_it() -> None:
+    """Seen in CI: the trainer's memory commit of 35 was acknowledged between the nemesis's kill-agent invoke
+    and its completion (the agent took the capture just before the signal landed). The tier that held it died;
+    the durable 20 is the newest restorable commit, and restoring it is right."""
+    h = H(target=40)
+    h.records[0].value["training"]["durable_every"] = 20
+    h.restore(0, source=None)
+    h.commit(0, durable=True)
+    for step in range(0, 30, 5):
+        h.train(step, step + 5)
+        h.commit(step + 5, durable=(step + 5) % 20 == 0)
+    h.train(30, 35)
+    kill = {"target": "chief", "fault": "kill-agent chief"}
+    h.rec("nemesis", "invoke", "kill-agent", kill)
+    h.commit(35, durable=False)  # acknowledged inside the kill's window
+    h.rec("nemesis", "ok", "kill-agent", kill)
+    h.restore(20, source="durable")
+    h.train(20, 40)
+    h.finish()
+    newest, bounded = _judged(h)
+    assert newest["status"] == "valid" and newest["newest_ok"] == 20, newest
+    assert bounded["status"] == "valid", bounded
+
+
 @pytest.mark.parametrize(("fault", "target"), [("kill", "ps:0"), ("pause-agent", "ps:0"), ("kill-agent", "worker:0")])
 def test_faults_that_leave_every_ps_agent_alive_still_need_the_memory_tier(fault: str, target: str) -> None:
     newest, bounded = _judged(_lost_node(fault, target))
