@@ -212,12 +212,8 @@ def _loses_memory_tier(fault: Op, peer_copies: bool) -> bool:
 
 
 def _memory_lost_at(ctx: _Context) -> list[tuple[float, float]]:
-    """When the memory tier was lost (see :func:`_loses_memory_tier`): each loss's invoke and completion.
-
-    The agent dies somewhere between the two, so a memory commit acknowledged inside that window (the trainer
-    handed the capture over just before the signal landed) went with it: the commits lost are those begun
-    before the completion, and the loss counts for the restores begun after the invoke.
-    """
+    """Each loss of the memory tier (:func:`_loses_memory_tier`): its invoke and completion. The agent dies in
+    between, so a memory commit acknowledged there (just before the signal landed) went with it."""
     stops = ctx.of(("kill-agent", "terminate-agent"))
     peer_copies = bool(ctx.run.get("peer_copies", False))
     return [(o.start, o.end or o.start) for o in stops if o.type != "fail" and _loses_memory_tier(o, peer_copies)]
