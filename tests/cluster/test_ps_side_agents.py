@@ -289,7 +289,7 @@ def test_a_ps_lost_with_its_agent_restores_from_the_peer_copy_over_mutual_tls(
 
     trainer = _stop_at_a_capture_newer_than_the_log(chief, store, _ps1_copy_current(chief, ps), "ps:1's copy of ps:0")
     assert re.search(r'psguard_peer_copy_held_bytes\{owner="ps:0"\} [1-9]', ps[1].metrics()), ps[1].metrics()
-    _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer)
+    _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer, fingerprints="kept")
     log_text = chief.log()
     assert "event=peer_copy_used task=ps:0 holder=ps:1" in log_text
     # Fetched as soon as the new agent answered, while its PS server started: before the generation was ready.
@@ -421,10 +421,14 @@ def _lose_ps0_and_restore(
     trainer: int,
     *,
     source: str = "memory",
+    fingerprints: str | None = None,
 ) -> dict[str, Any]:
     """SIGKILL ps:0 with its agent (the trainer stopped), start a new agent in its place, let the trainer go on:
     it must restore the memory tier's newest capture (``source="durable"``: an older step, the log's), and the
-    log at the end must match the trainer bit for bit. Returns what the trainer restored."""
+    log at the end must match the trainer bit for bit (rows a capture after the restore missed would show there:
+    a fingerprint restored wrong hides a changed row). ``fingerprints``: what the new agent's fetch of the copy
+    must have said of the rows' fingerprints (``kept``: its PS loaded them, no rehash; ``none``). Returns what the
+    trainer restored."""
     # 0 once a capture applied since the check above (written before the trainer stopped) reached the copy too
     wait_until(lambda: re.search(r'psguard_peer_copy_lag_steps\{task="ps:0"\} 0', ps[0].metrics()), 30, "lag 0")
     try:
@@ -437,8 +441,10 @@ def _lose_ps0_and_restore(
         memory_step = chief.status()["memory_step"]
     finally:
         os.kill(trainer, signal.SIGCONT)
-    agents("ps0-again", ps0_args)  # a new node takes its place, on the same addresses, with an empty tier
+    fresh = agents("ps0-again", ps0_args)  # a new node takes its place, on the same addresses, with an empty tier
     assert chief.wait_exit(400) == 0, chief.log()
+    if fingerprints is not None:
+        assert re.search(rf"event=peer_copy_restored task=ps:0 .* fingerprints={fingerprints} ", fresh.log())
     second = json.loads((out / "gen-1").read_text())
     final = json.loads((out / "final").read_text())
     if source == "memory":
@@ -523,7 +529,7 @@ def test_a_ps_lost_with_its_agent_is_rebuilt_from_its_groups_parity(
     group = ps[2].status()["shards"]["parity_held"]["ps:0,ps:1"]
     sizes = [p.status()["shards"]["bytes"] for p in ps[:2]]
     assert group["bytes"] == max(sizes) < sum(sizes), (group, sizes)  # the longest stripe, not both
-    _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer)
+    _lose_ps0_and_restore(chief, ps, ps_args[0], agents, out, store, trainer, fingerprints="none")  # a stripe has none
     assert "event=peer_copy_used task=ps:0 holder=ps:2" in chief.log()
     assert "event=parity_reconstructed owner=ps:0 holder=ps:2" in ps[2].log()
 

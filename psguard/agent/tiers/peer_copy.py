@@ -56,10 +56,10 @@ from psguard.agent.tiers.copy_frames import (
     rows_digest,
 )
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
+from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.store.dtypes import dtype_from_name
-from psguard.tensors import Rows, Same, TensorUpdate
+from psguard.tensors import FullStream, Rows, Same, TensorUpdate
 
 #: A holder's answer read as it arrives (url, body, timeout, the rows' array, ``take(row, rows)`` called with each
 #: piece): :meth:`psguard.agent.copies.PeerLink.read_copy_into`. Returns the answer's header.
@@ -333,6 +333,23 @@ class CopyHolder:
 
 
 # ---------------------------------------------------------------------------------------------------- sender
+class WholeView(Protocol):
+    """What a whole copy is read from: a state of the owner's tier read in row ranges, released when sent (a
+    :class:`~psguard.agent.tiers.memory_tier.StreamSnapshot`, or the tier with its fingerprints)."""
+
+    step: int | None
+    token: str | None
+    metadata: dict[str, Any]
+    tensors: Mapping[str, FullStream]
+
+    @property
+    def empty(self) -> bool: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
 @dataclass
 class _Delta:
     step: int
@@ -354,7 +371,7 @@ class CopySender:
     def __init__(
         self,
         task: str,
-        snapshot: Callable[[], tuple[StreamSnapshot, list[dict[str, Any]], dict[str, int]]],
+        snapshot: Callable[[], tuple[WholeView, list[dict[str, Any]], dict[str, int]]],
         post: Callable[[str, bytes, float], dict[str, Any]],
         config: PeerCopyConfig,
     ) -> None:

@@ -29,11 +29,12 @@ from typing import Any
 
 import numpy as np
 
-from psguard.agent.tiers.copy_frames import delta_digest, digests_from, rows_digest
+from psguard.agent.tiers.copy_frames import digests_from
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot, StreamSnapshot, limit_malloc_retention
-from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame, xor_rows
-from psguard.agent.tiers.peer_copy import CopyHolder, CopySender, ReadInto, fetch_copy, new_delta
+from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot, limit_malloc_retention
+from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame
+from psguard.agent.tiers.peer_copy import CopyHolder, CopySender, ReadInto, fetch_copy
+from psguard.agent.tiers.shard_copy import CopyOwner, UndoRows
 from psguard.agent.tiers.tier_files import TierFiles
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
@@ -94,7 +95,7 @@ def _step(doc: Mapping[str, Any]) -> int:
     return step
 
 
-class ShardKeeper:
+class ShardKeeper(CopyOwner):
     """A PS agent's memory tier of its PS's shards, fed and read through its part folder.
 
     Every public method takes and returns plain JSON (the HTTP handlers pass bodies straight through).
@@ -137,14 +138,13 @@ class ShardKeeper:
         )
         self._read_copy = read_copy
         self._read_copy_into = read_copy_into  # the same reads, each answer's rows straight into the tier
-        # Per tier tensor, the digest of its state (peer_copy.rows_digest); kept only while a copy is sent.
-        self._digests: dict[str, int] | None = None
+        self._digests: dict[str, int] | None = None  # the copy's digests (CopyOwner)
         self._pulls = 0
         self._pull_lock = threading.Lock()
-        # The last delta's way back (while copies are on): the state it was applied to and the rows it overwrote.
-        # A capture that reached this PS but not every PS leaves this tier one capture ahead of the chief's; the
-        # restore then asks for the chief's state, which this undoes to (see _roll_back_to).
-        self._undo: tuple[str, int, dict[str, tuple[np.ndarray, np.ndarray]]] | None = None
+        # The last delta's way back (while copies are on): a capture that reached this PS but not every PS leaves
+        # this tier one capture ahead of the chief's; the restore asks for the chief's state, which this undoes to
+        # (CopyOwner._roll_back_to).
+        self._undo: tuple[str, int, UndoRows, UndoRows | None] | None = None
         self._rollbacks = 0
         self._keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}  # tier name -> shard, logical shape
         self._lock = threading.Lock()
@@ -275,30 +275,26 @@ class ShardKeeper:
         the rows' fingerprints (:meth:`_keep_fps`), None when the capture sent none."""
         with self._lock:
             copying = self.sender is not None and copy_to is not None
-            old_rows = self._old_rows(updates) if copying and parent is not None else None
+            old_rows = self._old_rows(updates, fps) if copying and parent is not None else None
             prev_step = self.tier.step
             result = self.tier.apply(updates, step=step, token=token, parent=parent)
+            changed = result.ok and result.message != "already applied"
             if result.ok:
                 if parent is None:
                     self._keys = dict(keys)
                 self._applied += 1
                 self._bytes_in += nbytes
+            if changed:
+                self._keep_fps(fps, step=step, token=token, parent=parent)  # first: the copy takes them along
             if self.sender is not None:
                 self._parity = copying and parity is not None
                 self.sender.set_target(copy_to, {"parity": dict(parity)} if self._parity and parity else None)
                 if not copying:
                     self._digests = None
-                elif result.ok and result.message != "already applied":
-                    self._offer_copy(updates, step, token, parent, old_rows)
-            if result.ok and result.message != "already applied":
-                self._keep_fps(fps, step=step, token=token, parent=parent)
-                self._undo = None
-                if parent is not None and old_rows is not None and prev_step is not None:
-                    self._undo = (
-                        parent,
-                        prev_step,
-                        {n: (u.ids, old_rows[n]) for n, u in updates.items() if isinstance(u, Rows)},
-                    )
+                elif changed:
+                    self._offer_copy(updates, step, token, parent, old_rows, fps)
+            if changed:
+                self._keep_undo(parent, prev_step, updates, old_rows)
         if copying and result.ok and self.copy_config.wait_for_copy > 0:
             assert self.sender is not None
             self.sender.wait_synced(token, self.copy_config.wait_for_copy)
@@ -309,93 +305,6 @@ class ShardKeeper:
             "message": result.message,
             "copy": self._copy_state(),
         }
-
-    # ------------------------------------------------------------------------------------------ peer copies
-    def _old_rows(self, updates: Mapping[str, TensorUpdate]) -> dict[str, np.ndarray] | None:
-        """The rows a delta is about to overwrite (under ``_lock``), for the digests; ``None`` when unknown."""
-        if self._digests is None:
-            return None
-        out: dict[str, np.ndarray] = {}
-        for name, u in updates.items():
-            if isinstance(u, Rows):
-                old = self.tier.gather(name, u.ids)
-                if old is None:
-                    return None
-                out[name] = old
-        return out
-
-    def _offer_copy(
-        self,
-        updates: Mapping[str, TensorUpdate],
-        step: int,
-        token: str,
-        parent: str | None,
-        old_rows: Mapping[str, np.ndarray] | None,
-    ) -> None:
-        """Update the digests after an apply (under ``_lock``) and hand the change to the sender."""
-        assert self.sender is not None
-        whole = parent is None or old_rows is None or self._digests is None
-        if whole:
-            self._digests = self._whole_digests()
-            self.sender.offer(None, step)
-            return
-        assert self._digests is not None and old_rows is not None
-        for name, u in updates.items():
-            if isinstance(u, Rows):
-                self._digests[name] = delta_digest(self._digests[name], u.ids, old_rows[name], u.values)
-            elif isinstance(u, Full):
-                self._digests[name] = rows_digest(u.value)
-                whole = True
-        if whole:
-            self.sender.offer(None, step)
-        else:
-            assert parent is not None
-            copied = self._copy_updates(updates, old_rows)
-            self.sender.offer(new_delta(step, token, parent, copied, self._digests), step)
-
-    def _copy_updates(
-        self, updates: Mapping[str, TensorUpdate], before: Mapping[str, np.ndarray]
-    ) -> Mapping[str, TensorUpdate]:
-        """What a delta sends: the new rows, or for a parity block ``before XOR new`` of each changed row."""
-        if not self._parity:
-            return updates
-        return {
-            n: Rows(u.ids, xor_rows(before[n], u.values), u.shape) if isinstance(u, Rows) else u
-            for n, u in updates.items()
-        }
-
-    def _whole_digests(self) -> dict[str, int]:
-        """Every tensor's digest, hashed whole (a whole capture, or copies just turned on)."""
-        with self.tier.export() as snap:
-            return {n: rows_digest(a) for n, a in snap.tensors.items()}
-
-    def _copy_snapshot(self) -> tuple[StreamSnapshot, list[dict[str, Any]], dict[str, int]]:
-        """For the sender's whole copy: the tier (read in row ranges), its layout and its digests, at one state."""
-        with self._lock:
-            assert self.sender is not None
-            if self._digests is None or set(self._digests) != set(self.tier.names()):
-                self._digests = self._whole_digests()
-            snap = self.tier.stream_export()
-            self.sender.begin_whole()
-            layout = []
-            for name, value in snap.tensors.items():
-                key, shape = self._keys[name]
-                layout.append(
-                    {
-                        "name": name,
-                        "key": [key.name, key.offset, key.rows],
-                        "shape": list(shape),
-                        "dtype": dtype_name(value.dtype),
-                        "array_shape": list(value.shape),
-                    }
-                )
-            return snap, layout, dict(self._digests)
-
-    def _copy_state(self) -> dict[str, Any] | None:
-        if self.sender is None or self.sender.target is None:
-            return None
-        s = self.sender.status()
-        return {"holder": s["target"], "step": s["synced_step"], "token": s["synced_token"]}
 
     def pull(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """Take this PS's shards from a peer's copy (``{"token", "holder"}``: the state the chief expects and
@@ -448,7 +357,11 @@ class ShardKeeper:
         except (PsguardError, OSError) as e:
             return {"status": "unavailable", "message": str(e)}
         layout: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}
+        fps: dict[str, np.ndarray] = {}
         for t in info.get("tensors") or []:
+            if "fp_of" in t:
+                fps[str(t["fp_of"])] = arrays.pop(str(t["name"]))
+                continue
             key = t["key"]
             layout[str(t["name"])] = (
                 ShardKey(str(key[0]), int(key[1]), int(key[2])),
@@ -467,40 +380,28 @@ class ShardKeeper:
                 metadata=metadata if isinstance(metadata, dict) else {},
             )
             self._keys = layout
+            # The fingerprints the copy held (shard_copy.py): this PS then loads them instead of hashing its rows.
+            fps_kept = self._seed_fps(int(info["step"]), token, fps)
             # The owner's digests the copy was verified against: the next capture's delta updates them, and goes
             # to the holder it came from without a whole copy first (CopySender.synced_with).
             self._digests = digests_from(info.get("digests")) if "digests" in info else None
+            if fps and not fps_kept:
+                self._digests = None  # they name fingerprints this tier does not follow: the next copy is whole
             if self.sender is not None and self._digests is not None:
                 self.sender.synced_with(holder, int(info["step"]), token)
-            self._drop_fps()  # a copy carries no fingerprints
             self._pulls += 1
         nbytes = sum(a.nbytes for a in arrays.values())
         seconds = time.perf_counter() - t0
         log.info(
-            "event=peer_copy_restored task=%s holder=%s step=%s bytes=%d seconds=%.3f",
+            "event=peer_copy_restored task=%s holder=%s step=%s fingerprints=%s bytes=%d seconds=%.3f",
             self.task,
             holder,
             info["step"],
+            "kept" if fps_kept else "none",
             nbytes,
             seconds,
         )
         return {"status": "ok", "step": info["step"], "token": token, "bytes": nbytes, "seconds": seconds}
-
-    def _keep_fps(self, fps: Mapping[str, TensorUpdate] | None, *, step: int, token: str, parent: str | None) -> None:
-        """Apply a capture's fingerprints beside its rows (under ``_lock``, after the tier took the capture), or
-        drop them all when they cannot follow the tier (none sent, a delta over fingerprints this agent lacks):
-        fingerprints of another state than the rows' would be restored as if they were the rows'."""
-        if fps is not None and set(fps) == set(self.tier.names()):
-            whole = all(isinstance(u, Full) for u in fps.values())
-            try:
-                if self.fp_tier.apply(fps, step=step, token=token, parent=None if whole else parent).ok:
-                    return
-            except PsguardError as e:
-                log.warning("event=fingerprints_dropped task=%s error=%r", self.task, str(e))
-        self._drop_fps()
-
-    def _drop_fps(self) -> None:
-        self.fp_tier = MemoryTier(home=self.files)  # an export holding the old one keeps its lease on it
 
     def _read_fps(self, folder: Path, s: ShardFiles, update: TensorUpdate) -> TensorUpdate | None:
         """The fingerprints of the rows in ``update`` (one int64 each), or None when the capture sent none."""
@@ -554,38 +455,6 @@ class ShardKeeper:
         if answer["status"] != "ok" and doc.get("peer_copies") is not True and isinstance(self.store, StoreOpening):
             self.store.release()  # no peer copy to fetch first (store/opening.py): the log is read next
         return answer
-
-    def _roll_back_to(self, token: str) -> None:
-        """Bring the tier back one capture when that is the chief's state ``token`` (its last capture reached
-        this PS and not every PS: the agent of another died in between). The copy follows, as by any delta."""
-        with self._lock:
-            undo = self._undo
-            if undo is None or undo[0] != token or self.tier.token == token or self.tier.token is None:
-                return
-            _, step, rows = undo
-            current = self.tier.token
-            now: dict[str, np.ndarray] = {}
-            for name, (ids, _old) in rows.items():
-                got = self.tier.gather(name, ids)
-                if got is None:
-                    return
-                now[name] = got
-            result, updates = self.tier.revert(rows, step=step, token=token)
-            if not result.ok:
-                return
-            self._drop_fps()  # not kept for the state rolled back to
-            self._undo = None
-            self._rollbacks += 1
-            if self._digests is not None and self.sender is not None:
-                for name, (ids, old) in rows.items():
-                    self._digests[name] = delta_digest(self._digests[name], ids, now[name], old)
-                copied = self._copy_updates(updates, now)
-                self.sender.offer(new_delta(step, token, current, copied, self._digests), step)
-        log.info(
-            "event=tier_rolled_back task=%s to_step=%d: the chief's state (its last capture did not reach every PS)",
-            self.task,
-            step,
-        )
 
     def stripe(self, doc: Mapping[str, Any]) -> bytes:
         """This PS's tier as its parity stripe (``{"token"}``: only at that state, one capture undone first when

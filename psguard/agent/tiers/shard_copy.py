@@ -1,0 +1,345 @@
+"""The owner's side of a PS agent's peer copy, and the row fingerprints that go with it (a part of
+:class:`~psguard.agent.tiers.shards.ShardKeeper`, kept apart to keep the keeper readable).
+
+After the keeper's tier applied a capture, :class:`CopyOwner` updates the copy's digests from the rows the capture
+changed and hands the delta to the :class:`~psguard.agent.tiers.peer_copy.CopySender`; a whole copy is read from a
+snapshot of the tier taken under the keeper's lock. It also undoes the tier's last capture when the chief's state
+is one capture older (:meth:`CopyOwner._roll_back_to`), and the copy follows.
+
+**The fingerprints travel with a full copy.** The keeper keeps, beside its tier, the rows' fingerprints the
+captures computed on the PS (``fp_tier``): a restore from the own tier loads them instead of hashing every row
+again. A new agent that fetched its shards from a peer's copy had none, so its PS hashed every row after the
+assign (``tf.fingerprint`` over 512 MB: 0.3 CPU-s on the cold PS, on a node loss's critical path, 2026-12-05).
+So a full copy also holds them, as tensors of their own (``<tier name>#fp``, one int64 per row: 1/16 of a row of 32
+float32), kept current by the same deltas and checked by the same digests; the new agent seeds its ``fp_tier``
+from them at the state it fetched. A parity block carries none (``peer_copy.fingerprints: false`` turns them off
+for full copies too); those restores hash, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from typing import Any, Self
+
+import numpy as np
+
+from psguard.agent.tiers.copy_frames import delta_digest, rows_digest
+from psguard.agent.tiers.copy_settings import PeerCopyConfig
+from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
+from psguard.agent.tiers.parity import xor_rows
+from psguard.agent.tiers.peer_copy import CopySender, new_delta
+from psguard.agent.tiers.tier_files import TierFiles
+from psguard.errors import PsguardError
+from psguard.handoff.parts import ShardKey
+from psguard.store.dtypes import dtype_name
+from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
+
+__all__ = ["FP_SUFFIX", "CopyOwner", "fp_name"]
+
+log = logging.getLogger(__name__)
+
+#: A copy's tensor holding the fingerprints of tier tensor ``name`` is ``name + FP_SUFFIX``.
+FP_SUFFIX = "#fp"
+
+#: The rows an undo writes back: tier name -> (row ids, their values before the delta).
+UndoRows = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def fp_name(name: str) -> str:
+    return name + FP_SUFFIX
+
+
+class CopiedView:
+    """The tier and its fingerprints read together for a whole copy, at one state (both snapshots are taken under
+    the keeper's lock); what :class:`~psguard.agent.tiers.peer_copy.CopySender` reads a whole copy from."""
+
+    def __init__(self, rows: StreamSnapshot, fps: StreamSnapshot | None) -> None:
+        self._parts = [rows] if fps is None else [rows, fps]
+        self.step, self.token, self.metadata = rows.step, rows.token, rows.metadata
+        extra = {} if fps is None else {fp_name(n): s for n, s in fps.tensors.items()}
+        self.tensors: Mapping[str, FullStream] = {**rows.tensors, **extra}
+
+    @property
+    def empty(self) -> bool:
+        return self.step is None
+
+    def release(self) -> None:
+        for part in self._parts:
+            part.release()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class CopyOwner:
+    """The peer copy's owner side and the fingerprints' bookkeeping of a :class:`ShardKeeper` (its base class)."""
+
+    task: str
+    files: TierFiles
+    tier: MemoryTier
+    fp_tier: MemoryTier
+    copy_config: PeerCopyConfig
+    sender: CopySender | None
+    _lock: threading.Lock
+    _parity: bool
+    _keys: dict[str, tuple[ShardKey, tuple[int, ...]]]
+    # Per copied tensor, the digest of its state (peer_copy.rows_digest); kept only while a copy is sent. The
+    # fingerprints' tensors (fp_name) are in it when the copy holds them.
+    _digests: dict[str, int] | None
+    # The last delta's way back (while copies are on): the state it was applied to, its step, the rows it
+    # overwrote, and the fingerprints it overwrote (None: not kept).
+    _undo: tuple[str, int, UndoRows, UndoRows | None] | None
+    _rollbacks: int
+
+    # ------------------------------------------------------------------------------------------ fingerprints
+    def _keep_fps(self, fps: Mapping[str, TensorUpdate] | None, *, step: int, token: str, parent: str | None) -> None:
+        """Apply a capture's fingerprints beside its rows (under ``_lock``, after the tier took the capture), or
+        drop them all when they cannot follow the tier (none sent, a delta over fingerprints this agent lacks):
+        fingerprints of another state than the rows' would be restored as if they were the rows'."""
+        if fps is not None and set(fps) == set(self.tier.names()):
+            whole = all(isinstance(u, Full) for u in fps.values())
+            try:
+                if self.fp_tier.apply(fps, step=step, token=token, parent=None if whole else parent).ok:
+                    return
+            except PsguardError as e:
+                log.warning("event=fingerprints_dropped task=%s error=%r", self.task, str(e))
+        self._drop_fps()
+
+    def _drop_fps(self) -> None:
+        self.fp_tier = MemoryTier(home=self.files)  # an export holding the old one keeps its lease on it
+
+    def _seed_fps(self, step: int, token: str, fps: Mapping[str, np.ndarray]) -> bool:
+        """Take the fingerprints a peer's copy held as this tier's (under ``_lock``, the tier just seeded at
+        ``token``); False (and none kept) when there are none or they do not fit the tier."""
+        rows = {n: key.rows for n, (key, _) in self._keys.items()}
+        if (
+            not fps
+            or set(fps) != set(rows)
+            or any(a.dtype != np.int64 or a.shape != (rows[n],) for n, a in fps.items())
+        ):
+            self._drop_fps()
+            return False
+        self.fp_tier = MemoryTier(home=self.files)
+        self.fp_tier.seed(step, fps, token=token, durable=False)
+        return True
+
+    def _fps_follow(self, token: str | None) -> bool:
+        """Whether the copy carries the fingerprints at state ``token``: a full copy, with them on, and the
+        keeper holding them for that very state."""
+        return (
+            self.copy_config.fingerprints
+            and not self._parity
+            and token is not None
+            and self.fp_tier.token == token
+            and set(self.fp_tier.names()) == set(self.tier.names())
+        )
+
+    def _copy_has_fps(self) -> bool:
+        return self._digests is not None and any(n.endswith(FP_SUFFIX) for n in self._digests)
+
+    # ------------------------------------------------------------------------------------------ peer copy
+    def _old_rows(
+        self, updates: Mapping[str, TensorUpdate], fps: Mapping[str, TensorUpdate] | None
+    ) -> dict[str, np.ndarray] | None:
+        """The rows a delta is about to overwrite (under ``_lock``), and their fingerprints when the copy holds
+        them (``fp_name`` keys), for the digests and the undo; ``None`` when unknown."""
+        if self._digests is None:
+            return None
+        with_fps = self._copy_has_fps() and fps is not None
+        out: dict[str, np.ndarray] = {}
+        for name, u in updates.items():
+            if isinstance(u, Rows):
+                old = self.tier.gather(name, u.ids)
+                if old is None:
+                    return None
+                out[name] = old
+                old_fp = self.fp_tier.gather(name, u.ids) if with_fps else None
+                if old_fp is not None:
+                    out[fp_name(name)] = old_fp
+        return out
+
+    def _offer_copy(
+        self,
+        updates: Mapping[str, TensorUpdate],
+        step: int,
+        token: str,
+        parent: str | None,
+        old_rows: Mapping[str, np.ndarray] | None,
+        fps: Mapping[str, TensorUpdate] | None,
+    ) -> None:
+        """Update the digests after an apply (under ``_lock``, the fingerprints kept already) and hand the change
+        to the sender: a delta of the rows and their fingerprints, or the whole state when the delta cannot be
+        followed (a first capture, a whole tensor, the fingerprints started or stopped following the tier)."""
+        assert self.sender is not None
+        with_fps = self._fps_follow(token)
+        if parent is None or old_rows is None or self._digests is None or with_fps != self._copy_has_fps():
+            self._rehash()
+            self.sender.offer(None, step)
+            return
+        digests = dict(self._digests)
+        sent: dict[str, TensorUpdate] = dict(updates)
+        for name, u in updates.items():
+            f = (fps or {}).get(name) if with_fps else None
+            if isinstance(u, Rows):
+                digests[name] = delta_digest(digests[name], u.ids, old_rows[name], u.values)
+                if with_fps:
+                    old_fp = old_rows.get(fp_name(name))
+                    if not isinstance(f, Rows) or old_fp is None or not np.array_equal(f.ids, u.ids):
+                        break
+                    digests[fp_name(name)] = delta_digest(digests[fp_name(name)], f.ids, old_fp, f.values)
+                    sent[fp_name(name)] = f
+            elif isinstance(u, Same):
+                if with_fps:
+                    sent[fp_name(name)] = Same((u.shape[0],), np.dtype(np.int64))
+            else:
+                break  # a whole tensor: the whole state follows
+        else:
+            self._digests = digests
+            self.sender.offer(new_delta(step, token, parent, self._copy_updates(sent, old_rows), digests), step)
+            return
+        self._rehash()
+        self.sender.offer(None, step)
+
+    def _copy_updates(
+        self, updates: Mapping[str, TensorUpdate], before: Mapping[str, np.ndarray]
+    ) -> Mapping[str, TensorUpdate]:
+        """What a delta sends: the new rows, or for a parity block ``before XOR new`` of each changed row."""
+        if not self._parity:
+            return updates
+        return {
+            n: Rows(u.ids, xor_rows(before[n], u.values), u.shape) if isinstance(u, Rows) else u
+            for n, u in updates.items()
+        }
+
+    def _rehash(self) -> None:
+        """Every copied tensor's digest, hashed whole (a whole capture, or copies just turned on), with the
+        fingerprints' when they follow the tier."""
+        with self.tier.export() as snap:
+            digests = {n: rows_digest(a) for n, a in snap.tensors.items()}
+        if self._fps_follow(self.tier.token):
+            with self.fp_tier.export() as fps:
+                digests.update({fp_name(n): rows_digest(a) for n, a in fps.tensors.items()})
+        self._digests = digests
+
+    def _copy_snapshot(self) -> tuple[CopiedView, list[dict[str, Any]], dict[str, int]]:
+        """For the sender's whole copy: the tier and its fingerprints (read in row ranges), their layout and
+        digests, at one state."""
+        with self._lock:
+            assert self.sender is not None
+            with_fps = self._fps_follow(self.tier.token)
+            names = set(self.tier.names())
+            if with_fps:
+                names |= {fp_name(n) for n in names}
+            if self._digests is None or set(self._digests) != names:
+                self._rehash()
+            assert self._digests is not None
+            snap = self.tier.stream_export()
+            view = CopiedView(snap, self.fp_tier.stream_export() if with_fps else None)
+            self.sender.begin_whole()
+            layout = []
+            for name, value in snap.tensors.items():
+                key, shape = self._keys[name]
+                entry = {"name": name, "key": [key.name, key.offset, key.rows], "shape": list(shape)}
+                layout.append({**entry, "dtype": dtype_name(value.dtype), "array_shape": list(value.shape)})
+                if with_fps:
+                    fp = {"name": fp_name(name), "fp_of": name, "dtype": "int64", "array_shape": [value.shape[0]]}
+                    layout.append({**entry, **fp})
+            return view, layout, dict(self._digests)
+
+    def _copy_state(self) -> dict[str, Any] | None:
+        if self.sender is None or self.sender.target is None:
+            return None
+        s = self.sender.status()
+        return {"holder": s["target"], "step": s["synced_step"], "token": s["synced_token"]}
+
+    def _keep_undo(
+        self,
+        parent: str | None,
+        prev_step: int | None,
+        updates: Mapping[str, TensorUpdate],
+        old_rows: Mapping[str, np.ndarray] | None,
+    ) -> None:
+        """Keep the way back over the capture just applied (under ``_lock``): the rows it overwrote, and their
+        fingerprints when they were gathered for every changed tensor."""
+        self._undo = None
+        if parent is None or old_rows is None or prev_step is None:
+            return
+        rows = {n: (u.ids, old_rows[n]) for n, u in updates.items() if isinstance(u, Rows)}
+        fp_rows = {n: (ids, old_rows[fp_name(n)]) for n, (ids, _) in rows.items() if fp_name(n) in old_rows}
+        self._undo = (parent, prev_step, rows, fp_rows if len(fp_rows) == len(rows) else None)
+
+    def _roll_back_to(self, token: str) -> None:
+        """Bring the tier back one capture when that is the chief's state ``token`` (its last capture reached
+        this PS and not every PS: the agent of another died in between). The copy follows, as by any delta, and
+        the fingerprints too when they were kept for the undo."""
+        with self._lock:
+            undo = self._undo
+            if undo is None or undo[0] != token or self.tier.token == token or self.tier.token is None:
+                return
+            _, step, rows, fp_rows = undo
+            current = self.tier.token
+            now: dict[str, np.ndarray] = {}
+            for name, (ids, _old) in rows.items():
+                got = self.tier.gather(name, ids)
+                if got is None:
+                    return
+                now[name] = got
+            fps_now = {n: self.fp_tier.gather(n, ids) for n, (ids, _) in (fp_rows or {}).items()}
+            result, updates = self.tier.revert(rows, step=step, token=token)
+            if not result.ok:
+                return
+            fp_updates: dict[str, TensorUpdate] | None = None
+            if fp_rows is not None and self.fp_tier.token == current and all(v is not None for v in fps_now.values()):
+                fp_result, fp_updates = self.fp_tier.revert(fp_rows, step=step, token=token)
+                if not fp_result.ok:
+                    fp_updates = None
+            if fp_updates is None:
+                self._drop_fps()  # not kept for the state rolled back to
+            self._undo = None
+            self._rollbacks += 1
+            if self._digests is not None and self.sender is not None:
+                self._follow_roll_back(step, token, current, rows, now, updates, fp_rows, fps_now, fp_updates)
+        log.info(
+            "event=tier_rolled_back task=%s to_step=%d: the chief's state (its last capture did not reach every PS)",
+            self.task,
+            step,
+        )
+
+    def _follow_roll_back(
+        self,
+        step: int,
+        token: str,
+        current: str | None,
+        rows: UndoRows,
+        now: Mapping[str, np.ndarray],
+        updates: Mapping[str, TensorUpdate],
+        fp_rows: UndoRows | None,
+        fps_now: Mapping[str, np.ndarray | None],
+        fp_updates: Mapping[str, TensorUpdate] | None,
+    ) -> None:
+        """The copy's side of a roll-back (under ``_lock``): the undo as a delta, or the whole state when the
+        copy holds fingerprints that were not rolled back with the rows."""
+        assert self._digests is not None and self.sender is not None and current is not None
+        digests = dict(self._digests)
+        for name, (ids, old) in rows.items():
+            digests[name] = delta_digest(digests[name], ids, now[name], old)
+        sent: dict[str, TensorUpdate] = dict(updates)
+        before: dict[str, np.ndarray] = dict(now)
+        if self._copy_has_fps():
+            if fp_updates is None or fp_rows is None:
+                self._digests = None
+                self.sender.offer(None, step)
+                return
+            for name, (ids, old) in fp_rows.items():
+                was = fps_now[name]
+                assert was is not None
+                digests[fp_name(name)] = delta_digest(digests[fp_name(name)], ids, was, old)
+                before[fp_name(name)] = was
+            sent.update({fp_name(n): u for n, u in fp_updates.items()})
+        self._digests = digests
+        self.sender.offer(new_delta(step, token, current, self._copy_updates(sent, before), digests), step)
