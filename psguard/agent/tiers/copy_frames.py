@@ -56,8 +56,13 @@ _PIECE_BYTES = 1 << 20  # a fetch's pieces (read_frame_into): hashed while in ca
 # ---------------------------------------------------------------------------------------------------- digests
 @cache
 def _weights(words: int) -> np.ndarray:
-    rng = np.random.default_rng(0x5053475541524400 + words)  # fixed: owners and holders must agree
-    return rng.integers(1, 1 << 63, size=words + 1, dtype=np.uint64) | np.uint64(1)
+    """``words + 1`` fixed odd 64-bit weights (owners, holders and fetching agents must agree): splitmix64's
+    sequence from a seed per width. Not ``numpy.random``: its import, at a replaced node's first fetch, held the
+    fetch's four threads for ~0.13 s each on its lock (py-spy, 2026-12-06)."""
+    with np.errstate(over="ignore"):
+        seed = np.uint64(0x5053475541524400 + words)
+        steps = np.arange(1, words + 2, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        return _mix(seed + steps) | np.uint64(1)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:

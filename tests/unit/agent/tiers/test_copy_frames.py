@@ -118,3 +118,20 @@ def test_rows_sent_without_a_crc_are_still_checked_for_shape_and_length() -> Non
             read_frame_into(io.BytesIO(data), np.zeros_like(rows))
         with pytest.raises(CorruptCheckpointError, match=message.split()[0]):
             decode_frame(data)
+
+
+def test_a_digest_imports_nothing_more_than_numpy() -> None:
+    """A replaced node's first fetch hashes every piece on four threads: an import there (numpy.random, once)
+    held all four on its lock."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, numpy as np\n"
+        "from psguard.agent.tiers.copy_frames import rows_digest\n"
+        "before = set(sys.modules)\n"
+        "rows_digest(np.ones((5, 32), np.float32)); rows_digest(np.ones(7, np.int64))\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout
