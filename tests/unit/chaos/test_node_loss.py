@@ -30,11 +30,17 @@ MEMORY_BOUND, DURABLE_BOUND = 5 + 5, 20 + 5
 
 
 def _lost_node(
-    fault: str = "kill-agent", target: str = "ps:0", *, peer_copies: bool | None = None, restored: int = 20
+    fault: str = "kill-agent",
+    target: str = "ps:0",
+    *,
+    peer_copies: bool | None = None,
+    restored: int = 20,
+    commit_in_the_fault: bool = False,
 ) -> H:
     """Memory commits every 5 steps up to 30 (durable at 0 and 20), a fault at step 35, a restore of
     ``restored`` (20: the durable log; 30: the memory tier), training to 40. ``peer_copies`` None: a run record
-    without the key (a history of before the field)."""
+    without the key (a history of before the field). ``commit_in_the_fault``: a memory commit of 35 acknowledged
+    between the fault's invoke and its completion."""
     h = H(target=40)
     run = h.records[0].value  # the run's invoke and completion share this dict
     run["training"]["durable_every"] = 20
@@ -46,7 +52,13 @@ def _lost_node(
         h.train(step, step + 5)
         h.commit(step + 5, durable=(step + 5) % 20 == 0)
     h.train(30, 35)
-    h.fault(fault, target)
+    if commit_in_the_fault:
+        value = {"target": target, "fault": f"{fault} {target}"}
+        h.rec("nemesis", "invoke", fault, value)
+        h.commit(35, durable=False)
+        h.rec("nemesis", "ok", fault, value)
+    else:
+        h.fault(fault, target)
     h.rec(T, "invoke", "train", {"step": 35, "steps": 5})
     h.rec(T, "info", "train", {"error": "UnavailableError"})
     h.restore(restored, source="durable" if restored == 20 else "memory")
@@ -95,25 +107,10 @@ def test_the_chief_agent_takes_the_memory_tier_with_it_whatever_the_peer_copies(
 
 
 def test_a_memory_commit_acknowledged_while_the_chief_agent_was_being_killed_went_with_it() -> None:
-    """Seen in CI: the trainer's memory commit of 35 was acknowledged between the nemesis's kill-agent invoke
-    and its completion (the agent took the capture just before the signal landed). The tier that held it died;
-    the durable 20 is the newest restorable commit, and restoring it is right."""
-    h = H(target=40)
-    h.records[0].value["training"]["durable_every"] = 20
-    h.restore(0, source=None)
-    h.commit(0, durable=True)
-    for step in range(0, 30, 5):
-        h.train(step, step + 5)
-        h.commit(step + 5, durable=(step + 5) % 20 == 0)
-    h.train(30, 35)
-    kill = {"target": "chief", "fault": "kill-agent chief"}
-    h.rec("nemesis", "invoke", "kill-agent", kill)
-    h.commit(35, durable=False)  # acknowledged inside the kill's window
-    h.rec("nemesis", "ok", "kill-agent", kill)
-    h.restore(20, source="durable")
-    h.train(20, 40)
-    h.finish()
-    newest, bounded = _judged(h)
+    """Seen in CI: the trainer's memory commit was acknowledged between the nemesis's kill-agent invoke and its
+    completion (the agent took the capture just before the signal landed). The tier that held it died; the
+    durable 20 is the newest restorable commit, and restoring it is right."""
+    newest, bounded = _judged(_lost_node("kill-agent", "chief", commit_in_the_fault=True))
     assert newest["status"] == "valid" and newest["newest_ok"] == 20, newest
     assert bounded["status"] == "valid", bounded
 
