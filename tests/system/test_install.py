@@ -40,6 +40,24 @@ assert (m.emb.numpy() == want).all() and int(m.step) == 7
 print("roundtrip ok", tf.__version__)
 """
 
+# The zero-copy restore op under the installed TensorFlow: built (``psguard build-op``; the build is keyed by
+# TensorFlow's library, so an older TensorFlow gets its own), loaded, and a mapped bundle bit-exact.
+OP_SMOKE = """
+import os, sys, numpy as np, tensorflow as tf
+from psguard.handoff import mapped
+from psguard.handoff.tensor_bundle import BUNDLE_KEY, write_bundle
+mapped.build()
+fn = mapped.map_op()
+assert fn is not None, "built, not loadable"
+value = np.random.default_rng(1).standard_normal((4096, 8)).astype(np.float32)
+prefix = os.path.join(sys.argv[1], "b")
+write_bundle(prefix, value)
+var = tf.Variable(tf.zeros(value.shape))
+var.assign(fn(prefix, dtype=tf.float32, key=BUNDLE_KEY, verify=True))
+assert var.numpy().tobytes() == value.tobytes()
+print("op ok", tf.__version__)
+"""
+
 
 def test_version_names_psguard_tensorflow_and_python(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -196,3 +214,8 @@ def test_the_wheel_under_the_oldest_declared_versions(wheel: Path, tmp_path: Pat
         check=True,
     )
     assert tf.stdout.startswith("2.16.")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    op_env = {**env, "PSGUARD_CACHE": str(cache)}
+    op = subprocess.run([python, "-c", OP_SMOKE, str(work)], capture_output=True, text=True, env=op_env, timeout=600)
+    assert op.returncode == 0 and "op ok 2.16." in op.stdout, op.stderr[-4000:]
