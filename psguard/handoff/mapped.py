@@ -33,16 +33,13 @@ import importlib.util
 import logging
 import os
 import shutil
-import stat
-import subprocess
 import sys
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from psguard.errors import ConfigError
-from psguard.handoff.credentials import ensure_private_dir
+from psguard.handoff.native import build_digest, compile_library, trusted
 from psguard.run_folder import cache_root
 
 __all__ = ["ENV_MAP_OP", "build", "library_path", "load_into_server", "map_op"]
@@ -81,27 +78,12 @@ def library_path() -> Path | None:
     return cache_root() / "ops" / f"map_bundle-{key.hexdigest()[:16]}.so"
 
 
-def _trusted(path: Path) -> bool:
-    """A library only this user could have written (loading it runs its code in the PS and the chief)."""
-    for p, want_dir in ((path.parent, True), (path, False)):
-        try:
-            st = os.lstat(p)
-        except OSError:
-            return False
-        kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
-        if not kind_ok or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            if p.exists():
-                log.warning("event=map_op_refused path=%s: not only this user's to write; not loaded", p)
-            return False
-    return True
-
-
 def built() -> Path | None:
     """The library, when built for this TensorFlow, usable (:func:`enabled`) and trusted."""
     path = library_path()
     if not enabled() or path is None or not path.exists():
         return None
-    return path if _trusted(path) else None
+    return path if trusted(path) else None
 
 
 def build(*, compiler: str | None = None, force: bool = False) -> Path:
@@ -112,25 +94,17 @@ def build(*, compiler: str | None = None, force: bool = False) -> Path:
     path = library_path()
     if path is None:
         raise ConfigError("TensorFlow is not installed here: there is nothing to build the op against")
-    if path.exists() and not force and _trusted(path):
+    if path.exists() and not force and trusted(path):
         return path
-    ensure_private_dir(path.parent, "psguard's op cache")
     cxx = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx:
         raise ConfigError("no C++ compiler (c++, g++ or $CXX) to build psguard's op with")
-    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
-    os.close(fd)
-    cmd = [cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(SOURCE), "-o", tmp]
-    cmd += list(tf.sysconfig.get_compile_flags()) + list(tf.sysconfig.get_link_flags())
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-        if done.returncode != 0:
-            raise ConfigError(f"building psguard's op failed ({cxx}):\n{done.stderr[-4000:]}")
-        os.chmod(tmp, 0o700)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    flags = list(tf.sysconfig.get_compile_flags()) + list(tf.sysconfig.get_link_flags())
+    return compile_library(
+        path,
+        lambda out: [cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(SOURCE), "-o", out, *flags],
+        "psguard's op",
+    )
 
 
 def load_into_server() -> bool:
@@ -175,18 +149,26 @@ def map_op() -> Any | None:
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "build-op",
-        help="compile psguard's zero-copy restore op for this TensorFlow (once per machine or image)",
+        help=(
+            "compile psguard's zero-copy restore op for this TensorFlow and its row digest in C (once per machine "
+            "or image)"
+        ),
         description=(__doc__ or "").split("\n\n")[0],
     )
     p.add_argument("--force", action="store_true", help="build again even when a build for this TensorFlow exists")
     p.set_defaults(func=_build_command)
 
 
+def build_all(*, force: bool = False) -> list[Path]:
+    """Both libraries: the row digest first (a C compiler is all it needs), then the op (TensorFlow's too)."""
+    return [build_digest(force=force), build(force=force)]
+
+
 def _build_command(args: argparse.Namespace) -> int:
-    path = build(force=args.force)
-    print(path)
+    for path in build_all(force=args.force):
+        print(path)
     return 0
 
 
 if __name__ == "__main__":  # python -m psguard.handoff.mapped: what `make` runs
-    print(build())
+    print(*build_all(), sep="\n")

@@ -41,7 +41,8 @@ print("roundtrip ok", tf.__version__)
 """
 
 # The zero-copy restore op under the installed TensorFlow: built (``psguard build-op``; the build is keyed by
-# TensorFlow's library, so an older TensorFlow gets its own), loaded, and a mapped bundle bit-exact.
+# TensorFlow's library, so an older TensorFlow gets its own), loaded, and a mapped bundle bit-exact; the C row
+# digest built from the installed source and the same as numpy's under the oldest numpy.
 OP_SMOKE = """
 import os, sys, numpy as np, tensorflow as tf
 from psguard.handoff import mapped
@@ -55,6 +56,12 @@ write_bundle(prefix, value)
 var = tf.Variable(tf.zeros(value.shape))
 var.assign(fn(prefix, dtype=tf.float32, key=BUNDLE_KEY, verify=True))
 assert var.numpy().tobytes() == value.tobytes()
+from psguard.handoff import native
+from psguard.agent.tiers.copy_frames import _numpy_digest, rows_digest
+native.build_digest()
+assert native.digest_function() is not None, "the C digest built, not loadable"
+ids = np.arange(3, 4099)
+assert rows_digest(value, ids) == _numpy_digest(value.view(np.uint8).reshape(4096, -1), ids)
 print("op ok", tf.__version__)
 """
 
@@ -133,6 +140,7 @@ def test_the_wheel_holds_the_presets_the_type_marker_and_every_package(wheel: Pa
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"psguard/policy/presets/{p}.yaml" for p in preset_names()} <= names
     assert "psguard/py.typed" in names
+    assert {"psguard/handoff/map_bundle.cc", "psguard/handoff/rows_digest.c"} <= names  # what build-op compiles
     packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "psguard").rglob("__init__.py")}
     assert {f"{p}/__init__.py" for p in packages} <= names
     metadata = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from psguard.errors import CorruptCheckpointError
+from psguard.handoff.native import digest_function
 from psguard.store.dtypes import dtype_from_name, dtype_name
 
 __all__ = [
@@ -80,12 +81,28 @@ def rows_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
 
     A sum, so a tier's digest follows a delta by the changed rows alone: ``d - rows_digest(old, ids) +
     rows_digest(new, ids)``. Each row's term hashes its index with its bytes, so a row moved or swapped shows.
+    In C when built (:func:`psguard.handoff.native.digest_function`: one call a piece, the interpreter's lock
+    released), else numpy; the same value either way.
     """
     n = int(values.shape[0]) if values.ndim else 1
+    if ids is not None and len(ids) != n:
+        raise ValueError(f"{len(ids)} row ids for {n} rows")
     if n == 0:
         return 0
     flat = np.ascontiguousarray(values).reshape(n, -1).view(np.uint8)
     width = flat.shape[1]
+    native = digest_function()
+    if native is not None and width and width % 4 == 0:
+        w = _weights(width // 4)
+        rid = None if ids is None else np.ascontiguousarray(ids, dtype=np.int64)
+        return int(native(flat.ctypes.data, n, width // 4, None if rid is None else rid.ctypes.data, 0, w.ctypes.data))
+    return _numpy_digest(flat, ids)
+
+
+def _numpy_digest(flat: np.ndarray, ids: np.ndarray | None) -> int:
+    """:func:`rows_digest` of ``flat`` (rows of bytes, C order) in numpy: where the C digest is not built, and
+    for rows whose width is not a whole number of 32-bit words (zero-padded here)."""
+    n, width = flat.shape
     pad = (-width) % 4
     w = _weights((width + pad) // 4)
     # Blocks of about _BLOCK_BYTES of 64-bit words stay in cache, and a matrix-vector product sums each row's

@@ -1,18 +1,48 @@
 """The peer copies' wire (psguard.agent.tiers.copy_frames): row digests that follow a delta and stay the specified
-ones, frames that round-trip and refuse damage, read whole or straight into an array."""
+ones (in C, psguard/handoff/rows_digest.c, and in numpy), frames that round-trip and refuse damage, read whole or
+straight into an array."""
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
 from psguard.agent.tiers.copy_frames import _weights, decode_frame, encode_frame, read_frame_into, rows_digest
-from psguard.errors import CorruptCheckpointError
+from psguard.errors import ConfigError, CorruptCheckpointError
+from psguard.handoff import native
 
 
-def test_a_digest_follows_a_delta_by_the_changed_rows_alone() -> None:
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A cache of this module's own, with the C digest built in it (a fraction of a second)."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PSGUARD_CACHE", str(root))
+        native.build_digest()
+        yield root
+    native.digest_function.cache_clear()
+
+
+@pytest.fixture(params=["C", "numpy"])
+def digest(request: pytest.FixtureRequest, cache: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each digest test twice: with the C digest loaded, and with numpy's (the C one turned off)."""
+    monkeypatch.setenv("PSGUARD_CACHE", str(cache))
+    monkeypatch.setenv(native.ENV_NATIVE_DIGEST, "1" if request.param == "C" else "0")
+    native.digest_function.cache_clear()
+    assert (native.digest_function() is not None) == (request.param == "C")
+    yield request.param
+    native.digest_function.cache_clear()
+
+
+def test_a_digest_follows_a_delta_by_the_changed_rows_alone(digest: str) -> None:
     rng = np.random.default_rng(0)
     for dtype in (np.float32, np.float64, np.int64, np.int32, np.float16):
         a = rng.normal(size=(300, 7)).astype(dtype)
@@ -51,12 +81,51 @@ def _reference_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
 
 
 @pytest.mark.parametrize(("dtype", "shape"), [(np.float32, (20000, 32)), (np.float16, (40000, 3)), (np.int64, (40,))])
-def test_the_digest_is_the_specified_one_across_blocks_and_padding(dtype: Any, shape: tuple[int, ...]) -> None:
+def test_the_digest_is_the_specified_one_across_blocks_and_padding(
+    dtype: Any, shape: tuple[int, ...], digest: str
+) -> None:
     rng = np.random.default_rng(13)
     a = (rng.normal(size=shape) * 1000).astype(dtype)
     assert rows_digest(a) == _reference_digest(a)
     ids = rng.choice(10**6, shape[0], replace=False)
     assert rows_digest(a, ids) == _reference_digest(a, ids)
+    assert rows_digest(a, ids.astype(np.int32)) == _reference_digest(a, ids)
+    wide = (rng.normal(size=(shape[0], 2, *shape[1:])) * 1000).astype(dtype)
+    assert rows_digest(wide[:, 0]) == _reference_digest(np.ascontiguousarray(wide[:, 0]))  # not contiguous
+    with pytest.raises(ValueError, match="row ids for"):
+        rows_digest(a, ids[:-1])
+
+
+def test_the_c_digest_is_refused_when_someone_else_could_have_written_it(
+    cache: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("PSGUARD_CACHE", str(cache))
+    library = native.digest_library()
+    a = np.arange(64, dtype=np.float32).reshape(8, 8)
+    try:
+        os.chmod(library, 0o720)  # the group could have written it
+        native.digest_function.cache_clear()
+        with caplog.at_level(logging.WARNING, logger=native.__name__):
+            assert native.digest_function() is None
+        assert any("native_library_refused" in r.getMessage() for r in caplog.records)
+        assert rows_digest(a) == _reference_digest(a)  # numpy's serves
+    finally:
+        os.chmod(library, 0o700)
+        native.digest_function.cache_clear()
+
+
+def test_building_the_c_digest_says_what_went_wrong(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PSGUARD_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match="building the row digest failed"):
+        native.build_digest(compiler="false")
+    assert not native.digest_library().exists() and not list((tmp_path / "ops").glob(".build-*"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CC", raising=False)
+    with pytest.raises(ConfigError, match="no C compiler"):
+        native.build_digest()
+    native.digest_function.cache_clear()
+    assert native.digest_function() is None  # not built: numpy's digest serves
+    native.digest_function.cache_clear()
 
 
 def test_frames_round_trip_and_refuse_damage() -> None:
@@ -120,12 +189,9 @@ def test_rows_sent_without_a_crc_are_still_checked_for_shape_and_length() -> Non
             decode_frame(data)
 
 
-def test_a_digest_imports_nothing_more_than_numpy() -> None:
+def test_a_digest_imports_nothing_more_than_numpy(digest: str) -> None:
     """A replaced node's first fetch hashes every piece on four threads: an import there (numpy.random, once)
     held all four on its lock."""
-    import subprocess
-    import sys
-
     code = (
         "import sys, numpy as np\n"
         "from psguard.agent.tiers.copy_frames import rows_digest\n"
@@ -135,3 +201,6 @@ def test_a_digest_imports_nothing_more_than_numpy() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == "[]", out.stdout
+    code = "from psguard.handoff.native import digest_function; print(digest_function() is not None)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == str(digest == "C")  # the child used the digest it was meant to
