@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from psguard.agent.tiers.copy_frames import rows_digest
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.shard_copy import fp_name
 from psguard.agent.tiers.shards import ShardKeeper
@@ -105,6 +106,37 @@ def test_a_damaged_fingerprint_in_the_copy_refuses_the_fetch(fp_pair: FpPair, tm
         refused = fresh.pull({"token": "t2", "holder": HOLDER_URL})
         assert refused["status"] == "refused" and "digest" in refused["message"] and fresh.tier.empty
         assert fresh.status()["fingerprints_kept"] is False
+    finally:
+        fresh.close()
+
+
+def test_fingerprints_that_do_not_fit_the_tier_are_dropped_and_the_next_copy_is_whole(
+    fp_pair: FpPair, tmp_path: Path
+) -> None:
+    """A holder whose fingerprints agree with its layout and digests yet not with the rows they stand for (one row
+    short: a holder of another version, a bug): the rows are used, the fingerprints are not (the PS hashes its rows
+    after the load), and the new agent's next capture sends its copy whole, not a delta naming them."""
+    rng = np.random.default_rng(17)
+    _follow(fp_pair, rng, 2)
+    held = fp_pair.holder.holder._copies["ps:0"]
+    name = fp_name(next(iter(KEYS)))
+    short = np.ascontiguousarray(held.tier._arrays[name][:-1])
+    held.tier._arrays[name] = short
+    held.layout = [{**t, "array_shape": [ROWS - 1]} if t["name"] == name else t for t in held.layout]
+    held.digests = {**held.digests, name: rows_digest(short)}
+    fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", send_frame=fp_pair.send, read_copy=fp_pair.read).start()
+    try:
+        assert fresh.pull({"token": "t2", "holder": HOLDER_URL})["status"] == "ok"
+        got, want = _owner_arrays(fresh), _owner_arrays(fp_pair.owner)
+        assert all(np.array_equal(got[n], want[n]) for n in want)
+        assert fresh.status()["fingerprints_kept"] is False
+        assert not any("fp_path" in f for f in fresh.export({"token": "t2"})["files"])
+        updates, _ = _delta(rng, [3])
+        fresh.apply_updates(updates, KEYS, step=3, token="t3", parent="t2", copy_to=("ps:1", HOLDER_URL))
+        assert fresh.sender is not None
+        wait_until(lambda: fresh.sender.status()["synced_token"] == "t3", 30, "the holder at t3")  # type: ignore[union-attr]
+        assert fresh.sender.status()["whole"] == 1
+        assert set(fp_pair.copy_arrays()) == set(KEYS)  # the copy holds no fingerprints now
     finally:
         fresh.close()
 
