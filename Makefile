@@ -26,7 +26,8 @@ hdfs-runtime: $(STAMP)
 	$(BIN)/python -m psguard.testbed.hdfs prepare
 
 # psguard's zero-copy restore op (psguard/handoff/map_bundle.cc) compiled for this TensorFlow into
-# ~/.cache/psguard/ops, once (a few seconds): without it restores read every shard, as they did before.
+# ~/.cache/psguard/ops, once (a few seconds): without it restores read every shard, as they did before. The same
+# command builds the peer copies' row digest in C (psguard/handoff/rows_digest.c; numpy's serves without it).
 map-op: $(STAMP)
 	$(BIN)/python -m psguard.handoff.mapped
 
