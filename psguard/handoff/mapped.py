@@ -34,7 +34,7 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -159,16 +159,28 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_build_command)
 
 
-def build_all(*, force: bool = False) -> list[Path]:
-    """Both libraries: the row digest first (a C compiler is all it needs), then the op (TensorFlow's too)."""
-    return [build_digest(force=force), build(force=force)]
+def build_all(*, force: bool = False, say: Callable[[Path], None] = print) -> list[Path]:
+    """Both libraries, each ``say``-ed when built: the row digest (a C compiler is all it needs), then the op
+    (TensorFlow and a C++ compiler). Each is tried whatever the other did, so an image without TensorFlow still
+    gets its digest; a :class:`ConfigError` naming every failure at the end."""
+    paths: list[Path] = []
+    errors: list[str] = []
+    for step in (build_digest, build):
+        try:
+            paths.append(step(force=force))
+        except ConfigError as e:
+            errors.append(str(e))
+            continue
+        say(paths[-1])
+    if errors:
+        raise ConfigError("\n".join(errors))
+    return paths
 
 
 def _build_command(args: argparse.Namespace) -> int:
-    for path in build_all(force=args.force):
-        print(path)
+    build_all(force=args.force)
     return 0
 
 
 if __name__ == "__main__":  # python -m psguard.handoff.mapped: what `make` runs
-    print(*build_all(), sep="\n")
+    build_all()

@@ -145,3 +145,20 @@ def test_an_exported_tier_file_a_ps_mapped_is_never_written_in_place_again(tmp_p
             assert copy_path is not None and files.data_file(now.tensors["a"]) == copy_path
     finally:
         files.close()
+
+
+def test_build_op_builds_the_digest_even_when_the_op_fails_and_names_the_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`psguard build-op` builds both libraries, each whatever the other did: a C++ compiler that fails (or no
+    TensorFlow) still leaves the row digest built, and the command fails naming what did not build."""
+    from psguard.errors import ConfigError
+    from psguard.handoff import native
+
+    monkeypatch.setenv("PSGUARD_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    said: list[Path] = []
+    with pytest.raises(ConfigError, match="building psguard's op failed"):
+        mapped.build_all(say=said.append)
+    assert said == [native.digest_library()] and native.digest_library().exists()
+    assert mapped.library_path() is not None and not mapped.library_path().exists()  # type: ignore[union-attr]
