@@ -73,6 +73,16 @@ def _follow(p: FpPair, rng: np.random.Generator, steps: int) -> None:
     wait_until(p.synced, 30, f"the copy at t{steps}")
 
 
+def _pull_rows_without_fingerprints(fresh: ShardKeeper, owner: ShardKeeper, token: str) -> None:
+    """``fresh`` pulls the copy at ``token``: the owner's rows exactly, and no fingerprints kept or exported (its PS
+    hashes the rows after the load)."""
+    assert fresh.pull({"token": token, "holder": HOLDER_URL})["status"] == "ok"
+    got, want = _owner_arrays(fresh), _owner_arrays(owner)
+    assert all(np.array_equal(got[n], want[n]) for n in want)
+    assert fresh.status()["fingerprints_kept"] is False
+    assert not any("fp_path" in f for f in fresh.export({"token": token})["files"])
+
+
 def test_the_copy_holds_the_fingerprints_and_a_new_agent_exports_them(fp_pair: FpPair, tmp_path: Path) -> None:
     _follow(fp_pair, np.random.default_rng(11), 4)
     status = fp_pair.owner.sender.status() if fp_pair.owner.sender else {}
@@ -126,11 +136,7 @@ def test_fingerprints_that_do_not_fit_the_tier_are_dropped_and_the_next_copy_is_
     held.digests = {**held.digests, name: rows_digest(short)}
     fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", send_frame=fp_pair.send, read_copy=fp_pair.read).start()
     try:
-        assert fresh.pull({"token": "t2", "holder": HOLDER_URL})["status"] == "ok"
-        got, want = _owner_arrays(fresh), _owner_arrays(fp_pair.owner)
-        assert all(np.array_equal(got[n], want[n]) for n in want)
-        assert fresh.status()["fingerprints_kept"] is False
-        assert not any("fp_path" in f for f in fresh.export({"token": "t2"})["files"])
+        _pull_rows_without_fingerprints(fresh, fp_pair.owner, "t2")
         updates, _ = _delta(rng, [3])
         fresh.apply_updates(updates, KEYS, step=3, token="t3", parent="t2", copy_to=("ps:1", HOLDER_URL))
         assert fresh.sender is not None
@@ -169,11 +175,7 @@ def test_a_capture_without_fingerprints_sends_the_copy_whole_without_them(fp_pai
     assert set(fp_pair.copy_arrays()) == set(KEYS)
     fresh = ShardKeeper(tmp_path / "new-owner", "ps:0", read_copy=fp_pair.read).start()
     try:
-        assert fresh.pull({"token": "t3", "holder": HOLDER_URL})["status"] == "ok"
-        got, want = _owner_arrays(fresh), _owner_arrays(fp_pair.owner)
-        assert all(np.array_equal(got[n], want[n]) for n in want)
-        assert fresh.status()["fingerprints_kept"] is False
-        assert not any("fp_path" in f for f in fresh.export({"token": "t3"})["files"])
+        _pull_rows_without_fingerprints(fresh, fp_pair.owner, "t3")
     finally:
         fresh.close()
 
