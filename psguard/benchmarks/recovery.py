@@ -344,13 +344,19 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
         if chief.proc.returncode != 0 or not any(d["event"] == "done" for d in reader_recs):
             raise RuntimeError(f"psguard: the chief's agent exited {chief.proc.returncode}:\n{chief.log_tail()}")
         ps_held = {}
+        own_fps: dict[str, int] = {}  # the fingerprints an agent keeps beside its own tier (copies or not)
         copies_held: dict[str, int] = {}
+        covers: dict[str, set[str]] = {}  # the owners whose shards a holder's copies (or parity blocks) restore
         for i in range(p.num_ps):
             name = "ps0-new" if i == 0 and "ps0-new" in agents else f"ps{i}"
             shards = agents[name].status().get("shards") or {}
-            ps_held[f"ps:{i}"] = int(shards.get("bytes") or 0)
-            copies_held[f"ps:{i}"] = sum(int(c.get("bytes") or 0) for c in _held(shards).values())
-            copies_held[f"ps:{i}"] += sum(int(g.get("bytes") or 0) for g in _held(shards, "parity_held").values())
+            t = f"ps:{i}"
+            ps_held[t] = int(shards.get("bytes") or 0)
+            own_fps[t] = int(shards.get("fingerprint_bytes") or 0)
+            full, blocks = _held(shards), _held(shards, "parity_held")
+            copies_held[t] = sum(int(c.get("bytes") or 0) for c in full.values())
+            copies_held[t] += sum(int(g.get("bytes") or 0) for g in blocks.values())
+            covers[t] = set(full) | {m for g in blocks.values() for m in g.get("members") or {}}
         chief_log = chief.log_path.read_text(errors="replace")
     finally:
         for name in ["chief", *[n for n in agents if n != "chief"]]:
@@ -369,13 +375,20 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     if p.fault != "node":  # ps:0's agent was replaced: its growth was not followed
         ps_ratios.update({t: rss.growth("ps0") / b for t, b in held.items() if b and t == "ps:0"})
 
-    # The copy's own cost: a holder's growth beyond its own shards, over the shards it copies; at its peak (the
-    # durable writes' buffers included: 2 x io_threads x chunk in flight, about 280 MB to S3 whatever the state)
-    # and just before the kill (what it holds: the copy and its own shards).
+    # The bytes of the shards a holder's copies let be restored (issue 24's "shards it copies"): an owner's shards
+    # for a full copy (its fingerprints, 1/16 more at 128-byte rows, are the copy's cost), the whole group's for a
+    # parity block (so the bound is 1.1/K).
+    covered = {t: sum(int(state["ps_bytes"].get(o, 0)) for o in owners) for t, owners in covers.items()}
+
+    # The copy's own cost: a holder's growth beyond what it holds for itself (its shards and their fingerprints,
+    # which every agent keeps, copies or not), over the shards it covers; at its peak (the durable writes' buffers
+    # included: 2 x io_threads x chunk in flight, about 280 MB to S3 whatever the state) and just before the kill
+    # (what it holds: the copy and its own shards). Agent overhead present with copies off counts here too; the
+    # copies-off side of a node-loss benchmark takes it out (peer_rss_vs_no_copies_ratio).
     def per_copy(growth: Mapping[str, int | None]) -> dict[str, float]:
         return {
-            t: (g - held[t]) / c
-            for t, c in copies_held.items()
+            t: (g - held[t] - own_fps.get(t, 0)) / c
+            for t, c in covered.items()
             if c and t != "ps:0" and (g := growth.get(t)) is not None
         }
 
@@ -408,6 +421,8 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
         peer_rss_peak_ratio=max(peer_peak.values()) if peer_peak else None,
         ps_agent_steady_growth_bytes=dict(steady),
         copies_held_bytes=copies_held,
+        copies_cover_bytes=covered,
+        own_fingerprint_bytes=own_fps,
         # The memory every copy costs the job, over its state: about 1 for full copies, 1/K for parity.
         copy_overhead_ratio=sum(copies_held.values()) / int(state["state_bytes"]) if p.copies != "none" else None,
     )

@@ -148,11 +148,12 @@ def compare_no_copies(ours: list[dict[str, Any]], no_copies: list[dict[str, Any]
         first_copy_s=_med(ours, "settle_wait_s") - _med(no_copies, "settle_wait_s"),
     )
     # What holding a copy costs its holder: its RSS just before the kill, copies on minus off (the same job,
-    # the same step, nothing being written: the libraries the durable writer loads are in both), over the copy.
+    # the same step, nothing being written: the libraries the durable writer loads are in both), over the shards
+    # its copies cover (an owner's for a full copy, the group's for a parity block: the bound is then 1.1/K).
     pairs = [
         (t, (grown_on - grown_off) / c)
         for d_on, d_off in zip(ours, no_copies, strict=False)
-        for t, c in (d_on.get("copies_held_bytes") or {}).items()
+        for t, c in (d_on.get("copies_cover_bytes") or {}).items()
         if c
         and t != "ps:0"
         and (grown_on := (d_on.get("ps_agent_steady_growth_bytes") or {}).get(t)) is not None

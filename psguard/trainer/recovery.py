@@ -367,7 +367,7 @@ def run_with_recovery(
     _freeze_what_lives_on()
     with placement.building():
         job: T | None = build()
-    failure: tuple[BaseException, float] | None = None  # the failure being recovered from, and when it was seen
+    failure: tuple[str, float] | None = None  # what the failure said (first line), and when it was first seen
     warm = True
     while True:
         try:
@@ -381,7 +381,7 @@ def run_with_recovery(
                 reset_cluster_context()
                 job = _rebuild_reaching(build, close, placement)
                 assert failure is not None
-                event = RecoveryEvent(attempt, str(failure[0]).splitlines()[0][:500], time.monotonic() - failure[1])
+                event = RecoveryEvent(attempt, failure[0], time.monotonic() - failure[1])
                 failure = None
                 report.recoveries.append(event)
                 if on_recovery is not None:
@@ -393,24 +393,27 @@ def run_with_recovery(
             attempt += 1
             if attempt > max_recoveries:
                 raise PsguardError(f"giving up after {max_recoveries} recoveries; last failure: {e}") from e
-            t0 = time.monotonic() if failure is None else failure[1]
-            failure = (e, t0)
-            failed_at = _failure_time()
-            log.warning("cluster failure (%s): recovery %d in process", str(e).splitlines()[0][:200], attempt)
-            # The PS restart (waiting on the agents) overlaps with dropping the failed generation (CPU here, the
-            # collection alone 0.3-0.4 s with a model built). Both are over before the cluster context is reset.
-            with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
-                restarting = pool.submit(restart_ps, failed_at)
-                process_managers.release_after_failure()
-                if close is not None and job is not None:
-                    try:
-                        close(job)
-                    except Exception as close_error:  # the old generation's saves may fail now: expected
-                        log.info("closing the failed generation: %s", close_error)
-                job = None
-                # The collection holds the interpreter until it is done (its traversal runs no Python code): a
-                # request not yet on the wire waits for it. Let the restart's thread send first: 0.28 s later
-                # at the agent without this, 4 ms with it (a model and 300k cyclic objects, one process).
-                wait([restarting], timeout=_SEND_FIRST_SECONDS)
-                gc.collect()
-                restarting.result()  # its failure, raised here
+            said = str(e).splitlines()[0][:500] if str(e) else type(e).__name__
+        # Recovered from out here, the exception gone: its traceback holds the frames of ``train(job)``, so while
+        # it lived the failed generation could not be collected (its functions stayed registered in the eager
+        # context too, and every one of them costs the reset of its cluster ~2.5 ms).
+        failure = (said, time.monotonic() if failure is None else failure[1])
+        failed_at = _failure_time()
+        log.warning("cluster failure (%s): recovery %d in process", said[:200], attempt)
+        # The PS restart (waiting on the agents) overlaps with dropping the failed generation (CPU here, the
+        # collection alone 0.3-0.4 s with a model built). Both are over before the cluster context is reset.
+        with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
+            restarting = pool.submit(restart_ps, failed_at)
+            process_managers.release_after_failure()
+            if close is not None and job is not None:
+                try:
+                    close(job)
+                except Exception as close_error:  # the old generation's saves may fail now: expected
+                    log.info("closing the failed generation: %s", close_error)
+            job = None
+            # The collection holds the interpreter until it is done (its traversal runs no Python code): a
+            # request not yet on the wire waits for it. Let the restart's thread send first: 0.28 s later
+            # at the agent without this, 4 ms with it (a model and 300k cyclic objects, one process).
+            wait([restarting], timeout=_SEND_FIRST_SECONDS)
+            gc.collect()
+            restarting.result()  # its failure, raised here

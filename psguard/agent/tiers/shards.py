@@ -210,6 +210,8 @@ class ShardKeeper(CopyOwner):
             "export_bytes_written": self._export_bytes,
             "tier_files": self.files.status(),
             "fingerprints_kept": self.fp_tier.token is not None and self.fp_tier.token == s.token,
+            # beside the tier (the zero-copy restore loads them): memory the agent holds for its own shards too
+            "fingerprint_bytes": self.fp_tier.status().nbytes,
             "copy_out": self.sender.status() if self.sender is not None else None,
             "copies_held": self.holder.status(),
             "parity_held": self.parity.status(),

@@ -11,20 +11,21 @@ from psguard.benchmarks.recovery_summary import compare_no_copies
 MB = 1 << 20
 
 
-def _run(recovery_s: float, steady: dict[str, int], held: dict[str, int] | None = None) -> dict[str, Any]:
+def _run(recovery_s: float, steady: dict[str, int], covers: dict[str, int] | None = None) -> dict[str, Any]:
     return {
         "recovery_s": recovery_s,
-        "lost_steps": 5 if held else 49,
-        "restored_from": "peer" if held else "durable",
+        "lost_steps": 5 if covers else 49,
+        "restored_from": "peer" if covers else "durable",
         "steps_per_s": 10.0,
-        "settle_wait_s": 2.0 if held else 1.0,
+        "settle_wait_s": 2.0 if covers else 1.0,
         "ps_agent_steady_growth_bytes": steady,
-        "copies_held_bytes": held or {},
+        "copies_cover_bytes": covers or {},
     }
 
 
-def test_the_copys_memory_is_the_holders_quiet_growth_with_copies_on_less_off_over_the_copy() -> None:
-    # ps:1 holds ps:0's 512 MB: 600 MB more than with copies off at the same step (ps:0 was replaced: left out).
+def test_the_copys_memory_is_the_holders_quiet_growth_with_copies_on_less_off_over_the_shards_it_covers() -> None:
+    # ps:1's copy covers 500 MB of ps:0's shards: 600 MB more than with copies off at the same step (ps:0 was
+    # replaced: left out).
     on = _run(4.0, {"ps:0": 1100 * MB, "ps:1": 1200 * MB}, {"ps:0": 512 * MB, "ps:1": 500 * MB})
     off = _run(8.0, {"ps:0": 580 * MB, "ps:1": 600 * MB})
     result = compare_no_copies([on], [off], [4.0])
@@ -33,6 +34,13 @@ def test_the_copys_memory_is_the_holders_quiet_growth_with_copies_on_less_off_ov
     assert result["psguard_no_copies_lost_steps"] == 49 and result["psguard_no_copies_restored_from"] == ["durable"]
     assert result["goodput_copies_on_vs_off"] == pytest.approx(1.0) and result["first_copy_s"] == pytest.approx(1.0)
     assert result["goodput_steps_per_s_runs"] == {"on": [10.0], "off": [10.0]}
+
+
+def test_a_parity_blocks_memory_is_counted_over_the_whole_groups_shards() -> None:
+    # ps:2 holds the 341 MB block of ps:0 and ps:1 (682 MB of shards): 345 MB more than with copies off.
+    on = _run(4.0, {"ps:0": 1, "ps:1": 700 * MB, "ps:2": 1045 * MB}, {"ps:2": 682 * MB})
+    off = _run(8.0, {"ps:0": 1, "ps:1": 700 * MB, "ps:2": 700 * MB})
+    assert compare_no_copies([on], [off], [4.0])["peer_rss_vs_no_copies_ratio"] == pytest.approx(345 / 682)
 
 
 def test_no_memory_figure_without_a_quiet_sample_of_both_runs() -> None:

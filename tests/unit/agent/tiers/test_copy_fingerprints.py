@@ -79,7 +79,7 @@ def _pull_rows_without_fingerprints(fresh: ShardKeeper, owner: ShardKeeper, toke
     assert fresh.pull({"token": token, "holder": HOLDER_URL})["status"] == "ok"
     got, want = _owner_arrays(fresh), _owner_arrays(owner)
     assert all(np.array_equal(got[n], want[n]) for n in want)
-    assert fresh.status()["fingerprints_kept"] is False
+    assert fresh.status()["fingerprints_kept"] is False and fresh.status()["fingerprint_bytes"] == 0
     assert not any("fp_path" in f for f in fresh.export({"token": token})["files"])
 
 
@@ -97,6 +97,8 @@ def test_the_copy_holds_the_fingerprints_and_a_new_agent_exports_them(fp_pair: F
         answer = fresh.pull({"token": "t4", "holder": HOLDER_URL})
         assert answer["status"] == "ok" and answer["bytes"] == sum(a.nbytes for a in _owner_arrays(fresh).values())
         assert fresh.status()["fingerprints_kept"] is True
+        # one int64 a row, beside the tier: what the agent holds for its own shards besides their rows
+        assert fresh.status()["fingerprint_bytes"] == sum(8 * a.shape[0] for a in _owner_arrays(fresh).values())
         assert set(fresh.tier.names()) == set(KEYS)  # the fingerprints are not tensors of the tier
         files = fresh.export({"token": "t4"})["files"]
         assert len(files) == len(KEYS) and all("fp_path" in f for f in files), files
