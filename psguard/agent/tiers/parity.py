@@ -15,6 +15,8 @@ How (docs/design.md, "Peer copies", "Parity"):
   so the holder keeps each member's last delta to undo it (apply it again).
 - **A whole state resets the group.** A member's whole cannot replace its old contribution (the holder does not
   know it): the parity restarts at zero and every other member is answered ``need_full`` until it sent its whole.
+  So a member rebuilt from the block sends deltas from the state it fetched, and a member's new address alone
+  does not make the others send their whole (``peer_copy.CopySender``).
 - **Consistency.** The parity describes state T when every member's last applied token is T.
 - **Reconstruction.** A new agent of a lost member fetches its shards as from a full copy (``/peer-copy/read``):
   the holder brings every member to the chief's token (one undo at most), fetches each survivor's stripe from its

@@ -361,6 +361,20 @@ class _Delta:
     nbytes: int
 
 
+def _same_copy(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two frames' extra fields describe the same copy: equal but for the parity group's URLs. A member
+    replaced on a new node has a new address; the holder learns it from any frame, and the block still holds every
+    member at its state, so a survivor must not send its whole (it would reset the group)."""
+
+    def without_urls(x: Mapping[str, Any]) -> dict[str, Any]:
+        parity = x.get("parity")
+        if isinstance(parity, Mapping):
+            return {**x, "parity": {k: v for k, v in parity.items() if k != "urls"}}
+        return dict(x)
+
+    return without_urls(a) == without_urls(b)
+
+
 class CopySender:
     """The owner's side: pushes its tier's state to the holder the chief named, in the background.
 
@@ -404,7 +418,8 @@ class CopySender:
         """The holder the chief names (``None``: no copy) and what every frame to it carries (``extra``); a new
         one gets the whole state first."""
         with self._cond:
-            if target == self._target and dict(extra or {}) == self._extra:
+            if target == self._target and _same_copy(dict(extra or {}), self._extra):
+                self._extra = dict(extra or {})  # a member's new address, carried by the next frames
                 return
             self._target = target
             self._extra = dict(extra or {})
@@ -413,7 +428,7 @@ class CopySender:
             self._whole = True
             self._synced = None
             known, self._known = self._known, None
-            if known is not None and target is not None and target[1] == known[0] and not self._extra:
+            if known is not None and target is not None and target[1] == known[0]:
                 self._whole, self._synced = False, known[1:]
             self._cond.notify_all()
 
@@ -421,8 +436,9 @@ class CopySender:
         """The holder at ``url`` holds this owner's state ``(step, token)``: a new agent just fetched its tier
         from that very copy. If the chief names it as the holder next, the deltas follow at once instead of a
         whole copy of the state (512 MB sent again at 1 GB, on the CPU the resumed training needs); a delta it
-        cannot apply (its copy moved) makes the next send whole, as always. Full copies only: a parity block is
-        rebuilt from its group, not held as it was fetched."""
+        cannot apply (its copy moved) makes the next send whole, as always. A parity holder too: the block it rebuilt
+        the state from holds this owner at that very state, so an XOR delta applies to it; a whole send there would
+        reset the group and have every member send its whole state again."""
         with self._cond:
             self._known = (url, step, token)
 

@@ -51,9 +51,9 @@ class Trio:
         for task in ("ps:0", "ps:1", "ps:2"):
             self.start(task)
 
-    def start(self, task: str) -> ShardKeeper:
+    def start(self, task: str, folder: Path | None = None) -> ShardKeeper:
         keeper = ShardKeeper(
-            self.tmp / task.replace(":", ""),
+            folder or self.tmp / task.replace(":", ""),
             task,
             copy_config=CONFIG,
             send_frame=self.link.send_frame,
@@ -199,6 +199,35 @@ def test_a_lost_member_is_rebuilt_bit_exact_from_the_parity_and_the_survivor(tri
         assert trio.keepers["ps:2"].status()["parity_held"]["restores"] == 1
     finally:
         fresh.close()
+
+
+def test_a_rebuilt_member_sends_deltas_at_once_and_its_group_is_not_reset(trio: Trio) -> None:
+    """The new agent of a lost member fetched its state at t3 from the parity, which holds that member at t3: its
+    next captures go to the holder as XOR deltas at once. Before, its first send was whole, which resets the
+    group: every member sent its whole state again (at 1 GB over 3 PS, 1 GB of traffic right after the recovery,
+    and no parity to restore from until it arrived)."""
+    rng = np.random.default_rng(8)
+    token = _run(trio, 3, seed=8)
+    trio.lose("ps:0")
+    fresh = trio.start("ps:0", trio.tmp / "new-ps0")  # a new node: an empty tier, another address
+    assert fresh.pull({"token": token, "holder": trio.holder_url})["status"] == "ok"
+    for step in (4, 5):
+        for task in ("ps:0", "ps:1"):
+            _delta(trio, rng, task, step, f"t{step}", f"t{step - 1}")
+    wait_until(lambda: trio.synced("t5"), 30, "the parity at t5")
+    out = fresh.status()["copy_out"]
+    assert (out["whole"], out["deltas"]) == (0, 2), out
+    assert trio.keepers["ps:1"].status()["copy_out"]["whole"] == 1  # its first, before the loss, only
+    assert trio.holder_status()["resets"] == 0
+    assert np.array_equal(trio.parity(), _expected_parity(fresh, trio.keepers["ps:1"]))
+    want = _arrays(fresh)  # and the parity it kept current rebuilds it again, bit-exact
+    trio.lose("ps:0")
+    answer, again = _pull(trio, "ps:0", "t5")
+    try:
+        assert answer["status"] == "ok" and answer["step"] == 5, answer
+        assert all(_arrays(again)[n].tobytes() == want[n].tobytes() for n in want)
+    finally:
+        again.close()
 
 
 def test_a_damaged_parity_is_refused_and_nothing_is_restored(trio: Trio) -> None:
