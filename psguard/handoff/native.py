@@ -104,9 +104,12 @@ def digest_function() -> DigestFunction | None:
     """The C digest, loaded once per process; None when it is not built, not trusted, turned off or not
     loadable (then numpy's version serves: said once, at info level, as it costs only speed)."""
     path = digest_library()
-    if not _enabled() or not path.exists() or not trusted(path):
-        if _enabled():
-            log.info("event=native_digest_not_built path=%s: rows are hashed with numpy (psguard build-op)", path)
+    if not _enabled():
+        return None
+    if not path.exists():
+        log.info("event=native_digest_not_built path=%s: rows are hashed with numpy (psguard build-op)", path)
+        return None
+    if not trusted(path):  # said by trusted() (native_library_refused)
         return None
     try:
         fn = ctypes.CDLL(str(path)).psguard_rows_digest

@@ -76,8 +76,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def rows_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
-    """The digest of rows ``values`` (row ``ids``, default ``0..n-1``): a sum over rows modulo 2**64.
+def rows_digest(values: np.ndarray, ids: np.ndarray | None = None, *, first: int = 0) -> int:
+    """The digest of rows ``values`` (row ``ids``, default ``first..first+n-1``: a range of a tensor needs no array
+    of its ids): a sum over rows modulo 2**64.
 
     A sum, so a tier's digest follows a delta by the changed rows alone: ``d - rows_digest(old, ids) +
     rows_digest(new, ids)``. Each row's term hashes its index with its bytes, so a row moved or swapped shows.
@@ -85,8 +86,8 @@ def rows_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
     released), else numpy; the same value either way.
     """
     n = int(values.shape[0]) if values.ndim else 1
-    if ids is not None and len(ids) != n:
-        raise ValueError(f"{len(ids)} row ids for {n} rows")
+    if ids is not None and (len(ids) != n or first):
+        raise ValueError(f"{len(ids)} row ids for {n} rows" if len(ids) != n else "row ids and a first row both given")
     if n == 0:
         return 0
     flat = np.ascontiguousarray(values).reshape(n, -1).view(np.uint8)
@@ -95,11 +96,13 @@ def rows_digest(values: np.ndarray, ids: np.ndarray | None = None) -> int:
     if native is not None and width and width % 4 == 0:
         w = _weights(width // 4)
         rid = None if ids is None else np.ascontiguousarray(ids, dtype=np.int64)
-        return int(native(flat.ctypes.data, n, width // 4, None if rid is None else rid.ctypes.data, 0, w.ctypes.data))
-    return _numpy_digest(flat, ids)
+        return int(
+            native(flat.ctypes.data, n, width // 4, None if rid is None else rid.ctypes.data, first, w.ctypes.data)
+        )
+    return _numpy_digest(flat, ids, first)
 
 
-def _numpy_digest(flat: np.ndarray, ids: np.ndarray | None) -> int:
+def _numpy_digest(flat: np.ndarray, ids: np.ndarray | None, first: int = 0) -> int:
     """:func:`rows_digest` of ``flat`` (rows of bytes, C order) in numpy: where the C digest is not built, and
     for rows whose width is not a whole number of 32-bit words (zero-padded here)."""
     n, width = flat.shape
@@ -116,7 +119,7 @@ def _numpy_digest(flat: np.ndarray, ids: np.ndarray | None) -> int:
             block = np.concatenate([block, np.zeros((block.shape[0], pad), np.uint8)], axis=1)
         h = block.view(np.uint32).astype(np.uint64) @ w[:-1]
         rid = (
-            np.arange(lo, lo + block.shape[0], dtype=np.uint64)
+            np.arange(first + lo, first + lo + block.shape[0], dtype=np.uint64)
             if ids is None
             else ids[lo : lo + block.shape[0]].astype(np.uint64)
         )

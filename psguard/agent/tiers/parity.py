@@ -302,7 +302,7 @@ class ParityHolder:
             raise CorruptCheckpointError(f"parity fill: rows do not fit {part.name}")
         lo = part.offset + start * part.row_bytes
         g.parity[lo : lo + n * part.row_bytes] ^= _bytes(rows).reshape(-1)
-        m.sums[part.name] = (m.sums[part.name] + rows_digest(rows, np.arange(start, start + n, dtype=np.int64))) & MASK
+        m.sums[part.name] = (m.sums[part.name] + rows_digest(rows, first=start)) & MASK
         m.filled[part.name] += n
         return {"status": "ok"}
 

@@ -720,7 +720,7 @@ def fetch_copy(
             def take(row: int, rows: np.ndarray) -> None:
                 nonlocal total
                 first = start + row
-                total = (total + rows_digest(rows, np.arange(first, first + rows.shape[0], dtype=np.int64))) & MASK
+                total = (total + rows_digest(rows, first=first)) & MASK
                 put(out, first, rows)
 
             answer = read_into(holder_url, request(ranges[i]), config.request_timeout, out[start:stop], take)
@@ -733,7 +733,7 @@ def fetch_copy(
         if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
             raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
         put(out, start, got[0])
-        return rows_digest(got[0], np.arange(start, stop, dtype=np.int64))
+        return rows_digest(got[0], first=start)
 
     # ``streams`` requests in flight: each is fetched, checked and placed on its own thread.
     with ThreadPoolExecutor(max_workers=streams, thread_name_prefix="psguard-copy-fetch") as pool:

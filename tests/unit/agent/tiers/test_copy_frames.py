@@ -92,8 +92,15 @@ def test_the_digest_is_the_specified_one_across_blocks_and_padding(
     assert rows_digest(a, ids.astype(np.int32)) == _reference_digest(a, ids)
     wide = (rng.normal(size=(shape[0], 2, *shape[1:])) * 1000).astype(dtype)
     assert rows_digest(wide[:, 0]) == _reference_digest(np.ascontiguousarray(wide[:, 0]))  # not contiguous
+    # a range of a tensor: ids first..first+n-1 without an array of them, and the pieces sum to the whole
+    first = 70001
+    assert rows_digest(a, first=first) == _reference_digest(a, np.arange(first, first + shape[0]))
+    half = shape[0] // 2
+    assert (rows_digest(a[:half]) + rows_digest(a[half:], first=half)) & ((1 << 64) - 1) == rows_digest(a)
     with pytest.raises(ValueError, match="row ids for"):
         rows_digest(a, ids[:-1])
+    with pytest.raises(ValueError, match="both given"):
+        rows_digest(a, ids, first=1)
 
 
 def test_the_c_digest_is_refused_when_someone_else_could_have_written_it(
@@ -105,9 +112,11 @@ def test_the_c_digest_is_refused_when_someone_else_could_have_written_it(
     try:
         os.chmod(library, 0o720)  # the group could have written it
         native.digest_function.cache_clear()
-        with caplog.at_level(logging.WARNING, logger=native.__name__):
+        with caplog.at_level(logging.INFO, logger=native.__name__):
             assert native.digest_function() is None
-        assert any("native_library_refused" in r.getMessage() for r in caplog.records)
+        said = [r.getMessage() for r in caplog.records]
+        assert any("native_library_refused" in m for m in said)
+        assert not any("not_built" in m for m in said), said  # it is built: refused, and said so once
         assert rows_digest(a) == _reference_digest(a)  # numpy's serves
     finally:
         os.chmod(library, 0o700)
