@@ -56,7 +56,6 @@ NOT_YET = frozenset(
     {
         "psguard.agent.control.status",
         "psguard.agent.process.tree",
-        "psguard.agent.recovery",
         "psguard.benchmarks.follow",
         "psguard.benchmarks.recovery_trainers",
         "psguard.benchmarks.wrap",
