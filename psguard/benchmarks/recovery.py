@@ -104,6 +104,7 @@ class Params:
     # memory tier gone) and a new agent starts with an empty part folder, as on a replacement node.
     fault: str = "process"
     copies: str = "none"  # psguard's peers.copies ("full": each PS agent holds a copy of another's shards)
+    keep_survivors: bool = False  # psguard's peers.keep_survivors (an in-process rejoin keeps a surviving PS)
     parity_group: int = 2  # with copies "parity": PS per XOR block (peers.parity_group)
     store: str = "local"  # psguard's durable log: "local" (a folder) or "s3" (a SeaweedFS server this run starts)
 
@@ -299,11 +300,15 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
         args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", store]
         args += ["--spool", str(shm / "spool"), *peers]
         chief_config = config
-        if p.copies != "none":
+        if p.copies != "none" or p.keep_survivors:
             doc = yaml.safe_load(config)
-            doc.setdefault("peers", {})["copies"] = p.copies
+            peers_doc = doc.setdefault("peers", {})
+            if p.copies != "none":
+                peers_doc["copies"] = p.copies
             if p.copies == "parity":
-                doc["peers"]["parity_group"] = p.parity_group
+                peers_doc["parity_group"] = p.parity_group
+            if p.keep_survivors:
+                peers_doc["keep_survivors"] = True
             chief_config = yaml.safe_dump(doc, sort_keys=False)
         agents["chief"] = AgentProcess(root, "chief", args, trainer, config=chief_config, env=env)
         agents["chief"].wait_url(180)
@@ -670,6 +675,7 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         f"{runs} runs per side: table {p.vocab_size} x {p.embedding_dim} over {p.num_ps} PS, memory every "
         f"{p.memory_every}, durable every {p.durable_every}, kill -9 {what} at step {p.kill_at}, peer copies "
         f"{p.copies}, psguard's log on {'SeaweedFS (S3)' if p.store == 's3' else 'a local folder'}"
+        + (", surviving PS kept (peers.keep_survivors)" if p.keep_survivors else "")
     )
     finished = False
     try:
@@ -701,6 +707,7 @@ def params_from_args(args: argparse.Namespace, **overrides: Any) -> Params:
         "fault": getattr(args, "fault", "process"),
         "copies": getattr(args, "copies", "none"),
         "parity_group": getattr(args, "parity_group", Params.parity_group),
+        "keep_survivors": getattr(args, "keep_survivors", False),
         "store": getattr(args, "store", "local"),
     }
     values.update(overrides)
@@ -748,6 +755,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "for recovery_vs_no_copies_ratio",
     )
     p.add_argument("--parity-group", type=int, default=Params.parity_group, help="PS per parity block (default 2)")
+    p.add_argument(
+        "--keep-survivors",
+        action="store_true",
+        help="psguard's peers.keep_survivors: the in-process rejoin leaves the PS that survived running",
+    )
     p.add_argument(
         "--store",
         choices=("local", "s3"),

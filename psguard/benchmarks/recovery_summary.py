@@ -40,6 +40,9 @@ class Job(Protocol):
     def parity_group(self) -> int: ...
 
     @property
+    def keep_survivors(self) -> bool: ...
+
+    @property
     def store(self) -> str: ...
 
     @property
@@ -113,6 +116,7 @@ def summarize(
         "psguard_restored_from": [d["restored_from"] for d in ours],
         "fault": p.fault,
         "copies": p.copies,
+        "keep_survivors": p.keep_survivors,
         "store": p.store,
         "peer_copy_lag_steps": [d["peer_copy_lag_steps"] for d in ours],
         "peer_rss_ratio": _med(ours, "peer_rss_ratio"),

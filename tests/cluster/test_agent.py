@@ -31,7 +31,7 @@ from psguard.errors import ConfigError
 from psguard.handoff.client import http_json
 from psguard.ports import free_ports
 from psguard.testbed.procs import descendants
-from tests.support.agents import FAST, AgentProc, port_accepts, write_cluster
+from tests.support.agents import FAST, FAST_CHIEF, AgentProc, port_accepts, write_cluster
 from tests.support.paths import QUIET
 from tests.support.processes import alive, wait_until
 
@@ -891,6 +891,34 @@ class E2E:
 
 # The chain's target: its last fault comes at about step 100, 40+ steps before the end.
 E2E_CHAIN_TARGET = 140
+
+
+@pytest.mark.slow
+def test_an_in_process_rejoin_keeps_the_surviving_ps_when_asked(
+    tmp_path: Path, agents: Callable[..., AgentProc]
+) -> None:
+    """``peers: {keep_survivors: true}``: a PS killed, the trainer rejoins in process, and the chief's agent
+    restarts only what died: the surviving PS keeps its process (its old variables go with the failed generation,
+    collected in the trainer's process), the new generation restores from the memory tier and trains to the end."""
+    (tmp_path / "chief").mkdir()
+    (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", "peers: {keep_survivors: true, "))
+    job = E2E(tmp_path, agents, "inprocess", E2E_TARGET, faults=1)
+    kill = job.fault_point(0)
+    survivor = job.ps[1].status()["pid"]
+    job.go(0)
+    os.kill(job.ps[0].status()["pid"], signal.SIGKILL)
+    job.finish()
+    failure, second = job.doc("failure-0"), job.doc("gen-1")
+    assert second["restored"]["source"] == "memory"
+    assert kill["step"] <= second["restored"]["step"] <= failure["seen"]
+    failures = len(list(job.out.glob("failure-*")))
+    assert failures in (1, 2), failures  # a second recovery now and then: see the five-fault chain
+    for n in range(1, failures + 1):
+        generation = job.doc(f"rejoin-{n}")
+        assert generation["peers"][job.ps[1].url] == "kept (survived the failure)", generation
+    after = job.ps[1].status()
+    assert after["pid"] == survivor and after["restarts"] == 0, after
+    assert "kept (survived the failure)" in job.chief.log()
 
 
 @pytest.mark.slow

@@ -262,3 +262,30 @@ def test_the_peers_are_asked_to_restart_side_by_side() -> None:
     assert set(outcome.values()) == {"restarted"}
     first = [t.restarted_at[0] for t in tasks]
     assert max(first) - min(first) < 0.15, first
+
+
+class _Fresh(_FakeTask):
+    """The dead PS, already restarted by its own agent: its run began after the failure."""
+
+    def status(self) -> dict[str, object]:
+        return {**super().status(), "supervisor": {"uptime_seconds": 0.05}}
+
+
+@pytest.mark.parametrize(
+    ("keep_survivors", "new_process", "survivor_kept"),
+    [(True, False, True), (False, False, False), (True, True, False)],
+)
+def test_a_serving_survivor_is_kept_by_an_in_process_rejoin_when_asked(
+    keep_survivors: bool, new_process: bool, survivor_kept: bool
+) -> None:
+    """``peers.keep_survivors``: an in-process rejoin leaves the PS that survived the failure running (its old
+    variables go with the failed generation, collected in the same process); a new trainer process, whose old
+    context nobody closes, restarts it whatever the setting says. The PS that died is only waited for either way."""
+    survivor, dead = _FakeTask("ps:1", "ps"), _Fresh("ps:0", "ps")
+    with survivor.server, dead.server:
+        config = PeersConfig(ready_timeout=30, keep_survivors=keep_survivors)
+        peers = PeerSync("chief:0", [dead.server.url, survivor.server.url], config, TOKEN, threading.Event())
+        result = peers.new_generation("in-process rejoin", time.time() - 1.0, new_process=new_process)
+    assert dead.restarts == 0 and result["peers"][dead.server.url] == "fresh (started after the failure)"
+    assert survivor.restarts == int(not survivor_kept)
+    assert result["peers"][survivor.server.url] == ("kept (survived the failure)" if survivor_kept else "restarted")
