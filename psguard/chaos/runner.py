@@ -67,11 +67,15 @@ def _port_busy(port: int) -> bool:
 
 def chief_config(scenario: Scenario) -> str:
     """The chief's agent config: the launcher's, plus ``peers: {copies: full}`` when the scenario runs with peer
-    copies."""
-    if not scenario.peer_copies:
+    copies and ``peers: {keep_survivors: true}`` when it keeps the PS that survive a failure."""
+    if not scenario.peer_copies and not scenario.keep_survivors:
         return AGENT_CONFIG
     doc = yaml.safe_load(AGENT_CONFIG)
-    doc.setdefault("peers", {})["copies"] = "full"
+    peers = doc.setdefault("peers", {})
+    if scenario.peer_copies:
+        peers["copies"] = "full"
+    if scenario.keep_survivors:
+        peers["keep_survivors"] = True
     return str(yaml.safe_dump(doc, sort_keys=False))
 
 
@@ -134,6 +138,7 @@ class _Run:
             "target_step": s.training.steps,
             "training": self.training_record(),
             "peer_copies": s.peer_copies,  # how the checkers judge a PS node loss
+            "keep_survivors": s.keep_survivors,
             "cluster": asdict(s.cluster),
             "storage": s.storage.kind,
             "liveness_seconds": s.checks.liveness,

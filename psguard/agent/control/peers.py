@@ -49,8 +49,9 @@ class PeersConfig:
     # collected while the dead PS restarts, and its variables on the survivor are freed by their own handles on
     # the same context (a survivor's RSS stayed flat over five in-process generations of a 128 MB table,
     # 2026-12-06; a new process's old context is never closed, hence restart_ps). Saves the survivors' restart
-    # (0.1 s of a 1 GB recovery, and part of the cluster reset). Off by default until the chaos scenarios have run
-    # with it.
+    # (0.1 s of a 1 GB recovery, and part of the cluster reset). Six chaos scenarios (kill-ps, repeated-kill,
+    # freeze-ps, partition-ps, kill-ps-during-restore, random-mix) were valid with it; off by default until a soak
+    # has watched the survivors' memory with it (scenario field keep_survivors).
     keep_survivors: bool = False
     # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
     # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's

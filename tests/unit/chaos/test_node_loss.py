@@ -145,6 +145,16 @@ def test_with_peer_copies_the_chief_agent_is_asked_for_full_copies() -> None:
     assert {k: v for k, v in doc["peers"].items() if k != "copies"} == yaml.safe_load(AGENT_CONFIG)["peers"]
 
 
+def test_keep_survivors_gives_the_chief_agent_peers_keep_survivors_and_nothing_else() -> None:
+    assert _scenario().keep_survivors is False
+    s = _scenario(keep_survivors=True)
+    doc = yaml.safe_load(chief_config(s))
+    assert doc["peers"]["keep_survivors"] is True and "copies" not in doc["peers"]
+    assert {k: v for k, v in doc["peers"].items() if k != "keep_survivors"} == yaml.safe_load(AGENT_CONFIG)["peers"]
+    both = yaml.safe_load(chief_config(_scenario(keep_survivors=True, peer_copies=True)))
+    assert both["peers"]["keep_survivors"] is True and both["peers"]["copies"] == "full"
+
+
 # ------------------------------------------------------------------------------------------------ baseline
 class _Process:
     """A plain task as the baseline's (its ``status()`` has no agent)."""
