@@ -68,8 +68,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from psguard.benchmarks.common import (
     NORMAL_FACTOR,
     RssWatch,
@@ -104,7 +102,7 @@ class Params:
     # memory tier gone) and a new agent starts with an empty part folder, as on a replacement node.
     fault: str = "process"
     copies: str = "none"  # psguard's peers.copies ("full": each PS agent holds a copy of another's shards)
-    keep_survivors: bool = False  # psguard's peers.keep_survivors (an in-process rejoin keeps a surviving PS)
+    keep_survivors: bool = True  # psguard's peers.keep_survivors (an in-process rejoin keeps a surviving PS)
     parity_group: int = 2  # with copies "parity": PS per XOR block (peers.parity_group)
     store: str = "local"  # psguard's durable log: "local" (a folder) or "s3" (a SeaweedFS server this run starts)
 
@@ -264,7 +262,7 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     """One recovery with every task under ``psguard agent``; the figures of :func:`measure` and the RSS.
 
     ``s3``: a started :class:`psguard.testbed.s3.SeaweedS3` holding the durable log (a prefix per run)."""
-    from psguard.agent.process.launcher import AGENT_CONFIG, AgentProcess, write_cluster
+    from psguard.agent.process.launcher import AGENT_CONFIG, AgentProcess, with_peers, write_cluster
 
     work = Path(tempfile.mkdtemp(prefix="psg-", dir=workdir))
     shm = memory_folder(work, "parts", "psguard-bench-")  # the PS agents' part folders: where psguard keeps them
@@ -299,17 +297,14 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
         trainer = _child("agent_trainer", str(prog), store, str(shm), json.dumps(asdict(p)))
         args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", store]
         args += ["--spool", str(shm / "spool"), *peers]
-        chief_config = config
-        if p.copies != "none" or p.keep_survivors:
-            doc = yaml.safe_load(config)
-            peers_doc = doc.setdefault("peers", {})
-            if p.copies != "none":
-                peers_doc["copies"] = p.copies
-            if p.copies == "parity":
-                peers_doc["parity_group"] = p.parity_group
-            if p.keep_survivors:
-                peers_doc["keep_survivors"] = True
-            chief_config = yaml.safe_dump(doc, sort_keys=False)
+        peers_settings: dict[str, object] = {}
+        if p.copies != "none":
+            peers_settings["copies"] = p.copies
+        if p.copies == "parity":
+            peers_settings["parity_group"] = p.parity_group
+        if not p.keep_survivors:
+            peers_settings["keep_survivors"] = False
+        chief_config = with_peers(config, **peers_settings)
         agents["chief"] = AgentProcess(root, "chief", args, trainer, config=chief_config, env=env)
         agents["chief"].wait_url(180)
         from psguard.agent.process.launcher import ProgressReader
@@ -675,7 +670,7 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         f"{runs} runs per side: table {p.vocab_size} x {p.embedding_dim} over {p.num_ps} PS, memory every "
         f"{p.memory_every}, durable every {p.durable_every}, kill -9 {what} at step {p.kill_at}, peer copies "
         f"{p.copies}, psguard's log on {'SeaweedFS (S3)' if p.store == 's3' else 'a local folder'}"
-        + (", surviving PS kept (peers.keep_survivors)" if p.keep_survivors else "")
+        + ("" if p.keep_survivors else ", every PS restarted (peers.keep_survivors: false)")
     )
     finished = False
     try:
@@ -707,7 +702,7 @@ def params_from_args(args: argparse.Namespace, **overrides: Any) -> Params:
         "fault": getattr(args, "fault", "process"),
         "copies": getattr(args, "copies", "none"),
         "parity_group": getattr(args, "parity_group", Params.parity_group),
-        "keep_survivors": getattr(args, "keep_survivors", False),
+        "keep_survivors": getattr(args, "keep_survivors", Params.keep_survivors),
         "store": getattr(args, "store", "local"),
     }
     values.update(overrides)
@@ -756,9 +751,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--parity-group", type=int, default=Params.parity_group, help="PS per parity block (default 2)")
     p.add_argument(
-        "--keep-survivors",
-        action="store_true",
-        help="psguard's peers.keep_survivors: the in-process rejoin leaves the PS that survived running",
+        "--restart-survivors",
+        dest="keep_survivors",
+        action="store_false",
+        help="psguard's peers.keep_survivors: false (the in-process rejoin restarts the PS that survived too)",
     )
     p.add_argument(
         "--store",

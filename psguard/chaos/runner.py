@@ -29,9 +29,14 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from psguard.agent.process.launcher import AGENT_CONFIG, AgentProcess, LaunchError, ProgressReader, write_cluster
+from psguard.agent.process.launcher import (
+    AGENT_CONFIG,
+    AgentProcess,
+    LaunchError,
+    ProgressReader,
+    with_peers,
+    write_cluster,
+)
 from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, read_history
 from psguard.chaos.nemesis import NEMESIS, Nemesis
@@ -67,16 +72,13 @@ def _port_busy(port: int) -> bool:
 
 def chief_config(scenario: Scenario) -> str:
     """The chief's agent config: the launcher's, plus ``peers: {copies: full}`` when the scenario runs with peer
-    copies and ``peers: {keep_survivors: true}`` when it keeps the PS that survive a failure."""
-    if not scenario.peer_copies and not scenario.keep_survivors:
-        return AGENT_CONFIG
-    doc = yaml.safe_load(AGENT_CONFIG)
-    peers = doc.setdefault("peers", {})
+    copies and ``peers: {keep_survivors: false}`` when every PS is restarted by an in-process rejoin."""
+    peers: dict[str, object] = {}
     if scenario.peer_copies:
         peers["copies"] = "full"
-    if scenario.keep_survivors:
-        peers["keep_survivors"] = True
-    return str(yaml.safe_dump(doc, sort_keys=False))
+    if not scenario.keep_survivors:
+        peers["keep_survivors"] = False
+    return with_peers(AGENT_CONFIG, **peers)
 
 
 def _job_command(job: str) -> list[str]:

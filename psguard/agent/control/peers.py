@@ -47,12 +47,12 @@ class PeersConfig:
     # running, serving and ready, instead of restarting it; a PS started after the failure is waited for as
     # always, and a new trainer process restarts every PS whatever this says. Why it may: the failed generation is
     # collected while the dead PS restarts, and its variables on the survivor are freed by their own handles on
-    # the same context (a survivor's RSS stayed flat over five in-process generations of a 128 MB table,
-    # 2026-12-06; a new process's old context is never closed, hence restart_ps). Saves the survivors' restart
-    # (0.1 s of a 1 GB recovery, and part of the cluster reset). Six chaos scenarios (kill-ps, repeated-kill,
-    # freeze-ps, partition-ps, kill-ps-during-restore, random-mix) were valid with it; off by default until a soak
-    # has watched the survivors' memory with it (scenario field keep_survivors).
-    keep_survivors: bool = False
+    # the same context (a survivor's RSS stayed flat over five in-process generations of a 128 MB table, and over
+    # a soak's SURVIVOR_SOAK; a new process's old context is never closed, hence restart_ps). Saves the
+    # survivors' restart (0.1 s of a 1 GB recovery, and part of the cluster reset). On since 2026-12-06, after
+    # six chaos scenarios and a 15-minute soak-ci (24 faults, 12 survivors kept) were valid with it; false
+    # restarts every PS as before (the scenario field keep_survivors: false).
+    keep_survivors: bool = True
     # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
     # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
     # memory twice over. "parity": one XOR block per group of ``parity_group`` PS tasks (ps:0..ps:K-1, ...), held

@@ -31,7 +31,28 @@ peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
 persister: {retry_after: 1}
 """
 
-__all__ = ["AGENT_CONFIG", "AgentProcess", "LaunchError", "ProgressReader", "run_token_file", "write_cluster"]
+__all__ = [
+    "AGENT_CONFIG",
+    "AgentProcess",
+    "LaunchError",
+    "ProgressReader",
+    "run_token_file",
+    "with_peers",
+    "write_cluster",
+]
+
+
+def with_peers(config: str, **peers: object) -> str:
+    """An agent's settings (YAML) with these ``peers:`` keys set over its own: the chaos runner and the recovery
+    benchmark start the chief's agent from the launcher's settings plus a scenario's or a run's (peer copies,
+    keep_survivors); unchanged when none is given."""
+    if not peers:
+        return config
+    import yaml
+
+    doc = yaml.safe_load(config) or {}
+    doc["peers"] = {**(doc.get("peers") or {}), **peers}
+    return str(yaml.safe_dump(doc, sort_keys=False))
 
 
 def run_token_file(directory: Path) -> Path:

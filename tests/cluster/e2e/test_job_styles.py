@@ -441,3 +441,54 @@ def _json(line: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+# ----------------------------------------------------------------------------------------- in-process recovery
+#: The tutorial's custom loop in the form the user guide teaches for an in-process recovery (``build`` / ``train``
+#: under ``psguard.run_with_recovery``): the trainer never exits, its process rebuilds and restores. An example
+#: users copy, with the test's report appended.
+IN_PROCESS = Style(
+    script="integrations/examples/tutorial_custom_loop/train_in_process.py",
+    fit=False,
+    last_step=20,
+    kill_after=r"^Finished epoch 0,",
+    start=r"^Starting at epoch (\d+)",
+    per_run=True,
+    resumed_at_least=1,
+    args=lambda run, ckpt: [ckpt],
+    newest=_latest("ckpt"),
+    report=(
+        "\nfrom final_state import report\n\n"
+        'report(job["manager"].checkpoint, step=job["optimizer"].iterations.numpy())\n'
+    ),
+)
+_GENERATION = re.compile(r"event=generation_ready task=chief:0 generation=\d+ seconds=\S+ outcome=(\{.*\})")
+
+
+@pytest.mark.slow
+def test_the_tutorial_in_process_form_recovers_without_a_restart_and_keeps_the_surviving_ps(tmp_path: Path) -> None:
+    """PS 0 killed under the tutorial written with ``run_with_recovery``, wrap's default settings: one trainer
+    process throughout (it exits once, 0), one recovery, resumed from the epoch saved before the kill, ended in its
+    newest checkpoint's state bit for bit, and PS 1 (which survived) left running by the rejoin
+    (``peers.keep_survivors``, on by default), PS 0 restarted once."""
+    store = tmp_path / "store"
+    script = tmp_path / "jobs" / Path(IN_PROCESS.script).name
+    script.parent.mkdir()
+    script.write_text(IN_PROCESS.source())
+    run = run_job(IN_PROCESS, script, tmp_path, str(store), store)
+    assert run.code == 0, f"wrap exited {run.code}\n{run.tail()}"
+    assert _CHIEF_EXIT.findall(run.err) == ["0"], f"the trainer process was restarted\n{run.tail()}"
+    assert "Recovered 1 time(s) in process.\n" in run.lines, run.tail()
+    starts = [int(m.group(1)) for line in run.lines if (m := re.search(IN_PROCESS.start, line))]
+    assert starts[0] == 0 and len(starts) == 2 and starts[1] >= IN_PROCESS.resumed_at_least, (starts, run.tail())
+    finals = [doc for line in run.lines if line.startswith("{") and (doc := _json(line)).get("event") == "final"]
+    assert finals and finals[-1]["step"] == IN_PROCESS.last_step, run.tail()
+    assert finals[-1]["state"], "the job reported no variables"
+    assert _differences(finals[-1]["state"], _psguard_checkpoint(store)) == []
+    outcomes = [json.loads(m.group(1)) for m in _GENERATION.finditer(run.err)]
+    rejoin = [o for o in outcomes if any(v.startswith("kept") for v in o.values())]
+    assert rejoin, f"no generation kept the surviving PS: {outcomes}\n{run.tail()}"
+    # ps:1 left running; ps:0 restarted once: by its agent before the rejoin asked ("fresh"), or at its request
+    # when the trainer saw the failure first ("restarted")
+    ps = sorted(v.split(" ")[0] for v in rejoin[-1].values() if not v.startswith("skipped"))
+    assert ps in (["fresh", "kept"], ["kept", "restarted"]), rejoin

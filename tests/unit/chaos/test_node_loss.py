@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import yaml
 
-from psguard.agent.process.launcher import AGENT_CONFIG
+from psguard.agent.config import AgentConfig
+from psguard.agent.process.launcher import AGENT_CONFIG, with_peers
 from psguard.chaos.baseline import BaselineNemesis
 from psguard.chaos.checkers import check_all
 from psguard.chaos.history import HistoryWriter, operations, read_history
@@ -145,14 +146,29 @@ def test_with_peer_copies_the_chief_agent_is_asked_for_full_copies() -> None:
     assert {k: v for k, v in doc["peers"].items() if k != "copies"} == yaml.safe_load(AGENT_CONFIG)["peers"]
 
 
-def test_keep_survivors_gives_the_chief_agent_peers_keep_survivors_and_nothing_else() -> None:
-    assert _scenario().keep_survivors is False
-    s = _scenario(keep_survivors=True)
+def test_keep_survivors_false_gives_the_chief_agent_peers_keep_survivors_false_and_nothing_else() -> None:
+    assert _scenario().keep_survivors is True  # the agent's default: no key written
+    s = _scenario(keep_survivors=False)
     doc = yaml.safe_load(chief_config(s))
-    assert doc["peers"]["keep_survivors"] is True and "copies" not in doc["peers"]
+    assert doc["peers"]["keep_survivors"] is False and "copies" not in doc["peers"]
     assert {k: v for k, v in doc["peers"].items() if k != "keep_survivors"} == yaml.safe_load(AGENT_CONFIG)["peers"]
-    both = yaml.safe_load(chief_config(_scenario(keep_survivors=True, peer_copies=True)))
-    assert both["peers"]["keep_survivors"] is True and both["peers"]["copies"] == "full"
+    both = yaml.safe_load(chief_config(_scenario(keep_survivors=False, peer_copies=True)))
+    assert both["peers"]["keep_survivors"] is False and both["peers"]["copies"] == "full"
+    agent = from_data(AgentConfig, doc)  # the agent reads what the runner wrote
+    assert agent.peers.keep_survivors is False
+    assert from_data(AgentConfig, yaml.safe_load(AGENT_CONFIG)).peers.keep_survivors is True
+
+
+def test_with_peers_sets_peers_keys_over_the_config_and_changes_nothing_without_any() -> None:
+    assert with_peers(AGENT_CONFIG) == AGENT_CONFIG
+    doc = yaml.safe_load(with_peers(AGENT_CONFIG, copies="parity", parity_group=3))
+    base = yaml.safe_load(AGENT_CONFIG)
+    assert doc["peers"] == {**base["peers"], "copies": "parity", "parity_group": 3}
+    assert {k: v for k, v in doc.items() if k != "peers"} == {k: v for k, v in base.items() if k != "peers"}
+    assert yaml.safe_load(with_peers("probe: {interval: 1}\n", copies="full")) == {
+        "probe": {"interval": 1},
+        "peers": {"copies": "full"},
+    }
 
 
 # ------------------------------------------------------------------------------------------------ baseline
