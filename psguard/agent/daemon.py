@@ -235,6 +235,7 @@ class Agent:
             spool_dir=self.spool_dir,
             store=self.config.store,
             huge_pages=self.config.supervisor.huge_pages,
+            mmap_threshold_mb=self.config.supervisor.ps_mmap_threshold_mb,
             reconnect_backoff=self.config.supervisor.reconnect_backoff,
         )
 

@@ -51,14 +51,22 @@ def server_command(cluster: Mapping[str, Sequence[str]], role: str, index: int) 
 
 #: glibc's tunable for malloc to ask the kernel for transparent huge pages (``supervisor.huge_pages``).
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
+#: glibc's tunable that fixes the size from which malloc maps a block of its own (``supervisor.ps_mmap_threshold_mb``).
+MMAP_THRESHOLD_TUNABLE = "glibc.malloc.mmap_threshold"
+
+
+def with_malloc_tunable(env: dict[str, str], tunable: str) -> None:
+    """Add ``tunable`` (``glibc.malloc.NAME=VALUE``) to ``env``'s ``GLIBC_TUNABLES``, unless it sets that name
+    already (the user's choice stands). An older glibc ignores a name it does not know."""
+    current = env.get("GLIBC_TUNABLES", "")
+    name = tunable.partition("=")[0]
+    if f"{name}=" not in current:
+        env["GLIBC_TUNABLES"] = f"{current}:{tunable}" if current else tunable
 
 
 def with_huge_pages(env: dict[str, str]) -> None:
-    """Add :data:`HUGE_PAGES_TUNABLE` to ``env``'s ``GLIBC_TUNABLES``, unless it sets ``glibc.malloc.hugetlb``
-    already (the user's choice stands). An older glibc ignores the name; a kernel without THP, the advice."""
-    current = env.get("GLIBC_TUNABLES", "")
-    if "glibc.malloc.hugetlb=" not in current:
-        env["GLIBC_TUNABLES"] = f"{current}:{HUGE_PAGES_TUNABLE}" if current else HUGE_PAGES_TUNABLE
+    """:data:`HUGE_PAGES_TUNABLE` in ``env`` (a kernel without THP ignores the advice)."""
+    with_malloc_tunable(env, HUGE_PAGES_TUNABLE)
 
 
 #: TensorFlow's variable with gRPC arguments for every channel it makes (``name=value,...``), and the argument
@@ -94,17 +102,21 @@ def task_env(
     spool_dir: Path | None,
     store: str | None,
     huge_pages: bool = False,
+    mmap_threshold_mb: float = 0.0,
     reconnect_backoff: float = 0.0,
 ) -> dict[str, str]:
     """The task's environment: ``TF_CONFIG`` for its role and index, and the variables of
     :mod:`psguard.handoff.contract` (its agent's URL, token file and TLS files; the chief's spool and store);
-    a PS's malloc asks for huge pages with ``huge_pages`` (``supervisor.huge_pages``); TensorFlow's channels
+    a PS's malloc asks for huge pages with ``huge_pages`` (``supervisor.huge_pages``) and maps every block of
+    ``mmap_threshold_mb`` or more of its own (``supervisor.ps_mmap_threshold_mb``; 0: glibc's); TensorFlow's channels
     reconnect after ``reconnect_backoff`` seconds (``supervisor.reconnect_backoff``; 0: TensorFlow's 1 s)."""
     env = dict(os.environ)
     for key, value in QUIET_TENSORFLOW.items():
         env.setdefault(key, value)
     if huge_pages and role == "ps":
         with_huge_pages(env)
+    if mmap_threshold_mb > 0 and role == "ps":
+        with_malloc_tunable(env, f"{MMAP_THRESHOLD_TUNABLE}={round(mmap_threshold_mb * (1 << 20))}")
     if reconnect_backoff > 0:
         with_reconnect_backoff(env, reconnect_backoff)
     env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}, "rpc_layer": "grpc"})

@@ -153,6 +153,16 @@ class SupervisorConfig:
     # memory is freed: 0.2-0.25 s with 4 KB pages, a few ms with huge pages; and a restore of 512 MB took 0.45
     # instead of 0.65 s. A 1 GB job's recovery went from 2.4 to 1.8 s (BENCHMARKS.md, "1 GB").
     huge_pages: bool = True
+    # A PS's malloc maps every block of this size or more on its own, and unmaps it when freed
+    # (``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...``; a setting of the user's own is kept; 0: glibc's own
+    # rule). glibc's rule raises its threshold to the size of each mapped block freed, up to 32 MB, and from
+    # then on serves blocks below it from its heaps, which return freed memory to the kernel only from their top.
+    # A PS kept across in-process recoveries (peers.keep_survivors) frees one generation's variables and
+    # allocates the next's: with 32 MB shards its RSS grew ~60-100 MB per recovery under glibc's rule (1.8 GB
+    # after 20 recoveries of a 64 MB-per-PS job, soak 2026-12-06) and stayed flat at 4 MB (a 2-PS cluster, eight
+    # 32 MB variables a generation, eight generations: 633 -> 914 MB against 531 -> 549 MB). Blocks this large
+    # are a PS's variables and whole-shard copies, not its per-step work.
+    ps_mmap_threshold_mb: Annotated[float, Check(lambda n: n >= 0, ">= 0")] = 4.0
     # The first wait of TensorFlow's gRPC channels before they connect again to a task that refused them (a PS
     # being restarted), for every task this agent starts (``TF_GRPC_DEFAULT_OPTIONS``; a
     # ``grpc.initial_reconnect_backoff_ms`` of the user's own is kept; 0: TensorFlow's 1 s). The waits grow

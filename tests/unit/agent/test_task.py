@@ -15,6 +15,7 @@ from psguard.agent.config import AgentConfig, HttpConfig
 from psguard.agent.process.prober import GrpcStatusProbe, ProcessProbe, TcpProbe
 from psguard.agent.task import (
     HUGE_PAGES_TUNABLE,
+    MMAP_THRESHOLD_TUNABLE,
     RECONNECT_BACKOFF_ARG,
     TF_GRPC_OPTIONS,
     server_command,
@@ -22,6 +23,8 @@ from psguard.agent.task import (
     task_probes,
     task_record,
 )
+from psguard.config import from_data
+from psguard.errors import ConfigError
 from psguard.handoff.contract import (
     ENV_AGENT_CA,
     ENV_AGENT_CLIENT_CERT,
@@ -80,6 +83,70 @@ def test_a_ps_mallocs_with_huge_pages_and_a_users_own_tunables_stay(monkeypatch:
     assert tunables("ps") == f"glibc.malloc.arena_max=2:{HUGE_PAGES_TUNABLE}"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=0")
     assert tunables("ps") == "glibc.malloc.hugetlb=0"  # the user turned it off
+
+
+def test_a_ps_maps_its_large_blocks_itself_and_a_users_own_threshold_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    def tunables(role: str, mb: float = 4.0) -> str | None:
+        env = task_env(
+            CLUSTER, role, 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
+            mmap_threshold_mb=mb,
+        )  # fmt: skip
+        return env.get("GLIBC_TUNABLES")
+
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    assert tunables("ps") == f"{MMAP_THRESHOLD_TUNABLE}=4194304"
+    assert tunables("ps", 0.5) == f"{MMAP_THRESHOLD_TUNABLE}=524288"
+    assert tunables("worker") is None and tunables("chief") is None and tunables("ps", 0) is None
+    monkeypatch.setenv("GLIBC_TUNABLES", f"{MMAP_THRESHOLD_TUNABLE}=65536")
+    assert tunables("ps") == f"{MMAP_THRESHOLD_TUNABLE}=65536"  # the user's own
+    both = task_env(
+        CLUSTER, "ps", 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
+        huge_pages=True, mmap_threshold_mb=4,
+    )  # fmt: skip
+    assert both["GLIBC_TUNABLES"] == f"{MMAP_THRESHOLD_TUNABLE}=65536:{HUGE_PAGES_TUNABLE}"
+    assert from_data(AgentConfig, {"supervisor": {"ps_mmap_threshold_mb": 0}}).supervisor.ps_mmap_threshold_mb == 0
+    with pytest.raises(ConfigError, match="ps_mmap_threshold_mb"):
+        from_data(AgentConfig, {"supervisor": {"ps_mmap_threshold_mb": -1}})
+
+
+#: Frees 128 MB of 16 MB blocks below a block still in use, as a PS frees one generation's shards while it keeps
+#: others: under glibc's own rule (a 30 MB mapped block freed first raises its threshold) the blocks come from the
+#: heap, which cannot shrink below the block in use; prints the RSS kept after the frees, in MB.
+_RETAINED = """
+import ctypes
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return int(next(l.split()[1] for l in open('/proc/self/status') if l.startswith('VmRSS'))) >> 10
+libc.free(libc.malloc(30 << 20))
+blocks = [libc.malloc(16 << 20) for _ in range(8)]
+for b in blocks:
+    ctypes.memset(b, 1, 16 << 20)
+kept = libc.malloc(1 << 20)
+ctypes.memset(kept, 1, 1 << 20)
+before = rss()
+for b in blocks:
+    libc.free(b)
+print(rss() - (before - 128))
+"""
+
+
+def test_the_mmap_threshold_tunable_gives_freed_large_blocks_back_to_the_kernel() -> None:
+    """What ``supervisor.ps_mmap_threshold_mb`` is for, with this machine's glibc: 128 MB of 16 MB blocks freed
+    below a block in use stay in the process under glibc's own rule, and go back to the kernel with the tunable."""
+
+    def retained_mb(tunables: str | None) -> int:
+        env = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+        if tunables is not None:
+            env["GLIBC_TUNABLES"] = tunables
+        done = subprocess.run([sys.executable, "-c", _RETAINED], env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return int(done.stdout)
+
+    assert retained_mb(None) >= 100, "glibc's own rule gave the blocks back: the premise of the setting is gone"
+    assert retained_mb(f"{MMAP_THRESHOLD_TUNABLE}={4 << 20}") <= 16
 
 
 def test_the_huge_pages_tunable_gives_a_process_huge_pages_for_its_large_blocks() -> None:
