@@ -102,7 +102,7 @@ class Params:
     # memory tier gone) and a new agent starts with an empty part folder, as on a replacement node.
     fault: str = "process"
     copies: str = "none"  # psguard's peers.copies ("full": each PS agent holds a copy of another's shards)
-    keep_survivors: bool = True  # psguard's peers.keep_survivors (an in-process rejoin keeps a surviving PS)
+    keep_survivors: bool = False  # psguard's peers.keep_survivors (an in-process rejoin keeps a surviving PS)
     parity_group: int = 2  # with copies "parity": PS per XOR block (peers.parity_group)
     store: str = "local"  # psguard's durable log: "local" (a folder) or "s3" (a SeaweedFS server this run starts)
 
@@ -302,8 +302,8 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
             peers_settings["copies"] = p.copies
         if p.copies == "parity":
             peers_settings["parity_group"] = p.parity_group
-        if not p.keep_survivors:
-            peers_settings["keep_survivors"] = False
+        if p.keep_survivors:
+            peers_settings["keep_survivors"] = True
         chief_config = with_peers(config, **peers_settings)
         agents["chief"] = AgentProcess(root, "chief", args, trainer, config=chief_config, env=env)
         agents["chief"].wait_url(180)
@@ -670,7 +670,7 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         f"{runs} runs per side: table {p.vocab_size} x {p.embedding_dim} over {p.num_ps} PS, memory every "
         f"{p.memory_every}, durable every {p.durable_every}, kill -9 {what} at step {p.kill_at}, peer copies "
         f"{p.copies}, psguard's log on {'SeaweedFS (S3)' if p.store == 's3' else 'a local folder'}"
-        + ("" if p.keep_survivors else ", every PS restarted (peers.keep_survivors: false)")
+        + (", surviving PS kept (peers.keep_survivors)" if p.keep_survivors else "")
     )
     finished = False
     try:
@@ -751,10 +751,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--parity-group", type=int, default=Params.parity_group, help="PS per parity block (default 2)")
     p.add_argument(
-        "--restart-survivors",
-        dest="keep_survivors",
-        action="store_false",
-        help="psguard's peers.keep_survivors: false (the in-process rejoin restarts the PS that survived too)",
+        "--keep-survivors",
+        action="store_true",
+        help="psguard's peers.keep_survivors: the in-process rejoin leaves the PS that survived running",
     )
     p.add_argument(
         "--store",

@@ -72,12 +72,12 @@ def _port_busy(port: int) -> bool:
 
 def chief_config(scenario: Scenario) -> str:
     """The chief's agent config: the launcher's, plus ``peers: {copies: full}`` when the scenario runs with peer
-    copies and ``peers: {keep_survivors: false}`` when every PS is restarted by an in-process rejoin."""
+    copies and ``peers: {keep_survivors: true}`` when it keeps the PS that survive a failure."""
     peers: dict[str, object] = {}
     if scenario.peer_copies:
         peers["copies"] = "full"
-    if not scenario.keep_survivors:
-        peers["keep_survivors"] = False
+    if scenario.keep_survivors:
+        peers["keep_survivors"] = True
     return with_peers(AGENT_CONFIG, **peers)
 
 

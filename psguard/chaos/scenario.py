@@ -319,10 +319,9 @@ class Scenario:
     # The PS agents keep a copy of each other's shards (the chief's agent gets ``peers: {copies: full}``): a PS
     # node loss then keeps the memory tier. See the module docstring for how the checkers judge either way.
     peer_copies: bool = False
-    # false: the chief's agent gets ``peers: {keep_survivors: false}``, an in-process rejoin restarts every PS, the
-    # survivors too (psguard.agent.control.peers.PeersConfig.keep_survivors, on by default: only what died is
-    # restarted); the checkers judge the run as any other.
-    keep_survivors: bool = True
+    # The chief's agent gets ``peers: {keep_survivors: true}``: an in-process rejoin restarts only the PS that died
+    # (psguard.agent.control.peers.PeersConfig.keep_survivors); the checkers judge the run as any other.
+    keep_survivors: bool = False
     soak: SoakSpec | None = None  # ``psguard chaos soak``: faults at random times for a duration
 
     def __post_init__(self) -> None:

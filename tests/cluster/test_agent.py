@@ -894,14 +894,14 @@ E2E_CHAIN_TARGET = 140
 
 
 @pytest.mark.slow
-def test_an_in_process_rejoin_restarts_the_surviving_ps_with_keep_survivors_off(
+def test_an_in_process_rejoin_keeps_the_surviving_ps_when_asked(
     tmp_path: Path, agents: Callable[..., AgentProc]
 ) -> None:
-    """``peers: {keep_survivors: false}``: a PS killed, the trainer rejoins in process, and the chief's agent
-    restarts every PS, the survivor too (once per generation), as for a new trainer process; the new generation
-    restores from the memory tier and trains to the end. (The default keeps it: the five-fault chain.)"""
+    """``peers: {keep_survivors: true}``: a PS killed, the trainer rejoins in process, and the chief's agent
+    restarts only what died: the surviving PS keeps its process (its old variables go with the failed generation,
+    collected in the trainer's process), the new generation restores from the memory tier and trains to the end."""
     (tmp_path / "chief").mkdir()
-    (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", "peers: {keep_survivors: false, "))
+    (tmp_path / "chief" / "agent.yaml").write_text(FAST_CHIEF.replace("peers: {", "peers: {keep_survivors: true, "))
     job = E2E(tmp_path, agents, "inprocess", E2E_TARGET, faults=1)
     kill = job.fault_point(0)
     survivor = job.ps[1].status()["pid"]
@@ -915,10 +915,10 @@ def test_an_in_process_rejoin_restarts_the_surviving_ps_with_keep_survivors_off(
     assert failures in (1, 2), failures  # a second recovery now and then: see the five-fault chain
     for n in range(1, failures + 1):
         generation = job.doc(f"rejoin-{n}")
-        assert generation["peers"][job.ps[1].url] == "restarted", generation
+        assert generation["peers"][job.ps[1].url] == "kept (survived the failure)", generation
     after = job.ps[1].status()
-    assert after["pid"] != survivor and after["restarts"] == failures, after
-    assert "kept (survived the failure)" not in job.chief.log()
+    assert after["pid"] == survivor and after["restarts"] == 0, after
+    assert "kept (survived the failure)" in job.chief.log()
 
 
 @pytest.mark.slow
@@ -931,8 +931,7 @@ def test_end_to_end_five_faults_in_sequence_each_recovered_as_it_should(
 
     1. kill -9 of the worker: its agent restarts it and TensorFlow retries; no restore, the PS keep their state.
     2. kill -9 of a PS: the trainer rejoins in the same process, asking its agent (``POST /new-generation``)
-       to bring the PS back first (the dead one restarted, the survivor kept: ``peers.keep_survivors``), and
-       restores from the memory tier.
+       to restart every PS first, and restores from the memory tier.
     3. SIGSTOP of a PS under training: caught, restarted; the trainer recovers from the memory tier.
     4. kill -9 of the trainer: its agent restarts it; it restores from the memory tier; fresh PS servers.
     5. kill -9 of the chief's agent mid-training: no torn checkpoint; a new agent; training completes.
@@ -954,7 +953,6 @@ def test_end_to_end_five_faults_in_sequence_each_recovered_as_it_should(
     assert [p.status()["restarts"] for p in job.ps] == [0, 0]  # no new generation, the PS kept their state
 
     # 2. A PS killed: the trainer rejoins in process; its agent restarts every PS first.
-    survivor = job.ps[1].status()["pid"]
     job.go(1)
     os.kill(job.ps[0].status()["pid"], signal.SIGKILL)
     kill_next = job.fault_point(2)
@@ -977,11 +975,11 @@ def test_end_to_end_five_faults_in_sequence_each_recovered_as_it_should(
         assert later["restored"]["step"] >= second["restored"]["step"], later
     generation = job.doc(f"rejoin-{failures}")  # the last rejoin
     print(f"generation: {generation['peers']} in {generation['seconds']:.1f}s ({failures} recoveries)")
-    assert generation["peers"][job.ps[1].url] == "kept (survived the failure)"
+    assert generation["peers"][job.ps[1].url] == "restarted"
     assert generation["peers"][job.worker.url] == "skipped (worker)"
     assert job.worker.status()["restarts"] == 1  # the first fault's restart only
     assert job.chief.log().count("event=restarted task=chief:0") == 0
-    assert restarts[1] == 0 and job.ps[1].status()["pid"] == survivor, (restarts, generation)  # kept every time
+    assert restarts[1] == failures, (restarts, generation)  # the surviving PS: once per generation
     if failures == 1:
         # ps0 died and was restarted by its own agent: when that was after the trainer saw the failure, it is
         # fresh (no chief connected since) and not restarted again. When the generation's restart request
@@ -1022,12 +1020,11 @@ def test_end_to_end_five_faults_in_sequence_each_recovered_as_it_should(
     assert restored["source"] == "memory", restored  # the agent kept the tier across the trainer's crash
     assert restored["step"] >= acknowledged, (restored, acknowledged)  # nothing acknowledged was lost
     assert job.chief.log().count("event=restarted task=chief:0") == 1
-    # A new trainer process gets fresh PS servers (a dead chief's context would otherwise leak there). An
-    # in-process recovery right after (a worker's stale channel to a replaced PS) keeps them: both serve and
-    # started before its failure (peers.keep_survivors).
+    # A new trainer generation gets fresh PS servers (a dead chief's context would otherwise leak there). An
+    # in-process recovery right after (a worker's stale channel to a replaced PS) would add one each.
     later = gens[first + 1 :]
     assert all(g["restored"]["source"] == "memory" for g in later), later
-    assert [p.status()["restarts"] for p in job.ps] == [n + 1 for n in ps_restarts]
+    assert [p.status()["restarts"] for p in job.ps] == [n + 1 + len(later) for n in ps_restarts]
 
     # 5. The chief's agent killed: no torn checkpoint, and training completes under a new agent.
     before = job.chief.wait_status(lambda s: (s["durable_step"] or 0) >= 20, 60, "a durable checkpoint")

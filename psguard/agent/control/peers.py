@@ -45,14 +45,16 @@ class PeersConfig:
     restart_workers: bool = True
     # An in-process rejoin (run_with_recovery: the same trainer process) leaves a PS that survived the failure
     # running, serving and ready, instead of restarting it; a PS started after the failure is waited for as
-    # always, and a new trainer process restarts every PS whatever this says. Why it may: the failed generation is
-    # collected while the dead PS restarts, and its variables on the survivor are freed by their own handles on
-    # the same context (a survivor's RSS stayed flat over five in-process generations of a 128 MB table, and over
-    # a soak's SURVIVOR_SOAK; a new process's old context is never closed, hence restart_ps). Saves the
-    # survivors' restart (0.1 s of a 1 GB recovery, and part of the cluster reset). On since 2026-12-06, after
-    # six chaos scenarios and a 15-minute soak-ci (24 faults, 12 survivors kept) were valid with it; false
-    # restarts every PS as before (the scenario field keep_survivors: false).
-    keep_survivors: bool = True
+    # always, and a new trainer process restarts every PS whatever this says. Saves the survivors' restart (0.1 s
+    # of a 1 GB recovery, and part of the cluster reset). Off: a survivor's memory grows with every recovery it
+    # is kept through. Five in-process generations of one 128 MB variable per PS left it flat, and six chaos
+    # scenarios were valid with it, but a soak that kills ps:0 every ~25 s (the chaos demo job, 2,000,000 x 8
+    # Adagrad, 64 MB per PS; 2026-12-06) saw ps:1 grow 50-130 MB per recovery (530 MB -> 1.34 GB in five minutes), with
+    # the trainer holding no old variable (its live variables counted after each recovery: the same 82). Not the
+    # allocator (supervisor.ps_mmap_threshold_mb lowered the level, not the slope) nor the restore's mappings
+    # (only the current generation's mapped). Until that is found, keep it off where a PS may be kept through many
+    # recoveries.
+    keep_survivors: bool = False
     # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
     # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
     # memory twice over. "parity": one XOR block per group of ``parity_group`` PS tasks (ps:0..ps:K-1, ...), held

@@ -156,11 +156,11 @@ class SupervisorConfig:
     # A PS's malloc maps every block of this size or more on its own, and unmaps it when freed
     # (``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...``; a setting of the user's own is kept; 0: glibc's own
     # rule). glibc's rule raises its threshold to the size of each mapped block freed, up to 32 MB, and from
-    # then on serves blocks below it from its heaps, which return freed memory to the kernel only from their top.
-    # A PS kept across in-process recoveries (peers.keep_survivors) frees one generation's variables and
-    # allocates the next's: with 32 MB shards its RSS grew ~60-100 MB per recovery under glibc's rule (1.8 GB
-    # after 20 recoveries of a 64 MB-per-PS job, soak 2026-12-06) and stayed flat at 4 MB (a 2-PS cluster, eight
-    # 32 MB variables a generation, eight generations: 633 -> 914 MB against 531 -> 549 MB). Blocks this large
+    # then on serves blocks below it from its heaps, which give freed memory back to the kernel only from their
+    # top: a PS whose variables, slots and whole-shard copies are such blocks keeps what it freed. Measured: the
+    # chaos soak's job (2,000,000 x 8 Adagrad over 2 PS) had its PS at ~780 MB under glibc's rule and ~530 MB at
+    # 4 MB; a 2-PS cluster creating and freeing eight 32 MB variables a generation, PS kept, grew 633 -> 914 MB
+    # over eight generations under glibc's rule and stayed at 531-572 MB at 4 MB (2026-12-06). Blocks this large
     # are a PS's variables and whole-shard copies, not its per-step work.
     ps_mmap_threshold_mb: Annotated[float, Check(lambda n: n >= 0, ">= 0")] = 4.0
     # The first wait of TensorFlow's gRPC channels before they connect again to a task that refused them (a PS

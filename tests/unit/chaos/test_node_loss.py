@@ -146,17 +146,17 @@ def test_with_peer_copies_the_chief_agent_is_asked_for_full_copies() -> None:
     assert {k: v for k, v in doc["peers"].items() if k != "copies"} == yaml.safe_load(AGENT_CONFIG)["peers"]
 
 
-def test_keep_survivors_false_gives_the_chief_agent_peers_keep_survivors_false_and_nothing_else() -> None:
-    assert _scenario().keep_survivors is True  # the agent's default: no key written
-    s = _scenario(keep_survivors=False)
+def test_keep_survivors_gives_the_chief_agent_peers_keep_survivors_and_nothing_else() -> None:
+    assert _scenario().keep_survivors is False  # the agent's default: no key written
+    s = _scenario(keep_survivors=True)
     doc = yaml.safe_load(chief_config(s))
-    assert doc["peers"]["keep_survivors"] is False and "copies" not in doc["peers"]
+    assert doc["peers"]["keep_survivors"] is True and "copies" not in doc["peers"]
     assert {k: v for k, v in doc["peers"].items() if k != "keep_survivors"} == yaml.safe_load(AGENT_CONFIG)["peers"]
-    both = yaml.safe_load(chief_config(_scenario(keep_survivors=False, peer_copies=True)))
-    assert both["peers"]["keep_survivors"] is False and both["peers"]["copies"] == "full"
+    both = yaml.safe_load(chief_config(_scenario(keep_survivors=True, peer_copies=True)))
+    assert both["peers"]["keep_survivors"] is True and both["peers"]["copies"] == "full"
     agent = from_data(AgentConfig, doc)  # the agent reads what the runner wrote
-    assert agent.peers.keep_survivors is False
-    assert from_data(AgentConfig, yaml.safe_load(AGENT_CONFIG)).peers.keep_survivors is True
+    assert agent.peers.keep_survivors is True
+    assert from_data(AgentConfig, yaml.safe_load(AGENT_CONFIG)).peers.keep_survivors is False
 
 
 def test_with_peers_sets_peers_keys_over_the_config_and_changes_nothing_without_any() -> None:
