@@ -68,13 +68,18 @@ def test_a_chiefs_environment_carries_its_spool_its_store_and_mutual_tls_files(t
     assert env[ENV_AGENT_CLIENT_KEY] == str(Path("key.pem").resolve())
 
 
+def _tunables(role: str, *, huge_pages: bool = False, mmap_threshold_mb: float = 0.0) -> str | None:
+    """The ``GLIBC_TUNABLES`` a task of ``role`` gets."""
+    env = task_env(
+        CLUSTER, role, 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
+        huge_pages=huge_pages, mmap_threshold_mb=mmap_threshold_mb,
+    )  # fmt: skip
+    return env.get("GLIBC_TUNABLES")
+
+
 def test_a_ps_mallocs_with_huge_pages_and_a_users_own_tunables_stay(monkeypatch: pytest.MonkeyPatch) -> None:
     def tunables(role: str, huge_pages: bool = True) -> str | None:
-        env = task_env(
-            CLUSTER, role, 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
-            huge_pages=huge_pages,
-        )  # fmt: skip
-        return env.get("GLIBC_TUNABLES")
+        return _tunables(role, huge_pages=huge_pages)
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     assert tunables("ps") == HUGE_PAGES_TUNABLE
@@ -87,11 +92,7 @@ def test_a_ps_mallocs_with_huge_pages_and_a_users_own_tunables_stay(monkeypatch:
 
 def test_a_ps_maps_its_large_blocks_itself_and_a_users_own_threshold_stays(monkeypatch: pytest.MonkeyPatch) -> None:
     def tunables(role: str, mb: float = 4.0) -> str | None:
-        env = task_env(
-            CLUSTER, role, 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
-            mmap_threshold_mb=mb,
-        )  # fmt: skip
-        return env.get("GLIBC_TUNABLES")
+        return _tunables(role, mmap_threshold_mb=mb)
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     assert tunables("ps") == f"{MMAP_THRESHOLD_TUNABLE}=4194304"
@@ -99,11 +100,7 @@ def test_a_ps_maps_its_large_blocks_itself_and_a_users_own_threshold_stays(monke
     assert tunables("worker") is None and tunables("chief") is None and tunables("ps", 0) is None
     monkeypatch.setenv("GLIBC_TUNABLES", f"{MMAP_THRESHOLD_TUNABLE}=65536")
     assert tunables("ps") == f"{MMAP_THRESHOLD_TUNABLE}=65536"  # the user's own
-    both = task_env(
-        CLUSTER, "ps", 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
-        huge_pages=True, mmap_threshold_mb=4,
-    )  # fmt: skip
-    assert both["GLIBC_TUNABLES"] == f"{MMAP_THRESHOLD_TUNABLE}=65536:{HUGE_PAGES_TUNABLE}"
+    assert _tunables("ps", huge_pages=True, mmap_threshold_mb=4) == f"{MMAP_THRESHOLD_TUNABLE}=65536:{HUGE_PAGES_TUNABLE}"
     assert from_data(AgentConfig, {"supervisor": {"ps_mmap_threshold_mb": 0}}).supervisor.ps_mmap_threshold_mb == 0
     with pytest.raises(ConfigError, match="ps_mmap_threshold_mb"):
         from_data(AgentConfig, {"supervisor": {"ps_mmap_threshold_mb": -1}})
