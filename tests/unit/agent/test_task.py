@@ -100,7 +100,8 @@ def test_a_ps_maps_its_large_blocks_itself_and_a_users_own_threshold_stays(monke
     assert tunables("worker") is None and tunables("chief") is None and tunables("ps", 0) is None
     monkeypatch.setenv("GLIBC_TUNABLES", f"{MMAP_THRESHOLD_TUNABLE}=65536")
     assert tunables("ps") == f"{MMAP_THRESHOLD_TUNABLE}=65536"  # the user's own
-    assert _tunables("ps", huge_pages=True, mmap_threshold_mb=4) == f"{MMAP_THRESHOLD_TUNABLE}=65536:{HUGE_PAGES_TUNABLE}"
+    both = _tunables("ps", huge_pages=True, mmap_threshold_mb=4)
+    assert both == f"{MMAP_THRESHOLD_TUNABLE}=65536:{HUGE_PAGES_TUNABLE}"
     assert from_data(AgentConfig, {"supervisor": {"ps_mmap_threshold_mb": 0}}).supervisor.ps_mmap_threshold_mb == 0
     with pytest.raises(ConfigError, match="ps_mmap_threshold_mb"):
         from_data(AgentConfig, {"supervisor": {"ps_mmap_threshold_mb": -1}})
