@@ -52,8 +52,10 @@ class PeersConfig:
     # Adagrad, 64 MB per PS; 2026-12-06) saw ps:1 grow 50-130 MB per recovery (530 MB -> 1.34 GB in five minutes), with
     # the trainer holding no old variable (its live variables counted after each recovery: the same 82). Not the
     # allocator (supervisor.ps_mmap_threshold_mb lowered the level, not the slope) nor the restore's mappings
-    # (only the current generation's mapped). Until that is found, keep it off where a PS may be kept through many
-    # recoveries.
+    # (only the current generation's mapped). It comes with the manager's captures and restores: without a
+    # manager, or with one that neither captures nor restores, a kept PS stays flat (docs/bench/
+    # keep_survivors_rss.py reproduces it in a minute, per mode). Until that is found, keep it off where a PS
+    # may be kept through many recoveries.
     keep_survivors: bool = False
     # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
     # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
