@@ -17,8 +17,15 @@ all), `norestore` (saves, never restores), `restoreonly` (saves in the first gen
 The growth is in mappings of 61-63 MB (glibc's arena heaps: small blocks live or stranded), one or two more per
 generation; `glibc.malloc.arena_max=2` did not stop it; clearing psguard's cached capture functions between
 generations (`CLEARFN=1`) did not either (+73). The trainer holds no old variable (live variables counted at each
-build: the same). So something a capture or a restore leaves on a surviving PS per generation, in blocks under
-4 MB, is not freed when the generation goes. Run (from the repository, TF quiet):
+build: the same). Found with gc referrers (2026-12-06, restoreonly): the chief holds 24 more variable handles on ps:1 per
+generation (10 -> 34 -> 58) in the captures of `tf.cond` branch graphs (`cond_true_*`, `cond_false_*`,
+`cond_cond_*`) of the capture/load/rebase functions psguard caches across generations
+(`psguard.trainer.capture_graph._FUNCTIONS`). An anonymous variable lives on its PS as long as a handle to it does,
+so the old generations' shards stay on a kept PS. Clearing that cache (and `recovery._TOUCH`) at each recovery keeps
+the handles at 10, but ps:1 still grew ~64 MB per generation (545 -> 737 over three): the functions instantiated
+again on the survivor each generation, presumably (its eager context keeps every function registered). Direction:
+trace those functions with the variables as real arguments (no eager handle captured in a branch), so that one
+instantiation serves every generation and holds none of them. Run (from the repository, TF quiet):
 
     PYTHONPATH=. GLIBC_TUNABLES=glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=4194304 \
         python docs/bench/keep_survivors_rss.py /tmp/kept 5 restoreonly
