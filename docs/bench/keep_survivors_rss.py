@@ -19,10 +19,12 @@ generation; `glibc.malloc.arena_max=2` did not stop it; clearing psguard's cache
 generations (`CLEARFN=1`) did not either (+73). The trainer holds no old variable (live variables counted at each
 build: the same). Found with gc referrers (2026-12-06, restoreonly): the chief holds 24 more variable handles on ps:1 per
 generation (10 -> 34 -> 58) in the captures of `tf.cond` branch graphs (`cond_true_*`, `cond_false_*`,
-`cond_cond_*`) of the capture/load/rebase functions psguard caches across generations
-(`psguard.trainer.capture_graph._FUNCTIONS`). An anonymous variable lives on its PS as long as a handle to it does,
-so the old generations' shards stay on a kept PS. Clearing that cache (and `recovery._TOUCH`) at each recovery keeps
-the handles at 10, but ps:1 still grew ~64 MB per generation (545 -> 737 over three): the functions instantiated
+`cond_cond_*`, some traced in later generations) reachable from the functions psguard keeps across generations:
+clearing `psguard.trainer.capture_graph._FUNCTIONS` and `psguard.trainer.recovery._TOUCH` at each recovery keeps
+the handles at 10. Which function traces those conds per generation is not pinned down: the cached capture and
+rebase functions themselves were traced once (`experimental_get_tracing_count()` 1 in every generation). An
+anonymous variable lives on its PS as long as a handle to it does, so the old generations' shards stay on a kept
+PS. With the caches cleared the handles stay at 10, but ps:1 still grew ~64 MB per generation (545 -> 737 over three): the functions instantiated
 again on the survivor each generation, presumably (its eager context keeps every function registered). Direction:
 trace those functions with the variables as real arguments (no eager handle captured in a branch), so that one
 instantiation serves every generation and holds none of them. Run (from the repository, TF quiet):

@@ -54,10 +54,10 @@ class PeersConfig:
     # allocator (supervisor.ps_mmap_threshold_mb lowered the level, not the slope) nor the restore's mappings
     # (only the current generation's mapped). It comes with the manager's captures and restores: without a
     # manager, or with one that neither captures nor restores, a kept PS stays flat (docs/bench/
-    # keep_survivors_rss.py reproduces it in a minute, per mode): psguard's cached capture/load functions hold
-    # every generation's variable handles in their tf.cond branches' captures, which keeps those variables on the
-    # PS (its docstring has the evidence and a direction). Until that is fixed, keep it off where a PS may be
-    # kept through many recoveries.
+    # keep_survivors_rss.py reproduces it in a minute, per mode): tf.cond branch graphs reachable from the
+    # functions psguard keeps across generations hold every generation's variable handles, which keeps those
+    # variables on the PS (its docstring has the evidence and a direction). Until that is fixed, keep it off
+    # where a PS may be kept through many recoveries.
     keep_survivors: bool = False
     # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
     # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
