@@ -57,16 +57,12 @@ MMAP_THRESHOLD_TUNABLE = "glibc.malloc.mmap_threshold"
 
 def with_malloc_tunable(env: dict[str, str], tunable: str) -> None:
     """Add ``tunable`` (``glibc.malloc.NAME=VALUE``) to ``env``'s ``GLIBC_TUNABLES``, unless it sets that name
-    already (the user's choice stands). An older glibc ignores a name it does not know."""
+    already (the user's choice stands). An older glibc ignores a name it does not know; a kernel without THP, the
+    huge-pages advice."""
     current = env.get("GLIBC_TUNABLES", "")
     name = tunable.partition("=")[0]
     if f"{name}=" not in current:
         env["GLIBC_TUNABLES"] = f"{current}:{tunable}" if current else tunable
-
-
-def with_huge_pages(env: dict[str, str]) -> None:
-    """:data:`HUGE_PAGES_TUNABLE` in ``env`` (a kernel without THP ignores the advice)."""
-    with_malloc_tunable(env, HUGE_PAGES_TUNABLE)
 
 
 #: TensorFlow's variable with gRPC arguments for every channel it makes (``name=value,...``), and the argument
@@ -114,7 +110,7 @@ def task_env(
     for key, value in QUIET_TENSORFLOW.items():
         env.setdefault(key, value)
     if huge_pages and role == "ps":
-        with_huge_pages(env)
+        with_malloc_tunable(env, HUGE_PAGES_TUNABLE)
     if mmap_threshold_mb > 0 and role == "ps":
         with_malloc_tunable(env, f"{MMAP_THRESHOLD_TUNABLE}={round(mmap_threshold_mb * (1 << 20))}")
     if reconnect_backoff > 0:

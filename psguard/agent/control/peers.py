@@ -46,18 +46,11 @@ class PeersConfig:
     # An in-process rejoin (run_with_recovery: the same trainer process) leaves a PS that survived the failure
     # running, serving and ready, instead of restarting it; a PS started after the failure is waited for as
     # always, and a new trainer process restarts every PS whatever this says. Saves the survivors' restart (0.1 s
-    # of a 1 GB recovery, and part of the cluster reset). Off: a survivor's memory grows with every recovery it
-    # is kept through. Five in-process generations of one 128 MB variable per PS left it flat, and six chaos
-    # scenarios were valid with it, but a soak that kills ps:0 every ~25 s (the chaos demo job, 2,000,000 x 8
-    # Adagrad, 64 MB per PS; 2026-12-06) saw ps:1 grow 50-130 MB per recovery (530 MB -> 1.34 GB in five minutes), with
-    # the trainer holding no old variable (its live variables counted after each recovery: the same 82). Not the
-    # allocator (supervisor.ps_mmap_threshold_mb lowered the level, not the slope) nor the restore's mappings
-    # (only the current generation's mapped). It comes with the manager's captures and restores: without a
-    # manager, or with one that neither captures nor restores, a kept PS stays flat (docs/bench/
-    # keep_survivors_rss.py reproduces it in a minute, per mode): tf.cond branch graphs reachable from the
-    # functions psguard keeps across generations hold every generation's variable handles, which keeps those
-    # variables on the PS (its docstring has the evidence and a direction). Until that is fixed, keep it off
-    # where a PS may be kept through many recoveries.
+    # of a 1 GB recovery, and part of the cluster reset). Off by default: a kept PS grows with every recovery
+    # when the manager captures or restores (50-130 MB per recovery at 64 MB per PS, soak of 2026-12-06): tf.cond
+    # branch graphs reachable from the functions psguard keeps across generations hold each generation's variable
+    # handles, which keeps those variables on the PS. docs/bench/keep_survivors_rss.py reproduces it in a minute
+    # and has the evidence; BENCHMARKS.md ("chaos soak") the soaks.
     keep_survivors: bool = False
     # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
     # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
