@@ -21,6 +21,7 @@ from psguard.policy.engine import (
     YoungDaly,
     young_daly_interval,
 )
+from psguard.policy.lag import LagBound
 
 __all__ = [
     "AnyOf",
@@ -30,6 +31,7 @@ __all__ = [
     "Decision",
     "EveryInterval",
     "EverySteps",
+    "LagBound",
     "OnPreemption",
     "Retention",
     "SaveContext",

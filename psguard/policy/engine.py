@@ -42,6 +42,7 @@ from croniter import croniter
 
 from psguard.config import Check, Duration, format_duration, invalid, validate
 from psguard.handoff.contract import Tier
+from psguard.policy.lag import LagBound
 from psguard.store.durable import BaseRule, ChainState
 from psguard.store.retention import Candidate, select_kept
 
@@ -535,6 +536,8 @@ class Schedule:
     durable: SavePolicy | None = None
     base: SavePolicy | None = None
     on_preemption: frozenset[Tier] = frozenset({Tier.MEMORY})
+    #: How far the durable log may trail this schedule's durable saves (:mod:`psguard.policy.lag`).
+    durable_lag: LagBound = dataclasses.field(default_factory=LagBound)
 
     def policy(self, tier: Tier) -> SavePolicy | None:
         """The policy of ``tier``."""
@@ -545,6 +548,7 @@ class Schedule:
         """Tier -> what its policy does, for ``psguard policy check`` and status pages."""
         out = {t.value: (p.describe() if (p := self.policy(t)) else "never") for t in _TIER_ORDER}
         out["preemption"] = _names(self.on_preemption) or "ignored"
+        out["durable_lag"] = self.durable_lag.describe()
         return out
 
     def decide(self, step: int, now: float, context: SaveContext) -> Decision:

@@ -48,6 +48,7 @@ from psguard.policy.engine import (
     Schedule,
     YoungDaly,
 )
+from psguard.policy.lag import LagBound
 
 __all__ = [
     "BaseSpec",
@@ -194,6 +195,7 @@ class PolicySpec:
     preemption: PreemptionSpec = PreemptionSpec()
     retention: Retention = field(default_factory=Retention)
     hang: HangSpec = HangSpec()
+    durable_lag: LagBound = field(default_factory=LagBound)
 
     def __post_init__(self) -> None:
         if self.memory.policy() is None and self.durable.policy() is None:
@@ -207,6 +209,7 @@ class PolicySpec:
             durable=self.durable.policy(),
             base=self.base.policy(),
             on_preemption=frozenset(Tier(t) for t in self.preemption.tiers),
+            durable_lag=self.durable_lag,
         )
 
     def summary(self) -> dict[str, str]:

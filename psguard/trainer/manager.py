@@ -45,11 +45,13 @@ from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_
 from psguard.handoff.spool import DeltaWithoutParentError, Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
+from psguard.policy.lag import LagBound
 from psguard.storage.registry import canonical_url
 from psguard.store import Store
 from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.capture import Capturer
 from psguard.trainer.capture_graph import join_warming
+from psguard.trainer.durable_lag import LagGuard, LagStatus
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
 from psguard.trainer.preemption import PreemptionHandler
 from psguard.trainer.registry import process_managers
@@ -351,6 +353,10 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                 new_base_after=NEW_BASE_AFTER,
                 on_parent_missing=self._forget_state,
             )
+        self._lag = LagGuard(
+            self._lag_bound, agent_alive=self._sink.spool.agent_alive if isinstance(self._sink, AgentSink) else None
+        )
+        self.last_hold_seconds = 0.0
         #: What the user set (``None``: the writer's default, NEW_BASE_AFTER or the agent's ``max_chain``).
         self._new_base_after = new_base_after
         self._sink.set_new_base_after(new_base_after)
@@ -491,7 +497,22 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
             ):
                 return None
             self._last_checkpoint_step = current
-        return self._save(checkpoint_number, metrics=metrics, tiers=tiers)
+        handle = self._save(checkpoint_number, metrics=metrics, tiers=tiers)
+        self._hold(handle.step)
+        return handle
+
+    def _lag_bound(self) -> LagBound:
+        schedule = self.schedule
+        return schedule.durable_lag if schedule is not None else LagBound()
+
+    def _hold(self, step: int) -> None:
+        """Wait while the durable log trails past the policy's ``durable_lag`` (:mod:`psguard.policy.lag`)."""
+        self.last_hold_seconds = self._lag.check(step)
+
+    @property
+    def durable_lag(self) -> LagStatus:
+        """How far training is past the oldest save still waiting to be durable, and the holds so far."""
+        return self._lag.status()
 
     def _save(
         self,
@@ -554,6 +575,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                     # (it did not apply it) came after whole_next() was asked. The same state, whole this time.
                     log.warning("step %d: an earlier capture was not applied; capturing it whole", step)
                     full = True
+        self._lag.submitted(handle)
         log.info("captured step %d in %.3fs (%s)", step, stall, summary(updates))
         return handle
 
@@ -572,7 +594,9 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         """Ask the policy; save when it says so. Without a policy, never saves (call :meth:`save`)."""
         schedule = self.schedule
         if schedule is None:
-            self._beat(self._step_for(step))
+            step = self._step_for(step)
+            self._beat(step)
+            self._hold(step)
             return None
         step = self._step_for(step)
         process_managers.note_step(self.directory, step)
@@ -584,8 +608,11 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         ctx = replace(ctx, in_flight=self._sink.busy())
         decision = schedule.decide(step, now, ctx)
         if not decision or not self._sink.takes(decision.tiers, decision.urgent):
+            self._hold(step)
             return None
         handle = self._save(step, metrics=metrics, tiers=decision.tiers)
+        if not decision.urgent:  # a preempted job has its grace period to spend, not to wait for the store
+            self._hold(step)
         self.context = ctx.with_save(decision.tiers, step=step, at=now, stall=handle.stall_seconds)
         log.info("save at step %d: %s", step, decision.reason)
         if decision.urgent and self._preemption is not None:

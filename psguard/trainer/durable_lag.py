@@ -1,0 +1,167 @@
+"""The trainer's side of the durable lag bound (:mod:`psguard.policy.lag`): measure the lag, hold when it is past.
+
+Only the trainer can hold training, and only it knows which captures were due for the durable tier, so the rule is
+enforced here, at the manager's two points of control: right after a save is handed off and at every
+``maybe_save``. A capture counts from the moment it is handed off until its durable answer is in (committed or
+failed). While the oldest such capture would be more than ``max_steps`` behind after the next step (or has waited
+more than ``max_seconds``), the manager waits on its handle.
+
+A failed durable write ends the wait and turns holding off until a durable save succeeds again: an outage must not
+stop training that its memory tier keeps restorable, and TF's own saver would have failed the job instead. A wait
+also ends when no agent holds the spool any more (its answer can never come). Both are logged once, with what
+the user can do.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from psguard.policy.lag import LagBound
+from psguard.trainer.sinks import SaveHandle
+
+__all__ = ["LagGuard", "LagStatus"]
+
+log = logging.getLogger(__name__)
+
+#: Seconds between the progress lines of a long hold (a 1 GB base on object storage takes a minute).
+PROGRESS_EVERY = 10.0
+
+
+@dataclass(frozen=True)
+class LagStatus:
+    """The durable lag as the trainer sees it. ``steps``/``seconds``: how far training is past the oldest capture
+    still waiting for its durable answer (0 when none waits); ``failing``: the last durable answer was a failure
+    (holding is off until one succeeds)."""
+
+    steps: int
+    seconds: float
+    pending: int
+    holds: int
+    held_seconds: float
+    failing: bool
+    last_durable_step: int | None
+
+
+class LagGuard:
+    """Counts the captures waiting for their durable answer and holds training past the bound."""
+
+    def __init__(
+        self,
+        bound: Callable[[], LagBound],
+        *,
+        agent_alive: Callable[[], bool] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        progress_every: float = PROGRESS_EVERY,
+    ) -> None:
+        self._bound = bound
+        self._progress_every = progress_every
+        self._agent_alive = agent_alive
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._pending: list[tuple[SaveHandle, float]] = []  # (handle, when handed off), oldest first
+        self._step: int | None = None
+        self._holds = 0
+        self._held = 0.0
+        self._failing = False
+        self._last_durable: int | None = None
+
+    def submitted(self, handle: SaveHandle) -> None:
+        """A save was handed off; it counts when it was asked for the durable tier."""
+        if handle.durable:
+            with self._lock:
+                self._pending.append((handle, self._clock()))
+
+    def check(self, step: int) -> float:
+        """Training is at ``step`` and about to go on: hold while the bound says so. Returns the seconds held."""
+        self._step = step
+        bound = self._bound()
+        held = 0.0
+        while True:
+            oldest = self._settle()
+            if oldest is None or not bound.holds or self._failing:
+                break
+            handle, since = oldest
+            if not bound.exceeded(step + 1 - handle.step, self._clock() - since):
+                break
+            t0 = self._clock()
+            if held == 0.0:
+                self._holds += 1
+                log.info(
+                    "event=durable_hold step=%d waiting_for=%d: training waits for the durable commit of step %d "
+                    "(durable_lag: %s)",
+                    step,
+                    handle.step,
+                    handle.step,
+                    bound.describe(),
+                )
+            try:
+                handle.exception(timeout=self._progress_every)
+            except TimeoutError:
+                if self._agent_alive is not None and not self._agent_alive():
+                    log.warning(
+                        "event=durable_hold_abandoned step=%d: no agent holds the spool any more, so the durable "
+                        "answer for step %d cannot come; training goes on",
+                        step,
+                        handle.step,
+                    )
+                    with self._lock:
+                        self._pending.clear()
+                    held += self._clock() - t0
+                    break
+                log.info(
+                    "event=durable_hold step=%d waiting_for=%d held_s=%.1f: still waiting for the durable log",
+                    step,
+                    handle.step,
+                    held + self._clock() - t0,
+                )
+            held += self._clock() - t0
+        self._held += held
+        return held
+
+    def _settle(self) -> tuple[SaveHandle, float] | None:
+        """Drop the captures whose durable answer is in (noting the last success or failure); the oldest left."""
+        with self._lock:
+            left = []
+            for handle, since in self._pending:
+                if not handle.done():
+                    left.append((handle, since))
+                    continue
+                error = handle.exception(timeout=0)
+                if error is None:
+                    self._last_durable = max(self._last_durable or handle.step, handle.step)
+                    if self._failing:
+                        log.info("event=durable_recovered step=%d: the durable log takes commits again", handle.step)
+                    self._failing = False
+                elif not self._failing:
+                    self._failing = True
+                    log.warning(
+                        "event=durable_failing step=%d error=%r: a durable save failed; training goes on without "
+                        "waiting for the durable log (the memory tier keeps saves restorable) until one succeeds",
+                        handle.step,
+                        str(error)[:300],
+                    )
+            self._pending = left
+            return left[0] if left else None
+
+    def status(self) -> LagStatus:
+        """The lag now (for the manager's ``status()`` and the demo's summary)."""
+        oldest = self._settle()
+        steps = seconds = 0.0
+        if oldest is not None:
+            handle, since = oldest
+            steps = max(0, (self._step if self._step is not None else handle.step) - handle.step)
+            seconds = max(0.0, self._clock() - since)
+        with self._lock:
+            return LagStatus(
+                steps=int(steps),
+                seconds=float(seconds),
+                pending=len(self._pending),
+                holds=self._holds,
+                held_seconds=self._held,
+                failing=self._failing,
+                last_durable_step=self._last_durable,
+            )
