@@ -414,6 +414,8 @@ class Agent:
             ).start()
             self.metrics.persist_lag_steps.set_function(self._lag_steps)
             self.metrics.persist_queue_depth.set_function(lambda: float(persister.status().pending_requests))
+            self.metrics.durable_lag_steps.set_function(lambda: float(persister.status().durable_lag_steps))
+            self.metrics.durable_lag_seconds.set_function(lambda: persister.status().durable_lag_seconds)
         self.spool_dir = Path(cfg.spool) if cfg.spool else default_spool_dir(cfg.job)
         self.spool = SpoolServer(
             self.spool_dir, tier, persister, on_event=self._on_spool_event, shards=self.shard_client
@@ -772,6 +774,8 @@ class Agent:
                     "durable_step": durable_step,
                     "durable_checkpoint": durable_id,
                     "persist_lag_steps": persister.lag_steps if persister else None,
+                    "durable_lag_steps": persister.durable_lag_steps if persister else None,
+                    "durable_lag_seconds": round(persister.durable_lag_seconds, 3) if persister else None,
                     "persister": (
                         {
                             "pending_requests": persister.pending_requests,

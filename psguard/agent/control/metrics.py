@@ -22,6 +22,10 @@ name                                            type       labels       meaning
                                                                         (``memory``, ``durable``)
 ``psguard_last_checkpoint_timestamp_seconds``   gauge      tier         when it was taken (Unix time): alert on age
 ``psguard_persist_lag_steps``                   gauge                   steps the durable tier is behind memory
+``psguard_durable_lag_steps``                   gauge                   steps from the newest commit to the newest
+                                                                        save due to be durable (0: none waits)
+``psguard_durable_lag_seconds``                 gauge                   how long the oldest save due to be durable
+                                                                        has waited for its commit (0: none waits)
 ``psguard_persist_queue_depth``                 gauge                   captures waiting to be persisted
 ``psguard_bytes_persisted_total``               counter                 bytes written to the durable log
 ``psguard_persist_failures_total``             counter                 durable writes that failed (retried later)
@@ -89,6 +93,8 @@ LAST_CHECKPOINT_STEP = "psguard_last_checkpoint_step"
 LAST_CHECKPOINT_TIMESTAMP_SECONDS = "psguard_last_checkpoint_timestamp_seconds"
 PERSIST_LAG_STEPS = "psguard_persist_lag_steps"
 PERSIST_QUEUE_DEPTH = "psguard_persist_queue_depth"
+DURABLE_LAG_STEPS = "psguard_durable_lag_steps"
+DURABLE_LAG_SECONDS = "psguard_durable_lag_seconds"
 BYTES_PERSISTED_TOTAL = "psguard_bytes_persisted_total"
 PERSIST_FAILURES_TOTAL = "psguard_persist_failures_total"
 RECOVERY_SECONDS = "psguard_recovery_seconds"
@@ -403,6 +409,8 @@ class AgentMetrics:
     last_checkpoint_timestamp: Gauge
     persist_lag_steps: Gauge
     persist_queue_depth: Gauge
+    durable_lag_steps: Gauge
+    durable_lag_seconds: Gauge
     bytes_persisted: Counter
     persist_failures: Counter
     recovery_seconds: Histogram
@@ -437,6 +445,12 @@ class AgentMetrics:
             ),
             persist_lag_steps=r.gauge(PERSIST_LAG_STEPS, "Steps by which the durable tier trails the memory tier."),
             persist_queue_depth=r.gauge(PERSIST_QUEUE_DEPTH, "Captures waiting to be written to the durable log."),
+            durable_lag_steps=r.gauge(
+                DURABLE_LAG_STEPS, "Steps from the newest durable commit to the newest save due to be durable."
+            ),
+            durable_lag_seconds=r.gauge(
+                DURABLE_LAG_SECONDS, "Seconds the oldest save due to be durable has waited for its commit."
+            ),
             bytes_persisted=r.counter(BYTES_PERSISTED_TOTAL, "Bytes written to the durable log."),
             persist_failures=r.counter(
                 PERSIST_FAILURES_TOTAL, "Writes to the durable log that failed (the capture is retried later)."

@@ -89,6 +89,10 @@ class PersisterStatus:
     consecutive_failures: int
     last_error: str | None
     last_error_at: float | None
+    #: The durable lag (:mod:`psguard.policy.lag`): from the newest step asked to be durable and not committed
+    #: yet, the steps past the newest commit (0 when nothing waits), and how long the oldest such request waited.
+    durable_lag_steps: int = 0
+    durable_lag_seconds: float = 0.0
 
 
 class PersistHandle:
@@ -176,6 +180,7 @@ class Persister:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = False
         self._last_token: str | None = None  # the memory-tier token of the last commit's state
+        self._due: list[tuple[int, float]] = []  # (step, when asked) of durable requests no commit covers yet
         # counters
         self._written = 0
         self._bytes = 0
@@ -241,13 +246,31 @@ class Persister:
             if self._pending is None:
                 self._pending = PersistHandle()
             self._pending._add(step, new_base)
+            if step is not None:
+                self._due.append((step, time.time()))
             self._cond.notify_all()
             return self._pending
+
+    def start_first_base(self) -> bool:
+        """Write the tier's state as the log's first base now, when the log has none and nothing is on its way.
+
+        A job's first durable save is its whole state (1 GB takes a minute to object storage here). Started at the
+        first capture instead of the first durable one, it is written while training runs, so the first durable
+        save only waits for what is left (a delta) and a node lost early has a base to restore from. Returns
+        whether a write was started."""
+        with self._cond:
+            if self._stopping or self._last is not None or self._pending is not None or self._in_flight is not None:
+                return False
+            self._pending = PersistHandle(internal=True)
+            self._pending._add(None, False)
+            self._cond.notify_all()
+            return True
 
     def status(self) -> PersisterStatus:
         with self._cond:
             mem = self.tier.step
             last_step = self._last.step if self._last else None
+            lag_steps, lag_seconds = self._durable_lag(last_step)
             return PersisterStatus(
                 running=self._started and self._thread.is_alive() and not self._stopping,
                 last_id=self._last.id if self._last else None,
@@ -263,7 +286,16 @@ class Persister:
                 consecutive_failures=self._consecutive_failures,
                 last_error=self._last_error,
                 last_error_at=self._last_error_at,
+                durable_lag_steps=lag_steps,
+                durable_lag_seconds=lag_seconds,
             )
+
+    def _durable_lag(self, last_step: int | None) -> tuple[int, float]:
+        """(steps, seconds) of the durable lag; call under the lock."""
+        if not self._due:
+            return 0, 0.0
+        newest = max(step for step, _ in self._due)
+        return max(0, newest - (last_step or 0)), max(0.0, time.time() - self._due[0][1])
 
     # ------------------------------------------------------------------------------------------- the thread
     def _next_batch(self) -> PersistHandle | None:
@@ -413,6 +445,7 @@ class Persister:
         self._follow_trainer(info)
         with self._cond:
             self._last_token = take.token
+            self._due = [(step, at) for step, at in self._due if step > info.step]
             self._written += 1
             self._bytes += info.stored_bytes
             self._consecutive_failures = 0

@@ -417,6 +417,8 @@ class SpoolServer:
                 self._write_durable_ack(DurableAck(seq, "error", None, None, str(e)))
             else:
                 handle.add_done_callback(functools.partial(self._durable_done, seq))
+        elif ack.status == "ok" and self.persister is not None and self.persister.start_first_base():
+            log.info("event=first_base step=%s: the durable log has no base yet; writing this state as its base", step)
         shutil.rmtree(folder, ignore_errors=True)
         self._counts[ack.status] = self._counts.get(ack.status, 0) + 1
         self._bytes += nbytes

@@ -419,3 +419,43 @@ def test_retention_asked_by_the_trainer_is_applied_after_each_commit(store: Stor
     # the malformed request at step 6 is ignored (a warning), never applied half-way
     assert kept == [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4], [4, 5], [4, 5, 6]], kept
     check_restores(store, store.resolve(), truth)
+
+
+def test_the_durable_lag_runs_from_the_saves_due_until_a_commit_covers_them(store: Store, backend: GatedBackend) -> None:
+    tier = MemoryTier()
+    truth = initial()
+    tier.apply(whole(truth), step=1, token="g-1", parent=None)
+    with Persister(store, tier) as p:
+        assert (p.status().durable_lag_steps, p.status().durable_lag_seconds) == (0, 0.0)  # nothing due
+        backend.gate.clear()
+        try:
+            first = p.request(1)
+            assert backend.entered.wait(30)
+            for k in range(2, 6):
+                tier.apply(advance(truth, k), step=k, token=f"g-{k}", parent=f"g-{k - 1}")
+            later = p.request(5)
+            st = p.status()
+            assert st.durable_lag_steps == 5 and st.durable_lag_seconds > 0  # nothing committed: all 5 at stake
+        finally:
+            backend.gate.set()
+        assert first.result(timeout=30) is not None and later.result(timeout=30) is not None
+        assert (p.status().durable_lag_steps, p.status().durable_lag_seconds) == (0, 0.0)
+
+
+def test_the_first_capture_starts_the_logs_first_base_once(store: Store, backend: GatedBackend) -> None:
+    tier = MemoryTier()
+    truth = initial()
+    tier.apply(whole(truth), step=1, token="g-1", parent=None)
+    committed = threading.Event()
+    with Persister(store, tier, on_event=lambda e: committed.set() if e.kind == "committed" else None) as p:
+        backend.gate.clear()
+        try:
+            assert p.start_first_base()
+            assert backend.entered.wait(30)
+            assert not p.start_first_base()  # one on its way already
+            assert p.status().durable_lag_steps == 0  # nobody asked for a durable save: no lag
+        finally:
+            backend.gate.set()
+        assert committed.wait(30)
+        assert p.status().last_step == 1 and not p.start_first_base()  # the log has its base
+    check_restores(store, store.checkpoint_ids()[-1], truth)
