@@ -421,7 +421,9 @@ def test_retention_asked_by_the_trainer_is_applied_after_each_commit(store: Stor
     check_restores(store, store.resolve(), truth)
 
 
-def test_the_durable_lag_runs_from_the_saves_due_until_a_commit_covers_them(store: Store, backend: GatedBackend) -> None:
+def test_the_durable_lag_runs_from_the_saves_due_until_a_commit_covers_them(
+    store: Store, backend: GatedBackend
+) -> None:
     tier = MemoryTier()
     truth = initial()
     tier.apply(whole(truth), step=1, token="g-1", parent=None)
