@@ -31,6 +31,7 @@ from psguard.errors import (
     StorageError,
     StorageUnavailableError,
     TensorMismatchError,
+    UnreadableChunkError,
     UnsupportedFormatError,
 )
 
@@ -62,6 +63,7 @@ __all__ = [
     "StorageUnavailableError",
     "Store",
     "TensorMismatchError",
+    "UnreadableChunkError",
     "UnsupportedFormatError",
     "exit_for_restart",
     "is_cluster_failure",

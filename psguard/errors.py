@@ -30,6 +30,17 @@ class StorageUnavailableError(StorageError):
     """Storage did not answer, or kept failing, until the retry deadline ran out."""
 
 
+class UnreadableChunkError(StorageError):
+    """The storage failed to read a chunk of a checkpoint (an I/O error, not bad bytes; ``checkpoint`` and
+    ``chunk`` name it). A restore of the latest falls back past that checkpoint as past a corrupt one while the
+    storage still answers; ``verify`` and gc stop instead of judging it (the storage may heal)."""
+
+    def __init__(self, message: str, *, checkpoint: str, chunk: str) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.chunk = chunk
+
+
 class ObjectNotFoundError(StorageError, FileNotFoundError):
     """An object the caller asked for does not exist."""
 

@@ -22,7 +22,7 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-from psguard.errors import CorruptCheckpointError, ObjectNotFoundError
+from psguard.errors import CorruptCheckpointError, ObjectNotFoundError, StorageError, UnreadableChunkError
 from psguard.storage.base import Backend
 from psguard.store.manifest import ChunkRef, Segment, chunk_key
 from psguard.tensors import FullStream
@@ -216,7 +216,12 @@ def _combine(f_ids: Future[ChunkRef], f_vals: Future[ChunkRef], count: int) -> F
 
 
 class ChunkReader:
-    """Reads chunks, checking size and CRC32C always and the SHA-256 when ``verify_hash``."""
+    """Reads chunks, checking size and CRC32C always and the SHA-256 when ``verify_hash``.
+
+    A chunk the storage does not have is corrupt (:class:`CorruptCheckpointError`); one it has but fails to
+    read (an I/O error, a folder where the chunk's file should be) is :class:`UnreadableChunkError` naming the
+    checkpoint and the chunk, so a restore falls back past it as past a corrupt one, and says which.
+    """
 
     def __init__(self, backend: Backend, *, checkpoint: str, verify_hash: bool = False) -> None:
         self.backend = backend
@@ -230,13 +235,23 @@ class ChunkReader:
             chunk=ref.hash,
         )
 
+    def _unreadable(self, ref: ChunkRef, error: BaseException) -> UnreadableChunkError:
+        return UnreadableChunkError(
+            f"checkpoint {self.checkpoint}: chunk {ref.hash} could not be read from the storage: "
+            + " ".join(str(error).split())[:300],
+            checkpoint=self.checkpoint,
+            chunk=ref.hash,
+        )
+
     def read_into(self, ref: ChunkRef, out: memoryview) -> None:
         if len(out) != ref.size:
             raise self._corrupt(ref, f"does not fit its tensor ({ref.size} bytes for a {len(out)}-byte slot)")
         try:
             size = self.backend.get_into(chunk_key(ref.hash), out)
-        except ObjectNotFoundError:
+        except (ObjectNotFoundError, FileNotFoundError):
             raise self._corrupt(ref, "is missing") from None
+        except (StorageError, OSError) as e:
+            raise self._unreadable(ref, e) from e
         if size != ref.size:
             raise self._corrupt(ref, f"has {size} bytes, expected {ref.size} (truncated or damaged)")
         self.check(ref, out)
@@ -259,8 +274,10 @@ class ChunkReader:
         def one(ref: ChunkRef) -> None:
             try:
                 actual = self.backend.size(chunk_key(ref.hash))
-            except ObjectNotFoundError:
+            except (ObjectNotFoundError, FileNotFoundError):
                 raise self._corrupt(ref, "is missing") from None
+            except (StorageError, OSError) as e:
+                raise self._unreadable(ref, e) from e
             if actual != ref.size:
                 raise self._corrupt(ref, f"has {actual} bytes in the store, its manifest claims {ref.size}")
 

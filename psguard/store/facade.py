@@ -192,7 +192,9 @@ class Store:
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
         """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.
 
-        Never returns data from a checkpoint that failed verification.
+        Never returns data from a checkpoint that failed verification. A checkpoint with a chunk the storage
+        fails to read is passed over like a corrupt one; :class:`NoCheckpointError` only when every checkpoint
+        was read and none is usable (:class:`StorageError` when some could not be read).
         """
         return self._reader.load_latest(names)
 

@@ -10,14 +10,21 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from psguard.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedFormatError
+from psguard.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    NoCheckpointError,
+    StorageError,
+    UnreadableChunkError,
+    UnsupportedFormatError,
+)
 from psguard.storage import Backend
 from psguard.store.chunks import LARGE_READ_BYTES, ChunkReader, byte_view, deserialize_strings, wait_all
 from psguard.store.dtypes import STRING, dtype_from_name, logical_nbytes
@@ -408,12 +415,30 @@ class Reader:
         return Rows(ids, values, entry.shape)
 
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
-        """:meth:`psguard.store.Store.load_latest` (documented there for its callers)."""
+        """:meth:`psguard.store.Store.load_latest` (documented there for its callers).
+
+        A checkpoint that is corrupt, of a newer format, or has a chunk the storage fails to read
+        (:class:`UnreadableChunkError`) is skipped for the next older, with a warning; an older one that needs a
+        chunk the storage already failed to read is skipped without trying again. Before going past an
+        unreadable chunk the store is listed again: a store that does not answer at all fails the call with its
+        own error. When nothing loads and a checkpoint was only unreadable (not proven bad), the call fails with
+        :class:`StorageError`, never :class:`NoCheckpointError`, on which callers start from scratch.
+        """
         skipped: list[Problem] = []
+        unreadable: dict[str, UnreadableChunkError] = {}  # chunk hash -> the storage's failure to read it
         for cid in self.index.newest_first():
             try:
+                known = self._needs_unreadable_chunk(cid, names, unreadable)
+                if known is not None:
+                    raise known
                 tensors = self.load(cid, names)
                 info = CheckpointInfo.of(self.index.manifest(cid))
+            except UnreadableChunkError as e:
+                self.index.checkpoint_ids()  # the store still answers (else its error goes to the caller)
+                log.warning("checkpoint %s is unreadable (%s); falling back to an older checkpoint", cid, e)
+                unreadable.setdefault(e.chunk, e)
+                skipped.append(Problem(cid, e.chunk, str(e)))
+                continue
             except (CorruptCheckpointError, UnsupportedFormatError) as e:
                 log.warning("checkpoint %s is unusable (%s); falling back to an older checkpoint", cid, e)
                 skipped.append(Problem(cid, e.chunk, str(e)))
@@ -428,9 +453,38 @@ class Reader:
                 )
             return LoadResult(info, tensors, tuple(skipped))
         detail = "; ".join(p.message for p in skipped)
+        if unreadable:
+            raise StorageError(
+                f"no checkpoint in {self.index.url} could be restored, and the storage failed to read some "
+                f"({len(skipped)} skipped: {detail}); they may be sound: fix the storage and restore again"
+            ) from next(iter(unreadable.values()))
         raise NoCheckpointError(
             f"no usable checkpoint in {self.index.url}" + (f" ({len(skipped)} unusable: {detail})" if skipped else "")
         )
+
+    def _needs_unreadable_chunk(
+        self, checkpoint_id: str, names: Sequence[str] | None, unreadable: Mapping[str, UnreadableChunkError]
+    ) -> UnreadableChunkError | None:
+        """An :class:`UnreadableChunkError` when loading ``names`` of ``checkpoint_id`` would read a chunk the
+        storage already failed to read (``unreadable``, by hash): a base under many deltas costs one retry
+        deadline, not one per delta. Only unreadable chunks count: a chunk found corrupt may only have been
+        described wrongly by a hostile manifest, and an older one may describe it rightly."""
+        if not unreadable:
+            return None
+        chain = self.index.chain(checkpoint_id)
+        wanted = list(chain[-1].tensors) if names is None else list(names)
+        for m in chain:
+            for name in wanted:
+                entry = m.tensors.get(name)
+                for ref in entry.refs() if entry is not None else ():
+                    if ref.hash in unreadable:
+                        return UnreadableChunkError(
+                            f"checkpoint {checkpoint_id} needs chunk {ref.hash}, which the storage failed to read: "
+                            f"{unreadable[ref.hash]}",
+                            checkpoint=checkpoint_id,
+                            chunk=ref.hash,
+                        )
+        return None
 
 
 def _row_nbytes(shape: Sequence[int], dtype: np.dtype[Any]) -> int:

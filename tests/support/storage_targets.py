@@ -3,11 +3,14 @@ each backend only supplies where its store lives)."""
 
 from __future__ import annotations
 
+import errno
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from psguard.storage.base import Backend, Buffer
 
 BACKENDS = [
     pytest.param("local", id="local"),
@@ -42,3 +45,72 @@ def make_target(name: str, request: pytest.FixtureRequest, tmp_path: Path, uniqu
         cluster = request.getfixturevalue("hdfs")
         return Target(name, cluster.webhdfs_url(f"/{unique}"), {"user": cluster.user}, cluster)
     raise AssertionError(name)
+
+
+class Delegating(Backend):
+    """Every call passed to ``inner``: subclass it and override the calls a test makes fail."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.io_parallelism = inner.io_parallelism
+        self.mtime_resolution = inner.mtime_resolution
+
+    def get(self, key: str) -> bytes:
+        return self.inner.get(key)
+
+    def get_into(self, key: str, out: memoryview) -> int:
+        return self.inner.get_into(key, out)
+
+    def put(self, key: str, data: Buffer) -> None:
+        self.inner.put(key, data)
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        self.inner.put_new(key, data)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def keys(self, prefix: str) -> list[str]:
+        return self.inner.keys(prefix)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def mtime(self, key: str) -> float:
+        return self.inner.mtime(key)
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        return self.inner.mtimes(prefix)
+
+    def leftovers(self) -> list[str]:
+        return self.inner.leftovers()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class UnreadableKeys(Delegating):
+    """Reads of the keys in ``unreadable`` fail as a failing disk's do (``EIO``); everything else works. Wrap it
+    in a :class:`~psguard.storage.retry.RetryingBackend`: EIO is retried until the deadline, as in production."""
+
+    def __init__(self, inner: Backend, unreadable: set[str] | None = None) -> None:
+        super().__init__(inner)
+        self.unreadable = set(unreadable or ())
+        self.failed_reads = 0
+
+    def _check(self, key: str) -> None:
+        if key in self.unreadable:
+            self.failed_reads += 1
+            raise OSError(errno.EIO, "Input/output error (injected)", key)
+
+    def get(self, key: str) -> bytes:
+        self._check(key)
+        return super().get(key)
+
+    def get_into(self, key: str, out: memoryview) -> int:
+        self._check(key)
+        return super().get_into(key, out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,14 +20,17 @@ from psguard.errors import (
     ObjectExistsError,
     ObjectNotFoundError,
     SaveError,
+    StorageError,
+    UnreadableChunkError,
     UnsupportedFormatError,
 )
 from psguard.storage import Backend, RetryConfig, open_backend
+from psguard.storage.retry import RetryingBackend
 from psguard.store import Store
 from psguard.store.lease import acquire_writer_lease
 from psguard.store.manifest import CHUNK_PREFIX, chunk_key, manifest_key
 from psguard.tensors import Full, Rows, Same
-from tests.support.storage_targets import BACKENDS, Target, make_target
+from tests.support.storage_targets import BACKENDS, Delegating, Target, UnreadableKeys, make_target
 
 FAST_RETRY = RetryConfig(deadline=5.0, initial_backoff=0.05, max_backoff=0.5)
 
@@ -237,6 +241,61 @@ def test_load_latest_falls_back_past_a_corrupt_checkpoint(store: Store, caplog: 
     assert "falling back" in caplog.text
 
 
+def unreadable_store(target: Target, keys: set[str]) -> tuple[Store, UnreadableKeys]:
+    """A store of ``target`` whose reads of ``keys`` fail with EIO, through the retry wrapper with no time to
+    retry (a failing disk's reads are retried for a minute first): each failed read is one read psguard made."""
+    faulty = UnreadableKeys(open_backend(target.url, target.options, retry=RetryConfig(deadline=0)), keys)
+    return Store(RetryingBackend(faulty, RetryConfig(deadline=0)), chunk_bytes=4096, io_threads=4), faulty
+
+
+@STORE_LOGIC
+def test_load_latest_falls_back_past_a_chunk_the_storage_cannot_read(
+    target: Target, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An I/O error, not bad bytes: the newest checkpoint is passed over like a corrupt one, saying so, and a base
+    its deltas share is tried once, not once per delta."""
+    rng = np.random.default_rng(8)
+    table = rng.standard_normal((64, 4)).astype(np.float32)
+    old = store.save(1, {"w": table, "b": np.ones(3, np.int64)})
+    base = store.save(2, {"w": table + 1, "b": np.ones(3, np.int64)})
+    same_b = Same((3,), np.dtype(np.int64))
+    deltas = [
+        store.save(3 + i, {"w": Rows(np.array([i]), table[i : i + 1], table.shape), "b": same_b}, parent=base.id)
+        for i in range(3)
+    ]
+    bad = store.manifest(base.id).tensors["w"].chunks[0]
+    reader, faulty = unreadable_store(target, {chunk_key(bad.hash)})
+    try:
+        with caplog.at_level(logging.WARNING, logger="psguard.store.reader"):
+            result = reader.load_latest()
+        assert result.info.id == old.id
+        assert bits(result.tensors["w"]) == bits(table)
+        assert [p.checkpoint for p in result.skipped] == [d.id for d in reversed(deltas)] + [base.id]
+        assert all(p.chunk == bad.hash and "could not be read" in p.message for p in result.skipped)
+        assert f"checkpoint {deltas[-1].id} is unreadable" in caplog.text and "falling back" in caplog.text
+        assert faulty.failed_reads == 1  # the deltas need the chunk the base could not give: not tried again
+        with pytest.raises(UnreadableChunkError) as raised:
+            reader.load(base.id)
+        assert (raised.value.checkpoint, raised.value.chunk) == (base.id, bad.hash)
+    finally:
+        reader.close()
+
+
+@STORE_LOGIC
+def test_load_latest_never_says_no_checkpoint_when_one_could_not_be_read(target: Target, store: Store) -> None:
+    """Callers start from scratch on NoCheckpointError: a checkpoint that could not be read may be sound, so
+    when nothing else loads the call fails with the storage's error instead."""
+    info = store.save(1, {"w": np.arange(8, dtype=np.float32)})
+    keys = {chunk_key(r.hash) for r in store.manifest(info.id).refs()}
+    reader, _ = unreadable_store(target, keys)
+    try:
+        with pytest.raises(StorageError, match="could not be read") as raised:
+            reader.load_latest()
+        assert not isinstance(raised.value, NoCheckpointError)
+    finally:
+        reader.close()
+
+
 @STORE_LOGIC
 @pytest.mark.parametrize(
     "damage",
@@ -421,33 +480,16 @@ def test_bad_saves_are_refused_and_leave_nothing(store: Store) -> None:
 
 @STORE_LOGIC
 def test_save_failure_is_a_clear_error_and_commits_nothing(target: Target) -> None:
-    class FailingBackend(Backend):
+    class FailingBackend(Delegating):
         def __init__(self, inner: Backend, fail_after: int) -> None:
-            self.inner, self.url, self.left = inner, inner.url, fail_after
-
-        def get(self, key: str) -> bytes:
-            return self.inner.get(key)
+            super().__init__(inner)
+            self.left = fail_after
 
         def put(self, key: str, data: bytes | bytearray | memoryview) -> None:
             self.left -= 1
             if self.left < 0 and key.startswith(CHUNK_PREFIX):
                 raise PermissionError("access denied by test")
             self.inner.put(key, data)
-
-        def put_new(self, key: str, data: bytes | bytearray | memoryview) -> None:
-            self.inner.put_new(key, data)
-
-        def exists(self, key: str) -> bool:
-            return self.inner.exists(key)
-
-        def keys(self, prefix: str) -> list[str]:
-            return self.inner.keys(prefix)
-
-        def delete(self, key: str) -> None:
-            self.inner.delete(key)
-
-        def close(self) -> None:
-            self.inner.close()
 
     inner = open_backend(target.url, target.options, retry=FAST_RETRY)
     store = Store(FailingBackend(inner, fail_after=3), chunk_bytes=1024)

@@ -3,6 +3,7 @@ manager for its own ids and TF for every other path, and only while the manager 
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from pathlib import Path
@@ -15,8 +16,14 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import tensorflow as tf
 
+from psguard.errors import StorageError
+from psguard.storage import RetryConfig, open_backend
+from psguard.storage.retry import RetryingBackend
+from psguard.store import Store
+from psguard.store.manifest import chunk_key
 from psguard.trainer.manager import CheckpointManager
 from psguard.trainer.restoring import RestoreSide
+from tests.support.storage_targets import UnreadableKeys
 
 
 def test_checkpoint_restore_takes_the_managers_ids_and_leaves_other_paths_to_tf(tmp_path: Path) -> None:
@@ -69,3 +76,57 @@ def test_the_store_is_asked_for_its_newest_checkpoint_while_the_memory_snapshot_
         monkeypatch.setattr(manager._sink, "supervised", True)  # an agent's sink: it has a memory tier to ask
         assert manager.restore_or_initialize() is not None
         assert asked.is_set() and v.numpy().tolist() == [1.0, 2.0]
+
+
+def failing_reads(url: str, keys: set[str]) -> Store:
+    """The store at ``url``, every read of ``keys`` failing with EIO (a failing disk; no time to retry it)."""
+    inner = UnreadableKeys(open_backend(url, retry=RetryConfig(deadline=0)), keys)
+    return Store(RetryingBackend(inner, RetryConfig(deadline=0)))
+
+
+def test_a_chunk_the_storage_cannot_read_falls_back_to_the_previous_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The newest checkpoint's chunk cannot be read (an I/O error, not bad bytes): the restore takes the
+    checkpoint before it, as past a corrupt one, and says so."""
+    url = str(tmp_path / "store")
+    v = tf.Variable(np.array([1.0, 2.0], np.float32))
+    ckpt = tf.train.Checkpoint(v=v)
+    with CheckpointManager(ckpt, url) as manager:
+        manager.save(1).result(timeout=60)
+        v.assign([3.0, 4.0])
+        manager.save(2).result(timeout=60)
+        newest = manager.store.manifest(manager.store.checkpoint_ids()[-1])
+        (ref,) = newest.tensors["v/.ATTRIBUTES/VARIABLE_VALUE"].refs()
+    v.assign([0.0, 0.0])
+    store = failing_reads(url, {chunk_key(ref.hash)})
+    try:
+        with CheckpointManager(ckpt, url, store=store) as manager, caplog.at_level(logging.WARNING):
+            restored = manager.restore_or_initialize(lambda: pytest.fail("started from scratch"))
+            assert manager.restored is not None and manager.restored.step == 1 and restored == manager.restored.id
+            assert v.numpy().tolist() == [1.0, 2.0]
+    finally:
+        store.close()
+    assert f"checkpoint {newest.id} is unreadable" in caplog.text and ref.hash in caplog.text
+
+
+def test_a_restore_whose_every_checkpoint_is_unreadable_fails_instead_of_starting_from_scratch(
+    tmp_path: Path,
+) -> None:
+    url = str(tmp_path / "store")
+    v = tf.Variable(np.array([1.0, 2.0], np.float32))
+    ckpt = tf.train.Checkpoint(v=v)
+    with CheckpointManager(ckpt, url) as manager:
+        manager.save(1).result(timeout=60)
+        chunks = {
+            chunk_key(r.hash) for cid in manager.store.checkpoint_ids() for r in manager.store.manifest(cid).refs()
+        }
+    store = failing_reads(url, chunks)
+    try:
+        with (
+            CheckpointManager(ckpt, url, store=store) as manager,
+            pytest.raises(StorageError, match="could not be read"),
+        ):
+            manager.restore_or_initialize(lambda: pytest.fail("started from scratch"))
+    finally:
+        store.close()
