@@ -142,12 +142,15 @@ def main(args: argparse.Namespace) -> int:
     previous: dict[int, Any] = {}
     for sig in (signal.SIGTERM, signal.SIGINT):
         previous[sig] = signal.signal(sig, agent.request_stop)
-    try:
-        agent.start()
-        if args.ready_file and agent.http is not None:
+
+    def serving(url: str) -> None:  # before start() returns: a chief's agent may wait for its store first
+        if args.ready_file:
             tmp = Path(f"{args.ready_file}.tmp")
-            tmp.write_text(agent.http.url + "\n")
+            tmp.write_text(url + "\n")
             tmp.rename(args.ready_file)
+
+    try:
+        agent.start(on_serving=serving)
         return agent.wait()  # a crash loop raises CrashLoopError: psguard prints it and exits 1
     finally:
         agent.stop()

@@ -76,6 +76,10 @@ class AgentConfig:
     job: str = "default"  # names the default spool folder
     store: str | None = None
     storage_options: Mapping[str, str] = field(default_factory=dict)
+    # The chief's agent resumes from the store at start, and nothing else holds the job's state then: a store that
+    # does not answer is waited for (not ready; /status says why), for ever by default (None). A duration: exit
+    # with "storage unavailable" after waiting that long (psguard/storage/waiting.py).
+    store_wait_timeout: Duration | None = None
     spool: str | None = None
     task_log: str | None = None  # append the task's output here (default: the agent's own stdout/stderr)
     # The task log's bound: past task_log_max_mb it is copied to <task_log>.1 and truncated, task_log_keep

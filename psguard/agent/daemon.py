@@ -65,13 +65,13 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psguard.agent.config import ROLES, AgentConfig
 from psguard.agent.control.auth import Authenticator, JwtAuth
-from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
+from psguard.agent.control.httpd import AgentHTTPServer
 from psguard.agent.control.metrics import AgentMetrics
 from psguard.agent.control.peers import PeerSync
 from psguard.agent.copies import PeerLink, copies_status, serve_shards
@@ -79,13 +79,15 @@ from psguard.agent.process.hang import HangWatch
 from psguard.agent.process.prober import HealthMonitor, HttpProbe
 from psguard.agent.process.standby import warm_trainer_command
 from psguard.agent.process.supervisor import Supervisor
-from psguard.agent.recovery import Recovery, shards_mapped
+from psguard.agent.recovery import Recovery
+from psguard.agent.routes import Routes
 from psguard.agent.task import server_command, task_env, task_probes, task_record
-from psguard.errors import ConfigError, PsguardError
+from psguard.errors import ConfigError, PsguardError, StorageUnavailableError
 from psguard.handoff.contract import ENV_PARTS, default_spool_dir
 from psguard.handoff.credentials import TokenFile, create_token_file
 from psguard.handoff.tls import client_context, server_context
 from psguard.storage.registry import redact
+from psguard.storage.waiting import StoreWait
 
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
     from psguard.agent.tiers.memory_tier import MemoryTier
@@ -215,6 +217,7 @@ class Agent:
         self.monitor: HealthMonitor | None = None
         self.peer_monitors: list[HealthMonitor] = []
         self.store: Store | StoreOpening | None = None
+        self.store_wait: StoreWait | None = None  # the chief's: its resume from the store
         self.tier: MemoryTier | None = None
         self.persister: Persister | None = None
         self.spool: SpoolServer | None = None
@@ -240,17 +243,21 @@ class Agent:
         )
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def start(self) -> Agent:
+    def start(self, on_serving: Callable[[str], None] | None = None) -> Agent:
         """Start every part; the task last (after the PS peers when this chief resumes a job), except a PS's:
         a PS agent starts its PS as soon as its HTTP address is bound, and makes its tier while the PS imports
         TensorFlow. On a node replaced after a loss both are on the recovery's path (the trainer waits for the
         PS, the restore for the peer copy this agent fetches), and each took about a second in turn. Its store
-        opens after the fetch (store/opening.py): a store that does not open fails the agent then (:meth:`wait`)."""
+        opens after the fetch (store/opening.py): a store that does not open fails the agent then (:meth:`wait`).
+        A chief's agent serves HTTP before its tiers, which wait for a store that does not answer (``/status``
+        says so). ``on_serving`` gets the HTTP URL once it serves (the CLI's ``--ready-file``)."""
         try:
-            if self.role == "chief":
-                self._start_memory_tier()
             self._start_http()
             assert self.http is not None
+            if self.role != "ps":  # a PS's routes for its shards come first
+                self._serve(on_serving)
+            if self.role == "chief":
+                self._start_memory_tier()
             cfg = self.config
             self.supervisor = Supervisor.from_config(
                 self.command,
@@ -274,7 +281,7 @@ class Agent:
             if self.role == "ps":
                 self._start_shards()
                 self._serve_shards()
-            self.http.start()
+                self._serve(on_serving)
             sup = self.supervisor
             probes = task_probes(self.role, self.address, lambda: sup.pid, builtin_server=self._builtin_server)
             self.metrics.declare_task(self.task, [p.name for p in probes])
@@ -346,14 +353,16 @@ class Agent:
             status=self.status,
             readiness=self.readiness,
         )
-        self.http.add_post("/restart", self._handle_restart)
-        self.http.add_post("/recovery", self._handle_recovery)
-        if self.role == "chief":
-            self.http.add_post("/new-generation", self._handle_new_generation)
-            self.http.add_post("/failure", self._handle_failure)
-        else:
-            self.http.add_post("/finish", self._handle_finish)
+        Routes(self.task, self.recovery, lambda: self.supervisor, self._finish).serve_on(
+            self.http, chief=self.role == "chief"
+        )
         self.http.bind()  # the address the task is given; served once every route is there (start())
+
+    def _serve(self, on_serving: Callable[[str], None] | None) -> None:
+        assert self.http is not None
+        self.http.start()
+        if on_serving is not None:
+            on_serving(self.http.url)
 
     def _serve_shards(self) -> None:
         keeper = self.shards
@@ -366,7 +375,6 @@ class Agent:
         from psguard.agent.tiers.memory_tier import MemoryTier
         from psguard.agent.tiers.persister import Persister, resume
         from psguard.agent.tiers.spool_server import SpoolServer
-        from psguard.handoff.spool import SpoolPaths
         from psguard.store import Store
 
         cfg = self.config
@@ -386,8 +394,17 @@ class Agent:
             )
         if cfg.store is not None:
             store = self.store = Store.open(cfg.store, dict(cfg.storage_options))
+            wait = self.store_wait = StoreWait(store.backend, timeout=cfg.store_wait_timeout, stop=self._stop_requested)
+            self.metrics.store_wait_seconds.set_function(wait.seconds)
             t0 = time.perf_counter()
-            last = resume(store, tier, skip_sharded=self.shard_client is not None)
+            try:  # the job's state is nowhere else (this tier is new): the store is waited for, not given up on
+                last = wait.call(
+                    lambda: resume(store, tier, skip_sharded=self.shard_client is not None), probe=store.checkpoint_ids
+                )
+            except StorageUnavailableError:
+                if self._stop_requested.is_set():
+                    return  # stopped while waiting: start() returns before the task, wait() with the stop's code
+                raise
             self._resume_seconds = time.perf_counter() - t0
             if last is not None:
                 self._resumed_step = last.step
@@ -420,7 +437,7 @@ class Agent:
         self.spool = SpoolServer(
             self.spool_dir, tier, persister, on_event=self._on_spool_event, shards=self.shard_client
         ).start()
-        self._heartbeat_path = SpoolPaths(self.spool_dir).heartbeat
+        self._heartbeat_path = self.spool.heartbeat  # in the folder the server holds, not whatever is at its path
         store_url = redact(cfg.store) if cfg.store else "-"
         log.info("event=spool_serving task=%s spool=%s store=%s", self.task, self.spool_dir, store_url)
 
@@ -620,34 +637,11 @@ class Agent:
         return float(lag) if lag is not None else 0.0
 
     # ------------------------------------------------------------------------------------------ HTTP
-    def _handle_restart(self, request: Request) -> Response:
-        body = request.json()
-        if body is not None and not isinstance(body, dict):
-            raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
-        reason = str((body or {}).get("reason") or "POST /restart")[:300]
-        sup = self.supervisor
-        if sup is None:
-            raise RequestError(503, "the task is not supervised yet")
-        before = sup.status().restarts
-        within = (body or {}).get("unless_started_within")  # seconds: a run that young is left alone
-        if isinstance(within, int | float) and self.recovery.started_within(sup, float(within)):
-            return Response(200, {"ok": True, "task": self.task, "restarts_before": before, "fresh": True})
-        if not self.recovery.restart(sup, f"requested over HTTP: {reason}"):
-            raise RequestError(409, f"task {self.task} is not running under supervision ({sup.status().state.value})")
-        log.info("event=restart_requested task=%s reason=%r", self.task, reason)
-        return Response(202, {"ok": True, "task": self.task, "restarts_before": before})
-
-    def _handle_finish(self, request: Request) -> Response:
-        """The job is done (the chief's agent says so when its trainer exited 0): stop the task, exit 0."""
-        body = request.json()
-        if body is not None and not isinstance(body, dict):
-            raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
-        reason = str((body or {}).get("reason") or "POST /finish")[:300]
+    def _finish(self, reason: str) -> None:
+        """POST /finish: the job is done (its reason kept); wait() returns 0, the CLI stops the task gracefully."""
         with self._lock:
             self._finished = reason
-        log.info("event=finish_requested task=%s reason=%r", self.task, reason)
-        self.request_stop()  # wait() returns 0; the CLI then stops the task gracefully
-        return Response(202, {"ok": True, "task": self.task})
+        self.request_stop()
 
     def _export_ahead(self) -> None:
         """A restore follows every new generation: the PS agents start writing its files now."""
@@ -661,56 +655,6 @@ class Agent:
         held = (status.get("shards") or {}).get("store_state") == "held"
         if self.spool is not None and (self.config.peers.copies != "none" or held):
             self.spool.export_ahead(only=[task])
-
-    def _handle_new_generation(self, request: Request) -> Response:
-        """The trainer rejoins in-process after a PS failure: restart every PS peer first, answer when done."""
-        body = request.json()
-        if body is not None and not isinstance(body, dict):
-            raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
-        reason = "in-process rejoin: " + str((body or {}).get("reason") or "POST /new-generation")[:300]
-        failed_at = (body or {}).get("failed_at")
-        if failed_at is not None and (not isinstance(failed_at, int | float) or failed_at > time.time() + 5):
-            raise RequestError(400, "failed_at: expected the Unix time at which the trainer saw the failure")
-        result = self.recovery.new_generation(reason, None if failed_at is None else float(failed_at))
-        failed = any(str(o).startswith("error") for o in result["peers"].values())
-        return Response(503 if failed else 200, {"ok": not failed, **result})
-
-    def _handle_failure(self, request: Request) -> Response:
-        """The trainer saw a cluster failure and is about to exit 75: when, so that the next generation leaves
-        alone a PS that was started since (see :func:`report_failure`)."""
-        body = request.json()
-        failed_at = body.get("failed_at") if isinstance(body, dict) else None
-        if not isinstance(failed_at, int | float) or failed_at > time.time() + 5:
-            raise RequestError(400, 'expected {"failed_at": <Unix time at which the trainer saw the failure>}')
-        step = body.get("step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise RequestError(400, '"step": expected the last step trained, an integer >= 0')
-        self.recovery.failure_reported(float(failed_at), step)
-        return Response(200, {"ok": True})
-
-    def _handle_recovery(self, request: Request) -> Response:
-        """A trainer restored: count the steps lost, from its own figure or from the steps it reports."""
-        body = request.json()
-        if not isinstance(body, dict):
-            raise RequestError(400, 'expected a JSON object: {"lost_steps": N} or {"restored_step": N}')
-
-        def count(key: str) -> int | None:
-            value = body.get(key)
-            if value is None:
-                return None
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise RequestError(400, f'"{key}": expected an integer >= 0, got {value!r}')
-            return value
-
-        lost, restored, seen = count("lost_steps"), count("restored_step"), count("seen_step")
-        if lost is None and restored is None:
-            raise RequestError(400, 'expected {"lost_steps": N} or {"restored_step": N, "seen_step": M}')
-        timed = float(sec) if isinstance(sec := body.get("seconds"), int | float) and sec >= 0 else None
-        source = str(src)[:40] if isinstance(src := body.get("source"), str) else None
-        mapped = shards_mapped(body.get("shards_mapped"))  # 400 for a malformed one
-        if self.recovery.recovery_reported(lost, restored, seen, timed, source=source, mapped=mapped) is None:
-            return Response(200, {"ok": True, "lost_steps": None})
-        return Response(200, {"ok": True})
 
     def readiness(self) -> dict[str, bool]:
         sup, monitor = self.supervisor, self.monitor
@@ -766,6 +710,7 @@ class Agent:
                 {
                     "spool": str(self.spool_dir) if self.spool_dir else None,
                     "store": redact(self.config.store) if self.config.store else None,
+                    "store_wait": self.store_wait.status() if self.store_wait is not None else None,
                     "resumed_step": self._resumed_step,
                     "resume_seconds": self._resume_seconds,
                     "memory_step": tier.step if tier else None,
@@ -789,6 +734,7 @@ class Agent:
                         else None
                     ),
                     "captures": dict(spool.captures) if spool else None,
+                    "spool_error": spool.last_error if spool else None,  # a capture refused, the spool moved
                     "copies": copies_status(self.shard_client, tier.token if tier else None),
                 }
             )

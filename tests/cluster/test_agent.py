@@ -450,7 +450,9 @@ def test_chief_agent_double_writes_and_a_killed_agent_leaves_no_torn_checkpoint(
     # Generation 1: captures stream in; kill -9 the agent while a persist is being written.
     first = agents("chief-1", args, trainer("stream"))
     status = first.wait_status(
-        lambda s: s["captures"]["ok"] >= 3 and (s["durable_step"] or 0) >= 1, 120, "memory and durable tiers fed"
+        lambda s: (s["captures"] or {}).get("ok", 0) >= 3 and (s["durable_step"] or 0) >= 1,
+        120,
+        "memory and durable tiers fed",
     )
     assert status["ready"] and status["memory_step"] >= 3 and status["captures"]["error"] == 0
     metrics = first.metrics()
@@ -1190,3 +1192,51 @@ def _outcome(call: Callable[[], object]) -> BaseException | None:
     except BaseException as e:
         return e
     return None
+
+
+@pytest.mark.slow
+def test_a_chief_agent_whose_store_is_down_waits_for_it_not_ready_saying_why_then_resumes(
+    tmp_path: Path, agents: Callable[..., AgentProc], trainer: Callable[..., list[str]]
+) -> None:
+    """A chief agent started while its S3 store is down has nothing else to resume from (its memory tier died
+    with its predecessor): it waits, not ready, /status and a metric saying why, a log line per backoff step, and
+    resumes once the store answers. (It listed the log for 60 s and exited with "storage unavailable": the job
+    never reached its target.)"""
+    import numpy as np
+
+    from psguard.handoff.client import http_request
+    from psguard.store import Store
+    from psguard.testbed.s3 import SeaweedS3
+    from tests.support.processes import allow_new_children
+
+    with allow_new_children():
+        s3 = SeaweedS3(data_dir=tmp_path / "seaweed").start()
+    try:
+        url = s3.url("job")
+        with Store.open(url, s3.storage_options) as store:
+            store.save(7, {"w": np.arange(4, dtype=np.float32)})
+        s3.stop()  # the outage: the port is closed, the objects kept
+        cluster, _ = write_cluster(tmp_path)
+        args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", url]
+        agent = agents("chief", [*args, "--spool", str(tmp_path / "spool")], trainer("sleep"), env=s3.env)
+        waiting = agent.wait_status(
+            lambda s: (s.get("store_wait") or {}).get("attempt", 0) >= 3, 120, "three tries of a store that is down"
+        )
+        assert not waiting["ready"] and waiting["pid"] is None  # not ready, and the trainer not started
+        reason = waiting["store_wait"]["reason"]
+        assert reason.startswith(f"waiting for storage {url}: ") and "attempt " in reason, reason
+        code, _, _ = http_request("GET", f"{agent.url}/readyz")
+        assert code == 503
+        gauge = [line for line in agent.metrics().splitlines() if line.startswith("psguard_store_wait_seconds ")]
+        assert gauge and float(gauge[0].split()[1]) > 0, gauge
+
+        with allow_new_children():
+            s3.start()  # the same ports: the agent's endpoint answers again
+        ready = agent.wait_status(lambda s: s["ready"], 120, "ready once the store answers")
+        assert ready["store_wait"] is None and ready["resumed_step"] == 7 and ready["pid"] is not None
+        log_text = agent.log_path.read_text(errors="replace")
+        tries = [line for line in log_text.splitlines() if "event=waiting_for_storage" in line]
+        answered = [line for line in log_text.splitlines() if "event=storage_answered" in line]
+        assert len(answered) == 1 and f"attempts={len(tries) + 1}" in answered[0], answered  # a line per try
+    finally:
+        s3.close()

@@ -38,6 +38,8 @@ name                                            type       labels       meaning
                                                                         trails its tier (NaN: no copy yet)
 ``psguard_peer_copy_held_bytes``                gauge      owner        bytes of another PS's shards held here (a
                                                                         parity block: owner is its group, ps:0,ps:1)
+``psguard_store_wait_seconds``                  gauge                   how long the chief's agent has been waiting
+                                                                        for its store to answer at start (0: not)
 ==============================================  =========  ===========  =============================================
 """
 
@@ -71,6 +73,7 @@ __all__ = [
     "PERSIST_QUEUE_DEPTH",
     "PROBE_FAILURES_TOTAL",
     "PROBE_LATENCY_SECONDS",
+    "STORE_WAIT_SECONDS",
     "RECOVERIES_TOTAL",
     "RECOVERY_SECONDS",
     "TASK_HEALTHY",
@@ -104,6 +107,7 @@ CHECKPOINT_STALL_SECONDS = "psguard_checkpoint_stall_seconds"
 HANGS_TOTAL = "psguard_hangs_total"
 PEER_COPY_LAG_STEPS = "psguard_peer_copy_lag_steps"
 PEER_COPY_HELD_BYTES = "psguard_peer_copy_held_bytes"
+STORE_WAIT_SECONDS = "psguard_store_wait_seconds"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -420,6 +424,7 @@ class AgentMetrics:
     hangs: Counter
     peer_copy_lag_steps: Gauge
     peer_copy_held_bytes: Gauge
+    store_wait_seconds: Gauge
 
     @classmethod
     def create(cls, registry: Registry | None = None) -> AgentMetrics:
@@ -469,6 +474,9 @@ class AgentMetrics:
             ),
             peer_copy_held_bytes=r.gauge(
                 PEER_COPY_HELD_BYTES, "Bytes of another PS's shards this agent holds as its peer copy.", ["owner"]
+            ),
+            store_wait_seconds=r.gauge(
+                STORE_WAIT_SECONDS, "Seconds the agent has waited for its store to answer at start (0: not waiting)."
             ),
         )
 
