@@ -34,6 +34,7 @@ from psguard.handoff.contract import TOKEN_KEY, Tier
 from psguard.handoff.spool import NewerInMemoryError, Restored
 from psguard.policy.engine import SaveContext
 from psguard.storage.retry import RetryingBackend
+from psguard.storage.waiting import StoreWait
 from psguard.store import CheckpointInfo, Store
 from psguard.trainer.capture import Capturer
 from psguard.trainer.export import OBJECT_GRAPH_KEY
@@ -209,8 +210,17 @@ class RestoreSide:
                 memory.step,
                 durable_latest.step,
             )
+        # Nothing else holds the job's state now: a store that does not answer is waited for (storage/waiting.py),
+        # as giving up ends the job and starting from initial values would lose every acknowledged commit.
+        return StoreWait(self.store.backend).call(
+            lambda: self._restore_from_the_log(force=failed_to_load, status=status), probe=self.store.checkpoint_ids
+        )
+
+    def _restore_from_the_log(self, *, force: bool, status: bool) -> tuple[RestoreInfo, Restored] | None:
+        """The newest durable checkpoint that loads (each PS's agent reading its rows when they keep the shards),
+        or None when the log has none; ``force``: the memory tier's state did not load, the log replaces it."""
         try:
-            from_ps = self._durable_on_the_ps(force=failed_to_load)
+            from_ps = self._durable_on_the_ps(force=force)
         except NewerInMemoryError as e:
             again = self._memory_again(e, status=status)
             if again is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +18,13 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import tensorflow as tf
 
 from psguard.errors import StorageError
-from psguard.storage import RetryConfig, open_backend
+from psguard.storage import Backend, RetryConfig, open_backend
 from psguard.storage.retry import RetryingBackend
 from psguard.store import Store
 from psguard.store.manifest import chunk_key
 from psguard.trainer.manager import CheckpointManager
 from psguard.trainer.restoring import RestoreSide
-from tests.support.storage_targets import UnreadableKeys
+from tests.support.storage_targets import Delegating, UnreadableKeys
 
 
 def test_checkpoint_restore_takes_the_managers_ids_and_leaves_other_paths_to_tf(tmp_path: Path) -> None:
@@ -130,3 +131,86 @@ def test_a_restore_whose_every_checkpoint_is_unreadable_fails_instead_of_startin
             manager.restore_or_initialize(lambda: pytest.fail("started from scratch"))
     finally:
         store.close()
+
+
+class Refused(Delegating):
+    """A store whose server is down (every read refused, as at a closed port) until ``up`` is set; ``kept_trying``
+    is set once it has been tried over more than ``span`` seconds."""
+
+    def __init__(self, inner: Backend, up: threading.Event, span: float) -> None:
+        super().__init__(inner)
+        self.up = up
+        self.span = span
+        self.first: float | None = None
+        self.kept_trying = threading.Event()
+
+    def _check(self) -> None:
+        if not self.up.is_set():
+            now = time.monotonic()
+            self.first = self.first if self.first is not None else now
+            if now - self.first > self.span:
+                self.kept_trying.set()
+            raise ConnectionRefusedError(111, "Connection refused (injected)")
+
+    def get(self, key: str) -> bytes:
+        self._check()
+        return super().get(key)
+
+    def get_into(self, key: str, out: memoryview) -> int:
+        self._check()
+        return super().get_into(key, out)
+
+    def keys(self, prefix: str) -> list[str]:
+        self._check()
+        return super().keys(prefix)
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        self._check()
+        return super().mtimes(prefix)
+
+
+@pytest.mark.slow
+def test_a_restore_with_nothing_but_a_store_that_is_down_waits_for_it_and_then_restores(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No memory tier to restore from and the store down: the restore neither gives up after the store's retry
+    deadline (the trainer's end: its agent then gave up on a crash loop) nor starts from initial values (every
+    acknowledged commit lost); it waits, saying so, and restores once the store answers."""
+    url = str(tmp_path / "store")
+    v = tf.Variable(np.array([1.0, 2.0], np.float32))
+    ckpt = tf.train.Checkpoint(v=v)
+    with CheckpointManager(ckpt, url) as manager:
+        manager.save(1).result(timeout=60)
+    v.assign([0.0, 0.0])
+    up = threading.Event()
+    # Each call to the store gives up after 0.2 s; the restore is judged once it has kept trying for 1 s.
+    refused = Refused(open_backend(url, retry=RetryConfig(deadline=0)), up, span=1.0)
+    store = Store(RetryingBackend(refused, RetryConfig(deadline=0.2)))
+    outcome: list[object] = []
+
+    def restore() -> None:
+        try:
+            outcome.append(manager.restore_or_initialize(lambda: outcome.append("started from initial values")))
+        except Exception as e:  # the test's thread reports it
+            outcome.append(e)
+        finally:
+            refused.kept_trying.set()  # ended: judge it now
+
+    try:
+        with (
+            CheckpointManager(ckpt, url, store=store) as manager,
+            caplog.at_level(logging.WARNING, logger="psguard.storage.waiting"),
+        ):
+            thread = threading.Thread(target=restore, name="restore")
+            thread.start()
+            assert refused.kept_trying.wait(60)
+            assert thread.is_alive() and not outcome, outcome  # still waiting: neither given up nor initialised
+            up.set()  # the store answers again
+            thread.join(60)
+            assert not thread.is_alive()
+            assert manager.restored is not None and outcome == [manager.restored.id], outcome
+            assert manager.restored.step == 1 and v.numpy().tolist() == [1.0, 2.0]
+    finally:
+        up.set()
+        store.close()
+    assert f"event=waiting_for_storage url={url}" in caplog.text and "Connection refused" in caplog.text
