@@ -37,7 +37,7 @@ import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cache
-from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, BinaryIO, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
@@ -178,6 +178,15 @@ def _expected(path: str, expected: str, got: object) -> _Invalid:
     return _Invalid(path, f"expected {expected}, got {shown}")
 
 
+class _OwnYAMLError(yaml.MarkedYAMLError):
+    """A YAML error psguard's loader raises; its ``problem`` is psguard's own words."""
+
+    problem: str
+
+    def __init__(self, problem: str, mark: Any) -> None:
+        super().__init__(None, None, problem, mark)  # type: ignore[no-untyped-call]
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """A safe loader that refuses a key given twice in one mapping (PyYAML silently keeps the last), and
     aliases (``*name``): nine nested aliases of nine make a billion nodes to validate ("billion laughs"), and
@@ -186,9 +195,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
-            raise yaml.composer.ComposerError(
-                None, None, f"aliases (*name) are not accepted in psguard files (line {mark.line + 1})", mark
-            )
+            raise _OwnYAMLError(f"aliases (*name) are not accepted in psguard files (line {mark.line + 1})", mark)
         return super().compose_node(parent, index)
 
 
@@ -199,7 +206,7 @@ def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict
         key = loader.construct_object(key_node)  # type: ignore[no-untyped-call]
         if key in seen:
             mark = key_node.start_mark
-            raise yaml.constructor.ConstructorError(None, None, f"key {key!r} given twice (line {mark.line + 1})", mark)
+            raise _OwnYAMLError(f"key {_shown_key(key)} given twice (line {mark.line + 1})", mark)
         seen.add(key)
     return loader.construct_mapping(node)
 
@@ -216,39 +223,71 @@ MAX_FILE_BYTES = 1 << 20
 
 def read_settings_file(path: str | os.PathLike[str]) -> str:
     """The text of a settings file (UTF-8); :class:`ConfigError` as :func:`read_settings_bytes`."""
-    data = read_settings_bytes(path)
+    source = os.fspath(path)
+    return settings_text(read_settings_bytes(source), source)
+
+
+def settings_text(data: bytes, source: str) -> str:
+    """``data`` decoded as UTF-8; the error gives the offset of the first bad byte, never the byte."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"{os.fspath(path)}: cannot read: {e}") from e
+        raise ConfigError(f"{source}: not UTF-8 text (byte {e.start} cannot be decoded)") from None
 
 
 def read_settings_bytes(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a settings file; :class:`ConfigError` when it is not a regular file of reasonable size.
+    """The bytes of a settings file; :class:`ConfigError` when it is not a regular file of reasonable size."""
+    source = os.fspath(path)
+    with open_settings_file(source) as f:
+        return read_settings_from(f, source)[0]
 
-    A FIFO, a device or ``/dev/zero`` would block or never end; a folder cannot be read. They are refused from
-    a stat, before anything is opened for reading.
+
+def open_settings_file(path: str | os.PathLike[str]) -> BinaryIO:
+    """The settings file at ``path``, open for reading; :class:`ConfigError` unless it is a regular file of at
+    most :data:`MAX_FILE_BYTES`.
+
+    A FIFO, a device or ``/dev/zero`` would block or never end; a folder cannot be read. What the path names is
+    looked at first (a device is not even opened: opening some does something), then opened with
+    ``O_NONBLOCK`` (a FIFO swapped in after the look is not waited on) and the descriptor itself checked: nothing
+    is read unless the very file opened is a regular one.
     """
     source = os.fspath(path)
     try:
-        st = os.stat(source)
+        _check_settings_file(os.stat(source), source)
+        fd = os.open(source, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ConfigError(f"{source}: no such file") from None
     except OSError as e:
-        raise ConfigError(f"{source}: cannot read: {e}") from e
+        raise ConfigError(f"{source}: cannot read: {e.strerror}") from None
+    f = os.fdopen(fd, "rb")
+    try:
+        _check_settings_file(os.fstat(fd), source)
+    except BaseException:
+        f.close()
+        raise
+    return f
+
+
+def _check_settings_file(st: os.stat_result, source: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file (a pipe, socket or device)"
         raise ConfigError(f"{source}: cannot read: it is {kind}")
     if st.st_size > MAX_FILE_BYTES:
         raise ConfigError(f"{source}: {st.st_size} bytes is too large for a settings file (at most {MAX_FILE_BYTES})")
+
+
+def read_settings_from(f: BinaryIO, source: str) -> tuple[bytes, os.stat_result]:
+    """The whole of the settings file ``f`` (from :func:`open_settings_file`) and its ``fstat`` after the read:
+    a size other than the bytes read, or a later mtime, means something wrote to it meanwhile."""
     try:
-        with open(source, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        f.seek(0)
+        data = f.read(MAX_FILE_BYTES + 1)
+        after = os.fstat(f.fileno())
     except OSError as e:
-        raise ConfigError(f"{source}: cannot read: {e}") from e
+        raise ConfigError(f"{source}: cannot read: {e.strerror}") from None
     if len(data) > MAX_FILE_BYTES:
         raise ConfigError(f"{source}: too large for a settings file (at most {MAX_FILE_BYTES} bytes)")
-    return data
+    return data, after
 
 
 def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
@@ -258,16 +297,15 @@ def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
 
 
 def loads_yaml(cls: type[T], text: str, *, source: str = "<yaml>") -> T:
-    """Like :func:`load_yaml` for YAML text already read; ``source`` names it in errors."""
+    """Like :func:`load_yaml` for YAML text already read; ``source`` names it in errors.
+
+    A text that is not YAML, or not a mapping, may be any file a path was pointed at (a symlink to a password
+    file): its errors give the place and the kind of problem, never a piece of the text (see :func:`_yaml_problem`).
+    """
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        where = ""
-        mark = getattr(e, "problem_mark", None)
-        if mark is not None:
-            where = f" line {mark.line + 1} column {mark.column + 1}:"
-        problem = getattr(e, "problem", None) or str(e)
-        raise ConfigError(f"{source}:{where} not valid YAML: {problem}") from e
+        raise ConfigError(f"{source}:{_yaml_where(e)} not valid YAML: {_yaml_problem(e)}") from None
     except RecursionError:
         raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
     except ValueError as e:  # the YAML constructor's own int(): past 4300 digits
@@ -275,6 +313,45 @@ def loads_yaml(cls: type[T], text: str, *, source: str = "<yaml>") -> T:
     if data is None:
         raise ConfigError(f"{source}: expected a mapping of settings, got an empty document")
     return from_data(cls, data, source=source)
+
+
+#: What PyYAML may quote in a problem that is not the text's own: its token names (``'<block end>'``, ``','``)
+#: and a tab. Any other quoted part is a piece of the text (a character, a tag, a key).
+_YAML_TOKENS = frozenset(
+    repr(token.id) for token in vars(yaml.tokens).values() if isinstance(token, type) and hasattr(token, "id")
+) | {repr("\t")}
+
+
+def _yaml_where(e: yaml.YAMLError) -> str:
+    mark = getattr(e, "problem_mark", None)
+    if mark is not None:
+        return f" line {mark.line + 1} column {mark.column + 1}:"
+    if isinstance(e, yaml.reader.ReaderError):
+        return f" character {e.position + 1}:"
+    return ""
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """What PyYAML found wrong, without the text: its ``problem`` when that quotes nothing but YAML's own token
+    names, else the kind of problem. (``str(e)`` would add a snippet of the offending line.)"""
+    if isinstance(e, _OwnYAMLError):
+        return e.problem
+    if isinstance(e, yaml.reader.ReaderError):
+        return "a character YAML does not accept (a control character or a lone surrogate)"
+    problem = getattr(e, "problem", None)
+    if isinstance(problem, str) and problem:
+        stripped = problem
+        for token in _YAML_TOKENS:
+            stripped = stripped.replace(token, "")
+        if "'" not in stripped and '"' not in stripped:
+            return problem
+    if isinstance(e, yaml.scanner.ScannerError):
+        return "a character or token YAML does not accept here"
+    if isinstance(e, yaml.parser.ParserError):
+        return "the structure breaks off or a token is out of place"
+    if isinstance(e, yaml.constructor.ConstructorError):
+        return "a value YAML cannot build (a tag such as !name, or bad !!binary data)"
+    return f"{type(e).__name__}"
 
 
 def from_data(cls: type[T], data: object, *, source: str = "<data>") -> T:
@@ -397,17 +474,37 @@ def _convert(tp: Any, value: object, path: str) -> Any:
     raise TypeError(f"config type {tp!r} at {path or '(top level)'} is not supported by psguard.config")
 
 
+def _shown_key(key: object) -> str:
+    """A key as errors name it: quoted, and cut short (a key is named, a value of a file not yet known to be
+    settings never is)."""
+    shown = repr(key) if isinstance(key, str) else f"{type(key).__name__} key"
+    return shown if len(shown) <= 44 else f"{shown[:41]}...'"
+
+
+def _kind(value: object) -> str:
+    """What ``value`` is, without its content: how a document that is not a mapping of settings is named."""
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters"
+    if isinstance(value, list):
+        return f"a list of {len(value)} items"
+    return {bool: "true or false", int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
 def _convert_dataclass(cls: type, value: object, path: str) -> Any:
     if not isinstance(value, Mapping):
+        if not path:  # the whole document: perhaps not a settings file at all; never quote it
+            raise _Invalid(path, f"expected a mapping of {cls.__name__} settings, got {_kind(value)}")
         raise _expected(path, f"a mapping of {cls.__name__} settings", value)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     hints = _hints(cls)
-    kwargs: dict[str, Any] = {}
-    for key, raw in value.items():
+    for key in value:  # every key first: a mapping that is not these settings is named by a key, not a value
         if not isinstance(key, str) or key not in fields:
             hint = difflib.get_close_matches(str(key), list(fields), n=1)
             maybe = f"; did you mean {hint[0]!r}?" if hint else ""
-            raise _Invalid(_join(path, str(key)), f"unknown key (known keys: {', '.join(fields)}){maybe}")
+            shown = key if isinstance(key, str) and _shown_key(key) == repr(key) else _shown_key(key)
+            raise _Invalid(_join(path, shown), f"unknown key (known keys: {', '.join(fields)}){maybe}")
+    kwargs: dict[str, Any] = {}
+    for key, raw in value.items():
         kwargs[key] = _convert(hints[key], raw, _join(path, key))
     for name, f in fields.items():
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import enum
+import os
+import stat
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import pytest
 
@@ -20,6 +23,7 @@ from psguard.config import (
     load_yaml,
     loads_yaml,
     parse_duration,
+    read_settings_bytes,
     validate,
 )
 from psguard.errors import ConfigError, PsguardError
@@ -190,6 +194,89 @@ def test_load_yaml_errors(tmp_path: Path) -> None:
         loads_yaml(Outer, "# only a comment\n", source="x.yaml")
     with pytest.raises(ConfigError, match="key 'name' given twice"):
         loads_yaml(Outer, "name: a\nname: b\n", source="x.yaml")
+
+
+SECRET = "hunter2-s3cr3t"
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        (f"root:x:0:0:{SECRET}:/root:/bin/bash\n", "(top level): expected a mapping of Outer settings, got a string"),
+        (f"- {SECRET}\n", "(top level): expected a mapping of Outer settings, got a list of 1 items"),
+        (f"!{SECRET} x\n", "line 1 column 1: not valid YAML: a value YAML cannot build"),
+        (f"!{SECRET}! x\n", "line 1 column 17: not valid YAML: a character or token YAML does not accept"),
+        (f'name: "{SECRET}\\q"\n', "line 1 column 23: not valid YAML: a character or token"),
+        (f"name: a\n  {SECRET}: [\n", "line 2 column "),
+        (f"inner: {SECRET}\nuser: admin\n", "user: unknown key"),  # keys first: a value is never shown
+        (f"name: {SECRET}\x01\n", "character 21: not valid YAML: a character YAML does not accept"),
+    ],
+)
+def test_a_text_that_is_not_settings_is_never_quoted(text: str, where: str) -> None:
+    """A settings path can be pointed at any file (a symlink to a password file): errors say where and what
+    kind of problem, never a piece of the text (PyYAML's own message adds a snippet of the line)."""
+    with pytest.raises(ConfigError) as err:
+        loads_yaml(Outer, text, source="x.yaml")
+    message = str(err.value)
+    assert message.startswith("x.yaml: ") and where in message, message
+    assert SECRET not in message, message
+
+
+def test_an_unknown_key_is_named_cut_short() -> None:
+    with pytest.raises(ConfigError) as err:
+        loads_yaml(Outer, f"inner: {{{'k' * 100}: 1}}\n", source="x.yaml")
+    assert str(err.value).startswith(f"x.yaml: inner.'{'k' * 40}...': unknown key (known keys: timeout, retries)")
+
+
+def test_yaml_problems_that_quote_only_tokens_are_kept() -> None:
+    with pytest.raises(ConfigError, match=r"line 2 column 1: not valid YAML: expected ',' or '\]', but got '<stream"):
+        loads_yaml(Outer, "tags: [a, b\n", source="x.yaml")
+    with pytest.raises(ConfigError, match=r"found character '\\t' that cannot start any token"):
+        loads_yaml(Outer, "name: a\n\tx: 1\n", source="x.yaml")
+
+
+def test_text_that_is_not_utf8_is_named_by_offset(tmp_path: Path) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_bytes(b"name: \xff\xfe")
+    with pytest.raises(ConfigError) as err:
+        load_yaml(Outer, f)
+    assert str(err.value) == f"{f}: not UTF-8 text (byte 6 cannot be decoded)"
+
+
+def test_a_fifo_swapped_in_after_the_look_is_refused_without_blocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The path is a regular file when looked at, a FIFO when opened (a race another user can win): the read
+    must not wait for a writer that never comes."""
+    path = tmp_path / "c.yaml"
+    path.write_text("name: job\n")
+    real_stat = os.stat
+
+    def look_then_swap(target: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        result = real_stat(target, *args, **kwargs)
+        if os.fspath(target) == str(path) and stat.S_ISREG(result.st_mode):
+            path.unlink()
+            os.mkfifo(path)
+        return result
+
+    monkeypatch.setattr(os, "stat", look_then_swap)
+    outcome: list[object] = []
+
+    def read() -> None:
+        try:
+            outcome.append(read_settings_bytes(path))
+        except ConfigError as e:
+            outcome.append(e)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # blocked in open(): let it go, then fail
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(10)
+        pytest.fail("reading the settings file blocked on a FIFO swapped in after it was looked at")
+    assert len(outcome) == 1 and isinstance(outcome[0], ConfigError), outcome
+    assert "not a regular file" in str(outcome[0])
 
 
 @dataclass(frozen=True)
