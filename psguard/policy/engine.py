@@ -38,7 +38,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
 from psguard.config import Check, Duration, format_duration, invalid, validate
 from psguard.handoff.contract import Tier
@@ -48,6 +48,7 @@ from psguard.store.retention import Candidate, select_kept
 
 __all__ = [
     "AnyOf",
+    "Cadence",
     "ChainLimit",
     "Continuous",
     "Cron",
@@ -64,6 +65,7 @@ __all__ = [
     "Verdict",
     "YoungDaly",
     "base_rule",
+    "cron_problem",
     "young_daly_interval",
 ]
 
@@ -72,7 +74,15 @@ logger = logging.getLogger(__name__)
 _POSITIVE = Check(lambda v: v > 0, "(> 0)")
 _AT_LEAST_ONE = Check(lambda v: v >= 1, "(>= 1)")
 _NON_NEGATIVE = Check(lambda v: v >= 0, "(>= 0)")
+#: How far ahead a cadence must be able to fire: 400 years, one cycle of the Gregorian calendar (dates and
+#: weekdays repeat after it), so a cron expression that matches no time within it matches none ever. Interval
+#: cadences longer than this are refused too: a cadence that can never fire would silently never save.
+HORIZON_YEARS = 400
+HORIZON_SECONDS = HORIZON_YEARS * 365.2425 * 86400
+_HORIZON = Check(lambda v: v <= HORIZON_SECONDS, f"(at most {HORIZON_YEARS} years: a longer cadence never fires)")
 PositiveDuration = Annotated[Duration, _POSITIVE]
+Cadence = Annotated[Duration, _POSITIVE, _HORIZON]
+"""An interval between saves: a duration > 0 and within :data:`HORIZON_YEARS`."""
 Count = Annotated[int, _AT_LEAST_ONE]
 
 
@@ -223,7 +233,7 @@ class EverySteps:
 class EveryInterval:
     """Save when ``seconds`` have passed since the tier's last save (or the run's start)."""
 
-    seconds: PositiveDuration
+    seconds: Cadence
 
     def __post_init__(self) -> None:
         validate(self)
@@ -245,24 +255,54 @@ class EveryInterval:
 @functools.lru_cache(maxsize=1024)
 def _next_fire(expr: str, timezone: str, after: float) -> float:
     start = datetime.datetime.fromtimestamp(after, zoneinfo.ZoneInfo(timezone))
-    return float(croniter(expr, start).get_next(float))
+    return float(croniter(expr, start, max_years_between_matches=HORIZON_YEARS).get_next(float))
+
+
+def cron_problem(expr: object, timezone: str = "UTC") -> str | None:
+    """What is wrong with ``expr`` as a save cadence (``None``: nothing): not cron, a year field, or a time that
+    never comes (``0 0 31 2 *``: February has no 31st). Decided with the very croniter search
+    :class:`Cron` saves by, over :data:`HORIZON_YEARS` from any date: the calendar repeats after that."""
+    if not isinstance(expr, str) or not isinstance(timezone, str):
+        return "a cron expression such as '0 * * * *' (minute hour day month weekday)"
+    return _cron_problem(expr, timezone)
+
+
+@functools.lru_cache(maxsize=256)
+def _cron_problem(expr: str, timezone: str) -> str | None:
+    if not croniter.is_valid(expr):
+        return "a cron expression such as '0 * * * *' (minute hour day month weekday)"
+    if len(expr.split()) > 6:
+        return "a cron expression without a year field (minute hour day month weekday): one that ends stops saving"
+    try:
+        zone = zoneinfo.ZoneInfo(timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        return None  # the time zone's own error
+    try:
+        croniter(expr, datetime.datetime(2000, 1, 1, tzinfo=zone), max_years_between_matches=HORIZON_YEARS).get_next()
+    except CroniterBadDateError:
+        return (
+            f"a cron expression that matches a time; this one matches none in {HORIZON_YEARS} years ({timezone}), so "
+            "it would never save (a day that no month it lists has, such as February 30 or 31, or April 31?)"
+        )
+    return None
 
 
 @dataclass(frozen=True)
 class Cron:
     """Save when a time matching the cron expression (``minute hour day month weekday``) has come since the
-    tier's last save (or the run's start). ``timezone`` is an IANA name; the default is UTC."""
+    tier's last save (or the run's start). ``timezone`` is an IANA name; the default is UTC. An expression that
+    never matches a time is refused (:func:`cron_problem`)."""
 
     expr: str
     timezone: str = "UTC"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.expr, str) or not croniter.is_valid(self.expr):
-            raise invalid("expr", "a cron expression such as '0 * * * *' (minute hour day month weekday)", self.expr)
         try:
             zoneinfo.ZoneInfo(self.timezone)
         except (zoneinfo.ZoneInfoNotFoundError, ValueError):
             raise invalid("timezone", "an IANA time zone such as 'UTC' or 'Europe/Paris'", self.timezone) from None
+        if (problem := cron_problem(self.expr, self.timezone)) is not None:
+            raise invalid("expr", problem, self.expr)
 
     def describe(self) -> str:
         tz = "" if self.timezone == "UTC" else f" {self.timezone}"
@@ -286,7 +326,7 @@ class Continuous:
     but not more often than ``min_interval``. Meant for the durable tier: the next upload starts when the
     previous one is committed. On the memory tier it would capture at every decision."""
 
-    min_interval: Duration = 0.0
+    min_interval: Annotated[Duration, _HORIZON] = 0.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -346,13 +386,20 @@ class YoungDaly:
     prior_weight: Annotated[float, _POSITIVE] = 1.0
     stall_prior: PositiveDuration = 1.0
     stall_window: Count = 16
-    min_interval: Duration = 0.0
+    min_interval: Annotated[Duration, _HORIZON] = 0.0
     max_interval: PositiveDuration | None = None
 
     def __post_init__(self) -> None:
         validate(self)
         if self.max_interval is not None and self.max_interval < self.min_interval:
             raise invalid("max_interval", f">= min_interval ({format_duration(self.min_interval)})", self.max_interval)
+        if (first := self._interval(self.stall_prior, self.mtbf_prior)) > HORIZON_SECONDS:
+            raise invalid(
+                "mtbf_prior",
+                f"a prior whose interval fires within {HORIZON_YEARS} years (sqrt(2 * stall_prior * mtbf_prior) is "
+                f"{format_duration(first)}; or set max_interval)",
+                self.mtbf_prior,
+            )
 
     def describe(self) -> str:
         return f"young/daly (MTBF prior {format_duration(self.mtbf_prior)})"

@@ -9,15 +9,19 @@ A policy file (see ``psguard/policy/presets/*.yaml``, or ``psguard policy show N
     preemption: {tiers: [memory], grace: 20s}
     retention: {keep_last: 5, keep_every_hours: 24}
 
-Within a tier, every rule given applies (any of them saves). :func:`load_policy` validates everything and
-names the file, the key and what was expected on error. :class:`PolicyWatcher` keeps a running trainer's or
-agent's policy in step with its file: a valid edit takes effect at the next decision and is logged with what
-changed; an invalid edit, or deleting the file, keeps the old policy and reports why.
+Within a tier, every rule given applies (any of them saves); a cadence that can never fire (``cron: "0 0 31 2
+*"``, an interval past :data:`~psguard.policy.engine.HORIZON_YEARS`) is refused. :func:`load_policy` validates
+everything and names the file, the key and what was expected on error, never quoting a file that is not a
+policy (the path may be a symlink to any file the process can read). :class:`PolicyWatcher` keeps a running
+trainer's or agent's policy in step with its file: a valid replacement (written elsewhere, renamed over the
+path) takes effect at the next decision and is logged with what changed; an invalid one, a file rewritten in
+place, or deleting the file, keeps the old policy and reports why.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.resources
 import logging
 import os
@@ -27,13 +31,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, BinaryIO, Literal
 
-from psguard.config import Check, changed_keys, format_duration, invalid, load_yaml, loads_yaml, read_settings_bytes
+from psguard.config import (
+    Check,
+    changed_keys,
+    format_duration,
+    invalid,
+    load_yaml,
+    loads_yaml,
+    open_settings_file,
+    read_settings_from,
+    settings_text,
+)
 from psguard.errors import ConfigError
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import (
     AnyOf,
+    Cadence,
     ChainLimit,
     Continuous,
     Count,
@@ -47,6 +62,7 @@ from psguard.policy.engine import (
     SavePolicy,
     Schedule,
     YoungDaly,
+    cron_problem,
 )
 from psguard.policy.lag import LagBound
 
@@ -76,12 +92,9 @@ PRESETS_DIR = Path(str(PRESETS))
 def _cron(expr: str | None) -> Cron | None:
     if expr is None:
         return None
-    try:
-        return Cron(expr)
-    except ConfigError:
-        raise invalid(
-            "cron", "a cron expression such as '0 * * * *' (minute hour day month weekday, UTC)", expr
-        ) from None
+    if (problem := cron_problem(expr)) is not None:
+        raise invalid("cron", problem, expr)
+    return Cron(expr)
 
 
 def _any_of(policies: list[SavePolicy]) -> SavePolicy | None:
@@ -99,7 +112,7 @@ class TierSpec:
     ``young_daly``: the adaptive interval (see :class:`psguard.policy.engine.YoungDaly`).
     """
 
-    every: PositiveDuration | None = None
+    every: Cadence | None = None
     every_steps: Count | None = None
     cron: str | None = None
     continuous: Continuous | None = None
@@ -129,7 +142,7 @@ class BaseSpec:
     """When to start a new full base (compaction): on a clock (``every``, ``cron``) or when the delta chain is
     ``max_chain`` links long or its deltas reach ``max_delta_percent`` % of the base's bytes."""
 
-    every: PositiveDuration | None = None
+    every: Cadence | None = None
     cron: str | None = None
     max_chain: Count | None = None
     max_delta_percent: float | None = None
@@ -253,12 +266,26 @@ def load_policy(path_or_preset: str | os.PathLike[str]) -> PolicySpec:
 @dataclass(frozen=True)
 class Reload:
     """What happened when the watcher looked at the file: ``applied`` (with the changed keys), ``unchanged``,
-    ``rejected`` (with the error; the old policy stays) or ``deleted`` (the old policy stays)."""
+    ``rejected`` (with the error; the old policy stays) or ``deleted`` (the old policy stays). ``digest``: the
+    SHA-256 of the bytes looked at (``None`` when there were none to read)."""
 
     outcome: Literal["applied", "unchanged", "rejected", "deleted"]
     generation: int
     changes: tuple[str, ...] = ()
     error: str | None = None
+    digest: str | None = None
+
+
+@dataclass(frozen=True)
+class _Version:
+    """One version of the policy file: the file it was read from (device, inode) and its bytes."""
+
+    file: tuple[int, int]
+    data: bytes
+
+    @functools.cached_property
+    def digest(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
 
 
 class PolicyWatcher:
@@ -273,10 +300,13 @@ class PolicyWatcher:
         with PolicyWatcher("my-policy.yaml") as policy:
             decision = policy.decide(step, context)      # clock: the one given, time.time by default
 
-    Editors that save by writing a new file and renaming it, and Kubernetes ConfigMap updates (a symlink
-    swap), are handled: any event in the folder makes the watcher re-read the file; unchanged bytes are
-    ignored. The file is read once it has been quiet for ``settle`` seconds, so a write in progress is not
-    read half-done (a truncated file can still be valid YAML, with whole sections missing).
+    A new policy is applied only when the file was **replaced whole**: written elsewhere and renamed over the
+    path (``mv``, editors' safe save, ``sed -i``), or a symlink swapped (Kubernetes ConfigMaps). A file rewritten
+    in place (the same inode, other bytes) is refused, the old policy staying: a write in progress can be valid
+    YAML with whole sections missing, and no wait tells a writer's pause from its end (a policy written in two
+    steps, the first valid alone, once turned the durable tier off). A replacement is read once the folder has
+    been quiet for ``settle`` seconds, from one open descriptor (a FIFO or device put there is refused unread),
+    and only if the file did not change while it was read; unchanged bytes are ignored.
     """
 
     def __init__(
@@ -295,8 +325,14 @@ class PolicyWatcher:
         self._on_reload = on_reload
         self._cond = threading.Condition()
         self._stat = self._signature()
-        self._bytes: bytes | None = self._read()
-        self._spec = load_yaml(PolicySpec, self.path)
+        self._held: BinaryIO | None = None
+        version = self._snapshot()
+        if version is None:
+            raise ConfigError(f"{self.path}: changed while it was read; try again once it is written")
+        self._spec = self._parse(version.data)
+        self._applied: bytes = version.data  # the bytes of the policy in effect
+        self._looked: tuple[int, int] = version.file  # the last file looked at: a change to it is in place
+        self._seen: _Version | tuple[object, str] = version  # the last looked at: a version, deleted, an error
         self._generation = 0
         self._last: Reload | None = None
         self._last_decision: Decision | None = None
@@ -333,6 +369,10 @@ class PolicyWatcher:
             self._stop.set()
             self._wake.set()
             worker.join(timeout)
+        with self._cond:
+            held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
     def __enter__(self) -> PolicyWatcher:
         return self.start()
@@ -405,12 +445,12 @@ class PolicyWatcher:
         self._last_event = time.monotonic()
         self._wake.set()
 
-    def _signature(self) -> tuple[int, int, int] | None:
+    def _signature(self) -> tuple[int, int, int, int] | None:
         try:
             st = self.path.stat()  # follows a ConfigMap's symlink swap: the inode changes
         except OSError:
             return None
-        return (st.st_ino, st.st_size, st.st_mtime_ns)
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
     def _run(self) -> None:
         while True:
@@ -430,41 +470,80 @@ class PolicyWatcher:
             self._wake.clear()  # an event after this sets it again: the loop comes back
             try:
                 self.reload()
-            except Exception:  # keep watching through a bad moment (e.g. a permission flip)
+            except Exception:  # keep watching through a bad moment
                 logger.exception("event=policy_watch_error file=%s", self.path)
 
-    def _read(self) -> bytes | None:
-        """The file's bytes (None when it is gone); a FIFO or device put in its place is refused, not read."""
-        if not self.path.exists():
+    def _snapshot(self) -> _Version | None:
+        """The file's bytes, read from one descriptor (:func:`open_settings_file`: a FIFO or device is refused
+        unread); ``None`` when the file changed while it was read (not settled: look again later).
+
+        The file read stays open until the next look: while it is, no other file can be given its inode number,
+        so a file at the path with the same (device, inode) is this one, rewritten in place."""
+        source = str(self.path)
+        f = open_settings_file(source)
+        try:
+            data, st = read_settings_from(f, source)
+            now = self._signature()
+        except BaseException:
+            f.close()
+            raise
+        if len(data) != st.st_size or now != (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+            f.close()
             return None
-        return read_settings_bytes(self.path)
+        held, self._held = self._held, f
+        if held is not None:
+            held.close()
+        return _Version((st.st_dev, st.st_ino), data)
+
+    def _parse(self, data: bytes) -> PolicySpec:
+        source = str(self.path)
+        return loads_yaml(PolicySpec, settings_text(data, source), source=source)
 
     def reload(self) -> Reload | None:
-        """Look at the file now (the watcher's thread calls this after changes). ``None`` if its bytes are the
-        ones already seen; otherwise the outcome, which is also logged and counted."""
+        """Look at the file now (the watcher's thread calls this after changes). ``None`` if what is there was
+        already looked at, or is still being written (looked at again after ``settle``); otherwise the
+        outcome, which is also logged and counted."""
         with self._cond:
-            data = self._read()
-            if data == self._bytes:
+            version: _Version | tuple[object, str] | None
+            try:
+                version = self._snapshot() if self.path.exists() else (None, "deleted")
+            except ConfigError as e:  # not a regular file, too large, unreadable: never quoted, never applied
+                version = (self._signature(), f"{e}; keeping the policy in effect")
+            if version is None:
+                self.changed()  # being written: settle again
                 return None
-            self._bytes = data
-            if data is None:
+            if version == self._seen or (isinstance(version, _Version) and version.data == self._applied):
+                self._seen = version
+                if isinstance(version, _Version):
+                    self._looked = version.file
+                return None
+            self._seen = version
+            if version == (None, "deleted"):
                 result = self._record("deleted", error=f"{self.path}: file deleted; keeping the policy in effect")
                 logger.warning("event=policy_file_deleted file=%s kept=previous", self.path)
+            elif isinstance(version, tuple):
+                result = self._reject(version[1])
             else:
-                try:
-                    spec = load_yaml(PolicySpec, self.path)
-                except ConfigError as e:
-                    result = self._record("rejected", error=str(e))
-                    logger.error("event=policy_rejected file=%s kept=previous error=%r", self.path, str(e))
-                else:
-                    changes = tuple(changed_keys(self._spec, spec))
-                    self._spec = spec
-                    result = self._record("applied" if changes else "unchanged", changes=changes)
-                    logger.info(
-                        "event=policy_reloaded file=%s generation=%d changes=%r", self.path, result.generation, changes
-                    )
+                in_place, self._looked = version.file == self._looked, version.file
+                result = self._reject(_in_place(self.path), version) if in_place else self._apply(version)
         if self._on_reload is not None:
             self._on_reload(result)
+        return result
+
+    def _apply(self, version: _Version) -> Reload:  # holds self._cond
+        try:
+            spec = self._parse(version.data)
+        except ConfigError as e:
+            return self._reject(str(e), version)
+        changes = tuple(changed_keys(self._spec, spec))
+        self._spec, self._applied = spec, version.data
+        result = self._record("applied" if changes else "unchanged", changes=changes, digest=version.digest)
+        logger.info("event=policy_reloaded file=%s generation=%d changes=%r", self.path, result.generation, changes)
+        return result
+
+    def _reject(self, error: str, version: _Version | None = None) -> Reload:  # holds self._cond
+        result = self._record("rejected", error=error, digest=None if version is None else version.digest)
+        logger.error("event=policy_rejected file=%s kept=previous error=%r", self.path, error)
         return result
 
     def _record(
@@ -474,6 +553,15 @@ class PolicyWatcher:
         self._last = Reload(outcome, self._generation, **kw)
         self._cond.notify_all()
         return self._last
+
+
+def _in_place(path: Path) -> str:
+    return (
+        f"{path}: rewritten in place (the same file, other bytes): not applied, since a file written in place "
+        "can be read half-written. Write the new policy to a file in the same folder and rename it over this "
+        f"one (mv new.yaml {path.name}), as editors' safe save and Kubernetes ConfigMaps do; keeping the policy "
+        "in effect"
+    )
 
 
 def _observe(watcher: PolicyWatcher) -> Any:

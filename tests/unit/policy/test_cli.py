@@ -51,6 +51,28 @@ def test_check_rejects_a_bad_file_naming_file_key_and_expectation(
     assert f"{bad}: retention.keep_last: expected a retention that keeps something" in err
 
 
+def test_check_of_a_symlink_to_a_file_that_is_not_a_policy_quotes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret = tmp_path / "passwd"
+    secret.write_text("root:x:0:0:hunter2-s3cr3t:/root:/bin/bash\n")
+    link = tmp_path / "policy.yaml"
+    link.symlink_to(secret)
+    code, out, err = run(["policy", "check", str(link)], capsys)
+    assert code == cli.EXIT_USAGE
+    assert f"{link}: (top level): expected a mapping of PolicySpec settings, got a string of 41 characters" in err
+    assert "s3cr3t" not in out + err
+
+
+@pytest.mark.parametrize("cron", ["0 0 31 2 *", "30 12 30 2 *", "0 0 31 4,6,9,11 *"])
+def test_check_refuses_a_cron_that_never_fires(tmp_path: Path, capsys: pytest.CaptureFixture[str], cron: str) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(f"memory: {{every: 30s}}\ndurable: {{cron: '{cron}'}}\n")
+    code, out, err = run(["policy", "check", str(policy)], capsys)
+    assert code == cli.EXIT_USAGE and ": ok" not in out
+    assert f"{policy}: durable.cron: expected a cron expression that matches a time" in err
+
+
 def test_show_prints_a_preset_with_its_comments_that_checks_as_a_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -8,13 +8,15 @@ import dataclasses
 import json
 import math
 import random
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from psguard.errors import ConfigError
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import (
+    HORIZON_SECONDS,
     AnyOf,
     ChainLimit,
     Continuous,
@@ -30,6 +32,7 @@ from psguard.policy.engine import (
     TierState,
     Verdict,
     YoungDaly,
+    cron_problem,
     young_daly_interval,
 )
 from psguard.store.retention import Candidate
@@ -107,6 +110,66 @@ def test_bad_cron_is_rejected(expr: str) -> None:
         Cron(expr)
     with pytest.raises(ConfigError, match="timezone"):
         Cron("0 * * * *", timezone="Mars/Olympus")
+
+
+@pytest.mark.parametrize(
+    "expr",
+    [
+        "0 0 31 2 *",  # February 31st
+        "0 0 30 2 *",
+        "0 0 31 4,6,9,11 *",  # April, June, September, November have 30 days
+        "15 3 31 2 ?",
+        "0 0 31 2 * 0",  # with a seconds field
+        "0 0 1 1 * 0 2020",  # a year field: a schedule that ends (here: ended)
+    ],
+)
+def test_a_cron_that_can_never_fire_is_refused(expr: str) -> None:
+    with pytest.raises(ConfigError, match="expr: expected a cron expression"):
+        Cron(expr)
+    with pytest.raises(ConfigError, match="expr: expected a cron expression"):
+        Cron(expr, timezone="Europe/Paris")
+    assert cron_problem(expr) is not None
+
+
+@pytest.mark.parametrize(
+    ("expr", "first"),
+    [
+        ("0 0 29 2 *", (2028, 2, 29)),  # only in leap years, but it fires
+        ("0 0 L 2 *", (2026, 2, 28)),  # the last day of February
+        ("0 0 30,31 2,3 *", (2026, 3, 30)),  # March has them
+        ("0 0 31 2 1", (2026, 2, 2)),  # day of month OR weekday, as cron means it: Mondays in February
+        ("0 0 * 2 5#5", (2036, 2, 29)),  # a fifth Friday of February: once in 28 years
+    ],
+)
+def test_a_rare_cron_is_accepted_and_fires(expr: str, first: tuple[int, int, int]) -> None:
+    assert cron_problem(expr) is None
+    verdict = Cron(expr).should_save(0, T0, last=TierState(at=T0), context=SaveContext())
+    assert verdict.seconds_left is not None
+    assert time.gmtime(T0 + verdict.seconds_left)[:3] == first
+
+
+@pytest.mark.parametrize(
+    ("make", "key"),
+    [
+        (lambda: EveryInterval(HORIZON_SECONDS * 2), "seconds"),
+        (lambda: Continuous(min_interval=HORIZON_SECONDS * 2), "min_interval"),
+        (lambda: YoungDaly(mtbf_prior=1.0, min_interval=HORIZON_SECONDS * 2), "min_interval"),
+        (lambda: YoungDaly(mtbf_prior=9e18, stall_prior=9e18), "mtbf_prior"),
+        (lambda: EveryInterval(math.inf), "seconds"),
+        (lambda: EveryInterval(math.nan), "seconds"),
+        (lambda: EveryInterval(-1.0), "seconds"),
+        (lambda: EverySteps(0), "steps"),
+        (lambda: EverySteps(-5), "steps"),
+    ],
+)
+def test_an_interval_that_never_comes_is_refused(make: Callable[[], object], key: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{key}: expected"):
+        make()
+
+
+def test_cadences_up_to_the_horizon_are_kept() -> None:
+    assert EveryInterval(HORIZON_SECONDS).seconds == HORIZON_SECONDS
+    assert YoungDaly(mtbf_prior=9e18, stall_prior=9e18, max_interval=3600.0).interval(T0, SaveContext()) == 3600.0
 
 
 def test_continuous_waits_for_the_previous_save_and_the_floor() -> None:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -45,7 +47,7 @@ def test_every_preset_loads_and_is_commented(name: str) -> None:
     schedule = spec.schedule
     assert schedule.memory is not None or schedule.durable is not None
     summary = spec.summary()
-    assert set(summary) == {"memory", "durable", "base", "preemption", "retention", "hang"}
+    assert set(summary) == {"memory", "durable", "base", "preemption", "retention", "hang", "durable_lag"}
     # It decides: overdue everything -> saves.
     d = schedule.decide(10**6, T0 + 30 * 86400, SaveContext(started_at=T0, observed_since=T0))
     assert Tier.MEMORY in d.tiers
@@ -84,6 +86,14 @@ def test_tier_rules_compose() -> None:
         ("memory: {every_steps: 0}\n", "memory.every_steps:", "(>= 1)"),
         ("memory: {every_steps: ten}\n", "memory.every_steps:", "an integer"),
         ("durable: {cron: '0 25 * * *'}\n", "durable.cron:", "a cron expression"),
+        ("durable: {cron: '0 0 31 2 *'}\n", "durable.cron:", "matches none in 400 years"),
+        ("durable: {cron: '0 0 30 2 *'}\n", "durable.cron:", "matches none in 400 years"),
+        ("memory: {every: 30s}\nbase: {cron: '0 0 31 4 *'}\n", "base.cron:", "matches none in 400 years"),
+        ("durable: {every: 1000000000000}\n", "durable.every:", "a longer cadence never fires"),
+        ("durable: {every: .inf}\n", "durable.every:", "a duration such as"),
+        ("durable: {every: .nan}\n", "durable.every:", "a duration such as"),
+        ("durable: {every_steps: -3}\n", "durable.every_steps:", "(>= 1)"),
+        ("durable: {continuous: {min_interval: 1000000000000}}\n", "min_interval:", "never fires"),
         ("durable: {young_daly: {stall_prior: 1s}}\n", "durable.young_daly.mtbf_prior:", "missing required key"),
         (
             "durable: {young_daly: {mtbf_prior: 6h, min_interval: 1h, max_interval: 10m}}\n",
@@ -98,6 +108,7 @@ def test_tier_rules_compose() -> None:
         ("memory: {every: 30s}\nbase: {max_delta_percent: -5}\n", "base.max_delta_percent:", "a percentage > 0"),
         ("description: nothing\n", "durable:", "this policy never saves"),
         ("memory: {every: 30s}\nmemory: {every: 1m}\n", "not valid YAML", "given twice"),
+        ("memory: {every: 30s}\nhang: [1\n", "line 3 column 1: not valid YAML", "expected ',' or ']'"),
         ("memory: every 30s\n", "memory:", "a mapping of TierSpec settings"),
     ],
 )
@@ -149,6 +160,13 @@ def policy_file(tmp_path: Path) -> Path:
     return path
 
 
+def replace(path: Path, text: str) -> None:
+    """Write ``text`` as a new file and rename it over ``path``: how a policy file is edited."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def test_valid_edit_takes_effect_at_the_next_decision_and_is_logged(
     policy_file: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -159,7 +177,7 @@ def test_valid_edit_takes_effect_at_the_next_decision_and_is_logged(
         assert not watcher.decide(10, ctx)  # durable every 10m: not yet at 301 s
         g = watcher.generation
         caplog.set_level(logging.INFO, logger="psguard.policy.files")
-        policy_file.write_text(policy_file.read_text().replace("every: 10m", "every: 5m"))
+        replace(policy_file, policy_file.read_text().replace("every: 10m", "every: 5m"))
         result = wait_outcome(watcher, "applied", g)
         assert result.changes == ("durable.every: 600.0 -> 300.0",)
         decision = watcher.decide(11, ctx)
@@ -175,7 +193,7 @@ def test_invalid_edit_keeps_the_old_policy_and_reports(policy_file: Path, caplog
     with PolicyWatcher(policy_file, settle=0.05) as watcher:
         before = watcher.spec
         g = watcher.generation
-        policy_file.write_text(policy_file.read_text().replace("every: 10m", "every: -10m"))
+        replace(policy_file, policy_file.read_text().replace("every: 10m", "every: -10m"))
         result = wait_outcome(watcher, "rejected", g)
         assert result.error is not None
         assert str(policy_file) in result.error and "durable.every" in result.error
@@ -184,7 +202,7 @@ def test_invalid_edit_keeps_the_old_policy_and_reports(policy_file: Path, caplog
         assert watcher.decide(1, SaveContext(started_at=T0), now=T0 + 601).tiers == {Tier.MEMORY, Tier.DURABLE}
         # Fixing the file applies it.
         g = watcher.generation
-        policy_file.write_text(policy_file.read_text().replace("every: -10m", "every: 20m"))
+        replace(policy_file, policy_file.read_text().replace("every: -10m", "every: 20m"))
         assert wait_outcome(watcher, "applied", g).changes == ("durable.every: 600.0 -> 1200.0",)
     assert any("event=policy_rejected" in r.message for r in caplog.records if r.levelno == logging.ERROR)
 
@@ -200,9 +218,7 @@ def test_deleted_file_keeps_the_old_policy(policy_file: Path, caplog: pytest.Log
         assert watcher.decide(1, SaveContext(started_at=T0), now=T0 + 31)  # still deciding, old policy
         # Put back with an edit: applied.
         g = watcher.generation
-        tmp = policy_file.with_suffix(".tmp")
-        tmp.write_text((PRESETS_DIR / "default.yaml").read_text().replace("every: 30s", "every: 15s"))
-        os.replace(tmp, policy_file)  # an editor's atomic save: write elsewhere, rename over
+        replace(policy_file, (PRESETS_DIR / "default.yaml").read_text().replace("every: 30s", "every: 15s"))
         assert wait_outcome(watcher, "applied", g).changes == ("memory.every: 30.0 -> 15.0",)
     assert any("event=policy_file_deleted" in r.message for r in caplog.records)
 
@@ -213,9 +229,7 @@ def test_without_watchdog_the_file_is_polled(policy_file: Path, monkeypatch: pyt
     with PolicyWatcher(policy_file, settle=0.05, poll=0.05) as watcher:
         assert watcher.polling
         g = watcher.generation
-        tmp = policy_file.with_suffix(".tmp")
-        tmp.write_text(policy_file.read_text().replace("every: 10m", "every: 5m"))
-        os.replace(tmp, policy_file)
+        replace(policy_file, policy_file.read_text().replace("every: 10m", "every: 5m"))
         assert wait_outcome(watcher, "applied", g).changes == ("durable.every: 600.0 -> 300.0",)
 
 
@@ -229,7 +243,156 @@ def test_watcher_needs_a_valid_file_to_start(tmp_path: Path) -> None:
 def test_reload_without_observer_and_unchanged_bytes(policy_file: Path) -> None:
     watcher = PolicyWatcher(policy_file)
     assert watcher.reload() is None  # same bytes: nothing to do
-    policy_file.write_text(policy_file.read_text() + "\n# a comment only\n")
+    replace(policy_file, policy_file.read_text() + "\n# a comment only\n")
     result = watcher.reload()
     assert result is not None and result.outcome == "unchanged" and result.generation == 1
     assert isinstance(watcher.spec, PolicySpec)
+
+
+# ------------------------------------------------------------------------------- files that are not policies
+SECRET = "hunter2-s3cr3t"
+NOT_POLICIES = {
+    "passwd": f"root:x:0:0:{SECRET}:/root:/bin/bash\ndaemon:x:1:1:daemon:/usr/sbin:/usr/sbin/nologin\n",
+    "a line": f"{SECRET} is the token\n",
+    "a list": f"- {SECRET}\n- two\n",
+    "broken flow": f'{{"password": "{SECRET}"\n',
+    "a tag": f"!{SECRET} value\n",
+    "a tag handle": f"!{SECRET}! value\n",
+    "a bad escape": f'"{SECRET}\\q"\n',
+    "ini": f"[default]\naws_secret_access_key = {SECRET}\n",
+    "a key's value": f"memory: {SECRET}\nusername: admin\n",
+    "a mapping of other things": f"password: {SECRET}\n",
+}
+
+
+@pytest.mark.parametrize("text", NOT_POLICIES.values(), ids=NOT_POLICIES.keys())
+def test_a_file_that_is_not_a_policy_is_never_quoted(tmp_path: Path, text: str) -> None:
+    """A policy path may be a symlink to any file the process can read (a password file): the error names the
+    path and what is wrong, never what the file holds."""
+    target = tmp_path / "secret.txt"
+    target.write_text(text)
+    link = tmp_path / "policy.yaml"
+    link.symlink_to(target)
+    with pytest.raises(ConfigError) as err:
+        load_policy(link)
+    message = str(err.value)
+    assert message.startswith(f"{link}: "), message
+    assert SECRET not in message and SECRET[:6] not in message, message
+
+
+def test_a_symlink_swapped_to_a_file_that_is_not_a_policy_is_refused_unquoted(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = tmp_path / "v1.yaml"
+    shutil.copy(PRESETS_DIR / "default.yaml", good)
+    secret = tmp_path / "passwd"
+    secret.write_text(NOT_POLICIES["passwd"])
+    link = tmp_path / "policy.yaml"
+    link.symlink_to(good)
+    caplog.set_level(logging.INFO, logger="psguard.policy.files")
+    with PolicyWatcher(link, settle=0.05) as watcher:
+        before, g = watcher.spec, watcher.generation
+        swap = tmp_path / ".policy.yaml.new"
+        swap.symlink_to(secret)
+        os.replace(swap, link)  # as a ConfigMap update swaps its link
+        result = wait_outcome(watcher, "rejected", g)
+        assert result.error is not None and result.error.startswith(f"{link}: (top level): expected a mapping")
+        assert SECRET not in result.error
+        assert watcher.spec is before
+    assert any(r.levelno == logging.ERROR and "event=policy_rejected" in r.getMessage() for r in caplog.records)
+    assert SECRET not in caplog.text
+
+
+def test_a_cron_that_never_fires_is_refused_under_hot_reload(policy_file: Path) -> None:
+    with PolicyWatcher(policy_file, settle=0.05) as watcher:
+        before, g = watcher.spec, watcher.generation
+        replace(policy_file, policy_file.read_text().replace("every: 10m", 'cron: "0 0 31 2 *"'))
+        result = wait_outcome(watcher, "rejected", g)
+        assert result.error is not None and "durable.cron" in result.error and "matches none" in result.error
+        assert watcher.spec is before and watcher.spec.durable.every == 600.0
+
+
+# ------------------------------------------------------------------------------------- half-written files
+class Seen:
+    """The watcher's outcomes as they come, each with the policy in effect right after it."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.outcomes: list[tuple[Reload, PolicySpec]] = []
+        self.watcher: PolicyWatcher | None = None
+
+    def __call__(self, result: Reload) -> None:
+        assert self.watcher is not None
+        with self.cond:
+            self.outcomes.append((result, self.watcher.spec))
+            self.cond.notify_all()
+
+    def wait_digest(self, data: bytes, timeout: float = 10.0) -> Reload:
+        """The outcome of the watcher's look at exactly these bytes."""
+        digest = hashlib.sha256(data).hexdigest()
+        with self.cond:
+            assert self.cond.wait_for(lambda: any(r.digest == digest for r, _ in self.outcomes), timeout), (
+                f"the watcher never looked at these bytes: {[r for r, _ in self.outcomes]}"
+            )
+            return next(r for r, _ in self.outcomes if r.digest == digest)
+
+
+def test_a_policy_written_in_two_steps_is_never_applied_half_written(policy_file: Path) -> None:
+    """The first half alone is valid (a memory cadence) and would turn the durable tier off: the watcher sees
+    it, and must not apply it; nor the whole, written in place; a rename of the whole applies it."""
+    first = b"memory: {every: 30s}\n"
+    second = b"durable: {every: 5m}\n"
+    seen = Seen()
+    with PolicyWatcher(policy_file, on_reload=seen, settle=0.05) as watcher:
+        seen.watcher = watcher
+        assert watcher.spec.durable.every == 600.0
+        with open(policy_file, "wb") as f:  # in place: truncate, then the first half
+            f.write(first)
+        half = seen.wait_digest(first)
+        assert half.outcome == "rejected" and half.error is not None and "rewritten in place" in half.error
+        assert watcher.spec.durable.every == 600.0  # the durable tier stays on
+        with open(policy_file, "ab") as f:  # the second half
+            f.write(second)
+        whole = seen.wait_digest(first + second)
+        assert whole.outcome == "rejected" and watcher.spec.durable.every == 600.0
+        replace(policy_file, (first + second).decode())
+        done = wait_outcome(watcher, "applied", whole.generation)
+        assert "durable.every: 600.0 -> 300.0" in done.changes
+    applied = [spec for r, spec in seen.outcomes if r.outcome == "applied"]
+    assert applied and all(spec.durable.every is not None for spec in applied)
+
+
+def test_a_file_put_back_after_deletion_is_applied(policy_file: Path) -> None:
+    """The inode of the file last looked at stays held: a file renamed in after a deletion is a new file even
+    where the file system would have reused the number."""
+    seen = Seen()
+    with PolicyWatcher(policy_file, on_reload=seen, settle=0.05) as watcher:
+        seen.watcher = watcher
+        g = watcher.generation
+        policy_file.unlink()
+        wait_outcome(watcher, "deleted", g)
+        text = (PRESETS_DIR / "default.yaml").read_text().replace("every: 10m", "every: 7m")
+        replace(policy_file, text)
+        assert seen.wait_digest(text.encode()).outcome == "applied"
+        assert watcher.spec.durable.every == 420.0
+
+
+# ---------------------------------------------------------------------------------------- not regular files
+def test_a_fifo_or_device_swapped_in_under_hot_reload_is_refused_without_blocking(policy_file: Path) -> None:
+    with PolicyWatcher(policy_file, settle=0.05) as watcher:
+        before, g = watcher.spec, watcher.generation
+        fifo = policy_file.with_name(".fifo")
+        os.mkfifo(fifo)
+        os.replace(fifo, policy_file)
+        result = wait_outcome(watcher, "rejected", g)
+        assert result.error is not None and "not a regular file" in result.error
+        g = watcher.generation
+        device = policy_file.with_name(".zero")
+        device.symlink_to("/dev/zero")
+        os.replace(device, policy_file)
+        result = wait_outcome(watcher, "rejected", g)
+        assert result.error is not None and "not a regular file" in result.error
+        assert watcher.spec is before
+        g = watcher.generation  # and watching goes on
+        replace(policy_file, (PRESETS_DIR / "default.yaml").read_text().replace("every: 10m", "every: 5m"))
+        assert wait_outcome(watcher, "applied", g).changes == ("durable.every: 600.0 -> 300.0",)
