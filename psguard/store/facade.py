@@ -26,6 +26,7 @@ from psguard.errors import CheckpointError, ConfigError
 from psguard.storage import Backend, RetryConfig, open_backend
 from psguard.store.gc import Collector, GcReport, compact
 from psguard.store.index import CheckpointInfo, Index
+from psguard.store.lease import check_ttl
 from psguard.store.manifest import Manifest
 from psguard.store.reader import LoadResult, Reader
 from psguard.store.verify import VerifyReport, chain_bytes, verify_all, verify_checkpoint
@@ -56,6 +57,7 @@ class Store:
         inflight_bytes = 2 * io_threads * chunk_bytes if inflight_bytes is None else inflight_bytes
         if chunk_bytes <= 0 or io_threads <= 0 or inflight_bytes <= 0:
             raise ConfigError("chunk_bytes, io_threads and inflight_bytes must be positive")
+        lock_ttl = check_ttl(lock_ttl)
         self.url = backend.url
         #: gc leaves unreferenced chunks younger than this (storage clock) alone; defaults to ``lock_ttl``.
         #: 0 turns the guard off: only for a test that knows its chunks are garbage.
@@ -98,12 +100,13 @@ class Store:
     @property
     def lock_ttl(self) -> float:
         """The lease of a save or gc: refreshed every fifth of it while the work runs; a lease the storage
-        has not seen refreshed for this long is stale. Short values stand for long saves in tests."""
+        has not seen refreshed for this long is stale. Short values stand for long saves in tests; at most
+        :data:`~psguard.store.lease.MAX_TTL` (a day)."""
         return self._writer.lock_ttl
 
     @lock_ttl.setter
     def lock_ttl(self, value: float) -> None:
-        self._writer.lock_ttl = value
+        self._writer.lock_ttl = check_ttl(value)
 
     @classmethod
     def open(

@@ -5,6 +5,10 @@ The protocol (docs/storage-format.md, "Locks and leases"):
 * A lease is a JSON object under ``locks/`` carrying a random ``token`` (its owner's proof) and ``ttl``.
 * Its holder rewrites it every ``ttl / 5`` seconds (:class:`LeaseKeeper`, a thread with a handle) for as
   long as the save or gc runs, so a save longer than the TTL keeps its lock.
+* A lease is read as plain JSON (:mod:`psguard.store.strict_json`: no ``NaN``, no ``Infinity``) whose numbers
+  are sane (:func:`lease_problem`: a TTL in ``(0, MAX_TTL]``, a positive pid, times from 1970 on); any
+  other lease is *damaged*, said in the log and judged like a torn write (stale once a second old), never
+  honoured for ever (a TTL of NaN or 1e300 never runs out).
 * Nobody compares clocks across nodes. A lease is stale when the *storage* last wrote it more than ``ttl``
   ago, where "now" is also a time the storage wrote (the mtime of an object the judge itself just wrote):
   both times come from the one storage clock, so a writer whose clock runs minutes behind gc's is judged
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import secrets
 import socket
@@ -27,9 +32,10 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from psguard.errors import ObjectExistsError, ObjectNotFoundError, PsguardError, SaveError
+from psguard.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, PsguardError, SaveError
 from psguard.storage.base import Backend
-from psguard.store.manifest import LOCK_PREFIX
+from psguard.store import strict_json
+from psguard.store.manifest import LOCK_PREFIX, MAX_TIMESTAMP
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +46,14 @@ LOST_AFTER = 0.6
 REFRESH_EVERY = 0.2
 #: The lease of the gc running on a store (at most one); a save's lease is ``locks/writer-<checkpoint id>.json``.
 GC_LOCK = f"{LOCK_PREFIX}gc.json"
+#: The longest TTL a lease may declare, in seconds (a day; psguard's default is 10 minutes). A save or gc of any
+#: length keeps its lease by refreshing it, so no holder needs more, and a longer one would keep a dead holder's
+#: lock (gc refused, saves waiting) for longer than anyone would wait.
+MAX_TTL = 86_400.0
+#: Largest pid a lease may carry (Linux's own bound is 2**22).
+_MAX_PID = 2**31 - 1
+#: A lease document is a few hundred bytes.
+_MAX_LEASE_BYTES = 64 << 10
 
 
 class LeaseLostError(SaveError):
@@ -47,29 +61,75 @@ class LeaseLostError(SaveError):
     refreshed in time): its work is not protected any more and it must not report success."""
 
 
+def check_ttl(ttl: float) -> float:
+    """The TTL a holder in this process may take: :class:`ConfigError` unless in ``(0, MAX_TTL]``."""
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float) or not (0 < ttl <= MAX_TTL):
+        raise ConfigError(f"lock_ttl must be a number of seconds in (0, {MAX_TTL:g}], got {ttl!r}")
+    return float(ttl)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def lease_problem(doc: Mapping[str, Any]) -> str | None:
+    """Why ``doc`` is not a lease psguard could have written (its numbers not finite and sane), or None.
+
+    The TTL (or, for leases older than the ``ttl`` field, ``expires_at - created_at``) is in ``(0, MAX_TTL]``;
+    ``pid`` a positive integer; ``created_at`` and ``expires_at`` times (seconds since 1970, before the year
+    10000); ``token`` and ``host`` strings."""
+    for key in ("token", "host"):
+        if key in doc and not isinstance(doc[key], str):
+            return f"{key} is not a string"
+    pid = doc.get("pid", 1)
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= _MAX_PID:
+        return f"pid {str(pid)[:40]} is not a process id"
+    for key in ("created_at", "expires_at"):
+        if key in doc and not (_number(doc[key]) and 0 <= doc[key] <= MAX_TIMESTAMP):
+            return f"{key} {str(doc[key])[:40]} is not a time"
+    if "ttl" in doc:
+        ttl = doc["ttl"]
+    elif "created_at" in doc and "expires_at" in doc:
+        ttl = doc["expires_at"] - doc["created_at"]
+    else:
+        return "it has no ttl"
+    if not (_number(ttl) and 0 < ttl <= MAX_TTL):
+        return f"ttl {str(ttl)[:40]} is not in (0, {MAX_TTL:g}] seconds"
+    return None
+
+
 def read_lease(backend: Backend, key: str) -> dict[str, Any] | None:
-    """The lease document, ``{}`` for an unreadable one (a torn write by a killed process), None if absent."""
+    """The lease document; ``{}`` for a damaged one (a torn write by a killed process, or numbers no psguard
+    writes: :func:`lease_problem`), said in the log; None if absent."""
     try:
         raw = backend.get(key)
     except ObjectNotFoundError:
         return None
     try:
-        doc = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        doc = strict_json.loads(raw, max_bytes=_MAX_LEASE_BYTES)
+    except strict_json.StrictJSONError as e:
+        problem: str | None = str(e)
+    else:
+        problem = lease_problem(doc) if isinstance(doc, dict) else "not a JSON object"
+    if problem is not None:
+        log.warning(
+            "event=lease_insane key=%s store=%s reason=%r action='judged as a damaged lock: stale once a second old'",
+            key,
+            backend.url,
+            problem,
+        )
         return {}
-    return doc if isinstance(doc, dict) else {}
+    return doc  # type: ignore[no-any-return]
 
 
 def lease_ttl(doc: Mapping[str, Any], default: float) -> float:
-    """The TTL the holder declared (older locks: ``expires_at - created_at``), else ``default``."""
-    try:
-        if "ttl" in doc:
-            return float(doc["ttl"])
-        if "expires_at" in doc and "created_at" in doc:
-            return float(doc["expires_at"]) - float(doc["created_at"])
-    except (TypeError, ValueError):
-        pass
-    return default
+    """The TTL a sane lease (:func:`lease_problem`) declared (older locks: ``expires_at - created_at``), else
+    ``default``."""
+    if lease_problem(doc) is not None:
+        return default
+    if "ttl" in doc:
+        return float(doc["ttl"])
+    return float(doc["expires_at"]) - float(doc["created_at"])
 
 
 def pid_alive(pid: int) -> bool:
@@ -87,22 +147,16 @@ def pid_alive(pid: int) -> bool:
 def lease_stale(doc: Mapping[str, Any], written_at: float, storage_now: float, default_ttl: float) -> bool:
     """Whether a lease whose object the storage wrote at ``written_at`` is dead at ``storage_now``.
 
-    Both times are the storage's. Also stale at once: an unreadable lease older than a second, and a lease
-    whose holder ran on this host and is gone.
+    Both times are the storage's. Also stale at once: a damaged lease (unreadable, or insane by
+    :func:`lease_problem`) older than a second, and a lease whose holder ran on this host and is gone.
     """
     age = storage_now - written_at
-    if not doc:
+    if not doc or lease_problem(doc) is not None:
         return age > 1.0
     if age > lease_ttl(doc, default_ttl):
         return True
-    if doc.get("host") == socket.gethostname():
-        try:
-            pid = int(doc.get("pid", 0))
-        except (TypeError, ValueError):
-            pid = 0
-        if pid > 0 and not pid_alive(pid):
-            return True
-    return False
+    pid = doc.get("pid", 0)
+    return doc.get("host") == socket.gethostname() and pid > 0 and not pid_alive(pid)
 
 
 def storage_now(backend: Backend, *, hint_key: str | None = None) -> float:
@@ -126,7 +180,7 @@ class Lease:
     def __init__(self, backend: Backend, key: str, ttl: float, **fields: Any) -> None:
         self.backend = backend
         self.key = key
-        self.ttl = ttl
+        self.ttl = check_ttl(ttl)
         self.token = secrets.token_hex(16)
         now = time.time()
         self.payload: dict[str, Any] = {

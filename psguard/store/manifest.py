@@ -47,6 +47,8 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_DIMS = 32
 #: Largest step (ids hold it in 12 digits).
 MAX_STEP = 10**12 - 1
+#: Times psguard writes (``committed_at``, a lease's ``created_at``) are seconds since 1970 before the year 10000.
+MAX_TIMESTAMP = 253_402_300_800.0
 
 Kind = Literal["full", "delta"]
 
@@ -265,6 +267,13 @@ class _Checker:
             raise self.fail(f"{where} has type {type(value).__name__}, not a number")
         return float(value)
 
+    def timestamp(self, value: Any, where: str) -> float:
+        """Seconds since 1970, before the year 10000 (:data:`MAX_TIMESTAMP`): what ``time.time()`` gives."""
+        t = self.finite(value, where)
+        if not 0 <= t <= MAX_TIMESTAMP:
+            raise self.fail(f"{where} {t:g} is not a time (seconds since 1970, before the year 10000)")
+        return t
+
     def ref(self, d: Any, where: str) -> ChunkRef:
         if not isinstance(d, Mapping):
             raise self.fail(f"{where} is not an object")
@@ -343,7 +352,7 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
     tensors: dict[str, TensorEntry] = {}
     for name, t in c.get(body, "tensors", dict, "").items():
         tensors[name] = _parse_tensor(c, kind, name, t, version)
-    committed = c.finite(body.get("committed_at"), "committed_at")
+    committed = c.timestamp(body.get("committed_at"), "committed_at")
     metrics_raw = c.get(body, "metrics", dict, "")
     metrics = {str(k): c.finite(v, f"metrics[{str(k)[:40]!r}]") for k, v in metrics_raw.items()}
     stats_raw = c.get(body, "stats", dict, "")
@@ -530,5 +539,5 @@ def parse_journal_entry(data: bytes, key: str) -> dict[str, Any]:
     parent = doc.get("parent")
     if parent is not None and not (isinstance(parent, str) and _ID_RE.match(parent)):
         raise c.fail(f"journal entry {key}: parent {str(parent)[:80]!r} is not a checkpoint id")
-    c.finite(doc.get("committed_at"), f"journal entry {key}: committed_at")
+    c.timestamp(doc.get("committed_at"), f"journal entry {key}: committed_at")
     return doc

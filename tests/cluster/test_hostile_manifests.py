@@ -100,6 +100,8 @@ CASES: dict[str, tuple[Callable[[dict[str, Any]], bytes], str]] = {
     "stats-negative": (_body_edit(_set("stats", {"logical_bytes": -1})), "negative"),
     "too-many-dims": (_body_edit(_set("tensors.b.shape", [1] * 40)), "non-negative dimensions"),
     "full-with-foreign-base": (_body_edit(_set("base", "000000000010-00000000")), "its own base"),
+    "committed-in-year-1e292": (_body_edit(_set("committed_at", 1e300)), "is not a time"),
+    "committed-before-1970": (_body_edit(_set("committed_at", -1.0)), "is not a time"),
 }
 
 
@@ -211,8 +213,9 @@ def test_a_save_of_a_dtype_no_reader_restores_is_refused(tmp_path: Path) -> None
         b"[" * 100_000,
         b'{"id": "000000000020-00000000", "step": ' + b"9" * 5000 + b"}",
         b'{"id": "000000000020-00000000", "step": 7, "kind": "full", "parent": null, "committed_at": 1}',
+        b'{"id": "000000000020-00000000", "step": 20, "kind": "full", "parent": null, "committed_at": 1e300}',
     ],
-    ids=["nan", "deep", "5000-digits", "step-differs"],
+    ids=["nan", "deep", "5000-digits", "step-differs", "committed-in-year-1e292"],
 )
 def test_a_hostile_journal_entry_is_skipped_with_a_warning(
     tmp_path: Path, entry: bytes, caplog: pytest.LogCaptureFixture

@@ -8,8 +8,10 @@ subprocess where it matters; writers are real processes where they must be froze
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,7 +25,7 @@ import numpy as np
 import pytest
 
 import psguard.store.lease as lease_module
-from psguard.errors import PsguardError
+from psguard.errors import ConfigError, PsguardError
 from psguard.storage import RetryConfig, open_backend
 from psguard.storage.base import Backend, Buffer
 from psguard.storage.retry import RetryingBackend
@@ -274,3 +276,52 @@ def test_only_the_owner_releases_a_lease(target: Target, ttl: float) -> None:
         assert read_lease(backend, GC_LOCK) is None
     finally:
         backend.close()
+
+
+@pytest.mark.parametrize("ttl_text", ["NaN", "Infinity", "1e999", "1e300", "-5", '"600"', "true"])
+def test_a_lock_whose_numbers_are_not_sane_is_stale_not_honoured_for_ever(
+    tmp_path: Path, ttl_text: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hostile local user's ``locks/gc.json`` with a TTL no psguard writes (NaN never compares greater, 1e300
+    never runs out): it is judged as a damaged lock (stale once a second old), said in the log, and neither
+    saves nor gc wait for it."""
+    url = str(tmp_path / "store")
+    with Store.open(url) as setup:
+        setup.save(1, {"w": np.ones(8, np.float32)})
+    lock = tmp_path / "store" / GC_LOCK
+    lock.write_text(
+        '{"host": "elsewhere", "pid": 1, "token": "theirs", "op": "gc", "created_at": 0, "expires_at": 0, '
+        f'"ttl": {ttl_text}}}'
+    )
+    hour_ago = time.time() - 3600
+    os.utime(lock, (hour_ago, hour_ago))
+    with Store.open(url, lock_ttl=TTL) as store, caplog.at_level(logging.WARNING, logger="psguard.store.lease"):
+        started = time.monotonic()
+        store.save(2, {"w": np.zeros(8, np.float32)})
+        assert time.monotonic() - started < TTL * 5  # it did not wait out a lock nobody holds
+        report = store.gc(keep_last=1)
+        assert len(report.kept) == 1
+        assert store.backend.keys(LOCK_PREFIX) == []  # the insane lock was removed, gc's own released
+    assert f"event=lease_insane key={GC_LOCK}" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("pid", "1e300"), ("pid", "-1"), ("created_at", "1e300"), ("expires_at", "-1e300")]
+)
+def test_other_insane_lock_numbers_make_a_damaged_lock_too(tmp_path: Path, field: str, value: str) -> None:
+    """A pid of 1e300 crashed the judge (``os.kill`` overflows); times are seconds since 1970, before 10000."""
+    doc = {"host": socket.gethostname(), "pid": 1, "token": "theirs", "op": "gc", "ttl": 600.0, "created_at": 0}
+    raw = json.dumps(doc)[:-1] + f', "{field}": {value}}}'
+    backend = open_backend(str(tmp_path / "store"), retry=FAST_RETRY)
+    try:
+        backend.put(GC_LOCK, raw.encode())
+        assert read_lease(backend, GC_LOCK) == {}
+        assert lease_module.lease_stale({}, 0.0, 2.0, 600.0)
+    finally:
+        backend.close()
+
+
+def test_a_store_refuses_a_lock_ttl_it_would_not_honour(tmp_path: Path) -> None:
+    for bad in (0.0, -1.0, float("nan"), float("inf"), lease_module.MAX_TTL * 2):
+        with pytest.raises(ConfigError, match="lock_ttl"):
+            Store.open(str(tmp_path / "store"), lock_ttl=bad)

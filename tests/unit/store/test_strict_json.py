@@ -15,6 +15,8 @@ def test_plain_json_parses() -> None:
     ("data", "why"),
     [
         ("NaN", ""),
+        ('{"ttl": Infinity}', "Infinity is not a JSON number"),
+        ("[-Infinity]", "-Infinity is not a JSON number"),
         ("[1e999]", ""),
         ("1" * 40, ""),
         ("[" * (MAX_DEPTH + 2) + "]" * (MAX_DEPTH + 2), "deep"),
