@@ -217,9 +217,12 @@ def test_an_edited_policy_file_changes_a_running_managers_decisions(tmp_path: Pa
         assert m.maybe_save(4) is not None  # every step now
         assert m.retention == Retention(keep_last=3)
         generation = watcher.generation
-        policy.write_text("durable: {every_steps: -1}\n")  # invalid: the old policy stays
+        invalid = policy.with_suffix(".tmp")
+        invalid.write_text("durable: {every_steps: -1}\n")
+        invalid.rename(policy)  # invalid: the old policy stays
         reload = watcher.wait_for(generation + 1, timeout=30)
         assert reload is not None and reload.outcome == "rejected", reload
+        assert reload.error is not None and "durable.every_steps" in reload.error, reload
         assert m.maybe_save(5) is not None
         m.wait(timeout=60)
     assert not [t.name for t in threading.enumerate() if t.name.startswith("psguard-policy")]  # stopped by close()
