@@ -212,7 +212,10 @@ class Collector:
             log.warning("gc leaves %d unreadable manifest(s) alone: %s", len(unreadable), unreadable)
         if not dry_run:
             keeper.check()
-            for cid in doomed:
+            # Deltas before what they build on (a child's chain is one longer than its parent's): a gc that dies
+            # between two deletions leaves whole chains only, never a delta whose parent is gone.
+            depth = {i.id: i.chain_length for i in infos}
+            for cid in sorted(doomed, key=lambda c: -depth[c]):
                 self.backend.delete(manifest_key(cid))
                 self.index.forget(cid)
         deleted_chunks = young = 0

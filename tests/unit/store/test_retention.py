@@ -157,3 +157,46 @@ def test_a_gc_with_no_grace_removes_a_leftover_written_within_the_storages_mtime
         store.gc(keep_last=1)
         assert store.backend.leftovers() == []
     assert not leftover.exists()
+
+
+_GC_KILLED_AFTER_FIRST_MANIFEST_DELETE = """
+import os, sys
+from psguard.storage.metered import MeteredBackend
+from psguard.storage.registry import open_backend
+from psguard.store import Store
+
+class DieAfterAManifestDelete(MeteredBackend):
+    def delete(self, key):
+        self.inner.delete(key)
+        if key.startswith("manifests/"):
+            os._exit(75)  # the process dies right after the deletion returns
+
+backend = DieAfterAManifestDelete(open_backend(sys.argv[1]), lambda n: None)
+Store(backend, chunk_grace=0).gc(keep_last=1)
+"""
+
+
+def test_a_gc_killed_after_any_manifest_deletion_leaves_only_whole_chains(tmp_path: Path) -> None:
+    """Found by the crash-point enumeration (``psguard.testbed.crashpoints``, path gc, local, the point after
+    "delete manifests/<step 1>"): gc deleted the oldest checkpoints first, so a gc killed right after deleting a
+    delta chain's base left the deltas over it listed and unrestorable ("its parent is missing"). Children go
+    first now: at whatever point a gc dies, every checkpoint left is whole."""
+    t = np.arange(64, dtype=np.float32).reshape(16, 4)
+    with Store.open(str(tmp_path), chunk_bytes=64) as store:
+        parent = store.save(1, {"t": t}).id
+        for step in (2, 3):
+            t[step] = step
+            parent = store.save(step, {"t": Rows(np.array([step]), t[step : step + 1], t.shape)}, parent=parent).id
+        store.save(4, {"t": t * 2})
+    child = subprocess.run(
+        [sys.executable, "-c", _GC_KILLED_AFTER_FIRST_MANIFEST_DELETE, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert child.returncode == 75, child.stderr
+    with Store.open(str(tmp_path)) as store:
+        ids = store.checkpoint_ids()
+        assert len(ids) == 3  # one of the three doomed ones went
+        assert [cid for cid in ids if not store.verify(cid).ok] == []
