@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 
 #: Seconds between the progress lines of a long hold (a 1 GB base on object storage takes a minute).
 PROGRESS_EVERY = 10.0
+#: Seconds a hold waits on its handle before it looks again whether it should stop (a SIGTERM, the agent gone).
+WAIT_SLICE = 0.25
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,11 @@ class LagGuard:
         agent_alive: Callable[[], bool] | None = None,
         clock: Callable[[], float] = time.monotonic,
         progress_every: float = PROGRESS_EVERY,
+        cancel: Callable[[], bool] | None = None,
     ) -> None:
         self._bound = bound
         self._progress_every = progress_every
+        self._cancel = cancel
         self._agent_alive = agent_alive
         self._clock = clock
         self._lock = threading.Lock()
@@ -79,7 +83,8 @@ class LagGuard:
         """Training is at ``step`` and about to go on: hold while the bound says so. Returns the seconds held."""
         self._step = step
         bound = self._bound()
-        held = 0.0
+        began: float | None = None
+        next_line = 0.0
         while True:
             oldest = self._settle()
             if oldest is None or not bound.holds or self._failing:
@@ -87,8 +92,8 @@ class LagGuard:
             handle, since = oldest
             if not bound.exceeded(step + 1 - handle.step, self._clock() - since):
                 break
-            t0 = self._clock()
-            if held == 0.0:
+            if began is None:
+                began, next_line = self._clock(), self._clock() + self._progress_every
                 self._holds += 1
                 log.info(
                     "event=durable_hold step=%d waiting_for=%d: training waits for the durable commit of step %d "
@@ -99,28 +104,35 @@ class LagGuard:
                     bound.describe(),
                 )
             try:
-                handle.exception(timeout=self._progress_every)
+                handle.exception(timeout=WAIT_SLICE)
             except TimeoutError:
-                if self._agent_alive is not None and not self._agent_alive():
+                why = self._stop_waiting()
+                if why is not None:
                     log.warning(
-                        "event=durable_hold_abandoned step=%d: no agent holds the spool any more, so the durable "
-                        "answer for step %d cannot come; training goes on",
-                        step,
-                        handle.step,
+                        "event=durable_hold_ended step=%d waiting_for=%d: %s; training goes on", step, handle.step, why
                     )
                     with self._lock:
                         self._pending.clear()
-                    held += self._clock() - t0
                     break
-                log.info(
-                    "event=durable_hold step=%d waiting_for=%d held_s=%.1f: still waiting for the durable log",
-                    step,
-                    handle.step,
-                    held + self._clock() - t0,
-                )
-            held += self._clock() - t0
+                if self._clock() >= next_line:
+                    log.info(
+                        "event=durable_hold step=%d waiting_for=%d held_s=%.1f: still waiting for the durable log",
+                        step,
+                        handle.step,
+                        self._clock() - began,
+                    )
+                    next_line += self._progress_every
+        held = self._clock() - began if began is not None else 0.0
         self._held += held
         return held
+
+    def _stop_waiting(self) -> str | None:
+        """Why the answer waited for cannot come, or must not be waited for any more (``None``: keep waiting)."""
+        if self._cancel is not None and self._cancel():
+            return "the job is being preempted: its grace period is for the preemption save"
+        if self._agent_alive is not None and not self._agent_alive():
+            return "no agent holds the spool any more, so the durable answer cannot come"
+        return None
 
     def _settle(self) -> tuple[SaveHandle, float] | None:
         """Drop the captures whose durable answer is in (noting the last success or failure); the oldest left."""

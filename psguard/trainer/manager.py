@@ -354,7 +354,9 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                 on_parent_missing=self._forget_state,
             )
         self._lag = LagGuard(
-            self._lag_bound, agent_alive=self._sink.spool.agent_alive if isinstance(self._sink, AgentSink) else None
+            self._lag_bound,
+            agent_alive=self._sink.spool.agent_alive if isinstance(self._sink, AgentSink) else None,
+            cancel=self._preempted,
         )
         self.last_hold_seconds = 0.0
         #: What the user set (``None``: the writer's default, NEW_BASE_AFTER or the agent's ``max_chain``).
@@ -500,6 +502,9 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         handle = self._save(checkpoint_number, metrics=metrics, tiers=tiers)
         self._hold(handle.step)
         return handle
+
+    def _preempted(self) -> bool:
+        return self._preemption is not None and self._preemption.requested_at is not None
 
     def _lag_bound(self) -> LagBound:
         schedule = self.schedule

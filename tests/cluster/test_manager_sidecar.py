@@ -24,6 +24,7 @@ from psguard.agent.tiers.spool_server import SpoolServer
 from psguard.errors import ConfigError, SaveError
 from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, Tier
 from psguard.handoff.spool import NeedFullCaptureError
+from psguard.policy import LagBound, Schedule
 from psguard.store import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
 from psguard.trainer.variables import bitwise_equal
@@ -222,11 +223,13 @@ def test_a_failed_generation_is_released_without_waiting_for_the_agents_durable_
     try:
         ckpt, emb, dense = make_local()
         train_local(emb, dense, ckpt, np.random.default_rng(21))
-        waiting = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool")
+        # Training may not wait for durable writes that never come: the lag is only reported.
+        report = Schedule(durable_lag=LagBound(on_exceed="report"))
+        waiting = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", policy=report)
         waiting.save(1).restorable(timeout=60)  # in the memory tier, durable never
         with pytest.raises(TimeoutError, match="save of step 1 not durable"):
             waiting.close(timeout=0.5)
-        m = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool")
+        m = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", policy=report)
         handle = m.save(2)
         handle.restorable(timeout=60)
         t0 = time.monotonic()

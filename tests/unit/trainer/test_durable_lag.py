@@ -138,3 +138,14 @@ def test_a_hold_ends_when_no_agent_can_answer_any_more() -> None:
     guard.submitted(_StoreSaveHandle(100, 0.0, BOTH))
     held = guard.check(100)
     assert held > 0 and guard.status().pending == 0
+
+
+def test_a_preemption_ends_the_hold_so_its_grace_goes_to_the_preemption_save() -> None:
+    preempted = threading.Event()
+    guard = LagGuard(LagBound, cancel=preempted.is_set)
+    handle = _StoreSaveHandle(100, 0.0, BOTH)
+    guard.submitted(handle)
+    thread, held = _hold_in_thread(guard, 100)
+    preempted.set()
+    thread.join(10)
+    assert not thread.is_alive() and held and not handle.done()
