@@ -12,12 +12,17 @@ records written by the trainer process and by the harness compare directly; a wa
 
 Each record is one JSON line, written with one ``write`` and fsynced. A write that fails raises
 :class:`HistoryError`: a run whose history is incomplete proves nothing, so the runner stops.
+
+A process has one operation of each ``f`` open at a time, unless its records carry an ``op_id`` in their value:
+then an invoke pairs with the completion of the same ``op_id`` (the nemesis runs its faults and heals on threads of
+their own, so two restarts of agents may be open at once).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -83,8 +88,9 @@ class Record:
 class HistoryWriter:
     """Appends records to ``history.jsonl``: one ``write`` + ``fsync`` each, indices in write order.
 
-    Thread-safe enough for the runner's single writer thread; the runner is the only writer of the file
-    (the trainer's records reach it through the runner, see :mod:`psguard.chaos.runner`). ``records`` keeps
+    Thread-safe: the runner's loop and the nemesis's actions append from their own threads, each record whole and
+    indices in write order; the runner is the only writer of the file (the trainer's records reach it through
+    the runner, see :mod:`psguard.chaos.runner`). ``records`` keeps
     in memory only the records of the processes in ``keep`` (all when ``None``): the checkers read the file, and
     a soak's hour of resource samples and trainer records kept here grew the harness by 85 MB an hour.
     """
@@ -97,6 +103,7 @@ class HistoryWriter:
         except OSError as e:
             raise HistoryError(f"cannot create the history {self.path}: {e}") from e
         self._index = 0
+        self._lock = threading.Lock()
         self.records: list[Record] = []
 
     def append(
@@ -111,18 +118,19 @@ class HistoryWriter:
         """Write one record durably, or raise :class:`HistoryError` (the run must stop)."""
         if type not in TYPES:
             raise HistoryError(f"record type must be one of {', '.join(TYPES)}, got {type!r}")
-        record = Record(self._index, time.monotonic() if at is None else at, process, type, f, dict(value or {}))
-        line = (json.dumps(record.to_json(), sort_keys=True, default=str) + "\n").encode()
-        try:
-            written = os.write(self._fd, line)
-            if written != len(line):
-                raise OSError(f"short write ({written} of {len(line)} bytes)")
-            os.fsync(self._fd)
-        except OSError as e:
-            raise HistoryError(f"cannot append to the history {self.path}: {e}; stopping the run") from e
-        self._index += 1
-        if self._keep is None or process in self._keep:
-            self.records.append(record)
+        with self._lock:
+            record = Record(self._index, time.monotonic() if at is None else at, process, type, f, dict(value or {}))
+            line = (json.dumps(record.to_json(), sort_keys=True, default=str) + "\n").encode()
+            try:
+                written = os.write(self._fd, line)
+                if written != len(line):
+                    raise OSError(f"short write ({written} of {len(line)} bytes)")
+                os.fsync(self._fd)
+            except OSError as e:
+                raise HistoryError(f"cannot append to the history {self.path}: {e}; stopping the run") from e
+            self._index += 1
+            if self._keep is None or process in self._keep:
+                self.records.append(record)
         return record
 
     def close(self) -> None:
@@ -195,12 +203,13 @@ class Op:
 
 def operations(records: Iterable[Record]) -> list[Op]:
     """Pair invokes with completions per process (a process has at most one operation open at a time, per
-    ``f``), ordered by invoke time. A completion without an invoke is an error in the history."""
+    ``f`` and ``op_id`` when its records carry one), ordered by invoke time. A completion without an invoke is an
+    error in the history."""
     ordered = sorted(records, key=lambda r: (r.time, r.index))
-    open_ops: dict[tuple[str, str], Record] = {}
+    open_ops: dict[tuple[str, str, Any], Record] = {}
     ops: list[Op] = []
     for r in ordered:
-        key = (r.process, r.f)
+        key = (r.process, r.f, r.value.get("op_id"))
         if r.type == "invoke":
             if key in open_ops:  # the earlier one never completed: its outcome is unknown
                 ops.append(Op(open_ops.pop(key), None))

@@ -6,17 +6,26 @@ completion after. Pids come from the agents' ``/status`` (``pid`` is the task, `
 the moment of the fault, so a task restarted by its agent is hit in its current incarnation. Faults that last
 (a pause, a dead agent, a storage outage) get a heal operation when their ``duration`` is over; before the
 run ends every open fault is healed, as Jepsen's final phase does.
+
+Every fault and heal fires on its schedule whatever another one is waiting for: each runs on a thread of its own
+(a heal on a timer from its fault's end), and :meth:`Nemesis.tick` only starts them. An action that waits (a
+restarted agent's start, a storage server's) records its completion when it ends, later in the history; each
+operation carries an ``op_id`` so that two of one kind open at once (two PS agents restarting) pair correctly.
+(The nemesis once ran them in turn: a 20 s storage outage was healed only after a restarted chief agent's start
+ended, 75 s after the store went down.)
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import logging
 import os
 import random
 import signal
+import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -45,16 +54,6 @@ class StorageControl(Protocol):
     def stop(self, timeout: float | None = None) -> None: ...
 
     def restart(self) -> Any: ...
-
-
-@dataclass
-class _Pending:
-    """A fault whose heal is due at ``due`` (monotonic)."""
-
-    due: float
-    name: str
-    heal: Callable[[], dict[str, Any]]
-    value: dict[str, Any]
 
 
 def _manifest_refs(doc: Mapping[str, Any]) -> set[str]:
@@ -163,27 +162,32 @@ class Nemesis:
         self.storage = storage
         self.proxies = dict(proxies or {})
         self.rng = random.Random(seed ^ 0x5EED)
-        self._heals: list[_Pending] = []
         self.fired: list[Fault] = []
+        self._lock = threading.Lock()
+        self._actions: list[threading.Thread] = []  # faults and heals started and maybe still running
+        self._heal_now = threading.Event()  # the final phase: every heal due at once
+        self._failure: BaseException | None = None  # what an action's thread raised (a history not written)
+        self._op_ids = itertools.count()
 
     @property
     def done(self) -> bool:
-        return not self.pending and not self._heals
+        return not self.pending and not self.healing
 
     @property
     def healing(self) -> bool:
-        return bool(self._heals)
+        """A fault or heal is running or waiting for its time (a heal is due when its fault's duration is over)."""
+        with self._lock:
+            self._actions = [t for t in self._actions if t.is_alive()]
+            return bool(self._actions)
 
     def tick(
         self, step: int | None, elapsed: float | None, durable_in_flight: int | None = None, *, restoring: bool = False
     ) -> None:
-        """Fire every fault whose trigger has come (``step``: the trainer's last reported step; ``elapsed``:
-        seconds since the trainer started; ``restoring``: a trainer's restore is in flight) and heal every fault
-        whose duration is over."""
-        now = time.monotonic()
-        for pending in [p for p in self._heals if p.due <= now]:
-            self._heals.remove(pending)
-            self._run(pending.name, pending.value, pending.heal)
+        """Start every fault whose trigger has come (``step``: the trainer's last reported step; ``elapsed``:
+        seconds since the trainer started; ``restoring``: a trainer's restore is in flight), each on its own
+        thread; never waits for one. Its heal follows on its own timer. Raises what an action raised (a history
+        that could not be written stops the run)."""
+        self._raise_failure()
         # Faults overlap when their triggers say so (a kill during a storage outage): each fires when its step or
         # time comes, whatever is still open; the checkers attribute restores to every fault active at the time.
         while self.pending:
@@ -203,17 +207,59 @@ class Nemesis:
                 return
             self.pending.pop(0)
             self.fired.append(fault)
-            self._fire(fault, step, durable_in_flight)
+            self._start(fault.action, functools.partial(self._fire, fault, step, durable_in_flight))
 
     def heal_all(self) -> None:
-        """Heal every open fault now (the final phase, and on the way out of a failed run)."""
-        heals, self._heals = self._heals, []
-        for pending in heals:
-            self._run(pending.name, pending.value, pending.heal)
+        """Heal every open fault now and wait until every fault and heal has ended (the final phase, and on the
+        way out of a failed run); then raise what an action raised."""
+        self._heal_now.set()
+        while True:
+            with self._lock:
+                running = [t for t in self._actions if t.is_alive()]
+                self._actions = running
+            if not running:  # a fault ending starts its heal first: none is left behind
+                break
+            for thread in running:
+                thread.join()
+        self._raise_failure()
+
+    # ------------------------------------------------------------------------------------------ scheduling
+    def _start(self, name: str, action: Callable[[], None]) -> None:
+        """Run ``action`` on a thread of its own; what it raises is kept for :meth:`tick` and :meth:`heal_all`."""
+
+        def run() -> None:
+            try:
+                action()
+            except BaseException as e:
+                log.error("nemesis %s failed: %s", name, e)
+                with self._lock:
+                    self._failure = self._failure or e
+
+        thread = threading.Thread(target=run, name=f"psguard-nemesis-{name}", daemon=True)
+        with self._lock:  # started before anyone can see it in the list (a thread not started is not alive)
+            self._actions.append(thread)
+            thread.start()
+
+    def _heal_later(self, after: float, f: str, heal: Callable[[], dict[str, Any]], value: dict[str, Any]) -> None:
+        """Heal ``after`` seconds from now (at once in the final phase), on a timer of its own."""
+        due = time.monotonic() + after
+
+        def run() -> None:
+            self._heal_now.wait(max(0.0, due - time.monotonic()))
+            self._run(f, value, heal)
+
+        self._start(f, run)
+
+    def _raise_failure(self) -> None:
+        with self._lock:
+            failure, self._failure = self._failure, None
+        if failure is not None:
+            raise failure
 
     # ------------------------------------------------------------------------------------------ faults
     def _run(self, f: str, value: dict[str, Any], act: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         """Record the invoke, act, record the completion (``info`` when it raised: effect unknown)."""
+        value = {**value, "op_id": next(self._op_ids)}
         self.history.append(NEMESIS, "invoke", f, value)
         try:
             result = act()
@@ -253,9 +299,7 @@ class Nemesis:
                 return {}
 
             if self._run("storage-stop", {**base, "target": "store"}, stop) is not None:
-                self._heals.append(
-                    _Pending(time.monotonic() + fault.duration, "storage-start", start, {"target": "store"})
-                )
+                self._heal_later(fault.duration, "storage-start", start, {"target": "store"})
             return
         if fault.action in ("partition", "delay", "drop"):
             for target in expand_targets(fault.target, self.scenario.cluster):
@@ -266,6 +310,7 @@ class Nemesis:
 
     def _not_injected(self, f: str, value: dict[str, Any], why: str) -> None:
         """Record a fault that could not be carried out (the faults-injected checker then says so)."""
+        value = {**value, "op_id": next(self._op_ids)}
         self.history.append(NEMESIS, "invoke", f, value)
         self.history.append(NEMESIS, "fail", f, {**value, "error": why})
 
@@ -273,8 +318,7 @@ class Nemesis:
         proxy = self.proxies.get(target)
         value = {**base, "target": target}
         if proxy is None:
-            self.history.append(NEMESIS, "invoke", fault.action, value)
-            self.history.append(NEMESIS, "fail", fault.action, {**value, "error": "no proxy in front of this PS"})
+            self._not_injected(fault.action, value, "no proxy in front of this PS")
             return
         mode = fault.action
         if fault.action == "delay":
@@ -289,7 +333,7 @@ class Nemesis:
             return {}
 
         if self._run(fault.action, value, inject) is not None:
-            self._heals.append(_Pending(time.monotonic() + fault.duration, "heal", heal, {"target": target}))
+            self._heal_later(fault.duration, "heal", heal, {"target": target})
 
     def _agent(self, target: str) -> AgentProcess | TaskProcess:
         name = "chief" if target == "chief" else target.replace(":", "")
@@ -319,42 +363,35 @@ class Nemesis:
             status = agent.status(timeout=5)
             pid, agent_pid = status.get("pid"), status.get("agent_pid")
         except Exception as e:  # the agent is down: the fault cannot be aimed; record that it was not injected
-            self.history.append(NEMESIS, "invoke", fault.action, {**base, "target": target})
-            self.history.append(NEMESIS, "fail", fault.action, {**base, "target": target, "error": str(e)[:300]})
+            self._not_injected(fault.action, {**base, "target": target}, str(e)[:300])
             return
         value = {**base, "target": target, "pid": pid, "agent_pid": agent_pid}
         if fault.action.endswith("-agent") and not isinstance(agent, AgentProcess):
-            self.history.append(NEMESIS, "invoke", fault.action, value)
-            self.history.append(NEMESIS, "fail", fault.action, {**value, "error": "this task runs without an agent"})
+            self._not_injected(fault.action, value, "this task runs without an agent")
             return
         if fault.action in ("kill", "terminate"):
             sig = signal.SIGKILL if fault.action == "kill" else signal.SIGTERM
             if pid is None:
-                self.history.append(NEMESIS, "invoke", fault.action, value)
-                self.history.append(NEMESIS, "fail", fault.action, {**value, "error": "the task is not running"})
+                self._not_injected(fault.action, value, "the task is not running")
                 return
             self._run(fault.action, {**value, "signal": sig.name}, lambda: _signal(int(pid), sig))
         elif fault.action == "hang":
             if pid is None:
-                self.history.append(NEMESIS, "invoke", "hang", value)
-                self.history.append(NEMESIS, "fail", "hang", {**value, "error": "the trainer is not running"})
+                self._not_injected("hang", value, "the trainer is not running")
                 return
             # The trainer's step loop blocks for good on this signal (a stuck input pipeline): no heal, its
             # agent must notice that no step is made and restart it.
             self._run("hang", {**value, "signal": "SIGUSR2"}, lambda: _signal(int(pid), signal.SIGUSR2))
         elif fault.action == "pause":
             if pid is None:
-                self.history.append(NEMESIS, "invoke", "pause", value)
-                self.history.append(NEMESIS, "fail", "pause", {**value, "error": "the task is not running"})
+                self._not_injected("pause", value, "the task is not running")
                 return
             if (
                 self._run("pause", {**value, "signal": "SIGSTOP"}, lambda: _signal(int(pid), signal.SIGSTOP))
                 is not None
             ):
                 heal = {"target": target, "pid": pid, "signal": "SIGCONT"}
-                self._heals.append(
-                    _Pending(time.monotonic() + fault.duration, "resume", lambda: _resume(int(pid)), heal)
-                )
+                self._heal_later(fault.duration, "resume", lambda: _resume(int(pid)), heal)
         elif fault.action in ("kill-agent", "terminate-agent") and isinstance(agent, AgentProcess):
             sig = signal.SIGKILL if fault.action == "kill-agent" else signal.SIGTERM
             done = self._run(fault.action, {**value, "signal": sig.name}, lambda: _stop_agent(agent, sig))
@@ -367,7 +404,7 @@ class Nemesis:
                 is not None
             ):
                 heal = {"target": target, "agent_pid": apid, "signal": "SIGCONT"}
-                self._heals.append(_Pending(time.monotonic() + fault.duration, "resume", lambda: _resume(apid), heal))
+                self._heal_later(fault.duration, "resume", lambda: _resume(apid), heal)
 
     def _restart_later(self, agent: AgentProcess, target: str, after: float) -> None:
         """The agent is down: start it again after ``after`` seconds (a node rebooting, a pod rescheduled)."""
@@ -376,7 +413,7 @@ class Nemesis:
             agent.restart()
             return {"agent_pid": agent.proc.pid, "url": agent.wait_url(120)}
 
-        self._heals.append(_Pending(time.monotonic() + after, "start-agent", restart, {"target": target}))
+        self._heal_later(after, "start-agent", restart, {"target": target})
 
 
 def _resume(pid: int) -> dict[str, Any]:

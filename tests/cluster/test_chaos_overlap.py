@@ -141,7 +141,9 @@ def test_a_chunk_fault_without_a_local_store_is_recorded_as_not_injected(tmp_pat
     """A hand-made schedule the loader never saw: the nemesis records the fault as failed, the run goes on."""
     scenario = _scenario([{"action": "corrupt-chunk", "target": "store", "at_step": 10}])
     history = HistoryWriter(tmp_path / "history.jsonl")
-    Nemesis(scenario, scenario.schedule(0), history, {}, store_dir=None, storage=None, seed=0).tick(10, 1.0)
+    nemesis = Nemesis(scenario, scenario.schedule(0), history, {}, store_dir=None, storage=None, seed=0)
+    nemesis.tick(10, 1.0)
+    nemesis.heal_all()  # the fault ran on a thread of its own: wait for it, as the run's end does
     history.close()
     (op,) = operations(read_history(tmp_path / "history.jsonl"))
     assert op.type == "fail" and "local store" in op.value["error"]

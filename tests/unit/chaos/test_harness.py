@@ -81,6 +81,17 @@ def test_operations_pair_invokes_with_completions_and_unfinished_ones_are_info()
         operations([Record(0, 1.0, T, "ok", "train", {})])
 
 
+def test_operations_of_one_kind_open_at_once_pair_by_their_op_id() -> None:
+    records = [
+        Record(0, 1.0, "nemesis", "invoke", "start-agent", {"target": "ps:0", "op_id": 1}),
+        Record(1, 1.1, "nemesis", "invoke", "start-agent", {"target": "ps:1", "op_id": 2}),
+        Record(2, 2.0, "nemesis", "ok", "start-agent", {"target": "ps:1", "op_id": 2}),
+        Record(3, 9.0, "nemesis", "ok", "start-agent", {"target": "ps:0", "op_id": 1}),
+    ]
+    ops = operations(records)
+    assert [(o.value["target"], o.type, o.end) for o in ops] == [("ps:0", "ok", 9.0), ("ps:1", "ok", 2.0)]
+
+
 # ------------------------------------------------------------------------------------------------ scenarios
 @pytest.mark.parametrize("path", sorted((ROOT / "chaos").glob("*.yaml")), ids=lambda p: p.stem)
 def test_every_shipped_scenario_validates_and_says_what_it_proves(path: Path) -> None:

@@ -1,0 +1,115 @@
+"""The nemesis's schedule (psguard.chaos.nemesis): every fault and heal fires on its time whatever another action
+is waiting for, and the history pairs each one's invoke with its completion, recorded when it ends.
+
+The run that found it: a storage outage of 20 s was healed only after a restarted chief agent's start ended (the
+nemesis ran its actions in turn), 75 s after the store went down."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from psguard.chaos.history import HistoryWriter, Record, operations, read_history
+from psguard.chaos.nemesis import Nemesis
+from psguard.chaos.scenario import Scenario
+from psguard.config import from_data
+
+#: How late a heal may fire on a loaded 2-core machine (its thread started, the history fsynced).
+LATE = 1.5
+
+
+class Storage:
+    """A storage server whose stop hangs until ``release`` (a stop that waits for something that does not come
+    during the test)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.stopping = threading.Event()
+        self.started = threading.Event()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self.stopping.set()
+        self.release.wait()
+
+    def restart(self) -> None:
+        self.started.set()
+
+
+class Task:
+    """A task without an agent (``TaskProcess``): a real process the nemesis stops and continues."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        return {"pid": self.proc.pid, "agent_pid": None}
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+class Watched(HistoryWriter):
+    """The history, with an event per ``ok`` of ``f`` seen ``n`` times (awaited instead of polling the file)."""
+
+    def __init__(self, path: Path, f: str, n: int) -> None:
+        super().__init__(path)
+        self.f, self.n, self.seen = f, n, 0
+        self.done = threading.Event()
+
+    def append(self, process: str, type: str, f: str, value: Any = None, *, at: float | None = None) -> Record:
+        record = super().append(process, type, f, value, at=at)
+        if type == "ok" and f == self.f:
+            self.seen += 1
+            if self.seen >= self.n:
+                self.done.set()
+        return record
+
+
+def test_a_heal_fires_on_its_time_while_another_action_is_still_waiting(tmp_path: Path) -> None:
+    scenario = from_data(
+        Scenario,
+        {
+            "name": "t",
+            "proves": "x",
+            "storage": {"kind": "s3"},
+            "faults": [
+                {"action": "storage-outage", "target": "store", "at_time": 0, "duration": 0.2},  # its stop hangs
+                {"action": "pause", "target": "ps:*", "at_time": 0, "duration": 0.5},  # ps:0 and ps:1
+            ],
+        },
+        source="t.yaml",
+    )
+    storage, tasks = Storage(), {"ps0": Task(), "ps1": Task()}
+    history = Watched(tmp_path / "history.jsonl", "resume", n=2)
+    nemesis = Nemesis(scenario, list(scenario.schedule(0)), history, tasks, store_dir=None, storage=storage, seed=0)
+    ticked = threading.Thread(target=nemesis.tick, args=(None, 0.0), name="tick")
+    try:
+        ticked.start()
+        ticked.join(10)
+        assert not ticked.is_alive(), "tick waited for an action to end"
+        assert storage.stopping.wait(30)
+        assert history.done.wait(30), "the pauses were not healed while the storage's stop hung"
+        assert not storage.release.is_set() and nemesis.healing  # the stop is still waiting
+        ops = operations(history.records)
+        paused = {o.value["target"]: o for o in ops if o.f == "pause"}
+        resumed = {o.value["target"]: o for o in ops if o.f == "resume"}
+        assert sorted(paused) == sorted(resumed) == ["ps:0", "ps:1"]
+        for target, pause in paused.items():
+            heal = resumed[target]
+            assert pause.type == heal.type == "ok" and pause.end is not None
+            assert 0.5 <= heal.start - pause.end <= 0.5 + LATE, (target, heal.start - pause.end)
+        (stop,) = [o for o in ops if o.f == "storage-stop"]
+        assert stop.type == "info" and stop.completion is None  # invoked, still running: no completion yet
+    finally:
+        storage.release.set()
+        nemesis.heal_all()  # the final phase: the store's heal comes once its stop ends
+        history.close()
+        for task in tasks.values():
+            task.close()
+    assert storage.started.is_set()
+    final = {o.f: o.type for o in operations(read_history(tmp_path / "history.jsonl"))}
+    assert final == {"storage-stop": "ok", "storage-start": "ok", "pause": "ok", "resume": "ok"}
