@@ -39,14 +39,15 @@ memory tier         chief only: :class:`~psguard.agent.tiers.memory_tier.MemoryT
                     by a :class:`~psguard.agent.tiers.persister.Persister` (``--store``). At start
                     :func:`~psguard.agent.tiers.persister.resume` seeds the tier from the durable log, so an agent
                     restarted after a crash (even a SIGKILL in the middle of a persist: the manifest is the
-                    commit) continues from the last commit.
+                    commit) continues from the last commit; a store that does not answer is waited for, the
+                    agent not ready and ``/status`` ``store_wait`` saying why (:mod:`psguard.storage.waiting`).
 HTTP                :class:`~psguard.agent.control.httpd.AgentHTTPServer` (127.0.0.1 by default; any other address needs
-                    ``--token-file``): ``/healthz``, ``/readyz``, ``/metrics``, ``/status`` (JSON), ``POST
-                    /restart`` (restart the task), ``POST /recovery`` (a restored trainer reports the step
-                    it restored and, in process, the step it had reached; with the step a failed trainer gave
-                    in ``POST /failure`` the agent counts ``psguard_lost_steps_total``), on the chief
-                    ``POST /new-generation`` (restart every PS now), on a PS or worker ``POST /finish`` (the
-                    job is done: stop the task, exit 0).
+                    ``--token-file``; the POST routes are :mod:`psguard.agent.routes`): ``/healthz``, ``/readyz``,
+                    ``/metrics``, ``/status`` (JSON), ``POST /restart`` (restart the task), ``POST /recovery`` (a
+                    restored trainer reports the step it restored and, in process, the step it had reached; with
+                    the step a failed trainer gave in ``POST /failure`` the agent counts
+                    ``psguard_lost_steps_total``), on the chief ``POST /new-generation`` (restart every PS now), on
+                    a PS or worker ``POST /finish`` (the job is done: stop the task, exit 0).
 ==================  ==========================================================================================
 
 The trainer (the chief's task) gets ``TF_CONFIG`` (the cluster from ``cluster.json``, task ``chief:0``) and
