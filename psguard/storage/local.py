@@ -150,7 +150,13 @@ class LocalBackend(Backend):
         return keys
 
     def delete(self, key: str) -> None:
-        self._path(key).unlink(missing_ok=True)
+        path = self._path(key)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return
+        if self.fsync:  # durable when it returns, as a write is: gc deletes a manifest before the chunks it names
+            _fsync_dir(path.parent)
 
     def size(self, key: str) -> int:
         try:
