@@ -151,7 +151,9 @@ class Store:
         return self._index.resolve(step=step, checkpoint_id=checkpoint_id)
 
     def chain(self, checkpoint_id: str) -> list[Manifest]:
-        """Manifests from the base to ``checkpoint_id``; a missing link is a corrupt checkpoint."""
+        """Manifests from the base to ``checkpoint_id``; a missing link, or a delta that does not list every
+        tensor of its parent (as the format says a delta does), is a corrupt checkpoint. Every read, ``verify``
+        and gc go through this."""
         return self._index.chain(checkpoint_id)
 
     def load(

@@ -7,6 +7,7 @@ served from memory. Nothing here reads a chunk.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from collections import OrderedDict
@@ -213,6 +214,15 @@ class Index:
             out.append(m)
             cid = m.parent
         out.reverse()
+        for parent, child in itertools.pairwise(out):
+            missing = sorted(set(parent.tensors) - set(child.tensors))
+            if missing:
+                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+                raise CorruptCheckpointError(
+                    f"checkpoint {checkpoint_id}: delta {child.id} does not list tensor {missing[0][:200]!r}{more} "
+                    f"of its parent {parent.id}; a delta lists every tensor of its parent, so this one was altered",
+                    checkpoint=checkpoint_id,
+                )
         return out
 
     def remember(self, m: Manifest) -> None:

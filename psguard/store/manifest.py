@@ -15,11 +15,12 @@ import json
 import math
 import re
 import secrets
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from psguard.errors import CorruptCheckpointError, UnsupportedFormatError
+from psguard.errors import ConfigError, CorruptCheckpointError, UnsupportedFormatError
 from psguard.store import strict_json
 from psguard.store.dtypes import DTYPE_NAMES, STRING, dtype_from_name, itemsize_of, logical_nbytes
 
@@ -51,6 +52,49 @@ MAX_STEP = 10**12 - 1
 MAX_TIMESTAMP = 253_402_300_800.0
 
 Kind = Literal["full", "delta"]
+
+
+def tensor_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a tensor, or None.
+
+    Names are TF checkpoint keys (``model/embedding/.ATTRIBUTES/VARIABLE_VALUE``, ``_CHECKPOINTABLE_OBJECT_GRAPH``):
+    ``/``-separated paths whose parts TF escapes (a ``.`` in an object's name is ``..`` in its part, a ``/`` is
+    ``.S``). A tool that writes a file per tensor must not be led out of its folder by one, so a name is refused
+    when it is empty, starts with ``/``, has an empty part (``a//b``, a trailing ``/``), a ``.`` or ``..`` part,
+    or a control character (NUL, a newline). TF itself makes such a key only of an odd object graph: a variable
+    that is the root of its ``tf.train.Checkpoint`` (``/.ATTRIBUTES/VARIABLE_VALUE``) or an attribute named ``.``
+    (``model/../.ATTRIBUTES/VARIABLE_VALUE``). A backslash is an ordinary character: psguard runs on POSIX
+    systems, where it separates nothing.
+    """
+    if not name:
+        return "is empty"
+    bad = next((ch for ch in name if unicodedata.category(ch) == "Cc"), None)
+    if bad is not None:
+        return f"has a control character (U+{ord(bad):04X})"
+    if name.startswith("/"):
+        return "starts with '/' (an absolute path)"
+    parts = name.split("/")
+    if "" in parts:
+        return "has an empty part ('//' or a trailing '/')"
+    dots = next((p for p in parts if p in (".", "..")), None)
+    if dots is not None:
+        return f"has a {dots!r} part"
+    return None
+
+
+def check_tensor_name(name: object) -> str:
+    """``name`` if it can name a tensor (:func:`tensor_name_problem`), else :class:`ConfigError` saying why and
+    what to do: writers refuse what every reader would refuse."""
+    if not isinstance(name, str):
+        raise ConfigError(f"tensor name {name!r} is not a string")
+    problem = tensor_name_problem(name)
+    if problem is not None:
+        raise ConfigError(
+            f"tensor name {name[:200]!r} {problem}: names are TF checkpoint keys, '/'-separated paths that must stay "
+            "inside any folder a tool writes them to. TF makes such a key for a variable that is the root of its "
+            "tf.train.Checkpoint or an attribute named '.': attach the variable under a plain attribute name"
+        )
+    return name
 
 
 def new_checkpoint_id(step: int) -> str:
@@ -457,8 +501,9 @@ def sharded_entry_from_parts(
 def _parse_tensor(c: _Checker, kind: str, name: str, t: Any, version: int) -> TensorEntry:
     """One tensor entry, its shape checked against the bytes its chunks declare (nothing is read or allocated)."""
     where = f"tensors[{name[:80]!r}]"
-    if not name:
-        raise c.fail("a tensor without a name")
+    problem = tensor_name_problem(name)
+    if problem is not None:
+        raise c.fail(f"tensor name {name[:80]!r} {problem} (refusing it as a path)")
     if not isinstance(t, Mapping):
         raise c.fail(f"{where} is not an object")
     dtype = c.get(t, "dtype", str, where + ".")

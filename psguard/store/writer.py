@@ -42,6 +42,7 @@ from psguard.store.manifest import (
     Manifest,
     Part,
     TensorEntry,
+    check_tensor_name,
     chunk_key,
     manifest_key,
     new_checkpoint_id,
@@ -169,6 +170,7 @@ class Writer:
         offset: int,
         dedup_against: str | None,
     ) -> dict[str, Any]:
+        check_tensor_name(name)
         if isinstance(update, np.ndarray):
             update = Full(update)
         if isinstance(update, Full):
@@ -227,6 +229,7 @@ class Writer:
     def encode(
         self, name: str, update: TensorUpdate | FullStream, parent: Manifest | None, writer: ChunkWriter
     ) -> tuple[str, tuple[int, ...], str, list[Future[Any]]]:
+        check_tensor_name(name)
         if isinstance(update, FullStream):
             dtype = _storable(name, dtype_name(update.dtype))
             return dtype, update.shape, "full", writer.submit_stream(update, self.chunk_bytes)
@@ -503,7 +506,8 @@ class SaveTransaction:
         stats = dict.fromkeys(_STAT_KEYS, 0)
         for name, plist in parts.items():
             plist = list(plist)
-            if not isinstance(name, str) or not plist or not all(isinstance(p, Mapping) for p in plist):
+            check_tensor_name(name)
+            if not plist or not all(isinstance(p, Mapping) for p in plist):
                 raise ConfigError(f"tensor {str(name)[:80]!r}: parts must be a non-empty list of write_part results")
             described = {(str(p.get("dtype")), json.dumps(p.get("shape"))) for p in plist}
             if len(described) != 1:

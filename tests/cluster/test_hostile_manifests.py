@@ -87,6 +87,15 @@ def _set(path: str, value: Any) -> Callable[[Body], None]:
     return change
 
 
+def _rename(old: str, new: str) -> Callable[[Body], None]:
+    """Tensor ``old`` listed under the name ``new`` instead."""
+
+    def change(body: Body) -> None:
+        body["tensors"][new] = body["tensors"].pop(old)
+
+    return change
+
+
 CASES: dict[str, tuple[Callable[[dict[str, Any]], bytes], str]] = {
     "nan": (_text_edit('"committed_at": ', '"committed_at": NaN, "x": '), "NaN is not a JSON number"),
     "infinity-literal": (_text_edit('"committed_at": ', '"committed_at": 1e999, "x": '), "out of range"),
@@ -102,6 +111,11 @@ CASES: dict[str, tuple[Callable[[dict[str, Any]], bytes], str]] = {
     "full-with-foreign-base": (_body_edit(_set("base", "000000000010-00000000")), "its own base"),
     "committed-in-year-1e292": (_body_edit(_set("committed_at", 1e300)), "is not a time"),
     "committed-before-1970": (_body_edit(_set("committed_at", -1.0)), "is not a time"),
+    "name-climbs-out": (_body_edit(_rename("b", "../../../../tmp/x")), "has a '..' part"),
+    "name-absolute": (_body_edit(_rename("b", "/etc/cron.d/x")), "starts with '/'"),
+    "name-with-nul": (_body_edit(_rename("b", "b\x00.txt")), "has a control character"),
+    "name-with-newline": (_body_edit(_rename("b", "b\nevent=forged")), "has a control character"),
+    "name-empty-part": (_body_edit(_rename("b", "model//b")), "empty part"),
 }
 
 
@@ -199,6 +213,48 @@ def test_verify_refuses_a_chain_that_cannot_be_restored_although_every_chunk_is_
         assert not report.ok and "changes dtype/shape along the chain" in report.problems[0].message
         assert store.verify(good).ok
         assert store.load_latest().info.id == good
+
+
+@pytest.mark.parametrize("added", [None, "../../../../tmp/x"], ids=["dropped", "dropped-and-path-added"])
+def test_a_resealed_delta_that_drops_a_tensor_of_its_parent_is_refused(
+    tmp_path: Path, added: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The format says a delta lists every tensor of its parent: one that drops ``b`` (and, as found, lists a
+    tensor named ``../../../../tmp/x`` in its place) is refused by verify and every read, naming the tensor."""
+    root, good, bad = _store(tmp_path, delta=True)
+
+    def drop(body: Body) -> None:
+        b = body["tensors"].pop("b")
+        if added is not None:
+            body["tensors"][added] = b
+
+    _rewrite(root, bad, _body_edit(drop))
+    why = "does not list tensor 'b'" if added is None else "has a '..' part"
+    with Store.open(str(root)) as store:
+        report = store.verify(bad)
+        assert not report.ok and why in report.problems[0].message
+        with pytest.raises(CorruptCheckpointError, match=why):
+            store.load(bad)
+        loaded = store.load_latest()
+        assert loaded.info.id == good and why in loaded.skipped[0].message
+        assert store.verify(good).ok
+    capsys.readouterr()
+    assert cli.main(["verify", str(root), "--id", bad, "--quiet"]) == cli.EXIT_CORRUPT
+    out, err = capsys.readouterr()
+    assert why in out + err and "Traceback" not in err
+
+
+def test_export_refuses_a_tensor_name_that_is_a_path_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root, _, bad = _store(tmp_path)
+    _rewrite(root, bad, CASES["name-climbs-out"][0])
+    out = tmp_path / "export"
+    capsys.readouterr()
+    assert cli.main(["export", str(root), str(out), "--id", bad]) == cli.EXIT_CORRUPT
+    printed, err = capsys.readouterr()
+    assert "has a '..' part" in printed + err and "Traceback" not in err
+    assert not out.exists() or list(out.iterdir()) == []
 
 
 def test_a_save_of_a_dtype_no_reader_restores_is_refused(tmp_path: Path) -> None:

@@ -478,6 +478,39 @@ def test_bad_saves_are_refused_and_leave_nothing(store: Store) -> None:
     assert store.checkpoint_ids() == [base.id]
 
 
+#: Checkpoint keys TF writes (``tf.train.Checkpoint``: an attribute ``a.b/c`` is the part ``a..b.Sc``; a lookup
+#: table's tensors; a slot; a TF1 name) and names with characters a path would not need: all stored as they are.
+TF_NAMES = [
+    "model/embedding/.ATTRIBUTES/VARIABLE_VALUE",
+    "model/a..b.Sc/.ATTRIBUTES/VARIABLE_VALUE",
+    "model/t/.ATTRIBUTES/table-keys",
+    "model/emb/.OPTIMIZER_SLOT/optimizer/accumulator/.ATTRIBUTES/VARIABLE_VALUE",
+    "_CHECKPOINTABLE_OBJECT_GRAPH",
+    "dense_1/kernel:0",
+    "a\\b c/ünïcode/...",
+]
+PATH_NAMES = ["../../../../tmp/x", "model/../../x", "/etc/x", "a//b", "a/", "./a", "", "a\x00b", "a\rb"]
+
+
+@STORE_LOGIC
+def test_tensor_names_that_could_be_paths_are_refused_on_write_and_tf_names_are_kept(store: Store) -> None:
+    values = {name: np.full(3, i, np.float32) for i, name in enumerate(TF_NAMES)}
+    info = store.save(0, values)
+    assert store.verify(info.id).ok
+    assert {n: bits(v) for n, v in store.load(info.id).items()} == {n: bits(v) for n, v in values.items()}
+    for name in PATH_NAMES:
+        with pytest.raises(ConfigError, match="tensor name"):
+            store.save(1, {**values, name: np.zeros(3, np.float32)})
+        with pytest.raises(ConfigError, match="tensor name"):
+            store.save(1, {name: Same((3,), np.dtype(np.float32))}, parent=info.id)
+        with pytest.raises(ConfigError, match="tensor name"):
+            store.write_part(name, np.zeros((2, 3), np.float32), shape=(4, 3), offset=0)
+        part = store.write_part("ok/name", np.zeros((4, 3), np.float32), shape=(4, 3), offset=0)
+        with store.begin_save(1) as tx, pytest.raises(ConfigError, match="tensor name"):
+            tx.commit({}, parts={name: [part]})
+    assert store.checkpoint_ids() == [info.id]
+
+
 @STORE_LOGIC
 def test_save_failure_is_a_clear_error_and_commits_nothing(target: Target) -> None:
     class FailingBackend(Delegating):
