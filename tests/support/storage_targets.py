@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from psguard.storage.base import Backend, Buffer
+from psguard.storage.base import Backend
+from psguard.storage.metered import MeteredBackend
 
 BACKENDS = [
     pytest.param("local", id="local"),
@@ -47,50 +48,12 @@ def make_target(name: str, request: pytest.FixtureRequest, tmp_path: Path, uniqu
     raise AssertionError(name)
 
 
-class Delegating(Backend):
-    """Every call passed to ``inner``: subclass it and override the calls a test makes fail."""
+class Delegating(MeteredBackend):
+    """Every call passed to ``inner`` (a metered backend with no meter): subclass it and override the calls a
+    test makes fail."""
 
     def __init__(self, inner: Backend) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.io_parallelism = inner.io_parallelism
-        self.mtime_resolution = inner.mtime_resolution
-
-    def get(self, key: str) -> bytes:
-        return self.inner.get(key)
-
-    def get_into(self, key: str, out: memoryview) -> int:
-        return self.inner.get_into(key, out)
-
-    def put(self, key: str, data: Buffer) -> None:
-        self.inner.put(key, data)
-
-    def put_new(self, key: str, data: Buffer) -> None:
-        self.inner.put_new(key, data)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def keys(self, prefix: str) -> list[str]:
-        return self.inner.keys(prefix)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
-
-    def size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def mtime(self, key: str) -> float:
-        return self.inner.mtime(key)
-
-    def mtimes(self, prefix: str) -> dict[str, float]:
-        return self.inner.mtimes(prefix)
-
-    def leftovers(self) -> list[str]:
-        return self.inner.leftovers()
-
-    def close(self) -> None:
-        self.inner.close()
+        super().__init__(inner, on_read=lambda nbytes: None)
 
 
 class UnreadableKeys(Delegating):
