@@ -12,7 +12,9 @@ Every fault and heal fires on its schedule whatever another one is waiting for: 
 restarted agent's start, a storage server's) records its completion when it ends, later in the history; each
 operation carries an ``op_id`` so that two of one kind open at once (two PS agents restarting) pair correctly.
 (The nemesis once ran them in turn: a 20 s storage outage was healed only after a restarted chief agent's start
-ended, 75 s after the store went down.)
+ended, 75 s after the store went down.) Those threads live until :meth:`Nemesis.close`: a storage server started
+under a parent-death signal (``setpriv --pdeathsig``, :mod:`psguard.testbed.s3_server`) dies with the *thread* that
+started it, and one restarted by a heal's short-lived thread died the moment its heal was done.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -164,7 +167,10 @@ class Nemesis:
         self.rng = random.Random(seed ^ 0x5EED)
         self.fired: list[Fault] = []
         self._lock = threading.Lock()
-        self._actions: list[threading.Thread] = []  # faults and heals started and maybe still running
+        # A thread per action open at once (a heal waits for its time on one), kept until close() (the module's
+        # text says why): the pool's size is no limit in practice, its idle threads are reused.
+        self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="psguard-nemesis")
+        self._actions: list[Future[None]] = []  # faults and heals started and maybe still running
         self._heal_now = threading.Event()  # the final phase: every heal due at once
         self._failure: BaseException | None = None  # what an action's thread raised (a history not written)
         self._op_ids = itertools.count()
@@ -177,7 +183,7 @@ class Nemesis:
     def healing(self) -> bool:
         """A fault or heal is running or waiting for its time (a heal is due when its fault's duration is over)."""
         with self._lock:
-            self._actions = [t for t in self._actions if t.is_alive()]
+            self._actions = [a for a in self._actions if not a.done()]
             return bool(self._actions)
 
     def tick(
@@ -215,13 +221,19 @@ class Nemesis:
         self._heal_now.set()
         while True:
             with self._lock:
-                running = [t for t in self._actions if t.is_alive()]
+                running = [a for a in self._actions if not a.done()]
                 self._actions = running
             if not running:  # a fault ending starts its heal first: none is left behind
                 break
-            for thread in running:
-                thread.join()
+            wait(running)
         self._raise_failure()
+
+    def close(self) -> None:
+        """Heal what is still open and end the threads, once the servers the nemesis restarted are stopped."""
+        try:
+            self.heal_all()
+        finally:
+            self._pool.shutdown(wait=True)
 
     # ------------------------------------------------------------------------------------------ scheduling
     def _start(self, name: str, action: Callable[[], None]) -> None:
@@ -235,10 +247,8 @@ class Nemesis:
                 with self._lock:
                     self._failure = self._failure or e
 
-        thread = threading.Thread(target=run, name=f"psguard-nemesis-{name}", daemon=True)
-        with self._lock:  # started before anyone can see it in the list (a thread not started is not alive)
-            self._actions.append(thread)
-            thread.start()
+        with self._lock:
+            self._actions.append(self._pool.submit(run))
 
     def _heal_later(self, after: float, f: str, heal: Callable[[], dict[str, Any]], value: dict[str, Any]) -> None:
         """Heal ``after`` seconds from now (at once in the final phase), on a timer of its own."""

@@ -389,6 +389,12 @@ class _Run:
         for proxy in self.proxies.values():
             proxy.close()
 
+    def close_nemesis(self) -> None:
+        nemesis = getattr(self, "nemesis", None)
+        if nemesis is not None:
+            with contextlib.suppress(HistoryError):
+                nemesis.close()
+
     def final_store(self) -> None:
         from psguard.store import Store
 
@@ -544,6 +550,7 @@ def run_scenario(
                 run.final_store()
         finally:
             run.stop_storage()
+            run.close_nemesis()  # after the storage: a server it restarted dies with the nemesis's thread
             if not isinstance(interrupted, HistoryError):
                 run.cleanup_audit()
             run.kill_leftovers()

@@ -130,7 +130,7 @@ def test_a_fault_fires_while_another_is_still_open(tmp_path: Path, sleepers: dic
     nemesis.tick(12, 2.0)
     assert sleepers["ps1"].proc.wait(10) == -signal.SIGKILL
     assert sleepers["ps0"].state() == "T", "the pause is still on: the faults overlap"
-    nemesis.heal_all()
+    nemesis.close()
     assert sleepers["ps0"].await_state(("S", "R")) in ("S", "R")
     history.close()
     ops = [(o.f, o.value["target"], o.type) for o in operations(read_history(tmp_path / "history.jsonl"))]
@@ -143,7 +143,7 @@ def test_a_chunk_fault_without_a_local_store_is_recorded_as_not_injected(tmp_pat
     history = HistoryWriter(tmp_path / "history.jsonl")
     nemesis = Nemesis(scenario, scenario.schedule(0), history, {}, store_dir=None, storage=None, seed=0)
     nemesis.tick(10, 1.0)
-    nemesis.heal_all()  # the fault ran on a thread of its own: wait for it, as the run's end does
+    nemesis.close()  # the fault ran on a thread of its own: wait for it, as the run's end does
     history.close()
     (op,) = operations(read_history(tmp_path / "history.jsonl"))
     assert op.type == "fail" and "local store" in op.value["error"]

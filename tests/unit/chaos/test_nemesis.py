@@ -6,16 +6,20 @@ nemesis ran its actions in turn), 75 s after the store went down."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import threading
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from psguard.chaos.history import HistoryWriter, Record, operations, read_history
 from psguard.chaos.nemesis import Nemesis
 from psguard.chaos.scenario import Scenario
 from psguard.config import from_data
+from psguard.testbed.s3_server import pdeathsig_prefix
 
 #: How late a heal may fire on a loaded 2-core machine (its thread started, the history fsynced).
 LATE = 1.5
@@ -23,19 +27,21 @@ LATE = 1.5
 
 class Storage:
     """A storage server whose stop hangs until ``release`` (a stop that waits for something that does not come
-    during the test)."""
+    during the test), and whose restart starts a real server process as the testbed's do: under a parent-death
+    signal, which the kernel sends when the *thread* that started it ends."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.stopping = threading.Event()
-        self.started = threading.Event()
+        self.server: subprocess.Popen[bytes] | None = None
 
     def stop(self, timeout: float | None = None) -> None:
         self.stopping.set()
         self.release.wait()
 
     def restart(self) -> None:
-        self.started.set()
+        sleep = [sys.executable, "-c", "import time; time.sleep(120)"]
+        self.server = subprocess.Popen(pdeathsig_prefix(True) + sleep)
 
 
 class Task:
@@ -69,6 +75,7 @@ class Watched(HistoryWriter):
         return record
 
 
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) sets the parent-death signal")
 def test_a_heal_fires_on_its_time_while_another_action_is_still_waiting(tmp_path: Path) -> None:
     scenario = from_data(
         Scenario,
@@ -104,12 +111,19 @@ def test_a_heal_fires_on_its_time_while_another_action_is_still_waiting(tmp_path
             assert 0.5 <= heal.start - pause.end <= 0.5 + LATE, (target, heal.start - pause.end)
         (stop,) = [o for o in ops if o.f == "storage-stop"]
         assert stop.type == "info" and stop.completion is None  # invoked, still running: no completion yet
-    finally:
         storage.release.set()
         nemesis.heal_all()  # the final phase: the store's heal comes once its stop ends
+        assert storage.server is not None
+        with pytest.raises(subprocess.TimeoutExpired):  # the server outlives its heal (it died with its thread)
+            storage.server.wait(1)
+    finally:
+        storage.release.set()
+        nemesis.close()
         history.close()
         for task in tasks.values():
             task.close()
-    assert storage.started.is_set()
+        if storage.server is not None:
+            storage.server.kill()
+            storage.server.wait()
     final = {o.f: o.type for o in operations(read_history(tmp_path / "history.jsonl"))}
     assert final == {"storage-stop": "ok", "storage-start": "ok", "pause": "ok", "resume": "ok"}

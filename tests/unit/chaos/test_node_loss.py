@@ -201,7 +201,7 @@ def _fire(tmp_path: Path, tasks: dict[str, _Process], faults: list[dict[str, Any
     history.append("harness", "ok", "run", run)
     nemesis = cls(s, s.schedule(0), history, tasks, store_dir=None, storage=None, seed=0)  # type: ignore[arg-type]
     nemesis.tick(50, 1.0)
-    nemesis.heal_all()  # every fault runs on a thread of its own: wait for them all, as the run's end does
+    nemesis.close()  # every fault runs on a thread of its own: wait for them all, as the run's end does
     history.close()
     return read_history(tmp_path / "history.jsonl")
 
@@ -256,7 +256,7 @@ def test_a_fault_during_a_restore_waits_for_one_and_only_aims_at_tasks(
     nemesis.tick(60, 1.0)
     assert not nemesis.fired and tasks["ps0"].proc.poll() is None
     nemesis.tick(60, 2.0, restoring=True)
-    nemesis.heal_all()
+    nemesis.close()
     history.close()
     assert [f.describe() for f in nemesis.fired] == ["kill ps:0 at step 50 during a restore"]
     assert tasks["ps0"].proc.wait(10) == -signal.SIGKILL
