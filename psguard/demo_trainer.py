@@ -348,7 +348,10 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # it may have reached the agent's memory tier before the failure: unknown
             progress.op("info", "capture", step=step, error=error_line(e))
             raise
-        progress.op("ok", "capture", step=step, stall=handle.stall_seconds)
+        # hold: how long the save waited for the durable log (the policy's durable_lag), on top of the stall.
+        progress.op(
+            "ok", "capture", step=step, stall=handle.stall_seconds, hold=round(job.manager.last_hold_seconds, 4)
+        )
         progress.op("invoke", "memory-commit", step=step)
         if durable:
             state["durable"], state["durable_at"] = step, time.monotonic()

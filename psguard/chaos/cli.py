@@ -1,5 +1,5 @@
-"""``psguard chaos run SCENARIO.yaml``, ``psguard chaos soak SCENARIO.yaml --duration 1h`` and ``psguard chaos
-check history.jsonl``.
+"""``psguard chaos run SCENARIO.yaml``, ``psguard chaos soak SCENARIO.yaml --duration 1h``, ``psguard chaos
+explore --seed S`` and ``psguard chaos check history.jsonl``.
 
 Exit codes: 0 every checker valid; 1 a checker found the run invalid (or the run failed); 2 bad input (a
 scenario that does not validate names the key); 5 no checker invalid but some could not decide (unknown).
@@ -102,6 +102,47 @@ def cmd_soak(args: argparse.Namespace) -> int:
                    "soak")  # fmt: skip
 
 
+def cmd_explore(args: argparse.Namespace) -> int:
+    import secrets
+
+    from psguard.chaos.explore import SPACES, explore
+    from psguard.config import parse_duration
+
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    budget = None
+    if args.budget is not None:
+        try:
+            budget = parse_duration(args.budget)
+        except ValueError as e:
+            raise ConfigError(f"--budget: {e}") from None
+    cases = 1 if args.case is not None else args.cases
+    if cases is None and budget is None:
+        cases = 3
+    start = args.case if args.case is not None else args.start
+    print(f"psguard chaos explore: seed {seed}, space {args.space} (replay a case with --seed {seed} --case I)",
+          flush=True)  # fmt: skip
+    directory = claim_folder(args.report or f"chaos-runs/explore-seed{seed}", "psguard chaos explore")
+    outcome: dict[str, int] = {}
+
+    def run() -> int:
+        results = explore(seed, directory, space=SPACES[args.space], cases=cases, budget_seconds=budget,
+                          start=start, do_shrink=args.shrink)  # fmt: skip
+        for r in results:
+            outcome[r.overall] = outcome.get(r.overall, 0) + 1
+        print(f"explored {len(results)} case(s): " + ", ".join(f"{n} {k}" for k, n in sorted(outcome.items())))
+        print(f"summary: {directory / 'summary.md'}, cases: {directory / 'cases.jsonl'}")
+        return 1 if outcome.get("invalid") else EXIT_UNKNOWN if outcome.get("unknown") else 0
+
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return run()
+    except KeyboardInterrupt:
+        print("psguard chaos explore: interrupted; every process it started was stopped", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from psguard.chaos.checkers import check_all, overall
     from psguard.chaos.history import read_history
@@ -130,7 +171,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="inject faults into a real local PS job and check the history (kill, pause, storage faults)",
         description="Chaos runs on a real localhost cluster under psguard agents; see chaos/*.yaml.",
     )
-    chaos = p.add_subparsers(dest="chaos_command", metavar="{run,soak,check}")
+    chaos = p.add_subparsers(dest="chaos_command", metavar="{run,soak,explore,check}")
     chaos.required = True
     run = chaos.add_parser("run", help="run a scenario and judge its history")
     run.add_argument("scenario", metavar="SCENARIO.yaml")
@@ -153,6 +194,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     soak.add_argument("--report", metavar="DIR", help="run folder (default chaos-runs/NAME-seedS)")
     soak.add_argument("--job", metavar="MODULE:FUNC", help="the trainer (default psguard.demo_trainer:main)")
     soak.set_defaults(func=cmd_soak)
+    explore = chaos.add_parser(
+        "explore",
+        help="draw cases (settings and faults) from a seed, run each on psguard and on plain TF, judge side by side",
+    )
+    explore.add_argument("--seed", type=int, help="the exploration's seed (default: a fresh one, printed)")
+    explore.add_argument("--cases", type=int, help="how many cases (default 3 when no --budget is given)")
+    explore.add_argument("--budget", help="explore until this much time has passed, e.g. 10m, 2h")
+    explore.add_argument("--case", type=int, help="replay only case I of --seed")
+    explore.add_argument("--start", type=int, default=0, help="the first case's index (default 0)")
+    explore.add_argument("--space", choices=("ci", "full"), default="ci", help="what to draw from (default ci)")
+    explore.add_argument("--shrink", action="store_true", help="shrink each failing case to a smaller one")
+    explore.add_argument("--report", metavar="DIR", help="run folder (default chaos-runs/explore-seedS)")
+    explore.set_defaults(func=cmd_explore)
     check = chaos.add_parser("check", help="run the checkers again over a history file")
     check.add_argument("history", metavar="history.jsonl")
     check.add_argument("--reference", metavar="history.jsonl", help="a fault-free run's history (final loss)")

@@ -1,0 +1,415 @@
+"""``psguard chaos explore``: scenarios drawn from a seed, run on psguard and on plain TF, judged side by side.
+
+The scenarios in ``chaos/`` are cases somebody chose, and an async checkpointer's bugs hide in the cases nobody
+chose: a cadence that happens to suit this machine's store, a fault during the first base write. Here every case
+is *drawn*, as FoundationDB's simulations and TigerBeetle's VOPR draw theirs: from ``(seed, index)`` come the
+job's size, the cluster, the storage, the cadences, peer copies, and one to three faults at drawn moments (a
+step, optionally "while a durable commit is in flight" or "while a restore runs"), overlapping when they fall
+close. The same ``(seed, index)`` gives the same case on any machine (:func:`draw_case`), so a failing case replays
+with ``--seed S --case I``.
+
+Each case runs twice, on psguard and on the plain-TF practice (:mod:`psguard.chaos.baseline`: the same faults at
+the same steps, a synchronous ``tf.train.CheckpointManager`` save at the durable cadence, the whole job restarted
+on any failure), and is judged by every checker of the psguard run plus :func:`not_worse_than_tf`: per fault,
+psguard lost no more steps than TF (one chunk of slack: a fault fires at the first reported step at or past its
+trigger, so the two runs see it up to a chunk apart), and its goodput over the run is at least TF's (within
+``goodput_tolerance``: two runs on a shared two-core machine). A failing case is shrunk (:func:`shrink`): faults
+dropped one by one, the state halved, fewer workers, no peer copies, a local store, while it still fails the same
+checkers, so the report names the smallest case that shows the bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import random
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from psguard.chaos.checkers import Verdict
+from psguard.chaos.scenario import (
+    Action,
+    Checks,
+    ClusterSpec,
+    Fault,
+    Scenario,
+    StorageSpec,
+    TrainingSpec,
+)
+
+__all__ = [
+    "SPACES",
+    "CaseResult",
+    "Space",
+    "draw_case",
+    "explore",
+    "not_worse_than_tf",
+    "run_case",
+    "shrink",
+]
+
+#: Bytes of state per embedding cell: the table and its Adagrad accumulator, float32 each (the demo job's model).
+_STATE_BYTES_PER_CELL = 8
+
+
+@dataclass(frozen=True)
+class Space:
+    """Where cases are drawn from: the settings users run, bounded for the machine the exploration runs on."""
+
+    ps: tuple[int, int] = (1, 2)
+    workers: tuple[int, int] = (1, 2)
+    state_mb: tuple[float, float] = (1.0, 16.0)  # embedding table + slot, drawn log-uniform
+    dims: tuple[int, ...] = (8, 16, 32)
+    steps: int = 150
+    chunk: int = 5
+    storages: tuple[Literal["local", "s3", "hdfs"], ...] = ("local", "s3")
+    memory_every: tuple[int, ...] = (5, 10)
+    durable_multiple: tuple[int, int] = (1, 6)  # durable cadence = memory cadence x this
+    faults: tuple[int, int] = (1, 2)
+    time_limit: float = 360.0
+    goodput_tolerance: float = 0.15
+
+
+#: ``ci``: a case in a couple of minutes (both runs); ``full``: what ``make explore`` draws from.
+SPACES: dict[str, Space] = {
+    "ci": Space(),
+    "full": Space(
+        ps=(1, 4),
+        state_mb=(1.0, 256.0),
+        steps=300,
+        storages=("local", "s3", "hdfs"),
+        memory_every=(5, 10, 25),
+        faults=(1, 3),
+        time_limit=900.0,
+    ),
+}
+
+#: Task faults and how often each is drawn (a node loss, a process kill and a freeze are what the field reports).
+_TASK_FAULTS: tuple[tuple[str, float], ...] = (
+    ("kill", 3.0),
+    ("kill-agent", 2.0),  # the node: the agent and its task (and the memory tier it held)
+    ("terminate", 1.0),
+    ("pause", 1.0),
+    ("partition", 1.0),  # a PS cut off from the chief and workers (TCP proxy)
+)
+#: Store faults, drawn only with a store server (s3, hdfs; ``delay`` of the store only on s3).
+_STORE_FAULTS: tuple[tuple[str, float], ...] = (("storage-outage", 1.0), ("delay", 0.5))
+
+
+def _pick(rng: random.Random, weighted: Sequence[tuple[str, float]]) -> str:
+    return rng.choices([w[0] for w in weighted], [w[1] for w in weighted])[0]
+
+
+def _draw_fault(
+    rng: random.Random, space: Space, cluster: ClusterSpec, storage: str, first: int, *, restores: bool
+) -> Fault:
+    """One fault; ``restores``: an earlier fault may start a restore, so "during a restore" can happen."""
+    store_faults = [f for f in _STORE_FAULTS if storage != "local" and (f[0] != "delay" or storage == "s3")]
+    action = cast(Action, _pick(rng, [*_TASK_FAULTS, *store_faults]))
+    at_step = rng.randrange(first, int(space.steps * 0.8), space.chunk)
+    if action in ("storage-outage", "delay"):
+        outage = round(rng.uniform(2.0, 20.0), 1)
+        return Fault(action=action, target="store", at_step=at_step, duration=outage, latency=rng.uniform(0.05, 0.5))
+    roles = ["ps"] * 3 + ["worker"] + (["chief"] if action in ("kill", "kill-agent", "terminate") else [])
+    role = rng.choice(roles if action != "partition" else ["ps"])
+    count = {"ps": cluster.ps, "worker": cluster.workers}.get(role, 1)
+    target = role if role == "chief" else f"{role}:{rng.randrange(count)}"
+    drawn = rng.choices([None, "durable-commit", "restore"], [6, 2, 1 if restores else 0])[0]
+    during = cast(Literal["durable-commit", "restore"] | None, drawn)
+    if during == "restore" and target == "chief":
+        during = "durable-commit"
+    return Fault(action=action, target=target, at_step=at_step, duration=round(rng.uniform(1.0, 5.0), 1), during=during)
+
+
+def draw_case(seed: int, index: int, space: Space = SPACES["ci"]) -> Scenario:
+    """Case ``index`` of exploration ``seed``: the same arguments give the same scenario, on any machine."""
+    rng = random.Random(f"psguard-explore:{seed}:{index}")
+    cluster = ClusterSpec(ps=rng.randint(*space.ps), workers=rng.randint(*space.workers))
+    storage = rng.choice(space.storages)
+    dim = rng.choice(space.dims)
+    low, high = space.state_mb
+    state = low * (high / low) ** rng.random()
+    vocab = max(1000, int(state * 2**20 / (dim * _STATE_BYTES_PER_CELL)))
+    memory_every = rng.choice(space.memory_every)
+    durable_every = memory_every * rng.randint(*space.durable_multiple)
+    training = TrainingSpec(
+        steps=space.steps,
+        chunk=space.chunk,
+        memory_every=memory_every,
+        durable_every=durable_every,
+        durable_min_seconds=rng.choice([0.0, 0.0, 0.0, 2.0]),  # sometimes a time floor too, as week-long jobs set
+        vocab=vocab,
+        dim=dim,
+    )
+    first = 2 * space.chunk  # after the first capture: a fault before any save is not a checkpointer's case
+    faults: list[Fault] = []
+    for _ in range(rng.randint(*space.faults)):
+        faults.append(_draw_fault(rng, space, cluster, storage, first, restores=bool(faults)))
+    faults.sort(key=lambda f: f.at_step or 0)
+    if faults[0].during == "restore":  # drawn after a fault that restores, but it fires first: nothing to wait for
+        faults[0] = replace(faults[0], during=None)
+    several_ps = cluster.ps > 1  # a peer copy lives on another PS node; keeping survivors needs one to survive
+    return Scenario(
+        name=f"explore-{seed}-{index}",
+        proves=f"drawn case {index} of seed {seed}: psguard is never worse than plain TF under its faults",
+        time_limit=space.time_limit,
+        cluster=cluster,
+        storage=StorageSpec(kind=storage),
+        training=training,
+        faults=tuple(faults),
+        checks=Checks(reference=False),
+        peer_copies=several_ps and rng.random() < 0.3,
+        keep_survivors=several_ps and rng.random() < 0.2,
+    )
+
+
+def describe_case(scenario: Scenario) -> str:
+    """One line: what was drawn."""
+    t, c = scenario.training, scenario.cluster
+    mb = t.vocab * t.dim * _STATE_BYTES_PER_CELL / 2**20
+    extras = [x for x, on in (("copies", scenario.peer_copies), ("keep", scenario.keep_survivors)) if on]
+    return (
+        f"{c.ps} PS, {c.workers} worker(s), {mb:.1f} MB, {scenario.storage.kind}, memory/{t.memory_every} "
+        f"durable/{t.durable_every}{f' >={t.durable_min_seconds:g}s' if t.durable_min_seconds else ''}"
+        f"{' ' + '+'.join(extras) if extras else ''}: " + "; ".join(f.describe() for f in scenario.faults)
+    )
+
+
+# --------------------------------------------------------------------------------------------- the judgement
+def not_worse_than_tf(
+    ours: Mapping[str, Any], baseline: Mapping[str, Any], *, chunk: int, goodput_tolerance: float
+) -> Verdict:
+    """psguard's run against plain TF's on the same case (``report.json`` of each; see the module doc).
+
+    Faults are paired by target and step (the baseline records a node loss as its task's kill). A fault psguard
+    never recovered from while TF did is invalid; one TF never recovered from is psguard's to win."""
+    name = "not-worse-than-tf"
+    theirs = {(f.get("target"), f.get("at_step")): f for f in baseline.get("faults", [])}
+    rows: list[dict[str, Any]] = []
+    worse: list[dict[str, Any]] = []
+    for f in ours.get("faults", []):
+        tf = theirs.get((f.get("target"), f.get("at_step")))
+        row = {"fault": f"{f.get('fault')} {f.get('target')} at step {f.get('at_step')}",
+               "psguard_lost": f.get("lost_steps"), "tf_lost": tf.get("lost_steps") if tf else None}  # fmt: skip
+        rows.append(row)
+        if tf is None or tf.get("lost_steps") is None:
+            continue  # not injected on TF (it has no agent to pause), or TF never recovered
+        if f.get("lost_steps") is None:
+            worse.append({**row, "why": "psguard never recovered from a fault plain TF recovered from"})
+        elif f["lost_steps"] > tf["lost_steps"] + chunk:
+            worse.append({**row, "why": f"lost more steps than plain TF (+{chunk} for the fault's moment)"})
+    ours_rate = (ours.get("goodput") or {}).get("steps_per_second")
+    tf_rate = (baseline.get("goodput") or {}).get("steps_per_second")
+    ratio = ours_rate / tf_rate if ours_rate and tf_rate else None
+    goodput = {"psguard": ours_rate, "tf": tf_rate, "ratio": ratio, "tolerance": goodput_tolerance}
+    if tf_rate and not ours_rate:
+        worse.append({"why": "psguard never reached its target; plain TF did", "goodput": goodput})
+    elif ratio is not None and ratio < 1.0 - goodput_tolerance:
+        worse.append({"why": f"goodput {ratio:.2f}x plain TF's", "goodput": goodput})
+    evidence = {"faults": rows, "goodput": goodput, "worse": worse}
+    if worse:
+        return Verdict(name, "invalid", f"worse than plain TF: {worse[0]['why']} ({len(worse)} finding(s))", evidence)
+    if ratio is None:
+        return Verdict(name, "unknown", "no goodput to compare (a run did not finish)", evidence)
+    return Verdict(name, "valid", f"lost steps within TF's per fault, goodput {ratio:.2f}x plain TF's", evidence)
+
+
+@dataclass
+class CaseResult:
+    """One case's outcome: every verdict (psguard's checkers and ``not-worse-than-tf``) and where its runs are."""
+
+    seed: int
+    index: int
+    scenario: Scenario
+    directory: Path
+    verdicts: dict[str, Verdict]
+    seconds: float
+
+    @property
+    def invalid(self) -> list[str]:
+        return sorted(n for n, v in self.verdicts.items() if v.status == "invalid")
+
+    @property
+    def overall(self) -> str:
+        statuses = {v.status for v in self.verdicts.values()}
+        return "invalid" if "invalid" in statuses else "unknown" if "unknown" in statuses else "valid"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seed": self.seed,
+            "index": self.index,
+            "case": describe_case(self.scenario),
+            "scenario": dataclasses.asdict(self.scenario),
+            "directory": str(self.directory),
+            "overall": self.overall,
+            "invalid": self.invalid,
+            "verdicts": {n: {"status": v.status, "summary": v.summary} for n, v in self.verdicts.items()},
+            "seconds": round(self.seconds, 1),
+        }
+
+
+def run_case(
+    scenario: Scenario,
+    directory: Path,
+    *,
+    seed: int,
+    index: int,
+    goodput_tolerance: float,
+    say: Callable[[str], None] = print,
+) -> CaseResult:
+    """Run one case on psguard and on plain TF (:func:`psguard.chaos.baseline.run_side_by_side`) and judge it."""
+    from psguard.chaos.baseline import run_side_by_side
+
+    t0 = time.monotonic()
+    result = run_side_by_side(scenario, directory, seed=seed, say=say)
+    verdicts = dict(result.verdicts)
+    verdicts["not-worse-than-tf"] = not_worse_than_tf(
+        result.report,
+        result.report["baseline"],
+        chunk=scenario.training.chunk,
+        goodput_tolerance=goodput_tolerance,
+    )
+    case = CaseResult(seed, index, scenario, directory, verdicts, time.monotonic() - t0)
+    (directory / "case.json").write_text(json.dumps(case.to_json(), indent=2, default=str))
+    return case
+
+
+# --------------------------------------------------------------------------------------------- shrinking
+def _without_fault(scenario: Scenario, i: int) -> Scenario:
+    return replace(scenario, faults=scenario.faults[:i] + scenario.faults[i + 1 :])
+
+
+def smaller(scenario: Scenario) -> Iterator[Scenario]:
+    """Valid cases one step smaller than ``scenario``, most promising first (fewer faults, then less of all)."""
+    faults = scenario.faults
+    t, c = scenario.training, scenario.cluster
+    steps: list[Callable[[], Scenario]] = []
+    if len(faults) > 1:
+        steps += [functools.partial(_without_fault, scenario, i) for i in range(len(faults))]
+    if t.vocab >= 2000:
+        steps.append(lambda: replace(scenario, training=replace(t, vocab=t.vocab // 2)))
+    if scenario.peer_copies:
+        steps.append(lambda: replace(scenario, peer_copies=False))
+    if scenario.keep_survivors:
+        steps.append(lambda: replace(scenario, keep_survivors=False))
+    if c.workers > 1:
+        steps.append(lambda: replace(scenario, cluster=replace(c, workers=1)))
+    if c.ps > 1:
+        steps.append(lambda: replace(scenario, cluster=replace(c, ps=c.ps - 1)))
+    if scenario.storage.kind != "local":
+        steps.append(lambda: replace(scenario, storage=StorageSpec(kind="local")))
+    if any(f.during is not None for f in faults):
+        steps.append(lambda: replace(scenario, faults=tuple(replace(f, during=None) for f in faults)))
+    for make in steps:
+        try:
+            yield make()
+        except ValueError:  # e.g. a fault aimed at the task a smaller cluster has not
+            continue
+
+
+def shrink(
+    scenario: Scenario,
+    still_fails: Callable[[Scenario], bool],
+    *,
+    attempts: int = 12,
+    say: Callable[[str], None] = print,
+) -> tuple[Scenario, int]:
+    """The smallest case reachable from ``scenario`` by :func:`smaller` steps that ``still_fails`` (greedy: the
+    first smaller case that fails is taken, then its smaller ones are tried). Returns it and the runs spent."""
+    runs = 0
+    current = scenario
+    progress = True
+    while progress and runs < attempts:
+        progress = False
+        for candidate in smaller(current):
+            runs += 1
+            say(f"shrink: trying {describe_case(candidate)}")
+            if still_fails(candidate):
+                current, progress = candidate, True
+                break
+            if runs >= attempts:
+                break
+    return current, runs
+
+
+# --------------------------------------------------------------------------------------------- exploring
+def explore(
+    seed: int,
+    directory: Path,
+    *,
+    space: Space,
+    cases: int | None = None,
+    budget_seconds: float | None = None,
+    start: int = 0,
+    do_shrink: bool = False,
+    say: Callable[[str], None] = print,
+) -> list[CaseResult]:
+    """Cases ``start``, ``start + 1``, ... of ``seed`` until ``cases`` ran or ``budget_seconds`` passed (a case
+    started runs to its end). Each case's line goes to ``cases.jsonl``; a summary to ``summary.md``."""
+    if cases is None and budget_seconds is None:
+        raise ValueError("give a number of cases, a time budget or both")
+    directory.mkdir(parents=True, exist_ok=True)
+    results: list[CaseResult] = []
+    t0 = time.monotonic()
+    index = start
+    while (cases is None or len(results) < cases) and (
+        budget_seconds is None or time.monotonic() - t0 < budget_seconds
+    ):
+        scenario = draw_case(seed, index, space)
+        say(f"case {index} (seed {seed}): {describe_case(scenario)}")
+        case = run_case(
+            scenario, directory / f"case-{index}", seed=seed, index=index,
+            goodput_tolerance=space.goodput_tolerance, say=_indent(say),
+        )  # fmt: skip
+        results.append(case)
+        line = case.to_json()
+        if case.invalid and do_shrink:
+            line["shrunk"] = _shrink_case(case, directory, space, say)
+        with open(directory / "cases.jsonl", "a") as f:
+            f.write(json.dumps(line, default=str) + "\n")
+        say(f"case {index}: {case.overall}{' (' + ', '.join(case.invalid) + ')' if case.invalid else ''}")
+        index += 1
+    (directory / "summary.md").write_text(summary(results, seed))
+    return results
+
+
+def _shrink_case(case: CaseResult, directory: Path, space: Space, say: Callable[[str], None]) -> dict[str, Any]:
+    failing = set(case.invalid)
+    attempt = 0
+
+    def still_fails(candidate: Scenario) -> bool:
+        nonlocal attempt
+        attempt += 1
+        again = run_case(
+            candidate, directory / f"case-{case.index}-shrink-{attempt}", seed=case.seed, index=case.index,
+            goodput_tolerance=space.goodput_tolerance, say=_indent(_indent(say)),
+        )  # fmt: skip
+        return bool(failing & set(again.invalid))
+
+    smallest, runs = shrink(case.scenario, still_fails, say=_indent(say))
+    say(f"case {case.index}: shrunk in {runs} run(s) to: {describe_case(smallest)}")
+    return {"case": describe_case(smallest), "scenario": dataclasses.asdict(smallest), "runs": runs}
+
+
+def _indent(say: Callable[[str], None]) -> Callable[[str], None]:
+    return lambda line: say("  " + line)
+
+
+def summary(results: Sequence[CaseResult], seed: int) -> str:
+    """``summary.md``: every case, what it drew and how it was judged; failing cases with their replay command."""
+    invalid = [r for r in results if r.invalid]
+    lines = [f"# psguard chaos explore, seed {seed}: {len(results)} case(s), {len(invalid)} invalid", ""]
+    lines += ["| case | drawn | verdict | not-worse-than-tf | s |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        nw = r.verdicts.get("not-worse-than-tf")
+        lines.append(
+            f"| {r.index} | {describe_case(r.scenario)} | {r.overall}{' ' + ','.join(r.invalid) if r.invalid else ''}"
+            f" | {nw.summary if nw else '-'} | {r.seconds:.0f} |"
+        )
+    if invalid:
+        lines += ["", "Replay a case: `psguard chaos explore --seed SEED --case INDEX` (add `--shrink`)."]
+    return "\n".join(lines) + "\n"

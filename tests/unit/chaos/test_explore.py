@@ -1,0 +1,95 @@
+"""``psguard chaos explore``'s pure parts: drawing cases, judging against plain TF, shrinking a failing case."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from psguard.chaos.explore import SPACES, describe_case, draw_case, not_worse_than_tf, shrink, smaller
+from psguard.chaos.scenario import Scenario
+from tests.support.paths import ROOT
+
+
+def test_a_case_is_the_same_for_the_same_seed_and_index_in_any_process() -> None:
+    here = [dataclasses.asdict(draw_case(11, i)) for i in range(5)]
+    code = (
+        "import dataclasses, json; from psguard.chaos.explore import draw_case; "
+        "print(json.dumps([dataclasses.asdict(draw_case(11, i)) for i in range(5)]))"
+    )
+    there = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(there.stdout) == json.loads(json.dumps(here))  # string seeds do not depend on PYTHONHASHSEED
+    assert draw_case(11, 0) != draw_case(11, 1) and draw_case(11, 0) != draw_case(12, 0)
+
+
+@pytest.mark.parametrize("space", sorted(SPACES))
+def test_every_drawn_case_is_a_valid_scenario_and_the_space_is_covered(space: str) -> None:
+    cases = [draw_case(3, i, SPACES[space]) for i in range(300)]
+    assert all(isinstance(c, Scenario) for c in cases)  # built through __post_init__: every one validated
+    actions = {f.action for c in cases for f in c.faults}
+    assert {"kill", "kill-agent", "pause", "partition", "storage-outage"} <= actions
+    assert {c.storage.kind for c in cases} == set(SPACES[space].storages)
+    assert any(f.during == "durable-commit" for c in cases for f in c.faults)
+    assert any(c.peer_copies for c in cases) and any(not c.peer_copies for c in cases)
+    assert {c.cluster.ps for c in cases} == set(range(SPACES[space].ps[0], SPACES[space].ps[1] + 1))
+    assert not any(c.peer_copies and c.cluster.ps == 1 for c in cases)  # a copy lives on another PS's node
+    assert all(f.during != "restore" or c.faults.index(f) > 0 for c in cases for f in c.faults)
+    sizes = [c.training.vocab * c.training.dim * 8 / 2**20 for c in cases]
+    low, high = SPACES[space].state_mb
+    assert min(sizes) < low * 2 and max(sizes) > high / 2  # drawn over the whole range
+    assert all(describe_case(c) for c in cases)
+
+
+def _report(lost: list[int | None], rate: float | None, *, at: list[int] | None = None) -> dict[str, Any]:
+    steps = at or [40 + 10 * i for i in range(len(lost))]
+    faults = [
+        {"fault": "kill", "target": "ps:0", "at_step": s, "lost_steps": n} for s, n in zip(steps, lost, strict=True)
+    ]
+    return {"faults": faults, "goodput": {"steps_per_second": rate}}
+
+
+def test_not_worse_than_tf_holds_psguard_to_tfs_lost_steps_plus_a_chunk() -> None:
+    ok = not_worse_than_tf(_report([5, 25], 10.0), _report([20, 20], 9.0), chunk=5, goodput_tolerance=0.1)
+    assert ok.status == "valid" and "1.11x" in ok.summary
+    worse = not_worse_than_tf(_report([5, 26], 10.0), _report([20, 20], 9.0), chunk=5, goodput_tolerance=0.1)
+    assert worse.status == "invalid" and "lost more steps" in worse.summary
+    assert worse.evidence["worse"][0]["psguard_lost"] == 26
+
+
+def test_not_worse_than_tf_judges_goodput_and_a_fault_psguard_never_recovered_from() -> None:
+    slow = not_worse_than_tf(_report([0], 8.0), _report([20], 10.0), chunk=5, goodput_tolerance=0.1)
+    assert slow.status == "invalid" and "goodput 0.80x" in slow.summary
+    stuck = not_worse_than_tf(_report([None], None), _report([20], 10.0), chunk=5, goodput_tolerance=0.1)
+    assert stuck.status == "invalid" and "never recovered" in stuck.summary
+    # A fault TF did not recover from, or has no equivalent of, is not held against psguard.
+    theirs = not_worse_than_tf(_report([3], 10.0), _report([None], 10.0), chunk=5, goodput_tolerance=0.1)
+    assert theirs.status == "valid"
+    unpaired = not_worse_than_tf(_report([3], 10.0), _report([1], 10.0, at=[99]), chunk=5, goodput_tolerance=0.1)
+    assert unpaired.status == "valid" and unpaired.evidence["faults"][0]["tf_lost"] is None
+    none = not_worse_than_tf(_report([3], None), _report([3], None), chunk=5, goodput_tolerance=0.1)
+    assert none.status == "unknown"
+
+
+def test_shrink_keeps_the_smallest_case_that_still_fails() -> None:
+    case = next(c for i in range(200) if len((c := draw_case(5, i)).faults) == 2 and c.training.vocab > 8000)
+    culprit = case.faults[1]
+
+    def still_fails(candidate: Scenario) -> bool:  # the bug needs that one fault, whatever the rest
+        return culprit in candidate.faults
+
+    smallest, runs = shrink(case, still_fails, attempts=50, say=lambda _: None)
+    assert smallest.faults == (culprit,)
+    assert smallest.training.vocab < case.training.vocab  # the state was halved while it still failed
+    assert not smallest.peer_copies and smallest.cluster.workers == 1 and smallest.storage.kind == "local"
+    assert runs >= 2
+    assert all(culprit in c.faults or not still_fails(c) for c in smaller(smallest))  # nothing smaller fails
+
+
+def test_shrink_stops_at_its_budget() -> None:
+    case = draw_case(5, 0)
+    smallest, runs = shrink(case, lambda _: False, attempts=2, say=lambda _: None)
+    assert smallest == case and runs == 2
