@@ -10,13 +10,18 @@ an ``Authorization: Bearer`` header into the scopes it grants, or ``None`` when 
   the ``scope`` claim (space-separated, as in OAuth 2, or a list) names the scopes. A token for ``read`` cannot
   restart anything, and a leaked one stops working at its expiry.
 
-No credential, token or claim is ever logged; a refused JWT logs only the kind of failure (expired, audience).
+No credential, token or claim is ever logged; a refused JWT logs only the kind of failure (expired, audience), at
+INFO once a minute for each kind and at DEBUG otherwise: anyone who can reach the port can send bad tokens, and
+must not be able to fill the log.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import math
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -32,6 +37,7 @@ CONTROL = "control"
 SCOPES = frozenset({READ, CONTROL})
 MIN_TOKEN_LENGTH = 16
 MIN_JWT_SECRET_BYTES = 32  # RFC 7518 section 3.2: an HS256 key at least as long as the hash output
+REFUSAL_INFO_EVERY = 60.0  # seconds between INFO lines for one kind of refused JWT
 
 
 class Authenticator(Protocol):
@@ -80,6 +86,8 @@ class JwtAuth:
         self.algorithms = list(algorithms)
         self.audience = audience
         self.leeway = leeway
+        self._lock = threading.Lock()
+        self._logged: dict[str, float] = {}  # kind of refusal -> when last logged at INFO
 
     def __repr__(self) -> str:
         return f"JwtAuth(algorithms={self.algorithms}, audience={self.audience!r})"
@@ -131,8 +139,16 @@ class JwtAuth:
                 options={"require": ["exp", "aud"]},
             )
         except jwt.InvalidTokenError as e:
-            log.info("event=jwt_refused reason=%s", type(e).__name__)
+            self._log_refusal(type(e).__name__)
             return None
         scope = claims.get("scope", "")
         names = scope.split() if isinstance(scope, str) else [str(s) for s in scope] if isinstance(scope, list) else []
         return frozenset(names) & SCOPES
+
+    def _log_refusal(self, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            info = now - self._logged.get(reason, -math.inf) >= REFUSAL_INFO_EVERY
+            if info:
+                self._logged[reason] = now
+        log.log(logging.INFO if info else logging.DEBUG, "event=jwt_refused reason=%s", reason)
