@@ -25,6 +25,13 @@ Security, because ``POST /restart`` kills a training task (docs/security.md has 
 - Each connection has an absolute deadline (``request_timeout``): the TLS handshake, headers and body must
   all arrive within it, whatever the pace of the bytes, and :meth:`AgentHTTPServer.stop` shuts down every open
   connection, so a slow client holds neither a thread nor a stopping agent.
+- Under load (:mod:`psguard.agent.control.connections`): a deep listen backlog, request heads read without a
+  thread, bounded worker pools, and ``/healthz`` and ``/readyz`` on workers of their own: 200 concurrent clients
+  are all answered, and a flood of clients cannot make a health probe wait.
+- Bad input is the client's error, never a 500: a malformed, non-finite or too deeply nested JSON body is a 400, a
+  Content-Length that is not a plain number a 400 and one over the route's limit a 413 (refused before reading), a
+  body that ends early a 400 and one that has not arrived by the deadline a 408. A client that hangs up or stops
+  reading is logged at DEBUG on one line; tracebacks at ERROR are for the server's own faults.
 - Where reads are not authenticated (``open_read`` or ``insecure_no_auth``) on loopback, a web page in a local
   browser could reach the port: the ``Host`` header must name a loopback host (defeats DNS rebinding), and a
   POST must be ``Content-Type: application/json``, which a page can only send cross-origin after a CORS
@@ -34,13 +41,12 @@ Security, because ``POST /restart`` kills a training task (docs/security.md has 
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import io
 import ipaddress
 import json
 import logging
-import select
+import re
 import socket
 import ssl
 import threading
@@ -52,6 +58,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from psguard.agent.control.auth import CONTROL, READ, SCOPES, Authenticator, TokenAuth
+from psguard.agent.control.connections import Connection, Intake, answer_head, listen, target_path
 from psguard.agent.control.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from psguard.agent.control.metrics import Registry
 from psguard.errors import ConfigError, PsguardError
@@ -65,6 +72,7 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})
 BUILTIN_PATHS = frozenset({"/healthz", "/readyz", "/metrics", "/status"})
+_LENGTH = re.compile(r"[0-9]+")
 
 
 class RequestError(PsguardError):
@@ -86,13 +94,20 @@ class Request:
     body: bytes = b""
 
     def json(self) -> Any:
-        """The body as JSON (``None`` for an empty body); a 400 for anything else."""
+        """The body as JSON (``None`` for an empty body); a 400 for anything else, including ``NaN`` and
+        ``Infinity`` (not JSON, and no count or time a handler takes) and nesting deeper than the parser goes."""
         if not self.body:
             return None
         try:
-            return json.loads(self.body)
+            return json.loads(self.body, parse_constant=_refuse_constant)
         except (ValueError, UnicodeDecodeError) as e:
             raise RequestError(400, f"body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise RequestError(400, "body is not valid JSON: nested too deeply") from None
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 @runtime_checkable
@@ -131,89 +146,27 @@ def is_loopback(host: str) -> bool:
 
 class _DeadlineReader(io.RawIOBase):
     """Socket reads that all end by one absolute deadline (a per-read timeout lets a byte every few seconds
-    hold a connection forever)."""
+    hold a connection forever), after the bytes the intake already read."""
 
-    def __init__(self, sock: socket.socket, deadline: float) -> None:
+    def __init__(self, sock: socket.socket, deadline: float, read: bytes | bytearray = b"") -> None:
         self._sock = sock
         self._deadline = deadline
+        self._read = memoryview(bytes(read))
 
     def readable(self) -> bool:
         return True
 
     def readinto(self, buffer: Any) -> int:
+        if self._read:
+            n = min(len(buffer), len(self._read))
+            memoryview(buffer).cast("B")[:n] = self._read[:n]
+            self._read = self._read[n:]
+            return n
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError("the request did not arrive within its deadline")
         self._sock.settimeout(remaining)
         return self._sock.recv_into(buffer)
-
-
-def _handshake(sock: ssl.SSLSocket, deadline: float) -> None:
-    """The server side of a TLS handshake, bounded by ``deadline`` as a whole (not per read)."""
-    sock.setblocking(False)
-    try:
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError("the TLS handshake did not finish within the request deadline")
-            try:
-                sock.do_handshake()
-                return
-            except ssl.SSLWantReadError:
-                select.select([sock], [], [], remaining)
-            except ssl.SSLWantWriteError:
-                select.select([], [sock], [], remaining)
-    finally:
-        sock.setblocking(True)
-
-
-class _Server(http.server.ThreadingHTTPServer):
-    # Request threads are joined on close (no thread outlives stop()); stop() shuts down every open connection
-    # first and each has an absolute deadline, so the join is bounded.
-    daemon_threads = False
-    block_on_close = True
-    agent: AgentHTTPServer
-    tls: ssl.SSLContext | None = None
-
-    def server_activate(self) -> None:
-        super().server_activate()
-        self.open_connections: set[socket.socket] = set()
-        self.connections_lock = threading.Lock()
-
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, address = self.socket.accept()
-        if self.tls is not None:
-            # The handshake happens on the request thread (_Handler.setup), within the request's deadline:
-            # a client that never finishes it must not hold the accept loop.
-            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
-        return sock, address
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        # Registered here, on the accept loop, not on the request thread: once shutdown() returns, every
-        # accepted connection is in the set for close_connections(), even one whose thread has not run yet.
-        with self.connections_lock:
-            self.open_connections.add(request)
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            with self.connections_lock:
-                self.open_connections.discard(request)
-
-    def close_connections(self) -> None:
-        """Shut down every open connection: a blocked read on it returns at once, its thread ends."""
-        with self.connections_lock:
-            connections = list(self.open_connections)
-        for sock in connections:
-            # socket.socket's, not SSLSocket's: that one drops its TLS object under the reading thread.
-            with contextlib.suppress(OSError):  # already closed by its thread
-                socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        # A client that hung up mid-answer is normal; the base class would print a traceback to stderr.
-        log.debug("event=http_connection_error client=%s", client_address[0] if client_address else "-", exc_info=True)
 
 
 class AgentHTTPServer:
@@ -239,6 +192,7 @@ class AgentHTTPServer:
         readiness: Callable[[], Mapping[str, bool]] | None = None,
         max_body: int = 1 << 20,
         request_timeout: float = 10.0,
+        workers: int = 8,
     ) -> None:
         authenticators: list[Authenticator] = [TokenAuth(token)] if token is not None else []
         authenticators += auth
@@ -265,14 +219,15 @@ class AgentHTTPServer:
         self._readiness = readiness
         self.max_body = max_body
         self.request_timeout = request_timeout
+        self.workers = workers
         self._lock = threading.Lock()
         self._get: dict[str, Handler] = {}
         self._post: dict[str, Handler] = {}
         self._binary_max: dict[str, int] = {}  # POST routes that take raw bytes, and their limit
-        self._httpd: _Server | None = None
-        self._thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        self._port = port
+        self._intake: Intake | None = None
         self._closed = False
-        self._error: BaseException | None = None
 
     def __repr__(self) -> str:  # no token in reprs either
         auth = ",".join(type(a).__name__ for a in self._auth) or "none"
@@ -310,33 +265,41 @@ class AgentHTTPServer:
         """Listen on the address without answering yet: :attr:`url` is then known (to give a task before it
         starts) and a client that calls early waits in the listen queue until :meth:`start`."""
         with self._lock:
-            if self._httpd is not None:
+            if self._listener is not None:
                 raise RuntimeError("the agent's HTTP server was already bound")
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        server_cls = type("_AgentServer", (_Server,), {"address_family": family})
         try:
-            httpd = server_cls((self.host, self._requested_port), _Handler)
+            listener = listen(self.host, self._requested_port)
         except OSError as e:
             raise PsguardError(
                 f"cannot serve the agent's HTTP endpoint on {self.host}:{self._requested_port}: {e}"
             ) from e
-        httpd.agent = self
-        httpd.tls = self.tls
         with self._lock:
-            self._httpd = httpd
+            self._listener = listener
+            self._port = int(listener.getsockname()[1])  # still known after stop() closed the socket
         return self
 
     def start(self) -> Self:
         """Serve (binding first unless :meth:`bind` did)."""
         with self._lock:
-            bound, started = self._httpd is not None, self._thread is not None or self._closed
+            bound, started = self._listener is not None, self._intake is not None or self._closed
         if started:
             raise RuntimeError("the agent's HTTP server was already started")
         if not bound:
             self.bind()
+        assert self._listener is not None
+        intake = Intake(
+            self._listener,
+            self._answer,
+            screen=self._screen,
+            health_paths=OPEN_PATHS,
+            timeout=self.request_timeout,
+            tls=self.tls,
+            workers=self.workers,
+            name=f"psguard-http-{self.port}",
+        )
         with self._lock:
-            self._thread = threading.Thread(target=self._serve, name=f"psguard-http-{self.port}", daemon=True)
-        self._thread.start()
+            self._intake = intake
+        intake.start()
         log.info(
             "event=http_serving host=%s port=%d auth=%s tls=%s open_read=%s",
             self.host,
@@ -347,13 +310,36 @@ class AgentHTTPServer:
         )
         return self
 
-    def _serve(self) -> None:
-        assert self._httpd is not None
-        try:
-            self._httpd.serve_forever(poll_interval=0.1)
-        except BaseException as e:
-            log.exception("event=http_failed")
-            self._error = e
+    def _answer(self, connection: Connection) -> None:
+        _Handler(connection, self)
+
+    def _screen(self, connection: Connection) -> bytes | None:
+        """On the intake's thread: a liveness probe, or a request refused on its head alone, answered without a
+        worker (a flood of unauthenticated clients then costs the agent less than it costs them). Everything else
+        goes to a worker, which checks again with its own parse of the head."""
+        head = connection.head
+        if head is None or head.path is None or head.method not in ("GET", "POST"):
+            return None
+        response = self._refusal(
+            head.method,
+            head.path,
+            head.fields.get("host"),
+            head.fields.get("authorization"),
+            lambda: _has_client_certificate(connection.sock),
+        )
+        if response is None and head.method == "GET" and head.path == "/healthz":
+            response = self._builtin(head.path)
+        if response is None:
+            return None
+        log.debug(
+            "event=http_request client=%s method=%s path=%s status=%s",
+            connection.host,
+            head.method,
+            head.path,
+            response.status,
+        )
+        data, content_type = _encoded(response)
+        return answer_head(response.status, content_type, len(data), response.headers) + data
 
     def stop(self) -> None:
         """Stop accepting, cut open connections, wait for their threads, close the socket; re-raise a serving error.
@@ -362,25 +348,19 @@ class AgentHTTPServer:
         set an event that the agent's main thread waits on.
         """
         with self._lock:
-            httpd, thread, closed = self._httpd, self._thread, self._closed
+            listener, intake, closed = self._listener, self._intake, self._closed
             self._closed = True
-        if httpd is None or closed:
+        if listener is None or closed:
             return
-        if thread is not None:
-            if thread.is_alive():
-                httpd.shutdown()
-            thread.join()
-            httpd.close_connections()  # a client sending a byte now and then must not hold a stopping agent
-        httpd.server_close()  # also a server bound and never started
-        with self._lock:
-            self._thread = None
-        if self._error is not None:
-            raise self._error
+        if intake is not None:
+            intake.stop()  # a client sending a byte now and then must not hold a stopping agent
+        listener.close()  # also a server bound and never started
+        if intake is not None and intake.error is not None:
+            raise intake.error
 
     @property
     def port(self) -> int:
-        httpd = self._httpd
-        return int(httpd.server_address[1]) if httpd is not None else self._requested_port
+        return self._port
 
     @property
     def url(self) -> str:
@@ -398,6 +378,32 @@ class AgentHTTPServer:
         self.stop()
 
     # ------------------------------------------------------------------------------------------ for _Handler
+
+    def _refusal(
+        self,
+        method: str,
+        path: str,
+        host: str | None,
+        authorization: str | None,
+        client_certificate: Callable[[], bool],
+    ) -> Response | None:
+        """The answer to a request refused before any handler (foreign Host, no client certificate, no or a wrong
+        credential, a missing scope); ``None`` when it may go on."""
+        if not self._host_allowed(host):
+            return Response(403, {"error": "Host header does not name a loopback address"})
+        if path not in OPEN_PATHS and self._mutual_tls and not client_certificate():
+            return Response(403, {"error": "a client certificate signed by the agent's CA is required"})
+        required = self._required_scope(method, path)
+        if required is None:
+            return None
+        granted = self._scopes(authorization)
+        if granted is None:
+            return Response(
+                401, {"error": "missing, wrong or expired bearer credential"}, headers={"WWW-Authenticate": "Bearer"}
+            )
+        if required not in granted:
+            return Response(403, {"error": f"the credential lacks the {required!r} scope for {path}"})
+        return None
 
     def _required_scope(self, method: str, path: str) -> str | None:
         """The scope a request needs; ``None`` for the open paths (and reads under ``open_read``)."""
@@ -457,21 +463,52 @@ class AgentHTTPServer:
         return None
 
 
+def _encoded(response: Response) -> tuple[bytes, str]:
+    """A body that is not :class:`Pieces` as bytes, and its content type."""
+    body = response.body
+    if isinstance(body, bytes):
+        data, content_type = body, "application/octet-stream"
+    elif isinstance(body, str):
+        data, content_type = body.encode("utf-8"), "text/plain; charset=utf-8"
+    else:
+        data, content_type = (json.dumps(body, default=str) + "\n").encode("utf-8"), "application/json"
+    return data, response.content_type or content_type
+
+
+def _has_client_certificate(sock: socket.socket) -> bool:
+    """True when the client presented a certificate (the handshake already verified it against the CA)."""
+    return isinstance(sock, ssl.SSLSocket) and bool(sock.getpeercert())
+
+
+class _ClientGone(ConnectionError):
+    """The client's socket failed while its body was read: the client's doing, answered by no one."""
+
+
 class _Handler(http.server.BaseHTTPRequestHandler):
-    server: _Server
     server_version = "psguard-agent"
     sys_version = ""
+    disable_nagle_algorithm = True  # the head and the body are two writes: the body must not wait for an ACK
+
+    def __init__(self, connection: Connection, agent: AgentHTTPServer) -> None:
+        # What BaseRequestHandler.__init__ runs (setup, handle, finish), for a connection the intake accepted and
+        # whose head it read; no socketserver.
+        self.agent = agent
+        self._accepted = connection
+        self.request, self.client_address = connection.sock, connection.address
+        self.setup()
+        try:
+            self.handle()
+        finally:
+            self.finish()
 
     def setup(self) -> None:
-        # One absolute deadline for the handshake, the headers and the body: a client sending a byte every few
-        # seconds is cut when it passes, not kept alive by each byte as a per-read timeout would.
-        deadline = time.monotonic() + self.server.agent.request_timeout
-        if isinstance(self.request, ssl.SSLSocket):
-            _handshake(self.request, deadline)
         super().setup()
-        self.connection.settimeout(self.server.agent.request_timeout)  # for writing the answer
+        self.connection.settimeout(self.agent.request_timeout)  # for writing the answer
         self.rfile.close()
-        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, deadline))
+        # The head the intake read, then the body by the connection's one absolute deadline (set at accept, for
+        # the handshake, the head and the body): a client sending a byte every few seconds is cut when it
+        # passes, not kept alive by each byte as a per-read timeout would.
+        self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self._accepted.deadline, self._accepted.data))
 
     def do_GET(self) -> None:
         self._dispatch("GET")
@@ -480,57 +517,47 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._dispatch("POST")
 
     def _dispatch(self, method: str) -> None:
-        agent = self.server.agent
-        parts = urllib.parse.urlsplit(self.path)
+        # The answer is sent outside _respond's error handling: a client that hung up makes the send fail, and
+        # that OSError goes to the intake's worker (one DEBUG line), never into a 500 and an ERROR traceback.
+        self._send(self._respond(method))
+
+    def _respond(self, method: str) -> Response:
+        agent = self.agent
+        try:
+            parts = urllib.parse.urlsplit(self.path)
+        except ValueError:
+            return Response(400, {"error": "the request target is not a URL path"})
         path = parts.path
         try:
-            if not agent._host_allowed(self.headers.get("Host")):
-                self._send(Response(403, {"error": "Host header does not name a loopback address"}))
-                return
-            required = agent._required_scope(method, path)
-            if path not in OPEN_PATHS and agent._mutual_tls and not self._client_certificate():
-                self._send(Response(403, {"error": "a client certificate signed by the agent's CA is required"}))
-                return
-            if required is not None:
-                granted = agent._scopes(self.headers.get("Authorization"))
-                if granted is None:
-                    self._send(
-                        Response(
-                            401,
-                            {"error": "missing, wrong or expired bearer credential"},
-                            headers={"WWW-Authenticate": "Bearer"},
-                        )
-                    )
-                    return
-                if required not in granted:
-                    self._send(Response(403, {"error": f"the credential lacks the {required!r} scope for {path}"}))
-                    return
+            refusal = agent._refusal(
+                method,
+                path,
+                self.headers.get("Host"),
+                self.headers.get("Authorization"),
+                lambda: _has_client_certificate(self.connection),
+            )
+            if refusal is not None:
+                return refusal
             if method == "GET":
                 response = agent._builtin(path)
-                if response is None:
-                    handler = agent._get.get(path)
-                    if handler is None:
-                        self._send(self._not_found(agent, path, method))
-                        return
-                    response = self._call(handler, method, parts, b"")
-            else:
-                handler = agent._post.get(path)
+                if response is not None:
+                    return response
+                handler = agent._get.get(path)
                 if handler is None:
-                    self._send(self._not_found(agent, path, method))
-                    return
-                body = self._read_body(agent.max_body, agent._binary_max.get(path))
-                response = self._call(handler, method, parts, body)
+                    return self._not_found(agent, path, method)
+                return self._call(handler, method, parts, b"")
+            handler = agent._post.get(path)
+            if handler is None:
+                return self._not_found(agent, path, method)
+            body = self._read_body(agent.max_body, agent._binary_max.get(path))
+            return self._call(handler, method, parts, body)
         except RequestError as e:
-            response = Response(e.status, {"error": str(e)})
+            return Response(e.status, {"error": str(e)})
+        except _ClientGone:
+            raise
         except Exception as e:
             log.exception("event=http_handler_failed method=%s path=%s", method, path)
-            response = Response(500, {"error": f"{type(e).__name__}: {e}"})
-        self._send(response)
-
-    def _client_certificate(self) -> bool:
-        """True when the client presented a certificate (the handshake already verified it against the CA)."""
-        connection = self.connection
-        return isinstance(connection, ssl.SSLSocket) and bool(connection.getpeercert())
+            return Response(500, {"error": f"{type(e).__name__}: {e}"})
 
     @staticmethod
     def _not_found(agent: AgentHTTPServer, path: str, method: str) -> Response:
@@ -545,16 +572,29 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             limit = binary_max
         elif content_type != "application/json":
             raise RequestError(415, "POST bodies must be sent as Content-Type: application/json")
-        length_text = self.headers.get("Content-Length")
-        if length_text is None:
+        # Decided on the header alone, before a byte of the body is read.
+        lengths = {value.strip() for value in self.headers.get_all("Content-Length") or []}
+        if not lengths:
             raise RequestError(411, "Content-Length is required")
-        try:
-            length = int(length_text)
-        except ValueError:
-            raise RequestError(400, "Content-Length is not a number") from None
-        if length < 0 or length > limit:
+        if len(lengths) > 1:
+            raise RequestError(400, "conflicting Content-Length headers")
+        (text,) = lengths
+        if not _LENGTH.fullmatch(text):
+            raise RequestError(400, "Content-Length must be a number of bytes (digits only)")
+        if len(text) > 18 or int(text) > limit:
             raise RequestError(413, f"body larger than {limit} bytes")
-        return self.rfile.read(length)
+        length = int(text)
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:
+            raise RequestError(
+                408, f"the body ({length} bytes) did not arrive within the {self.agent.request_timeout:g} s deadline"
+            ) from None
+        except OSError as e:
+            raise _ClientGone(f"reading the body: {type(e).__name__}") from None
+        if len(body) < length:
+            raise RequestError(400, f"the body ended after {len(body)} of the {length} bytes of its Content-Length")
+        return body
 
     def _call(self, handler: Handler, method: str, parts: urllib.parse.SplitResult, body: bytes) -> Response:
         headers = {k: v for k, v in self.headers.items() if k.lower() != "authorization"}
@@ -566,36 +606,26 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _send(self, response: Response) -> None:
         body = response.body
-        if isinstance(body, Pieces):
+        # Pieces last: an isinstance check against a runtime Protocol costs ~30 us, a tenth of a whole answer.
+        if not isinstance(body, bytes | str | dict | list) and body is not None and isinstance(body, Pieces):
             try:
-                self._send_parts(response, body.parts)
+                self._send_parts(response, body.parts, response.content_type or "application/octet-stream")
             finally:
                 body.release()
             return
-        if isinstance(body, bytes):
-            data, content_type = body, "application/octet-stream"
-        elif isinstance(body, str):
-            data, content_type = body.encode("utf-8"), "text/plain; charset=utf-8"
-        else:
-            data, content_type = (json.dumps(body, default=str) + "\n").encode("utf-8"), "application/json"
+        data, content_type = _encoded(response)
         self._send_parts(response, [data], content_type)
 
-    def _send_parts(
-        self, response: Response, parts: Sequence[bytes | memoryview], content_type: str = "application/octet-stream"
-    ) -> None:
-        self.send_response(response.status)
-        self.send_header("Content-Type", response.content_type or content_type)
-        self.send_header("Content-Length", str(sum(memoryview(p).nbytes for p in parts)))
-        self.send_header("Cache-Control", "no-store")
-        for name, value in response.headers.items():
-            self.send_header(name, value)
-        self.end_headers()
+    def _send_parts(self, response: Response, parts: Sequence[bytes | memoryview], content_type: str) -> None:
+        self.log_request(response.status)
+        length = sum(memoryview(p).nbytes for p in parts)
+        self.wfile.write(answer_head(response.status, content_type, length, response.headers))
         for part in parts:
             self.wfile.write(part)
 
     # The base class logs the raw request line to stderr; ours are structured and leave the query out.
     def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        path = urllib.parse.urlsplit(self.path).path if hasattr(self, "path") else "-"
+        path = (target_path(self.path) if hasattr(self, "path") else None) or "-"
         command = getattr(self, "command", "-")
         log.debug(
             "event=http_request client=%s method=%s path=%s status=%s", self.client_address[0], command, path, code

@@ -12,9 +12,11 @@ import logging
 import math
 import re
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,8 @@ from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, 
 from psguard.agent.control.metrics import AgentMetrics, Registry
 from psguard.agent.process.lifecycle import EventKind, SupervisorEvent
 from psguard.errors import ConfigError
+from tests.support.agents import AgentProc, write_cluster
+from tests.support.http_load import Outcome, Visit, burst, flood, get
 
 TOKEN = "s3cr3t-token-that-must-never-be-logged"
 
@@ -467,3 +471,251 @@ def test_a_bound_server_queues_calls_until_it_starts_and_a_stop_closes_it_even_u
     unstarted.stop()
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+# --------------------------------------------------------------------------------- bad input and hang-ups
+
+
+def exchange(server: AgentHTTPServer, data: bytes, *, half_close: bool = False) -> tuple[int, dict[str, Any], float]:
+    """Send ``data`` as it is (then shut down the sending side if ``half_close``) and read the whole answer: its
+    status, its JSON body and the seconds it took."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as s:
+        started = time.monotonic()
+        s.sendall(data)
+        if half_close:
+            s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body) if body else {}, time.monotonic() - started
+
+
+def post_raw(path: str, body: bytes, headers: dict[str, str]) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {TOKEN}"]
+    lines += [f"{name}: {value}" for name, value in headers.items()]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+@pytest.fixture
+def guarded(caplog: pytest.LogCaptureFixture) -> Iterator[AgentHTTPServer]:
+    """A server with a token, a 1 s request deadline and ``POST /echo``; after the test, nothing it logged may be a
+    warning, an error or a traceback."""
+    caplog.set_level(logging.DEBUG)
+    server = AgentHTTPServer(token=TOKEN, request_timeout=1.0)
+    server.add_post("/echo", lambda req: {"got": req.json()})
+    with server:
+        yield server
+    ours = [r for r in caplog.records if r.name.startswith("psguard.agent.control")]
+    assert not [r.getMessage() for r in ours if r.levelno >= logging.WARNING or r.exc_info], caplog.text
+
+
+def test_bad_bodies_are_the_clients_errors(guarded: AgentHTTPServer) -> None:
+    json_type = {"Content-Type": "application/json"}
+    for body, error in (
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # was a 500 (RecursionError)
+        (b'{"task": ', "not valid JSON"),
+        (b'{"failed_at": NaN}', "NaN is not a JSON number"),  # a time no handler can use, and not JSON
+        (b"[Infinity]", "Infinity is not a JSON number"),
+        (b"\xff\xfe", "not valid JSON"),
+    ):
+        status, doc, _ = exchange(guarded, post_raw("/echo", body, {**json_type, "Content-Length": str(len(body))}))
+        assert (status, error in doc["error"]) == (400, True), (body[:20], doc)
+    status, doc, _ = exchange(guarded, post_raw("/echo", b"[1, 2]", {**json_type, "Content-Length": "6"}))
+    assert (status, doc) == (200, {"got": [1, 2]})  # any JSON value: whether it must be an object is the handler's
+    for headers, expected in (
+        ({"Content-Type": "text/plain", "Content-Length": "2"}, 415),
+        ({"Content-Type": "application/json"}, 411),
+        ({**json_type, "Content-Length": "-1"}, 400),  # was a 413
+        ({**json_type, "Content-Length": "abc"}, 400),
+        ({**json_type, "Content-Length": "1_0"}, 400),  # int() reads that as 10
+        ({**json_type, "Content-Length": "+2"}, 400),
+        ({**json_type, "Content-Length": "2", "content-length": "3"}, 400),  # two lengths: which body?
+        ({**json_type, "Content-Length": str(10**15)}, 413),
+        ({**json_type, "Content-Length": "9" * 40}, 413),
+    ):
+        status, _, seconds = exchange(guarded, post_raw("/echo", b"{}", headers))
+        assert status == expected, headers
+        assert seconds < 0.5  # decided on the header, before reading (the deadline is 1 s)
+    not_a_url = b"GET http://[x/ HTTP/1.1\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+    assert exchange(guarded, not_a_url)[0] == 400  # was no answer at all
+
+
+def test_a_body_that_does_not_arrive_is_a_408_at_the_deadline_and_one_cut_short_a_400(
+    guarded: AgentHTTPServer,
+) -> None:
+    headers = {"Content-Type": "application/json", "Content-Length": "100"}
+    status, doc, seconds = exchange(guarded, post_raw("/echo", b'{"a": 1', headers))
+    assert status == 408 and "did not arrive within the 1 s deadline" in doc["error"]  # was a 500, after the deadline
+    assert 0.8 < seconds < 3
+    status, doc, seconds = exchange(guarded, post_raw("/echo", b'{"a": 1', headers), half_close=True)
+    assert status == 400 and "ended after 7 of the 100 bytes" in doc["error"] and seconds < 0.5
+
+
+def reset(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0): a client that hangs up without reading."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    sock.close()
+
+
+def test_clients_that_hang_up_are_logged_at_debug_on_one_line(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    entered, leave = threading.Event(), threading.Event()
+
+    def slow(req: Request) -> dict[str, bool]:
+        entered.set()
+        leave.wait(10)
+        return {"ok": True}
+
+    server = AgentHTTPServer(token=TOKEN)
+    server.add_get("/slow", slow)
+    with server:
+        for _ in range(50):  # anyone can do this: was a traceback at ERROR each time the answer found them gone
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            s.sendall(b"GET /status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            reset(s)
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+        s.sendall(f"GET /slow HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        assert entered.wait(10)
+        reset(s)  # gone before its answer: writing it fails on the worker
+        leave.set()
+        gone = wait_for_record(caplog, "event=http_client_gone")
+        assert request(server, "GET", "/healthz")[0] == 200
+    assert gone.levelno == logging.DEBUG and not gone.exc_info and "\n" not in gone.getMessage()
+    ours = [r for r in caplog.records if r.name.startswith("psguard.agent.control")]
+    assert not [r.getMessage() for r in ours if r.levelno >= logging.WARNING or r.exc_info], caplog.text
+
+
+def wait_for_record(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for record in list(caplog.records):
+            if text in record.getMessage():
+                return record
+        time.sleep(0.02)
+    raise AssertionError(f"no log record with {text!r}:\n{caplog.text}")
+
+
+# --------------------------------------------------------------------------------- a real agent, under load
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[AgentProc]:
+    """A real ``psguard agent`` serving HTTP as every agent does (a worker's; its task a sleeping Python, so that
+    ``/readyz`` answers 503: not ready, the task serves no RPC)."""
+    cluster, _ = write_cluster(tmp_path)
+    args = ["--role", "worker", "--index", "0", "--cluster", str(cluster)]
+    proc = AgentProc(tmp_path, "worker", args, [sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        assert proc.url
+        yield proc
+    finally:
+        proc.close()
+
+
+def address(agent: AgentProc) -> tuple[str, int]:
+    host, port = agent.url.removeprefix("http://").rsplit(":", 1)
+    return host, int(port)
+
+
+def errors_logged(agent: AgentProc) -> list[str]:
+    return [line for line in agent.log_path.read_text().splitlines() if " ERROR " in line or "Traceback" in line]
+
+
+def probe(agent: AgentProc, path: str, token: str | None = None, timeout: float = 1.0) -> tuple[str | None, float]:
+    """One request as a kubelet's probe makes it (a new connection, ``timeout`` for all of it): the answer's
+    status and its JSON body's keys (``"200 status"``; ``None`` when there was none), and the seconds it took."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection(*address(agent), timeout=timeout)
+    try:
+        conn.request("GET", path, headers={"Authorization": f"Bearer {token}"} if token else {})
+        response = conn.getresponse()
+        keys = " ".join(sorted(json.loads(response.read())))
+        return f"{response.status} {keys}", time.monotonic() - started
+    except OSError:
+        return None, time.monotonic() - started
+    finally:
+        conn.close()
+
+
+def test_the_agent_refuses_bad_bodies_and_keeps_its_task(agent: AgentProc) -> None:
+    """The agent's own handlers behind the same rules: every bad body a 4xx, the task never restarted."""
+    assert agent.token is not None
+    agent.wait_status(lambda s: s["state"] == "running", 30, "the task running")
+    json_type = {"Content-Type": "application/json", "Authorization": f"Bearer {agent.token}"}
+    for body, expected in (
+        (b"[" * 100_000 + b"]" * 100_000, 400),
+        (b"[1, 2]", 400),  # not an object
+        (b'"restart"', 400),
+        (b'{"reason": ', 400),
+        (b'{"unless_started_within": NaN}', 400),
+    ):
+        conn = http.client.HTTPConnection(*address(agent), timeout=10)
+        conn.request("POST", "/restart", body=body, headers=json_type)
+        assert conn.getresponse().status == expected, body[:20]
+        conn.close()
+    form = {**json_type, "Content-Type": "text/plain"}
+    for headers, expected in ((form, 415), ({**json_type, "Content-Length": str(1 << 40)}, 413)):
+        conn = http.client.HTTPConnection(*address(agent), timeout=10)
+        conn.putrequest("POST", "/restart", skip_accept_encoding=True)
+        for name, value in {"Content-Length": "2", **headers}.items():
+            conn.putheader(name, value)
+        conn.endheaders()  # and no body: a 413 must not wait for one
+        assert conn.getresponse().status == expected
+        conn.close()
+    status = agent.status()
+    assert status["restarts"] == 0 and status["state"] == "running"
+    assert not errors_logged(agent)
+
+
+@pytest.mark.serial
+def test_the_agent_answers_200_concurrent_clients(agent: AgentProc) -> None:
+    """Was: 72 of 200 /status and 84 of 200 /healthz timed out (a listen backlog of 5: dropped SYNs, retried after
+    1, 3, 7 s ...)."""
+    for path, token in (("/status", agent.token), ("/healthz", None)):
+        started = time.monotonic()
+        outcomes = burst(address(agent), get(path, token), 200, deadline=5.0)
+        took = time.monotonic() - started
+        assert [o.status for o in outcomes] == [200] * 200, (path, sorted({o.error for o in outcomes}))
+        assert took < 4, (path, took)
+    assert not errors_logged(agent)
+
+
+@pytest.mark.serial
+def test_health_probes_stay_under_a_second_while_64_clients_flood_the_port(agent: AgentProc) -> None:
+    """Was: 2 of 28 one-second probes failed. The flood's clients, 8 of each kind, each opening its next
+    connection once its last one ended: no credential, a wrong one, hanging up right after asking, a head never
+    finished, saying nothing, and the open /healthz and /readyz as fast as they are answered."""
+    wrong = "w" * 32
+    kinds = [
+        lambda: Visit(get("/status")),
+        lambda: Visit(get("/metrics", wrong)),
+        lambda: Visit(get("/status"), read=False),
+        lambda: Visit(b"POST /restart HTTP/1.1\r\nHost: 127.0.0.1\r\n", deadline=2.0),
+        lambda: Visit(b"", deadline=2.0),
+        lambda: Visit(get("/healthz")),
+        lambda: Visit(get("/readyz")),
+        lambda: Visit(get("/restart"), read=False),
+    ]
+    flooded: list[Outcome] = []
+    flooding = threading.Thread(
+        target=lambda: flooded.extend(flood(address(agent), kinds, clients=64, seconds=4.0, limit=12_000)),
+        name="flood",
+    )
+    flooding.start()
+    probes: list[tuple[str, str | None, float]] = []
+    try:
+        while flooding.is_alive() and len(probes) < 40:
+            path = ("/healthz", "/readyz")[len(probes) % 2]
+            probes.append((path, *probe(agent, path)))
+            time.sleep(0.1)
+        status = probe(agent, "/status", agent.token, timeout=5.0)
+    finally:
+        flooding.join()
+    assert len(probes) >= 15 and len(flooded) > 2000, (len(probes), len(flooded))  # a flood, and probes in it
+    # /readyz: the agent's readiness (503, not ready: the task serves no RPC), not a 503 for a busy port.
+    expected = {"/healthz": "200 status", "/readyz": "503 checks ready"}
+    slow = [p for p in probes if p[1] != expected[p[0]] or p[2] >= 1.0]
+    assert not slow, f"probes failed or took 1 s or more: {slow} (slowest of all {max(p[2] for p in probes):.3f} s)"
+    assert status[0] is not None and status[0].startswith("200 "), status  # and a caller with the token
+    assert not errors_logged(agent)
