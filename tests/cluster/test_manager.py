@@ -22,6 +22,7 @@ import tensorflow as tf
 
 from psguard.errors import ConfigError, SaveError, TensorMismatchError
 from psguard.policy.engine import EverySteps, Schedule
+from psguard.policy.lag import LagBound
 from psguard.storage import RetryConfig, open_backend
 from psguard.store import Store
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
@@ -31,6 +32,9 @@ from psguard.trainer.variables import bitwise_equal
 from tests.support.clusters import Chief
 from tests.support.managers import FlakyBackend, GatedBackend, assert_restores, make_local, snapshot, train_local
 from tests.support.paths import ROOT
+
+#: The async pipeline these tests look into: saves return at the capture and the durable log trails, reported.
+ASYNC = Schedule(durable_lag=LagBound(on_exceed="report"))
 
 
 @pytest.fixture
@@ -82,13 +86,34 @@ def test_restore_or_initialize_without_checkpoint_runs_init_fn(url: str) -> None
     assert called == [1]
 
 
+def test_by_default_a_save_returns_once_it_is_durable_as_tfs_does(url: str) -> None:
+    ckpt, _, _ = make_local()
+    gate = threading.Event()
+    backend = GatedBackend(open_backend(url), gate)
+    store = Store(backend)
+    try:
+        with CheckpointManager(ckpt, url, store=store) as m:
+            handles: list[Any] = []
+            saving = threading.Thread(target=lambda: handles.append(m.save(1)), daemon=True)
+            saving.start()
+            assert backend.entered.wait(60)  # the durable write is under way and the save has not returned
+            assert saving.is_alive() and not handles
+            gate.set()
+            saving.join(60)
+            assert handles and handles[0].done() and m.durable_lag.holds == 1 and m.last_hold_seconds > 0
+            assert store.latest() is not None and store.latest().step == 1  # type: ignore[union-attr]
+    finally:
+        gate.set()
+        store.close()
+
+
 def test_async_save_persists_the_values_of_its_own_step(url: str) -> None:
     ckpt, emb, dense = make_local()
     gate = threading.Event()
     backend = GatedBackend(open_backend(url), gate)
     store = Store(backend)
     try:
-        with CheckpointManager(ckpt, url, store=store) as m:
+        with CheckpointManager(ckpt, url, store=store, policy=ASYNC) as m:
             first = m.save(1)
             at_save = snapshot(ckpt)
             train_local(emb, dense, ckpt, np.random.default_rng(3), rows=500)  # while the write is blocked
@@ -107,7 +132,7 @@ def test_saves_fold_while_the_store_is_slow_and_nothing_is_lost(url: str) -> Non
     store = Store(backend)
     rng = np.random.default_rng(4)
     try:
-        with CheckpointManager(ckpt, url, store=store) as m:
+        with CheckpointManager(ckpt, url, store=store, policy=ASYNC) as m:
             handles = []
             for step in range(1, 5):
                 train_local(emb, dense, ckpt, rng)
@@ -430,7 +455,7 @@ def test_cluster_async_save_overlapping_training_keeps_its_step(chief: Chief, ur
     gate = threading.Event()
     store = Store(GatedBackend(open_backend(url), gate))
     try:
-        with CheckpointManager(ckpt, url, coordinator=chief.coordinator, store=store) as m:
+        with CheckpointManager(ckpt, url, coordinator=chief.coordinator, store=store, policy=ASYNC) as m:
             h = m.save(5)
             at_save = snapshot(ckpt)
             trainer.train(20)  # training goes on while the save is being written
@@ -445,10 +470,13 @@ def test_cluster_async_save_overlapping_training_keeps_its_step(chief: Chief, ur
 EXIT_SCRIPT = """
 import sys, time
 import tensorflow as tf
+from psguard.policy import LagBound, Schedule
 from psguard.trainer.manager import CheckpointManager
 
 v = tf.Variable(tf.reshape(tf.range(8000, dtype=tf.float32), [1000, 8]))
-manager = CheckpointManager(tf.train.Checkpoint(v=v), sys.argv[1])
+# durable_lag report: the save returns at the capture, so the write is still running when the script ends
+report = Schedule(durable_lag=LagBound(on_exceed="report"))
+manager = CheckpointManager(tf.train.Checkpoint(v=v), sys.argv[1], policy=report)
 put = manager.store.backend.put
 
 def slow_put(*args, **kwargs):  # a slow store: the write is still running when the script ends

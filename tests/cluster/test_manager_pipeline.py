@@ -27,6 +27,7 @@ from psguard.agent.tiers.spool_server import SpoolServer
 from psguard.errors import SaveError
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import EverySteps, Retention, Schedule
+from psguard.policy.lag import LagBound
 from psguard.storage import open_backend
 from psguard.store import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
@@ -89,7 +90,9 @@ def test_under_an_agent_wait_returns_only_once_the_save_is_durable(tmp_path: Pat
     opener = threading.Thread(target=open_gate)
     try:
         ckpt, emb, dense = make_local()
-        with CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", store=store) as m:
+        # durable_lag report: save() returns at the capture, so what is tested is wait() itself
+        report = Schedule(durable_lag=LagBound(on_exceed="report"))
+        with CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", store=store, policy=report) as m:
             train_local(emb, dense, ckpt, np.random.default_rng(1))
             h = m.save(1)
             opener.start()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,6 +175,7 @@ def test_tfs_restore_lines_take_the_memory_tier_when_nothing_is_durable_yet(side
     the memory tier's state, not a fresh start."""
     ckpt, emb, dense = make_local()
     url = str(sidecar.store.url)
+    sidecar.persister.stop(drain=False)  # the store takes no commit yet (down, or the first base still on its way)
     with CheckpointManager(ckpt, url, spool=sidecar.spool) as m:
         train_local(emb, dense, ckpt, np.random.default_rng(13))
         m.save(4, tiers=frozenset({Tier.MEMORY})).result(timeout=60)
@@ -187,8 +189,30 @@ def test_tfs_restore_lines_take_the_memory_tier_when_nothing_is_durable_yet(side
         assert (status.source, status.step) == ("memory", 4)
         got = snapshot(fresh)
         assert all(bitwise_equal(want[n], got[n]) for n in want)
-        m2.save(5)
+        m2.save(5, tiers=frozenset({Tier.MEMORY}))
         assert m2.latest_checkpoint is None or not m2.latest_checkpoint.startswith("memory:")
+
+
+def test_the_first_memory_save_starts_the_logs_base_so_a_lost_node_has_one(tmp_path: Path) -> None:
+    store = Store.open(str(tmp_path / "store"))
+    tier = MemoryTier()
+    committed = threading.Event()
+    persister = Persister(store, tier, on_event=lambda e: committed.set() if e.kind == "committed" else None).start()
+    server = SpoolServer(tmp_path / "spool", tier, persister).start()
+    try:
+        ckpt, emb, dense = make_local()
+        with CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool") as m:
+            train_local(emb, dense, ckpt, np.random.default_rng(17))
+            m.save(3, tiers=frozenset({Tier.MEMORY})).result(timeout=60)  # memory only: nobody asked durable
+            want = snapshot(ckpt)
+            assert committed.wait(60), "no base was written for the first capture"
+        info = store.latest()
+        assert info is not None and (info.step, info.kind) == (3, "full")
+        assert_restores(store, info.id, want)
+    finally:
+        server.stop()
+        persister.stop()
+        store.close()
 
 
 def test_without_a_live_agent_restore_uses_the_durable_log(tmp_path: Path) -> None:
