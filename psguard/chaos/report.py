@@ -17,7 +17,40 @@ from psguard.chaos.checkers import FAULTS, HEALS, Verdict, fault_outcomes, overa
 from psguard.chaos.history import Op, Record, harness_seconds, operations
 from psguard.chaos.resources import resource_series
 
-__all__ = ["goodput", "write_report", "write_side_by_side"]
+__all__ = ["durable_lag", "goodput", "write_report", "write_side_by_side"]
+
+
+def durable_lag(ops: Sequence[Op]) -> dict[str, Any]:
+    """How far the durable log trailed the saves due for it (psguard.policy.lag), and how long training held.
+
+    Per durable save committed: seconds from its capture's start to its commit, and steps training had completed
+    past it by then. ``hold_seconds``: what the trainers' saves waited for the durable log in all (the default
+    ``durable_lag`` holds each durable save until committed: lag in steps 0, lag in seconds the write's time)."""
+    captures: dict[tuple[str, int], Op] = {}
+    for o in ops:
+        if o.f == "capture" and o.process.startswith("trainer") and "durable" in o.invoke.value.get("tiers", []):
+            captures.setdefault((o.process.split("/")[0], int(o.invoke.value.get("step", -1))), o)
+    trained = sorted((o.end, int(o.value["step"])) for o in ops if o.f == "train" and o.type == "ok" and o.end)
+    seconds: list[float] = []
+    steps: list[int] = []
+    for c in ops:
+        if c.f != "durable-commit" or c.type != "ok" or c.end is None or not c.process.startswith("trainer"):
+            continue
+        asked = int(c.value.get("asked", c.value.get("step", -1)))
+        capture = captures.get((c.process.split("/")[0], asked))
+        if capture is None:
+            continue
+        seconds.append(c.end - capture.start)
+        done = [step for end, step in trained if end <= c.end and end >= capture.start]
+        steps.append(max(0, max(done, default=asked) - asked))
+    holds = [float(o.value.get("hold") or 0.0) for o in ops if o.f == "capture" and o.type == "ok"]
+    return {
+        "commits": len(seconds),
+        "max_seconds": round(max(seconds), 3) if seconds else None,
+        "mean_seconds": round(sum(seconds) / len(seconds), 3) if seconds else None,
+        "max_steps": max(steps) if steps else None,
+        "hold_seconds": round(sum(holds), 3),
+    }
 
 
 def goodput(ops: Sequence[Op], target: int | None) -> dict[str, Any]:
@@ -89,6 +122,7 @@ def write_report(
         "verdicts": {name: v.to_json() for name, v in verdicts.items()},
         "faults": outcomes,
         "goodput": goodput(ops, int(target) if target is not None else None),
+        "durable_lag": durable_lag(ops),
         "wall_seconds": wall_seconds,
         "schedule": run.get("schedule", []),
     }
@@ -156,6 +190,10 @@ def _markdown(report: Mapping[str, Any]) -> str:
         lines += [str(report["proves"]).strip(), ""]
     if report.get("baseline"):
         lines += _side_by_side(report), ""
+    lag = report.get("durable_lag") or {}
+    if lag.get("commits"):
+        said = f"at most {lag['max_steps']} step(s) and {lag['max_seconds']} s behind their save"
+        lines += [f"Durable lag: {lag['commits']} commit(s), {said}; training held {lag['hold_seconds']} s.", ""]
     lines += ["| checker | verdict | summary |", "| --- | --- | --- |"]
     for name, v in report["verdicts"].items():
         lines.append(f"| {name} | {v['status']} | {v['summary']} |")
@@ -226,7 +264,13 @@ def _side_by_side(report: Mapping[str, Any]) -> str:
     rows.append(f"| recovery s per fault | {_list(rec)} | {_list(brec)} |")
     rows.append(f"| lost steps per fault | {[f['lost_steps'] for f in report['faults']]} | "
                 f"{[f['lost_steps'] for f in b['faults']]} |")  # fmt: skip
+    lag, blag = report.get("durable_lag") or {}, b.get("durable_lag") or {}
+    rows.append(f"| durable lag: max steps / max s / held s | {_lag_cell(lag)} | {_lag_cell(blag)} |")
     return "\n".join(rows)
+
+
+def _lag_cell(lag: Mapping[str, Any]) -> str:
+    return f"{lag.get('max_steps')} / {lag.get('max_seconds')} / {lag.get('hold_seconds')}"
 
 
 def _list(values: Sequence[float | None]) -> str:

@@ -19,7 +19,7 @@ import pytest
 from psguard.chaos.checkers import check_all, fault_outcomes, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, operations, read_history
 from psguard.chaos.nemesis import damage_chunk
-from psguard.chaos.report import goodput
+from psguard.chaos.report import durable_lag, goodput
 from psguard.chaos.scenario import Scenario, load_scenario
 from psguard.config import from_data
 from psguard.errors import ConfigError
@@ -681,3 +681,26 @@ def test_the_pace_before_the_first_fault_counts_captures_but_not_the_harness() -
     rec(T, "ok", "train", {"step": 35})
     pace = goodput(operations(records), 35)["fault_free_steps_per_second"]
     assert pace == pytest.approx(5 / 1.2)  # chunks 3-6: 1.0 s training + 0.5 s capture - 0.3 s harness per 5 steps
+
+
+def test_the_durable_lag_runs_from_a_saves_capture_to_its_commit() -> None:
+    """Step 5's durable save: captured at 1.0 s, committed at 4.0 s, training finished step 15 meanwhile (report
+    mode); step 20's held its capture 0.5 s until committed (hold mode): lag 0 steps, 0.7 s."""
+    d1, d2 = f"{T}/durable-1", f"{T}/durable-2"
+    records = [
+        Record(0, 1.0, T, "invoke", "capture", {"step": 5, "tiers": ["durable", "memory"]}),
+        Record(1, 1.1, T, "ok", "capture", {"step": 5, "hold": 0.0}),
+        Record(2, 1.1, d1, "invoke", "durable-commit", {"step": 5}),
+        Record(3, 1.2, T, "invoke", "train", {"step": 5, "steps": 10}),
+        Record(4, 3.0, T, "ok", "train", {"step": 15}),
+        Record(5, 4.0, d1, "ok", "durable-commit", {"step": 5, "asked": 5, "id": "a"}),
+        Record(6, 5.0, T, "invoke", "capture", {"step": 20, "tiers": ["memory"]}),
+        Record(7, 5.1, T, "ok", "capture", {"step": 20}),
+        Record(8, 6.0, T, "invoke", "capture", {"step": 20, "tiers": ["durable", "memory"]}),
+        Record(9, 6.7, T, "ok", "capture", {"step": 20, "hold": 0.5}),
+        Record(10, 6.7, d2, "invoke", "durable-commit", {"step": 20}),
+        Record(11, 6.7, d2, "ok", "durable-commit", {"step": 20, "asked": 20, "id": "b"}),
+    ]
+    lag = durable_lag(operations(records))
+    assert lag == {"commits": 2, "max_seconds": 3.0, "mean_seconds": 1.85, "max_steps": 10, "hold_seconds": 0.5}
+    assert durable_lag(operations(records[:5]))["commits"] == 0  # no commit yet: nothing measured
