@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.fifos import Fifos
 from tests.support.processes import ALLOWED_PIDS, allow_new_children, children, cmdline
 
 # Threads that libraries start once per process and keep on purpose.
@@ -83,6 +84,14 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 def unique() -> str:
     """A fresh name for a prefix or folder, so tests sharing one server never see each other's objects."""
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture
+def fifos() -> Iterator[Fifos]:
+    """FIFOs a test puts in place of files psguard reads (:class:`~tests.support.fifos.Fifos`)."""
+    made = Fifos()
+    yield made
+    made.close()
 
 
 # ----------------------------------------------------------------------------------------------- servers

@@ -88,10 +88,10 @@ import math
 import os
 import re
 import secrets
-import stat
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from io import FileIO
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -108,6 +108,7 @@ from psguard.errors import (
 from psguard.handoff.contract import Tier, default_spool_dir
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardKey, is_ps_task, parts_from_json
+from psguard.local_files import HeldDir, open_regular, read_regular
 from psguard.store import strict_json
 from psguard.store.chunks import as_le_bytes, byte_view, deserialize_strings, serialize_strings
 from psguard.store.dtypes import dtype_from_name, dtype_name
@@ -321,25 +322,29 @@ def _write_blob(path: Path, data: memoryview) -> int:
     return int(crc)
 
 
-def _read_blob(path: Path, out: memoryview, size: int, crc: int, what: str) -> None:
-    """Read exactly ``size`` bytes into ``out`` and check their CRC32C; raise CorruptCheckpointError."""
+def _read_blob(f: FileIO, name: str, out: memoryview, size: int, crc: int, what: str) -> None:
+    """Read exactly ``size`` bytes from ``f`` into ``out`` and check their CRC32C; raise CorruptCheckpointError."""
+    got = 0
+    running = 0
+    while got < size:
+        n = f.readinto(out[got : min(size, got + _PIECE)])
+        if not n:
+            raise CorruptCheckpointError(f"{what}: {name} ended after {got} of {size} bytes")
+        running = _crc32c.crc32c(out[got : got + n], running)
+        got += n
+    if int(running) != crc:
+        raise CorruptCheckpointError(f"{what}: {name} failed its CRC32C check (damaged in the spool)")
+
+
+def _open_spool_file(path: Path, what: str) -> FileIO:
+    """A spool file for reading: a regular file of this user's that no one else can write, opened without blocking
+    (:func:`psguard.local_files.open_regular`); anything else, or none, is a :class:`CorruptCheckpointError`."""
     try:
-        with open(path, "rb", buffering=0) as f:
-            actual = os.fstat(f.fileno()).st_size
-            if actual != size or len(out) != size:
-                raise CorruptCheckpointError(f"{what}: {path.name} has {actual} bytes, expected {size}")
-            got = 0
-            running = 0
-            while got < size:
-                n = f.readinto(out[got : min(size, got + _PIECE)])
-                if not n:
-                    raise CorruptCheckpointError(f"{what}: {path.name} ended after {got} of {size} bytes")
-                running = _crc32c.crc32c(out[got : got + n], running)
-                got += n
+        return os.fdopen(open_regular(path, what, private=True), "rb", buffering=0)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what}: {path.name} is missing") from None
-    if int(running) != crc:
-        raise CorruptCheckpointError(f"{what}: {path.name} failed its CRC32C check (damaged in the spool)")
+    except OSError as e:
+        raise CorruptCheckpointError(f"{what}: {path.name} cannot be read ({e.strerror or e})") from None
 
 
 def _tensor_bytes(value: np.ndarray) -> memoryview:
@@ -374,26 +379,21 @@ def _read_array(folder: Path, ref: Any, dtype: np.dtype[Any], shape: tuple[int, 
         raise CorruptCheckpointError(f"{what}: {size} bytes cannot hold {elements} strings")
     if dtype.kind != "O" and size != elements * dtype.itemsize:
         raise CorruptCheckpointError(f"{what}: {size} bytes on file for a {dtype}{list(shape)} tensor")
-    try:
-        st = os.lstat(folder / file)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{what}: {file} is missing") from None
-    if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read, a link point elsewhere
-        raise CorruptCheckpointError(f"{what}: {file} is not a regular file")
-    actual = st.st_size
-    if actual != size:
-        raise CorruptCheckpointError(f"{what}: {file} has {actual} bytes, expected {size}")
-    if dtype.kind == "O":
-        blob = bytearray(size)
-        _read_blob(folder / file, memoryview(blob), size, crc, what)
-        try:
-            return deserialize_strings(memoryview(blob), shape)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{what}: {e}") from None
-    out = np.empty(shape, dtype=dtype)
-    if out.nbytes != size:
-        raise CorruptCheckpointError(f"{what}: {size} bytes on file for a {dtype}{list(shape)} tensor")
-    _read_blob(folder / file, byte_view(out), size, crc, what)
+    with _open_spool_file(folder / file, what) as f:
+        actual = os.fstat(f.fileno()).st_size
+        if actual != size:
+            raise CorruptCheckpointError(f"{what}: {file} has {actual} bytes, expected {size}")
+        if dtype.kind == "O":
+            blob = bytearray(size)
+            _read_blob(f, file, memoryview(blob), size, crc, what)
+            try:
+                return deserialize_strings(memoryview(blob), shape)
+            except ValueError as e:
+                raise CorruptCheckpointError(f"{what}: {e}") from None
+        out = np.empty(shape, dtype=dtype)
+        if out.nbytes != size:
+            raise CorruptCheckpointError(f"{what}: {size} bytes on file for a {dtype}{list(shape)} tensor")
+        _read_blob(f, file, byte_view(out), size, crc, what)
     return out
 
 
@@ -403,15 +403,12 @@ MAX_JSON_BYTES = 16 << 20
 
 def _parse_json(path: Path, what: str) -> dict[str, Any]:
     """A spool JSON document, parsed strictly (:mod:`psguard.store.strict_json`) and refused unread when too big."""
-    try:  # O_NONBLOCK: a FIFO put in its place must not block the open
-        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise CorruptCheckpointError(f"{what}: {path.name} is not a regular file")
-            data = f.read(MAX_JSON_BYTES + 1)
+    try:
+        data = read_regular(path, what, max_bytes=MAX_JSON_BYTES, private=True)
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what}: {path.name} is missing") from None
     except OSError as e:
-        raise CorruptCheckpointError(f"{what}: {path.name} cannot be read ({e})") from None
+        raise CorruptCheckpointError(f"{what}: {path.name} cannot be read ({e.strerror or e})") from None
     try:
         doc = strict_json.loads(data, max_bytes=MAX_JSON_BYTES)
     except strict_json.StrictJSONError as e:
@@ -490,9 +487,10 @@ def payload_bytes(capture: Capture) -> int:
     return total
 
 
-def read_capture(folder: Path) -> SpooledCapture:
-    """Read and verify a complete capture folder; :class:`CorruptCheckpointError` names what is wrong."""
-    what = f"spool capture {folder}"
+def read_capture(folder: Path, *, shown: str | None = None) -> SpooledCapture:
+    """Read and verify a complete capture folder; :class:`CorruptCheckpointError` names what is wrong (the folder
+    as ``shown``, when given: :meth:`SpoolPaths.show`)."""
+    what = f"spool capture {shown or folder}"
     doc = _parse_json(folder / "capture.json", what)
     if doc.get("format") != CAPTURE_FORMAT or doc.get("version") != VERSION:
         raise CorruptCheckpointError(f"{what}: not a version-{VERSION} capture ({doc.get('format')!r})")
@@ -538,13 +536,13 @@ def read_capture(folder: Path) -> SpooledCapture:
     return SpooledCapture(seq, writer, token, parent, step, tiers, metadata, metrics, tensors, nbytes, parts)
 
 
-def read_restore(folder: Path) -> Restored:
+def read_restore(folder: Path, *, shown: str | None = None) -> Restored:
     """Read an exported snapshot, verifying every tensor's size and CRC32C before returning anything.
 
     :class:`NoCheckpointError` when the agent's memory tier was empty; :class:`CorruptCheckpointError`
     on any damage; :class:`PsguardError` with the agent's message when the export failed.
     """
-    what = f"memory-tier snapshot {folder}"
+    what = f"memory-tier snapshot {shown or folder}"
     doc = _parse_json(folder / "manifest.json", what)
     if doc.get("format") != RESTORE_FORMAT or doc.get("version") != VERSION:
         raise CorruptCheckpointError(f"{what}: not a version-{VERSION} snapshot")
@@ -603,31 +601,91 @@ def read_restore(folder: Path) -> Restored:
 
 # ------------------------------------------------------------------------------------------------ both sides
 class SpoolPaths:
+    """The spool's layout. After :meth:`make`, every path leads through the spool folder held open
+    (:class:`psguard.local_files.HeldDir`): someone who can write the folder above the spool may rename it away and
+    put their own folder at its path, but neither end reads their captures, acks or restores, nor writes there.
+    :meth:`moved` tells when that happened; :meth:`release` lets the folder go (the paths are plain again)."""
+
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        self.incoming = self.root / "incoming"
-        self.acks = self.root / "acks"
-        self.requests = self.root / "requests"
-        self.restore = self.root / "restore"
-        self.writers = self.root / "writers"
-        self.agent_lock = self.root / "agent.lock"
-        self.seq = self.root / "seq"
-        self.heartbeat = self.root / "heartbeat.json"
-        self.seq_lock = self.root / "seq.lock"
+        self._held: HeldDir | None = None
+
+    @property
+    def base(self) -> Path:
+        """Where the spool's contents are reached: through the held folder, or by its path before :meth:`make`."""
+        held = self._held
+        return held.path if held is not None else self.root
+
+    @property
+    def incoming(self) -> Path:
+        return self.base / "incoming"
+
+    @property
+    def acks(self) -> Path:
+        return self.base / "acks"
+
+    @property
+    def requests(self) -> Path:
+        return self.base / "requests"
+
+    @property
+    def restore(self) -> Path:
+        return self.base / "restore"
+
+    @property
+    def writers(self) -> Path:
+        return self.base / "writers"
+
+    @property
+    def agent_lock(self) -> Path:
+        return self.base / "agent.lock"
+
+    @property
+    def seq(self) -> Path:
+        return self.base / "seq"
+
+    @property
+    def heartbeat(self) -> Path:
+        return self.base / "heartbeat.json"
+
+    @property
+    def seq_lock(self) -> Path:
+        return self.base / "seq.lock"
 
     def make(self) -> None:
-        """Create the layout, the spool folder private to this user (refused if someone else could write it)."""
+        """Create the layout, the spool folder private to this user (refused if someone else could write it), and
+        hold the folder open from now on."""
         ensure_private_dir(self.root, "spool")
+        self.release()
+        self._held = HeldDir(self.root, "spool")
         for d in (self.incoming, self.acks, self.requests, self.restore, self.writers):
             d.mkdir(mode=0o700, exist_ok=True)
+
+    def moved(self) -> bool:
+        """Whether the spool's path no longer names the folder held (renamed away or replaced since :meth:`make`)."""
+        held = self._held
+        return held is not None and held.moved()
+
+    def show(self, path: Path) -> str:
+        """``path`` as a reader knows it: under the spool's own path, not ``/proc/self/fd/<n>``."""
+        held = self._held
+        if held is not None and path.is_relative_to(held.path):
+            return str(self.root / path.relative_to(held.path))
+        return str(path)
+
+    def release(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.close()
 
     def ack(self, seq: int, kind: str = "") -> Path:
         return self.acks / f"{seq:012d}{'.' + kind if kind else ''}.json"
 
 
 def try_flock(path: Path, mode: int) -> int | None:
-    """An fd holding ``mode`` on ``path`` (created if absent), or None when someone else holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    """An fd holding ``mode`` on the lock file ``path`` (created if absent), or None when someone else holds it;
+    a lock file that is not this user's private regular file is a :class:`CorruptCheckpointError`."""
+    fd = open_regular(path, "lock file", create=True, private=True)
     try:
         fcntl.flock(fd, mode | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -657,10 +715,15 @@ def poll_until(
 
 
 def read_json_if_present(path: Path) -> dict[str, Any] | None:
+    """The JSON object the other side wrote at ``path`` by write-then-rename, or None while there is none; a
+    :class:`CorruptCheckpointError` when what is there is not this user's private regular file (never waited on:
+    :func:`psguard.local_files.read_regular`)."""
     try:
-        doc = strict_json.loads(path.read_bytes())
+        data = read_regular(path, "spool", max_bytes=MAX_JSON_BYTES, private=True)
     except FileNotFoundError:
         return None
+    try:
+        doc = strict_json.loads(data)
     except strict_json.StrictJSONError:
         return None  # cannot happen with write-then-rename; poll again
     return doc if isinstance(doc, dict) else None

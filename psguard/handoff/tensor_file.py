@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from psguard.errors import CorruptCheckpointError
+from psguard.local_files import open_regular
 from psguard.store.chunks import byte_view
 from psguard.store.dtypes import dtype_from_name
 
@@ -135,10 +136,11 @@ def _parse_shape(buf: bytes | memoryview, what: str) -> tuple[int, ...]:
 
 
 def open_capture_file(path: Path, what: str, noun: str) -> int:
-    """A read-only descriptor of a file a capture left (never through a symlink); a missing or unreadable one is
-    a :class:`~psguard.errors.CorruptCheckpointError` naming ``what`` and ``noun``."""
+    """A read-only descriptor of a file a capture left, a regular file opened without blocking and never through a
+    link (:func:`psguard.local_files.open_regular`); a missing, unreadable or other one (a FIFO) is a
+    :class:`~psguard.errors.CorruptCheckpointError` naming ``what`` and ``noun``."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        return open_regular(path, f"{what}: the {noun}")
     except FileNotFoundError:
         raise CorruptCheckpointError(f"{what}: {noun} missing") from None
     except OSError as e:

@@ -10,13 +10,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from psguard.errors import ObjectExistsError, ObjectNotFoundError, StorageError
+from psguard.local_files import open_regular
 from psguard.storage.base import Backend, Buffer, validate_key
 
 TMP_MARK = ".tmp."
 
 
 def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)  # whatever else is at the path is refused, never waited on
     try:
         os.fsync(fd)
     finally:
@@ -55,7 +56,13 @@ def _raise_storage_error(e: OSError, what: str) -> NoReturn:
 
 
 class LocalBackend(Backend):
-    """Files under a folder; writes go to a temporary name, are fsynced, then renamed or linked into place."""
+    """Files under a folder; writes go to a temporary name, are fsynced, then renamed or linked into place.
+
+    Every object is read as a regular file opened without blocking (:func:`psguard.local_files.open_regular`): a
+    FIFO, device, socket or symbolic link in place of a chunk, manifest, journal entry or lock (psguard writes
+    none) is a :class:`CorruptCheckpointError` naming it, which readers treat as damage (a restore falls back,
+    ``verify`` reports it, ``ls`` and ``gc`` skip it), where reading it used to hang them.
+    """
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         path = url[len("file://") :] if url.startswith("file://") else url
@@ -68,26 +75,27 @@ class LocalBackend(Backend):
     def _path(self, key: str) -> Path:
         return self.root / validate_key(key)
 
-    def get(self, key: str) -> bytes:
+    def _open(self, key: str) -> int:
         try:
-            return self._path(key).read_bytes()
+            return open_regular(self._path(key), f"object {key} in {self.url}")
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
 
+    def get(self, key: str) -> bytes:
+        with os.fdopen(self._open(key), "rb") as f:
+            return f.read()
+
     def get_into(self, key: str, out: memoryview) -> int:
-        try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                size = os.fstat(f.fileno()).st_size
-                view = out[: min(size, len(out))]
-                got = 0
-                while got < len(view):
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
-                return size
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+        with os.fdopen(self._open(key), "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            view = out[: min(size, len(out))]
+            got = 0
+            while got < len(view):
+                n = f.readinto(view[got:])
+                if not n:
+                    break
+                got += n
+            return size
 
     def _write_tmp(self, path: Path, data: Buffer) -> Path:
         _make_dirs(path.parent, self.fsync)

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from psguard.errors import (
     ConfigError,
+    CorruptCheckpointError,
     PsguardError,
     SaveError,
     StorageError,
@@ -47,6 +48,7 @@ from psguard.handoff.spool import (
     write_capture_files,
     write_private,
 )
+from psguard.local_files import open_regular, read_regular
 
 __all__ = ["CaptureHandle", "RestoreHandle", "SpoolWriter"]
 
@@ -176,7 +178,10 @@ class RestoreHandle:
     def __init__(self, writer: SpoolWriter, name: str) -> None:
         self._writer = writer
         self.name = name
-        self.folder = writer._paths.restore / name
+
+    @property
+    def folder(self) -> Path:
+        return self._writer._paths.restore / self.name
 
     def done(self) -> bool:
         return self.folder.is_dir()
@@ -190,7 +195,7 @@ class RestoreHandle:
             lambda: self._writer._no_answer("the restore request", timeout),
         )
         try:
-            return read_restore(self.folder)
+            return read_restore(self.folder, shown=self._writer._paths.show(self.folder))
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -228,14 +233,14 @@ class SpoolWriter:
         number in the spool's folders), write the next one by rename, release. Two writers (an orphaned
         trainer and its replacement) therefore never hand off two captures under one number.
         """
-        fd = os.open(self._paths.seq_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_regular(self._paths.seq_lock, "spool sequence lock", create=True, private=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a rename: microseconds
             try:
-                last = int(self._paths.seq.read_text().strip())
+                last = int(self._read_seq())
                 if not 0 <= last < MAX_SEQ:
                     raise ValueError("out of range")
-            except (FileNotFoundError, ValueError):
+            except (FileNotFoundError, ValueError, CorruptCheckpointError):  # replaced by the write below
                 last = self._high_water()
             seq = max(last, self._last_seq) + 1
             atomic_write_text(self._paths.seq, str(seq))
@@ -246,15 +251,18 @@ class SpoolWriter:
 
     def _unreserve(self, seq: int) -> None:
         """Give ``seq`` back after a hand-off that failed (a full tmpfs), if no one reserved a later one."""
-        fd = os.open(self._paths.seq_lock, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_regular(self._paths.seq_lock, "spool sequence lock", create=True, private=True)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                if int(self._paths.seq.read_text().strip()) == seq:
+            with contextlib.suppress(FileNotFoundError, ValueError, CorruptCheckpointError):
+                if int(self._read_seq()) == seq:
                     atomic_write_text(self._paths.seq, str(seq - 1))
                     self._last_seq = seq - 1
         finally:
             os.close(fd)
+
+    def _read_seq(self) -> str:
+        return read_regular(self._paths.seq, "spool sequence number", max_bytes=64, private=True).decode().strip()
 
     def _high_water(self) -> int:
         high = -1
@@ -409,12 +417,13 @@ class SpoolWriter:
         return RestoreHandle(self, name)
 
     def close(self) -> None:
-        """Release the writer's lock (a killed writer's is released by the kernel)."""
+        """Release the writer's lock (a killed writer's is released by the kernel) and the spool folder."""
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
                 self._lock_path.unlink()
             os.close(self._lock_fd)
             self._lock_fd = None
+        self._paths.release()
 
     def __enter__(self) -> SpoolWriter:
         return self

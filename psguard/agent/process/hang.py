@@ -24,7 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psguard.errors import PsguardError
 from psguard.handoff.contract import HANG_DUMP_SIGNAL
+from psguard.local_files import read_regular
 
 __all__ = ["Hang", "HangWatch"]
 
@@ -90,6 +92,7 @@ class HangWatch:
         self._changed_at = 0.0  # monotonic: when this watch saw the step change last
         self._hung_run: int | None = None
         self.last_step: int | None = None
+        self._unreadable = ""  # the last reason the heartbeat could not be read (said once)
 
     def start(self) -> HangWatch:
         self._thread = threading.Thread(target=self._loop, name="psguard-hang-watch", daemon=True)
@@ -155,9 +158,14 @@ class HangWatch:
         return hang
 
     def _read(self) -> dict[str, Any] | None:
-        try:
-            doc = json.loads(self.heartbeat.read_bytes())
-        except (OSError, ValueError):
+        try:  # never waits on what is there: a FIFO in its place once kept the watch, and the agent's stop, for good
+            doc = json.loads(read_regular(self.heartbeat, "heartbeat", max_bytes=1 << 16, private=True))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, PsguardError) as e:
+            if str(e) != self._unreadable:
+                self._unreadable = str(e)
+                log.warning("event=heartbeat_unreadable heartbeat=%s error=%r", self.heartbeat, str(e))
             return None
         if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
             return None

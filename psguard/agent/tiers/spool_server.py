@@ -48,6 +48,7 @@ from psguard.handoff.spool import (
     write_array,
     write_private,
 )
+from psguard.local_files import open_regular
 from psguard.store.dtypes import dtype_name
 from psguard.store.manifest import is_checkpoint_id
 
@@ -160,6 +161,7 @@ class SpoolServer:
         self._last_seq: int | None = None
         self._last_apply: float | None = None
         self._last_error: str | None = None
+        self._moved_said = False
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self, *, watch: bool = True) -> SpoolServer:
@@ -201,6 +203,7 @@ class SpoolServer:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+        self._paths.release()
 
     def export_ahead(self, only: Sequence[str] | None = None) -> threading.Thread | None:
         """Have every PS agent (or those in ``only``) write its restore files for the tier's state now, in the
@@ -233,6 +236,12 @@ class SpoolServer:
         thread = threading.Thread(target=run, name="psguard-export-ahead", daemon=True)
         thread.start()
         return thread
+
+    @property
+    def heartbeat(self) -> Path:
+        """The trainer's heartbeat file, in the spool folder this agent holds (its path may name another folder by
+        now: :meth:`_check_held`)."""
+        return self._paths.heartbeat
 
     def __enter__(self) -> SpoolServer:
         return self.start()
@@ -308,6 +317,7 @@ class SpoolServer:
         if self._lock_fd is None:
             raise PsguardError("start() the spool server (it takes the agent lock) before processing")
         with self._process_lock:
+            self._check_held()
             done = 0
             seqs = []
             for name in os.listdir(self._paths.incoming):
@@ -335,10 +345,25 @@ class SpoolServer:
             self._prune()
             return done
 
+    def _check_held(self) -> None:
+        """Say once, at ERROR and in :meth:`status`, that the spool's path no longer names the folder this agent
+        holds: someone who can write the folder above it renamed it away or put another in its place. The agent
+        goes on serving the folder it opened (the running trainer holds the same one) and never reads the other."""
+        if self._moved_said or not self._paths.moved():
+            return
+        self._moved_said = True
+        self._last_error = (
+            f"the spool path {self.root} no longer names the folder this agent opened (renamed away or replaced by "
+            f"someone who can write {self.root.parent}); the agent serves the folder it opened and ignores what is "
+            f"at the path now, so a trainer started from now on will not reach it. Make {self.root.parent} writable "
+            "by this user only (or sticky, as /dev/shm is), or give --spool a folder there, and restart the job"
+        )
+        log.error("event=spool_moved spool=%s: %s", self.root, self._last_error)
+
     def _process_capture(self, seq: int) -> None:
         folder = self._paths.incoming / f"{seq:012d}"
         if self._paths.ack(seq).exists() or self._paths.ack(seq, "durable").exists():
-            answered = (read_json_if_present(self._paths.ack(seq)) or {}).get("capture")
+            answered = (_json_or_none(self._paths.ack(seq)) or {}).get("capture")
             mine = self._token_of(folder)
             if answered is not None and mine is not None and answered != mine:
                 # Two captures under one seq (a writer that did not reserve its numbers): this one was never
@@ -359,7 +384,7 @@ class SpoolServer:
         apply_seconds = 0.0
         stall: float | None = None
         try:
-            cap = read_capture(folder)
+            cap = read_capture(folder, shown=self._paths.show(folder))
             step, tiers, nbytes = cap.step, cap.tiers, cap.nbytes
             raw_stall = cap.metadata.get("capture_stall_seconds")
             if isinstance(raw_stall, int | float) and not isinstance(raw_stall, bool) and raw_stall >= 0:
@@ -442,14 +467,13 @@ class SpoolServer:
             return "error", str(e)
 
     def _token_of(self, folder: Path) -> str | None:
-        doc = read_json_if_present(folder / "capture.json")
+        doc = _json_or_none(folder / "capture.json")
         token = doc.get("token") if doc is not None else None
         return token if isinstance(token, str) else None
 
     def _tiers_of(self, folder: Path) -> frozenset[Tier]:
         try:
-            doc = json.loads((folder / "capture.json").read_bytes())
-            return frozenset(Tier(t) for t in doc["tiers"])
+            return frozenset(Tier(t) for t in (_json_or_none(folder / "capture.json") or {})["tiers"])
         except Exception:
             return frozenset()
 
@@ -598,8 +622,14 @@ class SpoolServer:
             return False
         path = self._paths.writers / f"{gen}.lock"
         try:
-            fd = os.open(path, os.O_RDWR)
+            fd = open_regular(path, f"spool {self.root}, writer lock", private=True)
         except FileNotFoundError:
+            self._dead_writers.add(gen)
+            return False
+        except CorruptCheckpointError as e:  # no writer makes such a lock: nobody holds it
+            log.warning("spool %s: %s", self.root, e)
+            with contextlib.suppress(OSError):
+                path.unlink()
             self._dead_writers.add(gen)
             return False
         try:
@@ -645,3 +675,13 @@ class SpoolServer:
                 self.on_event(event)
             except Exception:
                 log.exception("spool event callback failed (ignored)")
+
+
+def _json_or_none(path: Path) -> dict[str, Any] | None:
+    """A spool JSON document, or None when it is absent, not whole, or not a file psguard wrote (a FIFO put in
+    its place is refused, never waited on): for what only names a capture in an answer."""
+    try:
+        return read_json_if_present(path)
+    except (OSError, PsguardError) as e:
+        log.warning("spool file %s ignored: %s", path.name, e)
+        return None

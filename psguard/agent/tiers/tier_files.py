@@ -49,6 +49,7 @@ import numpy as np
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.tensor_bundle import bundle_files, write_index
 from psguard.handoff.tensor_file import TF_DTYPES
+from psguard.local_files import open_regular
 from psguard.store.chunks import byte_view, crc32c
 from psguard.store.dtypes import dtype_name
 
@@ -190,7 +191,7 @@ class TierFiles:
             return
         size = arr.nbytes // max(1, arr.shape[0]) if arr.ndim else arr.nbytes
         data = byte_view(np.ascontiguousarray(values, dtype=arr.dtype))
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = open_regular(path, "the PS agent's tier file", write=True)
         try:
             done = 0
             while done < data.nbytes:
@@ -268,7 +269,7 @@ class TierFiles:
 
 
 def _copy_file(source: Path, fd: int, nbytes: int) -> None:
-    with open(source, "rb") as src:
+    with os.fdopen(open_regular(source, "the PS agent's tier file"), "rb") as src:
         done = 0
         while done < nbytes:
             n = os.copy_file_range(src.fileno(), fd, nbytes - done)

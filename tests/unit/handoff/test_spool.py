@@ -30,6 +30,7 @@ from psguard.handoff.spool import Capture, NeedFullCaptureError, default_spool_d
 from psguard.store import Store
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.spool_writer import SpoolWriter
+from tests.support.fifos import Fifos
 from tests.support.paths import ROOT
 from tests.support.tensors import every_dtype
 
@@ -705,6 +706,17 @@ def test_the_spool_folder_is_private_and_a_foreign_or_open_one_is_refused(tmp_pa
     os.chown(foreign, 65534, 65534)  # nobody
     with pytest.raises(ConfigError, match="owned by uid 65534"):
         SpoolWriter(foreign)
+
+
+def test_a_fifo_as_the_seq_file_or_an_ack_is_refused_not_waited_on(spool: Path, fifos: Fifos) -> None:
+    """The trainer's end reads the spool as the agent's does: only its own private regular files, never blocking."""
+    with SpoolWriter(spool) as w:
+        fifos.put(spool / "seq")
+        h = fifos.within(lambda: w.submit(Capture(1, whole({"t": np.arange(4, dtype=np.float32)}))))
+        assert (spool / "seq").read_text() == str(h.seq)  # numbered from the folders; the FIFO replaced
+        fifos.put(spool / "acks" / f"{h.seq:012d}.json")
+        with pytest.raises(CorruptCheckpointError, match=r"\.json is a FIFO"):
+            fifos.within(lambda: h.result(timeout=5))
 
 
 def test_a_stray_huge_sequence_number_is_ignored_not_obeyed(tmp_path: Path) -> None:

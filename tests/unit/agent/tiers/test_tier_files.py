@@ -18,11 +18,12 @@ import pytest
 
 from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.agent.tiers.tier_files import TierFiles, on_memory_fs
-from psguard.errors import ConfigError
+from psguard.errors import ConfigError, CorruptCheckpointError
 from psguard.handoff.tensor_bundle import bundle_files
 from psguard.handoff.tensor_file import TF_DTYPES, read_tensor_file
 from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, FullStream, Rows
+from tests.support.fifos import Fifos
 from tests.support.tensors import every_dtype, lazy_tf, restore_bundle
 
 DTYPES = every_dtype()
@@ -234,3 +235,16 @@ def _rss_kb_of_mapping(path: Path) -> int:
     start = next(i for i, line in enumerate(lines) if line.endswith(str(path)))
     rss = next(line for line in lines[start + 1 :] if line.startswith("Rss:"))
     return int(rss.split()[1])
+
+
+def test_a_fifo_in_place_of_a_tier_file_is_refused_not_waited_on(files: TierFiles, fifos: Fifos) -> None:
+    """The tier writes rows into its files and copies them by path: whatever stands there must be a regular file."""
+    arr = files.new((4, 4), np.dtype(np.float32), reserve=False)
+    assert arr is not None
+    path = files.data_file(arr)
+    assert path is not None
+    fifos.put(path)
+    with pytest.raises(CorruptCheckpointError, match=r"tier file: .* is a FIFO"):
+        fifos.within(lambda: files.write_rows(arr, 0, np.ones((1, 4), np.float32)))
+    with pytest.raises(CorruptCheckpointError, match=r"tier file: .* is a FIFO"):
+        fifos.within(lambda: files.adopt(arr, copy=True))
