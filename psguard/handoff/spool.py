@@ -71,6 +71,11 @@ it makes steps: ``{"step": 1200, "at": <time.time()>, "pid": <the trainer's pid>
 The agent declares the trainer hung when the step has not changed for ``hang_after`` seconds of its own clock
 (``null``: the trainer does not ask to be judged yet); see :mod:`psguard.agent.process.hang`.
 
+Files. Both ends hold the spool folder by descriptor from the start (:class:`SpoolPaths`), so renaming its path
+away and putting another folder there changes nothing, and read only this user's private regular files, opened
+without blocking (:mod:`psguard.local_files`): anything else in the spool is a damaged capture or answer, never
+waited on.
+
 Crashes. A killed writer leaves ``*.tmp-<gen>`` folders: the agent deletes them once ``writers/<gen>.lock``
 is no longer locked (flock works across PID namespaces, so a sidecar container that cannot see the trainer's
 PID still tells). A killed agent leaves captures unprocessed: its successor processes them in order (one whose
