@@ -10,7 +10,8 @@ with ``--seed S --case I``.
 
 Each case runs twice, on psguard and on the plain-TF practice (:mod:`psguard.chaos.baseline`: the same faults at
 the same steps, a synchronous ``tf.train.CheckpointManager`` save at the durable cadence, the whole job restarted
-on any failure), and is judged by every checker of the psguard run plus :func:`not_worse_than_tf`: per fault,
+on any failure), and is judged by every checker of the psguard run (plain TF's run is the reference for the final
+loss: same data, same seed, same target step) plus :func:`not_worse_than_tf`: per fault,
 psguard lost no more steps than TF (one chunk of slack: a fault fires at the first reported step at or past its
 trigger, so the two runs see it up to a chunk apart), and its goodput over the run is at least TF's (within
 ``goodput_tolerance``: two runs on a shared two-core machine). A failing case is shrunk (:func:`shrink`): faults
@@ -30,7 +31,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from psguard.chaos.checkers import Verdict
+from psguard.chaos.checkers import Verdict, check_all
+from psguard.chaos.history import read_history
 from psguard.chaos.scenario import (
     Action,
     Checks,
@@ -266,7 +268,9 @@ def run_case(
 
     t0 = time.monotonic()
     result = run_side_by_side(scenario, directory, seed=seed, say=say)
-    verdicts = dict(result.verdicts)
+    # Plain TF's run is the reference for the final loss: the same data and seed, trained to the same step.
+    ours = read_history(directory / "psguard" / "history.jsonl")
+    verdicts = check_all(ours, reference=read_history(directory / "baseline" / "history.jsonl"))
     verdicts["not-worse-than-tf"] = not_worse_than_tf(
         result.report,
         result.report["baseline"],
