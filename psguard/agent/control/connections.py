@@ -6,7 +6,9 @@ starts a thread for it) left, on a 2-core machine, 71 of 200 concurrent ``/statu
 sends it again 1, 3, 7, 15 s later, and a one-second health probe that loses one has failed. The rules here:
 
 - **The kernel's queue is deep** (:data:`LISTEN_BACKLOG`, capped by ``net.core.somaxconn``): a burst waits there.
-  Not deeper: a probe waits behind whatever is queued, and at 4096 probes behind a flood waited up to 1.3 s.
+  A probe waits behind whatever is queued: under the load test's flood (on a 2-core machine other jobs kept
+  busy) a queue of 1024 still overflowed now and then (a probe's SYN lost: a second), one of 4096 let probes wait
+  up to 1.3 s; at 2048 neither.
 - **No thread waits for a client.** One thread, the intake, accepts every queued connection each time it wakes and
   reads each request's head (request line and headers; the TLS handshake first) without blocking. A client that
   connects and says nothing, or sends a byte a second, holds a socket and a buffer, never a worker.
@@ -21,6 +23,10 @@ sends it again 1, 3, 7, 15 s later, and a one-second health probe that loses one
   64 clients without a credential on the same 2-core machine, workers answering the refusals starved the intake:
   the kernel's queue held up to 1000 connections and a probe waited up to 0.4 s (once past 1 s). Answered here,
   a flood without the token costs the agent less than it costs the flood.
+- **Probes first.** Each round, the intake reads every head it can before answering any, and answers the health
+  paths' first: after a stall (the agent's process not scheduled, a burst) a probe waits for the heads read
+  before it, not for their answers. What the intake did on its own (answers, drops, timeouts) is logged at DEBUG
+  as counts once a second, not a line per connection.
 - **Lanes.** Every other request is answered by a fixed pool of workers: the health paths by their own two, the
   rest by ``workers``. Each lane's queue is bounded (``queue_limit``; a full one answers 503 at once), so a probe
   never waits behind a slow handler or behind other clients' requests.
@@ -30,6 +36,7 @@ sends it again 1, 3, 7, 15 s later, and a one-second health probe that loses one
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import json
@@ -62,11 +69,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Connections the kernel queues before the intake accepts them (Linux caps it at net.core.somaxconn, 4096 here).
-LISTEN_BACKLOG = 1024
-#: The longest request head (request line and headers) read; longer ones are answered 431.
-HEAD_LIMIT = 64 << 10
+LISTEN_BACKLOG = 2048
+#: The longest request head (request line and headers) read; longer ones are answered 431. With ``max_waiting``
+#: it bounds what silent clients can make the agent hold: 1024 heads of 32 KiB, 32 MiB.
+HEAD_LIMIT = 32 << 10
 _ACCEPT_PAUSE = 0.1  # out of descriptors with nothing to close: accept again after this long
 _WARN_EVERY = 60.0
+_COUNT_EVERY = 1.0  # what the intake did on its own is logged as counts, at most once a second
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -119,6 +128,12 @@ def target_path(target: str) -> str | None:
         return urllib.parse.urlsplit(target).path
     except ValueError:
         return None
+
+
+def _first_path(data: bytes | bytearray) -> str | None:
+    """The target's path in the request line alone: a cheaper look than :func:`parse_head`, for ordering."""
+    words = bytes(data[: data.find(b"\n")]).split()
+    return target_path(words[1].decode("latin-1")) if len(words) >= 2 else None
 
 
 def answer_head(status: int, content_type: str, length: int, headers: Mapping[str, str] | None = None) -> bytes:
@@ -236,7 +251,7 @@ class Intake:
         health_paths: Collection[str],
         timeout: float,
         tls: ssl.SSLContext | None = None,
-        workers: int = 8,
+        workers: int = 16,
         health_workers: int = 2,
         queue_limit: int = 1024,
         max_waiting: int = 1024,
@@ -261,6 +276,9 @@ class Intake:
         self._thread: threading.Thread | None = None
         self._accept_paused_until: float | None = None
         self._warned_at = -_WARN_EVERY
+        self._complete: list[Connection] = []  # heads completed this round, not yet handed off
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._counted_since = time.monotonic()
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -326,13 +344,39 @@ class Intake:
                             self._wake_read.recv(64)
                     else:
                         self._step(key.data)
+                self._dispatch()
                 self._expire()
+                self._log_counts()
         except BaseException as e:
             log.exception("event=http_intake_failed")
             self.error = e
         finally:
+            for conn in self._complete:
+                conn.sock.close()
             for conn in list(self._waiting):
                 self._drop(conn)
+            self._log_counts(force=True)
+
+    def _dispatch(self) -> None:
+        """Hand off this round's complete heads, the health paths' first (a stable sort keeps the rest in order)."""
+        complete, self._complete = self._complete, []
+        if len(complete) > 1:
+            complete.sort(key=lambda conn: _first_path(conn.data) not in self._health_paths)
+        for conn in complete:
+            try:
+                self._hand_off(conn)
+            except Exception:
+                log.exception("event=http_intake_failed client=%s", conn.host)
+                conn.sock.close()
+
+    def _log_counts(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._counts or (now - self._counted_since < _COUNT_EVERY and not force):
+            return
+        counts = " ".join(f"{name}={n}" for name, n in sorted(self._counts.items()))
+        log.debug("event=http_intake seconds=%.1f %s", now - self._counted_since, counts)
+        self._counts.clear()
+        self._counted_since = now
 
     def _next_wake(self) -> float:
         now = time.monotonic()
@@ -376,7 +420,7 @@ class Intake:
             conn = next(iter(self._waiting))
             if conn.deadline > now:
                 return
-            log.debug("event=http_client_timeout client=%s phase=head", conn.host)
+            self._counts["head_timeout"] += 1
             self._drop(conn)
 
     def _admit(self, sock: socket.socket, address: Any) -> None:
@@ -392,9 +436,8 @@ class Intake:
                 return
         conn = Connection(sock, address, time.monotonic() + self._timeout, handshaking=self._tls is not None)
         if len(self._waiting) >= self._max_waiting:
-            oldest = next(iter(self._waiting))
-            log.debug("event=http_client_dropped client=%s reason=waiting_bound", oldest.host)
-            self._drop(oldest)
+            self._counts["dropped_oldest"] += 1
+            self._drop(next(iter(self._waiting)))
         self._waiting[conn] = None
         self._step(conn)
 
@@ -414,28 +457,32 @@ class Intake:
                 conn.sock.do_handshake()
                 conn.handshaking = False
             while True:
+                room = HEAD_LIMIT + 1 - len(conn.data)  # > 0: a head past the limit was answered 431 below
                 if isinstance(conn.sock, ssl.SSLSocket):
-                    chunk = conn.sock.recv(65536)
+                    chunk = conn.sock.recv(room)
                 else:
-                    chunk = conn.sock.recv(65536, socket.MSG_DONTWAIT)
+                    chunk = conn.sock.recv(room, socket.MSG_DONTWAIT)
                 if not chunk:
-                    self._drop(conn)  # hung up before asking anything
+                    self._counts["gone"] += 1  # hung up before asking anything
+                    self._drop(conn)
                     return
                 seen = len(conn.data)
                 conn.data += chunk
                 if _head_end(conn.data, max(0, seen - 3)) != -1:
-                    self._hand_off(conn)
+                    self._forget(conn)
+                    self._complete.append(conn)
                     return
                 if len(conn.data) > HEAD_LIMIT:
                     self._forget(conn)
+                    self._counts["answered_431"] += 1
                     _answer_now(conn, _error(431, f"request head over {HEAD_LIMIT} bytes"))
                     return
         except ssl.SSLWantWriteError:
             self._watch(conn, selectors.EVENT_WRITE)
         except (ssl.SSLWantReadError, BlockingIOError, InterruptedError):
             self._watch(conn, selectors.EVENT_READ)
-        except OSError as e:  # reset, TLS alert: the client's doing, not an error of ours
-            log.debug("event=http_client_gone client=%s phase=head error=%s", conn.host, type(e).__name__)
+        except OSError:  # reset, TLS alert: the client's doing, not an error of ours
+            self._counts["gone"] += 1
             self._drop(conn)
 
     def _watch(self, conn: Connection, events: int) -> None:
@@ -454,7 +501,6 @@ class Intake:
             conn.events = 0
 
     def _hand_off(self, conn: Connection) -> None:
-        self._forget(conn)
         conn.head = parse_head(conn.data)
         answer = None
         if self._screen is not None:
@@ -463,12 +509,13 @@ class Intake:
             except Exception:  # a bug there costs a worker's time, not the request: the worker checks again
                 log.exception("event=http_screen_failed client=%s", conn.host)
         if answer is not None:
+            self._counts[f"answered_{answer[9:12].decode('latin-1')}"] += 1
             _answer_now(conn, answer)
             return
         health = conn.head is not None and conn.head.path in self._health_paths
         lane = self._health if health else self._main
         if lane.queue.qsize() >= lane.limit:
-            log.debug("event=http_busy client=%s lane=%s", conn.host, lane.name)
+            self._counts[f"busy_{lane.name}"] += 1
             _answer_now(conn, _error(503, "the agent is answering too many requests; retry"))
             return
         if isinstance(conn.sock, ssl.SSLSocket):

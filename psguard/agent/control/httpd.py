@@ -170,11 +170,13 @@ class _DeadlineReader(io.RawIOBase):
 
 
 class AgentHTTPServer:
-    """Serve the agent's endpoints from a background thread until :meth:`stop`.
+    """Serve the agent's endpoints from background threads until :meth:`stop`.
 
     ``readiness`` returns named checks (``{"task": True, "memory_tier": False}``); ready means all true.
     ``status`` returns JSON-able data. Both are called on request threads and must be thread-safe.
-    ``port=0`` picks a free port; read it from :attr:`port` after :meth:`start`.
+    ``port=0`` picks a free port; read it from :attr:`port` after :meth:`start`. ``workers`` threads answer the
+    requests that pass the credential check, so at most that many handlers run at once (a handler may wait on
+    another agent: the old server had a thread per connection, no bound).
     """
 
     def __init__(
@@ -192,7 +194,7 @@ class AgentHTTPServer:
         readiness: Callable[[], Mapping[str, bool]] | None = None,
         max_body: int = 1 << 20,
         request_timeout: float = 10.0,
-        workers: int = 8,
+        workers: int = 16,
     ) -> None:
         authenticators: list[Authenticator] = [TokenAuth(token)] if token is not None else []
         authenticators += auth
@@ -331,13 +333,6 @@ class AgentHTTPServer:
             response = self._builtin(head.path)
         if response is None:
             return None
-        log.debug(
-            "event=http_request client=%s method=%s path=%s status=%s",
-            connection.host,
-            head.method,
-            head.path,
-            response.status,
-        )
         data, content_type = _encoded(response)
         return answer_head(response.status, content_type, len(data), response.headers) + data
 

@@ -199,3 +199,31 @@ def test_stop_closes_waiting_and_queued_connections_and_joins_every_thread(intak
         served.release.set()
         for s in (silent, busy, queued):
             s.close()
+
+
+def test_a_round_answers_the_probes_before_the_requests_read_before_them() -> None:
+    """After a stall (here: the intake not yet started) the queue holds many requests: the probe is answered
+    first, not after everything that came before it."""
+    seen: list[str | None] = []
+
+    def screen(conn: Connection) -> bytes | None:
+        seen.append(conn.head.path if conn.head is not None else None)
+        return b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"
+
+    listener = listen("127.0.0.1", 0)
+    it = Intake(listener, Served(), screen=screen, health_paths={"/healthz"}, timeout=5.0, name="test-http")
+    clients = []
+    try:
+        for path in [f"/status/{i}" for i in range(20)] + ["/healthz"]:
+            s = socket.create_connection(listener.getsockname()[:2], timeout=5)  # queued by the kernel
+            s.sendall(f"GET {path} HTTP/1.1\r\n\r\n".encode())
+            clients.append(s)
+        it.start()
+        for s in clients:
+            assert read_all(s).startswith(b"HTTP/1.0 200")
+    finally:
+        it.stop()
+        listener.close()
+        for s in clients:
+            s.close()
+    assert seen[0] == "/healthz" and sorted(seen[1:]) == sorted(f"/status/{i}" for i in range(20))

@@ -584,6 +584,7 @@ def test_clients_that_hang_up_are_logged_at_debug_on_one_line(caplog: pytest.Log
     assert gone.levelno == logging.DEBUG and not gone.exc_info and "\n" not in gone.getMessage()
     ours = [r for r in caplog.records if r.name.startswith("psguard.agent.control")]
     assert not [r.getMessage() for r in ours if r.levelno >= logging.WARNING or r.exc_info], caplog.text
+    assert len(ours) < 10, caplog.text  # 52 connections, a handful of lines: what the intake did, as counts
 
 
 def wait_for_record(caplog: pytest.LogCaptureFixture, text: str) -> logging.LogRecord:
@@ -712,7 +713,7 @@ def test_health_probes_stay_under_a_second_while_64_clients_flood_the_port(agent
         status = probe(agent, "/status", agent.token, timeout=5.0)
     finally:
         flooding.join()
-    assert len(probes) >= 15 and len(flooded) > 2000, (len(probes), len(flooded))  # a flood, and probes in it
+    assert len(probes) >= 10 and len(flooded) > 2000, (len(probes), len(flooded))  # a flood, and probes in it
     # /readyz: the agent's readiness (503, not ready: the task serves no RPC), not a 503 for a busy port.
     expected = {"/healthz": "200 status", "/readyz": "503 checks ready"}
     slow = [p for p in probes if p[1] != expected[p[0]] or p[2] >= 1.0]
