@@ -239,8 +239,14 @@ def _summarise(run: DemoRun, target: int, store: str, workers: int, wall: float)
         "stall_seconds_per_save": {
             tier: {"mean": float(np.mean(v)), "max": float(np.max(v))} if v else None for tier, v in stalls.items()
         },
+        # The durable lag bound's price (psguard.policy.lag): what the durable saves waited for their commits.
+        "durable_hold_seconds": _holds([e.get("hold", 0.0) for e in saves if e["tier"] == "durable"]),
         "recovery": rec,
     }
+
+
+def _holds(holds: list[float]) -> dict[str, float] | None:
+    return {"total": float(np.sum(holds)), "max": float(np.max(holds))} if holds else None
 
 
 def _since_kill(run: DemoRun, t: float | None) -> float | None:
@@ -429,6 +435,11 @@ def run_cluster(
     for tier, s in report["stall_seconds_per_save"].items():
         if s:
             say(f"  stall/save:   {tier:7} mean {s['mean'] * 1000:6.1f} ms, max {s['max'] * 1000:6.1f} ms")
+    if (hold := report["durable_hold_seconds"]) is not None:
+        say(
+            f"  durable lag:  the durable saves waited {hold['total']:.2f}s in all for their commits "
+            f"(max {hold['max'] * 1000:.0f} ms; the policy's durable_lag)"
+        )
     if rec is None:
         say("  recovery:     no fault was injected (training ended before --kill-at)")
     else:

@@ -368,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             progress.op("ok", "memory-commit", step=step)
             state["memory"] = step
-        progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds)
+        progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds,
+                      hold=job.manager.last_hold_seconds)  # fmt: skip
 
     def target() -> int:
         """``--steps``, or the step a soak's harness asked to finish at (it writes the file atomically)."""

@@ -44,11 +44,17 @@ def test_every_drawn_case_is_a_valid_scenario_and_the_space_is_covered(space: st
     assert all(describe_case(c) for c in cases)
 
 
-def _report(lost: list[int | None], rate: float | None, *, at: list[int] | None = None) -> dict[str, Any]:
+def _report(
+    lost: list[int | None], rate: float | None, *, at: list[int] | None = None, waited: bool = False,
+    recovery: list[float] | None = None, targets: list[str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     steps = at or [40 + 10 * i for i in range(len(lost))]
     faults = [
-        {"fault": "kill", "target": "ps:0", "at_step": s, "lost_steps": n} for s, n in zip(steps, lost, strict=True)
-    ]
+        {"fault": "pause" if waited else "kill", "target": (targets or ["ps:0"] * len(lost))[i], "at_step": s,
+         "lost_steps": n, "restored_step": None if waited or n is None else s - n,
+         "recovery_seconds": (recovery or [3.0] * len(lost))[i]}
+        for i, (s, n) in enumerate(zip(steps, lost, strict=True))
+    ]  # fmt: skip
     return {"faults": faults, "goodput": {"steps_per_second": rate}}
 
 
@@ -68,10 +74,29 @@ def test_not_worse_than_tf_judges_goodput_and_a_fault_psguard_never_recovered_fr
     # A fault TF did not recover from, or has no equivalent of, is not held against psguard.
     theirs = not_worse_than_tf(_report([3], 10.0), _report([None], 10.0), chunk=5, goodput_tolerance=0.1)
     assert theirs.status == "valid"
-    unpaired = not_worse_than_tf(_report([3], 10.0), _report([1], 10.0, at=[99]), chunk=5, goodput_tolerance=0.1)
+    elsewhere = _report([1], 10.0, targets=["ps:1"])
+    unpaired = not_worse_than_tf(_report([3], 10.0), elsewhere, chunk=5, goodput_tolerance=0.1)
     assert unpaired.status == "valid" and unpaired.evidence["faults"][0]["tf_lost"] is None
     none = not_worse_than_tf(_report([3], None), _report([3], None), chunk=5, goodput_tolerance=0.1)
     assert none.status == "unknown"
+
+
+def test_faults_pair_by_target_in_order_whatever_step_each_run_saw_them_at() -> None:
+    # The kill fired at step 70 on psguard and 75 on TF (each at its first reported step past the trigger).
+    ours = _report([5, 40], 10.0, at=[60, 70], targets=["ps:0", "ps:0"])
+    theirs = _report([0, 20], 9.0, at=[60, 75], targets=["ps:0", "ps:0"])
+    verdict = not_worse_than_tf(ours, theirs, chunk=5, goodput_tolerance=0.1)
+    assert verdict.status == "invalid" and verdict.evidence["worse"][0]["fault"] == "kill ps:0 at step 70"
+
+
+def test_a_fault_tf_waited_out_is_judged_by_the_time_it_cost() -> None:
+    """A pause: TF restores nothing and loses no step, only the pause's time; psguard's agents replace the frozen
+    PS and restore it, losing a few steps in about the same time. Judged by the time to normal speed."""
+    theirs = _report([0], 9.0, waited=True, recovery=[3.2])
+    same = not_worse_than_tf(_report([10], 10.0, recovery=[3.7]), theirs, chunk=5, goodput_tolerance=0.1)
+    assert same.status == "valid"
+    slow = not_worse_than_tf(_report([10], 10.0, recovery=[9.0]), theirs, chunk=5, goodput_tolerance=0.1)
+    assert slow.status == "invalid" and "waited the fault out" in slow.summary
 
 
 def test_shrink_keeps_the_smallest_case_that_still_fails() -> None:
