@@ -35,6 +35,7 @@ Typical use in the agent::
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import threading
 import time
@@ -55,6 +56,9 @@ from psguard.store.durable import ChainState, DurableWriter
 __all__ = ["PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
 
 log = logging.getLogger(__name__)
+
+#: Seconds between WARNING lines of one failure repeating (the rest go to DEBUG, counted).
+REPEAT_LOG_SECONDS = 30.0
 
 
 @dataclass(frozen=True)
@@ -188,6 +192,9 @@ class Persister:
         self._consecutive_failures = 0
         self._last_error: str | None = None
         self._last_error_at: float | None = None
+        self._last_warned = float("-inf")  # when a failure was last logged at WARNING
+        self._silenced = 0  # the same failure since then, logged at DEBUG
+        self._last_kind = ""
         if last is not None:
             self._adopt(last)
 
@@ -477,17 +484,32 @@ class Persister:
         with self._cond:
             self._failures += 1
             self._consecutive_failures += 1
-            self._last_error = f"{type(error).__name__}: {error}"
+            error_text = f"{type(error).__name__}: {error}"
+            # The same failure again (every capture retries while a lost PS node's tier is rebuilt) is said at
+            # WARNING once per REPEAT_LOG_SECONDS with how often it happened meanwhile, not once per attempt.
+            now = time.monotonic()
+            kind = _shape(error_text)  # the same failure at another step, token or checkpoint id is the same
+            repeat = kind == self._last_kind and now - self._last_warned < REPEAT_LOG_SECONDS
+            self._last_kind = kind
+            if repeat:
+                self._silenced += 1
+                silenced = 0
+            else:
+                silenced, self._silenced = self._silenced, 0
+                self._last_warned = now
+            self._last_error = error_text
             self._last_error_at = time.time()
             if self.retry_after is not None and not self._stopping:
                 self._retry_at = time.monotonic() + self.retry_after
-        log.warning(
+        log.log(
+            logging.DEBUG if repeat else logging.WARNING,
             "event=persist_failed step=%s error=%r: persist of step %s failed; the memory tier keeps the changes, "
-            "retrying on the next request%s",
+            "retrying on the next request%s%s",
             take.step if take else self.tier.step,
             self._last_error,
             take.step if take else self.tier.step,
             f" or in {self.retry_after:g}s" if self.retry_after is not None else "",
+            f" (persists failed {silenced} more time(s) since the last such line)" if silenced else "",
         )
         self._emit(
             PersistEvent(
@@ -531,6 +553,11 @@ class _Never:
 
 
 _NEVER = _Never()
+
+
+def _shape(error: str) -> str:
+    """An error's text with its numbers and ids blanked: what stays the same when one failure repeats."""
+    return re.sub(r"[0-9a-f]{8,}|\d+", "#", error)
 
 
 def _retention_asked(info: CheckpointInfo) -> dict[str, Any] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -461,3 +462,22 @@ def test_the_first_capture_starts_the_logs_first_base_once(store: Store, backend
         assert committed.wait(30)
         assert p.status().last_step == 1 and not p.start_first_base()  # the log has its base
     check_restores(store, store.checkpoint_ids()[-1], truth)
+
+
+def test_the_same_failure_again_and_again_is_one_warning_not_one_per_attempt(
+    store: Store, backend: GatedBackend, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A lost PS node's agent holds no state until the recovery rebuilds it, and every capture meanwhile retries
+    the persist: the log says so once, then counts, instead of a line per attempt."""
+    tier = MemoryTier()
+    tier.apply(whole(initial()), step=1, token="g-1", parent=None)
+    caplog.set_level(logging.DEBUG, logger="psguard.agent.tiers.persister")
+    with Persister(store, tier, retry_after=None) as p:
+        backend.fail_commits = 5
+        for _ in range(5):
+            with pytest.raises(StorageUnavailableError):
+                p.request(1).result(timeout=30)
+        lines = [r for r in caplog.records if "event=persist_failed" in r.getMessage()]
+        assert [r.levelno for r in lines] == [logging.WARNING] + [logging.DEBUG] * 4
+        assert p.status().consecutive_failures == 5
+        assert p.request(1).result(timeout=30) is not None
