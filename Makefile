@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-compat dist lint typecheck bench clean hdfs-runtime prometheus-runtime map-op chaos chaos-smoke soak
+.PHONY: demo test test-fast test-compat dist lint typecheck bench clean hdfs-runtime prometheus-runtime map-op chaos chaos-smoke soak explore
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -80,6 +80,13 @@ chaos: $(STAMP) hdfs-runtime map-op
 SOAK_DURATION ?= 1h
 soak: $(STAMP) map-op
 	$(BIN)/psguard chaos soak chaos/soak-256mb.yaml --duration $(SOAK_DURATION) $(if $(SOAK_SEED),--seed $(SOAK_SEED))
+
+# Drawn chaos cases (issue 46): settings and faults drawn from a seed, each case run on psguard and on plain TF and
+# judged side by side (not-worse-than-tf), failing cases shrunk. A fresh seed each time (printed; EXPLORE_SEED=S
+# replays the exploration; `psguard chaos explore --seed S --case I` one case). Summary in chaos-runs/explore-seedS/.
+EXPLORE_BUDGET ?= 1h
+explore: $(STAMP) hdfs-runtime map-op
+	$(BIN)/psguard chaos explore --space full --budget $(EXPLORE_BUDGET) --shrink $(if $(EXPLORE_SEED),--seed $(EXPLORE_SEED))
 
 # The CI smoke set (kill-ps, kill-worker, corrupt-chunk): 8-12 minutes on 2 cores.
 chaos-smoke: $(STAMP) map-op
