@@ -91,7 +91,7 @@ class Head:
 
     method: str
     target: str
-    path: str | None  # None: the target is not a URL ("//[x")
+    path: str | None  # None: the target is not a URL ("http://[x/")
     fields: Mapping[str, str]
 
 
@@ -235,11 +235,11 @@ class Intake:
     """Accept connections on ``listener``, read their heads, and have ``serve`` answer each on a worker thread.
 
     ``screen(connection)`` (on the intake's thread: fast, never blocking) may answer a complete head at once: it
-    returns the whole answer's bytes, or ``None`` to leave the request to a worker. ``serve(connection)`` gets a
-    blocking socket with the head already read (``connection.data``); it must not read past
-    ``connection.deadline``. It is called for paths in ``health_paths`` on the health lane, else on the main
-    lane. An ``OSError`` it raises is the client's socket failing (the client hung up, or did not keep up): logged
-    at DEBUG on one line. Anything else is a bug in ``serve``: logged with its traceback.
+    returns the whole answer's bytes (its status line first), or ``None`` to leave the request to a worker.
+    ``serve(connection)`` gets a blocking socket with the head already read (``connection.data``); it must not
+    read past ``connection.deadline``. It is called for paths in ``health_paths`` on the health lane, else on the
+    main lane. An ``OSError`` it raises is the client's socket failing (the client hung up, or did not keep up):
+    logged at DEBUG on one line. Anything else is a bug in ``serve``: logged with its traceback.
     """
 
     def __init__(
