@@ -104,12 +104,22 @@ class DurableAcks:
         self._count = 0
         self.acked: int | None = None  # the newest step this generation saw durable
 
-    def add(self, step: int, handle: Any) -> None:
-        """Record the ``durable-commit`` invoke of the save of ``step`` and await its answer off this thread."""
+    def begin(self, step: int) -> str:
+        """Record the ``durable-commit`` invoke of the save of ``step``, before the save is handed off: under the
+        default ``durable_lag`` the save returns once committed, and the commit is in flight while it waits."""
         with self._lock:
             self._count += 1
             process = f"{self._progress.process}/durable-{self._count}"
             self._progress.op("invoke", "durable-commit", process=process, step=step)  # before any completion
+            return process
+
+    def unknown(self, process: str, step: int, error: str) -> None:
+        """The save failed after its hand-off may have begun: its commit's outcome is unknown."""
+        self._progress.op("info", "durable-commit", process=process, step=step, asked=step, error=error)
+
+    def add(self, step: int, handle: Any, process: str) -> None:
+        """Await the answer of the save of ``step`` (its invoke recorded by :meth:`begin`) off this thread."""
+        with self._lock:
             thread = threading.Thread(
                 target=self._await, args=(self._generation, process, step, handle), name=f"durable-ack-{step}",
                 daemon=True,
@@ -343,19 +353,22 @@ def main(argv: list[str] | None = None) -> int:
         # The digest goes with the invoke: a trainer killed inside the save leaves a capture its agent may hold
         # (and restore), and the history must still say what that capture was.
         progress.op("invoke", "capture", step=step, tiers=named, **taken)
+        commit = acks.begin(step) if durable else None
         try:
             handle = job.manager.save(step, tiers=tiers)
         except Exception as e:  # it may have reached the agent's memory tier before the failure: unknown
             progress.op("info", "capture", step=step, error=error_line(e))
+            if commit is not None:
+                acks.unknown(commit, step, error_line(e))
             raise
         # hold: how long the save waited for the durable log (the policy's durable_lag), on top of the stall.
         progress.op(
             "ok", "capture", step=step, stall=handle.stall_seconds, hold=round(job.manager.last_hold_seconds, 4)
         )
         progress.op("invoke", "memory-commit", step=step)
-        if durable:
+        if commit is not None:
             state["durable"], state["durable_at"] = step, time.monotonic()
-            acks.add(step, handle)
+            acks.add(step, handle, commit)
         # A refused or late memory commit is recorded and training goes on, as a user's job does (it does not ask):
         # the PS or node behind it fails the next step, and that is the recovery the history should show.
         try:

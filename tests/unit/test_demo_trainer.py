@@ -42,8 +42,8 @@ def test_add_returns_at_once_and_each_answer_is_recorded_when_it_comes(tmp_path:
     progress = Progress(str(tmp_path / "progress.jsonl"))
     acks = DurableAcks(progress, timeout=30)
     first, second = _Handle(25), _Handle(50, SaveError("/shards/write failed on ps:1: node lost"))
-    acks.add(25, first)
-    acks.add(50, second)  # neither call waited for an answer
+    acks.add(25, first, acks.begin(25))
+    acks.add(50, second, acks.begin(50))  # neither call waited for an answer
     assert acks.acked is None and _ops(tmp_path / "progress.jsonl") == []
     second.answered.set()
     first.answered.set()
@@ -57,7 +57,7 @@ def test_an_old_generations_answer_is_recorded_but_not_taken_for_the_new_ones(tm
     progress = Progress(str(tmp_path / "progress.jsonl"))
     acks = DurableAcks(progress, timeout=30)
     late = _Handle(75)
-    acks.add(75, late)
+    acks.add(75, late, acks.begin(75))
     acks.new_generation(50)  # a recovery restored step 50 while step 75's write was still open
     late.answered.set()
     acks.join(30)
@@ -68,11 +68,11 @@ def test_an_old_generations_answer_is_recorded_but_not_taken_for_the_new_ones(tm
 def test_an_answer_that_never_comes_is_recorded_unknown_at_the_timeout(tmp_path: Path) -> None:
     progress = Progress(str(tmp_path / "progress.jsonl"))
     acks = DurableAcks(progress, timeout=0.2)
-    acks.add(25, _Handle(25))
+    acks.add(25, _Handle(25), acks.begin(25))
     acks.join(30)
     assert _ops(tmp_path / "progress.jsonl") == [("info", 25)]
     progress.close()
-    acks.add(30, _Handle(30))
+    acks.add(30, _Handle(30), acks.begin(30))
     acks.join(30)  # an answer after the trainer closed its progress file is dropped, not an error
     assert _ops(tmp_path / "progress.jsonl") == [("info", 25)]
 
@@ -83,7 +83,7 @@ def test_open_saves_are_operations_of_processes_of_their_own_so_the_history_pair
     acks = DurableAcks(progress, timeout=30)
     handles = [_Handle(100), _Handle(200)]
     for h in handles:
-        acks.add(h.step, h)  # both open at once
+        acks.add(h.step, h, acks.begin(h.step))  # both open at once
     handles[1].answered.set()
     acks.join(0.5)
     handles[0].answered.set()
@@ -99,3 +99,19 @@ def test_open_saves_are_operations_of_processes_of_their_own_so_the_history_pair
         (200, 200, "ok"),
     ]
     assert len({o.process for o in ops}) == 2 and all(o.process.startswith("trainer-") for o in ops)
+
+
+def test_a_durable_commit_is_invoked_before_its_save_and_unknown_when_the_save_fails(tmp_path: Path) -> None:
+    """Under the default durable_lag the save returns once committed: its commit is in flight (and recorded so,
+    for the faults that wait for one) while the save runs; a save that raises leaves its commit's outcome open."""
+    path = tmp_path / "progress.jsonl"
+    progress = Progress(str(path))
+    acks = DurableAcks(progress, timeout=30)
+    process = acks.begin(40)
+    docs = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [(d["type"], d["f"], d["process"]) for d in docs if d["event"] == "op"] == [
+        ("invoke", "durable-commit", process)
+    ]
+    acks.unknown(process, 40, "UnavailableError: ps:0 lost")
+    assert _ops(path) == [("info", 40)]
+    progress.close()
