@@ -77,6 +77,7 @@ from psguard.agent.control.metrics import AgentMetrics
 from psguard.agent.control.peers import PeerSync
 from psguard.agent.copies import PeerLink, copies_status, serve_shards
 from psguard.agent.process.hang import HangWatch
+from psguard.agent.process.lifecycle import SupervisorState
 from psguard.agent.process.prober import HealthMonitor, HttpProbe
 from psguard.agent.process.standby import warm_trainer_command
 from psguard.agent.process.supervisor import Supervisor
@@ -672,7 +673,8 @@ class Agent:
 
     def status(self) -> dict[str, Any]:
         sup, monitor = self.supervisor, self.monitor
-        sup_status = sup.status().to_dict() if sup is not None else {}
+        # Before the supervisor exists (the chief's agent serves while it waits for its store) its task is idle.
+        sup_status = sup.status().to_dict() if sup is not None else {"state": SupervisorState.IDLE.value}
         mon = monitor.status().to_dict() if monitor is not None else {}
         ready = self.readiness()
         doc: dict[str, Any] = {

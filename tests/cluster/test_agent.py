@@ -1112,7 +1112,10 @@ def test_ps_memory_stays_flat_over_five_trainer_generations(
         assert max(rss) - min(rss) < 3 * 32, rss
     else:
         assert [r["restarts"] for r in runs] == [0] * 5
-        assert max(rss) - rss[0] > 4 * 32, rss  # the surviving PS keeps the four later tables (32 MB each)
+        # The surviving PS keeps the four later tables (32 MiB each, 134 MB); its other memory moves by tens of MB
+        # under load (a loaded CI run measured 125 MB of growth), so the control asks for three tables' worth, the
+        # bound the restarted PS must stay under.
+        assert max(rss) - rss[0] > 3 * 32, rss
 
 
 @pytest.mark.slow
