@@ -319,8 +319,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         restored = manager.restored
         trainer.next_index = int(model.step.numpy())
-        # The saves of a new generation count from what it restored.
-        state["memory"] = state["durable"] = restored.step if restored is not None else None
+        # The saves of a new generation count from what it restored; the durable cadence from the last durable
+        # save when the state came from the memory tier (not durable: a node lost next must not fall back further).
+        state["memory"] = restored.step if restored is not None else None
+        if restored is None or restored.source == "durable":
+            state["durable"] = state["memory"]
         state["durable_at"] = None
         acks.new_generation(state["durable"])
         if restored is not None:

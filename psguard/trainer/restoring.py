@@ -376,7 +376,10 @@ class RestoreSide:
             self.restored = info
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save
         now = time.time()
-        self.context = self.context.with_save((Tier.MEMORY, Tier.DURABLE), step=info.step, at=now)
+        # A state restored from the memory tier is not durable: the durable cadence keeps counting from the last
+        # durable save (a node lost after a memory restore would otherwise fall back a whole extra interval).
+        restored_tiers = (Tier.MEMORY, Tier.DURABLE) if info.source == "durable" else (Tier.MEMORY,)
+        self.context = self.context.with_save(restored_tiers, step=info.step, at=now)
         mapped = self._shards_mapped
         log.info(
             "restored %s (step %d) from the %s tier%s",

@@ -214,3 +214,22 @@ def test_a_restore_with_nothing_but_a_store_that_is_down_waits_for_it_and_then_r
         up.set()
         store.close()
     assert f"event=waiting_for_storage url={url}" in caplog.text and "Connection refused" in caplog.text
+
+
+def test_a_memory_restore_leaves_the_durable_cadence_counting_from_the_last_durable_save(tmp_path: Path) -> None:
+    """A state restored from the memory tier is not durable: the durable cadence must not restart at the restored
+    step, or a node lost after it falls back a whole extra interval (explore seed 9 case 1 under CI load: restored
+    step 20 from memory after a PS kill, the durable save due at 25 moved to 45, the chief's node lost at 35
+    restored step 0 where plain TF restored 25)."""
+    from psguard.handoff.contract import Tier
+    from psguard.trainer.restoring import RestoreInfo
+
+    v = tf.Variable(np.array([1.0], np.float32))
+    with CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path / "store")) as manager:
+        manager.save(0).result(timeout=60)
+        manager.context = manager.context.with_save((Tier.MEMORY, Tier.DURABLE), step=0, at=time.time())
+        manager._restored(RestoreInfo("memory:t", 20, {}, "memory"))
+        assert manager.context.last(Tier.MEMORY).step == 20
+        assert manager.context.last(Tier.DURABLE).step == 0  # still the last durable save's
+        manager._restored(RestoreInfo("c25", 25, {}, "durable"))
+        assert manager.context.last(Tier.DURABLE).step == 25  # a durable restore is durable
