@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from psguard.chaos.checkers import Verdict, check_all
+from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import read_history
 from psguard.chaos.scenario import (
     Action,
@@ -261,8 +261,7 @@ class CaseResult:
 
     @property
     def overall(self) -> str:
-        statuses = {v.status for v in self.verdicts.values()}
-        return "invalid" if "invalid" in statuses else "unknown" if "unknown" in statuses else "valid"
+        return overall(self.verdicts)
 
     def to_json(self) -> dict[str, Any]:
         return {
