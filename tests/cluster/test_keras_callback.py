@@ -416,32 +416,63 @@ def test_keras3_model_under_ps_is_refused_with_what_to_use(chief: Chief, url: st
 
 
 # --------------------------------------------------------------------------------------------- restart
+class _ChiefGone(Exception):
+    """The chief subprocess closed its output: ended, with this exit code."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+
 class ChiefProcess:
     """A ``tests.support.keras_chief`` subprocess and its JSON event lines, read with deadlines (never sleeps)."""
 
+    #: Starts of a chief whose gRPC server could not bind its port: the port is chosen free, then bound by TF in
+    #: the child seconds later, and a process of the other test worker may take it meanwhile.
+    BIND_TRIES = 3
+
     def __init__(self, cluster: Any, url: str, opts: dict[str, Any], log: Path) -> None:
-        env = dict(os.environ, TF_CONFIG=cluster.tf_config(), TF_USE_LEGACY_KERAS="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        self._cluster, self._args = cluster, [sys.executable, "-m", "tests.support.keras_chief", url, json.dumps(opts)]
         self.log = log
-        self._log_file = open(log, "wb")  # noqa: SIM115 - closed in close()
+        self._starts = 0
+        self._start()
+
+    def _start(self) -> None:
+        env = dict(os.environ, TF_CONFIG=self._cluster.tf_config(), TF_USE_LEGACY_KERAS="1")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+        self._starts += 1
+        self._log_file = open(self.log, "wb")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.keras_chief", url, json.dumps(opts)],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log_file,
+            self._args, cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file
         )
         assert self.proc.stdout is not None
         self._fd = self.proc.stdout.fileno()
         self._buffer = b""
         self.events: list[dict[str, Any]] = []
 
+    def _port_taken(self) -> bool:
+        """The chief died before its first event because its server's port was taken (not a psguard failure)."""
+        return not self.events and b"Could not start gRPC server" in self.log.read_bytes()
+
     def wait_for(
         self, name: str, timeout: float = 300.0, where: Callable[[dict[str, Any]], bool] = lambda e: True
     ) -> dict[str, Any]:
         """The next event called ``name`` that satisfies ``where`` (events before it are kept in ``events``)."""
         deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._wait_for(name, deadline, timeout, where)
+            except _ChiefGone as gone:
+                if not (self._port_taken() and self._starts < self.BIND_TRIES):
+                    raise AssertionError(
+                        f"chief exited ({gone.code}) before {name!r}; got {self.events}\n{self.tail()}"
+                    ) from None
+                self.close()
+                self._start()
+
+    def _wait_for(
+        self, name: str, deadline: float, timeout: float, where: Callable[[dict[str, Any]], bool]
+    ) -> dict[str, Any]:
         with selectors.DefaultSelector() as sel:
             sel.register(self._fd, selectors.EVENT_READ)
             while True:
@@ -454,8 +485,7 @@ class ChiefProcess:
                 if sel.select(left):
                     data = os.read(self._fd, 65536)
                     if not data:
-                        code = self.proc.wait(timeout=60)
-                        raise AssertionError(f"chief exited ({code}) before {name!r}; got {self.events}\n{self.tail()}")
+                        raise _ChiefGone(self.proc.wait(timeout=60))
                     self._buffer += data
 
     def _parse(self) -> Iterator[dict[str, Any]]:
