@@ -17,21 +17,13 @@ TMP_MARK = ".tmp."
 def info_mtime(info: Mapping[str, Any]) -> float | None:
     """The modification time in an fsspec ``info`` dict, as the server recorded it (seconds since the epoch).
 
-    s3fs: ``LastModified`` (a datetime); hdfs-native: ``modification_time``; WebHDFS: ``modificationTime``
-    (both milliseconds).
+    s3fs: ``LastModified`` (a datetime); gcsfs: ``mtime`` (a datetime) and GCS's ``updated`` (RFC 3339); hdfs-native:
+    ``modification_time``; WebHDFS: ``modificationTime`` (both milliseconds); local: ``mtime`` (seconds).
     """
-    value = info.get("LastModified", info.get("last_modified"))
-    if isinstance(value, dt.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=dt.UTC)
-        return value.timestamp()
-    if isinstance(value, str) and value:
-        try:
-            parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
-        except ValueError:
-            parsed = None
-        if parsed is not None:
-            return info_mtime({"LastModified": parsed})
+    for name in ("LastModified", "last_modified", "updated", "mtime"):
+        when = _timestamp(info.get(name))
+        if when is not None:
+            return when
     for name in ("modification_time", "modificationTime"):
         ms = info.get(name)
         if isinstance(ms, int | float) and not isinstance(ms, bool):
@@ -39,6 +31,20 @@ def info_mtime(info: Mapping[str, Any]) -> float | None:
     mtime = info.get("mtime")
     if isinstance(mtime, int | float) and not isinstance(mtime, bool):
         return float(mtime)
+    return None
+
+
+def _timestamp(value: object) -> float | None:
+    """A datetime (naive means UTC) or an ISO 8601 text as seconds since the epoch; None for anything else."""
+    if isinstance(value, str) and value:
+        try:
+            value = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    if isinstance(value, dt.datetime):
+        if value.tzinfo is None:
+            value = value.replace(tzinfo=dt.UTC)
+        return value.timestamp()
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import logging
 import random
 import threading
@@ -74,7 +75,20 @@ _TRANSIENT_WORDS = (
 
 
 # Modules whose exceptions are storage client failures (a bad answer, no credentials), not bugs in the caller.
-_CLIENT_MODULES = ("botocore", "aiobotocore", "aiohttp", "s3fs", "fsspec", "hdfs_native", "requests", "urllib3")
+_CLIENT_MODULES = (
+    "botocore",
+    "aiobotocore",
+    "aiohttp",
+    "s3fs",
+    "gcsfs",
+    "google",
+    "fsspec",
+    "hdfs_native",
+    "requests",
+    "urllib3",
+)
+# HTTP statuses that mean "try again": a timeout, a rate limit (GCS answers 429), a server error.
+_TRANSIENT_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
 
 
 def one_line(error: BaseException, limit: int = 300) -> str:
@@ -83,16 +97,31 @@ def one_line(error: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _from_client(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".", 1)[0] in _CLIENT_MODULES
+
+
 def is_client_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or what it was raised from) came from the OS or a storage client library."""
     seen = 0
     e: BaseException | None = exc
     while e is not None and seen < 10:
-        if isinstance(e, OSError) or type(e).__module__.split(".", 1)[0] in _CLIENT_MODULES:
+        if isinstance(e, OSError) or _from_client(e):
             return True
         e = e.__cause__ or e.__context__
         seen += 1
     return False
+
+
+def http_status(exc: BaseException) -> int | None:
+    """The HTTP status a storage client's exception carries (gcsfs's ``code``, aiohttp's ``status``), or None."""
+    if not _from_client(exc):
+        return None
+    for name in ("status", "code"):
+        value = getattr(exc, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and 100 <= value <= 599:
+            return value
+    return None
 
 
 class TransientStorageError(StorageError):
@@ -110,6 +139,9 @@ def is_transient(exc: BaseException) -> bool:
     for cls in type(exc).__mro__:
         if cls.__name__ in _TRANSIENT_NAMES:
             return True
+    status = http_status(exc)
+    if status is not None:
+        return status in _TRANSIENT_STATUSES
     if isinstance(exc, OSError):
         if exc.errno in _TRANSIENT_ERRNOS:
             return True
@@ -121,6 +153,18 @@ def is_transient(exc: BaseException) -> bool:
         return any(w in text for w in _TRANSIENT_WORDS) or exc.errno is None
     cause = exc.__cause__ or exc.__context__
     return cause is not None and cause is not exc and is_transient(cause)
+
+
+@dataclass(frozen=True)
+class Retrying:
+    """A store call that is failing and being retried now: since when (``time.monotonic``) and the last error."""
+
+    since: float
+    error: str
+
+    @property
+    def seconds(self) -> float:
+        return max(0.0, time.monotonic() - self.since)
 
 
 @dataclass(frozen=True)
@@ -147,6 +191,17 @@ class RetryingBackend(Backend):
         self.config = config or RetryConfig()
         self._stop = threading.Event()
         self._local = threading.local()  # a cap on the deadline for calls made by one thread (``capped``)
+        self._failing: dict[int, Retrying] = {}  # the calls being retried now, by a number of their own
+        self._failing_lock = threading.Lock()
+        self._calls = itertools.count()
+
+    def retrying(self) -> Retrying | None:
+        """The oldest call being retried now (``None``: no call in progress has failed yet).
+
+        Why: a caller that can do without the store for a while (the trainer's durable-lag hold, whose captures
+        the memory tier keeps restorable) learns that the store is down at its first failure, not its deadline."""
+        with self._failing_lock:
+            return min(self._failing.values(), key=lambda r: r.since, default=None)
 
     def abort(self) -> None:
         """Make pending and future retries give up at once (used when shutting down)."""
@@ -169,6 +224,15 @@ class RetryingBackend(Backend):
         cap = getattr(self._local, "cap", None)
         budget = cfg.deadline if cap is None else min(cfg.deadline, cap)
         deadline = time.monotonic() + budget
+        call = next(self._calls)
+        try:
+            return self._attempts(op, key, fn, call, budget, deadline)
+        finally:
+            with self._failing_lock:
+                self._failing.pop(call, None)
+
+    def _attempts(self, op: str, key: str, fn: Callable[[], T], call: int, budget: float, deadline: float) -> T:
+        cfg = self.config
         backoff = cfg.initial_backoff
         attempt = 0
         while True:
@@ -199,6 +263,9 @@ class RetryingBackend(Backend):
                     remaining,
                     self._why(e),
                 )
+                with self._failing_lock:
+                    since = self._failing[call].since if call in self._failing else time.monotonic()
+                    self._failing[call] = Retrying(since, self._why(e))
                 self._stop.wait(sleep)
                 backoff = min(backoff * cfg.multiplier, cfg.max_backoff)
 

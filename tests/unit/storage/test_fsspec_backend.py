@@ -20,6 +20,8 @@ WHEN = dt.datetime(2024, 5, 1, 12, 0, 0, tzinfo=dt.UTC)
         {"modification_time": int(WHEN.timestamp() * 1000)},  # hdfs-native, milliseconds
         {"modificationTime": WHEN.timestamp() * 1000},  # WebHDFS, milliseconds
         {"mtime": WHEN.timestamp()},  # local, seconds
+        {"mtime": WHEN, "updated": "2024-05-01T12:00:00.000Z"},  # gcsfs: a datetime, and GCS's own field
+        {"updated": "2024-05-01T12:00:00.000Z"},  # the GCS JSON API's object resource
     ],
 )
 def test_every_filesystems_mtime_is_seconds_since_the_epoch(info: dict[str, object]) -> None:
