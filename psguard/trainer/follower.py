@@ -12,6 +12,13 @@ Guarantees: checkpoints are applied in step order and all-or-nothing. Every chun
 way is read and verified, and every name, shape and dtype checked against the follower's variables, before the
 first variable is written; a checkpoint that fails verification is skipped with a logged reason (an older one
 that does not depend on it is tried) and never half-applied.
+
+Which checkpoint tensor a variable takes is found as TF's own restore finds it: along the saved object graph
+from the root, by edge names, so an evaluator built another way than the trainer (without the optimizer, a
+Keras 3 functional model whose trainer's checkpoint names its kernels under the optimizer) binds the same
+values. Like TF's ``expect_partial``, a variable the checkpoint does not hold (a compiled evaluator's
+optimizer) is left as it is and reported (``Follower.left_alone``, one log line per checkpoint applied); a
+checkpoint tensor no variable takes is an error unless ``ignore_missing`` names it.
 """
 
 from __future__ import annotations
@@ -31,11 +38,13 @@ from psguard.store.dtypes import dtype_from_name
 from psguard.store.manifest import Manifest
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.export import OBJECT_GRAPH_KEY
-from psguard.trainer.variables import TensorInfo, lazy_tf, list_tensors, restore
+from psguard.trainer.variables import TensorInfo, gather_variables, lazy_tf, list_tensors
 
 __all__ = ["FollowStats", "Follower"]
 
 log = logging.getLogger(__name__)
+
+_SHOWN = 5  # names of tensors left alone in the log line (all of them are in ``Follower.left_alone``)
 
 
 @dataclass
@@ -58,7 +67,8 @@ class Follower:
 
     ``ignore_missing``: names of path components (``("optimizer",)``) whose tensors the follower may lack
     (a serving model without optimizer slots); anything else in the checkpoint but not in the follower, or
-    in the follower but not in the checkpoint, is a :class:`TensorMismatchError`.
+    of another shape or dtype in both, is a :class:`TensorMismatchError`. What the follower holds and the
+    checkpoint does not is left alone and listed in :attr:`left_alone`.
     """
 
     def __init__(
@@ -80,6 +90,11 @@ class Follower:
         self.verify_hash = verify_hash
         self.stats = FollowStats()
         self.held: CheckpointInfo | None = None
+        #: The follower's tensors the checkpoint held does not have, left at their values (TF's
+        #: ``expect_partial``): a compiled evaluator's optimizer, say. Sorted names; set at every checkpoint applied.
+        self.left_alone: list[str] = []
+        self._graph: Any = None  # the object graph of the checkpoint held (a TrackableObjectGraph)
+        self._binding: dict[str, str] | None = None  # its checkpoint key of each tensor of the follower it holds
         self._bad: dict[str, str] = {}  # checkpoint id -> why it was skipped (not tried again)
 
     # ------------------------------------------------------------------------------------------ public
@@ -131,11 +146,19 @@ class Follower:
         chain = self.store.chain(info.id)
         ids = [m.id for m in chain]
         on_the_way = chain[ids.index(self.held.id) + 1 :] if self.held is not None and self.held.id in ids else None
-        if on_the_way is not None and _delta_bytes(on_the_way) <= _full_bytes(chain):
-            self._apply_deltas(info, on_the_way)
+        graph = self._graph_of(chain)
+        binding = _binding(self._checkpoint, graph)
+        # A delta changes what the follower holds only when each of its variables held the same checkpoint
+        # tensor before: a variable the graph binds afresh (the trainer's layout changed) needs its whole value.
+        deltas = on_the_way is not None and binding == self._binding
+        if deltas and on_the_way is not None and _delta_bytes(on_the_way) <= _full_bytes(chain):
+            left_alone = self._apply_deltas(info, on_the_way, binding)
         else:
-            self._apply_full(info, chain)
+            on_the_way = None
+            left_alone = self._apply_full(info, chain, binding)
         self.held = info
+        self._graph, self._binding = graph, binding
+        self.left_alone = left_alone
         self.stats.applied += 1
         self.stats.step = info.step
         self.stats.lag_seconds = max(0.0, time.time() - info.committed_at)
@@ -146,53 +169,157 @@ class Follower:
             "deltas" if on_the_way is not None else "a full read",
             self.stats.lag_seconds,
         )
+        if left_alone:
+            shown = ", ".join(left_alone[:_SHOWN]) + (
+                f" and {len(left_alone) - _SHOWN} more" if len(left_alone) > _SHOWN else ""
+            )
+            log.info(
+                "follower: left %d tensor(s) of the model alone, not in checkpoint %s (step %d): %s",
+                len(left_alone),
+                info.id,
+                info.step,
+                shown,
+            )
 
-    def _apply_full(self, info: CheckpointInfo, chain: Sequence[Manifest]) -> None:
+    def _graph_of(self, chain: Sequence[Manifest]) -> Any:
+        """The object graph (a ``TrackableObjectGraph``) of the newest checkpoint of ``chain``; ``None`` when it
+        was written without one. Not read again while it is the held checkpoint's: a trainer writes it anew only
+        when its layout changes."""
+        from google.protobuf.message import DecodeError
+        from tensorflow.core.protobuf import trackable_object_graph_pb2
+
+        ids = [m.id for m in chain]
+        for i in range(len(chain) - 1, -1, -1):
+            entry = chain[i].tensors.get(OBJECT_GRAPH_KEY)
+            if entry is None:
+                return None
+            if not entry.whole:
+                continue
+            if self._graph is not None and self.held is not None and self.held.id in ids[i:]:
+                return self._graph
+            raw = self.store.load(chain[i].id, [OBJECT_GRAPH_KEY], verify_hash=self.verify_hash)[OBJECT_GRAPH_KEY]
+            self.stats.bytes_read += sum(ref.size for ref in entry.refs())
+            graph = trackable_object_graph_pb2.TrackableObjectGraph()
+            try:
+                graph.ParseFromString(bytes(np.asarray(raw).item()))
+            except DecodeError as e:
+                raise CorruptCheckpointError(
+                    f"checkpoint {chain[i].id}: its object graph does not parse ({e})", checkpoint=chain[i].id
+                ) from None
+            return graph
+        return None
+
+    def _apply_full(self, info: CheckpointInfo, chain: Sequence[Manifest], binding: Mapping[str, str]) -> list[str]:
         infos = list_tensors(self._checkpoint)
-        self._check(infos, _described(chain[-1]), info.id)  # before reading a byte
-        wanted = [n for n in chain[-1].tensors if n != OBJECT_GRAPH_KEY and (n in infos or not self._ignorable(n))]
-        tensors = self.store.load(info.id, wanted, verify_hash=self.verify_hash)
-        restore(self._checkpoint, tensors)  # checks every name, shape and dtype before assigning anything
-        self.stats.bytes_read += _full_bytes(chain, wanted)
+        bound, left_alone = self._check(infos, binding, _described(chain[-1]), info.id)  # before reading a byte
+        tensors = self.store.load(info.id, list(bound), verify_hash=self.verify_hash)
+        for key, tensor in bound.items():
+            _assign(tensor, Full(tensors[key]))
+        self.stats.bytes_read += _full_bytes(chain, list(bound))
         self.stats.full_loads += 1
+        return left_alone
 
-    def _apply_deltas(self, info: CheckpointInfo, manifests: Sequence[Manifest]) -> None:
+    def _apply_deltas(
+        self, info: CheckpointInfo, manifests: Sequence[Manifest], binding: Mapping[str, str]
+    ) -> list[str]:
         infos = list_tensors(self._checkpoint)
-        steps: list[dict[str, TensorUpdate]] = []
+        steps: list[list[tuple[TensorInfo, TensorUpdate]]] = []
         nbytes = 0
-        for m in manifests:
-            self._check(infos, _described(m), m.id)  # names, shapes and dtypes before reading a byte
-        for m in manifests:  # read and verify everything first: nothing is assigned from a bad checkpoint
+        checked = [self._check(infos, binding, _described(m), m.id) for m in manifests]  # before reading a byte
+        for m, (bound, _) in zip(manifests, checked, strict=True):  # read and verify everything first
             updates, read = self.store.updates(m.id, verify_hash=self.verify_hash)
             nbytes += read
-            updates.pop(OBJECT_GRAPH_KEY, None)
-            steps.append({n: u for n, u in updates.items() if n in infos})
-        for updates in steps:
-            for name, update in updates.items():
-                _assign(infos[name], update)
+            steps.append([(bound[n], u) for n, u in updates.items() if n in bound])
+        for step in steps:  # nothing is assigned from a bad checkpoint
+            for tensor, update in step:
+                _assign(tensor, update)
         self.stats.bytes_read += nbytes
+        return checked[-1][1]
 
     def _ignorable(self, name: str) -> bool:
         return any(part in self.ignore_missing for part in name.split("/"))
 
-    def _check(self, infos: Mapping[str, TensorInfo], updates: Mapping[str, TensorUpdate], cid: str) -> None:
+    def _check(
+        self,
+        infos: Mapping[str, TensorInfo],
+        binding: Mapping[str, str],
+        updates: Mapping[str, TensorUpdate],
+        cid: str,
+    ) -> tuple[dict[str, TensorInfo], list[str]]:
+        """The follower's tensors that checkpoint ``cid`` holds, by checkpoint key, and the names of those it
+        does not hold (left alone, as TF's ``expect_partial``); a :class:`TensorMismatchError` listing every
+        tensor of both whose shape or dtype differs, and every tensor of the checkpoint no variable takes
+        (unless ``ignore_missing`` names it)."""
         problems: list[str] = []
+        bound: dict[str, TensorInfo] = {}
         for name, info in infos.items():
-            update = updates.get(name)
-            if update is None:
-                problems.append(f"{name}: in the follower, not in checkpoint {cid}")
+            key = binding.get(name)
+            update = updates.get(key) if key is not None else None
+            if key is None or update is None:
                 continue
+            bound[key] = info
             shape, dtype = _shape_dtype(update)
             if shape != info.shape or dtype != info.dtype:
-                problems.append(f"{name}: checkpoint has {shape} {dtype}, follower has {info.shape} {info.dtype}")
-        for name in updates:
-            if name not in infos and not self._ignorable(name):
-                problems.append(f"{name}: in checkpoint {cid}, not in the follower (ignore_missing=... to skip it)")
+                at = "" if key == name else f" (as {key})"
+                problems.append(f"{name}: checkpoint has {shape} {dtype}{at}, follower has {info.shape} {info.dtype}")
+        for key in updates:
+            if key not in bound and not self._ignorable(key):
+                problems.append(f"{key}: in checkpoint {cid}, not in the follower (ignore_missing=... to skip it)")
         if problems:
             raise TensorMismatchError(
                 f"{len(problems)} tensor(s) do not match between checkpoint {cid} and the follower:\n  "
                 + "\n  ".join(problems)
             )
+        held = {info.name for info in bound.values()}
+        left_alone = [
+            name
+            for name, info in infos.items()
+            if name not in held and (info.alias_of is None or info.alias_of not in held)
+        ]
+        return bound, sorted(left_alone)
+
+
+def _binding(root: Any, graph: Any) -> dict[str, str]:
+    """The checkpoint key of each of ``root``'s tensors that the saved object graph ``graph`` holds, found as TF's
+    own restore finds it: from the root along edges of the same names, whichever path each side names a
+    variable by. (A Keras 3 functional model's kernel is ``model/_operations/1/_kernel`` in an evaluator and
+    ``optimizer/_trainable_variables/0`` in its trainer's checkpoint, the shorter path there.) Without a
+    graph, each tensor's own name."""
+    if graph is None:
+        return {name: name for name, _ in gather_variables(root)}
+    from tensorflow.python.checkpoint import graph_view, util
+
+    view = graph_view.ObjectGraphView(root)
+    objects, _, _, slot_variables, _ = util.objects_ids_and_slot_variables_and_paths(view)
+    node_of: dict[int, int] = {id(view.root): 0}  # id(follower object) -> its node in the saved graph
+    queue = [(view.root, 0)]
+    while queue:
+        obj, at = queue.pop(0)
+        children = view.children(obj)
+        for ref in graph.nodes[at].children:
+            child = children.get(ref.local_name)
+            if child is not None and id(child) not in node_of:
+                node_of[id(child)] = ref.node_id
+                queue.append((child, ref.node_id))
+    for optimizer, slots in slot_variables.items():  # a legacy optimizer's slots: off it and their variable
+        if id(optimizer) not in node_of:
+            continue
+        saved = {
+            (s.original_variable_node_id, s.slot_name): s.slot_variable_node_id
+            for s in graph.nodes[node_of[id(optimizer)]].slot_variables
+        }
+        for slot in slots:
+            original = node_of.get(id(objects[slot.original_variable_node_id]), -1)
+            if (original, slot.slot_name) in saved:
+                node_of[id(objects[slot.slot_variable_node_id])] = saved[original, slot.slot_name]
+    keys: dict[str, str] = {}
+    for name, obj in gather_variables(root):
+        if id(obj) not in node_of:
+            continue
+        saved_keys = [a.checkpoint_key for a in graph.nodes[node_of[id(obj)]].attributes if a.name == "VARIABLE_VALUE"]
+        if saved_keys:
+            keys[name] = saved_keys[0]
+    return keys
 
 
 def _described(m: Manifest) -> dict[str, TensorUpdate]:

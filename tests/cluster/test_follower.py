@@ -6,6 +6,7 @@ this process or in a fresh one (the end-to-end check), partitioned differently.
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
 import os
@@ -172,6 +173,88 @@ def test_serving_without_optimizer_slots_needs_ignore_missing(tmp_path: Path) ->
         assert got is not None and got.step == 1
     want = {n: v for n, v in values(trainer).items() if not n.startswith("optimizer")}
     assert same(values(serving), want)
+
+
+def keras_model(framework: str, seed: int, width: int = 16) -> tuple[Any, Any]:
+    """The Keras module and a small functional model, built as a job's trainer and its evaluator both build it."""
+    keras = importlib.import_module(framework)
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((8,))
+    hidden = keras.layers.Dense(width, activation="relu")(inputs)
+    return keras, keras.Model(inputs, keras.layers.Dense(1)(hidden))
+
+
+def fit_step(model: Any, optimizer: Any, x: np.ndarray, y: np.ndarray) -> None:
+    """One step of a custom training loop (the trainer's model is never compiled)."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x)[:, 0] - y))
+    grads = tape.gradient(loss, model.trainable_variables)
+    optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
+
+
+def same_weights(a: Any, b: Any) -> bool:
+    return all(bitwise_equal(u, v) for u, v in zip(a.get_weights(), b.get_weights(), strict=True))
+
+
+@pytest.mark.parametrize("framework", ["tf_keras", "keras"])
+def test_a_compiled_evaluator_restores_what_the_checkpoint_has_and_reports_what_it_left_alone(
+    tmp_path: Path, caplog: Any, framework: str
+) -> None:
+    """``model.compile`` gives the evaluator an optimizer that a custom loop's checkpoint does not hold under the
+    model: TF's ``expect_partial`` restores the rest and leaves it alone. (Keras 3 names a functional model's
+    kernel ``optimizer/_trainable_variables/0`` in the trainer's checkpoint, the shorter path there: bound
+    through the saved object graph, as TF's restore binds it.)"""
+    url = str(tmp_path / "store")
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((64, 8)).astype(np.float32)
+    y = (x.sum(axis=1) > 0).astype(np.float32)
+    keras, trainer = keras_model(framework, seed=0)
+    optimizer = keras.optimizers.Adam(0.01)
+    _, evaluator = keras_model(framework, seed=1)
+    evaluator.compile(loss="binary_crossentropy", metrics=["accuracy", keras.metrics.AUC()])
+    unbuilt = [v.numpy() for v in evaluator.optimizer.variables]
+    caplog.set_level("INFO", logger="psguard.trainer.follower")
+    want = sorted(f"model/optimizer/{n}/.ATTRIBUTES/VARIABLE_VALUE" for n in ("_iterations", "_learning_rate"))
+    with (
+        CheckpointManager(tf.train.Checkpoint(model=trainer, optimizer=optimizer), url, new_base_after=0) as m,
+        Follower(tf.train.Checkpoint(model=evaluator), url, ignore_missing=("optimizer",)) as f,
+    ):
+        for step in range(4):
+            fit_step(trainer, optimizer, x, y)
+            m.save(step).result(timeout=60)
+            caplog.clear()
+            got = f.poll()
+            assert got is not None and got.step == step
+            assert same_weights(evaluator, trainer), f"step {step}: the evaluator's weights are not the trainer's"
+            assert f.left_alone == want
+            assert f"left 2 tensor(s) of the model alone, not in checkpoint {got.id}" in caplog.text
+            assert want[0] in caplog.text
+        assert f.stats.applied == 4 and f.stats.full_loads == 1
+    assert all(bitwise_equal(v.numpy(), u) for v, u in zip(evaluator.optimizer.variables, unbuilt, strict=True))
+    evaluator.evaluate(x, y, verbose=0)  # what the evaluator is for
+
+
+@pytest.mark.parametrize("framework", ["tf_keras", "keras"])
+def test_an_evaluator_whose_layer_has_another_shape_is_refused_and_left_untouched(
+    tmp_path: Path, framework: str
+) -> None:
+    url = str(tmp_path / "store")
+    keras, trainer = keras_model(framework, seed=0)
+    optimizer = keras.optimizers.Adam(0.01)
+    fit_step(trainer, optimizer, np.ones((4, 8), np.float32), np.ones(4, np.float32))
+    with CheckpointManager(tf.train.Checkpoint(model=trainer, optimizer=optimizer), url) as m:
+        m.save(0).result(timeout=60)
+    _, evaluator = keras_model(framework, seed=1, width=32)
+    evaluator.compile(loss="binary_crossentropy")
+    before = evaluator.get_weights()
+    follower = Follower(tf.train.Checkpoint(model=evaluator), url, ignore_missing=("optimizer",))
+    with (
+        follower as f,
+        pytest.raises(TensorMismatchError, match=r"checkpoint has \(8, 16\) float32.*follower has \(8, 32\)"),
+    ):
+        f.poll()
+    assert follower.held is None
+    assert all(bitwise_equal(a, b) for a, b in zip(evaluator.get_weights(), before, strict=True))
 
 
 FOLLOWER = """
