@@ -629,7 +629,7 @@ class Agent:
         if event.kind == "failed":
             self.metrics.persist_failures.inc()
         if event.kind == "committed" and event.step is not None:
-            self.metrics.bytes_persisted.inc(event.bytes_written)
+            self.metrics.persisted_bytes.inc(event.bytes_written)
             self.metrics.record_checkpoint("durable", event.step, time.time())
             with self._lock:
                 self._durable_id, self._durable_step = event.checkpoint, event.step

@@ -456,7 +456,7 @@ def test_chief_agent_double_writes_and_a_killed_agent_leaves_no_torn_checkpoint(
     )
     assert status["ready"] and status["memory_step"] >= 3 and status["captures"]["error"] == 0
     metrics = first.metrics()
-    assert 'psguard_last_checkpoint_step{tier="memory"}' in metrics and "psguard_bytes_persisted_total" in metrics
+    assert 'psguard_last_checkpoint_step{tier="memory"}' in metrics and "psguard_persisted_bytes_total" in metrics
     assert 'psguard_last_checkpoint_step{tier="durable"}' in metrics
     env = json.loads((out / "env-stream").read_text())
     assert json.loads(env["TF_CONFIG"]) == {"cluster": spec, "task": {"type": "chief", "index": 0}, "rpc_layer": "grpc"}

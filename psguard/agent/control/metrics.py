@@ -27,8 +27,8 @@ name                                            type       labels       meaning
 ``psguard_durable_lag_seconds``                 gauge                   how long the oldest save due to be durable
                                                                         has waited for its commit (0: none waits)
 ``psguard_persist_queue_depth``                 gauge                   captures waiting to be persisted
-``psguard_bytes_persisted_total``               counter                 bytes written to the durable log
-``psguard_persist_failures_total``             counter                 durable writes that failed (retried later)
+``psguard_persisted_bytes_total``               counter                 bytes written to the durable log
+``psguard_persist_failures_total``              counter                 durable writes that failed (retried later)
 ``psguard_recovery_seconds``                    histogram               each recovery: failure to first new step
 ``psguard_recoveries_total``                    counter                 recoveries completed
 ``psguard_lost_steps_total``                    counter                 training steps redone after recoveries
@@ -40,6 +40,7 @@ name                                            type       labels       meaning
                                                                         parity block: owner is its group, ps:0,ps:1)
 ``psguard_store_wait_seconds``                  gauge                   how long the chief's agent has been waiting
                                                                         for its store to answer at start (0: not)
+``psguard_build_info``                          gauge      version      1; the agent's psguard version as a label
 ==============================================  =========  ===========  =============================================
 """
 
@@ -53,12 +54,14 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+from psguard import __version__
+
 if TYPE_CHECKING:
     from psguard.agent.process.lifecycle import SupervisorEvent
     from psguard.agent.process.prober import Health, ProbeResult
 
 __all__ = [
-    "BYTES_PERSISTED_TOTAL",
+    "BUILD_INFO",
     "CHECKPOINT_STALL_SECONDS",
     "CONTENT_TYPE",
     "CRASH_LOOP",
@@ -68,6 +71,7 @@ __all__ = [
     "LAST_CHECKPOINT_STEP",
     "LAST_CHECKPOINT_TIMESTAMP_SECONDS",
     "LOST_STEPS_TOTAL",
+    "PERSISTED_BYTES_TOTAL",
     "PERSIST_FAILURES_TOTAL",
     "PEER_COPY_HELD_BYTES",
     "PEER_COPY_LAG_STEPS",
@@ -100,7 +104,7 @@ PERSIST_LAG_STEPS = "psguard_persist_lag_steps"
 PERSIST_QUEUE_DEPTH = "psguard_persist_queue_depth"
 DURABLE_LAG_STEPS = "psguard_durable_lag_steps"
 DURABLE_LAG_SECONDS = "psguard_durable_lag_seconds"
-BYTES_PERSISTED_TOTAL = "psguard_bytes_persisted_total"
+PERSISTED_BYTES_TOTAL = "psguard_persisted_bytes_total"
 PERSIST_FAILURES_TOTAL = "psguard_persist_failures_total"
 RECOVERY_SECONDS = "psguard_recovery_seconds"
 RECOVERIES_TOTAL = "psguard_recoveries_total"
@@ -110,6 +114,7 @@ HANGS_TOTAL = "psguard_hangs_total"
 PEER_COPY_LAG_STEPS = "psguard_peer_copy_lag_steps"
 PEER_COPY_HELD_BYTES = "psguard_peer_copy_held_bytes"
 STORE_WAIT_SECONDS = "psguard_store_wait_seconds"
+BUILD_INFO = "psguard_build_info"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -417,7 +422,7 @@ class AgentMetrics:
     persist_queue_depth: Gauge
     durable_lag_steps: Gauge
     durable_lag_seconds: Gauge
-    bytes_persisted: Counter
+    persisted_bytes: Counter
     persist_failures: Counter
     recovery_seconds: Histogram
     recoveries: Counter
@@ -427,11 +432,12 @@ class AgentMetrics:
     peer_copy_lag_steps: Gauge
     peer_copy_held_bytes: Gauge
     store_wait_seconds: Gauge
+    build_info: Gauge
 
     @classmethod
     def create(cls, registry: Registry | None = None) -> AgentMetrics:
         r = registry if registry is not None else Registry()
-        return cls(
+        metrics = cls(
             registry=r,
             task_restarts=r.counter(TASK_RESTARTS_TOTAL, "Times the agent started its task again.", ["task"]),
             task_up=r.gauge(TASK_UP, "1 while the supervised task's process runs, else 0.", ["task"]),
@@ -458,7 +464,7 @@ class AgentMetrics:
             durable_lag_seconds=r.gauge(
                 DURABLE_LAG_SECONDS, "Seconds the oldest save due to be durable has waited for its commit."
             ),
-            bytes_persisted=r.counter(BYTES_PERSISTED_TOTAL, "Bytes written to the durable log."),
+            persisted_bytes=r.counter(PERSISTED_BYTES_TOTAL, "Bytes written to the durable log."),
             persist_failures=r.counter(
                 PERSIST_FAILURES_TOTAL, "Writes to the durable log that failed (the capture is retried later)."
             ),
@@ -480,7 +486,10 @@ class AgentMetrics:
             store_wait_seconds=r.gauge(
                 STORE_WAIT_SECONDS, "Seconds the agent has waited for its store to answer at start (0: not waiting)."
             ),
+            build_info=r.gauge(BUILD_INFO, "Always 1; the agent's psguard version is its label.", ["version"]),
         )
+        metrics.build_info.labels(version=__version__).set(1)
+        return metrics
 
     def declare_task(self, task: str, probes: Iterable[str] = ()) -> None:
         """Export ``task``'s series at once (counters at 0, gauges at 0 until known), before anything happened."""

@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -216,8 +217,18 @@ def test_scrape_config_matches_the_alerts_and_the_manifests() -> None:
     assert f"name: {keep['regex']}, containerPort: 8470" in manifests
 
 
-@pytest.mark.slow
-def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(tmp_path: Path) -> None:
+@dataclass(frozen=True)
+class Scrape:
+    """What a real agent's ``/metrics`` answered: without the token, and the body with it."""
+
+    status_without_token: int
+    body: str
+
+
+@pytest.fixture(scope="module")
+def scrape(tmp_path_factory: pytest.TempPathFactory) -> Scrape:
+    """One real chief agent, started as a user would, scraped with the scrape config's credentials, then stopped."""
+    tmp_path = tmp_path_factory.mktemp("agent")
     cluster = tmp_path / "cluster.json"
     cluster.write_text(json.dumps({"chief": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"], "worker": ["127.0.0.1:3"]}))
     ready = tmp_path / "url"
@@ -238,15 +249,24 @@ def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(tmp_path
             assert time.monotonic() < deadline, "the agent did not serve within 60s"
             time.sleep(0.05)
         url = f"{ready.read_text().strip()}/metrics"
-        with pytest.raises(urllib.error.HTTPError, match="401"):  # /metrics needs the token, on loopback too
-            urllib.request.urlopen(url, timeout=10)
+        try:
+            urllib.request.urlopen(url, timeout=10).close()
+            status = 200
+        except urllib.error.HTTPError as e:
+            status = e.code
         scrape = urllib.request.Request(url, headers={"Authorization": "Bearer scrape-token-0123456789abcdef"})
         with urllib.request.urlopen(scrape, timeout=10) as response:
             body = response.read().decode()
     finally:
         proc.terminate()
         proc.communicate(timeout=60)
-    exported = set(re.findall(r"^# TYPE (\S+) ", body, re.M))
+    return Scrape(status, body)
+
+
+@pytest.mark.slow
+def test_a_real_agent_exports_every_metric_the_alerts_and_dashboard_use(scrape: Scrape) -> None:
+    assert scrape.status_without_token == 401  # /metrics needs the token, on loopback too
+    exported = set(re.findall(r"^# TYPE (\S+) ", scrape.body, re.M))
     metrics = _metrics()
     referenced = set().union(*(check_expr(e, metrics) for e in _exprs()))
     assert referenced <= exported, f"not on a real agent's /metrics: {referenced - exported}"
@@ -284,6 +304,15 @@ def test_promtool_accepts_the_alert_rules_and_their_templates(promtool: Path) ->
     done = subprocess.run([str(promtool), "check", "rules", str(ALERTS)], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"SUCCESS: {len(_alert_rules())} rules found" in done.stdout
+
+
+@pytest.mark.slow
+def test_promtool_accepts_a_real_agents_metrics(promtool: Path, scrape: Scrape) -> None:
+    """The exposition format and Prometheus' naming lint (counters end in _total, base units, HELP on every
+    metric), as ``promtool check metrics`` applies them to what an agent serves."""
+    done = subprocess.run([str(promtool), "check", "metrics"], input=scrape.body, capture_output=True, text=True)
+    assert done.returncode == 0 and not done.stdout.strip() and not done.stderr.strip(), done.stdout + done.stderr
+    assert "psguard_build_info{" in scrape.body
 
 
 def test_each_alert_fires_on_its_fault_and_not_on_a_healthy_agent(promtool: Path, tmp_path: Path) -> None:

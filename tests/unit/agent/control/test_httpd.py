@@ -181,7 +181,7 @@ def test_agent_metrics_export_every_documented_name() -> None:
         m.DURABLE_LAG_STEPS: ("gauge", []),
         m.DURABLE_LAG_SECONDS: ("gauge", []),
         m.STORE_WAIT_SECONDS: ("gauge", []),
-        m.BYTES_PERSISTED_TOTAL: ("counter", []),
+        m.PERSISTED_BYTES_TOTAL: ("counter", []),
         m.PERSIST_FAILURES_TOTAL: ("counter", []),
         m.RECOVERY_SECONDS: ("histogram", []),
         m.RECOVERIES_TOTAL: ("counter", []),
@@ -190,6 +190,7 @@ def test_agent_metrics_export_every_documented_name() -> None:
         m.HANGS_TOTAL: ("counter", []),
         m.PEER_COPY_LAG_STEPS: ("gauge", ["task"]),
         m.PEER_COPY_HELD_BYTES: ("gauge", ["owner"]),
+        m.BUILD_INFO: ("gauge", ["version"]),
     }
     assert set(metrics.registry.names()) == set(expected)
     for name, (kind, labels) in expected.items():
@@ -202,7 +203,7 @@ def test_agent_metrics_export_every_documented_name() -> None:
         metrics.on_supervisor_event(SupervisorEvent(EventKind(kind), "ps:0", time.time()))
     metrics.record_checkpoint("memory", 120, 1700000000.5)
     metrics.record_recovery(4.2, lost_steps=7)
-    metrics.bytes_persisted.inc(1 << 20)
+    metrics.persisted_bytes.inc(1 << 20)
     metrics.checkpoint_stall.observe(0.08)
     families = parse_exposition(metrics.registry.render())
     value = {name: {tuple(sorted(lab.items())): v for _, lab, v in f["samples"]} for name, f in families.items()}
@@ -213,7 +214,7 @@ def test_agent_metrics_export_every_documented_name() -> None:
     text = metrics.registry.render()
     assert "psguard_recovery_seconds_sum 4.2\n" in text and "psguard_recovery_seconds_count 1\n" in text
     assert 'psguard_recovery_seconds_bucket{le="5.0"} 1\n' in text and value[m.LOST_STEPS_TOTAL][()] == 7
-    assert value[m.RECOVERIES_TOTAL][()] == 1 and value[m.BYTES_PERSISTED_TOTAL][()] == 1 << 20
+    assert value[m.RECOVERIES_TOTAL][()] == 1 and value[m.PERSISTED_BYTES_TOTAL][()] == 1 << 20
     assert value[m.PERSIST_QUEUE_DEPTH][()] == 0  # unlabelled metrics exist from the start
     assert value[m.PERSIST_FAILURES_TOTAL][()] == 0
 
