@@ -34,7 +34,16 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from psguard.ports import free_port, wait_port
-from psguard.testbed.s3_server import HOST, REGION, S3Server, S3ServerError, find_executable, log_tail, random_key
+from psguard.testbed.s3_server import (
+    HOST,
+    INSTALL,
+    REGION,
+    S3Server,
+    S3ServerError,
+    find_executable,
+    log_tail,
+    random_key,
+)
 
 __all__ = ["GRPC_PORT_OFFSET", "MotoS3", "SeaweedS3", "free_port_pairs"]
 
@@ -127,7 +136,7 @@ class SeaweedS3(S3Server):
             die_with_parent=die_with_parent,
             workdir=data_dir,
         )
-        self._weed = find_executable("weed")
+        self._weed = find_executable("weed", INSTALL)
         self._extra_args = list(extra_args or [])
         self._ports: dict[str, int] = {}
         if ports is not None:
@@ -317,7 +326,7 @@ class MotoS3(S3Server):
             die_with_parent=die_with_parent,
             workdir=workdir,
         )
-        self._moto = find_executable("moto_server")
+        self._moto = find_executable("moto_server", INSTALL)
         self._seed = secrets.randbits(31)
         if port is not None:
             self._port = port
