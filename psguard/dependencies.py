@@ -23,6 +23,7 @@ EXTRAS: dict[str, str] = {
     "would pull in a second TensorFlow beside tensorflow-cpu), or 'psguard[keras]' in a full-tensorflow image",
     "matplotlib": "matplotlib is not installed: pip install 'psguard[plot]'",
     "hdfs_native": "hdfs-native is not installed: pip install 'psguard[hdfs]'",
+    "gcsfs": "gcsfs is not installed: pip install 'psguard[gcs]'",
     "watchdog": "watchdog is not installed: pip install 'psguard[watch]'",
 }
 """For each optional top-level module: what is missing and the pip line that fixes it."""

@@ -1,24 +1,25 @@
-"""An HTTP proxy in front of an object store that answers some requests with S3 error responses.
+"""An HTTP proxy in front of an object store that answers some requests with the store's error responses.
 
 Object stores fail in ways a TCP proxy cannot show: an ``InternalError`` (500) right after a restart, or
-``SlowDown`` / ``ServiceUnavailable`` (503) under load. Every S3 client must retry those; this proxy makes
-them happen on demand. Requests are forwarded as they came (method, path, headers, body), so SigV4
-signatures made for the proxy's address stay valid: the upstream checks them against the ``Host`` header the
-client sent.
+``SlowDown`` / ``ServiceUnavailable`` (503) under load, and GCS's ``rateLimitExceeded`` (429). Every client must
+retry those; this proxy makes them happen on demand. Requests are forwarded as they came (method, path, headers,
+body), so SigV4 signatures made for the proxy's address stay valid: the upstream checks them against the ``Host``
+header the client sent.
 
 ``fail_next(n, status=503, code="SlowDown")`` answers the next ``n`` requests with that error instead of
-forwarding them; :attr:`failed` counts the error answers given. :meth:`close` stops the server and joins its
-threads.
+forwarding them, as an S3 XML error document or (``dialect="gcs"``) a GCS JSON one, whose ``reason`` is ``code``;
+:attr:`failed` counts the error answers given. :meth:`close` stops the server and joins its threads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import http.client
+import json
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 __all__ = ["HttpErrorProxy"]
@@ -27,13 +28,35 @@ _MESSAGES = {
     "SlowDown": "Please reduce your request rate.",
     "ServiceUnavailable": "Service is unable to handle request.",
     "InternalError": "We encountered an internal error, please try again.",
+    "rateLimitExceeded": "The project exceeded the rate limit for CloudStorage and this operation.",
+    "backendError": "Backend Error",
+    "internalError": "Internal Error",
+    "forbidden": "The caller does not have storage.objects.get access to the Google Cloud Storage object.",
 }
 
 
-class HttpErrorProxy:
-    """Listens on ``127.0.0.1`` (a free port: :attr:`endpoint_url`) and forwards to ``upstream``."""
+def error_document(dialect: Literal["s3", "gcs"], status: int, code: str) -> tuple[str, bytes]:
+    """The content type and body a store answers an error with: S3's XML ``<Error>``, GCS's JSON ``error``."""
+    message = _MESSAGES.get(code, code)
+    if dialect == "gcs":
+        error = {
+            "code": status,
+            "message": message,
+            "errors": [{"domain": "global", "reason": code, "message": message}],
+        }
+        return "application/json; charset=UTF-8", json.dumps({"error": error}).encode()
+    doc = (
+        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
+        f"<Message>{message}</Message><RequestId>psguard-chaos</RequestId></Error>"
+    )
+    return "application/xml", doc.encode()
 
-    def __init__(self, upstream: str) -> None:
+
+class HttpErrorProxy:
+    """Listens on ``127.0.0.1`` (a free port: :attr:`endpoint_url`) and forwards to ``upstream``; its error answers
+    are in ``dialect``'s form."""
+
+    def __init__(self, upstream: str, *, dialect: Literal["s3", "gcs"] = "s3") -> None:
         parts = urlsplit(upstream)
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self._lock = threading.Lock()
@@ -65,12 +88,9 @@ class HttpErrorProxy:
                 fault = proxy._take_fault()
                 if fault is not None:
                     status, code = fault
-                    doc = (
-                        f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
-                        f"<Message>{_MESSAGES.get(code, code)}</Message><RequestId>psguard-chaos</RequestId></Error>"
-                    ).encode()
+                    content_type, doc = error_document(dialect, status, code)
                     self.send_response(status)
-                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(doc)))
                     self.end_headers()
                     self.wfile.write(doc)
@@ -108,7 +128,8 @@ class HttpErrorProxy:
         return f"http://127.0.0.1:{port}"
 
     def fail_next(self, n: int, *, status: int = 503, code: str = "SlowDown") -> None:
-        """Answer the next ``n`` requests with ``status`` and the S3 error ``code`` (not forwarded)."""
+        """Answer the next ``n`` requests with ``status`` and the error ``code`` (S3's code, GCS's reason), not
+        forwarded."""
         with self._lock:
             self._pending.extend([(status, code)] * n)
 

@@ -20,6 +20,7 @@ _REGISTRY: dict[str, tuple[str, str, str | None]] = {
     "file": ("psguard.storage.local", "LocalBackend", None),
     "memory": ("psguard.storage.memory", "MemoryBackend", None),
     "s3": ("psguard.storage.s3", "S3Backend", "s3fs"),
+    "gs": ("psguard.storage.gcs", "GcsBackend", "gcsfs"),
     "hdfs": ("psguard.storage.hdfs", "HdfsBackend", "hdfs-native"),
     "webhdfs": ("psguard.storage.hdfs", "WebHdfsBackend", None),
 }
@@ -45,7 +46,7 @@ def redact(url: str) -> str:
 
 
 # Schemes that, written with one slash (``s3:/bucket/x``), are a typo for a URL rather than a local folder name.
-_URL_LOOKALIKES = ("gs", "gcs", "az", "abfs", "abfss", "http", "https", "viewfs")
+_URL_LOOKALIKES = ("gcs", "az", "abfs", "abfss", "http", "https", "viewfs")
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -81,7 +82,7 @@ def canonical_url(url: str) -> str:
 def _entry(url: str) -> tuple[str, str, str, str | None]:
     """``url``'s scheme with its backend's module, class and client requirement; refused when unknown."""
     if not url:
-        raise ConfigError("empty storage URL; give a path, file://, memory://, s3://, hdfs:// or webhdfs:// URL")
+        raise ConfigError("empty storage URL; give a path, file://, memory://, s3://, gs://, hdfs:// or webhdfs:// URL")
     scheme, _ = split_url(url)
     if scheme not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY))

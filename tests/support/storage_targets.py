@@ -18,6 +18,7 @@ BACKENDS = [
     pytest.param("memory", id="memory"),
     pytest.param("seaweed", id="s3-seaweedfs", marks=pytest.mark.slow),
     pytest.param("moto", id="s3-moto", marks=pytest.mark.slow),
+    pytest.param("gcs", id="gcs-fake-gcs-server", marks=pytest.mark.slow),
     pytest.param("hdfs", id="hdfs-native", marks=pytest.mark.slow),
     pytest.param("webhdfs", id="webhdfs", marks=pytest.mark.slow),
 ]
@@ -36,7 +37,7 @@ def make_target(name: str, request: pytest.FixtureRequest, tmp_path: Path, uniqu
         return Target(name, str(tmp_path / "store"))
     if name == "memory":
         return Target(name, f"memory://{unique}")
-    if name in ("seaweed", "moto"):
+    if name in ("seaweed", "moto", "gcs"):
         server = request.getfixturevalue(name)
         return Target(name, server.url(unique), dict(server.storage_options), server)
     if name == "hdfs":

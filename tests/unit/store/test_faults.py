@@ -1,4 +1,4 @@
-"""Faults during saves, with real processes, real signals and a real S3 server."""
+"""Faults during saves, with real processes, real signals and real S3 and GCS servers."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -83,7 +84,7 @@ def test_writer_killed_before_commit_leaves_no_checkpoint(
 
 
 class StopServerAfterFirstChunk(RetryingBackend):
-    """Stops the real S3 server once the first chunk is stored: an outage in the middle of a save."""
+    """Stops the real storage server once the first chunk is stored: an outage in the middle of a save."""
 
     def __init__(self, inner: Backend, server: object, config: RetryConfig) -> None:
         super().__init__(inner, config)
@@ -100,11 +101,15 @@ class StopServerAfterFirstChunk(RetryingBackend):
 
 
 @pytest.mark.slow
-def test_s3_outage_during_save_fails_clearly_then_recovers(seaweed: object, unique: str) -> None:
-    url = seaweed.url(unique)  # type: ignore[attr-defined]
-    options = dict(seaweed.storage_options)  # type: ignore[attr-defined]
+@pytest.mark.parametrize("server_name", ["seaweed", "gcs"])
+def test_store_outage_during_save_fails_clearly_then_recovers(
+    server_name: str, request: pytest.FixtureRequest, unique: str
+) -> None:
+    server = request.getfixturevalue(server_name)
+    url = server.url(unique)
+    options = dict(server.storage_options)
     config = RetryConfig(deadline=3.0, initial_backoff=0.05, max_backoff=0.5)
-    backend = StopServerAfterFirstChunk(open_backend(url, options, retry=RetryConfig(deadline=0)), seaweed, config)
+    backend = StopServerAfterFirstChunk(open_backend(url, options, retry=RetryConfig(deadline=0)), server, config)
     store = Store(backend, chunk_bytes=4096, io_threads=2)
     value = np.arange(50_000, dtype=np.float32)
     try:
@@ -115,7 +120,7 @@ def test_s3_outage_during_save_fails_clearly_then_recovers(seaweed: object, uniq
     finally:
         store._pool.shutdown()
         with allow_new_children():  # the session's server, back on the same ports and data
-            seaweed.restart()  # type: ignore[attr-defined]
+            server.restart()
     with Store.open(url, options) as again:
         assert again.checkpoint_ids() == []  # the failed save left nothing committed
         info = again.save(5, {"w": value})
@@ -123,35 +128,58 @@ def test_s3_outage_during_save_fails_clearly_then_recovers(seaweed: object, uniq
         assert again.checkpoint_ids() == [info.id]
 
 
+#: Client timeouts short enough for a test: botocore's for S3, the GCS backend's own (gcsfs has none by default).
+SHORT_TIMEOUTS: dict[str, dict[str, Any]] = {
+    "seaweed": {"config_kwargs": {"read_timeout": 2, "connect_timeout": 2, "retries": {"max_attempts": 1}}},
+    "gcs": {"read_timeout": 2, "connect_timeout": 2},
+}
+
+
 @pytest.mark.slow
-def test_frozen_s3_server_fails_the_save_instead_of_hanging(seaweed: object, unique: str) -> None:
+@pytest.mark.parametrize("server_name", ["seaweed", "gcs"])
+def test_a_frozen_server_fails_the_save_instead_of_hanging(
+    server_name: str, request: pytest.FixtureRequest, unique: str
+) -> None:
     """A SIGSTOPped server accepts connections and never answers: the save must still end, clearly."""
-    url = seaweed.url(unique)  # type: ignore[attr-defined]
-    options = {
-        **seaweed.storage_options,
-        "config_kwargs": {"read_timeout": 2, "connect_timeout": 2, "retries": {"max_attempts": 1}},
-    }  # type: ignore[attr-defined]
+    server = request.getfixturevalue(server_name)
+    url = server.url(unique)
+    options = {**server.storage_options, **SHORT_TIMEOUTS[server_name]}
     store = Store.open(url, options, retry=RetryConfig(deadline=3.0, initial_backoff=0.1), chunk_bytes=1 << 16)
-    seaweed.freeze()  # type: ignore[attr-defined]
+    server.freeze()
     try:
         with pytest.raises(StorageUnavailableError, match="storage unavailable"):
             store.save(1, {"w": np.arange(100_000, dtype=np.float32)})
     finally:
-        seaweed.thaw()  # type: ignore[attr-defined]
+        server.thaw()
         store.close()
-    with Store.open(url, seaweed.storage_options) as again:  # type: ignore[attr-defined]
+    with Store.open(url, server.storage_options) as again:
         assert again.checkpoint_ids() == []
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("status", "code"), [(503, "SlowDown"), (503, "ServiceUnavailable"), (500, "InternalError")])
-def test_s3_error_responses_are_retried(seaweed: object, unique: str, status: int, code: str) -> None:
-    """A store answering 500/503 for a while (as SeaweedFS does right after a restart) costs retries, not a save."""
+@pytest.mark.parametrize(
+    ("server_name", "status", "code"),
+    [
+        ("seaweed", 503, "SlowDown"),
+        ("seaweed", 503, "ServiceUnavailable"),
+        ("seaweed", 500, "InternalError"),
+        ("gcs", 429, "rateLimitExceeded"),
+        ("gcs", 503, "backendError"),
+        ("gcs", 500, "internalError"),
+    ],
+)
+def test_error_responses_are_retried(
+    server_name: str, request: pytest.FixtureRequest, unique: str, status: int, code: str
+) -> None:
+    """A store answering 429/500/503 for a while (as SeaweedFS does right after a restart, GCS under load) costs
+    retries, not a save."""
     from psguard.chaos.http_faults import HttpErrorProxy
 
-    with HttpErrorProxy(seaweed.endpoint_url) as proxy:  # type: ignore[attr-defined]
-        options = {**seaweed.storage_options, "endpoint_url": proxy.endpoint_url}  # type: ignore[attr-defined]
-        with Store.open(seaweed.url(unique), options, retry=RetryConfig(deadline=30, initial_backoff=0.01)) as store:  # type: ignore[attr-defined]
+    server = request.getfixturevalue(server_name)
+    dialect = "gcs" if server_name == "gcs" else "s3"
+    with HttpErrorProxy(server.endpoint_url, dialect=dialect) as proxy:
+        options = {**server.storage_options, "endpoint_url": proxy.endpoint_url}
+        with Store.open(server.url(unique), options, retry=RetryConfig(deadline=30, initial_backoff=0.01)) as store:
             table = np.arange(4000, dtype=np.float32).reshape(500, 8)
             proxy.fail_next(3, status=status, code=code)
             info = store.save(1, {"t": table})

@@ -1,4 +1,4 @@
-"""One suite, every backend: the durable log's promises checked on local disk, memory, S3 and HDFS."""
+"""One suite, every backend: the durable log's promises checked on local disk, memory, S3, GCS and HDFS."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ FAST_RETRY = RetryConfig(deadline=5.0, initial_backoff=0.05, max_backoff=0.5)
 
 
 # The store's own logic over a backend's plain get/put/delete (manifest checks, verify, fallback, refusals):
-# local, memory and one S3 server. S3 on moto, HDFS and WebHDFS run every test above that logic (the backend
+# local, memory and one S3 server. S3 on moto, GCS, HDFS and WebHDFS run every test above that logic (the backend
 # contract, round trips, deltas, gc, compaction, concurrent writers), so their get/put/delete paths stay covered.
 STORE_LOGIC = pytest.mark.parametrize(
     "target", [p for p in BACKENDS if p.id in ("local", "memory", "s3-seaweedfs")], indirect=True
