@@ -50,6 +50,8 @@ __all__ = ["DEFAULT_JOB", "RunResult", "chief_config", "run_scenario"]
 HARNESS = "harness"
 DEFAULT_JOB = "psguard.demo_trainer:main"
 _CLEANUP_WAIT = 15.0
+#: The variable that points a store's clients (agents, trainer) at its endpoint, for the servers chaos runs start.
+_ENDPOINT_ENV = {"s3": "AWS_ENDPOINT_URL", "gcs": "STORAGE_EMULATOR_HOST"}
 
 
 @dataclass
@@ -176,24 +178,30 @@ class _Run:
         """Called on every turn of the loop, after the nemesis (a soak samples resources and ends the run)."""
 
     def start_storage(self) -> None:
-        if self.scenario.storage.kind == "s3":
-            from psguard.testbed.s3 import SeaweedS3
+        kind = self.scenario.storage.kind
+        if kind in ("s3", "gcs"):
+            if kind == "s3":
+                from psguard.testbed.s3 import SeaweedS3
 
-            self.storage = SeaweedS3(self.dir / "s3", bucket="psguard-chaos")
+                self.storage = SeaweedS3(self.dir / "s3", bucket="psguard-chaos")
+            else:
+                from psguard.testbed.gcs import FakeGcs
+
+                self.storage = FakeGcs(self.dir / "gcs", bucket="psguard-chaos")
             self.storage.start()
             self.store_url = self.storage.url("job")
-            self.storage_options = self.storage.storage_options  # the harness itself talks to S3 directly
+            self.storage_options = self.storage.storage_options  # the harness itself talks to the store directly
             self.ports.append(self.storage.port)
             self.storage_env = dict(self.storage.env)
             if self.scenario.needs_store_proxy:
-                # The agents and the trainer reach S3 through a proxy, where the nemesis adds latency or cuts.
+                # The agents and the trainer reach the store through a proxy, where the nemesis adds latency or cuts.
                 from psguard.chaos.proxy import TcpProxy
                 from psguard.ports import free_ports
 
                 proxy = TcpProxy(free_ports(1)[0], self.storage.port, name="store")
                 self.proxies["store"] = proxy
                 self.ports.append(proxy.listen_port)
-                self.storage_env["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{proxy.listen_port}"
+                self.storage_env[_ENDPOINT_ENV[kind]] = f"http://127.0.0.1:{proxy.listen_port}"
         elif self.scenario.storage.kind == "hdfs":
             from psguard.testbed.hdfs import HdfsCluster
 

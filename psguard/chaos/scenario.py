@@ -47,6 +47,8 @@ Action = Literal[
     "truncate-chunk", "storage-outage", "partition", "delay", "drop", "hang",
 ]  # fmt: skip
 NETWORK_ACTIONS = ("partition", "delay", "drop")
+#: Stores reached over HTTP, where a TCP proxy in front of the server carries the network faults.
+PROXIED_STORES = ("s3", "gcs")
 #: Faults the nemesis carries out on the store's files: only a local store's folder is on this machine to damage.
 CHUNK_ACTIONS = ("corrupt-chunk", "truncate-chunk")
 ACTIONS: tuple[str, ...] = (
@@ -266,7 +268,8 @@ class ClusterSpec:
 
 @dataclass(frozen=True)
 class StorageSpec:
-    kind: Literal["local", "s3", "hdfs"] = "local"  # s3: a real SeaweedFS; hdfs: a real HDFS 2.7.3 (make hdfs-runtime)
+    # s3: a real SeaweedFS; gcs: a real GCS emulator (fake-gcs-server); hdfs: a real HDFS 2.7.3 (make hdfs-runtime)
+    kind: Literal["local", "s3", "gcs", "hdfs"] = "local"
 
     def __post_init__(self) -> None:
         validate(self)
@@ -339,21 +342,22 @@ class Scenario:
             if fault.action == "storage-outage" and self.storage.kind == "local":
                 raise invalid(
                     f"faults[{i}].action",
-                    "storage-outage with a storage server (storage.kind s3 or hdfs)",
+                    "storage-outage with a storage server (storage.kind s3, gcs or hdfs)",
                     fault.action,
                 )
-            if fault.target == "store" and fault.action in NETWORK_ACTIONS and self.storage.kind != "s3":
+            if fault.target == "store" and fault.action in NETWORK_ACTIONS and self.storage.kind not in PROXIED_STORES:
                 raise invalid(
-                    f"faults[{i}].action", f"{fault.action} of the store only with storage.kind s3", fault.action
+                    f"faults[{i}].action", f"{fault.action} of the store only with storage.kind s3 or gcs", fault.action
                 )
         for i, kind in enumerate(self.soak.kinds if self.soak is not None else ()):
             _check_target(kind.target, self.cluster, f"soak.kinds[{i}].target")
             if kind.action in CHUNK_ACTIONS:
                 raise invalid(f"soak.kinds[{i}].action", "no chunk damage in a soak (it needs a step)", kind.action)
             if kind.action == "storage-outage" and self.storage.kind == "local":
-                raise invalid(f"soak.kinds[{i}].action", "storage-outage with storage.kind s3 or hdfs", kind.action)
-            if kind.target == "store" and kind.action in NETWORK_ACTIONS and self.storage.kind != "s3":
-                raise invalid(f"soak.kinds[{i}].action", f"{kind.action} of the store with s3", kind.action)
+                expected = "storage-outage with storage.kind s3, gcs or hdfs"
+                raise invalid(f"soak.kinds[{i}].action", expected, kind.action)
+            if kind.target == "store" and kind.action in NETWORK_ACTIONS and self.storage.kind not in PROXIED_STORES:
+                raise invalid(f"soak.kinds[{i}].action", f"{kind.action} of the store with s3 or gcs", kind.action)
         if self.random is not None:
             for t in self.random.targets:
                 _check_target(t, self.cluster, "random.targets")
@@ -373,7 +377,7 @@ class Scenario:
 
     @property
     def needs_store_proxy(self) -> bool:
-        """Network faults on the store (latency, resets, a cut) need a TCP proxy in front of the S3 server."""
+        """Network faults on the store (latency, resets, a cut) need a TCP proxy in front of the S3 or GCS server."""
         pairs = [(f.action, f.target) for f in self.faults]
         pairs += [(k.action, k.target) for k in (self.soak.kinds if self.soak else ())]
         return any(action in NETWORK_ACTIONS and target == "store" for action, target in pairs)

@@ -1,0 +1,57 @@
+"""The chaos run's storage (psguard.chaos.runner): a GCS store as the agents and the trainer reach it, through the
+proxy where the nemesis puts the store's network faults, and an outage of its server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from psguard.chaos.runner import DEFAULT_JOB, _Run
+from psguard.chaos.scenario import Scenario
+from psguard.config import from_data
+from psguard.errors import StorageUnavailableError
+from psguard.storage import RetryConfig, open_backend
+
+SHORT = RetryConfig(deadline=1.0, initial_backoff=0.05, max_backoff=0.2)
+
+
+@pytest.mark.slow
+def test_a_gcs_store_is_reached_through_the_proxy_the_nemesis_faults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc = {
+        "name": "t",
+        "proves": "x",
+        "storage": {"kind": "gcs"},
+        "faults": [
+            {"action": "storage-outage", "target": "store", "at_step": 10, "duration": 1},
+            {"action": "drop", "target": "store", "at_step": 20, "duration": 1},
+        ],
+    }
+    run = _Run(from_data(Scenario, doc, source="t.yaml"), tmp_path, seed=0, job=DEFAULT_JOB, faults=True, say=print)
+    try:
+        run.start_storage()
+        proxy = run.proxies["store"]
+        assert run.store_url == "gs://psguard-chaos/job"
+        assert run.storage_env == {"STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{proxy.listen_port}"}
+        for name, value in run.storage_env.items():  # what the agents and the trainer get: no storage options
+            monkeypatch.setenv(name, value)
+        backend = open_backend(run.store_url, retry=SHORT)
+        backend.put("a", b"kept")
+        proxy.set_mode("drop")  # the nemesis's network fault: connections reset and refused
+        with pytest.raises(StorageUnavailableError):
+            backend.get("a")
+        proxy.set_mode("pass")
+        assert backend.get("a") == b"kept"
+        run.storage.stop(timeout=10)  # the nemesis's storage-outage, then its heal
+        with pytest.raises(StorageUnavailableError):
+            backend.get("a")
+        run.storage.restart()
+        assert backend.get("a") == b"kept"
+        backend.close()
+    finally:
+        for p in run.proxies.values():
+            p.close()
+        run.stop_storage()
+        run.history.close()
