@@ -7,7 +7,9 @@ failed). While the oldest such capture would be more than ``max_steps`` behind a
 more than ``max_seconds``), the manager waits on its handle.
 
 A failed durable write ends the wait and turns holding off until a durable save succeeds again: an outage must not
-stop training that its memory tier keeps restorable, and TF's own saver would have failed the job instead. A wait
+stop training that its memory tier keeps restorable, and TF's own saver would have failed the job instead. So does
+a store that is failing and being retried (the agent says so in the pending answer): the hold ends at the outage's
+start, not at the end of the store's retry deadline. A wait
 also ends when no agent holds the spool any more (its answer can never come). Both are logged once, with what
 the user can do.
 """
@@ -106,6 +108,10 @@ class LagGuard:
             try:
                 handle.exception(timeout=WAIT_SLICE)
             except TimeoutError:
+                retrying = handle.store_retrying()
+                if retrying is not None:
+                    self._store_failing(step, handle, retrying)
+                    break
                 why = self._stop_waiting()
                 if why is not None:
                     log.warning(
@@ -125,6 +131,20 @@ class LagGuard:
         held = self._clock() - began if began is not None else 0.0
         self._held += held
         return held
+
+    def _store_failing(self, step: int, handle: SaveHandle, why: str) -> None:
+        """The store is down: stop holding until a durable save succeeds (the answers waited for still count)."""
+        with self._lock:
+            if self._failing:
+                return
+            self._failing = True
+        log.warning(
+            "event=durable_failing step=%d waiting_for=%d error=%r: training goes on without waiting for the "
+            "durable log (the memory tier keeps saves restorable) until a durable save succeeds",
+            step,
+            handle.step,
+            why[:300],
+        )
 
     def _stop_waiting(self) -> str | None:
         """Why the answer waited for cannot come, or must not be waited for any more (``None``: keep waiting)."""

@@ -102,6 +102,11 @@ class SaveHandle:
     def done(self) -> bool:
         raise NotImplementedError
 
+    def store_retrying(self) -> str | None:
+        """Why the durable write is failing and being retried while this save waits for it (``None``: it is not,
+        or no memory tier keeps the save restorable meanwhile, so only its answer counts)."""
+        return None
+
     def exception(self, timeout: float | None = None) -> BaseException | None:
         try:
             self.result(timeout)
@@ -166,6 +171,9 @@ class _AgentSaveHandle(SaveHandle):
             raise
         except PsguardError as e:
             return e
+
+    def store_retrying(self) -> str | None:
+        return self._spooled.store_retrying() if self.durable and self._outcome is None else None
 
     def memory_done(self) -> bool:
         """The agent answered for its memory tier (applied, or refused)."""

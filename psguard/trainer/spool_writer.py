@@ -86,6 +86,18 @@ class CaptureHandle:
         """True once the durable log's outcome is in (without consuming it)."""
         return self._durable is not None or self._writer._paths.ack(self.seq, "durable").exists()
 
+    def store_retrying(self) -> str | None:
+        """While the durable answer is not in: why the agent's store is failing and being retried, if it is."""
+        if self._durable is not None:
+            return None
+        doc = read_json_if_present(self._writer._paths.ack(self.seq, "pending"))
+        retrying = doc.get("store_retrying") if doc is not None else None
+        if not isinstance(retrying, dict):
+            return None
+        since = retrying.get("since")
+        seconds = time.time() - since if isinstance(since, (int, float)) else 0.0
+        return f"the store has failed for {max(0.0, seconds):.0f}s and is being retried: {retrying.get('error')}"
+
     def result(self, timeout: float | None = None) -> Ack:
         """The agent's ack once the capture is applied to the memory tier (the save is *restorable*).
 

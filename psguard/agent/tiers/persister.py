@@ -50,6 +50,7 @@ from psguard.config import from_data
 from psguard.errors import NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, TOKEN_KEY
 from psguard.policy.engine import ChainLimit, Retention, SaveContext, SavePolicy, TierState, Verdict, base_rule
+from psguard.storage.retry import Retrying, RetryingBackend
 from psguard.store import CheckpointInfo, Store
 from psguard.store.durable import ChainState, DurableWriter
 
@@ -207,6 +208,11 @@ class Persister:
     @property
     def _last(self) -> CheckpointInfo | None:
         return self.writer.last
+
+    def store_retrying(self) -> Retrying | None:
+        """The store call that is failing and being retried now, if any (the trainer's durable hold ends on it)."""
+        backend = self.store.backend
+        return backend.retrying() if isinstance(backend, RetryingBackend) else None
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self) -> Persister:

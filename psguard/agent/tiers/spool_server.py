@@ -159,6 +159,8 @@ class SpoolServer:
         self._bytes = 0
         self._restores = 0
         self._last_seq: int | None = None
+        self._marked_retrying: set[int] = set()  # pending durable answers that say the store is being retried
+        self._answering = threading.Lock()
         self._last_apply: float | None = None
         self._last_error: str | None = None
         self._moved_said = False
@@ -285,10 +287,38 @@ class SpoolServer:
             self._wake.clear()
             try:
                 self.process_once()
+                self._show_store_retrying()
             except Exception as e:  # keep serving; the next scan retries
                 self._last_error = f"{type(e).__name__}: {e}"
                 log.exception("spool %s: processing failed", self.root)
             self._wake.wait(self._poll)
+
+    def _show_store_retrying(self) -> None:
+        """Tell the trainer, in the pending durable answers, that the store is failing and being retried.
+
+        Why: a trainer holding for a durable commit (its durable-lag bound) must not wait out the store's retry
+        deadline during an outage; the memory tier keeps those captures restorable meanwhile. The answer itself
+        still comes when the store succeeds or gives up."""
+        retrying = self.persister.store_retrying() if self.persister is not None else None
+        if retrying is None and not self._marked_retrying:
+            return
+        marked: set[int] = set()
+        for path in self._paths.acks.glob("*.pending.json"):
+            doc = read_json_if_present(path)
+            seq = doc.get("seq") if doc is not None else None
+            if doc is None or not isinstance(seq, int):
+                continue
+            if retrying is not None:
+                marked.add(seq)
+                if seq in self._marked_retrying:
+                    continue
+                doc["store_retrying"] = {"since": time.time() - retrying.seconds, "error": retrying.error[:500]}
+            elif doc.pop("store_retrying", None) is None:
+                continue
+            with self._answering, contextlib.suppress(OSError):
+                if path.exists():  # not answered meanwhile
+                    atomic_write_json(path, doc)
+        self._marked_retrying = marked
 
     def _recover(self) -> None:
         """At start (holding the agent lock): whatever a previous agent left half-done is ours to settle."""
@@ -493,9 +523,10 @@ class SpoolServer:
             log.exception("spool %s: could not write the durable ack of seq %d", self.root, seq)
 
     def _write_durable_ack(self, ack: DurableAck) -> None:
-        atomic_write_json(self._paths.ack(ack.seq, "durable"), ack.to_json())
-        with contextlib.suppress(OSError):
-            self._paths.ack(ack.seq, "pending").unlink()
+        with self._answering:  # never a pending file rewritten after its answer (_show_store_retrying)
+            atomic_write_json(self._paths.ack(ack.seq, "durable"), ack.to_json())
+            with contextlib.suppress(OSError):
+                self._paths.ack(ack.seq, "pending").unlink()
 
     def _serve_restore(self, request: Path, name: str, gen: str) -> None:
         final = self._paths.restore / name

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import pytest
 from botocore.exceptions import ClientError
@@ -136,3 +138,47 @@ def test_client_failures_become_storage_errors_and_bugs_stay_themselves() -> Non
     bug = RetryingBackend(Failing(TypeError("a bug")), RetryConfig(deadline=0))
     with pytest.raises(TypeError, match="a bug"):
         bug.keys("")
+
+
+class DownUntil(Failing):
+    """A store that is down (connection refused) until ``up`` is set; ``failed`` is set at its second failure."""
+
+    def __init__(self) -> None:
+        super().__init__(ConnectionRefusedError(111, "Connection refused"))
+        self.up = threading.Event()
+        self.failures = 0
+        self.failed = threading.Event()
+
+    def get(self, key: str) -> bytes:
+        if self.up.is_set():
+            return b"value"
+        self.failures += 1
+        if self.failures >= 2:
+            self.failed.set()
+        raise self.error
+
+
+def test_a_call_being_retried_is_shown_from_its_first_failure_until_it_ends() -> None:
+    """The trainer's durable hold ends when the store is down: it must learn so at the first failure, not after
+    the retry deadline (an S3 outage held training for the whole deadline)."""
+    inner = DownUntil()
+    backend = RetryingBackend(inner, RetryConfig(deadline=60, initial_backoff=0.01, max_backoff=0.05))
+    assert backend.retrying() is None
+    result: list[bytes] = []
+    caller = threading.Thread(target=lambda: result.append(backend.get("k")))
+    before = time.monotonic()
+    caller.start()
+    assert inner.failed.wait(10)
+    retrying = backend.retrying()
+    assert retrying is not None and "Connection refused" in retrying.error
+    assert before <= retrying.since <= time.monotonic() and retrying.seconds >= 0
+    inner.up.set()
+    caller.join(10)
+    assert result == [b"value"] and backend.retrying() is None
+
+
+def test_a_call_that_gives_up_is_no_longer_shown_as_retrying() -> None:
+    backend = RetryingBackend(DownUntil(), RetryConfig(deadline=0.05, initial_backoff=0.01, max_backoff=0.01))
+    with pytest.raises(StorageUnavailableError):
+        backend.get("k")
+    assert backend.retrying() is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -17,13 +18,18 @@ from psguard.agent.tiers.spool_server import SpoolServer
 from psguard.errors import PsguardError, SaveError
 from psguard.handoff.contract import Tier
 from psguard.handoff.spool import Capture
+from psguard.policy.lag import LagBound
+from psguard.storage import RetryConfig, open_backend
 from psguard.store import Store
 from psguard.tensors import Full, TensorUpdate
+from psguard.trainer.durable_lag import LagGuard
+from psguard.trainer.sinks import _AgentSaveHandle
 from psguard.trainer.spool_writer import SpoolWriter
 from tests.support.fifos import Fifos
 
 DURABLE = frozenset({Tier.MEMORY, Tier.DURABLE})
 NOBODY = 65534
+CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there (a store that is down)
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user (nobody) needs root")
 
 
@@ -143,3 +149,36 @@ def test_a_spool_renamed_away_and_replaced_is_never_read(tmp_path: Path) -> None
                 srv.stop()
         with tier.export() as snap:
             assert np.array_equal(snap.tensors["w"], truth + 1)
+
+
+# ------------------------------------------------------------------------------------------- store down
+@pytest.mark.slow
+def test_a_store_being_retried_is_shown_in_the_pending_answer_so_a_hold_ends_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An S3 outage held training for the store's whole retry deadline (explore case 1/3): the trainer learns
+    from the pending durable answer that the store is failing, ends its hold, and the answer still comes."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLEKEYID0000")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-a-real-secret")
+    deadline = 20.0  # the store's retry deadline: the hold must end long before it
+    backend = open_backend("s3://bucket/job", {"endpoint_url": CLOSED}, retry=RetryConfig(deadline=deadline))
+    spool, tier = tmp_path / "spool", MemoryTier()
+    with Store(backend) as store, Persister(store, tier, retry_after=None) as persister, SpoolWriter(spool) as w:
+        srv = SpoolServer(spool, tier, persister, poll_interval=0.1).start()  # its own thread, as in the agent
+        try:
+            capture = w.submit(Capture(1, whole(1), tiers=DURABLE))
+            handle = _AgentSaveHandle(1, 0.0, capture, store)
+            guard = LagGuard(LagBound)
+            guard.submitted(handle)
+            t0 = time.monotonic()
+            guard.check(1)
+            held = time.monotonic() - t0
+            assert held < deadline / 2, f"held {held:.1f}s: the hold waited for the store's retry deadline"
+            retrying = handle.store_retrying()
+            assert retrying is not None and "is being retried" in retrying and "127.0.0.1:9" in retrying
+            assert guard.status().failing and guard.status().pending == 1  # its answer still counts
+            with pytest.raises(SaveError, match="did not become durable"):  # the answer comes at the deadline
+                handle.result(timeout=deadline * 3)
+            assert handle.store_retrying() is None
+        finally:
+            srv.stop()
