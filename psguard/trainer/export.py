@@ -1,29 +1,56 @@
 """Standard TensorFlow checkpoints out of psguard stores: users are never locked in.
 
-psguard stores each logical tensor under its TF checkpoint key, plus TF's object graph (the
-``_CHECKPOINTABLE_OBJECT_GRAPH`` tensor ``tf.train.Checkpoint`` writes), so an export is a plain ``SaveV2``
-of those tensors: ``tf.train.Checkpoint(...).restore(prefix)`` and ``tf.train.list_variables`` read it.
+An export of checkpoint ``C`` (step ``N``) into a folder (a local path, or a URL of any store psguard writes:
+``s3://``, ``hdfs://``, ...) writes what ``tf.train.CheckpointManager`` would have written there:
+
+1. ``ckpt-N.data-00000-of-00001`` and ``ckpt-N.index``: one ``SaveV2`` of every tensor of ``C`` under its TF
+   checkpoint key, each holding the bytes psguard stored (a partitioned variable as its logical tensor, which TF
+   restores under any partitioning), and TF's object graph (``_CHECKPOINTABLE_OBJECT_GRAPH``) byte for byte as
+   ``tf.train.Checkpoint.write`` serializes it for the same objects;
+2. last, TF's ``checkpoint`` state file (a text ``CheckpointState``, replaced atomically) naming ``ckpt-N`` the
+   latest, earlier checkpoints of the folder kept in its list. A reader polling the folder
+   (``tf.train.checkpoints_iterator``, ``SidecarEvaluator``) sees the new checkpoint only once its files are whole.
+
+A remote folder gets the same files, made in a local temporary folder (``$TMPDIR``, the checkpoint's size) and
+put through psguard's storage backend, data before index before state file.
+
+String tensors stay numpy ``object`` arrays of ``bytes`` from the store to ``SaveV2``: a fixed-width numpy string
+(dtype ``S``) drops trailing NUL bytes, and a serialized proto may end in one (TF's object graph does when its
+last node holds no value), which TF then cannot parse.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
+import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from psguard.errors import ObjectNotFoundError
+from psguard.storage.base import Backend
+from psguard.storage.registry import check_url, open_backend, redact, split_url
 from psguard.store import Store
 from psguard.store.cli import (
     add_progress_argument,
     add_store_arguments,
     metered_progress,
     open_store,
+    parse_storage_options,
     require_output_folder,
+    require_output_store,
 )
 from psguard.trainer.variables import gather_variables
 
+log = logging.getLogger(__name__)
+
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
+#: TF's state file, which ``tf.train.latest_checkpoint`` reads (``checkpoint_management._GetCheckpointFilename``).
+STATE_FILE = "checkpoint"
 
 
 def object_graph_bytes(root: Any) -> bytes:
@@ -31,7 +58,7 @@ def object_graph_bytes(root: Any) -> bytes:
 
     ``tf.train.Checkpoint.write`` produces the same proto but reads every tensor to do so (whole embedding
     tables to the chief); here only the graph is walked and each variable node gets the attribute that names
-    its checkpoint key.
+    its checkpoint key, then each node its ``has_checkpoint_values`` as TF sets it.
     """
     from tensorflow.python.checkpoint import graph_view, save_util, util  # lazy: TF only when exporting
 
@@ -45,22 +72,63 @@ def object_graph_bytes(root: Any) -> bytes:
             proto.nodes[td.node_id].attributes.add(
                 name="VARIABLE_VALUE", checkpoint_key=key, full_name=util.get_full_name(td.trackable)
             )
+    util.add_checkpoint_values_check(proto)
     data: bytes = proto.SerializeToString(deterministic=True)
     return data
 
 
-def export_checkpoint(store: Store, checkpoint_id: str, directory: str | Path, *, prefix_name: str = "ckpt") -> str:
-    """Write checkpoint ``checkpoint_id`` as a TF checkpoint in ``directory``; return its prefix."""
-    import numpy as np
-    import tensorflow as tf
+def tf_object_graph(graph: bytes) -> bytes:
+    """``graph`` as TF writes it. Checkpoints saved before psguard set the nodes' ``has_checkpoint_values`` hold
+    a graph without them (TF's restore reads them to decide which restores to defer to objects made later)."""
+    from tensorflow.core.protobuf import trackable_object_graph_pb2
+    from tensorflow.python.checkpoint import util
 
-    out = require_output_folder(directory, "export folder")
-    out.mkdir(parents=True, exist_ok=True)
+    proto = trackable_object_graph_pb2.TrackableObjectGraph()
+    proto.ParseFromString(graph)
+    util.add_checkpoint_values_check(proto)
+    data: bytes = proto.SerializeToString(deterministic=True)
+    return data
+
+
+def export_checkpoint(
+    store: Store,
+    checkpoint_id: str,
+    directory: str | Path,
+    *,
+    prefix_name: str = "ckpt",
+    storage_options: dict[str, Any] | None = None,
+) -> str:
+    """Write checkpoint ``checkpoint_id`` as a TF checkpoint into ``directory`` (a local folder or a store URL,
+    opened with ``storage_options``) and name it the latest in the folder's state file; return its prefix."""
+    scheme, rest = split_url(str(directory))
     info = store.manifest(checkpoint_id)
-    prefix = str(out / f"{prefix_name}-{info.step}")
-    tensors = store.load(checkpoint_id)
-    if OBJECT_GRAPH_KEY in tensors:
-        tensors[OBJECT_GRAPH_KEY] = np.array(tensors[OBJECT_GRAPH_KEY].item())
+    name = f"{prefix_name}-{info.step}"
+    local = require_output_folder(rest, "export folder") if scheme == "file" else None
+    if local is not None:
+        local.mkdir(parents=True, exist_ok=True)
+    backend = open_backend(str(local) if local is not None else str(directory), storage_options)
+    try:
+        tensors = store.load(checkpoint_id)
+        if OBJECT_GRAPH_KEY in tensors:
+            graph = np.asarray(tensors[OBJECT_GRAPH_KEY]).item()
+            tensors[OBJECT_GRAPH_KEY] = np.array(tf_object_graph(graph), dtype=object)
+        if local is not None:
+            _save_v2(str(local / name), tensors)
+        else:
+            with tempfile.TemporaryDirectory(prefix="psguard-export-") as staging:
+                _save_v2(str(Path(staging) / name), tensors)
+                del tensors
+                _upload(backend, Path(staging))
+        backend.put(STATE_FILE, _state_file(_read_state(backend), name, info.committed_at))
+    finally:
+        backend.close()
+    return str(local / name) if local is not None else f"{str(directory).rstrip('/')}/{name}"
+
+
+def _save_v2(prefix: str, tensors: dict[str, np.ndarray]) -> None:
+    """One ``SaveV2`` of ``tensors``: each array goes to TF as it is (strings as ``object`` arrays of bytes)."""
+    import tensorflow as tf  # lazy: TF only when exporting
+
     names = sorted(tensors)
     tf.raw_ops.SaveV2(
         prefix=prefix,
@@ -68,26 +136,68 @@ def export_checkpoint(store: Store, checkpoint_id: str, directory: str | Path, *
         shape_and_slices=[""] * len(names),
         tensors=[tf.constant(tensors[n]) for n in names],
     )
-    name = Path(prefix).name
-    (out / "checkpoint").write_text(f'model_checkpoint_path: "{name}"\nall_model_checkpoint_paths: "{name}"\n')
-    return prefix
+
+
+def _upload(backend: Backend, staging: Path) -> None:
+    """Every file ``SaveV2`` wrote in ``staging``, the index last: TF reads a checkpoint by its index. One file is
+    in memory at a time (the tensors, which took as much, are freed by then)."""
+    for path in sorted(staging.iterdir(), key=lambda p: (p.suffix == ".index", p.name)):
+        backend.put(path.name, path.read_bytes())
+
+
+def _read_state(backend: Backend) -> bytes | None:
+    try:
+        return backend.get(STATE_FILE)
+    except ObjectNotFoundError:
+        return None
+
+
+def _state_file(previous: bytes | None, name: str, committed_at: float) -> bytes:
+    """TF's ``checkpoint`` file naming ``name`` the latest, written as ``tf.train.CheckpointManager`` writes it
+    (paths relative to the folder, a timestamp per checkpoint); the checkpoints ``previous`` listed stay listed."""
+    from google.protobuf import text_format
+    from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
+
+    state = CheckpointState()
+    if previous is not None:
+        try:
+            text_format.Parse(previous.decode(), state)
+        except (text_format.ParseError, UnicodeDecodeError) as e:
+            log.warning("event=export_state_replaced reason=%s", f"the folder's {STATE_FILE} file is not TF's: {e}")
+            state = CheckpointState()
+    paths = list(state.all_model_checkpoint_paths)
+    stamps = list(state.all_model_checkpoint_timestamps)
+    paired = len(stamps) == len(paths)  # TF's CheckpointManager ignores timestamps it cannot pair with paths
+    keep = [i for i, p in enumerate(paths) if p != name]
+    out = CheckpointState(
+        model_checkpoint_path=name,
+        all_model_checkpoint_paths=[paths[i] for i in keep] + [name],
+        all_model_checkpoint_timestamps=[stamps[i] for i in keep] + [committed_at] if paired else [],
+        # Unset (0) unless the folder set one: a TF CheckpointManager opened on the folder manages (and in time
+        # deletes) every checkpoint listed after this time and keeps the older ones for ever.
+        last_preserved_timestamp=state.last_preserved_timestamp,
+    )
+    return str(text_format.MessageToString(out)).encode()
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    require_output_folder(args.out, "OUT")  # before reading anything: a bad OUT is a usage error
+    require_output_store(args.out, "OUT")  # before reading anything: a bad OUT is a usage error
+    check_url(args.out)
     with open_store(args) as store:
         cid = store.resolve(step=args.step, checkpoint_id=args.id)
         with metered_progress(args, "export", store.chain_bytes([cid]), store):
-            prefix = export_checkpoint(store, cid, args.out)
-    doc = {"checkpoint": cid, "prefix": prefix}
-    print(json.dumps(doc) if args.json else f"exported {cid} to {prefix} (read it with tf.train.Checkpoint.restore)")
+            prefix = export_checkpoint(store, cid, args.out, storage_options=parse_storage_options(args.out_option))
+    doc = {"checkpoint": cid, "prefix": redact(prefix)}
+    text = f"exported {cid} to {doc['prefix']} (TF's state file names it the latest: tf.train.latest_checkpoint)"
+    print(json.dumps(doc) if args.json else text)
     return 0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("export", help="write a checkpoint as a standard TensorFlow checkpoint")
     add_store_arguments(p)
-    p.add_argument("out", help="folder for the TF checkpoint (created)")
+    p.add_argument("out", help="folder for the TF checkpoint and its state file: a path or a store URL (created)")
+    p.add_argument("--out-option", action="append", metavar="KEY=VALUE", help="storage option for OUT; repeatable")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--step", type=int, help="the newest checkpoint of this step (default: the latest)")
     g.add_argument("--id", help="a checkpoint id")

@@ -266,8 +266,12 @@ def to_int(value: Any) -> int:
 
 
 def to_numpy(t: Any) -> np.ndarray:
+    """``t``'s value as an array; a scalar string (``numpy()`` gives ``bytes``) as an ``object`` array, since a
+    fixed-width numpy string (dtype ``S``) would drop its trailing NUL bytes."""
     value = t.numpy()
-    return value if isinstance(value, np.ndarray) else np.asarray(value)
+    if isinstance(value, np.ndarray):
+        return value
+    return np.array(value, dtype=object) if isinstance(value, bytes) else np.asarray(value)
 
 
 def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, Described]) -> list[tuple[str, str]]:
