@@ -55,6 +55,9 @@ poll as a safety net): it checks every file's size and CRC32C, applies the captu
 "message"}``, ``capture`` being the token of the capture it answers; a writer accepts an ack only for its
 own token, so it never takes another capture's answer for its own) by
 write-then-rename, asks its persister to make captures for the durable tier durable, and deletes the folder.
+While the durable answer is pending and the agent's store is failing and being retried, ``acks/<seq>.pending.json``
+holds ``"store_retrying": {"since": <time.time()>, "error": "..."}``: a trainer holding for that answer (its durable
+lag bound) stops holding instead of waiting out the store's retry deadline.
 
 Restore protocol. The trainer writes ``requests/restore-<gen>-<nonce>.json``; the agent exports a consistent
 snapshot of the memory tier (step, metadata, token, the last durable checkpoint it knows, a CRC32C per
