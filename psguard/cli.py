@@ -60,7 +60,7 @@ COMMAND_MODULES: tuple[str, ...] = (
 Handler = Callable[[argparse.Namespace], int]
 
 #: Client libraries whose DEBUG logs carry request headers: never below INFO, even with -vv.
-_CHATTY_CLIENTS = ("botocore", "aiobotocore", "s3fs", "urllib3", "hdfs_native", "fsspec")
+_CHATTY_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google", "urllib3", "hdfs_native", "fsspec")
 
 
 def version_text() -> str:
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(RedactingFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
-    for library in _CHATTY_CLIENTS:  # at DEBUG they print request headers (AWS key ids, signatures)
+    for library in _CHATTY_CLIENTS:  # at DEBUG they print requests and their headers (AWS key ids, signatures)
         logging.getLogger(library).setLevel(max(level, logging.INFO))
     func: Handler = args.func
     try:

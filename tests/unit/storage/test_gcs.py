@@ -7,6 +7,8 @@ No test here lets google-auth look for a metadata server: the ones without an em
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from psguard.errors import ConfigError, ObjectNotFoundError, StorageError, Stora
 from psguard.storage import RetryConfig, open_backend
 from psguard.storage.gcs import EMULATOR_ENV, GcsBackend, default_token
 from psguard.storage.retry import RetryingBackend
+from tests.support.paths import ROOT
 
 CLOSED = "http://127.0.0.1:9"  # the discard port: nothing listens there
 
@@ -165,3 +168,19 @@ def test_access_denied_fails_at_once_saying_so(gcs: Any, unique: str) -> None:
             backend.close()
     assert not isinstance(info.value, StorageUnavailableError) and proxy.failed == 1
     assert f"access denied to gs://{gcs.bucket} (403)" in str(info.value)
+
+
+@pytest.mark.slow
+def test_the_cli_keeps_the_gcs_clients_request_dumps_out_of_debug_output(gcs: Any, unique: str) -> None:
+    """gcsfs and google-auth log requests at DEBUG (with their headers): ``-vv`` shows psguard's DEBUG, not theirs."""
+    options = ["-o", f"endpoint_url={gcs.endpoint_url}", "-o", "token=anon"]
+    done = subprocess.run(
+        [sys.executable, "-m", "psguard.cli", "-vv", "ls", gcs.url(unique), *options],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    debug = [line for line in done.stderr.splitlines() if " DEBUG " in line]
+    assert not [line for line in debug if " gcsfs" in line or " google" in line], debug
