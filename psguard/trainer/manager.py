@@ -340,6 +340,9 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self._graph: bytes | None = None
         self._graph_layout = -1  # the capturer's layout_version self._graph was made for
         self.restored: RestoreInfo | None = None
+        # The tensor names of the state the sink's chain ends in, and the restore they were taken after.
+        self._chain_names: frozenset[str] | None = None
+        self._chain_names_restore: RestoreInfo | None = None
         self.restore_timeout = restore_timeout
         self._sink: Sink
         if spool_dir:
@@ -553,6 +556,18 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                 updates = self.capturer.capture(full=full)
                 stall += time.perf_counter() - t0
                 self.last_stall_seconds = stall
+                names = frozenset(self.capturer.tensors)
+                gone = self._names_gone(names)
+                if gone and not full:
+                    log.info(
+                        "step %d: %d tensor(s) of the last checkpoint are no longer the model's (its variables "
+                        "changed, e.g. an optimizer built since: %s); this save is whole",
+                        step,
+                        len(gone),
+                        sorted(gone)[:3],
+                    )
+                    full = True
+                    continue
                 if (
                     self._deferred is not None
                     and all(n in updates for n in self._deferred.pending)
@@ -572,6 +587,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                 job = Job(step, updates, metadata, dict(metrics or {}), wanted, parts=parts)
                 try:
                     handle = self._sink.submit(job, stall)
+                    self._chain_names, self._chain_names_restore = names, self.restored
                     break
                 except DeltaWithoutParentError:
                     if full:
@@ -583,6 +599,16 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self._lag.submitted(handle)
         log.info("captured step %d in %.3fs (%s)", step, stall, summary(updates))
         return handle
+
+    def _names_gone(self, names: frozenset[str]) -> frozenset[str]:
+        """The tensors of the state the chain ends in (the last capture's, or the restored checkpoint's) that
+        the model no longer has. Why: a delta must list every tensor of its parent, and a model's variables can
+        be renamed under it (a Keras 3 model's kernels move under the optimizer once it is built); TF's saver
+        writes whole checkpoints and never minds."""
+        chain = self._chain_names
+        if self.restored is not None and self.restored is not self._chain_names_restore:
+            chain = frozenset(self.restored.metadata.get("partitioning") or ())
+        return chain - names if chain else frozenset()
 
     def sync(self) -> None:
         """TF's: wait for outstanding saves (here: until durable, as :meth:`wait`)."""
