@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import re
 import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from psguard.errors import ObjectNotFoundError, StorageError
+from psguard.errors import ConfigError, ObjectNotFoundError, StorageError
 from psguard.storage.base import Backend, validate_key
+from psguard.storage.registry import redact
 
 TMP_MARK = ".tmp."
 
@@ -46,6 +48,20 @@ def _timestamp(value: object) -> float | None:
             value = value.replace(tzinfo=dt.UTC)
         return value.timestamp()
     return None
+
+
+def bucket_root(url: str, rest: str, service: str, bucket: re.Pattern[str], rule: str) -> str:
+    """``bucket/prefix`` from ``rest``, the part of an object store's ``url`` after ``scheme://`` (user info
+    removed); :class:`ConfigError` when it names no bucket, or one ``bucket`` does not match (``rule`` says the
+    service's rule)."""
+    root = rest.strip("/")
+    scheme = url.split("://", 1)[0]
+    if not root:
+        raise ConfigError(f"{service} URL {redact(url)!r} names no bucket; use {scheme}://bucket/prefix")
+    name = root.split("/", 1)[0]
+    if not bucket.fullmatch(name):
+        raise ConfigError(f"{service} URL {redact(url)!r}: {name!r} is not a bucket name ({rule})")
+    return root
 
 
 class FsspecBackend(Backend):

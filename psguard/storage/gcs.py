@@ -35,7 +35,7 @@ from gcsfs.core import GCSFileSystem
 
 from psguard.errors import ConfigError, ObjectExistsError
 from psguard.storage.base import Buffer
-from psguard.storage.fsspec_backend import FsspecBackend
+from psguard.storage.fsspec_backend import FsspecBackend, bucket_root
 from psguard.storage.registry import redact
 from psguard.storage.retry import http_status
 
@@ -114,17 +114,9 @@ class GcsBackend(FsspecBackend):
         rest = url.split("://", 1)[1]
         if "@" in rest.split("/", 1)[0]:
             raise ConfigError(f"GCS URL {redact(url)!r} carries credentials; gs:// takes none: {_CREDENTIALS_HINT}")
-        rest = rest.strip("/")
-        if not rest:
-            raise ConfigError(f"GCS URL {redact(url)!r} names no bucket; use gs://bucket/prefix")
-        bucket = rest.split("/", 1)[0]
-        if not BUCKET_NAME.fullmatch(bucket):
-            raise ConfigError(
-                f"GCS URL {redact(url)!r}: {bucket!r} is not a bucket name (3-63 lower-case letters, digits, dots, "
-                "hyphens and underscores)"
-            )
-        self.root = rest
-        self.url = f"gs://{rest}"
+        rule = "3-63 lower-case letters, digits, dots, hyphens and underscores"
+        self.root = bucket_root(url, rest, "GCS", BUCKET_NAME, rule)
+        self.url = f"gs://{self.root}"
         opts = dict(options or {})
         token = default_token(opts)
         if token is not None:

@@ -15,10 +15,9 @@ from urllib.parse import unquote
 
 import s3fs
 
-from psguard.errors import ConfigError, ObjectExistsError
+from psguard.errors import ObjectExistsError
 from psguard.storage.base import Buffer
-from psguard.storage.fsspec_backend import FsspecBackend
-from psguard.storage.registry import redact
+from psguard.storage.fsspec_backend import FsspecBackend, bucket_root
 
 # Bounded client timeouts: psguard's own retry layer (with a deadline) decides how long to keep trying.
 _DEFAULT_CONFIG = {
@@ -125,16 +124,8 @@ class S3Backend(FsspecBackend):
             opts.setdefault("key", unquote(key))
             opts.setdefault("secret", unquote(secret))
             rest = location
-        rest = rest.strip("/")
-        if not rest:
-            raise ConfigError(f"S3 URL {redact(url)!r} names no bucket; use s3://bucket/prefix")
-        bucket = rest.split("/", 1)[0]
-        if not _BUCKET.fullmatch(bucket):
-            raise ConfigError(
-                f"S3 URL {redact(url)!r}: {bucket!r} is not a bucket name (3-63 letters, digits, dots and hyphens)"
-            )
-        self.root = rest
-        self.url = f"s3://{rest}"
+        self.root = bucket_root(url, rest, "S3", _BUCKET, "3-63 letters, digits, dots and hyphens")
+        self.url = f"s3://{self.root}"
         client = opts.get("client_kwargs") or {}
         self._endpoint = opts.get("endpoint_url") or client.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
         config = dict(_DEFAULT_CONFIG)

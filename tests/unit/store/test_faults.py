@@ -100,12 +100,14 @@ class StopServerAfterFirstChunk(RetryingBackend):
                 self.stopped.set()
 
 
+@pytest.fixture(params=[pytest.param("seaweed", id="s3-seaweedfs"), pytest.param("gcs", id="gcs-fake-gcs-server")])
+def server(request: pytest.FixtureRequest) -> Any:
+    """A real storage server of the session that a test may stop, freeze and start again."""
+    return request.getfixturevalue(request.param)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("server_name", ["seaweed", "gcs"])
-def test_store_outage_during_save_fails_clearly_then_recovers(
-    server_name: str, request: pytest.FixtureRequest, unique: str
-) -> None:
-    server = request.getfixturevalue(server_name)
+def test_store_outage_during_save_fails_clearly_then_recovers(server: Any, unique: str) -> None:
     url = server.url(unique)
     options = dict(server.storage_options)
     config = RetryConfig(deadline=3.0, initial_backoff=0.05, max_backoff=0.5)
@@ -130,20 +132,16 @@ def test_store_outage_during_save_fails_clearly_then_recovers(
 
 #: Client timeouts short enough for a test: botocore's for S3, the GCS backend's own (gcsfs has none by default).
 SHORT_TIMEOUTS: dict[str, dict[str, Any]] = {
-    "seaweed": {"config_kwargs": {"read_timeout": 2, "connect_timeout": 2, "retries": {"max_attempts": 1}}},
+    "seaweedfs": {"config_kwargs": {"read_timeout": 2, "connect_timeout": 2, "retries": {"max_attempts": 1}}},
     "gcs": {"read_timeout": 2, "connect_timeout": 2},
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("server_name", ["seaweed", "gcs"])
-def test_a_frozen_server_fails_the_save_instead_of_hanging(
-    server_name: str, request: pytest.FixtureRequest, unique: str
-) -> None:
+def test_a_frozen_server_fails_the_save_instead_of_hanging(server: Any, unique: str) -> None:
     """A SIGSTOPped server accepts connections and never answers: the save must still end, clearly."""
-    server = request.getfixturevalue(server_name)
     url = server.url(unique)
-    options = {**server.storage_options, **SHORT_TIMEOUTS[server_name]}
+    options = {**server.storage_options, **SHORT_TIMEOUTS[server.kind]}
     store = Store.open(url, options, retry=RetryConfig(deadline=3.0, initial_backoff=0.1), chunk_bytes=1 << 16)
     server.freeze()
     try:
