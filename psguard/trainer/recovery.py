@@ -37,6 +37,7 @@ from typing import Any, NoReturn, TypeVar
 from psguard.errors import PsguardError
 from psguard.handoff.client import report_failure
 from psguard.handoff.contract import EXIT_RESTART
+from psguard.handoff.plan import failure_moment
 from psguard.trainer.deferred_init import MIN_BYTES, deferred_initial_values
 from psguard.trainer.registry import process_managers
 
@@ -88,11 +89,8 @@ def is_cluster_failure(exc: BaseException) -> bool:
 
 
 def _failure_time(seen_at: float | None = None) -> float:
-    """The ``failed_at`` for the chief's agent: the last step the failed generation made, when a manager saw one
-    (:meth:`~psguard.trainer.registry.ManagerRegistry.generation_ran_at`), else when the failure was seen."""
-    seen = time.time() if seen_at is None else seen_at
-    ran = process_managers.generation_ran_at()
-    return seen if ran is None else min(seen, ran)
+    """The ``failed_at`` for the chief's agent (:func:`psguard.handoff.plan.failure_moment`)."""
+    return failure_moment(time.time() if seen_at is None else seen_at, process_managers.generation_ran_at())
 
 
 def exit_for_restart(exc: BaseException | None = None, *, failed_at: float | None = None) -> NoReturn:

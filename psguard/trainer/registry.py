@@ -86,10 +86,7 @@ class ManagerRegistry:
     def generation_ran_at(self) -> float | None:
         """When the running trainer generation last made a step a manager saw (``time.time()``); ``None`` if none.
 
-        Recovery hands it to the chief's agent as the failure time (``failed_at``): every PS process started after it
-        was started after this generation connected to the cluster, so it holds none of its state and need not be
-        restarted for the next generation. The time the failure was *seen* is later, and a PS its agent restarted
-        in between (0.1-0.2 s after a kill: a warm standby) would be restarted a second time, cold.
+        A fact for the recovery plan's failure moment (:func:`psguard.handoff.plan.failure_moment` says why).
         """
         with self._seen_lock:
             return self._step_seen_at
