@@ -44,7 +44,7 @@ from psguard.agent.process.hang import Hang
 from psguard.agent.process.lifecycle import EventKind, SupervisorEvent
 from psguard.agent.process.prober import Health, HealthMonitor, HealthReport
 from psguard.agent.process.supervisor import Supervisor
-from psguard.handoff.contract import EXIT_RESTART
+from psguard.handoff.plan import Facts, Failure, Process, TaskReport, plan, reported_moment
 
 __all__ = ["Recovery", "shards_mapped"]
 
@@ -111,10 +111,9 @@ class Recovery:
             if restart_follows and self.role == "chief" and self.restart_ps:
                 # Runs on the supervisor's thread: the trainer is not started again until this returns.
                 with self._lock:
-                    failed_at, self._reported_failure = self._reported_failure, None
+                    reported, self._reported_failure = self._reported_failure, None
                 run_start = event.time - (event.run_seconds or 0.0)
-                if event.exit_code != EXIT_RESTART or failed_at is None or failed_at < run_start:
-                    failed_at = None  # only a report from the run that just asked for a restart counts
+                failed_at = reported_moment(reported, run_started_at=run_start, exit_code=event.exit_code)
                 self.peer_sync.new_generation(f"the trainer {event.reason}", failed_at)
                 self._export_ahead()  # after the restarts, as for an in-process rejoin (new_generation says why)
         elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
@@ -176,16 +175,18 @@ class Recovery:
         return sup.restart(reason, crash=False)
 
     def started_within(self, sup: Supervisor, seconds: float) -> bool:
-        """Whether the task's current run started less than ``seconds`` ago: a restart asked for because of a
-        failure that long ago would kill a run that already replaced the failed one. The race it closes: a new
-        generation saw the crashed PS in its restart backoff (no run), its agent restarted it from the standby
-        0.1 s later, and the generation's ``POST /restart`` then killed that run and started the PS cold, with
-        the standby spent (0.5 s more of a 2 s recovery, 1 GB bench). Judged by the run's uptime: no clock is
-        compared with another host's."""
+        """Whether the recovery plan leaves the task's run alone, the failure having been ``seconds`` ago: a run
+        that began since replaced the failed one (``started-after``). The race it closes: a new generation saw the
+        crashed PS in its restart backoff (no run), its agent restarted it from the standby 0.1 s later, and the
+        generation's ``POST /restart`` would then kill that run. Judged on this host's clock alone (the run's
+        uptime against the seconds since the failure)."""
         uptime = sup.status().uptime_seconds
-        fresh = uptime is not None and uptime < seconds
+        now = time.monotonic()
+        report = TaskReport(self.task, run_started_at=None if uptime is None else now - uptime, role=self.role)
+        part = plan(Facts((report,), failure=Failure(now - seconds))).tasks[self.task]
+        fresh = part.process is Process.WAIT_FOR
         if fresh:
-            log.info("event=restart_skipped task=%s uptime=%.2fs reason='started after the failure'", self.task, uptime)
+            log.info("event=restart_skipped task=%s uptime=%.2fs reason=%r", self.task, uptime, part.why)
         return fresh
 
     # ------------------------------------------------------------------------------------------ generations
