@@ -15,12 +15,13 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any, Literal
 
 from psguard.agent.process.prober import MonitorConfig
 from psguard.config import Check, Duration, validate
 from psguard.handoff.client import http_json
+from psguard.handoff.plan import Facts, Failure, Options, Process, TaskReport, TaskState, plan
 
 __all__ = ["PeerSync", "PeersConfig"]
 
@@ -115,153 +116,68 @@ class PeerSync:
         self.on_fresh: Callable[[str, Mapping[str, Any]], None] | None = None
 
     def sync(
-        self,
-        *,
-        restart_ps: bool,
-        why: str = "",
-        failed_at: float | None = None,
-        workers: bool = False,
-        keep_survivors: bool = False,
+        self, *, restart_ps: bool, why: str = "", failed_at: float | None = None, new_process: bool = False
     ) -> dict[str, str]:
         """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
 
-        ``restart_ps``: every peer whose ``/status`` says ``role: ps`` (and ``worker`` too with ``workers``)
-        restarts its task (``POST /restart``) and is waited for until its restart count went up and it is
-        ready; other peers are skipped. Otherwise every peer is only waited for until ready. Peers that do not
-        answer yet (their agent is still starting) are
-        retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends the wait for that peer.
-        ``failed_at`` (Unix time, this host's clock): a moment the failed trainer generation still ran (its last
-        step, or when it saw the failure). A PS whose current run started after it is left alone (only waited
-        for): the generation connected to the PS before that moment, so this process holds none of its state;
-        typically the PS that died, already restarted by its own agent. Its start is judged by its
-        uptime, so the PS host's clock does not matter. ``keep_survivors`` (with ``failed_at``): a ready PS whose run
-        began before it is left running too (``peers.keep_survivors``, an in-process rejoin only).
+        Each peer does its part of the recovery plan (:mod:`psguard.handoff.plan`), planned on its ``/status``:
+        restarted (``POST /restart``, then waited for until its restart count went up and it is ready), waited
+        for until ready (started after ``failed_at``; a replacement agent whose task has not started; every peer
+        when ``restart_ps`` is off), or kept (a worker an in-process rejoin keeps, a serving survivor under
+        ``peers.keep_survivors``). ``failed_at`` (Unix time, this host's clock): a moment the failed generation
+        still ran; a run's start is its uptime before the answer, so the peer's clock does not matter.
+        ``new_process``: the next trainer is a new process. Peers that do not answer yet (their agent is still
+        starting) are retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends that peer's wait.
         """
         cfg = self.config
-        restarted_roles = {"ps", "worker"} if workers else {"ps"}
+        failure = Failure(failed_at, new_trainer_process=new_process)
+        facts = Facts(failure=failure, options=Options(restart_ps, cfg.restart_workers, cfg.keep_survivors))
+        generation = _Round(self, facts, why)
         deadline = time.monotonic() + cfg.ready_timeout
-        outcome: dict[str, str] = {}
-        pending: dict[str, int | None] = dict.fromkeys(self.peers)  # None: not asked yet; int: restarts before
-        fresh: set[str] = set()
-        left_alone: set[str] = set()  # asked to restart, the agent answered that its run is fresh
-        last_error: dict[str, str] = {}
-
-        def visit(url: str, before: int | None) -> None:
-            """One peer's round: its status, its restart if due, its outcome once settled. Each visit touches
-            only its own peer's keys, so the peers are visited side by side."""
-            asked_at = time.time()  # the answer's uptime is measured later: the PS started after asked - uptime
-            try:
-                code, doc = http_json(
-                    "GET", f"{url}/status", token=self._peer_token, timeout=cfg.request_timeout, tls=self._tls
-                )
-            except OSError as e:
-                last_error[url] = str(e)
-                return  # not serving yet: retried until the deadline
-            if code != 200 or not isinstance(doc, dict):
-                outcome[url] = f"error: GET /status answered HTTP {code}"
-                del pending[url]
-                return
-            if isinstance(doc.get("task"), str):
-                self.names[url] = doc["task"]
-                node = doc.get("node")
-                self.nodes[doc["task"]] = node if isinstance(node, str) else None
-                shards = doc.get("shards")
-                if isinstance(shards, dict) and isinstance(shards.get("folder"), str):
-                    self.part_dirs[doc["task"]] = shards["folder"]
-                    self.part_stores[doc["task"]] = shards.get("store") is True
-            restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
-            uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
-            if (
-                before is None
-                and restart_ps
-                and doc.get("role") in restarted_roles
-                and (
-                    # A new agent (a replacement node) that has not started its PS yet: that PS will hold
-                    # nothing of any generation. Asked to restart it, the agent answers 409 (idle).
-                    (doc.get("state") == "idle" and restarts == 0)
-                    or (
-                        failed_at is not None
-                        and isinstance(uptime, int | float)
-                        and asked_at - uptime > failed_at  # a lower bound of its start: no margin needed
-                    )
-                )
-            ):
-                fresh.add(url)  # started after the failure: wait for it, do not restart it again
-                pending[url] = restarts
-                before = restarts
-                if self.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
-                    self.on_fresh(doc["task"], doc)
-            survivor = url not in fresh and before is None and failed_at is not None and doc.get("role") == "ps"
-            if survivor and keep_survivors and ready:  # serving: its old variables go with the failed generation
-                outcome[url] = "kept (survived the failure)"
-                del pending[url]
-                return
-            if url in fresh:
-                if ready:
-                    outcome[url] = "fresh (started after the failure)"
-                    del pending[url]
-            elif before is None and restart_ps and doc.get("role") in restarted_roles:
-                try:
-                    # A run that started after the failure is left alone by the peer: it may have come up
-                    # since its /status above (out of its restart backoff).
-                    since = {} if failed_at is None else {"unless_started_within": time.time() - failed_at}
-                    code, answer = http_json(
-                        "POST",
-                        f"{url}/restart",
-                        body={"reason": why, **since},
-                        token=self._peer_token,
-                        timeout=cfg.request_timeout,
-                        tls=self._tls,
-                    )
-                except OSError as e:
-                    last_error[url] = str(e)
-                    return
-                if not 200 <= code < 300:
-                    message = answer.get("error", "") if isinstance(answer, dict) else ""
-                    outcome[url] = f"error: POST /restart answered HTTP {code}: {message}"
-                    del pending[url]
-                    return
-                if isinstance(answer, dict) and answer.get("fresh") is True:
-                    # The agent left its run alone: it started after the failure. A replacement node's agent
-                    # whose PS came up between its /status and this request is on its first run, and its
-                    # restart count never goes up: waiting for that held a generation for ready_timeout.
-                    left_alone.add(url)
-                    if self.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
-                        self.on_fresh(doc["task"], doc)
-                pending[url] = restarts
-            elif before is None and restart_ps:
-                outcome[url] = f"skipped ({doc.get('role')})"
-                del pending[url]
-            elif ready and (before is None or restarts > before):
-                outcome[url] = "restarted" if before is not None else "ready"
-                del pending[url]
-            elif ready and url in left_alone:
-                outcome[url] = "fresh (started after the failure)"
-                del pending[url]
-
         # Side by side: one at a time, a restart request reached the N-th PS N round trips after the first (about
         # 25 ms each on loopback: 2.4 s at 100 PS, on every recovery's path).
         with ThreadPoolExecutor(
             min(_MAX_PARALLEL, max(1, len(self.peers))), thread_name_prefix="psguard-peers"
         ) as pool:
-            while pending and not self._stop.is_set() and time.monotonic() < deadline:
-                list(pool.map(lambda item: visit(*item), list(pending.items())))
-                if pending:
+            while generation.pending and not self._stop.is_set() and time.monotonic() < deadline:
+                list(pool.map(generation.visit, list(generation.pending)))
+                if generation.pending:
                     # Polling the peers' state, bounded by the deadline. The trainer waits for the last PS seen
                     # ready: at 0.1 s a round cost 0.05 s of every recovery on average; a round is one GET /status
                     # per PS still pending.
                     self._stop.wait(_POLL_SECONDS)
-        for url in pending:
-            detail = f" (last error: {last_error[url]})" if url in last_error else ""
-            if self._stop.is_set():
-                outcome[url] = (
-                    f"error: this agent stopped before the peer was {'restarted and ' if restart_ps else ''}ready"
-                )
-            else:
-                outcome[url] = (
-                    f"error: not {'restarted and ' if restart_ps else ''}ready within {cfg.ready_timeout:g}s{detail}"
-                )
-        return outcome
+        return generation.finish(restart_ps, stopped=self._stop.is_set())
+
+    def learn(self, url: str, doc: Mapping[str, Any]) -> None:
+        """What a peer's ``/status`` tells of it: its task's name, node and shard folder."""
+        if not isinstance(doc.get("task"), str):
+            return
+        self.names[url] = doc["task"]
+        node = doc.get("node")
+        self.nodes[doc["task"]] = node if isinstance(node, str) else None
+        shards = doc.get("shards")
+        if isinstance(shards, dict) and isinstance(shards.get("folder"), str):
+            self.part_dirs[doc["task"]] = shards["folder"]
+            self.part_stores[doc["task"]] = shards.get("store") is True
+
+    def report(self, url: str, doc: Mapping[str, Any], asked_at: float) -> TaskReport:
+        """A peer's ``/status`` as the recovery plan reads it; its run's start on this host's clock (``asked_at``
+        less its uptime: a lower bound, since the uptime was measured after the question left)."""
+        uptime = (doc.get("supervisor") or {}).get("uptime_seconds")
+        restarts, state = int(doc.get("restarts") or 0), str(doc.get("state"))
+        task_state = TaskState.NEW if state == "idle" and restarts == 0 else _STATES.get(state, TaskState.DOWN)
+        if task_state is TaskState.UP and doc.get("health") == "unhealthy":
+            task_state = TaskState.HUNG
+        task = doc["task"] if isinstance(doc.get("task"), str) else url
+        return TaskReport(
+            task,
+            task_state,
+            asked_at - uptime if isinstance(uptime, int | float) else None,
+            ready=doc.get("ready") is True,
+            node=self.nodes.get(task),
+            copies=() if self.config.copies == "none" else None,  # the holders answer when asked
+            role=str(doc.get("role") or "?"),
+        )
 
     def tasks(self) -> dict[str, str]:
         """Task name -> base URL of every peer whose name is known."""
@@ -317,16 +233,9 @@ class PeerSync:
         One at a time: the supervisor's exit callback and ``POST /new-generation`` may both ask.
         """
         with self._one_at_a_time:
-            return self._restart_ps(
-                reason,
-                failed_at,
-                workers=new_process and self.config.restart_workers,
-                keep_survivors=not new_process and self.config.keep_survivors,
-            )
+            return self._restart_ps(reason, failed_at, new_process=new_process)
 
-    def _restart_ps(
-        self, reason: str, failed_at: float | None, *, workers: bool, keep_survivors: bool
-    ) -> dict[str, Any]:
+    def _restart_ps(self, reason: str, failed_at: float | None, *, new_process: bool) -> dict[str, Any]:
         with self._lock:
             self.generation += 1
             generation = self.generation
@@ -335,9 +244,7 @@ class PeerSync:
             "event=generation task=%s generation=%d reason=%r peers=%d", self.task, generation, reason, len(self.peers)
         )
         why = f"new trainer generation {generation}: {reason}"
-        outcome = self.sync(
-            restart_ps=True, why=why, failed_at=failed_at, workers=workers, keep_survivors=keep_survivors
-        )
+        outcome = self.sync(restart_ps=True, why=why, failed_at=failed_at, new_process=new_process)
         seconds = time.monotonic() - t0
         failed = {u: o for u, o in outcome.items() if o.startswith("error")}
         (log.error if failed else log.info)(
@@ -351,3 +258,114 @@ class PeerSync:
         with self._lock:
             self.last = result
         return result
+
+
+_STATES = {"running": TaskState.UP, "backoff": TaskState.RESTARTING, "stopping": TaskState.RESTARTING}
+_FRESH = "fresh (started after the failure)"
+
+
+class _Round:
+    """One :meth:`PeerSync.sync`: each peer's part of the plan, carried out, and its outcome once settled.
+
+    ``pending``: the peers not settled yet, each with its restart count when it was asked to restart (or found
+    fresh), ``None`` before its first answer. Each visit touches only its own peer's keys, so the peers are
+    visited side by side.
+    """
+
+    def __init__(self, peers: PeerSync, facts: Facts, why: str) -> None:
+        self.peers, self.facts, self.why = peers, facts, why
+        self.pending: dict[str, int | None] = dict.fromkeys(peers.peers)
+        self.outcome: dict[str, str] = {}
+        self.waiting: dict[str, str] = {}  # waited for, not restarted: the outcome it settles with once ready
+        self.left_alone: set[str] = set()  # asked to restart, its agent answered that its run is fresh
+        self.last_error: dict[str, str] = {}
+
+    def visit(self, url: str) -> None:
+        """One peer's round: its status, its part of the plan at its first answer, its outcome once settled."""
+        asked_at = time.time()  # the answer's uptime is measured later: the task started after asked - uptime
+        try:
+            code, doc = http_json(
+                "GET", f"{url}/status", token=self.peers._peer_token, timeout=self.peers.config.request_timeout,
+                tls=self.peers._tls,
+            )  # fmt: skip
+        except OSError as e:
+            self.last_error[url] = str(e)
+            return  # not serving yet: retried until the deadline
+        if code != 200 or not isinstance(doc, dict):
+            self._settle(url, f"error: GET /status answered HTTP {code}")
+            return
+        self.peers.learn(url, doc)
+        restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
+        before = self.pending[url]
+        if before is None and url not in self.waiting:
+            self._carry_out(url, doc, asked_at)
+        elif url in self.waiting:
+            if ready:
+                self._settle(url, self.waiting[url])
+        elif ready and before is not None and restarts > before:
+            self._settle(url, "restarted")
+        elif ready and url in self.left_alone:
+            self._settle(url, _FRESH)
+
+    def _carry_out(self, url: str, doc: Mapping[str, Any], asked_at: float) -> None:
+        report = self.peers.report(url, doc, asked_at)
+        part = plan(replace(self.facts, tasks=(report,))).tasks[report.task]
+        restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
+        if part.process is Process.KEEP:
+            kept = "survivor-kept" in part.rules
+            self._settle(url, "kept (survived the failure)" if kept else f"skipped ({doc.get('role')})")
+        elif part.process is Process.WAIT_FOR:
+            self.waiting[url] = "ready" if "only-waited" in part.rules else _FRESH
+            if self.waiting[url] == _FRESH:
+                self.pending[url] = restarts
+                self._fresh(doc)
+            if ready:
+                self._settle(url, self.waiting[url])
+        else:
+            self._restart(url, doc, restarts)
+
+    def _restart(self, url: str, doc: Mapping[str, Any], restarts: int) -> None:
+        failed_at = self.facts.failure.at
+        try:
+            # A run that started after the failure is left alone by the peer: it may have come up since its
+            # /status above (out of its restart backoff).
+            since = {} if failed_at is None else {"unless_started_within": time.time() - failed_at}
+            code, answer = http_json(
+                "POST", f"{url}/restart", body={"reason": self.why, **since}, token=self.peers._peer_token,
+                timeout=self.peers.config.request_timeout, tls=self.peers._tls,
+            )  # fmt: skip
+        except OSError as e:
+            self.last_error[url] = str(e)
+            return
+        if not 200 <= code < 300:
+            message = answer.get("error", "") if isinstance(answer, dict) else ""
+            self._settle(url, f"error: POST /restart answered HTTP {code}: {message}")
+            return
+        if isinstance(answer, dict) and answer.get("fresh") is True:
+            # The agent left its run alone: it started after the failure. A replacement node's agent whose PS
+            # came up between its /status and this request is on its first run, and its restart count never goes
+            # up: waiting for that held a generation for ready_timeout.
+            self.left_alone.add(url)
+            self._fresh(doc)
+        self.pending[url] = restarts
+
+    def _fresh(self, doc: Mapping[str, Any]) -> None:
+        """A PS started after the failure (a replacement's may still be starting): the chief's agent has it
+        fetch its shards now (``on_fresh``), beside the rest of the generation."""
+        if self.peers.on_fresh is not None and doc.get("role") == "ps" and isinstance(doc.get("task"), str):
+            self.peers.on_fresh(doc["task"], doc)
+
+    def _settle(self, url: str, outcome: str) -> None:
+        self.outcome[url] = outcome
+        del self.pending[url]
+
+    def finish(self, restart_ps: bool, *, stopped: bool) -> dict[str, str]:
+        """The outcomes, with an error for each peer still pending."""
+        what = f"{'restarted and ' if restart_ps else ''}ready"
+        for url in self.pending:
+            detail = f" (last error: {self.last_error[url]})" if url in self.last_error else ""
+            if stopped:
+                self.outcome[url] = f"error: this agent stopped before the peer was {what}"
+            else:
+                self.outcome[url] = f"error: not {what} within {self.peers.config.ready_timeout:g}s{detail}"
+        return self.outcome
