@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +31,7 @@ from psguard.dependencies import import_optional
 from psguard.errors import NoCheckpointError, PsguardError, StorageError, TensorMismatchError
 from psguard.handoff.client import report_recovery
 from psguard.handoff.contract import TOKEN_KEY, Tier
+from psguard.handoff.plan import Durable, Facts, Memory, Source, plan
 from psguard.handoff.spool import NewerInMemoryError, Restored
 from psguard.policy.engine import SaveContext
 from psguard.storage.retry import RetryingBackend
@@ -188,44 +189,67 @@ class RestoreSide:
             return False
 
     def _restore_newest(self, *, status: bool = False) -> tuple[RestoreInfo, Restored] | None:
-        """The newest state that loads: the memory tier when at least as new as the log, else the log."""
+        """The state the recovery plan restores (:mod:`psguard.handoff.plan`), planned again as the trainer
+        learns more: the memory tier when every PS can be given it and it is at least as new as the log, else the
+        log's newest commit that loads, else nothing (initial values)."""
         asked = self._ask_durable_latest() if self._sink.supervised else None
-        memory = self._sink.memory_snapshot(self.restore_timeout)
-        if memory is not None and not memory.parts:
-            absent = sorted(n for n in self.capturer.spilled if n not in memory.tensors)
-            if absent:  # the PS agents hold no state the chief's agent vouches for (e.g. it restarted)
-                log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
-                memory = None
-        durable_latest = self._durable_latest_beside(memory, asked) if memory is not None else None
-        # The memory tier's state did not load on the PS (a damaged file): the log may replace it in the tiers.
-        # Otherwise the agents refuse to load the log over a newer state they all still hold.
-        failed_to_load = False
-        if memory is not None and (durable_latest is None or memory.step >= durable_latest.step):
-            if (loaded := self._load_memory(memory, status=status)) is not None:
-                return loaded
-            failed_to_load = True
-        elif memory is not None and durable_latest is not None:
-            log.warning(
-                "the memory tier (step %d) is older than the durable log (step %d): restoring from the log",
-                memory.step,
-                durable_latest.step,
-            )
-        # Nothing else holds the job's state now: a store that does not answer is waited for (storage/waiting.py),
-        # as giving up ends the job and starting from initial values would lose every acknowledged commit.
+        snapshot = self._sink.memory_snapshot(self.restore_timeout)
+        memory = self._memory_fact(snapshot)
+        durable = Durable()
+        if memory is not None and memory.held is not False:
+            assert snapshot is not None
+            latest = self._durable_latest_beside(snapshot, asked)
+            durable = Durable.at(latest.step, latest.id) if latest is not None else Durable()
+        while True:
+            restore = plan(Facts(memory=memory, durable=durable)).restore
+            if restore.source is Source.INITIAL:
+                return None
+            if restore.source is Source.MEMORY:
+                if snapshot is None:  # the agents refused the log: every PS still gives the memory tier's state
+                    snapshot = self._sink.memory_snapshot(self.restore_timeout)
+                    if snapshot is None:
+                        raise PsguardError(
+                            f"{restore.why}; but the memory tier could not be exported: not restoring now"
+                        )
+                if (loaded := self._load_memory(snapshot, status=status)) is not None:
+                    return loaded
+                assert memory is not None
+                memory = replace(memory, loads=False)
+                continue
+            if memory is not None:
+                log.warning("restoring from the durable log: %s", restore.why)
+            try:
+                restored = self._from_the_log(force=restore.force, status=status)
+            except NewerInMemoryError as refusal:  # its first export failed for a reason that was not the tiers'
+                log.warning("%s: asking the memory tier again", refusal)
+                memory, snapshot = Memory(None, held=True), None
+                continue
+            if restored is not None:
+                return restored
+            durable = Durable.none()
+
+    def _memory_fact(self, snapshot: Restored | None) -> Memory | None:
+        """The memory tier's snapshot as the plan reads it: not held when it lacks the shards the capturer
+        spilled (the PS agents hold no state the chief's agent vouches for, e.g. it restarted)."""
+        if snapshot is None:
+            return None
+        absent = [] if snapshot.parts else sorted(n for n in self.capturer.spilled if n not in snapshot.tensors)
+        if absent:
+            log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
+        return Memory(snapshot.step, snapshot.token, held=not absent)
+
+    def _from_the_log(self, *, force: bool, status: bool) -> tuple[RestoreInfo, Restored] | None:
+        """:meth:`_restore_from_the_log`, waiting for a store that does not answer (storage/waiting.py): nothing
+        else holds the job's state now, giving up ends the job, and initial values would lose every commit."""
         return StoreWait(self.store.backend).call(
-            lambda: self._restore_from_the_log(force=failed_to_load, status=status), probe=self.store.checkpoint_ids
+            lambda: self._restore_from_the_log(force=force, status=status), probe=self.store.checkpoint_ids
         )
 
     def _restore_from_the_log(self, *, force: bool, status: bool) -> tuple[RestoreInfo, Restored] | None:
         """The newest durable checkpoint that loads (each PS's agent reading its rows when they keep the shards),
-        or None when the log has none; ``force``: the memory tier's state did not load, the log replaces it."""
-        try:
-            from_ps = self._durable_on_the_ps(force=force)
-        except NewerInMemoryError as e:
-            again = self._memory_again(e, status=status)
-            if again is not None:
-                return again
-            from_ps = self._durable_on_the_ps(force=True)
+        or None when the log has none; ``force``: the memory tier's state did not load, the log replaces it.
+        :class:`NewerInMemoryError` when the agents refuse it (without ``force``)."""
+        from_ps = self._durable_on_the_ps(force=force)
         if from_ps is not None and self._load(*from_ps, status=status):
             self._restored(from_ps[0])
             return from_ps
@@ -234,17 +258,6 @@ class RestoreSide:
         except NoCheckpointError:
             return None
         return self._restore_loaded(result.info, dict(result.tensors), status=status)
-
-    def _memory_again(self, refusal: NewerInMemoryError, *, status: bool) -> tuple[RestoreInfo, Restored] | None:
-        """The memory tier restored after the agents refused the log (``refusal``): its first export failed for
-        a reason that was not the tiers' (they all still hold the state). None when it did not load on the PS
-        (then the log replaces it); an error when it cannot be had at all: failing the restore, so the
-        trainer's recovery tries again, loses nothing, where loading the log would lose acknowledged saves."""
-        log.warning("%s: asking the memory tier again", refusal)
-        memory = self._sink.memory_snapshot(self.restore_timeout)
-        if memory is None:
-            raise PsguardError(f"{refusal}; but the memory tier could not be exported either: not restoring now")
-        return self._load_memory(memory, status=status)
 
     def _load_memory(self, memory: Restored, *, status: bool) -> tuple[RestoreInfo, Restored] | None:
         """Restore the memory tier's snapshot ``memory``; None when it did not load on the PS (nothing assigned)."""

@@ -18,6 +18,7 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import tensorflow as tf
 
 from psguard.errors import StorageError
+from psguard.handoff.spool import NewerInMemoryError, Restored
 from psguard.storage import Backend, RetryConfig, open_backend
 from psguard.storage.retry import RetryingBackend
 from psguard.store import Store
@@ -233,3 +234,30 @@ def test_a_memory_restore_leaves_the_durable_cadence_counting_from_the_last_dura
         assert manager.context.last(Tier.DURABLE).step == 0  # still the last durable save's
         manager._restored(RestoreInfo("c25", 25, {}, "durable"))
         assert manager.context.last(Tier.DURABLE).step == 25  # a durable restore is durable
+
+
+def test_a_log_the_agents_refuse_restores_the_memory_tier_asked_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The memory tier's first export failed for a reason not the tiers' (a PS agent slow to answer); the agents
+    refuse the older log while every PS still gives the newer state: the restore asks the memory tier again and
+    restores its step 5, never the log's step 1 (loading it would lose acknowledged saves)."""
+    v = tf.Variable(np.array([1.0, 2.0], np.float32))
+    ckpt = tf.train.Checkpoint(v=v)
+    with CheckpointManager(ckpt, str(tmp_path / "store")) as manager:
+        manager.save(1).result(timeout=60)
+        tensors = manager.store.load(manager.store.checkpoint_ids()[-1])
+        tensors["v/.ATTRIBUTES/VARIABLE_VALUE"] = np.array([9.0, 9.0], np.float32)
+        answers = iter([None, Restored(5, tensors, {}, "t-memory")])
+
+        def durable_on_the_ps(*, force: bool = False) -> None:
+            assert not force, "the log was forced over a newer state every PS still gives"
+            raise NewerInMemoryError("the memory tiers hold step 5, newer than step 1")
+
+        monkeypatch.setattr(manager._sink, "memory_snapshot", lambda timeout: next(answers))
+        monkeypatch.setattr(manager._sink, "supervised", True)
+        monkeypatch.setattr(manager, "_durable_on_the_ps", durable_on_the_ps)
+        v.assign([0.0, 0.0])
+        assert manager.restore_or_initialize(lambda: pytest.fail("started from scratch")) == "memory:t-memory"
+        assert manager.restored is not None and (manager.restored.source, manager.restored.step) == ("memory", 5)
+        assert v.numpy().tolist() == [9.0, 9.0]
