@@ -13,10 +13,14 @@ from typing import Any, Literal
 
 from psguard.agent.tiers.shards import ShardError, StateNotHeldError
 from psguard.handoff.parts import PartCapture, ShardKey
+from psguard.handoff.plan import Action, Copy, Facts, Memory, TaskReport, TierState, plan
 
 __all__ = ["ShardClient"]
 
 log = logging.getLogger(__name__)
+
+#: The export answers that say what a PS agent's tier holds (any other is an error of that agent).
+_TIER_ANSWERS = ("ok", "empty", "mismatch")
 
 
 class ShardClient:
@@ -208,16 +212,22 @@ class ShardClient:
         """Every PS agent's restore files for state ``token``; raises when one cannot give that state.
 
         A PS agent that does not hold it (its node was lost: a new agent with an empty tier) first takes its
-        shards from the peer holding its copy, when that copy is at ``token`` and verifies; otherwise this
-        raises and the trainer restores from the durable log.
+        shards from the peer holding its copy, when the recovery plan finds a usable one
+        (:mod:`psguard.handoff.plan`: ``peer-copy``); otherwise this raises and the trainer restores from the
+        durable log.
         """
         # Whether a pull may follow an answer of "empty": if not, that agent reads the log next (its store opens).
         body = {"token": token, "peer_copies": self.copies != "none"}
         answers = self._fan_out("/shards/export", dict.fromkeys(tasks, body))
         sources = {t: f"peer {p[1]}" if (p := self._pulled.get(t)) and p[0] == token else "own tier" for t in tasks}
-        lost = [t for t, a in answers.items() if a.get("status") in ("empty", "mismatch")]
-        if lost and self.copies != "none":
-            pulled = self._pull_from_peers(lost, token)
+        reports = tuple(self._report(t, a, token) for t, a in answers.items() if a.get("status") in _TIER_ANSWERS)
+        parts = plan(Facts(reports, Memory(None, token))).tasks.values()
+        fetch = {p.task: p.holder for p in parts if p.action is Action.FETCH_FROM_PEER and p.holder is not None}
+        unheld = sorted(p.task for p in parts if p.action is Action.RESTORE_FROM_LOG)
+        for t in unheld if self.copies != "none" else ():
+            log.warning("event=peer_copy_none task=%s: no peer holds a usable copy; the durable log serves", t)
+        if fetch and not unheld:
+            pulled = self._pull_from_peers(fetch, token)
             if pulled:
                 answers.update(self._fan_out("/shards/export", dict.fromkeys(pulled, body)))
                 sources.update({t: f"peer {h}" for t, h in pulled.items()})
@@ -235,13 +245,25 @@ class ShardClient:
             files.extend({**f, "task": task} for f in a["files"])
         return files
 
-    def _pull_from_peers(self, lost: Sequence[str], token: str) -> dict[str, str]:
+    def _report(self, task: str, answer: Mapping[str, Any], token: str) -> TaskReport:
+        """A PS agent's export answer as the recovery plan reads it: its tier's state and the copy of its shards
+        (the holder the last capture's answer named, else the placement's; its state only when it was ``token``:
+        a copy that lagged then may have caught up, and its holder answers)."""
+        status, step = answer.get("status"), answer.get("step")
+        held = answer.get("token") if status == "mismatch" else token if status == "ok" else None
+        tier = TierState(step if isinstance(step, int) else None, str(held) if held is not None else None)
+        copies: tuple[Copy, ...] = ()
+        state = self.copy_state.get(task) or {}
+        holder = state.get("holder") or self.copy_targets().get(task)
+        if self.copies != "none" and holder is not None:
+            group = next((g for g in self.parity_groups() if task in g), ()) if self.copies == "parity" else ()
+            copies = (Copy(holder, token if state.get("token") == token else None, group),)
+        return TaskReport(task, node=self._nodes().get(task), tier=tier, copies=copies)
+
+    def _pull_from_peers(self, holders: Mapping[str, str], token: str) -> dict[str, str]:
         """Ask each lost PS's new agent to fetch its shards from the holder of its copy; the tasks that did,
-        with their holder. Each failure is logged with its reason (the log is used then)."""
+        with their holder, when all did. Each failure is logged with its reason (the log is used then)."""
         peers = self._peers()
-        holders = {t: h for t in lost if (h := self.copy_state.get(t, {}).get("holder") or self.copy_targets().get(t))}
-        for t in sorted(set(lost) - set(holders)):
-            log.warning("event=peer_copy_none task=%s: no peer holds a copy; the durable log serves", t)
         bodies = {t: {"token": token, "holder": peers[h]} for t, h in holders.items() if h in peers}
         if not bodies:
             return {}
@@ -272,7 +294,7 @@ class ShardClient:
                     a.get("status"),
                     a.get("message"),
                 )
-        return pulled if len(pulled) == len(lost) else {}
+        return pulled if len(pulled) == len(holders) else {}
 
     def take(self, tasks: Sequence[str], checkpoint: str, token: str, base: bool) -> None:
         answers = self._fan_out(

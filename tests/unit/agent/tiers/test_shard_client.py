@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from psguard.agent.tiers.shard_client import ShardClient
-from psguard.agent.tiers.shards import ShardError
+from psguard.agent.tiers.shards import ShardError, StateNotHeldError
 from psguard.handoff.parts import PartCapture
 
 PEERS = {"ps:0": "http://a:1", "ps:1": "http://b:1", "ps:2": "http://c:1", "worker:0": "http://w:1"}
@@ -129,3 +129,22 @@ def test_an_apply_names_the_parity_group_and_a_member_is_held_when_its_whole_gro
     assert c.holders_of(["ps:0", "ps:1", "ps:2"], "T") == {"ps:0": None, "ps:1": None, "ps:2": "ps:0"}
     c.copy_state["ps:1"]["token"] = "T"
     assert c.holders_of(["ps:0", "ps:1", "ps:2"], "T") == {"ps:0": "ps:2", "ps:1": "ps:2", "ps:2": "ps:0"}
+
+
+@pytest.mark.parametrize("copies", ["full", "parity"])
+def test_a_lost_ps_whose_copy_holder_lost_its_memory_too_goes_to_the_log_without_asking(copies: str) -> None:
+    """ps:0's copy (full) is on ps:1, its group's parity on ps:2; that holder's agent answers ``empty`` too (its
+    node lost with ps:0's): the recovery plan has nothing to fetch, and no pull is asked for."""
+    holder = "http://b:1" if copies == "full" else "http://c:1"
+    asked: list[str] = []
+
+    def call(url: str, body: Mapping[str, Any], timeout: float) -> dict[str, Any]:
+        asked.append(url)
+        lost = url.startswith(("http://a:1", holder))
+        return {"status": "empty", "step": None} if lost else {"status": "ok", "files": []}
+
+    nodes = {"ps:0": "n0", "ps:1": "n1", "ps:2": "n2"}
+    c = client(nodes, call=call) if copies == "full" else parity(nodes, call=call)
+    with pytest.raises(StateNotHeldError, match="ps:0"):
+        c.export(["ps:0", "ps:1", "ps:2"], "T")
+    assert not [u for u in asked if u.endswith("/shards/pull")], asked
