@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +28,7 @@ from psguard.errors import (
 )
 from psguard.handoff.contract import TOKEN_KEY, Tier
 from psguard.handoff.parts import ShardKey
+from psguard.handoff.plan import Durable, Facts, Memory, plan
 from psguard.handoff.spool import (
     AGENT_TMP,
     REQ_RE,
@@ -103,6 +104,16 @@ class SpoolServerStatus:
     last_error: str | None
 
 
+@dataclass
+class _Ahead:
+    """An export ahead of a restore: for state ``token`` and PS ``tasks``; ``files`` once it answered."""
+
+    token: str
+    tasks: frozenset[str]
+    done: threading.Event = field(default_factory=threading.Event)
+    files: list[dict[str, Any]] | None = None
+
+
 class _Wake:
     """watchdog handler: any change in a watched folder wakes the processing thread (it rescans)."""
 
@@ -164,6 +175,8 @@ class SpoolServer:
         self._last_apply: float | None = None
         self._last_error: str | None = None
         self._moved_said = False
+        self._ahead_lock = threading.Lock()
+        self._ahead: _Ahead | None = None  # the export ahead of the next restore (export_ahead)
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self, *, watch: bool = True) -> SpoolServer:
@@ -212,11 +225,10 @@ class SpoolServer:
         background.
 
         Called when a new trainer generation is about to start (PS restarts, then a rebuild, then a restore):
-        the PS agents write while the PS restart and the trainer rebuilds, and the restore's export finds the
-        files written for the same state (:meth:`ShardKeeper.export` reuses them; any other state is written
-        again, so this is only ever a head start). A replacement agent (its node lost) fetches its shards from
-        the peer holding its copy then (:meth:`ShardClient.export`). Returns the thread, or None when there is
-        nothing to export.
+        the PS agents write while the PS restart and the trainer rebuilds, and the restore that follows takes
+        this export's answer instead of asking again (:meth:`_export_parts`: once, for the same state and every
+        PS). A replacement agent (its node lost) fetches its shards from the peer holding its copy then
+        (:meth:`ShardClient.export`). Returns the thread, or None when there is nothing to export.
         """
         shards, token = self.shards, self.tier.token
         if shards is None or not shards.active or token is None:
@@ -224,20 +236,40 @@ class SpoolServer:
         tasks = tuple(t for t in shards.active if only is None or t in only)
         if not tasks:
             return None
+        ahead = _Ahead(token, frozenset(tasks))
+        if only is None:  # a part of the PS is no answer for a restore
+            with self._ahead_lock:
+                self._ahead = ahead
 
         def run() -> None:
             t0 = time.perf_counter()
             try:
-                shards.export(tasks, token)
+                ahead.files = shards.export(tasks, token)
             except (OSError, PsguardError) as e:  # the restore's own export will say what is wrong
                 log.info("spool %s: exporting ahead of the restore failed: %s", self.root, e)
                 return
+            finally:
+                ahead.done.set()
             log.info("spool %s: the PS agents exported state %s ahead of the restore in %.2fs", self.root, token,
                      time.perf_counter() - t0)  # fmt: skip
 
         thread = threading.Thread(target=run, name="psguard-export-ahead", daemon=True)
         thread.start()
         return thread
+
+    def _export_parts(self, shards: ShardClient, token: str) -> list[dict[str, Any]]:
+        """Every PS agent's restore files for state ``token``: the export ahead's answer when it was for this
+        state and every PS and gave one (waited for if still running), else an export now. The answer ahead
+        serves one restore only: a later one asks the PS agents again, which also tells whether they still
+        hold the state."""
+        with self._ahead_lock:
+            ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead.token == token and ahead.tasks == frozenset(shards.active):
+            ahead.done.wait(shards.timeout)
+            if ahead.files is not None:
+                log.info("spool %s: the restore takes the files exported ahead for state %s", self.root, token)
+                return ahead.files
+        return shards.export(shards.active, token)
 
     @property
     def heartbeat(self) -> Path:
@@ -565,7 +597,7 @@ class SpoolServer:
                     )
                 if self.shards is not None and self.shards.active and not snap.empty and snap.token is not None:
                     # Each PS's agent writes its shards on its own node; the trainer's PS load them there.
-                    doc["parts"] = self.shards.export(self.shards.active, snap.token)
+                    doc["parts"] = self._export_parts(self.shards, snap.token)
             status = doc["status"]
         except (OSError, PsguardError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -610,6 +642,8 @@ class SpoolServer:
         small = store.load(checkpoint, [n for n in manifest.tensors if n not in spilled])
         token = manifest.metadata.get(TOKEN_KEY)
         durable = checkpoint == last_id  # later durable saves may be deltas over it
+        with self._ahead_lock:
+            self._ahead = None  # the tiers take another state: an export ahead is no answer for it
         with self._order:
             self.shards.load(shards, checkpoint, durable=durable)
             self.tier.seed(
@@ -620,29 +654,36 @@ class SpoolServer:
         )
 
     def _refuse_over_newer(self, checkpoint: str, step: int) -> None:
-        """Raise :class:`NewerInMemoryError` when the tiers hold a newer state than ``checkpoint`` that every PS
-        agent still gives: the trainer asked for the log because its memory restore failed, and a failure that
-        was not the tiers' (a PS restarted under the export, an agent slow to answer) must not have the log
-        overwrite acknowledged saves. A CI soak lost one so: the chief and then ps:0 killed, the new trainer's
-        memory restore failed, the log's step 6200 went into every tier, and the next trainer restored it as
-        "memory" instead of the acknowledged 6265. Only a PS agent that answers it holds no such state (its
-        node lost, no peer copy) lets the log in; one that cannot answer stops the load (it would fail on that
-        agent too)."""
-        token, newer = self.tier.token, self.tier.step
-        shards = self.shards
-        if token is None or newer is None or newer <= step or shards is None or not shards.active:
+        """Raise :class:`NewerInMemoryError` when the recovery plan restores a newer state than ``checkpoint``
+        (:meth:`psguard.handoff.plan.RecoveryPlan.loses`): the tiers hold one and every PS agent still gives it.
+        The trainer asked for the log because its memory restore failed, and a failure that was not the tiers'
+        (a PS restarted under the export, an agent slow to answer) must not have the log overwrite acknowledged
+        saves (a CI soak restored the log's step 6200 as "memory" over the acknowledged 6265). Only a PS agent
+        that answers it holds no such state (its node lost, no peer copy) lets the log in; one that cannot
+        answer stops the load (it would fail on that agent too)."""
+        token, newer, shards = self.tier.token, self.tier.step, self.shards
+        if token is None or newer is None or shards is None or not shards.active:
             return
+        facts = Facts(memory=Memory(newer, token), durable=Durable.at(step, checkpoint))
+        if not plan(facts).loses(step):
+            return
+        held: bool | None = True
+        unknown: ShardError | None = None
         try:
             shards.export(shards.active, token)
         except StateNotHeldError as e:
+            held = False
             log.warning("spool %s: the tiers' step %d is not whole on the PS agents (%s): loading checkpoint %s "
                         "(step %d)", self.root, newer, e, checkpoint, step)  # fmt: skip
-            return
         except ShardError as e:
+            held, unknown = None, e
+        if not plan(replace(facts, memory=Memory(newer, token, held=held))).loses(step):
+            return
+        if unknown is not None:
             raise ShardError(
-                f"could not tell whether the PS agents still hold the memory tier's step {newer} ({e}): not loading "
-                f"the older checkpoint {checkpoint} (step {step}) over it"
-            ) from e
+                f"could not tell whether the PS agents still hold the memory tier's step {newer} ({unknown}): not "
+                f"loading the older checkpoint {checkpoint} (step {step}) over it"
+            ) from unknown
         raise NewerInMemoryError(
             f"the memory tiers hold step {newer}, newer than checkpoint {checkpoint} (step {step}), and every PS "
             "agent still gives it: restore the memory tier (loading the log would lose acknowledged saves)"
