@@ -40,18 +40,23 @@ def tree_env_var(token: str) -> str:
     return f"{ENV_PREFIX}{token}"
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """``/proc/PID/stat`` after the command name (which may contain spaces and parentheses); None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def start_ticks(pid: int) -> int | None:
     """The process's start time in clock ticks since boot (``/proc/PID/stat`` field 22); None if gone.
 
     With the boot id it names a process for good: a pid is reused, a (pid, start time) pair is not.
     """
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    try:
-        return int(fields[19])
+        return int(fields[19]) if fields is not None else None
     except (IndexError, ValueError):
         return None
 
@@ -65,26 +70,15 @@ def boot_id() -> str:
 
 
 def _zombie(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+    fields = stat_fields(pid)
+    return fields is None or not fields or fields[0] in ("Z", "X")
 
 
 def descendants(root: int) -> set[int]:
-    """Every live descendant of ``root`` (the same walk as :mod:`psguard.testbed.procs`, which the agent may
-    not import: the test bed is the top floor)."""
+    """Every live descendant of ``root`` (zombies excluded: they hold nothing but a pid)."""
     parent_of: dict[int, int] = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 1 and fields[0] != "Z":
+        if entry.isdigit() and (fields := stat_fields(entry)) is not None and len(fields) > 1 and fields[0] != "Z":
             parent_of[int(entry)] = int(fields[1])
     out: set[int] = set()
     frontier = {root}
@@ -102,12 +96,7 @@ def adopted_zombies(sessions: frozenset[int], *, spare: frozenset[int] = frozens
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in spare:
             continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # after the command name: state, ppid, pgrp, session
+        fields = stat_fields(entry) or []  # after the command name: state, ppid, pgrp, session
         if len(fields) > 3 and fields[0] == "Z" and int(fields[1]) == me and int(fields[3]) in sessions:
             out.append(int(entry))
     return out
