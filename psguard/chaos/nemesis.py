@@ -349,12 +349,14 @@ class Nemesis:
         name = "chief" if target == "chief" else target.replace(":", "")
         return self.agents[name]
 
-    def _wait_for_persist(self, agent: AgentProcess | TaskProcess, timeout: float = 10.0) -> dict[str, Any]:
-        """Poll the chief agent's ``/status`` until its persister has a write in flight (or ``timeout``)."""
+    def _wait_for_persist(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Poll the chief agent's ``/status`` until its persister has a write in flight (or ``timeout``), whatever
+        task the fault is aimed at: the persister lives on the chief's agent, no other agent reports one."""
         deadline = time.monotonic() + timeout
         polls = 0
         last: Any = None
-        while time.monotonic() < deadline:
+        agent = self.agents.get("chief")
+        while agent is not None and time.monotonic() < deadline:
             polls += 1
             try:
                 last = agent.status(timeout=2).get("persister") or {}
@@ -368,7 +370,7 @@ class Nemesis:
     def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         agent = self._agent(target)
         if fault.during == "durable-commit":
-            base = {**base, **self._wait_for_persist(agent)}
+            base = {**base, **self._wait_for_persist()}
         try:
             status = agent.status(timeout=5)
             pid, agent_pid = status.get("pid"), status.get("agent_pid")

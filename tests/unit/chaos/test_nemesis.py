@@ -127,3 +127,72 @@ def test_a_heal_fires_on_its_time_while_another_action_is_still_waiting(tmp_path
             storage.server.wait()
     final = {o.f: o.type for o in operations(read_history(tmp_path / "history.jsonl"))}
     assert final == {"storage-stop": "ok", "storage-start": "ok", "pause": "ok", "resume": "ok"}
+
+
+class Chief(Task):
+    """The chief's agent as the nemesis sees it: a task, and its persister, in flight or not."""
+
+    def __init__(self, in_flight: bool) -> None:
+        super().__init__()
+        self.in_flight = in_flight
+        self.polls = 0
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        self.polls += 1
+        return {**super().status(timeout), "persister": {"in_flight": self.in_flight}}
+
+
+def _during_commit(target: str) -> Scenario:
+    fault = {"action": "kill", "target": target, "at_step": 10, "during": "durable-commit"}
+    doc = {"name": "t", "proves": "x", "cluster": {"ps": 1, "workers": 1}, "faults": [fault]}
+    return from_data(Scenario, doc, source="t.yaml")
+
+
+def _fire_once(nemesis: Nemesis, history: Watched) -> Any:
+    nemesis.tick(10, 1.0, 10)  # step 10 reached, a durable commit of step 10 invoked since the last tick
+    assert history.done.wait(30), "the fault never fired"
+    nemesis.heal_all()
+    (kill,) = [o for o in operations(history.records) if o.f == "kill"]
+    return kill
+
+
+def test_a_fault_on_any_task_during_a_durable_commit_waits_for_the_chiefs_persister(tmp_path: Path) -> None:
+    """The persister lives on the chief's agent; a worker's or a PS's /status has none. The nemesis polled the
+    target's agent, so a fault on a worker 'during a durable-commit' never found one in flight (it waited 10 s,
+    then recorded ``persist_in_flight: false`` and faults-injected judged the run worthless: explore seed 1 case 2)."""
+    scenario = _during_commit("worker:0")
+    chief, worker = Chief(in_flight=True), Task()
+    history = Watched(tmp_path / "history.jsonl", "kill", n=1)
+    agents = {"chief": chief, "worker0": worker}
+    nemesis = Nemesis(scenario, list(scenario.faults), history, agents, store_dir=None, storage=None, seed=0)
+    try:
+        kill = _fire_once(nemesis, history)
+        assert kill.value["persist_in_flight"] is True and chief.polls >= 1
+        assert kill.value["target"] == "worker:0" and worker.proc.wait(10) == -9
+    finally:
+        nemesis.close()
+        history.close()
+        chief.close()
+        worker.close()
+
+
+def test_plain_tf_has_no_persister_to_wait_for_its_fault_fires_at_the_save(tmp_path: Path) -> None:
+    """The baseline saves in its trainer, synchronously: the runner fires a 'during a durable-commit' fault once
+    that save was invoked. Polling an agent it does not have for a persister delayed its fault 10 s past TF's
+    save (and recorded it as not found): TF was judged under a later fault than psguard."""
+    from psguard.chaos.baseline import BaselineNemesis
+
+    scenario = _during_commit("ps:0")
+    chief, ps = Task(), Task()
+    history = Watched(tmp_path / "history.jsonl", "kill", n=1)
+    agents = {"chief": chief, "ps0": ps}
+    nemesis = BaselineNemesis(scenario, list(scenario.faults), history, agents, store_dir=None, storage=None, seed=0)
+    try:
+        kill = _fire_once(nemesis, history)
+        assert "persist_in_flight" not in kill.value and kill.type == "ok"
+        assert ps.proc.wait(10) == -9
+    finally:
+        nemesis.close()
+        history.close()
+        chief.close()
+        ps.close()
