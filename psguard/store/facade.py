@@ -16,7 +16,7 @@ Layout under the store's root (specified in docs/storage-format.md)::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -184,15 +184,18 @@ class Store:
         """
         return self._reader.read_rows(checkpoint_id, name, start, stop, verify_hash=verify_hash)
 
-    def updates(self, checkpoint_id: str, *, verify_hash: bool = False) -> tuple[dict[str, TensorUpdate], int]:
-        """What ``checkpoint_id`` itself changed, per tensor, read from its own chunks only; and the bytes read.
+    def updates(
+        self, checkpoint_id: str, names: Collection[str] | None = None, *, verify_hash: bool = False
+    ) -> tuple[dict[str, TensorUpdate], int]:
+        """What ``checkpoint_id`` itself changed, per tensor (of ``names`` only, when given: a follower reads no
+        chunk of a tensor it does not hold), read from its own chunks only; and the bytes read.
 
         A full checkpoint gives every tensor whole (``Full``); a delta gives ``Rows`` for its changed rows,
         ``Full`` for tensors it stored whole and ``Same`` for the others. Followers apply these in step order on
         top of the state they hold, instead of rebuilding every tensor (:meth:`load`). Every chunk is verified;
         a defect raises :class:`CorruptCheckpointError` before anything is returned.
         """
-        return self._reader.updates(checkpoint_id, verify_hash=verify_hash)
+        return self._reader.updates(checkpoint_id, names, verify_hash=verify_hash)
 
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
         """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.

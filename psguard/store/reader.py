@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -342,12 +342,16 @@ class Reader:
             )
         return ids
 
-    def updates(self, checkpoint_id: str, *, verify_hash: bool = False) -> tuple[dict[str, TensorUpdate], int]:
+    def updates(
+        self, checkpoint_id: str, names: Collection[str] | None = None, *, verify_hash: bool = False
+    ) -> tuple[dict[str, TensorUpdate], int]:
         """:meth:`psguard.store.Store.updates` (documented there for its callers)."""
         m = self.index.manifest(checkpoint_id)
         out: dict[str, TensorUpdate] = {}
         nbytes = 0
         for name, entry in m.tensors.items():
+            if names is not None and name not in names:
+                continue
             try:
                 dtype = dtype_from_name(entry.dtype)
             except ValueError as e:

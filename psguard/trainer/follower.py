@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,9 +66,10 @@ class Follower:
     """Keep ``checkpoint``'s variables at the newest committed checkpoint of the store at ``url``.
 
     ``ignore_missing``: names of path components (``("optimizer",)``) whose tensors the follower may lack
-    (a serving model without optimizer slots); anything else in the checkpoint but not in the follower, or
-    of another shape or dtype in both, is a :class:`TensorMismatchError`. What the follower holds and the
-    checkpoint does not is left alone and listed in :attr:`left_alone`.
+    (a serving model without optimizer slots), or ``True`` for any tensor (TF's ``expect_partial()`` both ways,
+    as ``SidecarEvaluator`` restores); anything else in the checkpoint but not in the follower, or of another
+    shape or dtype in both, is a :class:`TensorMismatchError`. What the follower holds and the checkpoint does
+    not is left alone and listed in :attr:`left_alone`. A tensor the follower does not take is never read.
     """
 
     def __init__(
@@ -77,7 +78,7 @@ class Follower:
         url: str | Store,
         *,
         poll_interval: float = 5.0,
-        ignore_missing: Sequence[str] = (),
+        ignore_missing: Sequence[str] | bool = (),
         storage_options: Mapping[str, Any] | None = None,
         verify_hash: bool = False,
     ) -> None:
@@ -86,7 +87,9 @@ class Follower:
         self.store = url if isinstance(url, Store) else Store.open(url, storage_options)
         self._owns_store = not isinstance(url, Store)
         self.poll_interval = poll_interval
-        self.ignore_missing = tuple(ignore_missing)
+        self.ignore_missing: tuple[str, ...] | bool = (
+            ignore_missing if isinstance(ignore_missing, bool) else tuple(ignore_missing)
+        )
         self.verify_hash = verify_hash
         self.stats = FollowStats()
         self.held: CheckpointInfo | None = None
@@ -117,19 +120,39 @@ class Follower:
             return info
         return None
 
+    def checkpoints(
+        self, *, timeout: float | None = None, stop: threading.Event | None = None
+    ) -> Iterator[CheckpointInfo]:
+        """Each newer checkpoint, once the follower's variables hold it: psguard's ``tf.train.checkpoints_iterator``.
+
+        As TF's iterator yields the newest checkpoint of the folder each time, this yields the newest committed
+        checkpoint each time it applied one (checkpoints that landed together are applied in one go, their deltas
+        in step order, and the newest is yielded), never the same one twice, never an older one. Ends when
+        ``stop`` is set, or when ``timeout`` seconds pass without a newer checkpoint (``None``: never). The
+        caller's work on one checkpoint (an evaluation) runs before the next poll, as with TF's iterator.
+        """
+        stop = stop or threading.Event()
+        waited_since = time.monotonic()
+        while not stop.is_set():
+            info = self.poll()
+            if info is not None:
+                yield info
+                waited_since = time.monotonic()
+                continue
+            left = None if timeout is None else waited_since + timeout - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            stop.wait(self.poll_interval if left is None else min(self.poll_interval, left))
+
     def run(
         self,
         on_checkpoint: Callable[[CheckpointInfo], None] | None = None,
         stop: threading.Event | None = None,
     ) -> None:
         """Poll until ``stop`` is set; call ``on_checkpoint`` after each checkpoint applied."""
-        stop = stop or threading.Event()
-        while not stop.is_set():
-            info = self.poll()
-            if info is not None and on_checkpoint is not None:
+        for info in self.checkpoints(stop=stop):
+            if on_checkpoint is not None:
                 on_checkpoint(info)
-            if info is None:
-                stop.wait(self.poll_interval)
 
     def close(self) -> None:
         if self._owns_store:
@@ -148,14 +171,17 @@ class Follower:
         on_the_way = chain[ids.index(self.held.id) + 1 :] if self.held is not None and self.held.id in ids else None
         graph = self._graph_of(chain)
         binding = _binding(self._checkpoint, graph)
+        infos = list_tensors(self._checkpoint)
+        bound, left_alone = self._check(infos, binding, _described(chain[-1]), info.id)  # before reading a byte
+        taken = list(bound)  # only these tensors' chunks are read, deltas or whole
         # A delta changes what the follower holds only when each of its variables held the same checkpoint
         # tensor before: a variable the graph binds afresh (the trainer's layout changed) needs its whole value.
         deltas = on_the_way is not None and binding == self._binding
-        if deltas and on_the_way is not None and _delta_bytes(on_the_way) <= _full_bytes(chain):
-            left_alone = self._apply_deltas(info, on_the_way, binding)
+        if deltas and on_the_way is not None and delta_bytes(on_the_way, taken) <= full_bytes(chain, taken):
+            self._apply_deltas(infos, on_the_way, binding)
         else:
             on_the_way = None
-            left_alone = self._apply_full(info, chain, binding)
+            self._apply_full(info, chain, bound)
         self.held = info
         self._graph, self._binding = graph, binding
         self.left_alone = left_alone
@@ -209,34 +235,31 @@ class Follower:
             return graph
         return None
 
-    def _apply_full(self, info: CheckpointInfo, chain: Sequence[Manifest], binding: Mapping[str, str]) -> list[str]:
-        infos = list_tensors(self._checkpoint)
-        bound, left_alone = self._check(infos, binding, _described(chain[-1]), info.id)  # before reading a byte
+    def _apply_full(self, info: CheckpointInfo, chain: Sequence[Manifest], bound: Mapping[str, TensorInfo]) -> None:
         tensors = self.store.load(info.id, list(bound), verify_hash=self.verify_hash)
         for key, tensor in bound.items():
             _assign(tensor, Full(tensors[key]))
-        self.stats.bytes_read += _full_bytes(chain, list(bound))
+        self.stats.bytes_read += full_bytes(chain, list(bound))
         self.stats.full_loads += 1
-        return left_alone
 
     def _apply_deltas(
-        self, info: CheckpointInfo, manifests: Sequence[Manifest], binding: Mapping[str, str]
-    ) -> list[str]:
-        infos = list_tensors(self._checkpoint)
+        self, infos: Mapping[str, TensorInfo], manifests: Sequence[Manifest], binding: Mapping[str, str]
+    ) -> None:
         steps: list[list[tuple[TensorInfo, TensorUpdate]]] = []
         nbytes = 0
         checked = [self._check(infos, binding, _described(m), m.id) for m in manifests]  # before reading a byte
         for m, (bound, _) in zip(manifests, checked, strict=True):  # read and verify everything first
-            updates, read = self.store.updates(m.id, verify_hash=self.verify_hash)
+            updates, read = self.store.updates(m.id, list(bound), verify_hash=self.verify_hash)
             nbytes += read
-            steps.append([(bound[n], u) for n, u in updates.items() if n in bound])
+            steps.append([(bound[n], u) for n, u in updates.items()])
         for step in steps:  # nothing is assigned from a bad checkpoint
             for tensor, update in step:
                 _assign(tensor, update)
         self.stats.bytes_read += nbytes
-        return checked[-1][1]
 
     def _ignorable(self, name: str) -> bool:
+        if isinstance(self.ignore_missing, bool):
+            return self.ignore_missing
         return any(part in self.ignore_missing for part in name.split("/"))
 
     def _check(
@@ -362,12 +385,14 @@ def _assign(info: TensorInfo, update: TensorUpdate) -> None:
         s.var.scatter_update(tf.IndexedSlices(tf.constant(update.values[mask]), local))
 
 
-def _delta_bytes(manifests: Sequence[Manifest]) -> int:
-    return sum(ref.size for m in manifests for name, e in m.tensors.items() for ref in e.refs())
+def delta_bytes(manifests: Sequence[Manifest], names: Collection[str]) -> int:
+    """Bytes reading the changes of ``manifests`` to tensors ``names`` reads (:meth:`Store.updates`)."""
+    return sum(ref.size for m in manifests for name, e in m.tensors.items() if name in names for ref in e.refs())
 
 
-def _full_bytes(chain: Sequence[Manifest], names: Sequence[str] | None = None) -> int:
-    """Bytes a full read of the newest checkpoint of ``chain`` reads: each tensor from its newest whole value."""
+def full_bytes(chain: Sequence[Manifest], names: Sequence[str] | None = None) -> int:
+    """Bytes a full read of the newest checkpoint of ``chain`` reads: each tensor from its newest whole value.
+    A follower reads the deltas on the way instead when they cost no more (:func:`delta_bytes`)."""
     total = 0
     target = chain[-1]
     for name in names if names is not None else list(target.tensors):

@@ -13,6 +13,7 @@ import os
 import select
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from tensorflow.python.distribute import sharded_variable
 from psguard.errors import TensorMismatchError
 from psguard.store import Store
 from psguard.store.manifest import chunk_key
+from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.follower import Follower
 from psguard.trainer.manager import CheckpointManager
 from psguard.trainer.variables import bitwise_equal, read_tensors
@@ -344,3 +346,89 @@ def test_psguard_follow_prints_each_commit_as_it_lands(tmp_path: Path) -> None:
                 proc.wait()
     assert [doc["step"] for doc in lines] == [0, 1, 2]
     assert all(doc["kind"] in ("full", "delta") and doc["id"] for doc in lines)
+
+
+def test_a_follower_reads_only_the_deltas_of_the_tensors_it_takes(tmp_path: Path) -> None:
+    """An evaluator ignoring the optimizer's slots (``ignore_missing``) reads none of their changed rows: with
+    an Adagrad-like slot as large as the table, the slot's deltas were half of every delta read."""
+    url = str(tmp_path / "store")
+    trainer = model((10_000, 10_000), slots=True)
+    rng = np.random.default_rng(14)
+    with (
+        CheckpointManager(trainer, url, new_base_after=0) as m,
+        Follower(model((ROWS,), seed=15), url, ignore_missing=("optimizer",)) as f,
+    ):
+        m.save(0).result(timeout=60)
+        assert f.poll() is not None
+        train(trainer, rng)
+        delta = m.save(1).result(timeout=60)
+        before = f.stats.bytes_read
+        assert f.poll() is not None
+        read = f.stats.bytes_read - before
+        taken = sum(
+            ref.size
+            for name, entry in m.store.manifest(delta.id).tensors.items()
+            if not name.startswith("optimizer/")
+            for ref in entry.refs()
+        )
+    assert read == taken, (read, taken)
+    assert same(values(f._checkpoint), {n: v for n, v in values(trainer).items() if not n.startswith("optimizer")})
+
+
+def test_the_checkpoints_iterator_yields_each_commit_once_in_step_order(tmp_path: Path) -> None:
+    url = str(tmp_path / "store")
+    trainer = model((10_000, 10_000))
+    rng = np.random.default_rng(16)
+    with CheckpointManager(trainer, url, new_base_after=0) as m, Follower(model((ROWS,)), url, poll_interval=0.02) as f:
+        it = f.checkpoints(timeout=0.3)
+        m.save(0).result(timeout=60)
+        assert next(it).step == 0
+        for step in (1, 2, 3):
+            train(trainer, rng)
+            saved = m.save(step).result(timeout=60)
+            got = next(it)
+            assert (got.id, got.step) == (saved.id, step)
+            assert same(values(f._checkpoint), values(trainer))  # yielded once the variables hold it
+        assert list(it) == []  # no commit within the timeout: it ends, nothing yielded again
+        assert f.stats.applied == 4
+
+
+def test_the_checkpoints_iterator_yields_the_newest_of_commits_that_landed_together(tmp_path: Path) -> None:
+    """As ``tf.train.checkpoints_iterator``: the newest each time (the deltas on the way applied in step order)."""
+    url = str(tmp_path / "store")
+    trainer = model((10_000, 10_000))
+    rng = np.random.default_rng(17)
+    stop = threading.Event()
+    with CheckpointManager(trainer, url, new_base_after=0) as m, Follower(model((ROWS,)), url, poll_interval=0.02) as f:
+        for step in range(3):
+            train(trainer, rng)
+            m.save(step).result(timeout=60)
+        it = f.checkpoints(stop=stop)
+        assert next(it).step == 2 and f.stats.full_loads == 1
+        train(trainer, rng)
+        m.save(3).result(timeout=60)
+        train(trainer, rng)
+        m.save(4).result(timeout=60)
+        assert next(it).step == 4 and f.stats.full_loads == 1
+        assert same(values(f._checkpoint), values(trainer))
+        stop.set()
+        assert list(it) == []
+
+
+def test_ignore_missing_true_takes_what_the_follower_holds_and_reads_nothing_else(tmp_path: Path) -> None:
+    """TF's ``expect_partial()`` both ways (as SidecarEvaluator restores): the checkpoint's slots and dense layer
+    without a variable here are neither an error nor read; the follower's own extra variable is left alone."""
+    url = str(tmp_path / "store")
+    trainer = model((10_000, 10_000), slots=True)
+    emb = "emb/.ATTRIBUTES/VARIABLE_VALUE"
+    with CheckpointManager(trainer, url, new_base_after=0) as m:
+        tensors = m.store.manifest(m.save(0).result(timeout=60).id).tensors
+        read = (emb, "save_counter/.ATTRIBUTES/VARIABLE_VALUE", OBJECT_GRAPH_KEY)  # both roots have a save counter
+        taken = sum(r.size for name in read for r in tensors[name].refs())
+    extra = tf.Variable(7.0)
+    follower = tf.train.Checkpoint(emb=tf.Variable(tf.zeros((ROWS, DIM))), extra=extra)
+    with Follower(follower, url, ignore_missing=True) as f:
+        assert f.poll() is not None
+        assert f.stats.bytes_read == taken
+    assert bitwise_equal(follower.emb.numpy(), values(trainer)[emb])
+    assert f.left_alone == ["extra/.ATTRIBUTES/VARIABLE_VALUE"] and float(extra.numpy()) == 7.0
