@@ -728,6 +728,7 @@ class Agent:
                         {
                             "pending_requests": persister.pending_requests,
                             "in_flight": persister.in_flight,
+                            "phase": persister.phase,  # what the write in flight does (PersisterStatus.phase)
                             "checkpoints_written": persister.checkpoints_written,
                             "bytes_persisted": persister.bytes_persisted,
                             "failures": persister.failures,

@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 #: Seconds between WARNING lines of one failure repeating (the rest go to DEBUG, counted).
 REPEAT_LOG_SECONDS = 30.0
 
+Phase = Literal["first-base", "base", "delta", "retention"]
+
 
 @dataclass(frozen=True)
 class PersistEvent:
@@ -98,6 +100,11 @@ class PersisterStatus:
     #: yet, the steps past the newest commit (0 when nothing waits), and how long the oldest such request waited.
     durable_lag_steps: int = 0
     durable_lag_seconds: float = 0.0
+    #: What the write in flight is doing (None: no write, or it is still taking the state): "first-base" (a whole
+    #: state with no durable checkpoint to build on: the log's first base, or after its chain was lost), "base" (a
+    #: new base over a chain: the agent's compaction, rewritten from memory), "delta", or "retention" (the
+    #: retention after a commit, with its gc when a checkpoint is due to go). The chaos harness aims faults by it.
+    phase: Phase | None = None
 
 
 class PersistHandle:
@@ -173,12 +180,13 @@ class Persister:
         self._trainer_rule: SavePolicy | None = None
         # The log's rules (last commit, missing parent, new base, retention): the agent holds the whole state
         # in its tier, so it rewrites bases from memory instead of compacting.
-        self.writer = DurableWriter(store, base_rule=self._base_rule, retention=_retention_asked, compact=False)
+        self.writer = DurableWriter(store, base_rule=self._base_rule, retention=self._retention, compact=False)
         self.retry_after = retry_after
         self.on_event = on_event
         self._cond = threading.Condition()
         self._pending: PersistHandle | None = None
         self._in_flight: PersistHandle | None = None
+        self._phase: Phase | None = None  # what the write in flight is doing (PersisterStatus.phase)
         self._stopping = False
         self._drain = True
         self._retry_at: float | None = None
@@ -301,6 +309,7 @@ class Persister:
                 last_error_at=self._last_error_at,
                 durable_lag_steps=lag_steps,
                 durable_lag_seconds=lag_seconds,
+                phase=self._phase,
             )
 
     def _durable_lag(self, last_step: int | None) -> tuple[int, float]:
@@ -349,6 +358,7 @@ class Persister:
             finally:
                 with self._cond:
                     self._in_flight = None
+                    self._phase = None
 
     def _serve(self, batch: PersistHandle) -> None:
         t0 = time.perf_counter()
@@ -356,6 +366,9 @@ class Persister:
         parts: tuple[tuple[str, ...], str] | None = None
         try:
             take, parts = self._take(base=batch.new_base or self._base_due())
+            if take is not None:
+                with self._cond:
+                    self._phase = "first-base" if self._last is None else "base" if take.base else "delta"
             info, fresh = self._write(take, parts) if take is not None else (None, False)
         except Exception as e:
             if take is not None and take._state == "open":
@@ -463,6 +476,14 @@ class Persister:
             self._bytes += info.stored_bytes
             self._consecutive_failures = 0
         return info, True
+
+    def _retention(self, info: CheckpointInfo) -> dict[str, Any] | None:
+        """The retention to apply after committing ``info`` (:func:`_retention_asked`); its phase begins."""
+        spec = _retention_asked(info)
+        if spec is not None:
+            with self._cond:
+                self._phase = "retention"
+        return spec
 
     def _base_due(self) -> bool:
         return self.writer.base_due(self.tier.step or 0)

@@ -96,12 +96,13 @@ class GatedBackend(MemoryBackend):
         self.gate.set()
         self.entered = threading.Event()
         self.fail_commits = 0
+        self.gated = ("manifests/",)  # the writes that wait on the gate (a gc's lease: "locks/gc.json")
 
     def put_new(self, key: str, data: Buffer) -> None:
-        if key.startswith("manifests/"):
-            if self.fail_commits > 0:
-                self.fail_commits -= 1
-                raise StorageUnavailableError(f"injected outage writing {key}")
+        if key.startswith("manifests/") and self.fail_commits > 0:
+            self.fail_commits -= 1
+            raise StorageUnavailableError(f"injected outage writing {key}")
+        if key.startswith(self.gated):
             self.entered.set()
             self.gate.wait()
         super().put_new(key, data)
@@ -481,3 +482,36 @@ def test_the_same_failure_again_and_again_is_one_warning_not_one_per_attempt(
         assert [r.levelno for r in lines] == [logging.WARNING] + [logging.DEBUG] * 4
         assert p.status().consecutive_failures == 5
         assert p.request(1).result(timeout=30) is not None
+
+
+def test_the_status_says_what_the_write_in_flight_is(store: Store, backend: GatedBackend) -> None:
+    """The chaos harness aims faults at a first base, a new base over a chain (the agent's compaction: it rewrites
+    the base from memory), a delta and the retention's gc; ``phase`` is how it sees which one is in flight."""
+    from psguard.handoff.contract import RETENTION_KEY
+
+    tier = MemoryTier()
+    truth = initial()
+    keep = {RETENTION_KEY: {"keep_last": 1, "keep_every_hours": None}}
+    tier.apply(whole(truth), step=1, token="g-1", parent=None, metadata=keep)
+    phases = []
+    with Persister(store, tier, max_chain=1, max_delta_percent=None) as p:
+        assert p.status().phase is None
+        for k in range(1, 5):
+            if k > 1:
+                assert tier.apply(advance(truth, k), step=k, token=f"g-{k}", parent=f"g-{k - 1}", metadata=keep).ok
+            backend.gated = ("locks/gc.json",) if k == 4 else ("manifests/",)
+            backend.entered.clear()
+            backend.gate.clear()
+            try:
+                handle = p.request(k)
+                assert backend.entered.wait(30)
+                st = p.status()
+                phases.append(st.phase)
+                assert st.in_flight
+            finally:
+                backend.gate.set()
+            assert handle.result(timeout=30) is not None
+        assert p.status().phase is None and not p.status().in_flight
+    # 1: the log's first base; 2: a delta over it; 3: a new base (max_chain 1); 4: its delta's commit is done and
+    # the retention's gc (keep_last 1) holds its lease
+    assert phases == ["first-base", "delta", "base", "retention"]
