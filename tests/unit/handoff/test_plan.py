@@ -5,6 +5,7 @@ table in docs/design.md reached by an example, so the table and the function agr
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 
@@ -28,7 +29,9 @@ from psguard.handoff.plan import (
     failure_moment,
     plan,
     reported_moment,
+    rules_table,
 )
+from tests.support.paths import ROOT
 
 TOKEN, OTHER = "t-now", "t-before"
 PS = ("ps:0", "ps:1", "ps:2")
@@ -293,3 +296,10 @@ def test_every_rule_of_the_table_is_what_the_plan_decides(rule: object) -> None:
 
 def test_every_rule_has_an_example() -> None:
     assert set(examples()) | MOMENTS == {r.name for r in RULES}
+
+
+def test_the_design_docs_table_is_the_rules() -> None:
+    """docs/design.md ("Recovery plan") shows :data:`RULES` as they are: regenerate it with rules_table()."""
+    design = (ROOT / "docs" / "design.md").read_text()
+    tables = re.findall(r"^\| rule \| when \| then \| why \|\n(?:\|.*\n?)+", design, flags=re.M)
+    assert [t.rstrip("\n") for t in tables] == [rules_table()]
