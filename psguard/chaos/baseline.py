@@ -88,6 +88,11 @@ class BaselineNemesis(Nemesis):
         a durable-commit" once that save was invoked. (Polling for an agent's persister delayed it past the save.)"""
         return {}
 
+    def _await_moment(self, moment: str) -> dict[str, Any]:
+        """Nothing to wait for: plain TF has no agent whose persister writes a first base, persists, compacts or
+        collects garbage; the fault fires at its step (or time), as the scenario's step says."""
+        return {}
+
     def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         action = TASK_FAULT_FOR.get(fault.action)
         if action is None:

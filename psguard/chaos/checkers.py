@@ -603,6 +603,12 @@ def faults_injected(ctx: _Context) -> Verdict:
         for o in faults
         if o.type == "ok" and o.value.get("persist_in_flight") is False
     ]
+    # So was one aimed at a moment of the persister (a first base, a persist, a compaction, a gc) it never saw.
+    failed += [
+        {"f": o.f, "target": o.value.get("target"), "why": f"no {o.value.get('moment')} came in time"}
+        for o in faults
+        if o.type == "ok" and o.value.get("moment_found") is False
+    ]
     heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
     unhealed = [o.f for o in heals if o.type != "ok"]
     fired = {o.value.get("fault") for o in faults}

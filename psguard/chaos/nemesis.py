@@ -15,6 +15,15 @@ operation carries an ``op_id`` so that two of one kind open at once (two PS agen
 ended, 75 s after the store went down.) Those threads live until :meth:`Nemesis.close`: a storage server started
 under a parent-death signal (``setpriv --pdeathsig``, :mod:`psguard.testbed.s3_server`) dies with the *thread* that
 started it, and one restarted by a heal's short-lived thread died the moment its heal was done.
+
+A fault "during" a moment of the chief agent's persister (``first-base``, ``persist``, ``compaction``, ``gc``:
+:data:`psguard.chaos.scenario.AGENT_MOMENTS`) is due at its step or time and then waits, on its own thread, for
+that moment: it polls the chief agent's ``/status`` (``persister.in_flight`` and ``phase``), every
+:data:`IDLE_POLL` seconds while the persister is idle and every :data:`BUSY_POLL` while it writes, and strikes
+when the phase comes. Its record says what was found (``moment_found``; false after :data:`MOMENT_WAIT` seconds, or
+once the log has its first base for ``first-base``: the fault then fires anyway and faults-injected says it was
+not the one asked for). A wait the run's end overtakes (:meth:`Nemesis.job_ended`, the final phase) is recorded as
+not injected.
 """
 
 from __future__ import annotations
@@ -35,13 +44,20 @@ from typing import Any, Protocol
 from psguard.agent.process.launcher import AgentProcess
 from psguard.chaos.history import HistoryWriter
 from psguard.chaos.proxy import TcpProxy
-from psguard.chaos.scenario import Fault, Scenario, expand_targets
+from psguard.chaos.scenario import AGENT_MOMENTS, Fault, Scenario, expand_targets
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Nemesis", "StorageControl", "TaskProcess", "chain_members", "damage_chunk"]
 
 NEMESIS = "nemesis"
+#: Seconds between looks at the chief agent's persister while it is idle, and while it writes: a write's phase
+#: lasts tens of milliseconds and more, and the chief's agent is not flooded while nothing happens.
+IDLE_POLL = 0.02
+BUSY_POLL = 0.002
+#: Longest wait for a persister's moment: a few durable cadences of the explored jobs (a new base comes every
+#: ``new_base_after`` deltas, a gc after each commit past the retention).
+MOMENT_WAIT = 120.0
 
 
 class TaskProcess(Protocol):
@@ -172,6 +188,7 @@ class Nemesis:
         self._pool = ThreadPoolExecutor(max_workers=256, thread_name_prefix="psguard-nemesis")
         self._actions: list[Future[None]] = []  # faults and heals started and maybe still running
         self._heal_now = threading.Event()  # the final phase: every heal due at once
+        self._job_over = threading.Event()  # the job ended: a fault still waiting for its moment gives up
         self._failure: BaseException | None = None  # what an action's thread raised (a history not written)
         self._op_ids = itertools.count()
 
@@ -214,6 +231,10 @@ class Nemesis:
             self.pending.pop(0)
             self.fired.append(fault)
             self._start(fault.action, functools.partial(self._fire, fault, step, durable_in_flight))
+
+    def job_ended(self) -> None:
+        """The job reached its end: a fault still waiting for a moment of the persister will not see it."""
+        self._job_over.set()
 
     def heal_all(self) -> None:
         """Heal every open fault now and wait until every fault and heal has ended (the final phase, and on the
@@ -286,6 +307,14 @@ class Nemesis:
             base["durable_commit_step"] = durable_in_flight  # invoked since the last look
         if fault.max_lost_steps is not None:
             base["max_lost_steps"] = fault.max_lost_steps
+        if fault.during in AGENT_MOMENTS:
+            moment = self._await_moment(fault.during)
+            why = moment.pop("why", None)
+            if why is not None:  # the run ended first (or there is no persister to watch): nothing to aim at
+                name = "storage-stop" if fault.action == "storage-outage" else fault.action  # as when injected
+                self._not_injected(name, {**base, **moment, "target": fault.target}, why)
+                return
+            base.update(moment)
         if fault.action in ("corrupt-chunk", "truncate-chunk"):
             mode = "corrupt" if fault.action == "corrupt-chunk" else "truncate"
             store_dir = self.store_dir
@@ -366,6 +395,42 @@ class Nemesis:
                 return {"persist_in_flight": True, "persister": last, "polls": polls}
             time.sleep(0.002)
         return {"persist_in_flight": False, "persister": last, "polls": polls}
+
+    def _await_moment(self, moment: str) -> dict[str, Any]:
+        """Poll the chief agent's ``/status`` until its persister is at ``moment`` (see the module's text). Returns
+        what the fault's record says of it; ``why`` (and ``moment_found`` None) when the run ended first."""
+        phases = AGENT_MOMENTS[moment]
+        agent = self.agents.get("chief")
+        t0 = time.monotonic()
+        polls = 0
+        last: dict[str, Any] = {}
+        found: bool | None = False
+        while agent is not None and time.monotonic() - t0 < MOMENT_WAIT:
+            if self._heal_now.is_set() or self._job_over.is_set():
+                found = None
+                break
+            polls += 1
+            try:
+                status = agent.status(timeout=2)
+            except Exception:  # the chief's agent is down (a fault restarts it): its successor is looked at
+                self._job_over.wait(IDLE_POLL * 10)
+                continue
+            last = status.get("persister") or {}
+            if last.get("in_flight") and (phases is None or last.get("phase") in phases):
+                found = True
+                break
+            if moment == "first-base" and status.get("durable_checkpoint") is not None:
+                break  # the log has its base: the moment is past and never comes again
+            busy = last.get("in_flight") or last.get("pending_requests")
+            self._job_over.wait(BUSY_POLL if busy else IDLE_POLL)
+        value = {"moment": moment, "moment_found": found, "persister": last, "polls": polls,
+                 "waited_s": round(time.monotonic() - t0, 3)}  # fmt: skip
+        if found is None:
+            value["why"] = f"the run ended before a {moment} came"
+        elif agent is None:
+            value["why"] = "there is no chief agent whose persister to watch"
+            value["moment_found"] = None
+        return value
 
     def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         agent = self._agent(target)

@@ -325,6 +325,8 @@ class _Run:
                         self.started_at = float(e["mono"])
                 elif e["event"] == "step":
                     self.step = max(self.step or 0, int(e["step"])) if e["step"] else self.step
+                elif e["event"] == "done":  # the trainer reached its target: no persister's moment comes now
+                    nemesis.job_ended()
             now = time.monotonic()
             if now - last_pids > 0.5:
                 self.pids_seen |= descendants(os.getpid())

@@ -29,6 +29,7 @@ from psguard.config import Check, Duration, invalid, load_yaml, validate
 
 __all__ = [
     "ACTIONS",
+    "AGENT_MOMENTS",
     "Checks",
     "ClusterSpec",
     "Fault",
@@ -66,6 +67,17 @@ ACTIONS: tuple[str, ...] = (
     "drop",  # connections to a PS are reset and refused, for `duration`
     "hang",  # the trainer's step loop blocks forever (its process lives); its agent must find and restart it
 )
+#: The moments of the chief agent's persister a fault can wait for (``during``), each by the ``phase`` of its
+#: write in flight as ``/status`` reports it (:class:`psguard.agent.tiers.persister.PersisterStatus`; None: any):
+#: the log's first base, any persist, a new base over a chain (the agent's compaction: it rewrites the base from
+#: memory instead of ``Store.compact``), and the retention after a commit (its gc).
+AGENT_MOMENTS: dict[str, tuple[str, ...] | None] = {
+    "first-base": ("first-base",),
+    "persist": None,
+    "compaction": ("base",),
+    "gc": ("retention",),
+}
+During = Literal["durable-commit", "restore", "first-base", "persist", "compaction", "gc"]
 _TARGET = re.compile(r"^(chief|ps:(\d+|\*)|worker:(\d+|\*)|store)$")
 Positive = Annotated[int, Check(lambda n: n > 0, "> 0")]
 NonNegative = Annotated[int, Check(lambda n: n >= 0, ">= 0")]
@@ -81,8 +93,9 @@ class Fault:
     at_time: Duration | None = None
     duration: Duration = 1.0  # pause / kill-agent / storage-outage: until the heal
     max_lost_steps: NonNegative | None = None  # the policy bound for this fault (default: see checkers)
-    # Also wait until a durable commit (the chief agent's persist) or a trainer's restore is in flight.
-    during: Literal["durable-commit", "restore"] | None = None
+    # Also wait until a durable commit (one the trainer asked for, while the chief agent's persister writes) or a
+    # trainer's restore is in flight, or a moment of the persister (AGENT_MOMENTS; on any target, the store too).
+    during: During | None = None
     latency: Duration = 0.2  # delay: seconds added to each chunk of bytes
 
     def __post_init__(self) -> None:
@@ -339,6 +352,9 @@ class Scenario:
                 )
             if fault.action in CHUNK_ACTIONS:
                 _check_chunk_fault(fault, self, f"faults[{i}]")
+            if fault.during == "gc" and self.training.max_to_keep is None:
+                raise invalid(f"faults[{i}].during", "gc with training.max_to_keep set (without retention no gc runs)",
+                              fault.during)  # fmt: skip
             if fault.action == "storage-outage" and self.storage.kind == "local":
                 raise invalid(
                     f"faults[{i}].action",

@@ -125,6 +125,8 @@ def test_scenario_errors_name_the_file_and_the_key() -> None:
         _scenario(faults=[{"action": "corrupt-chunk", "target": "ps:0", "at_step": 5}])
     with pytest.raises(ConfigError, match=r"at_step: expected a step below training\.steps"):
         _scenario(faults=[{"action": "kill", "target": "ps:0", "at_step": 400}], training={"steps": 300})
+    with pytest.raises(ConfigError, match=r"faults\[0\]\.during: expected gc with training\.max_to_keep set"):
+        _scenario(faults=[{"action": "kill", "target": "ps:0", "at_step": 5, "during": "gc"}])
 
 
 def test_agent_faults_aim_at_tasks_and_describe_themselves() -> None:
@@ -410,6 +412,27 @@ def test_a_fault_that_was_not_injected_makes_the_run_worthless() -> None:
     h.train(0, 20)
     h.finish()
     assert check_all(h.records)["faults-injected"].status == "invalid"
+
+
+def test_a_fault_that_missed_the_persisters_moment_it_waited_for_is_not_the_fault_asked_for() -> None:
+    for found, status in ((True, "valid"), (False, "invalid")):
+        h = H().good()
+        h.records = [r for r in h.records if r.process != "nemesis"]
+        h.fault("kill", "worker:0", moment="compaction", moment_found=found)
+        h.finish()
+        verdict = check_all(h.records)["faults-injected"]
+        assert verdict.status == status, verdict
+    missed = {"f": "kill", "target": "worker:0", "why": "no compaction came in time"}
+    assert verdict.evidence["not_injected"] == [missed]
+    # ... and every moment a scenario can name is one the nemesis knows how to wait for
+    moments = _scenario(
+        faults=[
+            {"action": "kill", "target": "ps:0", "at_step": 5, "during": m}
+            for m in ("first-base", "persist", "compaction", "gc")
+        ],
+        training={"max_to_keep": 2},
+    )
+    assert [f.describe() for f in moments.faults][-1] == "kill ps:0 at step 5 during a gc"
 
 
 # ------------------------------------------------------------------------------------------------ nemesis

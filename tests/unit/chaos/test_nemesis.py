@@ -196,3 +196,110 @@ def test_plain_tf_has_no_persister_to_wait_for_its_fault_fires_at_the_save(tmp_p
         history.close()
         chief.close()
         ps.close()
+
+
+class Persisting(Task):
+    """The chief's agent with a persister the test moves through its phases; every look at it is counted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase: str | None = None  # the write in flight's phase (None: idle)
+        self.durable: str | None = None  # the log's newest checkpoint
+        self.looked = threading.Condition()
+        self.polls = 0
+
+    def status(self, timeout: float = 10.0) -> dict[str, Any]:
+        with self.looked:
+            self.polls += 1
+            self.looked.notify_all()
+            persister = {"in_flight": self.phase is not None, "phase": self.phase, "pending_requests": 0}
+            return {**super().status(timeout), "persister": persister, "durable_checkpoint": self.durable}
+
+    def looked_again(self, times: int = 3) -> None:
+        with self.looked:
+            until = self.polls + times
+            assert self.looked.wait_for(lambda: self.polls >= until, 30)
+
+
+def _during(moment: str, **training: Any) -> Scenario:
+    fault = {"action": "kill", "target": "worker:0", "at_step": 10, "during": moment}
+    doc = {"name": "t", "proves": "x", "cluster": {"ps": 1, "workers": 1}, "faults": [fault], "training": training}
+    return from_data(Scenario, doc, source="t.yaml")
+
+
+def test_a_fault_during_a_gc_waits_for_the_persisters_retention_phase(tmp_path: Path) -> None:
+    scenario = _during("gc", max_to_keep=2)
+    chief, worker = Persisting(), Task()
+    history = Watched(tmp_path / "history.jsonl", "kill", n=1)
+    agents = {"chief": chief, "worker0": worker}
+    nemesis = Nemesis(scenario, list(scenario.faults), history, agents, store_dir=None, storage=None, seed=0)
+    try:
+        nemesis.tick(10, 1.0)
+        chief.looked_again()
+        chief.phase = "delta"  # a persist, but not its gc yet
+        chief.looked_again()
+        assert not [r for r in history.records if r.f == "kill"] and worker.proc.poll() is None
+        chief.phase = "retention"
+        assert history.done.wait(30)
+        nemesis.heal_all()
+        (kill,) = [o for o in operations(history.records) if o.f == "kill"]
+        assert kill.value["moment"] == "gc" and kill.value["moment_found"] is True
+        assert kill.value["persister"]["phase"] == "retention" and worker.proc.wait(10) == -9
+    finally:
+        nemesis.close()
+        history.close()
+        chief.close()
+        worker.close()
+
+
+def test_a_first_base_already_written_is_a_moment_missed_and_a_run_that_ends_first_injects_nothing(
+    tmp_path: Path,
+) -> None:
+    chief, worker = Persisting(), Task()
+    agents = {"chief": chief, "worker0": worker}
+    first, compaction = _during("first-base"), _during("compaction")
+    history, other = Watched(tmp_path / "first.jsonl", "kill", n=1), HistoryWriter(tmp_path / "compaction.jsonl")
+    nemesis = Nemesis(first, list(first.faults), history, agents, store_dir=None, storage=None, seed=0)
+    later = Nemesis(compaction, list(compaction.faults), other, agents, store_dir=None, storage=None, seed=0)
+    try:
+        chief.durable = "00000005-aa"  # the log's first base is committed: its moment never comes again
+        nemesis.tick(10, 1.0)
+        assert history.done.wait(30)  # fired anyway, and says it was not the fault asked for
+        nemesis.heal_all()
+        (kill,) = [o for o in operations(history.records) if o.f == "kill"]
+        assert kill.type == "ok" and kill.value["moment_found"] is False and kill.value["moment"] == "first-base"
+        later.tick(10, 1.0)  # an idle persister: no new base comes before the job ends
+        chief.looked_again()
+        later.job_ended()
+        later.heal_all()
+        assert not later.healing
+        missed = [(o.f, o.type, o.value["moment"], o.value["error"]) for o in operations(other.records)]
+        assert missed == [("kill", "fail", "compaction", "the run ended before a compaction came")]
+    finally:
+        nemesis.close()
+        later.close()
+        history.close()
+        other.close()
+        chief.close()
+        worker.close()
+
+
+def test_plain_tf_has_no_persisters_moments_its_fault_fires_at_its_step(tmp_path: Path) -> None:
+    from psguard.chaos.baseline import BaselineNemesis
+
+    scenario = _during("compaction")
+    chief, worker = Task(), Task()
+    history = Watched(tmp_path / "history.jsonl", "kill", n=1)
+    agents = {"chief": chief, "worker0": worker}
+    nemesis = BaselineNemesis(scenario, list(scenario.faults), history, agents, store_dir=None, storage=None, seed=0)
+    try:
+        nemesis.tick(10, 1.0)
+        assert history.done.wait(30)
+        nemesis.heal_all()
+        (kill,) = [o for o in operations(history.records) if o.f == "kill"]
+        assert kill.type == "ok" and "moment_found" not in kill.value and worker.proc.wait(10) == -9
+    finally:
+        nemesis.close()
+        history.close()
+        chief.close()
+        worker.close()
