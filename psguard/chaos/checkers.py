@@ -11,7 +11,9 @@ The vocabulary of the history they rely on (see :mod:`psguard.demo_trainer` and 
   ``memory-commit``, ``durable-commit`` (``id``), ``restore`` (``step``, ``source``, ``id``, ``digest``),
   ``eval`` (``loss``);
 - ``nemesis``: the faults (``kill``, ``terminate``, ``pause``, ``kill-agent``, ``corrupt-chunk``,
-  ``truncate-chunk``, ``storage-stop``) and heals (``resume``, ``start-agent``, ``storage-start``);
+  ``truncate-chunk``, ``storage-stop``, ``store-errors``, the network's) and heals (``resume``, ``start-agent``,
+  ``storage-start``, ``heal``); a fault aimed at a moment says whether it found it (``persist_in_flight``,
+  ``moment_found``);
 - ``harness``: ``run`` (the run's parameters, the target step, the bounds, ``peer_copies``: whether the PS
   agents keep copies of each other's shards, absent = no), ``final-store``, ``cleanup``.
 
@@ -53,13 +55,13 @@ __all__ = [
 Status = Literal["valid", "invalid", "unknown"]
 FAULTS = (
     "kill", "terminate", "pause", "kill-agent", "terminate-agent", "pause-agent", "corrupt-chunk",
-    "truncate-chunk", "storage-stop", "partition", "delay", "drop", "hang",
+    "truncate-chunk", "storage-stop", "partition", "delay", "drop", "hang", "store-errors",
 )  # fmt: skip
 HEALS = ("resume", "start-agent", "storage-start", "heal")
 #: The heal that ends each fault that lasts (the others last until training makes progress again).
 HEALED_BY = {
     "pause": "resume", "pause-agent": "resume", "kill-agent": "start-agent", "terminate-agent": "start-agent",
-    "storage-stop": "storage-start", "partition": "heal", "delay": "heal", "drop": "heal",
+    "storage-stop": "storage-start", "partition": "heal", "delay": "heal", "drop": "heal", "store-errors": "heal",
 }  # fmt: skip
 COMMITS = ("memory-commit", "durable-commit")
 

@@ -8,6 +8,7 @@ header the client sent.
 
 ``fail_next(n, status=503, code="SlowDown")`` answers the next ``n`` requests with that error instead of
 forwarding them, as an S3 XML error document or (``dialect="gcs"``) a GCS JSON one, whose ``reason`` is ``code``;
+``fail_all(status)`` answers every request so until :meth:`heal` (the chaos harness's ``store-errors`` fault);
 :attr:`failed` counts the error answers given. :meth:`close` stops the server and joins its threads.
 """
 
@@ -22,7 +23,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-__all__ = ["HttpErrorProxy"]
+__all__ = ["HttpErrorProxy", "error_code"]
 
 _MESSAGES = {
     "SlowDown": "Please reduce your request rate.",
@@ -33,6 +34,20 @@ _MESSAGES = {
     "internalError": "Internal Error",
     "forbidden": "The caller does not have storage.objects.get access to the Google Cloud Storage object.",
 }
+
+
+#: The error each dialect answers a status with by default: S3's code, GCS's reason.
+_CODES = {
+    "s3": {500: "InternalError", 503: "SlowDown"},
+    "gcs": {429: "rateLimitExceeded", 500: "internalError", 503: "backendError"},
+}
+
+
+def error_code(dialect: Literal["s3", "gcs"], status: int) -> str:
+    """The error ``dialect``'s store answers ``status`` with (S3: ``InternalError`` for any 5xx but 503's
+    ``SlowDown``; GCS: ``backendError`` for any 5xx but 500's ``internalError``)."""
+    fallback = "backendError" if dialect == "gcs" else "InternalError"
+    return _CODES[dialect].get(status, fallback)
 
 
 def error_document(dialect: Literal["s3", "gcs"], status: int, code: str) -> tuple[str, bytes]:
@@ -61,6 +76,8 @@ class HttpErrorProxy:
         self._upstream = (parts.hostname or "127.0.0.1", parts.port or 80)
         self._lock = threading.Lock()
         self._pending: list[tuple[int, str]] = []
+        self._always: tuple[int, str] | None = None  # fail_all's answer, until heal()
+        self.dialect = dialect
         self._connections: set[socket.socket] = set()  # open client connections, ended by close()
         self.failed = 0
         self.forwarded = 0
@@ -133,17 +150,24 @@ class HttpErrorProxy:
         with self._lock:
             self._pending.extend([(status, code)] * n)
 
+    def fail_all(self, status: int = 503, code: str | None = None) -> None:
+        """Answer every request with ``status`` (and ``code``, by default the dialect's: :func:`error_code`), not
+        forwarded, until :meth:`heal`."""
+        with self._lock:
+            self._always = (status, code or error_code(self.dialect, status))
+
     def heal(self) -> None:
         """Forward every request again (drops the error answers not given yet)."""
         with self._lock:
             self._pending.clear()
+            self._always = None
 
     def _take_fault(self) -> tuple[int, str] | None:
         with self._lock:
-            if not self._pending:
+            if not self._pending and self._always is None:
                 return None
             self.failed += 1
-            return self._pending.pop(0)
+            return self._pending.pop(0) if self._pending else self._always
 
     def close(self) -> None:
         self._server.shutdown()

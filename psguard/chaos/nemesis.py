@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from psguard.agent.process.launcher import AgentProcess
 from psguard.chaos.history import HistoryWriter
+from psguard.chaos.http_faults import HttpErrorProxy
 from psguard.chaos.proxy import TcpProxy
 from psguard.chaos.scenario import AGENT_MOMENTS, Fault, Scenario, expand_targets
 
@@ -172,6 +173,7 @@ class Nemesis:
         storage: StorageControl | None,
         seed: int,
         proxies: Mapping[str, TcpProxy] | None = None,
+        store_errors: HttpErrorProxy | None = None,
     ) -> None:
         self.scenario = scenario
         self.pending = list(faults)
@@ -180,6 +182,7 @@ class Nemesis:
         self.store_dir = store_dir
         self.storage = storage
         self.proxies = dict(proxies or {})
+        self.store_errors = store_errors  # in front of the store: its HTTP error answers (store-errors)
         self.rng = random.Random(seed ^ 0x5EED)
         self.fired: list[Fault] = []
         self._lock = threading.Lock()
@@ -340,6 +343,9 @@ class Nemesis:
             if self._run("storage-stop", {**base, "target": "store"}, stop) is not None:
                 self._heal_later(fault.duration, "storage-start", start, {"target": "store"})
             return
+        if fault.action == "store-errors":
+            self._fire_store_errors(fault, {**base, "target": "store", "http_status": fault.http_status})
+            return
         if fault.action in ("partition", "delay", "drop"):
             for target in expand_targets(fault.target, self.scenario.cluster):
                 self._fire_on_network(fault, target, base)
@@ -352,6 +358,24 @@ class Nemesis:
         value = {**value, "op_id": next(self._op_ids)}
         self.history.append(NEMESIS, "invoke", f, value)
         self.history.append(NEMESIS, "fail", f, {**value, "error": why})
+
+    def _fire_store_errors(self, fault: Fault, value: dict[str, Any]) -> None:
+        """Every request to the store answered with ``fault.http_status`` for ``fault.duration``."""
+        proxy = self.store_errors
+        if proxy is None:
+            self._not_injected("store-errors", value, "no HTTP proxy in front of the store")
+            return
+
+        def inject() -> dict[str, Any]:
+            proxy.fail_all(fault.http_status)
+            return {"endpoint": proxy.endpoint_url, "failed_before": proxy.failed}
+
+        def heal() -> dict[str, Any]:
+            proxy.heal()
+            return {"failed": proxy.failed}
+
+        if self._run("store-errors", value, inject) is not None:
+            self._heal_later(fault.duration, "heal", heal, {"target": "store"})
 
     def _fire_on_network(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         proxy = self.proxies.get(target)

@@ -115,6 +115,7 @@ class _Run:
         self.history = HistoryWriter(directory / "history.jsonl", keep=frozenset({NEMESIS}))
         self.agents: dict[str, AgentProcess] = {}
         self.proxies: dict[str, Any] = {}
+        self.store_errors: Any = None  # the HTTP proxy that answers the store's errors (a store-errors fault)
         self._dead_noted: set[tuple[str, int]] = set()
         self.pids_seen: set[int] = set()
         self.ports: list[int] = []
@@ -202,6 +203,14 @@ class _Run:
                 self.proxies["store"] = proxy
                 self.ports.append(proxy.listen_port)
                 self.storage_env[_ENDPOINT_ENV[kind]] = f"http://127.0.0.1:{proxy.listen_port}"
+            if self.scenario.needs_store_errors:
+                # ... and (in front of that proxy, if any) through one that answers with the store's HTTP errors.
+                from psguard.chaos.http_faults import HttpErrorProxy
+
+                upstream = self.storage_env.get(_ENDPOINT_ENV[kind]) or f"http://127.0.0.1:{self.storage.port}"
+                self.store_errors = HttpErrorProxy(upstream, dialect="gcs" if kind == "gcs" else "s3")
+                self.ports.append(int(self.store_errors.endpoint_url.rsplit(":", 1)[1]))
+                self.storage_env[_ENDPOINT_ENV[kind]] = self.store_errors.endpoint_url
         elif self.scenario.storage.kind == "hdfs":
             from psguard.testbed.hdfs import HdfsCluster
 
@@ -301,6 +310,7 @@ class _Run:
             storage=self.storage,
             seed=self.seed,
             proxies=self.proxies,
+            store_errors=self.store_errors,
         )
         self.nemesis = nemesis
         reader = ProgressReader(self.dir / "progress.jsonl")
@@ -396,7 +406,7 @@ class _Run:
                 agent.stop()
             except Exception as e:  # keep stopping the others
                 self.say(f"  stopping agent {agent.name}: {e}")
-        for proxy in self.proxies.values():
+        for proxy in [*self.proxies.values(), *([self.store_errors] if self.store_errors is not None else [])]:
             proxy.close()
 
     def close_nemesis(self) -> None:

@@ -45,7 +45,7 @@ __all__ = [
 
 Action = Literal[
     "kill", "terminate", "pause", "kill-agent", "terminate-agent", "pause-agent", "corrupt-chunk",
-    "truncate-chunk", "storage-outage", "partition", "delay", "drop", "hang",
+    "truncate-chunk", "storage-outage", "partition", "delay", "drop", "hang", "store-errors",
 ]  # fmt: skip
 NETWORK_ACTIONS = ("partition", "delay", "drop")
 #: Stores reached over HTTP, where a TCP proxy in front of the server carries the network faults.
@@ -62,6 +62,9 @@ ACTIONS: tuple[str, ...] = (
     "corrupt-chunk",  # flip one bit of a chunk of the newest durable checkpoint, on disk
     "truncate-chunk",  # cut a chunk of the newest durable checkpoint short, on disk
     "storage-outage",  # stop the storage server, start it again after `duration`
+    # the store answers every request with an HTTP error (`http_status`: S3's SlowDown or InternalError, GCS's
+    # backendError or internalError) for `duration`: an HTTP proxy in front of an S3 or GCS server gives them
+    "store-errors",
     "partition",  # the chief and workers cannot reach a PS (a TCP proxy holds every byte) for `duration`
     "delay",  # every chunk of bytes to and from a PS is held `latency` seconds, for `duration`
     "drop",  # connections to a PS are reset and refused, for `duration`
@@ -97,6 +100,7 @@ class Fault:
     # trainer's restore is in flight, or a moment of the persister (AGENT_MOMENTS; on any target, the store too).
     during: During | None = None
     latency: Duration = 0.2  # delay: seconds added to each chunk of bytes
+    http_status: Annotated[int, Check(lambda n: 500 <= n <= 599, "a 5xx status")] = 503  # store-errors' answer
 
     def __post_init__(self) -> None:
         validate(self)
@@ -116,7 +120,7 @@ class Fault:
             return
         if self.action == "hang" and self.target != "chief":
             raise invalid("target", "chief for hang (the trainer's step loop is what hangs)", self.target)
-        on_store = self.action in ("corrupt-chunk", "truncate-chunk", "storage-outage")
+        on_store = self.action in ("corrupt-chunk", "truncate-chunk", "storage-outage", "store-errors")
         if on_store != (self.target == "store"):
             raise invalid("target", f"'store' for {self.action}" if on_store else "a task", self.target)
 
@@ -149,7 +153,7 @@ class RandomFaults:
                 raise invalid("targets", "tasks: chief, ps:N, worker:N", t)
         # Every pair the seed may draw must be a fault the nemesis can carry out: found now, not mid-run.
         for action in self.actions:
-            if action in CHUNK_ACTIONS or action == "storage-outage":
+            if action in CHUNK_ACTIONS or action in ("storage-outage", "store-errors"):
                 raise invalid("actions", "task faults (the store's faults go in faults:, with target store)", action)
             for t in self.targets:
                 try:
@@ -361,7 +365,8 @@ class Scenario:
                     "storage-outage with a storage server (storage.kind s3, gcs or hdfs)",
                     fault.action,
                 )
-            if fault.target == "store" and fault.action in NETWORK_ACTIONS and self.storage.kind not in PROXIED_STORES:
+            on_http = fault.action in NETWORK_ACTIONS or fault.action == "store-errors"
+            if fault.target == "store" and on_http and self.storage.kind not in PROXIED_STORES:
                 raise invalid(
                     f"faults[{i}].action", f"{fault.action} of the store only with storage.kind s3 or gcs", fault.action
                 )
@@ -372,7 +377,8 @@ class Scenario:
             if kind.action == "storage-outage" and self.storage.kind == "local":
                 expected = "storage-outage with storage.kind s3, gcs or hdfs"
                 raise invalid(f"soak.kinds[{i}].action", expected, kind.action)
-            if kind.target == "store" and kind.action in NETWORK_ACTIONS and self.storage.kind not in PROXIED_STORES:
+            on_http = kind.action in NETWORK_ACTIONS or kind.action == "store-errors"
+            if kind.target == "store" and on_http and self.storage.kind not in PROXIED_STORES:
                 raise invalid(f"soak.kinds[{i}].action", f"{kind.action} of the store with s3 or gcs", kind.action)
         if self.random is not None:
             for t in self.random.targets:
@@ -397,6 +403,12 @@ class Scenario:
         pairs = [(f.action, f.target) for f in self.faults]
         pairs += [(k.action, k.target) for k in (self.soak.kinds if self.soak else ())]
         return any(action in NETWORK_ACTIONS and target == "store" for action, target in pairs)
+
+    @property
+    def needs_store_errors(self) -> bool:
+        """HTTP error answers from the store (``store-errors``) need an HTTP proxy in front of the S3 or GCS server."""
+        actions = [f.action for f in self.faults] + [k.action for k in (self.soak.kinds if self.soak else ())]
+        return "store-errors" in actions
 
     def schedule(self, seed: int) -> list[Fault]:
         """The faults in firing order: the fixed ones plus those drawn from ``seed`` (same seed, same list)."""

@@ -127,6 +127,12 @@ def test_scenario_errors_name_the_file_and_the_key() -> None:
         _scenario(faults=[{"action": "kill", "target": "ps:0", "at_step": 400}], training={"steps": 300})
     with pytest.raises(ConfigError, match=r"faults\[0\]\.during: expected gc with training\.max_to_keep set"):
         _scenario(faults=[{"action": "kill", "target": "ps:0", "at_step": 5, "during": "gc"}])
+    with pytest.raises(ConfigError, match=r"faults\[0\]\.action: expected store-errors of the store only with"):
+        _scenario(faults=[{"action": "store-errors", "target": "store", "at_step": 5}], storage={"kind": "hdfs"})
+    with pytest.raises(ConfigError, match="'store' for store-errors"):
+        _scenario(faults=[{"action": "store-errors", "target": "ps:0", "at_step": 5}], storage={"kind": "s3"})
+    with pytest.raises(ConfigError, match="http_status: expected a 5xx status"):
+        _scenario(faults=[{"action": "store-errors", "target": "store", "at_step": 5, "http_status": 404}])
 
 
 def test_agent_faults_aim_at_tasks_and_describe_themselves() -> None:

@@ -303,3 +303,32 @@ def test_plain_tf_has_no_persisters_moments_its_fault_fires_at_its_step(tmp_path
         history.close()
         chief.close()
         worker.close()
+
+
+def test_store_errors_answer_every_request_with_the_status_until_healed(tmp_path: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    from psguard.chaos.http_faults import HttpErrorProxy
+
+    fault = {"action": "store-errors", "target": "store", "at_step": 10, "duration": 60, "http_status": 500}
+    doc = {"name": "t", "proves": "x", "storage": {"kind": "gcs"}, "faults": [fault]}
+    scenario = from_data(Scenario, doc, source="t.yaml")
+    history = Watched(tmp_path / "history.jsonl", "store-errors", n=1)
+    with HttpErrorProxy("http://127.0.0.1:9", dialect="gcs") as proxy:  # nothing upstream: no request forwarded
+        nemesis = Nemesis(
+            scenario, list(scenario.faults), history, {}, store_dir=None, storage=None, seed=0, store_errors=proxy
+        )
+        try:
+            nemesis.tick(10, 1.0)
+            assert history.done.wait(30)
+            with pytest.raises(urllib.error.HTTPError) as answer:
+                urllib.request.urlopen(f"{proxy.endpoint_url}/storage/v1/b/x/o", timeout=10)
+            assert answer.value.code == 500 and b"internalError" in answer.value.read()
+            nemesis.heal_all()  # the final phase heals it at once
+            assert proxy.failed == 1 and proxy._take_fault() is None  # forwarding again
+        finally:
+            nemesis.close()
+            history.close()
+    ops = {o.f: (o.type, o.value.get("http_status")) for o in operations(read_history(tmp_path / "history.jsonl"))}
+    assert ops == {"store-errors": ("ok", 500), "heal": ("ok", None)}

@@ -55,3 +55,50 @@ def test_a_gcs_store_is_reached_through_the_proxy_the_nemesis_faults(
             p.close()
         run.stop_storage()
         run.history.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["s3", "gcs"])
+def test_store_errors_come_from_a_proxy_in_front_of_the_one_the_network_faults_use(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agents and the trainer reach an S3 or GCS store through the HTTP proxy that answers its errors
+    (store-errors), which forwards through the TCP proxy where the store's network faults are (delay, drop)."""
+    doc = {
+        "name": "t",
+        "proves": "x",
+        "storage": {"kind": kind},
+        "faults": [
+            {"action": "store-errors", "target": "store", "at_step": 10, "duration": 1, "http_status": 500},
+            {"action": "drop", "target": "store", "at_step": 20, "duration": 1},
+        ],
+    }
+    run = _Run(from_data(Scenario, doc, source="t.yaml"), tmp_path, seed=0, job=DEFAULT_JOB, faults=True, say=print)
+    try:
+        run.start_storage()
+        errors, network = run.store_errors, run.proxies["store"]
+        variable = "AWS_ENDPOINT_URL" if kind == "s3" else "STORAGE_EMULATOR_HOST"
+        assert run.storage_env[variable] == errors.endpoint_url
+        for name, value in run.storage_env.items():
+            monkeypatch.setenv(name, value)
+        backend = open_backend(run.store_url, retry=SHORT)
+        backend.put("a", b"kept")
+        forwarded = errors.forwarded
+        errors.fail_all(500)  # the nemesis's store-errors: every request answered 500, none forwarded
+        with pytest.raises(StorageUnavailableError):
+            backend.get("a")
+        assert errors.failed >= 2 and errors.forwarded == forwarded  # retried, and every retry answered 500
+        errors.heal()
+        network.set_mode("drop")  # the error proxy's upstream is the network proxy
+        with pytest.raises(StorageUnavailableError):
+            backend.get("a")
+        network.set_mode("pass")
+        assert backend.get("a") == b"kept"
+        backend.close()
+    finally:
+        for p in run.proxies.values():
+            p.close()
+        if run.store_errors is not None:
+            run.store_errors.close()
+        run.stop_storage()
+        run.history.close()
