@@ -73,11 +73,11 @@ def _port_busy(port: int) -> bool:
 
 
 def chief_config(scenario: Scenario) -> str:
-    """The chief's agent config: the launcher's, plus ``peers: {copies: full}`` when the scenario runs with peer
-    copies and ``peers: {keep_survivors: true}`` when it keeps the PS that survive a failure."""
+    """The chief's agent config: the launcher's, plus ``peers: {copies: full}`` (or ``parity``) when the scenario
+    runs with peer copies and ``peers: {keep_survivors: true}`` when it keeps the PS that survive a failure."""
     peers: dict[str, object] = {}
     if scenario.peer_copies:
-        peers["copies"] = "full"
+        peers["copies"] = "parity" if scenario.peer_copies == "parity" else "full"
     if scenario.keep_survivors:
         peers["keep_survivors"] = True
     return with_peers(AGENT_CONFIG, **peers)

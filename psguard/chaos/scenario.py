@@ -12,7 +12,8 @@ seed gives the same schedule (:meth:`Scenario.schedule`).
 (``kill-agent`` / ``terminate-agent`` of ``ps:N``: the agent's memory tier goes with it) may cost, and so how the
 checkers judge it: without copies no memory commit made before the loss can be restored (a memory commit needs
 every PS's shards) and the trainer falls back to the durable log, so the loss is bounded by the durable cadence
-plus a chunk; with copies the memory tier survives the loss and the memory cadence plus a chunk is the bound.
+plus a chunk; with copies (``true``: full copies; ``parity``: a pair's XOR block, which rebuilds one lost member)
+the memory tier survives the loss and the memory cadence plus a chunk is the bound.
 """
 
 from __future__ import annotations
@@ -336,9 +337,10 @@ class Scenario:
     faults: tuple[Fault, ...] = ()
     random: RandomFaults | None = None
     checks: Checks = field(default_factory=Checks)
-    # The PS agents keep a copy of each other's shards (the chief's agent gets ``peers: {copies: full}``): a PS
-    # node loss then keeps the memory tier. See the module docstring for how the checkers judge either way.
-    peer_copies: bool = False
+    # The PS agents keep a copy of each other's shards (the chief's agent gets ``peers: {copies: full}``; with
+    # ``parity``, ``peers: {copies: parity}``: one XOR block per pair of PS, held by a PS outside the pair, so 3 PS
+    # at least): a PS node loss then keeps the memory tier. See the module docstring for how the checkers judge it.
+    peer_copies: bool | Literal["parity"] = False
     # The chief's agent gets ``peers: {keep_survivors: true}``: an in-process rejoin restarts only the PS that died
     # (psguard.agent.control.peers.PeersConfig.keep_survivors); the checkers judge the run as any other.
     keep_survivors: bool = False
@@ -348,6 +350,9 @@ class Scenario:
         validate(self)
         if not self.faults and self.random is None and self.soak is None:
             raise invalid("faults", "at least one fault (or random: or soak:)", [])
+        if self.peer_copies == "parity" and self.cluster.ps < 3:
+            raise invalid("peer_copies", "parity with cluster.ps of 3 or more (a pair's parity is held outside it)",
+                          self.peer_copies)  # fmt: skip
         for i, fault in enumerate(self.faults):
             _check_target(fault.target, self.cluster, f"faults[{i}].target")
             if fault.at_step is not None and fault.at_step >= self.training.steps:

@@ -23,6 +23,7 @@ from psguard.chaos.nemesis import Nemesis
 from psguard.chaos.runner import chief_config
 from psguard.chaos.scenario import Scenario, load_scenario
 from psguard.config import from_data
+from psguard.errors import ConfigError
 from tests.support.chaos import H, T
 from tests.support.paths import ROOT
 
@@ -34,7 +35,7 @@ def _lost_node(
     fault: str = "kill-agent",
     target: str = "ps:0",
     *,
-    peer_copies: bool | None = None,
+    peer_copies: bool | str | None = None,
     restored: int = 20,
     commit_in_the_fault: bool = False,
 ) -> H:
@@ -90,13 +91,15 @@ def test_a_ps_node_loss_without_peer_copies_is_judged_against_the_durable_log(
     assert bounded["lost_steps"] == 15 > MEMORY_BOUND and bounded["max_lost_steps"] == DURABLE_BOUND
 
 
-def test_with_peer_copies_a_ps_node_loss_keeps_the_memory_tier() -> None:
-    """A peer's copy of the lost shards should have served memory commit 30: the durable restore is stale and
-    loses more than the memory tier's bound; the restore of 30 is what is expected."""
-    newest, bounded = _judged(_lost_node(peer_copies=True, restored=20))
+@pytest.mark.parametrize("copies", [True, "parity"], ids=["full", "parity"])
+def test_with_peer_copies_a_ps_node_loss_keeps_the_memory_tier(copies: bool | str) -> None:
+    """A peer's copy of the lost shards (or its group's parity, which rebuilds them) should have served memory
+    commit 30: the durable restore is stale and loses more than the memory tier's bound; the restore of 30 is what
+    is expected."""
+    newest, bounded = _judged(_lost_node(peer_copies=copies, restored=20))
     assert newest["status"] == "invalid" and newest["newest_ok"] == 30, newest
     assert bounded["status"] == "invalid" and bounded["max_lost_steps"] == MEMORY_BOUND, bounded
-    newest, bounded = _judged(_lost_node(peer_copies=True, restored=30))
+    newest, bounded = _judged(_lost_node(peer_copies=copies, restored=30))
     assert newest["status"] == "valid" and bounded["status"] == "valid" and bounded["lost_steps"] == 5
 
 
@@ -144,6 +147,17 @@ def test_with_peer_copies_the_chief_agent_is_asked_for_full_copies() -> None:
         k: v for k, v in yaml.safe_load(AGENT_CONFIG).items() if k != "peers"
     }
     assert {k: v for k, v in doc["peers"].items() if k != "copies"} == yaml.safe_load(AGENT_CONFIG)["peers"]
+
+
+def test_parity_copies_give_the_chief_agent_copies_parity_and_need_a_third_ps_to_hold_a_pairs_parity() -> None:
+    s = _scenario(peer_copies="parity", cluster={"ps": 3})
+    doc = yaml.safe_load(chief_config(s))
+    assert doc["peers"]["copies"] == "parity" and from_data(AgentConfig, doc).peers.copies == "parity"
+    assert s.peer_copies  # a PS node loss keeps the memory tier, as with full copies
+    with pytest.raises(ConfigError, match=r"peer_copies: expected parity with cluster\.ps of 3 or more"):
+        _scenario(peer_copies="parity", cluster={"ps": 2})
+    with pytest.raises(ConfigError, match="peer_copies"):
+        _scenario(peer_copies="none")  # false is none: a string would read as true
 
 
 def test_keep_survivors_gives_the_chief_agent_peers_keep_survivors_and_nothing_else() -> None:
