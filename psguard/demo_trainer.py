@@ -241,6 +241,17 @@ def hang_forever() -> None:
     threading.Event().wait()
 
 
+def durable_cadence_due(
+    last_step: int | None, last_at: float | None, step: int, every: int, min_seconds: float, now: float
+) -> bool:
+    """The demo's durable cadence: ``every`` steps since the last durable save, and at least ``min_seconds`` since
+    it (a time floor, as week-long jobs set). The plain-TF baseline saves on the same rule, so that the two runs of
+    a chaos case have the same cadence."""
+    if last_step is not None and step - last_step < every:
+        return False
+    return last_at is None or now - last_at >= min_seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m psguard.demo_trainer")
     p.add_argument("--store", required=True)
@@ -338,10 +349,9 @@ def main(argv: list[str] | None = None) -> int:
         return last is None or step - last >= every
 
     def durable_due(step: int) -> bool:
-        if not due(state["durable"], args.durable_every, step):
-            return False
-        at = state["durable_at"]
-        return at is None or time.monotonic() - at >= args.durable_min_seconds
+        return durable_cadence_due(
+            state["durable"], state["durable_at"], step, args.durable_every, args.durable_min_seconds, time.monotonic()
+        )
 
     def save(job: Job, step: int) -> None:
         durable = durable_due(step)

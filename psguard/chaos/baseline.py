@@ -138,7 +138,7 @@ class BaselineRun(_Run):
         argv = [sys.executable, "-m", "psguard.chaos.baseline_trainer", "--store", self.store_url]
         argv += ["--progress", str(self.dir / "progress.jsonl"), "--steps", str(t.steps), "--chunk", str(t.chunk)]
         argv += ["--durable-every", str(t.durable_every), "--vocab", str(t.vocab), "--dim", str(t.dim)]
-        argv += ["--batch", str(t.batch), "--seed", str(self.seed)]
+        argv += ["--batch", str(t.batch), "--seed", str(self.seed), "--durable-min-seconds", str(t.durable_min_seconds)]
         tf_config = {"cluster": self.spec, "task": {"type": "chief", "index": 0}, "rpc_layer": "grpc"}
         self.tasks["chief"] = _Task("chief", argv, dict(env, TF_CONFIG=json.dumps(tf_config)), logs / "chief.log")
 

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from psguard.chaos.history import Record, operations
-from psguard.demo_trainer import DurableAcks, Progress
+from psguard.demo_trainer import DurableAcks, Progress, durable_cadence_due
 from psguard.errors import SaveError
 
 
@@ -115,3 +115,14 @@ def test_a_durable_commit_is_invoked_before_its_save_and_unknown_when_the_save_f
     acks.unknown(process, 40, "UnavailableError: ps:0 lost")
     assert _ops(path) == [("info", 40)]
     progress.close()
+
+
+def test_the_durable_cadence_counts_steps_and_keeps_its_time_floor() -> None:
+    """The rule both sides of a chaos case save on (the plain-TF baseline ignored the time floor, so a case with
+    one compared psguard with a baseline that saved more often: explore case 3 of seed 3)."""
+    assert durable_cadence_due(None, None, 0, 40, 2.0, now=100.0)  # nothing saved yet
+    assert not durable_cadence_due(40, 99.5, 79, 40, 2.0, now=100.0)  # 39 steps
+    assert not durable_cadence_due(40, 99.5, 80, 40, 2.0, now=100.0)  # 40 steps, but 0.5 s
+    assert durable_cadence_due(40, 98.0, 80, 40, 2.0, now=100.0)  # 40 steps and 2 s
+    assert durable_cadence_due(40, None, 80, 40, 2.0, now=100.0)  # a new process: no floor yet
+    assert durable_cadence_due(40, 99.9, 80, 40, 0.0, now=100.0)  # no floor
