@@ -252,6 +252,17 @@ def durable_cadence_due(
     return last_at is None or now - last_at >= min_seconds
 
 
+def cron_came(expr: str | None, *, since: float, now: float) -> bool:
+    """Whether a time the cron expression ``expr`` matches came after ``since`` and by ``now`` (seconds since the
+    epoch): the demo's durable cadence also saves then, wherever the step is (a policy file's ``durable: {cron:
+    ...}``, decided by psguard's own :class:`~psguard.policy.engine.Cron`). The plain-TF baseline too."""
+    if expr is None:
+        return False
+    from psguard.policy.engine import Cron, SaveContext, TierState
+
+    return bool(Cron(expr).should_save(0, now, last=TierState(at=since), context=SaveContext()))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m psguard.demo_trainer")
     p.add_argument("--store", required=True)
@@ -270,6 +281,12 @@ def main(argv: list[str] | None = None) -> int:
         "--durable-min-seconds", type=float, default=0.0,
         help="and at least this long after the last durable save (a soak's store writes at a bounded rate)",
     )  # fmt: skip
+    p.add_argument(
+        "--durable-cron",
+        help="and whenever a time this cron expression matches came since the last durable save (UTC; a sixth field "
+        "counts seconds)",
+    )  # fmt: skip
+    p.add_argument("--new-base-after", type=int, help="the CheckpointManager's new_base_after (a new base after N)")
     p.add_argument("--chunk", type=int, default=5, help="steps scheduled per coordinator join")
     p.add_argument("--vocab", type=int, default=100_000)
     p.add_argument("--dim", type=int, default=16)
@@ -299,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
     # "durable": the last step asked durable (with "durable_at", when); the acknowledged one is acks.acked.
     state: dict[str, Any] = {"seen": 0, "kill_sent": False, "memory": None, "durable": None, "durable_at": None}
+    state["durable_wall"] = time.time()  # the wall time of the last durable save (or the start), for --durable-cron
     acks = DurableAcks(progress, args.save_timeout)
     stuck = threading.Event()  # the chaos harness's hang fault: SIGUSR2 makes the step loop block for good
     signal.signal(HANG_SIGNAL, lambda *_: stuck.set())
@@ -320,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         manager = CheckpointManager(
             tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, coordinator=coordinator,
             step_counter=model.step, hang=HangSpec(after=args.hang_after) if args.hang_after else None,
-            max_to_keep=args.max_to_keep,
+            max_to_keep=args.max_to_keep, new_base_after=args.new_base_after,
         )  # fmt: skip
         progress.op("invoke", "restore")
         try:
@@ -351,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     def durable_due(step: int) -> bool:
         return durable_cadence_due(
             state["durable"], state["durable_at"], step, args.durable_every, args.durable_min_seconds, time.monotonic()
-        )
+        ) or cron_came(args.durable_cron, since=state["durable_wall"], now=time.time())
 
     def save(job: Job, step: int) -> None:
         durable = durable_due(step)
@@ -380,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         progress.op("invoke", "memory-commit", step=step)
         if commit is not None:
-            state["durable"], state["durable_at"] = step, time.monotonic()
+            state["durable"], state["durable_at"], state["durable_wall"] = step, time.monotonic(), time.time()
             acks.add(step, handle, commit)
         # A refused or late memory commit is recorded and training goes on, as a user's job does (it does not ask):
         # the PS or node behind it fails the next step, and that is the recovery the history should show.

@@ -139,6 +139,7 @@ class BaselineRun(_Run):
         argv += ["--progress", str(self.dir / "progress.jsonl"), "--steps", str(t.steps), "--chunk", str(t.chunk)]
         argv += ["--durable-every", str(t.durable_every), "--vocab", str(t.vocab), "--dim", str(t.dim)]
         argv += ["--batch", str(t.batch), "--seed", str(self.seed), "--durable-min-seconds", str(t.durable_min_seconds)]
+        argv += ["--durable-cron", t.durable_cron] if t.durable_cron is not None else []
         tf_config = {"cluster": self.spec, "task": {"type": "chief", "index": 0}, "rpc_layer": "grpc"}
         self.tasks["chief"] = _Task("chief", argv, dict(env, TF_CONFIG=json.dumps(tf_config)), logs / "chief.log")
 

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--durable-every", type=int, default=25)
     p.add_argument("--durable-min-seconds", type=float, default=0.0, help="and at least this long since the last")
+    p.add_argument("--durable-cron", help="or whenever a time this cron expression matches came since the last")
     p.add_argument("--chunk", type=int, default=5)
     p.add_argument("--vocab", type=int, default=20_000)
     p.add_argument("--dim", type=int, default=8)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import tensorflow as tf
 
-    from psguard.demo_trainer import durable_cadence_due
+    from psguard.demo_trainer import cron_came, durable_cadence_due
     from psguard.testbed.model import ModelConfig, RecModel, Trainer, labels_for, make_optimizer
 
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
@@ -74,9 +75,12 @@ def main(argv: list[str] | None = None) -> int:
                     digest=digest, harness_seconds=round(seconds, 4))  # fmt: skip
         saved = step if path else None
         saved_at: float | None = None  # psguard's trainer's cadence: steps, and a time floor if set
+        saved_wall = time.time()  # ... or a cron's time since the last save (or the start)
         while step < args.steps:
             now = time.monotonic()
-            if durable_cadence_due(saved, saved_at, step, args.durable_every, args.durable_min_seconds, now):
+            if durable_cadence_due(
+                saved, saved_at, step, args.durable_every, args.durable_min_seconds, now
+            ) or cron_came(args.durable_cron, since=saved_wall, now=time.time()):
                 digest, seconds = timed_digest(model, optimizer)  # with the invoke, as the psguard trainer's
                 progress.op("invoke", "capture", step=step, tiers=["durable"], digest=digest,
                             harness_seconds=round(seconds, 4))  # fmt: skip
@@ -84,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress.op("invoke", "durable-commit", step=step)
                 saved_path = manager.save(checkpoint_number=step)
                 progress.op("ok", "durable-commit", step=step, id=saved_path)
-                saved, saved_at = step, time.monotonic()
+                saved, saved_at, saved_wall = step, time.monotonic(), time.time()
             progress.op("invoke", "train", step=step, steps=args.chunk)
             trainer.train(args.chunk)
             step = int(model.step.numpy())

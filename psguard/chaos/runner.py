@@ -271,6 +271,10 @@ class _Run:
         trainer += ["--vocab", str(t.vocab), "--dim", str(t.dim), "--batch", str(t.batch), "--seed", str(self.seed)]
         if t.durable_min_seconds:
             trainer += ["--durable-min-seconds", str(t.durable_min_seconds)]
+        if t.durable_cron is not None:
+            trainer += ["--durable-cron", t.durable_cron]
+        if t.new_base_after is not None:
+            trainer += ["--new-base-after", str(t.new_base_after)]
         if t.hang_after is not None:
             trainer += ["--hang-after", str(t.hang_after)]
         if t.max_to_keep is not None:

@@ -27,6 +27,7 @@ from typing import Annotated, Literal
 
 from psguard.chaos.resources import STORE_SETTLE, THREADS_PER_RECOVERY
 from psguard.config import Check, Duration, invalid, load_yaml, validate
+from psguard.policy.engine import cron_problem
 
 __all__ = [
     "ACTIONS",
@@ -304,14 +305,20 @@ class TrainingSpec:
     # ... and at least this long after the last one: a soak's durable cadence by time too, as a week-long job
     # sets it, so its store writes at a rate that does not follow a small job's step rate.
     durable_min_seconds: Duration = 0.0
+    # ... or whenever a time this cron expression matches (UTC; a sixth field counts seconds: "* * * * * */20") has
+    # come since the last durable save, as a policy file's ``durable: {cron: ...}``: saves where the clock says.
+    durable_cron: str | None = None
     hang_after: Duration | None = None  # the trainer's hang bound (its policy's hang.after), for hang faults
     max_to_keep: Positive | None = None  # retention (a soak's store must stay bounded); default: keep every one
+    new_base_after: NonNegative | None = None  # the trainer's CheckpointManager(new_base_after=): a new base after N
     vocab: Positive = 20_000
     dim: Positive = 8
     batch: Positive = 64
 
     def __post_init__(self) -> None:
         validate(self)
+        if self.durable_cron is not None and (problem := cron_problem(self.durable_cron)) is not None:
+            raise invalid("durable_cron", problem, self.durable_cron)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import threading
 from pathlib import Path
 
 from psguard.chaos.history import Record, operations
-from psguard.demo_trainer import DurableAcks, Progress, durable_cadence_due
+from psguard.demo_trainer import DurableAcks, Progress, cron_came, durable_cadence_due
 from psguard.errors import SaveError
 
 
@@ -126,3 +126,13 @@ def test_the_durable_cadence_counts_steps_and_keeps_its_time_floor() -> None:
     assert durable_cadence_due(40, 98.0, 80, 40, 2.0, now=100.0)  # 40 steps and 2 s
     assert durable_cadence_due(40, None, 80, 40, 2.0, now=100.0)  # a new process: no floor yet
     assert durable_cadence_due(40, 99.9, 80, 40, 0.0, now=100.0)  # no floor
+
+
+def test_a_durable_cron_saves_whenever_one_of_its_times_came_since_the_last_durable_save() -> None:
+    """``--durable-cron``: the clock's cadence beside the steps' (any rule saves, as in a policy file), decided by
+    psguard's own Cron; both sides of a chaos case save on it."""
+    every_20s = "* * * * * */20"  # a sixth field counts seconds: :00, :20, :40 of every minute
+    assert not cron_came(every_20s, since=1000.0, now=1019.9)  # 1000 is :40 past; the next time is 1020
+    assert cron_came(every_20s, since=1000.0, now=1020.0)
+    assert cron_came(every_20s, since=1000.0, now=1100.0)  # several came: one save
+    assert not cron_came(None, since=1000.0, now=5000.0)  # no cron: the steps alone
