@@ -19,11 +19,11 @@ started it, and one restarted by a heal's short-lived thread died the moment its
 A fault "during" a moment of the chief agent's persister (``first-base``, ``persist``, ``compaction``, ``gc``:
 :data:`psguard.chaos.scenario.AGENT_MOMENTS`) is due at its step or time and then waits, on its own thread, for
 that moment: it polls the chief agent's ``/status`` (``persister.in_flight`` and ``phase``), every
-:data:`IDLE_POLL` seconds while the persister is idle and every :data:`BUSY_POLL` while it writes, and strikes
-when the phase comes. Its record says what was found (``moment_found``; false after :data:`MOMENT_WAIT` seconds, or
-once the log has its first base for ``first-base``: the fault then fires anyway and faults-injected says it was
-not the one asked for). A wait the run's end overtakes (:meth:`Nemesis.job_ended`, the final phase) is recorded as
-not injected.
+:data:`IDLE_POLL` seconds while the persister is idle and every :data:`BUSY_POLL` while it writes (or before the
+first base, which a small job writes in milliseconds), and strikes when the phase comes. Its record says what
+was found (``moment_found``; false after :data:`MOMENT_WAIT` seconds, or once the log has its first base for
+``first-base``: the fault then fires anyway and faults-injected says it was not the one asked for). A wait the
+run's end overtakes (:meth:`Nemesis.job_ended`, the final phase) is recorded as not injected.
 """
 
 from __future__ import annotations
@@ -445,7 +445,8 @@ class Nemesis:
                 break
             if moment == "first-base" and status.get("durable_checkpoint") is not None:
                 break  # the log has its base: the moment is past and never comes again
-            busy = last.get("in_flight") or last.get("pending_requests")
+            # A first base starts with the job's first capture and may take a few milliseconds: looked for closely.
+            busy = last.get("in_flight") or last.get("pending_requests") or moment == "first-base"
             self._job_over.wait(BUSY_POLL if busy else IDLE_POLL)
         value = {"moment": moment, "moment_found": found, "persister": last, "polls": polls,
                  "waited_s": round(time.monotonic() - t0, 3)}  # fmt: skip
