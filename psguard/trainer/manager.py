@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -59,6 +59,7 @@ from psguard.trainer.restore_status import DeferredRestore, RestoreStatus
 from psguard.trainer.restoring import RestoreInfo, RestoreSide, hook_restore
 from psguard.trainer.sinks import NEW_BASE_AFTER, AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
 from psguard.trainer.spool_writer import SpoolWriter
+from psguard.trainer.summaries import Summaries, handed_off_bytes
 from psguard.trainer.variables import gather_variables, to_int, unwrap
 
 __all__ = ["CheckpointManager", "MemoryCheckpoint", "RestoreInfo", "RestoreStatus", "SaveHandle", "last_seen_step"]
@@ -68,6 +69,8 @@ tf: Any = import_optional("tensorflow")
 _TFCheckpointManager: Any = tf.train.CheckpointManager
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: At most one heartbeat a second reaches the agent, however fast the steps.
 HEARTBEAT_SECONDS = 1.0
@@ -269,6 +272,9 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     - ``hang``: when the agent declares this trainer hung (no step for a while) and restarts it; default: the
       policy file's ``hang:`` section, else :class:`~psguard.policy.files.HangSpec` (50 median step times,
       at least 5 minutes). The manager learns the steps from :meth:`maybe_save` (call it every step).
+    - ``summaries``: a folder (anything ``tf.summary`` writes to) for psguard's TensorBoard scalars (capture
+      stall, bytes per save, durable lag, seconds held, restores), each at its training step
+      (:mod:`psguard.trainer.summaries`); ``None`` (the default): none are written.
 
     Where saves go is chosen once, here (:mod:`psguard.trainer.sinks`); :meth:`save`, :meth:`wait` and
     :meth:`close` mean the same with or without a sidecar. Restores (:meth:`restore_or_initialize`,
@@ -301,6 +307,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         spool: str | os.PathLike[str] | None = None,
         restore_timeout: float = 120.0,
         hang: HangSpec | None = None,
+        summaries: str | os.PathLike[str] | None = None,
     ) -> None:
         import_optional("tensorflow")  # without it, say which extra brings it (psguard[cpu] or psguard[gpu])
         if max_to_keep is not None and max_to_keep < 1:
@@ -366,6 +373,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self._new_base_after = new_base_after
         self._sink.set_new_base_after(new_base_after)
         self._hang_arg = hang
+        self._summaries = Summaries(summaries) if summaries is not None else None
         self._steps = _StepClock()
         if self._sink.supervised:
             # A hung trainer's agent asks for every thread's stack before it restarts it (the task log shows
@@ -435,6 +443,11 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         return [i.id for i in self.store.checkpoints()]
 
     @property
+    def summaries(self) -> str | None:
+        """The folder psguard's TensorBoard scalars are written to (``None``: none are)."""
+        return self._summaries.logdir if self._summaries is not None else None
+
+    @property
     def data_position(self) -> Callable[[], Any] | None:
         """The callable whose JSON result is stored with each checkpoint (settable, e.g. by a Keras callback)."""
         return self._data_position
@@ -472,6 +485,29 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     def new_base_after(self, value: int | None) -> None:
         self._new_base_after = value
         self._sink.set_new_base_after(value)
+
+    def restore_or_initialize(self, init_fn: Callable[[], Any] | None = None) -> str | None:
+        return self._summarised(lambda: super(CheckpointManager, self).restore_or_initialize(init_fn))
+
+    restore_or_initialize.__doc__ = RestoreSide.restore_or_initialize.__doc__
+
+    def restore(self, save_path: str, options: Any = None) -> Any:
+        return self._summarised(lambda: super(CheckpointManager, self).restore(save_path, options))
+
+    restore.__doc__ = RestoreSide.restore.__doc__
+
+    def _summarised(self, restore: Callable[[], T]) -> T:
+        """Run ``restore``; when it restored something, write its figures to the summaries (its source, how long
+        it took, and the steps this process had trained past it: known when it trained before)."""
+        if self._summaries is None:
+            return restore()
+        before, began, seen = self.restored, time.monotonic(), process_managers.last_seen_step(self.directory)
+        result = restore()
+        info = self.restored
+        if info is not None and info is not before:
+            lost = max(0, seen - info.step) if seen is not None else None
+            self._summaries.restored(info.step, info.source, time.monotonic() - began, lost)
+        return result
 
     def save(
         self,
@@ -516,6 +552,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     def _hold(self, step: int) -> None:
         """Wait while the durable log trails past the policy's ``durable_lag`` (:mod:`psguard.policy.lag`)."""
         self.last_hold_seconds = self._lag.check(step)
+        if self._summaries is not None:
+            self._summaries.held(step, self.last_hold_seconds, self._lag.status)
 
     @property
     def durable_lag(self) -> LagStatus:
@@ -597,6 +635,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                     log.warning("step %d: an earlier capture was not applied; capturing it whole", step)
                     full = True
         self._lag.submitted(handle)
+        if self._summaries is not None:
+            self._summaries.captured(step, stall, handed_off_bytes(updates, parts, self.capturer.tensors))
         log.info("captured step %d in %.3fs (%s)", step, stall, summary(updates))
         return handle
 
@@ -668,6 +708,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         finally:
             self._close_deferred()
             self._sink.close()
+            if self._summaries is not None:
+                self._summaries.close()
             self._policy.close()
             if self._preemption is not None:
                 self._preemption.uninstall()
