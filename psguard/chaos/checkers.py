@@ -2,7 +2,9 @@
 
 They read nothing but the records (Jepsen's checkers do the same): the final state of the store and the
 clean-up audit are operations of the history too (``final-store`` and ``cleanup`` of process ``harness``),
-so ``psguard chaos check history.jsonl`` judges a finished run again without its cluster or storage.
+so ``psguard chaos check history.jsonl`` judges a finished run again without its cluster or storage. What each
+fault cost (its restore, lost steps, recovery time) is reckoned in :mod:`psguard.chaos.outcomes`; the checkers
+here judge it.
 
 The vocabulary of the history they rely on (see :mod:`psguard.demo_trainer` and :mod:`psguard.chaos.nemesis`):
 
@@ -24,12 +26,12 @@ the newest commit known to have happened.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from psguard.benchmarks.common import Stretch, back_to_normal, seconds_per_step
-from psguard.chaos.history import Op, Record, harness_seconds, operations
+from psguard.chaos.history import Op, Record
+from psguard.chaos.outcomes import FAULTS, HEALS, Context, context, faults_during, loses_memory_tier, outcomes_of
 from psguard.chaos.resources import (
     STORE_SETTLE,
     THREADS_PER_RECOVERY,
@@ -41,28 +43,9 @@ from psguard.chaos.resources import (
     slope_fit,
 )
 
-__all__ = [
-    "CHECKERS",
-    "FAULTS",
-    "HEALS",
-    "SOAK_CHECKERS",
-    "Verdict",
-    "check_all",
-    "fault_outcomes",
-    "overall",
-]
+__all__ = ["CHECKERS", "SOAK_CHECKERS", "Verdict", "check_all", "overall"]
 
 Status = Literal["valid", "invalid", "unknown"]
-FAULTS = (
-    "kill", "terminate", "pause", "kill-agent", "terminate-agent", "pause-agent", "corrupt-chunk",
-    "truncate-chunk", "storage-stop", "partition", "delay", "drop", "hang", "store-errors",
-)  # fmt: skip
-HEALS = ("resume", "start-agent", "storage-start", "heal")
-#: The heal that ends each fault that lasts (the others last until training makes progress again).
-HEALED_BY = {
-    "pause": "resume", "pause-agent": "resume", "kill-agent": "start-agent", "terminate-agent": "start-agent",
-    "storage-stop": "storage-start", "partition": "heal", "delay": "heal", "drop": "heal", "store-errors": "heal",
-}  # fmt: skip
 COMMITS = ("memory-commit", "durable-commit")
 
 
@@ -77,45 +60,8 @@ class Verdict:
         return {"status": self.status, "summary": self.summary, "evidence": dict(self.evidence)}
 
 
-@dataclass(frozen=True)
-class _Context:
-    """What every checker needs, derived once from the history (still pure: only records in, values out)."""
-
-    ops: list[Op]
-    run: Mapping[str, Any]
-    final_store: Mapping[str, Any] | None
-    cleanup: Mapping[str, Any] | None
-
-    def of(self, f: str | Sequence[str], type: str | None = None, process: str | None = None) -> list[Op]:
-        fs = (f,) if isinstance(f, str) else tuple(f)
-        return [
-            o
-            for o in self.ops
-            if o.f in fs and (type is None or o.type == type) and (process is None or o.process == process)
-        ]
-
-    def trainer(self, f: str | Sequence[str], type: str | None = None) -> list[Op]:
-        return [o for o in self.of(f, type) if o.process.startswith("trainer")]
-
-    def corrupted(self, before: float | None = None) -> set[str]:
-        """Checkpoints a nemesis made unusable on purpose (their chain holds a damaged chunk)."""
-        out: set[str] = set()
-        for o in self.of(("corrupt-chunk", "truncate-chunk"), "ok"):
-            if before is None or o.start < before:
-                out.update(o.value.get("affected", []))
-        return out
-
-
-def _context(records: Iterable[Record]) -> _Context:
-    ops = operations(records)
-    run = next((o.value for o in ops if o.process == "harness" and o.f == "run"), {})
-    final = next((o.value for o in ops if o.process == "harness" and o.f == "final-store" and o.type == "ok"), None)
-    cleanup = next((o.value for o in ops if o.process == "harness" and o.f == "cleanup" and o.type == "ok"), None)
-    return _Context(ops, run, final, cleanup)
-
-
 # ------------------------------------------------------------------------------------------------ checkers
-def durable_commits_kept(ctx: _Context) -> Verdict:
+def durable_commits_kept(ctx: Context) -> Verdict:
     """Every durable commit the trainer saw acknowledged is in the final store and reads back whole."""
     name = "durable-commits-kept"
     if ctx.final_store is None:
@@ -160,7 +106,7 @@ def durable_commits_kept(ctx: _Context) -> Verdict:
     )
 
 
-def no_torn_checkpoint(ctx: _Context) -> Verdict:
+def no_torn_checkpoint(ctx: Context) -> Verdict:
     """Every checkpoint visible in the store is complete and verifies, unless the nemesis damaged it on purpose,
     and none is for a step no trainer ever captured (a phantom)."""
     name = "no-torn-checkpoint"
@@ -199,29 +145,16 @@ def no_torn_checkpoint(ctx: _Context) -> Verdict:
                    evidence)  # fmt: skip
 
 
-def _loses_memory_tier(fault: Op, peer_copies: bool) -> bool:
-    """Whether ``fault`` makes every memory commit made before it unrestorable.
-
-    The chief's agent killed or stopped: it held the tier's commits in its memory. A PS's agent killed or
-    stopped (a PS node loss): it held that PS's shards, and a memory commit needs every PS's shards, so the
-    trainer falls back to the durable log; unless the PS agents keep a copy of each other's shards
-    (``peer_copies`` in the run record), when a peer's copy still serves the memory commit.
-    """
-    if fault.f not in ("kill-agent", "terminate-agent"):
-        return False
-    target = str(fault.value.get("target", ""))
-    return target == "chief" or (target.startswith("ps:") and not peer_copies)
-
-
-def _memory_lost_at(ctx: _Context) -> list[tuple[float, float]]:
-    """Each loss of the memory tier (:func:`_loses_memory_tier`): its invoke and completion. The agent dies in
-    between, so a memory commit acknowledged there (just before the signal landed) went with it."""
+def _memory_lost_at(ctx: Context) -> list[tuple[float, float]]:
+    """Each loss of the memory tier (:func:`~psguard.chaos.outcomes.loses_memory_tier`): its invoke and
+    completion. The agent dies in between, so a memory commit acknowledged there (just before the signal landed)
+    went with it."""
     stops = ctx.of(("kill-agent", "terminate-agent"))
     peer_copies = bool(ctx.run.get("peer_copies", False))
-    return [(o.start, o.end or o.start) for o in stops if o.type != "fail" and _loses_memory_tier(o, peer_copies)]
+    return [(o.start, o.end or o.start) for o in stops if o.type != "fail" and loses_memory_tier(o, peer_copies)]
 
 
-def restores_newest(ctx: _Context) -> Verdict:
+def restores_newest(ctx: Context) -> Verdict:
     """Each restore took the newest commit known to have happened before it (memory or durable), or an older
     one only when every newer one's outcome is unknown; never one that cannot exist."""
     name = "restore-newest"
@@ -243,7 +176,7 @@ def restores_newest(ctx: _Context) -> Verdict:
             until = next((t for t in starts if t > r.start), float("inf"))
             faults = [
                 _fault_name(f)
-                for f in _faults_during(ctx, min(max(before, default=r.start), r.start), until)
+                for f in faults_during(ctx, min(max(before, default=r.start), r.start), until)
                 if f.start >= r.start or f.value.get("target") != "chief"  # that one ended the trainer before
             ]
             if faults:
@@ -294,33 +227,11 @@ def restores_newest(ctx: _Context) -> Verdict:
     return Verdict(name, "valid", f"all {done} restores took the newest commit{cut}", evidence)
 
 
-def _heal_of(fault: Op, heals: Sequence[Op], since: float) -> Op | None:
-    """The first heal of ``fault``'s kind and target at or after ``since`` (None: not healed, or not healable)."""
-    kind, target = HEALED_BY.get(fault.f), fault.value.get("target")
-    return next((h for h in heals if h.f == kind and h.start >= since and h.value.get("target") == target), None)
-
-
-def _faults_during(ctx: _Context, begin: float, end: float) -> list[Op]:
-    """The faults injected in [begin, end), or injected before and not healed by ``begin`` (a store still down):
-    what may have cut an operation in that span short (a restore whose PS was frozen under it)."""
-    heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
-    out: list[Op] = []
-    for f in ctx.of(FAULTS, "ok"):
-        if f.process != "nemesis" or f.start >= end:
-            continue
-        if f.start < begin:
-            heal = _heal_of(f, heals, f.start)
-            if f.f not in HEALED_BY or (heal is not None and heal.start <= begin):
-                continue
-        out.append(f)
-    return out
-
-
 def _fault_name(f: Op) -> str:
     return str(f.value.get("fault") or f"{f.f} {f.value.get('target', '')}")
 
 
-def restores_exact(ctx: _Context) -> Verdict:
+def restores_exact(ctx: Context) -> Verdict:
     """The variables after each restore are exactly those captured at the restored step: every model and
     optimizer tensor, every shard, one step (the digests taken on the PS after capture and after restore)."""
     name = "restore-exact"
@@ -354,126 +265,12 @@ def restores_exact(ctx: _Context) -> Verdict:
     return Verdict(name, "valid", f"all {len(checked)} restores are bit-identical to their capture", evidence)
 
 
-def fault_outcomes(records: Iterable[Record]) -> list[dict[str, Any]]:
-    """Per injected fault: the restore that followed it (if any), lost steps, and seconds until training
-    made progress again (the first ``train`` invoked after the fault that completed ok)."""
-    ctx = _context(records)
-    return _fault_outcomes(ctx)
-
-
-def _fault_outcomes(ctx: _Context) -> list[dict[str, Any]]:
-    """Per fault: the restore it caused or shared, lost steps, the bound, seconds until training came back.
-
-    Faults may overlap (a kill during a storage outage), so a restore is attributed to *every* fault active when
-    it started, not only the latest: a fault is active from its invoke until its heal (a pause, an outage, a
-    dead agent) or, for faults nothing heals (a kill, a hang, damage), until training makes progress again. A
-    restore also belongs to a fault whose effect is over if no other fault began in between (a frozen PS its
-    agent replaced after the SIGCONT). The first restore in a fault's reach is its restore; the steps it lost
-    are reported for each fault that shares it (``restore_shared_with``), each judged against the largest bound
-    among them (``bound_applied``): which of two simultaneous faults cost the steps cannot be told apart.
-    """
-    faults = [o for o in ctx.of(FAULTS) if o.process == "nemesis" and o.type == "ok"]
-    heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
-    trains = ctx.trainer("train", "ok")
-    restores = ctx.trainer("restore", "ok")
-    training = ctx.run.get("training", {})
-
-    def group(f: Op) -> tuple[Any, Any]:
-        return f.value.get("fault"), f.value.get("at_step")  # ``ps:*`` is one fault on every PS
-
-    captures = ctx.trainer("capture", "ok")
-    timed = [*captures, *restores]  # the records that carry the harness's digest time
-
-    def harness(begin: float, end: float) -> float:
-        return harness_seconds(timed, begin, end)
-
-    first_fault = min((f.start for f in faults), default=float("inf"))
-    before = _stretches([o for o in trains if o.end is not None and o.end < first_fault][2:])
-    normal = seconds_per_step(before, excluded=harness)
-
-    rows: list[dict[str, Any]] = []
-    for i, fault in enumerate(faults):
-        t = fault.end or fault.start
-        heal = _heal_of(fault, heals, t)
-        # Recovered: a chunk of steps started after the fault completed (training may come back before the
-        # heal, e.g. when an agent replaces a frozen PS).
-        resumed = next((o for o in trains if o.start >= t), None)
-        # Active until healed and training came back: a lost PS node's heal (its new agent) comes before the
-        # restore it causes (a 1-h soak gave that restore to a store outage begun a second after the heal).
-        active_until = resumed.start if resumed is not None else float("inf")
-        if heal is not None:
-            active_until = max(active_until, heal.end if heal.end is not None else heal.start)
-        nxt = next((f.start for f in faults[i + 1 :] if group(f) != group(fault)), float("inf"))
-        restore = next(
-            (r for r in restores if r.start >= fault.start and (r.start <= active_until or r.start < nxt)), None
-        )
-        bound = fault.value.get("max_lost_steps")
-        if bound is None:
-            memory_every, chunk = int(training.get("memory_every", 0)), int(training.get("chunk", 0))
-            durable_every = int(training.get("durable_every", 0))
-            loses_tier = _loses_memory_tier(fault, bool(ctx.run.get("peer_copies", False)))
-            bound = (durable_every if loses_tier else memory_every) + chunk
-        # Back at normal speed: after the first capture that followed the restore (its stall counts).
-        since = restore.end if restore is not None and restore.end is not None else t
-        first_capture = next((c.end for c in captures if c.start >= since and c.end is not None), since)
-        normal_at = back_to_normal(
-            _stretches([o for o in trains if o.start >= t]), normal, not_before=first_capture, excluded=harness
-        )
-        rows.append(
-            {"op": fault, "t": t, "heal": heal, "resumed": resumed, "restore": restore, "bound": bound,
-             "normal_at": normal_at, "until": active_until}
-        )  # fmt: skip
-
-    out = []
-    for row in rows:
-        fault, t, heal, resumed, restore = row["op"], row["t"], row["heal"], row["resumed"], row["restore"]
-        lost = None
-        sharing = [r for r in rows if r is not row and restore is not None and r["restore"] is restore]
-        overlapping = [
-            r
-            for r in rows
-            if group(r["op"]) != group(fault) and r["op"].start <= row["until"] and fault.start <= r["until"]
-        ]
-        if restore is not None:
-            done_before = [int(o.value["step"]) for o in trains if (o.end or 0) <= restore.start]
-            lost = max(0, max(done_before, default=0) - int(restore.value.get("step", 0)))
-        out.append(
-            {
-                "fault": fault.f,
-                "target": fault.value.get("target"),
-                "at": t,
-                "at_step": fault.value.get("at_step"),
-                "healed_at": heal.end if heal is not None else None,
-                "restored_step": int(restore.value["step"]) if restore is not None else None,
-                "restore_source": restore.value.get("source") if restore is not None else None,
-                "restore_at": restore.start if restore is not None else None,
-                "restore_shared_with": [f"{r['op'].f} {r['op'].value.get('target')}" for r in sharing],
-                # Other faults active at the same time: this recovery's time is theirs as much as its own.
-                "overlaps_with": [f"{r['op'].f} {r['op'].value.get('target')}" for r in overlapping],
-                # No restore: nothing lost if training went on (a worker fault), unknown if it never did.
-                "lost_steps": lost if restore is not None else (0 if resumed is not None else None),
-                "max_lost_steps": row["bound"],
-                "bound_applied": max([row["bound"], *(r["bound"] for r in sharing)]),
-                # The first chunk of steps done after the fault, and training back at normal speed (what a
-                # recovery costs: a slow first capture after the restore is part of it).
-                "resumed_seconds": (resumed.end - t) if resumed is not None and resumed.end is not None else None,
-                "recovery_seconds": row["normal_at"] - t if row["normal_at"] is not None else None,
-            }
-        )
-    return out
-
-
-def _stretches(trains: Sequence[Op]) -> list[Stretch]:
-    """The trainer's ``train`` chunks as stretches of steps (see :func:`psguard.benchmarks.common.back_to_normal`)."""
-    return [(o.start, o.end, int(o.invoke.value.get("steps", 0))) for o in trains if o.end is not None]
-
-
-def lost_work_bounded(ctx: _Context) -> Verdict:
+def lost_work_bounded(ctx: Context) -> Verdict:
     """Steps lost per fault stay within the policy bound (memory-tier cadence + one chunk by default; the durable
     cadence + one chunk when the fault takes the memory tier with it: the chief's agent, or a PS's agent without
     peer copies; a scenario may set its own ``max_lost_steps``)."""
     name = "lost-work-bounded"
-    outcomes = _fault_outcomes(ctx)
+    outcomes = outcomes_of(ctx)
     over = [o for o in outcomes if o["lost_steps"] is not None and o["lost_steps"] > o["bound_applied"]]
     evidence = {"faults": outcomes, "over_bound": over}
     if not outcomes:
@@ -492,7 +289,7 @@ def lost_work_bounded(ctx: _Context) -> Verdict:
 HANG_RESTART_SLACK = 90.0
 
 
-def hang_detected(ctx: _Context) -> Verdict:
+def hang_detected(ctx: Context) -> Verdict:
     """Each hung trainer was found and replaced: a restore by a new trainer started within the hang bound plus
     the time a restart takes (``HANG_RESTART_SLACK``) after the hang was injected."""
     name = "hang-detected"
@@ -517,7 +314,7 @@ def hang_detected(ctx: _Context) -> Verdict:
     return Verdict(name, "valid", f"{len(found)} hang(s) found and the trainer replaced", evidence)
 
 
-def liveness(ctx: _Context) -> Verdict:
+def liveness(ctx: Context) -> Verdict:
     """Training reached its target step within the bound after the last fault was healed."""
     name = "liveness"
     target = ctx.run.get("target_step")
@@ -549,7 +346,7 @@ def liveness(ctx: _Context) -> Verdict:
     return Verdict(name, "valid", f"reached step {target} {max(took, 0.0):.1f}s after the last heal", evidence)
 
 
-def final_loss(ctx: _Context, reference: Sequence[Record] | None = None) -> Verdict:
+def final_loss(ctx: Context, reference: Sequence[Record] | None = None) -> Verdict:
     """The final loss is within tolerance of a fault-free run of the same scenario and seed."""
     name = "final-loss"
     tolerance = float(ctx.run.get("loss_tolerance", 0.05))
@@ -560,7 +357,7 @@ def final_loss(ctx: _Context, reference: Sequence[Record] | None = None) -> Verd
         return Verdict(name, "unknown", "the trainer recorded no final loss", evidence)
     if reference is None:
         return Verdict(name, "unknown", "no fault-free reference run (checks.reference, --reference)", evidence)
-    ref_ctx = _context(reference)
+    ref_ctx = context(reference)
     ref = [o for o in ref_ctx.trainer("eval", "ok") if o.value.get("loss") is not None]
     if not ref:
         return Verdict(name, "unknown", "the reference run recorded no final loss", evidence)
@@ -572,7 +369,7 @@ def final_loss(ctx: _Context, reference: Sequence[Record] | None = None) -> Verd
     return Verdict(name, "valid", f"final loss {loss:.4f} vs fault-free {ref_loss:.4f}", evidence)
 
 
-def no_leaks(ctx: _Context) -> Verdict:
+def no_leaks(ctx: Context) -> Verdict:
     """After the run, every process it started is gone, every port it used is free, no temporary file is left,
     and the harness runs no extra thread."""
     name = "no-leaks"
@@ -591,7 +388,7 @@ def no_leaks(ctx: _Context) -> Verdict:
     return Verdict(name, "valid", f"all {evidence['pids_started']} processes gone, ports free, no temp files", evidence)
 
 
-def faults_injected(ctx: _Context) -> Verdict:
+def faults_injected(ctx: Context) -> Verdict:
     """Every scheduled fault was injected (a run where the nemesis missed is no evidence) and every heal done."""
     name = "faults-injected"
     scheduled = int(ctx.run.get("faults_scheduled", 0))
@@ -625,7 +422,7 @@ def faults_injected(ctx: _Context) -> Verdict:
 
 
 # ------------------------------------------------------------------------------------------------ soak
-def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
+def resources_bounded(ctx: Context, records: Sequence[Record]) -> Verdict:
     """No resource of any psguard process or folder grows, after the warm-up, at a rate that the scenario's
     bounds forbid (each stated per hour; a week is 168 hours of it)."""
     name = "resources-bounded"
@@ -671,7 +468,7 @@ def resources_bounded(ctx: _Context, records: Sequence[Record]) -> Verdict:
     return Verdict(name, "valid", f"{len(rows)} resource series within their bounds after the warm-up", evidence)
 
 
-def recoveries_not_slower(ctx: _Context, records: Sequence[Record]) -> Verdict:
+def recoveries_not_slower(ctx: Context, records: Sequence[Record]) -> Verdict:
     """Each later recovery of a kind of fault is no slower than the first of that kind, within noise: a run
     that gets slower each time would not last a week."""
     name = "recoveries-not-slower"
@@ -679,7 +476,7 @@ def recoveries_not_slower(ctx: _Context, records: Sequence[Record]) -> Verdict:
     factor, noise = float(bounds.get("recovery_slowdown", 2.0)), float(bounds.get("recovery_noise", 10.0))
     first: dict[str, float] = {}
     slower, judged = [], 0
-    for row in _fault_outcomes(ctx):
+    for row in outcomes_of(ctx):
         seconds = row.get("recovery_seconds")
         if seconds is None or row.get("overlaps_with"):
             continue  # a fault during another's recovery took both recoveries' time: not this kind's pace
@@ -700,7 +497,7 @@ def recoveries_not_slower(ctx: _Context, records: Sequence[Record]) -> Verdict:
     return Verdict(name, "valid", f"{judged} later recoveries no slower than the first of their kind", evidence)
 
 
-def alerts_watched(ctx: _Context, records: Sequence[Record]) -> Verdict:
+def alerts_watched(ctx: Context, records: Sequence[Record]) -> Verdict:
     """With Prometheus watching (``soak.prometheus``): no shipped alert fires before the first fault, the one
     meant for repeated restarts (PsguardTaskRestarting) fires for every task the faults restarted three times
     within its 15-minute window, every alert still firing when the duration ended has a fault within its range
@@ -741,7 +538,7 @@ def alerts_watched(ctx: _Context, records: Sequence[Record]) -> Verdict:
 
 
 def _unresolved_alerts(
-    ctx: _Context, watched: Mapping[str, Any], alerts: list[dict[str, Any]], faults: list[float]
+    ctx: Context, watched: Mapping[str, Any], alerts: list[dict[str, Any]], faults: list[float]
 ) -> tuple[list[str], int | None]:
     """The alerts still firing when the duration ended that no fault explains, and how many firing spans had
     ended by then. An alert over a range (``increase(x[15m])``) may outlast its cause by that range; any
@@ -763,13 +560,13 @@ def _unresolved_alerts(
 
 
 #: Judged only in a soak (its ``run`` record has ``soak``): they need the resource samples and many faults.
-SOAK_CHECKERS: dict[str, Callable[[_Context, Sequence[Record]], Verdict]] = {
+SOAK_CHECKERS: dict[str, Callable[[Context, Sequence[Record]], Verdict]] = {
     "resources-bounded": resources_bounded,
     "recoveries-not-slower": recoveries_not_slower,
     "alerts-watched": alerts_watched,  # only when Prometheus watched it (``soak.prometheus``)
 }
 
-CHECKERS: dict[str, Callable[[_Context], Verdict]] = {
+CHECKERS: dict[str, Callable[[Context], Verdict]] = {
     "faults-injected": faults_injected,
     "durable-commits-kept": durable_commits_kept,
     "no-torn-checkpoint": no_torn_checkpoint,
@@ -785,7 +582,7 @@ CHECKERS: dict[str, Callable[[_Context], Verdict]] = {
 
 def check_all(records: Sequence[Record], reference: Sequence[Record] | None = None) -> dict[str, Verdict]:
     """Run every checker over ``records`` (and a fault-free ``reference`` history for the loss checker)."""
-    ctx = _context(records)
+    ctx = context(records)
     out: dict[str, Verdict] = {}
     soak = bool(ctx.run.get("soak"))
     for name, checker in CHECKERS.items():

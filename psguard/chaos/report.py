@@ -13,8 +13,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from psguard.chaos.checkers import FAULTS, HEALS, Verdict, fault_outcomes, overall
+from psguard.chaos.checkers import Verdict, overall
 from psguard.chaos.history import Op, Record, harness_seconds, operations
+from psguard.chaos.outcomes import FAULTS, HEALS, fault_outcomes
 from psguard.chaos.resources import resource_series
 
 __all__ = ["durable_lag", "goodput", "write_report", "write_side_by_side"]

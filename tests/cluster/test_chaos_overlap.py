@@ -16,9 +16,10 @@ from typing import Any
 
 import pytest
 
-from psguard.chaos.checkers import check_all, fault_outcomes
+from psguard.chaos.checkers import check_all
 from psguard.chaos.history import HistoryWriter, operations, read_history
 from psguard.chaos.nemesis import Nemesis
+from psguard.chaos.outcomes import fault_outcomes
 from psguard.chaos.scenario import Scenario, load_scenario
 from psguard.config import from_data
 from psguard.errors import ConfigError

@@ -16,9 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psguard.chaos.checkers import check_all, fault_outcomes, overall
+from psguard.chaos.checkers import check_all, overall
 from psguard.chaos.history import HistoryError, HistoryWriter, Record, operations, read_history
 from psguard.chaos.nemesis import damage_chunk
+from psguard.chaos.outcomes import fault_outcomes
 from psguard.chaos.report import durable_lag, goodput
 from psguard.chaos.scenario import Scenario, load_scenario
 from psguard.config import from_data

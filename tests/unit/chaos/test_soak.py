@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from psguard.chaos.checkers import check_all, fault_outcomes
+from psguard.chaos.checkers import check_all
+from psguard.chaos.outcomes import fault_outcomes
 from psguard.chaos.report import write_report
 from psguard.chaos.scenario import ClusterSpec, SoakKind, SoakSpec, load_scenario
 from psguard.errors import ConfigError
