@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -55,6 +56,13 @@ _UNSET = object()
 
 #: Key of the fit position inside a checkpoint's ``data_position`` metadata.
 POSITION_KEY = "keras_fit"
+
+#: The folder under a ``TensorBoard`` callback's ``log_dir`` that psguard's scalars go to: TensorBoard shows it as a
+#: run of its own, beside ``train`` and ``validation``.
+SUMMARIES_RUN = "psguard"
+
+#: How many frames up from ``on_train_begin`` the ``CallbackList`` calling it is looked for (tf_keras 2.x: two).
+_CALLER_FRAMES = 8
 
 
 class KerasSupportError(PsguardError, NotImplementedError):
@@ -164,6 +172,11 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
     and reading ``optimizer.iterations`` at each batch would cost an RPC and see a lagging value). They
     equal ``optimizer.iterations`` after the capture's drain, except when a worker failure made TF run a
     step twice (its closures run at least once); checkpoints keep TF's ``iterations`` as it was.
+
+    TensorBoard: with a ``tf_keras.callbacks.TensorBoard`` in the same ``fit``, psguard's own scalars (capture
+    stall, bytes per save, durable lag, restores: :mod:`psguard.trainer.summaries`) go to ``<its log_dir>/psguard``,
+    at the training steps, a run beside ``train`` and ``validation``. ``summaries``: a folder to write them to
+    instead, or ``False`` for none.
     """
 
     def __init__(
@@ -183,6 +196,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         storage_options: Mapping[str, Any] | None = None,
         save_at_end: bool = True,
         manager_options: Mapping[str, Any] | None = None,
+        summaries: str | os.PathLike[str] | bool = True,
     ) -> None:
         super().__init__()
         del delete_checkpoint, save_before_preemption  # BackupAndRestore's; see the class doc
@@ -204,11 +218,15 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         if save_best_only and monitor is None:
             raise ConfigError("save_best_only needs monitor= (the metric of the epoch's logs to judge by)")
         given = directory if isinstance(directory, CheckpointManager) else None
-        if given is not None and (max_to_keep is not None or storage_options is not None or manager_options):
+        if given is not None and (
+            max_to_keep is not None or storage_options is not None or manager_options or summaries is not True
+        ):
             raise ConfigError(
-                "max_to_keep, storage_options and manager_options configure the manager the callback creates; "
-                "with an existing CheckpointManager set them on it"
+                "max_to_keep, storage_options, manager_options and summaries configure the manager the callback "
+                "creates; with an existing CheckpointManager set them on it"
             )
+        if summaries is not True and "summaries" in (manager_options or {}):
+            raise ConfigError("give summaries once: as the callback's summaries= or in manager_options, not both")
         schedule = _combine(load_schedule(policy), save_every_n_steps)
         #: Save at every epoch's end: asked (``save_freq="epoch"``, ``monitor``), or as BackupAndRestore does by
         #: default when nothing else says when.
@@ -250,6 +268,9 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self.storage_options = dict(storage_options) if storage_options is not None else None
         self.manager_options = dict(manager_options or {})
         self.save_at_end = save_at_end
+        self.summaries = summaries
+        #: Where the manager of the last ``fit`` writes psguard's TensorBoard scalars (``None``: nowhere).
+        self.summaries_folder: str | None = None
         self.manager: CheckpointManager | None = self._given
         #: What the callback saves (the manager's checkpoint), set by ``on_train_begin``.
         self.checkpoint: Any = None
@@ -302,6 +323,9 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         coordinator = getattr(model, "_cluster_coordinator", None)
         if self._given is None:
             assert self._url is not None
+            options = dict(self.manager_options)
+            if "summaries" not in options:
+                options["summaries"] = self._summaries_folder()
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
             self.manager = CheckpointManager(
                 checkpoint,
@@ -312,7 +336,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 policy=self._manager_policy,
                 storage_options=self.storage_options,
                 data_position=self._data_position,
-                **self.manager_options,
+                **options,
             )
         else:
             self.manager = self._given
@@ -331,6 +355,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 self.manager.data_position = self._data_position
                 self._position_hook = True
         self.checkpoint = checkpoint
+        self.summaries_folder = self.manager.summaries
         try:
             self._restore(model)
         except BaseException:
@@ -434,6 +459,18 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         if manager is not None and manager is not self._given:
             manager.close()
 
+    def _summaries_folder(self) -> str | None:
+        """Where psguard's TensorBoard scalars go in this fit: ``summaries`` when it names a folder, else (``True``)
+        ``<log_dir>/psguard`` of the fit's first ``TensorBoard`` callback, else nowhere."""
+        if self.summaries is False:
+            return None
+        if self.summaries is not True:
+            return os.fspath(self.summaries)
+        board = next((c for c in _fit_callbacks(self) if isinstance(c, tf_keras.callbacks.TensorBoard)), None)
+        if board is None:
+            return None
+        return os.path.join(os.fspath(board.log_dir), SUMMARIES_RUN)
+
     def _build_optimizer(self, model: Any, strategy: Any) -> None:
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:
@@ -519,6 +556,23 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------------------------- checks
+
+
+def _fit_callbacks(callback: Any) -> list[Any]:
+    """The callbacks of the ``fit`` that is calling ``callback``'s hook now (empty when no ``fit`` is).
+
+    tf_keras gives a callback no view of the others: they are the ``CallbackList`` whose ``on_train_begin`` is
+    calling this callback's, a few frames up the stack.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_CALLER_FRAMES):
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, tf_keras.callbacks.CallbackList) and any(c is callback for c in owner.callbacks):
+            return list(owner.callbacks)
+        if frame.f_back is None:
+            break
+        frame = frame.f_back
+    return []
 
 
 def _monitor_mode(monitor: str | None, mode: str) -> str:

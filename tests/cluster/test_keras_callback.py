@@ -39,6 +39,7 @@ from psguard.trainer.variables import bitwise_equal, read_tensors
 from tests.support.clusters import Chief
 from tests.support.paths import ROOT
 from tests.support.storage_targets import make_target
+from tests.support.tensorboard import scalars
 
 EMBEDDING = "model/layer_with_weights-0/embeddings/.ATTRIBUTES/VARIABLE_VALUE"
 
@@ -204,8 +205,12 @@ def test_configuration_errors(url: str) -> None:
     try:
         with pytest.raises(ConfigError, match="existing CheckpointManager"):
             CheckpointCallback(manager, save_every_n_steps=3, max_to_keep=2)
+        with pytest.raises(ConfigError, match="existing CheckpointManager"):
+            CheckpointCallback(manager, summaries="logs")
     finally:
         manager.close()
+    with pytest.raises(ConfigError, match="summaries once"):
+        CheckpointCallback(url, summaries=False, manager_options={"summaries": "logs"})
     unbuilt = tf_keras.Sequential([tf_keras.layers.Dense(1)])
     unbuilt.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ConfigError, match="build the model"):
@@ -274,6 +279,44 @@ def test_keras3_model_without_ps_is_refused(url: str) -> None:
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(KerasSupportError, match="custom training loop"):
         model.fit(np.zeros((4, 2)), np.zeros((4, 1)), callbacks=[CheckpointCallback(url, save_every_n_steps=1)])
+
+
+def test_fit_writes_psguards_scalars_as_a_run_beside_the_tensorboard_callbacks(url: str, tmp_path: Path) -> None:
+    x, y = local_data()  # 10 batches of 32 per epoch
+    logs = tmp_path / "tb"
+    # update_freq=4: while it trains, the TensorBoard callback records only every 4th step, saves are every 3rd
+    board = tf_keras.callbacks.TensorBoard(log_dir=str(logs), update_freq=4)
+    cb = CheckpointCallback(url, save_every_n_steps=3)
+    local_model(steps_per_execution=1).fit(x, y, batch_size=32, epochs=2, callbacks=[board, cb], verbose=0)
+    assert cb.summaries_folder == str(logs / "psguard")
+    assert {"train", "psguard"} <= {p.name for p in logs.iterdir()}
+    steps = [i.step for i in stored(url)]
+    assert steps == [3, 6, 9, 12, 15, 18, 20]  # every 3rd step, and the end
+    got = scalars(logs / "psguard")
+    assert {"psguard/capture_stall_seconds", "psguard/save_bytes", "psguard/held_seconds"} <= set(got)
+    for tag in ("psguard/capture_stall_seconds", "psguard/save_bytes", "psguard/durable_lag_steps"):
+        assert sorted(got[tag]) == steps, tag
+    assert all(v > 0 for v in got["psguard/capture_stall_seconds"].values())
+    assert all(v > 0 for v in got["psguard/save_bytes"].values())
+    # the default durable_lag holds each save until it is durable: no lag after any
+    assert set(got["psguard/durable_lag_steps"].values()) == {0.0}
+    assert "psguard/restores/durable" not in got  # a fresh run restores nothing
+
+    # A second fit with one more epoch resumes from step 20: its restore is written there.
+    again = CheckpointCallback(url, save_every_n_steps=3)
+    board = tf_keras.callbacks.TensorBoard(log_dir=str(logs), update_freq=4)
+    local_model(steps_per_execution=1).fit(x, y, batch_size=32, epochs=3, callbacks=[again, board], verbose=0)
+    got = scalars(logs / "psguard")
+    assert got["psguard/restores/durable"] == {20: 1.0}
+    assert got["psguard/lost_steps"] == {20: 0.0}  # this process had seen step 20 and no later one
+    assert sorted(got["psguard/save_bytes"]) == [i.step for i in stored(url)] == [*steps, 23, 26, 29, 30]
+
+    # summaries=False: none written, TensorBoard callback or not.
+    off = CheckpointCallback(str(tmp_path / "other"), save_every_n_steps=3, summaries=False)
+    board = tf_keras.callbacks.TensorBoard(log_dir=str(tmp_path / "tb-off"))
+    local_model(steps_per_execution=1).fit(x, y, batch_size=32, epochs=1, callbacks=[board, off], verbose=0)
+    assert off.summaries_folder is None
+    assert not (tmp_path / "tb-off" / "psguard").exists()
 
 
 # --------------------------------------------------------------------------------------------- cluster
