@@ -26,5 +26,6 @@ def test_a_scalar_string_is_read_with_its_trailing_nul_bytes() -> None:
 
 
 def test_numbers_are_read_as_they_are() -> None:
-    assert bitwise_equal(to_numpy(tf.constant(-0.0)), np.array(-0.0, np.float32))
+    # From an array: TF caches scalar Python constants by value, and -0.0 == 0.0 would hand back a cached +0.0.
+    assert bitwise_equal(to_numpy(tf.constant(np.array(-0.0, np.float32))), np.array(-0.0, np.float32))
     assert bitwise_equal(to_numpy(tf.constant([1, 2], tf.int64)), np.array([1, 2], np.int64))
