@@ -5,8 +5,13 @@ chose: a cadence that happens to suit this machine's store, a fault during the f
 is *drawn*, as FoundationDB's simulations and TigerBeetle's VOPR draw theirs: from ``(seed, index)`` come the
 job's size, the cluster, the storage, the cadences, peer copies, and one to three faults at drawn moments (a
 step, optionally "while a durable commit is in flight" or "while a restore runs"), overlapping when they fall
-close. The same ``(seed, index)`` gives the same case on any machine (:func:`draw_case`), so a failing case replays
-with ``--seed S --case I``.
+close. The ``full`` space widens each case from a second stream of ``(seed, index)`` (:class:`Widening`): faults
+during the persister's first base, a persist, its compaction or its gc; a GCS store; HTTP 5xx answers from an
+object store; parity blocks as peer copies; a durable cron cadence; retention. Drawn apart, the first stream's
+fields draw as they always did (the ``ci`` space, which widens nothing, draws its old cases exactly; ``full-v1``
+is the full space unwidened, where a case found before the widening replays). The same
+``(seed, index)`` gives the same case on any machine (:func:`draw_case`), so a failing case replays with ``--seed
+S --case I``.
 
 Each case runs twice, on psguard and on the plain-TF practice (:mod:`psguard.chaos.baseline`: the same faults at
 the same steps, a synchronous ``tf.train.CheckpointManager`` save at the durable cadence, the whole job restarted
@@ -36,6 +41,7 @@ from typing import Any, Literal, cast
 from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import read_history
 from psguard.chaos.scenario import (
+    PROXIED_STORES,
     Action,
     Checks,
     ClusterSpec,
@@ -49,6 +55,7 @@ __all__ = [
     "SPACES",
     "CaseResult",
     "Space",
+    "Widening",
     "draw_case",
     "explore",
     "not_worse_than_tf",
@@ -58,6 +65,26 @@ __all__ = [
 
 #: Bytes of state per embedding cell: the table and its Adagrad accumulator, float32 each (the demo job's model).
 _STATE_BYTES_PER_CELL = 8
+
+
+@dataclass(frozen=True)
+class Widening:
+    """What a space draws beyond its first dimensions, each from a second random stream of ``(seed, index)`` (the
+    first stream's draws stay as they were) and each only where the case makes it possible: the chances are per
+    case, or per fault for a fault's moment and a store fault's kind."""
+
+    moment: float = 0.0  # a fault drawn without a moment waits for one of the chief agent's persister...
+    moments: tuple[str, ...] = ("first-base", "persist", "compaction", "gc")  # ... one of these (AGENT_MOMENTS)
+    gcs: float = 0.0  # an S3 store drawn is a GCS one (its emulator)
+    store_errors: float = 0.0  # a store fault drawn on S3 or GCS is HTTP 5xx answers instead (500 or 503)
+    parity: float = 0.0  # peer copies drawn (3 PS or more) are parity blocks
+    cron: float = 0.0  # the durable cadence also follows a cron of every N seconds, N one of cron_seconds
+    cron_seconds: tuple[int, ...] = (10, 15, 20, 30)
+    retention: float = 0.0  # the trainer keeps the newest 1-3 checkpoints (a gc after each commit past them)
+
+
+#: Nothing widened: a space's first dimensions only.
+NO_WIDENING = Widening()
 
 
 @dataclass(frozen=True)
@@ -76,20 +103,26 @@ class Space:
     faults: tuple[int, int] = (1, 2)
     time_limit: float = 360.0
     goodput_tolerance: float = 0.15
+    widening: Widening = NO_WIDENING
 
 
-#: ``ci``: a case in a couple of minutes (both runs); ``full``: what ``make explore`` draws from.
+_FULL = Space(
+    ps=(1, 4),
+    state_mb=(1.0, 256.0),
+    steps=300,
+    storages=("local", "s3", "hdfs"),
+    memory_every=(5, 10, 25),
+    faults=(1, 3),
+    time_limit=900.0,
+)
+#: ``ci``: a case in a couple of minutes (both runs); ``full``: what ``make explore`` draws from; ``full-v1``: the
+#: full space before it widened, to replay a case found then (``--space full-v1 --seed S --case I``).
 SPACES: dict[str, Space] = {
     "ci": Space(),
-    "full": Space(
-        ps=(1, 4),
-        state_mb=(1.0, 256.0),
-        steps=300,
-        storages=("local", "s3", "hdfs"),
-        memory_every=(5, 10, 25),
-        faults=(1, 3),
-        time_limit=900.0,
+    "full": replace(
+        _FULL, widening=Widening(moment=0.35, gcs=0.5, store_errors=0.35, parity=0.5, cron=0.25, retention=0.15)
     ),
+    "full-v1": _FULL,
 }
 
 #: Task faults and how often each is drawn (a node loss, a process kill and a freeze are what the field reports).
@@ -157,7 +190,7 @@ def draw_case(seed: int, index: int, space: Space = SPACES["ci"]) -> Scenario:
     if faults[0].during == "restore":  # drawn after a fault that restores, but it fires first: nothing to wait for
         faults[0] = replace(faults[0], during=None)
     several_ps = cluster.ps > 1  # a peer copy lives on another PS node; keeping survivors needs one to survive
-    return Scenario(
+    drawn = Scenario(
         name=f"explore-{seed}-{index}",
         proves=f"drawn case {index} of seed {seed}: psguard is never worse than plain TF under its faults",
         time_limit=space.time_limit,
@@ -169,16 +202,77 @@ def draw_case(seed: int, index: int, space: Space = SPACES["ci"]) -> Scenario:
         peer_copies=several_ps and rng.random() < 0.3,
         keep_survivors=several_ps and rng.random() < 0.2,
     )
+    if space.widening == NO_WIDENING:
+        return drawn
+    return widen(drawn, random.Random(f"psguard-explore:{seed}:{index}:v2"), space.widening)
+
+
+def widen(case: Scenario, rng: random.Random, w: Widening) -> Scenario:
+    """``case`` widened by ``w``, from ``rng`` (the second stream). Every draw is made whether it is used or not,
+    in a fixed order (the case's, then each fault's), so that one dimension's draw never moves another's."""
+    u_gcs, u_parity, u_cron, u_retain = rng.random(), rng.random(), rng.random(), rng.random()
+    cron_seconds, keep, new_base_after = rng.choice(w.cron_seconds), rng.randint(1, 3), rng.randint(1, 3)
+    per_fault = [(rng.random(), rng.choice(w.moments), rng.random(), rng.choice((500, 503))) for _ in case.faults]
+    kind = "gcs" if case.storage.kind == "s3" and u_gcs < w.gcs else case.storage.kind
+    t = case.training
+    training = replace(t, durable_cron=f"* * * * * */{cron_seconds}" if u_cron < w.cron else None)
+    faults: list[Fault] = []
+    for fault, (u_moment, moment, u_errors, status) in zip(case.faults, per_fault, strict=True):
+        if fault.target == "store" and kind in PROXIED_STORES and u_errors < w.store_errors:
+            fault = replace(fault, action="store-errors", http_status=status)
+        if fault.during is None and u_moment < w.moment:
+            fault = _at_moment(fault, moment, training, faults, keep=keep, new_base_after=new_base_after)
+            if fault.during == "gc":
+                training = replace(training, max_to_keep=keep)
+            elif fault.during == "compaction":
+                training = replace(training, new_base_after=new_base_after)
+        faults.append(fault)
+    if training.max_to_keep is None and u_retain < w.retention:
+        training = replace(training, max_to_keep=keep)
+    faults.sort(key=lambda f: f.at_step or 0)  # a first base's fault moved to the start
+    copies = "parity" if case.peer_copies and case.cluster.ps >= 3 and u_parity < w.parity else case.peer_copies
+    return replace(case, storage=StorageSpec(kind=kind), training=training, faults=tuple(faults), peer_copies=copies)
+
+
+def _at_moment(
+    fault: Fault, moment: str, t: TrainingSpec, earlier: Sequence[Fault], *, keep: int, new_base_after: int
+) -> Fault:
+    """``fault`` aimed at the persister's ``moment``, where the case leaves time for that moment to come after the
+    fault's step (else ``fault`` as it was): a first base is written once, at the start (the fault moves there);
+    a persist comes every durable cadence, a gc after each commit past the ``keep`` newest, a compaction (a new
+    base) every ``new_base_after + 1`` commits. Each needs two chances before the job ends; a time floor on the
+    durable cadence spaces commits by the clock, so compactions and gcs are not aimed at then."""
+    step, every, room = fault.at_step or 0, t.durable_every, t.steps - t.chunk
+    if moment == "first-base":
+        if any(f.during == "first-base" for f in earlier):
+            return fault
+        return replace(fault, at_step=None, at_time=0.0, during="first-base")
+    if moment == "persist":
+        return replace(fault, during="persist") if step + 2 * every <= room else fault
+    if t.durable_min_seconds:
+        return fault
+    if moment == "gc":
+        return replace(fault, during="gc") if max(step, keep * every) + 2 * every <= room else fault
+    cycle = (new_base_after + 1) * every  # a base, then new_base_after deltas
+    next_base = -(-max(step, 1) // cycle) * cycle
+    return replace(fault, during="compaction") if next_base + cycle <= room else fault
 
 
 def describe_case(scenario: Scenario) -> str:
     """One line: what was drawn."""
     t, c = scenario.training, scenario.cluster
     mb = t.vocab * t.dim * _STATE_BYTES_PER_CELL / 2**20
-    extras = [x for x, on in (("copies", scenario.peer_copies), ("keep", scenario.keep_survivors)) if on]
+    copies = "parity" if scenario.peer_copies == "parity" else "copies"
+    extras = [x for x, on in ((copies, scenario.peer_copies), ("keep", scenario.keep_survivors)) if on]
+    extras += [f"retain {t.max_to_keep}"] if t.max_to_keep is not None else []
+    extras += [f"new-base/{t.new_base_after}"] if t.new_base_after is not None else []
+    cron = t.durable_cron
+    if cron is not None:
+        cron = f"{cron.rsplit('/', 1)[1]}s" if cron.startswith("* * * * * */") else f"'{cron}'"
     return (
         f"{c.ps} PS, {c.workers} worker(s), {mb:.1f} MB, {scenario.storage.kind}, memory/{t.memory_every} "
         f"durable/{t.durable_every}{f' >={t.durable_min_seconds:g}s' if t.durable_min_seconds else ''}"
+        f"{f' cron/{cron}' if cron else ''}"
         f"{' ' + '+'.join(extras) if extras else ''}: " + "; ".join(f.describe() for f in scenario.faults)
     )
 
@@ -331,6 +425,12 @@ def smaller(scenario: Scenario) -> Iterator[Scenario]:
         steps.append(lambda: replace(scenario, storage=StorageSpec(kind="local")))
     if any(f.during is not None for f in faults):
         steps.append(lambda: replace(scenario, faults=tuple(replace(f, during=None) for f in faults)))
+    if t.durable_cron is not None:
+        steps.append(lambda: replace(scenario, training=replace(t, durable_cron=None)))
+    if t.max_to_keep is not None:  # refused while a fault waits for a gc: dropped with its moment first
+        steps.append(lambda: replace(scenario, training=replace(t, max_to_keep=None)))
+    if t.new_base_after is not None:
+        steps.append(lambda: replace(scenario, training=replace(t, new_base_after=None)))
     for make in steps:
         try:
             yield make()

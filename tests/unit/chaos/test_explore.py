@@ -10,8 +10,17 @@ from typing import Any
 
 import pytest
 
-from psguard.chaos.explore import SPACES, describe_case, draw_case, not_worse_than_tf, shrink, smaller
-from psguard.chaos.scenario import Scenario
+from psguard.chaos.explore import (
+    NO_WIDENING,
+    SPACES,
+    describe_case,
+    draw_case,
+    not_worse_than_tf,
+    shrink,
+    smaller,
+)
+from psguard.chaos.scenario import Fault, Scenario
+from psguard.config import from_data
 from tests.support.paths import ROOT
 
 
@@ -65,7 +74,8 @@ def test_every_drawn_case_is_a_valid_scenario_and_the_space_is_covered(space: st
     assert all(isinstance(c, Scenario) for c in cases)  # built through __post_init__: every one validated
     actions = {f.action for c in cases for f in c.faults}
     assert {"kill", "kill-agent", "pause", "partition", "storage-outage"} <= actions
-    assert {c.storage.kind for c in cases} == set(SPACES[space].storages)
+    gcs = {"gcs"} if SPACES[space].widening.gcs else set()  # drawn from the second stream
+    assert {c.storage.kind for c in cases} == set(SPACES[space].storages) | gcs
     assert any(f.during == "durable-commit" for c in cases for f in c.faults)
     assert any(c.peer_copies for c in cases) and any(not c.peer_copies for c in cases)
     assert {c.cluster.ps for c in cases} == set(range(SPACES[space].ps[0], SPACES[space].ps[1] + 1))
@@ -75,6 +85,98 @@ def test_every_drawn_case_is_a_valid_scenario_and_the_space_is_covered(space: st
     low, high = SPACES[space].state_mb
     assert min(sizes) < low * 2 and max(sizes) > high / 2  # drawn over the whole range
     assert all(describe_case(c) for c in cases)
+
+
+def test_the_full_space_draws_every_widened_dimension_and_each_case_loads_back_as_a_scenario() -> None:
+    space = SPACES["full"]
+    cases = [draw_case(4, i, space) for i in range(300)]
+    moments = {f.during for c in cases for f in c.faults}
+    assert {"first-base", "persist", "compaction", "gc", "durable-commit", "restore"} <= moments
+    assert {"store-errors", "delay", "storage-outage"} <= {f.action for c in cases for f in c.faults}
+    assert {500, 503} == {f.http_status for c in cases for f in c.faults if f.action == "store-errors"}
+    assert {"local", "s3", "gcs", "hdfs"} == {c.storage.kind for c in cases}
+    assert {False, True, "parity"} == {c.peer_copies for c in cases}
+    crons = {c.training.durable_cron for c in cases} - {None}
+    assert crons == {f"* * * * * */{n}" for n in space.widening.cron_seconds}
+    assert any(c.training.max_to_keep for c in cases) and any(c.training.new_base_after for c in cases)
+    for c in cases:  # each one as a YAML scenario file would give it (validated again on the way)
+        assert from_data(Scenario, json.loads(json.dumps(dataclasses.asdict(c))), source="case.yaml") == c
+        assert not (c.peer_copies == "parity" and c.cluster.ps < 3)  # a pair's parity is held by a third PS
+        firsts = [f for f in c.faults if f.during == "first-base"]
+        assert len(firsts) <= 1 and all(f.at_time == 0.0 and f is c.faults[0] for f in firsts)  # one, at the start
+        for f in c.faults:  # a moment aimed at comes again after the fault's step (two chances)
+            t, step = c.training, f.at_step or 0
+            if f.during == "persist":
+                assert step + 2 * t.durable_every <= t.steps - t.chunk
+            if f.during in ("gc", "compaction"):
+                assert not t.durable_min_seconds and (t.max_to_keep if f.during == "gc" else t.new_base_after)
+
+
+def test_widening_leaves_the_first_streams_draws_as_they_were() -> None:
+    """The full space's cases replay as they did before it widened, but for what the second stream changed: a
+    store's kind (S3 to GCS), the copies' kind, a fault's moment (a first base's at the start) and a store fault's
+    kind; the rest (cluster, state, cadences, targets, durations) is drawn by the first stream alone."""
+    full = SPACES["full"]
+    narrow = dataclasses.replace(full, widening=NO_WIDENING)
+    assert SPACES["full-v1"] == narrow  # a case found before the widening replays there
+    changed = 0
+    for i in range(100):
+        wide, old = draw_case(1, i, full), draw_case(1, i, narrow)
+        assert (wide.cluster, wide.keep_survivors, bool(wide.peer_copies)) == (old.cluster, old.keep_survivors,
+                                                                              bool(old.peer_copies))  # fmt: skip
+        kept = ("vocab", "dim", "memory_every", "durable_every", "durable_min_seconds", "steps")
+        assert [getattr(wide.training, k) for k in kept] == [getattr(old.training, k) for k in kept]
+        assert wide.storage == old.storage or (old.storage.kind, wide.storage.kind) == ("s3", "gcs")
+        assert sorted(map(_identity, wide.faults)) == sorted(map(_identity, old.faults))
+        changed += wide != old
+    assert 0 < changed < 100
+
+
+def _identity(fault: Fault) -> tuple[str, float]:
+    """What the first stream drew of a fault and widening keeps: its target and duration."""
+    return fault.target, fault.duration
+
+
+def test_full_v1_draws_the_full_space_as_it_was_before_it_widened() -> None:
+    drawn = [describe_case(draw_case(1, i, SPACES["full-v1"])) for i in range(3)]
+    assert drawn == [
+        "1 PS, 1 worker(s), 2.6 MB, hdfs, memory/10 durable/60: kill-agent ps:0 at step 55; kill-agent chief at step "
+        "105; kill-agent ps:0 at step 185",
+        "1 PS, 2 worker(s), 29.5 MB, hdfs, memory/25 durable/125 >=2s: kill ps:0 at step 80",
+        "1 PS, 2 worker(s), 175.2 MB, hdfs, memory/25 durable/50: kill ps:0 at step 30; kill chief at step 40 during a "
+        "durable-commit; partition ps:0 at step 135",
+    ]
+
+
+def test_a_full_case_is_the_same_in_any_process() -> None:
+    here = [dataclasses.asdict(draw_case(7, i, SPACES["full"])) for i in range(8)]
+    code = (
+        "import dataclasses, json; from psguard.chaos.explore import SPACES, draw_case; "
+        "print(json.dumps([dataclasses.asdict(draw_case(7, i, SPACES['full'])) for i in range(8)]))"
+    )
+    there = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(there.stdout) == json.loads(json.dumps(here))
+    assert draw_case(7, 3, SPACES["full"]) == draw_case(7, 3, SPACES["full"])
+
+
+def test_the_ci_space_widens_nothing() -> None:
+    for c in (draw_case(2, i) for i in range(300)):
+        assert c.storage.kind != "gcs" and c.peer_copies != "parity"
+        assert c.training.durable_cron is None and c.training.max_to_keep is None and c.training.new_base_after is None
+        assert all(f.action != "store-errors" and f.during in (None, "durable-commit", "restore") for f in c.faults)
+
+
+def test_shrinking_drops_what_the_widening_added() -> None:
+    case = next(
+        c for i in range(300)
+        if (c := draw_case(4, i, SPACES["full"])).training.durable_cron and c.training.max_to_keep
+        and any(f.during == "gc" for f in c.faults)
+    )  # fmt: skip
+    steps = list(smaller(case))
+    assert any(s.training.durable_cron is None and s.training.max_to_keep == case.training.max_to_keep for s in steps)
+    assert not any(s.training.max_to_keep is None and any(f.during == "gc" for f in s.faults) for s in steps)
+    no_moments = next(s for s in steps if all(f.during is None for f in s.faults))
+    assert any(s.training.max_to_keep is None for s in smaller(no_moments))  # once no fault waits for a gc
 
 
 def _report(
