@@ -134,6 +134,9 @@ def test_scenario_errors_name_the_file_and_the_key() -> None:
         _scenario(faults=[{"action": "store-errors", "target": "ps:0", "at_step": 5}], storage={"kind": "s3"})
     with pytest.raises(ConfigError, match="http_status: expected a 5xx status"):
         _scenario(faults=[{"action": "store-errors", "target": "store", "at_step": 5, "http_status": 404}])
+    with pytest.raises(ConfigError, match=r"training\.durable_cron: expected a cron expression that matches a time"):
+        _scenario(training={"durable_cron": "0 0 31 2 *"})  # February 31st: durable saves would never come
+    assert _scenario(training={"durable_cron": "* * * * * */20"}).training.durable_cron == "* * * * * */20"
 
 
 def test_agent_faults_aim_at_tasks_and_describe_themselves() -> None:
