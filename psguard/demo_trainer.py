@@ -32,12 +32,15 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+if TYPE_CHECKING:
+    from psguard.trainer.recovery import RecoveryEvent
 
 
 @dataclass
@@ -263,7 +266,7 @@ def cron_came(expr: str | None, *, since: float, now: float) -> bool:
     return bool(Cron(expr).should_save(0, now, last=TierState(at=since), context=SaveContext()))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m psguard.demo_trainer")
     p.add_argument("--store", required=True)
     p.add_argument("--progress", required=True)
@@ -295,88 +298,135 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--digest", action="store_true", help="digest the variables at every capture and restore")
     p.add_argument("--save-timeout", type=float, default=120.0)
     p.add_argument("--hang-after", type=float, help="seconds without a step before the agent declares a hang")
-    args = p.parse_args(argv)
+    return p
 
-    import tensorflow as tf
 
-    from psguard.handoff.client import restart_ps_servers
-    from psguard.handoff.contract import Tier
-    from psguard.policy.files import HangSpec
-    from psguard.testbed.model import ModelConfig, RecModel, Trainer, labels_for, make_optimizer
-    from psguard.trainer.manager import CheckpointManager
-    from psguard.trainer.recovery import RecoveryEvent, run_with_recovery
+@dataclass
+class Cadence:
+    """Where the saves stand, across generations: what the next save's tiers are decided from."""
 
-    progress = Progress(args.progress, fsync=args.fsync)
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    num_ps = len(resolver.cluster_spec().as_dict().get("ps", []))
-    strategy = tf.distribute.experimental.ParameterServerStrategy(
-        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(max(1, num_ps))
-    )
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
-    # "durable": the last step asked durable (with "durable_at", when); the acknowledged one is acks.acked.
-    state: dict[str, Any] = {"seen": 0, "kill_sent": False, "memory": None, "durable": None, "durable_at": None}
-    state["durable_wall"] = time.time()  # the wall time of the last durable save (or the start), for --durable-cron
-    acks = DurableAcks(progress, args.save_timeout)
-    stuck = threading.Event()  # the chaos harness's hang fault: SIGUSR2 makes the step loop block for good
-    signal.signal(HANG_SIGNAL, lambda *_: stuck.set())
-    progress.emit("start", pid=os.getpid(), target=args.steps, memory_every=args.memory_every,
-                  durable_every=args.durable_every, chunk=args.chunk)  # fmt: skip
+    seen: int = 0  # the last step the step loop reached
+    kill_sent: bool = False
+    memory: int | None = None  # the last step committed to the memory tier
+    durable: int | None = None  # the last step asked durable (the acknowledged one is DurableAcks.acked)
+    durable_at: float | None = None  # when (monotonic)
+    durable_wall: float = field(default_factory=time.time)  # wall time of the last durable save, for --durable-cron
 
-    def digest(job_model: Any, job_optimizer: Any) -> dict[str, Any]:
-        """The digest fields of a capture or restore record (none without --digest)."""
-        if not args.digest:
-            return {"digest": None}
-        taken, seconds = timed_digest(job_model, job_optimizer)
-        return {"digest": taken, "harness_seconds": round(seconds, 4)}
-
-    def build() -> Job:
-        with strategy.scope():
-            model = RecModel(config)
-            optimizer = make_optimizer("adagrad")
-        trainer = Trainer(strategy, coordinator, model, optimizer)
-        manager = CheckpointManager(
-            tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, coordinator=coordinator,
-            step_counter=model.step, hang=HangSpec(after=args.hang_after) if args.hang_after else None,
-            max_to_keep=args.max_to_keep, new_base_after=args.new_base_after,
-        )  # fmt: skip
-        progress.op("invoke", "restore")
-        try:
-            manager.restore_or_initialize()
-        except Exception as e:
-            progress.op("fail", "restore", error=str(e)[:500])
-            raise
-        restored = manager.restored
-        trainer.next_index = int(model.step.numpy())
-        # The saves of a new generation count from what it restored; the durable cadence from the last durable
-        # save when the state came from the memory tier (not durable: a node lost next must not fall back further).
-        state["memory"] = restored.step if restored is not None else None
-        if restored is None or restored.source == "durable":
-            state["durable"] = state["memory"]
-        state["durable_at"] = None
-        acks.new_generation(state["durable"])
-        if restored is not None:
-            progress.op("ok", "restore", step=restored.step, source=restored.source, id=restored.id,
-                        **digest(model, optimizer))  # fmt: skip
-            progress.emit("restored", source=restored.source, step=restored.step, id=restored.id)
-        else:
-            progress.op("ok", "restore", step=0, source=None, id=None, **digest(model, optimizer))
-        return Job(model, optimizer, trainer, manager)
-
+    @staticmethod
     def due(last: int | None, every: int, step: int) -> bool:
         return last is None or step - last >= every
 
-    def durable_due(step: int) -> bool:
-        return durable_cadence_due(
-            state["durable"], state["durable_at"], step, args.durable_every, args.durable_min_seconds, time.monotonic()
-        ) or cron_came(args.durable_cron, since=state["durable_wall"], now=time.time())
 
-    def save(job: Job, step: int) -> None:
-        durable = durable_due(step)
+class DemoTrainer:
+    """One trainer process's run: its cluster and model, the saves it decides, and its half of the history. The
+    ``build`` / ``train`` / ``close`` that :func:`psguard.trainer.recovery.run_with_recovery` calls per
+    generation are its methods."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import tensorflow as tf
+
+        from psguard.testbed.model import ModelConfig
+
+        self.args = args
+        self.progress = Progress(args.progress, fsync=args.fsync)
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        num_ps = len(resolver.cluster_spec().as_dict().get("ps", []))
+        partitioner = tf.distribute.experimental.partitioners.FixedShardsPartitioner(max(1, num_ps))
+        self.strategy = tf.distribute.experimental.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        self.config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
+        self.state = Cadence()
+        self.acks = DurableAcks(self.progress, args.save_timeout)
+        self.stuck = threading.Event()  # the chaos harness's hang fault: SIGUSR2 makes the step loop block for good
+        signal.signal(HANG_SIGNAL, lambda *_: self.stuck.set())
+        self.progress.emit("start", pid=os.getpid(), target=args.steps, memory_every=args.memory_every,
+                           durable_every=args.durable_every, chunk=args.chunk)  # fmt: skip
+
+    def digest(self, model: Any, optimizer: Any) -> dict[str, Any]:
+        """The digest fields of a capture or restore record (none without --digest)."""
+        if not self.args.digest:
+            return {"digest": None}
+        taken, seconds = timed_digest(model, optimizer)
+        return {"digest": taken, "harness_seconds": round(seconds, 4)}
+
+    # ------------------------------------------------------------------------------------- a generation
+    def build(self) -> Job:
+        import tensorflow as tf
+
+        from psguard.policy.files import HangSpec
+        from psguard.testbed.model import RecModel, Trainer, make_optimizer
+        from psguard.trainer.manager import CheckpointManager
+
+        args = self.args
+        with self.strategy.scope():
+            model = RecModel(self.config)
+            optimizer = make_optimizer("adagrad")
+        trainer = Trainer(self.strategy, self.coordinator, model, optimizer)
+        manager = CheckpointManager(
+            tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, coordinator=self.coordinator,
+            step_counter=model.step, hang=HangSpec(after=args.hang_after) if args.hang_after else None,
+            max_to_keep=args.max_to_keep, new_base_after=args.new_base_after,
+        )  # fmt: skip
+        job = Job(model, optimizer, trainer, manager)
+        self.restore(job)
+        return job
+
+    def restore(self, job: Job) -> None:
+        """Restore the new generation's state, recorded as a ``restore`` operation, and count its saves from it."""
+        progress, state = self.progress, self.state
+        progress.op("invoke", "restore")
+        try:
+            job.manager.restore_or_initialize()
+        except Exception as e:
+            progress.op("fail", "restore", error=str(e)[:500])
+            raise
+        restored = job.manager.restored
+        job.trainer.next_index = int(job.model.step.numpy())
+        # The saves of a new generation count from what it restored; the durable cadence from the last durable
+        # save when the state came from the memory tier (not durable: a node lost next must not fall back further).
+        state.memory = restored.step if restored is not None else None
+        if restored is None or restored.source == "durable":
+            state.durable = state.memory
+        state.durable_at = None
+        self.acks.new_generation(state.durable)
+        if restored is not None:
+            progress.op("ok", "restore", step=restored.step, source=restored.source, id=restored.id,
+                        **self.digest(job.model, job.optimizer))  # fmt: skip
+            progress.emit("restored", source=restored.source, step=restored.step, id=restored.id)
+        else:
+            progress.op("ok", "restore", step=0, source=None, id=None, **self.digest(job.model, job.optimizer))
+
+    def close(self, job: Job) -> None:
+        self.progress.emit("failure", seen=self.state.seen, memory=self.state.memory, durable=self.acks.acked)
+        job.manager.close(timeout=30)
+
+    def restart_ps(self, failed_at: float) -> None:
+        from psguard.handoff.client import restart_ps_servers
+
+        outcome = restart_ps_servers(failed_at=failed_at)
+        self.progress.emit("ps-restarted", peers=outcome.get("peers"), seconds=outcome.get("seconds"))
+
+    def on_recovery(self, event: RecoveryEvent) -> None:
+        self.progress.emit("recovery", attempt=event.attempt, seconds=event.seconds, error=event.error)
+
+    # -------------------------------------------------------------------------------------------- saves
+    def durable_due(self, step: int) -> bool:
+        args, state = self.args, self.state
+        return durable_cadence_due(
+            state.durable, state.durable_at, step, args.durable_every, args.durable_min_seconds, time.monotonic()
+        ) or cron_came(args.durable_cron, since=state.durable_wall, now=time.time())
+
+    def save(self, job: Job, step: int) -> None:
+        """One save of ``step``, recorded as a ``capture``, its ``memory-commit`` and, when durable, its
+        ``durable-commit`` (awaited off the step loop by :class:`DurableAcks`)."""
+        from psguard.handoff.contract import Tier
+
+        progress, state = self.progress, self.state
+        durable = self.durable_due(step)
         tiers = frozenset({Tier.MEMORY, Tier.DURABLE} if durable else {Tier.MEMORY})
         named = sorted(str(t) for t in tiers)
         try:
-            taken = digest(job.model, job.optimizer)  # the cluster is drained: this is the state captured next
+            taken = self.digest(job.model, job.optimizer)  # the cluster is drained: this is the state captured next
         except Exception as e:  # nothing was handed to the agent: the capture did not happen
             progress.op("invoke", "capture", step=step, tiers=named)
             progress.op("fail", "capture", step=step, error=error_line(e))
@@ -384,13 +434,13 @@ def main(argv: list[str] | None = None) -> int:
         # The digest goes with the invoke: a trainer killed inside the save leaves a capture its agent may hold
         # (and restore), and the history must still say what that capture was.
         progress.op("invoke", "capture", step=step, tiers=named, **taken)
-        commit = acks.begin(step) if durable else None
+        commit = self.acks.begin(step) if durable else None
         try:
             handle = job.manager.save(step, tiers=tiers)
         except Exception as e:  # it may have reached the agent's memory tier before the failure: unknown
             progress.op("info", "capture", step=step, error=error_line(e))
             if commit is not None:
-                acks.unknown(commit, step, error_line(e))
+                self.acks.unknown(commit, step, error_line(e))
             raise
         # hold: how long the save waited for the durable log (the policy's durable_lag), on top of the stall.
         progress.op(
@@ -398,42 +448,49 @@ def main(argv: list[str] | None = None) -> int:
         )
         progress.op("invoke", "memory-commit", step=step)
         if commit is not None:
-            state["durable"], state["durable_at"], state["durable_wall"] = step, time.monotonic(), time.time()
-            acks.add(step, handle, commit)
-        # A refused or late memory commit is recorded and training goes on, as a user's job does (it does not ask):
-        # the PS or node behind it fails the next step, and that is the recovery the history should show.
+            state.durable, state.durable_at, state.durable_wall = step, time.monotonic(), time.time()
+            self.acks.add(step, handle, commit)
+        self.memory_commit(handle, step)
+        progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds,
+                      hold=job.manager.last_hold_seconds)  # fmt: skip
+
+    def memory_commit(self, handle: Any, step: int) -> None:
+        """Record the outcome of the save's ``memory-commit``. A refused or late one is recorded and training goes
+        on, as a user's job does (it does not ask): the PS or node behind it fails the next step, and that is the
+        recovery the history should show."""
+        progress = self.progress
         try:
             if hasattr(handle, "restorable"):
-                handle.restorable(timeout=args.save_timeout)  # acknowledged: in the agent's memory tier
+                handle.restorable(timeout=self.args.save_timeout)  # acknowledged: in the agent's memory tier
         except TimeoutError as e:
             progress.op("info", "memory-commit", step=step, error=str(e)[:300])
         except Exception as e:
             progress.op("fail", "memory-commit", step=step, error=error_line(e))
         else:
             progress.op("ok", "memory-commit", step=step)
-            state["memory"] = step
-        progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds,
-                      hold=job.manager.last_hold_seconds)  # fmt: skip
+            self.state.memory = step
 
-    def target() -> int:
+    # ----------------------------------------------------------------------------------------- training
+    def target(self) -> int:
         """``--steps``, or the step a soak's harness asked to finish at (it writes the file atomically)."""
-        if args.finish_file is None:
-            return int(args.steps)
+        if self.args.finish_file is None:
+            return int(self.args.steps)
         try:
-            return int(json.loads(Path(args.finish_file).read_text())["step"])
+            return int(json.loads(Path(self.args.finish_file).read_text())["step"])
         except (OSError, ValueError, KeyError, TypeError):
-            return int(args.steps)
+            return int(self.args.steps)
 
-    def train(job: Job) -> int:
-        while (step := int(job.model.step.numpy())) < target():
-            state["seen"] = step
-            progress.emit("step", step=step, memory=state["memory"], durable=acks.acked)
-            if due(state["memory"], args.memory_every, step):
-                save(job, step)
-                if not state["kill_sent"] and step >= args.kill_at and acks.acked is not None:
-                    state["kill_sent"] = True
+    def train(self, job: Job) -> int:
+        args, progress, state = self.args, self.progress, self.state
+        while (step := int(job.model.step.numpy())) < self.target():
+            state.seen = step
+            progress.emit("step", step=step, memory=state.memory, durable=self.acks.acked)
+            if state.due(state.memory, args.memory_every, step):
+                self.save(job, step)
+                if not state.kill_sent and step >= args.kill_at and self.acks.acked is not None:
+                    state.kill_sent = True
                     progress.emit("kill", step=step)
-            if stuck.is_set():
+            if self.stuck.is_set():
                 progress.emit("hung", step=step)
                 hang_forever()
             progress.op("invoke", "train", step=step, steps=args.chunk)
@@ -444,40 +501,43 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             progress.op("ok", "train", step=int(job.model.step.numpy()))
         job.manager.close()
-        acks.join(args.save_timeout)  # every durable answer in the history before the final records
+        self.acks.join(args.save_timeout)  # every durable answer in the history before the final records
         final = int(job.model.step.numpy())
-        evaluate(job, final)
+        self.evaluate(job, final)
         return final
 
-    def evaluate(job: Job, step: int) -> None:
+    def evaluate(self, job: Job, step: int) -> None:
         """The final loss on a fixed batch, for the chaos checker that compares it with a fault-free run."""
-        progress.op("invoke", "eval", step=step)
+        import tensorflow as tf
+
+        from psguard.testbed.model import labels_for
+
+        config = self.config
+        self.progress.op("invoke", "eval", step=step)
         try:
             ids = tf.random.stateless_uniform(
-                [2048, config.features], seed=[args.seed, 7919], maxval=config.vocab_size, dtype=tf.int64
+                [2048, config.features], seed=[self.args.seed, 7919], maxval=config.vocab_size, dtype=tf.int64
             )
             labels = labels_for(ids)
             logits = job.model(ids)
             loss = float(tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=logits)))
         except Exception as e:  # the loss is evidence for a checker, not a reason to fail the run
-            progress.op("fail", "eval", step=step, error=str(e)[:300])
+            self.progress.op("fail", "eval", step=step, error=str(e)[:300])
             return
-        progress.op("ok", "eval", step=step, loss=loss)
+        self.progress.op("ok", "eval", step=step, loss=loss)
 
-    def close(job: Job) -> None:
-        progress.emit("failure", seen=state["seen"], memory=state["memory"], durable=acks.acked)
-        job.manager.close(timeout=30)
 
-    def restart_ps(failed_at: float) -> None:
-        outcome = restart_ps_servers(failed_at=failed_at)
-        progress.emit("ps-restarted", peers=outcome.get("peers"), seconds=outcome.get("seconds"))
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
 
-    def on_recovery(event: RecoveryEvent) -> None:
-        progress.emit("recovery", attempt=event.attempt, seconds=event.seconds, error=event.error)
+    from psguard.trainer.recovery import run_with_recovery
 
-    final, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close, on_recovery=on_recovery)
-    progress.emit("done", step=final, recoveries=len(report.recoveries))
-    progress.close()
+    run = DemoTrainer(args)
+    final, report = run_with_recovery(
+        run.build, run.train, restart_ps=run.restart_ps, close=run.close, on_recovery=run.on_recovery
+    )
+    run.progress.emit("done", step=final, recoveries=len(report.recoveries))
+    run.progress.close()
     return 0
 
 
