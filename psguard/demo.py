@@ -326,6 +326,87 @@ def _timeline(run: DemoRun, report: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+@dataclass(frozen=True)
+class _Cluster:
+    """The demo's agents: the PS's (the first one is killed), then the workers', then the chief's."""
+
+    ps: list[AgentProcess]
+    chief: AgentProcess
+
+
+def _start_agents(
+    directory: Path, store_url: str, cluster: Path, workers: int, trainer: list[str], agents: list[AgentProcess]
+) -> _Cluster:
+    """Start every task's agent, the chief's last (it runs ``trainer`` and names the others as its peers); each is
+    added to ``agents`` as soon as it runs, for the caller to stop whatever happens."""
+    base = ["--cluster", str(cluster)]
+    ps = [
+        AgentProcess(
+            directory / "agents",
+            f"ps{i}",
+            [
+                "--role",
+                "ps",
+                "--index",
+                str(i),
+                *base,
+                *("--spool", str(directory / f"ps{i}-shards")),
+                *("--store", store_url),
+            ],
+        )
+        for i in range(2)
+    ]
+    agents += ps
+    agents += [
+        AgentProcess(directory / "agents", f"worker{i}", ["--role", "worker", "--index", str(i), *base])
+        for i in range(workers)
+    ]
+    peers = [arg for a in agents for arg in ("--peer", a.wait_url(120))]
+    chief_args = ["--role", "chief", "--index", "0", *base, "--store", store_url]
+    chief_args += ["--spool", str(directory / "spool"), *peers]
+    chief = AgentProcess(directory / "agents", "chief", chief_args, trainer)
+    agents.append(chief)
+    return _Cluster(ps, chief)
+
+
+def _watch(run: DemoRun, progress: Path, cluster: _Cluster, steps: int, timeout: float) -> None:
+    """Follow the trainer's progress until its agent exits: show its events, a progress line every 2 s, and kill
+    the first PS when the trainer says it may (its ``kill`` event)."""
+    reader = ProgressReader(progress)
+    run.started_at = time.time()
+    last_line = 0.0
+    deadline = time.monotonic() + timeout
+    while True:
+        for e in reader.read():
+            if e["event"] == "start":
+                run.started_at = e["t"]
+            run.events.append(e)
+            _show(e, run)
+            if e["event"] == "kill" and run.killed_at is None:
+                _kill_ps(run, cluster.ps[0], e)
+        if run.of("step") and not run.of("done") and time.time() - last_line >= 2.0:
+            say(_progress_line(run, steps))
+            last_line = time.time()
+        code = cluster.chief.proc.poll()
+        if code is not None:
+            run.events += reader.read()
+            if code != 0:
+                raise DemoError(f"the chief's agent exited {code}:\n{cluster.chief.log_tail()}")
+            return
+        if time.monotonic() > deadline:
+            raise DemoError(f"training did not finish within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def _kill_ps(run: DemoRun, ps: AgentProcess, event: dict[str, Any]) -> None:
+    pid = int(ps.status()["pid"])
+    os.kill(pid, signal.SIGKILL)
+    # The trainer may have gone on since it asked: the step it last reported is the one killed at.
+    step = max([event["step"], *(s["step"] for s in run.of("step"))])
+    run.killed_at, run.killed_step, run.killed_pid = time.time(), step, pid
+    say(f"[{run.killed_at - run.started_at:6.1f}s] >>> kill -9 ps:0 (pid {pid}) at step {step}")
+
+
 def run_cluster(
     directory: Path,
     *,
@@ -342,7 +423,7 @@ def run_cluster(
     directory = claim_folder(directory, "psguard demo")
     store_url = store or str(directory / "store")
     progress = directory / "progress.jsonl"
-    cluster, _ = write_cluster(directory, ps=2, workers=workers)
+    cluster_file, _ = write_cluster(directory, ps=2, workers=workers)
     say(
         f"psguard demo: cluster {directory / 'cluster.json'}: 2 PS, {workers} worker(s), chief; "
         "each under psguard agent"
@@ -352,69 +433,14 @@ def run_cluster(
     run = DemoRun()
     t_wall = time.monotonic()
     try:
-        base = ["--cluster", str(cluster)]
-        ps = [
-            AgentProcess(
-                directory / "agents",
-                f"ps{i}",
-                [
-                    "--role",
-                    "ps",
-                    "--index",
-                    str(i),
-                    *base,
-                    *("--spool", str(directory / f"ps{i}-shards")),
-                    *("--store", store_url),
-                ],
-            )
-            for i in range(2)
-        ]
-        agents += ps
-        agents += [
-            AgentProcess(directory / "agents", f"worker{i}", ["--role", "worker", "--index", str(i), *base])
-            for i in range(workers)
-        ]
-        peers = [arg for a in agents for arg in ("--peer", a.wait_url(120))]
         trainer = [sys.executable, "-m", "psguard.demo_trainer", "--store", store_url, "--progress", str(progress)]
         trainer += ["--steps", str(steps), "--kill-at", str(kill_at)]
         trainer += ["--memory-every", str(memory_every), "--durable-every", str(durable_every)]
-        chief_args = ["--role", "chief", "--index", "0", *base, "--store", store_url]
-        chief_args += ["--spool", str(directory / "spool"), *peers]
-        chief = AgentProcess(directory / "agents", "chief", chief_args, trainer)
-        agents.append(chief)
+        cluster = _start_agents(directory, store_url, cluster_file, workers, trainer, agents)
         run.names = {a.wait_url(120): a.name for a in agents}
         say("  agents: " + ", ".join(f"{a.name} {a.wait_url(120)}" for a in agents))
         say("  waiting for the PS and worker servers and the trainer (TensorFlow starts in each)...")
-        reader = ProgressReader(progress)
-        run.started_at = time.time()
-        last_line = 0.0
-        deadline = time.monotonic() + timeout
-        while True:
-            new = reader.read()
-            for e in new:
-                if e["event"] == "start":
-                    run.started_at = e["t"]
-                run.events.append(e)
-                _show(e, run)
-                if e["event"] == "kill" and run.killed_at is None:
-                    pid = int(ps[0].status()["pid"])
-                    os.kill(pid, signal.SIGKILL)
-                    # The trainer may have gone on since it asked: the step it last reported is the one killed at.
-                    step = max([e["step"], *(s["step"] for s in run.of("step"))])
-                    run.killed_at, run.killed_step, run.killed_pid = time.time(), step, pid
-                    say(f"[{run.killed_at - run.started_at:6.1f}s] >>> kill -9 ps:0 (pid {pid}) at step {step}")
-            if run.of("step") and not run.of("done") and time.time() - last_line >= 2.0:
-                say(_progress_line(run, steps))
-                last_line = time.time()
-            code = chief.proc.poll()
-            if code is not None:
-                run.events += reader.read()
-                if code != 0:
-                    raise DemoError(f"the chief's agent exited {code}:\n{chief.log_tail()}")
-                break
-            if time.monotonic() > deadline:
-                raise DemoError(f"training did not finish within {timeout:.0f}s")
-            time.sleep(0.1)
+        _watch(run, progress, cluster, steps, timeout)
     finally:
         for agent in reversed(agents):  # the chief first (drains its persister), then workers, then PS
             agent.stop()
@@ -425,6 +451,13 @@ def run_cluster(
     report["ok"] = ok
     (directory / "report.json").write_text(json.dumps(report, indent=2))
     _timeline(run, report, directory / "timeline.png")
+    _say_summary(report, steps, wall, directory)
+    return report, ok
+
+
+def _say_summary(report: dict[str, Any], steps: int, wall: float, directory: Path) -> None:
+    """The report for people: steps, checkpoints, stalls, the fault and its recovery, where the files are."""
+    rec = report["recovery"]
     say("\nsummary")
     say(
         f"  steps:        {report['final_step']} of {steps} "
@@ -460,8 +493,7 @@ def run_cluster(
             )
     say(f"  wall time:    {wall:.0f}s")
     say(f"  report:       {directory / 'report.json'}\n  timeline:     {directory / 'timeline.png'}")
-    say("psguard demo: OK" if ok else "psguard demo: FAILED")
-    return report, ok
+    say("psguard demo: OK" if report["ok"] else "psguard demo: FAILED")
 
 
 def cmd(args: argparse.Namespace) -> int:
