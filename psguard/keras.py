@@ -1,9 +1,11 @@
-"""``psguard.keras.CheckpointCallback``: the public path of the Keras callback, as the user guide teaches it.
+"""``psguard.keras``: the public path of psguard's tf_keras pieces, as the user guide teaches them.
 
-The callback lives on the trainer's side (:mod:`psguard.trainer.keras`); this module only names it here, so that
-``import psguard.keras`` is the one line a ``model.fit`` job adds.
+``CheckpointCallback`` (a ``model.fit`` job's one added line) and ``SidecarEvaluator`` (an evaluator pod's one
+changed line: ``tf.keras.utils.SidecarEvaluator`` on a psguard store) live on the trainer's side
+(:mod:`psguard.trainer.keras`, :mod:`psguard.trainer.evaluator`); this module only names them here.
 """
 
+from psguard.trainer.evaluator import SidecarEvaluator
 from psguard.trainer.keras import CheckpointCallback, FitPosition, KerasSupportError
 
-__all__ = ["CheckpointCallback", "FitPosition", "KerasSupportError"]
+__all__ = ["CheckpointCallback", "FitPosition", "KerasSupportError", "SidecarEvaluator"]

@@ -1,0 +1,170 @@
+"""``psguard.keras.SidecarEvaluator``: tf_keras' ``SidecarEvaluator`` on a psguard store, following it by deltas.
+
+An evaluator pod runs ``tf.keras.utils.SidecarEvaluator(model, data, checkpoint_dir, ...).start()``: it polls the
+folder's TF state file, restores each newest checkpoint whole (``expect_partial()``) and runs
+``model.evaluate(data, steps=steps, callbacks=callbacks)``, so its callbacks (a ``TensorBoard`` callback's
+``evaluation_*_vs_iterations`` scalars at the restored ``optimizer.iterations``) see every evaluation. On a psguard
+store that loop waits for ever (there is no state file). This class takes the same arguments and does the same
+thing, with one difference: the model is kept at the store's newest commit by a :class:`~psguard.Follower`, which
+reads only the changed rows of the tensors the model holds, not the whole checkpoint each time.
+
+What stays TF's, so the one changed line is the import:
+
+- the restore root: ``tf.train.Checkpoint(model=model, optimizer=model.optimizer)`` for a tf_keras optimizer,
+  else the optimizer as ``Checkpoint(iter=...)`` whose value is then assigned to ``model.optimizer.iterations``
+  (a legacy optimizer; ``RuntimeError`` when the checkpoint has none, as TF raises); a store whose checkpoints
+  have no ``model`` (the model itself checkpointed, as ``ModelCheckpoint(save_weights_only=True)`` writes) is
+  followed with the model as the root, as TF then calls ``model.load_weights``;
+- ``expect_partial()``: what one side has and the other lacks is skipped (``Follower(ignore_missing=True)``);
+  a tensor both hold with another shape or dtype is an error (:class:`~psguard.errors.TensorMismatchError`), not
+  TF's retry for ever;
+- the loop: the newest checkpoint each time (checkpoints committed during an evaluation are skipped), a log line
+  after each 30 s without one, ``evaluate(..., verbose=2)``, the metrics logged, and the stop: after the first
+  checkpoint whose *step* is at least ``max_evaluations`` (TF reads that number off the file name, which is the
+  step for ``psguard export`` and ``psguard publish`` folders and for ``CheckpointManager.save(checkpoint_number=
+  step)``).
+
+A corrupt checkpoint is skipped with a logged reason (the follower's rule) where TF logs and retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+try:
+    import tf_keras
+except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "psguard.keras.SidecarEvaluator needs the tf_keras package (pip install --no-deps tf_keras==2.21.*; set "
+        "TF_USE_LEGACY_KERAS=1 so that tf.keras is tf_keras), as tf.keras.utils.SidecarEvaluator does."
+    ) from e
+
+from psguard.store import CheckpointInfo, Store
+from psguard.trainer.follower import Follower
+from psguard.trainer.variables import gather_variables
+
+__all__ = ["SidecarEvaluator"]
+
+log = logging.getLogger(__name__)
+
+_ITERATIONS_UNINITIALIZED = -1
+#: Seconds without a new checkpoint after which the evaluator says so (and keeps waiting), as TF's does.
+CHECKPOINT_TIMEOUT_SECONDS = 30.0
+
+
+class SidecarEvaluator:
+    """``tf.keras.utils.SidecarEvaluator`` whose ``checkpoint_dir`` is a psguard store URL (any scheme psguard
+    stores to; ``storage_options`` for its client). ``poll_interval``: seconds between listings of the store
+    when nothing new was there (TF's iterator checks once a second). :attr:`follower` is the follower of the
+    running :meth:`start` (its ``stats``: bytes read, lag from commit to the checkpoint applied)."""
+
+    def __init__(
+        self,
+        model: Any,
+        data: Any,
+        checkpoint_dir: str,
+        steps: int | None = None,
+        max_evaluations: int | None = None,
+        callbacks: Sequence[Any] | None = None,
+        *,
+        storage_options: Mapping[str, Any] | None = None,
+        poll_interval: float = 1.0,
+    ) -> None:
+        self.model = model
+        self.data = data
+        self.checkpoint_dir = checkpoint_dir
+        self._iterations = tf.Variable(name="iterations", initial_value=_ITERATIONS_UNINITIALIZED, dtype=tf.int64)
+        self.max_evaluations = max_evaluations
+        self.steps = steps
+        self.callbacks = list(callbacks or [])
+        self.storage_options = storage_options
+        self.poll_interval = poll_interval
+        self.follower: Follower | None = None
+
+    def start(self) -> None:
+        """Evaluate each newest checkpoint of the store until one of step ``max_evaluations`` or later (for ever
+        when ``None``)."""
+        with Store.open(self.checkpoint_dir, self.storage_options) as store:
+            first = self._first_checkpoint(store)
+            root = self._root(store, first)
+            with Follower(root, store, poll_interval=self.poll_interval, ignore_missing=True) as follower:
+                self.follower = follower
+                while True:
+                    for info in follower.checkpoints(timeout=CHECKPOINT_TIMEOUT_SECONDS):
+                        if self._evaluate(info, follower, root):
+                            return
+                    self._timed_out()
+
+    # ------------------------------------------------------------------------------------------ the loop
+    def _first_checkpoint(self, store: Store) -> CheckpointInfo:
+        """The newest checkpoint once there is one: which root restores the store depends on what it holds."""
+        since = time.monotonic()
+        while (latest := store.latest()) is None:
+            if time.monotonic() - since >= CHECKPOINT_TIMEOUT_SECONDS:
+                self._timed_out()
+                since = time.monotonic()
+            time.sleep(self.poll_interval)
+        return latest
+
+    def _root(self, store: Store, info: CheckpointInfo) -> Any:
+        """TF's restore root (``start`` in tf_keras' sidecar_evaluator.py), or the model itself when the store's
+        checkpoints hold no ``model`` (TF's ``model.load_weights`` then)."""
+        if "model" not in {name.split("/")[0] for name in store.manifest(info.id).tensors}:
+            if self.model.optimizer is not None and not self._new_optimizer():
+                _ = self.model.optimizer.iterations  # a legacy optimizer makes it on first use; the root tracks it
+            return self.model
+        if self._new_optimizer():
+            return tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer)
+        return tf.train.Checkpoint(model=self.model, optimizer=tf.train.Checkpoint(iter=self._iterations))
+
+    def _new_optimizer(self) -> bool:
+        return bool(self.model.optimizer) and isinstance(self.model.optimizer, tf_keras.optimizers.Optimizer)
+
+    def _evaluate(self, info: CheckpointInfo, follower: Follower, root: Any) -> bool:
+        """One evaluation of the checkpoint the follower holds; whether it was the last."""
+        if not self._new_optimizer():
+            if root is self.model:  # the optimizer's own iterations were the root's: restored unless left alone
+                if self.model.optimizer and _restored(root, self.model.optimizer.iterations, follower.left_alone):
+                    self._iterations.assign(self.model.optimizer.iterations)
+            elif self.model.optimizer:
+                self.model.optimizer.iterations.assign(self._iterations)
+            if self._iterations.numpy() == _ITERATIONS_UNINITIALIZED:
+                raise RuntimeError(
+                    f"Variable `iterations` cannot be loaded from the checkpoint file at {self.checkpoint_dir}. "
+                    "Please ensure `iterations` is included in the checkpoint saved during training."
+                )
+        log.info(
+            "Evaluation starts: Model weights loaded from latest checkpoint %s (step %d) of %s",
+            info.id,
+            info.step,
+            self.checkpoint_dir,
+        )
+        self.model.evaluate(self.data, steps=self.steps, callbacks=self.callbacks, verbose=2)
+        metrics: dict[str, Any] = {}
+        for metric in self.model.metrics:
+            result = metric.result()
+            metrics.update(result if isinstance(result, dict) else {metric.name: result})
+        log.info("End of evaluation. Metrics: %s", " ".join(f"{k}={v.numpy()}" for k, v in metrics.items()))
+        if self.max_evaluations and self.max_evaluations <= info.step:
+            log.info("Last checkpoint evaluated. SidecarEvaluator stops.")
+            return True
+        return False
+
+    def _timed_out(self) -> None:
+        log.info(
+            "No checkpoints appear to be found after %.0f seconds in %s. Please check that the training saves "
+            "to this store with psguard.CheckpointManager or psguard.keras.CheckpointCallback "
+            "(tf.train.Checkpoint(model=..., optimizer=...)).",
+            CHECKPOINT_TIMEOUT_SECONDS,
+            self.checkpoint_dir,
+        )
+
+
+def _restored(root: Any, variable: Any, left_alone: Sequence[str]) -> bool:
+    names = [name for name, obj in gather_variables(root) if obj is variable]
+    return bool(names) and names[0] not in left_alone
