@@ -18,6 +18,7 @@ import contextlib
 import http.client
 import json
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Literal
@@ -65,6 +66,15 @@ def error_document(dialect: Literal["s3", "gcs"], status: int, code: str) -> tup
         f"<Message>{message}</Message><RequestId>psguard-chaos</RequestId></Error>"
     )
     return "application/xml", doc.encode()
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up before its answer (an agent the nemesis killed, a request given up on) is its own
+        business; anything else is printed as socketserver does."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            return
+        super().handle_error(request, client_address)
 
 
 class HttpErrorProxy:
@@ -133,7 +143,7 @@ class HttpErrorProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = False
         self._server.block_on_close = True
         self._thread = threading.Thread(target=self._server.serve_forever, name="chaos-http-proxy", daemon=True)
