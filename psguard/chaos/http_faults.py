@@ -136,7 +136,9 @@ class HttpErrorProxy:
                 for key, value in response.getheaders():
                     if key.lower() not in ("connection", "transfer-encoding", "content-length"):
                         self.send_header(key, value)
-                self.send_header("Content-Length", str(len(data)))
+                # A HEAD's answer has no body, and its Content-Length is the object's size (S3's HeadObject).
+                size = response.getheader("Content-Length") if self.command == "HEAD" else None
+                self.send_header("Content-Length", size if size is not None else str(len(data)))
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

@@ -3,6 +3,7 @@ and trainers killed mid-request hang up on it, which is their business, not an e
 
 from __future__ import annotations
 
+import http.client
 import socket
 import struct
 import threading
@@ -36,6 +37,11 @@ class _Upstream:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def do_HEAD(self) -> None:  # an object's size, as S3's HeadObject answers it: no body
+                self.send_response(200)
+                self.send_header("Content-Length", str(64 << 10))
+                self.end_headers()
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -73,6 +79,22 @@ def test_a_client_that_hangs_up_mid_request_is_not_an_error_of_the_proxy(capsys:
     finally:
         upstream.close()
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_head_request_keeps_the_stores_content_length() -> None:
+    """S3's HeadObject says an object's size in Content-Length, with no body; the proxy answered every HEAD with
+    ``Content-Length: 0`` (the body it had read), so through it every S3 object was 0 bytes long (s3fs's info())."""
+    upstream = _Upstream()
+    try:
+        with HttpErrorProxy(upstream.url) as proxy:
+            host, port = proxy.endpoint_url.removeprefix("http://").split(":")
+            conn = http.client.HTTPConnection(host, int(port), timeout=10)
+            conn.request("HEAD", "/bucket/key")
+            answer = conn.getresponse()
+            assert (answer.status, answer.getheader("Content-Length"), answer.read()) == (200, str(64 << 10), b"")
+            conn.close()
+    finally:
+        upstream.close()
 
 
 def test_each_dialect_answers_a_status_with_its_stores_error() -> None:
