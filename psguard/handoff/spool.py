@@ -32,7 +32,7 @@ a reserved number whose capture was never handed off (a full tmpfs, a killed wri
 agent does not wait for.
 
 Capture protocol. The writer writes every tensor file (native little-endian bytes, C order; strings as in
-:mod:`psguard.store.chunks`: uint64 lengths then the bytes; row ids as int64) and ``capture.json`` into
+:mod:`psguard.codec.tensor_bytes`: uint64 lengths then the bytes; row ids as int64) and ``capture.json`` into
 ``incoming/<seq>.tmp-<gen>/``, then renames the folder to ``incoming/<seq:012d>/``. ``capture.json``::
 
     {"format": "psguard-spool-capture", "version": 1, "seq": 7, "writer": "<gen>",
@@ -106,6 +106,9 @@ from typing import Any, Literal, TypeVar
 import crc32c as _crc32c
 import numpy as np
 
+from psguard.codec import strict_json
+from psguard.codec.dtypes import MAX_DIMS, dtype_from_name, dtype_name
+from psguard.codec.tensor_bytes import as_le_bytes, byte_view, deserialize_strings, serialize_strings
 from psguard.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -117,10 +120,6 @@ from psguard.handoff.contract import Tier, default_spool_dir
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardKey, is_ps_task, parts_from_json
 from psguard.local_files import HeldDir, open_regular, read_regular
-from psguard.store import strict_json
-from psguard.store.chunks import as_le_bytes, byte_view, deserialize_strings, serialize_strings
-from psguard.store.dtypes import dtype_from_name, dtype_name
-from psguard.store.manifest import MAX_DIMS
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
 __all__ = [
@@ -410,7 +409,7 @@ MAX_JSON_BYTES = 16 << 20
 
 
 def _parse_json(path: Path, what: str) -> dict[str, Any]:
-    """A spool JSON document, parsed strictly (:mod:`psguard.store.strict_json`) and refused unread when too big."""
+    """A spool JSON document, parsed strictly (:mod:`psguard.codec.strict_json`) and refused unread when too big."""
     try:
         data = read_regular(path, what, max_bytes=MAX_JSON_BYTES, private=True)
     except FileNotFoundError:

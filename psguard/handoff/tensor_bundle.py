@@ -27,11 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from psguard.codec.dtypes import dtype_from_name, dtype_name
+from psguard.codec.tensor_bytes import byte_view, crc32c
 from psguard.errors import CorruptCheckpointError
 from psguard.handoff.spool import write_array
 from psguard.handoff.tensor_file import TF_DTYPES, open_capture_file
-from psguard.store.chunks import byte_view, crc32c
-from psguard.store.dtypes import dtype_from_name, dtype_name
 
 __all__ = ["BUNDLE_KEY", "bundle_files", "index_bytes", "read_bundle", "write_bundle", "write_index"]
 

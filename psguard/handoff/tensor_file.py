@@ -30,10 +30,10 @@ from typing import Any
 
 import numpy as np
 
+from psguard.codec.dtypes import dtype_from_name
+from psguard.codec.tensor_bytes import byte_view
 from psguard.errors import CorruptCheckpointError
 from psguard.local_files import open_regular
-from psguard.store.chunks import byte_view
-from psguard.store.dtypes import dtype_from_name
 
 __all__ = ["TF_DTYPES", "open_capture_file", "read_tensor_file"]
 

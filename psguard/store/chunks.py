@@ -2,8 +2,9 @@
 
 A numeric tensor is stored as its C-order little-endian bytes cut at row boundaries into chunks of at most
 ``chunk_bytes`` (one row per chunk at least), so an unchanged region of a table yields the same chunk again
-and is stored once. String tensors are serialised (uint64 lengths, then the bytes) and cut the same way.
-Changed rows go as segments: an int64 id chunk and a chunk with those rows.
+and is stored once. String tensors are serialised (uint64 lengths, then the bytes:
+:mod:`psguard.codec.tensor_bytes`) and cut the same way. Changed rows go as segments: an int64 id chunk and a
+chunk with those rows.
 
 Every chunk is named by its SHA-256 and carries its CRC32C in the manifest. Readers check size and CRC32C
 of every chunk they read (cheap, hardware-accelerated); ``verify`` also recomputes the SHA-256.
@@ -19,9 +20,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import crc32c as _crc32c
 import numpy as np
 
+from psguard.codec.tensor_bytes import as_le_bytes, byte_view, crc32c, serialize_strings
 from psguard.errors import CorruptCheckpointError, ObjectNotFoundError, StorageError, UnreadableChunkError
 from psguard.storage.base import Backend
 from psguard.store.manifest import ChunkRef, Segment, chunk_key
@@ -33,45 +34,8 @@ from psguard.tensors import FullStream
 LARGE_READ_BYTES = 64 << 20
 
 
-def crc32c(data: bytes | memoryview) -> int:
-    return int(_crc32c.crc32c(data))
-
-
 def row_bytes(shape: Sequence[int], itemsize: int) -> int:
     return max(1, math.prod(shape[1:]) * itemsize)
-
-
-def byte_view(arr: np.ndarray) -> memoryview:
-    """The bytes of a C-contiguous array, without a copy (reads can land straight in the array)."""
-    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-def as_le_bytes(arr: np.ndarray) -> memoryview:
-    """A zero-copy byte view of ``arr`` in C order, little-endian (copying only when it must)."""
-    if arr.dtype.byteorder == ">":
-        arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return byte_view(np.ascontiguousarray(arr))
-
-
-def serialize_strings(arr: np.ndarray) -> bytes:
-    flat = [x if isinstance(x, bytes) else str(x).encode() for x in arr.reshape(-1)]
-    lengths = np.array([len(x) for x in flat], dtype="<u8")
-    return lengths.tobytes() + b"".join(flat)
-
-
-def deserialize_strings(blob: bytes | memoryview, shape: Sequence[int]) -> np.ndarray:
-    n = math.prod(shape)
-    if len(blob) < 8 * n:
-        raise ValueError("string tensor blob shorter than its length table")
-    lengths = np.frombuffer(blob, dtype="<u8", count=n)
-    out = np.empty(n, dtype=object)
-    pos = 8 * n
-    for i, ln in enumerate(lengths.tolist()):
-        out[i] = bytes(blob[pos : pos + ln])
-        pos += ln
-    if pos != len(blob):
-        raise ValueError("string tensor blob length does not match its length table")
-    return out.reshape(tuple(shape))
 
 
 def split_ranges(total: int, unit: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:

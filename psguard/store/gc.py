@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from psguard.codec.dtypes import STRING
 from psguard.errors import CheckpointError, ConfigError, PsguardError
 from psguard.storage import Backend
-from psguard.store.dtypes import STRING
 from psguard.store.index import CheckpointInfo, Index
 from psguard.store.lease import GC_LOCK, LeaseKeeper, LeaseLostError, acquire_gc_lease, judging_now, live_writer_leases
 from psguard.store.manifest import CHUNK_PREFIX, Manifest, TensorEntry, is_checkpoint_id, manifest_key

@@ -5,7 +5,7 @@ The protocol (docs/storage-format.md, "Locks and leases"):
 * A lease is a JSON object under ``locks/`` carrying a random ``token`` (its owner's proof) and ``ttl``.
 * Its holder rewrites it every ``ttl / 5`` seconds (:class:`LeaseKeeper`, a thread with a handle) for as
   long as the save or gc runs, so a save longer than the TTL keeps its lock.
-* A lease is read as plain JSON (:mod:`psguard.store.strict_json`: no ``NaN``, no ``Infinity``) whose numbers
+* A lease is read as plain JSON (:mod:`psguard.codec.strict_json`: no ``NaN``, no ``Infinity``) whose numbers
   are sane (:func:`lease_problem`: a TTL in ``(0, MAX_TTL]``, a positive pid, times from 1970 on); any
   other lease is *damaged*, said in the log and judged like a torn write (stale once a second old), never
   honoured for ever (a TTL of NaN or 1e300 never runs out).
@@ -32,9 +32,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from psguard.codec import strict_json
 from psguard.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, PsguardError, SaveError
 from psguard.storage.base import Backend
-from psguard.store import strict_json
 from psguard.store.manifest import LOCK_PREFIX, MAX_TIMESTAMP
 
 log = logging.getLogger(__name__)

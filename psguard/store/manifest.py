@@ -20,9 +20,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from psguard.codec import strict_json
+from psguard.codec.dtypes import DTYPE_NAMES, MAX_DIMS, STRING, dtype_from_name, itemsize_of, logical_nbytes
 from psguard.errors import ConfigError, CorruptCheckpointError, UnsupportedFormatError
-from psguard.store import strict_json
-from psguard.store.dtypes import DTYPE_NAMES, STRING, dtype_from_name, itemsize_of, logical_nbytes
 
 FORMAT_NAME = "psguard-manifest"
 #: The newest format this code reads. Version 2 adds the ``sharded`` encoding (a tensor stored in parts that
@@ -44,8 +44,6 @@ PartEncoding = Literal["full", "rows", "same"]
 #: A manifest larger than this is refused unread: a 2M x 32 table in 8 MiB chunks takes 5 KiB, a delta of a
 #: million changed rows in 16384-row segments under 20 KiB, so this leaves room for any real checkpoint.
 MAX_MANIFEST_BYTES = 64 << 20
-#: Most dimensions a tensor may have (numpy's own limit is 32 in 1.x, 64 in 2.x).
-MAX_DIMS = 32
 #: Largest step (ids hold it in 12 digits).
 MAX_STEP = 10**12 - 1
 #: Times psguard writes (``committed_at``, a lease's ``created_at``) are seconds since 1970 before the year 10000.

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from psguard.codec.dtypes import STRING, dtype_from_name, logical_nbytes
+from psguard.codec.tensor_bytes import byte_view, deserialize_strings
 from psguard.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -26,8 +28,7 @@ from psguard.errors import (
     UnsupportedFormatError,
 )
 from psguard.storage import Backend
-from psguard.store.chunks import LARGE_READ_BYTES, ChunkReader, byte_view, deserialize_strings, wait_all
-from psguard.store.dtypes import STRING, dtype_from_name, logical_nbytes
+from psguard.store.chunks import LARGE_READ_BYTES, ChunkReader, wait_all
 from psguard.store.index import CheckpointInfo, Index, full_start
 from psguard.store.manifest import ChunkRef, Manifest, Segment, TensorEntry
 from psguard.store.verify import Problem

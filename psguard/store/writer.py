@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from psguard.codec.dtypes import DTYPE_NAMES, STRING, dtype_name, logical_nbytes
 from psguard.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -33,7 +34,6 @@ from psguard.errors import (
 )
 from psguard.storage import Backend
 from psguard.store.chunks import ChunkWriter, wait_all
-from psguard.store.dtypes import DTYPE_NAMES, STRING, dtype_name, logical_nbytes
 from psguard.store.index import CheckpointInfo, Index
 from psguard.store.lease import Lease, LeaseKeeper, LeaseLostError, acquire_writer_lease
 from psguard.store.manifest import (

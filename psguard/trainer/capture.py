@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from psguard.codec.dtypes import dtype_name
 from psguard.errors import ConfigError
 from psguard.handoff.parts import Kind, PartCapture, ShardFiles, ShardKey, check_restore_files, task_of_device
-from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.capture_graph import (
     Functions,

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError, NoCheckpointError, TensorMismatchError, UnsupportedFormatError
 from psguard.store import CheckpointInfo, Store
-from psguard.store.dtypes import dtype_from_name
 from psguard.store.manifest import Manifest
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.export import OBJECT_GRAPH_KEY

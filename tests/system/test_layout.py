@@ -1,7 +1,10 @@
 """The package's layout holds: each process loads only its own side, and the import rules stay true.
 
 - ``psguard.trainer`` (runs in the user's training process) and ``psguard.agent`` (the sidecar) never import
-  each other; both speak ``psguard.handoff``, which imports neither.
+  each other; both speak ``psguard.handoff``, which imports neither, nor ``psguard.store`` (the contract is a
+  floor of its own, below the durable log).
+- ``psguard.codec`` (what the contract and the log both encode: dtype names, tensor bytes, strict JSON) sits
+  below both and imports no psguard module but its own.
 - The agent's rooms build on one another in one direction only: ``psguard.agent.process`` (keeping a task alive)
   and ``psguard.agent.tiers`` (the checkpoint tiers) import no other room, ``psguard.agent.control`` (the
   control plane) may import ``process`` and nothing else, and no room imports the modules that wire them
@@ -82,12 +85,31 @@ def test_the_agent_side_loads_no_trainer_module() -> None:
     assert not {m for m in loaded if under(m, "psguard.trainer")}
 
 
+def test_the_contract_loads_no_store_module() -> None:
+    handoff = [m for m in modules() if under(m, "psguard.handoff")]
+    loaded = loaded_after("import " + ", ".join(handoff))
+    assert "psguard.handoff.spool" in loaded
+    assert not {m for m in loaded if under(m, "psguard.store")}
+
+
+def test_the_codec_imports_only_itself() -> None:
+    bad = [
+        f"{module}:{line} imports {name}"
+        for module, path in modules().items()
+        if under(module, "psguard.codec")
+        for name, line, _ in imports(path)
+        if not under(name, "psguard.codec")
+    ]
+    assert "psguard.codec" in modules()
+    assert not bad, bad
+
+
 @pytest.mark.parametrize(
     ("side", "forbidden"),
     [
         ("psguard.trainer", ("psguard.agent",)),
         ("psguard.agent", ("psguard.trainer",)),
-        ("psguard.handoff", ("psguard.trainer", "psguard.agent", "psguard.policy")),
+        ("psguard.handoff", ("psguard.trainer", "psguard.agent", "psguard.policy", "psguard.store")),
         ("psguard.store", ("psguard.trainer", "psguard.agent", "psguard.policy", "psguard.handoff")),
         ("psguard.storage", ("psguard.trainer", "psguard.agent", "psguard.policy", "psguard.store")),
         ("psguard.policy", ("psguard.trainer", "psguard.agent")),

@@ -28,9 +28,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from psguard.codec.dtypes import dtype_from_name, dtype_name
 from psguard.errors import CorruptCheckpointError
 from psguard.handoff.native import digest_function
-from psguard.store.dtypes import dtype_from_name, dtype_name
 
 __all__ = [
     "MASK",

@@ -51,8 +51,8 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 
+from psguard.codec.dtypes import dtype_name
 from psguard.errors import ConfigError, PsguardError, TensorMismatchError
-from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
 
 if TYPE_CHECKING:

@@ -36,8 +36,8 @@ import numpy as np
 
 from psguard.agent.tiers.copy_frames import MASK, delta_rows, digests_from, digests_json, encode_frame, rows_digest
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
+from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError, PsguardError
-from psguard.store.dtypes import dtype_from_name
 
 __all__ = ["ParityHolder", "group_header", "stripe_frame", "stripe_parts", "xor_rows"]
 

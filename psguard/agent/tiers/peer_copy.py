@@ -57,8 +57,8 @@ from psguard.agent.tiers.copy_frames import (
 )
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError, PsguardError
-from psguard.store.dtypes import dtype_from_name
 from psguard.tensors import FullStream, Rows, Same, TensorUpdate
 
 #: A holder's answer read as it arrives (url, body, timeout, the rows' array, ``take(row, rows)`` called with each

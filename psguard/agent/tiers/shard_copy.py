@@ -31,9 +31,9 @@ from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
 from psguard.agent.tiers.parity import xor_rows
 from psguard.agent.tiers.peer_copy import CopySender, new_delta
 from psguard.agent.tiers.tier_files import TierFiles
+from psguard.codec.dtypes import dtype_name
 from psguard.errors import PsguardError
 from psguard.handoff.parts import ShardKey
-from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
 
 __all__ = ["FP_SUFFIX", "CopyOwner", "fp_name"]

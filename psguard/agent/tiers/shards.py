@@ -36,6 +36,7 @@ from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame
 from psguard.agent.tiers.peer_copy import CopyHolder, CopySender, ReadInto, fetch_copy
 from psguard.agent.tiers.shard_copy import CopyOwner, UndoRows
 from psguard.agent.tiers.tier_files import TierFiles
+from psguard.codec.dtypes import dtype_from_name, dtype_name
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
 from psguard.handoff.credentials import ensure_private_dir
@@ -43,7 +44,6 @@ from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
 from psguard.handoff.spool import try_flock
 from psguard.handoff.tensor_bundle import bundle_files, read_bundle, write_bundle
 from psguard.handoff.tensor_file import read_tensor_file
-from psguard.store.dtypes import dtype_from_name, dtype_name
 from psguard.store.opening import StoreOpening
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 

@@ -22,6 +22,7 @@ from psguard.agent.tiers.memory_tier import MemoryTier, limit_malloc_retention
 from psguard.agent.tiers.persister import Persister, PersistHandle
 from psguard.agent.tiers.shard_client import ShardClient
 from psguard.agent.tiers.shards import ShardError, StateNotHeldError
+from psguard.codec.dtypes import dtype_name
 from psguard.errors import (
     CorruptCheckpointError,
     PsguardError,
@@ -50,7 +51,6 @@ from psguard.handoff.spool import (
     write_private,
 )
 from psguard.local_files import open_regular
-from psguard.store.dtypes import dtype_name
 from psguard.store.manifest import is_checkpoint_id
 
 __all__ = ["SpoolEvent", "SpoolServer", "SpoolServerStatus"]

@@ -46,12 +46,12 @@ from typing import Any
 
 import numpy as np
 
+from psguard.codec.dtypes import dtype_name
+from psguard.codec.tensor_bytes import byte_view, crc32c
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.tensor_bundle import bundle_files, write_index
 from psguard.handoff.tensor_file import TF_DTYPES
 from psguard.local_files import open_regular
-from psguard.store.chunks import byte_view, crc32c
-from psguard.store.dtypes import dtype_name
 
 __all__ = ["TierFiles", "on_memory_fs"]
 

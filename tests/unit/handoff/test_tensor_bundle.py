@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from psguard.codec.dtypes import dtype_name
+from psguard.codec.tensor_bytes import byte_view, crc32c
 from psguard.errors import CorruptCheckpointError
 from psguard.handoff.tensor_bundle import BUNDLE_KEY, bundle_files, read_bundle, write_bundle, write_index
 from psguard.handoff.tensor_file import TF_DTYPES
-from psguard.store.chunks import byte_view, crc32c
-from psguard.store.dtypes import dtype_name
 from tests.support.tensors import every_dtype, lazy_tf, restore_bundle
 
 DTYPES = every_dtype()

@@ -18,10 +18,10 @@ import pytest
 
 from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.agent.tiers.tier_files import TierFiles, on_memory_fs
+from psguard.codec.dtypes import dtype_name
 from psguard.errors import ConfigError, CorruptCheckpointError
 from psguard.handoff.tensor_bundle import bundle_files
 from psguard.handoff.tensor_file import TF_DTYPES, read_tensor_file
-from psguard.store.dtypes import dtype_name
 from psguard.tensors import Full, FullStream, Rows
 from tests.support.fifos import Fifos
 from tests.support.tensors import every_dtype, lazy_tf, restore_bundle

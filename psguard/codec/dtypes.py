@@ -1,7 +1,8 @@
-"""Dtype names as a manifest records them, and the logical size they imply.
+"""Dtype names as a manifest and a spool capture record them, the logical size they imply, and the most
+dimensions a shape may have.
 
-Shared by the manifest (which validates what it reads) and the chunk codec (which writes and reads bytes);
-neither needs the other for this.
+Shared by the manifest and the spool (which validate what they read) and the chunk and tier codecs (which write
+and read bytes); none needs another for this.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["DTYPE_NAMES", "STRING", "dtype_from_name", "dtype_name", "itemsize_of", "logical_nbytes"]
+__all__ = ["DTYPE_NAMES", "MAX_DIMS", "STRING", "dtype_from_name", "dtype_name", "itemsize_of", "logical_nbytes"]
 
 
 class _Sized(Protocol):
@@ -30,6 +31,8 @@ _NUMPY = (
 #: ``datetime64``, a structured dtype) could never be restored into a TensorFlow variable, so a manifest or a
 #: capture naming it is refused when read, and a save of it when written.
 DTYPE_NAMES: frozenset[str] = frozenset((*_NUMPY, *_EXTENDED, STRING))
+#: Most dimensions a tensor may have (numpy's own limit is 32 in 1.x, 64 in 2.x).
+MAX_DIMS = 32
 _ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int4": 1, "uint4": 1}
 
 

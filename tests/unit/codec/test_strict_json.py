@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from psguard.store.strict_json import MAX_DEPTH, StrictJSONError, loads
+from psguard.codec.strict_json import MAX_DEPTH, StrictJSONError, loads
 
 
 def test_plain_json_parses() -> None:

@@ -1,0 +1,52 @@
+"""A tensor as bytes: its C-order little-endian view, string tensors serialised, and the CRC32C over them.
+
+A spool capture, a tier file and a store chunk all hold a numeric tensor as its C-order little-endian bytes and a
+string tensor as uint64 lengths, then the bytes, so one tensor reads back the same whichever wrote it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import crc32c as _crc32c
+import numpy as np
+
+__all__ = ["as_le_bytes", "byte_view", "crc32c", "deserialize_strings", "serialize_strings"]
+
+
+def crc32c(data: bytes | memoryview) -> int:
+    return int(_crc32c.crc32c(data))
+
+
+def byte_view(arr: np.ndarray) -> memoryview:
+    """The bytes of a C-contiguous array, without a copy (reads can land straight in the array)."""
+    return memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def as_le_bytes(arr: np.ndarray) -> memoryview:
+    """A zero-copy byte view of ``arr`` in C order, little-endian (copying only when it must)."""
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return byte_view(np.ascontiguousarray(arr))
+
+
+def serialize_strings(arr: np.ndarray) -> bytes:
+    flat = [x if isinstance(x, bytes) else str(x).encode() for x in arr.reshape(-1)]
+    lengths = np.array([len(x) for x in flat], dtype="<u8")
+    return lengths.tobytes() + b"".join(flat)
+
+
+def deserialize_strings(blob: bytes | memoryview, shape: Sequence[int]) -> np.ndarray:
+    n = math.prod(shape)
+    if len(blob) < 8 * n:
+        raise ValueError("string tensor blob shorter than its length table")
+    lengths = np.frombuffer(blob, dtype="<u8", count=n)
+    out = np.empty(n, dtype=object)
+    pos = 8 * n
+    for i, ln in enumerate(lengths.tolist()):
+        out[i] = bytes(blob[pos : pos + ln])
+        pos += ln
+    if pos != len(blob):
+        raise ValueError("string tensor blob length does not match its length table")
+    return out.reshape(tuple(shape))
