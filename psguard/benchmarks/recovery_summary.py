@@ -13,7 +13,7 @@ __all__ = ["compare_no_copies", "summarize"]
 
 
 class Job(Protocol):
-    """What a summary says of the job (:class:`psguard.benchmarks.recovery.Params`, read-only)."""
+    """What a summary says of the job (:class:`psguard.benchmarks.recovery_job.Params`, read-only)."""
 
     @property
     def vocab_size(self) -> int: ...

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from psguard.benchmarks.common import reset_peak_rss, rss_bytes, settle_rss
-from psguard.benchmarks.recovery import Params
+from psguard.benchmarks.recovery_job import Params
 from psguard.handoff.contract import QUIET_TENSORFLOW
 from psguard.ports import port_open
 

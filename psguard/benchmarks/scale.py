@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from psguard.benchmarks.common import parse_size, print_results, progress
-from psguard.benchmarks.recovery import Params, add_job_options, params_from_args, run
+from psguard.benchmarks.recovery import add_job_options, params_from_args, run
+from psguard.benchmarks.recovery_job import Params
 
 #: What each point reports, per side: (key in the point, key of recovery.run's results for psguard, for TF).
 METRICS: dict[str, tuple[str, str]] = {

@@ -69,7 +69,8 @@ def agents(tmp_path: Path) -> Iterator[Callable[..., AgentProc]]:
 def bench_recovery_smoke() -> tuple[Any, dict[str, Any]]:
     """One tiny ``psguard bench recovery`` job (one recovery per side): its parameters and results. Its own
     smoke test judges the results; ``bench scale``'s smoke test has one point, and that point is this job."""
-    from psguard.benchmarks.recovery import Params, run
+    from psguard.benchmarks.recovery import run
+    from psguard.benchmarks.recovery_job import Params
 
     p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300)
     return p, run(p, runs=1)
@@ -79,7 +80,8 @@ def bench_recovery_smoke() -> tuple[Any, dict[str, Any]]:
 def bench_node_loss_smoke() -> tuple[Any, dict[str, Any]]:
     """The same tiny job with PS 0 lost with its node (``--fault node``, peer copies on, then off): judged by its
     own smoke test, and the node-loss line of ``bench scale``'s."""
-    from psguard.benchmarks.recovery import Params, run
+    from psguard.benchmarks.recovery import run
+    from psguard.benchmarks.recovery_job import Params
 
     p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300, fault="node",
                copies="full")  # fmt: skip

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from psguard.benchmarks.recovery import Params
+from psguard.benchmarks.recovery_job import Params
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 
 from psguard.benchmarks import scale
 from psguard.benchmarks.common import parse_size
-from psguard.benchmarks.recovery import Params
+from psguard.benchmarks.recovery_job import Params
 from psguard.benchmarks.scale import METRICS, plot, run_scale, vocab_for
 
 
