@@ -126,10 +126,6 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
     import tensorflow as tf
 
     from psguard.demo_trainer import Progress
-    from psguard.handoff.client import restart_ps_servers
-    from psguard.policy.engine import EverySteps, Schedule
-    from psguard.testbed.model import Trainer
-    from psguard.trainer.manager import CheckpointManager
     from psguard.trainer.recovery import run_with_recovery
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -138,15 +134,44 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
     strategy, coordinator = _strategy(tf, tf.distribute.cluster_resolver.TFConfigClusterResolver(), p.num_ps)
     reset_peak_rss()
     rec.emit("ready", pid=os.getpid(), rss=rss_bytes())
-    schedule = Schedule(memory=EverySteps(p.memory_every), durable=EverySteps(p.durable_every))
-    gen = {"n": -1, "killed": False}
+    job = _AgentJob(p, rec, store_url, Path(shm), strategy, coordinator)
+    root, report = run_with_recovery(job.build, job.train, restart_ps=job.restart_ps, close=job.close)
+    rec.emit("trainer-peak", hwm=rss_bytes("VmHWM"), recoveries=len(report.recoveries))
+    rec.emit("raw", **raw_restore(tf, root, Path(shm) / "raw"))
+    rec.emit("done")
+    rec.close()
 
-    def build() -> tuple[Any, Trainer, CheckpointManager, Any]:
-        gen["n"] += 1
+
+#: One generation of the psguard trainer: its model, trainer, CheckpointManager and tf.train.Checkpoint.
+Generation = tuple[Any, Any, Any, Any]
+
+
+class _AgentJob:
+    """The psguard trainer's generations (:func:`agent_trainer`): what ``run_with_recovery`` builds, trains
+    and closes, each step recorded."""
+
+    def __init__(self, p: Params, rec: Any, store_url: str, shm: Path, strategy: Any, coordinator: Any) -> None:
+        from psguard.policy.engine import EverySteps, Schedule
+
+        self.p, self.rec, self.store_url, self.shm = p, rec, store_url, shm
+        self.strategy, self.coordinator = strategy, coordinator
+        self.schedule = Schedule(memory=EverySteps(p.memory_every), durable=EverySteps(p.durable_every))
+        self.gen = -1
+        self.killed = False
+        self.based = False  # the first capture is restorable and the job settled
+
+    def build(self) -> Generation:
+        import tensorflow as tf
+
+        from psguard.testbed.model import Trainer
+        from psguard.trainer.manager import CheckpointManager
+
+        p, rec = self.p, self.rec
+        self.gen += 1
         t0 = time.time()
-        with strategy.scope():
+        with self.strategy.scope():
             model, optimizer = _model(tf, p)
-        trainer = Trainer(strategy, coordinator, model, optimizer)
+        trainer = Trainer(self.strategy, self.coordinator, model, optimizer)
         root = tf.train.Checkpoint(model=model, optimizer=optimizer)
         # Building the model peaks at ~0.8x the table on the chief (TF's variable creation, psguard or not):
         # psguard's own growth is counted from here (the kernel's peak mark reset).
@@ -154,7 +179,9 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
         settle_rss()
         built_rss = rss_bytes()
         reset_peak_rss()
-        manager = CheckpointManager(root, store_url, coordinator=coordinator, step_counter=model.step, policy=schedule)
+        manager = CheckpointManager(
+            root, self.store_url, coordinator=self.coordinator, step_counter=model.step, policy=self.schedule
+        )
         parts = _timed_parts(manager)
         t1 = time.time()
         manager.restore_or_initialize()
@@ -162,63 +189,63 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
         step = int(model.step.numpy())
         trainer.next_index = step
         r = manager.restored
-        rec.emit("restore", gen=gen["n"], t0=t1, t1=t2, build_s=t1 - t0, step=step,
+        rec.emit("restore", gen=self.gen, t0=t1, t1=t2, build_s=t1 - t0, step=step,
                  source=r.source if r is not None else None, parts=parts, built_rss=built_rss, built_hwm=built_hwm,
                  rss=rss_bytes(), hwm=rss_bytes("VmHWM"))  # fmt: skip
-        if gen["n"] == 0:
+        if self.gen == 0:
             spilled = manager.capturer.spilled
             total, per_ps = state_layout(root, spilled)
             rec.emit("state", state_bytes=total, ps_bytes=per_ps, spilled=sorted(spilled))
         return model, trainer, manager, root
 
-    def train(job: tuple[Any, Trainer, CheckpointManager, Any]) -> Any:
+    def train(self, job: Generation) -> Any:
+        p, rec = self.p, self.rec
         model, trainer, manager, root = job
         restored = int(model.step.numpy())
-        end = p.kill_at + 1 if gen["n"] == 0 else restored + p.after_steps
+        end = p.kill_at + 1 if self.gen == 0 else restored + p.after_steps
         while (step := int(model.step.numpy())) < end:
             handle = manager.maybe_save(step)
             if handle is not None:
                 stats = manager.capturer.last_stats  # rows written on the PS nodes: all of them when full
                 rows = stats.rows_spilled
-                rec.emit("capture", gen=gen["n"], step=step, stall=handle.stall_seconds, rows_spilled=rows,
+                rec.emit("capture", gen=self.gen, step=step, stall=handle.stall_seconds, rows_spilled=rows,
                          hwm=rss_bytes("VmHWM"))  # fmt: skip
-                if gen["n"] == 0 and not gen.get("based"):
-                    # A job that has trained for a while has its first (full) capture in the memory tiers long
-                    # since: wait for it, so the kill finds the steady state (its cost is reported apart).
-                    gen["based"] = True
-                    t0 = time.time()
-                    handle.restorable(timeout=p.timeout)
-                    rec.emit("first-restorable", seconds=time.time() - t0)
-                    # And its peer copies made (the first whole copy of a GB shard takes seconds, once per
-                    # job): the pace before the kill is then the steady state's (the parent waits for them).
-                    rec.emit("settle", step=step)
-                    _wait_file(Path(shm) / "settled", p.timeout)
-            if step == p.kill_at and not gen["killed"]:
-                gen["killed"] = True
+                if self.gen == 0 and not self.based:
+                    self.settle(handle, step)
+            if step == p.kill_at and not self.killed:
+                self.killed = True
                 rec.emit("kill", step=step)
-                _wait_file(Path(shm) / "killed", p.timeout)
+                _wait_file(self.shm / "killed", p.timeout)
             trainer.train(1)
-            rec.emit("step", gen=gen["n"], step=step + 1, cap=handle is not None)
-        if gen["n"] == 0:
+            rec.emit("step", gen=self.gen, step=step + 1, cap=handle is not None)
+        if self.gen == 0:
             raise RuntimeError(f"trained past the kill step {p.kill_at} without a failure")
         manager.close(timeout=p.timeout)
         return root
 
-    def close(job: tuple[Any, Trainer, CheckpointManager, Any]) -> None:
-        rec.emit("failure", seen=int(p.kill_at))
+    def settle(self, handle: Any, step: int) -> None:
+        """A job that has trained for a while has its first (full) capture in the memory tiers long since: wait for
+        it, so the kill finds the steady state (its cost is reported apart). And its peer copies made (the first
+        whole copy of a GB shard takes seconds, once per job): the pace before the kill is then the steady
+        state's (the parent waits for them)."""
+        self.based = True
+        t0 = time.time()
+        handle.restorable(timeout=self.p.timeout)
+        self.rec.emit("first-restorable", seconds=time.time() - t0)
+        self.rec.emit("settle", step=step)
+        _wait_file(self.shm / "settled", self.p.timeout)
+
+    def close(self, job: Generation) -> None:
+        self.rec.emit("failure", seen=int(self.p.kill_at))
         job[2].close(timeout=30)
-        rec.emit("closed")
+        self.rec.emit("closed")
 
-    def restart_ps(failed_at: float) -> None:
-        rec.emit("restart-ps")
+    def restart_ps(self, failed_at: float) -> None:
+        from psguard.handoff.client import restart_ps_servers
+
+        self.rec.emit("restart-ps")
         restart_ps_servers(failed_at=failed_at)
-        rec.emit("ps-restarted")
-
-    root, report = run_with_recovery(build, train, restart_ps=restart_ps, close=close)
-    rec.emit("trainer-peak", hwm=rss_bytes("VmHWM"), recoveries=len(report.recoveries))
-    rec.emit("raw", **raw_restore(tf, root, Path(shm) / "raw"))
-    rec.emit("done")
-    rec.close()
+        self.rec.emit("ps-restarted")
 
 
 def _timed_parts(manager: Any) -> dict[str, float]:
