@@ -6,10 +6,11 @@ write to storage equally often), and a script that restarts the *whole job* (eve
 which restores the latest checkpoint) whenever a task dies or the trainer exits with an error. The nemesis
 fires the same faults at the same steps. A node loss (``kill-agent`` / ``terminate-agent``: on psguard's side the
 agent dies and its task with it) is, without an agent, the task's own death: kill -9 / SIGTERM of that process
-(:class:`BaselineNemesis`), after which the script restarts the whole job as for any dead task. Faults that need
-an agent alive (``pause-agent``: the task runs on) or a psguard store (chunk damage) have no baseline equivalent
-and are recorded as not injected. The same checkers judge the baseline's history; the side-by-side report
-compares goodput, recovery seconds and lost steps per fault.
+(:class:`BaselineNemesis`), after which the script restarts the whole job as for any dead task. A store that is
+down or answers errors is plain TF's checkpoint folder made unreachable for as long (:class:`FolderOutage`). Faults
+that need an agent alive (``pause-agent``: the task runs on), a psguard store (chunk damage) or a store's network
+(a slow store) have no baseline equivalent and are recorded as not injected. The same checkers judge the
+baseline's history; the side-by-side report compares goodput, recovery seconds and lost steps per fault.
 """
 
 from __future__ import annotations
@@ -63,6 +64,37 @@ class _Task:
             self._log.close()
 
 
+class FolderOutage:
+    """The plain-TF job's store made unreachable, as the nemesis stops a store server (``stop`` / ``restart``).
+
+    TF here checkpoints to a local folder (this TF has no S3 or GCS filesystem), which no store fault reached, so a
+    case with one compared psguard facing the fault with TF not facing it. During the fault the folder is moved
+    away and a regular file takes its path: every read or write under it fails (``ENOTDIR``, whoever the user), as
+    TF's reads and writes fail on a store that is down. TF's saver then fails the save, the trainer exits and the
+    script restarts the job, which cannot read its checkpoints until the store is back: what a plain-TF job does
+    when its store is down. ``errors`` (5xx answers) is the same failure seen from TF."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self._away = folder.with_name(folder.name + ".away")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._away.exists():
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.rename(self._away)
+        self.folder.write_text("the plain-TF job's store is down (chaos store fault)\n")
+
+    def restart(self) -> None:
+        if not self._away.exists():
+            return
+        self.folder.unlink(missing_ok=True)
+        self._away.rename(self.folder)
+
+    def close(self) -> None:
+        self.restart()
+
+
 class _Handle:
     """The nemesis's view of a task across job restarts: always the current process of that name."""
 
@@ -93,6 +125,25 @@ class BaselineNemesis(Nemesis):
         collects garbage; the fault fires at its step (or time), as the scenario's step says."""
         return {}
 
+    def _fire_store_errors(self, fault: Fault, value: dict[str, Any]) -> None:
+        """A store answering every request with an error is, to plain TF's saver, a store that is down: the folder
+        outage for the fault's duration (recorded as what was done, with ``baseline_for``)."""
+        storage = self.storage
+        if not isinstance(storage, FolderOutage):
+            super()._fire_store_errors(fault, value)
+            return
+
+        def stop() -> dict[str, Any]:
+            storage.stop()
+            return {}
+
+        def start() -> dict[str, Any]:
+            storage.restart()
+            return {}
+
+        if self._run("storage-stop", {**value, "baseline_for": "store-errors"}, stop) is not None:
+            self._heal_later(fault.duration, "storage-start", start, {"target": "store"})
+
     def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         action = TASK_FAULT_FOR.get(fault.action)
         if action is None:
@@ -114,6 +165,8 @@ class BaselineRun(_Run):
         self.store_dir = None  # not a psguard store: no chunk damage
         self.ckpt_dir = self.dir / "tf-ckpt"
         self.store_url = str(self.ckpt_dir)
+        if self.scenario.storage.kind != "local":  # the store faults the case draws reach plain TF's folder too
+            self.storage = FolderOutage(self.ckpt_dir)
 
     def start_cluster(self) -> None:
         s = self.scenario

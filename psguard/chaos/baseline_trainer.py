@@ -65,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
             model = RecModel(config)
             optimizer = make_optimizer("adagrad")
         trainer = Trainer(strategy, coordinator, model, optimizer)
+        if os.path.exists(args.store) and not os.path.isdir(args.store):  # FolderOutage: the store is down
+            # TF reads a missing folder as "no checkpoint yet" and would start over; a store that is down fails.
+            raise OSError(f"the checkpoint store {args.store} cannot be read: it is down")
         manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, None)
         progress.op("invoke", "restore")
         path = manager.restore_or_initialize()
