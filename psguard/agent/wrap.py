@@ -157,23 +157,7 @@ def run(
     owner can read; kept), so that the run can be queried (``psguard status URL --token-file``); by default a
     fresh one, removed at the end.
     """
-    if not command:
-        raise ConfigError("give the training command after '--': psguard wrap [OPTIONS] -- python train.py ...")
-    if ps < 1:
-        raise ConfigError(f"--ps: a parameter-server job needs at least one PS, got {ps}")
-    if workers < 1:
-        raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {workers}")
-    if agent_restarts < 0:
-        raise ConfigError(f"--agent-restarts: expected 0 or more replacements per agent, got {agent_restarts}")
-    if config is not None and not Path(config).is_file():
-        raise ConfigError(f"--config {config}: no such file")
-    chief_settings = None if config is None else _chief_settings(Path(config))
-    if token_file is not None:
-        read_secret_file(str(token_file), "--token-file")  # missing, empty, or readable by others: refused now
-    if store is None:
-        print(NO_STORE_WARNING, file=sys.stderr, flush=True)
-    else:
-        split_url(store)  # a URL missing a slash (s3:/bucket) fails here, before any process starts
+    chief_settings = _checked(command, ps, workers, store, config, token_file, agent_restarts)
     own_dir = directory is None
     work = Path(tempfile.mkdtemp(prefix="psguard-wrap-")) if directory is None else Path(directory)
     work.mkdir(parents=True, exist_ok=True)
@@ -195,29 +179,14 @@ def run(
         token_path = Path(token_file).resolve()
     try:
         base = ["--cluster", str(cluster)]
-        for role, count in (("ps", ps), ("worker", workers)):
-            for i in range(count):
-                args = ["--role", role, "--index", str(i), *base]
-                if role == "ps":  # each PS's agent keeps its shards (memory tier, its part of the log)
-                    in_memory.append(memory_folder(work, f"ps{i}-shards", "psguard-wrap-"))
-                    args += ["--spool", str(in_memory[-1]), *(["--store", store] if store else [])]
-                node = {"PSGUARD_NODE": f"wrap-{role}{i}"}  # each task its own node: see the module docstring
-                servers.append(AgentProcess(agents_dir, f"{role}{i}", args, env=node, token_file=token_path))
+        servers += _start_servers(work, base, ps, workers, store, token_path, in_memory)
         try:
             peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(start_timeout))]
         except LaunchError as e:
             raise WrapError(str(e)) from None
         chief_dir = agents_dir / "chief"
         chief_dir.mkdir(parents=True, exist_ok=True)
-        chief_config = chief_dir / "agent.yaml"
-        state_dir = {"state_dir": str(agents_dir / ".state")}  # the run's own task records (see AgentProcess)
-        if chief_settings is None:
-            chief_config.write_text(CHIEF_CONFIG + f"state_dir: {json.dumps(state_dir['state_dir'])}\n")
-        else:  # the user's settings (storage_options may hold secrets: owner-only); their state_dir if set
-            chief_config.unlink(missing_ok=True)  # a file of an earlier run in --dir keeps its mode otherwise
-            fd = os.open(chief_config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(json.dumps({**state_dir, **chief_settings}, indent=1) + "\n")
+        chief_config = _write_chief_config(chief_dir / "agent.yaml", agents_dir / ".state", chief_settings)
         argv = [sys.executable, "-m", "psguard.cli", *(["-v"] * verbose), "agent", "--role", "chief"]
         argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
         argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token_path)]
@@ -227,11 +196,7 @@ def run(
         # Its own session: Ctrl-C in the terminal reaches wrap alone, which then stops the chief's agent with
         # SIGTERM, so that the agent stops the trainer and drains the durable log before the servers go.
         chief = subprocess.Popen(argv, start_new_session=True)
-        while (code := chief.poll()) is None:
-            for agent in servers:
-                if agent.proc.poll() is not None:
-                    _replace(agent, agent_restarts)
-            time.sleep(_POLL)
+        code = _watch(chief, servers, agent_restarts)
         failed = code != 0
         if failed:
             print(
@@ -249,6 +214,75 @@ def run(
             shutil.rmtree(work, ignore_errors=True)
         elif failed:
             print(f"psguard wrap: cluster.json and the agents' logs are in {work}", file=sys.stderr)
+
+
+def _checked(
+    command: Sequence[str],
+    ps: int,
+    workers: int,
+    store: str | None,
+    config: str | os.PathLike[str] | None,
+    token_file: str | os.PathLike[str] | None,
+    agent_restarts: int,
+) -> dict[str, Any] | None:
+    """Refuse bad options before any process starts; the user's ``--config`` settings (None: not given)."""
+    if not command:
+        raise ConfigError("give the training command after '--': psguard wrap [OPTIONS] -- python train.py ...")
+    if ps < 1:
+        raise ConfigError(f"--ps: a parameter-server job needs at least one PS, got {ps}")
+    if workers < 1:
+        raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {workers}")
+    if agent_restarts < 0:
+        raise ConfigError(f"--agent-restarts: expected 0 or more replacements per agent, got {agent_restarts}")
+    if config is not None and not Path(config).is_file():
+        raise ConfigError(f"--config {config}: no such file")
+    chief_settings = None if config is None else _chief_settings(Path(config))
+    if token_file is not None:
+        read_secret_file(str(token_file), "--token-file")  # missing, empty, or readable by others: refused now
+    if store is None:
+        print(NO_STORE_WARNING, file=sys.stderr, flush=True)
+    else:
+        split_url(store)  # a URL missing a slash (s3:/bucket) fails here, before any process starts
+    return chief_settings
+
+
+def _start_servers(
+    work: Path, base: list[str], ps: int, workers: int, store: str | None, token: Path, in_memory: list[Path]
+) -> list[AgentProcess]:
+    """Start the agent of every PS and worker; each PS's part folder (on tmpfs) is added to ``in_memory``."""
+    servers = []
+    for role, count in (("ps", ps), ("worker", workers)):
+        for i in range(count):
+            args = ["--role", role, "--index", str(i), *base]
+            if role == "ps":  # each PS's agent keeps its shards (memory tier, its part of the log)
+                in_memory.append(memory_folder(work, f"ps{i}-shards", "psguard-wrap-"))
+                args += ["--spool", str(in_memory[-1]), *(["--store", store] if store else [])]
+            node = {"PSGUARD_NODE": f"wrap-{role}{i}"}  # each task its own node: see the module docstring
+            servers.append(AgentProcess(work / "agents", f"{role}{i}", args, env=node, token_file=token))
+    return servers
+
+
+def _write_chief_config(path: Path, state_dir: Path, settings: dict[str, Any] | None) -> Path:
+    """The chief agent's settings file, with the run's own task records (``state_dir``, see AgentProcess) unless
+    the user's ``--config`` sets them."""
+    if settings is None:
+        path.write_text(CHIEF_CONFIG + f"state_dir: {json.dumps(str(state_dir))}\n")
+    else:  # the user's settings (storage_options may hold secrets: owner-only); their state_dir if set
+        path.unlink(missing_ok=True)  # a file of an earlier run in --dir keeps its mode otherwise
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps({"state_dir": str(state_dir), **settings}, indent=1) + "\n")
+    return path
+
+
+def _watch(chief: subprocess.Popen[bytes], servers: list[AgentProcess], agent_restarts: int) -> int:
+    """Until the chief's agent exits (its code), replacing a PS or worker agent that dies meanwhile."""
+    while (code := chief.poll()) is None:
+        for agent in servers:
+            if agent.proc.poll() is not None:
+                _replace(agent, agent_restarts)
+        time.sleep(_POLL)
+    return code
 
 
 def _replace(agent: AgentProcess, limit: int) -> None:
