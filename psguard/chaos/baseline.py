@@ -128,21 +128,10 @@ class BaselineNemesis(Nemesis):
     def _fire_store_errors(self, fault: Fault, value: dict[str, Any]) -> None:
         """A store answering every request with an error is, to plain TF's saver, a store that is down: the folder
         outage for the fault's duration (recorded as what was done, with ``baseline_for``)."""
-        storage = self.storage
-        if not isinstance(storage, FolderOutage):
+        if not isinstance(self.storage, FolderOutage):
             super()._fire_store_errors(fault, value)
             return
-
-        def stop() -> dict[str, Any]:
-            storage.stop()
-            return {}
-
-        def start() -> dict[str, Any]:
-            storage.restart()
-            return {}
-
-        if self._run("storage-stop", {**value, "baseline_for": "store-errors"}, stop) is not None:
-            self._heal_later(fault.duration, "storage-start", start, {"target": "store"})
+        self._stop_storage({**value, "baseline_for": "store-errors"}, fault.duration)
 
     def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         action = TASK_FAULT_FOR.get(fault.action)

@@ -327,21 +327,7 @@ class Nemesis:
             self._run(fault.action, {**base, "target": "store"}, lambda: damage_chunk(store_dir, mode, self.rng))
             return
         if fault.action == "storage-outage":
-            storage = self.storage
-            if storage is None:
-                self._not_injected("storage-stop", {**base, "target": "store"}, "there is no storage server to stop")
-                return
-
-            def stop() -> dict[str, Any]:
-                storage.stop(timeout=10)
-                return {}
-
-            def start() -> dict[str, Any]:
-                storage.restart()
-                return {}
-
-            if self._run("storage-stop", {**base, "target": "store"}, stop) is not None:
-                self._heal_later(fault.duration, "storage-start", start, {"target": "store"})
+            self._stop_storage({**base, "target": "store"}, fault.duration)
             return
         if fault.action == "store-errors":
             self._fire_store_errors(fault, {**base, "target": "store", "http_status": fault.http_status})
@@ -352,6 +338,24 @@ class Nemesis:
             return
         for target in expand_targets(fault.target, self.scenario.cluster):
             self._fire_on_task(fault, target, base)
+
+    def _stop_storage(self, value: dict[str, Any], duration: float) -> None:
+        """Stop the store (its server, or what stands for it) now and start it again ``duration`` seconds later."""
+        storage = self.storage
+        if storage is None:
+            self._not_injected("storage-stop", value, "there is no storage server to stop")
+            return
+
+        def stop() -> dict[str, Any]:
+            storage.stop(timeout=10)
+            return {}
+
+        def start() -> dict[str, Any]:
+            storage.restart()
+            return {}
+
+        if self._run("storage-stop", value, stop) is not None:
+            self._heal_later(duration, "storage-start", start, {"target": "store"})
 
     def _not_injected(self, f: str, value: dict[str, Any], why: str) -> None:
         """Record a fault that could not be carried out (the faults-injected checker then says so)."""
