@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -141,14 +141,31 @@ def optimum(job: Job) -> dict[str, dict[str, float]]:
 
 def simulate(schedule: Schedule, job: Job) -> SimResult:
     """Run ``schedule`` over ``job`` on a virtual clock and measure what it costs (see the module doc)."""
+    return _measure(job, _run(schedule, job))
+
+
+@dataclass
+class _Trace:
+    """What a schedule did over a job: when each tier saved, and when each state became restorable."""
+
+    saves: dict[Tier, list[float]] = field(default_factory=lambda: {t: [] for t in Tier})
+    #: Per tier: (when restorable, the time of the state it restores).
+    restorable: dict[Tier, list[tuple[float, float]]] = field(
+        default_factory=lambda: {Tier.MEMORY: [], Tier.DURABLE: []}
+    )
+    captures: int = 0
+    total_stall: float = 0.0
+
+
+def _run(schedule: Schedule, job: Job) -> _Trace:
+    """Ask ``schedule`` after every step (or when its hint says) on a virtual clock, failures every MTBF."""
     context = SaveContext(started_at=0.0, observed_since=0.0, base_bytes=_BASE_BYTES)
     now, step = 0.0, 0
-    saves: dict[Tier, list[float]] = {t: [] for t in Tier}
-    restorable: dict[Tier, list[tuple[float, float]]] = {Tier.MEMORY: [], Tier.DURABLE: []}
+    trace = _Trace()
+    saves, restorable = trace.saves, trace.restorable
     commit_at: float | None = None
     commit_state = 0.0
     next_failure = job.mtbf
-    captures, total_stall = 0, 0.0
     decisions = 0
     while now < job.duration:
         decisions += 1
@@ -169,8 +186,8 @@ def simulate(schedule: Schedule, job: Job) -> SimResult:
             at = now
             captured = bool(decision.tiers & {Tier.MEMORY, Tier.DURABLE})
             if captured:
-                captures += 1
-                total_stall += job.stall
+                trace.captures += 1
+                trace.total_stall += job.stall
                 now += job.stall
                 restorable[Tier.MEMORY].append((now, at))
             for tier in decision.tiers:
@@ -200,14 +217,18 @@ def simulate(schedule: Schedule, job: Job) -> SimResult:
         now += steps * job.step_time
     if commit_at is not None:
         restorable[Tier.DURABLE].append((commit_at, commit_state))
+    return trace
 
+
+def _measure(job: Job, trace: _Trace) -> SimResult:
+    """Per tier: its saves, their mean interval and stall, the work a failure loses on average and in all."""
     rows: list[TierResult] = []
     for tier in Tier:
-        times = saves[tier]
+        times = trace.saves[tier]
         mean = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         stall = len(times) * job.stall if tier is not Tier.BASE else 0.0
-        if tier in restorable:
-            lost = _expected_loss(restorable[tier], job.duration)
+        if tier in trace.restorable:
+            lost = _expected_loss(trace.restorable[tier], job.duration)
             total = lost * job.failures
             overhead: float | None = 100.0 * (stall + total) / job.duration
             rows.append(TierResult(tier.value, len(times), mean, stall, lost, total, overhead))
@@ -216,10 +237,10 @@ def simulate(schedule: Schedule, job: Job) -> SimResult:
     return SimResult(
         job=job,
         tiers=tuple(rows),
-        captures=captures,
-        total_stall=total_stall,
+        captures=trace.captures,
+        total_stall=trace.total_stall,
         optimum=optimum(job),
-        save_times={t.value: tuple(v) for t, v in saves.items()},
+        save_times={t.value: tuple(v) for t, v in trace.saves.items()},
     )
 
 
