@@ -1,8 +1,9 @@
 """psguard: fault-tolerant checkpointing and recovery for TensorFlow parameter-server training.
 
-The public API is small on purpose: the manager users switch to, the Keras callback (``psguard.keras``), the
-in-process recovery calls, the follower, the store for tools, and the errors a caller catches. The user guide
-teaches each at the path it is exported from here (``tests/test_public_api.py`` keeps the two in step).
+The public API is small on purpose: the manager users switch to and its options, the Keras callback
+(``psguard.keras``), the in-process recovery calls, the follower, the store for tools, and the errors a caller
+catches. The user guide teaches each at the path it is exported from here (``tests/test_public_api.py`` keeps the
+two in step).
 
 Importing psguard imports neither TensorFlow nor either side's machinery: the manager (and through it the
 trainer's side) loads on first use of ``psguard.CheckpointManager``, the recovery calls on first use of
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
     from psguard.store import Store
     from psguard.trainer.follower import Follower
     from psguard.trainer.manager import CheckpointManager, SaveHandle
+    from psguard.trainer.options import ManagerOptions
     from psguard.trainer.recovery import exit_for_restart, is_cluster_failure, run_with_recovery
 
 __version__ = "0.1.0"
@@ -51,6 +53,7 @@ __all__ = [
     "CorruptCheckpointError",
     "CrashLoopError",
     "Follower",
+    "ManagerOptions",
     "MissingDependencyError",
     "NoCheckpointError",
     "ObjectExistsError",
@@ -76,6 +79,7 @@ __all__ = [
 _LAZY = {
     "CheckpointManager": "psguard.trainer.manager",
     "SaveHandle": "psguard.trainer.manager",
+    "ManagerOptions": "psguard.trainer.options",  # no TensorFlow: options can be built before it loads
     "Follower": "psguard.trainer.follower",
     "run_with_recovery": "psguard.trainer.recovery",
     "exit_for_restart": "psguard.trainer.recovery",

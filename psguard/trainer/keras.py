@@ -27,10 +27,11 @@ import dataclasses
 import logging
 import os
 import sys
+import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import tensorflow as tf
 
@@ -47,6 +48,15 @@ from psguard.errors import ConfigError, PsguardError
 from psguard.policy.engine import AnyOf, EverySteps, Retention, Schedule
 from psguard.policy.files import load_policy
 from psguard.trainer.manager import CheckpointManager, SaveHandle, load_schedule
+from psguard.trainer.options import (
+    CALLBACK_MOVES,
+    CallbackOptions,
+    DeprecatedCallbackArgs,
+    ManagerOptions,
+    apply_deprecated,
+    deprecation,
+)
+from psguard.trainer.sinks import SinkKind
 
 __all__ = ["CheckpointCallback", "FitPosition", "KerasSupportError"]
 
@@ -134,9 +144,15 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
     ``directory``: a store URL (path, ``s3://``, ``hdfs://`` ...), or an existing
     :class:`psguard.CheckpointManager`, which must checkpoint this model and optimizer; the callback then
-    waits for its saves at the end but leaves closing it to its owner. ``storage_options`` and
-    ``max_to_keep`` apply only to a URL (they configure the manager the callback creates), as do
-    ``manager_options`` (more :class:`CheckpointManager` arguments: ``new_base_after``, ``preemption``...).
+    waits for its saves at the end but leaves closing it to its owner.
+
+    Arguments: Keras' (``BackupAndRestore``'s, then ``ModelCheckpoint``'s), then psguard's three, keyword-only:
+    ``policy`` (when to save, below), ``options`` (a :class:`~psguard.trainer.options.CallbackOptions`:
+    ``max_to_keep``, ``save_at_end``, ``summaries`` and the created manager's own
+    :class:`~psguard.ManagerOptions`) and ``sink`` (the created manager's ``sink=``). ``options`` and ``sink``
+    configure the manager the callback creates: with an existing one, set them on it. The keyword arguments
+    taken before ``options`` (``save_every_n_steps=``, ``max_to_keep=``, ``storage_options=``, ``save_at_end=``,
+    ``manager_options=``, ``summaries=``) still work for this release: each warns with its new spelling.
 
     It takes ``BackupAndRestore``'s arguments, so replacing that callback is one line
     (``BackupAndRestore(backup_dir)`` -> ``CheckpointCallback(backup_dir)``): ``backup_dir`` names the store as
@@ -150,9 +166,10 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
     and the newest), and with ``save_best_only`` an epoch saves only when the value improved. A job can then
     drop its full per-epoch ``ModelCheckpoint`` writes.
 
-    When to save: ``save_every_n_steps`` and/or ``policy`` (a :class:`psguard.policy.engine.Schedule`, a policy
-    file or a preset name); with both, a durable save happens when either is due. With an existing manager
-    and neither, its own policy applies. ``save_at_end`` also saves the final state when ``fit`` returns;
+    When to save: ``save_freq`` (a number of steps) and/or ``policy`` (a :class:`psguard.policy.engine.Schedule`,
+    a policy file or a preset name); with both, a durable save happens when either is due. With an existing
+    manager and neither, its own policy applies. ``options.save_at_end`` also saves the final state when ``fit``
+    returns;
     ``on_train_end`` waits until every save is durable and raises :class:`psguard.errors.SaveError` if one
     could not be made so.
 
@@ -175,8 +192,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
     TensorBoard: with a ``tf_keras.callbacks.TensorBoard`` in the same ``fit``, psguard's own scalars (capture
     stall, bytes per save, durable lag, restores: :mod:`psguard.trainer.summaries`) go to ``<its log_dir>/psguard``,
-    at the training steps, a run beside ``train`` and ``validation``. ``summaries``: a folder to write them to
-    instead, or ``False`` for none.
+    at the training steps, a run beside ``train`` and ``validation``. ``options.summaries``: a folder to write
+    them to instead, or ``False`` for none.
     """
 
     def __init__(
@@ -187,47 +204,27 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         save_before_preemption: bool = False,
         *,
         backup_dir: str | os.PathLike[str] | None = None,
-        save_every_n_steps: int | None = None,
-        policy: Schedule | str | os.PathLike[str] | None = None,
-        max_to_keep: int | None = None,
         monitor: str | None = None,
         mode: str = "auto",
         save_best_only: bool = False,
-        storage_options: Mapping[str, Any] | None = None,
-        save_at_end: bool = True,
-        manager_options: Mapping[str, Any] | None = None,
-        summaries: str | os.PathLike[str] | bool = True,
+        policy: Schedule | str | os.PathLike[str] | None = None,
+        options: CallbackOptions | None = None,
+        sink: SinkKind | None = None,
+        **deprecated: Unpack[DeprecatedCallbackArgs],
     ) -> None:
         super().__init__()
         del delete_checkpoint, save_before_preemption  # BackupAndRestore's; see the class doc
+        legacy: dict[str, Any] = dict(deprecated)
+        every = _steps_of(save_freq, legacy.pop("save_every_n_steps", None))
+        opts = apply_deprecated(options or CallbackOptions(), legacy, CALLBACK_MOVES, callee="CheckpointCallback")
         if (directory is None) == (backup_dir is None):
             raise ConfigError("give the store once: directory (or BackupAndRestore's backup_dir)")
         if directory is None:
             directory = backup_dir
         assert directory is not None
-        if save_freq is not None and save_freq != "epoch":
-            if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
-                raise ConfigError(f"save_freq must be 'epoch' or a positive number of steps, not {save_freq!r}")
-            if save_every_n_steps is not None:
-                raise ConfigError("give save_freq (steps) or save_every_n_steps, not both")
-            save_every_n_steps = save_freq
-        if save_every_n_steps is not None and (isinstance(save_every_n_steps, bool) or save_every_n_steps < 1):
-            raise ConfigError(f"save_every_n_steps must be a positive integer, not {save_every_n_steps!r}")
-        if mode not in ("auto", "min", "max"):
-            raise ConfigError(f"mode must be 'auto', 'min' or 'max', not {mode!r}")
-        if save_best_only and monitor is None:
-            raise ConfigError("save_best_only needs monitor= (the metric of the epoch's logs to judge by)")
         given = directory if isinstance(directory, CheckpointManager) else None
-        if given is not None and (
-            max_to_keep is not None or storage_options is not None or manager_options or summaries is not True
-        ):
-            raise ConfigError(
-                "max_to_keep, storage_options, manager_options and summaries configure the manager the callback "
-                "creates; with an existing CheckpointManager set them on it"
-            )
-        if summaries is not True and "summaries" in (manager_options or {}):
-            raise ConfigError("give summaries once: as the callback's summaries= or in manager_options, not both")
-        schedule = _combine(load_schedule(policy), save_every_n_steps)
+        _check_args(given, opts, sink, monitor, mode, save_best_only)
+        schedule = _combine(load_schedule(policy), every)
         #: Save at every epoch's end: asked (``save_freq="epoch"``, ``monitor``), or as BackupAndRestore does by
         #: default when nothing else says when.
         self.save_per_epoch = (
@@ -243,35 +240,20 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self._url = None if isinstance(directory, CheckpointManager) else os.fspath(directory)
         self._schedule = schedule
         # A policy file on its own goes to the manager as it is: it watches the file and applies its
-        # retention. Combined with save_every_n_steps, the combined schedule goes, and the file's retention.
-        self._manager_policy: Schedule | str | os.PathLike[str] | None = schedule
-        self._retention: Retention | None = None
-        if policy is not None and not isinstance(policy, Schedule):
-            if save_every_n_steps is None:
-                self._manager_policy = policy
-            elif max_to_keep is None:
-                self._retention = load_policy(os.fspath(policy)).retention
-        if monitor is not None:
-            if given is not None:
-                raise ConfigError(
-                    "monitor keeps the best checkpoint by retention: with an existing manager, set "
-                    "retention=Retention(keep_best=1, metric=..., mode=...) on it instead"
-                )
-            self._retention = Retention(
-                keep_last=max_to_keep if max_to_keep is not None else (self._retention or Retention()).keep_last,
-                keep_best=1,
-                metric=monitor,
-                mode="max" if self.mode == "max" else "min",
-            )
-            max_to_keep = None
-        self.max_to_keep = max_to_keep
-        self.storage_options = dict(storage_options) if storage_options is not None else None
-        self.manager_options = dict(manager_options or {})
-        self.save_at_end = save_at_end
-        self.summaries = summaries
+        # retention. Combined with save_freq steps, the combined schedule goes, and the file's retention.
+        file_alone = policy is not None and not isinstance(policy, Schedule) and every is None
+        self._manager_policy: Schedule | str | os.PathLike[str] | None = policy if file_alone else schedule
+        self._retention, self.max_to_keep = _own_retention(policy, every, monitor, self.mode, opts.max_to_keep)
+        #: The callback's own settings (the manager's among them), as given or moved from old keyword arguments.
+        self.options = opts
+        self.sink = sink
         #: Where the manager of the last ``fit`` writes psguard's TensorBoard scalars (``None``: nowhere).
         self.summaries_folder: str | None = None
         self.manager: CheckpointManager | None = self._given
+        self._init_fit_state()
+
+    def _init_fit_state(self) -> None:
+        """What a fit sets as it runs, before the first: the restore's outcome, the position, the last save."""
         #: What the callback saves (the manager's checkpoint), set by ``on_train_begin``.
         self.checkpoint: Any = None
         #: The newest save this callback started (``result()`` blocks until it is durable).
@@ -323,20 +305,14 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         coordinator = getattr(model, "_cluster_coordinator", None)
         if self._given is None:
             assert self._url is not None
-            options = dict(self.manager_options)
-            if "summaries" not in options:
-                options["summaries"] = self._summaries_folder()
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
             self.manager = CheckpointManager(
                 checkpoint,
                 self._url,
                 max_to_keep=self.max_to_keep,
-                retention=self._retention,
-                coordinator=coordinator,
                 policy=self._manager_policy,
-                storage_options=self.storage_options,
-                data_position=self._data_position,
-                **options,
+                options=self._manager_options(coordinator),
+                sink=self.sink,
             )
         else:
             self.manager = self._given
@@ -347,8 +323,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             if self.manager.coordinator is None and coordinator is not None:
                 raise ConfigError(
                     "the CheckpointManager has no coordinator but the model trains under ParameterServerStrategy: "
-                    "create it with coordinator=model._cluster_coordinator (or the strategy's ClusterCoordinator) "
-                    "so that captures drain the scheduled steps first"
+                    "create it with options=psguard.ManagerOptions(coordinator=model._cluster_coordinator) "
+                    "(or the strategy's ClusterCoordinator) so that captures drain the scheduled steps first"
                 )
             # The position is what makes resume exact; a manager that records none still resumes by step.
             if self.manager.data_position is None:
@@ -418,7 +394,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             return
         try:
             saved = self.last_save.step if self.last_save is not None else self.restored_step
-            if self.save_at_end and saved != self._step:
+            if self.options.save_at_end and saved != self._step:
                 self.last_save = manager.save(self._step)
             manager.wait()
             if self.last_save is not None:
@@ -459,13 +435,25 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         if manager is not None and manager is not self._given:
             manager.close()
 
+    def _manager_options(self, coordinator: Any) -> ManagerOptions:
+        """The options of the manager this fit creates: the user's, with what the callback supplies."""
+        own = self.options.manager
+        return dataclasses.replace(
+            own,
+            coordinator=coordinator,
+            data_position=self._data_position,
+            retention=self._retention if self._retention is not None else own.retention,
+            summaries=own.summaries if own.summaries is not None else self._summaries_folder(),
+        )
+
     def _summaries_folder(self) -> str | None:
-        """Where psguard's TensorBoard scalars go in this fit: ``summaries`` when it names a folder, else (``True``)
-        ``<log_dir>/psguard`` of the fit's first ``TensorBoard`` callback, else nowhere."""
-        if self.summaries is False:
+        """Where psguard's TensorBoard scalars go in this fit: ``options.summaries`` when it names a folder, else
+        (``True``) ``<log_dir>/psguard`` of the fit's first ``TensorBoard`` callback, else nowhere."""
+        summaries = self.options.summaries
+        if summaries is False:
             return None
-        if self.summaries is not True:
-            return os.fspath(self.summaries)
+        if summaries is not True:
+            return os.fspath(summaries)
         board = next((c for c in _fit_callbacks(self) if isinstance(c, tf_keras.callbacks.TensorBoard)), None)
         if board is None:
             return None
@@ -575,6 +563,84 @@ def _fit_callbacks(callback: Any) -> list[Any]:
     return []
 
 
+def _steps_of(save_freq: str | int | None, every: int | None) -> int | None:
+    """Steps between saves: BackupAndRestore's ``save_freq`` when a number, or the deprecated
+    ``save_every_n_steps`` (which also saved at every epoch's end beside ``save_freq="epoch"``)."""
+    if save_freq is not None and save_freq != "epoch":
+        if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
+            raise ConfigError(f"save_freq must be 'epoch' or a positive number of steps, not {save_freq!r}")
+        if every is not None:
+            raise ConfigError("give save_freq (steps) or save_every_n_steps, not both")
+        return save_freq
+    if every is None:
+        return None
+    spelling = (
+        "save_freq=..."
+        if save_freq is None
+        else "policy=psguard.policy.Schedule(durable=psguard.policy.EverySteps(...))` beside `save_freq='epoch'"
+    )
+    warnings.warn(deprecation("save_every_n_steps", spelling), DeprecationWarning, stacklevel=3)
+    if isinstance(every, bool) or every < 1:
+        raise ConfigError(f"save_every_n_steps must be a positive integer, not {every!r}")
+    return every
+
+
+def _check_args(
+    given: CheckpointManager | None,
+    options: CallbackOptions,
+    sink: SinkKind | None,
+    monitor: str | None,
+    mode: str,
+    save_best_only: bool,
+) -> None:
+    """Refuse arguments that contradict each other, and manager options the callback sets itself."""
+    if mode not in ("auto", "min", "max"):
+        raise ConfigError(f"mode must be 'auto', 'min' or 'max', not {mode!r}")
+    if save_best_only and monitor is None:
+        raise ConfigError("save_best_only needs monitor= (the metric of the epoch's logs to judge by)")
+    if given is not None and (options != CallbackOptions() or sink is not None):
+        raise ConfigError(
+            "options and sink configure the manager the callback creates; with an existing CheckpointManager "
+            "set them on it"
+        )
+    if monitor is not None and given is not None:
+        raise ConfigError(
+            "monitor keeps the best checkpoint by retention: with an existing manager, set "
+            "options=psguard.ManagerOptions(retention=Retention(keep_best=1, metric=..., mode=...)) on it instead"
+        )
+    own = options.manager
+    if own.coordinator is not None or own.data_position is not None:
+        raise ConfigError(
+            "the callback gives its manager the model's coordinator and the fit position: leave "
+            "options.manager.coordinator and options.manager.data_position unset"
+        )
+    if options.summaries is not True and own.summaries is not None:
+        raise ConfigError("give summaries once: options.summaries or options.manager.summaries, not both")
+    if own.retention is not None and (monitor is not None or options.max_to_keep is not None):
+        raise ConfigError(
+            "give retention once: options.manager.retention, or options.max_to_keep / monitor (the callback "
+            "makes the retention from them)"
+        )
+
+
+def _own_retention(
+    policy: Schedule | str | os.PathLike[str] | None,
+    every: int | None,
+    monitor: str | None,
+    mode: str,
+    keep: int | None,
+) -> tuple[Retention | None, int | None]:
+    """The retention the callback asks its manager for, and the ``max_to_keep`` left to give as TF's: a policy
+    file's retention when its schedule was combined with steps, the best by ``monitor`` beside the newest."""
+    retention = None
+    if policy is not None and not isinstance(policy, Schedule) and every is not None and keep is None:
+        retention = load_policy(os.fspath(policy)).retention
+    if monitor is None:
+        return retention, keep
+    keep_last = keep if keep is not None else (retention or Retention()).keep_last
+    return Retention(keep_last=keep_last, keep_best=1, metric=monitor, mode="max" if mode == "max" else "min"), None
+
+
 def _monitor_mode(monitor: str | None, mode: str) -> str:
     """``min`` or ``max`` for ``mode``; ``auto`` as ModelCheckpoint decides it (accuracies and F-measures up)."""
     if mode != "auto":
@@ -623,7 +689,7 @@ def _refuse_keras3(model: Any) -> None:
             "(pip install --no-deps tf_keras==2.21.*, set TF_USE_LEGACY_KERAS=1 so tf.keras is tf_keras, and "
             "build the model with tf.keras / tf_keras), or train with a custom loop (ClusterCoordinator.schedule) "
             "and save with psguard.CheckpointManager(tf.train.Checkpoint(model=..., optimizer=...), url, "
-            "coordinator=coordinator)."
+            "options=psguard.ManagerOptions(coordinator=coordinator))."
         )
     raise KerasSupportError(
         "psguard.trainer.keras.CheckpointCallback drives tf_keras model.fit (TF_USE_LEGACY_KERAS=1); this is a Keras 3 "

@@ -35,29 +35,41 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import numpy as np
 
 from psguard.dependencies import import_optional
 from psguard.errors import ConfigError, PsguardError, SaveError
-from psguard.handoff.contract import ENV_PARTS, ENV_SPOOL, ENV_STORE, HANG_DUMP_SIGNAL, Tier
+from psguard.handoff.contract import ENV_PARTS, HANG_DUMP_SIGNAL, Tier
 from psguard.handoff.spool import DeltaWithoutParentError, Restored
 from psguard.policy.engine import Retention, SaveContext, Schedule
 from psguard.policy.files import HangSpec, PolicySpec, PolicyWatcher, load_policy
 from psguard.policy.lag import LagBound
-from psguard.storage.registry import canonical_url
 from psguard.store import Store
 from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.capture import Capturer
 from psguard.trainer.capture_graph import join_warming
 from psguard.trainer.durable_lag import LagGuard, LagStatus
 from psguard.trainer.export import OBJECT_GRAPH_KEY, object_graph_bytes
+from psguard.trainer.options import MANAGER_MOVES, DeprecatedManagerArgs, ManagerOptions, apply_deprecated
 from psguard.trainer.preemption import PreemptionHandler
 from psguard.trainer.registry import process_managers
 from psguard.trainer.restore_status import DeferredRestore, RestoreStatus
 from psguard.trainer.restoring import RestoreInfo, RestoreSide, hook_restore
-from psguard.trainer.sinks import NEW_BASE_AFTER, AgentSink, Job, MemoryCheckpoint, SaveHandle, Sink, StoreSink, summary
+from psguard.trainer.sinks import (
+    NEW_BASE_AFTER,
+    AgentSink,
+    Job,
+    MemoryCheckpoint,
+    SaveHandle,
+    Sink,
+    SinkChoice,
+    SinkKind,
+    StoreSink,
+    choose_sink,
+    summary,
+)
 from psguard.trainer.spool_writer import SpoolWriter
 from psguard.trainer.summaries import Summaries, handed_off_bytes
 from psguard.trainer.variables import gather_variables, to_int, unwrap
@@ -143,36 +155,6 @@ def _part_dirs() -> dict[str, str]:
     return doc
 
 
-def _agent_spool(directory: str) -> str | None:
-    """The spool of the agent that runs this trainer (``$PSGUARD_SPOOL``), checked against the durable log it
-    writes (``$PSGUARD_STORE``): ``None`` (the manager writes ``directory`` itself) when that agent has no
-    ``--store``; :class:`ConfigError` when its store is not ``directory``. Either way the user's checkpoints
-    never end up somewhere they did not say, or nowhere, without a word."""
-    spool = os.environ.get(ENV_SPOOL)
-    agent_store = os.environ.get(ENV_STORE)
-    if not spool or agent_store is None:  # no agent, or one from before the store was handed over
-        return spool or None
-    if not agent_store:
-        log.warning(
-            "event=agent_without_store spool=%s directory=%s: the psguard agent running this trainer was started "
-            "without --store and keeps checkpoints in memory only, so this manager writes its durable checkpoints "
-            "to %s itself, without the agent's memory tier. Fix: start the agent (psguard agent, psguard wrap) "
-            "with --store %s",
-            spool,
-            directory,
-            directory,
-            directory,
-        )
-        return None
-    if canonical_url(agent_store) != canonical_url(directory):
-        raise ConfigError(
-            f"this trainer's psguard agent writes checkpoints to --store {agent_store}, but the manager is pointed "
-            f"at {directory}: everything would go to {agent_store} and {directory} would stay empty. Fix: give "
-            f"psguard.CheckpointManager the agent's URL ({agent_store}) or start the agent with --store {directory}"
-        )
-    return spool
-
-
 def _coordinator_of(root: Any) -> Any:
     """The ``ClusterCoordinator`` of the strategy that made ``root``'s variables, ``None`` without one.
 
@@ -234,14 +216,14 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     It is a ``tf.train.CheckpointManager`` (libraries such as orbit's ``Controller`` check the type) that
     replaces every method; TF's own state (its ``checkpoint`` file in a local folder) is never made.
 
-    Arguments as ``tf.train.CheckpointManager``, in TF's order, where they exist:
+    Arguments: TF's, in TF's order and with TF's meaning, then psguard's three, keyword-only:
 
     - ``checkpoint``: a ``tf.train.Checkpoint`` (or any trackable) whose variables to save. Its ``restore``
       takes this manager's checkpoint ids too (``checkpoint.restore(manager.latest_checkpoint)``, TF's idiom):
       see :meth:`restore`. Any other path goes to TF unchanged.
-    - ``directory``: a store URL (path, ``s3://``, ``hdfs://`` ...); ``storage_options`` go to its client.
+    - ``directory``: a store URL (path, ``s3://``, ``hdfs://`` ...).
     - ``max_to_keep`` / ``keep_checkpoint_every_n_hours``: retention, applied after each save (a kept delta
-      keeps the checkpoints it is built on). ``retention``: the same as a
+      keeps the checkpoints it is built on); ``options.retention`` instead for a
       :class:`~psguard.policy.engine.Retention` (which can also keep the best by a metric). When none of these
       is given, a policy file's ``retention:`` applies; with no policy file, every checkpoint is kept.
     - ``step_counter``: a variable holding the training step. psguard records its value as each checkpoint's
@@ -251,30 +233,20 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
       until the step counter moved ``checkpoint_interval`` steps past the last save, unless
       ``save(check_interval=False)``; never twice at one step.
     - ``init_fn``: called by :meth:`restore_or_initialize` when there is no checkpoint.
-    - ``coordinator``: the job's ``ClusterCoordinator``; captures drain it first so that weights, slots and
-      counters all come from the same step. Default: the coordinator of the variables' strategy
-      (``ClusterCoordinator(strategy)`` registers itself there), found at the first save or restore.
     - ``policy``: a :class:`~psguard.policy.engine.Schedule`, a policy file or preset name, used by
-      :meth:`maybe_save`. A policy file is watched while the manager is open (``watch_policy``): an edit
-      changes the next decisions and the retention. ``new_base_after``: a new full checkpoint after this many
-      deltas (in the background, no stall; ``0``: only when a policy asks). ``None`` (the default): 16 without
-      an agent; under an agent, the agent's ``max_chain``. Under an agent the agent writes it from its memory
-      tier and this setting, when given, travels with each capture and replaces the agent's ``max_chain``; a
-      policy's ``base:`` section asks for new bases too.
-    - ``data_position``: a callable returning JSON (e.g. the number of batches consumed), stored with each
-      checkpoint and returned by :attr:`restored_data_position` after a restore.
-    - ``preemption``: install a SIGTERM handler: the next :meth:`maybe_save` saves at once, waits until it
-      is durable (or, with a sidecar, in its memory tier) and exits the process (code 143).
-    - ``spool``: the sidecar's spool folder (default: ``$PSGUARD_SPOOL``, which ``psguard agent`` sets for
-      the trainer it runs). With a sidecar, saves are handed to it (it keeps a memory tier and writes the
-      durable log in the background) and restores take its memory tier when that is at least as new as the
-      durable log; ``restore_timeout`` bounds the wait for its answer.
-    - ``hang``: when the agent declares this trainer hung (no step for a while) and restarts it; default: the
-      policy file's ``hang:`` section, else :class:`~psguard.policy.files.HangSpec` (50 median step times,
-      at least 5 minutes). The manager learns the steps from :meth:`maybe_save` (call it every step).
-    - ``summaries``: a folder (anything ``tf.summary`` writes to) for psguard's TensorBoard scalars (capture
-      stall, bytes per save, durable lag, seconds held, restores), each at its training step
-      (:mod:`psguard.trainer.summaries`); ``None`` (the default): none are written.
+      :meth:`maybe_save`. A policy file is watched while the manager is open (``options.watch_policy``): an
+      edit changes the next decisions and the retention.
+    - ``options``: everything else, a :class:`~psguard.trainer.options.ManagerOptions` (grouped by concern:
+      capture, durable log, agent, policy, summaries).
+    - ``sink``: where saves go, ``"store"`` (this process writes ``directory``) or ``"agent"`` (captures are
+      handed to the sidecar through its spool; it keeps a memory tier and writes the durable log in the
+      background, and restores take its memory tier when that is at least as new as the durable log).
+      ``None`` (the default): the agent's when ``$PSGUARD_SPOOL`` (which ``psguard agent`` sets for the
+      trainer it runs) or ``options.spool`` names a spool, else the store. ``repr(manager)`` and
+      :attr:`sink` say which and why.
+
+    The keyword arguments psguard took before ``options`` (``coordinator=``, ``spool=``, ...) still work for
+    this release: each warns (``DeprecationWarning``) with its new spelling.
 
     Where saves go is chosen once, here (:mod:`psguard.trainer.sinks`); :meth:`save`, :meth:`wait` and
     :meth:`close` mean the same with or without a sidecar. Restores (:meth:`restore_or_initialize`,
@@ -294,54 +266,38 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         init_fn: Callable[[], Any] | None = None,
         last_checkpoint_step: int | None = None,
         *,
-        coordinator: Any = None,
         policy: Schedule | str | os.PathLike[str] | None = None,
-        retention: Retention | None = None,
-        watch_policy: bool = True,
-        storage_options: Mapping[str, Any] | None = None,
-        data_position: Callable[[], Any] | None = None,
-        new_base_after: int | None = None,
-        preemption: bool = False,
-        store: Store | None = None,
-        capturer_options: Mapping[str, Any] | None = None,
-        spool: str | os.PathLike[str] | None = None,
-        restore_timeout: float = 120.0,
-        hang: HangSpec | None = None,
-        summaries: str | os.PathLike[str] | None = None,
+        options: ManagerOptions | None = None,
+        sink: SinkKind | None = None,
+        **deprecated: Unpack[DeprecatedManagerArgs],
     ) -> None:
         import_optional("tensorflow")  # without it, say which extra brings it (psguard[cpu] or psguard[gpu])
-        if max_to_keep is not None and max_to_keep < 1:
-            raise PsguardError("max_to_keep must be >= 1 or None (keep everything)")
+        opts = apply_deprecated(options or ManagerOptions(), deprecated, MANAGER_MOVES, callee="CheckpointManager")
+        self.options = opts
+        self._retention_arg = _retention_of(max_to_keep, keep_checkpoint_every_n_hours, opts.retention)
         if checkpoint_interval is not None and step_counter is None:
             raise ConfigError("checkpoint_interval counts steps of step_counter: pass step_counter= too (as TF's)")
-        if retention is not None and (max_to_keep is not None or keep_checkpoint_every_n_hours is not None):
-            raise ConfigError("give either retention= or max_to_keep/keep_checkpoint_every_n_hours, not both")
-        if max_to_keep is not None or keep_checkpoint_every_n_hours is not None:
-            retention = Retention(keep_last=max_to_keep, keep_every_hours=keep_checkpoint_every_n_hours)
         self._checkpoint = checkpoint
         self._directory = str(directory)
-        spool_dir = spool if spool is not None else _agent_spool(self._directory)  # before the store is opened
+        #: Which sink this manager uses and why (``repr`` shows it); chosen before the store is opened.
+        self.sink: SinkChoice = choose_sink(sink, opts.spool, self._directory)
         self.checkpoint_name = checkpoint_name
         self._max_to_keep = max_to_keep
-        self._retention_arg = retention
         self._step_counter = step_counter
         self._checkpoint_interval = checkpoint_interval
         self._last_checkpoint_step = last_checkpoint_step
         self._init_fn = init_fn
-        self._coordinator = coordinator
-        self._data_position = data_position
-        self.store = store or Store.open(self._directory, storage_options)
-        self._owns_store = store is None
-        options = dict(capturer_options or {})
-        if spool_dir and "spill_dirs" not in options:
-            options["spill_dirs"] = _part_dirs()  # under an agent whose PS agents keep their shards
-        self.capturer = Capturer(checkpoint, coordinator=coordinator, **options)
+        self._coordinator = opts.coordinator
+        self._data_position = opts.data_position
+        self.store = opts.store or Store.open(self._directory, opts.storage_options)
+        self._owns_store = opts.store is None
+        self.capturer = self._make_capturer(checkpoint, opts)
         self._deferred: DeferredRestore | None = None  # values waiting for variables the job creates later
         self._snapshot_for: tuple[str, Restored] | None = None  # what latest_checkpoint fetched for the restore
         self._shards_mapped: tuple[int, int] | None = None  # the last load's shards mapped by their PS, and loaded
-        self._policy = _Policy(policy, watch=watch_policy)
+        self._policy = _Policy(policy, watch=opts.watch_policy)
         self.context = SaveContext(started_at=time.time(), observed_since=time.time())
-        self._preemption = PreemptionHandler().install() if preemption else None
+        self._preemption = PreemptionHandler().install() if opts.preemption else None
         self._capture_lock = threading.Lock()
         self._saves = 0
         self._graph: bytes | None = None
@@ -350,19 +306,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         # The tensor names of the state the sink's chain ends in, and the restore they were taken after.
         self._chain_names: frozenset[str] | None = None
         self._chain_names_restore: RestoreInfo | None = None
-        self.restore_timeout = restore_timeout
-        self._sink: Sink
-        if spool_dir:
-            self._sink = AgentSink(
-                SpoolWriter(str(spool_dir)), self.store, retention=self._retention, restore_timeout=restore_timeout
-            )
-        else:
-            self._sink = StoreSink(
-                self.store,
-                retention=self._retention,
-                new_base_after=NEW_BASE_AFTER,
-                on_parent_missing=self._forget_state,
-            )
+        self.restore_timeout = opts.restore_timeout
+        self._sink = self._open_sink()
         self._lag = LagGuard(
             self._lag_bound,
             agent_alive=self._sink.spool.agent_alive if isinstance(self._sink, AgentSink) else None,
@@ -370,10 +315,10 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         )
         self.last_hold_seconds = 0.0
         #: What the user set (``None``: the writer's default, NEW_BASE_AFTER or the agent's ``max_chain``).
-        self._new_base_after = new_base_after
-        self._sink.set_new_base_after(new_base_after)
-        self._hang_arg = hang
-        self._summaries = Summaries(summaries) if summaries is not None else None
+        self._new_base_after = opts.new_base_after
+        self._sink.set_new_base_after(opts.new_base_after)
+        self._hang_arg = opts.hang
+        self._summaries = Summaries(opts.summaries) if opts.summaries is not None else None
         self._steps = _StepClock()
         if self._sink.supervised:
             # A hung trainer's agent asks for every thread's stack before it restarts it (the task log shows
@@ -386,6 +331,28 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self._closed = False
         self._tf_restore, self._restore_before = hook_restore(self)
         process_managers.opened(self, self._sink)
+
+    def _make_capturer(self, checkpoint: Any, options: ManagerOptions) -> Capturer:
+        capture = options.capture.capturer_kwargs()
+        if self.sink.kind == "agent" and "spill_dirs" not in capture:
+            capture["spill_dirs"] = _part_dirs()  # under an agent whose PS agents keep their shards
+        return Capturer(checkpoint, coordinator=options.coordinator, **capture)
+
+    def _open_sink(self) -> Sink:
+        if self.sink.kind == "agent":
+            assert self.sink.spool is not None
+            return AgentSink(
+                SpoolWriter(self.sink.spool),
+                self.store,
+                retention=self._retention,
+                restore_timeout=self.restore_timeout,
+            )
+        return StoreSink(
+            self.store, retention=self._retention, new_base_after=NEW_BASE_AFTER, on_parent_missing=self._forget_state
+        )
+
+    def __repr__(self) -> str:
+        return f"psguard.CheckpointManager(directory={self._directory!r}, sink={self.sink})"
 
     # ------------------------------------------------------------------------------------ tf.train API
     @property
@@ -573,8 +540,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                 raise ConfigError(
                     f"variables live on parameter servers ({on_ps[0]}, ...) and no ClusterCoordinator was found: "
                     "a save would read them while workers still run queued steps. Fix: create the job's "
-                    "tf.distribute.coordinator.ClusterCoordinator(strategy) before saving, or pass it as "
-                    "coordinator= to psguard.CheckpointManager"
+                    "tf.distribute.coordinator.ClusterCoordinator(strategy) before saving, or give it to "
+                    "psguard.CheckpointManager as options=psguard.ManagerOptions(coordinator=...)"
                 )
             if self._save_counter is not None:
                 self._save_counter.assign_add(1)
@@ -777,6 +744,19 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
             updates[OBJECT_GRAPH_KEY] = Full(np.array(graph, dtype=object))
             self._graph = graph
         self._graph_layout = layout
+
+
+def _retention_of(
+    max_to_keep: int | None, keep_every_hours: float | None, retention: Retention | None
+) -> Retention | None:
+    """The retention TF's arguments or ``options.retention`` ask for (``None``: the policy file's, else none)."""
+    if max_to_keep is not None and max_to_keep < 1:
+        raise PsguardError("max_to_keep must be >= 1 or None (keep everything)")
+    if max_to_keep is None and keep_every_hours is None:
+        return retention
+    if retention is not None:
+        raise ConfigError("give either options.retention or max_to_keep/keep_checkpoint_every_n_hours, not both")
+    return Retention(keep_last=max_to_keep, keep_every_hours=keep_every_hours)
 
 
 def load_schedule(policy: Schedule | str | os.PathLike[str] | None) -> Schedule | None:

@@ -13,32 +13,48 @@ one sink, chosen when the manager is built:
   applies it to its memory tier (the save is *restorable*) and writes the durable log (*durable*), applying
   the retention that travels with each capture.
 
-Both give the caller the same :class:`SaveHandle`, and both make :meth:`Sink.wait` mean the same thing: every
-save asked for since the last wait has reached the strongest tier it was for, or the wait raises.
+Which one is :func:`choose_sink`'s answer (a :class:`SinkChoice`, shown in the manager's ``repr`` with its
+reason): the manager's ``sink=`` when given, else ``$PSGUARD_SPOOL``, which ``psguard agent`` sets for the
+trainer it runs. Both give the caller the same :class:`SaveHandle`, and both make :meth:`Sink.wait` mean the
+same thing: every save asked for since the last wait has reached the strongest tier it was for, or the wait
+raises.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError
-from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, STALL_KEY, Tier
+from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, NEW_BASE_KEY, RETENTION_KEY, STALL_KEY, Tier
 from psguard.handoff.parts import PartCapture, ShardKey
 from psguard.handoff.spool import Capture, NeedFullCaptureError, Restored
 from psguard.policy.engine import ChainLimit, Retention, base_rule
+from psguard.storage.registry import canonical_url
 from psguard.store import CheckpointInfo, Store
 from psguard.store.durable import ChainState, DurableWriter
 from psguard.tensors import Full, Rows, TensorUpdate, merge_updates
 from psguard.trainer.spool_writer import CaptureHandle, SpoolWriter
 
-__all__ = ["NEW_BASE_AFTER", "AgentSink", "Job", "MemoryCheckpoint", "SaveHandle", "Sink", "StoreSink"]
+__all__ = [
+    "NEW_BASE_AFTER",
+    "AgentSink",
+    "Job",
+    "MemoryCheckpoint",
+    "SaveHandle",
+    "Sink",
+    "SinkChoice",
+    "SinkKind",
+    "StoreSink",
+    "choose_sink",
+]
 
 log = logging.getLogger(__name__)
 
@@ -560,3 +576,85 @@ def summary(updates: Mapping[str, TensorUpdate]) -> str:
     full = sum(isinstance(u, Full) for u in updates.values())
     rows = sum(len(u.ids) for u in updates.values() if isinstance(u, Rows))
     return f"{full} whole, {rows} changed rows"
+
+
+# ---------------------------------------------------------------------------------------------- which sink
+
+#: The manager's ``sink=``: ``"store"`` (it writes the store itself), ``"agent"`` (it hands captures to its
+#: agent), ``None``: the agent's when ``$PSGUARD_SPOOL`` names a spool, else the store.
+SinkKind = Literal["store", "agent"]
+
+
+@dataclass(frozen=True)
+class SinkChoice:
+    """Which sink a manager uses and why: ``str()`` is what its ``repr`` shows (``agent(spool=/dev/shm/x, from
+    $PSGUARD_SPOOL)``, ``store(sink='store')``)."""
+
+    kind: SinkKind
+    why: str
+    spool: str | None = None
+
+    def __str__(self) -> str:
+        where = f"spool={self.spool}, " if self.spool is not None else ""
+        return f"{self.kind}({where}{self.why})"
+
+
+def choose_sink(sink: SinkKind | None, spool: str | os.PathLike[str] | None, directory: str) -> SinkChoice:
+    """Where a manager writing ``directory`` sends its saves: ``sink`` as asked, ``spool`` (an explicit spool
+    folder) meaning the agent's, else ``$PSGUARD_SPOOL``, checked against the durable log its agent writes
+    (``$PSGUARD_STORE``). An explicit choice that cannot hold is refused; the default falls back to the store,
+    with a warning, only under an agent that keeps nothing durable. Either way the user's checkpoints never end
+    up somewhere they did not say, or nowhere, without a word."""
+    if sink not in (None, "store", "agent"):
+        raise ConfigError(f"sink must be 'store', 'agent' or None ($PSGUARD_SPOOL decides), not {sink!r}")
+    if spool is not None:
+        if sink == "store":
+            raise ConfigError("sink='store' and a spool (options.spool) both given: the spool is the agent's sink")
+        return SinkChoice("agent", "from options.spool", os.fspath(spool))
+    env_spool = os.environ.get(ENV_SPOOL) or None
+    agent_store = os.environ.get(ENV_STORE)
+    if sink == "store":
+        if env_spool and agent_store and canonical_url(agent_store) == canonical_url(directory):
+            raise ConfigError(
+                f"sink='store', but this trainer's psguard agent (${ENV_SPOOL}={env_spool}) writes {directory} "
+                "too: two writers of one durable log. Fix: leave sink= unset (or sink='agent') to hand saves to "
+                "the agent, or point the manager at another URL"
+            )
+        return SinkChoice("store", "sink='store'")
+    if env_spool is None:
+        if sink == "agent":
+            raise ConfigError(
+                f"sink='agent', but ${ENV_SPOOL} is not set: no psguard agent runs this trainer. Fix: run it "
+                "under psguard agent / psguard wrap (they set it), or give options=psguard.ManagerOptions(spool=...)"
+            )
+        return SinkChoice("store", f"${ENV_SPOOL} unset")
+    return _agent_of_env(sink, env_spool, agent_store, directory)
+
+
+def _agent_of_env(sink: SinkKind | None, spool: str, agent_store: str | None, directory: str) -> SinkChoice:
+    """The choice under the agent of ``$PSGUARD_SPOOL``, whose store (``$PSGUARD_STORE``) must be ``directory``:
+    ``None`` is an agent from before the store was handed over, empty one started without ``--store``."""
+    if agent_store == "":
+        if sink == "agent":
+            raise ConfigError(
+                f"sink='agent', but the psguard agent running this trainer (${ENV_SPOOL}={spool}) was started "
+                f"without --store and keeps checkpoints in memory only. Fix: start it with --store {directory}"
+            )
+        log.warning(
+            "event=agent_without_store spool=%s directory=%s: the psguard agent running this trainer was started "
+            "without --store and keeps checkpoints in memory only, so this manager writes its durable checkpoints "
+            "to %s itself, without the agent's memory tier. Fix: start the agent (psguard agent, psguard wrap) "
+            "with --store %s",
+            spool,
+            directory,
+            directory,
+            directory,
+        )
+        return SinkChoice("store", f"the agent of ${ENV_SPOOL} has no --store")
+    if agent_store is not None and canonical_url(agent_store) != canonical_url(directory):
+        raise ConfigError(
+            f"this trainer's psguard agent writes checkpoints to --store {agent_store}, but the manager is pointed "
+            f"at {directory}: everything would go to {agent_store} and {directory} would stay empty. Fix: give "
+            f"psguard.CheckpointManager the agent's URL ({agent_store}) or start the agent with --store {directory}"
+        )
+    return SinkChoice("agent", f"from ${ENV_SPOOL}", spool)

@@ -18,7 +18,7 @@ happened at:
                                     it trained before the restore: an in-process rejoin, an older id)
 ==================================  =====================================================================
 
-Writing is off unless a folder is named (``CheckpointManager(..., summaries=folder)``; the Keras callback names
+Writing is off unless a folder is named (``ManagerOptions(summaries=folder)``; the Keras callback names
 ``<TensorBoard log_dir>/psguard``), so a job that does not ask pays one ``None`` check per save. The writer is
 made at the first scalar (no event file for a manager that never saves or restores) and flushed and closed with
 the manager. It never raises into training: the first failure (a folder that cannot be made, a full disk) is

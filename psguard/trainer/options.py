@@ -1,0 +1,260 @@
+"""What ``psguard.CheckpointManager`` and ``psguard.keras.CheckpointCallback`` take beyond TF's and Keras'
+arguments, as frozen dataclasses; and the keyword arguments they took before, still accepted for a release.
+
+:class:`ManagerOptions` is flat, its fields grouped by concern (capture, durable log, agent, policy,
+summaries) in the order of its docstring and the user guide's table. Why flat rather than a class per group:
+a job sets one or two of these (``retention``, ``storage_options``), and ``ManagerOptions(retention=...)`` is
+one import and one line, where ``ManagerOptions(durable=DurableOptions(retention=...))`` is two of each for the
+same thirteen fields. The one group nested is the capture's tuning (:class:`CaptureOptions`): knobs for
+benchmarks and tests that a job leaves alone, kept out of the everyday fields.
+
+Each old keyword argument warns (``DeprecationWarning``, attributed to the caller's line) with the new spelling
+and still takes effect; given beside the same field of ``options`` it is refused (:class:`ConfigError`), never
+silently ranked one over the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, cast
+
+from psguard.errors import ConfigError
+from psguard.policy.engine import Retention
+from psguard.policy.files import HangSpec
+
+if TYPE_CHECKING:
+    from psguard.store import Store
+
+__all__ = [
+    "CallbackOptions",
+    "CaptureOptions",
+    "DeprecatedCallbackArgs",
+    "DeprecatedManagerArgs",
+    "ManagerOptions",
+    "Moved",
+    "apply_deprecated",
+    "manager_options_from",
+]
+
+Opts = TypeVar("Opts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CaptureOptions:
+    """Tuning of the PS-side capture (:class:`~psguard.trainer.capture.Capturer`'s arguments), for benchmarks
+    and tests. ``None``: the capturer's default, which its docstring states and measures."""
+
+    #: Variables with fewer rows than this are captured whole, without row fingerprints.
+    row_tracking_min_rows: int | None = None
+    #: Bytes of a variable fingerprinted per PS call.
+    hash_chunk_bytes: int | None = None
+    #: Mark the rows the optimizer writes, so that a capture hashes only those (else every row, every save).
+    track_writes: bool | None = None
+    #: Every this many captures, hash every row to check the write marks against the values.
+    verify_every: int | None = None
+    #: Rows of an untracked variable sampled per capture to notice it changed.
+    probe_rows: int | None = None
+    #: PS task -> folder its agent reads the shards from (under an agent: the ones the agent announced).
+    spill_dirs: Mapping[str, str] | None = None
+
+    def capturer_kwargs(self) -> dict[str, Any]:
+        """The fields set, as the capturer's keyword arguments."""
+        return {f.name: v for f in dataclasses.fields(self) if (v := getattr(self, f.name)) is not None}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ManagerOptions:
+    """``psguard.CheckpointManager``'s own settings (its ``options=``), grouped by concern; see the module doc.
+
+    Capture: ``coordinator`` (the ``ClusterCoordinator`` a capture drains first; ``None``: the one registered on
+    the variables' strategy), ``data_position`` (a callable returning JSON stored with each checkpoint),
+    ``capture`` (:class:`CaptureOptions`).
+    Durable log: ``store`` (an open ``psguard.Store`` instead of opening ``directory``; left open),
+    ``storage_options`` (the store client's own settings, passed to it as they are: their keys are each client's,
+    e.g. S3's ``endpoint_url``), ``retention`` (instead of ``max_to_keep``/``keep_checkpoint_every_n_hours``),
+    ``new_base_after`` (deltas before a new full checkpoint; ``0``: only when a policy asks; ``None``: 16, or
+    under an agent its ``max_chain``).
+    Agent: ``spool`` (the agent's spool folder; ``None``: ``$PSGUARD_SPOOL``), ``restore_timeout`` (seconds a
+    restore waits for the agent), ``hang`` (when the agent declares this trainer hung; ``None``: the policy
+    file's ``hang:``, else the default :class:`~psguard.policy.files.HangSpec`).
+    Policy: ``watch_policy`` (watch a policy file while the manager is open), ``preemption`` (save, wait and
+    exit 143 at the next ``maybe_save`` after a SIGTERM).
+    Summaries: ``summaries`` (a folder for psguard's TensorBoard scalars; ``None``: none).
+    """
+
+    coordinator: Any = None
+    data_position: Callable[[], Any] | None = None
+    capture: CaptureOptions = field(default_factory=CaptureOptions)
+    store: Store | None = None
+    storage_options: Mapping[str, Any] | None = None
+    retention: Retention | None = None
+    new_base_after: int | None = None
+    spool: str | os.PathLike[str] | None = None
+    restore_timeout: float = 120.0
+    hang: HangSpec | None = None
+    watch_policy: bool = True
+    preemption: bool = False
+    summaries: str | os.PathLike[str] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CallbackOptions:
+    """``psguard.keras.CheckpointCallback``'s own settings (its ``options=``), for the manager it creates.
+
+    ``max_to_keep``: keep the newest N checkpoints (with ``monitor``, beside the best one). ``save_at_end``: save
+    the final state when ``fit`` returns. ``summaries``: psguard's TensorBoard scalars: ``True`` to
+    ``<log_dir>/psguard`` of the fit's ``TensorBoard`` callback (when it has one), a folder, or ``False``.
+    ``manager``: the rest of the manager's settings (:class:`ManagerOptions`; its ``coordinator`` and
+    ``data_position`` are the callback's own). None of these applies to a ``CheckpointManager`` given instead of
+    a URL: set them on it.
+    """
+
+    max_to_keep: int | None = None
+    save_at_end: bool = True
+    summaries: str | os.PathLike[str] | bool = True
+    manager: ManagerOptions = field(default_factory=ManagerOptions)
+
+
+class DeprecatedManagerArgs(TypedDict, total=False):
+    """``CheckpointManager``'s keyword arguments before :class:`ManagerOptions` (each one warns)."""
+
+    coordinator: Any
+    retention: Retention | None
+    watch_policy: bool
+    storage_options: Mapping[str, Any] | None
+    data_position: Callable[[], Any] | None
+    new_base_after: int | None
+    preemption: bool
+    store: Store | None
+    capturer_options: Mapping[str, Any] | None
+    spool: str | os.PathLike[str] | None
+    restore_timeout: float
+    hang: HangSpec | None
+    summaries: str | os.PathLike[str] | None
+
+
+class DeprecatedCallbackArgs(TypedDict, total=False):
+    """``CheckpointCallback``'s keyword arguments before :class:`CallbackOptions` (each one warns)."""
+
+    save_every_n_steps: int | None
+    max_to_keep: int | None
+    storage_options: Mapping[str, Any] | None
+    save_at_end: bool
+    manager_options: Mapping[str, Any] | None
+    summaries: str | os.PathLike[str] | bool
+
+
+@dataclass(frozen=True)
+class Moved(Generic[Opts]):
+    """Where an old keyword argument went: the field at ``path`` of the options (dotted through nested ones),
+    spelled for the user as ``spelling``, its value converted by ``convert``."""
+
+    path: str
+    spelling: str
+    convert: Callable[[Any], Any] = lambda value: value
+
+    def apply(self, options: Opts, name: str, value: Any) -> Opts:
+        *outer, last = self.path.split(".")
+        chain: list[Any] = [options]  # the options, then each nested options object down to the field's holder
+        for part in outer:
+            chain.append(getattr(chain[-1], part))
+        if getattr(chain[-1], last) != _default(chain[-1], last):
+            raise ConfigError(
+                f"`{name}=` (deprecated) and `options.{self.path}` are both given; give it once: {self.spelling}"
+            )
+        new = dataclasses.replace(chain[-1], **{last: self.convert(value)})
+        for holder, part in zip(reversed(chain[:-1]), reversed(outer), strict=True):
+            new = dataclasses.replace(holder, **{part: new})
+        return cast(Opts, new)
+
+
+def _default(obj: Any, name: str) -> Any:
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def deprecation(name: str, spelling: str) -> str:
+    """The warning an old keyword argument gives: what to write instead, exactly."""
+    return f"`{name}=` is deprecated; use `{spelling}`"
+
+
+def apply_deprecated(
+    options: Opts, given: Mapping[str, Any], moves: Mapping[str, Moved[Opts]], *, callee: str, stacklevel: int = 3
+) -> Opts:
+    """``options`` with each old keyword argument in ``given`` moved to its field (:class:`Moved`), each warned
+    about at the caller's line (``stacklevel``: this function, the ``__init__`` calling it, the user's code)."""
+    unknown = sorted(set(given) - set(moves))
+    if unknown:
+        raise TypeError(f"{callee}() got an unexpected keyword argument {unknown[0]!r}")
+    # A whole nested options object (``manager_options``) before the fields inside it, so that a clash names both.
+    for name in sorted(given, key=lambda n: moves[n].path.count(".")):
+        move = moves[name]
+        warnings.warn(deprecation(name, move.spelling), DeprecationWarning, stacklevel=stacklevel)
+        options = move.apply(options, name, given[name])
+    return options
+
+
+def capture_options_from(mapping: Mapping[str, Any] | None) -> CaptureOptions:
+    """The old ``capturer_options`` mapping as :class:`CaptureOptions`; an unknown key is named."""
+    known = {f.name for f in dataclasses.fields(CaptureOptions)}
+    unknown = sorted(set(mapping or {}) - known)
+    if unknown:
+        raise ConfigError(f"capturer_options: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    return CaptureOptions(**dict(mapping or {}))
+
+
+def _manager_moves() -> dict[str, Moved[ManagerOptions]]:
+    moves: dict[str, Moved[ManagerOptions]] = {
+        name: Moved(name, f"options=psguard.ManagerOptions({name}=...)")
+        for name in DeprecatedManagerArgs.__annotations__
+        if name != "capturer_options"
+    }
+    moves["capturer_options"] = Moved(
+        "capture",
+        "options=psguard.ManagerOptions(capture=psguard.trainer.options.CaptureOptions(...))",
+        capture_options_from,
+    )
+    return moves
+
+
+#: ``CheckpointManager``'s old keyword arguments and where each went.
+MANAGER_MOVES = _manager_moves()
+
+
+def manager_options_from(mapping: Mapping[str, Any] | None) -> ManagerOptions:
+    """The Keras callback's old ``manager_options`` mapping (the manager's old keyword arguments) as
+    :class:`ManagerOptions`; an unknown key is named."""
+    unknown = sorted(set(mapping or {}) - set(MANAGER_MOVES))
+    if unknown:
+        raise ConfigError(f"manager_options: unknown key {unknown[0]!r}; known: {', '.join(sorted(MANAGER_MOVES))}")
+    options = ManagerOptions()
+    for name, value in (mapping or {}).items():
+        options = MANAGER_MOVES[name].apply(options, name, value)
+    return options
+
+
+def _callback_moves() -> dict[str, Moved[CallbackOptions]]:
+    spelling = "options=psguard.keras.CallbackOptions({}=...)"
+    return {
+        "max_to_keep": Moved("max_to_keep", spelling.format("max_to_keep")),
+        "save_at_end": Moved("save_at_end", spelling.format("save_at_end")),
+        "summaries": Moved("summaries", spelling.format("summaries")),
+        "storage_options": Moved(
+            "manager.storage_options",
+            "options=psguard.keras.CallbackOptions(manager=psguard.ManagerOptions(storage_options=...))",
+        ),
+        "manager_options": Moved(
+            "manager",
+            "options=psguard.keras.CallbackOptions(manager=psguard.ManagerOptions(...))",
+            manager_options_from,
+        ),
+    }
+
+
+#: ``CheckpointCallback``'s old keyword arguments that went into :class:`CallbackOptions` (``save_every_n_steps``
+#: went to ``save_freq``: the callback moves it itself).
+CALLBACK_MOVES = _callback_moves()
