@@ -49,6 +49,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "psguard.store.cli",
     "psguard.store.follow",
     "psguard.trainer.export",
+    "psguard.trainer.publish",
     "psguard.policy.cli",
     "psguard.benchmarks.cli",
     "psguard.chaos.cli",

@@ -9,7 +9,10 @@ An export of checkpoint ``C`` (step ``N``) into a folder (a local path, or a URL
    ``tf.train.Checkpoint.write`` serializes it for the same objects;
 2. last, TF's ``checkpoint`` state file (a text ``CheckpointState``, replaced atomically) naming ``ckpt-N`` the
    latest, earlier checkpoints of the folder kept in its list. A reader polling the folder
-   (``tf.train.checkpoints_iterator``, ``SidecarEvaluator``) sees the new checkpoint only once its files are whole.
+   (``tf.train.checkpoints_iterator``, ``SidecarEvaluator``) sees the new checkpoint only once its files are whole
+   (in a local folder, synced to disk first).
+3. with a retention (``psguard publish --keep K``), the state file lists the ``K`` newest, as TF's
+   ``CheckpointManager(max_to_keep=K)`` does, and only then are the files of those it no longer lists deleted.
 
 A remote folder gets the same files, made in a local temporary folder (``$TMPDIR``, the checkpoint's size) and
 put through psguard's storage backend, data before index before state file.
@@ -24,7 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,29 +106,93 @@ def export_checkpoint(
 ) -> str:
     """Write checkpoint ``checkpoint_id`` as a TF checkpoint into ``directory`` (a local folder or a store URL,
     opened with ``storage_options``) and name it the latest in the folder's state file; return its prefix."""
-    scheme, rest = split_url(str(directory))
     info = store.manifest(checkpoint_id)
-    name = f"{prefix_name}-{info.step}"
-    local = require_output_folder(rest, "export folder") if scheme == "file" else None
-    if local is not None:
-        local.mkdir(parents=True, exist_ok=True)
-    backend = open_backend(str(local) if local is not None else str(directory), storage_options)
-    try:
-        tensors = store.load(checkpoint_id)
+    with ExportFolder(directory, storage_options) as folder:
+        return folder.write(f"{prefix_name}-{info.step}", store.load(checkpoint_id), info.committed_at)
+
+
+class ExportFolder:
+    """A folder (a local path or a store URL) TF checkpoints are written into, each named the latest in TF's state
+    file once its files are whole; ``keep_last``: how many the state file lists (``None``: all)."""
+
+    def __init__(
+        self, directory: str | Path, storage_options: dict[str, Any] | None = None, *, keep_last: int | None = None
+    ) -> None:
+        scheme, rest = split_url(str(directory))
+        self.local = require_output_folder(rest, "export folder") if scheme == "file" else None
+        if self.local is not None:
+            self.local.mkdir(parents=True, exist_ok=True)
+        self.url = str(self.local) if self.local is not None else str(directory).rstrip("/")
+        self.keep_last = keep_last
+        self.backend = open_backend(self.url, storage_options)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> ExportFolder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def prefix(self, name: str) -> str:
+        return str(self.local / name) if self.local is not None else f"{self.url}/{name}"
+
+    def listed(self) -> list[tuple[str, float | None]]:
+        """The checkpoints the state file lists, oldest first (the latest last), with their timestamps (``None``
+        when the file has none for them); none without a state file TF reads."""
+        state = _parse_state(_read_state(self.backend))
+        paths = [_basename(p) for p in state.all_model_checkpoint_paths]
+        stamps = list(state.all_model_checkpoint_timestamps)
+        return list(zip(paths, stamps if len(stamps) == len(paths) else [None] * len(paths), strict=True))
+
+    def write(self, name: str, tensors: dict[str, np.ndarray], committed_at: float) -> str:
+        """Write ``tensors`` (a psguard checkpoint's, by TF checkpoint key) as checkpoint ``name``, then the state
+        file naming it the latest, then delete the files of checkpoints the state file no longer lists; return
+        its prefix. ``tensors`` is not changed."""
         if OBJECT_GRAPH_KEY in tensors:
             graph = np.asarray(tensors[OBJECT_GRAPH_KEY]).item()
-            tensors[OBJECT_GRAPH_KEY] = np.array(tf_object_graph(graph), dtype=object)
-        if local is not None:
-            _save_v2(str(local / name), tensors)
+            tensors = {**tensors, OBJECT_GRAPH_KEY: np.array(tf_object_graph(graph), dtype=object)}
+        if self.local is not None:
+            _save_v2(str(self.local / name), tensors)
+            _sync(self.local, name)
         else:
             with tempfile.TemporaryDirectory(prefix="psguard-export-") as staging:
                 _save_v2(str(Path(staging) / name), tensors)
                 del tensors
-                _upload(backend, Path(staging))
-        backend.put(STATE_FILE, _state_file(_read_state(backend), name, info.committed_at))
-    finally:
-        backend.close()
-    return str(local / name) if local is not None else f"{str(directory).rstrip('/')}/{name}"
+                _upload(self.backend, Path(staging))
+        from google.protobuf import text_format  # lazy: TF's dependency, only when exporting
+
+        previous = _parse_state(_read_state(self.backend))
+        state = _state_file(previous, name, committed_at, self.keep_last)
+        self.backend.put(STATE_FILE, str(text_format.MessageToString(state)).encode())
+        dropped = {_basename(p) for p in previous.all_model_checkpoint_paths}
+        dropped -= {_basename(p) for p in state.all_model_checkpoint_paths}
+        if dropped:  # only once the state file no longer names them
+            self._delete(lambda key: _checkpoint_of(key) in dropped)
+        return self.prefix(name)
+
+    def remove_unlisted(self, prefix_name: str) -> list[str]:
+        """Delete the files of checkpoints ``<prefix_name>-<step>`` the state file does not list, whole or half
+        written (``SaveV2``'s ``.tempstate`` files): what a writer killed before its state file, or between the
+        state file and the deletions of its retention, left. Returns their names."""
+        listed = {name for name, _ in self.listed()}
+        names: set[str] = set()
+
+        def unlisted(key: str) -> bool:
+            name = _checkpoint_of(key)
+            if name is None or name in listed or name.rsplit("-", 1)[0] != prefix_name:
+                return False
+            names.add(name)
+            return True
+
+        self._delete(unlisted)
+        return sorted(names)
+
+    def _delete(self, which: Callable[[str], bool]) -> None:
+        """Delete the folder's files ``which`` selects, index files first (TF no longer opens the checkpoint)."""
+        for key in sorted((k for k in self.backend.keys("") if which(k)), key=lambda k: ".index" not in k):
+            self.backend.delete(key)
 
 
 def _save_v2(prefix: str, tensors: dict[str, np.ndarray]) -> None:
@@ -136,6 +206,23 @@ def _save_v2(prefix: str, tensors: dict[str, np.ndarray]) -> None:
         shape_and_slices=[""] * len(names),
         tensors=[tf.constant(tensors[n]) for n in names],
     )
+
+
+def _sync(folder: Path, name: str) -> None:
+    """Checkpoint ``name``'s files in ``folder`` on disk before the state file names it (which is synced by the
+    storage backend), so a machine that crashes after the state file is written does not name lost data."""
+    for path in folder.iterdir():
+        if _checkpoint_of(path.name) == name:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _upload(backend: Backend, staging: Path) -> None:
@@ -152,23 +239,48 @@ def _read_state(backend: Backend) -> bytes | None:
         return None
 
 
-def _state_file(previous: bytes | None, name: str, committed_at: float) -> bytes:
-    """TF's ``checkpoint`` file naming ``name`` the latest, written as ``tf.train.CheckpointManager`` writes it
-    (paths relative to the folder, a timestamp per checkpoint); the checkpoints ``previous`` listed stay listed."""
+def _basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+#: A checkpoint's files: ``NAME.index``, ``NAME.data-00000-of-00001``, and while ``SaveV2`` writes them
+#: ``....tempstate<random>`` (renamed at the end).
+_CHECKPOINT_FILE = re.compile(r"^([A-Za-z0-9_.-]+-[0-9]+)\.(?:index|data-[0-9]+-of-[0-9]+)(?:\.tempstate[0-9]+)?$")
+
+
+def _checkpoint_of(key: str) -> str | None:
+    """The checkpoint whose file ``key`` is (``ckpt-7`` for ``ckpt-7.index``), or ``None``."""
+    m = _CHECKPOINT_FILE.match(key)
+    return m.group(1) if m else None
+
+
+def _parse_state(data: bytes | None) -> Any:
+    """A state file's ``CheckpointState``; an empty one when there is none or TF could not read it (logged)."""
     from google.protobuf import text_format
     from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
 
     state = CheckpointState()
-    if previous is not None:
+    if data is not None:
         try:
-            text_format.Parse(previous.decode(), state)
+            text_format.Parse(data.decode(), state)
         except (text_format.ParseError, UnicodeDecodeError) as e:
             log.warning("event=export_state_replaced reason=%s", f"the folder's {STATE_FILE} file is not TF's: {e}")
             state = CheckpointState()
+    return state
+
+
+def _state_file(state: Any, name: str, committed_at: float, keep_last: int | None = None) -> Any:
+    """TF's ``checkpoint`` state naming ``name`` the latest, as ``tf.train.CheckpointManager`` writes it (paths
+    relative to the folder, a timestamp per checkpoint); the checkpoints ``state`` (the previous one) listed stay
+    listed, the ``keep_last - 1`` newest of them when it is set (TF's ``max_to_keep``)."""
+    from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
+
     paths = list(state.all_model_checkpoint_paths)
     stamps = list(state.all_model_checkpoint_timestamps)
     paired = len(stamps) == len(paths)  # TF's CheckpointManager ignores timestamps it cannot pair with paths
     keep = [i for i, p in enumerate(paths) if p != name]
+    if keep_last is not None:
+        keep = keep[max(0, len(keep) - (keep_last - 1)) :]
     out = CheckpointState(
         model_checkpoint_path=name,
         all_model_checkpoint_paths=[paths[i] for i in keep] + [name],
@@ -177,7 +289,7 @@ def _state_file(previous: bytes | None, name: str, committed_at: float) -> bytes
         # deletes) every checkpoint listed after this time and keeps the older ones for ever.
         last_preserved_timestamp=state.last_preserved_timestamp,
     )
-    return str(text_format.MessageToString(out)).encode()
+    return out
 
 
 def cmd_export(args: argparse.Namespace) -> int:

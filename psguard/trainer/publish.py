@@ -1,0 +1,278 @@
+"""``psguard publish STORE FOLDER``: TF checkpoints of a job's durable commits, for tools that read only TF's.
+
+Some readers of a job's checkpoints cannot be changed: TF Serving export jobs, other teams' evaluators,
+``tf.keras.utils.SidecarEvaluator`` as shipped. A publisher is a process of its own (never the trainer: a
+publication costs a full TF checkpoint write, which the trainer's stall must not pay) that follows the store and,
+as durable commits land, writes TF checkpoints into a folder (a local path or any store URL) with TF's
+``checkpoint`` state file, exactly as ``psguard export`` writes one (:mod:`psguard.trainer.export`).
+
+The protocol, per publication of commit ``C`` (step ``N``):
+
+1. The publisher holds the tensors of the checkpoint it published last, in memory, and moves them to ``C`` as a
+   :class:`~psguard.Follower` moves its variables: by the deltas on the way when they cost fewer bytes than a
+   full read (every chunk read and verified before anything is applied), else by reading ``C`` whole. A corrupt
+   commit is skipped with a logged reason and never published.
+2. ``ckpt-N.data-00000-of-00001`` and ``ckpt-N.index`` are written (in a local folder synced to disk).
+3. The state file is replaced atomically, naming ``ckpt-N`` the latest and listing the ``--keep`` newest.
+4. Only then are the files of the checkpoint the list dropped deleted.
+
+A publisher killed at any moment leaves a folder TF reads: the state file names only checkpoints whose files
+were whole before it was written. What the kill left unlisted (a half-written ``ckpt-N``, ``SaveV2``'s
+``.tempstate`` files, a dropped checkpoint not yet deleted) is deleted when the next publisher starts, and that
+publisher carries on from the folder's state file: its cadence counts from the checkpoint listed last, and a
+commit already listed is not written again.
+
+Cadence (``--every N`` steps, ``--min-interval S`` seconds between the *commit times* of two publications, or
+every commit) is decided by psguard's save policies (:class:`~psguard.policy.engine.EverySteps`,
+:class:`~psguard.policy.engine.EveryInterval`), asked about the newest commit only: commits the publisher skips
+are not written later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from psguard.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedFormatError
+from psguard.policy.engine import EveryInterval, EverySteps, SaveContext, SavePolicy, TierState, Verdict
+from psguard.storage.registry import check_url, redact
+from psguard.store import CheckpointInfo, Store
+from psguard.store.cli import add_store_arguments, open_store, parse_storage_options, require_output_store
+from psguard.tensors import Rows, TensorUpdate, apply_update
+from psguard.trainer.export import ExportFolder
+from psguard.trainer.follower import delta_bytes, full_bytes
+
+__all__ = ["Published", "Publisher", "register"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Published:
+    """One publication: the commit, the TF prefix written, how the commit was read and at what cost, how long
+    the write took and how long after the commit it was listed."""
+
+    checkpoint: str
+    step: int
+    prefix: str
+    via: str  # "deltas" or "a full read"
+    bytes_read: int
+    write_seconds: float
+    lag_seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Publisher:
+    """Publish the newest durable commit of ``store`` into ``folder`` whenever ``cadence`` says it is due
+    (``None``: every commit). Checkpoints are named ``<prefix_name>-<step>``."""
+
+    def __init__(
+        self,
+        store: Store,
+        folder: ExportFolder,
+        *,
+        cadence: SavePolicy | None = None,
+        prefix_name: str = "ckpt",
+    ) -> None:
+        self.store = store
+        self.folder = folder
+        self.cadence = cadence
+        self.prefix_name = prefix_name
+        self._tensors: dict[str, np.ndarray] | None = None  # the commit held, by TF checkpoint key
+        self._held: str | None = None
+        self._bad: dict[str, str] = {}  # commit id -> why it is not published (not tried again)
+        removed = folder.remove_unlisted(prefix_name)
+        if removed:
+            log.warning(
+                "event=publish_unlisted_removed folder=%s checkpoints=%s reason=%s",
+                redact(folder.url),
+                ",".join(removed),
+                "files of checkpoints the state file does not list (a publisher killed mid-write left them)",
+            )
+
+    def poll(self) -> Published | None:
+        """Publish the newest commit if it is due and not listed yet; what was published, or ``None``."""
+        last = self._last()
+        for info in reversed(self.store.checkpoints()):
+            if last is not None and last.step is not None and info.step <= last.step:
+                return None
+            if info.id in self._bad:
+                continue
+            verdict = self._due(info, last)
+            if not verdict:
+                log.debug("event=publish_waiting checkpoint=%s step=%d reason=%s", info.id, info.step, verdict.reason)
+                return None
+            try:
+                return self._publish(info)
+            except (CorruptCheckpointError, UnsupportedFormatError, NoCheckpointError) as e:
+                self._bad[info.id] = str(e)
+                log.warning("event=publish_skipped checkpoint=%s step=%d reason=%s", info.id, info.step, e)
+        return None
+
+    def run(
+        self,
+        *,
+        poll_interval: float = 1.0,
+        stop: threading.Event | None = None,
+        exit_after: int | None = None,
+        on_published: Callable[[Published], None] | None = None,
+    ) -> int:
+        """Publish until ``stop`` is set (or ``exit_after`` publications); how many were published."""
+        stop = stop or threading.Event()
+        done = 0
+        while not stop.is_set() and (exit_after is None or done < exit_after):
+            published = self.poll()
+            if published is None:
+                stop.wait(poll_interval)
+                continue
+            done += 1
+            if on_published is not None:
+                on_published(published)
+        return done
+
+    # ------------------------------------------------------------------------------------------ deciding
+    def _last(self) -> TierState | None:
+        """The folder's latest listed checkpoint of this prefix: its step and commit time (``None``: none)."""
+        for name, stamp in reversed(self.folder.listed()):
+            head, _, number = name.rpartition("-")
+            if head == self.prefix_name and number.isdigit():
+                return TierState(step=int(number), at=stamp)
+        return None
+
+    def _due(self, info: CheckpointInfo, last: TierState | None) -> Verdict:
+        """Whether commit ``info`` is due, by the commit times (so a restarted publisher decides as before)."""
+        if last is None:
+            return Verdict(True, "nothing published in the folder yet")
+        if self.cadence is None:
+            return Verdict(True, "every commit")
+        return self.cadence.should_save(info.step, info.committed_at, last=last, context=SaveContext())
+
+    # ------------------------------------------------------------------------------------------ writing
+    def _publish(self, info: CheckpointInfo) -> Published:
+        via, nbytes = self._move_to(info)
+        assert self._tensors is not None
+        started = time.monotonic()
+        prefix = self.folder.write(f"{self.prefix_name}-{info.step}", self._tensors, info.committed_at)
+        done = Published(
+            checkpoint=info.id,
+            step=info.step,
+            prefix=redact(prefix),
+            via=via,
+            bytes_read=nbytes,
+            write_seconds=time.monotonic() - started,
+            lag_seconds=max(0.0, time.time() - info.committed_at),
+        )
+        log.info(
+            "event=published checkpoint=%s step=%d prefix=%s via=%s bytes_read=%d write_seconds=%.2f lag_seconds=%.2f",
+            done.checkpoint,
+            done.step,
+            done.prefix,
+            done.via,
+            done.bytes_read,
+            done.write_seconds,
+            done.lag_seconds,
+        )
+        return done
+
+    def _move_to(self, info: CheckpointInfo) -> tuple[str, int]:
+        """Make the tensors held those of commit ``info``: by its deltas from the one held when they cost no
+        more, else whole. Everything is read and verified before the tensors held change."""
+        chain = self.store.chain(info.id)
+        ids = [m.id for m in chain]
+        names = list(chain[-1].tensors)
+        if self._tensors is not None and self._held in ids:
+            on_the_way = chain[ids.index(self._held) + 1 :]
+            if delta_bytes(on_the_way, names) <= full_bytes(chain, names):
+                nbytes = 0
+                steps: list[dict[str, TensorUpdate]] = []
+                for m in on_the_way:
+                    updates, read = self.store.updates(m.id)
+                    steps.append(updates)
+                    nbytes += read
+                held, self._tensors, self._held = self._tensors, None, None  # unknown until every update is in
+                for updates in steps:
+                    for name, update in updates.items():
+                        held[name] = apply_update(_writable(held.get(name), update), update)
+                self._tensors = {name: held[name] for name in names}
+                self._held = info.id
+                return "deltas", nbytes
+        self._tensors, self._held = None, None
+        self._tensors = self.store.load(info.id)
+        self._held = info.id
+        return "a full read", full_bytes(chain, names)
+
+
+def _writable(current: np.ndarray | None, update: TensorUpdate) -> np.ndarray | None:
+    """``current``, copied when rows are to be written into it and it is read-only (a view of a read buffer)."""
+    if current is not None and isinstance(update, Rows) and not current.flags.writeable:
+        return current.copy()
+    return current
+
+
+def cadence_of(every: int | None, min_interval: float | None) -> SavePolicy | None:
+    """The publication cadence the command line asks for (``None``: every commit)."""
+    if every is not None:
+        return EverySteps(every)
+    if min_interval is not None:
+        return EveryInterval(min_interval)
+    return None
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    require_output_store(args.out, "FOLDER")  # before reading anything: a bad FOLDER is a usage error
+    check_url(args.out)
+    if args.keep < 1:
+        raise ConfigError(f"--keep must be at least 1, got {args.keep}")
+    if not args.poll > 0:
+        raise ConfigError(f"--poll must be a number of seconds > 0, got {args.poll}")
+    if args.exit_after is not None and args.exit_after < 1:
+        raise ConfigError(f"--exit-after must be at least 1, got {args.exit_after}")
+    cadence = cadence_of(args.every, args.min_interval)
+
+    def show(p: Published) -> None:
+        if args.json:
+            print(json.dumps(p.to_json()), flush=True)
+        else:
+            print(
+                f"step {p.step:>10}  {p.checkpoint}  -> {p.prefix}  ({p.via}, {p.bytes_read} bytes read, "
+                f"written in {p.write_seconds:.1f}s, lag {p.lag_seconds:.1f}s)",
+                flush=True,
+            )
+
+    options = parse_storage_options(args.out_option)
+    with open_store(args, must_exist=False) as store, ExportFolder(args.out, options, keep_last=args.keep) as folder:
+        Publisher(store, folder, cadence=cadence).run(
+            poll_interval=args.poll, exit_after=args.exit_after, on_published=show
+        )
+    return 0
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "publish", help="write TF checkpoints (and TF's state file) of a store's commits into a folder as they land"
+    )
+    add_store_arguments(p)
+    p.add_argument("out", metavar="FOLDER", help="folder for the TF checkpoints: a path or a store URL (created)")
+    p.add_argument("--out-option", action="append", metavar="KEY=VALUE", help="storage option for FOLDER; repeatable")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--every", type=int, metavar="N", help="publish a commit N steps or more after the last one")
+    g.add_argument(
+        "--min-interval",
+        type=float,
+        metavar="SECONDS",
+        help="publish a commit made SECONDS or more after the last one published (default: every commit)",
+    )
+    p.add_argument("--keep", type=int, default=5, metavar="K", help="checkpoints the state file lists (default 5)")
+    p.add_argument("--poll", type=float, default=1.0, metavar="SECONDS", help="how often to list (default 1)")
+    p.add_argument("--exit-after", type=int, metavar="N", help="exit after publishing N checkpoints")
+    p.set_defaults(func=cmd_publish)
