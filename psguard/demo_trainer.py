@@ -356,17 +356,22 @@ class DemoTrainer:
         from psguard.policy.files import HangSpec
         from psguard.testbed.model import RecModel, Trainer, make_optimizer
         from psguard.trainer.manager import CheckpointManager
+        from psguard.trainer.options import ManagerOptions
 
         args = self.args
         with self.strategy.scope():
             model = RecModel(self.config)
             optimizer = make_optimizer("adagrad")
         trainer = Trainer(self.strategy, self.coordinator, model, optimizer)
+        options = ManagerOptions(
+            coordinator=self.coordinator,
+            hang=HangSpec(after=args.hang_after) if args.hang_after else None,
+            new_base_after=args.new_base_after,
+        )
+        checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
         manager = CheckpointManager(
-            tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, coordinator=self.coordinator,
-            step_counter=model.step, hang=HangSpec(after=args.hang_after) if args.hang_after else None,
-            max_to_keep=args.max_to_keep, new_base_after=args.new_base_after,
-        )  # fmt: skip
+            checkpoint, args.store, max_to_keep=args.max_to_keep, step_counter=model.step, options=options
+        )
         job = Job(model, optimizer, trainer, manager)
         self.restore(job)
         return job

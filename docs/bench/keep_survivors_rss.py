@@ -44,6 +44,7 @@ from psguard.store import Store
 from psguard.testbed.cluster import LocalCluster
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import ManagerOptions
 from psguard.trainer.recovery import run_with_recovery
 
 workdir = Path(sys.argv[1]); gens = int(sys.argv[2]); mode = sys.argv[3]
@@ -89,7 +90,8 @@ with LocalCluster(num_ps=2, num_workers=1, standby=True) as cluster:
         manager = None
         if mode != "nosave":
             manager = CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), url,
-                coordinator=coordinator, step_counter=model.step, policy=schedule, spool=spool)
+                step_counter=model.step, policy=schedule,
+                options=ManagerOptions(coordinator=coordinator, spool=spool))
             if mode not in ("norestore", "manageronly"):
                 manager.restore_or_initialize()
         trainer.next_index = int(model.step.numpy())

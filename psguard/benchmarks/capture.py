@@ -203,6 +203,7 @@ class _Job:
 
         from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
         from psguard.trainer.manager import CheckpointManager
+        from psguard.trainer.options import ManagerOptions
 
         self.cfg = cfg
         self.coordinator = coordinator
@@ -220,7 +221,10 @@ class _Job:
         self.trainer = Trainer(strategy, coordinator, trained, self.optimizer)
         self.root = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer)
         self.psguard = CheckpointManager(
-            self.root, workdir / "psguard", coordinator=coordinator, step_counter=self.model.step
+            self.root,
+            workdir / "psguard",
+            options=ManagerOptions(coordinator=coordinator),
+            step_counter=self.model.step,
         )
         # max_to_keep=1: TF deletes the previous checkpoint inside save(), as a job keeping a few would.
         self.tf = tf.train.CheckpointManager(self.root, str(workdir / "tf"), max_to_keep=1)

@@ -6,7 +6,7 @@ over 2 PS by ``FixedShardsPartitioner(2)``, lookups (``features`` ids per exampl
 the rows, or on all rows with ``--ids uniform``. It is trained by tf_keras ``model.fit`` under
 ``ParameterServerStrategy`` on a real local cluster (2 PS + 2 worker processes, this process the chief):
 ``Embedding -> GlobalAveragePooling1D -> Dense(1)``, ``compile(optimizer, steps_per_execution=10)`` with a
-tf_keras optimizer, and ``psguard.keras.CheckpointCallback(save_every_n_steps=...)`` saving once a round to a
+tf_keras optimizer, and ``psguard.keras.CheckpointCallback(save_freq=...)`` saving once a round to a
 local folder (the trainer-side path: no agents, rows read to the chief).
 
 What is timed. Under PS, ``fit`` schedules steps without waiting for them (it runs ahead of the workers), so a
@@ -279,6 +279,7 @@ def _run(cfg: Config, strategy: Any, tmp: Path, started: float) -> dict[str, Any
 
     from psguard.testbed.model import make_optimizer
     from psguard.trainer.keras import CheckpointCallback
+    from psguard.trainer.options import CallbackOptions
 
     every = round_steps(cfg)
     total = every * (WARM_UP_SAVES + cfg.runs)
@@ -303,7 +304,7 @@ def _run(cfg: Config, strategy: Any, tmp: Path, started: float) -> dict[str, Any
             loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
             steps_per_execution=cfg.steps_per_execution,
         )
-    psguard = CheckpointCallback(str(tmp / "psguard"), save_every_n_steps=every, save_at_end=False)
+    psguard = CheckpointCallback(str(tmp / "psguard"), save_freq=every, options=CallbackOptions(save_at_end=False))
     tf_manager = tf.train.CheckpointManager(
         tf.train.Checkpoint(model=model, optimizer=model.optimizer), str(tmp / "tf"), max_to_keep=1
     )

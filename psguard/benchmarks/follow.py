@@ -49,6 +49,7 @@ def run(rows: int, dim: int, saves: int, changed: float, interval: float, poll: 
 
     from psguard.trainer.follower import Follower
     from psguard.trainer.manager import CheckpointManager
+    from psguard.trainer.options import ManagerOptions
 
     rng = np.random.default_rng(0)
     table = rng.standard_normal((rows, dim)).astype(np.float32)
@@ -85,7 +86,7 @@ def run(rows: int, dim: int, saves: int, changed: float, interval: float, poll: 
                     applied.append((info.step, seconds, f.stats.lag_seconds or 0.0, f.stats.bytes_read - before))
 
         tf_dirs: list[Path] = []
-        with CheckpointManager(trainer, store_url, new_base_after=0) as manager:
+        with CheckpointManager(trainer, store_url, options=ManagerOptions(new_base_after=0)) as manager:
             first = manager.save(0)
             assert first is not None, "no checkpoint_interval: every save happens"
             first.result()

@@ -32,6 +32,7 @@ from psguard.store.manifest import chunk_key
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.follower import Follower
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import ManagerOptions
 from psguard.trainer.variables import bitwise_equal, read_tensors
 from tests.support.paths import ROOT
 
@@ -88,7 +89,7 @@ def test_deltas_are_applied_in_place_and_end_bit_identical(tmp_path: Path) -> No
     url = str(tmp_path / "store")
     trainer = model((10_000, 10_000))
     rng = np.random.default_rng(1)
-    with CheckpointManager(trainer, url, new_base_after=0) as m:
+    with CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m:
         m.save(0).result(timeout=60)
         follower_ckpt = model((7_000, 7_000, 6_000), seed=9)  # another partitioning, other initial values
         with Follower(follower_ckpt, url, poll_interval=0.05) as f:
@@ -112,7 +113,10 @@ def test_it_jumps_several_deltas_at_once_and_reads_whole_when_the_chain_was_comp
     url = str(tmp_path / "store")
     trainer = model((10_000, 10_000))
     rng = np.random.default_rng(2)
-    with CheckpointManager(trainer, url, new_base_after=0) as m, Follower(model((ROWS,), seed=3), url) as f:
+    with (
+        CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m,
+        Follower(model((ROWS,), seed=3), url) as f,
+    ):
         m.save(0).result(timeout=60)
         assert f.poll() is not None
         for step in range(1, 4):
@@ -137,7 +141,10 @@ def test_a_corrupt_checkpoint_is_skipped_and_never_half_applied(tmp_path: Path, 
     url = str(tmp_path / "store")
     trainer = model((10_000, 10_000))
     rng = np.random.default_rng(4)
-    with CheckpointManager(trainer, url, new_base_after=0) as m, Follower(model((ROWS,), seed=5), url) as f:
+    with (
+        CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m,
+        Follower(model((ROWS,), seed=5), url) as f,
+    ):
         m.save(0).result(timeout=60)
         train(trainer, rng)
         good = m.save(1).result(timeout=60)
@@ -163,7 +170,7 @@ def test_serving_without_optimizer_slots_needs_ignore_missing(tmp_path: Path) ->
     url = str(tmp_path / "store")
     trainer = model((10_000, 10_000), slots=True)
     rng = np.random.default_rng(6)
-    with CheckpointManager(trainer, url, new_base_after=0) as m:
+    with CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m:
         m.save(0).result(timeout=60)
         train(trainer, rng)
         m.save(1).result(timeout=60)
@@ -218,7 +225,9 @@ def test_a_compiled_evaluator_restores_what_the_checkpoint_has_and_reports_what_
     caplog.set_level("INFO", logger="psguard.trainer.follower")
     want = sorted(f"model/optimizer/{n}/.ATTRIBUTES/VARIABLE_VALUE" for n in ("_iterations", "_learning_rate"))
     with (
-        CheckpointManager(tf.train.Checkpoint(model=trainer, optimizer=optimizer), url, new_base_after=0) as m,
+        CheckpointManager(
+            tf.train.Checkpoint(model=trainer, optimizer=optimizer), url, options=ManagerOptions(new_base_after=0)
+        ) as m,
         Follower(tf.train.Checkpoint(model=evaluator), url, ignore_missing=("optimizer",)) as f,
     ):
         for step in range(4):
@@ -293,7 +302,7 @@ def test_a_fresh_process_follows_a_1m_row_table_reading_a_tenth_of_a_full_restor
     script.write_text(FOLLOWER)
     last = 5
     argv = [sys.executable, str(script), url, str(last), str(ROOT)]
-    with CheckpointManager(trainer, url, new_base_after=0) as m:
+    with CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m:
         m.save(0).result(timeout=120)
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
         try:
@@ -324,7 +333,7 @@ def test_psguard_follow_prints_each_commit_as_it_lands(tmp_path: Path) -> None:
     url = str(tmp_path / "store")
     trainer = model((10_000, 10_000))
     rng = np.random.default_rng(8)
-    with CheckpointManager(trainer, url, new_base_after=0) as m:
+    with CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m:
         m.save(0).result(timeout=60)
         argv = [sys.executable, "-m", "psguard.cli", "follow", url, "--json", "--interval", "0.05", "--exit-after", "3"]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -355,7 +364,7 @@ def test_a_follower_reads_only_the_deltas_of_the_tensors_it_takes(tmp_path: Path
     trainer = model((10_000, 10_000), slots=True)
     rng = np.random.default_rng(14)
     with (
-        CheckpointManager(trainer, url, new_base_after=0) as m,
+        CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m,
         Follower(model((ROWS,), seed=15), url, ignore_missing=("optimizer",)) as f,
     ):
         m.save(0).result(timeout=60)
@@ -379,7 +388,10 @@ def test_the_checkpoints_iterator_yields_each_commit_once_in_step_order(tmp_path
     url = str(tmp_path / "store")
     trainer = model((10_000, 10_000))
     rng = np.random.default_rng(16)
-    with CheckpointManager(trainer, url, new_base_after=0) as m, Follower(model((ROWS,)), url, poll_interval=0.02) as f:
+    with (
+        CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m,
+        Follower(model((ROWS,)), url, poll_interval=0.02) as f,
+    ):
         it = f.checkpoints(timeout=0.3)
         m.save(0).result(timeout=60)
         assert next(it).step == 0
@@ -399,7 +411,10 @@ def test_the_checkpoints_iterator_yields_the_newest_of_commits_that_landed_toget
     trainer = model((10_000, 10_000))
     rng = np.random.default_rng(17)
     stop = threading.Event()
-    with CheckpointManager(trainer, url, new_base_after=0) as m, Follower(model((ROWS,)), url, poll_interval=0.02) as f:
+    with (
+        CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m,
+        Follower(model((ROWS,)), url, poll_interval=0.02) as f,
+    ):
         for step in range(3):
             train(trainer, rng)
             m.save(step).result(timeout=60)
@@ -421,7 +436,7 @@ def test_ignore_missing_true_takes_what_the_follower_holds_and_reads_nothing_els
     url = str(tmp_path / "store")
     trainer = model((10_000, 10_000), slots=True)
     emb = "emb/.ATTRIBUTES/VARIABLE_VALUE"
-    with CheckpointManager(trainer, url, new_base_after=0) as m:
+    with CheckpointManager(trainer, url, options=ManagerOptions(new_base_after=0)) as m:
         tensors = m.store.manifest(m.save(0).result(timeout=60).id).tensors
         read = (emb, "save_counter/.ATTRIBUTES/VARIABLE_VALUE", OBJECT_GRAPH_KEY)  # both roots have a save counter
         taken = sum(r.size for name in read for r in tensors[name].refs())

@@ -35,6 +35,7 @@ from psguard.store import Store
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.keras import CheckpointCallback, FitPosition, KerasSupportError
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import CallbackOptions, ManagerOptions
 from psguard.trainer.variables import bitwise_equal, read_tensors
 from tests.support.clusters import Chief
 from tests.support.paths import ROOT
@@ -123,7 +124,7 @@ def test_fit_resumes_mid_epoch_at_the_saved_step(
     url, options = target.url, target.options or None
     x, y = local_data()  # 10 batches of 32 per epoch, 3 per execution: executions end at batches 2, 5, 8, 9
     first = local_model()
-    cb = CheckpointCallback(url, save_every_n_steps=4, storage_options=options)
+    cb = CheckpointCallback(url, save_freq=4, options=CallbackOptions(manager=ManagerOptions(storage_options=options)))
     with pytest.raises(KeyboardInterrupt):
         first.fit(x, y, batch_size=32, epochs=3, callbacks=[cb, Crash(cb, 16)], verbose=0)
     cb.close()  # fit raised: on_train_end never ran
@@ -136,7 +137,7 @@ def test_fit_resumes_mid_epoch_at_the_saved_step(
     assert position.resume_at(10) == divmod(last.step, 10)
 
     second = local_model()
-    cb2 = CheckpointCallback(url, save_every_n_steps=4, storage_options=options)
+    cb2 = CheckpointCallback(url, save_freq=4, options=CallbackOptions(manager=ManagerOptions(storage_options=options)))
     batches = Batches()
     second.fit(x, y, batch_size=32, epochs=3, callbacks=[cb2, batches], verbose=0)
     assert cb2.restored_step == last.step
@@ -153,13 +154,13 @@ def test_a_finished_run_trains_nothing_and_restores_everything(url: str) -> None
     """The optimizer is built before the restore: its slots come back too (TF would skip them silently)."""
     x, y = local_data()
     model = local_model(optimizer="legacy-adagrad")
-    cb = CheckpointCallback(url, save_every_n_steps=5)
+    cb = CheckpointCallback(url, save_freq=5)
     model.fit(x, y, batch_size=32, epochs=2, callbacks=[cb], verbose=0)
     want = read_tensors(cb.checkpoint)
     assert any(".OPTIMIZER_SLOT" in n for n in want)
 
     fresh = local_model(optimizer="legacy-adagrad")
-    cb2 = CheckpointCallback(url, save_every_n_steps=5)
+    cb2 = CheckpointCallback(url, save_freq=5)
     batches = Batches()
     fresh.fit(x, y, batch_size=32, epochs=2, callbacks=[cb2, batches], verbose=0)
     assert cb2.resumed_at == (2, 0) and batches.seen == []
@@ -174,7 +175,7 @@ def test_an_existing_manager_is_used_and_left_open(url: str) -> None:
     model.optimizer.build(model.trainable_variables)
     manager = CheckpointManager(tf.train.Checkpoint(model=model, optimizer=model.optimizer), url)
     try:
-        cb = CheckpointCallback(manager, save_every_n_steps=6)
+        cb = CheckpointCallback(manager, save_freq=6)
         model.fit(x, y, batch_size=32, epochs=1, callbacks=[cb], verbose=0)
         # The callback's schedule and position hook applied during the fit only.
         assert manager.schedule is None and manager._data_position is None
@@ -194,7 +195,7 @@ def test_configuration_errors(url: str) -> None:
     with pytest.raises(ConfigError, match="store once"):
         CheckpointCallback()
     with pytest.raises(ConfigError, match="positive"):
-        CheckpointCallback(url, save_every_n_steps=0)
+        CheckpointCallback(url, save_freq=0)
     with pytest.raises(ConfigError, match="save_freq"):
         CheckpointCallback(url, save_freq="batch")
     with pytest.raises(ConfigError, match="needs monitor"):
@@ -204,17 +205,17 @@ def test_configuration_errors(url: str) -> None:
     manager = CheckpointManager(tf.train.Checkpoint(v=tf.Variable(1.0)), url)
     try:
         with pytest.raises(ConfigError, match="existing CheckpointManager"):
-            CheckpointCallback(manager, save_every_n_steps=3, max_to_keep=2)
+            CheckpointCallback(manager, save_freq=3, options=CallbackOptions(max_to_keep=2))
         with pytest.raises(ConfigError, match="existing CheckpointManager"):
-            CheckpointCallback(manager, summaries="logs")
+            CheckpointCallback(manager, options=CallbackOptions(summaries="logs"))
     finally:
         manager.close()
     with pytest.raises(ConfigError, match="summaries once"):
-        CheckpointCallback(url, summaries=False, manager_options={"summaries": "logs"})
+        CheckpointCallback(url, options=CallbackOptions(summaries=False, manager=ManagerOptions(summaries="logs")))
     unbuilt = tf_keras.Sequential([tf_keras.layers.Dense(1)])
     unbuilt.compile(optimizer="sgd", loss="mse")
     with pytest.raises(ConfigError, match="build the model"):
-        unbuilt.fit(np.zeros((4, 2)), np.zeros((4, 1)), callbacks=[CheckpointCallback(url, save_every_n_steps=1)])
+        unbuilt.fit(np.zeros((4, 2)), np.zeros((4, 1)), callbacks=[CheckpointCallback(url, save_freq=1)])
 
 
 def test_it_replaces_backup_and_restore_with_one_line(url: str) -> None:
@@ -241,7 +242,9 @@ def test_model_checkpoint_monitor_keeps_the_best_epoch_and_save_best_only_skips_
         def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
             logs["val_loss"] = [0.5, 0.2, 0.4, 0.3, 0.6][epoch]
 
-    callback = CheckpointCallback(url, monitor="val_loss", save_best_only=True, max_to_keep=1, save_at_end=False)
+    callback = CheckpointCallback(
+        url, monitor="val_loss", save_best_only=True, options=CallbackOptions(max_to_keep=1, save_at_end=False)
+    )
     local_model().fit(x, y, epochs=5, batch_size=32, callbacks=[Scripted(), callback], verbose=0)
     store = Store.open(url)
     steps = [c.step for c in store.checkpoints()]
@@ -255,11 +258,11 @@ def test_backup_and_restore_beside_it_is_refused(url: str, tmp_path: Path) -> No
     x, y = local_data()
     backup = tf_keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     with pytest.raises(ConfigError, match="BackupAndRestore"):
-        local_model().fit(x, y, epochs=1, callbacks=[backup, CheckpointCallback(url, save_every_n_steps=1)], verbose=0)
+        local_model().fit(x, y, epochs=1, callbacks=[backup, CheckpointCallback(url, save_freq=1)], verbose=0)
 
 
 def test_steps_and_policy_combine() -> None:
-    cb = CheckpointCallback("unused", save_every_n_steps=7, policy=Schedule(durable=EveryInterval(60.0)))
+    cb = CheckpointCallback("unused", save_freq=7, policy=Schedule(durable=EveryInterval(60.0)))
     assert cb._schedule == Schedule(durable=AnyOf((EveryInterval(60.0), EverySteps(7))))
     preset = CheckpointCallback("unused", policy="default")
     assert preset._schedule is not None and preset._schedule.durable is not None
@@ -278,7 +281,7 @@ def test_keras3_model_without_ps_is_refused(url: str) -> None:
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(optimizer="sgd", loss="mse")
     with pytest.raises(KerasSupportError, match="custom training loop"):
-        model.fit(np.zeros((4, 2)), np.zeros((4, 1)), callbacks=[CheckpointCallback(url, save_every_n_steps=1)])
+        model.fit(np.zeros((4, 2)), np.zeros((4, 1)), callbacks=[CheckpointCallback(url, save_freq=1)])
 
 
 def test_fit_writes_psguards_scalars_as_a_run_beside_the_tensorboard_callbacks(url: str, tmp_path: Path) -> None:
@@ -286,7 +289,7 @@ def test_fit_writes_psguards_scalars_as_a_run_beside_the_tensorboard_callbacks(u
     logs = tmp_path / "tb"
     # update_freq=4: while it trains, the TensorBoard callback records only every 4th step, saves are every 3rd
     board = tf_keras.callbacks.TensorBoard(log_dir=str(logs), update_freq=4)
-    cb = CheckpointCallback(url, save_every_n_steps=3)
+    cb = CheckpointCallback(url, save_freq=3)
     local_model(steps_per_execution=1).fit(x, y, batch_size=32, epochs=2, callbacks=[board, cb], verbose=0)
     assert cb.summaries_folder == str(logs / "psguard")
     assert {"train", "psguard"} <= {p.name for p in logs.iterdir()}
@@ -303,7 +306,7 @@ def test_fit_writes_psguards_scalars_as_a_run_beside_the_tensorboard_callbacks(u
     assert "psguard/restores/durable" not in got  # a fresh run restores nothing
 
     # A second fit with one more epoch resumes from step 20: its restore is written there.
-    again = CheckpointCallback(url, save_every_n_steps=3)
+    again = CheckpointCallback(url, save_freq=3)
     board = tf_keras.callbacks.TensorBoard(log_dir=str(logs), update_freq=4)
     local_model(steps_per_execution=1).fit(x, y, batch_size=32, epochs=3, callbacks=[again, board], verbose=0)
     got = scalars(logs / "psguard")
@@ -312,7 +315,7 @@ def test_fit_writes_psguards_scalars_as_a_run_beside_the_tensorboard_callbacks(u
     assert sorted(got["psguard/save_bytes"]) == [i.step for i in stored(url)] == [*steps, 23, 26, 29, 30]
 
     # summaries=False: none written, TensorBoard callback or not.
-    off = CheckpointCallback(str(tmp_path / "other"), save_every_n_steps=3, summaries=False)
+    off = CheckpointCallback(str(tmp_path / "other"), save_freq=3, options=CallbackOptions(summaries=False))
     board = tf_keras.callbacks.TensorBoard(log_dir=str(tmp_path / "tb-off"))
     local_model(steps_per_execution=1).fit(x, y, batch_size=32, epochs=1, callbacks=[board, off], verbose=0)
     assert off.summaries_folder is None
@@ -353,7 +356,7 @@ def test_fit_under_ps_saves_incrementally_and_restores_exactly(chief: Chief, url
     strategy = chief.strategies["fixed2"]
     model = ps_model(strategy)
     data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
-    cb = CheckpointCallback(url, save_every_n_steps=4)
+    cb = CheckpointCallback(url, save_freq=4)
     model.fit(data, epochs=2, steps_per_epoch=10, callbacks=[cb], verbose=0)
     assert model._cluster_coordinator is chief.coordinators["fixed2"]
     assert int(model.optimizer.iterations.numpy()) == 20 == cb.step
@@ -374,7 +377,7 @@ def test_fit_under_ps_saves_incrementally_and_restores_exactly(chief: Chief, url
     # A fresh model (optimizer not built: the callback builds it before restoring) given the same fit resumes
     # at its end: it trains nothing and holds exactly what the store held.
     fresh = ps_model(strategy)
-    cb2 = CheckpointCallback(url, save_every_n_steps=4)
+    cb2 = CheckpointCallback(url, save_freq=4)
     batches = Batches()
     fresh.fit(data, epochs=2, steps_per_epoch=10, callbacks=[cb2, batches], verbose=0)
     assert cb2.restored_step == 20 and cb2.resumed_at == (2, 0) and batches.seen == []
@@ -412,7 +415,7 @@ def test_write_tracking_holds_across_fits(chief: Chief, url: str, tmp_path: Path
     strategy = chief.strategies["fixed2"]
     data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
     model = ps_model(strategy)
-    cb = CheckpointCallback(url, save_every_n_steps=4)
+    cb = CheckpointCallback(url, save_freq=4)
     watch = HashedAll(cb)
     model.fit(data, epochs=1, steps_per_epoch=8, callbacks=[cb, watch], verbose=0)
     first = model.train_tf_function
@@ -425,10 +428,10 @@ def test_write_tracking_holds_across_fits(chief: Chief, url: str, tmp_path: Path
     manager = CheckpointManager(
         tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer),
         str(tmp_path / "given"),
-        coordinator=chief.coordinator,
+        options=ManagerOptions(coordinator=chief.coordinator),
     )
     try:
-        cb2 = CheckpointCallback(manager, save_every_n_steps=4)
+        cb2 = CheckpointCallback(manager, save_freq=4)
         watch2 = HashedAll(cb2)
         fresh.fit(data, epochs=1, steps_per_epoch=8, callbacks=[cb2, watch2], verbose=0)
         kept = fresh.train_tf_function
@@ -447,7 +450,7 @@ def test_keras3_model_under_ps_is_refused_with_what_to_use(chief: Chief, url: st
     with chief.strategies["none"].scope():
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
         model.compile(optimizer="sgd", loss="mse")
-    cb = CheckpointCallback(url, save_every_n_steps=1)
+    cb = CheckpointCallback(url, save_freq=1)
     with pytest.raises(KerasSupportError) as err:
         cb.set_model(model)  # what every CallbackList does before training
     text = str(err.value)

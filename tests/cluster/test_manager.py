@@ -28,6 +28,7 @@ from psguard.store import Store
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimizer, make_optimizer
 from psguard.trainer.export import OBJECT_GRAPH_KEY, export_checkpoint
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import ManagerOptions
 from psguard.trainer.variables import bitwise_equal
 from tests.support.clusters import Chief
 from tests.support.managers import FlakyBackend, GatedBackend, assert_restores, make_local, snapshot, train_local
@@ -92,7 +93,7 @@ def test_by_default_a_save_returns_once_it_is_durable_as_tfs_does(url: str) -> N
     backend = GatedBackend(open_backend(url), gate)
     store = Store(backend)
     try:
-        with CheckpointManager(ckpt, url, store=store) as m:
+        with CheckpointManager(ckpt, url, options=ManagerOptions(store=store)) as m:
             handles: list[Any] = []
             saving = threading.Thread(target=lambda: handles.append(m.save(1)), daemon=True)
             saving.start()
@@ -113,7 +114,7 @@ def test_async_save_persists_the_values_of_its_own_step(url: str) -> None:
     backend = GatedBackend(open_backend(url), gate)
     store = Store(backend)
     try:
-        with CheckpointManager(ckpt, url, store=store, policy=ASYNC) as m:
+        with CheckpointManager(ckpt, url, options=ManagerOptions(store=store), policy=ASYNC) as m:
             first = m.save(1)
             at_save = snapshot(ckpt)
             train_local(emb, dense, ckpt, np.random.default_rng(3), rows=500)  # while the write is blocked
@@ -132,7 +133,7 @@ def test_saves_fold_while_the_store_is_slow_and_nothing_is_lost(url: str) -> Non
     store = Store(backend)
     rng = np.random.default_rng(4)
     try:
-        with CheckpointManager(ckpt, url, store=store, policy=ASYNC) as m:
+        with CheckpointManager(ckpt, url, options=ManagerOptions(store=store), policy=ASYNC) as m:
             handles = []
             for step in range(1, 5):
                 train_local(emb, dense, ckpt, rng)
@@ -156,7 +157,7 @@ def test_a_failed_write_keeps_its_rows_for_the_next_save(url: str) -> None:
     store = Store(backend)
     rng = np.random.default_rng(5)
     try:
-        with CheckpointManager(ckpt, url, store=store) as m:
+        with CheckpointManager(ckpt, url, options=ManagerOptions(store=store)) as m:
             m.save(1).result(timeout=60)
             train_local(emb, dense, ckpt, rng)
             backend.failing = True
@@ -188,7 +189,7 @@ def test_restore_mismatch_lists_every_problem(url: str) -> None:
 def test_max_to_keep_applies_retention(url: str) -> None:
     ckpt, emb, dense = make_local()
     rng = np.random.default_rng(6)
-    with CheckpointManager(ckpt, url, max_to_keep=2, new_base_after=3) as m:
+    with CheckpointManager(ckpt, url, max_to_keep=2, options=ManagerOptions(new_base_after=3)) as m:
         for step in range(1, 9):
             train_local(emb, dense, ckpt, rng)
             m.save(step).result(timeout=60)  # one at a time: no folding, so the chain length is known
@@ -416,7 +417,9 @@ def test_cluster_chain_restores_exactly_for_every_optimizer(chief: Chief, optimi
     model, opt, ckpt = fresh_model(chief, "fixed2", optimizer)
     trainer = Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt)
     states = {}
-    with CheckpointManager(ckpt, url, coordinator=chief.coordinator, step_counter=model.step) as m:
+    with CheckpointManager(
+        ckpt, url, options=ManagerOptions(coordinator=chief.coordinator), step_counter=model.step
+    ) as m:
         for _ in range(4):
             trainer.train(5, join=False)
             h = m.save()  # drains the coordinator first: weights and slots of one step
@@ -479,12 +482,12 @@ def test_cluster_slots_created_after_the_restore_get_their_saved_values(
 def test_cluster_restore_under_another_partitioning(chief: Chief, url: str) -> None:
     model, opt, ckpt = fresh_model(chief, "fixed2", "adam")
     Trainer(chief.strategies["fixed2"], chief.coordinator, model, opt).train(10)
-    with CheckpointManager(ckpt, url, coordinator=chief.coordinator) as m:
+    with CheckpointManager(ckpt, url, options=ManagerOptions(coordinator=chief.coordinator)) as m:
         m.save(10).result(timeout=120)
         want = snapshot(ckpt)
     for partitioning in ("fixed3", "min", "none"):
         model2, _, ckpt2 = fresh_model(chief, partitioning, "adam")
-        with CheckpointManager(ckpt2, url, coordinator=chief.coordinators[partitioning]) as m2:
+        with CheckpointManager(ckpt2, url, options=ManagerOptions(coordinator=chief.coordinators[partitioning])) as m2:
             assert m2.restore_or_initialize() is not None
             got = snapshot(ckpt2)
         assert all(bitwise_equal(want[n], got[n]) for n in want), partitioning
@@ -499,7 +502,9 @@ def test_cluster_async_save_overlapping_training_keeps_its_step(chief: Chief, ur
     gate = threading.Event()
     store = Store(GatedBackend(open_backend(url), gate))
     try:
-        with CheckpointManager(ckpt, url, coordinator=chief.coordinator, store=store, policy=ASYNC) as m:
+        with CheckpointManager(
+            ckpt, url, options=ManagerOptions(coordinator=chief.coordinator, store=store), policy=ASYNC
+        ) as m:
             h = m.save(5)
             at_save = snapshot(ckpt)
             trainer.train(20)  # training goes on while the save is being written

@@ -31,6 +31,7 @@ from psguard.policy.lag import LagBound
 from psguard.storage import open_backend
 from psguard.store import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
+from psguard.trainer.options import ManagerOptions
 from tests.support.agents import lone_chief_agent
 from tests.support.managers import FlakyBackend, GatedBackend, make_local, snapshot, train_local
 
@@ -92,7 +93,9 @@ def test_under_an_agent_wait_returns_only_once_the_save_is_durable(tmp_path: Pat
         ckpt, emb, dense = make_local()
         # durable_lag report: save() returns at the capture, so what is tested is wait() itself
         report = Schedule(durable_lag=LagBound(on_exceed="report"))
-        with CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", store=store, policy=report) as m:
+        with CheckpointManager(
+            ckpt, str(store.url), options=ManagerOptions(spool=tmp_path / "spool", store=store), policy=report
+        ) as m:
             train_local(emb, dense, ckpt, np.random.default_rng(1))
             h = m.save(1)
             opener.start()
@@ -115,7 +118,7 @@ def test_under_an_agent_close_raises_when_a_durable_save_failed(tmp_path: Path) 
     agent = Agent(tmp_path / "spool", store)
     try:
         ckpt, emb, dense = make_local()
-        m = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool")
+        m = CheckpointManager(ckpt, str(store.url), options=ManagerOptions(spool=tmp_path / "spool"))
         train_local(emb, dense, ckpt, np.random.default_rng(2))
         m.save(1).result(timeout=60)
         agent.persister.stop(drain=True)  # the agent's writer is gone: nothing more becomes durable
@@ -135,7 +138,7 @@ def test_a_memory_only_save_resolves_to_a_typed_memory_checkpoint(tmp_path: Path
     agent = Agent(tmp_path / "spool", store)
     try:
         ckpt, emb, dense = make_local()
-        with CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool") as m:
+        with CheckpointManager(ckpt, str(store.url), options=ManagerOptions(spool=tmp_path / "spool")) as m:
             train_local(emb, dense, ckpt, np.random.default_rng(4))
             h = m.save(7, tiers=frozenset({Tier.MEMORY}))
             got = h.result(timeout=60)
@@ -156,7 +159,7 @@ def test_the_policy_files_retention_is_applied_by_either_sink(tmp_path: Path, si
     try:
         ckpt, emb, dense = make_local()
         spool = tmp_path / "spool" if agent else None
-        with CheckpointManager(ckpt, str(store.url), policy=policy, spool=spool) as m:
+        with CheckpointManager(ckpt, str(store.url), policy=policy, options=ManagerOptions(spool=spool)) as m:
             assert m.retention == Retention(keep_last=2)
             rng = np.random.default_rng(6)
             for step in range(1, 7):
@@ -178,8 +181,10 @@ def test_explicit_max_to_keep_wins_over_the_policy_file(tmp_path: Path) -> None:
     ckpt, _, _ = make_local()
     with CheckpointManager(ckpt, str(tmp_path / "store"), max_to_keep=4, policy=policy) as m:
         assert m.retention == Retention(keep_last=4)
-    with pytest.raises(Exception, match="either retention= or max_to_keep"):
-        CheckpointManager(ckpt, str(tmp_path / "store"), max_to_keep=4, retention=Retention(keep_last=1))
+    with pytest.raises(Exception, match=r"either options\.retention or max_to_keep"):
+        CheckpointManager(
+            ckpt, str(tmp_path / "store"), max_to_keep=4, options=ManagerOptions(retention=Retention(keep_last=1))
+        )
 
 
 def test_the_policy_files_base_section_makes_new_bases_without_an_agent(tmp_path: Path) -> None:
@@ -187,7 +192,7 @@ def test_the_policy_files_base_section_makes_new_bases_without_an_agent(tmp_path
     store = Store.open(str(tmp_path / "store"))
     try:
         ckpt, emb, dense = make_local()
-        with CheckpointManager(ckpt, str(store.url), policy=policy, new_base_after=0) as m:
+        with CheckpointManager(ckpt, str(store.url), policy=policy, options=ManagerOptions(new_base_after=0)) as m:
             rng = np.random.default_rng(7)
             for step in range(1, 8):
                 train_local(emb, dense, ckpt, rng)
@@ -245,7 +250,7 @@ def test_a_failed_write_without_an_agent_is_raised_by_wait(tmp_path: Path) -> No
     store = Store(backend)
     try:
         ckpt, emb, dense = make_local()
-        with CheckpointManager(ckpt, str(store.url), store=store) as m:
+        with CheckpointManager(ckpt, str(store.url), options=ManagerOptions(store=store)) as m:
             train_local(emb, dense, ckpt, np.random.default_rng(9))
             backend.failing = True
             h = m.save(1)
@@ -309,7 +314,9 @@ def test_a_restore_holding_the_memory_tier_does_not_wait_for_a_store_that_is_dow
         try:
             ckpt, emb, dense = make_local()
             rng = np.random.default_rng(10)
-            with CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", store=store) as m:
+            with CheckpointManager(
+                ckpt, str(store.url), options=ManagerOptions(spool=tmp_path / "spool", store=store)
+            ) as m:
                 train_local(emb, dense, ckpt, rng)
                 m.save(1).result(timeout=60)
                 train_local(emb, dense, ckpt, rng)
@@ -317,7 +324,9 @@ def test_a_restore_holding_the_memory_tier_does_not_wait_for_a_store_that_is_dow
                 want = snapshot(ckpt)
             proxy.fail_next(1_000_000, status=503, code="ServiceUnavailable")  # the store is down from here
             fresh, _, _ = make_local(seed=3)
-            with CheckpointManager(fresh, str(store.url), spool=tmp_path / "spool", store=store) as m2:
+            with CheckpointManager(
+                fresh, str(store.url), options=ManagerOptions(spool=tmp_path / "spool", store=store)
+            ) as m2:
                 t0 = time.monotonic()
                 restored = m2.restore_or_initialize()
                 took = time.monotonic() - t0

@@ -28,6 +28,7 @@ from psguard.handoff.spool import NeedFullCaptureError
 from psguard.policy import LagBound, Schedule
 from psguard.store import Store
 from psguard.trainer.manager import CheckpointManager, MemoryCheckpoint
+from psguard.trainer.options import ManagerOptions
 from psguard.trainer.variables import bitwise_equal
 from tests.support.agents import AgentProc, write_cluster
 from tests.support.managers import assert_restores, make_local, snapshot, train_local
@@ -66,7 +67,7 @@ def sidecar(tmp_path: Path) -> Iterator[Sidecar]:
 def test_saves_reach_the_memory_tier_and_the_durable_log(sidecar: Sidecar) -> None:
     ckpt, emb, dense = make_local()
     rng = np.random.default_rng(11)
-    with CheckpointManager(ckpt, str(sidecar.store.url), spool=sidecar.spool) as m:
+    with CheckpointManager(ckpt, str(sidecar.store.url), options=ManagerOptions(spool=sidecar.spool)) as m:
         for step in range(1, 4):
             train_local(emb, dense, ckpt, rng)
             info = m.save(step).result(timeout=60)  # durable by default
@@ -85,7 +86,7 @@ def test_a_chain_broken_while_a_delta_is_captured_gets_the_state_whole_not_a_cra
     crashed on it (``ConfigError: this delta has no parent state``, in a node-loss recovery with parity)."""
     ckpt, emb, dense = make_local()
     rng = np.random.default_rng(5)
-    with CheckpointManager(ckpt, str(sidecar.store.url), spool=sidecar.spool) as m:
+    with CheckpointManager(ckpt, str(sidecar.store.url), options=ManagerOptions(spool=sidecar.spool)) as m:
         train_local(emb, dense, ckpt, rng)
         m.save(1).result(timeout=60)
         writer, real = m._sink.spool, m.capturer.capture  # type: ignore[attr-defined]
@@ -118,7 +119,7 @@ def test_a_refused_capture_redone_whole_by_the_next_save_does_not_fail_wait(side
     no later save is still a failure."""
     ckpt, emb, dense = make_local()
     rng = np.random.default_rng(9)
-    with CheckpointManager(ckpt, str(sidecar.store.url), spool=sidecar.spool) as m:
+    with CheckpointManager(ckpt, str(sidecar.store.url), options=ManagerOptions(spool=sidecar.spool)) as m:
         train_local(emb, dense, ckpt, rng)
         m.save(1, tiers=frozenset({Tier.MEMORY})).result(timeout=60)
         writer = m._sink.spool  # type: ignore[attr-defined]
@@ -149,7 +150,7 @@ def test_restore_prefers_a_newer_memory_tier(sidecar: Sidecar) -> None:
     ckpt, emb, dense = make_local()
     rng = np.random.default_rng(12)
     url = str(sidecar.store.url)
-    with CheckpointManager(ckpt, url, spool=sidecar.spool) as m:
+    with CheckpointManager(ckpt, url, options=ManagerOptions(spool=sidecar.spool)) as m:
         train_local(emb, dense, ckpt, rng)
         m.save(1).result(timeout=60)
         train_local(emb, dense, ckpt, rng)
@@ -158,7 +159,7 @@ def test_restore_prefers_a_newer_memory_tier(sidecar: Sidecar) -> None:
         assert isinstance(memory_only, MemoryCheckpoint) and memory_only.step == 2 and memory_only.token
         want = snapshot(ckpt)
     fresh, _, _ = make_local(seed=5, rows=(3000,))
-    with CheckpointManager(fresh, url, spool=sidecar.spool) as m2:
+    with CheckpointManager(fresh, url, options=ManagerOptions(spool=sidecar.spool)) as m2:
         assert m2.restore_or_initialize() is not None
         assert m2.restored is not None and m2.restored.source == "memory" and m2.restored.step == 2
         got = snapshot(fresh)
@@ -176,13 +177,13 @@ def test_tfs_restore_lines_take_the_memory_tier_when_nothing_is_durable_yet(side
     ckpt, emb, dense = make_local()
     url = str(sidecar.store.url)
     sidecar.persister.stop(drain=False)  # the store takes no commit yet (down, or the first base still on its way)
-    with CheckpointManager(ckpt, url, spool=sidecar.spool) as m:
+    with CheckpointManager(ckpt, url, options=ManagerOptions(spool=sidecar.spool)) as m:
         train_local(emb, dense, ckpt, np.random.default_rng(13))
         m.save(4, tiers=frozenset({Tier.MEMORY})).result(timeout=60)
         want = snapshot(ckpt)
     assert sidecar.store.latest() is None
     fresh, _, _ = make_local(seed=6)
-    with CheckpointManager(fresh, url, spool=sidecar.spool) as m2:
+    with CheckpointManager(fresh, url, options=ManagerOptions(spool=sidecar.spool)) as m2:
         latest = m2.latest_checkpoint
         assert latest is not None and latest.startswith("memory:")
         status = fresh.restore(latest).assert_consumed()
@@ -201,7 +202,7 @@ def test_the_first_memory_save_starts_the_logs_base_so_a_lost_node_has_one(tmp_p
     server = SpoolServer(tmp_path / "spool", tier, persister).start()
     try:
         ckpt, emb, dense = make_local()
-        with CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool") as m:
+        with CheckpointManager(ckpt, str(store.url), options=ManagerOptions(spool=tmp_path / "spool")) as m:
             train_local(emb, dense, ckpt, np.random.default_rng(17))
             m.save(3, tiers=frozenset({Tier.MEMORY})).result(timeout=60)  # memory only: nobody asked durable
             want = snapshot(ckpt)
@@ -219,14 +220,14 @@ def test_without_a_live_agent_restore_uses_the_durable_log(tmp_path: Path) -> No
     url = str(tmp_path / "store")
     car = start_sidecar(tmp_path / "spool", url)
     ckpt, emb, dense = make_local()
-    with CheckpointManager(ckpt, url, spool=car.spool) as m:
+    with CheckpointManager(ckpt, url, options=ManagerOptions(spool=car.spool)) as m:
         train_local(emb, dense, ckpt, np.random.default_rng(13))
         m.save(4).result(timeout=60)
         want = snapshot(ckpt)
     car.stop()
     car.store.close()
     fresh, _, _ = make_local(seed=6)
-    with CheckpointManager(fresh, url, spool=tmp_path / "spool") as m2:
+    with CheckpointManager(fresh, url, options=ManagerOptions(spool=tmp_path / "spool")) as m2:
         assert m2.restore_or_initialize() is not None
         assert m2.restored is not None and m2.restored.source == "durable" and m2.restored.step == 4
         got = snapshot(fresh)
@@ -249,11 +250,13 @@ def test_a_failed_generation_is_released_without_waiting_for_the_agents_durable_
         train_local(emb, dense, ckpt, np.random.default_rng(21))
         # Training may not wait for durable writes that never come: the lag is only reported.
         report = Schedule(durable_lag=LagBound(on_exceed="report"))
-        waiting = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", policy=report)
+        waiting = CheckpointManager(
+            ckpt, str(store.url), options=ManagerOptions(spool=tmp_path / "spool"), policy=report
+        )
         waiting.save(1).restorable(timeout=60)  # in the memory tier, durable never
         with pytest.raises(TimeoutError, match="save of step 1 not durable"):
             waiting.close(timeout=0.5)
-        m = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool", policy=report)
+        m = CheckpointManager(ckpt, str(store.url), options=ManagerOptions(spool=tmp_path / "spool"), policy=report)
         handle = m.save(2)
         handle.restorable(timeout=60)
         t0 = time.monotonic()
@@ -283,7 +286,7 @@ def test_the_failure_time_told_to_the_agent_is_the_failed_generations_last_step(
     server = SpoolServer(tmp_path / "spool", tier, persister).start()
     try:
         ckpt, _, _ = make_local()
-        m = CheckpointManager(ckpt, str(store.url), spool=tmp_path / "spool")
+        m = CheckpointManager(ckpt, str(store.url), options=ManagerOptions(spool=tmp_path / "spool"))
         before = time.time()
         m.save(1).result(timeout=60)
         ran = process_managers.generation_ran_at()
@@ -312,7 +315,9 @@ def test_under_an_agent_max_to_keep_is_applied_and_the_stall_is_reported(tmp_pat
     try:
         ckpt, emb, dense = make_local()
         rng = np.random.default_rng(5)
-        with CheckpointManager(ckpt, str(store.url), max_to_keep=2, spool=tmp_path / "spool") as m:
+        with CheckpointManager(
+            ckpt, str(store.url), max_to_keep=2, options=ManagerOptions(spool=tmp_path / "spool")
+        ) as m:
             for step in range(1, 7):
                 train_local(emb, dense, ckpt, rng)
                 m.save(step).result(timeout=60)
@@ -386,7 +391,8 @@ import psguard
 
 table = tf.Variable(np.zeros((256, 8), np.float32))
 ckpt = tf.train.Checkpoint(table=table)
-manager = psguard.CheckpointManager(ckpt, os.environ["PSGUARD_STORE"], new_base_after=int(sys.argv[1]))
+options = psguard.ManagerOptions(new_base_after=int(sys.argv[1]))
+manager = psguard.CheckpointManager(ckpt, os.environ["PSGUARD_STORE"], options=options)
 for step in range(1, 8):
     table.scatter_update(tf.IndexedSlices(tf.fill([1, 8], float(step)), tf.constant([step])))
     manager.save(step).result(timeout=120)  # durable: the agent committed it

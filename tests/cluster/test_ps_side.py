@@ -33,6 +33,7 @@ from psguard.testbed.model import ModelConfig, RecModel, Trainer, build_optimize
 from psguard.trainer.capture import Capturer
 from psguard.trainer.deferred_init import deferred_initial_values
 from psguard.trainer.manager import CheckpointManager, RestoreInfo
+from psguard.trainer.options import CaptureOptions, ManagerOptions
 from psguard.trainer.recovery import StablePlacement, _rebuild
 from psguard.trainer.variables import read_tensors
 from tests.support.clusters import Chief
@@ -289,8 +290,9 @@ def test_shard_files_that_do_not_load_on_the_ps_send_the_restore_elsewhere_with_
     manager = CheckpointManager(
         root,
         (tmp_path / "store").as_uri(),
-        coordinator=chief.coordinator,
-        capturer_options={"row_tracking_min_rows": 64, "spill_dirs": dirs},
+        options=ManagerOptions(
+            coordinator=chief.coordinator, capture=CaptureOptions(row_tracking_min_rows=64, spill_dirs=dirs)
+        ),
     )
     try:
         for name, value in read_tensors(root).items():
@@ -332,8 +334,10 @@ def test_a_ps_lost_during_the_load_raises_rather_than_sending_the_restore_to_an_
     manager = CheckpointManager(
         root,
         (tmp_path / "store").as_uri(),
-        coordinator=chief.coordinator,
-        capturer_options={"row_tracking_min_rows": 64, "spill_dirs": part_dirs(tmp_path)},
+        options=ManagerOptions(
+            coordinator=chief.coordinator,
+            capture=CaptureOptions(row_tracking_min_rows=64, spill_dirs=part_dirs(tmp_path)),
+        ),
     )
     try:
         spilled = manager.capturer.spilled
@@ -362,7 +366,7 @@ def test_a_rebuild_before_a_restore_creates_big_variables_without_values_and_onl
     one of them lets the rebuild stand; without a checkpoint the caller must build again (``_rebuild``)."""
     _, _, saved = fresh(chief)
     url = (tmp_path / "store").as_uri()
-    with CheckpointManager(saved, url, coordinator=chief.coordinator) as m:
+    with CheckpointManager(saved, url, options=ManagerOptions(coordinator=chief.coordinator)) as m:
         m.save(3)
         m.wait()
     want = read_tensors(saved)
@@ -370,7 +374,7 @@ def test_a_rebuild_before_a_restore_creates_big_variables_without_values_and_onl
         _, _, root = fresh(chief)
         assert not deferred.complete and deferred.deferred == 4  # 2 tensors x 2 shards
         assert deferred.deferred_bytes == 2 * CONFIG.vocab_size * CONFIG.embedding_dim * 4
-        with CheckpointManager(root, url, coordinator=chief.coordinator) as m:
+        with CheckpointManager(root, url, options=ManagerOptions(coordinator=chief.coordinator)) as m:
             assert m.restore_or_initialize() is not None
     assert deferred.complete
     got = read_tensors(root)
@@ -378,7 +382,9 @@ def test_a_rebuild_before_a_restore_creates_big_variables_without_values_and_onl
 
     with deferred_initial_values(min_bytes=8192) as deferred:
         _, _, root = fresh(chief)
-        with CheckpointManager(root, (tmp_path / "empty").as_uri(), coordinator=chief.coordinator) as m:
+        with CheckpointManager(
+            root, (tmp_path / "empty").as_uri(), options=ManagerOptions(coordinator=chief.coordinator)
+        ) as m:
             assert m.restore_or_initialize() is None  # nothing to restore: the variables hold no values
     assert not deferred.complete
 

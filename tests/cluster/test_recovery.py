@@ -119,12 +119,15 @@ def test_a_new_generation_gets_back_the_coordinators_tolerance_of_transient_ps_e
     network error), and the failed generation used them up: the new generation's first such error ended it. The
     rebuild gives the coordinator of every open manager its tolerance back."""
     from psguard.trainer.manager import CheckpointManager
+    from psguard.trainer.options import ManagerOptions
     from psguard.trainer.recovery import restore_failure_tolerance
 
     cluster = chief.coordinator._cluster
     with chief.strategies["fixed2"].scope():
         step = tf.Variable(0, dtype=tf.int64)
-    with CheckpointManager(tf.train.Checkpoint(step=step), str(tmp_path / "store"), coordinator=chief.coordinator):
+    with CheckpointManager(
+        tf.train.Checkpoint(step=step), str(tmp_path / "store"), options=ManagerOptions(coordinator=chief.coordinator)
+    ):
         cluster._potential_ps_failures_count[:] = [3] * len(cluster._potential_ps_failures_count)
         restore_failure_tolerance()
         assert cluster._potential_ps_failures_count == [0] * chief.cluster.num_ps

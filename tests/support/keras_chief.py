@@ -127,7 +127,7 @@ def main() -> None:
         resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)
     )
     model = build_model(strategy, opts["steps_per_execution"])
-    cb = CheckpointCallback(url, save_every_n_steps=opts["every"])
+    cb = CheckpointCallback(url, save_freq=opts["every"])
     reporter = Reporter(cb, opts)
     data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
     model.fit(data, epochs=opts["epochs"], steps_per_epoch=opts["steps_per_epoch"], callbacks=[cb, reporter], verbose=0)

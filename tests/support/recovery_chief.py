@@ -30,6 +30,7 @@ from psguard.store import Store
 from psguard.testbed.cluster import LocalCluster
 from psguard.testbed.model import ModelConfig, RecModel, Trainer, make_optimizer
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import ManagerOptions
 from psguard.trainer.recovery import run_with_recovery
 
 
@@ -72,10 +73,9 @@ def main() -> None:
             manager = CheckpointManager(
                 tf.train.Checkpoint(model=model, optimizer=optimizer),
                 url,
-                coordinator=coordinator,
+                options=ManagerOptions(coordinator=coordinator, spool=spool),
                 step_counter=model.step,
                 policy=schedule,
-                spool=spool,
             )
             if manager.restore_or_initialize() is not None and manager.restored is not None:
                 state["restored"].append({"source": manager.restored.source, "step": manager.restored.step})

@@ -59,7 +59,7 @@ def main():
         tf.keras.utils.experimental.DatasetCreator(dataset_fn),
         epochs=args.epochs,
         steps_per_epoch=args.steps_per_epoch,
-        callbacks=[psguard.keras.CheckpointCallback(args.backup_dir, save_every_n_steps=5)],
+        callbacks=[psguard.keras.CheckpointCallback(args.backup_dir, save_freq=5)],
         verbose=0,
     )
     done = {"event": "done", "iterations": int(model.optimizer.iterations.numpy()), "epochs_run": history.epoch}

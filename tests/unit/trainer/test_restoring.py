@@ -24,6 +24,7 @@ from psguard.storage.retry import RetryingBackend
 from psguard.store import Store
 from psguard.store.manifest import chunk_key
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import ManagerOptions
 from psguard.trainer.restoring import RestoreSide
 from tests.support.storage_targets import Delegating, UnreadableKeys
 
@@ -103,7 +104,10 @@ def test_a_chunk_the_storage_cannot_read_falls_back_to_the_previous_checkpoint(
     v.assign([0.0, 0.0])
     store = failing_reads(url, {chunk_key(ref.hash)})
     try:
-        with CheckpointManager(ckpt, url, store=store) as manager, caplog.at_level(logging.WARNING):
+        with (
+            CheckpointManager(ckpt, url, options=ManagerOptions(store=store)) as manager,
+            caplog.at_level(logging.WARNING),
+        ):
             restored = manager.restore_or_initialize(lambda: pytest.fail("started from scratch"))
             assert manager.restored is not None and manager.restored.step == 1 and restored == manager.restored.id
             assert v.numpy().tolist() == [1.0, 2.0]
@@ -126,7 +130,7 @@ def test_a_restore_whose_every_checkpoint_is_unreadable_fails_instead_of_startin
     store = failing_reads(url, chunks)
     try:
         with (
-            CheckpointManager(ckpt, url, store=store) as manager,
+            CheckpointManager(ckpt, url, options=ManagerOptions(store=store)) as manager,
             pytest.raises(StorageError, match="could not be read"),
         ):
             manager.restore_or_initialize(lambda: pytest.fail("started from scratch"))
@@ -199,7 +203,7 @@ def test_a_restore_with_nothing_but_a_store_that_is_down_waits_for_it_and_then_r
 
     try:
         with (
-            CheckpointManager(ckpt, url, store=store) as manager,
+            CheckpointManager(ckpt, url, options=ManagerOptions(store=store)) as manager,
             caplog.at_level(logging.WARNING, logger="psguard.storage.waiting"),
         ):
             thread = threading.Thread(target=restore, name="restore")

@@ -23,6 +23,7 @@ from psguard.tensors import Full, Rows, Same
 from psguard.trainer.durable_lag import LagStatus
 from psguard.trainer.export import object_graph_bytes
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import ManagerOptions
 from psguard.trainer.summaries import Summaries, handed_off_bytes
 from psguard.trainer.variables import TensorInfo
 from tests.support.tensorboard import scalars
@@ -52,7 +53,9 @@ def test_a_custom_loops_saves_and_restores_are_scalars_at_their_steps(tmp_path: 
     step = tf.Variable(0, dtype=tf.int64)
     checkpoint = tf.train.Checkpoint(table=table, step=step)
     seen: dict[int, dict[str, float]] = {}
-    with CheckpointManager(checkpoint, str(tmp_path / "store"), step_counter=step, summaries=logdir) as manager:
+    with CheckpointManager(
+        checkpoint, str(tmp_path / "store"), step_counter=step, options=ManagerOptions(summaries=logdir)
+    ) as manager:
         assert manager.summaries == str(logdir)
         graph = len(object_graph_bytes(checkpoint))  # with TF's save_counter, which the manager makes
         ids = []
@@ -104,7 +107,7 @@ def test_a_folder_it_cannot_write_is_logged_once_and_training_goes_on(
     logs = tmp_path / "a-file" / "logs"
     with (
         caplog.at_level(logging.WARNING, logger="psguard.trainer.summaries"),
-        CheckpointManager(checkpoint, str(tmp_path / "store"), summaries=logs) as manager,
+        CheckpointManager(checkpoint, str(tmp_path / "store"), options=ManagerOptions(summaries=logs)) as manager,
     ):
         for at in (1, 2, 3):
             step.assign(at)
