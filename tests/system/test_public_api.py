@@ -6,12 +6,14 @@ shown, the errors a caller catches are exported from ``psguard``, and the guide'
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -126,36 +128,70 @@ def test_every_error_a_caller_catches_is_exported() -> None:
     assert all(getattr(psguard, name) is cls for name, cls in errors.items())
 
 
-def guide_table() -> list[tuple[str, str, str]]:
-    """(argument, default, meaning) rows of the user guide's table of ``CheckpointManager`` arguments."""
+def guide_table(heading: str = TABLE_HEADING, *, tables: int = 1, cells: int = 3) -> list[tuple[str, str, str]]:
+    """(name, default, meaning) rows of the first ``tables`` tables after ``heading`` in the user guide, up to the
+    next heading (a table's header row and its rule are not rows)."""
     lines = (ROOT / "docs" / "user-guide.md").read_text().splitlines()
-    start = lines.index(TABLE_HEADING)
+    start = lines.index(heading)
     rows: list[tuple[str, str, str]] = []
+    seen = 0
+    in_table = False
     for line in lines[start + 1 :]:
         if line.startswith("#"):
             break
         if not line.startswith("|"):
-            if rows:
+            in_table = False
+            if seen == tables:
                 break
             continue
-        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-        assert len(cells) == 3, line
-        if cells[0] == "argument" or set(cells[0]) <= {"-", " "}:
-            continue
-        rows.append((cells[0], cells[1], cells[2]))
+        if not in_table:
+            in_table, seen = True, seen + 1
+        row = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        assert len(row) == cells, line
+        if set(row[0]) <= {"-", " "} or not row[0].startswith("`"):
+            continue  # the rule, or the header row
+        rows.append((row[0], row[1], row[2] if cells == 3 else ""))
     return rows
 
 
+def assert_rows_are(rows: list[tuple[str, str, str]], params: list[tuple[str, object]], names: dict[str, Any]) -> None:
+    """Each row names the parameter (or field) in its place, with its default; ``names`` are the options classes a
+    default may be an instance of (``CaptureOptions()``)."""
+    assert [name.strip("`") for name, _, _ in rows] == [name for name, _ in params]
+    for (_, default, meaning), (name, value) in zip(rows, params, strict=True):
+        assert meaning, name
+        if value is inspect.Parameter.empty:
+            assert default == "required", name
+            continue
+        assert default.startswith("`") and default.endswith("`"), (name, default)
+        text = default.strip("`")
+        documented = names[text.removesuffix("()")]() if text.removesuffix("()") in names else ast.literal_eval(text)
+        assert documented == value and type(documented) is type(value), (name, default)
+
+
 def test_the_guides_table_of_manager_arguments_is_the_signature() -> None:
+    """TF's arguments and psguard's three; the old keyword arguments (``**deprecated``) are the note's."""
     pytest.importorskip("tensorflow")
     params = list(inspect.signature(psguard.CheckpointManager.__init__).parameters.values())[1:]
-    rows = guide_table()
-    assert [name.strip("`") for name, _, _ in rows] == [p.name for p in params]
-    for (_, default, meaning), param in zip(rows, params, strict=True):
-        assert meaning, param.name
-        if param.default is inspect.Parameter.empty:
-            assert default == "required", param.name
-        else:
-            assert default.startswith("`") and default.endswith("`"), (param.name, default)
-            assert ast.literal_eval(default.strip("`")) == param.default, (param.name, default)
-            assert type(ast.literal_eval(default.strip("`"))) is type(param.default), (param.name, default)
+    named = [(p.name, p.default) for p in params if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    assert_rows_are(guide_table(), named, {})
+
+
+def test_the_guides_tables_of_options_are_the_fields() -> None:
+    from psguard.trainer.options import CallbackOptions, CaptureOptions, ManagerOptions
+
+    names = {"CaptureOptions": CaptureOptions, "ManagerOptions": ManagerOptions}
+    for cls, heading, tables in (
+        (ManagerOptions, "#### `psguard.ManagerOptions` fields", 5),
+        (CallbackOptions, "### `CheckpointCallback` arguments", 1),
+    ):
+        defaults = [(f.name, getattr(cls(), f.name)) for f in dataclasses.fields(cls)]
+        assert_rows_are(guide_table(heading, tables=tables), defaults, names)
+
+
+def test_the_guides_note_on_deprecated_arguments_names_each_one() -> None:
+    from psguard.trainer.options import DeprecatedCallbackArgs, DeprecatedManagerArgs
+
+    old_column = " ".join(old for old, _, _ in guide_table("#### Deprecated arguments", tables=1, cells=2))
+    for name in [*DeprecatedManagerArgs.__annotations__, *DeprecatedCallbackArgs.__annotations__]:
+        assert re.search(rf"\b{name}\b", old_column), name
