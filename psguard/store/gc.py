@@ -87,7 +87,12 @@ class Collector:
         metric: str | None = None,
         mode: Literal["min", "max"] = "min",
     ) -> GcReport | None:
-        """:meth:`psguard.store.Store.retain` (documented there for its callers)."""
+        """A writer's retention after each commit (``max_to_keep``, ``keep_checkpoint_every_n_hours``, or a
+        policy file's ``retention:``, whose keys these are).
+
+        Skips the gc (its locks and listing) when nothing can go: no rule, or no more checkpoints than
+        ``keep_last`` (the other rules only keep more). ``None`` when skipped.
+        """
         if keep_last is None and keep_every_hours is None and keep_best is None:
             return None
         if keep_last is not None and len(self.index.checkpoint_ids()) <= keep_last:
@@ -106,7 +111,10 @@ class Collector:
         mode: Literal["min", "max"] = "min",
         dry_run: bool = False,
     ) -> GcReport:
-        """:meth:`psguard.store.Store.gc` (documented there for its callers)."""
+        """Apply retention: delete checkpoints not kept (manifests first), then unreferenced chunks.
+
+        Every parent a kept checkpoint needs is kept. Chunk deletion is deferred while a writer is active.
+        """
         if keep_last is None and keep_every_hours is None and keep_best is None:
             raise ConfigError("gc needs a retention rule: keep_last, keep_every_hours or keep_best")
         if keep_every_hours is not None and not (math.isfinite(keep_every_hours) and keep_every_hours > 0):

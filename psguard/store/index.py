@@ -109,7 +109,7 @@ class Index:
             self._manifests.popitem(last=False)
 
     def checkpoint_ids(self) -> list[str]:
-        """:meth:`psguard.store.Store.checkpoint_ids` (documented there for its callers)."""
+        """Ids of committed checkpoints in step order (names only; nothing verified yet)."""
         ids = []
         for key in self.backend.keys(MANIFEST_PREFIX):
             name = key[len(MANIFEST_PREFIX) :]
@@ -119,7 +119,7 @@ class Index:
         return ids
 
     def manifest(self, checkpoint_id: str) -> Manifest:
-        """:meth:`psguard.store.Store.manifest` (documented there for its callers)."""
+        """The parsed, checksum-verified manifest (cached: manifests are immutable)."""
         with self._cache_lock:
             cached = self._manifests.get(checkpoint_id)
             if cached is not None:
@@ -140,7 +140,7 @@ class Index:
         return m
 
     def checkpoints(self, *, on_error: Callable[[str, CheckpointError], None] | None = None) -> list[CheckpointInfo]:
-        """:meth:`psguard.store.Store.checkpoints` (documented there for its callers)."""
+        """Every readable committed checkpoint, oldest first; unreadable manifests go to ``on_error``."""
         out = []
         for cid in self.checkpoint_ids():
             try:
@@ -154,7 +154,7 @@ class Index:
         return out
 
     def latest(self) -> CheckpointInfo | None:
-        """:meth:`psguard.store.Store.latest` (documented there for its callers)."""
+        """The newest checkpoint whose manifest reads (chunks not checked: see :meth:`Store.load_latest`)."""
         for cid in self.newest_first():
             try:
                 return CheckpointInfo.of(self.manifest(cid))
@@ -185,7 +185,7 @@ class Index:
         return out
 
     def resolve(self, *, step: int | None = None, checkpoint_id: str | None = None) -> str:
-        """:meth:`psguard.store.Store.resolve` (documented there for its callers)."""
+        """The id for a step (the newest commit of it), an explicit id, or the latest checkpoint."""
         if checkpoint_id is not None:
             self.manifest(checkpoint_id)
             return checkpoint_id
@@ -196,7 +196,9 @@ class Index:
         raise NoCheckpointError(f"no checkpoint {where}in {self.url}")
 
     def chain(self, checkpoint_id: str) -> list[Manifest]:
-        """:meth:`psguard.store.Store.chain` (documented there for its callers)."""
+        """Manifests from the base to ``checkpoint_id``; a missing link, or a delta that does not list every
+        tensor of its parent (as the format says a delta does), is a corrupt checkpoint. Every read, ``verify``
+        and gc go through this."""
         out = []
         cid: str | None = checkpoint_id
         seen = set()

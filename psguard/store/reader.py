@@ -64,7 +64,11 @@ class Reader:
         *,
         verify_hash: bool = False,
     ) -> dict[str, np.ndarray]:
-        """:meth:`psguard.store.Store.load` (documented there for its callers)."""
+        """Materialise tensors of a checkpoint (base + deltas), verifying every chunk read.
+
+        Raises :class:`CorruptCheckpointError` naming the checkpoint and chunk on any defect; nothing
+        partially restored is returned.
+        """
         chain = self.index.chain(checkpoint_id)
         target = chain[-1]
         wanted = list(target.tensors) if names is None else list(names)
@@ -74,7 +78,7 @@ class Reader:
         return {name: self.materialise(chain, name, verify_hash) for name in wanted}
 
     def iter_tensors(self, checkpoint_id: str, *, verify_hash: bool = False) -> Iterator[tuple[str, np.ndarray]]:
-        """:meth:`psguard.store.Store.iter_tensors` (documented there for its callers)."""
+        """Tensors one at a time, so a large checkpoint is never all in memory at once."""
         chain = self.index.chain(checkpoint_id)
         for name in chain[-1].tensors:
             yield name, self.materialise(chain, name, verify_hash)
@@ -82,12 +86,15 @@ class Reader:
     def read_rows(
         self, checkpoint_id: str, name: str, start: int, stop: int, *, verify_hash: bool = False
     ) -> np.ndarray:
-        """:meth:`psguard.store.Store.read_rows` (documented there for its callers), reading as little as it can.
+        """Rows ``[start, stop)`` of tensor ``name`` of a checkpoint, bit-identical to slicing :meth:`load`'s.
 
-        From the newest checkpoint of the chain whose entry covers the range with whole rows, only the chunks that
-        overlap the range are read (a whole chunk holds ``size // row_bytes`` rows, so sizes alone locate them);
-        later deltas' row segments are read and filtered to the range (a segment's values only when one of its ids
-        falls in it).
+        How a PS that lost its node (and its memory tier) reads exactly the rows it owns, without reading the
+        whole tensor. Every chunk read is checked (size, CRC32C; SHA-256 with ``verify_hash``).
+
+        It reads as little as it can: from the newest checkpoint of the chain whose entry covers the range with
+        whole rows, only the chunks that overlap the range are read (a whole chunk holds ``size // row_bytes``
+        rows, so sizes alone locate them); later deltas' row segments are read and filtered to the range (a
+        segment's values only when one of its ids falls in it).
         """
         chain = self.index.chain(checkpoint_id)
         if name not in chain[-1].tensors:
@@ -346,7 +353,14 @@ class Reader:
     def updates(
         self, checkpoint_id: str, names: Collection[str] | None = None, *, verify_hash: bool = False
     ) -> tuple[dict[str, TensorUpdate], int]:
-        """:meth:`psguard.store.Store.updates` (documented there for its callers)."""
+        """What ``checkpoint_id`` itself changed, per tensor (of ``names`` only, when given: a follower reads no
+        chunk of a tensor it does not hold), read from its own chunks only; and the bytes read.
+
+        A full checkpoint gives every tensor whole (``Full``); a delta gives ``Rows`` for its changed rows,
+        ``Full`` for tensors it stored whole and ``Same`` for the others. Followers apply these in step order on
+        top of the state they hold, instead of rebuilding every tensor (:meth:`load`). Every chunk is verified;
+        a defect raises :class:`CorruptCheckpointError` before anything is returned.
+        """
         m = self.index.manifest(checkpoint_id)
         out: dict[str, TensorUpdate] = {}
         nbytes = 0
@@ -420,14 +434,15 @@ class Reader:
         return Rows(ids, values, entry.shape)
 
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
-        """:meth:`psguard.store.Store.load_latest` (documented there for its callers).
+        """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.
 
-        A checkpoint that is corrupt, of a newer format, or has a chunk the storage fails to read
-        (:class:`UnreadableChunkError`) is skipped for the next older, with a warning; an older one that needs a
-        chunk the storage already failed to read is skipped without trying again. Before going past an
-        unreadable chunk the store is listed again: a store that does not answer at all fails the call with its
-        own error. When nothing loads and a checkpoint was only unreadable (not proven bad), the call fails with
-        :class:`StorageError`, never :class:`NoCheckpointError`, on which callers start from scratch.
+        Never returns data from a checkpoint that failed verification. A checkpoint that is corrupt, of a newer
+        format, or has a chunk the storage fails to read (:class:`UnreadableChunkError`) is skipped for the next
+        older, with a warning; an older one that needs a chunk the storage already failed to read is skipped
+        without trying again. Before going past an unreadable chunk the store is listed again: a store that does
+        not answer at all fails the call with its own error. :class:`NoCheckpointError` only when every
+        checkpoint was read and none is usable; when one was only unreadable (not proven bad), the call fails
+        with :class:`StorageError` instead, as callers start from scratch on :class:`NoCheckpointError`.
         """
         skipped: list[Problem] = []
         unreadable: dict[str, UnreadableChunkError] = {}  # chunk hash -> the storage's failure to read it

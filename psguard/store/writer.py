@@ -101,15 +101,27 @@ class Writer:
         metrics: Mapping[str, float] | None = None,
         dedup_against: str | None = None,
     ) -> CheckpointInfo:
-        """:meth:`psguard.store.Store.save` (documented there for its callers), as one :meth:`begin_save`
-        transaction committed at once: one code path writes every manifest."""
+        """Write a checkpoint and commit it. Full when ``parent`` is None (every tensor must be whole),
+        else a delta over ``parent``. Blocks until committed; raises :class:`SaveError` (cause chained)
+        if anything fails, in which case no checkpoint became visible.
+
+        Chunks already stored for ``parent``'s chain (or ``dedup_against``'s, for a full checkpoint) are
+        not uploaded again; the writer's lock keeps gc from deleting them meanwhile. It is one
+        :meth:`begin_save` transaction committed at once: one code path writes every manifest.
+        """
         check_metadata(metadata)  # before any lease: bad input costs no storage round trip
         with self.begin_save(step, parent=parent, dedup_against=dedup_against) as tx:
             return tx.commit(tensors, metadata=metadata, metrics=metrics)
 
     def begin_save(self, step: int, *, parent: str | None = None, dedup_against: str | None = None) -> SaveTransaction:
-        """:meth:`psguard.store.Store.begin_save` (documented there for its callers), any unexpected failure as
-        :class:`SaveError`."""
+        """Open the transaction of one checkpoint: its id and writer lease now, its manifest at
+        :meth:`SaveTransaction.commit`; leaving the ``with`` block without a commit aborts (lease released,
+        nothing committed). Any unexpected failure is a :class:`SaveError`.
+
+        While it is open, other processes (each PS's agent) write the chunks of their shards with
+        :meth:`write_part` under its lease: gc deletes no chunk while a writer lease is live, whoever wrote
+        the chunk. One transaction at a time per instance (another thread's ``begin_save`` waits).
+        """
         reuse = dedup_against or parent
         if self._tx_thread == threading.get_ident():  # waiting for our own lock would never end
             raise ConfigError(f"a transaction is already open on {self.url} in this thread: commit or abort it first")
@@ -153,8 +165,20 @@ class Writer:
         offset: int,
         dedup_against: str | None = None,
     ) -> dict[str, Any]:
-        """:meth:`psguard.store.Store.write_part` (documented there for its callers), any failure as
-        :class:`SaveError`."""
+        """Write the chunks of one shard's update (rows ``[offset, offset + rows)`` of the logical tensor
+        ``name`` shaped ``shape``) and return its part, for the coordinator's :meth:`SaveTransaction.commit`.
+
+        ``update`` describes the shard as a tensor of shape ``[rows, *shape[1:]]``: ``Full`` (or an array) of
+        the shard, ``Rows`` with ids relative to ``offset``, or ``Same``. The returned JSON is the part as the
+        manifest will hold it (``offset``, ``rows``, ``encoding`` and its chunks or segments) plus what the
+        coordinator needs and does not store in the part: ``dtype``, ``shape`` (the logical tensor's) and
+        ``stats`` (bytes written and deduplicated). Chunks of ``dedup_against``'s chain are not uploaded again.
+        Any failure is a :class:`SaveError`.
+
+        No lease of its own: call it while the coordinator's transaction is open (after ``begin_save``
+        returned, before ``commit``), whose writer lease keeps gc from deleting these chunks whoever wrote
+        them; ``commit`` checks that every chunk a part names is in the store with its size.
+        """
         try:
             return self._write_part(name, update, tuple(int(x) for x in shape), int(offset), dedup_against)
         except PsguardError:
