@@ -63,6 +63,7 @@ import json
 import logging
 import os
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -121,6 +122,49 @@ def _rss_bytes() -> int | None:
     return None
 
 
+def _check_task(
+    config: AgentConfig,
+    cluster: Mapping[str, Sequence[str]],
+    role: str,
+    index: int,
+    command: Sequence[str],
+    peers: Sequence[str],
+) -> None:
+    """Refuse a task the cluster does not have, and options its role does not take."""
+    task = f"{role}:{index}"
+    if role not in ROLES or not 0 <= index < len(cluster.get(role, ())):
+        raise ConfigError(f"task {task} is not in the cluster (roles: {', '.join(cluster)})")
+    if role == "chief" and not command:
+        raise ConfigError(
+            "the chief role runs the user's trainer: give its command after '--' "
+            "(psguard agent --role chief ... -- python train.py)"
+        )
+    if role != "chief" and peers:
+        raise ConfigError("--peer: only the chief's agent probes and restarts other agents")
+    if not 0 <= config.stop_exit_code <= 255:
+        raise ConfigError(f"stop_exit_code: an exit status from 0 to 255, got {config.stop_exit_code}")
+
+
+def _peer_urls(peers: Sequence[str]) -> list[str]:
+    """The ``--peer`` agents' base URLs, checked."""
+    urls = [p.rstrip("/") for p in peers]
+    for p in urls:
+        parts = urllib.parse.urlsplit(p)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"--peer: expected an agent's base URL like http://10.0.0.5:8470, got {p!r}")
+    return urls
+
+
+def _client_tls(config: AgentConfig) -> ssl.SSLContext | None:
+    """Agent-to-agent calls: verify peers against --tls-ca (else the system store), present our certificate."""
+    http_cfg = config.http
+    if (http_cfg.tls_cert is None) != (http_cfg.tls_key is None):
+        raise ConfigError("--tls-cert and --tls-key go together")
+    if http_cfg.tls_ca is not None and http_cfg.tls_cert is None:
+        raise ConfigError("--tls-ca (mutual TLS) needs the agent's own --tls-cert and --tls-key")
+    return client_context(http_cfg.tls_ca, http_cfg.tls_cert, http_cfg.tls_key) if http_cfg.tls_cert else None
+
+
 # ------------------------------------------------------------------------------------------------ agent
 class Agent:
     """One sidecar: supervise ``role:index``'s task, probe it, serve HTTP; on the chief, the memory tier too.
@@ -146,28 +190,14 @@ class Agent:
         self.index = index
         self.cluster = {k: list(v) for k, v in cluster.items()}
         self.task = f"{role}:{index}"
-        if role not in ROLES or not 0 <= index < len(self.cluster.get(role, ())):
-            raise ConfigError(f"task {self.task} is not in the cluster (roles: {', '.join(self.cluster)})")
+        _check_task(self.config, self.cluster, role, index, command, peers)
         self.address = self.cluster[role][index]
         self.node = (
             self.config.node or os.environ.get("PSGUARD_NODE") or os.environ.get("NODE_NAME") or socket.gethostname()
         )
-        if role == "chief" and not command:
-            raise ConfigError(
-                "the chief role runs the user's trainer: give its command after '--' "
-                "(psguard agent --role chief ... -- python train.py)"
-            )
-        if role != "chief" and peers:
-            raise ConfigError("--peer: only the chief's agent probes and restarts other agents")
-        if not 0 <= self.config.stop_exit_code <= 255:
-            raise ConfigError(f"stop_exit_code: an exit status from 0 to 255, got {self.config.stop_exit_code}")
         self.command = list(command) if command else server_command(self.cluster, role, index)
         self._builtin_server = not command  # it honours psguard.agent.process.standby, so a warm standby can replace it
-        self.peers = [p.rstrip("/") for p in peers]
-        for p in self.peers:
-            parts = urllib.parse.urlsplit(p)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ConfigError(f"--peer: expected an agent's base URL like http://10.0.0.5:8470, got {p!r}")
+        self.peers = _peer_urls(peers)
         self._token = token
         self._token_file = str(Path(token_file).resolve()) if token_file is not None else None
         self._peer_token = peer_token if peer_token is not None else token
@@ -178,15 +208,7 @@ class Agent:
                 "token; on Kubernetes a Secret volume with defaultMode: 0400); psguard wrap makes one per run"
             )
         self._made_token: TokenFile | None = None  # made in start() when no token was given
-        http_cfg = self.config.http
-        if (http_cfg.tls_cert is None) != (http_cfg.tls_key is None):
-            raise ConfigError("--tls-cert and --tls-key go together")
-        if http_cfg.tls_ca is not None and http_cfg.tls_cert is None:
-            raise ConfigError("--tls-ca (mutual TLS) needs the agent's own --tls-cert and --tls-key")
-        # Agent-to-agent calls: verify peers against --tls-ca (else the system store), present our certificate.
-        self._client_tls = (
-            client_context(http_cfg.tls_ca, http_cfg.tls_cert, http_cfg.tls_key) if http_cfg.tls_cert else None
-        )
+        self._client_tls = _client_tls(self.config)
         self.metrics = AgentMetrics.create()
         self._stop_requested = threading.Event()
         self.peer_sync = PeerSync(
@@ -213,7 +235,10 @@ class Agent:
         self._resume_seconds: float | None = None
         self._durable_id: str | None = None
         self._durable_step: int | None = None
-        # parts, made in start()
+        self._no_parts_yet()
+
+    def _no_parts_yet(self) -> None:
+        """The parts, made in :meth:`start` (the task's, the chief's tiers, a PS's shards), not made yet."""
         self.http: AgentHTTPServer | None = None
         self.supervisor: Supervisor | None = None
         self.monitor: HealthMonitor | None = None
