@@ -165,6 +165,7 @@ class _AgentJob:
 
         from psguard.testbed.model import Trainer
         from psguard.trainer.manager import CheckpointManager
+        from psguard.trainer.options import ManagerOptions
 
         p, rec = self.p, self.rec
         self.gen += 1
@@ -180,7 +181,11 @@ class _AgentJob:
         built_rss = rss_bytes()
         reset_peak_rss()
         manager = CheckpointManager(
-            root, self.store_url, coordinator=self.coordinator, step_counter=model.step, policy=self.schedule
+            root,
+            self.store_url,
+            options=ManagerOptions(coordinator=self.coordinator),
+            step_counter=model.step,
+            policy=self.schedule,
         )
         parts = _timed_parts(manager)
         t1 = time.time()

@@ -22,6 +22,7 @@ import tf_keras
 import psguard.keras
 from psguard.trainer.evaluator import SidecarEvaluator
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import ManagerOptions
 from tests.support.evaluators import SAVES, STEPS_PER_SAVE, Seen, build, data, in_thread, next_evaluation, summaries
 
 
@@ -49,7 +50,7 @@ def test_it_evaluates_every_checkpoint_as_tfs_sidecar_evaluator_does_on_tfs_own_
         poll_interval=0.05,
     )
     threads = [in_thread(tf_evaluator.start, seen_tf), in_thread(evaluator.start, seen_ps)]
-    with CheckpointManager(root, str(tmp_path / "store"), new_base_after=0) as manager:
+    with CheckpointManager(root, str(tmp_path / "store"), options=ManagerOptions(new_base_after=0)) as manager:
         try:
             for _ in range(SAVES):
                 trainer.fit(data().repeat(), steps_per_epoch=STEPS_PER_SAVE, epochs=1, verbose=0)

@@ -31,6 +31,7 @@ from psguard.store import Store
 from psguard.store.manifest import chunk_key
 from psguard.trainer.export import STATE_FILE, ExportFolder
 from psguard.trainer.manager import CheckpointManager
+from psguard.trainer.options import ManagerOptions
 from psguard.trainer.publish import Publisher
 from psguard.trainer.variables import bitwise_equal
 from tests.support.evaluators import SAVES, STEPS_PER_SAVE, Seen, build, data, in_thread, next_evaluation
@@ -73,7 +74,7 @@ def test_tfs_unchanged_sidecar_evaluator_evaluates_each_published_checkpoint(tmp
     published = []
     stop = threading.Event()
     with (
-        CheckpointManager(root, str(tmp_path / "store"), new_base_after=0) as manager,
+        CheckpointManager(root, str(tmp_path / "store"), options=ManagerOptions(new_base_after=0)) as manager,
         ExportFolder(out, keep_last=2) as folder,
     ):
         publisher = Publisher(manager.store, folder)
@@ -107,7 +108,7 @@ def test_a_published_checkpoint_restores_to_the_commit_bit_for_bit_whichever_way
     root = table_root(20_000)
     out = tmp_path / "tf"
     with (
-        CheckpointManager(root, str(tmp_path / "store"), new_base_after=0) as manager,
+        CheckpointManager(root, str(tmp_path / "store"), options=ManagerOptions(new_base_after=0)) as manager,
         ExportFolder(out) as folder,
     ):
         publisher = Publisher(manager.store, folder)
@@ -244,7 +245,7 @@ def test_a_publisher_killed_while_writing_leaves_a_folder_tf_reads_and_the_next_
     url, out = str(tmp_path / "store"), tmp_path / "tf"
     states: list[np.ndarray] = []
     caught = 0
-    with CheckpointManager(root, url, new_base_after=0) as manager:
+    with CheckpointManager(root, url, options=ManagerOptions(new_base_after=0)) as manager:
         manager.save(1).result(timeout=120)
         states.append(root.emb.numpy())
         proc = start_publisher(url, out)
