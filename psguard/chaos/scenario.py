@@ -310,7 +310,7 @@ class TrainingSpec:
     durable_cron: str | None = None
     hang_after: Duration | None = None  # the trainer's hang bound (its policy's hang.after), for hang faults
     max_to_keep: Positive | None = None  # retention (a soak's store must stay bounded); default: keep every one
-    new_base_after: NonNegative | None = None  # the trainer's CheckpointManager(new_base_after=): a new base after N
+    new_base_after: NonNegative | None = None  # the trainer's ManagerOptions(new_base_after=): a new base after N
     vocab: Positive = 20_000
     dim: Positive = 8
     batch: Positive = 64
