@@ -3,42 +3,8 @@
 Pure decisions over a context and a clock: nothing here does IO on checkpoints or imports TensorFlow.
 """
 
-from psguard.policy.engine import (
-    AnyOf,
-    ChainLimit,
-    Continuous,
-    Cron,
-    Decision,
-    EveryInterval,
-    EverySteps,
-    OnPreemption,
-    Retention,
-    SaveContext,
-    SavePolicy,
-    Schedule,
-    TierState,
-    Verdict,
-    YoungDaly,
-    young_daly_interval,
-)
-from psguard.policy.lag import LagBound
+from psguard.policy import engine, lag
+from psguard.policy.engine import *  # noqa: F403 (its __all__ is the one list of these names)
+from psguard.policy.lag import *  # noqa: F403
 
-__all__ = [
-    "AnyOf",
-    "ChainLimit",
-    "Continuous",
-    "Cron",
-    "Decision",
-    "EveryInterval",
-    "EverySteps",
-    "LagBound",
-    "OnPreemption",
-    "Retention",
-    "SaveContext",
-    "SavePolicy",
-    "Schedule",
-    "TierState",
-    "Verdict",
-    "YoungDaly",
-    "young_daly_interval",
-]
+__all__ = [*engine.__all__, *lag.__all__]

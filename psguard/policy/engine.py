@@ -46,9 +46,10 @@ from psguard.policy.lag import LagBound
 from psguard.store.durable import BaseRule, ChainState
 from psguard.store.retention import Candidate, select_kept
 
+#: The engine's public names, and with :mod:`~psguard.policy.lag`'s the ``psguard.policy`` package's (it exports
+#: exactly these); helpers other modules import by name (``Cadence``, ``base_rule``, ``cron_problem``) stay out.
 __all__ = [
     "AnyOf",
-    "Cadence",
     "ChainLimit",
     "Continuous",
     "Cron",
@@ -60,12 +61,9 @@ __all__ = [
     "SaveContext",
     "SavePolicy",
     "Schedule",
-    "Tier",
     "TierState",
     "Verdict",
     "YoungDaly",
-    "base_rule",
-    "cron_problem",
     "young_daly_interval",
 ]
 

@@ -436,3 +436,15 @@ def test_retention_rejects_impossible_rules(kwargs: dict[str, object], key: str)
     with pytest.raises(ConfigError) as err:
         Retention(**kwargs)  # type: ignore[arg-type]
     assert key in str(err.value)
+
+
+def test_the_package_exports_what_the_engine_declares_public() -> None:
+    """The engine's ``__all__`` is the one list of its public names: ``psguard.policy`` exports each (the same
+    object) and nothing of the engine that it does not list."""
+    import psguard.policy
+    from psguard.policy import engine, lag
+
+    exported = set(psguard.policy.__all__)
+    assert exported == set(engine.__all__) | set(lag.__all__)
+    for name in exported:
+        assert getattr(psguard.policy, name) is getattr(engine if name in engine.__all__ else lag, name)
