@@ -17,12 +17,26 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from psguard.agent.process.launcher import run_token_file
 from psguard.handoff.client import http_json, http_request, read_token
+from psguard.handoff.contract import ENV_SPOOL, ENV_STORE
 from psguard.handoff.tls import client_context
 from psguard.ports import free_ports
 from tests.support.paths import QUIET, ROOT
 from tests.support.processes import wait_until
+
+
+def under_agent(monkeypatch: pytest.MonkeyPatch, spool: str | None, store: str | None) -> None:
+    """The environment ``psguard agent`` gives the trainer it runs: its spool and its ``--store`` (``None``: the
+    variable is absent; both ``None``: no agent, whatever runs the test process)."""
+    for name, value in ((ENV_SPOOL, spool), (ENV_STORE, store)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+
 
 FAST = """
 probe: {interval: 0.5, deadline: 0.5, failure_threshold: 2, startup_timeout: 120}

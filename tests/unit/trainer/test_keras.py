@@ -22,18 +22,17 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 import tf_keras
 
 from psguard.errors import ConfigError
-from psguard.handoff.contract import ENV_SPOOL, ENV_STORE
 from psguard.policy.engine import EverySteps, Retention, Schedule
 from psguard.store import Store
 from psguard.trainer.keras import CheckpointCallback
 from psguard.trainer.manager import CheckpointManager
 from psguard.trainer.options import CALLBACK_MOVES, CallbackOptions, CaptureOptions, ManagerOptions
+from tests.support.agents import under_agent
 
 
 @pytest.fixture(autouse=True)
 def no_agent(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(ENV_SPOOL, raising=False)
-    monkeypatch.delenv(ENV_STORE, raising=False)
+    under_agent(monkeypatch, None, None)
 
 
 @pytest.fixture

@@ -25,21 +25,19 @@ import tensorflow as tf
 
 import psguard
 from psguard.errors import ConfigError
-from psguard.handoff.contract import ENV_SPOOL, ENV_STORE
 from psguard.policy.engine import Retention
 from psguard.policy.files import HangSpec
 from psguard.store import Store
 from psguard.trainer.manager import CheckpointManager
 from psguard.trainer.options import MANAGER_MOVES, CaptureOptions, ManagerOptions
+from tests.support.agents import under_agent
 
 TF_ARGUMENTS = list(inspect.signature(tf.train.CheckpointManager.__init__).parameters)[1:]
 
 
 @pytest.fixture(autouse=True)
 def no_agent(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No agent runs these tests' trainer, whatever runs the test process."""
-    monkeypatch.delenv(ENV_SPOOL, raising=False)
-    monkeypatch.delenv(ENV_STORE, raising=False)
+    under_agent(monkeypatch, None, None)
 
 
 @pytest.fixture
@@ -225,8 +223,7 @@ def test_repr_shows_the_agents_spool_from_the_environment(
     opened: list[CheckpointManager],
 ) -> None:
     spool = str(tmp_path / "spool")
-    monkeypatch.setenv(ENV_SPOOL, spool)
-    monkeypatch.setenv(ENV_STORE, url)
+    under_agent(monkeypatch, spool, url)
     opened.append(m := CheckpointManager(checkpoint, url))
     assert repr(m) == f"psguard.CheckpointManager(directory={url!r}, sink=agent(spool={spool}, from $PSGUARD_SPOOL))"
     assert type(m._sink).__name__ == "AgentSink"

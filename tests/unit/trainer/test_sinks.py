@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from psguard.errors import ConfigError
-from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, Tier
+from psguard.handoff.contract import Tier
 from psguard.trainer.sinks import BOTH, MemoryCheckpoint, SinkChoice, _StoreSaveHandle, choose_sink
+from tests.support.agents import under_agent
 
 
 def test_a_handle_waits_then_reraises_why_its_save_failed() -> None:
@@ -40,15 +41,6 @@ def test_a_memory_only_save_is_not_durable_and_its_checkpoint_is_a_value() -> No
 @pytest.fixture
 def url(tmp_path: Path) -> str:
     return str(tmp_path / "store")
-
-
-def under_agent(monkeypatch: pytest.MonkeyPatch, spool: str | None, store: str | None) -> None:
-    """The environment ``psguard agent`` gives its trainer (``None``: the variable is absent)."""
-    for name, value in ((ENV_SPOOL, spool), (ENV_STORE, store)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
 
 
 def test_without_an_agent_the_manager_writes_the_store_and_says_why(monkeypatch: pytest.MonkeyPatch, url: str) -> None:
