@@ -38,6 +38,7 @@ from psguard.trainer.manager import CheckpointManager
 from psguard.trainer.options import CallbackOptions, ManagerOptions
 from psguard.trainer.variables import bitwise_equal, read_tensors
 from tests.support.clusters import Chief
+from tests.support.keras_chief import build_model, dataset_fn
 from tests.support.paths import ROOT
 from tests.support.storage_targets import make_target
 from tests.support.tensorboard import scalars
@@ -323,38 +324,10 @@ def test_fit_writes_psguards_scalars_as_a_run_beside_the_tensorboard_callbacks(u
 
 
 # --------------------------------------------------------------------------------------------- cluster
-VOCAB = 2000
-
-
-def ps_model(strategy: Any, steps_per_execution: int = 2) -> Any:
-    with strategy.scope():
-        model = tf_keras.Sequential(
-            [
-                tf_keras.Input((2,), dtype="int64"),
-                tf_keras.layers.Embedding(VOCAB, 8),
-                tf_keras.layers.Flatten(),
-                tf_keras.layers.Dense(8, activation="relu"),
-                tf_keras.layers.Dense(1),
-            ]
-        )
-        model.compile(
-            optimizer=tf_keras.optimizers.Adagrad(0.1),
-            loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
-            steps_per_execution=steps_per_execution,
-        )
-    return model
-
-
-def dataset_fn(context: Any) -> Any:
-    ids = tf.random.stateless_uniform([512, 2], seed=[3, context.input_pipeline_id], maxval=VOCAB, dtype=tf.int64)
-    labels = tf.cast(tf.math.floormod(tf.reduce_sum(ids, axis=1), 2), tf.float32)
-    return tf.data.Dataset.from_tensor_slices((ids, labels)).repeat().batch(16)
-
-
 @pytest.mark.slow
 def test_fit_under_ps_saves_incrementally_and_restores_exactly(chief: Chief, url: str) -> None:
     strategy = chief.strategies["fixed2"]
-    model = ps_model(strategy)
+    model = build_model(strategy, steps_per_execution=2)
     data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
     cb = CheckpointCallback(url, save_freq=4)
     model.fit(data, epochs=2, steps_per_epoch=10, callbacks=[cb], verbose=0)
@@ -376,7 +349,7 @@ def test_fit_under_ps_saves_incrementally_and_restores_exactly(chief: Chief, url
 
     # A fresh model (optimizer not built: the callback builds it before restoring) given the same fit resumes
     # at its end: it trains nothing and holds exactly what the store held.
-    fresh = ps_model(strategy)
+    fresh = build_model(strategy, steps_per_execution=2)
     cb2 = CheckpointCallback(url, save_freq=4)
     batches = Batches()
     fresh.fit(data, epochs=2, steps_per_epoch=10, callbacks=[cb2, batches], verbose=0)
@@ -414,7 +387,7 @@ def test_write_tracking_holds_across_fits(chief: Chief, url: str, tmp_path: Path
     """
     strategy = chief.strategies["fixed2"]
     data = tf_keras.utils.experimental.DatasetCreator(dataset_fn)
-    model = ps_model(strategy)
+    model = build_model(strategy, steps_per_execution=2)
     cb = CheckpointCallback(url, save_freq=4)
     watch = HashedAll(cb)
     model.fit(data, epochs=1, steps_per_epoch=8, callbacks=[cb, watch], verbose=0)
@@ -424,7 +397,8 @@ def test_write_tracking_holds_across_fits(chief: Chief, url: str, tmp_path: Path
     assert not any(watch.seen[1:]), watch.seen
     assert model.train_tf_function is not first  # traced again, under the second fit's hooks
 
-    fresh = ps_model(strategy)  # optimizer not built: its slots appear in the callback's on_train_begin
+    # optimizer not built: its slots appear in the callback's on_train_begin
+    fresh = build_model(strategy, steps_per_execution=2)
     manager = CheckpointManager(
         tf.train.Checkpoint(model=fresh, optimizer=fresh.optimizer),
         str(tmp_path / "given"),

@@ -1,5 +1,6 @@
 """A chief process for the restart test: tf_keras ``model.fit`` under ParameterServerStrategy with
-``psguard.trainer.keras.CheckpointCallback``, reporting what happens as JSON lines on stdout.
+``psguard.trainer.keras.CheckpointCallback``, reporting what happens as JSON lines on stdout. Its model and data
+(:func:`build_model`, :func:`dataset_fn`) are also the in-process PS tests' of ``tests/cluster/test_keras_callback.py``.
 
 Usage: python -m tests.support.keras_chief URL OPTIONS_JSON   (TF_CONFIG names the cluster and this chief)
 
@@ -17,9 +18,10 @@ import os
 import sys
 from typing import Any
 
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+if __name__ == "__main__":  # the chief's settings, before TensorFlow loads; a test importing the model keeps its own
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 import numpy as np
 import tensorflow as tf
