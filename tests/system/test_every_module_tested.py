@@ -66,9 +66,6 @@ NOT_YET = frozenset(
         "psguard.storage.hdfs",
         "psguard.store.cli",
         "psguard.store.follow",
-        "psguard.store.gc",
-        "psguard.store.reader",
-        "psguard.store.writer",
         "psguard.trainer.restore_status",
         "psguard.trainer.warm",
     }
