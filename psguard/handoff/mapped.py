@@ -19,7 +19,7 @@ a peer's or the log's bytes) is loaded by ``RestoreV2`` with its CRC32C, as befo
 When it is used: the PS was started by psguard's server (:mod:`psguard.agent.process.tf_server`) with the library
 built, and the chief could load it too. Otherwise, or with ``PSGUARD_MAP_OP=0``, restores read as before; a PS
 without the op makes the chief's load fail before anything is assigned, and the chief loads again the usual way
-(:func:`psguard.trainer.capture_graph.run_load`). The library is keyed by this source and the TensorFlow library
+(:func:`psguard.trainer.ps_load.run_load`). The library is keyed by this source and the TensorFlow library
 it links against, so an upgraded TensorFlow is never handed a stale build: ``psguard build-op`` again.
 """
 

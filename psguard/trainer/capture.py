@@ -6,8 +6,8 @@ large embedding tables of which a small fraction of rows changes between two sav
 model; this module keeps, beside every large variable shard and on the same device, one 64-bit fingerprint per row
 (``tf.fingerprint``: farmhash64 of the row's bytes). A capture is one ``tf.function`` call for the whole
 model that finds and sends only the changed rows, comparing them by their bytes: that function, its exactness
-and the rebase and PS-side load beside it are :mod:`psguard.trainer.capture_graph`; this module keeps the
-variables they work on and turns their outputs into updates.
+and the rebase beside it are :mod:`psguard.trainer.capture_graph`, the restore's PS-side load
+:mod:`psguard.trainer.ps_load`; this module keeps the variables they work on and turns their outputs into updates.
 
 Candidates: hashing every row of every large shard was most of the stall (about two thirds of it for two 256 MB
 tables at 1% changed rows). So the capturer also hooks the write methods of those variables, and each sparse
@@ -46,12 +46,11 @@ from psguard.trainer.capture_graph import (
     TensorPlan,
     capture_specs,
     functions_for,
-    run_load,
-    trace_load,
     unoptimized_calls,
     warm_functions,
 )
 from psguard.trainer.deferred_init import note_restored
+from psguard.trainer.ps_load import run_load, trace_load
 from psguard.trainer.variables import (
     Shape,
     Shard,
@@ -369,10 +368,10 @@ class Capturer:
             self._warming = warm_functions(self._functions, self._variables())
 
     def _trace_load(self) -> None:
-        """Trace the PS-side load of this layout (:func:`load_function`, every shard with its fingerprints and
-        every other tensor from the chief: what a restore from the memory tiers passes) now, once per layout, at
-        the end of a capture (the capture function was traced for the same layout just before). Caller holds the
-        lock.
+        """Trace the PS-side load of this layout (:func:`~psguard.trainer.ps_load.load_function`, every shard with
+        its fingerprints and every other tensor from the chief: what a restore from the memory tiers passes) now,
+        once per layout, at the end of a capture (the capture function was traced for the same layout just before).
+        Caller holds the lock.
 
         Why: a recovery builds the model again and restores at once, and tracing that function was 0.1 s of a 1 GB
         job's 0.43 s restore (about 20 ops per tensor, in Python on the chief). A trace is kept with the layout's
@@ -476,13 +475,13 @@ class Capturer:
         ``files``: shard -> the path of its file on the node of the PS that hosts it (written there by that
         PS's agent); ``homes``: shard -> the PS task whose agent wrote it, which must be the PS the model put
         the shard on now (else the path is on another node: a model placed differently from the captured one).
-        Each PS reads and assigns its own shards in one function placed on its device, so all PS
-        load in parallel and no shard's bytes cross the chief. All or nothing: names, shapes and dtypes are
-        checked first, and every file is read and parsed (shape and dtype checked by TensorFlow) before any
-        variable is assigned; the same function assigns ``tensors`` and rebases (:func:`load_function`: one
-        function to instantiate on the PS, not three). ``fingerprints``: shard -> the bundle of its rows'
-        fingerprints on the same node (its agent kept what the captures computed), loaded instead of hashing
-        the rows. ``mappable``: the shards whose file is their agent's own tier file (mapped, not read).
+        Each PS reads and assigns its own shards in one function placed on its device, so all PS load in parallel and no
+        shard's bytes cross the chief. All or nothing: names, shapes and dtypes are checked first, and every file is
+        read and parsed (shape and dtype checked by TensorFlow) before any variable is assigned; the same function
+        assigns ``tensors`` and rebases (:func:`~psguard.trainer.ps_load.load_function`: one function to instantiate on
+        the PS, not three). ``fingerprints``: shard -> the bundle of its rows' fingerprints on the same node (its agent
+        kept what the captures computed), loaded instead of hashing the rows. ``mappable``: the shards whose file is
+        their agent's own tier file (mapped, not read).
         """
         tf = lazy_tf()
         with self._lock:

@@ -40,7 +40,7 @@ TRAINER = textwrap.dedent(
     from psguard.handoff.contract import Tier
 
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("psguard.trainer.capture_graph").setLevel(logging.INFO)  # its restores' event=ps_load
+    logging.getLogger("psguard.trainer.ps_load").setLevel(logging.INFO)  # its restores' event=ps_load
     from psguard.trainer.manager import CheckpointManager
     from psguard.policy.engine import EverySteps, Schedule
     from psguard.trainer.recovery import exit_for_restart, is_cluster_failure
