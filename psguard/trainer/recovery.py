@@ -398,20 +398,34 @@ def run_with_recovery(
         failure = (said, time.monotonic() if failure is None else failure[1])
         failed_at = _failure_time()
         log.warning("cluster failure (%s): recovery %d in process", said[:200], attempt)
-        # The PS restart (waiting on the agents) overlaps with dropping the failed generation (CPU here, the
-        # collection alone 0.3-0.4 s with a model built). Both are over before the cluster context is reset.
-        with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
-            restarting = pool.submit(restart_ps, failed_at)
-            process_managers.release_after_failure()
-            if close is not None and job is not None:
-                try:
-                    close(job)
-                except Exception as close_error:  # the old generation's saves may fail now: expected
-                    log.info("closing the failed generation: %s", close_error)
-            job = None
-            # The collection holds the interpreter until it is done (its traversal runs no Python code): a
-            # request not yet on the wire waits for it. Let the restart's thread send first: 0.28 s later
-            # at the agent without this, 4 ms with it (a model and 300k cyclic objects, one process).
-            wait([restarting], timeout=_SEND_FIRST_SECONDS)
-            gc.collect()
-            restarting.result()  # its failure, raised here
+        dropping, job = [job], None  # handed over in a list the callee empties: no frame here holds it then
+        _restart_dropping(restart_ps, failed_at, dropping, close)
+
+
+def _restart_dropping(
+    restart_ps: Callable[[float], None],
+    failed_at: float,
+    dropping: list[T | None],
+    close: Callable[[T], None] | None,
+) -> None:
+    """Restart the PS tasks while the failed generation (the one job in ``dropping``, taken out) is dropped.
+
+    The PS restart (waiting on the agents) overlaps with dropping the failed generation (CPU here, the collection
+    alone 0.3-0.4 s with a model built). Both are over before the cluster context is reset.
+    """
+    with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
+        restarting = pool.submit(restart_ps, failed_at)
+        process_managers.release_after_failure()
+        job = dropping.pop()
+        if close is not None and job is not None:
+            try:
+                close(job)
+            except Exception as close_error:  # the old generation's saves may fail now: expected
+                log.info("closing the failed generation: %s", close_error)
+        job = None
+        # The collection holds the interpreter until it is done (its traversal runs no Python code): a request not
+        # yet on the wire waits for it. Let the restart's thread send first: 0.28 s later at the agent without
+        # this, 4 ms with it (a model and 300k cyclic objects, one process).
+        wait([restarting], timeout=_SEND_FIRST_SECONDS)
+        gc.collect()
+        restarting.result()  # its failure, raised here
