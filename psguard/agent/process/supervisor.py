@@ -191,7 +191,10 @@ class Supervisor:
             self._standby = Standby(self.name, lambda extra: self._popen(extra, cmd=warm), env_at_go=self._run_env)
         elif standby:
             self._standby = Standby(self.name, self._popen)
+        self._init_runs()
 
+    def _init_runs(self) -> None:
+        """The supervision's own state: its thread and the signals to it, and the task's runs so far."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._first_spawn = threading.Event()
