@@ -6,6 +6,10 @@ changed each time, twice: with ``psguard.CheckpointManager`` to a local store an
 ``--poll`` seconds) applies each psguard checkpoint as it lands; the baseline restores each TF checkpoint into a
 fresh model, as ``tf.train.checkpoints_iterator`` evaluators do. Printed: bytes read and seconds per applied
 checkpoint on each side and their ratios, and the follower's lag from each commit to its application.
+
+``--evaluators``: whole evaluator pods instead (:mod:`psguard.benchmarks.follow_evaluators`): the drop-in
+``psguard.keras.SidecarEvaluator``, TF's ``SidecarEvaluator`` on a ``psguard publish`` folder, and TF's on TF's
+own checkpoints, each a process: lag from commit to evaluation and bytes read per evaluation.
 """
 
 from __future__ import annotations
@@ -152,6 +156,12 @@ def run(rows: int, dim: int, saves: int, changed: float, interval: float, poll: 
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.evaluators:
+        from psguard.benchmarks import follow_evaluators  # lazy: only this variant starts evaluator processes
+
+        results = follow_evaluators.run(args.rows, args.dim, args.saves, args.changed, args.interval)
+        print_results(results, as_json=args.json, keys=follow_evaluators.KEYS)
+        return 0
     results = run(args.rows, args.dim, args.saves, args.changed, args.interval, args.poll)
     print_results(results, as_json=args.json, keys=KEYS)
     return 0
@@ -165,5 +175,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--changed", type=float, default=0.01, help="fraction of rows changed per save (default 0.01)")
     p.add_argument("--interval", type=float, default=3.0, help="seconds between saves (default 3)")
     p.add_argument("--poll", type=float, default=1.0, help="the follower's poll interval (default 1 s)")
+    p.add_argument(
+        "--evaluators",
+        action="store_true",
+        help="evaluator processes instead: psguard's SidecarEvaluator, TF's on a psguard publish folder, TF's on "
+        "TF's own checkpoints (each polls every second; --poll is not used)",
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd)
