@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import functools
-import json
 import logging
 import os
 import re
@@ -14,44 +12,36 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from psguard.agent.tiers.memory_tier import MemoryTier, limit_malloc_retention
 from psguard.agent.tiers.persister import Persister, PersistHandle
 from psguard.agent.tiers.shard_client import ShardClient
-from psguard.agent.tiers.shards import ShardError, StateNotHeldError
-from psguard.codec.dtypes import dtype_name
+from psguard.agent.tiers.shards import ShardError
+from psguard.agent.tiers.spool_restores import RestoreAnswers
 from psguard.errors import (
     CorruptCheckpointError,
     PsguardError,
 )
-from psguard.handoff.contract import TOKEN_KEY, Tier
-from psguard.handoff.parts import ShardKey
-from psguard.handoff.plan import Durable, Facts, Memory, plan
+from psguard.handoff.contract import Tier
 from psguard.handoff.spool import (
     AGENT_TMP,
     REQ_RE,
-    RESTORE_FORMAT,
     RESTORE_RE,
     SEQ_RE,
     TMP_RE,
-    VERSION,
     Ack,
     DurableAck,
-    NewerInMemoryError,
     SpooledCapture,
     SpoolPaths,
     atomic_write_json,
     read_capture,
     read_json_if_present,
     try_flock,
-    write_array,
-    write_private,
 )
 from psguard.local_files import open_regular
-from psguard.store.manifest import is_checkpoint_id
 
 __all__ = ["SpoolEvent", "SpoolServer", "SpoolServerStatus"]
 
@@ -104,16 +94,6 @@ class SpoolServerStatus:
     last_error: str | None
 
 
-@dataclass
-class _Ahead:
-    """An export ahead of a restore: for state ``token`` and PS ``tasks``; ``files`` once it answered."""
-
-    token: str
-    tasks: frozenset[str]
-    done: threading.Event = field(default_factory=threading.Event)
-    files: list[dict[str, Any]] | None = None
-
-
 class _Wake:
     """watchdog handler: any change in a watched folder wakes the processing thread (it rescans)."""
 
@@ -127,8 +107,21 @@ class _Wake:
         self.handler = Handler()
 
 
+@dataclass(frozen=True)
+class _Applied:
+    """A capture read and applied (or refused): its answer and what the counters and the event need."""
+
+    ack: Ack
+    step: int | None
+    tiers: frozenset[Tier]
+    nbytes: int
+    read_seconds: float
+    apply_seconds: float
+    stall: float | None  # the trainer's stall for it, as it reported
+
+
 class SpoolServer:
-    """The agent's end: applies captures to ``tier``, feeds ``persister``, serves restores.
+    """The agent's end: applies captures to ``tier``, feeds ``persister``, serves restores (:class:`RestoreAnswers`).
 
     ``start()`` takes the spool's agent lock, cleans what dead processes left, and (``watch=True``) starts a
     ``watchdog`` observer plus one processing thread; everything present is processed at once, in order.
@@ -168,15 +161,13 @@ class SpoolServer:
         self._last_prune = 0.0
         self._counts: dict[str, int] = {"ok": 0, "need_full": 0, "error": 0}
         self._bytes = 0
-        self._restores = 0
         self._last_seq: int | None = None
         self._marked_retrying: set[int] = set()  # pending durable answers that say the store is being retried
         self._answering = threading.Lock()
         self._last_apply: float | None = None
         self._last_error: str | None = None
         self._moved_said = False
-        self._ahead_lock = threading.Lock()
-        self._ahead: _Ahead | None = None  # the export ahead of the next restore (export_ahead)
+        self._answers = RestoreAnswers(self._paths, tier, persister, shards, self._order, self._writer_alive)
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self, *, watch: bool = True) -> SpoolServer:
@@ -222,54 +213,8 @@ class SpoolServer:
 
     def export_ahead(self, only: Sequence[str] | None = None) -> threading.Thread | None:
         """Have every PS agent (or those in ``only``) write its restore files for the tier's state now, in the
-        background.
-
-        Called when a new trainer generation is about to start (PS restarts, then a rebuild, then a restore):
-        the PS agents write while the PS restart and the trainer rebuilds, and the restore that follows takes
-        this export's answer instead of asking again (:meth:`_export_parts`: once, for the same state and every
-        PS). A replacement agent (its node lost) fetches its shards from the peer holding its copy then
-        (:meth:`ShardClient.export`). Returns the thread, or None when there is nothing to export.
-        """
-        shards, token = self.shards, self.tier.token
-        if shards is None or not shards.active or token is None:
-            return None
-        tasks = tuple(t for t in shards.active if only is None or t in only)
-        if not tasks:
-            return None
-        ahead = _Ahead(token, frozenset(tasks))
-        if only is None:  # a part of the PS is no answer for a restore
-            with self._ahead_lock:
-                self._ahead = ahead
-
-        def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                ahead.files = shards.export(tasks, token)
-            except (OSError, PsguardError) as e:  # the restore's own export will say what is wrong
-                log.info("spool %s: exporting ahead of the restore failed: %s", self.root, e)
-                return
-            finally:
-                ahead.done.set()
-            log.info("spool %s: the PS agents exported state %s ahead of the restore in %.2fs", self.root, token,
-                     time.perf_counter() - t0)  # fmt: skip
-
-        thread = threading.Thread(target=run, name="psguard-export-ahead", daemon=True)
-        thread.start()
-        return thread
-
-    def _export_parts(self, shards: ShardClient, token: str) -> list[dict[str, Any]]:
-        """Every PS agent's restore files for state ``token``: the export ahead's answer when it was for this
-        state and every PS and gave one (waited for if still running), else an export now. The answer ahead
-        serves one restore only: a later one asks the PS agents again, which also tells whether they still
-        hold the state."""
-        with self._ahead_lock:
-            ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead.token == token and ahead.tasks == frozenset(shards.active):
-            ahead.done.wait(shards.timeout)
-            if ahead.files is not None:
-                log.info("spool %s: the restore takes the files exported ahead for state %s", self.root, token)
-                return ahead.files
-        return shards.export(shards.active, token)
+        background (:meth:`RestoreAnswers.export_ahead`)."""
+        return self._answers.export_ahead(only)
 
     @property
     def heartbeat(self) -> Path:
@@ -288,7 +233,7 @@ class SpoolServer:
             running=self._thread is not None and self._thread.is_alive(),
             captures=dict(self._counts),
             bytes_received=self._bytes,
-            restores=self._restores,
+            restores=self._answers.count,
             last_seq=self._last_seq,
             last_apply_seconds=self._last_apply,
             last_error=self._last_error,
@@ -398,7 +343,11 @@ class SpoolServer:
             for name in sorted(os.listdir(self._paths.requests)):
                 m = REQ_RE.match(name)
                 if m:
-                    self._serve_restore(self._paths.requests / name, f"{m.group(1)}-{m.group(2)}", m.group(1))
+                    served = self._answers.serve(self._paths.requests / name, f"{m.group(1)}-{m.group(2)}", m.group(1))
+                    if served is not None:
+                        self._emit(
+                            SpoolEvent("restore", None, served.step, served.status, served.nbytes, 0.0, served.seconds)
+                        )
                 elif name.startswith("."):
                     gen = re.search(r"restore-([0-9a-f]{8})-", name)
                     if gen and not self._writer_alive(gen.group(1)):
@@ -424,21 +373,64 @@ class SpoolServer:
 
     def _process_capture(self, seq: int) -> None:
         folder = self._paths.incoming / f"{seq:012d}"
-        if self._paths.ack(seq).exists() or self._paths.ack(seq, "durable").exists():
-            answered = (_json_or_none(self._paths.ack(seq)) or {}).get("capture")
-            mine = self._token_of(folder)
-            if answered is not None and mine is not None and answered != mine:
-                # Two captures under one seq (a writer that did not reserve its numbers): this one was never
-                # applied, and its writer will see that the answer under its seq is not for its token.
-                log.error(
-                    "spool %s: capture %s under seq %d dropped: seq already answered for %s",
-                    self.root,
-                    mine,
-                    seq,
-                    answered,
-                )
+        if self._answered_before(seq, folder):
             shutil.rmtree(folder, ignore_errors=True)  # a predecessor answered, then died before deleting
             return
+        done = self._apply_capture(seq, folder)
+        ack, step, tiers = done.ack, done.step, done.tiers
+        durable = Tier.DURABLE in tiers
+        if durable:
+            if ack.status == "ok" and self.persister is not None:
+                atomic_write_json(self._paths.ack(seq, "pending"), {"seq": seq, "step": step})
+            elif ack.status == "ok":
+                self._write_durable_ack(DurableAck(seq, "error", None, None, "this agent has no durable store"))
+            else:
+                self._write_durable_ack(DurableAck(seq, "error", None, None, f"not applied: {ack.message}"))
+        try:
+            atomic_write_json(self._paths.ack(seq), ack.to_json())
+        except OSError:
+            # Likely a full tmpfs: free the capture's space, then try once more (re-applying it is harmless).
+            shutil.rmtree(folder, ignore_errors=True)
+            atomic_write_json(self._paths.ack(seq), ack.to_json())
+        if durable and ack.status == "ok" and self.persister is not None:
+            try:
+                handle = self.persister.request(step, new_base=Tier.BASE in tiers)
+            except PsguardError as e:  # the persister was stopped first
+                self._write_durable_ack(DurableAck(seq, "error", None, None, str(e)))
+            else:
+                handle.add_done_callback(functools.partial(self._durable_done, seq))
+        elif ack.status == "ok" and self.persister is not None and self.persister.start_first_base():
+            log.info("event=first_base step=%s: the durable log has no base yet; writing this state as its base", step)
+        shutil.rmtree(folder, ignore_errors=True)
+        self._counts[ack.status] = self._counts.get(ack.status, 0) + 1
+        self._bytes += done.nbytes
+        self._last_seq = seq
+        self._last_apply = done.apply_seconds
+        if ack.status == "error":
+            self._last_error = ack.message
+        self._emit(
+            SpoolEvent(
+                "capture", seq, step, ack.status, done.nbytes, done.read_seconds, done.apply_seconds, ack.message,
+                done.stall,
+            )
+        )  # fmt: skip
+
+    def _answered_before(self, seq: int, folder: Path) -> bool:
+        """Whether ``seq`` has its answer already (a predecessor answered, then died before deleting the capture)."""
+        if not (self._paths.ack(seq).exists() or self._paths.ack(seq, "durable").exists()):
+            return False
+        answered = (_json_or_none(self._paths.ack(seq)) or {}).get("capture")
+        mine = self._token_of(folder)
+        if answered is not None and mine is not None and answered != mine:
+            # Two captures under one seq (a writer that did not reserve its numbers): this one was never applied,
+            # and its writer will see that the answer under its seq is not for its token.
+            log.error("spool %s: capture %s under seq %d dropped: seq already answered for %s", self.root, mine, seq,
+                      answered)  # fmt: skip
+        return True
+
+    def _apply_capture(self, seq: int, folder: Path) -> _Applied:
+        """Read the capture ``seq`` and apply it to the tiers (its PS parts first): its answer, whatever is wrong
+        with it (an answer never blocks the captures after it)."""
         t0 = time.perf_counter()
         step: int | None = None
         tiers: frozenset[Tier] = frozenset()
@@ -483,39 +475,7 @@ class SpoolServer:
             log.warning("spool %s: capture seq %d rejected: %s", self.root, seq, e)
             if not tiers:
                 tiers = self._tiers_of(folder)
-        durable = Tier.DURABLE in tiers
-        if durable:
-            if ack.status == "ok" and self.persister is not None:
-                atomic_write_json(self._paths.ack(seq, "pending"), {"seq": seq, "step": step})
-            elif ack.status == "ok":
-                self._write_durable_ack(DurableAck(seq, "error", None, None, "this agent has no durable store"))
-            else:
-                self._write_durable_ack(DurableAck(seq, "error", None, None, f"not applied: {ack.message}"))
-        try:
-            atomic_write_json(self._paths.ack(seq), ack.to_json())
-        except OSError:
-            # Likely a full tmpfs: free the capture's space, then try once more (re-applying it is harmless).
-            shutil.rmtree(folder, ignore_errors=True)
-            atomic_write_json(self._paths.ack(seq), ack.to_json())
-        if durable and ack.status == "ok" and self.persister is not None:
-            try:
-                handle = self.persister.request(step, new_base=Tier.BASE in tiers)
-            except PsguardError as e:  # the persister was stopped first
-                self._write_durable_ack(DurableAck(seq, "error", None, None, str(e)))
-            else:
-                handle.add_done_callback(functools.partial(self._durable_done, seq))
-        elif ack.status == "ok" and self.persister is not None and self.persister.start_first_base():
-            log.info("event=first_base step=%s: the durable log has no base yet; writing this state as its base", step)
-        shutil.rmtree(folder, ignore_errors=True)
-        self._counts[ack.status] = self._counts.get(ack.status, 0) + 1
-        self._bytes += nbytes
-        self._last_seq = seq
-        self._last_apply = apply_seconds
-        if ack.status == "error":
-            self._last_error = ack.message
-        self._emit(
-            SpoolEvent("capture", seq, step, ack.status, nbytes, read_seconds, apply_seconds, ack.message, stall)
-        )
+        return _Applied(ack, step, tiers, nbytes, read_seconds, apply_seconds, stall)
 
     def _apply_parts(self, cap: SpooledCapture) -> tuple[Literal["ok", "need_full", "error"], str]:
         """Forward the capture's PS parts to their agents first: the chief's tier moves only if they all did."""
@@ -559,135 +519,6 @@ class SpoolServer:
             atomic_write_json(self._paths.ack(ack.seq, "durable"), ack.to_json())
             with contextlib.suppress(OSError):
                 self._paths.ack(ack.seq, "pending").unlink()
-
-    def _serve_restore(self, request: Path, name: str, gen: str) -> None:
-        final = self._paths.restore / name
-        if final.exists() or not self._writer_alive(gen):
-            with contextlib.suppress(OSError):
-                request.unlink()
-            return
-        t0 = time.perf_counter()
-        tmp = self._paths.restore / f"{name}{AGENT_TMP}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        durable = self.persister.status() if self.persister is not None else None
-        nbytes = 0
-        try:
-            wanted = read_json_if_present(request) or {}
-            if wanted.get("checkpoint") is not None:
-                self._load_durable(wanted, durable.last_id if durable else None)
-            with self.tier.export() as snap:
-                doc: dict[str, Any] = {
-                    "format": RESTORE_FORMAT,
-                    "version": VERSION,
-                    "status": "empty" if snap.empty else "ok",
-                    "step": snap.step,
-                    "metadata": snap.metadata,
-                    "token": snap.token,
-                    "durable_id": durable.last_id if durable else None,
-                    "durable_step": durable.last_step if durable else None,
-                    "message": "no capture applied since the agent started" if snap.empty else "",
-                    "tensors": [],
-                }
-                for i, (tname, value) in enumerate(snap.tensors.items()):
-                    ref = write_array(tmp, f"{i}.bin", value)
-                    nbytes += int(ref["size"])
-                    doc["tensors"].append(
-                        {"name": tname, "dtype": dtype_name(value.dtype), "shape": list(value.shape), **ref}
-                    )
-                if self.shards is not None and self.shards.active and not snap.empty and snap.token is not None:
-                    # Each PS's agent writes its shards on its own node; the trainer's PS load them there.
-                    doc["parts"] = self._export_parts(self.shards, snap.token)
-            status = doc["status"]
-        except (OSError, PsguardError) as e:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            status = "newer" if isinstance(e, NewerInMemoryError) else "error"
-            reason = "the spool's tmpfs is full" if isinstance(e, OSError) and e.errno == errno.ENOSPC else str(e)
-            doc = {"format": RESTORE_FORMAT, "version": VERSION, "status": status, "message": reason}
-            log.warning("spool %s: could not export the memory tier: %s", self.root, e)
-        write_private(tmp / "manifest.json", json.dumps(doc, allow_nan=False).encode())
-        os.rename(tmp, final)
-        with contextlib.suppress(OSError):
-            request.unlink()
-        self._restores += 1
-        self._emit(SpoolEvent("restore", None, doc.get("step"), status, nbytes, 0.0, time.perf_counter() - t0))
-
-    def _load_durable(self, wanted: Mapping[str, Any], last_id: str | None) -> None:
-        """Bring every tier to a durable checkpoint, each PS's agent reading its own rows of it from the log.
-
-        For a trainer that cannot restore from the memory tiers (a PS's node and its tier were lost): the
-        chief's tier takes the small tensors, each PS's agent the rows its PS hosts now, all under the
-        checkpoint's token, so the trainer's next capture is a delta again. Then the normal export answers.
-        """
-        checkpoint = wanted.get("checkpoint")
-        raw = wanted.get("shards")
-        if not isinstance(checkpoint, str) or not is_checkpoint_id(checkpoint):
-            raise CorruptCheckpointError(f"restore request: bad checkpoint {checkpoint!r}")
-        if self.persister is None or self.shards is None:
-            raise ShardError("this agent has no durable store or no PS agents: the trainer reads the log itself")
-        if not isinstance(raw, dict) or not all(isinstance(v, list) for v in raw.values()):
-            raise CorruptCheckpointError("restore request: bad shards")
-        try:
-            shards = {
-                str(task): [ShardKey(str(k[0]), int(k[1]), int(k[2])) for k in keys] for task, keys in raw.items()
-            }
-        except (TypeError, ValueError, IndexError, KeyError):
-            raise CorruptCheckpointError("restore request: bad shards") from None
-        store = self.persister.store
-        manifest = store.manifest(checkpoint)
-        if not wanted.get("force"):
-            self._refuse_over_newer(checkpoint, manifest.step)
-        spilled = {k.name for keys in shards.values() for k in keys}
-        small = store.load(checkpoint, [n for n in manifest.tensors if n not in spilled])
-        token = manifest.metadata.get(TOKEN_KEY)
-        durable = checkpoint == last_id  # later durable saves may be deltas over it
-        with self._ahead_lock:
-            self._ahead = None  # the tiers take another state: an export ahead is no answer for it
-        with self._order:
-            self.shards.load(shards, checkpoint, durable=durable)
-            self.tier.seed(
-                manifest.step, small, metadata=manifest.metadata, token=str(token) if token else None, durable=durable
-            )
-        log.info(
-            "spool %s: every tier loaded checkpoint %s (step %d) for a restore", self.root, checkpoint, manifest.step
-        )
-
-    def _refuse_over_newer(self, checkpoint: str, step: int) -> None:
-        """Raise :class:`NewerInMemoryError` when the recovery plan restores a newer state than ``checkpoint``
-        (:meth:`psguard.handoff.plan.RecoveryPlan.loses`): the tiers hold one and every PS agent still gives it.
-        The trainer asked for the log because its memory restore failed, and a failure that was not the tiers'
-        (a PS restarted under the export, an agent slow to answer) must not have the log overwrite acknowledged
-        saves (a CI soak restored the log's step 6200 as "memory" over the acknowledged 6265). Only a PS agent
-        that answers it holds no such state (its node lost, no peer copy) lets the log in; one that cannot
-        answer stops the load (it would fail on that agent too)."""
-        token, newer, shards = self.tier.token, self.tier.step, self.shards
-        if token is None or newer is None or shards is None or not shards.active:
-            return
-        facts = Facts(memory=Memory(newer, token), durable=Durable.at(step, checkpoint))
-        if not plan(facts).loses(step):
-            return
-        held: bool | None = True
-        unknown: ShardError | None = None
-        try:
-            shards.export(shards.active, token)
-        except StateNotHeldError as e:
-            held = False
-            log.warning("spool %s: the tiers' step %d is not whole on the PS agents (%s): loading checkpoint %s "
-                        "(step %d)", self.root, newer, e, checkpoint, step)  # fmt: skip
-        except ShardError as e:
-            held, unknown = None, e
-        if not plan(replace(facts, memory=Memory(newer, token, held=held))).loses(step):
-            return
-        if unknown is not None:
-            raise ShardError(
-                f"could not tell whether the PS agents still hold the memory tier's step {newer} ({unknown}): not "
-                f"loading the older checkpoint {checkpoint} (step {step}) over it"
-            ) from unknown
-        raise NewerInMemoryError(
-            f"the memory tiers hold step {newer}, newer than checkpoint {checkpoint} (step {step}), and every PS "
-            "agent still gives it: restore the memory tier (loading the log would lose acknowledged saves)"
-        )
 
     def _writer_alive(self, gen: str) -> bool:
         if gen in self._dead_writers:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 
@@ -183,43 +182,3 @@ def test_a_store_being_retried_is_shown_in_the_pending_answer_so_a_hold_ends_at_
             assert handle.store_retrying() is None
         finally:
             srv.stop()
-
-
-# ------------------------------------------------------------------------------------------------ one export
-class _Shards:
-    """The PS agents' side of a restore, counted: every export of the state the tier holds answers its files."""
-
-    timeout = 10.0
-
-    def __init__(self) -> None:
-        self.active: tuple[str, ...] = ()
-        self.order = threading.Lock()
-        self.exports: list[tuple[tuple[str, ...], str]] = []
-
-    def export(self, tasks: tuple[str, ...], token: str) -> list[dict[str, object]]:
-        self.exports.append((tuple(tasks), token))
-        return []
-
-
-def test_a_restore_after_an_export_ahead_takes_its_answer_and_exports_once(tmp_path: Path) -> None:
-    """A recovery exported twice: ahead of the restore (while the PS restart and the trainer rebuilds), then again
-    for the restore, N more round trips to the PS agents. The restore takes the answer ahead for the same state;
-    a second restore, or one of another state, asks the PS agents again."""
-    spool, shards, tier = tmp_path / "spool", _Shards(), MemoryTier()
-    srv = SpoolServer(spool, tier, shards=shards).start(watch=False)  # type: ignore[arg-type]
-    try:
-        with SpoolWriter(spool) as w:
-            handle = w.submit(Capture(1, whole(1)))
-            srv.process_once()
-            handle.result(timeout=10)
-            shards.active = ("ps:0", "ps:1")  # as a capture with shards on those PS leaves it
-            ahead = srv.export_ahead()
-            assert ahead is not None
-            ahead.join(10)
-            for _ in range(2):
-                restore = w.request_restore()
-                srv.process_once()
-                assert restore.result(timeout=10).step == 1
-    finally:
-        srv.stop()
-    assert shards.exports == [(("ps:0", "ps:1"), tier.token)] * 2  # ahead, then the second restore's own
