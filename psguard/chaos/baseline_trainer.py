@@ -12,12 +12,37 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 
 
 def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+
+    from psguard.demo_trainer import Progress, error_line
+
+    progress = Progress(args.progress, fsync=True)
+    progress.emit("start", pid=os.getpid(), target=args.steps)
+    import json
+
+    spec = json.loads(os.environ["TF_CONFIG"])["cluster"]
+    if not _servers_up(spec["ps"] + spec["worker"]):
+        return 1
+    job = _Job(args, progress, len(spec["ps"]))
+    try:
+        job.run()
+    except Exception as e:  # a plain-TF chief dies with its cluster; the script restarts the whole job
+        progress.emit("failure", seen=job.step, error=error_line(e, type(e).__name__))
+        progress.close()
+        os._exit(1)  # the open operation stays without completion: its outcome is unknown (info)
+    progress.emit("done", step=job.step)
+    progress.close()
+    os._exit(0)  # a normal exit tears TF down for seconds; the job is done
+
+
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m psguard.chaos.baseline_trainer")
     p.add_argument("--store", required=True, help="the tf.train.CheckpointManager folder")
     p.add_argument("--progress", required=True)
@@ -30,57 +55,76 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dim", type=int, default=8)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+    return p
 
-    from psguard.demo_trainer import Progress, error_line, timed_digest
+
+def _servers_up(addresses: list[str]) -> bool:
+    """The script's readiness check: every server's port open (within 2 minutes each)."""
     from psguard.ports import port_open
 
-    progress = Progress(args.progress, fsync=True)
-    progress.emit("start", pid=os.getpid(), target=args.steps)
-    import json
-
-    spec = json.loads(os.environ["TF_CONFIG"])["cluster"]
-    for addr in spec["ps"] + spec["worker"]:  # the script's readiness check: every server's port open
+    for addr in addresses:
         host, port = addr.rsplit(":", 1)
         deadline = time.monotonic() + 120
         while not port_open(host, int(port)):
             if time.monotonic() > deadline:
-                return 1
+                return False
             time.sleep(0.05)
+    return True
 
-    import tensorflow as tf
 
-    from psguard.demo_trainer import cron_came, durable_cadence_due
-    from psguard.testbed.model import ModelConfig, RecModel, Trainer, labels_for, make_optimizer
+class _Job:
+    """The plain-TF job's chief: restore the latest checkpoint, train with saves on the cadence, evaluate."""
 
-    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-    strategy = tf.distribute.experimental.ParameterServerStrategy(
-        resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(len(spec["ps"]))
-    )
-    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
-    config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
-    step = 0
-    try:
-        with strategy.scope():
+    def __init__(self, args: argparse.Namespace, progress: Any, num_ps: int) -> None:
+        import tensorflow as tf
+
+        from psguard.testbed.model import ModelConfig
+
+        self.args = args
+        self.progress = progress
+        self.step = 0  # the step reached: a failure's record says it
+        resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        self.strategy = tf.distribute.experimental.ParameterServerStrategy(
+            resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(num_ps)
+        )
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
+        self.config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
+
+    def run(self) -> None:
+        import tensorflow as tf
+
+        from psguard.demo_trainer import timed_digest
+        from psguard.testbed.model import RecModel, Trainer, make_optimizer
+
+        args, progress, config = self.args, self.progress, self.config
+        with self.strategy.scope():
             model = RecModel(config)
             optimizer = make_optimizer("adagrad")
-        trainer = Trainer(strategy, coordinator, model, optimizer)
+        trainer = Trainer(self.strategy, self.coordinator, model, optimizer)
         if os.path.exists(args.store) and not os.path.isdir(args.store):  # FolderOutage: the store is down
             # TF reads a missing folder as "no checkpoint yet" and would start over; a store that is down fails.
             raise OSError(f"the checkpoint store {args.store} cannot be read: it is down")
         manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, None)
         progress.op("invoke", "restore")
         path = manager.restore_or_initialize()
-        step = int(model.step.numpy())
-        trainer.next_index = step
+        self.step = int(model.step.numpy())
+        trainer.next_index = self.step
         digest, seconds = timed_digest(model, optimizer)
-        progress.op("ok", "restore", step=step, source="durable" if path else None, id=path,
+        progress.op("ok", "restore", step=self.step, source="durable" if path else None, id=path,
                     digest=digest, harness_seconds=round(seconds, 4))  # fmt: skip
-        saved = step if path else None
-        saved_at: float | None = None  # psguard's trainer's cadence: steps, and a time floor if set
-        saved_wall = time.time()  # ... or a cron's time since the last save (or the start)
-        while step < args.steps:
-            now = time.monotonic()
+        self.train(model, optimizer, trainer, manager, saved=self.step if path else None)
+        self.evaluate(model, config)
+
+    def train(self, model: Any, optimizer: Any, trainer: Any, manager: Any, saved: int | None) -> None:
+        """Train to ``--steps``, saving on psguard's trainer's cadence: steps, and a time floor if set, or a cron's
+        time since the last save (or the start)."""
+        from psguard.demo_trainer import cron_came, durable_cadence_due, timed_digest
+
+        args, progress = self.args, self.progress
+        saved_at: float | None = None
+        saved_wall = time.time()
+        while self.step < args.steps:
+            step, now = self.step, time.monotonic()
             if durable_cadence_due(
                 saved, saved_at, step, args.durable_every, args.durable_min_seconds, now
             ) or cron_came(args.durable_cron, since=saved_wall, now=time.time()):
@@ -94,22 +138,22 @@ def main(argv: list[str] | None = None) -> int:
                 saved, saved_at, saved_wall = step, time.monotonic(), time.time()
             progress.op("invoke", "train", step=step, steps=args.chunk)
             trainer.train(args.chunk)
-            step = int(model.step.numpy())
-            progress.op("ok", "train", step=step)
-        progress.op("invoke", "eval", step=step)
+            self.step = int(model.step.numpy())
+            progress.op("ok", "train", step=self.step)
+
+    def evaluate(self, model: Any, config: Any) -> None:
+        """The final loss on a fixed batch (as the psguard trainer's)."""
+        import tensorflow as tf
+
+        from psguard.testbed.model import labels_for
+
+        self.progress.op("invoke", "eval", step=self.step)
         ids = tf.random.stateless_uniform(
-            [2048, config.features], seed=[args.seed, 7919], maxval=config.vocab_size, dtype=tf.int64
+            [2048, config.features], seed=[self.args.seed, 7919], maxval=config.vocab_size, dtype=tf.int64
         )
         labels = labels_for(ids)
         loss = float(tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=model(ids))))
-        progress.op("ok", "eval", step=step, loss=loss)
-    except Exception as e:  # a plain-TF chief dies with its cluster; the script restarts the whole job
-        progress.emit("failure", seen=step, error=error_line(e, type(e).__name__))
-        progress.close()
-        os._exit(1)  # the open operation stays without completion: its outcome is unknown (info)
-    progress.emit("done", step=step)
-    progress.close()
-    os._exit(0)  # a normal exit tears TF down for seconds; the job is done
+        self.progress.op("ok", "eval", step=self.step, loss=loss)
 
 
 if __name__ == "__main__":
