@@ -9,14 +9,14 @@ How (docs/design.md, "Peer copies", "Parity"):
 - **Stripe.** An owner's tier seen as one flat byte string: its tensors in sorted-name order, each C-order bytes,
   back to back (:func:`stripe_parts`). The parity is the XOR of the members' stripes, each zero-padded to the
   longest.
-- **The owners send as for full copies** (:class:`~psguard.agent.tiers.peer_copy.CopySender`, with the group in
+- **The owners send as for full copies** (:class:`~psguard.agent.tiers.copy_owner.CopySender`, with the group in
   every frame's header): a whole state XORs into the parity chunk by chunk; a delta carries, for each changed
   row, ``old XOR new`` (:func:`xor_rows`), which the holder XORs in at the row's offset. XOR is its own inverse,
   so the holder keeps each member's last delta to undo it (apply it again).
 - **A whole state resets the group.** A member's whole cannot replace its old contribution (the holder does not
   know it): the parity restarts at zero and every other member is answered ``need_full`` until it sent its whole.
   So a member rebuilt from the block sends deltas from the state it fetched, and a member's new address alone
-  does not make the others send their whole (``peer_copy.CopySender``).
+  does not make the others send their whole (``copy_owner.CopySender``).
 - **Consistency.** The parity describes state T when every member's last applied token is T.
 - **Reconstruction.** A new agent of a lost member fetches its shards as from a full copy (``/peer-copy/read``):
   the holder brings every member to the chief's token (one undo at most), fetches each survivor's stripe from its
@@ -359,7 +359,7 @@ class ParityHolder:
 
     # ------------------------------------------------------------------------------------------ reconstruction
     def read(self, doc: Mapping[str, Any]) -> bytes:
-        """What a new agent of a lost member fetches, as from a full copy (:func:`peer_copy.fetch_copy`):
+        """What a new agent of a lost member fetches, as from a full copy (:func:`copy_owner.fetch_copy`):
         ``{"owner", "token"}`` reconstructs the owner's state at ``token`` and answers its layout, step and
         digests (``unavailable`` or ``refused`` with a reason when it cannot); with ``"name", "start", "stop"``
         the rows of one tensor of that reconstruction."""

@@ -2,7 +2,7 @@
 :class:`~psguard.agent.tiers.shards.ShardKeeper`, kept apart to keep the keeper readable).
 
 After the keeper's tier applied a capture, :class:`CopyOwner` updates the copy's digests from the rows the capture
-changed and hands the delta to the :class:`~psguard.agent.tiers.peer_copy.CopySender`; a whole copy is read from a
+changed and hands the delta to the :class:`~psguard.agent.tiers.copy_owner.CopySender`; a whole copy is read from a
 snapshot of the tier taken under the keeper's lock. It also undoes the tier's last capture when the chief's state
 is one capture older (:meth:`CopyOwner._roll_back_to`), and the copy follows.
 
@@ -26,10 +26,10 @@ from typing import Any, Self
 import numpy as np
 
 from psguard.agent.tiers.copy_frames import delta_digest, rows_digest
+from psguard.agent.tiers.copy_owner import CopySender, new_delta
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
 from psguard.agent.tiers.parity import xor_rows
-from psguard.agent.tiers.peer_copy import CopySender, new_delta
 from psguard.agent.tiers.tier_files import TierFiles
 from psguard.codec.dtypes import dtype_name
 from psguard.errors import PsguardError
@@ -53,7 +53,7 @@ def fp_name(name: str) -> str:
 
 class CopiedView:
     """The tier and its fingerprints read together for a whole copy, at one state (both snapshots are taken under
-    the keeper's lock); what :class:`~psguard.agent.tiers.peer_copy.CopySender` reads a whole copy from."""
+    the keeper's lock); what :class:`~psguard.agent.tiers.copy_owner.CopySender` reads a whole copy from."""
 
     def __init__(self, rows: StreamSnapshot, fps: StreamSnapshot | None) -> None:
         self._parts = [rows] if fps is None else [rows, fps]

@@ -30,10 +30,11 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.tiers.copy_frames import digests_from
+from psguard.agent.tiers.copy_owner import CopySender, ReadInto, fetch_copy
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import DirtyTake, MemoryTier, Snapshot, limit_malloc_retention
 from psguard.agent.tiers.parity import ParityHolder, group_header, stripe_frame
-from psguard.agent.tiers.peer_copy import CopyHolder, CopySender, ReadInto, fetch_copy
+from psguard.agent.tiers.peer_copy import CopyHolder
 from psguard.agent.tiers.shard_copy import CopyOwner, UndoRows
 from psguard.agent.tiers.tier_files import TierFiles
 from psguard.codec.dtypes import dtype_from_name, dtype_name

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from psguard.agent.tiers.copy_frames import decode_frame, encode_frame, read_frame_into
+from psguard.agent.tiers.copy_owner import fetch_copy
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.peer_copy import fetch_copy
+from psguard.agent.tiers.peer_copy import CopyHolder
 from psguard.agent.tiers.shards import ShardKeeper
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.parts import ShardKey
@@ -487,3 +488,21 @@ def test_a_new_agent_sends_deltas_to_the_holder_it_fetched_from_without_a_whole_
         assert all(np.array_equal(copy[n], a) for n, a in _owner_arrays(fresh).items())
     finally:
         fresh.close()
+
+
+# ------------------------------------------------------------------------------------------------ the holder alone
+def test_the_holder_refuses_frames_of_no_ps_and_asks_for_the_whole_of_what_it_cannot_place() -> None:
+    """A frame names its owner (a PS other than the holder); a delta onto a state the holder lacks, or rows of a
+    whole copy it never began, get ``need_full``: the owner then sends its whole state."""
+    holder = CopyHolder("ps:1")
+    rows = np.ones((2, 8), np.float32)
+    for owner in ("ps:1", "worker:0", None):
+        with pytest.raises(CorruptCheckpointError, match="bad owner"):
+            holder.put(encode_frame({"task": owner, "op": "delta"}))
+    delta = holder.put(encode_frame({"task": "ps:0", "op": "delta", "parent": "t1", "token": "t2", "step": 2}))
+    assert delta["status"] == "need_full" and "the copy holds None" in delta["message"]
+    fill = holder.put(encode_frame({"task": "ps:0", "op": "fill", "session": "s", "name": EMB, "start": 0}, [rows]))
+    assert fill["status"] == "need_full"
+    with pytest.raises(CorruptCheckpointError, match="unknown op"):
+        holder.put(encode_frame({"task": "ps:0", "op": "copy"}))
+    assert holder.status() == {} and decode_frame(bytes(holder.read({"owner": "ps:0"})))[0]["status"] == "empty"

@@ -1,0 +1,479 @@
+"""The owner's side of a peer copy (:mod:`psguard.agent.tiers.peer_copy` says why and how): a PS agent pushing
+its tier's state to the holder the chief names (:class:`CopySender`: whole, then by deltas, in the background), and
+a new agent of the same PS, its node lost, fetching the shards back from the holder's copy (:func:`fetch_copy`,
+verified against the owner's digests).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from psguard.agent.tiers.copy_frames import (
+    MASK,
+    digests_from,
+    digests_json,
+    encode_frame,
+    rows_digest,
+)
+from psguard.agent.tiers.copy_settings import PeerCopyConfig
+from psguard.codec.dtypes import dtype_from_name
+from psguard.errors import CorruptCheckpointError, PsguardError
+from psguard.tensors import FullStream, Rows, TensorUpdate
+
+#: A holder's answer read as it arrives (url, body, timeout, the rows' array, ``take(row, rows)`` called with each
+#: piece): :meth:`psguard.agent.copies.PeerLink.read_copy_into`. Returns the answer's header.
+ReadInto = Callable[[str, Mapping[str, Any], float, np.ndarray, Callable[[int, np.ndarray], None]], dict[str, Any]]
+
+#: Makes an array the fetched rows go into (None: the fetch allocates anonymous memory).
+Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None]
+
+__all__ = ["CopySender", "ReadInto", "WholeView", "fetch_copy", "new_delta"]
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------------- sender
+class WholeView(Protocol):
+    """What a whole copy is read from: a state of the owner's tier read in row ranges, released when sent (a
+    :class:`~psguard.agent.tiers.memory_tier.StreamSnapshot`, or the tier with its fingerprints)."""
+
+    step: int | None
+    token: str | None
+    metadata: dict[str, Any]
+    tensors: Mapping[str, FullStream]
+
+    @property
+    def empty(self) -> bool: ...
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+@dataclass
+class _Delta:
+    step: int
+    token: str
+    parent: str
+    updates: dict[str, TensorUpdate]
+    digests: dict[str, int]
+    metadata: dict[str, Any]
+    nbytes: int
+
+
+def _same_copy(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    """Whether two frames' extra fields describe the same copy: equal but for the parity group's URLs. A member
+    replaced on a new node has a new address; the holder learns it from any frame, and the block still holds every
+    member at its state, so a survivor must not send its whole (it would reset the group)."""
+
+    def without_urls(x: Mapping[str, Any]) -> dict[str, Any]:
+        parity = x.get("parity")
+        if isinstance(parity, Mapping):
+            return {**x, "parity": {k: v for k, v in parity.items() if k != "urls"}}
+        return dict(x)
+
+    return without_urls(a) == without_urls(b)
+
+
+class CopySender:
+    """The owner's side: pushes its tier's state to the holder the chief named, in the background.
+
+    ``snapshot``: under the owner's lock, a consistent ``(Snapshot, layout, digests)`` of its tier (the
+    layout as :class:`CopyHolder` keeps it); ``post``: sends one frame to a URL and returns the answer's JSON.
+    """
+
+    def __init__(
+        self,
+        task: str,
+        snapshot: Callable[[], tuple[WholeView, list[dict[str, Any]], dict[str, int]]],
+        post: Callable[[str, bytes, float], dict[str, Any]],
+        config: PeerCopyConfig,
+    ) -> None:
+        self.task = task
+        self._snapshot = snapshot
+        self._post = post
+        self.config = config
+        self._cond = threading.Condition()
+        self._queue: deque[_Delta] = deque()
+        self._queued_bytes = 0
+        self._target: tuple[str, str] | None = None  # (holder task, URL)
+        self._extra: dict[str, Any] = {}  # fields every frame's header carries (``parity``: the owner's group)
+        self._whole = True  # the next send is the whole state
+        self._in_whole = False  # a whole copy is being sent (deltas queue behind it, nobody waits for them)
+        self._stop = False
+        self._synced: tuple[int, str] | None = None  # (step, token) the holder acknowledged last
+        self._known: tuple[str, int, str] | None = None  # a holder's URL and the (step, token) it holds: synced_with
+        self._tier_step: int | None = None
+        self._counts = {"whole": 0, "deltas": 0, "errors": 0, "dropped": 0, "bytes": 0}
+        self._last_error: str | None = None
+        self._thread = threading.Thread(target=self._run, name=f"psguard-copy-{task}", daemon=True)
+        self._thread.start()
+
+    @property
+    def target(self) -> str | None:
+        with self._cond:
+            return self._target[0] if self._target else None
+
+    def set_target(self, target: tuple[str, str] | None, extra: Mapping[str, Any] | None = None) -> None:
+        """The holder the chief names (``None``: no copy) and what every frame to it carries (``extra``); a new
+        one gets the whole state first."""
+        with self._cond:
+            if target == self._target and _same_copy(dict(extra or {}), self._extra):
+                self._extra = dict(extra or {})  # a member's new address, carried by the next frames
+                return
+            self._target = target
+            self._extra = dict(extra or {})
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._whole = True
+            self._synced = None
+            known, self._known = self._known, None
+            if known is not None and target is not None and target[1] == known[0]:
+                self._whole, self._synced = False, known[1:]
+            self._cond.notify_all()
+
+    def synced_with(self, url: str, step: int, token: str) -> None:
+        """The holder at ``url`` holds this owner's state ``(step, token)``: a new agent just fetched its tier
+        from that very copy. If the chief names it as the holder next, the deltas follow at once instead of a
+        whole copy of the state (512 MB sent again at 1 GB, on the CPU the resumed training needs); a delta it
+        cannot apply (its copy moved) makes the next send whole, as always. A parity holder too: the block it rebuilt
+        the state from holds this owner at that very state, so an XOR delta applies to it; a whole send there would
+        reset the group and have every member send its whole state again."""
+        with self._cond:
+            self._known = (url, step, token)
+
+    def offer(self, delta: _Delta | None, step: int) -> None:
+        """After the owner's tier applied a capture: queue its delta (``None``: a whole capture, so the next
+        send is whole). Never blocks on the network."""
+        with self._cond:
+            self._tier_step = step
+            if self._target is None:
+                return
+            if delta is None:
+                self._queue.clear()
+                self._queued_bytes = 0
+                self._whole = True
+            elif not self._whole:
+                if self._queued_bytes + delta.nbytes > self.config.max_queue_mb << 20:
+                    self._counts["dropped"] += len(self._queue) + 1
+                    self._queue.clear()
+                    self._queued_bytes = 0
+                    self._whole = True  # the holder lags too far: it gets the whole state next
+                else:
+                    self._queue.append(delta)
+                    self._queued_bytes += delta.nbytes
+            self._cond.notify_all()
+
+    def wait_synced(self, token: str, timeout: float) -> bool:
+        """Wait until the holder holds state ``token``; False at once when there is no holder, else after
+        ``timeout``. A whole copy is waited for too: a small state's takes milliseconds, and without it a node
+        lost just after its first capture had no copy to restore from; a large state's outlasts ``timeout``,
+        which bounds the wait."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._synced is not None and self._synced[1] == token:
+                    return True
+                left = deadline - time.monotonic()
+                if self._target is None or self._stop or left <= 0:
+                    return False
+                self._cond.wait(left)
+
+    def status(self) -> dict[str, Any]:
+        with self._cond:
+            synced = self._synced
+            lag = None
+            if synced is not None and self._tier_step is not None:
+                lag = max(0, self._tier_step - synced[0])
+            return {
+                "target": self._target[0] if self._target else None,
+                "synced_step": synced[0] if synced else None,
+                "synced_token": synced[1] if synced else None,
+                "lag_steps": lag,
+                "queued": len(self._queue),
+                "queued_bytes": self._queued_bytes,
+                "sending_whole": self._whole and self._target is not None,
+                **self._counts,
+                "last_error": self._last_error,
+            }
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and (self._target is None or (not self._whole and not self._queue)):
+                    self._cond.wait()
+                if self._stop:
+                    return
+                target, whole = self._target, self._whole
+                delta = None if whole else self._queue.popleft()
+                if delta is not None:
+                    self._queued_bytes -= delta.nbytes
+            assert target is not None
+            try:
+                if whole:
+                    self._send_whole(target)
+                else:
+                    assert delta is not None
+                    self._send_delta(target, delta)
+            except Exception as e:  # the holder is down or refused: report, wait, start again whole
+                with self._cond:
+                    self._counts["errors"] += 1
+                    self._last_error = f"{type(e).__name__}: {e}"
+                    if self._target == target:
+                        self._whole = True
+                        self._queue.clear()
+                        self._queued_bytes = 0
+                log.warning("event=peer_copy_failed owner=%s holder=%s error=%r", self.task, target[0], str(e))
+                with self._cond:
+                    self._cond.wait(self.config.retry_after)
+
+    def _pace(self, nbytes: int, started: float) -> None:
+        rate = self.config.max_mb_per_s
+        if rate > 0:
+            wait = nbytes / (rate * (1 << 20)) - (time.perf_counter() - started)
+            if wait > 0:
+                with self._cond:
+                    self._cond.wait(wait)
+
+    def _answer(self, target: tuple[str, str], frame: bytes) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        answer = self._post(target[1], frame, self.config.request_timeout)
+        self._pace(len(frame), t0)
+        with self._cond:
+            self._counts["bytes"] += len(frame)
+        status = answer.get("status")
+        if status != "ok":
+            raise PsguardError(f"{target[0]} answered {status}: {answer.get('message', '')}")
+        return answer
+
+    def begin_whole(self) -> None:
+        """Called by ``snapshot`` under the owner's lock: the snapshot holds every delta queued so far, and the
+        deltas applied after it are queued on top of it (``offer`` runs under the same lock)."""
+        with self._cond:
+            self._queue.clear()
+            self._queued_bytes = 0
+            self._whole = False
+            self._in_whole = True
+
+    def _send_whole(self, target: tuple[str, str]) -> None:
+        try:
+            self._send_whole_once(target)
+        finally:
+            with self._cond:
+                self._in_whole = False
+                self._cond.notify_all()
+
+    def _send_whole_once(self, target: tuple[str, str]) -> None:
+        snap, layout, digests = self._snapshot()
+        with snap:
+            if snap.empty or snap.token is None:
+                with self._cond:
+                    self._whole = True
+                    self._cond.wait(self.config.retry_after)  # nothing to copy yet
+                return
+            session = secrets.token_hex(8)
+            with self._cond:
+                extra = dict(self._extra)
+            base = {**extra, "task": self.task, "session": session}
+            self._answer(
+                target,
+                encode_frame(
+                    {
+                        **base,
+                        "op": "begin",
+                        "step": snap.step,
+                        "token": snap.token,
+                        "metadata": snap.metadata,
+                        "tensors": layout,
+                        "digests": digests_json(digests),
+                    }
+                ),
+            )
+            chunk = max(1, self.config.chunk_mb) << 20
+            for t in layout:
+                stream = snap.tensors[t["name"]]
+                n = stream.shape[0] if stream.shape else 1
+                rows = max(1, chunk // max(1, stream.nbytes // max(1, n)))
+                for start in range(0, n, rows):
+                    head = {**base, "op": "fill", "name": t["name"], "start": start}
+                    self._answer(target, encode_frame(head, [stream.read(start, min(n, start + rows))]))
+            answer = self._answer(target, encode_frame({**base, "op": "end"}))
+        with self._cond:
+            self._counts["whole"] += 1
+            self._synced = (int(answer["step"]), str(answer["token"]))
+            self._cond.notify_all()
+        log.info("event=peer_copy_whole_sent owner=%s holder=%s step=%s", self.task, target[0], answer["step"])
+
+    def _send_delta(self, target: tuple[str, str], d: _Delta) -> None:
+        tensors: list[dict[str, Any]] = []
+        arrays: list[np.ndarray] = []
+        for name, u in d.updates.items():
+            if isinstance(u, Rows):
+                tensors.append({"name": name, "kind": "rows"})
+                arrays += [np.asarray(u.ids, dtype=np.int64), u.values]
+            else:
+                tensors.append({"name": name, "kind": "same"})
+        with self._cond:
+            extra = dict(self._extra)
+        frame = encode_frame(
+            {
+                **extra,
+                "task": self.task,
+                "op": "delta",
+                "step": d.step,
+                "token": d.token,
+                "parent": d.parent,
+                "metadata": d.metadata,
+                "tensors": tensors,
+                "digests": digests_json(d.digests),
+            },
+            arrays,
+        )
+        answer = self._answer(target, frame)
+        with self._cond:
+            self._counts["deltas"] += 1
+            self._synced = (int(answer["step"]), str(answer["token"]))
+            self._cond.notify_all()
+
+
+def new_delta(
+    step: int, token: str, parent: str, updates: Mapping[str, TensorUpdate], digests: Mapping[str, int]
+) -> _Delta:
+    nbytes = 0
+    for u in updates.values():
+        if isinstance(u, Rows):
+            nbytes += u.values.nbytes + u.ids.nbytes
+    return _Delta(step, token, parent, dict(updates), dict(digests), {}, nbytes)
+
+
+def fetch_copy(
+    owner: str,
+    holder_url: str,
+    token: str,
+    post: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]],
+    config: PeerCopyConfig,
+    alloc: Alloc | None = None,
+    read_into: ReadInto | None = None,
+    write: Callable[[np.ndarray, int, np.ndarray], None] | None = None,
+) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified.
+
+    ``alloc`` makes the arrays the rows are fetched into (the agent's tier files: the bytes land where the tier
+    keeps them, with no second copy; None from it, or no ``alloc``: anonymous memory). ``read_into`` (as
+    ``post``, each answer's rows handed over as they arrive: :func:`read_frame_into`) saves the buffer of each
+    answer: its rows are hashed in pieces while in cache and put in place by ``write(array, row, rows)``
+    (:meth:`TierFiles.write_rows`: ``pwrite`` into the tier file, which allocates its pages as it goes and fails
+    with ``ENOSPC`` on a full tmpfs, never a ``SIGBUS``; default: assignment into the array). Returns the copy's
+    description (step, token, metadata, layout) and the arrays; raises
+    :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none, or this node has no
+    room for it) and :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
+    """
+    info, _ = post(holder_url, {"owner": owner, "token": token}, config.request_timeout)
+    if info.get("status") == "refused":  # a parity holder's reconstruction that did not verify
+        raise CorruptCheckpointError(f"the holder refused {owner}'s state: {info.get('message', '')}")
+    if info.get("status") != "ok":
+        raise PsguardError(f"the holder has no copy of {owner}: {info.get('status')} {info.get('message', '')}")
+    if info.get("token") != token:
+        raise PsguardError(f"the holder's copy of {owner} is at step {info.get('step')}, not at the chief's state")
+    digests = digests_from(info.get("digests"))
+    fetch = _Fetch(owner, holder_url, token, post, config, read_into, write)
+    fetch.lay_out(info.get("tensors") or [], alloc)
+    sums = dict.fromkeys(fetch.arrays, 0)
+    # ``fetch_streams`` requests in flight: each is fetched, checked and placed on its own thread.
+    with ThreadPoolExecutor(max_workers=max(1, config.fetch_streams), thread_name_prefix="psguard-copy-fetch") as pool:
+        futures = [pool.submit(fetch.place, i) for i in range(len(fetch.ranges))]
+        for i, f in enumerate(futures):
+            name = fetch.ranges[i][0]
+            sums[name] = (sums[name] + f.result()) & MASK
+    bad = sorted(n for n, d in sums.items() if d != digests.get(n))
+    if bad:
+        raise CorruptCheckpointError(
+            f"the peer copy of {owner} does not match its owner's digests in {bad[:3]}: refused"
+        )
+    return info, fetch.arrays
+
+
+@dataclass
+class _Fetch:
+    """One fetch of an owner's copy from its holder, in chunks of rows (:func:`fetch_copy`)."""
+
+    owner: str
+    holder_url: str
+    token: str
+    post: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]]
+    config: PeerCopyConfig
+    read_into: ReadInto | None
+    write: Callable[[np.ndarray, int, np.ndarray], None] | None
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    ranges: list[tuple[str, int, int]] = field(default_factory=list)  # every request, in order: tensor, start, stop
+
+    def lay_out(
+        self,
+        tensors: list[Mapping[str, Any]],
+        alloc: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None,
+    ) -> None:
+        """The arrays the copy's tensors are fetched into, and the chunks of rows asked for."""
+        chunk = max(1, self.config.chunk_mb) << 20
+        for t in tensors:
+            name = str(t["name"])
+            shape = tuple(int(x) for x in t["array_shape"])
+            dtype = dtype_from_name(str(t["dtype"]))
+            made = alloc(shape, dtype) if alloc is not None else None
+            self.arrays[name] = made if made is not None else np.empty(shape, dtype=dtype)
+            per_row = max(1, self.arrays[name].nbytes // max(1, shape[0]))
+            rows = max(1, chunk // per_row)
+            self.ranges += [(name, start, min(shape[0], start + rows)) for start in range(0, shape[0], rows)]
+
+    def request(self, r: tuple[str, int, int]) -> dict[str, Any]:
+        return {"owner": self.owner, "token": self.token, "name": r[0], "start": r[1], "stop": r[2]}
+
+    def put(self, out: np.ndarray, row: int, rows: np.ndarray) -> None:
+        try:
+            if self.write is not None:
+                self.write(out, row, rows)
+            else:
+                out[row : row + rows.shape[0]] = rows
+        except OSError as e:  # no room on the node's tmpfs: the log is used instead
+            raise PsguardError(f"no memory for {self.owner}'s copy on this node: {e}") from None
+
+    def place(self, i: int) -> int:
+        """Fetch one chunk, check it and put it in place; its rows' digest (numpy and zlib release the GIL)."""
+        name, start, stop = self.ranges[i]
+        out = self.arrays[name]
+        timeout = self.config.request_timeout
+        if self.read_into is not None:
+            total = 0
+
+            def take(row: int, rows: np.ndarray) -> None:
+                nonlocal total
+                first = start + row
+                total = (total + rows_digest(rows, first=first)) & MASK
+                self.put(out, first, rows)
+
+            answer = self.read_into(self.holder_url, self.request(self.ranges[i]), timeout, out[start:stop], take)
+            if answer.get("status") != "ok" or not answer.get("arrays"):
+                raise PsguardError(f"the holder's copy of {self.owner} moved on while it was fetched: {answer}")
+            return total
+        answer, got = self.post(self.holder_url, self.request(self.ranges[i]), timeout)
+        if answer.get("status") != "ok" or len(got) != 1:
+            raise PsguardError(f"the holder's copy of {self.owner} moved on while it was fetched: {answer}")
+        if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
+            raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
+        self.put(out, start, got[0])
+        return rows_digest(got[0], first=start)
