@@ -220,12 +220,7 @@ class Collector:
             log.warning("gc leaves %d unreadable manifest(s) alone: %s", len(unreadable), unreadable)
         if not dry_run:
             keeper.check()
-            # Deltas before what they build on (a child's chain is one longer than its parent's): a gc that dies
-            # between two deletions leaves whole chains only, never a delta whose parent is gone.
-            depth = {i.id: i.chain_length for i in infos}
-            for cid in sorted(doomed, key=lambda c: -depth[c]):
-                self.backend.delete(manifest_key(cid))
-                self.index.forget(cid)
+            self._delete_checkpoints(doomed, {i.id: i.chain_length for i in infos})
         deleted_chunks = young = 0
         late: list[str] = []
         # A live writer may be about to reference any chunk; an unreadable manifest may reference any chunk.
@@ -237,37 +232,7 @@ class Collector:
             late = [cid for cid in self.index.checkpoint_ids() if cid not in listed]
             deferred = bool(live_writer_leases(self.backend, now, self.lock_ttl, remove=not dry_run))
         if not deferred:
-            referenced: set[str] = set()
-            for cid in kept:
-                referenced.update(r.hash for r in self.index.manifest(cid).refs())
-            for cid in late:
-                try:
-                    for m in self.index.chain(cid):
-                        referenced.update(r.hash for r in m.refs())
-                except CheckpointError as e:
-                    log.warning("event=gc_late_commit_unreadable checkpoint=%s error=%r", cid, str(e))
-            # Whatever the locks say, a chunk the storage wrote less than a lease ago may belong to a save in
-            # progress (one whose lease was lost, or written by a host whose clock is off): leave it.
-            grace = self.chunk_grace + self.backend.mtime_resolution
-            for key, written in self.backend.mtimes(CHUNK_PREFIX).items():
-                if key.rsplit("/", 1)[-1] in referenced:
-                    continue
-                if self.chunk_grace > 0 and now - written < grace:
-                    young += 1
-                    continue
-                if not dry_run:
-                    self.backend.delete(key)
-                deleted_chunks += 1
-            # With no live writer, a temporary object older than a lease is a killed writer's leftover (the same
-            # age rule as chunks: with chunk_grace=0 the caller says the lease has passed, whatever the mtime).
-            for key in self.backend.leftovers():
-                try:
-                    if self.chunk_grace > 0 and now - self.backend.mtime(key) < grace:
-                        continue
-                except PsguardError:
-                    continue
-                if not dry_run:
-                    self.backend.delete(key)
+            deleted_chunks, young = self._sweep_chunks(kept, late, now, dry_run)
         log.info(
             "gc kept %d, deleted %d checkpoint(s) and %d chunk(s)%s%s",
             len(kept),
@@ -277,6 +242,51 @@ class Collector:
             f" ({young} unreferenced chunk(s) younger than a lease left)" if young else "",
         )
         return GcReport(tuple(sorted(kept)), tuple(doomed), deleted_chunks, deferred, dry_run, corrupt, young)
+
+    def _delete_checkpoints(self, doomed: list[str], depth: dict[str, int]) -> None:
+        """Delete the manifests of ``doomed``, deltas before what they build on (a child's chain is one longer than
+        its parent's): a gc that dies between two deletions leaves whole chains only, never a delta whose parent is
+        gone."""
+        for cid in sorted(doomed, key=lambda c: -depth[c]):
+            self.backend.delete(manifest_key(cid))
+            self.index.forget(cid)
+
+    def _sweep_chunks(self, kept: set[str], late: list[str], now: float, dry_run: bool) -> tuple[int, int]:
+        """Delete the chunks no kept or ``late`` checkpoint references, and killed writers' leftovers, none younger
+        than a lease; how many chunks were deleted and how many unreferenced ones were left as too young."""
+        deleted_chunks = young = 0
+        referenced: set[str] = set()
+        for cid in kept:
+            referenced.update(r.hash for r in self.index.manifest(cid).refs())
+        for cid in late:
+            try:
+                for m in self.index.chain(cid):
+                    referenced.update(r.hash for r in m.refs())
+            except CheckpointError as e:
+                log.warning("event=gc_late_commit_unreadable checkpoint=%s error=%r", cid, str(e))
+        # Whatever the locks say, a chunk the storage wrote less than a lease ago may belong to a save in
+        # progress (one whose lease was lost, or written by a host whose clock is off): leave it.
+        grace = self.chunk_grace + self.backend.mtime_resolution
+        for key, written in self.backend.mtimes(CHUNK_PREFIX).items():
+            if key.rsplit("/", 1)[-1] in referenced:
+                continue
+            if self.chunk_grace > 0 and now - written < grace:
+                young += 1
+                continue
+            if not dry_run:
+                self.backend.delete(key)
+            deleted_chunks += 1
+        # With no live writer, a temporary object older than a lease is a killed writer's leftover (the same
+        # age rule as chunks: with chunk_grace=0 the caller says the lease has passed, whatever the mtime).
+        for key in self.backend.leftovers():
+            try:
+                if self.chunk_grace > 0 and now - self.backend.mtime(key) < grace:
+                    continue
+            except PsguardError:
+                continue
+            if not dry_run:
+                self.backend.delete(key)
+        return deleted_chunks, young
 
     def _with_parents(self, chosen: set[str]) -> set[str]:
         kept: set[str] = set()
