@@ -176,6 +176,7 @@ def test_a_state_file_tensorflow_cannot_read_is_replaced(
         "memory",
         pytest.param("seaweed", id="s3-seaweedfs", marks=pytest.mark.slow),
         pytest.param("hdfs", id="hdfs-native", marks=pytest.mark.slow),
+        pytest.param("gcs", id="gcs-fake-gcs-server", marks=pytest.mark.slow),
     ],
 )
 def test_a_remote_folder_gets_the_files_of_a_local_export(
@@ -185,7 +186,7 @@ def test_a_remote_folder_gets_the_files_of_a_local_export(
     tmp_path: Path,
     unique: str,
 ) -> None:
-    """TF 2.21 reads no s3:// or hdfs:// path itself: the export writes them through psguard's storage, and what
+    """TF 2.21 reads no s3://, gs:// or hdfs:// path itself: the export writes them through psguard's storage, and what
     lands there is the local export, file for file and byte for byte (a reader with a filesystem plugin, or a copy
     to local disk, reads what a local export holds)."""
     _, url, cid = saved
