@@ -338,29 +338,8 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
     chunks' actual sizes in the store are checked against their claims before a reader allocates, in
     :mod:`psguard.store.chunks`).
     """
-    label = expected_id or "?"
-    c = _Checker(label)
-    try:
-        doc = strict_json.loads(data, max_bytes=MAX_MANIFEST_BYTES)
-    except strict_json.StrictJSONError as e:
-        raise c.fail(f"{e}; the manifest is truncated, damaged or not psguard's") from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
-        raise c.fail("not a psguard manifest")
-    version = doc.get("format_version")
-    if not isinstance(version, int) or isinstance(version, bool):
-        raise c.fail("format_version is missing")
-    if version > FORMAT_VERSION:
-        raise UnsupportedFormatError(
-            f"checkpoint {label} was written in format version {version}; this psguard reads up to "
-            f"{FORMAT_VERSION}: upgrade psguard to read it",
-            checkpoint=label,
-        )
-    if version < 1:
-        raise c.fail(f"format_version {version}")
-    body = c.get(doc, "body", dict, "")
-    digest = hashlib.sha256(_canonical(body)).hexdigest()
-    if doc.get("sha256") != digest:
-        raise c.fail("checksum mismatch: the manifest was modified or damaged")
+    body, version = _envelope(data, expected_id)
+    c = _Checker(expected_id or "?")
     cid = c.get(body, "id", str, "")
     if not _ID_RE.match(cid):
         raise c.fail(f"id {cid[:80]!r} is not a checkpoint id")
@@ -372,25 +351,7 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
         raise c.fail(
             f"its body says step {step} but its id says step {step_of_id(cid)}: readers would order it differently"
         )
-    kind = c.get(body, "kind", str, "")
-    if kind not in ("full", "delta"):
-        raise c.fail(f"kind {kind[:40]!r}")
-    parent = body.get("parent")
-    if kind == "delta":
-        if not isinstance(parent, str) or not _ID_RE.match(parent):
-            raise c.fail(f"parent {str(parent)[:80]!r} is not a checkpoint id (refusing it as a path)")
-        if parent == cid:
-            raise c.fail("it is its own parent")
-    elif parent is not None:
-        raise c.fail("a full checkpoint has a parent")
-    base = c.get(body, "base", str, "")
-    if not _ID_RE.match(base):
-        raise c.fail(f"base {base[:80]!r} is not a checkpoint id")
-    chain_length = c.nonneg(body, "chain_length", "", 10**9)
-    if kind == "full" and (base != cid or chain_length != 0):
-        raise c.fail("a full checkpoint must be its own base with chain_length 0")
-    if kind == "delta" and chain_length < 1:
-        raise c.fail("a delta must have chain_length >= 1")
+    kind, parent, base, chain_length = _lineage(c, body, cid)
     tensors: dict[str, TensorEntry] = {}
     for name, t in c.get(body, "tensors", dict, "").items():
         tensors[name] = _parse_tensor(c, kind, name, t, version)
@@ -416,6 +377,60 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
         stats=stats,
         writer=writer,
     )
+
+
+def _envelope(data: bytes, expected_id: str | None) -> tuple[dict[str, Any], int]:
+    """The body of a manifest and its format version, once the bytes are plain JSON, psguard's format in a version
+    this psguard reads, and the body's checksum matches."""
+    label = expected_id or "?"
+    c = _Checker(label)
+    try:
+        doc = strict_json.loads(data, max_bytes=MAX_MANIFEST_BYTES)
+    except strict_json.StrictJSONError as e:
+        raise c.fail(f"{e}; the manifest is truncated, damaged or not psguard's") from None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
+        raise c.fail("not a psguard manifest")
+    version = doc.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise c.fail("format_version is missing")
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormatError(
+            f"checkpoint {label} was written in format version {version}; this psguard reads up to "
+            f"{FORMAT_VERSION}: upgrade psguard to read it",
+            checkpoint=label,
+        )
+    if version < 1:
+        raise c.fail(f"format_version {version}")
+    body = c.get(doc, "body", dict, "")
+    digest = hashlib.sha256(_canonical(body)).hexdigest()
+    if doc.get("sha256") != digest:
+        raise c.fail("checksum mismatch: the manifest was modified or damaged")
+    return body, version
+
+
+def _lineage(c: _Checker, body: Mapping[str, Any], cid: str) -> tuple[str, str | None, str, int]:
+    """A checkpoint's place in its chain: kind, parent, base and chain length, consistent with each other (a full
+    checkpoint is its own base, a delta names a parent other than itself)."""
+    kind = c.get(body, "kind", str, "")
+    if kind not in ("full", "delta"):
+        raise c.fail(f"kind {kind[:40]!r}")
+    parent = body.get("parent")
+    if kind == "delta":
+        if not isinstance(parent, str) or not _ID_RE.match(parent):
+            raise c.fail(f"parent {str(parent)[:80]!r} is not a checkpoint id (refusing it as a path)")
+        if parent == cid:
+            raise c.fail("it is its own parent")
+    elif parent is not None:
+        raise c.fail("a full checkpoint has a parent")
+    base = c.get(body, "base", str, "")
+    if not _ID_RE.match(base):
+        raise c.fail(f"base {base[:80]!r} is not a checkpoint id")
+    chain_length = c.nonneg(body, "chain_length", "", 10**9)
+    if kind == "full" and (base != cid or chain_length != 0):
+        raise c.fail("a full checkpoint must be its own base with chain_length 0")
+    if kind == "delta" and chain_length < 1:
+        raise c.fail("a delta must have chain_length >= 1")
+    return kind, parent, base, chain_length
 
 
 def parse_sharded_entry(
