@@ -44,6 +44,7 @@ import shutil
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,113 +106,123 @@ class _Rounds:
 
 def _measuring_callbacks(cfg: Config, model: Any, psguard: Any, tf_manager: Any, rounds: _Rounds) -> tuple[Any, Any]:
     """Two tf_keras callbacks to place around psguard's: ``before`` readies a due save (drains, waits for the
-    previous save), ``after`` times psguard's hook, records its capture and takes TF's save when it is its turn.
+    previous save), ``after`` times psguard's hook, records its capture and takes TF's save when it is its turn
+    (:class:`_SaveTimer`)."""
+    import tf_keras
+
+    timer = _SaveTimer(cfg, model, psguard, tf_manager, rounds)
+
+    class Hook(tf_keras.callbacks.Callback):  # type: ignore[misc]
+        def __init__(self, on_step: Callable[[int], None]) -> None:
+            super().__init__()
+            self._supports_tf_logs = True  # never reads the logs: must not make fit wait for them either
+            self._on_step = on_step
+
+        def _implements_train_batch_hooks(self) -> bool:
+            return True
+
+        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+            self._on_step(int(batch) + 1)  # one epoch: the batch index is the global step
+
+    return Hook(timer.before), Hook(timer.after)
+
+
+class _SaveTimer:
+    """Times each save around psguard's callback (:func:`_measuring_callbacks`).
 
     The first save is left as a job meets it: psguard's hook drains the first executions itself (and traces its
     capture function meanwhile); a thread waits for the same drain, so that the part of the hook after it (the
     stall: the capture of a full base) is timed apart.
     """
-    import tf_keras
 
-    def tf_save(record: dict[str, Any]) -> float:
+    def __init__(self, cfg: Config, model: Any, psguard: Any, tf_manager: Any, rounds: _Rounds) -> None:
+        self.cfg, self.model, self.psguard, self.tf_manager, self.rounds = cfg, model, psguard, tf_manager, rounds
+        self.started = 0.0
+        self.watcher: threading.Thread | None = None
+
+    def tf_save(self, record: dict[str, Any]) -> float:
         os.sync()
         t0 = time.perf_counter()
-        prefix = tf_manager.save()
+        prefix = self.tf_manager.save()
         stall = time.perf_counter() - t0
         os.sync()  # its dirty pages must not weigh on psguard's timing either
         record["tf_bytes"] = files_bytes(tf_checkpoint_files(prefix))
         return stall
 
-    def stamp_drained(record: dict[str, Any]) -> None:
-        model._cluster_coordinator.join()
+    def stamp_drained(self, record: dict[str, Any]) -> None:
+        self.model._cluster_coordinator.join()
         record["drained_at"] = time.perf_counter()
 
-    class Before(tf_keras.callbacks.Callback):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self._supports_tf_logs = True  # never reads the logs: must not make fit wait for them either
-            self.started = 0.0
-            self.watcher: threading.Thread | None = None
-
-        def _implements_train_batch_hooks(self) -> bool:
-            return True
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            step = int(batch) + 1  # one epoch: the batch index is the global step
-            if step % rounds.every:
-                return
-            done = int(model.optimizer.iterations.numpy())  # before the drain: the steps it waits for
-            record: dict[str, Any] = {"step": step, "drain_steps": step - done, "previous": psguard.last_save}
-            rounds.saves.append(record)
-            index = len(rounds.saves) - 1
-            if index == 0:
-                self.watcher = threading.Thread(target=stamp_drained, args=(record,), name="bench-drain-watch")
-                self.started = time.perf_counter()
-                self.watcher.start()
-                return
-            t0 = time.perf_counter()
-            model._cluster_coordinator.join()  # set by fit
-            record["drain_s"] = time.perf_counter() - t0
-            if psguard.last_save is not None:
-                psguard.last_save.result()  # durable: nothing runs behind the timing, and the save is taken
-            if index >= WARM_UP_SAVES and index % 2:
-                record["tf_s"] = tf_save(record)
-            os.sync()
+    def before(self, step: int) -> None:
+        """Before psguard's hook: a due save drained and the previous one durable, TF's save in its turn."""
+        rounds, model, psguard = self.rounds, self.model, self.psguard
+        if step % rounds.every:
+            return
+        done = int(model.optimizer.iterations.numpy())  # before the drain: the steps it waits for
+        record: dict[str, Any] = {"step": step, "drain_steps": step - done, "previous": psguard.last_save}
+        rounds.saves.append(record)
+        index = len(rounds.saves) - 1
+        if index == 0:
+            self.watcher = threading.Thread(target=self.stamp_drained, args=(record,), name="bench-drain-watch")
             self.started = time.perf_counter()
+            self.watcher.start()
+            return
+        t0 = time.perf_counter()
+        model._cluster_coordinator.join()  # set by fit
+        record["drain_s"] = time.perf_counter() - t0
+        if psguard.last_save is not None:
+            psguard.last_save.result()  # durable: nothing runs behind the timing, and the save is taken
+        if index >= WARM_UP_SAVES and index % 2:
+            record["tf_s"] = self.tf_save(record)
+        os.sync()
+        self.started = time.perf_counter()
 
-    before = Before()
+    def after(self, step: int) -> None:
+        """After psguard's hook: its time and capture recorded, TF's save in its turn."""
+        rounds, psguard = self.rounds, self.psguard
+        if step % rounds.every:
+            return
+        end = time.perf_counter()
+        record = rounds.saves[-1]
+        record["psguard_s"] = end - self.started
+        if psguard.last_save is record.pop("previous"):
+            raise RuntimeError(f"psguard's callback did not save at step {record['step']}: the round is void")
+        stats = psguard.manager.capturer.last_stats
+        record.update(
+            capture_s=stats.capture_seconds,
+            hashed_all_rows=bool(stats.hashed_all),
+            changed_rows=_changed_rows(self.cfg, stats),
+            ps_to_chief_bytes=stats.bytes_read,
+            logical_bytes=stats.logical_bytes,
+        )
+        index = len(rounds.saves) - 1
+        if index == 0:
+            assert self.watcher is not None
+            self.watcher.join()
+            record["drain_s"] = record.pop("drained_at") - self.started
+            record["stall_s"] = end - self.started - record["drain_s"]
+            psguard.last_save.result()
+            rounds.tf_first = self.tf_save(record)  # of the same state: nothing was scheduled since
+        elif index >= WARM_UP_SAVES and not index % 2:
+            psguard.last_save.result()  # its write must not run behind TF's save
+            record["tf_s"] = self.tf_save(record)
+        self.report(index, record)
 
-    class After(tf_keras.callbacks.Callback):  # type: ignore[misc]
-        def __init__(self) -> None:
-            super().__init__()
-            self._supports_tf_logs = True
-
-        def _implements_train_batch_hooks(self) -> bool:
-            return True
-
-        def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-            if (int(batch) + 1) % rounds.every:
-                return
-            end = time.perf_counter()
-            record = rounds.saves[-1]
-            record["psguard_s"] = end - before.started
-            if psguard.last_save is record.pop("previous"):
-                raise RuntimeError(f"psguard's callback did not save at step {record['step']}: the round is void")
-            stats = psguard.manager.capturer.last_stats
-            record.update(
-                capture_s=stats.capture_seconds,
-                hashed_all_rows=bool(stats.hashed_all),
-                changed_rows=_changed_rows(cfg, stats),
-                ps_to_chief_bytes=stats.bytes_read,
-                logical_bytes=stats.logical_bytes,
+    def report(self, index: int, record: dict[str, Any]) -> None:
+        if index >= WARM_UP_SAVES:
+            progress(
+                f"round {index - WARM_UP_SAVES + 1}/{self.cfg.runs}: psguard {record['psguard_s']:.3f}s "
+                f"({record['changed_rows']} rows changed), TF {record['tf_s']:.3f}s; drained "
+                f"{record['drain_steps']} steps in {record['drain_s']:.2f}s first"
             )
-            index = len(rounds.saves) - 1
-            if index == 0:
-                assert before.watcher is not None
-                before.watcher.join()
-                record["drain_s"] = record.pop("drained_at") - before.started
-                record["stall_s"] = end - before.started - record["drain_s"]
-                psguard.last_save.result()
-                rounds.tf_first = tf_save(record)  # of the same state: nothing was scheduled since
-            elif index >= WARM_UP_SAVES and not index % 2:
-                psguard.last_save.result()  # its write must not run behind TF's save
-                record["tf_s"] = tf_save(record)
-            if index >= WARM_UP_SAVES:
-                progress(
-                    f"round {index - WARM_UP_SAVES + 1}/{cfg.runs}: psguard {record['psguard_s']:.3f}s "
-                    f"({record['changed_rows']} rows changed), TF {record['tf_s']:.3f}s; drained "
-                    f"{record['drain_steps']} steps in {record['drain_s']:.2f}s first"
-                )
-            elif index == 0:
-                progress(
-                    f"first save: on_train_batch_end {record['psguard_s']:.2f}s, of which draining "
-                    f"{record['drain_steps']} steps {record['drain_s']:.2f}s and the stall (a full base) "
-                    f"{record['stall_s']:.2f}s; TF's first save {rounds.tf_first:.2f}s"
-                )
-            else:
-                progress(f"warm-up save {index + 1}: psguard {record['psguard_s']:.2f}s")
-
-    return before, After()
+        elif index == 0:
+            progress(
+                f"first save: on_train_batch_end {record['psguard_s']:.2f}s, of which draining "
+                f"{record['drain_steps']} steps {record['drain_s']:.2f}s and the stall (a full base) "
+                f"{record['stall_s']:.2f}s; TF's first save {self.rounds.tf_first:.2f}s"
+            )
+        else:
+            progress(f"warm-up save {index + 1}: psguard {record['psguard_s']:.2f}s")
 
 
 def _changed_rows(cfg: Config, stats: Any) -> int:
