@@ -7,7 +7,8 @@ model; this module keeps, beside every large variable shard and on the same devi
 (``tf.fingerprint``: farmhash64 of the row's bytes). A capture is one ``tf.function`` call for the whole
 model that finds and sends only the changed rows, comparing them by their bytes: that function, its exactness
 and the rebase beside it are :mod:`psguard.trainer.capture_graph`, the restore's PS-side load
-:mod:`psguard.trainer.ps_load`; this module keeps the variables they work on and turns their outputs into updates.
+:mod:`psguard.trainer.ps_load`; this module keeps the variables they work on, and
+:mod:`psguard.trainer.capture_results` turns their outputs into updates.
 
 Candidates: hashing every row of every large shard was most of the stall (about two thirds of it for two 256 MB
 tables at 1% changed rows). So the capturer also hooks the write methods of those variables, and each sparse
@@ -30,15 +31,14 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from psguard.codec.dtypes import dtype_name
 from psguard.errors import ConfigError
-from psguard.handoff.parts import Kind, PartCapture, ShardFiles, ShardKey, check_restore_files, task_of_device
-from psguard.tensors import Full, Rows, Same, TensorUpdate
+from psguard.handoff.parts import PartCapture, ShardKey, check_restore_files, task_of_device
+from psguard.tensors import TensorUpdate
 from psguard.trainer.capture_graph import (
     Functions,
     Plan,
@@ -49,6 +49,7 @@ from psguard.trainer.capture_graph import (
     unoptimized_calls,
     warm_functions,
 )
+from psguard.trainer.capture_results import CaptureStats, assemble, capture_stats, part_files
 from psguard.trainer.deferred_init import note_restored
 from psguard.trainer.ps_load import run_load, trace_load
 from psguard.trainer.variables import (
@@ -56,14 +57,11 @@ from psguard.trainer.variables import (
     Shard,
     TensorInfo,
     check_tensors,
-    concat_parts,
     lazy_tf,
     list_tensors,
     restore,
     shard_part,
-    to_numpy,
     unwrap,
-    writable,
 )
 from psguard.trainer.write_tracking import (
     DirtyRows,
@@ -76,40 +74,12 @@ from psguard.trainer.write_tracking import (
     write_hook,
 )
 
-__all__ = ["CaptureStats", "Capturer"]
+__all__ = ["Capturer"]
 
 log = logging.getLogger(__name__)
 
 #: Below this many bytes per row a per-row fingerprint (8 bytes) costs more memory than the rows it guards.
 _MIN_ROW_BYTES = 8
-
-
-@dataclass
-class CaptureStats:
-    """What the last capture cost; ``bytes_read`` is what travelled PS -> chief.
-
-    ``drain_seconds`` is spent waiting for steps already scheduled, while workers still compute; training
-    stands still only for ``capture_seconds`` (``stall_seconds``): from the drained coordinator to the
-    capture in host memory.
-    """
-
-    drain_seconds: float = 0.0
-    capture_seconds: float = 0.0
-    bytes_read: int = 0
-    logical_bytes: int = 0
-    full: list[str] = field(default_factory=list)
-    rows: dict[str, int] = field(default_factory=dict)
-    same: list[str] = field(default_factory=list)
-    #: Row-tracked tensors whose every row was hashed (not only the rows written since the last capture).
-    hashed_all: list[str] = field(default_factory=list)
-    #: Tensors where a sample of rows not marked as written had changed all the same (see ``probe_rows``).
-    untracked_writes: list[str] = field(default_factory=list)
-    #: Rows written to files on the PS nodes instead (``spill_dirs``): they never reached the chief.
-    rows_spilled: int = 0
-
-    @property
-    def stall_seconds(self) -> float:
-        return self.capture_seconds
 
 
 # --------------------------------------------------------------------------------------------- capture
@@ -292,14 +262,14 @@ class Capturer:
                 self._join_warm()
                 with unoptimized_calls():
                     outputs, hashed_all, strays, gap = self._call_capture(args)
-            updates, nbytes = self._assemble(primaries, outputs)
-            self.last_parts = self._parts(primaries, outputs, nonce)
+            updates, nbytes = assemble(primaries, outputs, self._infos)
+            self.last_parts = part_files(primaries, outputs, nonce)
             for tr in primaries:
                 tr.need_full = False
             self._expected_gap = int(gap) if self.tracks_writes and gap is not None else None
             self._since_verify = 0 if verify else self._since_verify + 1
             t2 = time.perf_counter()
-            self.last_stats = self._stats(updates, t1 - t0, t2 - t1, nbytes)
+            self.last_stats = capture_stats(self._infos, updates, t1 - t0, t2 - t1, nbytes)
             self.last_stats.rows_spilled = sum(s.count for p in self.last_parts for s in p.shards)
             self.last_stats.hashed_all = [
                 tr.info.name for tr, h in zip(primaries, hashed_all, strict=True) if tr.by_row and bool(h)
@@ -702,95 +672,3 @@ class Capturer:
             )
         counter = self._counter.var if self._counter is not None else None
         return tuple(shard_vars), counter, tuple(self._iterations)
-
-    # ------------------------------------------------------------------------------------------ assembly
-
-    def _assemble(self, primaries: list[_Tracked], outputs: Any) -> tuple[dict[str, TensorUpdate], int]:
-        """Turn per-shard results into one update per logical tensor.
-
-        Each shard decided alone whether to send all its rows; when only some did, the tensor is a Rows
-        update covering those shards whole plus the changed rows of the others.
-        """
-        updates: dict[str, TensorUpdate] = {}
-        nbytes = 0
-        for tr, outs in zip(primaries, outputs, strict=True):
-            info = tr.info
-            if tr.spill:
-                continue  # in files on the PS nodes: see _parts
-            arrays = [[to_numpy(t) for t in shard_out] for shard_out in outs]
-            nbytes += sum(a.nbytes for shard_out in arrays for a in shard_out)
-            sent_all = [bool(a[0]) for a in arrays]
-            if all(sent_all):
-                updates[info.name] = Full(concat_parts([a[1] for a in arrays], info.shape))
-                continue
-            ids: list[np.ndarray] = []
-            values: list[np.ndarray] = []
-            for a, s, whole in zip(arrays, info.shards, sent_all, strict=True):
-                if whole:
-                    ids.append(np.arange(s.offset, s.offset + s.rows, dtype=np.int64))
-                    values.append(a[1].reshape((s.rows, *info.shape[1:])))
-                elif tr.by_row and a[2].size:
-                    ids.append(a[2] + s.offset)
-                    values.append(a[3])
-            if not ids:
-                updates[info.name] = Same(info.shape, info.dtype)
-                continue
-            updates[info.name] = Rows(
-                np.concatenate(ids) if len(ids) > 1 else ids[0],
-                writable(np.concatenate(values) if len(values) > 1 else values[0]),
-                info.shape,
-            )
-        for name, info in self._infos.items():
-            if info.alias_of is not None:
-                updates[name] = _slice_update(updates[info.alias_of], info)
-        return {name: updates[name] for name in self._infos if name in updates}, nbytes
-
-    def _parts(self, primaries: list[_Tracked], outputs: Any, nonce: str) -> list[PartCapture]:
-        """The descriptors of what the capture wrote on each PS node (small: a few numbers per shard)."""
-        by_task: dict[str, list[ShardFiles]] = {}
-        for i, (tr, outs) in enumerate(zip(primaries, outputs, strict=True)):
-            if not tr.spill:
-                continue
-            for j, (s, out) in enumerate(zip(tr.info.shards, outs, strict=True)):
-                sent_all, count = bool(to_numpy(out[0])), int(to_numpy(out[1]))
-                kind: Kind = "full" if sent_all else "rows" if count else "same"
-                task = task_of_device(str(s.device)) or ""
-                by_task.setdefault(task, []).append(
-                    ShardFiles(
-                        ShardKey(tr.info.name, s.offset, s.rows),
-                        tuple(tr.info.shape),
-                        dtype_name(tr.info.dtype),
-                        kind,
-                        s.rows if sent_all else count,
-                        f"{i}-{j}",
-                        fps=True,  # capture_fn writes them for every spilled shard
-                    )
-                )
-        return [PartCapture(task, nonce, tuple(shards)) for task, shards in sorted(by_task.items())]
-
-    def _stats(self, updates: Mapping[str, TensorUpdate], drain: float, cap: float, nbytes: int) -> CaptureStats:
-        stats = CaptureStats(drain_seconds=drain, capture_seconds=cap, bytes_read=nbytes)
-        for name, u in updates.items():
-            if self._infos[name].alias_of is not None:
-                continue
-            stats.logical_bytes += self._infos[name].nbytes
-            if isinstance(u, Full):
-                stats.full.append(name)
-            elif isinstance(u, Rows):
-                stats.rows[name] = len(u.ids)
-            else:
-                stats.same.append(name)
-        return stats
-
-
-def _slice_update(update: TensorUpdate, info: TensorInfo) -> TensorUpdate:
-    """The update of an alias, cut from its owner's update (copies: stores may modify arrays in place)."""
-    lo, hi = info.alias_offset, info.alias_offset + (info.shape[0] if info.shape else 1)
-    if isinstance(update, Full):
-        return Full(np.array(update.value[lo:hi], copy=True).reshape(info.shape))
-    if isinstance(update, Rows):
-        mask = (update.ids >= lo) & (update.ids < hi)
-        if not mask.any():
-            return Same(info.shape, info.dtype)
-        return Rows(update.ids[mask] - lo, update.values[mask], info.shape)
-    return Same(info.shape, info.dtype)
