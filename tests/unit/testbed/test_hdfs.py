@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from psguard.testbed import hdfs
-from psguard.testbed.hdfs import HdfsCluster, HdfsError
+from psguard.testbed.hadoop_runtime import HdfsError
+from psguard.testbed.hdfs import HdfsCluster
 from tests.support.processes import allow_new_children, pids_mentioning
 
 pytest.importorskip("hdfs_native")
@@ -57,13 +58,6 @@ def base() -> str:
 # ---- no cluster needed ---------------------------------------------------------------------------------------
 
 
-def test_cache_dir_follows_psguard_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PSGUARD_CACHE", str(tmp_path))
-    assert hdfs.default_cache_dir() == tmp_path / "hadoop"
-    monkeypatch.delenv("PSGUARD_CACHE")
-    assert hdfs.default_cache_dir() == Path.home() / ".cache" / "psguard" / "hadoop"
-
-
 def test_every_listener_is_on_loopback(tmp_path: Path) -> None:
     ports = {"rpc": 1, "http": 2, "dn": 3, "dn_http": 4, "dn_ipc": 5}
     conf = hdfs._hadoop_config(tmp_path, ports)["hdfs-site.xml"]
@@ -74,18 +68,6 @@ def test_every_listener_is_on_loopback(tmp_path: Path) -> None:
 
 
 # ---- real cluster --------------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_prepare_is_idempotent_and_fast() -> None:
-    home = hdfs.prepare()
-    t0 = time.monotonic()
-    assert hdfs.prepare() == home
-    assert time.monotonic() - t0 < 1.0
-    assert (home / "jars" / f"hadoop-hdfs-{hdfs.HADOOP_VERSION}.jar").is_file()
-    assert (home / "jersey1" / "jersey1-server.jar").is_file()
-    assert not list(home.rglob("*.tar.gz")), "the pyspark sdist must not stay in the cache"
-    assert not list((home / "jars").glob("jersey-*")), "jersey2 next to jersey1 breaks WebHDFS"
 
 
 @pytest.mark.slow
