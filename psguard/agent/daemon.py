@@ -33,14 +33,13 @@ health              ps / worker: :class:`~psguard.agent.process.prober.HealthMon
                     RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
                     unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
                     ``--peer`` agent's ``/readyz`` (reported in ``/status`` and ``/metrics`` only).
-memory tier         chief only: :class:`~psguard.agent.tiers.memory_tier.MemoryTier` fed by a
+memory tier         chief only (:class:`~psguard.agent.chief_tiers.ChiefTiers`): a
+                    :class:`~psguard.agent.tiers.memory_tier.MemoryTier` fed by a
                     :class:`~psguard.agent.tiers.spool_server.SpoolServer` (``--spool``, default
                     :func:`~psguard.handoff.contract.default_spool_dir` of the job) and written to the durable log
-                    by a :class:`~psguard.agent.tiers.persister.Persister` (``--store``). At start
-                    :func:`~psguard.agent.tiers.persister.resume` seeds the tier from the durable log, so an agent
-                    restarted after a crash (even a SIGKILL in the middle of a persist: the manifest is the
-                    commit) continues from the last commit; a store that does not answer is waited for, the
-                    agent not ready and ``/status`` ``store_wait`` saying why (:mod:`psguard.storage.waiting`).
+                    by a :class:`~psguard.agent.tiers.persister.Persister` (``--store``), resumed from the log at
+                    start; a store that does not answer is waited for, the agent not ready and ``/status``
+                    ``store_wait`` saying why.
 HTTP                :class:`~psguard.agent.control.httpd.AgentHTTPServer` (127.0.0.1 by default; any other address needs
                     ``--token-file``; the POST routes are :mod:`psguard.agent.routes`): ``/healthz``, ``/readyz``,
                     ``/metrics``, ``/status`` (JSON), ``POST /restart`` (restart the task), ``POST /recovery`` (a
@@ -71,12 +70,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from psguard.agent.chief_tiers import ChiefTiers
 from psguard.agent.config import ROLES, AgentConfig
 from psguard.agent.control.auth import Authenticator, JwtAuth
 from psguard.agent.control.httpd import AgentHTTPServer
 from psguard.agent.control.metrics import AgentMetrics
 from psguard.agent.control.peers import PeerSync
-from psguard.agent.copies import PeerLink, copies_status, serve_shards
+from psguard.agent.copies import PeerLink, serve_shards
 from psguard.agent.process.hang import HangWatch
 from psguard.agent.process.lifecycle import SupervisorState
 from psguard.agent.process.prober import HealthMonitor, HttpProbe
@@ -85,20 +85,13 @@ from psguard.agent.process.supervisor import Supervisor
 from psguard.agent.recovery import Recovery
 from psguard.agent.routes import Routes
 from psguard.agent.task import server_command, task_env, task_probes, task_record
-from psguard.errors import ConfigError, PsguardError, StorageUnavailableError
-from psguard.handoff.contract import ENV_PARTS, default_spool_dir
+from psguard.errors import ConfigError, PsguardError
 from psguard.handoff.credentials import TokenFile, create_token_file
 from psguard.handoff.tls import client_context, server_context
 from psguard.storage.registry import redact
-from psguard.storage.waiting import StoreWait
 
 if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only the chief's agent loads them
-    from psguard.agent.tiers.memory_tier import MemoryTier
-    from psguard.agent.tiers.persister import Persister, PersistEvent
-    from psguard.agent.tiers.shard_client import ShardClient
     from psguard.agent.tiers.shards import ShardKeeper
-    from psguard.agent.tiers.spool_server import SpoolEvent, SpoolServer
-    from psguard.store import Store
     from psguard.store.opening import StoreOpening
 
 __all__ = ["Agent"]
@@ -231,10 +224,20 @@ class Agent:
         self._started_at = time.time()
         self._store_error: PsguardError | None = None
         self._finished: str | None = None  # POST /finish: the chief's agent said the job is done (its reason)
-        self._resumed_step: int | None = None
-        self._resume_seconds: float | None = None
-        self._durable_id: str | None = None
-        self._durable_step: int | None = None
+        # The chief's agent: its memory tier, persister and spool (made in start(), reported from now on).
+        self.chief = (
+            ChiefTiers(
+                self.task,
+                self.config,
+                peers=bool(self.peers),
+                peer_sync=self.peer_sync,
+                metrics=self.metrics,
+                recovery=self.recovery,
+                stop_requested=self._stop_requested,
+            )
+            if role == "chief"
+            else None
+        )
         self._no_parts_yet()
 
     def _no_parts_yet(self) -> None:
@@ -243,16 +246,9 @@ class Agent:
         self.supervisor: Supervisor | None = None
         self.monitor: HealthMonitor | None = None
         self.peer_monitors: list[HealthMonitor] = []
-        self.store: Store | StoreOpening | None = None
-        self.store_wait: StoreWait | None = None  # the chief's: its resume from the store
-        self.tier: MemoryTier | None = None
-        self.persister: Persister | None = None
-        self.spool: SpoolServer | None = None
-        self.spool_dir: Path | None = None
-        self._heartbeat_path: Path | None = None
+        self.store: StoreOpening | None = None  # a PS's agent: its store, opened after its start
         self.hang_watch: HangWatch | None = None
         self.shards: ShardKeeper | None = None  # a PS's agent: the memory tier of its PS's shards
-        self.shard_client: ShardClient | None = None  # the chief's agent: its calls to the PS agents
 
     def _task_env(self, url: str) -> dict[str, str]:
         return task_env(
@@ -262,7 +258,7 @@ class Agent:
             url=url,
             token_file=self._token_file,
             http=self.config.http,
-            spool_dir=self.spool_dir,
+            spool_dir=self.chief.spool_dir if self.chief is not None else None,
             store=self.config.store,
             huge_pages=self.config.supervisor.huge_pages,
             mmap_threshold_mb=self.config.supervisor.ps_mmap_threshold_mb,
@@ -283,8 +279,8 @@ class Agent:
             assert self.http is not None
             if self.role != "ps":  # a PS's routes for its shards come first
                 self._serve(on_serving)
-            if self.role == "chief":
-                self._start_memory_tier()
+            if self.chief is not None:
+                self.chief.start()
             cfg = self.config
             self.supervisor = Supervisor.from_config(
                 self.command,
@@ -320,25 +316,26 @@ class Agent:
                 on_result=self.metrics.on_probe_result,
                 on_health=self.recovery.on_health,
             )
-            if self.role == "chief" and self._resumed_step is not None and cfg.peers.restart_ps:
-                self.recovery.resumed(self._resumed_step)
+            resumed = self.chief.resumed_step if self.chief is not None else None
+            if resumed is not None and cfg.peers.restart_ps:
+                self.recovery.resumed(resumed)
             elif self.peers:
                 outcome = self.peer_sync.sync(restart_ps=False)
                 (log.info if all(o == "ready" for o in outcome.values()) else log.error)(
                     "event=peers_checked task=%s outcome=%s", self.task, json.dumps(outcome)
                 )
             self._watch_peers()  # after the sync above, which learnt each peer's task name from its /status
-            if self.role == "chief":
-                self._announce_parts()
+            if self.chief is not None:
+                self.chief.announce_parts(self.supervisor)
             if self._stop_requested.is_set():
                 return self
             if not early:
                 self.supervisor.start()
             self.monitor.start()
-            if self._heartbeat_path is not None:
+            if self.chief is not None and self.chief.heartbeat is not None:
                 sup = self.supervisor
                 self.hang_watch = HangWatch(
-                    self._heartbeat_path,
+                    self.chief.heartbeat,
                     task_pid=lambda: sup.pid,
                     uptime=lambda: sup.status().uptime_seconds,
                     on_hang=self.recovery.on_hang,
@@ -396,95 +393,6 @@ class Agent:
         if self.http is None or keeper is None:
             return
         serve_shards(self.http, keeper, self.config.peer_copy)
-
-    def _start_memory_tier(self) -> None:
-        # lazy: numpy and the storage clients load only in the chief's agent (a PS agent starts faster)
-        from psguard.agent.tiers.memory_tier import MemoryTier
-        from psguard.agent.tiers.persister import Persister, resume
-        from psguard.agent.tiers.spool_server import SpoolServer
-        from psguard.store import Store
-
-        cfg = self.config
-        tier = self.tier = MemoryTier()
-        persister: Persister | None = None
-        if self.peers:
-            from psguard.agent.tiers.shard_client import ShardClient  # lazy: with the rest of the chief's parts above
-
-            self.shard_client = ShardClient(
-                self.peer_sync.tasks,
-                self.peer_sync.post,
-                copies=cfg.peers.copies,
-                placement=cfg.peers.copy_placement,
-                parity_group=cfg.peers.parity_group,
-                parity_placement=cfg.peers.parity_placement,
-                nodes=lambda: dict(self.peer_sync.nodes),
-            )
-        if cfg.store is not None:
-            store = self.store = Store.open(cfg.store, dict(cfg.storage_options))
-            wait = self.store_wait = StoreWait(store.backend, timeout=cfg.store_wait_timeout, stop=self._stop_requested)
-            self.metrics.store_wait_seconds.set_function(wait.seconds)
-            t0 = time.perf_counter()
-            try:  # the job's state is nowhere else (this tier is new): the store is waited for, not given up on
-                last = wait.call(
-                    lambda: resume(store, tier, skip_sharded=self.shard_client is not None), probe=store.checkpoint_ids
-                )
-            except StorageUnavailableError:
-                if self._stop_requested.is_set():
-                    return  # stopped while waiting: start() returns before the task, wait() with the stop's code
-                raise
-            self._resume_seconds = time.perf_counter() - t0
-            if last is not None:
-                self._resumed_step = last.step
-                self._durable_id, self._durable_step = last.id, last.step
-                self.metrics.record_checkpoint("durable", last.step, last.committed_at)
-                self.metrics.record_checkpoint("memory", last.step, last.committed_at)
-                log.info(
-                    "event=resumed task=%s checkpoint=%s step=%d seconds=%.3f",
-                    self.task,
-                    last.id,
-                    last.step,
-                    self._resume_seconds,
-                )
-            p = cfg.persister
-            persister = self.persister = Persister(
-                store,
-                tier,
-                last=last,
-                max_chain=p.max_chain,
-                max_delta_percent=p.max_delta_percent,
-                retry_after=p.retry_after,
-                on_event=self._on_persist_event,
-                shards=self.shard_client,
-            ).start()
-            self.metrics.persist_lag_steps.set_function(self._lag_steps)
-            self.metrics.persist_queue_depth.set_function(lambda: float(persister.status().pending_requests))
-            self.metrics.durable_lag_steps.set_function(lambda: float(persister.status().durable_lag_steps))
-            self.metrics.durable_lag_seconds.set_function(lambda: persister.status().durable_lag_seconds)
-        self.spool_dir = Path(cfg.spool) if cfg.spool else default_spool_dir(cfg.job)
-        self.spool = SpoolServer(
-            self.spool_dir, tier, persister, on_event=self._on_spool_event, shards=self.shard_client
-        ).start()
-        self._heartbeat_path = self.spool.heartbeat  # in the folder the server holds, not whatever is at its path
-        store_url = redact(cfg.store) if cfg.store else "-"
-        log.info("event=spool_serving task=%s spool=%s store=%s", self.task, self.spool_dir, store_url)
-
-    def _announce_parts(self) -> None:
-        """Tell the trainer where the PS agents keep their shards, when they can take the whole job of it."""
-        assert self.supervisor is not None
-        dirs, stores = self.peer_sync.part_dirs, self.peer_sync.part_stores
-        if not dirs:
-            return
-        lacking = sorted(t for t in dirs if self.config.store and not stores.get(t))
-        if lacking:
-            log.error(
-                "event=ps_side_shards_off task=%s reason=%r",
-                self.task,
-                f"the agents of {lacking} have no --store: they could not write their shards to the durable log, so "
-                "every shard goes through the chief. Give each PS agent the chief's --store",
-            )
-            return
-        self.supervisor.set_env(ENV_PARTS, json.dumps(dirs, sort_keys=True))
-        log.info("event=ps_side_shards task=%s parts=%s", self.task, json.dumps(dirs, sort_keys=True))
 
     def _start_shards(self) -> None:
         # lazy: numpy and the storage clients load only when the agent keeps shards
@@ -583,31 +491,8 @@ class Agent:
             attempt(monitor.stop)
         if self.supervisor is not None:
             attempt(self.supervisor.stop)
-        if self.spool is not None:
-            if self.spool.status().running:
-                attempt(self.spool.process_once)  # the trainer's last captures, handed off before it stopped
-            attempt(self.spool.stop)
-        if self.persister is not None:
-            timeout = self.config.persister.drain_timeout
-            drained = True
-            try:
-                drained = self.persister.stop(drain=True, timeout=timeout)
-            except Exception as e:
-                log.exception("event=stop_step_failed task=%s step=persister", self.task)
-                errors.append(e)
-            if not drained:
-                log.error("event=persist_not_drained task=%s timeout=%.0fs", self.task, timeout)
-        if self.tier is not None:
-            with self._lock:
-                durable = self._durable_step
-            log.info(
-                "event=agent_stopped task=%s memory_step=%s durable_step=%s",
-                self.task,
-                self.tier.step,
-                durable,
-            )
-        if self.shard_client is not None:
-            attempt(self.shard_client.close)
+        if self.chief is not None:
+            self.chief.stop(attempt)
         if self.shards is not None:
             attempt(self.shards.close)
         if self.store is not None:
@@ -617,8 +502,8 @@ class Agent:
         if self._made_token is not None:
             self._made_token.remove()
             self._made_token = None
-        self.monitor = self.supervisor = self.spool = self.persister = self.store = self.http = None
-        self.shards = self.shard_client = None
+        self.monitor = self.supervisor = self.store = self.http = None
+        self.shards = None
         self.peer_monitors = []
 
     def _watch_peers(self) -> None:
@@ -642,27 +527,6 @@ class Agent:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    # ------------------------------------------------------------------------------------------ callbacks
-    def _on_spool_event(self, event: SpoolEvent) -> None:
-        if event.kind == "capture" and event.stall_seconds is not None:
-            self.metrics.checkpoint_stall.observe(event.stall_seconds)
-        if event.kind == "capture" and event.status == "ok" and event.step is not None:
-            self.metrics.record_checkpoint("memory", event.step, time.time())
-            self.recovery.on_capture()
-
-    def _on_persist_event(self, event: PersistEvent) -> None:
-        if event.kind == "failed":
-            self.metrics.persist_failures.inc()
-        if event.kind == "committed" and event.step is not None:
-            self.metrics.persisted_bytes.inc(event.bytes_written)
-            self.metrics.record_checkpoint("durable", event.step, time.time())
-            with self._lock:
-                self._durable_id, self._durable_step = event.checkpoint, event.step
-
-    def _lag_steps(self) -> float:
-        lag = self.persister.status().lag_steps if self.persister is not None else None
-        return float(lag) if lag is not None else 0.0
-
     # ------------------------------------------------------------------------------------------ HTTP
     def _finish(self, reason: str) -> None:
         """POST /finish: the job is done (its reason kept); wait() returns 0, the CLI stops the task gracefully."""
@@ -672,16 +536,16 @@ class Agent:
 
     def _export_ahead(self) -> None:
         """A restore follows every new generation: the PS agents start writing its files now."""
-        if self.spool is not None:
-            self.spool.export_ahead()
+        if self.chief is not None:
+            self.chief.export_ahead()
 
     def _fresh_ps(self, task: str, status: Mapping[str, Any]) -> None:
         """A PS agent started after the failure answered (a replacement node's: its tier is empty): it fetches
         its shards from the peer's copy now, or with no copies opens its store (held: store/opening.py) for the
         log, overlapping its PS server's start and the trainer's rebuild."""
         held = (status.get("shards") or {}).get("store_state") == "held"
-        if self.spool is not None and (self.config.peers.copies != "none" or held):
-            self.spool.export_ahead(only=[task])
+        if self.chief is not None and (self.config.peers.copies != "none" or held):
+            self.chief.export_ahead(only=[task])
 
     def readiness(self) -> dict[str, bool]:
         sup, monitor = self.supervisor, self.monitor
@@ -689,11 +553,11 @@ class Agent:
             "task": sup is not None and sup.pid is not None,
             "healthy": monitor is not None and monitor.healthy,
         }
-        if self.role == "chief":
-            checks["spool"] = self.spool is not None and self.spool.status().running
+        if self.chief is not None:
+            tiers = self.chief.readiness()
+            checks["spool"] = tiers.pop("spool")
             checks["progress"] = self.hang_watch is None or not self.hang_watch.hung
-            if self.config.store is not None:
-                checks["persister"] = self.persister is not None and self.persister.status().running
+            checks.update(tiers)  # the persister's, with a store
         return checks
 
     def status(self) -> dict[str, Any]:
@@ -726,45 +590,8 @@ class Agent:
         doc["generation"] = self.peer_sync.generation
         doc["last_generation"] = self.peer_sync.last
         doc.update(self.recovery.status())
-        with self._lock:
-            durable_id, durable_step = self._durable_id, self._durable_step
         if self.shards is not None:
             doc["shards"] = self.shards.status()
-        if self.role == "chief":
-            tier = self.tier.status() if self.tier is not None else None
-            persister = self.persister.status() if self.persister is not None else None
-            spool = self.spool.status() if self.spool is not None else None
-            doc.update(
-                {
-                    "spool": str(self.spool_dir) if self.spool_dir else None,
-                    "store": redact(self.config.store) if self.config.store else None,
-                    "store_wait": self.store_wait.status() if self.store_wait is not None else None,
-                    "resumed_step": self._resumed_step,
-                    "resume_seconds": self._resume_seconds,
-                    "memory_step": tier.step if tier else None,
-                    "memory_token": tier.token if tier else None,
-                    "memory_bytes": tier.nbytes if tier else None,
-                    "durable_step": durable_step,
-                    "durable_checkpoint": durable_id,
-                    "persist_lag_steps": persister.lag_steps if persister else None,
-                    "durable_lag_steps": persister.durable_lag_steps if persister else None,
-                    "durable_lag_seconds": round(persister.durable_lag_seconds, 3) if persister else None,
-                    "persister": (
-                        {
-                            "pending_requests": persister.pending_requests,
-                            "in_flight": persister.in_flight,
-                            "phase": persister.phase,  # what the write in flight does (PersisterStatus.phase)
-                            "checkpoints_written": persister.checkpoints_written,
-                            "bytes_persisted": persister.bytes_persisted,
-                            "failures": persister.failures,
-                            "last_error": redact(persister.last_error) if persister.last_error else None,
-                        }
-                        if persister
-                        else None
-                    ),
-                    "captures": dict(spool.captures) if spool else None,
-                    "spool_error": spool.last_error if spool else None,  # a capture refused, the spool moved
-                    "copies": copies_status(self.shard_client, tier.token if tier else None),
-                }
-            )
+        if self.chief is not None:
+            doc.update(self.chief.status())
         return doc
