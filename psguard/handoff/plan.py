@@ -491,14 +491,17 @@ def _process(r: TaskReport, facts: Facts) -> tuple[Process, Rule]:
     options, failure = facts.options, facts.failure
     if not options.restart_ps:
         return Process.WAIT_FOR, ONLY_WAITED
+    started_after = failure.at is not None and r.run_started_at is not None and r.run_started_at > failure.at
     if r.role == "chief":
+        if started_after:  # that trainer replaced the failed one: restarting it would undo the recovery under way
+            return Process.WAIT_FOR, STARTED_AFTER
         return (Process.RESTART if failure.new_trainer_process else Process.KEEP), TRAINER
     workers = failure.new_trainer_process and options.restart_workers
     if r.role != "ps" and not (r.role == "worker" and workers):
         return Process.KEEP, NOT_RESTARTED
     if r.state is TaskState.NEW:
         return Process.WAIT_FOR, NEW_AGENT
-    if failure.at is not None and r.run_started_at is not None and r.run_started_at > failure.at:
+    if started_after:
         return Process.WAIT_FOR, STARTED_AFTER
     survivor = r.role == "ps" and failure.at is not None and r.task not in failure.tasks
     serving = r.ready and r.state is TaskState.UP

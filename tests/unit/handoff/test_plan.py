@@ -303,3 +303,15 @@ def test_the_design_docs_table_is_the_rules() -> None:
     design = (ROOT / "docs" / "design.md").read_text()
     tables = re.findall(r"^\| rule \| when \| then \| why \|\n(?:\|.*\n?)+", design, flags=re.M)
     assert [t.rstrip("\n") for t in tables] == [rules_table()]
+
+
+def test_a_trainer_that_started_after_the_failure_is_left_alone() -> None:
+    """``POST /restart`` with ``unless_started_within`` on the chief's agent: a trainer run younger than the failure
+    replaced the failed one (the agent's own restart came first), so restarting it would undo that recovery; an
+    older one is restarted when the failure needs a new trainer process."""
+    young = TaskReport("chief", run_started_at=1001.0, role="chief")
+    old = TaskReport("chief", run_started_at=999.0, role="chief")
+    left = plan(Facts((young,), failure=Failure(1000.0))).tasks["chief"]
+    assert left.process is Process.WAIT_FOR and left.rules == ("started-after",)
+    again = plan(Facts((old,), failure=Failure(1000.0, new_trainer_process=True))).tasks["chief"]
+    assert again.process is Process.RESTART
