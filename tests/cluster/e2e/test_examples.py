@@ -61,7 +61,7 @@ def _code_lines(path: Path) -> list[str]:
             {
                 "+import psguard.keras",
                 "-callbacks=[tf.keras.callbacks.BackupAndRestore(args.backup_dir)],",
-                "+callbacks=[psguard.keras.CheckpointCallback(args.backup_dir, save_every_n_steps=5)],",
+                "+callbacks=[psguard.keras.CheckpointCallback(args.backup_dir, save_freq=5)],",
             },
         ),
     ],
