@@ -110,7 +110,7 @@ class LagGuard:
             except TimeoutError:
                 retrying = handle.store_retrying()
                 if retrying is not None:
-                    self._store_failing(step, handle, retrying)
+                    self._store_failing(handle, retrying)
                     break
                 why = self._stop_waiting()
                 if why is not None:
@@ -132,19 +132,13 @@ class LagGuard:
         self._held += held
         return held
 
-    def _store_failing(self, step: int, handle: SaveHandle, why: str) -> None:
+    def _store_failing(self, handle: SaveHandle, why: str) -> None:
         """The store is down: stop holding until a durable save succeeds (the answers waited for still count)."""
         with self._lock:
             if self._failing:
                 return
             self._failing = True
-        log.warning(
-            "event=durable_failing step=%d waiting_for=%d error=%r: training goes on without waiting for the "
-            "durable log (the memory tier keeps saves restorable) until a durable save succeeds",
-            step,
-            handle.step,
-            why[:300],
-        )
+        _say_failing(handle.step, why)
 
     def _stop_waiting(self) -> str | None:
         """Why the answer waited for cannot come, or must not be waited for any more (``None``: keep waiting)."""
@@ -170,12 +164,7 @@ class LagGuard:
                     self._failing = False
                 elif not self._failing:
                     self._failing = True
-                    log.warning(
-                        "event=durable_failing step=%d error=%r: a durable save failed; training goes on without "
-                        "waiting for the durable log (the memory tier keeps saves restorable) until one succeeds",
-                        handle.step,
-                        str(error)[:300],
-                    )
+                    _say_failing(handle.step, f"a durable save failed: {error}")
             self._pending = left
             return left[0] if left else None
 
@@ -197,3 +186,13 @@ class LagGuard:
                 failing=self._failing,
                 last_durable_step=self._last_durable,
             )
+
+
+def _say_failing(step: int, why: str) -> None:
+    """The one line of a durable log that stopped taking commits (a failed save, or the store being retried)."""
+    log.warning(
+        "event=durable_failing step=%d error=%r: training goes on without waiting for the durable log (the memory "
+        "tier keeps saves restorable) until a durable save succeeds",
+        step,
+        why[:300],
+    )

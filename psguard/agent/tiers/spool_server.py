@@ -281,17 +281,21 @@ class SpoolServer:
             return
         marked: set[int] = set()
         for path in self._paths.acks.glob("*.pending.json"):
-            doc = read_json_if_present(path)
-            seq = doc.get("seq") if doc is not None else None
-            if doc is None or not isinstance(seq, int):
+            number = path.name.split(".", 1)[0]  # acks/<seq:012d>.pending.json
+            if not number.isdigit():
                 continue
+            seq = int(number)
             if retrying is not None:
                 marked.add(seq)
-                if seq in self._marked_retrying:
-                    continue
-                doc["store_retrying"] = {"since": time.time() - retrying.seconds, "error": retrying.error[:500]}
-            elif doc.pop("store_retrying", None) is None:
+            if (retrying is not None) == (seq in self._marked_retrying):
+                continue  # already says so (or never did): not read again every poll of an outage
+            doc = read_json_if_present(path)
+            if doc is None:
                 continue
+            if retrying is not None:
+                doc["store_retrying"] = {"since": time.time() - retrying.seconds, "error": retrying.error[:500]}
+            else:
+                doc.pop("store_retrying", None)
             with self._answering, contextlib.suppress(OSError):
                 if path.exists():  # not answered meanwhile
                     atomic_write_json(path, doc)
