@@ -18,16 +18,22 @@ from psguard.handoff.tensor_bundle import BUNDLE_KEY
 from psguard.trainer.capture_graph import Plan, ShardPlan, TensorPlan, functions_for
 from psguard.trainer.ps_load import run_load
 
-CPU = "/job:localhost/replica:0/task:0/device:CPU:0"
 ROWS, DIM = 40, 3
 
 
+def local_cpu() -> str:
+    """The device eager ops run on here: ``/job:localhost`` in a fresh process, the chief's job once a cluster test
+    in the same xdist worker has connected TensorFlow to its cluster (the context stays connected)."""
+    return str(tf.zeros([]).device)
+
+
 def plan(shards: int) -> Plan:
-    shard = ShardPlan(device=CPU, rows=ROWS)
+    cpu = local_cpu()
+    shard = ShardPlan(device=cpu, rows=ROWS)
     tensor = TensorPlan(by_row=True, spill=True, marks=False, live=False, row_bytes=4 * DIM, dtype=np.float32,
                         tail=(DIM,), shards=(shard,) * shards)  # fmt: skip
     return Plan((tensor,), counter_device=None, iterations=0, chunk_bytes=1 << 20, probe_rows=0, spill_dirs=(),
-                local=CPU)  # fmt: skip
+                local=cpu)  # fmt: skip
 
 
 def shard_vars(shards: int) -> tuple[Any, ...]:
