@@ -40,6 +40,7 @@ from typing import Any, Literal, cast
 
 from psguard.chaos.checkers import Verdict, check_all, overall
 from psguard.chaos.history import read_history
+from psguard.chaos.outcomes import STORE_OUTAGES
 from psguard.chaos.scenario import (
     PROXIED_STORES,
     Action,
@@ -292,6 +293,11 @@ def _paired(ours: Sequence[Mapping[str, Any]], theirs: Sequence[Mapping[str, Any
     return [(f, queues[f.get("target")].pop(0) if queues.get(f.get("target")) else None) for f in ours]
 
 
+def _during_store_outage(fault: Mapping[str, Any]) -> bool:
+    """Whether a store outage (:data:`~psguard.chaos.outcomes.STORE_OUTAGES`) overlapped ``fault`` in its run."""
+    return any(o.split(" ")[0] in STORE_OUTAGES and o.endswith(" store") for o in fault.get("overlaps_with") or ())
+
+
 def not_worse_than_tf(
     ours: Mapping[str, Any], baseline: Mapping[str, Any], *, chunk: int, goodput_tolerance: float
 ) -> Verdict:
@@ -300,7 +306,9 @@ def not_worse_than_tf(
     Per fault: where TF restored from its checkpoint, psguard lost at most TF's steps plus a chunk; where TF
     restored nothing (it waited the fault out: a pause), psguard was back at normal speed at most
     :data:`WAITED_OUT_SLACK` seconds after TF (its lost steps are part of that time). A fault psguard never
-    recovered from while TF did is invalid; one TF never recovered from is psguard's to win. Over the run, its
+    recovered from while TF did is invalid; one TF never recovered from is psguard's to win. A fault that met a
+    store outage is judged in time, not steps: psguard trains through the outage where TF's saves fail and it
+    stands still, so the extra steps it may lose are steps TF never made; goodput decides. Over the run, its
     goodput is at least TF's, within ``goodput_tolerance``."""
     name = "not-worse-than-tf"
     rows: list[dict[str, Any]] = []
@@ -320,6 +328,10 @@ def not_worse_than_tf(
             if ours_s is not None and tf_s is not None and ours_s > tf_s + WAITED_OUT_SLACK:
                 worse.append({**row, "why": f"back to normal speed {ours_s - tf_s:.1f}s after plain TF, which "
                                             f"waited the fault out (slack {WAITED_OUT_SLACK:g}s)"})  # fmt: skip
+        elif f["lost_steps"] > tf["lost_steps"] + chunk and _during_store_outage(f):
+            # psguard trained through the outage (its memory tier kept those steps restorable) where TF's saves
+            # failed and it stood still: the steps this fault cost are steps TF never made. Goodput judges it.
+            row["judged_by"] = "goodput: psguard trained through a store outage that stopped plain TF"
         elif f["lost_steps"] > tf["lost_steps"] + chunk:
             worse.append({**row, "why": f"lost more steps than plain TF (+{chunk} for the fault's moment)"})
     ours_rate = (ours.get("goodput") or {}).get("steps_per_second")

@@ -16,6 +16,7 @@ for each fault that shares it (``restore_shared_with``), each judged against the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -27,6 +28,7 @@ __all__ = [
     "FAULTS",
     "HEALED_BY",
     "HEALS",
+    "STORE_OUTAGES",
     "Context",
     "context",
     "fault_outcomes",
@@ -41,6 +43,8 @@ FAULTS = (
     "truncate-chunk", "storage-stop", "partition", "delay", "drop", "hang", "store-errors",
 )  # fmt: skip
 HEALS = ("resume", "start-agent", "storage-start", "heal")
+#: Faults that keep the durable log from taking commits while they last (on the ``store`` target).
+STORE_OUTAGES = ("storage-stop", "store-errors", "partition", "drop")
 #: The heal that ends each fault that lasts (the others last until training makes progress again).
 HEALED_BY = {
     "pause": "resume", "pause-agent": "resume", "kill-agent": "start-agent", "terminate-agent": "start-agent",
@@ -203,16 +207,37 @@ class _Timeline:
         return _Reach(fault, t, heal, resumed, restore, self.bound(fault), self.normal_at(t, restore), active_until)
 
     def bound(self, fault: Op) -> Any:
-        """The steps ``fault`` may lose: the memory tier's cadence and a chunk, or the durable log's when the
-        fault takes the memory tier with it (a scenario may set its own)."""
+        """The steps ``fault`` may lose: the memory tier's cadence and a chunk, or, when the fault takes the memory
+        tier with it, the durable cadence as it runs (its time floor turned into steps at the job's pace) and a
+        chunk, plus whatever trained while the store was failing: the durable hold ends at a store's first failed
+        request (:mod:`psguard.policy.lag`) and the lag it then lets grow is the documented trade. A scenario may
+        set its own."""
         bound = fault.value.get("max_lost_steps")
-        if bound is None:
-            training = self.ctx.run.get("training", {})
-            memory_every, chunk = int(training.get("memory_every", 0)), int(training.get("chunk", 0))
-            durable_every = int(training.get("durable_every", 0))
-            loses_tier = loses_memory_tier(fault, bool(self.ctx.run.get("peer_copies", False)))
-            bound = (durable_every if loses_tier else memory_every) + chunk
-        return bound
+        if bound is not None:
+            return bound
+        training = self.ctx.run.get("training", {})
+        chunk = int(training.get("chunk", 0))
+        if not loses_memory_tier(fault, bool(self.ctx.run.get("peer_copies", False))):
+            return int(training.get("memory_every", 0)) + chunk
+        every, floor = int(training.get("durable_every", 0)), float(training.get("durable_min_seconds") or 0.0)
+        if floor and self.normal:
+            every = max(every, math.ceil(floor / self.normal))
+        return every + chunk + self.trained_through_store_outage(fault.start)
+
+    def step_at(self, t: float) -> int:
+        return max((int(o.value["step"]) for o in self.trains if o.end is not None and o.end <= t), default=0)
+
+    def trained_through_store_outage(self, t: float) -> int:
+        """Steps trained between the start of a store outage still on at ``t`` (or healed after the newest
+        durable commit acknowledged before ``t``) and ``t``: durable commits could not land meanwhile."""
+        durable = [c.end for c in self.ctx.trainer("durable-commit", "ok") if c.end is not None and c.end <= t]
+        last_durable = max(durable, default=float("-inf"))
+        began = [
+            f.start for f in self.faults
+            if f.f in STORE_OUTAGES and f.value.get("target") == "store" and f.start < t
+            and ((h := heal_of(f, self.heals, f.start)) is None or (h.end or h.start) > last_durable)
+        ]  # fmt: skip
+        return max(0, self.step_at(t) - self.step_at(min(began))) if began else 0
 
     def normal_at(self, t: float, restore: Op | None) -> float | None:
         """When training ran at its normal speed again: after the first capture that followed the restore (its

@@ -234,6 +234,23 @@ def test_a_fault_tf_waited_out_is_judged_by_the_time_it_cost() -> None:
     assert slow.status == "invalid" and "waited the fault out" in slow.summary
 
 
+def test_a_fault_that_met_a_store_outage_is_judged_by_goodput_not_by_steps() -> None:
+    """Explore full 14/3: a node loss during GCS 503s. psguard trained through the outage (its memory tier kept
+    the steps restorable) and lost 55 to the node loss; TF's saves failed, it stood still and met the node loss
+    later, losing 5. The steps psguard lost are steps TF never made: goodput judges the pair."""
+    ours = _report([55], 10.0)
+    ours["faults"][0]["overlaps_with"] = ["store-errors store"]
+    kept = not_worse_than_tf(ours, _report([5], 9.0), chunk=5, goodput_tolerance=0.1)
+    assert kept.status == "valid", kept.summary
+    assert "store outage" in kept.evidence["faults"][0]["judged_by"]
+    slower = not_worse_than_tf(ours, _report([5], 12.0), chunk=5, goodput_tolerance=0.1)
+    assert slower.status == "invalid" and "goodput" in slower.summary
+    # A fault that overlapped another task's fault, not the store's, is still judged by its steps.
+    ours["faults"][0]["overlaps_with"] = ["kill ps:1"]
+    steps = not_worse_than_tf(ours, _report([5], 9.0), chunk=5, goodput_tolerance=0.1)
+    assert steps.status == "invalid" and "lost more steps" in steps.summary
+
+
 def test_shrink_keeps_the_smallest_case_that_still_fails() -> None:
     case = next(c for i in range(200) if len((c := draw_case(5, i)).faults) == 2 and c.training.vocab > 8000)
     culprit = case.faults[1]

@@ -119,6 +119,54 @@ def test_a_memory_commit_acknowledged_while_the_chief_agent_was_being_killed_wen
     assert bounded["status"] == "valid", bounded
 
 
+def _durable_only_at_0(floor: float = 0.0, *, outage: bool = False) -> H:
+    """Memory commits every 5 steps to 30, durable only at 0 (the one at 20 held back by a time floor of
+    ``floor`` seconds, or failing in a store ``outage`` begun after step 0), PS 0's node lost at 35, durable 0
+    restored: 35 steps lost, over the durable bound of steps alone (25)."""
+    h = H(target=40)
+    training = h.records[0].value["training"]
+    training.update(durable_every=20, durable_min_seconds=floor)
+    h.restore(0, source=None)
+    h.commit(0, durable=True)
+    if outage:
+        h.fault("store-errors", "store")
+    for step in range(0, 30, 5):
+        h.train(step, step + 5)
+        h.commit(step + 5, durable=False)
+        if outage and step + 5 == 20:
+            h.op(T, "durable-commit", {"step": 20}, {"step": 20, "error": "503"}, "fail")
+    h.train(30, 35)
+    h.fault("kill-agent", "ps:0")
+    h.rec(T, "invoke", "train", {"step": 35, "steps": 5})
+    h.rec(T, "info", "train", {"error": "UnavailableError"})
+    h.restore(0, source="durable")
+    if outage:
+        h.fault("heal", "store")
+    h.train(0, 40)
+    h.finish()
+    return h
+
+
+def test_the_durable_bound_follows_the_cadences_time_floor() -> None:
+    """Explore seed 5 case 13: durable every 25 steps with a 2 s floor on a 65 steps/s job saves every ~130
+    steps; a node loss then loses up to that, not 25 + a chunk. The floor in steps is taken at the job's pace
+    before the first fault (here 0.1-0.14 s per step: a 10 s floor is 72-100 steps)."""
+    _, bounded = _judged(_durable_only_at_0(floor=10.0))
+    assert bounded["status"] == "valid" and bounded["lost_steps"] == 35, bounded
+    assert 70 + 5 <= bounded["max_lost_steps"] <= 100 + 5, bounded
+    _, unfloored = _judged(_durable_only_at_0(floor=0.0))
+    assert unfloored["status"] == "invalid" and unfloored["max_lost_steps"] == DURABLE_BOUND, unfloored
+
+
+def test_steps_trained_while_the_store_failed_count_in_a_node_losss_durable_bound() -> None:
+    """A failing store ends the durable hold (training goes on, the memory tier keeps it restorable); a node
+    loss before the store is back then loses what trained since the outage began, which the bound allows."""
+    verdict = check_all(_durable_only_at_0(outage=True).records)["lost-work-bounded"]
+    node = next(f for f in verdict.evidence["faults"] if f["fault"] == "kill-agent")
+    assert verdict.status == "valid" and node["lost_steps"] == 35, verdict.evidence
+    assert node["max_lost_steps"] == DURABLE_BOUND + 35, node
+
+
 @pytest.mark.parametrize(("fault", "target"), [("kill", "ps:0"), ("pause-agent", "ps:0"), ("kill-agent", "worker:0")])
 def test_faults_that_leave_every_ps_agent_alive_still_need_the_memory_tier(fault: str, target: str) -> None:
     newest, bounded = _judged(_lost_node(fault, target))
