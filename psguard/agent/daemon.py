@@ -521,12 +521,6 @@ class Agent:
             )
             self.peer_monitors.append(monitor.start())
 
-    def __enter__(self) -> Agent:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
     # ------------------------------------------------------------------------------------------ HTTP
     def _finish(self, reason: str) -> None:
         """POST /finish: the job is done (its reason kept); wait() returns 0, the CLI stops the task gracefully."""

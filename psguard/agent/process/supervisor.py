@@ -1,36 +1,19 @@
 """Keep one task process running: start it, restart it when it dies, give up on a crash loop, stop it cleanly.
 
-An agent supervises exactly one task (a PS, a worker, or the trainer on the chief). The task runs in its own
-process group so that a stop or a kill reaches everything it started, and with a parent-death signal so that
-it dies with the agent even when the agent is killed with SIGKILL and can run no clean-up: a PS that outlived
-its agent would hold its port and ~600 MB, and the agent's successor could not start the task again.
-
-Exit codes are the task's way to talk to its supervisor:
+The task runs in its own process group, with a parent-death signal, and its whole process tree marked
+(:mod:`psguard.agent.process.tree`), so that it dies with the agent even when the agent is SIGKILLed. Exit codes:
 
 ==============  =====================================================================================
 ``0``           the task finished its job: nothing is restarted and the supervisor is done
-``75``          :data:`EXIT_RESTART` (``EX_TEMPFAIL``): "restart me now". The trainer exits with it after a
-                PS failure when it cannot rejoin in-process. Restarted at once, not counted as a crash
+``75``          :data:`EXIT_RESTART` (``EX_TEMPFAIL``): "restart me now"; restarted at once, not a crash
 other           a crash: restarted after an exponential backoff; ``crash_loop_limit`` crashes within
                 ``crash_loop_window`` seconds end supervision with :class:`~psguard.errors.CrashLoopError`
 ==============  =====================================================================================
 
-A run killed by :meth:`Supervisor.restart` (a probe found the task hung) counts as a crash, so a task that
-keeps freezing ends in a crash loop too, but it is started again without waiting: the hang already cost time.
-A restart asked for with ``crash=False`` (an operator, or the chief's agent replacing the PS servers for a new
-trainer generation) is no crash. Nor is the end of a run the owner declared healthy (:meth:`Supervisor.
-mark_healthy`: the PS answered its RPC probe, the trainer delivered a checkpoint): a crash loop is a task that
-cannot get going, and a PS killed five times in five minutes after serving each time is not one (the chaos
-harness's repeated-kill scenario made the agent give up on exactly that).
-
-The process group is not the whole tree, so the task's processes are marked, recorded and killed by their mark
-(:mod:`psguard.agent.process.tree` says why and how): at the end of every run, by a guard process the moment the
-agent dies, and by the next agent when it starts. The agent also makes itself a child subreaper
-(``subreaper=True``) so that it adopts and reaps its task's orphans.
-
-All spawning happens on the supervisor's own thread. That is not a style choice: Linux delivers the
-parent-death signal when the *thread* that forked the child exits, so a child started from a short-lived
-thread (a probe's, an HTTP request's) would be killed as soon as that thread finished.
+A run killed by :meth:`Supervisor.restart` (a hung task) counts as a crash but is started again at once; one
+restarted with ``crash=False``, or one the owner declared healthy (:meth:`Supervisor.mark_healthy`), is no crash:
+a crash loop is a task that cannot get going. All spawning happens on the supervisor's own thread, because Linux
+delivers the parent-death signal when the *thread* that forked the child exits.
 """
 
 from __future__ import annotations
@@ -48,9 +31,9 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
-from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from psguard.agent.process import reaper
 from psguard.agent.process.lifecycle import (
@@ -67,7 +50,7 @@ from psguard.agent.process.standby import Standby
 from psguard.agent.process.task_log import TaskLog
 from psguard.agent.process.tree import TaskTree, pdeathsig_prefix
 from psguard.errors import CrashLoopError
-from psguard.handoff.contract import EXIT_OK, EXIT_RESTART
+from psguard.handoff.contract import EXIT_OK
 
 if TYPE_CHECKING:
     from typing import Self
@@ -123,7 +106,8 @@ class Supervisor:
     ``env`` is the task's whole environment, as with :mod:`subprocess` (``None``: this process's).
     ``log_path``: append the task's stdout and stderr there (``None``: inherit the agent's).
     ``on_event`` is called on the supervisor's thread for every :class:`SupervisorEvent`; an exception in it
-    is logged and does not stop supervision.
+    is logged and does not stop supervision. The restart policy is ``config`` (default: no standby) with the
+    fields given as keywords (``policy``: ``backoff_initial=0.1``...) replaced.
     """
 
     def __init__(
@@ -133,41 +117,22 @@ class Supervisor:
         env: Mapping[str, str] | None = None,
         cwd: str | os.PathLike[str] | None = None,
         name: str | None = None,
-        backoff_initial: float = 0.5,
-        backoff_max: float = 30.0,
-        backoff_reset_after: float = 60.0,
-        crash_loop_limit: int = 5,
-        crash_loop_window: float = 300.0,
-        stop_timeout: float = 10.0,
-        restart_codes: Sequence[int] = (EXIT_RESTART,),
+        config: SupervisorConfig | None = None,
         on_event: Callable[[SupervisorEvent], None] | None = None,
         log_path: str | os.PathLike[str] | None = None,
         log_max_bytes: int = 100 * 2**20,
         log_keep: int = 3,
         pdeathsig: bool = True,
-        standby: bool = False,
-        standby_delay: float = 5.0,
-        standby_delay_after_restart: float = 30.0,
         standby_cmd: Sequence[str] | None = None,
         record: str | os.PathLike[str] | None = None,
         subreaper: bool = False,
         guard: bool = True,
+        **policy: Any,
     ) -> None:
         if not cmd:
             raise ValueError("Supervisor needs a command to run")
-        # Validates the numbers with the same messages a config file would get.
-        self.config = SupervisorConfig(
-            backoff_initial=backoff_initial,
-            backoff_max=backoff_max,
-            backoff_reset_after=backoff_reset_after,
-            crash_loop_limit=crash_loop_limit,
-            crash_loop_window=crash_loop_window,
-            stop_timeout=stop_timeout,
-            restart_codes=tuple(restart_codes),
-            standby=standby,
-            standby_delay=standby_delay,
-            standby_delay_after_restart=standby_delay_after_restart,
-        )
+        # Validated with the same messages a config file would get.
+        self.config = replace(config or SupervisorConfig(standby=False), **policy)
         self.cmd = tuple(cmd)
         self.name = name or Path(self.cmd[0]).name
         self._env = dict(env) if env is not None else None
@@ -181,20 +146,14 @@ class Supervisor:
         self._tree = TaskTree(self.name, record, guard=guard)
         self._subreaper = subreaper
         self._sessions: set[int] = set()  # every run's session id (its leader's pid): whose orphans we reap
-        # Only when the caller knows the command honours the standby protocol: one that ignored it would bind
-        # its port while the task still runs.
         # ``standby_cmd``: the standby runs another command that becomes this one on ``go`` (the warm trainer,
-        # psguard.trainer.warm), and it is told the task's environment then, as it is at that moment.
+        # psguard.trainer.warm), and it is told the task's environment then.
         self._standby: Standby | None = None
-        if standby and standby_cmd is not None:
+        if self.config.standby and standby_cmd is not None:
             warm = tuple(standby_cmd)
             self._standby = Standby(self.name, lambda extra: self._popen(extra, cmd=warm), env_at_go=self._run_env)
-        elif standby:
+        elif self.config.standby:
             self._standby = Standby(self.name, self._popen)
-        self._init_runs()
-
-    def _init_runs(self) -> None:
-        """The supervision's own state: its thread and the signals to it, and the task's runs so far."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._first_spawn = threading.Event()
@@ -206,7 +165,6 @@ class Supervisor:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._spawn_error: SpawnError | None = None
-
         self._state = SupervisorState.IDLE
         self._proc: subprocess.Popen[bytes] | None = None
         self._last_pid: int | None = None  # of the latest run, kept after it is reaped for the exit event
@@ -219,27 +177,12 @@ class Supervisor:
 
     @classmethod
     def from_config(
-        cls, cmd: Sequence[str], config: SupervisorConfig, *, standby_capable: bool = False, **kwargs: object
+        cls, cmd: Sequence[str], config: SupervisorConfig, *, standby_capable: bool = False, **kwargs: Any
     ) -> Supervisor:
-        """A supervisor with the policy from a config file; ``kwargs`` are the other constructor arguments.
-
-        ``standby_capable``: the command honours :mod:`psguard.agent.process.standby`, so ``config.standby`` may apply
-        (it applies too with a ``standby_cmd``: a command that honours it and becomes this one).
-        """
-        return cls(
-            cmd,
-            backoff_initial=config.backoff_initial,
-            backoff_max=config.backoff_max,
-            backoff_reset_after=config.backoff_reset_after,
-            crash_loop_limit=config.crash_loop_limit,
-            crash_loop_window=config.crash_loop_window,
-            stop_timeout=config.stop_timeout,
-            restart_codes=config.restart_codes,
-            standby=config.standby and (standby_capable or kwargs.get("standby_cmd") is not None),
-            standby_delay=config.standby_delay,
-            standby_delay_after_restart=config.standby_delay_after_restart,
-            **kwargs,  # type: ignore[arg-type]
-        )
+        """A supervisor with the policy from a config file. ``standby_capable``: the command honours
+        :mod:`psguard.agent.process.standby`, so ``config.standby`` may apply (as it does with a ``standby_cmd``)."""
+        standby = config.standby and (standby_capable or kwargs.get("standby_cmd") is not None)
+        return cls(cmd, config=replace(config, standby=standby), **kwargs)
 
     # ------------------------------------------------------------------------------------------ control
 
@@ -276,13 +219,12 @@ class Supervisor:
             raise self._spawn_error
         return self
 
-    def stop(self, timeout: float | None = None) -> SupervisorStatus:
+    def stop(self) -> SupervisorStatus:
         """SIGTERM the task's process group, SIGKILL it after ``stop_timeout``, reap, end supervision.
 
         Safe to call more than once, before :meth:`start`, after supervision ended by itself, and from an
         ``on_event`` callback (then it only asks, and returns at once). It does not raise the crash-loop error;
-        :meth:`result` does. ``timeout`` bounds the wait for the supervisor's
-        thread (default: ``stop_timeout`` plus 30 s for reaping).
+        :meth:`result` does.
         """
         self._stop.set()
         self._wake()
@@ -296,7 +238,7 @@ class Supervisor:
                     self._done.set()
                     self._close_wake_pipe()
         else:
-            thread.join(self.config.stop_timeout + 30.0 if timeout is None else timeout)
+            thread.join(self.config.stop_timeout + 30.0)  # and 30 s for reaping
             if thread.is_alive():
                 raise TimeoutError(f"supervisor {self.name} did not stop within its timeout")
         return self.status()
@@ -352,14 +294,14 @@ class Supervisor:
         with self._lock:
             now = time.monotonic()
             self._prune_crashes(now)
-            running = self._proc is not None and self._run_started is not None
+            started = self._run_started if self._proc is not None else None
             return SupervisorStatus(
                 task=self.name,
                 state=self._state,
                 pid=self._proc.pid if self._proc is not None else None,
                 restarts=self._restarts,
                 last_exit_code=self._last_exit,
-                uptime_seconds=(now - self._run_started) if running and self._run_started is not None else None,
+                uptime_seconds=None if started is None else now - started,
                 crashes_in_window=len(self._crashes),
                 last_reason=self._last_reason,
                 standby_pid=self._standby.pid if self._standby is not None else None,
@@ -371,14 +313,6 @@ class Supervisor:
         """PID of the running task process (also its process group id), ``None`` between runs."""
         with self._lock:
             return self._proc.pid if self._proc is not None else None
-
-    def __enter__(self) -> Self:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
     # ------------------------------------------------------------------------------------------ the thread
 
