@@ -308,10 +308,10 @@ class Agent:
             sup = self.supervisor
             probes = task_probes(self.role, self.address, lambda: sup.pid, builtin_server=self._builtin_server)
             self.metrics.declare_task(self.task, [p.name for p in probes])
-            self.monitor = HealthMonitor.from_config(
+            self.monitor = HealthMonitor(
                 self.task,
                 probes,
-                cfg.probe,
+                config=cfg.probe,
                 on_unhealthy=self.recovery.on_unhealthy,
                 on_result=self.metrics.on_probe_result,
                 on_health=self.recovery.on_health,
@@ -512,10 +512,10 @@ class Agent:
             task = self.peer_sync.names.get(url) or f"peer {urllib.parse.urlsplit(url).netloc}"
             probe = HttpProbe(f"{url}/readyz", name="readyz", tls=self._client_tls)
             self.metrics.declare_task(task, [probe.name])
-            monitor = HealthMonitor.from_config(
+            monitor = HealthMonitor(
                 task,
                 [probe],
-                self.config.peers.probe,
+                config=self.config.peers.probe,
                 on_result=self.metrics.on_probe_result,
                 on_health=self.metrics.on_health,
             )

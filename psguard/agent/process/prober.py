@@ -34,7 +34,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
@@ -74,15 +74,6 @@ class ProbeResult:
     latency_seconds: float
     code: str = "ok"
     error: str = ""
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "probe": self.probe,
-            "ok": self.ok,
-            "latency_seconds": self.latency_seconds,
-            "code": self.code,
-            "error": self.error,
-        }
 
 
 class Probe(Protocol):
@@ -324,7 +315,7 @@ class MonitorStatus:
             "consecutive_failures": self.consecutive_failures,
             "rounds": self.rounds,
             "unhealthy_count": self.unhealthy_count,
-            "probes": [r.to_dict() for r in self.last_results],
+            "probes": [asdict(r) for r in self.last_results],
         }
 
 
@@ -354,8 +345,9 @@ class HealthMonitor:
     call :meth:`reset`: failures then do not count until the task has answered once, or until
     ``startup_timeout`` has passed (which fires ``on_unhealthy`` too: a task that never comes up is broken).
     ``on_result(task, result)`` sees every probe result (latency metrics), ``on_health(task, health)`` every
-    change of :class:`Health`. The monitor owns the probes and
-    closes them when it stops. Exceptions from callbacks are logged and do not stop monitoring.
+    change of :class:`Health`. The monitor owns the probes and closes them when it stops. Exceptions from
+    callbacks are logged and do not stop monitoring. The timing is ``config`` with the fields given as keywords
+    (``timing``: ``interval=0.5``...) replaced.
     """
 
     def __init__(
@@ -363,19 +355,15 @@ class HealthMonitor:
         task: str,
         probes: Sequence[Probe],
         *,
-        interval: float = 1.0,
-        deadline: float = 1.0,
-        failure_threshold: int = 3,
-        startup_timeout: float = 120.0,
+        config: MonitorConfig | None = None,
         on_unhealthy: Callable[[HealthReport], None] | None = None,
         on_result: Callable[[str, ProbeResult], None] | None = None,
         on_health: Callable[[str, Health], None] | None = None,
+        **timing: Any,
     ) -> None:
         if not probes:
             raise ValueError("HealthMonitor needs at least one probe")
-        self.config = MonitorConfig(
-            interval=interval, deadline=deadline, failure_threshold=failure_threshold, startup_timeout=startup_timeout
-        )
+        self.config = replace(config or MonitorConfig(), **timing)
         self.task = task
         self._probes = tuple(probes)
         self._on_unhealthy = on_unhealthy
@@ -383,9 +371,8 @@ class HealthMonitor:
         self._on_health = on_health
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        # Set by reset() and stop(): the thread probes at once instead of at its next round. A PS restarted by a
-        # new generation was otherwise seen serving only at its healthy schedule (0.07-0.43 s after the restart,
-        # 1 GB bench; the generation, and so the trainer, waits for the last PS to be seen).
+        # Set by reset() and stop(): the thread probes at once instead of at its next round (a new generation
+        # waits for the last restarted PS to be seen serving).
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -396,18 +383,6 @@ class HealthMonitor:
         self._unhealthy_count = 0
         self._last: tuple[ProbeResult, ...] = ()
 
-    @classmethod
-    def from_config(cls, task: str, probes: Sequence[Probe], config: MonitorConfig, **kwargs: Any) -> HealthMonitor:
-        return cls(
-            task,
-            probes,
-            interval=config.interval,
-            deadline=config.deadline,
-            failure_threshold=config.failure_threshold,
-            startup_timeout=config.startup_timeout,
-            **kwargs,
-        )
-
     def start(self) -> Self:
         with self._lock:
             if self._thread is not None:
@@ -417,7 +392,7 @@ class HealthMonitor:
         self._thread.start()
         return self
 
-    def stop(self, timeout: float | None = None) -> None:
+    def stop(self) -> None:
         """Stop probing and close the probes; re-raise whatever broke the monitor's thread.
 
         Returns within about one ``deadline`` (a probe in flight is not interrupted).
@@ -428,7 +403,7 @@ class HealthMonitor:
         if thread is threading.current_thread():
             return  # from a callback: the loop ends after it; the probes are closed by a later stop()
         if thread is not None:
-            thread.join(self.config.deadline + 10.0 if timeout is None else timeout)
+            thread.join(self.config.deadline + 10.0)
             if thread.is_alive():
                 raise TimeoutError(f"health monitor for {self.task} did not stop")
         for probe in self._probes:
@@ -483,9 +458,8 @@ class HealthMonitor:
 
     # ------------------------------------------------------------------------------------------ the thread
 
-    #: Between failed rounds while the task is starting: a PS up 0.6 s after its start was seen healthy only at
-    #: the next round, a second after the first, and a new PS's recovery waits for that (a node replaced after a
-    #: loss). A round of a task not listening yet is a refused connect: cheap at this pace.
+    #: Between failed rounds while the task is starting: a recovery waits for a new PS to be seen healthy, and
+    #: a round of a task not listening yet is a refused connect, cheap at this pace.
     STARTING_POLL = 0.05
 
     def _run(self) -> None:
