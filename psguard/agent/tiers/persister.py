@@ -1,35 +1,20 @@
 """The second half of the double write: a background thread that makes the memory tier durable.
 
-Why a thread that persists *from the memory tier* rather than a queue of captures: captures of a large model
-arrive faster than object storage may take them, and queueing them would hold a copy of the model per capture.
-Here a request is only a note ("make the current state durable"); when the persister falls behind, every
-request that arrives while a save is running joins one pending batch, served by a single save of whatever the
-tier holds by then. Memory stays bounded (the tier's marks plus one take in flight, whose whole tensors are
-leased, not copied) and the durable log skips intermediate steps instead of lagging further.
+It persists *from the memory tier*, not from a queue of captures: a request is only a note ("make the current
+state durable"), and every request made while a save runs joins one pending batch, served by one save of whatever
+the tier holds then. Memory stays bounded (the tier's marks plus one leased take) and the log skips steps rather
+than lag further.
 
-Each save writes what :meth:`~psguard.agent.tiers.memory_tier.MemoryTier.take_dirty` says: a full base first, after a
-layout change, when asked, or when the new-base policy (a :class:`~psguard.policy.engine.SavePolicy`, by default
-:class:`~psguard.policy.engine.ChainLimit` on chain links and delta bytes as a percentage of the base) says the chain
-is long enough; otherwise a delta over the last durable checkpoint (changed rows, whole tensors that changed,
-``Same`` for the rest). A new base is written from memory with ``dedup_against`` the previous checkpoint, so
-unchanged chunks are not uploaded again and nothing is read back from storage (cheaper than
-``Store.compact``, which rebuilds the chain from the log). The commits themselves, the missing-parent rule and the
-retention are :class:`~psguard.store.durable.DurableWriter`'s, the same as the trainer's own writer; a trainer's
-``new_base_after`` travels with its captures (``NEW_BASE_KEY``) and replaces the agent's ``max_chain``.
+Each save writes what :meth:`~psguard.agent.tiers.memory_tier.MemoryTier.take_dirty` says: a full base (first,
+after a layout change, when asked, or when the new-base policy says so: by default
+:class:`~psguard.policy.engine.ChainLimit`; a trainer's ``new_base_after`` in ``NEW_BASE_KEY`` replaces
+``max_chain``), else a delta over the last durable checkpoint. A new base is written from memory with
+``dedup_against`` the previous checkpoint. Commits, the missing-parent rule and retention are
+:class:`~psguard.store.durable.DurableWriter`'s, as for the trainer's own writer.
 
-Failures: a failed save aborts its take (the dirty marks go back to the tier), fails the batch's handles with
-the store's error, is reported (status, event callback), and is retried on the next request or, with
-``retry_after``, by the thread itself. The thread never dies on an error. A process killed mid-save leaves no
-torn checkpoint (the manifest is the commit); :func:`resume` seeds a successor's tier from the log.
-
-Typical use in the agent::
-
-    tier = MemoryTier()
-    last = resume(store, tier)                    # None on a fresh job
-    with Persister(store, tier, last=last, max_chain=8) as persister:
-        ...
-        handle = persister.request(step)          # after applying a capture meant for the durable tier
-        handle.add_done_callback(lambda h: ...)   # e.g. write the trainer's durable ack
+A failed save aborts its take (the marks go back to the tier), fails the batch's handle, is reported, and is
+retried on the next request or after ``retry_after``; the thread never dies on an error. A process killed
+mid-save leaves no torn checkpoint (the manifest is the commit); :func:`resume` seeds a successor's tier.
 """
 
 from __future__ import annotations
@@ -49,7 +34,7 @@ from psguard.agent.tiers.shard_client import ShardClient
 from psguard.config import from_data
 from psguard.errors import NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, TOKEN_KEY
-from psguard.policy.engine import ChainLimit, Retention, SaveContext, SavePolicy, TierState, Verdict, base_rule
+from psguard.policy.engine import ChainLimit, Retention, SavePolicy, base_rule
 from psguard.storage.retry import Retrying, RetryingBackend
 from psguard.store import CheckpointInfo, Store
 from psguard.store.durable import ChainState, DurableWriter
@@ -85,64 +70,31 @@ class PersisterStatus:
     running: bool
     last_id: str | None
     last_step: int | None
-    memory_step: int | None
     lag_steps: int | None
     pending_requests: int
     in_flight: bool
-    chain_length: int
     checkpoints_written: int
     bytes_persisted: int
     failures: int
     consecutive_failures: int
     last_error: str | None
-    last_error_at: float | None
-    #: The durable lag (:mod:`psguard.policy.lag`): from the newest step asked to be durable and not committed
-    #: yet, the steps past the newest commit (0 when nothing waits), and how long the oldest such request waited.
+    #: The durable lag (:mod:`psguard.policy.lag`): steps from the newest commit to the newest step asked to be
+    #: durable (0 when nothing waits), and how long the oldest such request waited.
     durable_lag_steps: int = 0
     durable_lag_seconds: float = 0.0
-    #: What the write in flight is doing (None: no write, or it is still taking the state): "first-base" (a whole
-    #: state with no durable checkpoint to build on: the log's first base, or after its chain was lost), "base" (a
-    #: new base over a chain: the agent's compaction, rewritten from memory), "delta", or "retention" (the
-    #: retention after a commit, with its gc when a checkpoint is due to go). The chaos harness aims faults by it.
+    #: What the write in flight does (the chaos harness aims faults by it): "first-base" (no durable checkpoint to
+    #: build on), "base" (a new base over a chain), "delta", "retention" (with its gc); None: no write.
     phase: Phase | None = None
 
 
-class PersistHandle:
-    """A request to make the memory tier durable; resolved by the save that covers it.
+class PersistHandle(Future[CheckpointInfo | None]):
+    """A request to make the memory tier durable, shared by every request one save serves. Its result is the
+    committed checkpoint (at least the tier's step at request time), or None when the tier was empty."""
 
-    Several requests made while the persister is busy share one handle (they are served by one save).
-    ``result`` returns the committed checkpoint (its step is at least the tier's step at request time), or
-    None when the tier was empty; it re-raises the save's error.
-    """
-
-    def __init__(self, *, new_base: bool = False, internal: bool = False) -> None:
-        self._future: Future[CheckpointInfo | None] = Future()
+    def __init__(self) -> None:
+        super().__init__()
         self.requests = 0
-        self.new_base = new_base
-        self.internal = internal
-        self.first_step: int | None = None
-        self.last_step: int | None = None
-
-    def _add(self, step: int | None, new_base: bool) -> None:
-        self.requests += 1
-        self.new_base = self.new_base or new_base
-        if step is not None:
-            self.first_step = step if self.first_step is None else min(self.first_step, step)
-            self.last_step = step if self.last_step is None else max(self.last_step, step)
-
-    def result(self, timeout: float | None = None) -> CheckpointInfo | None:
-        """Wait for the save; :class:`TimeoutError` if it takes longer than ``timeout`` seconds."""
-        return self._future.result(timeout)
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        return self._future.exception(timeout)
-
-    def done(self) -> bool:
-        return self._future.done()
-
-    def add_done_callback(self, fn: Callable[[PersistHandle], None]) -> None:
-        """Call ``fn(handle)`` when done (at once if it already is), from the persister's thread."""
-        self._future.add_done_callback(lambda _: fn(self))
+        self.new_base = False
 
 
 class Persister:
@@ -165,22 +117,19 @@ class Persister:
         base_policy: SavePolicy | None = None,
         retry_after: float | None = 5.0,
         on_event: Callable[[PersistEvent], None] | None = None,
-        name: str = "psguard-persister",
         shards: ShardClient | None = None,
     ) -> None:
         self.store = store
         self.tier = tier
         #: The PS agents that hold the shards (issue 12): each writes its part, this persister commits once.
         self.shards = shards
-        self.base_policy: SavePolicy = base_policy or ChainLimit(
-            max_chain=max_chain, max_delta_percent=max_delta_percent
-        )
         self._max_delta_percent = max_delta_percent
-        #: The trainer's ``new_base_after`` (``NEW_BASE_KEY`` of its last commit), which replaces ``max_chain``.
-        self._trainer_rule: SavePolicy | None = None
-        # The log's rules (last commit, missing parent, new base, retention): the agent holds the whole state
-        # in its tier, so it rewrites bases from memory instead of compacting.
-        self.writer = DurableWriter(store, base_rule=self._base_rule, retention=self._retention, compact=False)
+        #: The new-base rule: the agent's, until a trainer's ``new_base_after`` (``NEW_BASE_KEY``) replaces it.
+        self._rule = base_rule(base_policy or ChainLimit(max_chain=max_chain, max_delta_percent=max_delta_percent))
+        # The agent holds the whole state in its tier, so it rewrites bases from memory instead of compacting.
+        self.writer = DurableWriter(
+            store, base_rule=lambda chain, step: self._rule(chain, step), retention=self._retention, compact=False
+        )
         self.retry_after = retry_after
         self.on_event = on_event
         self._cond = threading.Condition()
@@ -190,7 +139,7 @@ class Persister:
         self._stopping = False
         self._drain = True
         self._retry_at: float | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._run, name="psguard-persister", daemon=True)
         self._started = False
         self._last_token: str | None = None  # the memory-tier token of the last commit's state
         self._due: list[tuple[int, float]] = []  # (step, when asked) of durable requests no commit covers yet
@@ -200,18 +149,13 @@ class Persister:
         self._failures = 0
         self._consecutive_failures = 0
         self._last_error: str | None = None
-        self._last_error_at: float | None = None
         self._last_warned = float("-inf")  # when a failure was last logged at WARNING
         self._silenced = 0  # the same failure since then, logged at DEBUG
         self._last_kind = ""
-        if last is not None:
-            self._adopt(last)
-
-    def _adopt(self, last: CheckpointInfo) -> None:
-        """Continue the chain of ``last`` (the checkpoint the tier was seeded from)."""
-        self._last_token = last.metadata.get(TOKEN_KEY)
-        self._follow_trainer(last)
-        self.writer.adopt(last)
+        if last is not None:  # continue the chain of the checkpoint the tier was seeded from
+            self._last_token = last.metadata.get(TOKEN_KEY)
+            self._follow_trainer(last)
+            self.writer.adopt(last)
 
     @property
     def _last(self) -> CheckpointInfo | None:
@@ -242,7 +186,7 @@ class Persister:
             self._drain = drain
             if not self._started and self._pending is not None:
                 pending, self._pending = self._pending, None
-                pending._future.set_exception(SaveError("persister stopped before it started; request abandoned"))
+                pending.set_exception(SaveError("persister stopped before it started; request abandoned"))
             self._cond.notify_all()
         if self._started:
             self._thread.join(timeout)
@@ -264,60 +208,48 @@ class Persister:
         with self._cond:
             if self._stopping:
                 raise PsguardError("persister is stopped; it takes no more requests")
-            if self._pending is None:
-                self._pending = PersistHandle()
-            self._pending._add(step, new_base)
             if step is not None:
                 self._due.append((step, time.time()))
-            self._cond.notify_all()
-            return self._pending
+            return self._join(new_base)
+
+    def _join(self, new_base: bool = False) -> PersistHandle:
+        """The pending batch, with one more request in it (under ``_cond``)."""
+        if self._pending is None:
+            self._pending = PersistHandle()
+        self._pending.requests += 1
+        self._pending.new_base |= new_base
+        self._cond.notify_all()
+        return self._pending
 
     def start_first_base(self) -> bool:
-        """Write the tier's state as the log's first base now, when the log has none and nothing is on its way.
-
-        A job's first durable save is its whole state (1 GB takes a minute to object storage here). Started at the
-        first capture instead of the first durable one, it is written while training runs, so the first durable
-        save only waits for what is left (a delta) and a node lost early has a base to restore from. Returns
-        whether a write was started."""
+        """Write the tier's state as the log's first base now, when the log has none and nothing is on its way:
+        written while training runs, the first durable save then waits only for a delta. Whether one started."""
         with self._cond:
             if self._stopping or self._last is not None or self._pending is not None or self._in_flight is not None:
                 return False
-            self._pending = PersistHandle(internal=True)
-            self._pending._add(None, False)
-            self._cond.notify_all()
+            self._join()
             return True
 
     def status(self) -> PersisterStatus:
         with self._cond:
-            mem = self.tier.step
             last_step = self._last.step if self._last else None
-            lag_steps, lag_seconds = self._durable_lag(last_step)
+            newest = max((step for step, _ in self._due), default=None)
             return PersisterStatus(
                 running=self._started and self._thread.is_alive() and not self._stopping,
                 last_id=self._last.id if self._last else None,
                 last_step=last_step,
-                memory_step=mem,
-                lag_steps=None if mem is None else mem - (last_step if last_step is not None else 0),
+                lag_steps=self._lag(),
                 pending_requests=self._pending.requests if self._pending else 0,
                 in_flight=self._in_flight is not None,
-                chain_length=self.writer.state.chain_length,
                 checkpoints_written=self._written,
                 bytes_persisted=self._bytes,
                 failures=self._failures,
                 consecutive_failures=self._consecutive_failures,
                 last_error=self._last_error,
-                last_error_at=self._last_error_at,
-                durable_lag_steps=lag_steps,
-                durable_lag_seconds=lag_seconds,
+                durable_lag_steps=0 if newest is None else max(0, newest - (last_step or 0)),
+                durable_lag_seconds=max(0.0, time.time() - self._due[0][1]) if self._due else 0.0,
                 phase=self._phase,
             )
-
-    def _durable_lag(self, last_step: int | None) -> tuple[int, float]:
-        """(steps, seconds) of the durable lag; call under the lock."""
-        if not self._due:
-            return 0, 0.0
-        newest = max(step for step, _ in self._due)
-        return max(0, newest - (last_step or 0)), max(0.0, time.time() - self._due[0][1])
 
     # ------------------------------------------------------------------------------------------- the thread
     def _next_batch(self) -> PersistHandle | None:
@@ -325,17 +257,14 @@ class Persister:
             while True:
                 if self._stopping and (not self._drain or self._pending is None):
                     if self._pending is not None:
-                        self._pending._future.set_exception(
-                            SaveError(
-                                "persister stopped without draining; this request was abandoned (the memory tier "
-                                "still holds the state)"
-                            )
-                        )
+                        self._pending.set_exception(
+                            SaveError("persister stopped without draining; this request was abandoned (the memory "
+                                      "tier still holds the state)")
+                        )  # fmt: skip
                         self._pending = None
                     return None
                 if self._pending is None and self._retry_at is not None and time.monotonic() >= self._retry_at:
-                    self._pending = PersistHandle(internal=True)
-                    self._pending._add(None, False)
+                    self._join()
                 if self._pending is not None:
                     batch, self._pending = self._pending, None
                     self._in_flight = batch
@@ -354,7 +283,7 @@ class Persister:
             except BaseException as e:  # never die with a handle unresolved
                 log.exception("persister: unexpected error")
                 if not batch.done():
-                    batch._future.set_exception(e)
+                    batch.set_exception(e)
             finally:
                 with self._cond:
                     self._in_flight = None
@@ -404,7 +333,7 @@ class Persister:
                 coalesced=batch.requests,
             )
         )
-        batch._future.set_result(info)
+        batch.set_result(info)
 
     def _take(self, *, base: bool) -> tuple[DirtyTake | None, tuple[tuple[str, ...], str] | None]:
         """What the log lacks, from this tier and (with shards) from every PS agent's, at one capture's state."""
@@ -426,13 +355,9 @@ class Persister:
     def _write(
         self, take: DirtyTake, parts: tuple[tuple[str, ...], str] | None = None
     ) -> tuple[CheckpointInfo | None, bool]:
-        """Save the take, or skip it when the log already holds this state; the take is closed either way.
-
-        ``parts``: the PS tasks that took their shards' share for this save, and the take's id. Each writes its
-        chunks, and the manifest that names them all is the one commit.
-
-        Returns the checkpoint that now covers the tier's state and whether it was written by this call.
-        """
+        """Save the take (``parts``: the PS tasks that took their share of it, and its id: each writes its chunks,
+        one manifest commits them all), or skip it when the log holds this state already; the take is closed
+        either way. The checkpoint that covers the tier's state now, and whether this call wrote it."""
         last = self._last
         if not take.changed and last is not None and take.step == last.step and take.token == self._last_token:
             take.commit()
@@ -478,18 +403,17 @@ class Persister:
         return info, True
 
     def _retention(self, info: CheckpointInfo) -> dict[str, Any] | None:
-        """The retention to apply after committing ``info`` (:func:`_retention_asked`); its phase begins."""
-        spec = _retention_asked(info)
-        if spec is not None:
-            with self._cond:
-                self._phase = "retention"
-        return spec
+        """The retention the trainer asked for with ``info`` (``RETENTION_KEY``), if any; its phase begins."""
+        spec = info.metadata.get(RETENTION_KEY)
+        if not isinstance(spec, dict):
+            return None
+        kwargs = from_data(Retention, spec, source=f"{info.id}: {RETENTION_KEY}").as_kwargs()  # ConfigError: skipped
+        with self._cond:
+            self._phase = "retention"
+        return kwargs
 
     def _base_due(self) -> bool:
         return self.writer.base_due(self.tier.step or 0)
-
-    def _base_rule(self, chain: ChainState, step: int) -> bool:
-        return base_rule(self._trainer_rule or self.base_policy)(chain, step)
 
     def _follow_trainer(self, info: CheckpointInfo) -> None:
         """Take the trainer's ``new_base_after`` from its commit (``NEW_BASE_KEY``): with the agent's
@@ -500,12 +424,10 @@ class Persister:
         limit = spec.get("max_chain")
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             log.warning("ignoring a malformed new-base request in %s: %r", info.id, spec)
-            return
-        chain = limit if limit > 0 else None
-        if chain is None and self._max_delta_percent is None:
-            self._trainer_rule = _NEVER
-            return
-        self._trainer_rule = ChainLimit(max_chain=chain, max_delta_percent=self._max_delta_percent)
+        elif limit == 0 and self._max_delta_percent is None:
+            self._rule = _never  # new_base_after=0 and no size limit
+        else:
+            self._rule = base_rule(ChainLimit(max_chain=limit or None, max_delta_percent=self._max_delta_percent))
 
     def _failed(self, batch: PersistHandle, error: Exception, take: DirtyTake | None, seconds: float) -> None:
         with self._cond:
@@ -525,7 +447,6 @@ class Persister:
                 silenced, self._silenced = self._silenced, 0
                 self._last_warned = now
             self._last_error = error_text
-            self._last_error_at = time.time()
             if self.retry_after is not None and not self._stopping:
                 self._retry_at = time.monotonic() + self.retry_after
         log.log(
@@ -552,7 +473,7 @@ class Persister:
                 error=self._last_error,
             )
         )
-        batch._future.set_exception(error)
+        batch.set_exception(error)
 
     def _lag(self) -> int | None:
         mem = self.tier.step
@@ -569,30 +490,13 @@ class Persister:
             log.exception("persister event callback failed (ignored)")
 
 
-class _Never:
-    """The new-base rule of a trainer that asked for none (``new_base_after=0``) when the agent has no size limit."""
-
-    def describe(self) -> str:
-        return "never"
-
-    def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
-        return Verdict(False, "the trainer asked for no new bases (new_base_after=0)")
-
-
-_NEVER = _Never()
+def _never(chain: ChainState, step: int) -> bool:
+    return False
 
 
 def _shape(error: str) -> str:
     """An error's text with its numbers and ids blanked: what stays the same when one failure repeats."""
     return re.sub(r"[0-9a-f]{8,}|\d+", "#", error)
-
-
-def _retention_asked(info: CheckpointInfo) -> dict[str, Any] | None:
-    """The retention the trainer asked for with this checkpoint (``RETENTION_KEY``), if any."""
-    spec = info.metadata.get(RETENTION_KEY)
-    if not isinstance(spec, dict):
-        return None
-    return from_data(Retention, spec, source=f"{info.id}: {RETENTION_KEY}").as_kwargs()  # ConfigError: skipped
 
 
 def resume(store: Store, tier: MemoryTier, *, skip_sharded: bool = False) -> CheckpointInfo | None:
