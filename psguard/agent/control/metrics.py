@@ -191,12 +191,6 @@ class _Metric(Generic[C]):
                 child = self._children[key] = self._new_child()
             return child
 
-    def remove(self, **values: str) -> None:
-        """Forget one label combination (a task that no longer exists)."""
-        key = tuple(str(values[n]) for n in self.label_names)
-        with self._lock:
-            self._children.pop(key, None)
-
     def _unlabelled(self) -> C:
         if self.label_names:
             raise ValueError(f"metric {self.name} has labels {self.label_names}: use .labels(...)")
@@ -205,8 +199,8 @@ class _Metric(Generic[C]):
     def _new_child(self) -> C:
         raise NotImplementedError
 
-    def _samples(self, child: C) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
-        raise NotImplementedError
+    def _samples(self, child: Any) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
+        return [("", None, child.value)]  # a counter's or a gauge's one value
 
     def render(self) -> list[str]:
         lines = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
@@ -244,13 +238,6 @@ class Counter(_Metric[_CounterChild]):
     def inc(self, amount: float = 1.0) -> None:
         self._unlabelled().inc(amount)
 
-    @property
-    def value(self) -> float:
-        return self._unlabelled().value
-
-    def _samples(self, child: _CounterChild) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
-        return [("", None, child.value)]
-
 
 class _GaugeChild:
     def __init__(self) -> None:
@@ -262,13 +249,6 @@ class _GaugeChild:
         with self._lock:
             self._value = float(value)
             self._function = None
-
-    def inc(self, amount: float = 1.0) -> None:
-        with self._lock:
-            self._value += amount
-
-    def dec(self, amount: float = 1.0) -> None:
-        self.inc(-amount)
 
     def set_function(self, function: Callable[[], float]) -> None:
         """Read the value at scrape time (a queue's depth), instead of keeping it up to date by hand."""
@@ -296,21 +276,8 @@ class Gauge(_Metric[_GaugeChild]):
     def set(self, value: float) -> None:
         self._unlabelled().set(value)
 
-    def inc(self, amount: float = 1.0) -> None:
-        self._unlabelled().inc(amount)
-
-    def dec(self, amount: float = 1.0) -> None:
-        self._unlabelled().dec(amount)
-
     def set_function(self, function: Callable[[], float]) -> None:
         self._unlabelled().set_function(function)
-
-    @property
-    def value(self) -> float:
-        return self._unlabelled().value
-
-    def _samples(self, child: _GaugeChild) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
-        return [("", None, child.value)]
 
 
 class _HistogramChild:
