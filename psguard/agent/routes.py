@@ -1,17 +1,12 @@
-"""The agent's POST routes: each request's body checked (a 400 that names the field) and handed to what acts on it.
-
-``/restart`` (restart the task), ``/recovery`` (a restored trainer reports the step it restored), on the chief
-``/new-generation`` (an in-process rejoin: every PS restarted first) and ``/failure`` (a trainer saw its cluster
-fail), on a PS or worker ``/finish`` (the job is done). What each one does is
-:class:`~psguard.agent.recovery.Recovery`'s, or for ``/finish`` the agent's own stop; this module holds only what
-a request must carry. The reads (``/status``, ``/readyz``, ``/metrics``) are the agent's.
-"""
+"""The agent's POST routes: each request's body checked (a 400 that names the field) and handed to what acts on it
+(:class:`~psguard.agent.recovery.Recovery`, or for ``/finish`` the agent's own stop)."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
 from psguard.agent.process.supervisor import Supervisor
@@ -47,15 +42,12 @@ class Routes:
             http.add_post("/finish", self.finish)
 
     def restart(self, request: Request) -> Response:
-        body = request.json()
-        if body is not None and not isinstance(body, dict):
-            raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
-        reason = str((body or {}).get("reason") or "POST /restart")[:300]
+        body, reason = _reason(request, "POST /restart")
         sup = self._supervisor()
         if sup is None:
             raise RequestError(503, "the task is not supervised yet")
         before = sup.status().restarts
-        within = (body or {}).get("unless_started_within")  # seconds: a run that young is left alone
+        within = body.get("unless_started_within")  # seconds: a run that young is left alone
         if isinstance(within, int | float) and self.recovery.started_within(sup, float(within)):
             return Response(200, {"ok": True, "task": self.task, "restarts_before": before, "fresh": True})
         if not self.recovery.restart(sup, f"requested over HTTP: {reason}"):
@@ -65,24 +57,20 @@ class Routes:
 
     def finish(self, request: Request) -> Response:
         """The job is done (the chief's agent says so when its trainer exited 0): stop the task, exit 0."""
-        body = request.json()
-        if body is not None and not isinstance(body, dict):
-            raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
-        reason = str((body or {}).get("reason") or "POST /finish")[:300]
+        _, reason = _reason(request, "POST /finish")
         log.info("event=finish_requested task=%s reason=%r", self.task, reason)
         self._finish(reason)
         return Response(202, {"ok": True, "task": self.task})
 
     def new_generation(self, request: Request) -> Response:
         """The trainer rejoins in-process after a PS failure: restart every PS peer first, answer when done."""
-        body = request.json()
-        if body is not None and not isinstance(body, dict):
-            raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
-        reason = "in-process rejoin: " + str((body or {}).get("reason") or "POST /new-generation")[:300]
-        failed_at = (body or {}).get("failed_at")
+        body, reason = _reason(request, "POST /new-generation")
+        failed_at = body.get("failed_at")
         if failed_at is not None and (not isinstance(failed_at, int | float) or failed_at > time.time() + 5):
             raise RequestError(400, "failed_at: expected the Unix time at which the trainer saw the failure")
-        result = self.recovery.new_generation(reason, None if failed_at is None else float(failed_at))
+        result = self.recovery.new_generation(
+            f"in-process rejoin: {reason}", None if failed_at is None else float(failed_at)
+        )
         failed = any(str(o).startswith("error") for o in result["peers"].values())
         return Response(503 if failed else 200, {"ok": not failed, **result})
 
@@ -122,3 +110,12 @@ class Routes:
         if self.recovery.recovery_reported(lost, restored, seen, timed, source=source, mapped=mapped) is None:
             return Response(200, {"ok": True, "lost_steps": None})
         return Response(200, {"ok": True})
+
+
+def _reason(request: Request, default: str) -> tuple[dict[str, Any], str]:
+    """The body, a JSON object or nothing, and its ``reason`` (at most 300 characters)."""
+    body = request.json()
+    if body is not None and not isinstance(body, dict):
+        raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
+    body = body or {}
+    return body, str(body.get("reason") or default)[:300]
