@@ -38,26 +38,14 @@ class PeersConfig:
     """``peers:``: the chief's agent watches the other agents and restarts the PS servers per generation."""
 
     restart_ps: bool = True  # on every new trainer generation (see the module docstring)
-    # ... and the workers too when the new generation's trainer is a new process. A worker's servers keep the
-    # device resources every earlier chief created there: a restarted chief numbers its lookup tables from the
-    # same counter (``ops.uid()``), so a Keras StringLookup of the new chief finds an old chief's table under
-    # its name ("Table was already initialized with different data"), and each chief restart leaks the last
-    # one's tables and iterators. An in-process rejoin keeps its counter and its workers.
+    # ... and the workers too when the new generation's trainer is a new process: a worker keeps the device
+    # resources (lookup tables, iterators) of every earlier chief, which a new chief's collide with.
     restart_workers: bool = True
-    # An in-process rejoin (run_with_recovery: the same trainer process) leaves a PS that survived the failure
-    # running, serving and ready, instead of restarting it; a PS started after the failure is waited for as
-    # always, and a new trainer process restarts every PS whatever this says. Saves the survivors' restart (0.1 s
-    # of a 1 GB recovery, and part of the cluster reset). Off by default: a kept PS grows with every recovery
-    # when the manager captures or restores (50-130 MB per recovery at 64 MB per PS, soak of 2026-12-06): tf.cond
-    # branch graphs reachable from the functions psguard keeps across generations hold each generation's variable
-    # handles, which keeps those variables on the PS. docs/bench/keep_survivors_rss.py reproduces it in a minute
-    # and has the evidence; BENCHMARKS.md ("chaos soak") the soaks.
+    # An in-process rejoin leaves a PS that survived the failure running instead of restarting it. Off by
+    # default: a kept PS grows with every recovery (docs/bench/keep_survivors_rss.py has the evidence).
     keep_survivors: bool = False
-    # Peer copies (psguard/agent/tiers/peer_copy.py): "full" has every PS agent keep a copy of another node's
-    # shards, so a lost node restores from a peer's memory instead of the durable log. Costs each PS agent's
-    # memory twice over. "parity": one XOR block per group of ``parity_group`` PS tasks (ps:0..ps:K-1, ...), held
-    # by an agent outside the group on another node (psguard/agent/tiers/parity.py): costs the holder the largest
-    # member's memory (1/K of the group), survives one lost node per group. "none": off.
+    # Peer copies (docs/design.md, "Peer copies"): "full", every PS agent keeps a copy of another node's shards;
+    # "parity", one XOR block per group of parity_group PS tasks, held by an agent outside the group; "none": off.
     copies: Literal["none", "full", "parity"] = "none"
     # Owner PS task -> the PS task whose agent holds its copy (default: the next PS on another node).
     copy_placement: Mapping[str, str] = field(default_factory=dict)
@@ -65,9 +53,8 @@ class PeersConfig:
     # A group ("ps:0,ps:1") -> the PS task whose agent holds its parity (default: the first PS after the group, in
     # ring order, on a node no member is on).
     parity_placement: Mapping[str, str] = field(default_factory=dict)
-    # When the trainer exits 0, tell every peer agent that the job is done (POST /finish): PS and worker agents
-    # stop their servers and exit 0, so their pods complete (Kubernetes Jobs). Off by default: psguard wrap,
-    # demo and chaos stop their agents themselves.
+    # When the trainer exits 0, POST /finish to every peer agent: PS and worker agents stop their servers and exit
+    # 0, so their pods complete (Kubernetes Jobs).
     finish_on_success: bool = False
     ready_timeout: Duration = 180.0  # for all PS agents to report a restarted, healthy server
     request_timeout: Duration = 10.0
@@ -109,10 +96,8 @@ class PeerSync:
         self.part_dirs: dict[str, str] = {}  # PS task -> the part folder its agent keeps shards in (/status)
         self.part_stores: dict[str, bool] = {}  # PS task -> whether its agent can write the durable log
         self.nodes: dict[str, str | None] = {}  # task -> the node its agent runs on (/status), for peer copies
-        # Called with a PS task's name and its /status when :meth:`sync` first sees its agent as fresh (started after
-        # the failure: a replacement node's agent, whose tier is empty): the chief's agent has it fetch its shards
-        # from the peer's copy at once, while its PS server still starts, instead of after the whole generation is
-        # ready.
+        # Called with a PS task's name and its /status when :meth:`sync` first sees its agent as fresh (started
+        # after the failure, its tier empty): the chief's agent has it fetch its shards from the peer's copy now.
         self.on_fresh: Callable[[str, Mapping[str, Any]], None] | None = None
 
     def sync(
@@ -134,18 +119,14 @@ class PeerSync:
         facts = Facts(failure=failure, options=Options(restart_ps, cfg.restart_workers, cfg.keep_survivors))
         generation = _Round(self, facts, why)
         deadline = time.monotonic() + cfg.ready_timeout
-        # Side by side: one at a time, a restart request reached the N-th PS N round trips after the first (about
-        # 25 ms each on loopback: 2.4 s at 100 PS, on every recovery's path).
+        # Side by side: one at a time, the N-th PS would wait N round trips, on every recovery's path.
         with ThreadPoolExecutor(
             min(_MAX_PARALLEL, max(1, len(self.peers))), thread_name_prefix="psguard-peers"
         ) as pool:
             while generation.pending and not self._stop.is_set() and time.monotonic() < deadline:
                 list(pool.map(generation.visit, list(generation.pending)))
                 if generation.pending:
-                    # Polling the peers' state, bounded by the deadline. The trainer waits for the last PS seen
-                    # ready: at 0.1 s a round cost 0.05 s of every recovery on average; a round is one GET /status
-                    # per PS still pending.
-                    self._stop.wait(_POLL_SECONDS)
+                    self._stop.wait(_POLL_SECONDS)  # polling the peers' state, bounded by the deadline
         return generation.finish(restart_ps, stopped=self._stop.is_set())
 
     def learn(self, url: str, doc: Mapping[str, Any]) -> None:
@@ -183,13 +164,19 @@ class PeerSync:
         """Task name -> base URL of every peer whose name is known."""
         return {task: url for url, task in self.names.items()}
 
+    def call(
+        self, method: str, url: str, body: Mapping[str, Any] | None = None, timeout: float | None = None
+    ) -> tuple[int, Any]:
+        """One request to a peer agent with the agents' credentials (``OSError`` when it does not answer)."""
+        timeout = self.config.request_timeout if timeout is None else timeout
+        return http_json(method, url, body=body, token=self._peer_token, timeout=timeout, tls=self._tls)
+
     def post(self, url: str, body: Mapping[str, Any], timeout: float) -> Any:
-        """POST to a peer agent with the agents' credentials; the answer's JSON, or OSError/ShardError-like
-        ``RuntimeError`` for an HTTP error status (its message included)."""
-        code, answer = http_json("POST", url, body=body, token=self._peer_token, timeout=timeout, tls=self._tls)
+        """POST to a peer agent; the answer's JSON, or ``RuntimeError`` for an HTTP error status (its message
+        included)."""
+        code, answer = self.call("POST", url, body, timeout)
         if not 200 <= code < 300:
-            message = answer.get("error", "") if isinstance(answer, dict) else ""
-            raise RuntimeError(f"HTTP {code}: {message}")
+            raise RuntimeError(f"HTTP {code}: {_error(answer)}")
         return answer
 
     def finish(self, reason: str) -> dict[str, str]:
@@ -199,14 +186,7 @@ class PeerSync:
         for url in self.peers:
             for attempt in (1, 2):
                 try:
-                    code, answer = http_json(
-                        "POST",
-                        f"{url}/finish",
-                        body={"reason": reason},
-                        token=self._peer_token,
-                        timeout=self.config.request_timeout,
-                        tls=self._tls,
-                    )
+                    code, answer = self.call("POST", f"{url}/finish", {"reason": reason})
                 except OSError as e:
                     outcome[url] = f"error: {e}"
                     if attempt == 1:
@@ -215,8 +195,7 @@ class PeerSync:
                 if 200 <= code < 300:
                     outcome[url] = "finished"
                 else:
-                    message = answer.get("error", "") if isinstance(answer, dict) else ""
-                    outcome[url] = f"error: POST /finish answered HTTP {code}: {message}"
+                    outcome[url] = f"error: POST /finish answered HTTP {code}: {_error(answer)}"
                 break
         failed = any(o.startswith("error") for o in outcome.values())
         (log.error if failed else log.info)(
@@ -260,6 +239,10 @@ class PeerSync:
         return result
 
 
+def _error(answer: Any) -> str:
+    return str(answer.get("error", "")) if isinstance(answer, dict) else ""
+
+
 _STATES = {"running": TaskState.UP, "backoff": TaskState.RESTARTING, "stopping": TaskState.RESTARTING}
 _FRESH = "fresh (started after the failure)"
 
@@ -284,10 +267,7 @@ class _Round:
         """One peer's round: its status, its part of the plan at its first answer, its outcome once settled."""
         asked_at = time.time()  # the answer's uptime is measured later: the task started after asked - uptime
         try:
-            code, doc = http_json(
-                "GET", f"{url}/status", token=self.peers._peer_token, timeout=self.peers.config.request_timeout,
-                tls=self.peers._tls,
-            )  # fmt: skip
+            code, doc = self.peers.call("GET", f"{url}/status")
         except OSError as e:
             self.last_error[url] = str(e)
             return  # not serving yet: retried until the deadline
@@ -330,21 +310,15 @@ class _Round:
             # A run that started after the failure is left alone by the peer: it may have come up since its
             # /status above (out of its restart backoff).
             since = {} if failed_at is None else {"unless_started_within": time.time() - failed_at}
-            code, answer = http_json(
-                "POST", f"{url}/restart", body={"reason": self.why, **since}, token=self.peers._peer_token,
-                timeout=self.peers.config.request_timeout, tls=self.peers._tls,
-            )  # fmt: skip
+            code, answer = self.peers.call("POST", f"{url}/restart", {"reason": self.why, **since})
         except OSError as e:
             self.last_error[url] = str(e)
             return
         if not 200 <= code < 300:
-            message = answer.get("error", "") if isinstance(answer, dict) else ""
-            self._settle(url, f"error: POST /restart answered HTTP {code}: {message}")
+            self._settle(url, f"error: POST /restart answered HTTP {code}: {_error(answer)}")
             return
         if isinstance(answer, dict) and answer.get("fresh") is True:
-            # The agent left its run alone: it started after the failure. A replacement node's agent whose PS
-            # came up between its /status and this request is on its first run, and its restart count never goes
-            # up: waiting for that held a generation for ready_timeout.
+            # The agent left its run alone (it started after the failure): its restart count may never go up.
             self.left_alone.add(url)
             self._fresh(doc)
         self.pending[url] = restarts
