@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Self
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from psguard.agent.tiers.copy_frames import (
     rows_digest,
 )
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
+from psguard.agent.tiers.memory_tier import StreamSnapshot
 from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.tensors import FullStream, Rows, TensorUpdate
@@ -37,29 +38,37 @@ ReadInto = Callable[[str, Mapping[str, Any], float, np.ndarray, Callable[[int, n
 #: Makes an array the fetched rows go into (None: the fetch allocates anonymous memory).
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None]
 
-__all__ = ["CopySender", "ReadInto", "WholeView", "fetch_copy", "new_delta"]
+__all__ = ["FP_SUFFIX", "CopiedView", "CopySender", "ReadInto", "fetch_copy", "fp_name", "new_delta"]
 
 log = logging.getLogger(__name__)
 
+#: A copy's tensor holding the fingerprints of tier tensor ``name`` is ``name + FP_SUFFIX``.
+FP_SUFFIX = "#fp"
+
+
+def fp_name(name: str) -> str:
+    return name + FP_SUFFIX
+
+
+class CopiedView:
+    """What a whole copy is read from: the owner's tier and its fingerprints (``None``: none sent) read in row
+    ranges at one state (both snapshots taken under the keeper's lock), released when sent."""
+
+    def __init__(self, rows: StreamSnapshot, fps: StreamSnapshot | None) -> None:
+        self._parts = [rows] if fps is None else [rows, fps]
+        self.step, self.token, self.metadata = rows.step, rows.token, rows.metadata
+        extra = {} if fps is None else {fp_name(n): s for n, s in fps.tensors.items()}
+        self.tensors: Mapping[str, FullStream] = {**rows.tensors, **extra}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for part in self._parts:
+            part.release()
+
 
 # ---------------------------------------------------------------------------------------------------- sender
-class WholeView(Protocol):
-    """What a whole copy is read from: a state of the owner's tier read in row ranges, released when sent (a
-    :class:`~psguard.agent.tiers.memory_tier.StreamSnapshot`, or the tier with its fingerprints)."""
-
-    step: int | None
-    token: str | None
-    metadata: dict[str, Any]
-    tensors: Mapping[str, FullStream]
-
-    @property
-    def empty(self) -> bool: ...
-
-    def __enter__(self) -> Any: ...
-
-    def __exit__(self, *exc: object) -> None: ...
-
-
 @dataclass
 class _Delta:
     step: int
@@ -67,7 +76,6 @@ class _Delta:
     parent: str
     updates: dict[str, TensorUpdate]
     digests: dict[str, int]
-    metadata: dict[str, Any]
     nbytes: int
 
 
@@ -95,7 +103,7 @@ class CopySender:
     def __init__(
         self,
         task: str,
-        snapshot: Callable[[], tuple[WholeView, list[dict[str, Any]], dict[str, int]]],
+        snapshot: Callable[[], tuple[CopiedView, list[dict[str, Any]], dict[str, int]]],
         post: Callable[[str, bytes, float], dict[str, Any]],
         config: PeerCopyConfig,
     ) -> None:
@@ -109,7 +117,6 @@ class CopySender:
         self._target: tuple[str, str] | None = None  # (holder task, URL)
         self._extra: dict[str, Any] = {}  # fields every frame's header carries (``parity``: the owner's group)
         self._whole = True  # the next send is the whole state
-        self._in_whole = False  # a whole copy is being sent (deltas queue behind it, nobody waits for them)
         self._stop = False
         self._synced: tuple[int, str] | None = None  # (step, token) the holder acknowledged last
         self._known: tuple[str, int, str] | None = None  # a holder's URL and the (step, token) it holds: synced_with
@@ -269,20 +276,11 @@ class CopySender:
             self._queue.clear()
             self._queued_bytes = 0
             self._whole = False
-            self._in_whole = True
 
     def _send_whole(self, target: tuple[str, str]) -> None:
-        try:
-            self._send_whole_once(target)
-        finally:
-            with self._cond:
-                self._in_whole = False
-                self._cond.notify_all()
-
-    def _send_whole_once(self, target: tuple[str, str]) -> None:
         snap, layout, digests = self._snapshot()
         with snap:
-            if snap.empty or snap.token is None:
+            if snap.token is None:
                 with self._cond:
                     self._whole = True
                     self._cond.wait(self.config.retry_after)  # nothing to copy yet
@@ -339,7 +337,7 @@ class CopySender:
                 "step": d.step,
                 "token": d.token,
                 "parent": d.parent,
-                "metadata": d.metadata,
+                "metadata": {},
                 "tensors": tensors,
                 "digests": digests_json(d.digests),
             },
@@ -355,11 +353,8 @@ class CopySender:
 def new_delta(
     step: int, token: str, parent: str, updates: Mapping[str, TensorUpdate], digests: Mapping[str, int]
 ) -> _Delta:
-    nbytes = 0
-    for u in updates.values():
-        if isinstance(u, Rows):
-            nbytes += u.values.nbytes + u.ids.nbytes
-    return _Delta(step, token, parent, dict(updates), dict(digests), {}, nbytes)
+    nbytes = sum(u.values.nbytes + u.ids.nbytes for u in updates.values() if isinstance(u, Rows))
+    return _Delta(step, token, parent, dict(updates), dict(digests), nbytes)
 
 
 def fetch_copy(

@@ -1,27 +1,12 @@
-"""Parity copies (``peers.copies: parity``): one XOR block per group of K PS tasks instead of a full copy per PS.
+"""Parity copies (``peers.copies: parity``): one XOR block per group of K PS tasks instead of a full copy per PS,
+held outside the group on another node: 1/K of the memory, and still any one member's node may be lost.
 
-Why: a full peer copy doubles every PS node's memory. One parity block per group of K owners, held by an agent
-outside the group on another node, costs the largest member's tier (1/K of the group) and still survives the
-loss of any one member's node: its state is the XOR of the parity and the other members' tiers.
-
-How (docs/design.md, "Peer copies", "Parity"):
-
-- **Stripe.** An owner's tier seen as one flat byte string: its tensors in sorted-name order, each C-order bytes,
-  back to back (:func:`stripe_parts`). The parity is the XOR of the members' stripes, each zero-padded to the
-  longest.
-- **The owners send as for full copies** (:class:`~psguard.agent.tiers.copy_owner.CopySender`, with the group in
-  every frame's header): a whole state XORs into the parity chunk by chunk; a delta carries, for each changed
-  row, ``old XOR new`` (:func:`xor_rows`), which the holder XORs in at the row's offset. XOR is its own inverse,
-  so the holder keeps each member's last delta to undo it (apply it again).
-- **A whole state resets the group.** A member's whole cannot replace its old contribution (the holder does not
-  know it): the parity restarts at zero and every other member is answered ``need_full`` until it sent its whole.
-  So a member rebuilt from the block sends deltas from the state it fetched, and a member's new address alone
-  does not make the others send their whole (``copy_owner.CopySender``).
-- **Consistency.** The parity describes state T when every member's last applied token is T.
-- **Reconstruction.** A new agent of a lost member fetches its shards as from a full copy (``/peer-copy/read``):
-  the holder brings every member to the chief's token (one undo at most), fetches each survivor's stripe from its
-  own agent (``/peer-copy/stripe``, checked against that member's digests), XORs them with the parity, cuts the
-  lost member's arrays by its layout and checks them against its digests. Nothing unverified is served.
+How (docs/design.md, "Parity"): a member's *stripe* is its tensors' bytes in sorted-name order; the parity is the
+XOR of the stripes. Owners send as for full copies, the group in every header: a whole XORs in chunk by chunk, a
+delta carries ``old XOR new`` per changed row (:func:`xor_rows`), kept to be undone once. A member's whole cannot
+replace its unknown old contribution, so it resets the group (every other member is answered ``need_full``). The
+parity describes state T when every member is at T. A lost member is rebuilt from the parity and the survivors'
+stripes (``/peer-copy/stripe``), every piece checked against its owner's digests.
 """
 
 from __future__ import annotations
@@ -74,10 +59,6 @@ def stripe_parts(layout: Sequence[Mapping[str, Any]]) -> dict[str, StripePart]:
     except (KeyError, TypeError, ValueError) as e:
         raise CorruptCheckpointError(f"parity: bad layout: {e}") from None
     return parts
-
-
-def _stripe_length(parts: Mapping[str, StripePart]) -> int:
-    return sum(p.nbytes for p in parts.values())
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
@@ -214,11 +195,6 @@ class ParityHolder:
             | ({"restores": self._restores} if self._restores else {})
         )
 
-    def nbytes(self, key: str) -> int:
-        with self._lock:
-            g = self._groups.get(key)
-        return 0 if g is None else int(g.parity.nbytes)
-
     def _group(self, owner: str, header: Mapping[str, Any]) -> _Group:
         spec = group_header(header.get("parity"))
         assert spec is not None
@@ -239,18 +215,13 @@ class ParityHolder:
         """One frame of ``owner`` for its group's parity: ``begin``/``fill``/``end`` of a whole, or a ``delta``."""
         g = self._group(owner, header)
         op = header.get("op")
+        handle = {"begin": self._begin, "fill": self._fill, "end": self._end, "delta": self._delta}.get(str(op))
+        if handle is None:
+            raise CorruptCheckpointError(f"parity frame: unknown op {op!r}")
         with g.lock:
             if g.restored is not None and g.restored[0] == owner:
                 g.restored = None  # the rebuilt member sends again: its new agent took the rebuilt state
-            if op == "begin":
-                return self._begin(g, owner, header)
-            if op == "fill":
-                return self._fill(g, owner, header, arrays)
-            if op == "end":
-                return self._end(g, owner, header)
-            if op == "delta":
-                return self._delta(g, owner, header, arrays)
-        raise CorruptCheckpointError(f"parity frame: unknown op {op!r}")
+            return handle(g, owner, header, arrays)
 
     def _reset(self, g: _Group, why: str) -> None:
         g.held.clear()
@@ -258,7 +229,7 @@ class ParityHolder:
         g.resets += 1
         log.info("event=parity_reset group=%s holder=%s reason=%r", g.key, self.task, why)
 
-    def _begin(self, g: _Group, owner: str, header: dict[str, Any]) -> dict[str, Any]:
+    def _begin(self, g: _Group, owner: str, header: dict[str, Any], _: object) -> dict[str, Any]:
         layout = header.get("tensors")
         if not isinstance(layout, list):
             raise CorruptCheckpointError("parity begin: no tensors")
@@ -270,7 +241,7 @@ class ParityHolder:
         if owner in g.held:
             # Its old contribution is unknown here: the parity restarts, every member sends its whole again.
             self._reset(g, f"a whole state of {owner}")
-        length = _stripe_length(parts)
+        length = sum(p.nbytes for p in parts.values())
         if length > g.parity.nbytes:
             grown = np.zeros(length, np.uint8)
             grown[: g.parity.nbytes] = g.parity
@@ -306,7 +277,7 @@ class ParityHolder:
         m.filled[part.name] += n
         return {"status": "ok"}
 
-    def _end(self, g: _Group, owner: str, header: dict[str, Any]) -> dict[str, Any]:
+    def _end(self, g: _Group, owner: str, header: dict[str, Any], _: object) -> dict[str, Any]:
         m = g.held.get(owner)
         if m is None or m.session is None or m.session != header.get("session"):
             return {"status": "need_full", "message": "no whole state in progress for this session"}

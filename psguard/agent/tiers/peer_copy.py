@@ -1,33 +1,13 @@
-"""Peer copies: every PS agent also holds a copy of another node's shards, so losing a node loses no memory tier.
+"""Peer copies, the holder's side: a PS agent holds a copy of another node's shards, so that a new agent of a lost
+node fetches them from memory at the newest capture instead of reading the older durable log at the store's rate.
 
-Why: when a PS dies with its agent (a pod evicted, a machine gone), the node's memory tier is gone, and without
-a copy elsewhere its new agent reads the PS's rows from the durable log at the store's rate: as slow as
-TensorFlow's own restore, and older (the durable interval, not the memory one). With a copy on another node the
-new agent fetches the shards from the peer's memory over the network, at the newest capture.
-
-How (docs/design.md, "Peer copies"):
-
-- **Placement** is the chief's agent's: a ring over the PS tasks that skips tasks on the same node, or the
-  user's ``peers.copy_placement``. It names each part's holder in every ``/shards/apply``, so a moved or
-  restarted agent is picked up at the next capture.
-- **The owner pushes** (:class:`~psguard.agent.tiers.copy_owner.CopySender`): after its tier applied a capture, the
-  changed rows go to the holder in the background, bounded in queued bytes (past the bound the queue is dropped and the
-  next send is whole) and in bandwidth. Training never waits on it; a holder that is down or lags is reported
-  (``/status``: ``copy_out.lag_steps``).
-- **The holder** (:class:`CopyHolder`) keeps one :class:`MemoryTier` per owner, under the owner's tokens: a
-  delta applies only on top of the state it names, exactly as in the owner's tier, or the holder answers
-  ``need_full`` and the owner sends its whole state again.
-- **Verification.** The owner keeps a digest per shard of its tier's state (:func:`rows_digest`, a sum over
-  rows of a hash of the row's index and bytes, so a delta updates it from the rows it changes) and sends it with
-  every frame. The holder checks each delta against it before applying (its own old rows out, the new rows in),
-  and a new agent fetching a copy checks the bytes it received against it before its tier takes them. Frames
-  carry a CRC32 of their payload. Nothing is restored from a copy that does not verify.
-- A peer copy is never durable: it only ever serves a restore of the memory tier's state.
-- ``copies: parity``: the same sender feeds one XOR block per group of PS instead (frames with ``parity`` in
-  their header go to the holder's :class:`ParityPart`, :mod:`psguard.agent.tiers.parity`).
-
-This module is the holder's side; the owner's (the sender, and a new agent's fetch) is
-:mod:`psguard.agent.tiers.copy_owner`, the frames and the digests :mod:`psguard.agent.tiers.copy_frames`.
+How (docs/design.md, "Peer copies"): the chief's agent places the copies (a ring skipping same-node tasks, or
+``peers.copy_placement``) and names each holder in every ``/shards/apply``. The owner pushes its changes in the
+background (:mod:`~psguard.agent.tiers.copy_owner`). The holder (:class:`CopyHolder`) keeps one
+:class:`MemoryTier` per owner under the owner's tokens: a delta applies only over the state it names, else the
+answer is ``need_full``. Every frame carries the owner's per-shard digests (:func:`rows_digest`), checked before a
+delta applies and before a fetched copy is used. A copy is never durable. Frames with ``parity`` go to
+:class:`ParityPart` (:mod:`psguard.agent.tiers.parity`).
 """
 
 from __future__ import annotations
@@ -130,17 +110,13 @@ class CopyHolder:
             self.drop(owner)  # the owner's copies moved to parity: its full copy is behind already
             return self.parity.put(owner, header, arrays, len(body))
         op = header.get("op")
-        if op == "begin":
-            return self._begin(owner, header)
-        if op == "fill":
-            return self._fill(owner, header, arrays)
-        if op == "end":
-            return self._end(owner, header)
-        if op == "delta":
-            return self._delta(owner, header, arrays, len(body))
-        raise CorruptCheckpointError(f"peer copy frame: unknown op {op!r}")
+        ops: dict[str, Callable[..., dict[str, Any]]] = {"begin": self._begin, "fill": self._fill}
+        handle = (ops | {"end": self._end, "delta": self._delta}).get(str(op))
+        if handle is None:
+            raise CorruptCheckpointError(f"peer copy frame: unknown op {op!r}")
+        return handle(owner, header, arrays, len(body))
 
-    def _begin(self, owner: str, header: dict[str, Any]) -> dict[str, Any]:
+    def _begin(self, owner: str, header: dict[str, Any], *_: object) -> dict[str, Any]:
         layout = header.get("tensors")
         if not isinstance(layout, list):
             raise CorruptCheckpointError("peer copy begin: no tensors")
@@ -169,7 +145,7 @@ class CopyHolder:
             self._incoming[owner] = _Incoming(header, arrays, dict.fromkeys(arrays, 0))
         return {"status": "ok"}
 
-    def _fill(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:
+    def _fill(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray], *_: object) -> dict[str, Any]:
         with self._lock:
             inc = self._incoming.get(owner)
         if inc is None or inc.header.get("session") != header.get("session"):
@@ -185,7 +161,7 @@ class CopyHolder:
         inc.filled[str(name)] += rows.shape[0]
         return {"status": "ok"}
 
-    def _end(self, owner: str, header: dict[str, Any]) -> dict[str, Any]:
+    def _end(self, owner: str, header: dict[str, Any], *_: object) -> dict[str, Any]:
         with self._lock:
             inc = self._incoming.pop(owner, None)
         if inc is None or inc.header.get("session") != header.get("session"):
@@ -196,10 +172,7 @@ class CopyHolder:
         digests = digests_from(inc.header.get("digests"))
         bad = [n for n, a in inc.arrays.items() if rows_digest(a) != digests.get(n)]
         if bad:
-            with self._lock:
-                self._refused += 1
-            log.error("event=peer_copy_refused owner=%s holder=%s tensors=%s: digest mismatch", owner, self.task, bad)
-            return {"status": "need_full", "message": f"digest mismatch in {bad[:3]}"}
+            return self._refuse(owner, bad)
         tier = MemoryTier()
         h = inc.header
         tier.seed(int(h["step"]), inc.arrays, metadata=h.get("metadata") or {}, token=str(h["token"]), durable=False)
@@ -241,10 +214,7 @@ class CopyHolder:
                 updates[name] = Rows(ids, values, current.shape)
         bad = sorted(n for n in updates if new_digests.get(n) != digests.get(n))
         if bad:
-            with self._lock:
-                self._refused += 1
-            log.error("event=peer_copy_refused owner=%s holder=%s tensors=%s: digest mismatch", owner, self.task, bad)
-            return {"status": "need_full", "message": f"digest mismatch in {bad[:3]}"}
+            return self._refuse(owner, bad)
         before_step = copy.tier.step
         result = copy.tier.apply(updates, step=step, token=token, parent=parent, metadata=header.get("metadata"))
         if result.ok:
@@ -254,6 +224,12 @@ class CopyHolder:
             copy.received_at = time.time()
             copy.bytes_in += nbytes
         return {"status": result.status, "step": copy.tier.step, "token": copy.tier.token, "message": result.message}
+
+    def _refuse(self, owner: str, bad: list[str]) -> dict[str, Any]:
+        with self._lock:
+            self._refused += 1
+        log.error("event=peer_copy_refused owner=%s holder=%s tensors=%s: digest mismatch", owner, self.task, bad)
+        return {"status": "need_full", "message": f"digest mismatch in {bad[:3]}"}
 
     def read(self, doc: Mapping[str, Any]) -> bytes | Frame:
         """A frame of what a new agent of ``owner`` fetches: ``{"owner", "token"}`` gives the layout, token and

@@ -21,59 +21,27 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
 from psguard.agent.tiers.copy_frames import delta_digest, rows_digest
-from psguard.agent.tiers.copy_owner import CopySender, new_delta
+from psguard.agent.tiers.copy_owner import FP_SUFFIX, CopiedView, CopySender, fp_name, new_delta
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
+from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.agent.tiers.parity import xor_rows
 from psguard.agent.tiers.tier_files import TierFiles
 from psguard.codec.dtypes import dtype_name
 from psguard.errors import PsguardError
 from psguard.handoff.parts import ShardKey
-from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
+from psguard.tensors import Full, Rows, Same, TensorUpdate
 
 __all__ = ["FP_SUFFIX", "CopyOwner", "fp_name"]
 
 log = logging.getLogger(__name__)
 
-#: A copy's tensor holding the fingerprints of tier tensor ``name`` is ``name + FP_SUFFIX``.
-FP_SUFFIX = "#fp"
-
 #: The rows an undo writes back: tier name -> (row ids, their values before the delta).
 UndoRows = dict[str, tuple[np.ndarray, np.ndarray]]
-
-
-def fp_name(name: str) -> str:
-    return name + FP_SUFFIX
-
-
-class CopiedView:
-    """The tier and its fingerprints read together for a whole copy, at one state (both snapshots are taken under
-    the keeper's lock); what :class:`~psguard.agent.tiers.copy_owner.CopySender` reads a whole copy from."""
-
-    def __init__(self, rows: StreamSnapshot, fps: StreamSnapshot | None) -> None:
-        self._parts = [rows] if fps is None else [rows, fps]
-        self.step, self.token, self.metadata = rows.step, rows.token, rows.metadata
-        extra = {} if fps is None else {fp_name(n): s for n, s in fps.tensors.items()}
-        self.tensors: Mapping[str, FullStream] = {**rows.tensors, **extra}
-
-    @property
-    def empty(self) -> bool:
-        return self.step is None
-
-    def release(self) -> None:
-        for part in self._parts:
-            part.release()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class CopyOwner:
