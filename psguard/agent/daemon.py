@@ -202,7 +202,7 @@ class Agent:
             )
         self._made_token: TokenFile | None = None  # made in start() when no token was given
         self._client_tls = _client_tls(self.config)
-        self.metrics = AgentMetrics.create()
+        self.metrics = AgentMetrics()
         self._stop_requested = threading.Event()
         self.peer_sync = PeerSync(
             self.task, self.peers, self.config.peers, self._peer_token, self._stop_requested, tls=self._client_tls

@@ -273,7 +273,7 @@ def test_callback_errors_are_logged_and_monitoring_goes_on(caplog: pytest.LogCap
 
 
 def test_monitor_feeds_the_metrics() -> None:
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     probe = Scripted("rpc")
     monitor = HealthMonitor(
         "ps:0",

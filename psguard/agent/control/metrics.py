@@ -51,7 +51,6 @@ import math
 import re
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from psguard import __version__
@@ -372,91 +371,60 @@ class Registry:
         return "\n".join(lines) + "\n"
 
 
-@dataclass(frozen=True)
 class AgentMetrics:
     """Every standard psguard metric, created on one registry; plus the adapters the agent wires as callbacks."""
 
-    registry: Registry
-    task_restarts: Counter
-    task_up: Gauge
-    task_healthy: Gauge
-    crash_loop: Gauge
-    probe_latency: Histogram
-    probe_failures: Counter
-    last_checkpoint_step: Gauge
-    last_checkpoint_timestamp: Gauge
-    persist_lag_steps: Gauge
-    persist_queue_depth: Gauge
-    durable_lag_steps: Gauge
-    durable_lag_seconds: Gauge
-    persisted_bytes: Counter
-    persist_failures: Counter
-    recovery_seconds: Histogram
-    recoveries: Counter
-    lost_steps: Counter
-    checkpoint_stall: Histogram
-    hangs: Counter
-    peer_copy_lag_steps: Gauge
-    peer_copy_held_bytes: Gauge
-    store_wait_seconds: Gauge
-    build_info: Gauge
-
-    @classmethod
-    def create(cls, registry: Registry | None = None) -> AgentMetrics:
-        r = registry if registry is not None else Registry()
-        metrics = cls(
-            registry=r,
-            task_restarts=r.counter(TASK_RESTARTS_TOTAL, "Times the agent started its task again.", ["task"]),
-            task_up=r.gauge(TASK_UP, "1 while the supervised task's process runs, else 0.", ["task"]),
-            task_healthy=r.gauge(TASK_HEALTHY, "1 while the task passes its health probes, else 0.", ["task"]),
-            crash_loop=r.gauge(CRASH_LOOP, "1 once the agent gave up on its task after a crash loop.", ["task"]),
-            probe_latency=r.histogram(
-                PROBE_LATENCY_SECONDS,
-                "Duration of each health probe, failed ones included.",
-                ["task", "probe"],
-                buckets=PROBE_BUCKETS,
-            ),
-            probe_failures=r.counter(PROBE_FAILURES_TOTAL, "Health probes that failed.", ["task", "probe"]),
-            last_checkpoint_step=r.gauge(
-                LAST_CHECKPOINT_STEP, "Training step of the newest checkpoint in each tier.", ["tier"]
-            ),
-            last_checkpoint_timestamp=r.gauge(
-                LAST_CHECKPOINT_TIMESTAMP_SECONDS, "Unix time of the newest checkpoint in each tier.", ["tier"]
-            ),
-            persist_lag_steps=r.gauge(PERSIST_LAG_STEPS, "Steps by which the durable tier trails the memory tier."),
-            persist_queue_depth=r.gauge(PERSIST_QUEUE_DEPTH, "Captures waiting to be written to the durable log."),
-            durable_lag_steps=r.gauge(
-                DURABLE_LAG_STEPS, "Steps from the newest durable commit to the newest save due to be durable."
-            ),
-            durable_lag_seconds=r.gauge(
-                DURABLE_LAG_SECONDS, "Seconds the oldest save due to be durable has waited for its commit."
-            ),
-            persisted_bytes=r.counter(PERSISTED_BYTES_TOTAL, "Bytes written to the durable log."),
-            persist_failures=r.counter(
-                PERSIST_FAILURES_TOTAL, "Writes to the durable log that failed (the capture is retried later)."
-            ),
-            recovery_seconds=r.histogram(
-                RECOVERY_SECONDS, "Seconds from a failure to the first new training step.", buckets=RECOVERY_BUCKETS
-            ),
-            recoveries=r.counter(RECOVERIES_TOTAL, "Recoveries completed."),
-            lost_steps=r.counter(LOST_STEPS_TOTAL, "Training steps redone because of recoveries."),
-            checkpoint_stall=r.histogram(
-                CHECKPOINT_STALL_SECONDS, "Training stall caused by each checkpoint save.", buckets=STALL_BUCKETS
-            ),
-            hangs=r.counter(HANGS_TOTAL, "Times the trainer made no step within its hang bound and was restarted."),
-            peer_copy_lag_steps=r.gauge(
-                PEER_COPY_LAG_STEPS, "Steps by which the peer copy of this PS's shards trails its tier.", ["task"]
-            ),
-            peer_copy_held_bytes=r.gauge(
-                PEER_COPY_HELD_BYTES, "Bytes of another PS's shards this agent holds as its peer copy.", ["owner"]
-            ),
-            store_wait_seconds=r.gauge(
-                STORE_WAIT_SECONDS, "Seconds the agent has waited for its store to answer at start (0: not waiting)."
-            ),
-            build_info=r.gauge(BUILD_INFO, "Always 1; the agent's psguard version is its label.", ["version"]),
+    def __init__(self, registry: Registry | None = None) -> None:
+        self.registry = r = registry if registry is not None else Registry()
+        self.task_restarts = r.counter(TASK_RESTARTS_TOTAL, "Times the agent started its task again.", ["task"])
+        self.task_up = r.gauge(TASK_UP, "1 while the supervised task's process runs, else 0.", ["task"])
+        self.task_healthy = r.gauge(TASK_HEALTHY, "1 while the task passes its health probes, else 0.", ["task"])
+        self.crash_loop = r.gauge(CRASH_LOOP, "1 once the agent gave up on its task after a crash loop.", ["task"])
+        self.probe_latency = r.histogram(
+            PROBE_LATENCY_SECONDS,
+            "Duration of each health probe, failed ones included.",
+            ["task", "probe"],
+            buckets=PROBE_BUCKETS,
         )
-        metrics.build_info.labels(version=__version__).set(1)
-        return metrics
+        self.probe_failures = r.counter(PROBE_FAILURES_TOTAL, "Health probes that failed.", ["task", "probe"])
+        self.last_checkpoint_step = r.gauge(
+            LAST_CHECKPOINT_STEP, "Training step of the newest checkpoint in each tier.", ["tier"]
+        )
+        self.last_checkpoint_timestamp = r.gauge(
+            LAST_CHECKPOINT_TIMESTAMP_SECONDS, "Unix time of the newest checkpoint in each tier.", ["tier"]
+        )
+        self.persist_lag_steps = r.gauge(PERSIST_LAG_STEPS, "Steps by which the durable tier trails the memory tier.")
+        self.persist_queue_depth = r.gauge(PERSIST_QUEUE_DEPTH, "Captures waiting to be written to the durable log.")
+        self.durable_lag_steps = r.gauge(
+            DURABLE_LAG_STEPS, "Steps from the newest durable commit to the newest save due to be durable."
+        )
+        self.durable_lag_seconds = r.gauge(
+            DURABLE_LAG_SECONDS, "Seconds the oldest save due to be durable has waited for its commit."
+        )
+        self.persisted_bytes = r.counter(PERSISTED_BYTES_TOTAL, "Bytes written to the durable log.")
+        self.persist_failures = r.counter(
+            PERSIST_FAILURES_TOTAL, "Writes to the durable log that failed (the capture is retried later)."
+        )
+        self.recovery_seconds = r.histogram(
+            RECOVERY_SECONDS, "Seconds from a failure to the first new training step.", buckets=RECOVERY_BUCKETS
+        )
+        self.recoveries = r.counter(RECOVERIES_TOTAL, "Recoveries completed.")
+        self.lost_steps = r.counter(LOST_STEPS_TOTAL, "Training steps redone because of recoveries.")
+        self.checkpoint_stall = r.histogram(
+            CHECKPOINT_STALL_SECONDS, "Training stall caused by each checkpoint save.", buckets=STALL_BUCKETS
+        )
+        self.hangs = r.counter(HANGS_TOTAL, "Times the trainer made no step within its hang bound and was restarted.")
+        self.peer_copy_lag_steps = r.gauge(
+            PEER_COPY_LAG_STEPS, "Steps by which the peer copy of this PS's shards trails its tier.", ["task"]
+        )
+        self.peer_copy_held_bytes = r.gauge(
+            PEER_COPY_HELD_BYTES, "Bytes of another PS's shards this agent holds as its peer copy.", ["owner"]
+        )
+        self.store_wait_seconds = r.gauge(
+            STORE_WAIT_SECONDS, "Seconds the agent has waited for its store to answer at start (0: not waiting)."
+        )
+        self.build_info = r.gauge(BUILD_INFO, "Always 1; the agent's psguard version is its label.", ["version"])
+        self.build_info.labels(version=__version__).set(1)
 
     def declare_task(self, task: str, probes: Iterable[str] = ()) -> None:
         """Export ``task``'s series at once (counters at 0, gauges at 0 until known), before anything happened."""

@@ -39,7 +39,7 @@ DURATION = re.compile(r"^\d+[smhd]$")
 
 
 def _metrics() -> dict[str, Any]:
-    registry = AgentMetrics.create().registry
+    registry = AgentMetrics().registry
     return {name: registry.get(name) for name in registry.names()}
 
 

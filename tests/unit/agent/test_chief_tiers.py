@@ -22,7 +22,7 @@ from psguard.trainer.spool_writer import SpoolWriter
 
 
 def tiers(config: AgentConfig) -> ChiefTiers:
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     recovery = Recovery(
         "chief:0", "chief", restart_ps=False, metrics=metrics, peer_sync=None,  # type: ignore[arg-type]
         supervisor=lambda: None, monitor=lambda: None, export_ahead=lambda: None, on_done=lambda: None,

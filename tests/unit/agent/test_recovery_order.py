@@ -36,7 +36,7 @@ def _recovery(calls: list[str]) -> Recovery:
         "chief:0",
         "chief",
         restart_ps=True,
-        metrics=AgentMetrics.create(),
+        metrics=AgentMetrics(),
         peer_sync=_Peers(calls),  # type: ignore[arg-type]
         supervisor=lambda: None,
         monitor=lambda: None,
@@ -75,7 +75,7 @@ class _Supervisor:
 def test_a_ps_agent_leaves_a_run_that_began_after_the_failure_alone(uptime: float | None, left_alone: bool) -> None:
     """``POST /restart {unless_started_within: 1}``: a run younger than the failure replaced the failed one."""
     recovery = Recovery(
-        "ps:0", "ps", restart_ps=False, metrics=AgentMetrics.create(), peer_sync=_Peers([]),  # type: ignore[arg-type]
+        "ps:0", "ps", restart_ps=False, metrics=AgentMetrics(), peer_sync=_Peers([]),  # type: ignore[arg-type]
         supervisor=lambda: None, monitor=lambda: None, export_ahead=lambda: None, on_done=lambda: None,
     )  # fmt: skip
     assert recovery.started_within(_Supervisor(uptime), 1.0) is left_alone  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ def _request(body: Any) -> Request:
 
 
 def _routes(finished: list[str]) -> tuple[Routes, AgentMetrics]:
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     recovery = Recovery(
         "chief:0",
         "chief",

@@ -435,7 +435,7 @@ def test_a_real_prometheus_scrapes_an_agent_with_its_token_and_loads_the_alerts(
     token_file = tmp_path / "token"
     token_file.write_text(token)
     token_file.chmod(0o600)
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     metrics.record_checkpoint("memory", 40, time.time())
     prom = None
     try:

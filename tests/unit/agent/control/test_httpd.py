@@ -166,7 +166,7 @@ def test_registry_is_thread_safe() -> None:
 
 
 def test_agent_metrics_export_every_documented_name() -> None:
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     expected = {
         m.TASK_RESTARTS_TOTAL: ("counter", ["task"]),
         m.TASK_UP: ("gauge", ["task"]),
@@ -220,7 +220,7 @@ def test_agent_metrics_export_every_documented_name() -> None:
 
 
 def test_a_declared_task_is_exported_at_zero_before_anything_happens() -> None:
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     metrics.declare_task("ps:0", ["process", "grpc"])
     text = metrics.registry.render()
     for line in (
@@ -264,7 +264,7 @@ def request(
 
 @pytest.fixture
 def open_server() -> Iterator[AgentHTTPServer]:
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     metrics.task_up.labels(task="ps:0").set(1)
     checks = {"task": True, "memory_tier": True}
     server = AgentHTTPServer(
@@ -357,7 +357,7 @@ def test_other_addresses_need_a_token() -> None:
 
 def test_token_guards_everything_but_health(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG)
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     server = AgentHTTPServer(host="0.0.0.0", token=TOKEN, registry=metrics.registry, status=lambda: {"ok": 1})
     server.add_post("/restart", lambda req: {"auth_header_seen": "authorization" in {k.lower() for k in req.headers}})
     with server:

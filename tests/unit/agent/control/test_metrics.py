@@ -43,7 +43,7 @@ def naming_problems(name: str, kind: str) -> list[str]:
 
 
 def _registered() -> list[tuple[str, str]]:
-    registry = AgentMetrics.create().registry
+    registry = AgentMetrics().registry
     return [(name, registry.get(name).kind) for name in registry.names()]
 
 
@@ -69,7 +69,7 @@ def test_the_convention_check_catches_mistakes(name: str, kind: str, fragment: s
 
 
 def test_build_information_is_one_info_gauge_of_1_labelled_with_the_version() -> None:
-    metrics = AgentMetrics.create()
+    metrics = AgentMetrics()
     infos = [name for name in metrics.registry.names() if name.endswith("_info")]
     assert infos == [m.BUILD_INFO] == ["psguard_build_info"]
     assert f'psguard_build_info{{version="{psguard.__version__}"}} 1\n' in metrics.registry.render()

@@ -27,7 +27,7 @@ def job(tmp_path: Path) -> Iterator[dict[str, Any]]:
         ps = stack.enter_context(
             AgentHTTPServer(
                 token=TOKEN,
-                registry=AgentMetrics.create().registry,
+                registry=AgentMetrics().registry,
                 status=lambda: ps_doc,
                 readiness=lambda: {"task": True},
             )
@@ -47,7 +47,7 @@ def job(tmp_path: Path) -> Iterator[dict[str, Any]]:
         chief = stack.enter_context(
             AgentHTTPServer(
                 token=TOKEN,
-                registry=AgentMetrics.create().registry,
+                registry=AgentMetrics().registry,
                 status=lambda: chief_doc,
                 readiness=lambda: {"task": True},
             )
