@@ -1,43 +1,23 @@
 """The memory tier: the sidecar's one materialised latest snapshot, and what the durable log still lacks of it.
 
-The tier exists so a restarting trainer can restore the newest state at memory speed, and so the durable log
-can be fed from the agent, off the training path. It therefore keeps two things consistent under one lock:
+One lock keeps consistent the state (name -> array, step, metadata, token), updated by :meth:`MemoryTier.apply`
+(``Full`` replaces, ``Rows`` assigns in place, ``Same`` does nothing), and the changes since the last *durable*
+commit (a row bitmap per tensor that got rows, a whole-tensor flag for the others, the committed layout).
 
-* the state itself (name -> numpy array, step, metadata, token), updated by :meth:`MemoryTier.apply` from
-  the trainer's captures (:class:`~psguard.tensors.Full` replaces, :class:`~psguard.tensors.Rows` assigns in
-  place, :class:`~psguard.tensors.Same` does nothing);
-* what changed since the last *durable* commit: a row bitmap per tensor that received rows, a whole-tensor
-  flag for the others, and the layout (names, dtypes, shapes) the durable log last committed.
+Tokens: every state has its writer's token, and a delta names the token of the state it applies to. Over any
+other state the answer is ``need_full`` and nothing changes (rows applied to the wrong base would corrupt it
+silently); a capture without a parent must be whole.
 
-Tokens. Every state has a token chosen by the writer of the capture that produced it (the spool writer uses
-``<writer generation>-<seq>``). A delta names the token of the state it applies to; if that is not the
-tier's current token (an agent restart emptied or re-seeded the tier, a capture was lost) the answer is
-``need_full`` and nothing changes: applying rows to the wrong base would silently corrupt the snapshot.
-A capture without a parent must be whole and replaces the state.
+Persisting: :meth:`MemoryTier.take_dirty` returns, atomically with respect to applies, the update from the last
+durable checkpoint to now and moves the dirty marks into the :class:`DirtyTake`; ``commit()`` drops them,
+``abort()`` merges them back, so a failed persist loses nothing.
 
-Persisting. :meth:`MemoryTier.take_dirty` returns, atomically with respect to applies, the update that brings
-the last durable checkpoint up to the current state, and moves the dirty marks into the returned
-:class:`DirtyTake`. ``commit()`` drops them (they are durable now); ``abort()`` merges them back into the
-marks made meanwhile, so a failed persist is retried by the next one with nothing lost.
-
-No copies of whole tensors are made for a persist or an export; arrays handed out are *leased*, and what
-the tier does when an apply writes rows into a leased array depends on the lease:
-
-* an export's :class:`Snapshot` hands out read-only views, so the apply copies the array first
-  (copy-on-write). Exports are short and happen while the trainer restores, not while it captures;
-* a persist's :class:`DirtyTake` hands out big arrays as :class:`~psguard.tensors.FullStream`, read in row
-  ranges, so the apply writes in place and saves the old values of the rows it overwrites beside the lease
-  (row-level copy-on-write). A base of a 512 MB shard written for seconds while captures keep arriving thus
-  costs the rows those captures wrote, not a second 512 MB (measured: a whole copy took 1 s under the
-  writer's load and doubled the PS agent's memory).
-
-Rows being persisted as a delta are gathered (``array[ids]``), which is small.
-
-Where the arrays live: in anonymous memory, or, given a ``home`` (:class:`ArrayHome`; a PS agent's
-:class:`~psguard.agent.tiers.tier_files.TierFiles`), in arrays it makes: every array the tier takes (a whole
-value, a seed, the copy of a copy-on-write) is moved into the home unless it is one of its arrays already. A PS
-agent's home keeps them in files a restore hands to TensorFlow without copying them; an export's lease is then
-what keeps such a file unchanged while its PS reads it (copy-on-write, above).
+No whole tensor is copied for a persist or an export; arrays handed out are *leased*. An export's
+:class:`Snapshot` hands out read-only views, and an apply copies a leased array before writing it. A persist's
+take hands out big arrays as :class:`~psguard.tensors.FullStream` read in row ranges: an apply writes in place and
+saves the overwritten rows beside the lease, so a long write of a big shard costs the rows captured meanwhile,
+not a second copy. Given a ``home`` (a PS agent's :class:`~psguard.agent.tiers.tier_files.TierFiles`) every array
+the tier takes is moved into it, where a restore hands it to TensorFlow without a copy.
 """
 
 from __future__ import annotations
@@ -47,7 +27,7 @@ import time
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import numpy as np
 
@@ -58,9 +38,10 @@ from psguard.tensors import Full, FullStream, Rows, Same, TensorUpdate
 if TYPE_CHECKING:
     from typing import Self
 
+    from psguard.agent.tiers.tier_files import TierFiles
+
 __all__ = [
     "ApplyResult",
-    "ArrayHome",
     "DirtyTake",
     "MemoryTier",
     "MemoryTierStatus",
@@ -85,11 +66,8 @@ STREAM_MIN_BYTES = 16 << 20
 def limit_malloc_retention() -> bool:
     """Have glibc give large freed buffers back to the system at once; True when it took the settings.
 
-    Why: a tier moves its data through buffers of megabytes (capture files, peer-copy frames, HTTP bodies) on
-    many threads. glibc raises its mmap threshold after each such buffer is freed (up to 32 MB) and then serves
-    them from per-thread arenas that keep the freed memory: the 1 GB node-loss bench saw a PS agent hold about
-    0.5 GB more than its shards and its copy. A fixed 1 MB threshold (every larger buffer mmapped, unmapped when
-    freed) and two arenas bound that. Process-wide; harmless to call again; a no-op off glibc.
+    A tier moves data through MB-sized buffers on many threads, and glibc's per-thread arenas and rising mmap
+    threshold kept the freed memory (a PS agent held 0.5 GB over its shards). Process-wide; a no-op off glibc.
     """
     import ctypes
     import ctypes.util
@@ -104,19 +82,6 @@ def limit_malloc_retention() -> bool:
         return False
     m_mmap_threshold, m_arena_max = -3, -8
     return bool(mallopt(m_mmap_threshold, 1 << 20)) and bool(mallopt(m_arena_max, 2))
-
-
-class ArrayHome(Protocol):
-    """Where a tier's arrays are kept (:class:`~psguard.agent.tiers.tier_files.TierFiles`)."""
-
-    def adopt(self, value: np.ndarray, *, copy: bool = False) -> np.ndarray:
-        """``value`` as one of the home's arrays: itself if it is one (and not ``copy``), else a copy in it (or,
-        when the home has no room, ``value``, C-ordered and copied when ``copy``)."""
-        ...
-
-    def owns(self, arr: np.ndarray) -> bool:
-        """Whether ``arr`` is one of the home's arrays (a file an export can link: a PS may map it)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -142,9 +107,7 @@ class MemoryTierStatus:
     nbytes: int
     dirty_tensors: int
     dirty_rows: int
-    durable_layout: bool
     leased_arrays: int
-    applies: int
     copy_on_write_bytes: int
 
 
@@ -177,18 +140,15 @@ def _changed_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray | None:
     return out
 
 
+@dataclass(eq=False)
 class _Lease:
-    """Arrays handed out together, and what keeps them as they were for their holder.
+    """Arrays handed out together. ``rows_saved`` (a persist's streams): applies write in place and first save the
+    old rows in ``saved``; otherwise (an export's views) an apply copies a leased array before writing into it."""
 
-    ``rows_saved`` (a persist's streams): applies write in place and first save the old rows here, per array;
-    otherwise (an export's views) an apply copies a leased array before writing into it.
-    """
-
-    def __init__(self, arrays: Iterable[np.ndarray], *, rows_saved: bool) -> None:
-        self.arrays = list(arrays)
-        self.rows_saved = rows_saved
-        self.saved: dict[int, _SavedRows] = {}  # id(array) -> the rows overwritten since the lease
-        self.released = False
+    arrays: list[np.ndarray]
+    rows_saved: bool
+    saved: dict[int, _SavedRows] = field(default_factory=dict)  # id(array) -> the rows overwritten since the lease
+    released: bool = False
 
 
 class _SavedRows:
@@ -219,38 +179,26 @@ class _SavedRows:
 T = TypeVar("T")
 
 
+@dataclass
 class _View(Generic[T]):
     """A consistent view of the tier at one moment, holding a lease on its arrays until :meth:`release` (or the
     end of a ``with``), so that the tier's later applies do not write under it."""
 
-    def __init__(
-        self,
-        tier: MemoryTier,
-        step: int | None,
-        metadata: dict[str, Any],
-        token: str | None,
-        tensors: Mapping[str, T],
-        lease: _Lease,
-    ) -> None:
-        self._tier = tier
-        self.step = step
-        self.metadata = metadata
-        self.token = token
-        self.tensors: Mapping[str, T] = tensors
-        self._lease = lease
-        self._released = False
+    _tier: MemoryTier
+    step: int | None
+    metadata: dict[str, Any]
+    token: str | None
+    tensors: Mapping[str, T]
+    _lease: _Lease
 
     @property
     def empty(self) -> bool:
         return self.step is None
 
     def release(self, *, hand_off: bool = False) -> None:
-        """Let the tier write the arrays again. ``hand_off``: never in place, though: the arrays' files were given
-        to a restore that may have mapped them (:mod:`psguard.handoff.mapped`), and a write into a mapped page
-        that its PS has not written yet would show there. The tier copies each such array on its next write."""
-        if not self._released:
-            self._released = True
-            self._tier._release(self._lease, hand_off=hand_off)
+        """Let the tier write the arrays again. ``hand_off``: never in place, though: their files went to a restore
+        whose PS may have mapped them (:mod:`psguard.handoff.mapped`); the tier copies each on its next write."""
+        self._tier._release(self._lease, hand_off=hand_off)
 
     def __enter__(self) -> Self:
         return self
@@ -260,28 +208,17 @@ class _View(Generic[T]):
 
 
 class Snapshot(_View[np.ndarray]):
-    """Read-only arrays, step, metadata and token.
-
-    The arrays are the tier's own (leased, so later applies copy before writing); call :meth:`release`
-    (or use ``with``) when done so the tier stops copying them.
-    """
+    """Read-only views of the tier's own arrays (leased: later applies copy before writing)."""
 
 
 class StreamSnapshot(_View[FullStream]):
-    """The tier read in row ranges (:class:`FullStream`): a write while it is held saves the rows it overwrites
-    instead of copying the whole array, so reading a big shard out (a peer copy sent whole) never doubles the
-    node's memory."""
+    """The tier read in row ranges: a write while it is held saves the rows it overwrites, not the whole array."""
 
 
 @dataclass
 class DirtyTake:
-    """What one persist must write, and the dirty marks it carries until it commits or aborts.
-
-    ``updates`` lists every tensor (Full / FullStream / Rows / Same), as a delta over the last durable checkpoint
-    must; when ``base`` is true every update is whole (first persist, layout change, or a new base was asked
-    for). Tensors of at least the tier's ``stream_min_bytes`` come whole as a FullStream (module docstring).
-    ``payload_bytes`` is what the durable log will receive (row ids included), the measure of a link's cost.
-    """
+    """What one persist must write (every tensor, whole when ``base``; big ones as a FullStream), and the dirty
+    marks it carries until it commits or aborts. ``payload_bytes``: what the log receives, row ids included."""
 
     tier: MemoryTier = field(repr=False)
     step: int
@@ -321,7 +258,7 @@ class MemoryTier:
         rows_max_fraction: float = ROWS_MAX_FRACTION,
         diff_min_bytes: int = DIFF_MIN_BYTES,
         stream_min_bytes: int = STREAM_MIN_BYTES,
-        home: ArrayHome | None = None,
+        home: TierFiles | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self.home = home
@@ -336,7 +273,6 @@ class MemoryTier:
         self._leases: dict[int, list[_Lease]] = {}  # id(array) -> its leases (a lease keeps its arrays alive)
         self._handed: dict[int, weakref.ref[np.ndarray]] = {}  # id(array) -> the arrays never written in place again
         self._take_open = False
-        self._applies = 0
         self._cow_bytes = 0
         self.rows_max_fraction = rows_max_fraction
         self.diff_min_bytes = diff_min_bytes
@@ -369,9 +305,7 @@ class MemoryTier:
                 nbytes=sum(a.nbytes for a in self._arrays.values()),
                 dirty_tensors=len(self._all | set(self._rows)),
                 dirty_rows=dirty_rows,
-                durable_layout=self._durable_layout is not None,
                 leased_arrays=len(self._leases),
-                applies=self._applies,
                 copy_on_write_bytes=self._cow_bytes,
             )
 
@@ -507,7 +441,6 @@ class MemoryTier:
             self._token = token
             self._metadata = dict(metadata or {})
             self._metrics = dict(metrics or {})
-            self._applies += 1
             return ApplyResult("ok", step, token, "", time.perf_counter() - t0)
 
     def _validate(self, updates: Mapping[str, TensorUpdate], *, delta: bool) -> None:
@@ -614,7 +547,7 @@ class MemoryTier:
         return ref is not None and ref() is arr
 
     def _lease(self, arrays: Iterable[np.ndarray], *, rows_saved: bool) -> _Lease:
-        lease = _Lease(arrays, rows_saved=rows_saved)
+        lease = _Lease(list(arrays), rows_saved)
         for a in lease.arrays:
             self._leases.setdefault(id(a), []).append(lease)
         return lease
