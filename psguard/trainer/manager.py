@@ -1,22 +1,10 @@
 """``psguard.CheckpointManager``: a drop-in for ``tf.train.CheckpointManager`` that saves incrementally,
-asynchronously and verifiably, to a local folder, S3 or HDFS.
+asynchronously and verifiably to any store URL.
 
-Switching an existing job is one line (``tf.train.CheckpointManager`` -> ``psguard.CheckpointManager``); the
-differences a caller sees:
-
-- ``save()`` returns a :class:`SaveHandle` at once: training stalls only while the changed rows are read
-  from the PS into host memory (the capture); writing happens on a background thread. ``handle.result()``
-  re-raises a failure, ``wait()`` blocks until every pending save is durable.
-- ``directory`` is any store URL; ``latest_checkpoint`` and ``checkpoints`` are checkpoint ids of that store.
-- Restores verify every chunk and fall back to the newest checkpoint that verifies, and they are complete:
-  every variable of the model gets its value, or nothing is assigned and the error lists every mismatch;
-  saved values whose variables do not exist yet wait for them (TF's deferred restoration,
-  :mod:`psguard.trainer.restore_status`). ``checkpoint.restore(manager.latest_checkpoint)`` works as with TF.
-
-Bounded memory: one save is written while at most one more waits; a save requested while both places are
-taken is folded into the waiting one (its rows merged, the later values winning), so a slow or unavailable
-store never queues an unbounded number of captures. A failed write keeps its rows and folds them into the
-next save: nothing captured is lost while the store is down. Two captures never interleave.
+``save()`` stalls training only for the capture (the changed rows read into host memory) and returns a
+:class:`SaveHandle`; the write happens in the background (:mod:`psguard.trainer.sinks`). Restores verify every
+chunk, fall back to the newest checkpoint that verifies, and assign every variable or none
+(:mod:`psguard.trainer.restoring`).
 """
 
 from __future__ import annotations
@@ -58,7 +46,6 @@ from psguard.trainer.registry import process_managers
 from psguard.trainer.restore_status import DeferredRestore, RestoreStatus
 from psguard.trainer.restoring import RestoreInfo, RestoreSide, hook_restore
 from psguard.trainer.sinks import (
-    NEW_BASE_AFTER,
     AgentSink,
     Job,
     MemoryCheckpoint,
@@ -74,7 +61,7 @@ from psguard.trainer.spool_writer import SpoolWriter
 from psguard.trainer.summaries import Summaries, handed_off_bytes
 from psguard.trainer.variables import gather_variables, to_int, unwrap
 
-__all__ = ["CheckpointManager", "MemoryCheckpoint", "RestoreInfo", "RestoreStatus", "SaveHandle", "last_seen_step"]
+__all__ = ["CheckpointManager", "MemoryCheckpoint", "RestoreInfo", "RestoreStatus", "SaveHandle"]
 
 tf: Any = import_optional("tensorflow")
 #: The manager is a ``tf.train.CheckpointManager``: libraries (orbit's ``Controller``) check the type.
@@ -93,32 +80,20 @@ EXIT_WAIT_SECONDS = 600.0
 # when its PS are up; an unreachable PS must not hold the exit up longer.
 WARM_EXIT_WAIT_SECONDS = 3.0
 
-# What recovery asks about this process's managers, answered by the registry every manager joins
-# (psguard.trainer.registry); importable from here as well, as before the registry.
-release_after_failure = process_managers.release_after_failure
-last_seen_step = process_managers.last_seen_step
-generation_ran_at = process_managers.generation_ran_at
-
 
 def _drain_at_exit() -> None:
-    """Finish pending writes of managers never closed before the interpreter exits.
-
-    ``tf.train.CheckpointManager.save`` is durable when it returns, so scripts written for it end without a
-    ``close()``; our writer is a daemon thread, and without this the exit would cut the last saves off.
-    """
+    """Finish pending writes of managers never closed: scripts written for TF's manager end without ``close()``."""
     process_managers.drain_at_exit(EXIT_WAIT_SECONDS)
     join_warming(WARM_EXIT_WAIT_SECONDS)
 
 
-# Before concurrent.futures stops taking work at shutdown (its own hook, registered the same way when it was
-# imported, runs after ours: last in, first out); a plain atexit hook would run too late to write anything.
+# Before concurrent.futures stops taking work at shutdown; a plain atexit hook would run too late to write.
 _register_exit_hook = getattr(threading, "_register_atexit", atexit.register)
 _register_exit_hook(_drain_at_exit)
 
 
 class _StepClock:
-    """The median time of a step, from the steps the trainer reports (``maybe_save(step)`` every step or
-    chunk of steps), and when the last heartbeat went to the agent."""
+    """The median time of a step, and when the last heartbeat went to the agent."""
 
     def __init__(self, window: int = 64) -> None:
         self._per_step: collections.deque[float] = collections.deque(maxlen=window)
@@ -136,11 +111,6 @@ class _StepClock:
         return statistics.median(self._per_step) if self._per_step else None
 
 
-def _ps_devices(capturer: Capturer) -> list[str]:
-    """The parameter-server devices holding the capturer's variables (empty when none is on a PS)."""
-    return sorted({s.device for info in capturer.tensors.values() for s in info.shards if "/job:ps/" in s.device})
-
-
 def _part_dirs() -> dict[str, str]:
     """The PS agents' part folders the chief's agent announced (``ENV_PARTS``); empty when it did not."""
     raw = os.environ.get(ENV_PARTS)
@@ -156,12 +126,7 @@ def _part_dirs() -> dict[str, str]:
 
 
 def _coordinator_of(root: Any) -> Any:
-    """The ``ClusterCoordinator`` of the strategy that made ``root``'s variables, ``None`` without one.
-
-    ``ClusterCoordinator(strategy)`` registers itself on the strategy (``strategy._cluster_coordinator``), and
-    every variable made under ``ParameterServerStrategy`` (sharded or not, tf_keras or Keras 3 wrapped) leads
-    to that strategy: so TF's arguments are enough, as they are for ``tf.train.CheckpointManager``.
-    """
+    """The ``ClusterCoordinator`` registered on the strategy that made ``root``'s variables, ``None`` without one."""
     for _, obj in gather_variables(root):
         for candidate in (obj, unwrap(obj)):
             strategy = getattr(candidate, "_distribute_strategy", None)
@@ -172,12 +137,7 @@ def _coordinator_of(root: Any) -> Any:
 
 
 class _Policy:
-    """Where the manager's schedule and retention come from, kept current when a policy file is edited.
-
-    A user's policy file is watched (:class:`~psguard.policy.files.PolicyWatcher`): an edit that validates
-    changes the next decision and the retention after the next save; one that does not is logged and the
-    old policy stays. Presets and :class:`Schedule` objects do not change.
-    """
+    """The manager's schedule and retention; a policy file is watched, so a valid edit takes effect."""
 
     def __init__(self, policy: Schedule | str | os.PathLike[str] | None, *, watch: bool) -> None:
         self._fixed: Schedule | None = None
@@ -211,47 +171,15 @@ class _Policy:
 
 
 class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc]
-    """Incremental, asynchronous, verified checkpoints of a ``tf.train.Checkpoint`` (see the module doc).
+    """Incremental, asynchronous, verified checkpoints of a ``tf.train.Checkpoint``.
 
-    It is a ``tf.train.CheckpointManager`` (libraries such as orbit's ``Controller`` check the type) that
-    replaces every method; TF's own state (its ``checkpoint`` file in a local folder) is never made.
-
-    Arguments: TF's, in TF's order and with TF's meaning, then psguard's three, keyword-only:
-
-    - ``checkpoint``: a ``tf.train.Checkpoint`` (or any trackable) whose variables to save. Its ``restore``
-      takes this manager's checkpoint ids too (``checkpoint.restore(manager.latest_checkpoint)``, TF's idiom):
-      see :meth:`restore`. Any other path goes to TF unchanged.
-    - ``directory``: a store URL (path, ``s3://``, ``hdfs://`` ...).
-    - ``max_to_keep`` / ``keep_checkpoint_every_n_hours``: retention, applied after each save (a kept delta
-      keeps the checkpoints it is built on); ``options.retention`` instead for a
-      :class:`~psguard.policy.engine.Retention` (which can also keep the best by a metric). When none of these
-      is given, a policy file's ``retention:`` applies; with no policy file, every checkpoint is kept.
-    - ``step_counter``: a variable holding the training step. psguard records its value as each checkpoint's
-      step when ``save()`` gets no ``checkpoint_number`` (TF numbers those by ``checkpoint.save_counter``, as
-      psguard does without a ``step_counter``), and ``checkpoint_interval`` is counted in it, as in TF.
-    - ``checkpoint_interval``, ``last_checkpoint_step``: as TF's: ``save()`` does nothing (returns ``None``)
-      until the step counter moved ``checkpoint_interval`` steps past the last save, unless
-      ``save(check_interval=False)``; never twice at one step.
-    - ``init_fn``: called by :meth:`restore_or_initialize` when there is no checkpoint.
-    - ``policy``: a :class:`~psguard.policy.engine.Schedule`, a policy file or preset name, used by
-      :meth:`maybe_save`. A policy file is watched while the manager is open (``options.watch_policy``): an
-      edit changes the next decisions and the retention.
-    - ``options``: everything else, a :class:`~psguard.trainer.options.ManagerOptions` (grouped by concern:
-      capture, durable log, agent, policy, summaries).
-    - ``sink``: where saves go, ``"store"`` (this process writes ``directory``) or ``"agent"`` (captures are
-      handed to the sidecar through its spool; it keeps a memory tier and writes the durable log in the
-      background, and restores take its memory tier when that is at least as new as the durable log).
-      ``None`` (the default): the agent's when ``$PSGUARD_SPOOL`` (which ``psguard agent`` sets for the
-      trainer it runs) or ``options.spool`` names a spool, else the store. ``repr(manager)`` and
-      :attr:`sink` say which and why.
-
-    The keyword arguments psguard took before ``options`` (``coordinator=``, ``spool=``, ...) still work for
-    this release: each warns (``DeprecationWarning``) with its new spelling.
-
-    Where saves go is chosen once, here (:mod:`psguard.trainer.sinks`); :meth:`save`, :meth:`wait` and
-    :meth:`close` mean the same with or without a sidecar. Restores (:meth:`restore_or_initialize`,
-    :meth:`restore`, the choice between the memory tier and the durable log) are
-    :class:`~psguard.trainer.restoring.RestoreSide`'s.
+    A ``tf.train.CheckpointManager`` (orbit's ``Controller`` checks the type) that replaces every method. TF's
+    arguments keep TF's order and meaning (``directory`` is a store URL; ``max_to_keep`` and
+    ``keep_checkpoint_every_n_hours`` are the retention, else ``options.retention``, else a policy file's); then
+    ``policy`` (a :class:`~psguard.policy.engine.Schedule`, policy file or preset, for :meth:`maybe_save`),
+    ``options`` (:class:`~psguard.trainer.options.ManagerOptions`) and ``sink`` (``"store"``: this process writes
+    the log; ``"agent"``: captures go to the sidecar's spool; ``None``: the agent's when ``$PSGUARD_SPOOL`` or
+    ``options.spool`` names one). The keyword arguments taken before ``options`` still work, with a warning.
     """
 
     def __init__(
@@ -288,7 +216,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self._last_checkpoint_step = last_checkpoint_step
         self._init_fn = init_fn
         self._coordinator = opts.coordinator
-        self._data_position = opts.data_position
+        #: The callable whose JSON result is stored with each checkpoint (a Keras callback sets it).
+        self.data_position = opts.data_position
         self.store = opts.store or Store.open(self._directory, opts.storage_options)
         self._owns_store = opts.store is None
         self.capturer = self._make_capturer(checkpoint, opts)
@@ -341,35 +270,16 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     def _open_sink(self) -> Sink:
         if self.sink.kind == "agent":
             assert self.sink.spool is not None
-            return AgentSink(
-                SpoolWriter(self.sink.spool),
-                self.store,
-                retention=self._retention,
-                restore_timeout=self.restore_timeout,
-            )
-        return StoreSink(
-            self.store, retention=self._retention, new_base_after=NEW_BASE_AFTER, on_parent_missing=self._forget_state
-        )
+            return AgentSink(SpoolWriter(self.sink.spool), self.store, retention=lambda: self.retention)
+        return StoreSink(self.store, retention=lambda: self.retention, on_parent_missing=self._forget_state)
 
     def __repr__(self) -> str:
         return f"psguard.CheckpointManager(directory={self._directory!r}, sink={self.sink})"
 
     # ------------------------------------------------------------------------------------ tf.train API
     @property
-    def directory(self) -> str:
-        return self._directory
-
-    @property
-    def checkpoint(self) -> Any:
-        return self._checkpoint
-
-    @property
     def max_to_keep(self) -> int | None:
         return self._max_to_keep
-
-    @property
-    def checkpoint_interval(self) -> int | None:
-        return self._checkpoint_interval
 
     @property
     def coordinator(self) -> Any:
@@ -387,13 +297,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
 
     @property
     def latest_checkpoint(self) -> str | None:
-        """Id of the newest checkpoint (``None`` when there is none), for ``checkpoint.restore()``.
-
-        The newest committed checkpoint of the store; under an agent whose memory tier holds a save that no
-        durable checkpoint has yet (a restart before the first durable commit), ``memory:<token>``, so that
-        the tutorial's ``if manager.latest_checkpoint: checkpoint.restore(...)`` does not start from scratch.
-        (The memory tier is asked only before this manager's first save or restore: asking exports it.)
-        """
+        """Id of the newest checkpoint (``None``: none), for ``checkpoint.restore()``: before the first save or
+        restore under an agent whose memory tier holds a save and the log none, ``memory:<token>``."""
         info = self.store.latest()
         if info is not None or not self._sink.supervised or self._saves or self.restored is not None:
             return info.id if info else None  # the memory tier is asked only before this generation's first save
@@ -415,15 +320,6 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         return self._summaries.logdir if self._summaries is not None else None
 
     @property
-    def data_position(self) -> Callable[[], Any] | None:
-        """The callable whose JSON result is stored with each checkpoint (settable, e.g. by a Keras callback)."""
-        return self._data_position
-
-    @data_position.setter
-    def data_position(self, fn: Callable[[], Any] | None) -> None:
-        self._data_position = fn
-
-    @property
     def restored_data_position(self) -> Any:
         """The data position saved with the checkpoint the last restore used (``None`` if none)."""
         return self.restored.metadata.get("data_position") if self.restored else None
@@ -440,7 +336,10 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     @property
     def retention(self) -> Retention | None:
         """The retention applied after each save now (``None``: keep every checkpoint)."""
-        return self._retention()
+        if self._retention_arg is not None:
+            return self._retention_arg
+        spec = self._policy.spec
+        return spec.retention if spec is not None else None
 
     @property
     def new_base_after(self) -> int | None:
@@ -464,8 +363,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     restore.__doc__ = RestoreSide.restore.__doc__
 
     def _summarised(self, restore: Callable[[], T]) -> T:
-        """Run ``restore``; when it restored something, write its figures to the summaries (its source, how long
-        it took, and the steps this process had trained past it: known when it trained before)."""
+        """Run ``restore``; write what it restored, how long it took and the steps lost to the summaries."""
         if self._summaries is None:
             return restore()
         before, began, seen = self.restored, time.monotonic(), process_managers.last_seen_step(self.directory)
@@ -487,14 +385,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     ) -> SaveHandle | None:
         """Capture now (the only stall) and persist in the background; see :class:`SaveHandle`.
 
-        TF's arguments keep their meaning: ``checkpoint_number`` (an int, or an integer variable or tensor)
-        numbers the checkpoint, else the step counter's value, else ``checkpoint.save_counter`` (incremented at
-        every save, as TF does); with ``checkpoint_interval`` set, ``None`` is returned and nothing saved
-        while the interval has not passed (``check_interval=False`` saves anyway, once per step). ``options``
-        (a ``tf.train.CheckpointOptions``) is accepted for compatibility: psguard does its IO itself.
-
-        ``tiers`` matters with a sidecar only: ``{Tier.MEMORY}`` makes a save restorable from its memory tier
-        without asking for a durable write (the default is both).
+        TF's arguments keep TF's meaning (``options`` is ignored: psguard does its own IO). ``tiers``:
+        ``{Tier.MEMORY}`` asks a sidecar for its memory tier only (the default is both).
         """
         del options
         if self._checkpoint_interval is not None:
@@ -536,7 +428,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     ) -> SaveHandle:
         with self._capture_lock:
             coordinator = self.coordinator
-            if checkpoint_number is None and coordinator is None and (on_ps := _ps_devices(self.capturer)):
+            on_ps = sorted(s.device for i in self.capturer.tensors.values() for s in i.shards if "/job:ps/" in s.device)
+            if checkpoint_number is None and coordinator is None and on_ps:
                 raise ConfigError(
                     f"variables live on parameter servers ({on_ps[0]}, ...) and no ClusterCoordinator was found: "
                     "a save would read them while workers still run queued steps. Fix: create the job's "
@@ -585,8 +478,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                     "writer": f"{socket.gethostname()}:{os.getpid()}",
                     "checkpoint_name": self.checkpoint_name,
                 }
-                if self._data_position is not None:
-                    metadata["data_position"] = self._data_position()
+                if self.data_position is not None:
+                    metadata["data_position"] = self.data_position()
                 wanted = tiers or frozenset({Tier.MEMORY, Tier.DURABLE})
                 parts = tuple(self.capturer.last_parts)
                 job = Job(step, updates, metadata, dict(metrics or {}), wanted, parts=parts)
@@ -608,10 +501,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         return handle
 
     def _names_gone(self, names: frozenset[str]) -> frozenset[str]:
-        """The tensors of the state the chain ends in (the last capture's, or the restored checkpoint's) that
-        the model no longer has. Why: a delta must list every tensor of its parent, and a model's variables can
-        be renamed under it (a Keras 3 model's kernels move under the optimizer once it is built); TF's saver
-        writes whole checkpoints and never minds."""
+        """The tensors of the state the chain ends in that the model no longer has: a delta must list every
+        tensor of its parent (a Keras 3 model's kernels move under the optimizer once it is built)."""
         chain = self._chain_names
         if self.restored is not None and self.restored is not self._chain_names_restore:
             chain = frozenset(self.restored.metadata.get("partitioning") or ())
@@ -690,12 +581,6 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self.close()
 
     # ------------------------------------------------------------------------------------ internals
-    def _retention(self) -> Retention | None:
-        if self._retention_arg is not None:
-            return self._retention_arg
-        spec = self._policy.spec
-        return spec.retention if spec is not None else None
-
     @property
     def hang(self) -> HangSpec:
         """When the agent declares this trainer hung (a watched policy file's current ``hang:``)."""
@@ -729,10 +614,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         return self._saves + 1
 
     def _add_object_graph(self, updates: dict[str, TensorUpdate]) -> None:
-        """TF's object graph, made again only when the capture saw the variables change: walking the object
-        graph is 5 ms of a 35-45 ms save on the bench's model, all of it stall. A variable's checkpoint key is
-        its path in that graph, so a graph that changed where it matters changed the variables too; only
-        objects holding no variable can appear unseen, and they have nothing to restore."""
+        """TF's object graph, walked again (5 ms of stall) only when the capture saw the variables change."""
         layout = self.capturer.layout_version
         if self._graph is not None and layout == self._graph_layout:
             updates[OBJECT_GRAPH_KEY] = Same((), np.dtype(object))

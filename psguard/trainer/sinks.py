@@ -1,23 +1,14 @@
-"""Where a captured save goes: the manager's own writer to the store, or the agent through the spool.
+"""Where a captured save goes, chosen once per manager (:func:`choose_sink`).
 
-:class:`~psguard.trainer.manager.CheckpointManager` captures once (the only stall) and hands the capture to
-one sink, chosen when the manager is built:
+- :class:`StoreSink`: no agent. A background thread commits each capture to the durable log
+  (:class:`~psguard.store.durable.DurableWriter`'s rules, as the agent's). One job writes and at most one waits; a
+  later save is folded into the waiting one (rows merged, later values win). A failed write's rows are carried
+  into the next job, unless its parent is gone (then the next capture is whole).
+- :class:`AgentSink`: under ``psguard agent``. The capture goes through the spool; the agent applies it to its
+  memory tier (*restorable*) and writes the durable log (*durable*) with the retention sent along.
 
-- :class:`StoreSink`: no agent on this node. A background thread commits each capture to the durable log,
-  applies retention after each commit and folds a long delta chain into a new base (``Store.compact``, from
-  storage, no stall): the rules of :class:`~psguard.store.durable.DurableWriter`, as the agent's. Bounded: one
-  job writing and at most one waiting; a save asked for while both places are
-  taken is folded into the waiting one (rows merged, later values win). A failed write keeps its rows for the
-  next job, unless its parent is gone (then the next capture is whole).
-- :class:`AgentSink`: under ``psguard agent``. The capture is handed to the agent through the spool; the agent
-  applies it to its memory tier (the save is *restorable*) and writes the durable log (*durable*), applying
-  the retention that travels with each capture.
-
-Which one is :func:`choose_sink`'s answer (a :class:`SinkChoice`, shown in the manager's ``repr`` with its
-reason): the manager's ``sink=`` when given, else ``$PSGUARD_SPOOL``, which ``psguard agent`` sets for the
-trainer it runs. Both give the caller the same :class:`SaveHandle`, and both make :meth:`Sink.wait` mean the
-same thing: every save asked for since the last wait has reached the strongest tier it was for, or the wait
-raises.
+Both give a :class:`SaveHandle`, and ``wait`` means the same: every save since the last wait reached the
+strongest tier it was for, or the wait raises.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from psguard.errors import ConfigError, NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import ENV_SPOOL, ENV_STORE, NEW_BASE_KEY, RETENTION_KEY, STALL_KEY, Tier
@@ -74,13 +65,8 @@ class MemoryCheckpoint:
 
 @dataclass(frozen=True)
 class Restorable:
-    """Where a save survives this process, once :meth:`SaveHandle.restorable` returned.
-
-    ``copies``: with peer copies on (``peers: {copies: full}``), each PS task whose rows the agents keep ->
-    the PS task whose agent holds a copy of this save's rows (``None``: none holds it yet, so losing that PS's
-    node now restores from the durable log). Empty without an agent, without rows on the PS nodes, or with
-    copies off. ``durable``: the save is committed to the durable log (always so without an agent).
-    """
+    """Where a save survives this process. ``copies``: with peer copies on, each PS task whose rows the agents
+    keep -> the PS task whose agent holds a copy (``None``: none yet); ``durable``: committed to the log."""
 
     step: int
     copies: Mapping[str, str | None]
@@ -90,13 +76,10 @@ class Restorable:
 class SaveHandle:
     """The pending result of one :meth:`CheckpointManager.save`.
 
-    ``result(timeout)`` waits for the strongest tier the save was for and returns it: the committed
-    :class:`~psguard.store.CheckpointInfo` of a durable save, a :class:`MemoryCheckpoint` of a
-    memory-only save (under an agent). It re-raises why the save failed. ``restorable(timeout)`` returns as
-    soon as the save survives this process: in the agent's memory tier, or committed when there is no agent;
-    its :class:`Restorable` says which peer copies hold it too.
-    When saves were folded together (the store was slower than the save cadence), every folded handle
-    resolves to the checkpoint that contains them, whose step is the latest folded one.
+    ``result(timeout)`` waits for the strongest tier the save was for: the committed
+    :class:`~psguard.store.CheckpointInfo`, or a :class:`MemoryCheckpoint` of a memory-only save; it re-raises
+    why the save failed. ``restorable(timeout)`` returns once the save survives this process. Folded saves all
+    resolve to the checkpoint that contains them.
     """
 
     def __init__(self, step: int, stall_seconds: float, tiers: frozenset[Tier]) -> None:
@@ -232,79 +215,18 @@ class Job:
         return all(isinstance(u, Full) for u in self.updates.values())
 
 
-class Sink(Protocol):
-    """What :class:`CheckpointManager` needs from where its captures go."""
-
-    def whole_next(self) -> bool:
-        """Whether the next capture must be whole (the sink has no state a delta could apply to)."""
-        ...
-
-    def takes(self, tiers: frozenset[Tier], urgent: bool) -> bool:
-        """Whether a scheduled save for ``tiers`` is worth capturing here."""
-        ...
-
-    def submit(self, job: Job, stall_seconds: float) -> SaveHandle: ...
-
-    def busy(self) -> frozenset[Tier]:
-        """The tiers with a save still on its way (the policy's ``in_flight``)."""
-        ...
-
-    def in_flight(self) -> bool:
-        """Whether this process must stay alive for a save to complete."""
-        ...
-
-    def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
-        """After a restore: the next delta applies to this state."""
-        ...
-
-    def set_new_base_after(self, deltas: int | None) -> None:
-        """The manager's ``new_base_after`` changed (``None``: the writer's default)."""
-        ...
-
-    def heartbeat(self, step: int, hang_after: float | None) -> None:
-        """The trainer made ``step`` (an agent judges hangs by it; without one, nobody listens)."""
-        ...
-
-    @property
-    def supervised(self) -> bool:
-        """Whether an agent runs this process and writes the log for it (it counts lost steps, dumps stacks
-        of a hung trainer, and PS agents may keep the shards)."""
-        ...
-
-    def memory_snapshot(self, timeout: float) -> Restored | None:
-        """The agent's memory-tier snapshot, verified; ``None`` when there is none to be had."""
-        ...
-
-    def durable_snapshot(
-        self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float, *, force: bool = False
-    ) -> Restored:
-        """Every tier brought to durable ``checkpoint``, each PS's agent reading its own rows of ``shards``;
-        :class:`~psguard.handoff.spool.NewerInMemoryError` when the tiers hold a newer whole state, unless ``force``."""
-        ...
-
-    def wait(self, timeout: float | None) -> list[BaseException]:
-        """Block until every save since the last wait reached its tier; the failures among them."""
-        ...
-
-    def close(self) -> None: ...
-
-
 class StoreSink:
     """The manager's own writer: commits captures to ``store`` on a background thread (see the module doc)."""
 
+    supervised = False
+
     def __init__(
-        self,
-        store: Store,
-        *,
-        retention: Callable[[], Retention | None],
-        new_base_after: int,
-        on_parent_missing: Callable[[], None],
+        self, store: Store, *, retention: Callable[[], Retention | None], on_parent_missing: Callable[[], None]
     ) -> None:
         self.store = store
-        self.new_base_after = new_base_after
+        self.new_base_after = NEW_BASE_AFTER
         self._retention = retention
         self._on_parent_missing = on_parent_missing
-        # It only has the rows it captured: new bases are compacted in storage.
         self.writer = DurableWriter(store, base_rule=self._base_due, retention=self._retention_spec, compact=True)
         self._cond = threading.Condition()
         self._waiting: Job | None = None
@@ -315,7 +237,6 @@ class StoreSink:
         self._thread = threading.Thread(target=self._run, name="psguard-writer", daemon=True)
         self._thread.start()
 
-    # ---- Sink
     def whole_next(self) -> bool:
         return False  # the capturer sends whole tensors itself when it has no fingerprints
 
@@ -345,8 +266,6 @@ class StoreSink:
     def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
         self.writer.adopt(checkpoint_id)
 
-    supervised = False
-
     def memory_snapshot(self, timeout: float) -> Restored | None:
         return None
 
@@ -359,7 +278,7 @@ class StoreSink:
         self.new_base_after = NEW_BASE_AFTER if deltas is None else deltas
 
     def _base_due(self, chain: ChainState, step: int) -> bool:
-        """``new_base_after`` (read at each decision: the manager's setter changes it) as the writer's rule."""
+        """``new_base_after``, read at each decision, as the writer's rule."""
         limit = self.new_base_after
         return limit > 0 and base_rule(ChainLimit(max_chain=limit))(chain, step)
 
@@ -368,7 +287,7 @@ class StoreSink:
         return retention.as_kwargs() if retention is not None else None
 
     def heartbeat(self, step: int, hang_after: float | None) -> None:
-        pass  # no agent watches this process
+        """No agent watches this process."""
 
     def wait(self, timeout: float | None) -> list[BaseException]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -400,7 +319,14 @@ class StoreSink:
                     job, self._carry = self._carry.fold(job), None
                 self._busy = True
             try:
-                info = self._persist(job)
+                info = self.writer.save(
+                    job.step,
+                    job.updates,
+                    whole=job.full,
+                    new_base=Tier.BASE in job.tiers,
+                    metadata=job.metadata,
+                    metrics=job.metrics,
+                )
             except BaseException as e:  # the handles carry it to the caller
                 log.error("checkpoint write failed: %s", e)
                 # Without a last commit (its parent was gone, or nothing was ever committed) a delta cannot be
@@ -422,33 +348,21 @@ class StoreSink:
                     self._busy = False
                     self._cond.notify_all()
 
-    def _persist(self, job: Job) -> CheckpointInfo:
-        return self.writer.save(
-            job.step,
-            job.updates,
-            whole=job.full,
-            new_base=Tier.BASE in job.tiers,
-            metadata=job.metadata,
-            metrics=job.metrics,
-        )
-
 
 class AgentSink:
     """Hands captures to the agent on this node through the spool (see the module doc)."""
 
-    def __init__(
-        self, spool: SpoolWriter, store: Store, *, retention: Callable[[], Retention | None], restore_timeout: float
-    ) -> None:
+    supervised = True
+
+    def __init__(self, spool: SpoolWriter, store: Store, *, retention: Callable[[], Retention | None]) -> None:
         self.spool = spool
         self.store = store
-        self.restore_timeout = restore_timeout
         self._retention = retention
         self._new_base_after: int | None = None
         self._lock = threading.Lock()
         self._pending: list[_AgentSaveHandle] = []  # handed off since the last wait
         self._errors: list[tuple[int, bool, BaseException]] = []  # (step, durable, failure) swept before a wait
-        # The newest steps whose saves reached their tier (memory, durable): a refused capture (need_full) older
-        # than one as strong was redone.
+        # The newest steps whose saves reached their tier (memory, durable): see _redone.
         self._applied = {False: -1, True: -1}
 
     def whole_next(self) -> bool:
@@ -476,29 +390,23 @@ class AgentSink:
         """Keep the pending list bounded: settle handles whose answers are in, keeping their failures."""
         still: list[_AgentSaveHandle] = []
         for h in self._pending:
-            if h.done():
-                error = h.exception(0)
-                if error is not None:
-                    self._errors.append((h.step, h.durable, error))
-                else:
-                    self._note_applied(h)
-            else:
+            if not h.done():
                 still.append(h)
+            elif (error := h.exception(0)) is not None:
+                self._errors.append((h.step, h.durable, error))
+            else:
+                self._note_applied(h)
         self._pending = still
 
     def busy(self) -> frozenset[Tier]:
-        """Busy only until the last capture is in the agent's memory tier. A durable write still running in the
-        agent does not hold the next capture back: the agent's tier takes new captures while its persister
-        writes (copy-on-write), and durable requests that arrive meanwhile are folded into the next write.
-        (Holding captures back until a durable commit, as before, lost every step of a 1 GB base's write.)"""
+        """Busy only until the last capture is in the memory tier: the agent folds durable requests that arrive
+        during a write into the next one."""
         with self._lock:
             last = self._pending[-1] if self._pending else None
         return frozenset({Tier.MEMORY}) if last is not None and not last.memory_done() else frozenset()
 
     def in_flight(self) -> bool:
         return False  # handed off: the agent finishes it whether or not this process lives
-
-    supervised = True
 
     def rebase(self, checkpoint_id: str | None, token: str | None) -> None:
         self.spool.parent = token  # the next delta applies to exactly this state (None: send it whole)
@@ -580,15 +488,13 @@ def summary(updates: Mapping[str, TensorUpdate]) -> str:
 
 # ---------------------------------------------------------------------------------------------- which sink
 
-#: The manager's ``sink=``: ``"store"`` (it writes the store itself), ``"agent"`` (it hands captures to its
-#: agent), ``None``: the agent's when ``$PSGUARD_SPOOL`` names a spool, else the store.
+#: The manager's ``sink=`` (``None``: the agent's when ``$PSGUARD_SPOOL`` names a spool, else the store).
 SinkKind = Literal["store", "agent"]
 
 
 @dataclass(frozen=True)
 class SinkChoice:
-    """Which sink a manager uses and why: ``str()`` is what its ``repr`` shows (``agent(spool=/dev/shm/x, from
-    $PSGUARD_SPOOL)``, ``store(sink='store')``)."""
+    """Which sink a manager uses and why, as its ``repr`` shows it (``store(sink='store')``)."""
 
     kind: SinkKind
     why: str
@@ -600,11 +506,8 @@ class SinkChoice:
 
 
 def choose_sink(sink: SinkKind | None, spool: str | os.PathLike[str] | None, directory: str) -> SinkChoice:
-    """Where a manager writing ``directory`` sends its saves: ``sink`` as asked, ``spool`` (an explicit spool
-    folder) meaning the agent's, else ``$PSGUARD_SPOOL``, checked against the durable log its agent writes
-    (``$PSGUARD_STORE``). An explicit choice that cannot hold is refused; the default falls back to the store,
-    with a warning, only under an agent that keeps nothing durable. Either way the user's checkpoints never end
-    up somewhere they did not say, or nowhere, without a word."""
+    """Where a manager writing ``directory`` sends its saves: ``sink`` as asked, an explicit ``spool``, else
+    ``$PSGUARD_SPOOL`` checked against its agent's ``$PSGUARD_STORE``. A choice that cannot hold is refused."""
     if sink not in (None, "store", "agent"):
         raise ConfigError(f"sink must be 'store', 'agent' or None ($PSGUARD_SPOOL decides), not {sink!r}")
     if spool is not None:
@@ -632,8 +535,7 @@ def choose_sink(sink: SinkKind | None, spool: str | os.PathLike[str] | None, dir
 
 
 def _agent_of_env(sink: SinkKind | None, spool: str, agent_store: str | None, directory: str) -> SinkChoice:
-    """The choice under the agent of ``$PSGUARD_SPOOL``, whose store (``$PSGUARD_STORE``) must be ``directory``:
-    ``None`` is an agent from before the store was handed over, empty one started without ``--store``."""
+    """The choice under the agent of ``$PSGUARD_SPOOL`` (``agent_store`` empty: started without ``--store``)."""
     if agent_store == "":
         if sink == "agent":
             raise ConfigError(
@@ -658,3 +560,7 @@ def _agent_of_env(sink: SinkKind | None, spool: str, agent_store: str | None, di
             f"psguard.CheckpointManager the agent's URL ({agent_store}) or start the agent with --store {directory}"
         )
     return SinkChoice("agent", f"from ${ENV_SPOOL}", spool)
+
+
+#: Where a manager's captures go.
+Sink = StoreSink | AgentSink
