@@ -1,32 +1,17 @@
 """A PS agent's memory tier kept in files laid out as TensorFlow bundle data files: a restore copies nothing first.
 
-Why: a restore from the node's own tier used to write every shard into a restore file (a one-tensor bundle,
-:mod:`psguard.handoff.tensor_bundle`) that its PS then read: every byte passed through the node's memory twice
-before the PS had it, and the restore was no faster than TensorFlow reading the store (issue 24, item 4). A
-bundle's data file is nothing but the tensor's bytes, C order, little-endian, which is what a numpy array is. So
-each of the tier's arrays is a shared mapping of its own file in the agent's part folder
-(``<folder>/tier/<n>.data-00000-of-00001``, on tmpfs: the memory the array would take anyway), and a restore's
-export hard-links that file into the restore folder and writes only the index beside it (a few hundred bytes
-holding the data's CRC32C). The PS then reads each byte once. The CRC32C over the data is the only pass left;
-it runs at about 7 GB/s here against 0.3-0.6 GB/s for the copy it replaces (one measurement, a loaded machine),
-so it is not kept per block.
+A bundle's data file is the tensor's bytes, C order, little-endian: what a numpy array is. So each array of the
+tier is a shared mapping of its own file (``<folder>/tier/<n>.data-00000-of-00001``, on tmpfs), and a restore's
+export hard-links that file and writes only the index beside it (with the data's CRC32C): the PS reads each byte
+once, instead of the agent writing every shard out first.
 
-The file must not change while its PS reads it. :meth:`psguard.agent.tiers.shards.ShardKeeper.export` keeps the
-export's lease on the arrays (:meth:`psguard.agent.tiers.memory_tier.MemoryTier.export`) until the restore files
-are dropped: while it is held, every write the tier makes into a leased array copies the array first (into a new
-file) and writes the copy, so the exported file keeps the bytes its index describes. The lease and the files go
-together at the next capture (which comes after its restore was loaded) or the next export. Should the data
-change under an index anyway, ``RestoreV2`` computes the CRC32C of what it read and fails the load with a
-``DataLossError`` before anything is assigned (tested): a torn read is a failed restore, never wrong values.
+The file must not change while its PS reads it: :meth:`psguard.agent.tiers.shards.ShardKeeper.export` keeps an
+export lease on the arrays until the restore files are dropped, so the tier copies a leased array before writing
+it. Were the data changed anyway, ``RestoreV2`` fails on the CRC32C before assigning anything.
 
-A file is unlinked when the tier lets go of its array (a finalizer on the array); the pages are freed when the
-last mapping and the last link (a restore file) are gone. Files are created ``0600`` in a folder only this user
-can write (:func:`psguard.handoff.credentials.ensure_private_dir`), and their pages are allocated at creation
-(``posix_fallocate``): a tmpfs that is full fails there, and the array lives in anonymous memory as before, not
-with a ``SIGBUS`` at the first write into a mapping that has no page behind it. (A peer copy's fetch writes
-its files with ``pwrite`` instead, which allocates the pages as it goes: :meth:`TierFiles.write_rows`.) On a folder
-that is not in memory (tmpfs, ramfs) the tier stays in anonymous memory: a mapping of a disk file would send
-every capture's rows to the disk. Without files the export writes the data as before.
+A file is unlinked when the tier drops its array. Files are ``0600`` in a private folder, their pages allocated at
+creation (a full tmpfs fails there, not with a ``SIGBUS`` later; a fetch writes with ``pwrite`` instead). Off a
+memory file system the tier stays in anonymous memory, and the export writes the data.
 """
 
 from __future__ import annotations
@@ -127,33 +112,23 @@ class TierFiles:
         non-numeric tensor, a big-endian host, or no room: then the caller allocates as before).
 
         ``reserve=False``: the file's pages are not allocated yet, and the caller must fill it with
-        :meth:`write_rows`, never through the array (a write into a page that a full tmpfs cannot give is a
-        ``SIGBUS``). A peer copy's fetch does so, piece by piece on its streams' threads: allocating 512 MB of
-        tmpfs up front took 0.25-0.35 s before its first request went out, on a replaced node's recovery path."""
+        :meth:`write_rows`, never through the array (a page a full tmpfs cannot give is a ``SIGBUS``): a peer copy's
+        fetch, which would otherwise wait for all of its tmpfs to be allocated before its first request."""
         dtype = np.dtype(dtype)
-        count = 1
-        for d in shape:
-            count *= int(d)
-        nbytes = count * dtype.itemsize
         if (
             not self.enabled
-            or nbytes == 0
+            or math.prod(shape) * dtype.itemsize == 0
             or sys.byteorder != "little"
             or dtype.byteorder == ">"
             or dtype_name(dtype) not in _BUNDLE_DTYPES
         ):
             return None
+        return self._made(shape, dtype, lambda fd, n: os.posix_fallocate(fd, 0, n) if reserve else os.ftruncate(fd, n))
 
-        def fill(fd: int) -> None:
-            if reserve:
-                os.posix_fallocate(fd, 0, nbytes)
-            else:
-                os.ftruncate(fd, nbytes)
-
-        return self._made(shape, dtype, fill)
-
-    def _made(self, shape: tuple[int, ...], dtype: np.dtype[Any], fill: Callable[[int], None]) -> np.ndarray | None:
-        """A new file of ``shape`` and ``dtype`` whose bytes ``fill(fd)`` gives it, as an array of this tier."""
+    def _made(
+        self, shape: tuple[int, ...], dtype: np.dtype[Any], fill: Callable[[int, int], None]
+    ) -> np.ndarray | None:
+        """A new file of ``shape`` and ``dtype`` whose bytes ``fill(fd, nbytes)`` gives it, as an array of this tier."""
         count = math.prod(int(d) for d in shape)
         nbytes = count * dtype.itemsize
         path = self.folder / f"{next(self._seq)}{DATA_SUFFIX}"
@@ -163,7 +138,7 @@ class TierFiles:
             self._failed(path, e)
             return None
         try:
-            fill(fd)
+            fill(fd, nbytes)
             mapped = mmap.mmap(fd, nbytes)  # MAP_SHARED, read and write; it keeps its own handle on the file
         except OSError as e:
             path.unlink(missing_ok=True)
@@ -179,11 +154,9 @@ class TierFiles:
         return arr
 
     def write_rows(self, arr: np.ndarray, row: int, values: np.ndarray) -> None:
-        """Put ``values`` at row ``row`` of ``arr`` (one of this tier's arrays; any array: by assignment). Into a
-        tier file with ``pwrite``, not through the mapping: the file system allocates the pages as it writes and
-        a full tmpfs raises ``OSError`` (``ENOSPC``) here, where a write into a mapping with no page behind it
-        would be a ``SIGBUS``; nor does each page cost a fault in this process. How a peer copy's fetch fills an
-        array made with ``reserve=False``."""
+        """Put ``values`` at row ``row`` of ``arr``: into a tier file with ``pwrite``, not through the mapping, so a
+        full tmpfs raises ``ENOSPC`` here instead of a ``SIGBUS`` (how a fetch fills a ``reserve=False`` array);
+        into any other array by assignment."""
         n = int(values.shape[0]) if values.ndim else 1
         path = self.data_file(arr)
         if path is None:
@@ -201,15 +174,11 @@ class TierFiles:
 
     def adopt(self, value: np.ndarray, *, copy: bool = False) -> np.ndarray:
         """``value`` as an array of this tier's files: itself when it is one already (and not ``copy``), else a
-        new file holding a copy of it; without a file, ``value`` (a C-order copy of it when ``copy``).
-
-        A copy of one of this tier's arrays is made file to file by the kernel (``copy_file_range``), not through
-        this process's memory: copying a 256 MB shard given to a restore (``MemoryTier`` hand-off) through two
-        mappings made the PS agent's RSS peak at 1.57x the shards it holds, against 1.15 (the copy's pages are its
-        file's, not this process's, until a write touches them)."""
+        new file holding a copy of it; without a file, ``value`` (a C-order copy of it when ``copy``). A copy of
+        a tier file is made by the kernel (``copy_file_range``), not through this process's memory."""
         source = self.data_file(value) if copy else None
         if source is not None:
-            out = self._made(tuple(value.shape), value.dtype, lambda fd: _copy_file(source, fd, value.nbytes))
+            out = self._made(tuple(value.shape), value.dtype, lambda fd, n: _copy_file(source, fd, n))
             if out is not None:
                 return out
         elif not copy and self.owns(value):
