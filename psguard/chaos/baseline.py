@@ -9,8 +9,10 @@ agent dies and its task with it) is, without an agent, the task's own death: kil
 (:class:`BaselineNemesis`), after which the script restarts the whole job as for any dead task. A store that is
 down or answers errors is plain TF's checkpoint folder made unreachable for as long (:class:`FolderOutage`). Faults
 that need an agent alive (``pause-agent``: the task runs on), a psguard store (chunk damage) or a store's network
-(a slow store) have no baseline equivalent and are recorded as not injected. The same checkers judge the
-baseline's history; the side-by-side report compares goodput, recovery seconds and lost steps per fault.
+(a slow store) have no baseline equivalent and are recorded as not injected. A network fault on a PS (partition,
+delay, drop) puts the baseline's PS behind the harness's proxies as psguard's are (:meth:`_Run.proxy_ps`), so both
+sides pay the proxy and both are cut off at their fault's step. The same checkers judge the baseline's history;
+the side-by-side report compares goodput, recovery seconds and lost steps per fault.
 """
 
 from __future__ import annotations
@@ -161,17 +163,21 @@ class BaselineRun(_Run):
         s = self.scenario
         self.cluster_path, self.spec = write_cluster(self.dir, ps=s.cluster.ps, workers=s.cluster.workers)
         self.ports += [int(a.rsplit(":", 1)[1]) for addrs in self.spec.values() for a in addrs]
+        # The PS behind the harness's proxies as on psguard's side (the chief and the workers reach them there):
+        # the same cost on both sides, and the partition (or delay, or drop) reaches plain TF too. The proxies
+        # outlive the job's restarts, as a network does.
+        self.others_spec = self.proxy_ps(self.spec) if s.needs_proxy else self.spec
         self.tasks: dict[str, _Task] = {}
         self.restarts = 0
         (self.dir / "logs").mkdir(exist_ok=True)
         self._start_job()
 
     def _start_job(self) -> None:
-        spec_json = json.dumps(self.spec, sort_keys=True)
         # A plain-TF job's servers run `import tensorflow`; psguard's lean start is not the baseline's.
         env = dict(os.environ, **QUIET_TENSORFLOW, **PLAIN_TF_SERVERS)
         logs = self.dir / "logs"
         for role, count in (("ps", len(self.spec["ps"])), ("worker", len(self.spec["worker"]))):
+            spec_json = json.dumps(self.spec if role == "ps" else self.others_spec, sort_keys=True)
             for i in range(count):
                 argv = [sys.executable, "-m", "psguard.agent.process.tf_server", "--cluster-spec", spec_json,
                         "--job", role, "--index", str(i), "--parent-pid", str(os.getpid())]  # fmt: skip
@@ -182,7 +188,8 @@ class BaselineRun(_Run):
         argv += ["--durable-every", str(t.durable_every), "--vocab", str(t.vocab), "--dim", str(t.dim)]
         argv += ["--batch", str(t.batch), "--seed", str(self.seed), "--durable-min-seconds", str(t.durable_min_seconds)]
         argv += ["--durable-cron", t.durable_cron] if t.durable_cron is not None else []
-        tf_config = {"cluster": self.spec, "task": {"type": "chief", "index": 0}, "rpc_layer": "grpc"}
+        argv += ["--servers", ",".join(self.spec["ps"] + self.spec["worker"])]  # not the proxies: the servers
+        tf_config = {"cluster": self.others_spec, "task": {"type": "chief", "index": 0}, "rpc_layer": "grpc"}
         self.tasks["chief"] = _Task("chief", argv, dict(env, TF_CONFIG=json.dumps(tf_config)), logs / "chief.log")
 
     def targets(self) -> dict[str, Any]:
@@ -211,6 +218,7 @@ class BaselineRun(_Run):
             nemesis.heal_all()
         for task in getattr(self, "tasks", {}).values():
             task.stop()
+        self.close_proxies()
 
     def list_store(self) -> dict[str, Any] | None:
         checkpoints = []

@@ -231,19 +231,8 @@ class _Run:
         base = ["--cluster", str(cluster)]
         others = base  # what the chief and the workers see
         if s.needs_proxy:
-            # The PS servers listen on their real ports (their agents' cluster.json); the chief and the workers
-            # reach them through a proxy each (cluster-proxied.json), where the nemesis cuts the network.
-            from psguard.chaos.proxy import TcpProxy
-            from psguard.ports import free_ports
-
-            proxied = dict(spec)
-            proxied["ps"] = [f"127.0.0.1:{p}" for p in free_ports(len(spec["ps"]))]
-            for i, (real, fake) in enumerate(zip(spec["ps"], proxied["ps"], strict=True)):
-                port, target = int(fake.rsplit(":", 1)[1]), int(real.rsplit(":", 1)[1])
-                self.proxies[f"ps:{i}"] = TcpProxy(port, target, name=f"ps{i}")
-                self.ports.append(port)
             path = self.dir / "cluster-proxied.json"
-            path.write_text(json.dumps(proxied, indent=2))
+            path.write_text(json.dumps(self.proxy_ps(spec), indent=2))
             others = ["--cluster", str(path)]
         root = self.dir / "agents"
         for role, count in (("ps", s.cluster.ps), ("worker", s.cluster.workers)):
@@ -286,6 +275,27 @@ class _Run:
         for a in self.agents.values():
             url = a.wait_url(180)
             self.ports.append(int(url.rsplit(":", 1)[1]))
+
+    def proxy_ps(self, spec: dict[str, list[str]]) -> dict[str, list[str]]:
+        """The cluster as the chief and the workers see it when a network fault needs the PS behind proxies: each
+        PS at a proxy of its own, where the nemesis cuts the network. The PS servers listen on their real ports
+        (the spec they are given names them); only the others' spec names the proxies. Both sides of a case
+        (psguard's and the baseline's) place them alike, so both pay their cost and both can be cut off."""
+        from psguard.chaos.proxy import TcpProxy
+        from psguard.ports import free_ports
+
+        proxied = dict(spec)
+        proxied["ps"] = [f"127.0.0.1:{p}" for p in free_ports(len(spec["ps"]))]
+        for i, (real, fake) in enumerate(zip(spec["ps"], proxied["ps"], strict=True)):
+            port, target = int(fake.rsplit(":", 1)[1]), int(real.rsplit(":", 1)[1])
+            self.proxies[f"ps:{i}"] = TcpProxy(port, target, name=f"ps{i}")
+            self.ports.append(port)
+        return proxied
+
+    def close_proxies(self) -> None:
+        """Close every proxy the run placed (the PS's, the store's, the store's error proxy)."""
+        for proxy in [*self.proxies.values(), *([self.store_errors] if self.store_errors is not None else [])]:
+            proxy.close()
 
     mode = "psguard"
 
@@ -410,8 +420,7 @@ class _Run:
                 agent.stop()
             except Exception as e:  # keep stopping the others
                 self.say(f"  stopping agent {agent.name}: {e}")
-        for proxy in [*self.proxies.values(), *([self.store_errors] if self.store_errors is not None else [])]:
-            proxy.close()
+        self.close_proxies()
 
     def close_nemesis(self) -> None:
         nemesis = getattr(self, "nemesis", None)
