@@ -6,54 +6,12 @@ One agent per task process (the chief's trainer, each PS, optionally each worker
     psguard agent --role chief --index 0 --cluster cluster.json --store s3://b/job \\
         --peer http://ps0:8470 --peer http://ps1:8470 -- python train.py        # the user's trainer
 
-It wires the parts built elsewhere and adds no mechanism of its own: the parts are in the rooms
-:mod:`psguard.agent.process` (keeping the task alive), :mod:`psguard.agent.tiers` (the checkpoint tiers) and
-:mod:`psguard.agent.control` (HTTP, auth, metrics, the peers); what the task is given (command, environment,
-probes) is :mod:`psguard.agent.task`; and the rules that connect what notices a failure to what acts on it
-(restarts, outages, new trainer generations, hangs, lost steps) are :class:`~psguard.agent.recovery.Recovery`,
-to which every callback of the supervisor, the monitors and the hang watch goes. The generation protocol of a
-PS-failure recovery, across the trainer, the agents and the PS processes: docs/design.md.
-
-==================  ==========================================================================================
-supervision         :class:`~psguard.agent.process.supervisor.Supervisor` runs the task in its own process group (same
-                    address every restart, backoff, crash-loop limit), marks its whole process tree and records
-                    it under ``state_dir``: a guard kills the tree if the agent is SIGKILLed, and the next agent
-                    kills what still survives (:mod:`psguard.agent.process.reaper`). Exit 0 of the task: the agent
-                    drains and exits 0. Crash loop: the agent exits 1 with the :class:`~psguard.errors.CrashLoopError`
-                    message. SIGTERM / SIGINT: the task is stopped gracefully (SIGTERM, then SIGKILL after
-                    ``supervisor.stop_timeout``), the persister drained, exit ``stop_exit_code`` (0 unless
-                    configured; 143 on Kubernetes Jobs). The built-in server gets a warm standby
-                    (:mod:`psguard.agent.process.standby`) swapped in on a restart.
-recovery            :class:`~psguard.agent.recovery.Recovery`: an outage runs from a failure (a run that ends with
-                    a restart to follow, an unhealthy verdict) to the first sign the new run serves; on the chief
-                    every trainer restart is a new generation (the PS peers restarted first, ``peers.restart_ps``).
-end of the job      with ``peers.finish_on_success``, the chief's agent whose trainer exited 0 sends ``POST
-                    /finish`` to every peer: a PS or worker agent stops its task and exits 0 (its pod completes).
-health              ps / worker: :class:`~psguard.agent.process.prober.HealthMonitor` with process + TCP + ``GetStatus``
-                    RPC probes (a SIGSTOPped server keeps its port; only the RPC deadline notices); an
-                    unhealthy task is restarted. Chief: a process probe. The chief's agent also probes every
-                    ``--peer`` agent's ``/readyz`` (reported in ``/status`` and ``/metrics`` only).
-memory tier         chief only (:class:`~psguard.agent.chief_tiers.ChiefTiers`): a
-                    :class:`~psguard.agent.tiers.memory_tier.MemoryTier` fed by a
-                    :class:`~psguard.agent.tiers.spool_server.SpoolServer` (``--spool``, default
-                    :func:`~psguard.handoff.contract.default_spool_dir` of the job) and written to the durable log
-                    by a :class:`~psguard.agent.tiers.persister.Persister` (``--store``), resumed from the log at
-                    start; a store that does not answer is waited for, the agent not ready and ``/status``
-                    ``store_wait`` saying why.
-HTTP                :class:`~psguard.agent.control.httpd.AgentHTTPServer` (127.0.0.1 by default; any other address needs
-                    ``--token-file``; the POST routes are :mod:`psguard.agent.routes`): ``/healthz``, ``/readyz``,
-                    ``/metrics``, ``/status`` (JSON), ``POST /restart`` (restart the task), ``POST /recovery`` (a
-                    restored trainer reports the step it restored and, in process, the step it had reached; with
-                    the step a failed trainer gave in ``POST /failure`` the agent counts
-                    ``psguard_lost_steps_total``), on the chief ``POST /new-generation`` (restart every PS now), on
-                    a PS or worker ``POST /finish`` (the job is done: stop the task, exit 0).
-==================  ==========================================================================================
-
-The trainer (the chief's task) gets ``TF_CONFIG`` (the cluster from ``cluster.json``, task ``chief:0``) and
-the variables of :mod:`psguard.handoff.contract`: the spool folder, this agent's HTTP base URL and the path of
-its token file. Every task gets ``TF_CONFIG`` for its own role and index and its task name (``ps:0``).
-
-The agent never imports TensorFlow: a PS agent stays small and starts fast.
+It wires the parts built elsewhere and adds no mechanism of its own: :mod:`psguard.agent.process` keeps the task
+alive, :mod:`psguard.agent.tiers` holds the checkpoint tiers, :mod:`psguard.agent.control` serves HTTP;
+:mod:`psguard.agent.task` is what the task is given, and :class:`~psguard.agent.recovery.Recovery` gets every
+callback of the supervisor, the monitors and the hang watch. Task exit 0: the agent exits 0; crash loop: exit 1;
+SIGTERM / SIGINT: the task stopped gracefully, the persister drained, exit ``stop_exit_code``. The agent never
+imports TensorFlow: a PS agent stays small and starts fast. The endpoints: docs/user-guide.md.
 """
 
 from __future__ import annotations
@@ -100,8 +58,6 @@ log = logging.getLogger(__name__)
 
 # How long a PS agent holds back its store's open (its imports) for a fetch of its shards from a peer's copy.
 _STORE_HOLD_SECONDS = 5.0
-
-"""Roles an agent runs; ``cluster.json`` may also list ``evaluator`` tasks (TensorFlow knows them)."""
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -267,13 +223,10 @@ class Agent:
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def start(self, on_serving: Callable[[str], None] | None = None) -> Agent:
-        """Start every part; the task last (after the PS peers when this chief resumes a job), except a PS's:
-        a PS agent starts its PS as soon as its HTTP address is bound, and makes its tier while the PS imports
-        TensorFlow. On a node replaced after a loss both are on the recovery's path (the trainer waits for the
-        PS, the restore for the peer copy this agent fetches), and each took about a second in turn. Its store
-        opens after the fetch (store/opening.py): a store that does not open fails the agent then (:meth:`wait`).
-        A chief's agent serves HTTP before its tiers, which wait for a store that does not answer (``/status``
-        says so). ``on_serving`` gets the HTTP URL once it serves (the CLI's ``--ready-file``)."""
+        """Start every part; the task last (after the PS peers when this chief resumes a job), except a PS's: a
+        PS agent starts its PS as soon as its HTTP address is bound and makes its tier meanwhile (both are on a
+        replaced node's recovery path). A chief's agent serves HTTP before its tiers, which wait for a store that
+        does not answer. ``on_serving`` gets the HTTP URL once it serves (the CLI's ``--ready-file``)."""
         try:
             self._start_http()
             assert self.http is not None
@@ -303,7 +256,8 @@ class Agent:
                 self.supervisor.start()
             if self.role == "ps":
                 self._start_shards()
-                self._serve_shards()
+                if self.shards is not None:
+                    serve_shards(self.http, self.shards, cfg.peer_copy)
                 self._serve(on_serving)
             sup = self.supervisor
             probes = task_probes(self.role, self.address, lambda: sup.pid, builtin_server=self._builtin_server)
@@ -387,12 +341,6 @@ class Agent:
         self.http.start()
         if on_serving is not None:
             on_serving(self.http.url)
-
-    def _serve_shards(self) -> None:
-        keeper = self.shards
-        if self.http is None or keeper is None:
-            return
-        serve_shards(self.http, keeper, self.config.peer_copy)
 
     def _start_shards(self) -> None:
         # lazy: numpy and the storage clients load only when the agent keeps shards
@@ -502,9 +450,7 @@ class Agent:
         if self._made_token is not None:
             self._made_token.remove()
             self._made_token = None
-        self.monitor = self.supervisor = self.store = self.http = None
-        self.shards = None
-        self.peer_monitors = []
+        self._no_parts_yet()
 
     def _watch_peers(self) -> None:
         """A readiness monitor per peer agent, its metrics labelled by the peer's task name (``ps:0``)."""
@@ -580,9 +526,9 @@ class Agent:
             "peers": [
                 {"url": url, **m.status().to_dict()} for url, m in zip(self.peers, self.peer_monitors, strict=False)
             ],
+            "generation": self.peer_sync.generation,
+            "last_generation": self.peer_sync.last,
         }
-        doc["generation"] = self.peer_sync.generation
-        doc["last_generation"] = self.peer_sync.last
         doc.update(self.recovery.status())
         if self.shards is not None:
             doc["shards"] = self.shards.status()

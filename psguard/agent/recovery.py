@@ -1,30 +1,19 @@
 """What an agent does when its task fails, hangs or comes back: the recovery rules, and the state they keep.
 
-The parts that notice (the supervisor's events, the health monitor's verdicts, the hang watch, the trainer's
-``POST /failure`` and ``POST /recovery``, its first capture after a restart) and the parts that act (the
-supervisor's restart, the peers' new generation, the tiers' export ahead) are built elsewhere; :class:`Recovery`
-is the one place that connects the first to the second, so that the rules read in one piece and the agent
-(:mod:`psguard.agent.daemon`) only forwards to it. The rules:
+:class:`Recovery` is the one place that connects the parts that notice (the supervisor's events, the monitor's
+verdicts, the hang watch, the trainer's ``POST /failure`` and ``POST /recovery``, its first capture) to the parts
+that act (the supervisor's restart, the peers' new generation, the tiers' export ahead). The rules:
 
-- **An outage** begins when a run ends with a restart to follow, or when the monitor finds the task unhealthy
-  (it is then restarted); it ends at the first sign the new run serves: a PS or worker answering its probes
-  (the run is also declared healthy, so its end is no crash loop), the chief's trainer delivering a capture.
-  Its length is ``psguard_recovery_seconds``.
-- **The monitor** is reset whenever the task's process changes (started, restarted, exited, killed for an
-  operator's restart): the gap before the next start (a backoff, the PS restarts of a generation) is no hang,
-  and a verdict reached about an earlier run (``STARTING`` again, or no process at all) restarts nothing.
+- **An outage** begins when a run ends with a restart to follow, or the monitor finds the task unhealthy; it
+  ends at the first sign the new run serves (a PS or worker answering its probes, the trainer's capture). Its
+  length is ``psguard_recovery_seconds``.
+- **The monitor** is reset whenever the task's process changes: the gap before the next start is no hang, and a
+  verdict about an earlier run restarts nothing.
 - **A new trainer generation** (the chief's agent, ``peers.restart_ps``): when the trainer's run ends with a
-  restart to follow, every PS peer (and every worker: ``peers.restart_workers``) is restarted before the next
-  trainer starts (this runs on the supervisor's
-  thread, which starts the trainer only once it returns), after asking the PS agents to export the memory tier
-  ahead of the restore that follows. ``failed_at`` from ``POST /failure`` is passed on only if the run that
-  reported it is the one that just asked for a restart (exit 75): a PS started since that time is left alone.
-  An in-process rejoin asks for the same through ``POST /new-generation`` (its workers are kept: the same
-  process numbers its resources on, so nothing it creates meets an earlier generation's); an agent resuming a
-  job from the durable log starts one too, since the PS servers may hold the earlier chief's context. The
-  protocol as a whole is in docs/design.md ("The generation protocol of a PS-failure recovery").
-- **A hang** (:mod:`psguard.agent.process.hang`) is counted and the trainer restarted (a crash); the new trainer
-  restores from the memory tier.
+  restart to follow, every PS peer is restarted before the next trainer starts (on the supervisor's thread), then
+  the PS agents export the memory tier ahead of the restore; ``POST /new-generation`` does the same for an
+  in-process rejoin, and so does an agent resuming a job. docs/design.md has the protocol.
+- **A hang** is counted and the trainer restarted (a crash); the new trainer restores from the memory tier.
 - **Lost steps**: the step a failed trainer reported (``POST /failure``) against the step the restored one
   restored (``POST /recovery``), unless the trainer counted them itself.
 """
@@ -95,20 +84,12 @@ class Recovery:
     def on_supervisor_event(self, event: SupervisorEvent) -> None:
         self.metrics.on_supervisor_event(event)
         monitor = self._monitor()
-        if event.kind in (EventKind.STARTED, EventKind.RESTARTED):
-            if monitor is not None:
-                monitor.reset()
-        elif event.kind is EventKind.EXITED:
-            # No process until the next start (backoff, PS restarts): the monitor must not count that gap as
-            # a hang and cut the backoff short or kill the next run; STARTING ignores failures until it answers.
-            if monitor is not None:
-                monitor.reset()
-            restart_follows = event.backoff_seconds is not None
-            if restart_follows:
-                with self._lock:
-                    if self._failure_at is None:
-                        self._failure_at = time.monotonic()
-            if restart_follows and self.role == "chief" and self.restart_ps:
+        if event.kind in (EventKind.STARTED, EventKind.RESTARTED, EventKind.EXITED) and monitor is not None:
+            # After an exit no process runs until the next start: STARTING ignores failures until it answers.
+            monitor.reset()
+        if event.kind is EventKind.EXITED and event.backoff_seconds is not None:  # a restart follows
+            self._outage_began()
+            if self.role == "chief" and self.restart_ps:
                 # Runs on the supervisor's thread: the trainer is not started again until this returns.
                 with self._lock:
                     reported, self._reported_failure = self._reported_failure, None
@@ -118,6 +99,11 @@ class Recovery:
                 self._export_ahead()  # after the restarts, as for an in-process rejoin (new_generation says why)
         elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
             self._on_done()
+
+    def _outage_began(self) -> None:
+        with self._lock:
+            if self._failure_at is None:
+                self._failure_at = time.monotonic()
 
     def on_hang(self, hang: Hang) -> None:
         """The trainer is alive and makes no steps (:mod:`psguard.agent.process.hang`): count it and restart it;
@@ -136,9 +122,7 @@ class Recovery:
             return  # between runs: the supervisor is already on it (backoff, or PS restarts for a generation)
         if monitor is not None and monitor.health is Health.STARTING:
             return  # the task was (re)started after this verdict was reached: it is about an earlier run
-        with self._lock:
-            if self._failure_at is None:
-                self._failure_at = time.monotonic()
+        self._outage_began()
         sup.restart(f"unhealthy: {report.reason}")
 
     def on_health(self, task: str, health: Health) -> None:
@@ -169,17 +153,14 @@ class Recovery:
         """An operator's restart (``POST /restart``): no crash. False when the task is not supervised."""
         monitor = self._monitor()
         if monitor is not None:
-            # The old process is killed now and stays a zombie until reaped: the probes must not count that as
-            # the new run failing (they killed a standby just swapped in, and the PS then started cold).
+            # The old process stays a zombie until reaped: the probes must not count that against the new run.
             monitor.reset()
         return sup.restart(reason, crash=False)
 
     def started_within(self, sup: Supervisor, seconds: float) -> bool:
         """Whether the recovery plan leaves the task's run alone, the failure having been ``seconds`` ago: a run
-        that began since replaced the failed one (``started-after``). The race it closes: a new generation saw the
-        crashed PS in its restart backoff (no run), its agent restarted it from the standby 0.1 s later, and the
-        generation's ``POST /restart`` would then kill that run. Judged on this host's clock alone (the run's
-        uptime against the seconds since the failure)."""
+        that began since replaced the failed one (a generation's ``POST /restart`` must not kill it). Judged on
+        this host's clock alone (the run's uptime against the seconds since the failure)."""
         uptime = sup.status().uptime_seconds
         now = time.monotonic()
         report = TaskReport(self.task, run_started_at=None if uptime is None else now - uptime, role=self.role)
@@ -197,13 +178,9 @@ class Recovery:
 
     def new_generation(self, reason: str, failed_at: float | None) -> dict[str, Any]:
         """The trainer rejoins in-process after a PS failure: restart every PS peer first (``POST
-        /new-generation``); then the PS agents export the memory tier ahead of the restore that follows.
-
-        The export after the restarts, not beside them: a surviving PS agent busy exporting answered the restart
-        request 50 ms after the others (1 GB bench, 2026-12-06), and the restore asks for the files only after the
-        cluster reset and the model's rebuild (0.5 s and more), by when the export (0.15-0.2 s) is done. A
-        replacement agent (its node lost) is asked as soon as it answers (``on_fresh``), its fetch from the peer's
-        copy overlapping the other PS's restarts."""
+        /new-generation``); then the PS agents export the memory tier ahead of the restore that follows. After
+        the restarts, not beside them: an exporting PS agent answers its restart later, and the restore asks for
+        the files only after the model's rebuild, by when the export is done."""
         outcome = self.peer_sync.new_generation(reason, failed_at, new_process=False)
         self._export_ahead()
         return outcome
