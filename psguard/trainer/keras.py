@@ -1,23 +1,12 @@
 """``psguard.trainer.keras.CheckpointCallback``: psguard checkpoints for tf_keras ``model.fit``, with resume.
 
-``tf_keras.callbacks.BackupAndRestore`` writes a whole TF checkpoint to a local path, and under
-``ParameterServerStrategy`` only at epoch ends (it skips its batch hooks there). A PS job's state is mostly
-large embedding tables of which few rows change between saves, so this callback hands the saving to a
-:class:`psguard.CheckpointManager` instead: incremental (changed rows only), asynchronous (training stalls
-only for the capture), verified, and to any store URL (local, ``s3://``, ``hdfs://``), every N steps or per
-psguard policy.
-
-Resume: ``on_train_begin`` restores the newest checkpoint, then tells ``fit`` where to continue the same
-way ``BackupAndRestore`` does, through ``model._training_state``: right after ``on_train_begin``, tf_keras'
-``fit`` asks ``model._training_state.maybe_load_initial_counters_from_ckpt(steps_per_epoch, initial_epoch,
-mode)`` for the ``(epoch, step)`` to start at. Each checkpoint records the fit position it was taken at
-(epoch and batches done in it, in the manifest's ``data_position``), so a chief restarted with the same
-``fit(...)`` call schedules exactly the steps the checkpoint had not seen, and ``optimizer.iterations``
-ends where an uninterrupted run would have. What ``fit`` cannot get back is the input pipeline's position:
-PS training reads per-worker datasets that are recreated from scratch (as with ``BackupAndRestore``).
-
-Only tf_keras models: in TF 2.21 Keras 3's ``model.fit`` does not support ``ParameterServerStrategy``
-(see :func:`_refuse_keras3`). With ``TF_USE_LEGACY_KERAS=1``, ``tf.keras`` is tf_keras.
+``BackupAndRestore`` writes whole TF checkpoints, and under ``ParameterServerStrategy`` only at epoch ends; this
+callback hands saving to a :class:`psguard.CheckpointManager` (incremental, asynchronous, any store URL).
+Resume goes through ``model._training_state`` as ``BackupAndRestore``'s does: right after ``on_train_begin``, fit
+asks ``maybe_load_initial_counters_from_ckpt`` where to start, and each checkpoint records the fit position it
+was taken at (``data_position``), so a restarted chief schedules exactly the steps the checkpoint had not seen.
+The input pipeline's position is not restored (per-worker datasets start over, as with ``BackupAndRestore``).
+Only tf_keras models: Keras 3's ``fit`` does not support ``ParameterServerStrategy`` in TF 2.21.
 """
 
 from __future__ import annotations
@@ -81,20 +70,13 @@ class KerasSupportError(PsguardError, NotImplementedError):
 
 @dataclass(frozen=True)
 class FitPosition:
-    """Where ``model.fit`` stood when a checkpoint was taken.
-
-    ``epoch`` is the epoch of the last scheduled batch and ``batches`` how many of its batches were done;
-    ``step`` is the global step (``optimizer.iterations`` once the scheduled steps have run, which the
-    capture's drain guarantees). ``steps_per_epoch`` is what that fit used, kept for diagnostics.
-    """
+    """Where ``model.fit`` stood at a checkpoint: the epoch of the last scheduled batch, the batches done in it,
+    the global step, and the fit's ``steps_per_epoch`` (for diagnostics)."""
 
     epoch: int
     batches: int
     step: int
     steps_per_epoch: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> FitPosition | None:
@@ -110,21 +92,15 @@ class FitPosition:
             return None
 
     def resume_at(self, steps_per_epoch: int | None) -> tuple[int, int]:
-        """``(initial_epoch, initial_step)`` for a fit of ``steps_per_epoch`` batches per epoch.
-
-        An epoch whose batches were all done resumes at the next epoch's start; otherwise at the next batch.
-        """
+        """``(initial_epoch, initial_step)``: the next batch, or the next epoch's start when this one was done."""
         if steps_per_epoch is not None and steps_per_epoch > 0 and self.batches >= steps_per_epoch:
             return self.epoch + 1, 0
         return self.epoch, self.batches
 
 
 class _ResumeState:
-    """Stands in for tf_keras' ``WorkerTrainingState`` on ``model._training_state`` (one method is used).
-
-    It answers once: a later ``fit`` that does not carry this callback must not inherit the position (the
-    attribute would otherwise linger after a fit that raised before ``on_train_end``).
-    """
+    """Stands in for tf_keras' ``WorkerTrainingState`` on ``model._training_state``; answers once, so a later
+    ``fit`` without this callback does not inherit the position."""
 
     def __init__(self, callback: CheckpointCallback) -> None:
         self._callback = callback
@@ -142,58 +118,19 @@ class _ResumeState:
 class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
     """Incremental, asynchronous psguard checkpoints of ``model.fit``, and resume after a restart.
 
-    ``directory``: a store URL (path, ``s3://``, ``hdfs://`` ...), or an existing
-    :class:`psguard.CheckpointManager`, which must checkpoint this model and optimizer; the callback then
-    waits for its saves at the end but leaves closing it to its owner.
+    ``directory`` (or ``BackupAndRestore``'s ``backup_dir``): a store URL, or an existing
+    :class:`psguard.CheckpointManager` of this model and optimizer (waited for at the end, left open).
+    ``BackupAndRestore``'s arguments (``save_freq``: ``"epoch"`` or a number of steps; ``delete_checkpoint`` and
+    ``save_before_preemption`` are accepted and unused), then ``ModelCheckpoint``'s ``monitor`` / ``mode`` /
+    ``save_best_only`` (each epoch's save carries the metric; retention keeps the best), then psguard's
+    ``policy`` (any save policy; with ``save_freq``, either being due saves), ``options``
+    (:class:`~psguard.trainer.options.CallbackOptions`) and ``sink`` for the manager it creates. The keyword
+    arguments taken before ``options`` still work, with a warning.
 
-    Arguments: Keras' (``BackupAndRestore``'s, then ``ModelCheckpoint``'s), then psguard's three, keyword-only:
-    ``policy`` (when to save, below), ``options`` (a :class:`~psguard.trainer.options.CallbackOptions`:
-    ``max_to_keep``, ``save_at_end``, ``summaries`` and the created manager's own
-    :class:`~psguard.ManagerOptions`) and ``sink`` (the created manager's ``sink=``). ``options`` and ``sink``
-    configure the manager the callback creates: with an existing one, set them on it. The keyword arguments
-    taken before ``options`` (``save_every_n_steps=``, ``max_to_keep=``, ``storage_options=``, ``save_at_end=``,
-    ``manager_options=``, ``summaries=``) still work for this release: each warns with its new spelling.
-
-    It takes ``BackupAndRestore``'s arguments, so replacing that callback is one line
-    (``BackupAndRestore(backup_dir)`` -> ``CheckpointCallback(backup_dir)``): ``backup_dir`` names the store as
-    ``directory`` does, ``save_freq`` is ``"epoch"`` (the default when nothing else says when to save) or a
-    number of steps. ``delete_checkpoint`` and ``save_before_preemption`` are accepted and do nothing: psguard
-    keeps its checkpoints (retention applies; a second fit resumes where the first ended) and saves before a
-    preemption when its policy has ``preemption``.
-
-    And ``ModelCheckpoint``'s meaning of ``monitor`` / ``mode`` / ``save_best_only``: every epoch's save carries
-    the monitored value from the epoch's logs, the retention keeps the best one by it (beside ``max_to_keep``
-    and the newest), and with ``save_best_only`` an epoch saves only when the value improved. A job can then
-    drop its full per-epoch ``ModelCheckpoint`` writes.
-
-    When to save: ``save_freq`` (a number of steps) and/or ``policy`` (a :class:`psguard.policy.engine.Schedule`,
-    a policy file or a preset name); with both, a durable save happens when either is due. With an existing
-    manager and neither, its own policy applies. ``options.save_at_end`` also saves the final state when ``fit``
-    returns;
-    ``on_train_end`` waits until every save is durable and raises :class:`psguard.errors.SaveError` if one
-    could not be made so.
-
-    ``on_train_begin`` builds the optimizer (so that its slots load on the PS with the rest instead of waiting
-    for the first step), restores the newest checkpoint that verifies, and makes ``fit`` continue from its step: see the
-    module doc. The store holds one run's progress: a second ``fit`` with the same arguments over a store
-    whose last checkpoint finished them trains nothing, as with ``BackupAndRestore``; start a new run in a
-    new directory.
-
-    What a save costs under PS: ``fit`` schedules steps without waiting for them, so a save first waits for the
-    steps scheduled so far (the workers train meanwhile), then stalls for the capture (measured at 1.5 GB with
-    Adam: 0.4-0.7 s, as in a custom loop; ``psguard bench capture --keras``). tf_keras' warning that
-    ``on_train_batch_end`` "is slow compared to the batch time" averages the first five batch ends of a fit,
-    which hold the first save: that wait for the first executions, and a full base.
-
-    Steps are counted from what ``fit`` schedules (under PS the steps run asynchronously on the workers,
-    and reading ``optimizer.iterations`` at each batch would cost an RPC and see a lagging value). They
-    equal ``optimizer.iterations`` after the capture's drain, except when a worker failure made TF run a
-    step twice (its closures run at least once); checkpoints keep TF's ``iterations`` as it was.
-
-    TensorBoard: with a ``tf_keras.callbacks.TensorBoard`` in the same ``fit``, psguard's own scalars (capture
-    stall, bytes per save, durable lag, restores: :mod:`psguard.trainer.summaries`) go to ``<its log_dir>/psguard``,
-    at the training steps, a run beside ``train`` and ``validation``. ``options.summaries``: a folder to write
-    them to instead, or ``False`` for none.
+    ``on_train_begin`` builds the optimizer, restores the newest checkpoint that verifies and makes ``fit``
+    continue from its step; ``on_train_end`` waits until every save is durable (:class:`SaveError` if not).
+    Steps are counted from what ``fit`` schedules (reading ``optimizer.iterations`` would cost an RPC). With a
+    ``TensorBoard`` callback in the fit, psguard's scalars go to ``<its log_dir>/psguard``.
     """
 
     def __init__(
@@ -223,7 +160,9 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             directory = backup_dir
         assert directory is not None
         given = directory if isinstance(directory, CheckpointManager) else None
-        _check_args(given, opts, sink, monitor, mode, save_best_only)
+        if save_best_only and monitor is None:
+            raise ConfigError("save_best_only needs monitor= (the metric of the epoch's logs to judge by)")
+        _check_args(given, opts, sink, monitor, mode)
         schedule = _combine(load_schedule(policy), every)
         #: Save at every epoch's end: asked (``save_freq="epoch"``, ``monitor``), or as BackupAndRestore does by
         #: default when nothing else says when.
@@ -250,10 +189,6 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         #: Where the manager of the last ``fit`` writes psguard's TensorBoard scalars (``None``: nowhere).
         self.summaries_folder: str | None = None
         self.manager: CheckpointManager | None = self._given
-        self._init_fit_state()
-
-    def _init_fit_state(self) -> None:
-        """What a fit sets as it runs, before the first: the restore's outcome, the position, the last save."""
         #: What the callback saves (the manager's checkpoint), set by ``on_train_begin``.
         self.checkpoint: Any = None
         #: The newest save this callback started (``result()`` blocks until it is durable).
@@ -263,10 +198,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self.restored_position: FitPosition | None = None
         #: ``(initial_epoch, initial_step)`` that the last fit was told to start at.
         self.resumed_at: tuple[int, int] | None = None
-        # tf_keras calls batch hooks under PS only for callbacks that accept RemoteValue logs; this one never
-        # reads the logs, so it must not force a sync of them either.
+        # Under PS tf_keras calls batch hooks only for callbacks taking RemoteValue logs (never read here).
         self._supports_tf_logs = True
-        # Under PS only the chief runs fit (and saves); multi-worker mirrored training is refused below.
         self._chief_worker_only = True
         self._step = 0
         self._epoch = 0
@@ -274,9 +207,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self._steps_per_epoch: int | None = None
         self._position_hook = False
         self._given_schedule: Any = _UNSET
-        # The train function the last on_train_begin left to fit and the write-hook generation it is (or will
-        # be) traced under: see _retrace_unhooked. Weak references: they must not keep a closed manager's
-        # capturer (its fingerprint variables live on the PS) or an old train function alive.
+        # The train function the last fit used and the write-hook generation it was traced under (weakly).
         self._hooked: tuple[weakref.ref[Any], weakref.ref[Any]] | None = None
 
     # ------------------------------------------------------------------------------------------ Keras hooks
@@ -477,17 +408,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 optimizer._create_all_weights(variables)
 
     def _retrace_unhooked(self, model: Any) -> None:
-        """Make ``fit`` trace its train function again when the cached one was traced under other write hooks.
-
-        tf_keras keeps the train function of the first ``fit`` for every later one (``make_train_function``
-        caches it), and a function traced earlier marks written rows for an earlier capturer, or for none:
-        every capture of this fit would then hash every row of every large table (exact, but as slow as no
-        write tracking; measured with Adagrad: a second ``fit`` hashed all rows at each of its saves, the first
-        at none). The callback's own manager is new at each ``on_train_begin``, so a second ``fit`` needs a new
-        trace: one per ``fit`` (seconds), against a hash of the whole model at every save. A given manager
-        keeps its hooks across fits, and the function traced under them is kept; its capturer may predate the
-        slots :meth:`_build_optimizer` just made, so it hooks them first, before ``fit`` traces anything.
-        """
+        """Make ``fit`` trace its train function again when the cached one was traced under other write hooks:
+        it would mark rows for an earlier capturer, and every capture would hash every row."""
         assert self.manager is not None
         capturer = self.manager.capturer
         capturer.refresh()  # a given manager's capturer may predate the optimizer's slots built above
@@ -497,7 +419,10 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             self._hooked = None
             return
         hooked = self._hooked
-        if _traced(fn) and not (hooked is not None and hooked[0]() is fn and hooked[1]() is generation):
+        count = getattr(fn, "experimental_get_tracing_count", None)
+        if (not callable(count) or count()) and not (
+            hooked is not None and hooked[0]() is fn and hooked[1]() is generation
+        ):
             log.info("the train function was traced before this fit's write hooks: tracing it again")
             model.make_train_function(force=True)
             fn = model.train_tf_function
@@ -523,16 +448,11 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         """Called by fit (through ``_ResumeState``) right after ``on_train_begin``."""
         spe = steps_per_epoch if steps_per_epoch is not None else self._steps_per_epoch
         self._steps_per_epoch = spe
-        if self.restored_step is None:
-            at = (initial_epoch, 0)
-        elif self.restored_position is not None:
+        at = (initial_epoch, 0)
+        if self.restored_position is not None:
             at = self.restored_position.resume_at(spe)
-        elif spe:
-            # A checkpoint without a fit position (written by a manager outside this callback): assume the
-            # run started at step 0 with this many steps per epoch.
-            at = divmod(self._step, spe)
-        else:
-            at = (initial_epoch, 0)
+        elif self.restored_step is not None and spe:
+            at = divmod(self._step, spe)  # no fit position (another manager's): assume it started at step 0
         self.resumed_at = at
         self._epoch, self._batches = at
         if self.restored_step is not None:
@@ -540,18 +460,14 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         return at
 
     def _data_position(self) -> dict[str, Any]:
-        return {POSITION_KEY: self.position.to_json()}
+        return {POSITION_KEY: dataclasses.asdict(self.position)}
 
 
 # ---------------------------------------------------------------------------------------------- checks
 
 
 def _fit_callbacks(callback: Any) -> list[Any]:
-    """The callbacks of the ``fit`` that is calling ``callback``'s hook now (empty when no ``fit`` is).
-
-    tf_keras gives a callback no view of the others: they are the ``CallbackList`` whose ``on_train_begin`` is
-    calling this callback's, a few frames up the stack.
-    """
+    """The callbacks of the ``fit`` calling ``callback``'s hook now: the ``CallbackList`` a few frames up."""
     frame = sys._getframe(1)
     for _ in range(_CALLER_FRAMES):
         owner = frame.f_locals.get("self")
@@ -586,18 +502,11 @@ def _steps_of(save_freq: str | int | None, every: int | None) -> int | None:
 
 
 def _check_args(
-    given: CheckpointManager | None,
-    options: CallbackOptions,
-    sink: SinkKind | None,
-    monitor: str | None,
-    mode: str,
-    save_best_only: bool,
+    given: CheckpointManager | None, options: CallbackOptions, sink: SinkKind | None, monitor: str | None, mode: str
 ) -> None:
     """Refuse arguments that contradict each other, and manager options the callback sets itself."""
     if mode not in ("auto", "min", "max"):
         raise ConfigError(f"mode must be 'auto', 'min' or 'max', not {mode!r}")
-    if save_best_only and monitor is None:
-        raise ConfigError("save_best_only needs monitor= (the metric of the epoch's logs to judge by)")
     if given is not None and (options != CallbackOptions() or sink is not None):
         raise ConfigError(
             "options and sink configure the manager the callback creates; with an existing CheckpointManager "
@@ -630,8 +539,8 @@ def _own_retention(
     mode: str,
     keep: int | None,
 ) -> tuple[Retention | None, int | None]:
-    """The retention the callback asks its manager for, and the ``max_to_keep`` left to give as TF's: a policy
-    file's retention when its schedule was combined with steps, the best by ``monitor`` beside the newest."""
+    """The retention for the manager, and the ``max_to_keep`` left for TF's argument: a policy file's when its
+    schedule was combined with steps, the best by ``monitor`` beside the newest."""
     retention = None
     if policy is not None and not isinstance(policy, Schedule) and every is not None and keep is None:
         retention = load_policy(os.fspath(policy)).retention
@@ -674,11 +583,7 @@ def _is_ps(strategy: Any) -> bool:
 
 
 def _refuse_keras3(model: Any) -> None:
-    """Fail before training with what to use instead.
-
-    In TF 2.21 Keras 3's ``model.fit`` cannot train under ``ParameterServerStrategy`` at all, and its
-    ``fit`` has no hook to resume mid-epoch; saving without a correct resume would be worse than failing.
-    """
+    """Fail before training: Keras 3's ``fit`` has no PS support in TF 2.21 and no hook to resume mid-epoch."""
     if model is None or not _is_keras3(model):
         return
     strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
@@ -706,12 +611,6 @@ def _check_strategy(model: Any) -> Any:
         f"psguard.trainer.keras.CheckpointCallback supports ParameterServerStrategy and no strategy, not "
         f"{type(strategy).__name__}"
     )
-
-
-def _traced(fn: Any) -> bool:
-    """Whether the ``tf.function`` ``fn`` has been traced at least once."""
-    count = getattr(fn, "experimental_get_tracing_count", None)
-    return bool(count()) if callable(count) else True
 
 
 def _steps_per_epoch(params: Mapping[str, Any] | None) -> int | None:

@@ -1,8 +1,5 @@
-"""Preemption: SIGTERM becomes "save now", so a preempted trainer leaves a checkpoint before it goes.
-
-It lives on the trainer's side (it installs a signal handler in the trainer's main thread); the policy engine
-only sees the request it records, through :class:`psguard.policy.engine.SaveContext`.
-"""
+"""Preemption: SIGTERM becomes "save now" (``SaveContext.preempted_at``), so a preempted trainer leaves a
+checkpoint before it goes."""
 
 from __future__ import annotations
 
@@ -25,26 +22,9 @@ logger = logging.getLogger(__name__)
 
 
 class PreemptionHandler:
-    """Turns SIGTERM (or other signals) into a "save now" request, so a preempted trainer leaves a checkpoint.
-
-    The signal handler only records when the signal came (no locks, no I/O). The trainer's loop passes the
-    request into its decisions and, on the urgent decision, saves and waits for the memory tier within the
-    grace period before exiting::
-
-        with PreemptionHandler(grace=20.0) as preemption:          # installs in the main thread
-            for step in steps:
-                train_step()
-                decision = schedule.decide(step, time.time(), preemption.apply(context))
-                if decision:
-                    handle = manager.save(decision.tiers)
-                    if decision.urgent:
-                        handle.wait_restorable(timeout=preemption.remaining())   # the memory tier
-                        preemption.done()
-                        sys.exit(preemption.exit_code)
-
-    A second signal while the first is being handled gives up: the default action runs (the process dies).
-    :meth:`request` asks for the same thing without a signal (e.g. from a cloud preemption-notice poller).
-    """
+    """Records when SIGTERM (or other ``signals``) came; the trainer's loop passes it into its decisions
+    (:meth:`apply`), saves on the urgent one within :meth:`remaining` and exits with :attr:`exit_code`. The
+    handler does no locking or I/O; a second signal gives up and lets the default action kill the process."""
 
     def __init__(
         self,
@@ -61,7 +41,6 @@ class PreemptionHandler:
         self._previous: dict[int, Any] = {}
         self._requested_at: float | None = None
         self._signum: int | None = None
-        self._done = threading.Event()
 
     def install(self) -> PreemptionHandler:
         """Install the handler for each signal (main thread only); :meth:`uninstall` puts the old ones back."""
@@ -92,13 +71,6 @@ class PreemptionHandler:
         self._signum = signum
         self._requested_at = self._clock()
 
-    def request(self, signum: int | None = None) -> None:
-        """Ask for a preemption save as if a signal had come (the first request wins)."""
-        if self._requested_at is None:
-            self._signum = signum
-            self._requested_at = self._clock()
-            logger.warning("event=preemption_requested signal=%s", signum)
-
     @property
     def requested_at(self) -> float | None:
         """When the preemption request came, by the handler's clock; ``None`` if none came."""
@@ -106,8 +78,7 @@ class PreemptionHandler:
 
     @property
     def exit_code(self) -> int:
-        """What the process should exit with after its preemption save: 128 + the signal number (143 for
-        SIGTERM), as if the signal had killed it, so supervisors see a termination, not a crash."""
+        """128 + the signal number (143 for SIGTERM): supervisors see a termination, not a crash."""
         return 128 + (self._signum if self._signum is not None else signal.SIGTERM)
 
     def apply(self, context: SaveContext) -> SaveContext:
@@ -123,11 +94,6 @@ class PreemptionHandler:
         return max(0.0, self._requested_at + self.grace - self._clock())
 
     def done(self) -> None:
-        """Say the preemption save is restorable (the memory tier has it); wakes :meth:`wait_done`."""
+        """Say the preemption save is restorable (the memory tier has it)."""
         took = self._clock() - self._requested_at if self._requested_at is not None else 0.0
         logger.warning("event=preemption_saved signal=%s seconds=%.3f", self._signum, took)
-        self._done.set()
-
-    def wait_done(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`done` was called (True) or ``timeout`` seconds passed (False)."""
-        return self._done.wait(timeout)

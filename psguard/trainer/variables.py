@@ -1,11 +1,6 @@
-"""The variables of a checkpoint's object graph, as ``tf.train.Checkpoint`` names them, and their logical values.
-
-Names are the keys ``tf.train.Checkpoint`` uses for the same object graph
-(``model/embedding/.ATTRIBUTES/VARIABLE_VALUE``, ``model/emb/.OPTIMIZER_SLOT/optimizer/m/.ATTRIBUTES/...``),
-and the value of a ``ShardedVariable`` is its logical tensor (shards concatenated on axis 0), as in a TF
-checkpoint; so a psguard checkpoint can be exported to a standard one and restored under any partitioning.
-Restores are all-or-nothing: every mismatch is listed before anything is assigned.
-"""
+"""The variables of a checkpoint's object graph, named by ``tf.train.Checkpoint``'s keys, and their logical
+values (a ``ShardedVariable``'s shards concatenated on axis 0, as in a TF checkpoint), so a psguard checkpoint
+exports to a standard one and restores under any partitioning. Restores are all or nothing."""
 
 from __future__ import annotations
 
@@ -50,13 +45,8 @@ class Shard:
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One logical tensor of the object graph: what a manifest records and what restore checks against.
-
-    ``alias_of`` names the tensor that owns the same variables when this one is a second path to them
-    (Keras 3 optimizers track every model shard again under ``optimizer/_trainable_variables/N``); its
-    rows are ``alias_offset`` to ``alias_offset + shape[0]`` of that tensor, and it is captured from that
-    tensor's result, never read twice.
-    """
+    """One logical tensor of the object graph. ``alias_of``: the tensor owning the same variables when this is a
+    second path to them (Keras 3 optimizers track every model shard again), its rows from ``alias_offset``."""
 
     name: str
     shape: tuple[int, ...]
@@ -67,7 +57,7 @@ class TensorInfo:
 
     @property
     def partitioning(self) -> tuple[int, ...]:
-        """Rows per shard, in order: how the tensor is laid out now (restore does not need it to match)."""
+        """Rows per shard, in order (restore does not need it to match)."""
         return tuple(s.rows for s in self.shards)
 
     @property
@@ -101,15 +91,18 @@ def _chain(var: Any) -> list[Any]:
     for _ in range(16):
         if isinstance(var, (ps_values.CachingVariable, ps_values.AggregatingVariable)):
             var = var.get()
-            chain.append(var)
-            continue
-        inner = getattr(var, "_value", None) if not isinstance(var, lazy_tf().Variable) else None
-        if inner is not None and (isinstance(inner, lazy_tf().Variable) or _is_sharded(inner)):
-            var = inner  # Keras 3 `keras.Variable` on the TensorFlow backend
-            chain.append(var)
-            continue
-        return chain
+        elif not isinstance(var, lazy_tf().Variable) and (inner := _keras3_inner(var)) is not None:
+            var = inner
+        else:
+            return chain
+        chain.append(var)
     raise ConfigError(f"cannot find the resource variable inside {type(var).__name__}")
+
+
+def _keras3_inner(obj: Any) -> Any:
+    """The variable a Keras 3 ``keras.Variable`` on the TensorFlow backend wraps (``None``: not one)."""
+    inner = getattr(obj, "_value", None)
+    return inner if inner is not None and (isinstance(inner, lazy_tf().Variable) or _is_sharded(inner)) else None
 
 
 def _is_sharded(obj: Any) -> bool:
@@ -131,19 +124,12 @@ def _has_state(obj: Any) -> bool:
 
 
 def _numpy_dtype(var: Any) -> np.dtype:  # type: ignore[type-arg]
-    tf = lazy_tf()
-    if var.dtype == tf.string:
-        return np.dtype(object)
-    dtype: np.dtype = np.dtype(var.dtype.as_numpy_dtype)  # type: ignore[type-arg]
-    return dtype
+    return np.dtype(object) if var.dtype == lazy_tf().string else np.dtype(var.dtype.as_numpy_dtype)
 
 
 def gather_variables(root: Any) -> list[tuple[str, Any]]:
-    """(checkpoint key, variable-like object) for every variable a ``tf.train.Checkpoint`` of ``root`` saves.
-
-    Uses TF's own traversal (``objects_ids_and_slot_variables_and_paths``) so that names, slot-variable
-    names included, are exactly the checkpoint keys.
-    """
+    """(checkpoint key, variable-like object) for every variable a ``tf.train.Checkpoint`` of ``root`` saves,
+    found by TF's own traversal so that names are exactly the checkpoint keys."""
     from tensorflow.python.checkpoint import graph_view, util
 
     view = graph_view.ObjectGraphView(root)
@@ -153,14 +139,9 @@ def gather_variables(root: Any) -> list[tuple[str, Any]]:
     tf = lazy_tf()
     for obj in objects:
         name = names[obj]
-        if _is_sharded(obj) or isinstance(obj, tf.Variable):
+        if _is_sharded(obj) or isinstance(obj, tf.Variable) or _keras3_inner(obj) is not None:
             found.append((name + VARIABLE_SUFFIX, obj))
-            continue
-        inner = getattr(obj, "_value", None)
-        if inner is not None and (isinstance(inner, tf.Variable) or _is_sharded(inner)):
-            found.append((name + VARIABLE_SUFFIX, obj))
-            continue
-        if _has_state(obj):
+        elif _has_state(obj):
             unsupported.append(f"{name or '(root)'} ({type(obj).__name__})")
     if unsupported:
         raise ConfigError(
@@ -194,11 +175,8 @@ def list_tensors(root: Any) -> dict[str, TensorInfo]:
 
 
 def _mark_aliases(infos: list[TensorInfo]) -> dict[str, TensorInfo]:
-    """Mark tensors whose variables all belong, contiguously, to another (larger) tensor.
-
-    The owner is the tensor with the most shards (the logical ShardedVariable), ties broken by graph order,
-    so the choice does not depend on which path the traversal found first.
-    """
+    """Mark tensors whose variables all belong, contiguously, to another: the one with the most shards (the
+    logical ShardedVariable), ties broken by graph order."""
     order = sorted(range(len(infos)), key=lambda i: (-len(infos[i].shards), i))
     owner: dict[int, tuple[str, int]] = {}  # id(resource variable) -> (owning tensor, its first row there)
     result: dict[str, TensorInfo] = {}
@@ -235,10 +213,7 @@ def concat_parts(parts: list[np.ndarray], shape: tuple[int, ...]) -> np.ndarray:
 
 
 def read_tensors(root: Any) -> dict[str, np.ndarray]:
-    """Read every logical tensor whole (shards concatenated), for tests, export and full snapshots.
-
-    This reads everything to the chief, shard by shard; a capture reads only what changed.
-    """
+    """Read every logical tensor whole to the chief (shards concatenated), for tests."""
     infos = list_tensors(root)
     values: dict[str, np.ndarray] = {}
     for name, info in infos.items():
@@ -266,8 +241,7 @@ def to_int(value: Any) -> int:
 
 
 def to_numpy(t: Any) -> np.ndarray:
-    """``t``'s value as an array; a scalar string (``numpy()`` gives ``bytes``) as an ``object`` array, since a
-    fixed-width numpy string (dtype ``S``) would drop its trailing NUL bytes."""
+    """``t``'s value as an array; a scalar string as an ``object`` array (dtype ``S`` drops trailing NULs)."""
     value = t.numpy()
     if isinstance(value, np.ndarray):
         return value
@@ -315,21 +289,20 @@ def check_tensors(
     elsewhere: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,  # type: ignore[type-arg]
     deferred: Mapping[str, Shape] | None = None,
 ) -> dict[str, TensorInfo]:
-    """``root``'s tensors, once every one of them is shown to have a value of its shape and dtype (either in
-    ``tensors`` or, restored by another path, in ``elsewhere``) and nothing is left over; else
-    :class:`TensorMismatchError` listing every mismatch.
-
-    ``deferred``: saved tensors with no variable in the model that may get one later (TF's deferred
-    restoration): not a mismatch by themselves, but listed with the others when the model does not match.
-    """
+    """``root``'s tensors, once each has a value of its shape and dtype in ``tensors`` or ``elsewhere`` (restored
+    by another path) and nothing is left over, else :class:`TensorMismatchError`. ``deferred``: saved tensors
+    that may get a variable later (not a mismatch by themselves)."""
     infos = list_tensors(root)
     found = _check(infos, {**tensors, **(elsewhere or {}), **(deferred or {})})
-    problems = [text for _, text in found] if any(n not in (deferred or {}) for n, _ in found) else []
+    _refuse([text for _, text in found] if any(n not in (deferred or {}) for n, _ in found) else [])
+    return infos
+
+
+def _refuse(problems: list[str]) -> None:
     if problems:
         raise TensorMismatchError(
             f"{len(problems)} tensor(s) do not match between the checkpoint and the model:\n  " + "\n  ".join(problems)
         )
-    return infos
 
 
 def restore(
@@ -339,33 +312,20 @@ def restore(
     elsewhere: Mapping[str, tuple[tuple[int, ...], np.dtype]] | None = None,  # type: ignore[type-arg]
     deferred: Mapping[str, Shape] | None = None,
 ) -> dict[str, TensorInfo]:
-    """Assign logical tensors into ``root``'s variables, whatever their current partitioning.
-
-    All or nothing on names, shapes and dtypes: every variable must get a value and every saved tensor
-    must land somewhere, otherwise :class:`TensorMismatchError` lists every mismatch and nothing is
-    assigned. (TF's own restore leaves unmatched values pending without a word; the manager hands values whose
-    variables do not exist yet to TF's deferred restoration explicitly, as ``deferred``.)
-    A ``Capturer`` of the same root must be rebased afterwards; :meth:`Capturer.restore` does both.
-    """
+    """Assign logical tensors into ``root``'s variables, whatever their partitioning; all or nothing (every
+    variable gets a value, every tensor lands, or :class:`TensorMismatchError` lists each mismatch).
+    ``deferred``: values whose variables do not exist yet. A ``Capturer`` of ``root`` must rebase after."""
     infos = check_tensors(root, tensors, elsewhere=elsewhere, deferred=deferred)
     _assign(infos, {n: v for n, v in tensors.items() if n in infos and n not in (elsewhere or {})})
     return infos
 
 
 def assign_existing(root: Any, tensors: Mapping[str, np.ndarray]) -> list[str]:
-    """Assign those of ``tensors`` that ``root`` has a variable for now, whatever its partitioning; return
-    their names. Names, shapes and dtypes are checked first (:class:`TensorMismatchError`, nothing assigned).
-
-    For values that TF's deferred restoration assigned on creation, again, exactly: TF's restoring
-    initializer gives every shard of a partitioned slot the logical tensor's first rows.
-    """
+    """Assign those of ``tensors`` that ``root`` has a variable for now, checked first; return their names.
+    (TF's restoring initializer gives every shard of a partitioned slot the tensor's first rows.)"""
     infos = list_tensors(root)
     present = {n: v for n, v in tensors.items() if n in infos}
-    problems = [text for name, text in _check(infos, present) if name in present]
-    if problems:
-        raise TensorMismatchError(
-            f"{len(problems)} tensor(s) do not match between the checkpoint and the model:\n  " + "\n  ".join(problems)
-        )
+    _refuse([text for name, text in _check(infos, present) if name in present])
     _assign(infos, present)
     return sorted(present)
 
@@ -382,8 +342,7 @@ def _assign(infos: Mapping[str, TensorInfo], tensors: Mapping[str, np.ndarray]) 
 
 
 def shard_part(value: Any, info: TensorInfo, shard: Shard) -> np.ndarray:
-    """The part of logical tensor ``value`` that ``shard`` holds, in its variable's own shape (a scalar or a
-    partitioned table's rows alike): what an assign of that one shard takes."""
+    """The part of logical tensor ``value`` that ``shard`` holds, in its variable's own shape."""
     whole: np.ndarray = np.asarray(value)
     part = whole[shard.offset : shard.offset + shard.rows] if info.shape else whole
     return part.reshape(tuple(int(d) for d in shard.var.shape))
