@@ -1,37 +1,22 @@
 """The agent's HTTP port from the kernel's queue to the thread that answers, bounded everywhere a client could fill it.
 
-Python's ``ThreadingHTTPServer`` (a listen backlog of 5; an accept loop that takes one connection per wake-up and
-starts a thread for it) left, on a 2-core machine, 71 of 200 concurrent ``/status`` requests and 91 of 200
-``/healthz`` requests unanswered after 10 s: the kernel drops a SYN that finds the accept queue full, the client
-sends it again 1, 3, 7, 15 s later, and a one-second health probe that loses one has failed. The rules here:
+Python's ``ThreadingHTTPServer`` (a backlog of 5, a thread per connection) left a third of 200 concurrent requests
+unanswered after 10 s on a 2-core machine: a SYN dropped from a full queue is sent again seconds later, and a
+one-second health probe that loses one has failed. The rules here:
 
-- **The kernel's queue is deep** (:data:`LISTEN_BACKLOG`, capped by ``net.core.somaxconn``): a burst waits there.
-  A probe waits behind whatever is queued: under the load test's flood (on a 2-core machine other jobs kept
-  busy) a queue of 1024 still overflowed now and then (a probe's SYN lost: a second), one of 4096 let probes wait
-  up to 1.3 s; at 2048 neither.
-- **No thread waits for a client.** One thread, the intake, accepts every queued connection each time it wakes and
-  reads each request's head (request line and headers; the TLS handshake first) without blocking. A client that
-  connects and says nothing, or sends a byte a second, holds a socket and a buffer, never a worker.
-- **One deadline per connection** (``timeout``) for handshake, head and body: the intake closes a connection whose
-  head has not arrived by then without an answer (it has asked nothing); the worker reading a body stops there.
-- **Waiting connections are bounded** (``max_waiting``): at the bound, or when the process is out of file
-  descriptors, the one waiting longest is closed. Silent clients cannot fill the port; a probe, which sends its
-  head at once, is always among the newest.
-- **Refusals cost no worker.** The intake asks ``screen`` about each complete head; a request refused on its head
-  alone (no credential, a wrong one) and a liveness probe are answered by the intake on the spot, in ~75 us
-  (a worker's answer costs ~225 us: ``http.server``'s parsing, and a GIL shared with the intake). Under a flood of
-  64 clients without a credential on the same 2-core machine, workers answering the refusals starved the intake:
-  the kernel's queue held up to 1000 connections and a probe waited up to 0.4 s (once past 1 s). Answered here,
-  a flood without the token costs the agent less than it costs the flood.
-- **Probes first.** Each round, the intake reads every head it can before answering any, and answers the health
-  paths' first: after a stall (the agent's process not scheduled, a burst) a probe waits for the heads read
-  before it, not for their answers. What the intake did on its own (answers, drops, timeouts) is logged at DEBUG
-  as counts once a second, not a line per connection.
-- **Lanes.** Every other request is answered by a fixed pool of workers: the health paths by their own two, the
-  rest by ``workers``. Each lane's queue is bounded (``queue_limit``; a full one answers 503 at once), so a probe
-  never waits behind a slow handler or behind other clients' requests.
-- :meth:`Intake.stop` closes waiting and queued connections unanswered, shuts down the ones being answered (a
-  blocked read or write returns at once), and joins every thread it started.
+- **The kernel's queue is deep** (:data:`LISTEN_BACKLOG`): a burst waits there.
+- **No thread waits for a client.** One thread, the intake, accepts every queued connection and reads each head
+  (the TLS handshake first) without blocking; a silent or slow client holds a socket and a buffer, never a worker.
+- **One deadline per connection** (``timeout``) for handshake, head and body.
+- **Waiting connections are bounded** (``max_waiting``): at the bound, or out of file descriptors, the one
+  waiting longest is closed.
+- **Refusals cost no worker.** ``screen`` answers a request refused on its head alone, and a liveness probe, on
+  the intake's thread (~75 us against a worker's ~225 us): a flood without the token costs the agent less than it
+  costs the flood.
+- **Probes first, in lanes of their own.** The intake reads every head it can before answering any and hands the
+  health paths' first to their own two workers; every lane's queue is bounded (a full one answers 503 at once).
+- :meth:`Intake.stop` closes waiting and queued connections unanswered, shuts down the ones being answered, and
+  joins every thread it started.
 """
 
 from __future__ import annotations
@@ -68,7 +53,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Connections the kernel queues before the intake accepts them (Linux caps it at net.core.somaxconn, 4096 here).
+#: Connections the kernel queues before the intake accepts them (capped by net.core.somaxconn). Under a load
+#: test's flood 1024 overflowed now and then and 4096 let probes wait up to 1.3 s; at 2048 neither.
 LISTEN_BACKLOG = 2048
 #: The longest request head (request line and headers) read; longer ones are answered 431. With ``max_waiting``
 #: it bounds what silent clients can make the agent hold: 1024 heads of 32 KiB, 32 MiB.
@@ -424,9 +410,8 @@ class Intake:
             self._drop(conn)
 
     def _admit(self, sock: socket.socket, address: Any) -> None:
-        # A plain socket stays in blocking mode and is read with MSG_DONTWAIT: under a flood every system call the
-        # intake makes waits for the GIL again (up to 5 ms each while workers run), so it makes as few as it can.
-        # Its request has often arrived with it: then it goes to a lane without ever entering the selector.
+        # A plain socket stays blocking and is read with MSG_DONTWAIT: under a flood every system call waits for
+        # the GIL again, so the intake makes as few as it can.
         if self._tls is not None:
             sock.setblocking(False)
             try:

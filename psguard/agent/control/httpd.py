@@ -11,32 +11,13 @@ path         scope      answer
 (POST)       control    POST handlers the agent registers (``/restart``, ``/failure``, ``/recovery`` ...)
 ===========  =========  =====================================================================================
 
-Security, because ``POST /restart`` kills a training task (docs/security.md has the threat model):
-
-- Every path but ``/healthz`` and ``/readyz`` needs ``Authorization: Bearer <credential>`` that one of the
-  :mod:`psguard.agent.control.auth` authenticators accepts with the path's scope: on loopback too, where every local
-  user can connect. ``open_read=True`` serves the ``read`` paths without a credential (a Prometheus that cannot
-  send one). A server with no authenticator at all starts only on loopback and only when the caller says
-  ``insecure_no_auth=True`` (unit tests); the agent always has one (it makes a token when given none).
-- With ``tls`` (an ``ssl.SSLContext`` from :func:`psguard.handoff.tls.server_context`) it serves HTTPS. With a
-  CA in that context (``verify_mode`` not ``CERT_NONE``) every path but the open two needs a client certificate
-  the CA signed (a presented certificate that does not verify already fails the handshake); the bearer
-  credential is still required on top.
-- Each connection has an absolute deadline (``request_timeout``): the TLS handshake, headers and body must
-  all arrive within it, whatever the pace of the bytes, and :meth:`AgentHTTPServer.stop` shuts down every open
-  connection, so a slow client holds neither a thread nor a stopping agent.
-- Under load (:mod:`psguard.agent.control.connections`): a deep listen backlog, request heads read without a
-  thread, bounded worker pools, and ``/healthz`` and ``/readyz`` on workers of their own: 200 concurrent clients
-  are all answered, and a flood of clients cannot make a health probe wait.
-- Bad input is the client's error, never a 500: a malformed, non-finite or too deeply nested JSON body is a 400, a
-  Content-Length that is not a plain number a 400 and one over the route's limit a 413 (refused before reading), a
-  body that ends early a 400 and one that has not arrived by the deadline a 408. A client that hangs up or stops
-  reading is logged at DEBUG on one line; tracebacks at ERROR are for the server's own faults.
-- Where reads are not authenticated (``open_read`` or ``insecure_no_auth``) on loopback, a web page in a local
-  browser could reach the port: the ``Host`` header must name a loopback host (defeats DNS rebinding), and a
-  POST must be ``Content-Type: application/json``, which a page can only send cross-origin after a CORS
-  preflight that this server never approves.
-- Credentials are never logged and never appear in an error message; handlers never see ``Authorization``.
+``POST /restart`` kills a training task, so (docs/security.md has the threat model): every path but the open two
+needs a bearer credential one of the :mod:`psguard.agent.control.auth` authenticators accepts, on loopback too
+(``open_read`` serves the reads without one); with a CA in ``tls`` a client certificate too. Each connection has
+one absolute deadline (``request_timeout``) for handshake, head and body, and :meth:`AgentHTTPServer.stop` cuts
+every open one. Bad input is a 4xx, never a 500. Where reads are open on loopback, the ``Host`` header must name
+loopback (DNS rebinding) and a POST must be JSON (a CORS preflight this server never approves). Credentials are
+never logged; handlers never see ``Authorization``. Under load: :mod:`psguard.agent.control.connections`.
 """
 
 from __future__ import annotations
@@ -175,8 +156,7 @@ class AgentHTTPServer:
     ``readiness`` returns named checks (``{"task": True, "memory_tier": False}``); ready means all true.
     ``status`` returns JSON-able data. Both are called on request threads and must be thread-safe.
     ``port=0`` picks a free port; read it from :attr:`port` after :meth:`start`. ``workers`` threads answer the
-    requests that pass the credential check, so at most that many handlers run at once (a handler may wait on
-    another agent: the old server had a thread per connection, no bound).
+    requests that pass the credential check, so at most that many handlers run at once.
     """
 
     def __init__(
@@ -485,8 +465,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     disable_nagle_algorithm = True  # the head and the body are two writes: the body must not wait for an ACK
 
     def __init__(self, connection: Connection, agent: AgentHTTPServer) -> None:
-        # What BaseRequestHandler.__init__ runs (setup, handle, finish), for a connection the intake accepted and
-        # whose head it read; no socketserver.
+        # What BaseRequestHandler.__init__ runs, for a connection the intake accepted and whose head it read.
         self.agent = agent
         self._accepted = connection
         self.request, self.client_address = connection.sock, connection.address
@@ -500,9 +479,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         super().setup()
         self.connection.settimeout(self.agent.request_timeout)  # for writing the answer
         self.rfile.close()
-        # The head the intake read, then the body by the connection's one absolute deadline (set at accept, for
-        # the handshake, the head and the body): a client sending a byte every few seconds is cut when it
-        # passes, not kept alive by each byte as a per-read timeout would.
+        # The head the intake read, then the body by the connection's one absolute deadline (set at accept).
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self._accepted.deadline, self._accepted.data))
 
     def do_GET(self) -> None:
@@ -512,8 +489,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self._dispatch("POST")
 
     def _dispatch(self, method: str) -> None:
-        # The answer is sent outside _respond's error handling: a client that hung up makes the send fail, and
-        # that OSError goes to the intake's worker (one DEBUG line), never into a 500 and an ERROR traceback.
+        # Sent outside _respond's error handling: a client that hung up is one DEBUG line, never a 500.
         self._send(self._respond(method))
 
     def _respond(self, method: str) -> Response:
