@@ -23,7 +23,6 @@ the tier takes is moved into it, where a restore hands it to TensorFlow without 
 from __future__ import annotations
 
 import threading
-import time
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -92,7 +91,6 @@ class ApplyResult:
     step: int | None
     token: str | None
     message: str = ""
-    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -332,7 +330,7 @@ class MemoryTier:
                 for n, a in self._arrays.items()
             }
         if current is None:
-            return ApplyResult("need_full", self._step, None, "the tier is empty", 0.0), updates
+            return ApplyResult("need_full", self._step, None, "the tier is empty"), updates
         return self.apply(updates, step=step, token=token, parent=current), updates
 
     def take_array(self, name: str) -> np.ndarray | None:
@@ -409,11 +407,10 @@ class MemoryTier:
         write to them afterwards. Invalid captures raise (:class:`TensorMismatchError`, :class:`ConfigError`)
         before anything changes.
         """
-        t0 = time.perf_counter()
         with self._lock:
             if self._step is not None and token == self._token:
                 # Processed again after the answer was lost (e.g. the agent could not write its ack): same state.
-                return ApplyResult("ok", self._step, self._token, "already applied", time.perf_counter() - t0)
+                return ApplyResult("ok", self._step, self._token, "already applied")
             if parent is None:
                 partial = [n for n, u in updates.items() if not isinstance(u, Full)]
                 if partial:
@@ -429,7 +426,6 @@ class MemoryTier:
                     self._token,
                     f"delta for step {step} is relative to {parent}, but the memory tier is {have}; send a full "
                     "capture",
-                    time.perf_counter() - t0,
                 )
             self._validate(updates, delta=parent is not None)
             if parent is None:
@@ -441,7 +437,7 @@ class MemoryTier:
             self._token = token
             self._metadata = dict(metadata or {})
             self._metrics = dict(metrics or {})
-            return ApplyResult("ok", step, token, "", time.perf_counter() - t0)
+            return ApplyResult("ok", step, token)
 
     def _validate(self, updates: Mapping[str, TensorUpdate], *, delta: bool) -> None:
         if delta:

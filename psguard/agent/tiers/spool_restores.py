@@ -43,7 +43,7 @@ from psguard.handoff.spool import (
 )
 from psguard.store.manifest import is_checkpoint_id
 
-__all__ = ["RestoreAnswers", "Served"]
+__all__ = ["RestoreAnswers"]
 
 log = logging.getLogger(__name__)
 
@@ -56,16 +56,6 @@ class _Ahead:
     tasks: frozenset[str]
     done: threading.Event = field(default_factory=threading.Event)
     files: list[dict[str, Any]] | None = None
-
-
-@dataclass(frozen=True)
-class Served:
-    """A restore request answered: the step and status of the answer, the bytes written, the seconds it took."""
-
-    step: int | None
-    status: str
-    nbytes: int
-    seconds: float
 
 
 class RestoreAnswers:
@@ -88,7 +78,6 @@ class RestoreAnswers:
         self.shards = shards
         self._order = order
         self._writer_alive = writer_alive
-        self.count = 0  # restore requests answered
         self._ahead_lock = threading.Lock()
         self._ahead: _Ahead | None = None  # the export ahead of the next restore (export_ahead)
 
@@ -143,19 +132,18 @@ class RestoreAnswers:
                 return ahead.files
         return shards.export(shards.active, token)
 
-    def serve(self, request: Path, name: str, gen: str) -> Served | None:
-        """Answer the restore ``request`` of writer ``gen`` under ``name`` (None: nobody will read an answer)."""
+    def serve(self, request: Path, name: str, gen: str) -> tuple[int | None, str] | None:
+        """Answer the restore ``request`` of writer ``gen`` under ``name``: the answer's step and status (None:
+        nobody will read an answer)."""
         final = self._paths.restore / name
         if final.exists() or not self._writer_alive(gen):
             with contextlib.suppress(OSError):
                 request.unlink()
             return None
-        t0 = time.perf_counter()
         tmp = self._paths.restore / f"{name}{AGENT_TMP}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         durable = self.persister.status() if self.persister is not None else None
-        nbytes = 0
         try:
             wanted = read_json_if_present(request) or {}
             if wanted.get("checkpoint") is not None:
@@ -175,7 +163,6 @@ class RestoreAnswers:
                 }
                 for i, (tname, value) in enumerate(snap.tensors.items()):
                     ref = write_array(tmp, f"{i}.bin", value)
-                    nbytes += int(ref["size"])
                     doc["tensors"].append(
                         {"name": tname, "dtype": dtype_name(value.dtype), "shape": list(value.shape), **ref}
                     )
@@ -194,8 +181,7 @@ class RestoreAnswers:
         os.rename(tmp, final)
         with contextlib.suppress(OSError):
             request.unlink()
-        self.count += 1
-        return Served(doc.get("step"), status, nbytes, time.perf_counter() - t0)
+        return doc.get("step"), status
 
     def _load_durable(self, wanted: Mapping[str, Any], last_id: str | None) -> None:
         """Bring every tier to a durable checkpoint, each PS's agent reading its own rows of it from the log.

@@ -51,35 +51,20 @@ POLL_WITHOUT_WATCHDOG = 0.05
 """Seconds between scans of the spool when watchdog (an optional dependency) is not installed."""
 
 
-class _WatchdogStopRace(logging.Filter):
-    """Drop watchdog's ERROR "queue_events() called when the thread is inactive".
-
-    watchdog 7 logs it when an inotify event arrives while its observer is being stopped (its own race, nothing
-    lost: we process what is in the folders, not the events). Every agent stop printed it as an error.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "called when the thread is inactive" not in record.getMessage()
-
-
-def _quiet_watchdog_stop_race() -> None:
-    logger = logging.getLogger("watchdog.observers.inotify")
-    if not any(isinstance(f, _WatchdogStopRace) for f in logger.filters):
-        logger.addFilter(_WatchdogStopRace())
+def _not_watchdog_stop_race(record: logging.LogRecord) -> bool:
+    """watchdog 7 logs an ERROR when an inotify event races its observer's stop (nothing is lost: the folders are
+    scanned, not the events); every agent stop printed it."""
+    return "called when the thread is inactive" not in record.getMessage()
 
 
 @dataclass(frozen=True)
 class SpoolEvent:
-    """One capture or restore handled by the agent, for metrics and logs."""
+    """One capture or restore handled by the agent, for metrics."""
 
     kind: Literal["capture", "restore"]
     seq: int | None
     step: int | None
     status: str
-    nbytes: int
-    read_seconds: float
-    apply_seconds: float
-    message: str = ""
     stall_seconds: float | None = None  # the trainer's training stall for this capture, when it said
 
 
@@ -87,36 +72,16 @@ class SpoolEvent:
 class SpoolServerStatus:
     running: bool
     captures: Mapping[str, int]
-    bytes_received: int
-    restores: int
-    last_seq: int | None
-    last_apply_seconds: float | None
     last_error: str | None
-
-
-class _Wake:
-    """watchdog handler: any change in a watched folder wakes the processing thread (it rescans)."""
-
-    def __init__(self, event: threading.Event) -> None:
-        from watchdog.events import FileSystemEventHandler
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, _: Any) -> None:
-                event.set()
-
-        self.handler = Handler()
 
 
 @dataclass(frozen=True)
 class _Applied:
-    """A capture read and applied (or refused): its answer and what the counters and the event need."""
+    """A capture read and applied (or refused): its answer and what the event needs."""
 
     ack: Ack
     step: int | None
     tiers: frozenset[Tier]
-    nbytes: int
-    read_seconds: float
-    apply_seconds: float
     stall: float | None  # the trainer's stall for it, as it reported
 
 
@@ -160,11 +125,8 @@ class SpoolServer:
         self._dead_writers: set[str] = set()
         self._last_prune = 0.0
         self._counts: dict[str, int] = {"ok": 0, "need_full": 0, "error": 0}
-        self._bytes = 0
-        self._last_seq: int | None = None
         self._marked_retrying: set[int] = set()  # pending durable answers that say the store is being retried
         self._answering = threading.Lock()
-        self._last_apply: float | None = None
         self._last_error: str | None = None
         self._moved_said = False
         self._answers = RestoreAnswers(self._paths, tier, persister, shards, self._order, self._writer_alive)
@@ -232,10 +194,6 @@ class SpoolServer:
         return SpoolServerStatus(
             running=self._thread is not None and self._thread.is_alive(),
             captures=dict(self._counts),
-            bytes_received=self._bytes,
-            restores=self._answers.count,
-            last_seq=self._last_seq,
-            last_apply_seconds=self._last_apply,
             last_error=self._last_error,
         )
 
@@ -243,13 +201,20 @@ class SpoolServer:
         """A watchdog observer on the two folders the trainer writes, or ``None`` without watchdog installed
         (``psguard[watch]``): then the processing thread polls every :data:`POLL_WITHOUT_WATCHDOG` seconds."""
         try:
+            from watchdog.events import FileSystemEventHandler
             from watchdog.observers import Observer
         except ImportError:
             log.info("event=spool_polling spool=%s every=%ss reason=watchdog-not-installed", self.root, self._poll)
             return None
-        _quiet_watchdog_stop_race()
+        logging.getLogger("watchdog.observers.inotify").addFilter(_not_watchdog_stop_race)
+        wake = self._wake
+
+        class Wake(FileSystemEventHandler):  # any change wakes the processing thread: it rescans
+            def on_any_event(self, _: Any) -> None:
+                wake.set()
+
         observer = Observer()
-        handler = _Wake(self._wake).handler
+        handler = Wake()
         observer.schedule(handler, str(self._paths.incoming), recursive=False)
         observer.schedule(handler, str(self._paths.requests), recursive=False)
         observer.start()
@@ -311,16 +276,8 @@ class SpoolServer:
                 with contextlib.suppress(OSError):
                     p.unlink()
             elif p.name.endswith(".pending.json"):
-                seq = int(p.name.split(".", 1)[0])
-                self._write_durable_ack(
-                    DurableAck(
-                        seq,
-                        "error",
-                        None,
-                        None,
-                        "the agent was restarted before this capture became durable; send a whole capture",
-                    )
-                )
+                why = "the agent was restarted before this capture became durable; send a whole capture"
+                self._write_durable_ack(DurableAck(int(p.name.split(".", 1)[0]), "error", None, None, why))
 
     # ------------------------------------------------------------------------------------------- processing
     def process_once(self) -> int:
@@ -349,9 +306,7 @@ class SpoolServer:
                 if m:
                     served = self._answers.serve(self._paths.requests / name, f"{m.group(1)}-{m.group(2)}", m.group(1))
                     if served is not None:
-                        self._emit(
-                            SpoolEvent("restore", None, served.step, served.status, served.nbytes, 0.0, served.seconds)
-                        )
+                        self._emit(SpoolEvent("restore", None, *served))
                 elif name.startswith("."):
                     gen = re.search(r"restore-([0-9a-f]{8})-", name)
                     if gen and not self._writer_alive(gen.group(1)):
@@ -407,17 +362,9 @@ class SpoolServer:
             log.info("event=first_base step=%s: the durable log has no base yet; writing this state as its base", step)
         shutil.rmtree(folder, ignore_errors=True)
         self._counts[ack.status] = self._counts.get(ack.status, 0) + 1
-        self._bytes += done.nbytes
-        self._last_seq = seq
-        self._last_apply = done.apply_seconds
         if ack.status == "error":
             self._last_error = ack.message
-        self._emit(
-            SpoolEvent(
-                "capture", seq, step, ack.status, done.nbytes, done.read_seconds, done.apply_seconds, ack.message,
-                done.stall,
-            )
-        )  # fmt: skip
+        self._emit(SpoolEvent("capture", seq, step, ack.status, done.stall))
 
     def _answered_before(self, seq: int, folder: Path) -> bool:
         """Whether ``seq`` has its answer already (a predecessor answered, then died before deleting the capture)."""
@@ -435,21 +382,17 @@ class SpoolServer:
     def _apply_capture(self, seq: int, folder: Path) -> _Applied:
         """Read the capture ``seq`` and apply it to the tiers (its PS parts first): its answer, whatever is wrong
         with it (an answer never blocks the captures after it)."""
-        t0 = time.perf_counter()
         step: int | None = None
         tiers: frozenset[Tier] = frozenset()
-        nbytes = 0
-        apply_seconds = 0.0
         stall: float | None = None
         try:
             cap = read_capture(folder, shown=self._paths.show(folder))
-            step, tiers, nbytes = cap.step, cap.tiers, cap.nbytes
+            step, tiers = cap.step, cap.tiers
             raw_stall = cap.metadata.get("capture_stall_seconds")
             if isinstance(raw_stall, int | float) and not isinstance(raw_stall, bool) and raw_stall >= 0:
                 stall = float(raw_stall)
             if cap.seq != seq:
                 raise CorruptCheckpointError(f"spool capture {folder}: says it is seq {cap.seq}")
-            read_seconds = time.perf_counter() - t0
             with self._order:
                 status, message = self._apply_parts(cap)
                 if status == "ok":
@@ -461,7 +404,7 @@ class SpoolServer:
                         metadata=cap.metadata,
                         metrics=cap.metrics,
                     )
-                    status, message, apply_seconds = result.status, result.message, result.seconds
+                    status, message = result.status, result.message
                     if status == "ok" and self.shards is not None:
                         self.shards.active = tuple(p.task for p in cap.parts)
                 copies = (
@@ -474,12 +417,11 @@ class SpoolServer:
                 log.warning("event=capture_not_applied seq=%d step=%d status=%s message=%r", seq, cap.step, status,
                             message[:500])  # fmt: skip
         except Exception as e:  # whatever is wrong with this capture, answer it: never block the ones after it
-            read_seconds = time.perf_counter() - t0
             ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}", self._token_of(folder))
             log.warning("spool %s: capture seq %d rejected: %s", self.root, seq, e)
             if not tiers:
                 tiers = self._tiers_of(folder)
-        return _Applied(ack, step, tiers, nbytes, read_seconds, apply_seconds, stall)
+        return _Applied(ack, step, tiers, stall)
 
     def _apply_parts(self, cap: SpooledCapture) -> tuple[Literal["ok", "need_full", "error"], str]:
         """Forward the capture's PS parts to their agents first: the chief's tier moves only if they all did."""

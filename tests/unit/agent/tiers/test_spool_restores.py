@@ -73,6 +73,6 @@ def test_an_export_ahead_for_some_ps_only_is_no_answer_for_a_restore(tmp_path: P
     request = paths.requests / "restore-0000abcd-00000000000a.json"
     request.write_text("{}")
     served = answers.serve(request, "0000abcd-00000000000a", "0000abcd")
-    assert served is not None and (served.step, served.status) == (7, "ok") and answers.count == 1
+    assert served == (7, "ok")
     assert shards.exports == [(("ps:1",), "t7"), (("ps:0", "ps:1"), "t7")]
     assert (paths.restore / "0000abcd-00000000000a" / "manifest.json").is_file() and not request.exists()
