@@ -1,32 +1,17 @@
 """``psguard wrap -- python train.py``: run an existing PS training script with every task under an agent.
 
-A PS job needs its servers started, a ``TF_CONFIG`` per task, and someone to restart what dies. Teams that run
-locally (or on a single big host) usually have a shell script for that, which restarts nothing. ``wrap`` does
-it with no change to the script: it writes ``cluster.json`` on free loopback ports, starts one ``psguard agent``
-per PS and worker (each runs and supervises a ``tf.distribute.Server``: same address on every restart, the RPC
-probe catches a frozen server), then one for the chief that runs the user's command with ``TF_CONFIG`` for
-``chief:0`` and watches every other agent. The command's output and the chief agent's warnings (``-v``: its
-events) go to this terminal; the other agents' logs to ``DIR/agents/*/agent.log``.
+It writes ``cluster.json`` on free loopback ports, starts one ``psguard agent`` per PS and worker (each supervising
+a ``tf.distribute.Server``), then one for the chief that runs the user's command with ``TF_CONFIG`` for
+``chief:0`` and watches every other agent: no change to the script. With ``psguard.CheckpointManager`` (given the
+same URL as ``--store``) the script also gets the memory tier and the durable log. A PS or worker agent that dies
+(a lost node) is started again, up to ``--agent-restarts`` times; each task counts as its own node
+(``PSGUARD_NODE=wrap-ps0``...), so that peer copies land on another task's agent.
 
-With the one-line change (``tf.train.CheckpointManager`` -> ``psguard.CheckpointManager``, given the same URL
-as ``--store``) the script also gets psguard checkpoints: the chief's agent holds the memory tier (the
-``PSGUARD_SPOOL`` hand-off) and writes the durable log to ``--store``.
-
-A PS or worker agent that dies while the job runs (killed with its task: what a lost node looks like) is
-replaced as a cluster manager would replace the pod: started again with the same arguments and address, up to
-``--agent-restarts`` times per agent. Each task counts as its own node (``PSGUARD_NODE=wrap-ps0``...), so that
-peer copies (``peers: {copies: full}`` in ``--config``) are placed on another task's agent and a replaced PS
-agent takes its shards from there.
-
-Exit code: 0 when the command finished (exit 0); 1 when the chief's agent gave up on it (crash loop: the message
-lists the exit codes) or an agent died more often than it may be replaced; 130 / 143 when interrupted (SIGINT /
-SIGTERM), after every process ``wrap`` started was stopped: the chief's agent first (it stops the trainer and
-drains the durable log), then the PS and worker agents together. A second Ctrl-C or SIGTERM during that kills them
-at once.
-
-The PS / worker agents are :class:`psguard.agent.process.launcher.AgentProcess` as in ``psguard demo`` (output to
-a log file, settings tuned for a local cluster). The chief's agent is started here instead: its output is the
-user's training output and belongs on the terminal, and ``--config`` applies to it.
+Exit code: 0 when the command finished; 1 when the chief's agent gave up on it or an agent died too often; 130 /
+143 when interrupted (SIGINT / SIGTERM), after every process ``wrap`` started was stopped: the chief's agent
+first (it drains the durable log), then the others. A second Ctrl-C or SIGTERM during that kills them at once.
+The chief's agent is started here, not as an :class:`~psguard.agent.process.launcher.AgentProcess`: its output is
+the user's and belongs on the terminal.
 """
 
 from __future__ import annotations
@@ -52,7 +37,7 @@ from psguard.agent.config import AgentConfig
 from psguard.agent.process.launcher import AgentProcess, LaunchError, write_cluster
 from psguard.config import loads_yaml, read_settings_file
 from psguard.errors import ConfigError, PsguardError
-from psguard.handoff.credentials import TokenFile, create_token_file, read_secret_file
+from psguard.handoff.credentials import create_token_file, read_secret_file
 from psguard.run_folder import drop_memory_folders, memory_folder
 from psguard.storage.registry import split_url
 
@@ -87,12 +72,8 @@ class _Stop(BaseException):
 
 def _chief_settings(path: Path) -> dict[str, Any]:
     """The user's ``--config``, checked now (a bad key is refused before any process starts, naming their file).
-
-    The chief's agent gets a copy with the run's own ``state_dir`` unless the file sets one: with the default
-    (``/dev/shm/psguard-default-agents``) two wrapped jobs on one host would share ``chief_0.task.json``: the
-    second job's chief agent would refuse to start, taking the first job's live agent for another agent of its
-    own task.
-    """
+    The chief's agent gets a copy with the run's own ``state_dir`` (unless the file sets one): two wrapped jobs on
+    one host must not share their task records."""
     text = read_settings_file(str(path))
     loads_yaml(AgentConfig, text, source=str(path))
     data = yaml.safe_load(text) or {}
@@ -137,29 +118,18 @@ def _stop_all(chief: subprocess.Popen[bytes] | None, servers: Sequence[subproces
             signal.signal(signum, handler)
 
 
-def run(
-    command: Sequence[str],
-    *,
-    ps: int = 1,
-    workers: int = 1,
-    store: str | None = None,
-    directory: str | os.PathLike[str] | None = None,
-    config: str | os.PathLike[str] | None = None,
-    verbose: int = 0,
-    start_timeout: float = 180.0,
-    token_file: str | os.PathLike[str] | None = None,
-    agent_restarts: int = 3,
-) -> int:
-    """Run ``command`` as the chief of a local PS cluster, every task under an agent; its exit code (see above).
+def run(command: Sequence[str], args: argparse.Namespace) -> int:
+    """Run ``command`` as the chief of a local PS cluster, every task under an agent (``args``: ``psguard wrap``'s
+    options); its exit code (see above).
 
     Blocks until the command finished or the chief's agent gave up; every process started here is stopped
-    before this returns, also on ``KeyboardInterrupt``. ``token_file``: the agents' bearer token (a file only its
-    owner can read; kept), so that the run can be queried (``psguard status URL --token-file``); by default a
-    fresh one, removed at the end.
+    before this returns, also on ``KeyboardInterrupt``. ``--token-file``: the agents' bearer token (kept), so
+    that the run can be queried; by default a fresh one, removed at the end.
     """
-    chief_settings = _checked(command, ps, workers, store, config, token_file, agent_restarts)
-    own_dir = directory is None
-    work = Path(tempfile.mkdtemp(prefix="psguard-wrap-")) if directory is None else Path(directory)
+    chief_settings = _checked(command, args)
+    ps, workers, store = args.ps, args.workers, args.store
+    own_dir = args.dir is None
+    work = Path(tempfile.mkdtemp(prefix="psguard-wrap-")) if own_dir else Path(args.dir)
     work.mkdir(parents=True, exist_ok=True)
     work = work.resolve()
     cluster, _ = write_cluster(work, ps=ps, workers=workers)
@@ -170,24 +140,21 @@ def run(
     chief: subprocess.Popen[bytes] | None = None
     failed = True
     # One token per run for every agent (the chief's agent restarts the PS servers with it), in a private file
-    # outside the work folder, which is kept on failure; removed when the run ends.
-    token: TokenFile | None = None  # one made here, removed at the end; a given one is the caller's
-    if token_file is None:
-        token = create_token_file("psguard-wrap-token-")
-        token_path = token.path
-    else:
-        token_path = Path(token_file).resolve()
+    # outside the work folder, which is kept on failure; one made here is removed when the run ends.
+    token = create_token_file("psguard-wrap-token-") if args.token_file is None else None
+    token_path = token.path if token is not None else Path(args.token_file).resolve()
     try:
         base = ["--cluster", str(cluster)]
         servers += _start_servers(work, base, ps, workers, store, token_path, in_memory)
         try:
-            peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(start_timeout))]
+            peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(args.start_timeout))]
         except LaunchError as e:
             raise WrapError(str(e)) from None
         chief_dir = agents_dir / "chief"
         chief_dir.mkdir(parents=True, exist_ok=True)
         chief_config = _write_chief_config(chief_dir / "agent.yaml", agents_dir / ".state", chief_settings)
-        argv = [sys.executable, "-m", "psguard.cli", *(["-v"] * verbose), "agent", "--role", "chief"]
+        verbose = ["-v"] * getattr(args, "verbose", 0)
+        argv = [sys.executable, "-m", "psguard.cli", *verbose, "agent", "--role", "chief"]
         argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
         argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token_path)]
         if store is not None:
@@ -196,7 +163,7 @@ def run(
         # Its own session: Ctrl-C in the terminal reaches wrap alone, which then stops the chief's agent with
         # SIGTERM, so that the agent stops the trainer and drains the durable log before the servers go.
         chief = subprocess.Popen(argv, start_new_session=True)
-        code = _watch(chief, servers, agent_restarts)
+        code = _watch(chief, servers, args.agent_restarts)
         failed = code != 0
         if failed:
             print(
@@ -216,33 +183,25 @@ def run(
             print(f"psguard wrap: cluster.json and the agents' logs are in {work}", file=sys.stderr)
 
 
-def _checked(
-    command: Sequence[str],
-    ps: int,
-    workers: int,
-    store: str | None,
-    config: str | os.PathLike[str] | None,
-    token_file: str | os.PathLike[str] | None,
-    agent_restarts: int,
-) -> dict[str, Any] | None:
+def _checked(command: Sequence[str], args: argparse.Namespace) -> dict[str, Any] | None:
     """Refuse bad options before any process starts; the user's ``--config`` settings (None: not given)."""
     if not command:
         raise ConfigError("give the training command after '--': psguard wrap [OPTIONS] -- python train.py ...")
-    if ps < 1:
-        raise ConfigError(f"--ps: a parameter-server job needs at least one PS, got {ps}")
-    if workers < 1:
-        raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {workers}")
-    if agent_restarts < 0:
-        raise ConfigError(f"--agent-restarts: expected 0 or more replacements per agent, got {agent_restarts}")
-    if config is not None and not Path(config).is_file():
-        raise ConfigError(f"--config {config}: no such file")
-    chief_settings = None if config is None else _chief_settings(Path(config))
-    if token_file is not None:
-        read_secret_file(str(token_file), "--token-file")  # missing, empty, or readable by others: refused now
-    if store is None:
+    if args.ps < 1:
+        raise ConfigError(f"--ps: a parameter-server job needs at least one PS, got {args.ps}")
+    if args.workers < 1:
+        raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {args.workers}")
+    if args.agent_restarts < 0:
+        raise ConfigError(f"--agent-restarts: expected 0 or more replacements per agent, got {args.agent_restarts}")
+    if args.config is not None and not Path(args.config).is_file():
+        raise ConfigError(f"--config {args.config}: no such file")
+    chief_settings = None if args.config is None else _chief_settings(Path(args.config))
+    if args.token_file is not None:
+        read_secret_file(str(args.token_file), "--token-file")  # missing, empty, or readable by others: refused now
+    if args.store is None:
         print(NO_STORE_WARNING, file=sys.stderr, flush=True)
     else:
-        split_url(store)  # a URL missing a slash (s3:/bucket) fails here, before any process starts
+        split_url(args.store)  # a URL missing a slash (s3:/bucket) fails here, before any process starts
     return chief_settings
 
 
@@ -313,18 +272,7 @@ def main(args: argparse.Namespace) -> int:
 
     previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
-        return run(
-            command,
-            ps=args.ps,
-            workers=args.workers,
-            store=args.store,
-            directory=args.dir,
-            config=args.config,
-            verbose=getattr(args, "verbose", 0),
-            start_timeout=args.start_timeout,
-            token_file=args.token_file,
-            agent_restarts=args.agent_restarts,
-        )
+        return run(command, args)
     except _Stop:
         print("psguard wrap: terminated; every process it started was stopped", file=sys.stderr, flush=True)
         return 143
