@@ -93,18 +93,22 @@ class ShardClient:
             groups.setdefault(int(t.split(":")[1]) // self.parity_group, []).append(t)
         return [tuple(g) for _, g in sorted(groups.items())]
 
-    def _parity_targets(self, peers: Mapping[str, str], nodes: Mapping[str, str | None]) -> dict[str, str]:
-        """Member -> the holder of its group's parity: the user's, else the first PS after the group in ring order
-        on a node none of the members is on."""
+    def copy_targets(self) -> dict[str, str]:
+        """Owner PS task -> the PS task whose agent holds its copy (or its group's parity): the user's placement,
+        else the first PS after it (its group) in index order on a node none of them is on. An owner with no such
+        holder gets none (and a warning, once)."""
+        if self.copies == "none":
+            return {}
+        peers, nodes = self._peers(), self._nodes()
         ps = sorted((t for t in peers if t.startswith("ps:")), key=lambda t: int(t.split(":")[1]))
+        parity = self.copies == "parity"
         out: dict[str, str] = {}
-        for members in self.parity_groups():
+        for members in self.parity_groups() if parity else [(t,) for t in ps]:
             key = ",".join(members)
-            wanted = self.parity_placement.get(key)
+            wanted = (self.parity_placement if parity else self.placement).get(key)
             last = ps.index(members[-1])
-            ring = [ps[(last + k) % len(ps)] for k in range(1, len(ps))]
             taken = {nodes.get(m) or "" for m in members}
-            for holder in [wanted] if wanted is not None else ring:
+            for holder in [wanted] if wanted is not None else [ps[(last + k) % len(ps)] for k in range(1, len(ps))]:
                 if holder in peers and holder not in members and (nodes.get(holder) or "?") not in taken:
                     out.update(dict.fromkeys(members, holder))
                     break
@@ -112,39 +116,12 @@ class ShardClient:
                 if key not in self._warned:
                     self._warned.add(key)
                     log.warning(
-                        "event=parity_unplaced group=%s nodes=%s: no PS agent outside the group on another node "
-                        "can hold its parity (placement %s); a loss of a member's node restores from the durable log",
+                        "event=%s=%s nodes=%s: no PS agent on another node can hold its %s (placement %s); a loss "
+                        "of its node restores from the durable log",
+                        "parity_unplaced group" if parity else "peer_copy_unplaced task",
                         key,
                         dict(nodes),
-                        wanted or "ring",
-                    )
-        return out
-
-    def copy_targets(self) -> dict[str, str]:
-        """Owner PS task -> the PS task whose agent holds its copy: the user's placement, else the next PS in
-        index order on another node. A PS with no such peer gets none (and a warning, once)."""
-        if self.copies == "none":
-            return {}
-        peers, nodes = self._peers(), self._nodes()
-        if self.copies == "parity":
-            return self._parity_targets(peers, nodes)
-        ps = sorted((t for t in peers if t.startswith("ps:")), key=lambda t: int(t.split(":")[1]))
-        out: dict[str, str] = {}
-        for i, owner in enumerate(ps):
-            wanted = self.placement.get(owner)
-            candidates = [wanted] if wanted is not None else [ps[(i + k) % len(ps)] for k in range(1, len(ps))]
-            for holder in candidates:
-                if holder in peers and holder != owner and (nodes.get(holder) or "?") != (nodes.get(owner) or ""):
-                    out[owner] = holder
-                    break
-            else:
-                if owner not in self._warned:
-                    self._warned.add(owner)
-                    log.warning(
-                        "event=peer_copy_unplaced task=%s nodes=%s: no PS agent on another node can hold its copy "
-                        "(placement %s); a loss of its node restores from the durable log",
-                        owner,
-                        dict(nodes),
+                        "parity" if parity else "copy",
                         wanted or "ring",
                     )
         return out
