@@ -1,27 +1,11 @@
 """Capture the rows that changed since the last capture, finding them on the PS that holds them.
 
-The capture is the only part of a psguard save that stops training, and on a PS job most of the state is in
-large embedding tables of which a small fraction of rows changes between two saves. Writing whole tables
-(what ``tf.train.Checkpoint`` does, each PS its own shards) costs time and bandwidth proportional to the
-model; this module keeps, beside every large variable shard and on the same device, one 64-bit fingerprint per row
-(``tf.fingerprint``: farmhash64 of the row's bytes). A capture is one ``tf.function`` call for the whole
-model that finds and sends only the changed rows, comparing them by their bytes: that function, its exactness
-and the rebase beside it are :mod:`psguard.trainer.capture_graph`, the restore's PS-side load
-:mod:`psguard.trainer.ps_load`; this module keeps the variables they work on, and
-:mod:`psguard.trainer.capture_results` turns their outputs into updates.
-
-Candidates: hashing every row of every large shard was most of the stall (about two thirds of it for two 256 MB
-tables at 1% changed rows). So the capturer also hooks the write methods of those variables, and each sparse
-write marks its rows in a bool variable beside the shard, inside the training step, on the PS; the candidates
-are then the marked rows. Adam's moment decay is a dense write that moves only the rows where the moments are not
-0, so for tf_keras Adam, AdamW and Adamax the marks follow those rows instead (the slots' live rows, see
-:class:`~psguard.trainer.write_tracking.DirtyRows`). Every row is a candidate when another write was dense, when
-the optimizers' step count
-says some step ran without the hooks, when a random sample of unmarked rows turns out changed, on full
-captures, and every ``verify_every`` captures. What this relies on, and what it costs when it cannot be used,
-is in :class:`Capturer`.
-
-Names and logical values: :mod:`psguard.trainer.variables`; written-row tracking: :mod:`psguard.trainer.write_tracking`.
+The capture is the only part of a save that stops training, and most of a PS job's state is in large tables of
+which few rows change between saves. So beside every large shard, on its device, the capturer keeps one 64-bit
+fingerprint per row, and a capture is one ``tf.function`` call (:mod:`psguard.trainer.capture_graph`) that sends
+only the rows whose bytes changed. Hashing every row was most of the stall, so write hooks
+(:mod:`psguard.trainer.write_tracking`) mark the rows each step writes, and a capture hashes only those; the
+safety nets that make it hash every row are in :class:`Capturer`.
 """
 
 from __future__ import annotations
@@ -111,45 +95,18 @@ def _same_layout(a: TensorInfo, b: TensorInfo) -> bool:
 class Capturer:
     """Incremental captures of everything ``root`` (a ``tf.train.Checkpoint`` or any trackable) saves.
 
-    The first capture, and any after :meth:`invalidate`, is full; later ones hold only what changed since
-    the previous capture, so the caller must apply (or persist) every capture in order, or invalidate.
-    Variables created later (optimizer slots built on the first step) are picked up at the next capture
-    and come out whole. Create it outside ``strategy.scope()`` or inside, either works: its own fingerprint
-    variables bypass the strategy and are placed beside each shard explicitly.
+    The first capture, and any after :meth:`invalidate`, is full; later ones hold only what changed, so the
+    caller must apply every capture in order, or invalidate. Variables created later come out whole.
+    Tensors under ``row_tracking_min_rows`` rows, of rank 0, under 8 bytes per row or of strings are compared
+    whole; larger ones row by row, hashed in slices of ``hash_chunk_bytes``.
 
-    ``row_tracking_min_rows``: tensors with fewer rows, rank 0, fewer than 8 bytes per row or of string
-    dtype are compared whole (one fingerprint) and sent whole when changed; larger ones row by row.
-    ``hash_chunk_bytes``: a shard whose every row is hashed is read and hashed in slices of about this size.
-
-    Write tracking (``track_writes``, on by default): hashing every row of every large shard at each save
-    is what the stall is made of, while a step writes a few rows. When every optimizer in ``root`` is a
-    tf_keras (2.11+) or Keras 3 one, the capturer hooks the write methods of the row-tracked variables and
-    the optimizers' apply method: each sparse write marks its rows in a bool variable beside the shard, any
-    other write marks the whole shard, and a capture hashes only the marked rows (still comparing bytes, so
-    rows rewritten with the same bits are not sent). Every row is hashed instead when:
-
-    - the optimizers' ``iterations`` moved by another amount than the hooked apply calls (a step function
-      traced before this capturer hooked the variables, or a step that died half-way): nothing is missed;
-    - a shard was written by a dense write (``assign``..., AdamW's weight decay, Keras 3 Adam's updates), except
-      the decay of tf_keras Adam, AdamW and Adamax inside their update for a sparse gradient: it moves only rows
-      where the slots are not 0, which the slots' live rows (rows ever written sparsely, re-read from the
-      values whenever the shard is hashed whole) cover, so it marks those rows;
-    - the capture is full, or every ``verify_every``-th capture (the safety net below);
-    - ``probe_rows`` random rows of a shard (re-drawn at each capture) hold a change that was not marked.
-
-    The contract: writes through the variable objects (any tf_keras / Keras 3 optimizer, ``assign``,
-    ``scatter_*`` by user code, eager or traced after this capturer started) are seen at the next capture.
-    Writes that bypass them (raw ops on a variable's handle such as ``tf.raw_ops.ResourceScatterUpdate``,
-    ``tf.compat.v1.scatter_*``, or user writes in a function traced before this capturer existed) are seen
-    at the next capture that hashes every row: at most ``verify_every`` captures later (the delta chain in
-    between misses them). tf_keras legacy optimizers write with raw ops, so with one of them (or any
-    optimizer of another kind) in ``root``, or with no optimizer at all, every capture hashes every row.
-
-    What makes it hash every row, exact but as slow as without tracking: a step function traced before the
-    capturer hooked the variables it writes, for as long as it is not retraced (build the optimizer before
-    creating the capturer: slots that the first step creates are hooked only afterwards); and a Keras 3
-    optimizer under ``ParameterServerStrategy`` with several workers, whose ``iterations`` loses increments
-    (8 after 12 steps here), so that a lost increment cannot be told from an unhooked step.
+    Write tracking (``track_writes``): with only tf_keras (2.11+) or Keras 3 optimizers in ``root``, a sparse
+    write through a variable object marks its rows, any other write the whole shard (except tf_keras Adam's,
+    AdamW's and Adamax's decay, which marks the slots' live rows), and a capture hashes the marked rows. Every
+    row is hashed when the optimizers' ``iterations`` moved by other than the hooked applies (a step traced
+    before the hooks), on full captures, every ``verify_every``-th capture, and when ``probe_rows`` random
+    unmarked rows changed. Writes that bypass the variable objects (raw ops, legacy optimizers) are seen at the
+    next capture that hashes every row; a legacy optimizer, or none, makes every capture hash every row.
     """
 
     def __init__(
@@ -212,29 +169,19 @@ class Capturer:
 
     @property
     def hook_generation(self) -> StepCounter | None:
-        """The apply counter of the current write hooks (``None`` without write tracking). A new one comes with
-        every capturer and whenever variables get hooked anew: a step function traced under another
-        generation makes every capture hash every row until it is traced again."""
+        """The apply counter of the current write hooks (``None``: no tracking); new whenever variables get
+        hooked anew, so a step function traced under another one must be traced again."""
         return self._counter
 
     # ------------------------------------------------------------------------------------------ public
 
     def capture(self, *, full: bool = False) -> dict[str, TensorUpdate]:
-        """Drain the coordinator, then return name -> Full | Rows | Same for every tensor.
-
-        The drain makes every variable, slot and counter come from the same step. If anything fails the
-        fingerprints on the PS may already describe a state the caller never received, so the next capture
-        is made full.
-
-        With ``spill_dirs``, the tensors captured on the PS nodes are absent from the result: their files and
-        descriptors are in :attr:`last_parts`, one :class:`PartCapture` per PS.
-        """
+        """Drain the coordinator, then return name -> Full | Rows | Same for every tensor (a failure makes the
+        next capture full). Tensors captured into files on their PS nodes (``spill_dirs``) are in
+        :attr:`last_parts` instead."""
         tf = lazy_tf()
         with self._lock:
-            # Re-reading the object graph is pure Python on the chief (about 40 us per variable): do it while
-            # the workers finish their queued steps. Variables are only created by this (the chief's) thread,
-            # when it traces a step function before scheduling it, so none can appear during the drain.
-            self._sync()
+            self._sync()  # before the drain, while the workers run: only this thread creates variables
             t0 = time.perf_counter()
             if self.coordinator is not None:
                 self.coordinator.join()
@@ -245,10 +192,7 @@ class Capturer:
             verify = full or expected is None or self._since_verify + 1 >= self.verify_every
             for tr in primaries:
                 tr.need_full = True  # until this capture has reached the caller
-            outputs: Any = []
-            hashed_all: Any = []
-            strays: Any = []
-            gap: Any = None
+            outputs, hashed_all, strays, gap = [], [], [], None
             nonce = secrets.token_hex(8)
             self.last_parts = []
             if primaries:
@@ -288,11 +232,7 @@ class Capturer:
             return updates
 
     def rebase(self) -> None:
-        """Declare the variables' current values to be what the caller already holds (e.g. just restored).
-
-        Recomputes the fingerprints on the PS without reading anything to the chief, so the next capture
-        is relative to now.
-        """
+        """Declare the variables' current values to be what the caller already holds (e.g. just restored)."""
         with self._lock:
             self._sync()
             self._expected_gap = None
@@ -310,15 +250,8 @@ class Capturer:
             tr.need_full = False
 
     def prepare(self) -> None:
-        """Do the chief-side work of the next capture that does not need the variables at rest, now: re-read the
-        object graph (hooking new variables) and trace the capture function for it.
-
-        A caller about to drain the coordinator (``coordinator.join()``, as a save does) calls it first, so that
-        the work is done while the workers finish their queued steps. The first trace is most of a first
-        save's own stall: about 1,000 ops for an Adam model on 2 PS, 4.6 s under cProfile on a loaded machine
-        (0.7-1.4 s quiet) against 1.3 s for the call, which reads the whole base. The function is still
-        instantiated on the PS by its first call (after a restore, by :meth:`_warm_up`'s dry call).
-        """
+        """Re-read the object graph and trace the capture function now, before the caller drains the
+        coordinator: the first trace (seconds) is then no stall."""
         with self._lock:
             self._sync()
             if self._tracked and self._capture_concrete is None:
@@ -327,30 +260,14 @@ class Capturer:
                 )
 
     def _warm_up(self) -> None:
-        """Instantiate the capture function on the PS now, in the background, by a dry call (nothing read or
-        written: ``capture_graph._unless_dry``), right after a restore: the first capture after every recovery
-        paid the instantiation as training stall (0.16-0.17 s at 1 GB on 2 new PS, against 0.02-0.03 s steady),
-        and here it overlaps with training's first steps instead. Not beside the restore's load: on the 2-core
-        machine that made the load (CPU-bound) as much slower as the capture got faster. Caller holds the lock;
-        the next capture waits for it (:meth:`_join_warm`).
-        """
+        """After a restore, instantiate the capture function on the PS by a dry call in the background, so the
+        first capture does not pay it as stall. Caller holds the lock."""
         if self._tracked and self._warming is None:
             self._warming = warm_functions(self._functions, self._variables())
 
     def _trace_load(self) -> None:
-        """Trace the PS-side load of this layout (:func:`~psguard.trainer.ps_load.load_function`, every shard with
-        its fingerprints and every other tensor from the chief: what a restore from the memory tiers passes) now,
-        once per layout, at the end of a capture (the capture function was traced for the same layout just before).
-        Caller holds the lock.
-
-        Why: a recovery builds the model again and restores at once, and tracing that function was 0.1 s of a 1 GB
-        job's 0.43 s restore (about 20 ops per tensor, in Python on the chief). A trace is kept with the layout's
-        functions, which the next generation's capturer finds again (:func:`functions_for`): variables of the
-        same shapes and dtypes are the same arguments to it, and its trace is then a lookup. A restore of another
-        kind (a shard without its fingerprints after a node loss, say) traces its own, as before. Not on a thread:
-        a daemon thread still tracing when the trainer exits (a failure right after a capture) aborted the
-        process (TensorFlow's C++ code met Python's thread teardown: "FATAL: exception not rethrown").
-        """
+        """Trace this layout's usual PS-side load once, after a capture, so the next generation's restore finds
+        it traced (a lookup instead of 0.1 s). Not on a thread: one still tracing at exit aborts the process."""
         fns = self._functions
         if self._load_traced is fns:
             return
@@ -361,9 +278,8 @@ class Capturer:
             trace_load(fns, which, self._given(lambda _: True), self._variables())
 
     def _given(self, held: Callable[[str], bool]) -> tuple[tuple[int, int], ...]:
-        """The (tensor, shard) indices in the functions' plan of the tensors the chief passes to a PS-side load:
-        every shard of each tensor not captured on its PS whose name ``held`` accepts. The same tuple for the
-        load traced ahead (all of them) and a restore that has them all is what makes its trace a lookup."""
+        """The (tensor, shard) indices of the tensors the chief passes to a PS-side load: every shard of each
+        tensor not captured on its PS whose name ``held`` accepts."""
         tracked = self._tracked.values()
         return tuple(
             (i, j)
@@ -378,15 +294,12 @@ class Capturer:
             warming.join()
 
     def refresh(self) -> None:
-        """Re-read the variables under ``root`` now, hooking those created since (an optimizer's slots built after
-        this capturer). Every capture does it too, but a step function traced before the next capture would
-        not mark the new variables' rows, and until it is traced again every capture would hash every row."""
+        """Re-read the variables under ``root`` now, hooking those created since, before a step traces them."""
         with self._lock:
             self._sync()
 
     def verify_next(self) -> None:
-        """Make the next capture hash every row (it still sends only the changed rows): the safety net that
-        otherwise runs every ``verify_every`` captures, now (e.g. after writing rows with raw ops)."""
+        """Make the next capture hash every row (it still sends only the changed rows)."""
         with self._lock:
             self._expected_gap = None
 
@@ -439,20 +352,11 @@ class Capturer:
         fingerprints: Mapping[ShardKey, str] | None = None,
         mappable: Collection[ShardKey] = (),
     ) -> tuple[int, int]:
-        """Restore ``tensors`` from the chief and every spilled shard from a tensor file on its own PS node;
-        returns how many shards the PS nodes mapped (zero-copy) and how many they loaded.
-
-        ``files``: shard -> the path of its file on the node of the PS that hosts it (written there by that
-        PS's agent); ``homes``: shard -> the PS task whose agent wrote it, which must be the PS the model put
-        the shard on now (else the path is on another node: a model placed differently from the captured one).
-        Each PS reads and assigns its own shards in one function placed on its device, so all PS load in parallel and no
-        shard's bytes cross the chief. All or nothing: names, shapes and dtypes are checked first, and every file is
-        read and parsed (shape and dtype checked by TensorFlow) before any variable is assigned; the same function
-        assigns ``tensors`` and rebases (:func:`~psguard.trainer.ps_load.load_function`: one function to instantiate on
-        the PS, not three). ``fingerprints``: shard -> the bundle of its rows' fingerprints on the same node (its agent
-        kept what the captures computed), loaded instead of hashing the rows. ``mappable``: the shards whose file is
-        their agent's own tier file (mapped, not read).
-        """
+        """Restore ``tensors`` from the chief and each spilled shard from its file on its own PS node, all or
+        nothing, in one function (:func:`~psguard.trainer.ps_load.load_function`); returns how many shards the
+        PS mapped and how many they loaded. ``homes``: shard -> the PS task whose agent wrote its file, which
+        must host it now; ``fingerprints``: shard -> its rows' fingerprints file; ``mappable``: shards whose
+        file is their agent's own tier file."""
         tf = lazy_tf()
         with self._lock:
             if self.coordinator is not None:
@@ -483,8 +387,7 @@ class Capturer:
             return mapped, len(loads)
 
     def _variables_of_root(self) -> list[Any]:
-        """Every variable object behind the root's tensors (each shard, and what wraps it), for
-        :func:`~psguard.trainer.deferred_init.note_restored` after a restore assigned them all."""
+        """Every variable object behind the root's tensors (each shard, and what wraps it)."""
         return [obj for tr in self._tracked.values() for s in tr.info.shards for obj in (s.var, *s.chain)]
 
     # ------------------------------------------------------------------------------------------ tracking
@@ -536,10 +439,8 @@ class Capturer:
             )
         self._infos = infos
         self._tracked = tracked
-        # A new generation of the apply counter whenever variables got hooked or the optimizers changed: steps
-        # traced before now do not mark the new variables, and they do not count in the new counter either.
-        # (Other changes, such as a new small variable, keep the counter, or every step traced before it would
-        # make every capture hash every row.)
+        # A new apply counter only when variables got hooked or the optimizers changed: steps traced before
+        # do not mark the new variables, and must not count in the new counter either.
         iterations = [unwrap(opt.iterations) for opt, _ in optimizers] if hooked else []
         same_optimizers = len(iterations) == len(self._iterations) and all(
             a is b for a, b in zip(iterations, self._iterations, strict=True)
@@ -574,10 +475,8 @@ class Capturer:
 
     @staticmethod
     def _link_groups(tracked: Mapping[str, _Tracked], groups: list[tuple[tuple[int, Any], Any, list[Any]]]) -> None:
-        """Give every member of a group (the variable's shard and its slots' shards) the group's live rows.
-
-        A group is linked only when every slot's shard is row-tracked with live rows: a slot compared whole
-        has none, and the variable's dense writes then stay marked whole, as without groups."""
+        """Give every member of a group (the variable's shard and its slots' shards) the group's live rows,
+        when every slot's shard has live rows (else dense writes stay marked whole)."""
         dirty = {
             id(s.var): d for tr in tracked.values() if tr.dirty for s, d in zip(tr.info.shards, tr.dirty, strict=True)
         }
@@ -643,13 +542,8 @@ class Capturer:
         return self._fns
 
     def _call_capture(self, args: tuple[Any, ...]) -> Any:
-        """The capture function's call, through its concrete function once it is known.
-
-        ``tf.function``'s own dispatch computes the trace type of every argument at every call: with the
-        variables as arguments (a few per shard) that was 5-9 ms of a 10-17 ms call on a 121-variable model
-        (the concrete function: 5.5-8 ms), all of it training stall. The variables are the same objects until
-        :meth:`_build_functions` runs again, which forgets the concrete function.
-        """
+        """The capture function's call, through its concrete function once known: ``tf.function``'s dispatch
+        computes every argument's trace type at every call (5-9 ms of stall on a 121-variable model)."""
         variables = self._variables()
         if self._capture_concrete is None:
             self._capture_concrete = self._functions.capture.get_concrete_function(*args, variables)

@@ -14,7 +14,7 @@ import secrets
 import shutil
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -61,12 +61,7 @@ T = TypeVar("T")
 
 class CaptureHandle:
     """One capture handed off. :meth:`result` waits for the memory tier; :meth:`durable` for the log.
-
-    Thread-safe: each answer is read from the spool and deleted once, under a lock, and every caller sees it. A
-    user's thread waiting on a save while the step loop's next save settles the same handle is ordinary; when
-    each read the file unlocked, the one that lost the race polled a deleted file until its timeout (a soak's
-    trainer awaited its durable commits off the step loop and none was ever acknowledged).
-    """
+    Thread-safe: each answer is read and deleted once, under a lock, and kept for every caller."""
 
     def __init__(self, writer: SpoolWriter, seq: int, token: str, step: int, tiers: frozenset[Tier]) -> None:
         self._writer = writer
@@ -130,14 +125,21 @@ class CaptureHandle:
             raise SaveError(f"capture seq {self.seq} (step {self.step}) did not become durable: {durable.message}")
         return durable
 
+    def _take(self, kind: str = "") -> dict[str, Any] | None:
+        """The agent's answer of ``kind`` (``""``: the memory tier's), read and deleted; None while absent."""
+        path = self._writer._paths.ack(self.seq, kind)
+        doc = read_json_if_present(path)
+        if doc is not None:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        return doc
+
     def _take_ack(self) -> Ack | None:
-        """The memory tier's answer: taken by whichever caller comes first (the file read and deleted once),
-        then kept for every caller; None while the agent has not answered."""
+        """The memory tier's answer, taken by whichever caller comes first; None while there is none."""
         with self._answers:
             if self._ack is not None:
                 return self._ack
-            path = self._writer._paths.ack(self.seq)
-            doc = read_json_if_present(path)
+            doc = self._take()
             if doc is None:
                 return None
             status = doc.get("status", "error")
@@ -157,8 +159,6 @@ class CaptureHandle:
                 capture=answered,
                 copies=_copies(doc.get("copies")),
             )
-            with contextlib.suppress(OSError):
-                path.unlink()
             self._writer._answered(self.seq, ack)
             self._ack = ack
             return ack
@@ -168,8 +168,7 @@ class CaptureHandle:
         with self._answers:
             if self._durable is not None:
                 return self._durable
-            path = self._writer._paths.ack(self.seq, "durable")
-            doc = read_json_if_present(path)
+            doc = self._take("durable")
             if doc is None:
                 return None
             self._durable = DurableAck(
@@ -179,8 +178,6 @@ class CaptureHandle:
                 durable_step=doc.get("durable_step"),
                 message=str(doc.get("message", "")),
             )
-            with contextlib.suppress(OSError):
-                path.unlink()
             return self._durable
 
 
@@ -213,12 +210,8 @@ class RestoreHandle:
 
 
 class SpoolWriter:
-    """The trainer's end of the spool. Not a thread: handing off is a few file writes and one rename.
-
-    ``parent``: the token of the state the next delta applies to (set it to ``Restored.token`` after
-    restoring from the memory tier, or to the durable checkpoint's token after restoring from the log);
-    it then follows the captures submitted. A whole capture needs no parent.
-    """
+    """The trainer's end of the spool: a few file writes and one rename per capture, no thread.
+    ``parent``: the token of the state the next delta applies to (set after a restore; then it follows)."""
 
     def __init__(self, root: str | Path, *, parent: str | None = None, poll_interval: float = 0.005) -> None:
         self._paths = SpoolPaths(root)
@@ -238,16 +231,20 @@ class SpoolWriter:
         os.rename(lock_tmp, self._lock_path)  # only now visible: never seen unlocked by the agent
         self._last_seq = -1  # the last seq this writer reserved
 
-    def _reserve_seq(self) -> int:
-        """The next sequence number, reserved atomically across every process writing to this spool.
-
-        Under an exclusive flock on ``seq.lock``: read ``seq`` (or, when it is absent or garbled, the highest
-        number in the spool's folders), write the next one by rename, release. Two writers (an orphaned
-        trainer and its replacement) therefore never hand off two captures under one number.
-        """
+    @contextlib.contextmanager
+    def _seq_locked(self) -> Iterator[None]:
+        """An exclusive flock on ``seq.lock`` (held for a read and a rename: microseconds)."""
         fd = open_regular(self._paths.seq_lock, "spool sequence lock", create=True, private=True)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # held for a read and a rename: microseconds
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the flock
+
+    def _reserve_seq(self) -> int:
+        """The next sequence number, reserved atomically across every process writing to this spool: ``seq``
+        (absent or garbled: the highest number in the spool's folders) plus one, written under the lock."""
+        with self._seq_locked():
             try:
                 last = int(self._read_seq())
                 if not 0 <= last < MAX_SEQ:
@@ -256,34 +253,23 @@ class SpoolWriter:
                 last = self._high_water()
             seq = max(last, self._last_seq) + 1
             atomic_write_text(self._paths.seq, str(seq))
-        finally:
-            os.close(fd)  # releases the flock
         self._last_seq = seq
         return seq
 
     def _unreserve(self, seq: int) -> None:
         """Give ``seq`` back after a hand-off that failed (a full tmpfs), if no one reserved a later one."""
-        fd = open_regular(self._paths.seq_lock, "spool sequence lock", create=True, private=True)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            with contextlib.suppress(FileNotFoundError, ValueError, CorruptCheckpointError):
-                if int(self._read_seq()) == seq:
-                    atomic_write_text(self._paths.seq, str(seq - 1))
-                    self._last_seq = seq - 1
-        finally:
-            os.close(fd)
+        with self._seq_locked(), contextlib.suppress(FileNotFoundError, ValueError, CorruptCheckpointError):
+            if int(self._read_seq()) == seq:
+                atomic_write_text(self._paths.seq, str(seq - 1))
+                self._last_seq = seq - 1
 
     def _read_seq(self) -> str:
         return read_regular(self._paths.seq, "spool sequence number", max_bytes=64, private=True).decode().strip()
 
     def _high_water(self) -> int:
-        high = -1
-        for folder in (self._paths.incoming, self._paths.acks):
-            for name in os.listdir(folder):
-                m = re.match(r"^\.?([0-9]{1,18})(?![0-9])", name)  # a stray huge name is not a sequence number
-                if m:
-                    high = max(high, int(m.group(1)))
-        return high
+        names = [*os.listdir(self._paths.incoming), *os.listdir(self._paths.acks)]
+        found = (re.match(r"^\.?([0-9]{1,18})(?![0-9])", n) for n in names)  # a huge name is not a number
+        return max((int(m.group(1)) for m in found if m), default=-1)
 
     @property
     def parent(self) -> str | None:
@@ -304,12 +290,8 @@ class SpoolWriter:
         return False
 
     def submit(self, capture: Capture) -> CaptureHandle:
-        """Hand ``capture`` off; returns at once after the rename (nothing waits for the agent).
-
-        The arrays are written out before this returns, so the caller may reuse them. Raises
-        :class:`StorageError` when the spool's filesystem is full (nothing half-written stays visible) and
-        :class:`DeltaWithoutParentError` (a :class:`ConfigError`) for a delta with no known parent state.
-        """
+        """Hand ``capture`` off (written out, then one rename); :class:`StorageError` when the spool is full
+        (nothing half-written stays), :class:`DeltaWithoutParentError` for a delta with no parent state."""
         if capture.step < 0:
             raise ConfigError(f"step must be >= 0, got {capture.step}")
         metadata = check_json(capture.metadata)
@@ -412,13 +394,9 @@ class SpoolWriter:
         shards: Mapping[str, Sequence[ShardKey]] | None = None,
         force: bool = False,
     ) -> RestoreHandle:
-        """Ask the agent for its memory tier's snapshot; ``result(timeout)`` returns it verified.
-
-        With ``checkpoint``: first bring every tier to that durable checkpoint, each PS's agent reading the rows
-        ``shards`` says its PS hosts (task -> shards) from the log itself; then the same snapshot. The agent
-        refuses (:class:`~psguard.handoff.spool.NewerInMemoryError`) when its tiers hold a newer state every PS agent
-        still gives, unless ``force`` (the caller asked for that checkpoint, or the newer state did not load).
-        """
+        """Ask the agent for its memory tier's snapshot; with ``checkpoint``, first bring every tier to that
+        durable checkpoint (each PS's agent reading its rows of ``shards``), refused with
+        :class:`~psguard.handoff.spool.NewerInMemoryError` when the tiers hold a newer state, unless ``force``."""
         name = f"{self.generation}-{secrets.token_hex(6)}"
         doc: dict[str, Any] = {"writer": self.generation, "at": time.time()}
         if checkpoint is not None:
