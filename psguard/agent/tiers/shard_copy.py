@@ -1,19 +1,14 @@
-"""The owner's side of a PS agent's peer copy, and the row fingerprints that go with it (a part of
+"""The owner's side of a PS agent's peer copy, and the row fingerprints that go with it (a base class of
 :class:`~psguard.agent.tiers.shards.ShardKeeper`, kept apart to keep the keeper readable).
 
-After the keeper's tier applied a capture, :class:`CopyOwner` updates the copy's digests from the rows the capture
-changed and hands the delta to the :class:`~psguard.agent.tiers.copy_owner.CopySender`; a whole copy is read from a
-snapshot of the tier taken under the keeper's lock. It also undoes the tier's last capture when the chief's state
-is one capture older (:meth:`CopyOwner._roll_back_to`), and the copy follows.
+After the keeper's tier applied a capture, :class:`CopyOwner` updates the copy's digests from the changed rows and
+hands the delta to the :class:`~psguard.agent.tiers.copy_owner.CopySender`; it also undoes the tier's last capture
+when the chief's state is one capture older (:meth:`CopyOwner._roll_back_to`), and the copy follows.
 
-**The fingerprints travel with a full copy.** The keeper keeps, beside its tier, the rows' fingerprints the
-captures computed on the PS (``fp_tier``): a restore from the own tier loads them instead of hashing every row
-again. A new agent that fetched its shards from a peer's copy had none, so its PS hashed every row after the
-assign (``tf.fingerprint`` over 512 MB: 0.3 CPU-s on the cold PS, on a node loss's critical path, 2026-12-05).
-So a full copy also holds them, as tensors of their own (``<tier name>#fp``, one int64 per row: 1/16 of a row of 32
-float32), kept current by the same deltas and checked by the same digests; the new agent seeds its ``fp_tier``
-from them at the state it fetched. A parity block carries none (``peer_copy.fingerprints: false`` turns them off
-for full copies too); those restores hash, as before.
+A full copy also holds the rows' fingerprints the captures computed on the PS (``<tier name>#fp``, one int64 a
+row, kept current by the same deltas and checked by the same digests), so a new agent fetching its shards seeds
+its ``fp_tier`` from them and its PS need not hash every row on a node loss's critical path. A parity block
+carries none (nor a full copy with ``peer_copy.fingerprints: false``).
 """
 
 from __future__ import annotations
@@ -270,44 +265,11 @@ class CopyOwner:
                 self._drop_fps()  # not kept for the state rolled back to
             self._undo = None
             self._rollbacks += 1
-            if self._digests is not None and self.sender is not None:
-                self._follow_roll_back(step, token, current, rows, now, updates, fp_rows, fps_now, fp_updates)
+            if self._digests is not None and self.sender is not None:  # the undo goes to the copy as a delta
+                before = now | {fp_name(n): v for n, v in fps_now.items() if v is not None}
+                self._offer_copy(updates, step, token, current, before, fp_updates)
         log.info(
             "event=tier_rolled_back task=%s to_step=%d: the chief's state (its last capture did not reach every PS)",
             self.task,
             step,
         )
-
-    def _follow_roll_back(
-        self,
-        step: int,
-        token: str,
-        current: str | None,
-        rows: UndoRows,
-        now: Mapping[str, np.ndarray],
-        updates: Mapping[str, TensorUpdate],
-        fp_rows: UndoRows | None,
-        fps_now: Mapping[str, np.ndarray | None],
-        fp_updates: Mapping[str, TensorUpdate] | None,
-    ) -> None:
-        """The copy's side of a roll-back (under ``_lock``): the undo as a delta, or the whole state when the
-        copy holds fingerprints that were not rolled back with the rows."""
-        assert self._digests is not None and self.sender is not None and current is not None
-        digests = dict(self._digests)
-        for name, (ids, old) in rows.items():
-            digests[name] = delta_digest(digests[name], ids, now[name], old)
-        sent: dict[str, TensorUpdate] = dict(updates)
-        before: dict[str, np.ndarray] = dict(now)
-        if self._copy_has_fps():
-            if fp_updates is None or fp_rows is None:
-                self._digests = None
-                self.sender.offer(None, step)
-                return
-            for name, (ids, old) in fp_rows.items():
-                was = fps_now[name]
-                assert was is not None
-                digests[fp_name(name)] = delta_digest(digests[fp_name(name)], ids, was, old)
-                before[fp_name(name)] = was
-            sent.update({fp_name(n): u for n, u in fp_updates.items()})
-        self._digests = digests
-        self.sender.offer(new_delta(step, token, current, self._copy_updates(sent, before), digests), step)
