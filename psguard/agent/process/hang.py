@@ -1,15 +1,10 @@
 """Hang detection for the chief's trainer: a process that is alive but makes no steps.
 
-A deadlocked input pipeline or a stuck collective leaves the trainer's process running: the supervisor and the
-process probe see nothing wrong while the job burns its nodes. The trainer's manager writes a heartbeat into
-the spool at most once a second (:mod:`psguard.handoff.spool`, "Heartbeat"): its step, its pid and the bound
-its policy sets (``hang:``). :class:`HangWatch` reads it on the agent's own clock: when the step has not changed
-for ``hang_after`` seconds, it asks the trainer for every thread's Python stack (``HANG_DUMP_SIGNAL``,
-faulthandler in the trainer writes them to the task log), then calls ``on_hang``; the agent counts the hang,
-fails ``/readyz`` until a new trainer makes a step, and restarts the trainer, which restores from the memory tier.
-
-Only heartbeats written after the current trainer run started count, so a restarted trainer is judged afresh;
-and a bound of ``null`` (the trainer has not measured a step time yet) judges nothing.
+The trainer's manager writes a heartbeat into the spool (:mod:`psguard.handoff.spool`): its step, pid and the
+bound its policy sets (``hang:``). :class:`HangWatch` reads it on the agent's own clock: when the step has not
+changed for that bound, it asks the trainer for its Python stacks (``HANG_DUMP_SIGNAL``, into the task log), then
+calls ``on_hang``. Only heartbeats written after the current run started count, and a bound of ``null`` (no step
+time measured yet) judges nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from psguard.agent.process.reaper import stat_fields
 from psguard.errors import PsguardError
 from psguard.handoff.contract import HANG_DUMP_SIGNAL
 from psguard.local_files import read_regular
@@ -46,17 +42,14 @@ class Hang:
 
 def _descends_from(pid: int, ancestor: int) -> bool:
     """Whether ``pid`` is ``ancestor`` or one of its descendants (read from /proc; False when unknown)."""
-    seen = 0
-    while pid > 1 and seen < 64:
+    for _ in range(65):
         if pid == ancestor:
             return True
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            pid = int(stat.rsplit(")", 1)[1].split()[1])  # the field after the command name is the state, then ppid
-        except (OSError, ValueError, IndexError):
+        fields = stat_fields(pid)  # state, then ppid
+        if pid <= 1 or fields is None or len(fields) < 2:
             return False
-        seen += 1
-    return pid == ancestor
+        pid = int(fields[1])
+    return False
 
 
 class HangWatch:

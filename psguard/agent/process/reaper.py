@@ -1,23 +1,16 @@
 """Killing a task's whole process tree: while its agent runs, after the agent was SIGKILLed, and at a new start.
 
-Why more than the process group. ``sh -c 'sleep 600 & sleep 601; wait'`` under an agent killed with SIGKILL
-left both sleeps running: the parent-death signal reaches only the agent's direct child (the shell), nobody
-signals the group once the agent is gone, and a process that calls ``setsid`` leaves the group anyway. So:
+The parent-death signal reaches only the agent's direct child, nobody signals the group once the agent is gone,
+and a process that calls ``setsid`` leaves it anyway. So:
 
-* **Marked tree.** Every process a supervisor starts carries ``PSGUARD_TREE_<token>=1`` in its environment,
-  ``token`` being random per supervisor; descendants inherit it (through nested agents too, since each
-  supervisor adds its own variable). ``/proc/<pid>/environ`` then tells which processes are the task's,
-  whatever their process group, session or parent, and a reused pid can never match (it would need the
-  token). :func:`kill_tree` kills every marked process until none is left.
-* **Guard.** A tiny process (this file run as a script: the standard library only, no psguard import, so it
-  starts in milliseconds) holds the read end of a pipe whose write end only the agent holds. When the agent
-  dies, however it dies, the kernel closes the write end; the guard reads EOF and kills the marked tree.
-  After a clean stop the agent closes the pipe itself, and the guard finds nothing to kill.
-* **Subreaper.** The agent makes itself a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so the task's
-  orphans are re-parented to the agent, not to init, while it lives, and it can reap them.
-* **Record.** The supervisor's token and its own identity (pid, ``/proc`` start time, boot id) go to a file
-  owned by the agent; a new agent reads it at start and kills what a dead predecessor's tree left, if the
-  guard could not (it was killed too). See :mod:`psguard.agent.process.supervisor`.
+* **Marked tree.** Every process a supervisor starts carries ``PSGUARD_TREE_<token>=1`` (random per supervisor;
+  inherited), so ``/proc/<pid>/environ`` tells the task's processes whatever their group or parent, and a reused
+  pid never matches. :func:`kill_tree` kills them until none is left.
+* **Guard.** This file run as a script (the standard library only: it starts in milliseconds) holds the read end
+  of a pipe only the agent writes; when the agent dies the guard reads EOF and kills the marked tree.
+* **Subreaper.** The agent adopts its task's orphans (``PR_SET_CHILD_SUBREAPER``) and reaps them.
+* **Record.** The token and the agent's identity (pid, start time, boot id) go to a file; a new agent kills what
+  a dead predecessor's tree left if the guard could not.
 """
 
 from __future__ import annotations

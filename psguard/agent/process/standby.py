@@ -1,21 +1,11 @@
 """Warm standby: a task's next process, started ahead of need, waiting with TensorFlow already imported.
 
-Restarting a PS costs one process start, and almost all of it is Python plus ``import tensorflow`` (2-6 s on
-the machines we measured) while creating and starting the ``tf.distribute.Server`` itself takes about 0.1 s.
-That start is on the critical path of every recovery: training waits for the new PS. So whoever restarts a
-server task (the agent's :class:`~psguard.agent.process.supervisor.Supervisor`, the testbed's ``LocalCluster``)
-keeps one more process of the same command started beforehand. It runs everything up to binding the port, then blocks
-on its stdin until it is told to go (:func:`wait_for_go`). It must not bind earlier: gRPC servers set
-``SO_REUSEPORT``, so two processes listening on one address would silently share its connections.
-
-The protocol (:mod:`psguard.handoff.standby`) is deliberately tiny so that any command can honour it: the
-standby sees ``PSGUARD_STANDBY=1`` in its environment and reads one line from stdin; ``go`` means serve now,
-end of file means the standby is no longer wanted (its spawner died or discarded it) and it exits 0. Before it
-blocks it creates the file named by ``PSGUARD_STANDBY_READY``, so its spawner can tell a warm standby from one
-still importing (:attr:`Standby.ready`). Only commands known to honour it get a standby: the built-in server
-mode, and a trainer run as ``python SCRIPT ...`` or ``python -m MODULE ...``, whose standby is
-:mod:`psguard.trainer.warm` running the same script (:func:`warm_trainer_command`); a user's command that
-ignored the protocol would bind at once.
+A PS restart is on the critical path of every recovery, and almost all of it is Python plus ``import tensorflow``
+(seconds) while starting the server itself takes about 0.1 s. So whoever restarts a server task keeps one more
+process of the same command started beforehand: it runs everything up to binding the port (not further: gRPC's
+``SO_REUSEPORT`` would let two processes share the address), then waits on stdin for ``go``. The protocol is
+:mod:`psguard.handoff.standby`; only commands known to honour it get a standby: the built-in server, and a trainer
+run as ``python SCRIPT`` or ``python -m MODULE`` (:func:`warm_trainer_command`).
 """
 
 from __future__ import annotations
@@ -134,14 +124,10 @@ _PYTHON = re.compile(r"python(3(\.\d+)?)?")
 
 def warm_trainer_command(cmd: Sequence[str]) -> list[str] | None:
     """The command of a warm standby for trainer command ``cmd``, or ``None`` when ``cmd`` is not a plain
-    ``python SCRIPT ARGS...`` or ``python -m MODULE ARGS...`` (interpreter options, ``-c``, a shell script: no
-    standby, the trainer starts cold). The standby runs the same interpreter, so psguard must be importable by it;
-    if it is not, the standby dies at once and restarts are cold, as without one."""
-    if len(cmd) < 2 or not _PYTHON.fullmatch(Path(cmd[0]).name):
-        return None
-    if cmd[1] == "-m":
-        return [cmd[0], "-m", "psguard.trainer.warm", *cmd[1:]] if len(cmd) >= 3 else None
-    if cmd[1].startswith("-"):
+    ``python SCRIPT ARGS...`` or ``python -m MODULE ARGS...`` (then the trainer starts cold). The standby runs the
+    same interpreter: where psguard is not importable by it, it dies at once and restarts are cold."""
+    plain = len(cmd) >= 2 and _PYTHON.fullmatch(Path(cmd[0]).name) is not None
+    if not plain or (cmd[1] == "-m" and len(cmd) < 3) or (cmd[1] != "-m" and cmd[1].startswith("-")):
         return None
     return [cmd[0], "-m", "psguard.trainer.warm", *cmd[1:]]
 

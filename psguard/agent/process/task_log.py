@@ -1,13 +1,9 @@
 """The task's log file (``task_log:``), kept under a size bound for a job that runs for weeks.
 
-The task writes to the file itself (its stdout and stderr are the file, opened ``O_APPEND``), so the agent neither
-copies its output nor stands between it and a full pipe: an agent that dies must not stall its trainer. The bound
-is kept the way logrotate's ``copytruncate`` keeps it: when the file passes ``max_bytes`` it is copied to
-``<file>.1`` (older copies shifted up to ``keep``, the oldest dropped) and truncated in place; the task's next
-write lands at the new end, since ``O_APPEND`` writes always go to the end. Lines written between the copy and the
-truncation are lost (milliseconds once per ``max_bytes``), which is logrotate's trade too. The file is checked
-before each run starts and every ``check_every`` seconds while it runs. At most ``(keep + 1) * max_bytes`` (plus
-one check interval of output) stays on the node.
+The task writes to the file itself (``O_APPEND``), so an agent that dies cannot stall its trainer. The bound is
+kept as logrotate's ``copytruncate`` keeps it: past ``max_bytes`` the file is copied to ``<file>.1`` (older copies
+shifted up to ``keep``) and truncated in place, losing the lines written in between (milliseconds, once per
+``max_bytes``). Checked before each run and every ``check_every`` seconds while it runs.
 """
 
 from __future__ import annotations

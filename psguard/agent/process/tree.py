@@ -1,16 +1,9 @@
 """One supervisor's process tree: what makes every process of its task die with the agent.
 
-The task runs with a parent-death signal (:func:`pdeathsig_prefix`), so it dies with the agent even when the
-agent is killed with SIGKILL and can run no clean-up. But that reaches only the direct child, and the process
-group is not the whole tree: a task's process may leave the group (``setsid``), and once the agent is SIGKILLed
-nobody signals the group at all (with the task ``sh -c 'sleep 600 & sleep 601; wait'`` both sleeps survived).
-So every process of the task is marked in its environment (:attr:`TaskTree.env_var`) and killed by that mark
-(:mod:`psguard.agent.process.reaper`): at the end of every run (:meth:`TaskTree.kill`), by a guard process the
-moment the agent dies (:meth:`TaskTree.start_guard`), and, from the task record the agent keeps
-(:meth:`TaskTree.write_record`), by the next agent when it starts (:meth:`TaskTree.settle_predecessor`).
-
-This is that bookkeeping, apart from the supervision loop (:mod:`psguard.agent.process.supervisor`), which only
-says when to use it.
+The task runs with a parent-death signal (:func:`pdeathsig_prefix`), which reaches only the direct child, so
+every process of the task is also marked and killed by its mark (:mod:`psguard.agent.process.reaper`): at the end
+of every run (:meth:`TaskTree.kill`), by a guard process the moment the agent dies, and by the next agent from
+the record this one keeps (:meth:`TaskTree.settle_predecessor`).
 """
 
 from __future__ import annotations
