@@ -1,17 +1,11 @@
-"""The shards a PS hosts, kept by that PS's agent; and the chief agent's calls to every PS agent (issue 12).
+"""A PS's shards kept by that PS's agent (issue 12): the state of a PS job is its embedding tables, spread over
+many PS, far more than the chief's node holds.
 
-Why here and not in the chief's agent: a PS job's state is its embedding tables, spread over tens of PS with
-hundreds of GB each; the chief is one node. So each PS's agent keeps the memory tier of its own PS's shards
-(:class:`ShardKeeper`), fed by files the capture function writes on its node, and answers restores with files
-its PS loads on its node (:mod:`psguard.handoff.parts`). Only descriptors, tokens and steps cross the network;
-the chief's agent coordinates (:mod:`psguard.agent.tiers.shard_client`): it forwards each capture's part to its
-PS's agent, asks all of them for a restore, and runs the durable two-phase save (take under the capture order,
-write in parallel, one commit). With peer copies on, a PS agent also keeps a copy of another node's shards
-(:mod:`psguard.agent.tiers.peer_copy`), or the XOR parity of a group of them (:mod:`psguard.agent.tiers.parity`).
-
-Consistency: every part of a capture carries the capture's token (the same token as the chief's tier), and
-a PS's tier accepts a delta only on top of the token it names, exactly as the chief's does. A restore is
-served only when every PS's tier holds the chief's token; otherwise the trainer falls back to the durable log.
+Each PS agent keeps the memory tier of its own PS's shards (:class:`ShardKeeper`), fed by files the capture
+function writes on its node and read back as files its PS loads there (:mod:`psguard.handoff.parts`); only
+descriptors, tokens and steps cross the network. The chief's agent coordinates (:mod:`.shard_client`). Every
+part carries its capture's token and a delta applies only over the token it names, as in the chief's tier; a
+restore is served only when every PS's tier holds the chief's token.
 """
 
 from __future__ import annotations
@@ -66,13 +60,15 @@ def _tier_name(key: ShardKey) -> str:
     return f"{key.name}@{key.offset}:{key.rows}"
 
 
-def _token(doc: Mapping[str, Any], key: str, *, optional: bool = False) -> str | None:
+def _token(doc: Mapping[str, Any], key: str) -> str:
     value = doc.get(key)
-    if value is None and optional:
-        return None
     if not isinstance(value, str) or not 0 < len(value) <= 128:
         raise CorruptCheckpointError(f"bad {key!r} in a shard request")
     return value
+
+
+def _maybe_token(doc: Mapping[str, Any], key: str) -> str | None:
+    return None if doc.get(key) is None else _token(doc, key)
 
 
 def _copy_target(raw: object) -> tuple[str, str] | None:
@@ -115,19 +111,15 @@ class ShardKeeper(CopyOwner):
         read_stripe: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]] | None = None,
         tier_files: bool | None = None,
     ) -> None:
-        """``send_frame`` (to a peer agent's ``/peer-copy/put``) and ``read_copy`` (its ``/peer-copy/read``):
-        the peer copies' calls, with the agents' credentials; without them this agent neither sends nor fetches
-        copies (it still holds the copies others send). ``read_stripe`` (a member's ``/peer-copy/stripe``): a
-        parity holder's fetch of the survivors' stripes when it reconstructs a lost member. ``tier_files``: the
-        tier's arrays in files a restore hands to the PS as they are (tier_files.py): None, when the folder is
-        in memory (the default, /dev/shm); or forced on or off."""
+        """``send_frame``, ``read_copy`` (``read_copy_into``) and ``read_stripe``: POSTs to a peer agent's
+        ``/peer-copy/put``, ``/read`` and ``/stripe`` (without them this agent neither sends nor fetches copies,
+        but still holds others'). ``tier_files``: None, when the folder is in memory; or forced on or off."""
         self.folder = Path(folder)
         self.task = task
         self.store = store
         self.files = TierFiles(self.folder / "tier", enabled=tier_files)
         self.tier = MemoryTier(home=self.files)
-        # The rows' fingerprints as the captures stored them on the PS (one int64 per row, per shard), at the
-        # tier's token or dropped: a restore then loads them instead of hashing every row. Never persisted.
+        # The rows' fingerprints from the captures, at the tier's token or dropped (a restore loads them).
         self.fp_tier = MemoryTier(home=self.files)
         self.copy_config = copy_config or PeerCopyConfig()
         self.holder = CopyHolder(task)  # the copies of other PS's shards this agent holds
@@ -142,9 +134,7 @@ class ShardKeeper(CopyOwner):
         self._digests: dict[str, int] | None = None  # the copy's digests (CopyOwner)
         self._pulls = 0
         self._pull_lock = threading.Lock()
-        # The last delta's way back (while copies are on): a capture that reached this PS but not every PS leaves
-        # this tier one capture ahead of the chief's; the restore asks for the chief's state, which this undoes to
-        # (CopyOwner._roll_back_to).
+        # The last delta's way back, for a capture that reached this PS and not every PS (CopyOwner._roll_back_to).
         self._undo: tuple[str, int, UndoRows, UndoRows | None] | None = None
         self._rollbacks = 0
         self._keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}  # tier name -> shard, logical shape
@@ -154,8 +144,7 @@ class ShardKeeper(CopyOwner):
         self._bytes_in = 0
         self._exports = 0
         self._exports_reused = 0
-        # Exports one at a time, and the files of the last one with the tier state they hold: a restore that
-        # asks for that state again (after the chief's agent exported ahead of it) gets them without a rewrite.
+        # Exports one at a time; the last one's files and state, reused by a restore of that state (export ahead).
         self._export_lock = threading.Lock()
         self._exported: tuple[str, dict[str, Any]] | None = None
         # The last export's lease: the tier writes no array of it in place while its restore files exist.
@@ -228,8 +217,7 @@ class ShardKeeper(CopyOwner):
         try:
             if part.task != self.task:
                 raise CorruptCheckpointError(f"a part for {part.task} sent to the agent of {self.task}")
-            step, token, parent = _step(doc), _token(doc, "token"), _token(doc, "parent", optional=True)
-            assert token is not None
+            step, token, parent = _step(doc), _token(doc, "token"), _maybe_token(doc, "parent")
             if folder.is_symlink() or not folder.is_dir():
                 raise CorruptCheckpointError(f"{self.task}: the capture's files are not in {folder}")
             updates: dict[str, TensorUpdate] = {}
@@ -310,15 +298,11 @@ class ShardKeeper(CopyOwner):
         }
 
     def pull(self, doc: Mapping[str, Any]) -> dict[str, Any]:
-        """Take this PS's shards from a peer's copy (``{"token", "holder"}``: the state the chief expects and
-        the URL of the agent holding the copy), for a new agent whose node was lost.
-
-        Answers ``unavailable`` when the holder has no copy at that state (it lags, or holds none) and
-        ``refused`` when the copy does not match its owner's digests; the tier is untouched then.
-        """
+        """A new agent of a lost node takes its shards from a peer's copy (``{"token", "holder"}``: the chief's
+        state, the holder's URL). ``unavailable`` (no copy at that state) or ``refused`` (the digests do not
+        match) leave the tier untouched."""
         token = _token(doc, "token")
         holder = doc.get("holder")
-        assert token is not None
         if not isinstance(holder, str) or not holder.startswith(("http://", "https://")):
             raise CorruptCheckpointError("bad 'holder' in a pull request")
         if self._read_copy is None:
@@ -371,9 +355,7 @@ class ShardKeeper(CopyOwner):
                 tuple(int(x) for x in t["shape"]),
             )
         with self._lock:
-            if self._take is not None:
-                self._take[1].abort()
-                self._take = None
+            self._void_take()
             metadata = info.get("metadata")
             self.tier.seed(
                 int(info["step"]),
@@ -440,14 +422,9 @@ class ShardKeeper(CopyOwner):
         return Rows(ids, values, (s.key.rows, *inner))
 
     def export(self, doc: Mapping[str, Any]) -> dict[str, Any]:
-        """Write every shard as a tensor file its PS loads (``{"token"}``: the state the chief expects).
-
-        Answers ``mismatch`` when this tier holds another state than the chief's tier (then nothing from the
-        memory tiers is restorable as one consistent state) and ``empty`` when it holds none. ``peer_copies``:
-        whether the chief may ask this agent to pull from a peer's copy next; if not, the log is read next and a
-        store held back for that fetch opens now.
-        """
-        expected = _token(doc, "token", optional=True)
+        """Every shard as a file its PS loads, at ``token`` (the chief's state): else ``mismatch`` or ``empty``.
+        Without ``peer_copies`` (no pull from a peer may follow) a store held back for such a fetch opens now."""
+        expected = _maybe_token(doc, "token")
         if expected is not None:
             self._roll_back_to(expected)
         with self._export_lock:
@@ -463,16 +440,13 @@ class ShardKeeper(CopyOwner):
         """This PS's tier as its parity stripe (``{"token"}``: only at that state, one capture undone first when
         that gives it), for the holder of its group's parity rebuilding a lost member."""
         token = _token(doc, "token")
-        assert token is not None
         self._roll_back_to(token)
         with self.tier.export() as snap:
             return stripe_frame(token, snap.token, snap.tensors)
 
     def _reuse_export(self, expected: str | None) -> dict[str, Any] | None:
-        """The last export's answer when the tier still holds its state and its files are all there.
-
-        A token names one state of the tier (a capture gets a new one), so the same token means the same values.
-        """
+        """The last export's answer when the tier still holds its state (a token names one state) and its files
+        are all there."""
         if self._exported is None or expected is None:
             return None
         token, answer = self._exported
@@ -485,10 +459,9 @@ class ShardKeeper(CopyOwner):
         return answer
 
     def _export(self, expected: str | None) -> dict[str, Any]:
-        """Restore files for the tier's state: per shard, its tier file hard-linked and an index (tier_files.py),
-        or, for an array without a file, a bundle written out. When a file was linked, the export's lease is kept
-        until the files are dropped, so the tier writes none of the linked files while its PS may read them.
-        The rows' fingerprints go beside them (``fp_path``) when they are kept for the same state."""
+        """Restore files for the tier's state: per shard its tier file hard-linked with an index, or a bundle
+        written out, and its fingerprints (``fp_path``) when kept for that state. A linked file's export lease is
+        kept until the files are dropped, so the tier never writes it while its PS may read it."""
         nonce = secrets.token_hex(8)
         restore = self.folder / "restore"
         snap = self.tier.export()
@@ -545,16 +518,10 @@ class ShardKeeper(CopyOwner):
         return False
 
     def load(self, doc: Mapping[str, Any]) -> dict[str, Any]:
-        """Read this PS's rows of a durable checkpoint into the tier (``{"checkpoint", "shards", "durable"}``).
-
-        For a PS whose memory tier is gone (its node was lost) or that must restore an older state: it reads
-        exactly the rows it hosts now (``shards``: ``[[name, offset, rows], ...]``, whatever the partitioning
-        was when the checkpoint was written), verifying every chunk, and the tier then holds that state under
-        the checkpoint's token. ``durable``: the checkpoint is the newest in the log, so later durable saves
-        can be deltas over it.
-        """
+        """Read the rows this PS hosts now (``shards``: ``[[name, offset, rows], ...]``) of durable ``checkpoint``
+        into the tier, under its token: for a PS whose tier is gone or that must restore an older state.
+        ``durable``: it is the log's newest, so the next durable saves may be deltas over it."""
         checkpoint = _token(doc, "checkpoint")
-        assert checkpoint is not None
         raw = doc.get("shards")
         if self.store is None:
             raise ShardError(f"the agent of {self.task} has no durable store (start it with --store)")
@@ -584,9 +551,7 @@ class ShardKeeper(CopyOwner):
             layout[name] = (key, tuple(entry.shape))
         token = manifest.metadata.get(TOKEN_KEY)
         with self._lock:
-            if self._take is not None:
-                self._take[1].abort()
-                self._take = None
+            self._void_take()
             self.tier.seed(
                 manifest.step,
                 arrays,
@@ -605,8 +570,7 @@ class ShardKeeper(CopyOwner):
         }
 
     def _drop_restore_files(self) -> None:
-        """The restore files are a second copy of the shards in this node's memory (tmpfs): kept only until
-        the trainer loaded them, which the next capture or restore shows."""
+        """Drop the restore files (a second copy on this node's tmpfs) once loaded: the next capture or restore."""
         with self._export_lock:
             self._drop_restore_files_locked()
 
@@ -621,27 +585,30 @@ class ShardKeeper(CopyOwner):
         self._export_lease = []
 
     # ------------------------------------------------------------------------------------------ durable log
+    def _void_take(self) -> None:
+        """Abort the open durable take, if any (under ``_lock``): the tier takes another state, or a new take."""
+        if self._take is not None:
+            self._take[1].abort()
+            self._take = None
+
     def take(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """Phase one of a durable save: set aside what the log lacks, if this tier holds ``token``."""
         checkpoint, token = _token(doc, "checkpoint"), _token(doc, "token")
         base = doc.get("base") is True
         with self._lock:
-            if self._take is not None:
-                self._take[1].abort()  # a coordinator that died between phases: its take is void
-                self._take = None
+            self._void_take()  # a coordinator that died between phases
             if self.tier.token != token:
                 return {"status": "mismatch", "step": self.tier.step, "token": self.tier.token}
             take = self.tier.take_dirty(base=base)
             if take is None:
                 return {"status": "empty"}
-            assert checkpoint is not None
             self._take = (checkpoint, take)
             return {"status": "ok", "step": take.step, "token": take.token, "base": take.base}
 
     def write(self, doc: Mapping[str, Any]) -> dict[str, Any]:
         """Phase two: write the taken shards' chunks; the part entries go to the chief, who commits."""
         checkpoint = _token(doc, "checkpoint")
-        dedup = _token(doc, "dedup_against", optional=True)
+        dedup = _maybe_token(doc, "dedup_against")
         if self.store is None:
             raise ShardError(f"the agent of {self.task} has no durable store (start it with --store)")
         with self._lock:
