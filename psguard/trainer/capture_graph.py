@@ -1,23 +1,10 @@
 """The TensorFlow functions a capture and a rebase run: one call each for the whole model.
 
-A capture is one ``tf.function`` call for the whole model (:class:`~psguard.trainer.capture.Capturer` keeps
-the fingerprint variables and the write marks it works on, and turns its outputs into updates): on each PS it
-hashes the candidate rows, compares with the stored fingerprints, gathers only the changed rows, stores the new
-fingerprints, and sends ids + rows to the chief (a spilled shard: to files beside its PS, with the new
-fingerprints of those rows, which its agent keeps so that a restore loads them instead of hashing every row).
-Nothing is assumed about the optimizer: a row whose bytes changed is captured whatever changed it (Adam's
-moments decay in every row where they are not zero, so all those rows come out, not only the rows of the last
-gradients).
-
-Exactness: rows are compared by their bytes, not their values, so ``-0.0`` vs ``+0.0`` and NaN payloads are
-told apart and a restore is bit-identical. A changed row is missed only if its new fingerprint equals the old
-one, probability 2**-64 per changed row per capture for farmhash64 (about 5e-11 after 1e9 changed rows, far
-below the rate of undetected memory errors on the host). A full capture (``capture(full=True)``, which a
-manager does when it starts a new base) does not use fingerprints at all and bounds how long such a miss
-could live.
-
-The functions are traced from a :class:`Plan` (the layout, not the variables, which are their arguments) and
-kept per plan, so a new generation of the same model reuses them.
+On each PS the capture hashes the candidate rows, compares them with the stored fingerprints, stores the new ones
+and sends only the changed rows to the chief (a spilled shard: to files beside its PS, with the rows' new
+fingerprints). Rows are compared by their bytes (``-0.0`` and NaN payloads included), so a restore is
+bit-identical; a change is missed only when farmhash64 collides (2**-64 per changed row), until the next full
+capture. The functions are traced per :class:`Plan` (the layout), so a new generation of the model reuses them.
 """
 
 from __future__ import annotations
@@ -65,14 +52,8 @@ class TensorPlan:
 
 @dataclass(frozen=True)
 class Plan:
-    """What the capture functions are traced from, the variables excepted: those are their arguments.
-
-    TensorFlow traces a function whose arguments are variables once per variable shape and dtype, and runs
-    the traced, instantiated function on other variables of the same layout. A new generation of the same model
-    (in-process recovery after a PS failure) has new variables but the same plan, so its first capture runs
-    at once: tracing and instantiating them anew took 2.2 s of the demo's recovery (1.3 s tracing, 0.9 s
-    instantiating on the PS), which is longer than the rest of it.
-    """
+    """What the capture functions are traced from; the variables are their arguments, so a new generation of
+    the same model runs the functions already traced and instantiated (2.2 s of a recovery otherwise)."""
 
     tensors: tuple[TensorPlan, ...]
     counter_device: str | None
@@ -170,13 +151,8 @@ class _Graph:
         return max(1, self.plan.chunk_bytes // max(t.row_bytes, 1))
 
     def read_rows(self, t: TensorPlan, s: ShardPlan, var: Any) -> list[Any]:
-        """The shard's value, for row-tracked shards as slices read with a gather.
-
-        A variable that has ever been updated sparsely (every embedding under an optimizer) is in TF's
-        copy-on-read mode: a plain read copies the whole shard into a fresh buffer, which measured 5x
-        the cost of hashing it (page faults on 128 MB). Gathers of a few MB reuse buffers instead,
-        and independent slices let the PS hash them in parallel (tf.fingerprint runs on one thread).
-        """
+        """The shard's value, row-tracked ones as gathered slices: a plain read of a sparsely updated variable
+        copies the whole shard (5x the hashing), and slices hash in parallel."""
         tf = lazy_tf()
         if not t.by_row:
             return [var.read_value()]
@@ -184,14 +160,8 @@ class _Graph:
         return [var.sparse_read(tf.range(a, b, dtype=tf.int64)) for a, b in itertools.pairwise(bounds)]
 
     def all_fingerprints(self, t: TensorPlan, s: ShardPlan, var: Any, *, live: bool = False) -> tuple[Any, Any]:
-        """Every row's fingerprint (the whole shard's for a tensor not tracked by row), on the shard's PS, and
-        with ``live`` each row's :func:`nonzero_rows` (else None), from the same reads.
-
-        Hashed in slices (see :meth:`read_rows`), but in a loop rather than one op per slice: unrolled, the
-        graph grew with the table (a 1 GB job's function had 3,000 ops), and with it the chief's memory (50 MB
-        per GB of state, held for the job's life) and the time to instantiate the function on restarted PS.
-        ``parallel_iterations`` keeps several slices hashing at once, as independent ops did.
-        """
+        """Every row's fingerprint (the whole shard's when not tracked by row) and, with ``live``, each row's
+        :func:`nonzero_rows`. Many slices go through a loop: unrolled, the graph grew with the table."""
         tf = lazy_tf()
         step = self.slice_rows(t)
         slices = -(-s.rows // step)
@@ -261,9 +231,7 @@ class _Graph:
             return total - counter.read_value()
 
     def stray_writes(self, t: TensorPlan, s: ShardPlan, v: ShardVars) -> Any:
-        """Whether some of ``probe_rows`` random rows changed without being marked: writes the hooks did
-        not see (a writer we do not know of). Cheap (a few hundred kB hashed), and it turns a systematic
-        miss into a capture that hashes every row at once instead of at the next full check."""
+        """Whether some of ``probe_rows`` random rows changed without being marked (a writer the hooks miss)."""
         tf = lazy_tf()
         if self.plan.probe_rows == 0:
             return tf.constant(False)
@@ -279,9 +247,7 @@ class _Graph:
         if not t.marks:
             return (*self.changed_all_rows(t, s, v), tf.constant(True), tf.constant(False))
         dirty_rows, dirty_whole = v[2], v[3]
-        # Only meaningful when the fingerprints and marks are current (not on a first or forced capture), and
-        # when no write marked the whole shard: then every row may have moved without a row mark (a dense
-        # update, such as Keras 3 optimizers make in eager mode), and every row is hashed anyway.
+        # Probed only when the marks are current and no write marked the whole shard.
         whole = dirty_whole.read_value()
         unmarked = tf.logical_not(tf.logical_or(hash_all, whole))
         stray = tf.logical_and(self.stray_writes(t, s, v), unmarked)
@@ -333,10 +299,9 @@ class _Graph:
     def capture_rows(
         self, t: TensorPlan, s: ShardPlan, v: ShardVars, force: tuple[Any, int], hash_all: Any, spill: tuple[Any, str]
     ) -> tuple[tuple[Any, ...], Any, Any]:
-        """A row-tracked shard's capture: the changed rows (ids and values), or the whole shard when that is
-        smaller or forced (``force``: the flags and this tensor's index); a spilled shard's go to files
-        (``spill``: the capture's folder and the shard's stem) and only their count to the chief. Returns the
-        outputs, whether every row was hashed, whether stray writes were seen."""
+        """A row-tracked shard's changed rows, or all of it when that is smaller or forced (``force``: the flags
+        and this tensor's index); a spilled shard's go to files (``spill``: folder, stem), only counts to the
+        chief. Returns the outputs, whether every row was hashed, whether stray writes were seen."""
         tf = lazy_tf()
         var, fp_var = v[0], v[1]
         flags, i = force
@@ -346,27 +311,18 @@ class _Graph:
             send_all = tf.logical_or(flags[i], count * (t.row_bytes + _ID_BYTES) >= s.rows * t.row_bytes)
             ids = changed[: tf.where(send_all, tf.constant(0, tf.int64), count)]
             rows = var.sparse_read(ids)
-            # Slicing to a computed length rather than tf.cond: nothing the size of the shard is read unless it
-            # is sent.
-            whole = var.sparse_read(
-                tf.range(tf.where(send_all, tf.constant(s.rows, tf.int64), tf.constant(0, tf.int64)))
-            )
+            # A computed length rather than tf.cond: nothing the size of the shard is read unless it is sent.
+            every = tf.range(tf.where(send_all, tf.constant(s.rows, tf.int64), tf.constant(0, tf.int64)))
+            whole = var.sparse_read(every)
             if t.spill:
-                # The fingerprints of what is sent, for the agent to keep beside the rows: a restore from its
-                # tier then loads them instead of hashing every row. Sent whole: every row's, as stored by this
-                # capture (read after its writes to fp_var).
-                n = tf.size(ids, out_type=tf.int64)
-                whole_fps = fp_var.sparse_read(
-                    tf.range(tf.where(send_all, tf.constant(s.rows, tf.int64), tf.constant(0, tf.int64)))
-                )
-                fps = tf.concat([whole_fps, changed_fps[:n]], axis=0)
+                # The new fingerprints of what is sent, which the agent keeps for a restore to load.
+                fps = tf.concat([fp_var.sparse_read(every), changed_fps[: tf.size(ids, out_type=tf.int64)]], axis=0)
                 self.spill(s, *spill, {"full": whole, "ids": ids, "rows": rows, "fps": fps})
                 with tf.device(self.plan.local):
                     return (tf.identity(send_all), tf.identity(tf.size(ids, out_type=tf.int64))), used_all, stray
             whole = tf.reshape(whole, [-1])
         with tf.device(self.plan.local):
-            # Outputs land on the chief inside the same call, not as remote handles to fetch one by one
-            # afterwards (measured 2-3x faster for large outputs).
+            # Outputs land on the chief inside the call, not as remote handles fetched afterwards (2-3x faster).
             out = (tf.identity(send_all), tf.identity(whole), tf.identity(ids), tf.identity(rows))
             return out, used_all, stray
 
@@ -387,13 +343,8 @@ class _Graph:
             return (tf.identity(send_all), tf.identity(whole))
 
     def spill(self, s: ShardPlan, folder: Any, stem: str, tensors: dict[str, Any]) -> None:
-        """Write a shard's capture next to its PS (ops placed on its device): nothing goes to the chief.
-
-        The whole shard (``full``) as a one-tensor bundle: ``SaveV2`` writes its bytes once, where
-        ``serialize_tensor`` + ``write_file`` copied them twice more (256 MB: 0.13 s against 0.49 s on a PS; the
-        first capture of a 1 GB job and every capture that sends a shard whole). The agent reads and checks it
-        without TensorFlow (:func:`psguard.handoff.tensor_bundle.read_bundle`). The rest is small: tensor files.
-        """
+        """Write a shard's capture next to its PS: the whole shard as a one-tensor bundle (``SaveV2`` writes its
+        bytes once; the agent reads it without TensorFlow), the rest as small tensor files."""
         tf = lazy_tf()
         base = self.spill_dirs[task_of_device(s.device) or ""]
         with tf.device(s.device):
@@ -431,14 +382,8 @@ class _Graph:
 
 
 def _unless_dry(dry: Any, body: Callable[[], Any], local: str) -> Any:
-    """``body()``'s outputs, or with ``dry`` true empty ones of the same structure and dtypes, nothing read or written.
-
-    Why: a function is instantiated on the PS processes at its first call in a cluster context, in time that
-    grows with its ops (0.15 s for a capture of 13 tensors on 2 new PS; 0.12 s per 800 ops measured), and the
-    first capture after every restore paid it as training stall. A dry call instantiates the whole function
-    (the branch is lowered into the function's graph: one instantiation for both sides) and runs nothing of it,
-    so it can run beside anything (training's first steps after a restore), even on variables not yet assigned.
-    """
+    """``body()``'s outputs, or with ``dry`` empty ones of the same structure, nothing read or written: a dry call
+    instantiates the whole function on the PS (a first call's cost) without running it."""
     tf = lazy_tf()
     traced: list[Any] = []
 
@@ -475,14 +420,8 @@ _WARMING_LOCK = threading.Lock()
 
 
 def join_warming(timeout: float) -> None:
-    """Wait up to ``timeout`` seconds in all for the threads :func:`warm_functions` started (the process's exit
-    hook calls it).
-
-    Why: a daemon thread still inside TensorFlow's C++ code when the interpreter finalizes is unwound by force,
-    and TensorFlow's ``catch (...)`` there aborts the whole process ("FATAL: exception not rethrown"; a trainer
-    that exits right after a restore). Joined first, the thread is done before finalization starts. Bounded: a
-    call that hangs on a dead PS must not hold the exit up.
-    """
+    """Wait up to ``timeout`` seconds in all for :func:`warm_functions`' threads (the exit hook calls it): one
+    still in TensorFlow's C++ code at finalization aborts the process."""
     deadline = time.monotonic() + timeout
     with _WARMING_LOCK:
         threads = list(_WARMING)
@@ -492,26 +431,9 @@ def join_warming(timeout: float) -> None:
             log.warning("the capture function's warm-up was still running at exit (a PS unreachable?)")
 
 
-def _in_background(target: Callable[[], None], name: str) -> threading.Thread:
-    """``target`` started on a daemon thread that :func:`join_warming` waits for."""
-
-    def run() -> None:
-        try:
-            target()
-        finally:
-            with _WARMING_LOCK:
-                _WARMING.discard(threading.current_thread())
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    with _WARMING_LOCK:
-        _WARMING.add(thread)
-    thread.start()
-    return thread
-
-
 def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
-    """A started thread that instantiates ``fns``' capture on ``variables``' devices by a dry call
-    (:func:`_unless_dry`). A failure is left for the real call to report (it instantiates then)."""
+    """A started daemon thread (joined by :func:`join_warming`) that instantiates ``fns``' capture by a dry call.
+    A failure is left for the real call to report."""
     tf = lazy_tf()
     n = len(fns.plan.tensors)
 
@@ -523,19 +445,21 @@ def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
                 concrete(tf.constant(True), *off, variables)
         except Exception as e:
             log.debug("warming the capture function up failed: %s", e)
+        finally:
+            with _WARMING_LOCK:
+                _WARMING.discard(threading.current_thread())
 
-    return _in_background(warm, "psguard-capture-warm")
+    thread = threading.Thread(target=warm, name="psguard-capture-warm", daemon=True)
+    with _WARMING_LOCK:
+        _WARMING.add(thread)
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager
 def unoptimized_calls() -> Iterator[None]:
-    """Call psguard's functions without Grappler's graph optimisations (this thread only).
-
-    Why: a function is optimised and partitioned again on its first call on new PS processes, which is on the
-    recovery's path (the restore's load, the first capture after it). These functions are a few reads, hashes
-    and writes per shard that gain nothing from it: at 1 GB the first capture after a restore took 1.35 s with
-    it and 1.01 s without (one run each, `bench recovery`). The user's own functions keep their options.
-    """
+    """Call psguard's functions without Grappler's optimisations (this thread only): a few reads, hashes and
+    writes per shard gain nothing, and optimising again on new PS is on the recovery's path."""
     from tensorflow.core.protobuf import config_pb2
     from tensorflow.python.eager import context
 

@@ -1,22 +1,10 @@
 """Trainer-side recovery from a lost parameter server.
 
-TensorFlow tolerates a lost worker (the coordinator re-queues its closures) but not a lost PS: the
-coordinator raises, and the variables of the restarted PS are gone, so every variable handle the chief holds
-is dead (``AbortedError`` "Unable to find a context_id", ``InvalidArgumentError`` "Unable to find the relevant
-tensor remote_handle", "RecvTensor expects a different device incarnation"). Two ways back, both supported:
-
-1. **In-process rejoin** (:func:`run_with_recovery`): the user hands psguard a ``build`` function that
-   creates model, optimizer, step function and :class:`~psguard.CheckpointManager` (and restores); on a
-   PS failure psguard drops the dead objects, has every PS restarted, resets the eager context's cluster
-   (``update_server_def``) and calls ``build`` again: no process start and no re-import.
-2. **Restart the trainer** (:func:`exit_for_restart`): without a ``build`` function the trainer exits with
-   :data:`~psguard.handoff.contract.EXIT_RESTART` (75) and the chief's ``psguard agent`` restarts it; the new
-   process restores (from the sidecar's memory tier first).
-
-Why every PS is restarted, not only the dead one: a surviving PS keeps the previous generation's variables
-(they belong to a remote context nobody closes), so its memory grows with every recovery. Restarted PS
-processes start empty and are filled by the restore, so the memory of the PS fleet stays flat whatever the
-number of recoveries (docs/design.md, "New trainer generation", has the measurements).
+TF survives a lost worker but not a lost PS: every variable handle the chief holds dies with it. Two ways back:
+:func:`run_with_recovery` rebuilds in this process (``build`` again, after every PS is restarted and the eager
+context's cluster reset), or :func:`exit_for_restart` exits with ``EXIT_RESTART`` (75) for ``psguard agent`` to
+restart the trainer. Every PS is restarted, not only the dead one: a survivor keeps the previous generation's
+variables, so its memory would grow with every recovery.
 """
 
 from __future__ import annotations
@@ -46,8 +34,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: How long a new generation waits for every worker to reach every PS again (gRPC's reconnect backoff, which TF
-#: caps at 1 s plus jitter, is what it waits out; a PS that does not answer by then is a new failure).
+#: How long a new generation waits for every worker to reach every PS again (past gRPC's reconnect backoff).
 REACH_SECONDS = 20.0
 
 #: How long an in-process rejoin waits for TF to reset the cluster context before the process leaves for a restart.
@@ -94,13 +81,9 @@ def _failure_time(seen_at: float | None = None) -> float:
 
 
 def exit_for_restart(exc: BaseException | None = None, *, failed_at: float | None = None) -> NoReturn:
-    """Leave with the exit code that asks ``psguard agent`` for an immediate restart of this trainer.
-
-    Tells the agent when the failure was seen first (so it does not restart the PS that already came back),
-    then leaves with ``os._exit``: a normal interpreter exit spent 8-17 s tearing TensorFlow down under load,
-    all of it added to the recovery time. Captures the agent acknowledged are safe in its memory tier; without
-    a sidecar, call ``manager.wait()`` before this so pending durable writes finish.
-    """
+    """Tell the agent when the failure was seen, then leave with the exit code that asks ``psguard agent`` for an
+    immediate restart, by ``os._exit`` (tearing TensorFlow down took 8-17 s). Without a sidecar, call
+    ``manager.wait()`` first so pending durable writes finish."""
     log.error("cluster failure (%s): exiting with %d so the agent restarts the trainer", exc, EXIT_RESTART)
     report_failure(_failure_time(failed_at), step=process_managers.last_seen_step())
     logging.shutdown()
@@ -122,13 +105,8 @@ class RecoveryReport:
 
 
 def reset_cluster_context(timeout: float = RESET_SECONDS) -> None:
-    """Give the eager context a fresh view of the cluster: old remote handles are dropped.
-
-    TF's ``update_server_def`` has no deadline, and it did not return in some runs where a second failure came
-    while a rebuild was in flight (a PS restarted under a worker's call). A hung reset never recovers, so after
-    ``timeout`` the process leaves with :func:`exit_for_restart`: under ``psguard agent`` a new trainer process
-    restores (the same checkpoints); without one, the exit code and the log say what happened.
-    """
+    """Give the eager context a fresh view of the cluster (old remote handles dropped). TF's
+    ``update_server_def`` can hang for ever, so after ``timeout`` the process leaves by :func:`exit_for_restart`."""
     from tensorflow.python.eager import context
 
     done = threading.Event()
@@ -148,17 +126,11 @@ _TOUCH: dict[tuple[str, ...], Any] = {}  # reach_every_ps's function, per list o
 
 
 def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
-    """Return once this process (``workers=False``: an op on every PS) or every worker (a function on each worker
-    with an op on every PS) reached every PS; the number of calls that failed first.
+    """Return once this process (or with ``workers``, every worker) reached every PS; the calls that failed first.
 
-    Why: a process that called the dead PS while it was down keeps its gRPC subchannel to that address in
-    reconnect backoff (up to 1.2 s in TF; gRPC shares subchannels between channels, so the new context's channels
-    inherit it) and fails every call to it at once until the backoff ends ("failed to connect to all addresses ...
-    Connection refused"), although the PS serves again. A rebuild (the chief's variables) or a first step (the
-    workers') quicker than that backoff failed: a second recovery for nothing, whose ``update_server_def`` hung in
-    TF in some runs. TF's coordinator would not retry it either: it tolerates 3 such errors per PS over its life,
-    and the failed generation used them up (:func:`restore_failure_tolerance`). A worker that is down itself is
-    skipped (TF's coordinator handles a lost worker). Raises the last cluster failure once ``deadline`` is over.
+    A process that called the dead PS keeps its gRPC subchannel in reconnect backoff and fails every call to it
+    until the backoff ends, although the PS serves again: a rebuild quicker than that would fail for nothing. A
+    worker that is down is skipped (TF's coordinator handles it). Raises the last failure after ``deadline``.
     """
     import tensorflow as tf
     from tensorflow.python.eager import context
@@ -207,8 +179,6 @@ def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
         except tf.errors.OpError as e:
             if "/job:ps/" in str(e) or not is_cluster_failure(e):
                 raise  # the worker is up and cannot reach a PS (its backoff): retried
-            # The worker itself is down (preempted, its node lost): TF's coordinator waits for a worker on its own
-            # and re-runs its closures; a PS recovery must not wait for it, let alone fail on it.
             log.info("%s is not reachable; the coordinator handles a lost worker: %s", device, str(e).splitlines()[0])
 
     worker_devices = [f"/job:worker/replica:0/task:{w}" for w in jobs.get("worker", [])] if ps_devices else []
@@ -216,8 +186,8 @@ def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
 
 
 def restore_failure_tolerance() -> None:
-    """Give each open manager's coordinator back TF's tolerance of transient PS errors (3 per PS, counted over
-    the coordinator's life): the failed generation used it up, and a new generation starts with it whole."""
+    """Give each open manager's coordinator back TF's tolerance of transient PS errors (3 per PS, for its life),
+    which the failed generation used up."""
     for coordinator in process_managers.coordinators():
         cluster = getattr(coordinator, "_cluster", None)
         counts = getattr(cluster, "_potential_ps_failures_count", None)
@@ -228,16 +198,9 @@ def restore_failure_tolerance() -> None:
 
 
 class StablePlacement:
-    """Every generation rebuilt in this process puts its variables on the PS its first generation put them on.
-
-    Why: ``ParameterServerStrategy`` puts each new variable (each shard of a partitioned one) on the next PS,
-    round robin, counting in the strategy object (``extended._variable_count``). A generation rebuilt in the same
-    process went on counting, so unless the first one created a multiple of ``num_ps`` variables, shard i of a
-    table landed on another PS than before (3 PS and the bench's model: every shard moved by one). psguard's PS
-    agents keep each shard where it was captured: the restore then read another node's files, and the next
-    capture's parts matched no tier (the trainer crash-looped). A new process starts the count at 0 anyway.
-    Each :meth:`building` starts the count where the first one found it.
-    """
+    """Every generation rebuilt in this process puts its variables on the PS its first generation put them on:
+    ``ParameterServerStrategy`` places them round robin by a count kept in the strategy, which a rebuild would
+    go on counting, while the PS agents keep each shard where it was captured."""
 
     def __init__(self) -> None:
         self._starts: dict[int, tuple[Any, int]] = {}  # id(strategy.extended) -> (it, its count then)
@@ -265,8 +228,8 @@ class StablePlacement:
 def _rebuild(
     build: Callable[[], T], close: Callable[[T], None] | None, placement: StablePlacement, min_bytes: int = MIN_BYTES
 ) -> T:
-    """``build()`` with big variables created without values, since its restore overwrites them at once
-    (:mod:`psguard.trainer.deferred_init`); built again the ordinary way if the restore did not assign them all."""
+    """``build()`` with big variables created without values (:mod:`psguard.trainer.deferred_init`); built again
+    the ordinary way if its restore did not assign them all."""
     t0 = time.monotonic()
     with deferred_initial_values(min_bytes) as deferred, placement.building():
         job = build()
@@ -292,23 +255,8 @@ def _rebuild(
         return build()
 
 
-def _freeze_what_lives_on() -> None:
-    """Move every object the process holds before its first build into the collector's permanent generation
-    (``gc.freeze``, after a collection): the imported modules, TensorFlow's and Keras's state, the strategy.
-
-    Why: a recovery collects the failed generation (below, ``gc.collect``) while the PS restarts, and a full
-    collection traverses every object of the process: 380,000 in the 1 GB bench's trainer, 0.31 s on the
-    recovery's path, 0.12-0.15 s once the 320,000 that were there before the first build are frozen. Those live
-    as long as the process anyway; the garbage among them was just collected. Python's own full collections
-    during training get as much cheaper. ``gc.unfreeze()`` undoes it.
-    """
-    gc.collect()
-    gc.freeze()
-
-
 def _reach(*, workers: bool) -> None:
-    """:func:`reach_every_ps`, said in the log; a check that cannot run at all (an error that is not a cluster
-    failure, as in a cluster psguard's probe does not fit) is logged and skipped, never the end of the job."""
+    """:func:`reach_every_ps`, logged; a check that cannot run at all (not a cluster failure) is skipped."""
     try:
         failed = reach_every_ps(workers=workers)
     except Exception as e:
@@ -321,12 +269,8 @@ def _reach(*, workers: bool) -> None:
 
 
 def _rebuild_reaching(build: Callable[[], T], close: Callable[[T], None] | None, placement: StablePlacement) -> T:
-    """:func:`_rebuild` once this process reaches every PS, then wait until every worker does too
-    (:func:`reach_every_ps`); the new generation trains with TF's tolerance of transient PS errors whole again.
-
-    One after the other, not side by side: a worker's failed call (its backoff) also failed the chief's calls in
-    flight at the time, so a rebuild beside the workers' reach failed again and again until the backoff ended.
-    """
+    """:func:`_rebuild` once this process reaches every PS, then wait until every worker does too: one after
+    the other, as a worker's failed call also failed the chief's calls in flight."""
     _reach(workers=False)
     job = _rebuild(build, close, placement)
     _reach(workers=True)
@@ -345,24 +289,19 @@ def run_with_recovery(
 ) -> tuple[R, RecoveryReport]:
     """Run ``train(build())``; on a cluster failure rejoin in this process and go on.
 
-    ``build`` must create everything that holds variables (model, optimizer, step function, the
-    CheckpointManager) and restore (``manager.restore_or_initialize()``); ``train`` trains from the
-    restored step to the end and returns. ``restart_ps`` restarts every PS task and returns once they all
-    serve (see the module docstring for why every one); it gets a moment the failed generation still ran (its
-    last step a manager saw, else when the failure was seen: ``time.time()``), so a PS started since (the dead
-    one, already restarted by its agent) need not be restarted again: under ``psguard agent`` pass
-    :func:`psguard.restart_ps_servers` as
-    ``lambda failed_at: psguard.restart_ps_servers(failed_at=failed_at)``. Every :class:`~psguard.CheckpointManager`
-    open in this process is closed by psguard first (they belong to the failed generation: create them in
-    ``build``), without waiting for saves a sidecar agent finishes on its own
-    (:meth:`~psguard.trainer.registry.ManagerRegistry.release_after_failure`); ``close`` releases the rest of a
-    job before it is dropped (closing its manager again does nothing). A cluster failure during ``build`` (a PS
-    lost while the rebuild restores) is recovered from the same way, within ``max_recoveries``.
+    ``build`` creates everything that holds variables (the CheckpointManager too) and restores; ``train`` trains
+    to the end. ``restart_ps(failed_at)`` restarts every PS task started before ``failed_at`` and returns once
+    they serve (under ``psguard agent``: ``lambda t: psguard.restart_ps_servers(failed_at=t)``). The open
+    managers are closed first without waiting for saves an agent finishes; ``close`` releases the rest of a
+    job. A failure during ``build`` is recovered from the same way, within ``max_recoveries``.
     """
     report = RecoveryReport()
     attempt = 0
     placement = StablePlacement()
-    _freeze_what_lives_on()
+    # What lives before the first build lives as long as the process: frozen, a recovery's full collection
+    # (while the PS restart) does not traverse it (0.31 s -> 0.12 s in the 1 GB bench).
+    gc.collect()
+    gc.freeze()
     with placement.building():
         job: T | None = build()
     failure: tuple[str, float] | None = None  # what the failure said (first line), and when it was first seen
@@ -373,9 +312,7 @@ def run_with_recovery(
                 warm = False
                 _reach(workers=False)
                 _reach(workers=True)
-            if job is None:
-                # A rebuild is a restore on a cluster that may fail again (a second PS killed mid-restore): that
-                # failure is recovered from like one in training, never by a restore of an older checkpoint.
+            if job is None:  # a failure during the rebuild is recovered from like one in training
                 reset_cluster_context()
                 job = _rebuild_reaching(build, close, placement)
                 assert failure is not None
@@ -392,9 +329,7 @@ def run_with_recovery(
             if attempt > max_recoveries:
                 raise PsguardError(f"giving up after {max_recoveries} recoveries; last failure: {e}") from e
             said = str(e).splitlines()[0][:500] if str(e) else type(e).__name__
-        # Recovered from out here, the exception gone: its traceback holds the frames of ``train(job)``, so while
-        # it lived the failed generation could not be collected (its functions stayed registered in the eager
-        # context too, and every one of them costs the reset of its cluster ~2.5 ms).
+        # Out here, the exception gone: its traceback held the failed generation's frames.
         failure = (said, time.monotonic() if failure is None else failure[1])
         failed_at = _failure_time()
         log.warning("cluster failure (%s): recovery %d in process", said[:200], attempt)
@@ -408,11 +343,7 @@ def _restart_dropping(
     dropping: list[T | None],
     close: Callable[[T], None] | None,
 ) -> None:
-    """Restart the PS tasks while the failed generation (the one job in ``dropping``, taken out) is dropped.
-
-    The PS restart (waiting on the agents) overlaps with dropping the failed generation (CPU here, the collection
-    alone 0.3-0.4 s with a model built). Both are over before the cluster context is reset.
-    """
+    """Restart the PS tasks while the failed generation (the one job in ``dropping``, taken out) is dropped."""
     with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
         restarting = pool.submit(restart_ps, failed_at)
         process_managers.release_after_failure()
@@ -423,9 +354,7 @@ def _restart_dropping(
             except Exception as close_error:  # the old generation's saves may fail now: expected
                 log.info("closing the failed generation: %s", close_error)
         job = None
-        # The collection holds the interpreter until it is done (its traversal runs no Python code): a request not
-        # yet on the wire waits for it. Let the restart's thread send first: 0.28 s later at the agent without
-        # this, 4 ms with it (a model and 300k cyclic objects, one process).
+        # The collection holds the interpreter: let the restart's request leave first (0.28 s later otherwise).
         wait([restarting], timeout=_SEND_FIRST_SECONDS)
         gc.collect()
         restarting.result()  # its failure, raised here
