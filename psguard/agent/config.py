@@ -76,32 +76,27 @@ class AgentConfig:
     job: str = "default"  # names the default spool folder
     store: str | None = None
     storage_options: Mapping[str, str] = field(default_factory=dict)
-    # The chief's agent resumes from the store at start, and nothing else holds the job's state then: a store that
-    # does not answer is waited for (not ready; /status says why), for ever by default (None). A duration: exit
-    # with "storage unavailable" after waiting that long (psguard/storage/waiting.py).
+    # How long the chief's agent waits at start for a store that does not answer (None: for ever); then it exits
+    # with "storage unavailable".
     store_wait_timeout: Duration | None = None
     spool: str | None = None
     task_log: str | None = None  # append the task's output here (default: the agent's own stdout/stderr)
-    # The task log's bound: past task_log_max_mb it is copied to <task_log>.1 and truncated, task_log_keep
-    # copies kept (psguard/agent/process/task_log.py); at most (keep + 1) x max on the node.
+    # The task log's bound (psguard/agent/process/task_log.py): at most (keep + 1) x max on the node.
     task_log_max_mb: int = 100
     task_log_keep: int = 3
-    # Where the agent records its task's process tree, so that its successor kills what survives a SIGKILL of
-    # this agent (default: /dev/shm/psguard-<job>-agents, a tmpfs cleared at boot like the processes).
+    # Where the agent records its task's process tree for its successor (default: /dev/shm/psguard-<job>-agents).
     state_dir: str | None = None
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
     probe: MonitorConfig = field(default_factory=MonitorConfig)
     peers: PeersConfig = field(default_factory=PeersConfig)
     peer_copy: PeerCopyConfig = field(default_factory=PeerCopyConfig)
-    # The node this agent runs on: peer copies are never placed on the same node as their original. Default:
-    # $PSGUARD_NODE, else $NODE_NAME (Kubernetes: the pod's spec.nodeName through the downward API), else the
-    # host name.
+    # The node this agent runs on, where peer copies are not placed (default: $PSGUARD_NODE, else $NODE_NAME,
+    # else the host name).
     node: str | None = None
     persister: PersistConfig = field(default_factory=PersistConfig)
     http: HttpConfig = field(default_factory=HttpConfig)
-    # The agent's exit code after SIGTERM or SIGINT (the task stopped gracefully, the log drained). 0 by default;
-    # on Kubernetes Jobs 143, so that a pod deleted or evicted mid-job counts as failed and is replaced instead of
-    # completing its index. A PS or worker agent told the job is done (POST /finish) exits 0 regardless.
+    # The agent's exit code after SIGTERM or SIGINT (143 on Kubernetes Jobs: an evicted pod then counts as failed).
+    # A PS or worker agent told the job is done (POST /finish) exits 0 regardless.
     stop_exit_code: int = 0
 
 

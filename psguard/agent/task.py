@@ -1,8 +1,5 @@
-"""What an agent gives its task: its command (the built-in server), its environment, its probes, its record.
-
-The task's side of the agent, apart from the agent's own lifecycle (:mod:`psguard.agent.daemon`): everything here
-is decided from the cluster, the task's role and index and the agent's settings, before the task starts. The
-environment is the contract with the trainer (:mod:`psguard.handoff.contract`).
+"""What an agent gives its task: its command (the built-in server), its environment, its probes, its record; all
+decided before the task starts. The environment is the contract with the trainer (:mod:`psguard.handoff.contract`).
 """
 
 from __future__ import annotations
@@ -57,8 +54,7 @@ MMAP_THRESHOLD_TUNABLE = "glibc.malloc.mmap_threshold"
 
 def with_malloc_tunable(env: dict[str, str], tunable: str) -> None:
     """Add ``tunable`` (``glibc.malloc.NAME=VALUE``) to ``env``'s ``GLIBC_TUNABLES``, unless it sets that name
-    already (the user's choice stands). An older glibc ignores a name it does not know; a kernel without THP, the
-    huge-pages advice."""
+    already (the user's choice stands; an older glibc ignores names it does not know)."""
     current = env.get("GLIBC_TUNABLES", "")
     name = tunable.partition("=")[0]
     if f"{name}=" not in current:
@@ -73,13 +69,8 @@ RECONNECT_BACKOFF_ARG = "grpc.initial_reconnect_backoff_ms"
 
 def with_reconnect_backoff(env: dict[str, str], seconds: float) -> None:
     """Add :data:`RECONNECT_BACKOFF_ARG` (``seconds``) to ``env``'s :data:`TF_GRPC_OPTIONS`, unless it sets it
-    already (the user's choice stands).
-
-    Why: a task that called a PS while it was down waits out gRPC's reconnect backoff before it calls it again,
-    1 s (0.8-1.2 with jitter) by default, although the PS is back in 0.2-0.4 s; gRPC shares the connection
-    between channels, so a new cluster context inherits the wait. After a PS restart that wait was the longest
-    part of a 1 GB job's recovery (the workers' first step waited for it). TensorFlow caps the backoff at 1 s.
-    """
+    already (the user's choice stands): gRPC's default 1 s wait was the longest part of a recovery, the PS being
+    back in 0.2-0.4 s."""
     current = env.get(TF_GRPC_OPTIONS, "")
     if f"{RECONNECT_BACKOFF_ARG}=" in current:
         return
@@ -101,14 +92,10 @@ def task_env(
     mmap_threshold_mb: float = 0.0,
     reconnect_backoff: float = 0.0,
 ) -> dict[str, str]:
-    """The task's environment: ``TF_CONFIG`` for its role and index, and the variables of
-    :mod:`psguard.handoff.contract` (its agent's URL, token file and TLS files; the chief's spool and store);
-    a PS's malloc asks for huge pages with ``huge_pages`` (``supervisor.huge_pages``) and maps every block of
-    ``mmap_threshold_mb`` or more of its own (``supervisor.ps_mmap_threshold_mb``; 0: glibc's); TensorFlow's channels
-    reconnect after ``reconnect_backoff`` seconds (``supervisor.reconnect_backoff``; 0: TensorFlow's 1 s)."""
-    env = dict(os.environ)
-    for key, value in QUIET_TENSORFLOW.items():
-        env.setdefault(key, value)
+    """The task's environment: ``TF_CONFIG`` for its role and index, the variables of
+    :mod:`psguard.handoff.contract`, and the ``supervisor:`` settings for malloc and gRPC (0 / False: the
+    defaults of glibc and TensorFlow)."""
+    env = {**QUIET_TENSORFLOW, **os.environ}
     if huge_pages and role == "ps":
         with_malloc_tunable(env, HUGE_PAGES_TUNABLE)
     if mmap_threshold_mb > 0 and role == "ps":

@@ -1,13 +1,9 @@
 """Prometheus metrics for the agent: a tiny thread-safe registry and the names dashboards and alerts use.
 
-Why not ``prometheus_client``: the agent needs counters, gauges and histograms with labels and the text
-exposition format 0.0.4, which is a page of code; one more dependency in every sidecar is not worth it.
-
-The names below are an interface: alerts and dashboards reference them, so they are exported as constants
-and changing one is a breaking change. :class:`AgentMetrics` creates all of them on a registry. Every series
-an agent will have is exported from its start (counters at 0, :meth:`AgentMetrics.declare_task`), so
-``increase()`` sees the first event and an alert on a counter needs no ``or vector(0)``. ``task`` is a task's
-name (``ps:0``, ``chief:0``), also for the peers the chief's agent watches.
+Not ``prometheus_client``: the text format 0.0.4 is a page of code, not worth a dependency in every sidecar. The
+names below are an interface (alerts and dashboards use them): changing one is a breaking change. Every series
+is exported from the agent's start (counters at 0, :meth:`AgentMetrics.declare_task`), so an alert on a counter
+needs no ``or vector(0)``. ``task`` is a task's name (``ps:0``), also for the peers the chief's agent watches.
 
 ==============================================  =========  ===========  =============================================
 name                                            type       labels       meaning

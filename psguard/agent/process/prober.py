@@ -8,16 +8,11 @@ Three layers, because each catches what the one below cannot:
 :class:`GrpcStatusProbe`      the TF server answers an RPC before the deadline
 ============================  ====================================================================
 
-The last one is the point. A frozen PS (SIGSTOP, a wedged process, a machine swapping to death) keeps its
-listening socket: the kernel completes TCP handshakes into the backlog, so a port check passes forever while
-every training step hangs. Only a call that needs the server's own threads to answer fails, with
-``DEADLINE_EXCEEDED``. The call is ``/tensorflow.WorkerService/GetStatus`` with an empty request, sent as
-raw bytes through grpcio's generic API: no TensorFlow import in the agent (``import grpc`` costs ~35 ms and
-~30 MB; TensorFlow 2.5 s and 500 MB). :class:`HttpProbe` checks another agent's ``/readyz``.
-
-:class:`HealthMonitor` runs the probes on its own thread. Detection time of a freeze is at most about
-``interval + failure_threshold * deadline``: failing rounds are repeated every ``min(interval, deadline)``
-rather than every ``interval`` so that confirming a failure does not take longer than the deadlines it waits.
+The last one is the point: a frozen PS keeps its listening socket (the kernel completes TCP handshakes into the
+backlog), so only a call that needs the server's own threads fails, with ``DEADLINE_EXCEEDED``. It is sent as raw
+bytes through grpcio's generic API: no TensorFlow import in the agent. :class:`HttpProbe` checks another agent's
+``/readyz``. :class:`HealthMonitor` runs the probes on its own thread; failing rounds are repeated every
+``min(interval, deadline)``, so a freeze is found within about ``interval + failure_threshold * deadline``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""One ``tf.distribute.Server`` task (PS or worker) as its own OS process.
-
-Run as ``python -m psguard.agent.process.tf_server --cluster-spec JSON --job ps --index 0``. A separate process per
-task is the point: a real PS or worker can then be killed, frozen and restarted alone, which is what
-psguard's recovery has to survive. The process serves until it is killed. Started with ``PSGUARD_STANDBY=1``
-it is a warm standby (:mod:`psguard.agent.process.standby`): it imports TensorFlow, then waits on stdin before binding.
+"""One ``tf.distribute.Server`` task (PS or worker) as its own OS process, so that it can be killed, frozen and
+restarted alone. ``python -m psguard.agent.process.tf_server --cluster-spec JSON --job ps --index 0`` serves until
+killed; with ``PSGUARD_STANDBY=1`` it is a warm standby (:mod:`psguard.agent.process.standby`).
 """
 
 from __future__ import annotations
@@ -29,12 +26,8 @@ _PR_SET_PDEATHSIG = 1
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL us when our parent dies.
-
-    Servers run in their own session (so one can be killed alone), which also means nothing else stops
-    them when a test process is killed with SIGKILL and cannot run its clean-up: they would hold ports and
-    about 600 MB each until someone noticed. Linux only; elsewhere the parent's ``atexit`` has to do.
-    """
+    """Ask the kernel to SIGKILL us when our parent dies: in our own session nothing else stops us when a
+    SIGKILLed parent cannot clean up (Linux only)."""
     if not sys.platform.startswith("linux"):
         return
     try:
@@ -70,14 +63,9 @@ class _ServerApi(Protocol):
 
 
 def lean_import_allowed(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether this process may load TF's server without ``import tensorflow``.
-
-    ``import tensorflow`` costs 9-10 s of CPU on the 2-core machines we measured (Keras 3 alone pulls in
-    matplotlib), yet a task that only serves needs the C++ runtime with its kernels and the ServerDef protos: 1 s.
-    Every PS and worker start, restart and warm standby pays that import, on the critical path of a cold restart.
-    The full import also loads device plugins (``tensorflow-plugins``, ``TF_PLUGGABLE_DEVICE_LIBRARY_PATH``) and
-    modular filesystems; where any of those is configured the full import is kept, as it is when the user asks.
-    """
+    """Whether this process may load TF's server without ``import tensorflow`` (1 s instead of 9-10 s of CPU, on
+    every cold restart's path): not where device plugins or modular filesystems, which only the full import
+    loads, are configured, nor when the user asks for the full import."""
     if environ.get(ENV_SERVER_IMPORT, "").lower() == "full":
         return False
     if environ.get("TF_PLUGGABLE_DEVICE_LIBRARY_PATH"):
@@ -91,13 +79,9 @@ def lean_import_allowed(environ: Mapping[str, str] = os.environ) -> bool:
 
 
 def lean_server_api() -> _ServerApi:
-    """TF's server C API with its kernels loaded, without running ``tensorflow/__init__.py``.
-
-    A package object stands in for ``tensorflow`` so that importing its submodules does not execute the
-    package's ``__init__`` (Python imports a parent before its children). ``pywrap_tensorflow`` loads the runtime
-    library that registers every kernel; what it lacks against a full import is checked by the unit tests
-    (the kernel registry of both, compared). Only for a process that serves and never runs TF's Python API.
-    """
+    """TF's server C API with its kernels loaded, without running ``tensorflow/__init__.py``: a package object
+    stands in for ``tensorflow`` so that importing its submodules does not run it. The unit tests compare the
+    kernel registry with a full import's. Only for a process that serves and never runs TF's Python API."""
     spec = importlib.util.find_spec("tensorflow")
     assert spec is not None and spec.submodule_search_locations is not None
     package = types.ModuleType("tensorflow")
