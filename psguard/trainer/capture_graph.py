@@ -431,9 +431,25 @@ def join_warming(timeout: float) -> None:
             log.warning("the capture function's warm-up was still running at exit (a PS unreachable?)")
 
 
+def _in_background(target: Callable[[], None], name: str) -> threading.Thread:
+    """``target`` started on a daemon thread that :func:`join_warming` waits for."""
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            with _WARMING_LOCK:
+                _WARMING.discard(threading.current_thread())
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    with _WARMING_LOCK:
+        _WARMING.add(thread)
+    thread.start()
+    return thread
+
+
 def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
-    """A started daemon thread (joined by :func:`join_warming`) that instantiates ``fns``' capture by a dry call.
-    A failure is left for the real call to report."""
+    """A started thread that instantiates ``fns``' capture by a dry call; a failure is left to the real call."""
     tf = lazy_tf()
     n = len(fns.plan.tensors)
 
@@ -445,15 +461,8 @@ def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
                 concrete(tf.constant(True), *off, variables)
         except Exception as e:
             log.debug("warming the capture function up failed: %s", e)
-        finally:
-            with _WARMING_LOCK:
-                _WARMING.discard(threading.current_thread())
 
-    thread = threading.Thread(target=warm, name="psguard-capture-warm", daemon=True)
-    with _WARMING_LOCK:
-        _WARMING.add(thread)
-    thread.start()
-    return thread
+    return _in_background(warm, "psguard-capture-warm")
 
 
 @contextlib.contextmanager
