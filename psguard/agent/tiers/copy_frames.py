@@ -18,13 +18,14 @@ reference.
 
 from __future__ import annotations
 
+import io
 import json
 import struct
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
@@ -229,14 +230,8 @@ def decode_frame(data: bytes) -> tuple[dict[str, Any], list[np.ndarray]]:
     return header, arrays
 
 
-class _Readable(Protocol):
-    def read(self, n: int, /) -> bytes: ...
-
-    def readinto(self, buffer: memoryview, /) -> int: ...
-
-
 def read_frame_into(
-    stream: _Readable,
+    stream: io.BufferedIOBase,
     out: np.ndarray,
     take: Callable[[int, np.ndarray], None] | None = None,
     *,
@@ -286,7 +281,7 @@ def read_frame_into(
     return header
 
 
-def _read_exactly(stream: _Readable, view: memoryview) -> None:
+def _read_exactly(stream: io.BufferedIOBase, view: memoryview) -> None:
     got = 0
     while got < view.nbytes:
         n = stream.readinto(view[got:])

@@ -7,7 +7,7 @@ background (:mod:`~psguard.agent.tiers.copy_owner`). The holder (:class:`CopyHol
 :class:`MemoryTier` per owner under the owner's tokens: a delta applies only over the state it names, else the
 answer is ``need_full``. Every frame carries the owner's per-shard digests (:func:`rows_digest`), checked before a
 delta applies and before a fetched copy is used. A copy is never durable. Frames with ``parity`` go to
-:class:`ParityPart` (:mod:`psguard.agent.tiers.parity`).
+:class:`~psguard.agent.tiers.parity.ParityHolder`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,7 +37,10 @@ from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError
 from psguard.tensors import Rows, Same, TensorUpdate
 
-__all__ = ["CopyHolder", "ParityPart"]
+if TYPE_CHECKING:
+    from psguard.agent.tiers.parity import ParityHolder
+
+__all__ = ["CopyHolder"]
 
 log = logging.getLogger(__name__)
 
@@ -53,17 +56,6 @@ class _Copy:
     # The last delta's way back: the state it applied to, its step, the rows it overwrote and the digests
     # before it (an owner's capture that did not reach every PS: see ShardKeeper._roll_back_to).
     undo: tuple[str, int, dict[str, tuple[np.ndarray, np.ndarray]], dict[str, int]] | None = None
-
-
-class ParityPart(Protocol):
-    """The parity blocks an agent holds (:class:`psguard.agent.tiers.parity.ParityHolder`): the frames and reads
-    of owners in ``copies: parity`` go there."""
-
-    def put(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray], nbytes: int) -> dict[str, Any]: ...
-
-    def holds(self, owner: str) -> bool: ...
-
-    def read(self, doc: Mapping[str, Any]) -> bytes | Frame: ...
 
 
 @dataclass
@@ -84,7 +76,7 @@ class CopyHolder:
         self._copies: dict[str, _Copy] = {}
         self._incoming: dict[str, _Incoming] = {}  # owner -> a whole copy being received
         self._refused = 0
-        self.parity: ParityPart | None = None  # the parity blocks held here, if any
+        self.parity: ParityHolder | None = None  # the parity blocks held here, if any
 
     def status(self) -> dict[str, Any]:
         with self._lock:
