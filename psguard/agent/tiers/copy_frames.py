@@ -1,19 +1,11 @@
 """The peer copies' wire: frames (a JSON header and raw arrays, no pickle) and the row digests that verify a copy.
 
-Apart from :mod:`psguard.agent.tiers.peer_copy` (the holder and the sender) because the parity blocks, the shard
-keeper and the agents' HTTP link use them too.
+A frame is ``MAGIC``, a little-endian u32 header length, a JSON header (``arrays``: each array's dtype and shape;
+``crc32`` of the payload, or null for rows checked against their owner's digests), then the arrays' bytes, C order.
 
-Wire format (agent to agent, over the authenticated control endpoint; no pickle): ``MAGIC``, a little-endian
-u32 header length, a JSON header (with ``arrays``: dtype and shape of each array that follows, and ``crc32``
-of the payload, or null for rows the reader verifies against their owner's digests), then the arrays' bytes, C
-order, back to back.
-A frame is read whole (:func:`decode_frame`: the arrays are views of it) or, by a new agent fetching its shards,
-as it arrives, its array straight into the tier (:func:`read_frame_into`).
-
-Digests (:func:`rows_digest`): a sum over rows modulo 2**64 of a hash of each row's index and bytes, so a delta
-updates a tier's digest from the rows it changes (:func:`delta_digest`). Owners and holders must agree on it
-bit for bit, across psguard versions too (a rolling upgrade): the test suite checks it against a row-by-row
-reference.
+A digest (:func:`rows_digest`) is a sum over rows modulo 2**64 of a hash of each row's index and bytes, so a delta
+updates it from the rows it changes (:func:`delta_digest`). Owners and holders must agree on it bit for bit,
+across versions too (the tests check it against a row-by-row reference).
 """
 
 from __future__ import annotations
@@ -58,9 +50,8 @@ _PIECE_BYTES = 1 << 20  # a fetch's pieces (read_frame_into): hashed while in ca
 # ---------------------------------------------------------------------------------------------------- digests
 @cache
 def _weights(words: int) -> np.ndarray:
-    """``words + 1`` fixed odd 64-bit weights (owners, holders and fetching agents must agree): splitmix64's
-    sequence from a seed per width. Not ``numpy.random``: its import, at a replaced node's first fetch, held the
-    fetch's four threads for ~0.13 s each on its lock (py-spy, 2026-12-06)."""
+    """``words + 1`` fixed odd 64-bit weights, splitmix64's sequence from a seed per width (not ``numpy.random``,
+    whose import at a fetch held its threads on its lock)."""
     with np.errstate(over="ignore"):
         seed = np.uint64(0x5053475541524400 + words)
         steps = np.arange(1, words + 2, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
@@ -78,14 +69,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def rows_digest(values: np.ndarray, ids: np.ndarray | None = None, *, first: int = 0) -> int:
-    """The digest of rows ``values`` (row ``ids``, default ``first..first+n-1``: a range of a tensor needs no array
-    of its ids): a sum over rows modulo 2**64.
-
-    A sum, so a tier's digest follows a delta by the changed rows alone: ``d - rows_digest(old, ids) +
-    rows_digest(new, ids)``. Each row's term hashes its index with its bytes, so a row moved or swapped shows.
-    In C when built (:func:`psguard.handoff.native.digest_function`: one call a piece, the interpreter's lock
-    released), else numpy; the same value either way.
-    """
+    """The digest of rows ``values`` (row ``ids``, default ``first..first+n-1``). Each row's term hashes its index
+    with its bytes, so a moved row shows. In C when built (the GIL released), else numpy: the same value."""
     n = int(values.shape[0]) if values.ndim else 1
     if ids is not None and (len(ids) != n or first):
         raise ValueError(f"{len(ids)} row ids for {n} rows" if len(ids) != n else "row ids and a first row both given")
@@ -109,9 +94,8 @@ def _numpy_digest(flat: np.ndarray, ids: np.ndarray | None, first: int = 0) -> i
     n, width = flat.shape
     pad = (-width) % 4
     w = _weights((width + pad) // 4)
-    # Blocks of about _BLOCK_BYTES of 64-bit words stay in cache, and a matrix-vector product sums each row's
-    # products without a temporary of them all: 4-5x the rate of multiply-then-sum over 32k rows (2026-12-04:
-    # 0.8 -> 3.5-4 GB/s at 32 float32 a row), the same digest (integer arithmetic modulo 2**64 either way).
+    # Blocks of about _BLOCK_BYTES stay in cache; a matrix-vector product sums each row's products without a
+    # temporary of them all (integer arithmetic modulo 2**64 either way).
     block_rows = min(_BLOCK_ROWS, max(2048, _BLOCK_BYTES // (8 * len(w))))
     total = 0
     for lo in range(0, n, block_rows):
@@ -137,11 +121,8 @@ def delta_digest(before: int, ids: np.ndarray, old: np.ndarray, new: np.ndarray)
 def frame_parts(
     header: Mapping[str, Any], arrays: Sequence[np.ndarray] = (), *, crc: bool = True
 ) -> list[bytes | memoryview]:
-    """One message as the pieces sent in order: magic, header length and header JSON (with each array's dtype
-    and shape), then each array's own bytes (views, not copies: joining a fetch's 8 MB chunks into one bytes ran
-    at 0.8 GB/s, the slowest step of a node-loss fetch). ``crc=False``: no CRC32 (``"crc32": null``), for rows
-    whose reader checks them against their owner's digests anyway (a fetch: CRC on both ends was a quarter of
-    its CPU, on the cores the recovering job needs)."""
+    """One message as the pieces sent in order: the head, then each array's own bytes (views, not copies).
+    ``crc=False``: ``"crc32": null``, for rows whose reader checks them against their owner's digests anyway."""
     chunks = [np.ascontiguousarray(a) for a in arrays]
     check = 0
     for c in chunks if crc else ():
@@ -158,9 +139,8 @@ def encode_frame(header: Mapping[str, Any], arrays: Sequence[np.ndarray] = ()) -
 
 @dataclass
 class Frame:
-    """A frame sent as :func:`frame_parts` from arrays that stay valid only until ``release`` (an export lease of
-    the tier they are views of): the HTTP handler writes the parts, then releases. ``bytes(frame)`` joins and
-    releases, for a caller that wants it whole."""
+    """A frame as :func:`frame_parts` of arrays valid until ``release`` (an export lease): the HTTP handler writes
+    the parts, then releases; ``bytes(frame)`` joins and releases."""
 
     parts: list[bytes | memoryview]
     release: Callable[[], None]
@@ -237,18 +217,13 @@ def read_frame_into(
     *,
     piece_bytes: int = _PIECE_BYTES,
 ) -> dict[str, Any]:
-    """Read a frame from ``stream`` (an HTTP answer as it arrives) with its one array's bytes straight into
-    ``out`` (C-contiguous, writable, the frame's dtype and shape): a fetched copy lands in the tier's files with
-    no buffer of the frame in between. A frame without arrays (an answer such as ``mismatch``) gives its header
-    and leaves ``out`` alone. Checked as :func:`decode_frame` checks (``out`` may hold a part of the damaged
-    bytes then: the caller drops it).
+    """Read a frame from ``stream`` (an HTTP answer as it arrives), its one array's bytes straight into ``out``
+    (C-contiguous, the frame's dtype and shape), checked as :func:`decode_frame` checks; the header. A frame
+    without arrays (``mismatch``) leaves ``out`` alone; after an error ``out`` may hold damaged bytes.
 
     ``take(row, rows)``: the rows pass through a buffer of about ``piece_bytes`` instead, each piece handed to
-    ``take`` (its first row's index in ``out``, a view of the buffer valid during the call), and ``out`` only
-    gives the dtype and shape. Why: a node-loss fetch that verified each 8 MB answer after it landed read every
-    byte back from memory, and receiving straight into a tier file's mapping cost a page fault a page plus the
-    pages' allocation ahead (``posix_fallocate``, against a ``SIGBUS`` on a full tmpfs): 0.3 s of CPU a 512 MB
-    shard, on the replaced node's recovery path. A piece is hashed while in cache and written with ``pwrite``."""
+    ``take`` (a view valid during the call), so that it is hashed while in cache and written with ``pwrite``;
+    ``out`` then only gives the dtype and shape."""
     start = len(MAGIC) + 4
     header, _ = _frame_header(stream.read(start), stream.read)
     specs = _array_specs(header)
