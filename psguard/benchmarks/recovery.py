@@ -21,6 +21,12 @@ steps). The sides alternate, one recovery each per run.
   "script" (this process) then stops every PS and worker server, starts a new set and a new chief process at
   the same time (the chief waits for the servers' ports), and the new chief restores with
   ``tf.train.CheckpointManager.restore_or_initialize``. No agents, no standby: a plain-TF job has none.
+- ``--fault chief``: the trainer process is killed instead, at the same step. psguard: the chief's agent sees its
+  task die and starts a new trainer (its warm standby: the trainer runs as ``python -m``, as a user's ``python
+  train.py`` does, so the agent keeps one), after a new generation of PS as for any trainer restart; the new
+  process restores (the memory tier first) and trains on. Plain TF: the script starts a new chief at once against
+  the servers still running (a new coordinator may connect to them: only the chief's pod restarts). With
+  ``--vs-ps-kill`` psguard also runs a PS kill beside each run: ``recovery_vs_ps_kill_ratio``.
 
 Both trainers (child processes: :mod:`psguard.benchmarks.recovery_trainers`; the parent, which starts, kills and
 measures, is this module and a module per side, :mod:`~psguard.benchmarks.recovery_psguard` and
@@ -67,20 +73,21 @@ from psguard.benchmarks.common import alternate, print_results, progress
 from psguard.benchmarks.recovery_baseline import run_baseline
 from psguard.benchmarks.recovery_job import Params
 from psguard.benchmarks.recovery_psguard import run_psguard
-from psguard.benchmarks.recovery_summary import compare_no_copies, summarize
+from psguard.benchmarks.recovery_summary import compare_no_copies, compare_ps_kill, summarize
 from psguard.errors import ConfigError
 
 
-def run(p: Params, runs: int = 3) -> dict[str, Any]:
+def run(p: Params, runs: int = 3, *, vs_ps_kill: bool = False) -> dict[str, Any]:
     """``runs`` recoveries per side, alternating; the results document (see the module docstring).
 
     With peer copies on and ``fault="node"``, psguard also runs the same fault with copies off, once per run and
-    beside it: ``recovery_vs_no_copies_ratio`` is what the copies buy.
+    beside it: ``recovery_vs_no_copies_ratio`` is what the copies buy. With ``fault="chief"`` and
+    ``vs_ps_kill``, psguard also runs a PS kill of the same job beside each run: ``recovery_vs_ps_kill_ratio``.
     """
     workdir = Path(tempfile.mkdtemp(prefix="psguard-bench-recovery-"))
     ours: list[dict[str, Any]] = []
     theirs: list[dict[str, Any]] = []
-    no_copies: list[dict[str, Any]] = []
+    beside: list[dict[str, Any]] = []  # the runs of `other`
     s3 = None
     if p.store == "s3":
         from psguard.testbed.s3 import SeaweedS3
@@ -88,20 +95,24 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         s3 = SeaweedS3(workdir / "seaweed", bucket="psguard-bench")
         s3.start()
 
-    off = replace(p, copies="none") if p.fault == "node" and p.copies != "none" else None
+    other, what_other = None, ""
+    if p.fault == "node" and p.copies != "none":
+        other, what_other = replace(p, copies="none"), "copies off"
+    elif p.fault == "chief" and vs_ps_kill:
+        other, what_other = replace(p, fault="process"), "PS 0 killed"
 
-    def copies_off(i: int) -> None:
-        assert off is not None
-        doc = run_psguard(off, workdir, s3)
-        no_copies.append(doc)
-        progress(f"run {i} psguard, copies off: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']}")
+    def run_other(i: int) -> None:
+        assert other is not None
+        doc = run_psguard(other, workdir, s3)
+        beside.append(doc)
+        progress(f"run {i} psguard, {what_other}: {doc['recovery_s']:.2f}s, lost {doc['lost_steps']}")
 
     def a(i: int) -> float:
-        # With copies off as well: right beside the run with them, in turns before and after it, so that what
+        # With copies off (or a PS kill) as well: right beside the run, in turns before and after it, so that what
         # drifts over the benchmark (the store's size, the machine's other load) does not land on one side of
         # their ratios (goodput with copies on over off moved 0.67-1.36 with the off runs all at the end).
-        if off is not None and i % 2:
-            copies_off(i)
+        if other is not None and i % 2:
+            run_other(i)
         doc = run_psguard(p, workdir, s3)
         ours.append(doc)
         progress(
@@ -109,8 +120,8 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
             f"{doc['lost_steps']} (from {doc['restored_from']}), restore {doc['restore_s']:.2f}s "
             f"({doc['restore_mib_s']:.0f} MiB/s, raw {doc['raw_restore_mib_s']:.0f} MiB/s)"
         )
-        if off is not None and not i % 2:
-            copies_off(i)
+        if other is not None and not i % 2:
+            run_other(i)
         return float(doc["recovery_s"])
 
     def b(i: int) -> float:
@@ -122,7 +133,7 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         )
         return float(doc["recovery_s"])
 
-    what = "PS 0 with its agent (node lost)" if p.fault == "node" else "PS 0"
+    what = {"node": "PS 0 with its agent (node lost)", "chief": "the chief's trainer"}.get(p.fault, "PS 0")
     progress(
         f"{runs} runs per side: table {p.vocab_size} x {p.embedding_dim} over {p.num_ps} PS, memory every "
         f"{p.memory_every}, durable every {p.durable_every}, kill -9 {what} at step {p.kill_at}, peer copies "
@@ -141,8 +152,10 @@ def run(p: Params, runs: int = 3) -> dict[str, Any]:
         elif not finished:  # what failed is in the agents' logs and the progress records
             progress(f"the run failed: its agents' logs and progress records are kept in {workdir}")
     result = summarize(p, ours, theirs, xs, ys)
-    if no_copies:
-        result.update(compare_no_copies(ours, no_copies, xs))
+    if beside and p.fault == "node":
+        result.update(compare_no_copies(ours, beside, xs))
+    elif beside:
+        result.update(compare_ps_kill(beside, xs))
     return result
 
 
@@ -183,7 +196,9 @@ def cmd(args: argparse.Namespace) -> int:
     if args.copies == "parity" and not 2 <= args.parity_group < args.ps:
         # The parity of a group is held outside it: with every PS in one group there is no holder.
         raise ConfigError(f"--copies parity needs 2 <= --parity-group < --ps (got {args.parity_group}, {args.ps} PS)")
-    results = run(params_from_args(args), runs=args.runs)
+    if args.vs_ps_kill and args.fault != "chief":
+        raise ConfigError("--vs-ps-kill compares a chief kill with a PS kill: it needs --fault chief")
+    results = run(params_from_args(args), runs=args.runs, vs_ps_kill=args.vs_ps_kill)
     print_results(results, as_json=args.json)
     return 0
 
@@ -194,9 +209,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--vocab-size", type=int, default=200_000, help="rows of the embedding table (default 200000)")
     p.add_argument(
         "--fault",
-        choices=("process", "node"),
+        choices=("process", "node", "chief"),
         default="process",
-        help="process: kill -9 PS 0's server; node: with its agent, a new agent on an empty folder (default process)",
+        help="process: kill -9 PS 0's server; node: with its agent, a new agent on an empty folder; chief: the "
+        "trainer process (plain TF's chief restarted against the running servers) (default process)",
+    )
+    p.add_argument(
+        "--vs-ps-kill",
+        action="store_true",
+        help="with --fault chief: psguard also runs a PS kill of the same job beside each run, for "
+        "recovery_vs_ps_kill_ratio",
     )
     p.add_argument(
         "--copies",

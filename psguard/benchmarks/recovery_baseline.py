@@ -1,6 +1,11 @@
 """The plain-TF side of ``psguard bench recovery``: ``tf.train.CheckpointManager`` every K steps; when PS 0 is
 killed the chief exits, and a "script" (this process) stops the job and starts it again, servers and chief at
 once, the new chief restoring the last save (:mod:`psguard.benchmarks.recovery` says what each figure means).
+
+When the chief itself is killed (``fault="chief"``) the script starts a new chief only, at once, against the
+servers still running, as a job whose chief pod alone restarts: TensorFlow lets a new coordinator connect to
+them (each client gets its own context on a server), so nothing else needs to restart. What that leaves behind
+(the dead chief's variables stay on each PS until its context's keep-alive runs out) is plain TF's own cost.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
     finally:
         job.stop()
     doc = baseline_figures(p, read_records(job.progress), restart)
-    shutil.rmtree(job.work, ignore_errors=True)
+    if not os.environ.get("PSGUARD_BENCH_KEEP"):  # set: keep the chiefs' logs and the progress records
+        shutil.rmtree(job.work, ignore_errors=True)
     return doc
 
 
@@ -63,9 +69,9 @@ def _run_baseline(p: Params, workdir: Path) -> dict[str, Any]:
 class Restart:
     """When the restart script's steps ended (``time.time()``)."""
 
-    exited_at: float  # the failed chief's exit
-    stopped_at: float  # every server of the job stopped
-    servers_at: float  # the new servers started (the new chief started beside them)
+    exited_at: float  # the failed chief's exit (seen by the script)
+    stopped_at: float  # every server of the job stopped (``fault="chief"``: none is; the exit)
+    servers_at: float  # the new servers started, the new chief beside them (``fault="chief"``: the new chief)
 
 
 def baseline_figures(p: Params, recs: Records, restart: Restart) -> dict[str, Any]:
@@ -79,16 +85,30 @@ def baseline_figures(p: Params, recs: Records, restart: Restart) -> dict[str, An
         max(int(d["hwm"]), int(b["built_hwm"])) - int(r["rss"])
         for d, b, r in zip(recs.of("trainer-peak"), recs.of("restore"), recs.of("ready"), strict=True)
     ]
-    doc.update(
-        state_bytes=int(recs.first("state")["state_bytes"]),
-        chief_rss_growth_bytes=growth_after_build(recs),
-        chief_rss_growth_with_build_bytes=max(with_build),
-        phases={
+    if p.fault == "chief":  # nothing stopped: the exit seen, a new chief started (Python, TensorFlow), connected
+        started = next(d for d in recs.of("started") if d["gen"] == 1)
+        imported = next(d for d in recs.of("imported") if d["gen"] == 1)
+        phases = {
+            "detect_s": restart.exited_at - kill_t,
+            "chief_start_s": restart_ready["t"] - restart.exited_at,
+            "spawn_s": started["t"] - restart.exited_at,
+            "import_s": imported["t"] - started["t"],
+            "connect_s": restart_ready["t"] - imported["t"],
+        }
+    else:
+        phases = {
             "detect_s": recs.first("failure")["t"] - kill_t,
             "chief_exit_s": restart.exited_at - recs.first("failure")["t"],
             "stop_job_s": restart.stopped_at - restart.exited_at,
             "servers_up_s": restart.servers_at - restart.stopped_at,
             "chief_start_s": restart_ready["t"] - restart.stopped_at,  # TF import, in parallel with the servers' start
+        }
+    doc.update(
+        state_bytes=int(recs.first("state")["state_bytes"]),
+        chief_rss_growth_bytes=growth_after_build(recs),
+        chief_rss_growth_with_build_bytes=max(with_build),
+        phases={
+            **phases,
             "connect_build_s": float(restore["t0"]) - restart_ready["t"],
             "restore_s": float(restore["t1"]) - float(restore["t0"]),
             "first_step_s": doc["restore_end_to_first_step_s"],
@@ -125,8 +145,15 @@ class _Job:
         self.procs.append(self.start_chief("first", env, log1))
         self.wait(self.procs[-1], "baseline chief", log1, cluster)
         exited_at = time.time()
-        if not read_records(self.progress).of("failure"):
+        if not read_records(self.progress).of("failure" if p.fault != "chief" else "kill"):
             raise RuntimeError(f"baseline chief exited {self.procs[-1].returncode}: {log1.read_text()[-3000:]}")
+        if p.fault == "chief":  # only the chief restarts; the servers serve on
+            env = dict(os.environ, **QUIET_TENSORFLOW, TF_CONFIG=cluster.tf_config())
+            log2 = self.work / "chief-2.log"
+            self.procs.append(self.start_chief("restart", env, log2))
+            self.wait(self.procs[-1], "restarted baseline chief", log2, cluster)
+            self.check_restarted(log2)
+            return Restart(exited_at, exited_at, exited_at)
         cluster.stop()
         stopped_at = time.time()
         cluster = LocalCluster(num_ps=p.num_ps, num_workers=NUM_WORKERS, env=PLAIN_TF_SERVERS)
@@ -137,10 +164,13 @@ class _Job:
         cluster.start()
         servers_at = time.time()
         self.wait(self.procs[-1], "restarted baseline chief", log2, cluster)
+        self.check_restarted(log2)
+        return Restart(exited_at, stopped_at, servers_at)
+
+    def check_restarted(self, log: Path) -> None:
         if not [d for d in read_records(self.progress).of("step") if d["gen"] == 1]:
             code = self.procs[-1].returncode
-            raise RuntimeError(f"restarted baseline chief exited {code}: {log2.read_text()[-3000:]}")
-        return Restart(exited_at, stopped_at, servers_at)
+            raise RuntimeError(f"restarted baseline chief exited {code}: {log.read_text()[-3000:]}")
 
     def start_chief(self, mode: str, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
         with open(log, "w") as err:  # the child keeps its own copy of the descriptor

@@ -31,7 +31,8 @@ class Params:
     after_steps: int = 30  # steps trained after the restore (enough to find the first one at normal speed)
     timeout: float = 600.0
     # "process": PS 0's server is killed, its agent restarts it. "node": PS 0's agent is killed with it (its
-    # memory tier gone) and a new agent starts with an empty part folder, as on a replacement node.
+    # memory tier gone) and a new agent starts with an empty part folder, as on a replacement node. "chief": the
+    # chief's trainer process is killed; psguard's agent starts a new one, plain TF's script restarts the chief.
     fault: str = "process"
     copies: str = "none"  # psguard's peers.copies ("full": each PS agent holds a copy of another's shards)
     keep_survivors: bool = False  # psguard's peers.keep_survivors (an in-process rejoin keeps a surviving PS)
@@ -167,8 +168,14 @@ def growth_after_build(recs: Records) -> int:
     return out
 
 
-def child(fn: str, *args: str) -> list[str]:
-    """The command of a child process that runs :mod:`psguard.benchmarks.recovery_trainers`' ``fn`` on ``args``."""
+def child(fn: str, *args: str, warm: bool = False) -> list[str]:
+    """The command of a child process that runs :mod:`psguard.benchmarks.recovery_trainers`' ``fn`` on ``args``.
+
+    ``warm``: as ``python -m MODULE``, a command a ``psguard agent`` keeps a warm standby of
+    (:func:`~psguard.agent.process.standby.warm_trainer_command`), as it does for a user's ``python train.py``; the
+    ``-c`` form gets none, so its restarts are cold."""
+    if warm:
+        return [sys.executable, "-m", "psguard.benchmarks.recovery_trainers", fn, *args]
     return [
         sys.executable,
         "-c",

@@ -1,6 +1,8 @@
 """psguard's side of ``psguard bench recovery``: every task under ``psguard agent``, PS 0 killed (with its agent
-on ``fault="node"``), the trainer rejoining in process; the figures of :func:`~psguard.benchmarks.recovery_job.measure`,
-each process's memory and what the peer copies cost (:mod:`psguard.benchmarks.recovery` says what each means).
+on ``fault="node"``), the trainer rejoining in process, or (``fault="chief"``) the trainer process killed and its
+agent starting a new one (from its warm standby, as for a user's ``python train.py``); the figures of
+:func:`~psguard.benchmarks.recovery_job.measure`, each process's memory and what the peer copies cost
+(:mod:`psguard.benchmarks.recovery` says what each means).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from psguard.run_folder import drop_memory_folders, memory_folder
 if TYPE_CHECKING:
     from psguard.agent.process.launcher import AgentProcess
 
-__all__ = ["memory_figures", "run_psguard"]
+__all__ = ["memory_figures", "recovery_phases", "run_psguard"]
 
 
 def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
@@ -49,7 +51,7 @@ def run_psguard(p: Params, workdir: Path, s3: Any = None) -> dict[str, Any]:
     assert run.kill_t is not None
     doc = measure(recs, run.kill_t, p, need_capture=True)
     doc.update(memory_figures(p, recs, run.rss, run.steady, held))
-    doc.update(_restore_figures(recs, doc, run.kill_t, chief_log), fault=p.fault, copies=p.copies)
+    doc.update(_restore_figures(recs, doc, run.kill_t, chief_log, p.fault), fault=p.fault, copies=p.copies)
     doc["peer_copy_lag_steps"] = run.copy_lag
     if doc["restored_from"] == "memory" and "event=peer_copy_used " in chief_log:
         doc["restored_from"] = "peer"
@@ -123,7 +125,12 @@ class _Run:
         for name in self.ps_args:
             _wait_store_open(self.agents[name])
         trainer = child(
-            "agent_trainer", str(self.work / "progress.jsonl"), self.store, str(self.shm), json.dumps(asdict(p))
+            "agent_trainer",
+            str(self.work / "progress.jsonl"),
+            self.store,
+            str(self.shm),
+            json.dumps(asdict(p)),
+            warm=p.fault == "chief",
         )
         args = ["--role", "chief", "--index", "0", "--cluster", str(cluster), "--store", self.store]
         args += ["--spool", str(self.shm / "spool"), *peers]
@@ -159,7 +166,7 @@ class _Run:
             raise RuntimeError(f"psguard: the chief's agent exited {chief.proc.returncode}:\n{chief.log_tail()}")
 
     def on_record(self, d: dict[str, Any]) -> None:
-        if d["event"] == "ready":
+        if d["event"] == "ready" and d.get("gen", 0) == 0:
             # Before the model exists: the start of every RSS growth measured.
             self.rss.start("trainer", int(d["pid"]), int(d["rss"]))
             self.rss.start("chief-agent", self.agents["chief"].proc.pid)
@@ -168,11 +175,16 @@ class _Run:
         elif d["event"] == "settle":
             _steady(self.agents, self.p, self.rss, durable=False)
             (self.shm / "settled").touch()
+        elif d["event"] == "kill" and self.p.fault == "chief":
+            self.kill_t, self.steady = _kill_trainer(self.agents, self.p, self.rss, self.trainer_pid())
         elif d["event"] == "kill":
             self.kill_t, self.copy_lag, self.steady = _kill_ps0(self.agents, self.p, self.rss)
             if self.p.fault == "node":
                 self.replace_node()
             (self.shm / "killed").touch()
+
+    def trainer_pid(self) -> int:
+        return int(next(d for d in self.records if d["event"] == "ready")["pid"])
 
     def replace_node(self) -> None:
         """A replacement node: a new agent, its part folder empty, on the same addresses. The lost node's folder
@@ -253,7 +265,9 @@ def memory_figures(
     }
 
 
-def _restore_figures(recs: Records, doc: Mapping[str, Any], kill_t: float, chief_log: str) -> dict[str, Any]:
+def _restore_figures(
+    recs: Records, doc: Mapping[str, Any], kill_t: float, chief_log: str, fault: str
+) -> dict[str, Any]:
     """The restore's throughput against a raw PS-side restore of the same variables, and the recovery's phases."""
     state, raw = recs.first("state"), recs.first("raw")
     restore_rate = state["state_bytes"] / doc["restore_s"]
@@ -264,7 +278,7 @@ def _restore_figures(recs: Records, doc: Mapping[str, Any], kill_t: float, chief
         "raw_restore_mib_s": raw_rate / 2**20,
         "raw_restore_s": raw["seconds"],
         "restore_vs_raw_ratio": restore_rate / raw_rate,
-        "phases": _phases(recs, kill_t),
+        "phases": recovery_phases(recs, kill_t, fault),
     }
 
 
@@ -301,12 +315,22 @@ def _kill_ps0(agents: dict[str, Any], p: Params, rss: RssWatch) -> tuple[float, 
     return t, lag, steady
 
 
+def _kill_trainer(agents: dict[str, Any], p: Params, rss: RssWatch, pid: int) -> tuple[float, dict[str, int | None]]:
+    """Wait for the steady state (the chief's warm standby trainer too, as after minutes of training), then
+    SIGKILL the trainer process ``pid`` (its agent lives on). Returns the time and each PS agent's RSS growth
+    just before the kill."""
+    _steady(agents, p, rss, durable=False)
+    steady = {f"ps:{i}": rss.growth_now(f"ps{i}") for i in range(p.num_ps)}
+    os.kill(pid, signal.SIGKILL)
+    return time.time(), steady
+
+
 def _steady(
     agents: dict[str, Any], p: Params, rss: RssWatch, *, durable: bool
 ) -> tuple[int | None, list[dict[str, Any]]]:
-    """Wait for the state of a job that has run for hours: every PS standby warm, every peer copy made and
-    current, and (``durable``) the last durable save due written. Returns how many steps ps:0's peer copy
-    lagged when first seen, and the PS agents' statuses."""
+    """Wait for the state of a job that has run for hours: every PS standby warm (with ``fault="chief"`` the
+    trainer's as well), every peer copy made and current, and (``durable``) the last durable save due written.
+    Returns how many steps ps:0's peer copy lagged when first seen, and the PS agents' statuses."""
     deadline = time.monotonic() + 300
     first_lag: int | None = None
     while True:
@@ -317,6 +341,8 @@ def _steady(
         # As after minutes of training: every standby warm, and with peer copies every copy made and current
         # (the first whole copy of a GB shard takes seconds; the trainer waits at the kill step meanwhile).
         warm = all(s["supervisor"].get("standby_ready") for s in statuses)
+        if p.fault == "chief":
+            warm = warm and bool(agents["chief"].status()["supervisor"].get("standby_ready"))
         copied = p.copies == "none" or all(c.get("lag_steps") == 0 and not c.get("sending_whole") for c in copies)
         # A node loss loses the node's memory tier: without a copy the log serves, and a first 1 GB base to S3
         # can still be on its way at the kill step. Wait for the last durable save due, as in a job running
@@ -334,9 +360,26 @@ def _steady(
         time.sleep(POLL)
 
 
-def _phases(recs: Records, kill_t: float) -> dict[str, float]:
+_STARTUP = ("started", "imported", "ready")  # a trainer process's records of its start, in order
+
+
+def recovery_phases(recs: Records, kill_t: float, fault: str) -> dict[str, float]:
+    """Where a recovery's time went, from the trainer's records. A new trainer process (``fault="chief"``):
+    ``start_s`` from the kill to its start (the agent sees the exit, starts a new generation of PS, and lets the
+    standby go), ``import_s`` (TensorFlow's, about 0 from a warm standby), ``connect_s`` to its cluster
+    connected; an in-process rejoin: the PS restart and the close."""
     restore = recs.of("restore")[-1]
     after = [d for d in recs.of("step") if d["gen"] >= 1]
+    if fault == "chief":
+        started, imported, ready = (next(d for d in recs.of(e) if d.get("gen") == 1) for e in _STARTUP)
+        return {
+            "start_s": started["t"] - kill_t,
+            "import_s": imported["t"] - started["t"],
+            "connect_s": ready["t"] - imported["t"],
+            "rebuild_s": float(restore["build_s"]),
+            "restore_s": float(restore["t1"]) - float(restore["t0"]),
+            "first_step_s": after[0]["t"] - float(restore["t1"]),
+        }
     return {
         # The trainer asks for the PS restart as soon as it sees the failure, then closes the failed generation
         # while the PS restart: close_s overlaps restart_ps_s.

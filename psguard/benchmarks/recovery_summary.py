@@ -9,7 +9,7 @@ import os
 from statistics import median
 from typing import Any, Protocol
 
-__all__ = ["compare_no_copies", "summarize"]
+__all__ = ["compare_no_copies", "compare_ps_kill", "summarize"]
 
 
 class Job(Protocol):
@@ -166,3 +166,19 @@ def compare_no_copies(ours: list[dict[str, Any]], no_copies: list[dict[str, Any]
     if pairs:
         result["peer_rss_vs_no_copies_ratio"] = median([r for _, r in pairs])
     return result
+
+
+def compare_ps_kill(ps_kill: list[dict[str, Any]], xs: list[float]) -> dict[str, Any]:
+    """With ``fault="chief"``: psguard's recovery from its trainer's kill (``xs``) over its recovery from a PS
+    kill of the same job (``ps_kill``, the runs beside them): the issue's "a trainer failure as fast as a PS
+    failure" as one figure."""
+    ps_s = [float(d["recovery_s"]) for d in ps_kill]
+    return {
+        "recovery_vs_ps_kill_ratio": median(xs) / median(ps_s),
+        "psguard_ps_kill_recovery_s": median(ps_s),
+        "psguard_ps_kill_recovery_s_runs": ps_s,
+        "psguard_ps_kill_lost_steps": _med(ps_kill, "lost_steps"),
+        "psguard_ps_kill_phases_s": {
+            k: round(median([d["phases"][k] for d in ps_kill]), 3) for k in ps_kill[0]["phases"]
+        },
+    }

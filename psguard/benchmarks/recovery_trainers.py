@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from psguard.benchmarks.common import reset_peak_rss, rss_bytes, settle_rss
-from psguard.benchmarks.recovery_job import Params
+from psguard.benchmarks.recovery_job import Params, read_records
 from psguard.handoff.contract import QUIET_TENSORFLOW
 from psguard.ports import port_open
 
-__all__ = ["agent_trainer", "baseline_child", "raw_restore", "state_layout"]
+__all__ = ["agent_trainer", "baseline_child", "main", "raw_restore", "restarted_generation", "state_layout"]
 
 
 def _model(tf: Any, p: Params) -> tuple[Any, Any]:
@@ -119,11 +119,16 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
     """The psguard trainer, run by the chief's ``psguard agent`` (``TF_CONFIG``, the spool and the PS agents'
     part folders come from it). Writes progress records; after its first capture it writes ``settle`` and waits
     for the file ``<shm>/settled`` (the parent saw the peer copies made), at the kill step it writes ``kill``
-    and waits for ``<shm>/killed`` (the parent has killed PS 0 then); at the end it measures :func:`raw_restore`.
-    """
+    and waits for ``<shm>/killed`` (the parent has killed PS 0 then, or, with ``fault="chief"``, this process);
+    at the end it measures :func:`raw_restore`. A process started after a ``kill`` record (the agent's restart of
+    a killed trainer) is generation 1: it restores and trains on."""
+    t_started = time.time()
     os.environ.update(QUIET_TENSORFLOW)
     p = Params(**json.loads(params_json))
+    first_gen = restarted_generation(Path(progress_path))
     import tensorflow as tf
+
+    t_imported = time.time()  # a warm standby imported it before it was told to go
 
     from psguard.demo_trainer import Progress
     from psguard.trainer.recovery import run_with_recovery
@@ -131,15 +136,23 @@ def agent_trainer(progress_path: str, store_url: str, shm: str, params_json: str
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("psguard").setLevel(logging.INFO)  # its capture and restore lines, in the chief agent's log
     rec = Progress(progress_path)
+    rec.emit("started", gen=first_gen, t=t_started)  # with a warm standby: when it was told to go
+    rec.emit("imported", gen=first_gen, t=t_imported)
     strategy, coordinator = _strategy(tf, tf.distribute.cluster_resolver.TFConfigClusterResolver(), p.num_ps)
     reset_peak_rss()
-    rec.emit("ready", pid=os.getpid(), rss=rss_bytes())
-    job = _AgentJob(p, rec, store_url, Path(shm), strategy, coordinator)
+    rec.emit("ready", gen=first_gen, pid=os.getpid(), rss=rss_bytes())
+    job = _AgentJob(p, rec, store_url, Path(shm), strategy, coordinator, first_gen=first_gen)
     root, report = run_with_recovery(job.build, job.train, restart_ps=job.restart_ps, close=job.close)
     rec.emit("trainer-peak", hwm=rss_bytes("VmHWM"), recoveries=len(report.recoveries))
     rec.emit("raw", **raw_restore(tf, root, Path(shm) / "raw"))
     rec.emit("done")
     rec.close()
+
+
+def restarted_generation(progress: Path) -> int:
+    """The generation a trainer process starts at: 1 after a ``kill`` record (it replaces a killed trainer:
+    ``fault="chief"``), else 0. The progress file is the one thing each trainer process and the parent share."""
+    return 1 if read_records(progress).of("kill") else 0
 
 
 #: One generation of the psguard trainer: its model, trainer, CheckpointManager and tf.train.Checkpoint.
@@ -150,15 +163,17 @@ class _AgentJob:
     """The psguard trainer's generations (:func:`agent_trainer`): what ``run_with_recovery`` builds, trains
     and closes, each step recorded."""
 
-    def __init__(self, p: Params, rec: Any, store_url: str, shm: Path, strategy: Any, coordinator: Any) -> None:
+    def __init__(
+        self, p: Params, rec: Any, store_url: str, shm: Path, strategy: Any, coordinator: Any, *, first_gen: int = 0
+    ) -> None:
         from psguard.policy.engine import EverySteps, Schedule
 
         self.p, self.rec, self.store_url, self.shm = p, rec, store_url, shm
         self.strategy, self.coordinator = strategy, coordinator
         self.schedule = Schedule(memory=EverySteps(p.memory_every), durable=EverySteps(p.durable_every))
-        self.gen = -1
-        self.killed = False
-        self.based = False  # the first capture is restorable and the job settled
+        self.gen = first_gen - 1
+        self.killed = first_gen > 0  # a process after the kill: the fault is behind it
+        self.based = first_gen > 0  # the first capture is restorable and the job settled
 
     def build(self) -> Generation:
         import tensorflow as tf
@@ -285,17 +300,22 @@ def _timed_parts(manager: Any) -> dict[str, float]:
 
 def baseline_child(workdir: str, params_json: str, mode: str, progress_path: str) -> None:
     """A plain-TF chief (``TF_CONFIG`` from the env). ``first``: train, kill PS 0 at the kill step, exit 1 on
-    the failure. ``restart``: wait for the servers, restore_or_initialize, train ``after_steps`` steps, exit 0.
+    the failure (``fault="chief"``: SIGKILL itself at the kill step instead). ``restart``: wait for the servers,
+    restore_or_initialize, train ``after_steps`` steps, exit 0.
     Writes the same progress records as :func:`agent_trainer`."""
+    t_started = time.time()
     os.environ.update(QUIET_TENSORFLOW)
     p = Params(**json.loads(params_json))
     import tensorflow as tf
 
+    t_imported = time.time()
     from psguard.demo_trainer import Progress
     from psguard.testbed.model import Trainer
 
     rec = Progress(progress_path)
     gen = 0 if mode == "first" else 1
+    rec.emit("started", gen=gen, t=t_started)
+    rec.emit("imported", gen=gen, t=t_imported)
     spec = json.loads(os.environ["TF_CONFIG"])["cluster"]
     for addr in spec["ps"] + spec["worker"]:  # the script's readiness check: every server port open
         host, port = addr.rsplit(":", 1)
@@ -339,6 +359,11 @@ def baseline_child(workdir: str, params_json: str, mode: str, progress_path: str
                 manager.save(checkpoint_number=step)
                 rec.emit("capture", gen=gen, step=step, stall=time.perf_counter() - c0)
                 saved, captured = step, True
+            if step == p.kill_at and p.fault == "chief":  # this process is the one killed: at once, as kill -9
+                rec.emit("kill", step=step)
+                rec.emit("trainer-peak", gen=gen, hwm=rss_bytes("VmHWM"))
+                rec.close()
+                os.kill(os.getpid(), signal.SIGKILL)
             if step == p.kill_at:
                 os.kill(int(os.environ["BENCH_PS0_PID"]), signal.SIGKILL)
                 rec.emit("kill", step=step)
@@ -349,3 +374,16 @@ def baseline_child(workdir: str, params_json: str, mode: str, progress_path: str
         rec.emit("trainer-peak", gen=gen, hwm=rss_bytes("VmHWM"))
         rec.close()
         os._exit(1)
+
+
+def main(argv: list[str]) -> None:
+    """``python -m psguard.benchmarks.recovery_trainers FN ARGS...``: the form a ``psguard agent`` keeps a warm
+    standby of (:func:`psguard.benchmarks.recovery_job.child` with ``warm``)."""
+    trainers = {"agent_trainer": agent_trainer, "baseline_child": baseline_child}
+    trainers[argv[0]](*argv[1:])
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

@@ -86,3 +86,14 @@ def bench_node_loss_smoke() -> tuple[Any, dict[str, Any]]:
     p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300, fault="node",
                copies="full")  # fmt: skip
     return p, run(p, runs=1)
+
+
+@pytest.fixture(scope="session")
+def bench_chief_kill_smoke() -> tuple[Any, dict[str, Any]]:
+    """The same tiny job with the chief's trainer killed (``--fault chief``), and a PS kill beside it on psguard's
+    side (``--vs-ps-kill``)."""
+    from psguard.benchmarks.recovery import run
+    from psguard.benchmarks.recovery_job import Params
+
+    p = Params(vocab_size=2_000, embedding_dim=4, batch_size=16, durable_every=10, timeout=300, fault="chief")
+    return p, run(p, runs=1, vs_ps_kill=True)

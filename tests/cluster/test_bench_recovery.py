@@ -50,3 +50,24 @@ def test_bench_recovery_node_loss_smoke(bench_node_loss_smoke: tuple[Params, dic
         assert isinstance(results[key], float) and math.isfinite(results[key]), (key, results)
     assert math.isfinite(results["peer_rss_vs_no_copies_ratio"]), results
     assert results["peer_rss_peak_ratio"] >= results["peer_rss_ratio"]  # the peak holds what the quiet moment does
+
+
+@pytest.mark.slow
+def test_bench_recovery_chief_kill_smoke(bench_chief_kill_smoke: tuple[Params, dict[str, Any]]) -> None:
+    """``--fault chief`` on a tiny job: psguard's agent starts a new trainer process (its warm standby), which
+    restores the memory tier; plain TF's new chief connects to the servers still running and restores its last
+    save; and a PS kill of the same job beside it gives ``recovery_vs_ps_kill_ratio``."""
+    p, results = bench_chief_kill_smoke
+    assert results["fault"] == "chief"
+    assert results["psguard_restored_from"] == ["memory"], results
+    assert results["psguard_lost_steps"] <= p.memory_every and results["baseline_lost_steps"] == 9
+    assert results["normal_speed_reached"] == {"psguard": [True], "baseline": [True]}
+    for key in ("recovery_ratio", "recovery_vs_ps_kill_ratio", "psguard_ps_kill_recovery_s"):
+        assert isinstance(results[key], float) and math.isfinite(results[key]) and results[key] > 0, (key, results)
+    # A new process on each side, TensorFlow imported long since in psguard's (a warm standby): the phases of a
+    # process start, not of an in-process rejoin (detect_s, restart_ps_s, close_s are the PS kill's).
+    assert set(results["psguard_phases_s"]) == {"start_s", "import_s", "connect_s", "rebuild_s", "restore_s",
+                                                "first_step_s"}  # fmt: skip
+    assert results["psguard_phases_s"]["import_s"] < 0.5, results["psguard_phases_s"]
+    assert {"spawn_s", "import_s", "connect_s"} <= set(results["baseline_phases_s"])
+    assert "restart_ps_s" in results["psguard_ps_kill_phases_s"]

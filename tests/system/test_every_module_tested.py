@@ -57,7 +57,6 @@ NOT_YET = frozenset(
         "psguard.agent.control.status",
         "psguard.agent.process.tree",
         "psguard.benchmarks.follow",
-        "psguard.benchmarks.recovery_trainers",
         "psguard.benchmarks.wrap",
         "psguard.chaos.baseline_trainer",
         "psguard.chaos.cli",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from psguard.benchmarks.recovery_job import Params, Records, measure
+from psguard.agent.process.standby import warm_trainer_command
+from psguard.benchmarks.recovery_job import Params, Records, child, measure
 from tests.support.bench_records import job_records
 
 P = Params(memory_every=5, durable_every=10)  # kill step 19, settle 7 steps
@@ -31,3 +32,11 @@ def test_a_job_never_back_at_normal_speed_ends_at_its_last_step() -> None:
     got = measure(Records(docs), 2.5, P, need_capture=True)
     assert got["normal_speed_reached"] is False
     assert got["recovery_s"] == pytest.approx(6.0 - 2.5)
+
+
+def test_only_the_warm_form_of_a_trainers_command_gets_a_standby_from_its_agent() -> None:
+    warm = child("agent_trainer", "a", "b", warm=True)
+    assert warm_trainer_command(warm) == [
+        warm[0], "-m", "psguard.trainer.warm", "-m", "psguard.benchmarks.recovery_trainers", "agent_trainer", "a", "b"
+    ]  # fmt: skip
+    assert warm_trainer_command(child("agent_trainer", "a", "b")) is None  # python -c: started cold

@@ -8,7 +8,8 @@ import pytest
 
 from psguard.benchmarks.common import RssWatch
 from psguard.benchmarks.recovery_job import Params, Records
-from psguard.benchmarks.recovery_psguard import Held, memory_figures
+from psguard.benchmarks.recovery_psguard import Held, memory_figures, recovery_phases
+from tests.support.bench_records import job_records
 
 MB = 1 << 20
 
@@ -64,3 +65,21 @@ def test_without_copies_nothing_is_charged_to_them_and_ps0s_agent_counts() -> No
     got = memory_figures(p, RECORDS, rss, {}, held)
     assert got["copy_overhead_ratio"] is None and got["peer_rss_ratio"] is None
     assert got["ps_agent_peak_rss_ratio"] == pytest.approx(1.5)  # ps:0's 750 MB over its 500 MB
+
+
+def test_a_new_trainer_process_s_recovery_is_split_at_its_start_its_connection_and_its_restore() -> None:
+    """``fault="chief"``: the killed trainer's agent starts a new process (its standby told to go at 3.0,
+    TensorFlow imported long since), which connects by 3.5 and builds, restores 4.0-5.0, and steps again at 6.0
+    (the known run: the kill at 2.5)."""
+    docs = [
+        *job_records(),
+        {"event": "started", "gen": 0, "t": -5.0},
+        {"event": "ready", "gen": 0, "pid": 7, "rss": 1, "t": -4.0},
+        {"event": "started", "gen": 1, "t": 3.0},
+        {"event": "imported", "gen": 1, "t": 3.1},
+        {"event": "ready", "gen": 1, "pid": 8, "rss": 1, "t": 3.5},
+    ]
+    got = recovery_phases(Records(docs), 2.5, "chief")
+    assert got == pytest.approx(
+        {"start_s": 0.5, "import_s": 0.1, "connect_s": 0.4, "rebuild_s": 1.5, "restore_s": 1.0, "first_step_s": 1.0}
+    )

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from psguard.benchmarks.recovery_summary import compare_no_copies
+from psguard.benchmarks.recovery_summary import compare_no_copies, compare_ps_kill
 
 MB = 1 << 20
 
@@ -47,3 +47,14 @@ def test_no_memory_figure_without_a_quiet_sample_of_both_runs() -> None:
     on = _run(4.0, {"ps:0": 1, "ps:1": 2}, {"ps:1": 500 * MB})
     off = _run(8.0, {"ps:0": 1})  # ps:1's agent was gone when sampled
     assert "peer_rss_vs_no_copies_ratio" not in compare_no_copies([on], [off], [4.0])
+
+
+def test_a_chief_kills_recovery_is_judged_against_the_ps_kills_beside_it() -> None:
+    ps_kill = [
+        {"recovery_s": 4.0, "lost_steps": 4, "phases": {"restore_s": 0.5}},
+        {"recovery_s": 6.0, "lost_steps": 4, "phases": {"restore_s": 0.7}},
+    ]
+    result = compare_ps_kill(ps_kill, [9.0, 11.0])
+    assert result["recovery_vs_ps_kill_ratio"] == pytest.approx(10.0 / 5.0)
+    assert result["psguard_ps_kill_recovery_s_runs"] == [4.0, 6.0] and result["psguard_ps_kill_lost_steps"] == 4
+    assert result["psguard_ps_kill_phases_s"] == {"restore_s": 0.6}
