@@ -9,11 +9,13 @@ a :class:`~psguard.errors.CorruptCheckpointError` naming the checkpoint or captu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "StrictJSONError", "check_depth", "loads"]
+__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "StrictJSONError", "check_depth", "fields_json", "loads"]
 
 #: Digits of the longest integer accepted: 2**63 has 19. Sizes, steps, CRC32Cs and shapes all fit.
 MAX_INT_DIGITS = 19
@@ -58,6 +60,20 @@ def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
         if depth > limit:
             raise StrictJSONError(f"nested more than {limit} levels deep")
         stack.extend((child, depth + 1) for child in children)
+
+
+def fields_json(obj: Any, **extra: Any) -> dict[str, Any]:
+    """A dataclass's fields as JSON-ready values (tuples as lists, mappings as dicts, objects with ``to_json``
+    as theirs), then ``extra``: the one way psguard's reports and records are written out."""
+
+    def plain(value: Any) -> Any:
+        if hasattr(value, "to_json"):
+            return value.to_json()
+        if isinstance(value, tuple | list):
+            return [plain(v) for v in value]
+        return {k: plain(v) for k, v in value.items()} if isinstance(value, Mapping) else value
+
+    return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)} | extra
 
 
 def loads(data: bytes | str, *, max_bytes: int | None = None) -> Any:

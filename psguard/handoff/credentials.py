@@ -19,8 +19,8 @@ import secrets
 import shutil
 import stat
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 from psguard.errors import ConfigError
@@ -118,15 +118,12 @@ def _private_base() -> str | None:
     return None  # tempfile's default folder; mkdtemp makes our folder 0700 inside it
 
 
+@dataclass
 class TokenFile:
     """A random bearer token in a ``0600`` file in a fresh ``0700`` folder; :meth:`remove` deletes both."""
 
-    def __init__(self, path: Path, token: str) -> None:
-        self.path = path
-        self.token = token
-
-    def __repr__(self) -> str:  # never the token
-        return f"TokenFile({str(self.path)!r})"
+    path: Path
+    token: str = field(repr=False)  # never shown
 
     def remove(self) -> None:
         """Delete the file and its folder (idempotent)."""
@@ -135,9 +132,7 @@ class TokenFile:
     def __enter__(self) -> Self:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.remove()
 
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from psguard.codec.strict_json import fields_json
 from psguard.errors import CorruptCheckpointError, TensorMismatchError
 
 __all__ = [
@@ -129,7 +130,7 @@ class PartCapture:
     shards: tuple[ShardFiles, ...]
 
     def to_json(self) -> dict[str, Any]:
-        return {"task": self.task, "nonce": self.nonce, "shards": [s.to_json() for s in self.shards]}
+        return fields_json(self)
 
     @classmethod
     def from_json(cls, doc: Any, what: str) -> PartCapture:

@@ -215,16 +215,9 @@ class Ack:
     copies: Mapping[str, str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {
-            "seq": self.seq,
-            "status": self.status,
-            "memory_step": self.memory_step,
-            "token": self.token,
-            "message": self.message,
-            "capture": self.capture,
-        }
-        if self.copies is not None:
-            doc["copies"] = dict(self.copies)
+        doc = strict_json.fields_json(self)
+        if self.copies is None:
+            del doc["copies"]
         return doc
 
 
@@ -239,13 +232,7 @@ class DurableAck:
     message: str = ""
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "seq": self.seq,
-            "status": self.status,
-            "checkpoint": self.checkpoint,
-            "durable_step": self.durable_step,
-            "message": self.message,
-        }
+        return strict_json.fields_json(self)
 
 
 @dataclass(frozen=True)
@@ -300,20 +287,18 @@ def write_private(path: Path, data: bytes) -> None:
 
 
 def atomic_write_json(path: Path, doc: Mapping[str, Any]) -> None:
+    atomic_write_text(path, json.dumps(doc, allow_nan=False))
+
+
+def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
     try:
-        write_private(tmp, json.dumps(doc, allow_nan=False).encode())
+        write_private(tmp, text.encode())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(4)}")
-    write_private(tmp, text.encode())
-    os.replace(tmp, path)
 
 
 def _write_blob(path: Path, data: memoryview) -> int:
@@ -451,37 +436,24 @@ def check_json(metadata: Mapping[str, Any]) -> dict[str, Any]:
 def write_capture_files(folder: Path, capture: Capture) -> list[dict[str, Any]]:
     entries: list[dict[str, Any]] = []
     for i, (name, update) in enumerate(capture.tensors.items()):
+        kind = _KINDS.get(type(update))
+        if kind is None:
+            raise ConfigError(f"tensor {name!r}: {type(update).__name__} is not a Full, Rows or Same update")
+        described = update.value if isinstance(update, Full) else update
+        shape = [int(x) for x in described.shape]
+        entry: dict[str, Any] = {"name": name, "kind": kind, "dtype": dtype_name(np.dtype(described.dtype))}
+        entry["shape"] = shape
         if isinstance(update, Full):
-            value = update.value
-            entry: dict[str, Any] = {
-                "name": name,
-                "kind": "full",
-                "dtype": dtype_name(value.dtype),
-                "shape": list(value.shape),
-            }
-            entry.update(write_array(folder, f"{i}.bin", value))
+            entry.update(write_array(folder, f"{i}.bin", update.value))
         elif isinstance(update, Rows):
             ids = np.ascontiguousarray(update.ids, dtype="<i8")
-            entry = {
-                "name": name,
-                "kind": "rows",
-                "dtype": dtype_name(update.dtype),
-                "shape": [int(x) for x in update.shape],
-                "count": int(ids.size),
-                "ids": write_array(folder, f"{i}.ids", ids),
-                "values": write_array(folder, f"{i}.bin", update.values),
-            }
-        elif isinstance(update, Same):
-            entry = {
-                "name": name,
-                "kind": "same",
-                "dtype": dtype_name(np.dtype(update.dtype)),
-                "shape": [int(x) for x in update.shape],
-            }
-        else:
-            raise ConfigError(f"tensor {name!r}: {type(update).__name__} is not a Full, Rows or Same update")
+            entry.update(count=int(ids.size), ids=write_array(folder, f"{i}.ids", ids))
+            entry["values"] = write_array(folder, f"{i}.bin", update.values)
         entries.append(entry)
     return entries
+
+
+_KINDS: dict[type, str] = {Full: "full", Rows: "rows", Same: "same"}
 
 
 def payload_bytes(capture: Capture) -> int:
@@ -607,6 +579,16 @@ def read_restore(folder: Path, *, shown: str | None = None) -> Restored:
 
 
 # ------------------------------------------------------------------------------------------------ both sides
+class _Under:
+    """A path of the spool's layout: ``name`` under :attr:`SpoolPaths.base`, wherever that leads now."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, paths: SpoolPaths, owner: type | None = None) -> Path:
+        return paths.base / self.name
+
+
 class SpoolPaths:
     """The spool's layout. After :meth:`make`, every path leads through the spool folder held open
     (:class:`psguard.local_files.HeldDir`): someone who can write the folder above the spool may rename it away and
@@ -623,41 +605,15 @@ class SpoolPaths:
         held = self._held
         return held.path if held is not None else self.root
 
-    @property
-    def incoming(self) -> Path:
-        return self.base / "incoming"
-
-    @property
-    def acks(self) -> Path:
-        return self.base / "acks"
-
-    @property
-    def requests(self) -> Path:
-        return self.base / "requests"
-
-    @property
-    def restore(self) -> Path:
-        return self.base / "restore"
-
-    @property
-    def writers(self) -> Path:
-        return self.base / "writers"
-
-    @property
-    def agent_lock(self) -> Path:
-        return self.base / "agent.lock"
-
-    @property
-    def seq(self) -> Path:
-        return self.base / "seq"
-
-    @property
-    def heartbeat(self) -> Path:
-        return self.base / "heartbeat.json"
-
-    @property
-    def seq_lock(self) -> Path:
-        return self.base / "seq.lock"
+    incoming = _Under("incoming")
+    acks = _Under("acks")
+    requests = _Under("requests")
+    restore = _Under("restore")
+    writers = _Under("writers")
+    agent_lock = _Under("agent.lock")
+    seq = _Under("seq")
+    heartbeat = _Under("heartbeat.json")
+    seq_lock = _Under("seq.lock")
 
     def make(self) -> None:
         """Create the layout, the spool folder private to this user (refused if someone else could write it), and

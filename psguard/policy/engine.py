@@ -1,27 +1,12 @@
 """When to save, to which tier, and what to keep: psguard's checkpoint decision engine.
 
-The trainer-side ``CheckpointManager`` asks after each step (or batch of steps)::
-
-    decision = schedule.decide(step, now, context)     # context: a SaveContext it keeps up to date
-    if decision:                                       # decision.tiers, e.g. {MEMORY, DURABLE}
-        handle = capture_and_write(decision.tiers)
-        context = context.with_save(decision.tiers, step=step, at=now, stall=measured_stall)
-    log(decision.reason)                               # why it saved, or why not
-
-:class:`Schedule` holds one save policy per tier: the **memory** tier (the sidecar's materialised snapshot,
-restorable at once), the **durable** tier (the log in object storage; a durable save is one capture written
-to both tiers, so it also refreshes memory) and **base** (fold the delta chain into a new full base). Each
-policy is a small frozen dataclass behind the :class:`SavePolicy` protocol, composable with :class:`AnyOf`:
-:class:`EverySteps`, :class:`EveryInterval`, :class:`Cron`, :class:`Continuous`, :class:`YoungDaly`,
-:class:`ChainLimit`, :class:`OnPreemption`. Every answer is a :class:`Verdict` with a reason, and the
-:class:`Decision` joins them, so each save (and each non-save) can be explained in logs and metrics.
-
-Rules the schedule enforces: saves never overlap (while anything is in flight the answer is no, saying so),
-except on the preemption path: once :class:`PreemptionHandler` saw SIGTERM, the next decision is an urgent save
-of the preemption tiers, in flight or not. Time is whatever clock the caller passes as ``now`` (seconds since
-the epoch, so cron and checkpoint timestamps agree); nothing here reads a clock unless it was given one.
-
-:class:`Retention` says which checkpoints to keep (via :func:`psguard.store.retention.select_kept`).
+The trainer-side ``CheckpointManager`` asks after each step ``schedule.decide(step, now, context)``, saves the
+decision's tiers when it says so, updates the context with :meth:`SaveContext.with_save`, and logs the reason.
+:class:`Schedule` holds one save policy per tier: **memory** (the sidecar's snapshot), **durable** (the log; a
+durable save also refreshes memory) and **base** (fold the delta chain into a new full base). Each policy is a
+small frozen dataclass behind :class:`SavePolicy`, composable with :class:`AnyOf`, and every answer is a
+:class:`Verdict` with a reason. Saves never overlap, except the urgent one after a preemption signal. Time is the
+``now`` the caller passes: nothing here reads a clock. :class:`Retention` says which checkpoints to keep.
 """
 
 from __future__ import annotations
@@ -40,6 +25,7 @@ from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from croniter import CroniterBadDateError, croniter
 
+from psguard.codec.strict_json import fields_json
 from psguard.config import Check, Duration, format_duration, invalid, validate
 from psguard.handoff.contract import Tier
 from psguard.policy.lag import LagBound
@@ -98,21 +84,10 @@ class TierState:
 
 @dataclass(frozen=True)
 class SaveContext:
-    """What the caller knows when it asks for a decision. Build it once, then update it with :meth:`with_save`
-    and :meth:`with_failure` (or ``dataclasses.replace``); every field has a safe default.
-
-    - ``memory``, ``durable``, ``base``: the last save of each tier (restored checkpoints count).
-    - ``started_step``, ``started_at``: where counting starts for a tier that has no save yet (the step and
-      time this run started). A time policy with neither a previous save nor ``started_at`` saves at once.
-    - ``in_flight``: tiers whose write has not finished (a durable save stays in flight until committed).
-      While it is non-empty, :meth:`Schedule.decide` says no, except for preemption.
-    - ``recent_stalls``: measured blocking seconds of recent saves, oldest first (for :class:`YoungDaly`).
-    - ``chain_length``, ``delta_bytes``, ``base_bytes``: deltas since the last full base, their total size and
-      the base's size (for :class:`ChainLimit`).
-    - ``failures``: times of the job's observed failures, oldest first; ``observed_since``: when observing
-      began (the job's start; defaults to ``started_at``). :class:`YoungDaly` estimates the MTBF from them.
-    - ``preempted_at``: when a preemption signal arrived (see :meth:`PreemptionHandler.apply`).
-    """
+    """What the caller knows when it asks for a decision; update it with :meth:`with_save` and
+    :meth:`with_failure`. ``started_*``: where counting starts for a tier with no save yet; ``in_flight``: tiers
+    whose write has not finished (decisions say no meanwhile, except for preemption); ``recent_stalls`` and
+    ``failures`` (with ``observed_since``) feed :class:`YoungDaly`, the chain fields :class:`ChainLimit`."""
 
     memory: TierState = TierState()
     durable: TierState = TierState()
@@ -529,17 +504,9 @@ class AnyOf:
 
 @dataclass(frozen=True)
 class Decision:
-    """What :meth:`Schedule.decide` answered.
-
-    - ``tiers``: where to write now; empty means no save. A decision is truthy when it saves. ``DURABLE``
-      always comes with ``MEMORY`` (one capture, written to both). ``BASE`` asks for a new full base: write
-      this durable save as a base, or let the sidecar fold the chain into one after it commits.
-    - ``reason``: why, in one line, for logs and metrics.
-    - ``urgent``: a preemption save: write even if a save is in flight, and wait for it (at least the memory
-      tier) before the process exits; see :class:`PreemptionHandler`.
-    - ``seconds_left`` / ``steps_left``: when nothing is due, the soonest any tier may become due by time or
-      steps alone (``None``: not by time / steps). Callers may skip deciding until then.
-    """
+    """What :meth:`Schedule.decide` answered: the ``tiers`` to write now (truthy when any; ``DURABLE`` always
+    with ``MEMORY``), why, whether it is an ``urgent`` preemption save, and when nothing is due the soonest any tier
+    may become due by time or steps alone (callers may skip deciding until then)."""
 
     tiers: frozenset[Tier]
     reason: str
@@ -554,15 +521,7 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form, for structured logs and the agent's status endpoint."""
-        return {
-            "step": self.step,
-            "at": self.at,
-            "tiers": [t.value for t in _TIER_ORDER if t in self.tiers],
-            "urgent": self.urgent,
-            "reason": self.reason,
-            "seconds_left": self.seconds_left,
-            "steps_left": self.steps_left,
-        }
+        return fields_json(self, tiers=[t.value for t in _TIER_ORDER if t in self.tiers])
 
 
 def _names(tiers: Iterable[Tier]) -> str:
@@ -688,10 +647,4 @@ class Retention:
 
     def as_kwargs(self) -> dict[str, Any]:
         """The rules as keyword arguments of ``select_kept`` and ``Store.gc``."""
-        return {
-            "keep_last": self.keep_last,
-            "keep_every_hours": self.keep_every_hours,
-            "keep_best": self.keep_best,
-            "metric": self.metric,
-            "mode": self.mode,
-        }
+        return fields_json(self)

@@ -97,10 +97,9 @@ def _cron(expr: str | None) -> Cron | None:
     return Cron(expr)
 
 
-def _any_of(policies: list[SavePolicy]) -> SavePolicy | None:
-    if not policies:
-        return None
-    return policies[0] if len(policies) == 1 else AnyOf(tuple(policies))
+def _any_of(*policies: SavePolicy | None) -> SavePolicy | None:
+    found = tuple(p for p in policies if p is not None)
+    return None if not found else found[0] if len(found) == 1 else AnyOf(found)
 
 
 @dataclass(frozen=True)
@@ -123,18 +122,13 @@ class TierSpec:
 
     def policy(self) -> SavePolicy | None:
         """The save policy these rules make (``None``: this tier is never saved on a schedule)."""
-        found: list[SavePolicy] = []
-        if self.every is not None:
-            found.append(EveryInterval(self.every))
-        if self.every_steps is not None:
-            found.append(EverySteps(self.every_steps))
-        if (cron := _cron(self.cron)) is not None:
-            found.append(cron)
-        if self.continuous is not None:
-            found.append(self.continuous)
-        if self.young_daly is not None:
-            found.append(self.young_daly)
-        return _any_of(found)
+        return _any_of(
+            None if self.every is None else EveryInterval(self.every),
+            None if self.every_steps is None else EverySteps(self.every_steps),
+            _cron(self.cron),
+            self.continuous,
+            self.young_daly,
+        )
 
 
 @dataclass(frozen=True)
@@ -154,14 +148,12 @@ class BaseSpec:
 
     def policy(self) -> SavePolicy | None:
         """The save policy these rules make (``None``: never ask for a new base)."""
-        found: list[SavePolicy] = []
-        if self.every is not None:
-            found.append(EveryInterval(self.every))
-        if (cron := _cron(self.cron)) is not None:
-            found.append(cron)
-        if self.max_chain is not None or self.max_delta_percent is not None:
-            found.append(ChainLimit(self.max_chain, self.max_delta_percent))
-        return _any_of(found)
+        limit = self.max_chain is not None or self.max_delta_percent is not None
+        return _any_of(
+            None if self.every is None else EveryInterval(self.every),
+            _cron(self.cron),
+            ChainLimit(self.max_chain, self.max_delta_percent) if limit else None,
+        )
 
 
 @dataclass(frozen=True)
@@ -300,13 +292,10 @@ class PolicyWatcher:
         with PolicyWatcher("my-policy.yaml") as policy:
             decision = policy.decide(step, context)      # clock: the one given, time.time by default
 
-    A new policy is applied only when the file was **replaced whole**: written elsewhere and renamed over the
-    path (``mv``, editors' safe save, ``sed -i``), or a symlink swapped (Kubernetes ConfigMaps). A file rewritten
-    in place (the same inode, other bytes) is refused, the old policy staying: a write in progress can be valid
-    YAML with whole sections missing, and no wait tells a writer's pause from its end (a policy written in two
-    steps, the first valid alone, once turned the durable tier off). A replacement is read once the folder has
-    been quiet for ``settle`` seconds, from one open descriptor (a FIFO or device put there is refused unread),
-    and only if the file did not change while it was read; unchanged bytes are ignored.
+    A new policy is applied only when the file was **replaced whole** (renamed over the path, or a symlink
+    swapped as Kubernetes ConfigMaps do): a file rewritten in place may be read half-written, so it is refused
+    and the old policy stays. A replacement is read once the folder has been quiet for ``settle`` seconds, from
+    one open descriptor (a FIFO or device is refused unread), and only if it did not change while read.
     """
 
     def __init__(
@@ -428,15 +417,9 @@ class PolicyWatcher:
         self._last_decision = decision
         level = logging.INFO if decision or decision.urgent else logging.DEBUG
         if logger.isEnabledFor(level):
-            tiers = ",".join(t.value for t in (Tier.MEMORY, Tier.DURABLE, Tier.BASE) if t in decision.tiers)
-            logger.log(
-                level,
-                "event=save_decision step=%d tiers=%s urgent=%s reason=%r",
-                step,
-                tiers or "-",
-                decision.urgent,
-                decision.reason,
-            )
+            tiers = ",".join(decision.to_dict()["tiers"]) or "-"
+            message = "event=save_decision step=%d tiers=%s urgent=%s reason=%r"
+            logger.log(level, message, step, tiers, decision.urgent, decision.reason)
         return decision
 
     # ---- reloading

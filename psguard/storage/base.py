@@ -13,12 +13,23 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 
 from psguard.errors import ConfigError, StorageError
 
 Buffer = bytes | bytearray | memoryview
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+
+
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and what it was raised from or during, the first ten (a cycle stops the walk)."""
+    seen: list[BaseException] = []
+    e: BaseException | None = error
+    while e is not None and len(seen) < 10 and e not in seen:
+        seen.append(e)
+        yield e
+        e = e.__cause__ or e.__context__
 
 
 def validate_key(key: str) -> str:

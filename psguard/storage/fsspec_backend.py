@@ -9,8 +9,8 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from psguard.errors import ConfigError, ObjectNotFoundError, StorageError
-from psguard.storage.base import Backend, validate_key
+from psguard.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, StorageError
+from psguard.storage.base import Backend, Buffer, validate_key
 from psguard.storage.registry import redact
 
 TMP_MARK = ".tmp."
@@ -79,6 +79,31 @@ class FsspecBackend(Backend):
     def _tmp_name(self, key: str) -> str:
         return f"{self._p(key)}{TMP_MARK}{secrets.token_hex(6)}"
 
+    def put(self, key: str, data: Buffer) -> None:
+        self._write(key, data, overwrite=True)
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        try:
+            self._write(key, data, overwrite=False)
+        except Exception as e:
+            if self._exists_error(e):
+                raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
+            raise
+
+    def _write(self, key: str, data: Buffer, *, overwrite: bool) -> None:
+        """Write ``key`` whole, failing (:meth:`_exists_error`) unless ``overwrite`` when it exists."""
+        self.fs.pipe_file(self._p(key), bytes(data), **({} if overwrite else {"mode": "create"}))
+
+    def _exists_error(self, e: BaseException) -> bool:
+        """Whether a create-only write failed because the object exists."""
+        return isinstance(e, FileExistsError)
+
+    def _info(self, key: str) -> dict[str, Any]:
+        try:
+            return dict(self.fs.info(self._p(key)))
+        except FileNotFoundError:
+            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
     def get(self, key: str) -> bytes:
         try:
             data = self.fs.cat_file(self._p(key))
@@ -88,9 +113,6 @@ class FsspecBackend(Backend):
 
     def exists(self, key: str) -> bool:
         return bool(self.fs.exists(self._p(key)))
-
-    def _files(self, base: str) -> list[str]:
-        return list(self._file_infos(base))
 
     def _file_infos(self, base: str) -> dict[str, dict[str, Any]]:
         try:
@@ -109,24 +131,17 @@ class FsspecBackend(Backend):
         return None if TMP_MARK in rel.rsplit("/", 1)[-1] else rel
 
     def keys(self, prefix: str) -> list[str]:
-        found = self._files(f"{self.root}/{prefix}".rstrip("/"))
+        found = self._file_infos(f"{self.root}/{prefix}".rstrip("/"))
         return sorted(k for k in map(self._rel, found) if k is not None)
 
     def mtime(self, key: str) -> float:
-        try:
-            info = self.fs.info(self._p(key))
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
-        when = info_mtime(info)
+        when = info_mtime(self._info(key))
         if when is None:
             raise StorageError(f"{self.url} reports no modification time for {key}")
         return when
 
     def size(self, key: str) -> int:
-        try:
-            info = self.fs.info(self._p(key))
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+        info = self._info(key)
         if info.get("type", "file") != "file" or not isinstance(info.get("size"), int):
             raise ObjectNotFoundError(f"{key} is not an object in {self.url}")
         return int(info["size"])
@@ -142,7 +157,7 @@ class FsspecBackend(Backend):
         return dict(sorted(out.items()))
 
     def leftovers(self) -> list[str]:
-        found = self._files(self.root)
+        found = self._file_infos(self.root)
         strip = self.root.strip("/") + "/"
         return sorted(
             p.strip("/")[len(strip) :]

@@ -1,24 +1,14 @@
 """Google Cloud Storage backend (gcsfs): ``gs://bucket/prefix``.
 
-Credentials come from Google's standard chain (Application Default Credentials: ``GOOGLE_APPLICATION_CREDENTIALS``,
-``gcloud auth application-default login``, a GKE workload identity or a VM's service account), or from the
-``token`` storage option (gcsfs's: a key file's path, ``"anon"``, ...); psguard never logs them. An emulator is
-reached through ``STORAGE_EMULATOR_HOST`` (then, as Google's own client does, without credentials unless a
-``token`` is given) or the ``endpoint_url`` storage option, as S3's endpoint is.
+Credentials come from Google's standard chain (Application Default Credentials) or the ``token`` storage option;
+psguard never logs them. An emulator is reached through ``STORAGE_EMULATOR_HOST`` (then without credentials unless
+a ``token`` is given) or the ``endpoint_url`` storage option.
 
-GCS uploads are atomic (an object appears whole when its upload ends), and the create-only commit is a
-precondition: ``ifGenerationMatch=0`` makes the server refuse (412) to write over an existing object. A commit
-goes in a single request, so the precondition is checked before any of its bytes are stored and no upload session
-is left behind when it fails.
-
-gcsfs retries a failed request itself for about 30 s (six tries, exponential waits) and waits for an answer with
-no timeout at all; psguard's retry layer has the deadline, so this backend makes one try per call and bounds it
-(storage options ``connect_timeout``, default 5 s, and ``read_timeout``, default 60 s, between bytes of an
-answer). Answers 408, 429 and 5xx are retried there (:func:`psguard.storage.retry.is_transient`).
-
-The client is gcsfs's plain JSON-API filesystem, not the one ``gcsfs.GCSFileSystem`` names by default: that one
-first asks the Storage Control gRPC API what kind each bucket is (zonal, hierarchical), a call with a 60 s
-timeout that emulators do not answer, for features psguard does not use. Zonal (Rapid) buckets are not supported.
+Uploads are atomic, and the create-only commit is ``ifGenerationMatch=0`` sent in a single request, so the
+precondition is checked before any byte is stored. psguard's retry layer has the deadline, so this backend makes
+one try per call, bounded by ``connect_timeout`` (5 s) and ``read_timeout`` (60 s). The client is gcsfs's plain
+JSON-API filesystem: the default one first asks the Storage Control gRPC API about each bucket, which emulators do
+not answer. Zonal (Rapid) buckets are not supported.
 """
 
 from __future__ import annotations
@@ -33,8 +23,8 @@ import aiohttp
 import fsspec.asyn
 from gcsfs.core import GCSFileSystem
 
-from psguard.errors import ConfigError, ObjectExistsError
-from psguard.storage.base import Buffer
+from psguard.errors import ConfigError
+from psguard.storage.base import Buffer, causes
 from psguard.storage.fsspec_backend import FsspecBackend, bucket_root
 from psguard.storage.registry import redact
 from psguard.storage.retry import http_status
@@ -86,10 +76,7 @@ def explain_gcs_error(error: BaseException, url: str, endpoint: str | None) -> s
     the fix; ``None`` for anything else."""
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     where = f"the GCS endpoint {endpoint}" if endpoint else f"GCS (no endpoint_url or {EMULATOR_ENV} set)"
-    e: BaseException | None = error
-    for _ in range(10):
-        if e is None:
-            break
+    for e in causes(error):
         name = type(e).__name__
         if name == "TransportError" and type(e).__module__.startswith("google.auth"):
             return (
@@ -105,7 +92,6 @@ def explain_gcs_error(error: BaseException, url: str, endpoint: str | None) -> s
             )
         if name in ("ClientConnectorError", "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError"):
             return f"cannot connect to {where} ({name}): check endpoint_url / {EMULATOR_ENV}"
-        e = e.__cause__ or e.__context__
     return None
 
 
@@ -134,16 +120,9 @@ class GcsBackend(FsspecBackend):
                 raise
             raise ConfigError(f"cannot open {self.url}: {why}") from e
 
-    def put(self, key: str, data: Buffer) -> None:
-        self.fs.pipe_file(self._p(key), bytes(data))
-
-    def put_new(self, key: str, data: Buffer) -> None:
-        blob = bytes(data)
-        try:
-            # chunksize above the size: one request (gcsfs's resumable upload learns of the 412 at its end)
-            self.fs.pipe_file(self._p(key), blob, mode="create", chunksize=len(blob) + 1)
-        except FileExistsError as e:
-            raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
+    def _write(self, key: str, data: Buffer, *, overwrite: bool) -> None:
+        blob = bytes(data)  # create-only in one request: gcsfs's resumable upload learns of the 412 at its end
+        self.fs.pipe_file(self._p(key), blob, **({} if overwrite else {"mode": "create", "chunksize": len(blob) + 1}))
 
     def explain(self, error: BaseException) -> str | None:
         return explain_gcs_error(error, self.url, self._endpoint)

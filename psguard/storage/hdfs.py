@@ -1,16 +1,12 @@
 """HDFS backends: ``hdfs://`` through hdfs-native (native RPC, fast) and ``webhdfs://`` (plain HTTP).
 
-HDFS shows a file while it is being written, so every write goes to a temporary name and is renamed into
-place: rename is atomic at the NameNode, and rename without overwrite fails when the target exists, which
-is the create-only commit. The Hadoop user comes from ``HADOOP_USER_NAME`` (as Hadoop clients do), else the
-login name; Kerberos is out of scope for now.
+HDFS shows a file while it is being written, so every write goes to a temporary name and is renamed into place:
+rename is atomic at the NameNode, and rename without overwrite is the create-only commit. The Hadoop user comes
+from ``HADOOP_USER_NAME``, else the login name; Kerberos is out of scope.
 
-Neither client bounds a call to a NameNode that hangs without dying (hdfs-native waits forever, fsspec's
-WebHDFS sends requests with no timeout), and hdfs-native's own retries take minutes against a dead one. So
-psguard turns hdfs-native's retries off (psguard's retry layer has the deadline), runs each hdfs-native call
-with a timeout, and gives WebHDFS requests a timeout. Options (storage options, both optional):
-``op_timeout`` seconds per call (default 60); everything else is passed on as Hadoop client settings
-(hdfs://) or to fsspec's WebHDFS (webhdfs://).
+Neither client bounds a call to a NameNode that hangs, so psguard turns hdfs-native's own retries off (psguard's
+retry layer has the deadline) and runs every call with a timeout: storage option ``op_timeout`` (seconds, default
+60); every other option goes to the Hadoop client (hdfs://) or fsspec's WebHDFS (webhdfs://).
 """
 
 from __future__ import annotations
@@ -25,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from psguard.errors import ConfigError, ObjectExistsError, ObjectNotFoundError
+from psguard.errors import ConfigError, ObjectNotFoundError
 from psguard.storage.base import Buffer
 from psguard.storage.fsspec_backend import FsspecBackend
 from psguard.storage.registry import redact
@@ -93,7 +89,7 @@ class HdfsBackend(FsspecBackend):
     def delete(self, key: str) -> None:
         self._run(super().delete, key)
 
-    def _write_then_rename(self, key: str, data: Buffer, *, overwrite: bool) -> None:
+    def _write(self, key: str, data: Buffer, *, overwrite: bool) -> None:
         final = self._p(key)
         tmp = self._tmp_name(key)
         blob = bytes(data)
@@ -109,15 +105,6 @@ class HdfsBackend(FsspecBackend):
                 raise
 
         self._run(write)
-
-    def put(self, key: str, data: Buffer) -> None:
-        self._write_then_rename(key, data, overwrite=True)
-
-    def put_new(self, key: str, data: Buffer) -> None:
-        try:
-            self._write_then_rename(key, data, overwrite=False)
-        except FileExistsError as e:
-            raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -144,7 +131,7 @@ class WebHdfsBackend(FsspecBackend):
             "RENAME", method="put", path=src, destination=dst, renameoptions="OVERWRITE" if overwrite else "NONE"
         )
 
-    def _write_then_rename(self, key: str, data: Buffer, *, overwrite: bool) -> None:
+    def _write(self, key: str, data: Buffer, *, overwrite: bool) -> None:
         tmp = self._tmp_name(key)
         self.fs.pipe_file(tmp, bytes(data))
         try:
@@ -154,13 +141,5 @@ class WebHdfsBackend(FsspecBackend):
                 self.fs.rm_file(tmp)
             raise
 
-    def put(self, key: str, data: Buffer) -> None:
-        self._write_then_rename(key, data, overwrite=True)
-
-    def put_new(self, key: str, data: Buffer) -> None:
-        try:
-            self._write_then_rename(key, data, overwrite=False)
-        except Exception as e:
-            if isinstance(e, FileExistsError) or "already exists" in str(e):
-                raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
-            raise
+    def _exists_error(self, e: BaseException) -> bool:
+        return isinstance(e, FileExistsError) or "already exists" in str(e)

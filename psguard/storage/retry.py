@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from psguard.errors import ObjectExistsError, ObjectNotFoundError, PsguardError, StorageError, StorageUnavailableError
-from psguard.storage.base import Backend, Buffer
+from psguard.storage.base import Backend, Buffer, causes
 
 log = logging.getLogger(__name__)
 
@@ -103,14 +103,7 @@ def _from_client(exc: BaseException) -> bool:
 
 def is_client_failure(exc: BaseException) -> bool:
     """Whether ``exc`` (or what it was raised from) came from the OS or a storage client library."""
-    seen = 0
-    e: BaseException | None = exc
-    while e is not None and seen < 10:
-        if isinstance(e, OSError) or _from_client(e):
-            return True
-        e = e.__cause__ or e.__context__
-        seen += 1
-    return False
+    return any(isinstance(e, OSError) or _from_client(e) for e in causes(exc))
 
 
 def http_status(exc: BaseException) -> int | None:

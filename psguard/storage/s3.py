@@ -15,8 +15,7 @@ from urllib.parse import unquote
 
 import s3fs
 
-from psguard.errors import ObjectExistsError
-from psguard.storage.base import Buffer
+from psguard.storage.base import causes
 from psguard.storage.fsspec_backend import FsspecBackend, bucket_root
 
 # Bounded client timeouts: psguard's own retry layer (with a deadline) decides how long to keep trying.
@@ -27,10 +26,9 @@ _DEFAULT_CONFIG = {
 }
 
 
-def _is_precondition_failure(e: BaseException | None) -> bool:
+def _is_precondition_failure(error: BaseException) -> bool:
     """s3fs turns the server's 412 into a bare ``OSError(EINVAL)``; look through the chain for the cause."""
-    seen = 0
-    while e is not None and seen < 10:
+    for e in causes(error):
         if isinstance(e, FileExistsError):
             return True
         response = getattr(e, "response", None)
@@ -42,8 +40,6 @@ def _is_precondition_failure(e: BaseException | None) -> bool:
         text = str(e).lower()
         if "precondition" in text or "pre-condition" in text:
             return True
-        e = e.__cause__ or e.__context__
-        seen += 1
     return False
 
 
@@ -54,21 +50,13 @@ _CREDENTIALS_HINT = (
 )
 
 
-def _chain(e: BaseException | None) -> list[BaseException]:
-    out: list[BaseException] = []
-    while e is not None and len(out) < 10 and e not in out:
-        out.append(e)
-        e = e.__cause__ or e.__context__
-    return out
-
-
 def explain_s3_error(error: BaseException, url: str, endpoint: str | None) -> str | None:
     """One line for the S3 client failures users meet when setting up (credentials, endpoint, bucket), with the
     fix; ``None`` for anything else. Built from error codes and class names, never from what the server echoed
     (which may quote an access key id)."""
     bucket = url.split("://", 1)[1].split("/", 1)[0]
     where = f"the S3 endpoint {endpoint}" if endpoint else "AWS S3 (no endpoint_url or AWS_ENDPOINT_URL set)"
-    for e in _chain(error):
+    for e in causes(error):
         name = type(e).__name__
         if name in ("NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"):
             return f"no usable S3 credentials ({name}): {_CREDENTIALS_HINT}"
@@ -134,16 +122,8 @@ class S3Backend(FsspecBackend):
             opts["session"] = _session_without_expect()
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **opts)
 
-    def put(self, key: str, data: Buffer) -> None:
-        self.fs.pipe_file(self._p(key), bytes(data))
-
-    def put_new(self, key: str, data: Buffer) -> None:
-        try:
-            self.fs.pipe_file(self._p(key), bytes(data), mode="create")
-        except Exception as e:
-            if _is_precondition_failure(e):
-                raise ObjectExistsError(f"{key} already exists in {self.url}; psguard never overwrites it") from e
-            raise
+    def _exists_error(self, e: BaseException) -> bool:
+        return _is_precondition_failure(e)
 
     def explain(self, error: BaseException) -> str | None:
         return explain_s3_error(error, self.url, self._endpoint)

@@ -106,9 +106,6 @@ def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
 
 
-_size = human_bytes
-
-
 def _emit(args: argparse.Namespace, doc: Any, text: Callable[[], str]) -> None:
     print(json.dumps(doc, indent=2) if args.json else text())
 
@@ -128,7 +125,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         for i in infos:
             rows.append(
                 f"{i.step:>10}  {i.kind:5}  {i.id:21}  {i.parent or '-':21}  {i.tensors:>7}  "
-                f"{_size(i.logical_bytes):>10}  {_size(i.stored_bytes):>10}  {_when(i.committed_at)}"
+                f"{human_bytes(i.logical_bytes):>10}  {human_bytes(i.stored_bytes):>10}  {_when(i.committed_at)}"
             )
         rows.extend(f"UNREADABLE {b['id']}: {b['error']}" for b in bad)
         return "\n".join(rows)
@@ -143,7 +140,7 @@ def _target(store: Store, args: argparse.Namespace) -> str:
 
 def _verdict(r: VerifyReport) -> str:
     status = "ok" if r.ok else "CORRUPT"
-    lines = [f"{r.checkpoint}: {status} ({r.chunks_checked} chunks, {_size(r.bytes_checked)} checked)"]
+    lines = [f"{r.checkpoint}: {status} ({r.chunks_checked} chunks, {human_bytes(r.bytes_checked)} checked)"]
     lines.extend(f"  {p.message}" for p in r.problems)
     return "\n".join(lines)
 
@@ -169,11 +166,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     with open_store(args) as store:
-        report = store.gc(
-            keep_last=args.keep_last,
-            keep_every_hours=args.keep_every_hours,
-            dry_run=args.dry_run,
-        )
+        report = store.gc(keep_last=args.keep_last, keep_every_hours=args.keep_every_hours, dry_run=args.dry_run)
 
     def text() -> str:
         verb = "would delete" if report.dry_run else "deleted"
@@ -186,8 +179,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         if report.young_chunks:
             lines.append(f"left {report.young_chunks} unreferenced chunk(s) younger than a lock lease for a later gc")
         lines.extend(f"  deleted {cid}" for cid in report.deleted_checkpoints)
-        for p in report.corrupt:
-            lines.append(f"CORRUPT {p.checkpoint} (not counted as kept): {p.message}")
+        lines.extend(f"CORRUPT {p.checkpoint} (not counted as kept): {p.message}" for p in report.corrupt)
         return "\n".join(lines)
 
     _emit(args, report.to_json(), text)
@@ -199,15 +191,14 @@ def cmd_compact(args: argparse.Namespace) -> int:
         target = _target(store, args)
         with metered_progress(args, "compact", store.chain_bytes([target]), store):
             info = store.compact(target)
-    doc: dict[str, Any] = {"source": target, "compacted": info.to_json() if info else None}
     _emit(
         args,
-        doc,
+        {"source": target, "compacted": info.to_json() if info else None},
         lambda: (
             f"{target} is already a full checkpoint"
             if info is None
             else f"compacted {target} into full checkpoint {info.id} "
-            f"(step {info.step}, {_size(info.stored_bytes)} written)"
+            f"(step {info.step}, {human_bytes(info.stored_bytes)} written)"
         ),
     )
     return 0
@@ -257,7 +248,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                 changed = f"  {p['rows_changed']} rows changed" if p["rows_changed"] is not None else ""
                 lines.append(
                     f"  {'':{width}}    part rows [{p['offset']}, {p['offset'] + p['rows']})  {p['encoding']:4}  "
-                    f"{_size(p['bytes'])}{changed}"
+                    f"{human_bytes(p['bytes'])}{changed}"
                 )
         return "\n".join(lines)
 
@@ -278,55 +269,40 @@ def cmd_copy(args: argparse.Namespace) -> int:
         v = report.verified
         return (
             f"{report.checkpoint}: copied to {args.dest} ({len(report.chain)} checkpoint(s) in its chain, "
-            f"{report.manifests_copied} manifest(s) and {report.chunks_copied} chunk(s), {_size(report.bytes_copied)} "
-            f"written); verified there: {v.chunks_checked} chunks, {_size(v.bytes_checked)}"
+            f"{report.manifests_copied} manifest(s) and {report.chunks_copied} chunk(s), "
+            f"{human_bytes(report.bytes_copied)} written); verified there: {v.chunks_checked} chunks, "
+            f"{human_bytes(v.bytes_checked)}"
         )
 
     _emit(args, report.to_json(), text)
     return 0
 
 
-def _add_target(p: argparse.ArgumentParser, required: bool = False) -> None:
-    g = p.add_mutually_exclusive_group(required=required)
-    g.add_argument("--step", type=int, help="the newest checkpoint of this step")
-    g.add_argument("--id", help="a checkpoint id (as `psguard ls` shows it)")
-
-
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("ls", help="list the checkpoints in a store")
-    add_store_arguments(p)
-    p.set_defaults(func=cmd_ls)
-
-    p = sub.add_parser("verify", help="read every chunk and check hashes (exit 3 on corruption)")
-    add_store_arguments(p)
-    _add_target(p)
-    add_progress_argument(p)
-    p.set_defaults(func=cmd_verify)
-
-    p = sub.add_parser("gc", help="apply retention: delete old checkpoints and unreferenced chunks")
-    add_store_arguments(p)
+    parsers = {}
+    for name, func, text, target, progress in (
+        ("ls", cmd_ls, "list the checkpoints in a store", None, False),
+        ("verify", cmd_verify, "read every chunk and check hashes (exit 3 on corruption)", False, True),
+        ("gc", cmd_gc, "apply retention: delete old checkpoints and unreferenced chunks", None, False),
+        ("compact", cmd_compact, "fold a delta chain into a new full checkpoint", False, True),
+        ("copy", cmd_copy, "copy a checkpoint and its chain to another store, verified there", True, True),
+        ("inspect", cmd_inspect, "show a checkpoint's tensors (names, dtypes, shapes)", False, False),
+    ):
+        parsers[name] = p = sub.add_parser(name, help=text)
+        add_store_arguments(p)
+        if target is not None:
+            g = p.add_mutually_exclusive_group(required=target)
+            g.add_argument("--step", type=int, help="the newest checkpoint of this step")
+            g.add_argument("--id", help="a checkpoint id (as `psguard ls` shows it)")
+        if progress:
+            add_progress_argument(p)
+        p.set_defaults(func=func)
+    p = parsers["gc"]
     p.add_argument("--keep-last", type=int, help="keep the newest N checkpoints")
     p.add_argument("--keep-every-hours", type=float, help="also keep one checkpoint per H hours")
     p.add_argument("--dry-run", action="store_true", help="say what would be deleted, delete nothing")
-    p.set_defaults(func=cmd_gc)
-
-    p = sub.add_parser("compact", help="fold a delta chain into a new full checkpoint")
-    add_store_arguments(p)
-    _add_target(p)
-    add_progress_argument(p)
-    p.set_defaults(func=cmd_compact)
-
-    p = sub.add_parser("copy", help="copy a checkpoint and its chain to another store, verified there")
-    add_store_arguments(p)
-    _add_target(p, required=True)
+    p = parsers["copy"]
     p.add_argument("dest", metavar="DEST_URL", help="the store to copy into (any backend)")
     p.add_argument(
         "--dest-option", action="append", metavar="KEY=VALUE", help="storage option for DEST_URL; repeatable"
     )
-    add_progress_argument(p)
-    p.set_defaults(func=cmd_copy)
-
-    p = sub.add_parser("inspect", help="show a checkpoint's tensors (names, dtypes, shapes)")
-    add_store_arguments(p)
-    _add_target(p)
-    p.set_defaults(func=cmd_inspect)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from psguard.codec.strict_json import fields_json
 from psguard.errors import CorruptCheckpointError, ObjectExistsError
 from psguard.store.chunks import ChunkReader
 from psguard.store.facade import Store
@@ -32,14 +33,7 @@ class CopyReport:
     verified: VerifyReport
 
     def to_json(self) -> dict[str, object]:
-        return {
-            "checkpoint": self.checkpoint,
-            "chain": list(self.chain),
-            "manifests_copied": self.manifests_copied,
-            "chunks_copied": self.chunks_copied,
-            "bytes_copied": self.bytes_copied,
-            "verified": self.verified.to_json(),
-        }
+        return fields_json(self)
 
 
 def _copy_chunks(src: Store, dst: Store, m: Manifest, only: set[str] | None = None) -> tuple[int, int]:

@@ -8,11 +8,8 @@ Layout under the store's root (specified in docs/storage-format.md)::
     locks/writer-<nonce>.json   a save in progress (protects its chunks and parent from gc)
     locks/gc.json               a gc in progress
 
-:class:`Store` is a facade: each job is a module of its own, walked one at a time --
-:mod:`~psguard.store.index` (listing, manifests, chains), :mod:`~psguard.store.reader` (restoring tensors),
-:mod:`~psguard.store.writer` (saves, their transactions and the journal), :mod:`~psguard.store.verify`,
-:mod:`~psguard.store.gc` (retention, gc and compaction) and :mod:`~psguard.store.lease` (the locks). A method
-that only routes to a job takes that job's signature and docstring (:func:`_routed`): each is declared once.
+:class:`Store` is a facade over one module per job (index, reader, writer, verify, gc, lease); a method that only
+routes to a job takes that job's signature and docstring (:func:`_routed`).
 """
 
 from __future__ import annotations
@@ -66,9 +63,8 @@ class Store:
         chunk_grace: float | None = None,
     ) -> None:
         io_threads = io_threads if io_threads is not None else backend.io_parallelism
-        # The bytes read ahead of their upload: by default two chunks per I/O thread (one uploading, one ready).
-        # More would only wait in the pool's queue, and a streamed tensor's reads are the memory a PS agent
-        # holds beyond its shards (a fixed 128 MB was 0.25 of a 512 MB PS on a local store with 2 threads).
+        # The bytes read ahead of their upload: by default two chunks per I/O thread (one uploading, one ready);
+        # more would only wait in the pool's queue, and are memory a PS agent holds beyond its shards.
         inflight_bytes = 2 * io_threads * chunk_bytes if inflight_bytes is None else inflight_bytes
         if chunk_bytes <= 0 or io_threads <= 0 or inflight_bytes <= 0:
             raise ConfigError("chunk_bytes, io_threads and inflight_bytes must be positive")
@@ -84,7 +80,7 @@ class Store:
             self._index, self._pool, chunk_bytes=chunk_bytes, inflight_bytes=inflight_bytes, lock_ttl=lock_ttl
         )
 
-    # The settings below live in the job that uses them; set here, they apply from the next call on.
+    # The settings below live in the job that uses them.
     @property
     def backend(self) -> Backend:
         """The storage; may be replaced by a wrapper of it (the CLI meters reads that way)."""
@@ -104,24 +100,11 @@ class Store:
         self._writer.chunk_bytes = value
 
     @property
-    def inflight_bytes(self) -> int:
-        """The bytes a save holds read ahead of their upload."""
-        return self._writer.inflight_bytes
-
-    @inflight_bytes.setter
-    def inflight_bytes(self, value: int) -> None:
-        self._writer.inflight_bytes = value
-
-    @property
     def lock_ttl(self) -> float:
         """The lease of a save or gc: refreshed every fifth of it while the work runs; a lease the storage
         has not seen refreshed for this long is stale. Short values stand for long saves in tests; at most
         :data:`~psguard.store.lease.MAX_TTL` (a day)."""
         return self._writer.lock_ttl
-
-    @lock_ttl.setter
-    def lock_ttl(self, value: float) -> None:
-        self._writer.lock_ttl = check_ttl(value)
 
     @classmethod
     def open(

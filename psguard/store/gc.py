@@ -17,6 +17,7 @@ from typing import Any, Literal
 import numpy as np
 
 from psguard.codec.dtypes import STRING
+from psguard.codec.strict_json import fields_json
 from psguard.errors import CheckpointError, ConfigError, PsguardError
 from psguard.storage import Backend
 from psguard.store.index import CheckpointInfo, Index
@@ -50,15 +51,7 @@ class GcReport:
         return tuple(dict.fromkeys(p.checkpoint for p in self.corrupt))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "kept": list(self.kept),
-            "deleted_checkpoints": list(self.deleted_checkpoints),
-            "deleted_chunks": self.deleted_chunks,
-            "chunks_deferred": self.chunks_deferred,
-            "dry_run": self.dry_run,
-            "corrupt": [p.to_json() for p in self.corrupt],
-            "young_chunks": self.young_chunks,
-        }
+        return fields_json(self)
 
 
 class Collector:
@@ -124,11 +117,12 @@ class Collector:
                 raise ConfigError(f"{rule} must be >= 0, got {n}")
         if keep_last is not None and keep_last < 1 and keep_every_hours is None and keep_best is None:
             raise ConfigError("keep_last must be at least 1 (retention that keeps nothing is refused)")
+        rules: dict[str, Any] = {"keep_last": keep_last, "keep_every_hours": keep_every_hours, "keep_best": keep_best}
+        rules.update(metric=metric, mode=mode)
         lease = acquire_gc_lease(self.backend, self.lock_ttl)
         keeper = LeaseKeeper(lease).start()
         try:
-            now = judging_now(self.backend, GC_LOCK)
-            return self._collect(keep_last, keep_every_hours, keep_best, metric, mode, dry_run, keeper, now)
+            return self._collect(rules, dry_run, keeper, judging_now(self.backend, GC_LOCK))
         except LeaseLostError as e:
             raise PsguardError(f"gc on {self.index.url} stopped: {e}. Nothing more was deleted; run gc again") from e
         finally:
@@ -136,13 +130,7 @@ class Collector:
             lease.release()
 
     def _select(
-        self,
-        infos: Sequence[CheckpointInfo],
-        keep_last: int | None,
-        keep_every_hours: float | None,
-        keep_best: int | None,
-        metric: str | None,
-        mode: Literal["min", "max"],
+        self, infos: Sequence[CheckpointInfo], rules: Mapping[str, Any]
     ) -> tuple[set[str], dict[str, VerifyReport]]:
         """The checkpoints to keep, chosen among those that verify; and every verification done.
 
@@ -170,14 +158,7 @@ class Collector:
         pool = [Candidate(i.id, i.step, i.committed_at, i.metrics) for i in infos if i.id not in superseded]
         bad: set[str] = set()
         while True:
-            chosen = select_kept(
-                [c for c in pool if c.id not in bad],
-                keep_last=keep_last,
-                keep_every_hours=keep_every_hours,
-                keep_best=keep_best,
-                metric=metric,
-                mode=mode,
-            )
+            chosen = select_kept([c for c in pool if c.id not in bad], **rules)
             failed = {cid for cid in chosen if not restorable(cid)}
             if not failed:
                 break
@@ -187,28 +168,17 @@ class Collector:
             chosen = {i.id for i in infos}
         return chosen, reports
 
-    def _collect(
-        self,
-        keep_last: int | None,
-        keep_every_hours: float | None,
-        keep_best: int | None,
-        metric: str | None,
-        mode: Literal["min", "max"],
-        dry_run: bool,
-        keeper: LeaseKeeper,
-        now: float,
-    ) -> GcReport:
+    def _collect(self, rules: Mapping[str, Any], dry_run: bool, keeper: LeaseKeeper, now: float) -> GcReport:
         unreadable: list[str] = []
         infos = self.index.checkpoints(on_error=lambda cid, e: unreadable.append(cid))
-        chosen, reports = self._select(infos, keep_last, keep_every_hours, keep_best, metric, mode)
+        chosen, reports = self._select(infos, rules)
         corrupt = tuple(p for r in reports.values() if not r.ok for p in r.problems)
-        for r in reports.values():
-            if not r.ok:
-                log.warning(
-                    "event=gc_corrupt_checkpoint checkpoint=%s problem=%r action='not counted by retention'",
-                    r.checkpoint,
-                    r.problems[0].message,
-                )
+        for r in (r for r in reports.values() if not r.ok):
+            log.warning(
+                "event=gc_corrupt_checkpoint checkpoint=%s problem=%r action='not counted by retention'",
+                r.checkpoint,
+                r.problems[0].message,
+            )
         writers = live_writer_leases(self.backend, now, self.lock_ttl, remove=not dry_run)
         # A live writer's parent and the checkpoint it deduplicates against (v2 leases name both) stay.
         chosen.update(
@@ -255,9 +225,7 @@ class Collector:
         """Delete the chunks no kept or ``late`` checkpoint references, and killed writers' leftovers, none younger
         than a lease; how many chunks were deleted and how many unreferenced ones were left as too young."""
         deleted_chunks = young = 0
-        referenced: set[str] = set()
-        for cid in kept:
-            referenced.update(r.hash for r in self.index.manifest(cid).refs())
+        referenced = {r.hash for cid in kept for r in self.index.manifest(cid).refs()}
         for cid in late:
             try:
                 for m in self.index.chain(cid):
@@ -308,10 +276,8 @@ def compact(index: Index, reader: Reader, writer: Writer, checkpoint_id: str | N
     if m.kind == "full":
         return None
     chain = index.chain(cid)
-    metadata = dict(m.metadata)
-    metadata["compacted_from"] = cid
-    lazy = _LazyTensors(reader, chain)
-    info = writer.save(m.step, lazy, metadata=metadata, metrics=m.metrics, dedup_against=cid)
+    metadata = {**m.metadata, "compacted_from": cid}
+    info = writer.save(m.step, _LazyTensors(reader, chain), metadata=metadata, metrics=m.metrics, dedup_against=cid)
     log.info("compacted chain of %d ending at %s into full checkpoint %s", len(chain), cid, info.id)
     return info
 

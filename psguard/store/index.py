@@ -10,11 +10,12 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from psguard.codec.strict_json import fields_json
 from psguard.errors import CheckpointError, ConfigError, CorruptCheckpointError, NoCheckpointError, ObjectNotFoundError
 from psguard.storage import Backend
 from psguard.store.manifest import (
@@ -65,26 +66,11 @@ class CheckpointInfo:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "step": self.step,
-            "kind": self.kind,
-            "parent": self.parent,
-            "base": self.base,
-            "chain_length": self.chain_length,
-            "committed_at": self.committed_at,
-            "tensors": self.tensors,
-            "logical_bytes": self.logical_bytes,
-            "stored_bytes": self.stored_bytes,
-            "metadata": dict(self.metadata),
-            "metrics": dict(self.metrics),
-        }
+        return fields_json(self)
 
 
-#: Manifests kept parsed per store, least recently used dropped first. A week-long job commits thousands of
-#: checkpoints, and another process's retention deletes most of them without this one hearing of it: an
-#: unbounded cache grew a PS agent by every manifest ever committed (found by the soak, issue 26). Chains are
-#: bounded by the new-base rule far below this, so a restore or a save never reads one twice.
+#: Manifests kept parsed per store, least recently used dropped first: another process's retention deletes
+#: checkpoints unheard of, and chains are bounded by the new-base rule far below this.
 MANIFEST_CACHE_ENTRIES = 128
 
 
@@ -110,13 +96,8 @@ class Index:
 
     def checkpoint_ids(self) -> list[str]:
         """Ids of committed checkpoints in step order (names only; nothing verified yet)."""
-        ids = []
-        for key in self.backend.keys(MANIFEST_PREFIX):
-            name = key[len(MANIFEST_PREFIX) :]
-            if name.endswith(".json") and is_checkpoint_id(name[:-5]):
-                ids.append(name[:-5])
-        ids.sort()
-        return ids
+        names = (key[len(MANIFEST_PREFIX) :] for key in self.backend.keys(MANIFEST_PREFIX))
+        return sorted(n[:-5] for n in names if n.endswith(".json") and is_checkpoint_id(n[:-5]))
 
     def manifest(self, checkpoint_id: str) -> Manifest:
         """The parsed, checksum-verified manifest (cached: manifests are immutable)."""
@@ -163,26 +144,21 @@ class Index:
         return None
 
     def newest_first(self) -> list[str]:
-        """Checkpoint ids, newest step first: the order a restore tries them in."""
+        """Checkpoint ids, newest step first (same step: later commit first, as a compaction re-commits a step):
+        the order a restore tries them in."""
         ids = self.checkpoint_ids()
-        # Same step: later commit first (a compaction re-commits a step as a full checkpoint).
-        by_step: dict[int, list[str]] = {}
-        for cid in ids:
-            by_step.setdefault(step_of_id(cid), []).append(cid)
-        out = []
-        for step in sorted(by_step, reverse=True):
-            group = by_step[step]
-            if len(group) > 1:
+        per_step = Counter(step_of_id(cid) for cid in ids)
 
-                def when(c: str) -> float:
-                    try:
-                        return self.manifest(c).committed_at
-                    except CheckpointError:
-                        return -1.0
+        def key(cid: str) -> tuple[int, float]:
+            step = step_of_id(cid)
+            if per_step[step] == 1:
+                return step, 0.0
+            try:
+                return step, self.manifest(cid).committed_at
+            except CheckpointError:
+                return step, -1.0
 
-                group.sort(key=when, reverse=True)
-            out.extend(group)
-        return out
+        return sorted(ids, key=key, reverse=True)
 
     def resolve(self, *, step: int | None = None, checkpoint_id: str | None = None) -> str:
         """The id for a step (the newest commit of it), an explicit id, or the latest checkpoint."""

@@ -127,9 +127,7 @@ def lease_ttl(doc: Mapping[str, Any], default: float) -> float:
     ``default``."""
     if lease_problem(doc) is not None:
         return default
-    if "ttl" in doc:
-        return float(doc["ttl"])
-    return float(doc["expires_at"]) - float(doc["created_at"])
+    return float(doc["ttl"]) if "ttl" in doc else float(doc["expires_at"]) - float(doc["created_at"])
 
 
 def pid_alive(pid: int) -> bool:
@@ -140,7 +138,7 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass
     return True
 
 
@@ -209,10 +207,6 @@ class Lease:
         started = time.monotonic()
         self.backend.put_new(self.key, self._data())
         self.refreshed = started
-
-    def owned(self) -> bool:
-        doc = read_lease(self.backend, self.key)
-        return doc is not None and doc.get("token") == self.token
 
     def refresh(self) -> None:
         """Check the lease is still ours and rewrite it; :class:`LeaseLostError` when it is not."""
@@ -289,11 +283,6 @@ class LeaseKeeper:
         if error is not None:
             raise error
 
-    @property
-    def lost(self) -> bool:
-        with self._state:
-            return self._error is not None
-
     def stop(self, timeout: float | None = 30.0) -> None:
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -364,9 +353,7 @@ def acquire_writer_lease(
 def live_writer_leases(backend: Backend, now: float, ttl: float, *, remove: bool = True) -> list[dict[str, Any]]:
     """Writer leases still alive at storage time ``now``; stale ones are removed (``remove``)."""
     live = []
-    for key in backend.keys(LOCK_PREFIX):
-        if not key.startswith(f"{LOCK_PREFIX}writer-"):
-            continue
+    for key in (k for k in backend.keys(LOCK_PREFIX) if k.startswith(f"{LOCK_PREFIX}writer-")):
         doc, written = read_lease_with_mtime(backend, key)
         if doc is None:
             continue

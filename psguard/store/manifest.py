@@ -17,7 +17,7 @@ import re
 import secrets
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from psguard.codec import strict_json
@@ -156,15 +156,16 @@ class Part:
         return self.offset + self.rows
 
     def refs(self) -> list[ChunkRef]:
-        out = list(self.chunks)
-        for s in self.segments:
-            out.extend((s.ids, s.values))
-        return out
+        return _refs(self.chunks, self.segments)
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"offset": self.offset, "rows": self.rows, "encoding": self.encoding}
         d.update(_payload_json(self.encoding, self.chunks, self.segments))
         return d
+
+
+def _refs(chunks: tuple[ChunkRef, ...], segments: tuple[Segment, ...]) -> list[ChunkRef]:
+    return [*chunks, *(r for s in segments for r in (s.ids, s.values))]
 
 
 def _payload_json(encoding: str, chunks: tuple[ChunkRef, ...], segments: tuple[Segment, ...]) -> dict[str, Any]:
@@ -198,25 +199,13 @@ class TensorEntry:
         return self.encoding == "full" or (self.encoding == "sharded" and all(p.encoding == "full" for p in self.parts))
 
     def refs(self) -> list[ChunkRef]:
-        out = list(self.chunks)
-        for s in self.segments:
-            out.extend((s.ids, s.values))
-        for p in self.parts:
-            out.extend(p.refs())
-        return out
+        return _refs(self.chunks, self.segments) + [r for p in self.parts for r in p.refs()]
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {"dtype": self.dtype, "shape": list(self.shape), "encoding": self.encoding}
         if self.encoding == "sharded":
             d["parts"] = [p.to_json() for p in self.parts]
-        elif self.encoding == "full":
-            d["chunks"] = [c.to_json() for c in self.chunks]
-        elif self.encoding == "rows":
-            d["count"] = sum(s.count for s in self.segments)
-            d["segments"] = [
-                {"count": s.count, "ids": s.ids.to_json(), "values": s.values.to_json()} for s in self.segments
-            ]
-        return d
+        return d | _payload_json(self.encoding, self.chunks, self.segments)
 
 
 @dataclass(frozen=True)
@@ -235,26 +224,12 @@ class Manifest:
     writer: str = ""
 
     def refs(self) -> list[ChunkRef]:
-        out: list[ChunkRef] = []
-        for t in self.tensors.values():
-            out.extend(t.refs())
-        return out
+        return [r for t in self.tensors.values() for r in t.refs()]
 
     def body(self) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "step": self.step,
-            "kind": self.kind,
-            "parent": self.parent,
-            "base": self.base,
-            "chain_length": self.chain_length,
-            "committed_at": self.committed_at,
-            "writer": self.writer,
-            "tensors": {name: t.to_json() for name, t in self.tensors.items()},
-            "metadata": dict(self.metadata),
-            "metrics": dict(self.metrics),
-            "stats": dict(self.stats),
-        }
+        body = {f.name: getattr(self, f.name) for f in fields(self)}
+        body.update(metadata=dict(self.metadata), metrics=dict(self.metrics), stats=dict(self.stats))
+        return body | {"tensors": {name: t.to_json() for name, t in self.tensors.items()}}
 
     @property
     def format_version(self) -> int:
@@ -476,22 +451,8 @@ def parse_sharded_entry(
         elif enc == "rows":
             if kind != "delta":
                 raise c.fail(f"{pw} has row updates in a full checkpoint")
-            segs = []
-            total = 0
-            for j, s in enumerate(c.get(p, "segments", list, pw + ".")):
-                sw = f"{pw}.segments[{j}]"
-                seg = Segment(
-                    c.nonneg(s, "count", sw + "."),
-                    c.ref(s.get("ids"), sw + ".ids"),
-                    c.ref(s.get("values"), sw + ".values"),
-                )
-                if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
-                    raise c.fail(f"{sw}: chunk sizes do not match its {seg.count} rows")
-                total += seg.count
-                segs.append(seg)
-            if total > rows:
-                raise c.fail(f"{pw} changes {total} rows of a {rows}-row part")
-            parts.append(Part(offset, rows, "rows", segments=tuple(segs)))
+            segs, _ = _segments(c, pw, c.get(p, "segments", list, pw + "."), rb, rows)
+            parts.append(Part(offset, rows, "rows", segments=segs))
         elif enc == "same":
             if kind != "delta":
                 raise c.fail(f"{pw} is 'same' in a full checkpoint")
@@ -550,24 +511,12 @@ def _parse_tensor(c: _Checker, kind: str, name: str, t: Any, version: int) -> Te
             raise c.fail(f"{where} has row updates in a full checkpoint")
         if not shape or dtype == STRING:
             raise c.fail(f"{where}: row updates need a numeric tensor of at least one dimension")
-        row_bytes = math.prod(shape[1:]) * itemsize
-        segs = []
-        total = 0
-        for i, s in enumerate(c.get(t, "segments", list, where + ".")):
-            sw = f"{where}.segments[{i}]"
-            if not isinstance(s, Mapping):
-                raise c.fail(f"{sw} is not an object")
-            count = c.nonneg(s, "count", sw + ".")
-            seg = Segment(count, c.ref(s.get("ids"), sw + ".ids"), c.ref(s.get("values"), sw + ".values"))
-            if seg.ids.size != 8 * count or seg.values.size != row_bytes * count:
-                raise c.fail(f"{sw}: its chunk sizes do not match its {count} rows of {row_bytes} bytes")
-            total += count
-            if total > shape[0]:
-                raise c.fail(f"{where}: more changed rows than the tensor's {shape[0]} rows")
-            segs.append(seg)
+        segs, total = _segments(
+            c, where, c.get(t, "segments", list, where + "."), math.prod(shape[1:]) * itemsize, shape[0]
+        )
         if "count" in t and t["count"] != total:
             raise c.fail(f"{where}.count {str(t['count'])[:40]} is not the sum of its segments' ({total})")
-        return TensorEntry(dtype, shape, "rows", segments=tuple(segs))
+        return TensorEntry(dtype, shape, "rows", segments=segs)
     if enc == "same":
         if kind != "delta":
             raise c.fail(f"{where} is 'same' in a full checkpoint")
@@ -577,6 +526,26 @@ def _parse_tensor(c: _Checker, kind: str, name: str, t: Any, version: int) -> Te
             raise c.fail(f"{where} is sharded in a format_version {version} manifest (sharded needs 2)")
         return parse_sharded_entry(c, kind, where, t, dtype, shape)
     raise c.fail(f"{where}.encoding {enc[:40]!r}")
+
+
+def _segments(c: _Checker, where: str, raw: list[Any], rb: int, rows: int) -> tuple[tuple[Segment, ...], int]:
+    """A rows entry's segments, each one's chunk sizes matching its count of ``rb``-byte rows, at most ``rows``
+    changed in all; and their count."""
+    segs = []
+    total = 0
+    for i, s in enumerate(raw):
+        sw = f"{where}.segments[{i}]"
+        if not isinstance(s, Mapping):
+            raise c.fail(f"{sw} is not an object")
+        count = c.nonneg(s, "count", sw + ".")
+        seg = Segment(count, c.ref(s.get("ids"), sw + ".ids"), c.ref(s.get("values"), sw + ".values"))
+        if seg.ids.size != 8 * count or seg.values.size != rb * count:
+            raise c.fail(f"{sw}: its chunk sizes do not match its {count} rows of {rb} bytes")
+        total += count
+        if total > rows:
+            raise c.fail(f"{where} changes {total} rows or more of its {rows} rows")
+        segs.append(seg)
+    return tuple(segs), total
 
 
 def parse_journal_entry(data: bytes, key: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -117,7 +117,7 @@ class Reader:
         out = np.empty((stop - start, *target.shape[1:]), dtype=dtype)
         if start == stop:
             return out
-        first = self._start_of(chain, name, lambda e: _whole_over(e, start, stop))
+        first = full_start(chain, name, lambda e: _whole_over(e, start, stop))
         for m in chain[first:]:
             entry = m.tensors[name]
             if entry.encoding == "full":
@@ -194,12 +194,7 @@ class Reader:
         rb = _row_nbytes(out.shape, out.dtype)
         stop = start + out.shape[0]
         reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
-        for seg in segments:
-            if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
-                raise CorruptCheckpointError(
-                    f"checkpoint {m.id}: tensor {name!r}: a segment's chunk sizes do not match its row count",
-                    checkpoint=m.id,
-                )
+        _check_segments(m, name, segments, rb)
         id_futures = [self.pool.submit(reader.read, seg.ids) for seg in segments]
         wait_all(id_futures)
         hits = []
@@ -215,14 +210,11 @@ class Reader:
 
     def materialise(self, chain: Sequence[Manifest], name: str, verify_hash: bool) -> np.ndarray:
         """Tensor ``name`` of ``chain[-1]``: its newest whole value in the chain, then every later entry applied."""
-        start = self._start_of(chain, name, lambda e: e.whole)
+        start = full_start(chain, name)
         value = self._read_whole(chain[start], name, verify_hash)
         for m in chain[start + 1 :]:
             self._apply_entry(m, name, value, verify_hash)
         return value
-
-    def _start_of(self, chain: Sequence[Manifest], name: str, whole: Callable[[TensorEntry], bool]) -> int:
-        return full_start(chain, name, whole)
 
     def _read_whole(self, m: Manifest, name: str, verify_hash: bool) -> np.ndarray:
         """A whole entry's tensor: ``full``, or ``sharded`` with every part ``full`` (whose chunks, parts being
@@ -247,7 +239,8 @@ class Reader:
         if entry.encoding == "full":
             value[...] = self._read_full(m, name, verify_hash)
         elif entry.encoding == "rows":
-            self._apply_rows(m, name, entry, value, verify_hash)
+            for ids, rows in self._segment_arrays(m, name, entry.segments, value.shape[0], value, verify_hash):
+                value[ids] = rows
         elif entry.encoding == "sharded":
             reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
             rb = _row_nbytes(value.shape, value.dtype)
@@ -271,10 +264,7 @@ class Reader:
     def _read_full(self, m: Manifest, name: str, verify_hash: bool) -> np.ndarray:
         entry = m.tensors[name]
         reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
-        try:
-            dtype = dtype_from_name(entry.dtype)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
+        dtype = self.dtype_of(m, name, entry)
         total = sum(c.size for c in entry.chunks)
         if total > LARGE_READ_BYTES:  # claims only, so far: the store's real sizes first, then allocate
             reader.check_claims(entry.chunks, self.pool)
@@ -302,10 +292,6 @@ class Reader:
         """Read chunks in parallel, each straight into its slot (size and CRC32C checked)."""
         wait_all([self.pool.submit(reader.read_into, ref, slot) for ref, slot in placed])
 
-    def _apply_rows(self, m: Manifest, name: str, entry: TensorEntry, value: np.ndarray, verify_hash: bool) -> None:
-        for ids, rows in self._segment_arrays(m, name, entry.segments, value.shape[0], value, verify_hash):
-            value[ids] = rows
-
     def _segment_arrays(
         self,
         m: Manifest,
@@ -321,14 +307,10 @@ class Reader:
         within ``[0, nrows)``; a part's ids (``part``) must also be sorted and unique, as version 2 says."""
         reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
         rb = _row_nbytes(like.shape, like.dtype)
-        futures = []
-        for seg in segments:
-            if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
-                raise CorruptCheckpointError(
-                    f"checkpoint {m.id}: tensor {name!r}: a segment's chunk sizes do not match its row count",
-                    checkpoint=m.id,
-                )
-            futures.append((seg, self.pool.submit(reader.read, seg.ids), self.pool.submit(reader.read, seg.values)))
+        _check_segments(m, name, segments, rb)
+        futures = [
+            (seg, self.pool.submit(reader.read, seg.ids), self.pool.submit(reader.read, seg.values)) for seg in segments
+        ]
         wait_all([f for _, a, b in futures for f in (a, b)])
         out = []
         for seg, f_ids, f_vals in futures:
@@ -367,40 +349,18 @@ class Reader:
         for name, entry in m.tensors.items():
             if names is not None and name not in names:
                 continue
-            try:
-                dtype = dtype_from_name(entry.dtype)
-            except ValueError as e:
-                raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
+            dtype = self.dtype_of(m, name, entry)
+            nbytes += sum(r.size for r in entry.refs())
             if entry.encoding == "full":
                 out[name] = Full(self._read_full(m, name, verify_hash))
-                nbytes += sum(c.size for c in entry.chunks)
             elif entry.encoding == "rows":
-                rb = dtype.itemsize * int(np.prod(entry.shape[1:], dtype=np.int64))
-                ids_parts: list[np.ndarray] = []
-                value_parts: list[np.ndarray] = []
-                reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
                 if sum(r.size for r in entry.refs()) > LARGE_READ_BYTES:  # all kept at once: real sizes first
-                    reader.check_claims(entry.refs(), self.pool)
-                for seg in entry.segments:
-                    if seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count:
-                        raise CorruptCheckpointError(
-                            f"checkpoint {m.id}: tensor {name!r}: a segment's chunk sizes do not match its row count",
-                            checkpoint=m.id,
-                        )
-                    ids_parts.append(np.frombuffer(reader.read(seg.ids), dtype="<i8").astype(np.int64))
-                    rows = np.frombuffer(reader.read(seg.values), dtype=dtype)
-                    value_parts.append(rows.reshape((seg.count, *entry.shape[1:])))
-                    nbytes += seg.ids.size + seg.values.size
-                ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int64)
-                if ids.size and (ids.min() < 0 or ids.max() >= entry.shape[0]):
-                    raise CorruptCheckpointError(
-                        f"checkpoint {m.id}: tensor {name!r}: row id out of range", checkpoint=m.id
-                    )
-                values = np.concatenate(value_parts) if value_parts else np.zeros((0, *entry.shape[1:]), dtype)
-                out[name] = Rows(ids, values, entry.shape)
+                    ChunkReader(self.backend, checkpoint=m.id).check_claims(entry.refs(), self.pool)
+                like = np.empty((0, *entry.shape[1:]), dtype)
+                pairs = self._segment_arrays(m, name, entry.segments, entry.shape[0], like, verify_hash)
+                out[name] = _joined_rows(pairs, like, entry.shape)
             elif entry.encoding == "sharded":
                 out[name] = self._sharded_update(m, name, entry, dtype, verify_hash)
-                nbytes += sum(r.size for r in entry.refs())
             else:
                 out[name] = Same(entry.shape, dtype)
         return out, nbytes
@@ -416,22 +376,16 @@ class Reader:
             return Same(entry.shape, dtype)
         like = np.empty((0, *entry.shape[1:]), dtype)
         reader = ChunkReader(self.backend, checkpoint=m.id, verify_hash=verify_hash)
-        ids_parts: list[np.ndarray] = []
-        value_parts: list[np.ndarray] = []
+        pairs: list[tuple[np.ndarray, np.ndarray]] = []
         for p in entry.parts:  # sorted by offset, ids sorted within a part: the logical ids come out sorted
             if p.encoding == "full":
                 rows = np.empty((p.rows, *entry.shape[1:]), dtype)
-                view = byte_view(rows)
-                self._read_placed(reader, [(c, view[pos : pos + c.size]) for c, pos in _positions(p.chunks, 0)])
-                ids_parts.append(np.arange(p.offset, p.stop, dtype=np.int64))
-                value_parts.append(rows)
+                self._read_all(reader, p.chunks, byte_view(rows))
+                pairs.append((np.arange(p.offset, p.stop, dtype=np.int64), rows))
             elif p.encoding == "rows":
-                for ids, rows in self._segment_arrays(m, name, p.segments, p.rows, like, verify_hash, part=True):
-                    ids_parts.append(ids.astype(np.int64) + p.offset)
-                    value_parts.append(rows)
-        ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int64)
-        values = np.concatenate(value_parts) if value_parts else like
-        return Rows(ids, values, entry.shape)
+                segments = self._segment_arrays(m, name, p.segments, p.rows, like, verify_hash, part=True)
+                pairs += [(ids + p.offset, rows) for ids, rows in segments]
+        return _joined_rows(pairs, like, entry.shape)
 
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
         """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.
@@ -505,6 +459,19 @@ class Reader:
                             chunk=ref.hash,
                         )
         return None
+
+
+def _joined_rows(pairs: Sequence[tuple[np.ndarray, np.ndarray]], like: np.ndarray, shape: Sequence[int]) -> Rows:
+    """One ``Rows`` update of the (ids, rows) pairs in order (none: no row, shaped as ``like``)."""
+    ids = np.concatenate([i.astype(np.int64) for i, _ in pairs]) if pairs else np.zeros(0, np.int64)
+    return Rows(ids, np.concatenate([r for _, r in pairs]) if pairs else like, tuple(shape))
+
+
+def _check_segments(m: Manifest, name: str, segments: Sequence[Segment], rb: int) -> None:
+    if any(seg.ids.size != 8 * seg.count or seg.values.size != rb * seg.count for seg in segments):
+        raise CorruptCheckpointError(
+            f"checkpoint {m.id}: tensor {name!r}: a segment's chunk sizes do not match its row count", checkpoint=m.id
+        )
 
 
 def _row_nbytes(shape: Sequence[int], dtype: np.dtype[Any]) -> int:

@@ -11,6 +11,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from psguard.codec.strict_json import fields_json
 from psguard.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, UnsupportedFormatError
 from psguard.store.chunks import ChunkReader
 from psguard.store.index import Index, full_start
@@ -24,7 +25,7 @@ class Problem:
     message: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"checkpoint": self.checkpoint, "chunk": self.chunk, "message": self.message}
+        return fields_json(self)
 
 
 @dataclass(frozen=True)
@@ -40,14 +41,7 @@ class VerifyReport:
         return not self.problems
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "checkpoint": self.checkpoint,
-            "ok": self.ok,
-            "chain": list(self.chain),
-            "chunks_checked": self.chunks_checked,
-            "bytes_checked": self.bytes_checked,
-            "problems": [p.to_json() for p in self.problems],
-        }
+        return fields_json(self, ok=self.ok)
 
 
 def verify_all(index: Index, pool: ThreadPoolExecutor, checkpoint_ids: Sequence[str]) -> Iterator[VerifyReport]:

@@ -197,14 +197,8 @@ class Writer:
         check_tensor_name(name)
         if isinstance(update, np.ndarray):
             update = Full(update)
-        if isinstance(update, Full):
-            dtype, part_shape = update.value.dtype, tuple(update.value.shape)
-        elif isinstance(update, FullStream):
-            dtype, part_shape = update.dtype, update.shape
-        elif isinstance(update, Rows):
-            dtype, part_shape = update.values.dtype, tuple(int(x) for x in update.shape)
-        else:
-            dtype, part_shape = np.dtype(update.dtype), tuple(int(x) for x in update.shape)
+        described = update.value if isinstance(update, Full) else update
+        dtype, part_shape = np.dtype(described.dtype), tuple(int(x) for x in described.shape)
         what = f"part of {name!r} at row {offset}"
         if not shape or not part_shape:
             raise ConfigError(f"{what}: a sharded tensor has rank >= 1 (parts are row ranges)")
@@ -222,16 +216,15 @@ class Writer:
             known = self.known_chunks(dedup_against)
         writer = ChunkWriter(self.backend, self.pool, inflight_bytes=self.inflight_bytes, known=known)
         if isinstance(update, Full | FullStream):
-            if isinstance(update, Full):
-                futs = writer.submit_tensor(update.value, self.chunk_bytes)
-            else:
-                futs = writer.submit_stream(update, self.chunk_bytes)
+            futs = (
+                writer.submit_tensor(update.value, self.chunk_bytes)
+                if isinstance(update, Full)
+                else writer.submit_stream(update, self.chunk_bytes)
+            )
             writer.wait()
             part = Part(offset, rows, "full", chunks=tuple(f.result() for f in futs))
         elif isinstance(update, Rows):
-            ids = np.asarray(update.ids, dtype=np.int64)
-            if ids.size and (ids.min() < 0 or ids.max() >= rows or np.any(np.diff(ids) <= 0)):
-                raise ConfigError(f"{what}: row ids must be sorted, unique and within the shard's [0, {rows})")
+            ids = _checked_ids(update.ids, rows, f"{what}: row ids must be sorted, unique and within the shard's")
             segs = writer.submit_rows(ids, update.values, self.chunk_bytes)
             writer.wait()
             part = Part(offset, rows, "rows", segments=tuple(f.result() for f in segs))
@@ -241,12 +234,7 @@ class Writer:
         doc.update(
             dtype=dtype_name(dtype),
             shape=list(shape),
-            stats={
-                "bytes_written": writer.stats.bytes_written,
-                "chunks_written": writer.stats.chunks_written,
-                "bytes_deduplicated": writer.stats.bytes_deduplicated,
-                "chunks_deduplicated": writer.stats.chunks_deduplicated,
-            },
+            stats={k: getattr(writer.stats, k) for k in _STAT_KEYS},
         )
         return doc
 
@@ -281,9 +269,7 @@ class Writer:
             return dtype, shape, "same", []
         if dtype == STRING:
             raise ConfigError(f"tensor {name!r}: string tensors are saved whole, not by rows")
-        ids = np.asarray(update.ids, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= shape[0] or np.any(np.diff(ids) <= 0)):
-            raise ConfigError(f"tensor {name!r}: row ids must be sorted, unique and within [0, {shape[0]})")
+        ids = _checked_ids(update.ids, shape[0], f"tensor {name!r}: row ids must be sorted, unique and within")
         return dtype, shape, "rows", list(writer.submit_rows(ids, update.values, self.chunk_bytes))
 
     def known_chunks(self, parent: str) -> set[str]:
@@ -332,28 +318,24 @@ class Journal:
         except PsguardError as e:
             log.warning("could not journal checkpoint %s (it is committed): %s", m.id, e)
 
+    def _seqs(self) -> list[tuple[str, int]]:
+        """The journal's keys with their sequence numbers (at most 18 digits: a stray huge name is ignored)."""
+        keys = ((key, key[len(JOURNAL_PREFIX) : -5]) for key in self.backend.keys(JOURNAL_PREFIX))
+        return [(key, int(seq)) for key, seq in keys if key.endswith(".json") and seq.isdigit() and len(seq) <= 18]
+
     def _last_seq(self) -> int:
-        keys = self.backend.keys(JOURNAL_PREFIX)
-        seqs = [
-            int(k[len(JOURNAL_PREFIX) : -5])
-            for k in keys
-            if k.endswith(".json") and k[len(JOURNAL_PREFIX) : -5].isdigit() and len(k) - len(JOURNAL_PREFIX) - 5 <= 18
-        ]
-        return max(seqs, default=-1)
+        return max((seq for _, seq in self._seqs()), default=-1)
 
     def entries(self) -> list[dict[str, Any]]:
         """:meth:`psguard.store.Store.journal` (documented there for its callers)."""
         out = []
-        for key in self.backend.keys(JOURNAL_PREFIX):
-            seq = key[len(JOURNAL_PREFIX) : -5]
-            if not (key.endswith(".json") and seq.isdigit() and len(seq) <= 18):
-                continue
+        for key, seq in self._seqs():
             try:
                 doc = parse_journal_entry(self.backend.get(key), key)
             except (CorruptCheckpointError, ObjectNotFoundError) as e:
                 log.warning("skipping journal entry %s (the manifests are the commits): %s", key, e)
                 continue
-            doc["seq"] = int(seq)
+            doc["seq"] = seq
             out.append(doc)
         return out
 
@@ -490,13 +472,7 @@ class SaveTransaction:
             else:
                 entries[name] = TensorEntry(dtype, shape, "same")
         entries.update(sharded)
-        stats = {
-            "logical_bytes": logical,
-            "bytes_written": writer.stats.bytes_written + part_stats["bytes_written"],
-            "chunks_written": writer.stats.chunks_written + part_stats["chunks_written"],
-            "bytes_deduplicated": writer.stats.bytes_deduplicated + part_stats["bytes_deduplicated"],
-            "chunks_deduplicated": writer.stats.chunks_deduplicated + part_stats["chunks_deduplicated"],
-        }
+        stats = {"logical_bytes": logical, **{k: getattr(writer.stats, k) + part_stats[k] for k in _STAT_KEYS}}
         manifest = Manifest(
             id=cid,
             step=step,
@@ -588,6 +564,13 @@ class SaveTransaction:
                     f"step {self.step}: tensor {name!r}: chunk {ref.hash} of a part {has} {owner.url}; "
                     "nothing was committed"
                 )
+
+
+def _checked_ids(ids: np.ndarray, rows: int, message: str) -> np.ndarray:
+    out = np.asarray(ids, dtype=np.int64)
+    if out.size and (out.min() < 0 or out.max() >= rows or np.any(np.diff(out) <= 0)):
+        raise ConfigError(f"{message} [0, {rows})")
+    return out
 
 
 def _storable(name: str, dtype: str) -> str:
