@@ -1,25 +1,18 @@
 """Local files psguard reads: regular files only, opened without ever blocking; private folders held by descriptor.
 
-A FIFO opened for reading waits for a writer that may never come, a device such as ``/dev/zero`` never ends, and
-a symbolic link points wherever its maker chose. Where one of these can stand in place of a file psguard reads (the
-spool, a PS agent's tier and part files, a local-folder store's chunks, manifests, journal and locks), reading it
-must neither hang the agent nor ``verify``, ``gc``, ``ls`` or a restore: a FIFO as a capture's JSON once stopped an
-agent for good (no capture acknowledged again, SIGTERM ignored), and as a chunk it hung ``psguard verify``. So
-every such file is opened by :func:`open_regular`, which
+A FIFO waits for a writer that may never come, a device such as ``/dev/zero`` never ends, and a symbolic link
+points wherever its maker chose. Wherever one can stand in place of a file psguard reads (the spool, tier and part
+files, a local store), :func:`open_regular` opens it:
 
-1. looks first (``lstat``, or ``stat`` where a link is expected), so a device or a FIFO is not even opened
-   (opening some devices does something);
+1. looks first (``lstat``, or ``stat`` where a link is expected), so a device or a FIFO is not even opened;
 2. opens with ``O_NONBLOCK`` (a FIFO swapped in after the look is not waited on) and ``O_NOFOLLOW``;
-3. checks the descriptor (``fstat``): anything but a regular file is refused with the error the caller chose,
-   naming what was found; with ``private``, so is a file another user owns or that group or others can write;
-4. clears ``O_NONBLOCK`` again (a no-op for a regular file on a local file system, not on every FUSE one).
+3. checks the descriptor (``fstat``): anything but a regular file is refused with the error the caller chose;
+   with ``private``, so is a file another user owns or that group or others can write;
+4. clears ``O_NONBLOCK`` again.
 
-A folder whose parent another user can write can be renamed away after psguard checked it, and a folder of theirs
-put at its path. :class:`HeldDir` opens such a folder once, checks the descriptor, and reaches everything in it
-through ``/proc/self/fd/<fd>``: the kernel starts each lookup from the open folder, as ``openat(fd, ...)`` does, so
-a rename or replacement of the path changes nothing. Going through ``/proc`` rather than passing ``dir_fd`` to
-every call keeps the standard library's own walks (``shutil.rmtree``, ``Path.iterdir``, watchdog's inotify
-watches) working unchanged, and no call can be missed.
+A folder whose parent another user can write can be renamed away after psguard checked it. :class:`HeldDir` opens
+such a folder once, checks the descriptor, and reaches everything in it through ``/proc/self/fd/<fd>``: a rename or
+replacement of the path changes nothing, and the standard library's own walks keep working unchanged.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """Free loopback ports and waiting for them to accept connections.
 
-A connect to a closed port in the ephemeral range can *connect to itself*: Linux may pick the destination port
-as the source port, and the TCP simultaneous open then succeeds with no listener at all. The check says
-"open", and for as long as that socket lives the real server cannot bind its port (it dies with "address in
-use"). Both checks here rule that out: a loopback port is looked up in the kernel's listening table without
-connecting, and a connection whose two ends are the same address is refused and closed at once.
-
-Free ports are chosen *below* the ephemeral range (``ip_local_port_range``) where there is room: a port chosen
-now is bound by its server seconds later (a cluster's ports are written before its tasks start), and meanwhile
-any outgoing connection of any process may get it as its source port, which keeps the server from binding it for
-as long as that connection lives (a chief crashed five times on "Could not start gRPC server" so in CI). The
-kernel never gives a port below the range to an outgoing connection.
+A connect to a closed port in the ephemeral range can connect to itself (TCP simultaneous open), and that socket
+then keeps the real server from binding its port. So a loopback port is looked up in the kernel's listening table
+without connecting, and a connection whose two ends are one address is refused. Free ports are chosen *below* the
+ephemeral range where there is room: the kernel never gives such a port to an outgoing connection in the seconds
+before its server binds it.
 """
 
 from __future__ import annotations

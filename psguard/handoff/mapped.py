@@ -1,26 +1,16 @@
 """Zero-copy restore from the node's own memory tier: a small TensorFlow op that maps a tier file instead of
 reading it (``map_bundle.cc`` beside this module, compiled once per machine by ``psguard build-op``).
 
-Why: a restore from the memory tier used to read every byte of a shard into a new buffer on its PS (``RestoreV2``:
-allocate, copy, CRC32C). At 1 GB over 2 PS that was 0.35 s of a 1.4 s recovery, and no faster than a plain
-``parse_tensor(read_file)`` (issue 24: ``restore_vs_raw_ratio`` 1.3 against >= 2). The tier's shards already are
-bundle data files on the node's tmpfs (:mod:`psguard.agent.tiers.tier_files`), and an export hard-links them into
-the restore folder. ``PsguardMapBundle`` hands TensorFlow a private mapping of such a file as the tensor's buffer,
-which the variable adopts: nothing is copied, and a page is copied into the PS only when training first writes it.
-Measured at 1 GB over 2 PS: restore 0.35 -> 0.19 s.
+The tier's shards already are bundle data files on the node's tmpfs (:mod:`psguard.agent.tiers.tier_files`), which
+an export hard-links into the restore folder; ``PsguardMapBundle`` hands TensorFlow a private mapping of such a file
+as the tensor's buffer, so nothing is copied until training first writes a page (measurements: docs/bench).
+The op does not check a linked tier file's CRC32C: the PS maps the very pages the agent's tier holds, in files only
+this user can write and the agent never writes again once exported. Every other file is loaded by ``RestoreV2``
+with its CRC32C.
 
-Why the op does not check the CRC32C of a linked tier file: the PS maps the very pages the agent's tier holds (the
-same physical memory), in files only this user can write, which the agent never writes again once exported (the
-export's snapshot is released with ``hand_off=True`` and the tier copies the array on its next write:
-:meth:`psguard.agent.tiers.memory_tier.Snapshot.release`). There is no transfer to
-verify, and checking would read every byte (0.1 s per 512 MB). Every other file (a bundle the agent wrote out,
-a peer's or the log's bytes) is loaded by ``RestoreV2`` with its CRC32C, as before.
-
-When it is used: the PS was started by psguard's server (:mod:`psguard.agent.process.tf_server`) with the library
-built, and the chief could load it too. Otherwise, or with ``PSGUARD_MAP_OP=0``, restores read as before; a PS
-without the op makes the chief's load fail before anything is assigned, and the chief loads again the usual way
-(:func:`psguard.trainer.ps_load.run_load`). The library is keyed by this source and the TensorFlow library
-it links against, so an upgraded TensorFlow is never handed a stale build: ``psguard build-op`` again.
+Used when the PS was started by psguard's server with the library built and the chief can load it too; otherwise,
+or with ``PSGUARD_MAP_OP=0``, restores read as before. The library is keyed by this source and the TensorFlow
+library it links against, so an upgraded TensorFlow is never handed a stale build.
 """
 
 from __future__ import annotations

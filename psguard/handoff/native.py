@@ -1,15 +1,10 @@
 """psguard's compiled helpers: building them once per machine into the cache, refusing a library someone else could
 have written, and the row digest in C (``rows_digest.c`` beside this module).
 
-Why a C digest: a new agent that takes its shards from a peer's copy after a node loss hashes every row it
-receives (:func:`psguard.agent.tiers.copy_frames.rows_digest`) on four fetch threads, beside the PS it is starting
-and the chief's rebuild. numpy's version took the interpreter's lock about ten times a 1 MB piece (each step of
-it a separate call), and py-spy found the fetch threads in the digest half of their time, mostly waiting for that
-lock; the C version is one call a piece that releases it (ctypes), 2.7x numpy's rate in cache. Same arithmetic
-bit for bit: owners, holders and new agents must agree whichever version each runs.
-
-Built by ``psguard build-op`` (with the zero-copy op, :mod:`psguard.handoff.mapped`), with ``cc``; plain C, no
-TensorFlow and no CPU-specific flags. Not built, or ``PSGUARD_NATIVE_DIGEST=0``: numpy's version serves.
+The C digest (:func:`psguard.agent.tiers.copy_frames.rows_digest`) is one call per piece that releases the
+interpreter's lock, where numpy's took it about ten times; same arithmetic bit for bit, since owners, holders and
+new agents must agree whichever version each runs. Built by ``psguard build-op`` with ``cc`` (plain C, no
+TensorFlow). Not built, or ``PSGUARD_NATIVE_DIGEST=0``: numpy's version serves.
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """One tensor as a TensorFlow checkpoint bundle, written without TensorFlow: a PS agent's restore files.
 
-Why this format: a PS loads its shards in a function placed on its own device (docs/design.md, "Restore on the
-PS"), and of the ops that read a file there, only ``RestoreV2`` reads the values straight into the tensor it
-returns. ``tf.io.read_file`` + ``tf.io.decode_raw`` (psguard's load before) allocates a string, copies the bytes
-into it, then into the tensor: 1 GB over 2 restarted PS loaded and assigned in 2.5 s that way, in 0.84 s with
-``RestoreV2`` (same machine, same run). The agent does not import TensorFlow (:mod:`psguard.handoff.tensor_file`
-says why), so this module writes the two files itself:
+Of the ops that read a file on a PS device, only ``RestoreV2`` reads the values straight into the tensor it
+returns (docs/design.md, "Restore on the PS"). This module writes the two files itself:
 
 - ``<prefix>.data-00000-of-00001``: the values, C order, little-endian (what :func:`write_array` writes);
 - ``<prefix>.index``: a table in LevelDB's format (no compression, every block with a type byte and a masked
   CRC32C) holding two entries, ``""`` -> ``BundleHeaderProto`` (one shard, little-endian, version 1) and
   :data:`BUNDLE_KEY` -> ``BundleEntryProto`` (dtype, shape, size, masked CRC32C of the data file).
 
-The bytes are exactly those TensorFlow's ``SaveV2`` writes for the same tensor (tested), and ``RestoreV2``
-checks the data's CRC32C, its size against the shape and the dtype against the one asked for, so a damaged or
-mismatched file fails the load before anything is assigned.
+The bytes are exactly those ``SaveV2`` writes for the same tensor (tested), and ``RestoreV2`` checks the data's
+CRC32C, size and dtype, so a damaged or mismatched file fails the load before anything is assigned.
 """
 
 from __future__ import annotations

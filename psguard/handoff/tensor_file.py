@@ -1,23 +1,16 @@
 """The tensor files a PS's capture writes for its TF-less agent: serialized ``TensorProto`` (the changed rows,
 their ids and fingerprints; a shard sent whole goes as a one-tensor bundle, :mod:`psguard.handoff.tensor_bundle`).
 
-Why this format: the bytes of a PS's shards must not leave the PS's node on the way to its agent (docs/design.md,
-"Where the data flows"). Besides checkpoint bundles (``SaveV2``, one write of the bytes: worth it for a whole
-shard), the file I/O a ``tf.function`` placed on a PS device can do is ``tf.io.write_file`` of a string tensor,
-and the tensor -> string op is ``tf.io.serialize_tensor``, whose format is a ``TensorProto``. The agent does not
-import TensorFlow (a second copy of its 500 MB runtime per node, and seconds of start-up), so this module
-reads the three fields of that message that a dense numeric tensor uses, and nothing else:
+``tf.io.serialize_tensor`` + ``tf.io.write_file`` is the file I/O a function on a PS device can do, and the
+agent does not import TensorFlow, so this module reads the three fields a dense numeric tensor uses:
 
     field 1 (varint)  dtype        TF's DataType enum
     field 2 (bytes)   tensor_shape TensorShapeProto: field 2 (bytes) dim { field 1 (varint) size }
     field 4 (bytes)   tensor_content  the values, C order, little-endian
 
-Reading puts ``tensor_content`` straight into the array it returns; everything about the header is checked
-against the file's size before anything is allocated, so a truncated or hostile file is a
-:class:`~psguard.errors.CorruptCheckpointError`, never a huge allocation. String tensors are not handled:
-they are small and travel through the chief's spool (:mod:`psguard.handoff.spool`). The other way, a restore,
-the agent writes one-tensor checkpoint bundles that the PS reads with ``RestoreV2`` straight into the tensor
-(:mod:`psguard.handoff.tensor_bundle`).
+The header is checked against the file's size before anything is allocated, so a truncated or hostile file is a
+:class:`~psguard.errors.CorruptCheckpointError`, never a huge allocation. String tensors travel through the
+chief's spool instead.
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """TLS for the agents' HTTP: the server's context, and the client's (agent to agent, trainer to agent).
 
-Both ends use the standard library's ``ssl`` with its secure defaults (TLS 1.2 at least, certificate and
-host name verification on). With ``--tls-ca`` the server verifies every client certificate against it and
-requires one for all but ``/healthz`` and ``/readyz`` (mutual TLS; kubelet probes present none). A client
-verifies the agent against the CA file it is given, else the system store, and presents its own certificate
-when it has one. A trainer finds these files through the environment its agent sets (``PSGUARD_AGENT_CA``,
-``PSGUARD_AGENT_CLIENT_CERT``, ``PSGUARD_AGENT_CLIENT_KEY``); every private key file must be private
-(:func:`psguard.handoff.credentials.check_private_file`).
+The standard library's ``ssl`` with its secure defaults (TLS 1.2 at least, certificate and host name verification).
+With ``--tls-ca`` the server requires a client certificate signed by it for all but ``/healthz`` and ``/readyz``
+(kubelet probes present none). A trainer finds its files through the environment its agent sets
+(``PSGUARD_AGENT_CA``, ``PSGUARD_AGENT_CLIENT_CERT``, ``PSGUARD_AGENT_CLIENT_KEY``); every private key file must be
+private (:func:`psguard.handoff.credentials.check_private_file`).
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """How far the durable log may trail the durable cadence: the rule that keeps psguard never worse than TF's saver.
 
-TF's ``CheckpointManager.save`` is synchronous: when it returns, the checkpoint is on storage, so a fault loses at
-most the steps since the last save. psguard's durable write runs in the background, and a store slower than the
-cadence (a 1 GB first base on object storage takes a minute) lets training run ahead of what is durable. Under a
-fault that takes a node's memory tier with it (no peer copy), the restore then falls back further than TF's would.
-
-The *durable lag* is measured from the oldest capture that was due for the durable tier and is not committed yet:
-``steps`` is how many steps training has gone past it, ``seconds`` how long it has been waiting. :class:`LagBound`
-says what to do when it grows past ``max_steps`` (or ``max_seconds``):
+TF's saver is synchronous; psguard's durable write runs in the background, so a store slower than the cadence lets
+training run ahead of what is durable. The *durable lag* is measured from the oldest capture due for the durable
+tier and not committed yet (``steps`` trained past it, ``seconds`` waiting). :class:`LagBound` says what to do
+when it grows past ``max_steps`` (or ``max_seconds``):
 
 - ``hold``: training waits at its next save decision until the commit lands, so a fault loses at most
-  ``max_steps`` steps more than TF's saver at the same cadence. The default, ``max_steps: 0``, waits at the save
-  itself, as TF's saver does; the wait only lasts for what the store still has to take (a delta, usually) and
-  the capture and memory tier are unchanged. A store that fails (an outage) ends the wait: a durable write that
-  cannot happen now must not stop training, and the memory tier keeps every save restorable meanwhile; the lag is
-  reported until the store takes a commit again.
-- ``report``: training never waits; the lag is reported (``/status``, ``/metrics``, the shipped alert), and the
-  user accepts that a node loss may cost the whole lag.
+  ``max_steps`` steps more than TF's saver at the same cadence (the default, ``max_steps: 0``, waits at the save
+  itself, as TF's saver does). A store that fails ends the wait: the memory tier keeps every save restorable
+  meanwhile, and the lag is reported until the store takes a commit again.
+- ``report``: training never waits; the lag is reported (``/status``, ``/metrics``, the shipped alert).
 
 Policy files set it under ``durable_lag:``; ``psguard policy check`` prints it.
 """

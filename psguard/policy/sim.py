@@ -1,16 +1,10 @@
 """What a checkpoint policy costs: an expected-value simulation of a job running under it.
 
-:func:`simulate` runs the real decision engine (:meth:`psguard.policy.engine.Schedule.decide`) on a virtual clock:
-training advances one step every ``step_time``; a capture (memory or durable save) blocks training ``stall``
-seconds; a durable save stays in flight ``persist`` seconds more before it is committed (saves never overlap);
-a new base is folded by the sidecar off the training path. Failures arrive every ``mtbf`` seconds on average;
-they are fed to the policy (so :class:`~psguard.policy.engine.YoungDaly` sees them) and their cost is counted in
-expectation: a failure at a uniformly random moment loses the work since the tier's last restorable point.
-
-Per tier it reports the saves, the stall they caused, the expected lost work per failure and in total, and the
-overhead (that stall + that lost work, as a share of the duration; every capture writes the memory tier, so
-its row is the whole job's overhead when failures restore from memory), next to the Young/Daly optimum
-``tau = sqrt(2 * stall * mtbf)`` for the same job.
+:func:`simulate` runs the real decision engine on a virtual clock: a step every ``step_time``; a capture blocks
+training ``stall`` seconds; a durable save stays in flight ``persist`` seconds more; a new base is folded off the
+training path. Failures arrive every ``mtbf`` seconds on average, are fed to the policy, and cost in expectation
+the work since the tier's last restorable point. Per tier it reports the saves, their stall, the expected lost
+work and the overhead, next to the Young/Daly optimum ``tau = sqrt(2 * stall * mtbf)``.
 """
 
 from __future__ import annotations

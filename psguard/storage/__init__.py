@@ -1,10 +1,8 @@
-"""Where checkpoint bytes live: a small key/value interface over local disk, memory, S3 and HDFS.
+"""Where checkpoint bytes live: a small key/value interface over local disk, memory, S3, GCS and HDFS.
 
-Backends are chosen by URL scheme through a lazy registry (fsspec's pattern): a backend's module and its
-optional client library are imported only when a URL with its scheme is opened, and a missing library fails
-with the command that installs it. Every backend is wrapped in :class:`~psguard.storage.retry.RetryingBackend`
-so transient failures are retried with backoff until a deadline, then surface as
-:class:`~psguard.errors.StorageUnavailableError`.
+Backends are chosen by URL scheme through a lazy registry: a backend's module and client library are imported only
+when a URL with its scheme is opened, and a missing library fails with the command that installs it. Every backend
+is wrapped in :class:`~psguard.storage.retry.RetryingBackend` (transient failures retried until a deadline).
 """
 
 from __future__ import annotations

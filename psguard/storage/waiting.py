@@ -1,20 +1,14 @@
 """Waiting for a store that does not answer, where nothing can stand in for it.
 
-Every call to a store retries transient failures until its deadline (:mod:`psguard.storage.retry`), then raises
-:class:`~psguard.errors.StorageUnavailableError`: right for a save (the next one tries again) and for a restore
-that holds the memory tier. A process that starts with nothing but the store to restore from (a chief's agent
-whose memory tier died with its predecessor, a trainer with no memory tier to ask) has no better answer than
-the store's: exiting ends the job (its successor would wait the same way), and starting from initial values would
-lose every acknowledged commit. So it waits: :class:`StoreWait` tries again until the store answers, backing off
-(capped exponential: one log line per try, not one a second), and says all along what it waits for, since when
-and how many tries it made (for ``/status``, readiness and a metric). A ``timeout`` gives the old ending, an
-error, to whoever prefers it.
+A process whose only source of state is the store (a chief's agent whose memory tier died with its predecessor,
+a trainer with no memory tier) has no better answer than the store's: exiting ends the job, starting from initial
+values loses every acknowledged commit. So :class:`StoreWait` tries again until the store answers, with capped
+exponential backoff, and says what it waits for, since when and how many tries (``/status``, readiness, a
+metric). A ``timeout`` turns the wait back into an error.
 
-Each try first asks the store a cheap question (``probe``) with the backend's retries capped at none: a store that
-is down fails it at once and the wait's own backoff takes over, so the status is right from the first second.
-Once the probe answers, the real call runs with the store's usual retries: a blip in a long restore is retried,
-not the restore started over. Only unavailability is waited out: any other error (a bucket that does not exist,
-no permission) is for the user to fix and is raised at once.
+Each try first asks a cheap ``probe`` with the backend's retries capped at none, so the status is right from the
+first second; the real call then runs with the usual retries. Only unavailability is waited out: any other error
+is raised at once.
 """
 
 from __future__ import annotations

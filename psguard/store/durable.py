@@ -1,21 +1,16 @@
 """The one durable writer of a job: what every commit to the log follows, whoever makes it.
 
-Two processes write a job's durable log, never at once: the trainer's own writer thread when no agent runs on its
-node (:class:`~psguard.trainer.sinks.StoreSink`), and the chief's agent from its memory tier
-(:class:`~psguard.agent.tiers.persister.Persister`). They used to keep the rules each in its own way; now both hold a
-:class:`DurableWriter`, which owns:
+Two processes write a job's durable log, never at once: the trainer's own writer when no agent runs on its node
+(:class:`~psguard.trainer.sinks.StoreSink`) and the chief's agent from its memory tier
+(:class:`~psguard.agent.tiers.persister.Persister`). Both hold a :class:`DurableWriter`, which owns:
 
-- **the last commit** (the parent of the next delta) and the chain behind it (links, delta bytes, the base's
-  bytes and step), read back from the log when a writer takes over (:meth:`DurableWriter.adopt`);
-- **the missing-parent rule**: a delta needs a parent; when there is none, or the store says it is gone
-  (``ParentMissingError``: gc or another writer removed it), the writer forgets its last commit and raises, and
-  the caller's next save must be whole. Nothing acknowledged is at stake: the failed save was not acknowledged,
-  and the next one is a base;
-- **the new-base rule**: one predicate over :class:`ChainState` (the policy's ``ChainLimit`` in both places,
-  see :func:`psguard.policy.engine.base_rule`). How the base is made differs by what the writer holds: the
-  agent holds the whole state in its tier, so it *rewrites* the base from memory (asks :meth:`base_due` before
-  taking); the trainer holds only the rows it captured, so the writer *compacts* the chain in storage right
-  after the delta that made it due (``Store.compact``, no stall);
+- **the last commit** (the next delta's parent) and the chain behind it, read back from the log when a writer
+  takes over (:meth:`DurableWriter.adopt`);
+- **the missing-parent rule**: a delta with no parent, or one the store says is gone (``ParentMissingError``),
+  makes the writer forget its last commit and raise; the caller's next save is whole;
+- **the new-base rule**: one predicate over :class:`ChainState` (:func:`psguard.policy.engine.base_rule`). The
+  agent rewrites the base from memory (asks :meth:`base_due`); the trainer, holding only deltas, compacts the
+  chain in storage right after the delta that made it due;
 - **retention after each commit**, with the settings the caller gives for that commit.
 
 The store layer knows no policies: the rule and the retention come in as callables.

@@ -1,15 +1,11 @@
 """A durable store opened on a thread, so that whoever needs it later goes on meanwhile.
 
-A PS agent on a node replaced after a loss has two things on the recovery's path before it needs its store: start
-its PS and fetch its shards from the peer's copy (the chief's agent asks for it as soon as the agent answers).
-Opening an S3 store imports s3fs, aiohttp and botocore first (0.3 s of imports on the machines we measured, holding
-the GIL), which no call needs until a save or a load of the log. Opened beside the fetch, those imports slowed it by
-half or more (the fetch's threads hash and place each piece under the GIL), and opened right after it they slowed
-the restore that follows. So a PS agent holds the open back: ``hold`` seconds after its start, for as long as a
-fetch runs (:meth:`StoreOpening.keep_held`), ``hold`` seconds more after a fetch that worked (the restore, then
-training resume) and not at all after one that did not (the log is read next). Any use of the store opens it at
-once. What would fail the open before any import (an unknown scheme, a client package not installed) still fails
-at once: :func:`~psguard.storage.registry.check_url`; anything else goes to ``on_error`` when the open runs.
+A PS agent on a replaced node starts its PS and fetches its shards before it needs its store, and opening an S3
+store (its client's imports hold the GIL) would slow that fetch. So a PS agent holds the open back: ``hold``
+seconds after its start, for as long as a fetch runs (:meth:`StoreOpening.keep_held`), ``hold`` seconds more after
+a fetch that worked and not at all after one that did not. Any use of the store opens it at once. What would fail
+the open before any import (:func:`~psguard.storage.registry.check_url`) fails at once; anything else goes to
+``on_error`` when the open runs.
 """
 
 from __future__ import annotations
