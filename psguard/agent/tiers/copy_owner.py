@@ -80,9 +80,8 @@ class _Delta:
 
 
 def _same_copy(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    """Whether two frames' extra fields describe the same copy: equal but for the parity group's URLs. A member
-    replaced on a new node has a new address; the holder learns it from any frame, and the block still holds every
-    member at its state, so a survivor must not send its whole (it would reset the group)."""
+    """Whether two frames' extra fields describe the same copy: equal but for the parity group's URLs (a member's
+    new address must not make the survivors send their whole: that would reset the group)."""
 
     def without_urls(x: Mapping[str, Any]) -> dict[str, Any]:
         parity = x.get("parity")
@@ -150,12 +149,8 @@ class CopySender:
             self._cond.notify_all()
 
     def synced_with(self, url: str, step: int, token: str) -> None:
-        """The holder at ``url`` holds this owner's state ``(step, token)``: a new agent just fetched its tier
-        from that very copy. If the chief names it as the holder next, the deltas follow at once instead of a
-        whole copy of the state (512 MB sent again at 1 GB, on the CPU the resumed training needs); a delta it
-        cannot apply (its copy moved) makes the next send whole, as always. A parity holder too: the block it rebuilt
-        the state from holds this owner at that very state, so an XOR delta applies to it; a whole send there would
-        reset the group and have every member send its whole state again."""
+        """The holder at ``url`` holds this owner's state ``(step, token)`` (a new agent just fetched its tier from
+        it): if the chief names it next, deltas follow at once instead of a whole copy (or a parity reset)."""
         with self._cond:
             self._known = (url, step, token)
 
@@ -182,10 +177,8 @@ class CopySender:
             self._cond.notify_all()
 
     def wait_synced(self, token: str, timeout: float) -> bool:
-        """Wait until the holder holds state ``token``; False at once when there is no holder, else after
-        ``timeout``. A whole copy is waited for too: a small state's takes milliseconds, and without it a node
-        lost just after its first capture had no copy to restore from; a large state's outlasts ``timeout``,
-        which bounds the wait."""
+        """Wait until the holder holds state ``token`` (a whole copy too); False at once when there is no holder,
+        else after ``timeout``."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:
@@ -367,17 +360,13 @@ def fetch_copy(
     read_into: ReadInto | None = None,
     write: Callable[[np.ndarray, int, np.ndarray], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified.
+    """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified: the copy's
+    description (step, token, metadata, layout) and the arrays. :class:`PsguardError` when the holder has no copy
+    at ``token`` (or no room here), :class:`CorruptCheckpointError` when the bytes do not match the digests.
 
-    ``alloc`` makes the arrays the rows are fetched into (the agent's tier files: the bytes land where the tier
-    keeps them, with no second copy; None from it, or no ``alloc``: anonymous memory). ``read_into`` (as
-    ``post``, each answer's rows handed over as they arrive: :func:`read_frame_into`) saves the buffer of each
-    answer: its rows are hashed in pieces while in cache and put in place by ``write(array, row, rows)``
-    (:meth:`TierFiles.write_rows`: ``pwrite`` into the tier file, which allocates its pages as it goes and fails
-    with ``ENOSPC`` on a full tmpfs, never a ``SIGBUS``; default: assignment into the array). Returns the copy's
-    description (step, token, metadata, layout) and the arrays; raises
-    :class:`PsguardError` when the holder has no copy at ``token`` (it lags, or holds none, or this node has no
-    room for it) and :class:`CorruptCheckpointError` when the bytes do not match the owner's digests.
+    ``alloc`` makes the arrays (the tier's files: the bytes land where the tier keeps them); ``read_into`` (as
+    ``post``, each answer's rows handed over as they arrive) has them hashed in pieces while in cache and put in
+    place by ``write(array, row, rows)`` (:meth:`TierFiles.write_rows`; default: assignment).
     """
     info, _ = post(holder_url, {"owner": owner, "token": token}, config.request_timeout)
     if info.get("status") == "refused":  # a parity holder's reconstruction that did not verify
@@ -418,11 +407,7 @@ class _Fetch:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
     ranges: list[tuple[str, int, int]] = field(default_factory=list)  # every request, in order: tensor, start, stop
 
-    def lay_out(
-        self,
-        tensors: list[Mapping[str, Any]],
-        alloc: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None,
-    ) -> None:
+    def lay_out(self, tensors: list[Mapping[str, Any]], alloc: Alloc | None) -> None:
         """The arrays the copy's tensors are fetched into, and the chunks of rows asked for."""
         chunk = max(1, self.config.chunk_mb) << 20
         for t in tensors:
@@ -435,40 +420,32 @@ class _Fetch:
             rows = max(1, chunk // per_row)
             self.ranges += [(name, start, min(shape[0], start + rows)) for start in range(0, shape[0], rows)]
 
-    def request(self, r: tuple[str, int, int]) -> dict[str, Any]:
-        return {"owner": self.owner, "token": self.token, "name": r[0], "start": r[1], "stop": r[2]}
-
-    def put(self, out: np.ndarray, row: int, rows: np.ndarray) -> None:
-        try:
-            if self.write is not None:
-                self.write(out, row, rows)
-            else:
-                out[row : row + rows.shape[0]] = rows
-        except OSError as e:  # no room on the node's tmpfs: the log is used instead
-            raise PsguardError(f"no memory for {self.owner}'s copy on this node: {e}") from None
-
     def place(self, i: int) -> int:
         """Fetch one chunk, check it and put it in place; its rows' digest (numpy and zlib release the GIL)."""
         name, start, stop = self.ranges[i]
         out = self.arrays[name]
-        timeout = self.config.request_timeout
+        body = {"owner": self.owner, "token": self.token, "name": name, "start": start, "stop": stop}
+        total = 0
+
+        def take(row: int, rows: np.ndarray) -> None:
+            nonlocal total
+            total = (total + rows_digest(rows, first=start + row)) & MASK
+            try:
+                if self.write is not None:
+                    self.write(out, start + row, rows)
+                else:
+                    out[start + row : start + row + rows.shape[0]] = rows
+            except OSError as e:  # no room on the node's tmpfs: the log is used instead
+                raise PsguardError(f"no memory for {self.owner}'s copy on this node: {e}") from None
+
         if self.read_into is not None:
-            total = 0
-
-            def take(row: int, rows: np.ndarray) -> None:
-                nonlocal total
-                first = start + row
-                total = (total + rows_digest(rows, first=first)) & MASK
-                self.put(out, first, rows)
-
-            answer = self.read_into(self.holder_url, self.request(self.ranges[i]), timeout, out[start:stop], take)
-            if answer.get("status") != "ok" or not answer.get("arrays"):
-                raise PsguardError(f"the holder's copy of {self.owner} moved on while it was fetched: {answer}")
-            return total
-        answer, got = self.post(self.holder_url, self.request(self.ranges[i]), timeout)
-        if answer.get("status") != "ok" or len(got) != 1:
+            answer = self.read_into(self.holder_url, body, self.config.request_timeout, out[start:stop], take)
+        else:
+            answer, got = self.post(self.holder_url, body, self.config.request_timeout)
+            if answer.get("status") == "ok" and len(got) == 1:
+                if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
+                    raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
+                take(0, got[0])
+        if answer.get("status") != "ok" or len(answer.get("arrays") or ()) != 1:
             raise PsguardError(f"the holder's copy of {self.owner} moved on while it was fetched: {answer}")
-        if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
-            raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
-        self.put(out, start, got[0])
-        return rows_digest(got[0], first=start)
+        return total
