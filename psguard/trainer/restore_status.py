@@ -1,26 +1,11 @@
 """TF's restore idioms on psguard checkpoints: the status object, and deferred restoration done by TF itself.
 
-Jobs written from TensorFlow's tutorials restore with ``checkpoint.restore(manager.latest_checkpoint)`` and
-check the returned status (``assert_consumed``, ``assert_existing_objects_matched``...), and they do not build
-their optimizer first: a tf_keras legacy optimizer creates its slots and hyperparameters at the first
-``apply_gradients``, a tf_keras or Keras 3 one at its lazy ``build``, a subclassed layer at its first call. TF
-restores those variables when they are created (*deferred restoration*: each trackable looks for pending
-checkpoint positions when it adds a dependency or a slot). psguard's restore keeps every tensor it can assign
-now on its own fast paths (memory tier, each PS loading its own shards) and hands what has no variable yet to
-TF's own machinery, so the semantics are TF's by construction, not a re-implementation:
-
-1. the checkpoint's object graph (stored with every psguard checkpoint under ``_CHECKPOINTABLE_OBJECT_GRAPH``)
-   is copied with the attributes of every tensor psguard already assigned removed, so TF binds those objects
-   (and counts them as matched) without reading or assigning anything;
-2. the tensors still pending are written with that graph as a small TF checkpoint in a private folder
-   (``SaveV2``; only the pending tensors, so a job that builds its optimizer first pays for the graph alone);
-3. TF's ``Checkpoint.restore`` reads it with its IO on the chief (``experimental_io_device``): a variable
-   created later gets its value from that file, on whichever PS it is placed, and the status TF returns
-   answers the assertions exactly as it would for a TF checkpoint, deferred values included.
-
-The folder lives until nothing is pending any more (checked at each save) or the manager closes.
-Cost: the pending tensors cross the chief once, at the restore (on the PS-side data path they are read from
-the PS nodes' restore files); a job that builds its optimizer before restoring has none.
+Jobs restore with ``checkpoint.restore(manager.latest_checkpoint)``, check the status, and often create some
+variables only later (optimizer slots, layers built at their first call), which TF restores when they are created.
+psguard assigns what it can now on its own paths and hands the rest to TF's own machinery: the checkpoint's object
+graph, stripped of every tensor psguard assigned, is written with the pending tensors as a small TF checkpoint in a
+private folder, which TF's ``Checkpoint.restore`` reads on the chief. The folder lives until nothing is pending
+(checked at each save) or the manager closes.
 """
 
 from __future__ import annotations
@@ -39,19 +24,14 @@ from psguard.handoff.tensor_bundle import BUNDLE_KEY
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.variables import VARIABLE_SUFFIX, gather_variables, lazy_tf, list_tensors, unwrap
 
-__all__ = ["DeferredRestore", "RestoreStatus", "chief_io_device", "strip_restored"]
+__all__ = ["DeferredRestore", "RestoreStatus", "strip_restored"]
 
 log = logging.getLogger(__name__)
 
 
 def strip_restored(graph: bytes, pending: Mapping[str, Any], *, not_slots: Collection[str] = ()) -> bytes:
-    """TF's object graph ``graph`` with every attribute removed but those whose checkpoint key is ``pending``.
-
-    ``has_checkpoint_values`` is cleared too (TF then looks at what each node still holds), so a node whose
-    values were all assigned by psguard is bound by TF's restore (it counts as matched) and read from nowhere.
-    Slot references to the keys ``not_slots`` are dropped: TF would create those slots itself, wrongly
-    (:class:`ShardedSlots`).
-    """
+    """TF's object graph ``graph`` with only the attributes of ``pending`` keys (and ``has_checkpoint_values``
+    cleared), so TF binds what psguard assigned and reads it from nowhere; slots of ``not_slots`` dropped."""
     from tensorflow.core.protobuf import trackable_object_graph_pb2
 
     proto = trackable_object_graph_pb2.TrackableObjectGraph()
@@ -69,22 +49,13 @@ def strip_restored(graph: bytes, pending: Mapping[str, Any], *, not_slots: Colle
     return data
 
 
-def chief_io_device() -> str:
-    """The chief's host CPU: where the deferred file is read, since only the chief's node has it (a PS of a
-    real cluster reads its own file system, not the chief's)."""
-    from tensorflow.python.eager import context
-
-    return f"{context.context().host_address_space()}/device:CPU:0"
-
-
 class DeferredRestore:
-    """A private folder holding the pending tensors as a TF checkpoint, and TF's restore of it.
-
-    ``restore`` is TF's own ``Checkpoint.restore`` (unbound), called with the stripped graph: the psguard
-    manager replaces the checkpoint's ``restore`` attribute, and TF's must be reached past it.
-    """
+    """A private folder holding the pending tensors as a TF checkpoint, and TF's restore of it (``restore``: TF's
+    own ``Checkpoint.restore``, unbound, past the manager's)."""
 
     def __init__(self, root: Any, graph: bytes, pending: Mapping[str, np.ndarray], restore: Any) -> None:
+        from tensorflow.python.eager import context
+
         tf = lazy_tf()
         self.pending = tuple(sorted(pending))
         self.sharded_slots = ShardedSlots(root, pending)
@@ -94,7 +65,7 @@ class DeferredRestore:
         names = [OBJECT_GRAPH_KEY, *for_tf]
         stripped = strip_restored(graph, pending, not_slots=self.sharded_slots.keys)
         values = [tf.constant(stripped), *(tf.constant(pending[n]) for n in for_tf)]
-        device = chief_io_device()
+        device = f"{context.context().host_address_space()}/device:CPU:0"  # only the chief's node has the file
         with tf.device(device):
             tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=[""] * len(names), tensors=values)
         self.status = restore(root, prefix, options=tf.train.CheckpointOptions(experimental_io_device=device))
@@ -114,13 +85,9 @@ _SLOT_KEY = re.compile(r"^(?P<var>.+)/\.OPTIMIZER_SLOT/(?P<opt>.+)/(?P<slot>[^/]
 class ShardedSlots:
     """Saved slots of partitioned variables for a tf_keras legacy optimizer that has not created them yet.
 
-    TF gets these wrong (TF 2.21, tf_keras 2.21): its restore creates the slot eagerly for the
-    ``ShardedVariable`` (its restoring initializer gives every shard the tensor's first rows), and the
-    optimizer, which keys slots by each shard when ``apply_gradients`` or ``_create_all_weights`` gets the
-    shards, then creates new slots at their initial values and trains with those: the saved accumulators are
-    silently lost, with ``tf.train.CheckpointManager`` as well. So psguard keeps these values out of TF's
-    hands and gives each shard's slot its rows when the optimizer creates it (the optimizer's
-    ``_restore_slot_variable``, which ``add_slot`` calls for every new slot, is wrapped for that object only).
+    TF 2.21 loses these (its restore makes one slot for the ``ShardedVariable``, the optimizer then makes new
+    ones per shard), so psguard gives each shard's slot its rows when the optimizer creates it, by wrapping that
+    optimizer's ``_restore_slot_variable``.
     """
 
     def __init__(self, root: Any, pending: Mapping[str, np.ndarray]) -> None:
@@ -204,14 +171,9 @@ def _objects_by_path(root: Any) -> dict[str, Any]:
 
 
 class RestoreStatus:
-    """What ``checkpoint.restore(psguard_id)`` returns: TF's load status over the tensors TF restores (the
-    deferred ones), after psguard assigned every tensor whose variable exists (all or nothing, verified).
-
-    The assertions behave as TF's for a TF checkpoint of the same state: ``assert_consumed`` fails while a
-    saved value waits for its variable, ``assert_existing_objects_matched`` fails for a variable of the model
-    that the checkpoint does not have. ``checkpoint_id``, ``step`` and ``source`` ("memory" or "durable") say
-    what was restored.
-    """
+    """What ``checkpoint.restore(psguard_id)`` returns: TF's status over the deferred tensors, whose assertions
+    behave as for a TF checkpoint of the same state; ``checkpoint_id``, ``step`` and ``source`` say what was
+    restored."""
 
     def __init__(self, deferred: DeferredRestore, *, checkpoint_id: str, step: int, source: str) -> None:
         self._status = deferred.status
@@ -240,7 +202,6 @@ class RestoreStatus:
         return self
 
     def run_restore_ops(self, session: Any = None) -> None:
-        """Nothing to run: TF 2 restores eagerly (kept for code written against TF 1's status)."""
         self._status.run_restore_ops(session)
 
     def initialize_or_restore(self, session: Any = None) -> None:
@@ -251,15 +212,11 @@ class RestoreStatus:
 
 
 def read_pending_parts(files: Mapping[Any, str], homes: Mapping[Any, tuple[str, str]]) -> dict[str, np.ndarray]:
-    """The logical tensors of shards that have no variable yet, each shard's restore file read on its own PS
-    (``homes``: shard -> (task, dtype)) and sent to the chief; shards of a tensor concatenated by offset.
-
-    The files are one-tensor bundles (:mod:`psguard.handoff.tensor_bundle`): ``RestoreV2`` checks their CRC32C
-    and dtype, so a damaged file fails here, before anything is handed to TF.
-    """
+    """The logical tensors of shards that have no variable yet, each shard's bundle read (CRC32C checked) on its
+    own PS (``homes``: shard -> (task, dtype)) and concatenated on the chief."""
     tf = lazy_tf()
-    by_name: dict[str, list[tuple[int, np.ndarray]]] = {}
-    for key, path in files.items():
+    by_name: dict[str, list[np.ndarray]] = {}
+    for key, path in sorted(files.items(), key=lambda kv: kv[0].offset):
         task, dtype = homes.get(key, ("", ""))
         job, _, index = task.partition(":")
         if not job or not index.isdigit() or not dtype:
@@ -268,9 +225,5 @@ def read_pending_parts(files: Mapping[Any, str], homes: Mapping[Any, tuple[str, 
             (value,) = tf.raw_ops.RestoreV2(
                 prefix=path, tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(dtype)]
             )
-        by_name.setdefault(key.name, []).append((key.offset, value.numpy()))
-    out: dict[str, np.ndarray] = {}
-    for name, pieces in by_name.items():
-        pieces.sort(key=lambda p: p[0])
-        out[name] = pieces[0][1] if len(pieces) == 1 else np.concatenate([p for _, p in pieces], axis=0)
-    return out
+        by_name.setdefault(key.name, []).append(value.numpy())
+    return {name: p[0] if len(p) == 1 else np.concatenate(p, axis=0) for name, p in by_name.items()}

@@ -1,15 +1,10 @@
 """The restore side of :class:`~psguard.trainer.manager.CheckpointManager`: which tier a restore takes, and
 loading it all or nothing.
 
-A restore takes the newest state that loads: the sidecar's memory tier when it is at least as new as the
-durable log (no storage read), else the log, each PS agent reading its own rows when the agents keep the
-shards, else the chief reading the log itself. A source that fails to load on a PS is skipped for the next
-older or slower one, with the variables untouched. Saved values whose variables the job has not created yet
-wait for them (TF's deferred restoration, :mod:`psguard.trainer.restore_status`).
-
-It is a base class of the manager rather than an object the manager holds: a restore reads and resets the
-same state a save does (the capturer, the sink's chain, the object graph sent with the next save, the save
-context), under the same capture lock.
+A restore takes the newest state that loads: the sidecar's memory tier when it is at least as new as the log,
+else the log (each PS agent reading its own rows when the agents keep the shards). A source that fails to load on
+a PS is skipped, the variables untouched. A base class of the manager, not an object it holds: a restore resets
+the state a save uses (capturer, chain, object graph, save context) under the same capture lock.
 """
 
 from __future__ import annotations
@@ -51,8 +46,7 @@ tf: Any = import_optional("tensorflow")
 
 log = logging.getLogger(__name__)
 
-#: How long a restore that holds the memory tier's snapshot waits for the durable log to say whether it has
-#: something newer (only another writer could have written it).
+#: How long a restore holding the memory tier's snapshot waits for the log to say whether it has anything newer.
 STORE_CHECK_SECONDS = 5.0
 
 
@@ -65,16 +59,15 @@ class RestoreInfo:
     metadata: Mapping[str, Any]
     source: str  # "memory" or "durable"
 
+    @classmethod
+    def durable(cls, checkpoint: CheckpointInfo) -> RestoreInfo:
+        return cls(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
+
 
 def hook_restore(manager: RestoreSide) -> tuple[Any, Any]:
-    """Put ``manager.restore`` in front of its checkpoint's ``restore`` (for the checkpoint object only); return
-    TF's own restore (unbound), which the deferred restore calls past it, and the ``restore`` the checkpoint had
-    before (bound), which takes every path that is not the manager's.
-
-    Jobs restore with ``checkpoint.restore(manager.latest_checkpoint)``: that id names a psguard checkpoint,
-    which TF cannot read. The manager is held weakly: once it is gone (or closed), every path goes to whatever
-    ``restore`` the checkpoint had before (TF's, or another manager's).
-    """
+    """Put ``manager.restore`` in front of its checkpoint's ``restore`` (``checkpoint.restore(manager.
+    latest_checkpoint)`` names an id TF cannot read); return TF's own restore (unbound) and the one the checkpoint
+    had before (bound), which takes every other path, and every path once the weakly held manager is gone."""
     checkpoint = manager.checkpoint
     tf_restore = getattr(type(checkpoint), "restore", None)
     before = getattr(checkpoint, "restore", None)
@@ -132,14 +125,9 @@ class RestoreSide:
         def latest_checkpoint(self) -> str | None: ...
 
     def restore_or_initialize(self, init_fn: Callable[[], Any] | None = None) -> str | None:
-        """Restore the newest checkpoint that verifies, or run ``init_fn`` (default: the constructor's) when
-        there is none.
-
-        Returns the restored checkpoint's id, or ``None``. Every variable of the model must get a value (else
-        :class:`TensorMismatchError` lists the mismatches and nothing is assigned); saved values whose variables
-        do not exist yet (an optimizer's slots before its first step, a layer not built yet) are assigned by TF
-        when the job creates them, as TF's own restore does (see :mod:`psguard.trainer.restore_status`).
-        """
+        """Restore the newest checkpoint that verifies and return its id, or run ``init_fn`` (default: the
+        constructor's) and return ``None``. Every variable gets a value or :class:`TensorMismatchError` lists
+        the mismatches; saved values whose variables do not exist yet wait for them, as with TF."""
         restored = self._restore_newest()
         if restored is None:
             fn = init_fn if init_fn is not None else self._init_fn
@@ -151,13 +139,9 @@ class RestoreSide:
         return restored[0].id
 
     def restore(self, save_path: str, options: Any = None) -> Any:
-        """``checkpoint.restore(save_path)`` for this manager's checkpoint: what the checkpoint's own ``restore``
-        does with an id of this manager (the manager puts this in front of it); any other path goes to TF.
-
-        The newest id (``latest_checkpoint``) restores the newest state, memory tier first when it is at least
-        as new, as :meth:`restore_or_initialize`; an older id restores that checkpoint from the durable log.
-        Returns a :class:`RestoreStatus` (TF's assertions, deferred values included).
-        """
+        """``checkpoint.restore(save_path)`` with an id of this manager (any other path goes to TF): the newest id
+        restores the newest state as :meth:`restore_or_initialize`, an older one that checkpoint from the log.
+        Returns a :class:`RestoreStatus`."""
         path = os.fspath(save_path) if save_path is not None else None
         if path is None or not self._is_own(path):
             if self._restore_before is None:
@@ -189,9 +173,8 @@ class RestoreSide:
             return False
 
     def _restore_newest(self, *, status: bool = False) -> tuple[RestoreInfo, Restored] | None:
-        """The state the recovery plan restores (:mod:`psguard.handoff.plan`), planned again as the trainer
-        learns more: the memory tier when every PS can be given it and it is at least as new as the log, else the
-        log's newest commit that loads, else nothing (initial values)."""
+        """The state the recovery plan (:mod:`psguard.handoff.plan`) restores, planned again as the trainer learns
+        more: the memory tier, else the log's newest commit that loads, else nothing."""
         asked = self._ask_durable_latest() if self._sink.supervised else None
         snapshot = self._sink.memory_snapshot(self.restore_timeout)
         memory = self._memory_fact(snapshot)
@@ -229,8 +212,7 @@ class RestoreSide:
             durable = Durable.none()
 
     def _memory_fact(self, snapshot: Restored | None) -> Memory | None:
-        """The memory tier's snapshot as the plan reads it: not held when it lacks the shards the capturer
-        spilled (the PS agents hold no state the chief's agent vouches for, e.g. it restarted)."""
+        """The memory tier's snapshot as the plan reads it: not held when it lacks the shards the capturer spilled."""
         if snapshot is None:
             return None
         absent = [] if snapshot.parts else sorted(n for n in self.capturer.spilled if n not in snapshot.tensors)
@@ -239,16 +221,14 @@ class RestoreSide:
         return Memory(snapshot.step, snapshot.token, held=not absent)
 
     def _from_the_log(self, *, force: bool, status: bool) -> tuple[RestoreInfo, Restored] | None:
-        """:meth:`_restore_from_the_log`, waiting for a store that does not answer (storage/waiting.py): nothing
-        else holds the job's state now, giving up ends the job, and initial values would lose every commit."""
+        """:meth:`_restore_from_the_log`, waiting for a store that does not answer: nothing else holds the state."""
         return StoreWait(self.store.backend).call(
             lambda: self._restore_from_the_log(force=force, status=status), probe=self.store.checkpoint_ids
         )
 
     def _restore_from_the_log(self, *, force: bool, status: bool) -> tuple[RestoreInfo, Restored] | None:
-        """The newest durable checkpoint that loads (each PS's agent reading its rows when they keep the shards),
-        or None when the log has none; ``force``: the memory tier's state did not load, the log replaces it.
-        :class:`NewerInMemoryError` when the agents refuse it (without ``force``)."""
+        """The newest durable checkpoint that loads, or None; ``force``: replace the memory tier's state (else the
+        agents may refuse with :class:`NewerInMemoryError`)."""
         from_ps = self._durable_on_the_ps(force=force)
         if from_ps is not None and self._load(*from_ps, status=status):
             self._restored(from_ps[0])
@@ -268,14 +248,12 @@ class RestoreSide:
         return info, memory
 
     def _restore_durable(self, checkpoint_id: str) -> None:
-        """Restore durable checkpoint ``checkpoint_id`` (verified; each PS agent reading its rows when they
-        keep the shards), whatever newer ones exist."""
+        """Restore durable checkpoint ``checkpoint_id``, whatever newer ones exist."""
         checkpoint = CheckpointInfo.of(self.store.manifest(checkpoint_id))
         by_task = self.capturer.spilled_by_task()
         if by_task and self._sink.supervised:
-            # Asked for by name: it goes into the tiers whatever newer state they hold.
             snap = self._sink.durable_snapshot(checkpoint_id, by_task, self.restore_timeout, force=True)
-            info = RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
+            info = RestoreInfo.durable(checkpoint)
             if self._load(info, snap, status=True):
                 self._restored(info)
                 return
@@ -284,7 +262,7 @@ class RestoreSide:
     def _restore_loaded(
         self, checkpoint: CheckpointInfo, tensors: dict[str, np.ndarray], *, status: bool
     ) -> tuple[RestoreInfo, Restored]:
-        info = RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable")
+        info = RestoreInfo.durable(checkpoint)
         raw = checkpoint.metadata.get(TOKEN_KEY)
         snap = Restored(info.step, tensors, dict(info.metadata), str(raw) if raw else None)
         self._load(info, snap, status=status)
@@ -294,16 +272,9 @@ class RestoreSide:
     def _load(self, info: RestoreInfo, snap: Restored, *, status: bool = False) -> bool:
         """Restore ``snap`` (the chief's tensors, and each PS's shards from files on its node); all or nothing.
 
-        False, with the variables untouched, when a PS could not load its files (damaged, truncated, of
-        another layout): the caller then goes to an older or slower source rather than crash-looping on this
-        one. (A truncated restore file made every new trainer generation fail the same way.) Without shard
-        files a failure raises: the tensors came whole from the chief's side and there is nothing to fall to. A
-        cluster failure (:func:`~psguard.trainer.recovery.is_cluster_failure`: a PS died or restarted during the
-        load) raises too: the checkpoint is not at fault, and recovery restores the newest again.
-
-        Saved tensors whose variables do not exist yet are handed to TF's deferred restoration
-        (:class:`DeferredRestore`), after the rest is assigned; ``status``: do that even when none is pending,
-        for the status object of ``checkpoint.restore()``.
+        False, nothing assigned, when a PS could not load its files: the caller goes to an older or slower source
+        rather than crash-looping. Without shard files, or on a cluster failure (the checkpoint is not at fault),
+        it raises. Tensors without variables go to TF's deferred restoration (``status``: even when none do).
         """
         tensors = dict(snap.tensors)
         graph = tensors.pop(OBJECT_GRAPH_KEY, None)
@@ -329,10 +300,6 @@ class RestoreSide:
                 else:
                     self.capturer.restore(tensors, deferred=waiting)
             except (PsguardError, tf.errors.OpError, ValueError) as e:
-                # A PS that died or restarted during the load says nothing about the checkpoint: going on to an
-                # older one would load it into every tier and lose the newer acknowledged state (a 1-h soak:
-                # ps:0 killed mid-restore, the log's step 67001 restored instead of the tiers' 67301). The
-                # caller's recovery restarts the PS and restores the newest again.
                 if not snap.parts or is_cluster_failure(e):
                     raise
                 log.warning(
@@ -347,8 +314,7 @@ class RestoreSide:
         return True
 
     def _absent_from(self, checkpoint_id: str, snap: Restored, names: set[str]) -> dict[str, np.ndarray]:
-        """Tensors of a durable checkpoint that ``snap`` lacks and the model has no variable for (the PS agents
-        were asked only for the model's shards): read from the log on the chief, for TF's deferred restore."""
+        """Tensors of a durable checkpoint that ``snap`` lacks and the model has no variable for, read on the chief."""
         have = set(snap.tensors) | {k.name for k in snap.parts}
         wanted = [n for n in self.store.manifest(checkpoint_id).tensors if n not in have and n not in names]
         return self.store.load(checkpoint_id, wanted) if wanted else {}
@@ -365,8 +331,7 @@ class RestoreSide:
             )
         raw = np.asarray(graph).item() if isinstance(graph, np.ndarray) else graph
         self._deferred = DeferredRestore(self._checkpoint, bytes(raw), pending, self._tf_restore)
-        # TF creates some of them during its restore (a legacy optimizer's slots of existing variables, eagerly),
-        # and fills a partitioned one's every shard with the tensor's first rows: assign those again, exactly.
+        # TF creates some during its restore, a partitioned one's shards all from the first rows: assign again.
         made = assign_existing(self._checkpoint, pending)
         pending = {n: v for n, v in pending.items() if n not in made}
         if pending:
@@ -388,11 +353,9 @@ class RestoreSide:
         with self._capture_lock:
             self.restored = info
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save
-        now = time.time()
-        # A state restored from the memory tier is not durable: the durable cadence keeps counting from the last
-        # durable save (a node lost after a memory restore would otherwise fall back a whole extra interval).
+        # A state restored from the memory tier is not durable: the durable cadence counts from the last one.
         restored_tiers = (Tier.MEMORY, Tier.DURABLE) if info.source == "durable" else (Tier.MEMORY,)
-        self.context = self.context.with_save(restored_tiers, step=info.step, at=now)
+        self.context = self.context.with_save(restored_tiers, step=info.step, at=time.time())
         mapped = self._shards_mapped
         log.info(
             "restored %s (step %d) from the %s tier%s",
@@ -407,13 +370,9 @@ class RestoreSide:
         return info.id
 
     def _durable_on_the_ps(self, *, force: bool = False) -> tuple[RestoreInfo, Restored] | None:
-        """The newest durable checkpoint that loads, each PS's agent reading its own rows of it from the log.
-
-        None when the shards are not kept by PS agents (the trainer then reads the log itself). A checkpoint
-        that fails anywhere (a damaged chunk a PS agent read, a missing tensor) is skipped for the next older.
-        :class:`NewerInMemoryError` (the agents' refusal, without ``force``) is raised at once: no older one
-        would be let in either.
-        """
+        """The newest durable checkpoint that loads, each PS's agent reading its own rows from the log (None
+        when the PS agents keep no shards); one that fails is skipped for the next older, but the agents'
+        refusal (:class:`NewerInMemoryError`) is raised at once."""
         by_task = self.capturer.spilled_by_task()
         if not by_task or not self._sink.supervised:
             return None
@@ -427,19 +386,12 @@ class RestoreSide:
                     "checkpoint %s could not be loaded on the PS agents (%s); trying an older one", checkpoint.id, e
                 )
                 continue
-            return RestoreInfo(checkpoint.id, checkpoint.step, checkpoint.metadata, "durable"), snap
+            return RestoreInfo.durable(checkpoint), snap
         return None
 
     def _ask_durable_latest(self) -> Future[CheckpointInfo | None]:
-        """The durable log's newest checkpoint, asked on a thread now: the restore compares it with the memory
-        tier's snapshot once that arrives, and the snapshot may take a while (a lost node's peer copy is fetched
-        first), so the store's answer (a listing and a manifest: a round trip or two to S3) waits beside it
-        rather than after it.
-
-        The memory tier is what the agent persists from, so the log is newer only if another writer wrote to
-        it. A store that is down must not hold a restore that has its state in hand: the question is bounded
-        (``STORE_CHECK_SECONDS``) and an unanswered one leaves the memory tier in charge.
-        """
+        """The durable log's newest checkpoint, asked on a thread beside the memory tier's export, bounded by
+        ``STORE_CHECK_SECONDS``: a store that is down must not hold a restore that has its state in hand."""
         asked: Future[CheckpointInfo | None] = Future()
         backend = self.store.backend
 
@@ -457,8 +409,7 @@ class RestoreSide:
     def _durable_latest_beside(
         self, memory: Restored, asked: Future[CheckpointInfo | None] | None
     ) -> CheckpointInfo | None:
-        """The answer of :meth:`_ask_durable_latest` (asked now when it was not), or None when the store did not
-        give one in time."""
+        """The answer of :meth:`_ask_durable_latest` (asked now if not yet), or None when none came in time."""
         try:
             return (asked or self._ask_durable_latest()).result()
         except StorageError as e:
