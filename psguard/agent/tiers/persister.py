@@ -51,18 +51,15 @@ Phase = Literal["first-base", "base", "delta", "retention"]
 
 @dataclass(frozen=True)
 class PersistEvent:
-    """One persist attempt, for metrics and logs. ``kind``: committed, failed, or skipped (nothing new)."""
+    """One persist attempt, for metrics. ``kind``: committed, failed, or skipped (nothing new)."""
 
     kind: Literal["committed", "failed", "skipped"]
     step: int | None
-    checkpoint: str | None
-    encoding: Literal["full", "delta"] | None
-    payload_bytes: int
-    bytes_written: int
-    seconds: float
-    lag_steps: int | None
     coalesced: int
-    error: str | None = None
+    encoding: Literal["full", "delta"] | None = None
+    payload_bytes: int = 0
+    checkpoint: str | None = None
+    bytes_written: int = 0
 
 
 @dataclass(frozen=True)
@@ -304,10 +301,8 @@ class Persister:
                 take.abort()
             if parts is not None and self.shards is not None:
                 self.shards.finish(parts[0], parts[1], committed=False)
-            self._failed(batch, e, take, time.perf_counter() - t0)
+            self._failed(batch, e, take)
             return
-        seconds = time.perf_counter() - t0
-        lag = self._lag()
         if fresh and info is not None and take is not None:
             log.info(
                 "persisted step %d as %s %s (%d of %d bytes written, %.3fs, %d request(s), lag %s steps)",
@@ -316,9 +311,9 @@ class Persister:
                 info.id,
                 info.stored_bytes,
                 take.payload_bytes,
-                seconds,
+                time.perf_counter() - t0,
                 batch.requests,
-                lag,
+                self._lag(),
             )
         self._emit(
             PersistEvent(
@@ -328,8 +323,6 @@ class Persister:
                 encoding=("full" if info.kind == "full" else "delta") if info and fresh else None,
                 payload_bytes=take.payload_bytes if take is not None and fresh else 0,
                 bytes_written=info.stored_bytes if info and fresh else 0,
-                seconds=seconds,
-                lag_steps=lag,
                 coalesced=batch.requests,
             )
         )
@@ -429,7 +422,7 @@ class Persister:
         else:
             self._rule = base_rule(ChainLimit(max_chain=limit or None, max_delta_percent=self._max_delta_percent))
 
-    def _failed(self, batch: PersistHandle, error: Exception, take: DirtyTake | None, seconds: float) -> None:
+    def _failed(self, batch: PersistHandle, error: Exception, take: DirtyTake | None) -> None:
         with self._cond:
             self._failures += 1
             self._consecutive_failures += 1
@@ -463,14 +456,9 @@ class Persister:
             PersistEvent(
                 kind="failed",
                 step=take.step if take else self.tier.step,
-                checkpoint=None,
+                coalesced=batch.requests,
                 encoding=("full" if take.base else "delta") if take else None,
                 payload_bytes=take.payload_bytes if take else 0,
-                bytes_written=0,
-                seconds=seconds,
-                lag_steps=self._lag(),
-                coalesced=batch.requests,
-                error=self._last_error,
             )
         )
         batch.set_exception(error)
