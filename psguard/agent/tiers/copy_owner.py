@@ -139,9 +139,7 @@ class CopySender:
                 return
             self._target = target
             self._extra = dict(extra or {})
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._whole = True
+            self._restart(whole=True)
             self._synced = None
             known, self._known = self._known, None
             if known is not None and target is not None and target[1] == known[0]:
@@ -162,15 +160,11 @@ class CopySender:
             if self._target is None:
                 return
             if delta is None:
-                self._queue.clear()
-                self._queued_bytes = 0
-                self._whole = True
+                self._restart(whole=True)
             elif not self._whole:
                 if self._queued_bytes + delta.nbytes > self.config.max_queue_mb << 20:
                     self._counts["dropped"] += len(self._queue) + 1
-                    self._queue.clear()
-                    self._queued_bytes = 0
-                    self._whole = True  # the holder lags too far: it gets the whole state next
+                    self._restart(whole=True)  # the holder lags too far: it gets the whole state next
                 else:
                     self._queue.append(delta)
                     self._queued_bytes += delta.nbytes
@@ -236,9 +230,7 @@ class CopySender:
                     self._counts["errors"] += 1
                     self._last_error = f"{type(e).__name__}: {e}"
                     if self._target == target:
-                        self._whole = True
-                        self._queue.clear()
-                        self._queued_bytes = 0
+                        self._restart(whole=True)
                 log.warning("event=peer_copy_failed owner=%s holder=%s error=%r", self.task, target[0], str(e))
                 with self._cond:
                     self._cond.wait(self.config.retry_after)
@@ -266,9 +258,13 @@ class CopySender:
         """Called by ``snapshot`` under the owner's lock: the snapshot holds every delta queued so far, and the
         deltas applied after it are queued on top of it (``offer`` runs under the same lock)."""
         with self._cond:
-            self._queue.clear()
-            self._queued_bytes = 0
-            self._whole = False
+            self._restart(whole=False)
+
+    def _restart(self, *, whole: bool) -> None:
+        """Drop the queued deltas; the next send is the whole state, or the deltas queued from now on."""
+        self._queue.clear()
+        self._queued_bytes = 0
+        self._whole = whole
 
     def _send_whole(self, target: tuple[str, str]) -> None:
         snap, layout, digests = self._snapshot()

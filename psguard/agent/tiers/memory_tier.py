@@ -253,7 +253,6 @@ class MemoryTier:
     def __init__(
         self,
         *,
-        rows_max_fraction: float = ROWS_MAX_FRACTION,
         diff_min_bytes: int = DIFF_MIN_BYTES,
         stream_min_bytes: int = STREAM_MIN_BYTES,
         home: TierFiles | None = None,
@@ -272,7 +271,6 @@ class MemoryTier:
         self._handed: dict[int, weakref.ref[np.ndarray]] = {}  # id(array) -> the arrays never written in place again
         self._take_open = False
         self._cow_bytes = 0
-        self.rows_max_fraction = rows_max_fraction
         self.diff_min_bytes = diff_min_bytes
         self.stream_min_bytes = stream_min_bytes
 
@@ -398,15 +396,10 @@ class MemoryTier:
         parent: str | None,
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
-        copy: bool = False,
     ) -> ApplyResult:
-        """Apply one capture; all or nothing.
-
-        ``parent`` is the token of the state the capture was taken against (None: the capture is whole and
-        replaces the state). Whole values become the tier's own arrays unless ``copy``: the caller must not
-        write to them afterwards. Invalid captures raise (:class:`TensorMismatchError`, :class:`ConfigError`)
-        before anything changes.
-        """
+        """Apply one capture, all or nothing, over the state ``parent`` (None: a whole capture that replaces the
+        state). Whole values become the tier's own arrays: the caller must not write to them afterwards. Invalid
+        captures raise (:class:`TensorMismatchError`, :class:`ConfigError`) before anything changes."""
         with self._lock:
             if self._step is not None and token == self._token:
                 # Processed again after the answer was lost (e.g. the agent could not write its ack): same state.
@@ -429,10 +422,10 @@ class MemoryTier:
                 )
             self._validate(updates, delta=parent is not None)
             if parent is None:
-                self._replace(updates, copy)
+                self._replace(updates)
             else:
                 for name, update in updates.items():
-                    self._apply_one(name, update, copy)
+                    self._apply_one(name, update)
             self._step = step
             self._token = token
             self._metadata = dict(metadata or {})
@@ -467,19 +460,19 @@ class MemoryTier:
                         f"tensor {name!r}: row ids must be sorted, unique and within [0, {shape[0]})"
                     )
 
-    def _replace(self, updates: Mapping[str, TensorUpdate], copy: bool) -> None:
+    def _replace(self, updates: Mapping[str, TensorUpdate]) -> None:
         # Keep the old arrays of the names that stay, so whole values can be diffed against them.
         self._arrays = {n: a for n, a in self._arrays.items() if n in updates}
         self._all &= set(updates)
         self._rows = {n: b for n, b in self._rows.items() if n in updates}
         for name, update in updates.items():
-            self._apply_one(name, update, copy)
+            self._apply_one(name, update)
 
-    def _apply_one(self, name: str, update: TensorUpdate, copy: bool) -> None:
+    def _apply_one(self, name: str, update: TensorUpdate) -> None:
         if isinstance(update, Same):
             return
         if isinstance(update, Full):
-            value = self._own(update.value, copy=copy)
+            value = self._own(update.value, copy=False)
             old = self._arrays.get(name)
             self._arrays[name] = value
             if name in self._all:
@@ -607,7 +600,7 @@ class MemoryTier:
                 if bitmap is not None and not base and name not in self._all and _row_tracked(arr):
                     ids = np.flatnonzero(bitmap).astype(np.int64)
                     cost = ids.size * (arr.nbytes // arr.shape[0] + 8)
-                    if cost < self.rows_max_fraction * arr.nbytes:
+                    if cost < ROWS_MAX_FRACTION * arr.nbytes:
                         updates[name] = Rows(ids, arr[ids], tuple(arr.shape))
                         payload += cost
                         continue

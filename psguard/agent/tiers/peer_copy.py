@@ -68,10 +68,9 @@ class _Incoming:
 class CopyHolder:
     """The copies this agent holds of other PS agents' shards (one tier per owner task)."""
 
-    def __init__(self, task: str, on_copy: Callable[[str, int], None] | None = None) -> None:
-        """``on_copy(owner, bytes)``: after each change of a copy (the agent's metrics)."""
+    def __init__(self, task: str) -> None:
         self.task = task
-        self.on_copy = on_copy
+        self.on_copy: Callable[[str, int], None] | None = None  # (owner, bytes) after a whole: the metrics
         self._lock = threading.Lock()
         self._copies: dict[str, _Copy] = {}
         self._incoming: dict[str, _Incoming] = {}  # owner -> a whole copy being received

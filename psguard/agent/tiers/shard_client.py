@@ -35,7 +35,6 @@ class ShardClient:
         peers: Callable[[], Mapping[str, str]],
         call: Callable[[str, Mapping[str, Any], float], Any],
         *,
-        timeout: float = 120.0,
         copies: str = "none",
         placement: Mapping[str, str] | None = None,
         nodes: Callable[[], Mapping[str, str | None]] | None = None,
@@ -49,7 +48,7 @@ class ShardClient:
         ``nodes``: task -> the node its agent runs on (copies never go to the same node)."""
         self._peers = peers
         self._call = call
-        self.timeout = timeout
+        self.timeout = 120.0  # seconds a PS agent may take to answer
         self.copies = copies
         self.placement = dict(placement or {})
         self.parity_group = max(2, parity_group)
