@@ -185,10 +185,8 @@ class CopySender:
 
     def status(self) -> dict[str, Any]:
         with self._cond:
-            synced = self._synced
-            lag = None
-            if synced is not None and self._tier_step is not None:
-                lag = max(0, self._tier_step - synced[0])
+            synced, now = self._synced, self._tier_step
+            lag = None if synced is None or now is None else max(0, now - synced[0])
             return {
                 "target": self._target[0] if self._target else None,
                 "synced_step": synced[0] if synced else None,
@@ -214,17 +212,18 @@ class CopySender:
                     self._cond.wait()
                 if self._stop:
                     return
-                target, whole = self._target, self._whole
-                delta = None if whole else self._queue.popleft()
+                target = self._target
+                delta = None if self._whole else self._queue.popleft()
                 if delta is not None:
                     self._queued_bytes -= delta.nbytes
             assert target is not None
             try:
-                if whole:
-                    self._send_whole(target)
-                else:
-                    assert delta is not None
-                    self._send_delta(target, delta)
+                answer = self._send_whole(target) if delta is None else self._send_delta(target, delta)
+                if answer is not None:
+                    with self._cond:
+                        self._counts["whole" if delta is None else "deltas"] += 1
+                        self._synced = (int(answer["step"]), str(answer["token"]))
+                        self._cond.notify_all()
             except Exception as e:  # the holder is down or refused: report, wait, start again whole
                 with self._cond:
                     self._counts["errors"] += 1
@@ -266,18 +265,16 @@ class CopySender:
         self._queued_bytes = 0
         self._whole = whole
 
-    def _send_whole(self, target: tuple[str, str]) -> None:
+    def _send_whole(self, target: tuple[str, str]) -> dict[str, Any] | None:
+        """The whole state, in a session of frames; the holder's last answer (None: nothing to copy yet)."""
         snap, layout, digests = self._snapshot()
         with snap:
             if snap.token is None:
                 with self._cond:
                     self._whole = True
-                    self._cond.wait(self.config.retry_after)  # nothing to copy yet
-                return
-            session = secrets.token_hex(8)
-            with self._cond:
-                extra = dict(self._extra)
-            base = {**extra, "task": self.task, "session": session}
+                    self._cond.wait(self.config.retry_after)
+                return None
+            base = {**self._extra, "task": self.task, "session": secrets.token_hex(8)}
             self._answer(
                 target,
                 encode_frame(
@@ -301,13 +298,10 @@ class CopySender:
                     head = {**base, "op": "fill", "name": t["name"], "start": start}
                     self._answer(target, encode_frame(head, [stream.read(start, min(n, start + rows))]))
             answer = self._answer(target, encode_frame({**base, "op": "end"}))
-        with self._cond:
-            self._counts["whole"] += 1
-            self._synced = (int(answer["step"]), str(answer["token"]))
-            self._cond.notify_all()
         log.info("event=peer_copy_whole_sent owner=%s holder=%s step=%s", self.task, target[0], answer["step"])
+        return answer
 
-    def _send_delta(self, target: tuple[str, str], d: _Delta) -> None:
+    def _send_delta(self, target: tuple[str, str], d: _Delta) -> dict[str, Any]:
         tensors: list[dict[str, Any]] = []
         arrays: list[np.ndarray] = []
         for name, u in d.updates.items():
@@ -316,11 +310,9 @@ class CopySender:
                 arrays += [np.asarray(u.ids, dtype=np.int64), u.values]
             else:
                 tensors.append({"name": name, "kind": "same"})
-        with self._cond:
-            extra = dict(self._extra)
         frame = encode_frame(
             {
-                **extra,
+                **self._extra,  # replaced, never changed: read without the lock
                 "task": self.task,
                 "op": "delta",
                 "step": d.step,
@@ -332,11 +324,7 @@ class CopySender:
             },
             arrays,
         )
-        answer = self._answer(target, frame)
-        with self._cond:
-            self._counts["deltas"] += 1
-            self._synced = (int(answer["step"]), str(answer["token"]))
-            self._cond.notify_all()
+        return self._answer(target, frame)
 
 
 def new_delta(

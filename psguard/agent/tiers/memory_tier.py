@@ -226,7 +226,6 @@ class DirtyTake:
     updates: dict[str, TensorUpdate | FullStream]
     base: bool
     payload_bytes: int
-    logical_bytes: int
     layout: Layout = field(repr=False)
     _all: set[str] = field(repr=False, default_factory=set)
     _rows: dict[str, np.ndarray] = field(repr=False, default_factory=dict)
@@ -628,7 +627,6 @@ class MemoryTier:
                 updates=updates,
                 base=base,
                 payload_bytes=payload,
-                logical_bytes=sum(a.nbytes for a in self._arrays.values()),
                 layout=layout,
                 _all=self._all,
                 _rows=self._rows,
