@@ -1,15 +1,10 @@
 """psguard: fault-tolerant checkpointing and recovery for TensorFlow parameter-server training.
 
-The public API is small on purpose: the manager users switch to and its options, the Keras callback
-(``psguard.keras``), the in-process recovery calls, the follower, the store for tools, and the errors a caller
-catches. The user guide teaches each at the path it is exported from here (``tests/test_public_api.py`` keeps the
-two in step).
-
-Importing psguard imports neither TensorFlow nor either side's machinery: the manager (and through it the
-trainer's side) loads on first use of ``psguard.CheckpointManager``, the recovery calls on first use of
-``psguard.run_with_recovery`` and the others, so an agent that imports ``psguard.agent`` never loads the
-trainer's modules. TensorFlow is an optional dependency (``psguard[cpu]`` or ``psguard[gpu]``): without it,
-``psguard.CheckpointManager`` raises :class:`MissingDependencyError` naming them.
+The public API is small on purpose: the manager and its options, the Keras callback (``psguard.keras``), the
+in-process recovery calls, the follower, the store for tools, and the errors a caller catches
+(``tests/test_public_api.py`` keeps them in step with the user guide). Importing psguard imports neither
+TensorFlow nor either side's machinery: each name loads on first use, and without TensorFlow
+``psguard.CheckpointManager`` raises :class:`MissingDependencyError` naming the extra to install.
 """
 
 from __future__ import annotations

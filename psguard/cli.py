@@ -39,6 +39,12 @@ EXIT_USAGE = 2
 EXIT_CORRUPT = 3
 EXIT_NOT_FOUND = 4
 EXIT_BROKEN_PIPE = 128 + 13  # SIGPIPE, what a shell reports for a tool whose reader closed the pipe
+#: The exit code of each error a command reports, the first kind that matches (any other: ``EXIT_ERROR``).
+EXIT_CODES: tuple[tuple[tuple[type[PsguardError], ...], int], ...] = (
+    ((CorruptCheckpointError, UnsupportedFormatError), EXIT_CORRUPT),
+    ((NoCheckpointError, ObjectNotFoundError), EXIT_NOT_FOUND),
+    ((ConfigError,), EXIT_USAGE),
+)
 
 # Modules that contribute subcommands; each has ``register(subparsers) -> None``. The handlers they set with
 # ``set_defaults(func=...)`` take the parsed namespace and return an exit code. The agent's first: a replacement
@@ -149,18 +155,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
-    except (CorruptCheckpointError, UnsupportedFormatError) as e:
-        _error(e)
-        return EXIT_CORRUPT
-    except (NoCheckpointError, ObjectNotFoundError) as e:
-        _error(e)
-        return EXIT_NOT_FOUND
-    except ConfigError as e:
-        _error(e)
-        return EXIT_USAGE
     except PsguardError as e:
         _error(e)
-        return EXIT_ERROR
+        return next((code for kinds, code in EXIT_CODES if isinstance(e, kinds)), EXIT_ERROR)
     except ModuleNotFoundError as e:
         hint = install_hint(e)
         if hint is None:

@@ -1,26 +1,12 @@
 """Configuration: YAML or plain data turned into frozen dataclasses, or a :class:`ConfigError` that says where.
 
-Every part of psguard describes its configuration as frozen dataclasses with type hints and loads it with
-:func:`load_yaml` (a file) or :func:`from_data` (a dict, e.g. from a CLI or a test). The loader rejects unknown
-keys (suggesting the closest known one), wrong types and impossible values, and its errors name the file, the
-key path (``durable.young_daly.mtbf_prior``) and what was expected::
-
-    @dataclass(frozen=True)
-    class Upload:
-        url: str
-        timeout: Duration = 30.0                          # "30s", "2m", 45, ...
-        retries: Annotated[int, Check(lambda n: n >= 0, ">= 0")] = 3
-
-        def __post_init__(self) -> None:
-            validate(self)                                # same checks when built in Python
-
-    upload = load_yaml(Upload, "upload.yaml")
-
-Supported field types: ``bool``, ``int``, ``float`` (ints accepted), ``str``, ``None``, ``X | None`` and other
-unions, ``Literal[...]``, enums (by value), ``tuple[X, ...]``, ``tuple[X, Y]``, ``Mapping[str, X]`` (read-only),
-nested dataclasses, and ``Annotated[X, Parse(...), Check(...)]`` to convert a raw value (:data:`Duration`) or
-constrain it. Checks that involve several fields go in ``__post_init__``: raise :func:`invalid` naming the key
-(a plain ``ValueError`` works too), and the loader prefixes the file and the path of the enclosing section.
+Every part of psguard describes its configuration as frozen dataclasses with type hints (calling :func:`validate`
+in ``__post_init__``) and loads it with :func:`load_yaml` or :func:`from_data`. The loader rejects unknown keys
+(suggesting the closest), wrong types and impossible values, naming the file and the key path
+(``durable.young_daly.mtbf_prior``). Field types: ``bool``, ``int``, ``float``, ``str``, ``None``, unions,
+``Literal``, enums, ``tuple[X, ...]``, ``tuple[X, Y]``, ``Mapping[str, X]``, nested dataclasses, and
+``Annotated[X, Parse(...), Check(...)]`` to convert (:data:`Duration`) or constrain a value. Checks over several
+fields raise :func:`invalid` naming the key from ``__post_init__``.
 """
 
 from __future__ import annotations
@@ -222,9 +208,10 @@ MAX_FILE_BYTES = 1 << 20
 
 
 def read_settings_file(path: str | os.PathLike[str]) -> str:
-    """The text of a settings file (UTF-8); :class:`ConfigError` as :func:`read_settings_bytes`."""
+    """The text of a settings file (UTF-8); :class:`ConfigError` when it is not a regular file of reasonable size."""
     source = os.fspath(path)
-    return settings_text(read_settings_bytes(source), source)
+    with open_settings_file(source) as f:
+        return settings_text(read_settings_from(f, source)[0], source)
 
 
 def settings_text(data: bytes, source: str) -> str:
@@ -235,22 +222,12 @@ def settings_text(data: bytes, source: str) -> str:
         raise ConfigError(f"{source}: not UTF-8 text (byte {e.start} cannot be decoded)") from None
 
 
-def read_settings_bytes(path: str | os.PathLike[str]) -> bytes:
-    """The bytes of a settings file; :class:`ConfigError` when it is not a regular file of reasonable size."""
-    source = os.fspath(path)
-    with open_settings_file(source) as f:
-        return read_settings_from(f, source)[0]
-
-
 def open_settings_file(path: str | os.PathLike[str]) -> BinaryIO:
     """The settings file at ``path``, open for reading; :class:`ConfigError` unless it is a regular file of at
     most :data:`MAX_FILE_BYTES`.
 
-    A FIFO, a device or ``/dev/zero`` would block or never end; a folder cannot be read. What the path names is
-    looked at first (a device is not even opened: opening some does something), then opened with
-    ``O_NONBLOCK`` (a FIFO swapped in after the look is not waited on) and the descriptor itself checked: nothing
-    is read unless the very file opened is a regular one.
-    """
+    What the path names is looked at first (a device is not even opened), then opened with ``O_NONBLOCK`` (a FIFO
+    swapped in after the look is not waited on) and the descriptor itself checked."""
     source = os.fspath(path)
     try:
         _check_settings_file(os.stat(source), source)
@@ -451,9 +428,9 @@ def _convert(tp: Any, value: object, path: str) -> Any:
             return tp(value)
         except ValueError:
             raise _expected(path, _describe(tp), value) from None
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise _expected(path, "true or false", value)
+    if tp in (bool, str):
+        if not isinstance(value, tp):
+            raise _expected(path, _describe(tp), value)
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
@@ -467,10 +444,6 @@ def _convert(tp: Any, value: object, path: str) -> Any:
         if value != value:
             raise _expected(path, "a number (not NaN)", value)
         return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise _expected(path, "a string", value)
-        return value
     raise TypeError(f"config type {tp!r} at {path or '(top level)'} is not supported by psguard.config")
 
 
@@ -503,9 +476,7 @@ def _convert_dataclass(cls: type, value: object, path: str) -> Any:
             maybe = f"; did you mean {hint[0]!r}?" if hint else ""
             shown = key if isinstance(key, str) and _shown_key(key) == repr(key) else _shown_key(key)
             raise _Invalid(_join(path, shown), f"unknown key (known keys: {', '.join(fields)}){maybe}")
-    kwargs: dict[str, Any] = {}
-    for key, raw in value.items():
-        kwargs[key] = _convert(hints[key], raw, _join(path, key))
+    kwargs = {key: _convert(hints[key], raw, _join(path, key)) for key, raw in value.items()}
     for name, f in fields.items():
         no_default = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
         if name not in kwargs and no_default:
@@ -548,14 +519,11 @@ def _checks(tp: Any, value: object) -> list[Check]:
 
 def changed_keys(old: object, new: object, path: str = "") -> list[str]:
     """``key: old -> new`` lines for the fields that differ between two instances of a config dataclass."""
-    if (
-        dataclasses.is_dataclass(old)
-        and dataclasses.is_dataclass(new)
-        and type(old) is type(new)
-        and not isinstance(old, type)
-    ):
-        out: list[str] = []
-        for f in dataclasses.fields(old):
-            out += changed_keys(getattr(old, f.name), getattr(new, f.name), _join(path, f.name))
-        return out
+    if dataclasses.is_dataclass(old) and type(old) is type(new) and not isinstance(old, type):
+        fields = dataclasses.fields(old)
+        return [
+            line
+            for f in fields
+            for line in changed_keys(getattr(old, f.name), getattr(new, f.name), _join(path, f.name))
+        ]
     return [] if old == new else [f"{path or '(top level)'}: {old!r} -> {new!r}"]

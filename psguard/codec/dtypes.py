@@ -1,8 +1,5 @@
 """Dtype names as a manifest and a spool capture record them, the logical size they imply, and the most
-dimensions a shape may have.
-
-Shared by the manifest and the spool (which validate what they read) and the chunk and tier codecs (which write
-and read bytes); none needs another for this.
+dimensions a shape may have: shared by the manifest, the spool and the chunk and tier codecs.
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""A tensor as bytes: its C-order little-endian view, string tensors serialised, and the CRC32C over them.
-
-A spool capture, a tier file and a store chunk all hold a numeric tensor as its C-order little-endian bytes and a
-string tensor as uint64 lengths, then the bytes, so one tensor reads back the same whichever wrote it.
+"""A tensor as bytes: its C-order little-endian view, string tensors serialised (uint64 lengths, then the bytes),
+and the CRC32C over them; one layout for a spool capture, a tier file and a store chunk.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Secret files: read one only when no other user can read or replace it; make a private one for a run.
 
-A bearer token, a JWT signing secret or a TLS private key in a file that group or others can read is a secret
-every local user holds (a Kubernetes Secret volume is mounted 0644 unless ``defaultMode`` says otherwise), and a
-file another user owns is a secret that user chooses. Both are refused, with the fix in the message, the way
-``ssh`` refuses a private key with loose permissions. A file owned by root is accepted: root can read anything
-anyway, and a Secret volume in a pod that runs as root is owned by root.
-
-When the operator gives no token, the agent still authenticates its control endpoints: it makes a random token
-in a ``0600`` file inside a fresh ``0700`` folder (under ``$XDG_RUNTIME_DIR`` when that is a private folder,
-else the system's temp folder) and hands the file's path (never the token) to its task. This lives in the
-contract because ``psguard wrap`` and the launcher make one such file per run for all their agents.
+A token, signing secret or TLS key in a file group or others can read is every local user's, and a file another
+user owns is a secret that user chooses: both are refused with the fix in the message, as ``ssh`` refuses a loose
+private key (a file owned by root is accepted). When the operator gives no token, the agent makes a random one in
+a ``0600`` file in a fresh ``0700`` folder and hands its task the file's path, never the token.
 """
 
 from __future__ import annotations
@@ -59,13 +53,8 @@ def check_private_file(path: str | os.PathLike[str], what: str) -> os.stat_resul
 
 def ensure_private_dir(path: str | os.PathLike[str], what: str) -> Path:
     """``path`` as a folder only this user can write: created ``0700`` when absent, refused when it is a link,
-    not a folder, owned by another user, or writable by group or others.
-
-    The spool and the agents' state folders default to ``/dev/shm``, which every local user can write: another
-    user who creates ``/dev/shm/psguard-<job>`` first could hand the agent forged captures (a model poisoned
-    into the memory tier and the durable log) or read the weights. Its parents are not checked: they are the
-    system's (``/dev/shm``, ``/tmp``) or the user's own.
-    """
+    not a folder, owned by another user, or writable by group or others (another user could hand the agent forged
+    captures). Its parents are not checked: they are the system's or the user's own."""
     folder = Path(path)
     try:
         os.mkdir(folder, 0o700)

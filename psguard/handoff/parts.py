@@ -1,22 +1,18 @@
-"""What the trainer, the chief's agent and each PS's agent say about the shards a PS holds (issue 12).
+"""What the trainer, the chief's agent and each PS's agent say about the shards a PS holds.
 
 The bytes of a sharded variable stay on the node of the PS that hosts them (docs/design.md, "Where the data
-flows"): the trainer's capture function, placed on each PS device, writes that PS's changed rows as tensor
-files (:mod:`psguard.handoff.tensor_file`) into the *part folder* of that PS's agent, on the same node; only
-these small descriptors travel through the chief. A restore goes the other way: each PS's agent writes its
-shards' files into its part folder, and a function placed on the PS device reads and assigns them.
-
-Part folder of task ``ps:i`` of job ``J``: ``/dev/shm/psguard-J-ps-i``
-(:func:`psguard.handoff.spool.part_dir`), made owner-only by
-that PS's agent, which alone deletes what is in it::
+flows"): the capture function on each PS device writes that PS's changed rows as tensor files into the *part
+folder* of that PS's agent; only these small descriptors travel through the chief. A restore goes the other way.
+Part folder of task ``ps:i`` of job ``J``: ``/dev/shm/psguard-J-ps-i`` (:func:`psguard.handoff.spool.part_dir`),
+owner-only, whose contents only that PS's agent deletes::
 
     incoming/<nonce>/<t>-<s>.{full,ids,rows}   a capture's files for tensor t, shard s (written by TF on the PS)
     restore/<nonce>/<k>.{index,data-00000-of-00001}
                                                a restore's values: a one-tensor TF bundle (written by the agent
                                                without TF, :mod:`psguard.handoff.tensor_bundle`; RestoreV2 on the PS)
 
-A capture writes all three files of every shard (the unused ones hold an empty tensor): the kind of each shard
-is decided inside the capture function, and three tiny writes cost less than a conditional in the graph.
+A capture writes all three files of every shard (the unused ones an empty tensor): the kind is decided inside the
+capture function, and three tiny writes cost less than a conditional in the graph.
 """
 
 from __future__ import annotations

@@ -103,15 +103,9 @@ def read_bundle(
     allocate: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None = None,
 ) -> np.ndarray:
     """The ``dtype`` tensor of ``shape`` in the one-tensor bundle ``SaveV2`` wrote at ``prefix`` (a PS's whole
-    shard, captured next to it), read without TensorFlow and verified.
-
-    Why a bundle: ``SaveV2`` writes the variable's bytes once, where ``tf.io.serialize_tensor`` +
-    ``tf.io.write_file`` copied them twice more first (256 MB on a PS: 0.13 s against 0.49 s). The data file is
-    the values as they are; the index is checked byte for byte against the one :func:`index_bytes` makes for
-    this dtype, shape, size and the data's CRC32C, so a truncated, damaged or mismatched bundle is a
-    :class:`~psguard.errors.CorruptCheckpointError`. ``allocate`` as in
-    :func:`~psguard.handoff.tensor_file.read_tensor_file` (the tier file to read into).
-    """
+    shard), read without TensorFlow and verified: the index must be byte for byte the one :func:`index_bytes` makes
+    for this dtype, shape, size and the data's CRC32C. ``allocate`` as in
+    :func:`~psguard.handoff.tensor_file.read_tensor_file`."""
     what = what or str(prefix)
     if dtype not in _DT_ENUM:
         raise CorruptCheckpointError(f"{what}: a bundle of dtype {dtype} (numeric tensors only)")

@@ -1,6 +1,6 @@
 """Policy files: the YAML format of a checkpoint policy, the presets shipped in the package, and live reloading.
 
-A policy file (see ``psguard/policy/presets/*.yaml``, or ``psguard policy show NAME``, for commented examples)::
+A policy file (commented examples: ``psguard/policy/presets/*.yaml``, ``psguard policy show NAME``)::
 
     description: who this is for
     memory:   {every: 30s}                       # any of: every, every_steps, cron, continuous, young_daly
@@ -9,13 +9,9 @@ A policy file (see ``psguard/policy/presets/*.yaml``, or ``psguard policy show N
     preemption: {tiers: [memory], grace: 20s}
     retention: {keep_last: 5, keep_every_hours: 24}
 
-Within a tier, every rule given applies (any of them saves); a cadence that can never fire (``cron: "0 0 31 2
-*"``, an interval past :data:`~psguard.policy.engine.HORIZON_YEARS`) is refused. :func:`load_policy` validates
-everything and names the file, the key and what was expected on error, never quoting a file that is not a
-policy (the path may be a symlink to any file the process can read). :class:`PolicyWatcher` keeps a running
-trainer's or agent's policy in step with its file: a valid replacement (written elsewhere, renamed over the
-path) takes effect at the next decision and is logged with what changed; an invalid one, a file rewritten in
-place, or deleting the file, keeps the old policy and reports why.
+Within a tier any rule given saves; a cadence that can never fire is refused. :func:`load_policy` names the file,
+the key and what was expected on error, never quoting a file that is not a policy. :class:`PolicyWatcher` keeps a
+running process's policy in step with its file (see its doc).
 """
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def _run(schedule: Schedule, job: Job) -> _Trace:
             )
         if commit_at is not None and commit_at <= now:
             restorable[Tier.DURABLE].append((commit_at, commit_state))
-            context = _replace_in_flight(context, frozenset())
+            context = replace(context, in_flight=frozenset())
             commit_at = None
         while next_failure <= now:
             context = context.with_failure(next_failure)
@@ -188,7 +188,7 @@ def _run(schedule: Schedule, job: Job) -> _Trace:
                 saves[tier].append(at)
             if Tier.DURABLE in decision.tiers:
                 commit_at, commit_state = now + job.persist, at
-                context = _replace_in_flight(context, frozenset({Tier.DURABLE}))
+                context = replace(context, in_flight=frozenset({Tier.DURABLE}))
             context = context.with_save(
                 decision.tiers,
                 step=step,
@@ -199,12 +199,9 @@ def _run(schedule: Schedule, job: Job) -> _Trace:
             )
             wait = job.step_time  # the caller decides again after the next step
         else:
-            hints = [decision.seconds_left]
-            if decision.steps_left is not None:
-                hints.append(decision.steps_left * job.step_time)
-            if commit_at is not None:
-                hints.append(commit_at - now)
-            hints += [next_failure - now, job.duration - now]
+            steps_left = None if decision.steps_left is None else decision.steps_left * job.step_time
+            committing = None if commit_at is None else commit_at - now
+            hints = (decision.seconds_left, steps_left, committing, next_failure - now, job.duration - now)
             wait = min(h for h in hints if h is not None)
         steps = max(1, math.ceil(wait / job.step_time - 1e-9))
         step += steps
@@ -221,13 +218,10 @@ def _measure(job: Job, trace: _Trace) -> SimResult:
         times = trace.saves[tier]
         mean = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
         stall = len(times) * job.stall if tier is not Tier.BASE else 0.0
-        if tier in trace.restorable:
-            lost = _expected_loss(trace.restorable[tier], job.duration)
-            total = lost * job.failures
-            overhead: float | None = 100.0 * (stall + total) / job.duration
-            rows.append(TierResult(tier.value, len(times), mean, stall, lost, total, overhead))
-        else:
-            rows.append(TierResult(tier.value, len(times), mean, stall, None, None, None))
+        lost = _expected_loss(trace.restorable[tier], job.duration) if tier in trace.restorable else None
+        total = None if lost is None else lost * job.failures
+        overhead = None if total is None else 100.0 * (stall + total) / job.duration
+        rows.append(TierResult(tier.value, len(times), mean, stall, lost, total, overhead))
     return SimResult(
         job=job,
         tiers=tuple(rows),
@@ -236,10 +230,6 @@ def _measure(job: Job, trace: _Trace) -> SimResult:
         optimum=optimum(job),
         save_times={t.value: tuple(v) for t, v in trace.saves.items()},
     )
-
-
-def _replace_in_flight(context: SaveContext, tiers: frozenset[Tier]) -> SaveContext:
-    return replace(context, in_flight=tiers)
 
 
 def _d(seconds: float | None) -> str:
@@ -300,20 +290,14 @@ def plot(result: SimResult, path: str | Path, title: str = "") -> None:
         if mine.mean_interval is not None and mine.overhead_percent is not None:
             left.scatter([mine.mean_interval], [mine.overhead_percent], color=colour, zorder=3, label=f"{name}: policy")
     left.axvline(tau, color="grey", linestyle="--", label=f"Young/Daly τ = {format_duration(tau)}")
-    left.set_xscale("log")
-    left.set_yscale("log")
-    left.set_xlabel("checkpoint interval (s)")
-    left.set_ylabel("overhead (% of run time)")
+    left.set(xscale="log", yscale="log", xlabel="checkpoint interval (s)", ylabel="overhead (% of run time)")
     left.set_title("overhead vs interval")
     left.legend(fontsize=7)
     scale, unit = (86400.0, "days") if job.duration >= 2 * 86400 else (3600.0, "hours")
     for name, times in result.save_times.items():
         if times:
             right.step([t / scale for t in times], range(1, len(times) + 1), where="post", label=name)
-    right.set_xlabel(f"time ({unit})")
-    right.set_ylabel("saves so far")
-    right.set_yscale("log")
-    right.set_title("saves per tier")
+    right.set(xlabel=f"time ({unit})", ylabel="saves so far", yscale="log", title="saves per tier")
     right.legend(fontsize=7)
     if title:
         fig.suptitle(title)

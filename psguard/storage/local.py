@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import secrets
@@ -27,10 +26,8 @@ def _fsync_dir(path: Path) -> None:
 def _make_dirs(path: Path, durable: bool) -> None:
     """Create the folder ``path`` and whatever parents it lacks; with ``durable``, fsync each new folder's parent.
 
-    A new folder's entry lives in its parent, and only an fsync of the parent makes it durable: without one a
-    power cut may take ``chunks/ab/`` (and every chunk in it) while the manifest naming those chunks, fsynced in
-    ``manifests/``, stays: a torn checkpoint (found by crash point "fsync store/manifests" of a save, LazyFS mode).
-    """
+    A new folder's entry lives in its parent: without that fsync a power cut may take ``chunks/ab/`` while the
+    manifest naming its chunks stays (a torn checkpoint)."""
     if path.is_dir():
         return
     missing = [path]
@@ -59,10 +56,8 @@ class LocalBackend(Backend):
     """Files under a folder; writes go to a temporary name, are fsynced, then renamed or linked into place.
 
     Every object is read as a regular file opened without blocking (:func:`psguard.local_files.open_regular`): a
-    FIFO, device, socket or symbolic link in place of a chunk, manifest, journal entry or lock (psguard writes
-    none) is a :class:`CorruptCheckpointError` naming it, which readers treat as damage (a restore falls back,
-    ``verify`` reports it, ``ls`` and ``gc`` skip it), where reading it used to hang them.
-    """
+    FIFO, device, socket or symbolic link in its place is a :class:`CorruptCheckpointError` naming it, which
+    readers treat as damage."""
 
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         path = url[len("file://") :] if url.startswith("file://") else url
@@ -147,15 +142,10 @@ class LocalBackend(Backend):
         base = self.root / prefix if prefix else self.root
         if prefix:
             validate_key(prefix.rstrip("/"))
-        keys: list[str] = []
-        for dirpath, _dirs, files in os.walk(base):
-            rel = Path(dirpath).relative_to(self.root)
-            for name in files:
-                if TMP_MARK in name:
-                    continue
-                keys.append(str(rel / name) if str(rel) != "." else name)
-        keys.sort()
-        return keys
+        walk = os.walk(base)
+        return sorted(
+            str((Path(d) / n).relative_to(self.root)) for d, _, names in walk for n in names if TMP_MARK not in n
+        )
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -166,24 +156,17 @@ class LocalBackend(Backend):
         if self.fsync:  # durable when it returns, as a write is: gc deletes a manifest before the chunks it names
             _fsync_dir(path.parent)
 
-    def size(self, key: str) -> int:
+    def _stat(self, key: str) -> os.stat_result:
         try:
-            return self._path(key).stat().st_size
+            return self._path(key).stat()
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
+
+    def size(self, key: str) -> int:
+        return self._stat(key).st_size
 
     def mtime(self, key: str) -> float:
-        try:
-            return self._path(key).stat().st_mtime
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
-
-    def mtimes(self, prefix: str) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for key in self.keys(prefix):
-            with contextlib.suppress(FileNotFoundError):
-                out[key] = self._path(key).stat().st_mtime
-        return out
+        return self._stat(key).st_mtime
 
     def leftovers(self) -> list[str]:
         if not self.root.is_dir():

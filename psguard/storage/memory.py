@@ -70,19 +70,8 @@ class MemoryBackend(Backend):
             self._objects.pop(validate_key(key), None)
             self._mtimes.pop(key, None)
 
-    def size(self, key: str) -> int:
-        with _LOCK:
-            try:
-                return len(self._objects[validate_key(key)])
-            except KeyError:
-                raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
-
     def mtime(self, key: str) -> float:
         with _LOCK:
             if validate_key(key) not in self._objects:
                 raise ObjectNotFoundError(f"{key} not found in {self.url}")
             return self._mtimes.get(key, 0.0)
-
-    def mtimes(self, prefix: str) -> dict[str, float]:
-        with _LOCK:
-            return {k: self._mtimes.get(k, 0.0) for k in sorted(self._objects) if k.startswith(prefix)}

@@ -1,11 +1,9 @@
 """Retries with exponential backoff and a deadline, around any backend.
 
-Backends raise :class:`TransientStorageError` (or a connection-type exception from their client library)
-for failures worth retrying; :class:`~psguard.errors.ObjectNotFoundError`,
-:class:`~psguard.errors.ObjectExistsError` and other :class:`~psguard.errors.StorageError` are final.
-When the deadline passes the caller gets one :class:`~psguard.errors.StorageUnavailableError` naming the
-operation, the key and the last cause, so a save fails clearly instead of hanging (TF's saver hung forever
-when a PS could not reach HDFS; we must not).
+Backends raise :class:`TransientStorageError` (or a connection-type error of their client library) for failures
+worth retrying; other errors are final. When the deadline passes the caller gets one
+:class:`~psguard.errors.StorageUnavailableError` naming the operation, the key and the last cause: a save fails
+clearly instead of hanging.
 """
 
 from __future__ import annotations

@@ -1,13 +1,10 @@
 """Tensors <-> content-addressed chunks.
 
 A numeric tensor is stored as its C-order little-endian bytes cut at row boundaries into chunks of at most
-``chunk_bytes`` (one row per chunk at least), so an unchanged region of a table yields the same chunk again
-and is stored once. String tensors are serialised (uint64 lengths, then the bytes:
-:mod:`psguard.codec.tensor_bytes`) and cut the same way. Changed rows go as segments: an int64 id chunk and a
-chunk with those rows.
-
-Every chunk is named by its SHA-256 and carries its CRC32C in the manifest. Readers check size and CRC32C
-of every chunk they read (cheap, hardware-accelerated); ``verify`` also recomputes the SHA-256.
+``chunk_bytes`` (one row at least), so an unchanged region of a table yields the same chunk and is stored once;
+string tensors are serialised (:mod:`psguard.codec.tensor_bytes`) and cut the same way; changed rows go as
+segments (an int64 id chunk and a chunk of those rows). Every chunk is named by its SHA-256 and carries its
+CRC32C in the manifest: readers check size and CRC32C of every chunk, ``verify`` also the SHA-256.
 """
 
 from __future__ import annotations

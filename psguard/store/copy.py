@@ -1,11 +1,9 @@
 """Copying one checkpoint and the chain it needs from one store to another, across backends, verified.
 
-The copy follows the store's own commit protocol at the destination: under a writer lock (so a gc there leaves
-the new chunks alone), every chunk a manifest references is read from the source with its SHA-256 and CRC32C
-checked, written, and only then the manifest, create-only, base first. A manifest already at the destination
-is kept (checkpoint ids are unique: same id, same checkpoint), and so is a chunk (content-addressed). At the
-end the destination verifies the whole chain by reading it back; a damaged chunk found there is written again
-once from the verified source, and verified again.
+The copy follows the store's commit protocol at the destination: under a writer lease, every chunk is read from
+the source with its SHA-256 and CRC32C checked and written, and only then each manifest, create-only, base first
+(a manifest or chunk already there is kept: ids and chunks are unique). The destination then verifies the chain;
+a damaged chunk found there is written again once from the source, and verified again.
 """
 
 from __future__ import annotations

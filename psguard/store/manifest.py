@@ -306,13 +306,8 @@ class _Checker:
 def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
     """Parse and verify a manifest; any defect raises :class:`CorruptCheckpointError` naming it.
 
-    Everything a reader later trusts is checked here, before anything is allocated from it: the JSON is plain
-    (no NaN, no 5000-digit integers, not nested past :data:`strict_json.MAX_DEPTH`), the step in the body is
-    the step of the id (so listing, gc and restore order checkpoints alike), every dtype is one psguard stores,
-    and every shape agrees with the bytes its chunks declare (so a claim of 10^12 rows is refused here; the
-    chunks' actual sizes in the store are checked against their claims before a reader allocates, in
-    :mod:`psguard.store.chunks`).
-    """
+    Everything a reader later trusts is checked before anything is allocated from it: plain JSON, the body's step
+    that of the id, every dtype one psguard stores, every shape agreeing with the bytes its chunks declare."""
     body, version = _envelope(data, expected_id)
     c = _Checker(expected_id or "?")
     cid = c.get(body, "id", str, "")

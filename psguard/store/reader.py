@@ -86,16 +86,9 @@ class Reader:
     def read_rows(
         self, checkpoint_id: str, name: str, start: int, stop: int, *, verify_hash: bool = False
     ) -> np.ndarray:
-        """Rows ``[start, stop)`` of tensor ``name`` of a checkpoint, bit-identical to slicing :meth:`load`'s.
-
-        How a PS that lost its node (and its memory tier) reads exactly the rows it owns, without reading the
-        whole tensor. Every chunk read is checked (size, CRC32C; SHA-256 with ``verify_hash``).
-
-        It reads as little as it can: from the newest checkpoint of the chain whose entry covers the range with
-        whole rows, only the chunks that overlap the range are read (a whole chunk holds ``size // row_bytes``
-        rows, so sizes alone locate them); later deltas' row segments are read and filtered to the range (a
-        segment's values only when one of its ids falls in it).
-        """
+        """Rows ``[start, stop)`` of tensor ``name`` of a checkpoint, bit-identical to slicing :meth:`load`'s: how a PS
+        that lost its node reads only the rows it owns. From the newest entry of the chain that covers the range with
+        whole rows, only the chunks overlapping the range are read; later deltas' segments are filtered to it."""
         chain = self.index.chain(checkpoint_id)
         if name not in chain[-1].tensors:
             raise NoCheckpointError(f"checkpoint {checkpoint_id} has no tensor {name!r}", checkpoint=checkpoint_id)
@@ -335,14 +328,9 @@ class Reader:
     def updates(
         self, checkpoint_id: str, names: Collection[str] | None = None, *, verify_hash: bool = False
     ) -> tuple[dict[str, TensorUpdate], int]:
-        """What ``checkpoint_id`` itself changed, per tensor (of ``names`` only, when given: a follower reads no
-        chunk of a tensor it does not hold), read from its own chunks only; and the bytes read.
-
-        A full checkpoint gives every tensor whole (``Full``); a delta gives ``Rows`` for its changed rows,
-        ``Full`` for tensors it stored whole and ``Same`` for the others. Followers apply these in step order on
-        top of the state they hold, instead of rebuilding every tensor (:meth:`load`). Every chunk is verified;
-        a defect raises :class:`CorruptCheckpointError` before anything is returned.
-        """
+        """What ``checkpoint_id`` itself changed, per tensor (of ``names`` only, when given), read from its own
+        chunks only, and the bytes read: ``Full``, ``Rows`` or ``Same`` per tensor, which followers apply in step order
+        instead of rebuilding every tensor. Every chunk is verified before anything is returned."""
         m = self.index.manifest(checkpoint_id)
         out: dict[str, TensorUpdate] = {}
         nbytes = 0
@@ -390,14 +378,10 @@ class Reader:
     def load_latest(self, names: Sequence[str] | None = None) -> LoadResult:
         """Restore the newest checkpoint that verifies; fall back to older ones, saying which and why.
 
-        Never returns data from a checkpoint that failed verification. A checkpoint that is corrupt, of a newer
-        format, or has a chunk the storage fails to read (:class:`UnreadableChunkError`) is skipped for the next
-        older, with a warning; an older one that needs a chunk the storage already failed to read is skipped
-        without trying again. Before going past an unreadable chunk the store is listed again: a store that does
-        not answer at all fails the call with its own error. :class:`NoCheckpointError` only when every
-        checkpoint was read and none is usable; when one was only unreadable (not proven bad), the call fails
-        with :class:`StorageError` instead, as callers start from scratch on :class:`NoCheckpointError`.
-        """
+        A corrupt, newer-format or unreadable checkpoint is skipped with a warning (an older one needing a chunk already
+        found unreadable is skipped without trying again; the store must still answer a listing). Only when every
+        checkpoint was read and none is usable is it :class:`NoCheckpointError`; if one was only unreadable, the call
+        fails with :class:`StorageError`, since callers start from scratch on :class:`NoCheckpointError`."""
         skipped: list[Problem] = []
         unreadable: dict[str, UnreadableChunkError] = {}  # chunk hash -> the storage's failure to read it
         for cid in self.index.newest_first():

@@ -101,27 +101,17 @@ class Writer:
         metrics: Mapping[str, float] | None = None,
         dedup_against: str | None = None,
     ) -> CheckpointInfo:
-        """Write a checkpoint and commit it. Full when ``parent`` is None (every tensor must be whole),
-        else a delta over ``parent``. Blocks until committed; raises :class:`SaveError` (cause chained)
-        if anything fails, in which case no checkpoint became visible.
-
-        Chunks already stored for ``parent``'s chain (or ``dedup_against``'s, for a full checkpoint) are
-        not uploaded again; the writer's lock keeps gc from deleting them meanwhile. It is one
-        :meth:`begin_save` transaction committed at once: one code path writes every manifest.
-        """
+        """Write a checkpoint and commit it: full when ``parent`` is None, else a delta over ``parent``. Chunks of
+        ``parent``'s (or ``dedup_against``'s) chain are not uploaded again. One :meth:`begin_save` transaction; on any
+        failure (:class:`SaveError`, cause chained) no checkpoint became visible."""
         check_metadata(metadata)  # before any lease: bad input costs no storage round trip
         with self.begin_save(step, parent=parent, dedup_against=dedup_against) as tx:
             return tx.commit(tensors, metadata=metadata, metrics=metrics)
 
     def begin_save(self, step: int, *, parent: str | None = None, dedup_against: str | None = None) -> SaveTransaction:
         """Open the transaction of one checkpoint: its id and writer lease now, its manifest at
-        :meth:`SaveTransaction.commit`; leaving the ``with`` block without a commit aborts (lease released,
-        nothing committed). Any unexpected failure is a :class:`SaveError`.
-
-        While it is open, other processes (each PS's agent) write the chunks of their shards with
-        :meth:`write_part` under its lease: gc deletes no chunk while a writer lease is live, whoever wrote
-        the chunk. One transaction at a time per instance (another thread's ``begin_save`` waits).
-        """
+        :meth:`SaveTransaction.commit`. While it is open, each PS's agent may write its shards' chunks with
+        :meth:`write_part` under its lease. One transaction at a time per instance (another thread's waits)."""
         reuse = dedup_against or parent
         if self._tx_thread == threading.get_ident():  # waiting for our own lock would never end
             raise ConfigError(f"a transaction is already open on {self.url} in this thread: commit or abort it first")
@@ -165,20 +155,12 @@ class Writer:
         offset: int,
         dedup_against: str | None = None,
     ) -> dict[str, Any]:
-        """Write the chunks of one shard's update (rows ``[offset, offset + rows)`` of the logical tensor
-        ``name`` shaped ``shape``) and return its part, for the coordinator's :meth:`SaveTransaction.commit`.
+        """Write the chunks of one shard's update (rows ``[offset, offset + rows)`` of tensor ``name`` shaped
+        ``shape``: ``Full``, ``Rows`` with ids relative to ``offset``, or ``Same``) and return its part for
+        :meth:`SaveTransaction.commit`, with the ``dtype``, logical ``shape`` and write ``stats`` the coordinator needs.
 
-        ``update`` describes the shard as a tensor of shape ``[rows, *shape[1:]]``: ``Full`` (or an array) of
-        the shard, ``Rows`` with ids relative to ``offset``, or ``Same``. The returned JSON is the part as the
-        manifest will hold it (``offset``, ``rows``, ``encoding`` and its chunks or segments) plus what the
-        coordinator needs and does not store in the part: ``dtype``, ``shape`` (the logical tensor's) and
-        ``stats`` (bytes written and deduplicated). Chunks of ``dedup_against``'s chain are not uploaded again.
-        Any failure is a :class:`SaveError`.
-
-        No lease of its own: call it while the coordinator's transaction is open (after ``begin_save``
-        returned, before ``commit``), whose writer lease keeps gc from deleting these chunks whoever wrote
-        them; ``commit`` checks that every chunk a part names is in the store with its size.
-        """
+        No lease of its own: call it while the coordinator's transaction is open, whose writer lease keeps gc from these
+        chunks; ``commit`` checks every chunk a part names is stored with its size. Any failure: :class:`SaveError`."""
         try:
             return self._write_part(name, update, tuple(int(x) for x in shape), int(offset), dedup_against)
         except PsguardError:
@@ -342,13 +324,8 @@ class Journal:
 
 class SaveTransaction:
     """One checkpoint being written: its id and writer lease from :meth:`Store.begin_save`, its manifest (the
-    single commit point) at :meth:`commit`.
-
-    The coordinator (the chief's agent) opens it, the PS agents write their shards' chunks with
-    :meth:`Store.write_part` and send back their parts, and :meth:`commit` writes one manifest holding the
-    small tensors it encodes itself and the parts; a reader never sees a checkpoint with a part missing. A
-    context manager: leaving it without a commit aborts (lease released, nothing committed).
-    """
+    single commit point) at :meth:`commit`, holding the tensors it encodes itself and the parts the PS agents wrote
+    with :meth:`Store.write_part`. Leaving the ``with`` block without a commit aborts."""
 
     def __init__(
         self,
@@ -399,14 +376,10 @@ class SaveTransaction:
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
     ) -> CheckpointInfo:
-        """Write ``tensors`` (encoded here, as :meth:`Store.save` does) and commit the manifest with them and
-        with ``parts`` (tensor name -> the parts :meth:`Store.write_part` returned, in any order).
-
-        The parts are validated exactly as a reader validates a manifest (sorted, contiguous, covering the
-        tensor, chunk sizes matching rows) and every chunk they name must be in the store with its size (a
-        stat, no read). The lease is confirmed right before the create-only manifest write. Any failure raises
-        (:class:`SaveError` for an unexpected one) and commits nothing; the transaction is over either way.
-        """
+        """Encode ``tensors`` and commit the manifest with them and with ``parts`` (tensor name -> the parts
+        :meth:`Store.write_part` returned). Parts are validated as a reader validates a manifest and every chunk they
+        name must be stored with its size; the lease is confirmed right before the create-only manifest write. Any
+        failure commits nothing; the transaction is over either way."""
         if not self._open:
             raise ConfigError(f"checkpoint {self.checkpoint_id}: the transaction was already committed or aborted")
         try:

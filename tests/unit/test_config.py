@@ -23,7 +23,7 @@ from psguard.config import (
     load_yaml,
     loads_yaml,
     parse_duration,
-    read_settings_bytes,
+    read_settings_file,
     validate,
 )
 from psguard.errors import ConfigError, PsguardError
@@ -264,7 +264,7 @@ def test_a_fifo_swapped_in_after_the_look_is_refused_without_blocking(
 
     def read() -> None:
         try:
-            outcome.append(read_settings_bytes(path))
+            outcome.append(read_settings_file(path))
         except ConfigError as e:
             outcome.append(e)
 
