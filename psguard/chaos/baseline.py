@@ -117,14 +117,13 @@ class BaselineNemesis(Nemesis):
     whole job at once, as for any dead task, not after the fault's ``duration``: the restart a plain-TF job gets.
     """
 
-    def _wait_for_persist(self, timeout: float = 10.0) -> dict[str, Any]:
-        """Nothing to wait for: plain TF saves in its trainer, synchronously, and the runner fires a fault "during
-        a durable-commit" once that save was invoked. (Polling for an agent's persister delayed it past the save.)"""
-        return {}
-
-    def _await_moment(self, moment: str) -> dict[str, Any]:
-        """Nothing to wait for: plain TF has no agent whose persister writes a first base, persists, compacts or
-        collects garbage; the fault fires at its step (or time), as the scenario's step says."""
+    def _await_moment(self, moment: str, *, asked: bool = False) -> dict[str, Any]:
+        """Plain TF has no agent whose persister writes a first base, persists, compacts or collects garbage: such
+        a fault fires at its step (or time), as the scenario's step says. A fault "during a durable-commit" fires
+        at TF's own save, synchronous in its trainer, once the trainer has invoked one at or after the fault's
+        step (``asked``: in the tick that made it due); a job that ends first missed it."""
+        if moment == "durable-commit":
+            return self._await_durable_ask(asked)
         return {}
 
     def _fire_store_errors(self, fault: Fault, value: dict[str, Any]) -> None:

@@ -14,8 +14,8 @@ The vocabulary of the history they rely on (see :mod:`psguard.demo_trainer` and 
   ``eval`` (``loss``);
 - ``nemesis``: the faults (``kill``, ``terminate``, ``pause``, ``kill-agent``, ``corrupt-chunk``,
   ``truncate-chunk``, ``storage-stop``, ``store-errors``, the network's) and heals (``resume``, ``start-agent``,
-  ``storage-start``, ``heal``); a fault aimed at a moment says whether it found it (``persist_in_flight``,
-  ``moment_found``);
+  ``storage-start``, ``heal``); a fault aimed at a moment says whether it found it (``moment_found``;
+  ``persist_in_flight`` in older histories) and ``missed`` when the moment did not come while the run lasted;
 - ``harness``: ``run`` (the run's parameters, the target step, the bounds, ``peer_copies``: whether the PS
   agents keep copies of each other's shards, absent = no), ``final-store``, ``cleanup``.
 
@@ -27,7 +27,7 @@ the newest commit known to have happened.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from psguard.chaos.history import Op, Record
@@ -43,7 +43,7 @@ from psguard.chaos.resources import (
     slope_fit,
 )
 
-__all__ = ["CHECKERS", "SOAK_CHECKERS", "Verdict", "check_all", "overall"]
+__all__ = ["CHECKERS", "SOAK_CHECKERS", "Verdict", "check_all", "missed_moments", "overall"]
 
 Status = Literal["valid", "invalid", "unknown"]
 COMMITS = ("memory-commit", "durable-commit")
@@ -408,17 +408,32 @@ def faults_injected(ctx: Context) -> Verdict:
         for o in faults
         if o.type == "ok" and o.value.get("moment_found") is False
     ]
+    # A fault whose moment did not come while the run lasted (the nemesis says ``missed``): the case could not be
+    # run as drawn, which is neither psguard's fault nor the harness's; explore counts such cases apart.
+    missed = [o.value.get("moment") for o in faults if o.value.get("missed")]
     heals = [o for o in ctx.of(HEALS) if o.process == "nemesis"]
     unhealed = [o.f for o in heals if o.type != "ok"]
     fired = {o.value.get("fault") for o in faults}
-    evidence = {"scheduled": scheduled, "fired": len(fired), "not_injected": failed, "heals_failed": unhealed}
+    evidence = {"scheduled": scheduled, "fired": len(fired), "not_injected": failed, "heals_failed": unhealed,
+                "missed": missed}  # fmt: skip
     if len(fired) < scheduled:
         return Verdict(name, "invalid", f"only {len(fired)} of {scheduled} scheduled faults fired", evidence)
     if failed or unhealed:
-        return Verdict(
+        verdict = Verdict(
             name, "invalid", f"{len(failed)} fault(s) not injected, {len(unhealed)} heal(s) failed", evidence
         )
+        only_missed = missed_moments(verdict)
+        return replace(verdict, summary="missed: " + ", ".join(only_missed)) if only_missed else verdict
     return Verdict(name, "valid", f"all {scheduled} faults injected and healed", evidence)
+
+
+def missed_moments(verdict: Verdict) -> list[str]:
+    """The moments a faults-injected verdict failed on when missing them is all that failed (else none): every
+    fault fired, every heal done, and each fault not injected as asked is one whose moment did not come."""
+    e = verdict.evidence
+    missed = [str(m) for m in e.get("missed") or []]
+    only = e.get("fired") == e.get("scheduled") and not e.get("heals_failed")
+    return missed if verdict.status == "invalid" and only and len(e.get("not_injected") or []) == len(missed) else []
 
 
 # ------------------------------------------------------------------------------------------------ soak

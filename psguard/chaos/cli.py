@@ -131,7 +131,7 @@ def cmd_explore(args: argparse.Namespace) -> int:
             outcome[r.overall] = outcome.get(r.overall, 0) + 1
         print(f"explored {len(results)} case(s): " + ", ".join(f"{n} {k}" for k, n in sorted(outcome.items())))
         print(f"summary: {directory / 'summary.md'}, cases: {directory / 'cases.jsonl'}")
-        return 1 if outcome.get("invalid") else EXIT_UNKNOWN if outcome.get("unknown") else 0
+        return 1 if outcome.get("invalid") else EXIT_UNKNOWN if outcome.get("unknown") or outcome.get("missed") else 0
 
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:

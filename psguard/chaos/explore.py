@@ -23,7 +23,9 @@ probe, so it restores nothing and loses no step, only the pause's time), psguard
 a restart's cost of TF; and its goodput over the run is at least TF's (within ``goodput_tolerance``: two runs on
 a shared two-core machine). A failing case is shrunk (:func:`shrink`): faults
 dropped one by one, the state halved, fewer workers, no peer copies, a local store, while it still fails the same
-checkers, so the report names the smallest case that shows the bug.
+checkers, so the report names the smallest case that shows the bug. A case whose fault waited for a moment that
+never came while the run lasted (a durable commit after its step, a compaction, ...) did not run as drawn: it is
+listed as ``missed: <moment>`` and counted apart from the invalid cases (:class:`CaseResult`).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from psguard.chaos.checkers import Verdict, check_all, overall
+from psguard.chaos.checkers import Verdict, check_all, missed_moments, overall
 from psguard.chaos.history import read_history
 from psguard.chaos.outcomes import STORE_OUTAGES
 from psguard.chaos.scenario import (
@@ -352,7 +354,13 @@ def not_worse_than_tf(
 
 @dataclass
 class CaseResult:
-    """One case's outcome: every verdict (psguard's checkers and ``not-worse-than-tf``) and where its runs are."""
+    """One case's outcome: every verdict (psguard's checkers and ``not-worse-than-tf``) and where its runs are.
+
+    ``missed``: the moments a fault of the case waited for and never met (a durable commit, a compaction, ... that
+    did not come while the run lasted), on psguard's side or plain TF's (``(plain TF)``). Such a case did not run
+    as drawn: its ``overall`` is ``missed``, counted apart from the invalid cases, and neither its faults-injected
+    verdict (nothing failed but the moment) nor the comparison with plain TF (the two sides met different faults)
+    is a finding; psguard's other checkers still are."""
 
     seed: int
     index: int
@@ -360,14 +368,25 @@ class CaseResult:
     directory: Path
     verdicts: dict[str, Verdict]
     seconds: float
+    missed: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def invalid(self) -> list[str]:
-        return sorted(n for n, v in self.verdicts.items() if v.status == "invalid")
+        not_findings = {"faults-injected", "not-worse-than-tf"} if self.missed else set()
+        return sorted(n for n, v in self.verdicts.items() if v.status == "invalid" and n not in not_findings)
 
     @property
     def overall(self) -> str:
-        return overall(self.verdicts)
+        if self.invalid:
+            return "invalid"
+        return "missed" if self.missed else overall(self.verdicts)
+
+    @property
+    def verdict(self) -> str:
+        """The case's verdict as the summary says it: ``missed: <moment>``, or the overall and what was invalid."""
+        if self.overall == "missed":
+            return "missed: " + ", ".join(self.missed)
+        return f"{self.overall}{' ' + ','.join(self.invalid) if self.invalid else ''}"
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -378,6 +397,7 @@ class CaseResult:
             "directory": str(self.directory),
             "overall": self.overall,
             "invalid": self.invalid,
+            "missed": self.missed,
             "verdicts": {n: {"status": v.status, "summary": v.summary} for n, v in self.verdicts.items()},
             "seconds": round(self.seconds, 1),
         }
@@ -406,7 +426,11 @@ def run_case(
         chunk=scenario.training.chunk,
         goodput_tolerance=goodput_tolerance,
     )
-    case = CaseResult(seed, index, scenario, directory, verdicts, time.monotonic() - t0)
+    tf_injected = result.report["baseline"]["verdicts"].get("faults-injected")
+    missed = missed_moments(verdicts["faults-injected"])
+    if tf_injected is not None:
+        missed += [f"{m} (plain TF)" for m in missed_moments(Verdict("faults-injected", **tf_injected))]
+    case = CaseResult(seed, index, scenario, directory, verdicts, time.monotonic() - t0, missed)
     (directory / "case.json").write_text(json.dumps(case.to_json(), indent=2, default=str))
     return case
 
@@ -510,7 +534,7 @@ def explore(
             line["shrunk"] = _shrink_case(case, directory, space, say)
         with open(directory / "cases.jsonl", "a") as f:
             f.write(json.dumps(line, default=str) + "\n")
-        say(f"case {index}: {case.overall}{' (' + ', '.join(case.invalid) + ')' if case.invalid else ''}")
+        say(f"case {index}: {case.verdict}")
         index += 1
     (directory / "summary.md").write_text(summary(results, seed))
     return results
@@ -541,14 +565,18 @@ def _indent(say: Callable[[str], None]) -> Callable[[str], None]:
 def summary(results: Sequence[CaseResult], seed: int) -> str:
     """``summary.md``: every case, what it drew and how it was judged; failing cases with their replay command."""
     invalid = [r for r in results if r.invalid]
-    lines = [f"# psguard chaos explore, seed {seed}: {len(results)} case(s), {len(invalid)} invalid", ""]
+    missed = [r for r in results if r.overall == "missed"]
+    lines = [f"# psguard chaos explore, seed {seed}: {len(results)} case(s), {len(invalid)} invalid, "
+             f"{len(missed)} missed", ""]  # fmt: skip
     lines += ["| case | drawn | verdict | not-worse-than-tf | s |", "| --- | --- | --- | --- | --- |"]
     for r in results:
         nw = r.verdicts.get("not-worse-than-tf")
         lines.append(
-            f"| {r.index} | {describe_case(r.scenario)} | {r.overall}{' ' + ','.join(r.invalid) if r.invalid else ''}"
-            f" | {nw.summary if nw else '-'} | {r.seconds:.0f} |"
+            f"| {r.index} | {describe_case(r.scenario)} | {r.verdict} | {nw.summary if nw else '-'} | {r.seconds:.0f} |"
         )
-    if invalid:
+    if missed:
+        lines += ["", "A missed case did not run as drawn: a fault's moment did not come while the run lasted (not a "
+                  "finding; replay it, or draw more cases)."]  # fmt: skip
+    if invalid or missed:
         lines += ["", "Replay a case: `psguard chaos explore --seed SEED --case INDEX` (add `--shrink`)."]
     return "\n".join(lines) + "\n"

@@ -17,13 +17,21 @@ under a parent-death signal (``setpriv --pdeathsig``, :mod:`psguard.testbed.s3_s
 started it, and one restarted by a heal's short-lived thread died the moment its heal was done.
 
 A fault "during" a moment of the chief agent's persister (``first-base``, ``persist``, ``compaction``, ``gc``:
-:data:`psguard.chaos.scenario.AGENT_MOMENTS`) is due at its step or time and then waits, on its own thread, for
-that moment: it polls the chief agent's ``/status`` (``persister.in_flight`` and ``phase``), every
-:data:`IDLE_POLL` seconds while the persister is idle and every :data:`BUSY_POLL` while it writes (or before the
-first base, which a small job writes in milliseconds), and strikes when the phase comes. Its record says what
-was found (``moment_found``; false after :data:`MOMENT_WAIT` seconds, or once the log has its first base for
+:data:`psguard.chaos.scenario.AGENT_MOMENTS`; and ``durable-commit``, any write of it after the fault's step: a
+durable commit the trainer asked for) is due at its step or time and then waits, on its own thread, for that
+moment, while later faults fire on their own schedule: it polls the chief agent's ``/status``
+(``persister.in_flight`` and ``phase``), every :data:`IDLE_POLL` seconds while the persister is idle and every
+:data:`BUSY_POLL` while it writes, has requests, was asked for a durable commit in the last :data:`ASKED_BUSY`
+seconds (the runner sees the trainer's ask up to 0.1 s late) or before the first base (which a small job writes
+in milliseconds), and strikes when the phase comes. A write over between two looks (``checkpoints_written``
+rose) is counted (``writes_unseen``) and the next one waited for. Its record says what was found
+(``moment_found``; false after :data:`MOMENT_WAIT` seconds, or once the log has its first base for
 ``first-base``: the fault then fires anyway and faults-injected says it was not the one asked for). A wait the
-run's end overtakes (:meth:`Nemesis.job_ended`, the final phase) is recorded as not injected.
+run's end overtakes (:meth:`Nemesis.job_ended`, the final phase) is recorded as not injected. Either way the
+record says ``missed``: the moment did not come while the case could use it, which explore counts apart from
+its findings. (A fault "during a durable-commit" once became due only when the runner saw the trainer's ask,
+blocking every later fault until then, and watched the persister 10 s: a fast local write was over before the
+first look, and a commit further off than 10 s was never found.)
 """
 
 from __future__ import annotations
@@ -59,6 +67,12 @@ BUSY_POLL = 0.002
 #: Longest wait for a persister's moment: a few durable cadences of the explored jobs (a new base comes every
 #: ``new_base_after`` deltas, a gc after each commit past the retention).
 MOMENT_WAIT = 120.0
+#: Seconds after the trainer asked for a durable commit during which its write is looked for closely: a local
+#: store's write of a small job is over in tens of milliseconds, and the runner sees the ask up to 0.1 s late.
+ASKED_BUSY = 1.0
+#: Every moment a fault can wait for, by the phases of the chief agent's persister that are it (None: any write):
+#: the persister's own (AGENT_MOMENTS) and a durable commit the trainer asked for (any write after its step).
+MOMENTS: dict[str, tuple[str, ...] | None] = {**AGENT_MOMENTS, "durable-commit": None}
 
 
 class TaskProcess(Protocol):
@@ -194,6 +208,11 @@ class Nemesis:
         self._job_over = threading.Event()  # the job ended: a fault still waiting for its moment gives up
         self._failure: BaseException | None = None  # what an action's thread raised (a history not written)
         self._op_ids = itertools.count()
+        # The trainer's durable commits as the runner saw them (tick): how many, the newest's step and when.
+        self._durable_asked = threading.Condition()
+        self._durable_asks = 0
+        self._durable_step: int | None = None
+        self._durable_asked_at = float("-inf")
 
     @property
     def done(self) -> bool:
@@ -214,6 +233,12 @@ class Nemesis:
         thread; never waits for one. Its heal follows on its own timer. Raises what an action raised (a history
         that could not be written stops the run)."""
         self._raise_failure()
+        if durable_in_flight is not None:  # the trainer asked for a durable commit since the last tick
+            with self._durable_asked:
+                self._durable_asks += 1
+                self._durable_step = durable_in_flight
+                self._durable_asked_at = time.monotonic()
+                self._durable_asked.notify_all()
         # Faults overlap when their triggers say so (a kill during a storage outage): each fires when its step or
         # time comes, whatever is still open; the checkers attribute restores to every fault active at the time.
         while self.pending:
@@ -221,10 +246,6 @@ class Nemesis:
             due = (fault.at_step is not None and step is not None and step >= fault.at_step) or (
                 fault.at_time is not None and elapsed is not None and elapsed >= fault.at_time
             )
-            if due and fault.during == "durable-commit":
-                # Aimed at the agent's persist: once the trainer has asked for a durable commit, watch the chief
-                # agent's persister closely and strike while it writes (what it was doing is recorded).
-                due = durable_in_flight is not None
             if due and fault.during == "restore":
                 # Aimed at a restore (another fault's recovery): a PS lost while the trainer loads is a cluster
                 # failure to recover from again, never a reason to load an older checkpoint.
@@ -238,11 +259,18 @@ class Nemesis:
     def job_ended(self) -> None:
         """The job reached its end: a fault still waiting for a moment of the persister will not see it."""
         self._job_over.set()
+        self._wake_waiters()
+
+    def _wake_waiters(self) -> None:
+        """A fault waiting for the trainer's durable commit looks again (the job ended, or the final phase)."""
+        with self._durable_asked:
+            self._durable_asked.notify_all()
 
     def heal_all(self) -> None:
         """Heal every open fault now and wait until every fault and heal has ended (the final phase, and on the
         way out of a failed run); then raise what an action raised."""
         self._heal_now.set()
+        self._wake_waiters()
         while True:
             with self._lock:
                 running = [a for a in self._actions if not a.done()]
@@ -307,11 +335,11 @@ class Nemesis:
     def _fire(self, fault: Fault, step: int | None, durable_in_flight: int | None = None) -> None:
         base: dict[str, Any] = {"fault": fault.describe(), "at_step": step, "trigger": fault.trigger}
         if fault.during == "durable-commit":
-            base["durable_commit_step"] = durable_in_flight  # invoked since the last look
+            base["durable_commit_step"] = durable_in_flight  # invoked since the last look (None: none yet)
         if fault.max_lost_steps is not None:
             base["max_lost_steps"] = fault.max_lost_steps
-        if fault.during in AGENT_MOMENTS:
-            moment = self._await_moment(fault.during)
+        if fault.during in MOMENTS:
+            moment = self._await_moment(fault.during, asked=durable_in_flight is not None)
             why = moment.pop("why", None)
             if why is not None:  # the run ended first (or there is no persister to watch): nothing to aim at
                 name = "storage-stop" if fault.action == "storage-outage" else fault.action  # as when injected
@@ -406,32 +434,17 @@ class Nemesis:
         name = "chief" if target == "chief" else target.replace(":", "")
         return self.agents[name]
 
-    def _wait_for_persist(self, timeout: float = 10.0) -> dict[str, Any]:
-        """Poll the chief agent's ``/status`` until its persister has a write in flight (or ``timeout``), whatever
-        task the fault is aimed at: the persister lives on the chief's agent, no other agent reports one."""
-        deadline = time.monotonic() + timeout
-        polls = 0
-        last: Any = None
-        agent = self.agents.get("chief")
-        while agent is not None and time.monotonic() < deadline:
-            polls += 1
-            try:
-                last = agent.status(timeout=2).get("persister") or {}
-            except Exception:
-                break
-            if last.get("in_flight"):
-                return {"persist_in_flight": True, "persister": last, "polls": polls}
-            time.sleep(0.002)
-        return {"persist_in_flight": False, "persister": last, "polls": polls}
-
-    def _await_moment(self, moment: str) -> dict[str, Any]:
+    def _await_moment(self, moment: str, *, asked: bool = False) -> dict[str, Any]:
         """Poll the chief agent's ``/status`` until its persister is at ``moment`` (see the module's text). Returns
-        what the fault's record says of it; ``why`` (and ``moment_found`` None) when the run ended first."""
-        phases = AGENT_MOMENTS[moment]
+        what the fault's record says of it; ``why`` (and ``moment_found`` None) when it cannot be aimed, with
+        ``missed`` when the moment did not come while the run lasted. ``asked``: the trainer asked for a durable
+        commit in the tick that made the fault due."""
+        phases = MOMENTS[moment]
         agent = self.agents.get("chief")
         t0 = time.monotonic()
-        polls = 0
+        polls = unseen = 0
         last: dict[str, Any] = {}
+        written: int | None = None  # the persister's count of checkpoints written, at the last look
         found: bool | None = False
         while agent is not None and time.monotonic() - t0 < MOMENT_WAIT:
             if self._heal_now.is_set() or self._job_over.is_set():
@@ -442,6 +455,7 @@ class Nemesis:
                 status = agent.status(timeout=2)
             except Exception:  # the chief's agent is down (a fault restarts it): its successor is looked at
                 self._job_over.wait(IDLE_POLL * 10)
+                written = None
                 continue
             last = status.get("persister") or {}
             if last.get("in_flight") and (phases is None or last.get("phase") in phases):
@@ -449,22 +463,51 @@ class Nemesis:
                 break
             if moment == "first-base" and status.get("durable_checkpoint") is not None:
                 break  # the log has its base: the moment is past and never comes again
-            # A first base starts with the job's first capture and may take a few milliseconds: looked for closely.
+            count = last.get("checkpoints_written")
+            if isinstance(count, int) and written is not None and count > written:
+                unseen += count - written  # written between two looks: the next one is waited for
+            written = count if isinstance(count, int) else None
+            # Looked for closely while a write is in flight or asked for (the trainer's durable commit a moment
+            # ago: a fast local write is over in milliseconds), and for a first base (from the first capture).
             busy = last.get("in_flight") or last.get("pending_requests") or moment == "first-base"
+            busy = busy or asked or time.monotonic() - self._durable_asked_at < ASKED_BUSY
+            asked = False
             self._job_over.wait(BUSY_POLL if busy else IDLE_POLL)
         value = {"moment": moment, "moment_found": found, "persister": last, "polls": polls,
                  "waited_s": round(time.monotonic() - t0, 3)}  # fmt: skip
+        if unseen:
+            value["writes_unseen"] = unseen
         if found is None:
             value["why"] = f"the run ended before a {moment} came"
+            value["missed"] = True
         elif agent is None:
             value["why"] = "there is no chief agent whose persister to watch"
             value["moment_found"] = None
+        elif not found:
+            value["missed"] = True
         return value
+
+    def _await_durable_ask(self, asked: bool) -> dict[str, Any]:
+        """Wait until the trainer asks for a durable commit (``asked``: it did in the tick that made the fault
+        due), or the job ends (then ``why`` and ``missed``): the moment of a job whose saves are its trainer's."""
+        t0 = time.monotonic()
+        with self._durable_asked:
+            seen = self._durable_asks - (1 if asked else 0)
+            over = self._job_over.is_set
+            self._durable_asked.wait_for(
+                lambda: self._durable_asks > seen or over() or self._heal_now.is_set(), MOMENT_WAIT
+            )
+            ended = self._durable_asks <= seen
+            step = self._durable_step
+        value: dict[str, Any] = {"moment": "durable-commit", "waited_s": round(time.monotonic() - t0, 3)}
+        if ended:
+            why = "the run ended before a durable-commit came" if over() or self._heal_now.is_set() else (
+                f"no durable-commit came in {MOMENT_WAIT:g} s")  # fmt: skip
+            return {**value, "moment_found": None, "missed": True, "why": why}
+        return {**value, "durable_commit_step": step}
 
     def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         agent = self._agent(target)
-        if fault.during == "durable-commit":
-            base = {**base, **self._wait_for_persist()}
         try:
             status = agent.status(timeout=5)
             pid, agent_pid = status.get("pid"), status.get("agent_pid")

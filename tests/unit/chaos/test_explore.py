@@ -6,18 +6,22 @@ import dataclasses
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from psguard.chaos.checkers import Verdict
 from psguard.chaos.explore import (
     NO_WIDENING,
     SPACES,
+    CaseResult,
     describe_case,
     draw_case,
     not_worse_than_tf,
     shrink,
     smaller,
+    summary,
 )
 from psguard.chaos.scenario import Fault, Scenario
 from psguard.config import from_data
@@ -270,3 +274,25 @@ def test_shrink_stops_at_its_budget() -> None:
     case = draw_case(5, 0)
     smallest, runs = shrink(case, lambda _: False, attempts=2, say=lambda _: None)
     assert smallest == case and runs == 2
+
+
+def _case(index: int, missed: list[str], **statuses: str) -> CaseResult:
+    verdicts = {n.replace("_", "-"): Verdict(n.replace("_", "-"), st, f"{n} {st}") for n, st in statuses.items()}
+    return CaseResult(5, index, draw_case(5, index), Path("case"), verdicts, 60.0, missed)
+
+
+def test_a_case_whose_moment_never_came_is_counted_missed_apart_from_invalid_ones() -> None:
+    """A fault waiting for a durable commit that did not come while the run lasted: the case did not run as drawn.
+    Its faults-injected and the comparison with plain TF (whose side met a fault psguard's did not) are no
+    findings; it was counted invalid among psguard's findings. A real finding in the same case still counts."""
+    missed = _case(0, ["durable-commit"], faults_injected="invalid", not_worse_than_tf="invalid", liveness="valid")
+    assert (missed.overall, missed.invalid, missed.verdict) == ("missed", [], "missed: durable-commit")
+    found = _case(1, ["gc (plain TF)"], faults_injected="invalid", restore_newest="invalid")
+    assert found.overall == "invalid" and found.invalid == ["restore-newest"]
+    not_injected = _case(2, [], faults_injected="invalid", liveness="valid")
+    assert not_injected.overall == "invalid" and not_injected.invalid == ["faults-injected"]
+    valid = _case(3, [], faults_injected="valid")
+    text = summary([missed, found, not_injected, valid], seed=5)
+    assert "4 case(s), 2 invalid, 1 missed" in text
+    assert "| missed: durable-commit |" in text and "| valid |" in text and "| invalid restore-newest |" in text
+    assert missed.to_json()["missed"] == ["durable-commit"] and missed.to_json()["overall"] == "missed"
