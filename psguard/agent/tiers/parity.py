@@ -221,6 +221,9 @@ class ParityHolder:
         with g.lock:
             if g.restored is not None and g.restored[0] == owner:
                 g.restored = None  # the rebuilt member sends again: its new agent took the rebuilt state
+            m = g.held.get(owner)
+            if op in ("fill", "end") and (m is None or m.session is None or m.session != header.get("session")):
+                return {"status": "need_full", "message": "no whole state in progress for this session"}
             return handle(g, owner, header, arrays)
 
     def _reset(self, g: _Group, why: str) -> None:
@@ -243,9 +246,7 @@ class ParityHolder:
             self._reset(g, f"a whole state of {owner}")
         length = sum(p.nbytes for p in parts.values())
         if length > g.parity.nbytes:
-            grown = np.zeros(length, np.uint8)
-            grown[: g.parity.nbytes] = g.parity
-            g.parity = grown
+            g.parity = np.concatenate([g.parity, np.zeros(length - g.parity.nbytes, np.uint8)])
         metadata = header.get("metadata")
         g.held[owner] = _Member(
             list(layout),
@@ -261,9 +262,7 @@ class ParityHolder:
         return {"status": "ok"}
 
     def _fill(self, g: _Group, owner: str, header: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:
-        m = g.held.get(owner)
-        if m is None or m.session is None or m.session != header.get("session"):
-            return {"status": "need_full", "message": "no whole state in progress for this session"}
+        m = g.held[owner]
         part, start = m.parts.get(str(header.get("name"))), header.get("start")
         if part is None or type(start) is not int or len(arrays) != 1:
             raise CorruptCheckpointError("parity fill: bad tensor or start")
@@ -278,9 +277,7 @@ class ParityHolder:
         return {"status": "ok"}
 
     def _end(self, g: _Group, owner: str, header: dict[str, Any], _: object) -> dict[str, Any]:
-        m = g.held.get(owner)
-        if m is None or m.session is None or m.session != header.get("session"):
-            return {"status": "need_full", "message": "no whole state in progress for this session"}
+        m = g.held[owner]
         short = [n for n, p in m.parts.items() if m.filled[n] != p.shape[0]]
         bad = sorted(n for n in m.parts if m.sums[n] != m.digests.get(n))
         if short or bad:
@@ -421,11 +418,6 @@ class ParityHolder:
         m.digests, m.metadata, m.undo = digests, metadata, None
         log.info("event=parity_rolled_back owner=%s holder=%s to_step=%d", task, self.task, step)
         return True
-
-    def drop(self, owner: str) -> None:
-        with self._lock:
-            for key in [k for k, g in self._groups.items() if owner in g.members]:
-                del self._groups[key]
 
 
 def _xor_in(g: _Group, m: _Member, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
