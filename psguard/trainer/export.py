@@ -1,25 +1,12 @@
 """Standard TensorFlow checkpoints out of psguard stores: users are never locked in.
 
-An export of checkpoint ``C`` (step ``N``) into a folder (a local path, or a URL of any store psguard writes:
-``s3://``, ``hdfs://``, ...) writes what ``tf.train.CheckpointManager`` would have written there:
-
-1. ``ckpt-N.data-00000-of-00001`` and ``ckpt-N.index``: one ``SaveV2`` of every tensor of ``C`` under its TF
-   checkpoint key, each holding the bytes psguard stored (a partitioned variable as its logical tensor, which TF
-   restores under any partitioning), and TF's object graph (``_CHECKPOINTABLE_OBJECT_GRAPH``) byte for byte as
-   ``tf.train.Checkpoint.write`` serializes it for the same objects;
-2. last, TF's ``checkpoint`` state file (a text ``CheckpointState``, replaced atomically) naming ``ckpt-N`` the
-   latest, earlier checkpoints of the folder kept in its list. A reader polling the folder
-   (``tf.train.checkpoints_iterator``, ``SidecarEvaluator``) sees the new checkpoint only once its files are whole
-   (in a local folder, synced to disk first).
-3. with a retention (``psguard publish --keep K``), the state file lists the ``K`` newest, as TF's
-   ``CheckpointManager(max_to_keep=K)`` does, and only then are the files of those it no longer lists deleted.
-
-A remote folder gets the same files, made in a local temporary folder (``$TMPDIR``, the checkpoint's size) and
-put through psguard's storage backend, data before index before state file.
-
-String tensors stay numpy ``object`` arrays of ``bytes`` from the store to ``SaveV2``: a fixed-width numpy string
-(dtype ``S``) drops trailing NUL bytes, and a serialized proto may end in one (TF's object graph does when its
-last node holds no value), which TF then cannot parse.
+An export of checkpoint ``C`` (step ``N``) into a folder (a path or any store URL) writes what
+``tf.train.CheckpointManager`` would have: ``ckpt-N.data-00000-of-00001`` and ``ckpt-N.index`` (one ``SaveV2`` of
+every tensor under its TF key, partitioned variables as their logical tensors, TF's object graph byte for byte),
+then, last, TF's ``checkpoint`` state file naming ``ckpt-N`` the latest (a local folder synced first), and only
+then deletes the files of checkpoints a retention (``keep_last``) no longer lists. A remote folder gets the same
+files, made in a local temporary folder. String tensors stay ``object`` arrays of ``bytes``: dtype ``S`` would
+drop a serialized proto's trailing NUL.
 """
 
 from __future__ import annotations
@@ -60,12 +47,8 @@ STATE_FILE = "checkpoint"
 
 
 def object_graph_bytes(root: Any) -> bytes:
-    """TF's serialized ``TrackableObjectGraph`` for ``root``, built without reading any variable.
-
-    ``tf.train.Checkpoint.write`` produces the same proto but reads every tensor to do so (whole embedding
-    tables to the chief); here only the graph is walked and each variable node gets the attribute that names
-    its checkpoint key, then each node its ``has_checkpoint_values`` as TF sets it.
-    """
+    """TF's serialized ``TrackableObjectGraph`` for ``root``, as ``tf.train.Checkpoint.write`` makes it but
+    without reading any variable (whole tables to the chief)."""
     from tensorflow.python.checkpoint import graph_view, save_util, util  # lazy: TF only when exporting
 
     view = graph_view.ObjectGraphView(root)
@@ -84,8 +67,7 @@ def object_graph_bytes(root: Any) -> bytes:
 
 
 def tf_object_graph(graph: bytes) -> bytes:
-    """``graph`` as TF writes it. Checkpoints saved before psguard set the nodes' ``has_checkpoint_values`` hold
-    a graph without them (TF's restore reads them to decide which restores to defer to objects made later)."""
+    """``graph`` with the nodes' ``has_checkpoint_values`` set as TF writes them (older psguard graphs lack them)."""
     from tensorflow.core.protobuf import trackable_object_graph_pb2
     from tensorflow.python.checkpoint import util
 
@@ -139,17 +121,15 @@ class ExportFolder:
         return str(self.local / name) if self.local is not None else f"{self.url}/{name}"
 
     def listed(self) -> list[tuple[str, float | None]]:
-        """The checkpoints the state file lists, oldest first (the latest last), with their timestamps (``None``
-        when the file has none for them); none without a state file TF reads."""
-        state = _parse_state(_read_state(self.backend))
+        """The checkpoints the state file lists, oldest first, with their timestamps (``None``: none for them)."""
+        state = _state(self.backend)
         paths = [_basename(p) for p in state.all_model_checkpoint_paths]
         stamps = list(state.all_model_checkpoint_timestamps)
         return list(zip(paths, stamps if len(stamps) == len(paths) else [None] * len(paths), strict=True))
 
     def write(self, name: str, tensors: dict[str, np.ndarray], committed_at: float) -> str:
-        """Write ``tensors`` (a psguard checkpoint's, by TF checkpoint key) as checkpoint ``name``, then the state
-        file naming it the latest, then delete the files of checkpoints the state file no longer lists; return
-        its prefix. ``tensors`` is not changed."""
+        """Write ``tensors`` (by TF checkpoint key; not changed) as checkpoint ``name``, then the state file naming
+        it the latest, then delete the files of those it no longer lists; return its prefix."""
         if OBJECT_GRAPH_KEY in tensors:
             graph = np.asarray(tensors[OBJECT_GRAPH_KEY]).item()
             tensors = {**tensors, OBJECT_GRAPH_KEY: np.array(tf_object_graph(graph), dtype=object)}
@@ -163,7 +143,7 @@ class ExportFolder:
                 _upload(self.backend, Path(staging))
         from google.protobuf import text_format  # lazy: TF's dependency, only when exporting
 
-        previous = _parse_state(_read_state(self.backend))
+        previous = _state(self.backend)
         state = _state_file(previous, name, committed_at, self.keep_last)
         self.backend.put(STATE_FILE, str(text_format.MessageToString(state)).encode())
         dropped = {_basename(p) for p in previous.all_model_checkpoint_paths}
@@ -173,9 +153,8 @@ class ExportFolder:
         return self.prefix(name)
 
     def remove_unlisted(self, prefix_name: str) -> list[str]:
-        """Delete the files of checkpoints ``<prefix_name>-<step>`` the state file does not list, whole or half
-        written (``SaveV2``'s ``.tempstate`` files): what a writer killed before its state file, or between the
-        state file and the deletions of its retention, left. Returns their names."""
+        """Delete the files of checkpoints ``<prefix_name>-<step>`` the state file does not list (what a killed
+        writer left, ``SaveV2``'s ``.tempstate`` files included); return their names."""
         listed = {name for name, _ in self.listed()}
         names: set[str] = set()
 
@@ -209,34 +188,19 @@ def _save_v2(prefix: str, tensors: dict[str, np.ndarray]) -> None:
 
 
 def _sync(folder: Path, name: str) -> None:
-    """Checkpoint ``name``'s files in ``folder`` on disk before the state file names it (which is synced by the
-    storage backend), so a machine that crashes after the state file is written does not name lost data."""
-    for path in folder.iterdir():
-        if _checkpoint_of(path.name) == name:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """Checkpoint ``name``'s files and ``folder`` on disk before the state file names them."""
+    for path in [*(p for p in folder.iterdir() if _checkpoint_of(p.name) == name), folder]:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def _upload(backend: Backend, staging: Path) -> None:
-    """Every file ``SaveV2`` wrote in ``staging``, the index last: TF reads a checkpoint by its index. One file is
-    in memory at a time (the tensors, which took as much, are freed by then)."""
+    """Every file ``SaveV2`` wrote in ``staging``, one at a time, the index (by which TF reads it) last."""
     for path in sorted(staging.iterdir(), key=lambda p: (p.suffix == ".index", p.name)):
         backend.put(path.name, path.read_bytes())
-
-
-def _read_state(backend: Backend) -> bytes | None:
-    try:
-        return backend.get(STATE_FILE)
-    except ObjectNotFoundError:
-        return None
 
 
 def _basename(path: str) -> str:
@@ -254,25 +218,25 @@ def _checkpoint_of(key: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _parse_state(data: bytes | None) -> Any:
-    """A state file's ``CheckpointState``; an empty one when there is none or TF could not read it (logged)."""
+def _state(backend: Backend) -> Any:
+    """The folder's ``CheckpointState``; an empty one when there is none or TF could not read it (logged)."""
     from google.protobuf import text_format
     from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
 
     state = CheckpointState()
-    if data is not None:
-        try:
-            text_format.Parse(data.decode(), state)
-        except (text_format.ParseError, UnicodeDecodeError) as e:
-            log.warning("event=export_state_replaced reason=%s", f"the folder's {STATE_FILE} file is not TF's: {e}")
-            state = CheckpointState()
+    try:
+        text_format.Parse(backend.get(STATE_FILE).decode(), state)
+    except ObjectNotFoundError:
+        pass
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+        log.warning("event=export_state_replaced reason=%s", f"the folder's {STATE_FILE} file is not TF's: {e}")
+        state = CheckpointState()
     return state
 
 
 def _state_file(state: Any, name: str, committed_at: float, keep_last: int | None = None) -> Any:
-    """TF's ``checkpoint`` state naming ``name`` the latest, as ``tf.train.CheckpointManager`` writes it (paths
-    relative to the folder, a timestamp per checkpoint); the checkpoints ``state`` (the previous one) listed stay
-    listed, the ``keep_last - 1`` newest of them when it is set (TF's ``max_to_keep``)."""
+    """TF's ``checkpoint`` state naming ``name`` the latest, as ``tf.train.CheckpointManager`` writes it; the
+    previous ``state``'s checkpoints stay listed (the ``keep_last - 1`` newest when set)."""
     from tensorflow.python.training.checkpoint_state_pb2 import CheckpointState
 
     paths = list(state.all_model_checkpoint_paths)
@@ -285,8 +249,6 @@ def _state_file(state: Any, name: str, committed_at: float, keep_last: int | Non
         model_checkpoint_path=name,
         all_model_checkpoint_paths=[paths[i] for i in keep] + [name],
         all_model_checkpoint_timestamps=[stamps[i] for i in keep] + [committed_at] if paired else [],
-        # Unset (0) unless the folder set one: a TF CheckpointManager opened on the folder manages (and in time
-        # deletes) every checkpoint listed after this time and keeps the older ones for ever.
         last_preserved_timestamp=state.last_preserved_timestamp,
     )
     return out

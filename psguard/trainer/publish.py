@@ -1,31 +1,13 @@
 """``psguard publish STORE FOLDER``: TF checkpoints of a job's durable commits, for tools that read only TF's.
 
-Some readers of a job's checkpoints cannot be changed: TF Serving export jobs, other teams' evaluators,
-``tf.keras.utils.SidecarEvaluator`` as shipped. A publisher is a process of its own (never the trainer: a
-publication costs a full TF checkpoint write, which the trainer's stall must not pay) that follows the store and,
-as durable commits land, writes TF checkpoints into a folder (a local path or any store URL) with TF's
-``checkpoint`` state file, exactly as ``psguard export`` writes one (:mod:`psguard.trainer.export`).
-
-The protocol, per publication of commit ``C`` (step ``N``):
-
-1. The publisher holds the tensors of the checkpoint it published last, in memory, and moves them to ``C`` as a
-   :class:`~psguard.Follower` moves its variables: by the deltas on the way when they cost fewer bytes than a
-   full read (every chunk read and verified before anything is applied), else by reading ``C`` whole. A corrupt
-   commit is skipped with a logged reason and never published.
-2. ``ckpt-N.data-00000-of-00001`` and ``ckpt-N.index`` are written (in a local folder synced to disk).
-3. The state file is replaced atomically, naming ``ckpt-N`` the latest and listing the ``--keep`` newest.
-4. Only then are the files of the checkpoint the list dropped deleted.
-
-A publisher killed at any moment leaves a folder TF reads: the state file names only checkpoints whose files
-were whole before it was written. What the kill left unlisted (a half-written ``ckpt-N``, ``SaveV2``'s
-``.tempstate`` files, a dropped checkpoint not yet deleted) is deleted when the next publisher starts, and that
-publisher carries on from the folder's state file: its cadence counts from the checkpoint listed last, and a
-commit already listed is not written again.
-
-Cadence (``--every N`` steps, ``--min-interval S`` seconds between the *commit times* of two publications, or
-every commit) is decided by psguard's save policies (:class:`~psguard.policy.engine.EverySteps`,
-:class:`~psguard.policy.engine.EveryInterval`), asked about the newest commit only: commits the publisher skips
-are not written later.
+A publisher is a process of its own (a publication costs a full TF checkpoint write, which the trainer must not
+pay): as durable commits land it writes them into a folder as ``psguard export`` does
+(:mod:`psguard.trainer.export`). It holds the tensors of the commit it published last and moves them to the next
+as a :class:`~psguard.Follower` does: by the deltas when they cost fewer bytes, else by a full read, everything
+verified before anything changes (a corrupt commit is skipped and never published). Killed at any moment, it
+leaves a folder TF reads; the next publisher deletes what the state file does not list and carries on from the
+checkpoint it lists last. Cadence (``--every``, ``--min-interval`` between commit times, or every commit) is
+asked about the newest commit only: skipped commits are not written later.
 """
 
 from __future__ import annotations
@@ -57,8 +39,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Published:
-    """One publication: the commit, the TF prefix written, how the commit was read and at what cost, how long
-    the write took and how long after the commit it was listed."""
+    """One publication: the commit, the TF prefix, how the commit was read and at what cost, how long the
+    write took and how long after the commit it was listed."""
 
     checkpoint: str
     step: int
@@ -77,12 +59,7 @@ class Publisher:
     (``None``: every commit). Checkpoints are named ``<prefix_name>-<step>``."""
 
     def __init__(
-        self,
-        store: Store,
-        folder: ExportFolder,
-        *,
-        cadence: SavePolicy | None = None,
-        prefix_name: str = "ckpt",
+        self, store: Store, folder: ExportFolder, *, cadence: SavePolicy | None = None, prefix_name: str = "ckpt"
     ) -> None:
         self.store = store
         self.folder = folder
@@ -173,42 +150,31 @@ class Publisher:
             lag_seconds=max(0.0, time.time() - info.committed_at),
         )
         log.info(
-            "event=published checkpoint=%s step=%d prefix=%s via=%s bytes_read=%d write_seconds=%.2f lag_seconds=%.2f",
-            done.checkpoint,
-            done.step,
-            done.prefix,
-            done.via,
-            done.bytes_read,
-            done.write_seconds,
-            done.lag_seconds,
+            "event=published %s",
+            " ".join(f"{k}={round(v, 2) if isinstance(v, float) else v}" for k, v in asdict(done).items()),
         )
         return done
 
     def _move_to(self, info: CheckpointInfo) -> tuple[str, int]:
-        """Make the tensors held those of commit ``info``: by its deltas from the one held when they cost no
-        more, else whole. Everything is read and verified before the tensors held change."""
+        """Make the tensors held those of commit ``info``: by its deltas when they cost no more, else whole;
+        everything read and verified before the tensors held change."""
         chain = self.store.chain(info.id)
         ids = [m.id for m in chain]
         names = list(chain[-1].tensors)
         if self._tensors is not None and self._held in ids:
             on_the_way = chain[ids.index(self._held) + 1 :]
             if delta_bytes(on_the_way, names) <= full_bytes(chain, names):
-                nbytes = 0
-                steps: list[dict[str, TensorUpdate]] = []
-                for m in on_the_way:
-                    updates, read = self.store.updates(m.id)
-                    steps.append(updates)
-                    nbytes += read
+                read = [self.store.updates(m.id) for m in on_the_way]
+                nbytes = sum(n for _, n in read)
                 held, self._tensors, self._held = self._tensors, None, None  # unknown until every update is in
-                for updates in steps:
+                for updates, _ in read:
                     for name, update in updates.items():
                         held[name] = apply_update(_writable(held.get(name), update), update)
                 self._tensors = {name: held[name] for name in names}
                 self._held = info.id
                 return "deltas", nbytes
         self._tensors, self._held = None, None
-        self._tensors = self.store.load(info.id)
-        self._held = info.id
+        self._tensors, self._held = self.store.load(info.id), info.id
         return "a full read", full_bytes(chain, names)
 
 
@@ -217,15 +183,6 @@ def _writable(current: np.ndarray | None, update: TensorUpdate) -> np.ndarray | 
     if current is not None and isinstance(update, Rows) and not current.flags.writeable:
         return current.copy()
     return current
-
-
-def cadence_of(every: int | None, min_interval: float | None) -> SavePolicy | None:
-    """The publication cadence the command line asks for (``None``: every commit)."""
-    if every is not None:
-        return EverySteps(every)
-    if min_interval is not None:
-        return EveryInterval(min_interval)
-    return None
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -237,7 +194,11 @@ def cmd_publish(args: argparse.Namespace) -> int:
         raise ConfigError(f"--poll must be a number of seconds > 0, got {args.poll}")
     if args.exit_after is not None and args.exit_after < 1:
         raise ConfigError(f"--exit-after must be at least 1, got {args.exit_after}")
-    cadence = cadence_of(args.every, args.min_interval)
+    cadence: SavePolicy | None = None  # every commit
+    if args.every is not None:
+        cadence = EverySteps(args.every)
+    elif args.min_interval is not None:
+        cadence = EveryInterval(args.min_interval)
 
     def show(p: Published) -> None:
         if args.json:
