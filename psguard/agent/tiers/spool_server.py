@@ -75,16 +75,6 @@ class SpoolServerStatus:
     last_error: str | None
 
 
-@dataclass(frozen=True)
-class _Applied:
-    """A capture read and applied (or refused): its answer and what the event needs."""
-
-    ack: Ack
-    step: int | None
-    tiers: frozenset[Tier]
-    stall: float | None  # the trainer's stall for it, as it reported
-
-
 class SpoolServer:
     """The agent's end: applies captures to ``tier``, feeds ``persister``, serves restores (:class:`RestoreAnswers`).
 
@@ -133,10 +123,7 @@ class SpoolServer:
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self, *, watch: bool = True) -> SpoolServer:
-        # Captures, restore files and durable chunks pass through MB-sized buffers on several threads here too:
-        # without it the chief's agent crept up about 54 MB/h in the 256 MB soak (glibc's arenas keeping freed
-        # buffers; tracemalloc saw no Python objects growing).
-        limit_malloc_retention()
+        limit_malloc_retention()  # MB-sized buffers on several threads here too
         self._paths.make()
         self._stop.clear()
         deadline = time.monotonic() + self.lock_timeout
@@ -335,8 +322,7 @@ class SpoolServer:
         if self._answered_before(seq, folder):
             shutil.rmtree(folder, ignore_errors=True)  # a predecessor answered, then died before deleting
             return
-        done = self._apply_capture(seq, folder)
-        ack, step, tiers = done.ack, done.step, done.tiers
+        ack, step, tiers, stall = self._apply_capture(seq, folder)
         durable = Tier.DURABLE in tiers
         if durable:
             if ack.status == "ok" and self.persister is not None:
@@ -364,7 +350,7 @@ class SpoolServer:
         self._counts[ack.status] = self._counts.get(ack.status, 0) + 1
         if ack.status == "error":
             self._last_error = ack.message
-        self._emit(SpoolEvent("capture", seq, step, ack.status, done.stall))
+        self._emit(SpoolEvent("capture", seq, step, ack.status, stall))
 
     def _answered_before(self, seq: int, folder: Path) -> bool:
         """Whether ``seq`` has its answer already (a predecessor answered, then died before deleting the capture)."""
@@ -379,9 +365,9 @@ class SpoolServer:
                       answered)  # fmt: skip
         return True
 
-    def _apply_capture(self, seq: int, folder: Path) -> _Applied:
-        """Read the capture ``seq`` and apply it to the tiers (its PS parts first): its answer, whatever is wrong
-        with it (an answer never blocks the captures after it)."""
+    def _apply_capture(self, seq: int, folder: Path) -> tuple[Ack, int | None, frozenset[Tier], float | None]:
+        """Read the capture ``seq`` and apply it to the tiers (its PS parts first): its answer (whatever is wrong
+        with it: an answer never blocks the captures after it), step, tiers and the trainer's stall for it."""
         step: int | None = None
         tiers: frozenset[Tier] = frozenset()
         stall: float | None = None
@@ -421,7 +407,7 @@ class SpoolServer:
             log.warning("spool %s: capture seq %d rejected: %s", self.root, seq, e)
             if not tiers:
                 tiers = self._tiers_of(folder)
-        return _Applied(ack, step, tiers, stall)
+        return ack, step, tiers, stall
 
     def _apply_parts(self, cap: SpooledCapture) -> tuple[Literal["ok", "need_full", "error"], str]:
         """Forward the capture's PS parts to their agents first: the chief's tier moves only if they all did."""
