@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.config import ROLES, AgentConfig, load_cluster, task_from_tf_config
+from psguard.agent.config import ROLES, AgentConfig, HttpConfig, load_cluster, task_from_tf_config
 from psguard.agent.control.httpd import is_loopback
 from psguard.agent.daemon import Agent
 from psguard.config import load_yaml
@@ -70,17 +70,9 @@ def register(sub: Any) -> None:
 
 
 def _merge(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
+    # Each http: key's flag has its name (but --http-port); a key without a flag is None.
     flags = {
-        "bind": args.bind,
-        "port": args.http_port,
-        "token_file": args.token_file,
-        "open_read": args.open_read,
-        "tls_cert": args.tls_cert,
-        "tls_key": args.tls_key,
-        "tls_ca": args.tls_ca,
-        "jwt_secret_file": args.jwt_secret_file,
-        "jwt_public_key": args.jwt_public_key,
-        "jwt_audience": args.jwt_audience,
+        f.name: getattr(args, "http_port" if f.name == "port" else f.name, None) for f in dataclasses.fields(HttpConfig)
     }
     http_cfg = dataclasses.replace(config.http, **{k: v for k, v in flags.items() if v is not None})
     return dataclasses.replace(

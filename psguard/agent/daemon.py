@@ -311,12 +311,11 @@ class Agent:
         if cfg.jwt_secret_file is not None or cfg.jwt_public_key is not None:
             if cfg.jwt_secret_file is not None and cfg.jwt_public_key is not None:
                 raise ConfigError("--jwt-secret-file (HS256) and --jwt-public-key (RS256/ES256): give one")
-            if not cfg.jwt_audience:
-                raise ConfigError("--jwt-audience is required with JWTs: the 'aud' claim tokens for this agent carry")
+            audience = cfg.jwt_audience or ""  # refused by JwtAuth: tokens for another service must not work here
             auth.append(
-                JwtAuth.from_secret_file(cfg.jwt_secret_file, cfg.jwt_audience)
+                JwtAuth.from_secret_file(cfg.jwt_secret_file, audience)
                 if cfg.jwt_secret_file is not None
-                else JwtAuth.from_public_key_file(str(cfg.jwt_public_key), cfg.jwt_audience)
+                else JwtAuth.from_public_key_file(str(cfg.jwt_public_key), audience)
             )
         tls = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert and cfg.tls_key else None
         self.http = AgentHTTPServer(

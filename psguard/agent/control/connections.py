@@ -188,17 +188,17 @@ def _answer_now(conn: Connection, data: bytes) -> None:
     as :func:`_close_after_answer`, in as few system calls (each one waits for the GIL again under load)."""
     sock = conn.sock
     with contextlib.suppress(OSError):
-        if isinstance(sock, ssl.SSLSocket):
-            sock.send(data)  # non-blocking already
-            for _ in range(16):
-                if not socket.socket.recv(sock, 65536):
-                    break
-        else:
-            sock.send(data, socket.MSG_DONTWAIT)
-            for _ in range(16):
-                if not sock.recv(65536, socket.MSG_DONTWAIT):
-                    break
+        sock.send(data, 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_DONTWAIT)  # TLS: non-blocking already
+        _drain(sock)
     sock.close()
+
+
+def _drain(sock: socket.socket) -> None:
+    """Throw away what already arrived and nobody read (raw bytes, never waiting); a client still sending gets its
+    reset."""
+    for _ in range(16):
+        if not socket.socket.recv(sock, 65536, socket.MSG_DONTWAIT):
+            break
 
 
 def _error(status: int, message: str) -> bytes:
@@ -545,7 +545,5 @@ def _close_after_answer(sock: socket.socket) -> None:
         # socket.socket's, not SSLSocket's: no TLS close_notify exchange to wait for; the raw bytes are dropped.
         socket.socket.shutdown(sock, socket.SHUT_WR)
         sock.settimeout(None)  # so that MSG_DONTWAIT reads at once (with a timeout Python would poll first)
-        for _ in range(16):  # what already arrived; a client still sending gets its reset
-            if not socket.socket.recv(sock, 65536, socket.MSG_DONTWAIT):
-                break
+        _drain(sock)
     sock.close()

@@ -482,15 +482,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         # The head the intake read, then the body by the connection's one absolute deadline (set at accept).
         self.rfile = io.BufferedReader(_DeadlineReader(self.connection, self._accepted.deadline, self._accepted.data))
 
+    # Sent outside _respond's error handling: a client that hung up is one DEBUG line, never a 500.
     def do_GET(self) -> None:
-        self._dispatch("GET")
+        self._send(self._respond("GET"))
 
     def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def _dispatch(self, method: str) -> None:
-        # Sent outside _respond's error handling: a client that hung up is one DEBUG line, never a 500.
-        self._send(self._respond(method))
+        self._send(self._respond("POST"))
 
     def _respond(self, method: str) -> Response:
         agent = self.agent

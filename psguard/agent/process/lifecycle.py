@@ -140,9 +140,7 @@ def describe_exit(code: int | None) -> str:
     """``1``, ``-9 (SIGKILL)``: exit codes as people read them in an error message."""
     if code is None:
         return "none"
-    if code < 0:
-        try:
-            return f"{code} ({signal.Signals(-code).name})"
-        except ValueError:
-            return str(code)
-    return str(code)
+    try:
+        return f"{code} ({signal.Signals(-code).name})" if code < 0 else str(code)
+    except ValueError:
+        return str(code)

@@ -113,9 +113,9 @@ class _BaseProbe:
 class ProcessProbe(_BaseProbe):
     """The task's process exists and is runnable. ``pid`` is a callable so it follows restarts."""
 
-    def __init__(self, pid: Callable[[], int | None] | int, *, name: str = "process") -> None:
+    def __init__(self, pid: Callable[[], int | None], *, name: str = "process") -> None:
         super().__init__(name)
-        self._pid = pid if callable(pid) else (lambda: pid)
+        self._pid = pid
 
     def _check(self, timeout: float) -> None:
         pid = self._pid()
