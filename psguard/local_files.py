@@ -74,12 +74,9 @@ def open_regular(
     error: type[PsguardError] = CorruptCheckpointError,
 ) -> int:
     """A blocking descriptor of the regular file ``path`` (read-only, or write-only with ``write``; ``create``
-    makes a missing one, ``0600``, for writing: a lock file).
-
-    Never waits on what it finds: a FIFO, device, socket, folder or (unless ``follow``) symbolic link is refused
-    with ``error`` (``what`` says whose file it is); with ``private``, so is a file another user owns or that group
-    or others can write. :class:`FileNotFoundError` and other ``OSError`` are left to the caller.
-    """
+    makes a missing one ``0600``). A FIFO, device, socket, folder or (unless ``follow``) symbolic link is refused
+    with ``error`` (``what`` says whose file it is), never waited on; with ``private``, so is a file another user
+    owns or that group or others can write. ``OSError`` is left to the caller."""
     name = os.fspath(path)
     try:
         _check(os.stat(name) if follow else os.lstat(name), name, what, private, error)
@@ -128,12 +125,8 @@ def read_regular(
 
 class HeldDir:
     """A private folder held open: :attr:`path` reaches its contents through the descriptor, whatever becomes of
-    the folder's own path (:attr:`where`, for messages and for :meth:`moved`).
-
-    Refused (:class:`ConfigError`) when ``where`` is a link or not a folder, or the folder opened is owned by
-    another user or writable by group or others: checked on the descriptor, so a swap between an earlier check of
-    the path and this open is caught too. After :meth:`close`, :attr:`path` is ``where`` again.
-    """
+    the folder's path (:attr:`where`). Refused (:class:`ConfigError`) when ``where`` is a link or not a folder, or
+    the folder opened is another user's or writable by group or others (checked on the descriptor)."""
 
     def __init__(self, where: str | os.PathLike[str], what: str) -> None:
         self.where = Path(where)

@@ -56,11 +56,8 @@ _SHM = Path("/dev/shm")
 
 def memory_folder(work: Path, name: str, prefix: str) -> Path:
     """A fresh folder on tmpfs for one run (``/dev/shm/<prefix><name>-XXXX``), or ``work/<name>`` without a
-    writable /dev/shm: a chief's spool (the memory-tier hand-off only copies bytes there) or a PS agent's part
-    folder (its memory tier in files its PS maps at a restore, which tier_files.py turns on only on a file system
-    in memory: on a run folder on disk, ``psguard wrap`` jobs and chaos runs restored every shard by reading it).
-    Never an agent's default folder: two runs on one host would share it. :func:`drop_memory_folders` at the end.
-    """
+    writable /dev/shm: a chief's spool or a PS agent's part folder (mapped restores need a file system in memory).
+    Never an agent's default folder, which two runs on one host would share; :func:`drop_memory_folders` at the end."""
     if _SHM.is_dir() and os.access(_SHM, os.W_OK):
         return Path(tempfile.mkdtemp(prefix=f"{prefix}{name}-", dir=_SHM))
     path = work / name

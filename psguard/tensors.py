@@ -7,7 +7,7 @@ and every tier that stores checkpoints (the memory tier applies them, the durabl
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,25 +55,16 @@ class Same:
 TensorUpdate = Full | Rows | Same
 
 
+@dataclass(frozen=True)
 class FullStream:
-    """The whole tensor, like :class:`Full`, but read in row ranges rather than handed out as one array.
+    """The whole tensor, like :class:`Full`, but read in row ranges: a memory tier writing a large shard to the
+    durable log while training goes on can neither hand over its live array nor copy it whole, so each
+    :meth:`read` returns the rows as they were when the stream was made, in a fresh array. Only the durable log's
+    writers accept it."""
 
-    Why: a memory tier writing a multi-GB shard to the durable log while training goes on cannot hand the
-    writer its live array (the next capture writes rows into it) and should not copy it whole (that doubles
-    the node's memory for the length of the write). It hands out this instead: each :meth:`read` returns the
-    rows as they were when the stream was made, in a fresh array, so the writer holds one chunk at a time.
-    Only the durable log's writers accept it.
-    """
-
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        dtype: np.dtype,  # type: ignore[type-arg]
-        read: Callable[[int, int], np.ndarray],
-    ) -> None:
-        self.shape = shape
-        self.dtype = dtype
-        self._read = read
+    shape: tuple[int, ...]
+    dtype: np.dtype  # type: ignore[type-arg]
+    reader: Callable[[int, int], np.ndarray] = field(repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -83,10 +74,7 @@ class FullStream:
         """Rows ``[start, stop)`` as they were when this stream was made (a copy the caller owns)."""
         if not 0 <= start <= stop <= self.shape[0]:
             raise ValueError(f"rows [{start}, {stop}) outside a tensor of {self.shape[0]} rows")
-        return self._read(start, stop)
-
-    def __repr__(self) -> str:
-        return f"FullStream({self.dtype}{list(self.shape)})"
+        return self.reader(start, stop)
 
 
 def apply_update(current: np.ndarray | None, update: TensorUpdate) -> np.ndarray:

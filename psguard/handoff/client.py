@@ -36,12 +36,8 @@ def http_json(
     timeout: float = 10.0,
     tls: ssl.SSLContext | None = None,
 ) -> tuple[int, Any]:
-    """One request to an agent: ``(status, JSON body or None)``. Raises ``OSError`` when it cannot connect.
-
-    ``https://`` URLs verify the agent's certificate with ``tls`` (else the context the environment describes,
-    :func:`psguard.handoff.tls.client_context_from_env`, else the system store); a TLS failure is an
-    ``OSError`` (``ssl.SSLError``) like a refused connection.
-    """
+    """One request to an agent: ``(status, JSON body or None)``; ``OSError`` when it cannot connect or TLS fails.
+    ``https://`` URLs verify the agent with ``tls``, else the environment's context, else the system store."""
     data = json.dumps(body or {}).encode() if method == "POST" else None
     status, raw, _ = http_request(method, url, data=data, token=token, timeout=timeout, tls=tls)
     try:

@@ -56,12 +56,8 @@ def write_bundle(prefix: str | Path, value: np.ndarray) -> None:
 
 def write_index(prefix: str | Path, dtype: np.dtype[Any], shape: tuple[int, ...], size: int, crc: int) -> None:
     """Write the index of the bundle at ``prefix`` for a data file already there: ``size`` bytes of a ``dtype``
-    tensor of ``shape`` whose CRC32C (unmasked) is ``crc``.
-
-    A PS agent whose tier already lives in bundle data files (:mod:`psguard.agent.tiers.tier_files`) writes only
-    this for a restore. ``RestoreV2`` checks the data against ``size`` and ``crc``: an index that does not
-    describe the data file's bytes as they are when the PS reads them fails the load.
-    """
+    tensor of ``shape`` whose CRC32C (unmasked) is ``crc``. A PS agent whose tier already lives in bundle data files
+    writes only this for a restore; ``RestoreV2`` fails the load when it does not describe the data's bytes."""
     table = index_bytes(dtype, shape, size, crc)
     index = bundle_files(prefix)[0]
     fd = os.open(index, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

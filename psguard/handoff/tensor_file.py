@@ -148,12 +148,9 @@ def read_tensor_file(
     what: str = "",
     allocate: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None] | None = None,
 ) -> np.ndarray:
-    """The array in a tensor file, checked against the ``dtype``/``shape`` the caller expects (if given).
-
-    The header's claims are checked against the file's real size before the array is allocated. ``allocate``
-    (shape, dtype) gives the C-order array to read into (a PS agent's tier file: the value is read where the
-    tier keeps it, with no copy after), or None for a new one.
-    """
+    """The array in a tensor file, checked against the ``dtype``/``shape`` expected (if given) and the file's real
+    size before anything is allocated. ``allocate(shape, dtype)`` gives the C-order array to read into (a PS agent's
+    tier file), or None for a new one."""
     what = what or str(path)
     fd = open_capture_file(path, what, "tensor file")
     with os.fdopen(fd, "rb") as f:

@@ -83,17 +83,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--plot {args.plot}: is a folder; give a .png file name")
         require_output_folder(Path(args.plot).parent, "--plot")
     try:
-        job = Job(
-            mtbf=args.mtbf,
-            stall=args.stall,
-            persist=args.persist,
-            duration=args.duration,
-            step_time=args.step_time,
-            delta_percent=args.delta_percent,
-        )
-    except ValueError as e:
-        raise ConfigError(f"psguard policy simulate: {e}") from None
-    try:
+        job = Job(args.mtbf, args.stall, args.persist, args.duration, args.step_time, args.delta_percent)
         result = simulate(spec.schedule, job)
     except ValueError as e:
         raise ConfigError(f"psguard policy simulate: {e}") from None

@@ -277,22 +277,15 @@ class _Version:
 
 
 class PolicyWatcher:
-    """The policy of one file, kept current while the process runs.
+    """The policy of one file, kept current while the process runs: ``with PolicyWatcher(path) as policy:
+    policy.decide(step, context)`` uses the policy current at each call and logs saving decisions.
 
-    Loading fails at construction if the file is invalid (there is no old policy to fall back on). After
-    :meth:`start`, a watchdog observer watches the file's folder (without watchdog installed, the watcher's
-    thread polls the file's inode, size and mtime every ``poll`` seconds instead); changes are checked on the
-    watcher's own thread and each outcome counted in :attr:`generation` (see :class:`Reload`). :meth:`decide`
-    uses the policy current at the time of the call and logs saving decisions (and, at debug level, the others)::
-
-        with PolicyWatcher("my-policy.yaml") as policy:
-            decision = policy.decide(step, context)      # clock: the one given, time.time by default
-
-    A new policy is applied only when the file was **replaced whole** (renamed over the path, or a symlink
-    swapped as Kubernetes ConfigMaps do): a file rewritten in place may be read half-written, so it is refused
-    and the old policy stays. A replacement is read once the folder has been quiet for ``settle`` seconds, from
-    one open descriptor (a FIFO or device is refused unread), and only if it did not change while read.
-    """
+    Loading fails at construction if the file is invalid. After :meth:`start`, a watchdog observer (without
+    watchdog, a poll every ``poll`` seconds) notes changes; each outcome is counted in :attr:`generation` (see
+    :class:`Reload`). A new policy is applied only when the file was **replaced whole** (renamed over the path, or a
+    symlink swapped): a file rewritten in place may be read half-written, so it is refused and the old policy stays.
+    A replacement is read once the folder is quiet for ``settle`` seconds, from one descriptor, and only if unchanged
+    while read."""
 
     def __init__(
         self,

@@ -86,21 +86,13 @@ class Backend(ABC):
         """Remove the object; absent objects are not an error (deletion is idempotent)."""
 
     def size(self, key: str) -> int:
-        """The object's size in bytes, asked of the storage without reading the object (a stat, a HEAD).
-
-        Readers ask before allocating a buffer for a large object whose size a manifest only *claims*: the claim
-        may be hostile (10^12 bytes), the object's real size is not. :class:`ObjectNotFoundError` when absent.
-        This default reads the object (bounded by its real size); every shipped backend overrides it.
-        """
+        """The object's size in bytes, asked of the storage without reading it (a stat, a HEAD): readers ask before
+        allocating for a size a manifest only claims. :class:`ObjectNotFoundError` when absent; this default reads."""
         return len(self.get(key))
 
     def mtime(self, key: str) -> float:
-        """When the object was last written, by the *storage's* clock (seconds since the epoch).
-
-        gc judges the age of locks and chunks by these times, never by comparing a writer's wall clock with
-        its own: two nodes' clocks may disagree by minutes, one storage service's clock agrees with itself.
-        :class:`ObjectNotFoundError` when absent.
-        """
+        """When the object was last written, by the *storage's* clock: gc judges the age of locks and chunks by these
+        times, never by comparing two nodes' clocks. :class:`ObjectNotFoundError` when absent."""
         raise StorageError(f"{type(self).__name__} cannot tell when {key} was written")
 
     def mtimes(self, prefix: str) -> dict[str, float]:

@@ -35,13 +35,9 @@ _USERINFO = re.compile(r"""(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^
 
 
 def redact(url: str) -> str:
-    """``url`` with any ``user:password@`` part replaced by ``***@``: the one form of a URL that is logged,
-    put in an error or in ``/status``. ``s3://KEY:SECRET@bucket/p`` becomes ``s3://***@bucket/p``.
-
-    Text that merely contains URLs (an exception message from a client library) is redacted too: every
-    ``scheme://userinfo@`` in it is replaced. The user info may hold a raw ``/`` (AWS secret keys do), so
-    everything from ``://`` to an ``@`` before the next space or quote counts: erring towards hiding.
-    """
+    """``url``, or any text quoting URLs, with every ``scheme://userinfo@`` shown as ``scheme://***@``: the one
+    form of a URL that is logged, put in an error or in ``/status``. The user info may hold a raw ``/`` (AWS secret
+    keys do), so everything up to an ``@`` before the next space or quote counts: erring towards hiding."""
     return _USERINFO.sub(lambda m: f"{m['scheme']}***@", url)
 
 

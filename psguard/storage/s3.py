@@ -87,12 +87,8 @@ def _drop_expect(request: Any, **_: Any) -> None:
 
 
 def _session_without_expect() -> Any:
-    """An aiobotocore session whose PUTs send no ``Expect: 100-continue``.
-
-    botocore adds that header to every PUT and aiohttp then waits for the server's interim answer with no
-    timeout: against a frozen server a PUT hung for over 17 minutes whatever ``read_timeout`` said. Without
-    the header the body goes at once and ``read_timeout`` bounds the wait.
-    """
+    """An aiobotocore session whose PUTs send no ``Expect: 100-continue``: aiohttp waits for the interim answer
+    with no timeout, so a frozen server hung a PUT whatever ``read_timeout`` said."""
     from aiobotocore.session import AioSession
 
     session = AioSession()

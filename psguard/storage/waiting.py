@@ -51,12 +51,9 @@ class Waiting:
 
 
 class StoreWait:
-    """Calls that wait for ``backend``'s store to answer (see the module's text).
-
-    ``timeout``: seconds of waiting after which :meth:`call` raises (``None``: as long as it takes). ``stop``: an
-    event that ends the wait with an error (the process is stopping). ``initial`` and ``cap`` bound the backoff
-    between tries. ``clock`` and ``sleep`` (waits its argument in seconds; True when ``stop`` is set) are for tests.
-    """
+    """Calls that wait for ``backend``'s store to answer (see the module's text), for at most ``timeout``
+    seconds (``None``: as long as it takes) or until ``stop`` is set, backing off from ``initial`` to ``cap``.
+    ``clock`` and ``sleep`` are for tests."""
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -204,15 +204,19 @@ class ChunkReader:
             chunk=ref.hash,
         )
 
-    def read_into(self, ref: ChunkRef, out: memoryview) -> None:
-        if len(out) != ref.size:
-            raise self._corrupt(ref, f"does not fit its tensor ({ref.size} bytes for a {len(out)}-byte slot)")
+    def _ask(self, ref: ChunkRef, call: Callable[[str], int]) -> int:
+        """``call(key)`` of the chunk's key: a missing chunk is corrupt, any other storage failure unreadable."""
         try:
-            size = self.backend.get_into(chunk_key(ref.hash), out)
+            return call(chunk_key(ref.hash))
         except (ObjectNotFoundError, FileNotFoundError):
             raise self._corrupt(ref, "is missing") from None
         except (StorageError, OSError) as e:
             raise self._unreadable(ref, e) from e
+
+    def read_into(self, ref: ChunkRef, out: memoryview) -> None:
+        if len(out) != ref.size:
+            raise self._corrupt(ref, f"does not fit its tensor ({ref.size} bytes for a {len(out)}-byte slot)")
+        size = self._ask(ref, lambda key: self.backend.get_into(key, out))
         if size != ref.size:
             raise self._corrupt(ref, f"has {size} bytes, expected {ref.size} (truncated or damaged)")
         self.check(ref, out)
@@ -233,27 +237,15 @@ class ChunkReader:
         in parallel on ``pool``); :class:`CorruptCheckpointError` for the first that differs or is missing."""
 
         def one(ref: ChunkRef) -> None:
-            try:
-                actual = self.backend.size(chunk_key(ref.hash))
-            except (ObjectNotFoundError, FileNotFoundError):
-                raise self._corrupt(ref, "is missing") from None
-            except (StorageError, OSError) as e:
-                raise self._unreadable(ref, e) from e
+            actual = self._ask(ref, self.backend.size)
             if actual != ref.size:
                 raise self._corrupt(ref, f"has {actual} bytes in the store, its manifest claims {ref.size}")
 
         if pool is None or len(refs) < 2:
             for ref in refs:
                 one(ref)
-            return
-        first: BaseException | None = None
-        for fut in [pool.submit(one, ref) for ref in refs]:
-            try:
-                fut.result()
-            except BaseException as e:
-                first = first or e
-        if first is not None:
-            raise first
+        else:
+            wait_all([pool.submit(one, ref) for ref in refs])
 
     def check(self, ref: ChunkRef, data: memoryview) -> None:
         if crc32c(data) != ref.crc32c:

@@ -55,12 +55,8 @@ RetentionSpec = Callable[[CheckpointInfo], Mapping[str, Any] | None]
 
 
 class DurableWriter:
-    """Commits a job's checkpoints to ``store`` by the rules in the module doc. Thread-safe: commits serialize,
-    and reading the state never waits for one.
-
-    ``compact``: make new bases by compacting the chain in storage (a writer that only has deltas in hand);
-    otherwise the caller writes them whole when :meth:`base_due` says so.
-    """
+    """Commits a job's checkpoints to ``store`` by the rules in the module doc. Thread-safe. ``compact``: make new
+    bases by compacting the chain in storage; otherwise the caller writes them whole when :meth:`base_due` says so."""
 
     def __init__(
         self,
@@ -116,29 +112,21 @@ class DurableWriter:
         writer's thread rather than the caller's (a restore's)."""
         if isinstance(last, str) or last is None:
             with self._lock:
-                self._force_base = False
-                self._pending = last if isinstance(last, str) else None
-                self._state = ChainState() if last is None else self._state
+                self._force_base, self._pending = False, last
+                if last is None:
+                    self._state = ChainState()
             return
         try:
             chain = self.store.chain(last.id)
         except PsguardError as e:
             log.warning("could not read the chain of %s (%s); the next save is a new base", last.id, e)
-            with self._lock:
-                self._pending = None
-                self._state = ChainState(last, last.chain_length)
-                self._force_base = True
-            return
+            state, forced = ChainState(last, last.chain_length), True
+        else:
+            delta_bytes = sum(sum(r.size for r in m.refs()) for m in chain[1:])
+            base_bytes = CheckpointInfo.of(chain[0]).logical_bytes
+            state, forced = ChainState(last, last.chain_length, delta_bytes, base_bytes, chain[0].step), False
         with self._lock:
-            self._pending = None
-            self._force_base = False
-            self._state = ChainState(
-                last,
-                last.chain_length,
-                delta_bytes=sum(sum(r.size for r in m.refs()) for m in chain[1:]),
-                base_bytes=CheckpointInfo.of(chain[0]).logical_bytes,
-                base_step=chain[0].step,
-            )
+            self._pending, self._force_base, self._state = None, forced, state
 
     def forget(self) -> None:
         """The last commit can no longer be built on (the caller lost track of it): the next save is whole."""
@@ -164,18 +152,12 @@ class DurableWriter:
         payload_bytes: int | None = None,
         parts: Callable[[str | None], Any] | None = None,
     ) -> CheckpointInfo:
-        """Commit ``updates``: whole (a base, chunks shared with the last commit not uploaded again) or a delta
-        over the last commit. Then, for a compacting writer, a new base in storage when ``new_base`` or the rule
-        asks for one, and the retention. Returns the commit of ``updates`` (what the caller acknowledges); a base
-        compacted after it is the next delta's parent (:attr:`last`).
+        """Commit ``updates`` whole or as a delta over the last commit; then, for a compacting writer, a new base
+        in storage when ``new_base`` or the rule asks, and the retention. Returns the commit of ``updates``.
 
-        ``parts``: with PS agents writing their shards' chunks, called inside the open transaction with the
-        checkpoint to dedup against; it returns the part entries that the manifest names.
-        ``payload_bytes``: the logical bytes of the delta, for the rule (default: what the store wrote).
-
-        Raises ``ParentMissingError`` when a delta has no parent (none, or gone from the store): the writer
-        forgets its last commit, the caller's next save must be whole.
-        """
+        ``parts``: called inside the open transaction with the checkpoint to dedup against, it returns the PS agents'
+        part entries. ``payload_bytes``: the delta's logical bytes, for the rule. ``ParentMissingError`` when a delta
+        has no parent: the writer forgets its last commit and the caller's next save must be whole."""
         with self._saving:
             self._resolve()
             last = self.last

@@ -80,12 +80,8 @@ class Collector:
         metric: str | None = None,
         mode: Literal["min", "max"] = "min",
     ) -> GcReport | None:
-        """A writer's retention after each commit (``max_to_keep``, ``keep_checkpoint_every_n_hours``, or a
-        policy file's ``retention:``, whose keys these are).
-
-        Skips the gc (its locks and listing) when nothing can go: no rule, or no more checkpoints than
-        ``keep_last`` (the other rules only keep more). ``None`` when skipped.
-        """
+        """A writer's retention after each commit (a policy file's ``retention:`` keys). Skips the gc when nothing
+        can go (no rule, or no more checkpoints than ``keep_last``); ``None`` then."""
         if keep_last is None and keep_every_hours is None and keep_best is None:
             return None
         if keep_last is not None and len(self.index.checkpoint_ids()) <= keep_last:
@@ -134,11 +130,8 @@ class Collector:
     ) -> tuple[set[str], dict[str, VerifyReport]]:
         """The checkpoints to keep, chosen among those that verify; and every verification done.
 
-        Only the candidates a rule would keep are verified (cached per id, chunks read once across a chain);
-        one that fails is dropped and the rule chooses again, so keep-last N keeps N *restorable*
-        checkpoints and the newest restorable one is always among them. When nothing verifies, everything
-        is kept: gc never deletes what might be the only copy an operator can still salvage.
-        """
+        A candidate the rules keep that fails verification is dropped and the rules choose again, so keep-last N keeps
+        N *restorable* checkpoints. When nothing verifies, everything is kept: it may be the only copy to salvage."""
         reports: dict[str, VerifyReport] = {}
         chunk_results: dict[str, str | None] = {}
 

@@ -216,12 +216,8 @@ class Index:
 
 def full_start(chain: Sequence[Manifest], name: str, whole: Callable[[TensorEntry], bool] = lambda e: e.whole) -> int:
     """Where tensor ``name`` of ``chain[-1]`` is rebuilt from: the index of the newest entry in the chain that is
-    ``whole`` (by default: ``full``, or ``sharded`` with every part ``full``; a row-range read asks whether the
-    entry holds all of its rows).
-
-    Every manifest from there on must list the tensor with the same dtype and shape, else the checkpoint cannot
-    be restored (:class:`CorruptCheckpointError`). Reads nothing: ``verify`` asks this of every tensor too.
-    """
+    ``whole`` (by default ``full``, or ``sharded`` with every part ``full``). Every manifest from there on must list
+    the tensor with the same dtype and shape (:class:`CorruptCheckpointError`). Reads nothing."""
     target = chain[-1].tensors[name]
     for i in range(len(chain) - 1, -1, -1):
         entry = chain[i].tensors.get(name)

@@ -55,15 +55,10 @@ Kind = Literal["full", "delta"]
 def tensor_name_problem(name: str) -> str | None:
     """Why ``name`` cannot name a tensor, or None.
 
-    Names are TF checkpoint keys (``model/embedding/.ATTRIBUTES/VARIABLE_VALUE``, ``_CHECKPOINTABLE_OBJECT_GRAPH``):
-    ``/``-separated paths whose parts TF escapes (a ``.`` in an object's name is ``..`` in its part, a ``/`` is
-    ``.S``). A tool that writes a file per tensor must not be led out of its folder by one, so a name is refused
-    when it is empty, starts with ``/``, has an empty part (``a//b``, a trailing ``/``), a ``.`` or ``..`` part,
-    or a control character (NUL, a newline). TF itself makes such a key only of an odd object graph: a variable
-    that is the root of its ``tf.train.Checkpoint`` (``/.ATTRIBUTES/VARIABLE_VALUE``) or an attribute named ``.``
-    (``model/../.ATTRIBUTES/VARIABLE_VALUE``). A backslash is an ordinary character: psguard runs on POSIX
-    systems, where it separates nothing.
-    """
+    Names are TF checkpoint keys (``model/embedding/.ATTRIBUTES/VARIABLE_VALUE``), ``/``-separated paths; a tool
+    that writes a file per tensor must not be led out of its folder by one, so a name is refused when it is empty,
+    starts with ``/``, has an empty, ``.`` or ``..`` part, or a control character. TF itself makes such a key only
+    of an odd object graph (a variable at the root of its ``tf.train.Checkpoint``, an attribute named ``.``)."""
     if not name:
         return "is empty"
     bad = next((ch for ch in name if unicodedata.category(ch) == "Cc"), None)
@@ -406,13 +401,9 @@ def _lineage(c: _Checker, body: Mapping[str, Any], cid: str) -> tuple[str, str |
 def parse_sharded_entry(
     c: _Checker, kind: str, where: str, t: Mapping[str, Any], dtype: str, shape: tuple[int, ...]
 ) -> TensorEntry:
-    """A ``sharded`` entry's parts, every defect refused before a byte is allocated or read.
-
-    Parts are sorted by offset, contiguous and cover ``[0, shape[0])`` exactly; a ``full`` part's chunks hold
-    whole rows and add up to its rows (so a row range is found from chunk sizes alone); a ``rows`` segment's
-    chunks match its count. Shared by :func:`parse_manifest` and by the commit of parts other processes wrote
-    (``SaveTransaction.commit``), so what is committed is exactly what a reader accepts.
-    """
+    """A ``sharded`` entry's parts, every defect refused before a byte is allocated or read: parts sorted,
+    contiguous, covering ``[0, shape[0])``; a ``full`` part's chunks whole rows adding up to its rows; a segment's
+    chunks matching its count. Shared with ``SaveTransaction.commit``: what is committed is what a reader accepts."""
     if not shape:
         raise c.fail(f"{where} is sharded but has rank 0 (parts are row ranges)")
     if dtype == STRING:
