@@ -1,15 +1,9 @@
 """Big variables created without values while a restore is about to overwrite them (in-process recovery).
 
-Why: after a PS failure the trainer builds its model again, which computes every variable's initial value, and
-the PS strategy sends any initial value not made by a callable from the chief to the PS. For the 1 GB bench job
-that was 5.9 s of a 13.4 s recovery (the table's random values on the PS, the optimizer's accumulators sent from
-the chief), and the restore replaced all of it a moment later. During such a rebuild, variables of at least
-``min_bytes`` are created on their own device without initial values; the manager's restore reports every
-variable it assigned (:func:`note_restored`); until then their values are whatever the memory held (a build that
-reads them before its restore gets neither the model's initial values nor the checkpoint's, as with any deferred
-value); when a deferred one was not assigned (no checkpoint yet, or a variable the checkpoint does not cover),
-:attr:`DeferredInit.complete` is false and the caller builds again the ordinary way. So a restore is never left
-with a variable whose value is neither restored nor its own initial value.
+A rebuilt model computes every initial value and sends it to the PS (5.9 s of a 13.4 s recovery of the 1 GB bench
+job), only for the restore to replace it. During such a rebuild, variables of ``min_bytes`` or more are created
+without values; the restore reports every variable it assigned (:func:`note_restored`), and when one was not
+(no checkpoint, a variable outside it) :attr:`DeferredInit.complete` is false and the caller builds again.
 """
 
 from __future__ import annotations
@@ -55,8 +49,7 @@ class DeferredInit:
         nbytes = shape.num_elements() * dtype.size
         if nbytes < self.min_bytes:
             return next_creator(**kwargs)
-        # Allocated where the variable lives and never written: the restore's assign replaces the buffer whole,
-        # so zeros would only cost a fill of every byte (and the page faults) to be thrown away.
+        # Allocated and never written: the restore's assign replaces the buffer whole.
         kwargs["initial_value"] = lambda: tf.raw_ops.Empty(shape=shape, dtype=dtype, init=False)
         kwargs["dtype"] = dtype
         var = next_creator(**kwargs)
@@ -85,8 +78,7 @@ class DeferredInit:
 
 @contextlib.contextmanager
 def deferred_initial_values(min_bytes: int = MIN_BYTES) -> Iterator[DeferredInit]:
-    """Inside: big variables are created without values, and restores report what they assigned to the yielded
-    record."""
+    """Inside: big variables are created without values; restores report what they assigned to the record."""
     global _active
     tf = lazy_tf()
     record = DeferredInit(min_bytes)

@@ -1,17 +1,10 @@
 """The trainer's side of the durable lag bound (:mod:`psguard.policy.lag`): measure the lag, hold when it is past.
 
-Only the trainer can hold training, and only it knows which captures were due for the durable tier, so the rule is
-enforced here, at the manager's two points of control: right after a save is handed off and at every
-``maybe_save``. A capture counts from the moment it is handed off until its durable answer is in (committed or
-failed). While the oldest such capture would be more than ``max_steps`` behind after the next step (or has waited
-more than ``max_seconds``), the manager waits on its handle.
-
-A failed durable write ends the wait and turns holding off until a durable save succeeds again: an outage must not
-stop training that its memory tier keeps restorable, and TF's own saver would have failed the job instead. So does
-a store that is failing and being retried (the agent says so in the pending answer): the hold ends at the outage's
-start, not at the end of the store's retry deadline. A wait
-also ends when no agent holds the spool any more (its answer can never come). Both are logged once, with what
-the user can do.
+Only the trainer can hold training and knows which captures were due for the durable tier. A capture counts from
+its hand-off until its durable answer is in; after a save and at every ``maybe_save``, while the oldest would be
+more than ``max_steps`` behind (or ``max_seconds``), the manager waits on its handle. A failed durable write, or a
+store being retried, turns holding off until a durable save succeeds (an outage must not stop training its memory
+tier keeps restorable); a wait also ends when no agent holds the spool. Each is logged once.
 """
 
 from __future__ import annotations

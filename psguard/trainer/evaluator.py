@@ -1,30 +1,10 @@
 """``psguard.keras.SidecarEvaluator``: tf_keras' ``SidecarEvaluator`` on a psguard store, following it by deltas.
 
-An evaluator pod runs ``tf.keras.utils.SidecarEvaluator(model, data, checkpoint_dir, ...).start()``: it polls the
-folder's TF state file, restores each newest checkpoint whole (``expect_partial()``) and runs
-``model.evaluate(data, steps=steps, callbacks=callbacks)``, so its callbacks (a ``TensorBoard`` callback's
-``evaluation_*_vs_iterations`` scalars at the restored ``optimizer.iterations``) see every evaluation. On a psguard
-store that loop waits for ever (there is no state file). This class takes the same arguments and does the same
-thing, with one difference: the model is kept at the store's newest commit by a :class:`~psguard.Follower`, which
-reads only the changed rows of the tensors the model holds, not the whole checkpoint each time.
-
-What stays TF's, so the one changed line is the import:
-
-- the restore root: ``tf.train.Checkpoint(model=model, optimizer=model.optimizer)`` for a tf_keras optimizer,
-  else the optimizer as ``Checkpoint(iter=...)`` whose value is then assigned to ``model.optimizer.iterations``
-  (a legacy optimizer; ``RuntimeError`` when the checkpoint has none, as TF raises); a store whose checkpoints
-  have no ``model`` (the model itself checkpointed, as ``ModelCheckpoint(save_weights_only=True)`` writes) is
-  followed with the model as the root, as TF then calls ``model.load_weights``;
-- ``expect_partial()``: what one side has and the other lacks is skipped (``Follower(ignore_missing=True)``);
-  a tensor both hold with another shape or dtype is an error (:class:`~psguard.errors.TensorMismatchError`), not
-  TF's retry for ever;
-- the loop: the newest checkpoint each time (checkpoints committed during an evaluation are skipped), a log line
-  after each 30 s without one, ``evaluate(..., verbose=2)``, the metrics logged, and the stop: after the first
-  checkpoint whose *step* is at least ``max_evaluations`` (TF reads that number off the file name, which is the
-  step for ``psguard export`` and ``psguard publish`` folders and for ``CheckpointManager.save(checkpoint_number=
-  step)``).
-
-A corrupt checkpoint is skipped with a logged reason (the follower's rule) where TF logs and retries.
+The same arguments and loop as ``tf.keras.utils.SidecarEvaluator`` (the one changed line is the import): the restore
+root TF uses, ``expect_partial()`` (``Follower(ignore_missing=True)``; a shape or dtype mismatch is an error), each
+newest checkpoint evaluated with the callbacks, a log line per 30 s without one, and the stop after the first
+checkpoint of step ``max_evaluations`` or later. The model is kept at the newest commit by a
+:class:`~psguard.Follower`, which reads only the changed rows; a corrupt checkpoint is skipped with a logged reason.
 """
 
 from __future__ import annotations
@@ -58,10 +38,8 @@ CHECKPOINT_TIMEOUT_SECONDS = 30.0
 
 
 class SidecarEvaluator:
-    """``tf.keras.utils.SidecarEvaluator`` whose ``checkpoint_dir`` is a psguard store URL (any scheme psguard
-    stores to; ``storage_options`` for its client). ``poll_interval``: seconds between listings of the store
-    when nothing new was there (TF's iterator checks once a second). :attr:`follower` is the follower of the
-    running :meth:`start` (its ``stats``: bytes read, lag from commit to the checkpoint applied)."""
+    """``tf.keras.utils.SidecarEvaluator`` whose ``checkpoint_dir`` is a psguard store URL; ``poll_interval``:
+    seconds between listings; :attr:`follower`: the running :meth:`start`'s follower (its ``stats``)."""
 
     def __init__(
         self,
@@ -87,8 +65,7 @@ class SidecarEvaluator:
         self.follower: Follower | None = None
 
     def start(self) -> None:
-        """Evaluate each newest checkpoint of the store until one of step ``max_evaluations`` or later (for ever
-        when ``None``)."""
+        """Evaluate each newest checkpoint until one of step ``max_evaluations`` or later (``None``: for ever)."""
         with Store.open(self.checkpoint_dir, self.storage_options) as store:
             first = self._first_checkpoint(store)
             root = self._root(store, first)
@@ -112,8 +89,7 @@ class SidecarEvaluator:
         return latest
 
     def _root(self, store: Store, info: CheckpointInfo) -> Any:
-        """TF's restore root (``start`` in tf_keras' sidecar_evaluator.py), or the model itself when the store's
-        checkpoints hold no ``model`` (TF's ``model.load_weights`` then)."""
+        """TF's restore root, or the model itself when the checkpoints hold no ``model`` (TF's ``load_weights``)."""
         if "model" not in {name.split("/")[0] for name in store.manifest(info.id).tensors}:
             if self.model.optimizer is not None and not self._new_optimizer():
                 _ = self.model.optimizer.iterations  # a legacy optimizer makes it on first use; the root tracks it

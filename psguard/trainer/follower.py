@@ -1,24 +1,12 @@
 """A follower of a job's durable log: an evaluator or a server keeps its variables at the newest checkpoint.
 
-An evaluator beside a PS job traditionally reloads the whole model for every checkpoint
-(``tf.train.checkpoints_iterator``): gigabytes read for a 1% change. psguard's log already is a change feed:
-each delta names the rows that changed. A :class:`Follower` holds one checkpoint's state in its own variables
-(a ``tf.train.Checkpoint`` over a model on one machine or on its own PS cluster, partitioned however it likes)
-and moves to a newer checkpoint by applying only the deltas on the way, row by row in place; it reads a full
-checkpoint only when it holds nothing yet, when the chain it holds was compacted away, or when the deltas would
-cost more bytes than the whole.
-
-Guarantees: checkpoints are applied in step order and all-or-nothing. Every chunk of every checkpoint on the
-way is read and verified, and every name, shape and dtype checked against the follower's variables, before the
-first variable is written; a checkpoint that fails verification is skipped with a logged reason (an older one
-that does not depend on it is tried) and never half-applied.
-
-Which checkpoint tensor a variable takes is found as TF's own restore finds it: along the saved object graph
-from the root, by edge names, so an evaluator built another way than the trainer (without the optimizer, a
-Keras 3 functional model whose trainer's checkpoint names its kernels under the optimizer) binds the same
-values. Like TF's ``expect_partial``, a variable the checkpoint does not hold (a compiled evaluator's
-optimizer) is left as it is and reported (``Follower.left_alone``, one log line per checkpoint applied); a
-checkpoint tensor no variable takes is an error unless ``ignore_missing`` names it.
+Rather than reloading the whole model per checkpoint (``tf.train.checkpoints_iterator``), a :class:`Follower`
+moves its variables to a newer checkpoint by applying only the deltas on the way, row by row in place; it reads a
+full checkpoint only when it holds nothing, its chain was compacted away, or the deltas cost more bytes. Applied in
+step order and all or nothing: every chunk on the way is verified and every name, shape and dtype checked before
+the first write; a checkpoint that fails is skipped with a logged reason. Variables bind to checkpoint tensors
+along the saved object graph, as TF's restore does; what the checkpoint lacks is left alone
+(``Follower.left_alone``), a checkpoint tensor nothing takes is an error unless ``ignore_missing`` names it.
 """
 
 from __future__ import annotations
@@ -49,10 +37,7 @@ _SHOWN = 5  # names of tensors left alone in the log line (all of them are in ``
 
 @dataclass
 class FollowStats:
-    """What a follower did: checkpoints applied, bytes read from the store, and how fresh it is.
-
-    ``lag_seconds``: from the commit of the checkpoint last applied to the moment it was applied.
-    """
+    """What a follower did; ``lag_seconds``: from the last applied checkpoint's commit to its application."""
 
     applied: int = 0
     bytes_read: int = 0
@@ -65,11 +50,8 @@ class FollowStats:
 class Follower:
     """Keep ``checkpoint``'s variables at the newest committed checkpoint of the store at ``url``.
 
-    ``ignore_missing``: names of path components (``("optimizer",)``) whose tensors the follower may lack
-    (a serving model without optimizer slots), or ``True`` for any tensor (TF's ``expect_partial()`` both ways,
-    as ``SidecarEvaluator`` restores); anything else in the checkpoint but not in the follower, or of another
-    shape or dtype in both, is a :class:`TensorMismatchError`. What the follower holds and the checkpoint does
-    not is left alone and listed in :attr:`left_alone`. A tensor the follower does not take is never read.
+    ``ignore_missing``: path components (``("optimizer",)``) whose tensors the follower may lack, or ``True`` for
+    any (TF's ``expect_partial()``); anything else unmatched is a :class:`TensorMismatchError`.
     """
 
     def __init__(
@@ -93,8 +75,7 @@ class Follower:
         self.verify_hash = verify_hash
         self.stats = FollowStats()
         self.held: CheckpointInfo | None = None
-        #: The follower's tensors the checkpoint held does not have, left at their values (TF's
-        #: ``expect_partial``): a compiled evaluator's optimizer, say. Sorted names; set at every checkpoint applied.
+        #: The follower's tensors the checkpoint held does not have, left at their values (sorted names).
         self.left_alone: list[str] = []
         self._graph: Any = None  # the object graph of the checkpoint held (a TrackableObjectGraph)
         self._binding: dict[str, str] | None = None  # its checkpoint key of each tensor of the follower it holds
@@ -123,14 +104,8 @@ class Follower:
     def checkpoints(
         self, *, timeout: float | None = None, stop: threading.Event | None = None
     ) -> Iterator[CheckpointInfo]:
-        """Each newer checkpoint, once the follower's variables hold it: psguard's ``tf.train.checkpoints_iterator``.
-
-        As TF's iterator yields the newest checkpoint of the folder each time, this yields the newest committed
-        checkpoint each time it applied one (checkpoints that landed together are applied in one go, their deltas
-        in step order, and the newest is yielded), never the same one twice, never an older one. Ends when
-        ``stop`` is set, or when ``timeout`` seconds pass without a newer checkpoint (``None``: never). The
-        caller's work on one checkpoint (an evaluation) runs before the next poll, as with TF's iterator.
-        """
+        """Each newest checkpoint once the follower's variables hold it (psguard's ``checkpoints_iterator``), never
+        one twice or an older one; ends when ``stop`` is set or ``timeout`` seconds pass without a newer one."""
         stop = stop or threading.Event()
         waited_since = time.monotonic()
         while not stop.is_set():
@@ -174,8 +149,7 @@ class Follower:
         infos = list_tensors(self._checkpoint)
         bound, left_alone = self._check(infos, binding, _described(chain[-1]), info.id)  # before reading a byte
         taken = list(bound)  # only these tensors' chunks are read, deltas or whole
-        # A delta changes what the follower holds only when each of its variables held the same checkpoint
-        # tensor before: a variable the graph binds afresh (the trainer's layout changed) needs its whole value.
+        # Deltas apply only when every variable is bound as before (else it needs its whole value).
         deltas = on_the_way is not None and binding == self._binding
         if deltas and on_the_way is not None and delta_bytes(on_the_way, taken) <= full_bytes(chain, taken):
             self._apply_deltas(infos, on_the_way, binding)
@@ -188,29 +162,16 @@ class Follower:
         self.stats.applied += 1
         self.stats.step = info.step
         self.stats.lag_seconds = max(0.0, time.time() - info.committed_at)
-        log.info(
-            "follower: at step %d (%s) via %s; lag %.2fs",
-            info.step,
-            info.id,
-            "deltas" if on_the_way is not None else "a full read",
-            self.stats.lag_seconds,
-        )
+        via = "deltas" if on_the_way is not None else "a full read"
+        log.info("follower: at step %d (%s) via %s; lag %.2fs", info.step, info.id, via, self.stats.lag_seconds)
         if left_alone:
-            shown = ", ".join(left_alone[:_SHOWN]) + (
-                f" and {len(left_alone) - _SHOWN} more" if len(left_alone) > _SHOWN else ""
-            )
-            log.info(
-                "follower: left %d tensor(s) of the model alone, not in checkpoint %s (step %d): %s",
-                len(left_alone),
-                info.id,
-                info.step,
-                shown,
-            )
+            more = f" and {len(left_alone) - _SHOWN} more" if len(left_alone) > _SHOWN else ""
+            what = f"{len(left_alone)} tensor(s) of the model alone, not in checkpoint {info.id} (step {info.step})"
+            log.info("follower: left %s: %s", what, ", ".join(left_alone[:_SHOWN]) + more)
 
     def _graph_of(self, chain: Sequence[Manifest]) -> Any:
-        """The object graph (a ``TrackableObjectGraph``) of the newest checkpoint of ``chain``; ``None`` when it
-        was written without one. Not read again while it is the held checkpoint's: a trainer writes it anew only
-        when its layout changes."""
+        """The object graph of the newest checkpoint of ``chain`` (``None``: written without one); not read again
+        while it is the held checkpoint's."""
         from google.protobuf.message import DecodeError
         from tensorflow.core.protobuf import trackable_object_graph_pb2
 
@@ -270,9 +231,8 @@ class Follower:
         cid: str,
     ) -> tuple[dict[str, TensorInfo], list[str]]:
         """The follower's tensors that checkpoint ``cid`` holds, by checkpoint key, and the names of those it
-        does not hold (left alone, as TF's ``expect_partial``); a :class:`TensorMismatchError` listing every
-        tensor of both whose shape or dtype differs, and every tensor of the checkpoint no variable takes
-        (unless ``ignore_missing`` names it)."""
+        does not (left alone); :class:`TensorMismatchError` for every shape or dtype that differs and every
+        tensor of the checkpoint no variable takes (unless ``ignore_missing`` names it)."""
         problems: list[str] = []
         bound: dict[str, TensorInfo] = {}
         for name, info in infos.items():
@@ -294,20 +254,12 @@ class Follower:
                 + "\n  ".join(problems)
             )
         held = {info.name for info in bound.values()}
-        left_alone = [
-            name
-            for name, info in infos.items()
-            if name not in held and (info.alias_of is None or info.alias_of not in held)
-        ]
-        return bound, sorted(left_alone)
+        return bound, sorted(n for n, i in infos.items() if n not in held and (i.alias_of or n) not in held)
 
 
 def _binding(root: Any, graph: Any) -> dict[str, str]:
     """The checkpoint key of each of ``root``'s tensors that the saved object graph ``graph`` holds, found as TF's
-    own restore finds it: from the root along edges of the same names, whichever path each side names a
-    variable by. (A Keras 3 functional model's kernel is ``model/_operations/1/_kernel`` in an evaluator and
-    ``optimizer/_trainable_variables/0`` in its trainer's checkpoint, the shorter path there.) Without a
-    graph, each tensor's own name."""
+    restore finds it: from the root along edges of the same names (without a graph: each tensor's own name)."""
     if graph is None:
         return {name: name for name, _ in gather_variables(root)}
     from tensorflow.python.checkpoint import graph_view, util
@@ -337,10 +289,8 @@ def _binding(root: Any, graph: Any) -> dict[str, str]:
                 node_of[id(objects[slot.slot_variable_node_id])] = saved[original, slot.slot_name]
     keys: dict[str, str] = {}
     for name, obj in gather_variables(root):
-        if id(obj) not in node_of:
-            continue
-        saved_keys = [a.checkpoint_key for a in graph.nodes[node_of[id(obj)]].attributes if a.name == "VARIABLE_VALUE"]
-        if saved_keys:
+        attributes = graph.nodes[node_of[id(obj)]].attributes if id(obj) in node_of else ()
+        if saved_keys := [a.checkpoint_key for a in attributes if a.name == "VARIABLE_VALUE"]:
             keys[name] = saved_keys[0]
     return keys
 
@@ -390,12 +340,10 @@ def delta_bytes(manifests: Sequence[Manifest], names: Collection[str]) -> int:
     return sum(ref.size for m in manifests for name, e in m.tensors.items() if name in names for ref in e.refs())
 
 
-def full_bytes(chain: Sequence[Manifest], names: Sequence[str] | None = None) -> int:
-    """Bytes a full read of the newest checkpoint of ``chain`` reads: each tensor from its newest whole value.
-    A follower reads the deltas on the way instead when they cost no more (:func:`delta_bytes`)."""
+def full_bytes(chain: Sequence[Manifest], names: Sequence[str]) -> int:
+    """Bytes a full read of the newest checkpoint of ``chain`` reads: each tensor from its newest whole value."""
     total = 0
-    target = chain[-1]
-    for name in names if names is not None else list(target.tensors):
+    for name in names:
         for m in reversed(chain):
             entry = m.tensors.get(name)
             if entry is None:

@@ -1,11 +1,6 @@
-"""The restore's PS-side load: one TensorFlow function, called once, that reads every shard's file on its own PS,
-assigns the shards the chief holds, and rebases (:func:`load_function`; :func:`run_load` calls it, mapping the
-agents' tier files where it can).
-
-One function rather than a load, eager assigns and a rebase: each function is traced and instantiated on the PS at
-its first call in a new generation, and after a PS restart that was 0.08 s of a 0.47 s restore for the rebase alone
-at 1 GB (0.007 s once instantiated). It ends with the rebase of :mod:`psguard.trainer.capture_graph`, whose
-functions it is kept beside (``Functions.loads``, per plan).
+"""The restore's PS-side load: one TensorFlow function that reads every shard's file on its own PS, assigns the
+shards the chief holds, and rebases (:func:`load_function`; :func:`run_load` calls it). One function, not three:
+each is instantiated on the PS at its first call after a restart, on the recovery's path.
 """
 
 from __future__ import annotations
@@ -41,9 +36,8 @@ def trace_load(
     given: tuple[tuple[int, int], ...],
     variables: Any,
 ) -> None:
-    """Trace :func:`load_function` for shards ``which``, each with its fingerprints, and ``given`` on
-    ``variables`` (:meth:`Capturer._trace_load` says why). A failure is left for the restore to report (it
-    traces then)."""
+    """Trace :func:`load_function` for shards ``which``, each with its fingerprints, and ``given``; a failure is
+    left for the restore to report."""
     tf = lazy_tf()
     try:
         load = load_function(fns, which, (True,) * len(which), given, (can_map(),) * len(which))
@@ -59,31 +53,17 @@ def trace_load(
 def load_function(
     fns: Functions,
     which: tuple[tuple[int, int], ...],
-    with_fps: tuple[bool, ...] | None = None,
-    given: tuple[tuple[int, int], ...] = (),
-    mapped: tuple[bool, ...] | None = None,
+    fps_of: tuple[bool, ...],
+    given: tuple[tuple[int, int], ...],
+    mapped_of: tuple[bool, ...],
 ) -> Any:
     """The whole restore of a PS-side snapshot as one function, called with (paths, fingerprint paths, values,
-    variables): it reads shards ``which`` ((tensor, shard) indices in ``fns.plan``) from files on their PS,
-    assigns shards ``given`` the values the chief passes (the tensors it holds), then rebases every shard not
-    read from a file, and returns the gap :meth:`Capturer.rebase` keeps.
-
-    One function rather than a load, eager assigns and a rebase: each function is traced and instantiated on the
-    PS at its first call in a new generation, and after a PS restart that was 0.08 s of a 0.47 s restore for the
-    rebase alone at 1 GB (0.007 s once instantiated). All or nothing as before: every file is read and of the right
-    shape before anything is assigned.
-
-    ``with_fps`` (per shard of ``which``): its agent kept the rows' fingerprints (a bundle of int64, one per
-    row), which are loaded into the shard's fingerprint variable instead of hashing every row after the assign.
-    The values are exact either way; a wrong fingerprint only makes the next capture send that row again, or,
-    equal to the row's next hash by a 2**-64 chance, miss it until the next full capture.
-
-    ``mapped`` (per shard of ``which``): its file is its agent's own tier file, which the PS maps instead of
-    reading (:mod:`psguard.handoff.mapped`; the op must be loaded in this process and on the PS).
+    variables): reads shards ``which`` ((tensor, shard) indices in ``fns.plan``) from files on their PS (each,
+    per ``fps_of``, with its rows' fingerprints kept by its agent, and per ``mapped_of`` mapped from its agent's
+    tier file), assigns shards ``given`` the chief's values, rebases the rest and returns the gap. Every file is
+    read and checked before anything is assigned.
     """
     plan = fns.plan
-    fps_of = with_fps or (False,) * len(which)
-    mapped_of = mapped or (False,) * len(which)
     key = (which, fps_of, given, mapped_of)
     with _LOADS_LOCK:
         fn = fns.loads.get(key)
@@ -134,9 +114,7 @@ class _PsLoad:
         for k, (i, j) in enumerate(self.which):
             t, s = self.plan.tensors[i], self.plan.tensors[i].shards[j]
             with tf.device(s.device):
-                # A one-tensor bundle (psguard.handoff.tensor_bundle): RestoreV2 reads the values straight into
-                # the tensor and checks their CRC32C and dtype; a tier file is mapped instead, no copy. The reshape
-                # checks the size, before any assign.
+                # A one-tensor bundle, CRC32C and dtype checked by RestoreV2 (or mapped); the reshape checks the size.
                 if self.mapped_of[k] and self.mapper is not None:
                     value = self.mapper(paths[k], dtype=tf.as_dtype(t.dtype), key=BUNDLE_KEY, verify=False)
                 else:
@@ -160,8 +138,7 @@ class _PsLoad:
         var, fp_var, dirty_rows, dirty_whole, live = v
         with tf.device(s.device):
             assigned = var.assign(value, read_value=False)
-            # The rebase, hashed from the variable once assigned: the assign is then the value's only reader and
-            # takes its buffer instead of copying it (1 GB over 2 PS: 2.1 s against 2.5 s).
+            # Hashed from the variable once assigned, so the assign takes the value's buffer instead of copying it.
             with tf.control_dependencies([assigned]):
                 if fp is not None:
                     done = fp_var.assign(fp, read_value=False)
@@ -191,13 +168,9 @@ def run_load(
     values: tuple[Any, ...],
     variables: Any,
 ) -> tuple[Any, int]:
-    """Call :func:`load_function` for ``shards`` ((tensor, shard), file, fingerprints' file or None, its agent's
-    own tier file) and ``given`` (their ``values``); returns its gap and how many shards the PS mapped.
-
-    A tier file is mapped when :func:`can_map`. A PS started without the op (a PS psguard did not start, or an
-    older psguard's) fails the function's instantiation, before anything ran: the load is made again reading
-    every file, and this process maps nothing more.
-    """
+    """Call :func:`load_function` for ``shards`` ((tensor, shard), file, fingerprints' file or None, mappable)
+    and ``given`` (their ``values``); returns its gap and how many shards the PS mapped. A PS without the map op
+    fails before anything ran: the load is made again reading every file, and nothing more is mapped."""
     tf = lazy_tf()
     which = tuple(ij for ij, _, _, _ in shards)
     paths = tf.constant([p for _, p, _, _ in shards], dtype=tf.string)

@@ -1,10 +1,8 @@
 """This process's checkpoint managers and the steps they saw: what a recovery needs to know of them.
 
-Recovery (:mod:`psguard.trainer.recovery`) happens outside any one manager: the failed generation's managers
-are the user's, built in the user's ``build``, and the failure is seen in the user's ``train``. So every
-:class:`~psguard.CheckpointManager` registers here when it opens, and notes every step it saves; recovery asks
-this one object (:data:`process_managers`) when the failed generation last ran, which step it reached, and
-has it release the generation's managers. The interpreter's exit hook asks it too (managers nobody closed).
+Recovery happens outside any one manager (the user's ``build`` makes them, the user's ``train`` sees the failure),
+so every :class:`~psguard.CheckpointManager` registers here and notes every step it saves; recovery and the exit
+hook ask this one object (:data:`process_managers`).
 """
 
 from __future__ import annotations
@@ -41,17 +39,12 @@ class ManagerRegistry:
     steps they saw. One per process: :data:`process_managers`."""
 
     def __init__(self) -> None:
-        # The highest step each store directory's managers in this process saw (maybe_save/save). A manager built
-        # after a failure (in-process rejoin) or the failing trainer's last report (exit_for_restart) compares it
-        # with the step it restores to tell the agent how many steps were lost: the only party that knows both.
+        # The highest step each store directory's managers saw: the steps a restore lost are counted from it.
         self._seen_lock = threading.Lock()
         self._seen_steps: dict[str, int] = {}
-        # When a manager of this process last saw a step of the running trainer generation (None: none since it
-        # began). That generation connected to every PS before: a PS process started after this time holds none
-        # of its state.
+        # When a manager last saw a step of the running generation (None: none since it began).
         self._step_seen_at: float | None = None
-        # Each open manager's sink, weakly too: a sink may hold its manager (a callback), and a strong value
-        # would then keep the manager, its key, alive for ever. The manager holds its sink for its whole life.
+        # Each open manager's sink, weakly too: a sink may hold its manager, which would then live for ever.
         self._open: weakref.WeakKeyDictionary[Manager, weakref.ref[Writes]] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------------ managers' side
@@ -84,22 +77,14 @@ class ManagerRegistry:
             return max(self._seen_steps.values(), default=None)
 
     def generation_ran_at(self) -> float | None:
-        """When the running trainer generation last made a step a manager saw (``time.time()``); ``None`` if none.
-
-        A fact for the recovery plan's failure moment (:func:`psguard.handoff.plan.failure_moment` says why).
-        """
+        """When the running generation last made a step a manager saw (``time.time()``; ``None``: none)."""
         with self._seen_lock:
             return self._step_seen_at
 
     def release_after_failure(self, timeout: float = 30.0) -> None:
-        """Close every open manager of a generation that a cluster failure ended, for an in-process rejoin.
-
-        Saves handed to a sidecar are not waited for: the agent finishes them whether or not this generation
-        lives, and waiting for a durable write of 1 GB that happened to be running added a second to every
-        recovery. A manager that writes the log itself finishes its pending write (up to ``timeout``), as
-        :meth:`~psguard.CheckpointManager.close` would. Failures of the old generation's saves are expected after a
-        failure: they are logged, not raised.
-        """
+        """Close every open manager of a generation a cluster failure ended, logging (not raising) its failures.
+        Saves handed to a sidecar are not waited for (the agent finishes them); a manager's own writes are, up
+        to ``timeout``."""
         with self._seen_lock:
             self._step_seen_at = None  # the next generation's steps are its own
         for manager, writes in self._open_now():
@@ -142,12 +127,7 @@ class ManagerRegistry:
 
     def _open_now(self) -> list[tuple[Manager, Writes]]:
         """The open managers and their sinks at this moment (a copy: closing a manager unregisters it)."""
-        out = []
-        for manager, ref in list(self._open.items()):
-            writes = ref()
-            if writes is not None:  # always, while the manager lives: it holds its sink
-                out.append((manager, writes))
-        return out
+        return [(manager, writes) for manager, ref in list(self._open.items()) if (writes := ref()) is not None]
 
 
 #: This process's registry, which every manager and recovery use.

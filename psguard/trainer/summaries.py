@@ -1,28 +1,11 @@
-"""psguard's figures in TensorBoard: the chief writes its own scalars with ``tf.summary`` beside the loss curves.
+"""psguard's figures in TensorBoard: the chief writes its own scalars with ``tf.summary`` beside the loss curves,
+each at the training step it happened at: ``psguard/capture_stall_seconds``, ``psguard/save_bytes`` (what a save
+handed off), ``psguard/held_seconds`` (waiting for the durable log), ``psguard/durable_lag_steps`` and
+``psguard/durable_lag_seconds`` (after a save), ``psguard/restores/{memory,durable}``, ``psguard/restore_seconds``
+and ``psguard/lost_steps`` (steps trained past the restored state, when this process knows them).
 
-Users look at their job in TensorBoard; the agent's figures are in Prometheus and the logs. So the trainer, which
-sees every save and restore, writes what it knows of them into a log folder, each at the training step it
-happened at:
-
-==================================  =====================================================================
-``psguard/capture_stall_seconds``   training stood still for the capture of the save at this step
-``psguard/save_bytes``              what the save handed off (changed rows and ids, whole tensors, rows
-                                    written into files on the PS nodes, the object graph when it changed)
-``psguard/held_seconds``            how long training waited here for the durable log (``durable_lag``)
-``psguard/durable_lag_steps``,      how far training is past the oldest save still waiting to be durable,
-``psguard/durable_lag_seconds``     after this step's save
-``psguard/restores/memory``,        1 at the step a restore took, by its source (the agent's memory tier
-``psguard/restores/durable``        or the durable log)
-``psguard/restore_seconds``         how long that restore took in this process
-``psguard/lost_steps``              steps this process had trained past the state it restored (known when
-                                    it trained before the restore: an in-process rejoin, an older id)
-==================================  =====================================================================
-
-Writing is off unless a folder is named (``ManagerOptions(summaries=folder)``; the Keras callback names
-``<TensorBoard log_dir>/psguard``), so a job that does not ask pays one ``None`` check per save. The writer is
-made at the first scalar (no event file for a manager that never saves or restores) and flushed and closed with
-the manager. It never raises into training: the first failure (a folder that cannot be made, a full disk) is
-logged once and turns writing off, as a lost figure must not cost a step.
+Off unless a folder is named (``ManagerOptions(summaries=...)``); the writer is made at the first scalar and
+closed with the manager. It never raises into training: the first failure is logged once and turns writing off.
 """
 
 from __future__ import annotations
@@ -60,19 +43,14 @@ class Summaries:
         self._off = False
         self._captured_at: int | None = None  # the step of the last capture: its hold is written too
 
-    @property
-    def writing(self) -> bool:
-        """False once a failure turned writing off."""
-        return not self._off
-
     def captured(self, step: int, stall_seconds: float, nbytes: int) -> None:
         """A save at ``step`` stalled training ``stall_seconds`` and handed off ``nbytes``."""
         self._captured_at = step
         self._write(step, {"psguard/capture_stall_seconds": stall_seconds, "psguard/save_bytes": nbytes})
 
     def held(self, step: int, seconds: float, lag: Callable[[], LagStatus]) -> None:
-        """Training at ``step`` waited ``seconds`` for the durable log. Written at a save's step (with the lag
-        after it) and at any step that waited; ``lag`` is asked only then, not at every step."""
+        """Training at ``step`` waited ``seconds`` for the durable log; written at a save's step (with ``lag()``
+        after it) and at any step that waited."""
         if step != self._captured_at and seconds <= 0:
             return
         scalars: dict[str, float] = {"psguard/held_seconds": seconds}
@@ -105,8 +83,7 @@ class Summaries:
         try:
             if self._writer is None:
                 self._writer = tf.summary.create_file_writer(self.logdir)
-            # record_if(True): the Keras TensorBoard callback records only every update_freq-th step while it
-            # trains (its own record_if, still in force in the callbacks that run after it).
+            # record_if(True): the Keras TensorBoard callback's own record_if may still be in force.
             with self._writer.as_default(), tf.summary.record_if(True):
                 for tag, value in scalars.items():
                     tf.summary.scalar(tag, float(value), step=int(step))
@@ -131,7 +108,7 @@ def handed_off_bytes(
     updates: Mapping[str, TensorUpdate], parts: Iterable[PartCapture], tensors: Mapping[str, TensorInfo]
 ) -> int:
     """The bytes a capture handed off: whole values, changed rows and their ids, and the rows the PS nodes
-    wrote into files (``parts``, sized by the tensors they belong to, ``tensors``: the capturer's)."""
+    wrote into files (``parts``, sized by the capturer's ``tensors``)."""
     total = 0
     for update in updates.values():
         if isinstance(update, Full):

@@ -1,21 +1,10 @@
 """A warm trainer: the next trainer process, started ahead of need with TensorFlow imported, waiting to run the
-user's script.
+user's script (starting Python and importing TensorFlow was most of a trainer restart: 5.7-8.0 s).
 
-A trainer that cannot rejoin in process (no model factory: ``exit_for_restart``, or any crash) is restarted by its
-``psguard agent``, and most of that restart was starting Python and importing TensorFlow again (measured under
-``psguard wrap`` with the unmodified custom-loop example: 5.7-8.0 s from a kill -9 of the trainer to its next
-capture). The agent keeps one such process ready instead, as it does for the PS and worker servers
-(:mod:`psguard.agent.process.standby`): ``python -m psguard.trainer.warm SCRIPT ARGS...`` (or ``-m MODULE ARGS...``)
-imports TensorFlow, says it is ready, and blocks on stdin. On ``go`` it reads the environment the trainer must
-have *now* (one JSON line: the agent may have learnt things since the standby started, such as the PS-side
-shard folders), replaces its own with it, and runs the script as ``python SCRIPT ARGS...`` would: as
-``__main__``, with ``sys.argv`` and ``sys.path[0]`` set the same way. End of file instead of ``go``: nobody
-needs it any more, it exits 0.
-
-What differs from a cold start, and why it is safe: modules imported before the script runs (TensorFlow and
-what it imports) were initialised under the environment the standby was started with, which is the agent's
-environment for the task minus what it learnt later; those are only psguard's own variables, which TensorFlow
-does not read.
+``python -m psguard.trainer.warm SCRIPT ARGS...`` (or ``-m MODULE ARGS...``) imports TensorFlow, says it is ready
+(:mod:`psguard.handoff.standby`) and blocks on stdin. On ``go`` it reads the environment the trainer must have now
+(one JSON line), replaces its own with it and runs the script as ``python SCRIPT ARGS...`` would; end of file
+instead: it exits 0. Only psguard's own variables can differ from a cold start, and TensorFlow reads none.
 """
 
 from __future__ import annotations
