@@ -336,8 +336,7 @@ class ShardKeeper(CopyOwner):
                 self._read_copy_into,
                 self.files.write_rows,
             )
-            for name in list(arrays):  # fetched into tier files already; any that could not get one moves now
-                arrays[name] = self.files.adopt(arrays[name])
+            arrays = {n: self.files.adopt(a) for n, a in arrays.items()}  # any not fetched into a tier file moves
         except CorruptCheckpointError as e:
             log.error("event=peer_copy_refused task=%s holder=%s error=%r", self.task, holder, str(e))
             return {"status": "refused", "message": str(e)}
@@ -349,11 +348,8 @@ class ShardKeeper(CopyOwner):
             if "fp_of" in t:
                 fps[str(t["fp_of"])] = arrays.pop(str(t["name"]))
                 continue
-            key = t["key"]
-            layout[str(t["name"])] = (
-                ShardKey(str(key[0]), int(key[1]), int(key[2])),
-                tuple(int(x) for x in t["shape"]),
-            )
+            k = t["key"]
+            layout[str(t["name"])] = (ShardKey(str(k[0]), int(k[1]), int(k[2])), tuple(int(x) for x in t["shape"]))
         with self._lock:
             self._void_take()
             metadata = info.get("metadata")
@@ -365,13 +361,11 @@ class ShardKeeper(CopyOwner):
                 metadata=metadata if isinstance(metadata, dict) else {},
             )
             self._keys = layout
-            # The fingerprints the copy held (shard_copy.py): this PS then loads them instead of hashing its rows.
             fps_kept = self._seed_fps(int(info["step"]), token, fps)
-            # The owner's digests the copy was verified against: the next capture's delta updates them, and goes
-            # to the holder it came from without a whole copy first (CopySender.synced_with).
-            self._digests = digests_from(info.get("digests")) if "digests" in info else None
-            if fps and not fps_kept:
-                self._digests = None  # they name fingerprints this tier does not follow: the next copy is whole
+            # The digests the copy was verified against: the next delta updates them and goes to the same holder
+            # without a whole copy first; unless they name fingerprints this tier does not follow.
+            ok = "digests" in info and (fps_kept or not fps)
+            self._digests = digests_from(info.get("digests")) if ok else None
             if self.sender is not None and self._digests is not None:
                 self.sender.synced_with(holder, int(info["step"]), token)
             self._pulls += 1

@@ -1,10 +1,8 @@
 """The agent's answers to a trainer's restore requests through the spool (the protocol: :mod:`psguard.handoff.spool`).
 
-An answer is the memory tier's export: the chief's tensors as files in the spool, each PS's shards written by its
-own agent on its node (``parts``), asked for ahead of the request when a new generation starts
-(:meth:`RestoreAnswers.export_ahead`: the PS agents write while the PS restart and the trainer rebuilds). A request
-naming a durable checkpoint has every tier load it from the log first, unless the recovery plan says that would
-lose a newer state the tiers still hold (then the answer is ``newer``).
+An answer is the memory tier's export: the chief's tensors as files in the spool, and each PS's shards written by
+its own agent (``parts``), asked for ahead when a new generation starts. A request naming a durable checkpoint has
+every tier load it first, unless the recovery plan says that would lose a newer state (then: ``newer``).
 """
 
 from __future__ import annotations
@@ -82,15 +80,10 @@ class RestoreAnswers:
         self._ahead: _Ahead | None = None  # the export ahead of the next restore (export_ahead)
 
     def export_ahead(self, only: Sequence[str] | None = None) -> threading.Thread | None:
-        """Have every PS agent (or those in ``only``) write its restore files for the tier's state now, in the
-        background.
-
-        Called when a new trainer generation is about to start (PS restarts, then a rebuild, then a restore):
-        the PS agents write while the PS restart and the trainer rebuilds, and the restore that follows takes
-        this export's answer instead of asking again (:meth:`_export_parts`: once, for the same state and every
-        PS). A replacement agent (its node lost) fetches its shards from the peer holding its copy then
-        (:meth:`ShardClient.export`). Returns the thread, or None when there is nothing to export.
-        """
+        """Have every PS agent (or those in ``only``) write its restore files for the tier's state now, in a
+        thread (returned; None: nothing to export), while the PS restart and the trainer rebuilds: the restore
+        that follows takes this answer (:meth:`_export_parts`), and a replacement agent fetches its shards from
+        its peer copy meanwhile."""
         shards, token = self.shards, self.tier.token
         if shards is None or not shards.active or token is None:
             return None
@@ -119,10 +112,8 @@ class RestoreAnswers:
         return thread
 
     def _export_parts(self, shards: ShardClient, token: str) -> list[dict[str, Any]]:
-        """Every PS agent's restore files for state ``token``: the export ahead's answer when it was for this
-        state and every PS and gave one (waited for if still running), else an export now. The answer ahead
-        serves one restore only: a later one asks the PS agents again, which also tells whether they still
-        hold the state."""
+        """Every PS agent's restore files for state ``token``: the export ahead's answer when it was for this state
+        and every PS (waited for), once; else an export now."""
         with self._ahead_lock:
             ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead.token == token and ahead.tasks == frozenset(shards.active):
@@ -184,12 +175,8 @@ class RestoreAnswers:
         return doc.get("step"), status
 
     def _load_durable(self, wanted: Mapping[str, Any], last_id: str | None) -> None:
-        """Bring every tier to a durable checkpoint, each PS's agent reading its own rows of it from the log.
-
-        For a trainer that cannot restore from the memory tiers (a PS's node and its tier were lost): the
-        chief's tier takes the small tensors, each PS's agent the rows its PS hosts now, all under the
-        checkpoint's token, so the trainer's next capture is a delta again. Then the normal export answers.
-        """
+        """Bring every tier to a durable checkpoint (the chief's the small tensors, each PS agent's the rows its PS
+        hosts now) under its token, for a trainer that cannot restore from the memory tiers; the export follows."""
         checkpoint = wanted.get("checkpoint")
         raw = wanted.get("shards")
         if not isinstance(checkpoint, str) or not is_checkpoint_id(checkpoint):
@@ -225,12 +212,9 @@ class RestoreAnswers:
 
     def _refuse_over_newer(self, checkpoint: str, step: int) -> None:
         """Raise :class:`NewerInMemoryError` when the recovery plan restores a newer state than ``checkpoint``
-        (:meth:`psguard.handoff.plan.RecoveryPlan.loses`): the tiers hold one and every PS agent still gives it.
-        The trainer asked for the log because its memory restore failed, and a failure that was not the tiers'
-        (a PS restarted under the export, an agent slow to answer) must not have the log overwrite acknowledged
-        saves (a CI soak restored the log's step 6200 as "memory" over the acknowledged 6265). Only a PS agent
-        that answers it holds no such state (its node lost, no peer copy) lets the log in; one that cannot
-        answer stops the load (it would fail on that agent too)."""
+        (:meth:`psguard.handoff.plan.RecoveryPlan.loses`): a memory restore that failed for another reason than
+        the tiers must not have the log overwrite acknowledged saves. Only PS agents that answer they hold no
+        such state let the log in; one that cannot answer stops the load."""
         token, newer, shards = self.tier.token, self.tier.step, self.shards
         if token is None or newer is None or shards is None or not shards.active:
             return
