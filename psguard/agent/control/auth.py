@@ -1,6 +1,6 @@
 """Who may call the agent: bearer credentials and the scopes they grant.
 
-Two scopes: ``read`` (``GET /metrics``, ``/status`` and registered GETs) and ``control`` (every POST:
+Two scopes: ``read`` (``GET /metrics`` and ``/status``) and ``control`` (every POST:
 ``/restart``, ``/failure``, ``/recovery``, ``/new-generation``). An :class:`Authenticator` turns the credential of
 an ``Authorization: Bearer`` header into the scopes it grants, or ``None`` when it does not accept it.
 

@@ -7,7 +7,6 @@ path         scope      answer
 /readyz      none       200 when every readiness check passes, else 503; the body lists the checks
 /metrics     read       the registry in Prometheus text format 0.0.4
 /status      read       JSON from the agent's status callable
-(GET added)  read       GET handlers the agent registers
 (POST)       control    POST handlers the agent registers (``/restart``, ``/failure``, ``/recovery`` ...)
 ===========  =========  =====================================================================================
 
@@ -203,7 +202,6 @@ class AgentHTTPServer:
         self.request_timeout = request_timeout
         self.workers = workers
         self._lock = threading.Lock()
-        self._get: dict[str, Handler] = {}
         self._post: dict[str, Handler] = {}
         self._binary_max: dict[str, int] = {}  # POST routes that take raw bytes, and their limit
         self._listener: socket.socket | None = None
@@ -223,23 +221,14 @@ class AgentHTTPServer:
         ``binary_max``: the route also takes ``application/octet-stream`` bodies up to that many bytes (the
         peer copies' data between agents); JSON bodies keep the server's ``max_body``.
         """
-        self._add(self._post, path, handler)
-        if binary_max is not None:
-            self._binary_max[path] = binary_max
-
-    def add_get(self, path: str, handler: Handler) -> None:
-        """Serve ``GET path`` with ``handler`` (the ``read`` scope required unless ``open_read``)."""
-        if path in BUILTIN_PATHS:
-            raise ValueError(f"{path} is built in")
-        self._add(self._get, path, handler)
-
-    def _add(self, table: dict[str, Handler], path: str, handler: Handler) -> None:
         if not path.startswith("/") or "?" in path:
             raise ValueError(f"a route is a path starting with '/', got {path!r}")
         with self._lock:
-            if path in table:
+            if path in self._post:
                 raise ValueError(f"{path} already has a handler")
-            table[path] = handler
+            self._post[path] = handler
+            if binary_max is not None:
+                self._binary_max[path] = binary_max
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -507,13 +496,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             if refusal is not None:
                 return refusal
             if method == "GET":
-                response = agent._builtin(path)
-                if response is not None:
-                    return response
-                handler = agent._get.get(path)
-                if handler is None:
-                    return self._not_found(agent, path, method)
-                return self._call(handler, method, parts, b"")
+                return agent._builtin(path) or self._not_found(agent, path, method)
             handler = agent._post.get(path)
             if handler is None:
                 return self._not_found(agent, path, method)
@@ -529,7 +512,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     @staticmethod
     def _not_found(agent: AgentHTTPServer, path: str, method: str) -> Response:
-        other = agent._post if method == "GET" else {**agent._get, **dict.fromkeys(BUILTIN_PATHS)}
+        other = agent._post if method == "GET" else BUILTIN_PATHS
         if path in other:
             return Response(405, {"error": f"{method} not allowed on {path}"})
         return Response(404, {"error": f"no such endpoint: {path}"})
