@@ -90,23 +90,15 @@ class LagGuard:
             if began is None:
                 began, next_line = self._clock(), self._clock() + self._progress_every
                 self._holds += 1
-                log.info(
-                    "event=durable_hold step=%d waiting_for=%d: training waits for the durable commit of step %d "
-                    "(durable_lag: %s)",
-                    step,
-                    handle.step,
-                    handle.step,
-                    bound.describe(),
-                )
+                what = f"training waits for the durable commit of step {handle.step} (durable_lag: {bound.describe()})"
+                log.info("event=durable_hold step=%d waiting_for=%d: %s", step, handle.step, what)
             try:
                 handle.exception(timeout=WAIT_SLICE)
             except TimeoutError:
-                retrying = handle.store_retrying()
-                if retrying is not None:
+                if (retrying := handle.store_retrying()) is not None:
                     self._store_failing(handle, retrying)
                     break
-                why = self._stop_waiting()
-                if why is not None:
+                if (why := self._stop_waiting()) is not None:
                     log.warning(
                         "event=durable_hold_ended step=%d waiting_for=%d: %s; training goes on", step, handle.step, why
                     )
@@ -114,11 +106,12 @@ class LagGuard:
                         self._pending.clear()
                     break
                 if self._clock() >= next_line:
+                    held_s = self._clock() - began
                     log.info(
-                        "event=durable_hold step=%d waiting_for=%d held_s=%.1f: still waiting for the durable log",
+                        "event=durable_hold step=%d waiting_for=%d held_s=%.1f: still waiting",
                         step,
                         handle.step,
-                        self._clock() - began,
+                        held_s,
                     )
                     next_line += self._progress_every
         held = self._clock() - began if began is not None else 0.0

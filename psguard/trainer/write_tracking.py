@@ -1,9 +1,5 @@
-"""Written-row tracking: hooks on variables and optimizers that mark, on the PS, the rows a step wrote.
-
-A capture then hashes only marked rows. The hooks see writes made through a variable object (or a wrapper
-around it) and the optimizers' apply; what they cannot see (raw ops on a handle) is caught by the capturer's
-safety nets (see :class:`psguard.trainer.capture.Capturer`).
-"""
+"""Written-row tracking: hooks on variables and optimizers that mark, on the PS, the rows a step wrote, so a
+capture hashes only those. Writes they cannot see (raw ops) are the capturer's safety nets' job."""
 
 from __future__ import annotations
 
@@ -32,43 +28,29 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 #: Variable methods that write the rows named by their first argument (an ``IndexedSlices``).
-_ROW_WRITES = (
-    "scatter_add",
-    "scatter_sub",
-    "scatter_mul",
-    "scatter_div",
-    "scatter_min",
-    "scatter_max",
-    "scatter_update",
-)
+_ROW_WRITES = tuple(f"scatter_{op}" for op in ("add", "sub", "mul", "div", "min", "max", "update"))
 #: Variable methods that write the rows named by ``indices[..., 0]`` of their first argument.
-_ND_WRITES = ("scatter_nd_add", "scatter_nd_sub", "scatter_nd_update", "scatter_nd_max", "scatter_nd_min")
+_ND_WRITES = tuple(f"scatter_nd_{op}" for op in ("add", "sub", "update", "max", "min"))
 #: Variable methods that may write any row: a call marks the whole shard.
 _DENSE_WRITES = ("assign", "assign_add", "assign_sub", "batch_scatter_update", "_strided_slice_assign")
 
 
 @dataclass(frozen=True)
 class SlotGroup:
-    """A model variable's shard and its optimizer's slot shards, updated together by one ``update_step``.
-
-    ``key`` names the update (``(id(optimizer), var_key)``) whose dense writes only change rows where a slot is
-    non-zero (see :func:`slot_groups`); ``lives`` are those slots' :attr:`DirtyRows.live` variables.
-    """
+    """A variable's shard and its slots' shards, updated together by one ``update_step`` (``key``) whose dense
+    writes change only rows where a slot is non-zero; ``lives``: the slots' :attr:`DirtyRows.live`."""
 
     key: tuple[int, Any]
     lives: tuple[Any, ...]
 
 
 class DirtyRows:
-    """Which rows of one shard were written since the last capture: a bool per row and a whole-shard flag.
+    """Which rows of one shard were written since the last capture (a bool per row, a whole-shard flag), on the
+    shard's PS, set by the hooks inside the training step.
 
-    Both live on the shard's PS, set by the write hooks inside the training step itself, so marking costs
-    a small scatter on the PS per sparse write and nothing travels to the chief.
-
-    A slot of a :class:`SlotGroup` (``slot=True``) also has ``live``: the rows where the slot may be non-zero.
-    Its sparse writes add their rows; a capture that hashes the whole shard sets it to the rows that are
-    non-zero then; any other write makes it every row (unknown until that next capture). Adam's moment decay
-    then marks the ``live`` rows of its group instead of the whole shard (:meth:`mark_group`).
+    A slot of a :class:`SlotGroup` (``slot=True``) also has ``live``: the rows where it may be non-zero (its
+    sparse writes add rows, a capture hashing every row resets it, any other write makes it every row), which a
+    dense write of its group's update marks instead of the whole shard (:meth:`mark_group`).
     """
 
     def __init__(self, shard: Shard, *, slot: bool = False) -> None:
@@ -108,16 +90,9 @@ class DirtyRows:
         tf = lazy_tf()
         marks = [gen_resource_variable_ops.assign_variable_op(self.whole.handle, tf.constant(True))]
         if self.live is not None:
-            marks.append(self._fill_live())
+            shape = gen_resource_variable_ops.variable_shape(self.live.handle)
+            marks.append(gen_resource_variable_ops.assign_variable_op(self.live.handle, tf.ones(shape, tf.bool)))
         return marks
-
-    def _fill_live(self) -> Any:
-        from tensorflow.python.ops import gen_resource_variable_ops
-
-        tf = lazy_tf()
-        assert self.live is not None
-        shape = gen_resource_variable_ops.variable_shape(self.live.handle)
-        return gen_resource_variable_ops.assign_variable_op(self.live.handle, tf.ones(shape, tf.bool))
 
     def mark_group(self) -> list[Any]:
         """Mark every row where a slot of this shard's group may be non-zero (a dense write of its update)."""
@@ -125,10 +100,9 @@ class DirtyRows:
 
         tf = lazy_tf()
         assert self.group is not None
-        live = [gen_resource_variable_ops.read_variable_op(v.handle, tf.bool) for v in self.group.lives]
         marked = gen_resource_variable_ops.read_variable_op(self.rows.handle, tf.bool)
-        for rows in live:
-            marked = tf.logical_or(marked, rows)
+        for v in self.group.lives:
+            marked = tf.logical_or(marked, gen_resource_variable_ops.read_variable_op(v.handle, tf.bool))
         return [gen_resource_variable_ops.assign_variable_op(self.rows.handle, marked)]
 
 
@@ -152,14 +126,8 @@ def _in_update(key: tuple[int, Any]) -> Iterator[None]:
 
 
 class _WriteHook:
-    """Installed once per resource variable: its write methods mark every registered :class:`DirtyRows` first.
-
-    Instance attributes shadow the class's methods, so every caller that writes through the variable object
-    (or a wrapper that delegates to it: ``ShardedVariable``, the PS strategy's caching and aggregating
-    variables, Keras 3 variables, every tf_keras and Keras 3 optimizer) is seen, eagerly and while a
-    ``tf.function`` is traced. Marks are made before the write (control dependencies), so a step that dies
-    half-way leaves marks for at least the rows it wrote.
-    """
+    """Installed once per resource variable: instance attributes shadowing its write methods mark every
+    registered :class:`DirtyRows` first (before the write, so a step that dies half-way leaves its marks)."""
 
     def __init__(self, var: Any) -> None:
         self.targets: weakref.WeakSet[DirtyRows] = weakref.WeakSet()
@@ -218,11 +186,8 @@ class StepCounter:
 
 
 class _ApplyHook:
-    """Wraps an optimizer's apply method: each call increments every registered :class:`StepCounter` first.
-
-    A step traced before the hook (or before the counter's generation) increments ``iterations`` but not the
-    counter: the capture sees the two disagree and hashes every row, so such a step can never hide a write.
-    """
+    """Wraps an optimizer's apply method: each call increments every registered :class:`StepCounter` first (a
+    step traced before moves ``iterations`` alone, and the capture then hashes every row)."""
 
     def __init__(self, optimizer: Any, method: str) -> None:
         self.counters: weakref.WeakSet[StepCounter] = weakref.WeakSet()
@@ -245,14 +210,9 @@ def apply_hook(optimizer: Any, method: str) -> _ApplyHook:
     return hook
 
 
-#: tf_keras optimizers whose ``update_step`` for a sparse gradient, apart from scatters into the gradient's rows,
-#: only writes densely in a way that leaves every row where all of the variable's slots are 0 as it was: the
-#: slots are decayed (``m - m * c``, ``u * c``, ``max(v_hat, v)``: 0 stays +0) and the variable moves by
-#: ``m * alpha / (sqrt(v) + eps)`` or ``lr * m / (c * (u + eps))``, which is +0 where ``m`` is (``x - 0 == x``
-#: bit for bit, -0.0 and NaN payloads included). Module, class, the attributes holding its slots (one list
-#: each, indexed like ``_index_dict``). This rests on positive finite hyperparameters (``epsilon > 0``): a NaN
-#: learning rate changes every row unmarked, which the capturer's probe of unmarked rows turns into a capture
-#: that hashes every row, as it does for any writer it does not know.
+#: tf_keras optimizers whose ``update_step`` for a sparse gradient writes densely only in ways that leave rows
+#: whose slots are all 0 as they were (slots decay, ``0`` stays ``+0``; the step is ``+0`` where ``m`` is), given
+#: finite positive hyperparameters (else the probe of unmarked rows catches it). Module, class, slot attributes.
 _ZERO_PRESERVING = (
     ("tf_keras.src.optimizers.adam", "Adam", ("_momentums", "_velocities", "_velocity_hats")),
     ("tf_keras.src.optimizers.adamw", "AdamW", ("_momentums", "_velocities", "_velocity_hats")),
@@ -292,9 +252,8 @@ def slot_groups(optimizer: Any, variables: list[Any]) -> list[tuple[tuple[int, A
 
 
 def update_hook(optimizer: Any) -> bool:
-    """Wrap a :data:`_ZERO_PRESERVING` optimizer's ``update_step``: its writes for a sparse gradient are made
-    with the update's key current, so the write hooks mark the group's live rows for its dense writes instead
-    of the whole shard. Whether ``optimizer`` is hooked (``False``: not one of those)."""
+    """Wrap a :data:`_ZERO_PRESERVING` optimizer's ``update_step`` so its writes for a sparse gradient run with
+    the update's key current (the hooks then mark the group's live rows); whether ``optimizer`` is hooked."""
     if "_psguard_update_hook" in optimizer.__dict__:
         return True
     if _slot_attrs(optimizer) is None:
@@ -314,12 +273,8 @@ def update_hook(optimizer: Any) -> bool:
 
 
 def _apply_method(obj: Any) -> str | None:
-    """The method through which ``obj`` (an optimizer) applies updates, if it writes only through variable
-    methods and increments ``iterations`` once per call; ``None`` for any other optimizer.
-
-    tf_keras (2.11+) and Keras 3 optimizers qualify. tf_keras legacy ``OptimizerV2`` writes with raw
-    training ops on the variables' handles (``ResourceSparseApplyAdagradV2``...), which no hook sees.
-    """
+    """The method through which ``obj`` (a tf_keras 2.11+ or Keras 3 optimizer) applies updates; ``None`` for
+    others (legacy ``OptimizerV2`` writes with raw ops no hook sees)."""
     if "LossScale" in type(obj).__name__:
         return None  # skips steps on non-finite gradients: iterations and applies would not move together
     tfk = sys.modules.get("tf_keras.src.optimizers.optimizer")
