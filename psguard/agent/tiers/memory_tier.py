@@ -292,14 +292,13 @@ class MemoryTier:
 
     def status(self) -> MemoryTierStatus:
         with self._lock:
-            dirty_rows = sum(int(np.count_nonzero(b)) for b in self._rows.values())
             return MemoryTierStatus(
                 step=self._step,
                 token=self._token,
                 tensors=len(self._arrays),
                 nbytes=sum(a.nbytes for a in self._arrays.values()),
                 dirty_tensors=len(self._all | set(self._rows)),
-                dirty_rows=dirty_rows,
+                dirty_rows=sum(int(np.count_nonzero(b)) for b in self._rows.values()),
                 leased_arrays=len(self._leases),
                 copy_on_write_bytes=self._cow_bytes,
             )

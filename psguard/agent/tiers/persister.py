@@ -19,6 +19,7 @@ mid-save leaves no torn checkpoint (the manifest is the commit); :func:`resume` 
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 import secrets
@@ -299,8 +300,7 @@ class Persister:
         except Exception as e:
             if take is not None and take._state == "open":
                 take.abort()
-            if parts is not None and self.shards is not None:
-                self.shards.finish(parts[0], parts[1], committed=False)
+            self._close_parts(parts, committed=False)
             self._failed(batch, e, take)
             return
         if fresh and info is not None and take is not None:
@@ -354,19 +354,10 @@ class Persister:
         last = self._last
         if not take.changed and last is not None and take.step == last.step and take.token == self._last_token:
             take.commit()
-            if parts is not None and self.shards is not None:
-                self.shards.finish(parts[0], parts[1], committed=True)
+            self._close_parts(parts, committed=True)
             return last, False
-        metadata = dict(take.metadata)
-        if take.token is not None:
-            metadata[TOKEN_KEY] = take.token
-        write_parts = None
-        if parts is not None and self.shards is not None:
-            shards, (tasks, take_id) = self.shards, parts
-
-            def write_parts(dedup: str | None) -> Any:
-                return shards.write(tasks, take_id, dedup)
-
+        metadata = take.metadata | ({TOKEN_KEY: take.token} if take.token is not None else {})
+        shards = self.shards
         try:
             info = self.writer.save(
                 take.step,
@@ -375,7 +366,7 @@ class Persister:
                 metadata=metadata,
                 metrics=take.metrics,
                 payload_bytes=take.payload_bytes,
-                parts=write_parts,
+                parts=functools.partial(shards.write, *parts) if parts is not None and shards is not None else None,
             )
         except BaseException:
             take.abort()
@@ -383,8 +374,7 @@ class Persister:
                 if self.writer.last is None:  # its parent was gone: the writer forgot it
                     self._last_token = None
             raise
-        if parts is not None and self.shards is not None:
-            self.shards.finish(parts[0], parts[1], committed=True)
+        self._close_parts(parts, committed=True)
         take.commit()
         self._follow_trainer(info)
         with self._cond:
@@ -394,6 +384,11 @@ class Persister:
             self._bytes += info.stored_bytes
             self._consecutive_failures = 0
         return info, True
+
+    def _close_parts(self, parts: tuple[tuple[str, ...], str] | None, *, committed: bool) -> None:
+        """End the PS agents' share of a save (``parts``: their tasks and the take's id), if it had one."""
+        if parts is not None and self.shards is not None:
+            self.shards.finish(*parts, committed=committed)
 
     def _retention(self, info: CheckpointInfo) -> dict[str, Any] | None:
         """The retention the trainer asked for with ``info`` (``RETENTION_KEY``), if any; its phase begins."""

@@ -459,20 +459,17 @@ class SpoolServer:
         try:
             fd = open_regular(path, f"spool {self.root}, writer lock", private=True)
         except FileNotFoundError:
-            self._dead_writers.add(gen)
-            return False
+            fd = None
         except CorruptCheckpointError as e:  # no writer makes such a lock: nobody holds it
             log.warning("spool %s: %s", self.root, e)
-            with contextlib.suppress(OSError):
-                path.unlink()
-            self._dead_writers.add(gen)
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
+            fd = None
+        if fd is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            finally:
+                os.close(fd)
         with contextlib.suppress(OSError):
             path.unlink()
         self._dead_writers.add(gen)
