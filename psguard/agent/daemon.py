@@ -173,7 +173,7 @@ class Agent:
             peer_sync=self.peer_sync,
             supervisor=lambda: self.supervisor,
             monitor=lambda: self.monitor,
-            export_ahead=self._export_ahead,
+            export_ahead=lambda: self.chief.export_ahead() if self.chief is not None else None,
             on_done=self._wake.set,
         )
         self._lock = threading.Lock()
@@ -271,8 +271,8 @@ class Agent:
                 on_health=self.recovery.on_health,
             )
             resumed = self.chief.resumed_step if self.chief is not None else None
-            if resumed is not None and cfg.peers.restart_ps:
-                self.recovery.resumed(resumed)
+            if resumed is not None and cfg.peers.restart_ps:  # the PS servers may hold an earlier chief's context
+                self.peer_sync.new_generation(f"the agent resumed a job (durable step {resumed})")
             elif self.peers:
                 outcome = self.peer_sync.sync(restart_ps=False)
                 (log.info if all(o == "ready" for o in outcome.values()) else log.error)(
@@ -472,11 +472,6 @@ class Agent:
         with self._lock:
             self._finished = reason
         self.request_stop()
-
-    def _export_ahead(self) -> None:
-        """A restore follows every new generation: the PS agents start writing its files now."""
-        if self.chief is not None:
-            self.chief.export_ahead()
 
     def _fresh_ps(self, task: str, status: Mapping[str, Any]) -> None:
         """A PS agent started after the failure answered (a replacement node's: its tier is empty): it fetches

@@ -171,11 +171,6 @@ class Recovery:
         return fresh
 
     # ------------------------------------------------------------------------------------------ generations
-    def resumed(self, step: int) -> None:
-        """An earlier chief ran this job (the tier was seeded from the durable log at ``step``): the PS servers
-        may hold its context. Start from clean ones."""
-        self.peer_sync.new_generation(f"the agent resumed a job (durable step {step})")
-
     def new_generation(self, reason: str, failed_at: float | None) -> dict[str, Any]:
         """The trainer rejoins in-process after a PS failure: restart every PS peer first (``POST
         /new-generation``); then the PS agents export the memory tier ahead of the restore that follows. After

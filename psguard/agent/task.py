@@ -4,6 +4,7 @@ decided before the task starts. The environment is the contract with the trainer
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -31,19 +32,9 @@ __all__ = ["server_command", "task_env", "task_probes", "task_record"]
 
 def server_command(cluster: Mapping[str, Sequence[str]], role: str, index: int) -> list[str]:
     """The built-in PS / worker task: a ``tf.distribute.Server`` that dies with this agent."""
-    return [
-        sys.executable,
-        "-m",
-        "psguard.agent.process.tf_server",
-        "--cluster-spec",
-        json.dumps(cluster, sort_keys=True),
-        "--job",
-        role,
-        "--index",
-        str(index),
-        "--parent-pid",
-        str(os.getpid()),
-    ]
+    flags = {"--cluster-spec": json.dumps(cluster, sort_keys=True), "--job": role, "--index": str(index)}
+    flags["--parent-pid"] = str(os.getpid())
+    return [sys.executable, "-m", "psguard.agent.process.tf_server", *itertools.chain(*flags.items())]
 
 
 #: glibc's tunable for malloc to ask the kernel for transparent huge pages (``supervisor.huge_pages``).

@@ -43,6 +43,7 @@ name                                            type       labels       meaning
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import re
 import threading
@@ -198,13 +199,13 @@ class _Metric(Generic[C]):
         return [("", None, child.value)]  # a counter's or a gauge's one value
 
     def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"]
         with self._lock:
             children = sorted(self._children.items())
-        for key, child in children:
-            for suffix, extra, value in self._samples(child):
-                lines.append(f"{self.name}{suffix}{_label_text(self.label_names, key, extra)} {_format_value(value)}")
-        return lines
+        return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"] + [
+            f"{self.name}{suffix}{_label_text(self.label_names, key, extra)} {_format_value(value)}"
+            for key, child in children
+            for suffix, extra, value in self._samples(child)
+        ]
 
 
 class _CounterChild:
@@ -315,14 +316,12 @@ class Histogram(_Metric[_HistogramChild]):
 
     def _samples(self, child: _HistogramChild) -> Iterable[tuple[str, tuple[str, str] | None, float]]:
         counts, total = child.snapshot()
-        cumulative = 0
-        out: list[tuple[str, tuple[str, str] | None, float]] = []
-        for bound, count in zip((*self.buckets, math.inf), counts, strict=True):
-            cumulative += count
-            out.append(("_bucket", ("le", _format_value(bound) if math.isinf(bound) else repr(bound)), cumulative))
-        out.append(("_sum", None, total))
-        out.append(("_count", None, cumulative))
-        return out
+        cumulative = list(itertools.accumulate(counts))
+        les = [repr(b) for b in self.buckets] + ["+Inf"]
+        return [("_bucket", ("le", le), n) for le, n in zip(les, cumulative, strict=True)] + [
+            ("_sum", None, total),
+            ("_count", None, cumulative[-1]),
+        ]
 
 
 class Registry:
@@ -361,10 +360,7 @@ class Registry:
     def render(self) -> str:
         with self._lock:
             metrics = [self._metrics[n] for n in sorted(self._metrics)]
-        lines: list[str] = []
-        for metric in metrics:
-            lines += metric.render()
-        return "\n".join(lines) + "\n"
+        return "\n".join(line for metric in metrics for line in metric.render()) + "\n"
 
 
 class AgentMetrics:

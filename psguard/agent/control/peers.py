@@ -192,10 +192,8 @@ class PeerSync:
                     if attempt == 1:
                         time.sleep(1.0)  # not self._stop.wait: the agent may be stopping; this is its last word
                     continue
-                if 200 <= code < 300:
-                    outcome[url] = "finished"
-                else:
-                    outcome[url] = f"error: POST /finish answered HTTP {code}: {_error(answer)}"
+                ok = 200 <= code < 300
+                outcome[url] = "finished" if ok else f"error: POST /finish answered HTTP {code}: {_error(answer)}"
                 break
         failed = any(o.startswith("error") for o in outcome.values())
         (log.error if failed else log.info)(
