@@ -1,16 +1,9 @@
 """What ``psguard.CheckpointManager`` and ``psguard.keras.CheckpointCallback`` take beyond TF's and Keras'
-arguments, as frozen dataclasses; and the keyword arguments they took before, still accepted for a release.
+arguments, as frozen dataclasses, and the keyword arguments they took before, still accepted for a release.
 
-:class:`ManagerOptions` is flat, its fields grouped by concern (capture, durable log, agent, policy,
-summaries) in the order of its docstring and the user guide's table. Why flat rather than a class per group:
-a job sets one or two of these (``retention``, ``storage_options``), and ``ManagerOptions(retention=...)`` is
-one import and one line, where ``ManagerOptions(durable=DurableOptions(retention=...))`` is two of each for the
-same thirteen fields. The one group nested is the capture's tuning (:class:`CaptureOptions`): knobs for
-benchmarks and tests that a job leaves alone, kept out of the everyday fields.
-
-Each old keyword argument warns (``DeprecationWarning``, attributed to the caller's line) with the new spelling
-and still takes effect; given beside the same field of ``options`` it is refused (:class:`ConfigError`), never
-silently ranked one over the other.
+:class:`ManagerOptions` is flat (a job sets one or two fields: one import, one line); only the capture's tuning,
+for benchmarks and tests, is nested (:class:`CaptureOptions`). Each old keyword argument warns with its new
+spelling and still takes effect; given beside the same field of ``options`` it is refused (:class:`ConfigError`).
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, TypedDict, TypeVar, cast
 
@@ -68,22 +61,13 @@ class CaptureOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class ManagerOptions:
-    """``psguard.CheckpointManager``'s own settings (its ``options=``), grouped by concern; see the module doc.
+    """``psguard.CheckpointManager``'s own settings (its ``options=``), as the user guide's table describes them.
 
-    Capture: ``coordinator`` (the ``ClusterCoordinator`` a capture drains first; ``None``: the one registered on
-    the variables' strategy), ``data_position`` (a callable returning JSON stored with each checkpoint),
-    ``capture`` (:class:`CaptureOptions`).
-    Durable log: ``store`` (an open ``psguard.Store`` instead of opening ``directory``; left open),
-    ``storage_options`` (the store client's own settings, passed to it as they are: their keys are each client's,
-    e.g. S3's ``endpoint_url``), ``retention`` (instead of ``max_to_keep``/``keep_checkpoint_every_n_hours``),
-    ``new_base_after`` (deltas before a new full checkpoint; ``0``: only when a policy asks; ``None``: 16, or
-    under an agent its ``max_chain``).
-    Agent: ``spool`` (the agent's spool folder; ``None``: ``$PSGUARD_SPOOL``), ``restore_timeout`` (seconds a
-    restore waits for the agent), ``hang`` (when the agent declares this trainer hung; ``None``: the policy
-    file's ``hang:``, else the default :class:`~psguard.policy.files.HangSpec`).
-    Policy: ``watch_policy`` (watch a policy file while the manager is open), ``preemption`` (save, wait and
-    exit 143 at the next ``maybe_save`` after a SIGTERM).
-    Summaries: ``summaries`` (a folder for psguard's TensorBoard scalars; ``None``: none).
+    Capture: ``coordinator`` (``None``: the one on the variables' strategy), ``data_position``, ``capture``.
+    Durable log: ``store`` (an open store, left open), ``storage_options``, ``retention``, ``new_base_after``
+    (``0``: only when a policy asks; ``None``: 16, or the agent's ``max_chain``). Agent: ``spool`` (``None``:
+    ``$PSGUARD_SPOOL``), ``restore_timeout``, ``hang``. Policy: ``watch_policy``, ``preemption``. ``summaries``:
+    a folder for psguard's TensorBoard scalars.
     """
 
     coordinator: Any = None
@@ -103,15 +87,9 @@ class ManagerOptions:
 
 @dataclass(frozen=True, kw_only=True)
 class CallbackOptions:
-    """``psguard.keras.CheckpointCallback``'s own settings (its ``options=``), for the manager it creates.
-
-    ``max_to_keep``: keep the newest N checkpoints (with ``monitor``, beside the best one). ``save_at_end``: save
-    the final state when ``fit`` returns. ``summaries``: psguard's TensorBoard scalars: ``True`` to
-    ``<log_dir>/psguard`` of the fit's ``TensorBoard`` callback (when it has one), a folder, or ``False``.
-    ``manager``: the rest of the manager's settings (:class:`ManagerOptions`; its ``coordinator`` and
-    ``data_position`` are the callback's own). None of these applies to a ``CheckpointManager`` given instead of
-    a URL: set them on it.
-    """
+    """``psguard.keras.CheckpointCallback``'s own settings (its ``options=``), for the manager it creates:
+    ``max_to_keep`` (beside the best with ``monitor``), ``save_at_end``, ``summaries`` (``True``:
+    ``<log_dir>/psguard`` of the fit's ``TensorBoard`` callback; a folder; ``False``) and ``manager``."""
 
     max_to_keep: int | None = None
     save_at_end: bool = True
@@ -150,8 +128,7 @@ class DeprecatedCallbackArgs(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class Moved(Generic[Opts]):
-    """Where an old keyword argument went: the field at ``path`` of the options (dotted through nested ones),
-    spelled for the user as ``spelling``, its value converted by ``convert``."""
+    """Where an old keyword argument went: the field at dotted ``path``, spelled ``spelling``, via ``convert``."""
 
     path: str
     spelling: str
@@ -185,8 +162,8 @@ def deprecation(name: str, spelling: str) -> str:
 def apply_deprecated(
     options: Opts, given: Mapping[str, Any], moves: Mapping[str, Moved[Opts]], *, callee: str, stacklevel: int = 3
 ) -> Opts:
-    """``options`` with each old keyword argument in ``given`` moved to its field (:class:`Moved`), each warned
-    about at the caller's line (``stacklevel``: this function, the ``__init__`` calling it, the user's code)."""
+    """``options`` with each old keyword argument in ``given`` moved to its field, each warned about at the
+    caller's line (``stacklevel``: this function, the ``__init__`` calling it, the user's code)."""
     unknown = sorted(set(given) - set(moves))
     if unknown:
         raise TypeError(f"{callee}() got an unexpected keyword argument {unknown[0]!r}")
@@ -198,13 +175,16 @@ def apply_deprecated(
     return options
 
 
+def _known(what: str, mapping: Mapping[str, Any] | None, known: Collection[str]) -> dict[str, Any]:
+    """``mapping`` as a dict, once each of its keys is ``known`` (else a :class:`ConfigError` naming it)."""
+    if unknown := sorted(set(mapping or {}) - set(known)):
+        raise ConfigError(f"{what}: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
+    return dict(mapping or {})
+
+
 def capture_options_from(mapping: Mapping[str, Any] | None) -> CaptureOptions:
-    """The old ``capturer_options`` mapping as :class:`CaptureOptions`; an unknown key is named."""
-    known = {f.name for f in dataclasses.fields(CaptureOptions)}
-    unknown = sorted(set(mapping or {}) - known)
-    if unknown:
-        raise ConfigError(f"capturer_options: unknown key {unknown[0]!r}; known: {', '.join(sorted(known))}")
-    return CaptureOptions(**dict(mapping or {}))
+    """The old ``capturer_options`` mapping as :class:`CaptureOptions`."""
+    return CaptureOptions(**_known("capturer_options", mapping, [f.name for f in dataclasses.fields(CaptureOptions)]))
 
 
 def _manager_moves() -> dict[str, Moved[ManagerOptions]]:
@@ -227,12 +207,9 @@ MANAGER_MOVES = _manager_moves()
 
 def manager_options_from(mapping: Mapping[str, Any] | None) -> ManagerOptions:
     """The Keras callback's old ``manager_options`` mapping (the manager's old keyword arguments) as
-    :class:`ManagerOptions`; an unknown key is named."""
-    unknown = sorted(set(mapping or {}) - set(MANAGER_MOVES))
-    if unknown:
-        raise ConfigError(f"manager_options: unknown key {unknown[0]!r}; known: {', '.join(sorted(MANAGER_MOVES))}")
+    :class:`ManagerOptions`."""
     options = ManagerOptions()
-    for name, value in (mapping or {}).items():
+    for name, value in _known("manager_options", mapping, MANAGER_MOVES).items():
         options = MANAGER_MOVES[name].apply(options, name, value)
     return options
 
