@@ -182,10 +182,9 @@ class Capturer:
         tf = lazy_tf()
         with self._lock:
             self._sync()  # before the drain, while the workers run: only this thread creates variables
-            t0 = time.perf_counter()
             if self.coordinator is not None:
                 self.coordinator.join()
-            t1 = time.perf_counter()
+            t0 = time.perf_counter()
             primaries = list(self._tracked.values())
             force = np.array([full or tr.need_full for tr in primaries], dtype=bool)
             expected, self._expected_gap = self._expected_gap, None  # unknown until this capture succeeds
@@ -212,8 +211,7 @@ class Capturer:
                 tr.need_full = False
             self._expected_gap = int(gap) if self.tracks_writes and gap is not None else None
             self._since_verify = 0 if verify else self._since_verify + 1
-            t2 = time.perf_counter()
-            self.last_stats = capture_stats(self._infos, updates, t1 - t0, t2 - t1, nbytes)
+            self.last_stats = capture_stats(self._infos, updates, time.perf_counter() - t0, nbytes)
             self.last_stats.rows_spilled = sum(s.count for p in self.last_parts for s in p.shards)
             self.last_stats.hashed_all = [
                 tr.info.name for tr, h in zip(primaries, hashed_all, strict=True) if tr.by_row and bool(h)

@@ -1,9 +1,5 @@
-"""What a capture's outputs become: one update per tensor (its changed rows, the whole of it, or nothing), the
-descriptors of what the PS nodes wrote themselves, and what the capture cost (:class:`CaptureStats`).
-
-The capture function (:mod:`psguard.trainer.capture_graph`) answers per shard; each shard decided alone whether to
-send its rows whole. :class:`~psguard.trainer.capture.Capturer` hands its answer here.
-"""
+"""What a capture's per-shard outputs become: one update per tensor (its changed rows, all of it, or nothing), the
+descriptors of what the PS nodes wrote themselves, and what the capture cost (:class:`CaptureStats`)."""
 
 from __future__ import annotations
 
@@ -31,20 +27,14 @@ class Primary(Protocol):
 
 @dataclass
 class CaptureStats:
-    """What the last capture cost; ``bytes_read`` is what travelled PS -> chief.
+    """What the last capture cost: ``capture_seconds`` is the stall (from the drained coordinator to the capture
+    in host memory), ``bytes_read`` what travelled PS -> chief; what went whole (``full``) and by rows."""
 
-    ``drain_seconds`` is spent waiting for steps already scheduled, while workers still compute; training
-    stands still only for ``capture_seconds`` (``stall_seconds``): from the drained coordinator to the
-    capture in host memory.
-    """
-
-    drain_seconds: float = 0.0
     capture_seconds: float = 0.0
     bytes_read: int = 0
     logical_bytes: int = 0
     full: list[str] = field(default_factory=list)
     rows: dict[str, int] = field(default_factory=dict)
-    same: list[str] = field(default_factory=list)
     #: Row-tracked tensors whose every row was hashed (not only the rows written since the last capture).
     hashed_all: list[str] = field(default_factory=list)
     #: Tensors where a sample of rows not marked as written had changed all the same (see ``probe_rows``).
@@ -52,19 +42,12 @@ class CaptureStats:
     #: Rows written to files on the PS nodes instead (``spill_dirs``): they never reached the chief.
     rows_spilled: int = 0
 
-    @property
-    def stall_seconds(self) -> float:
-        return self.capture_seconds
-
 
 def assemble(
     primaries: Sequence[Primary], outputs: Any, infos: Mapping[str, TensorInfo]
 ) -> tuple[dict[str, TensorUpdate], int]:
-    """Turn per-shard results into one update per logical tensor.
-
-    Each shard decided alone whether to send all its rows; when only some did, the tensor is a Rows
-    update covering those shards whole plus the changed rows of the others.
-    """
+    """One update per logical tensor from per-shard results: when only some shards were sent whole, a Rows
+    update of those shards' every row and the other shards' changed rows."""
     updates: dict[str, TensorUpdate] = {}
     nbytes = 0
     for tr, outs in zip(primaries, outputs, strict=True):
@@ -125,20 +108,17 @@ def part_files(primaries: Sequence[Primary], outputs: Any, nonce: str) -> list[P
 
 
 def capture_stats(
-    infos: Mapping[str, TensorInfo], updates: Mapping[str, TensorUpdate], drain: float, cap: float, nbytes: int
+    infos: Mapping[str, TensorInfo], updates: Mapping[str, TensorUpdate], seconds: float, nbytes: int
 ) -> CaptureStats:
     """What the capture cost and what it sent of each tensor (aliases are their owners')."""
-    stats = CaptureStats(drain_seconds=drain, capture_seconds=cap, bytes_read=nbytes)
+    stats = CaptureStats(capture_seconds=seconds, bytes_read=nbytes)
     for name, u in updates.items():
-        if infos[name].alias_of is not None:
-            continue
-        stats.logical_bytes += infos[name].nbytes
-        if isinstance(u, Full):
-            stats.full.append(name)
-        elif isinstance(u, Rows):
-            stats.rows[name] = len(u.ids)
-        else:
-            stats.same.append(name)
+        if infos[name].alias_of is None:
+            stats.logical_bytes += infos[name].nbytes
+            if isinstance(u, Full):
+                stats.full.append(name)
+            elif isinstance(u, Rows):
+                stats.rows[name] = len(u.ids)
     return stats
 
 

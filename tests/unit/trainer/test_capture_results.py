@@ -58,7 +58,7 @@ def test_a_tensor_some_of_whose_shards_went_whole_is_rows_covering_them_and_an_a
     cut = updates["alias"]
     assert isinstance(cut, Rows) and cut.ids.tolist() == [1] and cut.shape == (4, DIM)
     assert nbytes == 1 + 8 * 4 + 1 + 0 + 8 + 2 * 4
-    stats = capture_stats({"emb": info, "alias": alias}, updates, 1.0, 0.5, nbytes)
+    stats = capture_stats({"emb": info, "alias": alias}, updates, 0.5, nbytes)
     assert stats.rows == {"emb": 5} and stats.logical_bytes == 8 * DIM * 4  # the alias is its owner's bytes
 
 
