@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterator
 
 ENV_PREFIX = "PSGUARD_TREE_"
 _PR_SET_CHILD_SUBREAPER = 36
@@ -67,12 +68,18 @@ def _zombie(pid: int) -> bool:
     return fields is None or not fields or fields[0] in ("Z", "X")
 
 
+def _pids() -> Iterator[int]:
+    return (int(entry) for entry in os.listdir("/proc") if entry.isdigit())
+
+
+def _stats() -> Iterator[tuple[int, list[str]]]:
+    """Each process's pid and its ``/proc/PID/stat`` fields after the command name: state, ppid, pgrp, session..."""
+    return ((pid, fields) for pid in _pids() if (fields := stat_fields(pid)) is not None and len(fields) > 3)
+
+
 def descendants(root: int) -> set[int]:
     """Every live descendant of ``root`` (zombies excluded: they hold nothing but a pid)."""
-    parent_of: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and (fields := stat_fields(entry)) is not None and len(fields) > 1 and fields[0] != "Z":
-            parent_of[int(entry)] = int(fields[1])
+    parent_of = {pid: int(fields[1]) for pid, fields in _stats() if fields[0] != "Z"}
     out: set[int] = set()
     frontier = {root}
     while frontier:
@@ -85,14 +92,11 @@ def adopted_zombies(sessions: frozenset[int], *, spare: frozenset[int] = frozens
     """Exited children of this process that were in one of ``sessions`` (a task's runs): orphans a subreaper
     adopted. Only those: reaping a child some ``Popen`` owns would steal its exit status."""
     me = os.getpid()
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) in spare:
-            continue
-        fields = stat_fields(entry) or []  # after the command name: state, ppid, pgrp, session
-        if len(fields) > 3 and fields[0] == "Z" and int(fields[1]) == me and int(fields[3]) in sessions:
-            out.append(int(entry))
-    return out
+    return [
+        pid
+        for pid, fields in _stats()
+        if pid not in spare and fields[0] == "Z" and int(fields[1]) == me and int(fields[3]) in sessions
+    ]
 
 
 def reap(pids: list[int]) -> None:
@@ -106,10 +110,7 @@ def marked(token: str, *, exclude: frozenset[int] = frozenset()) -> list[int]:
     needle = tree_env_var(token).encode() + b"="
     me = os.getpid()
     out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        pid = int(entry)
+    for pid in _pids():
         if pid == me or pid in exclude:
             continue
         try:
@@ -140,9 +141,7 @@ def kill_tree(token: str, *, exclude: frozenset[int] = frozenset(), timeout: flo
                 os.kill(pid, signal.SIGKILL)
                 if pid not in killed:
                     killed.append(pid)
-        for pid in pids:
-            with contextlib.suppress(ChildProcessError, OSError):
-                os.waitpid(pid, os.WNOHANG)  # ours only when adopted (subreaper) or started by us
+        reap(pids)  # ours only when adopted (subreaper) or started by us
         if time.monotonic() > deadline:
             return killed
         time.sleep(delay)  # SIGKILL is delivered asynchronously: look again until the kernel is done
@@ -164,14 +163,9 @@ def set_child_subreaper(enabled: bool = True) -> bool:
 def guard_main(token: str) -> int:
     """The guard: wait for EOF on stdin (the agent is gone or done), then kill the tree."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C in the agent's terminal must not disarm the guard
-    while True:
-        try:
-            if not os.read(0, 4096):
-                break
-        except InterruptedError:
-            continue
-        except OSError:
-            break
+    with contextlib.suppress(OSError):
+        while os.read(0, 4096):  # retried after a signal (PEP 475)
+            pass
     killed = kill_tree(token)
     if killed:
         print(f"psguard reaper: killed {len(killed)} process(es) left by a dead agent: {killed}", file=sys.stderr)
