@@ -114,12 +114,8 @@ class SidecarEvaluator:
                     f"Variable `iterations` cannot be loaded from the checkpoint file at {self.checkpoint_dir}. "
                     "Please ensure `iterations` is included in the checkpoint saved during training."
                 )
-        log.info(
-            "Evaluation starts: Model weights loaded from latest checkpoint %s (step %d) of %s",
-            info.id,
-            info.step,
-            self.checkpoint_dir,
-        )
+        where = f"{info.id} (step {info.step}) of {self.checkpoint_dir}"
+        log.info("Evaluation starts: Model weights loaded from latest checkpoint %s", where)
         self.model.evaluate(self.data, steps=self.steps, callbacks=self.callbacks, verbose=2)
         metrics: dict[str, Any] = {}
         for metric in self.model.metrics:

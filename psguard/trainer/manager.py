@@ -458,11 +458,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                 gone = self._names_gone(names)
                 if gone and not full:
                     log.info(
-                        "step %d: %d tensor(s) of the last checkpoint are no longer the model's (its variables "
-                        "changed, e.g. an optimizer built since: %s); this save is whole",
-                        step,
-                        len(gone),
-                        sorted(gone)[:3],
+                        "step %d: tensors of the last checkpoint are gone (%s): saving whole", step, sorted(gone)[:3]
                     )
                     full = True
                     continue

@@ -235,11 +235,9 @@ def _rebuild(
         job = build()
     if deferred.complete:
         if deferred.deferred:
+            what = f"{deferred.deferred} variable(s), {deferred.deferred_bytes >> 20} MB"
             log.info(
-                "rebuilt in %.1fs; %d variable(s), %d MB, were not initialised: the restore assigned them",
-                time.monotonic() - t0,
-                deferred.deferred,
-                deferred.deferred_bytes >> 20,
+                "rebuilt in %.1fs; %s were not initialised: the restore assigned them", time.monotonic() - t0, what
             )
         return job
     log.warning(

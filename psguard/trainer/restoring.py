@@ -302,12 +302,8 @@ class RestoreSide:
             except (PsguardError, tf.errors.OpError, ValueError) as e:
                 if not snap.parts or is_cluster_failure(e):
                     raise
-                log.warning(
-                    "%s (step %d) did not load on the PS (%s): nothing was assigned; trying the durable log",
-                    info.id,
-                    info.step,
-                    " ".join(str(e).split())[:400],
-                )
+                why = " ".join(str(e).split())[:400]
+                log.warning("%s (step %d) did not load on the PS (%s): nothing assigned", info.id, info.step, why)
                 return False
             self._sink.rebase(info.id if info.source == "durable" else None, snap.token)
             self._defer(pending, graph, info, status=status)
@@ -335,13 +331,9 @@ class RestoreSide:
         made = assign_existing(self._checkpoint, pending)
         pending = {n: v for n, v in pending.items() if n not in made}
         if pending:
+            names = ", ".join(sorted(pending)[:3]) + (", ..." if len(pending) > 3 else "")
             log.info(
-                "restore of %s: %d tensor(s) wait for variables the job has not created yet (%s%s); TF assigns "
-                "each when it is created",
-                info.id,
-                len(pending),
-                ", ".join(sorted(pending)[:3]),
-                ", ..." if len(pending) > 3 else "",
+                "restore of %s: %d tensor(s) wait for variables not created yet (%s)", info.id, len(pending), names
             )
 
     def _close_deferred(self) -> None:
@@ -357,13 +349,8 @@ class RestoreSide:
         restored_tiers = (Tier.MEMORY, Tier.DURABLE) if info.source == "durable" else (Tier.MEMORY,)
         self.context = self.context.with_save(restored_tiers, step=info.step, at=time.time())
         mapped = self._shards_mapped
-        log.info(
-            "restored %s (step %d) from the %s tier%s",
-            info.id,
-            info.step,
-            info.source,
-            f"; the PS mapped {mapped[0]} of its {mapped[1]} shard file(s)" if mapped else "",
-        )
+        shards = f"; the PS mapped {mapped[0]} of its {mapped[1]} shard file(s)" if mapped else ""
+        log.info("restored %s (step %d) from the %s tier%s", info.id, info.step, info.source, shards)
         if self._sink.supervised:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
             seen = process_managers.last_seen_step(self.directory)
             report_recovery(info.step, seen_step=seen, source=info.source, shards_mapped=mapped)
@@ -413,12 +400,11 @@ class RestoreSide:
         try:
             return (asked or self._ask_durable_latest()).result()
         except StorageError as e:
+            at = f"step {memory.step}; the last durable commit: step {memory.durable_step}"
             log.warning(
-                "the durable log did not answer within %.0fs (%s): restoring from the memory tier (step %d; the "
-                "agent's last durable commit: step %s)",
+                "the durable log did not answer within %.0fs (%s): restoring the memory tier (%s)",
                 STORE_CHECK_SECONDS,
                 e,
-                memory.step,
-                memory.durable_step,
+                at,
             )
             return None

@@ -542,15 +542,9 @@ def _agent_of_env(sink: SinkKind | None, spool: str, agent_store: str | None, di
                 f"sink='agent', but the psguard agent running this trainer (${ENV_SPOOL}={spool}) was started "
                 f"without --store and keeps checkpoints in memory only. Fix: start it with --store {directory}"
             )
+        what = "the agent running this trainer has no --store, so this manager writes the durable log itself"
         log.warning(
-            "event=agent_without_store spool=%s directory=%s: the psguard agent running this trainer was started "
-            "without --store and keeps checkpoints in memory only, so this manager writes its durable checkpoints "
-            "to %s itself, without the agent's memory tier. Fix: start the agent (psguard agent, psguard wrap) "
-            "with --store %s",
-            spool,
-            directory,
-            directory,
-            directory,
+            "event=agent_without_store spool=%s: %s. Fix: start the agent with --store %s", spool, what, directory
         )
         return SinkChoice("store", f"the agent of ${ENV_SPOOL} has no --store")
     if agent_store is not None and canonical_url(agent_store) != canonical_url(directory):
