@@ -1,9 +1,5 @@
-"""The agent's side: the sidecar process beside each task (``psguard agent``) and ``psguard wrap``.
-
-Supervisor, prober, HTTP endpoints, metrics, warm standby, the memory tier, the persister and the spool's
-agent end. It never imports :mod:`psguard.trainer`: it talks to the trainer only through
-:mod:`psguard.handoff`.
-"""
+"""The agent's side: the sidecar beside each task (``psguard agent``) and ``psguard wrap``. It talks to the
+trainer only through :mod:`psguard.handoff`."""
 
 from psguard.handoff.client import report_failure, report_recovery, restart_ps_servers
 

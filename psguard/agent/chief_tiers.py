@@ -1,11 +1,6 @@
-"""The chief agent's checkpoint tiers: the memory tier the trainer's captures reach through the spool, the persister
-that writes it to the durable log, and the client of the PS agents that hold the shards the PS capture themselves.
-
-At start the tier is seeded from the durable log (:func:`~psguard.agent.tiers.persister.resume`), so an agent
-restarted after a crash (even a SIGKILL in the middle of a persist: the manifest is the commit) continues from the
-last commit; a store that does not answer is waited for (:mod:`psguard.storage.waiting`), the agent serving HTTP
-meanwhile. :class:`~psguard.agent.daemon.Agent` wires them to its supervisor, its routes and its status.
-"""
+"""The chief agent's checkpoint tiers: the memory tier fed through the spool, the persister writing it to the
+durable log, and the client of the PS agents that hold their shards. The tier is seeded from the durable log at
+start, the agent serving HTTP while it waits for a store that does not answer."""
 
 from __future__ import annotations
 

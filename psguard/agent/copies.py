@@ -1,9 +1,6 @@
-"""The PS-side shards' and the peer copies' wiring in an agent: their HTTP endpoints, the calls one PS agent makes
-to another, and the chief's view of the copies (the copies themselves: psguard/agent/tiers/peer_copy.py).
-
-Here, at the agent's top, because it joins the two rooms that may not import each other: the control plane's
-HTTP server and the tiers' shard keeper.
-"""
+"""The PS-side shards' and the peer copies' wiring in an agent: their HTTP endpoints, the calls between PS agents,
+and the chief's view of the copies. Here, at the agent's top, because it joins the HTTP server and the tiers'
+shard keeper, which may not import each other."""
 
 from __future__ import annotations
 

@@ -1,19 +1,8 @@
-"""Who may call the agent: bearer credentials and the scopes they grant.
-
-Two scopes: ``read`` (``GET /metrics`` and ``/status``) and ``control`` (every POST:
-``/restart``, ``/failure``, ``/recovery``, ``/new-generation``). An :class:`Authenticator` turns the credential of
-an ``Authorization: Bearer`` header into the scopes it grants, or ``None`` when it does not accept it.
-
-- :class:`TokenAuth`: one shared secret (``--token-file``), compared in constant time; grants both scopes.
-- :class:`JwtAuth`: a JSON Web Token verified by PyJWT, HS256 with a shared secret (``--jwt-secret-file``) or
-  RS256/ES256 with a public key (``--jwt-public-key``). ``exp`` and ``aud`` are required (``--jwt-audience``);
-  the ``scope`` claim (space-separated, as in OAuth 2, or a list) names the scopes. A token for ``read`` cannot
-  restart anything, and a leaked one stops working at its expiry.
-
-No credential, token or claim is ever logged; a refused JWT logs only the kind of failure (expired, audience), at
-INFO once a minute for each kind and at DEBUG otherwise: anyone who can reach the port can send bad tokens, and
-must not be able to fill the log.
-"""
+"""Who may call the agent: bearer credentials and the scopes they grant, ``read`` (``GET /metrics``, ``/status``)
+and ``control`` (every POST). :class:`TokenAuth` is the shared ``--token-file`` secret (both scopes);
+:class:`JwtAuth` a JWT (HS256 secret or RS256/ES256 public key) with ``exp`` and ``aud`` required and the scopes in
+its ``scope`` claim. No credential is ever logged; a refused JWT logs only the kind of failure, at INFO once a
+minute per kind: anyone who can reach the port can send bad tokens, and must not fill the log."""
 
 from __future__ import annotations
 

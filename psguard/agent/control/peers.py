@@ -1,10 +1,6 @@
-"""The chief's agent and its peers: PS servers restarted for every new trainer generation.
-
-A PS that survives its chief keeps the old chief's eager context and variables, and TensorFlow offers no way
-to drop a remote context from outside; the new generation restores every variable anyway. So before a new
-trainer generation starts, the chief's agent asks every PS peer to restart its task and waits until each
-serves again (docs/design.md, "New trainer generation", has the measurements behind this decision).
-"""
+"""The chief's agent and its peers: PS servers restarted for every new trainer generation, since a PS that
+survives its chief keeps the old chief's context and TensorFlow cannot drop it from outside (docs/design.md,
+"New trainer generation")."""
 
 from __future__ import annotations
 

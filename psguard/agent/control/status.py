@@ -1,14 +1,6 @@
-"""``psguard status``: a running job at a glance, from its agents' ``/status``.
-
-    psguard status URL... [--token-file FILE] [--json]     # agents' HTTP URLs (the chief's is enough)
-    psguard status --dir DIR                                # a `psguard wrap --dir` or `psguard demo` folder
-
-Starting from the given agents, the chief's ``/status`` names its peers, which are asked too. One row per task
-(state, pid, restarts, health, ready), then the chief's tiers: the newest checkpoint in memory and in the durable
-log, the persist lag, the persister's failures and last error, the last trainer generation. ``/status`` needs the
-agents' bearer token when they have one: ``--token-file`` (default ``$PSGUARD_AGENT_TOKEN_FILE``); the token is
-sent, never printed. Exit 0 when every agent answered and is ready, 1 otherwise.
-"""
+"""``psguard status URL... | --dir DIR [--token-file FILE] [--json]``: a running job at a glance, from its agents'
+``/status`` (the chief's names its peers, which are asked too): a row per task, then the chief's tiers. The token
+is sent, never printed. Exit 0 when every agent answered and is ready, 1 otherwise."""
 
 from __future__ import annotations
 

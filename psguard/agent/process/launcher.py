@@ -1,10 +1,6 @@
-"""A localhost parameter-server cluster with every task under its own ``psguard agent`` process.
-
-Shared by ``psguard demo`` and ``psguard chaos run``: both need the same thing, real agents supervising real
-TF servers and a real trainer, started and stopped the same way, so that what the chaos harness proves is
-about the setup the demo shows. The harness also restarts an agent it killed (a node coming back): an agent
-keeps its HTTP port across restarts so the chief's agent, which knows its peers by URL, finds it again.
-"""
+"""A localhost parameter-server cluster with every task under its own ``psguard agent`` process: shared by
+``psguard demo`` and ``psguard chaos run``, so that the chaos harness proves what the demo shows. An agent
+restarted after it was killed keeps its HTTP port, so the chief's agent finds it again."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
-"""A supervised task's life as its owner sees it: the restart policy it is given and what it reports back.
-
-The :class:`~psguard.agent.process.supervisor.Supervisor` takes a :class:`SupervisorConfig` (the agent's
-``supervisor:`` section) and reports through :class:`SupervisorEvent` (to its ``on_event`` callback: the agent's
-recovery rules, metrics) and :class:`SupervisorStatus` (``/status``). They live apart from the supervisor so
-that those readers (:mod:`psguard.agent.config`, :mod:`psguard.agent.control.metrics`,
-:mod:`psguard.agent.recovery`) need only the vocabulary, not the machinery that spawns and kills processes.
-"""
+"""A supervised task's life as its owner sees it: the restart policy (:class:`SupervisorConfig`) and what it
+reports (:class:`SupervisorEvent`, :class:`SupervisorStatus`), apart from the machinery that spawns and kills
+processes, which their readers need not load."""
 
 from __future__ import annotations
 
