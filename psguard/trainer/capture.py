@@ -393,8 +393,7 @@ class Capturer:
     def _tracks_rows(self, info: TensorInfo) -> bool:
         if not info.shape or info.dtype == np.dtype(object):
             return False
-        row_bytes = info.nbytes // max(info.shape[0], 1)
-        return info.shape[0] >= self.row_tracking_min_rows and row_bytes >= _MIN_ROW_BYTES
+        return info.shape[0] >= self.row_tracking_min_rows and info.row_bytes >= _MIN_ROW_BYTES
 
     def _sync(self) -> None:
         """Re-read the object graph; keep fingerprints of unchanged tensors, track new ones (full first)."""
@@ -506,20 +505,10 @@ class Capturer:
 
         tensors = []
         for tr in self._tracked.values():
-            info = tr.info
-            row_bytes = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
+            info, marks, live = tr.info, tr.dirty is not None, tr.dirty is not None and tr.dirty[0].live is not None
             shards = tuple(ShardPlan(str(s.device), s.rows) for s in info.shards)
             tensors.append(
-                TensorPlan(
-                    tr.by_row,
-                    tr.spill,
-                    tr.dirty is not None,
-                    tr.dirty is not None and tr.dirty[0].live is not None,
-                    row_bytes,
-                    info.dtype,
-                    info.shape[1:],
-                    shards,
-                )
+                TensorPlan(tr.by_row, tr.spill, marks, live, info.row_bytes, info.dtype, info.shape[1:], shards)
             )
         counter = self._counter
         plan = Plan(

@@ -117,8 +117,7 @@ def handed_off_bytes(
             total += update.values.nbytes + update.ids.nbytes
     for part in parts:
         for shard in part.shards:
-            info = tensors[shard.key.name]
-            row = info.nbytes // max(info.shape[0], 1) if info.shape else info.nbytes
+            row = tensors[shard.key.name].row_bytes
             total += shard.count * (row + (_ID_BYTES if shard.kind == "rows" else 0))
     return total
 

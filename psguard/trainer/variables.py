@@ -68,6 +68,11 @@ class TensorInfo:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (of the whole tensor for a scalar)."""
+        return self.nbytes // max(self.shape[0], 1) if self.shape else self.nbytes
+
 
 # --------------------------------------------------------------------------------------------- object graph
 
