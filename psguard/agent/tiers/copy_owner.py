@@ -14,22 +14,16 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Self
+from typing import Any
 
 import numpy as np
 
-from psguard.agent.tiers.copy_frames import (
-    MASK,
-    digests_from,
-    digests_json,
-    encode_frame,
-    rows_digest,
-)
+from psguard.agent.tiers.copy_frames import MASK, digests_from, digests_json, encode_frame, rows_digest
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import StreamSnapshot
 from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError, PsguardError
-from psguard.tensors import FullStream, Rows, TensorUpdate
+from psguard.tensors import Rows, TensorUpdate
 
 #: A holder's answer read as it arrives (url, body, timeout, the rows' array, ``take(row, rows)`` called with each
 #: piece): :meth:`psguard.agent.copies.PeerLink.read_copy_into`. Returns the answer's header.
@@ -38,34 +32,9 @@ ReadInto = Callable[[str, Mapping[str, Any], float, np.ndarray, Callable[[int, n
 #: Makes an array the fetched rows go into (None: the fetch allocates anonymous memory).
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None]
 
-__all__ = ["FP_SUFFIX", "CopiedView", "CopySender", "ReadInto", "fetch_copy", "fp_name", "new_delta"]
+__all__ = ["CopySender", "ReadInto", "fetch_copy", "new_delta"]
 
 log = logging.getLogger(__name__)
-
-#: A copy's tensor holding the fingerprints of tier tensor ``name`` is ``name + FP_SUFFIX``.
-FP_SUFFIX = "#fp"
-
-
-def fp_name(name: str) -> str:
-    return name + FP_SUFFIX
-
-
-class CopiedView:
-    """What a whole copy is read from: the owner's tier and its fingerprints (``None``: none sent) read in row
-    ranges at one state (both snapshots taken under the keeper's lock), released when sent."""
-
-    def __init__(self, rows: StreamSnapshot, fps: StreamSnapshot | None) -> None:
-        self._parts = [rows] if fps is None else [rows, fps]
-        self.step, self.token, self.metadata = rows.step, rows.token, rows.metadata
-        extra = {} if fps is None else {fp_name(n): s for n, s in fps.tensors.items()}
-        self.tensors: Mapping[str, FullStream] = {**rows.tensors, **extra}
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for part in self._parts:
-            part.release()
 
 
 # ---------------------------------------------------------------------------------------------------- sender
@@ -102,7 +71,7 @@ class CopySender:
     def __init__(
         self,
         task: str,
-        snapshot: Callable[[], tuple[CopiedView, list[dict[str, Any]], dict[str, int]]],
+        snapshot: Callable[[], tuple[StreamSnapshot, list[dict[str, Any]], dict[str, int]]],
         post: Callable[[str, bytes, float], dict[str, Any]],
         config: PeerCopyConfig,
     ) -> None:

@@ -188,6 +188,7 @@ class _View(Generic[T]):
     token: str | None
     tensors: Mapping[str, T]
     _lease: _Lease
+    also: list[_View[Any]] = field(default_factory=list)  # views released with this one
 
     @property
     def empty(self) -> bool:
@@ -197,6 +198,8 @@ class _View(Generic[T]):
         """Let the tier write the arrays again. ``hand_off``: never in place, though: their files went to a restore
         whose PS may have mapped them (:mod:`psguard.handoff.mapped`); the tier copies each on its next write."""
         self._tier._release(self._lease, hand_off=hand_off)
+        for view in self.also:
+            view.release(hand_off=hand_off)
 
     def __enter__(self) -> Self:
         return self

@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.tiers.copy_frames import delta_digest, rows_digest
-from psguard.agent.tiers.copy_owner import FP_SUFFIX, CopiedView, CopySender, fp_name, new_delta
+from psguard.agent.tiers.copy_owner import CopySender, new_delta
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
 from psguard.agent.tiers.parity import xor_rows
 from psguard.agent.tiers.tier_files import TierFiles
 from psguard.codec.dtypes import dtype_name
@@ -35,8 +35,15 @@ __all__ = ["FP_SUFFIX", "CopyOwner", "fp_name"]
 
 log = logging.getLogger(__name__)
 
+#: A copy's tensor holding the fingerprints of tier tensor ``name`` is ``name + FP_SUFFIX``.
+FP_SUFFIX = "#fp"
+
 #: The rows an undo writes back: tier name -> (row ids, their values before the delta).
 UndoRows = dict[str, tuple[np.ndarray, np.ndarray]]
+
+
+def fp_name(name: str) -> str:
+    return name + FP_SUFFIX
 
 
 class CopyOwner:
@@ -189,7 +196,7 @@ class CopyOwner:
                 digests.update({fp_name(n): rows_digest(a) for n, a in fps.tensors.items()})
         self._digests = digests
 
-    def _copy_snapshot(self) -> tuple[CopiedView, list[dict[str, Any]], dict[str, int]]:
+    def _copy_snapshot(self) -> tuple[StreamSnapshot, list[dict[str, Any]], dict[str, int]]:
         """For the sender's whole copy: the tier and its fingerprints (read in row ranges), their layout and
         digests, at one state."""
         with self._lock:
@@ -202,7 +209,6 @@ class CopyOwner:
                 self._rehash()
             assert self._digests is not None
             snap = self.tier.stream_export()
-            view = CopiedView(snap, self.fp_tier.stream_export() if with_fps else None)
             self.sender.begin_whole()
             layout = []
             for name, value in snap.tensors.items():
@@ -212,7 +218,11 @@ class CopyOwner:
                 if with_fps:
                     fp = {"name": fp_name(name), "fp_of": name, "dtype": "int64", "array_shape": [value.shape[0]]}
                     layout.append({**entry, **fp})
-            return view, layout, dict(self._digests)
+            if with_fps:  # the fingerprints go as tensors of their own, released with the rows
+                fps = self.fp_tier.stream_export()
+                snap.tensors = {**snap.tensors, **{fp_name(n): s for n, s in fps.tensors.items()}}
+                snap.also.append(fps)
+            return snap, layout, dict(self._digests)
 
     def _copy_state(self) -> dict[str, Any] | None:
         if self.sender is None or self.sender.target is None:

@@ -21,10 +21,7 @@ from psguard.agent.tiers.persister import Persister, PersistHandle
 from psguard.agent.tiers.shard_client import ShardClient
 from psguard.agent.tiers.shards import ShardError
 from psguard.agent.tiers.spool_restores import RestoreAnswers
-from psguard.errors import (
-    CorruptCheckpointError,
-    PsguardError,
-)
+from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import Tier
 from psguard.handoff.spool import (
     AGENT_TMP,
