@@ -357,9 +357,9 @@ class AgentHTTPServer:
             return Response(403, {"error": "Host header does not name a loopback address"})
         if path not in OPEN_PATHS and self._mutual_tls and not client_certificate():
             return Response(403, {"error": "a client certificate signed by the agent's CA is required"})
-        required = self._required_scope(method, path)
-        if required is None:
+        if path in OPEN_PATHS or (method != "POST" and self.open_read):
             return None
+        required = CONTROL if method == "POST" else READ
         granted = self._scopes(authorization)
         if granted is None:
             return Response(
@@ -368,14 +368,6 @@ class AgentHTTPServer:
         if required not in granted:
             return Response(403, {"error": f"the credential lacks the {required!r} scope for {path}"})
         return None
-
-    def _required_scope(self, method: str, path: str) -> str | None:
-        """The scope a request needs; ``None`` for the open paths (and reads under ``open_read``)."""
-        if path in OPEN_PATHS:
-            return None
-        if method == "POST":
-            return CONTROL
-        return None if self.open_read else READ
 
     def _scopes(self, header: str | None) -> frozenset[str] | None:
         """The scopes the ``Authorization`` header's credential grants; ``None`` when none accepts it."""

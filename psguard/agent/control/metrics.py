@@ -235,11 +235,8 @@ class Counter(_Metric[_CounterChild]):
         self._unlabelled().inc(amount)
 
 
-class _GaugeChild:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._value = 0.0
-        self._function: Callable[[], float] | None = None
+class _GaugeChild(_CounterChild):
+    _function: Callable[[], float] | None = None
 
     def set(self, value: float) -> None:
         with self._lock:

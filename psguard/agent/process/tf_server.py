@@ -46,12 +46,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--job", required=True, choices=["ps", "worker", "chief", "evaluator"])
     p.add_argument("--index", required=True, type=int)
     p.add_argument("--protocol", default="grpc")
-    p.add_argument(
-        "--parent-pid",
-        type=int,
-        default=0,
-        help="die (SIGKILL) when this process, our parent, exits; 0 keeps running",
-    )
+    p.add_argument("--parent-pid", type=int, default=0, help="die with this parent process (0: never)")
     return p.parse_args(argv)
 
 
