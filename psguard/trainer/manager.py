@@ -238,9 +238,9 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self.restore_timeout = opts.restore_timeout
         self._sink = self._open_sink()
         self._lag = LagGuard(
-            self._lag_bound,
+            lambda: schedule.durable_lag if (schedule := self.schedule) is not None else LagBound(),
             agent_alive=self._sink.spool.agent_alive if isinstance(self._sink, AgentSink) else None,
-            cancel=self._preempted,
+            cancel=lambda: self._preemption is not None and self._preemption.requested_at is not None,
         )
         self.last_hold_seconds = 0.0
         #: What the user set (``None``: the writer's default, NEW_BASE_AFTER or the agent's ``max_chain``).
@@ -400,13 +400,6 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         handle = self._save(checkpoint_number, metrics=metrics, tiers=tiers)
         self._hold(handle.step)
         return handle
-
-    def _preempted(self) -> bool:
-        return self._preemption is not None and self._preemption.requested_at is not None
-
-    def _lag_bound(self) -> LagBound:
-        schedule = self.schedule
-        return schedule.durable_lag if schedule is not None else LagBound()
 
     def _hold(self, step: int) -> None:
         """Wait while the durable log trails past the policy's ``durable_lag`` (:mod:`psguard.policy.lag`)."""

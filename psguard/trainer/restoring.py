@@ -68,7 +68,7 @@ def hook_restore(manager: RestoreSide) -> tuple[Any, Any]:
     """Put ``manager.restore`` in front of its checkpoint's ``restore`` (``checkpoint.restore(manager.
     latest_checkpoint)`` names an id TF cannot read); return TF's own restore (unbound) and the one the checkpoint
     had before (bound), which takes every other path, and every path once the weakly held manager is gone."""
-    checkpoint = manager.checkpoint
+    checkpoint = manager._checkpoint
     tf_restore = getattr(type(checkpoint), "restore", None)
     before = getattr(checkpoint, "restore", None)
     if tf_restore is None or before is None:
@@ -97,6 +97,7 @@ class RestoreSide:
     context: SaveContext
     _sink: Sink
     _checkpoint: Any
+    _directory: str
     _capture_lock: threading.Lock
     _deferred: DeferredRestore | None
     _snapshot_for: tuple[str, Restored] | None
@@ -111,12 +112,6 @@ class RestoreSide:
     _closed: bool
 
     if TYPE_CHECKING:  # the manager's properties
-
-        @property
-        def directory(self) -> str: ...
-
-        @property
-        def checkpoint(self) -> Any: ...
 
         @property
         def coordinator(self) -> Any: ...
@@ -145,7 +140,7 @@ class RestoreSide:
         path = os.fspath(save_path) if save_path is not None else None
         if path is None or not self._is_own(path):
             if self._restore_before is None:
-                raise NoCheckpointError(f"{save_path!r} is not a checkpoint of {self.directory}")
+                raise NoCheckpointError(f"{save_path!r} is not a checkpoint of {self._directory}")
             return self._restore_before(save_path, options=options)  # TF's (or another manager's)
         if self._snapshot_for is not None and self._snapshot_for[0] == path:
             memory = self._snapshot_for[1]
@@ -156,7 +151,7 @@ class RestoreSide:
             self._restored(info)
         elif path.startswith("memory:") or path == self.latest_checkpoint:
             if self._restore_newest(status=True) is None:
-                raise NoCheckpointError(f"no checkpoint to restore in {self.directory}")
+                raise NoCheckpointError(f"no checkpoint to restore in {self._directory}")
         else:
             self._restore_durable(path)
         assert self._deferred is not None and self.restored is not None
@@ -352,7 +347,7 @@ class RestoreSide:
         shards = f"; the PS mapped {mapped[0]} of its {mapped[1]} shard file(s)" if mapped else ""
         log.info("restored %s (step %d) from the %s tier%s", info.id, info.step, info.source, shards)
         if self._sink.supervised:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
-            seen = process_managers.last_seen_step(self.directory)
+            seen = process_managers.last_seen_step(self._directory)
             report_recovery(info.step, seen_step=seen, source=info.source, shards_mapped=mapped)
         return info.id
 

@@ -210,10 +210,6 @@ class Job:
             newer.step, merged, newer.metadata, newer.metrics, self.tiers | newer.tiers, [*self.handles, *newer.handles]
         )
 
-    @property
-    def full(self) -> bool:
-        return all(isinstance(u, Full) for u in self.updates.values())
-
 
 class StoreSink:
     """The manager's own writer: commits captures to ``store`` on a background thread (see the module doc)."""
@@ -322,7 +318,7 @@ class StoreSink:
                 info = self.writer.save(
                     job.step,
                     job.updates,
-                    whole=job.full,
+                    whole=all(isinstance(u, Full) for u in job.updates.values()),
                     new_base=Tier.BASE in job.tiers,
                     metadata=job.metadata,
                     metrics=job.metrics,
