@@ -97,7 +97,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from io import FileIO
 from pathlib import Path
@@ -425,6 +425,17 @@ def _shape_dtype(doc: Mapping[str, Any], what: str) -> tuple[tuple[int, ...], np
     return tuple(shape), dtype
 
 
+def _entries(items: Any, what: str) -> Iterator[tuple[dict[str, Any], str, str, tuple[int, ...], np.dtype[Any]]]:
+    """Each tensor entry of a capture or snapshot, with its name, how errors name it, its shape and dtype."""
+    if not isinstance(items, list):
+        raise CorruptCheckpointError(f"{what}: tensors malformed")
+    for item in items:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+            raise CorruptCheckpointError(f"{what}: tensor entry malformed")
+        where = f"{what}, tensor {item['name']!r}"
+        yield item, item["name"], where, *_shape_dtype(item, where)
+
+
 def check_json(metadata: Mapping[str, Any]) -> dict[str, Any]:
     try:
         json.dumps(metadata, allow_nan=False)
@@ -484,20 +495,14 @@ def read_capture(folder: Path, *, shown: str | None = None) -> SpooledCapture:
         raise CorruptCheckpointError(f"{what}: capture.json lacks or garbles {e}") from None
     if parent is not None and not isinstance(parent, str):
         raise CorruptCheckpointError(f"{what}: bad parent token {parent!r}")
-    if not isinstance(metadata, dict) or not isinstance(items, list):
-        raise CorruptCheckpointError(f"{what}: metadata or tensors malformed")
+    if not isinstance(metadata, dict):
+        raise CorruptCheckpointError(f"{what}: metadata malformed")
     tensors: dict[str, TensorUpdate] = {}
     nbytes = 0
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise CorruptCheckpointError(f"{what}: tensor entry malformed")
-        name = item["name"]
-        where = f"{what}, tensor {name!r}"
-        shape, dtype = _shape_dtype(item, where)
+    for item, name, where, shape, dtype in _entries(items, what):
         kind = item.get("kind")
         if kind == "full":
-            value = _read_array(folder, item, dtype, shape, where)
-            tensors[name] = Full(value)
+            tensors[name] = Full(_read_array(folder, item, dtype, shape, where))
             nbytes += int(item["size"])
         elif kind == "rows":
             count = item.get("count")
@@ -532,15 +537,8 @@ def read_restore(folder: Path, *, shown: str | None = None) -> Restored:
         raise NewerInMemoryError(str(doc.get("message", "the memory tiers hold a newer state")))
     if status != "ok":
         raise PsguardError(f"the agent could not export its memory tier: {doc.get('message', status)}")
-    tensors: dict[str, np.ndarray] = {}
-    items = doc.get("tensors")
-    if not isinstance(items, list):
-        raise CorruptCheckpointError(f"{what}: tensors malformed")
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise CorruptCheckpointError(f"{what}: tensor entry malformed")
-        shape, dtype = _shape_dtype(item, f"{what}, tensor {item['name']!r}")
-        tensors[item["name"]] = _read_array(folder, item, dtype, shape, f"{what}, tensor {item['name']!r}")
+    entries = _entries(doc.get("tensors"), what)
+    tensors = {name: _read_array(folder, item, dtype, shape, where) for item, name, where, shape, dtype in entries}
     parts: dict[ShardKey, str] = {}
     homes: dict[ShardKey, tuple[str, str]] = {}
     fps: dict[ShardKey, str] = {}

@@ -127,14 +127,10 @@ def read_bundle(
 
 def _varint(n: int) -> bytes:
     out = bytearray()
-    while True:
-        byte = n & 0x7F
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
         n >>= 7
-        if n:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
+    return bytes(out) + bytes([n])
 
 
 def _tag(field: int, wire_type: int) -> bytes:

@@ -437,12 +437,11 @@ class ChainLimit:
             raise invalid("max_chain", "max_chain or max_delta_percent to be set", None)
 
     def describe(self) -> str:
-        parts = []
-        if self.max_chain is not None:
-            parts.append(f"{self.max_chain} links")
-        if self.max_delta_percent is not None:
-            parts.append(f"deltas at {self.max_delta_percent:g}% of the base")
-        return "chain limit: " + " or ".join(parts)
+        parts = (
+            self.max_chain is not None and f"{self.max_chain} links",
+            self.max_delta_percent is not None and f"deltas at {self.max_delta_percent:g}% of the base",
+        )
+        return "chain limit: " + " or ".join(p for p in parts if p)
 
     def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
         n = context.chain_length
@@ -558,15 +557,10 @@ class Schedule:
     def decide(self, step: int, now: float, context: SaveContext) -> Decision:
         """Which tiers to save at ``step``/``now`` given ``context``, and why. See :class:`Decision`."""
         if self.on_preemption and context.preempted_at is not None:
-            preempt = OnPreemption()
-            pending = [
-                t
-                for t in _TIER_ORDER
-                if t in self.on_preemption and preempt.should_save(step, now, last=context.last(t), context=context)
-            ]
+            asked = (OnPreemption().should_save(step, now, last=context.last(t), context=context) for t in _TIER_ORDER)
+            pending = [v for t, v in zip(_TIER_ORDER, asked, strict=True) if t in self.on_preemption and v]
             if pending:
-                urgent = frozenset(self.on_preemption) | {Tier.MEMORY}
-                verdict = preempt.should_save(step, now, last=context.last(pending[0]), context=context)
+                urgent, verdict = frozenset(self.on_preemption) | {Tier.MEMORY}, pending[0]
                 busy = f" (overriding the {_names(context.in_flight)} save in flight)" if context.in_flight else ""
                 return Decision(urgent, f"save {_names(urgent)}: {verdict.reason}{busy}", step, now, urgent=True)
         if context.in_flight:
@@ -631,14 +625,12 @@ class Retention:
             )
 
     def describe(self) -> str:
-        parts = []
-        if self.keep_last:
-            parts.append(f"the last {self.keep_last}")
-        if self.keep_every_hours is not None:
-            parts.append(f"one every {self.keep_every_hours:g}h")
-        if self.keep_best:
-            parts.append(f"the best {self.keep_best} by {self.mode} {self.metric}")
-        return "keep " + ", ".join(parts)
+        parts = (
+            self.keep_last and f"the last {self.keep_last}",
+            self.keep_every_hours is not None and f"one every {self.keep_every_hours:g}h",
+            self.keep_best and f"the best {self.keep_best} by {self.mode} {self.metric}",
+        )
+        return "keep " + ", ".join(p for p in parts if p)
 
     def select(self, candidates: Sequence[Candidate]) -> set[str]:
         """Ids of ``candidates`` the rules keep (:func:`psguard.store.retention.select_kept`). Deleting the rest is the

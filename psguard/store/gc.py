@@ -111,6 +111,8 @@ class Collector:
         for rule, n in (("keep_last", keep_last), ("keep_best", keep_best)):
             if n is not None and n < 0:
                 raise ConfigError(f"{rule} must be >= 0, got {n}")
+        if keep_best is not None and not metric:
+            raise ConfigError("keep_best needs the name of a reported metric (metric=...)")
         if keep_last is not None and keep_last < 1 and keep_every_hours is None and keep_best is None:
             raise ConfigError("keep_last must be at least 1 (retention that keeps nothing is refused)")
         rules: dict[str, Any] = {"keep_last": keep_last, "keep_every_hours": keep_every_hours, "keep_best": keep_best}

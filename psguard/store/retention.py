@@ -31,7 +31,8 @@ def select_kept(
     metric: str | None = None,
     mode: Literal["min", "max"] = "min",
 ) -> set[str]:
-    """Return the ids to keep. The newest checkpoint is always kept, whatever the rules say.
+    """Return the ids to keep (rules already validated: :class:`psguard.policy.engine.Retention`, ``Store.gc``).
+    The newest checkpoint is always kept, whatever the rules say.
 
     ``keep_every_hours`` keeps the oldest checkpoint of each wall-clock window of that many hours, so the
     kept ones stay about H hours apart as time goes on. ``keep_best`` keeps the N best by ``metric``
@@ -41,13 +42,9 @@ def select_kept(
         return set()
     ordered = sorted(candidates, key=lambda c: (c.step, c.committed_at))
     kept = {ordered[-1].id}
-    if keep_last is not None:
-        if keep_last < 0:
-            raise ValueError("keep_last must be >= 0")
-        kept.update(c.id for c in ordered[len(ordered) - keep_last :] if keep_last)
+    if keep_last:
+        kept.update(c.id for c in ordered[-keep_last:])
     if keep_every_hours is not None:
-        if keep_every_hours <= 0:
-            raise ValueError("keep_every_hours must be > 0")
         window = keep_every_hours * 3600.0
         seen: set[int] = set()
         for c in sorted(candidates, key=lambda c: c.committed_at):
@@ -55,9 +52,7 @@ def select_kept(
             if bucket not in seen:
                 seen.add(bucket)
                 kept.add(c.id)
-    if keep_best is not None:
-        if metric is None:
-            raise ValueError("keep_best needs the name of a metric")
+    if keep_best is not None and metric is not None:
         scored = [c for c in candidates if metric in c.metrics]
         scored.sort(key=lambda c: c.metrics[metric], reverse=(mode == "max"))
         kept.update(c.id for c in scored[:keep_best])

@@ -191,11 +191,9 @@ class Writer:
             raise ConfigError(
                 f"{what}: a shard of {list(part_shape)} does not fit rows of a tensor shaped {list(shape)}"
             )
-        known: set[str] = set()
-        if dedup_against is not None:
-            if not self.backend.exists(manifest_key(dedup_against)):
-                raise ParentMissingError(f"{what}: checkpoint {dedup_against} to deduplicate against is gone")
-            known = self.known_chunks(dedup_against)
+        if dedup_against is not None and not self.backend.exists(manifest_key(dedup_against)):
+            raise ParentMissingError(f"{what}: checkpoint {dedup_against} to deduplicate against is gone")
+        known = self.known_chunks(dedup_against) if dedup_against is not None else set()
         writer = ChunkWriter(self.backend, self.pool, inflight_bytes=self.inflight_bytes, known=known)
         if isinstance(update, Full | FullStream):
             futs = (
@@ -238,15 +236,9 @@ class Writer:
             )
         if parent is None:
             raise ConfigError(f"tensor {name!r}: a full checkpoint needs whole tensors, got {type(update).__name__}")
-        prev = parent.tensors.get(name)
         dtype = _storable(name, dtype_name(np.dtype(update.dtype)))
         shape = tuple(int(x) for x in update.shape)
-        if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
-            was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
-            raise ConfigError(
-                f"tensor {name!r}: a {type(update).__name__} update of {dtype}{list(shape)} cannot apply to "
-                f"the parent's ({was}); save it whole"
-            )
+        _check_fits(parent, name, dtype, shape, f"a {type(update).__name__} update", "; save it whole")
         if isinstance(update, Same):
             return dtype, shape, "same", []
         if dtype == STRING:
@@ -256,10 +248,7 @@ class Writer:
 
     def known_chunks(self, parent: str) -> set[str]:
         """The hashes of every chunk of ``parent``'s chain: what a save on it need not upload again."""
-        known: set[str] = set()
-        for m in self.index.chain(parent):
-            known.update(r.hash for r in m.refs())
-        return known
+        return {r.hash for m in self.index.chain(parent) for r in m.refs()}
 
     def end_transaction(self) -> None:
         """The open transaction is over (committed or aborted): the next ``begin_save`` may start."""
@@ -411,8 +400,6 @@ class SaveTransaction:
     ) -> Manifest:
         owner, cid, step, parent, parent_m = self.writer, self.checkpoint_id, self.step, self.parent, self._parent_m
         check_metadata(metadata_in)
-        metadata = dict(metadata_in or {})
-        metrics = dict(metrics_in or {})
         both = sorted(set(tensors) & set(parts))
         if both:
             raise ConfigError(f"tensor(s) given both whole and in parts: {both[:10]}")
@@ -455,8 +442,8 @@ class SaveTransaction:
             chain_length=0 if parent_m is None else parent_m.chain_length + 1,
             committed_at=time.time(),
             tensors=entries,
-            metadata=metadata,
-            metrics=metrics,
+            metadata=dict(metadata_in or {}),
+            metrics=dict(metrics_in or {}),
             stats=stats,
             writer=owner.name,
         )
@@ -494,12 +481,7 @@ class SaveTransaction:
                 raise ConfigError(f"tensor {name!r}: a part lacks the dtype and logical shape write_part gives it")
             shape = tuple(shape_raw)
             if self._parent_m is not None:
-                prev = self._parent_m.tensors.get(name)
-                if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
-                    was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
-                    raise ConfigError(
-                        f"tensor {name!r}: parts of {dtype}{list(shape)} cannot apply to the parent's ({was})"
-                    )
+                _check_fits(self._parent_m, name, dtype, shape, "parts")
             stripped = [{k: v for k, v in p.items() if k not in PART_TRANSPORT_KEYS} for p in plist]
             stripped.sort(key=lambda p: p["offset"] if isinstance(p.get("offset"), int) else -1)
             entries[name] = sharded_entry_from_parts(self.checkpoint_id, self.kind, name, dtype, shape, stripped)
@@ -537,6 +519,14 @@ class SaveTransaction:
                     f"step {self.step}: tensor {name!r}: chunk {ref.hash} of a part {has} {owner.url}; "
                     "nothing was committed"
                 )
+
+
+def _check_fits(parent: Manifest, name: str, dtype: str, shape: tuple[int, ...], what: str, fix: str = "") -> None:
+    """Refuse ``what`` (a row update, parts) of tensor ``name`` unless the parent holds it with this dtype and shape."""
+    prev = parent.tensors.get(name)
+    if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
+        was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
+        raise ConfigError(f"tensor {name!r}: {what} of {dtype}{list(shape)} cannot apply to the parent's ({was}){fix}")
 
 
 def _checked_ids(ids: np.ndarray, rows: int, message: str) -> np.ndarray:

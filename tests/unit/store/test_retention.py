@@ -200,3 +200,12 @@ def test_a_gc_killed_after_any_manifest_deletion_leaves_only_whole_chains(tmp_pa
         ids = store.checkpoint_ids()
         assert len(ids) == 3  # one of the three doomed ones went
         assert [cid for cid in ids if not store.verify(cid).ok] == []
+
+
+def test_gc_keeping_more_than_the_store_holds_deletes_nothing(tmp_path: Path) -> None:
+    """keep_last larger than the number of checkpoints keeps them all, the oldest included."""
+    with Store.open(str(tmp_path), chunk_grace=0.0) as store:
+        ids = [store.save(step, {"t": np.full((4, 2), step, np.float32)}).id for step in (1, 2, 3)]
+        report = store.gc(keep_last=5)
+        assert report.deleted_checkpoints == ()
+        assert sorted(report.kept) == sorted(ids) == store.checkpoint_ids()
