@@ -215,9 +215,9 @@ class ParityHolder:
         """One frame of ``owner`` for its group's parity: ``begin``/``fill``/``end`` of a whole, or a ``delta``."""
         g = self._group(owner, header)
         op = header.get("op")
-        handle = {"begin": self._begin, "fill": self._fill, "end": self._end, "delta": self._delta}.get(str(op))
-        if handle is None:
+        if op not in ("begin", "fill", "end", "delta"):
             raise CorruptCheckpointError(f"parity frame: unknown op {op!r}")
+        handle: Callable[..., dict[str, Any]] = getattr(self, f"_{op}")
         with g.lock:
             if g.restored is not None and g.restored[0] == owner:
                 g.restored = None  # the rebuilt member sends again: its new agent took the rebuilt state

@@ -52,7 +52,6 @@ class _Copy:
     layout: list[dict[str, Any]]  # per tensor: name (tier name), key [name, offset, rows], shape (logical), dtype
     digests: dict[str, int]
     received_at: float
-    bytes_in: int = 0
     # The last delta's way back: the state it applied to, its step, the rows it overwrote and the digests
     # before it (an owner's capture that did not reach every PS: see ShardKeeper._roll_back_to).
     undo: tuple[str, int, dict[str, tuple[np.ndarray, np.ndarray]], dict[str, int]] | None = None
@@ -101,13 +100,12 @@ class CopyHolder:
             self.drop(owner)  # the owner's copies moved to parity: its full copy is behind already
             return self.parity.put(owner, header, arrays, len(body))
         op = header.get("op")
-        ops: dict[str, Callable[..., dict[str, Any]]] = {"begin": self._begin, "fill": self._fill}
-        handle = (ops | {"end": self._end, "delta": self._delta}).get(str(op))
-        if handle is None:
+        if op not in ("begin", "fill", "end", "delta"):
             raise CorruptCheckpointError(f"peer copy frame: unknown op {op!r}")
-        return handle(owner, header, arrays, len(body))
+        handle: Callable[..., dict[str, Any]] = getattr(self, f"_{op}")
+        return handle(owner, header, arrays)
 
-    def _begin(self, owner: str, header: dict[str, Any], *_: object) -> dict[str, Any]:
+    def _begin(self, owner: str, header: dict[str, Any], _: object) -> dict[str, Any]:
         layout = header.get("tensors")
         if not isinstance(layout, list):
             raise CorruptCheckpointError("peer copy begin: no tensors")
@@ -136,7 +134,7 @@ class CopyHolder:
             self._incoming[owner] = _Incoming(header, arrays, dict.fromkeys(arrays, 0))
         return {"status": "ok"}
 
-    def _fill(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray], *_: object) -> dict[str, Any]:
+    def _fill(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:
         with self._lock:
             inc = self._incoming.get(owner)
         if inc is None or inc.header.get("session") != header.get("session"):
@@ -152,7 +150,7 @@ class CopyHolder:
         inc.filled[str(name)] += rows.shape[0]
         return {"status": "ok"}
 
-    def _end(self, owner: str, header: dict[str, Any], *_: object) -> dict[str, Any]:
+    def _end(self, owner: str, header: dict[str, Any], _: object) -> dict[str, Any]:
         with self._lock:
             inc = self._incoming.pop(owner, None)
         if inc is None or inc.header.get("session") != header.get("session"):
@@ -169,13 +167,13 @@ class CopyHolder:
         tier.seed(int(h["step"]), inc.arrays, metadata=h.get("metadata") or {}, token=str(h["token"]), durable=False)
         nbytes = sum(a.nbytes for a in inc.arrays.values())
         with self._lock:
-            self._copies[owner] = _Copy(tier, list(h["tensors"]), digests, time.time(), nbytes)
+            self._copies[owner] = _Copy(tier, list(h["tensors"]), digests, time.time())
         log.info("event=peer_copy_whole owner=%s holder=%s step=%s bytes=%d", owner, self.task, h["step"], nbytes)
         if self.on_copy is not None:
             self.on_copy(owner, nbytes)
         return {"status": "ok", "step": tier.step, "token": tier.token}
 
-    def _delta(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray], nbytes: int) -> dict[str, Any]:
+    def _delta(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:
         with self._lock:
             copy = self._copies.get(owner)
         parent, token, step = header.get("parent"), header.get("token"), header.get("step")
@@ -213,7 +211,6 @@ class CopyHolder:
                 copy.undo = (str(parent), before_step, undo_rows, copy.digests)
             copy.digests = new_digests
             copy.received_at = time.time()
-            copy.bytes_in += nbytes
         return {"status": result.status, "step": copy.tier.step, "token": copy.tier.token, "message": result.message}
 
     def _refuse(self, owner: str, bad: list[str]) -> dict[str, Any]:
