@@ -6,10 +6,12 @@ nemesis ran its actions in turn), 75 s after the store went down."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -286,11 +288,34 @@ def test_a_first_base_already_written_is_a_moment_missed_and_a_run_that_ends_fir
         worker.close()
 
 
-def _commit_then_kill(at: int = 10) -> Scenario:
-    faults = [{"action": "kill", "target": "worker:0", "at_step": at, "during": "durable-commit"},
+def _commit_then_kill() -> Scenario:
+    faults = [{"action": "kill", "target": "worker:0", "at_step": 10, "during": "durable-commit"},
               {"action": "kill", "target": "ps:0", "at_step": 20}]  # fmt: skip
     doc = {"name": "t", "proves": "x", "cluster": {"ps": 1, "workers": 1}, "faults": faults}
     return from_data(Scenario, doc, source="t.yaml")
+
+
+@contextlib.contextmanager
+def _commit_then_kill_run(
+    path: Path, cls: type[Nemesis], chief: Task, kills: int
+) -> Iterator[tuple[Nemesis, Watched, Task, Task]]:
+    """:func:`_commit_then_kill`'s nemesis over a worker and a PS (real processes) with ``chief`` as the chief's
+    agent, its history awaiting ``kills`` kills; everything stopped after."""
+    scenario = _commit_then_kill()
+    worker, ps = Task(), Task()
+    history = Watched(path, "kill", n=kills)
+    run = {"faults_scheduled": len(scenario.faults)}
+    history.append("harness", "invoke", "run", run)
+    history.append("harness", "ok", "run", run)
+    agents = {"chief": chief, "worker0": worker, "ps0": ps}
+    nemesis = cls(scenario, list(scenario.faults), history, agents, store_dir=None, storage=None, seed=0)
+    try:
+        yield nemesis, history, worker, ps
+    finally:
+        nemesis.close()
+        history.close()
+        for task in (chief, worker, ps):
+            task.close()
 
 
 def test_a_fault_during_a_durable_commit_waits_for_a_write_it_sees_and_holds_back_no_later_fault(
@@ -299,12 +324,8 @@ def test_a_fault_during_a_durable_commit_waits_for_a_write_it_sees_and_holds_bac
     """A fast local write is over before the first look: the next one is waited for, however far off, while the
     faults after it fire on their steps. It was due only once the runner saw the trainer's ask (every later fault
     waited behind it: explore seed 5 case 13's node loss at 75 came at 85) and then watched the persister 10 s."""
-    scenario = _commit_then_kill()
-    chief, worker, ps = Persisting(), Task(), Task()
-    history = Watched(tmp_path / "history.jsonl", "kill", n=2)
-    agents = {"chief": chief, "worker0": worker, "ps0": ps}
-    nemesis = Nemesis(scenario, list(scenario.faults), history, agents, store_dir=None, storage=None, seed=0)
-    try:
+    chief = Persisting()
+    with _commit_then_kill_run(tmp_path / "history.jsonl", Nemesis, chief, kills=2) as (nemesis, history, worker, ps):
         nemesis.tick(10, 1.0)  # step 10: no durable commit asked for yet
         chief.looked_again()
         nemesis.tick(20, 2.0)  # the next fault's step
@@ -318,11 +339,6 @@ def test_a_fault_during_a_durable_commit_waits_for_a_write_it_sees_and_holds_bac
         (kill,) = [o for o in operations(history.records) if o.f == "kill" and o.value["target"] == "worker:0"]
         assert kill.type == "ok" and kill.value["moment"] == "durable-commit" and kill.value["moment_found"] is True
         assert kill.value["writes_unseen"] == 1 and "missed" not in kill.value and worker.proc.wait(10) == -9
-    finally:
-        nemesis.close()
-        history.close()
-        for task in (chief, worker, ps):
-            task.close()
 
 
 @pytest.mark.parametrize("side", ["psguard", "baseline"])
@@ -334,16 +350,9 @@ def test_a_durable_commit_that_never_comes_is_a_moment_missed_not_a_fault_left_u
     from psguard.chaos.baseline import BaselineNemesis
     from psguard.chaos.checkers import check_all, missed_moments
 
-    scenario = _commit_then_kill()
-    chief, worker, ps = (Persisting() if side == "psguard" else Task()), Task(), Task()
-    history = Watched(tmp_path / "history.jsonl", "kill", n=1)
-    run = {"faults_scheduled": 2}
-    history.append("harness", "invoke", "run", run)
-    history.append("harness", "ok", "run", run)
-    agents = {"chief": chief, "worker0": worker, "ps0": ps}
+    chief = Persisting() if side == "psguard" else Task()
     cls = Nemesis if side == "psguard" else BaselineNemesis
-    nemesis = cls(scenario, list(scenario.faults), history, agents, store_dir=None, storage=None, seed=0)
-    try:
+    with _commit_then_kill_run(tmp_path / "history.jsonl", cls, chief, kills=1) as (nemesis, history, worker, _):
         nemesis.tick(20, 2.0)  # both due; no durable commit asked for
         assert history.done.wait(30)  # the PS's kill was not held back
         if isinstance(chief, Persisting):
@@ -357,34 +366,20 @@ def test_a_durable_commit_that_never_comes_is_a_moment_missed_not_a_fault_left_u
         assert missed.value["error"] == "the run ended before a durable-commit came"
         verdict = check_all(history.records)["faults-injected"]
         assert verdict.summary == "missed: durable-commit" and missed_moments(verdict) == ["durable-commit"]
-    finally:
-        nemesis.close()
-        history.close()
-        for task in (chief, worker, ps):
-            task.close()
 
 
 def test_plain_tfs_fault_during_a_durable_commit_fires_at_its_next_save(tmp_path: Path) -> None:
     from psguard.chaos.baseline import BaselineNemesis
 
-    scenario = _commit_then_kill()
-    chief, worker, ps = Task(), Task(), Task()
-    history = Watched(tmp_path / "history.jsonl", "kill", n=2)
-    agents = {"chief": chief, "worker0": worker, "ps0": ps}
-    nemesis = BaselineNemesis(scenario, list(scenario.faults), history, agents, store_dir=None, storage=None, seed=0)
-    try:
+    with _commit_then_kill_run(tmp_path / "history.jsonl", BaselineNemesis, Task(), kills=2) as run:
+        nemesis, history, worker, ps = run
         nemesis.tick(20, 2.0)
         assert ps.proc.wait(10) == -9 and worker.proc.poll() is None  # TF has not saved since step 10
         nemesis.tick(25, 2.5, 25)  # TF's save of step 25 invoked
         assert history.done.wait(30)
         nemesis.heal_all()
-        (kill,) = [o for o in operations(history.records) if o.value["target"] == "worker:0"]
+        (kill,) = [o for o in operations(history.records) if o.value.get("target") == "worker:0"]
         assert kill.type == "ok" and kill.value["durable_commit_step"] == 25 and worker.proc.wait(10) == -9
-    finally:
-        nemesis.close()
-        history.close()
-        for task in (chief, worker, ps):
-            task.close()
 
 
 def test_plain_tf_has_no_persisters_moments_its_fault_fires_at_its_step(tmp_path: Path) -> None:
