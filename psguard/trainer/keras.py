@@ -156,8 +156,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         opts = apply_deprecated(options or CallbackOptions(), legacy, CALLBACK_MOVES, callee="CheckpointCallback")
         if (directory is None) == (backup_dir is None):
             raise ConfigError("give the store once: directory (or BackupAndRestore's backup_dir)")
-        if directory is None:
-            directory = backup_dir
+        directory = directory if directory is not None else backup_dir
         assert directory is not None
         given = directory if isinstance(directory, CheckpointManager) else None
         if save_best_only and monitor is None:
@@ -236,9 +235,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         coordinator = getattr(model, "_cluster_coordinator", None)
         if self._given is None:
             assert self._url is not None
-            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
             self.manager = CheckpointManager(
-                checkpoint,
+                tf.train.Checkpoint(model=model, optimizer=model.optimizer),
                 self._url,
                 max_to_keep=self.max_to_keep,
                 policy=self._manager_policy,
@@ -247,7 +245,6 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             )
         else:
             self.manager = self._given
-            checkpoint = self.manager.checkpoint
             if self._schedule is not None:
                 self._given_schedule = self.manager.schedule
                 self.manager.schedule = self._schedule
@@ -261,7 +258,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             if self.manager.data_position is None:
                 self.manager.data_position = self._data_position
                 self._position_hook = True
-        self.checkpoint = checkpoint
+        self.checkpoint = self.manager.checkpoint
         self.summaries_folder = self.manager.summaries
         try:
             self._restore(model)
@@ -281,9 +278,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 "model.fit did not ask model._training_state where to resume (a tf_keras version other than 2.x, "
                 "or another callback replaced it): cannot resume at the restored step"
             )
-        first = self.resumed_at is not None and epoch == self.resumed_at[0]
         self._epoch = epoch
-        self._batches = self.resumed_at[1] if first and self.resumed_at is not None else 0
+        self._batches = self.resumed_at[1] if self.resumed_at is not None and epoch == self.resumed_at[0] else 0
 
     def on_train_batch_end(self, batch: int, logs: Mapping[str, Any] | None = None) -> None:
         # `batch` is the index of the last batch of this execution (steps_per_execution batches per call).
@@ -346,10 +342,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         return FitPosition(self._epoch, self._batches, self._step, self._steps_per_epoch)
 
     def close(self) -> None:
-        """Wait for pending saves and release the manager this callback created (idempotent).
-
-        ``on_train_end`` does this; call it yourself after a ``fit`` that raised.
-        """
+        """Release the manager this callback created, as ``on_train_end`` does (after a ``fit`` that raised)."""
         self._close_own()
 
     # ------------------------------------------------------------------------------------------ internals
@@ -381,14 +374,10 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         """Where psguard's TensorBoard scalars go in this fit: ``options.summaries`` when it names a folder, else
         (``True``) ``<log_dir>/psguard`` of the fit's first ``TensorBoard`` callback, else nowhere."""
         summaries = self.options.summaries
-        if summaries is False:
-            return None
         if summaries is not True:
-            return os.fspath(summaries)
+            return None if summaries is False else os.fspath(summaries)
         board = next((c for c in _fit_callbacks(self) if isinstance(c, tf_keras.callbacks.TensorBoard)), None)
-        if board is None:
-            return None
-        return os.path.join(os.fspath(board.log_dir), SUMMARIES_RUN)
+        return os.path.join(os.fspath(board.log_dir), SUMMARIES_RUN) if board is not None else None
 
     def _build_optimizer(self, model: Any, strategy: Any) -> None:
         optimizer = getattr(model, "optimizer", None)
