@@ -207,18 +207,15 @@ class Agent:
         self.shards: ShardKeeper | None = None  # a PS's agent: the memory tier of its PS's shards
 
     def _task_env(self, url: str) -> dict[str, str]:
+        spool = self.chief.spool_dir if self.chief is not None else None
         return task_env(
             self.cluster,
             self.role,
             self.index,
             url=url,
             token_file=self._token_file,
-            http=self.config.http,
-            spool_dir=self.chief.spool_dir if self.chief is not None else None,
-            store=self.config.store,
-            huge_pages=self.config.supervisor.huge_pages,
-            mmap_threshold_mb=self.config.supervisor.ps_mmap_threshold_mb,
-            reconnect_backoff=self.config.supervisor.reconnect_backoff,
+            config=self.config,
+            spool_dir=spool,
         )
 
     # ------------------------------------------------------------------------------------------ lifecycle

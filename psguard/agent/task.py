@@ -12,7 +12,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from psguard.agent.config import AgentConfig, HttpConfig
+from psguard.agent.config import AgentConfig
 from psguard.agent.process.prober import GrpcStatusProbe, Probe, ProcessProbe, TcpProbe
 from psguard.handoff.contract import (
     ENV_AGENT_CA,
@@ -76,23 +76,20 @@ def task_env(
     *,
     url: str,
     token_file: str | None,
-    http: HttpConfig,
+    config: AgentConfig,
     spool_dir: Path | None,
-    store: str | None,
-    huge_pages: bool = False,
-    mmap_threshold_mb: float = 0.0,
-    reconnect_backoff: float = 0.0,
 ) -> dict[str, str]:
     """The task's environment: ``TF_CONFIG`` for its role and index, the variables of
-    :mod:`psguard.handoff.contract`, and the ``supervisor:`` settings for malloc and gRPC (0 / False: the
+    :mod:`psguard.handoff.contract`, and ``config``'s for malloc and gRPC (``supervisor:``; 0 / false: the
     defaults of glibc and TensorFlow)."""
     env = {**QUIET_TENSORFLOW, **os.environ}
-    if huge_pages and role == "ps":
+    sup, http = config.supervisor, config.http
+    if sup.huge_pages and role == "ps":
         with_malloc_tunable(env, HUGE_PAGES_TUNABLE)
-    if mmap_threshold_mb > 0 and role == "ps":
-        with_malloc_tunable(env, f"{MMAP_THRESHOLD_TUNABLE}={round(mmap_threshold_mb * (1 << 20))}")
-    if reconnect_backoff > 0:
-        with_reconnect_backoff(env, reconnect_backoff)
+    if sup.ps_mmap_threshold_mb > 0 and role == "ps":
+        with_malloc_tunable(env, f"{MMAP_THRESHOLD_TUNABLE}={round(sup.ps_mmap_threshold_mb * (1 << 20))}")
+    if sup.reconnect_backoff > 0:
+        with_reconnect_backoff(env, sup.reconnect_backoff)
     env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}, "rpc_layer": "grpc"})
     env[ENV_TASK] = f"{role}:{index}"
     env[ENV_AGENT_URL] = url
@@ -108,7 +105,7 @@ def task_env(
         env[ENV_AGENT_CLIENT_KEY] = str(Path(http.tls_key).resolve())
     if spool_dir is not None:
         env[ENV_SPOOL] = str(spool_dir)
-        env[ENV_STORE] = store or ""  # the trainer's manager checks its directory against it
+        env[ENV_STORE] = config.store or ""  # the trainer's manager checks its directory against it
     return env
 
 

@@ -18,7 +18,8 @@ from typing import IO
 
 import pytest
 
-from psguard.agent.config import HttpConfig
+from psguard.agent.config import AgentConfig
+from psguard.agent.process.lifecycle import SupervisorConfig
 from psguard.agent.task import task_env
 from psguard.handoff.standby import GO, READY_ENV, STANDBY_ENV
 from psguard.ports import free_ports
@@ -79,10 +80,8 @@ def _seconds_to_reach_a_restarted_ps(tmp_path: Path, backoff: float) -> float:
     was refused by the dead PS has reset its context and run an op on the new one."""
     ps_port, chief_port = free_ports(2)
     spec = {"ps": [f"127.0.0.1:{ps_port}"], "chief": [f"127.0.0.1:{chief_port}"]}
-    env = task_env(
-        spec, "chief", 0, url="http://127.0.0.1:9", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
-        reconnect_backoff=backoff,
-    )  # fmt: skip
+    config = AgentConfig(supervisor=SupervisorConfig(reconnect_backoff=backoff))
+    env = task_env(spec, "chief", 0, url="http://127.0.0.1:9", token_file=None, config=config, spool_dir=None)
     env.pop("TF_CONFIG")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path.cwd()), env.get("PYTHONPATH")]))
     ready = tmp_path / f"standby-{backoff}"

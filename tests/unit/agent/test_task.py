@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from psguard.agent.config import AgentConfig, HttpConfig
+from psguard.agent.process.lifecycle import SupervisorConfig
 from psguard.agent.process.prober import GrpcStatusProbe, ProcessProbe, TcpProbe
 from psguard.agent.task import (
     HUGE_PAGES_TUNABLE,
@@ -46,7 +47,7 @@ def test_the_environment_names_the_task_and_its_agent_and_passes_the_token_files
     monkeypatch.setenv("TF_CPP_MIN_LOG_LEVEL", "1")  # the user's own choice wins over the quiet default
     token = tmp_path / "token"
     env = task_env(
-        CLUSTER, "ps", 1, url="http://127.0.0.1:9", token_file=str(token), http=HttpConfig(), spool_dir=None, store=None
+        CLUSTER, "ps", 1, url="http://127.0.0.1:9", token_file=str(token), config=AgentConfig(), spool_dir=None
     )
     assert json.loads(env["TF_CONFIG"]) == {"cluster": CLUSTER, "task": {"type": "ps", "index": 1}, "rpc_layer": "grpc"}
     assert env[ENV_TASK] == "ps:1" and env[ENV_AGENT_URL] == "http://127.0.0.1:9"
@@ -58,9 +59,8 @@ def test_the_environment_names_the_task_and_its_agent_and_passes_the_token_files
 
 def test_a_chiefs_environment_carries_its_spool_its_store_and_mutual_tls_files(tmp_path: Path) -> None:
     http = HttpConfig(tls_cert="cert.pem", tls_key="key.pem", tls_ca="ca.pem")
-    env = task_env(
-        CLUSTER, "chief", 0, url="https://a:1", token_file=None, http=http, spool_dir=tmp_path / "spool", store=None
-    )
+    config = AgentConfig(http=http)
+    env = task_env(CLUSTER, "chief", 0, url="https://a:1", token_file=None, config=config, spool_dir=tmp_path / "spool")
     assert env[ENV_SPOOL] == str(tmp_path / "spool")
     assert env[ENV_STORE] == ""  # an agent without --store: the manager warns and writes its own directory
     assert env[ENV_AGENT_CA] == str(Path("ca.pem").resolve())
@@ -70,10 +70,10 @@ def test_a_chiefs_environment_carries_its_spool_its_store_and_mutual_tls_files(t
 
 def _tunables(role: str, *, huge_pages: bool = False, mmap_threshold_mb: float = 0.0) -> str | None:
     """The ``GLIBC_TUNABLES`` a task of ``role`` gets."""
+    malloc = SupervisorConfig(huge_pages=huge_pages, ps_mmap_threshold_mb=mmap_threshold_mb)
     env = task_env(
-        CLUSTER, role, 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None, store=None,
-        huge_pages=huge_pages, mmap_threshold_mb=mmap_threshold_mb,
-    )  # fmt: skip
+        CLUSTER, role, 0, url="http://a:1", token_file=None, config=AgentConfig(supervisor=malloc), spool_dir=None
+    )
     return env.get("GLIBC_TUNABLES")
 
 
@@ -201,10 +201,8 @@ def test_the_task_record_lives_in_the_state_folder_under_a_safe_name(tmp_path: P
 
 def test_the_backoff_is_set_for_every_task_and_a_users_own_stands(monkeypatch: pytest.MonkeyPatch) -> None:
     def options(role: str, backoff: float = 0.1) -> str | None:
-        env = task_env(
-            CLUSTER, role, 0, url="http://a:1", token_file=None, http=HttpConfig(), spool_dir=None,
-            store=None, reconnect_backoff=backoff,
-        )  # fmt: skip
+        config = AgentConfig(supervisor=SupervisorConfig(reconnect_backoff=backoff))
+        env = task_env(CLUSTER, role, 0, url="http://a:1", token_file=None, config=config, spool_dir=None)
         return env.get(TF_GRPC_OPTIONS)
 
     monkeypatch.delenv(TF_GRPC_OPTIONS, raising=False)
