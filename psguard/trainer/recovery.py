@@ -154,14 +154,6 @@ def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
                 failed += 1
                 time.sleep(0.05)  # nothing to wait on: gRPC connects again when its backoff ends
 
-    def from_here() -> None:
-        for device in ps_devices:
-            with tf.device(device):
-                tf.timestamp().numpy()
-
-    if not workers:
-        return until_reached(from_here)
-
     def stamps() -> list[Any]:
         out = []
         for device in ps_devices:  # one output per PS: the worker talks to each PS, no PS to another
@@ -169,6 +161,8 @@ def reach_every_ps(*, workers: bool, deadline: float = REACH_SECONDS) -> int:
                 out.append(tf.timestamp())
         return out
 
+    if not workers:
+        return until_reached(lambda: [stamp.numpy() for stamp in stamps()])
     touch = _TOUCH.setdefault(tuple(ps_devices), tf.function(stamps, autograph=False))  # traced once per process
 
     def from_worker(device: str) -> None:

@@ -261,21 +261,13 @@ def _check(infos: Mapping[str, TensorInfo], tensors: Mapping[str, Described]) ->
             problems.append((name, f"{name}: missing from the checkpoint (model has {info.shape} {info.dtype})"))
             continue
         value = tensors[name]
-        if isinstance(value, tuple):
-            shape, dtype = value
-        else:
-            value = np.asarray(value)
-            shape, dtype = tuple(int(d) for d in value.shape), value.dtype
+        shape, dtype = value if isinstance(value, tuple) else (np.shape(value), np.asarray(value).dtype)
         if shape != info.shape or dtype != info.dtype:
             problems.append((name, f"{name}: checkpoint has {shape} {dtype}, model has {info.shape} {info.dtype}"))
-    for name in tensors:
+    for name, value in tensors.items():
         if name not in infos:
-            value = tensors[name]
-            hint = (
-                " (is the optimizer built before restoring? Its slots exist only after build())"
-                if "optimizer" in name.lower() or ".OPTIMIZER_SLOT" in name
-                else ""
-            )
+            slot = "optimizer" in name.lower() or ".OPTIMIZER_SLOT" in name
+            hint = " (is the optimizer built before restoring? Its slots exist only after build())" if slot else ""
             shape = value[0] if isinstance(value, tuple) else np.shape(value)
             problems.append((name, f"{name}: in the checkpoint ({shape}) but not in the model{hint}"))
     return problems
