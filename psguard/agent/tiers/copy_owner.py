@@ -13,7 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -321,7 +321,8 @@ def fetch_copy(
     ``post``, each answer's rows handed over as they arrive) has them hashed in pieces while in cache and put in
     place by ``write(array, row, rows)`` (:meth:`TierFiles.write_rows`; default: assignment).
     """
-    info, _ = post(holder_url, {"owner": owner, "token": token}, config.request_timeout)
+    timeout = config.request_timeout
+    info, _ = post(holder_url, {"owner": owner, "token": token}, timeout)
     if info.get("status") == "refused":  # a parity holder's reconstruction that did not verify
         raise CorruptCheckpointError(f"the holder refused {owner}'s state: {info.get('message', '')}")
     if info.get("status") != "ok":
@@ -329,76 +330,51 @@ def fetch_copy(
     if info.get("token") != token:
         raise PsguardError(f"the holder's copy of {owner} is at step {info.get('step')}, not at the chief's state")
     digests = digests_from(info.get("digests"))
-    fetch = _Fetch(owner, holder_url, token, post, config, read_into, write)
-    fetch.lay_out(info.get("tensors") or [], alloc)
-    sums = dict.fromkeys(fetch.arrays, 0)
-    # ``fetch_streams`` requests in flight: each is fetched, checked and placed on its own thread.
-    with ThreadPoolExecutor(max_workers=max(1, config.fetch_streams), thread_name_prefix="psguard-copy-fetch") as pool:
-        futures = [pool.submit(fetch.place, i) for i in range(len(fetch.ranges))]
-        for i, f in enumerate(futures):
-            name = fetch.ranges[i][0]
-            sums[name] = (sums[name] + f.result()) & MASK
-    bad = sorted(n for n, d in sums.items() if d != digests.get(n))
-    if bad:
-        raise CorruptCheckpointError(
-            f"the peer copy of {owner} does not match its owner's digests in {bad[:3]}: refused"
-        )
-    return info, fetch.arrays
+    arrays: dict[str, np.ndarray] = {}
+    ranges: list[tuple[str, int, int]] = []  # every request, in order: tensor, start, stop
+    for t in info.get("tensors") or []:
+        name, shape, dtype = str(t["name"]), tuple(int(x) for x in t["array_shape"]), dtype_from_name(str(t["dtype"]))
+        made = alloc(shape, dtype) if alloc is not None else None
+        arrays[name] = made if made is not None else np.empty(shape, dtype=dtype)
+        rows = max(1, (max(1, config.chunk_mb) << 20) // max(1, arrays[name].nbytes // max(1, shape[0])))
+        ranges += [(name, start, min(shape[0], start + rows)) for start in range(0, shape[0], rows)]
 
-
-@dataclass
-class _Fetch:
-    """One fetch of an owner's copy from its holder, in chunks of rows (:func:`fetch_copy`)."""
-
-    owner: str
-    holder_url: str
-    token: str
-    post: Callable[[str, Mapping[str, Any], float], tuple[dict[str, Any], list[np.ndarray]]]
-    config: PeerCopyConfig
-    read_into: ReadInto | None
-    write: Callable[[np.ndarray, int, np.ndarray], None] | None
-    arrays: dict[str, np.ndarray] = field(default_factory=dict)
-    ranges: list[tuple[str, int, int]] = field(default_factory=list)  # every request, in order: tensor, start, stop
-
-    def lay_out(self, tensors: list[Mapping[str, Any]], alloc: Alloc | None) -> None:
-        """The arrays the copy's tensors are fetched into, and the chunks of rows asked for."""
-        chunk = max(1, self.config.chunk_mb) << 20
-        for t in tensors:
-            name = str(t["name"])
-            shape = tuple(int(x) for x in t["array_shape"])
-            dtype = dtype_from_name(str(t["dtype"]))
-            made = alloc(shape, dtype) if alloc is not None else None
-            self.arrays[name] = made if made is not None else np.empty(shape, dtype=dtype)
-            per_row = max(1, self.arrays[name].nbytes // max(1, shape[0]))
-            rows = max(1, chunk // per_row)
-            self.ranges += [(name, start, min(shape[0], start + rows)) for start in range(0, shape[0], rows)]
-
-    def place(self, i: int) -> int:
-        """Fetch one chunk, check it and put it in place; its rows' digest (numpy and zlib release the GIL)."""
-        name, start, stop = self.ranges[i]
-        out = self.arrays[name]
-        body = {"owner": self.owner, "token": self.token, "name": name, "start": start, "stop": stop}
-        total = 0
+    def place(name: str, start: int, stop: int) -> int:
+        """Fetch one chunk, check it and put it in place: its rows' digest (numpy and zlib release the GIL)."""
+        out, total = arrays[name], 0
 
         def take(row: int, rows: np.ndarray) -> None:
             nonlocal total
             total = (total + rows_digest(rows, first=start + row)) & MASK
             try:
-                if self.write is not None:
-                    self.write(out, start + row, rows)
+                if write is not None:
+                    write(out, start + row, rows)
                 else:
                     out[start + row : start + row + rows.shape[0]] = rows
             except OSError as e:  # no room on the node's tmpfs: the log is used instead
-                raise PsguardError(f"no memory for {self.owner}'s copy on this node: {e}") from None
+                raise PsguardError(f"no memory for {owner}'s copy on this node: {e}") from None
 
-        if self.read_into is not None:
-            answer = self.read_into(self.holder_url, body, self.config.request_timeout, out[start:stop], take)
+        body = {"owner": owner, "token": token, "name": name, "start": start, "stop": stop}
+        if read_into is not None:
+            answer = read_into(holder_url, body, timeout, out[start:stop], take)
         else:
-            answer, got = self.post(self.holder_url, body, self.config.request_timeout)
+            answer, got = post(holder_url, body, timeout)
             if answer.get("status") == "ok" and len(got) == 1:
                 if got[0].shape != (stop - start, *out.shape[1:]) or got[0].dtype != out.dtype:
                     raise CorruptCheckpointError(f"the copy of {name} from the holder has the wrong shape or dtype")
                 take(0, got[0])
         if answer.get("status") != "ok" or len(answer.get("arrays") or ()) != 1:
-            raise PsguardError(f"the holder's copy of {self.owner} moved on while it was fetched: {answer}")
+            raise PsguardError(f"the holder's copy of {owner} moved on while it was fetched: {answer}")
         return total
+
+    sums = dict.fromkeys(arrays, 0)
+    # ``fetch_streams`` requests in flight: each is fetched, checked and placed on its own thread.
+    with ThreadPoolExecutor(max_workers=max(1, config.fetch_streams), thread_name_prefix="psguard-copy-fetch") as pool:
+        for (name, _, _), digest in zip(ranges, pool.map(lambda r: place(*r), ranges), strict=True):
+            sums[name] = (sums[name] + digest) & MASK
+    bad = sorted(n for n, d in sums.items() if d != digests.get(n))
+    if bad:
+        raise CorruptCheckpointError(
+            f"the peer copy of {owner} does not match its owner's digests in {bad[:3]}: refused"
+        )
+    return info, arrays
