@@ -389,9 +389,7 @@ class ParityHolder:
                 buf[p.offset : p.offset + p.nbytes] ^= _bytes(a).reshape(-1)
             del arrays
         m = g.held[owner]
-        out: dict[str, np.ndarray] = {}
-        for name, p in m.parts.items():
-            out[name] = buf[p.offset : p.offset + p.nbytes].view(p.dtype).reshape(p.shape)
+        out = {n: buf[p.offset : p.offset + p.nbytes].view(p.dtype).reshape(p.shape) for n, p in m.parts.items()}
         bad = sorted(n for n, a in out.items() if rows_digest(a) != m.digests.get(n))
         if bad:
             raise CorruptCheckpointError(f"the reconstruction of {owner} does not match its digests in {bad[:3]}")
