@@ -371,12 +371,8 @@ class MemoryTier:
         token: str | None = None,
         durable: bool = True,
     ) -> None:
-        """Replace the state wholesale (an agent restarting from the durable log, or a test).
-
-        ``durable``: the state *is* the last durable checkpoint, so nothing is dirty and the next persist
-        may be a delta over it. The tier takes ownership of the arrays (moved into its home first unless they are
-        the home's already).
-        """
+        """Replace the state wholesale, taking the arrays (into its home). ``durable``: the state *is* the last
+        durable checkpoint, so nothing is dirty and the next persist may be a delta over it."""
         arrays = {n: self._own(a, copy=False) for n, a in tensors.items()}
         with self._lock:
             self._arrays = arrays
@@ -579,12 +575,8 @@ class MemoryTier:
 
     # ------------------------------------------------------------------------------------------- persisting
     def take_dirty(self, *, base: bool = False) -> DirtyTake | None:
-        """The update from the last durable checkpoint to now, with the dirty marks moved into it.
-
-        A full base is returned when ``base`` is asked, when nothing was committed yet, or when the layout
-        changed since the last commit. None when the tier is empty. One take at a time: commit or abort it
-        before the next.
-        """
+        """The update from the last durable checkpoint to now, with the dirty marks moved into it (None: the tier
+        is empty): a full base when asked, before the first commit, or after a layout change. One at a time."""
         with self._lock:
             if self._step is None:
                 return None

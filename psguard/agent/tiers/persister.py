@@ -98,10 +98,8 @@ class PersistHandle(Future[CheckpointInfo | None]):
 class Persister:
     """Writes the memory tier to a :class:`Store` in the background. Start it, request, stop it.
 
-    ``last``: the newest durable checkpoint the tier's state derives from (from :func:`resume`); None means
-    the next save is a full base. ``base_policy`` decides when the chain gets a new base (default
-    ``ChainLimit(max_chain, max_delta_percent)``). ``retry_after``: seconds after a failure before the thread
-    retries by itself (None: only on the next request). ``on_event`` is called after every attempt.
+    ``last``: the durable checkpoint the tier was seeded from (:func:`resume`; None: the next save is a full base).
+    ``retry_after``: seconds after a failure before the thread retries by itself (None: only on a request).
     """
 
     def __init__(
@@ -174,11 +172,8 @@ class Persister:
         return self
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> bool:
-        """Stop the thread. ``drain``: finish the pending batch first; otherwise fail it (abandoned).
-
-        A save already running is never interrupted (it commits or fails whole). Returns False when the
-        thread was still busy after ``timeout`` seconds (it stops once that save ends).
-        """
+        """Stop the thread. ``drain``: finish the pending batch first; otherwise fail it. A running save is never
+        interrupted: False when the thread was still busy after ``timeout`` seconds."""
         with self._cond:
             self._stopping = True
             self._drain = drain
@@ -199,10 +194,8 @@ class Persister:
 
     # ------------------------------------------------------------------------------------------- requests
     def request(self, step: int | None = None, *, new_base: bool = False) -> PersistHandle:
-        """Ask for the tier's state (at least ``step``) to be made durable. Never blocks, never copies.
-
-        ``new_base``: write a full base (e.g. the checkpoint policy's ``BASE`` tier fired).
-        """
+        """Ask for the tier's state (at least ``step``) to be made durable, as a full base when ``new_base``.
+        Never blocks, never copies."""
         with self._cond:
             if self._stopping:
                 raise PsguardError("persister is stopped; it takes no more requests")
@@ -483,14 +476,9 @@ def _shape(error: str) -> str:
 
 
 def resume(store: Store, tier: MemoryTier, *, skip_sharded: bool = False) -> CheckpointInfo | None:
-    """Seed ``tier`` from the newest usable durable checkpoint; return it (for ``Persister(last=...)``).
-
-    An agent that restarts (or succeeds a killed one) calls this so its tier is at least as fresh as the
-    durable log and accepts deltas relative to that checkpoint's token. None when the log is empty.
-    ``skip_sharded``: the chief's agent of PS agents that keep the shards loads only the tensors stored whole
-    (its memory stays independent of the model's size); the shards are loaded by the PS agents themselves
-    when a trainer restores (format 2, row-range reads).
-    """
+    """Seed ``tier`` from the newest durable checkpoint, so that it takes deltas over its token; return it (for
+    ``Persister(last=...)``), None when the log is empty. ``skip_sharded``: only the tensors stored whole (the PS
+    agents load the shards themselves)."""
     names = None
     if skip_sharded:
         latest = store.latest()

@@ -185,13 +185,8 @@ class ShardClient:
         return "ok", ""
 
     def export(self, tasks: Sequence[str], token: str) -> list[dict[str, Any]]:
-        """Every PS agent's restore files for state ``token``; raises when one cannot give that state.
-
-        A PS agent that does not hold it (its node was lost: a new agent with an empty tier) first takes its
-        shards from the peer holding its copy, when the recovery plan finds a usable one
-        (:mod:`psguard.handoff.plan`: ``peer-copy``); otherwise this raises and the trainer restores from the
-        durable log.
-        """
+        """Every PS agent's restore files for state ``token``; raises when one cannot give that state. A new
+        agent of a lost node first fetches its shards from a peer's copy, when the recovery plan finds one."""
         # Whether a pull may follow an answer of "empty": if not, that agent reads the log next (its store opens).
         body = {"token": token, "peer_copies": self.copies != "none"}
         answers = self._fan_out("/shards/export", dict.fromkeys(tasks, body))

@@ -93,10 +93,8 @@ def _step(doc: Mapping[str, Any]) -> int:
 
 
 class ShardKeeper(CopyOwner):
-    """A PS agent's memory tier of its PS's shards, fed and read through its part folder.
-
-    Every public method takes and returns plain JSON (the HTTP handlers pass bodies straight through).
-    """
+    """A PS agent's memory tier of its PS's shards, fed and read through its part folder. Every public method
+    takes and returns plain JSON (the HTTP handlers pass bodies straight through)."""
 
     def __init__(
         self,
@@ -153,10 +151,8 @@ class ShardKeeper(CopyOwner):
         self._lock_fd: int | None = None
 
     def start(self) -> ShardKeeper:
-        """Own the part folder (owner-only, one agent at a time) and clear what a previous agent left in it.
-
-        Raises :class:`ShardError` when another live agent keeps shards in the same folder.
-        """
+        """Own the part folder (owner-only, one agent at a time: else :class:`ShardError`) and clear what a
+        previous agent left in it."""
         limit_malloc_retention()  # this process moves shards through MB-sized buffers from now on
         ensure_private_dir(self.folder, "the PS agent's part folder")
         fd = try_flock(self.folder / "agent.lock", fcntl.LOCK_EX)

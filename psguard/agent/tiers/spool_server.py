@@ -76,8 +76,7 @@ class SpoolServer:
     """The agent's end: applies captures to ``tier``, feeds ``persister``, serves restores (:class:`RestoreAnswers`).
 
     ``start()`` takes the spool's agent lock, cleans what dead processes left, and (``watch=True``) starts a
-    ``watchdog`` observer plus one processing thread; everything present is processed at once, in order.
-    ``start(watch=False)`` only takes the lock, for callers that drive :meth:`process_once` themselves.
+    processing thread woken by ``watchdog``; ``start(watch=False)`` is for callers driving :meth:`process_once`.
     """
 
     def __init__(
@@ -220,11 +219,8 @@ class SpoolServer:
             self._wake.wait(self._poll)
 
     def _show_store_retrying(self) -> None:
-        """Tell the trainer, in the pending durable answers, that the store is failing and being retried.
-
-        Why: a trainer holding for a durable commit (its durable-lag bound) must not wait out the store's retry
-        deadline during an outage; the memory tier keeps those captures restorable meanwhile. The answer itself
-        still comes when the store succeeds or gives up."""
+        """Tell the trainer, in the pending durable answers, that the store is failing and being retried, so that
+        its durable-lag hold does not wait out the store's retry deadline (the answer still comes later)."""
         retrying = self.persister.store_retrying() if self.persister is not None else None
         if retrying is None and not self._marked_retrying:
             return
