@@ -93,20 +93,13 @@ def _same_layout(a: TensorInfo, b: TensorInfo) -> bool:
 
 
 class Capturer:
-    """Incremental captures of everything ``root`` (a ``tf.train.Checkpoint`` or any trackable) saves.
+    """Incremental captures of everything ``root`` saves: the first (and any after :meth:`invalidate`) full,
+    later ones only what changed, so the caller must apply every capture in order. Tensors under
+    ``row_tracking_min_rows`` rows or 8 bytes a row are compared whole, larger ones row by row.
 
-    The first capture, and any after :meth:`invalidate`, is full; later ones hold only what changed, so the
-    caller must apply every capture in order, or invalidate. Variables created later come out whole.
-    Tensors under ``row_tracking_min_rows`` rows, of rank 0, under 8 bytes per row or of strings are compared
-    whole; larger ones row by row, hashed in slices of ``hash_chunk_bytes``.
-
-    Write tracking (``track_writes``): with only tf_keras (2.11+) or Keras 3 optimizers in ``root``, a sparse
-    write through a variable object marks its rows, any other write the whole shard (except tf_keras Adam's,
-    AdamW's and Adamax's decay, which marks the slots' live rows), and a capture hashes the marked rows. Every
-    row is hashed when the optimizers' ``iterations`` moved by other than the hooked applies (a step traced
-    before the hooks), on full captures, every ``verify_every``-th capture, and when ``probe_rows`` random
-    unmarked rows changed. Writes that bypass the variable objects (raw ops, legacy optimizers) are seen at the
-    next capture that hashes every row; a legacy optimizer, or none, makes every capture hash every row.
+    With ``track_writes`` and only tf_keras 2.11+ or Keras 3 optimizers in ``root``, a capture hashes only the
+    rows written through variable objects; it hashes every row when a step ran unhooked, on full captures, every
+    ``verify_every``-th capture, and when ``probe_rows`` random unmarked rows changed (raw-op writers).
     """
 
     def __init__(

@@ -150,8 +150,11 @@ class Follower:
         bound, left_alone = self._check(infos, binding, _described(chain[-1]), info.id)  # before reading a byte
         taken = list(bound)  # only these tensors' chunks are read, deltas or whole
         # Deltas apply only when every variable is bound as before (else it needs its whole value).
-        deltas = on_the_way is not None and binding == self._binding
-        if deltas and on_the_way is not None and delta_bytes(on_the_way, taken) <= full_bytes(chain, taken):
+        if (
+            on_the_way is not None
+            and binding == self._binding
+            and delta_bytes(on_the_way, taken) <= full_bytes(chain, taken)
+        ):
             self._apply_deltas(infos, on_the_way, binding)
         else:
             on_the_way = None

@@ -118,19 +118,12 @@ class _ResumeState:
 class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
     """Incremental, asynchronous psguard checkpoints of ``model.fit``, and resume after a restart.
 
-    ``directory`` (or ``BackupAndRestore``'s ``backup_dir``): a store URL, or an existing
-    :class:`psguard.CheckpointManager` of this model and optimizer (waited for at the end, left open).
-    ``BackupAndRestore``'s arguments (``save_freq``: ``"epoch"`` or a number of steps; ``delete_checkpoint`` and
-    ``save_before_preemption`` are accepted and unused), then ``ModelCheckpoint``'s ``monitor`` / ``mode`` /
-    ``save_best_only`` (each epoch's save carries the metric; retention keeps the best), then psguard's
-    ``policy`` (any save policy; with ``save_freq``, either being due saves), ``options``
-    (:class:`~psguard.trainer.options.CallbackOptions`) and ``sink`` for the manager it creates. The keyword
-    arguments taken before ``options`` still work, with a warning.
-
-    ``on_train_begin`` builds the optimizer, restores the newest checkpoint that verifies and makes ``fit``
-    continue from its step; ``on_train_end`` waits until every save is durable (:class:`SaveError` if not).
-    Steps are counted from what ``fit`` schedules (reading ``optimizer.iterations`` would cost an RPC). With a
-    ``TensorBoard`` callback in the fit, psguard's scalars go to ``<its log_dir>/psguard``.
+    ``directory`` (``backup_dir``): a store URL, or a :class:`psguard.CheckpointManager` of this model (left
+    open). Then ``BackupAndRestore``'s arguments (``save_freq``; the other two unused), ``ModelCheckpoint``'s
+    ``monitor`` / ``mode`` / ``save_best_only``, and psguard's ``policy``, ``options``
+    (:class:`~psguard.trainer.options.CallbackOptions`) and ``sink`` for the manager it creates; the keyword
+    arguments taken before ``options`` still work, with a warning. ``on_train_end`` waits until every save is
+    durable. Steps are counted from what ``fit`` schedules (reading ``optimizer.iterations`` costs an RPC).
     """
 
     def __init__(

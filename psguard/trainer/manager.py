@@ -510,21 +510,15 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
 
     def maybe_save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Ask the policy; save when it says so. Without a policy, never saves (call :meth:`save`)."""
-        schedule = self.schedule
-        if schedule is None:
-            step = self._step_for(step)
-            self._beat(step)
-            self._hold(step)
-            return None
-        step = self._step_for(step)
-        process_managers.note_step(self.directory, step)
+        schedule, step = self.schedule, self._step_for(step)
+        if schedule is not None:
+            process_managers.note_step(self.directory, step)
         self._beat(step)
-        now = time.time()
-        ctx = self.context
+        now, ctx = time.time(), self.context
         if self._preemption is not None:
             ctx = self._preemption.apply(ctx)
         ctx = replace(ctx, in_flight=self._sink.busy())
-        decision = schedule.decide(step, now, ctx)
+        decision = schedule.decide(step, now, ctx) if schedule is not None else None
         if not decision or not self._sink.takes(decision.tiers, decision.urgent):
             self._hold(step)
             return None

@@ -1,14 +1,8 @@
-"""Where a captured save goes, chosen once per manager (:func:`choose_sink`).
-
-- :class:`StoreSink`: no agent. A background thread commits each capture to the durable log
-  (:class:`~psguard.store.durable.DurableWriter`'s rules, as the agent's). One job writes and at most one waits; a
-  later save is folded into the waiting one (rows merged, later values win). A failed write's rows are carried
-  into the next job, unless its parent is gone (then the next capture is whole).
-- :class:`AgentSink`: under ``psguard agent``. The capture goes through the spool; the agent applies it to its
-  memory tier (*restorable*) and writes the durable log (*durable*) with the retention sent along.
-
-Both give a :class:`SaveHandle`, and ``wait`` means the same: every save since the last wait reached the
-strongest tier it was for, or the wait raises.
+"""Where a captured save goes, chosen once per manager (:func:`choose_sink`): :class:`StoreSink` commits it to
+the durable log on a background thread (one job writing, one waiting, later saves folded into it, a failed
+write's rows carried into the next), :class:`AgentSink` hands it to ``psguard agent`` through the spool (its
+memory tier makes it *restorable*, its writer *durable*). Both give a :class:`SaveHandle`; ``wait`` means every
+save since the last wait reached the strongest tier it was for, or it raises.
 """
 
 from __future__ import annotations

@@ -192,9 +192,6 @@ class RestoreHandle:
     def folder(self) -> Path:
         return self._writer._paths.restore / self.name
 
-    def done(self) -> bool:
-        return self.folder.is_dir()
-
     def result(self, timeout: float | None = None) -> Restored:
         """Wait for the export, verify it, delete it, return it (see :func:`read_restore` for errors)."""
         poll_until(

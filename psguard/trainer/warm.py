@@ -33,14 +33,12 @@ def main(argv: list[str] | None = None) -> int:
 
         if not wait_for_go():
             return 0
-        line = sys.stdin.buffer.readline()
         try:
-            env = json.loads(line)
+            env = json.loads(sys.stdin.buffer.readline())
         except ValueError:
-            print("psguard.trainer.warm: no environment after 'go'; not starting", file=sys.stderr)
-            return 2
+            env = None
         if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            print("psguard.trainer.warm: the environment after 'go' is not a JSON object of strings", file=sys.stderr)
+            print("psguard.trainer.warm: no JSON object of strings (the environment) after 'go'", file=sys.stderr)
             return 2
         os.environ.clear()
         os.environ.update(env)
