@@ -113,15 +113,9 @@ def restart_ps_servers(
     base = url or os.environ.get(ENV_AGENT_URL)
     if not base:
         raise ConfigError("no agent URL: run the trainer under `psguard agent`, which sets PSGUARD_AGENT_URL")
-    token = read_token(os.environ.get(ENV_AGENT_TOKEN_FILE))
+    body = {"reason": reason, "failed_at": failed_at}
     try:
-        status, doc = http_json(
-            "POST",
-            f"{base.rstrip('/')}/new-generation",
-            body={"reason": reason, "failed_at": failed_at},
-            token=token,
-            timeout=timeout,
-        )
+        status, doc = _post(base, "/new-generation", body, timeout)
     except OSError as e:
         raise PsguardError(f"cannot reach the chief's agent at {base} to restart the PS servers: {e}") from e
     if status != 200 or not isinstance(doc, dict):
@@ -168,13 +162,17 @@ def report_recovery(
     return _tell_agent("/recovery", body, url, timeout)
 
 
+def _post(base: str, path: str, body: dict[str, Any], timeout: float) -> tuple[int, Any]:
+    token = read_token(os.environ.get(ENV_AGENT_TOKEN_FILE))
+    return http_json("POST", f"{base.rstrip('/')}{path}", body=body, token=token, timeout=timeout)
+
+
 def _tell_agent(path: str, body: dict[str, Any], url: str | None, timeout: float) -> bool:
     base = url or os.environ.get(ENV_AGENT_URL)
     if not base:
         return False
     try:
-        token = read_token(os.environ.get(ENV_AGENT_TOKEN_FILE))
-        code, _ = http_json("POST", f"{base.rstrip('/')}{path}", body=body, token=token, timeout=timeout)
+        code, _ = _post(base, path, body, timeout)
     except (OSError, ConfigError) as e:
         log.warning("could not tell the agent at %s (%s): %s", base, path, e)
         return False

@@ -24,12 +24,12 @@ import logging
 import os
 import shutil
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from psguard.errors import ConfigError
-from psguard.handoff.native import build_digest, compile_library, trusted
+from psguard.handoff.native import build_digest, compile_library, switched_on, trusted
 from psguard.run_folder import cache_root
 
 __all__ = ["ENV_MAP_OP", "build", "library_path", "load_into_server", "map_op"]
@@ -40,10 +40,6 @@ SOURCE = Path(__file__).with_name("map_bundle.cc")
 #: ``0`` (or ``off``): never map (the PS loads no library, the chief reads every shard with ``RestoreV2``).
 ENV_MAP_OP = "PSGUARD_MAP_OP"
 _FRAMEWORK = "libtensorflow_framework.so.2"
-
-
-def enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get(ENV_MAP_OP, "").strip().lower() not in ("0", "off", "false", "no")
 
 
 def _framework_library() -> Path | None:
@@ -71,7 +67,7 @@ def library_path() -> Path | None:
 def built() -> Path | None:
     """The library, when built for this TensorFlow, usable (:func:`enabled`) and trusted."""
     path = library_path()
-    if not enabled() or path is None or not path.exists():
+    if not switched_on(ENV_MAP_OP) or path is None or not path.exists():
         return None
     return path if trusted(path) else None
 
@@ -119,7 +115,7 @@ def map_op() -> Any | None:
     it every restore from the PS agents' tiers reads each shard instead of mapping it (3-4x slower), silently."""
     path = built()
     if path is None:
-        if enabled() and (where := library_path()) is not None and not where.exists():
+        if switched_on(ENV_MAP_OP) and (where := library_path()) is not None and not where.exists():
             log.warning(
                 "event=map_op_not_built path=%s: restores from the PS agents' tiers read every shard instead of "
                 "mapping it; build the op once per machine or image: psguard build-op",

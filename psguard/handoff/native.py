@@ -90,8 +90,9 @@ def build_digest(*, compiler: str | None = None, force: bool = False) -> Path:
     )
 
 
-def _enabled(environ: Mapping[str, str] = os.environ) -> bool:
-    return environ.get(ENV_NATIVE_DIGEST, "").strip().lower() not in ("0", "off", "false", "no")
+def switched_on(name: str, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether the environment leaves ``name`` on: anything but ``0``, ``off``, ``false`` or ``no``."""
+    return environ.get(name, "").strip().lower() not in ("0", "off", "false", "no")
 
 
 @functools.cache
@@ -99,7 +100,7 @@ def digest_function() -> DigestFunction | None:
     """The C digest, loaded once per process; None when it is not built, not trusted, turned off or not
     loadable (then numpy's version serves: said once, at info level, as it costs only speed)."""
     path = digest_library()
-    if not _enabled():
+    if not switched_on(ENV_NATIVE_DIGEST):
         return None
     if not path.exists():
         log.info("event=native_digest_not_built path=%s: rows are hashed with numpy (psguard build-op)", path)

@@ -665,13 +665,10 @@ def poll_until(
         got = check()
         if got is not None:
             return got
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(timeout_message())
-            time.sleep(min(delay, left))
-        else:
-            time.sleep(delay)
+        left = math.inf if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(timeout_message())
+        time.sleep(min(delay, left))
         delay = min(delay * 2, max_poll)
 
 

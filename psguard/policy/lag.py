@@ -62,12 +62,11 @@ class LagBound:
 
     def describe(self) -> str:
         """The rule in words, for ``psguard policy check`` and status pages."""
-        bounds = []
-        if self.max_steps is not None:
-            bounds.append(f"{self.max_steps} step(s)")
-        if self.max_seconds is not None:
-            bounds.append(format_duration(self.max_seconds))
-        limit = " or ".join(bounds)
+        bounds = (
+            self.max_steps is not None and f"{self.max_steps} step(s)",
+            self.max_seconds is not None and format_duration(self.max_seconds),
+        )
+        limit = " or ".join(b for b in bounds if b)
         if self.on_exceed == "report":
             return f"report a durable lag past {limit}; never wait"
         if self.max_steps == 0 and self.max_seconds is None:

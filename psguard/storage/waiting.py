@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -42,7 +42,6 @@ class Waiting:
     since: float
     attempt: int
     error: str
-    waited_seconds: float
     retry_in: float
 
     def describe(self) -> str:
@@ -94,15 +93,7 @@ class StoreWait:
         waiting = self.waiting
         if waiting is None:
             return None
-        return {
-            "reason": waiting.describe(),
-            "url": waiting.url,
-            "since": waiting.since,
-            "attempt": waiting.attempt,
-            "error": waiting.error,
-            "waited_seconds": round(self.seconds(), 3),
-            "retry_in": waiting.retry_in,
-        }
+        return {"reason": waiting.describe(), **asdict(waiting), "waited_seconds": round(self.seconds(), 3)}
 
     def call(self, fn: Callable[[], T], *, probe: Callable[[], object] | None = None) -> T:
         """``fn()`` once the store answers ``probe()`` (if given) and ``fn`` did not find it unavailable; until
@@ -147,7 +138,7 @@ class StoreWait:
         pause = delay if self.timeout is None else min(delay, self.timeout - waited)
         with self._lock:
             since = self._waiting.since if self._waiting is not None else time.time()
-            self._waiting = Waiting(self.url, since, attempt, why, waited, pause)
+            self._waiting = Waiting(self.url, since, attempt, why, pause)
         log.warning(
             "event=waiting_for_storage url=%s attempt=%d waited=%.0fs retry_in=%.1fs error=%r",
             self.url,

@@ -147,13 +147,10 @@ class ChunkWriter:
         ids = np.ascontiguousarray(ids, dtype="<i8")
         rb = row_bytes(values.shape, values.dtype.itemsize)
         per = max(1, chunk_bytes // rb)
-        out: list[Future[Segment]] = []
-        for start in range(0, len(ids), per):
-            stop = min(start + per, len(ids))
-            f_ids = self.submit(byte_view(ids[start:stop]))
-            f_vals = self.submit(as_le_bytes(values[start:stop]))
-            out.append(_combine(f_ids, f_vals, stop - start))
-        return out
+        ranges = ((a, min(a + per, len(ids))) for a in range(0, len(ids), per))
+        return [
+            _combine(self.submit(byte_view(ids[a:b])), self.submit(as_le_bytes(values[a:b])), b - a) for a, b in ranges
+        ]
 
     def wait(self) -> None:
         """Block until every submitted chunk is stored; re-raise the first failure."""

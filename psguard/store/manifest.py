@@ -317,9 +317,7 @@ def parse_manifest(data: bytes, *, expected_id: str | None = None) -> Manifest:
             f"its body says step {step} but its id says step {step_of_id(cid)}: readers would order it differently"
         )
     kind, parent, base, chain_length = _lineage(c, body, cid)
-    tensors: dict[str, TensorEntry] = {}
-    for name, t in c.get(body, "tensors", dict, "").items():
-        tensors[name] = _parse_tensor(c, kind, name, t, version)
+    tensors = {name: _parse_tensor(c, kind, name, t, version) for name, t in c.get(body, "tensors", dict, "").items()}
     committed = c.timestamp(body.get("committed_at"), "committed_at")
     metrics_raw = c.get(body, "metrics", dict, "")
     metrics = {str(k): c.finite(v, f"metrics[{str(k)[:40]!r}]") for k, v in metrics_raw.items()}

@@ -305,12 +305,13 @@ class Reader:
             (seg, self.pool.submit(reader.read, seg.ids), self.pool.submit(reader.read, seg.values)) for seg in segments
         ]
         wait_all([f for _, a, b in futures for f in (a, b)])
-        out = []
-        for seg, f_ids, f_vals in futures:
-            ids = self._checked_ids(m, name, seg, f_ids.result(), nrows, part)
-            rows = np.frombuffer(f_vals.result(), dtype=like.dtype).reshape((seg.count, *like.shape[1:]))
-            out.append((ids, rows))
-        return out
+        return [
+            (
+                self._checked_ids(m, name, seg, f_ids.result(), nrows, part),
+                np.frombuffer(f_vals.result(), dtype=like.dtype).reshape((seg.count, *like.shape[1:])),
+            )
+            for seg, f_ids, f_vals in futures
+        ]
 
     def _checked_ids(
         self, m: Manifest, name: str, seg: Segment, data: bytes | bytearray, nrows: int, part: bool

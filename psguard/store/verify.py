@@ -6,6 +6,7 @@ per call however many chains share it; gc verifies the checkpoints its retention
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,12 +56,8 @@ def chain_bytes(index: Index, checkpoint_ids: Sequence[str]) -> int:
     """:meth:`psguard.store.Store.chain_bytes` (documented there for its callers)."""
     sizes: dict[str, int] = {}
     for cid in checkpoint_ids:
-        try:
-            chain = index.chain(cid)
-        except CheckpointError:
-            continue
-        for m in chain:
-            sizes.update((ref.hash, ref.size) for ref in m.refs())
+        with contextlib.suppress(CheckpointError):
+            sizes.update((ref.hash, ref.size) for m in index.chain(cid) for ref in m.refs())
     return sum(sizes.values())
 
 
