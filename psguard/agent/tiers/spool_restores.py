@@ -150,17 +150,14 @@ class RestoreAnswers:
                     "durable_id": durable.last_id if durable else None,
                     "durable_step": durable.last_step if durable else None,
                     "message": "no capture applied since the agent started" if snap.empty else "",
-                    "tensors": [],
                 }
-                for i, (tname, value) in enumerate(snap.tensors.items()):
-                    ref = write_array(tmp, f"{i}.bin", value)
-                    doc["tensors"].append(
-                        {"name": tname, "dtype": dtype_name(value.dtype), "shape": list(value.shape), **ref}
-                    )
+                doc["tensors"] = [
+                    {"name": n, "dtype": dtype_name(v.dtype), "shape": list(v.shape), **write_array(tmp, f"{i}.bin", v)}
+                    for i, (n, v) in enumerate(snap.tensors.items())
+                ]
                 if self.shards is not None and self.shards.active and not snap.empty and snap.token is not None:
                     # Each PS's agent writes its shards on its own node; the trainer's PS load them there.
                     doc["parts"] = self._export_parts(self.shards, snap.token)
-            status = doc["status"]
         except (OSError, PsguardError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
@@ -172,7 +169,7 @@ class RestoreAnswers:
         os.rename(tmp, final)
         with contextlib.suppress(OSError):
             request.unlink()
-        return doc.get("step"), status
+        return doc.get("step"), doc["status"]
 
     def _load_durable(self, wanted: Mapping[str, Any], last_id: str | None) -> None:
         """Bring every tier to a durable checkpoint (the chief's the small tensors, each PS agent's the rows its PS
