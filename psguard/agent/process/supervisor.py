@@ -344,25 +344,20 @@ class Supervisor:
 
     def _supervise(self) -> None:
         reason = ""
-        while True:
-            if self._stop.is_set():  # asked while we were busy (a restart, a callback): do not start again
-                self._finish_stop()
-                return
+        while not self._stop.is_set():  # a stop asked while we were busy (a restart, a callback): no new start
             if self._spawn(reason):
                 request = self._wait_run(restarted=bool(reason))
                 if request is _Request.STOP:
-                    self._finish_stop()
-                    return
+                    break
+                with self._lock:
+                    counts = self._restart_is_crash and not self._run_healthy
+                why = self._take_restart_reason() if request is _Request.RESTART else ""
+                code = self._kill_group_and_reap(signal.SIGKILL)  # killed to restart, or gone: clear what it left
+                run: float | None = self._end_run()
                 if request is _Request.RESTART:
-                    with self._lock:
-                        counts = self._restart_is_crash and not self._run_healthy
-                    why = self._take_restart_reason()
-                    code = self._kill_group_and_reap(signal.SIGKILL)
-                    self._crashed(code, f"killed to restart: {why}", self._end_run(), delay=0.0, counts=counts)
+                    self._crashed(code, f"killed to restart: {why}", run, delay=0.0, counts=counts)
                     reason = why
                     continue
-                code = self._kill_group_and_reap(signal.SIGKILL)  # the leader is gone: clear what it left
-                run: float | None = self._end_run()
                 why = f"exited {describe_exit(code)}"
             elif self._spawn_error is not None:  # the very first start failed: start() raises it
                 self._error = self._spawn_error
@@ -393,10 +388,10 @@ class Supervisor:
                 self._state = SupervisorState.BACKOFF
             request = self._wait(delay, watch_process=False)
             if request is _Request.STOP:
-                self._finish_stop()
-                return
+                break
             if request is _Request.RESTART:
                 reason = self._take_restart_reason()
+        self._finish_stop()
 
     # ------------------------------------------------------------------------------------------ the tree
 
@@ -494,13 +489,10 @@ class Supervisor:
         """:meth:`_wait` for the run to end; meanwhile, ``standby_delay`` (or ``standby_delay_after_restart``)
         after the run was declared healthy, start its standby."""
         if self._standby is not None:
-            c = self.config
-            request = self._wait(STANDBY_UNDECLARED_AFTER, until=self._healthy)
-            if request is not _Request.TIMEOUT:
-                return request
-            request = self._wait(c.standby_delay_after_restart if restarted else c.standby_delay)
-            if request is not _Request.TIMEOUT:
-                return request
+            delay = self.config.standby_delay_after_restart if restarted else self.config.standby_delay
+            for timeout, until in ((STANDBY_UNDECLARED_AFTER, self._healthy), (delay, None)):
+                if (request := self._wait(timeout, until=until)) is not _Request.TIMEOUT:
+                    return request
             self._standby.fill()
         return self._wait(None)
 
@@ -631,18 +623,14 @@ class Supervisor:
 
         ``counts=False``: an exit that is no sign of a crash loop (see the module doc) is only reported.
         """
-        if not counts:
-            with self._lock:
-                self._last_reason = why
-            self._emit_exit(code, why, run, backoff=delay)
-            return
         now = time.monotonic()
         with self._lock:
-            self._crashes.append((now, _EXIT_SPAWN_FAILED if code is None else code))
-            self._prune_crashes(now)
+            if counts:
+                self._crashes.append((now, _EXIT_SPAWN_FAILED if code is None else code))
+                self._prune_crashes(now)
             self._last_reason = why
             crashes = list(self._crashes)
-        if len(crashes) < self.config.crash_loop_limit:
+        if not counts or len(crashes) < self.config.crash_loop_limit:
             self._emit_exit(code, why, run, backoff=delay)
             return
         self._emit_exit(code, why, run, backoff=None)
