@@ -69,18 +69,12 @@ def limit_malloc_retention() -> bool:
     threshold kept the freed memory (a PS agent held 0.5 GB over its shards). Process-wide; a no-op off glibc.
     """
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
     try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the C library the process runs on
     except (OSError, AttributeError):
         return False
-    m_mmap_threshold, m_arena_max = -3, -8
-    return bool(mallopt(m_mmap_threshold, 1 << 20)) and bool(mallopt(m_arena_max, 2))
+    return bool(mallopt(-3, 1 << 20)) and bool(mallopt(-8, 2))  # M_MMAP_THRESHOLD 1 MB, M_ARENA_MAX 2
 
 
 @dataclass(frozen=True)
