@@ -28,9 +28,10 @@ from psguard.policy.engine import EveryInterval, EverySteps, SaveContext, SavePo
 from psguard.storage.registry import check_url, redact
 from psguard.store import CheckpointInfo, Store
 from psguard.store.cli import add_store_arguments, open_store, parse_storage_options, require_output_store
-from psguard.tensors import Rows, TensorUpdate, apply_update
+from psguard.tensors import Rows, apply_update
 from psguard.trainer.export import ExportFolder
 from psguard.trainer.follower import delta_bytes, full_bytes
+from psguard.trainer.variables import writable
 
 __all__ = ["Published", "Publisher", "register"]
 
@@ -169,20 +170,16 @@ class Publisher:
                 held, self._tensors, self._held = self._tensors, None, None  # unknown until every update is in
                 for updates, _ in read:
                     for name, update in updates.items():
-                        held[name] = apply_update(_writable(held.get(name), update), update)
+                        current = held.get(name)  # rows are written in place: a read-only buffer is copied first
+                        held[name] = apply_update(
+                            writable(current) if isinstance(update, Rows) and current is not None else current, update
+                        )
                 self._tensors = {name: held[name] for name in names}
                 self._held = info.id
                 return "deltas", nbytes
         self._tensors, self._held = None, None
         self._tensors, self._held = self.store.load(info.id), info.id
         return "a full read", full_bytes(chain, names)
-
-
-def _writable(current: np.ndarray | None, update: TensorUpdate) -> np.ndarray | None:
-    """``current``, copied when rows are to be written into it and it is read-only (a view of a read buffer)."""
-    if current is not None and isinstance(update, Rows) and not current.flags.writeable:
-        return current.copy()
-    return current
 
 
 def cmd_publish(args: argparse.Namespace) -> int:

@@ -110,8 +110,7 @@ class SaveHandle:
         return None
 
     def __repr__(self) -> str:
-        state = "done" if self.done() else "pending"
-        return f"{type(self).__name__}(step={self.step}, {state})"
+        return f"{type(self).__name__}(step={self.step}, {'done' if self.done() else 'pending'})"
 
 
 class _StoreSaveHandle(SaveHandle):
@@ -173,13 +172,8 @@ class _AgentSaveHandle(SaveHandle):
         return self._outcome is not None or self._spooled.done()
 
     def done(self) -> bool:
-        if self._outcome is not None:
-            return True
-        if not self._spooled.done():
-            return False
-        if not self.durable:
-            return True
-        return self._spooled.durable_answered()
+        spooled = self._spooled
+        return self._outcome is not None or (spooled.done() and (not self.durable or spooled.durable_answered()))
 
 
 @dataclass
