@@ -173,32 +173,29 @@ class ChiefTiers:
         if self.spool is not None:
             self.spool.export_ahead(only)
 
-    def stop(self, attempt: Callable[..., None]) -> None:
+    def stop(self, attempt: Callable[[Callable[[], object]], None]) -> None:
         """Hand off the trainer's last captures, drain the persister, release the rest; each step through
-        ``attempt`` (the agent's stop collects what failed and goes on)."""
+        ``attempt`` (the agent's stop logs what failed and goes on)."""
         if self.spool is not None:
             if self.spool.status().running:
                 attempt(self.spool.process_once)  # the trainer's last captures, handed off before it stopped
             attempt(self.spool.stop)
-        if self.persister is not None:
+        if (persister := self.persister) is not None:
             timeout = self.config.persister.drain_timeout
-            drained = True
-            try:
-                drained = self.persister.stop(drain=True, timeout=timeout)
-            except Exception:
-                log.exception("event=stop_step_failed task=%s step=persister", self.task)
-            if not drained:
-                log.error("event=persist_not_drained task=%s timeout=%.0fs", self.task, timeout)
+
+            def drain() -> None:
+                if not persister.stop(drain=True, timeout=timeout):
+                    log.error("event=persist_not_drained task=%s timeout=%.0fs", self.task, timeout)
+
+            attempt(drain)
         if self.tier is not None:
             with self._lock:
                 durable = self._durable_step
             log.info("event=agent_stopped task=%s memory_step=%s durable_step=%s", self.task, self.tier.step, durable)
-        if self.shard_client is not None:
-            attempt(self.shard_client.close)
-        if self.store is not None:
-            attempt(self.store.close)
-        self.spool = self.persister = self.store = None
-        self.shard_client = None
+        for closing in (self.shard_client, self.store):
+            if closing is not None:
+                attempt(closing.close)
+        self.spool = self.persister = self.store = self.shard_client = None
 
     # ------------------------------------------------------------------------------------------ callbacks
     def _on_spool_event(self, event: SpoolEvent) -> None:

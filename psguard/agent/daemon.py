@@ -418,29 +418,21 @@ class Agent:
         """Stop the task gracefully, drain the persister, release everything. Idempotent."""
         self._stop_requested.set()
         self._wake.set()
-        errors: list[BaseException] = []
 
-        def attempt(fn: Any, *args: Any, **kwargs: Any) -> None:
+        def attempt(fn: Callable[[], object]) -> None:  # each step, whatever the one before it did
             try:
-                fn(*args, **kwargs)
-            except Exception as e:
+                fn()
+            except Exception:
                 log.exception("event=stop_step_failed task=%s step=%s", self.task, getattr(fn, "__qualname__", fn))
-                errors.append(e)
 
-        if self.hang_watch is not None:
-            attempt(self.hang_watch.stop)
-        if self.monitor is not None:
-            attempt(self.monitor.stop)
-        for monitor in self.peer_monitors:
-            attempt(monitor.stop)
-        if self.supervisor is not None:
-            attempt(self.supervisor.stop)
+        for part in (self.hang_watch, self.monitor, *self.peer_monitors, self.supervisor):
+            if part is not None:
+                attempt(part.stop)
         if self.chief is not None:
             self.chief.stop(attempt)
-        if self.shards is not None:
-            attempt(self.shards.close)
-        if self.store is not None:
-            attempt(self.store.close)
+        for closing in (self.shards, self.store):
+            if closing is not None:
+                attempt(closing.close)
         if self.http is not None:
             attempt(self.http.stop)
         if self._made_token is not None:

@@ -362,7 +362,7 @@ def test_a_frozen_tf_server_passes_tcp_but_fails_the_rpc(tf_server: tuple[subpro
         freeze(proc)
         try:
             assert TcpProbe("127.0.0.1", port).check(1.0).ok  # the kernel still completes the handshake
-            assert ProcessProbe(proc.pid).check(1.0).code == "stopped"
+            assert ProcessProbe(lambda: proc.pid).check(1.0).code == "stopped"
             result = rpc.check(0.5)
             assert not result.ok and result.code == "DEADLINE_EXCEEDED"
             assert 0.45 <= result.latency_seconds < 1.5

@@ -291,7 +291,7 @@ class HealthReport:
     task: str
     reason: str
     consecutive_failures: int
-    last: ProbeResult | None
+    last: ProbeResult  # the round's failed probe
 
 
 @dataclass(frozen=True)
@@ -486,7 +486,7 @@ class HealthMonitor:
             self._call(self._on_result, "on_result", self.task, result)
             if not result.ok:
                 break
-        ok = all(r.ok for r in results)
+        ok = results[-1].ok  # a round stops at its first failure
         before = self.health
         report = self._update(ok, tuple(results))
         after = self.health
@@ -497,8 +497,8 @@ class HealthMonitor:
                 "event=unhealthy task=%s failures=%d probe=%s code=%s reason=%r",
                 self.task,
                 report.consecutive_failures,
-                report.last.probe if report.last else "-",
-                report.last.code if report.last else "-",
+                report.last.probe,
+                report.last.code,
                 report.reason,
             )
             self._call(self._on_unhealthy, "on_unhealthy", report)
@@ -517,7 +517,7 @@ class HealthMonitor:
                 if previous is not Health.HEALTHY:
                     log.info("event=healthy task=%s was=%s", self.task, previous.value)
                 return None
-            last = results[-1] if results else None
+            last = results[-1]  # a round has a probe at least
             if previous is Health.STARTING:
                 if now - self._since < self.config.startup_timeout:
                     return None
@@ -529,8 +529,7 @@ class HealthMonitor:
                     return None
                 failures = self._failures
                 reason = f"{failures} probe rounds failed in a row"
-            if last is not None:
-                reason += f"; last: {last.probe}: {last.error}"
+            reason += f"; last: {last.probe}: {last.error}"
             self._health = Health.UNHEALTHY
             self._failures = 0
             self._since = now
