@@ -404,13 +404,11 @@ class Capturer:
         for name, info in infos.items():
             if info.alias_of is not None:
                 continue
-            old = self._tracked.get(name)
-            if old is not None and _same_layout(old.info, info):
-                tracked[name] = old
-            else:
+            tr = self._tracked.get(name)
+            if tr is None or not _same_layout(tr.info, info):
                 by_row = self._tracks_rows(info)
-                tracked[name] = _Tracked(info, by_row, [self._fingerprint_var(s, by_row) for s in info.shards])
-            tr = tracked[name]
+                tr = _Tracked(info, by_row, [self._fingerprint_var(s, by_row) for s in info.shards])
+            tracked[name] = tr
             if not hooked or not tr.by_row:
                 tr.dirty = None
             elif tr.dirty is None:
@@ -432,9 +430,7 @@ class Capturer:
         # A new apply counter only when variables got hooked or the optimizers changed: steps traced before
         # do not mark the new variables, and must not count in the new counter either.
         iterations = [unwrap(opt.iterations) for opt, _ in optimizers] if hooked else []
-        same_optimizers = len(iterations) == len(self._iterations) and all(
-            a is b for a, b in zip(iterations, self._iterations, strict=True)
-        )
+        same_optimizers = [id(a) for a in iterations] == [id(b) for b in self._iterations]
         if new_hooks or not same_optimizers or not hooked:
             self._iterations = iterations
             self._counter = StepCounter(str(iterations[0].device)) if hooked else None

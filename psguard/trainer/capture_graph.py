@@ -271,13 +271,10 @@ class _Graph:
         gap = self.gap_now(counter, iterations)
         # Every row is hashed when asked, or when some apply went unhooked since the last capture.
         hash_all = tf.logical_or(verify, tf.not_equal(gap, expected_gap))
-        results = []
-        hashed_all = []
-        strays = []
+        results, hashed_all, strays = [], [], []
         for i, (t, vs) in enumerate(zip(self.plan.tensors, shard_vars, strict=True)):
             outs: list[tuple[Any, ...]] = []
-            all_flags = []
-            stray_flags = []
+            all_flags, stray_flags = [], []
             for j, (s, v) in enumerate(zip(t.shards, vs, strict=True)):
                 # Everything for one shard happens on its PS and depends on nothing from other devices
                 # but the flags, so all PS work in parallel and the chief waits for one call.

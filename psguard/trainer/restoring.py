@@ -37,7 +37,7 @@ from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.recovery import is_cluster_failure
 from psguard.trainer.registry import process_managers
 from psguard.trainer.restore_status import DeferredRestore, RestoreStatus, read_pending_parts
-from psguard.trainer.sinks import Sink
+from psguard.trainer.sinks import AgentSink, Sink
 from psguard.trainer.variables import assign_existing, to_int
 
 __all__ = ["STORE_CHECK_SECONDS", "RestoreInfo", "RestoreSide", "hook_restore"]
@@ -246,7 +246,7 @@ class RestoreSide:
         """Restore durable checkpoint ``checkpoint_id``, whatever newer ones exist."""
         checkpoint = CheckpointInfo.of(self.store.manifest(checkpoint_id))
         by_task = self.capturer.spilled_by_task()
-        if by_task and self._sink.supervised:
+        if by_task and isinstance(self._sink, AgentSink):
             snap = self._sink.durable_snapshot(checkpoint_id, by_task, self.restore_timeout, force=True)
             info = RestoreInfo.durable(checkpoint)
             if self._load(info, snap, status=True):
@@ -356,7 +356,7 @@ class RestoreSide:
         when the PS agents keep no shards); one that fails is skipped for the next older, but the agents'
         refusal (:class:`NewerInMemoryError`) is raised at once."""
         by_task = self.capturer.spilled_by_task()
-        if not by_task or not self._sink.supervised:
+        if not by_task or not isinstance(self._sink, AgentSink):
             return None
         for checkpoint in sorted(self.store.checkpoints(), key=lambda c: (c.step, c.committed_at), reverse=True):
             try:

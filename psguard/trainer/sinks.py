@@ -253,11 +253,6 @@ class StoreSink:
     def memory_snapshot(self, timeout: float) -> Restored | None:
         return None
 
-    def durable_snapshot(
-        self, checkpoint: str, shards: Mapping[str, Sequence[ShardKey]], timeout: float, *, force: bool = False
-    ) -> Restored:
-        raise ConfigError("shards kept by PS agents need an agent on this node; this manager writes the log itself")
-
     def set_new_base_after(self, deltas: int | None) -> None:
         self.new_base_after = NEW_BASE_AFTER if deltas is None else deltas
 
