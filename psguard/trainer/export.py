@@ -62,8 +62,7 @@ def object_graph_bytes(root: Any) -> bytes:
                 name="VARIABLE_VALUE", checkpoint_key=key, full_name=util.get_full_name(td.trackable)
             )
     util.add_checkpoint_values_check(proto)
-    data: bytes = proto.SerializeToString(deterministic=True)
-    return data
+    return bytes(proto.SerializeToString(deterministic=True))
 
 
 def tf_object_graph(graph: bytes) -> bytes:
@@ -74,8 +73,7 @@ def tf_object_graph(graph: bytes) -> bytes:
     proto = trackable_object_graph_pb2.TrackableObjectGraph()
     proto.ParseFromString(graph)
     util.add_checkpoint_values_check(proto)
-    data: bytes = proto.SerializeToString(deterministic=True)
-    return data
+    return bytes(proto.SerializeToString(deterministic=True))
 
 
 def export_checkpoint(
@@ -245,13 +243,12 @@ def _state_file(state: Any, name: str, committed_at: float, keep_last: int | Non
     keep = [i for i, p in enumerate(paths) if p != name]
     if keep_last is not None:
         keep = keep[max(0, len(keep) - (keep_last - 1)) :]
-    out = CheckpointState(
+    return CheckpointState(
         model_checkpoint_path=name,
         all_model_checkpoint_paths=[paths[i] for i in keep] + [name],
         all_model_checkpoint_timestamps=[stamps[i] for i in keep] + [committed_at] if paired else [],
         last_preserved_timestamp=state.last_preserved_timestamp,
     )
-    return out
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -45,8 +45,7 @@ def strip_restored(graph: bytes, pending: Mapping[str, Any], *, not_slots: Colle
         slots = [sv for sv in node.slot_variables if sv.slot_variable_node_id not in dropped]
         del node.slot_variables[:]
         node.slot_variables.extend(slots)
-    data: bytes = proto.SerializeToString(deterministic=True)
-    return data
+    return bytes(proto.SerializeToString(deterministic=True))
 
 
 class DeferredRestore:
