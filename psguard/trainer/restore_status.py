@@ -188,23 +188,17 @@ class RestoreStatus:
             raise AssertionError(f"Unresolved slot restorations (partitioned variables): {unresolved}")
         return self
 
-    def assert_existing_objects_matched(self) -> RestoreStatus:
-        self._status.assert_existing_objects_matched()
-        return self
+    def __getattr__(self, name: str) -> Any:
+        """TF's other status methods (``expect_partial``, ``assert_existing_objects_matched``...), chaining on this."""
+        method = getattr(self._status, name)
+        if not callable(method):
+            return method
 
-    def assert_nontrivial_match(self) -> RestoreStatus:
-        self._status.assert_nontrivial_match()
-        return self
+        def call(*args: Any, **kwargs: Any) -> Any:
+            result = method(*args, **kwargs)
+            return self if result is self._status else result
 
-    def expect_partial(self) -> RestoreStatus:
-        self._status.expect_partial()
-        return self
-
-    def run_restore_ops(self, session: Any = None) -> None:
-        self._status.run_restore_ops(session)
-
-    def initialize_or_restore(self, session: Any = None) -> None:
-        self._status.initialize_or_restore(session)
+        return call
 
     def __repr__(self) -> str:
         return f"RestoreStatus({self.checkpoint_id!r}, step={self.step}, source={self.source!r})"
