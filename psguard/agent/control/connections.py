@@ -293,22 +293,18 @@ class Intake:
         if self._thread is not None:
             self._thread.join()
         for lane in (self._main, self._health):
-            while True:
-                try:
-                    conn = lane.queue.get_nowait()
-                except queue.Empty:
-                    break
-                if conn is not None:
-                    self._release(conn)
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    if (conn := lane.queue.get_nowait()) is not None:
+                        self._release(conn)
+            for _ in lane.threads:
+                lane.queue.put(None)  # each worker's last
         with self._lock:
             active = list(self._active)
         for sock in active:
             # socket.socket's, not SSLSocket's: that one drops its TLS object under the reading thread.
             with contextlib.suppress(OSError):  # already closed by its worker
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)
-        for lane in (self._main, self._health):
-            for _ in lane.threads:
-                lane.queue.put(None)
         for lane in (self._main, self._health):
             for thread in lane.threads:
                 thread.join()

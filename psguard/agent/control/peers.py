@@ -272,7 +272,7 @@ class _Round:
         restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
         before = self.pending[url]
         if before is None and url not in self.waiting:
-            self._carry_out(url, doc, asked_at)
+            self._carry_out(url, doc, asked_at, restarts, ready)
         elif url in self.waiting:
             if ready:
                 self._settle(url, self.waiting[url])
@@ -281,10 +281,9 @@ class _Round:
         elif ready and url in self.left_alone:
             self._settle(url, _FRESH)
 
-    def _carry_out(self, url: str, doc: Mapping[str, Any], asked_at: float) -> None:
+    def _carry_out(self, url: str, doc: Mapping[str, Any], asked_at: float, restarts: int, ready: bool) -> None:
         report = self.peers.report(url, doc, asked_at)
         part = plan(replace(self.facts, tasks=(report,))).tasks[report.task]
-        restarts, ready = int(doc.get("restarts") or 0), doc.get("ready") is True
         if part.process is Process.KEEP:
             kept = "survivor-kept" in part.rules
             self._settle(url, "kept (survived the failure)" if kept else f"skipped ({doc.get('role')})")

@@ -103,7 +103,7 @@ class AgentProcess:
         self._args = list(args)
         self._command = list(command)
         self._env = dict(os.environ, **QUIET_TENSORFLOW, **(env or {}))
-        self._url: str | None = None
+        self.url: str | None = None  # known once it serves (wait_url)
         self.starts = 0
         self.pids: list[int] = []
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
@@ -127,8 +127,8 @@ class AgentProcess:
         """Start the agent again after it died (it was killed), on the same HTTP port."""
         if self.proc.poll() is None:
             raise LaunchError(f"agent {self.name} is still running (pid {self.proc.pid})")
-        port = self._url.rsplit(":", 1)[1] if self._url else None
-        self._url = None
+        port = self.url.rsplit(":", 1)[1] if self.url else None
+        self.url = None
         self._spawn(["--http-port", port] if port else [])
 
     def log_tail(self, chars: int = 3000) -> str:
@@ -136,20 +136,16 @@ class AgentProcess:
 
     def wait_url(self, timeout: float) -> str:
         deadline = time.monotonic() + timeout
-        while self._url is None:
+        while self.url is None:
             if self.proc.poll() is not None:
                 raise LaunchError(f"agent {self.name} exited {self.proc.returncode}:\n{self.log_tail()}")
             if self.ready_file.exists() and (text := self.ready_file.read_text().strip()):
-                self._url = text
+                self.url = text
             elif time.monotonic() > deadline:
                 raise LaunchError(f"agent {self.name} did not serve HTTP within {timeout:.0f}s")
             else:
                 time.sleep(0.05)
-        return self._url
-
-    @property
-    def url(self) -> str | None:
-        return self._url
+        return self.url
 
     def status(self, timeout: float = 10.0) -> dict[str, Any]:
         token = read_token(str(self.token_file))

@@ -94,10 +94,8 @@ class Standby:
             return None
         assert proc.stdin is not None
         try:
-            message = GO
-            if self._env_at_go is not None:
-                message += json.dumps(dict(self._env_at_go())).encode() + b"\n"
-            proc.stdin.write(message)
+            env = b"" if self._env_at_go is None else json.dumps(dict(self._env_at_go())).encode() + b"\n"
+            proc.stdin.write(GO + env)
             proc.stdin.close()
         except OSError as e:  # it died between poll() and the write
             log.warning("event=standby_lost task=%s pid=%d error=%r", self.name, proc.pid, str(e))
