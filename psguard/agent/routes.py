@@ -81,10 +81,7 @@ class Routes:
         failed_at = body.get("failed_at") if isinstance(body, dict) else None
         if not isinstance(failed_at, int | float) or failed_at > time.time() + 5:
             raise RequestError(400, 'expected {"failed_at": <Unix time at which the trainer saw the failure>}')
-        step = body.get("step")
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
-            raise RequestError(400, '"step": expected the last step trained, an integer >= 0')
-        self.recovery.failure_reported(float(failed_at), step)
+        self.recovery.failure_reported(float(failed_at), _count(body, "step"))  # the last step trained
         return Response(200, {"ok": True})
 
     def recovered(self, request: Request) -> Response:
@@ -92,16 +89,7 @@ class Routes:
         body = request.json()
         if not isinstance(body, dict):
             raise RequestError(400, 'expected a JSON object: {"lost_steps": N} or {"restored_step": N}')
-
-        def count(key: str) -> int | None:
-            value = body.get(key)
-            if value is None:
-                return None
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise RequestError(400, f'"{key}": expected an integer >= 0, got {value!r}')
-            return value
-
-        lost, restored, seen = count("lost_steps"), count("restored_step"), count("seen_step")
+        lost, restored, seen = (_count(body, key) for key in ("lost_steps", "restored_step", "seen_step"))
         if lost is None and restored is None:
             raise RequestError(400, 'expected {"lost_steps": N} or {"restored_step": N, "seen_step": M}')
         timed = float(sec) if isinstance(sec := body.get("seconds"), int | float) and sec >= 0 else None
@@ -119,3 +107,11 @@ def _reason(request: Request, default: str) -> tuple[dict[str, Any], str]:
         raise RequestError(400, 'the body must be a JSON object, e.g. {"reason": "..."}')
     body = body or {}
     return body, str(body.get("reason") or default)[:300]
+
+
+def _count(body: dict[str, Any], key: str) -> int | None:
+    """``body[key]``: absent, or a whole number >= 0 (else a 400 that names it)."""
+    value = body.get(key)
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise RequestError(400, f'"{key}": expected an integer >= 0, got {value!r}')
+    return value
