@@ -361,7 +361,6 @@ class Capturer:
                 for j, s in enumerate(tr.info.shards)
             ]
             check_restore_files({k: task for _, k, task in placed}, files, homes)
-            keys = [(ij, k) for ij, k, _ in placed]
             elsewhere = {tr.info.name: (tr.info.shape, tr.info.dtype) for _, tr in spilled}
             infos = check_tensors(self.root, tensors, elsewhere=elsewhere, deferred=deferred)
             # The tensors the chief holds go in by the same function, shard by shard (aliases through their owner).
@@ -369,8 +368,7 @@ class Capturer:
             infos_of = [tr.info for tr in self._tracked.values()]
             shards = [(infos_of[i], infos_of[i].shards[j]) for i, j in given]
             values = [tf.constant(shard_part(tensors[t.name], t, s), dtype=s.var.dtype) for t, s in shards]
-            fps = fingerprints or {}
-            loads = [(ij, str(files[k]), fps.get(k), k in mappable) for ij, k in keys]
+            loads = [(ij, str(files[k]), (fingerprints or {}).get(k), k in mappable) for ij, k, _ in placed]
             gap, mapped = run_load(self._functions, loads, given, tuple(values), self._variables())
             self._rebased(gap)
             note_restored(self._variables_of_root())

@@ -551,11 +551,8 @@ def _combine(schedule: Schedule | None, every: int | None) -> Schedule | None:
 
 
 def _is_keras3(model: Any) -> bool:
-    if isinstance(model, tf_keras.Model):
-        return False
-    return type(model).__module__.split(".")[0] == "keras" or any(
-        c.__module__.startswith("keras.") for c in type(model).__mro__
-    )
+    mro = type(model).__mro__
+    return not isinstance(model, tf_keras.Model) and any(c.__module__.split(".")[0] == "keras" for c in mro)
 
 
 def _is_ps(strategy: Any) -> bool:
