@@ -231,7 +231,7 @@ class Intake:
     def __init__(
         self,
         listener: socket.socket,
-        serve: Callable[[Connection], None],
+        serve: Callable[[Connection], object],
         *,
         screen: Callable[[Connection], bytes | None] | None = None,
         health_paths: Collection[str],

@@ -260,7 +260,7 @@ class AgentHTTPServer:
         assert self._listener is not None
         intake = Intake(
             self._listener,
-            self._answer,
+            lambda connection: _Handler(connection, self),
             screen=self._screen,
             health_paths=OPEN_PATHS,
             timeout=self.request_timeout,
@@ -280,9 +280,6 @@ class AgentHTTPServer:
             self.open_read,
         )
         return self
-
-    def _answer(self, connection: Connection) -> None:
-        _Handler(connection, self)
 
     def _screen(self, connection: Connection) -> bytes | None:
         """On the intake's thread: a liveness probe, or a request refused on its head alone, answered without a
