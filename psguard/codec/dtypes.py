@@ -50,10 +50,7 @@ def dtype_from_name(name: str) -> np.dtype:  # type: ignore[type-arg]
         import ml_dtypes  # ships with TensorFlow; only needed for these types
 
         return np.dtype(getattr(ml_dtypes, name))  # type: ignore[no-any-return]
-    try:
-        return np.dtype(name)
-    except TypeError:
-        raise ValueError(f"unknown dtype {name!r}") from None
+    return np.dtype(name)
 
 
 def itemsize_of(name: str) -> int:

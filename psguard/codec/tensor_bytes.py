@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import crc32c as _crc32c
 import numpy as np
 
-__all__ = ["as_le_bytes", "byte_view", "crc32c", "deserialize_strings", "serialize_strings"]
+__all__ = ["as_le_bytes", "byte_view", "crc32c", "deserialize_strings", "serialize_strings", "tensor_bytes"]
 
 
 def crc32c(data: bytes | memoryview) -> int:
@@ -27,6 +27,11 @@ def as_le_bytes(arr: np.ndarray) -> memoryview:
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     return byte_view(np.ascontiguousarray(arr))
+
+
+def tensor_bytes(value: np.ndarray) -> memoryview:
+    """``value``'s bytes as stored: serialised strings, or the little-endian C-order view of numbers."""
+    return memoryview(serialize_strings(value)) if value.dtype.kind in "OSU" else as_le_bytes(value)
 
 
 def serialize_strings(arr: np.ndarray) -> bytes:

@@ -108,7 +108,7 @@ import numpy as np
 
 from psguard.codec import strict_json
 from psguard.codec.dtypes import MAX_DIMS, dtype_from_name, dtype_name
-from psguard.codec.tensor_bytes import as_le_bytes, byte_view, deserialize_strings, serialize_strings
+from psguard.codec.tensor_bytes import byte_view, deserialize_strings, tensor_bytes
 from psguard.errors import (
     ConfigError,
     CorruptCheckpointError,
@@ -339,14 +339,8 @@ def _open_spool_file(path: Path, what: str) -> FileIO:
         raise CorruptCheckpointError(f"{what}: {path.name} cannot be read ({e.strerror or e})") from None
 
 
-def _tensor_bytes(value: np.ndarray) -> memoryview:
-    if value.dtype.kind in ("O", "S", "U"):
-        return memoryview(serialize_strings(value))
-    return as_le_bytes(value)
-
-
 def write_array(folder: Path, file: str, value: np.ndarray) -> dict[str, Any]:
-    data = _tensor_bytes(value)
+    data = tensor_bytes(value)
     return {"file": file, "size": len(data), "crc32c": _write_blob(folder / file, data)}
 
 

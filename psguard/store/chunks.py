@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from psguard.codec.tensor_bytes import as_le_bytes, byte_view, crc32c, serialize_strings
+from psguard.codec.tensor_bytes import as_le_bytes, byte_view, crc32c, tensor_bytes
 from psguard.errors import CorruptCheckpointError, ObjectNotFoundError, StorageError, UnreadableChunkError
 from psguard.storage.base import Backend
 from psguard.store.manifest import ChunkRef, Segment, chunk_key
@@ -121,11 +121,9 @@ class ChunkWriter:
         return fut
 
     def submit_tensor(self, value: np.ndarray, chunk_bytes: int) -> list[Future[ChunkRef]]:
-        if value.dtype.kind in ("O", "S", "U"):
-            blob = memoryview(serialize_strings(value))
-            return [self.submit(blob[a:b]) for a, b in split_ranges(len(blob), 1, chunk_bytes)]
-        buf = as_le_bytes(value)
-        unit = row_bytes(value.shape, value.dtype.itemsize) if value.ndim else len(buf) or 1
+        buf = tensor_bytes(value)
+        strings = value.dtype.kind in "OSU"  # cut by bytes, not rows
+        unit = 1 if strings else row_bytes(value.shape, value.dtype.itemsize) if value.ndim else len(buf) or 1
         return [self.submit(buf[a:b]) for a, b in split_ranges(len(buf), unit, chunk_bytes)]
 
     def submit_stream(self, stream: FullStream, chunk_bytes: int) -> list[Future[ChunkRef]]:

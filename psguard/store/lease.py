@@ -21,6 +21,7 @@ The protocol (docs/storage-format.md, "Locks and leases"):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -160,10 +161,8 @@ def lease_stale(doc: Mapping[str, Any], written_at: float, storage_now: float, d
 def storage_now(backend: Backend, *, hint_key: str | None = None) -> float:
     """The storage's clock, now: the mtime of an object just written (``hint_key`` if we just wrote it)."""
     if hint_key is not None:
-        try:
+        with contextlib.suppress(ObjectNotFoundError):
             return backend.mtime(hint_key)
-        except ObjectNotFoundError:
-            pass
     probe = f"locks/clock-{secrets.token_hex(6)}.json"
     backend.put(probe, b"{}")
     try:
@@ -196,16 +195,11 @@ class Lease:
         self.payload["expires_at"] = time.time() + self.ttl
         return json.dumps(self.payload).encode()
 
-    def create(self) -> None:
-        """Write the lease, replacing any object (a writer's key is unique to its checkpoint)."""
+    def create(self, *, new: bool = False) -> None:
+        """Write the lease, replacing any object (a writer's key is unique to its checkpoint); with ``new`` only if
+        absent (:class:`ObjectExistsError` otherwise): gc's shared key."""
         started = time.monotonic()
-        self.backend.put(self.key, self._data())
-        self.refreshed = started
-
-    def create_new(self) -> None:
-        """Write the lease only if absent (:class:`ObjectExistsError` otherwise): for a shared key (gc)."""
-        started = time.monotonic()
-        self.backend.put_new(self.key, self._data())
+        (self.backend.put_new if new else self.backend.put)(self.key, self._data())
         self.refreshed = started
 
     def refresh(self) -> None:
@@ -369,7 +363,7 @@ def acquire_gc_lease(backend: Backend, ttl: float) -> Lease:
     """Create the gc's lease (one gc at a time per store), taking over a stale one; refuse while another lives."""
     lease = Lease(backend, GC_LOCK, ttl, op="gc")
     try:
-        lease.create_new()
+        lease.create(new=True)
     except ObjectExistsError:
         doc, written = read_lease_with_mtime(backend, GC_LOCK)
         if doc is not None:
@@ -380,7 +374,7 @@ def acquire_gc_lease(backend: Backend, ttl: float) -> Lease:
                 ) from None
             remove_if_unchanged(backend, GC_LOCK, doc, written)
         try:
-            lease.create_new()
+            lease.create(new=True)
         except ObjectExistsError:
             raise PsguardError(f"another gc started on {backend.url} just now; run this one later") from None
     return lease

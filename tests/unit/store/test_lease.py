@@ -264,7 +264,7 @@ def test_only_the_owner_releases_a_lease(target: Target, ttl: float) -> None:
     backend = open_backend(target.url, target.options, retry=FAST_RETRY)
     try:
         mine = Lease(backend, GC_LOCK, ttl, op="gc")
-        mine.create_new()
+        mine.create(new=True)
         theirs = Lease(backend, GC_LOCK, ttl, op="gc")
         backend.put(GC_LOCK, json.dumps(theirs.payload).encode())  # judged stale and taken over meanwhile
         mine.release()
