@@ -109,16 +109,13 @@ class CopyHolder:
         layout = header.get("tensors")
         if not isinstance(layout, list):
             raise CorruptCheckpointError("peer copy begin: no tensors")
-        # The copy this replaces is behind the owner already (a whole copy is sent when the holder cannot take a
-        # delta), so it could not serve a restore at the chief's state: drop it now and fill its arrays in place
-        # where they fit, so that the holder never holds two copies of one owner (2x the memory of the copy).
+        # The copy this replaces is behind the owner already: drop it now and fill its arrays in place where they
+        # fit, so that the holder never holds two copies of one owner.
         with self._lock:
             old = self._copies.pop(owner, None)
             self._incoming.pop(owner, None)
-        reuse: dict[str, np.ndarray] = {}
-        if old is not None:
-            reuse = {n: a for n in old.tier.names() if (a := old.tier.take_array(n)) is not None}
-            del old
+        reuse = {} if old is None else {n: a for n in old.tier.names() if (a := old.tier.take_array(n)) is not None}
+        del old
         arrays: dict[str, np.ndarray] = {}
         for t in layout:
             try:
