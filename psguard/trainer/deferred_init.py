@@ -42,12 +42,10 @@ class DeferredInit:
             shape, dtype = shape if shape is not None else init.shape, dtype or init.dtype
         if init is None or shape is None or dtype is None:
             return next_creator(**kwargs)
-        shape = tf.TensorShape(shape)
-        dtype = tf.as_dtype(dtype)
+        shape, dtype = tf.TensorShape(shape), tf.as_dtype(dtype)
         if not shape.is_fully_defined() or not (dtype.is_floating or dtype.is_integer or dtype.is_bool):
             return next_creator(**kwargs)
-        nbytes = shape.num_elements() * dtype.size
-        if nbytes < self.min_bytes:
+        if (nbytes := shape.num_elements() * dtype.size) < self.min_bytes:
             return next_creator(**kwargs)
         # Allocated and never written: the restore's assign replaces the buffer whole.
         kwargs["initial_value"] = lambda: tf.raw_ops.Empty(shape=shape, dtype=dtype, init=False)

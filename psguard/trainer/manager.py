@@ -588,13 +588,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
 
     def _step_for(self, number: Any) -> int:
         """The step a save records: ``number``, else the step counter, else TF's numbering (save_counter)."""
-        if number is not None:
-            return to_int(number)
-        if self._step_counter is not None:
-            return to_int(self._step_counter)
-        if self._save_counter is not None:
-            return to_int(self._save_counter)
-        return self._saves + 1
+        counter = next((c for c in (number, self._step_counter, self._save_counter) if c is not None), None)
+        return to_int(counter) if counter is not None else self._saves + 1
 
     def _add_object_graph(self, updates: dict[str, TensorUpdate]) -> None:
         """TF's object graph, walked again (5 ms of stall) only when the capture saw the variables change."""

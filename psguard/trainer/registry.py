@@ -101,12 +101,8 @@ class ManagerRegistry:
 
     def coordinators(self) -> list[Any]:
         """The ``ClusterCoordinator`` of each open manager that has one (each once)."""
-        found: dict[int, Any] = {}
-        for manager, _ in self._open_now():
-            coordinator = getattr(manager, "coordinator", None)
-            if coordinator is not None:
-                found.setdefault(id(coordinator), coordinator)
-        return list(found.values())
+        found = (getattr(manager, "coordinator", None) for manager, _ in self._open_now())
+        return list({id(c): c for c in found if c is not None}.values())
 
     # ------------------------------------------------------------------------------------ the exit's side
 

@@ -421,6 +421,4 @@ class SpoolWriter:
 
 def _copies(raw: object) -> dict[str, str | None] | None:
     """An ack's ``copies`` (PS task -> holder or null); anything else from an older or damaged ack: unknown."""
-    if not isinstance(raw, dict):
-        return None
-    return {str(k): v if isinstance(v, str) else None for k, v in raw.items()}
+    return {str(k): v if isinstance(v, str) else None for k, v in raw.items()} if isinstance(raw, dict) else None
