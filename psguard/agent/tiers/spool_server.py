@@ -414,8 +414,7 @@ class SpoolServer:
             return "error", str(e)
 
     def _token_of(self, folder: Path) -> str | None:
-        doc = _json_or_none(folder / "capture.json")
-        token = doc.get("token") if doc is not None else None
+        token = (_json_or_none(folder / "capture.json") or {}).get("token")
         return token if isinstance(token, str) else None
 
     def _tiers_of(self, folder: Path) -> frozenset[Tier]:
@@ -427,14 +426,13 @@ class SpoolServer:
     def _durable_done(self, seq: int, handle: PersistHandle) -> None:
         try:
             error = handle.exception(0)
+            info = handle.result(0) if error is None else None
             if error is not None:
                 ack = DurableAck(seq, "error", None, None, f"{type(error).__name__}: {error}")
+            elif info is None:
+                ack = DurableAck(seq, "error", None, None, "the memory tier was empty; nothing was persisted")
             else:
-                info = handle.result(0)
-                if info is None:
-                    ack = DurableAck(seq, "error", None, None, "the memory tier was empty; nothing was persisted")
-                else:
-                    ack = DurableAck(seq, "ok", info.id, info.step)
+                ack = DurableAck(seq, "ok", info.id, info.step)
             self._write_durable_ack(ack)
         except Exception:
             log.exception("spool %s: could not write the durable ack of seq %d", self.root, seq)
