@@ -537,14 +537,13 @@ class MemoryTier:
             if lease.released:
                 return
             lease.released = True
-            home = self.home
-            if hand_off and home is not None:
+            if hand_off and self.home is not None:
                 current = {id(a) for a in self._arrays.values()}
                 self._handed = {k: r for k, r in self._handed.items() if r() is not None}
                 for a in lease.arrays:
                     # Only a home's arrays were linked (the others were written out: a copy); one replaced since
                     # is written by no one.
-                    if id(a) in current and home.owns(a):
+                    if id(a) in current and self.home.owns(a):
                         self._handed[id(a)] = weakref.ref(a)
             for a in lease.arrays:
                 holders = self._leases.get(id(a), [])

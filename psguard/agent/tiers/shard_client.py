@@ -41,10 +41,8 @@ class ShardClient:
         parity_group: int = 2,
         parity_placement: Mapping[str, str] | None = None,
     ) -> None:
-        """``copies``: ``"full"`` to have each PS agent keep a copy of another node's shards
-        (:mod:`psguard.agent.tiers.peer_copy`), ``"parity"`` for one XOR block per ``parity_group`` PS tasks
-        (:mod:`psguard.agent.tiers.parity`); ``placement``: owner task -> holder task, else a ring;
-        ``parity_placement``: ``"ps:0,ps:1"`` -> holder task, else the first PS after the group on another node;
+        """``copies``: ``"none"``, ``"full"`` (:mod:`.peer_copy`) or ``"parity"`` (:mod:`.parity`, groups of
+        ``parity_group``); ``placement`` / ``parity_placement``: owner task / ``"ps:0,ps:1"`` -> holder task;
         ``nodes``: task -> the node its agent runs on (copies never go to the same node)."""
         self._peers = peers
         self._call = call

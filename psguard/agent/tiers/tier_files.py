@@ -109,11 +109,8 @@ class TierFiles:
     # ------------------------------------------------------------------------------------------- arrays
     def new(self, shape: tuple[int, ...], dtype: np.dtype[Any], *, reserve: bool = True) -> np.ndarray | None:
         """A writable C-order array of ``shape`` backed by a new file, or None (no files here, an empty or
-        non-numeric tensor, a big-endian host, or no room: then the caller allocates as before).
-
-        ``reserve=False``: the file's pages are not allocated yet, and the caller must fill it with
-        :meth:`write_rows`, never through the array (a page a full tmpfs cannot give is a ``SIGBUS``): a peer copy's
-        fetch, which would otherwise wait for all of its tmpfs to be allocated before its first request."""
+        non-numeric tensor, a big-endian host, or no room). ``reserve=False``: no pages allocated yet, so the
+        caller fills it with :meth:`write_rows`, never through the array (a full tmpfs would be a ``SIGBUS``)."""
         dtype = np.dtype(dtype)
         if (
             not self.enabled
