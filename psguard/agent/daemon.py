@@ -248,10 +248,9 @@ class Agent:
                 record=task_record(cfg, self.task),
                 subreaper=True,
             )
-            early = self.role == "ps"  # nothing the PS process is given depends on the shards
-            if early and not self._stop_requested.is_set():
-                self.supervisor.start()
-            if self.role == "ps":
+            if self.role == "ps":  # nothing the PS process is given depends on the shards: it starts first
+                if not self._stop_requested.is_set():
+                    self.supervisor.start()
                 self._start_shards()
                 if self.shards is not None:
                     serve_shards(self.http, self.shards, cfg.peer_copy)
@@ -280,7 +279,7 @@ class Agent:
                 self.chief.announce_parts(self.supervisor)
             if self._stop_requested.is_set():
                 return self
-            if not early:
+            if self.role != "ps":
                 self.supervisor.start()
             self.monitor.start()
             if self.chief is not None and self.chief.heartbeat is not None:

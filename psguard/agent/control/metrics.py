@@ -145,9 +145,8 @@ def _escape_help(text: str) -> str:
 
 
 def _label_text(names: Sequence[str], values: Sequence[str], extra: tuple[str, str] | None = None) -> str:
-    pairs = [f'{n}="{_escape_label(v)}"' for n, v in zip(names, values, strict=True)]
-    if extra is not None:
-        pairs.append(f'{extra[0]}="{_escape_label(extra[1])}"')
+    labels = [*zip(names, values, strict=True), *([extra] if extra is not None else [])]
+    pairs = [f'{n}="{_escape_label(v)}"' for n, v in labels]
     return "{" + ",".join(pairs) + "}" if pairs else ""
 
 

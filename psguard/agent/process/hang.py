@@ -135,8 +135,7 @@ class HangWatch:
             if stuck < float(bound):
                 return None
             self._hung_run = run
-        pid = doc.get("pid")
-        pid = int(pid) if isinstance(pid, int) else None
+        pid = doc["pid"] if isinstance(doc.get("pid"), int) else None
         asked = self._dump_stacks(pid)
         hang = Hang(step, stuck, float(bound), pid, asked)
         log.error(
