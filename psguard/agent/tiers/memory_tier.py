@@ -149,7 +149,6 @@ class _SavedRows:
     def __init__(self, rows: int) -> None:
         self.seen = np.zeros(rows, dtype=bool)
         self.batches: list[tuple[np.ndarray, np.ndarray]] = []  # (sorted ids, their old rows)
-        self.nbytes = 0
 
     def save(self, arr: np.ndarray, ids: np.ndarray) -> int:
         new = ids[~self.seen[ids]]
@@ -158,7 +157,6 @@ class _SavedRows:
         old = arr[new]
         self.batches.append((new, old))
         self.seen[new] = True
-        self.nbytes += old.nbytes + new.nbytes
         return int(old.nbytes + new.nbytes)
 
     def patch(self, out: np.ndarray, start: int, stop: int) -> None:
@@ -468,9 +466,7 @@ class MemoryTier:
             self._arrays[name] = value
             if name in self._all:
                 return
-            changed = None
-            if old is not None and value.nbytes >= self.diff_min_bytes:
-                changed = _changed_rows(old, value)
+            changed = _changed_rows(old, value) if old is not None and value.nbytes >= self.diff_min_bytes else None
             if changed is None:
                 self._all.add(name)
                 self._rows.pop(name, None)
