@@ -130,7 +130,6 @@ class ShardKeeper(CopyOwner):
         self._read_copy = read_copy
         self._read_copy_into = read_copy_into  # the same reads, each answer's rows straight into the tier
         self._digests: dict[str, int] | None = None  # the copy's digests (CopyOwner)
-        self._pulls = 0
         self._pull_lock = threading.Lock()
         # The last delta's way back, for a capture that reached this PS and not every PS (CopyOwner._roll_back_to).
         self._undo: tuple[str, int, UndoRows, UndoRows | None] | None = None
@@ -138,8 +137,6 @@ class ShardKeeper(CopyOwner):
         self._keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}  # tier name -> shard, logical shape
         self._lock = threading.Lock()
         self._take: tuple[str, DirtyTake] | None = None  # the open durable take: its checkpoint id
-        self._applied = 0
-        self._bytes_in = 0
         self._exports = 0
         self._exports_reused = 0
         # Exports one at a time; the last one's files and state, reused by a restore of that state (export ahead).
@@ -189,8 +186,6 @@ class ShardKeeper(CopyOwner):
             "shards": s.tensors,
             "bytes": s.nbytes,
             "dirty_rows": s.dirty_rows,
-            "applied": self._applied,
-            "bytes_in": self._bytes_in,
             "exports": self._exports,
             "exports_reused": self._exports_reused,
             "export_bytes_written": self._export_bytes,
@@ -201,7 +196,6 @@ class ShardKeeper(CopyOwner):
             "copy_out": self.sender.status() if self.sender is not None else None,
             "copies_held": self.holder.status(),
             "parity_held": self.parity.status(),
-            "copy_pulls": self._pulls,
             "rollbacks": self._rollbacks,
         }
 
@@ -219,13 +213,10 @@ class ShardKeeper(CopyOwner):
             updates: dict[str, TensorUpdate] = {}
             keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}
             fps: dict[str, TensorUpdate] | None = {}
-            nbytes = 0
             for s in part.shards:
                 name = _tier_name(s.key)
-                updates[name] = self._read_shard(folder, s)
+                u = updates[name] = self._read_shard(folder, s)
                 keys[name] = (s.key, s.shape)
-                u = updates[name]
-                nbytes += u.value.nbytes if isinstance(u, Full) else u.values.nbytes if isinstance(u, Rows) else 0
                 fp = self._read_fps(folder, s, u)
                 fps = None if fp is None or fps is None else {**fps, name: fp}
             self._drop_restore_files()  # a capture comes after the restore it followed was loaded
@@ -236,7 +227,6 @@ class ShardKeeper(CopyOwner):
                 token=token,
                 parent=parent,
                 copy_to=_copy_target(doc.get("copy_to")),
-                nbytes=nbytes,
                 parity=group_header((doc.get("copy_to") or {}).get("parity")),
                 fps=fps,
             )
@@ -252,7 +242,6 @@ class ShardKeeper(CopyOwner):
         token: str,
         parent: str | None,
         copy_to: tuple[str, str] | None = None,
-        nbytes: int = 0,
         parity: Mapping[str, Any] | None = None,
         fps: Mapping[str, TensorUpdate] | None = None,
     ) -> dict[str, Any]:
@@ -266,11 +255,8 @@ class ShardKeeper(CopyOwner):
             prev_step = self.tier.step
             result = self.tier.apply(updates, step=step, token=token, parent=parent)
             changed = result.ok and result.message != "already applied"
-            if result.ok:
-                if parent is None:
-                    self._keys = dict(keys)
-                self._applied += 1
-                self._bytes_in += nbytes
+            if result.ok and parent is None:
+                self._keys = dict(keys)
             if changed:
                 self._keep_fps(fps, step=step, token=token, parent=parent)  # first: the copy takes them along
             if self.sender is not None:
@@ -364,7 +350,6 @@ class ShardKeeper(CopyOwner):
             self._digests = digests_from(info.get("digests")) if ok else None
             if self.sender is not None and self._digests is not None:
                 self.sender.synced_with(holder, int(info["step"]), token)
-            self._pulls += 1
         nbytes = sum(a.nbytes for a in arrays.values())
         seconds = time.perf_counter() - t0
         log.info(
