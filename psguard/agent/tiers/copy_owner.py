@@ -162,7 +162,6 @@ class CopySender:
                 "synced_token": synced[1] if synced else None,
                 "lag_steps": lag,
                 "queued": len(self._queue),
-                "queued_bytes": self._queued_bytes,
                 "sending_whole": self._whole and self._target is not None,
                 **self._counts,
                 "last_error": self._last_error,

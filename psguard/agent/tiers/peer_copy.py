@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,7 +50,6 @@ class _Copy:
     tier: MemoryTier
     layout: list[dict[str, Any]]  # per tensor: name (tier name), key [name, offset, rows], shape (logical), dtype
     digests: dict[str, int]
-    received_at: float
     # The last delta's way back: the state it applied to, its step, the rows it overwrote and the digests
     # before it (an owner's capture that did not reach every PS: see ShardKeeper._roll_back_to).
     undo: tuple[str, int, dict[str, tuple[np.ndarray, np.ndarray]], dict[str, int]] | None = None
@@ -83,7 +81,6 @@ class CopyHolder:
                     "step": c.tier.step,
                     "token": c.tier.token,
                     "bytes": c.tier.status().nbytes,
-                    "age_seconds": round(time.time() - c.received_at, 3),
                 }
                 for owner, c in self._copies.items()
             } | ({"refused_frames": self._refused} if self._refused else {})
@@ -164,7 +161,7 @@ class CopyHolder:
         tier.seed(int(h["step"]), inc.arrays, metadata=h.get("metadata") or {}, token=str(h["token"]), durable=False)
         nbytes = sum(a.nbytes for a in inc.arrays.values())
         with self._lock:
-            self._copies[owner] = _Copy(tier, list(h["tensors"]), digests, time.time())
+            self._copies[owner] = _Copy(tier, list(h["tensors"]), digests)
         log.info("event=peer_copy_whole owner=%s holder=%s step=%s bytes=%d", owner, self.task, h["step"], nbytes)
         if self.on_copy is not None:
             self.on_copy(owner, nbytes)
@@ -207,7 +204,6 @@ class CopyHolder:
             if before_step is not None and result.message != "already applied":
                 copy.undo = (str(parent), before_step, undo_rows, copy.digests)
             copy.digests = new_digests
-            copy.received_at = time.time()
         return {"status": result.status, "step": copy.tier.step, "token": copy.tier.token, "message": result.message}
 
     def _refuse(self, owner: str, bad: list[str]) -> dict[str, Any]:
