@@ -217,13 +217,9 @@ def read_frame_into(
     *,
     piece_bytes: int = _PIECE_BYTES,
 ) -> dict[str, Any]:
-    """Read a frame from ``stream`` (an HTTP answer as it arrives), its one array's bytes straight into ``out``
-    (C-contiguous, the frame's dtype and shape), checked as :func:`decode_frame` checks; the header. A frame
-    without arrays (``mismatch``) leaves ``out`` alone; after an error ``out`` may hold damaged bytes.
-
-    ``take(row, rows)``: the rows pass through a buffer of about ``piece_bytes`` instead, each piece handed to
-    ``take`` (a view valid during the call), so that it is hashed while in cache and written with ``pwrite``;
-    ``out`` then only gives the dtype and shape."""
+    """Read a frame from ``stream`` as it arrives, its one array's bytes into ``out`` (its dtype and shape; left
+    alone by a frame without arrays), checked as :func:`decode_frame` checks; the header. ``take(row, rows)``:
+    the rows pass through a buffer of ``piece_bytes`` instead, each piece handed to ``take`` while in cache."""
     start = len(MAGIC) + 4
     header, _ = _frame_header(stream.read(start), stream.read)
     specs = _array_specs(header)

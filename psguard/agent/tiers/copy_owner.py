@@ -313,12 +313,9 @@ def fetch_copy(
     write: Callable[[np.ndarray, int, np.ndarray], None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """A new agent of ``owner`` takes its shards from the holder's copy, at ``token`` only, verified: the copy's
-    description (step, token, metadata, layout) and the arrays. :class:`PsguardError` when the holder has no copy
-    at ``token`` (or no room here), :class:`CorruptCheckpointError` when the bytes do not match the digests.
-
-    ``alloc`` makes the arrays (the tier's files: the bytes land where the tier keeps them); ``read_into`` (as
-    ``post``, each answer's rows handed over as they arrive) has them hashed in pieces while in cache and put in
-    place by ``write(array, row, rows)`` (:meth:`TierFiles.write_rows`; default: assignment).
+    description and arrays (made by ``alloc``: the tier's files). :class:`PsguardError` when the holder has no
+    copy at ``token`` (or no room here), :class:`CorruptCheckpointError` when the bytes do not match the digests.
+    ``read_into`` (``post`` with the rows handed over as they arrive) has them placed by ``write(array, row, rows)``.
     """
     timeout = config.request_timeout
     info, _ = post(holder_url, {"owner": owner, "token": token}, timeout)

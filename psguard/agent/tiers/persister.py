@@ -139,7 +139,6 @@ class Persister:
         self._started = False
         self._last_token: str | None = None  # the memory-tier token of the last commit's state
         self._due: list[tuple[int, float]] = []  # (step, when asked) of durable requests no commit covers yet
-        # counters
         self._written = 0
         self._bytes = 0
         self._failures = 0

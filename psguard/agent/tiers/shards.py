@@ -131,7 +131,6 @@ class ShardKeeper(CopyOwner):
         self._read_copy_into = read_copy_into  # the same reads, each answer's rows straight into the tier
         self._digests: dict[str, int] | None = None  # the copy's digests (CopyOwner)
         self._pull_lock = threading.Lock()
-        # The last delta's way back, for a capture that reached this PS and not every PS (CopyOwner._roll_back_to).
         self._undo: tuple[str, int, UndoRows, UndoRows | None] | None = None
         self._rollbacks = 0
         self._keys: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}  # tier name -> shard, logical shape
