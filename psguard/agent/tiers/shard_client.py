@@ -70,16 +70,14 @@ class ShardClient:
         the answers of the last apply; ``None`` when copies are off."""
         if self.copies == "none":
             return None
-        out: dict[str, str | None] = {}
-        for t in tasks:
-            state = self.copy_state.get(t) or {}
-            out[t] = state.get("holder") if state.get("token") == token else None
+        held = {t: self.copy_state.get(t) or {} for t in tasks}
+        out: dict[str, str | None] = {t: s.get("holder") if s.get("token") == token else None for t, s in held.items()}
         if self.copies == "parity":  # a parity block holds a member's state when it holds every member's
             for members in self.parity_groups():
                 states = [self.copy_state.get(m) or {} for m in members]
                 whole = all(s.get("token") == token and s.get("holder") == states[0].get("holder") for s in states)
-                for m in set(members) & set(out):
-                    out[m] = out[m] if whole else None
+                if not whole:
+                    out.update(dict.fromkeys(set(members) & set(out)))
         return out
 
     def parity_groups(self) -> list[tuple[str, ...]]:
