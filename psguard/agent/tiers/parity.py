@@ -211,7 +211,7 @@ class ParityHolder:
             g.urls.update(spec["urls"])
             return g
 
-    def put(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray], nbytes: int) -> dict[str, Any]:
+    def put(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:
         """One frame of ``owner`` for its group's parity: ``begin``/``fill``/``end`` of a whole, or a ``delta``."""
         g = self._group(owner, header)
         op = header.get("op")

@@ -95,7 +95,7 @@ class CopyHolder:
             if self.parity is None:
                 raise CorruptCheckpointError("peer copy frame: parity is not held here")
             self.drop(owner)  # the owner's copies moved to parity: its full copy is behind already
-            return self.parity.put(owner, header, arrays, len(body))
+            return self.parity.put(owner, header, arrays)
         op = header.get("op")
         if op not in ("begin", "fill", "end", "delta"):
             raise CorruptCheckpointError(f"peer copy frame: unknown op {op!r}")
