@@ -413,11 +413,11 @@ class Persister:
         with self._cond:
             self._failures += 1
             self._consecutive_failures += 1
-            error_text = f"{type(error).__name__}: {error}"
+            self._last_error = f"{type(error).__name__}: {error}"
             # The same failure again (every capture retries while a lost PS node's tier is rebuilt) is said at
             # WARNING once per REPEAT_LOG_SECONDS with how often it happened meanwhile, not once per attempt.
             now = time.monotonic()
-            kind = _shape(error_text)  # the same failure at another step, token or checkpoint id is the same
+            kind = _shape(self._last_error)  # the same failure at another step, token or checkpoint id is the same
             repeat = kind == self._last_kind and now - self._last_warned < REPEAT_LOG_SECONDS
             self._last_kind = kind
             if repeat:
@@ -426,16 +426,14 @@ class Persister:
             else:
                 silenced, self._silenced = self._silenced, 0
                 self._last_warned = now
-            self._last_error = error_text
             if self.retry_after is not None and not self._stopping:
-                self._retry_at = time.monotonic() + self.retry_after
+                self._retry_at = now + self.retry_after
         log.log(
             logging.DEBUG if repeat else logging.WARNING,
-            "event=persist_failed step=%s error=%r: persist of step %s failed; the memory tier keeps the changes, "
-            "retrying on the next request%s%s",
+            "event=persist_failed step=%s error=%r: the persist failed; the memory tier keeps the changes, retrying on "
+            "the next request%s%s",
             take.step if take else self.tier.step,
             self._last_error,
-            take.step if take else self.tier.step,
             f" or in {self.retry_after:g}s" if self.retry_after is not None else "",
             f" (persists failed {silenced} more time(s) since the last such line)" if silenced else "",
         )
