@@ -23,11 +23,8 @@ MARKER = ".psguard-run"
 
 
 def claim_folder(directory: str | os.PathLike[str], owner: str) -> Path:
-    """Make ``directory`` an empty folder marked as ``owner``'s (e.g. ``psguard demo``) and return it, resolved.
-
-    A missing or empty folder is taken; one that carries :data:`MARKER` is emptied; anything else is refused
-    with :class:`ConfigError` and left as it is.
-    """
+    """Make ``directory`` an empty folder marked as ``owner``'s (e.g. ``psguard demo``) and return it, resolved:
+    a missing or empty folder is taken, one carrying :data:`MARKER` emptied, anything else refused and left alone."""
     path = Path(directory).expanduser()
     if path.exists() and not path.is_dir():
         raise ConfigError(f"{path} is a file, not a folder: give {owner} a folder to work in")

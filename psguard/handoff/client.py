@@ -100,16 +100,13 @@ def restart_ps_servers(
     failed_at: float | None = None,
     timeout: float = 600.0,
 ) -> dict[str, Any]:
-    """From the trainer: ask the chief's agent to restart every PS server and wait until they all serve.
+    """From the trainer: ask the chief's agent to restart every PS server and wait until they all serve (the
+    ``restart_ps`` of :func:`psguard.trainer.recovery.run_with_recovery` under ``psguard agent``).
 
-    The ``restart_ps`` of :func:`psguard.trainer.recovery.run_with_recovery` under ``psguard agent``. ``url``
-    defaults to ``$PSGUARD_AGENT_URL`` (and the token to the file named by ``$PSGUARD_AGENT_TOKEN_FILE``).
-    ``failed_at`` (``time.time()``): a moment the failed generation was still running, e.g. its last step
-    (:func:`~psguard.trainer.recovery.run_with_recovery` passes the last step a CheckpointManager saw) or when
-    the failure was seen; a PS started since then (the one that died, already restarted by its agent) holds none
-    of that generation's state and is not restarted a second time, which saves one PS start.
-    Returns the agent's outcome per PS agent; raises :class:`PsguardError` when one did not come back.
-    """
+    ``url`` defaults to ``$PSGUARD_AGENT_URL`` (the token to the file ``$PSGUARD_AGENT_TOKEN_FILE`` names).
+    ``failed_at`` (``time.time()``): a moment the failed generation still ran, e.g. its last step; a PS started since
+    holds none of its state and is not restarted again. Returns the agent's outcome per PS agent;
+    :class:`PsguardError` when one did not come back."""
     base = url or os.environ.get(ENV_AGENT_URL)
     if not base:
         raise ConfigError("no agent URL: run the trainer under `psguard agent`, which sets PSGUARD_AGENT_URL")
@@ -128,12 +125,9 @@ def report_failure(
     failed_at: float | None = None, url: str | None = None, *, step: int | None = None, timeout: float = 5.0
 ) -> bool:
     """From the trainer, before it exits 75 after a PS failure: tell the chief's agent when it failed
-    (``failed_at`` as for :func:`restart_ps_servers`; default now).
-
-    The agent then does not restart, for the next generation, a PS started since (the one that died, already
-    restarted by its own agent), which saves one PS start. ``step``: the last step trained, so that the next
-    trainer's restore can be turned into lost steps. Best effort: False when there is no agent to tell.
-    """
+    (``failed_at`` as for :func:`restart_ps_servers`; default now) and the last ``step`` trained, so that no PS
+    started since is restarted again and the next restore can be counted in lost steps. Best effort: False when there
+    is no agent to tell."""
     body: dict[str, Any] = {"failed_at": time.time() if failed_at is None else failed_at}
     if step is not None:
         body["step"] = int(step)
@@ -150,12 +144,8 @@ def report_recovery(
     timeout: float = 5.0,
 ) -> bool:
     """From the trainer after a restore: the agent turns it into lost steps (``psguard_lost_steps_total``).
-
-    ``seen_step``: the highest step this process trained before (an in-process rejoin); without it the agent
-    uses the step the failed trainer reported with :func:`report_failure`. ``shards_mapped``: of the shard
-    files the PS nodes loaded, how many they mapped (the zero-copy restore) and how many there were; the agent
-    logs it and shows it in ``/status``, where a restore that read every file is seen. Best effort.
-    """
+    ``seen_step``: the highest step this process trained before (an in-process rejoin); ``shards_mapped``: how many
+    of the shard files the PS nodes loaded were mapped, of how many (shown in ``/status``). Best effort."""
     body: dict[str, Any] = {"restored_step": int(restored_step), "seen_step": seen_step, "source": source}
     if shards_mapped is not None:
         body["shards_mapped"] = [int(shards_mapped[0]), int(shards_mapped[1])]

@@ -78,17 +78,8 @@ class ShardFiles:
     fps: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.key.name,
-            "offset": self.key.offset,
-            "rows": self.key.rows,
-            "shape": list(self.shape),
-            "dtype": self.dtype,
-            "kind": self.kind,
-            "count": self.count,
-            "stem": self.stem,
-            **({"fps": True} if self.fps else {}),
-        }
+        doc = {"name": self.key.name, "offset": self.key.offset, "rows": self.key.rows}
+        return doc | {k: v for k, v in fields_json(self).items() if k != "key" and (k != "fps" or v)}
 
     @classmethod
     def from_json(cls, doc: Any, what: str) -> ShardFiles:

@@ -119,20 +119,15 @@ class SaveContext:
         base_bytes: int | None = None,
         keep_stalls: int = 32,
     ) -> SaveContext:
-        """This context after a save of ``tiers`` taken at ``step``/``at`` that blocked training ``stall`` s.
-
-        A durable save adds a link of ``delta_bytes`` to the chain; a ``BASE`` save resets the chain (pass the
-        new base's size as ``base_bytes``). ``in_flight`` is left as it is: set it yourself while writes run.
-        """
+        """This context after a save of ``tiers`` at ``step``/``at`` that blocked training ``stall`` s: a durable
+        save adds a link of ``delta_bytes`` to the chain, a ``BASE`` save resets it (``base_bytes``: the new base's
+        size). ``in_flight`` is left as it is."""
         tiers = frozenset(tiers)
-        now = TierState(step, at)
-        changes: dict[str, Any] = {t.value: now for t in tiers}
+        changes: dict[str, Any] = {t.value: TierState(step, at) for t in tiers}
         if Tier.DURABLE in tiers:
-            changes["chain_length"] = self.chain_length + 1
-            changes["delta_bytes"] = self.delta_bytes + delta_bytes
+            changes.update(chain_length=self.chain_length + 1, delta_bytes=self.delta_bytes + delta_bytes)
         if Tier.BASE in tiers:
-            changes["chain_length"] = 0
-            changes["delta_bytes"] = 0
+            changes.update(chain_length=0, delta_bytes=0)
             if base_bytes is not None:
                 changes["base_bytes"] = base_bytes
         if stall is not None:
@@ -344,16 +339,10 @@ def young_daly_interval(stall: float, mtbf: float) -> float:
 
 @dataclass(frozen=True)
 class YoungDaly:
-    """Adaptive interval ``tau = sqrt(2 * stall * MTBF)``, from what the job measured.
-
-    - stall: the mean of the last ``stall_window`` measured stalls (``context.recent_stalls``), or
-      ``stall_prior`` before any save was measured.
-    - MTBF: ``(prior_weight * mtbf_prior + T) / (prior_weight + n)`` for ``n`` failures seen in ``T`` seconds of
-      observation (``context.failures`` since ``context.observed_since``): the posterior mean of a Gamma prior
-      on the failure rate worth ``prior_weight`` failures. With no failures yet and little time observed it is
-      the prior; as failures come it converges to the observed mean time between them.
-    - the interval is kept within ``[min_interval, max_interval]``.
-    """
+    """Adaptive interval ``tau = sqrt(2 * stall * MTBF)``, from what the job measured, kept within
+    ``[min_interval, max_interval]``. The stall is the mean of the last ``stall_window`` measured stalls (else
+    ``stall_prior``); the MTBF is ``(prior_weight * mtbf_prior + T) / (prior_weight + n)`` for ``n`` failures in ``T``
+    seconds observed: a Gamma prior's posterior mean, the prior at first, the observed mean as failures come."""
 
     mtbf_prior: PositiveDuration
     prior_weight: Annotated[float, _POSITIVE] = 1.0
@@ -597,11 +586,8 @@ class Schedule:
 @dataclass(frozen=True)
 class Retention:
     """Which committed checkpoints to keep: the last ``keep_last``, one every ``keep_every_hours``, and the
-    ``keep_best`` best by ``metric`` (lowest when ``mode`` is ``min``). The newest is always kept, and the store
-    also keeps every checkpoint a kept one needs (its base and earlier deltas).
-
-    A retention that keeps nothing (no rule keeps any checkpoint) is rejected.
-    """
+    ``keep_best`` best by ``metric`` (lowest when ``mode`` is ``min``); the newest always, and the store also keeps
+    what a kept one needs. A retention that keeps nothing is rejected."""
 
     keep_last: Annotated[int, _NON_NEGATIVE] | None = 3
     keep_every_hours: Annotated[float, _POSITIVE] | None = None

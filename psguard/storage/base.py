@@ -56,11 +56,8 @@ class Backend(ABC):
         """The whole object; :class:`ObjectNotFoundError` when absent."""
 
     def get_into(self, key: str, out: memoryview) -> int:
-        """Read the object into ``out``; return the object's size (which may differ from ``len(out)``).
-
-        Backends that can read straight into the caller's buffer override this to save a copy; bytes past
-        ``len(out)`` are not read.
-        """
+        """Read the object into ``out`` (bytes past ``len(out)`` are not read); return the object's size.
+        Backends that can read straight into the caller's buffer override this to save a copy."""
         data = self.get(key)
         n = min(len(data), len(out))
         out[:n] = data[:n]

@@ -23,16 +23,12 @@ def info_mtime(info: Mapping[str, Any]) -> float | None:
     ``modification_time``; WebHDFS: ``modificationTime`` (both milliseconds); local: ``mtime`` (seconds).
     """
     for name in ("LastModified", "last_modified", "updated", "mtime"):
-        when = _timestamp(info.get(name))
-        if when is not None:
+        if (when := _timestamp(info.get(name))) is not None:
             return when
-    for name in ("modification_time", "modificationTime"):
-        ms = info.get(name)
-        if isinstance(ms, int | float) and not isinstance(ms, bool):
-            return float(ms) / 1000.0
-    mtime = info.get("mtime")
-    if isinstance(mtime, int | float) and not isinstance(mtime, bool):
-        return float(mtime)
+    for name, per_second in (("modification_time", 1000.0), ("modificationTime", 1000.0), ("mtime", 1.0)):
+        value = info.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value) / per_second
     return None
 
 

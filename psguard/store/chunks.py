@@ -61,11 +61,8 @@ class WriteStats:
 
 
 class ChunkWriter:
-    """Hashes and uploads chunks in parallel with a bound on the bytes in flight.
-
-    ``known`` holds digests already present in the store (from the parent chain): those are not uploaded
-    again. Callers get futures in order, so a tensor's chunk list keeps its order whatever finishes first.
-    """
+    """Hashes and uploads chunks in parallel with a bound on the bytes in flight; digests in ``known`` (the
+    parent chain's) are not uploaded again. Futures come back in order, so a tensor's chunk list keeps its order."""
 
     def __init__(self, backend: Backend, pool: ThreadPoolExecutor, *, inflight_bytes: int, known: set[str]) -> None:
         self.backend = backend
@@ -172,12 +169,9 @@ def _combine(f_ids: Future[ChunkRef], f_vals: Future[ChunkRef], count: int) -> F
 
 
 class ChunkReader:
-    """Reads chunks, checking size and CRC32C always and the SHA-256 when ``verify_hash``.
-
-    A chunk the storage does not have is corrupt (:class:`CorruptCheckpointError`); one it has but fails to
-    read (an I/O error, a folder where the chunk's file should be) is :class:`UnreadableChunkError` naming the
-    checkpoint and the chunk, so a restore falls back past it as past a corrupt one, and says which.
-    """
+    """Reads chunks, checking size and CRC32C always and the SHA-256 when ``verify_hash``. A chunk the storage
+    does not have is corrupt; one it fails to read is :class:`UnreadableChunkError` naming checkpoint and chunk, so a
+    restore falls back past it as past a corrupt one."""
 
     def __init__(self, backend: Backend, *, checkpoint: str, verify_hash: bool = False) -> None:
         self.backend = backend

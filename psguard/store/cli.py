@@ -118,17 +118,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     def table() -> str:
         if not infos and not bad:
             return f"no checkpoints in {args.url}"
-        rows = [
+        header = (
             f"{'STEP':>10}  {'KIND':5}  {'ID':21}  {'PARENT':21}  {'TENSORS':>7}  "
             f"{'LOGICAL':>10}  {'STORED':>10}  COMMITTED (UTC)"
+        )
+        rows = [
+            f"{i.step:>10}  {i.kind:5}  {i.id:21}  {i.parent or '-':21}  {i.tensors:>7}  "
+            f"{human_bytes(i.logical_bytes):>10}  {human_bytes(i.stored_bytes):>10}  {_when(i.committed_at)}"
+            for i in infos
         ]
-        for i in infos:
-            rows.append(
-                f"{i.step:>10}  {i.kind:5}  {i.id:21}  {i.parent or '-':21}  {i.tensors:>7}  "
-                f"{human_bytes(i.logical_bytes):>10}  {human_bytes(i.stored_bytes):>10}  {_when(i.committed_at)}"
-            )
-        rows.extend(f"UNREADABLE {b['id']}: {b['error']}" for b in bad)
-        return "\n".join(rows)
+        return "\n".join([header, *rows, *(f"UNREADABLE {b['id']}: {b['error']}" for b in bad)])
 
     _emit(args, {"checkpoints": [i.to_json() for i in infos], "unreadable": bad}, table)
     return 3 if bad else 0

@@ -19,8 +19,7 @@ import numpy as np
 from psguard.codec.dtypes import STRING
 from psguard.codec.strict_json import fields_json
 from psguard.errors import CheckpointError, ConfigError, PsguardError
-from psguard.storage import Backend
-from psguard.store.index import CheckpointInfo, Index
+from psguard.store.index import CheckpointInfo, Index, IndexJob
 from psguard.store.lease import GC_LOCK, LeaseKeeper, LeaseLostError, acquire_gc_lease, judging_now, live_writer_leases
 from psguard.store.manifest import CHUNK_PREFIX, Manifest, TensorEntry, is_checkpoint_id, manifest_key
 from psguard.store.reader import Reader
@@ -54,7 +53,7 @@ class GcReport:
         return fields_json(self)
 
 
-class Collector:
+class Collector(IndexJob):
     """gc of one store, through its :class:`Index`, verifying on a pool of I/O threads.
 
     ``lock_ttl`` is the lease gc holds and judges writers' leases by; unreferenced chunks younger than
@@ -66,10 +65,6 @@ class Collector:
         self.pool = pool
         self.lock_ttl = lock_ttl
         self.chunk_grace = chunk_grace
-
-    @property
-    def backend(self) -> Backend:
-        return self.index.backend
 
     def retain(
         self,

@@ -75,11 +75,8 @@ MANIFEST_CACHE_ENTRIES = 128
 
 
 class Index:
-    """The committed checkpoints of one store, listed from its backend; manifests cached (they never change),
-    at most :data:`MANIFEST_CACHE_ENTRIES` of them.
-
-    Thread-safe. ``backend`` may be replaced (the CLI meters reads that way): every call uses the current one.
-    """
+    """The committed checkpoints of one store, listed from its backend (the current one: the CLI may wrap it);
+    at most :data:`MANIFEST_CACHE_ENTRIES` manifests cached, as they never change. Thread-safe."""
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
@@ -212,6 +209,16 @@ class Index:
         """Drop a deleted checkpoint's manifest from the cache."""
         with self._cache_lock:
             self._manifests.pop(checkpoint_id, None)
+
+
+class IndexJob:
+    """A job done through an :class:`Index`: its storage is the index's, whatever wrapper is current."""
+
+    index: Index
+
+    @property
+    def backend(self) -> Backend:
+        return self.index.backend
 
 
 def full_start(chain: Sequence[Manifest], name: str, whole: Callable[[TensorEntry], bool] = lambda e: e.whole) -> int:

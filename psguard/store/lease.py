@@ -232,11 +232,9 @@ class Lease:
 
 
 class LeaseKeeper:
-    """The handle of a background refresher: started with the work, stopped in ``finally``.
-
-    :meth:`check` raises :class:`LeaseLostError` once the lease is lost (the thread stops refreshing then);
-    :meth:`confirm` refreshes synchronously (right before a commit or a deletion) and raises the same way.
-    """
+    """The handle of a background refresher, started with the work and stopped in ``finally``: :meth:`check`
+    raises :class:`LeaseLostError` once the lease is lost; :meth:`confirm` refreshes now (right before a commit or a
+    deletion) and raises the same way."""
 
     def __init__(self, lease: Lease) -> None:
         self.lease = lease

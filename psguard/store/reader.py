@@ -27,9 +27,8 @@ from psguard.errors import (
     UnreadableChunkError,
     UnsupportedFormatError,
 )
-from psguard.storage import Backend
 from psguard.store.chunks import LARGE_READ_BYTES, ChunkReader, wait_all
-from psguard.store.index import CheckpointInfo, Index, full_start
+from psguard.store.index import CheckpointInfo, Index, IndexJob, full_start
 from psguard.store.manifest import ChunkRef, Manifest, Segment, TensorEntry
 from psguard.store.verify import Problem
 from psguard.tensors import Full, Rows, Same, TensorUpdate
@@ -46,16 +45,12 @@ class LoadResult:
     skipped: tuple[Problem, ...] = ()
 
 
-class Reader:
+class Reader(IndexJob):
     """Reads checkpoints through an :class:`Index`, on a pool of I/O threads. Thread-safe; holds no state."""
 
     def __init__(self, index: Index, pool: ThreadPoolExecutor) -> None:
         self.index = index
         self.pool = pool
-
-    @property
-    def backend(self) -> Backend:
-        return self.index.backend
 
     def load(
         self,

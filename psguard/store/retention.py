@@ -31,13 +31,9 @@ def select_kept(
     metric: str | None = None,
     mode: Literal["min", "max"] = "min",
 ) -> set[str]:
-    """Return the ids to keep (rules already validated: :class:`psguard.policy.engine.Retention`, ``Store.gc``).
-    The newest checkpoint is always kept, whatever the rules say.
-
-    ``keep_every_hours`` keeps the oldest checkpoint of each wall-clock window of that many hours, so the
-    kept ones stay about H hours apart as time goes on. ``keep_best`` keeps the N best by ``metric``
-    (checkpoints that did not report it are not candidates for that rule).
-    """
+    """The ids to keep (rules validated by :class:`psguard.policy.engine.Retention` or ``Store.gc``); the newest
+    always. ``keep_every_hours`` keeps the oldest checkpoint of each window of that many hours; ``keep_best`` the N
+    best by ``metric`` among those that reported it."""
     if not candidates:
         return set()
     ordered = sorted(candidates, key=lambda c: (c.step, c.committed_at))

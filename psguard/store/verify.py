@@ -64,11 +64,8 @@ def chain_bytes(index: Index, checkpoint_ids: Sequence[str]) -> int:
 def verify_checkpoint(
     index: Index, pool: ThreadPoolExecutor, checkpoint_id: str, chunk_results: dict[str, str | None] | None = None
 ) -> VerifyReport:
-    """:meth:`psguard.store.Store.verify` (documented there for its callers), sharing a cache with other calls.
-
-    Each chunk is read once across calls sharing ``chunk_results`` (hash -> problem): gc verifies a delta
-    chain's members one after another; with a shared cache that is linear, not quadratic, in the chain's length.
-    """
+    """Read and check every chunk of ``checkpoint_id``'s chain (:meth:`psguard.store.Store.verify`), each chunk
+    once across calls sharing ``chunk_results`` (hash -> problem): gc verifying a chain's members stays linear."""
     problems: list[Problem] = []
     try:
         chain = index.chain(checkpoint_id)

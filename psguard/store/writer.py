@@ -32,9 +32,8 @@ from psguard.errors import (
     PsguardError,
     SaveError,
 )
-from psguard.storage import Backend
 from psguard.store.chunks import ChunkWriter, wait_all
-from psguard.store.index import CheckpointInfo, Index
+from psguard.store.index import CheckpointInfo, Index, IndexJob
 from psguard.store.lease import Lease, LeaseKeeper, LeaseLostError, acquire_writer_lease
 from psguard.store.manifest import (
     JOURNAL_PREFIX,
@@ -66,7 +65,7 @@ def check_metadata(metadata: Mapping[str, Any] | None) -> None:
         raise ConfigError(f"checkpoint metadata must be plain JSON: {e}") from None
 
 
-class Writer:
+class Writer(IndexJob):
     """Saves checkpoints through an :class:`Index`, uploading on a pool of I/O threads: whole saves, the
     transactions of sharded ones and their parts. One transaction at a time per instance."""
 
@@ -82,10 +81,6 @@ class Writer:
         self.name = f"{socket.gethostname()}:{os.getpid()}"  # the manifest's ``writer``
         self._save_lock = threading.Lock()
         self._tx_thread: int | None = None  # the thread whose transaction holds _save_lock
-
-    @property
-    def backend(self) -> Backend:
-        return self.index.backend
 
     @property
     def url(self) -> str:
@@ -256,7 +251,7 @@ class Writer:
         self._save_lock.release()
 
 
-class Journal:
+class Journal(IndexJob):
     """``journal/<seq>.json``: the commits in the order they happened, one create-only object each.
 
     Best effort: the manifests are the commits, so a commit whose journal entry could not be written is still
@@ -267,10 +262,6 @@ class Journal:
         self.index = index
         self._seq = -1  # the last sequence number this writer took (or saw taken)
 
-    @property
-    def backend(self) -> Backend:
-        return self.index.backend
-
     def append(self, m: Manifest) -> None:
         """Record the commit in order. Best effort: the manifest already is the commit."""
         entry = json.dumps(
@@ -278,7 +269,7 @@ class Journal:
         ).encode()
         try:
             if self._seq < 0:
-                self._seq = self._last_seq()
+                self._seq = max((seq for _, seq in self._seqs()), default=-1)
             for _ in range(1000):
                 self._seq += 1
                 try:
@@ -293,9 +284,6 @@ class Journal:
         """The journal's keys with their sequence numbers (at most 18 digits: a stray huge name is ignored)."""
         keys = ((key, key[len(JOURNAL_PREFIX) : -5]) for key in self.backend.keys(JOURNAL_PREFIX))
         return [(key, int(seq)) for key, seq in keys if key.endswith(".json") and seq.isdigit() and len(seq) <= 18]
-
-    def _last_seq(self) -> int:
-        return max((seq for _, seq in self._seqs()), default=-1)
 
     def entries(self) -> list[dict[str, Any]]:
         """:meth:`psguard.store.Store.journal` (documented there for its callers)."""
