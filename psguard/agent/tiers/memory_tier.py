@@ -53,12 +53,11 @@ Layout = dict[str, tuple[str, tuple[int, ...]]]
 
 #: A Rows update is used for a persist while ids + rows cost less than this fraction of the whole tensor.
 ROWS_MAX_FRACTION = 0.5
-#: Whole-tensor updates of tensors at least this big are compared row by row with the old value, so a full
-#: capture re-sent after ``need_full`` becomes a small delta in the durable log rather than a full rewrite.
+#: Whole values at least this big are compared row by row with the old one: a full capture re-sent after
+#: ``need_full`` becomes a small delta in the durable log.
 DIFF_MIN_BYTES = 64 << 10
 _DIFF_BLOCK_BYTES = 4 << 20
-#: A persist streams whole tensors at least this big (:class:`~psguard.tensors.FullStream`) rather than
-#: handing them out by reference, so captures during the write copy rows, not the tensor.
+#: A persist streams whole tensors at least this big (captures during the write then copy rows, not the tensor).
 STREAM_MIN_BYTES = 16 << 20
 
 
@@ -537,8 +536,7 @@ class MemoryTier:
                 current = {id(a) for a in self._arrays.values()}
                 self._handed = {k: r for k, r in self._handed.items() if r() is not None}
                 for a in lease.arrays:
-                    # Only a home's arrays were linked (the others were written out: a copy); one replaced since
-                    # is written by no one.
+                    # Only a home's arrays were linked; one replaced since is written by no one.
                     if id(a) in current and self.home.owns(a):
                         self._handed[id(a)] = weakref.ref(a)
             for a in lease.arrays:

@@ -129,8 +129,7 @@ class _Group:
     urls: dict[str, str]
     held: dict[str, _Member] = field(default_factory=dict)  # the members whose stripe is in the parity
     resets: int = 0
-    # The last member rebuilt (owner, token, info, arrays): verified at that token, served to its new agent in row
-    # ranges until that member sends again.
+    # The last member rebuilt (owner, token, info, arrays), served to its new agent until that member sends again.
     restored: tuple[str, str, dict[str, Any], dict[str, np.ndarray]] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 

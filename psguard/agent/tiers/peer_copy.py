@@ -247,8 +247,7 @@ class CopyHolder:
             start, stop = doc.get("start"), doc.get("stop")
             if arr is None or type(start) is not int or type(stop) is not int or not 0 <= start <= stop:
                 raise CorruptCheckpointError("peer copy read: bad tensor or row range")
-            # No CRC: copy_owner.fetch_copy checks every row against the owner's digests (rows_digest) before any
-            # is used.
+            # No CRC: fetch_copy checks every row against the owner's digests before any is used.
             parts = frame_parts({"status": "ok", "token": snap.token}, [arr[start:stop]], crc=False)
             frame = Frame(parts, snap.release)
             sent = True  # the lease goes with the frame: released once it is written

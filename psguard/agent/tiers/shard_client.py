@@ -60,8 +60,7 @@ class ShardClient:
         self.copy_state: dict[str, dict[str, Any]] = {}  # owner -> its copy's holder and step (apply answers)
         self.peer_restores = 0
         self.last_restore_sources: dict[str, str] = {}
-        # PS task -> (state token, holder) of its last fetch from a peer's copy: an export that finds the task at
-        # that state later (a fetch ahead of the restore) says where its shards came from.
+        # PS task -> (state token, holder) of its last fetch from a peer's copy: where an export's shards came from.
         self._pulled: dict[str, tuple[str, str]] = {}
         self._warned: set[str] = set()
 

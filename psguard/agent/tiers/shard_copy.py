@@ -58,11 +58,8 @@ class CopyOwner:
     _lock: threading.Lock
     _parity: bool
     _keys: dict[str, tuple[ShardKey, tuple[int, ...]]]
-    # Per copied tensor, the digest of its state (peer_copy.rows_digest); kept only while a copy is sent. The
-    # fingerprints' tensors (fp_name) are in it when the copy holds them.
-    _digests: dict[str, int] | None
-    # The last delta's way back (while copies are on): the state it was applied to, its step, the rows it
-    # overwrote, and the fingerprints it overwrote (None: not kept).
+    _digests: dict[str, int] | None  # per copied tensor (fp_name ones too), while a copy is sent
+    # The last delta's way back: the state it applied to, its step, the rows and fingerprints (None) it overwrote.
     _undo: tuple[str, int, UndoRows, UndoRows | None] | None
     _rollbacks: int
 

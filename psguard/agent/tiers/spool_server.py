@@ -297,8 +297,7 @@ class SpoolServer:
 
     def _check_held(self) -> None:
         """Say once, at ERROR and in :meth:`status`, that the spool's path no longer names the folder this agent
-        holds: someone who can write the folder above it renamed it away or put another in its place. The agent
-        goes on serving the folder it opened (the running trainer holds the same one) and never reads the other."""
+        holds (renamed away or replaced); it goes on serving the folder it opened and never reads the other."""
         if self._moved_said or not self._paths.moved():
             return
         self._moved_said = True
@@ -352,8 +351,7 @@ class SpoolServer:
         answered = (_json_or_none(self._paths.ack(seq)) or {}).get("capture")
         mine = self._token_of(folder)
         if answered is not None and mine is not None and answered != mine:
-            # Two captures under one seq (a writer that did not reserve its numbers): this one was never applied,
-            # and its writer will see that the answer under its seq is not for its token.
+            # Two captures under one seq: this one was never applied, and its writer sees the answer is not its own.
             log.error("spool %s: capture %s under seq %d dropped: seq already answered for %s", self.root, mine, seq,
                       answered)  # fmt: skip
         return True
