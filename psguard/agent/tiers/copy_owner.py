@@ -62,11 +62,8 @@ def _same_copy(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 
 class CopySender:
-    """The owner's side: pushes its tier's state to the holder the chief named, in the background.
-
-    ``snapshot``: under the owner's lock, a consistent ``(Snapshot, layout, digests)`` of its tier (the
-    layout as :class:`CopyHolder` keeps it); ``post``: sends one frame to a URL and returns the answer's JSON.
-    """
+    """The owner's side: pushes its tier's state to the holder the chief named, in the background. ``snapshot``:
+    ``(view, layout, digests)`` of the tier at one state; ``post``: sends one frame, returns the answer's JSON."""
 
     def __init__(
         self,

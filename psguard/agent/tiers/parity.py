@@ -147,10 +147,7 @@ class _Group:
 
 class ParityHolder:
     """The parity blocks this agent holds, one per group of owners (their stripes XORed together).
-
-    ``read_stripe(url, body, timeout)``: POSTs to a member agent's ``/peer-copy/stripe`` and returns the frame's
-    header and arrays (the reconstruction's fetch of the survivors' stripes).
-    """
+    ``read_stripe(url, body, timeout)``: a member agent's ``/peer-copy/stripe`` answer (header, arrays)."""
 
     def __init__(
         self,

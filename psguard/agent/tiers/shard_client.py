@@ -24,11 +24,8 @@ _TIER_ANSWERS = ("ok", "empty", "mismatch")
 
 
 class ShardClient:
-    """The chief agent's side: one call fans out to every PS agent, in parallel.
-
-    ``peers``: a callable giving ``{task: base URL}`` of the PS agents now (they may move when restarted);
-    ``call``: POSTs JSON to a URL with the agents' credentials and returns the answer's JSON.
-    """
+    """The chief agent's side: one call fans out to every PS agent, in parallel. ``peers()``: ``{task: base URL}``
+    of the PS agents now; ``call``: POSTs JSON with the agents' credentials and returns the answer's JSON."""
 
     def __init__(
         self,

@@ -70,9 +70,7 @@ def on_memory_fs(path: str | os.PathLike[str]) -> bool:
 
 class TierFiles:
     """Where a memory tier's arrays live: one file each, shared-mapped (a :class:`MemoryTier`'s ``home``).
-
-    ``enabled``: None (files when the folder is in memory), True (always: tests, or an operator who knows), False.
-    """
+    ``enabled``: None (files when the folder is in memory), True (always), False."""
 
     def __init__(self, folder: str | os.PathLike[str], *, enabled: bool | None = None) -> None:
         self.folder = Path(folder)
