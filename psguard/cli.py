@@ -14,6 +14,7 @@ Exit codes (documented in the README and stable):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
@@ -128,12 +129,10 @@ def quiet_tensorflow(verbose: int) -> None:
 
 def _silence_stdout() -> None:
     """Point stdout at /dev/null: its reader is gone, and Python's final flush would print a BrokenPipeError."""
-    try:
+    with contextlib.suppress(OSError, ValueError):  # stdout is not a file descriptor (captured in a test)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    except (OSError, ValueError):  # stdout is not a file descriptor (captured in a test): nothing to flush
-        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,8 +34,7 @@ TENSORFLOW_DISTRIBUTIONS = ("tensorflow", "tensorflow-cpu", "tensorflow-gpu", "t
 
 def install_hint(error: ImportError) -> str | None:
     """The fix for an import that failed on one of the optional dependencies; ``None`` for anything else."""
-    top = (error.name or "").split(".", 1)[0]
-    return EXTRAS.get(top)
+    return EXTRAS.get((error.name or "").split(".", 1)[0])
 
 
 def import_optional(module: str) -> ModuleType:

@@ -145,7 +145,6 @@ RESTORE_FORMAT = "psguard-spool-restore"
 VERSION = 1
 _PIECE = 8 << 20  # bytes per write/read+CRC step: keeps the piece in cache between the two
 SEQ_RE = re.compile(r"^[0-9]{12,18}$")  # at most 18 digits: a stray huge name is ignored, not obeyed
-GEN_RE = re.compile(r"^[0-9a-f]{8}$")
 TMP_RE = re.compile(r"^([0-9]{1,18})\.tmp-([0-9a-f]{8})$")
 REQ_RE = re.compile(r"^restore-([0-9a-f]{8})-([0-9a-f]{12})\.json$")
 RESTORE_RE = re.compile(r"^([0-9a-f]{8})-([0-9a-f]{12})$")

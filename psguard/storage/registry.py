@@ -108,6 +108,4 @@ def open_backend(
     except ImportError as e:
         hint = install_hint(e) or (f"pip install {requirement}" if requirement else "reinstall psguard")
         raise ConfigError(f"storage scheme {scheme!r} needs a package that is not installed ({e.name}): {hint}") from e
-    backend_cls = getattr(module, cls_name)
-    backend: Backend = backend_cls(url, dict(storage_options or {}))
-    return RetryingBackend(backend, retry or RetryConfig())
+    return RetryingBackend(getattr(module, cls_name)(url, dict(storage_options or {})), retry or RetryConfig())

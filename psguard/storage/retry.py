@@ -115,6 +115,9 @@ def http_status(exc: BaseException) -> int | None:
     return None
 
 
+_RETRY_EVENT = "event=storage_retry op=%s key=%s url=%s attempt=%d retry_in=%.2fs deadline_left=%.1fs error=%r"
+
+
 class TransientStorageError(StorageError):
     """A failure worth retrying (connection refused, timeout, 5xx)."""
 
@@ -236,27 +239,18 @@ class RetryingBackend(Backend):
                     if final is e:
                         raise
                     raise final from e
-                remaining = deadline - time.monotonic()
+                why, remaining = self._why(e), deadline - time.monotonic()
                 if remaining <= 0 or self._stop.is_set():
                     raise StorageUnavailableError(
                         f"storage unavailable: {op} {key!r} on {self.url} failed {attempt} time(s) "
-                        f"over {budget:.0f}s; last error: {self._why(e)}. "
+                        f"over {budget:.0f}s; last error: {why}. "
                         "Check that the storage service is up and reachable, then retry."
                     ) from e
                 sleep = min(backoff * (0.5 + random.random()), remaining, cfg.max_backoff)
-                log.warning(
-                    "event=storage_retry op=%s key=%s url=%s attempt=%d retry_in=%.2fs deadline_left=%.1fs error=%r",
-                    op,
-                    key,
-                    self.url,
-                    attempt,
-                    sleep,
-                    remaining,
-                    self._why(e),
-                )
+                log.warning(_RETRY_EVENT, op, key, self.url, attempt, sleep, remaining, why)
                 with self._failing_lock:
                     since = self._failing[call].since if call in self._failing else time.monotonic()
-                    self._failing[call] = Retrying(since, self._why(e))
+                    self._failing[call] = Retrying(since, why)
                 self._stop.wait(sleep)
                 backoff = min(backoff * cfg.multiplier, cfg.max_backoff)
 

@@ -112,8 +112,7 @@ class S3Backend(FsspecBackend):
         self.url = f"s3://{self.root}"
         client = opts.get("client_kwargs") or {}
         self._endpoint = opts.get("endpoint_url") or client.get("endpoint_url") or os.environ.get("AWS_ENDPOINT_URL")
-        config = dict(_DEFAULT_CONFIG)
-        config.update(opts.pop("config_kwargs", {}) or {})
+        config = {**_DEFAULT_CONFIG, **(opts.pop("config_kwargs", {}) or {})}
         if "session" not in opts:
             opts["session"] = _session_without_expect()
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **opts)

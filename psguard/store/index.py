@@ -113,8 +113,7 @@ class Index:
                 f"checkpoint {checkpoint_id} not found in {self.url}", checkpoint=checkpoint_id
             ) from None
         m = parse_manifest(data, expected_id=checkpoint_id)
-        with self._cache_lock:
-            self._cache(m)
+        self.remember(m)
         return m
 
     def checkpoints(self, *, on_error: Callable[[str, CheckpointError], None] | None = None) -> list[CheckpointInfo]:
