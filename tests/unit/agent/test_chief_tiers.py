@@ -4,6 +4,7 @@ stop (the whole agent, with its task and peers: tests/cluster/test_agent.py)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import numpy as np
 from psguard.agent.chief_tiers import ChiefTiers
 from psguard.agent.config import AgentConfig
 from psguard.agent.control.metrics import AgentMetrics
+from psguard.agent.control.peers import PeersConfig, PeerSync
 from psguard.agent.recovery import Recovery
 from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.agent.tiers.persister import Persister
@@ -56,3 +58,21 @@ def test_the_tiers_resume_from_the_log_and_a_capture_through_the_spool_becomes_d
     assert chief.status()["durable_step"] == 5 and chief.spool is None and chief.persister is None
     with Store.open(store_url) as store:
         assert [c.step for c in store.checkpoints()] == [4, 5]
+
+
+def test_a_chief_with_peers_stops_cleanly(tmp_path: Path) -> None:
+    """With PS peers the tiers hold a ShardClient: every step of the stop runs and raises nothing."""
+    chief = tiers(AgentConfig(spool=str(tmp_path / "spool")))
+    chief.peers, chief.peer_sync = True, PeerSync("chief:0", [], PeersConfig(), "t" * 16, threading.Event())
+    chief.start()
+    assert chief.shard_client is not None
+    failed: list[BaseException] = []
+
+    def attempt(fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as e:
+            failed.append(e)
+
+    chief.stop(attempt)
+    assert failed == [] and chief.spool is None and chief.shard_client is None
