@@ -192,8 +192,9 @@ class ChiefTiers:
             with self._lock:
                 durable = self._durable_step
             log.info("event=agent_stopped task=%s memory_step=%s durable_step=%s", self.task, self.tier.step, durable)
-        if self.store is not None:
-            attempt(self.store.close)
+        for closing in (self.shard_client, self.store):
+            if closing is not None:
+                attempt(closing.close)
         self.spool = self.persister = self.store = self.shard_client = None
 
     # ------------------------------------------------------------------------------------------ callbacks

@@ -117,6 +117,9 @@ class ShardClient:
                     )
         return out
 
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
     def _fan_out(self, path: str, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
         peers = self._peers()
         missing = sorted(set(bodies) - set(peers))
