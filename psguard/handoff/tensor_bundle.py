@@ -114,8 +114,7 @@ def read_bundle(
         if got != size:
             raise CorruptCheckpointError(f"{what}: {got} bytes of data for a {dtype}{list(shape)} tensor ({size})")
         out = allocate(shape, np_dtype) if allocate is not None else None
-        if out is None:
-            out = np.empty(shape, dtype=np_dtype)
+        out = np.empty(shape, dtype=np_dtype) if out is None else out
         if size and f.readinto(byte_view(out)) != size:
             raise CorruptCheckpointError(f"{what}: the bundle data file shrank while being read")
     with os.fdopen(open_capture_file(index, what, "bundle index"), "rb") as f:

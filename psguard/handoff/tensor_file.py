@@ -165,8 +165,7 @@ def read_tensor_file(
         if math.prod(got_shape) * np_dtype.itemsize != length:
             raise CorruptCheckpointError(f"{what}: {length} bytes of content for a {name}{list(got_shape)} tensor")
         out = allocate(got_shape, np_dtype) if allocate is not None else None
-        if out is None:
-            out = np.empty(got_shape, dtype=np_dtype)
+        out = np.empty(got_shape, dtype=np_dtype) if out is None else out
         view = byte_view(out)
         f.seek(offset)
         got = f.readinto(view)
