@@ -148,3 +148,17 @@ def test_a_lost_ps_whose_copy_holder_lost_its_memory_too_goes_to_the_log_without
     with pytest.raises(StateNotHeldError, match="ps:0"):
         c.export(["ps:0", "ps:1", "ps:2"], "T")
     assert not [u for u in asked if u.endswith("/shards/pull")], asked
+
+
+def test_close_ends_the_fan_out_threads() -> None:
+    """The chief's stop closes its ShardClient: the threads that called the PS agents must not outlive it."""
+    import threading
+
+    c = ShardClient(lambda: PEERS, lambda *a: {"status": "ok"})
+    c.finish(["ps:0", "ps:1"], "000000000001-0000abcd", committed=True)  # the calls run on the client's threads
+    workers = [t for t in threading.enumerate() if t.name.startswith("psguard-shards")]
+    assert workers
+    c.close()
+    for t in workers:
+        t.join(10)
+    assert not any(t.is_alive() for t in workers)
