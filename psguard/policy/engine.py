@@ -394,15 +394,12 @@ class YoungDaly:
         stall, mtbf = self.stall(context), self.mtbf(now, context)
         tau = self._interval(stall, mtbf)
         since, what = _since(last, context)
+        basis = self._basis(tau, stall, mtbf, context)
         if since is not None and now - since < tau - _EPSILON:
             left = tau - (now - since)
-            return Verdict(
-                False,
-                f"young/daly: {format_duration(left)} to go, {self._basis(tau, stall, mtbf, context)}",
-                seconds_left=left,
-            )
+            return Verdict(False, f"young/daly: {format_duration(left)} to go, {basis}", seconds_left=left)
         head = "no save yet and no start time" if since is None else f"{format_duration(now - since)} since {what}"
-        return Verdict(True, f"young/daly: {head}, {self._basis(tau, stall, mtbf, context)}")
+        return Verdict(True, f"young/daly: {head}, {basis}")
 
     def _basis(self, tau: float, stall: float, mtbf: float, context: SaveContext) -> str:
         n = len(context.failures)

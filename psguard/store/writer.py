@@ -221,14 +221,8 @@ class Writer(IndexJob):
             dtype = _storable(name, dtype_name(update.dtype))
             return dtype, update.shape, "full", writer.submit_stream(update, self.chunk_bytes)
         if isinstance(update, Full):
-            value = update.value
-            _storable(name, dtype_name(value.dtype))
-            return (
-                dtype_name(value.dtype),
-                tuple(value.shape),
-                "full",
-                writer.submit_tensor(value, self.chunk_bytes),
-            )
+            dtype = _storable(name, dtype_name(update.value.dtype))
+            return dtype, tuple(update.value.shape), "full", writer.submit_tensor(update.value, self.chunk_bytes)
         if parent is None:
             raise ConfigError(f"tensor {name!r}: a full checkpoint needs whole tensors, got {type(update).__name__}")
         dtype = _storable(name, dtype_name(np.dtype(update.dtype)))
