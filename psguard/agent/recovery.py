@@ -128,18 +128,15 @@ class Recovery:
     def on_health(self, task: str, health: Health) -> None:
         self.metrics.on_health(task, health)
         if health is Health.HEALTHY and self.role != "chief":
-            sup = self._supervisor()
-            if sup is not None:
-                sup.mark_healthy()  # it serves: its end will not count towards a crash loop
-            self.recovered()
+            self.on_capture()  # a PS or worker that serves is as healthy as a trainer that delivers
 
     def on_capture(self) -> None:
-        """The trainer delivered a capture: it trains."""
+        """The task does its job (the trainer delivered a capture, a server serves): its run is healthy, a later
+        death no crash loop, and an outage under way is over."""
         sup = self._supervisor()
         if sup is not None:
-            sup.mark_healthy()  # the trainer trains: a later death is no crash loop
-        if self.role == "chief":
-            self.recovered()  # the new generation's first capture: training runs again
+            sup.mark_healthy()
+        self.recovered()
 
     def recovered(self) -> None:
         with self._lock:

@@ -304,14 +304,9 @@ class MonitorStatus:
     last_results: tuple[ProbeResult, ...] = field(default_factory=tuple)
 
     def to_dict(self) -> dict[str, object]:
-        return {
-            "task": self.task,
-            "health": self.health.value,
-            "consecutive_failures": self.consecutive_failures,
-            "rounds": self.rounds,
-            "unhealthy_count": self.unhealthy_count,
-            "probes": [asdict(r) for r in self.last_results],
-        }
+        doc = asdict(self)
+        doc["probes"] = doc.pop("last_results")
+        return doc
 
 
 def _positive(x: float) -> bool:
