@@ -52,13 +52,11 @@ def _same_copy(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     """Whether two frames' extra fields describe the same copy: equal but for the parity group's URLs (a member's
     new address must not make the survivors send their whole: that would reset the group)."""
 
-    def without_urls(x: Mapping[str, Any]) -> dict[str, Any]:
-        parity = x.get("parity")
-        if isinstance(parity, Mapping):
-            return {**x, "parity": {k: v for k, v in parity.items() if k != "urls"}}
-        return dict(x)
+    def bare(x: Mapping[str, Any]) -> dict[str, Any]:
+        p = x.get("parity")
+        return {**x, "parity": {k: v for k, v in p.items() if k != "urls"}} if isinstance(p, Mapping) else dict(x)
 
-    return without_urls(a) == without_urls(b)
+    return bare(a) == bare(b)
 
 
 class CopySender:
