@@ -402,10 +402,7 @@ class ShardKeeper(CopyOwner):
         if expected is not None:
             self._roll_back_to(expected)
         with self._export_lock:
-            reused = self._reuse_export(expected)
-            if reused is not None:
-                return reused
-            answer = self._export(expected)
+            answer = self._reuse_export(expected) or self._export(expected)
         if answer["status"] != "ok" and doc.get("peer_copies") is not True and isinstance(self.store, StoreOpening):
             self.store.release()  # no peer copy to fetch first (store/opening.py): the log is read next
         return answer
