@@ -426,8 +426,7 @@ class AgentMetrics:
 
     def on_supervisor_event(self, event: SupervisorEvent) -> None:
         """``Supervisor(on_event=...)`` adapter: restarts, up, crash loop."""
-        kind = event.kind.value
-        task = event.task
+        kind, task = event.kind.value, event.task
         if kind in ("started", "restarted"):
             self.task_up.labels(task=task).set(1)
             self.crash_loop.labels(task=task).set(0)
@@ -442,9 +441,7 @@ class AgentMetrics:
     def on_probe_result(self, task: str, result: ProbeResult) -> None:
         """``HealthMonitor(on_result=...)`` adapter: latency and failures per probe."""
         self.probe_latency.labels(task=task, probe=result.probe).observe(result.latency_seconds)
-        failures = self.probe_failures.labels(task=task, probe=result.probe)
-        if not result.ok:
-            failures.inc()
+        self.probe_failures.labels(task=task, probe=result.probe).inc(0 if result.ok else 1)
 
     def on_health(self, task: str, health: Health) -> None:
         """``HealthMonitor(on_health=...)`` adapter."""

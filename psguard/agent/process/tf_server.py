@@ -106,11 +106,8 @@ def server_def(spec: Mapping[str, Any], job: str, index: int, protocol: str) -> 
         raise ValueError(f"job {job!r} is not in the cluster spec (jobs: {sorted(spec)})")
     if index not in {int(i) for j in cluster.job if j.name == job for i in j.tasks}:
         raise ValueError(f"task {job}:{index} is not in the cluster spec")
-    return bytes(
-        tensorflow_server_pb2.ServerDef(
-            cluster=cluster, job_name=job, task_index=index, protocol=protocol
-        ).SerializeToString()
-    )
+    server = tensorflow_server_pb2.ServerDef(cluster=cluster, job_name=job, task_index=index, protocol=protocol)
+    return bytes(server.SerializeToString())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
