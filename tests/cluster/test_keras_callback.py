@@ -179,7 +179,7 @@ def test_an_existing_manager_is_used_and_left_open(url: str) -> None:
         cb = CheckpointCallback(manager, save_freq=6)
         model.fit(x, y, batch_size=32, epochs=1, callbacks=[cb], verbose=0)
         # The callback's schedule and position hook applied during the fit only.
-        assert manager.schedule is None and manager._data_position is None
+        assert manager.schedule is None and manager.data_position is None
         info = manager.save(99).result(timeout=60)  # still open
         assert info.step == 99
         infos = manager.store.checkpoints()
