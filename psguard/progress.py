@@ -99,8 +99,7 @@ class PlainProgress(Progress):
         with self._lock:
             if not self.lines:
                 return
-            now = self.clock()
-            line = f"{self.what}: done, {human_bytes(self.done)} in {_duration(now - self.started)}"
+            line = f"{self.what}: done, {human_bytes(self.done)} in {_duration(self.clock() - self.started)}"
             self.lines = 0
         print(line, file=self.stream, flush=True)
 
