@@ -206,31 +206,26 @@ class PeerSync:
         One at a time: the supervisor's exit callback and ``POST /new-generation`` may both ask.
         """
         with self._one_at_a_time:
-            return self._restart_ps(reason, failed_at, new_process=new_process)
-
-    def _restart_ps(self, reason: str, failed_at: float | None, *, new_process: bool) -> dict[str, Any]:
-        with self._lock:
-            self.generation += 1
-            generation = self.generation
-        t0 = time.monotonic()
-        log.info(
-            "event=generation task=%s generation=%d reason=%r peers=%d", self.task, generation, reason, len(self.peers)
-        )
-        why = f"new trainer generation {generation}: {reason}"
-        outcome = self.sync(restart_ps=True, why=why, failed_at=failed_at, new_process=new_process)
-        seconds = time.monotonic() - t0
-        failed = {u: o for u, o in outcome.items() if o.startswith("error")}
-        (log.error if failed else log.info)(
-            "event=generation_ready task=%s generation=%d seconds=%.2f outcome=%s",
-            self.task,
-            generation,
-            seconds,
-            json.dumps(outcome),
-        )
-        result = {"generation": generation, "reason": reason, "at": time.time(), "seconds": seconds, "peers": outcome}
-        with self._lock:
-            self.last = result
-        return result
+            with self._lock:
+                self.generation += 1
+                generation = self.generation
+            t0, peers = time.monotonic(), len(self.peers)
+            log.info("event=generation task=%s generation=%d reason=%r peers=%d", self.task, generation, reason, peers)
+            why = f"new trainer generation {generation}: {reason}"
+            outcome = self.sync(restart_ps=True, why=why, failed_at=failed_at, new_process=new_process)
+            seconds = time.monotonic() - t0
+            failed = {u: o for u, o in outcome.items() if o.startswith("error")}
+            (log.error if failed else log.info)(
+                "event=generation_ready task=%s generation=%d seconds=%.2f outcome=%s",
+                self.task,
+                generation,
+                seconds,
+                json.dumps(outcome),
+            )
+            result = dict(generation=generation, reason=reason, at=time.time(), seconds=seconds, peers=outcome)
+            with self._lock:
+                self.last = result
+            return result
 
 
 def _error(answer: Any) -> str:
