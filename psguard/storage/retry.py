@@ -130,18 +130,16 @@ def is_transient(exc: BaseException) -> bool:
         return False
     if isinstance(exc, (ConnectionError, TimeoutError)):
         return True
-    for cls in type(exc).__mro__:
-        if cls.__name__ in _TRANSIENT_NAMES:
-            return True
+    if any(cls.__name__ in _TRANSIENT_NAMES for cls in type(exc).__mro__):
+        return True
     status = http_status(exc)
     if status is not None:
         return status in _TRANSIENT_STATUSES
     if isinstance(exc, OSError):
         if exc.errno in _TRANSIENT_ERRNOS:
             return True
-        if isinstance(exc, (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)):
-            return False
-        if exc.errno == errno.ENOSPC:
+        final = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)
+        if isinstance(exc, final) or exc.errno == errno.ENOSPC:
             return False
         text = str(exc)
         return any(w in text for w in _TRANSIENT_WORDS) or exc.errno is None
