@@ -100,12 +100,9 @@ def _any_of(*policies: SavePolicy | None) -> SavePolicy | None:
 
 @dataclass(frozen=True)
 class TierSpec:
-    """When to save to the memory or durable tier; every rule given applies (any of them saves).
-
-    ``every``: a duration; ``every_steps``: a step count; ``cron``: a cron expression in UTC;
-    ``continuous``: start the next save when the previous is done (``{min_interval: 30s}`` or ``{}``);
-    ``young_daly``: the adaptive interval (see :class:`psguard.policy.engine.YoungDaly`).
-    """
+    """When to save to the memory or durable tier; any rule given saves: ``every`` (a duration), ``every_steps``,
+    ``cron`` (UTC), ``continuous`` (the next save when the previous is done; ``{min_interval: 30s}`` or ``{}``),
+    ``young_daly`` (:class:`psguard.policy.engine.YoungDaly`)."""
 
     every: Cadence | None = None
     every_steps: Count | None = None
@@ -164,10 +161,9 @@ class PreemptionSpec:
 
 @dataclass(frozen=True)
 class HangSpec:
-    """When a trainer that stopped making steps counts as hung: its agent dumps its Python stacks and restarts
-    it (it restores from the memory tier). ``after``: a fixed bound; otherwise ``median_steps`` times the
-    median time of a step, never less than ``floor`` (the first chunk of steps, tracing, and a slow input
-    pipeline at start must not look like a hang). ``enabled: false`` turns detection off."""
+    """When a trainer that stopped making steps counts as hung (its agent dumps its stacks and restarts it):
+    after ``after`` seconds, else ``median_steps`` median step times but never less than ``floor`` (tracing and a
+    slow start must not look like a hang). ``enabled: false`` turns detection off."""
 
     enabled: bool = True
     after: PositiveDuration | None = None

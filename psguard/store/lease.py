@@ -74,11 +74,9 @@ def _number(value: Any) -> bool:
 
 
 def lease_problem(doc: Mapping[str, Any]) -> str | None:
-    """Why ``doc`` is not a lease psguard could have written (its numbers not finite and sane), or None.
-
-    The TTL (or, for leases older than the ``ttl`` field, ``expires_at - created_at``) is in ``(0, MAX_TTL]``;
-    ``pid`` a positive integer; ``created_at`` and ``expires_at`` times (seconds since 1970, before the year
-    10000); ``token`` and ``host`` strings."""
+    """Why ``doc`` is not a lease psguard could have written, or None: a TTL (older leases: ``expires_at -
+    created_at``) in ``(0, MAX_TTL]``, a positive ``pid``, times from 1970 to the year 10000, string ``token`` and
+    ``host``."""
     for key in ("token", "host"):
         if key in doc and not isinstance(doc[key], str):
             return f"{key} is not a string"
