@@ -101,14 +101,11 @@ class PeerSync:
     ) -> dict[str, str]:
         """Bring the peers to a known state before the trainer starts; the outcome per peer URL.
 
-        Each peer does its part of the recovery plan (:mod:`psguard.handoff.plan`), planned on its ``/status``:
-        restarted (``POST /restart``, then waited for until its restart count went up and it is ready), waited
-        for until ready (started after ``failed_at``; a replacement agent whose task has not started; every peer
-        when ``restart_ps`` is off), or kept (a worker an in-process rejoin keeps, a serving survivor under
-        ``peers.keep_survivors``). ``failed_at`` (Unix time, this host's clock): a moment the failed generation
-        still ran; a run's start is its uptime before the answer, so the peer's clock does not matter.
-        ``new_process``: the next trainer is a new process. Peers that do not answer yet (their agent is still
-        starting) are retried until ``peers.ready_timeout``; an HTTP error (a wrong token) ends that peer's wait.
+        Each peer does its part of the recovery plan (:mod:`psguard.handoff.plan`) on its ``/status``: restarted
+        (then waited for until its restart count went up and it is ready), waited for until ready, or kept.
+        ``failed_at``: a moment the failed generation still ran (Unix time, this host's clock; a peer's run start
+        is its uptime before the answer). Peers that do not answer yet are retried until ``peers.ready_timeout``;
+        an HTTP error ends that peer's wait.
         """
         cfg = self.config
         failure = Failure(failed_at, new_trainer_process=new_process)

@@ -329,15 +329,11 @@ class MonitorConfig:
 class HealthMonitor:
     """Run ``probes`` in order every ``interval``; ``failure_threshold`` failed rounds in a row → unhealthy.
 
-    A round stops at its first failing probe (the lowest broken layer is the cause) and all its probes share
-    one ``deadline``. ``on_unhealthy`` fires on the monitor's thread when the threshold is reached, and again
-    after each further ``failure_threshold`` failed rounds while the task stays broken. After a restart,
-    call :meth:`reset`: failures then do not count until the task has answered once, or until
-    ``startup_timeout`` has passed (which fires ``on_unhealthy`` too: a task that never comes up is broken).
-    ``on_result(task, result)`` sees every probe result (latency metrics), ``on_health(task, health)`` every
-    change of :class:`Health`. The monitor owns the probes and closes them when it stops. Exceptions from
-    callbacks are logged and do not stop monitoring. The timing is ``config`` with the fields given as keywords
-    (``timing``: ``interval=0.5``...) replaced.
+    A round stops at its first failing probe and all its probes share one ``deadline``. ``on_unhealthy`` fires
+    at the threshold and again after each further ``failure_threshold`` failed rounds. After a restart call
+    :meth:`reset`: failures then count only once the task has answered, or ``startup_timeout`` has passed.
+    ``on_result`` sees every probe result, ``on_health`` every change of :class:`Health`; callbacks' exceptions
+    are logged. The timing is ``config`` with the fields given as keywords replaced.
     """
 
     def __init__(

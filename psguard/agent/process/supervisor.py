@@ -96,18 +96,11 @@ class _Request(enum.Enum):
 
 
 class Supervisor:
-    """Run ``cmd`` and keep it running until it completes, is stopped, or crash-loops.
-
-    :meth:`start` returns once the first process runs (or raises :class:`SpawnError`); the supervision then
-    goes on in the supervisor's thread. :meth:`result` waits for the end and returns the last exit code, or
-    raises :class:`~psguard.errors.CrashLoopError` (or whatever broke the supervisor). :meth:`stop` ends it
-    gracefully and may be called at any time, also after the end, and from ``finally``.
-
-    ``env`` is the task's whole environment, as with :mod:`subprocess` (``None``: this process's).
-    ``log_path``: append the task's stdout and stderr there (``None``: inherit the agent's).
-    ``on_event`` is called on the supervisor's thread for every :class:`SupervisorEvent`; an exception in it
-    is logged and does not stop supervision. The restart policy is ``config`` (default: no standby) with the
-    fields given as keywords (``policy``: ``backoff_initial=0.1``...) replaced.
+    """Run ``cmd`` and keep it running until it completes, is stopped, or crash-loops: :meth:`start` returns once
+    the first process runs, :meth:`result` waits for the end (the last exit code, or raises what ended it),
+    :meth:`stop` may be called at any time. ``env``: the task's whole environment (``None``: this process's);
+    ``on_event`` gets every :class:`SupervisorEvent` on the supervisor's thread (its exceptions are logged). The
+    restart policy is ``config`` (default: no standby) with the fields given as keywords replaced.
     """
 
     def __init__(
