@@ -131,9 +131,7 @@ def main(args: argparse.Namespace) -> int:
         token=token,
         token_file=config.http.token_file,
     )
-    previous: dict[int, Any] = {}
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous[sig] = signal.signal(sig, agent.request_stop)
+    previous = {sig: signal.signal(sig, agent.request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def serving(url: str) -> None:  # before start() returns: a chief's agent may wait for its store first
         if args.ready_file:

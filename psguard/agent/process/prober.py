@@ -86,6 +86,15 @@ class _Failed(Exception):
         super().__init__(message)
         self.code = code
 
+    @classmethod
+    def connecting(cls, e: Exception, what: str, timeout: float) -> _Failed:
+        """A connection that failed: timed out, refused, or another error."""
+        if isinstance(e, TimeoutError):
+            return cls("timeout", f"{what}: no answer within {timeout:.3g}s")
+        if isinstance(e, ConnectionRefusedError):
+            return cls("refused", f"{what}: connection refused")
+        return cls("error", f"{what}: {type(e).__name__}: {e}")
+
 
 class _BaseProbe:
     """Times ``_check`` and turns every exception into a failed result: a probe must not kill its monitor."""
@@ -151,12 +160,8 @@ class TcpProbe(_BaseProbe):
             with socket.create_connection((self.host, self.port), timeout=timeout) as s:
                 if self_connected(s):  # nothing listens, and the port was ours until closed: see psguard.ports
                     raise _Failed("refused", f"nothing listens on {self.host}:{self.port} (self-connection)")
-        except TimeoutError:
-            raise _Failed("timeout", f"no TCP connection to {self.host}:{self.port} within {timeout:.3g}s") from None
-        except ConnectionRefusedError:
-            raise _Failed("refused", f"connection to {self.host}:{self.port} refused") from None
         except OSError as e:
-            raise _Failed("error", f"cannot connect to {self.host}:{self.port}: {e}") from None
+            raise _Failed.connecting(e, f"TCP to {self.host}:{self.port}", timeout) from None
 
 
 class GrpcStatusProbe(_BaseProbe):
@@ -259,12 +264,8 @@ class HttpProbe(_BaseProbe):
             response = conn.getresponse()
             response.read(64 * 1024)
             status = response.status
-        except TimeoutError:
-            raise _Failed("timeout", f"GET {self.url}: no answer within {timeout:.3g}s") from None
-        except ConnectionRefusedError:
-            raise _Failed("refused", f"GET {self.url}: connection refused") from None
         except (OSError, http.client.HTTPException) as e:
-            raise _Failed("error", f"GET {self.url}: {type(e).__name__}: {e}") from None
+            raise _Failed.connecting(e, f"GET {self.url}", timeout) from None
         finally:
             conn.close()
         if time.monotonic() > deadline:
