@@ -259,7 +259,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             self._close_own()
             raise
         self._retrace_unhooked(model)
-        self._steps_per_epoch = _steps_per_epoch(self.params)
+        steps = (self.params or {}).get("steps")
+        self._steps_per_epoch = int(steps) if isinstance(steps, int) and steps > 0 else None
         self.resumed_at = None
         # Installed after the restore succeeded: fit consults it right after on_train_begin returns.
         model._training_state = _ResumeState(self)
@@ -280,9 +281,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         self._step += max(done - self._batches, 0)
         self._batches = done
         assert self.manager is not None
-        handle = self.manager.maybe_save(self._step)
-        if handle is not None:
-            self.last_save = handle
+        self.last_save = self.manager.maybe_save(self._step) or self.last_save
 
     def on_epoch_end(self, epoch: int, logs: Mapping[str, Any] | None = None) -> None:
         if not self.save_per_epoch:
@@ -590,8 +589,3 @@ def _check_strategy(model: Any) -> Any:
         f"psguard.trainer.keras.CheckpointCallback supports ParameterServerStrategy and no strategy, not "
         f"{type(strategy).__name__}"
     )
-
-
-def _steps_per_epoch(params: Mapping[str, Any] | None) -> int | None:
-    steps = (params or {}).get("steps")
-    return int(steps) if isinstance(steps, int) and steps > 0 else None

@@ -310,7 +310,6 @@ class SpoolWriter:
             seq = self._reserve_seq()
             token = f"{self.generation}-{seq}"
             tmp = self._paths.incoming / f"{seq}.tmp-{self.generation}"
-            final = self._paths.incoming / f"{seq:012d}"
             try:
                 tmp.mkdir()
                 entries = write_capture_files(tmp, capture)
@@ -330,7 +329,7 @@ class SpoolWriter:
                     "parts": [p.to_json() for p in capture.parts],
                 }
                 write_private(tmp / "capture.json", json.dumps(doc, allow_nan=False).encode())
-                os.rename(tmp, final)  # the hand-off
+                os.rename(tmp, self._paths.incoming / f"{seq:012d}")  # the hand-off
             except BaseException as e:
                 shutil.rmtree(tmp, ignore_errors=True)
                 with contextlib.suppress(OSError):

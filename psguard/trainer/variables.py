@@ -168,14 +168,11 @@ def list_tensors(root: Any) -> dict[str, TensorInfo]:
         offset = 0
         for part in parts:
             chain = _chain(part) if _is_sharded(inner) else outer
-            var = chain[-1]
-            shape = tuple(int(d) for d in var.shape)
-            rows = shape[0] if shape else 1
-            shards.append(Shard(var, offset, rows, tuple(chain)))
+            rows = int(chain[-1].shape[0]) if chain[-1].shape.rank else 1
+            shards.append(Shard(chain[-1], offset, rows, tuple(chain)))
             offset += rows
-        first = shards[0].var
         shape = tuple(int(d) for d in inner.shape)
-        infos.append(TensorInfo(name, shape, _numpy_dtype(first), tuple(shards)))
+        infos.append(TensorInfo(name, shape, _numpy_dtype(shards[0].var), tuple(shards)))
     return _mark_aliases(infos)
 
 
