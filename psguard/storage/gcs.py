@@ -104,9 +104,7 @@ class GcsBackend(FsspecBackend):
         self.root = bucket_root(url, rest, "GCS", BUCKET_NAME, rule)
         self.url = f"gs://{self.root}"
         opts = dict(options or {})
-        token = default_token(opts)
-        if token is not None:
-            opts["token"] = token
+        opts.setdefault("token", default_token(opts))  # None only when the options name one
         self._endpoint = emulator_endpoint(opts)
         timeout = aiohttp.ClientTimeout(
             sock_connect=float(opts.pop("connect_timeout", 5)), sock_read=float(opts.pop("read_timeout", 60))
