@@ -426,7 +426,6 @@ class Supervisor:
         _check_executable(program[0], self._env, self._cwd)
         if self._cwd is not None and not Path(self._cwd).is_dir():
             raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
-        env = {**self._run_env(), **extra_env}
         log_fd = self._log.open() if self._log is not None else None  # the child keeps its own copy
         try:
             return subprocess.Popen(
@@ -434,7 +433,7 @@ class Supervisor:
                 stdin=stdin,
                 stdout=log_fd,
                 stderr=subprocess.STDOUT if log_fd is not None else None,
-                env=env,
+                env={**self._run_env(), **extra_env},
                 cwd=self._cwd,
                 start_new_session=True,
             )
