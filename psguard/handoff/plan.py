@@ -220,27 +220,8 @@ NOTHING = Rule(
     "a first start: nothing acknowledged exists",
 )
 
-#: Every rule, in the order the plan applies them.
-RULES: tuple[Rule, ...] = (
-    LAST_STEP,
-    REPORTED_BY_THIS_RUN,
-    ONLY_WAITED,
-    TRAINER,
-    NOT_RESTARTED,
-    NEW_AGENT,
-    STARTED_AFTER,
-    SURVIVOR_KEPT,
-    RESTART,
-    OWN_TIER,
-    PEER_COPY,
-    NO_COPY,
-    MEMORY,
-    LOG_NEWER,
-    MEMORY_NOT_HELD,
-    MEMORY_DAMAGED,
-    NO_MEMORY,
-    NOTHING,
-)
+#: Every rule, in the order the plan applies them: the order they are defined in above.
+RULES: tuple[Rule, ...] = tuple(v for v in dict(globals()).values() if isinstance(v, Rule))
 
 
 def rules_table() -> str:
