@@ -205,7 +205,7 @@ class AgentHTTPServer:
         self._post: dict[str, Handler] = {}
         self._binary_max: dict[str, int] = {}  # POST routes that take raw bytes, and their limit
         self._listener: socket.socket | None = None
-        self._port = port
+        self.port = port  # the bound one once bind() ran (also after stop() closed the socket)
         self._intake: Intake | None = None
         self._closed = False
 
@@ -246,7 +246,7 @@ class AgentHTTPServer:
             ) from e
         with self._lock:
             self._listener = listener
-            self._port = int(listener.getsockname()[1])  # still known after stop() closed the socket
+            self.port = int(listener.getsockname()[1])
         return self
 
     def start(self) -> Self:
@@ -318,10 +318,6 @@ class AgentHTTPServer:
         listener.close()  # also a server bound and never started
         if intake is not None and intake.error is not None:
             raise intake.error
-
-    @property
-    def port(self) -> int:
-        return self._port
 
     @property
     def url(self) -> str:

@@ -181,8 +181,7 @@ class _Metric(Generic[C]):
             raise ValueError(f"metric {self.name} takes labels {self.label_names}, got {tuple(values)}")
         key = tuple(str(values[n]) for n in self.label_names)
         with self._lock:
-            child = self._children.get(key)
-            if child is None:
+            if (child := self._children.get(key)) is None:
                 child = self._children[key] = self._new_child()
             return child
 
