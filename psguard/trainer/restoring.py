@@ -28,7 +28,7 @@ from psguard.handoff.client import report_recovery
 from psguard.handoff.contract import TOKEN_KEY, Tier
 from psguard.handoff.plan import Durable, Facts, Memory, Source, plan
 from psguard.handoff.spool import NewerInMemoryError, Restored
-from psguard.policy.engine import SaveContext
+from psguard.policy.engine import SaveContext, TierState
 from psguard.storage.retry import RetryingBackend
 from psguard.storage.waiting import StoreWait
 from psguard.store import CheckpointInfo, Store
@@ -173,7 +173,7 @@ class RestoreSide:
         asked = self._ask_durable_latest() if self._sink.supervised else None
         snapshot = self._sink.memory_snapshot(self.restore_timeout)
         memory = self._memory_fact(snapshot)
-        durable = Durable()
+        durable, latest = Durable(), None
         if memory is not None and memory.held is not False:
             assert snapshot is not None
             latest = self._durable_latest_beside(snapshot, asked)
@@ -189,7 +189,7 @@ class RestoreSide:
                         raise PsguardError(
                             f"{restore.why}; but the memory tier could not be exported: not restoring now"
                         )
-                if (loaded := self._load_memory(snapshot, status=status)) is not None:
+                if (loaded := self._load_memory(snapshot, status=status, durable=latest)) is not None:
                     return loaded
                 assert memory is not None
                 memory = replace(memory, loads=False)
@@ -234,12 +234,15 @@ class RestoreSide:
             return None
         return self._restore_loaded(result.info, dict(result.tensors), status=status)
 
-    def _load_memory(self, memory: Restored, *, status: bool) -> tuple[RestoreInfo, Restored] | None:
-        """Restore the memory tier's snapshot ``memory``; None when it did not load on the PS (nothing assigned)."""
+    def _load_memory(
+        self, memory: Restored, *, status: bool, durable: CheckpointInfo | None = None
+    ) -> tuple[RestoreInfo, Restored] | None:
+        """Restore the memory tier's snapshot ``memory``; None when it did not load on the PS (nothing assigned).
+        ``durable``: the log's newest commit, where the durable cadence goes on counting from."""
         info = RestoreInfo(f"memory:{memory.token}", memory.step, memory.metadata, "memory")
         if not self._load(info, memory, status=status):
             return None
-        self._restored(info)
+        self._restored(info, durable=durable)
         return info, memory
 
     def _restore_durable(self, checkpoint_id: str) -> None:
@@ -336,13 +339,18 @@ class RestoreSide:
         if deferred is not None:
             deferred.close()
 
-    def _restored(self, info: RestoreInfo) -> str:
+    def _restored(self, info: RestoreInfo, *, durable: CheckpointInfo | None = None) -> str:
         with self._capture_lock:
             self.restored = info
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save
-        # A state restored from the memory tier is not durable: the durable cadence counts from the last one.
+        # A state restored from the memory tier is not durable: the durable cadence counts from the log's newest
+        # commit (a new trainer process would otherwise count from step 0 and save the restored state at once,
+        # holding its first steps for a durable commit of what the tier already holds).
+        now = time.time()
         restored_tiers = (Tier.MEMORY, Tier.DURABLE) if info.source == "durable" else (Tier.MEMORY,)
-        self.context = self.context.with_save(restored_tiers, step=info.step, at=time.time())
+        self.context = self.context.with_save(restored_tiers, step=info.step, at=now)
+        if durable is not None and info.source == "memory" and durable.step <= info.step:
+            self.context = replace(self.context, durable=TierState(durable.step, min(now, durable.committed_at)))
         mapped = self._shards_mapped
         shards = f"; the PS mapped {mapped[0]} of its {mapped[1]} shard file(s)" if mapped else ""
         log.info("restored %s (step %d) from the %s tier%s", info.id, info.step, info.source, shards)

@@ -265,3 +265,29 @@ def test_a_log_the_agents_refuse_restores_the_memory_tier_asked_again(
         assert manager.restore_or_initialize(lambda: pytest.fail("started from scratch")) == "memory:t-memory"
         assert manager.restored is not None and (manager.restored.source, manager.restored.step) == ("memory", 5)
         assert v.numpy().tolist() == [9.0, 9.0]
+
+
+def test_a_new_trainer_restored_from_the_memory_tier_counts_the_durable_cadence_from_the_logs_newest_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new trainer process (the chief killed) restores step 95 from the memory tier; the log's newest commit is
+    step 50. With durable saves every 50 steps, the next is due at 100, not at once: counting from step 0 made the
+    new process save the restored state, which the tier already holds, and hold its first steps for that durable
+    commit (``bench recovery --fault chief``: 3.6 of its 9.1 s)."""
+    from psguard.handoff.contract import Tier
+    from psguard.policy.engine import EverySteps, Schedule
+
+    v = tf.Variable(np.array([1.0, 2.0], np.float32))
+    with CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path / "store")) as first:
+        first.save(50).result(timeout=60)
+        tensors = first.store.load(first.store.checkpoint_ids()[-1])
+    schedule = Schedule(memory=EverySteps(5), durable=EverySteps(50))
+    with CheckpointManager(tf.train.Checkpoint(v=v), str(tmp_path / "store"), policy=schedule) as manager:
+        monkeypatch.setattr(manager._sink, "memory_snapshot", lambda timeout: Restored(95, tensors, {}, "t-memory"))
+        monkeypatch.setattr(manager._sink, "supervised", True)
+        assert manager.restore_or_initialize(lambda: pytest.fail("started from scratch")) == "memory:t-memory"
+        assert manager.context.last(Tier.MEMORY).step == 95
+        assert manager.context.last(Tier.DURABLE).step == 50
+        decision = schedule.decide(96, time.time(), manager.context)
+        assert Tier.DURABLE not in decision.tiers, decision.reason
+        assert Tier.DURABLE in schedule.decide(100, time.time(), manager.context).tiers
