@@ -275,11 +275,9 @@ def delta_rows(
 
 
 def digests_from(doc: Any) -> dict[str, int]:
-    if not isinstance(doc, dict):
-        raise CorruptCheckpointError("peer copy: bad digests")
     try:
         return {str(k): int(v) & MASK for k, v in doc.items()}
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):
         raise CorruptCheckpointError("peer copy: bad digests") from None
 
 

@@ -450,9 +450,7 @@ class Persister:
 
     def _lag(self) -> int | None:
         mem = self.tier.step
-        if mem is None:
-            return None
-        return mem - (self._last.step if self._last else 0)
+        return None if mem is None else mem - (self._last.step if self._last else 0)
 
     def _emit(self, event: PersistEvent) -> None:
         if self.on_event is None:
