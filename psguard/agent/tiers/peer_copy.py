@@ -77,11 +77,7 @@ class CopyHolder:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {
-                owner: {
-                    "step": c.tier.step,
-                    "token": c.tier.token,
-                    "bytes": c.tier.status().nbytes,
-                }
+                owner: {"step": c.tier.step, "token": c.tier.token, "bytes": c.tier.status().nbytes}
                 for owner, c in self._copies.items()
             } | ({"refused_frames": self._refused} if self._refused else {})
 

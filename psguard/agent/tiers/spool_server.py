@@ -174,11 +174,8 @@ class SpoolServer:
         self.stop()
 
     def status(self) -> SpoolServerStatus:
-        return SpoolServerStatus(
-            running=self._thread is not None and self._thread.is_alive(),
-            captures=dict(self._counts),
-            last_error=self._last_error,
-        )
+        running = self._thread is not None and self._thread.is_alive()
+        return SpoolServerStatus(running=running, captures=dict(self._counts), last_error=self._last_error)
 
     def _observe(self) -> Any:
         """A watchdog observer on the two folders the trainer writes, or ``None`` without watchdog installed
