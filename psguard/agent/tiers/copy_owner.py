@@ -1,8 +1,5 @@
-"""The owner's side of a peer copy (:mod:`psguard.agent.tiers.peer_copy` says why and how): a PS agent pushing
-its tier's state to the holder the chief names (:class:`CopySender`: whole, then by deltas, in the background), and
-a new agent of the same PS, its node lost, fetching the shards back from the holder's copy (:func:`fetch_copy`,
-verified against the owner's digests).
-"""
+"""The owner's side of a peer copy (:mod:`.peer_copy` says why): :class:`CopySender` pushes the tier's state to its
+holder (whole, then by deltas, in the background); :func:`fetch_copy` gets it back, verified, for a new agent."""
 
 from __future__ import annotations
 
@@ -135,8 +132,7 @@ class CopySender:
             self._cond.notify_all()
 
     def wait_synced(self, token: str, timeout: float) -> bool:
-        """Wait until the holder holds state ``token`` (a whole copy too); False at once when there is no holder,
-        else after ``timeout``."""
+        """Wait until the holder holds state ``token``; False when there is none, or after ``timeout``."""
         deadline = time.monotonic() + timeout
         with self._cond:
             while True:

@@ -1,20 +1,14 @@
 """The second half of the double write: a background thread that makes the memory tier durable.
 
-It persists *from the memory tier*, not from a queue of captures: a request is only a note ("make the current
-state durable"), and every request made while a save runs joins one pending batch, served by one save of whatever
-the tier holds then. Memory stays bounded (the tier's marks plus one leased take) and the log skips steps rather
-than lag further.
+It persists *from the memory tier*, not from a queue of captures: a request is a note ("make the current state
+durable"), and the requests made while a save runs join one batch, served by one save of what the tier holds then:
+memory stays bounded and the log skips steps rather than lag further.
 
 Each save writes what :meth:`~psguard.agent.tiers.memory_tier.MemoryTier.take_dirty` says: a full base (first,
-after a layout change, when asked, or when the new-base policy says so: by default
-:class:`~psguard.policy.engine.ChainLimit`; a trainer's ``new_base_after`` in ``NEW_BASE_KEY`` replaces
-``max_chain``), else a delta over the last durable checkpoint. A new base is written from memory with
-``dedup_against`` the previous checkpoint. Commits, the missing-parent rule and retention are
-:class:`~psguard.store.durable.DurableWriter`'s, as for the trainer's own writer.
-
-A failed save aborts its take (the marks go back to the tier), fails the batch's handle, is reported, and is
-retried on the next request or after ``retry_after``; the thread never dies on an error. A process killed
-mid-save leaves no torn checkpoint (the manifest is the commit); :func:`resume` seeds a successor's tier.
+after a layout change, when asked, or when the new-base policy says so), else a delta over the last durable
+checkpoint; commits, the missing-parent rule and retention are :class:`~psguard.store.durable.DurableWriter`'s.
+A failed save aborts its take (the marks go back to the tier), fails the batch's handle and is retried on the next
+request or after ``retry_after``; the thread never dies on an error.
 """
 
 from __future__ import annotations

@@ -9,9 +9,8 @@ The file must not change while its PS reads it: :meth:`psguard.agent.tiers.shard
 export lease on the arrays until the restore files are dropped, so the tier copies a leased array before writing
 it. Were the data changed anyway, ``RestoreV2`` fails on the CRC32C before assigning anything.
 
-A file is unlinked when the tier drops its array. Files are ``0600`` in a private folder, their pages allocated at
-creation (a full tmpfs fails there, not with a ``SIGBUS`` later; a fetch writes with ``pwrite`` instead). Off a
-memory file system the tier stays in anonymous memory, and the export writes the data.
+Files are ``0600`` in a private folder, unlinked when the tier drops their array, their pages allocated at creation
+(a full tmpfs fails there, not with a ``SIGBUS`` later). Off a memory file system the tier stays in anonymous memory.
 """
 
 from __future__ import annotations
