@@ -12,12 +12,9 @@ Persisting: :meth:`MemoryTier.take_dirty` returns, atomically with respect to ap
 durable checkpoint to now and moves the dirty marks into the :class:`DirtyTake`; ``commit()`` drops them,
 ``abort()`` merges them back, so a failed persist loses nothing.
 
-No whole tensor is copied for a persist or an export; arrays handed out are *leased*. An export's
-:class:`Snapshot` hands out read-only views, and an apply copies a leased array before writing it. A persist's
-take hands out big arrays as :class:`~psguard.tensors.FullStream` read in row ranges: an apply writes in place and
-saves the overwritten rows beside the lease, so a long write of a big shard costs the rows captured meanwhile,
-not a second copy. Given a ``home`` (a PS agent's :class:`~psguard.agent.tiers.tier_files.TierFiles`) every array
-the tier takes is moved into it, where a restore hands it to TensorFlow without a copy.
+No whole tensor is copied for a persist or an export; arrays handed out are *leased*: an apply copies an export's
+leased array before writing it, and writes a persist's streamed one in place after saving the rows it overwrites.
+Given a ``home`` (:class:`~psguard.agent.tiers.tier_files.TierFiles`) every array the tier takes moves into it.
 """
 
 from __future__ import annotations

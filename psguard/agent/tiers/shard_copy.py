@@ -3,12 +3,8 @@
 
 After the keeper's tier applied a capture, :class:`CopyOwner` updates the copy's digests from the changed rows and
 hands the delta to the :class:`~psguard.agent.tiers.copy_owner.CopySender`; it also undoes the tier's last capture
-when the chief's state is one capture older (:meth:`CopyOwner._roll_back_to`), and the copy follows.
-
-A full copy also holds the rows' fingerprints the captures computed on the PS (``<tier name>#fp``, one int64 a
-row, kept current by the same deltas and checked by the same digests), so a new agent fetching its shards seeds
-its ``fp_tier`` from them and its PS need not hash every row on a node loss's critical path. A parity block
-carries none (nor a full copy with ``peer_copy.fingerprints: false``).
+when the chief's state is one capture older, and the copy follows. A full copy also holds the rows' fingerprints
+(``<tier name>#fp``, kept by the same deltas and digests), so a PS restored from it need not hash every row.
 """
 
 from __future__ import annotations
