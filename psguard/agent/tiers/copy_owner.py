@@ -29,20 +29,25 @@ ReadInto = Callable[[str, Mapping[str, Any], float, np.ndarray, Callable[[int, n
 #: Makes an array the fetched rows go into (None: the fetch allocates anonymous memory).
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None]
 
-__all__ = ["CopySender", "ReadInto", "fetch_copy", "new_delta"]
+__all__ = ["CopySender", "Delta", "ReadInto", "fetch_copy"]
 
 log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------------------------------- sender
 @dataclass
-class _Delta:
+class Delta:
+    """A capture's change as the copy takes it: its rows and the digests after it."""
+
     step: int
     token: str
     parent: str
-    updates: dict[str, TensorUpdate]
-    digests: dict[str, int]
-    nbytes: int
+    updates: Mapping[str, TensorUpdate]
+    digests: Mapping[str, int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(u.values.nbytes + u.ids.nbytes for u in self.updates.values() if isinstance(u, Rows))
 
 
 def _same_copy(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
@@ -72,7 +77,7 @@ class CopySender:
         self._post = post
         self.config = config
         self._cond = threading.Condition()
-        self._queue: deque[_Delta] = deque()
+        self._queue: deque[Delta] = deque()
         self._queued_bytes = 0
         self._target: tuple[str, str] | None = None  # (holder task, URL)
         self._extra: dict[str, Any] = {}  # fields every frame's header carries (``parity``: the owner's group)
@@ -113,7 +118,7 @@ class CopySender:
         with self._cond:
             self._known = (url, step, token)
 
-    def offer(self, delta: _Delta | None, step: int) -> None:
+    def offer(self, delta: Delta | None, step: int) -> None:
         """After the owner's tier applied a capture: queue its delta (``None``: a whole capture, so the next
         send is whole). Never blocks on the network."""
         with self._cond:
@@ -260,7 +265,7 @@ class CopySender:
         log.info("event=peer_copy_whole_sent owner=%s holder=%s step=%s", self.task, target[0], answer["step"])
         return answer
 
-    def _send_delta(self, target: tuple[str, str], d: _Delta) -> dict[str, Any]:
+    def _send_delta(self, target: tuple[str, str], d: Delta) -> dict[str, Any]:
         tensors: list[dict[str, Any]] = []
         arrays: list[np.ndarray] = []
         for name, u in d.updates.items():
@@ -284,13 +289,6 @@ class CopySender:
             arrays,
         )
         return self._answer(target, frame)
-
-
-def new_delta(
-    step: int, token: str, parent: str, updates: Mapping[str, TensorUpdate], digests: Mapping[str, int]
-) -> _Delta:
-    nbytes = sum(u.values.nbytes + u.ids.nbytes for u in updates.values() if isinstance(u, Rows))
-    return _Delta(step, token, parent, dict(updates), dict(digests), nbytes)
 
 
 def fetch_copy(

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from psguard.agent.tiers.copy_frames import delta_digest, rows_digest
-from psguard.agent.tiers.copy_owner import CopySender, new_delta
+from psguard.agent.tiers.copy_owner import CopySender, Delta
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import MemoryTier, StreamSnapshot
 from psguard.agent.tiers.parity import xor_rows
@@ -163,7 +163,7 @@ class CopyOwner:
                 break  # a whole tensor: the whole state follows
         else:
             self._digests = digests
-            self.sender.offer(new_delta(step, token, parent, self._copy_updates(sent, old_rows), digests), step)
+            self.sender.offer(Delta(step, token, parent, self._copy_updates(sent, old_rows), digests), step)
             return
         self._rehash()
         self.sender.offer(None, step)

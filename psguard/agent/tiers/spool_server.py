@@ -194,9 +194,8 @@ class SpoolServer:
                 wake.set()
 
         observer = Observer()
-        handler = Wake()
-        observer.schedule(handler, str(self._paths.incoming), recursive=False)
-        observer.schedule(handler, str(self._paths.requests), recursive=False)
+        for folder in (self._paths.incoming, self._paths.requests):
+            observer.schedule(Wake(), str(folder), recursive=False)
         observer.start()
         return observer
 
