@@ -278,7 +278,7 @@ class Persister:
         take: DirtyTake | None = None
         parts: tuple[tuple[str, ...], str] | None = None
         try:
-            take, parts = self._take(base=batch.new_base or self._base_due())
+            take, parts = self._take(base=batch.new_base or self.writer.base_due(self.tier.step or 0))
             if take is not None:
                 with self._cond:
                     self._phase = "first-base" if self._last is None else "base" if take.base else "delta"
@@ -386,9 +386,6 @@ class Persister:
             self._phase = "retention"
         return kwargs
 
-    def _base_due(self) -> bool:
-        return self.writer.base_due(self.tier.step or 0)
-
     def _follow_trainer(self, info: CheckpointInfo) -> None:
         """Take the trainer's ``new_base_after`` from its commit (``NEW_BASE_KEY``): with the agent's
         ``max_delta_percent``, it replaces the agent's rule, so the setting means the same under an agent."""
@@ -447,10 +444,9 @@ class Persister:
         return None if mem is None else mem - (self._last.step if self._last else 0)
 
     def _emit(self, event: PersistEvent) -> None:
-        if self.on_event is None:
-            return
         try:
-            self.on_event(event)
+            if self.on_event is not None:
+                self.on_event(event)
         except Exception:
             log.exception("persister event callback failed (ignored)")
 
