@@ -1,13 +1,11 @@
 """Peer copies, the holder's side: a PS agent holds a copy of another node's shards, so that a new agent of a lost
 node fetches them from memory at the newest capture instead of reading the older durable log at the store's rate.
 
-How (docs/design.md, "Peer copies"): the chief's agent places the copies (a ring skipping same-node tasks, or
-``peers.copy_placement``) and names each holder in every ``/shards/apply``. The owner pushes its changes in the
-background (:mod:`~psguard.agent.tiers.copy_owner`). The holder (:class:`CopyHolder`) keeps one
-:class:`MemoryTier` per owner under the owner's tokens: a delta applies only over the state it names, else the
-answer is ``need_full``. Every frame carries the owner's per-shard digests (:func:`rows_digest`), checked before a
-delta applies and before a fetched copy is used. A copy is never durable. Frames with ``parity`` go to
-:class:`~psguard.agent.tiers.parity.ParityHolder`.
+How (docs/design.md, "Peer copies"): the chief's agent names each part's holder in every ``/shards/apply``; the
+owner pushes its changes (:mod:`.copy_owner`); the holder (:class:`CopyHolder`) keeps one :class:`MemoryTier` per
+owner under the owner's tokens (a delta over another state: ``need_full``). Every frame carries the owner's
+digests (:func:`rows_digest`), checked before a delta applies and before a fetched copy is used. Frames with
+``parity`` go to :class:`~psguard.agent.tiers.parity.ParityHolder`.
 """
 
 from __future__ import annotations

@@ -61,9 +61,8 @@ class CopyOwner:
 
     # ------------------------------------------------------------------------------------------ fingerprints
     def _keep_fps(self, fps: Mapping[str, TensorUpdate] | None, *, step: int, token: str, parent: str | None) -> None:
-        """Apply a capture's fingerprints beside its rows (under ``_lock``, after the tier took the capture), or
-        drop them all when they cannot follow the tier (none sent, a delta over fingerprints this agent lacks):
-        fingerprints of another state than the rows' would be restored as if they were the rows'."""
+        """Apply a capture's fingerprints beside its rows (under ``_lock``), or drop them all when they cannot
+        follow the tier: fingerprints of another state would be restored as the rows'."""
         if fps is not None and set(fps) == set(self.tier.names()):
             whole = all(isinstance(u, Full) for u in fps.values())
             try:
@@ -92,8 +91,7 @@ class CopyOwner:
         return True
 
     def _fps_follow(self, token: str | None) -> bool:
-        """Whether the copy carries the fingerprints at state ``token``: a full copy, with them on, and the
-        keeper holding them for that very state."""
+        """Whether the copy carries the fingerprints at state ``token`` (a full copy, the keeper holding them)."""
         return (
             self.copy_config.fingerprints
             and not self._parity
@@ -180,8 +178,7 @@ class CopyOwner:
         }
 
     def _rehash(self) -> None:
-        """Every copied tensor's digest, hashed whole (a whole capture, or copies just turned on), with the
-        fingerprints' when they follow the tier."""
+        """Every copied tensor's digest (the fingerprints' too when they follow the tier), hashed whole."""
         with self.tier.export() as snap:
             digests = {n: rows_digest(a) for n, a in snap.tensors.items()}
         if self._fps_follow(self.tier.token):
@@ -230,8 +227,7 @@ class CopyOwner:
         updates: Mapping[str, TensorUpdate],
         old_rows: Mapping[str, np.ndarray] | None,
     ) -> None:
-        """Keep the way back over the capture just applied (under ``_lock``): the rows it overwrote, and their
-        fingerprints when they were gathered for every changed tensor."""
+        """Keep the rows (and fingerprints) the capture just applied overwrote, to undo it (under ``_lock``)."""
         self._undo = None
         if parent is None or old_rows is None or prev_step is None:
             return
@@ -241,8 +237,7 @@ class CopyOwner:
 
     def _roll_back_to(self, token: str) -> None:
         """Bring the tier back one capture when that is the chief's state ``token`` (its last capture reached
-        this PS and not every PS: the agent of another died in between). The copy follows, as by any delta, and
-        the fingerprints too when they were kept for the undo."""
+        this PS and not every PS); the copy and the kept fingerprints follow."""
         with self._lock:
             undo = self._undo
             if undo is None or undo[0] != token or self.tier.token == token or self.tier.token is None:
