@@ -88,7 +88,9 @@ class CopyHolder:
         if header.get("parity") is not None:
             if self.parity is None:
                 raise CorruptCheckpointError("peer copy frame: parity is not held here")
-            self.drop(owner)  # the owner's copies moved to parity: its full copy is behind already
+            with self._lock:  # the owner's copies moved to parity: its full copy is behind already
+                self._copies.pop(owner, None)
+                self._incoming.pop(owner, None)
             return self.parity.put(owner, header, arrays)
         op = header.get("op")
         if op not in ("begin", "fill", "end", "delta"):
@@ -263,8 +265,3 @@ class CopyHolder:
         copy.digests, copy.undo = digests, None
         log.info("event=peer_copy_rolled_back owner=%s holder=%s to_step=%d", owner, self.task, step)
         return True
-
-    def drop(self, owner: str) -> None:
-        with self._lock:
-            self._copies.pop(owner, None)
-            self._incoming.pop(owner, None)
