@@ -91,11 +91,6 @@ class CopySender:
         self._thread = threading.Thread(target=self._run, name=f"psguard-copy-{task}", daemon=True)
         self._thread.start()
 
-    @property
-    def target(self) -> str | None:
-        with self._cond:
-            return self._target[0] if self._target else None
-
     def set_target(self, target: tuple[str, str] | None, extra: Mapping[str, Any] | None = None) -> None:
         """The holder the chief names (``None``: no copy) and what every frame to it carries (``extra``); a new
         one gets the whole state first."""

@@ -215,9 +215,9 @@ class CopyOwner:
             return snap, layout, dict(self._digests)
 
     def _copy_state(self) -> dict[str, Any] | None:
-        if self.sender is None or self.sender.target is None:
+        s = self.sender.status() if self.sender is not None else {}
+        if not s.get("target"):
             return None
-        s = self.sender.status()
         return {"holder": s["target"], "step": s["synced_step"], "token": s["synced_token"]}
 
     def _keep_undo(
