@@ -295,8 +295,7 @@ class MemoryTier:
             )
 
     def gather(self, name: str, ids: np.ndarray) -> np.ndarray | None:
-        """A copy of rows ``ids`` of tensor ``name`` (``None`` when the tier has no such tensor or the ids do not
-        fit): what a delta is about to overwrite, for the peer copy's digest."""
+        """A copy of rows ``ids`` of tensor ``name`` (``None``: no such tensor, or the ids do not fit)."""
         with self._lock:
             arr = self._arrays.get(name)
             if arr is None or (ids.size and (ids.min() < 0 or ids.max() >= arr.shape[0])):
@@ -307,9 +306,8 @@ class MemoryTier:
     def revert(
         self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]], *, step: int, token: str
     ) -> tuple[ApplyResult, dict[str, TensorUpdate]]:
-        """Write back the rows (``name -> (ids, old values)``) the last delta overwrote: the tier returns to the
-        state ``token`` at ``step`` it was applied to. Returns the result and the updates applied (a delta from
-        the current state, for whoever follows this tier). All or nothing, like :meth:`apply`."""
+        """Write back the rows (``name -> (ids, old values)``) the last delta overwrote, back to state ``token`` at
+        ``step``, all or nothing: the result and the updates applied (a delta, for whoever follows this tier)."""
         with self._lock:
             current = self._token
             updates: dict[str, TensorUpdate] = {
@@ -321,8 +319,7 @@ class MemoryTier:
         return self.apply(updates, step=step, token=token, parent=current), updates
 
     def take_array(self, name: str) -> np.ndarray | None:
-        """Remove tensor ``name`` and hand its array to the caller (``None`` if absent, or leased: then it is not
-        the tier's to give). For a tier being discarded whose memory is reused (a peer copy replaced whole)."""
+        """Remove tensor ``name`` and hand its array over to be reused (``None`` if absent or leased)."""
         with self._lock:
             arr = self._arrays.get(name)
             if arr is None or id(arr) in self._leases or self._is_handed(arr):

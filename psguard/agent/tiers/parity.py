@@ -4,9 +4,8 @@ held outside the group on another node: 1/K of the memory, and still any one mem
 How (docs/design.md, "Parity"): a member's *stripe* is its tensors' bytes in sorted-name order; the parity is the
 XOR of the stripes. Owners send as for full copies, the group in every header: a whole XORs in chunk by chunk, a
 delta carries ``old XOR new`` per changed row (:func:`xor_rows`), kept to be undone once. A member's whole cannot
-replace its unknown old contribution, so it resets the group (every other member is answered ``need_full``). The
-parity describes state T when every member is at T. A lost member is rebuilt from the parity and the survivors'
-stripes (``/peer-copy/stripe``), every piece checked against its owner's digests.
+replace its unknown old contribution, so it resets the group. A lost member is rebuilt from the parity and the
+survivors' stripes (``/peer-copy/stripe``), every piece checked against its owner's digests.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""A PS's shards kept by that PS's agent (issue 12): the state of a PS job is its embedding tables, spread over
-many PS, far more than the chief's node holds.
+"""A PS's shards kept by that PS's agent (issue 12): a PS job's embedding tables are far more than the chief holds.
 
 Each PS agent keeps the memory tier of its own PS's shards (:class:`ShardKeeper`), fed by files the capture
 function writes on its node and read back as files its PS loads there (:mod:`psguard.handoff.parts`); only
