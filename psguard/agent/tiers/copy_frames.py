@@ -4,8 +4,7 @@ A frame is ``MAGIC``, a little-endian u32 header length, a JSON header (``arrays
 ``crc32`` of the payload, or null for rows checked against their owner's digests), then the arrays' bytes, C order.
 
 A digest (:func:`rows_digest`) is a sum over rows modulo 2**64 of a hash of each row's index and bytes, so a delta
-updates it from the rows it changes (:func:`delta_digest`). Owners and holders must agree on it bit for bit,
-across versions too (the tests check it against a row-by-row reference).
+updates it from the rows it changes; owners and holders of any version must agree on it bit for bit.
 """
 
 from __future__ import annotations

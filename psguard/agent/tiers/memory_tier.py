@@ -130,8 +130,7 @@ def _changed_rows(old: np.ndarray, new: np.ndarray) -> np.ndarray | None:
 
 @dataclass(eq=False)
 class _Lease:
-    """Arrays handed out together. ``rows_saved`` (a persist's streams): applies write in place and first save the
-    old rows in ``saved``; otherwise (an export's views) an apply copies a leased array before writing into it."""
+    """Arrays handed out together: an apply copies them before writing, or (``rows_saved``) saves the old rows."""
 
     arrays: list[np.ndarray]
     rows_saved: bool
@@ -167,8 +166,7 @@ T = TypeVar("T")
 
 @dataclass
 class _View(Generic[T]):
-    """A consistent view of the tier at one moment, holding a lease on its arrays until :meth:`release` (or the
-    end of a ``with``), so that the tier's later applies do not write under it."""
+    """The tier at one moment, its arrays leased (later applies do not write under it) until :meth:`release`."""
 
     _tier: MemoryTier
     step: int | None

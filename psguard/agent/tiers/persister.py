@@ -334,9 +334,8 @@ class Persister:
     def _write(
         self, take: DirtyTake, parts: tuple[tuple[str, ...], str] | None = None
     ) -> tuple[CheckpointInfo | None, bool]:
-        """Save the take (``parts``: the PS tasks that took their share of it, and its id: each writes its chunks,
-        one manifest commits them all), or skip it when the log holds this state already; the take is closed
-        either way. The checkpoint that covers the tier's state now, and whether this call wrote it."""
+        """Save the take (``parts``: the PS tasks that took their share, and its id), or skip it when the log holds
+        this state already: the checkpoint that covers the tier's state now, and whether this call wrote it."""
         last = self._last
         if not take.changed and last is not None and take.step == last.step and take.token == self._last_token:
             take.commit()

@@ -57,8 +57,7 @@ class _Ahead:
 
 
 class RestoreAnswers:
-    """Answers the restore requests of one spool (:class:`~psguard.agent.tiers.spool_server.SpoolServer` hands
-    them over, under its processing lock): ``order`` is the lock the captures take to move the tiers."""
+    """Answers the restore requests of one spool; ``order`` is the lock the captures take to move the tiers."""
 
     def __init__(
         self,
