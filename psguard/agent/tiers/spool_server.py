@@ -157,14 +157,12 @@ class SpoolServer:
         self._paths.release()
 
     def export_ahead(self, only: Sequence[str] | None = None) -> threading.Thread | None:
-        """Have every PS agent (or those in ``only``) write its restore files for the tier's state now, in the
-        background (:meth:`RestoreAnswers.export_ahead`)."""
+        """The PS agents write the restore's files now, in the background (:meth:`RestoreAnswers.export_ahead`)."""
         return self._answers.export_ahead(only)
 
     @property
     def heartbeat(self) -> Path:
-        """The trainer's heartbeat file, in the spool folder this agent holds (its path may name another folder by
-        now: :meth:`_check_held`)."""
+        """The trainer's heartbeat file, in the spool folder this agent holds (not whatever is at its path now)."""
         return self._paths.heartbeat
 
     def __enter__(self) -> SpoolServer:
