@@ -118,6 +118,8 @@ class _Run:
         self.store_errors: Any = None  # the HTTP proxy that answers the store's errors (a store-errors fault)
         self._dead_noted: set[tuple[str, int]] = set()
         self.pids_seen: set[int] = set()
+        # Processes this one already ran (a test session's servers and clusters): not the run's, never killed.
+        self._pids_before = descendants(os.getpid())
         self.ports: list[int] = []
         self.storage: Any = None
         self.store_url = ""
@@ -353,7 +355,7 @@ class _Run:
                     nemesis.job_ended()
             now = time.monotonic()
             if now - last_pids > 0.5:
-                self.pids_seen |= descendants(os.getpid())
+                self.note_pids()
                 last_pids = now
             elapsed = None if self.started_at is None else now - self.started_at
             if self.step is not None and now - last_line > 5:
@@ -415,7 +417,7 @@ class _Run:
             with contextlib.suppress(HistoryError):
                 nemesis.heal_all()
         for agent in sorted(self.agents.values(), key=lambda a: a.name != "chief"):  # chief first: drains
-            self.pids_seen |= descendants(os.getpid())
+            self.note_pids()
             try:
                 agent.stop()
             except Exception as e:  # keep stopping the others
@@ -501,8 +503,12 @@ class _Run:
 
     def stop_storage(self) -> None:
         if self.storage is not None:
-            self.pids_seen |= descendants(os.getpid())
+            self.note_pids()
             self.storage.close()
+
+    def note_pids(self) -> None:
+        """Record the processes the run started (every descendant but those alive before it)."""
+        self.pids_seen |= descendants(os.getpid()) - self._pids_before
 
     def cleanup_audit(self) -> None:
         self.history.append(HARNESS, "invoke", "cleanup", {})

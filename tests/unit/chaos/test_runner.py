@@ -102,3 +102,26 @@ def test_store_errors_come_from_a_proxy_in_front_of_the_one_the_network_faults_u
             run.store_errors.close()
         run.stop_storage()
         run.history.close()
+
+
+def test_a_run_counts_and_kills_only_the_processes_it_started(tmp_path: Path) -> None:
+    """CI: a chaos run inside a pytest worker that already ran the shared TF cluster counted that cluster's PS and
+    worker as its own, reported them leaked and SIGKILLed them, and every later test of the lane met a dead PS.
+    Processes alive before the run are not the run's."""
+    import subprocess
+    import sys
+
+    doc = {"name": "t", "proves": "x", "faults": [{"action": "kill", "target": "ps:0", "at_step": 10}]}
+    before = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        run = _Run(from_data(Scenario, doc, source="t.yaml"), tmp_path, seed=0, job=DEFAULT_JOB, faults=True,
+                   say=print)  # fmt: skip
+        mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        run.note_pids()
+        assert mine.pid in run.pids_seen and before.pid not in run.pids_seen
+        run.kill_leftovers()
+        assert mine.wait(timeout=30) == -9
+        assert before.poll() is None  # not the run's: left alone
+    finally:
+        before.kill()
+        before.wait()
