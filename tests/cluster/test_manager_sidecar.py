@@ -361,7 +361,7 @@ def test_under_an_agent_without_a_store_the_manager_writes_its_directory_and_say
         train_local(emb, dense, ckpt, np.random.default_rng(3))
         m.save(5).result(timeout=60)
     assert any(
-        r.levelname == "WARNING" and "started without --store" in r.getMessage() and f"--store {url}" in r.getMessage()
+        r.levelname == "WARNING" and "has no --store" in r.getMessage() and f"--store {url}" in r.getMessage()
         for r in caplog.records
     )
     with Store.open(url) as store:
