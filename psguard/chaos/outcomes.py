@@ -225,7 +225,7 @@ class _Timeline:
         return every + chunk + self.trained_through_store_outage(fault.start)
 
     def step_at(self, t: float) -> int:
-        return max((int(o.value["step"]) for o in self.trains if o.end is not None and o.end <= t), default=0)
+        return _step_at(self.trains, t)
 
     def trained_through_store_outage(self, t: float) -> int:
         """Steps trained between the start of a store outage still on at ``t`` (or healed after the newest
@@ -248,6 +248,11 @@ class _Timeline:
         return back_to_normal(after, self.normal, not_before=first_capture, excluded=self.harness)
 
 
+def _step_at(trains: Sequence[Op], t: float) -> int:
+    """The step training had reached at ``t``: the newest ``train`` chunk completed by then (0 before any)."""
+    return max((int(o.value["step"]) for o in trains if (o.end or 0) <= t), default=0)
+
+
 def _outcome(reach: _Reach, reaches: Sequence[_Reach], trains: Sequence[Op]) -> dict[str, Any]:
     """The report's row for one fault, with the faults that share its restore or overlap it."""
     fault, t, heal, resumed, restore = reach.op, reach.t, reach.heal, reach.resumed, reach.restore
@@ -257,8 +262,7 @@ def _outcome(reach: _Reach, reaches: Sequence[_Reach], trains: Sequence[Op]) -> 
         r for r in reaches if _group(r.op) != _group(fault) and r.op.start <= reach.until and fault.start <= r.until
     ]
     if restore is not None:
-        done_before = [int(o.value["step"]) for o in trains if (o.end or 0) <= restore.start]
-        lost = max(0, max(done_before, default=0) - int(restore.value.get("step", 0)))
+        lost = max(0, _step_at(trains, restore.start) - int(restore.value.get("step", 0)))
     return {
         "fault": fault.f,
         "target": fault.value.get("target"),
