@@ -259,6 +259,33 @@ def test_restart_during_backoff_starts_now_and_stop_during_backoff_is_prompt(
     assert s.status().state is SupervisorState.STOPPED
 
 
+def test_supervision_holds_with_descriptors_past_1024(
+    supervisors: list[Supervisor], events: Events, tmp_path: Path
+) -> None:
+    """Was: an agent flooded on its control port held over 1024 descriptors, the supervisor's ``select()``
+    refused its pidfd and the agent exited 1. Its waits, the task's exit and a stop, work past 1024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.fail(f"this machine allows {hard} descriptors: the test needs 1200")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        ran = tmp_path / "ran"
+        s = make(supervisors, sh(f"[ -e {ran} ] && exec sleep 300; touch {ran}; exit 3"), on_event=events)
+        s.start()
+        assert events.wait(EventKind.EXITED).exit_code == 3
+        events.wait(EventKind.RESTARTED)
+        started = time.monotonic()
+        status = s.stop()
+        assert status.state is SupervisorState.STOPPED and time.monotonic() - started < 5
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_a_command_that_cannot_start_is_a_spawn_error(tmp_path: Path) -> None:
     with pytest.raises(SpawnError, match="no-such-program-psguard"):
         Supervisor(["no-such-program-psguard", "--flag"]).start()

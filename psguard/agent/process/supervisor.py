@@ -22,6 +22,7 @@ import collections
 import contextlib
 import enum
 import logging
+import math
 import os
 import select
 import shlex
@@ -528,8 +529,7 @@ class Supervisor:
                     self._reap_adopted()
                     poll = _REAP_EVERY if poll is None else poll
                 wait = remaining if poll is None else poll if remaining is None else min(poll, remaining)
-                readable, _, _ = select.select(fds, [], [], wait)
-                if self._wake_r in readable:
+                if self._wake_r in _readable(fds, wait):
                     self._drain_wake()
         finally:
             if pidfd is not None:
@@ -579,8 +579,7 @@ class Supervisor:
                 time.sleep(0.05)  # polling the real condition: no pidfd on this kernel
             return True
         try:
-            readable, _, _ = select.select([pidfd], [], [], timeout)
-            return bool(readable)
+            return bool(_readable([pidfd], timeout))
         finally:
             os.close(pidfd)
 
@@ -693,3 +692,14 @@ class Supervisor:
             if fd >= 0:
                 os.close(fd)
         self._wake_r = self._wake_w = -1
+
+
+def _readable(fds: list[int], timeout: float | None) -> set[int]:
+    """The descriptors of ``fds`` ready to read within ``timeout`` seconds (None: no limit). ``poll``, not
+    ``select``: an agent holding many connections (a flood on its control port) has descriptors past 1024, which
+    ``select`` refuses, and the supervisor died of it."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN | select.POLLERR | select.POLLHUP)
+    ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+    return {fd for fd, _ in poller.poll(ms)}
