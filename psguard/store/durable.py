@@ -146,14 +146,14 @@ class DurableWriter:
         updates: Mapping[str, Any],
         *,
         whole: bool,
-        new_base: bool = False,
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
         payload_bytes: int | None = None,
         parts: Callable[[str | None], Any] | None = None,
     ) -> CheckpointInfo:
-        """Commit ``updates`` whole or as a delta over the last commit; then, for a compacting writer, a new base
-        in storage when ``new_base`` or the rule asks, and the retention. Returns the commit of ``updates``.
+        """Commit ``updates`` whole or as a delta over the last commit. The caller acknowledges the commit, then
+        calls :meth:`tidy`: compaction and retention (a gc that verifies what it keeps) stay off the path a held
+        trainer waits on.
 
         ``parts``: called inside the open transaction with the checkpoint to dedup against, it returns the PS agents'
         part entries. ``payload_bytes``: the delta's logical bytes, for the rule. ``ParentMissingError`` when a delta
@@ -189,7 +189,13 @@ class DurableWriter:
                 self.forget()
                 raise
             self._record(info, payload_bytes)
-            if info.kind == "delta" and self.compact and (new_base or self.base_rule(self.state, step)):
+            return info
+
+    def tidy(self, info: CheckpointInfo, *, new_base: bool = False) -> None:
+        """After the commit ``info`` (the last :meth:`save`): for a compacting writer, a new base in storage when
+        ``new_base`` or the rule asks; then the retention."""
+        with self._saving:
+            if info.kind == "delta" and self.compact and (new_base or self.base_rule(self.state, info.step)):
                 try:
                     compacted = self.store.compact(info.id)
                 except PsguardError as e:
@@ -198,7 +204,6 @@ class DurableWriter:
                     if compacted is not None:
                         self._record(compacted, None)
             self._retain(self.last or info)
-            return info
 
     def _record(self, info: CheckpointInfo, payload_bytes: int | None) -> None:
         with self._lock:

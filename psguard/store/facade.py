@@ -75,6 +75,7 @@ class Store:
         self.chunk_grace = lock_ttl if chunk_grace is None else chunk_grace
         self._pool = ThreadPoolExecutor(max_workers=io_threads, thread_name_prefix="psguard-io")
         self._index = Index(backend)
+        self._verified: dict[str, float] = {}  # chunks gc verified, for retention after commits (Collector)
         self._reader = Reader(self._index, self._pool)
         self._writer = Writer(
             self._index, self._pool, chunk_bytes=chunk_bytes, inflight_bytes=inflight_bytes, lock_ttl=lock_ttl
@@ -169,7 +170,9 @@ class Store:
     gc = _routed(lambda store: store._collector(), Collector.gc)
 
     def _collector(self) -> Collector:
-        return Collector(self._index, self._pool, lock_ttl=self.lock_ttl, chunk_grace=self.chunk_grace)
+        return Collector(
+            self._index, self._pool, lock_ttl=self.lock_ttl, chunk_grace=self.chunk_grace, verified=self._verified
+        )
 
     # ----------------------------------------------------------------------------------------------- compaction
     def compact(self, checkpoint_id: str | None = None) -> CheckpointInfo | None:

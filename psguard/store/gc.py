@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +30,10 @@ from psguard.store.writer import Writer
 from psguard.tensors import FullStream, TensorUpdate
 
 log = logging.getLogger(__name__)
+
+#: How long retention after a commit trusts a chunk this store verified (content-addressed, so only storage damage
+#: can change it): each commit's retention then reads the chunks it has not seen, not the whole chain again.
+TRUST_VERIFIED_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
@@ -57,14 +62,24 @@ class Collector(IndexJob):
     """gc of one store, through its :class:`Index`, verifying on a pool of I/O threads.
 
     ``lock_ttl`` is the lease gc holds and judges writers' leases by; unreferenced chunks younger than
-    ``chunk_grace`` (storage clock) are left alone.
+    ``chunk_grace`` (storage clock) are left alone. ``verified``: the store's chunks that verified, with when
+    (monotonic), which :meth:`retain` trusts for ``TRUST_VERIFIED_SECONDS``; an explicit :meth:`gc` reads all.
     """
 
-    def __init__(self, index: Index, pool: ThreadPoolExecutor, *, lock_ttl: float, chunk_grace: float) -> None:
+    def __init__(
+        self,
+        index: Index,
+        pool: ThreadPoolExecutor,
+        *,
+        lock_ttl: float,
+        chunk_grace: float,
+        verified: dict[str, float] | None = None,
+    ) -> None:
         self.index = index
         self.pool = pool
         self.lock_ttl = lock_ttl
         self.chunk_grace = chunk_grace
+        self.verified = verified if verified is not None else {}
 
     def retain(
         self,
@@ -76,14 +91,15 @@ class Collector(IndexJob):
         mode: Literal["min", "max"] = "min",
     ) -> GcReport | None:
         """A writer's retention after each commit (a policy file's ``retention:`` keys). Skips the gc when nothing
-        can go (no rule, or no more checkpoints than ``keep_last``); ``None`` then."""
+        can go (no rule, or no more checkpoints than ``keep_last``); ``None`` then. Its cost follows the commit,
+        not the store: chunks verified within ``TRUST_VERIFIED_SECONDS`` are not read again, and the chunk sweep
+        (a listing of every chunk) runs only when a checkpoint went; leftovers wait for that, or an explicit gc."""
         if keep_last is None and keep_every_hours is None and keep_best is None:
             return None
         if keep_last is not None and len(self.index.checkpoint_ids()) <= keep_last:
             return None
-        return self.gc(
-            keep_last=keep_last, keep_every_hours=keep_every_hours, keep_best=keep_best, metric=metric, mode=mode
-        )
+        rules = self._rules(keep_last, keep_every_hours, keep_best, metric, mode)
+        return self._leased(rules, dry_run=False, after_commit=True)
 
     def gc(
         self,
@@ -95,10 +111,21 @@ class Collector(IndexJob):
         mode: Literal["min", "max"] = "min",
         dry_run: bool = False,
     ) -> GcReport:
-        """Apply retention: delete checkpoints not kept (manifests first), then unreferenced chunks.
+        """Apply retention: delete checkpoints not kept (manifests first), then unreferenced chunks. Verifies every
+        chunk a kept checkpoint needs.
 
         Every parent a kept checkpoint needs is kept. Chunk deletion is deferred while a writer is active.
         """
+        return self._leased(self._rules(keep_last, keep_every_hours, keep_best, metric, mode), dry_run, False)
+
+    @staticmethod
+    def _rules(
+        keep_last: int | None,
+        keep_every_hours: float | None,
+        keep_best: int | None,
+        metric: str | None,
+        mode: Literal["min", "max"],
+    ) -> dict[str, Any]:
         if keep_last is None and keep_every_hours is None and keep_best is None:
             raise ConfigError("gc needs a retention rule: keep_last, keep_every_hours or keep_best")
         if keep_every_hours is not None and not (math.isfinite(keep_every_hours) and keep_every_hours > 0):
@@ -112,10 +139,13 @@ class Collector(IndexJob):
             raise ConfigError("keep_last must be at least 1 (retention that keeps nothing is refused)")
         rules: dict[str, Any] = {"keep_last": keep_last, "keep_every_hours": keep_every_hours, "keep_best": keep_best}
         rules.update(metric=metric, mode=mode)
+        return rules
+
+    def _leased(self, rules: Mapping[str, Any], dry_run: bool, after_commit: bool) -> GcReport:
         lease = acquire_gc_lease(self.backend, self.lock_ttl)
         keeper = LeaseKeeper(lease).start()
         try:
-            return self._collect(rules, dry_run, keeper, judging_now(self.backend, GC_LOCK))
+            return self._collect(rules, dry_run, keeper, judging_now(self.backend, GC_LOCK), after_commit)
         except LeaseLostError as e:
             raise PsguardError(f"gc on {self.index.url} stopped: {e}. Nothing more was deleted; run gc again") from e
         finally:
@@ -123,14 +153,17 @@ class Collector(IndexJob):
             lease.release()
 
     def _select(
-        self, infos: Sequence[CheckpointInfo], rules: Mapping[str, Any]
+        self, infos: Sequence[CheckpointInfo], rules: Mapping[str, Any], trust: bool = False
     ) -> tuple[set[str], dict[str, VerifyReport]]:
         """The checkpoints to keep, chosen among those that verify; and every verification done.
 
         A candidate the rules keep that fails verification is dropped and the rules choose again, so keep-last N keeps
         N *restorable* checkpoints. When nothing verifies, everything is kept: it may be the only copy to salvage."""
         reports: dict[str, VerifyReport] = {}
-        chunk_results: dict[str, str | None] = {}
+        since = time.monotonic() - TRUST_VERIFIED_SECONDS
+        for h in [h for h, at in self.verified.items() if at < since]:
+            del self.verified[h]
+        chunk_results: dict[str, str | None] = dict.fromkeys(self.verified) if trust else {}
 
         def restorable(cid: str) -> bool:
             if cid not in reports:
@@ -156,12 +189,18 @@ class Collector(IndexJob):
         if pool and not chosen:
             log.error("event=gc_nothing_restorable store=%s action='keeping every checkpoint'", self.index.url)
             chosen = {i.id for i in infos}
+        now = time.monotonic()
+        self.verified.update(
+            (h, now) for h, problem in chunk_results.items() if problem is None and h not in self.verified
+        )
         return chosen, reports
 
-    def _collect(self, rules: Mapping[str, Any], dry_run: bool, keeper: LeaseKeeper, now: float) -> GcReport:
+    def _collect(
+        self, rules: Mapping[str, Any], dry_run: bool, keeper: LeaseKeeper, now: float, after_commit: bool = False
+    ) -> GcReport:
         unreadable: list[str] = []
         infos = self.index.checkpoints(on_error=lambda cid, e: unreadable.append(cid))
-        chosen, reports = self._select(infos, rules)
+        chosen, reports = self._select(infos, rules, trust=after_commit)
         corrupt = tuple(p for r in reports.values() if not r.ok for p in r.problems)
         for r in (r for r in reports.values() if not r.ok):
             log.warning(
@@ -183,8 +222,9 @@ class Collector(IndexJob):
             self._delete_checkpoints(doomed, {i.id: i.chain_length for i in infos})
         deleted_chunks = young = 0
         late: list[str] = []
-        # A live writer may be about to reference any chunk; an unreadable manifest may reference any chunk.
-        deferred = bool(writers) or bool(unreadable)
+        # A live writer may be about to reference any chunk; an unreadable manifest may reference any chunk. After
+        # a commit that made nothing go, only leftovers could: they wait for the next deletion.
+        deferred = bool(writers) or bool(unreadable) or (after_commit and not doomed)
         if not deferred:
             keeper.confirm()  # still our lease, just refreshed: no other gc runs beside this one
             # A second look, after the deletions: commits and writers that appeared since the first listing.

@@ -302,7 +302,6 @@ class StoreSink:
                     job.step,
                     job.updates,
                     whole=all(isinstance(u, Full) for u in job.updates.values()),
-                    new_base=Tier.BASE in job.tiers,
                     metadata=job.metadata,
                     metrics=job.metrics,
                 )
@@ -322,6 +321,10 @@ class StoreSink:
             else:
                 for h in job.handles:
                     h.future.set_result(info)
+                try:  # after the acknowledgment: a held trainer goes on while compaction and retention run
+                    self.writer.tidy(info, new_base=Tier.BASE in job.tiers)
+                except Exception:
+                    log.exception("compaction or retention after %s failed", info.id)
             finally:
                 with self._cond:
                     self._busy = False

@@ -214,6 +214,12 @@ class Persister:
             self._join()
             return True
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is asked or in flight, the retention after the last commit included (a commit is
+        acknowledged before it): False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._in_flight is None and self._pending is None, timeout)
+
     def status(self) -> PersisterStatus:
         with self._cond:
             last_step = self._last.step if self._last else None
@@ -272,6 +278,7 @@ class Persister:
                 with self._cond:
                     self._in_flight = None
                     self._phase = None
+                    self._cond.notify_all()
 
     def _serve(self, batch: PersistHandle) -> None:
         t0 = time.perf_counter()
@@ -313,6 +320,8 @@ class Persister:
             )
         )
         batch.set_result(info)
+        if fresh and info is not None:  # acknowledged: retention (a verifying gc) runs after, off the held path
+            self.writer.tidy(info)
 
     def _take(self, *, base: bool) -> tuple[DirtyTake | None, tuple[tuple[str, ...], str] | None]:
         """What the log lacks, from this tier and (with shards) from every PS agent's, at one capture's state."""

@@ -82,6 +82,7 @@ def commit(session: Session, dw: DurableWriter, step: int, *, whole: bool, keep_
         {n: Full(v) for n, v in state(seed, step).items()} if whole else delta(seed, step)
     )
     info = dw.save(step, updates, whole=whole)
+    dw.tidy(info)
     made = [[info.id, info.step]]
     if dw.last is not None and dw.last.id != info.id:
         made.append([dw.last.id, dw.last.step])  # compacted after it

@@ -92,6 +92,7 @@ def test_durable_options_open_the_store_and_keep_what_retention_says(
     assert m.store is store and m.new_base_after == 2 and m.retention == Retention(keep_last=1)
     for step in (1, 2, 3):
         m.save(step).result(timeout=60)
+    m.wait(60)  # the retention after the last commit too
     assert [c.step for c in store.checkpoints()][-1] == 3 and len(store.checkpoints()) < 3
     m.close()
     assert store.latest() is not None  # a given store is left open

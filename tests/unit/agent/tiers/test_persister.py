@@ -416,6 +416,7 @@ def test_retention_asked_by_the_trainer_is_applied_after_each_commit(store: Stor
                 meta = keep if k < 6 else bad
                 assert tier.apply(advance(truth, k), step=k, token=f"g-{k}", parent=f"g-{k - 1}", metadata=meta).ok
             assert p.request(k).result(timeout=30) is not None
+            assert p.wait_idle(30)  # the retention runs after the commit's acknowledgment
             kept.append(sorted(i.step for i in store.checkpoints()))
     # bases at 1 and 4 (max_chain 2): keep_last=2 keeps the newest two and the chains they are built on;
     # the malformed request at step 6 is ignored (a warning), never applied half-way
@@ -508,9 +509,12 @@ def test_the_status_says_what_the_write_in_flight_is(store: Store, backend: Gate
                 st = p.status()
                 phases.append(st.phase)
                 assert st.in_flight
+                if k == 4:  # the commit is acknowledged while its retention still waits: a held trainer goes on
+                    assert handle.result(timeout=30) is not None and p.status().in_flight
             finally:
                 backend.gate.set()
             assert handle.result(timeout=30) is not None
+            assert p.wait_idle(30)  # this step's retention too, before the next gates another write
         assert p.status().phase is None and not p.status().in_flight
     # 1: the log's first base; 2: a delta over it; 3: a new base (max_chain 1); 4: its delta's commit is done and
     # the retention's gc (keep_last 1) holds its lease
