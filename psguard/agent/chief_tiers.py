@@ -30,8 +30,6 @@ if TYPE_CHECKING:  # numpy and the storage clients: only the chief's agent loads
     from psguard.agent.tiers.spool_server import SpoolEvent, SpoolServer
     from psguard.store import Store
 
-__all__ = ["ChiefTiers"]
-
 log = logging.getLogger(__name__)
 
 

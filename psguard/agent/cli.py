@@ -19,8 +19,6 @@ from psguard.config import load_yaml
 from psguard.errors import ConfigError
 from psguard.handoff.client import read_token
 
-__all__ = ["main", "register"]
-
 
 def register(sub: Any) -> None:
     p = sub.add_parser(

@@ -20,17 +20,6 @@ from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.config import Duration
 from psguard.errors import ConfigError
 
-__all__ = [
-    "ROLES",
-    "AgentConfig",
-    "HttpConfig",
-    "PeersConfig",
-    "PersistConfig",
-    "load_cluster",
-    "task_from_tf_config",
-    "validate_cluster",
-]
-
 ROLES = ("chief", "ps", "worker")
 
 _CLUSTER_KEYS = (*ROLES, "evaluator")

@@ -20,8 +20,6 @@ if TYPE_CHECKING:  # numpy, loaded with the shards (a worker's agent never keeps
     from psguard.agent.tiers.shard_client import ShardClient
     from psguard.agent.tiers.shards import ShardKeeper
 
-__all__ = ["PeerLink", "copies_status", "serve_shards"]
-
 
 def _json_handler(fn: Callable[[dict[str, Any]], dict[str, Any] | bytes | Pieces]) -> Callable[[Request], Response]:
     """An HTTP handler for a method that takes a JSON object and answers one (or a frame: bytes, pieces); bad

@@ -52,8 +52,6 @@ if TYPE_CHECKING:  # the chief's parts import numpy and storage clients: only th
     from psguard.agent.tiers.shards import ShardKeeper
     from psguard.store.opening import StoreOpening
 
-__all__ = ["Agent"]
-
 log = logging.getLogger(__name__)
 
 # How long a PS agent holds back its store's open (its imports) for a fetch of its shards from a peer's copy.

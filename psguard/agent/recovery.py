@@ -35,8 +35,6 @@ from psguard.agent.process.prober import Health, HealthMonitor, HealthReport
 from psguard.agent.process.supervisor import Supervisor
 from psguard.handoff.plan import Facts, Failure, Process, TaskReport, plan, reported_moment
 
-__all__ = ["Recovery", "shards_mapped"]
-
 log = logging.getLogger(__name__)
 
 

@@ -12,8 +12,6 @@ from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, 
 from psguard.agent.process.supervisor import Supervisor
 from psguard.agent.recovery import Recovery, shards_mapped
 
-__all__ = ["Routes"]
-
 log = logging.getLogger(__name__)
 
 

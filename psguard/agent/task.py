@@ -27,8 +27,6 @@ from psguard.handoff.contract import (
     default_spool_dir,
 )
 
-__all__ = ["server_command", "task_env", "task_probes", "task_record"]
-
 
 def server_command(cluster: Mapping[str, Sequence[str]], role: str, index: int) -> list[str]:
     """The built-in PS / worker task: a ``tf.distribute.Server`` that dies with this agent."""

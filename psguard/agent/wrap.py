@@ -41,8 +41,6 @@ from psguard.handoff.credentials import create_token_file, read_secret_file
 from psguard.run_folder import drop_memory_folders, memory_folder
 from psguard.storage.registry import split_url
 
-__all__ = ["CHIEF_CONFIG", "NO_STORE_WARNING", "WrapError", "main", "register", "run"]
-
 #: The chief's agent settings when ``--config`` is not given: a local cluster, so short probe intervals and
 #: backoffs; three crashes within five minutes end the run (a script with a bug should not loop for long).
 CHIEF_CONFIG = """\

@@ -419,7 +419,7 @@ def test_stop_from_an_event_callback(supervisors: list[Supervisor], events: Even
 # writes its pid to serving.<pid>, so a test can tell which process took over.
 STANDBY_TASK = """
 import os, pathlib, signal, sys
-from psguard.agent.process.standby import is_standby, wait_for_go
+from psguard.handoff.standby import is_standby, wait_for_go
 if is_standby() and not wait_for_go():
     sys.exit(0)
 pathlib.Path(sys.argv[1], f"serving.{os.getpid()}").write_text("")

@@ -24,8 +24,6 @@ from psguard.errors import PsguardError
 from psguard.handoff.contract import HANG_DUMP_SIGNAL
 from psguard.local_files import read_regular
 
-__all__ = ["Hang", "HangWatch"]
-
 log = logging.getLogger(__name__)
 
 

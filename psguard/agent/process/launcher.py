@@ -27,16 +27,6 @@ peers: {ready_timeout: 180, probe: {interval: 1.0, deadline: 1.0}}
 persister: {retry_after: 1}
 """
 
-__all__ = [
-    "AGENT_CONFIG",
-    "AgentProcess",
-    "LaunchError",
-    "ProgressReader",
-    "run_token_file",
-    "with_peers",
-    "write_cluster",
-]
-
 
 def with_peers(config: str, **peers: object) -> str:
     """An agent's settings (YAML) with these ``peers:`` keys set over its own: the chaos runner and the recovery

@@ -13,17 +13,6 @@ from psguard.config import Check, Duration, validate
 from psguard.errors import PsguardError
 from psguard.handoff.contract import EXIT_RESTART
 
-__all__ = [
-    "FINAL_STATES",
-    "EventKind",
-    "SpawnError",
-    "SupervisorConfig",
-    "SupervisorEvent",
-    "SupervisorState",
-    "SupervisorStatus",
-    "describe_exit",
-]
-
 
 class SpawnError(PsguardError):
     """The task's command could not be started at all (no such file, not executable, bad working directory)."""

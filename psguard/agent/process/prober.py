@@ -39,21 +39,6 @@ from psguard.ports import self_connected
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = [
-    "GET_STATUS_METHOD",
-    "GrpcStatusProbe",
-    "Health",
-    "HealthMonitor",
-    "HealthReport",
-    "HttpProbe",
-    "MonitorConfig",
-    "MonitorStatus",
-    "Probe",
-    "ProbeResult",
-    "ProcessProbe",
-    "TcpProbe",
-]
-
 log = logging.getLogger(__name__)
 
 GET_STATUS_METHOD = "/tensorflow.WorkerService/GetStatus"

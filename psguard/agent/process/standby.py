@@ -21,9 +21,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from psguard.handoff.standby import GO, READY_ENV, STANDBY_ENV, is_standby, wait_for_go
-
-__all__ = ["GO", "READY_ENV", "STANDBY_ENV", "Standby", "is_standby", "wait_for_go", "warm_trainer_command"]
+from psguard.handoff.standby import GO, READY_ENV, STANDBY_ENV
 
 log = logging.getLogger(__name__)
 

@@ -56,8 +56,6 @@ from psguard.handoff.contract import EXIT_OK
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["Supervisor"]
-
 log = logging.getLogger(__name__)
 
 

@@ -14,8 +14,6 @@ import shutil
 import threading
 from pathlib import Path
 
-__all__ = ["TaskLog"]
-
 log = logging.getLogger(__name__)
 
 

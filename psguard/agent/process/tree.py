@@ -23,8 +23,6 @@ from psguard.agent.process import reaper
 from psguard.agent.process.lifecycle import SpawnError
 from psguard.handoff.credentials import ensure_private_dir
 
-__all__ = ["TaskTree", "pdeathsig_prefix"]
-
 log = logging.getLogger(__name__)
 
 # Parent-death signal without ``preexec_fn`` (unsafe in a threaded process: the child may deadlock on a lock
