@@ -58,8 +58,6 @@ from psguard.trainer.write_tracking import (
     write_hook,
 )
 
-__all__ = ["Capturer"]
-
 log = logging.getLogger(__name__)
 
 #: Below this many bytes per row a per-row fingerprint (8 bytes) costs more memory than the rows it guards.

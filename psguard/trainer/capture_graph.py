@@ -25,9 +25,6 @@ from psguard.trainer.variables import lazy_tf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Functions", "Plan", "ShardPlan", "ShardVars", "TensorPlan", "functions_for", "nonzero_rows"]
-__all__ += ["capture_specs", "join_warming", "unoptimized_calls", "warm_functions"]
-
 #: Bytes a row id costs on the wire and in a delta; part of the Rows-or-Full decision.
 _ID_BYTES = 8
 

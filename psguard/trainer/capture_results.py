@@ -14,8 +14,6 @@ from psguard.handoff.parts import Kind, PartCapture, ShardFiles, ShardKey, task_
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.variables import TensorInfo, concat_parts, to_numpy, writable
 
-__all__ = ["CaptureStats", "Primary", "assemble", "capture_stats", "part_files"]
-
 
 class Primary(Protocol):
     """A tensor the capture function answered for (the capturer's tracked tensor)."""

@@ -15,8 +15,6 @@ from typing import Any
 
 from psguard.trainer.variables import lazy_tf
 
-__all__ = ["DeferredInit", "deferred_initial_values", "note_restored"]
-
 #: Variables (each shard of a sharded one) smaller than this are initialised as the model says: cheap, and
 #: small ones (metrics, counters) are the ones a checkpoint may not cover.
 MIN_BYTES = 16 << 20

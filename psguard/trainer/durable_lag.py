@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from psguard.policy.lag import LagBound
 from psguard.trainer.sinks import SaveHandle
 
-__all__ = ["LagGuard", "LagStatus"]
-
 log = logging.getLogger(__name__)
 
 #: Seconds between the progress lines of a long hold (a 1 GB base on object storage takes a minute).

@@ -28,8 +28,6 @@ from psguard.store import CheckpointInfo, Store
 from psguard.trainer.follower import Follower
 from psguard.trainer.variables import gather_variables
 
-__all__ = ["SidecarEvaluator"]
-
 log = logging.getLogger(__name__)
 
 _ITERATIONS_UNINITIALIZED = -1

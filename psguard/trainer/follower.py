@@ -28,8 +28,6 @@ from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.variables import TensorInfo, gather_variables, lazy_tf, list_tensors
 
-__all__ = ["FollowStats", "Follower"]
-
 log = logging.getLogger(__name__)
 
 _SHOWN = 5  # names of tensors left alone in the log line (all of them are in ``Follower.left_alone``)

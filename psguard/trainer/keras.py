@@ -47,8 +47,6 @@ from psguard.trainer.options import (
 )
 from psguard.trainer.sinks import SinkKind
 
-__all__ = ["CheckpointCallback", "FitPosition", "KerasSupportError"]
-
 log = logging.getLogger(__name__)
 
 _UNSET = object()

@@ -22,17 +22,6 @@ from psguard.policy.files import HangSpec
 if TYPE_CHECKING:
     from psguard.store import Store
 
-__all__ = [
-    "CallbackOptions",
-    "CaptureOptions",
-    "DeprecatedCallbackArgs",
-    "DeprecatedManagerArgs",
-    "ManagerOptions",
-    "Moved",
-    "apply_deprecated",
-    "manager_options_from",
-]
-
 Opts = TypeVar("Opts")
 
 

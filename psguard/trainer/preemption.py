@@ -16,8 +16,6 @@ from typing import Any
 from psguard.errors import PsguardError
 from psguard.policy.engine import SaveContext
 
-__all__ = ["PreemptionHandler"]
-
 logger = logging.getLogger(__name__)
 
 

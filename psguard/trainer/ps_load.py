@@ -25,8 +25,6 @@ from psguard.trainer.variables import lazy_tf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["can_map", "load_function", "run_load", "trace_load"]
-
 _LOADS_LOCK = threading.Lock()  # Functions.loads: the loads traced per plan
 
 

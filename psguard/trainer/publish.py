@@ -33,8 +33,6 @@ from psguard.trainer.export import ExportFolder
 from psguard.trainer.follower import delta_bytes, full_bytes
 from psguard.trainer.variables import writable
 
-__all__ = ["Published", "Publisher", "register"]
-
 log = logging.getLogger(__name__)
 
 

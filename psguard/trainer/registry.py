@@ -15,8 +15,6 @@ from typing import Any, Protocol
 
 from psguard.errors import PsguardError
 
-__all__ = ["ManagerRegistry", "process_managers"]
-
 log = logging.getLogger(__name__)
 
 

@@ -24,8 +24,6 @@ from psguard.handoff.tensor_bundle import BUNDLE_KEY
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.variables import VARIABLE_SUFFIX, gather_variables, lazy_tf, list_tensors, unwrap
 
-__all__ = ["DeferredRestore", "RestoreStatus", "strip_restored"]
-
 log = logging.getLogger(__name__)
 
 

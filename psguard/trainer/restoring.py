@@ -40,8 +40,6 @@ from psguard.trainer.restore_status import DeferredRestore, RestoreStatus, read_
 from psguard.trainer.sinks import AgentSink, Sink
 from psguard.trainer.variables import assign_existing, to_int
 
-__all__ = ["STORE_CHECK_SECONDS", "RestoreInfo", "RestoreSide", "hook_restore"]
-
 tf: Any = import_optional("tensorflow")
 
 log = logging.getLogger(__name__)

@@ -28,19 +28,6 @@ from psguard.store.durable import ChainState, DurableWriter
 from psguard.tensors import Full, Rows, TensorUpdate, merge_updates
 from psguard.trainer.spool_writer import CaptureHandle, SpoolWriter
 
-__all__ = [
-    "NEW_BASE_AFTER",
-    "AgentSink",
-    "Job",
-    "MemoryCheckpoint",
-    "SaveHandle",
-    "Sink",
-    "SinkChoice",
-    "SinkKind",
-    "StoreSink",
-    "choose_sink",
-]
-
 log = logging.getLogger(__name__)
 
 #: Deltas after which the chain gets a new base when the manager sets none (the agent's ``max_chain`` default too).

@@ -50,8 +50,6 @@ from psguard.handoff.spool import (
 )
 from psguard.local_files import open_regular, read_regular
 
-__all__ = ["CaptureHandle", "RestoreHandle", "SpoolWriter"]
-
 log = logging.getLogger(__name__)
 
 #: Sequence numbers stay below this (18 digits): a larger one in the spool is garbage, not a number to follow.

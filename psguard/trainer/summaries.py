@@ -24,8 +24,6 @@ from psguard.tensors import Full, Rows, TensorUpdate
 from psguard.trainer.durable_lag import LagStatus
 from psguard.trainer.variables import TensorInfo
 
-__all__ = ["Summaries", "handed_off_bytes"]
-
 tf: Any = import_optional("tensorflow")
 
 log = logging.getLogger(__name__)

@@ -13,17 +13,6 @@ import numpy as np
 
 from psguard.errors import ConfigError, TensorMismatchError
 
-__all__ = [
-    "VARIABLE_SUFFIX",
-    "Shard",
-    "TensorInfo",
-    "bitwise_equal",
-    "gather_variables",
-    "list_tensors",
-    "read_tensors",
-    "restore",
-]
-
 log = logging.getLogger(__name__)
 
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"

@@ -16,8 +16,6 @@ import sys
 
 from psguard.handoff.standby import READY_ENV, STANDBY_ENV, wait_for_go
 
-__all__ = ["main"]
-
 
 def _usage() -> int:
     print("usage: python -m psguard.trainer.warm SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)

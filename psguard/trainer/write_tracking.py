@@ -14,17 +14,6 @@ from typing import Any
 
 from psguard.trainer.variables import Shard, lazy_tf
 
-__all__ = [
-    "DirtyRows",
-    "SlotGroup",
-    "StepCounter",
-    "apply_hook",
-    "find_optimizers",
-    "slot_groups",
-    "update_hook",
-    "write_hook",
-]
-
 log = logging.getLogger(__name__)
 
 #: Variable methods that write the rows named by their first argument (an ``IndexedSlices``).
