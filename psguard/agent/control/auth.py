@@ -17,8 +17,6 @@ from typing import Any, Protocol
 from psguard.errors import ConfigError
 from psguard.handoff.credentials import read_secret_file
 
-__all__ = ["CONTROL", "MIN_TOKEN_LENGTH", "READ", "SCOPES", "Authenticator", "JwtAuth", "TokenAuth", "check_token"]
-
 log = logging.getLogger(__name__)
 
 READ = "read"

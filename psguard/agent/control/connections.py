@@ -39,18 +39,6 @@ from email.utils import formatdate
 from http import HTTPStatus
 from typing import Any
 
-__all__ = [
-    "HEAD_LIMIT",
-    "LISTEN_BACKLOG",
-    "Connection",
-    "Head",
-    "Intake",
-    "answer_head",
-    "listen",
-    "parse_head",
-    "target_path",
-]
-
 log = logging.getLogger(__name__)
 
 #: Connections the kernel queues before the intake accepts them (capped by net.core.somaxconn). Under a load

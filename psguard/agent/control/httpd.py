@@ -46,8 +46,6 @@ from psguard.errors import ConfigError, PsguardError
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["AgentHTTPServer", "Handler", "Request", "RequestError", "Response", "is_loopback"]
-
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz"})

@@ -56,38 +56,6 @@ if TYPE_CHECKING:
     from psguard.agent.process.lifecycle import SupervisorEvent
     from psguard.agent.process.prober import Health, ProbeResult
 
-__all__ = [
-    "BUILD_INFO",
-    "CHECKPOINT_STALL_SECONDS",
-    "CONTENT_TYPE",
-    "CRASH_LOOP",
-    "DURABLE_LAG_SECONDS",
-    "DURABLE_LAG_STEPS",
-    "HANGS_TOTAL",
-    "LAST_CHECKPOINT_STEP",
-    "LAST_CHECKPOINT_TIMESTAMP_SECONDS",
-    "LOST_STEPS_TOTAL",
-    "PERSISTED_BYTES_TOTAL",
-    "PERSIST_FAILURES_TOTAL",
-    "PEER_COPY_HELD_BYTES",
-    "PEER_COPY_LAG_STEPS",
-    "PERSIST_LAG_STEPS",
-    "PERSIST_QUEUE_DEPTH",
-    "PROBE_FAILURES_TOTAL",
-    "PROBE_LATENCY_SECONDS",
-    "STORE_WAIT_SECONDS",
-    "RECOVERIES_TOTAL",
-    "RECOVERY_SECONDS",
-    "TASK_HEALTHY",
-    "TASK_RESTARTS_TOTAL",
-    "TASK_UP",
-    "AgentMetrics",
-    "Counter",
-    "Gauge",
-    "Histogram",
-    "Registry",
-]
-
 TASK_RESTARTS_TOTAL = "psguard_task_restarts_total"
 TASK_UP = "psguard_task_up"
 TASK_HEALTHY = "psguard_task_healthy"

@@ -19,8 +19,6 @@ from psguard.config import Check, Duration, validate
 from psguard.handoff.client import http_json
 from psguard.handoff.plan import Facts, Failure, Options, Process, TaskReport, TaskState, plan
 
-__all__ = ["PeerSync", "PeersConfig"]
-
 log = logging.getLogger(__name__)
 
 #: Peers a generation visits at once (each visit is an HTTP call or two).

@@ -14,8 +14,6 @@ from psguard.errors import ConfigError
 from psguard.handoff.client import http_json, read_token
 from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE
 
-__all__ = ["collect", "format_status", "register", "run_status"]
-
 
 def _agent_urls(directory: Path) -> list[str]:
     urls = [p.read_text().strip() for p in sorted(directory.glob("agents/*/url"))]

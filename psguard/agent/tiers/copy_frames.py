@@ -24,20 +24,6 @@ from psguard.codec.dtypes import dtype_from_name, dtype_name
 from psguard.errors import CorruptCheckpointError
 from psguard.handoff.native import digest_function
 
-__all__ = [
-    "MASK",
-    "Frame",
-    "decode_frame",
-    "delta_digest",
-    "delta_rows",
-    "digests_from",
-    "digests_json",
-    "encode_frame",
-    "frame_parts",
-    "read_frame_into",
-    "rows_digest",
-]
-
 MAGIC = b"PSGCOPY1"
 MAX_HEADER = 4 << 20
 MASK = (1 << 64) - 1

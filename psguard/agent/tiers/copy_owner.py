@@ -29,8 +29,6 @@ ReadInto = Callable[[str, Mapping[str, Any], float, np.ndarray, Callable[[int, n
 #: Makes an array the fetched rows go into (None: the fetch allocates anonymous memory).
 Alloc = Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray | None]
 
-__all__ = ["CopySender", "Delta", "ReadInto", "fetch_copy"]
-
 log = logging.getLogger(__name__)
 
 

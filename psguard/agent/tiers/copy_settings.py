@@ -7,8 +7,6 @@ from dataclasses import dataclass
 
 from psguard.config import Duration
 
-__all__ = ["PeerCopyConfig"]
-
 
 @dataclass(frozen=True)
 class PeerCopyConfig:

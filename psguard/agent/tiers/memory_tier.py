@@ -36,16 +36,6 @@ if TYPE_CHECKING:
 
     from psguard.agent.tiers.tier_files import TierFiles
 
-__all__ = [
-    "ApplyResult",
-    "DirtyTake",
-    "MemoryTier",
-    "MemoryTierStatus",
-    "Snapshot",
-    "StreamSnapshot",
-    "limit_malloc_retention",
-]
-
 Layout = dict[str, tuple[str, tuple[int, ...]]]
 
 #: A Rows update is used for a persist while ids + rows cost less than this fraction of the whole tensor.

@@ -23,8 +23,6 @@ from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError, PsguardError
 
-__all__ = ["ParityHolder", "group_header", "stripe_frame", "stripe_parts", "xor_rows"]
-
 log = logging.getLogger(__name__)
 
 

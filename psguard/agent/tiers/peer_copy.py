@@ -37,8 +37,6 @@ from psguard.tensors import Rows, Same, TensorUpdate
 if TYPE_CHECKING:
     from psguard.agent.tiers.parity import ParityHolder
 
-__all__ = ["CopyHolder"]
-
 log = logging.getLogger(__name__)
 
 

@@ -34,8 +34,6 @@ from psguard.storage.retry import Retrying, RetryingBackend
 from psguard.store import CheckpointInfo, Store
 from psguard.store.durable import ChainState, DurableWriter
 
-__all__ = ["PersistEvent", "PersistHandle", "Persister", "PersisterStatus", "resume"]
-
 log = logging.getLogger(__name__)
 
 #: Seconds between WARNING lines of one failure repeating (the rest go to DEBUG, counted).

@@ -15,8 +15,6 @@ from psguard.agent.tiers.shards import ShardError, StateNotHeldError
 from psguard.handoff.parts import PartCapture, ShardKey
 from psguard.handoff.plan import Action, Copy, Facts, Memory, TaskReport, TierState, plan
 
-__all__ = ["ShardClient"]
-
 log = logging.getLogger(__name__)
 
 #: The export answers that say what a PS agent's tier holds (any other is an error of that agent).

@@ -27,8 +27,6 @@ from psguard.errors import PsguardError
 from psguard.handoff.parts import ShardKey
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
-__all__ = ["FP_SUFFIX", "CopyOwner", "fp_name"]
-
 log = logging.getLogger(__name__)
 
 #: A copy's tensor holding the fingerprints of tier tensor ``name`` is ``name + FP_SUFFIX``.

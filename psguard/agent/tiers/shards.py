@@ -41,8 +41,6 @@ from psguard.handoff.tensor_file import read_tensor_file
 from psguard.store.opening import StoreOpening
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
-__all__ = ["ShardError", "ShardKeeper", "StateNotHeldError"]
-
 log = logging.getLogger(__name__)
 
 

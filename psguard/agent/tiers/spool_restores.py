@@ -41,8 +41,6 @@ from psguard.handoff.spool import (
 )
 from psguard.store.manifest import is_checkpoint_id
 
-__all__ = ["RestoreAnswers"]
-
 log = logging.getLogger(__name__)
 
 

@@ -40,8 +40,6 @@ from psguard.handoff.spool import (
 )
 from psguard.local_files import open_regular
 
-__all__ = ["SpoolEvent", "SpoolServer", "SpoolServerStatus"]
-
 log = logging.getLogger(__name__)
 
 POLL_WITHOUT_WATCHDOG = 0.05

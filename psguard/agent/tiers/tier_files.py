@@ -37,8 +37,6 @@ from psguard.handoff.tensor_bundle import bundle_files, write_index
 from psguard.handoff.tensor_file import TF_DTYPES
 from psguard.local_files import open_regular
 
-__all__ = ["TierFiles", "on_memory_fs"]
-
 log = logging.getLogger(__name__)
 
 #: The data file's name after its stem: a one-shard bundle's (what ``RestoreV2`` opens for ``<prefix>``).
