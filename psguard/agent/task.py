@@ -39,32 +39,19 @@ def server_command(cluster: Mapping[str, Sequence[str]], role: str, index: int) 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 #: glibc's tunable that fixes the size from which malloc maps a block of its own (``supervisor.ps_mmap_threshold_mb``).
 MMAP_THRESHOLD_TUNABLE = "glibc.malloc.mmap_threshold"
-
-
-def with_malloc_tunable(env: dict[str, str], tunable: str) -> None:
-    """Add ``tunable`` (``glibc.malloc.NAME=VALUE``) to ``env``'s ``GLIBC_TUNABLES``, unless it sets that name
-    already (the user's choice stands; an older glibc ignores names it does not know)."""
-    current = env.get("GLIBC_TUNABLES", "")
-    name = tunable.partition("=")[0]
-    if f"{name}=" not in current:
-        env["GLIBC_TUNABLES"] = f"{current}:{tunable}" if current else tunable
-
-
 #: TensorFlow's variable with gRPC arguments for every channel it makes (``name=value,...``), and the argument
-#: ``supervisor.reconnect_backoff`` sets in it.
+#: ``supervisor.reconnect_backoff`` sets in it: gRPC's default 1 s wait was the longest part of a recovery, the PS
+#: being back in 0.2-0.4 s.
 TF_GRPC_OPTIONS = "TF_GRPC_DEFAULT_OPTIONS"
 RECONNECT_BACKOFF_ARG = "grpc.initial_reconnect_backoff_ms"
 
 
-def with_reconnect_backoff(env: dict[str, str], seconds: float) -> None:
-    """Add :data:`RECONNECT_BACKOFF_ARG` (``seconds``) to ``env``'s :data:`TF_GRPC_OPTIONS`, unless it sets it
-    already (the user's choice stands): gRPC's default 1 s wait was the longest part of a recovery, the PS being
-    back in 0.2-0.4 s."""
-    current = env.get(TF_GRPC_OPTIONS, "")
-    if f"{RECONNECT_BACKOFF_ARG}=" in current:
-        return
-    setting = f"{RECONNECT_BACKOFF_ARG}={max(1, round(seconds * 1000))}"
-    env[TF_GRPC_OPTIONS] = f"{current},{setting}" if current else setting
+def _add_setting(env: dict[str, str], variable: str, separator: str, setting: str) -> None:
+    """Add ``setting`` (``name=value``) to the list in ``env[variable]``, unless it sets that name already (the
+    user's choice stands; an older glibc ignores names it does not know)."""
+    current = env.get(variable, "")
+    if f"{setting.partition('=')[0]}=" not in current:
+        env[variable] = f"{current}{separator}{setting}" if current else setting
 
 
 def task_env(
@@ -83,11 +70,13 @@ def task_env(
     env = {**QUIET_TENSORFLOW, **os.environ}
     sup, http = config.supervisor, config.http
     if sup.huge_pages and role == "ps":
-        with_malloc_tunable(env, HUGE_PAGES_TUNABLE)
+        _add_setting(env, "GLIBC_TUNABLES", ":", HUGE_PAGES_TUNABLE)
     if sup.ps_mmap_threshold_mb > 0 and role == "ps":
-        with_malloc_tunable(env, f"{MMAP_THRESHOLD_TUNABLE}={round(sup.ps_mmap_threshold_mb * (1 << 20))}")
+        mmap_threshold = round(sup.ps_mmap_threshold_mb * (1 << 20))
+        _add_setting(env, "GLIBC_TUNABLES", ":", f"{MMAP_THRESHOLD_TUNABLE}={mmap_threshold}")
     if sup.reconnect_backoff > 0:
-        with_reconnect_backoff(env, sup.reconnect_backoff)
+        backoff_ms = max(1, round(sup.reconnect_backoff * 1000))
+        _add_setting(env, TF_GRPC_OPTIONS, ",", f"{RECONNECT_BACKOFF_ARG}={backoff_ms}")
     env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": {"type": role, "index": index}, "rpc_layer": "grpc"})
     env[ENV_TASK] = f"{role}:{index}"
     env[ENV_AGENT_URL] = url
