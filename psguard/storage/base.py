@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from psguard.errors import ConfigError, StorageError
 
 Buffer = bytes | bytearray | memoryview
+T = TypeVar("T")
 
 _KEY_RE = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
 
@@ -116,3 +118,55 @@ class Backend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+class Wrapper(Backend):
+    """``inner`` with every call made through :meth:`_around`: a wrapper overrides that hook and what it changes."""
+
+    def __init__(self, inner: Backend) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.io_parallelism = inner.io_parallelism
+        self.mtime_resolution = inner.mtime_resolution
+
+    def _around(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        return fn()
+
+    def get(self, key: str) -> bytes:
+        return self._around("get", key, lambda: self.inner.get(key))
+
+    def get_into(self, key: str, out: memoryview) -> int:
+        return self._around("get", key, lambda: self.inner.get_into(key, out))
+
+    def put(self, key: str, data: Buffer) -> None:
+        self._around("put", key, lambda: self.inner.put(key, data))
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        self._around("put_new", key, lambda: self.inner.put_new(key, data))
+
+    def exists(self, key: str) -> bool:
+        return self._around("exists", key, lambda: self.inner.exists(key))
+
+    def keys(self, prefix: str) -> list[str]:
+        return self._around("list", prefix, lambda: self.inner.keys(prefix))
+
+    def delete(self, key: str) -> None:
+        self._around("delete", key, lambda: self.inner.delete(key))
+
+    def mtime(self, key: str) -> float:
+        return self._around("stat", key, lambda: self.inner.mtime(key))
+
+    def size(self, key: str) -> int:
+        return self._around("stat", key, lambda: self.inner.size(key))
+
+    def mtimes(self, prefix: str) -> dict[str, float]:
+        return self._around("list", prefix, lambda: self.inner.mtimes(prefix))
+
+    def leftovers(self) -> list[str]:
+        return self._around("list", "(temporaries)", self.inner.leftovers)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def explain(self, error: BaseException) -> str | None:
+        return self.inner.explain(error)

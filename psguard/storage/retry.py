@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from psguard.errors import ObjectExistsError, ObjectNotFoundError, PsguardError, StorageError, StorageUnavailableError
-from psguard.storage.base import Backend, Buffer, causes
+from psguard.storage.base import Backend, Buffer, Wrapper, causes
 
 log = logging.getLogger(__name__)
 
@@ -172,14 +172,11 @@ class RetryConfig:
     multiplier: float = 2.0
 
 
-class RetryingBackend(Backend):
+class RetryingBackend(Wrapper):
     """Wraps a backend; every call retries transient failures until ``config.deadline``."""
 
     def __init__(self, inner: Backend, config: RetryConfig | None = None) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.io_parallelism = inner.io_parallelism
-        self.mtime_resolution = inner.mtime_resolution
+        super().__init__(inner)
         self.config = config or RetryConfig()
         self._stop = threading.Event()
         self._local = threading.local()  # a cap on the deadline for calls made by one thread (``capped``)
@@ -211,7 +208,7 @@ class RetryingBackend(Backend):
         finally:
             self._local.cap = before
 
-    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+    def _around(self, op: str, key: str, fn: Callable[[], T]) -> T:
         cfg = self.config
         cap = getattr(self._local, "cap", None)
         budget = cfg.deadline if cap is None else min(cfg.deadline, cap)
@@ -264,15 +261,6 @@ class RetryingBackend(Backend):
         message = f"{op} {key!r} on {self.url} failed: {self._why(e)}"
         return ObjectNotFoundError(message) if isinstance(e, FileNotFoundError) else StorageError(message)
 
-    def get(self, key: str) -> bytes:
-        return self._call("get", key, lambda: self.inner.get(key))
-
-    def get_into(self, key: str, out: memoryview) -> int:
-        return self._call("get", key, lambda: self.inner.get_into(key, out))
-
-    def put(self, key: str, data: Buffer) -> None:
-        self._call("put", key, lambda: self.inner.put(key, data))
-
     def put_new(self, key: str, data: Buffer) -> None:
         failed_before = False
 
@@ -289,28 +277,4 @@ class RetryingBackend(Backend):
                 failed_before = True
                 raise
 
-        self._call("put_new", key, attempt)
-
-    def exists(self, key: str) -> bool:
-        return self._call("exists", key, lambda: self.inner.exists(key))
-
-    def keys(self, prefix: str) -> list[str]:
-        return self._call("list", prefix, lambda: self.inner.keys(prefix))
-
-    def delete(self, key: str) -> None:
-        self._call("delete", key, lambda: self.inner.delete(key))
-
-    def mtime(self, key: str) -> float:
-        return self._call("stat", key, lambda: self.inner.mtime(key))
-
-    def size(self, key: str) -> int:
-        return self._call("stat", key, lambda: self.inner.size(key))
-
-    def mtimes(self, prefix: str) -> dict[str, float]:
-        return self._call("list", prefix, lambda: self.inner.mtimes(prefix))
-
-    def leftovers(self) -> list[str]:
-        return self._call("list", "(temporaries)", self.inner.leftovers)
-
-    def close(self) -> None:
-        self.inner.close()
+        self._around("put_new", key, attempt)

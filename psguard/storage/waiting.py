@@ -157,8 +157,7 @@ class StoreWait:
     def _why(self, error: StorageUnavailableError) -> str:
         """The storage failure behind ``error`` in a line, as the backend explains it (never a credential)."""
         cause = error.__cause__ or error
-        inner = self.backend.inner if isinstance(self.backend, RetryingBackend) else self.backend
-        return inner.explain(cause) or one_line(cause, 200)
+        return self.backend.explain(cause) or one_line(cause, 200)
 
     @contextlib.contextmanager
     def _quick(self) -> Iterator[None]:

@@ -63,3 +63,14 @@ def test_an_answer_retrying_cannot_change_fails_at_once(status: int) -> None:
     with pytest.raises(StorageError, match=f"get 'k' on memory://answers failed: HttpError: no, {status}"):
         RetryingBackend(backend, FAST).get("k")
     assert backend.calls == 1
+
+
+class Explains(AnswersThenServes):
+    def explain(self, error: BaseException) -> str | None:
+        return f"the store says: {error}"
+
+
+def test_the_retry_layer_explains_a_failure_as_its_backend_does() -> None:
+    """A caller holding the retrying backend (the storage wait's message) gets the backend's explanation."""
+    error = HttpError({"code": 403, "message": "denied"})
+    assert RetryingBackend(Explains(error, 0), FAST).explain(error) == f"the store says: {error}"
