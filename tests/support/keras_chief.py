@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from psguard.agent.process.tf_server import _die_with_parent
+from psguard.agent.process.reaper import die_with_parent
 from psguard.trainer.keras import CheckpointCallback
 from psguard.trainer.variables import read_tensors
 
@@ -123,7 +123,7 @@ class Reporter(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
 def main() -> None:
     url, opts = sys.argv[1], json.loads(sys.argv[2])
-    _die_with_parent(os.getppid())
+    die_with_parent(os.getppid())
     resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
     strategy = tf.distribute.experimental.ParameterServerStrategy(
         resolver, variable_partitioner=tf.distribute.experimental.partitioners.FixedShardsPartitioner(2)

@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterator
 
 ENV_PREFIX = "PSGUARD_TREE_"
+_PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -148,16 +149,27 @@ def kill_tree(token: str, *, exclude: frozenset[int] = frozenset(), timeout: flo
         delay = min(delay * 2, 0.05)
 
 
-def set_child_subreaper(enabled: bool = True) -> bool:
-    """Make this process adopt its descendants' orphans (Linux), or stop (``enabled=False``: a process that
-    ran a supervisor for a while, such as a test's); False where that is not possible."""
+def _prctl(option: int, value: int) -> bool:
+    """``prctl(option, value)`` (Linux); False where that is not possible."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(_PR_SET_CHILD_SUBREAPER, int(enabled), 0, 0, 0)) == 0
+        return int(ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
+
+
+def set_child_subreaper(enabled: bool = True) -> bool:
+    """Make this process adopt its descendants' orphans (Linux), or stop (``enabled=False``: a process that
+    ran a supervisor for a while, such as a test's); False where that is not possible."""
+    return _prctl(_PR_SET_CHILD_SUBREAPER, int(enabled))
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies: in a session of its own nothing else stops it
+    when a SIGKILLed parent cannot clean up. A parent that died before the call never sends it: then exit now."""
+    if _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) and os.getppid() != parent_pid:
+        os._exit(1)
 
 
 def guard_main(token: str) -> int:

@@ -6,38 +6,20 @@ killed; with ``PSGUARD_STANDBY=1`` it is a warm standby (:mod:`psguard.agent.pro
 from __future__ import annotations
 
 import argparse
-import ctypes
 import importlib
 import importlib.util
 import json
 import os
-import signal
 import sys
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, cast
 
+from psguard.agent.process.reaper import die_with_parent
 from psguard.handoff.contract import ENV_SERVER_IMPORT
 from psguard.handoff.mapped import load_into_server
 from psguard.handoff.standby import is_standby, wait_for_go
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Ask the kernel to SIGKILL us when our parent dies: in our own session nothing else stops us when a
-    SIGKILLed parent cannot clean up (Linux only)."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    # The parent may have died between our fork and the prctl call: then nobody will signal us.
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -45,7 +27,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cluster-spec", required=True, help='JSON, e.g. {"ps": ["127.0.0.1:1234"], ...}')
     p.add_argument("--job", required=True, choices=["ps", "worker", "chief", "evaluator"])
     p.add_argument("--index", required=True, type=int)
-    p.add_argument("--protocol", default="grpc")
     p.add_argument("--parent-pid", type=int, default=0, help="die with this parent process (0: never)")
     return p.parse_args(argv)
 
@@ -113,7 +94,7 @@ def server_def(spec: Mapping[str, Any], job: str, index: int, protocol: str) -> 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.parent_pid:
-        _die_with_parent(args.parent_pid)
+        die_with_parent(args.parent_pid)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
     spec = json.loads(args.cluster_spec)
@@ -128,30 +109,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             args_again = list(sys.argv[1:] if argv is None else argv)
             env = {**os.environ, ENV_SERVER_IMPORT: "full"}
             os.execve(sys.executable, [sys.executable, "-m", __spec__.name if __spec__ else __name__, *args_again], env)
-        mapped = load_into_server()
-        definition = server_def(spec, args.job, args.index, args.protocol)
-        # A warm standby (psguard.agent.process.standby): everything but the bind is done; serve only when told.
-        if is_standby() and not wait_for_go():
-            return 0
-        server = api.TF_NewServer(definition)
-        api.TF_ServerStart(server)
-        target = api.TF_ServerTarget(server)
-        join: Callable[[], None] = lambda: api.TF_ServerJoin(server)  # noqa: E731
-    else:
-        import tensorflow as tf
-
-        mapped = load_into_server()
-        cluster = tf.train.ClusterSpec(spec)
-        if is_standby() and not wait_for_go():
-            return 0
-        full = tf.distribute.Server(
-            cluster, job_name=args.job, task_index=args.index, protocol=args.protocol, start=True
-        )
-        target, join = full.target, full.join
+    else:  # device plugins and modular filesystems load with the package; the server is the same C API's
+        importlib.import_module("tensorflow")
+        api = cast(_ServerApi, importlib.import_module("tensorflow.python.client.pywrap_tf_session"))
+    mapped = load_into_server()
+    definition = server_def(spec, args.job, args.index, "grpc")
+    # A warm standby (psguard.agent.process.standby): everything but the bind is done; serve only when told.
+    if is_standby() and not wait_for_go():
+        return 0
+    server = api.TF_NewServer(definition)
+    api.TF_ServerStart(server)
     # One line for the log file; readiness itself is observed on the port by whoever waits for us.
     op = ", zero-copy restore op loaded" if mapped else ""
+    target = api.TF_ServerTarget(server)
     print(f"psguard server {args.job}:{args.index} serving {target} pid {os.getpid()}{op}", flush=True)
-    join()
+    api.TF_ServerJoin(server)
     return 0
 
 
