@@ -77,19 +77,19 @@ class SupervisorStatus:
         return asdict(self)
 
 
-def _positive(x: float) -> bool:
-    return x > 0
+#: A setting that must be above zero (the agent's ``supervisor:`` and ``probe:`` sections).
+POSITIVE = Check(lambda x: x > 0, "> 0")
 
 
 @dataclass(frozen=True)
 class SupervisorConfig:
     """The restart policy, as the agent's YAML section ``supervisor:`` (see :mod:`psguard.config`)."""
 
-    backoff_initial: Annotated[Duration, Check(_positive, "> 0")] = 0.5
-    backoff_max: Annotated[Duration, Check(_positive, "> 0")] = 30.0
+    backoff_initial: Annotated[Duration, POSITIVE] = 0.5
+    backoff_max: Annotated[Duration, POSITIVE] = 30.0
     backoff_reset_after: Duration = 60.0  # a run at least this long resets the backoff to backoff_initial
     crash_loop_limit: Annotated[int, Check(lambda n: n >= 1, ">= 1")] = 5
-    crash_loop_window: Annotated[Duration, Check(_positive, "> 0")] = 300.0
+    crash_loop_window: Annotated[Duration, POSITIVE] = 300.0
     stop_timeout: Duration = 10.0  # SIGTERM, then SIGKILL after this long
     restart_codes: tuple[int, ...] = (EXIT_RESTART,)
     # Keep a warm standby process for commands that honour psguard.agent.process.standby: a restart then costs

@@ -33,6 +33,8 @@ from dataclasses import asdict, dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
+from psguard.agent.process.lifecycle import POSITIVE
+from psguard.agent.process.reaper import stat_fields
 from psguard.config import Check, Duration, validate
 from psguard.ports import self_connected
 
@@ -121,12 +123,10 @@ class ProcessProbe(_BaseProbe):
             except ProcessLookupError:
                 raise _Failed("no_process", f"process {pid} does not exist") from None
             return
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                stat = f.read()
-        except FileNotFoundError:
-            raise _Failed("no_process", f"process {pid} does not exist") from None
-        state = stat.rsplit(b")", 1)[1].split()[0].decode()
+        fields = stat_fields(pid)
+        if not fields:
+            raise _Failed("no_process", f"process {pid} does not exist")
+        state = fields[0]
         if state in ("Z", "X"):
             raise _Failed("exited", f"process {pid} has exited (state {state})")
         if state in ("T", "t"):
@@ -295,18 +295,14 @@ class MonitorStatus:
         return doc
 
 
-def _positive(x: float) -> bool:
-    return x > 0
-
-
 @dataclass(frozen=True)
 class MonitorConfig:
     """Probe timing, as the agent's YAML section ``probe:``."""
 
-    interval: Annotated[Duration, Check(_positive, "> 0")] = 1.0
-    deadline: Annotated[Duration, Check(_positive, "> 0")] = 1.0
+    interval: Annotated[Duration, POSITIVE] = 1.0
+    deadline: Annotated[Duration, POSITIVE] = 1.0
     failure_threshold: Annotated[int, Check(lambda n: n >= 1, ">= 1")] = 3
-    startup_timeout: Annotated[Duration, Check(_positive, "> 0")] = 120.0
+    startup_timeout: Annotated[Duration, POSITIVE] = 120.0
 
     def __post_init__(self) -> None:
         validate(self)
