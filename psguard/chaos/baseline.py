@@ -6,10 +6,11 @@ write to storage equally often), and a script that restarts the *whole job* (eve
 which restores the latest checkpoint) whenever a task dies or the trainer exits with an error. The nemesis
 fires the same faults at the same steps. A node loss (``kill-agent`` / ``terminate-agent``: on psguard's side the
 agent dies and its task with it) is, without an agent, the task's own death: kill -9 / SIGTERM of that process
-(:class:`BaselineNemesis`), after which the script restarts the whole job as for any dead task. A store that is
-down or answers errors is plain TF's checkpoint folder made unreachable for as long (:class:`FolderOutage`). Faults
-that need an agent alive (``pause-agent``: the task runs on), a psguard store (chunk damage) or a store's network
-(a slow store) have no baseline equivalent and are recorded as not injected. A network fault on a PS (partition,
+(:class:`BaselineNemesis`), after which the script restarts the whole job as for any dead task. On a case with a
+store server (S3, GCS, HDFS) TF's checkpoints live on a server of the same kind, behind the same proxies
+(``baseline_trainer --mirror``): its saves pay the same network and its store faults (down, errors, slow) are the
+same. Faults that need an agent alive (``pause-agent``: the task runs on) or a psguard store (chunk damage) have no
+baseline equivalent and are recorded as not injected. A network fault on a PS (partition,
 delay, drop) puts the baseline's PS behind the harness's proxies as psguard's are (:meth:`_Run.proxy_ps`), so both
 sides pay the proxy and both are cut off at their fault's step. The same checkers judge the baseline's history;
 the side-by-side report compares goodput, recovery seconds and lost steps per fault.
@@ -66,37 +67,6 @@ class _Task:
             self._log.close()
 
 
-class FolderOutage:
-    """The plain-TF job's store made unreachable, as the nemesis stops a store server (``stop`` / ``restart``).
-
-    TF here checkpoints to a local folder (this TF has no S3 or GCS filesystem), which no store fault reached, so a
-    case with one compared psguard facing the fault with TF not facing it. During the fault the folder is moved
-    away and a regular file takes its path: every read or write under it fails (``ENOTDIR``, whoever the user), as
-    TF's reads and writes fail on a store that is down. TF's saver then fails the save, the trainer exits and the
-    script restarts the job, which cannot read its checkpoints until the store is back: what a plain-TF job does
-    when its store is down. ``errors`` (5xx answers) is the same failure seen from TF."""
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-        self._away = folder.with_name(folder.name + ".away")
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self._away.exists():
-            return
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.folder.rename(self._away)
-        self.folder.write_text("the plain-TF job's store is down (chaos store fault)\n")
-
-    def restart(self) -> None:
-        if not self._away.exists():
-            return
-        self.folder.unlink(missing_ok=True)
-        self._away.rename(self.folder)
-
-    def close(self) -> None:
-        self.restart()
-
-
 class _Handle:
     """The nemesis's view of a task across job restarts: always the current process of that name."""
 
@@ -126,14 +96,6 @@ class BaselineNemesis(Nemesis):
             return self._await_durable_ask(asked)
         return {}
 
-    def _fire_store_errors(self, fault: Fault, value: dict[str, Any]) -> None:
-        """A store answering every request with an error is, to plain TF's saver, a store that is down: the folder
-        outage for the fault's duration (recorded as what was done, with ``baseline_for``)."""
-        if not isinstance(self.storage, FolderOutage):
-            super()._fire_store_errors(fault, value)
-            return
-        self._stop_storage({**value, "baseline_for": "store-errors"}, fault.duration)
-
     def _fire_on_task(self, fault: Fault, target: str, base: dict[str, Any]) -> None:
         action = TASK_FAULT_FOR.get(fault.action)
         if action is None:
@@ -152,11 +114,13 @@ class BaselineRun(_Run):
         return t
 
     def start_storage(self) -> None:
+        self.mirror_url: str | None = None
+        if self.scenario.storage.kind != "local":  # the case's store server, proxies and fault points, as psguard's
+            super().start_storage()
+            self.mirror_url = self.store_url
         self.store_dir = None  # not a psguard store: no chunk damage
         self.ckpt_dir = self.dir / "tf-ckpt"
         self.store_url = str(self.ckpt_dir)
-        if self.scenario.storage.kind != "local":  # the store faults the case draws reach plain TF's folder too
-            self.storage = FolderOutage(self.ckpt_dir)
 
     def start_cluster(self) -> None:
         s = self.scenario
@@ -187,9 +151,11 @@ class BaselineRun(_Run):
         argv += ["--durable-every", str(t.durable_every), "--vocab", str(t.vocab), "--dim", str(t.dim)]
         argv += ["--batch", str(t.batch), "--seed", str(self.seed), "--durable-min-seconds", str(t.durable_min_seconds)]
         argv += ["--durable-cron", t.durable_cron] if t.durable_cron is not None else []
+        argv += ["--mirror", self.mirror_url] if self.mirror_url is not None else []
         argv += ["--servers", ",".join(self.spec["ps"] + self.spec["worker"])]  # not the proxies: the servers
         tf_config = {"cluster": self.others_spec, "task": {"type": "chief", "index": 0}, "rpc_layer": "grpc"}
-        self.tasks["chief"] = _Task("chief", argv, dict(env, TF_CONFIG=json.dumps(tf_config)), logs / "chief.log")
+        chief_env = dict(env, **self.storage_env, TF_CONFIG=json.dumps(tf_config))
+        self.tasks["chief"] = _Task("chief", argv, chief_env, logs / "chief.log")
 
     def targets(self) -> dict[str, Any]:
         return {name: _Handle(self, name) for name in self.tasks}
@@ -220,13 +186,25 @@ class BaselineRun(_Run):
         self.close_proxies()
 
     def list_store(self) -> dict[str, Any] | None:
+        """TF's checkpoints where they are kept: the store (ids are their paths in the local folder, as the saver
+        gave them), or the folder."""
+        if self.mirror_url is not None:
+            from psguard.storage import open_backend
+
+            backend = open_backend(self.mirror_url, self.storage_options)
+            try:
+                names = [k for k in backend.keys("") if k.startswith("ckpt-")]
+            finally:
+                backend.close()
+        else:
+            names = [p.name for p in self.ckpt_dir.glob("ckpt-*")]
         checkpoints = []
-        for index in sorted(self.ckpt_dir.glob("ckpt-*.index")):
-            prefix = str(index)[: -len(".index")]
-            data = list(self.ckpt_dir.glob(Path(prefix).name + ".data-*"))
-            step = int(Path(prefix).name.split("-", 1)[1])
-            checkpoints.append({"id": prefix, "step": step, "kind": "tf", "parent": None, "ok": bool(data),
-                                "problems": [] if data else ["no data file"]})  # fmt: skip
+        for index in sorted(n for n in names if n.endswith(".index")):
+            prefix = index[: -len(".index")]
+            data = [n for n in names if n.startswith(prefix + ".data-")]
+            step = int(prefix.split("-", 1)[1])
+            checkpoints.append({"id": str(self.ckpt_dir / prefix), "step": step, "kind": "tf", "parent": None,
+                                "ok": bool(data), "problems": [] if data else ["no data file"]})  # fmt: skip
         return {"checkpoints": checkpoints, "journal": [], "damaged_chunks": {}}
 
 

@@ -1,17 +1,24 @@
 """The plain-TF practice the chaos harness compares psguard with (``psguard chaos run --baseline``).
 
 The same model, data, chunking and seed as :mod:`psguard.demo_trainer`, but checkpointed the usual way:
-``tf.train.CheckpointManager.save`` every ``--durable-every`` steps to a local folder, and no recovery in the
-trainer: on a cluster failure it exits 1 and the "script" (the harness) restarts the whole job, every server and
-a new trainer, which restores the latest checkpoint. It writes the same ``op`` lines as the psguard trainer (a
-save is a ``capture`` plus a ``durable-commit``), so the same checkers judge both.
+``tf.train.CheckpointManager.save`` every ``--durable-every`` steps, and no recovery in the trainer: on a cluster
+failure it exits 1 and the "script" (the harness) restarts the whole job, every server and a new trainer, which
+restores the latest checkpoint. It writes the same ``op`` lines as the psguard trainer (a save is a ``capture``
+plus a ``durable-commit``), so the same checkers judge both.
+
+With ``--mirror URL`` (a case on S3, GCS or HDFS) the checkpoints live on the case's store, as with TF's own
+filesystem for it (this TF has none built in): a save writes the local folder, then uploads its files and last
+the ``checkpoint`` state file before it counts as done; a start downloads the folder first. psguard's store and
+TF's then cost the same network and face the same store faults.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -45,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m psguard.chaos.baseline_trainer")
     p.add_argument("--store", required=True, help="the tf.train.CheckpointManager folder")
+    p.add_argument("--mirror", help="the store URL that holds the checkpoints (the folder is its local copy)")
     p.add_argument("--progress", required=True)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--durable-every", type=int, default=25)
@@ -106,21 +114,23 @@ class _Job:
             model = RecModel(config)
             optimizer = make_optimizer("adagrad")
         trainer = Trainer(self.strategy, self.coordinator, model, optimizer)
-        if os.path.exists(args.store) and not os.path.isdir(args.store):  # FolderOutage: the store is down
-            # TF reads a missing folder as "no checkpoint yet" and would start over; a store that is down fails.
-            raise OSError(f"the checkpoint store {args.store} cannot be read: it is down")
-        manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, None)
+        mirror = _Mirror(args.mirror, Path(args.store)) if args.mirror else None
         progress.op("invoke", "restore")
+        if mirror is not None:
+            mirror.fetch()  # a store that is down fails the start: TF cannot read its checkpoints either
+        manager = tf.train.CheckpointManager(tf.train.Checkpoint(model=model, optimizer=optimizer), args.store, None)
         path = manager.restore_or_initialize()
         self.step = int(model.step.numpy())
         trainer.next_index = self.step
         digest, seconds = timed_digest(model, optimizer)
         progress.op("ok", "restore", step=self.step, source="durable" if path else None, id=path,
                     digest=digest, harness_seconds=round(seconds, 4))  # fmt: skip
-        self.train(model, optimizer, trainer, manager, saved=self.step if path else None)
+        self.train(model, optimizer, trainer, manager, mirror, saved=self.step if path else None)
         self.evaluate(model, config)
 
-    def train(self, model: Any, optimizer: Any, trainer: Any, manager: Any, saved: int | None) -> None:
+    def train(
+        self, model: Any, optimizer: Any, trainer: Any, manager: Any, mirror: _Mirror | None, saved: int | None
+    ) -> None:
         """Train to ``--steps``, saving on psguard's trainer's cadence: steps, and a time floor if set, or a cron's
         time since the last save (or the start)."""
         from psguard.demo_trainer import cron_came, durable_cadence_due, timed_digest
@@ -139,6 +149,8 @@ class _Job:
                 progress.op("ok", "capture", step=step)
                 progress.op("invoke", "durable-commit", step=step)
                 saved_path = manager.save(checkpoint_number=step)
+                if mirror is not None:
+                    mirror.push(saved_path)
                 progress.op("ok", "durable-commit", step=step, id=saved_path)
                 saved, saved_at, saved_wall = step, time.monotonic(), time.time()
             progress.op("invoke", "train", step=step, steps=args.chunk)
@@ -159,6 +171,33 @@ class _Job:
         labels = labels_for(ids)
         loss = float(tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels, logits=model(ids))))
         self.progress.op("ok", "eval", step=self.step, loss=loss)
+
+
+class _Mirror:
+    """The checkpoint folder kept on a store, file by file, with psguard's storage backends and their retries
+    (TF's filesystems retry too)."""
+
+    def __init__(self, url: str, folder: Path, storage_options: dict[str, Any] | None = None) -> None:
+        from psguard.storage import open_backend
+
+        # Credentials and endpoint from the environment (the trainer's), as TF's would be.
+        self.backend = open_backend(url, storage_options)
+        self.folder = folder
+
+    def fetch(self) -> None:
+        """The folder as the store holds it, nothing else: a new trainer starts from the store."""
+        shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder.mkdir(parents=True)
+        for key in self.backend.keys(""):  # keys take folder-like prefixes: TF's names are filtered here
+            if key == "checkpoint" or key.startswith("ckpt-"):
+                (self.folder / key).write_bytes(self.backend.get(key))
+
+    def push(self, path: str) -> None:
+        """The files of the checkpoint ``path``, then the state file naming it: a save cut short leaves the
+        store's state file on the one before, as TF's saver leaves it."""
+        for file in sorted(self.folder.glob(Path(path).name + ".*")):
+            self.backend.put(file.name, file.read_bytes())
+        self.backend.put("checkpoint", (self.folder / "checkpoint").read_bytes())
 
 
 if __name__ == "__main__":

@@ -434,11 +434,11 @@ class _Run:
         from psguard.store import Store
 
         self.history.append(HARNESS, "invoke", "final-store", {"url": self.store_url})
-        listing = self.list_store()
-        if listing is not None:
-            self.history.append(HARNESS, "ok", "final-store", listing)
-            return
         try:
+            listing = self.list_store()
+            if listing is not None:
+                self.history.append(HARNESS, "ok", "final-store", listing)
+                return
             with Store.open(self.store_url, self.storage_options) as store:
                 checkpoints = []
                 for info in store.checkpoints():
