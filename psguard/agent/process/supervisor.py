@@ -114,11 +114,9 @@ class Supervisor:
         log_path: str | os.PathLike[str] | None = None,
         log_max_bytes: int = 100 * 2**20,
         log_keep: int = 3,
-        pdeathsig: bool = True,
         standby_cmd: Sequence[str] | None = None,
         record: str | os.PathLike[str] | None = None,
         subreaper: bool = False,
-        guard: bool = True,
         **policy: Any,
     ) -> None:
         if not cmd:
@@ -132,10 +130,9 @@ class Supervisor:
         self._on_event = on_event
         # Bounded for a job that runs for weeks: copied and truncated past log_max_bytes (task_log.py).
         self._log = TaskLog(log_path, max_bytes=log_max_bytes, keep=log_keep) if log_path is not None else None
-        self._pdeathsig = pdeathsig
         # The mark of this supervisor's process tree (psguard.agent.process.reaper), the file that records it for the
         # next agent, and the guard that kills the tree when this process dies.
-        self._tree = TaskTree(self.name, record, guard=guard)
+        self._tree = TaskTree(self.name, record)
         self._subreaper = subreaper
         self._sessions: set[int] = set()  # every run's session id (its leader's pid): whose orphans we reap
         # ``standby_cmd``: the standby runs another command that becomes this one on ``go`` (the warm trainer,
@@ -183,9 +180,7 @@ class Supervisor:
         with self._lock:
             if self._thread is not None or self._state is not SupervisorState.IDLE:
                 raise RuntimeError(f"supervisor {self.name} was already started or stopped; make a new one")
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_r, False)
-            os.set_blocking(self._wake_w, False)
+            self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
             self._thread = threading.Thread(target=self._run, name=f"psguard-supervisor-{self.name}", daemon=True)
         try:
             self._tree.settle_predecessor()
@@ -421,7 +416,7 @@ class Supervisor:
     ) -> subprocess.Popen[bytes]:
         """Start the command (or ``cmd``) once (a run, or a standby with ``extra_env``); raises ``OSError``."""
         program = list(cmd if cmd is not None else self.cmd)
-        argv = (pdeathsig_prefix() if self._pdeathsig else []) + program
+        argv = pdeathsig_prefix() + program
         _check_executable(program[0], self._env, self._cwd)
         if self._cwd is not None and not Path(self._cwd).is_dir():
             raise NotADirectoryError(20, "No such working directory", os.fspath(self._cwd))
@@ -481,15 +476,11 @@ class Supervisor:
         after the run was declared healthy, start its standby."""
         if self._standby is not None:
             delay = self.config.standby_delay_after_restart if restarted else self.config.standby_delay
-            for timeout, until in ((STANDBY_UNDECLARED_AFTER, self._healthy), (delay, None)):
+            for timeout, until in ((STANDBY_UNDECLARED_AFTER, lambda: self._run_healthy), (delay, None)):
                 if (request := self._wait(timeout, until=until)) is not _Request.TIMEOUT:
                     return request
             self._standby.fill()
         return self._wait(None)
-
-    def _healthy(self) -> bool:
-        with self._lock:
-            return self._run_healthy
 
     def _wait(
         self, timeout: float | None, *, watch_process: bool = True, until: Callable[[], bool] | None = None

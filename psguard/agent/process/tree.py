@@ -53,14 +53,14 @@ class TaskTree:
     """The mark of one task's processes (random per supervisor), its record file and its guard process.
 
     ``name`` is the task's, for messages; ``record`` the file naming the tree for the next agent (``None``: no
-    record); ``guard``: keep a guard process (Linux only).
+    record). The guard process runs on Linux only.
     """
 
-    def __init__(self, name: str, record: str | os.PathLike[str] | None, *, guard: bool) -> None:
+    def __init__(self, name: str, record: str | os.PathLike[str] | None) -> None:
         self.name = name
         self.token = secrets.token_hex(8)
         self._record = Path(record) if record is not None else None
-        self._use_guard = guard and sys.platform.startswith("linux")
+        self._use_guard = sys.platform.startswith("linux")
         self._guard: subprocess.Popen[bytes] | None = None
         self._guard_w = -1
 
