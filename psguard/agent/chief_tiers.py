@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +32,9 @@ if TYPE_CHECKING:  # numpy and the storage clients: only the chief's agent loads
     from psguard.store import Store
 
 log = logging.getLogger(__name__)
+
+#: The persister's part of ``/status`` (``phase``: what the write in flight does, PersisterStatus.phase).
+_SHOWN = ("pending_requests", "in_flight", "phase", "checkpoints_written", "bytes_persisted", "failures", "last_error")
 
 
 class ChiefTiers:
@@ -143,7 +147,7 @@ class ChiefTiers:
             on_event=self._on_persist_event,
             shards=self.shard_client,
         ).start()
-        self.metrics.persist_lag_steps.set_function(self._lag_steps)
+        self.metrics.persist_lag_steps.set_function(lambda: float(persister.status().lag_steps or 0))
         self.metrics.persist_queue_depth.set_function(lambda: float(persister.status().pending_requests))
         self.metrics.durable_lag_steps.set_function(lambda: float(persister.status().durable_lag_steps))
         self.metrics.durable_lag_seconds.set_function(lambda: persister.status().durable_lag_seconds)
@@ -212,10 +216,6 @@ class ChiefTiers:
             with self._lock:
                 self._durable_id, self._durable_step = event.checkpoint, event.step
 
-    def _lag_steps(self) -> float:
-        lag = self.persister.status().lag_steps if self.persister is not None else None
-        return float(lag) if lag is not None else 0.0
-
     # ------------------------------------------------------------------------------------------ reports
     def readiness(self) -> dict[str, bool]:
         checks = {"spool": self.spool is not None and self.spool.status().running}
@@ -230,6 +230,8 @@ class ChiefTiers:
         tier = self.tier.status() if self.tier is not None else None
         persister = self.persister.status() if self.persister is not None else None
         spool = self.spool.status() if self.spool is not None else None
+        if persister is not None and persister.last_error:
+            persister = replace(persister, last_error=redact(persister.last_error))
         return {
             "spool": str(self.spool_dir) if self.spool_dir else None,
             "store": redact(self.config.store) if self.config.store else None,
@@ -244,19 +246,7 @@ class ChiefTiers:
             "persist_lag_steps": persister.lag_steps if persister else None,
             "durable_lag_steps": persister.durable_lag_steps if persister else None,
             "durable_lag_seconds": round(persister.durable_lag_seconds, 3) if persister else None,
-            "persister": (
-                {
-                    "pending_requests": persister.pending_requests,
-                    "in_flight": persister.in_flight,
-                    "phase": persister.phase,  # what the write in flight does (PersisterStatus.phase)
-                    "checkpoints_written": persister.checkpoints_written,
-                    "bytes_persisted": persister.bytes_persisted,
-                    "failures": persister.failures,
-                    "last_error": redact(persister.last_error) if persister.last_error else None,
-                }
-                if persister
-                else None
-            ),
+            "persister": {k: getattr(persister, k) for k in _SHOWN} if persister else None,
             "captures": dict(spool.captures) if spool else None,
             "spool_error": spool.last_error if spool else None,  # a capture refused, the spool moved
             "copies": copies_status(self.shard_client, tier.token if tier else None),
