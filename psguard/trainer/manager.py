@@ -125,17 +125,6 @@ def _part_dirs() -> dict[str, str]:
     return doc
 
 
-def _coordinator_of(root: Any) -> Any:
-    """The ``ClusterCoordinator`` registered on the strategy that made ``root``'s variables, ``None`` without one."""
-    for _, obj in gather_variables(root):
-        for candidate in (obj, unwrap(obj)):
-            strategy = getattr(candidate, "_distribute_strategy", None)
-            coordinator = getattr(strategy, "_cluster_coordinator", None)
-            if coordinator is not None:
-                return coordinator
-    return None
-
-
 class _Policy:
     """The manager's schedule and retention; a policy file is watched, so a valid edit takes effect."""
 
@@ -220,7 +209,10 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self.data_position = opts.data_position
         self.store = opts.store or Store.open(self._directory, opts.storage_options)
         self._owns_store = opts.store is None
-        self.capturer = self._make_capturer(checkpoint, opts)
+        capture = opts.capture.capturer_kwargs()
+        if self.sink.kind == "agent" and "spill_dirs" not in capture:
+            capture["spill_dirs"] = _part_dirs()  # under an agent whose PS agents keep their shards
+        self.capturer = Capturer(checkpoint, coordinator=opts.coordinator, **capture)
         self._deferred: DeferredRestore | None = None  # values waiting for variables the job creates later
         self._snapshot_for: tuple[str, Restored] | None = None  # what latest_checkpoint fetched for the restore
         self._shards_mapped: tuple[int, int] | None = None  # the last load's shards mapped by their PS, and loaded
@@ -236,7 +228,11 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self._chain_names: frozenset[str] | None = None
         self._chain_names_restore: RestoreInfo | None = None
         self.restore_timeout = opts.restore_timeout
-        self._sink = self._open_sink()
+        self._sink: Sink = (
+            AgentSink(SpoolWriter(self.sink.spool), self.store, retention=lambda: self.retention)
+            if self.sink.spool is not None
+            else StoreSink(self.store, retention=lambda: self.retention, on_parent_missing=self._forget_state)
+        )
         self._lag = LagGuard(
             lambda: schedule.durable_lag if (schedule := self.schedule) is not None else LagBound(),
             agent_alive=self._sink.spool.agent_alive if isinstance(self._sink, AgentSink) else None,
@@ -261,18 +257,6 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self._tf_restore, self._restore_before = hook_restore(self)
         process_managers.opened(self, self._sink)
 
-    def _make_capturer(self, checkpoint: Any, options: ManagerOptions) -> Capturer:
-        capture = options.capture.capturer_kwargs()
-        if self.sink.kind == "agent" and "spill_dirs" not in capture:
-            capture["spill_dirs"] = _part_dirs()  # under an agent whose PS agents keep their shards
-        return Capturer(checkpoint, coordinator=options.coordinator, **capture)
-
-    def _open_sink(self) -> Sink:
-        if self.sink.kind == "agent":
-            assert self.sink.spool is not None
-            return AgentSink(SpoolWriter(self.sink.spool), self.store, retention=lambda: self.retention)
-        return StoreSink(self.store, retention=lambda: self.retention, on_parent_missing=self._forget_state)
-
     def __repr__(self) -> str:
         return f"psguard.CheckpointManager(directory={self._directory!r}, sink={self.sink})"
 
@@ -284,8 +268,10 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     @property
     def coordinator(self) -> Any:
         """The ``ClusterCoordinator`` captures drain: the one given, else the one of the variables' strategy."""
-        if self._coordinator is None:
-            found = _coordinator_of(self._checkpoint)
+        if self._coordinator is None:  # the one registered on the strategy that made the variables, if any
+            objects = (c for _, obj in gather_variables(self._checkpoint) for c in (obj, unwrap(obj)))
+            strategies = (getattr(c, "_distribute_strategy", None) for c in objects)
+            found = next((c for s in strategies if (c := getattr(s, "_cluster_coordinator", None)) is not None), None)
             if found is not None:
                 self.coordinator = found
         return self._coordinator
@@ -593,17 +579,12 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
 
     def _add_object_graph(self, updates: dict[str, TensorUpdate]) -> None:
         """TF's object graph, walked again (5 ms of stall) only when the capture saw the variables change."""
-        layout = self.capturer.layout_version
-        if self._graph is not None and layout == self._graph_layout:
-            updates[OBJECT_GRAPH_KEY] = Same((), np.dtype(object))
-            return
-        graph = object_graph_bytes(self._checkpoint)
-        if graph == self._graph:
-            updates[OBJECT_GRAPH_KEY] = Same((), np.dtype(object))
-        else:
-            updates[OBJECT_GRAPH_KEY] = Full(np.array(graph, dtype=object))
-            self._graph = graph
-        self._graph_layout = layout
+        layout, graph = self.capturer.layout_version, self._graph
+        if graph is None or layout != self._graph_layout:
+            graph, self._graph_layout = object_graph_bytes(self._checkpoint), layout
+        same = graph == self._graph
+        updates[OBJECT_GRAPH_KEY] = Same((), np.dtype(object)) if same else Full(np.array(graph, dtype=object))
+        self._graph = graph
 
 
 def _retention_of(

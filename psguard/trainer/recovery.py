@@ -260,16 +260,6 @@ def _reach(*, workers: bool) -> None:
         log.info("%s reached every PS after %d failed call(s)", "the workers" if workers else "the chief", failed)
 
 
-def _rebuild_reaching(build: Callable[[], T], close: Callable[[T], None] | None, placement: StablePlacement) -> T:
-    """:func:`_rebuild` once this process reaches every PS, then wait until every worker does too: one after
-    the other, as a worker's failed call also failed the chief's calls in flight."""
-    _reach(workers=False)
-    job = _rebuild(build, close, placement)
-    _reach(workers=True)
-    restore_failure_tolerance()
-    return job
-
-
 def run_with_recovery(
     build: Callable[[], T],
     train: Callable[[T], R],
@@ -306,7 +296,11 @@ def run_with_recovery(
                 _reach(workers=True)
             if job is None:  # a failure during the rebuild is recovered from like one in training
                 reset_cluster_context()
-                job = _rebuild_reaching(build, close, placement)
+                # This process reaches every PS, then every worker: a worker's failed call also failed the chief's.
+                _reach(workers=False)
+                job = _rebuild(build, close, placement)
+                _reach(workers=True)
+                restore_failure_tolerance()
                 assert failure is not None
                 event = RecoveryEvent(attempt, failure[0], time.monotonic() - failure[1])
                 failure = None

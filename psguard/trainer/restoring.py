@@ -9,6 +9,7 @@ the state a save uses (capturer, chain, object graph, save context) under the sa
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -141,12 +142,9 @@ class RestoreSide:
                 raise NoCheckpointError(f"{save_path!r} is not a checkpoint of {self._directory}")
             return self._restore_before(save_path, options=options)  # TF's (or another manager's)
         if self._snapshot_for is not None and self._snapshot_for[0] == path:
-            memory = self._snapshot_for[1]
-            self._snapshot_for = None
-            info = RestoreInfo(path, memory.step, memory.metadata, "memory")
-            if not self._load(info, memory, status=True):
+            memory, self._snapshot_for = self._snapshot_for[1], None
+            if self._load_memory(memory, status=True) is None:
                 raise NoCheckpointError(f"{path} did not load on the PS; call manager.restore_or_initialize()")
-            self._restored(info)
         elif path.startswith("memory:") or path == self.latest_checkpoint:
             if self._restore_newest(status=True) is None:
                 raise NoCheckpointError(f"no checkpoint to restore in {self._directory}")
@@ -194,8 +192,9 @@ class RestoreSide:
                 continue
             if memory is not None:
                 log.warning("restoring from the durable log: %s", restore.why)
-            try:
-                restored = self._from_the_log(force=restore.force, status=status)
+            try:  # waiting for a store that does not answer: nothing else holds the state
+                load = functools.partial(self._restore_from_the_log, force=restore.force, status=status)
+                restored = StoreWait(self.store.backend).call(load, probe=self.store.checkpoint_ids)
             except NewerInMemoryError as refusal:  # its first export failed for a reason that was not the tiers'
                 log.warning("%s: asking the memory tier again", refusal)
                 memory, snapshot = Memory(None, held=True), None
@@ -212,12 +211,6 @@ class RestoreSide:
         if absent:
             log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
         return Memory(snapshot.step, snapshot.token, held=not absent)
-
-    def _from_the_log(self, *, force: bool, status: bool) -> tuple[RestoreInfo, Restored] | None:
-        """:meth:`_restore_from_the_log`, waiting for a store that does not answer: nothing else holds the state."""
-        return StoreWait(self.store.backend).call(
-            lambda: self._restore_from_the_log(force=force, status=status), probe=self.store.checkpoint_ids
-        )
 
     def _restore_from_the_log(self, *, force: bool, status: bool) -> tuple[RestoreInfo, Restored] | None:
         """The newest durable checkpoint that loads, or None; ``force``: replace the memory tier's state (else the
@@ -283,8 +276,11 @@ class RestoreSide:
             try:
                 if pending_parts:  # read before anything is assigned: a damaged file fails the whole load
                     pending.update(read_pending_parts(pending_parts, snap.part_homes))
-                if info.source == "durable":
-                    pending.update(self._absent_from(info.id, snap, names))
+                if info.source == "durable":  # what the snapshot lacks and the model has no variable for
+                    have = set(snap.tensors) | {k.name for k in snap.parts}
+                    manifest = self.store.manifest(info.id)
+                    wanted = [n for n in manifest.tensors if n not in have and n not in names]
+                    pending.update(self.store.load(info.id, wanted) if wanted else {})
                 waiting = {n: (tuple(np.shape(v)), np.asarray(v).dtype) for n, v in pending.items()}
                 self._shards_mapped = None
                 if snap.parts:  # each PS loads its shards on its own node
@@ -304,12 +300,6 @@ class RestoreSide:
             self._sink.rebase(info.id if info.source == "durable" else None, snap.token)
             self._defer(pending, graph, info, status=status)
         return True
-
-    def _absent_from(self, checkpoint_id: str, snap: Restored, names: set[str]) -> dict[str, np.ndarray]:
-        """Tensors of a durable checkpoint that ``snap`` lacks and the model has no variable for, read on the chief."""
-        have = set(snap.tensors) | {k.name for k in snap.parts}
-        wanted = [n for n in self.store.manifest(checkpoint_id).tensors if n not in have and n not in names]
-        return self.store.load(checkpoint_id, wanted) if wanted else {}
 
     def _defer(self, pending: dict[str, np.ndarray], graph: Any, info: RestoreInfo, *, status: bool) -> None:
         """Hand ``pending`` to TF's deferred restoration (replacing what an earlier restore left pending)."""
