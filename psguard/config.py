@@ -29,20 +29,6 @@ import yaml
 
 from psguard.errors import ConfigError
 
-__all__ = [
-    "Check",
-    "Duration",
-    "Parse",
-    "changed_keys",
-    "format_duration",
-    "from_data",
-    "invalid",
-    "load_yaml",
-    "loads_yaml",
-    "parse_duration",
-    "validate",
-]
-
 T = TypeVar("T")
 
 

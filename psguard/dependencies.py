@@ -14,8 +14,6 @@ from types import ModuleType
 
 from psguard.errors import MissingDependencyError
 
-__all__ = ["EXTRAS", "TENSORFLOW_DISTRIBUTIONS", "import_optional", "install_hint", "tensorflow_version", "versions"]
-
 EXTRAS: dict[str, str] = {
     "tensorflow": "TensorFlow is not installed: pip install 'psguard[cpu]' in a CPU image, 'psguard[gpu]' "
     "(or 'psguard[tf]') in a GPU image, or keep the image's own tensorflow>=2.16",

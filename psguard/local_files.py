@@ -25,8 +25,6 @@ from pathlib import Path
 
 from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError
 
-__all__ = ["HeldDir", "describe", "open_regular", "read_regular"]
-
 _KINDS = {
     stat.S_IFIFO: "a FIFO (named pipe)",
     stat.S_IFCHR: "a character device",

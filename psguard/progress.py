@@ -15,8 +15,6 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-__all__ = ["Progress", "human_bytes", "open_progress"]
-
 #: Seconds between two plain progress lines.
 PLAIN_INTERVAL = 5.0
 

@@ -16,8 +16,6 @@ from pathlib import Path
 
 from psguard.errors import ConfigError
 
-__all__ = ["MARKER", "cache_root", "claim_folder", "drop_memory_folders", "memory_folder"]
-
 MARKER = ".psguard-run"
 """The file a psguard run leaves in the folder it made: a reused folder is recognised by it."""
 

@@ -10,8 +10,6 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["DTYPE_NAMES", "MAX_DIMS", "STRING", "dtype_from_name", "dtype_name", "itemsize_of", "logical_nbytes"]
-
 
 class _Sized(Protocol):
     @property

@@ -15,8 +15,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "MAX_INT_DIGITS", "StrictJSONError", "check_depth", "fields_json", "loads"]
-
 #: Digits of the longest integer accepted: 2**63 has 19. Sizes, steps, CRC32Cs and shapes all fit.
 MAX_INT_DIGITS = 19
 #: Nesting levels accepted (objects and arrays). psguard's own documents nest 6 deep; metadata gets the rest.

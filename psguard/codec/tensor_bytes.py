@@ -10,8 +10,6 @@ from collections.abc import Sequence
 import crc32c as _crc32c
 import numpy as np
 
-__all__ = ["as_le_bytes", "byte_view", "crc32c", "deserialize_strings", "serialize_strings", "tensor_bytes"]
-
 
 def crc32c(data: bytes | memoryview) -> int:
     return int(_crc32c.crc32c(data))

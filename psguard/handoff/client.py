@@ -22,8 +22,6 @@ from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE, ENV_AGENT_URL
 from psguard.handoff.credentials import read_secret_file
 from psguard.handoff.tls import client_context, client_context_from_env
 
-__all__ = ["http_json", "http_request", "read_token", "report_failure", "report_recovery", "restart_ps_servers"]
-
 log = logging.getLogger(__name__)
 
 

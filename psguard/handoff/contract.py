@@ -14,27 +14,6 @@ from pathlib import Path
 
 from psguard.errors import ConfigError
 
-__all__ = [
-    "default_spool_dir",
-    "ENV_AGENT_CA",
-    "ENV_AGENT_CLIENT_CERT",
-    "ENV_AGENT_CLIENT_KEY",
-    "ENV_AGENT_TOKEN_FILE",
-    "ENV_AGENT_URL",
-    "ENV_PARTS",
-    "ENV_SPOOL",
-    "ENV_STORE",
-    "ENV_TASK",
-    "EXIT_OK",
-    "EXIT_RESTART",
-    "HANG_DUMP_SIGNAL",
-    "NEW_BASE_KEY",
-    "RETENTION_KEY",
-    "STALL_KEY",
-    "TOKEN_KEY",
-    "Tier",
-]
-
 
 class Tier(enum.StrEnum):
     """Where a save goes. ``BASE`` means: make the durable chain start afresh from a full base."""

@@ -22,8 +22,6 @@ from psguard.errors import ConfigError
 if TYPE_CHECKING:
     from typing import Self
 
-__all__ = ["TokenFile", "check_private_file", "create_token_file", "ensure_private_dir", "read_secret_file"]
-
 
 def check_private_file(path: str | os.PathLike[str], what: str) -> os.stat_result:
     """Refuse ``path`` unless only its owner (this user or root) can read it; its ``stat`` (links followed).

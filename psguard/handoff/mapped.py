@@ -32,8 +32,6 @@ from psguard.errors import ConfigError
 from psguard.handoff.native import build_digest, compile_library, switched_on, trusted
 from psguard.run_folder import cache_root
 
-__all__ = ["ENV_MAP_OP", "build", "library_path", "load_into_server", "map_op"]
-
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("map_bundle.cc")

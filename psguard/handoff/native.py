@@ -26,8 +26,6 @@ from psguard.errors import ConfigError
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.run_folder import cache_root
 
-__all__ = ["ENV_NATIVE_DIGEST", "build_digest", "compile_library", "digest_function", "digest_library", "trusted"]
-
 log = logging.getLogger(__name__)
 
 DIGEST_SOURCE = Path(__file__).with_name("rows_digest.c")

@@ -25,18 +25,6 @@ from typing import Any, Literal
 from psguard.codec.strict_json import fields_json
 from psguard.errors import CorruptCheckpointError, TensorMismatchError
 
-__all__ = [
-    "Kind",
-    "PartCapture",
-    "ShardFiles",
-    "ShardKey",
-    "check_coverage",
-    "check_restore_files",
-    "is_ps_task",
-    "parts_from_json",
-    "task_of_device",
-]
-
 Kind = Literal["full", "rows", "same"]
 _TASK_RE = re.compile(r"^ps:[0-9]{1,6}$")
 _NONCE_RE = re.compile(r"^[0-9a-f]{16}$")

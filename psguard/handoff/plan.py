@@ -27,31 +27,6 @@ from dataclasses import dataclass, field
 
 from psguard.handoff.contract import EXIT_RESTART
 
-__all__ = [
-    "RULES",
-    "Action",
-    "Copy",
-    "Durable",
-    "Facts",
-    "Failure",
-    "Memory",
-    "Options",
-    "Process",
-    "RecoveryPlan",
-    "Restore",
-    "Rule",
-    "Shards",
-    "Source",
-    "TaskPlan",
-    "TaskReport",
-    "TaskState",
-    "TierState",
-    "failure_moment",
-    "plan",
-    "reported_moment",
-    "rules_table",
-]
-
 
 class TaskState(enum.StrEnum):
     """A task's process, as its agent reports it."""

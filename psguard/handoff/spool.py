@@ -122,22 +122,6 @@ from psguard.handoff.parts import PartCapture, ShardKey, is_ps_task, parts_from_
 from psguard.local_files import HeldDir, open_regular, read_regular
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 
-__all__ = [
-    "Ack",
-    "Capture",
-    "DeltaWithoutParentError",
-    "DurableAck",
-    "NeedFullCaptureError",
-    "NewerInMemoryError",
-    "Restored",
-    "SpoolPaths",
-    "SpooledCapture",
-    "default_spool_dir",
-    "read_capture",
-    "read_restore",
-    "write_private",
-]
-
 log = logging.getLogger(__name__)
 
 CAPTURE_FORMAT = "psguard-spool-capture"

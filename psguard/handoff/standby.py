@@ -17,8 +17,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
 
-__all__ = ["GO", "READY_ENV", "STANDBY_ENV", "is_standby", "wait_for_go"]
-
 STANDBY_ENV = "PSGUARD_STANDBY"
 READY_ENV = "PSGUARD_STANDBY_READY"
 GO = b"go\n"

@@ -28,8 +28,6 @@ from psguard.errors import CorruptCheckpointError
 from psguard.handoff.spool import write_array
 from psguard.handoff.tensor_file import TF_DTYPES, open_capture_file
 
-__all__ = ["BUNDLE_KEY", "bundle_files", "index_bytes", "read_bundle", "write_bundle", "write_index"]
-
 #: The name of the one tensor in a bundle (what ``RestoreV2`` is asked for).
 BUNDLE_KEY = "t"
 _DT_ENUM = {name: number for number, name in TF_DTYPES.items()}

@@ -28,8 +28,6 @@ from psguard.codec.tensor_bytes import byte_view
 from psguard.errors import CorruptCheckpointError
 from psguard.local_files import open_regular
 
-__all__ = ["TF_DTYPES", "open_capture_file", "read_tensor_file"]
-
 #: TF DataType enum value -> the dtype name a manifest records (tensorflow/core/framework/types.proto).
 TF_DTYPES: dict[int, str] = {
     1: "float32",

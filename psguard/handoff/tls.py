@@ -17,8 +17,6 @@ from psguard.errors import ConfigError
 from psguard.handoff.contract import ENV_AGENT_CA, ENV_AGENT_CLIENT_CERT, ENV_AGENT_CLIENT_KEY
 from psguard.handoff.credentials import check_private_file
 
-__all__ = ["client_context", "client_context_from_env", "server_context"]
-
 
 def _load_chain(ctx: ssl.SSLContext, cert: str, key: str, what: str) -> None:
     check_private_file(key, f"{what} key")

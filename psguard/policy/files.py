@@ -62,20 +62,6 @@ from psguard.policy.engine import (
 )
 from psguard.policy.lag import LagBound
 
-__all__ = [
-    "BaseSpec",
-    "HangSpec",
-    "PolicySpec",
-    "PolicyWatcher",
-    "PreemptionSpec",
-    "TierSpec",
-    "load_policy",
-    "preset_names",
-    "PRESETS",
-    "PRESETS_DIR",
-    "preset_text",
-]
-
 logger = logging.getLogger(__name__)
 
 PRESETS: Traversable = importlib.resources.files(__package__) / "presets"

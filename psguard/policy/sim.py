@@ -19,8 +19,6 @@ from psguard.config import format_duration
 from psguard.handoff.contract import Tier
 from psguard.policy.engine import SaveContext, Schedule, young_daly_interval
 
-__all__ = ["Job", "SimResult", "TierResult", "format_report", "plot", "simulate"]
-
 _BASE_BYTES = 1_000_000  # units for the chain-size rule; only ratios matter
 
 

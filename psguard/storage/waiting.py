@@ -27,8 +27,6 @@ from psguard.storage.base import Backend
 from psguard.storage.registry import redact
 from psguard.storage.retry import RetryingBackend, one_line
 
-__all__ = ["StoreWait", "Waiting"]
-
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")

@@ -18,8 +18,6 @@ from psguard.store.lease import acquire_writer_lease
 from psguard.store.manifest import Manifest, chunk_key, manifest_key
 from psguard.store.verify import VerifyReport
 
-__all__ = ["CopyReport", "copy_checkpoint"]
-
 
 @dataclass(frozen=True)
 class CopyReport:

@@ -28,8 +28,6 @@ from psguard.errors import ParentMissingError, PsguardError
 from psguard.store.facade import Store
 from psguard.store.index import CheckpointInfo
 
-__all__ = ["BaseRule", "ChainState", "DurableWriter", "RetentionSpec"]
-
 log = logging.getLogger(__name__)
 
 

@@ -16,8 +16,6 @@ from psguard.errors import ConfigError
 from psguard.store.cli import add_store_arguments, open_store
 from psguard.store.index import CheckpointInfo
 
-__all__ = ["register"]
-
 
 def _line(info: CheckpointInfo, json_lines: bool) -> str:
     if json_lines:

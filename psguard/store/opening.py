@@ -19,8 +19,6 @@ from typing import Any
 from psguard.storage.registry import check_url, redact
 from psguard.store.facade import Store
 
-__all__ = ["StoreOpening"]
-
 log = logging.getLogger(__name__)
 
 
