@@ -15,7 +15,7 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -55,26 +55,21 @@ class _Ahead:
 
 
 class RestoreAnswers:
-    """Answers the restore requests of one spool; ``order`` is the lock the captures take to move the tiers."""
+    """Answers the restore requests of one spool (a base class of
+    :class:`~psguard.agent.tiers.spool_server.SpoolServer`, kept apart to keep the server readable); ``_order`` is
+    the lock the captures take to move the tiers."""
 
-    def __init__(
-        self,
-        paths: SpoolPaths,
-        tier: MemoryTier,
-        persister: Persister | None,
-        shards: ShardClient | None,
-        order: threading.Lock,
-        writer_alive: Callable[[str], bool],
-    ) -> None:
-        self._paths = paths
-        self.root = paths.root
-        self.tier = tier
-        self.persister = persister
-        self.shards = shards
-        self._order = order
-        self._writer_alive = writer_alive
-        self._ahead_lock = threading.Lock()
-        self._ahead: _Ahead | None = None  # the export ahead of the next restore (export_ahead)
+    _paths: SpoolPaths
+    root: Path
+    tier: MemoryTier
+    persister: Persister | None
+    shards: ShardClient | None
+    _order: threading.Lock
+    _ahead_lock: threading.Lock
+    _ahead: _Ahead | None  # the export ahead of the next restore (export_ahead)
+
+    def _writer_alive(self, gen: str) -> bool:
+        raise NotImplementedError
 
     def export_ahead(self, only: Sequence[str] | None = None) -> threading.Thread | None:
         """Have every PS agent (or those in ``only``) write its restore files for the tier's state now, in a

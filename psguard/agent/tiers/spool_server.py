@@ -11,7 +11,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -70,7 +70,7 @@ class SpoolServerStatus:
     last_error: str | None
 
 
-class SpoolServer:
+class SpoolServer(RestoreAnswers):
     """The agent's end: applies captures to ``tier``, feeds ``persister``, serves restores (:class:`RestoreAnswers`).
 
     ``start()`` takes the spool's agent lock, cleans what dead processes left, and (``watch=True``) starts a
@@ -113,7 +113,8 @@ class SpoolServer:
         self._answering = threading.Lock()
         self._last_error: str | None = None
         self._moved_said = False
-        self._answers = RestoreAnswers(self._paths, tier, persister, shards, self._order, self._writer_alive)
+        self._ahead_lock = threading.Lock()
+        self._ahead = None
 
     # ------------------------------------------------------------------------------------------- lifecycle
     def start(self, *, watch: bool = True) -> SpoolServer:
@@ -153,10 +154,6 @@ class SpoolServer:
             os.close(self._lock_fd)
             self._lock_fd = None
         self._paths.release()
-
-    def export_ahead(self, only: Sequence[str] | None = None) -> threading.Thread | None:
-        """The PS agents write the restore's files now, in the background (:meth:`RestoreAnswers.export_ahead`)."""
-        return self._answers.export_ahead(only)
 
     @property
     def heartbeat(self) -> Path:
@@ -276,7 +273,7 @@ class SpoolServer:
             for name in sorted(os.listdir(self._paths.requests)):
                 m = REQ_RE.match(name)
                 if m:
-                    served = self._answers.serve(self._paths.requests / name, f"{m.group(1)}-{m.group(2)}", m.group(1))
+                    served = self.serve(self._paths.requests / name, f"{m.group(1)}-{m.group(2)}", m.group(1))
                     if served is not None:
                         self._emit(SpoolEvent("restore", None, *served))
                 elif name.startswith("."):

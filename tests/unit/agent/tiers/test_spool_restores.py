@@ -7,9 +7,9 @@ import threading
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from psguard.agent.tiers.memory_tier import MemoryTier
-from psguard.agent.tiers.spool_restores import RestoreAnswers
 from psguard.agent.tiers.spool_server import SpoolServer
 from psguard.handoff.spool import Capture, SpoolPaths
 from psguard.tensors import Full, TensorUpdate
@@ -59,20 +59,25 @@ def test_a_restore_after_an_export_ahead_takes_its_answer_and_exports_once(tmp_p
     assert shards.exports == [(("ps:0", "ps:1"), tier.token)] * 2  # ahead, then the second restore's own
 
 
-def test_an_export_ahead_for_some_ps_only_is_no_answer_for_a_restore(tmp_path: Path) -> None:
+def test_an_export_ahead_for_some_ps_only_is_no_answer_for_a_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A replacement PS agent fetches its shards ahead (``only``: that PS); the restore still asks every PS agent,
     and answers with the tier's state."""
     paths, shards, tier = SpoolPaths(tmp_path / "spool"), _Shards(), MemoryTier()
-    paths.make()
     assert tier.apply(whole(1), step=7, token="t7", parent=None).ok
     shards.active = ("ps:0", "ps:1")
-    answers = RestoreAnswers(paths, tier, None, shards, shards.order, lambda _: True)  # type: ignore[arg-type]
-    ahead = answers.export_ahead(only=["ps:1"])
-    assert ahead is not None
-    ahead.join(10)
-    request = paths.requests / "restore-0000abcd-00000000000a.json"
-    request.write_text("{}")
-    served = answers.serve(request, "0000abcd-00000000000a", "0000abcd")
+    srv = SpoolServer(paths.root, tier, shards=shards).start(watch=False)  # type: ignore[arg-type]
+    monkeypatch.setattr(srv, "_writer_alive", lambda _: True)  # the request's writer is no process here
+    try:
+        ahead = srv.export_ahead(only=["ps:1"])
+        assert ahead is not None
+        ahead.join(10)
+        request = paths.requests / "restore-0000abcd-00000000000a.json"
+        request.write_text("{}")
+        served = srv.serve(request, "0000abcd-00000000000a", "0000abcd")
+    finally:
+        srv.stop()
     assert served == (7, "ok")
     assert shards.exports == [(("ps:1",), "t7"), (("ps:0", "ps:1"), "t7")]
     assert (paths.restore / "0000abcd-00000000000a" / "manifest.json").is_file() and not request.exists()
