@@ -205,11 +205,10 @@ class ParityHolder:
             return g
 
     def put(self, owner: str, header: dict[str, Any], arrays: list[np.ndarray]) -> dict[str, Any]:
-        """One frame of ``owner`` for its group's parity: ``begin``/``fill``/``end`` of a whole, or a ``delta``."""
+        """One frame of ``owner`` for its group's parity: ``begin``/``fill``/``end`` of a whole, or a ``delta`` (the
+        op checked by :meth:`CopyHolder.put`)."""
         g = self._group(owner, header)
-        op = header.get("op")
-        if op not in ("begin", "fill", "end", "delta"):
-            raise CorruptCheckpointError(f"parity frame: unknown op {op!r}")
+        op = header["op"]
         handle: Callable[..., dict[str, Any]] = getattr(self, f"_{op}")
         with g.lock:
             if g.restored is not None and g.restored[0] == owner:

@@ -83,6 +83,9 @@ class CopyHolder:
         owner = header.get("task")
         if not isinstance(owner, str) or not owner.startswith("ps:") or owner == self.task:
             raise CorruptCheckpointError(f"peer copy frame: bad owner {owner!r}")
+        op = header.get("op")
+        if op not in ("begin", "fill", "end", "delta"):
+            raise CorruptCheckpointError(f"peer copy frame: unknown op {op!r}")
         if header.get("parity") is not None:
             if self.parity is None:
                 raise CorruptCheckpointError("peer copy frame: parity is not held here")
@@ -90,9 +93,6 @@ class CopyHolder:
                 self._copies.pop(owner, None)
                 self._incoming.pop(owner, None)
             return self.parity.put(owner, header, arrays)
-        op = header.get("op")
-        if op not in ("begin", "fill", "end", "delta"):
-            raise CorruptCheckpointError(f"peer copy frame: unknown op {op!r}")
         handle: Callable[..., dict[str, Any]] = getattr(self, f"_{op}")
         return handle(owner, header, arrays)
 

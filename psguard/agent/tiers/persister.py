@@ -32,7 +32,7 @@ from psguard.handoff.contract import NEW_BASE_KEY, RETENTION_KEY, TOKEN_KEY
 from psguard.policy.engine import ChainLimit, Retention, SavePolicy, base_rule
 from psguard.storage.retry import Retrying, RetryingBackend
 from psguard.store import CheckpointInfo, Store
-from psguard.store.durable import ChainState, DurableWriter
+from psguard.store.durable import DurableWriter
 
 log = logging.getLogger(__name__)
 
@@ -402,7 +402,7 @@ class Persister:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             log.warning("ignoring a malformed new-base request in %s: %r", info.id, spec)
         elif limit == 0 and self._max_delta_percent is None:
-            self._rule = _never  # new_base_after=0 and no size limit
+            self._rule = lambda chain, step: False  # new_base_after=0 and no size limit
         else:
             self._rule = base_rule(ChainLimit(max_chain=limit or None, max_delta_percent=self._max_delta_percent))
 
@@ -414,7 +414,8 @@ class Persister:
             # The same failure again (every capture retries while a lost PS node's tier is rebuilt) is said at
             # WARNING once per REPEAT_LOG_SECONDS with how often it happened meanwhile, not once per attempt.
             now = time.monotonic()
-            kind = _shape(self._last_error)  # the same failure at another step, token or checkpoint id is the same
+            # Numbers and ids blanked: the same failure at another step, token or checkpoint id is the same.
+            kind = re.sub(r"[0-9a-f]{8,}|\d+", "#", self._last_error)
             repeat = kind == self._last_kind and now - self._last_warned < REPEAT_LOG_SECONDS
             self._last_kind = kind
             if repeat:
@@ -455,15 +456,6 @@ class Persister:
                 self.on_event(event)
         except Exception:
             log.exception("persister event callback failed (ignored)")
-
-
-def _never(chain: ChainState, step: int) -> bool:
-    return False
-
-
-def _shape(error: str) -> str:
-    """An error's text with its numbers and ids blanked: what stays the same when one failure repeats."""
-    return re.sub(r"[0-9a-f]{8,}|\d+", "#", error)
 
 
 def resume(store: Store, tier: MemoryTier, *, skip_sharded: bool = False) -> CheckpointInfo | None:
