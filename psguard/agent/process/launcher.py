@@ -95,7 +95,6 @@ class AgentProcess:
         self._env = dict(os.environ, **QUIET_TENSORFLOW, **(env or {}))
         self.url: str | None = None  # known once it serves (wait_url)
         self.starts = 0
-        self.pids: list[int] = []
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self._spawn([])
 
@@ -111,7 +110,6 @@ class AgentProcess:
             argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
         )
         self.starts += 1
-        self.pids.append(self.proc.pid)
 
     def restart(self) -> None:
         """Start the agent again after it died (it was killed), on the same HTTP port."""

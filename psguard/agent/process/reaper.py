@@ -64,11 +64,6 @@ def boot_id() -> str:
         return ""
 
 
-def _zombie(pid: int) -> bool:
-    fields = stat_fields(pid)
-    return fields is None or not fields or fields[0] in ("Z", "X")
-
-
 def _pids() -> Iterator[int]:
     return (int(entry) for entry in os.listdir("/proc") if entry.isdigit())
 
@@ -119,7 +114,8 @@ def marked(token: str, *, exclude: frozenset[int] = frozenset()) -> list[int]:
                 env = f.read()
         except OSError:  # gone, or another user's (which we could not signal anyway)
             continue
-        if (env.startswith(needle) or b"\0" + needle in env) and not _zombie(pid):
+        alive = (fields := stat_fields(pid)) and fields[0] not in ("Z", "X")
+        if (env.startswith(needle) or b"\0" + needle in env) and alive:
             out.append(pid)
     return sorted(out)
 

@@ -519,7 +519,9 @@ class Supervisor:
                     poll = _REAP_EVERY if poll is None else poll
                 wait = remaining if poll is None else poll if remaining is None else min(poll, remaining)
                 if self._wake_r in _readable(fds, wait):
-                    self._drain_wake()
+                    with contextlib.suppress(BlockingIOError):
+                        while os.read(self._wake_r, 4096):  # drained: the wake-ups so far are seen
+                            pass
         finally:
             if pidfd is not None:
                 os.close(pidfd)
@@ -669,11 +671,6 @@ class Supervisor:
                 return
             with contextlib.suppress(BlockingIOError):  # a full pipe already wakes the thread
                 os.write(self._wake_w, b"x")
-
-    def _drain_wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._wake_r, 4096):
-                pass
 
     def _close_wake_pipe(self) -> None:
         """Close both ends; the caller holds the lock."""

@@ -66,13 +66,10 @@ class TaskLog:
         return self.path.with_name(f"{self.path.name}.{n}")
 
     def _shift(self) -> None:
-        self._copy(self.keep + 1).unlink(missing_ok=True)
-        for n in range(self.keep, 0, -1):
+        self._copy(max(self.keep, 1)).unlink(missing_ok=True)  # the oldest goes; the others move up one
+        for n in range(self.keep - 1, 0, -1):
             if self._copy(n).exists():
-                if n == self.keep:
-                    self._copy(n).unlink()
-                else:
-                    self._copy(n).replace(self._copy(n + 1))
+                self._copy(n).replace(self._copy(n + 1))
 
     def start(self) -> None:
         """Check the size every ``check_every`` seconds until :meth:`stop`."""
