@@ -97,7 +97,9 @@ def functions_for(plan: Plan) -> Functions:
     with _FUNCTIONS_LOCK:
         fns = _FUNCTIONS.get(plan)
         if fns is None:
-            fns = _FUNCTIONS[plan] = _make_functions(plan)
+            tf, graph = lazy_tf(), _Graph(plan)
+            capture, rebase = (tf.function(f, autograph=False) for f in (graph.capture, graph.rebase))
+            fns = _FUNCTIONS[plan] = Functions(plan, capture=capture, rebase=rebase, rebase_body=graph.rebase)
             while len(_FUNCTIONS) > _FUNCTIONS_KEPT:
                 _FUNCTIONS.popitem(last=False)
         _FUNCTIONS.move_to_end(plan)
@@ -111,17 +113,6 @@ def nonzero_rows(rows: Any) -> Any:
     if flat.dtype.is_floating:
         flat = tf.bitcast(flat, {2: tf.int16, 4: tf.int32, 8: tf.int64}[flat.dtype.size])
     return tf.reduce_any(tf.not_equal(flat, tf.zeros([], flat.dtype)), axis=1)
-
-
-def _make_functions(plan: Plan) -> Functions:
-    tf = lazy_tf()
-    graph = _Graph(plan)
-    return Functions(
-        plan,
-        capture=tf.function(graph.capture, autograph=False),
-        rebase=tf.function(graph.rebase, autograph=False),
-        rebase_body=graph.rebase,
-    )
 
 
 def _fingerprints(t: TensorPlan, parts: list[Any]) -> Any:
@@ -257,9 +248,7 @@ class _Graph:
 
     # ----------------------------------------------------------------------------------------- capture
     def capture(self, dry: Any, force: Any, verify: Any, expected_gap: Any, folder: Any, variables: Any) -> Any:
-        return _unless_dry(
-            dry, lambda: self.capture_body(force, verify, expected_gap, folder, variables), self.plan.local
-        )
+        return self.unless_dry(dry, lambda: self.capture_body(force, verify, expected_gap, folder, variables))
 
     def capture_body(self, force: Any, verify: Any, expected_gap: Any, folder: Any, variables: Any) -> Any:
         tf = lazy_tf()
@@ -354,6 +343,27 @@ class _Graph:
                     prefix=path, tensor_names=[BUNDLE_KEY], shape_and_slices=[""], tensors=[tensors["full"]]
                 )
 
+    def unless_dry(self, dry: Any, body: Callable[[], Any]) -> Any:
+        """``body()``'s outputs, or with ``dry`` empty ones of the same structure, nothing read or written: a dry call
+        instantiates the whole function on the PS (a first call's cost) without running it."""
+        tf = lazy_tf()
+        traced: list[Any] = []
+
+        def live() -> Any:
+            out = body()
+            traced.append(out)
+            return out
+
+        def idle() -> Any:
+            if not traced:  # tf.cond traces its true branch first; without it the structure is unknown
+                raise AssertionError("the live branch was not traced before the dry one")
+            with tf.device(self.plan.local):
+                return tf.nest.map_structure(
+                    lambda t: tf.zeros([0] * (t.shape.rank if t.shape.rank is not None else 1), t.dtype), traced[0]
+                )
+
+        return tf.cond(tf.logical_not(dry), live, idle)
+
     # ------------------------------------------------------------------------------------------ rebase
     def rebase(self, spilled_too: bool, variables: Any) -> Any:
         """Every shard's fingerprints (and marks, live rows) made current from its value, after a restore."""
@@ -373,28 +383,6 @@ class _Graph:
                         v[4].assign(nonzero)
         with tf.device(self.plan.local):
             return tf.identity(self.gap_now(counter, iterations))
-
-
-def _unless_dry(dry: Any, body: Callable[[], Any], local: str) -> Any:
-    """``body()``'s outputs, or with ``dry`` empty ones of the same structure, nothing read or written: a dry call
-    instantiates the whole function on the PS (a first call's cost) without running it."""
-    tf = lazy_tf()
-    traced: list[Any] = []
-
-    def live() -> Any:
-        out = body()
-        traced.append(out)
-        return out
-
-    def idle() -> Any:
-        if not traced:  # tf.cond traces its true branch first; without it the structure is unknown
-            raise AssertionError("the live branch was not traced before the dry one")
-        with tf.device(local):
-            return tf.nest.map_structure(
-                lambda t: tf.zeros([0] * (t.shape.rank if t.shape.rank is not None else 1), t.dtype), traced[0]
-            )
-
-    return tf.cond(tf.logical_not(dry), live, idle)
 
 
 def capture_specs(tensors: int) -> tuple[Any, ...]:
@@ -425,23 +413,6 @@ def join_warming(timeout: float) -> None:
             log.warning("the capture function's warm-up was still running at exit (a PS unreachable?)")
 
 
-def _in_background(target: Callable[[], None], name: str) -> threading.Thread:
-    """``target`` started on a daemon thread that :func:`join_warming` waits for."""
-
-    def run() -> None:
-        try:
-            target()
-        finally:
-            with _WARMING_LOCK:
-                _WARMING.discard(threading.current_thread())
-
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    with _WARMING_LOCK:
-        _WARMING.add(thread)
-    thread.start()
-    return thread
-
-
 def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
     """A started thread that instantiates ``fns``' capture by a dry call; a failure is left to the real call."""
     tf = lazy_tf()
@@ -455,8 +426,15 @@ def warm_functions(fns: Functions, variables: Any) -> threading.Thread:
                 concrete(tf.constant(True), *off, variables)
         except Exception as e:
             log.debug("warming the capture function up failed: %s", e)
+        finally:
+            with _WARMING_LOCK:
+                _WARMING.discard(threading.current_thread())
 
-    return _in_background(warm, "psguard-capture-warm")
+    thread = threading.Thread(target=warm, name="psguard-capture-warm", daemon=True)
+    with _WARMING_LOCK:
+        _WARMING.add(thread)
+    thread.start()
+    return thread
 
 
 @contextlib.contextmanager

@@ -65,17 +65,6 @@ def object_graph_bytes(root: Any) -> bytes:
     return bytes(proto.SerializeToString(deterministic=True))
 
 
-def tf_object_graph(graph: bytes) -> bytes:
-    """``graph`` with the nodes' ``has_checkpoint_values`` set as TF writes them (older psguard graphs lack them)."""
-    from tensorflow.core.protobuf import trackable_object_graph_pb2
-    from tensorflow.python.checkpoint import util
-
-    proto = trackable_object_graph_pb2.TrackableObjectGraph()
-    proto.ParseFromString(graph)
-    util.add_checkpoint_values_check(proto)
-    return bytes(proto.SerializeToString(deterministic=True))
-
-
 def export_checkpoint(
     store: Store,
     checkpoint_id: str,
@@ -128,9 +117,15 @@ class ExportFolder:
     def write(self, name: str, tensors: dict[str, np.ndarray], committed_at: float) -> str:
         """Write ``tensors`` (by TF checkpoint key; not changed) as checkpoint ``name``, then the state file naming
         it the latest, then delete the files of those it no longer lists; return its prefix."""
-        if OBJECT_GRAPH_KEY in tensors:
-            graph = np.asarray(tensors[OBJECT_GRAPH_KEY]).item()
-            tensors = {**tensors, OBJECT_GRAPH_KEY: np.array(tf_object_graph(graph), dtype=object)}
+        if OBJECT_GRAPH_KEY in tensors:  # nodes' has_checkpoint_values set as TF writes them (older graphs lack it)
+            from tensorflow.core.protobuf import trackable_object_graph_pb2
+            from tensorflow.python.checkpoint import util
+
+            proto = trackable_object_graph_pb2.TrackableObjectGraph()
+            proto.ParseFromString(np.asarray(tensors[OBJECT_GRAPH_KEY]).item())
+            util.add_checkpoint_values_check(proto)
+            graph = np.array(bytes(proto.SerializeToString(deterministic=True)), dtype=object)
+            tensors = {**tensors, OBJECT_GRAPH_KEY: graph}
         if self.local is not None:
             _save_v2(str(self.local / name), tensors)
             _sync(self.local, name)
@@ -138,7 +133,9 @@ class ExportFolder:
             with tempfile.TemporaryDirectory(prefix="psguard-export-") as staging:
                 _save_v2(str(Path(staging) / name), tensors)
                 del tensors
-                _upload(self.backend, Path(staging))
+                # One file at a time, the index (by which TF reads the checkpoint) last.
+                for path in sorted(Path(staging).iterdir(), key=lambda p: (p.suffix == ".index", p.name)):
+                    self.backend.put(path.name, path.read_bytes())
         from google.protobuf import text_format  # lazy: TF's dependency, only when exporting
 
         previous = _state(self.backend)
@@ -193,12 +190,6 @@ def _sync(folder: Path, name: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-def _upload(backend: Backend, staging: Path) -> None:
-    """Every file ``SaveV2`` wrote in ``staging``, one at a time, the index (by which TF reads it) last."""
-    for path in sorted(staging.iterdir(), key=lambda p: (p.suffix == ".index", p.name)):
-        backend.put(path.name, path.read_bytes())
 
 
 def _basename(path: str) -> str:

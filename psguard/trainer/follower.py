@@ -26,7 +26,7 @@ from psguard.store import CheckpointInfo, Store
 from psguard.store.manifest import Manifest
 from psguard.tensors import Full, Rows, Same, TensorUpdate
 from psguard.trainer.export import OBJECT_GRAPH_KEY
-from psguard.trainer.variables import TensorInfo, gather_variables, lazy_tf, list_tensors
+from psguard.trainer.variables import TensorInfo, gather_variables, lazy_tf, list_tensors, shard_part
 
 log = logging.getLogger(__name__)
 
@@ -140,22 +140,16 @@ class Follower:
     # ------------------------------------------------------------------------------------------ applying
     def _apply(self, info: CheckpointInfo) -> None:
         chain = self.store.chain(info.id)
-        ids = [m.id for m in chain]
-        on_the_way = chain[ids.index(self.held.id) + 1 :] if self.held is not None and self.held.id in ids else None
         graph = self._graph_of(chain)
         binding = _binding(self._checkpoint, graph)
         infos = list_tensors(self._checkpoint)
         bound, left_alone = self._check(infos, binding, _described(chain[-1]), info.id)  # before reading a byte
-        taken = list(bound)  # only these tensors' chunks are read, deltas or whole
-        # Deltas apply only when every variable is bound as before (else it needs its whole value).
-        if (
-            on_the_way is not None
-            and binding == self._binding
-            and delta_bytes(on_the_way, taken) <= full_bytes(chain, taken)
-        ):
+        # Only the bound tensors' chunks are read; deltas apply only when every variable is bound as before.
+        held = self.held.id if self.held is not None and binding == self._binding else None
+        on_the_way = deltas_on_the_way(chain, held, list(bound))
+        if on_the_way is not None:
             self._apply_deltas(infos, on_the_way, binding)
         else:
-            on_the_way = None
             self._apply_full(info, chain, bound)
         self.held = info
         self._graph, self._binding = graph, binding
@@ -322,10 +316,8 @@ def _assign(info: TensorInfo, update: TensorUpdate) -> None:
     if info.alias_of is not None or isinstance(update, Same):
         return
     if isinstance(update, Full):
-        value = update.value
         for s in info.shards:
-            part = value[s.offset : s.offset + s.rows] if info.shape else value
-            s.var.assign(part.reshape(tuple(int(d) for d in s.var.shape)))
+            s.var.assign(shard_part(update.value, info, s))
         return
     tf = lazy_tf()
     for s in info.shards:
@@ -336,9 +328,15 @@ def _assign(info: TensorInfo, update: TensorUpdate) -> None:
         s.var.scatter_update(tf.IndexedSlices(tf.constant(update.values[mask]), local))
 
 
-def delta_bytes(manifests: Sequence[Manifest], names: Collection[str]) -> int:
-    """Bytes reading the changes of ``manifests`` to tensors ``names`` reads (:meth:`Store.updates`)."""
-    return sum(ref.size for m in manifests for name, e in m.tensors.items() if name in names for ref in e.refs())
+def deltas_on_the_way(chain: Sequence[Manifest], held: str | None, names: Collection[str]) -> list[Manifest] | None:
+    """The checkpoints of ``chain`` after ``held``, when reading their changes to ``names`` costs no more bytes
+    than a full read of the newest; ``None``: read it whole (``held`` not in the chain, or ``None``)."""
+    ids = [m.id for m in chain]
+    if held not in ids:
+        return None
+    on_the_way = list(chain[ids.index(held) + 1 :])
+    changes = sum(r.size for m in on_the_way for name, e in m.tensors.items() if name in names for r in e.refs())
+    return on_the_way if changes <= full_bytes(chain, list(names)) else None
 
 
 def full_bytes(chain: Sequence[Manifest], names: Sequence[str]) -> int:

@@ -30,7 +30,7 @@ from psguard.store import CheckpointInfo, Store
 from psguard.store.cli import add_store_arguments, open_store, parse_storage_options, require_output_store
 from psguard.tensors import Rows, apply_update
 from psguard.trainer.export import ExportFolder
-from psguard.trainer.follower import delta_bytes, full_bytes
+from psguard.trainer.follower import deltas_on_the_way, full_bytes
 from psguard.trainer.variables import writable
 
 log = logging.getLogger(__name__)
@@ -158,23 +158,19 @@ class Publisher:
         """Make the tensors held those of commit ``info``: by its deltas when they cost no more, else whole;
         everything read and verified before the tensors held change."""
         chain = self.store.chain(info.id)
-        ids = [m.id for m in chain]
         names = list(chain[-1].tensors)
-        if self._tensors is not None and self._held in ids:
-            on_the_way = chain[ids.index(self._held) + 1 :]
-            if delta_bytes(on_the_way, names) <= full_bytes(chain, names):
-                read = [self.store.updates(m.id) for m in on_the_way]
-                nbytes = sum(n for _, n in read)
-                held, self._tensors, self._held = self._tensors, None, None  # unknown until every update is in
-                for updates, _ in read:
-                    for name, update in updates.items():
-                        current = held.get(name)  # rows are written in place: a read-only buffer is copied first
-                        held[name] = apply_update(
-                            writable(current) if isinstance(update, Rows) and current is not None else current, update
-                        )
-                self._tensors = {name: held[name] for name in names}
-                self._held = info.id
-                return "deltas", nbytes
+        on_the_way = deltas_on_the_way(chain, self._held, names)
+        if self._tensors is not None and on_the_way is not None:
+            read = [self.store.updates(m.id) for m in on_the_way]
+            held, self._tensors, self._held = self._tensors, None, None  # unknown until every update is in
+            for updates, _ in read:
+                for name, update in updates.items():
+                    current = held.get(name)  # rows are written in place: a read-only buffer is copied first
+                    held[name] = apply_update(
+                        writable(current) if isinstance(update, Rows) and current is not None else current, update
+                    )
+            self._tensors, self._held = {name: held[name] for name in names}, info.id
+            return "deltas", sum(n for _, n in read)
         self._tensors, self._held = None, None
         self._tensors, self._held = self.store.load(info.id), info.id
         return "a full read", full_bytes(chain, names)
