@@ -162,7 +162,9 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             or (schedule is None and (given is None or given.schedule is None))
         )
         self.monitor = monitor
-        self.mode: str = _monitor_mode(monitor, mode)
+        name = (monitor or "").lower()  # "auto" as ModelCheckpoint decides it (accuracies and F-measures up)
+        auto = "max" if "acc" in name or name.startswith("fmeasure") or "auc" in name else "min"
+        self.mode: str = auto if mode == "auto" else mode
         self.save_best_only = save_best_only
         self.best: float | None = None
         self._given = given
@@ -212,7 +214,12 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
     def on_train_begin(self, logs: Mapping[str, Any] | None = None) -> None:
         model = self.model
         _refuse_keras3(model)
-        strategy = _check_strategy(model)
+        strategy = getattr(model, "_distribution_strategy", None)  # None: the default one
+        if strategy is not None and not _is_ps(strategy):  # others' variables are untested here
+            raise KerasSupportError(
+                "psguard.trainer.keras.CheckpointCallback supports ParameterServerStrategy and no strategy, not "
+                f"{type(strategy).__name__}"
+            )
         other = getattr(model, "_training_state", None)
         if other is not None and not isinstance(other, _ResumeState):
             raise ConfigError(
@@ -351,23 +358,18 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
     def _manager_options(self, coordinator: Any) -> ManagerOptions:
         """The options of the manager this fit creates: the user's, with what the callback supplies."""
-        own = self.options.manager
+        own, asked = self.options.manager, self.options.summaries
+        folder = None if isinstance(asked, bool) else os.fspath(asked)
+        if own.summaries is None and asked is True:  # <log_dir>/psguard of the fit's first TensorBoard callback
+            board = next((c for c in _fit_callbacks(self) if isinstance(c, tf_keras.callbacks.TensorBoard)), None)
+            folder = os.path.join(os.fspath(board.log_dir), SUMMARIES_RUN) if board is not None else None
         return dataclasses.replace(
             own,
             coordinator=coordinator,
             data_position=self._data_position,
             retention=self._retention if self._retention is not None else own.retention,
-            summaries=own.summaries if own.summaries is not None else self._summaries_folder(),
+            summaries=own.summaries if own.summaries is not None else folder,
         )
-
-    def _summaries_folder(self) -> str | None:
-        """Where psguard's TensorBoard scalars go in this fit: ``options.summaries`` when it names a folder, else
-        (``True``) ``<log_dir>/psguard`` of the fit's first ``TensorBoard`` callback, else nowhere."""
-        summaries = self.options.summaries
-        if summaries is not True:
-            return None if summaries is False else os.fspath(summaries)
-        board = next((c for c in _fit_callbacks(self) if isinstance(c, tf_keras.callbacks.TensorBoard)), None)
-        return os.path.join(os.fspath(board.log_dir), SUMMARIES_RUN) if board is not None else None
 
     def _build_optimizer(self, model: Any, strategy: Any) -> None:
         optimizer = getattr(model, "optimizer", None)
@@ -529,14 +531,6 @@ def _own_retention(
     return Retention(keep_last=keep_last, keep_best=1, metric=monitor, mode="max" if mode == "max" else "min"), None
 
 
-def _monitor_mode(monitor: str | None, mode: str) -> str:
-    """``min`` or ``max`` for ``mode``; ``auto`` as ModelCheckpoint decides it (accuracies and F-measures up)."""
-    if mode != "auto":
-        return mode
-    name = (monitor or "").lower()
-    return "max" if "acc" in name or name.startswith("fmeasure") or "auc" in name else "min"
-
-
 def _combine(schedule: Schedule | None, every: int | None) -> Schedule | None:
     if every is None:
         return schedule
@@ -547,11 +541,6 @@ def _combine(schedule: Schedule | None, every: int | None) -> Schedule | None:
     return dataclasses.replace(schedule, durable=durable)
 
 
-def _is_keras3(model: Any) -> bool:
-    mro = type(model).__mro__
-    return not isinstance(model, tf_keras.Model) and any(c.__module__.split(".")[0] == "keras" for c in mro)
-
-
 def _is_ps(strategy: Any) -> bool:
     return bool(getattr(strategy, "_should_use_with_coordinator", False)) or isinstance(
         strategy, tf.distribute.experimental.ParameterServerStrategy
@@ -560,7 +549,9 @@ def _is_ps(strategy: Any) -> bool:
 
 def _refuse_keras3(model: Any) -> None:
     """Fail before training: Keras 3's ``fit`` has no PS support in TF 2.21 and no hook to resume mid-epoch."""
-    if model is None or not _is_keras3(model):
+    if model is None or isinstance(model, tf_keras.Model):
+        return
+    if not any(c.__module__.split(".")[0] == "keras" for c in type(model).__mro__):
         return
     strategy = getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
     if _is_ps(strategy):
@@ -575,15 +566,4 @@ def _refuse_keras3(model: Any) -> None:
     raise KerasSupportError(
         "psguard.trainer.keras.CheckpointCallback drives tf_keras model.fit (TF_USE_LEGACY_KERAS=1); this is a Keras 3 "
         "model. With Keras 3 save from a custom training loop with psguard.CheckpointManager."
-    )
-
-
-def _check_strategy(model: Any) -> Any:
-    """The model's strategy (``None``: the default one); refuse those whose variables are untested here."""
-    strategy = getattr(model, "_distribution_strategy", None)
-    if strategy is None or _is_ps(strategy):
-        return strategy
-    raise KerasSupportError(
-        f"psguard.trainer.keras.CheckpointCallback supports ParameterServerStrategy and no strategy, not "
-        f"{type(strategy).__name__}"
     )
