@@ -12,7 +12,8 @@ The last one is the point: a frozen PS keeps its listening socket (the kernel co
 backlog), so only a call that needs the server's own threads fails, with ``DEADLINE_EXCEEDED``. It is sent as raw
 bytes through grpcio's generic API: no TensorFlow import in the agent. :class:`HttpProbe` checks another agent's
 ``/readyz``. :class:`HealthMonitor` runs the probes on its own thread; failing rounds are repeated every
-``min(interval, deadline)``, so a freeze is found within about ``interval + failure_threshold * deadline``.
+``min(interval, deadline)``, so a dead task is found within about ``interval + failure_threshold * deadline``, and a
+frozen one (stopped, or silent past the deadline) once it has been frozen for ``hung_after`` too.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class ProbeResult:
     latency_seconds: float
     code: str = "ok"
     error: str = ""
+
+
+#: Probe failures of a task that exists but does not run or answer: it may go on by itself, unlike one that is gone
+#: or refuses connections.
+FROZEN = frozenset({"stopped", "timeout", "DEADLINE_EXCEEDED"})
 
 
 class Probe(Protocol):
@@ -303,6 +309,11 @@ class MonitorConfig:
     deadline: Annotated[Duration, POSITIVE] = 1.0
     failure_threshold: Annotated[int, Check(lambda n: n >= 1, ">= 1")] = 3
     startup_timeout: Annotated[Duration, POSITIVE] = 120.0
+    #: How long a frozen task (stopped, or not answering within the deadline) is waited for before it is restarted.
+    #: A restart costs a recovery (seconds, and the steps since the last capture) where plain TF waits a freeze out:
+    #: waiting about as long as a restart costs before restarting loses at most twice what the better choice would
+    #: (the ski-rental bound), and nothing for a freeze shorter than that. 0: restart as soon as the rounds fail.
+    hung_after: Annotated[Duration, Check(lambda s: s >= 0, ">= 0")] = 10.0
 
     def __post_init__(self) -> None:
         validate(self)
@@ -347,6 +358,7 @@ class HealthMonitor:
         self._health = Health.STARTING
         self._since = time.monotonic()
         self._failures = 0
+        self._failing_since = 0.0  # when the rounds in a row that failed began
         self._rounds = 0
         self._unhealthy_count = 0
         self._last: tuple[ProbeResult, ...] = ()
@@ -498,10 +510,17 @@ class HealthMonitor:
                 failures = 1
             else:
                 self._failures += 1
+                if self._failures == 1:
+                    self._failing_since = now
                 if self._failures < self.config.failure_threshold:
                     return None
+                frozen = now - self._failing_since
+                if last.code in FROZEN and frozen < self.config.hung_after:
+                    return None  # a freeze may end: waited out while shorter than a restart costs
                 failures = self._failures
                 reason = f"{failures} probe rounds failed in a row"
+                if last.code in FROZEN:
+                    reason += f" (frozen {frozen:.1f}s, hung_after {self.config.hung_after:g}s)"
             reason += f"; last: {last.probe}: {last.error}"
             self._health = Health.UNHEALTHY
             self._failures = 0
