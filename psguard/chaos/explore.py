@@ -282,7 +282,7 @@ def describe_case(scenario: Scenario) -> str:
 
 # --------------------------------------------------------------------------------------------- the judgement
 #: Seconds a fault plain TF waited out (a pause: nothing to restore) may cost psguard more than TF: psguard's
-#: agents replace a frozen task after their probes' detection time and restore it, a restart's fixed cost here.
+#: agents replace a task frozen longer than probe.hung_after and restore it, a restart's fixed cost here.
 WAITED_OUT_SLACK = 5.0
 
 
