@@ -74,6 +74,13 @@ def fields_json(obj: Any, **extra: Any) -> dict[str, Any]:
     return {f.name: plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)} | extra
 
 
+class JsonFields:
+    """A dataclass written out as :func:`fields_json` writes it."""
+
+    def to_json(self) -> dict[str, Any]:
+        return fields_json(self)
+
+
 def loads(data: bytes | str, *, max_bytes: int | None = None) -> Any:
     """Parse ``data``; :class:`StrictJSONError` for anything but plain, finite, shallow JSON."""
     if max_bytes is not None and len(data) > max_bytes:

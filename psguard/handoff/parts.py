@@ -18,11 +18,11 @@ capture function, and three tiny writes cost less than a conditional in the grap
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from psguard.codec.strict_json import fields_json
+from psguard.codec.strict_json import JsonFields, fields_json
 from psguard.errors import CorruptCheckpointError, TensorMismatchError
 
 Kind = Literal["full", "rows", "same"]
@@ -97,15 +97,12 @@ class ShardFiles:
 
 
 @dataclass(frozen=True)
-class PartCapture:
+class PartCapture(JsonFields):
     """One PS's share of a capture: the folder its files are in and one entry per shard it hosts."""
 
     task: str
     nonce: str
     shards: tuple[ShardFiles, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
 
     @classmethod
     def from_json(cls, doc: Any, what: str) -> PartCapture:
@@ -135,26 +132,6 @@ def parts_from_json(docs: Any, what: str) -> list[PartCapture]:
     if len({p.task for p in parts}) != len(parts):
         raise CorruptCheckpointError(f"{what}: a task has two parts")
     return parts
-
-
-def check_coverage(parts: Sequence[PartCapture], what: str) -> dict[str, tuple[tuple[int, ...], str]]:
-    """Every spilled tensor covered exactly once by the parts' shards; name -> (shape, dtype)."""
-    by_name: dict[str, list[ShardFiles]] = {}
-    for p in parts:
-        for s in p.shards:
-            by_name.setdefault(s.key.name, []).append(s)
-    out: dict[str, tuple[tuple[int, ...], str]] = {}
-    for name, shards in by_name.items():
-        shards.sort(key=lambda s: s.key.offset)
-        at = 0
-        for s in shards:
-            if s.key.offset != at or (s.shape, s.dtype) != (shards[0].shape, shards[0].dtype):
-                raise CorruptCheckpointError(f"{what}: the shards of {name} do not tile it")
-            at += s.key.rows
-        if at != shards[0].shape[0]:
-            raise CorruptCheckpointError(f"{what}: the shards of {name} cover {at} of {shards[0].shape[0]} rows")
-        out[name] = (shards[0].shape, shards[0].dtype)
-    return out
 
 
 def check_restore_files(

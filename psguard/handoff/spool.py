@@ -205,7 +205,7 @@ class Ack:
 
 
 @dataclass(frozen=True)
-class DurableAck:
+class DurableAck(strict_json.JsonFields):
     """The durable log's outcome for a capture meant for it: the checkpoint that covers it, or an error."""
 
     seq: int
@@ -213,9 +213,6 @@ class DurableAck:
     checkpoint: str | None
     durable_step: int | None
     message: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return strict_json.fields_json(self)
 
 
 @dataclass(frozen=True)

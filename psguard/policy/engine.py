@@ -117,11 +117,10 @@ class SaveContext:
         stall: float | None = None,
         delta_bytes: int = 0,
         base_bytes: int | None = None,
-        keep_stalls: int = 32,
     ) -> SaveContext:
         """This context after a save of ``tiers`` at ``step``/``at`` that blocked training ``stall`` s: a durable
         save adds a link of ``delta_bytes`` to the chain, a ``BASE`` save resets it (``base_bytes``: the new base's
-        size). ``in_flight`` is left as it is."""
+        size). ``in_flight`` is left as it is; the last 32 stalls are kept."""
         tiers = frozenset(tiers)
         changes: dict[str, Any] = {t.value: TierState(step, at) for t in tiers}
         if Tier.DURABLE in tiers:
@@ -131,7 +130,7 @@ class SaveContext:
             if base_bytes is not None:
                 changes["base_bytes"] = base_bytes
         if stall is not None:
-            changes["recent_stalls"] = (*self.recent_stalls, stall)[-keep_stalls:]
+            changes["recent_stalls"] = (*self.recent_stalls, stall)[-32:]
         return dataclasses.replace(self, **changes)
 
     def with_failure(self, at: float) -> SaveContext:

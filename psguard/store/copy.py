@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from psguard.codec.strict_json import fields_json
+from psguard.codec.strict_json import JsonFields
 from psguard.errors import CorruptCheckpointError, ObjectExistsError
 from psguard.store.chunks import ChunkReader
 from psguard.store.facade import Store
@@ -20,16 +20,13 @@ from psguard.store.verify import VerifyReport
 
 
 @dataclass(frozen=True)
-class CopyReport:
+class CopyReport(JsonFields):
     checkpoint: str
     chain: tuple[str, ...]
     manifests_copied: int
     chunks_copied: int
     bytes_copied: int
     verified: VerifyReport
-
-    def to_json(self) -> dict[str, object]:
-        return fields_json(self)
 
 
 def _copy_chunks(src: Store, dst: Store, m: Manifest, only: set[str] | None = None) -> tuple[int, int]:

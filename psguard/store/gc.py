@@ -18,7 +18,7 @@ from typing import Any, Literal
 import numpy as np
 
 from psguard.codec.dtypes import STRING
-from psguard.codec.strict_json import fields_json
+from psguard.codec.strict_json import JsonFields
 from psguard.errors import CheckpointError, ConfigError, PsguardError
 from psguard.store.index import CheckpointInfo, Index, IndexJob
 from psguard.store.lease import GC_LOCK, LeaseKeeper, LeaseLostError, acquire_gc_lease, judging_now, live_writer_leases
@@ -37,7 +37,7 @@ TRUST_VERIFIED_SECONDS = 3600.0
 
 
 @dataclass(frozen=True)
-class GcReport:
+class GcReport(JsonFields):
     kept: tuple[str, ...]
     deleted_checkpoints: tuple[str, ...]
     deleted_chunks: int
@@ -53,9 +53,6 @@ class GcReport:
     @property
     def corrupt_checkpoints(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(p.checkpoint for p in self.corrupt))
-
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
 
 
 class Collector(IndexJob):

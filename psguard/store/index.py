@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from psguard.codec.strict_json import fields_json
+from psguard.codec.strict_json import JsonFields
 from psguard.errors import CheckpointError, ConfigError, CorruptCheckpointError, NoCheckpointError, ObjectNotFoundError
 from psguard.storage import Backend
 from psguard.store.manifest import (
@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class CheckpointInfo:
+class CheckpointInfo(JsonFields):
     """A committed checkpoint as ``psguard ls`` shows it."""
 
     id: str
@@ -64,9 +64,6 @@ class CheckpointInfo:
             metadata=m.metadata,
             metrics=m.metrics,
         )
-
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
 
 
 #: Manifests kept parsed per store, least recently used dropped first: another process's retention deletes

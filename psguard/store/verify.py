@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from psguard.codec.strict_json import fields_json
+from psguard.codec.strict_json import JsonFields, fields_json
 from psguard.errors import CheckpointError, CorruptCheckpointError, NoCheckpointError, UnsupportedFormatError
 from psguard.store.chunks import ChunkReader
 from psguard.store.index import Index, full_start
@@ -20,13 +20,10 @@ from psguard.store.manifest import ChunkRef, Manifest
 
 
 @dataclass(frozen=True)
-class Problem:
+class Problem(JsonFields):
     checkpoint: str
     chunk: str | None
     message: str
-
-    def to_json(self) -> dict[str, Any]:
-        return fields_json(self)
 
 
 @dataclass(frozen=True)

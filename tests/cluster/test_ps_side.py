@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from psguard.errors import CorruptCheckpointError, TensorMismatchError
 from psguard.handoff.mapped import map_op
-from psguard.handoff.parts import PartCapture, ShardKey, check_coverage
+from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
 from psguard.handoff.spool import Restored
 from psguard.handoff.tensor_bundle import bundle_files, read_bundle, write_bundle
 from psguard.handoff.tensor_file import read_tensor_file
@@ -37,6 +37,27 @@ from psguard.trainer.options import CaptureOptions, ManagerOptions
 from psguard.trainer.recovery import StablePlacement, _rebuild
 from psguard.trainer.variables import read_tensors
 from tests.support.clusters import Chief
+
+
+def check_coverage(parts: Sequence[PartCapture], what: str) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every spilled tensor covered exactly once by the parts' shards; name -> (shape, dtype)."""
+    by_name: dict[str, list[ShardFiles]] = {}
+    for p in parts:
+        for s in p.shards:
+            by_name.setdefault(s.key.name, []).append(s)
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name, shards in by_name.items():
+        shards.sort(key=lambda s: s.key.offset)
+        at = 0
+        for s in shards:
+            if s.key.offset != at or (s.shape, s.dtype) != (shards[0].shape, shards[0].dtype):
+                raise CorruptCheckpointError(f"{what}: the shards of {name} do not tile it")
+            at += s.key.rows
+        if at != shards[0].shape[0]:
+            raise CorruptCheckpointError(f"{what}: the shards of {name} cover {at} of {shards[0].shape[0]} rows")
+        out[name] = (shards[0].shape, shards[0].dtype)
+    return out
+
 
 CONFIG = ModelConfig(vocab_size=1000, embedding_dim=8, hidden=16, batch_size=32)
 TABLE = "model/embedding/.ATTRIBUTES/VARIABLE_VALUE"
