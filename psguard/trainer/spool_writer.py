@@ -18,13 +18,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from psguard.errors import (
-    ConfigError,
-    CorruptCheckpointError,
-    PsguardError,
-    SaveError,
-    StorageError,
-)
+from psguard.errors import ConfigError, CorruptCheckpointError, PsguardError, SaveError, StorageError
 from psguard.handoff.contract import Tier
 from psguard.handoff.parts import ShardKey
 from psguard.handoff.spool import (
@@ -135,47 +129,24 @@ class CaptureHandle:
     def _take_ack(self) -> Ack | None:
         """The memory tier's answer, taken by whichever caller comes first; None while there is none."""
         with self._answers:
-            if self._ack is not None:
-                return self._ack
-            doc = self._take()
-            if doc is None:
-                return None
-            status = doc.get("status", "error")
-            message = str(doc.get("message", ""))
-            answered = doc.get("capture")
-            # An agent names the capture it answers (None only when it could not read which: never with ok).
-            if "capture" in doc and (answered != self.token) and (answered is not None or status == "ok"):
-                # Not this capture's answer (two captures under one seq): never take it for ours.
-                status = "error"
-                message = f"the agent's answer under seq {self.seq} is for capture {answered}, not {self.token}"
-            ack = Ack(
-                seq=self.seq,
-                status=status,
-                memory_step=doc.get("memory_step"),
-                token=doc.get("token"),
-                message=message,
-                capture=answered,
-                copies=_copies(doc.get("copies")),
-            )
-            self._writer._answered(self.seq, ack)
-            self._ack = ack
-            return ack
+            if self._ack is None and (doc := self._take()) is not None:
+                status, message, answered = doc.get("status", "error"), str(doc.get("message", "")), doc.get("capture")
+                # An agent names the capture it answers (None only when it could not read which: never with ok).
+                if "capture" in doc and (answered != self.token) and (answered is not None or status == "ok"):
+                    # Not this capture's answer (two captures under one seq): never take it for ours.
+                    status = "error"
+                    message = f"the agent's answer under seq {self.seq} is for capture {answered}, not {self.token}"
+                copies = _copies(doc.get("copies"))
+                self._ack = Ack(self.seq, status, doc.get("memory_step"), doc.get("token"), message, answered, copies)
+                self._writer._answered(self.seq, self._ack)
+            return self._ack
 
     def _take_durable(self) -> DurableAck | None:
         """The durable log's answer, taken once as :meth:`_take_ack` takes the memory tier's."""
         with self._answers:
-            if self._durable is not None:
-                return self._durable
-            doc = self._take("durable")
-            if doc is None:
-                return None
-            self._durable = DurableAck(
-                seq=self.seq,
-                status="ok" if doc.get("status") == "ok" else "error",
-                checkpoint=doc.get("checkpoint"),
-                durable_step=doc.get("durable_step"),
-                message=str(doc.get("message", "")),
-            )
+            if self._durable is None and (doc := self._take("durable")) is not None:
+                ok, step, message = doc.get("status") == "ok", doc.get("durable_step"), str(doc.get("message", ""))
+                self._durable = DurableAck(self.seq, "ok" if ok else "error", doc.get("checkpoint"), step, message)
             return self._durable
 
 
@@ -245,7 +216,9 @@ class SpoolWriter:
                 if not 0 <= last < MAX_SEQ:
                     raise ValueError("out of range")
             except (FileNotFoundError, ValueError, CorruptCheckpointError):  # replaced by the write below
-                last = self._high_water()
+                names = [*os.listdir(self._paths.incoming), *os.listdir(self._paths.acks)]
+                found = (re.match(r"^\.?([0-9]{1,18})(?![0-9])", n) for n in names)  # a huge name is not a number
+                last = max((int(m.group(1)) for m in found if m), default=-1)
             seq = max(last, self._last_seq) + 1
             atomic_write_text(self._paths.seq, str(seq))
         self._last_seq = seq
@@ -260,11 +233,6 @@ class SpoolWriter:
 
     def _read_seq(self) -> str:
         return read_regular(self._paths.seq, "spool sequence number", max_bytes=64, private=True).decode().strip()
-
-    def _high_water(self) -> int:
-        names = [*os.listdir(self._paths.incoming), *os.listdir(self._paths.acks)]
-        found = (re.match(r"^\.?([0-9]{1,18})(?![0-9])", n) for n in names)  # a huge name is not a number
-        return max((int(m.group(1)) for m in found if m), default=-1)
 
     @property
     def parent(self) -> str | None:
