@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +38,14 @@ class StripePart:
     shape: tuple[int, ...]
 
 
-def stripe_parts(layout: Sequence[Mapping[str, Any]]) -> dict[str, StripePart]:
-    """Each tensor's byte range in the stripe (tensors in sorted-name order), from a copy's layout."""
+def stripe_parts(layout: object) -> dict[str, StripePart]:
+    """Each tensor's byte range in the stripe (tensors in sorted-name order), from a copy's layout (a begin frame's
+    ``tensors``); :class:`CorruptCheckpointError` for a malformed one."""
     parts: dict[str, StripePart] = {}
     offset = 0
     try:
+        if not isinstance(layout, list):
+            raise ValueError("no tensors")
         specs = sorted(((str(t["name"]), t) for t in layout), key=lambda x: x[0])
         for name, t in specs:
             shape = tuple(int(x) for x in t["array_shape"])
@@ -54,7 +57,7 @@ def stripe_parts(layout: Sequence[Mapping[str, Any]]) -> dict[str, StripePart]:
             parts[name] = StripePart(name, offset, nbytes, row_bytes, dtype, shape)
             offset += nbytes
     except (KeyError, TypeError, ValueError) as e:
-        raise CorruptCheckpointError(f"parity: bad layout: {e}") from None
+        raise CorruptCheckpointError(f"peer copy: bad layout: {e}") from None
     return parts
 
 
@@ -225,10 +228,7 @@ class ParityHolder:
         log.info("event=parity_reset group=%s holder=%s reason=%r", g.key, self.task, why)
 
     def _begin(self, g: _Group, owner: str, header: dict[str, Any], _: object) -> dict[str, Any]:
-        layout = header.get("tensors")
-        if not isinstance(layout, list):
-            raise CorruptCheckpointError("parity begin: no tensors")
-        parts = stripe_parts(layout)
+        parts = stripe_parts(header.get("tensors"))
         token, step = header.get("token"), header.get("step")
         if not isinstance(token, str) or type(step) is not int:
             raise CorruptCheckpointError("parity begin: bad token or step")
@@ -241,7 +241,7 @@ class ParityHolder:
             g.parity = np.concatenate([g.parity, np.zeros(length - g.parity.nbytes, np.uint8)])
         metadata = header.get("metadata")
         g.held[owner] = _Member(
-            list(layout),
+            list(header["tensors"]),
             parts,
             digests,
             step,

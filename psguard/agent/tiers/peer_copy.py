@@ -30,7 +30,7 @@ from psguard.agent.tiers.copy_frames import (
     rows_digest,
 )
 from psguard.agent.tiers.memory_tier import MemoryTier
-from psguard.codec.dtypes import dtype_from_name
+from psguard.agent.tiers.parity import stripe_parts
 from psguard.errors import CorruptCheckpointError
 from psguard.tensors import Rows, Same, TensorUpdate
 
@@ -97,9 +97,7 @@ class CopyHolder:
         return handle(owner, header, arrays)
 
     def _begin(self, owner: str, header: dict[str, Any], _: object) -> dict[str, Any]:
-        layout = header.get("tensors")
-        if not isinstance(layout, list):
-            raise CorruptCheckpointError("peer copy begin: no tensors")
+        parts = stripe_parts(header.get("tensors"))
         # The copy this replaces is behind the owner already: drop it now and fill its arrays in place where they
         # fit, so that the holder never holds two copies of one owner.
         with self._lock:
@@ -108,15 +106,10 @@ class CopyHolder:
         reuse = {} if old is None else {n: a for n in old.tier.names() if (a := old.tier.take_array(n)) is not None}
         del old
         arrays: dict[str, np.ndarray] = {}
-        for t in layout:
-            try:
-                name = str(t["name"])
-                shape, dtype = tuple(int(x) for x in t["array_shape"]), dtype_from_name(str(t["dtype"]))
-            except (KeyError, TypeError, ValueError) as e:
-                raise CorruptCheckpointError(f"peer copy begin: bad tensor {t!r}: {e}") from None
+        for name, p in parts.items():
             have = reuse.pop(name, None)
-            ok = have is not None and have.shape == shape and have.dtype == dtype and have.flags.writeable
-            arrays[name] = have if ok and have is not None else np.empty(shape, dtype=dtype)
+            ok = have is not None and have.shape == p.shape and have.dtype == p.dtype and have.flags.writeable
+            arrays[name] = have if ok and have is not None else np.empty(p.shape, dtype=p.dtype)
         reuse.clear()
         with self._lock:
             self._incoming[owner] = _Incoming(header, arrays, dict.fromkeys(arrays, 0))
