@@ -194,15 +194,15 @@ def _error(status: int, message: str) -> bytes:
     return answer_head(status, "application/json", len(body)) + body
 
 
+@dataclass(eq=False)
 class _Lane:
     """Workers answering the connections of one lane, fed by a queue the intake fills."""
 
-    def __init__(self, name: str, workers: int, limit: int) -> None:
-        self.name = name
-        self.workers = workers
-        self.limit = limit
-        self.queue: queue.SimpleQueue[Connection | None] = queue.SimpleQueue()
-        self.threads: list[threading.Thread] = []
+    name: str
+    workers: int
+    limit: int
+    queue: queue.SimpleQueue[Connection | None] = field(default_factory=queue.SimpleQueue)
+    threads: list[threading.Thread] = field(default_factory=list)
 
 
 class Intake:
@@ -226,7 +226,6 @@ class Intake:
         timeout: float,
         tls: ssl.SSLContext | None = None,
         workers: int = 16,
-        health_workers: int = 2,
         queue_limit: int = 1024,
         max_waiting: int = 1024,
         name: str = "psguard-http",
@@ -240,7 +239,7 @@ class Intake:
         self._max_waiting = max_waiting
         self._name = name
         self._main = _Lane("main", workers, queue_limit)
-        self._health = _Lane("health", health_workers, queue_limit)
+        self._health = _Lane("health", 2, queue_limit)  # the probes' own two workers
         self._selector = selectors.DefaultSelector()
         self._wake_read, self._wake_write = socket.socketpair()
         self._waiting: dict[Connection, None] = {}  # insertion order: the oldest, and the nearest deadline, first

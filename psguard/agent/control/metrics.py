@@ -104,17 +104,14 @@ def _format_value(value: float) -> str:
     return repr(float(value))
 
 
-def _escape_label(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
-
-
-def _escape_help(text: str) -> str:
-    return text.replace("\\", "\\\\").replace("\n", "\\n")
+def _escape(text: str, *, label: bool = False) -> str:
+    out = text.replace("\\", "\\\\").replace("\n", "\\n")
+    return out.replace('"', '\\"') if label else out  # a label value is quoted, a HELP text is not
 
 
 def _label_text(names: Sequence[str], values: Sequence[str], extra: tuple[str, str] | None = None) -> str:
     labels = [*zip(names, values, strict=True), *([extra] if extra is not None else [])]
-    pairs = [f'{n}="{_escape_label(v)}"' for n, v in labels]
+    pairs = [f'{n}="{_escape(v, label=True)}"' for n, v in labels]
     return "{" + ",".join(pairs) + "}" if pairs else ""
 
 
@@ -167,7 +164,7 @@ class _Metric(Generic[C]):
     def render(self) -> list[str]:
         with self._lock:
             children = sorted(self._children.items())
-        return [f"# HELP {self.name} {_escape_help(self.help)}", f"# TYPE {self.name} {self.kind}"] + [
+        return [f"# HELP {self.name} {_escape(self.help)}", f"# TYPE {self.name} {self.kind}"] + [
             f"{self.name}{suffix}{_label_text(self.label_names, key, extra)} {_format_value(value)}"
             for key, child in children
             for suffix, extra, value in self._samples(child)

@@ -291,10 +291,7 @@ class ShardKeeper(CopyOwner):
         answer: dict[str, Any] = {}
         try:
             with self._pull_lock:  # one fetch at a time: the export ahead of a restore and the restore's own
-                if self.tier.token == token:
-                    answer = {"status": "ok", "step": self.tier.step, "token": token, "bytes": 0, "seconds": 0.0}
-                else:
-                    answer = self._pull(token, holder)
+                answer = self._pull(token, holder)
                 return answer
         finally:
             if opening is not None:  # after a fetch that did not work the log is read next
@@ -302,6 +299,8 @@ class ShardKeeper(CopyOwner):
 
     def _pull(self, token: str, holder: str) -> dict[str, Any]:
         assert self._read_copy is not None
+        if self.tier.token == token:
+            return {"status": "ok", "step": self.tier.step, "token": token, "bytes": 0, "seconds": 0.0}
         t0 = time.perf_counter()
         try:
             info, arrays = fetch_copy(

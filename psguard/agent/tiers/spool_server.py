@@ -385,8 +385,8 @@ class SpoolServer(RestoreAnswers):
         except Exception as e:  # whatever is wrong with this capture, answer it: never block the ones after it
             ack = Ack(seq, "error", self.tier.step, self.tier.token, f"{type(e).__name__}: {e}", self._token_of(folder))
             log.warning("spool %s: capture seq %d rejected: %s", self.root, seq, e)
-            if not tiers:
-                tiers = self._tiers_of(folder)
+            with contextlib.suppress(Exception):  # what it asked for, if it says
+                tiers = tiers or frozenset(Tier(t) for t in (_json_or_none(folder / "capture.json") or {})["tiers"])
         return ack, step, tiers, stall
 
     def _apply_parts(self, cap: SpooledCapture) -> tuple[Literal["ok", "need_full", "error"], str]:
@@ -403,12 +403,6 @@ class SpoolServer(RestoreAnswers):
     def _token_of(self, folder: Path) -> str | None:
         token = (_json_or_none(folder / "capture.json") or {}).get("token")
         return token if isinstance(token, str) else None
-
-    def _tiers_of(self, folder: Path) -> frozenset[Tier]:
-        try:
-            return frozenset(Tier(t) for t in (_json_or_none(folder / "capture.json") or {})["tiers"])
-        except Exception:
-            return frozenset()
 
     def _durable_done(self, seq: int, handle: PersistHandle) -> None:
         try:
