@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import os
 import signal
 from collections.abc import Mapping
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,20 +67,6 @@ def register(sub: Any) -> None:
     p.set_defaults(func=main)
 
 
-def _merge(config: AgentConfig, args: argparse.Namespace) -> AgentConfig:
-    # Each http: key's flag has its name (but --http-port); a key without a flag is None.
-    flags = {
-        f.name: getattr(args, "http_port" if f.name == "port" else f.name, None) for f in dataclasses.fields(HttpConfig)
-    }
-    http_cfg = dataclasses.replace(config.http, **{k: v for k, v in flags.items() if v is not None})
-    return dataclasses.replace(
-        config,
-        store=args.store if args.store is not None else config.store,
-        spool=args.spool if args.spool is not None else config.spool,
-        http=http_cfg,
-    )
-
-
 def resolve_task(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[str, int, dict[str, list[str]]]:
     """Role, index and cluster: from ``--role --index --cluster`` when given (all three), else from ``TF_CONFIG``."""
     flags = {"--role": args.role, "--index": args.index, "--cluster": args.cluster}
@@ -105,7 +91,11 @@ def main(args: argparse.Namespace) -> int:
     if command and command[0] == "--":
         command = command[1:]
     config = load_yaml(AgentConfig, args.config) if args.config else AgentConfig()
-    config = _merge(config, args)
+    # The flags over the file: each http: key's flag has its name (but --http-port); a key without a flag is None.
+    flags = {f.name: getattr(args, "http_port" if f.name == "port" else f.name, None) for f in fields(HttpConfig)}
+    http_cfg = replace(config.http, **{k: v for k, v in flags.items() if v is not None})
+    given = {k: v for k in ("store", "spool") if (v := getattr(args, k)) is not None}
+    config = replace(config, http=http_cfg, **given)
     role, index, cluster = resolve_task(args, os.environ)
     if role == "worker" and (args.store or args.spool):
         raise ConfigError(

@@ -38,6 +38,7 @@ from psguard.agent.copies import PeerLink, serve_shards
 from psguard.agent.process.hang import HangWatch
 from psguard.agent.process.lifecycle import SupervisorState
 from psguard.agent.process.prober import HealthMonitor, HttpProbe
+from psguard.agent.process.reaper import stat_fields
 from psguard.agent.process.standby import warm_trainer_command
 from psguard.agent.process.supervisor import Supervisor
 from psguard.agent.recovery import Recovery
@@ -60,13 +61,8 @@ _STORE_HOLD_SECONDS = 5.0
 
 # ------------------------------------------------------------------------------------------------ helpers
 def _rss_bytes() -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    fields = stat_fields("self")  # field 24, rss: pages
+    return int(fields[21]) * os.sysconf("SC_PAGE_SIZE") if fields is not None and len(fields) > 21 else None
 
 
 def _check_task(

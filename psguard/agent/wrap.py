@@ -68,17 +68,6 @@ class _Stop(BaseException):
     """SIGTERM: unwind through the ``finally`` blocks that stop every agent, as Ctrl-C does."""
 
 
-def _chief_settings(path: Path) -> dict[str, Any]:
-    """The user's ``--config``, checked now (a bad key is refused before any process starts, naming their file).
-    The chief's agent gets a copy with the run's own ``state_dir`` (unless the file sets one): two wrapped jobs on
-    one host must not share their task records."""
-    text = read_settings_file(str(path))
-    loads_yaml(AgentConfig, text, source=str(path))
-    data = yaml.safe_load(text) or {}
-    assert isinstance(data, dict)  # load_yaml accepted it: a mapping
-    return data
-
-
 def _terminate(proc: subprocess.Popen[Any], timeout: float, hurry: threading.Event) -> None:
     """SIGTERM, then SIGKILL to its whole session after ``timeout`` or as soon as ``hurry`` is set."""
     deadline = time.monotonic() + timeout
@@ -191,9 +180,13 @@ def _checked(command: Sequence[str], args: argparse.Namespace) -> dict[str, Any]
         raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {args.workers}")
     if args.agent_restarts < 0:
         raise ConfigError(f"--agent-restarts: expected 0 or more replacements per agent, got {args.agent_restarts}")
-    if args.config is not None and not Path(args.config).is_file():
-        raise ConfigError(f"--config {args.config}: no such file")
-    chief_settings = None if args.config is None else _chief_settings(Path(args.config))
+    chief_settings = None
+    if args.config is not None:  # checked now: a bad key is refused before any process starts, naming the file
+        if not Path(args.config).is_file():
+            raise ConfigError(f"--config {args.config}: no such file")
+        text = read_settings_file(str(args.config))
+        loads_yaml(AgentConfig, text, source=str(args.config))
+        chief_settings = yaml.safe_load(text) or {}
     if args.token_file is not None:
         read_secret_file(str(args.token_file), "--token-file")  # missing, empty, or readable by others: refused now
     if args.store is None:

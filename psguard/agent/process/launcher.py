@@ -154,9 +154,7 @@ class AgentProcess:
             self._log.close()
 
 
-def write_cluster(
-    directory: Path, ps: int, workers: int, *, name: str = "cluster.json"
-) -> tuple[Path, dict[str, list[str]]]:
+def write_cluster(directory: Path, ps: int, workers: int) -> tuple[Path, dict[str, list[str]]]:
     """``cluster.json`` on free loopback ports: one chief, ``ps`` PS tasks, ``workers`` workers."""
     ports = free_ports(1 + ps + workers)
     spec = {
@@ -164,7 +162,7 @@ def write_cluster(
         "ps": [f"127.0.0.1:{p}" for p in ports[1 : 1 + ps]],
         "worker": [f"127.0.0.1:{p}" for p in ports[1 + ps :]],
     }
-    path = directory / name
+    path = directory / "cluster.json"
     path.write_text(json.dumps(spec, indent=2))
     return path, spec
 
