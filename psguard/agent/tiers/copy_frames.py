@@ -266,5 +266,10 @@ def digests_from(doc: Any) -> dict[str, int]:
         raise CorruptCheckpointError("peer copy: bad digests") from None
 
 
-def digests_json(digests: Mapping[str, int]) -> dict[str, str]:
-    return {k: str(v) for k, v in digests.items()}  # JSON numbers lose 64-bit precision in some readers
+def copy_header(
+    step: int | None, token: str | None, metadata: Any, tensors: Any, digests: Mapping[str, int]
+) -> dict[str, Any]:
+    """What describes a copy's state in a frame's header: a whole's ``begin``, a ``delta``, a holder's answer."""
+    # Digests as strings: JSON numbers lose 64-bit precision in some readers.
+    digests_doc = {k: str(v) for k, v in digests.items()}
+    return {"step": step, "token": token, "metadata": metadata, "tensors": tensors, "digests": digests_doc}

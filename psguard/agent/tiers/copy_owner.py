@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from psguard.agent.tiers.copy_frames import MASK, digests_from, digests_json, encode_frame, rows_digest
+from psguard.agent.tiers.copy_frames import MASK, copy_header, digests_from, encode_frame, rows_digest
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.agent.tiers.memory_tier import StreamSnapshot
 from psguard.codec.dtypes import dtype_from_name
@@ -232,20 +232,8 @@ class CopySender:
                     self._cond.wait(self.config.retry_after)
                 return None
             base = {**self._extra, "task": self.task, "session": secrets.token_hex(8)}
-            self._answer(
-                target,
-                encode_frame(
-                    {
-                        **base,
-                        "op": "begin",
-                        "step": snap.step,
-                        "token": snap.token,
-                        "metadata": snap.metadata,
-                        "tensors": layout,
-                        "digests": digests_json(digests),
-                    }
-                ),
-            )
+            begin = copy_header(snap.step, snap.token, snap.metadata, layout, digests)
+            self._answer(target, encode_frame({**base, "op": "begin", **begin}))
             chunk = max(1, self.config.chunk_mb) << 20
             for t in layout:
                 stream = snap.tensors[t["name"]]
@@ -272,12 +260,8 @@ class CopySender:
                 **self._extra,  # replaced, never changed: read without the lock
                 "task": self.task,
                 "op": "delta",
-                "step": d.step,
-                "token": d.token,
                 "parent": d.parent,
-                "metadata": {},
-                "tensors": tensors,
-                "digests": digests_json(d.digests),
+                **copy_header(d.step, d.token, {}, tensors, d.digests),
             },
             arrays,
         )

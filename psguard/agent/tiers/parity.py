@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from psguard.agent.tiers.copy_frames import MASK, delta_rows, digests_from, digests_json, encode_frame, rows_digest
+from psguard.agent.tiers.copy_frames import MASK, copy_header, delta_rows, digests_from, encode_frame, rows_digest
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
 from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError, PsguardError
@@ -388,15 +388,7 @@ class ParityHolder:
         with self._lock:
             self._restores += 1
         log.info("event=parity_reconstructed owner=%s holder=%s group=%s step=%s", owner, self.task, g.key, m.step)
-        info = {
-            "status": "ok",
-            "step": m.step,
-            "token": token,
-            "metadata": m.metadata,
-            "tensors": m.layout,
-            "digests": digests_json(m.digests),
-        }
-        return info, out
+        return {"status": "ok", **copy_header(m.step, token, m.metadata, m.layout, m.digests)}, out
 
     def _roll_back(self, g: _Group, task: str, m: _Member, token: str) -> bool:
         """Undo ``task``'s last delta (XOR it in again) when that brings it to ``token``."""

@@ -20,11 +20,11 @@ import numpy as np
 
 from psguard.agent.tiers.copy_frames import (
     Frame,
+    copy_header,
     decode_frame,
     delta_digest,
     delta_rows,
     digests_from,
-    digests_json,
     encode_frame,
     frame_parts,
     rows_digest,
@@ -219,14 +219,7 @@ class CopyHolder:
         try:
             if "name" not in doc:
                 return encode_frame(
-                    {
-                        "status": "ok",
-                        "step": snap.step,
-                        "token": snap.token,
-                        "metadata": snap.metadata,
-                        "tensors": copy.layout,
-                        "digests": digests_json(copy.digests),
-                    }
+                    {"status": "ok", **copy_header(snap.step, snap.token, snap.metadata, copy.layout, copy.digests)}
                 )
             if doc.get("token") != snap.token:
                 return encode_frame({"status": "mismatch", "step": snap.step, "token": snap.token})
