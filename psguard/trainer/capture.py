@@ -193,7 +193,9 @@ class Capturer:
                     tf.constant(expected or 0, tf.int64),
                     tf.constant(f"incoming/{nonce}"),
                 )
-                self._join_warm()
+                warming, self._warming = self._warming, None
+                if warming is not None:
+                    warming.join()
                 with unoptimized_calls():
                     outputs, hashed_all, strays, gap = self._call_capture(args)
             updates, nbytes = assemble(primaries, outputs, self._infos)
@@ -276,11 +278,6 @@ class Capturer:
             if not tr.spill and held(tr.info.name)
             for j in range(len(tr.info.shards))
         )
-
-    def _join_warm(self) -> None:
-        warming, self._warming = self._warming, None
-        if warming is not None:
-            warming.join()
 
     def refresh(self) -> None:
         """Re-read the variables under ``root`` now, hooking those created since, before a step traces them."""
@@ -379,11 +376,6 @@ class Capturer:
 
     # ------------------------------------------------------------------------------------------ tracking
 
-    def _tracks_rows(self, info: TensorInfo) -> bool:
-        if not info.shape or info.dtype == np.dtype(object):
-            return False
-        return info.shape[0] >= self.row_tracking_min_rows and info.row_bytes >= _MIN_ROW_BYTES
-
     def _sync(self) -> None:
         """Re-read the object graph; keep fingerprints of unchanged tensors, track new ones (full first)."""
         infos = list_tensors(self.root)
@@ -402,7 +394,8 @@ class Capturer:
                 continue
             tr = self._tracked.get(name)
             if tr is None or not _same_layout(tr.info, info):
-                by_row = self._tracks_rows(info)
+                by_row = bool(info.shape) and info.dtype != np.dtype(object)
+                by_row = by_row and info.shape[0] >= self.row_tracking_min_rows and info.row_bytes >= _MIN_ROW_BYTES
                 tr = _Tracked(info, by_row, [self._fingerprint_var(s, by_row) for s in info.shards])
             tracked[name] = tr
             if not hooked or not tr.by_row:

@@ -94,7 +94,11 @@ class LagGuard:
                 handle.exception(timeout=WAIT_SLICE)
             except TimeoutError:
                 if (retrying := handle.store_retrying()) is not None:
-                    self._store_failing(handle, retrying)
+                    # The store is down: no holding until a durable save succeeds (the answers still count).
+                    with self._lock:
+                        failing, self._failing = self._failing, True
+                    if not failing:
+                        _say_failing(handle.step, retrying)
                     break
                 if (why := self._stop_waiting()) is not None:
                     log.warning(
@@ -115,14 +119,6 @@ class LagGuard:
         held = self._clock() - began if began is not None else 0.0
         self._held += held
         return held
-
-    def _store_failing(self, handle: SaveHandle, why: str) -> None:
-        """The store is down: stop holding until a durable save succeeds (the answers waited for still count)."""
-        with self._lock:
-            if self._failing:
-                return
-            self._failing = True
-        _say_failing(handle.step, why)
 
     def _stop_waiting(self) -> str | None:
         """Why the answer waited for cannot come, or must not be waited for any more (``None``: keep waiting)."""

@@ -19,12 +19,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import numpy as np
 
 from psguard.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, UnsupportedFormatError
-from psguard.policy.engine import EveryInterval, EverySteps, SaveContext, SavePolicy, TierState, Verdict
+from psguard.policy.engine import EveryInterval, EverySteps, SaveContext, SavePolicy, TierState
 from psguard.storage.registry import check_url, redact
 from psguard.store import CheckpointInfo, Store
 from psguard.store.cli import add_store_arguments, open_store, parse_storage_options, require_output_store
@@ -48,9 +47,6 @@ class Published:
     bytes_read: int
     write_seconds: float
     lag_seconds: float
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Publisher:
@@ -84,10 +80,11 @@ class Publisher:
                 return None
             if info.id in self._bad:
                 continue
-            verdict = self._due(info, last)
-            if not verdict:
-                log.debug("event=publish_waiting checkpoint=%s step=%d reason=%s", info.id, info.step, verdict.reason)
-                return None
+            if last is not None and self.cadence is not None:  # by the commit times: a restart decides as before
+                verdict = self.cadence.should_save(info.step, info.committed_at, last=last, context=SaveContext())
+                if not verdict:
+                    log.debug("event=publish_waiting checkpoint=%s reason=%s", info.id, verdict.reason)
+                    return None
             try:
                 return self._publish(info)
             except (CorruptCheckpointError, UnsupportedFormatError, NoCheckpointError) as e:
@@ -124,14 +121,6 @@ class Publisher:
             if head == self.prefix_name and number.isdigit():
                 return TierState(step=int(number), at=stamp)
         return None
-
-    def _due(self, info: CheckpointInfo, last: TierState | None) -> Verdict:
-        """Whether commit ``info`` is due, by the commit times (so a restarted publisher decides as before)."""
-        if last is None:
-            return Verdict(True, "nothing published in the folder yet")
-        if self.cadence is None:
-            return Verdict(True, "every commit")
-        return self.cadence.should_save(info.step, info.committed_at, last=last, context=SaveContext())
 
     # ------------------------------------------------------------------------------------------ writing
     def _publish(self, info: CheckpointInfo) -> Published:
@@ -193,7 +182,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     def show(p: Published) -> None:
         if args.json:
-            print(json.dumps(p.to_json()), flush=True)
+            print(json.dumps(asdict(p)), flush=True)
         else:
             print(
                 f"step {p.step:>10}  {p.checkpoint}  -> {p.prefix}  ({p.via}, {p.bytes_read} bytes read, "

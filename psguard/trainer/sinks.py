@@ -350,22 +350,17 @@ class AgentSink:
             metadata[NEW_BASE_KEY] = {"max_chain": self._new_base_after}
         spooled = self.spool.submit(Capture(job.step, job.updates, metadata, job.tiers, job.metrics, job.parts))
         handle = _AgentSaveHandle(job.step, stall_seconds, spooled, self.store)
-        with self._lock:
-            self._sweep()
-            self._pending.append(handle)
+        with self._lock:  # the pending list kept bounded: handles whose answers are in settled, failures kept
+            still: list[_AgentSaveHandle] = []
+            for h in self._pending:
+                if not h.done():
+                    still.append(h)
+                elif (error := h.exception(0)) is not None:
+                    self._errors.append((h.step, h.durable, error))
+                else:
+                    self._note_applied(h)
+            self._pending = [*still, handle]
         return handle
-
-    def _sweep(self) -> None:
-        """Keep the pending list bounded: settle handles whose answers are in, keeping their failures."""
-        still: list[_AgentSaveHandle] = []
-        for h in self._pending:
-            if not h.done():
-                still.append(h)
-            elif (error := h.exception(0)) is not None:
-                self._errors.append((h.step, h.durable, error))
-            else:
-                self._note_applied(h)
-        self._pending = still
 
     def busy(self) -> frozenset[Tier]:
         """Busy only until the last capture is in the memory tier: the agent folds durable requests that arrive
