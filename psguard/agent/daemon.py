@@ -126,7 +126,6 @@ class Agent:
         peers: Sequence[str] = (),
         token: str | None = None,
         token_file: str | None = None,
-        peer_token: str | None = None,
     ) -> None:
         self.config = config or AgentConfig()
         self.role = role
@@ -143,8 +142,7 @@ class Agent:
         self.peers = _peer_urls(peers)
         self._token = token
         self._token_file = str(Path(token_file).resolve()) if token_file is not None else None
-        self._peer_token = peer_token if peer_token is not None else token
-        if self.peers and self._peer_token is None:
+        if self.peers and token is None:
             raise ConfigError(
                 "--peer: the chief's agent calls its peers' /status and POST /restart with the token they share, "
                 "and it has none. Give every agent of the job the same --token-file (a 0600 file holding a random "
@@ -155,7 +153,7 @@ class Agent:
         self.metrics = AgentMetrics()
         self._stop_requested = threading.Event()
         self.peer_sync = PeerSync(
-            self.task, self.peers, self.config.peers, self._peer_token, self._stop_requested, tls=self._client_tls
+            self.task, self.peers, self.config.peers, token, self._stop_requested, tls=self._client_tls
         )
         self.peer_sync.on_fresh = self._fresh_ps
         self._wake = threading.Event()
@@ -344,7 +342,7 @@ class Agent:
             else None
         )
         folder = Path(cfg.spool) if cfg.spool else part_dir(cfg.job, self.task)
-        link = PeerLink(self._peer_token or self._token, self._client_tls)
+        link = PeerLink(self._token, self._client_tls)
         try:
             self.shards = ShardKeeper(
                 folder,

@@ -59,15 +59,11 @@ class TaskTree:
     def __init__(self, name: str, record: str | os.PathLike[str] | None) -> None:
         self.name = name
         self.token = secrets.token_hex(8)
+        self.env_var = reaper.tree_env_var(self.token)  # marks the tree's processes (set to 1; inherited)
         self._record = Path(record) if record is not None else None
         self._use_guard = sys.platform.startswith("linux")
         self._guard: subprocess.Popen[bytes] | None = None
         self._guard_w = -1
-
-    @property
-    def env_var(self) -> str:
-        """The environment variable that marks the tree's processes (set to ``1``; inherited by descendants)."""
-        return reaper.tree_env_var(self.token)
 
     @property
     def guard_pid(self) -> int | None:
