@@ -65,7 +65,12 @@ class SidecarEvaluator:
     def start(self) -> None:
         """Evaluate each newest checkpoint until one of step ``max_evaluations`` or later (``None``: for ever)."""
         with Store.open(self.checkpoint_dir, self.storage_options) as store:
-            first = self._first_checkpoint(store)
+            since = time.monotonic()  # which root restores the store depends on what it holds: wait for one
+            while (first := store.latest()) is None:
+                if time.monotonic() - since >= CHECKPOINT_TIMEOUT_SECONDS:
+                    self._timed_out()
+                    since = time.monotonic()
+                time.sleep(self.poll_interval)
             root = self._root(store, first)
             with Follower(root, store, poll_interval=self.poll_interval, ignore_missing=True) as follower:
                 self.follower = follower
@@ -76,16 +81,6 @@ class SidecarEvaluator:
                     self._timed_out()
 
     # ------------------------------------------------------------------------------------------ the loop
-    def _first_checkpoint(self, store: Store) -> CheckpointInfo:
-        """The newest checkpoint once there is one: which root restores the store depends on what it holds."""
-        since = time.monotonic()
-        while (latest := store.latest()) is None:
-            if time.monotonic() - since >= CHECKPOINT_TIMEOUT_SECONDS:
-                self._timed_out()
-                since = time.monotonic()
-            time.sleep(self.poll_interval)
-        return latest
-
     def _root(self, store: Store, info: CheckpointInfo) -> Any:
         """TF's restore root, or the model itself when the checkpoints hold no ``model`` (TF's ``load_weights``)."""
         if "model" not in {name.split("/")[0] for name in store.manifest(info.id).tensors}:
@@ -103,8 +98,10 @@ class SidecarEvaluator:
         """One evaluation of the checkpoint the follower holds; whether it was the last."""
         if not self._new_optimizer():
             if root is self.model:  # the optimizer's own iterations were the root's: restored unless left alone
-                if self.model.optimizer and _restored(root, self.model.optimizer.iterations, follower.left_alone):
-                    self._iterations.assign(self.model.optimizer.iterations)
+                iterations = self.model.optimizer.iterations if self.model.optimizer else None
+                names = [name for name, obj in gather_variables(root) if obj is iterations]
+                if names and names[0] not in follower.left_alone:
+                    self._iterations.assign(iterations)
             elif self.model.optimizer:
                 self.model.optimizer.iterations.assign(self._iterations)
             if self._iterations.numpy() == _ITERATIONS_UNINITIALIZED:
@@ -133,8 +130,3 @@ class SidecarEvaluator:
             CHECKPOINT_TIMEOUT_SECONDS,
             self.checkpoint_dir,
         )
-
-
-def _restored(root: Any, variable: Any, left_alone: Sequence[str]) -> bool:
-    names = [name for name, obj in gather_variables(root) if obj is variable]
-    return bool(names) and names[0] not in left_alone

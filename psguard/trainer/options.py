@@ -128,7 +128,9 @@ class Moved(Generic[Opts]):
         chain: list[Any] = [options]  # the options, then each nested options object down to the field's holder
         for part in outer:
             chain.append(getattr(chain[-1], part))
-        if getattr(chain[-1], last) != _default(chain[-1], last):
+        f = next(f for f in dataclasses.fields(chain[-1]) if f.name == last)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if getattr(chain[-1], last) != default:
             raise ConfigError(
                 f"`{name}=` (deprecated) and `options.{self.path}` are both given; give it once: {self.spelling}"
             )
@@ -136,11 +138,6 @@ class Moved(Generic[Opts]):
         for holder, part in zip(reversed(chain[:-1]), reversed(outer), strict=True):
             new = dataclasses.replace(holder, **{part: new})
         return cast(Opts, new)
-
-
-def _default(obj: Any, name: str) -> Any:
-    f = next(f for f in dataclasses.fields(obj) if f.name == name)
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def deprecation(name: str, spelling: str) -> str:
@@ -171,27 +168,19 @@ def _known(what: str, mapping: Mapping[str, Any] | None, known: Collection[str])
     return dict(mapping or {})
 
 
-def capture_options_from(mapping: Mapping[str, Any] | None) -> CaptureOptions:
-    """The old ``capturer_options`` mapping as :class:`CaptureOptions`."""
-    return CaptureOptions(**_known("capturer_options", mapping, [f.name for f in dataclasses.fields(CaptureOptions)]))
-
-
-def _manager_moves() -> dict[str, Moved[ManagerOptions]]:
-    moves: dict[str, Moved[ManagerOptions]] = {
-        name: Moved(name, f"options=psguard.ManagerOptions({name}=...)")
-        for name in DeprecatedManagerArgs.__annotations__
-        if name != "capturer_options"
-    }
-    moves["capturer_options"] = Moved(
-        "capture",
-        "options=psguard.ManagerOptions(capture=psguard.trainer.options.CaptureOptions(...))",
-        capture_options_from,
-    )
-    return moves
-
-
-#: ``CheckpointManager``'s old keyword arguments and where each went.
-MANAGER_MOVES = _manager_moves()
+#: ``CheckpointManager``'s old keyword arguments and where each went (``capturer_options``: a mapping).
+MANAGER_MOVES: dict[str, Moved[ManagerOptions]] = {
+    name: Moved(name, f"options=psguard.ManagerOptions({name}=...)")
+    for name in DeprecatedManagerArgs.__annotations__
+    if name != "capturer_options"
+}
+MANAGER_MOVES["capturer_options"] = Moved(
+    "capture",
+    "options=psguard.ManagerOptions(capture=psguard.trainer.options.CaptureOptions(...))",
+    lambda mapping: CaptureOptions(
+        **_known("capturer_options", mapping, [f.name for f in dataclasses.fields(CaptureOptions)])
+    ),
+)
 
 
 def manager_options_from(mapping: Mapping[str, Any] | None) -> ManagerOptions:
@@ -203,24 +192,16 @@ def manager_options_from(mapping: Mapping[str, Any] | None) -> ManagerOptions:
     return options
 
 
-def _callback_moves() -> dict[str, Moved[CallbackOptions]]:
-    spelling = "options=psguard.keras.CallbackOptions({}=...)"
-    return {
-        "max_to_keep": Moved("max_to_keep", spelling.format("max_to_keep")),
-        "save_at_end": Moved("save_at_end", spelling.format("save_at_end")),
-        "summaries": Moved("summaries", spelling.format("summaries")),
-        "storage_options": Moved(
-            "manager.storage_options",
-            "options=psguard.keras.CallbackOptions(manager=psguard.ManagerOptions(storage_options=...))",
-        ),
-        "manager_options": Moved(
-            "manager",
-            "options=psguard.keras.CallbackOptions(manager=psguard.ManagerOptions(...))",
-            manager_options_from,
-        ),
-    }
-
-
 #: ``CheckpointCallback``'s old keyword arguments that went into :class:`CallbackOptions` (``save_every_n_steps``
 #: went to ``save_freq``: the callback moves it itself).
-CALLBACK_MOVES = _callback_moves()
+CALLBACK_MOVES: dict[str, Moved[CallbackOptions]] = {
+    name: Moved(name, f"options=psguard.keras.CallbackOptions({name}=...)")
+    for name in ("max_to_keep", "save_at_end", "summaries")
+}
+CALLBACK_MOVES["storage_options"] = Moved(
+    "manager.storage_options",
+    "options=psguard.keras.CallbackOptions(manager=psguard.ManagerOptions(storage_options=...))",
+)
+CALLBACK_MOVES["manager_options"] = Moved(
+    "manager", "options=psguard.keras.CallbackOptions(manager=psguard.ManagerOptions(...))", manager_options_from
+)

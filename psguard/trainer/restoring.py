@@ -168,11 +168,21 @@ class RestoreSide:
         more: the memory tier, else the log's newest commit that loads, else nothing."""
         asked = self._ask_durable_latest() if self._sink.supervised else None
         snapshot = self._sink.memory_snapshot(self.restore_timeout)
-        memory = self._memory_fact(snapshot)
+        memory = None  # as the plan reads it: not held when it lacks the shards the capturer spilled
+        if snapshot is not None:
+            absent = [] if snapshot.parts else sorted(n for n in self.capturer.spilled if n not in snapshot.tensors)
+            if absent:
+                log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
+            memory = Memory(snapshot.step, snapshot.token, held=not absent)
         durable, latest = Durable(), None
         if memory is not None and memory.held is not False:
             assert snapshot is not None
-            latest = self._durable_latest_beside(snapshot, asked)
+            try:  # None when no answer came in time
+                latest = (asked or self._ask_durable_latest()).result()
+            except StorageError as e:
+                at = f"step {snapshot.step}; the last durable commit: step {snapshot.durable_step}"
+                why = f"the durable log did not answer within {STORE_CHECK_SECONDS:.0f}s ({e})"
+                log.warning("%s: restoring the memory tier (%s)", why, at)
             durable = Durable.at(latest.step, latest.id) if latest is not None else Durable()
         while True:
             restore = plan(Facts(memory=memory, durable=durable)).restore
@@ -202,15 +212,6 @@ class RestoreSide:
             if restored is not None:
                 return restored
             durable = Durable.none()
-
-    def _memory_fact(self, snapshot: Restored | None) -> Memory | None:
-        """The memory tier's snapshot as the plan reads it: not held when it lacks the shards the capturer spilled."""
-        if snapshot is None:
-            return None
-        absent = [] if snapshot.parts else sorted(n for n in self.capturer.spilled if n not in snapshot.tensors)
-        if absent:
-            log.warning("the memory tier lacks the shards of %s: restoring from the durable log", absent[:3])
-        return Memory(snapshot.step, snapshot.token, held=not absent)
 
     def _restore_from_the_log(self, *, force: bool, status: bool) -> tuple[RestoreInfo, Restored] | None:
         """The newest durable checkpoint that loads, or None; ``force``: replace the memory tier's state (else the
@@ -383,19 +384,3 @@ class RestoreSide:
 
         threading.Thread(target=ask, name="psguard-durable-latest", daemon=True).start()
         return asked
-
-    def _durable_latest_beside(
-        self, memory: Restored, asked: Future[CheckpointInfo | None] | None
-    ) -> CheckpointInfo | None:
-        """The answer of :meth:`_ask_durable_latest` (asked now if not yet), or None when none came in time."""
-        try:
-            return (asked or self._ask_durable_latest()).result()
-        except StorageError as e:
-            at = f"step {memory.step}; the last durable commit: step {memory.durable_step}"
-            log.warning(
-                "the durable log did not answer within %.0fs (%s): restoring the memory tier (%s)",
-                STORE_CHECK_SECONDS,
-                e,
-                at,
-            )
-            return None
