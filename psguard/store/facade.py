@@ -26,7 +26,7 @@ from psguard.store.index import CheckpointInfo, Index
 from psguard.store.lease import check_ttl
 from psguard.store.reader import Reader
 from psguard.store.verify import VerifyReport, chain_bytes, verify_all, verify_checkpoint
-from psguard.store.writer import Writer
+from psguard.store.writer import Journal, Writer
 
 DEFAULT_CHUNK_BYTES = 8 << 20
 
@@ -151,19 +151,14 @@ class Store:
         verdict reused, a failure included, for every later checkpoint that uses it."""
         return verify_all(self._index, self._pool, checkpoint_ids)
 
-    def chain_bytes(self, checkpoint_ids: Sequence[str]) -> int:
-        """The bytes of the distinct chunks the chains of ``checkpoint_ids`` reference (manifests only; a chain
-        that cannot be read counts 0): what reading them all once costs."""
-        return chain_bytes(self._index, checkpoint_ids)
+    chain_bytes = _routed(lambda store: store._index, chain_bytes)
 
     # ----------------------------------------------------------------------------------------------- writing
     save = _routed(lambda store: store._writer, Writer.save)
     begin_save = _routed(lambda store: store._writer, Writer.begin_save)
     write_part = _routed(lambda store: store._writer, Writer.write_part)
 
-    def journal(self) -> list[dict[str, Any]]:
-        """Journal entries in commit order."""
-        return self._writer.journal.entries()
+    journal = _routed(lambda store: store._writer.journal, Journal.entries)
 
     # ----------------------------------------------------------------------------------------------- gc
     retain = _routed(lambda store: store._collector(), Collector.retain)

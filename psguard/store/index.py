@@ -81,13 +81,6 @@ class Index:
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
         self._cache_lock = threading.Lock()
 
-    def _cache(self, m: Manifest) -> None:
-        """Under ``_cache_lock``: keep ``m`` as the most recently used, dropping the least recently used."""
-        self._manifests[m.id] = m
-        self._manifests.move_to_end(m.id)
-        while len(self._manifests) > MANIFEST_CACHE_ENTRIES:
-            self._manifests.popitem(last=False)
-
     def checkpoint_ids(self) -> list[str]:
         """Ids of committed checkpoints in step order (names only; nothing verified yet)."""
         names = (key[len(MANIFEST_PREFIX) :] for key in self.backend.keys(MANIFEST_PREFIX))
@@ -198,8 +191,11 @@ class Index:
 
     def remember(self, m: Manifest) -> None:
         """Cache a manifest this process just committed (it is what a later read would parse)."""
-        with self._cache_lock:
-            self._cache(m)
+        with self._cache_lock:  # most recently used last, the least recently used dropped
+            self._manifests[m.id] = m
+            self._manifests.move_to_end(m.id)
+            while len(self._manifests) > MANIFEST_CACHE_ENTRIES:
+                self._manifests.popitem(last=False)
 
     def forget(self, checkpoint_id: str) -> None:
         """Drop a deleted checkpoint's manifest from the cache."""

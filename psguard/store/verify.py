@@ -50,7 +50,8 @@ def verify_all(index: Index, pool: ThreadPoolExecutor, checkpoint_ids: Sequence[
 
 
 def chain_bytes(index: Index, checkpoint_ids: Sequence[str]) -> int:
-    """:meth:`psguard.store.Store.chain_bytes` (documented there for its callers)."""
+    """The bytes of the distinct chunks the chains of ``checkpoint_ids`` reference (manifests only; a chain
+    that cannot be read counts 0): what reading them all once costs."""
     sizes: dict[str, int] = {}
     for cid in checkpoint_ids:
         with contextlib.suppress(CheckpointError):

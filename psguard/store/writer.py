@@ -280,7 +280,7 @@ class Journal(IndexJob):
         return [(key, int(seq)) for key, seq in keys if key.endswith(".json") and seq.isdigit() and len(seq) <= 18]
 
     def entries(self) -> list[dict[str, Any]]:
-        """:meth:`psguard.store.Store.journal` (documented there for its callers)."""
+        """Journal entries in commit order."""
         out = []
         for key, seq in self._seqs():
             try:
