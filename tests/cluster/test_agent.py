@@ -282,8 +282,9 @@ def test_frozen_ps_behind_a_wrapper_is_caught_by_the_rpc_deadline(
     print(f"frozen server behind a wrapper: restarted after {detected:.2f}s")
     reason = after["supervisor"]["last_reason"]
     assert "rpc" in reason and "DEADLINE_EXCEEDED" in reason, reason
-    # interval + failure_threshold * deadline (0.5 + 2 * 0.5), plus scheduling slack on a loaded machine
-    assert detected < 10
+    # frozen for hung_after (2 s in the tests' settings) after its first failed round (interval + deadline, 1 s),
+    # then killed and restarted, plus scheduling slack on a loaded machine
+    assert 2 <= detected < 10
     wait_until(lambda: not alive(server_pid), 10, "frozen server killed with its process group")
     agent.wait_status(lambda s: s["ready"], 120, "PS healthy after the freeze")
     agent.proc.send_signal(signal.SIGTERM)

@@ -39,7 +39,7 @@ def under_agent(monkeypatch: pytest.MonkeyPatch, spool: str | None, store: str |
 
 
 FAST = """
-probe: {interval: 0.5, deadline: 0.5, failure_threshold: 2, startup_timeout: 120}
+probe: {interval: 0.5, deadline: 0.5, failure_threshold: 2, startup_timeout: 120, hung_after: 2}
 supervisor: {backoff_initial: 0.1, backoff_max: 1, stop_timeout: 5, standby_delay: 1, standby_delay_after_restart: 1}
 peers: {ready_timeout: 120, probe: {interval: 0.5, deadline: 0.5}}
 persister: {retry_after: 1}
