@@ -127,7 +127,8 @@ class StoreWait:
                 self._began = now
             began = self._began
         waited = now - began
-        why = self._why(error)
+        cause = error.__cause__ or error  # the storage's failure, as the backend explains it (never a credential)
+        why = self.backend.explain(cause) or one_line(cause, 200)
         if self.timeout is not None and waited >= self.timeout:
             raise StorageUnavailableError(
                 f"storage {self.url} did not answer for {waited:.0f}s ({attempt} tries; the wait's timeout is "
@@ -151,11 +152,6 @@ class StoreWait:
                 f"stopping; last error: {why}"
             ) from error
         return min(delay * 2, self.cap)
-
-    def _why(self, error: StorageUnavailableError) -> str:
-        """The storage failure behind ``error`` in a line, as the backend explains it (never a credential)."""
-        cause = error.__cause__ or error
-        return self.backend.explain(cause) or one_line(cause, 200)
 
     @contextlib.contextmanager
     def _quick(self) -> Iterator[None]:
