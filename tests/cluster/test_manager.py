@@ -193,6 +193,7 @@ def test_max_to_keep_applies_retention(url: str) -> None:
         for step in range(1, 9):
             train_local(emb, dense, ckpt, rng)
             m.save(step).result(timeout=60)  # one at a time: no folding, so the chain length is known
+        m.wait(60)  # and the last commit's retention, which follows its acknowledgment
         infos = m.store.checkpoints()
         # the newest two are kept, plus what they are built on; compaction started new bases on the way
         assert infos[-1].step == 8 and len(infos) <= 4

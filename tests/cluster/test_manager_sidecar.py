@@ -324,7 +324,9 @@ def test_under_an_agent_max_to_keep_is_applied_and_the_stall_is_reported(tmp_pat
             stalls = [e.stall_seconds for e in events if e.kind == "capture"]
             assert len(stalls) == 6 and all(s is not None and 0 <= s < 60 for s in stalls), stalls
             assert stalls[-1] == pytest.approx(m.last_stall_seconds, abs=1e-5)
-        # a new base at least every other checkpoint (max_chain 1): keep-last 2 leaves at most 3 manifests
+        # a new base at least every other checkpoint (max_chain 1): keep-last 2 leaves at most 3 manifests, once
+        # the retention after the last commit (it follows the commit's acknowledgment) is done
+        assert persister.wait_idle(60)
         steps = sorted(i.step for i in store.checkpoints())
         assert steps[-2:] == [5, 6] and len(steps) <= 3, steps
     finally:
