@@ -10,8 +10,6 @@ same URL as ``--store``) the script also gets the memory tier and the durable lo
 Exit code: 0 when the command finished; 1 when the chief's agent gave up on it or an agent died too often; 130 /
 143 when interrupted (SIGINT / SIGTERM), after every process ``wrap`` started was stopped: the chief's agent
 first (it drains the durable log), then the others. A second Ctrl-C or SIGTERM during that kills them at once.
-The chief's agent is started here, not as an :class:`~psguard.agent.process.launcher.AgentProcess`: its output is
-the user's and belongs on the terminal.
 """
 
 from __future__ import annotations
@@ -124,7 +122,7 @@ def run(command: Sequence[str], args: argparse.Namespace) -> int:
     in_memory = [spool]  # the run's folders on tmpfs, removed at the end whatever happened
     agents_dir = work / "agents"
     servers: list[Any] = []
-    chief: subprocess.Popen[bytes] | None = None
+    chief: AgentProcess | None = None
     failed = True
     # One token per run for every agent (the chief's agent restarts the PS servers with it), in a private file
     # outside the work folder, which is kept on failure; one made here is removed when the run ends.
@@ -137,20 +135,17 @@ def run(command: Sequence[str], args: argparse.Namespace) -> int:
             peers = [arg for agent in servers for arg in ("--peer", agent.wait_url(args.start_timeout))]
         except LaunchError as e:
             raise WrapError(str(e)) from None
-        chief_dir = agents_dir / "chief"
-        chief_dir.mkdir(parents=True, exist_ok=True)
-        chief_config = _write_chief_config(chief_dir / "agent.yaml", agents_dir / ".state", chief_settings)
-        verbose = ["-v"] * getattr(args, "verbose", 0)
-        argv = [sys.executable, "-m", "psguard.cli", *verbose, "agent", "--role", "chief"]
-        argv += ["--index", "0", *base, "--spool", str(spool), "--config", str(chief_config), *peers]
-        argv += ["--ready-file", str(chief_dir / "url"), "--token-file", str(token_path)]
-        if store is not None:
-            argv += ["--store", store]
-        argv += ["--", *command]
-        # Its own session: Ctrl-C in the terminal reaches wrap alone, which then stops the chief's agent with
-        # SIGTERM, so that the agent stops the trainer and drains the durable log before the servers go.
-        chief = subprocess.Popen(argv, start_new_session=True)
-        code = _watch(chief, servers, args.agent_restarts)
+        chief_args = ["--role", "chief", "--index", "0", *base, "--spool", str(spool), *peers]
+        chief_args += ["--store", store] if store is not None else []
+        # Its output on the terminal, and the user's environment for the trainer (their TensorFlow settings). Its
+        # own session: Ctrl-C reaches wrap alone, which then stops the chief's agent with SIGTERM, so that the
+        # agent stops the trainer and drains the durable log before the servers go.
+        config = CHIEF_CONFIG if chief_settings is None else json.dumps(chief_settings)
+        v = getattr(args, "verbose", 0)
+        chief = AgentProcess(
+            agents_dir, "chief", chief_args, command, env=os.environ, config=config, token_file=token_path, terminal=v
+        )
+        code = _watch(chief.proc, servers, args.agent_restarts)
         failed = code != 0
         if failed:
             print(
@@ -158,7 +153,7 @@ def run(command: Sequence[str], args: argparse.Namespace) -> int:
             )
         return 0 if code == 0 else 1
     finally:
-        _stop_all(chief, [agent.proc for agent in servers])
+        _stop_all(chief.proc if chief is not None else None, [agent.proc for agent in servers])
         for agent in servers:
             agent.stop()  # already exited: closes its log
         if token is not None:
@@ -210,19 +205,6 @@ def _start_servers(
             node = {"PSGUARD_NODE": f"wrap-{role}{i}"}  # each task its own node: see the module docstring
             servers.append(AgentProcess(work / "agents", f"{role}{i}", args, env=node, token_file=token))
     return servers
-
-
-def _write_chief_config(path: Path, state_dir: Path, settings: dict[str, Any] | None) -> Path:
-    """The chief agent's settings file, with the run's own task records (``state_dir``, see AgentProcess) unless
-    the user's ``--config`` sets them."""
-    if settings is None:
-        path.write_text(CHIEF_CONFIG + f"state_dir: {json.dumps(str(state_dir))}\n")
-    else:  # the user's settings (storage_options may hold secrets: owner-only); their state_dir if set
-        path.unlink(missing_ok=True)  # a file of an earlier run in --dir keeps its mode otherwise
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(json.dumps({"state_dir": str(state_dir), **settings}, indent=1) + "\n")
-    return path
 
 
 def _watch(chief: subprocess.Popen[bytes], servers: list[AgentProcess], agent_restarts: int) -> int:

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from psguard.errors import PsguardError
 from psguard.handoff.client import http_json, read_token
 from psguard.handoff.contract import QUIET_TENSORFLOW
@@ -34,8 +36,6 @@ def with_peers(config: str, **peers: object) -> str:
     keep_survivors); unchanged when none is given."""
     if not peers:
         return config
-    import yaml
-
     doc = yaml.safe_load(config) or {}
     doc["peers"] = {**(doc.get("peers") or {}), **peers}
     return str(yaml.safe_dump(doc, sort_keys=False))
@@ -65,7 +65,9 @@ class LaunchError(PsguardError):
 
 
 class AgentProcess:
-    """One ``psguard agent`` subprocess, its log in ``<dir>/agent.log`` and its HTTP URL from ``--ready-file``."""
+    """One ``psguard agent`` subprocess, its log in ``<dir>/agent.log`` at ``-v`` (``terminal=N``: on this process's
+    output at ``N`` times ``-v``, as ``psguard wrap``'s chief, whose trainer's output is the user's) and its HTTP URL
+    from ``--ready-file``."""
 
     def __init__(
         self,
@@ -77,6 +79,7 @@ class AgentProcess:
         env: Mapping[str, str] | None = None,
         config: str = AGENT_CONFIG,
         token_file: Path | None = None,
+        terminal: int | None = None,
     ) -> None:
         self.name = name
         self.token_file = token_file if token_file is not None else run_token_file(directory)
@@ -85,30 +88,31 @@ class AgentProcess:
         self.ready_file = self.dir / "url"
         self.log_path = self.dir / "agent.log"
         self._config = self.dir / "agent.yaml"
-        if "state_dir:" not in config:
-            # The run's own task records: another run on this host (the same default job, the same task names)
-            # must neither see them nor refuse to start because of them.
-            config += f"\nstate_dir: {json.dumps(str(directory / '.state'))}\n"
-        self._config.write_text(config)
-        self._args = list(args)
+        settings = yaml.safe_load(config) or {}
+        # The run's own task records (unless the settings name theirs): another run on this host (the same default
+        # job, the same task names) must neither see them nor refuse to start because of them.
+        settings.setdefault("state_dir", str(directory / ".state"))
+        self._config.unlink(missing_ok=True)  # owner-only (storage_options may hold secrets), whatever was there
+        with os.fdopen(os.open(self._config, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(json.dumps(settings, indent=1) + "\n")
+        self._args = ["-v"] * (1 if terminal is None else terminal) + ["agent", *args]
         self._command = list(command)
-        self._env = dict(os.environ, **QUIET_TENSORFLOW, **(env or {}))
+        self._env = {**os.environ, **QUIET_TENSORFLOW, **(env or {})}
         self.url: str | None = None  # known once it serves (wait_url)
         self.starts = 0
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log = open(self.log_path, "ab") if terminal is None else None  # noqa: SIM115 - closed in stop()
         self._spawn([])
 
     def _spawn(self, extra: Sequence[str]) -> None:
-        argv = [sys.executable, "-m", "psguard.cli", "-v", "agent", *self._args, *extra, "--config", str(self._config)]
+        argv = [sys.executable, "-m", "psguard.cli", *self._args, *extra, "--config", str(self._config)]
         argv += ["--token-file", str(self.token_file)]
         argv += ["--ready-file", str(self.ready_file)]
         if self._command:
             argv += ["--", *self._command]
         self.ready_file.unlink(missing_ok=True)
         # Its own session: Ctrl-C reaches the parent only, which then stops the agents in order.
-        self.proc = subprocess.Popen(
-            argv, stdout=self._log, stderr=subprocess.STDOUT, env=self._env, start_new_session=True
-        )
+        stderr = subprocess.STDOUT if self._log else None
+        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=stderr, env=self._env, start_new_session=True)
         self.starts += 1
 
     def restart(self) -> None:
@@ -150,7 +154,7 @@ class AgentProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the agent and whatever it left in its session
                 self.proc.wait()
-        if not self._log.closed:
+        if self._log is not None and not self._log.closed:
             self._log.close()
 
 
