@@ -176,6 +176,16 @@ def _since(last: TierState, context: SaveContext) -> tuple[float | None, str]:
     return context.started_at, "start"
 
 
+def _after(name: str, interval: float, now: float, last: TierState, context: SaveContext, basis: str = "") -> Verdict:
+    """Save once ``interval`` seconds have passed since the tier's last save (or the run's start)."""
+    since, what = _since(last, context)
+    if since is not None and now - since < interval - _EPSILON:
+        left = interval - (now - since)
+        return Verdict(False, f"{name}: {format_duration(left)} to go{basis}", seconds_left=left)
+    head = "no save yet and no start time" if since is None else f"{format_duration(now - since)} since {what}"
+    return Verdict(True, f"{name}: {head}{basis}")
+
+
 @dataclass(frozen=True)
 class EverySteps:
     """Save when ``steps`` steps have passed since the tier's last save (or the run's start)."""
@@ -209,14 +219,7 @@ class EveryInterval:
         return f"every {format_duration(self.seconds)}"
 
     def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
-        since, what = _since(last, context)
-        if since is None:
-            return Verdict(True, f"{self.describe()}: no save yet and no start time")
-        elapsed = now - since
-        if elapsed >= self.seconds - _EPSILON:
-            return Verdict(True, f"{self.describe()}: {format_duration(elapsed)} since {what}")
-        left = self.seconds - elapsed
-        return Verdict(False, f"{self.describe()}: {format_duration(left)} to go", seconds_left=left)
+        return _after(self.describe(), self.seconds, now, last, context)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -392,20 +395,12 @@ class YoungDaly:
     def should_save(self, step: int, now: float, *, last: TierState, context: SaveContext) -> Verdict:
         stall, mtbf = self.stall(context), self.mtbf(now, context)
         tau = self._interval(stall, mtbf)
-        since, what = _since(last, context)
-        basis = self._basis(tau, stall, mtbf, context)
-        if since is not None and now - since < tau - _EPSILON:
-            left = tau - (now - since)
-            return Verdict(False, f"young/daly: {format_duration(left)} to go, {basis}", seconds_left=left)
-        head = "no save yet and no start time" if since is None else f"{format_duration(now - since)} since {what}"
-        return Verdict(True, f"young/daly: {head}, {basis}")
-
-    def _basis(self, tau: float, stall: float, mtbf: float, context: SaveContext) -> str:
         n = len(context.failures)
-        return (
-            f"interval {format_duration(tau)} from stall {format_duration(stall)} and MTBF {format_duration(mtbf)}"
+        basis = (
+            f", interval {format_duration(tau)} from stall {format_duration(stall)} and MTBF {format_duration(mtbf)}"
             f" ({n} failure{'s' if n != 1 else ''} seen, prior {format_duration(self.mtbf_prior)})"
         )
+        return _after("young/daly", tau, now, last, context, basis)
 
 
 @dataclass(frozen=True)
