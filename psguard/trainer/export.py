@@ -128,7 +128,13 @@ class ExportFolder:
             tensors = {**tensors, OBJECT_GRAPH_KEY: graph}
         if self.local is not None:
             _save_v2(str(self.local / name), tensors)
-            _sync(self.local, name)
+            # The checkpoint's files and the folder on disk before the state file names them.
+            for path in [*(p for p in self.local.iterdir() if _checkpoint_of(p.name) == name), self.local]:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
         else:
             with tempfile.TemporaryDirectory(prefix="psguard-export-") as staging:
                 _save_v2(str(Path(staging) / name), tensors)
@@ -180,16 +186,6 @@ def _save_v2(prefix: str, tensors: dict[str, np.ndarray]) -> None:
         shape_and_slices=[""] * len(names),
         tensors=[tf.constant(tensors[n]) for n in names],
     )
-
-
-def _sync(folder: Path, name: str) -> None:
-    """Checkpoint ``name``'s files and ``folder`` on disk before the state file names them."""
-    for path in [*(p for p in folder.iterdir() if _checkpoint_of(p.name) == name), folder]:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _basename(path: str) -> str:

@@ -150,7 +150,11 @@ class Follower:
         if on_the_way is not None:
             self._apply_deltas(infos, on_the_way, binding)
         else:
-            self._apply_full(info, chain, bound)
+            tensors = self.store.load(info.id, list(bound), verify_hash=self.verify_hash)
+            for key, tensor in bound.items():
+                _assign(tensor, Full(tensors[key]))
+            self.stats.bytes_read += full_bytes(chain, list(bound))
+            self.stats.full_loads += 1
         self.held = info
         self._graph, self._binding = graph, binding
         self.left_alone = left_alone
@@ -191,13 +195,6 @@ class Follower:
             return graph
         return None
 
-    def _apply_full(self, info: CheckpointInfo, chain: Sequence[Manifest], bound: Mapping[str, TensorInfo]) -> None:
-        tensors = self.store.load(info.id, list(bound), verify_hash=self.verify_hash)
-        for key, tensor in bound.items():
-            _assign(tensor, Full(tensors[key]))
-        self.stats.bytes_read += full_bytes(chain, list(bound))
-        self.stats.full_loads += 1
-
     def _apply_deltas(
         self, infos: Mapping[str, TensorInfo], manifests: Sequence[Manifest], binding: Mapping[str, str]
     ) -> None:
@@ -212,11 +209,6 @@ class Follower:
             for tensor, update in step:
                 _assign(tensor, update)
         self.stats.bytes_read += nbytes
-
-    def _ignorable(self, name: str) -> bool:
-        if isinstance(self.ignore_missing, bool):
-            return self.ignore_missing
-        return any(part in self.ignore_missing for part in name.split("/"))
 
     def _check(
         self,
@@ -240,8 +232,9 @@ class Follower:
             if shape != info.shape or dtype != info.dtype:
                 at = "" if key == name else f" (as {key})"
                 problems.append(f"{name}: checkpoint has {shape} {dtype}{at}, follower has {info.shape} {info.dtype}")
+        ignore = self.ignore_missing
         for key in updates:
-            if key not in bound and not self._ignorable(key):
+            if key not in bound and not (ignore if isinstance(ignore, bool) else set(key.split("/")) & set(ignore)):
                 problems.append(f"{key}: in checkpoint {cid}, not in the follower (ignore_missing=... to skip it)")
         if problems:
             raise TensorMismatchError(

@@ -37,7 +37,8 @@ class PreemptionHandler:
         self._signals = tuple(signals)
         self._clock = clock
         self._previous: dict[int, Any] = {}
-        self._requested_at: float | None = None
+        #: When the preemption request came, by the handler's clock; ``None`` if none came.
+        self.requested_at: float | None = None
         self._signum: int | None = None
 
     def install(self) -> PreemptionHandler:
@@ -62,17 +63,12 @@ class PreemptionHandler:
         self.uninstall()
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        if self._requested_at is not None:  # second signal: stop waiting, let the default action happen
+        if self.requested_at is not None:  # second signal: stop waiting, let the default action happen
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self._signum = signum
-        self._requested_at = self._clock()
-
-    @property
-    def requested_at(self) -> float | None:
-        """When the preemption request came, by the handler's clock; ``None`` if none came."""
-        return self._requested_at
+        self.requested_at = self._clock()
 
     @property
     def exit_code(self) -> int:
@@ -81,17 +77,17 @@ class PreemptionHandler:
 
     def apply(self, context: SaveContext) -> SaveContext:
         """``context`` with ``preempted_at`` set from this handler (unchanged when no request came)."""
-        if self._requested_at is None or context.preempted_at == self._requested_at:
+        if self.requested_at is None or context.preempted_at == self.requested_at:
             return context
-        return dataclasses.replace(context, preempted_at=self._requested_at)
+        return dataclasses.replace(context, preempted_at=self.requested_at)
 
     def remaining(self) -> float:
         """Seconds left of the grace period (the full grace if no request came yet; never negative)."""
-        if self._requested_at is None:
+        if self.requested_at is None:
             return self.grace
-        return max(0.0, self._requested_at + self.grace - self._clock())
+        return max(0.0, self.requested_at + self.grace - self._clock())
 
     def done(self) -> None:
         """Say the preemption save is restorable (the memory tier has it)."""
-        took = self._clock() - self._requested_at if self._requested_at is not None else 0.0
+        took = self._clock() - self.requested_at if self.requested_at is not None else 0.0
         logger.warning("event=preemption_saved signal=%s seconds=%.3f", self._signum, took)

@@ -117,10 +117,6 @@ def _has_state(obj: Any) -> bool:
         return False
 
 
-def _numpy_dtype(var: Any) -> np.dtype:  # type: ignore[type-arg]
-    return np.dtype(object) if var.dtype == lazy_tf().string else np.dtype(var.dtype.as_numpy_dtype)
-
-
 def gather_variables(root: Any) -> list[tuple[str, Any]]:
     """(checkpoint key, variable-like object) for every variable a ``tf.train.Checkpoint`` of ``root`` saves,
     found by TF's own traversal so that names are exactly the checkpoint keys."""
@@ -160,8 +156,9 @@ def list_tensors(root: Any) -> dict[str, TensorInfo]:
             rows = int(chain[-1].shape[0]) if chain[-1].shape.rank else 1
             shards.append(Shard(chain[-1], offset, rows, tuple(chain)))
             offset += rows
-        shape = tuple(int(d) for d in inner.shape)
-        infos.append(TensorInfo(name, shape, _numpy_dtype(shards[0].var), tuple(shards)))
+        dtype = shards[0].var.dtype
+        dtype = np.dtype(object) if dtype == lazy_tf().string else np.dtype(dtype.as_numpy_dtype)
+        infos.append(TensorInfo(name, tuple(int(d) for d in inner.shape), dtype, tuple(shards)))
     return _mark_aliases(infos)
 
 
