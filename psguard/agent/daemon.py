@@ -224,9 +224,9 @@ class Agent:
             if self.chief is not None:
                 self.chief.start()
             cfg = self.config
-            self.supervisor = Supervisor.from_config(
+            self.supervisor = Supervisor(
                 self.command,
-                cfg.supervisor,
+                config=cfg.supervisor,
                 standby_capable=self._builtin_server,
                 # A trainer run as `python SCRIPT` gets a warm standby too (TensorFlow imported): restarts of a
                 # trainer without a model factory then skip the interpreter start and the import.
@@ -468,10 +468,8 @@ class Agent:
             "healthy": monitor is not None and monitor.healthy,
         }
         if self.chief is not None:
-            tiers = self.chief.readiness()
-            checks["spool"] = tiers.pop("spool")
+            checks.update(self.chief.readiness())  # the spool's, and the persister's with a store
             checks["progress"] = self.hang_watch is None or not self.hang_watch.hung
-            checks.update(tiers)  # the persister's, with a store
         return checks
 
     def status(self) -> dict[str, Any]:

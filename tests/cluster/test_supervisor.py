@@ -349,10 +349,10 @@ def test_restart_policy_loads_from_yaml() -> None:
         loads_yaml(SupervisorConfig, "crash_loop_limt: 3\n")
     with pytest.raises(ConfigError, match="backoff_max"):
         loads_yaml(SupervisorConfig, "backoff_initial: 10s\nbackoff_max: 1s\n")
-    s = Supervisor.from_config(["true"], config, name="x", standby_capable=True)
+    s = Supervisor(["true"], config=config, name="x", standby_capable=True)
     assert s.config == config and s.name == "x"
     # The config says whether to keep a standby where one can be used; an arbitrary command cannot use one.
-    assert not Supervisor.from_config(["true"], config).config.standby
+    assert not Supervisor(["true"], config=config).config.standby
 
 
 _AGENT = """
@@ -439,7 +439,7 @@ def test_a_restart_swaps_in_the_warm_standby_and_a_new_one_follows(
     supervisors: list[Supervisor], events: Events, tmp_path: Path
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2,
+    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_capable=True, standby_delay=0.2,
              standby_delay_after_restart=1.5, on_event=events)  # fmt: skip
     s.start()
     first = s.pid
@@ -474,7 +474,8 @@ def test_a_dead_standby_means_a_cold_start_not_a_failure(
     supervisors: list[Supervisor], events: Events, tmp_path: Path
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2, on_event=events)
+    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_capable=True, standby_delay=0.2,
+             on_event=events)  # fmt: skip
     s.start()
     s.mark_healthy()
     wait_until(lambda: s.status().standby_pid is not None, what="standby started")
@@ -495,7 +496,8 @@ def test_a_run_nobody_declares_healthy_still_gets_its_standby(
     ``STANDBY_UNDECLARED_AFTER`` after the start (shortened here), then ``standby_delay``."""
     monkeypatch.setattr(supervisor_module, "STANDBY_UNDECLARED_AFTER", 1.0)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_delay=0.2, on_event=events)
+    s = make(supervisors, standby_cmd(tmp_path), env=env, standby=True, standby_capable=True, standby_delay=0.2,
+             on_event=events)  # fmt: skip
     s.start()
     started = time.monotonic()
     wait_until(lambda: s.status().standby_pid is not None, what="standby started")
@@ -504,9 +506,9 @@ def test_a_run_nobody_declares_healthy_still_gets_its_standby(
 
 def test_no_standby_for_commands_not_known_to_honour_it() -> None:
     config = SupervisorConfig(standby=True)
-    assert Supervisor.from_config(["true"], config)._standby is None
-    assert Supervisor.from_config(["true"], config, standby_capable=True)._standby is not None
-    assert Supervisor.from_config(["true"], SupervisorConfig(standby=False), standby_capable=True)._standby is None
+    assert Supervisor(["true"], config=config)._standby is None
+    assert Supervisor(["true"], config=config, standby_capable=True)._standby is not None
+    assert Supervisor(["true"], config=SupervisorConfig(standby=False), standby_capable=True)._standby is None
 
 
 # A user's trainer script, unmodified: it records what a warm start must give it exactly as a cold one does.

@@ -99,7 +99,8 @@ class Supervisor:
     the first process runs, :meth:`result` waits for the end (the last exit code, or raises what ended it),
     :meth:`stop` may be called at any time. ``env``: the task's whole environment (``None``: this process's);
     ``on_event`` gets every :class:`SupervisorEvent` on the supervisor's thread (its exceptions are logged). The
-    restart policy is ``config`` (default: no standby) with the fields given as keywords replaced.
+    restart policy is ``config`` (default: no standby) with the fields given as keywords replaced; its standby only
+    for a ``standby_capable`` command (one that honours :mod:`psguard.agent.process.standby`) or a ``standby_cmd``.
     """
 
     def __init__(
@@ -115,6 +116,7 @@ class Supervisor:
         log_max_bytes: int = 100 * 2**20,
         log_keep: int = 3,
         standby_cmd: Sequence[str] | None = None,
+        standby_capable: bool = False,
         record: str | os.PathLike[str] | None = None,
         subreaper: bool = False,
         **policy: Any,
@@ -122,7 +124,8 @@ class Supervisor:
         if not cmd:
             raise ValueError("Supervisor needs a command to run")
         # Validated with the same messages a config file would get.
-        self.config = replace(config or SupervisorConfig(standby=False), **policy)
+        config = replace(config or SupervisorConfig(standby=False), **policy)
+        self.config = replace(config, standby=config.standby and (standby_capable or standby_cmd is not None))
         self.cmd = tuple(cmd)
         self.name = name or Path(self.cmd[0]).name
         self._env = dict(env) if env is not None else None
@@ -163,15 +166,6 @@ class Supervisor:
         self._last_reason = ""
         self._crashes: collections.deque[tuple[float, int]] = collections.deque()
         self._backoff = self.config.backoff_initial
-
-    @classmethod
-    def from_config(
-        cls, cmd: Sequence[str], config: SupervisorConfig, *, standby_capable: bool = False, **kwargs: Any
-    ) -> Supervisor:
-        """A supervisor with the policy from a config file. ``standby_capable``: the command honours
-        :mod:`psguard.agent.process.standby`, so ``config.standby`` may apply (as it does with a ``standby_cmd``)."""
-        standby = config.standby and (standby_capable or kwargs.get("standby_cmd") is not None)
-        return cls(cmd, config=replace(config, standby=standby), **kwargs)
 
     # ------------------------------------------------------------------------------------------ control
 
