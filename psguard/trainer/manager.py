@@ -194,8 +194,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         self._retention_arg = _retention_of(max_to_keep, keep_checkpoint_every_n_hours, opts.retention)
         if checkpoint_interval is not None and step_counter is None:
             raise ConfigError("checkpoint_interval counts steps of step_counter: pass step_counter= too (as TF's)")
-        self._checkpoint = checkpoint
-        self._directory = str(directory)
+        self._checkpoint, self._directory = checkpoint, str(directory)
         #: Which sink this manager uses and why (``repr`` shows it); chosen before the store is opened.
         self.sink: SinkChoice = choose_sink(sink, opts.spool, self._directory)
         self.checkpoint_name = checkpoint_name
@@ -238,20 +237,16 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
             agent_alive=self._sink.spool.agent_alive if isinstance(self._sink, AgentSink) else None,
             cancel=lambda: self._preemption is not None and self._preemption.requested_at is not None,
         )
-        self.last_hold_seconds = 0.0
+        self.last_hold_seconds = self.last_stall_seconds = 0.0
         #: What the user set (``None``: the writer's default, NEW_BASE_AFTER or the agent's ``max_chain``).
         self._new_base_after = opts.new_base_after
         self._sink.set_new_base_after(opts.new_base_after)
-        self._hang_arg = opts.hang
         self._summaries = Summaries(opts.summaries) if opts.summaries is not None else None
         self._steps = _StepClock()
         if self._sink.supervised:
-            # A hung trainer's agent asks for every thread's stack before it restarts it (the task log shows
-            # where it was stuck). Only under an agent: a plain script keeps its own signal handling.
+            # A hung trainer's agent asks for every thread's stack (to the task log) before it restarts it.
             faulthandler.register(HANG_DUMP_SIGNAL, all_threads=True, chain=False)
-        self.last_stall_seconds = 0.0
-        # tf.train.Checkpoint creates save_counter lazily on its first save; create it now so it is part of
-        # every capture (and of exports), and number saves by it as TF's manager does.
+        # Made now (tf.train.Checkpoint makes it at its first save): in every capture, numbering saves as TF's.
         self._save_counter = getattr(checkpoint, "save_counter", None)
         self._closed = False
         self._tf_restore, self._restore_before = hook_restore(self)
@@ -553,8 +548,8 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
     @property
     def hang(self) -> HangSpec:
         """When the agent declares this trainer hung (a watched policy file's current ``hang:``)."""
-        if self._hang_arg is not None:
-            return self._hang_arg
+        if self.options.hang is not None:
+            return self.options.hang
         spec = self._policy.spec
         return spec.hang if spec is not None else HangSpec()
 
