@@ -25,6 +25,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -475,8 +476,8 @@ class Agent:
     def status(self) -> dict[str, Any]:
         sup, monitor = self.supervisor, self.monitor
         # Before the supervisor exists (the chief's agent serves while it waits for its store) its task is idle.
-        sup_status = sup.status().to_dict() if sup is not None else {"state": SupervisorState.IDLE.value}
-        mon = monitor.status().to_dict() if monitor is not None else {}
+        sup_status = asdict(sup.status()) if sup is not None else {"state": SupervisorState.IDLE.value}
+        mon = asdict(monitor.status()) if monitor is not None else {}
         ready = self.readiness()
         doc: dict[str, Any] = {
             "role": self.role,
@@ -496,7 +497,7 @@ class Agent:
             "ready": all(ready.values()),
             "checks": ready,
             "peers": [
-                {"url": url, **m.status().to_dict()} for url, m in zip(self.peers, self.peer_monitors, strict=False)
+                {"url": url, **asdict(m.status())} for url, m in zip(self.peers, self.peer_monitors, strict=False)
             ],
             "generation": self.peer_sync.generation,
             "last_generation": self.peer_sync.last,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import enum
 import signal
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Annotated
 
 from psguard.config import Check, Duration, validate
@@ -72,9 +72,6 @@ class SupervisorStatus:
     last_reason: str
     standby_pid: int | None = None  # the warm standby waiting to replace the task (psguard.agent.process.standby)
     standby_ready: bool = False  # ... and it has imported what it needs: swapping it in is quick
-
-    def to_dict(self) -> dict[str, object]:
-        return asdict(self)
 
 
 #: A setting that must be above zero (the agent's ``supervisor:`` and ``probe:`` sections).

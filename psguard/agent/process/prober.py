@@ -30,7 +30,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from types import TracebackType
 from typing import TYPE_CHECKING, Annotated, Any, Protocol
 
@@ -293,12 +293,7 @@ class MonitorStatus:
     consecutive_failures: int
     rounds: int
     unhealthy_count: int  # how many times on_unhealthy fired
-    last_results: tuple[ProbeResult, ...] = field(default_factory=tuple)
-
-    def to_dict(self) -> dict[str, object]:
-        doc = asdict(self)
-        doc["probes"] = doc.pop("last_results")
-        return doc
+    probes: tuple[ProbeResult, ...] = field(default_factory=tuple)  # the last round's results
 
 
 @dataclass(frozen=True)
@@ -425,7 +420,7 @@ class HealthMonitor:
                 consecutive_failures=self._failures,
                 rounds=self._rounds,
                 unhealthy_count=self._unhealthy_count,
-                last_results=self._last,
+                probes=self._last,
             )
 
     def __enter__(self) -> Self:
