@@ -134,9 +134,6 @@ class Recovery:
         sup = self._supervisor()
         if sup is not None:
             sup.mark_healthy()
-        self.recovered()
-
-    def recovered(self) -> None:
         with self._lock:
             began, self._failure_at = self._failure_at, None
         if began is not None:

@@ -98,11 +98,7 @@ def task_env(
 
 def task_record(config: AgentConfig, task: str) -> Path:
     """The file in which the supervisor records the task's process tree (one per task on a host)."""
-    folder = (
-        Path(config.state_dir)
-        if config.state_dir
-        else default_spool_dir(config.job).with_name(f"psguard-{config.job}-agents")
-    )
+    folder = Path(config.state_dir or default_spool_dir(config.job).with_name(f"psguard-{config.job}-agents"))
     return folder / f"{re.sub(r'[^A-Za-z0-9_.-]', '_', task)}.task.json"
 
 
