@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from psguard.agent.control.httpd import RequestError
 from psguard.agent.control.metrics import AgentMetrics
 from psguard.agent.control.peers import PeerSync
 from psguard.agent.process.hang import Hang
@@ -235,14 +234,3 @@ class Recovery:
                 "hangs": self._hangs,
                 "last_hang": self._last_hang,
             }
-
-
-def shards_mapped(value: Any) -> tuple[int, int] | None:
-    """``POST /recovery``'s ``shards_mapped`` ([mapped, loaded], two integers, mapped <= loaded), or None when
-    absent; :class:`RequestError` (400) for anything else."""
-    if value is None:
-        return None
-    ok = isinstance(value, list) and len(value) == 2 and all(type(v) is int and v >= 0 for v in value)
-    if not ok or value[0] > value[1]:
-        raise RequestError(400, f'"shards_mapped": expected [mapped, loaded], integers, got {value!r}')
-    return int(value[0]), int(value[1])

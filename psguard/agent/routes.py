@@ -10,7 +10,7 @@ from typing import Any
 
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
 from psguard.agent.process.supervisor import Supervisor
-from psguard.agent.recovery import Recovery, shards_mapped
+from psguard.agent.recovery import Recovery
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,11 @@ class Routes:
             raise RequestError(400, 'expected {"lost_steps": N} or {"restored_step": N, "seen_step": M}')
         timed = float(sec) if isinstance(sec := body.get("seconds"), int | float) and sec >= 0 else None
         source = str(src)[:40] if isinstance(src := body.get("source"), str) else None
-        mapped = shards_mapped(body.get("shards_mapped"))  # 400 for a malformed one
+        mapped = body.get("shards_mapped")  # [mapped, loaded]: of the shard files the PS nodes loaded
+        ints = isinstance(mapped, list) and len(mapped) == 2 and all(type(v) is int for v in mapped)
+        if mapped is not None and not (ints and 0 <= mapped[0] <= mapped[1]):
+            raise RequestError(400, f'"shards_mapped": expected [mapped, loaded], integers, got {mapped!r}')
+        mapped = None if mapped is None else (mapped[0], mapped[1])
         if self.recovery.recovery_reported(lost, restored, seen, timed, source=source, mapped=mapped) is None:
             return Response(200, {"ok": True, "lost_steps": None})
         return Response(200, {"ok": True})
