@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from psguard.agent.tiers.memory_tier import MemoryTier
+from psguard.agent.tiers.spool_restores import RestoreAnswers
 from psguard.agent.tiers.spool_server import SpoolServer
 from psguard.handoff.spool import Capture, SpoolPaths
 from psguard.tensors import Full, TensorUpdate
@@ -68,6 +69,7 @@ def test_an_export_ahead_for_some_ps_only_is_no_answer_for_a_restore(
     assert tier.apply(whole(1), step=7, token="t7", parent=None).ok
     shards.active = ("ps:0", "ps:1")
     srv = SpoolServer(paths.root, tier, shards=shards).start(watch=False)  # type: ignore[arg-type]
+    assert isinstance(srv, RestoreAnswers)  # the spool server's restore half, driven here by itself
     monkeypatch.setattr(srv, "_writer_alive", lambda _: True)  # the request's writer is no process here
     try:
         ahead = srv.export_ahead(only=["ps:1"])
