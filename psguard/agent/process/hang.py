@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from psguard.agent.process.reaper import stat_fields
+from psguard.agent.process.reaper import descendants
 from psguard.errors import PsguardError
 from psguard.handoff.contract import HANG_DUMP_SIGNAL
 from psguard.local_files import read_regular
@@ -36,18 +36,6 @@ class Hang:
     bound: float
     pid: int | None
     stacks_requested: bool
-
-
-def _descends_from(pid: int, ancestor: int) -> bool:
-    """Whether ``pid`` is ``ancestor`` or one of its descendants (read from /proc; False when unknown)."""
-    for _ in range(65):
-        if pid == ancestor:
-            return True
-        fields = stat_fields(pid)  # state, then ppid
-        if pid <= 1 or fields is None or len(fields) < 2:
-            return False
-        pid = int(fields[1])
-    return False
 
 
 class HangWatch:
@@ -164,7 +152,7 @@ class HangWatch:
     def _dump_stacks(self, pid: int | None) -> bool:
         """Ask the trainer for its stacks, only if ``pid`` is really the process this agent supervises."""
         task = self._task_pid()
-        if pid is None or task is None or not _descends_from(pid, task):
+        if pid is None or task is None or (pid != task and pid not in descendants(task)):
             return False
         try:
             os.kill(pid, HANG_DUMP_SIGNAL)
