@@ -40,6 +40,7 @@ from psguard.store.manifest import (
     ChunkRef,
     Manifest,
     Part,
+    PartEncoding,
     TensorEntry,
     check_tensor_name,
     chunk_key,
@@ -190,22 +191,9 @@ class Writer(IndexJob):
             raise ParentMissingError(f"{what}: checkpoint {dedup_against} to deduplicate against is gone")
         known = self.known_chunks(dedup_against) if dedup_against is not None else set()
         writer = ChunkWriter(self.backend, self.pool, inflight_bytes=self.inflight_bytes, known=known)
-        if isinstance(update, Full | FullStream):
-            futs = (
-                writer.submit_tensor(update.value, self.chunk_bytes)
-                if isinstance(update, Full)
-                else writer.submit_stream(update, self.chunk_bytes)
-            )
-            writer.wait()
-            part = Part(offset, rows, "full", chunks=tuple(f.result() for f in futs))
-        elif isinstance(update, Rows):
-            ids = _checked_ids(update.ids, rows, f"{what}: row ids must be sorted, unique and within the shard's")
-            segs = writer.submit_rows(ids, update.values, self.chunk_bytes)
-            writer.wait()
-            part = Part(offset, rows, "rows", segments=tuple(f.result() for f in segs))
-        else:
-            part = Part(offset, rows, "same")
-        doc = part.to_json()
+        enc, futs = self._submit(writer, update, rows, f"{what}: row ids must be sorted, unique and within the shard's")
+        writer.wait()
+        doc = Part(offset, rows, enc, **_payload(enc, futs)).to_json()
         doc.update(
             dtype=dtype_name(dtype),
             shape=list(shape),
@@ -215,25 +203,33 @@ class Writer(IndexJob):
 
     def encode(
         self, name: str, update: TensorUpdate | FullStream, parent: Manifest | None, writer: ChunkWriter
-    ) -> tuple[str, tuple[int, ...], str, list[Future[Any]]]:
+    ) -> tuple[str, tuple[int, ...], PartEncoding, list[Future[Any]]]:
         check_tensor_name(name)
+        described = update.value if isinstance(update, Full) else update
+        dtype = _storable(name, dtype_name(np.dtype(described.dtype)))
+        shape = tuple(int(x) for x in described.shape)
+        if isinstance(update, Rows | Same):
+            kind = type(update).__name__
+            if parent is None:
+                raise ConfigError(f"tensor {name!r}: a full checkpoint needs whole tensors, got {kind}")
+            _check_fits(parent, name, dtype, shape, f"a {kind} update", "; save it whole")
+            if isinstance(update, Rows) and dtype == STRING:
+                raise ConfigError(f"tensor {name!r}: string tensors are saved whole, not by rows")
+        ids_error = f"tensor {name!r}: row ids must be sorted, unique and within"
+        return dtype, shape, *self._submit(writer, update, shape[0] if shape else 0, ids_error)
+
+    def _submit(
+        self, writer: ChunkWriter, update: TensorUpdate | FullStream, rows: int, ids_error: str
+    ) -> tuple[PartEncoding, list[Future[Any]]]:
+        """Hand ``update``'s chunks to ``writer``: its encoding and the futures of its chunks (or segments)."""
         if isinstance(update, FullStream):
-            dtype = _storable(name, dtype_name(update.dtype))
-            return dtype, update.shape, "full", writer.submit_stream(update, self.chunk_bytes)
+            return "full", list(writer.submit_stream(update, self.chunk_bytes))
         if isinstance(update, Full):
-            dtype = _storable(name, dtype_name(update.value.dtype))
-            return dtype, tuple(update.value.shape), "full", writer.submit_tensor(update.value, self.chunk_bytes)
-        if parent is None:
-            raise ConfigError(f"tensor {name!r}: a full checkpoint needs whole tensors, got {type(update).__name__}")
-        dtype = _storable(name, dtype_name(np.dtype(update.dtype)))
-        shape = tuple(int(x) for x in update.shape)
-        _check_fits(parent, name, dtype, shape, f"a {type(update).__name__} update", "; save it whole")
+            return "full", list(writer.submit_tensor(update.value, self.chunk_bytes))
         if isinstance(update, Same):
-            return dtype, shape, "same", []
-        if dtype == STRING:
-            raise ConfigError(f"tensor {name!r}: string tensors are saved whole, not by rows")
-        ids = _checked_ids(update.ids, shape[0], f"tensor {name!r}: row ids must be sorted, unique and within")
-        return dtype, shape, "rows", list(writer.submit_rows(ids, update.values, self.chunk_bytes))
+            return "same", []
+        ids = _checked_ids(update.ids, rows, ids_error)
+        return "rows", list(writer.submit_rows(ids, update.values, self.chunk_bytes))
 
     def known_chunks(self, parent: str) -> set[str]:
         """The hashes of every chunk of ``parent``'s chain: what a save on it need not upload again."""
@@ -388,7 +384,7 @@ class SaveTransaction:
         sharded, part_stats = self._sharded_entries(parts)
         self._check_chunks_present(sharded)
         writer = ChunkWriter(owner.backend, owner.pool, inflight_bytes=owner.inflight_bytes, known=self._known)
-        pending: dict[str, tuple[str, tuple[int, ...], str, list[Future[Any]]]] = {}
+        pending: dict[str, tuple[str, tuple[int, ...], PartEncoding, list[Future[Any]]]] = {}
         logical = sum(logical_nbytes(e.dtype, e.shape) for e in sharded.values())
         for name, update in tensors.items():
             if isinstance(update, np.ndarray):
@@ -404,15 +400,9 @@ class SaveTransaction:
         writer.wait()
         entries: dict[str, TensorEntry] = {}
         for name, (dtype, shape, enc, futs) in pending.items():
-            results = [f.result() for f in futs]
-            if enc == "full":
-                entries[name] = TensorEntry(dtype, shape, "full", chunks=tuple(results))
-                if dtype == STRING:
-                    logical += sum(r.size for r in results)
-            elif enc == "rows":
-                entries[name] = TensorEntry(dtype, shape, "rows", segments=tuple(results))
-            else:
-                entries[name] = TensorEntry(dtype, shape, "same")
+            entries[name] = TensorEntry(dtype, shape, enc, **_payload(enc, futs))
+            if enc == "full" and dtype == STRING:
+                logical += sum(r.size for r in entries[name].chunks)
         entries.update(sharded)
         stats = {"logical_bytes": logical, **{k: getattr(writer.stats, k) + part_stats[k] for k in _STAT_KEYS}}
         manifest = Manifest(
@@ -509,6 +499,12 @@ def _check_fits(parent: Manifest, name: str, dtype: str, shape: tuple[int, ...],
     if prev is None or (prev.dtype, prev.shape) != (dtype, shape):
         was = f"{prev.dtype}{list(prev.shape)}" if prev else "absent"
         raise ConfigError(f"tensor {name!r}: {what} of {dtype}{list(shape)} cannot apply to the parent's ({was}){fix}")
+
+
+def _payload(encoding: str, futures: Sequence[Future[Any]]) -> dict[str, Any]:
+    """The chunks of a ``full`` entry or part, or the segments of a ``rows`` one, from their uploads' futures."""
+    results = tuple(f.result() for f in futures)
+    return {"full": {"chunks": results}, "rows": {"segments": results}}.get(encoding, {})
 
 
 def _checked_ids(ids: np.ndarray, rows: int, message: str) -> np.ndarray:
