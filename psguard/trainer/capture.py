@@ -386,7 +386,15 @@ class Capturer:
         optimizers, other = find_optimizers(self.root) if self.track_writes else ([], True)
         hooked = bool(optimizers) and not other
         new_hooks = False
-        groups = self._slot_groups(infos, optimizers) if hooked else []
+        # (update key, variable shard, its slot shards) of every shard a zero-preserving optimizer updates
+        # (write_tracking.slot_groups), innermost variables, the optimizer's update hooked.
+        candidates = [s.var for info in infos.values() if info.alias_of is None for s in info.shards]
+        groups = [
+            (key, unwrap(var), [unwrap(x) for x in members])
+            for opt, _ in (optimizers if hooked else [])
+            if update_hook(opt)
+            for key, var, members in slot_groups(opt, candidates)
+        ]
         slots = {id(slot) for _, _, members in groups for slot in members}
         tracked: dict[str, _Tracked] = {}
         for name, info in infos.items():
@@ -431,22 +439,6 @@ class Capturer:
                     hook.counters.add(self._counter)
         self.layout_version += 1
         self._build_functions()
-
-    @staticmethod
-    def _slot_groups(
-        infos: Mapping[str, TensorInfo], optimizers: list[tuple[Any, str]]
-    ) -> list[tuple[tuple[int, Any], Any, list[Any]]]:
-        """(update key, variable shard, its slot shards) of every shard updated by a zero-preserving optimizer
-        (:func:`~psguard.trainer.write_tracking.slot_groups`), innermost variables, with the hook installed."""
-        candidates = [s.var for info in infos.values() if info.alias_of is None for s in info.shards]
-        out = []
-        for opt, _ in optimizers:
-            if update_hook(opt):
-                out += [
-                    (key, unwrap(var), [unwrap(x) for x in members])
-                    for key, var, members in slot_groups(opt, candidates)
-                ]
-        return out
 
     @staticmethod
     def _link_groups(tracked: Mapping[str, _Tracked], groups: list[tuple[tuple[int, Any], Any, list[Any]]]) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from psguard.handoff.tensor_bundle import BUNDLE_KEY
 from psguard.trainer.export import OBJECT_GRAPH_KEY
-from psguard.trainer.variables import VARIABLE_SUFFIX, gather_variables, lazy_tf, list_tensors, unwrap
+from psguard.trainer.variables import VARIABLE_SUFFIX, gather_variables, graph_objects, lazy_tf, list_tensors, unwrap
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class ShardedSlots:
             return
         objects = dict(gather_variables(root))
         infos = list_tensors(root)
-        optimizers = _objects_by_path(root)
+        optimizers = {path: obj for obj, path in graph_objects(root)}
         keys = set()
         for key, m in slots.items():
             var_key = m["var"] + VARIABLE_SUFFIX
@@ -156,15 +156,6 @@ def _slot_key_function(optimizer: Any) -> Any:
         if callable(fn):
             return fn
     return None
-
-
-def _objects_by_path(root: Any) -> dict[str, Any]:
-    """Every trackable under ``root`` by its path in the checkpoint's object graph (``optimizer``, ...)."""
-    from tensorflow.python.checkpoint import graph_view, util
-
-    view = graph_view.ObjectGraphView(root)
-    objects, _, _, _, names = util.objects_ids_and_slot_variables_and_paths(view)
-    return {names[obj]: obj for obj in objects}
 
 
 class RestoreStatus:

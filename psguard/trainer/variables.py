@@ -117,18 +117,21 @@ def _has_state(obj: Any) -> bool:
         return False
 
 
+def graph_objects(root: Any) -> list[tuple[Any, str]]:
+    """Every trackable under ``root`` and its path in the checkpoint's object graph, by TF's own traversal."""
+    from tensorflow.python.checkpoint import graph_view, util
+
+    objects, _, _, _, names = util.objects_ids_and_slot_variables_and_paths(graph_view.ObjectGraphView(root))
+    return [(obj, names[obj]) for obj in objects]
+
+
 def gather_variables(root: Any) -> list[tuple[str, Any]]:
     """(checkpoint key, variable-like object) for every variable a ``tf.train.Checkpoint`` of ``root`` saves,
     found by TF's own traversal so that names are exactly the checkpoint keys."""
-    from tensorflow.python.checkpoint import graph_view, util
-
-    view = graph_view.ObjectGraphView(root)
-    objects, _, _, _, names = util.objects_ids_and_slot_variables_and_paths(view)
     found: list[tuple[str, Any]] = []
     unsupported: list[str] = []
     tf = lazy_tf()
-    for obj in objects:
-        name = names[obj]
+    for obj, name in graph_objects(root):
         if _is_sharded(obj) or isinstance(obj, tf.Variable) or _keras3_inner(obj) is not None:
             found.append((name + VARIABLE_SUFFIX, obj))
         elif _has_state(obj):

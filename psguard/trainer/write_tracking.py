@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from psguard.trainer.variables import Shard, lazy_tf
+from psguard.trainer.variables import Shard, graph_objects, lazy_tf
 
 log = logging.getLogger(__name__)
 
@@ -277,12 +277,9 @@ def _apply_method(obj: Any) -> str | None:
 
 def find_optimizers(root: Any) -> tuple[list[tuple[Any, str]], bool]:
     """(optimizers that can be hooked, with their apply method), and whether ``root`` holds any other one."""
-    from tensorflow.python.checkpoint import graph_view, util
-
-    objects = util.objects_ids_and_slot_variables_and_paths(graph_view.ObjectGraphView(root))[0]
     known: list[tuple[Any, str]] = []
     other = False
-    for obj in objects:
+    for obj, _ in graph_objects(root):
         if not (hasattr(obj, "apply_gradients") or hasattr(obj, "apply")) or not hasattr(obj, "iterations"):
             continue
         method = _apply_method(obj)
