@@ -66,19 +66,7 @@ class _Stop(BaseException):
     """SIGTERM: unwind through the ``finally`` blocks that stop every agent, as Ctrl-C does."""
 
 
-def _terminate(proc: subprocess.Popen[Any], timeout: float, hurry: threading.Event) -> None:
-    """SIGTERM, then SIGKILL to its whole session after ``timeout`` or as soon as ``hurry`` is set."""
-    deadline = time.monotonic() + timeout
-    while proc.poll() is None and time.monotonic() < deadline and not hurry.is_set():
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(_POLL)
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the agent and whatever it left in its session
-        proc.wait()
-
-
-def _stop_all(chief: subprocess.Popen[bytes] | None, servers: Sequence[subprocess.Popen[Any]]) -> None:
+def _stop_all(chief: AgentProcess | None, servers: Sequence[AgentProcess]) -> None:
     """Stop the chief's agent (it stops the trainer and drains the durable log), then every server agent.
 
     A second Ctrl-C or SIGTERM while this runs does not abandon the agents (they run in their own sessions and
@@ -90,14 +78,13 @@ def _stop_all(chief: subprocess.Popen[bytes] | None, servers: Sequence[subproces
         with contextlib.suppress(ValueError):  # not the main thread: no second signal to handle
             previous[sig] = signal.signal(sig, lambda *_: hurry.set())
     try:
-        if chief is not None and chief.poll() is None:
-            chief.send_signal(signal.SIGTERM)
-            _terminate(chief, 180.0, hurry)  # the agent's persister.drain_timeout is 120 s by default
-        for proc in servers:  # all at once: each agent takes a second or two to stop its server
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in servers:
-            _terminate(proc, 60.0, hurry)
+        if chief is not None:
+            chief.stop(180.0, hurry)  # the agent's persister.drain_timeout is 120 s by default
+        for agent in servers:  # all at once: each agent takes a second or two to stop its server
+            if agent.proc.poll() is None:
+                agent.proc.send_signal(signal.SIGTERM)
+        for agent in servers:
+            agent.stop(60.0, hurry)  # and closes its log
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
@@ -153,9 +140,7 @@ def run(command: Sequence[str], args: argparse.Namespace) -> int:
             )
         return 0 if code == 0 else 1
     finally:
-        _stop_all(chief.proc if chief is not None else None, [agent.proc for agent in servers])
-        for agent in servers:
-            agent.stop()  # already exited: closes its log
+        _stop_all(chief, servers)
         if token is not None:
             token.remove()
         drop_memory_folders(in_memory)

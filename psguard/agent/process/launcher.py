@@ -4,12 +4,14 @@ restarted after it was killed keeps its HTTP port, so the chief's agent finds it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -146,14 +148,18 @@ class AgentProcess:
             raise LaunchError(f"agent {self.name}: /status answered HTTP {code}")
         return doc
 
-    def stop(self, timeout: float = 60.0) -> None:
+    def stop(self, timeout: float = 60.0, hurry: threading.Event | None = None) -> None:
+        """SIGTERM, then SIGKILL to its whole session after ``timeout`` or as soon as ``hurry`` is set."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline and not (hurry and hurry.is_set()):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(0.1)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)  # the agent and whatever it left in its session
-                self.proc.wait()
+            self.proc.wait()
         if self._log is not None and not self._log.closed:
             self._log.close()
 
