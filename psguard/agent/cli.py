@@ -88,8 +88,7 @@ def resolve_task(args: argparse.Namespace, environ: Mapping[str, str]) -> tuple[
 def main(args: argparse.Namespace) -> int:
     """``psguard agent``: returns 0 when the task completed or the agent was stopped; raises on a crash loop."""
     command = list(args.command or [])
-    if command and command[0] == "--":
-        command = command[1:]
+    command = command[1:] if command[:1] == ["--"] else command
     config = load_yaml(AgentConfig, args.config) if args.config else AgentConfig()
     # The flags over the file: each http: key's flag has its name (but --http-port); a key without a flag is None.
     flags = {f.name: getattr(args, "http_port" if f.name == "port" else f.name, None) for f in fields(HttpConfig)}

@@ -118,8 +118,7 @@ class PeerLink:
         return self._read(f"{url}/peer-copy/stripe", body, timeout)
 
     def _read(self, url: str, body: Mapping[str, Any], timeout: float) -> tuple[dict[str, Any], list[np.ndarray]]:
-        # lazy: as in serve_shards
-        from psguard.agent.tiers.copy_frames import decode_frame
+        from psguard.agent.tiers.copy_frames import decode_frame  # lazy: as in serve_shards
 
         return decode_frame(self._post(url, body, timeout))
 

@@ -296,16 +296,14 @@ class Agent:
             # whose path the task gets (PSGUARD_AGENT_TOKEN_FILE); removed at stop().
             self._made_token = create_token_file()
             self._token, self._token_file = self._made_token.token, str(self._made_token.path)
+        if cfg.jwt_secret_file is not None and cfg.jwt_public_key is not None:
+            raise ConfigError("--jwt-secret-file (HS256) and --jwt-public-key (RS256/ES256): give one")
+        audience = cfg.jwt_audience or ""  # refused by JwtAuth: tokens for another service must not work here
         auth: list[Authenticator] = []
-        if cfg.jwt_secret_file is not None or cfg.jwt_public_key is not None:
-            if cfg.jwt_secret_file is not None and cfg.jwt_public_key is not None:
-                raise ConfigError("--jwt-secret-file (HS256) and --jwt-public-key (RS256/ES256): give one")
-            audience = cfg.jwt_audience or ""  # refused by JwtAuth: tokens for another service must not work here
-            auth.append(
-                JwtAuth.from_secret_file(cfg.jwt_secret_file, audience)
-                if cfg.jwt_secret_file is not None
-                else JwtAuth.from_public_key_file(str(cfg.jwt_public_key), audience)
-            )
+        if cfg.jwt_secret_file is not None:
+            auth.append(JwtAuth.from_secret_file(cfg.jwt_secret_file, audience))
+        elif cfg.jwt_public_key is not None:
+            auth.append(JwtAuth.from_public_key_file(cfg.jwt_public_key, audience))
         tls = server_context(cfg.tls_cert, cfg.tls_key, cfg.tls_ca) if cfg.tls_cert and cfg.tls_key else None
         self.http = AgentHTTPServer(
             host=cfg.bind,

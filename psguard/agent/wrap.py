@@ -222,8 +222,7 @@ def _replace(agent: AgentProcess, limit: int) -> None:
 
 def main(args: argparse.Namespace) -> int:
     command = list(args.command or [])
-    if command and command[0] == "--":
-        command = command[1:]
+    command = command[1:] if command[:1] == ["--"] else command
 
     def on_sigterm(*_: object) -> None:
         raise _Stop
