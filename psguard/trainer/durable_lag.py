@@ -100,7 +100,13 @@ class LagGuard:
                     if not failing:
                         _say_failing(handle.step, retrying)
                     break
-                if (why := self._stop_waiting()) is not None:
+                # The answer cannot come, or must not be waited for any more.
+                why = None
+                if self._cancel is not None and self._cancel():
+                    why = "the job is being preempted: its grace period is for the preemption save"
+                elif self._agent_alive is not None and not self._agent_alive():
+                    why = "no agent holds the spool any more, so the durable answer cannot come"
+                if why is not None:
                     log.warning(
                         "event=durable_hold_ended step=%d waiting_for=%d: %s; training goes on", step, handle.step, why
                     )
@@ -119,14 +125,6 @@ class LagGuard:
         held = self._clock() - began if began is not None else 0.0
         self._held += held
         return held
-
-    def _stop_waiting(self) -> str | None:
-        """Why the answer waited for cannot come, or must not be waited for any more (``None``: keep waiting)."""
-        if self._cancel is not None and self._cancel():
-            return "the job is being preempted: its grace period is for the preemption save"
-        if self._agent_alive is not None and not self._agent_alive():
-            return "no agent holds the spool any more, so the durable answer cannot come"
-        return None
 
     def _settle(self) -> tuple[SaveHandle, float] | None:
         """Drop the captures whose durable answer is in (noting the last success or failure); the oldest left."""

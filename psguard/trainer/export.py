@@ -104,9 +104,6 @@ class ExportFolder:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def prefix(self, name: str) -> str:
-        return str(self.local / name) if self.local is not None else f"{self.url}/{name}"
-
     def listed(self) -> list[tuple[str, float | None]]:
         """The checkpoints the state file lists, oldest first, with their timestamps (``None``: none for them)."""
         state = _state(self.backend)
@@ -151,7 +148,7 @@ class ExportFolder:
         dropped -= {_basename(p) for p in state.all_model_checkpoint_paths}
         if dropped:  # only once the state file no longer names them
             self._delete(lambda key: _checkpoint_of(key) in dropped)
-        return self.prefix(name)
+        return str(self.local / name) if self.local is not None else f"{self.url}/{name}"
 
     def remove_unlisted(self, prefix_name: str) -> list[str]:
         """Delete the files of checkpoints ``<prefix_name>-<step>`` the state file does not list (what a killed

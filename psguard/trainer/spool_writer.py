@@ -272,7 +272,13 @@ class SpoolWriter:
                     "this delta has no parent state: send a whole capture first (capture(full=True)), or set "
                     "writer.parent to the token of the state the trainer restored"
                 )
-            self._check_space(capture, self._last_seq + 1)
+            need, st = payload_bytes(capture), os.statvfs(self._paths.incoming)
+            if need > (free := st.f_bavail * st.f_frsize):
+                raise StorageError(
+                    f"spool {self.root} has {free / 1e6:.1f} MB free, capture seq {self._last_seq + 1} (step "
+                    f"{capture.step}) needs {need / 1e6:.1f} MB: not handed off. Enlarge the tmpfs (docker "
+                    "--shm-size, a bigger emptyDir medium: Memory limit) or point the spool elsewhere"
+                )
             seq = self._reserve_seq()
             token = f"{self.generation}-{seq}"
             tmp = self._paths.incoming / f"{seq}.tmp-{self.generation}"
@@ -307,17 +313,6 @@ class SpoolWriter:
             if whole:
                 self._chain_start = seq
         return CaptureHandle(self, seq, token, capture.step, frozenset(tiers))
-
-    def _check_space(self, capture: Capture, seq: int) -> None:
-        need = payload_bytes(capture)
-        st = os.statvfs(self._paths.incoming)
-        free = st.f_bavail * st.f_frsize
-        if need > free:
-            raise StorageError(
-                f"spool {self.root} has {free / 1e6:.1f} MB free, capture seq {seq} (step {capture.step}) needs "
-                f"{need / 1e6:.1f} MB: not handed off. Enlarge the tmpfs (docker --shm-size, a bigger emptyDir "
-                "medium: Memory limit) or point the spool elsewhere"
-            )
 
     def _os_error(self, e: OSError, seq: int, capture: Capture) -> StorageError:
         if e.errno == errno.ENOSPC:

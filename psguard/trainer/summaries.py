@@ -16,8 +16,6 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-import numpy as np
-
 from psguard.dependencies import import_optional
 from psguard.handoff.parts import PartCapture
 from psguard.tensors import Full, Rows, TensorUpdate
@@ -109,8 +107,10 @@ def handed_off_bytes(
     wrote into files (``parts``, sized by the capturer's ``tensors``)."""
     total = 0
     for update in updates.values():
-        if isinstance(update, Full):
-            total += _value_bytes(update.value)
+        if isinstance(update, Full) and update.value.dtype.kind == "O":  # the object graph, strings: their lengths
+            total += sum(len(item) for item in update.value.flat if isinstance(item, bytes | str))
+        elif isinstance(update, Full):
+            total += int(update.value.nbytes)
         elif isinstance(update, Rows):
             total += update.values.nbytes + update.ids.nbytes
     for part in parts:
@@ -118,10 +118,3 @@ def handed_off_bytes(
             row = tensors[shard.key.name].row_bytes
             total += shard.count * (row + (_ID_BYTES if shard.kind == "rows" else 0))
     return total
-
-
-def _value_bytes(value: np.ndarray) -> int:
-    """An array's bytes; for an object array (the object graph, string tensors), its strings' lengths."""
-    if value.dtype.kind != "O":
-        return int(value.nbytes)
-    return sum(len(item) for item in value.flat if isinstance(item, bytes | str))
