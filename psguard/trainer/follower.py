@@ -24,7 +24,7 @@ from psguard.codec.dtypes import dtype_from_name
 from psguard.errors import CorruptCheckpointError, NoCheckpointError, TensorMismatchError, UnsupportedFormatError
 from psguard.store import CheckpointInfo, Store
 from psguard.store.manifest import Manifest
-from psguard.tensors import Full, Rows, Same, TensorUpdate
+from psguard.tensors import Full, Same, TensorUpdate
 from psguard.trainer.export import OBJECT_GRAPH_KEY
 from psguard.trainer.variables import TensorInfo, gather_variables, lazy_tf, list_tensors, shard_part
 
@@ -214,7 +214,7 @@ class Follower:
         self,
         infos: Mapping[str, TensorInfo],
         binding: Mapping[str, str],
-        updates: Mapping[str, TensorUpdate],
+        updates: Mapping[str, Same],
         cid: str,
     ) -> tuple[dict[str, TensorInfo], list[str]]:
         """The follower's tensors that checkpoint ``cid`` holds, by checkpoint key, and the names of those it
@@ -228,7 +228,7 @@ class Follower:
             if key is None or update is None:
                 continue
             bound[key] = info
-            shape, dtype = _shape_dtype(update)
+            shape, dtype = tuple(update.shape), update.dtype
             if shape != info.shape or dtype != info.dtype:
                 at = "" if key == name else f" (as {key})"
                 problems.append(f"{name}: checkpoint has {shape} {dtype}{at}, follower has {info.shape} {info.dtype}")
@@ -283,9 +283,9 @@ def _binding(root: Any, graph: Any) -> dict[str, str]:
     return keys
 
 
-def _described(m: Manifest) -> dict[str, TensorUpdate]:
+def _described(m: Manifest) -> dict[str, Same]:
     """A manifest's tensors as ``Same`` updates: names, shapes and dtypes, for checks before any read."""
-    out: dict[str, TensorUpdate] = {}
+    out: dict[str, Same] = {}
     for name, entry in m.tensors.items():
         if name == OBJECT_GRAPH_KEY:
             continue
@@ -294,14 +294,6 @@ def _described(m: Manifest) -> dict[str, TensorUpdate]:
         except ValueError as e:
             raise CorruptCheckpointError(f"checkpoint {m.id}: tensor {name!r}: {e}", checkpoint=m.id) from None
     return out
-
-
-def _shape_dtype(update: TensorUpdate) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    if isinstance(update, Full):
-        return tuple(int(d) for d in update.value.shape), update.value.dtype
-    if isinstance(update, Rows):
-        return tuple(update.shape), update.values.dtype
-    return tuple(update.shape), update.dtype
 
 
 def _assign(info: TensorInfo, update: TensorUpdate) -> None:

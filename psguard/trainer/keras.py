@@ -36,7 +36,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from psguard.errors import ConfigError, PsguardError
 from psguard.policy.engine import AnyOf, EverySteps, Retention, Schedule
 from psguard.policy.files import load_policy
-from psguard.trainer.manager import CheckpointManager, SaveHandle, load_schedule
+from psguard.trainer.manager import CheckpointManager, SaveHandle
 from psguard.trainer.options import (
     CALLBACK_MOVES,
     CallbackOptions,
@@ -153,7 +153,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         if save_best_only and monitor is None:
             raise ConfigError("save_best_only needs monitor= (the metric of the epoch's logs to judge by)")
         _check_args(given, opts, sink, monitor, mode)
-        schedule = _combine(load_schedule(policy), every)
+        loaded = policy if policy is None or isinstance(policy, Schedule) else load_policy(os.fspath(policy)).schedule
+        schedule = _combine(loaded, every)
         #: Save at every epoch's end: asked (``save_freq="epoch"``, ``monitor``), or as BackupAndRestore does by
         #: default when nothing else says when.
         self.save_per_epoch = (

@@ -593,10 +593,3 @@ def _retention_of(
     if retention is not None:
         raise ConfigError("give either options.retention or max_to_keep/keep_checkpoint_every_n_hours, not both")
     return Retention(keep_last=max_to_keep, keep_every_hours=keep_every_hours)
-
-
-def load_schedule(policy: Schedule | str | os.PathLike[str] | None) -> Schedule | None:
-    """The schedule of ``policy`` (a Schedule, a policy file or a preset name)."""
-    if policy is None or isinstance(policy, Schedule):
-        return policy
-    return load_policy(os.fspath(policy)).schedule

@@ -261,20 +261,6 @@ def update_hook(optimizer: Any) -> bool:
     return True
 
 
-def _apply_method(obj: Any) -> str | None:
-    """The method through which ``obj`` (a tf_keras 2.11+ or Keras 3 optimizer) applies updates; ``None`` for
-    others (legacy ``OptimizerV2`` writes with raw ops no hook sees)."""
-    if "LossScale" in type(obj).__name__:
-        return None  # skips steps on non-finite gradients: iterations and applies would not move together
-    tfk = sys.modules.get("tf_keras.src.optimizers.optimizer")
-    if tfk is not None and isinstance(obj, tfk.Optimizer):
-        return "apply_gradients"
-    k3 = sys.modules.get("keras.src.optimizers.base_optimizer")
-    if k3 is not None and isinstance(obj, k3.BaseOptimizer):
-        return "apply"
-    return None
-
-
 def find_optimizers(root: Any) -> tuple[list[tuple[Any, str]], bool]:
     """(optimizers that can be hooked, with their apply method), and whether ``root`` holds any other one."""
     known: list[tuple[Any, str]] = []
@@ -282,9 +268,17 @@ def find_optimizers(root: Any) -> tuple[list[tuple[Any, str]], bool]:
     for obj, _ in graph_objects(root):
         if not (hasattr(obj, "apply_gradients") or hasattr(obj, "apply")) or not hasattr(obj, "iterations"):
             continue
-        method = _apply_method(obj)
-        if method is None:
+        # The method through which a tf_keras 2.11+ or Keras 3 optimizer applies updates; others (legacy
+        # OptimizerV2 writes with raw ops no hook sees; a loss scale skips steps on non-finite gradients, so
+        # iterations and applies would not move together) cannot be hooked.
+        tfk = sys.modules.get("tf_keras.src.optimizers.optimizer")
+        k3 = sys.modules.get("keras.src.optimizers.base_optimizer")
+        if "LossScale" in type(obj).__name__:
             other = True
+        elif tfk is not None and isinstance(obj, tfk.Optimizer):
+            known.append((obj, "apply_gradients"))
+        elif k3 is not None and isinstance(obj, k3.BaseOptimizer):
+            known.append((obj, "apply"))
         else:
-            known.append((obj, method))
+            other = True
     return known, other
