@@ -9,7 +9,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import KW_ONLY, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -37,24 +37,21 @@ log = logging.getLogger(__name__)
 _SHOWN = ("pending_requests", "in_flight", "phase", "checkpoints_written", "bytes_persisted", "failures", "last_error")
 
 
+@dataclass(eq=False)
 class ChiefTiers:
     """The chief's memory tier, persister, spool server and PS-agent client: made by :meth:`start`, released by
     :meth:`stop` (whatever :meth:`start` made before it failed)."""
 
-    def __init__(
-        self,
-        task: str,
-        config: AgentConfig,
-        *,
-        peers: bool,
-        peer_sync: PeerSync,
-        metrics: AgentMetrics,
-        recovery: Recovery,
-        stop_requested: threading.Event,
-    ) -> None:
-        self.task, self.config, self.peers = task, config, peers
-        self.peer_sync, self.metrics, self.recovery = peer_sync, metrics, recovery
-        self._stop_requested = stop_requested
+    task: str
+    config: AgentConfig
+    _: KW_ONLY
+    peers: bool
+    peer_sync: PeerSync
+    metrics: AgentMetrics
+    recovery: Recovery
+    stop_requested: threading.Event
+
+    def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self.tier: MemoryTier | None = None
         self.persister: Persister | None = None
@@ -112,7 +109,7 @@ class ChiefTiers:
         cfg = self.config
         assert cfg.store is not None
         store = self.store = Store.open(cfg.store, dict(cfg.storage_options))
-        wait = self.store_wait = StoreWait(store.backend, timeout=cfg.store_wait_timeout, stop=self._stop_requested)
+        wait = self.store_wait = StoreWait(store.backend, timeout=cfg.store_wait_timeout, stop=self.stop_requested)
         self.metrics.store_wait_seconds.set_function(wait.seconds)
         t0 = time.perf_counter()
         try:  # the job's state is nowhere else (this tier is new): the store is waited for, not given up on
@@ -120,7 +117,7 @@ class ChiefTiers:
                 lambda: resume(store, tier, skip_sharded=self.shard_client is not None), probe=store.checkpoint_ids
             )
         except StorageUnavailableError:
-            if self._stop_requested.is_set():
+            if self.stop_requested.is_set():
                 return None
             raise
         self.resume_seconds = time.perf_counter() - t0

@@ -24,6 +24,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from psguard.agent.control.metrics import AgentMetrics
@@ -37,6 +38,7 @@ from psguard.handoff.plan import Facts, Failure, Process, TaskReport, plan, repo
 log = logging.getLogger(__name__)
 
 
+@dataclass(eq=False)
 class Recovery:
     """The recovery rules of one agent (``task``, in ``role``) and the state of the outage under way.
 
@@ -46,28 +48,18 @@ class Recovery:
     supervisor, the health monitor and the hang watch; the others serve the trainer's requests.
     """
 
-    def __init__(
-        self,
-        task: str,
-        role: str,
-        *,
-        restart_ps: bool,
-        metrics: AgentMetrics,
-        peer_sync: PeerSync,
-        supervisor: Callable[[], Supervisor | None],
-        monitor: Callable[[], HealthMonitor | None],
-        export_ahead: Callable[[], None],
-        on_done: Callable[[], None],
-    ) -> None:
-        self.task = task
-        self.role = role
-        self.restart_ps = restart_ps
-        self.metrics = metrics
-        self.peer_sync = peer_sync
-        self._supervisor = supervisor
-        self._monitor = monitor
-        self._export_ahead = export_ahead
-        self._on_done = on_done
+    task: str
+    role: str
+    _: KW_ONLY
+    restart_ps: bool
+    metrics: AgentMetrics
+    peer_sync: PeerSync
+    supervisor: Callable[[], Supervisor | None]
+    monitor: Callable[[], HealthMonitor | None]
+    export_ahead: Callable[[], None]
+    on_done: Callable[[], None]
+
+    def __post_init__(self) -> None:
         self._lock = threading.Lock()
         self._failure_at: float | None = None  # monotonic: when the current outage began
         self._reported_failure: float | None = None  # POST /failure: when the trainer saw it (Unix time)
@@ -80,7 +72,7 @@ class Recovery:
     # ------------------------------------------------------------------------------------------ callbacks
     def on_supervisor_event(self, event: SupervisorEvent) -> None:
         self.metrics.on_supervisor_event(event)
-        monitor = self._monitor()
+        monitor = self.monitor()
         if event.kind in (EventKind.STARTED, EventKind.RESTARTED, EventKind.EXITED) and monitor is not None:
             # After an exit no process runs until the next start: STARTING ignores failures until it answers.
             monitor.reset()
@@ -93,9 +85,9 @@ class Recovery:
                 run_start = event.time - (event.run_seconds or 0.0)
                 failed_at = reported_moment(reported, run_started_at=run_start, exit_code=event.exit_code)
                 self.peer_sync.new_generation(f"the trainer {event.reason}", failed_at)
-                self._export_ahead()  # after the restarts, as for an in-process rejoin (new_generation says why)
+                self.export_ahead()  # after the restarts, as for an in-process rejoin (new_generation says why)
         elif event.kind in (EventKind.COMPLETED, EventKind.GAVE_UP, EventKind.STOPPED):
-            self._on_done()
+            self.on_done()
 
     def _outage_began(self) -> None:
         with self._lock:
@@ -109,12 +101,12 @@ class Recovery:
         with self._lock:
             self._hangs += 1
             self._last_hang = {"step": hang.step, "stuck_seconds": round(hang.stuck_seconds, 1), "at": time.time()}
-        sup = self._supervisor()
+        sup = self.supervisor()
         if sup is not None:
             sup.restart(f"hung: no step for {hang.stuck_seconds:.0f}s at step {hang.step} (bound {hang.bound:.0f}s)")
 
     def on_unhealthy(self, report: HealthReport) -> None:
-        sup, monitor = self._supervisor(), self._monitor()
+        sup, monitor = self.supervisor(), self.monitor()
         if sup is None or sup.pid is None:
             return  # between runs: the supervisor is already on it (backoff, or PS restarts for a generation)
         if monitor is not None and monitor.health is Health.STARTING:
@@ -130,7 +122,7 @@ class Recovery:
     def on_capture(self) -> None:
         """The task does its job (the trainer delivered a capture, a server serves): its run is healthy, a later
         death no crash loop, and an outage under way is over."""
-        sup = self._supervisor()
+        sup = self.supervisor()
         if sup is not None:
             sup.mark_healthy()
         with self._lock:
@@ -142,7 +134,7 @@ class Recovery:
 
     def restart(self, sup: Supervisor, reason: str) -> bool:
         """An operator's restart (``POST /restart``): no crash. False when the task is not supervised."""
-        monitor = self._monitor()
+        monitor = self.monitor()
         if monitor is not None:
             # The old process stays a zombie until reaped: the probes must not count that against the new run.
             monitor.reset()
@@ -168,7 +160,7 @@ class Recovery:
         the restarts, not beside them: an exporting PS agent answers its restart later, and the restore asks for
         the files only after the model's rebuild, by when the export is done."""
         outcome = self.peer_sync.new_generation(reason, failed_at, new_process=False)
-        self._export_ahead()
+        self.export_ahead()
         return outcome
 
     # ------------------------------------------------------------------------------------------ reports

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from psguard.agent.control.httpd import AgentHTTPServer, Request, RequestError, Response
@@ -15,20 +16,14 @@ from psguard.agent.recovery import Recovery
 log = logging.getLogger(__name__)
 
 
+@dataclass
 class Routes:
-    """The POST routes of task ``task``'s agent; ``finish`` stops the agent (``POST /finish``'s reason given)."""
+    """The POST routes of task ``task``'s agent; ``on_finish`` stops the agent (``POST /finish``'s reason given)."""
 
-    def __init__(
-        self,
-        task: str,
-        recovery: Recovery,
-        supervisor: Callable[[], Supervisor | None],
-        finish: Callable[[str], None],
-    ) -> None:
-        self.task = task
-        self.recovery = recovery
-        self._supervisor = supervisor
-        self._finish = finish
+    task: str
+    recovery: Recovery
+    supervisor: Callable[[], Supervisor | None]
+    on_finish: Callable[[str], None]
 
     def serve_on(self, http: AgentHTTPServer, *, chief: bool) -> None:
         http.add_post("/restart", self.restart)
@@ -41,7 +36,7 @@ class Routes:
 
     def restart(self, request: Request) -> Response:
         body, reason = _reason(request, "POST /restart")
-        sup = self._supervisor()
+        sup = self.supervisor()
         if sup is None:
             raise RequestError(503, "the task is not supervised yet")
         before = sup.status().restarts
@@ -57,7 +52,7 @@ class Routes:
         """The job is done (the chief's agent says so when its trainer exited 0): stop the task, exit 0."""
         _, reason = _reason(request, "POST /finish")
         log.info("event=finish_requested task=%s reason=%r", self.task, reason)
-        self._finish(reason)
+        self.on_finish(reason)
         return Response(202, {"ok": True, "task": self.task})
 
     def new_generation(self, request: Request) -> Response:
