@@ -230,7 +230,21 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         if self.manager is not None and self.manager is not self._given:
             self._close_own()  # left open by a fit that raised before on_train_end
         self.last_save = None
-        self._build_optimizer(model, strategy)
+        optimizer = getattr(model, "optimizer", None)
+        if optimizer is None:
+            raise ConfigError("compile the model before fit: the callback checkpoints its optimizer too")
+        if not model.built:
+            raise ConfigError(
+                "build the model before fit (give it an Input, or call it on a batch): the callback restores "
+                "before the first step, into variables that must exist"
+            )
+        variables = list(model.trainable_variables)
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            if callable(getattr(optimizer, "build", None)):
+                if not getattr(optimizer, "_built", False):
+                    optimizer.build(variables)
+            elif callable(getattr(optimizer, "_create_all_weights", None)):  # tf_keras.optimizers.legacy
+                optimizer._create_all_weights(variables)
         coordinator = getattr(model, "_cluster_coordinator", None)
         if self._given is None:
             assert self._url is not None
@@ -371,23 +385,6 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             retention=self._retention if self._retention is not None else own.retention,
             summaries=own.summaries if own.summaries is not None else folder,
         )
-
-    def _build_optimizer(self, model: Any, strategy: Any) -> None:
-        optimizer = getattr(model, "optimizer", None)
-        if optimizer is None:
-            raise ConfigError("compile the model before fit: the callback checkpoints its optimizer too")
-        if not model.built:
-            raise ConfigError(
-                "build the model before fit (give it an Input, or call it on a batch): the callback restores "
-                "before the first step, into variables that must exist"
-            )
-        variables = list(model.trainable_variables)
-        with strategy.scope() if strategy is not None else contextlib.nullcontext():
-            if callable(getattr(optimizer, "build", None)):
-                if not getattr(optimizer, "_built", False):
-                    optimizer.build(variables)
-            elif callable(getattr(optimizer, "_create_all_weights", None)):  # tf_keras.optimizers.legacy
-                optimizer._create_all_weights(variables)
 
     def _retrace_unhooked(self, model: Any) -> None:
         """Make ``fit`` trace its train function again when the cached one was traced under other write hooks:

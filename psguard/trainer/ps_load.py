@@ -87,7 +87,25 @@ class _PsLoad:
 
     def load(self, paths: Any, fp_paths: Any, values_given: Any, variables: Any) -> Any:
         tf = lazy_tf()
-        values, loaded_fps = self.read(paths, fp_paths)
+        values, loaded_fps = [], []  # of shards ``which``, and the fingerprints kept beside them (None where not)
+        for k, (i, j) in enumerate(self.which):
+            t, s = self.plan.tensors[i], self.plan.tensors[i].shards[j]
+            with tf.device(s.device):  # each read on its PS
+                # A one-tensor bundle, CRC32C and dtype checked by RestoreV2 (or mapped); the reshape checks the size.
+                if self.mapped_of[k] and self.mapper is not None:
+                    value = self.mapper(paths[k], dtype=tf.as_dtype(t.dtype), key=BUNDLE_KEY, verify=False)
+                else:
+                    (value,) = tf.raw_ops.RestoreV2(
+                        prefix=paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(t.dtype)]
+                    )
+                values.append(tf.reshape(value, (s.rows, *t.tail)))
+                fp = None
+                if self.fps_of[k] and t.by_row:
+                    (fp,) = tf.raw_ops.RestoreV2(
+                        prefix=fp_paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.int64]
+                    )
+                    fp = tf.reshape(fp, [s.rows])
+                loaded_fps.append(fp)
         # Every file parsed and of the right shape before the first assign: all or nothing.
         assigns = []
         shard_vars = variables[0]
@@ -102,32 +120,6 @@ class _PsLoad:
         # The shards not read from a file, hashed once their values are in (the files' were just above).
         with tf.control_dependencies(assigns):
             return self.fns.rebase_body(False, variables)
-
-    def read(self, paths: Any, fp_paths: Any) -> tuple[list[Any], list[Any]]:
-        """The values of shards ``which`` and the fingerprints kept beside them (None where not), each read on
-        its PS."""
-        tf = lazy_tf()
-        values = []
-        loaded_fps: list[Any] = []
-        for k, (i, j) in enumerate(self.which):
-            t, s = self.plan.tensors[i], self.plan.tensors[i].shards[j]
-            with tf.device(s.device):
-                # A one-tensor bundle, CRC32C and dtype checked by RestoreV2 (or mapped); the reshape checks the size.
-                if self.mapped_of[k] and self.mapper is not None:
-                    value = self.mapper(paths[k], dtype=tf.as_dtype(t.dtype), key=BUNDLE_KEY, verify=False)
-                else:
-                    (value,) = tf.raw_ops.RestoreV2(
-                        prefix=paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.as_dtype(t.dtype)]
-                    )
-                values.append(tf.reshape(value, (s.rows, *t.tail)))
-                if self.fps_of[k] and t.by_row:
-                    (fp,) = tf.raw_ops.RestoreV2(
-                        prefix=fp_paths[k], tensor_names=[BUNDLE_KEY], shape_and_slices=[""], dtypes=[tf.int64]
-                    )
-                    loaded_fps.append(tf.reshape(fp, [s.rows]))
-                else:
-                    loaded_fps.append(None)
-        return values, loaded_fps
 
     @staticmethod
     def assign_read(t: TensorPlan, s: ShardPlan, v: ShardVars, value: Any, fp: Any) -> Any:

@@ -154,10 +154,6 @@ class _AgentSaveHandle(SaveHandle):
     def store_retrying(self) -> str | None:
         return self._spooled.store_retrying() if self.durable and self._outcome is None else None
 
-    def memory_done(self) -> bool:
-        """The agent answered for its memory tier (applied, or refused)."""
-        return self._outcome is not None or self._spooled.done()
-
     def done(self) -> bool:
         spooled = self._spooled
         return self._outcome is not None or (spooled.done() and (not self.durable or spooled.durable_answered()))
@@ -367,7 +363,8 @@ class AgentSink:
         during a write into the next one."""
         with self._lock:
             last = self._pending[-1] if self._pending else None
-        return frozenset({Tier.MEMORY}) if last is not None and not last.memory_done() else frozenset()
+        answered = last is None or last._outcome is not None or last._spooled.done()  # applied, or refused
+        return frozenset() if answered else frozenset({Tier.MEMORY})
 
     def in_flight(self) -> bool:
         return False  # handed off: the agent finishes it whether or not this process lives
