@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ class Hang:
     stacks_requested: bool
 
 
+@dataclass(eq=False)
 class HangWatch:
     """Watches ``heartbeat`` (a path) for the run of the trainer whose process is ``task_pid()``.
 
@@ -46,22 +47,15 @@ class HangWatch:
     hangs, on the watch's thread.
     """
 
-    def __init__(
-        self,
-        heartbeat: Path,
-        *,
-        task_pid: Callable[[], int | None],
-        uptime: Callable[[], float | None],
-        on_hang: Callable[[Hang], None],
-        interval: float = 1.0,
-        dump_grace: float = 2.0,
-    ) -> None:
-        self.heartbeat = heartbeat
-        self._task_pid = task_pid
-        self._uptime = uptime
-        self._on_hang = on_hang
-        self.interval = interval
-        self.dump_grace = dump_grace
+    heartbeat: Path
+    _: KW_ONLY
+    task_pid: Callable[[], int | None]
+    uptime: Callable[[], float | None]
+    on_hang: Callable[[Hang], None]
+    interval: float = 1.0
+    dump_grace: float = 2.0
+
+    def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -99,7 +93,7 @@ class HangWatch:
 
     def check(self, now: float) -> Hang | None:
         """One look at the heartbeat; the hang it declared, if any (also passed to ``on_hang``)."""
-        run, uptime = self._task_pid(), self._uptime()
+        run, uptime = self.task_pid(), self.uptime()
         doc = self._read()
         with self._lock:
             if run != self._run:  # a new trainer run: judged afresh
@@ -132,7 +126,7 @@ class HangWatch:
             pid,
             "in the task log" if asked else "not requested",
         )
-        self._on_hang(hang)
+        self.on_hang(hang)
         return hang
 
     def _read(self) -> dict[str, Any] | None:
@@ -151,7 +145,7 @@ class HangWatch:
 
     def _dump_stacks(self, pid: int | None) -> bool:
         """Ask the trainer for its stacks, only if ``pid`` is really the process this agent supervises."""
-        task = self._task_pid()
+        task = self.task_pid()
         if pid is None or task is None or (pid != task and pid not in descendants(task)):
             return False
         try:

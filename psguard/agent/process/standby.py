@@ -19,6 +19,7 @@ import signal
 import subprocess
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from psguard.handoff.standby import GO, READY_ENV, STANDBY_ENV
@@ -28,6 +29,7 @@ log = logging.getLogger(__name__)
 Popen = subprocess.Popen[bytes]
 
 
+@dataclass(eq=False)
 class Standby:
     """At most one waiting process of a command; :meth:`take` turns it into the running task.
 
@@ -37,17 +39,13 @@ class Standby:
     is tied to the thread that forked).
     """
 
-    def __init__(
-        self,
-        name: str,
-        spawn: Callable[[dict[str, str]], Popen],
-        *,
-        env_at_go: Callable[[], Mapping[str, str]] | None = None,
-    ) -> None:
-        self.name = name
-        self._spawn = spawn
-        # For standbys that read their environment after ``go`` (the warm trainer): what the task gets now.
-        self._env_at_go = env_at_go
+    name: str
+    spawn: Callable[[dict[str, str]], Popen]
+    _: KW_ONLY
+    # For standbys that read their environment after ``go`` (the warm trainer): what the task gets now.
+    env_at_go: Callable[[], Mapping[str, str]] | None = None
+
+    def __post_init__(self) -> None:
         self._proc: Popen | None = None
         self._ready_path: Path | None = None
 
@@ -73,7 +71,7 @@ class Standby:
         self._ready_path = Path(name)
         self._ready_path.unlink()  # the standby creates it when it is ready
         try:
-            self._proc = self._spawn({STANDBY_ENV: "1", READY_ENV: name})
+            self._proc = self.spawn({STANDBY_ENV: "1", READY_ENV: name})
         except OSError as e:
             log.warning("event=standby_spawn_failed task=%s error=%r", self.name, str(e))
             self._proc = None
@@ -92,7 +90,7 @@ class Standby:
             return None
         assert proc.stdin is not None
         try:
-            env = b"" if self._env_at_go is None else json.dumps(dict(self._env_at_go())).encode() + b"\n"
+            env = b"" if self.env_at_go is None else json.dumps(dict(self.env_at_go())).encode() + b"\n"
             proc.stdin.write(GO + env)
             proc.stdin.close()
         except OSError as e:  # it died between poll() and the write
