@@ -56,29 +56,6 @@ if TYPE_CHECKING:
     from psguard.agent.process.lifecycle import SupervisorEvent
     from psguard.agent.process.prober import Health, ProbeResult
 
-TASK_RESTARTS_TOTAL = "psguard_task_restarts_total"
-TASK_UP = "psguard_task_up"
-TASK_HEALTHY = "psguard_task_healthy"
-CRASH_LOOP = "psguard_crash_loop"
-PROBE_LATENCY_SECONDS = "psguard_probe_latency_seconds"
-PROBE_FAILURES_TOTAL = "psguard_probe_failures_total"
-LAST_CHECKPOINT_STEP = "psguard_last_checkpoint_step"
-LAST_CHECKPOINT_TIMESTAMP_SECONDS = "psguard_last_checkpoint_timestamp_seconds"
-PERSIST_LAG_STEPS = "psguard_persist_lag_steps"
-PERSIST_QUEUE_DEPTH = "psguard_persist_queue_depth"
-DURABLE_LAG_STEPS = "psguard_durable_lag_steps"
-DURABLE_LAG_SECONDS = "psguard_durable_lag_seconds"
-PERSISTED_BYTES_TOTAL = "psguard_persisted_bytes_total"
-PERSIST_FAILURES_TOTAL = "psguard_persist_failures_total"
-RECOVERY_SECONDS = "psguard_recovery_seconds"
-RECOVERIES_TOTAL = "psguard_recoveries_total"
-LOST_STEPS_TOTAL = "psguard_lost_steps_total"
-CHECKPOINT_STALL_SECONDS = "psguard_checkpoint_stall_seconds"
-HANGS_TOTAL = "psguard_hangs_total"
-PEER_COPY_LAG_STEPS = "psguard_peer_copy_lag_steps"
-PEER_COPY_HELD_BYTES = "psguard_peer_copy_held_bytes"
-STORE_WAIT_SECONDS = "psguard_store_wait_seconds"
-BUILD_INFO = "psguard_build_info"
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -328,54 +305,62 @@ class AgentMetrics:
 
     def __init__(self, registry: Registry | None = None) -> None:
         self.registry = r = registry if registry is not None else Registry()
-        self.task_restarts = r.counter(TASK_RESTARTS_TOTAL, "Times the agent started its task again.", ["task"])
-        self.task_up = r.gauge(TASK_UP, "1 while the supervised task's process runs, else 0.", ["task"])
-        self.task_healthy = r.gauge(TASK_HEALTHY, "1 while the task passes its health probes, else 0.", ["task"])
-        self.crash_loop = r.gauge(CRASH_LOOP, "1 once the agent gave up on its task after a crash loop.", ["task"])
-        self.probe_latency = r.histogram(
-            PROBE_LATENCY_SECONDS,
+        c, g, h = r.counter, r.gauge, r.histogram
+        self.task_restarts = c("psguard_task_restarts_total", "Times the agent started its task again.", ["task"])
+        self.task_up = g("psguard_task_up", "1 while the supervised task's process runs, else 0.", ["task"])
+        self.task_healthy = g("psguard_task_healthy", "1 while the task passes its health probes, else 0.", ["task"])
+        self.crash_loop = g("psguard_crash_loop", "1 once the agent gave up on its task after a crash loop.", ["task"])
+        self.probe_latency = h(
+            "psguard_probe_latency_seconds",
             "Duration of each health probe, failed ones included.",
             ["task", "probe"],
             buckets=PROBE_BUCKETS,
         )
-        self.probe_failures = r.counter(PROBE_FAILURES_TOTAL, "Health probes that failed.", ["task", "probe"])
-        self.last_checkpoint_step = r.gauge(
-            LAST_CHECKPOINT_STEP, "Training step of the newest checkpoint in each tier.", ["tier"]
+        self.probe_failures = c("psguard_probe_failures_total", "Health probes that failed.", ["task", "probe"])
+        self.last_checkpoint_step = g(
+            "psguard_last_checkpoint_step", "Training step of the newest checkpoint in each tier.", ["tier"]
         )
-        self.last_checkpoint_timestamp = r.gauge(
-            LAST_CHECKPOINT_TIMESTAMP_SECONDS, "Unix time of the newest checkpoint in each tier.", ["tier"]
+        self.last_checkpoint_timestamp = g(
+            "psguard_last_checkpoint_timestamp_seconds", "Unix time of the newest checkpoint in each tier.", ["tier"]
         )
-        self.persist_lag_steps = r.gauge(PERSIST_LAG_STEPS, "Steps by which the durable tier trails the memory tier.")
-        self.persist_queue_depth = r.gauge(PERSIST_QUEUE_DEPTH, "Captures waiting to be written to the durable log.")
-        self.durable_lag_steps = r.gauge(
-            DURABLE_LAG_STEPS, "Steps from the newest durable commit to the newest save due to be durable."
+        self.persist_lag_steps = g(
+            "psguard_persist_lag_steps", "Steps by which the durable tier trails the memory tier."
         )
-        self.durable_lag_seconds = r.gauge(
-            DURABLE_LAG_SECONDS, "Seconds the oldest save due to be durable has waited for its commit."
+        self.persist_queue_depth = g(
+            "psguard_persist_queue_depth", "Captures waiting to be written to the durable log."
         )
-        self.persisted_bytes = r.counter(PERSISTED_BYTES_TOTAL, "Bytes written to the durable log.")
-        self.persist_failures = r.counter(
-            PERSIST_FAILURES_TOTAL, "Writes to the durable log that failed (the capture is retried later)."
+        self.durable_lag_steps = g(
+            "psguard_durable_lag_steps", "Steps from the newest durable commit to the newest save due to be durable."
         )
-        self.recovery_seconds = r.histogram(
-            RECOVERY_SECONDS, "Seconds from a failure to the first new training step.", buckets=RECOVERY_BUCKETS
+        self.durable_lag_seconds = g(
+            "psguard_durable_lag_seconds", "Seconds the oldest save due to be durable has waited for its commit."
         )
-        self.recoveries = r.counter(RECOVERIES_TOTAL, "Recoveries completed.")
-        self.lost_steps = r.counter(LOST_STEPS_TOTAL, "Training steps redone because of recoveries.")
-        self.checkpoint_stall = r.histogram(
-            CHECKPOINT_STALL_SECONDS, "Training stall caused by each checkpoint save.", buckets=STALL_BUCKETS
+        self.persisted_bytes = c("psguard_persisted_bytes_total", "Bytes written to the durable log.")
+        self.persist_failures = c(
+            "psguard_persist_failures_total", "Writes to the durable log that failed (the capture is retried later)."
         )
-        self.hangs = r.counter(HANGS_TOTAL, "Times the trainer made no step within its hang bound and was restarted.")
-        self.peer_copy_lag_steps = r.gauge(
-            PEER_COPY_LAG_STEPS, "Steps by which the peer copy of this PS's shards trails its tier.", ["task"]
+        self.recovery_seconds = h(
+            "psguard_recovery_seconds",
+            "Seconds from a failure to the first new training step.",
+            buckets=RECOVERY_BUCKETS,
         )
-        self.peer_copy_held_bytes = r.gauge(
-            PEER_COPY_HELD_BYTES, "Bytes of another PS's shards this agent holds as its peer copy.", ["owner"]
+        self.recoveries = c("psguard_recoveries_total", "Recoveries completed.")
+        self.lost_steps = c("psguard_lost_steps_total", "Training steps redone because of recoveries.")
+        self.checkpoint_stall = h(
+            "psguard_checkpoint_stall_seconds", "Training stall caused by each checkpoint save.", buckets=STALL_BUCKETS
         )
-        self.store_wait_seconds = r.gauge(
-            STORE_WAIT_SECONDS, "Seconds the agent has waited for its store to answer at start (0: not waiting)."
+        self.hangs = c("psguard_hangs_total", "Times the trainer made no step within its hang bound and was restarted.")
+        self.peer_copy_lag_steps = g(
+            "psguard_peer_copy_lag_steps", "Steps by which the peer copy of this PS's shards trails its tier.", ["task"]
         )
-        self.build_info = r.gauge(BUILD_INFO, "Always 1; the agent's psguard version is its label.", ["version"])
+        self.peer_copy_held_bytes = g(
+            "psguard_peer_copy_held_bytes", "Bytes of another PS's shards this agent holds as its peer copy.", ["owner"]
+        )
+        self.store_wait_seconds = g(
+            "psguard_store_wait_seconds",
+            "Seconds the agent has waited for its store to answer at start (0: not waiting).",
+        )
+        self.build_info = g("psguard_build_info", "Always 1; the agent's psguard version is its label.", ["version"])
         self.build_info.labels(version=__version__).set(1)
 
     def declare_task(self, task: str, probes: Iterable[str] = ()) -> None:

@@ -168,29 +168,29 @@ def test_registry_is_thread_safe() -> None:
 def test_agent_metrics_export_every_documented_name() -> None:
     metrics = AgentMetrics()
     expected = {
-        m.TASK_RESTARTS_TOTAL: ("counter", ["task"]),
-        m.TASK_UP: ("gauge", ["task"]),
-        m.TASK_HEALTHY: ("gauge", ["task"]),
-        m.CRASH_LOOP: ("gauge", ["task"]),
-        m.PROBE_LATENCY_SECONDS: ("histogram", ["task", "probe"]),
-        m.PROBE_FAILURES_TOTAL: ("counter", ["task", "probe"]),
-        m.LAST_CHECKPOINT_STEP: ("gauge", ["tier"]),
-        m.LAST_CHECKPOINT_TIMESTAMP_SECONDS: ("gauge", ["tier"]),
-        m.PERSIST_LAG_STEPS: ("gauge", []),
-        m.PERSIST_QUEUE_DEPTH: ("gauge", []),
-        m.DURABLE_LAG_STEPS: ("gauge", []),
-        m.DURABLE_LAG_SECONDS: ("gauge", []),
-        m.STORE_WAIT_SECONDS: ("gauge", []),
-        m.PERSISTED_BYTES_TOTAL: ("counter", []),
-        m.PERSIST_FAILURES_TOTAL: ("counter", []),
-        m.RECOVERY_SECONDS: ("histogram", []),
-        m.RECOVERIES_TOTAL: ("counter", []),
-        m.LOST_STEPS_TOTAL: ("counter", []),
-        m.CHECKPOINT_STALL_SECONDS: ("histogram", []),
-        m.HANGS_TOTAL: ("counter", []),
-        m.PEER_COPY_LAG_STEPS: ("gauge", ["task"]),
-        m.PEER_COPY_HELD_BYTES: ("gauge", ["owner"]),
-        m.BUILD_INFO: ("gauge", ["version"]),
+        "psguard_task_restarts_total": ("counter", ["task"]),
+        "psguard_task_up": ("gauge", ["task"]),
+        "psguard_task_healthy": ("gauge", ["task"]),
+        "psguard_crash_loop": ("gauge", ["task"]),
+        "psguard_probe_latency_seconds": ("histogram", ["task", "probe"]),
+        "psguard_probe_failures_total": ("counter", ["task", "probe"]),
+        "psguard_last_checkpoint_step": ("gauge", ["tier"]),
+        "psguard_last_checkpoint_timestamp_seconds": ("gauge", ["tier"]),
+        "psguard_persist_lag_steps": ("gauge", []),
+        "psguard_persist_queue_depth": ("gauge", []),
+        "psguard_durable_lag_steps": ("gauge", []),
+        "psguard_durable_lag_seconds": ("gauge", []),
+        "psguard_store_wait_seconds": ("gauge", []),
+        "psguard_persisted_bytes_total": ("counter", []),
+        "psguard_persist_failures_total": ("counter", []),
+        "psguard_recovery_seconds": ("histogram", []),
+        "psguard_recoveries_total": ("counter", []),
+        "psguard_lost_steps_total": ("counter", []),
+        "psguard_checkpoint_stall_seconds": ("histogram", []),
+        "psguard_hangs_total": ("counter", []),
+        "psguard_peer_copy_lag_steps": ("gauge", ["task"]),
+        "psguard_peer_copy_held_bytes": ("gauge", ["owner"]),
+        "psguard_build_info": ("gauge", ["version"]),
     }
     assert set(metrics.registry.names()) == set(expected)
     for name, (kind, labels) in expected.items():
@@ -207,16 +207,16 @@ def test_agent_metrics_export_every_documented_name() -> None:
     metrics.checkpoint_stall.observe(0.08)
     families = parse_exposition(metrics.registry.render())
     value = {name: {tuple(sorted(lab.items())): v for _, lab, v in f["samples"]} for name, f in families.items()}
-    assert value[m.TASK_RESTARTS_TOTAL][(("task", "ps:0"),)] == 1
-    assert value[m.TASK_UP][(("task", "ps:0"),)] == 0
-    assert value[m.CRASH_LOOP][(("task", "ps:0"),)] == 1
-    assert value[m.LAST_CHECKPOINT_STEP][(("tier", "memory"),)] == 120
+    assert value["psguard_task_restarts_total"][(("task", "ps:0"),)] == 1
+    assert value["psguard_task_up"][(("task", "ps:0"),)] == 0
+    assert value["psguard_crash_loop"][(("task", "ps:0"),)] == 1
+    assert value["psguard_last_checkpoint_step"][(("tier", "memory"),)] == 120
     text = metrics.registry.render()
     assert "psguard_recovery_seconds_sum 4.2\n" in text and "psguard_recovery_seconds_count 1\n" in text
-    assert 'psguard_recovery_seconds_bucket{le="5.0"} 1\n' in text and value[m.LOST_STEPS_TOTAL][()] == 7
-    assert value[m.RECOVERIES_TOTAL][()] == 1 and value[m.PERSISTED_BYTES_TOTAL][()] == 1 << 20
-    assert value[m.PERSIST_QUEUE_DEPTH][()] == 0  # unlabelled metrics exist from the start
-    assert value[m.PERSIST_FAILURES_TOTAL][()] == 0
+    assert 'psguard_recovery_seconds_bucket{le="5.0"} 1\n' in text and value["psguard_lost_steps_total"][()] == 7
+    assert value["psguard_recoveries_total"][()] == 1 and value["psguard_persisted_bytes_total"][()] == 1 << 20
+    assert value["psguard_persist_queue_depth"][()] == 0  # unlabelled metrics exist from the start
+    assert value["psguard_persist_failures_total"][()] == 0
 
 
 def test_a_declared_task_is_exported_at_zero_before_anything_happens() -> None:
@@ -288,7 +288,7 @@ def test_builtin_endpoints(open_server: AgentHTTPServer) -> None:
     assert status == 503 and json.loads(body)["checks"]["memory_tier"] is False
     status, headers, body = request(open_server, "GET", "/metrics")
     assert status == 200 and headers["content-type"] == m.CONTENT_TYPE
-    assert m.TASK_UP in parse_exposition(body.decode())
+    assert "psguard_task_up" in parse_exposition(body.decode())
     assert 'psguard_task_up{task="ps:0"} 1' in body.decode()
     status, headers, body = request(open_server, "GET", "/status?verbose=1")
     assert status == 200 and headers["content-type"] == "application/json"
