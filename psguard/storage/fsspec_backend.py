@@ -6,14 +6,15 @@ import contextlib
 import datetime as dt
 import re
 import secrets
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from psguard.errors import ConfigError, ObjectExistsError, ObjectNotFoundError, StorageError
 from psguard.storage.base import Backend, Buffer, validate_key
 from psguard.storage.registry import redact
 
 TMP_MARK = ".tmp."
+T = TypeVar("T")
 
 
 def info_mtime(info: Mapping[str, Any]) -> float | None:
@@ -69,6 +70,10 @@ class FsspecBackend(Backend):
     fs: Any
     root: str
 
+    def _call(self, fn: Callable[[], T]) -> T:
+        """Every call to ``fs`` goes through here (HDFS bounds it with a timeout)."""
+        return fn()
+
     def _p(self, key: str) -> str:
         return f"{self.root}/{validate_key(key)}"
 
@@ -96,23 +101,23 @@ class FsspecBackend(Backend):
 
     def _info(self, key: str) -> dict[str, Any]:
         try:
-            return dict(self.fs.info(self._p(key)))
+            return dict(self._call(lambda: self.fs.info(self._p(key))))
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
 
     def get(self, key: str) -> bytes:
         try:
-            data = self.fs.cat_file(self._p(key))
+            data = self._call(lambda: self.fs.cat_file(self._p(key)))
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
         return bytes(data)
 
     def exists(self, key: str) -> bool:
-        return bool(self.fs.exists(self._p(key)))
+        return bool(self._call(lambda: self.fs.exists(self._p(key))))
 
     def _file_infos(self, base: str) -> dict[str, dict[str, Any]]:
         try:
-            found = self.fs.find(base, detail=True)
+            found = self._call(lambda: self.fs.find(base, detail=True))
         except FileNotFoundError:
             return {}
         # Some servers list an emptied "folder" as an entry of its own: only files are objects.
@@ -163,4 +168,4 @@ class FsspecBackend(Backend):
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
-            self.fs.rm_file(self._p(key))
+            self._call(lambda: self.fs.rm_file(self._p(key)))

@@ -21,7 +21,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from psguard.errors import ConfigError, ObjectNotFoundError
+from psguard.errors import ConfigError
 from psguard.storage.base import Buffer
 from psguard.storage.fsspec_backend import FsspecBackend
 from psguard.storage.registry import redact
@@ -45,6 +45,18 @@ def _hadoop_user() -> str:
     return os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
 
 
+def _write_renamed(backend: FsspecBackend, key: str, data: Buffer, rename: Callable[[str, str], None]) -> None:
+    """Write ``key`` under a temporary name, then ``rename(temporary, final)``; the temporary goes on any failure."""
+    tmp = backend._tmp_name(key)
+    backend.fs.pipe_file(tmp, bytes(data))
+    try:
+        rename(tmp, backend._p(key))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            backend.fs.rm_file(tmp)
+        raise
+
+
 class HdfsBackend(FsspecBackend):
     def __init__(self, url: str, options: dict[str, Any] | None = None) -> None:
         from hdfs_native.fsspec import HdfsFileSystem
@@ -59,8 +71,8 @@ class HdfsBackend(FsspecBackend):
         # Calls that hang stay parked in this pool until the NameNode answers; callers get a timeout.
         self._calls = ThreadPoolExecutor(max_workers=16, thread_name_prefix="psguard-hdfs")
 
-    def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        fut = self._calls.submit(fn, *args)
+    def _call(self, fn: Callable[[], T]) -> T:
+        fut = self._calls.submit(fn)
         try:
             return fut.result(timeout=self.op_timeout)
         except FutureTimeout:
@@ -68,43 +80,12 @@ class HdfsBackend(FsspecBackend):
                 f"HDFS call did not answer within {self.op_timeout:.0f}s on {self.url}"
             ) from None
 
-    def get(self, key: str) -> bytes:
-        try:
-            return bytes(self._run(self.fs.cat_file, self._p(key)))
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"{key} not found in {self.url}") from None
-
-    def exists(self, key: str) -> bool:
-        return bool(self._run(self.fs.exists, self._p(key)))
-
-    def _file_infos(self, base: str) -> dict[str, dict[str, Any]]:
-        return self._run(super()._file_infos, base)
-
-    def mtime(self, key: str) -> float:
-        return self._run(super().mtime, key)
-
-    def size(self, key: str) -> int:
-        return self._run(super().size, key)
-
-    def delete(self, key: str) -> None:
-        self._run(super().delete, key)
-
     def _write(self, key: str, data: Buffer, *, overwrite: bool) -> None:
-        final = self._p(key)
-        tmp = self._tmp_name(key)
-        blob = bytes(data)
-
         def write() -> None:
-            self.fs.makedirs(final.rsplit("/", 1)[0], exist_ok=True)
-            self.fs.pipe_file(tmp, blob)
-            try:
-                self.fs.client.rename(tmp, final, overwrite)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    self.fs.rm_file(tmp)
-                raise
+            self.fs.makedirs(self._p(key).rsplit("/", 1)[0], exist_ok=True)
+            _write_renamed(self, key, data, lambda tmp, final: self.fs.client.rename(tmp, final, overwrite))
 
-        self._run(write)
+        self._call(write)
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
@@ -132,14 +113,7 @@ class WebHdfsBackend(FsspecBackend):
         )
 
     def _write(self, key: str, data: Buffer, *, overwrite: bool) -> None:
-        tmp = self._tmp_name(key)
-        self.fs.pipe_file(tmp, bytes(data))
-        try:
-            self._rename(tmp, self._p(key), overwrite=overwrite)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self.fs.rm_file(tmp)
-            raise
+        _write_renamed(self, key, data, functools.partial(self._rename, overwrite=overwrite))
 
     def _exists_error(self, e: BaseException) -> bool:
         return isinstance(e, FileExistsError) or "already exists" in str(e)
