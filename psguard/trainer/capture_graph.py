@@ -218,17 +218,6 @@ class _Graph:
             total = tf.add_n([tf.cast(it.read_value(), tf.int64) for it in iterations])
             return total - counter.read_value()
 
-    def stray_writes(self, t: TensorPlan, s: ShardPlan, v: ShardVars) -> Any:
-        """Whether some of ``probe_rows`` random rows changed without being marked (a writer the hooks miss)."""
-        tf = lazy_tf()
-        if self.plan.probe_rows == 0:
-            return tf.constant(False)
-        var, fp_var, dirty_rows = v[0], v[1], v[2]
-        sample = tf.random.uniform([self.plan.probe_rows], maxval=s.rows, dtype=tf.int64)
-        fp = _fingerprints(t, [var.sparse_read(sample)])
-        moved = tf.not_equal(fp, fp_var.sparse_read(sample))
-        return tf.reduce_any(tf.logical_and(moved, tf.logical_not(dirty_rows.sparse_read(sample))))
-
     def changed_ids(self, t: TensorPlan, s: ShardPlan, v: ShardVars, hash_all: Any) -> Any:
         """(changed ids, their new fingerprints, whether every row was hashed, whether stray writes were seen)."""
         tf = lazy_tf()
@@ -238,7 +227,12 @@ class _Graph:
         # Probed only when the marks are current and no write marked the whole shard.
         whole = dirty_whole.read_value()
         unmarked = tf.logical_not(tf.logical_or(hash_all, whole))
-        stray = tf.logical_and(self.stray_writes(t, s, v), unmarked)
+        stray = tf.constant(False)
+        if self.plan.probe_rows:  # some of probe_rows random rows changed unmarked: a writer the hooks miss
+            sample = tf.random.uniform([self.plan.probe_rows], maxval=s.rows, dtype=tf.int64)
+            moved = tf.not_equal(_fingerprints(t, [v[0].sparse_read(sample)]), v[1].sparse_read(sample))
+            stray = tf.reduce_any(tf.logical_and(moved, tf.logical_not(dirty_rows.sparse_read(sample))))
+        stray = tf.logical_and(stray, unmarked)
         use_all = tf.logical_or(tf.logical_or(hash_all, whole), stray)
         ids, fps = tf.cond(use_all, lambda: self.changed_all_rows(t, s, v), lambda: self.changed_marked_rows(t, s, v))
         with tf.control_dependencies([ids]):

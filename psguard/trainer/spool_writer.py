@@ -306,22 +306,19 @@ class SpoolWriter:
                 shutil.rmtree(tmp, ignore_errors=True)
                 with contextlib.suppress(OSError):
                     self._unreserve(seq)
+                if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                    raise StorageError(
+                        f"spool {self.root} filled up (ENOSPC) while writing capture seq {seq} (step {capture.step}): "
+                        "not handed off, nothing left behind. Enlarge the tmpfs (docker --shm-size) or point the "
+                        "spool elsewhere"
+                    ) from e
                 if isinstance(e, OSError):
-                    raise self._os_error(e, seq, capture) from e
+                    raise StorageError(f"writing capture seq {seq} to spool {self.root} failed: {e}") from e
                 raise
             self._parent = token
             if whole:
                 self._chain_start = seq
         return CaptureHandle(self, seq, token, capture.step, frozenset(tiers))
-
-    def _os_error(self, e: OSError, seq: int, capture: Capture) -> StorageError:
-        if e.errno == errno.ENOSPC:
-            return StorageError(
-                f"spool {self.root} filled up (ENOSPC) while writing capture seq {seq} (step {capture.step}): "
-                "not handed off, nothing left behind. Enlarge the tmpfs (docker --shm-size) or point the spool "
-                "elsewhere"
-            )
-        return StorageError(f"writing capture seq {seq} to spool {self.root} failed: {e}")
 
     def _answered(self, seq: int, ack: Ack) -> None:
         """A capture that was not applied breaks the chain of every later delta (until a whole capture)."""
