@@ -141,10 +141,10 @@ def load_cluster(path: str | os.PathLike[str], role: str, index: int) -> dict[st
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}: not valid JSON: {e}") from None
     cluster = validate_cluster(data, source=source)
-    return _check_task(cluster, role, index, source, role_key="--role", index_key="--index")
+    return check_task(cluster, role, index, source, role_key="--role", index_key="--index")
 
 
-def _check_task(
+def check_task(
     cluster: dict[str, list[str]], role: str, index: int, source: str, *, role_key: str, index_key: str
 ) -> dict[str, list[str]]:
     if role not in ROLES:
@@ -179,7 +179,7 @@ def task_from_tf_config(text: str) -> tuple[str, int, dict[str, list[str]]]:
         raise ConfigError(f"{source}: task.index: expected a whole number, got {index!r}")
     if not isinstance(role, str):
         raise ConfigError(f"{source}: task.type: expected one of {', '.join(ROLES)}, got {role!r}")
-    cluster = _check_task(
+    cluster = check_task(
         cluster, role, index, f"{source}: cluster", role_key=f"{source}: task.type", index_key="task.index"
     )
     return role, index, cluster

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from psguard.agent.chief_tiers import ChiefTiers
-from psguard.agent.config import ROLES, AgentConfig
+from psguard.agent.config import AgentConfig, check_task
 from psguard.agent.control.auth import Authenticator, JwtAuth
 from psguard.agent.control.httpd import AgentHTTPServer
 from psguard.agent.control.metrics import AgentMetrics
@@ -68,16 +68,14 @@ def _rss_bytes() -> int | None:
 
 def _check_task(
     config: AgentConfig,
-    cluster: Mapping[str, Sequence[str]],
+    cluster: dict[str, list[str]],
     role: str,
     index: int,
     command: Sequence[str],
     peers: Sequence[str],
 ) -> None:
     """Refuse a task the cluster does not have, and options its role does not take."""
-    task = f"{role}:{index}"
-    if role not in ROLES or not 0 <= index < len(cluster.get(role, ())):
-        raise ConfigError(f"task {task} is not in the cluster (roles: {', '.join(cluster)})")
+    check_task(cluster, role, index, "the cluster", role_key="role", index_key="index")
     if role == "chief" and not command:
         raise ConfigError(
             "the chief role runs the user's trainer: give its command after '--' "

@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 import logging
 import math
 import os
@@ -140,12 +141,10 @@ class Supervisor:
         self._sessions: set[int] = set()  # every run's session id (its leader's pid): whose orphans we reap
         # ``standby_cmd``: the standby runs another command that becomes this one on ``go`` (the warm trainer,
         # psguard.trainer.warm), and it is told the task's environment then.
-        self._standby: Standby | None = None
-        if self.config.standby and standby_cmd is not None:
-            warm = tuple(standby_cmd)
-            self._standby = Standby(self.name, lambda extra: self._popen(extra, cmd=warm), env_at_go=self._run_env)
-        elif self.config.standby:
-            self._standby = Standby(self.name, self._popen)
+        warm = tuple(standby_cmd or ())
+        spawn = functools.partial(self._popen, cmd=warm) if warm else self._popen
+        standby = Standby(self.name, spawn, env_at_go=self._run_env if warm else None)
+        self._standby = standby if self.config.standby else None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._first_spawn = threading.Event()
