@@ -21,6 +21,8 @@ import functools
 import hashlib
 import importlib.util
 import logging
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -76,14 +78,16 @@ def build(*, compiler: str | None = None, force: bool = False) -> Path:
     path = library_path()
     if path is None:
         raise ConfigError("TensorFlow is not installed here: there is nothing to build the op against")
+    if path.exists() and not force and trusted(path):
+        return path
+    cxx = compiler or os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise ConfigError("no C++ compiler (c++, g++ or $CXX) to build psguard's op with")
     flags = list(tf.sysconfig.get_compile_flags()) + list(tf.sysconfig.get_link_flags())
     return compile_library(
         path,
-        lambda cxx, out: [cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(SOURCE), "-o", out, *flags],
+        lambda out: [cxx, "-std=c++17", "-shared", "-fPIC", "-O2", "-w", str(SOURCE), "-o", out, *flags],
         "psguard's op",
-        "C++ CXX c++ g++",
-        compiler=compiler,
-        force=force,
     )
 
 

@@ -51,22 +51,13 @@ def trusted(path: Path) -> bool:
     return True
 
 
-def compile_library(
-    path: Path, argv: Callable[[str, str], list[str]], what: str, compilers: str, *, compiler: str | None, force: bool
-) -> Path:
-    """Unless a trusted build is at ``path`` (or ``force``), run ``argv(compiler, output)`` (a command line writing
-    ``output``) and move its result to ``path``, owner-only; ``compilers``: the language, the variable naming one,
-    then programs (``"C CC cc gcc"``). Atomic: a half-written library is never where a loader looks."""
-    if path.exists() and not force and trusted(path):
-        return path
-    language, env, *programs = compilers.split()
-    cc = compiler or os.environ.get(env) or next(filter(None, map(shutil.which, programs)), None)
-    if not cc:
-        raise ConfigError(f"no {language} compiler ({', '.join(programs)} or ${env}) to build {what} with")
+def compile_library(path: Path, command: Callable[[str], list[str]], what: str) -> Path:
+    """Run ``command(output)`` (a compiler's command line writing ``output``) and move its result to ``path``,
+    owner-only. Atomic: a half-written library is never where a loader looks."""
     ensure_private_dir(path.parent, "psguard's library cache")
     fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=path.parent)
     os.close(fd)
-    cmd = argv(cc, tmp)
+    cmd = command(tmp)
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
         if done.returncode != 0:
@@ -86,13 +77,14 @@ def digest_library() -> Path:
 
 def build_digest(*, compiler: str | None = None, force: bool = False) -> Path:
     """Compile the C digest into the cache (a fraction of a second); a trusted build there is kept."""
+    path = digest_library()
+    if path.exists() and not force and trusted(path):
+        return path
+    cc = compiler or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise ConfigError("no C compiler (cc, gcc or $CC) to build psguard's row digest with")
     return compile_library(
-        digest_library(),
-        lambda cc, out: [cc, "-std=c99", "-O3", "-shared", "-fPIC", str(DIGEST_SOURCE), "-o", out],
-        "the row digest",
-        "C CC cc gcc",
-        compiler=compiler,
-        force=force,
+        path, lambda out: [cc, "-std=c99", "-O3", "-shared", "-fPIC", str(DIGEST_SOURCE), "-o", out], "the row digest"
     )
 
 
