@@ -44,6 +44,8 @@ OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
 VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 #: TF's state file, which ``tf.train.latest_checkpoint`` reads (``checkpoint_management._GetCheckpointFilename``).
 STATE_FILE = "checkpoint"
+#: Checkpoints are named ``ckpt-<step>``, as ``tf.train.CheckpointManager`` names them by default.
+PREFIX_NAME = "ckpt"
 
 
 def object_graph_bytes(root: Any) -> bytes:
@@ -70,14 +72,13 @@ def export_checkpoint(
     checkpoint_id: str,
     directory: str | Path,
     *,
-    prefix_name: str = "ckpt",
     storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Write checkpoint ``checkpoint_id`` as a TF checkpoint into ``directory`` (a local folder or a store URL,
     opened with ``storage_options``) and name it the latest in the folder's state file; return its prefix."""
     info = store.manifest(checkpoint_id)
     with ExportFolder(directory, storage_options) as folder:
-        return folder.write(f"{prefix_name}-{info.step}", store.load(checkpoint_id), info.committed_at)
+        return folder.write(f"{PREFIX_NAME}-{info.step}", store.load(checkpoint_id), info.committed_at)
 
 
 class ExportFolder:
@@ -150,15 +151,15 @@ class ExportFolder:
             self._delete(lambda key: _checkpoint_of(key) in dropped)
         return str(self.local / name) if self.local is not None else f"{self.url}/{name}"
 
-    def remove_unlisted(self, prefix_name: str) -> list[str]:
-        """Delete the files of checkpoints ``<prefix_name>-<step>`` the state file does not list (what a killed
+    def remove_unlisted(self) -> list[str]:
+        """Delete the files of checkpoints ``ckpt-<step>`` the state file does not list (what a killed
         writer left, ``SaveV2``'s ``.tempstate`` files included); return their names."""
         listed = {name for name, _ in self.listed()}
         names: set[str] = set()
 
         def unlisted(key: str) -> bool:
             name = _checkpoint_of(key)
-            if name is None or name in listed or name.rsplit("-", 1)[0] != prefix_name:
+            if name is None or name in listed or name.rsplit("-", 1)[0] != PREFIX_NAME:
                 return False
             names.add(name)
             return True

@@ -28,7 +28,7 @@ from psguard.storage.registry import check_url, redact
 from psguard.store import CheckpointInfo, Store
 from psguard.store.cli import add_store_arguments, open_store, parse_storage_options, require_output_store
 from psguard.tensors import Rows, apply_update
-from psguard.trainer.export import ExportFolder
+from psguard.trainer.export import PREFIX_NAME, ExportFolder
 from psguard.trainer.follower import deltas_on_the_way, full_bytes
 from psguard.trainer.variables import writable
 
@@ -51,19 +51,16 @@ class Published:
 
 class Publisher:
     """Publish the newest durable commit of ``store`` into ``folder`` whenever ``cadence`` says it is due
-    (``None``: every commit). Checkpoints are named ``<prefix_name>-<step>``."""
+    (``None``: every commit). Checkpoints are named ``ckpt-<step>``."""
 
-    def __init__(
-        self, store: Store, folder: ExportFolder, *, cadence: SavePolicy | None = None, prefix_name: str = "ckpt"
-    ) -> None:
+    def __init__(self, store: Store, folder: ExportFolder, *, cadence: SavePolicy | None = None) -> None:
         self.store = store
         self.folder = folder
         self.cadence = cadence
-        self.prefix_name = prefix_name
         self._tensors: dict[str, np.ndarray] | None = None  # the commit held, by TF checkpoint key
         self._held: str | None = None
         self._bad: dict[str, str] = {}  # commit id -> why it is not published (not tried again)
-        removed = folder.remove_unlisted(prefix_name)
+        removed = folder.remove_unlisted()
         if removed:
             log.warning(
                 "event=publish_unlisted_removed folder=%s checkpoints=%s reason=%s",
@@ -118,7 +115,7 @@ class Publisher:
         """The folder's latest listed checkpoint of this prefix: its step and commit time (``None``: none)."""
         for name, stamp in reversed(self.folder.listed()):
             head, _, number = name.rpartition("-")
-            if head == self.prefix_name and number.isdigit():
+            if head == PREFIX_NAME and number.isdigit():
                 return TierState(step=int(number), at=stamp)
         return None
 
@@ -127,7 +124,7 @@ class Publisher:
         via, nbytes = self._move_to(info)
         assert self._tensors is not None
         started = time.monotonic()
-        prefix = self.folder.write(f"{self.prefix_name}-{info.step}", self._tensors, info.committed_at)
+        prefix = self.folder.write(f"{PREFIX_NAME}-{info.step}", self._tensors, info.committed_at)
         done = Published(
             checkpoint=info.id,
             step=info.step,
