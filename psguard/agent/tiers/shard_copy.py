@@ -212,12 +212,6 @@ class CopyOwner:
                 snap.also.append(fps)
             return snap, layout, dict(self._digests)
 
-    def _copy_state(self) -> dict[str, Any] | None:
-        s = self.sender.status() if self.sender is not None else {}
-        if not s.get("target"):
-            return None
-        return {"holder": s["target"], "step": s["synced_step"], "token": s["synced_token"]}
-
     def _keep_undo(
         self,
         parent: str | None,

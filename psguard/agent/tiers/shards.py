@@ -267,12 +267,16 @@ class ShardKeeper(CopyOwner):
         if copying and result.ok and self.copy_config.wait_for_copy > 0:
             assert self.sender is not None
             self.sender.wait_synced(token, self.copy_config.wait_for_copy)
+        s = self.sender.status() if self.sender is not None else {}  # the copy's holder and state, for the chief
+        copy = (
+            {"holder": s["target"], "step": s["synced_step"], "token": s["synced_token"]} if s.get("target") else None
+        )
         return {
             "status": result.status,
             "step": self.tier.step,
             "token": self.tier.token,
             "message": result.message,
-            "copy": self._copy_state(),
+            "copy": copy,
         }
 
     def pull(self, doc: Mapping[str, Any]) -> dict[str, Any]:
