@@ -11,13 +11,12 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from psguard.agent.control.peers import PeersConfig
 from psguard.agent.process.lifecycle import SupervisorConfig
 from psguard.agent.process.prober import MonitorConfig
 from psguard.agent.tiers.copy_settings import PeerCopyConfig
-from psguard.config import Duration
+from psguard.config import Duration, read_settings_file
 from psguard.errors import ConfigError
 
 ROLES = ("chief", "ps", "worker")
@@ -133,11 +132,7 @@ def load_cluster(path: str | os.PathLike[str], role: str, index: int) -> dict[st
     """Read and validate ``cluster.json``, and check that it has task ``role:index``."""
     source = os.fspath(path)
     try:
-        data = json.loads(Path(source).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError(f"{source}: no such file (--cluster)") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{source}: cannot read: {e}") from e
+        data = json.loads(read_settings_file(source))  # a regular file: not a FIFO that would block the start
     except json.JSONDecodeError as e:
         raise ConfigError(f"{source}: not valid JSON: {e}") from None
     cluster = validate_cluster(data, source=source)

@@ -32,6 +32,7 @@ from psguard.handoff.client import http_json
 from psguard.ports import free_ports
 from psguard.testbed.procs import descendants
 from tests.support.agents import FAST, FAST_CHIEF, AgentProc, port_accepts, write_cluster
+from tests.support.fifos import Fifos
 from tests.support.paths import QUIET
 from tests.support.processes import alive, wait_until
 
@@ -72,6 +73,14 @@ def test_cluster_file_role_and_index_checked(tmp_path: Path) -> None:
     path.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         load_cluster(path, "ps", 0)
+
+
+def test_a_fifo_in_place_of_the_cluster_file_is_refused_not_waited_on(tmp_path: Path, fifos: Fifos) -> None:
+    """``--cluster`` is read as a settings file: a FIFO nobody writes to held the agent's start for good."""
+    path = tmp_path / "cluster.json"
+    fifos.put(path)
+    with pytest.raises(ConfigError, match="not a regular file"):
+        fifos.within(lambda: load_cluster(path, "ps", 0), seconds=5)
 
 
 def test_chief_needs_a_command_and_only_the_chief_has_peers() -> None:
