@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -162,17 +162,11 @@ def list_tensors(root: Any) -> dict[str, TensorInfo]:
         dtype = shards[0].var.dtype
         dtype = np.dtype(object) if dtype == lazy_tf().string else np.dtype(dtype.as_numpy_dtype)
         infos.append(TensorInfo(name, tuple(int(d) for d in inner.shape), dtype, tuple(shards)))
-    return _mark_aliases(infos)
-
-
-def _mark_aliases(infos: list[TensorInfo]) -> dict[str, TensorInfo]:
-    """Mark tensors whose variables all belong, contiguously, to another: the one with the most shards (the
-    logical ShardedVariable), ties broken by graph order."""
-    order = sorted(range(len(infos)), key=lambda i: (-len(infos[i].shards), i))
+    # Aliases: tensors whose variables all belong, contiguously, to another, the one with the most shards (the
+    # logical ShardedVariable), ties broken by graph order (a stable sort).
     owner: dict[int, tuple[str, int]] = {}  # id(resource variable) -> (owning tensor, its first row there)
     result: dict[str, TensorInfo] = {}
-    for i in order:
-        info = infos[i]
+    for info in sorted(infos, key=lambda info: -len(info.shards)):
         homes = [owner.get(id(s.var)) for s in info.shards]
         target = homes[0][0] if homes[0] is not None else None
         contiguous = target is not None and all(
@@ -180,9 +174,7 @@ def _mark_aliases(infos: list[TensorInfo]) -> dict[str, TensorInfo]:
             for h, s in zip(homes, info.shards, strict=True)
         )
         if contiguous and target is not None and homes[0] is not None:
-            result[info.name] = TensorInfo(
-                info.name, info.shape, info.dtype, info.shards, alias_of=target, alias_offset=homes[0][1]
-            )
+            result[info.name] = replace(info, alias_of=target, alias_offset=homes[0][1])
             continue
         for s in info.shards:
             owner.setdefault(id(s.var), (info.name, s.offset))
