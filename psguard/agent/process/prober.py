@@ -32,7 +32,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import TracebackType
-from typing import TYPE_CHECKING, Annotated, Any, Protocol
+from typing import TYPE_CHECKING, Annotated, Any
 
 from psguard.agent.process.lifecycle import POSITIVE
 from psguard.agent.process.reaper import stat_fields
@@ -64,16 +64,6 @@ class ProbeResult:
 FROZEN = frozenset({"stopped", "timeout", "DEADLINE_EXCEEDED"})
 
 
-class Probe(Protocol):
-    """Anything the monitor can run: ``check`` never raises and never takes much longer than ``timeout``."""
-
-    name: str
-
-    def check(self, timeout: float) -> ProbeResult: ...
-
-    def close(self) -> None: ...
-
-
 class _Failed(Exception):
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -89,8 +79,9 @@ class _Failed(Exception):
         return cls("error", f"{what}: {type(e).__name__}: {e}")
 
 
-class _BaseProbe:
-    """Times ``_check`` and turns every exception into a failed result: a probe must not kill its monitor."""
+class Probe:
+    """What the monitor runs: ``check`` never raises (it times ``_check`` and turns every exception into a failed
+    result: a probe must not kill its monitor) and never takes much longer than ``timeout``."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -112,7 +103,7 @@ class _BaseProbe:
         """Release connections; the probe can still be used afterwards (it reconnects)."""
 
 
-class ProcessProbe(_BaseProbe):
+class ProcessProbe(Probe):
     """The task's process exists and is runnable. ``pid`` is a callable so it follows restarts."""
 
     def __init__(self, pid: Callable[[], int | None], *, name: str = "process") -> None:
@@ -139,7 +130,7 @@ class ProcessProbe(_BaseProbe):
             raise _Failed("stopped", f"process {pid} is stopped (SIGSTOP or a debugger)")
 
 
-class TcpProbe(_BaseProbe):
+class TcpProbe(Probe):
     """The port accepts TCP connections. Passes for a frozen process: see the module docstring."""
 
     def __init__(self, host: str, port: int, *, name: str = "tcp") -> None:
@@ -155,7 +146,7 @@ class TcpProbe(_BaseProbe):
             raise _Failed.connecting(e, f"TCP to {self.host}:{self.port}", timeout) from None
 
 
-class GrpcStatusProbe(_BaseProbe):
+class GrpcStatusProbe(Probe):
     """A ``GetStatus`` RPC to a ``tf.distribute.Server`` at ``target`` (``host:port``), with a deadline.
 
     The channel is kept between checks (a warm call costs ~0.3 ms) and dropped after any failure, so a
@@ -216,7 +207,7 @@ class GrpcStatusProbe(_BaseProbe):
             channel.close()
 
 
-class HttpProbe(_BaseProbe):
+class HttpProbe(Probe):
     """``GET url`` answers 2xx within the deadline (another agent's ``/readyz``).
 
     ``headers`` may carry a bearer token; it is sent, never logged or put into an error message.
