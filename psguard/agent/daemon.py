@@ -1,10 +1,5 @@
-"""``psguard agent``: the sidecar beside each task of a parameter-server job.
-
-One agent per task process (the chief's trainer, each PS, optionally each worker)::
-
-    psguard agent --role ps --index 0 --cluster cluster.json                  # built-in tf.distribute.Server
-    psguard agent --role chief --index 0 --cluster cluster.json --store s3://b/job \\
-        --peer http://ps0:8470 --peer http://ps1:8470 -- python train.py        # the user's trainer
+"""``psguard agent``: the sidecar beside each task process of a parameter-server job (the chief's trainer, each
+PS, optionally each worker; the command lines: README.md, "The sidecar").
 
 It wires the parts built elsewhere and adds no mechanism of its own: :mod:`psguard.agent.process` keeps the task
 alive, :mod:`psguard.agent.tiers` holds the checkpoint tiers, :mod:`psguard.agent.control` serves HTTP;

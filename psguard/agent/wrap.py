@@ -1,11 +1,8 @@
 """``psguard wrap -- python train.py``: run an existing PS training script with every task under an agent.
 
-It writes ``cluster.json`` on free loopback ports, starts one ``psguard agent`` per PS and worker (each supervising
-a ``tf.distribute.Server``), then one for the chief that runs the user's command with ``TF_CONFIG`` for
-``chief:0`` and watches every other agent: no change to the script. With ``psguard.CheckpointManager`` (given the
-same URL as ``--store``) the script also gets the memory tier and the durable log. A PS or worker agent that dies
-(a lost node) is started again, up to ``--agent-restarts`` times; each task counts as its own node
-(``PSGUARD_NODE=wrap-ps0``...), so that peer copies land on another task's agent.
+What it starts: docs/user-guide.md ("An existing script"). The chief's agent watches every other agent; a PS or
+worker agent that dies (a lost node) is started again, up to ``--agent-restarts`` times; each task counts as its
+own node (``PSGUARD_NODE=wrap-ps0``...), so that peer copies land on another task's agent.
 
 Exit code: 0 when the command finished; 1 when the chief's agent gave up on it or an agent died too often; 130 /
 143 when interrupted (SIGINT / SIGTERM), after every process ``wrap`` started was stopped: the chief's agent
@@ -154,10 +151,9 @@ def _checked(command: Sequence[str], args: argparse.Namespace) -> dict[str, Any]
     """Refuse bad options before any process starts; the user's ``--config`` settings (None: not given)."""
     if not command:
         raise ConfigError("give the training command after '--': psguard wrap [OPTIONS] -- python train.py ...")
-    if args.ps < 1:
-        raise ConfigError(f"--ps: a parameter-server job needs at least one PS, got {args.ps}")
-    if args.workers < 1:
-        raise ConfigError(f"--workers: a parameter-server job needs at least one worker, got {args.workers}")
+    for flag, count, what in (("--ps", args.ps, "PS"), ("--workers", args.workers, "worker")):
+        if count < 1:
+            raise ConfigError(f"{flag}: a parameter-server job needs at least one {what}, got {count}")
     if args.agent_restarts < 0:
         raise ConfigError(f"--agent-restarts: expected 0 or more replacements per agent, got {args.agent_restarts}")
     chief_settings = None
