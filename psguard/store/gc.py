@@ -205,7 +205,7 @@ class Collector(IndexJob):
                 r.checkpoint,
                 r.problems[0].message,
             )
-        writers = live_writer_leases(self.backend, now, self.lock_ttl, remove=not dry_run)
+        writers = live_writer_leases(self.backend, now, remove=not dry_run)
         # A live writer's parent and the checkpoint it deduplicates against (v2 leases name both) stay.
         chosen.update(
             str(w[k]) for w in writers for k in ("parent", "dedup_against") if is_checkpoint_id(str(w.get(k) or ""))
@@ -227,7 +227,7 @@ class Collector(IndexJob):
             # A second look, after the deletions: commits and writers that appeared since the first listing.
             listed = {i.id for i in infos}
             late = [cid for cid in self.index.checkpoint_ids() if cid not in listed]
-            deferred = bool(live_writer_leases(self.backend, now, self.lock_ttl, remove=not dry_run))
+            deferred = bool(live_writer_leases(self.backend, now, remove=not dry_run))
         if not deferred:
             deleted_chunks, young = self._sweep_chunks(kept, late, now, dry_run)
         log.info(

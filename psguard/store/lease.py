@@ -121,14 +121,6 @@ def read_lease(backend: Backend, key: str) -> dict[str, Any] | None:
     return doc  # type: ignore[no-any-return]
 
 
-def lease_ttl(doc: Mapping[str, Any], default: float) -> float:
-    """The TTL a sane lease (:func:`lease_problem`) declared (older locks: ``expires_at - created_at``), else
-    ``default``."""
-    if lease_problem(doc) is not None:
-        return default
-    return float(doc["ttl"]) if "ttl" in doc else float(doc["expires_at"]) - float(doc["created_at"])
-
-
 def pid_alive(pid: int) -> bool:
     if pid == os.getpid():
         return True
@@ -141,7 +133,7 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def lease_stale(doc: Mapping[str, Any], written_at: float, storage_now: float, default_ttl: float) -> bool:
+def lease_stale(doc: Mapping[str, Any], written_at: float, storage_now: float) -> bool:
     """Whether a lease whose object the storage wrote at ``written_at`` is dead at ``storage_now``.
 
     Both times are the storage's. Also stale at once: a damaged lease (unreadable, or insane by
@@ -150,7 +142,8 @@ def lease_stale(doc: Mapping[str, Any], written_at: float, storage_now: float, d
     age = storage_now - written_at
     if not doc or lease_problem(doc) is not None:
         return age > 1.0
-    if age > lease_ttl(doc, default_ttl):
+    ttl = float(doc["ttl"]) if "ttl" in doc else float(doc["expires_at"]) - float(doc["created_at"])  # older locks
+    if age > ttl:
         return True
     pid = doc.get("pid", 0)
     return doc.get("host") == socket.gethostname() and pid > 0 and not pid_alive(pid)
@@ -328,7 +321,7 @@ def acquire_writer_lease(
         deadline = time.monotonic() + max(ttl, 30.0)
         while True:
             doc, written = read_lease_with_mtime(backend, GC_LOCK)
-            if doc is None or lease_stale(doc, written, judging_now(backend, key), ttl):
+            if doc is None or lease_stale(doc, written, judging_now(backend, key)):
                 return lease, keeper
             if time.monotonic() > deadline:
                 raise SaveError(f"a gc on {backend.url} held its lock for over {max(ttl, 30.0):.0f}s")
@@ -340,14 +333,14 @@ def acquire_writer_lease(
         raise
 
 
-def live_writer_leases(backend: Backend, now: float, ttl: float, *, remove: bool = True) -> list[dict[str, Any]]:
+def live_writer_leases(backend: Backend, now: float, *, remove: bool = True) -> list[dict[str, Any]]:
     """Writer leases still alive at storage time ``now``; stale ones are removed (``remove``)."""
     live = []
     for key in (k for k in backend.keys(LOCK_PREFIX) if k.startswith(f"{LOCK_PREFIX}writer-")):
         doc, written = read_lease_with_mtime(backend, key)
         if doc is None:
             continue
-        if lease_stale(doc, written, now, ttl):
+        if lease_stale(doc, written, now):
             if remove:
                 remove_if_unchanged(backend, key, doc, written)
         else:
@@ -363,7 +356,7 @@ def acquire_gc_lease(backend: Backend, ttl: float) -> Lease:
     except ObjectExistsError:
         doc, written = read_lease_with_mtime(backend, GC_LOCK)
         if doc is not None:
-            if not lease_stale(doc, written, judging_now(backend), ttl):
+            if not lease_stale(doc, written, judging_now(backend)):
                 raise PsguardError(
                     f"another gc is running on {backend.url} ({doc.get('host')}:{doc.get('pid')}, "
                     f"since {doc.get('created_at')} by its clock); wait for it, it keeps its lock alive"

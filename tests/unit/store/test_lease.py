@@ -316,7 +316,7 @@ def test_other_insane_lock_numbers_make_a_damaged_lock_too(tmp_path: Path, field
     try:
         backend.put(GC_LOCK, raw.encode())
         assert read_lease(backend, GC_LOCK) == {}
-        assert lease_module.lease_stale({}, 0.0, 2.0, 600.0)
+        assert lease_module.lease_stale({}, 0.0, 2.0)
     finally:
         backend.close()
 
