@@ -190,17 +190,13 @@ class Recovery:
         shard files its PS nodes loaded, how many they mapped (zero-copy) and how many there were, likewise."""
         if restored is not None:
             last: dict[str, Any] = {"step": restored, "source": source, "at": time.time()}
+            shown = ""
             if mapped is not None:
                 last["shards_mapped"], last["shards_loaded"] = mapped
+                shown = f" shards_mapped={mapped[0]}/{mapped[1]}"
             with self._lock:
                 self._last_restore = last
-            log.info(
-                "event=trainer_restored task=%s restored_step=%d source=%s%s",
-                self.task,
-                restored,
-                source,
-                f" shards_mapped={mapped[0]}/{mapped[1]}" if mapped is not None else "",
-            )
+            log.info("event=trainer_restored task=%s restored_step=%d source=%s%s", self.task, restored, source, shown)
         if lost is None:
             with self._lock:
                 reported, self._reported_step = self._reported_step, None

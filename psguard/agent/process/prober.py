@@ -238,9 +238,7 @@ class HttpProbe(Probe):
         else:
             conn = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=timeout)
         deadline = time.monotonic() + timeout
-        path = parts.path or "/"
-        if parts.query:
-            path += "?" + parts.query
+        path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
         try:
             conn.request("GET", path, headers=self._headers)
             response = conn.getresponse()
