@@ -122,14 +122,6 @@ def self_connected(sock: socket.socket) -> bool:
     return bool(sock.getsockname()[:2] == sock.getpeername()[:2])
 
 
-def _connects(host: str, port: int, timeout: float) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout) as s:
-            return not self_connected(s)
-    except OSError:
-        return False
-
-
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
     """True when something accepts TCP connections on ``host:port``.
 
@@ -144,7 +136,11 @@ def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
         known = listening(host, port)
         if known is not None:
             return known
-    return _connects(host, port, timeout)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as s:
+            return not self_connected(s)
+    except OSError:
+        return False
 
 
 def wait_port(host: str, port: int, timeout: float, *, what: str = "server") -> None:

@@ -479,7 +479,7 @@ class PolicyWatcher:
                 result = self._reject(version[1])
             else:
                 in_place, self._looked = version.file == self._looked, version.file
-                result = self._reject(_in_place(self.path), version) if in_place else self._apply(version)
+                result = self._reject(_IN_PLACE.format(path=self.path), version) if in_place else self._apply(version)
         if self._on_reload is not None:
             self._on_reload(result)
         return result
@@ -509,13 +509,11 @@ class PolicyWatcher:
         return self._last
 
 
-def _in_place(path: Path) -> str:
-    return (
-        f"{path}: rewritten in place (the same file, other bytes): not applied, since a file written in place "
-        "can be read half-written. Write the new policy to a file in the same folder and rename it over this "
-        f"one (mv new.yaml {path.name}), as editors' safe save and Kubernetes ConfigMaps do; keeping the policy "
-        "in effect"
-    )
+_IN_PLACE = (
+    "{path}: rewritten in place (the same file, other bytes): not applied, since a file written in place can be read "
+    "half-written. Write the new policy to a file in the same folder and rename it over this one (mv new.yaml "
+    "{path.name}), as editors' safe save and Kubernetes ConfigMaps do; keeping the policy in effect"
+)
 
 
 def _observe(watcher: PolicyWatcher) -> Any:

@@ -131,11 +131,6 @@ def optimum(job: Job) -> dict[str, dict[str, float]]:
     }
 
 
-def simulate(schedule: Schedule, job: Job) -> SimResult:
-    """Run ``schedule`` over ``job`` on a virtual clock and measure what it costs (see the module doc)."""
-    return _measure(job, _run(schedule, job))
-
-
 @dataclass
 class _Trace:
     """What a schedule did over a job: when each tier saved, and when each state became restorable."""
@@ -209,8 +204,10 @@ def _run(schedule: Schedule, job: Job) -> _Trace:
     return trace
 
 
-def _measure(job: Job, trace: _Trace) -> SimResult:
-    """Per tier: its saves, their mean interval and stall, the work a failure loses on average and in all."""
+def simulate(schedule: Schedule, job: Job) -> SimResult:
+    """Run ``schedule`` over ``job`` on a virtual clock (see the module doc) and measure, per tier, its saves,
+    their mean interval and stall, and the work a failure loses on average and in all."""
+    trace = _run(schedule, job)
     rows: list[TierResult] = []
     for tier in Tier:
         times = trace.saves[tier]
