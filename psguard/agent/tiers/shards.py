@@ -82,6 +82,16 @@ def _copy_target(raw: object) -> tuple[str, str] | None:
     return raw["task"], raw["url"]
 
 
+def shard_keys(raw: object, what: str) -> list[ShardKey]:
+    """The shards a request names, ``[[name, offset, rows], ...]``; :class:`CorruptCheckpointError` in ``what``."""
+    if not isinstance(raw, list) or not all(
+        isinstance(k, list) and len(k) == 3 and isinstance(k[0], str) and all(type(n) is int and n >= 0 for n in k[1:])
+        for k in raw
+    ):
+        raise CorruptCheckpointError(f"bad 'shards' in {what}")
+    return [ShardKey(*k) for k in raw]
+
+
 def _step(doc: Mapping[str, Any]) -> int:
     step = doc.get("step")
     if type(step) is not int or not 0 <= step < 1 << 62:
@@ -493,21 +503,11 @@ class ShardKeeper(CopyOwner):
         into the tier, under its token: for a PS whose tier is gone or that must restore an older state.
         ``durable``: it is the log's newest, so the next durable saves may be deltas over it."""
         checkpoint = _token(doc, "checkpoint")
-        raw = doc.get("shards")
         if self.store is None:
             raise ShardError(f"the agent of {self.task} has no durable store (start it with --store)")
-        if not isinstance(raw, list) or not raw:
-            raise CorruptCheckpointError("bad 'shards' in a load request")
-        keys: list[ShardKey] = []
-        for item in raw:
-            if not (
-                isinstance(item, list)
-                and len(item) == 3
-                and isinstance(item[0], str)
-                and all(type(n) is int and n >= 0 for n in item[1:])
-            ):
-                raise CorruptCheckpointError("bad shard in a load request")
-            keys.append(ShardKey(item[0], item[1], item[2]))
+        keys = shard_keys(doc.get("shards"), "a load request")
+        if not keys:
+            raise CorruptCheckpointError("no 'shards' in a load request")
         manifest = self.store.manifest(checkpoint)
         arrays: dict[str, np.ndarray] = {}
         layout: dict[str, tuple[ShardKey, tuple[int, ...]]] = {}

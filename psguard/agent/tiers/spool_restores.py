@@ -23,11 +23,10 @@ from typing import Any
 from psguard.agent.tiers.memory_tier import MemoryTier
 from psguard.agent.tiers.persister import Persister
 from psguard.agent.tiers.shard_client import ShardClient
-from psguard.agent.tiers.shards import ShardError, StateNotHeldError
+from psguard.agent.tiers.shards import ShardError, StateNotHeldError, shard_keys
 from psguard.codec.dtypes import dtype_name
 from psguard.errors import CorruptCheckpointError, PsguardError
 from psguard.handoff.contract import TOKEN_KEY
-from psguard.handoff.parts import ShardKey
 from psguard.handoff.plan import Durable, Facts, Memory, plan
 from psguard.handoff.spool import (
     AGENT_TMP,
@@ -172,14 +171,9 @@ class RestoreAnswers:
             raise CorruptCheckpointError(f"restore request: bad checkpoint {checkpoint!r}")
         if self.persister is None or self.shards is None:
             raise ShardError("this agent has no durable store or no PS agents: the trainer reads the log itself")
-        if not isinstance(raw, dict) or not all(isinstance(v, list) for v in raw.values()):
+        if not isinstance(raw, dict):
             raise CorruptCheckpointError("restore request: bad shards")
-        try:
-            shards = {
-                str(task): [ShardKey(str(k[0]), int(k[1]), int(k[2])) for k in keys] for task, keys in raw.items()
-            }
-        except (TypeError, ValueError, IndexError, KeyError):
-            raise CorruptCheckpointError("restore request: bad shards") from None
+        shards = {str(task): shard_keys(keys, f"a restore request, {task}") for task, keys in raw.items()}
         store = self.persister.store
         manifest = store.manifest(checkpoint)
         if not wanted.get("force"):

@@ -15,7 +15,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from psguard.agent.tiers.shards import ShardKeeper
+from psguard.agent.tiers.shards import ShardKeeper, shard_keys
+from psguard.errors import CorruptCheckpointError
 from psguard.handoff.parts import PartCapture, ShardFiles, ShardKey
 from psguard.handoff.tensor_bundle import bundle_files, write_bundle
 from psguard.tensors import Full, Rows
@@ -249,3 +250,15 @@ def test_a_whole_shard_from_an_older_trainer_a_tensor_file_not_a_bundle_is_appli
             assert not folder.exists()  # the part's files are deleted once applied
     finally:
         keeper.close()
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [None, {"emb": [0, 4]}, [["emb", 0]], [["emb", 0, -4]], [["emb", "0", 4]], [[7, 0, 4]], [["emb", 0, True]], ["e"]],
+)
+def test_a_request_naming_malformed_shards_is_refused_before_anything_is_read(raw: object) -> None:
+    """A load request and a restore request name shards alike (``[[name, offset, rows], ...]``) and are read by one
+    parser: anything else, a string number or a bool included, is refused with where it came from."""
+    with pytest.raises(CorruptCheckpointError, match="bad 'shards' in a load request"):
+        shard_keys(raw, "a load request")
+    assert shard_keys([["emb", 0, 4], ["emb", 4, 2]], "x") == [ShardKey("emb", 0, 4), ShardKey("emb", 4, 2)]
