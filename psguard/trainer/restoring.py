@@ -148,8 +148,15 @@ class RestoreSide:
         elif path.startswith("memory:") or path == self.latest_checkpoint:
             if self._restore_newest(status=True) is None:
                 raise NoCheckpointError(f"no checkpoint to restore in {self._directory}")
-        else:
-            self._restore_durable(path)
+        else:  # an older durable checkpoint, whatever newer ones exist
+            checkpoint, by_task = CheckpointInfo.of(self.store.manifest(path)), self.capturer.spilled_by_task()
+            info, snap = RestoreInfo.durable(checkpoint), None
+            if by_task and isinstance(self._sink, AgentSink):
+                snap = self._sink.durable_snapshot(path, by_task, self.restore_timeout, force=True)
+            if snap is not None and self._load(info, snap, status=True):
+                self._restored(info)
+            else:
+                self._restore_loaded(checkpoint, self.store.load(path), status=True)
         assert self._deferred is not None and self.restored is not None
         return RestoreStatus(
             self._deferred, checkpoint_id=self.restored.id, step=self.restored.step, source=self.restored.source
@@ -236,18 +243,6 @@ class RestoreSide:
             return None
         self._restored(info, durable=durable)
         return info, memory
-
-    def _restore_durable(self, checkpoint_id: str) -> None:
-        """Restore durable checkpoint ``checkpoint_id``, whatever newer ones exist."""
-        checkpoint = CheckpointInfo.of(self.store.manifest(checkpoint_id))
-        by_task = self.capturer.spilled_by_task()
-        if by_task and isinstance(self._sink, AgentSink):
-            snap = self._sink.durable_snapshot(checkpoint_id, by_task, self.restore_timeout, force=True)
-            info = RestoreInfo.durable(checkpoint)
-            if self._load(info, snap, status=True):
-                self._restored(info)
-                return
-        self._restore_loaded(checkpoint, self.store.load(checkpoint_id), status=True)
 
     def _restore_loaded(
         self, checkpoint: CheckpointInfo, tensors: dict[str, np.ndarray], *, status: bool

@@ -17,15 +17,11 @@ import sys
 from psguard.handoff.standby import READY_ENV, STANDBY_ENV, wait_for_go
 
 
-def _usage() -> int:
-    print("usage: python -m psguard.trainer.warm SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)
-    return 2
-
-
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or (args[0] == "-m" and len(args) < 2):
-        return _usage()
+        print("usage: python -m psguard.trainer.warm SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)
+        return 2
     if os.environ.get(STANDBY_ENV) == "1":
         import tensorflow  # noqa: F401  - the point of a warm trainer: this import is most of a restart
 
