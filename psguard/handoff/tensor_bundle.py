@@ -33,7 +33,6 @@ BUNDLE_KEY = "t"
 _DT_ENUM = {name: number for number, name in TF_DTYPES.items()}
 _TABLE_MAGIC = 0xDB4775248B80FB57  # LevelDB's, as TensorFlow's table format keeps it
 _FOOTER_HANDLES = 40  # two block handles, padded to their maximum encoded length
-_RESTART_INTERVAL = 16
 _MAX_INDEX = 4096  # a one-tensor index of a shape of at most 32 dims: a few hundred bytes
 
 
@@ -148,28 +147,14 @@ def _masked(crc: int) -> int:
 
 
 def _block(table: bytearray, entries: list[tuple[bytes, bytes]]) -> tuple[int, int]:
-    """Append a block of ``entries`` (sorted) and its trailer to ``table``, as LevelDB's block builder lays it out
-    (a restart point every 16 entries, keys prefix-compressed in between); return its handle (offset, size
-    without the trailer)."""
-    body = bytearray()
-    restarts = [0]
-    previous = b""
-    for i, (key, value) in enumerate(entries):
-        shared = 0
-        if i % _RESTART_INTERVAL == 0:
-            if i:
-                restarts.append(len(body))
-        else:
-            while shared < min(len(key), len(previous)) and key[shared] == previous[shared]:
-                shared += 1
-        body += _varint(shared) + _varint(len(key) - shared) + _varint(len(value)) + key[shared:] + value
-        previous = key
-    for offset in restarts:
-        body += offset.to_bytes(4, "little")
-    body += len(restarts).to_bytes(4, "little")
+    """Append a block of ``entries`` and its trailer to ``table`` as LevelDB's block builder lays it out; return its
+    handle (offset, size without the trailer). A bundle's blocks hold at most two entries, the first key empty: one
+    restart point, and no key shares a prefix with the one before it."""
+    body = b"".join(_varint(0) + _varint(len(key)) + _varint(len(value)) + key + value for key, value in entries)
+    body += (0).to_bytes(4, "little") + (1).to_bytes(4, "little")  # the restart point (offset 0) and their count
     handle = (len(table), len(body))
     body += b"\0"  # no compression
-    table += body + _masked(crc32c(bytes(body))).to_bytes(4, "little")
+    table += body + _masked(crc32c(body)).to_bytes(4, "little")
     return handle
 
 
