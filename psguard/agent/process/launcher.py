@@ -22,6 +22,7 @@ import yaml
 from psguard.errors import PsguardError
 from psguard.handoff.client import http_json, read_token
 from psguard.handoff.contract import QUIET_TENSORFLOW
+from psguard.handoff.credentials import ensure_private_dir
 from psguard.ports import free_ports
 
 AGENT_CONFIG = """\
@@ -49,10 +50,7 @@ def run_token_file(directory: Path) -> Path:
     Agents authenticate each other (the chief's agent restarts PS servers with ``POST /restart``), so a run
     needs one token for all; a ``0600`` file in a ``0700`` folder, like the one an agent makes for itself.
     """
-    folder = directory / ".token"
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(folder, 0o700)
-    path = folder / "token"
+    path = ensure_private_dir(directory / ".token", "the run's token folder") / "token"
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

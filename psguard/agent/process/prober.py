@@ -186,8 +186,10 @@ class GrpcStatusProbe(Probe):
             call = self._call
         try:
             call(b"", timeout=timeout)
-        except grpc.RpcError as e:
-            self.close()
+        except BaseException as e:
+            self.close()  # a new channel for the next check (see the class doc)
+            if not isinstance(e, grpc.RpcError):
+                raise
             code = e.code() if hasattr(e, "code") else None
             name = code.name if code is not None else "UNKNOWN"
             details = e.details() if hasattr(e, "details") else str(e)
@@ -196,9 +198,6 @@ class GrpcStatusProbe(Probe):
             elif name == "UNIMPLEMENTED":
                 details = f"{self.method} is not served here: is {self.target} a tf.distribute.Server?"
             raise _Failed(name, f"{self.method} on {self.target}: {name}: {details}") from None
-        except BaseException:
-            self.close()
-            raise
 
     def close(self) -> None:
         with self._lock:
