@@ -71,7 +71,15 @@ class SidecarEvaluator:
                     self._timed_out()
                     since = time.monotonic()
                 time.sleep(self.poll_interval)
-            root = self._root(store, first)
+            # TF's restore root, or the model itself when the checkpoints hold no ``model`` (TF's ``load_weights``).
+            if "model" not in {name.split("/")[0] for name in store.manifest(first.id).tensors}:
+                if self.model.optimizer is not None and not self._new_optimizer():
+                    _ = self.model.optimizer.iterations  # a legacy optimizer makes it on first use; the root tracks it
+                root = self.model
+            elif self._new_optimizer():
+                root = tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer)
+            else:
+                root = tf.train.Checkpoint(model=self.model, optimizer=tf.train.Checkpoint(iter=self._iterations))
             with Follower(root, store, poll_interval=self.poll_interval, ignore_missing=True) as follower:
                 self.follower = follower
                 while True:
@@ -81,16 +89,6 @@ class SidecarEvaluator:
                     self._timed_out()
 
     # ------------------------------------------------------------------------------------------ the loop
-    def _root(self, store: Store, info: CheckpointInfo) -> Any:
-        """TF's restore root, or the model itself when the checkpoints hold no ``model`` (TF's ``load_weights``)."""
-        if "model" not in {name.split("/")[0] for name in store.manifest(info.id).tensors}:
-            if self.model.optimizer is not None and not self._new_optimizer():
-                _ = self.model.optimizer.iterations  # a legacy optimizer makes it on first use; the root tracks it
-            return self.model
-        if self._new_optimizer():
-            return tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer)
-        return tf.train.Checkpoint(model=self.model, optimizer=tf.train.Checkpoint(iter=self._iterations))
-
     def _new_optimizer(self) -> bool:
         return bool(self.model.optimizer) and isinstance(self.model.optimizer, tf_keras.optimizers.Optimizer)
 

@@ -224,13 +224,6 @@ class SpoolWriter:
         self._last_seq = seq
         return seq
 
-    def _unreserve(self, seq: int) -> None:
-        """Give ``seq`` back after a hand-off that failed (a full tmpfs), if no one reserved a later one."""
-        with self._seq_locked(), contextlib.suppress(FileNotFoundError, ValueError, CorruptCheckpointError):
-            if int(self._read_seq()) == seq:
-                atomic_write_text(self._paths.seq, str(seq - 1))
-                self._last_seq = seq - 1
-
     def _read_seq(self) -> str:
         return read_regular(self._paths.seq, "spool sequence number", max_bytes=64, private=True).decode().strip()
 
@@ -304,8 +297,11 @@ class SpoolWriter:
                 os.rename(tmp, self._paths.incoming / f"{seq:012d}")  # the hand-off
             except BaseException as e:
                 shutil.rmtree(tmp, ignore_errors=True)
-                with contextlib.suppress(OSError):
-                    self._unreserve(seq)
+                # Give seq back (a full tmpfs) if no one reserved a later one.
+                with contextlib.suppress(OSError, ValueError, CorruptCheckpointError), self._seq_locked():
+                    if int(self._read_seq()) == seq:
+                        atomic_write_text(self._paths.seq, str(seq - 1))
+                        self._last_seq = seq - 1
                 if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                     raise StorageError(
                         f"spool {self.root} filled up (ENOSPC) while writing capture seq {seq} (step {capture.step}): "
