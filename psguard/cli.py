@@ -71,19 +71,14 @@ Handler = Callable[[argparse.Namespace], int]
 _CHATTY_CLIENTS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "google", "urllib3", "hdfs_native", "fsspec")
 
 
-def version_text() -> str:
-    """psguard's, TensorFlow's (from its metadata: TensorFlow is not imported) and Python's versions."""
-    v = versions()
-    tf = f"TensorFlow {v['tensorflow']}" if v["tensorflow"] else f"TensorFlow: none. {EXTRAS['tensorflow']}"
-    return f"psguard {v['psguard']}\n{tf}\nPython {v['python']}"
-
-
 class _Version(argparse.Action):
     def __init__(self, option_strings: Sequence[str], dest: str, help: str | None = None) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
-        print(version_text())
+        v = versions()  # TensorFlow's from its metadata: it is not imported
+        tf = f"TensorFlow {v['tensorflow']}" if v["tensorflow"] else f"TensorFlow: none. {EXTRAS['tensorflow']}"
+        print(f"psguard {v['psguard']}\n{tf}\nPython {v['python']}")
         parser.exit()
 
 
@@ -127,14 +122,6 @@ def quiet_tensorflow(verbose: int) -> None:
         os.environ.setdefault(key, value)
 
 
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null: its reader is gone, and Python's final flush would print a BrokenPipeError."""
-    with contextlib.suppress(OSError, ValueError):  # stdout is not a file descriptor (captured in a test)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser(argv)  # the command modules import TensorFlow lazily, inside their handlers
@@ -151,8 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         code = func(args)
         sys.stdout.flush()  # a closed pipe shows here, inside the handlers below, not at interpreter exit
         return code
-    except BrokenPipeError:
-        _silence_stdout()
+    except BrokenPipeError:  # stdout to /dev/null: its reader is gone, and the final flush would print the error
+        with contextlib.suppress(OSError, ValueError):  # stdout is not a file descriptor (captured in a test)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
         return EXIT_BROKEN_PIPE
     except PsguardError as e:
         _error(e)

@@ -80,13 +80,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 s.close()
 
 
-def _proc_address(hex_addr: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
-    """An address column of /proc/net/tcp{,6}: 32-bit words in host (little-endian) byte order."""
-    raw = bytes.fromhex(hex_addr)
-    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-    return ipaddress.ip_address(words)
-
-
 def listening(host: str, port: int) -> bool | None:
     """Whether a local socket listens on ``host:port`` (or on the wildcard), read from the kernel's table.
 
@@ -110,7 +103,8 @@ def listening(host: str, port: int) -> bool | None:
             addr_hex, port_hex = fields[1].split(":")
             if int(port_hex, 16) != port:
                 continue
-            addr = _proc_address(addr_hex)
+            raw = bytes.fromhex(addr_hex)  # 32-bit words in host (little-endian) byte order
+            addr = ipaddress.ip_address(b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4)))
             mapped = getattr(addr, "ipv4_mapped", None)
             if addr.is_unspecified or addr == want or (mapped is not None and mapped == want):
                 return True
