@@ -44,22 +44,6 @@ def _constant(name: str) -> Any:
     raise StrictJSONError(f"{name} is not a JSON number")
 
 
-def check_depth(value: Any, limit: int = MAX_DEPTH) -> None:
-    """Refuse a parsed value nested deeper than ``limit`` (iteratively: no recursion to exhaust)."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            children: Any = item.values()
-        elif isinstance(item, list):
-            children = item
-        else:
-            continue
-        if depth > limit:
-            raise StrictJSONError(f"nested more than {limit} levels deep")
-        stack.extend((child, depth + 1) for child in children)
-
-
 def fields_json(obj: Any, **extra: Any) -> dict[str, Any]:
     """A dataclass's fields as JSON-ready values (tuples as lists, mappings as dicts, objects with ``to_json``
     as theirs), then ``extra``: the one way psguard's reports and records are written out."""
@@ -95,5 +79,11 @@ def loads(data: bytes | str, *, max_bytes: int | None = None) -> Any:
         raise StrictJSONError(f"not valid JSON ({e})") from None
     except ValueError as e:  # anything else the decoder refuses
         raise StrictJSONError(str(e)[:200]) from None
-    check_depth(value)
+    stack: list[tuple[Any, int]] = [(value, 1)]  # nesting checked iteratively: no recursion to exhaust
+    while stack:
+        item, depth = stack.pop()
+        children: Any = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None and depth > MAX_DEPTH:
+            raise StrictJSONError(f"nested more than {MAX_DEPTH} levels deep")
+        stack.extend((child, depth + 1) for child in children or ())
     return value
