@@ -13,11 +13,11 @@ is raised at once.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -103,8 +103,8 @@ class StoreWait:
             while True:
                 attempt += 1
                 try:
-                    if probe is not None:
-                        with self._quick():
+                    if probe is not None:  # failing on the first unavailable answer: the wait's backoff is the only one
+                        with self.backend.capped(0.0) if isinstance(self.backend, RetryingBackend) else nullcontext():
                             probe()
                     result = fn()
                 except StorageUnavailableError as e:
@@ -152,12 +152,3 @@ class StoreWait:
                 f"stopping; last error: {why}"
             ) from error
         return min(delay * 2, self.cap)
-
-    @contextlib.contextmanager
-    def _quick(self) -> Iterator[None]:
-        """The probe fails on the first unavailable answer: the wait's backoff is the only one."""
-        if isinstance(self.backend, RetryingBackend):
-            with self.backend.capped(0.0):
-                yield
-        else:
-            yield
