@@ -324,22 +324,17 @@ def write_array(folder: Path, file: str, value: np.ndarray) -> dict[str, Any]:
     return {"file": file, "size": len(data), "crc32c": _write_blob(folder / file, data)}
 
 
-def _file_ref(doc: Any, what: str) -> tuple[str, int, int]:
+def _read_array(folder: Path, ref: Any, dtype: np.dtype[Any], shape: tuple[int, ...], what: str) -> np.ndarray:
+    """Read one tensor file, allocating only once the claims agree: its size with its dtype and shape, and with
+    the file's real size (so a capture.json claiming 10^12 rows costs a stat, not an allocation)."""
     try:
-        file, size, crc = doc["file"], doc["size"], doc["crc32c"]
+        file, size, crc = ref["file"], ref["size"], ref["crc32c"]
     except (KeyError, TypeError):
         raise CorruptCheckpointError(f"{what}: file reference incomplete") from None
     if not isinstance(file, str) or not re.match(r"^[0-9]{1,9}\.(bin|ids)$", file):
         raise CorruptCheckpointError(f"{what}: bad file name {str(file)[:80]!r}")
     if not isinstance(size, int) or not isinstance(crc, int) or isinstance(size, bool) or size < 0:
         raise CorruptCheckpointError(f"{what}: bad size or CRC32C")
-    return file, size, crc
-
-
-def _read_array(folder: Path, ref: Any, dtype: np.dtype[Any], shape: tuple[int, ...], what: str) -> np.ndarray:
-    """Read one tensor file, allocating only once the claims agree: its size with its dtype and shape, and with
-    the file's real size (so a capture.json claiming 10^12 rows costs a stat, not an allocation)."""
-    file, size, crc = _file_ref(ref, what)
     elements = math.prod(shape)
     if dtype.kind == "O" and size < 8 * elements:
         raise CorruptCheckpointError(f"{what}: {size} bytes cannot hold {elements} strings")
@@ -382,21 +377,6 @@ def _parse_json(path: Path, what: str) -> dict[str, Any]:
     return doc
 
 
-def _shape_dtype(doc: Mapping[str, Any], what: str) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    shape = doc.get("shape")
-    if (
-        not isinstance(shape, list)
-        or len(shape) > MAX_DIMS
-        or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
-    ):
-        raise CorruptCheckpointError(f"{what}: bad shape {str(shape)[:80]}")
-    try:
-        dtype = dtype_from_name(str(doc.get("dtype")))
-    except (ValueError, ImportError) as e:
-        raise CorruptCheckpointError(f"{what}: {e}") from None
-    return tuple(shape), dtype
-
-
 def _entries(items: Any, what: str) -> Iterator[tuple[dict[str, Any], str, str, tuple[int, ...], np.dtype[Any]]]:
     """Each tensor entry of a capture or snapshot, with its name, how errors name it, its shape and dtype."""
     if not isinstance(items, list):
@@ -404,8 +384,18 @@ def _entries(items: Any, what: str) -> Iterator[tuple[dict[str, Any], str, str, 
     for item in items:
         if not isinstance(item, dict) or not isinstance(item.get("name"), str):
             raise CorruptCheckpointError(f"{what}: tensor entry malformed")
-        where = f"{what}, tensor {item['name']!r}"
-        yield item, item["name"], where, *_shape_dtype(item, where)
+        where, shape = f"{what}, tensor {item['name']!r}", item.get("shape")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_DIMS
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shape)
+        ):
+            raise CorruptCheckpointError(f"{where}: bad shape {str(shape)[:80]}")
+        try:
+            dtype = dtype_from_name(str(item.get("dtype")))
+        except (ValueError, ImportError) as e:
+            raise CorruptCheckpointError(f"{where}: {e}") from None
+        yield item, item["name"], where, tuple(shape), dtype
 
 
 def check_json(metadata: Mapping[str, Any]) -> dict[str, Any]:
