@@ -45,20 +45,6 @@ def add_store_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print machine-readable JSON")
 
 
-def require_local_store(url: str) -> None:
-    """Refuse a local store URL whose folder does not exist: the read-only and maintenance commands would
-    otherwise report "no checkpoints" (and ``verify`` pass) for a typo. Other schemes have no folders to check
-    (an S3 prefix exists once something is written under it); writers create a missing local folder."""
-    scheme, rest = split_url(url)
-    if scheme != "file":
-        return
-    path = Path(rest).expanduser().absolute()
-    if not path.exists():
-        raise NoCheckpointError(f"no store at {path}: the folder does not exist; check the URL")
-    if not path.is_dir():
-        raise NoCheckpointError(f"no store at {path}: it is a file, not a folder; check the URL")
-
-
 def require_output_folder(path: str | Path, what: str) -> Path:
     """Refuse an output folder that can never be made because it, or a folder above it, is a file: a bad argument
     (exit 2) said before any work, not an ``ENOTDIR`` traceback after it."""
@@ -79,9 +65,14 @@ def require_output_store(url: str, what: str) -> None:
 
 
 def open_store(args: argparse.Namespace, *, must_exist: bool = True) -> Store:
-    """The store a command names; with ``must_exist`` (every command but ``follow``), a local folder must exist."""
-    if must_exist:
-        require_local_store(args.url)
+    """The store a command names. With ``must_exist`` (every command but ``follow``) a local store's folder must
+    exist: the read-only and maintenance commands would otherwise report "no checkpoints" (and ``verify`` pass) for
+    a typo. Other schemes have no folders to check (an S3 prefix exists once something is written under it)."""
+    scheme, rest = split_url(args.url)
+    path = Path(rest).expanduser().absolute()
+    if must_exist and scheme == "file" and not path.is_dir():
+        why = "it is a file, not a folder" if path.exists() else "the folder does not exist"
+        raise NoCheckpointError(f"no store at {path}: {why}; check the URL")
     return Store.open(args.url, parse_storage_options(args.storage_option))
 
 
