@@ -268,7 +268,11 @@ def loads_yaml(cls: type[T], text: str, *, source: str = "<yaml>") -> T:
     try:
         data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise ConfigError(f"{source}:{_yaml_where(e)} not valid YAML: {_yaml_problem(e)}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1} column {mark.column + 1}:" if mark is not None else ""
+        if isinstance(e, yaml.reader.ReaderError):
+            where = f" character {e.position + 1}:"
+        raise ConfigError(f"{source}:{where} not valid YAML: {_yaml_problem(e)}") from None
     except RecursionError:
         raise ConfigError(f"{source}: not valid YAML: nested too deeply") from None
     except ValueError as e:  # the YAML constructor's own int(): past 4300 digits
@@ -283,15 +287,6 @@ def loads_yaml(cls: type[T], text: str, *, source: str = "<yaml>") -> T:
 _YAML_TOKENS = frozenset(
     repr(token.id) for token in vars(yaml.tokens).values() if isinstance(token, type) and hasattr(token, "id")
 ) | {repr("\t")}
-
-
-def _yaml_where(e: yaml.YAMLError) -> str:
-    mark = getattr(e, "problem_mark", None)
-    if mark is not None:
-        return f" line {mark.line + 1} column {mark.column + 1}:"
-    if isinstance(e, yaml.reader.ReaderError):
-        return f" character {e.position + 1}:"
-    return ""
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
