@@ -143,4 +143,6 @@ def open_progress(what: str, total: int, *, quiet: bool = False, stream: TextIO 
     stream = stream if stream is not None else sys.stderr
     if quiet:
         return Progress()
-    return BarProgress(what, total, stream) if stream.isatty() else PlainProgress(what, total, stream)
+    if stream.isatty():
+        return BarProgress(what, total, stream)
+    return PlainProgress(what, total, stream, interval=PLAIN_INTERVAL)
