@@ -171,8 +171,6 @@ class Store:
 
     # ----------------------------------------------------------------------------------------------- compaction
     def compact(self, checkpoint_id: str | None = None) -> CheckpointInfo | None:
-        """Fold a delta chain into a new full checkpoint of the same step (same contents).
-
-        Returns None when the checkpoint already is full. Memory holds one tensor at a time.
-        """
+        """Fold a delta chain into a new full checkpoint of the same step (same contents); None when the checkpoint
+        already is full. Memory holds one tensor at a time (a sharded one, one part)."""
         return compact(self._index, self._reader, self._writer, checkpoint_id)
