@@ -214,7 +214,8 @@ def test_a_dry_call_instantiates_the_capture_and_reads_and_writes_nothing(
     assert all(bitwise_equal(a, b) for a, b in zip(before, values(), strict=True)), "a dry call wrote something"
     with caplog.at_level("DEBUG", logger="psguard.trainer.capture_graph"), capturer._lock:
         capturer._warm_up()
-        capturer._join_warm()
+        assert capturer._warming is not None
+        capturer._warming.join()
     assert "warming" not in caplog.text
     updates = capturer.capture()
     update = updates["model/table" + SUFFIX]

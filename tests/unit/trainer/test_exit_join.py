@@ -19,18 +19,21 @@ SCRIPT = textwrap.dedent(
     """
     import sys, threading, time
     from pathlib import Path
+    from types import SimpleNamespace
     import psguard.trainer.manager as manager  # registers the exit hook, as a job using psguard has
     from psguard.trainer import capture_graph
 
     manager.WARM_EXIT_WAIT_SECONDS = float(sys.argv[3])
     started = threading.Event()
 
-    def warm() -> None:
-        started.set()
-        time.sleep(float(sys.argv[2]))
-        Path(sys.argv[1]).write_text("done")
+    class Capture:  # the capture function's instantiation, standing in for TensorFlow's work
+        def get_concrete_function(self, *args):
+            started.set()
+            time.sleep(float(sys.argv[2]))
+            Path(sys.argv[1]).write_text("done")
+            raise RuntimeError("nothing to call")  # a failed warm-up is left to the real call
 
-    capture_graph._in_background(warm, "psguard-capture-warm")
+    capture_graph.warm_functions(SimpleNamespace(plan=SimpleNamespace(tensors=()), capture=Capture()), ())
     started.wait()
     # The script ends here, the thread still running.
     """
