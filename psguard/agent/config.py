@@ -88,17 +88,6 @@ class AgentConfig:
     stop_exit_code: int = 0
 
 
-def _check_address(value: object, key: str) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: expected a 'host:port' string, got {value!r}")
-    host, sep, port_text = value.rpartition(":")
-    if not sep or not host or not _HOST_RE.match(host):
-        raise ConfigError(f"{key}: expected 'host:port' (e.g. '10.0.0.5:2222'), got {value!r}")
-    if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise ConfigError(f"{key}: the port must be a number from 1 to 65535, got {value!r}")
-    return value
-
-
 def validate_cluster(data: object, *, source: str = "cluster.json") -> dict[str, list[str]]:
     """Check a cluster spec (``{"chief": ["host:port"], "ps": [...], "worker": [...]}``); return a clean copy.
 
@@ -118,7 +107,13 @@ def validate_cluster(data: object, *, source: str = "cluster.json") -> dict[str,
             raise ConfigError(f"{source}: chief: a job has exactly one chief, got {len(addresses)} addresses")
         for i, address in enumerate(addresses):
             key = f"{role}[{i}]"
-            _check_address(address, f"{source}: {key}")
+            if not isinstance(address, str):
+                raise ConfigError(f"{source}: {key}: expected a 'host:port' string, got {address!r}")
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not _HOST_RE.match(host):
+                raise ConfigError(f"{source}: {key}: expected 'host:port' (e.g. '10.0.0.5:2222'), got {address!r}")
+            if not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ConfigError(f"{source}: {key}: the port must be a number from 1 to 65535, got {address!r}")
             if address in seen:
                 raise ConfigError(f"{source}: {key}: address {address} is already used by {seen[address]}")
             seen[address] = key

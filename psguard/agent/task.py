@@ -4,7 +4,6 @@ decided before the task starts. The environment is the contract with the trainer
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import re
@@ -30,9 +29,9 @@ from psguard.handoff.contract import (
 
 def server_command(cluster: Mapping[str, Sequence[str]], role: str, index: int) -> list[str]:
     """The built-in PS / worker task: a ``tf.distribute.Server`` that dies with this agent."""
-    flags = {"--cluster-spec": json.dumps(cluster, sort_keys=True), "--job": role, "--index": str(index)}
-    flags["--parent-pid"] = str(os.getpid())
-    return [sys.executable, "-m", "psguard.agent.process.tf_server", *itertools.chain(*flags.items())]
+    spec = json.dumps(cluster, sort_keys=True)
+    flags = ["--cluster-spec", spec, "--job", role, "--index", str(index), "--parent-pid", str(os.getpid())]
+    return [sys.executable, "-m", "psguard.agent.process.tf_server", *flags]
 
 
 #: glibc's tunable for malloc to ask the kernel for transparent huge pages (``supervisor.huge_pages``).
