@@ -269,7 +269,6 @@ class Agent:
                 self.supervisor.start()
             self.monitor.start()
             if self.chief is not None and self.chief.heartbeat is not None:
-                sup = self.supervisor
                 self.hang_watch = HangWatch(
                     self.chief.heartbeat,
                     task_pid=lambda: sup.pid,
