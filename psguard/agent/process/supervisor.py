@@ -377,10 +377,8 @@ class Supervisor:
 
     def _kill_tree(self, *, spare_standby: bool) -> None:
         """Kill every process of the task's tree that outlived its run (left the group, or was orphaned)."""
-        spare: frozenset[int] = frozenset()
         standby = self._standby.pid if spare_standby and self._standby is not None else None
-        if standby is not None:
-            spare = frozenset({standby, *reaper.descendants(standby)})
+        spare = frozenset() if standby is None else frozenset({standby, *reaper.descendants(standby)})
         self._tree.kill(exclude=spare)
         self._reap_adopted()
 
