@@ -478,16 +478,14 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
             chain = frozenset(self.restored.metadata.get("partitioning") or ())
         return chain - names if chain else frozenset()
 
-    def sync(self) -> None:
-        """TF's: wait for outstanding saves (here: until durable, as :meth:`wait`)."""
-        self.wait()
-
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save since the last wait reached the strongest tier it was asked for (durable
         unless it was memory-only); raise :class:`SaveError` if any failed."""
         errors = self._sink.wait(timeout)
         if errors:
             raise SaveError(f"{len(errors)} save(s) failed; the last: {errors[-1]}") from errors[-1]
+
+    sync = wait  # TF's name: wait for outstanding saves (here: until durable)
 
     def maybe_save(self, step: int | None = None, *, metrics: Mapping[str, float] | None = None) -> SaveHandle | None:
         """Ask the policy; save when it says so. Without a policy, never saves (call :meth:`save`)."""

@@ -125,15 +125,8 @@ class Publisher:
         assert self._tensors is not None
         started = time.monotonic()
         prefix = self.folder.write(f"{PREFIX_NAME}-{info.step}", self._tensors, info.committed_at)
-        done = Published(
-            checkpoint=info.id,
-            step=info.step,
-            prefix=redact(prefix),
-            via=via,
-            bytes_read=nbytes,
-            write_seconds=time.monotonic() - started,
-            lag_seconds=max(0.0, time.time() - info.committed_at),
-        )
+        lag = max(0.0, time.time() - info.committed_at)
+        done = Published(info.id, info.step, redact(prefix), via, nbytes, time.monotonic() - started, lag)
         log.info(
             "event=published %s",
             " ".join(f"{k}={round(v, 2) if isinstance(v, float) else v}" for k, v in asdict(done).items()),

@@ -99,11 +99,6 @@ class DirtyRows:
 _updating = threading.local()
 
 
-def _current_update() -> tuple[int, Any] | None:
-    stack: list[tuple[int, Any]] | None = getattr(_updating, "stack", None)
-    return stack[-1] if stack else None
-
-
 @contextmanager
 def _in_update(key: tuple[int, Any]) -> Iterator[None]:
     stack: list[tuple[int, Any]] = _updating.__dict__.setdefault("stack", [])
@@ -131,7 +126,8 @@ class _WriteHook:
             marks: list[Any] = []
             if self.targets:
                 first = args[0] if args else next(iter(kwargs.values()), None)
-                update = _current_update()
+                stack: list[tuple[int, Any]] | None = getattr(_updating, "stack", None)
+                update = stack[-1] if stack else None
                 for target in list(self.targets):
                     if name in _ROW_WRITES and isinstance(first, tf.IndexedSlices):
                         marks += target.mark_rows(first.indices)
