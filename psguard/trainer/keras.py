@@ -376,7 +376,16 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         own, asked = self.options.manager, self.options.summaries
         folder = None if isinstance(asked, bool) else os.fspath(asked)
         if own.summaries is None and asked is True:  # <log_dir>/psguard of the fit's first TensorBoard callback
-            board = next((c for c in _fit_callbacks(self) if isinstance(c, tf_keras.callbacks.TensorBoard)), None)
+            frame, callbacks = sys._getframe(), []  # the fit's: of the CallbackList a few frames up
+            for _ in range(_CALLER_FRAMES):
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, tf_keras.callbacks.CallbackList) and any(c is self for c in owner.callbacks):
+                    callbacks = list(owner.callbacks)
+                    break
+                if frame.f_back is None:
+                    break
+                frame = frame.f_back
+            board = next((c for c in callbacks if isinstance(c, tf_keras.callbacks.TensorBoard)), None)
             folder = os.path.join(os.fspath(board.log_dir), SUMMARIES_RUN) if board is not None else None
         return dataclasses.replace(
             own,
@@ -443,19 +452,6 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
 
 # ---------------------------------------------------------------------------------------------- checks
-
-
-def _fit_callbacks(callback: Any) -> list[Any]:
-    """The callbacks of the ``fit`` calling ``callback``'s hook now: the ``CallbackList`` a few frames up."""
-    frame = sys._getframe(1)
-    for _ in range(_CALLER_FRAMES):
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, tf_keras.callbacks.CallbackList) and any(c is callback for c in owner.callbacks):
-            return list(owner.callbacks)
-        if frame.f_back is None:
-            break
-        frame = frame.f_back
-    return []
 
 
 def _steps_of(save_freq: str | int | None, every: int | None) -> int | None:
