@@ -135,9 +135,7 @@ class _Invalid(Exception):
 
 
 def _join(path: str, key: str | int) -> str:
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    return f"{path}.{key}" if path else key
+    return f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else key)
 
 
 def _expected(path: str, expected: str, got: object) -> _Invalid:

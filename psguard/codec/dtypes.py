@@ -33,9 +33,7 @@ _ITEMSIZE = {"bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int4": 1, "ui
 
 def dtype_name(dtype: np.dtype) -> str:  # type: ignore[type-arg]
     """The name a manifest records; TF's string tensors arrive as numpy ``object`` arrays of bytes."""
-    if dtype.kind in ("O", "S", "U"):
-        return STRING
-    return str(dtype.name)
+    return STRING if dtype.kind in ("O", "S", "U") else str(dtype.name)
 
 
 def dtype_from_name(name: str) -> np.dtype:  # type: ignore[type-arg]
@@ -56,9 +54,7 @@ def itemsize_of(name: str) -> int:
     length table's entry, the least a string element takes on storage)."""
     if name == STRING:
         return 8
-    if name in _ITEMSIZE:
-        return _ITEMSIZE[name]
-    return int(np.dtype(name).itemsize)
+    return _ITEMSIZE[name] if name in _ITEMSIZE else int(np.dtype(name).itemsize)
 
 
 def logical_nbytes(dtype: str, shape: Sequence[int], chunks: Sequence[_Sized] = ()) -> int:

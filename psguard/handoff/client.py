@@ -86,9 +86,7 @@ def http_request(
 
 def read_token(path: str | None) -> str | None:
     """The bearer token in ``path`` (``None`` for no path); refused when others can read the file."""
-    if path is None:
-        return None
-    return read_secret_file(path, "--token-file")
+    return None if path is None else read_secret_file(path, "--token-file")
 
 
 def restart_ps_servers(

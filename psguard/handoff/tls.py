@@ -62,6 +62,4 @@ def client_context_from_env(env: Mapping[str, str] | None = None) -> ssl.SSLCont
     """The trainer's context from its agent's environment; ``None`` when the agent set no TLS variables."""
     env = os.environ if env is None else env
     ca, cert, key = env.get(ENV_AGENT_CA), env.get(ENV_AGENT_CLIENT_CERT), env.get(ENV_AGENT_CLIENT_KEY)
-    if not (ca or cert or key):
-        return None
-    return client_context(ca or None, cert or None, key or None)
+    return client_context(ca or None, cert or None, key or None) if ca or cert or key else None

@@ -171,9 +171,7 @@ class SavePolicy(Protocol):
 
 
 def _since(last: TierState, context: SaveContext) -> tuple[float | None, str]:
-    if last.at is not None:
-        return last.at, "last save"
-    return context.started_at, "start"
+    return (last.at, "last save") if last.at is not None else (context.started_at, "start")
 
 
 def _after(name: str, interval: float, now: float, last: TierState, context: SaveContext, basis: str = "") -> Verdict:

@@ -367,9 +367,7 @@ class PolicyWatcher:
     def wait_for(self, generation: int, timeout: float) -> Reload | None:
         """Wait until :attr:`generation` reaches ``generation``; the last outcome, or ``None`` on timeout."""
         with self._cond:
-            if self._cond.wait_for(lambda: self._generation >= generation, timeout):
-                return self._last
-            return None
+            return self._last if self._cond.wait_for(lambda: self._generation >= generation, timeout) else None
 
     def status(self) -> dict[str, Any]:
         """JSON-ready state: file, generation, last reload outcome and last decision."""

@@ -70,9 +70,7 @@ def canonical_url(url: str) -> str:
     """``url`` in one spelling per store, to tell whether two URLs name the same one: local paths absolute and
     resolved (``file://`` dropped), others with the scheme in lower case and no trailing slash."""
     scheme, rest = split_url(url)
-    if scheme == "file":
-        return os.path.realpath(os.path.expanduser(rest))
-    return f"{scheme}://{rest.rstrip('/')}"
+    return os.path.realpath(os.path.expanduser(rest)) if scheme == "file" else f"{scheme}://{rest.rstrip('/')}"
 
 
 def _entry(url: str) -> tuple[str, str, str, str | None]:

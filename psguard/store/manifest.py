@@ -70,9 +70,7 @@ def tensor_name_problem(name: str) -> str | None:
     if "" in parts:
         return "has an empty part ('//' or a trailing '/')"
     dots = next((p for p in parts if p in (".", "..")), None)
-    if dots is not None:
-        return f"has a {dots!r} part"
-    return None
+    return f"has a {dots!r} part" if dots is not None else None
 
 
 def check_tensor_name(name: object) -> str:
