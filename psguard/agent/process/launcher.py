@@ -105,10 +105,8 @@ class AgentProcess:
 
     def _spawn(self, extra: Sequence[str]) -> None:
         argv = [sys.executable, "-m", "psguard.cli", *self._args, *extra, "--config", str(self._config)]
-        argv += ["--token-file", str(self.token_file)]
-        argv += ["--ready-file", str(self.ready_file)]
-        if self._command:
-            argv += ["--", *self._command]
+        argv += ["--token-file", str(self.token_file), "--ready-file", str(self.ready_file)]
+        argv += ["--", *self._command] if self._command else []
         self.ready_file.unlink(missing_ok=True)
         # Its own session: Ctrl-C reaches the parent only, which then stops the agents in order.
         stderr = subprocess.STDOUT if self._log else None

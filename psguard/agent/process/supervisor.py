@@ -387,13 +387,11 @@ class Supervisor:
         if not self._subreaper:
             return
         with self._lock:
-            spare = {self._proc.pid} if self._proc is not None else set()
-            if self._tree.guard_pid is not None:
-                spare.add(self._tree.guard_pid)
+            ours = (self._proc.pid if self._proc is not None else None, self._tree.guard_pid)
             sessions = frozenset(self._sessions)
-        if self._standby is not None and self._standby.pid is not None:
-            spare.add(self._standby.pid)
-        reaper.reap(reaper.adopted_zombies(sessions, spare=frozenset(spare)))
+        standby = self._standby.pid if self._standby is not None else None
+        spare = frozenset(pid for pid in (*ours, standby) if pid is not None)  # reaped by their owners
+        reaper.reap(reaper.adopted_zombies(sessions, spare=spare))
 
     def _run_env(self) -> dict[str, str]:
         """The environment of a run started now."""
