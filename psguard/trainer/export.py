@@ -41,7 +41,6 @@ from psguard.trainer.variables import gather_variables
 log = logging.getLogger(__name__)
 
 OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
-VARIABLE_SUFFIX = "/.ATTRIBUTES/VARIABLE_VALUE"
 #: TF's state file, which ``tf.train.latest_checkpoint`` reads (``checkpoint_management._GetCheckpointFilename``).
 STATE_FILE = "checkpoint"
 #: Checkpoints are named ``ckpt-<step>``, as ``tf.train.CheckpointManager`` names them by default.
@@ -68,11 +67,7 @@ def object_graph_bytes(root: Any) -> bytes:
 
 
 def export_checkpoint(
-    store: Store,
-    checkpoint_id: str,
-    directory: str | Path,
-    *,
-    storage_options: dict[str, Any] | None = None,
+    store: Store, checkpoint_id: str, directory: str | Path, *, storage_options: dict[str, Any] | None = None
 ) -> str:
     """Write checkpoint ``checkpoint_id`` as a TF checkpoint into ``directory`` (a local folder or a store URL,
     opened with ``storage_options``) and name it the latest in the folder's state file; return its prefix."""

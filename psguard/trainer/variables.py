@@ -50,10 +50,6 @@ class TensorInfo:
         return tuple(s.rows for s in self.shards)
 
     @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(s.device for s in self.shards)
-
-    @property
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
 
