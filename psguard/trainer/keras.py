@@ -228,7 +228,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 "model._training_state; use one of them"
             )
         if self.manager is not None and self.manager is not self._given:
-            self._close_own()  # left open by a fit that raised before on_train_end
+            self.close()  # left open by a fit that raised before on_train_end
         self.last_save = None
         optimizer = getattr(model, "optimizer", None)
         if optimizer is None:
@@ -276,7 +276,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
         try:
             self._restore(model)
         except BaseException:
-            self._close_own()
+            self.close()
             raise
         self._retrace_unhooked(model)
         steps = (self.params or {}).get("steps")
@@ -339,7 +339,7 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
             if self.last_save is not None:
                 self.last_save.result()  # a save handed to a sidecar is not the writer's to wait for
         finally:
-            self._close_own()
+            self.close()
 
     # ------------------------------------------------------------------------------------------ public
 
@@ -355,11 +355,6 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
 
     def close(self) -> None:
         """Release the manager this callback created, as ``on_train_end`` does (after a ``fit`` that raised)."""
-        self._close_own()
-
-    # ------------------------------------------------------------------------------------------ internals
-
-    def _close_own(self) -> None:
         manager, self.manager = self.manager, self._given
         if self._given is not None:
             if self._position_hook:
@@ -370,6 +365,8 @@ class CheckpointCallback(tf_keras.callbacks.Callback):  # type: ignore[misc]
                 self._given_schedule = _UNSET
         if manager is not None and manager is not self._given:
             manager.close()
+
+    # ------------------------------------------------------------------------------------------ internals
 
     def _manager_options(self, coordinator: Any) -> ManagerOptions:
         """The options of the manager this fit creates: the user's, with what the callback supplies."""
