@@ -323,7 +323,7 @@ class RestoreSide:
         if deferred is not None:
             deferred.close()
 
-    def _restored(self, info: RestoreInfo, *, durable: CheckpointInfo | None = None) -> str:
+    def _restored(self, info: RestoreInfo, *, durable: CheckpointInfo | None = None) -> None:
         with self._capture_lock:
             self.restored = info
             self._graph = None  # the restored manifest's graph may differ: send ours with the next save
@@ -341,7 +341,6 @@ class RestoreSide:
         if self._sink.supervised:  # under an agent: it counts the lost steps (psguard_lost_steps_total)
             seen = process_managers.last_seen_step(self._directory)
             report_recovery(info.step, seen_step=seen, source=info.source, shards_mapped=mapped)
-        return info.id
 
     def _durable_on_the_ps(self, *, force: bool = False) -> tuple[RestoreInfo, Restored] | None:
         """The newest durable checkpoint that loads, each PS's agent reading its own rows from the log (None
