@@ -118,9 +118,7 @@ class Follower:
             stop.wait(self.poll_interval if left is None else min(self.poll_interval, left))
 
     def run(
-        self,
-        on_checkpoint: Callable[[CheckpointInfo], None] | None = None,
-        stop: threading.Event | None = None,
+        self, on_checkpoint: Callable[[CheckpointInfo], None] | None = None, stop: threading.Event | None = None
     ) -> None:
         """Poll until ``stop`` is set; call ``on_checkpoint`` after each checkpoint applied."""
         for info in self.checkpoints(stop=stop):
@@ -211,11 +209,7 @@ class Follower:
         self.stats.bytes_read += nbytes
 
     def _check(
-        self,
-        infos: Mapping[str, TensorInfo],
-        binding: Mapping[str, str],
-        updates: Mapping[str, Same],
-        cid: str,
+        self, infos: Mapping[str, TensorInfo], binding: Mapping[str, str], updates: Mapping[str, Same], cid: str
     ) -> tuple[dict[str, TensorInfo], list[str]]:
         """The follower's tensors that checkpoint ``cid`` holds, by checkpoint key, and the names of those it
         does not (left alone); :class:`TensorMismatchError` for every shape or dtype that differs and every

@@ -394,11 +394,7 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
         return self._lag.status()
 
     def _save(
-        self,
-        checkpoint_number: Any,
-        *,
-        metrics: Mapping[str, float] | None,
-        tiers: frozenset[Tier] | None,
+        self, checkpoint_number: Any, *, metrics: Mapping[str, float] | None, tiers: frozenset[Tier] | None
     ) -> SaveHandle:
         with self._capture_lock:
             coordinator = self.coordinator

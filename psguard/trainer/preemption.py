@@ -25,11 +25,7 @@ class PreemptionHandler:
     handler does no locking or I/O; a second signal gives up and lets the default action kill the process."""
 
     def __init__(
-        self,
-        *,
-        grace: float = 20.0,
-        signals: Sequence[int] = (signal.SIGTERM,),
-        clock: Callable[[], float] = time.time,
+        self, *, grace: float = 20.0, signals: Sequence[int] = (signal.SIGTERM,), clock: Callable[[], float] = time.time
     ) -> None:
         if grace <= 0:
             raise ValueError(f"grace must be > 0 seconds, got {grace!r}")

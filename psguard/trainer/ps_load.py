@@ -29,10 +29,7 @@ _LOADS_LOCK = threading.Lock()  # Functions.loads: the loads traced per plan
 
 
 def trace_load(
-    fns: Functions,
-    which: tuple[tuple[int, int], ...],
-    given: tuple[tuple[int, int], ...],
-    variables: Any,
+    fns: Functions, which: tuple[tuple[int, int], ...], given: tuple[tuple[int, int], ...], variables: Any
 ) -> None:
     """Trace :func:`load_function` for shards ``which``, each with its fingerprints, and ``given``; a failure is
     left for the restore to report."""

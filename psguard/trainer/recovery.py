@@ -324,10 +324,7 @@ def run_with_recovery(
 
 
 def _restart_dropping(
-    restart_ps: Callable[[float], None],
-    failed_at: float,
-    dropping: list[T | None],
-    close: Callable[[T], None] | None,
+    restart_ps: Callable[[float], None], failed_at: float, dropping: list[T | None], close: Callable[[T], None] | None
 ) -> None:
     """Restart the PS tasks while the failed generation (the one job in ``dropping``, taken out) is dropped."""
     with ThreadPoolExecutor(1, thread_name_prefix="psguard-restart-ps") as pool:
