@@ -492,20 +492,15 @@ def choose_sink(sink: SinkKind | None, spool: str | os.PathLike[str] | None, dir
                 "under psguard agent / psguard wrap (they set it), or give options=psguard.ManagerOptions(spool=...)"
             )
         return SinkChoice("store", f"${ENV_SPOOL} unset")
-    return _agent_of_env(sink, env_spool, agent_store, directory)
-
-
-def _agent_of_env(sink: SinkKind | None, spool: str, agent_store: str | None, directory: str) -> SinkChoice:
-    """The choice under the agent of ``$PSGUARD_SPOOL`` (``agent_store`` empty: started without ``--store``)."""
-    if agent_store == "":
+    if agent_store == "":  # the agent was started without --store
         if sink == "agent":
             raise ConfigError(
-                f"sink='agent', but the psguard agent running this trainer (${ENV_SPOOL}={spool}) was started "
+                f"sink='agent', but the psguard agent running this trainer (${ENV_SPOOL}={env_spool}) was started "
                 f"without --store and keeps checkpoints in memory only. Fix: start it with --store {directory}"
             )
         what = "the agent running this trainer has no --store, so this manager writes the durable log itself"
         log.warning(
-            "event=agent_without_store spool=%s: %s. Fix: start the agent with --store %s", spool, what, directory
+            "event=agent_without_store spool=%s: %s. Fix: start the agent with --store %s", env_spool, what, directory
         )
         return SinkChoice("store", f"the agent of ${ENV_SPOOL} has no --store")
     if agent_store is not None and canonical_url(agent_store) != canonical_url(directory):
@@ -514,7 +509,7 @@ def _agent_of_env(sink: SinkKind | None, spool: str, agent_store: str | None, di
             f"at {directory}: everything would go to {agent_store} and {directory} would stay empty. Fix: give "
             f"psguard.CheckpointManager the agent's URL ({agent_store}) or start the agent with --store {directory}"
         )
-    return SinkChoice("agent", f"from ${ENV_SPOOL}", spool)
+    return SinkChoice("agent", f"from ${ENV_SPOOL}", env_spool)
 
 
 #: Where a manager's captures go.
