@@ -109,13 +109,7 @@ import numpy as np
 from psguard.codec import strict_json
 from psguard.codec.dtypes import MAX_DIMS, dtype_from_name, dtype_name
 from psguard.codec.tensor_bytes import byte_view, deserialize_strings, tensor_bytes
-from psguard.errors import (
-    ConfigError,
-    CorruptCheckpointError,
-    NoCheckpointError,
-    PsguardError,
-    SaveError,
-)
+from psguard.errors import ConfigError, CorruptCheckpointError, NoCheckpointError, PsguardError, SaveError
 from psguard.handoff.contract import Tier, default_spool_dir
 from psguard.handoff.credentials import ensure_private_dir
 from psguard.handoff.parts import PartCapture, ShardKey, is_ps_task, parts_from_json

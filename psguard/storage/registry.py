@@ -94,10 +94,7 @@ def check_url(url: str) -> None:
 
 
 def open_backend(
-    url: str,
-    storage_options: Mapping[str, Any] | None = None,
-    *,
-    retry: RetryConfig | None = None,
+    url: str, storage_options: Mapping[str, Any] | None = None, *, retry: RetryConfig | None = None
 ) -> Backend:
     """Open the backend for ``url``, wrapped with retries (``retry=RetryConfig(deadline=0)`` disables them)."""
     scheme, module_name, cls_name, requirement = _entry(url)

@@ -60,16 +60,7 @@ _TRANSIENT_NAMES = {
     "ChunkedEncodingError",
     "HdfsError",
 }
-_TRANSIENT_WORDS = (
-    "503",
-    "500",
-    "502",
-    "504",
-    "SlowDown",
-    "InternalError",
-    "ServiceUnavailable",
-    "RequestTimeout",
-)
+_TRANSIENT_WORDS = ("503", "500", "502", "504", "SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout")
 
 
 # Modules whose exceptions are storage client failures (a bad answer, no credentials), not bugs in the caller.

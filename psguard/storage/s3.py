@@ -19,11 +19,7 @@ from psguard.storage.base import causes
 from psguard.storage.fsspec_backend import FsspecBackend, bucket_root
 
 # Bounded client timeouts: psguard's own retry layer (with a deadline) decides how long to keep trying.
-_DEFAULT_CONFIG = {
-    "connect_timeout": 5,
-    "read_timeout": 60,
-    "retries": {"max_attempts": 2, "mode": "standard"},
-}
+_DEFAULT_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
 
 
 def _is_precondition_failure(error: BaseException) -> bool:

@@ -180,9 +180,7 @@ class ChunkReader:
 
     def _corrupt(self, ref: ChunkRef, what: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
-            f"checkpoint {self.checkpoint}: chunk {ref.hash} {what}",
-            checkpoint=self.checkpoint,
-            chunk=ref.hash,
+            f"checkpoint {self.checkpoint}: chunk {ref.hash} {what}", checkpoint=self.checkpoint, chunk=ref.hash
         )
 
     def _unreadable(self, ref: ChunkRef, error: BaseException) -> UnreadableChunkError:

@@ -53,11 +53,7 @@ class Reader(IndexJob):
         self.pool = pool
 
     def load(
-        self,
-        checkpoint_id: str,
-        names: Sequence[str] | None = None,
-        *,
-        verify_hash: bool = False,
+        self, checkpoint_id: str, names: Sequence[str] | None = None, *, verify_hash: bool = False
     ) -> dict[str, np.ndarray]:
         """Materialise tensors of a checkpoint (base + deltas), verifying every chunk read.
 

@@ -194,11 +194,7 @@ class Writer(IndexJob):
         enc, futs = self._submit(writer, update, rows, f"{what}: row ids must be sorted, unique and within the shard's")
         writer.wait()
         doc = Part(offset, rows, enc, **_payload(enc, futs)).to_json()
-        doc.update(
-            dtype=dtype_name(dtype),
-            shape=list(shape),
-            stats={k: getattr(writer.stats, k) for k in _STAT_KEYS},
-        )
+        doc.update(dtype=dtype_name(dtype), shape=list(shape), stats={k: getattr(writer.stats, k) for k in _STAT_KEYS})
         return doc
 
     def encode(
