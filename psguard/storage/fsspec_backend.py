@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import re
-import secrets
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -76,9 +75,6 @@ class FsspecBackend(Backend):
 
     def _p(self, key: str) -> str:
         return f"{self.root}/{validate_key(key)}"
-
-    def _tmp_name(self, key: str) -> str:
-        return f"{self._p(key)}{TMP_MARK}{secrets.token_hex(6)}"
 
     def put(self, key: str, data: Buffer) -> None:
         self._write(key, data, overwrite=True)

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import getpass
 import os
+import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -23,7 +24,7 @@ from urllib.parse import urlsplit
 
 from psguard.errors import ConfigError
 from psguard.storage.base import Buffer
-from psguard.storage.fsspec_backend import FsspecBackend
+from psguard.storage.fsspec_backend import TMP_MARK, FsspecBackend
 from psguard.storage.registry import redact
 from psguard.storage.retry import TransientStorageError
 
@@ -41,13 +42,9 @@ def _host_port_path(url: str, default_port: int) -> tuple[str, int, str]:
     return parts.hostname, parts.port or default_port, "/" + parts.path.strip("/")
 
 
-def _hadoop_user() -> str:
-    return os.environ.get("HADOOP_USER_NAME") or getpass.getuser()
-
-
 def _write_renamed(backend: FsspecBackend, key: str, data: Buffer, rename: Callable[[str, str], None]) -> None:
     """Write ``key`` under a temporary name, then ``rename(temporary, final)``; the temporary goes on any failure."""
-    tmp = backend._tmp_name(key)
+    tmp = f"{backend._p(key)}{TMP_MARK}{secrets.token_hex(6)}"
     backend.fs.pipe_file(tmp, bytes(data))
     try:
         rename(tmp, backend._p(key))
@@ -100,7 +97,7 @@ class WebHdfsBackend(FsspecBackend):
         self.root = path.rstrip("/") or ""
         opts = dict(options or {})
         timeout = float(opts.pop("op_timeout", DEFAULT_OP_TIMEOUT))
-        opts.setdefault("user", _hadoop_user())
+        opts.setdefault("user", os.environ.get("HADOOP_USER_NAME") or getpass.getuser())
         self.fs = WebHDFS(host=host, port=port, skip_instance_cache=True, **opts)
         session = self.fs.session
         session.request = functools.partial(session.request, timeout=timeout)

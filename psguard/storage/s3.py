@@ -22,23 +22,6 @@ from psguard.storage.fsspec_backend import FsspecBackend, bucket_root
 _DEFAULT_CONFIG = {"connect_timeout": 5, "read_timeout": 60, "retries": {"max_attempts": 2, "mode": "standard"}}
 
 
-def _is_precondition_failure(error: BaseException) -> bool:
-    """s3fs turns the server's 412 into a bare ``OSError(EINVAL)``; look through the chain for the cause."""
-    for e in causes(error):
-        if isinstance(e, FileExistsError):
-            return True
-        response = getattr(e, "response", None)
-        if isinstance(response, dict):
-            err = response.get("Error", {})
-            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if err.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
-                return True
-        text = str(e).lower()
-        if "precondition" in text or "pre-condition" in text:
-            return True
-    return False
-
-
 _BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{1,61}[A-Za-z0-9]")
 _CREDENTIALS_HINT = (
     "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE with ~/.aws, an instance or pod role, or pass "
@@ -114,7 +97,20 @@ class S3Backend(FsspecBackend):
         self.fs = s3fs.S3FileSystem(skip_instance_cache=True, use_listings_cache=False, config_kwargs=config, **opts)
 
     def _exists_error(self, e: BaseException) -> bool:
-        return _is_precondition_failure(e)
+        """s3fs turns the server's 412 into a bare ``OSError(EINVAL)``; look through the chain for the cause."""
+        for cause in causes(e):
+            if isinstance(cause, FileExistsError):
+                return True
+            response = getattr(cause, "response", None)
+            if isinstance(response, dict):
+                err = response.get("Error", {})
+                status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                if err.get("Code") in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+                    return True
+            text = str(cause).lower()
+            if "precondition" in text or "pre-condition" in text:
+                return True
+        return False
 
     def explain(self, error: BaseException) -> str | None:
         return explain_s3_error(error, self.url, self._endpoint)
