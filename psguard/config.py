@@ -107,8 +107,7 @@ def format_duration(seconds: float) -> str:
     if s == 0:
         return "0s"
     if s < 1:
-        ms = round(s * 1000, 1)
-        return f"{sign}{ms:g}ms"
+        return f"{sign}{round(s * 1000, 1):g}ms"
     if s < 60:
         return f"{sign}{round(s, 1):g}s"
     for big, small, big_name, small_name in ((86400, 3600, "d", "h"), (3600, 60, "h", "m"), (60, 1, "m", "s")):
@@ -253,8 +252,7 @@ def read_settings_from(f: BinaryIO, source: str) -> tuple[bytes, os.stat_result]
 
 def load_yaml(cls: type[T], path: str | os.PathLike[str]) -> T:
     """Read the YAML file at ``path`` into ``cls`` (a dataclass); :class:`ConfigError` names file and key."""
-    source = os.fspath(path)
-    return loads_yaml(cls, read_settings_file(source), source=source)
+    return loads_yaml(cls, read_settings_file(path), source=os.fspath(path))
 
 
 def loads_yaml(cls: type[T], text: str, *, source: str = "<yaml>") -> T:
@@ -331,8 +329,7 @@ def _describe(tp: Any) -> str:
     if origin is Annotated:
         parse = next((m for m in tp.__metadata__ if isinstance(m, Parse)), None)
         checks = [m.expected for m in tp.__metadata__ if isinstance(m, Check)]
-        base = parse.expected if parse else _describe(args[0])
-        return " ".join([base, *checks])
+        return " ".join([parse.expected if parse else _describe(args[0]), *checks])
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in args)
     if origin is Literal:
@@ -499,10 +496,9 @@ def _checks(tp: Any, value: object) -> list[Check]:
 def changed_keys(old: object, new: object, path: str = "") -> list[str]:
     """``key: old -> new`` lines for the fields that differ between two instances of a config dataclass."""
     if dataclasses.is_dataclass(old) and type(old) is type(new) and not isinstance(old, type):
-        fields = dataclasses.fields(old)
         return [
             line
-            for f in fields
+            for f in dataclasses.fields(old)
             for line in changed_keys(getattr(old, f.name), getattr(new, f.name), _join(path, f.name))
         ]
     return [] if old == new else [f"{path or '(top level)'}: {old!r} -> {new!r}"]

@@ -358,9 +358,7 @@ def failure_moment(seen_at: float, ran_at: float | None) -> float:
 
 def reported_moment(reported_at: float | None, *, run_started_at: float, exit_code: int | None) -> float | None:
     """:data:`REPORTED_BY_THIS_RUN`: the failure moment a trainer run's end leaves, or ``None``."""
-    if exit_code != EXIT_RESTART or reported_at is None or reported_at < run_started_at:
-        return None
-    return reported_at
+    return None if exit_code != EXIT_RESTART or reported_at is None or reported_at < run_started_at else reported_at
 
 
 def plan(facts: Facts) -> RecoveryPlan:
@@ -439,8 +437,7 @@ def _restore(facts: Facts, sources: Mapping[str, _Source]) -> Restore:
     if d.known and d.step is None:
         return Restore(Source.INITIAL, None, f"{NOTHING.why} ({rule.name}{detail}, {logged})", NOTHING.name)
     why = f"{rule.why}{detail}: {logged}"
-    force = rule is MEMORY_DAMAGED
-    return Restore(Source.DURABLE, d.step, why, rule.name, checkpoint=d.checkpoint, force=force)
+    return Restore(Source.DURABLE, d.step, why, rule.name, checkpoint=d.checkpoint, force=rule is MEMORY_DAMAGED)
 
 
 def _process(r: TaskReport, facts: Facts) -> tuple[Process, Rule]:

@@ -284,8 +284,7 @@ class Cron:
         stamp = datetime.datetime.fromtimestamp(fire, zoneinfo.ZoneInfo(self.timezone)).isoformat()
         if fire <= now + _EPSILON:
             return Verdict(True, f"{self.describe()}: {stamp} came since {what}")
-        left = fire - now
-        return Verdict(False, f"{self.describe()}: next at {stamp}", seconds_left=left)
+        return Verdict(False, f"{self.describe()}: next at {stamp}", seconds_left=fire - now)
 
 
 @dataclass(frozen=True)
