@@ -271,10 +271,9 @@ class Capturer:
     def _given(self, held: Callable[[str], bool]) -> tuple[tuple[int, int], ...]:
         """The (tensor, shard) indices of the tensors the chief passes to a PS-side load: every shard of each
         tensor not captured on its PS whose name ``held`` accepts."""
-        tracked = self._tracked.values()
         return tuple(
             (i, j)
-            for i, tr in enumerate(tracked)
+            for i, tr in enumerate(self._tracked.values())
             if not tr.spill and held(tr.info.name)
             for j in range(len(tr.info.shards))
         )
