@@ -65,9 +65,7 @@ def library_path() -> Path | None:
 def built() -> Path | None:
     """The library, when built for this TensorFlow, usable (:func:`enabled`) and trusted."""
     path = library_path()
-    if not switched_on(ENV_MAP_OP) or path is None or not path.exists():
-        return None
-    return path if trusted(path) else None
+    return path if switched_on(ENV_MAP_OP) and path is not None and path.exists() and trusted(path) else None
 
 
 def build(*, compiler: str | None = None, force: bool = False) -> Path:
