@@ -17,7 +17,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -129,7 +128,11 @@ def run(command: Sequence[str], args: argparse.Namespace) -> int:
         chief = AgentProcess(
             agents_dir, "chief", chief_args, command, env=os.environ, config=config, token_file=token_path, terminal=v
         )
-        code = _watch(chief.proc, servers, args.agent_restarts)
+        while (code := chief.proc.poll()) is None:  # a PS or worker agent that dies meanwhile is replaced
+            for agent in servers:
+                if agent.proc.poll() is not None:
+                    _replace(agent, args.agent_restarts)
+            time.sleep(_POLL)
         failed = code != 0
         if failed:
             print(
@@ -186,16 +189,6 @@ def _start_servers(
             node = {"PSGUARD_NODE": f"wrap-{role}{i}"}  # each task its own node: see the module docstring
             servers.append(AgentProcess(work / "agents", f"{role}{i}", args, env=node, token_file=token))
     return servers
-
-
-def _watch(chief: subprocess.Popen[bytes], servers: list[AgentProcess], agent_restarts: int) -> int:
-    """Until the chief's agent exits (its code), replacing a PS or worker agent that dies meanwhile."""
-    while (code := chief.poll()) is None:
-        for agent in servers:
-            if agent.proc.poll() is not None:
-                _replace(agent, agent_restarts)
-        time.sleep(_POLL)
-    return code
 
 
 def _replace(agent: AgentProcess, limit: int) -> None:
