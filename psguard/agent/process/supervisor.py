@@ -394,11 +394,8 @@ class Supervisor:
         reaper.reap(reaper.adopted_zombies(sessions, spare=spare))
 
     def _run_env(self) -> dict[str, str]:
-        """The environment of a run started now."""
-        return {
-            **(self._env if self._env is not None else os.environ),
-            self._tree.env_var: "1",  # inherited by everything the task starts
-        }
+        """The environment of a run started now, with the tree's mark, which everything the task starts inherits."""
+        return {**(self._env if self._env is not None else os.environ), self._tree.env_var: "1"}
 
     def _popen(
         self, extra_env: dict[str, str], *, stdin: int = subprocess.PIPE, cmd: Sequence[str] | None = None
@@ -428,9 +425,8 @@ class Supervisor:
         """Start one run. False when it failed; the first failure is kept for :meth:`start` to raise."""
         first = not self._first_spawn.is_set()
         try:
-            proc = self._standby.take() if self._standby is not None else None
-            if proc is None:
-                proc = self._popen({}, stdin=subprocess.DEVNULL)
+            warm = self._standby.take() if self._standby is not None else None
+            proc = warm or self._popen({}, stdin=subprocess.DEVNULL)
         except OSError as e:
             message = f"cannot start task {self.name}: {shlex.join(self.cmd)}: {e}"
             with self._lock:
