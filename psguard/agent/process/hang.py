@@ -139,9 +139,7 @@ class HangWatch:
                 self._unreadable = str(e)
                 log.warning("event=heartbeat_unreadable heartbeat=%s error=%r", self.heartbeat, str(e))
             return None
-        if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
-            return None
-        return doc
+        return doc if isinstance(doc, dict) and isinstance(doc.get("step"), int) else None
 
     def _dump_stacks(self, pid: int | None) -> bool:
         """Ask the trainer for its stacks, only if ``pid`` is really the process this agent supervises."""
