@@ -403,12 +403,7 @@ class HealthMonitor:
     def status(self) -> MonitorStatus:
         with self._lock:
             return MonitorStatus(
-                task=self.task,
-                health=self._health,
-                consecutive_failures=self._failures,
-                rounds=self._rounds,
-                unhealthy_count=self._unhealthy_count,
-                probes=self._last,
+                self.task, self._health, self._failures, self._rounds, self._unhealthy_count, self._last
             )
 
     def __enter__(self) -> Self:
