@@ -140,9 +140,7 @@ class _Group:
     def token(self) -> str | None:
         """The state the parity describes: every member's, when they all hold the same whole one."""
         tokens = {m.token if m.whole else None for m in self.held.values()}
-        if len(self.held) != len(self.members) or len(tokens) != 1:
-            return None
-        return tokens.pop()
+        return tokens.pop() if len(self.held) == len(self.members) and len(tokens) == 1 else None
 
 
 class ParityHolder:

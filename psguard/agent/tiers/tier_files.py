@@ -190,9 +190,7 @@ class TierFiles:
             return None
         with self._lock:
             entry = self._live.get(_address(arr))
-        if entry is None or entry[0]() is None or entry[2] != arr.nbytes:
-            return None
-        return entry[1]
+        return None if entry is None or entry[0]() is None or entry[2] != arr.nbytes else entry[1]
 
     def _forget(self, addr: int, path: Path) -> None:
         with self._lock:
