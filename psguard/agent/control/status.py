@@ -15,13 +15,6 @@ from psguard.handoff.client import http_json, read_token
 from psguard.handoff.contract import ENV_AGENT_TOKEN_FILE
 
 
-def _agent_urls(directory: Path) -> list[str]:
-    urls = [p.read_text().strip() for p in sorted(directory.glob("agents/*/url"))]
-    if not urls:
-        raise ConfigError(f"{directory}: no agents/*/url files (is it a psguard wrap --dir or psguard demo folder?)")
-    return urls
-
-
 def collect(urls: list[str], token: str | None, timeout: float = 5.0) -> list[dict[str, Any]]:
     """Each agent's ``/status`` (or ``{"url": ..., "error": ...}``), following the chief's peers; in order."""
     out: list[dict[str, Any]] = []
@@ -103,7 +96,11 @@ def format_status(agents: list[dict[str, Any]]) -> str:
 def run_status(args: argparse.Namespace) -> int:
     urls = list(args.urls or [])
     if args.dir:
-        urls += _agent_urls(Path(args.dir))
+        folder = Path(args.dir)
+        found = [p.read_text().strip() for p in sorted(folder.glob("agents/*/url"))]
+        if not found:
+            raise ConfigError(f"{folder}: no agents/*/url files (is it a psguard wrap --dir or psguard demo folder?)")
+        urls += found
     if not urls:
         raise ConfigError("give the agents' URLs (the chief's is enough) or --dir DIR of a psguard wrap or demo run")
     token = read_token(args.token_file or os.environ.get(ENV_AGENT_TOKEN_FILE))
