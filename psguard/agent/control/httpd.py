@@ -335,18 +335,13 @@ class AgentHTTPServer:
     # ------------------------------------------------------------------------------------------ for _Handler
 
     def _refusal(
-        self,
-        method: str,
-        path: str,
-        host: str | None,
-        authorization: str | None,
-        client_certificate: Callable[[], bool],
+        self, method: str, path: str, host: str | None, authorization: str | None, has_cert: Callable[[], bool]
     ) -> Response | None:
         """The answer to a request refused before any handler (foreign Host, no client certificate, no or a wrong
         credential, a missing scope); ``None`` when it may go on."""
         if not self._host_allowed(host):
             return Response(403, {"error": "Host header does not name a loopback address"})
-        if path not in OPEN_PATHS and self._mutual_tls and not client_certificate():
+        if path not in OPEN_PATHS and self._mutual_tls and not has_cert():
             return Response(403, {"error": "a client certificate signed by the agent's CA is required"})
         if path in OPEN_PATHS or (method != "POST" and self.open_read):
             return None
@@ -402,11 +397,9 @@ class AgentHTTPServer:
             ready = all(checks.values())
             return Response(200 if ready else 503, {"ready": ready, "checks": checks})
         if path == "/metrics":
-            text = self._registry.render() if self._registry is not None else ""
-            return Response(200, text, METRICS_CONTENT_TYPE)
+            return Response(200, self._registry.render() if self._registry is not None else "", METRICS_CONTENT_TYPE)
         if path == "/status":
-            data = dict(self._status()) if self._status is not None else {}
-            return Response(200, data)
+            return Response(200, dict(self._status()) if self._status is not None else {})
         return None
 
 
