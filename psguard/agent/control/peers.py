@@ -263,9 +263,8 @@ class _Round:
         before = self.pending[url]
         if before is None and url not in self.waiting:
             self._carry_out(url, doc, asked_at, restarts, ready)
-        elif url in self.waiting:
-            if ready:
-                self._settle(url, self.waiting[url])
+        elif ready and url in self.waiting:  # (not ready: waited for still)
+            self._settle(url, self.waiting[url])
         elif ready and before is not None and restarts > before:
             self._settle(url, "restarted")
         elif ready and url in self.left_alone:
