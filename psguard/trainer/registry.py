@@ -11,15 +11,25 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from psguard.errors import PsguardError
 
-if TYPE_CHECKING:
-    from psguard.trainer.manager import CheckpointManager
-    from psguard.trainer.sinks import Sink
-
 log = logging.getLogger(__name__)
+
+
+class Manager(Protocol):
+    """What the registry does with an open manager: close it."""
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+class Writes(Protocol):
+    """A manager's pending saves (its sink): whether it writes any itself, and waiting for them."""
+
+    def in_flight(self) -> bool: ...
+
+    def wait(self, timeout: float | None) -> list[BaseException]: ...
 
 
 class ManagerRegistry:
@@ -33,19 +43,19 @@ class ManagerRegistry:
         # When a manager last saw a step of the running generation (None: none since it began).
         self._step_seen_at: float | None = None
         # Each open manager's sink, weakly too: a sink may hold its manager, which would then live for ever.
-        self._open: weakref.WeakKeyDictionary[CheckpointManager, weakref.ref[Sink]] = weakref.WeakKeyDictionary()
+        self._open: weakref.WeakKeyDictionary[Manager, weakref.ref[Writes]] = weakref.WeakKeyDictionary()
 
     # ------------------------------------------------------------------------------------ managers' side
 
-    def opened(self, manager: CheckpointManager, writes: Sink) -> None:
+    def opened(self, manager: Manager, writes: Writes) -> None:
         """``manager`` is open, its pending saves in ``writes`` (its sink)."""
         self._open[manager] = weakref.ref(writes)
 
-    def closed(self, manager: CheckpointManager) -> None:
+    def closed(self, manager: Manager) -> None:
         """``manager`` is closed (or closing): recovery and the exit no longer wait for it."""
         self._open.pop(manager, None)
 
-    def is_open(self, manager: CheckpointManager) -> bool:
+    def is_open(self, manager: Manager) -> bool:
         return manager in self._open
 
     def note_step(self, directory: str, step: int) -> None:
@@ -109,7 +119,7 @@ class ManagerRegistry:
             for e in errors:
                 log.error("a checkpoint write failed before exit: %s", e)
 
-    def _open_now(self) -> list[tuple[CheckpointManager, Sink]]:
+    def _open_now(self) -> list[tuple[Manager, Writes]]:
         """The open managers and their sinks at this moment (a copy: closing a manager unregisters it)."""
         return [(manager, writes) for manager, ref in list(self._open.items()) if (writes := ref()) is not None]
 
