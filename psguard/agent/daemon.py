@@ -61,6 +61,37 @@ def _rss_bytes() -> int | None:
     return int(fields[21]) * os.sysconf("SC_PAGE_SIZE") if fields is not None and len(fields) > 21 else None
 
 
+def _check_task(
+    config: AgentConfig,
+    cluster: dict[str, list[str]],
+    role: str,
+    index: int,
+    command: Sequence[str],
+    peers: Sequence[str],
+) -> None:
+    """Refuse a task the cluster does not have, and options its role does not take."""
+    check_task(cluster, role, index, "the cluster", role_key="role", index_key="index")
+    if role == "chief" and not command:
+        raise ConfigError(
+            "the chief role runs the user's trainer: give its command after '--' "
+            "(psguard agent --role chief ... -- python train.py)"
+        )
+    if role != "chief" and peers:
+        raise ConfigError("--peer: only the chief's agent probes and restarts other agents")
+    if not 0 <= config.stop_exit_code <= 255:
+        raise ConfigError(f"stop_exit_code: an exit status from 0 to 255, got {config.stop_exit_code}")
+
+
+def _peer_urls(peers: Sequence[str]) -> list[str]:
+    """The ``--peer`` agents' base URLs, checked."""
+    urls = [p.rstrip("/") for p in peers]
+    for p in urls:
+        parts = urllib.parse.urlsplit(p)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"--peer: expected an agent's base URL like http://10.0.0.5:8470, got {p!r}")
+    return urls
+
+
 def _client_tls(config: AgentConfig) -> ssl.SSLContext | None:
     """Agent-to-agent calls: verify peers against --tls-ca (else the system store), present our certificate."""
     http_cfg = config.http
@@ -95,28 +126,14 @@ class Agent:
         self.index = index
         self.cluster = {k: list(v) for k, v in cluster.items()}
         self.task = f"{role}:{index}"
-        # The cluster must have the task, and its role must take the options given.
-        check_task(self.cluster, role, index, "the cluster", role_key="role", index_key="index")
-        if role == "chief" and not command:
-            raise ConfigError(
-                "the chief role runs the user's trainer: give its command after '--' "
-                "(psguard agent --role chief ... -- python train.py)"
-            )
-        if role != "chief" and peers:
-            raise ConfigError("--peer: only the chief's agent probes and restarts other agents")
-        if not 0 <= self.config.stop_exit_code <= 255:
-            raise ConfigError(f"stop_exit_code: an exit status from 0 to 255, got {self.config.stop_exit_code}")
+        _check_task(self.config, self.cluster, role, index, command, peers)
         self.address = self.cluster[role][index]
         self.node = (
             self.config.node or os.environ.get("PSGUARD_NODE") or os.environ.get("NODE_NAME") or socket.gethostname()
         )
         self.command = list(command) if command else server_command(self.cluster, role, index)
         self._builtin_server = not command  # it honours psguard.agent.process.standby, so a warm standby can replace it
-        self.peers = [p.rstrip("/") for p in peers]
-        for p in self.peers:
-            parts = urllib.parse.urlsplit(p)
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise ConfigError(f"--peer: expected an agent's base URL like http://10.0.0.5:8470, got {p!r}")
+        self.peers = _peer_urls(peers)
         self._token = token
         self._token_file = str(Path(token_file).resolve()) if token_file is not None else None
         if self.peers and token is None:
