@@ -191,17 +191,21 @@ class DurableWriter:
 
     def tidy(self, info: CheckpointInfo, *, new_base: bool = False) -> None:
         """After the commit ``info`` (the last :meth:`save`): for a compacting writer, a new base in storage when
-        ``new_base`` or the rule asks; then the retention."""
+        ``new_base`` or the rule asks; then the retention. Never raises: the commit is acknowledged already, and
+        what tidying leaves undone the next commit's tidy (or a gc) does."""
         with self._saving:
-            if info.kind == "delta" and self.compact and (new_base or self.base_rule(self.state, info.step)):
-                try:
-                    compacted = self.store.compact(info.id)
-                except PsguardError as e:
-                    log.warning("compaction after %s failed (the chain grows on): %s", info.id, e)
-                else:
-                    if compacted is not None:
-                        self._record(compacted, None)
-            self._retain(self.last or info)
+            try:
+                if info.kind == "delta" and self.compact and (new_base or self.base_rule(self.state, info.step)):
+                    try:
+                        compacted = self.store.compact(info.id)
+                    except PsguardError as e:
+                        log.warning("compaction after %s failed (the chain grows on): %s", info.id, e)
+                    else:
+                        if compacted is not None:
+                            self._record(compacted, None)
+                self._retain(self.last or info)
+            except Exception:
+                log.exception("compaction or retention after %s failed (the commit stands)", info.id)
 
     def _record(self, info: CheckpointInfo, payload_bytes: int | None) -> None:
         with self._lock:

@@ -304,10 +304,8 @@ class StoreSink:
             else:
                 for h in job.handles:
                     h.future.set_result(info)
-                try:  # after the acknowledgment: a held trainer goes on while compaction and retention run
-                    self.writer.tidy(info, new_base=Tier.BASE in job.tiers)
-                except Exception:
-                    log.exception("compaction or retention after %s failed", info.id)
+                # after the acknowledgment: a held trainer goes on while compaction and retention run
+                self.writer.tidy(info, new_base=Tier.BASE in job.tiers)
             finally:
                 with self._cond:
                     self._busy = False

@@ -170,3 +170,24 @@ def test_retention_after_a_commit_reads_the_new_chunks_not_the_chain_and_leaves_
         read.clear()
         store.gc(keep_last=2)  # an operator's gc verifies everything it keeps
         assert sum(read) >= table.nbytes
+
+
+def test_tidy_after_an_acknowledged_commit_never_raises_and_the_commit_stands(
+    store: Store, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever fails in compaction or retention (here an OSError no storage wrapper turned into a PsguardError),
+    the caller has acknowledged the commit: tidy logs it and returns, and the commit restores."""
+    writer = DurableWriter(store, base_rule=lambda c, s: False, retention=lambda i: {"keep_last": 1}, compact=True)
+    table = np.zeros((ROWS, 4), np.float32)
+    first = writer.save(1, whole(table), whole=True)
+    writer.tidy(first)
+
+    def broken(**_: Any) -> None:
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(store, "retain", broken)
+    second = writer.save(2, delta(table, 2), whole=False)
+    writer.tidy(second)
+    assert "compaction or retention after" in caplog.text and "the disk went away" in caplog.text
+    assert writer.last == second
+    np.testing.assert_array_equal(store.load(second.id)["table"], table)
