@@ -198,7 +198,8 @@ class StoreSink:
         self._cond = threading.Condition()
         self._waiting: Job | None = None
         self._carry: Job | None = None  # rows of a failed write, folded into the next job
-        self._busy = False
+        self._busy = False  # a commit under way: the policy's "save in flight"
+        self._tidying = False  # its compaction and retention, after the acknowledgment: not a save in flight
         self._stop = False
         self._errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, name="psguard-writer", daemon=True)
@@ -254,7 +255,7 @@ class StoreSink:
     def wait(self, timeout: float | None) -> list[BaseException]:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._busy or self._waiting is not None:
+            while self._busy or self._tidying or self._waiting is not None:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"pending saves not durable within {timeout}s")
@@ -304,11 +305,14 @@ class StoreSink:
             else:
                 for h in job.handles:
                     h.future.set_result(info)
-                # after the acknowledgment: a held trainer goes on while compaction and retention run
+                # After the acknowledgment a held trainer goes on, and the policy may ask for the next save, while
+                # compaction and retention run (that save waits for them in the writer).
+                with self._cond:
+                    self._busy, self._tidying = False, True
                 self.writer.tidy(info, new_base=Tier.BASE in job.tiers)
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy = self._tidying = False
                     self._cond.notify_all()
 
 
