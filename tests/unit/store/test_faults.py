@@ -96,8 +96,10 @@ class StopServerAfterFirstChunk(RetryingBackend):
         super().put(key, data)
         with self._lock:
             if key.startswith(CHUNK_PREFIX) and not self.stopped.is_set():
-                self.server.stop()  # type: ignore[attr-defined]
+                # set first: under load the other I/O thread's retries can give up while stop() still waits for the
+                # server to exit, and the save's error then reaches the test before a flag set after stop() would
                 self.stopped.set()
+                self.server.stop()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(params=[pytest.param("seaweed", id="s3-seaweedfs"), pytest.param("gcs", id="gcs-fake-gcs-server")])
