@@ -32,6 +32,9 @@ record says ``missed``: the moment did not come while the case could use it, whi
 its findings. (A fault "during a durable-commit" once became due only when the runner saw the trainer's ask,
 blocking every later fault until then, and watched the persister 10 s: a fast local write was over before the
 first look, and a commit further off than 10 s was never found.)
+
+A fault "during a restore" (a PS or worker lost while a trainer loads) is held once due until the runner reports a
+trainer's restore in flight; later faults pass it, and one still held at the run's end is recorded ``missed``.
 """
 
 from __future__ import annotations
@@ -191,6 +194,7 @@ class Nemesis:
     ) -> None:
         self.scenario = scenario
         self.pending = list(faults)
+        self.held: list[Fault] = []  # due, and aimed at a restore that has not come yet
         self.history = history
         self.agents = agents
         self.store_dir = store_dir
@@ -216,7 +220,7 @@ class Nemesis:
 
     @property
     def done(self) -> bool:
-        return not self.pending and not self.healing
+        return not self.pending and not self.held and not self.healing
 
     @property
     def healing(self) -> bool:
@@ -233,6 +237,7 @@ class Nemesis:
         thread; never waits for one. Its heal follows on its own timer. Raises what an action raised (a history
         that could not be written stops the run)."""
         self._raise_failure()
+        ready: list[Fault] = []
         if durable_in_flight is not None:  # the trainer asked for a durable commit since the last tick
             with self._durable_asked:
                 self._durable_asks += 1
@@ -246,20 +251,35 @@ class Nemesis:
             due = (fault.at_step is not None and step is not None and step >= fault.at_step) or (
                 fault.at_time is not None and elapsed is not None and elapsed >= fault.at_time
             )
-            if due and fault.during == "restore":
-                # Aimed at a restore (another fault's recovery): a PS lost while the trainer loads is a cluster
-                # failure to recover from again, never a reason to load an older checkpoint.
-                due = restoring
             if not due:
-                return
+                break
             self.pending.pop(0)
+            # Aimed at a restore (another fault's recovery): a PS lost while the trainer loads is a cluster failure
+            # to recover from again, never a reason to load an older checkpoint. Held apart until a restore is in
+            # flight, so the faults after it still fire when theirs come.
+            (self.held if fault.during == "restore" else ready).append(fault)
+        if restoring:
+            ready += self.held
+            self.held = []
+        for fault in ready:
             self.fired.append(fault)
             self._start(fault.action, functools.partial(self._fire, fault, step, durable_in_flight))
 
     def job_ended(self) -> None:
-        """The job reached its end: a fault still waiting for a moment of the persister will not see it."""
+        """The job reached its end: a fault still waiting for a moment of the persister, or for a restore, will
+        not see it."""
         self._job_over.set()
         self._wake_waiters()
+        self._miss_held()
+
+    def _miss_held(self) -> None:
+        """Record each fault still held for a restore as ``missed``: its trigger came and no restore followed
+        while the run lasted, so the case did not run as drawn (explore counts it apart, as any missed moment)."""
+        held, self.held = self.held, []
+        for fault in held:
+            self.fired.append(fault)
+            value = {"fault": fault.describe(), "trigger": fault.trigger, "moment": "restore", "missed": True}
+            self._not_injected(fault.action, value, "the run ended before a restore came")
 
     def _wake_waiters(self) -> None:
         """A fault waiting for the trainer's durable commit looks again (the job ended, or the final phase)."""
@@ -271,6 +291,7 @@ class Nemesis:
         way out of a failed run); then raise what an action raised."""
         self._heal_now.set()
         self._wake_waiters()
+        self._miss_held()
         while True:
             with self._lock:
                 running = [a for a in self._actions if not a.done()]

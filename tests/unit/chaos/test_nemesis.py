@@ -288,8 +288,8 @@ def test_a_first_base_already_written_is_a_moment_missed_and_a_run_that_ends_fir
         worker.close()
 
 
-def _commit_then_kill() -> Scenario:
-    faults = [{"action": "kill", "target": "worker:0", "at_step": 10, "during": "durable-commit"},
+def _commit_then_kill(during: str = "durable-commit") -> Scenario:
+    faults = [{"action": "kill", "target": "worker:0", "at_step": 10, "during": during},
               {"action": "kill", "target": "ps:0", "at_step": 20}]  # fmt: skip
     doc = {"name": "t", "proves": "x", "cluster": {"ps": 1, "workers": 1}, "faults": faults}
     return from_data(Scenario, doc, source="t.yaml")
@@ -297,11 +297,11 @@ def _commit_then_kill() -> Scenario:
 
 @contextlib.contextmanager
 def _commit_then_kill_run(
-    path: Path, cls: type[Nemesis], chief: Task, kills: int
+    path: Path, cls: type[Nemesis], chief: Task, kills: int, during: str = "durable-commit"
 ) -> Iterator[tuple[Nemesis, Watched, Task, Task]]:
     """:func:`_commit_then_kill`'s nemesis over a worker and a PS (real processes) with ``chief`` as the chief's
     agent, its history awaiting ``kills`` kills; everything stopped after."""
-    scenario = _commit_then_kill()
+    scenario = _commit_then_kill(during)
     worker, ps = Task(), Task()
     history = Watched(path, "kill", n=kills)
     run = {"faults_scheduled": len(scenario.faults)}
@@ -366,6 +366,44 @@ def test_a_durable_commit_that_never_comes_is_a_moment_missed_not_a_fault_left_u
         assert missed.value["error"] == "the run ended before a durable-commit came"
         verdict = check_all(history.records)["faults-injected"]
         assert verdict.summary == "missed: durable-commit" and missed_moments(verdict) == ["durable-commit"]
+
+
+@pytest.mark.parametrize("side", ["psguard", "baseline"])
+def test_a_fault_during_a_restore_holds_back_no_later_fault_and_a_restore_that_never_comes_is_missed(
+    tmp_path: Path, side: str
+) -> None:
+    """A fault aimed at a restore waited at the head of the schedule: every later fault waited behind it, for ever
+    when no restore came, and the run was judged by faults-injected as a harness failure (explore seed 22 cases 11
+    and 13). Now the later fault fires on its step and the one still waiting at the job's end is recorded missed."""
+    from psguard.chaos.baseline import BaselineNemesis
+    from psguard.chaos.checkers import check_all, missed_moments
+
+    cls = Nemesis if side == "psguard" else BaselineNemesis
+    with _commit_then_kill_run(tmp_path / "history.jsonl", cls, Task(), kills=1, during="restore") as run:
+        nemesis, history, worker, ps = run
+        nemesis.tick(10, 1.0)  # the restore fault's step, no restore in flight: held
+        nemesis.tick(20, 2.0)  # the next fault's step
+        assert history.done.wait(30) and ps.proc.wait(10) == -9  # not held back
+        assert worker.proc.poll() is None and not nemesis.done
+        nemesis.job_ended()
+        nemesis.heal_all()
+        assert nemesis.done and worker.proc.poll() is None
+        (missed,) = [o for o in operations(history.records) if o.f == "kill" and o.type != "ok"]
+        assert (missed.type, missed.value["moment"], missed.value["missed"]) == ("fail", "restore", True)
+        assert missed.value["error"] == "the run ended before a restore came"
+        verdict = check_all(history.records)["faults-injected"]
+        assert verdict.summary == "missed: restore" and missed_moments(verdict) == ["restore"]
+
+
+def test_a_held_fault_fires_when_a_restore_is_in_flight(tmp_path: Path) -> None:
+    with _commit_then_kill_run(tmp_path / "history.jsonl", Nemesis, Task(), kills=1, during="restore") as run:
+        nemesis, history, worker, ps = run
+        nemesis.tick(12, 1.0)  # due, no restore yet
+        nemesis.tick(14, 1.5, restoring=True)  # a trainer's restore is in flight
+        assert history.done.wait(30) and worker.proc.wait(10) == -9 and ps.proc.poll() is None
+        nemesis.heal_all()
+        (kill,) = [o for o in operations(history.records) if o.f == "kill"]
+        assert kill.type == "ok" and kill.value["target"] == "worker:0" and kill.value["at_step"] == 14
 
 
 def test_plain_tfs_fault_during_a_durable_commit_fires_at_its_next_save(tmp_path: Path) -> None:
