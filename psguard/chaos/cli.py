@@ -204,8 +204,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     explore.add_argument("--case", type=int, help="replay only case I of --seed")
     explore.add_argument("--start", type=int, default=0, help="the first case's index (default 0)")
     explore.add_argument(
-        "--space", choices=("ci", "full", "full-v1"), default="ci",
-        help="what to draw from (default ci; full-v1: the full space before it widened, to replay its cases)",
+        "--space", choices=("ci", "full", "full-v1", "full-v2"), default="ci",
+        help="what to draw from (default ci; full-v1, full-v2: the full space before each widening, to replay its "
+        "cases)",
     )  # fmt: skip
     explore.add_argument("--shrink", action="store_true", help="shrink each failing case to a smaller one")
     explore.add_argument("--report", metavar="DIR", help="run folder (default chaos-runs/explore-seedS)")

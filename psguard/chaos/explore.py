@@ -7,9 +7,10 @@ job's size, the cluster, the storage, the cadences, peer copies, and one to thre
 step, optionally "while a durable commit is in flight" or "while a restore runs"), overlapping when they fall
 close. The ``full`` space widens each case from a second stream of ``(seed, index)`` (:class:`Widening`): faults
 during the persister's first base, a persist, its compaction or its gc; a GCS store; HTTP 5xx answers from an
-object store; parity blocks as peer copies; a durable cron cadence; retention. Drawn apart, the first stream's
-fields draw as they always did (the ``ci`` space, which widens nothing, draws its old cases exactly; ``full-v1``
-is the full space unwidened, where a case found before the widening replays). The same
+object store; parity blocks as peer copies; a durable cron cadence; retention; pauses longer than the probe's
+``hung_after`` (a freeze psguard restarts where TF waits). Drawn apart, the first stream's fields draw as they
+always did (the ``ci`` space, which widens nothing, draws its old cases exactly; ``full-v1`` is the full space
+unwidened and ``full-v2`` the full space before long pauses, where a case found before each widening replays). The same
 ``(seed, index)`` gives the same case on any machine (:func:`draw_case`), so a failing case replays with ``--seed
 S --case I``.
 
@@ -84,6 +85,9 @@ class Widening:
     cron: float = 0.0  # the durable cadence also follows a cron of every N seconds, N one of cron_seconds
     cron_seconds: tuple[int, ...] = (10, 15, 20, 30)
     retention: float = 0.0  # the trainer keeps the newest 1-3 checkpoints (a gc after each commit past them)
+    # A pause drawn lasts past the probe's hung_after (10 s by default): a freeze worth a restart, where TF waits.
+    long_pause: float = 0.0
+    long_pause_s: tuple[float, float] = (12.0, 30.0)
 
 
 #: Nothing widened: a space's first dimensions only.
@@ -118,14 +122,15 @@ _FULL = Space(
     faults=(1, 3),
     time_limit=900.0,
 )
-#: ``ci``: a case in a couple of minutes (both runs); ``full``: what ``make explore`` draws from; ``full-v1``: the
-#: full space before it widened, to replay a case found then (``--space full-v1 --seed S --case I``).
+_WIDE = Widening(moment=0.35, gcs=0.5, store_errors=0.35, parity=0.5, cron=0.25, retention=0.15)
+#: ``ci``: a case in a couple of minutes (both runs); ``full``: what ``make explore`` draws from; ``full-v1`` and
+#: ``full-v2``: the full space before each widening, to replay a case found then (``--space full-v1 --seed S --case
+#: I``): v1 before the second stream, v2 before long pauses.
 SPACES: dict[str, Space] = {
     "ci": Space(),
-    "full": replace(
-        _FULL, widening=Widening(moment=0.35, gcs=0.5, store_errors=0.35, parity=0.5, cron=0.25, retention=0.15)
-    ),
+    "full": replace(_FULL, widening=replace(_WIDE, long_pause=0.4)),
     "full-v1": _FULL,
+    "full-v2": replace(_FULL, widening=_WIDE),
 }
 
 #: Task faults and how often each is drawn (a node loss, a process kill and a freeze are what the field reports).
@@ -216,13 +221,18 @@ def widen(case: Scenario, rng: random.Random, w: Widening) -> Scenario:
     u_gcs, u_parity, u_cron, u_retain = rng.random(), rng.random(), rng.random(), rng.random()
     cron_seconds, keep, new_base_after = rng.choice(w.cron_seconds), rng.randint(1, 3), rng.randint(1, 3)
     per_fault = [(rng.random(), rng.choice(w.moments), rng.random(), rng.choice((500, 503))) for _ in case.faults]
+    pauses = [(rng.random(), round(rng.uniform(*w.long_pause_s), 1)) for _ in case.faults]  # drawn after: v2 stays
     kind = "gcs" if case.storage.kind == "s3" and u_gcs < w.gcs else case.storage.kind
     t = case.training
     training = replace(t, durable_cron=f"* * * * * */{cron_seconds}" if u_cron < w.cron else None)
     faults: list[Fault] = []
-    for fault, (u_moment, moment, u_errors, status) in zip(case.faults, per_fault, strict=True):
+    for fault, (u_moment, moment, u_errors, status), (u_long, long_s) in zip(
+        case.faults, per_fault, pauses, strict=True
+    ):
         if fault.target == "store" and kind in PROXIED_STORES and u_errors < w.store_errors:
             fault = replace(fault, action="store-errors", http_status=status)
+        if fault.action == "pause" and u_long < w.long_pause:
+            fault = replace(fault, duration=long_s)
         if fault.during is None and u_moment < w.moment:
             fault = _at_moment(fault, moment, training, faults, keep=keep, new_base_after=new_base_after)
             if fault.during == "gc":
@@ -276,8 +286,14 @@ def describe_case(scenario: Scenario) -> str:
         f"{c.ps} PS, {c.workers} worker(s), {mb:.1f} MB, {scenario.storage.kind}, memory/{t.memory_every} "
         f"durable/{t.durable_every}{f' >={t.durable_min_seconds:g}s' if t.durable_min_seconds else ''}"
         f"{f' cron/{cron}' if cron else ''}"
-        f"{' ' + '+'.join(extras) if extras else ''}: " + "; ".join(f.describe() for f in scenario.faults)
+        f"{' ' + '+'.join(extras) if extras else ''}: " + "; ".join(map(_describe_fault, scenario.faults))
     )
+
+
+def _describe_fault(fault: Fault) -> str:
+    """A fault as the case line names it: a pause's length too when it is a long one (see ``long_pause``)."""
+    long = fault.action == "pause" and fault.duration >= Widening.long_pause_s[0]
+    return f"{fault.describe()}{f' for {fault.duration:g}s' if long else ''}"
 
 
 # --------------------------------------------------------------------------------------------- the judgement
