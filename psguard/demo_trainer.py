@@ -86,17 +86,18 @@ class Progress:
             self._f.close()
 
 
-class DurableAcks:
-    """Waits for the durable answers of the saves off the step loop, one thread per save, each recording its
-    ``durable-commit`` outcome when it comes (a user's job does not wait on its saves either: the sync wait made
-    the harness's own time under a slow store look like slow recoveries, and a failed durable write exit the
-    trainer). The store's write rate does not follow the step rate for that: the agent writes one durable save
-    at a time and folds the requests that arrive meanwhile into the next write. A new generation (after a
+class SaveAcks:
+    """Waits for the answers of the saves off the step loop, one thread per save and tier, each recording its
+    ``memory-commit`` or ``durable-commit`` outcome when it comes (a user's job does not wait on its saves either:
+    the sync wait made the harness's own time under a slow store look like slow recoveries, a failed durable write
+    exit the trainer, and the memory tier's acknowledgement cost every capture a round trip that plain TF's run
+    does not pay). The store's write rate does not follow the step rate for that: the agent writes one durable
+    save at a time and folds the requests that arrive meanwhile into the next write. A new generation (after a
     recovery) does not wait for the old one's: their threads still record what the agent answers, or ``info``
     (unknown) at the timeout. Several are open at once, so each is an operation of a logical process of its own
-    (``trainer-PID/durable-N``; the history pairs one invoke with one completion per process); each completion
-    names the step asked (``asked``) beside the step the agent committed (a request folded into a later write
-    commits that write's step)."""
+    (``trainer-PID/durable-N``, ``trainer-PID/memory-N``; the history pairs one invoke with one completion per
+    process); each durable completion names the step asked (``asked``) beside the step the agent committed (a
+    request folded into a later write commits that write's step)."""
 
     def __init__(self, progress: Progress, timeout: float) -> None:
         self._progress = progress
@@ -122,13 +123,35 @@ class DurableAcks:
 
     def add(self, step: int, handle: Any, process: str) -> None:
         """Await the answer of the save of ``step`` (its invoke recorded by :meth:`begin`) off this thread."""
+        self._thread(self._await, (self._generation, process, step, handle), f"durable-ack-{step}")
+
+    def memory(self, step: int, handle: Any) -> None:
+        """Record the ``memory-commit`` invoke of the save of ``step`` and await its answer off this thread. A
+        refused or late one is recorded and training goes on, as a user's job does (it does not ask): the PS or
+        node behind it fails the next step, and that is the recovery the history should show."""
         with self._lock:
-            thread = threading.Thread(
-                target=self._await, args=(self._generation, process, step, handle), name=f"durable-ack-{step}",
-                daemon=True,
-            )  # fmt: skip
+            self._count += 1
+            process = f"{self._progress.process}/memory-{self._count}"
+            self._progress.op("invoke", "memory-commit", process=process, step=step)
+        self._thread(self._await_memory, (process, step, handle), f"memory-ack-{step}")
+
+    def _thread(self, target: Any, args: tuple[Any, ...], name: str) -> None:
+        with self._lock:
+            thread = threading.Thread(target=target, args=args, name=name, daemon=True)
             self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
+
+    def _await_memory(self, process: str, step: int, handle: Any) -> None:
+        record = self._progress.op
+        try:
+            if hasattr(handle, "restorable"):
+                handle.restorable(timeout=self._timeout)  # acknowledged: in the agent's memory tier
+        except TimeoutError as e:
+            record("info", "memory-commit", process=process, step=step, error=str(e)[:300])
+        except Exception as e:
+            record("fail", "memory-commit", process=process, step=step, error=error_line(e))
+        else:
+            record("ok", "memory-commit", process=process, step=step)
 
     def new_generation(self, restored: int | None) -> None:
         with self._lock:
@@ -307,8 +330,8 @@ class Cadence:
 
     seen: int = 0  # the last step the step loop reached
     kill_sent: bool = False
-    memory: int | None = None  # the last step committed to the memory tier
-    durable: int | None = None  # the last step asked durable (the acknowledged one is DurableAcks.acked)
+    memory: int | None = None  # the last step saved to the memory tier (its answer: SaveAcks)
+    durable: int | None = None  # the last step asked durable (the acknowledged one is SaveAcks.acked)
     durable_at: float | None = None  # when (monotonic)
     durable_wall: float = field(default_factory=time.time)  # wall time of the last durable save, for --durable-cron
 
@@ -336,7 +359,7 @@ class DemoTrainer:
         self.coordinator = tf.distribute.coordinator.ClusterCoordinator(self.strategy)
         self.config = ModelConfig(vocab_size=args.vocab, embedding_dim=args.dim, batch_size=args.batch, seed=args.seed)
         self.state = Cadence()
-        self.acks = DurableAcks(self.progress, args.save_timeout)
+        self.acks = SaveAcks(self.progress, args.save_timeout)
         self.stuck = threading.Event()  # the chaos harness's hang fault: SIGUSR2 makes the step loop block for good
         signal.signal(HANG_SIGNAL, lambda *_: self.stuck.set())
         self.progress.emit("start", pid=os.getpid(), target=args.steps, memory_every=args.memory_every,
@@ -423,7 +446,7 @@ class DemoTrainer:
 
     def save(self, job: Job, step: int) -> None:
         """One save of ``step``, recorded as a ``capture``, its ``memory-commit`` and, when durable, its
-        ``durable-commit`` (awaited off the step loop by :class:`DurableAcks`)."""
+        ``durable-commit`` (awaited off the step loop by :class:`SaveAcks`)."""
         from psguard.handoff.contract import Tier
 
         progress, state = self.progress, self.state
@@ -451,29 +474,13 @@ class DemoTrainer:
         progress.op(
             "ok", "capture", step=step, stall=handle.stall_seconds, hold=round(job.manager.last_hold_seconds, 4)
         )
-        progress.op("invoke", "memory-commit", step=step)
+        state.memory = step  # the cadence counts from the save, as a user's loop does
+        self.acks.memory(step, handle)
         if commit is not None:
             state.durable, state.durable_at, state.durable_wall = step, time.monotonic(), time.time()
             self.acks.add(step, handle, commit)
-        self.memory_commit(handle, step)
         progress.emit("save", step=step, tier="durable" if durable else "memory", stall=handle.stall_seconds,
                       hold=job.manager.last_hold_seconds)  # fmt: skip
-
-    def memory_commit(self, handle: Any, step: int) -> None:
-        """Record the outcome of the save's ``memory-commit``. A refused or late one is recorded and training goes
-        on, as a user's job does (it does not ask): the PS or node behind it fails the next step, and that is the
-        recovery the history should show."""
-        progress = self.progress
-        try:
-            if hasattr(handle, "restorable"):
-                handle.restorable(timeout=self.args.save_timeout)  # acknowledged: in the agent's memory tier
-        except TimeoutError as e:
-            progress.op("info", "memory-commit", step=step, error=str(e)[:300])
-        except Exception as e:
-            progress.op("fail", "memory-commit", step=step, error=error_line(e))
-        else:
-            progress.op("ok", "memory-commit", step=step)
-            self.state.memory = step
 
     # ----------------------------------------------------------------------------------------- training
     def target(self) -> int:
@@ -506,7 +513,7 @@ class DemoTrainer:
                 raise
             progress.op("ok", "train", step=int(job.model.step.numpy()))
         job.manager.close()
-        self.acks.join(args.save_timeout)  # every durable answer in the history before the final records
+        self.acks.join(args.save_timeout)  # every save's answer in the history before the final records
         final = int(job.model.step.numpy())
         self.evaluate(job, final)
         return final

@@ -1,4 +1,5 @@
-"""The harness trainer's durable acknowledgements: awaited off the step loop, each outcome recorded."""
+"""The harness trainer's save acknowledgements (memory tier and durable log): awaited off the step loop, each
+outcome recorded."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import threading
 from pathlib import Path
 
 from psguard.chaos.history import Record, operations
-from psguard.demo_trainer import DurableAcks, Progress, cron_came, durable_cadence_due
+from psguard.demo_trainer import Progress, SaveAcks, cron_came, durable_cadence_due
 from psguard.errors import SaveError
 
 
@@ -40,7 +41,7 @@ def _ops(path: Path) -> list[tuple[str, int]]:
 
 def test_add_returns_at_once_and_each_answer_is_recorded_when_it_comes(tmp_path: Path) -> None:
     progress = Progress(str(tmp_path / "progress.jsonl"))
-    acks = DurableAcks(progress, timeout=30)
+    acks = SaveAcks(progress, timeout=30)
     first, second = _Handle(25), _Handle(50, SaveError("/shards/write failed on ps:1: node lost"))
     acks.add(25, first, acks.begin(25))
     acks.add(50, second, acks.begin(50))  # neither call waited for an answer
@@ -53,9 +54,45 @@ def test_add_returns_at_once_and_each_answer_is_recorded_when_it_comes(tmp_path:
     progress.close()
 
 
+class _MemoryHandle:
+    """A save whose memory tier answers when the test says so (``restorable``), or refuses it."""
+
+    def __init__(self, outcome: BaseException | None = None) -> None:
+        self.outcome = outcome
+        self.answered = threading.Event()
+
+    def restorable(self, timeout: float | None = None) -> None:
+        if not self.answered.wait(timeout):
+            raise TimeoutError("not in the memory tier in time")
+        if self.outcome is not None:
+            raise self.outcome
+
+
+def test_memory_answers_are_awaited_off_the_step_loop_each_its_own_operation(tmp_path: Path) -> None:
+    """The harness waited for each memory acknowledgement in the step loop: 15 ms per capture that a user's job
+    does not spend (explore seed 21 case 1 judged psguard's pace with it in)."""
+    path = tmp_path / "progress.jsonl"
+    progress = Progress(str(path))
+    acks = SaveAcks(progress, timeout=1.0)
+    kept, refused, late = _MemoryHandle(), _MemoryHandle(SaveError("refused: ps:1 restarted")), _MemoryHandle()
+    for step, handle in ((10, kept), (20, refused), (30, late)):
+        acks.memory(step, handle)  # returns at once: nothing has answered
+    refused.answered.set()
+    kept.answered.set()
+    acks.join(30)  # the late one is recorded unknown at the timeout
+    progress.close()
+    records = []
+    for n, line in enumerate(path.read_text().splitlines()):
+        d = json.loads(line)
+        records.append(Record(n, d["mono"], d["process"], d["type"], d["f"], d["value"]))
+    ops = operations(records)
+    assert sorted((o.invoke.value["step"], o.type) for o in ops) == [(10, "ok"), (20, "fail"), (30, "info")]
+    assert all(o.f == "memory-commit" and "/memory-" in o.process for o in ops) and len({o.process for o in ops}) == 3
+
+
 def test_an_old_generations_answer_is_recorded_but_not_taken_for_the_new_ones(tmp_path: Path) -> None:
     progress = Progress(str(tmp_path / "progress.jsonl"))
-    acks = DurableAcks(progress, timeout=30)
+    acks = SaveAcks(progress, timeout=30)
     late = _Handle(75)
     acks.add(75, late, acks.begin(75))
     acks.new_generation(50)  # a recovery restored step 50 while step 75's write was still open
@@ -67,7 +104,7 @@ def test_an_old_generations_answer_is_recorded_but_not_taken_for_the_new_ones(tm
 
 def test_an_answer_that_never_comes_is_recorded_unknown_at_the_timeout(tmp_path: Path) -> None:
     progress = Progress(str(tmp_path / "progress.jsonl"))
-    acks = DurableAcks(progress, timeout=0.2)
+    acks = SaveAcks(progress, timeout=0.2)
     acks.add(25, _Handle(25), acks.begin(25))
     acks.join(30)
     assert _ops(tmp_path / "progress.jsonl") == [("info", 25)]
@@ -80,7 +117,7 @@ def test_an_answer_that_never_comes_is_recorded_unknown_at_the_timeout(tmp_path:
 def test_open_saves_are_operations_of_processes_of_their_own_so_the_history_pairs_them(tmp_path: Path) -> None:
     path = tmp_path / "progress.jsonl"
     progress = Progress(str(path))
-    acks = DurableAcks(progress, timeout=30)
+    acks = SaveAcks(progress, timeout=30)
     handles = [_Handle(100), _Handle(200)]
     for h in handles:
         acks.add(h.step, h, acks.begin(h.step))  # both open at once
@@ -106,7 +143,7 @@ def test_a_durable_commit_is_invoked_before_its_save_and_unknown_when_the_save_f
     for the faults that wait for one) while the save runs; a save that raises leaves its commit's outcome open."""
     path = tmp_path / "progress.jsonl"
     progress = Progress(str(path))
-    acks = DurableAcks(progress, timeout=30)
+    acks = SaveAcks(progress, timeout=30)
     process = acks.begin(40)
     docs = [json.loads(line) for line in path.read_text().splitlines()]
     assert [(d["type"], d["f"], d["process"]) for d in docs if d["event"] == "op"] == [
