@@ -119,8 +119,8 @@ def cmd_explore(args: argparse.Namespace) -> int:
     if cases is None and budget is None:
         cases = 3
     start = args.case if args.case is not None else args.start
-    print(f"psguard chaos explore: seed {seed}, space {args.space} (replay a case with --seed {seed} --case I)",
-          flush=True)  # fmt: skip
+    print(f"psguard chaos explore: seed {seed}, space {args.space} (replay a case with --space {args.space} --seed "
+          f"{seed} --case I)", flush=True)  # fmt: skip
     directory = claim_folder(args.report or f"chaos-runs/explore-seed{seed}", "psguard chaos explore")
     outcome: dict[str, int] = {}
 

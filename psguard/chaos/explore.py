@@ -552,7 +552,7 @@ def explore(
             f.write(json.dumps(line, default=str) + "\n")
         say(f"case {index}: {case.verdict}")
         index += 1
-    (directory / "summary.md").write_text(summary(results, seed))
+    (directory / "summary.md").write_text(summary(results, seed, space))
     return results
 
 
@@ -578,7 +578,7 @@ def _indent(say: Callable[[str], None]) -> Callable[[str], None]:
     return lambda line: say("  " + line)
 
 
-def summary(results: Sequence[CaseResult], seed: int) -> str:
+def summary(results: Sequence[CaseResult], seed: int, space: Space = SPACES["ci"]) -> str:
     """``summary.md``: every case, what it drew and how it was judged; failing cases with their replay command."""
     invalid = [r for r in results if r.invalid]
     missed = [r for r in results if r.overall == "missed"]
@@ -594,5 +594,6 @@ def summary(results: Sequence[CaseResult], seed: int) -> str:
         lines += ["", "A missed case did not run as drawn: a fault's moment did not come while the run lasted (not a "
                   "finding; replay it, or draw more cases)."]  # fmt: skip
     if invalid or missed:
-        lines += ["", "Replay a case: `psguard chaos explore --seed SEED --case INDEX` (add `--shrink`)."]
+        named = next((f"--space {n} " for n, s in SPACES.items() if s == space), "")  # a case is its space's
+        lines += ["", f"Replay a case: `psguard chaos explore {named}--seed {seed} --case INDEX` (add `--shrink`)."]
     return "\n".join(lines) + "\n"

@@ -312,7 +312,8 @@ def test_a_case_whose_moment_never_came_is_counted_missed_apart_from_invalid_one
     not_injected = _case(2, [], faults_injected="invalid", liveness="valid")
     assert not_injected.overall == "invalid" and not_injected.invalid == ["faults-injected"]
     valid = _case(3, [], faults_injected="valid")
-    text = summary([missed, found, not_injected, valid], seed=5)
+    text = summary([missed, found, not_injected, valid], seed=5, space=SPACES["full-v2"])
     assert "4 case(s), 2 invalid, 1 missed" in text
+    assert "`psguard chaos explore --space full-v2 --seed 5 --case INDEX`" in text  # the default space draws others
     assert "| missed: durable-commit |" in text and "| valid |" in text and "| invalid restore-newest |" in text
     assert missed.to_json()["missed"] == ["durable-commit"] and missed.to_json()["overall"] == "missed"
