@@ -61,6 +61,10 @@ _TRANSIENT_NAMES = {
     "HdfsError",
 }
 _TRANSIENT_WORDS = ("503", "500", "502", "504", "SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout")
+# Hadoop's answers that mean "not now": a NameNode in safe mode (for seconds after every start, until the DataNodes
+# report their blocks), a standby NameNode, an explicit retriable error. hdfs-native raises them as a RuntimeError
+# whose text is the RPC error with the Java class's name, which Hadoop's own client retries.
+_HADOOP_RETRIABLE = ("SafeModeException", "RetriableException", "StandbyException")
 
 
 # Modules whose exceptions are storage client failures (a bad answer, no credentials), not bugs in the caller.
@@ -126,13 +130,15 @@ def is_transient(exc: BaseException) -> bool:
     status = http_status(exc)
     if status is not None:
         return status in _TRANSIENT_STATUSES
+    text = str(exc)
+    if "org.apache.hadoop." in text and any(f".{name}" in text for name in _HADOOP_RETRIABLE):
+        return True
     if isinstance(exc, OSError):
         if exc.errno in _TRANSIENT_ERRNOS:
             return True
         final = (FileNotFoundError, PermissionError, FileExistsError, IsADirectoryError)
         if isinstance(exc, final) or exc.errno == errno.ENOSPC:
             return False
-        text = str(exc)
         return any(w in text for w in _TRANSIENT_WORDS) or exc.errno is None
     cause = exc.__cause__ or exc.__context__
     return cause is not None and cause is not exc and is_transient(cause)

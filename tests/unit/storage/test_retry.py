@@ -55,6 +55,27 @@ def test_an_answer_to_try_again_later_is_retried(status: int) -> None:
     assert backend.calls == 3
 
 
+SAFE_MODE = (
+    'RPCError("org.apache.hadoop.hdfs.server.namenode.SafeModeException", "Cannot create directory /job/locks. Name '
+    "node is in safe mode.\\nThe reported blocks 0 needs additional 43 blocks to reach the threshold 0.9990 of total "
+    'blocks 43.")'
+)
+
+
+def test_a_namenode_in_safe_mode_is_waited_for_and_a_refusal_is_not() -> None:
+    """For seconds after every start a NameNode refuses writes in safe mode; hdfs-native raises that as a
+    RuntimeError naming Hadoop's exception. It failed a durable save at once right after an HDFS outage (explore
+    seed 23 case 6), and the trainer's close() then raised: a restart and lost steps plain TF did not have."""
+    error = RuntimeError(SAFE_MODE)
+    assert is_transient(error)
+    backend = AnswersThenServes(error, 2)
+    assert RetryingBackend(backend, FAST).get("k") == b"value"
+    assert backend.calls == 3
+    denied = RuntimeError('RPCError("org.apache.hadoop.security.AccessControlException", "Permission denied")')
+    assert not is_transient(denied)
+    assert not is_transient(RuntimeError("SafeModeException in a message that is not Hadoop's"))
+
+
 @pytest.mark.parametrize("status", [400, 401, 403, 409])
 def test_an_answer_retrying_cannot_change_fails_at_once(status: int) -> None:
     error = HttpError({"code": status, "message": "no"})
