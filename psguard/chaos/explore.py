@@ -316,12 +316,27 @@ def _during_store_outage(fault: Mapping[str, Any]) -> bool:
     return any(o.split(" ")[0] in STORE_OUTAGES and o.endswith(" store") for o in fault.get("overlaps_with") or ())
 
 
+def _tf_could_lose(ours: Mapping[str, Any], tf: Mapping[str, Any], baseline: Mapping[str, Any]) -> int:
+    """The steps plain TF lost to the fault, or would have lost had it struck where psguard's did: the two runs
+    meet a fault aimed at a moment of psguard's persister (a compaction, a gc) at different steps (TF has no such
+    moment: its fault fires at its step), and what a restore loses is the distance to the newest save before the
+    fault. TF's saves are those its run had acknowledged (``durable_lag.committed_steps``): its cadence as it ran."""
+    lost = int(tf["lost_steps"])
+    saves = (baseline.get("durable_lag") or {}).get("committed_steps")
+    if ours.get("restored_step") is None or not saves:
+        return lost
+    struck = int(ours["restored_step"]) + int(ours["lost_steps"])  # the step psguard's run had reached
+    newest = max((s for s in saves if s <= struck), default=0)
+    return max(lost, struck - newest)
+
+
 def not_worse_than_tf(
     ours: Mapping[str, Any], baseline: Mapping[str, Any], *, chunk: int, goodput_tolerance: float
 ) -> Verdict:
     """psguard's run against plain TF's on the same case (``report.json`` of each; see the module doc).
 
-    Per fault: where TF restored from its checkpoint, psguard lost at most TF's steps plus a chunk; where TF
+    Per fault: where TF restored from its checkpoint, psguard lost at most TF's steps (or what TF's saves would
+    have lost at the step psguard's fault struck, :func:`_tf_could_lose`) plus a chunk; where TF
     restored nothing (it waited the fault out: a pause), psguard was back at normal speed at most
     :data:`WAITED_OUT_SLACK` seconds after TF (its lost steps are part of that time). A fault psguard never
     recovered from while TF did is invalid; one TF never recovered from is psguard's to win. A fault that met a
@@ -350,7 +365,7 @@ def not_worse_than_tf(
             # psguard trained through the outage (its memory tier kept those steps restorable) where TF's saves
             # failed and it stood still: the steps this fault cost are steps TF never made. Goodput judges it.
             row["judged_by"] = "goodput: psguard trained through a store outage that stopped plain TF"
-        elif f["lost_steps"] > tf["lost_steps"] + chunk:
+        elif f["lost_steps"] > _tf_could_lose(f, tf, baseline) + chunk:
             worse.append({**row, "why": f"lost more steps than plain TF (+{chunk} for the fault's moment)"})
     ours_rate = (ours.get("goodput") or {}).get("steps_per_second")
     tf_rate = (baseline.get("goodput") or {}).get("steps_per_second")

@@ -26,7 +26,9 @@ def durable_lag(ops: Sequence[Op]) -> dict[str, Any]:
 
     Per durable save committed: seconds from its capture's start to its commit, and steps training had completed
     past it by then. ``hold_seconds``: what the trainers' saves waited for the durable log in all (the default
-    ``durable_lag`` holds each durable save until committed: lag in steps 0, lag in seconds the write's time)."""
+    ``durable_lag`` holds each durable save until committed: lag in steps 0, lag in seconds the write's time).
+    ``committed_steps``: the steps of the durable commits acknowledged (explore asks what plain TF's saver would
+    have lost at another step)."""
     captures: dict[tuple[str, int], Op] = {}
     for o in ops:
         if o.f == "capture" and o.process.startswith("trainer") and "durable" in o.invoke.value.get("tiers", []):
@@ -45,8 +47,10 @@ def durable_lag(ops: Sequence[Op]) -> dict[str, Any]:
         done = [step for end, step in trained if end <= c.end and end >= capture.start]
         steps.append(max(0, max(done, default=asked) - asked))
     holds = [float(o.value.get("hold") or 0.0) for o in ops if o.f == "capture" and o.type == "ok"]
+    committed = {int(c.value["step"]) for c in ops if c.f == "durable-commit" and c.type == "ok" and "step" in c.value}
     return {
         "commits": len(seconds),
+        "committed_steps": sorted(committed),  # what the trainers heard durable: the saver's cadence as it ran
         "max_seconds": round(max(seconds), 3) if seconds else None,
         "mean_seconds": round(sum(seconds) / len(seconds), 3) if seconds else None,
         "max_steps": max(steps) if steps else None,

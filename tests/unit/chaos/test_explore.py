@@ -248,6 +248,21 @@ def test_faults_pair_by_target_in_order_whatever_step_each_run_saw_them_at() -> 
     assert verdict.status == "invalid" and verdict.evidence["worse"][0]["fault"] == "kill ps:0 at step 70"
 
 
+def test_a_fault_struck_at_another_step_is_held_to_what_tfs_saves_would_have_lost_there() -> None:
+    """Explore seed 23 case 9: a chief node loss aimed at a compaction struck psguard's run at step 245 (its
+    durable commits: 220, 250) and lost 25; plain TF has no compaction, its fault struck at 170 and lost 10. TF's
+    saves (220, 250) would have lost the same 25 at 245: psguard was judged worse by the moment, not the saver."""
+    ours = _report([25], 10.0, at=[245], targets=["chief"])
+    theirs = {**_report([10], 10.0, at=[170], targets=["chief"]),
+              "durable_lag": {"committed_steps": [0, 30, 160, 190, 220, 250, 280]}}  # fmt: skip
+    assert not_worse_than_tf(ours, theirs, chunk=5, goodput_tolerance=0.1).status == "valid"
+    theirs["durable_lag"]["committed_steps"] = [0, 30, 160, 190, 240, 270]  # TF would have lost 5 at 245
+    worse = not_worse_than_tf(ours, theirs, chunk=5, goodput_tolerance=0.1)
+    assert worse.status == "invalid" and "lost more steps" in worse.summary
+    older = {k: v for k, v in theirs.items() if k != "durable_lag"}  # a report without the list: TF's own loss
+    assert not_worse_than_tf(ours, older, chunk=5, goodput_tolerance=0.1).status == "invalid"
+
+
 def test_a_fault_tf_waited_out_is_judged_by_the_time_it_cost() -> None:
     """A pause: TF restores nothing and loses no step, only the pause's time; psguard's agents replace the frozen
     PS and restore it, losing a few steps in about the same time. Judged by the time to normal speed."""
