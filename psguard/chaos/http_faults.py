@@ -120,7 +120,8 @@ class HttpErrorProxy:
                     self.send_header("Content-Type", content_type)
                     self.send_header("Content-Length", str(len(doc)))
                     self.end_headers()
-                    self.wfile.write(doc)
+                    if self.command != "HEAD":  # a HEAD's error has no body: the client reads the next answer next
+                        self.wfile.write(doc)
                     return
                 conn = http.client.HTTPConnection(*proxy._upstream, timeout=60)
                 try:
