@@ -150,8 +150,8 @@ class DurableWriter:
         parts: Callable[[str | None], Any] | None = None,
     ) -> CheckpointInfo:
         """Commit ``updates`` whole or as a delta over the last commit. The caller acknowledges the commit, then
-        calls :meth:`tidy`: compaction and retention (a gc that verifies what it keeps) stay off the path a held
-        trainer waits on.
+        calls :meth:`tidy`: the commit's journal entry, compaction and retention (a gc that verifies what it keeps)
+        stay off the path a held trainer waits on.
 
         ``parts``: called inside the open transaction with the checkpoint to dedup against, it returns the PS agents'
         part entries. ``payload_bytes``: the delta's logical bytes, for the rule. ``ParentMissingError`` when a delta
@@ -168,7 +168,9 @@ class DurableWriter:
             try:
                 if parts is not None:
                     with self.store.begin_save(step, parent=parent, dedup_against=dedup) as tx:
-                        info = tx.commit(updates, parts=parts(dedup), metadata=metadata, metrics=metrics)
+                        info = tx.commit(
+                            updates, parts=lambda: parts(dedup), metadata=metadata, metrics=metrics, journal=False
+                        )
                 else:
                     info = self.store.save(
                         step,
@@ -177,6 +179,7 @@ class DurableWriter:
                         metadata=metadata,
                         metrics=metrics,
                         dedup_against=dedup if whole else None,
+                        journal=False,
                     )
             except ParentMissingError:
                 log.warning(
@@ -190,11 +193,13 @@ class DurableWriter:
             return info
 
     def tidy(self, info: CheckpointInfo, *, new_base: bool = False) -> None:
-        """After the commit ``info`` (the last :meth:`save`): for a compacting writer, a new base in storage when
-        ``new_base`` or the rule asks; then the retention. Never raises: the commit is acknowledged already, and
-        what tidying leaves undone the next commit's tidy (or a gc) does."""
+        """After the commit ``info`` (the last :meth:`save`): its journal entry (best effort, as ever: the manifest
+        is the commit); for a compacting writer, a new base in storage when ``new_base`` or the rule asks; then the
+        retention. Never raises: the commit is acknowledged already, and what tidying leaves undone the next
+        commit's tidy (or a gc) does."""
         with self._saving:
             try:
+                self.store.append_journal(info)
                 if info.kind == "delta" and self.compact and (new_base or self.base_rule(self.state, info.step)):
                     try:
                         compacted = self.store.compact(info.id)

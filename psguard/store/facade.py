@@ -159,6 +159,7 @@ class Store:
     write_part = _routed(lambda store: store._writer, Writer.write_part)
 
     journal = _routed(lambda store: store._writer.journal, Journal.entries)
+    append_journal = _routed(lambda store: store._writer.journal, Journal.append)
 
     # ----------------------------------------------------------------------------------------------- gc
     retain = _routed(lambda store: store._collector(), Collector.retain)

@@ -8,13 +8,14 @@ chunks it wrote or reuses; the lease is confirmed right before the manifest is w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import socket
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any
@@ -34,7 +35,7 @@ from psguard.errors import (
 )
 from psguard.store.chunks import ChunkWriter, wait_all
 from psguard.store.index import CheckpointInfo, Index, IndexJob
-from psguard.store.lease import Lease, LeaseKeeper, LeaseLostError, acquire_writer_lease
+from psguard.store.lease import REFRESH_EVERY, Lease, LeaseKeeper, LeaseLostError, acquire_writer_lease
 from psguard.store.manifest import (
     JOURNAL_PREFIX,
     ChunkRef,
@@ -56,7 +57,9 @@ log = logging.getLogger(__name__)
 #: The keys a part carries from :meth:`Store.write_part` to the commit that the manifest's part does not keep.
 PART_TRANSPORT_KEYS = ("dtype", "shape", "stats")
 _STAT_KEYS = ("bytes_written", "chunks_written", "bytes_deduplicated", "chunks_deduplicated")
-_NO_PARTS: Mapping[str, Sequence[Mapping[str, Any]]] = MappingProxyType({})
+#: Tensor name -> the parts :meth:`Writer.write_part` returned for it (one per PS agent's shard range).
+Parts = Mapping[str, Sequence[Mapping[str, Any]]]
+_NO_PARTS: Parts = MappingProxyType({})
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> None:
@@ -96,13 +99,15 @@ class Writer(IndexJob):
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
         dedup_against: str | None = None,
+        journal: bool = True,
     ) -> CheckpointInfo:
         """Write a checkpoint and commit it: full when ``parent`` is None, else a delta over ``parent``. Chunks of
         ``parent``'s (or ``dedup_against``'s) chain are not uploaded again. One :meth:`begin_save` transaction; on any
-        failure (:class:`SaveError`, cause chained) no checkpoint became visible."""
+        failure (:class:`SaveError`, cause chained) no checkpoint became visible. ``journal``: as in
+        :meth:`SaveTransaction.commit`."""
         check_metadata(metadata)  # before any lease: bad input costs no storage round trip
         with self.begin_save(step, parent=parent, dedup_against=dedup_against) as tx:
-            return tx.commit(tensors, metadata=metadata, metrics=metrics)
+            return tx.commit(tensors, metadata=metadata, metrics=metrics, journal=journal)
 
     def begin_save(self, step: int, *, parent: str | None = None, dedup_against: str | None = None) -> SaveTransaction:
         """Open the transaction of one checkpoint: its id and writer lease now, its manifest at
@@ -248,8 +253,8 @@ class Journal(IndexJob):
         self.index = index
         self._seq = -1  # the last sequence number this writer took (or saw taken)
 
-    def append(self, m: Manifest) -> None:
-        """Record the commit in order. Best effort: the manifest already is the commit."""
+    def append(self, m: Manifest | CheckpointInfo) -> None:
+        """Record the commit ``m`` in order. Best effort: the manifest already is the commit."""
         entry = json.dumps(
             {"id": m.id, "step": m.step, "kind": m.kind, "parent": m.parent, "committed_at": m.committed_at}
         ).encode()
@@ -335,14 +340,20 @@ class SaveTransaction:
         self,
         tensors: Mapping[str, TensorUpdate | FullStream | np.ndarray],
         *,
-        parts: Mapping[str, Sequence[Mapping[str, Any]]] = _NO_PARTS,
+        parts: Parts | Callable[[], Parts] = _NO_PARTS,
         metadata: Mapping[str, Any] | None = None,
         metrics: Mapping[str, float] | None = None,
+        journal: bool = True,
     ) -> CheckpointInfo:
         """Encode ``tensors`` and commit the manifest with them and with ``parts`` (tensor name -> the parts
         :meth:`Store.write_part` returned). Parts are validated as a reader validates a manifest and every chunk they
         name must be stored with its size; the lease is confirmed right before the create-only manifest write. Any
-        failure commits nothing; the transaction is over either way."""
+        failure commits nothing; the transaction is over either way.
+
+        ``parts`` may be a call that has the PS agents write their parts and returns them: it is made once this
+        writer's own chunks are on their way, so the two uploads overlap (each is a round of writes, half a
+        second on HDFS) instead of following one another. ``journal=False`` leaves the commit's journal entry to the
+        caller (:meth:`Journal.append`, after it acknowledged the commit: one write less on the acknowledged path)."""
         if not self._open:
             raise ConfigError(f"checkpoint {self.checkpoint_id}: the transaction was already committed or aborted")
         try:
@@ -354,7 +365,8 @@ class SaveTransaction:
         finally:
             self.abort()
         self.writer.index.remember(manifest)
-        self.writer.journal.append(manifest)
+        if journal:
+            self.writer.journal.append(manifest)
         log.info(
             "committed checkpoint %s step=%d kind=%s tensors=%d written=%d bytes",
             manifest.id,
@@ -368,27 +380,32 @@ class SaveTransaction:
     def _commit(
         self,
         tensors: Mapping[str, TensorUpdate | FullStream | np.ndarray],
-        parts: Mapping[str, Sequence[Mapping[str, Any]]],
+        parts: Parts | Callable[[], Parts],
         metadata_in: Mapping[str, Any] | None,
         metrics_in: Mapping[str, float] | None,
     ) -> Manifest:
         owner, cid, step, parent, parent_m = self.writer, self.checkpoint_id, self.step, self.parent, self._parent_m
         check_metadata(metadata_in)
-        both = sorted(set(tensors) & set(parts))
-        if both:
-            raise ConfigError(f"tensor(s) given both whole and in parts: {both[:10]}")
-        sharded, part_stats = self._sharded_entries(parts)
-        self._check_chunks_present(sharded)
+        if not callable(parts):  # given: refused before anything is uploaded
+            sharded, part_stats = self._checked_parts(tensors, parts)
         writer = ChunkWriter(owner.backend, owner.pool, inflight_bytes=owner.inflight_bytes, known=self._known)
         pending: dict[str, tuple[str, tuple[int, ...], PartEncoding, list[Future[Any]]]] = {}
-        logical = sum(logical_nbytes(e.dtype, e.shape) for e in sharded.values())
-        for name, update in tensors.items():
-            if isinstance(update, np.ndarray):
-                update = Full(update)
-            dtype, shape, enc, futs = owner.encode(name, update, parent_m, writer)
-            pending[name] = (dtype, shape, enc, futs)
-            logical += logical_nbytes(dtype, shape) if dtype != STRING else 0
-            del update
+        logical = 0
+        try:
+            for name, update in tensors.items():
+                if isinstance(update, np.ndarray):
+                    update = Full(update)
+                dtype, shape, enc, futs = owner.encode(name, update, parent_m, writer)
+                pending[name] = (dtype, shape, enc, futs)
+                logical += logical_nbytes(dtype, shape) if dtype != STRING else 0
+                del update
+            if callable(parts):  # the agents write theirs while ours upload
+                sharded, part_stats = self._checked_parts(tensors, parts())
+        except BaseException:
+            with contextlib.suppress(Exception):
+                writer.wait()  # nothing of this transaction still writing once it is over
+            raise
+        logical += sum(logical_nbytes(e.dtype, e.shape) for e in sharded.values())
         if parent_m is not None:
             absent = sorted(set(parent_m.tensors) - set(pending) - set(sharded))
             if absent:
@@ -416,7 +433,9 @@ class SaveTransaction:
             writer=owner.name,
         )
         try:
-            self._keeper.confirm()  # the lease still ours, just refreshed: gc cannot have taken our chunks
+            # The lease still ours and fresh (written within a fifth of its TTL, else rewritten now): gc cannot
+            # have taken our chunks, and cannot before the manifest is written.
+            self._keeper.confirm(fresh=self._lease.ttl * REFRESH_EVERY)
         except LeaseLostError as e:
             raise SaveError(
                 f"step {step}: the save's lock lease on {owner.url} was lost while it ran ({e}); gc may have "
@@ -425,9 +444,16 @@ class SaveTransaction:
         owner.backend.put_new(manifest_key(cid), manifest.to_bytes())  # the commit
         return manifest
 
-    def _sharded_entries(
-        self, parts: Mapping[str, Sequence[Mapping[str, Any]]]
-    ) -> tuple[dict[str, TensorEntry], dict[str, int]]:
+    def _checked_parts(self, tensors: Mapping[str, Any], parts: Parts) -> tuple[dict[str, TensorEntry], dict[str, int]]:
+        """The parts' entries, validated, with every chunk they name checked present; and their statistics."""
+        both = sorted(set(tensors) & set(parts))
+        if both:
+            raise ConfigError(f"tensor(s) given both whole and in parts: {both[:10]}")
+        sharded, stats = self._sharded_entries(parts)
+        self._check_chunks_present(sharded)
+        return sharded, stats
+
+    def _sharded_entries(self, parts: Parts) -> tuple[dict[str, TensorEntry], dict[str, int]]:
         """The sharded entries the parts make, validated as a reader would (before any chunk is checked or a
         tensor uploaded); and the write statistics the PS agents reported."""
         entries: dict[str, TensorEntry] = {}

@@ -74,19 +74,20 @@ def writer(store: Store, **kwargs: Any) -> DurableWriter:
 
 
 def commit(session: Session, dw: DurableWriter, step: int, *, whole: bool, keep_last: int | None = None) -> None:
-    """One acknowledged save: the invoke, the commit (and whatever the writer does after it), the ok."""
-    extra = {"keep_last": keep_last} if keep_last is not None else {}
-    session.invoke("save", steps=[step], new=2 if dw.compact else 1, **extra)
+    """One save as the agents and the trainer make it: the commit, acknowledged; then the writer's tidying (the
+    commit's journal entry, compaction, retention) as the next operation."""
+    session.invoke("save", steps=[step], new=1)
     seed = session.run.seed
     updates: dict[str, TensorUpdate] = (
         {n: Full(v) for n, v in state(seed, step).items()} if whole else delta(seed, step)
     )
     info = dw.save(step, updates, whole=whole)
+    session.ok("save", commits=[[info.id, info.step]])
+    extra = {"keep_last": keep_last} if keep_last is not None else {}
+    session.invoke("tidy", steps=[step], new=1 if dw.compact else 0, journal=info.id, **extra)
     dw.tidy(info)
-    made = [[info.id, info.step]]
-    if dw.last is not None and dw.last.id != info.id:
-        made.append([dw.last.id, dw.last.step])  # compacted after it
-    session.ok("save", commits=made)
+    made = [[dw.last.id, dw.last.step]] if dw.last is not None and dw.last.id != info.id else []  # compacted
+    session.ok("tidy", commits=made)
 
 
 # ------------------------------------------------------------------------------------------------ workloads

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from psguard.store.lease import GC_LOCK, Lease, read_lease
 from psguard.store.manifest import CHUNK_PREFIX, LOCK_PREFIX
 from tests.support.paths import ROOT
 from tests.support.processes import wait_until
-from tests.support.storage_targets import Target, make_target
+from tests.support.storage_targets import Delegating, Target, make_target
 
 TTL = 1.0  # local disk; an S3 round trip on a loaded 2-core test machine can take a good part of a second
 S3_TTL = 8.0  # an S3 round trip on SeaweedFS under a full CI run took up to ~2 s: lost-after (0.6 TTL) must exceed it
@@ -325,3 +325,53 @@ def test_a_store_refuses_a_lock_ttl_it_would_not_honour(tmp_path: Path) -> None:
     for bad in (0.0, -1.0, float("nan"), float("inf"), lease_module.MAX_TTL * 2):
         with pytest.raises(ConfigError, match="lock_ttl"):
             Store.open(str(tmp_path / "store"), lock_ttl=bad)
+
+
+class LeaseCalls(Delegating):
+    """Records the writer-lease and manifest calls in order; ``before_manifest`` runs as the manifest write begins."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.calls: list[str] = []
+        self.before_manifest: Callable[[], None] = lambda: None
+
+    def get(self, key: str) -> bytes:
+        if "writer-" in key:
+            self.calls.append("get lease")
+        return super().get(key)
+
+    def put(self, key: str, data: Buffer) -> None:
+        if "writer-" in key:
+            self.calls.append("put lease")
+        super().put(key, data)
+
+    def put_new(self, key: str, data: Buffer) -> None:
+        if key.startswith("manifests/"):
+            self.calls.append("manifest")
+            self.before_manifest()
+        super().put_new(key, data)
+
+
+def test_a_commit_reads_a_fresh_lease_back_rewrites_an_older_one_and_fails_on_a_lost_one(tmp_path: Path) -> None:
+    """The check right before the manifest: a lease the storage wrote within a fifth of its TTL is read back,
+    not rewritten (a write is half a second on HDFS); an older one is rewritten; a lease taken over by a judge
+    that found it stale fails the save, and nothing is committed."""
+    backend = LeaseCalls(open_backend(str(tmp_path / "store")))
+    with Store(backend, lock_ttl=600.0) as store:
+        tx = store.begin_save(1)
+        tx.commit({"w": np.ones(100, np.float32)})
+        assert backend.calls[:3] == ["put lease", "get lease", "manifest"], backend.calls
+
+        backend.calls.clear()
+        tx = store.begin_save(2)
+        tx._lease.refreshed -= 600.0 * 0.3  # last written 3 minutes ago: past a fifth of the TTL
+        tx.commit({"w": np.ones(100, np.float32)})
+        assert backend.calls[:4] == ["put lease", "get lease", "put lease", "manifest"], backend.calls
+
+        tx = store.begin_save(3)
+        theirs = Lease(store.backend, tx._lease.key, 600.0)
+        store.backend.put(tx._lease.key, json.dumps(theirs.payload).encode())  # judged stale and taken meanwhile
+        backend.before_manifest = lambda: pytest.fail("a save whose lease was taken wrote its manifest")
+        with pytest.raises(PsguardError, match=r"lease .* was taken by"):
+            tx.commit({"w": np.ones(100, np.float32)})
+        assert [c.step for c in store.checkpoints()] == [1, 2]

@@ -32,8 +32,8 @@ def test_a_stores_requests_count_once_the_session_begins_and_the_history_says_wh
             info = store.save(2, {"t": np.ones(4, np.float32)})
             session.ok("save", commits=[[info.id, 2]])
         kinds = [c.split(" ", 1)[0] for c in plan.calls]
-        assert kinds == ["put", "put", "put", "put_new", "delete", "put_new"]  # lease, chunk, lease, commit, ...
-        assert plan.calls[3] == f"put_new manifests/{info.id}.json"
+        assert kinds == ["put", "put", "put_new", "delete", "put_new"]  # lease, chunk, commit, lease gone, journal
+        assert plan.calls[2] == f"put_new manifests/{info.id}.json"
         (op,) = read_ops(run.history)
         assert op.done and op.f == "save" and op.invoked == {"steps": [2], "new": 1}
         assert op.value == {"steps": [2], "new": 1, "commits": [[info.id, 2]]}

@@ -23,19 +23,43 @@ def run(tmp_path: Path) -> Run:
     return Run(tmp_path, str(tmp_path / "store"), "local")
 
 
-def two_commits(run: Run, *, ack_second: bool = True, invoke_second: bool = True) -> tuple[str, str]:
-    """Steps 1 (whole) and 2 (a delta) committed; the history acknowledges the first, and the second as told."""
+def two_commits(
+    run: Run, *, ack_second: bool = True, invoke_second: bool = True, tidy_second: bool = True
+) -> tuple[str, str]:
+    """Steps 1 (whole) and 2 (a delta) committed; the history acknowledges the first, and the second as told; an
+    acknowledged commit is tidied after (its journal entry), the second's tidying left in flight unless told."""
     with Store.open(run.url, chunk_bytes=CHUNK_BYTES) as store, History(run.history) as history:
         dw = writer(store)
         history.append("invoke", "save", {"steps": [1], "new": 1})
-        first = dw.save(1, {n: Full(v) for n, v in state(run.seed, 1).items()}, whole=True).id
-        history.append("ok", "save", {"commits": [[first, 1]]})
+        info = dw.save(1, {n: Full(v) for n, v in state(run.seed, 1).items()}, whole=True)
+        history.append("ok", "save", {"commits": [[info.id, 1]]})
+        history.append("invoke", "tidy", {"steps": [1], "new": 0, "journal": info.id})
+        dw.tidy(info)
+        history.append("ok", "tidy", {"commits": []})
+        first = info.id
         if invoke_second:
             history.append("invoke", "save", {"steps": [2], "new": 1})
-        second = dw.save(2, delta(run.seed, 2), whole=False).id
+        info = dw.save(2, delta(run.seed, 2), whole=False)
         if ack_second:
-            history.append("ok", "save", {"commits": [[second, 2]]})
-    return first, second
+            history.append("ok", "save", {"commits": [[info.id, 2]]})
+            history.append("invoke", "tidy", {"steps": [2], "new": 0, "journal": info.id})
+            if tidy_second:
+                dw.tidy(info)
+                history.append("ok", "tidy", {"commits": []})
+    return first, info.id
+
+
+def test_an_acknowledged_commit_has_its_journal_entry_unless_its_tidying_was_in_flight(run: Run) -> None:
+    """The durable writer journals a commit after acknowledging it: a crash in between leaves no entry, and only
+    then may an acknowledged commit lack one."""
+    _, second = two_commits(run, tidy_second=False)
+    assert check_store(run) == []  # its tidying in flight: no entry yet is right
+    with Store.open(run.url) as store:
+        store.append_journal(store.manifest(second))
+        (first_entry, *_) = store.backend.keys("journal/")
+        store.backend.delete(first_entry)
+    problems = check_store(run)
+    assert any(p.startswith("acknowledged checkpoint ") and p.endswith("has no journal entry") for p in problems)
 
 
 def test_exactly_the_acknowledged_commits_pass_and_the_next_gc_and_save_go_ahead(run: Run) -> None:
