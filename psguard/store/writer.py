@@ -454,8 +454,8 @@ class SaveTransaction:
         return sharded, stats
 
     def _sharded_entries(self, parts: Parts) -> tuple[dict[str, TensorEntry], dict[str, int]]:
-        """The sharded entries the parts make, validated as a reader would (before any chunk is checked or a
-        tensor uploaded); and the write statistics the PS agents reported."""
+        """The sharded entries the parts make, validated as a reader would (before any of their chunks is checked;
+        given parts, also before this writer uploads a tensor); and the write statistics the PS agents reported."""
         entries: dict[str, TensorEntry] = {}
         stats = dict.fromkeys(_STAT_KEYS, 0)
         for name, plist in parts.items():
