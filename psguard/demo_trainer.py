@@ -108,31 +108,32 @@ class SaveAcks:
         self._count = 0
         self.acked: int | None = None  # the newest step this generation saw durable
 
-    def begin(self, step: int) -> str:
-        """Record the ``durable-commit`` invoke of the save of ``step``, before the save is handed off: under the
-        default ``durable_lag`` the save returns once committed, and the commit is in flight while it waits."""
+    def begin(self, step: int, tier: str = "durable") -> str:
+        """Record the ``durable-commit`` (``tier="memory"``: ``memory-commit``) invoke of the save of ``step``,
+        before the save is handed off: the commit is in flight from then on. The memory tier may apply (and
+        answer) a capture while :meth:`CheckpointManager.save` still waits (the policy's ``durable_lag``), so an
+        invoke recorded after ``save`` returned put a commit made before a node loss after it (explore seed 25
+        case 7: a PS node lost 0.08 s before the trainer saw the answer its agents had given before)."""
+        f = f"{tier}-commit"
         with self._lock:
             self._count += 1
-            process = f"{self._progress.process}/durable-{self._count}"
-            self._progress.op("invoke", "durable-commit", process=process, step=step)  # before any completion
+            process = f"{self._progress.process}/{tier}-{self._count}"
+            self._progress.op("invoke", f, process=process, step=step)  # before any completion
             return process
 
-    def unknown(self, process: str, step: int, error: str) -> None:
+    def unknown(self, process: str, step: int, error: str, tier: str = "durable") -> None:
         """The save failed after its hand-off may have begun: its commit's outcome is unknown."""
-        self._progress.op("info", "durable-commit", process=process, step=step, asked=step, error=error)
+        extra = {"asked": step} if tier == "durable" else {}
+        self._progress.op("info", f"{tier}-commit", process=process, step=step, error=error, **extra)
 
     def add(self, step: int, handle: Any, process: str) -> None:
         """Await the answer of the save of ``step`` (its invoke recorded by :meth:`begin`) off this thread."""
         self._thread(self._await, (self._generation, process, step, handle), f"durable-ack-{step}")
 
-    def memory(self, step: int, handle: Any) -> None:
-        """Record the ``memory-commit`` invoke of the save of ``step`` and await its answer off this thread. A
-        refused or late one is recorded and training goes on, as a user's job does (it does not ask): the PS or
-        node behind it fails the next step, and that is the recovery the history should show."""
-        with self._lock:
-            self._count += 1
-            process = f"{self._progress.process}/memory-{self._count}"
-            self._progress.op("invoke", "memory-commit", process=process, step=step)
+    def memory(self, step: int, handle: Any, process: str) -> None:
+        """Await the memory tier's answer of the save of ``step`` (its invoke recorded by :meth:`begin`) off this
+        thread. A refused or late one is recorded and training goes on, as a user's job does (it does not ask):
+        the PS or node behind it fails the next step, and that is the recovery the history should show."""
         self._thread(self._await_memory, (process, step, handle), f"memory-ack-{step}")
 
     def _thread(self, target: Any, args: tuple[Any, ...], name: str) -> None:
@@ -462,11 +463,13 @@ class DemoTrainer:
         # The digest goes with the invoke: a trainer killed inside the save leaves a capture its agent may hold
         # (and restore), and the history must still say what that capture was.
         progress.op("invoke", "capture", step=step, tiers=named, **taken)
+        memory = self.acks.begin(step, "memory")
         commit = self.acks.begin(step) if durable else None
         try:
             handle = job.manager.save(step, tiers=tiers)
         except Exception as e:  # it may have reached the agent's memory tier before the failure: unknown
             progress.op("info", "capture", step=step, error=error_line(e))
+            self.acks.unknown(memory, step, error_line(e), "memory")
             if commit is not None:
                 self.acks.unknown(commit, step, error_line(e))
             raise
@@ -475,7 +478,7 @@ class DemoTrainer:
             "ok", "capture", step=step, stall=handle.stall_seconds, hold=round(job.manager.last_hold_seconds, 4)
         )
         state.memory = step  # the cadence counts from the save, as a user's loop does
-        self.acks.memory(step, handle)
+        self.acks.memory(step, handle, memory)
         if commit is not None:
             state.durable, state.durable_at, state.durable_wall = step, time.monotonic(), time.time()
             self.acks.add(step, handle, commit)

@@ -76,7 +76,7 @@ def test_memory_answers_are_awaited_off_the_step_loop_each_its_own_operation(tmp
     acks = SaveAcks(progress, timeout=1.0)
     kept, refused, late = _MemoryHandle(), _MemoryHandle(SaveError("refused: ps:1 restarted")), _MemoryHandle()
     for step, handle in ((10, kept), (20, refused), (30, late)):
-        acks.memory(step, handle)  # returns at once: nothing has answered
+        acks.memory(step, handle, acks.begin(step, "memory"))  # returns at once: nothing has answered
     refused.answered.set()
     kept.answered.set()
     acks.join(30)  # the late one is recorded unknown at the timeout
@@ -173,3 +173,47 @@ def test_a_durable_cron_saves_whenever_one_of_its_times_came_since_the_last_dura
     assert cron_came(every_20s, since=1000.0, now=1020.0)
     assert cron_came(every_20s, since=1000.0, now=1100.0)  # several came: one save
     assert not cron_came(None, since=1000.0, now=5000.0)  # no cron: the steps alone
+
+
+class _Manager:
+    """A manager whose save sees what the history holds when the save is handed off, and whose memory tier
+    has already answered by the time ``save`` returns (it waited on the durable log meanwhile)."""
+
+    last_hold_seconds = 0.1
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.seen: list[tuple[str, str]] = []
+
+    def save(self, step: int, tiers: object) -> _MemoryHandle:
+        docs = [json.loads(line) for line in self.path.read_text().splitlines()]
+        self.seen = [(d["type"], d["f"]) for d in docs if d["event"] == "op"]
+        handle = _MemoryHandle()
+        handle.answered.set()
+        handle.stall_seconds = 0.01  # type: ignore[attr-defined]
+        return handle
+
+
+def test_a_saves_memory_commit_is_invoked_before_the_save_is_handed_off(tmp_path: Path) -> None:
+    """Explore seed 25 case 7: the memory tier applied step 235 on every PS agent, then a PS node was lost, then
+    ``save`` returned (it had waited on the durable log) and the harness recorded the memory commit's invoke
+    only then, after the loss: the checker took a commit made before the node loss for one made after it."""
+    from types import SimpleNamespace
+
+    from psguard.demo_trainer import Cadence, DemoTrainer
+
+    path = tmp_path / "progress.jsonl"
+    trainer = object.__new__(DemoTrainer)
+    trainer.args = SimpleNamespace(digest=False, durable_every=1000, durable_min_seconds=0.0, durable_cron=None)
+    trainer.progress = Progress(str(path), fsync=False)
+    trainer.state = Cadence(durable=0, durable_at=None)
+    trainer.acks = SaveAcks(trainer.progress, timeout=5)
+    manager = _Manager(path)
+    job = SimpleNamespace(model=None, optimizer=None, manager=manager)
+    trainer.save(job, 5)  # type: ignore[arg-type]
+    trainer.acks.join(5)
+    trainer.progress.close()
+    assert ("invoke", "memory-commit") in manager.seen  # in flight from the hand-off on
+    docs = [json.loads(line) for line in path.read_text().splitlines() if '"op"' in line]
+    assert [(d["type"], d["f"]) for d in docs if d["f"] == "memory-commit"] == [("invoke", "memory-commit"),
+                                                                              ("ok", "memory-commit")]  # fmt: skip
