@@ -408,14 +408,18 @@ class CheckpointManager(RestoreSide, _TFCheckpointManager):  # type: ignore[misc
                 )
             if self._save_counter is not None:
                 self._save_counter.assign_add(1)
+            stall = 0.0
             if coordinator is not None:
-                self.capturer.prepare()  # its chief-side work (a first trace: seconds) while the workers drain
+                # Its chief-side work (a trace: seconds, unless warmed) while the workers drain. Training waits
+                # for it as for the capture, so it counts in the stall (it overlaps the drain at most).
+                t0 = time.perf_counter()
+                self.capturer.prepare()
+                stall = time.perf_counter() - t0
                 coordinator.join()  # read the counters at the state the capture will see
             step = self._step_for(checkpoint_number)
             process_managers.note_step(self.directory, step)
             self._beat(step)
             full = self._sink.whole_next()
-            stall = 0.0
             self._saves += 1
             while True:
                 t0 = time.perf_counter()

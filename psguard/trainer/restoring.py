@@ -127,6 +127,7 @@ class RestoreSide:
             fn = init_fn if init_fn is not None else self._init_fn
             if fn is not None:
                 fn()
+            self.capturer.warm()  # the first save of a fresh job finds its capture traced, as after a restore
             return None
         if self._checkpoint_interval is not None:
             self._last_checkpoint_step = to_int(self._step_counter)
