@@ -132,7 +132,7 @@ class _Job:
         self, model: Any, optimizer: Any, trainer: Any, manager: Any, mirror: _Mirror | None, saved: int | None
     ) -> None:
         """Train to ``--steps``, saving on psguard's trainer's cadence: steps, and a time floor if set, or a cron's
-        time since the last save (or the start)."""
+        time since the last save began (or the start)."""
         from psguard.demo_trainer import cron_came, durable_cadence_due, timed_digest
 
         args, progress = self.args, self.progress
@@ -148,11 +148,12 @@ class _Job:
                             harness_seconds=round(seconds, 4))  # fmt: skip
                 progress.op("ok", "capture", step=step)
                 progress.op("invoke", "durable-commit", step=step)
+                began, began_wall = time.monotonic(), time.time()  # the cadence's floor counts from here
                 saved_path = manager.save(checkpoint_number=step)
                 if mirror is not None:
                     mirror.push(saved_path)
                 progress.op("ok", "durable-commit", step=step, id=saved_path)
-                saved, saved_at, saved_wall = step, time.monotonic(), time.time()
+                saved, saved_at, saved_wall = step, began, began_wall
             progress.op("invoke", "train", step=step, steps=args.chunk)
             trainer.train(args.chunk)
             self.step = int(model.step.numpy())
